@@ -1,0 +1,3 @@
+//! lowsync-cpu: the CPU backends.
+pub mod kernels;
+pub mod memory;

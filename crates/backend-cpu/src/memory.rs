@@ -1,0 +1,129 @@
+//! Host memory of the CPU backends: 64-byte aligned, zeroed buffers in a table keyed by
+//! [`BufferId`], and the bounds-checked address lookup kernels use.
+//!
+//! Why: `cpu` and `cpu-async` share kernels and buffer code but not buffers; each owns a
+//! [`Store`], so a `cpu-async` buffer is not addressable through `cpu` (cross-backend copies
+//! really happen).
+//!
+//! Invariant: a buffer's address never changes while it lives (`realloc` replaces it with a new
+//! one after the owning stream is idle).
+
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::collections::HashMap;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use lowsync_backend::{BufferId, Error, Result, TensorRef};
+use parking_lot::RwLock;
+
+/// Alignment of every host buffer.
+pub const ALIGNMENT: usize = 64;
+
+/// One zeroed, aligned allocation.
+pub struct HostBuffer {
+    ptr: NonNull<u8>,
+    size: usize,
+}
+
+// SAFETY: the buffer is plain memory; concurrent access is ordered by the owning stream.
+unsafe impl Send for HostBuffer {}
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    fn new(size: usize) -> Self {
+        let layout = Layout::from_size_align(size.max(ALIGNMENT), ALIGNMENT).expect("buffer layout");
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        HostBuffer { ptr, size }
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Start address.
+    pub fn ptr(&self) -> NonNull<u8> {
+        self.ptr
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        let layout = Layout::from_size_align(self.size.max(ALIGNMENT), ALIGNMENT).expect("buffer layout");
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { dealloc(self.ptr.as_ptr(), layout) }
+    }
+}
+
+/// The buffers of one backend.
+#[derive(Default)]
+pub struct Store {
+    owner: String,
+    bufs: RwLock<HashMap<BufferId, Arc<HostBuffer>>>,
+}
+
+impl Store {
+    /// An empty store for the backend called `owner` (used in error messages).
+    pub fn new(owner: &str) -> Self {
+        Store { owner: owner.to_string(), bufs: RwLock::new(HashMap::new()) }
+    }
+
+    /// Allocates a zeroed buffer.
+    pub fn alloc(&self, size: usize) -> BufferId {
+        let id = BufferId::fresh();
+        self.bufs.write().insert(id, Arc::new(HostBuffer::new(size)));
+        id
+    }
+
+    /// Replaces a buffer by a zeroed one of another size.
+    pub fn realloc(&self, id: BufferId, size: usize) -> Result<()> {
+        let mut bufs = self.bufs.write();
+        let slot = bufs.get_mut(&id).ok_or_else(|| self.unknown(id))?;
+        *slot = Arc::new(HostBuffer::new(size));
+        Ok(())
+    }
+
+    /// Frees a buffer (a no-op for unknown ids).
+    pub fn free(&self, id: BufferId) {
+        self.bufs.write().remove(&id);
+    }
+
+    /// The buffer behind `id`.
+    pub fn get(&self, id: BufferId) -> Result<Arc<HostBuffer>> {
+        self.bufs.read().get(&id).cloned().ok_or_else(|| self.unknown(id))
+    }
+
+    fn unknown(&self, id: BufferId) -> Error {
+        Error::UnknownBuffer(id.0, self.owner.clone())
+    }
+
+    /// Address of `len` bytes at `offset` of `id`, bounds-checked.
+    pub fn span(&self, id: BufferId, offset: usize, len: usize) -> Result<*mut u8> {
+        let b = self.get(id)?;
+        check_span(&b, id, offset, len)?;
+        // SAFETY: in bounds, checked above.
+        Ok(unsafe { b.ptr.as_ptr().add(offset) })
+    }
+}
+
+fn check_span(b: &HostBuffer, id: BufferId, offset: usize, len: usize) -> Result<()> {
+    if offset.checked_add(len).is_none_or(|end| end > b.size) {
+        return Err(Error::OutOfBounds { buffer: id.0, offset, len, size: b.size });
+    }
+    Ok(())
+}
+
+/// Resolves tensors to addresses for kernels.
+pub trait Mem {
+    /// Address of element `[0, .., 0]` of `t`, after checking that every element lies inside
+    /// its buffer.
+    fn ptr(&self, t: &TensorRef) -> Result<*mut u8>;
+}
+
+impl Mem for Store {
+    fn ptr(&self, t: &TensorRef) -> Result<*mut u8> {
+        self.span(t.buffer, t.byte_offset, t.byte_extent())
+    }
+}

@@ -1,0 +1,72 @@
+//! What a backend executes: compute nodes with every tensor resolved to a buffer and offset.
+
+use lowsync_graph::{DType, Op};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A buffer owned by one backend. Ids are unique across all backends of the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BufferId(pub u64);
+
+impl BufferId {
+    /// A fresh process-unique id.
+    pub fn fresh() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        BufferId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// A tensor resolved to memory: element `[0, .., 0]` sits at `byte_offset` of `buffer`, and the
+/// element at index `i` at `byte_offset + sum(i_k * strides[k]) * dtype.size_bytes()`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorRef {
+    pub buffer: BufferId,
+    pub byte_offset: usize,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    /// Strides in elements.
+    pub strides: Vec<usize>,
+}
+
+impl TensorRef {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Bytes from `byte_offset` to one past the furthest element (0 when empty).
+    pub fn byte_extent(&self) -> usize {
+        if self.numel() == 0 {
+            return 0;
+        }
+        let last: usize = self.shape.iter().zip(&self.strides).map(|(&d, &s)| (d - 1) * s).sum();
+        (last + 1) * self.dtype.size_bytes()
+    }
+
+    /// Whether the elements are packed row-major.
+    pub fn is_contiguous(&self) -> bool {
+        let mut want = 1usize;
+        for (&d, &s) in self.shape.iter().zip(&self.strides).rev() {
+            if d != 1 && s != want {
+                return false;
+            }
+            want *= d;
+        }
+        true
+    }
+}
+
+/// One kernel to run.
+#[derive(Clone, Debug)]
+pub struct ExecNode {
+    pub op: Op,
+    /// A name for error messages (the tensor's name, or `op#index`).
+    pub name: String,
+    pub dst: TensorRef,
+    pub srcs: Vec<TensorRef>,
+}
+
+/// The compute nodes of one split, in execution order (views removed: they run no kernel).
+#[derive(Clone, Debug, Default)]
+pub struct ExecGraph {
+    pub nodes: Vec<ExecNode>,
+}

@@ -1,0 +1,180 @@
+//! lowsync-backend: the Backend contract.
+//!
+//! Why: the scheduler must drive CPU, CUDA and Vulkan streams without knowing any of them. This
+//! crate is the only thing it knows about devices: a trait with required blocking primitives,
+//! optional asynchronous ones advertised by [`Caps`] (and never assumed), events, a test gate,
+//! and the [`SyncStats`] every backend fills from inside its own primitives.
+//!
+//! Strategy: a backend is a stream of work on one device. Required: name, kind, `supports_op`,
+//! buffers, blocking `set_tensor`/`get_tensor`, `graph_compute_async`, `synchronize`. Optional:
+//! `set_tensor_async` (pinned caller memory valid until the next synchronize),
+//! `set_tensor_async_staged` (bytes copied before return), `get_tensor_async`,
+//! `cpy_tensor_async`, events, the test gate. A default method returns `Unsupported` so a
+//! backend that lacks a capability needs no code for it.
+//!
+//! Invariants: counters are bumped only inside the backend's primitives; a `synchronize` with
+//! nothing outstanding on a backend with `sync_elision` makes no driver call (invariant 6).
+
+pub mod env;
+mod error;
+mod exec;
+pub mod interrupt;
+mod stats;
+
+use std::any::Any;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+pub use error::{Error, Result};
+pub use exec::{BufferId, ExecGraph, ExecNode, TensorRef};
+use lowsync_graph::{DType, Op};
+pub use stats::{bump, StatsSnapshot, SyncStats};
+
+/// Where a backend runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    Gpu,
+}
+
+/// What a buffer holds; backends may place usages in different memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BufferUsage {
+    Weights,
+    Compute,
+    Inputs,
+    Persistent,
+}
+
+/// A kind of memory. Two backends can use each other's buffers only when the types are equal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BufferType {
+    pub name: String,
+    pub alignment: usize,
+    /// The host can read the memory directly.
+    pub is_host: bool,
+}
+
+/// Optional capabilities. A scheduler must check them; a missing one means "use the stock
+/// fallback" (invariant 5).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Caps {
+    pub set_tensor_async: bool,
+    pub set_tensor_async_staged: bool,
+    pub get_tensor_async: bool,
+    pub cpy_tensor_async: bool,
+    pub events: bool,
+    pub sync_elision: bool,
+    pub graph_replay: bool,
+    pub test_gate: bool,
+}
+
+/// A point in a backend's stream. Recorded by [`Backend::event_record`], waited on by another
+/// stream with [`Backend::event_wait`] or by the host with [`Event::synchronize`].
+pub trait Event: Send + Sync {
+    /// Whether the work before the recording point has completed (never blocks).
+    fn is_complete(&self) -> bool;
+    /// Host wait until complete; counted on the owning backend.
+    fn synchronize(&self) -> Result<()>;
+    /// For backends that recognise their own events.
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// The test gate: work queued on the stream after [`Backend::gate_close`] waits until
+/// [`Gate::open`]. Used by ordering tests instead of sleeps.
+pub trait Gate: Send + Sync {
+    /// Lets the stream continue. Idempotent.
+    fn open(&self);
+}
+
+fn unsupported<T>(backend: &str, what: &str) -> Result<T> {
+    Err(Error::Unsupported { backend: backend.to_string(), what: what.to_string() })
+}
+
+/// A stream of work on one device (ARCHITECTURE §3).
+pub trait Backend: Send + Sync {
+    /// The registry name (`cpu`, `cpu-async`, `cuda:0`, ...).
+    fn name(&self) -> &str;
+    fn device_kind(&self) -> DeviceKind;
+    fn caps(&self) -> Caps;
+    fn buffer_type(&self) -> BufferType;
+    /// Whether the backend runs `op` with these destination and source dtypes.
+    fn supports_op(&self, op: &Op, dst: DType, srcs: &[DType]) -> bool;
+    /// The live counters.
+    fn stats(&self) -> &SyncStats;
+
+    /// Allocates `size` bytes (zeroed) of this backend's buffer type. Counts a reserve.
+    fn alloc_buffer(&self, size: usize, usage: BufferUsage) -> Result<BufferId>;
+    /// Grows or shrinks a buffer, contents lost. Counts a realloc. Waits for queued work first.
+    fn realloc_buffer(&self, id: BufferId, size: usize) -> Result<()>;
+    /// Frees a buffer after queued work that uses it completed.
+    fn free_buffer(&self, id: BufferId);
+    /// Size of a buffer.
+    fn buffer_size(&self, id: BufferId) -> Result<usize>;
+    /// Host address of a host buffer (`buffer_type().is_host`), for zero-copy reads by others.
+    fn buffer_host_ptr(&self, _id: BufferId) -> Option<NonNull<u8>> {
+        None
+    }
+
+    /// Blocking write, ordered after queued work (one host wait where the device is async).
+    fn set_tensor(&self, dst: BufferId, offset: usize, data: &[u8]) -> Result<()>;
+    /// Blocking read, ordered after queued work (one host wait where the device is async).
+    fn get_tensor(&self, src: BufferId, offset: usize, out: &mut [u8]) -> Result<()>;
+
+    /// Queues a write that reads `data` when it runs.
+    ///
+    /// # Safety
+    /// `data..data+len` must stay valid and unchanged until the next `synchronize` returns.
+    unsafe fn set_tensor_async(&self, _dst: BufferId, _offset: usize, _data: *const u8, _len: usize) -> Result<()> {
+        unsupported(self.name(), "set_tensor_async")
+    }
+    /// Copies `data` before returning and queues its write after all queued work (invariant 1).
+    fn set_tensor_async_staged(&self, _dst: BufferId, _offset: usize, _data: &[u8]) -> Result<()> {
+        unsupported(self.name(), "set_tensor_async_staged")
+    }
+    /// Queues a read into caller memory, valid after the next `synchronize`.
+    ///
+    /// # Safety
+    /// `out..out+len` must stay valid and untouched until the next `synchronize` returns.
+    unsafe fn get_tensor_async(&self, _src: BufferId, _offset: usize, _out: *mut u8, _len: usize) -> Result<()> {
+        unsupported(self.name(), "get_tensor_async")
+    }
+    /// Copies `len` bytes from `src_backend`'s buffer into this backend's, ordered after work
+    /// queued on the source, with this stream waiting for it. `Ok(false)`: not supported for
+    /// this pair, use the fallback (sync both, blocking copy).
+    fn cpy_tensor_async(
+        &self,
+        _src_backend: &dyn Backend,
+        _src: BufferId,
+        _src_offset: usize,
+        _dst: BufferId,
+        _dst_offset: usize,
+        _len: usize,
+    ) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Queues a graph. Errors of kernels that run later surface at the next wait.
+    fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()>;
+    /// Waits until all queued work completed (or returns at once if nothing is outstanding and
+    /// the backend elides syncs).
+    fn synchronize(&self) -> Result<()>;
+
+    /// A new event of this backend.
+    fn event_new(&self) -> Result<Arc<dyn Event>> {
+        unsupported(self.name(), "events")
+    }
+    /// Records `ev` at the current end of this stream.
+    fn event_record(&self, _ev: &Arc<dyn Event>) -> Result<()> {
+        unsupported(self.name(), "events")
+    }
+    /// Makes this stream wait (device side) until `ev` completes.
+    fn event_wait(&self, _ev: &Arc<dyn Event>) -> Result<()> {
+        unsupported(self.name(), "events")
+    }
+
+    /// Queues a closed gate: later work on this stream waits until it is opened.
+    fn gate_close(&self) -> Result<Arc<dyn Gate>> {
+        unsupported(self.name(), "the test gate")
+    }
+}

@@ -1,0 +1,574 @@
+//! The graph builder.
+//!
+//! Why: every backend and the scheduler read one IR, so shape and dtype mistakes must be caught
+//! once, here, when a node is built — with the op and the shapes in the message — and never
+//! reach a kernel.
+//!
+//! Strategy: tensors live in one arena in creation order, which is a topological order (a
+//! node's sources exist before it). Views record their root (the tensor that owns the memory)
+//! and a strided layout over it. Leaves are inputs (host-written per step), weights (data held
+//! here until a backend uploads it) and persistent tensors (state such as the KV cache).
+//!
+//! Invariants: node and leaf counts depend only on the calls made, never on data (S2); every
+//! layout of a view stays inside its root.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::layout::{broadcast_shapes, Layout};
+use crate::{DType, Op, RopeMode};
+
+/// Index of a tensor in its graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TensorId(pub u32);
+
+impl TensorId {
+    /// The arena index.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// One tensor of the graph.
+#[derive(Clone, Debug)]
+pub struct TensorInfo {
+    pub name: Option<String>,
+    pub dtype: DType,
+    pub layout: Layout,
+    pub op: Op,
+    pub srcs: Vec<TensorId>,
+    /// The tensor that owns the memory (itself unless `op.aliases_src()`).
+    pub root: TensorId,
+}
+
+impl TensorInfo {
+    /// Shape in numpy order.
+    pub fn shape(&self) -> &[usize] {
+        &self.layout.shape
+    }
+
+    /// Bytes the tensor's own storage needs (its root's layout extent).
+    pub fn nbytes(&self) -> usize {
+        self.layout.numel() * self.dtype.size_bytes()
+    }
+}
+
+/// Data of a weight and the backend the user pinned it to.
+#[derive(Clone, Debug)]
+pub struct WeightData {
+    pub bytes: Arc<[u8]>,
+    pub backend: Option<String>,
+}
+
+/// A compute graph under construction (and, once outputs are marked, ready to compile).
+#[derive(Clone, Debug, Default)]
+pub struct Graph {
+    tensors: Vec<TensorInfo>,
+    weights: Vec<(TensorId, WeightData)>,
+    outputs: Vec<(String, TensorId)>,
+    names: HashSet<String>,
+}
+
+fn shape_err(op: &'static str, msg: String) -> Error {
+    Error::Shape { op, msg }
+}
+
+fn dtype_err(op: &'static str, msg: String) -> Error {
+    Error::DType { op, msg }
+}
+
+impl Graph {
+    /// An empty graph.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// All tensors in topological (creation) order.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    /// One tensor.
+    pub fn tensor(&self, id: TensorId) -> &TensorInfo {
+        &self.tensors[id.index()]
+    }
+
+    /// Weights with their data.
+    pub fn weights(&self) -> &[(TensorId, WeightData)] {
+        &self.weights
+    }
+
+    /// Named outputs in the order they were marked.
+    pub fn outputs(&self) -> &[(String, TensorId)] {
+        &self.outputs
+    }
+
+    /// Leaves (inputs, weights, persistent tensors).
+    pub fn n_leafs(&self) -> usize {
+        self.tensors.iter().filter(|t| t.op.is_leaf()).count()
+    }
+
+    /// Non-leaf tensors, views included (as ggml counts them).
+    pub fn n_nodes(&self) -> usize {
+        self.tensors.len() - self.n_leafs()
+    }
+
+    /// Inputs, in creation order.
+    pub fn inputs(&self) -> impl Iterator<Item = (TensorId, &TensorInfo)> {
+        self.tensors
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.op == Op::Input)
+            .map(|(i, t)| (TensorId(i as u32), t))
+    }
+
+    fn check(&self, id: TensorId) -> Result<&TensorInfo> {
+        self.tensors.get(id.index()).ok_or(Error::BadTensor(id.0))
+    }
+
+    fn claim_name(&mut self, name: &str) -> Result<()> {
+        if !self.names.insert(name.to_string()) {
+            return Err(Error::DuplicateName(name.to_string()));
+        }
+        Ok(())
+    }
+
+    fn push(&mut self, mut info: TensorInfo) -> TensorId {
+        let id = TensorId(self.tensors.len() as u32);
+        if !info.op.aliases_src() {
+            info.root = id;
+        }
+        self.tensors.push(info);
+        id
+    }
+
+    fn push_new(&mut self, op: Op, srcs: Vec<TensorId>, dtype: DType, shape: &[usize]) -> TensorId {
+        self.push(TensorInfo {
+            name: None,
+            dtype,
+            layout: Layout::contiguous(shape),
+            op,
+            srcs,
+            root: TensorId(0),
+        })
+    }
+
+    fn leaf(&mut self, op: Op, name: &str, shape: &[usize], dtype: DType) -> Result<TensorId> {
+        self.claim_name(name)?;
+        Ok(self.push(TensorInfo {
+            name: Some(name.to_string()),
+            dtype,
+            layout: Layout::contiguous(shape),
+            op,
+            srcs: vec![],
+            root: TensorId(0),
+        }))
+    }
+
+    /// A tensor the host writes every step.
+    pub fn input(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<TensorId> {
+        self.leaf(Op::Input, name, shape, dtype)
+    }
+
+    /// A constant tensor, optionally pinned to a backend by name.
+    pub fn weight(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        bytes: Arc<[u8]>,
+        backend: Option<String>,
+    ) -> Result<TensorId> {
+        let want = shape.iter().product::<usize>() * dtype.size_bytes();
+        if bytes.len() != want {
+            return Err(Error::WeightSize {
+                name: name.to_string(),
+                shape: shape.to_vec(),
+                dtype,
+                got: bytes.len(),
+                want,
+            });
+        }
+        let id = self.leaf(Op::Weight, name, shape, dtype)?;
+        self.weights.push((id, WeightData { bytes, backend }));
+        Ok(id)
+    }
+
+    /// State kept across steps (zero-initialised), e.g. a KV cache written with `set_rows`.
+    pub fn persistent(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<TensorId> {
+        self.leaf(Op::Persistent, name, shape, dtype)
+    }
+
+    /// Marks a tensor as a named output the host can read after a step.
+    pub fn output(&mut self, name: &str, id: TensorId) -> Result<()> {
+        self.check(id)?;
+        self.claim_name(name)?;
+        self.outputs.push((name.to_string(), id));
+        Ok(())
+    }
+
+    /// Names a tensor (for debugging and error messages).
+    pub fn set_name(&mut self, id: TensorId, name: &str) -> Result<()> {
+        self.check(id)?;
+        self.tensors[id.index()].name = Some(name.to_string());
+        Ok(())
+    }
+
+    fn view(&mut self, src: TensorId, layout: Layout) -> TensorId {
+        let s = &self.tensors[src.index()];
+        let info = TensorInfo {
+            name: None,
+            dtype: s.dtype,
+            layout,
+            op: Op::View,
+            srcs: vec![src],
+            root: s.root,
+        };
+        self.push(info)
+    }
+
+    // ---- views -----------------------------------------------------------------------------
+
+    /// Same elements, another shape. The source must be contiguous.
+    pub fn reshape(&mut self, a: TensorId, shape: &[usize]) -> Result<TensorId> {
+        let t = self.check(a)?;
+        if shape.iter().product::<usize>() != t.layout.numel() {
+            return Err(shape_err(
+                "reshape",
+                format!("cannot reshape {:?} into {:?}: element counts differ", t.shape(), shape),
+            ));
+        }
+        if !t.layout.is_contiguous() {
+            return Err(shape_err(
+                "reshape",
+                format!("source of shape {:?} is not contiguous; use cont first", t.shape()),
+            ));
+        }
+        let mut layout = Layout::contiguous(shape);
+        layout.offset = t.layout.offset;
+        Ok(self.view(a, layout))
+    }
+
+    /// Reorders axes: result axis `i` is source axis `axes[i]`.
+    pub fn permute(&mut self, a: TensorId, axes: &[usize]) -> Result<TensorId> {
+        let t = self.check(a)?;
+        let n = t.shape().len();
+        let mut seen = vec![false; n];
+        if axes.len() != n || axes.iter().any(|&x| x >= n || std::mem::replace(&mut seen[x], true)) {
+            return Err(shape_err(
+                "permute",
+                format!("axes {axes:?} are not a permutation of the {n} axes of {:?}", t.shape()),
+            ));
+        }
+        let layout = Layout {
+            shape: axes.iter().map(|&i| t.layout.shape[i]).collect(),
+            strides: axes.iter().map(|&i| t.layout.strides[i]).collect(),
+            offset: t.layout.offset,
+        };
+        Ok(self.view(a, layout))
+    }
+
+    /// Swaps two axes.
+    pub fn transpose(&mut self, a: TensorId, ax0: usize, ax1: usize) -> Result<TensorId> {
+        let n = self.check(a)?.shape().len();
+        if ax0 >= n || ax1 >= n {
+            return Err(shape_err(
+                "transpose",
+                format!("axes ({ax0}, {ax1}) out of range for {n} axes"),
+            ));
+        }
+        let mut axes: Vec<usize> = (0..n).collect();
+        axes.swap(ax0, ax1);
+        self.permute(a, &axes)
+    }
+
+    /// `a[..., start:stop, ...]` along one axis.
+    pub fn slice(&mut self, a: TensorId, axis: usize, start: usize, stop: usize) -> Result<TensorId> {
+        let t = self.check(a)?;
+        if axis >= t.shape().len() || start > stop || stop > t.shape()[axis] {
+            return Err(shape_err(
+                "slice",
+                format!("slice {start}:{stop} of axis {axis} is out of range for {:?}", t.shape()),
+            ));
+        }
+        let mut layout = t.layout.clone();
+        layout.offset += start * layout.strides[axis];
+        layout.shape[axis] = stop - start;
+        Ok(self.view(a, layout))
+    }
+
+    // ---- compute ops -----------------------------------------------------------------------
+
+    fn float(&self, op: &'static str, id: TensorId, what: &str) -> Result<&TensorInfo> {
+        let t = self.check(id)?;
+        if !t.dtype.is_float() {
+            return Err(dtype_err(op, format!("{what} must be a float tensor, got {}", t.dtype)));
+        }
+        Ok(t)
+    }
+
+    fn int(&self, op: &'static str, id: TensorId, what: &str) -> Result<&TensorInfo> {
+        let t = self.check(id)?;
+        if t.dtype != DType::I32 {
+            return Err(dtype_err(op, format!("{what} must be i32, got {}", t.dtype)));
+        }
+        Ok(t)
+    }
+
+    /// Rows of `table [n, d]` at `ids` (i32, any shape): result `ids.shape + [d]`, f32.
+    pub fn get_rows(&mut self, table: TensorId, ids: TensorId) -> Result<TensorId> {
+        let t = self.float("get_rows", table, "table")?;
+        if t.shape().len() != 2 {
+            return Err(shape_err("get_rows", format!("table must be 2-D [n, d], got {:?}", t.shape())));
+        }
+        let d = t.shape()[1];
+        let mut shape = self.int("get_rows", ids, "ids")?.shape().to_vec();
+        shape.push(d);
+        Ok(self.push_new(Op::GetRows, vec![table, ids], DType::F32, &shape))
+    }
+
+    /// numpy `a @ b` (see [`Op::MulMat`]); result f32.
+    pub fn mul_mat(&mut self, a: TensorId, b: TensorId) -> Result<TensorId> {
+        let sa = self.float("mul_mat", a, "a")?.shape().to_vec();
+        let sb = self.float("mul_mat", b, "b")?.shape().to_vec();
+        if sa.len() < 2 || sb.len() < 2 {
+            return Err(shape_err("mul_mat", format!("needs at least 2-D operands, got {sa:?} @ {sb:?}")));
+        }
+        let (m, k) = (sa[sa.len() - 2], sa[sa.len() - 1]);
+        let (k2, n) = (sb[sb.len() - 2], sb[sb.len() - 1]);
+        if k != k2 {
+            return Err(shape_err("mul_mat", format!("inner dimensions differ: {sa:?} @ {sb:?}")));
+        }
+        let batch = mul_mat_batch(&sa[..sa.len() - 2], &sb[..sb.len() - 2]).ok_or_else(|| {
+            shape_err(
+                "mul_mat",
+                format!("batch axes of {sa:?} @ {sb:?} neither match nor divide each other"),
+            )
+        })?;
+        let mut shape = batch;
+        shape.extend([m, n]);
+        Ok(self.push_new(Op::MulMat, vec![a, b], DType::F32, &shape))
+    }
+
+    fn binary(&mut self, op: Op, a: TensorId, b: TensorId) -> Result<TensorId> {
+        let name = op.name();
+        let ta = self.float(name, a, "a")?;
+        let (sa, dt) = (ta.shape().to_vec(), ta.dtype);
+        let sb = self.float(name, b, "b")?.shape().to_vec();
+        match broadcast_shapes(&sa, &sb) {
+            Some(s) if s == sa => Ok(self.push_new(op, vec![a, b], dt, &sa)),
+            _ => Err(shape_err(name, format!("cannot broadcast {sb:?} onto {sa:?}"))),
+        }
+    }
+
+    /// `a + b`, `b` broadcast onto `a`.
+    pub fn add(&mut self, a: TensorId, b: TensorId) -> Result<TensorId> {
+        self.binary(Op::Add, a, b)
+    }
+
+    /// `a * b`, `b` broadcast onto `a`.
+    pub fn mul(&mut self, a: TensorId, b: TensorId) -> Result<TensorId> {
+        self.binary(Op::Mul, a, b)
+    }
+
+    fn unary(&mut self, op: Op, a: TensorId) -> Result<TensorId> {
+        let t = self.float(op.name(), a, "x")?;
+        let (s, dt) = (t.shape().to_vec(), t.dtype);
+        Ok(self.push_new(op, vec![a], dt, &s))
+    }
+
+    /// `a * scale`.
+    pub fn scale(&mut self, a: TensorId, scale: f32) -> Result<TensorId> {
+        self.unary(Op::Scale { scale }, a)
+    }
+
+    /// RMS norm over the last axis.
+    pub fn rms_norm(&mut self, a: TensorId, eps: f32) -> Result<TensorId> {
+        if self.check(a)?.shape().is_empty() {
+            return Err(shape_err("rms_norm", "needs at least one axis".into()));
+        }
+        self.unary(Op::RmsNorm { eps }, a)
+    }
+
+    /// `x * sigmoid(x)`.
+    pub fn silu(&mut self, a: TensorId) -> Result<TensorId> {
+        self.unary(Op::Silu, a)
+    }
+
+    /// GELU (tanh approximation).
+    pub fn gelu(&mut self, a: TensorId) -> Result<TensorId> {
+        self.unary(Op::Gelu, a)
+    }
+
+    /// `silu(gate) * up`.
+    pub fn swiglu(&mut self, gate: TensorId, up: TensorId) -> Result<TensorId> {
+        let tg = self.float("swiglu", gate, "gate")?;
+        let (sg, dt) = (tg.shape().to_vec(), tg.dtype);
+        let su = self.float("swiglu", up, "up")?.shape().to_vec();
+        if sg != su {
+            return Err(shape_err("swiglu", format!("gate {sg:?} and up {su:?} differ")));
+        }
+        Ok(self.push_new(Op::SwiGlu, vec![gate, up], dt, &sg))
+    }
+
+    /// Rotary embedding of `x [T, H, D]` at `pos i32 [T]`.
+    pub fn rope(
+        &mut self,
+        x: TensorId,
+        pos: TensorId,
+        mode: RopeMode,
+        n_dims: usize,
+        theta_base: f32,
+    ) -> Result<TensorId> {
+        let tx = self.float("rope", x, "x")?;
+        let (sx, dt) = (tx.shape().to_vec(), tx.dtype);
+        let sp = self.int("rope", pos, "positions")?.shape().to_vec();
+        if sx.len() != 3 {
+            return Err(shape_err("rope", format!("x must be [tokens, heads, head_dim], got {sx:?}")));
+        }
+        if sp != [sx[0]] {
+            return Err(shape_err("rope", format!("positions {sp:?} must be [{}] for x {sx:?}", sx[0])));
+        }
+        if n_dims == 0 || n_dims % 2 != 0 || n_dims > sx[2] {
+            return Err(shape_err(
+                "rope",
+                format!("n_dims {n_dims} must be even, > 0 and <= head_dim {}", sx[2]),
+            ));
+        }
+        let op = Op::Rope { mode, n_dims, theta_base };
+        Ok(self.push_new(op, vec![x, pos], dt, &sx))
+    }
+
+    /// `softmax(x * scale + mask)` over the last axis; `mask` broadcast onto `x`.
+    pub fn soft_max(&mut self, x: TensorId, mask: Option<TensorId>, scale: f32) -> Result<TensorId> {
+        let tx = self.float("soft_max", x, "x")?;
+        let (sx, dt) = (tx.shape().to_vec(), tx.dtype);
+        if sx.is_empty() {
+            return Err(shape_err("soft_max", "needs at least one axis".into()));
+        }
+        let mut srcs = vec![x];
+        if let Some(m) = mask {
+            let sm = self.float("soft_max", m, "mask")?.shape().to_vec();
+            if broadcast_shapes(&sx, &sm).as_deref() != Some(&sx[..]) {
+                return Err(shape_err("soft_max", format!("mask {sm:?} does not broadcast onto {sx:?}")));
+            }
+            srcs.push(m);
+        }
+        Ok(self.push_new(Op::SoftMax { scale }, srcs, dt, &sx))
+    }
+
+    /// Contiguous copy converted to `dtype` (`cont` when the dtype is unchanged).
+    pub fn cpy(&mut self, a: TensorId, dtype: DType) -> Result<TensorId> {
+        let t = self.check(a)?;
+        if t.dtype.is_float() != dtype.is_float() {
+            return Err(dtype_err("cpy", format!("cannot convert {} to {dtype}", t.dtype)));
+        }
+        let s = t.shape().to_vec();
+        Ok(self.push_new(Op::Cpy, vec![a], dtype, &s))
+    }
+
+    /// Contiguous copy with the same dtype.
+    pub fn cont(&mut self, a: TensorId) -> Result<TensorId> {
+        let dt = self.check(a)?.dtype;
+        self.cpy(a, dt)
+    }
+
+    /// Concatenation along `axis`.
+    pub fn concat(&mut self, a: TensorId, b: TensorId, axis: usize) -> Result<TensorId> {
+        let ta = self.check(a)?;
+        let (sa, da) = (ta.shape().to_vec(), ta.dtype);
+        let tb = self.check(b)?;
+        let (sb, db) = (tb.shape().to_vec(), tb.dtype);
+        if da != db {
+            return Err(dtype_err("concat", format!("dtypes differ: {da} and {db}")));
+        }
+        let ok = sa.len() == sb.len()
+            && axis < sa.len()
+            && sa.iter().zip(&sb).enumerate().all(|(i, (x, y))| i == axis || x == y);
+        if !ok {
+            return Err(shape_err("concat", format!("cannot concatenate {sa:?} and {sb:?} along axis {axis}")));
+        }
+        let mut s = sa;
+        s[axis] += sb[axis];
+        Ok(self.push_new(Op::Concat { axis }, vec![a, b], da, &s))
+    }
+
+    /// Writes `src [m, d]` into rows `idx [m]` of the persistent `dst [n, d]`; the result
+    /// aliases `dst`.
+    pub fn set_rows(&mut self, dst: TensorId, src: TensorId, idx: TensorId) -> Result<TensorId> {
+        let td = self.float("set_rows", dst, "dst")?.clone();
+        let ss = self.float("set_rows", src, "src")?.shape().to_vec();
+        let si = self.int("set_rows", idx, "indices")?.shape().to_vec();
+        if self.tensors[td.root.index()].op != Op::Persistent {
+            return Err(shape_err("set_rows", "dst must be a persistent tensor (or a view of one)".into()));
+        }
+        let sd = td.shape();
+        if sd.len() != 2 || ss.len() != 2 || ss[1] != sd[1] || si != [ss[0]] {
+            return Err(shape_err(
+                "set_rows",
+                format!("expects dst [n, d], src [m, d], indices [m]; got {sd:?}, {ss:?}, {si:?}"),
+            ));
+        }
+        Ok(self.push(TensorInfo {
+            name: None,
+            dtype: td.dtype,
+            layout: td.layout.clone(),
+            op: Op::SetRows,
+            srcs: vec![dst, src, idx],
+            root: td.root,
+        }))
+    }
+
+    /// Index of the maximum over the last axis (lowest index on ties), i32.
+    pub fn argmax(&mut self, a: TensorId) -> Result<TensorId> {
+        let s = self.float("argmax", a, "x")?.shape().to_vec();
+        if s.is_empty() || s[s.len() - 1] == 0 {
+            return Err(shape_err("argmax", format!("needs a non-empty last axis, got {s:?}")));
+        }
+        Ok(self.push_new(Op::Argmax, vec![a], DType::I32, &s[..s.len() - 1]))
+    }
+
+    /// MoE expert matmul with weighted sum (see [`Op::MulMatId`]).
+    pub fn mul_mat_id(
+        &mut self,
+        experts: TensorId,
+        x: TensorId,
+        ids: TensorId,
+        weights: TensorId,
+    ) -> Result<TensorId> {
+        let se = self.float("mul_mat_id", experts, "experts")?.shape().to_vec();
+        let sx = self.float("mul_mat_id", x, "x")?.shape().to_vec();
+        let si = self.int("mul_mat_id", ids, "ids")?.shape().to_vec();
+        let sw = self.float("mul_mat_id", weights, "weights")?.shape().to_vec();
+        let ok = se.len() == 3
+            && sx.len() == 2
+            && sx[1] == se[1]
+            && si.len() == 2
+            && si[0] == sx[0]
+            && sw == si;
+        if !ok {
+            return Err(shape_err(
+                "mul_mat_id",
+                format!(
+                    "expects experts [E, k, n], x [T, k], ids [T, K], weights [T, K]; got {se:?}, {sx:?}, {si:?}, {sw:?}"
+                ),
+            ));
+        }
+        let shape = [sx[0], se[2]];
+        Ok(self.push_new(Op::MulMatId, vec![experts, x, ids, weights], DType::F32, &shape))
+    }
+}
+
+/// Broadcast batch axes for mul_mat: equal, 1, or one dividing the other (GQA).
+pub fn mul_mat_batch(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let n = a.len().max(b.len());
+    (0..n)
+        .map(|i| {
+            let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
+            let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
+            let (lo, hi) = (da.min(db), da.max(db));
+            (lo == hi || (lo > 0 && hi % lo == 0)).then_some(hi)
+        })
+        .collect()
+}

@@ -1,0 +1,16 @@
+//! lowsync-graph: the tensor/op IR shared by the scheduler and every backend.
+//!
+//! Shapes are in numpy order (row-major, last axis fastest). A graph is built node by node;
+//! each builder call validates shapes and dtypes and reports the op and the shapes on error.
+
+mod dtype;
+mod error;
+mod graph;
+mod layout;
+mod op;
+
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use graph::{mul_mat_batch, Graph, TensorId, TensorInfo, WeightData};
+pub use layout::{broadcast_shapes, contiguous_strides, Layout};
+pub use op::{Op, RopeMode};

@@ -1,0 +1,113 @@
+//! The ops a llama-family decoder needs. Parameters live in the variant; sources in the node.
+
+/// Rotary embedding variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RopeMode {
+    /// Rotate adjacent pairs (x[2i], x[2i+1]); what GGUF llama files expect.
+    Normal,
+    /// Rotate halves (x[i], x[i + n_dims/2]); GPT-NeoX / qwen style.
+    Neox,
+}
+
+/// An operation. Leaves (`Input`, `Weight`, `Persistent`) have no sources; `View` aliases its
+/// source's memory with another layout; every other op computes a new tensor (or, for
+/// `SetRows`, writes into a persistent one and aliases it).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Op {
+    /// Written by the host every step.
+    Input,
+    /// Constant data uploaded once.
+    Weight,
+    /// State kept across steps (the KV cache), zero-initialised, never reused by the allocator.
+    Persistent,
+    /// reshape / permute / transpose / slice: no kernel, another layout over the same memory.
+    View,
+    /// `table[ids]`: srcs `[table [n, d], ids i32 [...]]`, result `ids.shape + [d]` in f32.
+    GetRows,
+    /// numpy `a @ b` over the last two axes; batch axes broadcast when equal, 1, or when one
+    /// divides the other (GQA: batch index `i / ratio` of the smaller one). Result f32.
+    MulMat,
+    /// Element-wise `a + b` with numpy broadcasting of `b`; result has `a`'s shape and dtype.
+    Add,
+    /// Element-wise `a * b`, as `Add`.
+    Mul,
+    /// `a * scale`.
+    Scale { scale: f32 },
+    /// `x / sqrt(mean(x^2, last axis) + eps)`.
+    RmsNorm { eps: f32 },
+    /// Rotary embedding of `x [T, H, D]` at positions `pos i32 [T]` over the first `n_dims` of D.
+    Rope { mode: RopeMode, n_dims: usize, theta_base: f32 },
+    /// `softmax(x * scale + mask)` over the last axis; `mask` optional (second source,
+    /// broadcast to `x`); `-inf` masks an entry; a fully masked row gives zeros.
+    SoftMax { scale: f32 },
+    /// `x * sigmoid(x)`.
+    Silu,
+    /// GELU, tanh approximation (as ggml).
+    Gelu,
+    /// `silu(gate) * up` with equal shapes.
+    SwiGlu,
+    /// Contiguous copy, converting to the node's dtype (`cont` / `cast`).
+    Cpy,
+    /// Concatenate two tensors along `axis`.
+    Concat { axis: usize },
+    /// Write `src [m, d]` into rows `idx i32 [m]` of persistent `dst [n, d]`; the result aliases
+    /// `dst`, so readers of the result see the write.
+    SetRows,
+    /// Index of the largest element of the last axis, lowest index on ties; i32.
+    Argmax,
+    /// Mixture of experts: srcs `[experts [E, k, n], x [T, k], ids i32 [T, K], w [T, K]]`;
+    /// `out[t] = sum_j w[t, j] * (x[t] @ experts[ids[t, j]])`, result `[T, n]` f32.
+    MulMatId,
+}
+
+impl Op {
+    /// The op's name in error messages and stats.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input => "input",
+            Op::Weight => "weight",
+            Op::Persistent => "persistent",
+            Op::View => "view",
+            Op::GetRows => "get_rows",
+            Op::MulMat => "mul_mat",
+            Op::Add => "add",
+            Op::Mul => "mul",
+            Op::Scale { .. } => "scale",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::Rope { .. } => "rope",
+            Op::SoftMax { .. } => "soft_max",
+            Op::Silu => "silu",
+            Op::Gelu => "gelu",
+            Op::SwiGlu => "swiglu",
+            Op::Cpy => "cpy",
+            Op::Concat { .. } => "concat",
+            Op::SetRows => "set_rows",
+            Op::Argmax => "argmax",
+            Op::MulMatId => "mul_mat_id",
+        }
+    }
+
+    /// Leaves own memory that outlives a step or is written by the host.
+    pub fn is_leaf(&self) -> bool {
+        matches!(self, Op::Input | Op::Weight | Op::Persistent)
+    }
+
+    /// Ops that run no kernel and allocate nothing (they alias their source).
+    pub fn is_view(&self) -> bool {
+        matches!(self, Op::View)
+    }
+
+    /// Ops whose result aliases a source instead of owning fresh memory.
+    pub fn aliases_src(&self) -> bool {
+        matches!(self, Op::View | Op::SetRows)
+    }
+
+    /// Ops that may write their result over their first source when it dies here
+    /// (element-wise, same layout).
+    pub fn can_inplace(&self) -> bool {
+        matches!(
+            self,
+            Op::Add | Op::Mul | Op::Scale { .. } | Op::Silu | Op::Gelu | Op::SwiGlu
+        )
+    }
+}
