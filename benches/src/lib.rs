@@ -1,0 +1,1 @@
+//! Shared graph builders for the benches (being written).

@@ -1,0 +1,457 @@
+//! `cpu-async`: an asynchronous CPU stream with its own memory.
+//!
+//! Why: the scheduler's ordering rules (staged writes, events between backends, no host wait
+//! until a read) must be testable without a GPU. `cpu-async` is a real stream: a worker thread
+//! runs graphs, copies and staged writes in submission order, its buffers are not addressable
+//! by `cpu`, and `synchronize`, events and the test gate really block.
+//!
+//! Strategy: every enqueue takes the next ticket (`submitted`) and sends one work item; the
+//! worker publishes `completed` after each item. `synchronize` is a no-op iff
+//! `completed == submitted` (an elided sync); otherwise it is one host wait and one driver sync.
+//! Blocking `set_tensor`/`get_tensor` enqueue a copy and wait for its ticket, like a device DMA
+//! followed by a stream sync. Staged writes copy the caller's bytes into a recycled staging
+//! vector before returning. On Ctrl-C (the interrupt hook) a wait marks every queued ticket as
+//! cancelled — the worker skips their kernels and gates but still performs their copies — waits
+//! for the drain, and returns `Interrupted`; the stream stays usable.
+//!
+//! Invariants: items run in ticket order (invariant 2); a staged write's bytes are owned by the
+//! queue (invariant 1); counters are bumped in the primitive that enqueues or waits.
+
+use std::any::Any;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use lowsync_backend::{
+    bump, interrupt, Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, Error, Event,
+    ExecGraph, Gate, Result, SyncStats,
+};
+use lowsync_graph::{DType, Op};
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use crate::cpu::{cpu_supports_op, DoneEvent};
+use crate::kernels;
+use crate::memory::{Store, ALIGNMENT};
+
+/// A raw pointer the caller promises to keep valid until the item completes.
+#[derive(Clone, Copy)]
+struct RawPtr(*mut u8);
+// SAFETY: the pointee is only touched by the worker while the enqueuing caller guarantees it
+// lives (blocking calls wait for the item; async calls are `unsafe` with that contract).
+unsafe impl Send for RawPtr {}
+
+enum Work {
+    Compute(Arc<ExecGraph>),
+    /// A staged write: the bytes belong to the queue.
+    WriteStaged { dst: BufferId, offset: usize, data: Vec<u8> },
+    WriteRaw { dst: BufferId, offset: usize, src: RawPtr, len: usize },
+    ReadRaw { src: BufferId, offset: usize, out: RawPtr, len: usize },
+    /// Copy from another backend's host-addressable memory.
+    CopyIn { src: RawPtr, dst: BufferId, offset: usize, len: usize },
+    WaitEvent(Arc<dyn Event>),
+    Gate(Arc<GateState>),
+    Shutdown,
+}
+
+struct Item {
+    ticket: u64,
+    work: Work,
+}
+
+#[derive(Default)]
+struct Progress {
+    submitted: u64,
+    completed: u64,
+}
+
+struct Shared {
+    store: Store,
+    stats: SyncStats,
+    progress: Mutex<Progress>,
+    done: Condvar,
+    /// Tickets up to this one are cancelled (kernels and gates skipped).
+    cancel_upto: AtomicU64,
+    shutdown: AtomicBool,
+    /// The first kernel error since the last wait; reported by the next wait.
+    error: Mutex<Option<Error>>,
+    staging_pool: Mutex<Vec<Vec<u8>>>,
+}
+
+impl Shared {
+    fn cancelled(&self, ticket: u64) -> bool {
+        ticket <= self.cancel_upto.load(Ordering::Acquire) || self.shutdown.load(Ordering::Acquire)
+    }
+
+    /// Blocks until `ticket` completed, polling the interrupt hook. One host wait and one
+    /// driver sync, counted by the caller's primitive through `count`.
+    fn wait_ticket(&self, ticket: u64) -> Result<()> {
+        let mut p = self.progress.lock();
+        let mut interrupted = false;
+        while p.completed < ticket {
+            self.done.wait_for(&mut p, interrupt::POLL_INTERVAL);
+            if !interrupted && p.completed < ticket && MutexGuard::unlocked(&mut p, interrupt::requested) {
+                interrupted = true;
+                self.cancel_upto.store(p.submitted, Ordering::Release);
+            }
+        }
+        drop(p);
+        let err = self.error.lock().take();
+        match (interrupted, err) {
+            (true, _) => Err(Error::Interrupted),
+            (false, Some(e)) => Err(e),
+            (false, None) => Ok(()),
+        }
+    }
+
+    fn count_wait(&self) {
+        bump(&self.stats.host_waits, 1);
+        bump(&self.stats.driver_syncs, 1);
+    }
+}
+
+/// The asynchronous CPU backend.
+pub struct CpuAsyncBackend {
+    name: String,
+    shared: Arc<Shared>,
+    tx: Mutex<Sender<Item>>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl CpuAsyncBackend {
+    /// A new stream with its own worker thread and buffers.
+    pub fn new(name: &str) -> Result<Self> {
+        let shared = Arc::new(Shared {
+            store: Store::new(name),
+            stats: SyncStats::default(),
+            progress: Mutex::new(Progress::default()),
+            done: Condvar::new(),
+            cancel_upto: AtomicU64::new(0),
+            shutdown: AtomicBool::new(false),
+            error: Mutex::new(None),
+            staging_pool: Mutex::new(Vec::new()),
+        });
+        let (tx, rx) = channel();
+        let worker_shared = shared.clone();
+        let worker = std::thread::Builder::new()
+            .name(format!("lowsync-{name}"))
+            .spawn(move || worker_loop(&worker_shared, rx))
+            .map_err(|e| Error::Unavailable { backend: name.to_string(), reason: e.to_string() })?;
+        Ok(CpuAsyncBackend { name: name.to_string(), shared, tx: Mutex::new(tx), worker: Some(worker) })
+    }
+
+    /// Queues one item and returns its ticket. Counts one submission.
+    fn enqueue(&self, work: Work) -> u64 {
+        let tx = self.tx.lock();
+        let mut p = self.shared.progress.lock();
+        p.submitted += 1;
+        let ticket = p.submitted;
+        drop(p);
+        bump(&self.shared.stats.submits, 1);
+        // The worker only exits on Shutdown, sent from Drop, so the send cannot fail here.
+        let _ = tx.send(Item { ticket, work });
+        ticket
+    }
+
+    /// Enqueues `work` and blocks until it ran: one host wait.
+    fn enqueue_and_wait(&self, work: Work) -> Result<()> {
+        let ticket = self.enqueue(work);
+        self.shared.count_wait();
+        self.shared.wait_ticket(ticket)
+    }
+
+    fn take_staging(&self, data: &[u8]) -> Vec<u8> {
+        let mut pool = self.shared.staging_pool.lock();
+        let mut v = match pool.iter().position(|v| v.capacity() >= data.len()) {
+            Some(i) => pool.swap_remove(i),
+            None => pool.pop().unwrap_or_default(),
+        };
+        drop(pool);
+        v.clear();
+        v.extend_from_slice(data);
+        v
+    }
+}
+
+impl Drop for CpuAsyncBackend {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        let _ = self.tx.lock().send(Item { ticket: u64::MAX, work: Work::Shutdown });
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+fn worker_loop(shared: &Shared, rx: Receiver<Item>) {
+    while let Ok(Item { ticket, work }) = rx.recv() {
+        let cancelled = shared.cancelled(ticket);
+        let result = match work {
+            Work::Shutdown => break,
+            Work::Compute(g) if !cancelled => run_graph_cancellable(shared, ticket, &g),
+            Work::Compute(_) => Ok(()),
+            Work::WriteStaged { dst, offset, data } => {
+                let r = copy_into(&shared.store, dst, offset, data.as_ptr(), data.len());
+                shared.stats.staging_bytes_in_use.fetch_sub(data.len() as u64, Ordering::Relaxed);
+                shared.staging_pool.lock().push(data);
+                r
+            }
+            Work::WriteRaw { dst, offset, src, len } => copy_into(&shared.store, dst, offset, src.0, len),
+            Work::CopyIn { src, dst, offset, len } => copy_into(&shared.store, dst, offset, src.0, len),
+            Work::ReadRaw { src, offset, out, len } => shared.store.span(src, offset, len).map(|p| {
+                // SAFETY: bounds checked by `span`; `out` is valid per the enqueue contract.
+                unsafe { std::ptr::copy_nonoverlapping(p, out.0, len) }
+            }),
+            Work::WaitEvent(ev) => {
+                while !ev.is_complete() && !shared.cancelled(ticket) {
+                    wait_foreign_event(&*ev);
+                }
+                Ok(())
+            }
+            Work::Gate(g) => {
+                let mut open = g.open.lock();
+                while !*open && !shared.cancelled(ticket) {
+                    g.cv.wait_for(&mut open, interrupt::POLL_INTERVAL);
+                }
+                Ok(())
+            }
+        };
+        if let Err(e) = result {
+            shared.error.lock().get_or_insert(e);
+        }
+        let mut p = shared.progress.lock();
+        p.completed = ticket;
+        drop(p);
+        shared.done.notify_all();
+    }
+}
+
+fn run_graph_cancellable(shared: &Shared, ticket: u64, g: &ExecGraph) -> Result<()> {
+    for node in &g.nodes {
+        if shared.cancelled(ticket) {
+            return Ok(());
+        }
+        kernels::run_node(node, &shared.store)?;
+    }
+    Ok(())
+}
+
+fn copy_into(store: &Store, dst: BufferId, offset: usize, src: *const u8, len: usize) -> Result<()> {
+    let p = store.span(dst, offset, len)?;
+    // SAFETY: bounds checked by `span`; `src` is valid per the enqueue contract.
+    unsafe { std::ptr::copy_nonoverlapping(src, p, len) };
+    Ok(())
+}
+
+/// Device-side wait on another stream's event, done by this worker (not the host thread).
+fn wait_foreign_event(ev: &dyn Event) {
+    if let Some(a) = ev.as_any().downcast_ref::<AsyncEvent>() {
+        let mut p = a.owner.progress.lock();
+        if p.completed < a.ticket.load(Ordering::Acquire) {
+            a.owner.done.wait_for(&mut p, interrupt::POLL_INTERVAL);
+        }
+    } else {
+        std::thread::yield_now();
+    }
+}
+
+/// An event of a `cpu-async` stream: complete when the owner's `completed` reaches its ticket.
+pub struct AsyncEvent {
+    owner: Arc<Shared>,
+    ticket: AtomicU64,
+}
+
+impl Event for AsyncEvent {
+    fn is_complete(&self) -> bool {
+        self.owner.progress.lock().completed >= self.ticket.load(Ordering::Acquire)
+    }
+    fn synchronize(&self) -> Result<()> {
+        if self.is_complete() {
+            bump(&self.owner.stats.elided_syncs, 1);
+            return Ok(());
+        }
+        self.owner.count_wait();
+        self.owner.wait_ticket(self.ticket.load(Ordering::Acquire))
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// The `cpu-async` test gate.
+pub struct GateState {
+    open: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Gate for GateState {
+    fn open(&self) {
+        *self.open.lock() = true;
+        self.cv.notify_all();
+    }
+}
+
+impl Backend for CpuAsyncBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn device_kind(&self) -> DeviceKind {
+        DeviceKind::Cpu
+    }
+    fn caps(&self) -> Caps {
+        Caps {
+            set_tensor_async: true,
+            set_tensor_async_staged: true,
+            get_tensor_async: true,
+            cpy_tensor_async: true,
+            events: true,
+            sync_elision: true,
+            graph_replay: false,
+            test_gate: true,
+        }
+    }
+    fn buffer_type(&self) -> BufferType {
+        BufferType { name: self.name.clone(), alignment: ALIGNMENT, is_host: false }
+    }
+    fn supports_op(&self, op: &Op, dst: DType, srcs: &[DType]) -> bool {
+        cpu_supports_op(op, dst, srcs)
+    }
+    fn stats(&self) -> &SyncStats {
+        &self.shared.stats
+    }
+
+    fn alloc_buffer(&self, size: usize, _usage: BufferUsage) -> Result<BufferId> {
+        bump(&self.shared.stats.reserves, 1);
+        Ok(self.shared.store.alloc(size))
+    }
+    fn realloc_buffer(&self, id: BufferId, size: usize) -> Result<()> {
+        // Queued work may still use the old memory.
+        self.synchronize()?;
+        self.shared.store.realloc(id, size)?;
+        bump(&self.shared.stats.reallocs, 1);
+        Ok(())
+    }
+    fn free_buffer(&self, id: BufferId) {
+        // Queued work may still use it; a failed wait leaves the buffer to the backend's drop.
+        if self.synchronize().is_ok() {
+            self.shared.store.free(id);
+        }
+    }
+    fn buffer_size(&self, id: BufferId) -> Result<usize> {
+        Ok(self.shared.store.get(id)?.size())
+    }
+
+    fn set_tensor(&self, dst: BufferId, offset: usize, data: &[u8]) -> Result<()> {
+        self.shared.store.span(dst, offset, data.len())?;
+        bump(&self.shared.stats.h2d_copies, 1);
+        bump(&self.shared.stats.h2d_bytes, data.len() as u64);
+        let src = RawPtr(data.as_ptr().cast_mut());
+        self.enqueue_and_wait(Work::WriteRaw { dst, offset, src, len: data.len() })
+    }
+    fn get_tensor(&self, src: BufferId, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.shared.store.span(src, offset, out.len())?;
+        bump(&self.shared.stats.d2h_copies, 1);
+        bump(&self.shared.stats.d2h_bytes, out.len() as u64);
+        let out_ptr = RawPtr(out.as_mut_ptr());
+        self.enqueue_and_wait(Work::ReadRaw { src, offset, out: out_ptr, len: out.len() })
+    }
+    unsafe fn set_tensor_async(&self, dst: BufferId, offset: usize, data: *const u8, len: usize) -> Result<()> {
+        self.shared.store.span(dst, offset, len)?;
+        bump(&self.shared.stats.h2d_copies, 1);
+        bump(&self.shared.stats.h2d_bytes, len as u64);
+        self.enqueue(Work::WriteRaw { dst, offset, src: RawPtr(data.cast_mut()), len });
+        Ok(())
+    }
+    fn set_tensor_async_staged(&self, dst: BufferId, offset: usize, data: &[u8]) -> Result<()> {
+        self.shared.store.span(dst, offset, data.len())?;
+        let staged = self.take_staging(data);
+        bump(&self.shared.stats.staging_bytes_in_use, data.len() as u64);
+        bump(&self.shared.stats.h2d_copies, 1);
+        bump(&self.shared.stats.h2d_bytes, data.len() as u64);
+        self.enqueue(Work::WriteStaged { dst, offset, data: staged });
+        Ok(())
+    }
+    unsafe fn get_tensor_async(&self, src: BufferId, offset: usize, out: *mut u8, len: usize) -> Result<()> {
+        self.shared.store.span(src, offset, len)?;
+        bump(&self.shared.stats.d2h_copies, 1);
+        bump(&self.shared.stats.d2h_bytes, len as u64);
+        self.enqueue(Work::ReadRaw { src, offset, out: RawPtr(out), len });
+        Ok(())
+    }
+    fn cpy_tensor_async(
+        &self,
+        src_backend: &dyn Backend,
+        src: BufferId,
+        src_offset: usize,
+        dst: BufferId,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<bool> {
+        // Only from host memory, which is ready as soon as its (synchronous) producer returned.
+        // The source must stay untouched until this stream passes the copy (invariant 3): the
+        // scheduler keeps it alive until the split's event completes.
+        if !src_backend.buffer_type().is_host || src_backend.device_kind() != DeviceKind::Cpu {
+            return Ok(false);
+        }
+        let Some(base) = src_backend.buffer_host_ptr(src) else { return Ok(false) };
+        if src_offset.checked_add(len).is_none_or(|e| e > src_backend.buffer_size(src).unwrap_or(0)) {
+            return Err(Error::OutOfBounds { buffer: src.0, offset: src_offset, len, size: src_backend.buffer_size(src)? });
+        }
+        self.shared.store.span(dst, dst_offset, len)?;
+        bump(&self.shared.stats.h2d_copies, 1);
+        bump(&self.shared.stats.h2d_bytes, len as u64);
+        // SAFETY: in bounds of the source buffer, checked above.
+        let p = RawPtr(unsafe { base.as_ptr().add(src_offset) });
+        self.enqueue(Work::CopyIn { src: p, dst, offset: dst_offset, len });
+        Ok(true)
+    }
+
+    fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()> {
+        bump(&self.shared.stats.kernel_launches, graph.nodes.len() as u64);
+        self.enqueue(Work::Compute(graph.clone()));
+        Ok(())
+    }
+    fn synchronize(&self) -> Result<()> {
+        let target = {
+            let p = self.shared.progress.lock();
+            (p.completed < p.submitted).then_some(p.submitted)
+        };
+        match target {
+            None => {
+                bump(&self.shared.stats.elided_syncs, 1);
+                self.shared.error.lock().take().map_or(Ok(()), Err)
+            }
+            Some(t) => {
+                self.shared.count_wait();
+                self.shared.wait_ticket(t)
+            }
+        }
+    }
+
+    fn event_new(&self) -> Result<Arc<dyn Event>> {
+        Ok(Arc::new(AsyncEvent { owner: self.shared.clone(), ticket: AtomicU64::new(0) }))
+    }
+    fn event_record(&self, ev: &Arc<dyn Event>) -> Result<()> {
+        let a = ev.as_any().downcast_ref::<AsyncEvent>().filter(|a| Arc::ptr_eq(&a.owner, &self.shared));
+        let Some(a) = a else {
+            return Err(Error::Unsupported { backend: self.name.clone(), what: "recording another backend's event".into() });
+        };
+        // Items run in ticket order, so the event is the current end of the stream.
+        a.ticket.store(self.shared.progress.lock().submitted, Ordering::Release);
+        Ok(())
+    }
+    fn event_wait(&self, ev: &Arc<dyn Event>) -> Result<()> {
+        let own = ev.as_any().downcast_ref::<AsyncEvent>().is_some_and(|a| Arc::ptr_eq(&a.owner, &self.shared));
+        if own || ev.as_any().is::<DoneEvent>() || ev.is_complete() {
+            return Ok(()); // stream order (or an already complete event) suffices
+        }
+        self.enqueue(Work::WaitEvent(ev.clone()));
+        Ok(())
+    }
+
+    fn gate_close(&self) -> Result<Arc<dyn Gate>> {
+        let g = Arc::new(GateState { open: Mutex::new(false), cv: Condvar::new() });
+        self.enqueue(Work::Gate(g.clone()));
+        Ok(g)
+    }
+}

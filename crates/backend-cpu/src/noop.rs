@@ -1,0 +1,191 @@
+//! `noop`: a backend that accepts every op and runs nothing.
+//!
+//! Why: to measure the host's own cost per step (scheduler, bindings, Python) with no kernel
+//! time in the way, the benches need a device that completes instantly but is driven and
+//! counted exactly like an asynchronous one.
+//!
+//! Strategy: an asynchronous stream whose work is done the moment it is queued. Enqueues take a
+//! ticket; a `synchronize` with outstanding tickets is one host wait and one driver sync (that
+//! returns at once), otherwise it is elided — the same rules as `cpu-async`. Buffers hold no
+//! memory; reads return zeros.
+//!
+//! Invariants: counts match `cpu-async` call for call, so host-overhead figures measured here
+//! carry over.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use lowsync_backend::{
+    bump, Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, Error, Event, ExecGraph,
+    Result, SyncStats,
+};
+use lowsync_graph::{DType, Op};
+use parking_lot::Mutex;
+
+use crate::cpu::DoneEvent;
+
+#[derive(Default)]
+struct Progress {
+    submitted: u64,
+    completed: u64,
+}
+
+/// The no-op backend.
+#[derive(Default)]
+pub struct NoopBackend {
+    stats: SyncStats,
+    progress: Mutex<Progress>,
+    sizes: Mutex<HashMap<BufferId, usize>>,
+}
+
+impl NoopBackend {
+    /// A new no-op stream.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn enqueue(&self) {
+        self.progress.lock().submitted += 1;
+        bump(&self.stats.submits, 1);
+    }
+
+    fn wait_all(&self) {
+        bump(&self.stats.host_waits, 1);
+        bump(&self.stats.driver_syncs, 1);
+        let mut p = self.progress.lock();
+        p.completed = p.submitted;
+    }
+
+    fn check(&self, id: BufferId, offset: usize, len: usize) -> Result<()> {
+        let size = self.buffer_size(id)?;
+        if offset.checked_add(len).is_none_or(|e| e > size) {
+            return Err(Error::OutOfBounds { buffer: id.0, offset, len, size });
+        }
+        Ok(())
+    }
+
+    fn count_h2d(&self, len: usize) {
+        bump(&self.stats.h2d_copies, 1);
+        bump(&self.stats.h2d_bytes, len as u64);
+    }
+
+    fn count_d2h(&self, len: usize) {
+        bump(&self.stats.d2h_copies, 1);
+        bump(&self.stats.d2h_bytes, len as u64);
+    }
+}
+
+impl Backend for NoopBackend {
+    fn name(&self) -> &str {
+        "noop"
+    }
+    fn device_kind(&self) -> DeviceKind {
+        DeviceKind::Gpu
+    }
+    fn caps(&self) -> Caps {
+        Caps {
+            set_tensor_async: true,
+            set_tensor_async_staged: true,
+            get_tensor_async: true,
+            cpy_tensor_async: false,
+            events: true,
+            sync_elision: true,
+            graph_replay: false,
+            test_gate: false,
+        }
+    }
+    fn buffer_type(&self) -> BufferType {
+        BufferType { name: "noop".into(), alignment: 64, is_host: false }
+    }
+    fn supports_op(&self, _op: &Op, _dst: DType, _srcs: &[DType]) -> bool {
+        true
+    }
+    fn stats(&self) -> &SyncStats {
+        &self.stats
+    }
+
+    fn alloc_buffer(&self, size: usize, _usage: BufferUsage) -> Result<BufferId> {
+        bump(&self.stats.reserves, 1);
+        let id = BufferId::fresh();
+        self.sizes.lock().insert(id, size);
+        Ok(id)
+    }
+    fn realloc_buffer(&self, id: BufferId, size: usize) -> Result<()> {
+        self.synchronize()?;
+        let mut sizes = self.sizes.lock();
+        let slot = sizes.get_mut(&id).ok_or(Error::UnknownBuffer(id.0, "noop".into()))?;
+        *slot = size;
+        bump(&self.stats.reallocs, 1);
+        Ok(())
+    }
+    fn free_buffer(&self, id: BufferId) {
+        self.sizes.lock().remove(&id);
+    }
+    fn buffer_size(&self, id: BufferId) -> Result<usize> {
+        self.sizes.lock().get(&id).copied().ok_or(Error::UnknownBuffer(id.0, "noop".into()))
+    }
+
+    fn set_tensor(&self, dst: BufferId, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(dst, offset, data.len())?;
+        self.count_h2d(data.len());
+        self.enqueue();
+        self.wait_all();
+        Ok(())
+    }
+    fn get_tensor(&self, src: BufferId, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.check(src, offset, out.len())?;
+        self.count_d2h(out.len());
+        self.enqueue();
+        self.wait_all();
+        out.fill(0);
+        Ok(())
+    }
+    unsafe fn set_tensor_async(&self, dst: BufferId, offset: usize, _data: *const u8, len: usize) -> Result<()> {
+        self.check(dst, offset, len)?;
+        self.count_h2d(len);
+        self.enqueue();
+        Ok(())
+    }
+    fn set_tensor_async_staged(&self, dst: BufferId, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(dst, offset, data.len())?;
+        self.count_h2d(data.len());
+        self.enqueue();
+        Ok(())
+    }
+    unsafe fn get_tensor_async(&self, src: BufferId, offset: usize, out: *mut u8, len: usize) -> Result<()> {
+        self.check(src, offset, len)?;
+        self.count_d2h(len);
+        self.enqueue();
+        // SAFETY: the caller keeps `out` valid until the next synchronize.
+        unsafe { std::ptr::write_bytes(out, 0, len) };
+        Ok(())
+    }
+
+    fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()> {
+        bump(&self.stats.kernel_launches, graph.nodes.len() as u64);
+        self.enqueue();
+        Ok(())
+    }
+    fn synchronize(&self) -> Result<()> {
+        let idle = {
+            let p = self.progress.lock();
+            p.completed == p.submitted
+        };
+        if idle {
+            bump(&self.stats.elided_syncs, 1);
+        } else {
+            self.wait_all();
+        }
+        Ok(())
+    }
+
+    fn event_new(&self) -> Result<Arc<dyn Event>> {
+        Ok(Arc::new(DoneEvent))
+    }
+    fn event_record(&self, _ev: &Arc<dyn Event>) -> Result<()> {
+        Ok(())
+    }
+    fn event_wait(&self, _ev: &Arc<dyn Event>) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,1 @@
+//! lowsync bindings (being written).

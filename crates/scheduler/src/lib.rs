@@ -1,0 +1,1 @@
+//! lowsync-scheduler (being written).
