@@ -6,8 +6,10 @@
 //! by `cpu`, and `synchronize`, events and the test gate really block.
 //!
 //! Strategy: every enqueue takes the next ticket (`submitted`) and sends one work item; the
-//! worker publishes `completed` after each item. `synchronize` is a no-op iff
-//! `completed == submitted` (an elided sync); otherwise it is one host wait and one driver sync.
+//! worker publishes `completed` after each item; a host wait publishes `observed`.
+//! `synchronize` is a no-op iff `observed == submitted` (an elided sync); otherwise it is one
+//! host wait and one driver sync — also when the worker already finished, so counts depend on
+//! what was enqueued, never on timing.
 //! Blocking `set_tensor`/`get_tensor` enqueue a copy and wait for its ticket, like a device DMA
 //! followed by a stream sync. Staged writes copy the caller's bytes into a recycled staging
 //! vector before returning. On Ctrl-C (the interrupt hook) a wait marks every queued ticket as
@@ -61,8 +63,14 @@ struct Item {
 
 #[derive(Default)]
 struct Progress {
+    /// Tickets handed out (host side).
     submitted: u64,
+    /// Last ticket the worker finished.
     completed: u64,
+    /// Last ticket the host learned was finished through a wait. `synchronize` is elided iff
+    /// this equals `submitted`: work enqueued since the last wait always costs a wait, even
+    /// if the worker happens to be done already (tickets, not timing — ARCHITECTURE §5).
+    observed: u64,
 }
 
 struct Shared {
@@ -95,6 +103,7 @@ impl Shared {
                 self.cancel_upto.store(p.submitted, Ordering::Release);
             }
         }
+        p.observed = p.observed.max(ticket);
         drop(p);
         let err = self.error.lock().take();
         match (interrupted, err) {
@@ -266,7 +275,7 @@ impl Event for AsyncEvent {
         self.owner.progress.lock().completed >= self.ticket.load(Ordering::Acquire)
     }
     fn synchronize(&self) -> Result<()> {
-        if self.is_complete() {
+        if self.owner.progress.lock().observed >= self.ticket.load(Ordering::Acquire) {
             bump(&self.owner.stats.elided_syncs, 1);
             return Ok(());
         }
@@ -414,7 +423,7 @@ impl Backend for CpuAsyncBackend {
     fn synchronize(&self) -> Result<()> {
         let target = {
             let p = self.shared.progress.lock();
-            (p.completed < p.submitted).then_some(p.submitted)
+            (p.observed < p.submitted).then_some(p.submitted)
         };
         match target {
             None => {

@@ -1,1 +1,221 @@
-//! lowsync bindings (being written).
+//! lowsync-bindings: the `lowsync._native` Python module.
+//!
+//! Why: users script lowsync from Python; this crate is the translation layer and nothing
+//! more — no scheduling decisions live here (STYLE.md: bindings hold no logic).
+//!
+//! Strategy: one error mapping ([`errors`]), one GIL-release helper ([`detach`]), one backend
+//! registry ([`registry`]), numpy conversion in [`numpy_io`]. `Context`, `Plan`, `Graph` and
+//! `Tensor` are thin wrappers over the scheduler and graph crates.
+
+mod detach;
+mod errors;
+mod graph;
+mod numpy_io;
+mod registry;
+
+use std::sync::Arc;
+
+use lowsync_backend::{Backend, StatsSnapshot};
+use lowsync_scheduler::{Plan, SyncPolicy};
+use numpy::{PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::{backend_err, input_err, sched_err};
+use crate::graph::{PyGraph, PyTensor};
+
+/// Backends (in priority order) and a sync policy.
+#[pyclass(name = "Context", module = "lowsync._native", frozen)]
+struct PyContext {
+    backends: Vec<Arc<dyn Backend>>,
+    policy: SyncPolicy,
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &StatsSnapshot) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (k, v) in s.fields() {
+        d.set_item(k, v)?;
+    }
+    Ok(d)
+}
+
+#[pymethods]
+impl PyContext {
+    #[new]
+    #[pyo3(signature = (backends = vec!["cpu".to_string()], policy = None))]
+    fn new(backends: Vec<String>, policy: Option<&str>) -> PyResult<Self> {
+        let policy = match policy {
+            Some(p) => p.parse::<SyncPolicy>().map_err(sched_err)?,
+            None => SyncPolicy::from_env().map_err(sched_err)?,
+        };
+        if backends.is_empty() {
+            return Err(input_err("a Context needs at least one backend".into()));
+        }
+        let mut list: Vec<Arc<dyn Backend>> = Vec::new();
+        for name in &backends {
+            if list.iter().any(|b| b.name() == name) {
+                return Err(input_err(format!("backend `{name}` is listed twice")));
+            }
+            list.push(registry::make_backend(name).map_err(backend_err)?);
+        }
+        Ok(PyContext { backends: list, policy })
+    }
+
+    /// Backend names in priority order.
+    #[getter]
+    fn backends(&self) -> Vec<String> {
+        self.backends.iter().map(|b| b.name().to_string()).collect()
+    }
+
+    /// The sync policy of plans compiled here.
+    #[getter]
+    fn policy(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    /// Places, allocates and uploads a graph once; returns a plan to run step after step.
+    fn compile(&self, py: Python<'_>, graph: PyRef<'_, PyGraph>) -> PyResult<PyPlan> {
+        if self.backends.len() > 1 {
+            return Err(sched_err(lowsync_scheduler::Error::Unsupported(
+                "a graph across several backends needs the multi-backend scheduler, which is not built yet; \
+                 give the Context one backend"
+                    .into(),
+            )));
+        }
+        let backend = self.backends[0].clone();
+        let policy = self.policy;
+        let g = &graph.inner;
+        let plan = detach::run(py, || Plan::compile(g, backend, policy), sched_err)?;
+        Ok(PyPlan { inner: plan })
+    }
+
+    /// Counters per backend and their total: `{"total": {...}, "cpu": {...}}`.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        let mut total = StatsSnapshot::default();
+        for b in &self.backends {
+            let s = b.stats().snapshot();
+            total = total.add(&s);
+            out.set_item(b.name(), stats_dict(py, &s)?)?;
+        }
+        out.set_item("total", stats_dict(py, &total)?)?;
+        Ok(out)
+    }
+
+    /// Zeroes every counter.
+    fn reset_stats(&self) {
+        for b in &self.backends {
+            b.stats().reset();
+        }
+    }
+
+    /// Waits for all queued work on every backend.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let bs = &self.backends;
+        detach::run(py, || bs.iter().try_for_each(|b| b.synchronize()), backend_err)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Context(backends={:?}, policy={:?})", self.backends(), self.policy.name())
+    }
+}
+
+/// A graph compiled for a context: write inputs, compute, read outputs.
+#[pyclass(name = "Plan", module = "lowsync._native")]
+struct PyPlan {
+    inner: Plan,
+}
+
+#[pymethods]
+impl PyPlan {
+    /// Copies `data` into the plan's input `name` (one copy; `data` may be reused at once).
+    fn set_input(&mut self, name: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let arr = data
+            .cast::<PyUntypedArray>()
+            .map_err(|_| input_err(format!("input `{name}`: expected a numpy array")))?;
+        let slot = self.inner.input(name).map_err(sched_err)?;
+        if arr.shape() != slot.shape.as_slice() {
+            return Err(input_err(format!("input `{name}` has shape {:?}, got an array of shape {:?}", slot.shape, arr.shape())));
+        }
+        let dt = slot.dtype;
+        let dst = self.inner.input_bytes_mut(name).map_err(sched_err)?;
+        numpy_io::write_array(arr, dt, dst, &format!("input `{name}`"))
+    }
+
+    /// Queues one step; returns without waiting where the policy allows.
+    fn compute(&mut self, py: Python<'_>) -> PyResult<()> {
+        let plan = &mut self.inner;
+        detach::run(py, || plan.compute(), sched_err)
+    }
+
+    /// Waits for the step and returns output `name` as an owned numpy array.
+    fn get_output<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+        let slot = self.inner.output(name).map_err(sched_err)?;
+        let (dt, shape) = (slot.tensor.dtype, slot.tensor.shape.clone());
+        let plan = &self.inner;
+        let bytes = detach::run(py, || plan.get_output(name), sched_err)?;
+        numpy_io::to_array(py, &bytes, dt, &shape)
+    }
+
+    /// Waits for all queued work of the plan's backend.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let plan = &self.inner;
+        detach::run(py, || plan.synchronize(), sched_err)
+    }
+
+    #[getter]
+    fn inputs(&self) -> Vec<String> {
+        self.inner.inputs().iter().map(|s| s.name.clone()).collect()
+    }
+    #[getter]
+    fn outputs(&self) -> Vec<String> {
+        self.inner.outputs().iter().map(|s| s.name.clone()).collect()
+    }
+    #[getter]
+    fn n_nodes(&self) -> usize {
+        self.inner.n_nodes()
+    }
+    #[getter]
+    fn n_leafs(&self) -> usize {
+        self.inner.n_leafs()
+    }
+    #[getter]
+    fn backend(&self) -> String {
+        self.inner.backend().name().to_string()
+    }
+    #[getter]
+    fn policy(&self) -> &'static str {
+        self.inner.policy().name()
+    }
+}
+
+/// Backends that can be created on this machine.
+#[pyfunction]
+fn available_backends() -> Vec<String> {
+    registry::available()
+}
+
+/// The counter names, in the order `stats()` lists them.
+#[pyfunction]
+fn stat_names() -> Vec<&'static str> {
+    StatsSnapshot::NAMES.to_vec()
+}
+
+/// The package version.
+#[pyfunction]
+fn version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add_class::<PyGraph>()?;
+    m.add_class::<PyTensor>()?;
+    m.add_class::<PyContext>()?;
+    m.add_class::<PyPlan>()?;
+    m.add_function(wrap_pyfunction!(available_backends, m)?)?;
+    m.add_function(wrap_pyfunction!(stat_names, m)?)?;
+    m.add_function(wrap_pyfunction!(version, m)?)?;
+    Ok(())
+}

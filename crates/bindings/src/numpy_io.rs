@@ -1,0 +1,100 @@
+//! numpy <-> bytes: dtype checks, one copy in, owned arrays out.
+
+use half::{bf16, f16};
+use lowsync_graph::DType;
+use numpy::{dtype, Element, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use crate::errors::input_err;
+
+/// Parses a dtype name.
+pub fn parse_dtype(s: &str) -> PyResult<DType> {
+    s.parse::<DType>().map_err(|e| input_err(e.to_string()))
+}
+
+/// The lowsync dtype of a numpy array (float32, float16, int32), if any.
+pub fn dtype_of(arr: &Bound<'_, PyUntypedArray>) -> Option<DType> {
+    let py = arr.py();
+    let d = arr.dtype();
+    if d.is_equiv_to(&dtype::<f32>(py)) {
+        Some(DType::F32)
+    } else if d.is_equiv_to(&dtype::<f16>(py)) {
+        Some(DType::F16)
+    } else if d.is_equiv_to(&dtype::<i32>(py)) {
+        Some(DType::I32)
+    } else {
+        None
+    }
+}
+
+/// Copies the elements of `arr` (any layout) into `dst` as `T`'s native bytes.
+fn copy_typed<T: Element + bytemuck::Pod>(arr: &Bound<'_, PyUntypedArray>, dst: &mut [u8]) -> PyResult<()> {
+    let typed = arr.cast::<PyArrayDyn<T>>().map_err(|e| input_err(e.to_string()))?;
+    let ro = typed.readonly();
+    match ro.as_slice() {
+        Ok(s) => dst.copy_from_slice(bytemuck::cast_slice(s)),
+        Err(_) => {
+            let size = std::mem::size_of::<T>();
+            for (chunk, v) in dst.chunks_exact_mut(size).zip(ro.as_array().iter()) {
+                chunk.copy_from_slice(bytemuck::bytes_of(v));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Copies float32 elements into `dst` as bf16.
+fn copy_f32_as_bf16(arr: &Bound<'_, PyUntypedArray>, dst: &mut [u8]) -> PyResult<()> {
+    let typed = arr.cast::<PyArrayDyn<f32>>().map_err(|e| input_err(e.to_string()))?;
+    let ro = typed.readonly();
+    for (chunk, v) in dst.chunks_exact_mut(2).zip(ro.as_array().iter()) {
+        chunk.copy_from_slice(&bf16::from_f32(*v).to_ne_bytes());
+    }
+    Ok(())
+}
+
+/// Writes `arr` into `dst` as `want` elements; the numpy dtype must match (`bf16` takes
+/// float32). `what` names the tensor in errors.
+pub fn write_array(arr: &Bound<'_, PyUntypedArray>, want: DType, dst: &mut [u8], what: &str) -> PyResult<()> {
+    let have = dtype_of(arr);
+    let numpy_name = arr.dtype().str().map(|s| s.to_string()).unwrap_or_default();
+    match (want, have) {
+        (DType::F32, Some(DType::F32)) => copy_typed::<f32>(arr, dst),
+        (DType::F16, Some(DType::F16)) => copy_typed::<f16>(arr, dst),
+        (DType::I32, Some(DType::I32)) => copy_typed::<i32>(arr, dst),
+        (DType::BF16, Some(DType::F32)) => copy_f32_as_bf16(arr, dst),
+        _ => Err(input_err(format!(
+            "{what} has dtype {want}, which takes numpy {}; got {numpy_name}",
+            match want {
+                DType::F32 | DType::BF16 => "float32",
+                DType::F16 => "float16",
+                DType::I32 => "int32",
+            }
+        ))),
+    }
+}
+
+/// The bytes of a weight array converted to `dt`.
+pub fn array_bytes(arr: &Bound<'_, PyUntypedArray>, dt: DType, name: &str) -> PyResult<Vec<u8>> {
+    let n: usize = arr.shape().iter().product();
+    let mut out = vec![0u8; n * dt.size_bytes()];
+    write_array(arr, dt, &mut out, &format!("weight `{name}`"))?;
+    Ok(out)
+}
+
+/// An owned numpy array from row-major bytes (bf16 comes back as float32).
+pub fn to_array<'py>(py: Python<'py>, bytes: &[u8], dt: DType, shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
+    fn build<'py, T: Element + bytemuck::Pod>(py: Python<'py>, bytes: &[u8], shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
+        let v: Vec<T> = bytemuck::pod_collect_to_vec(bytes);
+        Ok(numpy::PyArray1::from_vec(py, v).reshape(shape)?.into_any())
+    }
+    match dt {
+        DType::F32 => build::<f32>(py, bytes, shape),
+        DType::F16 => build::<f16>(py, bytes, shape),
+        DType::I32 => build::<i32>(py, bytes, shape),
+        DType::BF16 => {
+            let v: Vec<f32> = bytes.chunks_exact(2).map(|c| bf16::from_ne_bytes([c[0], c[1]]).to_f32()).collect();
+            Ok(numpy::PyArray1::from_vec(py, v).reshape(shape)?.into_any())
+        }
+    }
+}
