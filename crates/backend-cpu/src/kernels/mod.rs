@@ -1,9 +1,159 @@
-//! Reference kernels (placeholder: being written).
-use crate::memory::Mem;
-use lowsync_backend::{ExecNode, Result};
+//! CPU reference kernels: [`run_node`] runs one [`ExecNode`] on host memory.
+//!
+//! Why: every other backend is checked against these kernels, and the `cpu` / `cpu-async`
+//! backends run them directly, so they favour clear, exact semantics (those of
+//! `lowsync_graph::Op`) over peak speed, while keeping decode-sized work cheap.
+//!
+//! Strategy: tensors are resolved through the bounds-checked [`Mem::ptr`] into strided views
+//! ([`view`]), the only code that dereferences raw memory. All arithmetic is f32: f16/bf16
+//! inputs are widened, results are rounded to the destination's dtype. Kernels validate the
+//! shapes they rely on and return [`Error::Kernel`] instead of panicking, and bad indices
+//! (`GetRows`, `SetRows`, `MulMatId`) are reported before anything is written. Threads are
+//! used only above a size threshold and never split a reduction ([`par`]), so results are
+//! bit-identical run to run and for any thread count.
+//!
+//! Aliasing: a destination may share memory with its first source only in the two ways the
+//! graph allows (an in-place element-wise op with the same layout, and `SetRows` writing the
+//! tensor it aliases). Any other source that overlaps the destination is first copied to
+//! private memory, so a kernel never reads what it already overwrote.
+//!
+//! Modules: [`elementwise`] (add, mul, scale, silu, gelu, swiglu), [`norm`] (rms_norm),
+//! [`softmax`], [`rope`], [`argmax`], [`rows`] (get_rows, set_rows), [`copy`] (cpy, concat and
+//! the strided copy engine), [`matmul`] (mul_mat, mul_mat_id).
 
-/// Runs one compute node.
+mod argmax;
+mod copy;
+mod elementwise;
+mod matmul;
+mod norm;
+mod par;
+mod rope;
+mod rows;
+mod softmax;
+mod view;
+
+#[cfg(test)]
+mod tests;
+
+use std::ops::RangeInclusive;
+
+use lowsync_backend::{Error, ExecNode, Result, TensorRef};
+use lowsync_graph::Op;
+
+use crate::memory::Mem;
+use view::Strided;
+
+/// Runs one compute node: reads `node.srcs`, writes `node.dst`.
+///
+/// Leaves (`Input`, `Weight`, `Persistent`) and `View` have no kernel and are an error here.
 pub fn run_node(node: &ExecNode, mem: &dyn Mem) -> Result<()> {
-    let _ = (node, mem);
+    let Some(want) = src_count(&node.op) else {
+        return Err(kernel_err(node, "has no kernel (leaves and views are not executed)"));
+    };
+    if !want.contains(&node.srcs.len()) {
+        return Err(kernel_err(
+            node,
+            format!("expects {}..={} sources, got {}", want.start(), want.end(), node.srcs.len()),
+        ));
+    }
+    let dst = Strided::resolve(node, &node.dst, mem)?;
+    let mut private = Vec::new();
+    let mut srcs = Vec::with_capacity(node.srcs.len());
+    for (i, t) in node.srcs.iter().enumerate() {
+        let v = Strided::resolve(node, t, mem)?;
+        if needs_private_copy(node, i, t) {
+            let (buf, copy) = v.detach();
+            private.push(buf);
+            srcs.push(copy);
+        } else {
+            srcs.push(v);
+        }
+    }
+    let result = dispatch(node, &dst, &srcs);
+    drop(private);
+    result
+}
+
+fn dispatch(node: &ExecNode, dst: &Strided, s: &[Strided]) -> Result<()> {
+    match node.op {
+        Op::Add | Op::Mul | Op::Scale { .. } | Op::Silu | Op::Gelu | Op::SwiGlu => elementwise::run(node, dst, s),
+        Op::RmsNorm { eps } => norm::rms_norm(node, dst, &s[0], eps),
+        Op::SoftMax { scale } => softmax::soft_max(node, dst, &s[0], s.get(1), scale),
+        Op::Rope { mode, n_dims, theta_base } => rope::rope(node, dst, &s[0], &s[1], mode, n_dims, theta_base),
+        Op::Argmax => argmax::argmax(node, dst, &s[0]),
+        Op::GetRows => rows::get_rows(node, dst, &s[0], &s[1]),
+        Op::SetRows => rows::set_rows(node, dst, &s[0], &s[1], &s[2]),
+        Op::Cpy => copy::cpy(node, dst, &s[0]),
+        Op::Concat { axis } => copy::concat(node, dst, &s[0], &s[1], axis),
+        Op::MulMat => matmul::mul_mat(node, dst, &s[0], &s[1]),
+        Op::MulMatId => matmul::mul_mat_id(node, dst, &s[0], &s[1], &s[2], &s[3]),
+        Op::Input | Op::Weight | Op::Persistent | Op::View => {
+            Err(kernel_err(node, "has no kernel (leaves and views are not executed)"))
+        }
+    }
+}
+
+/// How many sources each op takes; `None` for ops without a kernel.
+fn src_count(op: &Op) -> Option<RangeInclusive<usize>> {
+    Some(match op {
+        Op::Input | Op::Weight | Op::Persistent | Op::View => return None,
+        Op::Scale { .. } | Op::Silu | Op::Gelu | Op::RmsNorm { .. } | Op::Cpy | Op::Argmax => 1..=1,
+        Op::SoftMax { .. } => 1..=2,
+        Op::Add | Op::Mul | Op::SwiGlu | Op::Rope { .. } | Op::Concat { .. } | Op::GetRows | Op::MulMat => 2..=2,
+        Op::SetRows => 3..=3,
+        Op::MulMatId => 4..=4,
+    })
+}
+
+/// Whether source `i` shares bytes with the destination in a way the kernel must not see:
+/// everything except `SetRows`' aliased target and an in-place first source of an element-wise
+/// op with exactly the destination's layout.
+fn needs_private_copy(node: &ExecNode, i: usize, src: &TensorRef) -> bool {
+    let dst = &node.dst;
+    if i == 0 && node.op == Op::SetRows {
+        return false;
+    }
+    let (a, b) = (src.byte_extent(), dst.byte_extent());
+    let overlap = src.buffer == dst.buffer
+        && a > 0
+        && b > 0
+        && src.byte_offset < dst.byte_offset + b
+        && dst.byte_offset < src.byte_offset + a;
+    if !overlap {
+        return false;
+    }
+    let in_place = i == 0 && node.op.can_inplace() && src == dst;
+    !in_place
+}
+
+/// An [`Error::Kernel`] for `node`.
+pub(crate) fn kernel_err(node: &ExecNode, msg: impl Into<String>) -> Error {
+    Error::Kernel { op: node.op.name(), node: node.name.clone(), msg: msg.into() }
+}
+
+/// `src` must have the destination's shape.
+fn same_shape(node: &ExecNode, what: &str, src: &Strided, dst: &Strided) -> Result<()> {
+    if src.shape() != dst.shape() {
+        return Err(kernel_err(
+            node,
+            format!("{what} has shape {:?} but the result has {:?}", src.shape(), dst.shape()),
+        ));
+    }
+    Ok(())
+}
+
+/// The destination must be a float tensor.
+fn float_dst(node: &ExecNode, dst: &Strided) -> Result<()> {
+    if !dst.dtype().is_float() {
+        return Err(kernel_err(node, format!("result must be a float tensor, got {}", dst.dtype())));
+    }
+    Ok(())
+}
+
+/// A source that must be a float tensor.
+fn float_src(node: &ExecNode, what: &str, s: &Strided) -> Result<()> {
+    if !s.dtype().is_float() {
+        return Err(kernel_err(node, format!("{what} must be a float tensor, got {}", s.dtype())));
+    }
     Ok(())
 }

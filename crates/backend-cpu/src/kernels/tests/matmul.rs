@@ -1,0 +1,288 @@
+//! `MulMat` (batch broadcast, GQA, transposed and mixed-dtype operands, empty dimensions,
+//! thread-count independence) and `MulMatId`.
+
+use lowsync_backend::TensorRef;
+use lowsync_graph::{DType, Op};
+use proptest::prelude::*;
+
+use super::harness::*;
+
+/// numpy-style `a @ b` with GQA batch broadcast, over logical (row-major) values.
+fn ref_mul_mat(a: &[f64], sa: &[usize], b: &[f64], sb: &[usize]) -> Vec<f64> {
+    let (ra, rb) = (sa.len(), sb.len());
+    let (m, k, n) = (sa[ra - 2], sa[ra - 1], sb[rb - 1]);
+    let nb = ra.max(rb) - 2;
+    let dim = |s: &[usize], i: usize| {
+        let own = s.len() - 2;
+        if i + own >= nb {
+            s[i + own - nb]
+        } else {
+            1
+        }
+    };
+    let batch: Vec<usize> = (0..nb).map(|i| dim(sa, i).max(dim(sb, i))).collect();
+    // Flat matrix index of an operand for output batch `idx`.
+    let mat_index = |s: &[usize], idx: &[usize]| {
+        let own = s.len() - 2;
+        (0..own).fold(0, |acc, j| {
+            let i = j + nb - own;
+            acc * s[j] + idx[i] / (batch[i] / s[j])
+        })
+    };
+    let mut out = Vec::new();
+    for bi in 0..batch.iter().product() {
+        let idx = unravel(&batch, bi);
+        let (ma, mb) = (mat_index(sa, &idx) * m * k, mat_index(sb, &idx) * k * n);
+        for i in 0..m {
+            for j in 0..n {
+                out.push((0..k).map(|p| a[ma + i * k + p] * b[mb + p * n + j]).sum());
+            }
+        }
+    }
+    out
+}
+
+fn out_shape(sa: &[usize], sb: &[usize]) -> Vec<usize> {
+    let mut s = lowsync_graph::mul_mat_batch(&sa[..sa.len() - 2], &sb[..sb.len() - 2]).expect("valid batch");
+    s.extend([sa[sa.len() - 2], sb[sb.len() - 1]]);
+    s
+}
+
+/// Runs `a @ b` and checks it against the reference; returns the result tensor.
+fn check(mem: &TestMem, a: &TensorRef, b: &TensorRef, dst: &TensorRef, bound: f64) {
+    run(mem, Op::MulMat, dst, &[a, b]).unwrap();
+    let want = ref_mul_mat(&mem.read(a), &a.shape, &mem.read(b), &b.shape);
+    assert_close(&mem.read(dst), &want, bound);
+}
+
+fn check_shapes(sa: &[usize], sb: &[usize], da: DType, db: DType, seed: u64) {
+    let mut mem = TestMem::new();
+    let mut rng = Rng::new(seed);
+    let a = mem.rand(&mut rng, da, sa);
+    let b = mem.rand(&mut rng, db, sb);
+    let dst = mem.zeros(DType::F32, &out_shape(sa, sb));
+    check(&mem, &a, &b, &dst, tol_of(&[da, db]));
+}
+
+#[test]
+fn mul_mat_2d_matches_reference() {
+    check_shapes(&[5, 7], &[7, 3], DType::F32, DType::F32, 120);
+    check_shapes(&[33, 65], &[65, 17], DType::F32, DType::F32, 121);
+}
+
+#[test]
+fn mul_mat_gqa_broadcasts_batch_4_over_2() {
+    // 4 query heads over 2 kv heads: head h uses kv head h / 2; and the other way round.
+    check_shapes(&[4, 3, 8], &[2, 8, 5], DType::F32, DType::F32, 122);
+    check_shapes(&[2, 3, 8], &[4, 8, 5], DType::F32, DType::F32, 123);
+    // Mixed with a broadcast axis of 1 and a missing leading axis.
+    check_shapes(&[2, 4, 3, 8], &[1, 2, 8, 5], DType::F32, DType::F16, 124);
+    check_shapes(&[3, 8], &[2, 4, 8, 5], DType::F32, DType::F32, 125);
+}
+
+#[test]
+fn mul_mat_gqa_uses_kv_head_q_over_ratio() {
+    // b holds a different constant per kv head; head h of the result must see kv head h / 4.
+    let mut mem = TestMem::new();
+    let a = mem.tensor(DType::F32, &[8, 1, 2], &[1.0; 16]);
+    let bv: Vec<f32> = (0..2).flat_map(|h| [h as f32 + 1.0; 2]).collect();
+    let b = mem.tensor(DType::F32, &[2, 2, 1], &bv);
+    let dst = mem.zeros(DType::F32, &[8, 1, 1]);
+    run(&mem, Op::MulMat, &dst, &[&a, &b]).unwrap();
+    assert_eq!(mem.read(&dst), vec![2., 2., 2., 2., 4., 4., 4., 4.]);
+}
+
+#[test]
+fn mul_mat_with_a_transposed_weight_computes_x_at_w_t() {
+    for (i, dw) in [DType::F32, DType::F16, DType::BF16].into_iter().enumerate() {
+        let mut mem = TestMem::new();
+        let mut rng = Rng::new(126 + i as u64);
+        let x = mem.rand(&mut rng, DType::F32, &[6, 40]);
+        let w = mem.rand(&mut rng, dw, &[24, 40]);
+        let wt = transpose(&w, 0, 1); // [40, 24], strides [1, 40]
+        let dst = mem.zeros(DType::F32, &[6, 24]);
+        check(&mem, &x, &wt, &dst, tol(dw));
+    }
+}
+
+#[test]
+fn mul_mat_with_both_operands_transposed_and_batched() {
+    let mut mem = TestMem::new();
+    let mut rng = Rng::new(130);
+    let abase = mem.rand(&mut rng, DType::BF16, &[3, 9, 4]);
+    let a = transpose(&abase, 1, 2); // [3, 4, 9]
+    let bbase = mem.rand(&mut rng, DType::F32, &[3, 5, 9]);
+    let b = transpose(&bbase, 1, 2); // [3, 9, 5]
+    let dst = mem.zeros(DType::F32, &[3, 4, 5]);
+    check(&mem, &a, &b, &dst, tol(DType::BF16));
+}
+
+#[test]
+fn mul_mat_f16_and_bf16_operands_accumulate_in_f32() {
+    check_shapes(&[2, 7, 130], &[2, 130, 9], DType::F16, DType::F16, 131);
+    check_shapes(&[2, 7, 130], &[1, 130, 9], DType::BF16, DType::F32, 132);
+    check_shapes(&[7, 130], &[130, 9], DType::F16, DType::BF16, 133);
+}
+
+#[test]
+fn mul_mat_decode_shape_matches_reference() {
+    let (k, n) = (512, 384);
+    let mut mem = TestMem::new();
+    let mut rng = Rng::new(134);
+    let x = mem.rand(&mut rng, DType::F32, &[1, k]);
+    let w = mem.rand(&mut rng, DType::F16, &[n, k]);
+    let dst = mem.zeros(DType::F32, &[1, n]);
+    check(&mem, &x, &transpose(&w, 0, 1), &dst, tol(DType::F16));
+}
+
+#[test]
+fn mul_mat_handles_empty_dimensions() {
+    let mut mem = TestMem::new();
+    for (sa, sb) in [
+        (vec![0, 3], vec![3, 4]),
+        (vec![2, 3], vec![3, 0]),
+        (vec![0, 2, 3], vec![1, 3, 4]),
+        (vec![0, 2, 3], vec![0, 3, 4]),
+    ] {
+        let a = mem.zeros(DType::F32, &sa);
+        let b = mem.zeros(DType::F16, &sb);
+        let dst = mem.zeros(DType::F32, &out_shape(&sa, &sb));
+        run(&mem, Op::MulMat, &dst, &[&a, &b]).unwrap();
+    }
+    // k = 0 gives zeros (over a destination that held garbage).
+    let a = mem.zeros(DType::F32, &[2, 2, 0]);
+    let b = mem.zeros(DType::BF16, &[2, 0, 3]);
+    let dst = mem.tensor(DType::F32, &[2, 2, 3], &[5.0; 12]);
+    run(&mem, Op::MulMat, &dst, &[&a, &b]).unwrap();
+    assert_eq!(mem.read(&dst), vec![0.0; 12]);
+}
+
+#[test]
+fn mul_mat_is_bit_identical_across_thread_counts() {
+    let mut mem = TestMem::new();
+    let mut rng = Rng::new(135);
+    // A big gemm (threaded inside gemm) and many small attention-like batches (threaded over
+    // batches), each run on pools of 1 and 3 threads and on the global pool.
+    let x = mem.rand(&mut rng, DType::F32, &[2, 100, 300]);
+    let w = mem.rand(&mut rng, DType::F16, &[200, 300]);
+    let wt = transpose(&w, 0, 1);
+    let q = mem.rand(&mut rng, DType::F32, &[8, 16, 64]);
+    let kbase = mem.rand(&mut rng, DType::F32, &[2, 16, 64]);
+    let kt = transpose(&kbase, 1, 2);
+    let cases = [(x, wt, vec![2, 100, 200]), (q, kt, vec![8, 16, 16])];
+    for (a, b, shape) in &cases {
+        let mut results = Vec::new();
+        for threads in [1, 3, 0] {
+            let dst = mem.zeros(DType::F32, shape);
+            let go = || run(&mem, Op::MulMat, &dst, &[a, b]).unwrap();
+            if threads == 0 {
+                go();
+            } else {
+                rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(go);
+            }
+            results.push(mem.bytes(&dst));
+        }
+        assert!(results.windows(2).all(|w| w[0] == w[1]), "results differ for {shape:?}");
+        let dst = mem.zeros(DType::F32, shape);
+        check(&mem, a, b, &dst, tol(DType::F16));
+    }
+}
+
+/// `out[t] = sum_j w[t, j] * (x[t] @ experts[ids[t, j]])`.
+fn ref_mul_mat_id(e: &[f64], se: [usize; 3], x: &[f64], ids: &[i32], w: &[f64], slots: usize) -> Vec<f64> {
+    let [_, k, n] = se;
+    let t_len = ids.len() / slots.max(1);
+    let mut out = vec![0.0; t_len * n];
+    for t in 0..t_len {
+        for j in 0..slots {
+            let ex = ids[t * slots + j] as usize;
+            for c in 0..n {
+                let dot: f64 = (0..k).map(|p| x[t * k + p] * e[ex * k * n + p * n + c]).sum();
+                out[t * n + c] += w[t * slots + j] * dot;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn mul_mat_id_matches_reference() {
+    for (i, de) in [DType::F32, DType::F16, DType::BF16].into_iter().enumerate() {
+        let (e, k, n, t, slots) = (4, 6, 5, 3, 2);
+        let mut mem = TestMem::new();
+        let mut rng = Rng::new(140 + i as u64);
+        let experts = mem.rand(&mut rng, de, &[e, k, n]);
+        let x = mem.rand(&mut rng, DType::F32, &[t, k]);
+        // Token 2 routes to the same expert twice; expert 0 is unused.
+        let ids_v = [3, 1, 1, 2, 3, 3];
+        let ids = mem.ints(&[t, slots], &ids_v);
+        let w = mem.rand(&mut rng, DType::F16, &[t, slots]);
+        let dst = mem.zeros(DType::F32, &[t, n]);
+        run(&mem, Op::MulMatId, &dst, &[&experts, &x, &ids, &w]).unwrap();
+        let want = ref_mul_mat_id(&mem.read(&experts), [e, k, n], &mem.read(&x), &ids_v, &mem.read(&w), slots);
+        assert_close(&mem.read(&dst), &want, tol(de));
+    }
+}
+
+#[test]
+fn mul_mat_id_with_transposed_experts_and_many_tokens() {
+    let (e, k, n, t, slots) = (8, 64, 48, 40, 2);
+    let mut mem = TestMem::new();
+    let mut rng = Rng::new(145);
+    let base = mem.rand(&mut rng, DType::F16, &[e, n, k]);
+    let experts = transpose(&base, 1, 2); // [e, k, n], strided
+    let x = mem.rand(&mut rng, DType::BF16, &[t, k]);
+    let ids_v: Vec<i32> = (0..t * slots).map(|_| rng.below(e) as i32).collect();
+    let ids = mem.ints(&[t, slots], &ids_v);
+    let w = mem.rand(&mut rng, DType::F32, &[t, slots]);
+    let dst = mem.zeros(DType::F32, &[t, n]);
+    run(&mem, Op::MulMatId, &dst, &[&experts, &x, &ids, &w]).unwrap();
+    let want = ref_mul_mat_id(&mem.read(&experts), [e, k, n], &mem.read(&x), &ids_v, &mem.read(&w), slots);
+    assert_close(&mem.read(&dst), &want, tol(DType::BF16));
+}
+
+#[test]
+fn mul_mat_id_with_no_tokens_writes_nothing() {
+    let mut mem = TestMem::new();
+    let experts = mem.tensor(DType::F32, &[2, 3, 4], &[1.0; 24]);
+    let x = mem.zeros(DType::F32, &[0, 3]);
+    let ids = mem.zeros(DType::I32, &[0, 2]);
+    let w = mem.zeros(DType::F32, &[0, 2]);
+    let dst = mem.zeros(DType::F32, &[0, 4]);
+    run(&mem, Op::MulMatId, &dst, &[&experts, &x, &ids, &w]).unwrap();
+}
+
+#[test]
+fn mul_mat_id_out_of_range_expert_is_an_error() {
+    for bad in [2, -1] {
+        let mut mem = TestMem::new();
+        let experts = mem.zeros(DType::F32, &[2, 3, 4]);
+        let x = mem.zeros(DType::F32, &[2, 3]);
+        let ids = mem.ints(&[2, 1], &[0, bad]);
+        let w = mem.zeros(DType::F32, &[2, 1]);
+        let dst = mem.tensor(DType::F32, &[2, 4], &[9.0; 8]);
+        let msg = kernel_msg(run(&mem, Op::MulMatId, &dst, &[&experts, &x, &ids, &w]));
+        assert!(msg.contains(&bad.to_string()) && msg.contains('2'), "{msg}");
+        assert_eq!(mem.read(&dst), vec![9.0; 8], "nothing written");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    #[test]
+    fn mul_mat_matches_reference_for_random_shapes_and_layouts(
+        m in 1usize..9, k in 1usize..40, n in 1usize..9,
+        hb in 1usize..3, ratio in 1usize..4, swap in any::<bool>(),
+        ta in any::<bool>(), tb in any::<bool>(), seed in any::<u64>(),
+    ) {
+        let (ba, bb) = if swap { (hb, hb * ratio) } else { (hb * ratio, hb) };
+        let mut mem = TestMem::new();
+        let mut rng = Rng::new(seed);
+        // Optionally build each operand as the transpose of a stored tensor.
+        let a = if ta { transpose(&mem.rand(&mut rng, DType::F32, &[ba, k, m]), 1, 2) } else { mem.rand(&mut rng, DType::F32, &[ba, m, k]) };
+        let b = if tb { transpose(&mem.rand(&mut rng, DType::F16, &[bb, n, k]), 1, 2) } else { mem.rand(&mut rng, DType::F16, &[bb, k, n]) };
+        let dst = mem.zeros(DType::F32, &out_shape(&a.shape, &b.shape));
+        check(&mem, &a, &b, &dst, tol(DType::F16));
+    }
+}

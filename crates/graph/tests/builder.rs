@@ -1,0 +1,91 @@
+//! Builder validation: shape and dtype errors are reported when the node is built and name the
+//! op and the shapes; node and leaf counts depend only on the calls made.
+
+use std::sync::Arc;
+
+use lowsync_graph::{DType, Graph, Op, RopeMode};
+
+fn msg<T: std::fmt::Debug>(r: lowsync_graph::Result<T>) -> String {
+    r.unwrap_err().to_string()
+}
+
+#[test]
+fn mul_mat_shape_error_names_the_op_and_the_shapes() {
+    let mut g = Graph::new();
+    let a = g.input("a", &[4, 3], DType::F32).unwrap();
+    let b = g.input("b", &[4, 5], DType::F32).unwrap();
+    let m = msg(g.mul_mat(a, b));
+    assert!(m.contains("mul_mat") && m.contains("[4, 3]") && m.contains("[4, 5]"), "{m}");
+}
+
+#[test]
+fn gqa_batch_broadcast_is_accepted_and_other_ratios_are_not() {
+    let mut g = Graph::new();
+    let q = g.input("q", &[8, 2, 16], DType::F32).unwrap();
+    let k = g.input("k", &[2, 16, 5], DType::F32).unwrap();
+    let s = g.mul_mat(q, k).unwrap();
+    assert_eq!(g.tensor(s).shape(), &[8, 2, 5]);
+    let k3 = g.input("k3", &[3, 16, 5], DType::F32).unwrap();
+    assert!(msg(g.mul_mat(q, k3)).contains("batch axes"));
+}
+
+#[test]
+fn dtype_errors_name_the_op() {
+    let mut g = Graph::new();
+    let x = g.input("x", &[2, 4], DType::F32).unwrap();
+    let ids = g.input("ids", &[3], DType::F32).unwrap();
+    assert!(msg(g.get_rows(x, ids)).contains("get_rows: ids must be i32"));
+    let i = g.input("i", &[2, 4], DType::I32).unwrap();
+    assert!(msg(g.silu(i)).contains("silu"));
+}
+
+#[test]
+fn rope_and_set_rows_validate_their_operands() {
+    let mut g = Graph::new();
+    let x = g.input("x", &[3, 2, 8], DType::F32).unwrap();
+    let pos = g.input("pos", &[4], DType::I32).unwrap();
+    assert!(msg(g.rope(x, pos, RopeMode::Normal, 8, 1e4)).contains("positions"));
+    let pos3 = g.input("pos3", &[3], DType::I32).unwrap();
+    assert!(msg(g.rope(x, pos3, RopeMode::Neox, 7, 1e4)).contains("n_dims 7"));
+    let not_persistent = g.input("kv", &[4, 8], DType::F32).unwrap();
+    let src = g.input("src", &[1, 8], DType::F32).unwrap();
+    let idx = g.input("idx", &[1], DType::I32).unwrap();
+    assert!(msg(g.set_rows(not_persistent, src, idx)).contains("persistent"));
+}
+
+#[test]
+fn views_share_their_root_and_check_bounds() {
+    let mut g = Graph::new();
+    let x = g.input("x", &[4, 6], DType::F16).unwrap();
+    let t = g.transpose(x, 0, 1).unwrap();
+    assert_eq!(g.tensor(t).shape(), &[6, 4]);
+    assert_eq!(g.tensor(t).root, x);
+    assert!(msg(g.reshape(t, &[24])).contains("not contiguous"));
+    let s = g.slice(x, 1, 2, 5).unwrap();
+    assert_eq!((g.tensor(s).shape(), g.tensor(s).layout.offset), (&[4usize, 3][..], 2));
+    assert!(msg(g.slice(x, 1, 2, 7)).contains("out of range"));
+    assert_eq!(g.tensor(t).op, Op::View);
+}
+
+#[test]
+fn weight_size_and_duplicate_names_are_checked() {
+    let mut g = Graph::new();
+    assert!(msg(g.weight("w", &[2, 2], DType::F32, Arc::from(vec![0u8; 8]), None)).contains("needs 16"));
+    g.input("x", &[1], DType::F32).unwrap();
+    assert!(msg(g.input("x", &[1], DType::F32)).contains("duplicate"));
+}
+
+#[test]
+fn node_and_leaf_counts_follow_the_calls_only() {
+    let build = || {
+        let mut g = Graph::new();
+        let x = g.input("x", &[0, 8], DType::F32).unwrap(); // zero rows: same node count
+        let w = g.weight("w", &[8, 8], DType::F32, Arc::from(vec![0u8; 256]), None).unwrap();
+        let y = g.mul_mat(x, w).unwrap();
+        let y = g.rms_norm(y, 1e-5).unwrap();
+        g.output("y", y).unwrap();
+        g
+    };
+    let g = build();
+    assert_eq!((g.n_nodes(), g.n_leafs()), (2, 2));
+}
