@@ -139,7 +139,7 @@ impl PyPlan {
         }
         let dt = slot.dtype;
         let dst = self.inner.input_bytes_mut(name).map_err(sched_err)?;
-        numpy_io::write_array(arr, dt, dst, &format!("input `{name}`"))
+        numpy_io::write_array(arr, dt, dst, "input", name)
     }
 
     /// Queues one step; returns without waiting where the policy allows.

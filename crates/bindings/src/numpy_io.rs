@@ -27,10 +27,11 @@ pub fn dtype_of(arr: &Bound<'_, PyUntypedArray>) -> Option<DType> {
     }
 }
 
-/// Copies the elements of `arr` (any layout) into `dst` as `T`'s native bytes.
-fn copy_typed<T: Element + bytemuck::Pod>(arr: &Bound<'_, PyUntypedArray>, dst: &mut [u8]) -> PyResult<()> {
-    let typed = arr.cast::<PyArrayDyn<T>>().map_err(|e| input_err(e.to_string()))?;
-    let ro = typed.readonly();
+/// Copies the elements of `arr` (any layout) into `dst` as `T`'s native bytes; `false` when
+/// the array's dtype is not `T`.
+fn copy_typed<T: Element + bytemuck::Pod>(arr: &Bound<'_, PyUntypedArray>, dst: &mut [u8]) -> PyResult<bool> {
+    let Ok(typed) = arr.cast::<PyArrayDyn<T>>() else { return Ok(false) };
+    let ro = typed.try_readonly().map_err(|e| input_err(e.to_string()))?;
     match ro.as_slice() {
         Ok(s) => dst.copy_from_slice(bytemuck::cast_slice(s)),
         Err(_) => {
@@ -40,45 +41,48 @@ fn copy_typed<T: Element + bytemuck::Pod>(arr: &Bound<'_, PyUntypedArray>, dst: 
             }
         }
     }
-    Ok(())
+    Ok(true)
 }
 
-/// Copies float32 elements into `dst` as bf16.
-fn copy_f32_as_bf16(arr: &Bound<'_, PyUntypedArray>, dst: &mut [u8]) -> PyResult<()> {
-    let typed = arr.cast::<PyArrayDyn<f32>>().map_err(|e| input_err(e.to_string()))?;
-    let ro = typed.readonly();
+/// Copies float32 elements into `dst` as bf16; `false` when the array is not float32.
+fn copy_f32_as_bf16(arr: &Bound<'_, PyUntypedArray>, dst: &mut [u8]) -> PyResult<bool> {
+    let Ok(typed) = arr.cast::<PyArrayDyn<f32>>() else { return Ok(false) };
+    let ro = typed.try_readonly().map_err(|e| input_err(e.to_string()))?;
     for (chunk, v) in dst.chunks_exact_mut(2).zip(ro.as_array().iter()) {
         chunk.copy_from_slice(&bf16::from_f32(*v).to_ne_bytes());
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Writes `arr` into `dst` as `want` elements; the numpy dtype must match (`bf16` takes
-/// float32). `what` names the tensor in errors.
-pub fn write_array(arr: &Bound<'_, PyUntypedArray>, want: DType, dst: &mut [u8], what: &str) -> PyResult<()> {
-    let have = dtype_of(arr);
-    let numpy_name = arr.dtype().str().map(|s| s.to_string()).unwrap_or_default();
-    match (want, have) {
-        (DType::F32, Some(DType::F32)) => copy_typed::<f32>(arr, dst),
-        (DType::F16, Some(DType::F16)) => copy_typed::<f16>(arr, dst),
-        (DType::I32, Some(DType::I32)) => copy_typed::<i32>(arr, dst),
-        (DType::BF16, Some(DType::F32)) => copy_f32_as_bf16(arr, dst),
-        _ => Err(input_err(format!(
-            "{what} has dtype {want}, which takes numpy {}; got {numpy_name}",
-            match want {
-                DType::F32 | DType::BF16 => "float32",
-                DType::F16 => "float16",
-                DType::I32 => "int32",
-            }
-        ))),
+/// float32). `kind` and `name` name the tensor in errors. The typed cast is the only dtype check on
+/// this per-step path.
+pub fn write_array(arr: &Bound<'_, PyUntypedArray>, want: DType, dst: &mut [u8], kind: &str, name: &str) -> PyResult<()> {
+    let done = match want {
+        DType::F32 => copy_typed::<f32>(arr, dst)?,
+        DType::F16 => copy_typed::<f16>(arr, dst)?,
+        DType::I32 => copy_typed::<i32>(arr, dst)?,
+        DType::BF16 => copy_f32_as_bf16(arr, dst)?,
+    };
+    if done {
+        return Ok(());
     }
+    let numpy_name = arr.dtype().str().map(|s| s.to_string()).unwrap_or_default();
+    Err(input_err(format!(
+        "{kind} `{name}` has dtype {want}, which takes numpy {}; got {numpy_name}",
+        match want {
+            DType::F32 | DType::BF16 => "float32",
+            DType::F16 => "float16",
+            DType::I32 => "int32",
+        }
+    )))
 }
 
 /// The bytes of a weight array converted to `dt`.
 pub fn array_bytes(arr: &Bound<'_, PyUntypedArray>, dt: DType, name: &str) -> PyResult<Vec<u8>> {
     let n: usize = arr.shape().iter().product();
     let mut out = vec![0u8; n * dt.size_bytes()];
-    write_array(arr, dt, &mut out, &format!("weight `{name}`"))?;
+    write_array(arr, dt, &mut out, "weight", name)?;
     Ok(out)
 }
 
