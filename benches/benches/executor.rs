@@ -14,7 +14,11 @@ use lowsync_scheduler::{Plan, SyncPolicy};
 fn executor(c: &mut Criterion) {
     let s = Shape::BENCH;
     let graph = llama_shaped(s);
-    eprintln!("llama-shaped bench graph: {} nodes, {} leafs", graph.n_nodes(), graph.n_leafs());
+    eprintln!(
+        "llama-shaped bench graph: {} nodes, {} leafs",
+        graph.n_nodes(),
+        graph.n_leafs()
+    );
     let mut group = c.benchmark_group("executor_step_noop");
     for policy in SyncPolicy::ALL {
         let be: Arc<dyn Backend> = Arc::new(NoopBackend::new());

@@ -22,15 +22,26 @@ pub struct Shape {
 
 impl Shape {
     /// About 400 nodes: 13 layers of a small model.
-    pub const BENCH: Shape = Shape { n_layers: 13, d_model: 64, n_heads: 4, n_kv_heads: 2, d_ff: 128, n_vocab: 256, n_ctx: 64 };
+    pub const BENCH: Shape = Shape {
+        n_layers: 13,
+        d_model: 64,
+        n_heads: 4,
+        n_kv_heads: 2,
+        d_ff: 128,
+        n_vocab: 256,
+        n_ctx: 64,
+    };
 }
 
 fn weight(g: &mut Graph, name: &str, shape: &[usize], seed: usize) -> TensorId {
     let n: usize = shape.iter().product();
     let data: Vec<u8> = (0..n)
-        .flat_map(|i| ((((i * 2654435761 + seed * 97) % 1000) as f32 - 500.0) / 25_000.0).to_ne_bytes())
+        .flat_map(|i| {
+            ((((i * 2654435761 + seed * 97) % 1000) as f32 - 500.0) / 25_000.0).to_ne_bytes()
+        })
         .collect();
-    g.weight(name, shape, DType::F32, Arc::from(data), None).expect("bench weight")
+    g.weight(name, shape, DType::F32, Arc::from(data), None)
+        .expect("bench weight")
 }
 
 /// One decode step (n_tokens = 1) of a llama-shaped model. Inputs: `tokens`, `pos`, `kv_idx`
@@ -49,7 +60,9 @@ pub fn llama_shaped(s: Shape) -> Graph {
     let embd = weight(&mut g, "tok_embd", &[s.n_vocab, s.d_model], 1);
     let mut x = g.get_rows(embd, tokens).unwrap();
     for l in 0..s.n_layers {
-        let w = |g: &mut Graph, n: &str, shape: &[usize]| weight(g, &format!("blk.{l}.{n}"), shape, l * 16 + n.len());
+        let w = |g: &mut Graph, n: &str, shape: &[usize]| {
+            weight(g, &format!("blk.{l}.{n}"), shape, l * 16 + n.len())
+        };
         let norm_w = w(&mut g, "attn_norm", &[s.d_model]);
         let wq = w(&mut g, "wq", &[s.d_model, s.d_model]);
         let wk = w(&mut g, "wk", &[s.d_model, kv_d]);
@@ -59,8 +72,12 @@ pub fn llama_shaped(s: Shape) -> Graph {
         let wg = w(&mut g, "w_gate", &[s.d_model, s.d_ff]);
         let wu = w(&mut g, "w_up", &[s.d_model, s.d_ff]);
         let wd = w(&mut g, "w_down", &[s.d_ff, s.d_model]);
-        let k_cache = g.persistent(&format!("blk.{l}.k_cache"), &[s.n_ctx, kv_d], DType::F32).unwrap();
-        let v_cache = g.persistent(&format!("blk.{l}.v_cache"), &[s.n_ctx, kv_d], DType::F32).unwrap();
+        let k_cache = g
+            .persistent(&format!("blk.{l}.k_cache"), &[s.n_ctx, kv_d], DType::F32)
+            .unwrap();
+        let v_cache = g
+            .persistent(&format!("blk.{l}.v_cache"), &[s.n_ctx, kv_d], DType::F32)
+            .unwrap();
 
         let h = g.rms_norm(x, 1e-5).unwrap();
         let h = g.mul(h, norm_w).unwrap();
@@ -80,7 +97,9 @@ pub fn llama_shaped(s: Shape) -> Graph {
         let vt = g.permute(vc, &[1, 0, 2]).unwrap(); // [kv_heads, n_ctx, hd]
         let qh = g.permute(q, &[1, 0, 2]).unwrap(); // [heads, 1, hd]
         let kq = g.mul_mat(qh, kt).unwrap(); // [heads, 1, n_ctx]
-        let kq = g.soft_max(kq, Some(mask), 1.0 / (hd as f32).sqrt()).unwrap();
+        let kq = g
+            .soft_max(kq, Some(mask), 1.0 / (hd as f32).sqrt())
+            .unwrap();
         let o = g.mul_mat(kq, vt).unwrap(); // [heads, 1, hd]
         let o = g.permute(o, &[1, 0, 2]).unwrap();
         let o = g.cont(o).unwrap();
@@ -112,12 +131,18 @@ pub fn write_step_inputs(plan: &mut lowsync_scheduler::Plan, s: Shape, n: usize,
     let i32b = |v: i32| v.to_ne_bytes();
     plan.set_input("tokens", &i32b(token)).unwrap();
     plan.set_input("pos", &i32b(n as i32)).unwrap();
-    plan.set_input("kv_idx", &i32b((n % s.n_ctx) as i32)).unwrap();
+    plan.set_input("kv_idx", &i32b((n % s.n_ctx) as i32))
+        .unwrap();
     plan.set_input("out_ids", &i32b(0)).unwrap();
-    plan.set_input("logit_scale", &1.0f32.to_ne_bytes()).unwrap();
+    plan.set_input("logit_scale", &1.0f32.to_ne_bytes())
+        .unwrap();
     let mask = plan.input_bytes_mut("kq_mask").unwrap();
     for (c, chunk) in mask.chunks_exact_mut(4).enumerate() {
-        let v = if c <= n % s.n_ctx { 0.0f32 } else { f32::NEG_INFINITY };
+        let v = if c <= n % s.n_ctx {
+            0.0f32
+        } else {
+            f32::NEG_INFINITY
+        };
         chunk.copy_from_slice(&v.to_ne_bytes());
     }
 }

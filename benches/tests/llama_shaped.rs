@@ -8,7 +8,11 @@ use lowsync_benches::{llama_shaped, write_step_inputs, Shape};
 use lowsync_cpu::{CpuAsyncBackend, CpuBackend, NoopBackend};
 use lowsync_scheduler::{Plan, SyncPolicy};
 
-fn decode(be: Arc<dyn Backend>, policy: SyncPolicy, steps: usize) -> (Vec<i32>, lowsync_backend::StatsSnapshot) {
+fn decode(
+    be: Arc<dyn Backend>,
+    policy: SyncPolicy,
+    steps: usize,
+) -> (Vec<i32>, lowsync_backend::StatsSnapshot) {
     let s = Shape::BENCH;
     let mut plan = Plan::compile(&llama_shaped(s), be.clone(), policy).unwrap();
     let mut token = 1;
@@ -38,7 +42,11 @@ fn bench_graph_has_about_400_nodes_and_six_inputs() {
 fn greedy_tokens_match_across_backends_and_policies() {
     let (reference, _) = decode(Arc::new(CpuBackend::new()), SyncPolicy::Stock, 6);
     for policy in SyncPolicy::ALL {
-        let (t, _) = decode(Arc::new(CpuAsyncBackend::new("cpu-async").unwrap()), policy, 6);
+        let (t, _) = decode(
+            Arc::new(CpuAsyncBackend::new("cpu-async").unwrap()),
+            policy,
+            6,
+        );
         assert_eq!(t, reference, "{policy}");
     }
 }
@@ -47,7 +55,10 @@ fn greedy_tokens_match_across_backends_and_policies() {
 fn steady_state_counts_per_token_follow_the_policy() {
     let steps = 5u64; // counted: steps 1..=5 of 6
     for policy in SyncPolicy::ALL {
-        for be in [Arc::new(CpuAsyncBackend::new("cpu-async").unwrap()) as Arc<dyn Backend>, Arc::new(NoopBackend::new())] {
+        for be in [
+            Arc::new(CpuAsyncBackend::new("cpu-async").unwrap()) as Arc<dyn Backend>,
+            Arc::new(NoopBackend::new()),
+        ] {
             let name = be.name().to_string();
             let (_, d) = decode(be, policy, 6);
             let (waits, h2d) = match policy {

@@ -38,7 +38,10 @@ impl Default for CpuBackend {
 impl CpuBackend {
     /// A new host backend with its own buffers.
     pub fn new() -> Self {
-        CpuBackend { store: Store::new("cpu"), stats: SyncStats::default() }
+        CpuBackend {
+            store: Store::new("cpu"),
+            stats: SyncStats::default(),
+        }
     }
 }
 
@@ -62,11 +65,15 @@ pub fn cpu_supports_op(op: &Op, dst: DType, srcs: &[DType]) -> bool {
     let floats = |ds: &[DType]| ds.iter().all(|d| d.is_float());
     match op {
         Op::Input | Op::Weight | Op::Persistent | Op::View => true,
-        Op::GetRows => dst.is_float() && srcs.len() == 2 && srcs[0].is_float() && srcs[1] == DType::I32,
+        Op::GetRows => {
+            dst.is_float() && srcs.len() == 2 && srcs[0].is_float() && srcs[1] == DType::I32
+        }
         Op::SetRows => srcs.len() == 3 && floats(&srcs[..2]) && srcs[2] == DType::I32,
         Op::Rope { .. } => srcs.len() == 2 && srcs[0].is_float() && srcs[1] == DType::I32,
         Op::Argmax => dst == DType::I32 && floats(srcs),
-        Op::MulMatId => srcs.len() == 4 && floats(&srcs[..2]) && srcs[2] == DType::I32 && srcs[3].is_float(),
+        Op::MulMatId => {
+            srcs.len() == 4 && floats(&srcs[..2]) && srcs[2] == DType::I32 && srcs[3].is_float()
+        }
         Op::Cpy | Op::Concat { .. } => srcs.iter().all(|s| s.is_float() == dst.is_float()),
         _ => dst.is_float() && floats(srcs),
     }
@@ -103,7 +110,11 @@ impl Backend for CpuBackend {
         }
     }
     fn buffer_type(&self) -> BufferType {
-        BufferType { name: "cpu".into(), alignment: ALIGNMENT, is_host: true }
+        BufferType {
+            name: "cpu".into(),
+            alignment: ALIGNMENT,
+            is_host: true,
+        }
     }
     fn supports_op(&self, op: &Op, dst: DType, srcs: &[DType]) -> bool {
         cpu_supports_op(op, dst, srcs)
@@ -147,16 +158,32 @@ impl Backend for CpuBackend {
         bump(&self.stats.d2h_bytes, out.len() as u64);
         Ok(())
     }
-    unsafe fn set_tensor_async(&self, dst: BufferId, offset: usize, data: *const u8, len: usize) -> Result<()> {
+    unsafe fn set_tensor_async(
+        &self,
+        dst: BufferId,
+        offset: usize,
+        data: *const u8,
+        len: usize,
+    ) -> Result<()> {
         // SAFETY: the caller keeps `data` valid for the call (and longer).
-        self.set_tensor(dst, offset, unsafe { std::slice::from_raw_parts(data, len) })
+        self.set_tensor(dst, offset, unsafe {
+            std::slice::from_raw_parts(data, len)
+        })
     }
     fn set_tensor_async_staged(&self, dst: BufferId, offset: usize, data: &[u8]) -> Result<()> {
         self.set_tensor(dst, offset, data)
     }
-    unsafe fn get_tensor_async(&self, src: BufferId, offset: usize, out: *mut u8, len: usize) -> Result<()> {
+    unsafe fn get_tensor_async(
+        &self,
+        src: BufferId,
+        offset: usize,
+        out: *mut u8,
+        len: usize,
+    ) -> Result<()> {
         // SAFETY: the caller keeps `out` valid for the call (and longer).
-        self.get_tensor(src, offset, unsafe { std::slice::from_raw_parts_mut(out, len) })
+        self.get_tensor(src, offset, unsafe {
+            std::slice::from_raw_parts_mut(out, len)
+        })
     }
 
     fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()> {

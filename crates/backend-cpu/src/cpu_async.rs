@@ -46,11 +46,30 @@ unsafe impl Send for RawPtr {}
 enum Work {
     Compute(Arc<ExecGraph>),
     /// A staged write: the bytes belong to the queue.
-    WriteStaged { dst: BufferId, offset: usize, data: Vec<u8> },
-    WriteRaw { dst: BufferId, offset: usize, src: RawPtr, len: usize },
-    ReadRaw { src: BufferId, offset: usize, out: RawPtr, len: usize },
+    WriteStaged {
+        dst: BufferId,
+        offset: usize,
+        data: Vec<u8>,
+    },
+    WriteRaw {
+        dst: BufferId,
+        offset: usize,
+        src: RawPtr,
+        len: usize,
+    },
+    ReadRaw {
+        src: BufferId,
+        offset: usize,
+        out: RawPtr,
+        len: usize,
+    },
     /// Copy from another backend's host-addressable memory.
-    CopyIn { src: RawPtr, dst: BufferId, offset: usize, len: usize },
+    CopyIn {
+        src: RawPtr,
+        dst: BufferId,
+        offset: usize,
+        len: usize,
+    },
     WaitEvent(Arc<dyn Event>),
     Gate(Arc<GateState>),
     Shutdown,
@@ -98,7 +117,10 @@ impl Shared {
         let mut interrupted = false;
         while p.completed < ticket {
             self.done.wait_for(&mut p, interrupt::POLL_INTERVAL);
-            if !interrupted && p.completed < ticket && MutexGuard::unlocked(&mut p, interrupt::requested) {
+            if !interrupted
+                && p.completed < ticket
+                && MutexGuard::unlocked(&mut p, interrupt::requested)
+            {
                 interrupted = true;
                 self.cancel_upto.store(p.submitted, Ordering::Release);
             }
@@ -145,8 +167,16 @@ impl CpuAsyncBackend {
         let worker = std::thread::Builder::new()
             .name(format!("lowsync-{name}"))
             .spawn(move || worker_loop(&worker_shared, rx))
-            .map_err(|e| Error::Unavailable { backend: name.to_string(), reason: e.to_string() })?;
-        Ok(CpuAsyncBackend { name: name.to_string(), shared, tx: Mutex::new(tx), worker: Some(worker) })
+            .map_err(|e| Error::Unavailable {
+                backend: name.to_string(),
+                reason: e.to_string(),
+            })?;
+        Ok(CpuAsyncBackend {
+            name: name.to_string(),
+            shared,
+            tx: Mutex::new(tx),
+            worker: Some(worker),
+        })
     }
 
     /// Queues one item and returns its ticket. Counts one submission.
@@ -185,7 +215,10 @@ impl CpuAsyncBackend {
 impl Drop for CpuAsyncBackend {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
-        let _ = self.tx.lock().send(Item { ticket: u64::MAX, work: Work::Shutdown });
+        let _ = self.tx.lock().send(Item {
+            ticket: u64::MAX,
+            work: Work::Shutdown,
+        });
         if let Some(w) = self.worker.take() {
             let _ = w.join();
         }
@@ -201,13 +234,31 @@ fn worker_loop(shared: &Shared, rx: Receiver<Item>) {
             Work::Compute(_) => Ok(()),
             Work::WriteStaged { dst, offset, data } => {
                 let r = copy_into(&shared.store, dst, offset, data.as_ptr(), data.len());
-                shared.stats.staging_bytes_in_use.fetch_sub(data.len() as u64, Ordering::Relaxed);
+                shared
+                    .stats
+                    .staging_bytes_in_use
+                    .fetch_sub(data.len() as u64, Ordering::Relaxed);
                 shared.staging_pool.lock().push(data);
                 r
             }
-            Work::WriteRaw { dst, offset, src, len } => copy_into(&shared.store, dst, offset, src.0, len),
-            Work::CopyIn { src, dst, offset, len } => copy_into(&shared.store, dst, offset, src.0, len),
-            Work::ReadRaw { src, offset, out, len } => shared.store.span(src, offset, len).map(|p| {
+            Work::WriteRaw {
+                dst,
+                offset,
+                src,
+                len,
+            } => copy_into(&shared.store, dst, offset, src.0, len),
+            Work::CopyIn {
+                src,
+                dst,
+                offset,
+                len,
+            } => copy_into(&shared.store, dst, offset, src.0, len),
+            Work::ReadRaw {
+                src,
+                offset,
+                out,
+                len,
+            } => shared.store.span(src, offset, len).map(|p| {
                 // SAFETY: bounds checked by `span`; `out` is valid per the enqueue contract.
                 unsafe { std::ptr::copy_nonoverlapping(p, out.0, len) }
             }),
@@ -245,7 +296,13 @@ fn run_graph_cancellable(shared: &Shared, ticket: u64, g: &ExecGraph) -> Result<
     Ok(())
 }
 
-fn copy_into(store: &Store, dst: BufferId, offset: usize, src: *const u8, len: usize) -> Result<()> {
+fn copy_into(
+    store: &Store,
+    dst: BufferId,
+    offset: usize,
+    src: *const u8,
+    len: usize,
+) -> Result<()> {
     let p = store.span(dst, offset, len)?;
     // SAFETY: bounds checked by `span`; `src` is valid per the enqueue contract.
     unsafe { std::ptr::copy_nonoverlapping(src, p, len) };
@@ -320,7 +377,11 @@ impl Backend for CpuAsyncBackend {
         }
     }
     fn buffer_type(&self) -> BufferType {
-        BufferType { name: self.name.clone(), alignment: ALIGNMENT, is_host: false }
+        BufferType {
+            name: self.name.clone(),
+            alignment: ALIGNMENT,
+            is_host: false,
+        }
     }
     fn supports_op(&self, op: &Op, dst: DType, srcs: &[DType]) -> bool {
         cpu_supports_op(op, dst, srcs)
@@ -355,20 +416,41 @@ impl Backend for CpuAsyncBackend {
         bump(&self.shared.stats.h2d_copies, 1);
         bump(&self.shared.stats.h2d_bytes, data.len() as u64);
         let src = RawPtr(data.as_ptr().cast_mut());
-        self.enqueue_and_wait(Work::WriteRaw { dst, offset, src, len: data.len() })
+        self.enqueue_and_wait(Work::WriteRaw {
+            dst,
+            offset,
+            src,
+            len: data.len(),
+        })
     }
     fn get_tensor(&self, src: BufferId, offset: usize, out: &mut [u8]) -> Result<()> {
         self.shared.store.span(src, offset, out.len())?;
         bump(&self.shared.stats.d2h_copies, 1);
         bump(&self.shared.stats.d2h_bytes, out.len() as u64);
         let out_ptr = RawPtr(out.as_mut_ptr());
-        self.enqueue_and_wait(Work::ReadRaw { src, offset, out: out_ptr, len: out.len() })
+        self.enqueue_and_wait(Work::ReadRaw {
+            src,
+            offset,
+            out: out_ptr,
+            len: out.len(),
+        })
     }
-    unsafe fn set_tensor_async(&self, dst: BufferId, offset: usize, data: *const u8, len: usize) -> Result<()> {
+    unsafe fn set_tensor_async(
+        &self,
+        dst: BufferId,
+        offset: usize,
+        data: *const u8,
+        len: usize,
+    ) -> Result<()> {
         self.shared.store.span(dst, offset, len)?;
         bump(&self.shared.stats.h2d_copies, 1);
         bump(&self.shared.stats.h2d_bytes, len as u64);
-        self.enqueue(Work::WriteRaw { dst, offset, src: RawPtr(data.cast_mut()), len });
+        self.enqueue(Work::WriteRaw {
+            dst,
+            offset,
+            src: RawPtr(data.cast_mut()),
+            len,
+        });
         Ok(())
     }
     fn set_tensor_async_staged(&self, dst: BufferId, offset: usize, data: &[u8]) -> Result<()> {
@@ -377,14 +459,29 @@ impl Backend for CpuAsyncBackend {
         bump(&self.shared.stats.staging_bytes_in_use, data.len() as u64);
         bump(&self.shared.stats.h2d_copies, 1);
         bump(&self.shared.stats.h2d_bytes, data.len() as u64);
-        self.enqueue(Work::WriteStaged { dst, offset, data: staged });
+        self.enqueue(Work::WriteStaged {
+            dst,
+            offset,
+            data: staged,
+        });
         Ok(())
     }
-    unsafe fn get_tensor_async(&self, src: BufferId, offset: usize, out: *mut u8, len: usize) -> Result<()> {
+    unsafe fn get_tensor_async(
+        &self,
+        src: BufferId,
+        offset: usize,
+        out: *mut u8,
+        len: usize,
+    ) -> Result<()> {
         self.shared.store.span(src, offset, len)?;
         bump(&self.shared.stats.d2h_copies, 1);
         bump(&self.shared.stats.d2h_bytes, len as u64);
-        self.enqueue(Work::ReadRaw { src, offset, out: RawPtr(out), len });
+        self.enqueue(Work::ReadRaw {
+            src,
+            offset,
+            out: RawPtr(out),
+            len,
+        });
         Ok(())
     }
     fn cpy_tensor_async(
@@ -402,16 +499,31 @@ impl Backend for CpuAsyncBackend {
         if !src_backend.buffer_type().is_host || src_backend.device_kind() != DeviceKind::Cpu {
             return Ok(false);
         }
-        let Some(base) = src_backend.buffer_host_ptr(src) else { return Ok(false) };
-        if src_offset.checked_add(len).is_none_or(|e| e > src_backend.buffer_size(src).unwrap_or(0)) {
-            return Err(Error::OutOfBounds { buffer: src.0, offset: src_offset, len, size: src_backend.buffer_size(src)? });
+        let Some(base) = src_backend.buffer_host_ptr(src) else {
+            return Ok(false);
+        };
+        if src_offset
+            .checked_add(len)
+            .is_none_or(|e| e > src_backend.buffer_size(src).unwrap_or(0))
+        {
+            return Err(Error::OutOfBounds {
+                buffer: src.0,
+                offset: src_offset,
+                len,
+                size: src_backend.buffer_size(src)?,
+            });
         }
         self.shared.store.span(dst, dst_offset, len)?;
         bump(&self.shared.stats.h2d_copies, 1);
         bump(&self.shared.stats.h2d_bytes, len as u64);
         // SAFETY: in bounds of the source buffer, checked above.
         let p = RawPtr(unsafe { base.as_ptr().add(src_offset) });
-        self.enqueue(Work::CopyIn { src: p, dst, offset: dst_offset, len });
+        self.enqueue(Work::CopyIn {
+            src: p,
+            dst,
+            offset: dst_offset,
+            len,
+        });
         Ok(true)
     }
 
@@ -438,19 +550,32 @@ impl Backend for CpuAsyncBackend {
     }
 
     fn event_new(&self) -> Result<Arc<dyn Event>> {
-        Ok(Arc::new(AsyncEvent { owner: self.shared.clone(), ticket: AtomicU64::new(0) }))
+        Ok(Arc::new(AsyncEvent {
+            owner: self.shared.clone(),
+            ticket: AtomicU64::new(0),
+        }))
     }
     fn event_record(&self, ev: &Arc<dyn Event>) -> Result<()> {
-        let a = ev.as_any().downcast_ref::<AsyncEvent>().filter(|a| Arc::ptr_eq(&a.owner, &self.shared));
+        let a = ev
+            .as_any()
+            .downcast_ref::<AsyncEvent>()
+            .filter(|a| Arc::ptr_eq(&a.owner, &self.shared));
         let Some(a) = a else {
-            return Err(Error::Unsupported { backend: self.name.clone(), what: "recording another backend's event".into() });
+            return Err(Error::Unsupported {
+                backend: self.name.clone(),
+                what: "recording another backend's event".into(),
+            });
         };
         // Items run in ticket order, so the event is the current end of the stream.
-        a.ticket.store(self.shared.progress.lock().submitted, Ordering::Release);
+        a.ticket
+            .store(self.shared.progress.lock().submitted, Ordering::Release);
         Ok(())
     }
     fn event_wait(&self, ev: &Arc<dyn Event>) -> Result<()> {
-        let own = ev.as_any().downcast_ref::<AsyncEvent>().is_some_and(|a| Arc::ptr_eq(&a.owner, &self.shared));
+        let own = ev
+            .as_any()
+            .downcast_ref::<AsyncEvent>()
+            .is_some_and(|a| Arc::ptr_eq(&a.owner, &self.shared));
         if own || ev.as_any().is::<DoneEvent>() || ev.is_complete() {
             return Ok(()); // stream order (or an already complete event) suffices
         }
@@ -459,7 +584,10 @@ impl Backend for CpuAsyncBackend {
     }
 
     fn gate_close(&self) -> Result<Arc<dyn Gate>> {
-        let g = Arc::new(GateState { open: Mutex::new(false), cv: Condvar::new() });
+        let g = Arc::new(GateState {
+            open: Mutex::new(false),
+            cv: Condvar::new(),
+        });
         self.enqueue(Work::Gate(g.clone()));
         Ok(g)
     }

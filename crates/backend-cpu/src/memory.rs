@@ -31,7 +31,8 @@ unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
     fn new(size: usize) -> Self {
-        let layout = Layout::from_size_align(size.max(ALIGNMENT), ALIGNMENT).expect("buffer layout");
+        let layout =
+            Layout::from_size_align(size.max(ALIGNMENT), ALIGNMENT).expect("buffer layout");
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
@@ -51,7 +52,8 @@ impl HostBuffer {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.size.max(ALIGNMENT), ALIGNMENT).expect("buffer layout");
+        let layout =
+            Layout::from_size_align(self.size.max(ALIGNMENT), ALIGNMENT).expect("buffer layout");
         // SAFETY: allocated in `new` with this layout.
         unsafe { dealloc(self.ptr.as_ptr(), layout) }
     }
@@ -67,13 +69,18 @@ pub struct Store {
 impl Store {
     /// An empty store for the backend called `owner` (used in error messages).
     pub fn new(owner: &str) -> Self {
-        Store { owner: owner.to_string(), bufs: RwLock::new(HashMap::new()) }
+        Store {
+            owner: owner.to_string(),
+            bufs: RwLock::new(HashMap::new()),
+        }
     }
 
     /// Allocates a zeroed buffer.
     pub fn alloc(&self, size: usize) -> BufferId {
         let id = BufferId::fresh();
-        self.bufs.write().insert(id, Arc::new(HostBuffer::new(size)));
+        self.bufs
+            .write()
+            .insert(id, Arc::new(HostBuffer::new(size)));
         id
     }
 
@@ -92,7 +99,11 @@ impl Store {
 
     /// The buffer behind `id`.
     pub fn get(&self, id: BufferId) -> Result<Arc<HostBuffer>> {
-        self.bufs.read().get(&id).cloned().ok_or_else(|| self.unknown(id))
+        self.bufs
+            .read()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| self.unknown(id))
     }
 
     fn unknown(&self, id: BufferId) -> Error {
@@ -110,7 +121,12 @@ impl Store {
 
 fn check_span(b: &HostBuffer, id: BufferId, offset: usize, len: usize) -> Result<()> {
     if offset.checked_add(len).is_none_or(|end| end > b.size) {
-        return Err(Error::OutOfBounds { buffer: id.0, offset, len, size: b.size });
+        return Err(Error::OutOfBounds {
+            buffer: id.0,
+            offset,
+            len,
+            size: b.size,
+        });
     }
     Ok(())
 }

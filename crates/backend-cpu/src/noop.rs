@@ -59,7 +59,12 @@ impl NoopBackend {
     fn check(&self, id: BufferId, offset: usize, len: usize) -> Result<()> {
         let size = self.buffer_size(id)?;
         if offset.checked_add(len).is_none_or(|e| e > size) {
-            return Err(Error::OutOfBounds { buffer: id.0, offset, len, size });
+            return Err(Error::OutOfBounds {
+                buffer: id.0,
+                offset,
+                len,
+                size,
+            });
         }
         Ok(())
     }
@@ -95,7 +100,11 @@ impl Backend for NoopBackend {
         }
     }
     fn buffer_type(&self) -> BufferType {
-        BufferType { name: "noop".into(), alignment: 64, is_host: false }
+        BufferType {
+            name: "noop".into(),
+            alignment: 64,
+            is_host: false,
+        }
     }
     fn supports_op(&self, _op: &Op, _dst: DType, _srcs: &[DType]) -> bool {
         true
@@ -113,7 +122,9 @@ impl Backend for NoopBackend {
     fn realloc_buffer(&self, id: BufferId, size: usize) -> Result<()> {
         self.synchronize()?;
         let mut sizes = self.sizes.lock();
-        let slot = sizes.get_mut(&id).ok_or(Error::UnknownBuffer(id.0, "noop".into()))?;
+        let slot = sizes
+            .get_mut(&id)
+            .ok_or(Error::UnknownBuffer(id.0, "noop".into()))?;
         *slot = size;
         bump(&self.stats.reallocs, 1);
         Ok(())
@@ -122,7 +133,11 @@ impl Backend for NoopBackend {
         self.sizes.lock().remove(&id);
     }
     fn buffer_size(&self, id: BufferId) -> Result<usize> {
-        self.sizes.lock().get(&id).copied().ok_or(Error::UnknownBuffer(id.0, "noop".into()))
+        self.sizes
+            .lock()
+            .get(&id)
+            .copied()
+            .ok_or(Error::UnknownBuffer(id.0, "noop".into()))
     }
 
     fn set_tensor(&self, dst: BufferId, offset: usize, data: &[u8]) -> Result<()> {
@@ -140,7 +155,13 @@ impl Backend for NoopBackend {
         out.fill(0);
         Ok(())
     }
-    unsafe fn set_tensor_async(&self, dst: BufferId, offset: usize, _data: *const u8, len: usize) -> Result<()> {
+    unsafe fn set_tensor_async(
+        &self,
+        dst: BufferId,
+        offset: usize,
+        _data: *const u8,
+        len: usize,
+    ) -> Result<()> {
         self.check(dst, offset, len)?;
         self.count_h2d(len);
         self.enqueue();
@@ -152,7 +173,13 @@ impl Backend for NoopBackend {
         self.enqueue();
         Ok(())
     }
-    unsafe fn get_tensor_async(&self, src: BufferId, offset: usize, out: *mut u8, len: usize) -> Result<()> {
+    unsafe fn get_tensor_async(
+        &self,
+        src: BufferId,
+        offset: usize,
+        out: *mut u8,
+        len: usize,
+    ) -> Result<()> {
         self.check(src, offset, len)?;
         self.count_d2h(len);
         self.enqueue();

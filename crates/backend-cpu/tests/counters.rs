@@ -18,7 +18,16 @@ fn cpu_async_blocking_write_is_one_host_wait_and_one_driver_sync() {
     let before = snap(&b);
     b.set_tensor(buf, 0, &[1u8; 16]).unwrap();
     let d = snap(&b).since(&before);
-    assert_eq!((d.host_waits, d.driver_syncs, d.h2d_copies, d.h2d_bytes, d.submits), (1, 1, 1, 16, 1));
+    assert_eq!(
+        (
+            d.host_waits,
+            d.driver_syncs,
+            d.h2d_copies,
+            d.h2d_bytes,
+            d.submits
+        ),
+        (1, 1, 1, 16, 1)
+    );
     let mut out = [0u8; 16];
     b.get_tensor(buf, 0, &mut out).unwrap();
     let d = snap(&b).since(&before);
@@ -41,7 +50,8 @@ fn synchronize_after_enqueue_waits_once_then_elides() {
     let b = CpuAsyncBackend::new("cpu-async").unwrap();
     let buf = b.alloc_buffer(64, BufferUsage::Inputs).unwrap();
     b.set_tensor_async_staged(buf, 0, &[3u8; 8]).unwrap();
-    b.graph_compute_async(&Arc::new(ExecGraph::default())).unwrap();
+    b.graph_compute_async(&Arc::new(ExecGraph::default()))
+        .unwrap();
     let before = snap(&b);
     b.synchronize().unwrap();
     b.synchronize().unwrap();
@@ -58,12 +68,19 @@ fn staged_writes_count_no_host_wait() {
         b.set_tensor_async_staged(buf, 0, &[i; 256]).unwrap();
     }
     let d = snap(&b).since(&before);
-    assert_eq!((d.host_waits, d.driver_syncs, d.h2d_copies, d.submits), (0, 0, 100, 100));
+    assert_eq!(
+        (d.host_waits, d.driver_syncs, d.h2d_copies, d.submits),
+        (0, 0, 100, 100)
+    );
     b.synchronize().unwrap();
     let mut out = [0u8; 4];
     b.get_tensor(buf, 0, &mut out).unwrap();
     assert_eq!(out, [99u8; 4]);
-    assert_eq!(snap(&b).staging_bytes_in_use, 0, "staging is released once the writes ran");
+    assert_eq!(
+        snap(&b).staging_bytes_in_use,
+        0,
+        "staging is released once the writes ran"
+    );
 }
 
 /// A test-side model of the stream: it keeps its own tickets, outside the backend, and predicts
@@ -100,7 +117,12 @@ fn counts_match_a_test_side_model_of_the_stream() {
     let b = CpuAsyncBackend::new("cpu-async").unwrap();
     let buf = b.alloc_buffer(64, BufferUsage::Inputs).unwrap();
     let empty = Arc::new(ExecGraph::default());
-    let mut m = Model { submitted: 0, observed: 0, waits: 0, elided: 0 };
+    let mut m = Model {
+        submitted: 0,
+        observed: 0,
+        waits: 0,
+        elided: 0,
+    };
     let before = snap(&b);
     let mut out = [0u8; 8];
     for step in 0..200u32 {
@@ -128,7 +150,10 @@ fn counts_match_a_test_side_model_of_the_stream() {
         }
     }
     let d = snap(&b).since(&before);
-    assert_eq!((d.host_waits, d.driver_syncs, d.elided_syncs, d.submits), (m.waits, m.waits, m.elided, m.submitted));
+    assert_eq!(
+        (d.host_waits, d.driver_syncs, d.elided_syncs, d.submits),
+        (m.waits, m.waits, m.elided, m.submitted)
+    );
 }
 
 #[test]
@@ -161,10 +186,14 @@ fn cpu_never_waits_and_elides_every_synchronize() {
     let buf = b.alloc_buffer(64, BufferUsage::Inputs).unwrap();
     let before = snap(&b);
     b.set_tensor(buf, 0, &[1u8; 8]).unwrap();
-    b.graph_compute_async(&Arc::new(ExecGraph::default())).unwrap();
+    b.graph_compute_async(&Arc::new(ExecGraph::default()))
+        .unwrap();
     b.synchronize().unwrap();
     let d = snap(&b).since(&before);
-    assert_eq!((d.host_waits, d.driver_syncs, d.elided_syncs, d.h2d_copies), (0, 0, 1, 1));
+    assert_eq!(
+        (d.host_waits, d.driver_syncs, d.elided_syncs, d.h2d_copies),
+        (0, 0, 1, 1)
+    );
 }
 
 #[test]
@@ -174,7 +203,8 @@ fn noop_counts_like_cpu_async() {
     for b in [&a as &dyn Backend, &n as &dyn Backend] {
         let buf = b.alloc_buffer(64, BufferUsage::Inputs).unwrap();
         b.set_tensor_async_staged(buf, 0, &[1u8; 8]).unwrap();
-        b.graph_compute_async(&Arc::new(ExecGraph::default())).unwrap();
+        b.graph_compute_async(&Arc::new(ExecGraph::default()))
+            .unwrap();
         b.synchronize().unwrap();
         b.synchronize().unwrap();
         b.set_tensor(buf, 0, &[1u8; 8]).unwrap();
@@ -183,8 +213,22 @@ fn noop_counts_like_cpu_async() {
     }
     let (sa, sn) = (snap(&a), snap(&n));
     assert_eq!(
-        (sa.host_waits, sa.driver_syncs, sa.elided_syncs, sa.submits, sa.h2d_copies, sa.d2h_copies),
-        (sn.host_waits, sn.driver_syncs, sn.elided_syncs, sn.submits, sn.h2d_copies, sn.d2h_copies),
+        (
+            sa.host_waits,
+            sa.driver_syncs,
+            sa.elided_syncs,
+            sa.submits,
+            sa.h2d_copies,
+            sa.d2h_copies
+        ),
+        (
+            sn.host_waits,
+            sn.driver_syncs,
+            sn.elided_syncs,
+            sn.submits,
+            sn.h2d_copies,
+            sn.d2h_copies
+        ),
     );
     assert_eq!((sa.host_waits, sa.elided_syncs), (3, 1));
 }

@@ -9,7 +9,13 @@ use lowsync_cpu::CpuAsyncBackend;
 use lowsync_graph::{DType, Op};
 
 fn f32_ref(buffer: lowsync_backend::BufferId, byte_offset: usize, n: usize) -> TensorRef {
-    TensorRef { buffer, byte_offset, dtype: DType::F32, shape: vec![n], strides: vec![1] }
+    TensorRef {
+        buffer,
+        byte_offset,
+        dtype: DType::F32,
+        shape: vec![n],
+        strides: vec![1],
+    }
 }
 
 fn bytes(v: &[f32]) -> Vec<u8> {
@@ -17,7 +23,9 @@ fn bytes(v: &[f32]) -> Vec<u8> {
 }
 
 fn floats(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4).map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect()
+    b.chunks_exact(4)
+        .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 #[test]
@@ -27,13 +35,22 @@ fn work_behind_a_closed_gate_has_not_run() {
     let gate = b.gate_close().unwrap();
     // y = x * 2 behind the gate.
     let g = Arc::new(ExecGraph {
-        nodes: vec![ExecNode { op: Op::Scale { scale: 2.0 }, name: "y".into(), dst: f32_ref(buf, 16, 4), srcs: vec![f32_ref(buf, 0, 4)] }],
+        nodes: vec![ExecNode {
+            op: Op::Scale { scale: 2.0 },
+            name: "y".into(),
+            dst: f32_ref(buf, 16, 4),
+            srcs: vec![f32_ref(buf, 0, 4)],
+        }],
     });
-    b.set_tensor_async_staged(buf, 0, &bytes(&[1.0, 2.0, 3.0, 4.0])).unwrap();
+    b.set_tensor_async_staged(buf, 0, &bytes(&[1.0, 2.0, 3.0, 4.0]))
+        .unwrap();
     b.graph_compute_async(&g).unwrap();
     let ev = b.event_new().unwrap();
     b.event_record(&ev).unwrap();
-    assert!(!ev.is_complete(), "the graph must wait behind the closed gate");
+    assert!(
+        !ev.is_complete(),
+        "the graph must wait behind the closed gate"
+    );
     gate.open();
     ev.synchronize().unwrap();
     let mut out = vec![0u8; 16];
@@ -61,11 +78,17 @@ fn staged_write_behind_a_gated_graph_is_invisible_to_it_and_visible_to_the_next(
     let buf = b.alloc_buffer(64, BufferUsage::Compute).unwrap();
     b.set_tensor(buf, 0, &bytes(&[1.0, 1.0])).unwrap();
     let g = Arc::new(ExecGraph {
-        nodes: vec![ExecNode { op: Op::Scale { scale: 10.0 }, name: "y".into(), dst: f32_ref(buf, 16, 2), srcs: vec![f32_ref(buf, 0, 2)] }],
+        nodes: vec![ExecNode {
+            op: Op::Scale { scale: 10.0 },
+            name: "y".into(),
+            dst: f32_ref(buf, 16, 2),
+            srcs: vec![f32_ref(buf, 0, 2)],
+        }],
     });
     let gate = b.gate_close().unwrap();
     b.graph_compute_async(&g).unwrap(); // reads x = 1
-    b.set_tensor_async_staged(buf, 0, &bytes(&[5.0, 5.0])).unwrap(); // queued after the graph
+    b.set_tensor_async_staged(buf, 0, &bytes(&[5.0, 5.0]))
+        .unwrap(); // queued after the graph
     let mut first = vec![0u8; 8];
     gate.open();
     b.get_tensor(buf, 16, &mut first).unwrap();

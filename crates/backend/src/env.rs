@@ -11,13 +11,21 @@ pub fn flag(var: &'static str, default: bool) -> Result<bool> {
             "" => Ok(default),
             "0" => Ok(false),
             "1" => Ok(true),
-            _ => Err(Error::Env { var, value: v, expected: "0 or 1" }),
+            _ => Err(Error::Env {
+                var,
+                value: v,
+                expected: "0 or 1",
+            }),
         },
     }
 }
 
 /// Reads one of `choices`; unset or empty means `None`.
-pub fn choice(var: &'static str, choices: &[&'static str], expected: &'static str) -> Result<Option<&'static str>> {
+pub fn choice(
+    var: &'static str,
+    choices: &[&'static str],
+    expected: &'static str,
+) -> Result<Option<&'static str>> {
     match std::env::var(var) {
         Err(_) => Ok(None),
         Ok(v) if v.trim().is_empty() => Ok(None),
@@ -25,7 +33,11 @@ pub fn choice(var: &'static str, choices: &[&'static str], expected: &'static st
             .iter()
             .find(|c| **c == v.trim())
             .map(|c| Some(*c))
-            .ok_or(Error::Env { var, value: v, expected }),
+            .ok_or(Error::Env {
+                var,
+                value: v,
+                expected,
+            }),
     }
 }
 
@@ -34,10 +46,10 @@ pub fn unsigned(var: &'static str) -> Result<Option<u64>> {
     match std::env::var(var) {
         Err(_) => Ok(None),
         Ok(v) if v.trim().is_empty() => Ok(None),
-        Ok(v) => v
-            .trim()
-            .parse::<u64>()
-            .map(Some)
-            .map_err(|_| Error::Env { var, value: v, expected: "a non-negative integer" }),
+        Ok(v) => v.trim().parse::<u64>().map(Some).map_err(|_| Error::Env {
+            var,
+            value: v,
+            expected: "a non-negative integer",
+        }),
     }
 }

@@ -38,7 +38,12 @@ impl TensorRef {
         if self.numel() == 0 {
             return 0;
         }
-        let last: usize = self.shape.iter().zip(&self.strides).map(|(&d, &s)| (d - 1) * s).sum();
+        let last: usize = self
+            .shape
+            .iter()
+            .zip(&self.strides)
+            .map(|(&d, &s)| (d - 1) * s)
+            .sum();
         (last + 1) * self.dtype.size_bytes()
     }
 

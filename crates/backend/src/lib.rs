@@ -88,7 +88,10 @@ pub trait Gate: Send + Sync {
 }
 
 fn unsupported<T>(backend: &str, what: &str) -> Result<T> {
-    Err(Error::Unsupported { backend: backend.to_string(), what: what.to_string() })
+    Err(Error::Unsupported {
+        backend: backend.to_string(),
+        what: what.to_string(),
+    })
 }
 
 /// A stream of work on one device (ARCHITECTURE §3).
@@ -125,7 +128,13 @@ pub trait Backend: Send + Sync {
     ///
     /// # Safety
     /// `data..data+len` must stay valid and unchanged until the next `synchronize` returns.
-    unsafe fn set_tensor_async(&self, _dst: BufferId, _offset: usize, _data: *const u8, _len: usize) -> Result<()> {
+    unsafe fn set_tensor_async(
+        &self,
+        _dst: BufferId,
+        _offset: usize,
+        _data: *const u8,
+        _len: usize,
+    ) -> Result<()> {
         unsupported(self.name(), "set_tensor_async")
     }
     /// Copies `data` before returning and queues its write after all queued work (invariant 1).
@@ -136,7 +145,13 @@ pub trait Backend: Send + Sync {
     ///
     /// # Safety
     /// `out..out+len` must stay valid and untouched until the next `synchronize` returns.
-    unsafe fn get_tensor_async(&self, _src: BufferId, _offset: usize, _out: *mut u8, _len: usize) -> Result<()> {
+    unsafe fn get_tensor_async(
+        &self,
+        _src: BufferId,
+        _offset: usize,
+        _out: *mut u8,
+        _len: usize,
+    ) -> Result<()> {
         unsupported(self.name(), "get_tensor_async")
     }
     /// Copies `len` bytes from `src_backend`'s buffer into this backend's, ordered after work

@@ -15,7 +15,11 @@ use pyo3::prelude::*;
 const SIGNAL_POLL: Duration = Duration::from_millis(50);
 
 /// Runs `f` without the GIL, interruptible by Ctrl-C; `conv` maps its error to a Python one.
-pub fn run<T: Send, E: Send>(py: Python<'_>, f: impl FnOnce() -> Result<T, E> + Send, conv: impl FnOnce(E) -> PyErr) -> PyResult<T> {
+pub fn run<T: Send, E: Send>(
+    py: Python<'_>,
+    f: impl FnOnce() -> Result<T, E> + Send,
+    conv: impl FnOnce(E) -> PyErr,
+) -> PyResult<T> {
     let (result, pending) = py.detach(move || {
         let last = Cell::new(Instant::now());
         let pending: RefCell<Option<PyErr>> = RefCell::new(None);

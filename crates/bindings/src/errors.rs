@@ -41,16 +41,71 @@ pub fn exceptions(py: Python<'_>) -> PyResult<&'static Exceptions> {
         let value_error = exc(py.get_type::<pyo3::exceptions::PyValueError>());
         let runtime_error = exc(py.get_type::<pyo3::exceptions::PyRuntimeError>());
         let exception = exc(py.get_type::<pyo3::exceptions::PyException>());
-        let lowsync = new_class(py, "LowsyncError", &[&exception], "Base class of every lowsync error.")?;
-        let graph = new_class(py, "GraphError", &[&lowsync, &value_error], "A shape or dtype error when a node is built.")?;
-        let input = new_class(py, "InputError", &[&lowsync, &value_error], "A wrong input or output name, shape, dtype or size.")?;
-        let unknown_backend = new_class(py, "UnknownBackendError", &[&lowsync, &value_error], "A backend name lowsync does not know.")?;
-        let env = new_class(py, "EnvError", &[&lowsync, &value_error], "A bad value of a LOWSYNC_* environment variable.")?;
-        let backend = new_class(py, "BackendError", &[&lowsync, &runtime_error], "An error reported by a backend.")?;
-        let unsupported = new_class(py, "UnsupportedError", &[&backend], "An op or feature a backend does not support.")?;
-        let unavailable = new_class(py, "BackendUnavailableError", &[&backend], "A backend whose device or library is missing.")?;
-        let realloc = new_class(py, "ReallocError", &[&lowsync, &runtime_error], "An unexpected graph re-allocation.")?;
-        Ok::<_, PyErr>(Exceptions { lowsync, graph, input, unknown_backend, env, backend, unsupported, unavailable, realloc })
+        let lowsync = new_class(
+            py,
+            "LowsyncError",
+            &[&exception],
+            "Base class of every lowsync error.",
+        )?;
+        let graph = new_class(
+            py,
+            "GraphError",
+            &[&lowsync, &value_error],
+            "A shape or dtype error when a node is built.",
+        )?;
+        let input = new_class(
+            py,
+            "InputError",
+            &[&lowsync, &value_error],
+            "A wrong input or output name, shape, dtype or size.",
+        )?;
+        let unknown_backend = new_class(
+            py,
+            "UnknownBackendError",
+            &[&lowsync, &value_error],
+            "A backend name lowsync does not know.",
+        )?;
+        let env = new_class(
+            py,
+            "EnvError",
+            &[&lowsync, &value_error],
+            "A bad value of a LOWSYNC_* environment variable.",
+        )?;
+        let backend = new_class(
+            py,
+            "BackendError",
+            &[&lowsync, &runtime_error],
+            "An error reported by a backend.",
+        )?;
+        let unsupported = new_class(
+            py,
+            "UnsupportedError",
+            &[&backend],
+            "An op or feature a backend does not support.",
+        )?;
+        let unavailable = new_class(
+            py,
+            "BackendUnavailableError",
+            &[&backend],
+            "A backend whose device or library is missing.",
+        )?;
+        let realloc = new_class(
+            py,
+            "ReallocError",
+            &[&lowsync, &runtime_error],
+            "An unexpected graph re-allocation.",
+        )?;
+        Ok::<_, PyErr>(Exceptions {
+            lowsync,
+            graph,
+            input,
+            unknown_backend,
+            env,
+            backend,
+            unsupported,
+            unavailable,
+            realloc,
+        })
     })
 }
 

@@ -29,7 +29,13 @@ pub struct PyTensor {
 fn tensor(slf: &Bound<'_, PyGraph>, id: TensorId) -> PyTensor {
     let g = slf.borrow();
     let t = g.inner.tensor(id);
-    PyTensor { graph: slf.clone().unbind(), id, shape: t.shape().to_vec(), dtype: t.dtype, name: t.name.clone() }
+    PyTensor {
+        graph: slf.clone().unbind(),
+        id,
+        shape: t.shape().to_vec(),
+        dtype: t.dtype,
+        name: t.name.clone(),
+    }
 }
 
 /// The id of `t`, checking it belongs to `slf`.
@@ -40,7 +46,10 @@ fn tid(slf: &Bound<'_, PyGraph>, t: &PyTensor) -> PyResult<TensorId> {
     Ok(t.id)
 }
 
-fn op(slf: &Bound<'_, PyGraph>, f: impl FnOnce(&mut Graph) -> lowsync_graph::Result<TensorId>) -> PyResult<PyTensor> {
+fn op(
+    slf: &Bound<'_, PyGraph>,
+    f: impl FnOnce(&mut Graph) -> lowsync_graph::Result<TensorId>,
+) -> PyResult<PyTensor> {
     let id = f(&mut slf.borrow_mut().inner).map_err(graph_err)?;
     Ok(tensor(slf, id))
 }
@@ -61,7 +70,9 @@ fn axis(ax: i64, ndim: usize, what: &str) -> PyResult<usize> {
 impl PyGraph {
     #[new]
     fn new() -> Self {
-        PyGraph { inner: Graph::new() }
+        PyGraph {
+            inner: Graph::new(),
+        }
     }
 
     /// Nodes (views included).
@@ -78,7 +89,12 @@ impl PyGraph {
 
     /// A tensor written by the host every step.
     #[pyo3(signature = (name, shape, dtype = "f32"))]
-    fn input(slf: &Bound<'_, Self>, name: &str, shape: Vec<usize>, dtype: &str) -> PyResult<PyTensor> {
+    fn input(
+        slf: &Bound<'_, Self>,
+        name: &str,
+        shape: Vec<usize>,
+        dtype: &str,
+    ) -> PyResult<PyTensor> {
         let dt = parse_dtype(dtype)?;
         op(slf, |g| g.input(name, &shape, dt))
     }
@@ -98,16 +114,27 @@ impl PyGraph {
         let shape = arr.shape().to_vec();
         let dt = match dtype {
             Some(d) => parse_dtype(d)?,
-            None => crate::numpy_io::dtype_of(arr)
-                .ok_or_else(|| input_err(format!("weight `{name}`: numpy dtype {} is not supported (float32, float16, int32)", arr.dtype().str().map(|s| s.to_string()).unwrap_or_default())))?,
+            None => crate::numpy_io::dtype_of(arr).ok_or_else(|| {
+                input_err(format!(
+                    "weight `{name}`: numpy dtype {} is not supported (float32, float16, int32)",
+                    arr.dtype().str().map(|s| s.to_string()).unwrap_or_default()
+                ))
+            })?,
         };
         let bytes = array_bytes(arr, dt, name)?;
-        op(slf, |g| g.weight(name, &shape, dt, Arc::from(bytes), backend))
+        op(slf, |g| {
+            g.weight(name, &shape, dt, Arc::from(bytes), backend)
+        })
     }
 
     /// Zero-initialised state kept across steps (e.g. a KV cache).
     #[pyo3(signature = (name, shape, dtype = "f32"))]
-    fn persistent(slf: &Bound<'_, Self>, name: &str, shape: Vec<usize>, dtype: &str) -> PyResult<PyTensor> {
+    fn persistent(
+        slf: &Bound<'_, Self>,
+        name: &str,
+        shape: Vec<usize>,
+        dtype: &str,
+    ) -> PyResult<PyTensor> {
         let dt = parse_dtype(dtype)?;
         op(slf, |g| g.persistent(name, &shape, dt))
     }
@@ -118,19 +145,35 @@ impl PyGraph {
         slf.borrow_mut().inner.output(name, id).map_err(graph_err)
     }
 
-    fn get_rows(slf: &Bound<'_, Self>, table: PyRef<'_, PyTensor>, ids: PyRef<'_, PyTensor>) -> PyResult<PyTensor> {
+    fn get_rows(
+        slf: &Bound<'_, Self>,
+        table: PyRef<'_, PyTensor>,
+        ids: PyRef<'_, PyTensor>,
+    ) -> PyResult<PyTensor> {
         let (a, b) = (tid(slf, &table)?, tid(slf, &ids)?);
         op(slf, |g| g.get_rows(a, b))
     }
-    fn mul_mat(slf: &Bound<'_, Self>, a: PyRef<'_, PyTensor>, b: PyRef<'_, PyTensor>) -> PyResult<PyTensor> {
+    fn mul_mat(
+        slf: &Bound<'_, Self>,
+        a: PyRef<'_, PyTensor>,
+        b: PyRef<'_, PyTensor>,
+    ) -> PyResult<PyTensor> {
         let (a, b) = (tid(slf, &a)?, tid(slf, &b)?);
         op(slf, |g| g.mul_mat(a, b))
     }
-    fn add(slf: &Bound<'_, Self>, a: PyRef<'_, PyTensor>, b: PyRef<'_, PyTensor>) -> PyResult<PyTensor> {
+    fn add(
+        slf: &Bound<'_, Self>,
+        a: PyRef<'_, PyTensor>,
+        b: PyRef<'_, PyTensor>,
+    ) -> PyResult<PyTensor> {
         let (a, b) = (tid(slf, &a)?, tid(slf, &b)?);
         op(slf, |g| g.add(a, b))
     }
-    fn mul(slf: &Bound<'_, Self>, a: PyRef<'_, PyTensor>, b: PyRef<'_, PyTensor>) -> PyResult<PyTensor> {
+    fn mul(
+        slf: &Bound<'_, Self>,
+        a: PyRef<'_, PyTensor>,
+        b: PyRef<'_, PyTensor>,
+    ) -> PyResult<PyTensor> {
         let (a, b) = (tid(slf, &a)?, tid(slf, &b)?);
         op(slf, |g| g.mul(a, b))
     }
@@ -155,14 +198,23 @@ impl PyGraph {
         let mode = match mode {
             "normal" => RopeMode::Normal,
             "neox" => RopeMode::Neox,
-            m => return Err(input_err(format!("rope mode `{m}` is not one of: normal, neox"))),
+            m => {
+                return Err(input_err(format!(
+                    "rope mode `{m}` is not one of: normal, neox"
+                )))
+            }
         };
         let n_dims = n_dims.unwrap_or_else(|| x.shape.last().copied().unwrap_or(0));
         let (x, p) = (tid(slf, &x)?, tid(slf, &pos)?);
         op(slf, |g| g.rope(x, p, mode, n_dims, theta_base))
     }
     #[pyo3(signature = (x, mask = None, scale = 1.0))]
-    fn soft_max(slf: &Bound<'_, Self>, x: PyRef<'_, PyTensor>, mask: Option<PyRef<'_, PyTensor>>, scale: f32) -> PyResult<PyTensor> {
+    fn soft_max(
+        slf: &Bound<'_, Self>,
+        x: PyRef<'_, PyTensor>,
+        mask: Option<PyRef<'_, PyTensor>>,
+        scale: f32,
+    ) -> PyResult<PyTensor> {
         let x = tid(slf, &x)?;
         let m = mask.map(|m| tid(slf, &m)).transpose()?;
         op(slf, |g| g.soft_max(x, m, scale))
@@ -175,7 +227,11 @@ impl PyGraph {
         let x = tid(slf, &x)?;
         op(slf, |g| g.gelu(x))
     }
-    fn swiglu(slf: &Bound<'_, Self>, gate: PyRef<'_, PyTensor>, up: PyRef<'_, PyTensor>) -> PyResult<PyTensor> {
+    fn swiglu(
+        slf: &Bound<'_, Self>,
+        gate: PyRef<'_, PyTensor>,
+        up: PyRef<'_, PyTensor>,
+    ) -> PyResult<PyTensor> {
         let (a, b) = (tid(slf, &gate)?, tid(slf, &up)?);
         op(slf, |g| g.swiglu(a, b))
     }
@@ -188,12 +244,22 @@ impl PyGraph {
         let x = tid(slf, &x)?;
         op(slf, |g| g.cont(x))
     }
-    fn concat(slf: &Bound<'_, Self>, a: PyRef<'_, PyTensor>, b: PyRef<'_, PyTensor>, axis: i64) -> PyResult<PyTensor> {
+    fn concat(
+        slf: &Bound<'_, Self>,
+        a: PyRef<'_, PyTensor>,
+        b: PyRef<'_, PyTensor>,
+        axis: i64,
+    ) -> PyResult<PyTensor> {
         let ax = self::axis(axis, a.shape.len(), "axis")?;
         let (a, b) = (tid(slf, &a)?, tid(slf, &b)?);
         op(slf, |g| g.concat(a, b, ax))
     }
-    fn set_rows(slf: &Bound<'_, Self>, dst: PyRef<'_, PyTensor>, src: PyRef<'_, PyTensor>, idx: PyRef<'_, PyTensor>) -> PyResult<PyTensor> {
+    fn set_rows(
+        slf: &Bound<'_, Self>,
+        dst: PyRef<'_, PyTensor>,
+        src: PyRef<'_, PyTensor>,
+        idx: PyRef<'_, PyTensor>,
+    ) -> PyResult<PyTensor> {
         let (d, s, i) = (tid(slf, &dst)?, tid(slf, &src)?, tid(slf, &idx)?);
         op(slf, |g| g.set_rows(d, s, i))
     }
@@ -208,34 +274,66 @@ impl PyGraph {
         ids: PyRef<'_, PyTensor>,
         weights: PyRef<'_, PyTensor>,
     ) -> PyResult<PyTensor> {
-        let (e, x, i, w) = (tid(slf, &experts)?, tid(slf, &x)?, tid(slf, &ids)?, tid(slf, &weights)?);
+        let (e, x, i, w) = (
+            tid(slf, &experts)?,
+            tid(slf, &x)?,
+            tid(slf, &ids)?,
+            tid(slf, &weights)?,
+        );
         op(slf, |g| g.mul_mat_id(e, x, i, w))
     }
-    fn reshape(slf: &Bound<'_, Self>, x: PyRef<'_, PyTensor>, shape: Vec<usize>) -> PyResult<PyTensor> {
+    fn reshape(
+        slf: &Bound<'_, Self>,
+        x: PyRef<'_, PyTensor>,
+        shape: Vec<usize>,
+    ) -> PyResult<PyTensor> {
         let x = tid(slf, &x)?;
         op(slf, |g| g.reshape(x, &shape))
     }
-    fn permute(slf: &Bound<'_, Self>, x: PyRef<'_, PyTensor>, axes: Vec<i64>) -> PyResult<PyTensor> {
+    fn permute(
+        slf: &Bound<'_, Self>,
+        x: PyRef<'_, PyTensor>,
+        axes: Vec<i64>,
+    ) -> PyResult<PyTensor> {
         let n = x.shape.len();
-        let axes = axes.iter().map(|&a| axis(a, n, "axis")).collect::<PyResult<Vec<_>>>()?;
+        let axes = axes
+            .iter()
+            .map(|&a| axis(a, n, "axis"))
+            .collect::<PyResult<Vec<_>>>()?;
         let x = tid(slf, &x)?;
         op(slf, |g| g.permute(x, &axes))
     }
     #[pyo3(signature = (x, ax0 = -2, ax1 = -1))]
-    fn transpose(slf: &Bound<'_, Self>, x: PyRef<'_, PyTensor>, ax0: i64, ax1: i64) -> PyResult<PyTensor> {
+    fn transpose(
+        slf: &Bound<'_, Self>,
+        x: PyRef<'_, PyTensor>,
+        ax0: i64,
+        ax1: i64,
+    ) -> PyResult<PyTensor> {
         let n = x.shape.len();
         let (a0, a1) = (axis(ax0, n, "ax0")?, axis(ax1, n, "ax1")?);
         let x = tid(slf, &x)?;
         op(slf, |g| g.transpose(x, a0, a1))
     }
-    fn slice(slf: &Bound<'_, Self>, x: PyRef<'_, PyTensor>, axis: i64, start: usize, stop: usize) -> PyResult<PyTensor> {
+    fn slice(
+        slf: &Bound<'_, Self>,
+        x: PyRef<'_, PyTensor>,
+        axis: i64,
+        start: usize,
+        stop: usize,
+    ) -> PyResult<PyTensor> {
         let ax = self::axis(axis, x.shape.len(), "axis")?;
         let x = tid(slf, &x)?;
         op(slf, |g| g.slice(x, ax, start, stop))
     }
 
     fn __repr__(&self) -> String {
-        format!("Graph(n_nodes={}, n_leafs={}, outputs={})", self.inner.n_nodes(), self.inner.n_leafs(), self.inner.outputs().len())
+        format!(
+            "Graph(n_nodes={}, n_leafs={}, outputs={})",
+            self.inner.n_nodes(),
+            self.inner.n_leafs(),
+            self.inner.outputs().len()
+        )
     }
 }
 
@@ -272,7 +370,10 @@ impl PyTensor {
         let g = slf.graph(slf.py());
         let n = slf.shape.len();
         if n < 2 {
-            return Err(graph_err(lowsync_graph::Error::Shape { op: "transpose", msg: format!(".T needs 2 or more axes, got {:?}", slf.shape) }));
+            return Err(graph_err(lowsync_graph::Error::Shape {
+                op: "transpose",
+                msg: format!(".T needs 2 or more axes, got {:?}", slf.shape),
+            }));
         }
         let x = slf.id;
         op(&g, |gr| gr.transpose(x, n - 2, n - 1))
@@ -294,7 +395,9 @@ impl PyTensor {
             let b = tid(&g, &t.borrow())?;
             return op(&g, |gr| gr.mul(a, b));
         }
-        let s: f32 = other.extract().map_err(|_| input_err("a Tensor can be multiplied by a Tensor or a number".into()))?;
+        let s: f32 = other
+            .extract()
+            .map_err(|_| input_err("a Tensor can be multiplied by a Tensor or a number".into()))?;
         op(&g, |gr| gr.scale(a, s))
     }
     fn __rmul__(slf: PyRef<'_, Self>, other: f32) -> PyResult<PyTensor> {
@@ -304,8 +407,14 @@ impl PyTensor {
     }
     fn __repr__(&self) -> String {
         match &self.name {
-            Some(n) => format!("Tensor(name={n:?}, shape={:?}, dtype={})", self.shape, self.dtype),
-            None => format!("Tensor(id={}, shape={:?}, dtype={})", self.id.0, self.shape, self.dtype),
+            Some(n) => format!(
+                "Tensor(name={n:?}, shape={:?}, dtype={})",
+                self.shape, self.dtype
+            ),
+            None => format!(
+                "Tensor(id={}, shape={:?}, dtype={})",
+                self.id.0, self.shape, self.dtype
+            ),
         }
     }
 }

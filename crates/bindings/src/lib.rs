@@ -58,7 +58,10 @@ impl PyContext {
             }
             list.push(registry::make_backend(name).map_err(backend_err)?);
         }
-        Ok(PyContext { backends: list, policy })
+        Ok(PyContext {
+            backends: list,
+            policy,
+        })
     }
 
     /// Backend names in priority order.
@@ -112,11 +115,19 @@ impl PyContext {
     /// Waits for all queued work on every backend.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         let bs = &self.backends;
-        detach::run(py, || bs.iter().try_for_each(|b| b.synchronize()), backend_err)
+        detach::run(
+            py,
+            || bs.iter().try_for_each(|b| b.synchronize()),
+            backend_err,
+        )
     }
 
     fn __repr__(&self) -> String {
-        format!("Context(backends={:?}, policy={:?})", self.backends(), self.policy.name())
+        format!(
+            "Context(backends={:?}, policy={:?})",
+            self.backends(),
+            self.policy.name()
+        )
     }
 }
 
@@ -135,7 +146,11 @@ impl PyPlan {
             .map_err(|_| input_err(format!("input `{name}`: expected a numpy array")))?;
         let slot = self.inner.input(name).map_err(sched_err)?;
         if arr.shape() != slot.shape.as_slice() {
-            return Err(input_err(format!("input `{name}` has shape {:?}, got an array of shape {:?}", slot.shape, arr.shape())));
+            return Err(input_err(format!(
+                "input `{name}` has shape {:?}, got an array of shape {:?}",
+                slot.shape,
+                arr.shape()
+            )));
         }
         let dt = slot.dtype;
         let dst = self.inner.input_bytes_mut(name).map_err(sched_err)?;
@@ -169,7 +184,11 @@ impl PyPlan {
     }
     #[getter]
     fn outputs(&self) -> Vec<String> {
-        self.inner.outputs().iter().map(|s| s.name.clone()).collect()
+        self.inner
+            .outputs()
+            .iter()
+            .map(|s| s.name.clone())
+            .collect()
     }
     #[getter]
     fn n_nodes(&self) -> usize {

@@ -2,7 +2,10 @@
 
 use half::{bf16, f16};
 use lowsync_graph::DType;
-use numpy::{dtype, Element, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{
+    dtype, Element, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyUntypedArray,
+    PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
 
 use crate::errors::input_err;
@@ -29,8 +32,13 @@ pub fn dtype_of(arr: &Bound<'_, PyUntypedArray>) -> Option<DType> {
 
 /// Copies the elements of `arr` (any layout) into `dst` as `T`'s native bytes; `false` when
 /// the array's dtype is not `T`.
-fn copy_typed<T: Element + bytemuck::Pod>(arr: &Bound<'_, PyUntypedArray>, dst: &mut [u8]) -> PyResult<bool> {
-    let Ok(typed) = arr.cast::<PyArrayDyn<T>>() else { return Ok(false) };
+fn copy_typed<T: Element + bytemuck::Pod>(
+    arr: &Bound<'_, PyUntypedArray>,
+    dst: &mut [u8],
+) -> PyResult<bool> {
+    let Ok(typed) = arr.cast::<PyArrayDyn<T>>() else {
+        return Ok(false);
+    };
     let ro = typed.try_readonly().map_err(|e| input_err(e.to_string()))?;
     match ro.as_slice() {
         Ok(s) => dst.copy_from_slice(bytemuck::cast_slice(s)),
@@ -46,7 +54,9 @@ fn copy_typed<T: Element + bytemuck::Pod>(arr: &Bound<'_, PyUntypedArray>, dst: 
 
 /// Copies float32 elements into `dst` as bf16; `false` when the array is not float32.
 fn copy_f32_as_bf16(arr: &Bound<'_, PyUntypedArray>, dst: &mut [u8]) -> PyResult<bool> {
-    let Ok(typed) = arr.cast::<PyArrayDyn<f32>>() else { return Ok(false) };
+    let Ok(typed) = arr.cast::<PyArrayDyn<f32>>() else {
+        return Ok(false);
+    };
     let ro = typed.try_readonly().map_err(|e| input_err(e.to_string()))?;
     for (chunk, v) in dst.chunks_exact_mut(2).zip(ro.as_array().iter()) {
         chunk.copy_from_slice(&bf16::from_f32(*v).to_ne_bytes());
@@ -57,7 +67,13 @@ fn copy_f32_as_bf16(arr: &Bound<'_, PyUntypedArray>, dst: &mut [u8]) -> PyResult
 /// Writes `arr` into `dst` as `want` elements; the numpy dtype must match (`bf16` takes
 /// float32). `kind` and `name` name the tensor in errors. The typed cast is the only dtype check on
 /// this per-step path.
-pub fn write_array(arr: &Bound<'_, PyUntypedArray>, want: DType, dst: &mut [u8], kind: &str, name: &str) -> PyResult<()> {
+pub fn write_array(
+    arr: &Bound<'_, PyUntypedArray>,
+    want: DType,
+    dst: &mut [u8],
+    kind: &str,
+    name: &str,
+) -> PyResult<()> {
     let done = match want {
         DType::F32 => copy_typed::<f32>(arr, dst)?,
         DType::F16 => copy_typed::<f16>(arr, dst)?,
@@ -87,8 +103,17 @@ pub fn array_bytes(arr: &Bound<'_, PyUntypedArray>, dt: DType, name: &str) -> Py
 }
 
 /// An owned numpy array from row-major bytes (bf16 comes back as float32).
-pub fn to_array<'py>(py: Python<'py>, bytes: &[u8], dt: DType, shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
-    fn build<'py, T: Element + bytemuck::Pod>(py: Python<'py>, bytes: &[u8], shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
+pub fn to_array<'py>(
+    py: Python<'py>,
+    bytes: &[u8],
+    dt: DType,
+    shape: &[usize],
+) -> PyResult<Bound<'py, PyAny>> {
+    fn build<'py, T: Element + bytemuck::Pod>(
+        py: Python<'py>,
+        bytes: &[u8],
+        shape: &[usize],
+    ) -> PyResult<Bound<'py, PyAny>> {
         let v: Vec<T> = bytemuck::pod_collect_to_vec(bytes);
         Ok(numpy::PyArray1::from_vec(py, v).reshape(shape)?.into_any())
     }
@@ -97,7 +122,10 @@ pub fn to_array<'py>(py: Python<'py>, bytes: &[u8], dt: DType, shape: &[usize]) 
         DType::F16 => build::<f16>(py, bytes, shape),
         DType::I32 => build::<i32>(py, bytes, shape),
         DType::BF16 => {
-            let v: Vec<f32> = bytes.chunks_exact(2).map(|c| bf16::from_ne_bytes([c[0], c[1]]).to_f32()).collect();
+            let v: Vec<f32> = bytes
+                .chunks_exact(2)
+                .map(|c| bf16::from_ne_bytes([c[0], c[1]]).to_f32())
+                .collect();
             Ok(numpy::PyArray1::from_vec(py, v).reshape(shape)?.into_any())
         }
     }

@@ -37,5 +37,8 @@ pub fn make_backend(name: &str) -> Result<Arc<dyn Backend>> {
 
 /// Backends that can be created on this machine.
 pub fn available() -> Vec<String> {
-    ["cpu", "cpu-async", "noop"].iter().map(|s| s.to_string()).collect()
+    ["cpu", "cpu-async", "noop"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
 }

@@ -11,7 +11,9 @@ pub enum Error {
     DType { op: &'static str, msg: String },
     #[error("tensor id {0} does not belong to this graph")]
     BadTensor(u32),
-    #[error("duplicate name `{0}`: inputs, weights, persistent tensors and outputs need unique names")]
+    #[error(
+        "duplicate name `{0}`: inputs, weights, persistent tensors and outputs need unique names"
+    )]
     DuplicateName(String),
     #[error("weight `{name}`: data has {got} bytes, shape {shape:?} of {dtype} needs {want}")]
     WeightSize {

@@ -236,13 +236,20 @@ impl Graph {
         if shape.iter().product::<usize>() != t.layout.numel() {
             return Err(shape_err(
                 "reshape",
-                format!("cannot reshape {:?} into {:?}: element counts differ", t.shape(), shape),
+                format!(
+                    "cannot reshape {:?} into {:?}: element counts differ",
+                    t.shape(),
+                    shape
+                ),
             ));
         }
         if !t.layout.is_contiguous() {
             return Err(shape_err(
                 "reshape",
-                format!("source of shape {:?} is not contiguous; use cont first", t.shape()),
+                format!(
+                    "source of shape {:?} is not contiguous; use cont first",
+                    t.shape()
+                ),
             ));
         }
         let mut layout = Layout::contiguous(shape);
@@ -255,10 +262,17 @@ impl Graph {
         let t = self.check(a)?;
         let n = t.shape().len();
         let mut seen = vec![false; n];
-        if axes.len() != n || axes.iter().any(|&x| x >= n || std::mem::replace(&mut seen[x], true)) {
+        if axes.len() != n
+            || axes
+                .iter()
+                .any(|&x| x >= n || std::mem::replace(&mut seen[x], true))
+        {
             return Err(shape_err(
                 "permute",
-                format!("axes {axes:?} are not a permutation of the {n} axes of {:?}", t.shape()),
+                format!(
+                    "axes {axes:?} are not a permutation of the {n} axes of {:?}",
+                    t.shape()
+                ),
             ));
         }
         let layout = Layout {
@@ -284,12 +298,21 @@ impl Graph {
     }
 
     /// `a[..., start:stop, ...]` along one axis.
-    pub fn slice(&mut self, a: TensorId, axis: usize, start: usize, stop: usize) -> Result<TensorId> {
+    pub fn slice(
+        &mut self,
+        a: TensorId,
+        axis: usize,
+        start: usize,
+        stop: usize,
+    ) -> Result<TensorId> {
         let t = self.check(a)?;
         if axis >= t.shape().len() || start > stop || stop > t.shape()[axis] {
             return Err(shape_err(
                 "slice",
-                format!("slice {start}:{stop} of axis {axis} is out of range for {:?}", t.shape()),
+                format!(
+                    "slice {start}:{stop} of axis {axis} is out of range for {:?}",
+                    t.shape()
+                ),
             ));
         }
         let mut layout = t.layout.clone();
@@ -303,7 +326,10 @@ impl Graph {
     fn float(&self, op: &'static str, id: TensorId, what: &str) -> Result<&TensorInfo> {
         let t = self.check(id)?;
         if !t.dtype.is_float() {
-            return Err(dtype_err(op, format!("{what} must be a float tensor, got {}", t.dtype)));
+            return Err(dtype_err(
+                op,
+                format!("{what} must be a float tensor, got {}", t.dtype),
+            ));
         }
         Ok(t)
     }
@@ -311,7 +337,10 @@ impl Graph {
     fn int(&self, op: &'static str, id: TensorId, what: &str) -> Result<&TensorInfo> {
         let t = self.check(id)?;
         if t.dtype != DType::I32 {
-            return Err(dtype_err(op, format!("{what} must be i32, got {}", t.dtype)));
+            return Err(dtype_err(
+                op,
+                format!("{what} must be i32, got {}", t.dtype),
+            ));
         }
         Ok(t)
     }
@@ -320,7 +349,10 @@ impl Graph {
     pub fn get_rows(&mut self, table: TensorId, ids: TensorId) -> Result<TensorId> {
         let t = self.float("get_rows", table, "table")?;
         if t.shape().len() != 2 {
-            return Err(shape_err("get_rows", format!("table must be 2-D [n, d], got {:?}", t.shape())));
+            return Err(shape_err(
+                "get_rows",
+                format!("table must be 2-D [n, d], got {:?}", t.shape()),
+            ));
         }
         let d = t.shape()[1];
         let mut shape = self.int("get_rows", ids, "ids")?.shape().to_vec();
@@ -333,12 +365,18 @@ impl Graph {
         let sa = self.float("mul_mat", a, "a")?.shape().to_vec();
         let sb = self.float("mul_mat", b, "b")?.shape().to_vec();
         if sa.len() < 2 || sb.len() < 2 {
-            return Err(shape_err("mul_mat", format!("needs at least 2-D operands, got {sa:?} @ {sb:?}")));
+            return Err(shape_err(
+                "mul_mat",
+                format!("needs at least 2-D operands, got {sa:?} @ {sb:?}"),
+            ));
         }
         let (m, k) = (sa[sa.len() - 2], sa[sa.len() - 1]);
         let (k2, n) = (sb[sb.len() - 2], sb[sb.len() - 1]);
         if k != k2 {
-            return Err(shape_err("mul_mat", format!("inner dimensions differ: {sa:?} @ {sb:?}")));
+            return Err(shape_err(
+                "mul_mat",
+                format!("inner dimensions differ: {sa:?} @ {sb:?}"),
+            ));
         }
         let batch = mul_mat_batch(&sa[..sa.len() - 2], &sb[..sb.len() - 2]).ok_or_else(|| {
             shape_err(
@@ -358,7 +396,10 @@ impl Graph {
         let sb = self.float(name, b, "b")?.shape().to_vec();
         match broadcast_shapes(&sa, &sb) {
             Some(s) if s == sa => Ok(self.push_new(op, vec![a, b], dt, &sa)),
-            _ => Err(shape_err(name, format!("cannot broadcast {sb:?} onto {sa:?}"))),
+            _ => Err(shape_err(
+                name,
+                format!("cannot broadcast {sb:?} onto {sa:?}"),
+            )),
         }
     }
 
@@ -407,7 +448,10 @@ impl Graph {
         let (sg, dt) = (tg.shape().to_vec(), tg.dtype);
         let su = self.float("swiglu", up, "up")?.shape().to_vec();
         if sg != su {
-            return Err(shape_err("swiglu", format!("gate {sg:?} and up {su:?} differ")));
+            return Err(shape_err(
+                "swiglu",
+                format!("gate {sg:?} and up {su:?} differ"),
+            ));
         }
         Ok(self.push_new(Op::SwiGlu, vec![gate, up], dt, &sg))
     }
@@ -425,23 +469,41 @@ impl Graph {
         let (sx, dt) = (tx.shape().to_vec(), tx.dtype);
         let sp = self.int("rope", pos, "positions")?.shape().to_vec();
         if sx.len() != 3 {
-            return Err(shape_err("rope", format!("x must be [tokens, heads, head_dim], got {sx:?}")));
-        }
-        if sp != [sx[0]] {
-            return Err(shape_err("rope", format!("positions {sp:?} must be [{}] for x {sx:?}", sx[0])));
-        }
-        if n_dims == 0 || n_dims % 2 != 0 || n_dims > sx[2] {
             return Err(shape_err(
                 "rope",
-                format!("n_dims {n_dims} must be even, > 0 and <= head_dim {}", sx[2]),
+                format!("x must be [tokens, heads, head_dim], got {sx:?}"),
             ));
         }
-        let op = Op::Rope { mode, n_dims, theta_base };
+        if sp != [sx[0]] {
+            return Err(shape_err(
+                "rope",
+                format!("positions {sp:?} must be [{}] for x {sx:?}", sx[0]),
+            ));
+        }
+        if n_dims == 0 || n_dims % 2 == 1 || n_dims > sx[2] {
+            return Err(shape_err(
+                "rope",
+                format!(
+                    "n_dims {n_dims} must be even, > 0 and <= head_dim {}",
+                    sx[2]
+                ),
+            ));
+        }
+        let op = Op::Rope {
+            mode,
+            n_dims,
+            theta_base,
+        };
         Ok(self.push_new(op, vec![x, pos], dt, &sx))
     }
 
     /// `softmax(x * scale + mask)` over the last axis; `mask` broadcast onto `x`.
-    pub fn soft_max(&mut self, x: TensorId, mask: Option<TensorId>, scale: f32) -> Result<TensorId> {
+    pub fn soft_max(
+        &mut self,
+        x: TensorId,
+        mask: Option<TensorId>,
+        scale: f32,
+    ) -> Result<TensorId> {
         let tx = self.float("soft_max", x, "x")?;
         let (sx, dt) = (tx.shape().to_vec(), tx.dtype);
         if sx.is_empty() {
@@ -451,7 +513,10 @@ impl Graph {
         if let Some(m) = mask {
             let sm = self.float("soft_max", m, "mask")?.shape().to_vec();
             if broadcast_shapes(&sx, &sm).as_deref() != Some(&sx[..]) {
-                return Err(shape_err("soft_max", format!("mask {sm:?} does not broadcast onto {sx:?}")));
+                return Err(shape_err(
+                    "soft_max",
+                    format!("mask {sm:?} does not broadcast onto {sx:?}"),
+                ));
             }
             srcs.push(m);
         }
@@ -462,7 +527,10 @@ impl Graph {
     pub fn cpy(&mut self, a: TensorId, dtype: DType) -> Result<TensorId> {
         let t = self.check(a)?;
         if t.dtype.is_float() != dtype.is_float() {
-            return Err(dtype_err("cpy", format!("cannot convert {} to {dtype}", t.dtype)));
+            return Err(dtype_err(
+                "cpy",
+                format!("cannot convert {} to {dtype}", t.dtype),
+            ));
         }
         let s = t.shape().to_vec();
         Ok(self.push_new(Op::Cpy, vec![a], dtype, &s))
@@ -485,9 +553,16 @@ impl Graph {
         }
         let ok = sa.len() == sb.len()
             && axis < sa.len()
-            && sa.iter().zip(&sb).enumerate().all(|(i, (x, y))| i == axis || x == y);
+            && sa
+                .iter()
+                .zip(&sb)
+                .enumerate()
+                .all(|(i, (x, y))| i == axis || x == y);
         if !ok {
-            return Err(shape_err("concat", format!("cannot concatenate {sa:?} and {sb:?} along axis {axis}")));
+            return Err(shape_err(
+                "concat",
+                format!("cannot concatenate {sa:?} and {sb:?} along axis {axis}"),
+            ));
         }
         let mut s = sa;
         s[axis] += sb[axis];
@@ -501,7 +576,10 @@ impl Graph {
         let ss = self.float("set_rows", src, "src")?.shape().to_vec();
         let si = self.int("set_rows", idx, "indices")?.shape().to_vec();
         if self.tensors[td.root.index()].op != Op::Persistent {
-            return Err(shape_err("set_rows", "dst must be a persistent tensor (or a view of one)".into()));
+            return Err(shape_err(
+                "set_rows",
+                "dst must be a persistent tensor (or a view of one)".into(),
+            ));
         }
         let sd = td.shape();
         if sd.len() != 2 || ss.len() != 2 || ss[1] != sd[1] || si != [ss[0]] {
@@ -524,7 +602,10 @@ impl Graph {
     pub fn argmax(&mut self, a: TensorId) -> Result<TensorId> {
         let s = self.float("argmax", a, "x")?.shape().to_vec();
         if s.is_empty() || s[s.len() - 1] == 0 {
-            return Err(shape_err("argmax", format!("needs a non-empty last axis, got {s:?}")));
+            return Err(shape_err(
+                "argmax",
+                format!("needs a non-empty last axis, got {s:?}"),
+            ));
         }
         Ok(self.push_new(Op::Argmax, vec![a], DType::I32, &s[..s.len() - 1]))
     }
@@ -537,10 +618,16 @@ impl Graph {
         ids: TensorId,
         weights: TensorId,
     ) -> Result<TensorId> {
-        let se = self.float("mul_mat_id", experts, "experts")?.shape().to_vec();
+        let se = self
+            .float("mul_mat_id", experts, "experts")?
+            .shape()
+            .to_vec();
         let sx = self.float("mul_mat_id", x, "x")?.shape().to_vec();
         let si = self.int("mul_mat_id", ids, "ids")?.shape().to_vec();
-        let sw = self.float("mul_mat_id", weights, "weights")?.shape().to_vec();
+        let sw = self
+            .float("mul_mat_id", weights, "weights")?
+            .shape()
+            .to_vec();
         let ok = se.len() == 3
             && sx.len() == 2
             && sx[1] == se[1]
@@ -556,7 +643,12 @@ impl Graph {
             ));
         }
         let shape = [sx[0], se[2]];
-        Ok(self.push_new(Op::MulMatId, vec![experts, x, ids, weights], DType::F32, &shape))
+        Ok(self.push_new(
+            Op::MulMatId,
+            vec![experts, x, ids, weights],
+            DType::F32,
+            &shape,
+        ))
     }
 }
 
@@ -565,10 +657,24 @@ pub fn mul_mat_batch(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
     let n = a.len().max(b.len());
     (0..n)
         .map(|i| {
-            let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
-            let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
-            let (lo, hi) = (da.min(db), da.max(db));
-            (lo == hi || (lo > 0 && hi % lo == 0)).then_some(hi)
+            let da = if i + a.len() >= n {
+                a[i + a.len() - n]
+            } else {
+                1
+            };
+            let db = if i + b.len() >= n {
+                b[i + b.len() - n]
+            } else {
+                1
+            };
+            match (da, db) {
+                _ if da == db => Some(da),
+                (1, _) => Some(db),
+                (_, 1) => Some(da),
+                // GQA: one count divides the other; the smaller side is indexed by i / ratio.
+                _ if da > 0 && db > 0 && da.max(db) % da.min(db) == 0 => Some(da.max(db)),
+                _ => None,
+            }
         })
         .collect()
 }

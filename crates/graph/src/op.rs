@@ -36,7 +36,11 @@ pub enum Op {
     /// `x / sqrt(mean(x^2, last axis) + eps)`.
     RmsNorm { eps: f32 },
     /// Rotary embedding of `x [T, H, D]` at positions `pos i32 [T]` over the first `n_dims` of D.
-    Rope { mode: RopeMode, n_dims: usize, theta_base: f32 },
+    Rope {
+        mode: RopeMode,
+        n_dims: usize,
+        theta_base: f32,
+    },
     /// `softmax(x * scale + mask)` over the last axis; `mask` optional (second source,
     /// broadcast to `x`); `-inf` masks an entry; a fully masked row gives zeros.
     SoftMax { scale: f32 },

@@ -15,7 +15,10 @@ fn mul_mat_shape_error_names_the_op_and_the_shapes() {
     let a = g.input("a", &[4, 3], DType::F32).unwrap();
     let b = g.input("b", &[4, 5], DType::F32).unwrap();
     let m = msg(g.mul_mat(a, b));
-    assert!(m.contains("mul_mat") && m.contains("[4, 3]") && m.contains("[4, 5]"), "{m}");
+    assert!(
+        m.contains("mul_mat") && m.contains("[4, 3]") && m.contains("[4, 5]"),
+        "{m}"
+    );
 }
 
 #[test]
@@ -62,7 +65,10 @@ fn views_share_their_root_and_check_bounds() {
     assert_eq!(g.tensor(t).root, x);
     assert!(msg(g.reshape(t, &[24])).contains("not contiguous"));
     let s = g.slice(x, 1, 2, 5).unwrap();
-    assert_eq!((g.tensor(s).shape(), g.tensor(s).layout.offset), (&[4usize, 3][..], 2));
+    assert_eq!(
+        (g.tensor(s).shape(), g.tensor(s).layout.offset),
+        (&[4usize, 3][..], 2)
+    );
     assert!(msg(g.slice(x, 1, 2, 7)).contains("out of range"));
     assert_eq!(g.tensor(t).op, Op::View);
 }
@@ -70,7 +76,9 @@ fn views_share_their_root_and_check_bounds() {
 #[test]
 fn weight_size_and_duplicate_names_are_checked() {
     let mut g = Graph::new();
-    assert!(msg(g.weight("w", &[2, 2], DType::F32, Arc::from(vec![0u8; 8]), None)).contains("needs 16"));
+    assert!(
+        msg(g.weight("w", &[2, 2], DType::F32, Arc::from(vec![0u8; 8]), None)).contains("needs 16")
+    );
     g.input("x", &[1], DType::F32).unwrap();
     assert!(msg(g.input("x", &[1], DType::F32)).contains("duplicate"));
 }
@@ -80,7 +88,9 @@ fn node_and_leaf_counts_follow_the_calls_only() {
     let build = || {
         let mut g = Graph::new();
         let x = g.input("x", &[0, 8], DType::F32).unwrap(); // zero rows: same node count
-        let w = g.weight("w", &[8, 8], DType::F32, Arc::from(vec![0u8; 256]), None).unwrap();
+        let w = g
+            .weight("w", &[8, 8], DType::F32, Arc::from(vec![0u8; 256]), None)
+            .unwrap();
         let y = g.mul_mat(x, w).unwrap();
         let y = g.rms_norm(y, 1e-5).unwrap();
         g.output("y", y).unwrap();

@@ -75,7 +75,9 @@ fn region_usage(r: Region) -> BufferUsage {
 
 fn node_name(g: &Graph, id: TensorId) -> String {
     let t = g.tensor(id);
-    t.name.clone().unwrap_or_else(|| format!("{}#{}", t.op.name(), id.0))
+    t.name
+        .clone()
+        .unwrap_or_else(|| format!("{}#{}", t.op.name(), id.0))
 }
 
 /// Checks that `backend` runs every op of `graph`; the error names the first op it cannot.
@@ -111,8 +113,10 @@ impl Plan {
         ];
         let mut buffers = Vec::new();
         let mut region_buf: HashMap<Region, BufferId> = HashMap::new();
+        let used = |r: Region| alloc.slots.iter().flatten().any(|(region, _)| *region == r);
         for (r, bytes) in regions {
-            if bytes > 0 {
+            // A region holding only empty tensors still gets a (minimal) buffer to point at.
+            if bytes > 0 || used(r) {
                 let id = backend.alloc_buffer(bytes, region_usage(r))?;
                 buffers.push(id);
                 region_buf.insert(r, id);
@@ -159,7 +163,8 @@ impl Plan {
         plan.exec = Arc::new(ExecGraph { nodes });
         for (id, t) in graph.inputs() {
             let r = tref(id);
-            plan.input_index.insert(t.name.clone().unwrap_or_default(), plan.inputs.len());
+            plan.input_index
+                .insert(t.name.clone().unwrap_or_default(), plan.inputs.len());
             plan.inputs.push(InputSlot {
                 name: t.name.clone().unwrap_or_default(),
                 dtype: t.dtype,
@@ -170,7 +175,10 @@ impl Plan {
         }
         for (name, id) in graph.outputs() {
             plan.output_index.insert(name.clone(), plan.outputs.len());
-            plan.outputs.push(OutputSlot { name: name.clone(), tensor: tref(*id) });
+            plan.outputs.push(OutputSlot {
+                name: name.clone(),
+                tensor: tref(*id),
+            });
         }
         for (id, w) in graph.weights() {
             let r = tref(*id);
@@ -210,18 +218,24 @@ impl Plan {
 
     /// The input called `name`.
     pub fn input(&self, name: &str) -> Result<&InputSlot> {
-        self.input_index.get(name).map(|&i| &self.inputs[i]).ok_or_else(|| {
-            let known: Vec<&str> = self.inputs.iter().map(|s| s.name.as_str()).collect();
-            Error::Input(format!("unknown input `{name}` (inputs: {known:?})"))
-        })
+        self.input_index
+            .get(name)
+            .map(|&i| &self.inputs[i])
+            .ok_or_else(|| {
+                let known: Vec<&str> = self.inputs.iter().map(|s| s.name.as_str()).collect();
+                Error::Input(format!("unknown input `{name}` (inputs: {known:?})"))
+            })
     }
 
     /// The output called `name`.
     pub fn output(&self, name: &str) -> Result<&OutputSlot> {
-        self.output_index.get(name).map(|&i| &self.outputs[i]).ok_or_else(|| {
-            let known: Vec<&str> = self.outputs.iter().map(|s| s.name.as_str()).collect();
-            Error::Input(format!("unknown output `{name}` (outputs: {known:?})"))
-        })
+        self.output_index
+            .get(name)
+            .map(|&i| &self.outputs[i])
+            .ok_or_else(|| {
+                let known: Vec<&str> = self.outputs.iter().map(|s| s.name.as_str()).collect();
+                Error::Input(format!("unknown output `{name}` (outputs: {known:?})"))
+            })
     }
 
     /// Copies an input's bytes (contiguous, row-major, the input's dtype) into the host pack.
@@ -231,7 +245,10 @@ impl Plan {
         if data.len() != slot.nbytes {
             return Err(Error::Input(format!(
                 "input `{name}` of shape {:?} and dtype {} needs {} bytes, got {}",
-                slot.shape, slot.dtype, slot.nbytes, data.len()
+                slot.shape,
+                slot.dtype,
+                slot.nbytes,
+                data.len()
             )));
         }
         let (off, n) = (slot.offset, slot.nbytes);
@@ -260,7 +277,14 @@ impl Plan {
                     for s in &self.inputs {
                         // SAFETY: the pack is neither freed nor written until the synchronize
                         // below returns (`&mut self` is held for the whole call).
-                        unsafe { be.set_tensor_async(arena, s.offset, self.pack[s.offset..].as_ptr(), s.nbytes)? };
+                        unsafe {
+                            be.set_tensor_async(
+                                arena,
+                                s.offset,
+                                self.pack[s.offset..].as_ptr(),
+                                s.nbytes,
+                            )?
+                        };
                     }
                     be.synchronize()?;
                 }
@@ -292,7 +316,12 @@ impl Plan {
         let mut out = vec![0u8; n * esize];
         let mut idx = vec![0usize; t.shape.len()];
         for k in 0..n {
-            let src: usize = idx.iter().zip(&t.strides).map(|(i, s)| i * s).sum::<usize>() * esize;
+            let src: usize = idx
+                .iter()
+                .zip(&t.strides)
+                .map(|(i, s)| i * s)
+                .sum::<usize>()
+                * esize;
             out[k * esize..(k + 1) * esize].copy_from_slice(&raw[src..src + esize]);
             for d in (0..idx.len()).rev() {
                 idx[d] += 1;
@@ -318,4 +347,3 @@ impl Drop for Plan {
         }
     }
 }
-

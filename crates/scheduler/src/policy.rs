@@ -36,7 +36,11 @@ impl SyncPolicy {
     /// `LOWSYNC_SYNC_POLICY`, or `staged` when unset. A bad value is an error naming the
     /// variable.
     pub fn from_env() -> Result<Self> {
-        let v = env::choice("LOWSYNC_SYNC_POLICY", &["stock", "relaxed", "staged"], "stock, relaxed or staged")?;
+        let v = env::choice(
+            "LOWSYNC_SYNC_POLICY",
+            &["stock", "relaxed", "staged"],
+            "stock, relaxed or staged",
+        )?;
         v.map_or(Ok(SyncPolicy::Staged), str::parse)
     }
 }

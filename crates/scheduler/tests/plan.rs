@@ -4,7 +4,10 @@
 
 use std::sync::Arc;
 
-use lowsync_backend::{Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, ExecGraph, StatsSnapshot, SyncStats};
+use lowsync_backend::{
+    Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, ExecGraph, StatsSnapshot,
+    SyncStats,
+};
 use lowsync_cpu::{CpuAsyncBackend, CpuBackend};
 use lowsync_graph::{DType, Graph, Op, TensorId};
 use lowsync_scheduler::{AllocPlan, Plan, SyncPolicy};
@@ -15,14 +18,26 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 }
 
 fn floats(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4).map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect()
+    b.chunks_exact(4)
+        .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 /// `out = (((x0 + x1) + x2) ... ) * w`, with `u` inputs of 4 elements.
 fn sum_graph(u: usize) -> Graph {
     let mut g = Graph::new();
-    let xs: Vec<TensorId> = (0..u).map(|i| g.input(&format!("x{i}"), &[4], DType::F32).unwrap()).collect();
-    let w = g.weight("w", &[4], DType::F32, Arc::from(f32_bytes(&[1.0, 2.0, 3.0, 4.0])), None).unwrap();
+    let xs: Vec<TensorId> = (0..u)
+        .map(|i| g.input(&format!("x{i}"), &[4], DType::F32).unwrap())
+        .collect();
+    let w = g
+        .weight(
+            "w",
+            &[4],
+            DType::F32,
+            Arc::from(f32_bytes(&[1.0, 2.0, 3.0, 4.0])),
+            None,
+        )
+        .unwrap();
     let mut acc = xs[0];
     for x in &xs[1..] {
         acc = g.add(acc, *x).unwrap();
@@ -34,7 +49,8 @@ fn sum_graph(u: usize) -> Graph {
 
 fn step(plan: &mut Plan, u: usize, k: f32) -> Vec<f32> {
     for i in 0..u {
-        plan.set_input(&format!("x{i}"), &f32_bytes(&[k + i as f32; 4])).unwrap();
+        plan.set_input(&format!("x{i}"), &f32_bytes(&[k + i as f32; 4]))
+            .unwrap();
     }
     plan.compute().unwrap();
     floats(&plan.get_output("y").unwrap())
@@ -68,14 +84,25 @@ fn counts_per_step_are_functions_of_the_user_inputs() {
                 SyncPolicy::Stock => (u64_ + 1, u64_, u64_),
             };
             assert_eq!(d.host_waits, waits * steps, "{policy} host waits, U={u}");
-            assert_eq!(d.driver_syncs, waits * steps, "{policy} driver syncs, U={u}");
-            assert_eq!(d.elided_syncs, elided * steps, "{policy} elided syncs, U={u}");
+            assert_eq!(
+                d.driver_syncs,
+                waits * steps,
+                "{policy} driver syncs, U={u}"
+            );
+            assert_eq!(
+                d.elided_syncs,
+                elided * steps,
+                "{policy} elided syncs, U={u}"
+            );
             assert_eq!(d.h2d_copies, h2d * steps, "{policy} H2D copies, U={u}");
             assert_eq!(d.d2h_copies, steps, "{policy} one read per step");
             assert_eq!(d.reallocs, 0);
             outs.push(out);
         }
-        assert!(outs.windows(2).all(|w| w[0] == w[1]), "policies give bit-identical outputs: {outs:?}");
+        assert!(
+            outs.windows(2).all(|w| w[0] == w[1]),
+            "policies give bit-identical outputs: {outs:?}"
+        );
     }
 }
 
@@ -86,12 +113,16 @@ fn staged_compute_makes_no_host_wait_before_the_read() {
     let before = be.stats().snapshot();
     for s in 0..10 {
         for i in 0..6 {
-            plan.set_input(&format!("x{i}"), &f32_bytes(&[s as f32; 4])).unwrap();
+            plan.set_input(&format!("x{i}"), &f32_bytes(&[s as f32; 4]))
+                .unwrap();
         }
         plan.compute().unwrap();
     }
     assert_eq!(be.stats().snapshot().since(&before).host_waits, 0);
-    assert_eq!(floats(&plan.get_output("y").unwrap()), vec![54.0, 108.0, 162.0, 216.0]);
+    assert_eq!(
+        floats(&plan.get_output("y").unwrap()),
+        vec![54.0, 108.0, 162.0, 216.0]
+    );
 }
 
 /// Invariant 1 at the plan level: the caller overwrites its input right after `compute()`
@@ -121,7 +152,11 @@ fn input_overwritten_after_compute_is_not_seen_by_the_queued_graph() {
             assert!(!ev.is_complete(), "the step waits behind the gate");
         }
         gate.open();
-        assert_eq!(floats(&plan.get_output("y").unwrap()), vec![1.0, 2.0, 3.0, 4.0], "{policy}");
+        assert_eq!(
+            floats(&plan.get_output("y").unwrap()),
+            vec![1.0, 2.0, 3.0, 4.0],
+            "{policy}"
+        );
     }
 }
 
@@ -162,7 +197,12 @@ impl Backend for Plain {
     fn set_tensor(&self, dst: BufferId, offset: usize, data: &[u8]) -> lowsync_backend::Result<()> {
         self.0.set_tensor(dst, offset, data)
     }
-    fn get_tensor(&self, src: BufferId, offset: usize, out: &mut [u8]) -> lowsync_backend::Result<()> {
+    fn get_tensor(
+        &self,
+        src: BufferId,
+        offset: usize,
+        out: &mut [u8],
+    ) -> lowsync_backend::Result<()> {
         self.0.get_tensor(src, offset, out)
     }
     fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> lowsync_backend::Result<()> {
@@ -198,7 +238,10 @@ fn cpu_and_cpu_async_are_bit_identical() {
     let mut pa = Plan::compile(&g, a, SyncPolicy::Staged).unwrap();
     let mut pb = Plan::compile(&g, b, SyncPolicy::Staged).unwrap();
     for k in 0..3 {
-        assert_eq!(step(&mut pa, 3, k as f32 * 0.37), step(&mut pb, 3, k as f32 * 0.37));
+        assert_eq!(
+            step(&mut pa, 3, k as f32 * 0.37),
+            step(&mut pb, 3, k as f32 * 0.37)
+        );
     }
 }
 
@@ -206,8 +249,16 @@ fn cpu_and_cpu_async_are_bit_identical() {
 fn bad_input_sizes_and_names_are_errors_and_the_plan_stays_usable() {
     let be: Arc<dyn Backend> = Arc::new(CpuAsyncBackend::new("cpu-async").unwrap());
     let mut plan = Plan::compile(&sum_graph(2), be, SyncPolicy::Staged).unwrap();
-    assert!(plan.set_input("x0", &[0u8; 3]).unwrap_err().to_string().contains("needs 16 bytes"));
-    assert!(plan.set_input("nope", &[0u8; 16]).unwrap_err().to_string().contains("unknown input"));
+    assert!(plan
+        .set_input("x0", &[0u8; 3])
+        .unwrap_err()
+        .to_string()
+        .contains("needs 16 bytes"));
+    assert!(plan
+        .set_input("nope", &[0u8; 16])
+        .unwrap_err()
+        .to_string()
+        .contains("unknown input"));
     assert!(plan.get_output("nope").is_err());
     assert_eq!(step(&mut plan, 2, 1.0), vec![3.0, 6.0, 9.0, 12.0]);
 }
@@ -224,11 +275,15 @@ fn persistent_state_survives_steps_and_is_written_by_set_rows() {
     let be: Arc<dyn Backend> = Arc::new(CpuAsyncBackend::new("cpu-async").unwrap());
     let mut plan = Plan::compile(&g, be, SyncPolicy::Staged).unwrap();
     for i in 0..4i32 {
-        plan.set_input("row", &f32_bytes(&[i as f32 + 1.0, -(i as f32) - 1.0])).unwrap();
+        plan.set_input("row", &f32_bytes(&[i as f32 + 1.0, -(i as f32) - 1.0]))
+            .unwrap();
         plan.set_input("slot", &i.to_ne_bytes()).unwrap();
         plan.compute().unwrap();
     }
-    assert_eq!(floats(&plan.get_output("cache").unwrap()), vec![1.0, -1.0, 2.0, -2.0, 3.0, -3.0, 4.0, -4.0]);
+    assert_eq!(
+        floats(&plan.get_output("cache").unwrap()),
+        vec![1.0, -1.0, 2.0, -2.0, 3.0, -3.0, 4.0, -4.0]
+    );
 }
 
 // ---- allocator -------------------------------------------------------------------------------
@@ -261,8 +316,12 @@ fn rand_op() -> impl Strategy<Value = RandOp> {
 fn random_graph(ops: &[RandOp], n_out: usize, keep_all: bool) -> Graph {
     let mut g = Graph::new();
     let x = g.input("x", &[8, 8], DType::F32).unwrap();
-    let wdata: Vec<f32> = (0..64).map(|i| ((i * 37 % 17) as f32 - 8.0) / 16.0).collect();
-    let w = g.weight("w", &[8, 8], DType::F32, Arc::from(f32_bytes(&wdata)), None).unwrap();
+    let wdata: Vec<f32> = (0..64)
+        .map(|i| ((i * 37 % 17) as f32 - 8.0) / 16.0)
+        .collect();
+    let w = g
+        .weight("w", &[8, 8], DType::F32, Arc::from(f32_bytes(&wdata)), None)
+        .unwrap();
     let mut pool = vec![x];
     for op in ops {
         let pick = |i: usize| pool[i % pool.len()];
@@ -281,7 +340,11 @@ fn random_graph(ops: &[RandOp], n_out: usize, keep_all: bool) -> Graph {
         .unwrap();
         pool.push(t);
     }
-    let start = if keep_all { 1 } else { pool.len().saturating_sub(n_out).max(1) };
+    let start = if keep_all {
+        1
+    } else {
+        pool.len().saturating_sub(n_out).max(1)
+    };
     for (i, t) in pool[start..].iter().enumerate() {
         g.output(&format!("o{i}"), *t).unwrap();
     }

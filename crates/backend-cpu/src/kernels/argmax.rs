@@ -14,13 +14,20 @@ use super::{float_src, kernel_err};
 pub(super) fn argmax(node: &ExecNode, dst: &Strided, x: &Strided) -> Result<()> {
     float_src(node, "x", x)?;
     if dst.dtype() != DType::I32 {
-        return Err(kernel_err(node, format!("result must be i32, got {}", dst.dtype())));
+        return Err(kernel_err(
+            node,
+            format!("result must be i32, got {}", dst.dtype()),
+        ));
     }
     let want = &x.shape()[..x.rank().saturating_sub(1)];
     if x.rank() == 0 || dst.shape() != want {
         return Err(kernel_err(
             node,
-            format!("x {:?} needs a result of shape {want:?}, got {:?}", x.shape(), dst.shape()),
+            format!(
+                "x {:?} needs a result of shape {want:?}, got {:?}",
+                x.shape(),
+                dst.shape()
+            ),
         ));
     }
     let (rows, len) = (x.rows(), x.last_len());
@@ -28,7 +35,10 @@ pub(super) fn argmax(node: &ExecNode, dst: &Strided, x: &Strided) -> Result<()> 
         return Ok(());
     }
     if len == 0 {
-        return Err(kernel_err(node, format!("argmax of an empty last axis ({:?})", x.shape())));
+        return Err(kernel_err(
+            node,
+            format!("argmax of an empty last axis ({:?})", x.shape()),
+        ));
     }
     for_each_row(
         rows,

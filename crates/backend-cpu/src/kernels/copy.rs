@@ -1,5 +1,5 @@
-//! `Cpy` and `Concat`, and the strided copy engine other kernels reuse (materialising an
-//! operand as contiguous f32 for gemm, storing a scratch result into the destination).
+//! `Cpy` and `Concat`, and the strided copy engine other kernels reuse (converting a gemm
+//! operand to f32, storing a scratch result into the destination).
 //!
 //! Strategy: the axes of both views are ordered by the destination's strides (largest first)
 //! and coalesced, so a copy between two layouts with the same memory order becomes a few long
@@ -9,28 +9,50 @@
 use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::DType;
 
-use super::par::{for_each_segment, segment_buf};
+use super::par::{for_each_segment, segment_buf, Threads};
 use super::view::{coalesce, Strided};
 use super::{kernel_err, same_shape};
 
 /// Copies every element of `src` into `dst` (equal shapes; equal dtypes or both float).
 /// Mismatches are the caller's to reject; here they copy nothing (and assert in debug).
 pub(crate) fn copy_strided(src: &Strided, dst: &Strided) {
-    let ok = src.shape() == dst.shape() && (src.dtype() == dst.dtype() || (src.dtype().is_float() && dst.dtype().is_float()));
-    debug_assert!(ok, "copy {} {:?} -> {} {:?}", src.dtype(), src.shape(), dst.dtype(), dst.shape());
+    copy_strided_on(Threads::Auto, src, dst);
+}
+
+/// [`copy_strided`], choosing whether it may fork onto the rayon pool.
+pub(crate) fn copy_strided_on(threads: Threads, src: &Strided, dst: &Strided) {
+    let ok = src.shape() == dst.shape()
+        && (src.dtype() == dst.dtype() || (src.dtype().is_float() && dst.dtype().is_float()));
+    debug_assert!(
+        ok,
+        "copy {} {:?} -> {} {:?}",
+        src.dtype(),
+        src.shape(),
+        dst.dtype(),
+        dst.shape()
+    );
     if !ok || dst.numel() == 0 {
         return;
     }
     let mut perm: Vec<usize> = (0..dst.rank()).collect();
     perm.sort_by(|&x, &y| dst.strides()[y].cmp(&dst.strides()[x]));
-    let (Some(d), Some(s)) = (dst.permuted(&perm), src.permuted(&perm)) else { return };
+    let (Some(d), Some(s)) = (dst.permuted(&perm), src.permuted(&perm)) else {
+        return;
+    };
     let v = coalesce(&[&d, &s]);
     let (d, s) = (&v[0], &v[1]);
     let (rows, len) = (d.rows(), d.last_len());
     if d.dtype() == s.dtype() {
-        for_each_segment(rows, len, || (), |_, r, cols| d.copy_row_raw(r, s, r, cols));
+        for_each_segment(
+            threads,
+            rows,
+            len,
+            || (),
+            |_, r, cols| d.copy_row_raw(r, s, r, cols),
+        );
     } else {
         for_each_segment(
+            threads,
             rows,
             len,
             || segment_buf(len),
@@ -60,12 +82,24 @@ pub(super) fn cpy(node: &ExecNode, dst: &Strided, src: &Strided) -> Result<()> {
 }
 
 /// `dst = concat(a, b, axis)`.
-pub(super) fn concat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided, axis: usize) -> Result<()> {
+pub(super) fn concat(
+    node: &ExecNode,
+    dst: &Strided,
+    a: &Strided,
+    b: &Strided,
+    axis: usize,
+) -> Result<()> {
     let (sa, sb, sd) = (a.shape(), b.shape(), dst.shape());
     let ok = sa.len() == sb.len()
         && sd.len() == sa.len()
         && axis < sa.len()
-        && (0..sa.len()).all(|i| if i == axis { sd[i] == sa[i] + sb[i] } else { sa[i] == sb[i] && sd[i] == sa[i] });
+        && (0..sa.len()).all(|i| {
+            if i == axis {
+                sd[i] == sa[i] + sb[i]
+            } else {
+                sa[i] == sb[i] && sd[i] == sa[i]
+            }
+        });
     if !ok {
         return Err(kernel_err(
             node,
@@ -74,9 +108,14 @@ pub(super) fn concat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided, a
     }
     check_kinds(node, a.dtype(), dst.dtype())?;
     check_kinds(node, b.dtype(), dst.dtype())?;
-    let parts = dst.slice_axis(axis, 0, sa[axis]).zip(dst.slice_axis(axis, sa[axis], sb[axis]));
+    let parts = dst
+        .slice_axis(axis, 0, sa[axis])
+        .zip(dst.slice_axis(axis, sa[axis], sb[axis]));
     let Some((da, db)) = parts else {
-        return Err(kernel_err(node, format!("axis {axis} out of range for {sd:?}")));
+        return Err(kernel_err(
+            node,
+            format!("axis {axis} out of range for {sd:?}"),
+        ));
     };
     copy_strided(a, &da);
     copy_strided(b, &db);

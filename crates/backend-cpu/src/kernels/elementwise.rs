@@ -9,11 +9,12 @@
 
 use lowsync_backend::{ExecNode, Result};
 
-use super::par::{for_each_segment, segment_buf};
+use super::par::{for_each_segment, segment_buf, Threads};
 use super::view::{coalesce, Strided};
 use super::{float_dst, kernel_err, same_shape};
 
-/// `x * sigmoid(x)`, written so that a very negative `x` gives `-0` instead of `NaN`.
+/// `x * sigmoid(x)`, written as `x / (1 + e^-x)` so that a large negative `x` (where `e^-x`
+/// overflows to infinity) gives `-0` instead of `NaN`.
 #[inline]
 pub(crate) fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
@@ -32,6 +33,7 @@ fn map1(dst: &Strided, a: &Strided, f: impl Fn(&mut [f32]) + Sync + Send) {
     let (d, a) = (&v[0], &v[1]);
     let (rows, len) = (d.rows(), d.last_len());
     for_each_segment(
+        Threads::Auto,
         rows,
         len,
         || segment_buf(len),
@@ -50,6 +52,7 @@ fn map2(dst: &Strided, a: &Strided, b: &Strided, f: impl Fn(&mut [f32], &[f32]) 
     let (d, a, b) = (&v[0], &v[1], &v[2]);
     let (rows, len) = (d.rows(), d.last_len());
     for_each_segment(
+        Threads::Auto,
         rows,
         len,
         || (segment_buf(len), segment_buf(len)),
@@ -69,7 +72,10 @@ pub(super) fn run(node: &ExecNode, dst: &Strided, srcs: &[Strided]) -> Result<()
     float_dst(node, dst)?;
     for s in srcs {
         if !s.dtype().is_float() {
-            return Err(kernel_err(node, format!("sources must be float tensors, got {}", s.dtype())));
+            return Err(kernel_err(
+                node,
+                format!("sources must be float tensors, got {}", s.dtype()),
+            ));
         }
     }
     let a = &srcs[0];
@@ -77,20 +83,34 @@ pub(super) fn run(node: &ExecNode, dst: &Strided, srcs: &[Strided]) -> Result<()
     let broadcast_b = || -> Result<Strided> {
         let b = &srcs[1];
         b.broadcast_to(dst.shape()).ok_or_else(|| {
-            kernel_err(node, format!("cannot broadcast {:?} onto {:?}", b.shape(), dst.shape()))
+            kernel_err(
+                node,
+                format!("cannot broadcast {:?} onto {:?}", b.shape(), dst.shape()),
+            )
         })
     };
     match node.op {
-        Op::Add => map2(dst, a, &broadcast_b()?, |x, y| x.iter_mut().zip(y).for_each(|(x, y)| *x += y)),
-        Op::Mul => map2(dst, a, &broadcast_b()?, |x, y| x.iter_mut().zip(y).for_each(|(x, y)| *x *= y)),
+        Op::Add => map2(dst, a, &broadcast_b()?, |x, y| {
+            x.iter_mut().zip(y).for_each(|(x, y)| *x += y)
+        }),
+        Op::Mul => map2(dst, a, &broadcast_b()?, |x, y| {
+            x.iter_mut().zip(y).for_each(|(x, y)| *x *= y)
+        }),
         Op::SwiGlu => {
             same_shape(node, "up", &srcs[1], dst)?;
-            map2(dst, a, &srcs[1], |g, u| g.iter_mut().zip(u).for_each(|(g, u)| *g = silu(*g) * u))
+            map2(dst, a, &srcs[1], |g, u| {
+                g.iter_mut().zip(u).for_each(|(g, u)| *g = silu(*g) * u)
+            })
         }
         Op::Scale { scale } => map1(dst, a, |x| x.iter_mut().for_each(|x| *x *= scale)),
         Op::Silu => map1(dst, a, |x| x.iter_mut().for_each(|x| *x = silu(*x))),
         Op::Gelu => map1(dst, a, |x| x.iter_mut().for_each(|x| *x = gelu(*x))),
-        other => return Err(kernel_err(node, format!("{} is not element-wise", other.name()))),
+        other => {
+            return Err(kernel_err(
+                node,
+                format!("{} is not element-wise", other.name()),
+            ))
+        }
     }
     Ok(())
 }

@@ -1,74 +1,53 @@
 //! `MulMat` (numpy `a @ b` with GQA-style batch broadcast) and `MulMatId` (mixture of
 //! experts), on top of the `gemm` crate.
 //!
-//! Strategy: `gemm` takes row and column strides, so strided f32 operands (transposed views
-//! such as `x @ w.T`) are passed as they are. f16/bf16 operands (and unaligned f32 ones) are
-//! converted once per call into an f32 copy that keeps the source's memory order, so the
-//! conversion is one linear sweep and gemm still sees the transposed strides. Batches map to
-//! operand batches by `i / (big / small)` per axis (GQA: 32 query heads over 8 kv heads use
-//! kv head `q / 4`). Many small batches (attention) run in parallel over batches with a
-//! single-threaded gemm each; big problems run gemm with rayon inside.
+//! Strategy: both ops reduce to a list of 2-D products `out[m, n] = lhs[m, k] @ b[k, n]` that
+//! share one shape (one per output batch; one per used expert). `gemm` takes row and column
+//! strides, so aligned f32 operands, transposed views such as `x @ w.T` included, are read in
+//! place. The left operand (activations) is made f32 once per call when it is not already.
+//! A right operand in f16/bf16 (weights, KV cache) is handled by size:
+//! - small `m` (decode, up to [`STREAM_MAX_M`] rows): each job converts one cache-sized block
+//!   of `b`'s columns and multiplies it straight away, so a 2048x2048 f16 weight is streamed
+//!   once with no large allocation;
+//! - larger `m` (prefill): `b` is converted once, in its own memory order (one linear sweep,
+//!   the transposed strides kept), and gemm runs over the copy.
 //!
-//! Determinism: gemm never splits the k reduction across threads (its k blocking depends only
-//! on the problem size), so results are bit-identical for any thread count; tests check this.
+//! Batches map to operand batches by `i / (big / small)` per axis (GQA: 32 query heads over 8
+//! kv heads use kv head `q / 4`). Jobs (products or column blocks) run in parallel with a
+//! single-threaded gemm each when they are many and small (attention, decode); one big
+//! product runs gemm with rayon inside.
 //!
-//! `MulMatId` groups the `(token, slot)` pairs by expert, runs one gemm per used expert over
-//! the gathered token rows, and adds `w * row` into the output in expert order, then slot
-//! order: deterministic and independent of threading.
+//! Determinism: every output element is produced by one job, whose gemm calls (and, when
+//! streaming, the in-order accumulation of its runs of k) depend only on the problem's shapes
+//! and dtypes; gemm itself never splits the k reduction across threads. Results are therefore
+//! bit-identical for any thread count (tests check this).
+//!
+//! `MulMatId` groups the `(token, slot)` pairs by expert, runs one product per used expert
+//! over the gathered token rows, and adds `w * row` into the output in expert order, then
+//! slot order: deterministic and independent of threading.
+
+use std::collections::BTreeMap;
 
 use gemm::Parallelism;
 use lowsync_backend::{ExecNode, Result};
 use rayon::prelude::*;
 
-use super::copy::copy_strided;
+use super::copy::{copy_strided, copy_strided_on};
+use super::par::Threads;
 use super::rows::checked_indices;
 use super::view::Strided;
 use super::{float_dst, float_src, kernel_err};
 
 /// Below this many multiply-adds a gemm runs single-threaded.
 const GEMM_PAR_MIN_WORK: usize = 1 << 15;
-/// Batches with less work than this each run on one thread, batches in parallel.
-const GEMM_BATCH_PAR_MAX_WORK: usize = 1 << 20;
-
-/// A float operand as f32 that gemm can read.
-struct F32Operand {
-    view: Strided,
-    /// Backing store of `view` when the source had to be converted.
-    _owned: Vec<f32>,
-}
-
-impl F32Operand {
-    /// The source itself when it is aligned f32, else an f32 copy in the source's memory order.
-    fn new(src: &Strided) -> Option<Self> {
-        if src.f32_base().is_some() {
-            return Some(F32Operand { view: src.clone(), _owned: Vec::new() });
-        }
-        let rank = src.rank();
-        let mut perm: Vec<usize> = (0..rank).collect();
-        perm.sort_by(|&x, &y| src.strides()[y].cmp(&src.strides()[x]));
-        let mut strides = vec![0; rank];
-        let mut acc = 1usize;
-        for &ax in perm.iter().rev() {
-            strides[ax] = acc;
-            acc *= src.shape()[ax].max(1);
-        }
-        let mut owned = vec![0.0f32; src.numel()];
-        let view = Strided::over_f32_strided(&mut owned, src.shape(), strides)?;
-        copy_strided(src, &view);
-        Some(F32Operand { view, _owned: owned })
-    }
-
-    fn base(&self) -> *const f32 {
-        self.view.f32_base().unwrap_or(std::ptr::null_mut())
-    }
-}
-
-/// A raw f32 address that may cross threads (each thread writes a disjoint block).
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: used only for disjoint writes into memory that outlives the parallel loop.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
+/// Jobs with less work than this each run on one thread, jobs in parallel.
+const GEMM_JOB_PAR_MAX_WORK: usize = 1 << 20;
+/// Up to this many rows, a non-f32 right operand is converted block by block.
+const STREAM_MAX_M: usize = 32;
+/// Elements of the right operand converted at a time when streaming (128 KiB of f32).
+const STREAM_BLOCK_ELEMS: usize = 1 << 15;
+/// Column block of a streamed row-major right operand (`x @ w` with `w [k, n]`, `p @ v`).
+const STREAM_ROW_MAJOR_COLS: usize = 256;
 
 /// One matrix for gemm: address of `[0, 0]`, row stride, column stride (elements).
 #[derive(Clone, Copy)]
@@ -78,28 +57,177 @@ struct Mat {
     cs: isize,
 }
 
-/// `dst[m, n] (row stride dst_rs, column stride 1) = lhs[m, k] @ rhs[k, n]`.
+/// A row-major f32 output matrix: address of `[0, 0]` and row stride (column stride 1).
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: *mut f32,
+    rs: isize,
+}
+
+/// Products `out_i = lhs_i @ b` sharing one right operand `b` (any float `[k, n]` view): the
+/// query heads that read one kv head, or the tokens routed to one expert. Sharing lets a
+/// converted block of `b` serve every product that reads it.
+struct Group {
+    b: Strided,
+    parts: Vec<(Mat, Out)>,
+}
+
+// SAFETY: the addresses point into memory that outlives the kernel; every product writes its
+// own output block and only reads its operands.
+unsafe impl Send for Group {}
+unsafe impl Sync for Group {}
+
+/// `dst[m, n] (+)= lhs[m, k] @ rhs[k, n]` for `(m, n, k)`: overwrites `dst`, or adds to it
+/// when `accumulate`.
 ///
 /// # Safety
-/// `lhs` and `rhs` address valid f32 matrices of those shapes; `dst` is valid for writes of
-/// `m x n` and overlaps neither. `k > 0`.
-unsafe fn gemm_f32(m: usize, n: usize, k: usize, dst: *mut f32, dst_rs: isize, lhs: Mat, rhs: Mat, par: Parallelism) {
+/// `lhs` and `rhs` address valid f32 matrices of those shapes; `dst` is valid for reads and
+/// writes of `m x n` and overlaps neither.
+unsafe fn gemm_f32(
+    (m, n, k): (usize, usize, usize),
+    dst: Out,
+    lhs: Mat,
+    rhs: Mat,
+    par: Parallelism,
+    accumulate: bool,
+) {
     gemm::gemm(
-        m, n, k, dst, 1, dst_rs, false, lhs.ptr, lhs.cs, lhs.rs, rhs.ptr, rhs.cs, rhs.rs, 0.0, 1.0, false, false, false,
-        par,
+        m, n, k, dst.ptr, 1, dst.rs, accumulate, lhs.ptr, lhs.cs, lhs.rs, rhs.ptr, rhs.cs, rhs.rs,
+        1.0, 1.0, false, false, false, par,
     );
 }
 
-fn parallelism(work: usize) -> Parallelism {
-    if work >= GEMM_PAR_MIN_WORK {
-        Parallelism::Rayon(0)
-    } else {
-        Parallelism::None
-    }
+/// Strides of a 2-D f32 view for gemm. Axes of length 1 are never stepped along, so their
+/// (possibly arbitrary) stride is replaced by 1; other strides lie inside a buffer and fit.
+fn mat(v: &Strided) -> Option<Mat> {
+    let stride = |ax: usize| -> Option<isize> {
+        if v.shape()[ax] <= 1 {
+            Some(1)
+        } else {
+            isize::try_from(v.strides()[ax]).ok()
+        }
+    };
+    Some(Mat {
+        ptr: v.f32_base()?,
+        rs: stride(0)?,
+        cs: stride(1)?,
+    })
 }
 
-fn to_isize(node: &ExecNode, s: usize) -> Result<isize> {
-    isize::try_from(s).map_err(|_| kernel_err(node, format!("stride {s} is too large")))
+/// `src` as f32 in `buf`, laid out in `src`'s own memory order (largest stride first), so the
+/// copy is a linear sweep and a transposed source stays transposed.
+fn convert_into(threads: Threads, src: &Strided, buf: &mut Vec<f32>) -> Option<Strided> {
+    let rank = src.rank();
+    let mut perm: Vec<usize> = (0..rank).collect();
+    perm.sort_by(|&x, &y| src.strides()[y].cmp(&src.strides()[x]));
+    let mut strides = vec![0; rank];
+    let mut acc = 1usize;
+    for &ax in perm.iter().rev() {
+        strides[ax] = acc;
+        acc *= src.shape()[ax].max(1);
+    }
+    buf.clear();
+    buf.resize(src.numel(), 0.0);
+    let view = Strided::over_f32_strided(buf, src.shape(), strides)?;
+    copy_strided_on(threads, src, &view);
+    Some(view)
+}
+
+/// An f32 view of `src` that gemm can read: `src` itself when it is aligned f32, else a
+/// converted copy kept alive in `buf`.
+fn as_f32(node: &ExecNode, src: &Strided, buf: &mut Vec<f32>) -> Result<Strided> {
+    if src.f32_base().is_some() {
+        return Ok(src.clone());
+    }
+    convert_into(Threads::Auto, src, buf)
+        .ok_or_else(|| kernel_err(node, format!("cannot convert operand {:?}", src.shape())))
+}
+
+/// Runs every product of every group (all of shape `m x k @ k x n`, `k > 0`).
+///
+/// Jobs are column blocks of groups. With small `m`, a right operand whose k axis is
+/// contiguous (`w.T`) is cut into cache-sized column blocks; a row-major one into blocks of at
+/// most [`STREAM_ROW_MAJOR_COLS`] columns when it needs converting. A block that needs
+/// converting is converted [`STREAM_BLOCK_ELEMS`] elements at a time (a run of k rows), and
+/// each run is multiplied into every product of the group, accumulating in k order.
+fn run_groups(node: &ExecNode, groups: &[Group], (m, n, k): (usize, usize, usize)) {
+    let convert = groups.iter().any(|g| g.b.f32_base().is_none());
+    let k_contiguous = k == 1 || groups.iter().all(|g| g.b.strides()[0] == 1);
+    let cols = if m > STREAM_MAX_M {
+        n
+    } else if k_contiguous {
+        (STREAM_BLOCK_ELEMS / k).next_multiple_of(16).max(16).min(n)
+    } else if convert {
+        n.min(STREAM_ROW_MAJOR_COLS)
+    } else {
+        n
+    };
+    let blocks = n.div_ceil(cols);
+    let jobs = groups.len() * blocks;
+    let per_group = groups.iter().map(|g| g.parts.len()).max().unwrap_or(0);
+    // Work of one gemm call, and of one job (all products of a group over a block).
+    let call_work = m.saturating_mul(cols).saturating_mul(k);
+    let job_work = call_work.saturating_mul(per_group);
+    // Streamed conversions make many small gemm calls: always spread jobs over threads.
+    let streaming = convert && m <= STREAM_MAX_M;
+    let job = |buf: &mut Vec<f32>, j: usize, threads: Threads, par: Parallelism| {
+        let (g, c0) = (&groups[j / blocks], (j % blocks) * cols);
+        let w = cols.min(n - c0);
+        let Some(block) = g.b.slice_axis(1, c0, w) else {
+            return;
+        };
+        let cols_of = |out: &Out| Out {
+            ptr: out.ptr.wrapping_add(c0),
+            rs: out.rs,
+        };
+        if let Some(rhs) = mat(&block) {
+            for (lhs, out) in &g.parts {
+                // SAFETY: `lhs` is a validated `m x k` f32 matrix, `rhs` an f32 `k x w` view
+                // of the source, and the output columns `c0..c0 + w` of this product's own
+                // block, which no other job touches and no operand overlaps.
+                unsafe { gemm_f32((m, w, k), cols_of(out), *lhs, rhs, par, false) };
+            }
+            return;
+        }
+        let run_rows = (STREAM_BLOCK_ELEMS / w).max(1);
+        for r0 in (0..k).step_by(run_rows) {
+            let h = run_rows.min(k - r0);
+            let rhs = block
+                .slice_axis(0, r0, h)
+                .and_then(|run| convert_into(threads, &run, buf))
+                .as_ref()
+                .and_then(mat);
+            let Some(rhs) = rhs else {
+                debug_assert!(false, "{}: unusable operand {:?}", node.name, block.shape());
+                return;
+            };
+            for (lhs, out) in &g.parts {
+                let lhs = Mat {
+                    ptr: lhs.ptr.wrapping_offset(r0 as isize * lhs.cs),
+                    ..*lhs
+                };
+                // SAFETY: as above, with `lhs` columns `r0..r0 + h` and the matching `h x w`
+                // rows of `b` converted into `buf`; runs after the first add to the output.
+                unsafe { gemm_f32((m, w, h), cols_of(out), lhs, rhs, par, r0 > 0) };
+            }
+        }
+    };
+    if jobs > 1
+        && (streaming || call_work < GEMM_JOB_PAR_MAX_WORK)
+        && jobs.saturating_mul(job_work) >= GEMM_PAR_MIN_WORK
+    {
+        (0..jobs).into_par_iter().for_each_init(Vec::new, |buf, j| {
+            job(buf, j, Threads::Caller, Parallelism::None)
+        });
+    } else {
+        let par = if !streaming && call_work >= GEMM_PAR_MIN_WORK {
+            Parallelism::Rayon(0)
+        } else {
+            Parallelism::None
+        };
+        let mut buf = Vec::new();
+        (0..jobs).for_each(|j| job(&mut buf, j, Threads::Auto, par));
+    }
 }
 
 /// The size of batch axis `i` of `nb` (right-aligned) for an operand of the given shape.
@@ -112,17 +240,21 @@ fn batch_dim(shape: &[usize], nb: usize, i: usize) -> usize {
     }
 }
 
-/// Element offset of the operand's matrix used by output batch `idx` (multi-index).
-fn batch_offset(op: &Strided, batch: &[usize], idx: &[usize]) -> usize {
-    let nb = batch.len();
+/// The batch index of `op` used by output batch `idx` (multi-index over `batch`): each batch
+/// axis of size `d` is indexed by `idx / (batch / d)`.
+fn batch_index(op: &Strided, batch: &[usize], idx: &[usize]) -> Vec<usize> {
     let own = op.rank() - 2;
     (0..own)
         .map(|j| {
-            let i = j + nb - own;
-            let d = op.shape()[j];
-            (idx[i] / (batch[i] / d.max(1)).max(1)) * op.strides()[j]
+            let i = j + batch.len() - own;
+            idx[i] / (batch[i] / op.shape()[j].max(1)).max(1)
         })
-        .sum()
+        .collect()
+}
+
+/// The 2-D matrix of `op` at batch index `at`.
+fn matrix_at(op: &Strided, at: &[usize]) -> Option<Strided> {
+    at.iter().try_fold(op.clone(), |v, &i| v.index_axis(0, i))
 }
 
 /// Writes zeros over every element of `dst`.
@@ -134,17 +266,6 @@ fn fill_zero(dst: &Strided) {
     }
 }
 
-/// An f32 operand, or a kernel error when it cannot be prepared.
-fn operand(node: &ExecNode, v: &Strided) -> Result<F32Operand> {
-    F32Operand::new(v).ok_or_else(|| kernel_err(node, format!("cannot prepare operand {:?}", v.shape())))
-}
-
-/// Row and column strides of the last two axes of an f32 operand.
-fn mat_strides(node: &ExecNode, v: &Strided) -> Result<(isize, isize)> {
-    let r = v.rank();
-    Ok((to_isize(node, v.strides()[r - 2])?, to_isize(node, v.strides()[r - 1])?))
-}
-
 /// `dst = a @ b`.
 pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) -> Result<()> {
     float_dst(node, dst)?;
@@ -152,7 +273,14 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
     float_src(node, "b", b)?;
     let (ra, rb) = (a.rank(), b.rank());
     if ra < 2 || rb < 2 {
-        return Err(kernel_err(node, format!("needs at least 2-D operands, got {:?} @ {:?}", a.shape(), b.shape())));
+        return Err(kernel_err(
+            node,
+            format!(
+                "needs at least 2-D operands, got {:?} @ {:?}",
+                a.shape(),
+                b.shape()
+            ),
+        ));
     }
     let (m, k) = (a.shape()[ra - 2], a.shape()[ra - 1]);
     let (k2, n) = (b.shape()[rb - 2], b.shape()[rb - 1]);
@@ -162,14 +290,21 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
     for i in 0..nb {
         let (da, db) = (batch_dim(a.shape(), nb, i), batch_dim(b.shape(), nb, i));
         let (lo, hi) = (da.min(db), da.max(db));
-        batch_ok &= lo == hi || (lo > 0 && hi % lo == 0);
-        want.push(hi);
+        // numpy also broadcasts an empty batch against 1 (the result is empty); the graph
+        // builder rejects that pair, but accepting it here costs nothing.
+        batch_ok &= lo == hi || hi.checked_rem(lo) == Some(0) || (lo == 0 && hi == 1);
+        want.push(if lo == 0 { 0 } else { hi });
     }
     want.extend([m, n]);
     if k != k2 || !batch_ok || dst.shape() != want {
         return Err(kernel_err(
             node,
-            format!("cannot multiply {:?} @ {:?} into {:?}", a.shape(), b.shape(), dst.shape()),
+            format!(
+                "cannot multiply {:?} @ {:?} into {:?}",
+                a.shape(),
+                b.shape(),
+                dst.shape()
+            ),
         ));
     }
     if dst.numel() == 0 {
@@ -179,43 +314,65 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
         fill_zero(dst);
         return Ok(());
     }
-    let (a32, b32) = (operand(node, a)?, operand(node, b)?);
-    let (a_rs, a_cs) = mat_strides(node, &a32.view)?;
-    let (b_rs, b_cs) = mat_strides(node, &b32.view)?;
-    let batch = &want[..nb];
-    let n_batches: usize = batch.iter().product();
-    let offsets: Vec<(usize, usize)> = (0..n_batches)
-        .map(|bi| {
-            let mut idx = vec![0; nb];
-            let mut rem = bi;
-            for i in (0..nb).rev() {
-                idx[i] = rem % batch[i];
-                rem /= batch[i];
-            }
-            (batch_offset(&a32.view, batch, &idx), batch_offset(&b32.view, batch, &idx))
-        })
-        .collect();
+    let (mut a_buf, mut b_buf) = (Vec::new(), Vec::new());
+    let a32 = as_f32(node, a, &mut a_buf)?;
+    // Small m streams a non-f32 `b` block by block; larger m converts it once up front.
+    let b_src = if m <= STREAM_MAX_M {
+        b.clone()
+    } else {
+        as_f32(node, b, &mut b_buf)?
+    };
 
     let direct = dst.is_contiguous() && dst.f32_base().is_some();
-    let mut owned = if direct { Vec::new() } else { vec![0.0f32; dst.numel()] };
-    let out = SendPtr(dst.f32_base().filter(|_| direct).unwrap_or(owned.as_mut_ptr()));
-    let dst_rs = to_isize(node, n)?;
-    let run = |bi: usize, par: Parallelism| {
-        let (oa, ob) = offsets[bi];
-        let lhs = Mat { ptr: a32.base().wrapping_add(oa), rs: a_rs, cs: a_cs };
-        let rhs = Mat { ptr: b32.base().wrapping_add(ob), rs: b_rs, cs: b_cs };
-        let o = out;
-        // SAFETY: the offsets address in-shape matrices of the validated operands (whose
-        // views are f32 and aligned); batch `bi` writes its own `m x n` block of the output,
-        // which is a fresh buffer or the destination (never a source: see `run_node`).
-        unsafe { gemm_f32(m, n, k, o.0.wrapping_add(bi * m * n), dst_rs, lhs, rhs, par) };
-    };
-    let work = m.saturating_mul(n).saturating_mul(k);
-    if n_batches > 1 && work < GEMM_BATCH_PAR_MAX_WORK && n_batches.saturating_mul(work) >= GEMM_PAR_MIN_WORK {
-        (0..n_batches).into_par_iter().for_each(|bi| run(bi, Parallelism::None));
+    let mut owned = if direct {
+        Vec::new()
     } else {
-        (0..n_batches).for_each(|bi| run(bi, parallelism(work)));
+        vec![0.0f32; dst.numel()]
+    };
+    let out_base = dst
+        .f32_base()
+        .filter(|_| direct)
+        .unwrap_or(owned.as_mut_ptr());
+    let dst_rs = isize::try_from(n).map_err(|_| kernel_err(node, format!("{n} columns")))?;
+    let batch = &want[..nb];
+    let n_batches: usize = batch.iter().product();
+    // Products reading the same (to be converted) matrix of `b` share a group; f32 ones get
+    // a group each, for more parallel jobs.
+    let share = b_src.f32_base().is_none();
+    let mut groups: Vec<Group> = Vec::new();
+    let mut group_of: BTreeMap<Vec<usize>, usize> = BTreeMap::new();
+    for bi in 0..n_batches {
+        let mut idx = vec![0; nb];
+        let mut rem = bi;
+        for i in (0..nb).rev() {
+            idx[i] = rem % batch[i];
+            rem /= batch[i];
+        }
+        let bidx = batch_index(&b_src, batch, &idx);
+        let am = matrix_at(&a32, &batch_index(&a32, batch, &idx)).and_then(|v| mat(&v));
+        let bm = matrix_at(&b_src, &bidx);
+        let (Some(lhs), Some(b)) = (am, bm) else {
+            return Err(kernel_err(node, format!("batch {idx:?} out of range")));
+        };
+        let out = Out {
+            ptr: out_base.wrapping_add(bi * m * n),
+            rs: dst_rs,
+        };
+        let slot = share.then(|| group_of.get(&bidx).copied()).flatten();
+        match slot {
+            Some(g) => groups[g].parts.push((lhs, out)),
+            None => {
+                if share {
+                    group_of.insert(bidx, groups.len());
+                }
+                groups.push(Group {
+                    b,
+                    parts: vec![(lhs, out)],
+                });
+            }
+        }
     }
+    run_groups(node, &groups, (m, n, k));
     if !direct {
         if let Some(v) = Strided::over_f32(&mut owned, dst.shape()) {
             copy_strided(&v, dst);
@@ -249,7 +406,8 @@ pub(super) fn mul_mat_id(
         return Err(kernel_err(
             node,
             format!(
-                "expects experts [E, k, n], x [T, k], ids [T, K], weights [T, K], result [T, n]; got {se:?}, {sx:?}, {si:?}, {sw:?}, {:?}",
+                "expects experts [E, k, n], x [T, k], ids [T, K], weights [T, K], result [T, n]; \
+                 got {se:?}, {sx:?}, {si:?}, {sw:?}, {:?}",
                 dst.shape()
             ),
         ));
@@ -270,25 +428,47 @@ pub(super) fn mul_mat_id(
         for (i, &e) in expert_of.iter().enumerate() {
             groups[e].push((i / slots, i % slots));
         }
+        let (k_is, n_is) = (
+            isize::try_from(k).map_err(|_| kernel_err(node, format!("k = {k}")))?,
+            isize::try_from(n).map_err(|_| kernel_err(node, format!("n = {n}")))?,
+        );
+        let mut b_buf = Vec::new();
         for (e, group) in groups.iter().enumerate().filter(|(_, g)| !g.is_empty()) {
             let c = group.len();
             let mut xe = vec![0.0f32; c * k];
             for (row, &(t, _)) in xe.chunks_exact_mut(k).zip(group) {
                 x.read_row(t, 0..k, row);
             }
-            let we = experts.index_axis(0, e).ok_or_else(|| kernel_err(node, format!("expert {e} out of range")))?;
-            let we32 = operand(node, &we)?;
-            let (w_rs, w_cs) = mat_strides(node, &we32.view)?;
+            let we = experts
+                .index_axis(0, e)
+                .ok_or_else(|| kernel_err(node, format!("expert {e} out of range")))?;
+            let b = if c <= STREAM_MAX_M {
+                we
+            } else {
+                as_f32(node, &we, &mut b_buf)?
+            };
             let mut ye = vec![0.0f32; c * n];
-            let lhs = Mat { ptr: xe.as_ptr(), rs: to_isize(node, k)?, cs: 1 };
-            let rhs = Mat { ptr: we32.base(), rs: w_rs, cs: w_cs };
-            let work = c.saturating_mul(n).saturating_mul(k);
-            // SAFETY: `xe` is `c x k`, `we32` a validated f32 `k x n` view, `ye` a fresh
-            // `c x n` buffer.
-            unsafe { gemm_f32(c, n, k, ye.as_mut_ptr(), to_isize(node, n)?, lhs, rhs, parallelism(work)) };
+            let expert = Group {
+                b,
+                parts: vec![(
+                    Mat {
+                        ptr: xe.as_ptr(),
+                        rs: k_is,
+                        cs: 1,
+                    },
+                    Out {
+                        ptr: ye.as_mut_ptr(),
+                        rs: n_is,
+                    },
+                )],
+            };
+            run_groups(node, std::slice::from_ref(&expert), (c, n, k));
             for (y, &(t, j)) in ye.chunks_exact(n).zip(group) {
                 let wt = weights[t * slots + j];
-                out[t * n..(t + 1) * n].iter_mut().zip(y).for_each(|(o, y)| *o += wt * y);
+                out[t * n..(t + 1) * n]
+                    .iter_mut()
+                    .zip(y)
+                    .for_each(|(o, y)| *o += wt * y);
             }
         }
     }

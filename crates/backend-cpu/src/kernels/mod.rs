@@ -5,11 +5,11 @@
 //! `lowsync_graph::Op`) over peak speed, while keeping decode-sized work cheap.
 //!
 //! Strategy: tensors are resolved through the bounds-checked [`Mem::ptr`] into strided views
-//! ([`view`]), the only code that dereferences raw memory. All arithmetic is f32: f16/bf16
+//! (`view`), the only code that dereferences raw memory. All arithmetic is f32: f16/bf16
 //! inputs are widened, results are rounded to the destination's dtype. Kernels validate the
 //! shapes they rely on and return [`Error::Kernel`] instead of panicking, and bad indices
 //! (`GetRows`, `SetRows`, `MulMatId`) are reported before anything is written. Threads are
-//! used only above a size threshold and never split a reduction ([`par`]), so results are
+//! used only above a size threshold and never split a reduction (`par`), so results are
 //! bit-identical run to run and for any thread count.
 //!
 //! Aliasing: a destination may share memory with its first source only in the two ways the
@@ -17,9 +17,9 @@
 //! tensor it aliases). Any other source that overlaps the destination is first copied to
 //! private memory, so a kernel never reads what it already overwrote.
 //!
-//! Modules: [`elementwise`] (add, mul, scale, silu, gelu, swiglu), [`norm`] (rms_norm),
-//! [`softmax`], [`rope`], [`argmax`], [`rows`] (get_rows, set_rows), [`copy`] (cpy, concat and
-//! the strided copy engine), [`matmul`] (mul_mat, mul_mat_id).
+//! Modules: `elementwise` (add, mul, scale, silu, gelu, swiglu), `norm` (rms_norm),
+//! `softmax`, `rope`, `argmax`, `rows` (get_rows, set_rows), `copy` (cpy, concat and
+//! the strided copy engine), `matmul` (mul_mat, mul_mat_id).
 
 mod argmax;
 mod copy;
@@ -48,12 +48,20 @@ use view::Strided;
 /// Leaves (`Input`, `Weight`, `Persistent`) and `View` have no kernel and are an error here.
 pub fn run_node(node: &ExecNode, mem: &dyn Mem) -> Result<()> {
     let Some(want) = src_count(&node.op) else {
-        return Err(kernel_err(node, "has no kernel (leaves and views are not executed)"));
+        return Err(kernel_err(
+            node,
+            "has no kernel (leaves and views are not executed)",
+        ));
     };
     if !want.contains(&node.srcs.len()) {
         return Err(kernel_err(
             node,
-            format!("expects {}..={} sources, got {}", want.start(), want.end(), node.srcs.len()),
+            format!(
+                "expects {}..={} sources, got {}",
+                want.start(),
+                want.end(),
+                node.srcs.len()
+            ),
         ));
     }
     let dst = Strided::resolve(node, &node.dst, mem)?;
@@ -76,10 +84,16 @@ pub fn run_node(node: &ExecNode, mem: &dyn Mem) -> Result<()> {
 
 fn dispatch(node: &ExecNode, dst: &Strided, s: &[Strided]) -> Result<()> {
     match node.op {
-        Op::Add | Op::Mul | Op::Scale { .. } | Op::Silu | Op::Gelu | Op::SwiGlu => elementwise::run(node, dst, s),
+        Op::Add | Op::Mul | Op::Scale { .. } | Op::Silu | Op::Gelu | Op::SwiGlu => {
+            elementwise::run(node, dst, s)
+        }
         Op::RmsNorm { eps } => norm::rms_norm(node, dst, &s[0], eps),
         Op::SoftMax { scale } => softmax::soft_max(node, dst, &s[0], s.get(1), scale),
-        Op::Rope { mode, n_dims, theta_base } => rope::rope(node, dst, &s[0], &s[1], mode, n_dims, theta_base),
+        Op::Rope {
+            mode,
+            n_dims,
+            theta_base,
+        } => rope::rope(node, dst, &s[0], &s[1], mode, n_dims, theta_base),
         Op::Argmax => argmax::argmax(node, dst, &s[0]),
         Op::GetRows => rows::get_rows(node, dst, &s[0], &s[1]),
         Op::SetRows => rows::set_rows(node, dst, &s[0], &s[1], &s[2]),
@@ -87,9 +101,10 @@ fn dispatch(node: &ExecNode, dst: &Strided, s: &[Strided]) -> Result<()> {
         Op::Concat { axis } => copy::concat(node, dst, &s[0], &s[1], axis),
         Op::MulMat => matmul::mul_mat(node, dst, &s[0], &s[1]),
         Op::MulMatId => matmul::mul_mat_id(node, dst, &s[0], &s[1], &s[2], &s[3]),
-        Op::Input | Op::Weight | Op::Persistent | Op::View => {
-            Err(kernel_err(node, "has no kernel (leaves and views are not executed)"))
-        }
+        Op::Input | Op::Weight | Op::Persistent | Op::View => Err(kernel_err(
+            node,
+            "has no kernel (leaves and views are not executed)",
+        )),
     }
 }
 
@@ -99,7 +114,13 @@ fn src_count(op: &Op) -> Option<RangeInclusive<usize>> {
         Op::Input | Op::Weight | Op::Persistent | Op::View => return None,
         Op::Scale { .. } | Op::Silu | Op::Gelu | Op::RmsNorm { .. } | Op::Cpy | Op::Argmax => 1..=1,
         Op::SoftMax { .. } => 1..=2,
-        Op::Add | Op::Mul | Op::SwiGlu | Op::Rope { .. } | Op::Concat { .. } | Op::GetRows | Op::MulMat => 2..=2,
+        Op::Add
+        | Op::Mul
+        | Op::SwiGlu
+        | Op::Rope { .. }
+        | Op::Concat { .. }
+        | Op::GetRows
+        | Op::MulMat => 2..=2,
         Op::SetRows => 3..=3,
         Op::MulMatId => 4..=4,
     })
@@ -128,7 +149,11 @@ fn needs_private_copy(node: &ExecNode, i: usize, src: &TensorRef) -> bool {
 
 /// An [`Error::Kernel`] for `node`.
 pub(crate) fn kernel_err(node: &ExecNode, msg: impl Into<String>) -> Error {
-    Error::Kernel { op: node.op.name(), node: node.name.clone(), msg: msg.into() }
+    Error::Kernel {
+        op: node.op.name(),
+        node: node.name.clone(),
+        msg: msg.into(),
+    }
 }
 
 /// `src` must have the destination's shape.
@@ -136,7 +161,11 @@ fn same_shape(node: &ExecNode, what: &str, src: &Strided, dst: &Strided) -> Resu
     if src.shape() != dst.shape() {
         return Err(kernel_err(
             node,
-            format!("{what} has shape {:?} but the result has {:?}", src.shape(), dst.shape()),
+            format!(
+                "{what} has shape {:?} but the result has {:?}",
+                src.shape(),
+                dst.shape()
+            ),
         ));
     }
     Ok(())
@@ -145,7 +174,10 @@ fn same_shape(node: &ExecNode, what: &str, src: &Strided, dst: &Strided) -> Resu
 /// The destination must be a float tensor.
 fn float_dst(node: &ExecNode, dst: &Strided) -> Result<()> {
     if !dst.dtype().is_float() {
-        return Err(kernel_err(node, format!("result must be a float tensor, got {}", dst.dtype())));
+        return Err(kernel_err(
+            node,
+            format!("result must be a float tensor, got {}", dst.dtype()),
+        ));
     }
     Ok(())
 }
@@ -153,7 +185,10 @@ fn float_dst(node: &ExecNode, dst: &Strided) -> Result<()> {
 /// A source that must be a float tensor.
 fn float_src(node: &ExecNode, what: &str, s: &Strided) -> Result<()> {
     if !s.dtype().is_float() {
-        return Err(kernel_err(node, format!("{what} must be a float tensor, got {}", s.dtype())));
+        return Err(kernel_err(
+            node,
+            format!("{what} must be a float tensor, got {}", s.dtype()),
+        ));
     }
     Ok(())
 }

@@ -33,13 +33,30 @@ where
         return;
     }
     let min_len = (JOB_ELEMS / row_len.max(1)).max(1);
-    (0..rows).into_par_iter().with_min_len(min_len).for_each_init(init, f);
+    (0..rows)
+        .into_par_iter()
+        .with_min_len(min_len)
+        .for_each_init(init, f);
+}
+
+/// Whether a helper may fork onto the rayon pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Threads {
+    /// Parallel above [`PAR_MIN_ELEMS`].
+    Auto,
+    /// Always on the calling thread (the caller is already one job of a parallel loop).
+    Caller,
 }
 
 /// Calls `f(scratch, r, cols)` over segments of at most [`JOB_ELEMS`] columns covering every
 /// element of a `rows x row_len` space exactly once (element-wise maps).
-pub(crate) fn for_each_segment<S, I, F>(rows: usize, row_len: usize, init: I, f: F)
-where
+pub(crate) fn for_each_segment<S, I, F>(
+    threads: Threads,
+    rows: usize,
+    row_len: usize,
+    init: I,
+    f: F,
+) where
     I: Fn() -> S + Sync + Send,
     F: Fn(&mut S, usize, Range<usize>) + Sync + Send,
 {
@@ -53,13 +70,16 @@ where
         f(s, r, start..(start + JOB_ELEMS).min(row_len));
     };
     let tasks = rows * per_row;
-    if rows.saturating_mul(row_len) <= PAR_MIN_ELEMS {
+    if threads == Threads::Caller || rows.saturating_mul(row_len) <= PAR_MIN_ELEMS {
         let mut s = init();
         (0..tasks).for_each(|t| task(&mut s, t));
         return;
     }
     let min_len = (JOB_ELEMS / row_len).max(1);
-    (0..tasks).into_par_iter().with_min_len(min_len).for_each_init(init, task);
+    (0..tasks)
+        .into_par_iter()
+        .with_min_len(min_len)
+        .for_each_init(init, task);
 }
 
 /// Segment scratch: a buffer of `min(row_len, JOB_ELEMS)` floats.

@@ -33,20 +33,29 @@ pub(super) fn rope(
     if x.rank() != 3 || pos.dtype() != DType::I32 || pos.shape() != [x.shape()[0]] {
         return Err(kernel_err(
             node,
-            format!("expects x [T, H, D] and i32 positions [T]; got {:?} and {} {:?}", x.shape(), pos.dtype(), pos.shape()),
+            format!(
+                "expects x [T, H, D] and i32 positions [T]; got {:?} and {} {:?}",
+                x.shape(),
+                pos.dtype(),
+                pos.shape()
+            ),
         ));
     }
     let (t, h, d) = (x.shape()[0], x.shape()[1], x.shape()[2]);
-    if n_dims == 0 || n_dims % 2 != 0 || n_dims > d {
-        return Err(kernel_err(node, format!("n_dims {n_dims} must be even, > 0 and <= head_dim {d}")));
+    if n_dims == 0 || n_dims % 2 == 1 || n_dims > d {
+        return Err(kernel_err(
+            node,
+            format!("n_dims {n_dims} must be even, > 0 and <= head_dim {d}"),
+        ));
     }
     if x.numel() == 0 {
         return Ok(());
     }
     let half = n_dims / 2;
     let positions = pos.read_all_i32();
-    let freqs: Vec<f64> =
-        (0..half).map(|i| (theta_base as f64).powf(-2.0 * i as f64 / n_dims as f64)).collect();
+    let freqs: Vec<f64> = (0..half)
+        .map(|i| (theta_base as f64).powf(-2.0 * i as f64 / n_dims as f64))
+        .collect();
     let table: Vec<(f32, f32)> = positions
         .iter()
         .flat_map(|&p| {

@@ -13,30 +13,57 @@ use super::view::Strided;
 use super::{float_dst, float_src, kernel_err};
 
 /// Reads i32 indices and checks each against `n`.
-pub(super) fn checked_indices(node: &ExecNode, what: &str, ids: &Strided, n: usize, rows_of: &str) -> Result<Vec<usize>> {
+pub(super) fn checked_indices(
+    node: &ExecNode,
+    what: &str,
+    ids: &Strided,
+    n: usize,
+    rows_of: &str,
+) -> Result<Vec<usize>> {
     if ids.dtype() != DType::I32 {
-        return Err(kernel_err(node, format!("{what} must be i32, got {}", ids.dtype())));
+        return Err(kernel_err(
+            node,
+            format!("{what} must be i32, got {}", ids.dtype()),
+        ));
     }
     ids.read_all_i32()
         .into_iter()
         .enumerate()
         .map(|(i, id)| {
             usize::try_from(id).ok().filter(|&u| u < n).ok_or_else(|| {
-                kernel_err(node, format!("{what}[{i}] = {id} is out of range for {rows_of} with {n} rows"))
+                kernel_err(
+                    node,
+                    format!("{what}[{i}] = {id} is out of range for {rows_of} with {n} rows"),
+                )
             })
         })
         .collect()
 }
 
 /// `dst[i, :] = table[ids[i], :]` for every id (flattened).
-pub(super) fn get_rows(node: &ExecNode, dst: &Strided, table: &Strided, ids: &Strided) -> Result<()> {
+pub(super) fn get_rows(
+    node: &ExecNode,
+    dst: &Strided,
+    table: &Strided,
+    ids: &Strided,
+) -> Result<()> {
     float_dst(node, dst)?;
     float_src(node, "table", table)?;
-    let want: Vec<usize> = ids.shape().iter().copied().chain(table.shape().get(1).copied()).collect();
+    let want: Vec<usize> = ids
+        .shape()
+        .iter()
+        .copied()
+        .chain(table.shape().get(1).copied())
+        .collect();
     if table.rank() != 2 || dst.shape() != want {
         return Err(kernel_err(
             node,
-            format!("table {:?} and ids {:?} need a result of shape ids.shape + [d], got {:?}", table.shape(), ids.shape(), dst.shape()),
+            format!(
+                "table {:?} and ids {:?} need a result of shape ids.shape + [d], got {:?}",
+                table.shape(),
+                ids.shape(),
+                dst.shape()
+            ),
         ));
     }
     let (n, d) = (table.shape()[0], table.shape()[1]);
@@ -57,7 +84,13 @@ pub(super) fn get_rows(node: &ExecNode, dst: &Strided, table: &Strided, ids: &St
 }
 
 /// `dst[idx[j], :] = src[j, :]`; `dst` is the node's destination (aliasing `srcs[0]`).
-pub(super) fn set_rows(node: &ExecNode, dst: &Strided, target: &Strided, src: &Strided, idx: &Strided) -> Result<()> {
+pub(super) fn set_rows(
+    node: &ExecNode,
+    dst: &Strided,
+    target: &Strided,
+    src: &Strided,
+    idx: &Strided,
+) -> Result<()> {
     float_dst(node, dst)?;
     float_src(node, "src", src)?;
     let (sd, ss, si) = (dst.shape(), src.shape(), idx.shape());

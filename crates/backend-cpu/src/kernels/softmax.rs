@@ -11,7 +11,13 @@ use super::par::for_each_row;
 use super::view::Strided;
 use super::{float_dst, float_src, kernel_err, same_shape};
 
-pub(super) fn soft_max(node: &ExecNode, dst: &Strided, x: &Strided, mask: Option<&Strided>, scale: f32) -> Result<()> {
+pub(super) fn soft_max(
+    node: &ExecNode,
+    dst: &Strided,
+    x: &Strided,
+    mask: Option<&Strided>,
+    scale: f32,
+) -> Result<()> {
     float_dst(node, dst)?;
     float_src(node, "x", x)?;
     same_shape(node, "x", x, dst)?;
@@ -20,7 +26,14 @@ pub(super) fn soft_max(node: &ExecNode, dst: &Strided, x: &Strided, mask: Option
         Some(m) => {
             float_src(node, "mask", m)?;
             Some(m.broadcast_to(x.shape()).ok_or_else(|| {
-                kernel_err(node, format!("mask {:?} does not broadcast onto {:?}", m.shape(), x.shape()))
+                kernel_err(
+                    node,
+                    format!(
+                        "mask {:?} does not broadcast onto {:?}",
+                        m.shape(),
+                        x.shape()
+                    ),
+                )
             })?)
         }
     };
@@ -37,7 +50,9 @@ pub(super) fn soft_max(node: &ExecNode, dst: &Strided, x: &Strided, mask: Option
             match &mask {
                 Some(mask) => {
                     mask.read_row(r, 0..len, m);
-                    v.iter_mut().zip(m.iter()).for_each(|(v, m)| *v = *v * scale + m);
+                    v.iter_mut()
+                        .zip(m.iter())
+                        .for_each(|(v, m)| *v = *v * scale + m);
                 }
                 None => v.iter_mut().for_each(|v| *v *= scale),
             }

@@ -111,10 +111,21 @@ impl Strided {
     ///
     /// # Safety
     /// The type invariant must hold for `ptr`, `shape` and `strides` (same lengths).
-    pub(crate) unsafe fn from_raw(ptr: *mut u8, dtype: DType, shape: Vec<usize>, strides: Vec<usize>) -> Self {
+    pub(crate) unsafe fn from_raw(
+        ptr: *mut u8,
+        dtype: DType,
+        shape: Vec<usize>,
+        strides: Vec<usize>,
+    ) -> Self {
         debug_assert_eq!(shape.len(), strides.len());
         let rows = shape[..shape.len().saturating_sub(1)].iter().product();
-        Strided { ptr, dtype, shape, strides, rows }
+        Strided {
+            ptr,
+            dtype,
+            shape,
+            strides,
+            rows,
+        }
     }
 
     /// Resolves a tensor of `node` through the bounds-checked `Mem::ptr`. Empty tensors get a
@@ -127,7 +138,11 @@ impl Strided {
                 format!("tensor has shape {:?} but strides {:?}", t.shape, t.strides),
             ));
         }
-        let ptr = if t.numel() == 0 { std::ptr::NonNull::<u64>::dangling().as_ptr().cast() } else { mem.ptr(t)? };
+        let ptr = if t.numel() == 0 {
+            std::ptr::NonNull::<u64>::dangling().as_ptr().cast()
+        } else {
+            mem.ptr(t)?
+        };
         // SAFETY: `Mem::ptr` checked that every element of `t` lies inside its buffer.
         Ok(unsafe { Strided::from_raw(ptr, t.dtype, t.shape.clone(), t.strides.clone()) })
     }
@@ -142,18 +157,29 @@ impl Strided {
 
     /// An f32 view with the given strides over an owned buffer; `None` unless every in-shape
     /// index lies inside `buf`.
-    pub(crate) fn over_f32_strided(buf: &mut [f32], shape: &[usize], strides: Vec<usize>) -> Option<Self> {
+    pub(crate) fn over_f32_strided(
+        buf: &mut [f32],
+        shape: &[usize],
+        strides: Vec<usize>,
+    ) -> Option<Self> {
         if strides.len() != shape.len() {
             return None;
         }
         if shape.iter().all(|&d| d > 0) {
-            let last = shape.iter().zip(&strides).try_fold(0usize, |acc, (&d, &s)| acc.checked_add((d - 1).checked_mul(s)?))?;
+            let last = shape
+                .iter()
+                .zip(&strides)
+                .try_fold(0usize, |acc, (&d, &s)| {
+                    acc.checked_add((d - 1).checked_mul(s)?)
+                })?;
             if last >= buf.len() {
                 return None;
             }
         }
         // SAFETY: checked above that the furthest in-shape element lies inside `buf`.
-        Some(unsafe { Strided::from_raw(buf.as_mut_ptr().cast(), DType::F32, shape.to_vec(), strides) })
+        Some(unsafe {
+            Strided::from_raw(buf.as_mut_ptr().cast(), DType::F32, shape.to_vec(), strides)
+        })
     }
 
     pub(crate) fn dtype(&self) -> DType {
@@ -215,7 +241,10 @@ impl Strided {
 
     /// Whether the address is aligned for `dtype` (true for the dangling empty address).
     pub(crate) fn is_aligned(&self) -> bool {
-        (self.ptr as usize) % self.dtype.size_bytes() == 0
+        match self.dtype {
+            DType::F32 | DType::I32 => self.ptr.cast::<u32>().is_aligned(),
+            DType::F16 | DType::BF16 => self.ptr.cast::<u16>().is_aligned(),
+        }
     }
 
     /// Whether the elements are packed row-major.
@@ -266,7 +295,9 @@ impl Strided {
         let mut shape = self.shape.clone();
         shape[axis] = len;
         // An empty slice may start one past the end: keep the address computation wrapping.
-        let ptr = self.ptr.wrapping_add(start * self.strides[axis] * self.dtype.size_bytes());
+        let ptr = self
+            .ptr
+            .wrapping_add(start * self.strides[axis] * self.dtype.size_bytes());
         // SAFETY: indices of the slice are indices of `self` shifted by `start` along `axis`.
         Some(unsafe { Strided::from_raw(ptr, self.dtype, shape, self.strides.clone()) })
     }
@@ -309,7 +340,14 @@ impl Strided {
         let extent = if self.numel() == 0 {
             0
         } else {
-            (self.shape.iter().zip(&self.strides).map(|(&d, &s)| (d - 1) * s).sum::<usize>() + 1) * size
+            (self
+                .shape
+                .iter()
+                .zip(&self.strides)
+                .map(|(&d, &s)| (d - 1) * s)
+                .sum::<usize>()
+                + 1)
+                * size
         };
         let mut buf = vec![0u64; extent.div_ceil(8)];
         let dst: *mut u8 = buf.as_mut_ptr().cast();
@@ -319,13 +357,17 @@ impl Strided {
             unsafe { std::ptr::copy_nonoverlapping(self.ptr, dst, extent) };
         }
         // SAFETY: same strides over a buffer covering the same extent.
-        let view = unsafe { Strided::from_raw(dst, self.dtype, self.shape.clone(), self.strides.clone()) };
+        let view =
+            unsafe { Strided::from_raw(dst, self.dtype, self.shape.clone(), self.strides.clone()) };
         (buf, view)
     }
 
     /// Checks a run `r, cols` against the shape and returns its starting offset and stride.
     fn run(&self, r: usize, cols: &Range<usize>, len: usize) -> Option<(usize, usize)> {
-        let ok = r < self.rows && cols.start <= cols.end && cols.end <= self.last_len() && len == cols.len();
+        let ok = r < self.rows
+            && cols.start <= cols.end
+            && cols.end <= self.last_len()
+            && len == cols.len();
         debug_assert!(ok, "run {r} {cols:?} (len {len}) outside {:?}", self.shape);
         ok.then(|| {
             let stride = self.last_stride();
@@ -335,7 +377,9 @@ impl Strided {
 
     /// Reads elements `cols` of row `r` as f32 into `out` (a float view).
     pub(crate) fn read_row(&self, r: usize, cols: Range<usize>, out: &mut [f32]) {
-        let Some((off, stride)) = self.run(r, &cols, out.len()) else { return };
+        let Some((off, stride)) = self.run(r, &cols, out.len()) else {
+            return;
+        };
         if out.is_empty() {
             return;
         }
@@ -353,7 +397,9 @@ impl Strided {
     /// Writes `src` converted to the view's float dtype into elements `cols` of row `r`.
     /// Only for destination views.
     pub(crate) fn write_row(&self, r: usize, cols: Range<usize>, src: &[f32]) {
-        let Some((off, stride)) = self.run(r, &cols, src.len()) else { return };
+        let Some((off, stride)) = self.run(r, &cols, src.len()) else {
+            return;
+        };
         if src.is_empty() {
             return;
         }
@@ -387,7 +433,12 @@ impl Strided {
         debug_assert!(ok, "write_i32 {i} on {} {:?}", self.dtype, self.shape);
         if ok {
             // SAFETY: in-range flat index of a writable i32 view.
-            unsafe { self.ptr.cast::<i32>().wrapping_add(self.flat_offset(i)).write_unaligned(v) };
+            unsafe {
+                self.ptr
+                    .cast::<i32>()
+                    .wrapping_add(self.flat_offset(i))
+                    .write_unaligned(v)
+            };
         }
     }
 
@@ -395,23 +446,36 @@ impl Strided {
     /// (equal dtypes; any dtype, i32 included). Only for destination views.
     pub(crate) fn copy_row_raw(&self, dr: usize, src: &Strided, sr: usize, cols: Range<usize>) {
         if self.dtype != src.dtype {
-            debug_assert!(false, "copy_row_raw between {} and {}", src.dtype, self.dtype);
+            debug_assert!(
+                false,
+                "copy_row_raw between {} and {}",
+                src.dtype, self.dtype
+            );
             return;
         }
         let n = cols.len();
-        let (Some((doff, dstride)), Some((soff, sstride))) = (self.run(dr, &cols, n), src.run(sr, &cols, n)) else {
+        let (Some((doff, dstride)), Some((soff, sstride))) =
+            (self.run(dr, &cols, n), src.run(sr, &cols, n))
+        else {
             return;
         };
         let size = self.dtype.size_bytes();
         // SAFETY: both runs were checked against their shapes. `ptr::copy` tolerates overlap
         // (a destination that aliases its source with the same layout).
         unsafe {
-            let (d, s) = (self.ptr.wrapping_add(doff * size), src.ptr.wrapping_add(soff * size));
+            let (d, s) = (
+                self.ptr.wrapping_add(doff * size),
+                src.ptr.wrapping_add(soff * size),
+            );
             if dstride == 1 && sstride == 1 {
                 std::ptr::copy(s, d, n * size);
             } else {
                 for i in 0..n {
-                    std::ptr::copy(s.wrapping_add(i * sstride * size), d.wrapping_add(i * dstride * size), size);
+                    std::ptr::copy(
+                        s.wrapping_add(i * sstride * size),
+                        d.wrapping_add(i * dstride * size),
+                        size,
+                    );
                 }
             }
         }
@@ -453,7 +517,9 @@ unsafe fn write_run<T: Elem>(base: *mut u8, off: usize, stride: usize, src: &[f3
 /// the result then run over long unit-stride rows. An empty shape gives `[0]`, a single
 /// element `[1]`.
 pub(crate) fn coalesce(views: &[&Strided]) -> Vec<Strided> {
-    let Some(first) = views.first() else { return Vec::new() };
+    let Some(first) = views.first() else {
+        return Vec::new();
+    };
     let shape = first.shape.clone();
     debug_assert!(views.iter().all(|v| v.shape == shape));
     let mut out_shape: Vec<usize> = Vec::new();
@@ -467,7 +533,10 @@ pub(crate) fn coalesce(views: &[&Strided]) -> Vec<Strided> {
                 continue;
             }
             let mergeable = !out_shape.is_empty()
-                && views.iter().zip(&out_strides).all(|(v, s)| s.last() == Some(&(v.strides[ax] * d)));
+                && views
+                    .iter()
+                    .zip(&out_strides)
+                    .all(|(v, s)| s.last() == Some(&(v.strides[ax] * d)));
             if mergeable {
                 if let Some(last) = out_shape.last_mut() {
                     *last *= d;

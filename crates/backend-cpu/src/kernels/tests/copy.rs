@@ -10,7 +10,7 @@ fn cpy_converts_between_float_dtypes() {
     for (i, &from) in dts.iter().enumerate() {
         for &to in &dts {
             let mut mem = TestMem::new();
-            let mut rng = Rng::new(100 + i as u64);
+            let mut rng = TestRng::new(100 + i as u64);
             let x = mem.rand(&mut rng, from, &[3, 17]);
             let dst = mem.zeros(to, &[3, 17]);
             run(&mem, Op::Cpy, &dst, &[&x]).unwrap();
@@ -25,7 +25,7 @@ fn cpy_converts_between_float_dtypes() {
 #[test]
 fn cpy_of_a_transposed_view_makes_a_contiguous_copy() {
     let mut mem = TestMem::new();
-    let mut rng = Rng::new(104);
+    let mut rng = TestRng::new(104);
     let base = mem.rand(&mut rng, DType::F16, &[2, 3, 4]);
     let x = view(&base, &[4, 2, 3], &[1, 12, 4], 0); // permute (2, 0, 1)
     let dst = mem.zeros(DType::F32, &[4, 2, 3]);
@@ -76,7 +76,7 @@ fn concat_along_every_axis_matches_reference() {
     for dt in [DType::F32, DType::BF16] {
         for axis in 0..3 {
             let mut mem = TestMem::new();
-            let mut rng = Rng::new(110 + axis as u64);
+            let mut rng = TestRng::new(110 + axis as u64);
             let sa = [2, 3, 4];
             let mut sb = sa;
             sb[axis] = 5;
@@ -86,7 +86,10 @@ fn concat_along_every_axis_matches_reference() {
             sd[axis] += 5;
             let dst = mem.zeros(dt, &sd);
             run(&mem, Op::Concat { axis }, &dst, &[&a, &b]).unwrap();
-            assert_eq!(mem.read(&dst), ref_concat(&mem.read(&a), &sa, &mem.read(&b), &sb, axis));
+            assert_eq!(
+                mem.read(&dst),
+                ref_concat(&mem.read(&a), &sa, &mem.read(&b), &sb, axis)
+            );
         }
     }
 }
@@ -94,13 +97,16 @@ fn concat_along_every_axis_matches_reference() {
 #[test]
 fn concat_of_strided_and_i32_inputs() {
     let mut mem = TestMem::new();
-    let mut rng = Rng::new(115);
+    let mut rng = TestRng::new(115);
     let base = mem.rand(&mut rng, DType::F32, &[3, 2]);
     let a = transpose(&base, 0, 1); // [2, 3]
     let b = mem.rand(&mut rng, DType::F32, &[2, 1]);
     let dst = mem.zeros(DType::F32, &[2, 4]);
     run(&mem, Op::Concat { axis: 1 }, &dst, &[&a, &b]).unwrap();
-    assert_eq!(mem.read(&dst), ref_concat(&mem.read(&a), &[2, 3], &mem.read(&b), &[2, 1], 1));
+    assert_eq!(
+        mem.read(&dst),
+        ref_concat(&mem.read(&a), &[2, 3], &mem.read(&b), &[2, 1], 1)
+    );
 
     let a = mem.ints(&[2], &[1, 2]);
     let b = mem.ints(&[3], &[3, 4, i32::MIN]);

@@ -17,15 +17,30 @@ pub(crate) struct TestMem {
     bufs: HashMap<BufferId, Box<[UnsafeCell<u64>]>>,
 }
 
+// SAFETY: tests hand a `&TestMem` to rayon pools only to run kernels, which write disjoint
+// elements; the host never touches the buffers while a kernel runs.
+unsafe impl Sync for TestMem {}
+
 impl Mem for TestMem {
     fn ptr(&self, t: &TensorRef) -> Result<*mut u8> {
-        let b = self.bufs.get(&t.buffer).ok_or_else(|| Error::UnknownBuffer(t.buffer.0, "test".into()))?;
+        let b = self
+            .bufs
+            .get(&t.buffer)
+            .ok_or_else(|| Error::UnknownBuffer(t.buffer.0, "test".into()))?;
         let (size, len) = (b.len() * 8, t.byte_extent());
         if t.byte_offset.checked_add(len).is_none_or(|end| end > size) {
-            return Err(Error::OutOfBounds { buffer: t.buffer.0, offset: t.byte_offset, len, size });
+            return Err(Error::OutOfBounds {
+                buffer: t.buffer.0,
+                offset: t.byte_offset,
+                len,
+                size,
+            });
         }
         // Writing through the pointer is allowed: the storage is `UnsafeCell`.
-        Ok(b.as_ptr().cast::<u8>().cast_mut().wrapping_add(t.byte_offset))
+        Ok(b.as_ptr()
+            .cast::<u8>()
+            .cast_mut()
+            .wrapping_add(t.byte_offset))
     }
 }
 
@@ -38,7 +53,8 @@ impl TestMem {
     pub(crate) fn alloc(&mut self, bytes: usize) -> BufferId {
         let id = BufferId::fresh();
         let words = bytes.div_ceil(8).max(1);
-        self.bufs.insert(id, (0..words).map(|_| UnsafeCell::new(0)).collect());
+        self.bufs
+            .insert(id, (0..words).map(|_| UnsafeCell::new(0)).collect());
         id
     }
 
@@ -50,7 +66,13 @@ impl TestMem {
     pub(crate) fn zeros(&mut self, dtype: DType, shape: &[usize]) -> TensorRef {
         let n: usize = shape.iter().product();
         let buffer = self.alloc(n * dtype.size_bytes());
-        TensorRef { buffer, byte_offset: 0, dtype, shape: shape.to_vec(), strides: contiguous_strides(shape) }
+        TensorRef {
+            buffer,
+            byte_offset: 0,
+            dtype,
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+        }
     }
 
     /// A contiguous float tensor holding `values` (rounded to `dtype`).
@@ -74,7 +96,7 @@ impl TestMem {
     }
 
     /// A contiguous tensor of uniform values in [-1, 1).
-    pub(crate) fn rand(&mut self, rng: &mut Rng, dtype: DType, shape: &[usize]) -> TensorRef {
+    pub(crate) fn rand(&mut self, rng: &mut TestRng, dtype: DType, shape: &[usize]) -> TensorRef {
         let n = shape.iter().product();
         let v = rng.vec(n);
         self.tensor(dtype, shape, &v)
@@ -82,7 +104,8 @@ impl TestMem {
 
     fn addr(&self, t: &TensorRef, i: usize) -> *mut u8 {
         let off = flat_offset(&t.shape, &t.strides, i);
-        self.base(t.buffer).wrapping_add(t.byte_offset + off * t.dtype.size_bytes())
+        self.base(t.buffer)
+            .wrapping_add(t.byte_offset + off * t.dtype.size_bytes())
     }
 
     /// Writes element `i` (row-major) of `t`.
@@ -153,7 +176,12 @@ pub(crate) fn transpose(t: &TensorRef, a: usize, b: usize) -> TensorRef {
 
 /// An exec node called `test`.
 pub(crate) fn node(op: Op, dst: &TensorRef, srcs: &[&TensorRef]) -> ExecNode {
-    ExecNode { op, name: "test".into(), dst: dst.clone(), srcs: srcs.iter().map(|&s| s.clone()).collect() }
+    ExecNode {
+        op,
+        name: "test".into(),
+        dst: dst.clone(),
+        srcs: srcs.iter().map(|&s| s.clone()).collect(),
+    }
 }
 
 /// Runs `op` over `srcs` into `dst`.
@@ -201,7 +229,12 @@ pub(crate) fn tol_of(dtypes: &[DType]) -> f64 {
 pub(crate) fn assert_close(got: &[f64], want: &[f64], bound: f64) {
     assert!(got.iter().all(|v| !v.is_nan()), "NaN in result: {got:?}");
     let e = nmse(got, want);
-    assert!(e <= bound, "nmse {e:e} > {bound:e}\n got {:?}\nwant {:?}", &got[..got.len().min(16)], &want[..want.len().min(16)]);
+    assert!(
+        e <= bound,
+        "nmse {e:e} > {bound:e}\n got {:?}\nwant {:?}",
+        &got[..got.len().min(16)],
+        &want[..want.len().min(16)]
+    );
 }
 
 /// Element offset of row-major index `i` under `strides`.
@@ -228,15 +261,17 @@ pub(crate) fn unravel(shape: &[usize], mut i: usize) -> Vec<usize> {
 /// shape (right-aligned; size-1 axes pinned to 0).
 pub(crate) fn broadcast_index(shape: &[usize], idx: &[usize]) -> usize {
     let lead = idx.len() - shape.len();
-    shape.iter().enumerate().fold(0, |acc, (ax, &d)| acc * d + if d == 1 { 0 } else { idx[ax + lead] })
+    shape.iter().enumerate().fold(0, |acc, (ax, &d)| {
+        acc * d + if d == 1 { 0 } else { idx[ax + lead] }
+    })
 }
 
 /// splitmix64: deterministic test data without extra dependencies.
-pub(crate) struct Rng(u64);
+pub(crate) struct TestRng(u64);
 
-impl Rng {
+impl TestRng {
     pub(crate) fn new(seed: u64) -> Self {
-        Rng(seed)
+        TestRng(seed)
     }
 
     pub(crate) fn next_u64(&mut self) -> u64 {

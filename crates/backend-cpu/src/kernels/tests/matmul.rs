@@ -43,12 +43,13 @@ fn ref_mul_mat(a: &[f64], sa: &[usize], b: &[f64], sb: &[usize]) -> Vec<f64> {
 }
 
 fn out_shape(sa: &[usize], sb: &[usize]) -> Vec<usize> {
-    let mut s = lowsync_graph::mul_mat_batch(&sa[..sa.len() - 2], &sb[..sb.len() - 2]).expect("valid batch");
+    let mut s = lowsync_graph::mul_mat_batch(&sa[..sa.len() - 2], &sb[..sb.len() - 2])
+        .expect("valid batch");
     s.extend([sa[sa.len() - 2], sb[sb.len() - 1]]);
     s
 }
 
-/// Runs `a @ b` and checks it against the reference; returns the result tensor.
+/// Runs `a @ b` into `dst` and checks it against the reference.
 fn check(mem: &TestMem, a: &TensorRef, b: &TensorRef, dst: &TensorRef, bound: f64) {
     run(mem, Op::MulMat, dst, &[a, b]).unwrap();
     let want = ref_mul_mat(&mem.read(a), &a.shape, &mem.read(b), &b.shape);
@@ -57,7 +58,7 @@ fn check(mem: &TestMem, a: &TensorRef, b: &TensorRef, dst: &TensorRef, bound: f6
 
 fn check_shapes(sa: &[usize], sb: &[usize], da: DType, db: DType, seed: u64) {
     let mut mem = TestMem::new();
-    let mut rng = Rng::new(seed);
+    let mut rng = TestRng::new(seed);
     let a = mem.rand(&mut rng, da, sa);
     let b = mem.rand(&mut rng, db, sb);
     let dst = mem.zeros(DType::F32, &out_shape(sa, sb));
@@ -94,9 +95,12 @@ fn mul_mat_gqa_uses_kv_head_q_over_ratio() {
 
 #[test]
 fn mul_mat_with_a_transposed_weight_computes_x_at_w_t() {
-    for (i, dw) in [DType::F32, DType::F16, DType::BF16].into_iter().enumerate() {
+    for (i, dw) in [DType::F32, DType::F16, DType::BF16]
+        .into_iter()
+        .enumerate()
+    {
         let mut mem = TestMem::new();
-        let mut rng = Rng::new(126 + i as u64);
+        let mut rng = TestRng::new(126 + i as u64);
         let x = mem.rand(&mut rng, DType::F32, &[6, 40]);
         let w = mem.rand(&mut rng, dw, &[24, 40]);
         let wt = transpose(&w, 0, 1); // [40, 24], strides [1, 40]
@@ -108,7 +112,7 @@ fn mul_mat_with_a_transposed_weight_computes_x_at_w_t() {
 #[test]
 fn mul_mat_with_both_operands_transposed_and_batched() {
     let mut mem = TestMem::new();
-    let mut rng = Rng::new(130);
+    let mut rng = TestRng::new(130);
     let abase = mem.rand(&mut rng, DType::BF16, &[3, 9, 4]);
     let a = transpose(&abase, 1, 2); // [3, 4, 9]
     let bbase = mem.rand(&mut rng, DType::F32, &[3, 5, 9]);
@@ -122,13 +126,21 @@ fn mul_mat_f16_and_bf16_operands_accumulate_in_f32() {
     check_shapes(&[2, 7, 130], &[2, 130, 9], DType::F16, DType::F16, 131);
     check_shapes(&[2, 7, 130], &[1, 130, 9], DType::BF16, DType::F32, 132);
     check_shapes(&[7, 130], &[130, 9], DType::F16, DType::BF16, 133);
+    // Small m streams b in column blocks (here 32 + 32 + 6 columns per kv head).
+    check_shapes(&[4, 3, 1000], &[2, 1000, 70], DType::F32, DType::F16, 136);
+    // Small m with a row-major f16/bf16 b (`p @ v` over a KV cache): k is converted and
+    // accumulated in runs (here 327 + 273 rows).
+    check_shapes(&[4, 1, 600], &[2, 600, 100], DType::F32, DType::F16, 138);
+    check_shapes(&[3, 600], &[600, 300], DType::F32, DType::BF16, 139);
+    // Larger m converts b once.
+    check_shapes(&[2, 40, 50], &[2, 50, 30], DType::F32, DType::BF16, 137);
 }
 
 #[test]
 fn mul_mat_decode_shape_matches_reference() {
     let (k, n) = (512, 384);
     let mut mem = TestMem::new();
-    let mut rng = Rng::new(134);
+    let mut rng = TestRng::new(134);
     let x = mem.rand(&mut rng, DType::F32, &[1, k]);
     let w = mem.rand(&mut rng, DType::F16, &[n, k]);
     let dst = mem.zeros(DType::F32, &[1, n]);
@@ -138,15 +150,19 @@ fn mul_mat_decode_shape_matches_reference() {
 #[test]
 fn mul_mat_handles_empty_dimensions() {
     let mut mem = TestMem::new();
-    for (sa, sb) in [
-        (vec![0, 3], vec![3, 4]),
-        (vec![2, 3], vec![3, 0]),
-        (vec![0, 2, 3], vec![1, 3, 4]),
-        (vec![0, 2, 3], vec![0, 3, 4]),
-    ] {
-        let a = mem.zeros(DType::F32, &sa);
-        let b = mem.zeros(DType::F16, &sb);
-        let dst = mem.zeros(DType::F32, &out_shape(&sa, &sb));
+    let shapes: [(&[usize], &[usize], &[usize]); 6] = [
+        (&[0, 3], &[3, 4], &[0, 4]),
+        (&[2, 3], &[3, 0], &[2, 0]),
+        (&[0, 2, 3], &[0, 3, 4], &[0, 2, 4]),
+        (&[4, 0, 3], &[2, 3, 4], &[4, 0, 4]),
+        // numpy broadcasts an empty batch against 1 (the graph builder does not allow it).
+        (&[0, 2, 3], &[1, 3, 4], &[0, 2, 4]),
+        (&[0, 2, 3], &[3, 4], &[0, 2, 4]),
+    ];
+    for (sa, sb, sd) in shapes {
+        let a = mem.zeros(DType::F32, sa);
+        let b = mem.zeros(DType::F16, sb);
+        let dst = mem.zeros(DType::F32, sd);
         run(&mem, Op::MulMat, &dst, &[&a, &b]).unwrap();
     }
     // k = 0 gives zeros (over a destination that held garbage).
@@ -160,16 +176,31 @@ fn mul_mat_handles_empty_dimensions() {
 #[test]
 fn mul_mat_is_bit_identical_across_thread_counts() {
     let mut mem = TestMem::new();
-    let mut rng = Rng::new(135);
-    // A big gemm (threaded inside gemm) and many small attention-like batches (threaded over
-    // batches), each run on pools of 1 and 3 threads and on the global pool.
+    let mut rng = TestRng::new(135);
+    // A big gemm (threaded inside gemm), many small attention-like batches (threaded over
+    // batches), decode products streaming an f16 weight (threaded over column blocks; the
+    // row-major one accumulating runs of k) and decode attention over an f16 cache (query
+    // heads grouped per kv head), each run on pools of 1 and 3 threads and the global pool.
     let x = mem.rand(&mut rng, DType::F32, &[2, 100, 300]);
     let w = mem.rand(&mut rng, DType::F16, &[200, 300]);
     let wt = transpose(&w, 0, 1);
     let q = mem.rand(&mut rng, DType::F32, &[8, 16, 64]);
     let kbase = mem.rand(&mut rng, DType::F32, &[2, 16, 64]);
     let kt = transpose(&kbase, 1, 2);
-    let cases = [(x, wt, vec![2, 100, 200]), (q, kt, vec![8, 16, 16])];
+    let xd = mem.rand(&mut rng, DType::F32, &[1, 300]);
+    let wr = mem.rand(&mut rng, DType::F16, &[300, 200]);
+    // Decode attention over an f16 KV cache: 8 query heads over 2 kv heads, 700 positions.
+    let q1 = mem.rand(&mut rng, DType::F32, &[8, 1, 64]);
+    let kcache = mem.rand(&mut rng, DType::F16, &[2, 700, 64]);
+    let p1 = mem.rand(&mut rng, DType::F32, &[8, 1, 700]);
+    let cases = [
+        (x, wt.clone(), vec![2, 100, 200]),
+        (q, kt, vec![8, 16, 16]),
+        (xd.clone(), wt, vec![1, 200]),
+        (xd, wr, vec![1, 200]),
+        (q1, transpose(&kcache, 1, 2), vec![8, 1, 700]),
+        (p1, kcache, vec![8, 1, 64]),
+    ];
     for (a, b, shape) in &cases {
         let mut results = Vec::new();
         for threads in [1, 3, 0] {
@@ -178,18 +209,32 @@ fn mul_mat_is_bit_identical_across_thread_counts() {
             if threads == 0 {
                 go();
             } else {
-                rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(go);
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap()
+                    .install(go);
             }
             results.push(mem.bytes(&dst));
         }
-        assert!(results.windows(2).all(|w| w[0] == w[1]), "results differ for {shape:?}");
+        assert!(
+            results.windows(2).all(|w| w[0] == w[1]),
+            "results differ for {shape:?}"
+        );
         let dst = mem.zeros(DType::F32, shape);
         check(&mem, a, b, &dst, tol(DType::F16));
     }
 }
 
 /// `out[t] = sum_j w[t, j] * (x[t] @ experts[ids[t, j]])`.
-fn ref_mul_mat_id(e: &[f64], se: [usize; 3], x: &[f64], ids: &[i32], w: &[f64], slots: usize) -> Vec<f64> {
+fn ref_mul_mat_id(
+    e: &[f64],
+    se: [usize; 3],
+    x: &[f64],
+    ids: &[i32],
+    w: &[f64],
+    slots: usize,
+) -> Vec<f64> {
     let [_, k, n] = se;
     let t_len = ids.len() / slots.max(1);
     let mut out = vec![0.0; t_len * n];
@@ -197,7 +242,9 @@ fn ref_mul_mat_id(e: &[f64], se: [usize; 3], x: &[f64], ids: &[i32], w: &[f64], 
         for j in 0..slots {
             let ex = ids[t * slots + j] as usize;
             for c in 0..n {
-                let dot: f64 = (0..k).map(|p| x[t * k + p] * e[ex * k * n + p * n + c]).sum();
+                let dot: f64 = (0..k)
+                    .map(|p| x[t * k + p] * e[ex * k * n + p * n + c])
+                    .sum();
                 out[t * n + c] += w[t * slots + j] * dot;
             }
         }
@@ -207,10 +254,13 @@ fn ref_mul_mat_id(e: &[f64], se: [usize; 3], x: &[f64], ids: &[i32], w: &[f64], 
 
 #[test]
 fn mul_mat_id_matches_reference() {
-    for (i, de) in [DType::F32, DType::F16, DType::BF16].into_iter().enumerate() {
+    for (i, de) in [DType::F32, DType::F16, DType::BF16]
+        .into_iter()
+        .enumerate()
+    {
         let (e, k, n, t, slots) = (4, 6, 5, 3, 2);
         let mut mem = TestMem::new();
-        let mut rng = Rng::new(140 + i as u64);
+        let mut rng = TestRng::new(140 + i as u64);
         let experts = mem.rand(&mut rng, de, &[e, k, n]);
         let x = mem.rand(&mut rng, DType::F32, &[t, k]);
         // Token 2 routes to the same expert twice; expert 0 is unused.
@@ -219,7 +269,14 @@ fn mul_mat_id_matches_reference() {
         let w = mem.rand(&mut rng, DType::F16, &[t, slots]);
         let dst = mem.zeros(DType::F32, &[t, n]);
         run(&mem, Op::MulMatId, &dst, &[&experts, &x, &ids, &w]).unwrap();
-        let want = ref_mul_mat_id(&mem.read(&experts), [e, k, n], &mem.read(&x), &ids_v, &mem.read(&w), slots);
+        let want = ref_mul_mat_id(
+            &mem.read(&experts),
+            [e, k, n],
+            &mem.read(&x),
+            &ids_v,
+            &mem.read(&w),
+            slots,
+        );
         assert_close(&mem.read(&dst), &want, tol(de));
     }
 }
@@ -228,7 +285,7 @@ fn mul_mat_id_matches_reference() {
 fn mul_mat_id_with_transposed_experts_and_many_tokens() {
     let (e, k, n, t, slots) = (8, 64, 48, 40, 2);
     let mut mem = TestMem::new();
-    let mut rng = Rng::new(145);
+    let mut rng = TestRng::new(145);
     let base = mem.rand(&mut rng, DType::F16, &[e, n, k]);
     let experts = transpose(&base, 1, 2); // [e, k, n], strided
     let x = mem.rand(&mut rng, DType::BF16, &[t, k]);
@@ -237,7 +294,14 @@ fn mul_mat_id_with_transposed_experts_and_many_tokens() {
     let w = mem.rand(&mut rng, DType::F32, &[t, slots]);
     let dst = mem.zeros(DType::F32, &[t, n]);
     run(&mem, Op::MulMatId, &dst, &[&experts, &x, &ids, &w]).unwrap();
-    let want = ref_mul_mat_id(&mem.read(&experts), [e, k, n], &mem.read(&x), &ids_v, &mem.read(&w), slots);
+    let want = ref_mul_mat_id(
+        &mem.read(&experts),
+        [e, k, n],
+        &mem.read(&x),
+        &ids_v,
+        &mem.read(&w),
+        slots,
+    );
     assert_close(&mem.read(&dst), &want, tol(DType::BF16));
 }
 
@@ -278,7 +342,7 @@ proptest! {
     ) {
         let (ba, bb) = if swap { (hb, hb * ratio) } else { (hb * ratio, hb) };
         let mut mem = TestMem::new();
-        let mut rng = Rng::new(seed);
+        let mut rng = TestRng::new(seed);
         // Optionally build each operand as the transpose of a stored tensor.
         let a = if ta { transpose(&mem.rand(&mut rng, DType::F32, &[ba, k, m]), 1, 2) } else { mem.rand(&mut rng, DType::F32, &[ba, m, k]) };
         let b = if tb { transpose(&mem.rand(&mut rng, DType::F16, &[bb, n, k]), 1, 2) } else { mem.rand(&mut rng, DType::F16, &[bb, k, n]) };

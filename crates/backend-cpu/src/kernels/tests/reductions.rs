@@ -15,9 +15,12 @@ fn ref_rms_norm(x: &[f64], len: usize, eps: f64) -> Vec<f64> {
 
 #[test]
 fn rms_norm_normalises_the_last_axis_in_every_dtype() {
-    for (i, dt) in [DType::F32, DType::F16, DType::BF16].into_iter().enumerate() {
+    for (i, dt) in [DType::F32, DType::F16, DType::BF16]
+        .into_iter()
+        .enumerate()
+    {
         let mut mem = TestMem::new();
-        let mut rng = Rng::new(50 + i as u64);
+        let mut rng = TestRng::new(50 + i as u64);
         let x = mem.rand(&mut rng, dt, &[2, 3, 64]);
         let dst = mem.zeros(dt, &[2, 3, 64]);
         run(&mem, Op::RmsNorm { eps: 1e-5 }, &dst, &[&x]).unwrap();
@@ -29,7 +32,7 @@ fn rms_norm_normalises_the_last_axis_in_every_dtype() {
 #[test]
 fn rms_norm_reads_a_strided_input() {
     let mut mem = TestMem::new();
-    let mut rng = Rng::new(53);
+    let mut rng = TestRng::new(53);
     let base = mem.rand(&mut rng, DType::F32, &[16, 5]);
     let x = transpose(&base, 0, 1); // [5, 16], last-axis stride 5
     let dst = mem.zeros(DType::F32, &[5, 16]);
@@ -59,15 +62,22 @@ fn ref_softmax(x: &[f64], sx: &[usize], mask: Option<(&[f64], &[usize])>, scale:
 
 #[test]
 fn softmax_with_scale_matches_reference_and_rows_sum_to_one() {
-    for (i, dt) in [DType::F32, DType::F16, DType::BF16].into_iter().enumerate() {
+    for (i, dt) in [DType::F32, DType::F16, DType::BF16]
+        .into_iter()
+        .enumerate()
+    {
         let mut mem = TestMem::new();
-        let mut rng = Rng::new(60 + i as u64);
+        let mut rng = TestRng::new(60 + i as u64);
         let vals: Vec<f32> = rng.vec(4 * 37).into_iter().map(|v| v * 8.0).collect();
         let x = mem.tensor(dt, &[4, 37], &vals);
         let dst = mem.zeros(dt, &[4, 37]);
         run(&mem, Op::SoftMax { scale: 0.5 }, &dst, &[&x]).unwrap();
         let got = mem.read(&dst);
-        assert_close(&got, &ref_softmax(&mem.read(&x), &[4, 37], None, 0.5), tol(dt));
+        assert_close(
+            &got,
+            &ref_softmax(&mem.read(&x), &[4, 37], None, 0.5),
+            tol(dt),
+        );
         for row in got.chunks(37) {
             assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-2);
         }
@@ -79,10 +89,17 @@ fn softmax_broadcasts_a_causal_mask_onto_heads() {
     // x [heads 3, queries 4, keys 6], mask [4, 6] in f16 with -inf above the causal diagonal.
     let (h, q, k) = (3, 4, 6);
     let mut mem = TestMem::new();
-    let mut rng = Rng::new(63);
+    let mut rng = TestRng::new(63);
     let x = mem.rand(&mut rng, DType::F32, &[h, q, k]);
-    let mask_vals: Vec<f32> =
-        (0..q * k).map(|i| if i % k > i / k + 2 { f32::NEG_INFINITY } else { 0.25 * (i % 3) as f32 }).collect();
+    let mask_vals: Vec<f32> = (0..q * k)
+        .map(|i| {
+            if i % k > i / k + 2 {
+                f32::NEG_INFINITY
+            } else {
+                0.25 * (i % 3) as f32
+            }
+        })
+        .collect();
     let mask = mem.tensor(DType::F16, &[q, k], &mask_vals);
     let dst = mem.zeros(DType::F32, &[h, q, k]);
     run(&mem, Op::SoftMax { scale: 0.125 }, &dst, &[&x, &mask]).unwrap();
@@ -100,10 +117,18 @@ fn softmax_broadcasts_a_causal_mask_onto_heads() {
 #[test]
 fn softmax_fully_masked_row_gives_zeros() {
     let mut mem = TestMem::new();
-    let x = mem.tensor(DType::F32, &[3, 4], &[1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12.]);
+    let x = mem.tensor(
+        DType::F32,
+        &[3, 4],
+        &[1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12.],
+    );
     let ninf = f32::NEG_INFINITY;
     // Row 1 fully masked; row 2 partly.
-    let mask = mem.tensor(DType::F32, &[3, 4], &[0., 0., 0., 0., ninf, ninf, ninf, ninf, ninf, 0., ninf, 0.]);
+    let mask = mem.tensor(
+        DType::F32,
+        &[3, 4],
+        &[0., 0., 0., 0., ninf, ninf, ninf, ninf, ninf, 0., ninf, 0.],
+    );
     let dst = mem.zeros(DType::F32, &[3, 4]);
     run(&mem, Op::SoftMax { scale: 1.0 }, &dst, &[&x, &mask]).unwrap();
     let got = mem.read(&dst);
@@ -121,7 +146,7 @@ fn softmax_fully_masked_row_gives_zeros() {
 #[test]
 fn argmax_picks_the_largest_of_each_row() {
     let mut mem = TestMem::new();
-    let mut rng = Rng::new(70);
+    let mut rng = TestRng::new(70);
     let x = mem.rand(&mut rng, DType::BF16, &[2, 3, 50]);
     let dst = mem.zeros(DType::I32, &[2, 3]);
     run(&mem, Op::Argmax, &dst, &[&x]).unwrap();
@@ -144,7 +169,11 @@ fn argmax_picks_the_largest_of_each_row() {
 #[test]
 fn argmax_ties_pick_the_lowest_index() {
     let mut mem = TestMem::new();
-    let x = mem.tensor(DType::F32, &[3, 4], &[1., 3., 3., 0., 7., 7., 7., 7., -1., -2., -1., -5.]);
+    let x = mem.tensor(
+        DType::F32,
+        &[3, 4],
+        &[1., 3., 3., 0., 7., 7., 7., 7., -1., -2., -1., -5.],
+    );
     let dst = mem.zeros(DType::I32, &[3]);
     run(&mem, Op::Argmax, &dst, &[&x]).unwrap();
     assert_eq!(mem.read_i32(&dst), vec![1, 0, 0]);
@@ -154,7 +183,11 @@ fn argmax_ties_pick_the_lowest_index() {
 fn argmax_treats_nan_as_smaller_than_everything() {
     let mut mem = TestMem::new();
     let nan = f32::NAN;
-    let x = mem.tensor(DType::F32, &[3, 3], &[nan, -5., -7., 1., nan, 2., nan, nan, nan]);
+    let x = mem.tensor(
+        DType::F32,
+        &[3, 3],
+        &[nan, -5., -7., 1., nan, 2., nan, nan, nan],
+    );
     let dst = mem.zeros(DType::I32, &[3]);
     run(&mem, Op::Argmax, &dst, &[&x]).unwrap();
     assert_eq!(mem.read_i32(&dst), vec![1, 2, 0]);

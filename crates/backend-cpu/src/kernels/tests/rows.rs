@@ -6,16 +6,22 @@ use super::harness::*;
 
 #[test]
 fn get_rows_gathers_rows_for_any_ids_shape() {
-    for (i, dt) in [DType::F32, DType::F16, DType::BF16].into_iter().enumerate() {
+    for (i, dt) in [DType::F32, DType::F16, DType::BF16]
+        .into_iter()
+        .enumerate()
+    {
         let mut mem = TestMem::new();
-        let mut rng = Rng::new(90 + i as u64);
+        let mut rng = TestRng::new(90 + i as u64);
         let table = mem.rand(&mut rng, dt, &[7, 5]);
         let ids_v = [6, 0, 3, 3, 1, 6];
         let ids = mem.ints(&[2, 3], &ids_v);
         let dst = mem.zeros(DType::F32, &[2, 3, 5]);
         run(&mem, Op::GetRows, &dst, &[&table, &ids]).unwrap();
         let t = mem.read(&table);
-        let want: Vec<f64> = ids_v.iter().flat_map(|&r| t[r as usize * 5..][..5].to_vec()).collect();
+        let want: Vec<f64> = ids_v
+            .iter()
+            .flat_map(|&r| t[r as usize * 5..][..5].to_vec())
+            .collect();
         // Widening to f32 is exact.
         assert_eq!(mem.read(&dst), want);
     }
@@ -24,14 +30,17 @@ fn get_rows_gathers_rows_for_any_ids_shape() {
 #[test]
 fn get_rows_reads_a_strided_table() {
     let mut mem = TestMem::new();
-    let mut rng = Rng::new(93);
+    let mut rng = TestRng::new(93);
     let base = mem.rand(&mut rng, DType::F32, &[4, 6]);
     let table = transpose(&base, 0, 1); // [6, 4]
     let ids = mem.ints(&[3], &[5, 0, 2]);
     let dst = mem.zeros(DType::F32, &[3, 4]);
     run(&mem, Op::GetRows, &dst, &[&table, &ids]).unwrap();
     let t = mem.read(&table);
-    let want: Vec<f64> = [5, 0, 2].iter().flat_map(|&r| t[r * 4..][..4].to_vec()).collect();
+    let want: Vec<f64> = [5, 0, 2]
+        .iter()
+        .flat_map(|&r| t[r * 4..][..4].to_vec())
+        .collect();
     assert_eq!(mem.read(&dst), want);
 }
 
@@ -49,9 +58,12 @@ fn get_rows_out_of_range_id_is_an_error() {
 
 #[test]
 fn set_rows_writes_rows_in_place_and_converts_to_the_cache_dtype() {
-    for (i, dt) in [DType::F32, DType::F16, DType::BF16].into_iter().enumerate() {
+    for (i, dt) in [DType::F32, DType::F16, DType::BF16]
+        .into_iter()
+        .enumerate()
+    {
         let mut mem = TestMem::new();
-        let mut rng = Rng::new(95 + i as u64);
+        let mut rng = TestRng::new(95 + i as u64);
         let cache_init = rng.vec(6 * 4);
         let cache = mem.tensor(dt, &[6, 4], &cache_init);
         let before = mem.read(&cache);
@@ -66,7 +78,11 @@ fn set_rows_writes_rows_in_place_and_converts_to_the_cache_dtype() {
         want[4..8].copy_from_slice(&s[4..8]);
         assert_close(&got, &want, tol(dt));
         for r in [0, 2, 3, 5] {
-            assert_eq!(&got[r * 4..r * 4 + 4], &before[r * 4..r * 4 + 4], "row {r} untouched");
+            assert_eq!(
+                &got[r * 4..r * 4 + 4],
+                &before[r * 4..r * 4 + 4],
+                "row {r} untouched"
+            );
         }
     }
 }
@@ -94,6 +110,9 @@ fn set_rows_out_of_range_index_is_an_error_and_writes_nothing() {
         let idx = mem.ints(&[2], &[0, bad]);
         let msg = kernel_msg(run(&mem, Op::SetRows, &cache, &[&cache, &src, &idx]));
         assert!(msg.contains(&bad.to_string()) && msg.contains('6'), "{msg}");
-        assert!(mem.read(&cache).iter().all(|&v| v == 0.0), "nothing written");
+        assert!(
+            mem.read(&cache).iter().all(|&v| v == 0.0),
+            "nothing written"
+        );
     }
 }

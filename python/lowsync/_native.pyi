@@ -1,0 +1,180 @@
+"""Type stub of the extension module `lowsync._native` (crates/bindings).
+
+Hand-written and checked against the built module with `python -m mypy.stubtest lowsync._native`.
+Shapes are numpy order (row-major, last axis fastest). Dtype names: "f32", "f16", "bf16", "i32".
+"""
+
+from collections.abc import Sequence
+from typing import Any, final
+
+import numpy.typing as npt
+
+__all__ = [
+    "BackendError",
+    "BackendUnavailableError",
+    "Context",
+    "EnvError",
+    "Graph",
+    "GraphError",
+    "InputError",
+    "LowsyncError",
+    "Plan",
+    "ReallocError",
+    "Tensor",
+    "UnknownBackendError",
+    "UnsupportedError",
+    "available_backends",
+    "stat_names",
+    "version",
+]
+
+# ---- errors -------------------------------------------------------------------------------------
+
+class LowsyncError(Exception):
+    """Base class of every error lowsync raises."""
+
+class GraphError(LowsyncError, ValueError):
+    """A node could not be built: wrong shapes or dtypes (the message names the op and shapes)."""
+
+class InputError(LowsyncError, ValueError):
+    """Wrong input or output name, shape or dtype at `Plan.set_input` / `Plan.get_output`."""
+
+class UnknownBackendError(LowsyncError, ValueError):
+    """A backend name that lowsync does not know."""
+
+class EnvError(LowsyncError, ValueError):
+    """A bad value in a `LOWSYNC_*` environment variable (the message names the variable)."""
+
+class BackendError(LowsyncError, RuntimeError):
+    """A backend failed while running: a kernel error (an index out of range), a buffer error."""
+
+class UnsupportedError(BackendError):
+    """The backend, or this version of lowsync, does not support what was asked."""
+
+class BackendUnavailableError(BackendError):
+    """The backend is known but cannot run here (no device, no driver)."""
+
+class ReallocError(LowsyncError, RuntimeError):
+    """A reallocation that `LOWSYNC_SCHED_DEBUG_REALLOC` turns into an error."""
+
+# ---- functions ----------------------------------------------------------------------------------
+
+def available_backends() -> list[str]:
+    """Backends usable on this machine, e.g. `["cpu", "cpu-async", "noop"]`."""
+
+def stat_names() -> list[str]:
+    """The counter names of `Context.stats()`, in their fixed order."""
+
+def version() -> str:
+    """The version of the native module (equal to `lowsync.__version__`)."""
+
+# ---- graph building -----------------------------------------------------------------------------
+
+@final
+class Tensor:
+    """A node of a `Graph`; created only by `Graph` methods."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def name(self) -> str | None: ...
+    @property
+    def id(self) -> int: ...
+    @property
+    def T(self) -> Tensor:
+        """The last two axes swapped (a view)."""
+
+    def __matmul__(self, other: Tensor, /) -> Tensor: ...
+    def __rmatmul__(self, other: Tensor, /) -> Tensor: ...
+    def __add__(self, other: Tensor, /) -> Tensor: ...
+    def __radd__(self, other: Tensor, /) -> Tensor: ...
+    def __mul__(self, other: Tensor | float, /) -> Tensor: ...
+    def __rmul__(self, other: float, /) -> Tensor: ...
+
+@final
+class Graph:
+    """A compute graph under construction."""
+
+    def __new__(cls) -> Graph: ...
+    @property
+    def n_nodes(self) -> int: ...
+    @property
+    def n_leafs(self) -> int: ...
+    def input(self, name: str, shape: Sequence[int], dtype: str = "f32") -> Tensor: ...
+    def weight(
+        self,
+        name: str,
+        data: npt.NDArray[Any],
+        backend: str | None = None,
+        dtype: str | None = None,
+    ) -> Tensor: ...
+    def persistent(self, name: str, shape: Sequence[int], dtype: str = "f32") -> Tensor: ...
+    def output(self, name: str, t: Tensor) -> None: ...
+    def get_rows(self, table: Tensor, ids: Tensor) -> Tensor: ...
+    def mul_mat(self, a: Tensor, b: Tensor) -> Tensor: ...
+    def add(self, a: Tensor, b: Tensor) -> Tensor: ...
+    def mul(self, a: Tensor, b: Tensor) -> Tensor: ...
+    def scale(self, a: Tensor, s: float) -> Tensor: ...
+    def rms_norm(self, x: Tensor, eps: float = 1e-5) -> Tensor: ...
+    def rope(
+        self,
+        x: Tensor,
+        pos: Tensor,
+        n_dims: int | None = None,
+        theta_base: float = 10000.0,
+        mode: str = "normal",
+    ) -> Tensor: ...
+    def soft_max(self, x: Tensor, mask: Tensor | None = None, scale: float = 1.0) -> Tensor: ...
+    def silu(self, x: Tensor) -> Tensor: ...
+    def gelu(self, x: Tensor) -> Tensor: ...
+    def swiglu(self, gate: Tensor, up: Tensor) -> Tensor: ...
+    def cpy(self, x: Tensor, dtype: str) -> Tensor: ...
+    def cont(self, x: Tensor) -> Tensor: ...
+    def concat(self, a: Tensor, b: Tensor, axis: int) -> Tensor: ...
+    def set_rows(self, dst: Tensor, src: Tensor, idx: Tensor) -> Tensor: ...
+    def argmax(self, x: Tensor) -> Tensor: ...
+    def mul_mat_id(self, experts: Tensor, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor: ...
+    def reshape(self, x: Tensor, shape: Sequence[int]) -> Tensor: ...
+    def permute(self, x: Tensor, axes: Sequence[int]) -> Tensor: ...
+    def transpose(self, x: Tensor, ax0: int = ..., ax1: int = ...) -> Tensor:
+        """Swaps axes `ax0` and `ax1` (default -2 and -1, the last two); a view."""
+    def slice(self, x: Tensor, axis: int, start: int, stop: int) -> Tensor: ...
+
+# ---- running ------------------------------------------------------------------------------------
+
+@final
+class Plan:
+    """A graph compiled for a context: write inputs, compute, read outputs."""
+
+    @property
+    def inputs(self) -> list[str]: ...
+    @property
+    def outputs(self) -> list[str]: ...
+    @property
+    def n_nodes(self) -> int: ...
+    @property
+    def n_leafs(self) -> int: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def policy(self) -> str: ...
+    def set_input(self, name: str, data: npt.NDArray[Any]) -> None: ...
+    def compute(self) -> None: ...
+    def get_output(self, name: str) -> npt.NDArray[Any]: ...
+    def synchronize(self) -> None: ...
+
+@final
+class Context:
+    """Backends and a sync policy ("stock", "relaxed" or "staged") that plans run on."""
+
+    def __new__(cls, backends: Sequence[str] = ..., policy: str | None = None) -> Context: ...
+    @property
+    def backends(self) -> list[str]: ...
+    @property
+    def policy(self) -> str: ...
+    def compile(self, graph: Graph) -> Plan: ...
+    def stats(self) -> dict[str, dict[str, int]]: ...
+    def reset_stats(self) -> None: ...
+    def synchronize(self) -> None: ...

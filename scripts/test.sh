@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The project's whole test run: Rust checks and tests, the wheel, Python lint/types/stubs, pytest.
+#
+# Expects cargo (with clippy, rustfmt; cargo-nextest if present) and a Python environment that
+# has maturin, ruff, mypy and pytest (`.ci/run` makes one at $HOME/.cache/lowsync-venv). The
+# wheel is built outside the repository and installed into that environment, so pytest imports
+# the built `lowsync`, never the source tree.
+set -euxo pipefail
+
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/lowsync-target}"
+
+# 1. Rust: format, lints, tests.
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
+if cargo nextest --version >/dev/null 2>&1; then
+    cargo nextest run --workspace
+else
+    cargo test --workspace
+fi
+
+# 2. The wheel, installed into the active environment.
+wheel_dir="$CARGO_TARGET_DIR/wheels"
+mkdir -p "$wheel_dir"
+rm -f "$wheel_dir"/lowsync-*.whl
+"$PYTHON" -m maturin build --release --interpreter "$PYTHON" -o "$wheel_dir"
+wheels=("$wheel_dir"/lowsync-*.whl)
+test "${#wheels[@]}" -eq 1
+"$PYTHON" -m pip install --force-reinstall --no-deps "${wheels[0]}"
+
+# 3. Python: lint, format, types, the stub against the built module.
+"$PYTHON" -m ruff check python tests
+"$PYTHON" -m ruff format --check python tests
+"$PYTHON" -m mypy python/lowsync
+"$PYTHON" -m mypy.stubtest lowsync._native
+
+# 4. pytest; its exit status is the script's (5, "no tests collected", fails the run).
+"$PYTHON" -m pytest

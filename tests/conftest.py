@@ -1,0 +1,57 @@
+"""Shared fixtures and collection rules of the Python suite.
+
+Device markers: a test marked `cuda` or `vulkan` runs only when `lowsync.available_backends()`
+lists that device; otherwise it is skipped with the reason — except that with
+`LOWSYNC_REQUIRE_VULKAN=1` (set by `.ci/run`) a missing Vulkan device fails the test instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+import lowsync as ls
+
+# Computes take milliseconds to seconds depending on the machine's load: no deadlines, and no
+# example database written into the work tree.
+settings.register_profile(
+    "lowsync",
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("lowsync")
+
+# Backends every machine has; the op suite runs on each.
+CPU_BACKENDS = ("cpu", "cpu-async")
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    assert name in ls.available_backends(), f"{name} must always be available"
+    return name
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """Removes every LOWSYNC_* variable, so a developer's shell cannot change a test."""
+    for var in list(os.environ):
+        if var.startswith("LOWSYNC_"):
+            monkeypatch.delenv(var)
+    return monkeypatch
+
+
+def _has_device(prefix: str) -> bool:
+    return any(b == prefix or b.startswith(prefix + ":") for b in ls.available_backends())
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("cuda") is not None and not _has_device("cuda"):
+        pytest.skip("no CUDA device on this machine")
+    if item.get_closest_marker("vulkan") is not None and not _has_device("vulkan"):
+        if os.environ.get("LOWSYNC_REQUIRE_VULKAN") == "1":
+            pytest.fail("LOWSYNC_REQUIRE_VULKAN=1 but lowsync lists no Vulkan device")
+        pytest.skip("no Vulkan device on this machine")

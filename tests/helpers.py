@@ -1,0 +1,74 @@
+"""Helpers of the Python suite: numpy references, dtype rounding, NMSE, one-shot runs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import numpy.typing as npt
+
+import lowsync as ls
+
+Array = npt.NDArray[np.generic]
+
+# NMSE bounds against a float64 reference, keyed by the lowest-precision dtype involved.
+NMSE_MAX = {"f32": 1e-7, "f16": 1e-5, "bf16": 1e-4}
+
+
+def nmse(out: npt.ArrayLike, ref: npt.ArrayLike) -> float:
+    """sum((out - ref)^2) / sum(ref^2), in float64."""
+    o = np.asarray(out, np.float64)
+    r = np.asarray(ref, np.float64)
+    assert o.shape == r.shape, f"shape {o.shape} != reference {r.shape}"
+    den = float(np.sum(r * r))
+    num = float(np.sum((o - r) ** 2))
+    return num / den if den > 0 else num
+
+
+def assert_nmse(out: npt.ArrayLike, ref: npt.ArrayLike, dtype: str = "f32") -> None:
+    err = nmse(out, ref)
+    assert err <= NMSE_MAX[dtype], f"NMSE {err:.3g} > {NMSE_MAX[dtype]:g} ({dtype})"
+
+
+def bf16_round(x: npt.ArrayLike) -> npt.NDArray[np.float32]:
+    """float32 values rounded to the nearest bfloat16 (ties to even), kept as float32."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def host_array(x: npt.ArrayLike, dtype: str) -> Array:
+    """What the host passes for a lowsync dtype: float16 for f16, float32 for f32 and bf16
+    (already representable in bf16, so the graph sees exactly these values), int32 for i32."""
+    if dtype == "f32":
+        return np.asarray(x, np.float32)
+    if dtype == "f16":
+        return np.asarray(x, np.float16)
+    if dtype == "bf16":
+        return bf16_round(x)
+    if dtype == "i32":
+        return np.asarray(x, np.int32)
+    raise ValueError(dtype)
+
+
+def randn(rng: np.random.Generator, *shape: int, dtype: str = "f32") -> Array:
+    return host_array(rng.standard_normal(shape), dtype)
+
+
+def weight(g: ls.Graph, name: str, data: Array, dtype: str) -> ls.Tensor:
+    """A weight of `dtype` whose values are exactly `data` (as made by `host_array`)."""
+    return g.weight(name, data, dtype="bf16" if dtype == "bf16" else None)
+
+
+def run(
+    g: ls.Graph,
+    backend: str,
+    inputs: Mapping[str, npt.ArrayLike] | None = None,
+    policy: str | None = None,
+) -> dict[str, Array]:
+    """Compiles `g` for one backend, writes `inputs`, computes once, reads every output."""
+    plan = ls.Context([backend], policy=policy).compile(g)
+    for name, data in (inputs or {}).items():
+        plan.set_input(name, np.asarray(data))
+    plan.compute()
+    return {name: plan.get_output(name) for name in plan.outputs}
