@@ -63,13 +63,6 @@ enum Work {
         out: RawPtr,
         len: usize,
     },
-    /// Copy from another backend's host-addressable memory.
-    CopyIn {
-        src: RawPtr,
-        dst: BufferId,
-        offset: usize,
-        len: usize,
-    },
     WaitEvent(Arc<dyn Event>),
     Gate(Arc<GateState>),
     Shutdown,
@@ -245,12 +238,6 @@ fn worker_loop(shared: &Shared, rx: Receiver<Item>) {
                 dst,
                 offset,
                 src,
-                len,
-            } => copy_into(&shared.store, dst, offset, src.0, len),
-            Work::CopyIn {
-                src,
-                dst,
-                offset,
                 len,
             } => copy_into(&shared.store, dst, offset, src.0, len),
             Work::ReadRaw {
@@ -494,36 +481,27 @@ impl Backend for CpuAsyncBackend {
         len: usize,
     ) -> Result<bool> {
         // Only from host memory, which is ready as soon as its (synchronous) producer returned.
-        // The source must stay untouched until this stream passes the copy (invariant 3): the
-        // scheduler keeps it alive until the split's event completes.
+        // The bytes are staged now, at call time, so the host may reuse the source at once
+        // (invariant 3 holds without keeping it alive until this stream gets there).
         if !src_backend.buffer_type().is_host || src_backend.device_kind() != DeviceKind::Cpu {
             return Ok(false);
         }
         let Some(base) = src_backend.buffer_host_ptr(src) else {
             return Ok(false);
         };
-        if src_offset
-            .checked_add(len)
-            .is_none_or(|e| e > src_backend.buffer_size(src).unwrap_or(0))
-        {
+        let src_size = src_backend.buffer_size(src)?;
+        if src_offset.checked_add(len).is_none_or(|e| e > src_size) {
             return Err(Error::OutOfBounds {
                 buffer: src.0,
                 offset: src_offset,
                 len,
-                size: src_backend.buffer_size(src)?,
+                size: src_size,
             });
         }
-        self.shared.store.span(dst, dst_offset, len)?;
-        bump(&self.shared.stats.h2d_copies, 1);
-        bump(&self.shared.stats.h2d_bytes, len as u64);
-        // SAFETY: in bounds of the source buffer, checked above.
-        let p = RawPtr(unsafe { base.as_ptr().add(src_offset) });
-        self.enqueue(Work::CopyIn {
-            src: p,
-            dst,
-            offset: dst_offset,
-            len,
-        });
+        // SAFETY: in bounds of the source buffer (checked above); the source backend is the
+        // synchronous host, so its memory is not being written during this call.
+        let data = unsafe { std::slice::from_raw_parts(base.as_ptr().add(src_offset), len) };
+        self.set_tensor_async_staged(dst, dst_offset, data)?;
         Ok(true)
     }
 

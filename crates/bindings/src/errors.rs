@@ -143,6 +143,8 @@ pub fn sched_err(e: SchedError) -> PyErr {
         SchedError::Graph(_) => raise(&ex.graph, msg),
         SchedError::Input(_) | SchedError::UnknownPolicy(_) => raise(&ex.input, msg),
         SchedError::NoBackend { .. } | SchedError::Unsupported(_) => raise(&ex.unsupported, msg),
+        SchedError::Placement(_) => raise(&ex.graph, msg),
+        SchedError::Realloc(_) => raise(&ex.realloc, msg),
     }
 }
 

@@ -16,7 +16,7 @@ mod registry;
 use std::sync::Arc;
 
 use lowsync_backend::{Backend, StatsSnapshot};
-use lowsync_scheduler::{Plan, SyncPolicy};
+use lowsync_scheduler::{Plan, Sched, SyncPolicy};
 use numpy::{PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -24,11 +24,10 @@ use pyo3::types::PyDict;
 use crate::errors::{backend_err, input_err, sched_err};
 use crate::graph::{PyGraph, PyTensor};
 
-/// Backends (in priority order) and a sync policy.
+/// Backends (in priority order), a sync policy, and the memory their plans share.
 #[pyclass(name = "Context", module = "lowsync._native", frozen)]
 struct PyContext {
-    backends: Vec<Arc<dyn Backend>>,
-    policy: SyncPolicy,
+    sched: Arc<Sched>,
 }
 
 fn stats_dict<'py>(py: Python<'py>, s: &StatsSnapshot) -> PyResult<Bound<'py, PyDict>> {
@@ -42,8 +41,8 @@ fn stats_dict<'py>(py: Python<'py>, s: &StatsSnapshot) -> PyResult<Bound<'py, Py
 #[pymethods]
 impl PyContext {
     #[new]
-    #[pyo3(signature = (backends = vec!["cpu".to_string()], policy = None))]
-    fn new(backends: Vec<String>, policy: Option<&str>) -> PyResult<Self> {
+    #[pyo3(signature = (backends = vec!["cpu".to_string()], policy = None, n_copies = 1))]
+    fn new(backends: Vec<String>, policy: Option<&str>, n_copies: usize) -> PyResult<Self> {
         let policy = match policy {
             Some(p) => p.parse::<SyncPolicy>().map_err(sched_err)?,
             None => SyncPolicy::from_env().map_err(sched_err)?,
@@ -58,45 +57,50 @@ impl PyContext {
             }
             list.push(registry::make_backend(name).map_err(backend_err)?);
         }
-        Ok(PyContext {
-            backends: list,
-            policy,
-        })
+        let sched = Sched::new(list, policy, n_copies).map_err(sched_err)?;
+        Ok(PyContext { sched })
     }
 
     /// Backend names in priority order.
     #[getter]
     fn backends(&self) -> Vec<String> {
-        self.backends.iter().map(|b| b.name().to_string()).collect()
+        self.sched
+            .backends()
+            .iter()
+            .map(|b| b.name().to_string())
+            .collect()
     }
 
     /// The sync policy of plans compiled here.
     #[getter]
     fn policy(&self) -> &'static str {
-        self.policy.name()
+        self.sched.policy().name()
     }
 
-    /// Places, allocates and uploads a graph once; returns a plan to run step after step.
+    /// Input copies per split (more than one pipelines successive evaluations).
+    #[getter]
+    fn n_copies(&self) -> usize {
+        self.sched.n_copies()
+    }
+
+    /// Places, splits and allocates a graph once; returns a plan to run step after step.
     fn compile(&self, py: Python<'_>, graph: PyRef<'_, PyGraph>) -> PyResult<PyPlan> {
-        if self.backends.len() > 1 {
-            return Err(sched_err(lowsync_scheduler::Error::Unsupported(
-                "a graph across several backends needs the multi-backend scheduler, which is not built yet; \
-                 give the Context one backend"
-                    .into(),
-            )));
-        }
-        let backend = self.backends[0].clone();
-        let policy = self.policy;
-        let g = &graph.inner;
-        let plan = detach::run(py, || Plan::compile(g, backend, policy), sched_err)?;
+        let (sched, g) = (&self.sched, &graph.inner);
+        let plan = detach::run(py, || sched.compile(g), sched_err)?;
         Ok(PyPlan { inner: plan })
+    }
+
+    /// Reserves memory for `graph` as the worst case (never shrinking an earlier reserve).
+    fn reserve(&self, py: Python<'_>, graph: PyRef<'_, PyGraph>) -> PyResult<()> {
+        let (sched, g) = (&self.sched, &graph.inner);
+        detach::run(py, || sched.reserve(g), sched_err)
     }
 
     /// Counters per backend and their total: `{"total": {...}, "cpu": {...}}`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);
         let mut total = StatsSnapshot::default();
-        for b in &self.backends {
+        for b in self.sched.backends() {
             let s = b.stats().snapshot();
             total = total.add(&s);
             out.set_item(b.name(), stats_dict(py, &s)?)?;
@@ -107,26 +111,22 @@ impl PyContext {
 
     /// Zeroes every counter.
     fn reset_stats(&self) {
-        for b in &self.backends {
+        for b in self.sched.backends() {
             b.stats().reset();
         }
     }
 
     /// Waits for all queued work on every backend.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
-        let bs = &self.backends;
-        detach::run(
-            py,
-            || bs.iter().try_for_each(|b| b.synchronize()),
-            backend_err,
-        )
+        let sched = &self.sched;
+        detach::run(py, || sched.synchronize(), sched_err)
     }
 
     fn __repr__(&self) -> String {
         format!(
             "Context(backends={:?}, policy={:?})",
             self.backends(),
-            self.policy.name()
+            self.sched.policy().name()
         )
     }
 }
@@ -172,10 +172,27 @@ impl PyPlan {
         numpy_io::to_array(py, &bytes, dt, &shape)
     }
 
-    /// Waits for all queued work of the plan's backend.
-    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
-        let plan = &self.inner;
+    /// Waits for all queued work of the plan's context (the next step uses input copy 0).
+    fn synchronize(&mut self, py: Python<'_>) -> PyResult<()> {
+        let plan = &mut self.inner;
         detach::run(py, || plan.synchronize(), sched_err)
+    }
+
+    /// Number of splits (runs of nodes on one backend).
+    #[getter]
+    fn n_splits(&self) -> usize {
+        self.inner.n_splits()
+    }
+
+    /// The backend of each split, in order.
+    #[getter]
+    fn split_backends(&self) -> Vec<String> {
+        let bs = self.inner.sched().backends();
+        self.inner
+            .split_backends()
+            .iter()
+            .map(|&b| bs[b].name().to_string())
+            .collect()
     }
 
     #[getter]
@@ -198,6 +215,7 @@ impl PyPlan {
     fn n_leafs(&self) -> usize {
         self.inner.n_leafs()
     }
+    /// The context's first (highest-priority) backend.
     #[getter]
     fn backend(&self) -> String {
         self.inner.backend().name().to_string()

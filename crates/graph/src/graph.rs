@@ -68,6 +68,7 @@ pub struct Graph {
     weights: Vec<(TensorId, WeightData)>,
     outputs: Vec<(String, TensorId)>,
     names: HashSet<String>,
+    pins: Vec<(TensorId, String)>,
 }
 
 fn shape_err(op: &'static str, msg: String) -> Error {
@@ -191,6 +192,9 @@ impl Graph {
             });
         }
         let id = self.leaf(Op::Weight, name, shape, dtype)?;
+        if let Some(b) = &backend {
+            self.pins.push((id, b.clone()));
+        }
         self.weights.push((id, WeightData { bytes, backend }));
         Ok(id)
     }
@@ -198,6 +202,31 @@ impl Graph {
     /// State kept across steps (zero-initialised), e.g. a KV cache written with `set_rows`.
     pub fn persistent(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<TensorId> {
         self.leaf(Op::Persistent, name, shape, dtype)
+    }
+
+    /// Pins a weight or persistent tensor to the backend called `backend`.
+    pub fn pin(&mut self, id: TensorId, backend: &str) -> Result<()> {
+        let t = self.check(id)?;
+        if !matches!(t.op, Op::Weight | Op::Persistent) {
+            return Err(shape_err(
+                "pin",
+                format!(
+                    "only weights and persistent tensors can be pinned, not a {}",
+                    t.op.name()
+                ),
+            ));
+        }
+        self.pins.retain(|(i, _)| *i != id);
+        self.pins.push((id, backend.to_string()));
+        Ok(())
+    }
+
+    /// The backend a leaf was pinned to, if any.
+    pub fn pinned_backend(&self, id: TensorId) -> Option<&str> {
+        self.pins
+            .iter()
+            .find(|(i, _)| *i == id)
+            .map(|(_, b)| b.as_str())
     }
 
     /// Marks a tensor as a named output the host can read after a step.

@@ -1,51 +1,51 @@
-//! Graph allocator: where every tensor of a graph lives.
+//! Graph allocator: where every scratch tensor of a step lives.
 //!
 //! Why: a decode step runs a few hundred nodes; giving each its own memory wastes most of it
 //! and makes the worst case unknowable. ggml's answer, kept here: plan offsets once per graph
-//! shape with liveness-based reuse, and never touch memory that outlives a step.
+//! shape with liveness-based reuse, reserve the worst case once, and never touch memory that
+//! outlives a step.
 //!
-//! Strategy: four regions. Weights and persistent tensors (state such as the KV cache) are
-//! packed once and never reused. Inputs are packed contiguously in one input arena, so a step
-//! can write them all with a single copy (the staged policy). Compute tensors get offsets from a
-//! best-fit free list in creation (topological) order: a tensor is freed after the last node
-//! that reads it, or anything viewing it; an element-wise op writes over its first source when
-//! that source dies at this node and has the same size and layout (in-place). Outputs are never
-//! freed.
+//! Strategy: the scheduler turns each backend's share of a graph into [`Item`]s in execution
+//! order — the results of its nodes and the copies of tensors it receives from other
+//! backends — each with the step index where it is written (`def`) and the last index where it
+//! is read (`last`). [`plan_items`] walks them in order over a best-fit free list: an item
+//! takes a block when it is defined and returns it after its last reader; an element-wise node
+//! whose first source dies at that node writes over it (in place). Pinned items (outputs,
+//! pipelined copies) never return their block. Weights, persistent state, input arenas and
+//! outputs live elsewhere (the scheduler's own buffers).
 //!
-//! Invariants: two compute tensors whose lifetimes overlap never overlap in memory (checked by
-//! [`AllocPlan::verify`], and by the property tests); persistent tensors are never reused.
+//! Invariants: two items whose lifetimes overlap never share bytes, except a node and the
+//! source it replaced in place ([`verify_items`], and the property tests).
 
-use lowsync_graph::{Graph, Op, TensorId};
-
-/// Alignment of every tensor inside its region.
+/// Alignment of every tensor inside its buffer.
 pub const TENSOR_ALIGN: usize = 64;
 
-fn align(n: usize) -> usize {
+/// Rounds `n` up to [`TENSOR_ALIGN`].
+pub fn align(n: usize) -> usize {
     n.div_ceil(TENSOR_ALIGN) * TENSOR_ALIGN
 }
 
-/// The memory a tensor's storage lives in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Region {
-    Weights,
-    Persistent,
-    Inputs,
-    Compute,
+/// One block of scratch memory to place.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Item {
+    pub size: usize,
+    /// Step index of the writer.
+    pub def: usize,
+    /// Step index of the last reader (>= `def`).
+    pub last: usize,
+    /// Never released (outputs, pipelined copies).
+    pub pinned: bool,
+    /// An earlier item this one may overwrite if that item dies exactly at `def`.
+    pub inplace_of: Option<usize>,
 }
 
-/// Offsets of every storage-owning tensor and the size of each region.
-#[derive(Clone, Debug, Default)]
-pub struct AllocPlan {
-    /// Per tensor id: where its *root* storage lives (views and aliases resolve to their root).
-    pub slots: Vec<Option<(Region, usize)>>,
-    pub weights_bytes: usize,
-    pub persistent_bytes: usize,
-    pub inputs_bytes: usize,
-    pub compute_bytes: usize,
-    /// Per tensor id: index of the node that defines it and of the last node that reads its
-    /// storage (for verification).
-    lifetimes: Vec<(usize, usize)>,
-    inplace_of: Vec<Option<TensorId>>,
+/// Where each item went and how much memory the plan needs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ItemPlan {
+    pub offsets: Vec<usize>,
+    /// Items that took over their `inplace_of` source's block.
+    pub took_over: Vec<bool>,
+    pub bytes: usize,
 }
 
 #[derive(Default)]
@@ -64,30 +64,26 @@ impl FreeList {
             .filter(|(_, b)| b.1 >= size)
             .min_by_key(|(_, b)| b.1)
             .map(|(i, _)| i);
-        match best {
-            Some(i) => {
-                let (off, sz) = self.free[i];
-                if sz == size {
-                    self.free.remove(i);
-                } else {
-                    self.free[i] = (off + size, sz - size);
-                }
-                off
+        if let Some(i) = best {
+            let (off, sz) = self.free[i];
+            if sz == size {
+                self.free.remove(i);
+            } else {
+                self.free[i] = (off + size, sz - size);
             }
-            None => {
-                // Grow, absorbing a free block that ends at the high-water mark.
-                if let Some(&(off, sz)) = self.free.last() {
-                    if off + sz == self.high_water {
-                        self.free.pop();
-                        self.high_water = off + size;
-                        return off;
-                    }
-                }
-                let off = self.high_water;
-                self.high_water += size;
-                off
+            return off;
+        }
+        // Grow, absorbing a free block that ends at the high-water mark.
+        if let Some(&(off, sz)) = self.free.last() {
+            if off + sz == self.high_water {
+                self.free.pop();
+                self.high_water = off + size;
+                return off;
             }
         }
+        let off = self.high_water;
+        self.high_water += size;
+        off
     }
 
     fn release(&mut self, off: usize, size: usize) {
@@ -104,159 +100,152 @@ impl FreeList {
     }
 }
 
-/// Bytes the storage of root `id` needs: the furthest element any of its views reaches is
-/// inside the root's own contiguous extent, so the root's size suffices.
-fn root_bytes(g: &Graph, id: TensorId) -> usize {
-    let t = g.tensor(id);
-    align(t.layout.extent() * t.dtype.size_bytes())
+/// Places `items` (given in execution order: non-decreasing `def`).
+pub fn plan_items(items: &[Item]) -> ItemPlan {
+    let n = items.len();
+    let mut plan = ItemPlan {
+        offsets: vec![0; n],
+        took_over: vec![false; n],
+        bytes: 0,
+    };
+    let mut fl = FreeList::default();
+    let mut released = vec![false; n];
+    let mut by_last: Vec<usize> = (0..n).filter(|&i| !items[i].pinned).collect();
+    by_last.sort_by_key(|&i| (items[i].last, i));
+    let mut next_release = 0;
+    let mut i = 0;
+    while i < n {
+        let t = items[i].def;
+        // Everything last read before `t` is free now.
+        while next_release < by_last.len() && items[by_last[next_release]].last < t {
+            let k = by_last[next_release];
+            next_release += 1;
+            if !released[k] {
+                released[k] = true;
+                fl.release(plan.offsets[k], items[k].size);
+            }
+        }
+        // Allocate every item defined at `t`.
+        while i < n && items[i].def == t {
+            let it = &items[i];
+            // A source that dies exactly here (its last reader is this node) hands its block over.
+            let src = it.inplace_of.filter(|&s| {
+                s < i
+                    && !items[s].pinned
+                    && !released[s]
+                    && items[s].last == t
+                    && items[s].size == it.size
+            });
+            match src {
+                Some(s) => {
+                    plan.offsets[i] = plan.offsets[s];
+                    plan.took_over[i] = true;
+                    released[s] = true; // the block now belongs to item i
+                }
+                None => plan.offsets[i] = fl.alloc(it.size),
+            }
+            i += 1;
+        }
+    }
+    plan.bytes = fl.high_water;
+    plan
 }
 
-impl AllocPlan {
-    /// Plans the memory of `graph`.
-    pub fn plan(graph: &Graph) -> AllocPlan {
-        let tensors = graph.tensors();
-        let n = tensors.len();
-        // Last reader of each root, through views and aliases.
-        let mut last_use: Vec<usize> = (0..n).collect();
-        for (i, t) in tensors.iter().enumerate() {
-            for s in &t.srcs {
-                let r = tensors[s.index()].root.index();
-                last_use[r] = last_use[r].max(i);
+/// Checks that no two items with overlapping lifetimes share bytes, except in-place chains.
+pub fn verify_items(items: &[Item], plan: &ItemPlan) -> Result<(), String> {
+    let chained = |a: usize, b: usize| {
+        let follows = |mut x: usize, y: usize| {
+            while plan.took_over[x] {
+                match items[x].inplace_of {
+                    Some(p) if p == y => return true,
+                    Some(p) => x = p,
+                    None => return false,
+                }
             }
-            let r = t.root.index();
-            last_use[r] = last_use[r].max(i);
-        }
-        let mut pinned = vec![false; n];
-        for (_, o) in graph.outputs() {
-            pinned[tensors[o.index()].root.index()] = true;
-        }
-        // Roots freed after node i.
-        let mut dies_at: Vec<Vec<usize>> = vec![Vec::new(); n];
-        for r in 0..n {
-            if tensors[r].root.index() == r && !pinned[r] && !tensors[r].op.is_leaf() {
-                dies_at[last_use[r]].push(r);
-            }
-        }
-
-        let mut plan = AllocPlan {
-            slots: vec![None; n],
-            lifetimes: (0..n).map(|i| (i, last_use[i])).collect(),
-            inplace_of: vec![None; n],
-            ..Default::default()
+            false
         };
-        let mut compute = FreeList::default();
-        let mut freed = vec![false; n];
-        for (i, t) in tensors.iter().enumerate() {
-            let id = TensorId(i as u32);
-            if t.root != id {
-                continue; // a view or alias: lives in its root
+        follows(a, b) || follows(b, a)
+    };
+    for a in 0..items.len() {
+        for b in a + 1..items.len() {
+            let (ia, ib) = (&items[a], &items[b]);
+            let end = |it: &Item| if it.pinned { usize::MAX } else { it.last };
+            let time = ia.def <= end(ib) && ib.def <= end(ia);
+            let (oa, ob) = (plan.offsets[a], plan.offsets[b]);
+            let space = oa < ob + ib.size && ob < oa + ia.size && ia.size > 0 && ib.size > 0;
+            if time && space && !chained(a, b) {
+                return Err(format!(
+                    "items {a} and {b} are live together and overlap: [{oa}, +{}) and [{ob}, +{})",
+                    ia.size, ib.size
+                ));
             }
-            let size = root_bytes(graph, id);
-            let slot = match t.op {
-                Op::Weight => {
-                    let off = plan.weights_bytes;
-                    plan.weights_bytes += size;
-                    (Region::Weights, off)
-                }
-                Op::Persistent => {
-                    let off = plan.persistent_bytes;
-                    plan.persistent_bytes += size;
-                    (Region::Persistent, off)
-                }
-                Op::Input => {
-                    let off = plan.inputs_bytes;
-                    plan.inputs_bytes += size;
-                    (Region::Inputs, off)
-                }
-                _ => match inplace_source(graph, i, &last_use, &pinned, &plan) {
-                    Some(src) => {
-                        // Take over the dying source's block; it is not released on its own.
-                        freed[src.index()] = true;
-                        plan.inplace_of[i] = Some(src);
-                        plan.slots[src.index()].expect("source planned")
-                    }
-                    None => (Region::Compute, compute.alloc(size)),
-                },
-            };
-            plan.slots[i] = Some(slot);
-            for &r in &dies_at[i] {
-                if !freed[r] {
-                    if let Some((Region::Compute, off)) = plan.slots[r] {
-                        compute.release(off, root_bytes(graph, TensorId(r as u32)));
-                    }
-                    freed[r] = true;
-                }
-            }
-            // An in-place node inherits the block; it is freed when the node dies.
         }
-        plan.compute_bytes = compute.high_water;
-        plan
     }
-
-    /// Checks that no two compute tensors with overlapping lifetimes share bytes, except a node
-    /// and the source it was computed in place of.
-    pub fn verify(&self, graph: &Graph) -> std::result::Result<(), String> {
-        let mut live: Vec<(usize, usize, usize, usize, usize)> = Vec::new(); // (def, end, off, size, id)
-        for (i, t) in graph.tensors().iter().enumerate() {
-            if t.root.index() != i {
-                continue;
-            }
-            if let Some((Region::Compute, off)) = self.slots[i] {
-                let (def, end) = self.lifetimes[i];
-                live.push((def, end, off, root_bytes(graph, TensorId(i as u32)), i));
-            }
-        }
-        let chained = |a: usize, b: usize| {
-            let follows = |x: usize, y: usize| {
-                let mut cur = self.inplace_of[x];
-                while let Some(c) = cur {
-                    if c.index() == y {
-                        return true;
-                    }
-                    cur = self.inplace_of[c.index()];
-                }
-                false
-            };
-            follows(a, b) || follows(b, a)
-        };
-        for (k, a) in live.iter().enumerate() {
-            for b in &live[k + 1..] {
-                let time = a.0 <= b.1 && b.0 <= a.1;
-                let space = a.2 < b.2 + b.3 && b.2 < a.2 + a.3;
-                if time && space && !chained(a.4, b.4) {
-                    return Err(format!(
-                        "tensors {} and {} are live together and overlap: [{}, +{}) and [{}, +{})",
-                        a.4, b.4, a.2, a.3, b.2, b.3
-                    ));
-                }
-            }
-        }
-        Ok(())
+    if plan
+        .offsets
+        .iter()
+        .zip(items)
+        .any(|(o, it)| o + it.size > plan.bytes)
+    {
+        return Err("an item lies beyond the planned size".into());
     }
+    Ok(())
 }
 
-/// The source node `i` may overwrite: an element-wise op's first source that is a compute root,
-/// dies at `i`, is not an output, and has the same dtype and contiguous layout as the node.
-fn inplace_source(
-    graph: &Graph,
-    i: usize,
-    last_use: &[usize],
-    pinned: &[bool],
-    plan: &AllocPlan,
-) -> Option<TensorId> {
-    let t = &graph.tensors()[i];
-    if !t.op.can_inplace() {
-        return None;
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(size: usize, def: usize, last: usize) -> Item {
+        Item {
+            size,
+            def,
+            last,
+            pinned: false,
+            inplace_of: None,
+        }
     }
-    let src = *t.srcs.first()?;
-    let s = graph.tensor(src);
-    let ok = s.root == src
-        && !pinned[src.index()]
-        && last_use[src.index()] == i
-        && matches!(plan.slots[src.index()], Some((Region::Compute, _)))
-        && s.dtype == t.dtype
-        && s.layout == t.layout
-        // No other source of this node may alias the memory being overwritten.
-        && t.srcs[1..].iter().all(|o| graph.tensor(*o).root != src);
-    ok.then_some(src)
+
+    #[test]
+    fn dead_blocks_are_reused_and_live_ones_are_not() {
+        let items = vec![item(64, 0, 1), item(64, 1, 2), item(64, 2, 3)];
+        let p = plan_items(&items);
+        verify_items(&items, &p).unwrap();
+        assert_eq!(
+            p.offsets[2], p.offsets[0],
+            "item 0 died at 1, so item 2 reuses it"
+        );
+        assert_eq!(p.bytes, 128);
+    }
+
+    #[test]
+    fn in_place_takes_over_a_source_that_dies_here() {
+        let mut b = item(64, 1, 2);
+        b.inplace_of = Some(0);
+        let items = vec![item(64, 0, 1), b];
+        let p = plan_items(&items);
+        verify_items(&items, &p).unwrap();
+        assert!(p.took_over[1]);
+        assert_eq!((p.offsets[1], p.bytes), (0, 64));
+    }
+
+    #[test]
+    fn in_place_is_refused_when_the_source_lives_on() {
+        let mut b = item(64, 1, 2);
+        b.inplace_of = Some(0);
+        let items = vec![item(64, 0, 3), b];
+        let p = plan_items(&items);
+        verify_items(&items, &p).unwrap();
+        assert!(!p.took_over[1]);
+    }
+
+    #[test]
+    fn pinned_items_are_never_reused() {
+        let mut a = item(64, 0, 0);
+        a.pinned = true;
+        let items = vec![a, item(64, 1, 1)];
+        let p = plan_items(&items);
+        verify_items(&items, &p).unwrap();
+        assert_ne!(p.offsets[0], p.offsets[1]);
+    }
 }

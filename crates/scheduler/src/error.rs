@@ -19,6 +19,10 @@ pub enum Error {
     },
     #[error("{0}")]
     Unsupported(String),
+    #[error("placement: {0}")]
+    Placement(String),
+    #[error("unexpected graph re-allocation: {0}")]
+    Realloc(String),
     #[error("unknown sync policy `{0}` (expected stock, relaxed or staged)")]
     UnknownPolicy(String),
 }

@@ -1,33 +1,43 @@
-//! A compiled plan: one graph placed on one backend, allocated once, run step after step.
+//! A compiled plan: one graph placed on a context's backends, split, allocated once, and run
+//! step after step under a [`SyncPolicy`].
 //!
-//! Why: graph reuse (ARCHITECTURE §4.5) — a graph of a given shape is placed, allocated and
-//! resolved to buffers once; a step then only writes inputs, queues the kernels and, when the
-//! caller asks, reads outputs.
+//! Why: graph reuse (ARCHITECTURE §4.5) — a graph of a given shape is placed, split and
+//! resolved to memory once; a step then only writes inputs, moves what crosses backends, queues
+//! the kernels, and, when the caller asks, reads outputs. The compute loop is where host waits
+//! happen, so it follows ggml's rules (W0–W6, `ggml-mechanisms.md` §2) step for step under
+//! `stock` and removes them under `relaxed` and `staged`.
 //!
-//! Strategy: compile checks every op against the backend, plans memory ([`AllocPlan`]),
-//! allocates four buffers (weights, persistent state, the input arena, compute), uploads the
-//! weights, and resolves every compute node to buffer offsets ([`ExecGraph`]). The host keeps a
-//! pack buffer that mirrors the input arena; `set_input` copies the caller's bytes into it (the
-//! one host-side copy). `compute` feeds the arena under the plan's [`SyncPolicy`]:
-//! - `stock`: per input, `synchronize` then a blocking `set_tensor` (ggml's W1 + W2);
-//! - `relaxed`: `synchronize`, one `set_tensor_async` per input, `synchronize` (saaasg);
-//! - `staged`: one `set_tensor_async_staged` of the whole arena, no host wait.
+//! Strategy: each split owns an input arena on its backend holding its user inputs
+//! contiguously (times `n_copies`), and receives its foreign inputs into scratch copies. The host
+//! keeps one pack mirroring every arena, so `set_input` is the one host-side copy and a staged
+//! split writes its whole arena with a single `set_tensor_async_staged`. Per split and step:
+//! - `stock`: [W0] a split with no inputs after another backend's split waits for that backend;
+//!   [W1+W2] per user input, synchronize then a blocking write; [W3] per foreign input,
+//!   synchronize (an event wait with `n_copies > 1`), then `cpy_tensor_async`, or [W4–W6] sync the
+//!   source, sync the split's backend, blocking copy.
+//! - `relaxed` (#20793, "saaasg"): synchronize, queue every write and copy, synchronize, graph.
+//! - `staged`: one staged arena write; foreign inputs by `cpy_tensor_async` (the destination
+//!   waits device-side) or, when the destination is the host, one blocking read; invariant 4 by
+//!   a device-side event wait. No host wait until the caller reads an output.
 //!
 //! A backend without the capability a policy needs gets the stock path (invariant 5).
 //!
-//! Invariants: the caller may overwrite its input buffer as soon as `set_input` returns, and
-//! the pack as soon as `compute` returns (staged: copied by the backend; relaxed: the second
-//! synchronize; stock: blocking writes) — invariant 1.
+//! Invariants: the caller may reuse its input memory when `set_input` returns and the pack when
+//! `compute` returns (invariant 1); every copy is ordered after its source's producer
+//! (invariant 2); sources of copies are not reused before the copy (invariant 3, by liveness and
+//! by copies from host memory being staged at call time).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use lowsync_backend::{Backend, BufferId, BufferUsage, ExecGraph, ExecNode, TensorRef};
-use lowsync_graph::{DType, Graph, TensorId};
+use lowsync_backend::{Backend, BufferId, BufferUsage, Event, ExecGraph, ExecNode, TensorRef};
+use lowsync_graph::{DType, Graph, Op};
 
-use crate::alloc::{AllocPlan, Region};
+use crate::alloc::align;
+use crate::analysis::{Analysis, ItemKey};
 use crate::error::{Error, Result};
 use crate::policy::SyncPolicy;
+use crate::sched::{LeafHome, Sched};
 
 /// A host-written input of a plan.
 #[derive(Clone, Debug)]
@@ -35,169 +45,370 @@ pub struct InputSlot {
     pub name: String,
     pub dtype: DType,
     pub shape: Vec<usize>,
-    /// Byte offset in the input arena (and the host pack).
+    /// Byte offset of the canonical copy in the host pack.
     pub offset: usize,
     pub nbytes: usize,
+    /// Further pack offsets (other splits reading the same input), refreshed each step.
+    pub mirrors: Vec<usize>,
 }
 
 /// A readable output of a plan.
 #[derive(Clone, Debug)]
 pub struct OutputSlot {
     pub name: String,
+    /// The backend holding it; `None` for an output that is a user input (read from the pack).
+    pub backend: Option<usize>,
     pub tensor: TensorRef,
 }
 
-/// A graph compiled for one backend.
+/// A foreign input of a split: `len` bytes from `src` on backend `src_backend` into the
+/// split's scratch copy.
+#[derive(Clone, Debug)]
+struct ForeignCopy {
+    src_backend: usize,
+    src: (BufferId, usize),
+    /// Per copy index.
+    dst: Vec<(BufferId, usize)>,
+    len: usize,
+}
+
+/// One split, resolved.
+struct SplitExec {
+    backend: usize,
+    /// Per copy index.
+    exec: Vec<Arc<ExecGraph>>,
+    /// The input arena: buffer, per-copy base offsets, the pack range it mirrors, and each
+    /// user input's (offset in the arena, bytes).
+    arena: Option<(BufferId, Vec<usize>, std::ops::Range<usize>)>,
+    user_inputs: Vec<(usize, usize)>,
+    foreign: Vec<ForeignCopy>,
+    /// Per copy index, when the backend has events.
+    events: Vec<Option<Arc<dyn Event>>>,
+}
+
+impl SplitExec {
+    fn has_inputs(&self) -> bool {
+        !self.user_inputs.is_empty() || !self.foreign.is_empty()
+    }
+}
+
+/// A graph compiled for a context.
 pub struct Plan {
-    backend: Arc<dyn Backend>,
-    policy: SyncPolicy,
-    exec: Arc<ExecGraph>,
+    sched: Arc<Sched>,
+    splits: Vec<SplitExec>,
     inputs: Vec<InputSlot>,
     input_index: HashMap<String, usize>,
     outputs: Vec<OutputSlot>,
     output_index: HashMap<String, usize>,
-    buffers: Vec<BufferId>,
-    arena: Option<BufferId>,
-    /// Host mirror of the input arena.
+    /// Buffers this plan owns (arenas, outputs): (backend, buffer).
+    own_buffers: Vec<(usize, BufferId)>,
     pack: Vec<u8>,
+    next_copy: usize,
     n_nodes: usize,
     n_leafs: usize,
+    placement: Vec<usize>,
 }
 
-fn region_usage(r: Region) -> BufferUsage {
-    match r {
-        Region::Weights => BufferUsage::Weights,
-        Region::Persistent => BufferUsage::Persistent,
-        Region::Inputs => BufferUsage::Inputs,
-        Region::Compute => BufferUsage::Compute,
-    }
-}
-
-fn node_name(g: &Graph, id: TensorId) -> String {
-    let t = g.tensor(id);
+fn node_name(g: &Graph, i: usize) -> String {
+    let t = &g.tensors()[i];
     t.name
         .clone()
-        .unwrap_or_else(|| format!("{}#{}", t.op.name(), id.0))
-}
-
-/// Checks that `backend` runs every op of `graph`; the error names the first op it cannot.
-pub fn check_support(graph: &Graph, backend: &dyn Backend) -> Result<()> {
-    for (i, t) in graph.tensors().iter().enumerate() {
-        let srcs: Vec<DType> = t.srcs.iter().map(|s| graph.tensor(*s).dtype).collect();
-        if !backend.supports_op(&t.op, t.dtype, &srcs) {
-            return Err(Error::NoBackend {
-                op: t.op.name(),
-                node: node_name(graph, TensorId(i as u32)),
-                dtype: t.dtype,
-                srcs: format!("{srcs:?}"),
-                backends: backend.name().to_string(),
-            });
-        }
-    }
-    Ok(())
+        .unwrap_or_else(|| format!("{}#{i}", t.op.name()))
 }
 
 impl Plan {
-    /// Compiles `graph` for `backend`: checks ops, plans and allocates memory, uploads weights.
+    /// Compiles `graph` for a single backend (a one-backend context).
     pub fn compile(graph: &Graph, backend: Arc<dyn Backend>, policy: SyncPolicy) -> Result<Plan> {
-        if graph.outputs().is_empty() {
-            return Err(lowsync_graph::Error::NoOutputs.into());
-        }
-        check_support(graph, &*backend)?;
-        let alloc = AllocPlan::plan(graph);
-        let regions = [
-            (Region::Weights, alloc.weights_bytes),
-            (Region::Persistent, alloc.persistent_bytes),
-            (Region::Inputs, alloc.inputs_bytes),
-            (Region::Compute, alloc.compute_bytes),
-        ];
-        let mut buffers = Vec::new();
-        let mut region_buf: HashMap<Region, BufferId> = HashMap::new();
-        let used = |r: Region| alloc.slots.iter().flatten().any(|(region, _)| *region == r);
-        for (r, bytes) in regions {
-            // A region holding only empty tensors still gets a (minimal) buffer to point at.
-            if bytes > 0 || used(r) {
-                let id = backend.alloc_buffer(bytes, region_usage(r))?;
-                buffers.push(id);
-                region_buf.insert(r, id);
-            }
-        }
-        let mut plan = Plan {
-            backend,
-            policy,
-            exec: Arc::new(ExecGraph::default()),
-            inputs: Vec::new(),
-            input_index: HashMap::new(),
-            outputs: Vec::new(),
-            output_index: HashMap::new(),
-            buffers,
-            arena: region_buf.get(&Region::Inputs).copied(),
-            pack: vec![0; alloc.inputs_bytes],
-            n_nodes: graph.n_nodes(),
-            n_leafs: graph.n_leafs(),
-        };
-        let tref = |id: TensorId| -> TensorRef {
-            let t = graph.tensor(id);
-            let (region, off) = alloc.slots[t.root.index()].expect("every root is planned");
-            TensorRef {
-                buffer: region_buf[&region],
-                byte_offset: off + t.layout.offset * t.dtype.size_bytes(),
-                dtype: t.dtype,
-                shape: t.layout.shape.clone(),
-                strides: t.layout.strides.clone(),
-            }
-        };
-        let mut nodes = Vec::new();
-        for (i, t) in graph.tensors().iter().enumerate() {
-            if t.op.is_leaf() || t.op.is_view() {
-                continue;
-            }
-            let id = TensorId(i as u32);
-            nodes.push(ExecNode {
-                op: t.op,
-                name: node_name(graph, id),
-                dst: tref(id),
-                srcs: t.srcs.iter().map(|s| tref(*s)).collect(),
-            });
-        }
-        plan.exec = Arc::new(ExecGraph { nodes });
-        for (id, t) in graph.inputs() {
-            let r = tref(id);
-            plan.input_index
-                .insert(t.name.clone().unwrap_or_default(), plan.inputs.len());
-            plan.inputs.push(InputSlot {
-                name: t.name.clone().unwrap_or_default(),
-                dtype: t.dtype,
-                shape: t.layout.shape.clone(),
-                offset: r.byte_offset,
-                nbytes: t.nbytes(),
-            });
-        }
-        for (name, id) in graph.outputs() {
-            plan.output_index.insert(name.clone(), plan.outputs.len());
-            plan.outputs.push(OutputSlot {
-                name: name.clone(),
-                tensor: tref(*id),
-            });
-        }
-        for (id, w) in graph.weights() {
-            let r = tref(*id);
-            plan.backend.set_tensor(r.buffer, r.byte_offset, &w.bytes)?;
-        }
-        Ok(plan)
+        Sched::new(vec![backend], policy, 1)?.compile(graph)
     }
 
-    /// The backend the plan runs on.
+    pub(crate) fn build(
+        sched: Arc<Sched>,
+        graph: &Graph,
+        a: Analysis,
+        compute: &[Option<BufferId>],
+        leaves: HashMap<usize, LeafHome>,
+    ) -> Result<Plan> {
+        let ts = graph.tensors();
+        let backends = sched.backends().to_vec();
+        let n_copies = sched.n_copies();
+        let mut own_buffers: Vec<(usize, BufferId)> = Vec::new();
+
+        // Outputs: each backend's output roots packed in a buffer of the plan's own.
+        let mut out_off: HashMap<usize, usize> = HashMap::new();
+        let mut out_bytes = vec![0usize; backends.len()];
+        for (r, &is_out) in a.output_roots.iter().enumerate() {
+            if is_out {
+                let b = a.placement[r];
+                out_off.insert(r, out_bytes[b]);
+                out_bytes[b] += align(a.extent_bytes[r]);
+            }
+        }
+        let mut out_buf: Vec<Option<BufferId>> = vec![None; backends.len()];
+        for (b, &bytes) in out_bytes.iter().enumerate() {
+            if a.output_roots
+                .iter()
+                .enumerate()
+                .any(|(r, &o)| o && a.placement[r] == b)
+            {
+                let id = backends[b].alloc_buffer(bytes, BufferUsage::Compute)?;
+                own_buffers.push((b, id));
+                out_buf[b] = Some(id);
+            }
+        }
+
+        // Input arenas: per split, its user inputs packed; the pack mirrors all arenas.
+        let mut pack_len = 0usize;
+        let mut arena_layout: Vec<Vec<(usize, usize, usize)>> = Vec::new(); // (root, offset, bytes)
+        let mut arena_bytes: Vec<usize> = Vec::new();
+        let mut pack_base: Vec<usize> = Vec::new();
+        for sp in &a.splits {
+            let mut off = 0;
+            let mut lay = Vec::new();
+            for &r in &sp.user_inputs {
+                let bytes = a.extent_bytes[r];
+                lay.push((r, off, bytes));
+                off += align(bytes);
+            }
+            pack_base.push(pack_len);
+            pack_len += off;
+            arena_layout.push(lay);
+            arena_bytes.push(off);
+        }
+        let mut arena_buf_per_backend: Vec<usize> = vec![0; backends.len()];
+        let mut arena_base: Vec<Vec<usize>> = Vec::new();
+        for (s, sp) in a.splits.iter().enumerate() {
+            let mut bases = Vec::new();
+            for _ in 0..n_copies {
+                bases.push(arena_buf_per_backend[sp.backend]);
+                arena_buf_per_backend[sp.backend] += arena_bytes[s];
+            }
+            arena_base.push(bases);
+        }
+        let mut arena_buf: Vec<Option<BufferId>> = vec![None; backends.len()];
+        for (b, &bytes) in arena_buf_per_backend.iter().enumerate() {
+            if bytes > 0 {
+                let id = backends[b].alloc_buffer(bytes, BufferUsage::Inputs)?;
+                own_buffers.push((b, id));
+                arena_buf[b] = Some(id);
+            }
+        }
+
+        // Where each root lives, seen from split `s`, copy `c`.
+        let missing =
+            |what: &str| Error::Unsupported(format!("internal: no memory planned for {what}"));
+        let home = |r: usize| -> Result<(BufferId, usize)> {
+            let t = &ts[r];
+            let b = a.placement[r];
+            match t.op {
+                Op::Weight | Op::Persistent => leaves
+                    .get(&r)
+                    .map(|h| (h.buffer, 0))
+                    .ok_or_else(|| missing("a leaf")),
+                _ if a.output_roots[r] => {
+                    Ok((out_buf[b].ok_or_else(|| missing("outputs"))?, out_off[&r]))
+                }
+                _ => {
+                    let off = a.per_backend[b]
+                        .offset(ItemKey::Node(r))
+                        .ok_or_else(|| missing("a node"))?;
+                    Ok((compute[b].ok_or_else(|| missing("scratch"))?, off))
+                }
+            }
+        };
+        let locate = |s: usize, c: usize, r: usize| -> Result<(BufferId, usize)> {
+            let sp = &a.splits[s];
+            if ts[r].op == Op::Input {
+                let (_, off, _) = arena_layout[s]
+                    .iter()
+                    .find(|(x, _, _)| *x == r)
+                    .ok_or_else(|| missing("an input"))?;
+                return Ok((
+                    arena_buf[sp.backend].ok_or_else(|| missing("an arena"))?,
+                    arena_base[s][c] + off,
+                ));
+            }
+            if a.placement[r] != sp.backend {
+                let key = ItemKey::Copy {
+                    split: s,
+                    root: r,
+                    copy: c,
+                };
+                let off = a.per_backend[sp.backend]
+                    .offset(key)
+                    .ok_or_else(|| missing("a copy"))?;
+                return Ok((compute[sp.backend].ok_or_else(|| missing("scratch"))?, off));
+            }
+            home(r)
+        };
+        let tref = |base: (BufferId, usize), t: usize| -> TensorRef {
+            let info = &ts[t];
+            TensorRef {
+                buffer: base.0,
+                byte_offset: base.1 + info.layout.offset * info.dtype.size_bytes(),
+                dtype: info.dtype,
+                shape: info.layout.shape.clone(),
+                strides: info.layout.strides.clone(),
+            }
+        };
+
+        let mut splits = Vec::new();
+        for (s, sp) in a.splits.iter().enumerate() {
+            let be = &backends[sp.backend];
+            let mut exec = Vec::new();
+            for c in 0..n_copies {
+                let mut nodes = Vec::with_capacity(sp.nodes.len());
+                for &j in &sp.nodes {
+                    let t = &ts[j];
+                    let dst = tref(locate(s, c, t.root.index())?, j);
+                    let mut srcs = Vec::with_capacity(t.srcs.len());
+                    for src in &t.srcs {
+                        srcs.push(tref(
+                            locate(s, c, ts[src.index()].root.index())?,
+                            src.index(),
+                        ));
+                    }
+                    nodes.push(ExecNode {
+                        op: t.op,
+                        name: node_name(graph, j),
+                        dst,
+                        srcs,
+                    });
+                }
+                exec.push(Arc::new(ExecGraph { nodes }));
+            }
+            let mut foreign = Vec::new();
+            for &r in &sp.foreign {
+                let src = home(r)?;
+                let dst = (0..n_copies)
+                    .map(|c| locate(s, c, r))
+                    .collect::<Result<Vec<_>>>()?;
+                foreign.push(ForeignCopy {
+                    src_backend: a.placement[r],
+                    src,
+                    dst,
+                    len: a.extent_bytes[r],
+                });
+            }
+            let arena = arena_buf[sp.backend]
+                .filter(|_| arena_bytes[s] > 0)
+                .map(|id| {
+                    (
+                        id,
+                        arena_base[s].clone(),
+                        pack_base[s]..pack_base[s] + arena_bytes[s],
+                    )
+                });
+            let user_inputs = arena_layout[s]
+                .iter()
+                .map(|&(_, off, bytes)| (off, bytes))
+                .collect();
+            let events = (0..n_copies)
+                .map(|_| {
+                    if be.caps().events {
+                        be.event_new().map(Some)
+                    } else {
+                        Ok(None)
+                    }
+                })
+                .collect::<lowsync_backend::Result<Vec<_>>>()?;
+            splits.push(SplitExec {
+                backend: sp.backend,
+                exec,
+                arena,
+                user_inputs,
+                foreign,
+                events,
+            });
+        }
+
+        // Inputs: the first split that reads an input holds its canonical pack slot.
+        let mut inputs = Vec::new();
+        let mut input_index = HashMap::new();
+        for (id, t) in graph.inputs() {
+            let r = id.index();
+            let mut slots = a.splits.iter().enumerate().filter_map(|(s, _)| {
+                arena_layout[s]
+                    .iter()
+                    .find(|(x, _, _)| *x == r)
+                    .map(|(_, off, _)| pack_base[s] + off)
+            });
+            let name = t.name.clone().unwrap_or_default();
+            let Some(offset) = slots.next() else {
+                // An input no node reads: keep it settable (a pack slot of its own).
+                let off = pack_len;
+                pack_len += align(t.nbytes());
+                input_index.insert(name.clone(), inputs.len());
+                inputs.push(InputSlot {
+                    name,
+                    dtype: t.dtype,
+                    shape: t.layout.shape.clone(),
+                    offset: off,
+                    nbytes: t.nbytes(),
+                    mirrors: vec![],
+                });
+                continue;
+            };
+            input_index.insert(name.clone(), inputs.len());
+            inputs.push(InputSlot {
+                name,
+                dtype: t.dtype,
+                shape: t.layout.shape.clone(),
+                offset,
+                nbytes: t.nbytes(),
+                mirrors: slots.collect(),
+            });
+        }
+
+        let mut outputs = Vec::new();
+        let mut output_index = HashMap::new();
+        for (name, id) in graph.outputs() {
+            let r = ts[id.index()].root.index();
+            let slot = if ts[r].op == Op::Input {
+                let off = inputs[input_index[ts[r].name.as_deref().unwrap_or_default()]].offset;
+                OutputSlot {
+                    name: name.clone(),
+                    backend: None,
+                    tensor: tref((BufferId(0), off), id.index()),
+                }
+            } else {
+                OutputSlot {
+                    name: name.clone(),
+                    backend: Some(a.placement[r]),
+                    tensor: tref(home(r)?, id.index()),
+                }
+            };
+            output_index.insert(name.clone(), outputs.len());
+            outputs.push(slot);
+        }
+
+        Ok(Plan {
+            sched,
+            splits,
+            inputs,
+            input_index,
+            outputs,
+            output_index,
+            own_buffers,
+            pack: vec![0; pack_len],
+            next_copy: 0,
+            n_nodes: graph.n_nodes(),
+            n_leafs: graph.n_leafs(),
+            placement: a.placement,
+        })
+    }
+
+    /// The first backend of the plan's context.
     pub fn backend(&self) -> &Arc<dyn Backend> {
-        &self.backend
+        &self.sched.backends()[0]
+    }
+    /// The context's scheduler.
+    pub fn sched(&self) -> &Arc<Sched> {
+        &self.sched
     }
     /// The plan's policy.
     pub fn policy(&self) -> SyncPolicy {
-        self.policy
-    }
-    /// The resolved kernels.
-    pub fn exec_graph(&self) -> &Arc<ExecGraph> {
-        &self.exec
+        self.sched.policy()
     }
     /// Host-written inputs.
     pub fn inputs(&self) -> &[InputSlot] {
@@ -214,6 +425,26 @@ impl Plan {
     /// Leaf count of the compiled graph.
     pub fn n_leafs(&self) -> usize {
         self.n_leafs
+    }
+    /// Number of splits.
+    pub fn n_splits(&self) -> usize {
+        self.splits.len()
+    }
+    /// The backend index of each split, in order.
+    pub fn split_backends(&self) -> Vec<usize> {
+        self.splits.iter().map(|s| s.backend).collect()
+    }
+    /// The backend index of every tensor of the compiled graph.
+    pub fn placement(&self) -> &[usize] {
+        &self.placement
+    }
+    /// The kernels of split `s` for copy `c`.
+    pub fn exec_graph(&self, s: usize, c: usize) -> &Arc<ExecGraph> {
+        &self.splits[s].exec[c]
+    }
+    /// The copy index the next `compute` uses.
+    pub fn next_copy(&self) -> usize {
+        self.next_copy
     }
 
     /// The input called `name`.
@@ -263,50 +494,110 @@ impl Plan {
         Ok(&mut self.pack[off..off + n])
     }
 
-    /// Queues one step: feeds the inputs under the policy, then the graph.
+    /// Queues one step: every split's inputs under the policy, then its graph.
     pub fn compute(&mut self) -> Result<()> {
-        let caps = self.backend.caps();
-        let be = &*self.backend;
-        if let Some(arena) = self.arena {
-            match self.policy {
-                SyncPolicy::Staged if caps.set_tensor_async_staged => {
-                    be.set_tensor_async_staged(arena, 0, &self.pack)?;
+        let c = self.next_copy;
+        self.next_copy = (c + 1) % self.sched.n_copies();
+        for slot in &self.inputs {
+            for &m in &slot.mirrors {
+                self.pack
+                    .copy_within(slot.offset..slot.offset + slot.nbytes, m);
+            }
+        }
+        let backends = self.sched.backends();
+        let pipelined = self.sched.n_copies() > 1;
+        for s in 0..self.splits.len() {
+            let sp = &self.splits[s];
+            let be = &*backends[sp.backend];
+            let caps = be.caps();
+            let policy = match self.sched.policy() {
+                SyncPolicy::Staged if caps.set_tensor_async_staged => SyncPolicy::Staged,
+                SyncPolicy::Relaxed if caps.set_tensor_async => SyncPolicy::Relaxed,
+                _ => SyncPolicy::Stock,
+            };
+            // W0 (invariant 4): a split with no inputs must not overlap the previous split of
+            // another backend.
+            if !sp.has_inputs() && s > 0 && self.splits[s - 1].backend != sp.backend {
+                let prev = &self.splits[s - 1];
+                match (&prev.events[c], policy) {
+                    (Some(ev), SyncPolicy::Staged) if caps.events => be.event_wait(ev)?,
+                    _ => backends[prev.backend].synchronize()?,
                 }
-                SyncPolicy::Relaxed if caps.set_tensor_async => {
+            }
+            match policy {
+                SyncPolicy::Stock => {
+                    if let Some((arena, bases, range)) = &sp.arena {
+                        for &(off, bytes) in &sp.user_inputs {
+                            // W1: the previous evaluation may still read this copy.
+                            match &sp.events[c] {
+                                Some(ev) if pipelined => ev.synchronize()?,
+                                _ => be.synchronize()?,
+                            }
+                            // W2: a blocking write.
+                            let p = range.start + off;
+                            be.set_tensor(*arena, bases[c] + off, &self.pack[p..p + bytes])?;
+                        }
+                    }
+                    for f in &sp.foreign {
+                        // W3
+                        match &sp.events[c] {
+                            Some(ev) if pipelined => be.event_wait(ev)?,
+                            _ => be.synchronize()?,
+                        }
+                        copy_foreign(backends, sp.backend, f, c, CopyFallback::Stock)?;
+                    }
+                }
+                SyncPolicy::Relaxed => {
                     be.synchronize()?;
-                    for s in &self.inputs {
-                        // SAFETY: the pack is neither freed nor written until the synchronize
-                        // below returns (`&mut self` is held for the whole call).
-                        unsafe {
-                            be.set_tensor_async(
-                                arena,
-                                s.offset,
-                                self.pack[s.offset..].as_ptr(),
-                                s.nbytes,
-                            )?
-                        };
+                    if let Some((arena, bases, range)) = &sp.arena {
+                        for &(off, bytes) in &sp.user_inputs {
+                            let p = range.start + off;
+                            // SAFETY: the pack is neither freed nor written until the
+                            // synchronize below returns (`&mut self` is held for the call).
+                            unsafe {
+                                be.set_tensor_async(
+                                    *arena,
+                                    bases[c] + off,
+                                    self.pack[p..].as_ptr(),
+                                    bytes,
+                                )?
+                            };
+                        }
+                    }
+                    for f in &sp.foreign {
+                        copy_foreign(backends, sp.backend, f, c, CopyFallback::Stock)?;
                     }
                     be.synchronize()?;
                 }
-                _ => {
-                    for s in &self.inputs {
-                        be.synchronize()?;
-                        be.set_tensor(arena, s.offset, &self.pack[s.offset..s.offset + s.nbytes])?;
+                SyncPolicy::Staged => {
+                    if let Some((arena, bases, range)) = &sp.arena {
+                        be.set_tensor_async_staged(*arena, bases[c], &self.pack[range.clone()])?;
+                    }
+                    for f in &sp.foreign {
+                        copy_foreign(backends, sp.backend, f, c, CopyFallback::Staged)?;
                     }
                 }
             }
+            be.graph_compute_async(&sp.exec[c])?;
+            if let Some(ev) = &sp.events[c] {
+                be.event_record(ev)?;
+            }
         }
-        be.graph_compute_async(&self.exec)?;
         Ok(())
     }
 
     /// Waits for queued work and reads an output as contiguous row-major bytes.
     pub fn get_output(&self, name: &str) -> Result<Vec<u8>> {
-        let t = &self.output(name)?.tensor;
+        let slot = self.output(name)?;
+        let t = &slot.tensor;
         let esize = t.dtype.size_bytes();
         let mut raw = vec![0u8; t.byte_extent()];
-        if !raw.is_empty() {
-            self.backend.get_tensor(t.buffer, t.byte_offset, &mut raw)?;
+        match slot.backend {
+            Some(b) if !raw.is_empty() => {
+                self.sched.backends()[b].get_tensor(t.buffer, t.byte_offset, &mut raw)?
+            }
+            Some(_) => {}
+            None => raw.copy_from_slice(&self.pack[t.byte_offset..t.byte_offset + t.byte_extent()]),
         }
         if t.is_contiguous() {
             return Ok(raw);
@@ -334,16 +625,96 @@ impl Plan {
         Ok(out)
     }
 
-    /// Waits for all queued work.
-    pub fn synchronize(&self) -> Result<()> {
-        Ok(self.backend.synchronize()?)
+    /// Waits for all queued work of the context; the next evaluation uses copy 0 again.
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.sched.synchronize()?;
+        self.next_copy = 0;
+        Ok(())
     }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum CopyFallback {
+    /// W4 sync the source, W5 sync the destination, W6 blocking copy.
+    Stock,
+    /// One blocking transfer (ordered after the source's queued work), no extra syncs.
+    Staged,
+}
+
+/// Moves one foreign input into split backend `dst_b`'s copy `c`.
+fn copy_foreign(
+    backends: &[Arc<dyn Backend>],
+    dst_b: usize,
+    f: &ForeignCopy,
+    c: usize,
+    fallback: CopyFallback,
+) -> Result<()> {
+    let (src_be, dst_be) = (&*backends[f.src_backend], &*backends[dst_b]);
+    let (dst, dst_off) = f.dst[c];
+    if f.len == 0 {
+        return Ok(());
+    }
+    if dst_be.cpy_tensor_async(src_be, f.src.0, f.src.1, dst, dst_off, f.len)? {
+        return Ok(());
+    }
+    if fallback == CopyFallback::Stock {
+        src_be.synchronize()?; // W4
+        dst_be.synchronize()?; // W5
+    }
+    // W6 (or the staged path's single transfer).
+    if let Some(p) = dst_be.buffer_host_ptr(dst) {
+        let size = dst_be.buffer_size(dst)?;
+        if dst_off + f.len > size {
+            return Err(lowsync_backend::Error::OutOfBounds {
+                buffer: dst.0,
+                offset: dst_off,
+                len: f.len,
+                size,
+            }
+            .into());
+        }
+        // SAFETY: in bounds (checked); the destination backend is the synchronous host, so
+        // nothing else touches this memory during the call.
+        let out = unsafe { std::slice::from_raw_parts_mut(p.as_ptr().add(dst_off), f.len) };
+        src_be.get_tensor(f.src.0, f.src.1, out)?;
+        return Ok(());
+    }
+    if let Some(p) = src_be.buffer_host_ptr(f.src.0) {
+        let size = src_be.buffer_size(f.src.0)?;
+        if f.src.1 + f.len > size {
+            return Err(lowsync_backend::Error::OutOfBounds {
+                buffer: f.src.0 .0,
+                offset: f.src.1,
+                len: f.len,
+                size,
+            }
+            .into());
+        }
+        // SAFETY: in bounds (checked); the source is host memory of a synchronous backend.
+        let data = unsafe { std::slice::from_raw_parts(p.as_ptr().add(f.src.1), f.len) };
+        return match fallback {
+            CopyFallback::Stock => Ok(dst_be.set_tensor(dst, dst_off, data)?),
+            CopyFallback::Staged if dst_be.caps().set_tensor_async_staged => {
+                Ok(dst_be.set_tensor_async_staged(dst, dst_off, data)?)
+            }
+            CopyFallback::Staged => Ok(dst_be.set_tensor(dst, dst_off, data)?),
+        };
+    }
+    let mut tmp = vec![0u8; f.len];
+    src_be.get_tensor(f.src.0, f.src.1, &mut tmp)?;
+    match fallback {
+        CopyFallback::Staged if dst_be.caps().set_tensor_async_staged => {
+            dst_be.set_tensor_async_staged(dst, dst_off, &tmp)?
+        }
+        _ => dst_be.set_tensor(dst, dst_off, &tmp)?,
+    }
+    Ok(())
 }
 
 impl Drop for Plan {
     fn drop(&mut self) {
-        for b in &self.buffers {
-            self.backend.free_buffer(*b);
+        for (b, id) in &self.own_buffers {
+            self.sched.backends()[*b].free_buffer(*id);
         }
     }
 }

@@ -1,0 +1,397 @@
+//! The scheduler of one context: its backends, its policy, the memory its plans share, and the
+//! worst-case reserve.
+//!
+//! Why: ggml re-reserves a graph whose shape changed and, doing so, can shrink the worst-case
+//! plan to the current state (S2): the next growth then reallocates mid-decode. lowsync keeps the
+//! reserve here, for every plan of the context, and never lets it shrink.
+//!
+//! Strategy: scratch ("compute") memory is one buffer per backend, shared by every plan of the
+//! context and grown only. Weights and persistent tensors are shared by name across plans
+//! (compiling the decode graph after the prefill graph uploads nothing and sees the same KV
+//! cache). The first compile (or an explicit `reserve`) records the worst case: node and leaf
+//! counts, placement, and each tensor's size. A later graph that fits it is planned with the
+//! reserved sizes — the same offsets, no allocation. One that does not fit needs a re-reserve:
+//! every backend is synchronized first, the reserve becomes the element-wise maximum (never
+//! smaller), and each backend's compute buffer is re-allocated (counted by the backend as a
+//! realloc). `LOWSYNC_SCHED_DEBUG_REALLOC=1` turns an unexpected re-reserve (same graph size,
+//! same placement as the previous graph) into an error, `=2` any re-reserve.
+//!
+//! Invariants: buffers never shrink; a re-reserve synchronizes all backends first; a plan's
+//! scratch offsets always lie inside the shared buffers.
+
+use std::collections::HashMap;
+use std::hash::Hasher;
+use std::sync::Arc;
+
+use lowsync_backend::{env, Backend, BufferId, BufferUsage, DeviceKind};
+use lowsync_graph::{DType, Graph, Op};
+use parking_lot::Mutex;
+
+use crate::analysis::{analyze, Analysis};
+use crate::error::{Error, Result};
+use crate::plan::Plan;
+use crate::policy::SyncPolicy;
+
+/// Where a shared weight or persistent tensor lives.
+#[derive(Clone, Debug)]
+pub(crate) struct LeafHome {
+    pub backend: usize,
+    pub buffer: BufferId,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub op: Op,
+    pub fingerprint: u64,
+}
+
+/// The worst case the context is reserved for.
+#[derive(Clone, Debug)]
+struct Reserved {
+    n_nodes: usize,
+    n_leafs: usize,
+    placement: Vec<usize>,
+    sizes: Vec<usize>,
+}
+
+impl Reserved {
+    fn of(graph: &Graph, a: &Analysis) -> Self {
+        Reserved {
+            n_nodes: graph.n_nodes(),
+            n_leafs: graph.n_leafs(),
+            placement: a.placement.clone(),
+            sizes: a.sizes.clone(),
+        }
+    }
+
+    fn same_shape(&self, graph: &Graph, a: &Analysis) -> bool {
+        self.n_nodes == graph.n_nodes()
+            && self.n_leafs == graph.n_leafs()
+            && self.placement == a.placement
+    }
+
+    fn fits(&self, graph: &Graph, a: &Analysis) -> bool {
+        self.same_shape(graph, a) && a.sizes.iter().zip(&self.sizes).all(|(s, r)| s <= r)
+    }
+
+    /// The worst case of both when the shapes match (never smaller); otherwise the new shape.
+    fn merged(&self, graph: &Graph, a: &Analysis) -> Self {
+        let mut r = Reserved::of(graph, a);
+        if self.same_shape(graph, a) {
+            for (s, old) in r.sizes.iter_mut().zip(&self.sizes) {
+                *s = (*s).max(*old);
+            }
+        }
+        r
+    }
+}
+
+#[derive(Default)]
+struct SchedState {
+    /// Per backend: the shared scratch buffer and its size.
+    compute: Vec<Option<(BufferId, usize)>>,
+    reserved: Option<Reserved>,
+    last_graph_size: Option<usize>,
+    leaves: HashMap<String, LeafHome>,
+}
+
+/// A context's scheduler: backends in priority order, a policy, shared memory, the reserve.
+pub struct Sched {
+    backends: Vec<Arc<dyn Backend>>,
+    host: Option<usize>,
+    policy: SyncPolicy,
+    n_copies: usize,
+    debug_realloc: u8,
+    state: Mutex<SchedState>,
+}
+
+/// Reads `LOWSYNC_SCHED_DEBUG_REALLOC` (0, 1 or 2).
+pub fn debug_realloc_from_env() -> Result<u8> {
+    let v = env::choice("LOWSYNC_SCHED_DEBUG_REALLOC", &["0", "1", "2"], "0, 1 or 2")?;
+    Ok(v.map_or(0, |s| s.as_bytes()[0] - b'0'))
+}
+
+fn fingerprint(bytes: &[u8]) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    h.write_usize(bytes.len());
+    h.write(bytes);
+    h.finish()
+}
+
+impl Sched {
+    /// A scheduler over `backends` (priority order). `n_copies` >= 1 input copies per split
+    /// (more than one pipelines successive evaluations). Reads `LOWSYNC_SCHED_DEBUG_REALLOC`.
+    pub fn new(
+        backends: Vec<Arc<dyn Backend>>,
+        policy: SyncPolicy,
+        n_copies: usize,
+    ) -> Result<Arc<Sched>> {
+        Self::with_debug_realloc(backends, policy, n_copies, debug_realloc_from_env()?)
+    }
+
+    /// As [`Sched::new`], with the debug-realloc level given instead of read from the
+    /// environment (0 off, 1 unexpected re-reserves are errors, 2 every re-reserve is).
+    pub fn with_debug_realloc(
+        backends: Vec<Arc<dyn Backend>>,
+        policy: SyncPolicy,
+        n_copies: usize,
+        debug_realloc: u8,
+    ) -> Result<Arc<Sched>> {
+        if debug_realloc > 2 {
+            return Err(Error::Input(format!(
+                "debug-realloc level {debug_realloc} is not 0, 1 or 2"
+            )));
+        }
+        if backends.is_empty() {
+            return Err(Error::Input("a context needs at least one backend".into()));
+        }
+        if n_copies == 0 {
+            return Err(Error::Input("n_copies must be at least 1".into()));
+        }
+        let host = backends
+            .iter()
+            .position(|b| b.device_kind() == DeviceKind::Cpu && b.buffer_type().is_host);
+        let n = backends.len();
+        Ok(Arc::new(Sched {
+            backends,
+            host,
+            policy,
+            n_copies,
+            debug_realloc,
+            state: Mutex::new(SchedState {
+                compute: vec![None; n],
+                ..Default::default()
+            }),
+        }))
+    }
+
+    /// Backends in priority order.
+    pub fn backends(&self) -> &[Arc<dyn Backend>] {
+        &self.backends
+    }
+    /// The policy of plans compiled here.
+    pub fn policy(&self) -> SyncPolicy {
+        self.policy
+    }
+    /// Input copies per split.
+    pub fn n_copies(&self) -> usize {
+        self.n_copies
+    }
+    /// The debug-realloc level in force.
+    pub fn debug_realloc(&self) -> u8 {
+        self.debug_realloc
+    }
+
+    /// Waits for all queued work on every backend.
+    pub fn synchronize(&self) -> Result<()> {
+        for b in &self.backends {
+            b.synchronize()?;
+        }
+        Ok(())
+    }
+
+    fn graph_size(&self, graph: &Graph) -> usize {
+        graph.n_nodes().max(graph.n_leafs()) + graph.inputs().count() * 2 * self.n_copies
+    }
+
+    /// Plans `graph` as the worst case (merged with any earlier reserve) and sizes the shared
+    /// buffers for it. Counts one reserve per buffer allocated.
+    pub fn reserve(&self, graph: &Graph) -> Result<()> {
+        let mut st = self.state.lock();
+        let fresh = analyze(graph, &self.backends, self.host, self.n_copies, None)?;
+        let merged = match &st.reserved {
+            Some(r) => r.merged(graph, &fresh),
+            None => Reserved::of(graph, &fresh),
+        };
+        let a = analyze(
+            graph,
+            &self.backends,
+            self.host,
+            self.n_copies,
+            Some(&merged.sizes),
+        )?;
+        self.grow(&mut st, &a)?;
+        st.reserved = Some(merged);
+        Ok(())
+    }
+
+    /// Places, splits and allocates `graph` once; the returned plan runs it step after step.
+    pub fn compile(self: &Arc<Self>, graph: &Graph) -> Result<Plan> {
+        if graph.outputs().is_empty() {
+            return Err(lowsync_graph::Error::NoOutputs.into());
+        }
+        let mut st = self.state.lock();
+        let fresh = analyze(graph, &self.backends, self.host, self.n_copies, None)?;
+        let graph_size = self.graph_size(graph);
+        let analysis = match st.reserved.clone() {
+            None => {
+                // The first graph is the reserve.
+                self.grow(&mut st, &fresh)?;
+                st.reserved = Some(Reserved::of(graph, &fresh));
+                fresh
+            }
+            Some(r) if r.fits(graph, &fresh) => analyze(
+                graph,
+                &self.backends,
+                self.host,
+                self.n_copies,
+                Some(&r.sizes),
+            )?,
+            Some(r) => {
+                let same_size = st.last_graph_size == Some(graph_size);
+                let same_placement = r.placement == fresh.placement;
+                let why = format!(
+                    "graph of {} nodes / {} leafs does not fit the reserve of {} nodes / {} leafs",
+                    graph.n_nodes(),
+                    graph.n_leafs(),
+                    r.n_nodes,
+                    r.n_leafs
+                );
+                if self.debug_realloc == 2 {
+                    return Err(Error::Realloc(format!(
+                        "{why} (LOWSYNC_SCHED_DEBUG_REALLOC=2 rejects every re-allocation)"
+                    )));
+                }
+                if self.debug_realloc == 1 && same_size && same_placement {
+                    return Err(Error::Realloc(format!(
+                        "{why}; the graph size ({graph_size}) and placement equal the previous graph's, so its shape \
+                         depends on runtime state (LOWSYNC_SCHED_DEBUG_REALLOC=1)"
+                    )));
+                }
+                // A re-reserve: wait for every backend, then never plan smaller than before.
+                self.synchronize()?;
+                let merged = r.merged(graph, &fresh);
+                let a = analyze(
+                    graph,
+                    &self.backends,
+                    self.host,
+                    self.n_copies,
+                    Some(&merged.sizes),
+                )?;
+                self.realloc_all(&mut st, &a)?;
+                st.reserved = Some(merged);
+                a
+            }
+        };
+        self.grow(&mut st, &analysis)?;
+        st.last_graph_size = Some(graph_size);
+        let compute: Vec<Option<BufferId>> =
+            st.compute.iter().map(|c| c.map(|(id, _)| id)).collect();
+        let leaves = self.leaf_homes(&mut st, graph, &analysis)?;
+        drop(st);
+        Plan::build(self.clone(), graph, analysis, &compute, leaves)
+    }
+
+    /// Makes every backend's shared buffer at least as large as `a` needs.
+    fn grow(&self, st: &mut SchedState, a: &Analysis) -> Result<()> {
+        for (b, bi) in a.per_backend.iter().enumerate() {
+            let need = bi.plan.bytes;
+            match st.compute[b] {
+                None if need > 0 || !bi.items.is_empty() => {
+                    let id = self.backends[b].alloc_buffer(need, BufferUsage::Compute)?;
+                    st.compute[b] = Some((id, need));
+                }
+                Some((id, have)) if have < need => {
+                    self.backends[b].realloc_buffer(id, need)?;
+                    st.compute[b] = Some((id, need));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// A re-reserve: every backend with scratch memory re-allocates it (never smaller).
+    fn realloc_all(&self, st: &mut SchedState, a: &Analysis) -> Result<()> {
+        for (b, bi) in a.per_backend.iter().enumerate() {
+            if let Some((id, have)) = st.compute[b] {
+                let size = have.max(bi.plan.bytes);
+                self.backends[b].realloc_buffer(id, size)?;
+                st.compute[b] = Some((id, size));
+            }
+        }
+        Ok(())
+    }
+
+    /// Finds or creates the shared home of every weight and persistent tensor of `graph`.
+    fn leaf_homes(
+        &self,
+        st: &mut SchedState,
+        graph: &Graph,
+        a: &Analysis,
+    ) -> Result<HashMap<usize, LeafHome>> {
+        let weights: HashMap<usize, &lowsync_graph::WeightData> = graph
+            .weights()
+            .iter()
+            .map(|(id, w)| (id.index(), w))
+            .collect();
+        let mut out = HashMap::new();
+        for (i, t) in graph.tensors().iter().enumerate() {
+            if !matches!(t.op, Op::Weight | Op::Persistent) {
+                continue;
+            }
+            let name = t.name.clone().unwrap_or_default();
+            let fp = weights.get(&i).map_or(0, |w| fingerprint(&w.bytes));
+            let b = a.placement[i];
+            let home = match st.leaves.get(&name) {
+                Some(h) => {
+                    if h.op != t.op || h.dtype != t.dtype || h.shape != t.layout.shape {
+                        return Err(Error::Input(format!(
+                            "`{name}` already exists in this context as a {} of shape {:?} and dtype {}; here it is a {} of shape {:?} and dtype {}",
+                            h.op.name(), h.shape, h.dtype, t.op.name(), t.layout.shape, t.dtype
+                        )));
+                    }
+                    if h.backend != b {
+                        return Err(Error::Placement(format!(
+                            "`{name}` lives on `{}` in this context but is placed on `{}` here",
+                            self.backends[h.backend].name(),
+                            self.backends[b].name()
+                        )));
+                    }
+                    if h.fingerprint != fp {
+                        return Err(Error::Input(format!(
+                            "weight `{name}` already exists in this context with other data; use another name or a new context"
+                        )));
+                    }
+                    h.clone()
+                }
+                None => {
+                    let nbytes = t.layout.numel() * t.dtype.size_bytes();
+                    let usage = if t.op == Op::Weight {
+                        BufferUsage::Weights
+                    } else {
+                        BufferUsage::Persistent
+                    };
+                    let buffer = self.backends[b].alloc_buffer(nbytes, usage)?;
+                    if let Some(w) = weights.get(&i) {
+                        self.backends[b].set_tensor(buffer, 0, &w.bytes)?;
+                    }
+                    let h = LeafHome {
+                        backend: b,
+                        buffer,
+                        dtype: t.dtype,
+                        shape: t.layout.shape.clone(),
+                        op: t.op,
+                        fingerprint: fp,
+                    };
+                    st.leaves.insert(name, h.clone());
+                    h
+                }
+            };
+            out.insert(i, home);
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for Sched {
+    fn drop(&mut self) {
+        let st = self.state.get_mut();
+        for (b, c) in st.compute.iter().enumerate() {
+            if let Some((id, _)) = c {
+                self.backends[b].free_buffer(*id);
+            }
+        }
+        for h in st.leaves.values() {
+            self.backends[h.backend].free_buffer(h.buffer);
+        }
+    }
+}
