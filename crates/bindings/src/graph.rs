@@ -127,16 +127,24 @@ impl PyGraph {
         })
     }
 
-    /// Zero-initialised state kept across steps (e.g. a KV cache).
-    #[pyo3(signature = (name, shape, dtype = "f32"))]
+    /// Zero-initialised state kept across steps (e.g. a KV cache), optionally pinned to a
+    /// backend. Plans of one context share persistent tensors by name.
+    #[pyo3(signature = (name, shape, dtype = "f32", backend = None))]
     fn persistent(
         slf: &Bound<'_, Self>,
         name: &str,
         shape: Vec<usize>,
         dtype: &str,
+        backend: Option<String>,
     ) -> PyResult<PyTensor> {
         let dt = parse_dtype(dtype)?;
-        op(slf, |g| g.persistent(name, &shape, dt))
+        op(slf, |g| {
+            let id = g.persistent(name, &shape, dt)?;
+            if let Some(b) = &backend {
+                g.pin(id, b)?;
+            }
+            Ok(id)
+        })
     }
 
     /// Marks `t` as an output readable after a step.

@@ -187,7 +187,12 @@ impl Plan {
         }
         let mut arena_buf: Vec<Option<BufferId>> = vec![None; backends.len()];
         for (b, &bytes) in arena_buf_per_backend.iter().enumerate() {
-            if bytes > 0 {
+            // Inputs of zero elements still need an address to point at.
+            if bytes > 0
+                || a.splits
+                    .iter()
+                    .any(|sp| sp.backend == b && !sp.user_inputs.is_empty())
+            {
                 let id = backends[b].alloc_buffer(bytes, BufferUsage::Inputs)?;
                 own_buffers.push((b, id));
                 arena_buf[b] = Some(id);
