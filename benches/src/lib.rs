@@ -44,10 +44,20 @@ fn weight(g: &mut Graph, name: &str, shape: &[usize], seed: usize) -> TensorId {
         .expect("bench weight")
 }
 
+/// [`llama_shaped`] with the output head (final norm and output projection) pinned to the
+/// backend called `head_backend`: two splits per step, one activation crossing between them.
+pub fn llama_shaped_two_splits(s: Shape, head_backend: &str) -> Graph {
+    build(s, Some(head_backend))
+}
+
 /// One decode step (n_tokens = 1) of a llama-shaped model. Inputs: `tokens`, `pos`, `kv_idx`
 /// (i32 [1]), `kq_mask` (f32 [1, n_ctx]), `out_ids` (i32 [1]), `logit_scale` (f32 [1]).
 /// Output: `next` (i32 [1]), the greedy token.
 pub fn llama_shaped(s: Shape) -> Graph {
+    build(s, None)
+}
+
+fn build(s: Shape, head_backend: Option<&str>) -> Graph {
     let mut g = Graph::new();
     let hd = s.d_model / s.n_heads;
     let kv_d = s.n_kv_heads * hd;
@@ -116,6 +126,10 @@ pub fn llama_shaped(s: Shape) -> Graph {
     }
     let out_norm = weight(&mut g, "output_norm", &[s.d_model], 7);
     let w_out = weight(&mut g, "output", &[s.d_model, s.n_vocab], 9);
+    if let Some(b) = head_backend {
+        g.pin(out_norm, b).unwrap();
+        g.pin(w_out, b).unwrap();
+    }
     let x = g.get_rows(x, out_ids).unwrap();
     let x = g.rms_norm(x, 1e-5).unwrap();
     let x = g.mul(x, out_norm).unwrap();

@@ -31,17 +31,27 @@ struct Progress {
 }
 
 /// The no-op backend.
-#[derive(Default)]
 pub struct NoopBackend {
+    name: String,
     stats: SyncStats,
     progress: Mutex<Progress>,
     sizes: Mutex<HashMap<BufferId, usize>>,
 }
 
 impl NoopBackend {
-    /// A new no-op stream.
+    /// A new no-op stream called `noop`.
     pub fn new() -> Self {
-        Self::default()
+        Self::named("noop")
+    }
+
+    /// A new no-op stream with another name (several in one context make several splits).
+    pub fn named(name: &str) -> Self {
+        NoopBackend {
+            name: name.to_string(),
+            stats: SyncStats::default(),
+            progress: Mutex::default(),
+            sizes: Mutex::default(),
+        }
     }
 
     fn enqueue(&self) {
@@ -82,7 +92,7 @@ impl NoopBackend {
 
 impl Backend for NoopBackend {
     fn name(&self) -> &str {
-        "noop"
+        &self.name
     }
     fn device_kind(&self) -> DeviceKind {
         DeviceKind::Gpu
@@ -101,7 +111,7 @@ impl Backend for NoopBackend {
     }
     fn buffer_type(&self) -> BufferType {
         BufferType {
-            name: "noop".into(),
+            name: self.name.clone(),
             alignment: 64,
             is_host: false,
         }
@@ -124,7 +134,7 @@ impl Backend for NoopBackend {
         let mut sizes = self.sizes.lock();
         let slot = sizes
             .get_mut(&id)
-            .ok_or(Error::UnknownBuffer(id.0, "noop".into()))?;
+            .ok_or_else(|| Error::UnknownBuffer(id.0, self.name.clone()))?;
         *slot = size;
         bump(&self.stats.reallocs, 1);
         Ok(())
@@ -137,7 +147,7 @@ impl Backend for NoopBackend {
             .lock()
             .get(&id)
             .copied()
-            .ok_or(Error::UnknownBuffer(id.0, "noop".into()))
+            .ok_or_else(|| Error::UnknownBuffer(id.0, self.name.clone()))
     }
 
     fn set_tensor(&self, dst: BufferId, offset: usize, data: &[u8]) -> Result<()> {
@@ -214,5 +224,11 @@ impl Backend for NoopBackend {
     }
     fn event_wait(&self, _ev: &Arc<dyn Event>) -> Result<()> {
         Ok(())
+    }
+}
+
+impl Default for NoopBackend {
+    fn default() -> Self {
+        Self::new()
     }
 }
