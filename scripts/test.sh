@@ -13,11 +13,11 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/lowsync-target}"
 
 # 1. Rust: format, lints, tests.
 cargo fmt --all -- --check
-cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy --workspace --all-targets --all-features -- -D warnings
 if cargo nextest --version >/dev/null 2>&1; then
-    cargo nextest run --workspace
+    cargo nextest run --workspace --all-features
 else
-    cargo test --workspace
+    cargo test --workspace --all-features
 fi
 
 # 2. The wheel, installed into the active environment.

@@ -1,7 +1,9 @@
 //! The backend registry: names of ARCHITECTURE §2 to backend instances.
 //!
-//! `cuda` and `vulkan` are known names whose backends arrive with their own issues; until then
-//! (and on machines without the device) they report a typed "unavailable" error.
+//! `cuda` and `vulkan` are always known names: built with the `cuda` / `vulkan` features they
+//! open the device at run time (libraries are loaded dynamically, so the wheel imports
+//! anywhere); without a device, or built without the feature, they report a typed
+//! "unavailable" error.
 
 use std::sync::Arc;
 
@@ -23,22 +25,48 @@ pub fn make_backend(name: &str) -> Result<Arc<dyn Backend>> {
         "cpu" => Ok(Arc::new(CpuBackend::new())),
         "cpu-async" => Ok(Arc::new(CpuAsyncBackend::new("cpu-async")?)),
         "noop" => Ok(Arc::new(NoopBackend::new())),
-        "cuda" => Err(Error::Unavailable {
-            backend: "CUDA".into(),
-            reason: "this build of lowsync has no CUDA backend yet".into(),
-        }),
-        "vulkan" => Err(Error::Unavailable {
-            backend: "Vulkan".into(),
-            reason: "this build of lowsync has no Vulkan backend yet".into(),
-        }),
+        "cuda" => cuda(name),
+        "vulkan" => vulkan(name),
         _ => Err(Error::UnknownBackend(name.to_string())),
     }
 }
 
-/// Backends that can be created on this machine.
+#[cfg(feature = "cuda")]
+fn cuda(name: &str) -> Result<Arc<dyn Backend>> {
+    lowsync_cuda::create(name)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(_name: &str) -> Result<Arc<dyn Backend>> {
+    Err(Error::Unavailable {
+        backend: "CUDA".into(),
+        reason: "this build of lowsync was made without the `cuda` feature".into(),
+    })
+}
+
+#[cfg(feature = "vulkan")]
+fn vulkan(name: &str) -> Result<Arc<dyn Backend>> {
+    lowsync_vulkan::create(name)
+}
+
+#[cfg(not(feature = "vulkan"))]
+fn vulkan(_name: &str) -> Result<Arc<dyn Backend>> {
+    Err(Error::Unavailable {
+        backend: "Vulkan".into(),
+        reason: "this build of lowsync was made without the `vulkan` feature".into(),
+    })
+}
+
+/// Backends that can be created on this machine: the CPU ones, then each GPU device found.
 pub fn available() -> Vec<String> {
-    ["cpu", "cpu-async", "noop"]
+    #[allow(unused_mut)]
+    let mut out: Vec<String> = ["cpu", "cpu-async", "noop"]
         .iter()
         .map(|s| s.to_string())
-        .collect()
+        .collect();
+    #[cfg(feature = "cuda")]
+    out.extend(lowsync_cuda::available_devices());
+    #[cfg(feature = "vulkan")]
+    out.extend(lowsync_vulkan::available_devices());
+    out
 }
