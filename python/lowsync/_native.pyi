@@ -65,6 +65,10 @@ def available_backends() -> list[str]:
 def stat_names() -> list[str]:
     """The counter names of `Context.stats()`, in their fixed order."""
 
+def enable_tracing(filter: str) -> None:
+    """Sends lowsync's tracing spans (per step, split, submit) to stderr, filtered like RUST_LOG
+    (e.g. ``"lowsync_scheduler=debug"``). Once per process."""
+
 def version() -> str:
     """The version of the native module (equal to `lowsync.__version__`)."""
 

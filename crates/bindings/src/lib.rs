@@ -238,6 +238,20 @@ fn stat_names() -> Vec<&'static str> {
     StatsSnapshot::NAMES.to_vec()
 }
 
+/// Sends lowsync's tracing spans and events (per step, per split, per submit) to stderr,
+/// filtered like `RUST_LOG` (e.g. `"lowsync_scheduler=debug"`). Once per process.
+#[pyfunction]
+fn enable_tracing(filter: &str) -> PyResult<()> {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .map_err(|e| input_err(format!("bad tracing filter `{filter}`: {e}")))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .try_init()
+        .map_err(|e| input_err(format!("tracing is already enabled: {e}")))
+}
+
 /// The package version.
 #[pyfunction]
 fn version() -> &'static str {
@@ -254,5 +268,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(available_backends, m)?)?;
     m.add_function(wrap_pyfunction!(stat_names, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(enable_tracing, m)?)?;
     Ok(())
 }

@@ -501,6 +501,12 @@ impl Plan {
 
     /// Queues one step: every split's inputs under the policy, then its graph.
     pub fn compute(&mut self) -> Result<()> {
+        let _step = tracing::debug_span!(
+            "step",
+            policy = self.sched.policy().name(),
+            copy = self.next_copy
+        )
+        .entered();
         let c = self.next_copy;
         self.next_copy = (c + 1) % self.sched.n_copies();
         for slot in &self.inputs {
@@ -514,6 +520,7 @@ impl Plan {
         for s in 0..self.splits.len() {
             let sp = &self.splits[s];
             let be = &*backends[sp.backend];
+            let _split = tracing::trace_span!("split", index = s, backend = be.name()).entered();
             let caps = be.caps();
             let policy = match self.sched.policy() {
                 SyncPolicy::Staged if caps.set_tensor_async_staged => SyncPolicy::Staged,
