@@ -501,9 +501,11 @@ impl Plan {
 
     /// Queues one step: every split's inputs under the policy, then its graph.
     pub fn compute(&mut self) -> Result<()> {
+        let sched = self.sched.clone();
+        let _serial = sched.step_guard();
         let _step = tracing::debug_span!(
             "step",
-            policy = self.sched.policy().name(),
+            policy = sched.policy().name(),
             copy = self.next_copy
         )
         .entered();

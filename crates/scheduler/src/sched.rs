@@ -101,6 +101,9 @@ pub struct Sched {
     n_copies: usize,
     debug_realloc: u8,
     state: Mutex<SchedState>,
+    /// Held while a plan queues a step: plans of one context share scratch memory, so two
+    /// threads must not interleave their steps.
+    step_lock: Mutex<()>,
 }
 
 /// Reads `LOWSYNC_SCHED_DEBUG_REALLOC` (0, 1 or 2).
@@ -160,6 +163,7 @@ impl Sched {
                 compute: vec![None; n],
                 ..Default::default()
             }),
+            step_lock: Mutex::new(()),
         }))
     }
 
@@ -178,6 +182,11 @@ impl Sched {
     /// The debug-realloc level in force.
     pub fn debug_realloc(&self) -> u8 {
         self.debug_realloc
+    }
+
+    /// Serialises the steps of this context's plans.
+    pub(crate) fn step_guard(&self) -> parking_lot::MutexGuard<'_, ()> {
+        self.step_lock.lock()
     }
 
     /// Waits for all queued work on every backend.
