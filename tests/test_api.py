@@ -15,7 +15,7 @@ import pytest
 
 import lowsync as ls
 from helpers import Array, assert_nmse, randn, run
-from lowsync.bench import StepInputs, SyntheticConfig, build_synthetic_llama
+from lowsync.models.synthetic import StepInputs, SyntheticConfig, build_synthetic_llama
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -43,13 +43,16 @@ STAT_NAMES = [
 # ---- package surface ----------------------------------------------------------------------------
 
 
-def test_readme_example_runs() -> None:
+def test_readme_examples_run() -> None:
+    """Every ```python block of the README runs, in order, in one namespace."""
     text = README.read_text()
-    found = re.search(r"```python\n(.*?)```", text, flags=re.DOTALL)
-    assert found, "README.md has no ```python example"
-    # Pad with blank lines so a traceback points at the README's own line numbers.
-    source = "\n" * text[: found.start(1)].count("\n") + found.group(1)
-    exec(compile(source, str(README), "exec"), {"__name__": "readme_example"})
+    blocks = list(re.finditer(r"```python\n(.*?)```", text, flags=re.DOTALL))
+    assert blocks, "README.md has no ```python example"
+    namespace: dict[str, object] = {"__name__": "readme_example"}
+    for found in blocks:
+        # Pad with blank lines so a traceback points at the README's own line numbers.
+        source = "\n" * text[: found.start(1)].count("\n") + found.group(1)
+        exec(compile(source, str(README), "exec"), namespace)
 
 
 def test_exports_and_version() -> None:

@@ -15,14 +15,17 @@ compute and read outputs::
     plan.compute()
     y = plan.get_output("y")
 
-Importing this package loads only the native module; model loading (`lowsync.gguf`) and model
-graphs (`lowsync.models`) are imported on first use.
+Run a model: ``sess = ls.Session(ls.Llama.random("tiny", seed=0), backends=["cpu-async"])``,
+then ``sess.generate([1, 2, 3], max_new_tokens=16)`` (see `lowsync.session`).
+
+Importing this package loads only the native module; model loading (`lowsync.gguf`), model
+graphs (`lowsync.models`) and the session (`lowsync.session`) are imported on first use.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lowsync._native import (
     BackendError,
@@ -39,9 +42,20 @@ from lowsync._native import (
     UnknownBackendError,
     UnsupportedError,
     available_backends,
+    enable_tracing,
     stat_names,
     version,
 )
+
+if TYPE_CHECKING:  # served lazily at run time (see `_LAZY`); visible to type checkers here
+    from lowsync.gguf import GGUFError as GGUFError
+    from lowsync.gguf import load_gguf as load_gguf
+    from lowsync.gguf import save_gguf as save_gguf
+    from lowsync.models import Llama as Llama
+    from lowsync.models import LlamaConfig as LlamaConfig
+    from lowsync.session import ContextFullError as ContextFullError
+    from lowsync.session import Session as Session
+    from lowsync.session import SessionError as SessionError
 
 __version__: str = version()
 
@@ -61,6 +75,7 @@ __all__ = [
     "UnsupportedError",
     "__version__",
     "available_backends",
+    "enable_tracing",
     "stat_names",
     "version",
 ]
@@ -69,7 +84,13 @@ __all__ = [
 # `import lowsync` stays fast. A name appears here only once its module exists in the package.
 _LAZY: dict[str, str] = {
     "load_gguf": "lowsync.gguf",
+    "save_gguf": "lowsync.gguf",
+    "GGUFError": "lowsync.gguf",
     "Llama": "lowsync.models",
+    "LlamaConfig": "lowsync.models",
+    "Session": "lowsync.session",
+    "SessionError": "lowsync.session",
+    "ContextFullError": "lowsync.session",
 }
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "UnknownBackendError",
     "UnsupportedError",
     "available_backends",
+    "enable_tracing",
     "stat_names",
     "version",
 ]

@@ -1,237 +1,426 @@
-"""Host-overhead bench on a llama-shaped synthetic decoder (`lowsync bench`).
+"""`lowsync bench` and `lowsync batched-bench`: throughput and host-side counters of real decodes.
 
-Why: lowsync's claim is "fewer host waits per token, same results". This module measures it the
-way a decode loop sees it: per step the host writes the six small inputs a llama.cpp decode
-writes (token ids, positions, K and V cache slot indices, the attention mask, output row ids),
-computes, and reads the sampled token back — the one wait a synchronous greedy decode needs.
+Why: lowsync's claim is "fewer host waits per token, same results". The bench shows it the way
+llama-bench would: a model (the built-in "tiny" by default, or a GGUF file) decodes a prompt and
+then generates tokens greedily, on each backend under each sync policy, and one row reports
+prompt and generation speed next to what the backends counted per generated token — host
+waits, driver syncs, elided syncs, submits, empty submits, H2D and D2H copies, reallocations.
 
-Strategy: the graph is built in Python from random weights (a few decoder blocks: RMSNorm,
-q/k/v projections, RoPE, a KV cache in persistent tensors written with `set_rows`, attention
-over a fixed KV window with a mask, SwiGLU FFN, final argmax), compiled once per backend x sync
-policy, and run for `n` steps after a warm-up. The counters come from the backends themselves
-(`Context.stats()`); this module only takes differences and divides by the step count.
+Strategy: each (backend, policy) pair gets its own `Session` (one context, plans compiled once),
+a warm-up, then `-r` repetitions of: clear the cache, decode `-p` prompt tokens (reading the
+first generated token), generate `-n` more tokens one step at a time. The counters are the
+backends' own (`Context.stats()`); this module only takes differences over the generation
+steps and divides by their number (ARCHITECTURE §3 "per token"). `stock` rows turn on the
+backends' legacy switches (`LOWSYNC_CUDA_SYNC_ELISION=0`, `LOWSYNC_VK_LEGACY_SUBMITS=1`) while
+their session exists, so they show ggml's behaviour end to end. `batched-bench` mirrors
+llama-batched-bench: `npl` sequences, a prompt of `npp` tokens each (or one prompt shared
+through `seq_cp` with `-pps`), then `ntg` steps that decode one token of every sequence in one
+ubatch; it reports the reallocations of each run, which must be zero.
 
-Invariants: the graph's shapes are fixed for the whole run (positions, slots and the valid KV
-length travel as data), so every step reuses the same plan; nothing here depends on which
-backend runs, and the full model bench (GGUF, `lowsync.models`) will report the same columns.
+Invariants: a session's plans are compiled once, before any measurement; the same prompt
+(seeded) is used for every row, so rows differ only in backend and policy.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import statistics
+import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TextIO
 
 import numpy as np
-import numpy.typing as npt
 
-from lowsync._native import Context, Graph, Tensor
+from lowsync.models.llama import Llama
+from lowsync.session import TOKEN_COUNTERS, Session
 
 POLICIES: tuple[str, ...] = ("stock", "relaxed", "staged")
 
-# Per-step counters shown by the bench, in column order.
-COUNTERS: tuple[str, ...] = (
-    "host_waits",
-    "driver_syncs",
-    "elided_syncs",
-    "submits",
-    "h2d_copies",
-    "d2h_copies",
-    "reallocs",
-)
+# Per-token counters shown by the bench, in column order.
+COUNTERS: tuple[str, ...] = TOKEN_COUNTERS
 
-# The host-written inputs of every step, as llama.cpp's decode graph has them.
-STEP_INPUTS: tuple[str, ...] = ("tokens", "pos", "k_idxs", "v_idxs", "kq_mask", "out_ids")
+# Switches that make a backend behave as ggml does; the bench sets them for `stock` rows.
+LEGACY_ENV: dict[str, str] = {"LOWSYNC_CUDA_SYNC_ELISION": "0", "LOWSYNC_VK_LEGACY_SUBMITS": "1"}
 
 
-@dataclass(frozen=True)
-class SyntheticConfig:
-    """Hyper-parameters of the synthetic decoder (tiny: the bench measures the host, not FLOPs)."""
+@contextmanager
+def legacy_switches(policy: str) -> Iterator[None]:
+    """Sets `LEGACY_ENV` for a `stock` run (restoring the environment afterwards)."""
+    if policy != "stock":
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in LEGACY_ENV}
+    os.environ.update(LEGACY_ENV)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
-    n_vocab: int = 512
-    n_embd: int = 128
-    n_head: int = 4
-    n_head_kv: int = 2
-    n_ff: int = 256
-    n_layer: int = 4
-    n_ctx: int = 128
-    n_tokens: int = 1
 
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+def parse_backends(values: Sequence[str]) -> list[list[str]]:
+    """`--backend` values: a comma separates rows, a `+` joins backends of one context.
 
-
-def build_synthetic_llama(cfg: SyntheticConfig | None = None, seed: int = 0) -> Graph:
-    """A llama-shaped decode graph with random weights; output `"token"` (argmax, i32 [1]).
-
-    Inputs, written every step: `tokens` i32 [T], `pos` i32 [T], `k_idxs` / `v_idxs` i32 [T]
-    (KV cache slots), `kq_mask` f32 [T, n_ctx] (0 or -inf), `out_ids` i32 [1] (the row whose
-    logits are sampled).
+    ``["cpu-async,cpu", "cuda+cpu"]`` -> ``[["cpu-async"], ["cpu"], ["cuda", "cpu"]]``.
     """
-    cfg = cfg or SyntheticConfig()
-    rng = np.random.default_rng(seed)
-    g = Graph()
-    t, d, hd = cfg.n_tokens, cfg.n_embd, cfg.head_dim
-    n_h, n_kv, n_ctx = cfg.n_head, cfg.n_head_kv, cfg.n_ctx
-
-    def weight(name: str, *shape: int) -> Tensor:
-        data = rng.standard_normal(shape) / math.sqrt(shape[0])
-        return g.weight(name, data.astype(np.float32))
-
-    def norm(name: str) -> Tensor:
-        return g.weight(name, (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32))
-
-    tokens = g.input("tokens", [t], "i32")
-    pos = g.input("pos", [t], "i32")
-    k_idxs = g.input("k_idxs", [t], "i32")
-    v_idxs = g.input("v_idxs", [t], "i32")
-    kq_mask = g.input("kq_mask", [t, n_ctx])
-    out_ids = g.input("out_ids", [1], "i32")
-
-    x = g.get_rows(weight("token_embd.weight", cfg.n_vocab, d), tokens)  # [T, d]
-    for il in range(cfg.n_layer):
-        p = f"blk.{il}."
-        h = g.rms_norm(x) * norm(p + "attn_norm.weight")
-        q = g.reshape(h @ weight(p + "attn_q.weight", d, n_h * hd), [t, n_h, hd])
-        k = g.reshape(h @ weight(p + "attn_k.weight", d, n_kv * hd), [t, n_kv, hd])
-        v = h @ weight(p + "attn_v.weight", d, n_kv * hd)  # [T, n_kv * hd]
-        q = g.rope(q, pos)
-        k = g.rope(k, pos)
-
-        # The cache rows of this step, then attention over the whole (masked) window.
-        k_cache = g.persistent(p + "k_cache", [n_ctx, n_kv * hd])
-        v_cache = g.persistent(p + "v_cache", [n_ctx, n_kv * hd])
-        k_all = g.set_rows(k_cache, g.reshape(k, [t, n_kv * hd]), k_idxs)
-        v_all = g.set_rows(v_cache, v, v_idxs)
-        keys = g.permute(g.reshape(k_all, [n_ctx, n_kv, hd]), [1, 2, 0])  # [n_kv, hd, n_ctx]
-        values = g.permute(g.reshape(v_all, [n_ctx, n_kv, hd]), [1, 0, 2])  # [n_kv, n_ctx, hd]
-        queries = g.permute(q, [1, 0, 2])  # [n_h, T, hd]
-        kq = g.soft_max(queries @ keys, kq_mask, scale=1.0 / math.sqrt(hd))  # [n_h, T, n_ctx]
-        att = g.cont(g.permute(kq @ values, [1, 0, 2]))  # [T, n_h, hd]
-        x = x + g.reshape(att, [t, n_h * hd]) @ weight(p + "attn_output.weight", n_h * hd, d)
-
-        h = g.rms_norm(x) * norm(p + "ffn_norm.weight")
-        gate = h @ weight(p + "ffn_gate.weight", d, cfg.n_ff)
-        up = h @ weight(p + "ffn_up.weight", d, cfg.n_ff)
-        x = x + g.swiglu(gate, up) @ weight(p + "ffn_down.weight", cfg.n_ff, d)
-
-    x = g.rms_norm(x) * norm("output_norm.weight")
-    logits = g.get_rows(x, out_ids) @ weight("output.weight", d, cfg.n_vocab)  # [1, n_vocab]
-    g.output("token", g.argmax(logits))
-    return g
+    out: list[list[str]] = []
+    for value in values:
+        for item in value.split(","):
+            if item.strip():
+                out.append([b.strip() for b in item.split("+") if b.strip()])
+    return out
 
 
-class StepInputs:
-    """The six host-written inputs of a decode step, in buffers reused across steps."""
+class Progress:
+    """A plain-text progress bar on a stream, drawn only once a run has lasted a second.
 
-    def __init__(self, cfg: SyntheticConfig) -> None:
-        self.cfg = cfg
-        t = cfg.n_tokens
-        self.tokens = np.zeros(t, np.int32)
-        self.pos = np.zeros(t, np.int32)
-        self.k_idxs = np.zeros(t, np.int32)
-        self.v_idxs = np.zeros(t, np.int32)
-        self.kq_mask = np.full((t, cfg.n_ctx), -np.inf, np.float32)
-        self.out_ids = np.array([t - 1], np.int32)
+    On a terminal the bar is redrawn in place and erased at the end; elsewhere (logs, CI) each
+    update after the first second is one line.
+    """
 
-    def fill(self, start_pos: int, token: int) -> dict[str, npt.NDArray[np.generic]]:
-        """Inputs for the tokens at positions `start_pos ..` (a ring over the KV window)."""
-        cfg = self.cfg
-        positions = start_pos + np.arange(cfg.n_tokens)
-        self.tokens[:] = token % cfg.n_vocab
-        self.pos[:] = positions
-        self.k_idxs[:] = positions % cfg.n_ctx
-        self.v_idxs[:] = self.k_idxs
-        # Token i sees every cache slot written at a position <= its own.
-        n_valid = np.minimum(positions + 1, cfg.n_ctx)
-        self.kq_mask[:] = np.where(np.arange(cfg.n_ctx)[None, :] < n_valid[:, None], 0.0, -np.inf)
-        return {
-            "tokens": self.tokens,
-            "pos": self.pos,
-            "k_idxs": self.k_idxs,
-            "v_idxs": self.v_idxs,
-            "kq_mask": self.kq_mask,
-            "out_ids": self.out_ids,
-        }
+    def __init__(self, total: int, stream: TextIO | None = None, delay_s: float = 1.0) -> None:
+        self.total = max(total, 1)
+        self.stream = stream if stream is not None else sys.stderr
+        self.delay_s = delay_s
+        self.start = time.perf_counter()
+        self.done = 0
+        self.drawn = False
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def update(self, label: str, steps: int = 1) -> None:
+        """Counts `steps` more units done and redraws when the run is past the delay."""
+        self.done = min(self.done + steps, self.total)
+        if time.perf_counter() - self.start < self.delay_s:
+            return
+        width = 24
+        filled = width * self.done // self.total
+        bar = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label}"
+        if self.tty:
+            self.stream.write("\r" + bar.ljust(79)[:79])
+        else:
+            self.stream.write(bar + "\n")
+        self.stream.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        """Erases the bar (on a terminal)."""
+        if self.drawn and self.tty:
+            self.stream.write("\r" + " " * 79 + "\r")
+            self.stream.flush()
 
 
 @dataclass(frozen=True)
 class BenchRow:
-    """One (backend, policy) run: throughput and counters per step."""
+    """One (backend, policy) run: speeds and counters per generated token."""
 
+    model: str
+    params: int
+    wtype: str
     backend: str
     policy: str
-    steps: int
-    seconds: float
-    per_step: dict[str, float]
+    n_prompt: int
+    n_gen: int
+    reps: int
+    pp_tps: float
+    pp_tps_std: float
+    tg_tps: float
+    tg_tps_std: float
+    per_token: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def steps_per_s(self) -> float:
-        return self.steps / self.seconds if self.seconds > 0 else math.inf
-
-    def as_dict(self) -> dict[str, str | int | float]:
-        row: dict[str, str | int | float] = {
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON row: identification, speeds, then one float per counter."""
+        row: dict[str, Any] = {
+            "model": self.model,
+            "params": self.params,
+            "wtype": self.wtype,
             "backend": self.backend,
             "policy": self.policy,
-            "steps": self.steps,
-            "seconds": self.seconds,
-            "steps_per_s": self.steps_per_s,
+            "n_prompt": self.n_prompt,
+            "n_gen": self.n_gen,
+            "reps": self.reps,
+            "pp_tps": self.pp_tps,
+            "pp_tps_std": self.pp_tps_std,
+            "tg_tps": self.tg_tps,
+            "tg_tps_std": self.tg_tps_std,
         }
-        row.update(self.per_step)
+        row.update({c: float(self.per_token[c]) for c in COUNTERS})
         return row
 
 
+def _mean_std(xs: Sequence[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
 def run_bench(
-    backend: str,
+    model: Llama,
+    backends: Sequence[str],
     policy: str,
-    n_steps: int = 32,
-    warmup: int = 2,
-    cfg: SyntheticConfig | None = None,
+    n_prompt: int = 32,
+    n_gen: int = 32,
+    reps: int = 1,
+    n_ubatch: int = 32,
+    seed: int = 0,
+    on_rep: Callable[[], None] | None = None,
 ) -> BenchRow:
-    """Greedy-decodes `n_steps` tokens (after `warmup`) on one backend under one policy."""
-    cfg = cfg or SyntheticConfig()
-    ctx = Context([backend], policy=policy)
-    plan = ctx.compile(build_synthetic_llama(cfg))
-    inputs = StepInputs(cfg)
-    token, pos = 1, 0
+    """Runs one bench row: a warm-up, then `reps` times prompt + `n_gen` generated tokens.
 
-    def step() -> None:
-        nonlocal token, pos
-        for name, data in inputs.fill(pos, token).items():
-            plan.set_input(name, data)
-        plan.compute()
-        token = int(plan.get_output("token")[0])  # the one host wait a greedy step needs
-        pos += cfg.n_tokens
+    `backends` is one context's backend list. Per-token counters are the deltas over the
+    `n_gen` generation steps (after the prompt), averaged over the repetitions.
+    """
+    if n_prompt < 1 or n_gen < 1 or reps < 1:
+        raise ValueError("n_prompt, n_gen and reps must be at least 1")
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, model.config.n_vocab, size=n_prompt).tolist()
+    with legacy_switches(policy):
+        sess = Session(
+            model,
+            backends=list(backends),
+            n_ctx=n_prompt + n_gen,
+            n_seq=1,
+            n_ubatch=min(n_ubatch, n_prompt),
+            policy=policy,
+        )
+        sess.generate(prompt, 2)  # warm-up: first use of every plan
+        pp, tg = [], []
+        totals = dict.fromkeys(COUNTERS, 0.0)
+        for _ in range(reps):
+            sess.clear()
+            sess.generate(prompt, n_gen + 1)  # the prompt's token, then n_gen steps
+            st = sess.last_generate
+            assert st is not None
+            assert st.n_steps == n_gen
+            pp.append(st.pp_tps)
+            tg.append(st.tg_tps)
+            for c in COUNTERS:
+                totals[c] += st.per_token[c]
+            if on_rep is not None:
+                on_rep()
+    pp_mean, pp_std = _mean_std(pp)
+    tg_mean, tg_std = _mean_std(tg)
+    return BenchRow(
+        model=model.name,
+        params=model.n_params,
+        wtype=model.weight_type,
+        backend="+".join(backends),
+        policy=sess.policy,
+        n_prompt=n_prompt,
+        n_gen=n_gen,
+        reps=reps,
+        pp_tps=pp_mean,
+        pp_tps_std=pp_std,
+        tg_tps=tg_mean,
+        tg_tps_std=tg_std,
+        per_token={c: totals[c] / reps for c in COUNTERS},
+    )
 
-    for _ in range(warmup):
-        step()
-    before = ctx.stats()["total"]
-    start = time.perf_counter()
-    for _ in range(n_steps):
-        step()
-    seconds = time.perf_counter() - start
-    after = ctx.stats()["total"]
-    per_step = {c: (after[c] - before[c]) / max(n_steps, 1) for c in COUNTERS}
-    return BenchRow(backend, policy, n_steps, seconds, per_step)
+
+def _fmt_params(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
-def format_table(rows: Sequence[BenchRow]) -> str:
-    """A llama-bench-like text table; counters are per step."""
-    header = ["backend", "policy", "steps/s", *COUNTERS]
-    body = [
-        [r.backend, r.policy, f"{r.steps_per_s:.1f}", *(f"{r.per_step[c]:.2f}" for c in COUNTERS)]
-        for r in rows
-    ]
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+def _fmt_tps(mean: float, std: float, reps: int) -> str:
+    if not math.isfinite(mean):
+        return "inf"
+    return f"{mean:.1f} ± {std:.1f}" if reps > 1 else f"{mean:.1f}"
+
+
+def format_table(header: Sequence[str], body: Sequence[Sequence[str]], n_left: int) -> str:
+    """A markdown table like llama-bench's: the first `n_left` columns left-aligned."""
+    widths = [max(3, *(len(line[i]) for line in [header, *body])) for i in range(len(header))]
 
     def fmt(line: Sequence[str]) -> str:
         cells = [
-            cell.ljust(w) if i < 2 else cell.rjust(w)
+            cell.ljust(w) if i < n_left else cell.rjust(w)
             for i, (cell, w) in enumerate(zip(line, widths, strict=True))
         ]
         return "| " + " | ".join(cells) + " |"
 
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([fmt(header), rule, *(fmt(line) for line in body)])
+    rule = "| " + " | ".join(
+        "-" * w if i < n_left else "-" * (w - 1) + ":" for i, w in enumerate(widths)
+    )
+    return "\n".join([fmt(header), rule + " |", *(fmt(line) for line in body)])
+
+
+def format_rows(rows: Sequence[BenchRow]) -> str:
+    """The `lowsync bench` table; counters are per generated token."""
+    header = ["model", "params", "type", "backend", "policy", "pp t/s", "tg t/s", *COUNTERS]
+    body = [
+        [
+            r.model,
+            _fmt_params(r.params),
+            r.wtype.upper(),
+            r.backend,
+            r.policy,
+            _fmt_tps(r.pp_tps, r.pp_tps_std, r.reps),
+            _fmt_tps(r.tg_tps, r.tg_tps_std, r.reps),
+            *(f"{r.per_token[c]:.2f}" for c in COUNTERS),
+        ]
+        for r in rows
+    ]
+    note = (
+        f"pp: {rows[0].n_prompt} prompt tokens, tg: {rows[0].n_gen} generated tokens"
+        if rows
+        else ""
+    )
+    return format_table(header, body, n_left=5) + ("\n" + note if note else "")
+
+
+# ---- batched bench --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchedRow:
+    """One llama-batched-bench row: `npl` sequences, prompt `npp`, `ntg` generated each."""
+
+    backend: str
+    policy: str
+    npp: int
+    ntg: int
+    npl: int
+    shared_prompt: bool
+    n_kv: int
+    t_pp: float
+    t_tg: float
+    reallocs: int
+    host_waits_per_step: float
+
+    @property
+    def pp_tokens(self) -> int:
+        return self.npp if self.shared_prompt else self.npp * self.npl
+
+    @property
+    def s_pp(self) -> float:
+        return self.pp_tokens / self.t_pp if self.t_pp > 0 else math.inf
+
+    @property
+    def s_tg(self) -> float:
+        return self.npl * self.ntg / self.t_tg if self.t_tg > 0 else math.inf
+
+    @property
+    def s_total(self) -> float:
+        t = self.t_pp + self.t_tg
+        return self.n_kv / t if t > 0 else math.inf
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON row."""
+        return {
+            "backend": self.backend,
+            "policy": self.policy,
+            "npp": self.npp,
+            "ntg": self.ntg,
+            "npl": self.npl,
+            "pps": self.shared_prompt,
+            "n_kv": self.n_kv,
+            "t_pp": self.t_pp,
+            "s_pp": self.s_pp,
+            "t_tg": self.t_tg,
+            "s_tg": self.s_tg,
+            "t": self.t_pp + self.t_tg,
+            "s": self.s_total,
+            "reallocs": self.reallocs,
+            "host_waits_per_step": self.host_waits_per_step,
+        }
+
+
+def batched_n_ctx(npp: Sequence[int], ntg: Sequence[int], npl: Sequence[int], pps: bool) -> int:
+    """KV cells the largest combination needs."""
+    return max((p if pps else p * b) + b * t for p in npp for t in ntg for b in npl)
+
+
+def run_batched(
+    sess: Session,
+    npp: int,
+    ntg: int,
+    npl: int,
+    shared_prompt: bool,
+    seed: int = 0,
+) -> BatchedRow:
+    """One llama-batched-bench combination on an existing session (its cache is cleared)."""
+    if npl > sess.n_seq:
+        raise ValueError(f"npl {npl} exceeds the session's n_seq {sess.n_seq}")
+    rng = np.random.default_rng(seed)
+    sess.clear()
+    total = sess.stats()["total"]
+    t0 = time.perf_counter()
+    if shared_prompt:
+        prompt = rng.integers(0, sess.n_vocab, size=npp).tolist()
+        last = sess.decode(prompt, seq_id=0, logits="last")
+        assert last is not None
+        first = int(np.argmax(last))
+        for s in range(1, npl):
+            sess.seq_cp(0, s)
+        nxt = dict.fromkeys(range(npl), first)
+    else:
+        tokens = rng.integers(0, sess.n_vocab, size=npp * npl).tolist()
+        seqs = [s for s in range(npl) for _ in range(npp)]
+        flags = [(i + 1) % npp == 0 for i in range(npp * npl)]
+        rows = sess.decode(tokens, seq_id=seqs, logits=flags)
+        assert rows is not None
+        nxt = {s: int(np.argmax(rows[s])) for s in range(npl)}
+    t1 = time.perf_counter()
+    mid = sess.stats()["total"]
+    for _ in range(ntg):
+        nxt = sess.step(nxt)
+    t2 = time.perf_counter()
+    end = sess.stats()["total"]
+    n_kv = (npp if shared_prompt else npp * npl) + npl * ntg
+    return BatchedRow(
+        backend="+".join(sess.backends),
+        policy=sess.policy,
+        npp=npp,
+        ntg=ntg,
+        npl=npl,
+        shared_prompt=shared_prompt,
+        n_kv=n_kv,
+        t_pp=t1 - t0,
+        t_tg=t2 - t1,
+        reallocs=end["reallocs"] - total["reallocs"],
+        host_waits_per_step=(end["host_waits"] - mid["host_waits"]) / max(ntg, 1),
+    )
+
+
+def format_batched(rows: Sequence[BatchedRow]) -> str:
+    """The `lowsync batched-bench` table (llama-batched-bench's columns plus reallocations)."""
+    header = [
+        "backend",
+        "policy",
+        "PP",
+        "TG",
+        "B",
+        "N_KV",
+        "T_PP s",
+        "S_PP t/s",
+        "T_TG s",
+        "S_TG t/s",
+        "T s",
+        "S t/s",
+        "waits/step",
+        "reallocs",
+    ]
+    body = [
+        [
+            r.backend,
+            r.policy,
+            str(r.npp),
+            str(r.ntg),
+            str(r.npl),
+            str(r.n_kv),
+            f"{r.t_pp:.3f}",
+            f"{r.s_pp:.2f}",
+            f"{r.t_tg:.3f}",
+            f"{r.s_tg:.2f}",
+            f"{r.t_pp + r.t_tg:.3f}",
+            f"{r.s_total:.2f}",
+            f"{r.host_waits_per_step:.2f}",
+            str(r.reallocs),
+        ]
+        for r in rows
+    ]
+    return format_table(header, body, n_left=2)

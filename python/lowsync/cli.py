@@ -1,23 +1,94 @@
-"""The `lowsync` command line.
+"""The `lowsync` command line: `lowsync bench` (the main job) and `lowsync batched-bench`.
 
-`lowsync bench` runs the host-overhead bench (`lowsync.bench`) for every usable backend under
-every sync policy and prints one row per pair: steps per second and, per step, host waits,
-driver syncs, elided syncs, submits, H2D and D2H copies and reallocations.
+`lowsync bench` decodes a prompt and generates tokens with a model (the built-in "tiny" unless
+`-m FILE.gguf`) on every usable backend under every sync policy and prints one row per pair:
+prompt and generation tokens/s and, per generated token, host waits, driver syncs, elided
+syncs, submits, empty submits, H2D and D2H copies and reallocations. `lowsync batched-bench`
+mirrors llama-batched-bench (`-npp`, `-ntg`, `-npl`, `-pps`) and fails when a run reallocates.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Sequence
 
 from lowsync._native import LowsyncError, available_backends, version
-from lowsync.bench import POLICIES, BenchRow, format_table, run_bench
+from lowsync.bench import (
+    POLICIES,
+    BatchedRow,
+    BenchRow,
+    Progress,
+    batched_n_ctx,
+    format_batched,
+    format_rows,
+    legacy_switches,
+    parse_backends,
+    run_batched,
+    run_bench,
+)
+from lowsync.models.llama import BUILTIN_CONFIGS, Llama
 
 # Backends the bench skips unless asked for by name: `noop` runs no kernel, so its rows measure
 # host overhead alone and would read as absurd throughput next to real backends.
 _OPT_IN_BACKENDS = frozenset({"noop"})
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-m",
+        "--model",
+        metavar="MODEL",
+        default="tiny",
+        help=f"a GGUF file, or a built-in model ({', '.join(BUILTIN_CONFIGS)}); default: tiny",
+    )
+    p.add_argument(
+        "--backend",
+        action="append",
+        metavar="NAME",
+        help="backend to run (repeatable or comma list; `a+b` is one context of several "
+        "backends); default: every available backend except noop",
+    )
+    p.add_argument(
+        "--policy",
+        action="append",
+        metavar="NAME",
+        help="sync policy (repeatable or comma list); default: stock, relaxed and staged",
+    )
+    p.add_argument(
+        "-ub",
+        "--n-ubatch",
+        type=_positive,
+        default=32,
+        metavar="N",
+        help="tokens per ubatch (the prefill graph's size); default: 32",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt and built-in weights")
+    p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,66 +98,165 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="host-overhead bench on a llama-shaped synthetic decoder",
+        help="prompt and generation speed with host-side counters per generated token",
         description=(
-            "Greedy-decodes a llama-shaped synthetic model on each backend under each sync "
-            "policy and prints steps/s and per-step counters."
+            "Decodes a prompt and generates tokens greedily on each backend under each sync "
+            "policy; prints pp and tg tokens/s and, per generated token, the backends' counters."
         ),
     )
-    bench.add_argument(
-        "--backend",
-        action="append",
-        metavar="NAME",
-        help="backend to run (repeatable); default: every available backend except noop",
+    _add_common(bench)
+    bench.add_argument("-p", "--n-prompt", type=_positive, default=32, help="prompt tokens (32)")
+    bench.add_argument("-n", "--n-gen", type=_positive, default=32, help="generated tokens (32)")
+    bench.add_argument("-r", "--repetitions", type=_positive, default=1, help="repetitions (1)")
+
+    batched = sub.add_parser(
+        "batched-bench",
+        help="llama-batched-bench: parallel sequences, optionally sharing one prompt",
+        description=(
+            "For each PP x TG x B: decode B prompts of PP tokens (or one shared through seq_cp "
+            "with -pps), then TG steps of B tokens; reports speeds and reallocations (must be 0)."
+        ),
     )
-    bench.add_argument(
-        "--policy",
-        action="append",
-        choices=POLICIES,
-        help="sync policy to run (repeatable); default: stock, relaxed and staged",
-    )
-    bench.add_argument(
-        "-n",
-        "--steps",
-        type=int,
-        default=32,
-        help="measured steps per row, after 2 warm-up steps (default: 32)",
-    )
-    bench.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    _add_common(batched)
+    batched.add_argument("-npp", type=_int_list, default=[128], help="prompt tokens (list)")
+    batched.add_argument("-ntg", type=_int_list, default=[32], help="generated tokens (list)")
+    batched.add_argument("-npl", type=_int_list, default=[1, 2, 4], help="parallel sequences")
+    batched.add_argument("-pps", action="store_true", help="share one prompt between sequences")
+    batched.add_argument("-c", "--n-ctx", type=_positive, help="KV cells (default: what fits)")
     return parser
 
 
-def _bench(args: argparse.Namespace) -> int:
-    backends: list[str] = args.backend or [
-        b for b in available_backends() if b not in _OPT_IN_BACKENDS
-    ]
-    policies: list[str] = args.policy or list(POLICIES)
+def _load_model(spec: str, seed: int, command: str) -> Llama | None:
+    """The model named on the command line, or None after printing why it cannot be loaded."""
+    if spec in BUILTIN_CONFIGS:
+        return Llama.random(spec, seed=seed)
+    from lowsync.gguf import load_gguf
+
+    try:
+        return load_gguf(spec)
+    except (LowsyncError, OSError) as e:
+        print(f"lowsync {command}: {e}", file=sys.stderr)
+        return None
+
+
+def _backends(args: argparse.Namespace) -> list[list[str]]:
+    if args.backend:
+        return parse_backends(args.backend)
+    return [[b] for b in available_backends() if b not in _OPT_IN_BACKENDS]
+
+
+def _policies(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    if not args.policy:
+        return list(POLICIES)
+    out = [p.strip() for v in args.policy for p in v.split(",") if p.strip()]
+    for p in out:
+        if p not in POLICIES:
+            parser.error(f"unknown policy {p!r} (choose from {', '.join(POLICIES)})")
+    return out
+
+
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    policies = _policies(args, parser)
+    model = _load_model(args.model, args.seed, "bench")
+    if model is None:
+        return 1
+    pairs = [(b, p) for b in _backends(args) for p in policies]
+    progress = Progress(len(pairs) * args.repetitions)
     rows: list[BenchRow] = []
-    for backend in backends:
-        for policy in policies:
-            try:
-                rows.append(run_bench(backend, policy, n_steps=args.steps))
-            except LowsyncError as e:
-                print(f"lowsync bench: {backend}/{policy}: {e}", file=sys.stderr)
-                return 1
+    label = ""
+    try:
+        for backends, policy in pairs:
+            label = f"{'+'.join(backends)}/{policy}"
+            rows.append(
+                run_bench(
+                    model,
+                    backends,
+                    policy,
+                    n_prompt=args.n_prompt,
+                    n_gen=args.n_gen,
+                    reps=args.repetitions,
+                    n_ubatch=args.n_ubatch,
+                    seed=args.seed,
+                    on_rep=functools.partial(progress.update, label),
+                )
+            )
+    except LowsyncError as e:
+        progress.close()
+        print(f"lowsync bench: {label}: {e}", file=sys.stderr)
+        return 1
+    progress.close()
     if args.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
     else:
-        print(format_table(rows))
+        print(format_rows(rows))
+    return 0
+
+
+def _batched(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lowsync.session import Session
+
+    policies = _policies(args, parser)
+    model = _load_model(args.model, args.seed, "batched-bench")
+    if model is None:
+        return 1
+    need = batched_n_ctx(args.npp, args.ntg, args.npl, args.pps)
+    n_ctx = args.n_ctx or need
+    if n_ctx < need:
+        parser.error(f"-c {n_ctx} is too small: the largest run needs {need} KV cells")
+    combos = [(p, t, b) for p in args.npp for t in args.ntg for b in args.npl]
+    pairs = [(b, p) for b in _backends(args) for p in policies]
+    progress = Progress(len(pairs) * len(combos))
+    rows: list[BatchedRow] = []
+    label = ""
+    try:
+        for backends, policy in pairs:
+            label = f"{'+'.join(backends)}/{policy}"
+            with legacy_switches(policy):
+                sess = Session(
+                    model,
+                    backends=backends,
+                    n_ctx=n_ctx,
+                    n_seq=max(args.npl),
+                    n_ubatch=args.n_ubatch,
+                    policy=policy,
+                    # A graph per batch size, so a TG step of B sequences is not padded to -ub.
+                    buckets=sorted({1, *(b for b in args.npl if b <= args.n_ubatch)}),
+                )
+                for npp, ntg, npl in combos:
+                    rows.append(run_batched(sess, npp, ntg, npl, args.pps, seed=args.seed))
+                    progress.update(f"{label} pp{npp} tg{ntg} b{npl}")
+    except LowsyncError as e:
+        progress.close()
+        print(f"lowsync batched-bench: {label}: {e}", file=sys.stderr)
+        return 1
+    progress.close()
+    if args.json:
+        print(json.dumps([r.as_dict() for r in rows], indent=2))
+    else:
+        print(format_batched(rows))
+    bad = [r for r in rows if r.reallocs]
+    if bad:
+        print(
+            f"lowsync batched-bench: {len(bad)} run(s) reallocated after the reserve "
+            "(expected 0; see LOWSYNC_SCHED_DEBUG_REALLOC)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `lowsync` script; returns the exit status.
 
-    Example: ``lowsync bench --backend cpu-async --policy staged -n 64``.
+    Examples: ``lowsync bench``, ``lowsync bench -m model.gguf --backend cpu-async -p 64 -n 64
+    --json``, ``lowsync batched-bench -npp 128 -ntg 32 -npl 1,2,4 -pps``.
     """
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "bench":
-        if args.steps < 1:
-            parser.error("-n must be at least 1")
-        return _bench(args)
+        return _bench(args, parser)
+    if args.command == "batched-bench":
+        return _batched(args, parser)
     parser.print_help(sys.stderr)
     return 2
 

@@ -1,0 +1,395 @@
+"""Llama-family decoders (llama, mistral, qwen2, qwen3) as lowsync graphs, one per shape bucket.
+
+Why: a runtime that keeps the host out of the device's way needs graphs whose shapes never
+change between steps (ARCHITECTURE §6, S2): then a graph is placed, allocated and uploaded once
+per bucket, and each step only writes a few small inputs. This module owns that graph contract
+for the llama family; `lowsync.Session` owns the KV-cache bookkeeping that fills the inputs.
+
+Strategy: weights are numpy arrays in numpy order with GGUF tensor names (`blk.0.attn_q.weight`
+is `[n_head * head_dim, n_embd]`, i.e. `[out, in]`, exactly as the GGUF reader exposes it), so a
+projection is `x @ w.T` over a transposed view and no weight is copied or transposed at load.
+`Llama.build_graph(n_tokens, n_ctx, n_out)` builds one bucket:
+
+- inputs (written by the host every step): `tokens` i32 [T], `pos` i32 [T], `kv_idx` i32 [T]
+  (the KV-cache row each token's K and V are written to, with `set_rows`), `kq_mask` f32
+  [T, n_ctx] (0 where a token may attend a cache row, -inf elsewhere; a fully masked row gives
+  zeros) and `out_ids` i32 [n_out] (the token rows whose logits are computed);
+- persistent state: per layer `cache_k_l{i}` and `cache_v_l{i}`, [n_ctx, n_head_kv * head_dim];
+- outputs: `logits` f32 [n_out, n_vocab] and `next` i32 [n_out], the greedy token of each output
+  row (argmax on the device, so a decode step reads back 4 bytes).
+
+Invariants: the node and leaf counts are a function of the config and (T, n_ctx, n_out) only —
+never of positions, sequences, shared cells or how many outputs a step wants (S2, invariant 12);
+attention always spans all n_ctx rows and validity travels in `kq_mask`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from lowsync._native import Graph, Tensor
+
+Array = npt.NDArray[Any]
+RopeMode = Literal["normal", "neox"]
+
+# Names of the graph's host inputs, persistent tensors and outputs (the Session writes these).
+INPUTS: tuple[str, ...] = ("tokens", "pos", "kv_idx", "kq_mask", "out_ids")
+OUTPUT_LOGITS = "logits"
+OUTPUT_NEXT = "next"
+
+# Architectures whose GGUF tensors follow llama's layout, with the RoPE variant llama.cpp assigns.
+ARCH_ROPE: dict[str, RopeMode] = {
+    "llama": "normal",
+    "mistral": "normal",
+    "qwen2": "neox",
+    "qwen3": "neox",
+}
+
+WEIGHT_DTYPES: tuple[str, ...] = ("f32", "f16", "bf16")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters of a llama-family decoder.
+
+    `head_dim` and `rope_dims` default (0) to `n_embd // n_head` and `head_dim`. `qkv_bias`
+    (qwen2), `qk_norm` (qwen3: RMS norm of each q and k head before RoPE) and
+    `tied_embeddings` (no `output.weight`: logits use `token_embd.weight`) select the variant.
+    """
+
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    head_dim: int = 0
+    rope_theta: float = 10000.0
+    rope_dims: int = 0
+    rope_mode: RopeMode = "normal"
+    rms_eps: float = 1e-5
+    arch: str = "llama"
+    n_ctx_train: int = 2048
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0 and self.n_head > 0:
+            object.__setattr__(self, "head_dim", self.n_embd // self.n_head)
+        if self.rope_dims == 0:
+            object.__setattr__(self, "rope_dims", self.head_dim)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"LlamaConfig.{f.name} must be a positive integer, got {value!r}")
+        if self.arch not in ARCH_ROPE:
+            raise ValueError(
+                f"LlamaConfig.arch {self.arch!r} is not supported (supported: "
+                f"{', '.join(ARCH_ROPE)})"
+            )
+        if self.rope_mode not in ("normal", "neox"):
+            raise ValueError(
+                f"LlamaConfig.rope_mode must be 'normal' or 'neox', got {self.rope_mode!r}"
+            )
+        if self.n_head % self.n_head_kv != 0:
+            raise ValueError(
+                f"LlamaConfig.n_head ({self.n_head}) must be a multiple of n_head_kv "
+                f"({self.n_head_kv})"
+            )
+        if self.rope_dims % 2 != 0 or self.rope_dims > self.head_dim:
+            raise ValueError(
+                f"LlamaConfig.rope_dims ({self.rope_dims}) must be even and at most head_dim "
+                f"({self.head_dim})"
+            )
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ValueError(f"LlamaConfig.rope_theta must be positive, got {self.rope_theta}")
+        if not (self.rms_eps > 0 and math.isfinite(self.rms_eps)):
+            raise ValueError(f"LlamaConfig.rms_eps must be positive, got {self.rms_eps}")
+
+    @property
+    def n_gqa(self) -> int:
+        """Query heads per KV head."""
+        return self.n_head // self.n_head_kv
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the model needs, GGUF name -> numpy shape, in file order."""
+        d, hd = self.n_embd, self.head_dim
+        q, kv = self.n_head * hd, self.n_head_kv * hd
+        shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, d)}
+        for i in range(self.n_layer):
+            p = f"blk.{i}."
+            shapes[p + "attn_norm.weight"] = (d,)
+            shapes[p + "attn_q.weight"] = (q, d)
+            shapes[p + "attn_k.weight"] = (kv, d)
+            shapes[p + "attn_v.weight"] = (kv, d)
+            if self.qkv_bias:
+                shapes[p + "attn_q.bias"] = (q,)
+                shapes[p + "attn_k.bias"] = (kv,)
+                shapes[p + "attn_v.bias"] = (kv,)
+            if self.qk_norm:
+                shapes[p + "attn_q_norm.weight"] = (hd,)
+                shapes[p + "attn_k_norm.weight"] = (hd,)
+            shapes[p + "attn_output.weight"] = (d, q)
+            shapes[p + "ffn_norm.weight"] = (d,)
+            shapes[p + "ffn_gate.weight"] = (self.n_ff, d)
+            shapes[p + "ffn_up.weight"] = (self.n_ff, d)
+            shapes[p + "ffn_down.weight"] = (d, self.n_ff)
+        shapes["output_norm.weight"] = (d,)
+        if not self.tied_embeddings:
+            shapes["output.weight"] = (self.n_vocab, d)
+        return shapes
+
+
+# The built-in random models (`Llama.random`), as issue 4 defines them.
+BUILTIN_CONFIGS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(n_vocab=4096, n_embd=256, n_layer=2, n_head=4, n_head_kv=2, n_ff=768),
+    "small": LlamaConfig(n_vocab=32000, n_embd=768, n_layer=12, n_head=12, n_head_kv=4, n_ff=2048),
+    "1b": LlamaConfig(n_vocab=32000, n_embd=2048, n_layer=16, n_head=32, n_head_kv=8, n_ff=8192),
+}
+
+
+def _dtype_of(name: str, data: Array, declared: str | None) -> str:
+    if data.dtype == np.float16:
+        if declared not in (None, "f16"):
+            raise ValueError(f"weight {name!r}: float16 data cannot be {declared}")
+        return "f16"
+    if data.dtype == np.float32:
+        if declared not in (None, "f32", "bf16"):
+            raise ValueError(f"weight {name!r}: float32 data cannot be {declared}")
+        return declared or "f32"
+    raise ValueError(
+        f"weight {name!r} has numpy dtype {data.dtype}; lowsync weights are float32 (f32, or "
+        "bf16 values held in float32) or float16"
+    )
+
+
+@dataclass
+class Llama:
+    """A llama-family decoder: a config and its weights (numpy arrays, GGUF names, numpy order).
+
+    Make one with `Llama.random("tiny", seed=0)` or `lowsync.load_gguf(path)`; run it with
+    `lowsync.Session(model)`. `dtypes` maps a weight name to "f32", "f16" or "bf16" (bf16
+    weights are float32 arrays whose values are bf16-representable); it defaults from the
+    arrays' numpy dtypes. `metadata` keeps GGUF tokenizer fields so `save_gguf` can write them
+    back (key -> (value, GGUF value type, array item type)).
+
+    Example::
+
+        model = Llama.random("tiny", seed=0)
+        g = model.build_graph(n_tokens=1, n_ctx=64, n_out=1)
+    """
+
+    config: LlamaConfig
+    weights: dict[str, Array]
+    name: str = "llama"
+    dtypes: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, tuple[Any, int, int | None]] = field(default_factory=dict)
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        want = self.config.weight_shapes()
+        missing = [n for n in want if n not in self.weights]
+        if missing:
+            raise ValueError(f"model {self.name!r} lacks weights {missing[:8]}")
+        extra = [n for n in self.weights if n not in want]
+        if extra:
+            raise ValueError(
+                f"model {self.name!r} has weights the {self.config.arch} graph does not use: "
+                f"{extra[:8]}"
+            )
+        for n, shape in want.items():
+            data = self.weights[n]
+            if tuple(data.shape) != shape:
+                raise ValueError(
+                    f"weight {n!r} has shape {tuple(data.shape)}, the config needs {shape}"
+                )
+            self.dtypes[n] = _dtype_of(n, data, self.dtypes.get(n))
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def random(cls, name: str | LlamaConfig, seed: int = 0, dtype: str = "f32") -> Llama:
+        """A model with weights drawn from N(0, 0.02) and norm weights of one.
+
+        `name` is a built-in model ("tiny", "small", "1b"; see `BUILTIN_CONFIGS`) or a
+        `LlamaConfig`. `dtype` ("f32", "f16" or "bf16") applies to the matrices; 1-D weights
+        (norms, biases) stay f32, as in GGUF files.
+        """
+        if isinstance(name, LlamaConfig):
+            config, label = name, "custom"
+        else:
+            if name not in BUILTIN_CONFIGS:
+                raise ValueError(
+                    f"unknown built-in model {name!r} (built-in: {', '.join(BUILTIN_CONFIGS)})"
+                )
+            config, label = BUILTIN_CONFIGS[name], name
+        if dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"dtype must be one of {WEIGHT_DTYPES}, got {dtype!r}")
+        rng = np.random.default_rng(seed)
+        weights: dict[str, Array] = {}
+        dtypes: dict[str, str] = {}
+        for n, shape in config.weight_shapes().items():
+            if n.endswith("norm.weight"):
+                weights[n] = np.ones(shape, np.float32)
+                dtypes[n] = "f32"
+                continue
+            w = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+            if len(shape) == 1:
+                weights[n], dtypes[n] = w, "f32"
+            elif dtype == "f16":
+                weights[n], dtypes[n] = w.astype(np.float16), "f16"
+            elif dtype == "bf16":
+                weights[n], dtypes[n] = _round_bf16(w), "bf16"
+            else:
+                weights[n], dtypes[n] = w, "f32"
+        return cls(config, weights, name=label, dtypes=dtypes)
+
+    # ---- facts --------------------------------------------------------------------------------
+
+    @property
+    def n_params(self) -> int:
+        """Number of weight elements."""
+        return sum(int(w.size) for w in self.weights.values())
+
+    @property
+    def weight_type(self) -> str:
+        """The dtype of the projection matrices ("f32", "f16", "bf16"), for reports."""
+        return self.dtypes.get("blk.0.attn_q.weight", "f32")
+
+    def with_config(self, **changes: Any) -> Llama:
+        """The same weights under a config with `changes` applied (e.g. `rope_theta=1e6`)."""
+        return Llama(
+            replace(self.config, **changes),
+            self.weights,
+            name=self.name,
+            dtypes=dict(self.dtypes),
+            metadata=self.metadata,
+            source=self.source,
+        )
+
+    def save_gguf(self, path: str | Path) -> None:
+        """Writes the model to a GGUF file llama.cpp can load (see `lowsync.gguf.save_gguf`)."""
+        from lowsync.gguf import save_gguf
+
+        save_gguf(self, path)
+
+    # ---- graph --------------------------------------------------------------------------------
+
+    def build_graph(
+        self,
+        n_tokens: int,
+        n_ctx: int,
+        n_out: int,
+        kv_dtype: str = "f32",
+        backend: str | None = None,
+    ) -> Graph:
+        """The decoder graph of one shape bucket (see the module docstring for its contract).
+
+        `n_tokens` tokens per step, `n_ctx` KV-cache rows spanned by attention, `n_out` output
+        rows; `kv_dtype` ("f32", "f16" or "bf16") is the cache's dtype. `backend` pins the
+        weights to one backend (default: let the scheduler place them).
+        """
+        for what, v in (("n_tokens", n_tokens), ("n_ctx", n_ctx), ("n_out", n_out)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{what} must be a positive integer, got {v!r}")
+        if kv_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {WEIGHT_DTYPES}, got {kv_dtype!r}")
+        return _GraphBuilder(self, n_tokens, n_ctx, n_out, kv_dtype, backend).build()
+
+
+def _round_bf16(x: Array) -> Array:
+    """float32 values rounded to the nearest bfloat16 (ties to even), kept as float32."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    out: Array = rounded.astype(np.uint32).view(np.float32)
+    return out
+
+
+class _GraphBuilder:
+    """Builds one bucket's graph; holds the graph and the weight tensors made so far."""
+
+    def __init__(
+        self, model: Llama, t: int, n_ctx: int, n_out: int, kv_dtype: str, backend: str | None
+    ) -> None:
+        self.model = model
+        self.cfg = model.config
+        self.t, self.n_ctx, self.n_out = t, n_ctx, n_out
+        self.kv_dtype = kv_dtype
+        self.backend = backend
+        self.g = Graph()
+        self._made: dict[str, Tensor] = {}
+
+    def w(self, name: str) -> Tensor:
+        """The weight called `name`, added to the graph on first use."""
+        made = self._made.get(name)
+        if made is None:
+            data = self.model.weights[name]
+            dtype = self.model.dtypes[name]
+            made = self.g.weight(
+                name, data, backend=self.backend, dtype="bf16" if dtype == "bf16" else None
+            )
+            self._made[name] = made
+        return made
+
+    def linear(self, x: Tensor, name: str, bias: bool = False) -> Tensor:
+        """`x @ W.T (+ b)` for a GGUF weight `W [out, in]`."""
+        y = x @ self.w(name + ".weight").T
+        return y + self.w(name + ".bias") if bias else y
+
+    def norm(self, x: Tensor, name: str) -> Tensor:
+        return self.g.rms_norm(x, self.cfg.rms_eps) * self.w(name)
+
+    def build(self) -> Graph:
+        g, cfg, t, n_ctx = self.g, self.cfg, self.t, self.n_ctx
+        hd, n_h, n_kv = cfg.head_dim, cfg.n_head, cfg.n_head_kv
+
+        tokens = g.input("tokens", [t], "i32")
+        pos = g.input("pos", [t], "i32")
+        kv_idx = g.input("kv_idx", [t], "i32")
+        kq_mask = g.input("kq_mask", [t, n_ctx])
+        out_ids = g.input("out_ids", [self.n_out], "i32")
+
+        x = g.get_rows(self.w("token_embd.weight"), tokens)  # [T, d]
+        for il in range(cfg.n_layer):
+            p = f"blk.{il}."
+            h = self.norm(x, p + "attn_norm.weight")
+            q = g.reshape(self.linear(h, p + "attn_q", cfg.qkv_bias), [t, n_h, hd])
+            k = g.reshape(self.linear(h, p + "attn_k", cfg.qkv_bias), [t, n_kv, hd])
+            v = self.linear(h, p + "attn_v", cfg.qkv_bias)  # [T, n_kv * hd]
+            if cfg.qk_norm:
+                q = self.norm(q, p + "attn_q_norm.weight")
+                k = self.norm(k, p + "attn_k_norm.weight")
+            q = g.rope(q, pos, cfg.rope_dims, cfg.rope_theta, cfg.rope_mode)
+            k = g.rope(k, pos, cfg.rope_dims, cfg.rope_theta, cfg.rope_mode)
+
+            # This step's K and V go into their cache rows; attention then reads every row
+            # (through the set_rows results, so it runs after the writes) under the mask.
+            k_cache = g.persistent(f"cache_k_l{il}", [n_ctx, n_kv * hd], self.kv_dtype)
+            v_cache = g.persistent(f"cache_v_l{il}", [n_ctx, n_kv * hd], self.kv_dtype)
+            k_all = g.set_rows(k_cache, g.reshape(k, [t, n_kv * hd]), kv_idx)
+            v_all = g.set_rows(v_cache, v, kv_idx)
+            keys = g.permute(g.reshape(k_all, [n_ctx, n_kv, hd]), [1, 2, 0])  # [n_kv, hd, n_ctx]
+            values = g.permute(g.reshape(v_all, [n_ctx, n_kv, hd]), [1, 0, 2])  # [n_kv, n_ctx, hd]
+            queries = g.permute(q, [1, 0, 2])  # [n_h, T, hd]; head h reads kv head h // n_gqa
+            kq = g.soft_max(queries @ keys, kq_mask, scale=1.0 / math.sqrt(hd))  # [n_h, T, n_ctx]
+            att = g.cont(g.permute(kq @ values, [1, 0, 2]))  # [T, n_h, hd]
+            x = x + self.linear(g.reshape(att, [t, n_h * hd]), p + "attn_output")
+
+            h = self.norm(x, p + "ffn_norm.weight")
+            ff = g.swiglu(self.linear(h, p + "ffn_gate"), self.linear(h, p + "ffn_up"))
+            x = x + self.linear(ff, p + "ffn_down")
+
+        x = self.norm(x, "output_norm.weight")
+        rows = g.get_rows(x, out_ids)  # [n_out, d]
+        out_name = "token_embd" if cfg.tied_embeddings else "output"
+        logits = self.linear(rows, out_name)  # [n_out, n_vocab]
+        g.output(OUTPUT_LOGITS, logits)
+        g.output(OUTPUT_NEXT, g.argmax(logits))
+        return g

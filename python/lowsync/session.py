@@ -1,0 +1,539 @@
+"""`Session`: a model, a KV cache with sequences, and the decode loop over fixed-shape graphs.
+
+Why: the graph contract (ARCHITECTURE §6) moves everything that changes between steps out of
+the graph and into small host-written inputs. Something must own that state — which KV-cache
+cell holds which position of which sequences — and turn it into inputs every step, without
+ever rebuilding a graph. That is this module; the graph itself is `lowsync.models.llama`.
+
+Strategy: one `Context` per session (the user's backend list is passed straight through) and
+one compiled plan per shape bucket, compiled once in `__init__`, largest first (reserve once):
+by default a 1-token decode graph and an `n_ubatch`-token graph. All plans name the same
+weights and persistent KV tensors, which the context shares between its plans. The cache is
+unified, like llama.cpp's: `n_ctx` cells, each with a position and a set of sequence ids, so
+`seq_cp` shares cells without copying data. The cache tensors have one more row than there are
+cells: the last row is a scratch row that padded tokens of a short ubatch write to; no mask row
+ever admits it. Per ubatch the host
+fills `tokens`, `pos`, `kv_idx`, `kq_mask` and `out_ids` (padded to the bucket) and computes;
+a greedy step reads only `next` (4 bytes per output row), so under the `staged` policy a
+generated token costs one host wait.
+
+Invariants: every public method validates its arguments (token ids, sequence ids, free cells)
+before it changes any state; a decode that fails part-way (a backend error, Ctrl-C) gives back
+the cells it took, so the session stays usable (invariant 14). Shapes never depend on state, so
+steps after `seq_cp` and ubatches without outputs run the same plans (invariants 11, 12).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from lowsync._native import Context, LowsyncError, Plan
+from lowsync.models.llama import OUTPUT_LOGITS, OUTPUT_NEXT, Llama
+
+LogitsMode = Literal["last", "all", "none"]
+
+# Counters reported per generated token (the bench's columns).
+TOKEN_COUNTERS: tuple[str, ...] = (
+    "host_waits",
+    "driver_syncs",
+    "elided_syncs",
+    "submits",
+    "empty_submits",
+    "h2d_copies",
+    "d2h_copies",
+    "reallocs",
+)
+
+
+class SessionError(LowsyncError, ValueError):
+    """Bad input to a `Session`: an unknown sequence id, a token id out of range, ..."""
+
+
+class ContextFullError(SessionError):
+    """The KV cache has too few free cells for the tokens of a decode."""
+
+
+@dataclass(frozen=True)
+class GenerateStats:
+    """Timing and counters of one `Session.generate` call.
+
+    The prompt phase (`prefill_s`, `prefill`) decodes the prompt and reads the first generated
+    token; the decode phase is the `n_steps` one-token steps after it, and `per_token` holds its
+    counter deltas divided by `n_steps` (the "per generated token" figures of the bench).
+    """
+
+    n_prompt: int
+    n_gen: int
+    n_steps: int
+    prefill_s: float
+    decode_s: float
+    prefill: dict[str, int]
+    per_token: dict[str, float]
+
+    @property
+    def pp_tps(self) -> float:
+        """Prompt tokens per second."""
+        return self.n_prompt / self.prefill_s if self.prefill_s > 0 else float("inf")
+
+    @property
+    def tg_tps(self) -> float:
+        """Generated tokens per second over the decode steps."""
+        return self.n_steps / self.decode_s if self.decode_s > 0 else float("inf")
+
+
+class _Bucket:
+    """One compiled graph of fixed token count, with the host buffers of its inputs."""
+
+    def __init__(self, plan: Plan, n_tokens: int, n_cells: int) -> None:
+        self.plan = plan
+        self.n_tokens = n_tokens
+        self.tokens = np.zeros(n_tokens, np.int32)
+        self.pos = np.zeros(n_tokens, np.int32)
+        self.kv_idx = np.zeros(n_tokens, np.int32)
+        self.kq_mask = np.full((n_tokens, n_cells), -np.inf, np.float32)
+        self.out_ids = np.zeros(n_tokens, np.int32)
+        plan.set_input("out_ids", self.out_ids)
+
+
+class Session:
+    """A model on a context, with a unified KV cache of `n_ctx` cells shared by `n_seq` sequences.
+
+    `backends` goes to `lowsync.Context` as given; `policy` is "stock", "relaxed", "staged" or
+    None (`LOWSYNC_SYNC_POLICY`, default staged). A prompt is split into ubatches of at most
+    `n_ubatch` tokens. `kv_dtype` is the cache's dtype. One graph is compiled per size in
+    `buckets` plus one of `n_ubatch` tokens, all at creation; a ubatch runs on the smallest that
+    holds it, padded. The default `(1,)` gives single-token steps their own graph; `()` runs
+    everything through the `n_ubatch` graph; e.g. `(1, 2, 4)` suits 4 parallel sequences.
+
+    Example::
+
+        sess = Session(Llama.random("tiny", seed=0), backends=["cpu-async"], n_ctx=256)
+        logits = sess.decode([1, 5, 300, 7], seq_id=0, logits="all")  # [4, n_vocab]
+        ids = sess.generate([1, 5, 300], max_new_tokens=8, seq_id=1)  # greedy, on the device
+        sess.seq_cp(1, 2)  # seq 2 shares seq 1's cells; no data is copied
+    """
+
+    def __init__(
+        self,
+        model: Llama,
+        backends: Sequence[str] = ("cpu",),
+        n_ctx: int = 2048,
+        n_seq: int = 4,
+        n_ubatch: int = 32,
+        policy: str | None = None,
+        kv_dtype: str = "f32",
+        buckets: Sequence[int] = (1,),
+    ) -> None:
+        for what, v in (("n_ctx", n_ctx), ("n_seq", n_seq), ("n_ubatch", n_ubatch)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise SessionError(f"Session: {what} must be a positive integer, got {v!r}")
+        bad = [b for b in buckets if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+        if bad or any(b > n_ubatch for b in buckets):
+            raise SessionError(
+                f"Session: buckets must be positive ints of at most n_ubatch ({n_ubatch}), "
+                f"got {list(buckets)}"
+            )
+        if kv_dtype not in ("f32", "f16", "bf16"):
+            raise SessionError(f"Session: kv_dtype must be f32, f16 or bf16, got {kv_dtype!r}")
+        if isinstance(backends, str):
+            backends = [backends]
+        self.model = model
+        self.n_ctx = n_ctx
+        self.n_seq = n_seq
+        self.n_ubatch = n_ubatch
+        self.n_vocab = model.config.n_vocab
+        self.context = Context(list(backends), policy=policy)
+        # The cache has n_ctx cells plus the scratch row that padding writes (never attended).
+        self._n_rows = n_ctx + 1
+        self._scratch = n_ctx
+        # Largest bucket first: its compile is the worst-case reserve, and every smaller graph
+        # (same nodes, smaller tensors) then fits it without reallocating (invariant 11).
+        sizes = sorted({*buckets, n_ubatch}, reverse=True)
+        compiled: list[_Bucket] = []
+        for size in sizes:
+            graph = model.build_graph(size, self._n_rows, size, kv_dtype=kv_dtype)
+            compiled.append(_Bucket(self.context.compile(graph), size, self._n_rows))
+            del graph  # the context holds the uploaded weights; drop the graph's copy now
+        self._buckets = compiled[::-1]  # smallest first, for `_bucket_for`
+
+        # Cell state: position (-1: free), sequence membership, and per sequence the mask row
+        # it sees (0 on its cells, -inf elsewhere and always on the scratch row).
+        self._cell_pos = np.full(n_ctx, -1, np.int64)
+        self._cell_seq = np.zeros((n_ctx, n_seq), bool)
+        self._seq_mask = np.full((n_seq, self._n_rows), -np.inf, np.float32)
+        self._seq_next = [0] * n_seq  # next position of each sequence (max position + 1)
+        self._free: list[int] = list(range(n_ctx - 1, -1, -1))  # a stack: pops 0, 1, 2, ...
+        self.last_generate: GenerateStats | None = None
+
+    # ---- facts --------------------------------------------------------------------------------
+
+    @property
+    def policy(self) -> str:
+        """The context's sync policy."""
+        return self.context.policy
+
+    @property
+    def backends(self) -> list[str]:
+        """The context's backends."""
+        return self.context.backends
+
+    @property
+    def n_free(self) -> int:
+        """KV cells not used by any sequence."""
+        return len(self._free)
+
+    @property
+    def plans(self) -> list[Plan]:
+        """The compiled plans, smallest bucket first (compiled once, at creation)."""
+        return [b.plan for b in self._buckets]
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """The largest position held by `seq_id`, or -1 when it holds none."""
+        self._check_seq(seq_id)
+        return self._seq_next[seq_id] - 1
+
+    def seq_cells(self, seq_id: int) -> list[int]:
+        """The cells `seq_id` holds, in cell order (cells may be shared with other sequences)."""
+        self._check_seq(seq_id)
+        return [int(c) for c in np.flatnonzero(self._cell_seq[:, seq_id])]
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Cumulative counters of the context: per backend and `"total"`."""
+        return self.context.stats()
+
+    # ---- sequences ----------------------------------------------------------------------------
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int | None = None) -> None:
+        """Makes `dst` share `src`'s cells with positions in [p0, p1): no data is copied."""
+        self._check_seq(src)
+        self._check_seq(dst)
+        cells = self._range_cells(src, p0, p1)
+        if src == dst or cells.size == 0:
+            return
+        self._cell_seq[cells, dst] = True
+        self._seq_mask[dst, cells] = 0.0
+        self._seq_next[dst] = max(self._seq_next[dst], int(self._cell_pos[cells].max()) + 1)
+
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None) -> None:
+        """Removes `seq_id` from its cells with positions in [p0, p1); frees cells left empty."""
+        self._check_seq(seq_id)
+        self._drop(seq_id, self._range_cells(seq_id, p0, p1))
+
+    def seq_keep(self, seq_id: int) -> None:
+        """Removes every other sequence from the cache."""
+        self._check_seq(seq_id)
+        for s in range(self.n_seq):
+            if s != seq_id:
+                self._drop(s, np.flatnonzero(self._cell_seq[:, s]))
+
+    def clear(self) -> None:
+        """Empties the cache (every sequence)."""
+        for s in range(self.n_seq):
+            self._drop(s, np.flatnonzero(self._cell_seq[:, s]))
+
+    # ---- decoding -----------------------------------------------------------------------------
+
+    def decode(
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.integer[Any]],
+        seq_id: int | Sequence[int] = 0,
+        logits: LogitsMode | Sequence[bool] = "last",
+    ) -> npt.NDArray[np.float32] | None:
+        """Appends `tokens` to sequence `seq_id` (or to `seq_id[i]` per token) and runs them.
+
+        The tokens are split into ubatches of at most `n_ubatch`. `logits`: "last" returns the
+        last token's logits [n_vocab]; "all" returns [n_tokens, n_vocab]; "none" returns None
+        and does not wait for the device; a sequence of bools selects rows ([n_true, n_vocab]).
+        Positions continue each sequence (its largest position + 1).
+        """
+        toks = self._check_tokens(tokens)
+        seqs = self._check_seq_ids(seq_id, len(toks))
+        flags = self._output_flags(logits, len(toks))
+        rows = self._run(toks, seqs, flags, want="logits")
+        if logits == "none" or (not isinstance(logits, str) and not any(flags)):
+            return None
+        assert rows is not None
+        out = np.concatenate(rows) if len(rows) > 1 else rows[0]
+        return out[-1] if logits == "last" else out
+
+    def step(self, tokens: Mapping[int, int]) -> dict[int, int]:
+        """Decodes one token for each of several sequences in one ubatch; returns each
+        sequence's greedy next token (argmax on the device: only `next` is read back).
+
+        Example: ``nxt = sess.step({0: 17, 1: 17})`` then ``sess.step(nxt)``.
+        """
+        seqs = list(tokens)
+        if not seqs:
+            raise SessionError("step: no sequences given")
+        toks = self._check_tokens([tokens[s] for s in seqs])
+        for s in seqs:
+            self._check_seq(s)
+        nxt = self._run(toks, seqs, [True] * len(seqs), want="next")
+        assert nxt is not None
+        ids = np.concatenate(nxt)
+        return {s: int(t) for s, t in zip(seqs, ids, strict=True)}
+
+    def generate(
+        self,
+        prompt: Sequence[int] | npt.NDArray[np.integer[Any]],
+        max_new_tokens: int,
+        seq_id: int = 0,
+        stop: Iterable[int] = (),
+    ) -> list[int]:
+        """Greedy generation on the device: decodes `prompt` into `seq_id`, then feeds each
+        generated token back, one step per token; returns the generated tokens.
+
+        Each step reads only the sampled token (one host wait under `staged`). Generation ends
+        after `max_new_tokens` tokens or at a token in `stop`. The cache must have room for the
+        prompt and every generated token but the last, checked before anything runs. Timing and
+        counters of the call are kept in `last_generate`.
+        """
+        toks = self._check_tokens(prompt)
+        self._check_seq(seq_id)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise SessionError(f"generate: max_new_tokens must be an int, got {max_new_tokens!r}")
+        if max_new_tokens < 1:
+            raise SessionError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(toks) == 0:
+            raise SessionError("generate: the prompt is empty")
+        need = len(toks) + max_new_tokens - 1
+        if need > self.n_free:
+            raise ContextFullError(
+                f"generate: needs {need} free KV cells ({len(toks)} prompt tokens + "
+                f"{max_new_tokens - 1} fed back), the cache has {self.n_free} of {self.n_ctx}"
+            )
+        stops = {int(t) for t in stop}
+
+        before = self.context.stats()["total"]
+        t0 = time.perf_counter()
+        flags = [False] * len(toks)
+        flags[-1] = True
+        first = self._run(toks, [seq_id] * len(toks), flags, want="next")
+        assert first is not None
+        token = int(first[-1][0])
+        out = [token]
+        t1 = time.perf_counter()
+        mid = self.context.stats()["total"]
+        steps = 0
+        decode = self._buckets[0]
+        while len(out) < max_new_tokens and token not in stops:
+            self._check_device_token(token)
+            self._run_one(decode, token, seq_id)
+            token = int(decode.plan.get_output(OUTPUT_NEXT)[0])  # the one wait of the step
+            out.append(token)
+            steps += 1
+        t2 = time.perf_counter()
+        after = self.context.stats()["total"]
+        self.last_generate = GenerateStats(
+            n_prompt=len(toks),
+            n_gen=len(out),
+            n_steps=steps,
+            prefill_s=t1 - t0,
+            decode_s=t2 - t1,
+            prefill={c: mid[c] - before[c] for c in TOKEN_COUNTERS},
+            per_token={c: (after[c] - mid[c]) / max(steps, 1) for c in TOKEN_COUNTERS},
+        )
+        return out
+
+    # ---- validation ---------------------------------------------------------------------------
+
+    def _check_seq(self, seq_id: int) -> None:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int | np.integer):
+            raise SessionError(f"sequence id must be an int, got {seq_id!r}")
+        if not 0 <= seq_id < self.n_seq:
+            raise SessionError(
+                f"unknown sequence id {seq_id}: this session has sequences 0..{self.n_seq - 1} "
+                f"(n_seq={self.n_seq})"
+            )
+
+    def _check_seq_ids(self, seq_id: int | Sequence[int], n: int) -> list[int]:
+        if isinstance(seq_id, int | np.integer) and not isinstance(seq_id, bool):
+            self._check_seq(int(seq_id))
+            return [int(seq_id)] * n
+        seqs = list(seq_id)  # type: ignore[arg-type]
+        if len(seqs) != n:
+            raise SessionError(f"decode: {len(seqs)} sequence ids for {n} tokens")
+        for s in set(seqs):
+            self._check_seq(s)
+        return [int(s) for s in seqs]
+
+    def _check_tokens(self, tokens: Sequence[int] | npt.NDArray[np.integer[Any]]) -> list[int]:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1 or (arr.size > 0 and arr.dtype.kind not in "iu"):
+            raise SessionError(
+                f"tokens must be a 1-D sequence of ints, got {arr.dtype} of shape {arr.shape}"
+            )
+        if arr.size == 0:
+            return []
+        bad = np.flatnonzero((arr < 0) | (arr >= self.n_vocab))
+        if bad.size:
+            i = int(bad[0])
+            raise SessionError(
+                f"token id {int(arr[i])} at index {i} is out of range for the model's "
+                f"vocabulary of {self.n_vocab} tokens (valid: 0..{self.n_vocab - 1})"
+            )
+        return [int(t) for t in arr]
+
+    def _check_device_token(self, token: int) -> None:
+        if not 0 <= token < self.n_vocab:  # only a broken backend could produce this
+            raise SessionError(f"the device returned token id {token}, outside the vocabulary")
+
+    def _output_flags(self, logits: LogitsMode | Sequence[bool], n: int) -> list[bool]:
+        if n == 0:
+            raise SessionError("decode: no tokens given")
+        if isinstance(logits, str):
+            if logits == "all":
+                return [True] * n
+            if logits == "none":
+                return [False] * n
+            if logits == "last":
+                return [False] * (n - 1) + [True]
+            raise SessionError(
+                f"decode: logits must be 'last', 'all', 'none' or a sequence of bools, "
+                f"got {logits!r}"
+            )
+        flags = [bool(f) for f in logits]
+        if len(flags) != n:
+            raise SessionError(f"decode: {len(flags)} logits flags for {n} tokens")
+        return flags
+
+    def _range_cells(self, seq_id: int, p0: int, p1: int | None) -> npt.NDArray[np.intp]:
+        hi = np.iinfo(np.int64).max if p1 is None else p1
+        if p0 < 0 or hi < p0:
+            raise SessionError(f"position range [{p0}, {p1}) is empty or negative")
+        sel = self._cell_seq[:, seq_id] & (self._cell_pos >= p0) & (self._cell_pos < hi)
+        return np.flatnonzero(sel)
+
+    # ---- cache state --------------------------------------------------------------------------
+
+    def _drop(self, seq_id: int, cells: npt.NDArray[np.intp]) -> None:
+        """Removes `seq_id` from `cells` and frees the cells no sequence holds any more."""
+        if cells.size == 0:
+            return
+        self._cell_seq[cells, seq_id] = False
+        self._seq_mask[seq_id, cells] = -np.inf
+        emptied = cells[~self._cell_seq[cells].any(axis=1)]
+        self._cell_pos[emptied] = -1
+        # Freed cells go back on the stack lowest-last, so the next allocation takes them in
+        # ascending order.
+        self._free.extend(int(c) for c in sorted(emptied.tolist(), reverse=True))
+        held = self._cell_pos[self._cell_seq[:, seq_id]]
+        self._seq_next[seq_id] = int(held.max()) + 1 if held.size else 0
+
+    def _take(self, seqs: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Gives each token a free cell and its sequence's next position."""
+        cells = [self._free.pop() for _ in seqs]
+        positions = []
+        for c, s in zip(cells, seqs, strict=True):
+            p = self._seq_next[s]
+            self._seq_next[s] = p + 1
+            self._cell_pos[c] = p
+            self._cell_seq[c, s] = True
+            self._seq_mask[s, c] = 0.0
+            positions.append(p)
+        return cells, positions
+
+    # ---- running ------------------------------------------------------------------------------
+
+    def _bucket_for(self, n: int) -> _Bucket:
+        return next(b for b in self._buckets if b.n_tokens >= n)
+
+    def _run(
+        self,
+        tokens: list[int],
+        seqs: list[int],
+        flags: list[bool],
+        want: Literal["logits", "next"],
+    ) -> list[npt.NDArray[Any]] | None:
+        """Runs the tokens in ubatches; returns the wanted output rows of each ubatch that has
+        any (None when no token wants an output). All-or-nothing on the cache."""
+        if len(tokens) > self.n_free:
+            raise ContextFullError(
+                f"decode: {len(tokens)} tokens need as many free KV cells; the cache has "
+                f"{self.n_free} free of {self.n_ctx} (free some with seq_rm, or use a larger n_ctx)"
+            )
+        taken: list[tuple[int, int]] = []  # (cell, seq) of this call, to give back on failure
+        saved_next = list(self._seq_next)
+        results: list[npt.NDArray[Any]] = []
+        try:
+            for start in range(0, len(tokens), self.n_ubatch):
+                stop = min(start + self.n_ubatch, len(tokens))
+                sub_seqs = seqs[start:stop]
+                rows = [i for i, f in enumerate(flags[start:stop]) if f]
+                bucket = self._bucket_for(stop - start)
+                cells = self._fill(bucket, tokens[start:stop], sub_seqs, rows)
+                taken.extend(zip(cells, sub_seqs, strict=True))
+                bucket.plan.compute()
+                if rows:
+                    name = OUTPUT_LOGITS if want == "logits" else OUTPUT_NEXT
+                    results.append(bucket.plan.get_output(name)[: len(rows)])
+        except BaseException:
+            self._give_back(taken, saved_next)
+            raise
+        return results or None
+
+    def _give_back(self, taken: list[tuple[int, int]], saved_next: list[int]) -> None:
+        for c, s in reversed(taken):
+            self._cell_seq[c, s] = False
+            self._seq_mask[s, c] = -np.inf
+            self._cell_pos[c] = -1
+            self._free.append(c)
+        self._seq_next[:] = saved_next
+
+    def _fill(
+        self, bucket: _Bucket, tokens: list[int], seqs: list[int], rows: list[int]
+    ) -> list[int]:
+        """Takes cells for one ubatch and writes the bucket's inputs (padded to its size)."""
+        m, size, plan = len(tokens), bucket.n_tokens, bucket.plan
+        cells, positions = self._take(seqs)
+        if size == 1:
+            # The decode step, the hot path: item writes, and the sequence's own mask row
+            # (a view: set_input copies it straight into the input pack).
+            bucket.tokens[0], bucket.pos[0], bucket.kv_idx[0] = tokens[0], positions[0], cells[0]
+            s = seqs[0]
+            mask = self._seq_mask[s : s + 1]
+        else:
+            bucket.tokens[:m] = tokens
+            bucket.tokens[m:] = 0
+            bucket.pos[:m] = positions
+            bucket.pos[m:] = 0
+            bucket.kv_idx[:m] = cells
+            bucket.kv_idx[m:] = self._scratch  # padding writes the scratch row
+            mask = bucket.kq_mask
+            if all(s == seqs[0] for s in seqs):
+                mask[:m] = self._seq_mask[seqs[0]]
+            else:
+                mask[:m] = self._seq_mask[seqs]
+            # A token must not see the cells of later tokens of this ubatch: those are of its
+            # own sequence with larger positions, or of another sequence (already -inf).
+            if m > 1:
+                later_i, later_j = np.triu_indices(m, 1)
+                mask[later_i, np.asarray(cells)[later_j]] = -np.inf
+            mask[m:] = -np.inf  # padded rows attend nothing and give zeros
+        plan.set_input("tokens", bucket.tokens)
+        plan.set_input("pos", bucket.pos)
+        plan.set_input("kv_idx", bucket.kv_idx)
+        plan.set_input("kq_mask", mask)
+        if size > 1:  # a 1-token graph's output row is always row 0, written once at creation
+            bucket.out_ids[: len(rows)] = rows
+            bucket.out_ids[len(rows) :] = 0
+            plan.set_input("out_ids", bucket.out_ids)
+        return cells
+
+    def _run_one(self, bucket: _Bucket, token: int, seq_id: int) -> None:
+        """The decode step of `generate`: one token of one sequence, no output read here."""
+        if not self._free:
+            raise ContextFullError("decode: the KV cache is full")
+        saved_next = list(self._seq_next)
+        cells = self._fill(bucket, [token], [seq_id], [0])
+        try:
+            bucket.plan.compute()
+        except BaseException:
+            self._give_back([(cells[0], seq_id)], saved_next)
+            raise

@@ -1,0 +1,248 @@
+"""GGUF loading and saving: hyper-parameters and variants, round trips, and one clear error per
+kind of bad file (each names the file, the key or tensor, and what is supported)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+import lowsync as ls
+from llama_ref import VARIANTS, Spec, random_weights, write_gguf
+from lowsync.gguf import GGUFError, load_gguf, save_gguf
+from lowsync.models.llama import Llama, LlamaConfig
+
+TOKENS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+
+
+def _logits(model: Llama, tokens: list[int] = TOKENS) -> np.ndarray:
+    sess = ls.Session(model, backends=["cpu"], n_ctx=16, n_ubatch=4)
+    out = sess.decode(tokens, logits="all")
+    assert out is not None
+    return out
+
+
+def _file(tmp_path: Path, spec: Spec | None = None, **kw: object) -> Path:
+    spec = spec or Spec()
+    w = random_weights(spec)
+    for name in [k for k, v in kw.items() if v is None]:
+        del w[name.replace("__", ".")]
+    return write_gguf(tmp_path / "model.gguf", spec, w)
+
+
+# ---- what a file becomes --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variants_load_with_their_hyper_parameters(tmp_path: Path, variant: str) -> None:
+    spec = VARIANTS[variant]
+    model = load_gguf(write_gguf(tmp_path / "m.gguf", spec, random_weights(spec)))
+    c = model.config
+    assert c.arch == spec.arch
+    assert (c.n_vocab, c.n_embd, c.n_layer, c.n_ff) == (300, 64, 2, 96)
+    assert (c.n_head, c.n_head_kv, c.head_dim, c.rope_dims) == (
+        spec.n_head,
+        spec.n_head_kv,
+        spec.head_dim,
+        spec.rope_dims,
+    )
+    assert c.rope_mode == ("neox" if spec.arch in ("qwen2", "qwen3") else "normal")
+    assert c.rope_theta == pytest.approx(spec.theta)
+    assert c.rms_eps == pytest.approx(spec.eps)
+    assert (c.qkv_bias, c.qk_norm, c.tied_embeddings) == (spec.bias, spec.qk_norm, spec.tied)
+    assert model.name == f"test-{spec.arch}"
+    # F32 tensors stay memory-mapped, in numpy order ([out, in]).
+    q = model.weights["blk.0.attn_q.weight"]
+    assert q.shape == (spec.n_head * spec.head_dim, spec.n_embd)
+    assert isinstance(q.base, np.memmap) or isinstance(q, np.memmap)
+
+
+@pytest.mark.parametrize("wtype", ["F16", "BF16", "Q8_0"])
+def test_tensor_types_load_to_their_values(tmp_path: Path, wtype: str) -> None:
+    spec = Spec(wtype=wtype)
+    w = random_weights(spec)
+    model = load_gguf(write_gguf(tmp_path / "m.gguf", spec, w))
+    t = gguf.GGMLQuantizationType[wtype]
+    want = gguf.quants.dequantize(gguf.quants.quantize(w["blk.1.ffn_down.weight"], t), t)
+    got = model.weights["blk.1.ffn_down.weight"]
+    if wtype == "BF16":
+        assert model.dtypes["blk.1.ffn_down.weight"] == "bf16"
+        assert got.dtype == np.float32
+        assert np.array_equal(got, want)
+    else:  # F16 as is; Q8_0 dequantised to f16 at load
+        assert got.dtype == np.float16
+        assert np.array_equal(got, want.astype(np.float16))
+    assert model.weights["blk.1.ffn_norm.weight"].dtype == np.float32
+
+
+# ---- round trips ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_random_model_round_trip_gives_identical_logits(tmp_path: Path, dtype: str) -> None:
+    model = Llama.random(LlamaConfig(300, 64, 2, 4, 2, 96), seed=5, dtype=dtype)
+    path = tmp_path / "rt.gguf"
+    model.save_gguf(path)
+    loaded = ls.load_gguf(path)
+    assert loaded.config == model.config
+    assert loaded.dtypes == model.dtypes
+    for name, data in model.weights.items():
+        assert np.array_equal(loaded.weights[name], data), name
+    assert np.array_equal(_logits(loaded), _logits(model))
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3", "tied", "mistral"])
+def test_loaded_variant_round_trip(tmp_path: Path, variant: str) -> None:
+    spec = VARIANTS[variant]
+    model = load_gguf(write_gguf(tmp_path / "a.gguf", spec, random_weights(spec)))
+    save_gguf(model, tmp_path / "b.gguf")
+    again = load_gguf(tmp_path / "b.gguf")
+    # mistral files are written as llama (same tensors and keys); everything else is kept.
+    assert again.config == (
+        model.with_config(arch="llama").config if variant == "mistral" else model.config
+    )
+    assert np.array_equal(_logits(again), _logits(model))
+    # The file's own vocabulary is written back.
+    reader = gguf.GGUFReader(tmp_path / "b.gguf")
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    assert tokens.contents()[:3] == ["t0", "t1", "t2"]
+
+
+def test_saved_random_model_has_a_byte_level_spm_vocab(tmp_path: Path) -> None:
+    model = Llama.random(LlamaConfig(300, 64, 1, 4, 2, 96), seed=0)
+    model.save_gguf(tmp_path / "v.gguf")
+    r = gguf.GGUFReader(tmp_path / "v.gguf")
+    assert r.fields["general.architecture"].contents() == "llama"
+    assert r.fields["tokenizer.ggml.model"].contents() == "llama"
+    tokens = r.fields["tokenizer.ggml.tokens"].contents()
+    types = r.fields["tokenizer.ggml.token_type"].contents()
+    assert len(tokens) == len(types) == 300
+    assert len(set(tokens)) == 300
+    assert tokens[:3] == ["<unk>", "<s>", "</s>"]
+    assert tokens[3] == "<0x00>"
+    assert tokens[258] == "<0xFF>"
+    assert types[3:259] == [int(gguf.TokenType.BYTE)] * 256
+    assert r.fields["tokenizer.ggml.bos_token_id"].contents() == 1
+    assert r.fields["tokenizer.ggml.eos_token_id"].contents() == 2
+    assert r.fields["llama.rope.dimension_count"].contents() == 16
+    # ne order in the file: attn_q is ne [n_embd, n_head * head_dim].
+    q = next(t for t in r.tensors if t.name == "blk.0.attn_q.weight")
+    assert q.shape.tolist() == [64, 64]
+    out = next(t for t in r.tensors if t.name == "output.weight")
+    assert out.shape.tolist() == [64, 300]
+
+
+# ---- bad files ------------------------------------------------------------------------------
+
+
+def _raises(path: Path, *patterns: str) -> None:
+    with pytest.raises(GGUFError) as info:
+        load_gguf(path)
+    msg = str(info.value)
+    assert path.name in msg, msg
+    for p in patterns:
+        assert re.search(p, msg), f"{p!r} not in {msg!r}"
+    assert isinstance(info.value, ls.LowsyncError)
+    assert isinstance(info.value, ValueError)
+
+
+def test_other_architecture(tmp_path: Path) -> None:
+    _raises(
+        _file(tmp_path, Spec(arch="gpt2")),
+        r"general\.architecture",
+        "gpt2",
+        "llama, mistral, qwen2, qwen3",
+    )
+
+
+def test_other_quant_type(tmp_path: Path) -> None:
+    _raises(
+        _file(tmp_path, Spec(wtype="Q4_0")), r"`token_embd\.weight`", "Q4_0", "F32, F16, BF16, Q8_0"
+    )
+
+
+def test_truncated_files(tmp_path: Path) -> None:
+    path = _file(tmp_path)
+    data = path.read_bytes()
+    for cut in (len(data) - 100, len(data) // 2, 40, 3):
+        short = tmp_path / f"cut{cut}.gguf"
+        short.write_bytes(data[:cut])
+        _raises(short, "truncated")
+
+
+def test_corrupt_magic(tmp_path: Path) -> None:
+    path = _file(tmp_path)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"XXXX" + path.read_bytes()[4:])
+    _raises(bad, "not a readable GGUF file")
+
+
+def test_missing_tensor(tmp_path: Path) -> None:
+    _raises(
+        _file(tmp_path, blk__1__ffn_down__weight=None),
+        r"missing tensors `blk\.1\.ffn_down\.weight`",
+    )
+
+
+def test_missing_key(tmp_path: Path) -> None:
+    path = _file(tmp_path)
+    reader = gguf.GGUFReader(path)
+    w = gguf.GGUFWriter(str(tmp_path / "nokey.gguf"), "llama")
+    for key in ("llama.context_length", "llama.block_count", "llama.attention.head_count"):
+        w.add_uint32(key, int(reader.fields[key].contents()))
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_uint32("llama.feed_forward_length", 96)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _raises(tmp_path / "nokey.gguf", r"missing key `llama\.embedding_length`")
+
+
+def test_inconsistent_hyper_parameters(tmp_path: Path) -> None:
+    # 4 query heads cannot be grouped over 3 KV heads.
+    spec = Spec()
+    w = random_weights(spec.with_(n_head_kv=4))
+    p = write_gguf(tmp_path / "heads.gguf", spec.with_(n_head_kv=3), w)
+    _raises(p, "inconsistent hyper-parameters", "n_head_kv")
+    # The feed-forward length disagrees with the tensors.
+    w = random_weights(spec)
+    p = write_gguf(tmp_path / "ff.gguf", spec.with_(n_ff=128), w)
+    _raises(p, r"`blk\.0\.ffn_gate\.weight`", r"\(128, 64\)", r"\(96, 64\)")
+    # The vocabulary and the embedding table disagree.
+    p = write_gguf(tmp_path / "vocab.gguf", spec.with_(n_vocab=301), w)
+    _raises(p, "301 tokens", "300 rows")
+    # V heads of another size than K heads.
+    p = write_gguf(
+        tmp_path / "vdim.gguf", spec.with_(extra_keys={"llama.attention.value_length": 8}), w
+    )
+    _raises(p, r"`llama\.attention\.value_length` is 8", "equal K and V")
+
+
+def test_unsupported_features(tmp_path: Path) -> None:
+    spec = Spec(extra_keys={"llama.rope.scaling.type": "yarn"})
+    _raises(_file(tmp_path, spec), r"rope\.scaling\.type", "yarn")
+    w = random_weights(Spec())
+    w["rope_freqs.weight"] = np.ones(8, np.float32)
+    _raises(write_gguf(tmp_path / "freqs.gguf", Spec(), w), r"`rope_freqs\.weight`")
+    w = random_weights(Spec())
+    w["blk.2.attn_norm.weight"] = np.ones(64, np.float32)  # a block past block_count
+    _raises(
+        write_gguf(tmp_path / "extra.gguf", Spec(), w), r"`blk\.2\.attn_norm\.weight`", "not part"
+    )
+
+
+def test_missing_file_is_file_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"nope\.gguf"):
+        load_gguf(tmp_path / "nope.gguf")
+
+
+def test_top_level_exports_are_lazy() -> None:
+    assert ls.load_gguf is load_gguf
+    assert ls.GGUFError is GGUFError
+    assert ls.Llama is Llama
