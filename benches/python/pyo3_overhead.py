@@ -7,6 +7,7 @@ Run: `python benches/python/pyo3_overhead.py`.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -41,8 +42,8 @@ def main() -> None:
         x = np.ones((1, 64), np.float32)
         noop_call = per_call_ns(lambda: None, n)
         compute = per_call_ns(plan.compute, n)
-        set_input = per_call_ns(lambda: plan.set_input("x0", x), n)
-        get_output = per_call_ns(lambda: plan.get_output("y"), n // 4)
+        set_input = per_call_ns(functools.partial(plan.set_input, "x0", x), n)
+        get_output = per_call_ns(functools.partial(plan.get_output, "y"), n // 4)
         print(
             f"{policy:8s} compute {compute / 1e3:6.3f} us  set_input {set_input / 1e3:6.3f} us  "
             f"get_output {get_output / 1e3:6.3f} us  (empty Python call {noop_call / 1e3:.3f} us)"
