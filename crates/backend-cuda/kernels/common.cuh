@@ -1,0 +1,104 @@
+// lowsync CUDA kernels: shared prelude (prepended to every module before NVRTC compiles it).
+//
+// No headers: NVRTC is used without include paths, so f16/bf16 conversions are written here
+// (PTX cvt for f16, bit arithmetic with round-to-nearest-even for bf16, as the `half` crate).
+// Every tensor is addressed through a dtype code and element strides; arithmetic is f32.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define DT_F32 0
+#define DT_F16 1
+#define DT_BF16 2
+#define DT_I32 3
+#define MAXD 8
+
+// Layout of up to 3 tensors that share one iteration shape (after broadcasting and coalescing
+// on the host). Matches `Lay` in src/layout.rs.
+struct Lay {
+    i64 nd;
+    i64 shape[MAXD];
+    i64 st[3][MAXD];
+};
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
+__device__ __forceinline__ u16 f2bf(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+__device__ __forceinline__ float ld(const void* p, int dt, i64 i) {
+    switch (dt) {
+        case DT_F32: return ((const float*)p)[i];
+        case DT_F16: return h2f(((const u16*)p)[i]);
+        case DT_BF16: return bf2f(((const u16*)p)[i]);
+        default: return (float)((const int*)p)[i];
+    }
+}
+__device__ __forceinline__ void st(void* p, int dt, i64 i, float v) {
+    switch (dt) {
+        case DT_F32: ((float*)p)[i] = v; break;
+        case DT_F16: ((u16*)p)[i] = f2h(v); break;
+        case DT_BF16: ((u16*)p)[i] = f2bf(v); break;
+        default: ((int*)p)[i] = (int)v; break;
+    }
+}
+
+// Element offsets (in elements) of flat row-major index `i` for the first `n` tensors of `L`.
+__device__ __forceinline__ void lay_offsets(const Lay& L, i64 i, int n, i64* o) {
+    o[0] = 0; o[1] = 0; o[2] = 0;
+    for (int ax = (int)L.nd - 1; ax >= 0; --ax) {
+        i64 d = L.shape[ax];
+        i64 c = i % d;
+        i /= d;
+        for (int t = 0; t < n; ++t) o[t] += c * L.st[t][ax];
+    }
+}
+
+// Reports the first bad index of a launch into the host-mapped error word (the host reads it
+// after its next wait and names the node from `tag`).
+__device__ __forceinline__ void report(u32* err, u32 tag) { atomicCAS(err, 0u, tag); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// Block-wide reductions for blockDim.x a multiple of 32 (<= 1024); every thread gets the result.
+__device__ float block_sum(float v) {
+    __shared__ float sh[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    v = lane < nw ? sh[lane] : 0.0f;
+    return warp_sum(v);
+}
+__device__ float block_max(float v) {
+    __shared__ float sh[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    v = lane < nw ? sh[lane] : -__int_as_float(0x7f800000);
+    return warp_max(v);
+}

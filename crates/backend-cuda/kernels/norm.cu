@@ -1,0 +1,97 @@
+// Row reductions: rms_norm, soft_max, argmax. One block per row; `L` iterates the rows (all
+// axes but the last): st[0] = dst, st[1] = x, st[2] = mask (broadcast strides, soft_max only).
+
+extern "C" __global__ void rms_norm(i64 rows, i64 len, Lay L, void* dst, int dtd, i64 d_cs,
+                                    const void* x, int dtx, i64 x_cs, float eps) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        i64 o[3];
+        lay_offsets(L, r, 2, o);
+        float s = 0.0f;
+        for (i64 c = threadIdx.x; c < len; c += blockDim.x) {
+            float v = ld(x, dtx, o[1] + c * x_cs);
+            s += v * v;
+        }
+        s = block_sum(s);
+        float inv = 1.0f / sqrtf(s / (float)len + eps);
+        for (i64 c = threadIdx.x; c < len; c += blockDim.x) {
+            st(dst, dtd, o[0] + c * d_cs, ld(x, dtx, o[1] + c * x_cs) * inv);
+        }
+        __syncthreads();
+    }
+}
+
+// softmax(x * scale + mask); a row with no finite maximum (all -inf) gives zeros.
+extern "C" __global__ void soft_max(i64 rows, i64 len, Lay L, void* dst, int dtd, i64 d_cs,
+                                    const void* x, int dtx, i64 x_cs, const void* mask, int dtm,
+                                    i64 m_cs, int has_mask, float scale) {
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        i64 o[3];
+        lay_offsets(L, r, has_mask ? 3 : 2, o);
+        float mx = NEG_INF;
+        for (i64 c = threadIdx.x; c < len; c += blockDim.x) {
+            float v = ld(x, dtx, o[1] + c * x_cs) * scale;
+            if (has_mask) v += ld(mask, dtm, o[2] + c * m_cs);
+            mx = fmaxf(mx, v);
+        }
+        mx = block_max(mx);
+        if (mx == NEG_INF) {
+            for (i64 c = threadIdx.x; c < len; c += blockDim.x) st(dst, dtd, o[0] + c * d_cs, 0.0f);
+            __syncthreads();
+            continue;
+        }
+        float s = 0.0f;
+        for (i64 c = threadIdx.x; c < len; c += blockDim.x) {
+            float v = ld(x, dtx, o[1] + c * x_cs) * scale;
+            if (has_mask) v += ld(mask, dtm, o[2] + c * m_cs);
+            s += expf(v - mx);
+        }
+        s = block_sum(s);
+        float inv = 1.0f / s;
+        for (i64 c = threadIdx.x; c < len; c += blockDim.x) {
+            float v = ld(x, dtx, o[1] + c * x_cs) * scale;
+            if (has_mask) v += ld(mask, dtm, o[2] + c * m_cs);
+            st(dst, dtd, o[0] + c * d_cs, expf(v - mx) * inv);
+        }
+        __syncthreads();
+    }
+}
+
+// Index of the largest value, lowest index on ties, NaN below every number, all-NaN -> 0.
+// `L` st[0] = dst (i32) strides, st[1] = x strides.
+__device__ __forceinline__ bool better(float v, i64 i, float bv, i64 bi) {
+    bool vn = v != v, bn = bv != bv;
+    if (vn != bn) return bn;  // a number beats NaN
+    if (vn) return i < bi;
+    return v > bv || (v == bv && i < bi);
+}
+extern "C" __global__ void argmax(i64 rows, i64 len, Lay L, int* dst, const void* x, int dtx,
+                                  i64 x_cs) {
+    __shared__ float sv[1024];
+    __shared__ i64 si[1024];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        i64 o[3];
+        lay_offsets(L, r, 2, o);
+        float bv = __int_as_float(0x7fc00000);  // NaN: loses to any number
+        i64 bi = len;
+        for (i64 c = threadIdx.x; c < len; c += blockDim.x) {
+            float v = ld(x, dtx, o[1] + c * x_cs);
+            if (better(v, c, bv, bi)) { bv = v; bi = c; }
+        }
+        sv[threadIdx.x] = bv;
+        si[threadIdx.x] = bi;
+        __syncthreads();
+        for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+            if (threadIdx.x < s && better(sv[threadIdx.x + s], si[threadIdx.x + s], sv[threadIdx.x], si[threadIdx.x])) {
+                sv[threadIdx.x] = sv[threadIdx.x + s];
+                si[threadIdx.x] = si[threadIdx.x + s];
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            i64 b = si[0];
+            dst[o[0]] = (sv[0] != sv[0] || b >= len) ? 0 : (int)b;
+        }
+        __syncthreads();
+    }
+}

@@ -1,0 +1,804 @@
+//! `cuda:N`: the CUDA backend.
+//!
+//! Why: the GPU must be driven with as few host waits as the work allows: one per token in
+//! synchronous decode (the read of the sampled token). Every other wait ggml makes — per input
+//! copy, per split, a sync with nothing queued — is removed here or in the scheduler.
+//!
+//! Strategy: one non-blocking stream per backend ([`TicketStream`], the choke point of every
+//! enqueue and the home of the counters); device buffers from a table with a reuse pool; staged
+//! writes through a bounded pinned arena ([`Staging`]); blocking reads through a pinned readback
+//! buffer (one DMA, one wait, one memcpy); events without timing; the test gate as
+//! `cuStreamWaitValue32` on a host-mapped word. Kernels (NVRTC) and matmul (cuBLAS) are queued
+//! by [`crate::ops`]. Every public entry binds the backend's context to the calling thread.
+//!
+//! Invariants: (1) a staged write's bytes are in the arena before the call returns; (2) every
+//! write, copy and kernel is queued on the one stream, so it runs after the work queued before
+//! it, and a copy from another CUDA backend waits on an event recorded on that backend's
+//! stream; (6) elided syncs as in [`crate::tickets`]; (8) the arena is bounded; counters are
+//! bumped only inside the primitives of [`TicketStream`] and here.
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+
+use cudarc::driver::CudaContext;
+use lowsync_backend::{
+    bump, env, Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, Error, Event,
+    ExecGraph, Gate, Result, SyncStats,
+};
+use lowsync_graph::{DType, Op};
+use parking_lot::Mutex;
+
+use crate::driver::{CuCtx, CuDriver, CuEvent};
+use crate::kernels::Modules;
+use crate::matmul::Blas;
+use crate::memory::{Buffers, DevBuf, Pinned, ALIGNMENT};
+use crate::ops::{Exec, Scratch};
+use crate::staging::{ChunkMem, Staging};
+use crate::tickets::{SyncElision, TicketStream};
+
+/// Settings of one CUDA backend. [`CudaConfig::from_env`] reads ARCHITECTURE §8's variables;
+/// tests build one explicitly.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaConfig {
+    /// Elide a `synchronize` with nothing outstanding (`LOWSYNC_CUDA_SYNC_ELISION`, default
+    /// on). Only takes effect when the process sees exactly one CUDA device.
+    pub sync_elision: bool,
+    /// Size of one pinned staging chunk (the largest piece one staged copy moves).
+    pub staging_chunk_bytes: usize,
+    /// Bound on the pinned staging arena (invariant 8).
+    pub staging_max_bytes: usize,
+    /// Bound on the pinned readback buffer of blocking reads; larger reads go to caller memory.
+    pub readback_max_bytes: usize,
+}
+
+impl Default for CudaConfig {
+    fn default() -> Self {
+        CudaConfig {
+            sync_elision: true,
+            staging_chunk_bytes: 4 << 20,
+            staging_max_bytes: 64 << 20,
+            readback_max_bytes: 64 << 20,
+        }
+    }
+}
+
+impl CudaConfig {
+    /// The defaults with `LOWSYNC_CUDA_SYNC_ELISION` applied (a bad value is an error naming the
+    /// variable).
+    pub fn from_env() -> Result<Self> {
+        Ok(CudaConfig {
+            sync_elision: env::flag("LOWSYNC_CUDA_SYNC_ELISION", true)?,
+            ..CudaConfig::default()
+        })
+    }
+}
+
+impl ChunkMem for Pinned {
+    fn alloc(len: usize) -> std::result::Result<Self, String> {
+        Pinned::staging(len)
+    }
+    fn ptr(&self) -> *mut u8 {
+        Pinned::ptr(self)
+    }
+}
+
+/// Recently launched kernels that check indices, so that a bad index reported by the device
+/// (through the error word) can name its node.
+#[derive(Default)]
+pub(crate) struct ErrTags {
+    next: u32,
+    recent: VecDeque<(u32, &'static str, String)>,
+}
+
+impl ErrTags {
+    pub(crate) fn tag(&mut self, op: &'static str, node: &str) -> u32 {
+        self.next = self.next.wrapping_add(1).max(1);
+        self.recent.push_back((self.next, op, node.to_string()));
+        if self.recent.len() > 4096 {
+            self.recent.pop_front();
+        }
+        self.next
+    }
+}
+
+/// Pages of host-mapped words for test gates (one word per gate, never reused).
+#[derive(Default)]
+struct GateWords {
+    pages: Vec<Pinned>,
+    used: usize,
+}
+
+const GATE_PAGE_BYTES: usize = 4096;
+
+/// The state shared by a backend, its events and its gates.
+pub(crate) struct Inner {
+    pub(crate) name: String,
+    ordinal: usize,
+    pub(crate) stream: TicketStream<CuDriver>,
+    pub(crate) bufs: Buffers,
+    staging: Mutex<Staging<CuDriver, Pinned>>,
+    readback: Mutex<Option<Pinned>>,
+    pub(crate) exec: Mutex<Scratch>,
+    pub(crate) modules: Modules,
+    pub(crate) blas: Mutex<Option<Blas>>,
+    /// Host-mapped word kernels write a tag into on a bad index.
+    pub(crate) err_word: Pinned,
+    pub(crate) err_tags: Mutex<ErrTags>,
+    gates: Mutex<GateWords>,
+    cfg: CudaConfig,
+    /// Declared last: dropped after everything that needs the context.
+    pub(crate) ctx: Arc<CudaContext>,
+}
+
+impl Inner {
+    /// Makes this backend's context current on the calling thread.
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.driver_err("binding the CUDA context", e))
+    }
+
+    pub(crate) fn driver_err(&self, what: &str, e: impl std::fmt::Debug) -> Error {
+        Error::Unavailable {
+            backend: self.name.clone(),
+            reason: format!("{what} failed: {e:?}"),
+        }
+    }
+
+    /// A completed wait happened: report a bad index a kernel recorded, reclaim staging and
+    /// refresh the staging gauge.
+    fn after_wait(&self) -> Result<()> {
+        {
+            let mut st = self.staging.lock();
+            st.reclaim(self.stream.tickets().observed);
+            self.stream
+                .stats()
+                .staging_bytes_in_use
+                .store(st.bytes_in_use() as u64, Ordering::Relaxed);
+        }
+        let word = self.err_word.ptr().cast::<AtomicU32>();
+        // SAFETY: the error word is a live, aligned u32 in pinned memory; the device writes it
+        // only from kernels, which have completed (a wait just returned).
+        let tag = unsafe { (*word).swap(0, Ordering::AcqRel) };
+        if tag == 0 {
+            return Ok(());
+        }
+        let tags = self.err_tags.lock();
+        let (op, node) = tags
+            .recent
+            .iter()
+            .find(|(t, _, _)| *t == tag)
+            .map(|(_, op, n)| (*op, n.clone()))
+            .unwrap_or(("kernel", "?".into()));
+        Err(Error::Kernel {
+            op,
+            node,
+            msg: "an index was out of range; the rows it addressed were skipped".into(),
+        })
+    }
+
+    /// Waits for the whole stream (elided when nothing is outstanding).
+    pub(crate) fn wait(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| self.driver_err("cuStreamSynchronize", e))?;
+        self.after_wait()
+    }
+
+    fn update_gauge(&self, st: &Staging<CuDriver, Pinned>) {
+        self.stream
+            .stats()
+            .staging_bytes_in_use
+            .store(st.bytes_in_use() as u64, Ordering::Relaxed);
+    }
+
+    /// Stages `data` and queues its copy to device address `dst` (split into chunk pieces).
+    fn stage_to(&self, dst: u64, data: &[u8]) -> Result<()> {
+        let mut st = self.staging.lock();
+        let piece = st.max_piece();
+        let new_event = || CuEvent::new().map_err(|e| format!("cuEventCreate: {e:?}"));
+        for (i, part) in data.chunks(piece).enumerate() {
+            let region = st
+                .reserve(&self.stream, &new_event, part.len())
+                .map_err(|reason| Error::Unavailable {
+                    backend: self.name.clone(),
+                    reason,
+                })?;
+            // SAFETY: the region holds `part.len()` bytes that no queued copy reads (invariant
+            // 8, kept by the arena); the source is the caller's slice.
+            unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), region.ptr, part.len()) };
+            let at = dst + (i * piece) as u64;
+            // SAFETY: the region stays untouched until its ticket is observed or fenced.
+            let t = unsafe { self.stream.memcpy_htod(at, region.ptr, part.len()) }
+                .map_err(|e| self.driver_err("cuMemcpyHtoDAsync", e))?;
+            st.commit(&region, t);
+        }
+        self.update_gauge(&st);
+        Ok(())
+    }
+
+    fn alloc_zeroed(&self, size: usize) -> Result<DevBuf> {
+        let alloc = match self.bufs.take_pooled(size) {
+            Some(a) => a,
+            None => match self.bufs.alloc_new(size) {
+                Ok(a) => a,
+                Err(_) => {
+                    // Give the pool back to the driver and try once more.
+                    self.wait()?;
+                    self.bufs.drain_pool();
+                    self.bufs
+                        .alloc_new(size)
+                        .map_err(|reason| Error::Unavailable {
+                            backend: self.name.clone(),
+                            reason: format!("out of device memory: {reason}"),
+                        })?
+                }
+            },
+        };
+        if size > 0 {
+            // Queued, so it also orders after any work still reading a pooled allocation.
+            // SAFETY: `size <= capacity` of a live allocation.
+            unsafe { self.stream.memset_d8(alloc.ptr, 0, size) }
+                .map_err(|e| self.driver_err("cuMemsetD8Async", e))?;
+        }
+        Ok(DevBuf { alloc, size })
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // A gate left closed would hold the stream forever: open them all first.
+        for page in &self.gates.lock().pages {
+            let words = page.ptr().cast::<AtomicU32>();
+            for i in 0..GATE_PAGE_BYTES / 4 {
+                // SAFETY: in bounds of the page; plain host stores the device polls.
+                unsafe { (*words.add(i)).store(1, Ordering::Release) };
+            }
+        }
+        let _ = self.stream.synchronize();
+        self.exec.lock().release(&self.stream);
+        let _ = self.stream.synchronize();
+        self.bufs.release_all();
+        self.blas.lock().take();
+    }
+}
+
+/// The registry of live CUDA backends: lets `cpy_tensor_async` recognise a source backend as
+/// CUDA (the contract has no downcast) by its address.
+static REGISTRY: Mutex<Vec<(usize, Weak<Inner>)>> = Mutex::new(Vec::new());
+
+fn lookup(b: &dyn Backend) -> Option<Arc<Inner>> {
+    let addr = b as *const dyn Backend as *const () as usize;
+    REGISTRY
+        .lock()
+        .iter()
+        .find(|(a, _)| *a == addr)
+        .and_then(|(_, w)| w.upgrade())
+}
+
+/// A CUDA stream on one device.
+pub struct CudaBackend {
+    inner: Arc<Inner>,
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        let me = self as *const CudaBackend as usize;
+        REGISTRY
+            .lock()
+            .retain(|(a, w)| *a != me && w.strong_count() > 0);
+    }
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal` (after the caller probed the driver).
+    pub(crate) fn open(name: &str, ordinal: usize, cfg: CudaConfig) -> Result<Arc<Self>> {
+        let unavailable = |reason: String| Error::Unavailable {
+            backend: "CUDA".into(),
+            reason,
+        };
+        let device_count = crate::probe::device_count().map_err(unavailable)?;
+        if ordinal >= device_count {
+            return Err(unavailable(format!(
+                "`{name}` asks for device {ordinal}, but this machine has {device_count} CUDA \
+                 device(s)"
+            )));
+        }
+        let inner = crate::probe::guarded("opening the CUDA device", || {
+            let ctx = CudaContext::new(ordinal)
+                .map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
+            // The scheduler orders work itself; cudarc's per-buffer events would add syncs.
+            // SAFETY: called before any cudarc allocation on this context.
+            unsafe { ctx.disable_event_tracking() };
+            let (major, minor) = ctx
+                .compute_capability()
+                .map_err(|e| format!("reading the compute capability: {e:?}"))?;
+            let driver =
+                CuDriver::new(ctx.clone()).map_err(|e| format!("cuStreamCreate: {e:?}"))?;
+            let stream = TicketStream::new(
+                driver,
+                SyncElision {
+                    requested: cfg.sync_elision,
+                    device_count,
+                },
+            );
+            let err_word = Pinned::mapped(64)?;
+            Ok(Inner {
+                name: name.to_string(),
+                ordinal,
+                stream,
+                bufs: Buffers::new(name),
+                staging: Mutex::new(Staging::new(cfg.staging_chunk_bytes, cfg.staging_max_bytes)),
+                readback: Mutex::new(None),
+                exec: Mutex::new(Scratch::default()),
+                modules: Modules::new(major, minor),
+                blas: Mutex::new(None),
+                err_word,
+                err_tags: Mutex::new(ErrTags::default()),
+                gates: Mutex::new(GateWords::default()),
+                cfg,
+                ctx,
+            })
+        })
+        .map_err(unavailable)?;
+        // Everything that may synchronize the context happens now, before any work is queued:
+        // module loads (see `Modules::preload`) and the cuBLAS handle. A missing NVRTC or cuBLAS
+        // is not fatal here (copies still work); the first kernel or matmul reports it.
+        if let Err(e) = inner.modules.preload() {
+            tracing::warn!(backend = name, "CUDA kernels unavailable: {e}");
+        }
+        match crate::matmul::Blas::new(&inner.stream) {
+            Ok(blas) => *inner.blas.lock() = Some(blas),
+            Err(e) => tracing::warn!(backend = name, "cuBLAS unavailable: {e}"),
+        }
+        // Lending the stream to cuBLAS took a ticket: settle it now, so the backend starts with
+        // nothing outstanding (one counted host wait, at open, outside any step).
+        inner
+            .bind()
+            .and_then(|_| inner.wait())
+            .map_err(|e| Error::Unavailable {
+                backend: "CUDA".into(),
+                reason: format!("the first synchronize of `{name}` failed: {e}"),
+            })?;
+        let b = Arc::new(CudaBackend {
+            inner: Arc::new(inner),
+        });
+        let addr = Arc::as_ptr(&b) as usize;
+        let mut reg = REGISTRY.lock();
+        reg.retain(|(_, w)| w.strong_count() > 0);
+        reg.push((addr, Arc::downgrade(&b.inner)));
+        drop(reg);
+        tracing::debug!(backend = name, "CUDA backend open");
+        Ok(b)
+    }
+
+    /// Whether this backend elides idle syncs (single device and not turned off).
+    pub fn elides_syncs(&self) -> bool {
+        self.inner.stream.elides()
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.inner.ordinal
+    }
+
+    /// Pinned staging bytes allocated (bounded by the configuration; invariant 8).
+    pub fn staging_bytes_allocated(&self) -> usize {
+        self.inner.staging.lock().bytes_allocated()
+    }
+
+    fn own_event<'a>(&self, ev: &'a Arc<dyn Event>) -> Option<&'a CudaEvent> {
+        ev.as_any()
+            .downcast_ref::<CudaEvent>()
+            .filter(|e| Arc::ptr_eq(&e.owner, &self.inner))
+    }
+}
+
+/// An event of a CUDA backend: a `CU_EVENT_DISABLE_TIMING` event and the ticket it was last
+/// recorded at (0: never recorded, complete).
+pub struct CudaEvent {
+    owner: Arc<Inner>,
+    ev: CuEvent,
+    ticket: AtomicU64,
+}
+
+impl Event for CudaEvent {
+    fn is_complete(&self) -> bool {
+        let t = self.ticket.load(Ordering::Acquire);
+        if t == 0 || self.owner.bind().is_err() {
+            return t == 0;
+        }
+        self.owner.stream.query_event(&self.ev, t).unwrap_or(false)
+    }
+    fn synchronize(&self) -> Result<()> {
+        self.owner.bind()?;
+        let t = self.ticket.load(Ordering::Acquire);
+        self.owner
+            .stream
+            .wait_event_host(&self.ev, t)
+            .map_err(|e| self.owner.driver_err("cuEventSynchronize", e))?;
+        self.owner.after_wait()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A test gate: the stream waits until the host writes 1 into a mapped word. Dropping an
+/// unopened gate opens it, so a forgotten gate cannot hang the stream.
+pub struct CudaGate {
+    word: *const AtomicU32,
+    _owner: Arc<Inner>,
+}
+
+// SAFETY: the word is pinned memory owned by `_owner`, which the gate keeps alive.
+unsafe impl Send for CudaGate {}
+unsafe impl Sync for CudaGate {}
+
+impl Gate for CudaGate {
+    fn open(&self) {
+        // SAFETY: a live, aligned word (see the type).
+        unsafe { (*self.word).store(1, Ordering::Release) };
+    }
+}
+
+impl Drop for CudaGate {
+    fn drop(&mut self) {
+        self.open();
+    }
+}
+
+/// Whether the CUDA kernels implement `op` for these dtypes (the same set as the CPU oracle).
+pub fn cuda_supports_op(op: &Op, dst: DType, srcs: &[DType]) -> bool {
+    let floats = |ds: &[DType]| ds.iter().all(|d| d.is_float());
+    match op {
+        Op::Input | Op::Weight | Op::Persistent | Op::View => true,
+        Op::GetRows => {
+            dst.is_float() && srcs.len() == 2 && srcs[0].is_float() && srcs[1] == DType::I32
+        }
+        Op::SetRows => srcs.len() == 3 && floats(&srcs[..2]) && srcs[2] == DType::I32,
+        Op::Rope { .. } => srcs.len() == 2 && srcs[0].is_float() && srcs[1] == DType::I32,
+        Op::Argmax => dst == DType::I32 && floats(srcs),
+        Op::MulMatId => {
+            srcs.len() == 4 && floats(&srcs[..2]) && srcs[2] == DType::I32 && srcs[3].is_float()
+        }
+        Op::Cpy | Op::Concat { .. } => srcs.iter().all(|s| s.is_float() == dst.is_float()),
+        _ => dst.is_float() && floats(srcs),
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+    fn device_kind(&self) -> DeviceKind {
+        DeviceKind::Gpu
+    }
+    fn caps(&self) -> Caps {
+        Caps {
+            set_tensor_async: true,
+            set_tensor_async_staged: true,
+            get_tensor_async: true,
+            cpy_tensor_async: true,
+            events: true,
+            sync_elision: self.inner.stream.elides(),
+            graph_replay: false,
+            test_gate: true,
+        }
+    }
+    fn buffer_type(&self) -> BufferType {
+        BufferType {
+            name: self.inner.name.clone(),
+            alignment: ALIGNMENT,
+            is_host: false,
+        }
+    }
+    fn supports_op(&self, op: &Op, dst: DType, srcs: &[DType]) -> bool {
+        cuda_supports_op(op, dst, srcs)
+    }
+    fn stats(&self) -> &SyncStats {
+        self.inner.stream.stats()
+    }
+
+    fn alloc_buffer(&self, size: usize, _usage: BufferUsage) -> Result<BufferId> {
+        let i = &self.inner;
+        i.bind()?;
+        let buf = i.alloc_zeroed(size)?;
+        let id = BufferId::fresh();
+        i.bufs.insert(id, buf);
+        bump(&i.stream.stats().reserves, 1);
+        Ok(id)
+    }
+    fn realloc_buffer(&self, id: BufferId, size: usize) -> Result<()> {
+        let i = &self.inner;
+        i.bind()?;
+        i.bufs.get(id)?;
+        // Queued work may still use the old memory (the contract waits; the pool would not
+        // need it, but callers rely on the old contents being settled).
+        i.wait()?;
+        let buf = i.alloc_zeroed(size)?;
+        i.bufs.remove_to_pool(id);
+        i.bufs.insert(id, buf);
+        bump(&i.stream.stats().reallocs, 1);
+        Ok(())
+    }
+    fn free_buffer(&self, id: BufferId) {
+        // Pooled, not freed: a later allocation reusing it zeroes it with a queued memset, which
+        // runs after any queued work that still reads it.
+        self.inner.bufs.remove_to_pool(id);
+    }
+    fn buffer_size(&self, id: BufferId) -> Result<usize> {
+        Ok(self.inner.bufs.get(id)?.size)
+    }
+
+    fn set_tensor(&self, dst: BufferId, offset: usize, data: &[u8]) -> Result<()> {
+        let i = &self.inner;
+        i.bind()?;
+        let at = i.bufs.span(dst, offset, data.len())?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        if data.len() <= i.cfg.staging_chunk_bytes {
+            i.stage_to(at, data)?;
+        } else {
+            // SAFETY: `data` outlives the wait below.
+            unsafe { i.stream.memcpy_htod(at, data.as_ptr(), data.len()) }
+                .map_err(|e| i.driver_err("cuMemcpyHtoDAsync", e))?;
+        }
+        i.wait()
+    }
+    fn get_tensor(&self, src: BufferId, offset: usize, out: &mut [u8]) -> Result<()> {
+        let i = &self.inner;
+        i.bind()?;
+        let from = i.bufs.span(src, offset, out.len())?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        if out.len() > i.cfg.readback_max_bytes {
+            // SAFETY: `out` outlives the wait below.
+            unsafe { i.stream.memcpy_dtoh(out.as_mut_ptr(), from, out.len()) }
+                .map_err(|e| i.driver_err("cuMemcpyDtoHAsync", e))?;
+            return i.wait();
+        }
+        let mut rb = i.readback.lock();
+        if rb.as_ref().is_none_or(|p| p.len() < out.len()) {
+            // Only blocking reads use the buffer and each waits, so nothing reads the old one.
+            *rb = Some(
+                Pinned::staging(out.len().next_power_of_two()).map_err(|reason| {
+                    Error::Unavailable {
+                        backend: i.name.clone(),
+                        reason,
+                    }
+                })?,
+            );
+        }
+        let Some(p) = rb.as_ref() else {
+            return Err(i.driver_err("readback buffer", "missing"));
+        };
+        // SAFETY: the pinned buffer holds `out.len()` bytes and is not touched until the wait.
+        unsafe { i.stream.memcpy_dtoh(p.ptr(), from, out.len()) }
+            .map_err(|e| i.driver_err("cuMemcpyDtoHAsync", e))?;
+        i.wait()?;
+        // SAFETY: the copy completed (the wait returned Ok); both ranges hold `out.len()` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(p.ptr(), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+    unsafe fn set_tensor_async(
+        &self,
+        dst: BufferId,
+        offset: usize,
+        data: *const u8,
+        len: usize,
+    ) -> Result<()> {
+        let i = &self.inner;
+        i.bind()?;
+        let at = i.bufs.span(dst, offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller keeps `data` valid and unchanged until the next synchronize.
+        unsafe { i.stream.memcpy_htod(at, data, len) }
+            .map_err(|e| i.driver_err("cuMemcpyHtoDAsync", e))?;
+        Ok(())
+    }
+    fn set_tensor_async_staged(&self, dst: BufferId, offset: usize, data: &[u8]) -> Result<()> {
+        let i = &self.inner;
+        i.bind()?;
+        let at = i.bufs.span(dst, offset, data.len())?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        i.stage_to(at, data)
+    }
+    unsafe fn get_tensor_async(
+        &self,
+        src: BufferId,
+        offset: usize,
+        out: *mut u8,
+        len: usize,
+    ) -> Result<()> {
+        let i = &self.inner;
+        i.bind()?;
+        let from = i.bufs.span(src, offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller keeps `out` valid and untouched until the next synchronize.
+        unsafe { i.stream.memcpy_dtoh(out, from, len) }
+            .map_err(|e| i.driver_err("cuMemcpyDtoHAsync", e))?;
+        Ok(())
+    }
+    fn cpy_tensor_async(
+        &self,
+        src_backend: &dyn Backend,
+        src: BufferId,
+        src_offset: usize,
+        dst: BufferId,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<bool> {
+        let i = &self.inner;
+        if let Some(other) = lookup(src_backend) {
+            i.bind()?;
+            let to = i.bufs.span(dst, dst_offset, len)?;
+            let from = other.bufs.span(src, src_offset, len)?;
+            if len == 0 {
+                return Ok(true);
+            }
+            if Arc::ptr_eq(&other, i) {
+                // SAFETY: both ranges are checked device memory of this context.
+                unsafe { i.stream.memcpy_dtod(to, from, len) }
+                    .map_err(|e| i.driver_err("cuMemcpyDtoDAsync", e))?;
+                return Ok(true);
+            }
+            // Ordered after the work queued on the source: an event on its stream, waited on
+            // (device side) by this one, then the copy on this stream.
+            other.bind()?;
+            let ev = CuEvent::new().map_err(|e| i.driver_err("cuEventCreate", e))?;
+            other
+                .stream
+                .record_event(&ev)
+                .map_err(|e| other.driver_err("cuEventRecord", e))?;
+            i.bind()?;
+            i.stream
+                .wait_event(&ev)
+                .map_err(|e| i.driver_err("cuStreamWaitEvent", e))?;
+            if other.ordinal == i.ordinal {
+                // SAFETY: checked device ranges of one device (the same primary context).
+                unsafe { i.stream.memcpy_dtod(to, from, len) }
+                    .map_err(|e| i.driver_err("cuMemcpyDtoDAsync", e))?;
+            } else {
+                // SAFETY: checked device ranges of their contexts.
+                unsafe {
+                    i.stream.memcpy_peer(
+                        to,
+                        CuCtx(i.ctx.cu_ctx()),
+                        from,
+                        CuCtx(other.ctx.cu_ctx()),
+                        len,
+                    )
+                }
+                .map_err(|e| i.driver_err("cuMemcpyPeerAsync", e))?;
+            }
+            // Destroying `ev` now is fine: the driver keeps a pending event alive.
+            return Ok(true);
+        }
+        // S0's copy_from_host: a host (`cpu`) source is ready once its synchronous producer
+        // returned; its bytes are staged now, so the host may reuse them at once (invariant 3).
+        if !src_backend.buffer_type().is_host || src_backend.device_kind() != DeviceKind::Cpu {
+            return Ok(false);
+        }
+        let Some(base) = src_backend.buffer_host_ptr(src) else {
+            return Ok(false);
+        };
+        let src_size = src_backend.buffer_size(src)?;
+        if src_offset.checked_add(len).is_none_or(|e| e > src_size) {
+            return Err(Error::OutOfBounds {
+                buffer: src.0,
+                offset: src_offset,
+                len,
+                size: src_size,
+            });
+        }
+        // SAFETY: in bounds of the source buffer (checked above); the source backend is the
+        // synchronous host, so its memory is not being written during this call.
+        let data = unsafe { std::slice::from_raw_parts(base.as_ptr().add(src_offset), len) };
+        self.set_tensor_async_staged(dst, dst_offset, data)?;
+        Ok(true)
+    }
+
+    fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()> {
+        let i = &self.inner;
+        i.bind()?;
+        let mut scratch = i.exec.lock();
+        let mut exec = Exec::new(i, &mut scratch);
+        for node in &graph.nodes {
+            exec.run(node)?;
+        }
+        Ok(())
+    }
+    fn synchronize(&self) -> Result<()> {
+        self.inner.bind()?;
+        self.inner.wait()
+    }
+
+    fn event_new(&self) -> Result<Arc<dyn Event>> {
+        self.inner.bind()?;
+        Ok(Arc::new(CudaEvent {
+            owner: self.inner.clone(),
+            ev: CuEvent::new().map_err(|e| self.inner.driver_err("cuEventCreate", e))?,
+            ticket: AtomicU64::new(0),
+        }))
+    }
+    fn event_record(&self, ev: &Arc<dyn Event>) -> Result<()> {
+        let Some(e) = self.own_event(ev) else {
+            return Err(Error::Unsupported {
+                backend: self.inner.name.clone(),
+                what: "recording another backend's event".into(),
+            });
+        };
+        self.inner.bind()?;
+        let t = self
+            .inner
+            .stream
+            .record_event(&e.ev)
+            .map_err(|err| self.inner.driver_err("cuEventRecord", err))?;
+        e.ticket.store(t, Ordering::Release);
+        Ok(())
+    }
+    fn event_wait(&self, ev: &Arc<dyn Event>) -> Result<()> {
+        if self.own_event(ev).is_some() {
+            return Ok(()); // stream order suffices
+        }
+        if let Some(other) = ev.as_any().downcast_ref::<CudaEvent>() {
+            if other.ticket.load(Ordering::Acquire) == 0 {
+                return Ok(()); // never recorded: complete
+            }
+            self.inner.bind()?;
+            self.inner
+                .stream
+                .wait_event(&other.ev)
+                .map_err(|e| self.inner.driver_err("cuStreamWaitEvent", e))?;
+            return Ok(());
+        }
+        if ev.is_complete() {
+            return Ok(());
+        }
+        // Another kind of stream: the device cannot wait on it, so the host does (counted on
+        // that event's backend).
+        ev.synchronize()
+    }
+
+    fn gate_close(&self) -> Result<Arc<dyn Gate>> {
+        let i = &self.inner;
+        i.bind()?;
+        let mut g = i.gates.lock();
+        if g.pages.is_empty() || g.used == GATE_PAGE_BYTES / 4 {
+            let page = Pinned::mapped(GATE_PAGE_BYTES).map_err(|reason| Error::Unavailable {
+                backend: i.name.clone(),
+                reason,
+            })?;
+            g.pages.push(page);
+            g.used = 0;
+        }
+        let slot = g.used;
+        g.used += 1;
+        let Some(page) = g.pages.last() else {
+            return Err(i.driver_err("gate page", "missing"));
+        };
+        let word = page.ptr().wrapping_add(slot * 4).cast::<AtomicU32>();
+        let dev = page.dev() + (slot * 4) as u64;
+        drop(g);
+        // SAFETY: a mapped word kept alive by the backend (pages are freed only on drop, after
+        // every gate was opened and the stream drained).
+        unsafe { i.stream.wait_value32(dev, 1) }
+            .map_err(|e| i.driver_err("cuStreamWaitValue32", e))?;
+        Ok(Arc::new(CudaGate {
+            word,
+            _owner: i.clone(),
+        }))
+    }
+}

@@ -1,0 +1,309 @@
+//! Kernel modules: CUDA C compiled by NVRTC for the device's architecture on first use.
+//!
+//! Why: the wheel ships no toolkit and must run on whatever GPU it finds, so kernels are compiled
+//! at run time for that GPU (SASS for `sm_XX`, no PTX JIT), once per process, and the binary is
+//! kept on disk so the next process skips NVRTC entirely.
+//!
+//! Strategy: each `kernels/*.cu` file (with the shared `common.cuh` prepended) is one module,
+//! compiled on the first launch of any of its kernels. The cubin is cached under
+//! `$XDG_CACHE_HOME/lowsync/cuda` (or `~/.cache/lowsync/cuda`), keyed by a hash of source,
+//! architecture and options; a cache file that fails to load is recompiled and replaced.
+//! Cache I/O failures are ignored (the cache is an optimisation).
+//!
+//! Invariant: modules stay loaded until the backend drops, so function handles never dangle.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, CString};
+use std::path::PathBuf;
+use std::sync::{Arc, LazyLock};
+
+use cudarc::driver::{result, sys};
+use cudarc::nvrtc::{result as nvres, sys as nvsys};
+use parking_lot::Mutex;
+
+use crate::driver::CuFunction;
+
+/// Cubins compiled or read by this process, by cache file name (every backend of a device
+/// loads them into its own context without NVRTC or disk I/O).
+static CUBINS: LazyLock<Mutex<HashMap<String, Arc<Vec<u8>>>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+const COMMON: &str = include_str!("../kernels/common.cuh");
+
+/// The kernel modules and their sources.
+const MODULES: &[(&str, &str)] = &[
+    ("elementwise", include_str!("../kernels/elementwise.cu")),
+    ("rows", include_str!("../kernels/rows.cu")),
+    ("norm", include_str!("../kernels/norm.cu")),
+    ("rope", include_str!("../kernels/rope.cu")),
+    ("matmul", include_str!("../kernels/matmul.cu")),
+];
+
+/// A kernel: its module and its `extern "C"` name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Kernel {
+    EwUnary,
+    EwBinary,
+    CopyStrided,
+    Fill,
+    GetRows,
+    SetRows,
+    RmsNorm,
+    SoftMax,
+    Argmax,
+    Rope,
+    MulMatId,
+}
+
+impl Kernel {
+    /// Every kernel.
+    pub(crate) const ALL: [Kernel; 11] = [
+        Kernel::EwUnary,
+        Kernel::EwBinary,
+        Kernel::CopyStrided,
+        Kernel::Fill,
+        Kernel::GetRows,
+        Kernel::SetRows,
+        Kernel::RmsNorm,
+        Kernel::SoftMax,
+        Kernel::Argmax,
+        Kernel::Rope,
+        Kernel::MulMatId,
+    ];
+
+    fn module(self) -> &'static str {
+        match self {
+            Kernel::EwUnary | Kernel::EwBinary | Kernel::CopyStrided | Kernel::Fill => {
+                "elementwise"
+            }
+            Kernel::GetRows | Kernel::SetRows => "rows",
+            Kernel::RmsNorm | Kernel::SoftMax | Kernel::Argmax => "norm",
+            Kernel::Rope => "rope",
+            Kernel::MulMatId => "matmul",
+        }
+    }
+
+    fn symbol(self) -> &'static str {
+        match self {
+            Kernel::EwUnary => "ew_unary",
+            Kernel::EwBinary => "ew_binary",
+            Kernel::CopyStrided => "copy_strided",
+            Kernel::Fill => "fill",
+            Kernel::GetRows => "get_rows",
+            Kernel::SetRows => "set_rows",
+            Kernel::RmsNorm => "rms_norm",
+            Kernel::SoftMax => "soft_max",
+            Kernel::Argmax => "argmax",
+            Kernel::Rope => "rope",
+            Kernel::MulMatId => "mul_mat_id",
+        }
+    }
+}
+
+struct Module(sys::CUmodule);
+// SAFETY: an opaque handle of the thread-safe driver API.
+unsafe impl Send for Module {}
+
+/// Loaded modules of one context.
+pub(crate) struct Modules {
+    arch: String,
+    loaded: Mutex<HashMap<&'static str, Module>>,
+    funcs: Mutex<HashMap<Kernel, CuFunction>>,
+}
+
+impl Modules {
+    /// Modules for a device of compute capability `major.minor`.
+    pub(crate) fn new(major: i32, minor: i32) -> Self {
+        Modules {
+            arch: format!("sm_{major}{minor}"),
+            loaded: Mutex::new(HashMap::new()),
+            funcs: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Loads every module and resolves every kernel now. Module loading (and, under CUDA's
+    /// lazy loading, resolving a function) may synchronize the context, so it must not happen
+    /// while work is queued — behind a closed test gate it would never return, and during a
+    /// step it would be a hidden host wait. The backend calls this when it opens.
+    pub(crate) fn preload(&self) -> Result<(), String> {
+        Kernel::ALL
+            .iter()
+            .try_for_each(|&k| self.get(k).map(|_| ()))
+    }
+
+    /// The kernel's function handle, compiling and loading its module on first use. The
+    /// caller has bound the context to this thread.
+    pub(crate) fn get(&self, k: Kernel) -> Result<CuFunction, String> {
+        if let Some(f) = self.funcs.lock().get(&k) {
+            return Ok(*f);
+        }
+        let mut loaded = self.loaded.lock();
+        let name = k.module();
+        if !loaded.contains_key(name) {
+            let m = self.load(name)?;
+            loaded.insert(name, m);
+        }
+        let module = loaded[name].0;
+        let sym = CString::new(k.symbol()).map_err(|e| e.to_string())?;
+        // SAFETY: the module is loaded and stays loaded while `self` lives.
+        let f = unsafe { result::module::get_function(module, sym) }
+            .map_err(|e| format!("kernel {} not found in module {name}: {e:?}", k.symbol()))?;
+        self.funcs.lock().insert(k, CuFunction(f));
+        Ok(CuFunction(f))
+    }
+
+    fn load(&self, name: &str) -> Result<Module, String> {
+        let src = MODULES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, s)| format!("{COMMON}\n{s}"))
+            .ok_or_else(|| format!("no kernel module {name}"))?;
+        let options = [format!("--gpu-architecture={}", self.arch)];
+        let key = fnv1a(&[src.as_bytes(), options.concat().as_bytes()]);
+        let file = format!("{name}-{}-{key:016x}.cubin", self.arch);
+        if let Some(bin) = CUBINS.lock().get(&file).cloned() {
+            if let Ok(m) = load_cubin(&bin) {
+                return Ok(m);
+            }
+        }
+        let path = cache_dir().map(|d| d.join(&file));
+        if let Some(bin) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {
+            if let Ok(m) = load_cubin(&bin) {
+                CUBINS.lock().insert(file, Arc::new(bin));
+                return Ok(m);
+            }
+        }
+        let bin = compile(name, &src, &options)?;
+        let m = load_cubin(&bin)?;
+        if let Some(p) = path {
+            store(&p, &bin);
+        }
+        CUBINS.lock().insert(file, Arc::new(bin));
+        Ok(m)
+    }
+}
+
+impl Drop for Modules {
+    fn drop(&mut self) {
+        for (_, m) in self.loaded.lock().drain() {
+            // SAFETY: loaded by `load_cubin`, unloaded once; the owner bound its context.
+            let _ = unsafe { result::module::unload(m.0) };
+        }
+    }
+}
+
+fn load_cubin(bin: &[u8]) -> Result<Module, String> {
+    // SAFETY: `bin` is a complete cubin image (from NVRTC or our cache; a corrupt file is
+    // rejected by the driver with an error).
+    unsafe { result::module::load_data(bin.as_ptr().cast()) }
+        .map(Module)
+        .map_err(|e| format!("loading a kernel module failed: {e:?}"))
+}
+
+/// Compiles one module to a cubin with NVRTC.
+fn compile(name: &str, src: &str, options: &[String]) -> Result<Vec<u8>, String> {
+    crate::probe::nvrtc()?;
+    crate::probe::guarded("compiling CUDA kernels", || {
+        let csrc = CString::new(src).map_err(|e| e.to_string())?;
+        let cname = CString::new(format!("{name}.cu")).map_err(|e| e.to_string())?;
+        let prog = nvres::create_program(&csrc, Some(&cname))
+            .map_err(|e| format!("nvrtcCreateProgram: {e:?}"))?;
+        // SAFETY: `prog` is live until destroyed below.
+        let out = unsafe {
+            match nvres::compile_program(prog, options) {
+                Ok(()) => cubin(prog),
+                Err(e) => {
+                    let log = nvres::get_program_log(prog)
+                        .map(|l| c_chars_to_string(&l))
+                        .unwrap_or_default();
+                    Err(format!(
+                        "NVRTC could not compile kernel module `{name}` ({e:?}):\n{log}"
+                    ))
+                }
+            }
+        };
+        // SAFETY: created above, destroyed once.
+        let _ = unsafe { nvres::destroy_program(prog) };
+        out
+    })
+}
+
+/// # Safety
+/// `prog` is a successfully compiled, live program.
+unsafe fn cubin(prog: nvsys::nvrtcProgram) -> Result<Vec<u8>, String> {
+    let mut size = 0usize;
+    nvsys::nvrtcGetCUBINSize(prog, &mut size)
+        .result()
+        .map_err(|e| format!("nvrtcGetCUBINSize: {e:?}"))?;
+    let mut buf = vec![0u8; size];
+    nvsys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast::<c_char>())
+        .result()
+        .map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))?;
+    Ok(buf)
+}
+
+fn c_chars_to_string(v: &[c_char]) -> String {
+    let bytes: Vec<u8> = v
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("lowsync").join("cuda"))
+}
+
+/// Writes the cache file atomically (temp file + rename); errors are ignored.
+fn store(path: &PathBuf, bin: &[u8]) {
+    let Some(dir) = path.parent() else { return };
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, bin).is_ok() && std::fs::rename(&tmp, path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+/// FNV-1a over several byte strings: a stable cache key (std's hasher is not stable).
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for &b in *p {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_names_a_module_and_symbol_that_exist() {
+        for k in Kernel::ALL {
+            let (_, src) = MODULES
+                .iter()
+                .find(|(n, _)| *n == k.module())
+                .expect("module exists");
+            let decl = format!("__global__ void {}(", k.symbol());
+            assert!(src.contains(&decl), "{decl} in {}", k.module());
+        }
+    }
+
+    #[test]
+    fn cache_keys_are_stable_and_separate_parts() {
+        assert_eq!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"ab", b"c"]));
+        assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
+    }
+}

@@ -1,0 +1,216 @@
+//! Device buffers and pinned host memory.
+//!
+//! Why: the scheduler allocates its arenas once per shape bucket and frees or reallocates them
+//! rarely, but a re-reserve must not pay `cuMemFree`'s implicit device synchronisation or the
+//! allocator's latency again. Pinned memory is what makes host-to-device copies asynchronous.
+//!
+//! Strategy: device buffers are plain `cuMemAlloc` allocations (never managed memory) in a table
+//! keyed by [`BufferId`]; a freed buffer goes to a pool and is reused by a later allocation of a
+//! similar size (its zeroing memset is queued on the stream, so it is ordered after any work
+//! still reading the old contents). Pinned host memory is allocated with flags 0 — not
+//! write-combined, so the host can also read it at full speed — or with `DEVICEMAP` for words
+//! the device polls or writes (the test gate, the kernel error word).
+//!
+//! Invariant: a buffer's device address never changes while it is in the table; memory is
+//! returned to the driver only when the backend drops, after its stream is idle.
+
+use std::collections::HashMap;
+
+use cudarc::driver::{result, sys};
+use lowsync_backend::{BufferId, Error, Result, TensorRef};
+use parking_lot::{Mutex, RwLock};
+
+/// Alignment of every device buffer (and of the scheduler's offsets within them).
+pub(crate) const ALIGNMENT: usize = 256;
+
+/// One device allocation.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DevAlloc {
+    pub ptr: u64,
+    pub capacity: usize,
+}
+
+/// A live buffer: an allocation and the size the caller asked for (the bounds checked).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DevBuf {
+    pub alloc: DevAlloc,
+    pub size: usize,
+}
+
+/// The device buffers of one backend, and the pool of freed allocations.
+pub(crate) struct Buffers {
+    owner: String,
+    live: RwLock<HashMap<BufferId, DevBuf>>,
+    pool: Mutex<Vec<DevAlloc>>,
+}
+
+impl Buffers {
+    pub(crate) fn new(owner: &str) -> Self {
+        Buffers {
+            owner: owner.to_string(),
+            live: RwLock::new(HashMap::new()),
+            pool: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A pooled allocation of at least `size` bytes and at most twice that (plus one
+    /// alignment unit), best fit; `None` when the pool has none.
+    pub(crate) fn take_pooled(&self, size: usize) -> Option<DevAlloc> {
+        let mut pool = self.pool.lock();
+        let limit = size.saturating_mul(2).saturating_add(ALIGNMENT);
+        let best = pool
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.capacity >= size && a.capacity <= limit)
+            .min_by_key(|(_, a)| a.capacity)
+            .map(|(i, _)| i)?;
+        Some(pool.swap_remove(best))
+    }
+
+    /// Allocates `size` bytes from the driver (the caller bound the context).
+    pub(crate) fn alloc_new(&self, size: usize) -> std::result::Result<DevAlloc, String> {
+        let capacity = size.max(1).next_multiple_of(ALIGNMENT);
+        // SAFETY: a plain allocation; freed by `release_all`.
+        unsafe { result::malloc_sync(capacity) }
+            .map(|ptr| DevAlloc { ptr, capacity })
+            .map_err(|e| {
+                let (free, total) = result::mem_get_info().unwrap_or((0, 0));
+                format!(
+                    "cannot allocate {capacity} bytes of device memory ({e:?}; {free} of {total} \
+                     bytes free)"
+                )
+            })
+    }
+
+    /// Frees every pooled allocation (after an out-of-memory error, with the stream idle).
+    pub(crate) fn drain_pool(&self) {
+        for a in self.pool.lock().drain(..) {
+            // SAFETY: pooled allocations are not referenced by queued work (the caller
+            // synchronized) and are freed once.
+            let _ = unsafe { result::free_sync(a.ptr) };
+        }
+    }
+
+    pub(crate) fn insert(&self, id: BufferId, buf: DevBuf) {
+        self.live.write().insert(id, buf);
+    }
+
+    /// Removes a buffer and puts its allocation in the pool.
+    pub(crate) fn remove_to_pool(&self, id: BufferId) -> Option<DevBuf> {
+        let b = self.live.write().remove(&id)?;
+        self.pool.lock().push(b.alloc);
+        Some(b)
+    }
+
+    pub(crate) fn get(&self, id: BufferId) -> Result<DevBuf> {
+        self.live
+            .read()
+            .get(&id)
+            .copied()
+            .ok_or_else(|| Error::UnknownBuffer(id.0, self.owner.clone()))
+    }
+
+    /// The device address of `len` bytes at `offset` of buffer `id`, bounds checked.
+    pub(crate) fn span(&self, id: BufferId, offset: usize, len: usize) -> Result<u64> {
+        let b = self.get(id)?;
+        if offset.checked_add(len).is_none_or(|end| end > b.size) {
+            return Err(Error::OutOfBounds {
+                buffer: id.0,
+                offset,
+                len,
+                size: b.size,
+            });
+        }
+        Ok(b.alloc.ptr + offset as u64)
+    }
+
+    /// The device address of element `[0, ..]` of `t`, checked against its buffer and aligned
+    /// for its dtype.
+    pub(crate) fn tensor(&self, t: &TensorRef) -> Result<u64> {
+        let p = self.span(t.buffer, t.byte_offset, t.byte_extent())?;
+        if !t.byte_offset.is_multiple_of(t.dtype.size_bytes()) {
+            return Err(Error::Unsupported {
+                backend: self.owner.clone(),
+                what: format!(
+                    "a {} tensor at byte offset {} (not a multiple of its element size)",
+                    t.dtype, t.byte_offset
+                ),
+            });
+        }
+        Ok(p)
+    }
+
+    /// Frees everything (backend drop, stream idle).
+    pub(crate) fn release_all(&self) {
+        for (_, b) in self.live.write().drain() {
+            // SAFETY: the stream is idle; each allocation is freed once.
+            let _ = unsafe { result::free_sync(b.alloc.ptr) };
+        }
+        self.drain_pool();
+    }
+}
+
+/// Page-locked host memory.
+pub(crate) struct Pinned {
+    ptr: *mut u8,
+    len: usize,
+    dev: u64,
+}
+
+// SAFETY: plain memory; access is ordered by the owning stream and its tickets.
+unsafe impl Send for Pinned {}
+unsafe impl Sync for Pinned {}
+
+impl Pinned {
+    /// `len` bytes with flags 0 (cached, not write-combined): staging and readback.
+    pub(crate) fn staging(len: usize) -> std::result::Result<Self, String> {
+        Self::alloc(len, 0)
+    }
+
+    /// `len` bytes the device can address (`DEVICEMAP`): words the device polls or writes.
+    pub(crate) fn mapped(len: usize) -> std::result::Result<Self, String> {
+        Self::alloc(len, sys::CU_MEMHOSTALLOC_DEVICEMAP)
+    }
+
+    fn alloc(len: usize, flags: u32) -> std::result::Result<Self, String> {
+        let len = len.max(64);
+        // SAFETY: an allocation freed in `Drop`; the caller bound the context.
+        let ptr = unsafe { result::malloc_host(len, flags) }
+            .map_err(|e| format!("cannot allocate {len} bytes of pinned host memory: {e:?}"))?
+            .cast::<u8>();
+        // SAFETY: zeroing memory just allocated.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        let mut dev = 0u64;
+        if flags & sys::CU_MEMHOSTALLOC_DEVICEMAP != 0 {
+            // SAFETY: `ptr` is mapped pinned memory.
+            let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, ptr.cast(), 0) };
+            if let Err(e) = r.result() {
+                // SAFETY: allocated above.
+                let _ = unsafe { result::free_host(ptr.cast()) };
+                return Err(format!("cannot map pinned memory for the device: {e:?}"));
+            }
+        }
+        Ok(Pinned { ptr, len, dev })
+    }
+
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The device address of a `mapped` allocation (0 otherwise).
+    pub(crate) fn dev(&self) -> u64 {
+        self.dev
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `alloc`, freed once; owners drop pinned memory only when no
+        // queued copy reads it (the backend synchronizes before dropping).
+        let _ = unsafe { result::free_host(self.ptr.cast()) };
+    }
+}

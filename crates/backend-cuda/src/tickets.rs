@@ -1,0 +1,809 @@
+//! Ticketed sync elision: the single choke point of a CUDA stream.
+//!
+//! Why: a `synchronize` with nothing queued since the last completed wait still costs a driver
+//! call (and, on some platforms, a real host stall). S3 removed those calls with a "stream used"
+//! flag that any new enqueue path could forget to set. Here the stream object itself is the only
+//! way to reach the driver's enqueue calls, so nothing can be queued without being counted.
+//!
+//! Strategy: [`TicketStream`] owns a [`Driver`] (the real cudarc one, or a recording fake in
+//! tests) and exposes one method per enqueue kind — kernel launch, memcpy, memset, stream-ordered
+//! alloc/free, event record, device-side event wait, the test gate's value wait, graph launch —
+//! plus [`TicketStream::lend`], which hands out the raw stream (for cuBLAS) for the length of one
+//! closure. Each of them takes the next ticket (`submitted += 1`) under the same lock as the
+//! driver call, so a waiter that reads `submitted` knows every ticket up to it has reached the
+//! driver. A successful wait records `observed = submitted-at-wait`; `synchronize` makes no
+//! driver call iff `observed == submitted` (an elided sync). Counters are bumped here, in the
+//! primitive that enqueues or waits (ARCHITECTURE §3).
+//!
+//! Invariants: (6) with elision on, `synchronize` after no enqueue makes no driver call and
+//! after any enqueue it waits; a failed wait never advances `observed`; a failed enqueue still
+//! counts as outstanding work (the next sync asks the driver); elision is only on when exactly
+//! one device is in use (S3: multi-device keeps unconditional syncs); non-blocking queries never
+//! advance `observed`, so counts depend on what was enqueued, never on timing.
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+
+use lowsync_backend::{bump, SyncStats};
+use parking_lot::Mutex;
+
+/// Grid, block and dynamic shared memory of one kernel launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchDims {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_bytes: u32,
+}
+
+/// The driver calls the ticket logic routes. The real implementation wraps cudarc's driver API
+/// around one `CUstream`; tests use a recording fake. Enqueue methods are only reachable through
+/// [`TicketStream`], which owns the driver.
+pub trait Driver: Send + Sync {
+    type Error: std::fmt::Debug;
+    type Event: Send + Sync;
+    type Function: Copy + Send + Sync;
+    type GraphExec: Send + Sync;
+    type RawStream: Copy;
+    type Context: Copy;
+
+    /// Queues a kernel.
+    ///
+    /// # Safety
+    /// `f` is a loaded kernel whose parameters are exactly `params`, and every pointer they hold
+    /// stays valid until the kernel ran.
+    unsafe fn launch(
+        &self,
+        f: Self::Function,
+        dims: LaunchDims,
+        params: &mut [*mut c_void],
+    ) -> Result<(), Self::Error>;
+    /// # Safety
+    /// `src..src+len` stays valid and unchanged until the copy ran; `dst` is device memory.
+    unsafe fn memcpy_htod(&self, dst: u64, src: *const u8, len: usize) -> Result<(), Self::Error>;
+    /// # Safety
+    /// `dst..dst+len` stays valid and untouched until the copy ran.
+    unsafe fn memcpy_dtoh(&self, dst: *mut u8, src: u64, len: usize) -> Result<(), Self::Error>;
+    /// # Safety
+    /// Both ranges are device memory of this context.
+    unsafe fn memcpy_dtod(&self, dst: u64, src: u64, len: usize) -> Result<(), Self::Error>;
+    /// # Safety
+    /// Each range is device memory of its context.
+    unsafe fn memcpy_peer(
+        &self,
+        dst: u64,
+        dst_ctx: Self::Context,
+        src: u64,
+        src_ctx: Self::Context,
+        len: usize,
+    ) -> Result<(), Self::Error>;
+    /// # Safety
+    /// `dst..dst+len` is device memory.
+    unsafe fn memset_d8(&self, dst: u64, value: u8, len: usize) -> Result<(), Self::Error>;
+    /// Stream-ordered allocation.
+    ///
+    /// # Safety
+    /// The memory may only be used by work queued after this call.
+    unsafe fn malloc_async(&self, len: usize) -> Result<u64, Self::Error>;
+    /// Stream-ordered free (cudarc frees this way on drop; here it is explicit and counted).
+    ///
+    /// # Safety
+    /// `ptr` came from [`Driver::malloc_async`] and no work queued later uses it.
+    unsafe fn free_async(&self, ptr: u64) -> Result<(), Self::Error>;
+    fn event_record(&self, ev: &Self::Event) -> Result<(), Self::Error>;
+    /// Device-side wait: later work on this stream waits for `ev`.
+    fn stream_wait_event(&self, ev: &Self::Event) -> Result<(), Self::Error>;
+    /// Device-side wait until the 32-bit word at `addr` is `>= value`.
+    ///
+    /// # Safety
+    /// `addr` is device-visible memory that outlives the wait.
+    unsafe fn stream_wait_value32(&self, addr: u64, value: u32) -> Result<(), Self::Error>;
+    fn graph_launch(&self, exec: &Self::GraphExec) -> Result<(), Self::Error>;
+    /// The raw stream handle (only handed out through [`TicketStream::lend`]).
+    fn raw_stream(&self) -> Self::RawStream;
+
+    /// Host blocks until the stream is idle (`cuStreamSynchronize`).
+    fn stream_synchronize(&self) -> Result<(), Self::Error>;
+    /// Host blocks until `ev` completed (`cuEventSynchronize`).
+    fn event_synchronize(&self, ev: &Self::Event) -> Result<(), Self::Error>;
+    /// Whether `ev` completed, without blocking (`cuEventQuery`).
+    fn event_query(&self, ev: &Self::Event) -> Result<bool, Self::Error>;
+}
+
+/// The ticket state of one stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Tickets {
+    /// Tickets handed out: one per enqueue or lend.
+    pub submitted: u64,
+    /// The last ticket the host saw complete through a successful wait.
+    pub observed: u64,
+}
+
+/// Whether `synchronize` may skip the driver when nothing is outstanding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SyncElision {
+    /// Asked for (`LOWSYNC_CUDA_SYNC_ELISION`, default on).
+    pub requested: bool,
+    /// CUDA devices in use by the process; elision is only on for exactly one (S3).
+    pub device_count: usize,
+}
+
+impl SyncElision {
+    /// Whether syncs are elided under this setting.
+    pub fn enabled(self) -> bool {
+        self.requested && self.device_count == 1
+    }
+}
+
+/// How an enqueue is counted in [`SyncStats`] (ARCHITECTURE §3: submissions are kernel and
+/// graph launches and copies; memsets are kernels the driver launches).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counted {
+    Kernel,
+    Memset,
+    H2D(usize),
+    D2H(usize),
+    D2D(usize),
+    Graph,
+    /// Ordering or memory work that is not a submission (event record, waits, alloc/free).
+    NotASubmit,
+}
+
+/// The raw stream, lent for the length of one [`TicketStream::lend`] closure. It is neither
+/// `Clone` nor `Send`, and its lifetime ends with the closure: cache nothing taken from it.
+pub struct LentStream<'a, D: Driver> {
+    raw: D::RawStream,
+    _call: PhantomData<&'a ()>,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl<D: Driver> LentStream<'_, D> {
+    /// The raw handle, for one library call inside the lend.
+    pub fn as_raw(&self) -> D::RawStream {
+        self.raw
+    }
+}
+
+/// A stream whose every enqueue takes a ticket (see the module docs).
+pub struct TicketStream<D: Driver> {
+    driver: D,
+    tickets: Mutex<Tickets>,
+    elide: bool,
+    stats: SyncStats,
+}
+
+impl<D: Driver> TicketStream<D> {
+    /// Wraps `driver`; syncs are elided iff `elision.enabled()`.
+    pub fn new(driver: D, elision: SyncElision) -> Self {
+        TicketStream {
+            driver,
+            tickets: Mutex::new(Tickets::default()),
+            elide: elision.enabled(),
+            stats: SyncStats::default(),
+        }
+    }
+
+    /// The live counters of this stream.
+    pub fn stats(&self) -> &SyncStats {
+        &self.stats
+    }
+
+    /// Whether idle syncs are elided.
+    pub fn elides(&self) -> bool {
+        self.elide
+    }
+
+    /// The current tickets.
+    pub fn tickets(&self) -> Tickets {
+        *self.tickets.lock()
+    }
+
+    /// The driver (tests inspect their fakes through it).
+    #[cfg(test)]
+    pub(crate) fn driver(&self) -> &D {
+        &self.driver
+    }
+
+    /// The one enqueue path: takes a ticket and calls the driver under the ticket lock.
+    fn enqueue<R>(
+        &self,
+        counted: Counted,
+        call: impl FnOnce(&D) -> Result<R, D::Error>,
+    ) -> Result<(R, u64), D::Error> {
+        let mut t = self.tickets.lock();
+        // Taken before the call: a call that fails may still have queued work, so the next
+        // synchronize must ask the driver (conservative).
+        t.submitted += 1;
+        let ticket = t.submitted;
+        let r = call(&self.driver);
+        drop(t);
+        let r = r?;
+        self.count(counted);
+        Ok((r, ticket))
+    }
+
+    fn count(&self, counted: Counted) {
+        let s = &self.stats;
+        match counted {
+            Counted::Kernel => {
+                bump(&s.submits, 1);
+                bump(&s.kernel_launches, 1);
+            }
+            Counted::Memset => bump(&s.submits, 1),
+            Counted::H2D(n) => {
+                bump(&s.submits, 1);
+                bump(&s.h2d_copies, 1);
+                bump(&s.h2d_bytes, n as u64);
+            }
+            Counted::D2H(n) => {
+                bump(&s.submits, 1);
+                bump(&s.d2h_copies, 1);
+                bump(&s.d2h_bytes, n as u64);
+            }
+            Counted::D2D(n) => {
+                bump(&s.submits, 1);
+                bump(&s.d2d_copies, 1);
+                bump(&s.d2d_bytes, n as u64);
+            }
+            Counted::Graph => {
+                bump(&s.submits, 1);
+                bump(&s.graph_launches, 1);
+            }
+            Counted::NotASubmit => {}
+        }
+    }
+
+    /// Queues a kernel. Returns its ticket.
+    ///
+    /// # Safety
+    /// As [`Driver::launch`].
+    pub unsafe fn launch(
+        &self,
+        f: D::Function,
+        dims: LaunchDims,
+        params: &mut [*mut c_void],
+    ) -> Result<u64, D::Error> {
+        self.enqueue(Counted::Kernel, |d| unsafe { d.launch(f, dims, params) })
+            .map(|r| r.1)
+    }
+
+    /// Queues a host-to-device copy.
+    ///
+    /// # Safety
+    /// As [`Driver::memcpy_htod`].
+    pub unsafe fn memcpy_htod(
+        &self,
+        dst: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<u64, D::Error> {
+        self.enqueue(Counted::H2D(len), |d| unsafe {
+            d.memcpy_htod(dst, src, len)
+        })
+        .map(|r| r.1)
+    }
+
+    /// Queues a device-to-host copy.
+    ///
+    /// # Safety
+    /// As [`Driver::memcpy_dtoh`].
+    pub unsafe fn memcpy_dtoh(&self, dst: *mut u8, src: u64, len: usize) -> Result<u64, D::Error> {
+        self.enqueue(Counted::D2H(len), |d| unsafe {
+            d.memcpy_dtoh(dst, src, len)
+        })
+        .map(|r| r.1)
+    }
+
+    /// Queues a device-to-device copy within this context.
+    ///
+    /// # Safety
+    /// As [`Driver::memcpy_dtod`].
+    pub unsafe fn memcpy_dtod(&self, dst: u64, src: u64, len: usize) -> Result<u64, D::Error> {
+        self.enqueue(Counted::D2D(len), |d| unsafe {
+            d.memcpy_dtod(dst, src, len)
+        })
+        .map(|r| r.1)
+    }
+
+    /// Queues a copy from another context's device memory.
+    ///
+    /// # Safety
+    /// As [`Driver::memcpy_peer`].
+    pub unsafe fn memcpy_peer(
+        &self,
+        dst: u64,
+        dst_ctx: D::Context,
+        src: u64,
+        src_ctx: D::Context,
+        len: usize,
+    ) -> Result<u64, D::Error> {
+        self.enqueue(Counted::D2D(len), |d| unsafe {
+            d.memcpy_peer(dst, dst_ctx, src, src_ctx, len)
+        })
+        .map(|r| r.1)
+    }
+
+    /// Queues a byte fill.
+    ///
+    /// # Safety
+    /// As [`Driver::memset_d8`].
+    pub unsafe fn memset_d8(&self, dst: u64, value: u8, len: usize) -> Result<u64, D::Error> {
+        self.enqueue(Counted::Memset, |d| unsafe { d.memset_d8(dst, value, len) })
+            .map(|r| r.1)
+    }
+
+    /// Stream-ordered allocation.
+    ///
+    /// # Safety
+    /// As [`Driver::malloc_async`].
+    pub unsafe fn malloc_async(&self, len: usize) -> Result<u64, D::Error> {
+        self.enqueue(Counted::NotASubmit, |d| unsafe { d.malloc_async(len) })
+            .map(|r| r.0)
+    }
+
+    /// Stream-ordered free.
+    ///
+    /// # Safety
+    /// As [`Driver::free_async`].
+    pub unsafe fn free_async(&self, ptr: u64) -> Result<u64, D::Error> {
+        self.enqueue(Counted::NotASubmit, |d| unsafe { d.free_async(ptr) })
+            .map(|r| r.1)
+    }
+
+    /// Records `ev` at the end of the stream; returns the ticket the event completes with.
+    pub fn record_event(&self, ev: &D::Event) -> Result<u64, D::Error> {
+        self.enqueue(Counted::NotASubmit, |d| d.event_record(ev))
+            .map(|r| r.1)
+    }
+
+    /// Makes later work on this stream wait (device side) for `ev`.
+    pub fn wait_event(&self, ev: &D::Event) -> Result<u64, D::Error> {
+        self.enqueue(Counted::NotASubmit, |d| d.stream_wait_event(ev))
+            .map(|r| r.1)
+    }
+
+    /// Makes later work wait (device side) until the word at `addr` is `>= value`.
+    ///
+    /// # Safety
+    /// As [`Driver::stream_wait_value32`].
+    pub unsafe fn wait_value32(&self, addr: u64, value: u32) -> Result<u64, D::Error> {
+        self.enqueue(Counted::NotASubmit, |d| unsafe {
+            d.stream_wait_value32(addr, value)
+        })
+        .map(|r| r.1)
+    }
+
+    /// Launches an instantiated CUDA graph.
+    pub fn graph_launch(&self, exec: &D::GraphExec) -> Result<u64, D::Error> {
+        self.enqueue(Counted::Graph, |d| d.graph_launch(exec))
+            .map(|r| r.1)
+    }
+
+    /// Lends the raw stream for one call (cuBLAS). Borrowing counts as work (S3: acquiring
+    /// a handle marks the stream used), so it takes a ticket even if the closure queues
+    /// nothing. The ticket lock is held while `f` runs: `f` must not call back into this stream.
+    pub fn lend<R>(&self, counted: Counted, f: impl FnOnce(&LentStream<'_, D>) -> R) -> R {
+        let mut t = self.tickets.lock();
+        t.submitted += 1;
+        let lent = LentStream {
+            raw: self.driver.raw_stream(),
+            _call: PhantomData,
+            _not_send: PhantomData,
+        };
+        let r = f(&lent);
+        drop(t);
+        self.count(counted);
+        r
+    }
+
+    /// Waits until everything queued completed, or returns at once (an elided sync) when the
+    /// last completed wait already covered every ticket and elision is on.
+    pub fn synchronize(&self) -> Result<(), D::Error> {
+        let target = {
+            let t = self.tickets.lock();
+            if self.elide && t.observed == t.submitted {
+                bump(&self.stats.elided_syncs, 1);
+                return Ok(());
+            }
+            t.submitted
+        };
+        bump(&self.stats.host_waits, 1);
+        bump(&self.stats.driver_syncs, 1);
+        self.driver.stream_synchronize()?;
+        self.observe(target);
+        Ok(())
+    }
+
+    /// Host wait for an event recorded at `ticket` (from [`Self::record_event`]); elided when
+    /// a completed wait already covered the ticket.
+    pub fn wait_event_host(&self, ev: &D::Event, ticket: u64) -> Result<(), D::Error> {
+        if self.elide && ticket <= self.tickets.lock().observed {
+            bump(&self.stats.elided_syncs, 1);
+            return Ok(());
+        }
+        bump(&self.stats.host_waits, 1);
+        bump(&self.stats.driver_syncs, 1);
+        self.driver.event_synchronize(ev)?;
+        self.observe(ticket);
+        Ok(())
+    }
+
+    /// Whether the event recorded at `ticket` completed, without blocking. Never advances
+    /// `observed` (counts must not depend on timing).
+    pub fn query_event(&self, ev: &D::Event, ticket: u64) -> Result<bool, D::Error> {
+        if ticket <= self.tickets.lock().observed {
+            return Ok(true);
+        }
+        self.driver.event_query(ev)
+    }
+
+    fn observe(&self, ticket: u64) {
+        let mut t = self.tickets.lock();
+        t.observed = t.observed.max(ticket);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The ticket logic against a recording fake driver: no GPU needed.
+
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    #[derive(Clone, Debug, PartialEq, Eq)]
+    enum Call {
+        Launch,
+        HtoD(usize),
+        DtoH(usize),
+        DtoD(usize),
+        Peer(usize),
+        Memset(usize),
+        MallocAsync(usize),
+        FreeAsync,
+        EventRecord(u32),
+        StreamWaitEvent(u32),
+        WaitValue32(u32),
+        GraphLaunch,
+        RawStream,
+        StreamSynchronize,
+        EventSynchronize(u32),
+        EventQuery(u32),
+    }
+
+    #[derive(Default)]
+    struct Fake {
+        calls: Mutex<Vec<Call>>,
+        fail_next_wait: AtomicBool,
+        fail_enqueues: AtomicBool,
+    }
+
+    impl Fake {
+        fn push(&self, c: Call) -> Result<(), String> {
+            self.calls.lock().push(c);
+            if self.fail_enqueues.load(Ordering::SeqCst) {
+                return Err("enqueue failed".into());
+            }
+            Ok(())
+        }
+        fn wait(&self, c: Call) -> Result<(), String> {
+            self.calls.lock().push(c);
+            if self.fail_next_wait.swap(false, Ordering::SeqCst) {
+                return Err("CUDA_ERROR_LAUNCH_FAILED".into());
+            }
+            Ok(())
+        }
+    }
+
+    impl Driver for Fake {
+        type Error = String;
+        type Event = u32;
+        type Function = ();
+        type GraphExec = ();
+        type RawStream = usize;
+        type Context = ();
+
+        unsafe fn launch(
+            &self,
+            _f: (),
+            _dims: LaunchDims,
+            _params: &mut [*mut c_void],
+        ) -> Result<(), String> {
+            self.push(Call::Launch)
+        }
+        unsafe fn memcpy_htod(&self, _dst: u64, _src: *const u8, len: usize) -> Result<(), String> {
+            self.push(Call::HtoD(len))
+        }
+        unsafe fn memcpy_dtoh(&self, _dst: *mut u8, _src: u64, len: usize) -> Result<(), String> {
+            self.push(Call::DtoH(len))
+        }
+        unsafe fn memcpy_dtod(&self, _dst: u64, _src: u64, len: usize) -> Result<(), String> {
+            self.push(Call::DtoD(len))
+        }
+        unsafe fn memcpy_peer(
+            &self,
+            _dst: u64,
+            _dc: (),
+            _src: u64,
+            _sc: (),
+            len: usize,
+        ) -> Result<(), String> {
+            self.push(Call::Peer(len))
+        }
+        unsafe fn memset_d8(&self, _dst: u64, _v: u8, len: usize) -> Result<(), String> {
+            self.push(Call::Memset(len))
+        }
+        unsafe fn malloc_async(&self, len: usize) -> Result<u64, String> {
+            self.push(Call::MallocAsync(len)).map(|_| 0x1000)
+        }
+        unsafe fn free_async(&self, _ptr: u64) -> Result<(), String> {
+            self.push(Call::FreeAsync)
+        }
+        fn event_record(&self, ev: &u32) -> Result<(), String> {
+            self.push(Call::EventRecord(*ev))
+        }
+        fn stream_wait_event(&self, ev: &u32) -> Result<(), String> {
+            self.push(Call::StreamWaitEvent(*ev))
+        }
+        unsafe fn stream_wait_value32(&self, _addr: u64, value: u32) -> Result<(), String> {
+            self.push(Call::WaitValue32(value))
+        }
+        fn graph_launch(&self, _exec: &()) -> Result<(), String> {
+            self.push(Call::GraphLaunch)
+        }
+        fn raw_stream(&self) -> usize {
+            self.calls.lock().push(Call::RawStream);
+            7
+        }
+        fn stream_synchronize(&self) -> Result<(), String> {
+            self.wait(Call::StreamSynchronize)
+        }
+        fn event_synchronize(&self, ev: &u32) -> Result<(), String> {
+            self.wait(Call::EventSynchronize(*ev))
+        }
+        fn event_query(&self, ev: &u32) -> Result<bool, String> {
+            self.calls.lock().push(Call::EventQuery(*ev));
+            Ok(false)
+        }
+    }
+
+    fn single() -> SyncElision {
+        SyncElision {
+            requested: true,
+            device_count: 1,
+        }
+    }
+
+    fn stream(elision: SyncElision) -> TicketStream<Fake> {
+        TicketStream::new(Fake::default(), elision)
+    }
+
+    fn calls(s: &TicketStream<Fake>) -> Vec<Call> {
+        s.driver.calls.lock().clone()
+    }
+
+    fn syncs(s: &TicketStream<Fake>) -> usize {
+        calls(s)
+            .iter()
+            .filter(|c| matches!(c, Call::StreamSynchronize))
+            .count()
+    }
+
+    type Path = (&'static str, fn(&TicketStream<Fake>));
+
+    /// Every enqueue path of the stream, each as a closure.
+    fn every_enqueue_path() -> Vec<Path> {
+        vec![
+            ("launch", |s| unsafe {
+                let dims = LaunchDims {
+                    grid: (1, 1, 1),
+                    block: (32, 1, 1),
+                    shared_bytes: 0,
+                };
+                s.launch((), dims, &mut []).unwrap();
+            }),
+            ("memcpy_htod", |s| unsafe {
+                s.memcpy_htod(0, [0u8; 4].as_ptr(), 4).unwrap();
+            }),
+            ("memcpy_dtoh", |s| unsafe {
+                s.memcpy_dtoh([0u8; 4].as_mut_ptr(), 0, 4).unwrap();
+            }),
+            ("memcpy_dtod", |s| unsafe {
+                s.memcpy_dtod(0, 0, 4).unwrap();
+            }),
+            ("memcpy_peer", |s| unsafe {
+                s.memcpy_peer(0, (), 0, (), 4).unwrap();
+            }),
+            ("memset_d8", |s| unsafe {
+                s.memset_d8(0, 0, 4).unwrap();
+            }),
+            ("malloc_async", |s| unsafe {
+                s.malloc_async(4).unwrap();
+            }),
+            ("free_async", |s| unsafe {
+                s.free_async(0x1000).unwrap();
+            }),
+            ("record_event", |s| {
+                s.record_event(&1).unwrap();
+            }),
+            ("wait_event", |s| {
+                s.wait_event(&1).unwrap();
+            }),
+            ("wait_value32", |s| unsafe {
+                s.wait_value32(0, 1).unwrap();
+            }),
+            ("graph_launch", |s| {
+                s.graph_launch(&()).unwrap();
+            }),
+            ("lend (cuBLAS handle / raw stream)", |s| {
+                s.lend(Counted::Kernel, |raw| assert_eq!(raw.as_raw(), 7));
+            }),
+        ]
+    }
+
+    #[test]
+    fn every_enqueue_path_bumps_the_ticket_and_makes_the_next_sync_wait() {
+        for (name, path) in every_enqueue_path() {
+            let s = stream(single());
+            s.synchronize().unwrap();
+            assert_eq!(syncs(&s), 0, "{name}: idle sync must not call the driver");
+            let before = s.tickets().submitted;
+            path(&s);
+            assert_eq!(s.tickets().submitted, before + 1, "{name}: one ticket");
+            s.synchronize().unwrap();
+            assert_eq!(syncs(&s), 1, "{name}: a sync after an enqueue waits");
+            assert_eq!(s.tickets().observed, s.tickets().submitted);
+            s.synchronize().unwrap();
+            assert_eq!(syncs(&s), 1, "{name}: and the next one is elided");
+            let st = s.stats().snapshot();
+            assert_eq!((st.host_waits, st.driver_syncs, st.elided_syncs), (1, 1, 2));
+        }
+    }
+
+    #[test]
+    fn sync_after_no_enqueue_makes_no_driver_call() {
+        let s = stream(single());
+        for _ in 0..5 {
+            s.synchronize().unwrap();
+        }
+        assert!(calls(&s).is_empty());
+        let st = s.stats().snapshot();
+        assert_eq!((st.host_waits, st.driver_syncs, st.elided_syncs), (0, 0, 5));
+    }
+
+    #[test]
+    fn failed_wait_does_not_mark_completion() {
+        let s = stream(single());
+        unsafe { s.memcpy_htod(0, [1u8].as_ptr(), 1).unwrap() };
+        s.driver.fail_next_wait.store(true, Ordering::SeqCst);
+        assert!(s.synchronize().is_err());
+        assert_eq!(s.tickets().observed, 0, "a failed wait observes nothing");
+        s.synchronize().unwrap();
+        assert_eq!(syncs(&s), 2, "the next sync asks the driver again");
+        s.synchronize().unwrap();
+        assert_eq!(syncs(&s), 2);
+    }
+
+    #[test]
+    fn failed_event_wait_does_not_mark_completion() {
+        let s = stream(single());
+        let t = s.record_event(&3).unwrap();
+        s.driver.fail_next_wait.store(true, Ordering::SeqCst);
+        assert!(s.wait_event_host(&3, t).is_err());
+        assert_eq!(s.tickets().observed, 0);
+        s.wait_event_host(&3, t).unwrap();
+        assert_eq!(s.tickets().observed, t);
+    }
+
+    #[test]
+    fn failed_enqueue_still_counts_as_outstanding_work() {
+        let s = stream(single());
+        s.driver.fail_enqueues.store(true, Ordering::SeqCst);
+        assert!(unsafe { s.memcpy_dtod(0, 0, 8) }.is_err());
+        s.driver.fail_enqueues.store(false, Ordering::SeqCst);
+        s.synchronize().unwrap();
+        assert_eq!(syncs(&s), 1);
+        assert_eq!(s.stats().snapshot().d2d_copies, 0, "nothing was submitted");
+    }
+
+    #[test]
+    fn multi_device_never_elides() {
+        let s = stream(SyncElision {
+            requested: true,
+            device_count: 2,
+        });
+        assert!(!s.elides());
+        s.synchronize().unwrap();
+        s.synchronize().unwrap();
+        let t = s.record_event(&1).unwrap();
+        s.synchronize().unwrap();
+        s.wait_event_host(&1, t).unwrap();
+        assert_eq!(syncs(&s), 3);
+        let st = s.stats().snapshot();
+        assert_eq!((st.host_waits, st.driver_syncs, st.elided_syncs), (4, 4, 0));
+    }
+
+    #[test]
+    fn elision_off_makes_every_sync_a_driver_call() {
+        let s = stream(SyncElision {
+            requested: false,
+            device_count: 1,
+        });
+        for _ in 0..3 {
+            s.synchronize().unwrap();
+        }
+        assert_eq!(syncs(&s), 3);
+        assert_eq!(s.stats().snapshot().elided_syncs, 0);
+    }
+
+    #[test]
+    fn event_wait_observes_only_up_to_its_ticket() {
+        let s = stream(single());
+        unsafe { s.memcpy_htod(0, [1u8].as_ptr(), 1).unwrap() };
+        let t = s.record_event(&9).unwrap();
+        unsafe { s.memcpy_htod(0, [1u8].as_ptr(), 1).unwrap() };
+        s.wait_event_host(&9, t).unwrap();
+        assert_eq!(s.tickets().observed, t);
+        assert!(
+            s.query_event(&9, t).unwrap(),
+            "known complete, no driver call"
+        );
+        assert!(!calls(&s).contains(&Call::EventQuery(9)));
+        s.synchronize().unwrap();
+        assert_eq!(syncs(&s), 1, "work after the event still needs a wait");
+        s.wait_event_host(&9, t).unwrap();
+        assert_eq!(
+            calls(&s)
+                .iter()
+                .filter(|c| matches!(c, Call::EventSynchronize(_)))
+                .count(),
+            1,
+            "a covered event wait is elided"
+        );
+    }
+
+    #[test]
+    fn queries_never_advance_observed() {
+        let s = stream(single());
+        let t = s.record_event(&4).unwrap();
+        assert!(!s.query_event(&4, t).unwrap());
+        assert_eq!(s.tickets().observed, 0);
+        s.synchronize().unwrap();
+        assert_eq!(syncs(&s), 1);
+    }
+
+    #[test]
+    fn enqueues_are_counted_where_they_happen() {
+        let s = stream(single());
+        unsafe {
+            s.memcpy_htod(0, [0u8; 16].as_ptr(), 16).unwrap();
+            s.memcpy_dtoh([0u8; 4].as_mut_ptr(), 0, 4).unwrap();
+            s.memcpy_dtod(0, 0, 8).unwrap();
+            let dims = LaunchDims {
+                grid: (1, 1, 1),
+                block: (1, 1, 1),
+                shared_bytes: 0,
+            };
+            s.launch((), dims, &mut []).unwrap();
+        }
+        s.graph_launch(&()).unwrap();
+        s.record_event(&1).unwrap();
+        let st = s.stats().snapshot();
+        assert_eq!((st.h2d_copies, st.h2d_bytes), (1, 16));
+        assert_eq!((st.d2h_copies, st.d2h_bytes), (1, 4));
+        assert_eq!((st.d2d_copies, st.d2d_bytes), (1, 8));
+        assert_eq!(st.kernel_launches, 1);
+        assert_eq!(st.graph_launches, 1);
+        assert_eq!(
+            st.submits, 5,
+            "copies, the kernel and the graph; not the event"
+        );
+    }
+
+    #[test]
+    fn lend_hands_out_the_stream_only_inside_the_call() {
+        let s = stream(single());
+        let got = s.lend(Counted::NotASubmit, |raw| raw.as_raw());
+        assert_eq!(got, 7);
+        assert_eq!(s.tickets().submitted, 1);
+        assert_eq!(s.stats().snapshot().submits, 0);
+    }
+}

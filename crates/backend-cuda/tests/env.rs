@@ -1,0 +1,31 @@
+//! `LOWSYNC_CUDA_SYNC_ELISION` (ARCHITECTURE §8): a bad value is an error naming the variable.
+//! (Its own test binary: it sets a process-wide variable.)
+
+use lowsync_backend::Error;
+use lowsync_cuda::CudaConfig;
+
+#[test]
+fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
+    std::env::set_var("LOWSYNC_CUDA_SYNC_ELISION", "0");
+    assert!(!CudaConfig::from_env().unwrap().sync_elision);
+    std::env::set_var("LOWSYNC_CUDA_SYNC_ELISION", "1");
+    assert!(CudaConfig::from_env().unwrap().sync_elision);
+    std::env::remove_var("LOWSYNC_CUDA_SYNC_ELISION");
+    assert!(
+        CudaConfig::from_env().unwrap().sync_elision,
+        "on by default"
+    );
+    std::env::set_var("LOWSYNC_CUDA_SYNC_ELISION", "yes");
+    match CudaConfig::from_env() {
+        Err(Error::Env { var, .. }) => assert_eq!(var, "LOWSYNC_CUDA_SYNC_ELISION"),
+        other => panic!("expected an env error, got {other:?}"),
+    }
+    match lowsync_cuda::create("cuda") {
+        Err(Error::Env { var, .. }) => assert_eq!(var, "LOWSYNC_CUDA_SYNC_ELISION"),
+        other => panic!(
+            "create must report the bad variable first, got {:?}",
+            other.map(|_| ())
+        ),
+    }
+    std::env::remove_var("LOWSYNC_CUDA_SYNC_ELISION");
+}

@@ -1,0 +1,201 @@
+//! Ordering tests with the CUDA test gate (`cuStreamWaitValue32` on a host-written word): work
+//! behind a closed gate has not run; a staged write issued behind the gate delivers the bytes of
+//! the call even if the caller overwrites its buffer at once (invariant 1); writes queued after
+//! a graph are invisible to it (invariant 2); copies between backends wait on the source's
+//! events. Deterministic: no sleeps, no timing. Skipped without a device.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::gpu;
+use lowsync_backend::{Backend, BufferUsage, ExecGraph, ExecNode, TensorRef};
+use lowsync_cpu::CpuBackend;
+use lowsync_cuda::CudaConfig;
+use lowsync_graph::{DType, Op};
+
+fn f32_ref(buffer: lowsync_backend::BufferId, byte_offset: usize, n: usize) -> TensorRef {
+    TensorRef {
+        buffer,
+        byte_offset,
+        dtype: DType::F32,
+        shape: vec![n],
+        strides: vec![1],
+    }
+}
+
+fn bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+fn floats(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn scale(buf: lowsync_backend::BufferId, by: f32, n: usize) -> Arc<ExecGraph> {
+    Arc::new(ExecGraph {
+        nodes: vec![ExecNode {
+            op: Op::Scale { scale: by },
+            name: "y".into(),
+            dst: f32_ref(buf, 256, n),
+            srcs: vec![f32_ref(buf, 0, n)],
+        }],
+    })
+}
+
+#[test]
+fn work_behind_a_closed_gate_has_not_run() {
+    let Some(b) = gpu("gate_blocks") else { return };
+    let buf = b.alloc_buffer(512, BufferUsage::Compute).unwrap();
+    let g = scale(buf, 2.0, 4);
+    b.graph_compute_async(&g).unwrap(); // compile and warm up outside the gate
+    b.synchronize().unwrap();
+    let gate = b.gate_close().unwrap();
+    b.set_tensor_async_staged(buf, 0, &bytes(&[1.0, 2.0, 3.0, 4.0]))
+        .unwrap();
+    b.graph_compute_async(&g).unwrap();
+    let ev = b.event_new().unwrap();
+    b.event_record(&ev).unwrap();
+    assert!(
+        !ev.is_complete(),
+        "the graph must wait behind the closed gate"
+    );
+    gate.open();
+    ev.synchronize().unwrap();
+    let mut out = vec![0u8; 16];
+    b.get_tensor(buf, 256, &mut out).unwrap();
+    assert_eq!(floats(&out), vec![2.0, 4.0, 6.0, 8.0]);
+}
+
+#[test]
+fn staged_write_may_be_overwritten_after_return() {
+    let Some(b) = gpu("staged_overwrite") else {
+        return;
+    };
+    let buf = b.alloc_buffer(64, BufferUsage::Inputs).unwrap();
+    let gate = b.gate_close().unwrap();
+    let mut host = bytes(&[1.0, 2.0, 3.0, 4.0]);
+    b.set_tensor_async_staged(buf, 0, &host).unwrap();
+    host.copy_from_slice(&bytes(&[9.0, 9.0, 9.0, 9.0])); // the caller reuses its buffer at once
+    b.set_tensor_async_staged(buf, 32, &host).unwrap();
+    gate.open();
+    let mut out = vec![0u8; 48];
+    b.get_tensor(buf, 0, &mut out).unwrap();
+    assert_eq!(floats(&out[..16]), vec![1.0, 2.0, 3.0, 4.0]);
+    assert_eq!(floats(&out[32..]), vec![9.0, 9.0, 9.0, 9.0]);
+}
+
+#[test]
+fn staged_write_behind_a_gated_graph_is_invisible_to_it_and_visible_to_the_next() {
+    let Some(b) = gpu("staged_after_graph") else {
+        return;
+    };
+    let buf = b.alloc_buffer(512, BufferUsage::Compute).unwrap();
+    b.set_tensor(buf, 0, &bytes(&[1.0, 1.0])).unwrap();
+    let g = scale(buf, 10.0, 2);
+    let gate = b.gate_close().unwrap();
+    b.graph_compute_async(&g).unwrap(); // reads x = 1
+    b.set_tensor_async_staged(buf, 0, &bytes(&[5.0, 5.0]))
+        .unwrap(); // queued after the graph
+    gate.open();
+    let mut first = vec![0u8; 8];
+    b.get_tensor(buf, 256, &mut first).unwrap();
+    assert_eq!(floats(&first), vec![10.0, 10.0]);
+    b.graph_compute_async(&g).unwrap();
+    let mut second = vec![0u8; 8];
+    b.get_tensor(buf, 256, &mut second).unwrap();
+    assert_eq!(floats(&second), vec![50.0, 50.0]);
+}
+
+#[test]
+fn opening_the_gate_completes_everything_in_order() {
+    let Some(b) = gpu("gate_order") else { return };
+    let buf = b.alloc_buffer(64, BufferUsage::Inputs).unwrap();
+    let gate = b.gate_close().unwrap();
+    for i in 0..10u8 {
+        b.set_tensor_async_staged(buf, 0, &[i; 4]).unwrap();
+    }
+    let ev = b.event_new().unwrap();
+    b.event_record(&ev).unwrap();
+    assert!(!ev.is_complete());
+    gate.open();
+    b.synchronize().unwrap();
+    assert!(ev.is_complete());
+    let mut out = [0u8; 4];
+    b.get_tensor(buf, 0, &mut out).unwrap();
+    assert_eq!(out, [9u8; 4], "the last write wins: copies ran in order");
+}
+
+#[test]
+fn a_cpu_computed_tensor_reaches_the_device_through_cpy_tensor_async() {
+    let Some(b) = gpu("copy_from_host") else {
+        return;
+    };
+    let cpu = CpuBackend::new();
+    let src = cpu.alloc_buffer(64, BufferUsage::Compute).unwrap();
+    cpu.set_tensor(src, 0, &bytes(&[1.5, 2.5, 3.5, 4.5]))
+        .unwrap();
+    let dst = b.alloc_buffer(64, BufferUsage::Inputs).unwrap();
+    let gate = b.gate_close().unwrap();
+    assert!(b.cpy_tensor_async(&cpu, src, 0, dst, 16, 16).unwrap());
+    // Staged at call time: the host may overwrite its source at once (invariant 3).
+    cpu.set_tensor(src, 0, &bytes(&[0.0; 4])).unwrap();
+    gate.open();
+    let mut out = vec![0u8; 16];
+    b.get_tensor(dst, 16, &mut out).unwrap();
+    assert_eq!(floats(&out), vec![1.5, 2.5, 3.5, 4.5]);
+}
+
+#[test]
+fn a_copy_between_cuda_streams_waits_for_the_source_device_side() {
+    let Some(a) = gpu("cuda_to_cuda") else { return };
+    let Ok(b) = lowsync_cuda::create_with_config("cuda:0", CudaConfig::default()) else {
+        panic!("a second stream on the device");
+    };
+    let src = a.alloc_buffer(64, BufferUsage::Compute).unwrap();
+    let dst = b.alloc_buffer(64, BufferUsage::Compute).unwrap();
+    a.synchronize().unwrap();
+    b.synchronize().unwrap();
+    let gate = a.gate_close().unwrap();
+    a.set_tensor_async_staged(src, 0, &bytes(&[7.0, 8.0]))
+        .unwrap(); // behind a's gate
+    let before = b.stats().snapshot();
+    assert!(b.cpy_tensor_async(&*a, src, 0, dst, 0, 8).unwrap());
+    let ev = b.event_new().unwrap();
+    b.event_record(&ev).unwrap();
+    assert_eq!(
+        b.stats().snapshot().since(&before).host_waits,
+        0,
+        "no host wait"
+    );
+    assert!(!ev.is_complete(), "b's copy waits for a's gated write");
+    gate.open();
+    let mut out = vec![0u8; 8];
+    b.get_tensor(dst, 0, &mut out).unwrap();
+    assert_eq!(floats(&out), vec![7.0, 8.0]);
+}
+
+#[test]
+fn another_cuda_stream_waits_on_an_event_device_side() {
+    let Some(a) = gpu("event_wait") else { return };
+    let Ok(b) = lowsync_cuda::create_with_config("cuda:0", CudaConfig::default()) else {
+        panic!("a second stream on the device");
+    };
+    let buf = b.alloc_buffer(16, BufferUsage::Inputs).unwrap();
+    b.synchronize().unwrap();
+    let gate = a.gate_close().unwrap();
+    let ev = a.event_new().unwrap();
+    a.event_record(&ev).unwrap();
+    let before = b.stats().snapshot();
+    b.event_wait(&ev).unwrap();
+    b.set_tensor_async_staged(buf, 0, &[7u8; 4]).unwrap();
+    let ev_b = b.event_new().unwrap();
+    b.event_record(&ev_b).unwrap();
+    assert_eq!(b.stats().snapshot().since(&before).host_waits, 0);
+    assert!(!ev_b.is_complete(), "b's write waits for a's gate");
+    gate.open();
+    ev_b.synchronize().unwrap();
+    assert!(ev.is_complete());
+}

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Everything lowsync runs on the GPU machine, in one call (each fresh machine starts bare).
+#
+# Carried (git-ignored): .carry/wheels/lowsync-*.whl (the abi3 wheel, features cuda+vulkan),
+# .carry/cuda-tests/ and .carry/vulkan-tests/ (prebuilt test binaries), .whl/ (gguf wheel and
+# the pruned llama-cpp-python sdist), .gl/ (the Vulkan loader .debs).
+# Output: $OUT/summary.txt (what a closing note quotes) and $OUT/logs.tar.gz (everything).
+#
+#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp]
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+out=${OUT:-/tmp/out}
+logs=/tmp/lowsync-logs
+mkdir -p "$out" "$logs"
+summary="$out/summary.txt"
+parts=${*:-cuda vulkan bench compare}
+export PYTHONUNBUFFERED=1
+say() { echo "$@" | tee -a "$summary"; }
+
+# Python packages: the lowsync wheel and gguf into /tmp/site.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .carry/wheels/lowsync-*.whl .whl/gguf-*.whl >"$logs/pip.log" 2>&1 || { cat "$logs/pip.log"; exit 1; }
+export PYTHONPATH=/tmp/site
+# CUDA libraries (NVRTC, cuBLAS) for dlopen.
+nv=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
+libdirs=/usr/local/cuda/lib64
+for d in "$nv"/cu13/lib "$nv"/*/lib; do [ -d "$d" ] && libdirs="$libdirs:$d"; done
+export LD_LIBRARY_PATH="$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The Vulkan loader (the machine has none of its own).
+for f in .gl/*.deb; do dpkg -x "$f" / ; done
+ldconfig
+icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+[ -f "$icd" ] && export VK_DRIVER_FILES=$icd
+
+say "== $(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1)"
+say "available: $(python3 -c 'import lowsync; print(lowsync.available_backends())' 2>&1)"
+
+if [[ $parts == *llamacpp* ]]; then
+    # Build llama-cpp-python (CPU) in the background while the GPU suites run.
+    (mkdir -p /tmp/lcpp && tar xzf .whl/llama_cpp_python-*-pruned.tar.gz -C /tmp/lcpp &&
+        CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF" \
+        python3 -m pip install --no-index --no-deps --no-build-isolation --target /tmp/lcpp-site /tmp/lcpp/llama_cpp_python-* \
+        >"$logs/llamacpp-build.log" 2>&1; echo "llama-cpp-python build exit $?" >>"$logs/llamacpp-build.log") &
+    lcpp_pid=$!
+fi
+
+run_suite() { # name dir
+    local name=$1 dir=$2
+    [ -d "$dir" ] || { say "$name: no binaries carried"; return; }
+    for t in "$dir"/*; do
+        chmod +x "$t"
+        timeout 300 "$t" --test-threads=1 >"$logs/$name-$(basename "$t").log" 2>&1
+        say "$name $(basename "$t"): exit $? $(grep -E '^test result' "$logs/$name-$(basename "$t").log" | tail -1)"
+        grep -E "^test .* FAILED|panicked" "$logs/$name-$(basename "$t").log" | head -5 | tee -a "$summary"
+    done
+}
+[[ $parts == *cuda* ]] && LOWSYNC_REQUIRE_CUDA=1 XDG_CACHE_HOME=$(mktemp -d) run_suite cuda .carry/cuda-tests
+[[ $parts == *vulkan* ]] && LOWSYNC_REQUIRE_VULKAN=1 run_suite vulkan .carry/vulkan-tests
+
+if [[ $parts == *bench* ]]; then
+    for m in tiny 1b; do
+        timeout 400 python3 -m lowsync.cli bench -m $m --backend cuda,vulkan -p 32 -n 64 \
+            >"$logs/bench-$m.txt" 2>"$logs/bench-$m.err"
+        say "bench $m: exit $?"; cat "$logs/bench-$m.txt" | tee -a "$summary"; tail -3 "$logs/bench-$m.err"
+    done
+fi
+if [[ $parts == *compare* ]]; then
+    timeout 300 python3 benches/python/compare_transformers.py --model tiny --backends cpu,cuda,vulkan \
+        >"$logs/compare-transformers.txt" 2>&1
+    say "transformers: exit $?"; grep -v "_tokens" "$logs/compare-transformers.txt" | tail -5 | tee -a "$summary"
+    grep -o '"backend": "[a-z]*", "logits_max_rel_diff": [0-9.e-]*, "same_greedy_tokens": [a-z]*' \
+        "$logs/compare-transformers.txt" | tee -a "$summary"
+fi
+if [[ $parts == *llamacpp* ]]; then
+    wait "$lcpp_pid"; tail -2 "$logs/llamacpp-build.log" | tee -a "$summary"
+    for m in tiny small; do
+        PYTHONPATH=/tmp/site:/tmp/lcpp-site timeout 300 python3 benches/python/compare_llama_cpp.py \
+            --model $m --dtype f16 --speed -n 32 >"$logs/compare-llamacpp-$m.txt" 2>&1
+        say "llama.cpp $m: exit $?"
+        sed -E 's/"(lowsync|llama_cpp)_tokens": \[[^]]*\], //g' "$logs/compare-llamacpp-$m.txt" | tail -3 | tee -a "$summary"
+    done
+fi
+tar czf "$out/logs.tar.gz" -C "$logs" .
