@@ -88,6 +88,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="tokens per ubatch (the prefill graph's size); default: 32",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt and built-in weights")
+    p.add_argument(
+        "-t",
+        "--type",
+        choices=("f32", "f16", "bf16"),
+        default="f32",
+        help="weight type of a built-in model (default: f32; GGUF files keep their own)",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
 
 
@@ -126,10 +133,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_model(spec: str, seed: int, command: str) -> Llama | None:
+def _load_model(spec: str, seed: int, command: str, dtype: str = "f32") -> Llama | None:
     """The model named on the command line, or None after printing why it cannot be loaded."""
     if spec in BUILTIN_CONFIGS:
-        return Llama.random(spec, seed=seed)
+        return Llama.random(spec, seed=seed, dtype=dtype)
     from lowsync.gguf import load_gguf
 
     try:
@@ -157,7 +164,7 @@ def _policies(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     policies = _policies(args, parser)
-    model = _load_model(args.model, args.seed, "bench")
+    model = _load_model(args.model, args.seed, "bench", args.type)
     if model is None:
         return 1
     pairs = [(b, p) for b in _backends(args) for p in policies]
@@ -196,7 +203,7 @@ def _batched(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lowsync.session import Session
 
     policies = _policies(args, parser)
-    model = _load_model(args.model, args.seed, "batched-bench")
+    model = _load_model(args.model, args.seed, "batched-bench", args.type)
     if model is None:
         return 1
     need = batched_n_ctx(args.npp, args.ntg, args.npl, args.pps)

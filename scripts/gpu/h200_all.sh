@@ -60,7 +60,8 @@ run_suite() { # name dir
 
 if [[ $parts == *bench* ]]; then
     for m in tiny 1b; do
-        timeout 400 python3 -m lowsync.cli bench -m $m --backend cuda,vulkan -p 32 -n 64 \
+        if [ $m = tiny ]; then bk=${BENCH_TINY_BACKENDS:-cuda,vulkan}; else bk=${BENCH_1B_BACKENDS:-cuda,vulkan}; fi
+        timeout 400 python3 -m lowsync.cli bench -m $m -t f16 --backend "$bk" -p 32 -n 64 \
             >"$logs/bench-$m.txt" 2>"$logs/bench-$m.err"
         say "bench $m: exit $?"; cat "$logs/bench-$m.txt" | tee -a "$summary"; tail -3 "$logs/bench-$m.err"
     done
