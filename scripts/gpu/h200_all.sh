@@ -20,7 +20,7 @@ say() { echo "$@" | tee -a "$summary"; }
 
 # Python packages: the lowsync wheel and gguf into /tmp/site.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .carry/wheels/lowsync-*.whl .whl/gguf-*.whl >"$logs/pip.log" 2>&1 || { cat "$logs/pip.log"; exit 1; }
+    .carry/wheels/lowsync-*.whl .whl/*.whl >"$logs/pip.log" 2>&1 || { cat "$logs/pip.log"; exit 1; }
 export PYTHONPATH=/tmp/site
 # CUDA libraries (NVRTC, cuBLAS) for dlopen.
 nv=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
