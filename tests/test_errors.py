@@ -210,3 +210,24 @@ def test_get_rows_index_out_of_range(backend: str) -> None:
         _step(plan)
     _check_plan_works(plan)
     _check_plan_works(plan)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu-async"])
+def test_state_larger_than_memory_is_a_clear_error_and_the_context_stays_usable(
+    backend: str,
+) -> None:
+    ctx = ls.Context([backend])
+    g = ls.Graph()
+    huge = g.persistent("huge", (1 << 20, 1 << 20, 64))  # 256 TiB of f32
+    g.output("y", g.scale(huge, 1.0))
+    with pytest.raises(ls.BackendError, match="out of host memory"):
+        ctx.compile(g)
+    with pytest.raises(ls.GraphError, match="too large"):
+        ls.Graph().persistent("absurd", (1 << 40, 1 << 40))
+    g2 = ls.Graph()
+    x = g2.input("x", (4,))
+    g2.output("y", x * 2.0)
+    plan = ctx.compile(g2)
+    plan.set_input("x", np.ones(4, np.float32))
+    plan.compute()
+    assert plan.get_output("y").tolist() == [2.0] * 4

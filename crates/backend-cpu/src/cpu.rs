@@ -124,8 +124,9 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_buffer(&self, size: usize, _usage: BufferUsage) -> Result<BufferId> {
+        let id = self.store.alloc(size)?;
         bump(&self.stats.reserves, 1);
-        Ok(self.store.alloc(size))
+        Ok(id)
     }
     fn realloc_buffer(&self, id: BufferId, size: usize) -> Result<()> {
         self.store.realloc(id, size)?;

@@ -378,8 +378,9 @@ impl Backend for CpuAsyncBackend {
     }
 
     fn alloc_buffer(&self, size: usize, _usage: BufferUsage) -> Result<BufferId> {
+        let id = self.shared.store.alloc(size)?;
         bump(&self.shared.stats.reserves, 1);
-        Ok(self.shared.store.alloc(size))
+        Ok(id)
     }
     fn realloc_buffer(&self, id: BufferId, size: usize) -> Result<()> {
         // Queued work may still use the old memory.

@@ -30,13 +30,18 @@ unsafe impl Send for HostBuffer {}
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
-    fn new(size: usize) -> Self {
-        let layout =
-            Layout::from_size_align(size.max(ALIGNMENT), ALIGNMENT).expect("buffer layout");
+    /// A zeroed buffer, or an error naming the size when the host cannot provide it (never an
+    /// abort: an oversized model or cache must leave the session usable — invariant 14).
+    fn new(owner: &str, size: usize) -> Result<Self> {
+        let oom = || Error::Unavailable {
+            backend: owner.to_string(),
+            reason: format!("out of host memory: cannot allocate a buffer of {size} bytes"),
+        };
+        let layout = Layout::from_size_align(size.max(ALIGNMENT), ALIGNMENT).map_err(|_| oom())?;
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        HostBuffer { ptr, size }
+        let ptr = NonNull::new(raw).ok_or_else(oom)?;
+        Ok(HostBuffer { ptr, size })
     }
 
     /// Size in bytes.
@@ -76,19 +81,18 @@ impl Store {
     }
 
     /// Allocates a zeroed buffer.
-    pub fn alloc(&self, size: usize) -> BufferId {
+    pub fn alloc(&self, size: usize) -> Result<BufferId> {
+        let buf = HostBuffer::new(&self.owner, size)?;
         let id = BufferId::fresh();
-        self.bufs
-            .write()
-            .insert(id, Arc::new(HostBuffer::new(size)));
-        id
+        self.bufs.write().insert(id, Arc::new(buf));
+        Ok(id)
     }
 
     /// Replaces a buffer by a zeroed one of another size.
     pub fn realloc(&self, id: BufferId, size: usize) -> Result<()> {
         let mut bufs = self.bufs.write();
         let slot = bufs.get_mut(&id).ok_or_else(|| self.unknown(id))?;
-        *slot = Arc::new(HostBuffer::new(size));
+        *slot = Arc::new(HostBuffer::new(&self.owner, size)?);
         Ok(())
     }
 

@@ -241,3 +241,20 @@ fn out_of_bounds_write_is_an_error_not_a_crash() {
     assert!(b.set_tensor_async_staged(buf, 8, &[0u8; 16]).is_err());
     b.set_tensor(buf, 0, &[5u8; 16]).unwrap();
 }
+
+#[test]
+fn an_allocation_the_host_cannot_give_is_an_error_not_an_abort() {
+    for b in [
+        &CpuBackend::new() as &dyn Backend,
+        &CpuAsyncBackend::new("cpu-async").unwrap(),
+    ] {
+        let err = b
+            .alloc_buffer(1 << 62, BufferUsage::Persistent)
+            .unwrap_err();
+        assert!(err.to_string().contains("out of host memory"), "{err}");
+        assert!(
+            b.alloc_buffer(64, BufferUsage::Compute).is_ok(),
+            "the backend stays usable"
+        );
+    }
+}

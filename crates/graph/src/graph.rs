@@ -156,6 +156,15 @@ impl Graph {
     }
 
     fn leaf(&mut self, op: Op, name: &str, shape: &[usize], dtype: DType) -> Result<TensorId> {
+        let bytes = shape
+            .iter()
+            .try_fold(dtype.size_bytes(), |acc, &d| acc.checked_mul(d));
+        if bytes.is_none_or(|b| b > isize::MAX as usize) {
+            return Err(shape_err(
+                op.name(),
+                format!("`{name}` of shape {shape:?} ({dtype}) is too large to address"),
+            ));
+        }
         self.claim_name(name)?;
         Ok(self.push(TensorInfo {
             name: Some(name.to_string()),

@@ -229,6 +229,9 @@ impl Sched {
         }
         let mut st = self.state.lock();
         let fresh = analyze(graph, &self.backends, self.host, self.n_copies, None)?;
+        // Weights and state first: a model too large for a device fails here, before the
+        // reserve is touched, so the context is as it was (invariant 14).
+        let leaves = self.leaf_homes(&mut st, graph, &fresh)?;
         let graph_size = self.graph_size(graph);
         let analysis = match st.reserved.clone() {
             None => {
@@ -284,7 +287,6 @@ impl Sched {
         st.last_graph_size = Some(graph_size);
         let compute: Vec<Option<BufferId>> =
             st.compute.iter().map(|c| c.map(|(id, _)| id)).collect();
-        let leaves = self.leaf_homes(&mut st, graph, &analysis)?;
         drop(st);
         Plan::build(self.clone(), graph, analysis, &compute, leaves)
     }
