@@ -73,6 +73,24 @@ if [[ $parts == *compare* ]]; then
     grep -o '"backend": "[a-z]*", "logits_max_rel_diff": [0-9.e-]*, "same_greedy_tokens": [a-z]*' \
         "$logs/compare-transformers.txt" | tee -a "$summary"
 fi
+if [[ $parts == *checks* ]]; then
+    timeout 300 python3 benches/python/gpu_checks.py --backends cuda,vulkan >"$logs/gpu-checks.txt" 2>&1
+    say "gpu checks: exit $?"; grep '^{' "$logs/gpu-checks.txt" | tee -a "$summary"; tail -3 "$logs/gpu-checks.txt"
+fi
+if [[ $parts == *cupti* ]]; then
+    inc=$(find / -name cupti.h -path '*include*' 2>/dev/null | head -1)
+    lib=$(find / -name 'libcupti.so*' 2>/dev/null | head -1)
+    say "cupti: header ${inc:-none}, library ${lib:-none}"
+    if [ -n "$inc" ] && [ -n "$lib" ]; then
+        cudainc=$(find / -name cuda.h -path '*include*' 2>/dev/null | head -1)
+        cc -shared -fPIC -O2 -I"$(dirname "$inc")" ${cudainc:+-I"$(dirname "$cudainc")"} scripts/gpu/cupti_counter.c \
+            "$lib" -Wl,-rpath,"$(dirname "$lib")" -o /tmp/libcupti_counter.so >"$logs/cupti-build.log" 2>&1
+        say "cupti build: exit $?"; tail -3 "$logs/cupti-build.log"
+        CUDA_INJECTION64_PATH=/tmp/libcupti_counter.so timeout 300 python3 benches/python/cupti_check.py \
+            >"$logs/cupti.txt" 2>&1
+        say "cupti check: exit $?"; grep '^{' "$logs/cupti.txt" | tee -a "$summary"; tail -3 "$logs/cupti.txt"
+    fi
+fi
 if [[ $parts == *llamacpp* ]]; then
     wait "$lcpp_pid"; tail -2 "$logs/llamacpp-build.log" | tee -a "$summary"
     for m in tiny small; do

@@ -1,0 +1,58 @@
+"""lowsync's own CUDA counters against CUPTI's count of the driver calls, per generated token.
+
+The driver loads `scripts/gpu/cupti_counter.c` (built as a shared library) through
+`CUDA_INJECTION64_PATH`; this script reads its counts with ctypes around a decode loop and
+prints, per policy, both sides per generated token. Host waits should equal stream + event +
+context synchronizations seen by CUPTI; H2D/D2H copies the HtoD/DtoH memcpy calls.
+
+Run: `CUDA_INJECTION64_PATH=/tmp/libcupti_counter.so python benches/python/cupti_check.py`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+
+import lowsync as ls
+
+FIELDS = ("stream_syncs", "event_syncs", "ctx_syncs", "memcpys", "memcpy_htod", "memcpy_dtoh")
+
+
+def main() -> None:
+    lib = ctypes.CDLL(os.environ["CUDA_INJECTION64_PATH"])
+    counts = (ctypes.c_ulong * 6)()
+
+    def cupti() -> dict[str, int]:
+        lib.lowsync_cupti_counts(counts)
+        return dict(zip(FIELDS, counts, strict=True))
+
+    model = ls.Llama.random(os.environ.get("MODEL", "tiny"), seed=2, dtype="f16")
+    n = 64
+    for policy in ("stock", "relaxed", "staged"):
+        env = {"stock": "0"}.get(policy, "1")
+        os.environ["LOWSYNC_CUDA_SYNC_ELISION"] = env
+        sess = ls.Session(model, backends=["cuda"], n_ctx=256, policy=policy)
+        sess.generate([1, 2, 3, 4], max_new_tokens=4, seq_id=0)  # warm-up
+        sess.seq_rm(0)
+        prompt = [5, 6, 7, 8]
+        sess.decode(prompt, seq_id=0, logits="none")
+        before_ls, before_cu = sess.stats()["total"], cupti()
+        tok = 9
+        for _ in range(n):
+            tok = sess.step({0: tok})[0]
+        after_ls, after_cu = sess.stats()["total"], cupti()
+        row = {
+            "policy": policy,
+            "active": bool(lib.lowsync_cupti_active()),
+            "lowsync": {
+                k: (after_ls[k] - before_ls[k]) / n
+                for k in ("host_waits", "driver_syncs", "elided_syncs", "h2d_copies", "d2h_copies")
+            },
+            "cupti": {k: (after_cu[k] - before_cu[k]) / n for k in FIELDS},
+        }
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
