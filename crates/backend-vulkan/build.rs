@@ -1,0 +1,297 @@
+//! Compiles the WGSL compute shaders in `shaders/` to SPIR-V with naga (pure Rust, no system
+//! shader compiler), one module per dtype variant.
+//!
+//! Why: a fresh machine must build the wheel with `pip install .` alone, so no `glslc` may be
+//! assumed. WGSL has no preprocessor and naga resolves no specialisation constants for us, so
+//! this script is the preprocessor: each kernel template (`shaders/<kernel>.wgsl`) names its
+//! storage bindings as slots (`d`, `a`, `b`, ...) and uses accessors (`ld_a(i) -> f32`,
+//! `st_d(i, v)`, `ldi_ids(i) -> i32`); for every dtype combination listed in [`KERNELS`] the
+//! script prepends the binding declarations and accessors for those dtypes plus
+//! `shaders/common.wgsl`, validates the module with naga, and writes the SPIR-V words.
+//!
+//! Invariants: 16-bit storage (f16, bf16) is read and written as packed `u32` words, so no
+//! device feature beyond core Vulkan is needed; 16-bit stores use atomics on the word so two
+//! threads writing the two halves never lose an update. Binding `k` of a module is slot `k` of
+//! its list, which is the order `src/ops.rs` binds tensors in.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Copy)]
+enum Slot {
+    /// A float tensor read through `ld_<name>(i) -> f32`.
+    In,
+    /// A float tensor written through `st_<name>(i, v)`.
+    Out,
+    /// An i32 tensor read through `ldi_<name>(i) -> i32`.
+    Int,
+    /// An i32 tensor written through `sti_<name>(i, v)`.
+    IntOut,
+    /// 32-bit words read raw (`ldr_<name>`), for exact i32/f32 copies.
+    Raw,
+    /// 32-bit words written raw (`str_<name>`).
+    RawOut,
+    /// The error-status words (`array<atomic<u32>>`) of index-checking kernels.
+    Status,
+}
+
+const FLOATS: &[&str] = &["f32", "f16", "bf16"];
+
+/// (kernel template, slots: name, kind, dtypes to generate).
+type Spec = (
+    &'static str,
+    &'static [(&'static str, Slot, &'static [&'static str])],
+);
+
+const KERNELS: &[Spec] = &[
+    (
+        "eltwise",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, FLOATS),
+            ("b", Slot::In, FLOATS),
+        ],
+    ),
+    (
+        "copy_raw",
+        &[("d", Slot::RawOut, &["u32"]), ("a", Slot::Raw, &["u32"])],
+    ),
+    (
+        "rms_norm",
+        &[("d", Slot::Out, FLOATS), ("a", Slot::In, FLOATS)],
+    ),
+    (
+        "soft_max",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, FLOATS),
+            ("m", Slot::In, FLOATS),
+        ],
+    ),
+    (
+        "rope",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, FLOATS),
+            ("pos", Slot::Int, &["i32"]),
+        ],
+    ),
+    (
+        "rope_f32",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, FLOATS),
+            ("pos", Slot::Int, &["i32"]),
+        ],
+    ),
+    (
+        "argmax",
+        &[("d", Slot::IntOut, &["i32"]), ("a", Slot::In, FLOATS)],
+    ),
+    (
+        "get_rows",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, FLOATS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "set_rows",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, FLOATS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "mul_mat",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, FLOATS),
+            ("b", Slot::In, FLOATS),
+        ],
+    ),
+    (
+        "mul_mat_vec",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, FLOATS),
+            ("b", Slot::In, FLOATS),
+        ],
+    ),
+    (
+        "mul_mat_id",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, FLOATS),
+            ("b", Slot::In, FLOATS),
+            ("ids", Slot::Int, &["i32"]),
+            ("w", Slot::In, FLOATS),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+];
+
+fn main() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders");
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed={}", dir.display());
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR is set by cargo"));
+    let common = read(&dir.join("common.wgsl"));
+    let mut table = String::from("/// (variant name, SPIR-V bytes) of every compiled kernel.\n");
+    table.push_str("pub(crate) static SPIRV: &[(&str, &[u8])] = &[\n");
+    let mut failures = Vec::new();
+    for (kernel, slots) in KERNELS {
+        let body = read(&dir.join(format!("{kernel}.wgsl")));
+        println!(
+            "cargo:rerun-if-changed={}",
+            dir.join(format!("{kernel}.wgsl")).display()
+        );
+        for combo in combinations(slots) {
+            let name = variant_name(kernel, slots, &combo);
+            let mut src = String::new();
+            for (k, ((slot, kind, _), dt)) in slots.iter().zip(&combo).enumerate() {
+                src.push_str(&binding(k, slot, *kind, dt));
+            }
+            src.push_str(&common);
+            src.push_str(&body);
+            match compile(&src) {
+                Ok(words) => {
+                    let file = out.join(format!("{name}.spv"));
+                    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+                    std::fs::write(&file, bytes).expect("write spv");
+                    let _ = writeln!(
+                        table,
+                        "    ({name:?}, include_bytes!(concat!(env!(\"OUT_DIR\"), \"/{name}.spv\"))),"
+                    );
+                }
+                Err(e) => failures.push(format!("{name}: {e}")),
+            }
+        }
+    }
+    table.push_str("];\n");
+    if !failures.is_empty() {
+        panic!("shader compilation failed:\n{}", failures.join("\n"));
+    }
+    std::fs::write(out.join("shaders.rs"), table).expect("write shaders.rs");
+}
+
+fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
+}
+
+fn combinations(slots: &[(&str, Slot, &[&'static str])]) -> Vec<Vec<&'static str>> {
+    let mut out: Vec<Vec<&'static str>> = vec![Vec::new()];
+    for (_, _, dts) in slots {
+        out = out
+            .into_iter()
+            .flat_map(|prefix| {
+                dts.iter().map(move |d| {
+                    let mut v = prefix.clone();
+                    v.push(*d);
+                    v
+                })
+            })
+            .collect();
+    }
+    out
+}
+
+/// `kernel.slot_dtype.slot_dtype...`, the key `src/pipelines.rs` looks variants up by.
+fn variant_name(kernel: &str, slots: &[(&str, Slot, &[&str])], combo: &[&str]) -> String {
+    let mut s = kernel.to_string();
+    for ((slot, _, _), dt) in slots.iter().zip(combo) {
+        let _ = write!(s, ".{slot}_{dt}");
+    }
+    s
+}
+
+/// The declaration of binding `k` and its accessors.
+fn binding(k: usize, n: &str, kind: Slot, dt: &str) -> String {
+    let decl = |access: &str, elem: &str| {
+        format!("@group(0) @binding({k}) var<storage, {access}> {n}_buf: array<{elem}>;\n")
+    };
+    match (kind, dt) {
+        (Slot::In, "f32") => decl("read", "f32")
+            + &format!("fn ld_{n}(i: u32) -> f32 {{ return {n}_buf[i]; }}\n"),
+        (Slot::In, "f16") => {
+            decl("read", "u32")
+                + &format!(
+                    "fn ld_{n}(i: u32) -> f32 {{ return f16_bits_to_f32(({n}_buf[i >> 1u] >> ((i & 1u) * 16u)) & 0xffffu); }}\n"
+                )
+        }
+        (Slot::In, "bf16") => {
+            decl("read", "u32")
+                + &format!(
+                    "fn ld_{n}(i: u32) -> f32 {{ return bitcast<f32>((({n}_buf[i >> 1u] >> ((i & 1u) * 16u)) & 0xffffu) << 16u); }}\n"
+                )
+        }
+        (Slot::Out, "f32") => decl("read_write", "f32")
+            + &format!("fn st_{n}(i: u32, v: f32) {{ {n}_buf[i] = v; }}\n"),
+        (Slot::Out, half) => {
+            let conv = if half == "f16" {
+                "f32_to_f16_bits"
+            } else {
+                "f32_to_bf16_bits"
+            };
+            decl("read_write", "atomic<u32>")
+                + &format!(
+                    "fn st_{n}(i: u32, v: f32) {{\n\
+                     \x20   let sh = (i & 1u) * 16u;\n\
+                     \x20   atomicAnd(&{n}_buf[i >> 1u], ~(0xffffu << sh));\n\
+                     \x20   atomicOr(&{n}_buf[i >> 1u], {conv}(v) << sh);\n\
+                     }}\n"
+                )
+        }
+        (Slot::Int, _) => decl("read", "i32")
+            + &format!("fn ldi_{n}(i: u32) -> i32 {{ return {n}_buf[i]; }}\n"),
+        (Slot::IntOut, _) => decl("read_write", "i32")
+            + &format!("fn sti_{n}(i: u32, v: i32) {{ {n}_buf[i] = v; }}\n"),
+        (Slot::Raw, _) => decl("read", "u32")
+            + &format!("fn ldr_{n}(i: u32) -> u32 {{ return {n}_buf[i]; }}\n"),
+        (Slot::RawOut, _) => decl("read_write", "u32")
+            + &format!("fn str_{n}(i: u32, v: u32) {{ {n}_buf[i] = v; }}\n"),
+        (Slot::Status, _) => {
+            decl("read_write", "atomic<u32>")
+                + "// Records the first index error of a submit: [count, tag, position, value].\n\
+                   fn report_bad_index(tag: u32, pos: u32, value: i32) {\n\
+                   \x20   let old = atomicAdd(&status_buf[0], 1u);\n\
+                   \x20   if old == 0u {\n\
+                   \x20       atomicStore(&status_buf[1], tag);\n\
+                   \x20       atomicStore(&status_buf[2], pos);\n\
+                   \x20       atomicStore(&status_buf[3], bitcast<u32>(value));\n\
+                   \x20   }\n\
+                   }\n"
+        }
+        (Slot::In, other) => panic!("unknown input dtype {other}"),
+    }
+}
+
+fn compile(src: &str) -> Result<Vec<u32>, String> {
+    use naga::back::spv;
+    use naga::valid::{Capabilities, ValidationFlags, Validator};
+    let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
+    let info = Validator::new(
+        ValidationFlags::all(),
+        Capabilities::IMMEDIATES | Capabilities::FLOAT64,
+    )
+    .validate(&module)
+    .map_err(|e| e.emit_to_string(src))?;
+    let options = spv::Options {
+        lang_version: (1, 3),
+        flags: spv::WriterFlags::empty(),
+        // Host code validates every extent before a dispatch; kernels index in bounds.
+        bounds_check_policies: naga::proc::BoundsCheckPolicies::default(),
+        force_loop_bounding: false,
+        emit_int_div_checks: false,
+        ..Default::default()
+    };
+    let pipeline = spv::PipelineOptions {
+        shader_stage: naga::ShaderStage::Compute,
+        entry_point: "main".into(),
+    };
+    spv::write_vec(&module, &info, &options, Some(&pipeline)).map_err(|e| format!("{e}"))
+}

@@ -1,0 +1,54 @@
+//! The backend's settings: read once from the environment (ARCHITECTURE §8) by [`crate::create`],
+//! or built directly by tests and embedders with [`VkConfig::from_env`] and struct updates.
+//!
+//! Why a struct: environment variables are process-global, so tests that must run both memory
+//! paths side by side in one process cannot flip them; they build a `VkConfig` and call
+//! [`crate::VulkanBackend::new`] instead. A bad value is an `Error::Env` naming the variable.
+
+use std::ffi::{c_void, CStr};
+
+use lowsync_backend::{env, Result};
+
+/// A hook over the device-level Vulkan entry points: given a command's name and the address
+/// the loader handed out, returns the address the backend should call. Tests use it to count
+/// driver calls (`vkQueueSubmit`, `vkWaitSemaphores`, ...) outside lowsync's own counters.
+pub type EntryPointHook = fn(name: &CStr, real: *const c_void) -> *const c_void;
+
+/// Settings of one Vulkan backend.
+#[derive(Clone, Debug, Default)]
+pub struct VkConfig {
+    /// Physical device index (`vulkan:N`; `LOWSYNC_VK_DEVICE` for plain `vulkan`).
+    pub device_index: usize,
+    /// `LOWSYNC_VK_VALIDATION=1`: enable `VK_LAYER_KHRONOS_validation` with synchronization
+    /// validation and record its warnings and errors ([`crate::VulkanBackend::validation_messages`]).
+    pub validation: bool,
+    /// `LOWSYNC_VK_NO_HOST_VISIBLE_VRAM=1`: device buffers are never mapped; every host write
+    /// and read goes through a staging copy (the path of a GPU without ReBAR).
+    pub no_host_visible_vram: bool,
+    /// `LOWSYNC_VK_LEGACY_SUBMITS=1`: ggml's behaviour for the `stock` rows: an empty submit and
+    /// a fence wait at every synchronize, and a submit + fence wait per blocking copy.
+    pub legacy_submits: bool,
+    /// `LOWSYNC_VK_FORCE_TRANSFER_SUBMIT=1`: on a device without a dedicated transfer queue,
+    /// copies above the crossover go as their own submissions with their own timeline semaphore.
+    pub force_transfer_submit: bool,
+    /// `LOWSYNC_VK_COMPUTE_STREAM_COPY_MAX=<bytes>`: copies up to this size go in the compute
+    /// stream, larger ones on the transfer route; `None` measures the crossover.
+    pub compute_stream_copy_max: Option<u64>,
+    /// Counting or tracing hook over device entry points (tests only).
+    pub entry_point_hook: Option<EntryPointHook>,
+}
+
+impl VkConfig {
+    /// The settings the environment asks for (device index from `LOWSYNC_VK_DEVICE`).
+    pub fn from_env() -> Result<Self> {
+        Ok(VkConfig {
+            device_index: env::unsigned("LOWSYNC_VK_DEVICE")?.unwrap_or(0) as usize,
+            validation: env::flag("LOWSYNC_VK_VALIDATION", false)?,
+            no_host_visible_vram: env::flag("LOWSYNC_VK_NO_HOST_VISIBLE_VRAM", false)?,
+            legacy_submits: env::flag("LOWSYNC_VK_LEGACY_SUBMITS", false)?,
+            force_transfer_submit: env::flag("LOWSYNC_VK_FORCE_TRANSFER_SUBMIT", false)?,
+            compute_stream_copy_max: env::unsigned("LOWSYNC_VK_COMPUTE_STREAM_COPY_MAX")?,
+            entry_point_hook: None,
+        })
+    }
+}

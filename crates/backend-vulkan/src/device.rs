@@ -1,0 +1,386 @@
+//! Instance, physical device and queue selection, and the validation-message sink.
+//!
+//! Why: everything else needs one logical device with a compute queue, an optional dedicated
+//! transfer queue, timeline semaphores, and — in tests — the Khronos validation layer with
+//! synchronization validation, whose findings must be readable (and countable as failures).
+//!
+//! Strategy: the loader is opened at run time (`ash::Entry::load`), so a machine without Vulkan
+//! gets `Error::Unavailable`, never a panic or a link error. The compute queue comes from a
+//! family with COMPUTE (one without GRAPHICS preferred); the transfer queue from a family with
+//! TRANSFER and neither COMPUTE nor GRAPHICS, when the device has one (lavapipe has not).
+//! Validation messages of severity warning and above are appended to a list the owner can read.
+//!
+//! Invariants: devices below Vulkan 1.2 or without `timelineSemaphore` are refused with a
+//! reason; the debug messenger outlives every object of its instance (destroyed last).
+
+use std::ffi::{c_void, CStr};
+use std::sync::Arc;
+
+use ash::vk;
+use lowsync_backend::{Error, Result};
+use parking_lot::Mutex;
+
+use crate::config::VkConfig;
+
+const VALIDATION_LAYER: &CStr = c"VK_LAYER_KHRONOS_validation";
+
+/// Warnings and errors reported by the validation layer, in arrival order.
+pub(crate) type MessageSink = Arc<Mutex<Vec<String>>>;
+
+pub(crate) fn unavailable(reason: impl Into<String>) -> Error {
+    Error::Unavailable {
+        backend: "Vulkan".into(),
+        reason: reason.into(),
+    }
+}
+
+/// A Vulkan call failed: the message names the call.
+pub(crate) fn vk_err(what: &str, r: vk::Result) -> Error {
+    unavailable(format!("{what} failed: {r:?}"))
+}
+
+unsafe extern "system" fn on_message(
+    severity: vk::DebugUtilsMessageSeverityFlagsEXT,
+    types: vk::DebugUtilsMessageTypeFlagsEXT,
+    data: *const vk::DebugUtilsMessengerCallbackDataEXT<'_>,
+    user: *mut c_void,
+) -> vk::Bool32 {
+    // SAFETY: the layer passes valid callback data for the duration of the call; `user` is
+    // the `Mutex<Vec<String>>` kept alive by the owning `Instance` until the messenger is gone.
+    let msg = unsafe {
+        if data.is_null() || (*data).p_message.is_null() {
+            String::new()
+        } else {
+            CStr::from_ptr((*data).p_message)
+                .to_string_lossy()
+                .into_owned()
+        }
+    };
+    tracing::warn!(target: "lowsync_vulkan::validation", ?severity, ?types, "{msg}");
+    if !user.is_null() {
+        // SAFETY: see above.
+        let sink = unsafe { &*(user as *const Mutex<Vec<String>>) };
+        sink.lock().push(format!("{severity:?} {types:?}: {msg}"));
+    }
+    vk::FALSE
+}
+
+/// An instance, with the validation layer and its messenger when asked for.
+pub(crate) struct Instance {
+    /// Keeps the loader library loaded while the instance lives.
+    _entry: ash::Entry,
+    pub instance: ash::Instance,
+    debug: Option<(ash::ext::debug_utils::Instance, vk::DebugUtilsMessengerEXT)>,
+    pub messages: MessageSink,
+}
+
+impl Instance {
+    pub(crate) fn new(validation: bool) -> Result<Self> {
+        // SAFETY: loading the system loader library; failure is reported, not fatal.
+        let entry = unsafe { ash::Entry::load() }
+            .map_err(|e| unavailable(format!("no Vulkan loader (libvulkan.so.1): {e}")))?;
+        let app = vk::ApplicationInfo::default()
+            .application_name(c"lowsync")
+            .api_version(vk::API_VERSION_1_3);
+        let mut layers: Vec<*const i8> = Vec::new();
+        let mut exts: Vec<*const i8> = Vec::new();
+        let enables = [vk::ValidationFeatureEnableEXT::SYNCHRONIZATION_VALIDATION];
+        let mut features =
+            vk::ValidationFeaturesEXT::default().enabled_validation_features(&enables);
+        if validation {
+            // SAFETY: plain enumeration on a loaded entry.
+            let have = unsafe { entry.enumerate_instance_layer_properties() }
+                .map_err(|r| vk_err("vkEnumerateInstanceLayerProperties", r))?;
+            let found = have
+                .iter()
+                .any(|l| l.layer_name_as_c_str().ok() == Some(VALIDATION_LAYER));
+            if !found {
+                return Err(unavailable(
+                    "LOWSYNC_VK_VALIDATION=1 but VK_LAYER_KHRONOS_validation is not installed \
+                     (apt-get install vulkan-validationlayers)",
+                ));
+            }
+            layers.push(VALIDATION_LAYER.as_ptr());
+            exts.push(ash::ext::debug_utils::NAME.as_ptr());
+            exts.push(ash::ext::validation_features::NAME.as_ptr());
+        }
+        let mut info = vk::InstanceCreateInfo::default()
+            .application_info(&app)
+            .enabled_layer_names(&layers)
+            .enabled_extension_names(&exts);
+        if validation {
+            info = info.push_next(&mut features);
+        }
+        // SAFETY: every pointer in `info` outlives the call.
+        let instance = unsafe { entry.create_instance(&info, None) }.map_err(|r| match r {
+            vk::Result::ERROR_INCOMPATIBLE_DRIVER => unavailable(
+                "the Vulkan loader found no driver (install mesa-vulkan-drivers for lavapipe, \
+                 or point VK_DRIVER_FILES at a GPU driver's ICD json)",
+            ),
+            r => vk_err("vkCreateInstance", r),
+        })?;
+        let messages: MessageSink = Arc::new(Mutex::new(Vec::new()));
+        let debug = if validation {
+            let du = ash::ext::debug_utils::Instance::new(&entry, &instance);
+            let info = vk::DebugUtilsMessengerCreateInfoEXT::default()
+                .message_severity(
+                    vk::DebugUtilsMessageSeverityFlagsEXT::WARNING
+                        | vk::DebugUtilsMessageSeverityFlagsEXT::ERROR,
+                )
+                .message_type(
+                    vk::DebugUtilsMessageTypeFlagsEXT::VALIDATION
+                        | vk::DebugUtilsMessageTypeFlagsEXT::PERFORMANCE,
+                )
+                .pfn_user_callback(Some(on_message))
+                .user_data(Arc::as_ptr(&messages) as *mut c_void);
+            // SAFETY: the sink outlives the messenger (dropped after it in `Drop`).
+            match unsafe { du.create_debug_utils_messenger(&info, None) } {
+                Ok(m) => Some((du, m)),
+                Err(r) => {
+                    // SAFETY: nothing else was created from the instance yet.
+                    unsafe { instance.destroy_instance(None) };
+                    return Err(vk_err("vkCreateDebugUtilsMessengerEXT", r));
+                }
+            }
+        } else {
+            None
+        };
+        Ok(Instance {
+            _entry: entry,
+            instance,
+            debug,
+            messages,
+        })
+    }
+
+    /// Physical devices lowsync can run on, with the reason for each one it cannot.
+    pub(crate) fn devices(
+        &self,
+    ) -> Result<Vec<(vk::PhysicalDevice, std::result::Result<(), String>)>> {
+        // SAFETY: plain enumeration on a live instance.
+        let pds = unsafe { self.instance.enumerate_physical_devices() }
+            .map_err(|r| vk_err("vkEnumeratePhysicalDevices", r))?;
+        Ok(pds.into_iter().map(|pd| (pd, self.usable(pd))).collect())
+    }
+
+    fn usable(&self, pd: vk::PhysicalDevice) -> std::result::Result<(), String> {
+        // SAFETY: queries on a physical device of this instance.
+        let props = unsafe { self.instance.get_physical_device_properties(pd) };
+        if props.api_version < vk::API_VERSION_1_2 {
+            return Err(format!(
+                "device supports Vulkan {}.{}, lowsync needs 1.2",
+                vk::api_version_major(props.api_version),
+                vk::api_version_minor(props.api_version)
+            ));
+        }
+        let mut v12 = vk::PhysicalDeviceVulkan12Features::default();
+        let mut f2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut v12);
+        // SAFETY: as above.
+        unsafe { self.instance.get_physical_device_features2(pd, &mut f2) };
+        if v12.timeline_semaphore == vk::FALSE {
+            return Err("device has no timeline semaphores".into());
+        }
+        // SAFETY: as above.
+        let fams = unsafe {
+            self.instance
+                .get_physical_device_queue_family_properties(pd)
+        };
+        if !fams
+            .iter()
+            .any(|f| f.queue_flags.contains(vk::QueueFlags::COMPUTE))
+        {
+            return Err("device has no compute queue".into());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        // SAFETY: owners drop every child object (the device) before the instance.
+        unsafe {
+            if let Some((du, m)) = self.debug.take() {
+                du.destroy_debug_utils_messenger(m, None);
+            }
+            self.instance.destroy_instance(None);
+        }
+    }
+}
+
+/// A queue and its family.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Queue {
+    pub family: u32,
+    pub queue: vk::Queue,
+    /// Valid bits of timestamps written on this queue (0: none).
+    pub timestamp_bits: u32,
+}
+
+/// The logical device and what lowsync knows about it.
+pub(crate) struct Device {
+    pub device: ash::Device,
+    pub pdev: vk::PhysicalDevice,
+    pub name: String,
+    pub uuid: [u8; 16],
+    pub limits: vk::PhysicalDeviceLimits,
+    pub compute: Queue,
+    /// A dedicated transfer queue (a family without COMPUTE or GRAPHICS), when present.
+    pub transfer: Option<Queue>,
+    /// `shaderFloat64` is enabled (RoPE angles are formed in f64).
+    pub has_f64: bool,
+    /// `hostQueryReset` is enabled (timestamp queries can be reset from the host, which a
+    /// transfer-only queue cannot do in a command buffer).
+    pub host_query_reset: bool,
+    /// Every DEVICE_LOCAL memory type is also HOST_VISIBLE (integrated GPUs, lavapipe).
+    pub uma: bool,
+    // Declared last: dropped after `device` is destroyed (see `Drop`).
+    pub inst: Instance,
+}
+
+impl Device {
+    pub(crate) fn open(config: &VkConfig) -> Result<Self> {
+        let inst = Instance::new(config.validation)?;
+        let devices = inst.devices()?;
+        if devices.is_empty() {
+            return Err(unavailable("the Vulkan loader reports no device"));
+        }
+        let Some(&(pdev, ref usable)) = devices.get(config.device_index) else {
+            return Err(unavailable(format!(
+                "no Vulkan device {} (this machine has {})",
+                config.device_index,
+                devices.len()
+            )));
+        };
+        if let Err(why) = usable {
+            return Err(unavailable(format!(
+                "device {}: {why}",
+                config.device_index
+            )));
+        }
+        let ins = &inst.instance;
+        // SAFETY: queries on a physical device of this instance.
+        let (props, fams, mem) = unsafe {
+            (
+                ins.get_physical_device_properties(pdev),
+                ins.get_physical_device_queue_family_properties(pdev),
+                ins.get_physical_device_memory_properties(pdev),
+            )
+        };
+        let name = props
+            .device_name_as_c_str()
+            .map(|c| c.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| "unknown".into());
+        let find = |want: vk::QueueFlags, avoid: vk::QueueFlags| {
+            fams.iter()
+                .position(|f| f.queue_flags.contains(want) && !f.queue_flags.intersects(avoid))
+        };
+        let compute_family = find(vk::QueueFlags::COMPUTE, vk::QueueFlags::GRAPHICS)
+            .or_else(|| find(vk::QueueFlags::COMPUTE, vk::QueueFlags::empty()))
+            .ok_or_else(|| unavailable("device has no compute queue"))?;
+        let transfer_family = find(
+            vk::QueueFlags::TRANSFER,
+            vk::QueueFlags::COMPUTE | vk::QueueFlags::GRAPHICS,
+        )
+        .filter(|&f| f != compute_family);
+        let core = {
+            // SAFETY: as above.
+            let f = unsafe { ins.get_physical_device_features(pdev) };
+            vk::PhysicalDeviceFeatures::default().shader_float64(f.shader_float64 == vk::TRUE)
+        };
+        let has_f64 = core.shader_float64 == vk::TRUE;
+        let prio = [1.0f32];
+        let mut qinfos = vec![vk::DeviceQueueCreateInfo::default()
+            .queue_family_index(compute_family as u32)
+            .queue_priorities(&prio)];
+        if let Some(t) = transfer_family {
+            qinfos.push(
+                vk::DeviceQueueCreateInfo::default()
+                    .queue_family_index(t as u32)
+                    .queue_priorities(&prio),
+            );
+        }
+        let host_query_reset = {
+            let mut have = vk::PhysicalDeviceVulkan12Features::default();
+            let mut f2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut have);
+            // SAFETY: a query on a physical device of this instance.
+            unsafe { ins.get_physical_device_features2(pdev, &mut f2) };
+            have.host_query_reset == vk::TRUE
+        };
+        let mut v12 = vk::PhysicalDeviceVulkan12Features::default()
+            .timeline_semaphore(true)
+            .host_query_reset(host_query_reset);
+        let info = vk::DeviceCreateInfo::default()
+            .queue_create_infos(&qinfos)
+            .enabled_features(&core)
+            .push_next(&mut v12);
+        // SAFETY: `info` and everything it points to outlive the call.
+        let device = unsafe { ins.create_device(pdev, &info, None) }
+            .map_err(|r| vk_err("vkCreateDevice", r))?;
+        let device = match config.entry_point_hook {
+            None => device,
+            Some(hook) => {
+                let gdpa = ins.fp_v1_0().get_device_proc_addr;
+                let raw = device.handle();
+                // SAFETY: every entry point is looked up for this device and passed through
+                // the caller's hook, which must return a function of the same signature.
+                unsafe {
+                    ash::Device::load_with(
+                        |n| {
+                            let real = gdpa(raw, n.as_ptr())
+                                .map_or(std::ptr::null(), |f| f as *const c_void);
+                            hook(n, real)
+                        },
+                        raw,
+                    )
+                }
+            }
+        };
+        let queue = |family: usize| Queue {
+            family: family as u32,
+            // SAFETY: queue 0 of a family requested in `qinfos`.
+            queue: unsafe { device.get_device_queue(family as u32, 0) },
+            timestamp_bits: fams[family].timestamp_valid_bits,
+        };
+        let compute = queue(compute_family);
+        let transfer = transfer_family.map(queue);
+        let types = &mem.memory_types[..mem.memory_type_count as usize];
+        let uma = types.iter().all(|t| {
+            !t.property_flags
+                .contains(vk::MemoryPropertyFlags::DEVICE_LOCAL)
+                || t.property_flags
+                    .contains(vk::MemoryPropertyFlags::HOST_VISIBLE)
+        });
+        tracing::info!(
+            device = %name,
+            compute_family,
+            transfer_family = ?transfer_family,
+            has_f64,
+            uma,
+            "Vulkan device opened"
+        );
+        Ok(Device {
+            device,
+            pdev,
+            name,
+            uuid: props.pipeline_cache_uuid,
+            limits: props.limits,
+            compute,
+            transfer,
+            has_f64,
+            host_query_reset,
+            uma,
+            inst,
+        })
+    }
+
+    pub(crate) fn instance(&self) -> &ash::Instance {
+        &self.inst.instance
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: owners destroy every object created from the device before dropping it.
+        unsafe { self.device.destroy_device(None) };
+    }
+}

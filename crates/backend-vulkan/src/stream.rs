@@ -1,0 +1,799 @@
+//! The Vulkan stream: one open command buffer, compute and transfer timelines, and everything
+//! reclaimed when a timeline value completes.
+//!
+//! Why: lowsync's claim is that a decode step needs one host wait, no empty submissions and
+//! one H2D copy. That holds only if every enqueue goes through one place that knows what is
+//! outstanding: this module. Work is recorded into an *open* command buffer; staged writes
+//! and graph dispatches share it, and it is submitted by `graph_compute_async` (or by
+//! whatever must wait on it), signalling the next value of the compute timeline — the fence
+//! rides on the last compute submission, so `synchronize` never needs an empty submit.
+//!
+//! Strategy: tickets, not timing. `submitted` is the last value a compute submission will
+//! signal; `observed` is the last value the host saw complete through a wait. `synchronize`
+//! is elided iff nothing is open and `observed == submitted` on both timelines (invariant 6).
+//! Transfer-route copies are separate submissions signalling the transfer timeline; the next
+//! compute submission waits on it, and a host wait on compute covers every transfer value a
+//! completed compute submission waited on. Hazards inside a command buffer are tracked by the
+//! byte ranges each command binds (the same ranges the synchronization validation layer
+//! sees); a global barrier separates a command from earlier ones it conflicts with, and every
+//! command buffer opens with a barrier against earlier submissions and closes with one that
+//! makes device writes visible to the host.
+//!
+//! A graph is checked and planned once (`GraphPlan`: pipelines, descriptor sets, push
+//! constants, barrier positions) and replayed on later steps while the graph object and every
+//! buffer it binds are unchanged (`generation` is bumped when a buffer is freed or replaced and
+//! when cached descriptor sets are dropped), so a decode step costs recording, not planning.
+//!
+//! Invariants: a submission always carries at least one command (invariant 7; the legacy
+//! switch's empty submit is the one exception); resources used by a submission (command
+//! buffers, staging regions, descriptor sets, freed buffers, gate semaphores) are reused or
+//! destroyed only after its retire point completed (invariant 8).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Weak};
+
+use ash::vk;
+use gpu_allocator::vulkan::Allocator;
+use lowsync_backend::{bump, BufferId, Error, ExecGraph, Result, SyncStats};
+
+use crate::device::{vk_err, Device};
+use crate::memory::{destroy_buffer, Arena, DevBuffer, Retire};
+use crate::ops::Push;
+use crate::pipelines::{Bind, Pipelines};
+
+/// A timeline semaphore and what the host knows of it.
+pub(crate) struct Timeline {
+    pub sem: vk::Semaphore,
+    /// The last value a submission signals.
+    pub submitted: u64,
+    /// The last value the host saw complete through a wait.
+    pub observed: u64,
+    /// The last value known complete (waits or non-blocking queries); used for reclaiming.
+    pub completed: u64,
+}
+
+/// The transfer route: a dedicated transfer queue, or (forced) separate submissions on the
+/// compute queue with their own timeline.
+pub(crate) struct TransferRoute {
+    pub queue: vk::Queue,
+    pub pool: vk::CommandPool,
+    pub free: Vec<vk::CommandBuffer>,
+    pub inflight: VecDeque<(u64, vk::CommandBuffer)>,
+    pub tl: Timeline,
+    /// The highest transfer value a compute submission has waited on.
+    pub waited_by_compute: u64,
+}
+
+/// A semaphore the host signals to value 1: a test gate, or the bridge of a foreign event.
+pub(crate) struct HostSignal {
+    pub sem: vk::Semaphore,
+    pub signaled: Arc<AtomicBool>,
+    /// The last submissions that waited on it.
+    pub last_waited: Retire,
+    /// Still to be waited on by the next compute submission.
+    pub pending: bool,
+}
+
+/// A byte range a recorded command touches.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Access {
+    pub buffer: vk::Buffer,
+    pub start: u64,
+    pub end: u64,
+    pub write: bool,
+}
+
+impl Access {
+    fn conflicts(&self, o: &Access) -> bool {
+        self.buffer == o.buffer
+            && (self.write || o.write)
+            && self.start < o.end
+            && o.start < self.end
+    }
+}
+
+/// One command of a graph plan, ready to record.
+#[derive(Clone, Debug)]
+pub(crate) enum Recorded {
+    /// A global barrier between conflicting commands.
+    Barrier,
+    Copy {
+        src: (vk::Buffer, u64),
+        dst: (vk::Buffer, u64),
+        size: u64,
+    },
+    Dispatch {
+        pipeline: vk::Pipeline,
+        layout: vk::PipelineLayout,
+        set: vk::DescriptorSet,
+        push: Push,
+        groups: [u32; 3],
+    },
+}
+
+impl Recorded {
+    /// The ranges this command touches (`binds` for a dispatch).
+    pub(crate) fn accesses(&self, binds: &[Bind]) -> Vec<Access> {
+        match self {
+            Recorded::Barrier => Vec::new(),
+            Recorded::Copy { src, dst, size } => vec![
+                Access {
+                    buffer: src.0,
+                    start: src.1,
+                    end: src.1 + size,
+                    write: false,
+                },
+                Access {
+                    buffer: dst.0,
+                    start: dst.1,
+                    end: dst.1 + size,
+                    write: true,
+                },
+            ],
+            Recorded::Dispatch { .. } => binds
+                .iter()
+                .map(|b| Access {
+                    buffer: b.buffer,
+                    start: b.offset,
+                    end: b.offset + b.range,
+                    write: b.write,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Places barriers while a plan is built: a command that conflicts with one since the last
+/// barrier gets a barrier before it.
+#[derive(Default)]
+pub(crate) struct Tracker {
+    since_barrier: Vec<Access>,
+}
+
+impl Tracker {
+    pub(crate) fn push(&mut self, steps: &mut Vec<Recorded>, acc: Vec<Access>, step: Recorded) {
+        let conflict = acc
+            .iter()
+            .any(|a| self.since_barrier.iter().any(|b| a.conflicts(b)));
+        if conflict {
+            steps.push(Recorded::Barrier);
+            self.since_barrier.clear();
+        }
+        self.since_barrier.extend(acc);
+        steps.push(step);
+    }
+}
+
+/// A graph checked and planned once, replayed while the graph and its buffers are unchanged.
+pub(crate) struct GraphPlan {
+    pub graph: Weak<ExecGraph>,
+    /// `State::generation` when planned (bumped whenever a buffer is freed or replaced).
+    pub generation: u64,
+    pub steps: Vec<Recorded>,
+    pub sites: Vec<(u32, ErrorSite)>,
+    /// False when the plan uses per-submission scratch memory.
+    pub replayable: bool,
+}
+
+/// The command buffer being recorded.
+pub(crate) struct Recording {
+    pub cmd: vk::CommandBuffer,
+    pub has_work: bool,
+    /// Accesses since the last barrier.
+    since_barrier: Vec<Access>,
+    bound: vk::Pipeline,
+    pub barriers: u64,
+    /// Commands were recorded without tracking: the next tracked one needs a barrier.
+    untracked: bool,
+}
+
+/// A read queued by `get_tensor_async`, copied out when its submission completes.
+pub(crate) struct PendingRead {
+    pub retire: Retire,
+    pub src: *const u8,
+    pub out: *mut u8,
+    pub len: usize,
+}
+
+/// What an index error reported by a kernel refers to.
+#[derive(Clone, Debug)]
+pub(crate) struct ErrorSite {
+    pub op: &'static str,
+    pub node: String,
+    pub what: &'static str,
+    pub rows_of: &'static str,
+    pub n: usize,
+}
+
+/// The error-status words of index-checking kernels: `[count, tag, position, value]`.
+pub(crate) struct StatusWords {
+    pub buf: DevBuffer,
+    pub ptr: *mut u32,
+}
+
+const ALL_STAGES: vk::PipelineStageFlags = vk::PipelineStageFlags::from_raw(
+    vk::PipelineStageFlags::COMPUTE_SHADER.as_raw() | vk::PipelineStageFlags::TRANSFER.as_raw(),
+);
+const WRITES: vk::AccessFlags = vk::AccessFlags::from_raw(
+    vk::AccessFlags::SHADER_WRITE.as_raw() | vk::AccessFlags::TRANSFER_WRITE.as_raw(),
+);
+const READS_WRITES: vk::AccessFlags = vk::AccessFlags::from_raw(
+    vk::AccessFlags::SHADER_READ.as_raw()
+        | vk::AccessFlags::SHADER_WRITE.as_raw()
+        | vk::AccessFlags::TRANSFER_READ.as_raw()
+        | vk::AccessFlags::TRANSFER_WRITE.as_raw(),
+);
+
+/// Everything mutable of one backend, behind its state lock.
+pub(crate) struct State {
+    pub allocator: Option<Allocator>,
+    pub buffers: HashMap<BufferId, DevBuffer>,
+    pub staging: Arena,
+    pub readback: Arena,
+    pub scratch: Arena,
+    pub pipelines: Pipelines,
+    pub compute: Timeline,
+    pub pool: vk::CommandPool,
+    pub free_cmds: Vec<vk::CommandBuffer>,
+    /// Submitted compute command buffers: (value, buffer).
+    pub inflight: VecDeque<(u64, vk::CommandBuffer)>,
+    /// Compute values whose submission waited on a transfer value: (compute, transfer).
+    pub transfer_marks: VecDeque<(u64, u64)>,
+    pub transfer: Option<TransferRoute>,
+    pub open: Option<Recording>,
+    pub signals: Vec<HostSignal>,
+    pub graveyard: Vec<(Retire, DevBuffer)>,
+    pub pending_reads: Vec<PendingRead>,
+    pub status: Option<StatusWords>,
+    pub error_sites: HashMap<u32, ErrorSite>,
+    pub next_tag: u32,
+    pub legacy_fence: vk::Fence,
+    /// Buffers of this backend that may be in use by queue families other than compute.
+    pub families: Vec<u32>,
+    /// Graph plans by graph address (checked against a weak reference and the generation).
+    pub plans: HashMap<usize, Arc<GraphPlan>>,
+    /// Bumped whenever a buffer is freed or replaced, or cached descriptor sets are dropped.
+    pub generation: u64,
+}
+
+// SAFETY: raw pointers in `State` (mapped memory, pending reads) are only dereferenced under
+// the state lock, and the memory they point to is owned by the state or by callers who
+// promised to keep it valid (`get_tensor_async`).
+unsafe impl Send for State {}
+
+impl State {
+    pub(crate) fn allocator(&mut self) -> Result<&mut Allocator> {
+        self.allocator
+            .as_mut()
+            .ok_or_else(|| crate::device::unavailable("the backend is shutting down"))
+    }
+
+    /// The retire point of work recorded into the open command buffer now.
+    pub(crate) fn open_retire(&self) -> Retire {
+        Retire {
+            compute: self.compute.submitted + 1,
+            transfer: 0,
+        }
+    }
+
+    /// What the host knows to be complete (for reclaiming).
+    pub(crate) fn completed(&self) -> Retire {
+        Retire {
+            compute: self.compute.completed,
+            transfer: self.transfer.as_ref().map_or(0, |t| t.tl.completed),
+        }
+    }
+
+    /// The end of the stream: a point after everything enqueued so far.
+    pub(crate) fn end_point(&self) -> Retire {
+        let open = self.open.as_ref().is_some_and(|r| r.has_work);
+        Retire {
+            compute: self.compute.submitted + u64::from(open),
+            transfer: self.transfer.as_ref().map_or(0, |t| t.tl.submitted),
+        }
+    }
+
+    /// Whether anything was enqueued since the host last saw the stream complete.
+    pub(crate) fn outstanding(&self) -> bool {
+        self.open.as_ref().is_some_and(|r| r.has_work)
+            || self.compute.submitted > self.compute.observed
+            || self
+                .transfer
+                .as_ref()
+                .is_some_and(|t| t.tl.submitted > t.tl.observed)
+    }
+
+    /// What a host wait must reach so that everything submitted has completed; `None` when
+    /// nothing is outstanding. Call after submitting the open work.
+    pub(crate) fn wait_target(&self) -> Option<Retire> {
+        let c = self.compute.submitted > self.compute.observed;
+        let t = self
+            .transfer
+            .as_ref()
+            .is_some_and(|t| t.tl.submitted > t.tl.observed);
+        (c || t).then(|| Retire {
+            compute: if c { self.compute.submitted } else { 0 },
+            transfer: if t {
+                self.transfer.as_ref().map_or(0, |t| t.tl.submitted)
+            } else {
+                0
+            },
+        })
+    }
+
+    fn take_cmd(&mut self, device: &ash::Device) -> Result<vk::CommandBuffer> {
+        if let Some(c) = self.free_cmds.pop() {
+            return Ok(c);
+        }
+        let info = vk::CommandBufferAllocateInfo::default()
+            .command_pool(self.pool)
+            .level(vk::CommandBufferLevel::PRIMARY)
+            .command_buffer_count(1);
+        // SAFETY: a live pool, used under the state lock.
+        let v = unsafe { device.allocate_command_buffers(&info) }
+            .map_err(|r| vk_err("vkAllocateCommandBuffers", r))?;
+        v.into_iter()
+            .next()
+            .ok_or_else(|| crate::device::unavailable("no command buffer allocated"))
+    }
+
+    /// The open recording, beginning a command buffer when none is open.
+    pub(crate) fn open(&mut self, device: &ash::Device) -> Result<&mut Recording> {
+        if self.open.is_none() {
+            let cmd = self.take_cmd(device)?;
+            let begin = vk::CommandBufferBeginInfo::default()
+                .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
+            // SAFETY: a reset (or fresh) command buffer owned by this state.
+            if let Err(r) = unsafe { device.begin_command_buffer(cmd, &begin) } {
+                self.free_cmds.push(cmd);
+                return Err(vk_err("vkBeginCommandBuffer", r));
+            }
+            // Order this buffer after every earlier submission on the queue.
+            barrier(device, cmd, ALL_STAGES, WRITES, ALL_STAGES, READS_WRITES);
+            self.open = Some(Recording {
+                cmd,
+                has_work: false,
+                since_barrier: Vec::new(),
+                bound: vk::Pipeline::null(),
+                barriers: 1,
+                untracked: false,
+            });
+        }
+        self.open
+            .as_mut()
+            .ok_or_else(|| crate::device::unavailable("no open command buffer"))
+    }
+
+    /// Records a buffer copy into the open command buffer.
+    pub(crate) fn record_copy(
+        &mut self,
+        device: &ash::Device,
+        src: (vk::Buffer, u64),
+        dst: (vk::Buffer, u64),
+        size: u64,
+    ) -> Result<()> {
+        let rec = self.open(device)?;
+        let acc = [
+            Access {
+                buffer: src.0,
+                start: src.1,
+                end: src.1 + size,
+                write: false,
+            },
+            Access {
+                buffer: dst.0,
+                start: dst.1,
+                end: dst.1 + size,
+                write: true,
+            },
+        ];
+        rec.order(device, &acc);
+        let region = vk::BufferCopy {
+            src_offset: src.1,
+            dst_offset: dst.1,
+            size,
+        };
+        // SAFETY: both ranges were bounds-checked by the caller; the buffer is recording.
+        unsafe { device.cmd_copy_buffer(rec.cmd, src.0, dst.0, &[region]) };
+        rec.has_work = true;
+        Ok(())
+    }
+
+    /// Records a graph plan into the open command buffer, after a barrier against whatever
+    /// the buffer already holds (so the plan's own barrier placement holds).
+    pub(crate) fn record_steps(&mut self, device: &ash::Device, steps: &[Recorded]) -> Result<()> {
+        if steps.is_empty() {
+            return Ok(());
+        }
+        let rec = self.open(device)?;
+        if rec.has_work {
+            barrier(
+                device,
+                rec.cmd,
+                ALL_STAGES,
+                WRITES,
+                ALL_STAGES,
+                READS_WRITES,
+            );
+            rec.barriers += 1;
+        }
+        for s in steps {
+            // SAFETY: plans hold live pipelines, layouts and sets (a freed buffer or evicted
+            // set bumps the generation, which retires the plan); ranges were checked.
+            unsafe {
+                match s {
+                    Recorded::Barrier => {
+                        barrier(
+                            device,
+                            rec.cmd,
+                            ALL_STAGES,
+                            WRITES,
+                            ALL_STAGES,
+                            READS_WRITES,
+                        );
+                        rec.barriers += 1;
+                    }
+                    Recorded::Copy { src, dst, size } => {
+                        let region = vk::BufferCopy {
+                            src_offset: src.1,
+                            dst_offset: dst.1,
+                            size: *size,
+                        };
+                        device.cmd_copy_buffer(rec.cmd, src.0, dst.0, &[region]);
+                    }
+                    Recorded::Dispatch {
+                        pipeline,
+                        layout,
+                        set,
+                        push,
+                        groups,
+                    } => {
+                        if rec.bound != *pipeline {
+                            device.cmd_bind_pipeline(
+                                rec.cmd,
+                                vk::PipelineBindPoint::COMPUTE,
+                                *pipeline,
+                            );
+                            rec.bound = *pipeline;
+                        }
+                        device.cmd_bind_descriptor_sets(
+                            rec.cmd,
+                            vk::PipelineBindPoint::COMPUTE,
+                            *layout,
+                            0,
+                            &[*set],
+                            &[],
+                        );
+                        device.cmd_push_constants(
+                            rec.cmd,
+                            *layout,
+                            vk::ShaderStageFlags::COMPUTE,
+                            0,
+                            bytemuck::bytes_of(push),
+                        );
+                        device.cmd_dispatch(rec.cmd, groups[0], groups[1], groups[2]);
+                    }
+                }
+            }
+        }
+        rec.since_barrier.clear();
+        rec.untracked = true;
+        rec.has_work = true;
+        Ok(())
+    }
+
+    /// Submits the open command buffer when it carries work (never an empty batch), waiting
+    /// on pending gates and transfer work and signalling the next compute value; `fence` is
+    /// the legacy path's fence.
+    pub(crate) fn submit_open(
+        &mut self,
+        dev: &Device,
+        stats: &SyncStats,
+        fence: vk::Fence,
+    ) -> Result<()> {
+        let device = &dev.device;
+        let Some(rec) = self.open.as_ref() else {
+            return Ok(());
+        };
+        if !rec.has_work {
+            return Ok(());
+        }
+        let cmd = rec.cmd;
+        // Device writes become visible to host reads after the wait (`get_tensor`, status).
+        barrier(
+            device,
+            cmd,
+            ALL_STAGES,
+            WRITES,
+            vk::PipelineStageFlags::HOST,
+            vk::AccessFlags::HOST_READ,
+        );
+        // SAFETY: the buffer is recording.
+        unsafe { device.end_command_buffer(cmd) }.map_err(|r| vk_err("vkEndCommandBuffer", r))?;
+        let value = self.compute.submitted + 1;
+        let mut wait_sems = Vec::new();
+        let mut wait_vals = Vec::new();
+        for s in self.signals.iter_mut().filter(|s| s.pending) {
+            if !s.signaled.load(std::sync::atomic::Ordering::Acquire) {
+                wait_sems.push(s.sem);
+                wait_vals.push(1u64);
+                s.last_waited = s.last_waited.max(Retire {
+                    compute: value,
+                    transfer: 0,
+                });
+            }
+            s.pending = false;
+        }
+        let mut waited_transfer = None;
+        if let Some(t) = self.transfer.as_mut() {
+            if t.tl.submitted > t.waited_by_compute {
+                wait_sems.push(t.tl.sem);
+                wait_vals.push(t.tl.submitted);
+                t.waited_by_compute = t.tl.submitted;
+                waited_transfer = Some(t.tl.submitted);
+            }
+        }
+        let stages = vec![ALL_STAGES; wait_sems.len()];
+        let signal = [self.compute.sem];
+        let signal_vals = [value];
+        let cmds = [cmd];
+        let mut tl = vk::TimelineSemaphoreSubmitInfo::default()
+            .wait_semaphore_values(&wait_vals)
+            .signal_semaphore_values(&signal_vals);
+        let submit = vk::SubmitInfo::default()
+            .wait_semaphores(&wait_sems)
+            .wait_dst_stage_mask(&stages)
+            .command_buffers(&cmds)
+            .signal_semaphores(&signal)
+            .push_next(&mut tl);
+        // SAFETY: queue access is serialised by the state lock; everything referenced lives
+        // until the submission's retire point.
+        let r = unsafe { device.queue_submit(dev.compute.queue, &[submit], fence) };
+        bump(&stats.submits, 1);
+        self.open = None;
+        if let Err(r) = r {
+            // The buffer never ran; recycle it.
+            // SAFETY: not pending (the submit failed).
+            let _ =
+                unsafe { device.reset_command_buffer(cmd, vk::CommandBufferResetFlags::empty()) };
+            self.free_cmds.push(cmd);
+            return Err(vk_err("vkQueueSubmit", r));
+        }
+        self.compute.submitted = value;
+        self.inflight.push_back((value, cmd));
+        if let Some(t) = waited_transfer {
+            self.transfer_marks.push_back((value, t));
+        }
+        Ok(())
+    }
+
+    /// Records that the host saw `target` complete, then reclaims what it frees; reports a
+    /// kernel index error once the stream is idle.
+    pub(crate) fn complete(
+        &mut self,
+        dev: &Device,
+        stats: &SyncStats,
+        target: Retire,
+    ) -> Result<()> {
+        self.compute.observed = self.compute.observed.max(target.compute);
+        self.compute.completed = self.compute.completed.max(self.compute.observed);
+        // A completed compute submission implies the transfer values it waited on.
+        let mut covered = 0;
+        while let Some(&(v, t)) = self.transfer_marks.front() {
+            if v > self.compute.observed {
+                break;
+            }
+            covered = t;
+            self.transfer_marks.pop_front();
+        }
+        if let Some(t) = self.transfer.as_mut() {
+            t.tl.observed = t.tl.observed.max(target.transfer).max(covered);
+            t.tl.completed = t.tl.completed.max(t.tl.observed);
+        }
+        let done = Retire {
+            compute: self.compute.observed,
+            transfer: self.transfer.as_ref().map_or(0, |t| t.tl.observed),
+        };
+        // Reads queued by get_tensor_async land now (valid after this wait).
+        let mut i = 0;
+        while i < self.pending_reads.len() {
+            if self.pending_reads[i].retire.done_by(done) {
+                let r = self.pending_reads.swap_remove(i);
+                // SAFETY: `src` is a readback region held until this point; `out` is valid per
+                // the caller's `get_tensor_async` contract.
+                unsafe { std::ptr::copy_nonoverlapping(r.src, r.out, r.len) };
+            } else {
+                i += 1;
+            }
+        }
+        self.reclaim(dev, stats)?;
+        self.check_status()
+    }
+
+    /// Polls the timelines without blocking (not a host wait), to reclaim more.
+    pub(crate) fn poll(&mut self, device: &ash::Device) {
+        // SAFETY: live semaphores.
+        if let Ok(v) = unsafe { device.get_semaphore_counter_value(self.compute.sem) } {
+            self.compute.completed = self.compute.completed.max(v);
+        }
+        if let Some(t) = self.transfer.as_mut() {
+            // SAFETY: as above.
+            if let Ok(v) = unsafe { device.get_semaphore_counter_value(t.tl.sem) } {
+                t.tl.completed = t.tl.completed.max(v);
+            }
+        }
+    }
+
+    /// Recycles command buffers, staging regions, freed buffers, descriptor sets and host
+    /// signals whose submissions completed.
+    pub(crate) fn reclaim(&mut self, dev: &Device, stats: &SyncStats) -> Result<()> {
+        let device = &dev.device;
+        let done = self.completed();
+        while let Some(&(v, cmd)) = self.inflight.front() {
+            if v > done.compute {
+                break;
+            }
+            self.inflight.pop_front();
+            // SAFETY: its submission completed.
+            unsafe { device.reset_command_buffer(cmd, vk::CommandBufferResetFlags::empty()) }
+                .map_err(|r| vk_err("vkResetCommandBuffer", r))?;
+            self.free_cmds.push(cmd);
+        }
+        if let Some(t) = self.transfer.as_mut() {
+            while let Some(&(v, cmd)) = t.inflight.front() {
+                if v > done.transfer {
+                    break;
+                }
+                t.inflight.pop_front();
+                // SAFETY: as above.
+                unsafe { device.reset_command_buffer(cmd, vk::CommandBufferResetFlags::empty()) }
+                    .map_err(|r| vk_err("vkResetCommandBuffer", r))?;
+                t.free.push(cmd);
+            }
+        }
+        let Some(allocator) = self.allocator.as_mut() else {
+            return Ok(());
+        };
+        let freed = self.staging.reclaim(done, device, allocator);
+        stats
+            .staging_bytes_in_use
+            .fetch_sub(freed, std::sync::atomic::Ordering::Relaxed);
+        self.readback.reclaim(done, device, allocator);
+        self.scratch.reclaim(done, device, allocator);
+        let mut i = 0;
+        while i < self.graveyard.len() {
+            if self.graveyard[i].0.done_by(done) {
+                let (_, b) = self.graveyard.swap_remove(i);
+                self.pipelines.forget_buffer(device, b.buffer);
+                destroy_buffer(device, allocator, b);
+            } else {
+                i += 1;
+            }
+        }
+        self.signals.retain(|s| {
+            let signaled = s.signaled.load(std::sync::atomic::Ordering::Acquire);
+            let drop = signaled && s.last_waited.done_by(done);
+            if drop {
+                // SAFETY: signalled and no longer waited on by pending work.
+                unsafe { device.destroy_semaphore(s.sem, None) };
+            }
+            !drop
+        });
+        self.forget_arena_chunks(device);
+        // Cached sets are dropped only on an idle stream (no submission can use one), and
+        // plans that bound them are retired with the generation.
+        if !self.outstanding() && self.pipelines.evict(device) {
+            self.generation += 1;
+        }
+        Ok(())
+    }
+
+    /// Drops cached descriptor sets that bound arena chunks destroyed since the last call.
+    pub(crate) fn forget_arena_chunks(&mut self, device: &ash::Device) {
+        let mut gone = self.scratch.take_destroyed();
+        gone.extend(self.staging.take_destroyed());
+        gone.extend(self.readback.take_destroyed());
+        for b in gone {
+            self.pipelines.forget_buffer(device, b);
+        }
+    }
+
+    /// Reports (once) the first index error a kernel recorded, when the stream is idle.
+    fn check_status(&mut self) -> Result<()> {
+        if self.outstanding() {
+            return Ok(());
+        }
+        let Some(s) = self.status.as_ref() else {
+            return Ok(());
+        };
+        // SAFETY: four mapped, coherent words; no submission is outstanding, and the closing
+        // barrier of every submission made kernel writes visible to the host.
+        let words: [u32; 4] = unsafe { std::array::from_fn(|i| s.ptr.add(i).read_volatile()) };
+        let sites = std::mem::take(&mut self.error_sites);
+        if words[0] == 0 {
+            return Ok(());
+        }
+        // SAFETY: as above; the device is idle, so the host may reset the words.
+        unsafe {
+            for i in 0..4 {
+                s.ptr.add(i).write_volatile(0);
+            }
+        }
+        let (tag, pos, value) = (words[1], words[2], words[3] as i32);
+        Err(match sites.get(&tag) {
+            Some(site) => Error::Kernel {
+                op: site.op,
+                node: site.node.clone(),
+                msg: format!(
+                    "{}[{pos}] = {value} is out of range for {} with {} rows",
+                    site.what, site.rows_of, site.n
+                ),
+            },
+            None => Error::Kernel {
+                op: "index",
+                node: format!("tag {tag}"),
+                msg: format!("index {value} at position {pos} is out of range"),
+            },
+        })
+    }
+}
+
+impl Recording {
+    /// Inserts a barrier when `acc` conflicts with a command since the last barrier.
+    fn order(&mut self, device: &ash::Device, acc: &[Access]) {
+        let conflict = self.untracked
+            || acc
+                .iter()
+                .any(|a| self.since_barrier.iter().any(|b| a.conflicts(b)));
+        if conflict {
+            self.untracked = false;
+            barrier(
+                device,
+                self.cmd,
+                ALL_STAGES,
+                WRITES,
+                ALL_STAGES,
+                READS_WRITES,
+            );
+            self.since_barrier.clear();
+            self.barriers += 1;
+        }
+        self.since_barrier.extend_from_slice(acc);
+    }
+}
+
+/// A global memory barrier.
+pub(crate) fn barrier(
+    device: &ash::Device,
+    cmd: vk::CommandBuffer,
+    src: vk::PipelineStageFlags,
+    src_access: vk::AccessFlags,
+    dst: vk::PipelineStageFlags,
+    dst_access: vk::AccessFlags,
+) {
+    let mb = vk::MemoryBarrier::default()
+        .src_access_mask(src_access)
+        .dst_access_mask(dst_access);
+    // SAFETY: `cmd` is recording.
+    unsafe {
+        device.cmd_pipeline_barrier(cmd, src, dst, vk::DependencyFlags::empty(), &[mb], &[], &[])
+    };
+}
+
+pub(crate) fn create_timeline(device: &ash::Device) -> Result<vk::Semaphore> {
+    let mut ty = vk::SemaphoreTypeCreateInfo::default()
+        .semaphore_type(vk::SemaphoreType::TIMELINE)
+        .initial_value(0);
+    let info = vk::SemaphoreCreateInfo::default().push_next(&mut ty);
+    // SAFETY: valid create info.
+    unsafe { device.create_semaphore(&info, None) }.map_err(|r| vk_err("vkCreateSemaphore", r))
+}
+
+pub(crate) fn create_pool(device: &ash::Device, family: u32) -> Result<vk::CommandPool> {
+    let info = vk::CommandPoolCreateInfo::default()
+        .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER)
+        .queue_family_index(family);
+    // SAFETY: valid create info.
+    unsafe { device.create_command_pool(&info, None) }.map_err(|r| vk_err("vkCreateCommandPool", r))
+}

@@ -1,0 +1,135 @@
+//! Shared test scaffolding: opening the backend (skip or fail when there is no device),
+//! checking the validation layer stayed silent, and tensor helpers.
+#![allow(dead_code)]
+
+use lowsync_backend::{Backend, BufferId, BufferUsage, TensorRef};
+use lowsync_graph::{contiguous_strides, DType};
+use lowsync_vulkan::{VkConfig, VulkanBackend};
+
+/// The default test config: validation with synchronization validation on.
+pub fn config() -> VkConfig {
+    VkConfig {
+        validation: true,
+        ..VkConfig::default()
+    }
+}
+
+/// The no-ReBAR path.
+pub fn config_no_rebar() -> VkConfig {
+    VkConfig {
+        no_host_visible_vram: true,
+        ..config()
+    }
+}
+
+/// Opens a backend, or returns `None` (printing why) when this machine has no Vulkan device;
+/// with `LOWSYNC_REQUIRE_VULKAN=1` a missing device fails the test instead.
+pub fn open(cfg: VkConfig) -> Option<VulkanBackend> {
+    match VulkanBackend::new("vulkan", cfg) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            let required = std::env::var("LOWSYNC_REQUIRE_VULKAN").is_ok_and(|v| v.trim() == "1");
+            if required {
+                panic!("LOWSYNC_REQUIRE_VULKAN=1 and the Vulkan backend is unavailable: {e}");
+            }
+            eprintln!("skipping: {e}");
+            None
+        }
+    }
+}
+
+/// Fails when the validation layer reported anything.
+pub fn assert_clean(b: &VulkanBackend) {
+    let msgs = b.validation_messages();
+    assert!(
+        msgs.is_empty(),
+        "{} validation message(s):\n{}",
+        msgs.len(),
+        msgs.join("\n")
+    );
+}
+
+pub fn contiguous(buffer: BufferId, dtype: DType, shape: &[usize]) -> TensorRef {
+    TensorRef {
+        buffer,
+        byte_offset: 0,
+        dtype,
+        shape: shape.to_vec(),
+        strides: contiguous_strides(shape),
+    }
+}
+
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub fn i32_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub fn read_f32(b: &dyn Backend, id: BufferId, n: usize) -> Vec<f32> {
+    let mut out = vec![0u8; n * 4];
+    b.get_tensor(id, 0, &mut out).expect("read");
+    out.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+pub fn buffer_with(b: &dyn Backend, bytes: &[u8]) -> BufferId {
+    let id = b
+        .alloc_buffer(bytes.len(), BufferUsage::Compute)
+        .expect("alloc");
+    b.set_tensor(id, 0, bytes).expect("write");
+    id
+}
+
+/// A one-node graph.
+pub fn graph(
+    op: lowsync_graph::Op,
+    dst: TensorRef,
+    srcs: Vec<TensorRef>,
+) -> std::sync::Arc<lowsync_backend::ExecGraph> {
+    std::sync::Arc::new(lowsync_backend::ExecGraph {
+        nodes: vec![lowsync_backend::ExecNode {
+            op,
+            name: op.name().to_string(),
+            dst,
+            srcs,
+        }],
+    })
+}
+
+/// `dst = src` (f32, `n` elements) as a graph.
+pub fn copy_graph(
+    src: BufferId,
+    dst: BufferId,
+    n: usize,
+) -> std::sync::Arc<lowsync_backend::ExecGraph> {
+    graph(
+        lowsync_graph::Op::Cpy,
+        contiguous(dst, DType::F32, &[n]),
+        vec![contiguous(src, DType::F32, &[n])],
+    )
+}
+
+/// `dst = a + b` (f32, `n` elements) as a graph.
+pub fn add_graph(
+    a: BufferId,
+    b: BufferId,
+    dst: BufferId,
+    n: usize,
+) -> std::sync::Arc<lowsync_backend::ExecGraph> {
+    graph(
+        lowsync_graph::Op::Add,
+        contiguous(dst, DType::F32, &[n]),
+        vec![
+            contiguous(a, DType::F32, &[n]),
+            contiguous(b, DType::F32, &[n]),
+        ],
+    )
+}
+
+/// Both memory paths.
+pub fn both_paths() -> [VkConfig; 2] {
+    [config(), config_no_rebar()]
+}

@@ -1,0 +1,56 @@
+//! Environment handling of `create` (ARCHITECTURE §8): bad values are `Error::Env` naming the
+//! variable, bad names are `UnknownBackend`, and `available_devices` never panics. Alone in
+//! this test binary because it sets process-wide variables.
+
+mod common;
+
+use lowsync_backend::Error;
+
+#[test]
+fn bad_values_and_names_are_clear_errors() {
+    std::env::set_var("LOWSYNC_VK_COMPUTE_STREAM_COPY_MAX", "lots");
+    match lowsync_vulkan::create("vulkan") {
+        Err(Error::Env { var, .. }) => assert_eq!(var, "LOWSYNC_VK_COMPUTE_STREAM_COPY_MAX"),
+        Err(e) => panic!("expected an env error, got {e}"),
+        Ok(_) => panic!("expected an env error, got a backend"),
+    }
+    std::env::remove_var("LOWSYNC_VK_COMPUTE_STREAM_COPY_MAX");
+    std::env::set_var("LOWSYNC_VK_LEGACY_SUBMITS", "yes");
+    assert!(matches!(
+        lowsync_vulkan::create("vulkan"),
+        Err(Error::Env {
+            var: "LOWSYNC_VK_LEGACY_SUBMITS",
+            ..
+        })
+    ));
+    std::env::remove_var("LOWSYNC_VK_LEGACY_SUBMITS");
+    for bad in ["vulkan:x", "vulkan:", "vulkanx", "cuda:0"] {
+        assert!(
+            matches!(lowsync_vulkan::create(bad), Err(Error::UnknownBackend(_))),
+            "{bad}"
+        );
+    }
+    let devices = lowsync_vulkan::available_devices();
+    if devices.is_empty() {
+        let required = std::env::var("LOWSYNC_REQUIRE_VULKAN").is_ok_and(|v| v.trim() == "1");
+        assert!(
+            !required,
+            "LOWSYNC_REQUIRE_VULKAN=1 and no Vulkan device is available"
+        );
+        eprintln!("skipping: no Vulkan device");
+        return;
+    }
+    assert_eq!(devices[0], "vulkan:0");
+    let n = devices.len();
+    match lowsync_vulkan::create(&format!("vulkan:{n}")) {
+        Err(Error::Unavailable { reason, .. }) => {
+            assert!(reason.contains("no Vulkan device"), "{reason}")
+        }
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("device {n} should not exist"),
+    }
+    std::env::set_var("LOWSYNC_VK_DEVICE", "0");
+    let b = lowsync_vulkan::create("vulkan").expect("device 0");
+    assert_eq!(b.name(), "vulkan");
+    std::env::remove_var("LOWSYNC_VK_DEVICE");
+}

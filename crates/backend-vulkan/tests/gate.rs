@@ -1,0 +1,167 @@
+//! Ordering tests with the test gate (a timeline semaphore the host signals), on both memory
+//! paths: work behind a closed gate has not run; a staged write issued behind a gated graph
+//! that reads the same tensor is invisible to it and visible to the next one, even when the
+//! caller overwrites its bytes at once (invariants 1 and 2); opening the gate runs everything
+//! in order. No sleeps, no timing.
+
+mod common;
+
+use std::sync::Arc;
+
+use lowsync_backend::{Backend, BufferUsage};
+
+#[test]
+fn work_behind_a_closed_gate_does_not_run_until_it_opens() {
+    for cfg in common::both_paths() {
+        let Some(b) = common::open(cfg) else { return };
+        let x = common::buffer_with(&b, &common::f32_bytes(&[5.0; 8]));
+        let y = b.alloc_buffer(32, BufferUsage::Compute).unwrap();
+        let gate = b.gate_close().unwrap();
+        b.graph_compute_async(&common::copy_graph(x, y, 8)).unwrap();
+        let ev = b.event_new().unwrap();
+        b.event_record(&ev).unwrap();
+        for _ in 0..1000 {
+            std::thread::yield_now();
+        }
+        assert!(!ev.is_complete(), "the graph ran behind a closed gate");
+        gate.open();
+        ev.synchronize().unwrap();
+        assert!(ev.is_complete());
+        assert_eq!(common::read_f32(&b, y, 8), vec![5.0; 8]);
+        common::assert_clean(&b);
+    }
+}
+
+#[test]
+fn staged_write_behind_a_gated_graph_is_invisible_to_it_and_visible_to_the_next() {
+    for cfg in common::both_paths() {
+        let Some(b) = common::open(cfg) else { return };
+        let inp = common::buffer_with(&b, &common::f32_bytes(&[1.0; 8]));
+        let out1 = b.alloc_buffer(32, BufferUsage::Compute).unwrap();
+        let out2 = b.alloc_buffer(32, BufferUsage::Compute).unwrap();
+        b.synchronize().unwrap();
+        let gate = b.gate_close().unwrap();
+        b.graph_compute_async(&common::copy_graph(inp, out1, 8))
+            .unwrap();
+        let mut host = common::f32_bytes(&[2.0; 8]);
+        b.set_tensor_async_staged(inp, 0, &host).unwrap();
+        host.fill(0xff); // the caller may overwrite its bytes at once (invariant 1)
+        b.graph_compute_async(&common::copy_graph(inp, out2, 8))
+            .unwrap();
+        let ev = b.event_new().unwrap();
+        b.event_record(&ev).unwrap();
+        assert!(!ev.is_complete());
+        gate.open();
+        b.synchronize().unwrap();
+        assert_eq!(
+            common::read_f32(&b, out1, 8),
+            vec![1.0; 8],
+            "queued graph saw the write"
+        );
+        assert_eq!(
+            common::read_f32(&b, out2, 8),
+            vec![2.0; 8],
+            "next graph missed the write"
+        );
+        common::assert_clean(&b);
+    }
+}
+
+#[test]
+fn writes_and_graphs_behind_a_gate_run_in_order() {
+    for cfg in common::both_paths() {
+        let Some(b) = common::open(cfg) else { return };
+        let acc = common::buffer_with(&b, &common::f32_bytes(&[0.0; 4]));
+        let inc = b.alloc_buffer(16, BufferUsage::Inputs).unwrap();
+        let tmp = b.alloc_buffer(16, BufferUsage::Compute).unwrap();
+        b.synchronize().unwrap();
+        let gate = b.gate_close().unwrap();
+        for i in 1..=10 {
+            b.set_tensor_async_staged(inc, 0, &common::f32_bytes(&[i as f32; 4]))
+                .unwrap();
+            b.graph_compute_async(&common::add_graph(acc, inc, tmp, 4))
+                .unwrap();
+            b.graph_compute_async(&common::copy_graph(tmp, acc, 4))
+                .unwrap();
+        }
+        gate.open();
+        assert_eq!(common::read_f32(&b, acc, 4), vec![55.0; 4]);
+        common::assert_clean(&b);
+    }
+}
+
+#[test]
+fn a_counted_wait_really_blocks_until_the_gate_opens() {
+    let Some(b) = common::open(common::config()) else {
+        return;
+    };
+    let b = Arc::new(b);
+    let x = common::buffer_with(&*b, &common::f32_bytes(&[1.0; 8]));
+    let y = b.alloc_buffer(32, BufferUsage::Compute).unwrap();
+    let gate = b.gate_close().unwrap();
+    b.graph_compute_async(&common::copy_graph(x, y, 8)).unwrap();
+    let ev = b.event_new().unwrap();
+    b.event_record(&ev).unwrap();
+    let before = b.stats().snapshot();
+    let waiter = {
+        let b = b.clone();
+        std::thread::spawn(move || b.synchronize())
+    };
+    for _ in 0..100 {
+        std::thread::yield_now();
+    }
+    assert!(!ev.is_complete());
+    assert!(!waiter.is_finished());
+    gate.open();
+    waiter.join().unwrap().unwrap();
+    assert!(ev.is_complete());
+    let d = b.stats().snapshot().since(&before);
+    assert_eq!((d.host_waits, d.driver_syncs), (1, 1));
+    common::assert_clean(&b);
+}
+
+#[test]
+fn event_synchronize_after_an_observed_wait_is_elided() {
+    let Some(b) = common::open(common::config()) else {
+        return;
+    };
+    let x = common::buffer_with(&b, &common::f32_bytes(&[1.0; 8]));
+    let y = b.alloc_buffer(32, BufferUsage::Compute).unwrap();
+    b.graph_compute_async(&common::copy_graph(x, y, 8)).unwrap();
+    let ev = b.event_new().unwrap();
+    b.event_record(&ev).unwrap();
+    let before = b.stats().snapshot();
+    ev.synchronize().unwrap();
+    ev.synchronize().unwrap();
+    b.synchronize().unwrap();
+    let d = b.stats().snapshot().since(&before);
+    assert_eq!((d.host_waits, d.elided_syncs), (1, 2));
+    common::assert_clean(&b);
+}
+
+#[test]
+fn waiting_on_a_cpu_async_event_happens_on_the_device_side() {
+    let Some(b) = common::open(common::config()) else {
+        return;
+    };
+    let other = lowsync_cpu::CpuAsyncBackend::new("cpu-async").unwrap();
+    let x = common::buffer_with(&b, &common::f32_bytes(&[4.0; 8]));
+    let y = b.alloc_buffer(32, BufferUsage::Compute).unwrap();
+    let other_gate = other.gate_close().unwrap();
+    let ev = other.event_new().unwrap();
+    other.event_record(&ev).unwrap();
+    let before = b.stats().snapshot();
+    b.event_wait(&ev).unwrap(); // no host wait here
+    b.graph_compute_async(&common::copy_graph(x, y, 8)).unwrap();
+    let mine = b.event_new().unwrap();
+    b.event_record(&mine).unwrap();
+    assert_eq!(b.stats().snapshot().since(&before).host_waits, 0);
+    for _ in 0..100 {
+        std::thread::yield_now();
+    }
+    assert!(!mine.is_complete(), "ran before the other stream's event");
+    other_gate.open();
+    b.synchronize().unwrap();
+    assert_eq!(common::read_f32(&b, y, 8), vec![4.0; 8]);
+    common::assert_clean(&b);
+}
