@@ -1,0 +1,74 @@
+"""The llama decode end to end on each GPU backend present (Vulkan runs in CI on Mesa's
+lavapipe; CUDA where a device exists): the same greedy tokens and bit-identical logits under
+every policy, the same tokens as `cpu`, and the per-token counts each policy promises.
+
+Marked `vulkan` / `cuda`: skipped without the device, a failure for Vulkan when
+`LOWSYNC_REQUIRE_VULKAN=1` (set by `.ci/run`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import lowsync as ls
+from lowsync.models.llama import LlamaConfig
+
+# Small enough for lavapipe (a CPU implementation of Vulkan) to decode in a second.
+MICRO = LlamaConfig(n_vocab=256, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128)
+PROMPT = [3, 17, 42, 101, 7]
+N_GEN = 8
+
+DEVICES = [
+    pytest.param("vulkan", marks=pytest.mark.vulkan),
+    pytest.param("cuda", marks=pytest.mark.cuda),
+]
+
+
+def run(backend: str, policy: str) -> tuple[list[int], np.ndarray, dict[str, float]]:
+    model = ls.Llama.random(MICRO, seed=4)
+    sess = ls.Session(model, backends=[backend], n_ctx=64, n_ubatch=8, policy=policy)
+    logits = sess.decode(PROMPT, seq_id=0, logits="all")
+    assert logits is not None
+    sess.seq_rm(0)
+    tokens = sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
+    stats = sess.last_generate
+    assert stats is not None
+    return tokens, logits, stats.per_token
+
+
+@pytest.mark.parametrize("backend", DEVICES)
+def test_policies_agree_bit_for_bit_and_match_the_cpu_tokens(
+    backend: str, clean_env: pytest.MonkeyPatch
+) -> None:
+    cpu_tokens, cpu_logits, _ = run("cpu", "staged")
+    runs = {p: run(backend, p) for p in ("stock", "relaxed", "staged")}
+    tokens, logits, _ = runs["staged"]
+    for policy, (t, lg, _) in runs.items():
+        assert t == tokens, policy
+        assert np.array_equal(lg, logits), policy
+    assert tokens == cpu_tokens
+    rel = np.max(np.abs(logits - cpu_logits)) / np.max(np.abs(cpu_logits))
+    assert rel < 1e-4
+
+
+@pytest.mark.parametrize("backend", DEVICES)
+def test_staged_decode_makes_one_host_wait_and_one_upload_per_token(
+    backend: str, clean_env: pytest.MonkeyPatch
+) -> None:
+    _, _, per_token = run(backend, "staged")
+    assert per_token["host_waits"] == 1.0
+    assert per_token["h2d_copies"] == 1.0
+    assert per_token["d2h_copies"] == 1.0
+    assert per_token["empty_submits"] == 0.0
+    assert per_token["reallocs"] == 0.0
+
+
+@pytest.mark.vulkan
+def test_vulkan_legacy_switch_shows_ggmls_empty_submits(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("LOWSYNC_VK_LEGACY_SUBMITS", "1")
+    _, _, per_token = run("vulkan", "stock")
+    assert per_token["empty_submits"] >= 1.0
+    clean_env.setenv("LOWSYNC_VK_LEGACY_SUBMITS", "0")
+    _, _, per_token = run("vulkan", "stock")
+    assert per_token["empty_submits"] == 0.0
