@@ -61,7 +61,7 @@ run_suite() { # name dir
 if [[ $parts == *bench* ]]; then
     for m in tiny 1b; do
         if [ $m = tiny ]; then bk=${BENCH_TINY_BACKENDS:-cuda,vulkan}; else bk=${BENCH_1B_BACKENDS:-cuda,vulkan}; fi
-        timeout 400 python3 -m lowsync.cli bench -m $m -t f16 --backend "$bk" -p 32 -n 64 \
+        timeout 400 python3 -m lowsync.cli bench -m $m -t f16 --backend "$bk" -p 32 -n ${BENCH_N:-64} \
             >"$logs/bench-$m.txt" 2>"$logs/bench-$m.err"
         say "bench $m: exit $?"; cat "$logs/bench-$m.txt" | tee -a "$summary"; tail -3 "$logs/bench-$m.err"
     done
@@ -72,6 +72,17 @@ if [[ $parts == *compare* ]]; then
     say "transformers: exit $?"; grep -v "_tokens" "$logs/compare-transformers.txt" | tail -5 | tee -a "$summary"
     grep -o '"backend": "[a-z]*", "logits_max_rel_diff": [0-9.e-]*, "same_greedy_tokens": [a-z]*' \
         "$logs/compare-transformers.txt" | tee -a "$summary"
+fi
+if [[ $parts == *pytest* ]]; then
+    python3 -m pytest -q -p no:cacheprovider tests/test_gpu_backends.py >"$logs/pytest-gpu.txt" 2>&1
+    say "pytest gpu: exit $? $(tail -1 "$logs/pytest-gpu.txt")"
+fi
+if [[ $parts == *vkpaths* ]]; then
+    for m in tiny 1b; do
+        LOWSYNC_VK_NO_HOST_VISIBLE_VRAM=1 timeout 300 python3 -m lowsync.cli bench -m $m -t f16 --backend vulkan \
+            --policy stock,staged -p 32 -n ${BENCH_N:-64} >"$logs/bench-norebar-$m.txt" 2>/dev/null
+        say "bench no-ReBAR vulkan $m: exit $?"; grep -E '^\| (tiny|1b) ' "$logs/bench-norebar-$m.txt" | tee -a "$summary"
+    done
 fi
 if [[ $parts == *checks* ]]; then
     timeout 300 python3 benches/python/gpu_checks.py --backends cuda,vulkan >"$logs/gpu-checks.txt" 2>&1
