@@ -885,7 +885,7 @@ impl Inner {
         let mut tracker = Tracker::default();
         let mut replayable = true;
         for node in &graph.nodes {
-            let Some(want) = ops::src_count(&node.op) else {
+            let Some(want) = node.op.src_count() else {
                 return Err(ops::kernel_err(
                     node,
                     "has no kernel (leaves and views are not executed)",
@@ -906,7 +906,7 @@ impl Inner {
             let mut srcs = Vec::with_capacity(node.srcs.len());
             for (i, t) in node.srcs.iter().enumerate() {
                 let mut r = self.resolve(st, node, t)?;
-                if needs_private_copy(node, i, t) {
+                if node.src_needs_private_copy(i) {
                     // Another source overlaps the destination: the kernel reads a copy, in
                     // scratch memory of this submission (so this plan is not replayed).
                     replayable = false;
@@ -1060,23 +1060,6 @@ impl Inner {
         }
         Ok(b)
     }
-}
-
-/// Whether source `i` shares bytes with the destination in a way the kernel must not see
-/// (everything but `SetRows`' aliased target and an in-place first source with exactly the
-/// destination's layout) — the CPU oracle's rule.
-fn needs_private_copy(node: &ExecNode, i: usize, src: &TensorRef) -> bool {
-    let dst = &node.dst;
-    if i == 0 && node.op == Op::SetRows {
-        return false;
-    }
-    let (a, b) = (src.byte_extent(), dst.byte_extent());
-    let overlap = src.buffer == dst.buffer
-        && a > 0
-        && b > 0
-        && src.byte_offset < dst.byte_offset + b
-        && dst.byte_offset < src.byte_offset + a;
-    overlap && !(i == 0 && node.op.can_inplace() && src == dst)
 }
 
 /// Signals a host semaphore to 1 once.

@@ -319,24 +319,6 @@ pub(crate) fn plan(
     }
 }
 
-/// How many sources each op takes; `None` for ops without a kernel.
-pub(crate) fn src_count(op: &Op) -> Option<std::ops::RangeInclusive<usize>> {
-    Some(match op {
-        Op::Input | Op::Weight | Op::Persistent | Op::View => return None,
-        Op::Scale { .. } | Op::Silu | Op::Gelu | Op::RmsNorm { .. } | Op::Cpy | Op::Argmax => 1..=1,
-        Op::SoftMax { .. } => 1..=2,
-        Op::Add
-        | Op::Mul
-        | Op::SwiGlu
-        | Op::Rope { .. }
-        | Op::Concat { .. }
-        | Op::GetRows
-        | Op::MulMat => 2..=2,
-        Op::SetRows => 3..=3,
-        Op::MulMatId => 4..=4,
-    })
-}
-
 /// A 4-D element-wise dispatch of `kernel` over `dst` with sources `a` and `b` (strides
 /// already broadcast to `dst`'s shape).
 fn elementwise_dispatch(

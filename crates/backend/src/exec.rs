@@ -70,6 +70,26 @@ pub struct ExecNode {
     pub srcs: Vec<TensorRef>,
 }
 
+impl ExecNode {
+    /// Whether source `i` shares bytes with the destination in a way a kernel must not see, so
+    /// it has to be read from a private copy: every overlap except `SetRows`' aliased target
+    /// and an element-wise op's in-place first source with exactly the destination's layout.
+    /// One rule for every backend, so they all agree with the CPU oracle.
+    pub fn src_needs_private_copy(&self, i: usize) -> bool {
+        let (dst, src) = (&self.dst, &self.srcs[i]);
+        if i == 0 && self.op == lowsync_graph::Op::SetRows {
+            return false;
+        }
+        let (a, b) = (src.byte_extent(), dst.byte_extent());
+        let overlap = src.buffer == dst.buffer
+            && a > 0
+            && b > 0
+            && src.byte_offset < dst.byte_offset + b
+            && dst.byte_offset < src.byte_offset + a;
+        overlap && !(i == 0 && self.op.can_inplace() && src == dst)
+    }
+}
+
 /// The compute nodes of one split, in execution order (views removed: they run no kernel).
 #[derive(Clone, Debug, Default)]
 pub struct ExecGraph {

@@ -91,6 +91,26 @@ impl Op {
         }
     }
 
+    /// How many sources the op takes; `None` for leaves and views (no kernel runs them).
+    pub fn src_count(&self) -> Option<std::ops::RangeInclusive<usize>> {
+        Some(match self {
+            Op::Input | Op::Weight | Op::Persistent | Op::View => return None,
+            Op::Scale { .. } | Op::Silu | Op::Gelu | Op::RmsNorm { .. } | Op::Cpy | Op::Argmax => {
+                1..=1
+            }
+            Op::SoftMax { .. } => 1..=2,
+            Op::Add
+            | Op::Mul
+            | Op::SwiGlu
+            | Op::Rope { .. }
+            | Op::Concat { .. }
+            | Op::GetRows
+            | Op::MulMat => 2..=2,
+            Op::SetRows => 3..=3,
+            Op::MulMatId => 4..=4,
+        })
+    }
+
     /// Leaves own memory that outlives a step or is written by the host.
     pub fn is_leaf(&self) -> bool {
         matches!(self, Op::Input | Op::Weight | Op::Persistent)

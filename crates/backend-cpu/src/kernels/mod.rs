@@ -35,9 +35,8 @@ mod view;
 #[cfg(test)]
 mod tests;
 
-use std::ops::RangeInclusive;
 
-use lowsync_backend::{Error, ExecNode, Result, TensorRef};
+use lowsync_backend::{Error, ExecNode, Result};
 use lowsync_graph::Op;
 
 use crate::memory::Mem;
@@ -47,7 +46,7 @@ use view::Strided;
 ///
 /// Leaves (`Input`, `Weight`, `Persistent`) and `View` have no kernel and are an error here.
 pub fn run_node(node: &ExecNode, mem: &dyn Mem) -> Result<()> {
-    let Some(want) = src_count(&node.op) else {
+    let Some(want) = node.op.src_count() else {
         return Err(kernel_err(
             node,
             "has no kernel (leaves and views are not executed)",
@@ -69,7 +68,7 @@ pub fn run_node(node: &ExecNode, mem: &dyn Mem) -> Result<()> {
     let mut srcs = Vec::with_capacity(node.srcs.len());
     for (i, t) in node.srcs.iter().enumerate() {
         let v = Strided::resolve(node, t, mem)?;
-        if needs_private_copy(node, i, t) {
+        if node.src_needs_private_copy(i) {
             let (buf, copy) = v.detach();
             private.push(buf);
             srcs.push(copy);
@@ -106,45 +105,6 @@ fn dispatch(node: &ExecNode, dst: &Strided, s: &[Strided]) -> Result<()> {
             "has no kernel (leaves and views are not executed)",
         )),
     }
-}
-
-/// How many sources each op takes; `None` for ops without a kernel.
-fn src_count(op: &Op) -> Option<RangeInclusive<usize>> {
-    Some(match op {
-        Op::Input | Op::Weight | Op::Persistent | Op::View => return None,
-        Op::Scale { .. } | Op::Silu | Op::Gelu | Op::RmsNorm { .. } | Op::Cpy | Op::Argmax => 1..=1,
-        Op::SoftMax { .. } => 1..=2,
-        Op::Add
-        | Op::Mul
-        | Op::SwiGlu
-        | Op::Rope { .. }
-        | Op::Concat { .. }
-        | Op::GetRows
-        | Op::MulMat => 2..=2,
-        Op::SetRows => 3..=3,
-        Op::MulMatId => 4..=4,
-    })
-}
-
-/// Whether source `i` shares bytes with the destination in a way the kernel must not see:
-/// everything except `SetRows`' aliased target and an in-place first source of an element-wise
-/// op with exactly the destination's layout.
-fn needs_private_copy(node: &ExecNode, i: usize, src: &TensorRef) -> bool {
-    let dst = &node.dst;
-    if i == 0 && node.op == Op::SetRows {
-        return false;
-    }
-    let (a, b) = (src.byte_extent(), dst.byte_extent());
-    let overlap = src.buffer == dst.buffer
-        && a > 0
-        && b > 0
-        && src.byte_offset < dst.byte_offset + b
-        && dst.byte_offset < src.byte_offset + a;
-    if !overlap {
-        return false;
-    }
-    let in_place = i == 0 && node.op.can_inplace() && src == dst;
-    !in_place
 }
 
 /// An [`Error::Kernel`] for `node`.
