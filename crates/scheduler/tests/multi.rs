@@ -2,12 +2,12 @@
 //! as functions of the graph, the ordering invariants under the test gate, pipelined copies,
 //! the reserve with debug-realloc, and random graphs under every policy.
 
+mod common;
+
 use std::sync::Arc;
 
-use lowsync_backend::{
-    Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, ExecGraph, StatsSnapshot,
-    SyncStats,
-};
+use common::Masked;
+use lowsync_backend::{Backend, StatsSnapshot};
 use lowsync_cpu::{CpuAsyncBackend, CpuBackend};
 use lowsync_graph::{DType, Graph, Op, TensorId};
 use lowsync_scheduler::alloc::verify_items;
@@ -318,55 +318,13 @@ fn pipelined_copies_rotate_and_return_to_copy_zero_after_an_idle_synchronize() {
 // ---- placement -------------------------------------------------------------------------------
 
 /// `cpu` without `gelu` (to test "no backend supports this op").
-struct NoGelu(CpuBackend);
-
-impl Backend for NoGelu {
-    fn name(&self) -> &str {
-        "no-gelu"
-    }
-    fn device_kind(&self) -> DeviceKind {
-        DeviceKind::Cpu
-    }
-    fn caps(&self) -> Caps {
-        self.0.caps()
-    }
-    fn buffer_type(&self) -> BufferType {
-        self.0.buffer_type()
-    }
-    fn supports_op(&self, op: &Op, dst: DType, srcs: &[DType]) -> bool {
-        *op != Op::Gelu && self.0.supports_op(op, dst, srcs)
-    }
-    fn stats(&self) -> &SyncStats {
-        self.0.stats()
-    }
-    fn alloc_buffer(&self, size: usize, usage: BufferUsage) -> lowsync_backend::Result<BufferId> {
-        self.0.alloc_buffer(size, usage)
-    }
-    fn realloc_buffer(&self, id: BufferId, size: usize) -> lowsync_backend::Result<()> {
-        self.0.realloc_buffer(id, size)
-    }
-    fn free_buffer(&self, id: BufferId) {
-        self.0.free_buffer(id)
-    }
-    fn buffer_size(&self, id: BufferId) -> lowsync_backend::Result<usize> {
-        self.0.buffer_size(id)
-    }
-    fn set_tensor(&self, dst: BufferId, offset: usize, data: &[u8]) -> lowsync_backend::Result<()> {
-        self.0.set_tensor(dst, offset, data)
-    }
-    fn get_tensor(
-        &self,
-        src: BufferId,
-        offset: usize,
-        out: &mut [u8],
-    ) -> lowsync_backend::Result<()> {
-        self.0.get_tensor(src, offset, out)
-    }
-    fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> lowsync_backend::Result<()> {
-        self.0.graph_compute_async(graph)
-    }
-    fn synchronize(&self) -> lowsync_backend::Result<()> {
-        self.0.synchronize()
+fn no_gelu() -> Masked<CpuBackend> {
+    let inner = CpuBackend::new();
+    Masked {
+        name: "no-gelu",
+        caps: inner.caps(),
+        inner,
+        refuse: |op| *op == Op::Gelu,
     }
 }
 
@@ -380,7 +338,7 @@ fn gelu_graph() -> Graph {
 
 #[test]
 fn an_op_no_backend_supports_is_a_clear_error_and_another_backend_can_take_it() {
-    let only: Vec<Arc<dyn Backend>> = vec![Arc::new(NoGelu(CpuBackend::new()))];
+    let only: Vec<Arc<dyn Backend>> = vec![Arc::new(no_gelu())];
     let err = Sched::with_debug_realloc(only, SyncPolicy::Staged, 1, 0)
         .unwrap()
         .compile(&gelu_graph())
@@ -392,7 +350,7 @@ fn an_op_no_backend_supports_is_a_clear_error_and_another_backend_can_take_it() 
         "{msg}"
     );
     let both: Vec<Arc<dyn Backend>> = vec![
-        Arc::new(NoGelu(CpuBackend::new())),
+        Arc::new(no_gelu()),
         Arc::new(CpuAsyncBackend::new("cpu-async").unwrap()),
     ];
     let sc = Sched::with_debug_realloc(both, SyncPolicy::Staged, 1, 0).unwrap();

@@ -1,15 +1,15 @@
 //! Single-backend plans: counts per policy as functions of the graph, the staged-input
-//! invariant under the test gate, the stock fallback for backends without async capabilities,
-//! and the allocator's no-overlap promise on random graphs.
+//! invariant under the test gate, and the stock fallback for backends without async
+//! capabilities.
+
+mod common;
 
 use std::sync::Arc;
 
-use lowsync_backend::{
-    Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, ExecGraph, StatsSnapshot,
-    SyncStats,
-};
+use common::Masked;
+use lowsync_backend::{Backend, Caps, StatsSnapshot};
 use lowsync_cpu::{CpuAsyncBackend, CpuBackend};
-use lowsync_graph::{DType, Graph, Op, TensorId};
+use lowsync_graph::{DType, Graph, TensorId};
 use lowsync_scheduler::{Plan, SyncPolicy};
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -159,56 +159,13 @@ fn input_overwritten_after_compute_is_not_seen_by_the_queued_graph() {
     }
 }
 
-/// A backend that hides every optional capability of `cpu-async` (invariant 5).
-struct Plain(CpuAsyncBackend);
-
-impl Backend for Plain {
-    fn name(&self) -> &str {
-        "plain"
-    }
-    fn device_kind(&self) -> DeviceKind {
-        DeviceKind::Cpu
-    }
-    fn caps(&self) -> Caps {
-        Caps::default()
-    }
-    fn buffer_type(&self) -> BufferType {
-        self.0.buffer_type()
-    }
-    fn supports_op(&self, op: &Op, dst: DType, srcs: &[DType]) -> bool {
-        self.0.supports_op(op, dst, srcs)
-    }
-    fn stats(&self) -> &SyncStats {
-        self.0.stats()
-    }
-    fn alloc_buffer(&self, size: usize, usage: BufferUsage) -> lowsync_backend::Result<BufferId> {
-        self.0.alloc_buffer(size, usage)
-    }
-    fn realloc_buffer(&self, id: BufferId, size: usize) -> lowsync_backend::Result<()> {
-        self.0.realloc_buffer(id, size)
-    }
-    fn free_buffer(&self, id: BufferId) {
-        self.0.free_buffer(id)
-    }
-    fn buffer_size(&self, id: BufferId) -> lowsync_backend::Result<usize> {
-        self.0.buffer_size(id)
-    }
-    fn set_tensor(&self, dst: BufferId, offset: usize, data: &[u8]) -> lowsync_backend::Result<()> {
-        self.0.set_tensor(dst, offset, data)
-    }
-    fn get_tensor(
-        &self,
-        src: BufferId,
-        offset: usize,
-        out: &mut [u8],
-    ) -> lowsync_backend::Result<()> {
-        self.0.get_tensor(src, offset, out)
-    }
-    fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> lowsync_backend::Result<()> {
-        self.0.graph_compute_async(graph)
-    }
-    fn synchronize(&self) -> lowsync_backend::Result<()> {
-        self.0.synchronize()
+/// `cpu-async` with every optional capability hidden (invariant 5).
+fn plain() -> Masked<CpuAsyncBackend> {
+    Masked {
+        name: "plain",
+        inner: CpuAsyncBackend::new("cpu-async").unwrap(),
+        caps: Caps::default(),
+        refuse: |_| false,
     }
 }
 
@@ -218,7 +175,7 @@ fn backend_without_async_capabilities_behaves_exactly_like_stock() {
     let mut counts: Vec<StatsSnapshot> = Vec::new();
     let mut outs = Vec::new();
     for policy in SyncPolicy::ALL {
-        let be: Arc<dyn Backend> = Arc::new(Plain(CpuAsyncBackend::new("cpu-async").unwrap()));
+        let be: Arc<dyn Backend> = Arc::new(plain());
         let mut plan = Plan::compile(&sum_graph(u), be.clone(), policy).unwrap();
         let before = be.stats().snapshot();
         outs.push(step(&mut plan, u, 2.0));

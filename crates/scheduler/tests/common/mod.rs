@@ -1,0 +1,67 @@
+//! A test backend: another backend with some capabilities hidden or some ops refused.
+
+use std::sync::Arc;
+
+use lowsync_backend::{
+    Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, ExecGraph, SyncStats,
+};
+use lowsync_graph::{DType, Op};
+
+/// Forwards every required primitive to `inner`, advertises `caps`, and refuses the ops for
+/// which `refuse` is true. Optional primitives stay at the trait's "unsupported" defaults.
+pub struct Masked<B: Backend> {
+    pub name: &'static str,
+    pub inner: B,
+    pub caps: Caps,
+    pub refuse: fn(&Op) -> bool,
+}
+
+impl<B: Backend> Backend for Masked<B> {
+    fn name(&self) -> &str {
+        self.name
+    }
+    fn device_kind(&self) -> DeviceKind {
+        self.inner.device_kind()
+    }
+    fn caps(&self) -> Caps {
+        self.caps
+    }
+    fn buffer_type(&self) -> BufferType {
+        self.inner.buffer_type()
+    }
+    fn supports_op(&self, op: &Op, dst: DType, srcs: &[DType]) -> bool {
+        !(self.refuse)(op) && self.inner.supports_op(op, dst, srcs)
+    }
+    fn stats(&self) -> &SyncStats {
+        self.inner.stats()
+    }
+    fn alloc_buffer(&self, size: usize, usage: BufferUsage) -> lowsync_backend::Result<BufferId> {
+        self.inner.alloc_buffer(size, usage)
+    }
+    fn realloc_buffer(&self, id: BufferId, size: usize) -> lowsync_backend::Result<()> {
+        self.inner.realloc_buffer(id, size)
+    }
+    fn free_buffer(&self, id: BufferId) {
+        self.inner.free_buffer(id)
+    }
+    fn buffer_size(&self, id: BufferId) -> lowsync_backend::Result<usize> {
+        self.inner.buffer_size(id)
+    }
+    fn set_tensor(&self, dst: BufferId, offset: usize, data: &[u8]) -> lowsync_backend::Result<()> {
+        self.inner.set_tensor(dst, offset, data)
+    }
+    fn get_tensor(
+        &self,
+        src: BufferId,
+        offset: usize,
+        out: &mut [u8],
+    ) -> lowsync_backend::Result<()> {
+        self.inner.get_tensor(src, offset, out)
+    }
+    fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> lowsync_backend::Result<()> {
+        self.inner.graph_compute_async(graph)
+    }
+    fn synchronize(&self) -> lowsync_backend::Result<()> {
+        self.inner.synchronize()
+    }
+}
