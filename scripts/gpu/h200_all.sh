@@ -73,6 +73,13 @@ if [[ $parts == *compare* ]]; then
     grep -o '"backend": "[a-z]*", "logits_max_rel_diff": [0-9.e-]*, "same_greedy_tokens": [a-z]*' \
         "$logs/compare-transformers.txt" | tee -a "$summary"
 fi
+if [[ $parts == *mmvab* ]]; then
+    for knob in 0 8; do
+        LOWSYNC_CUDA_MMV_MAX_M=$knob timeout 300 python3 -m lowsync.cli bench -m 1b -t f16 --backend cuda --policy stock,staged \
+            -p 32 -n ${BENCH_N:-64} >"$logs/bench-mmv$knob.txt" 2>/dev/null
+        say "1b cuda, LOWSYNC_CUDA_MMV_MAX_M=$knob: exit $?"; grep -E '^\| 1b ' "$logs/bench-mmv$knob.txt" | tee -a "$summary"
+    done
+fi
 if [[ $parts == *pytest* ]]; then
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu_backends.py >"$logs/pytest-gpu.txt" 2>&1
     say "pytest gpu: exit $? $(tail -1 "$logs/pytest-gpu.txt")"

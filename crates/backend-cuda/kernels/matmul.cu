@@ -1,5 +1,6 @@
 // Mixture of experts: out[t, n] = sum_j w[t, j] * (x[t] @ experts[ids[t, j]])[n]. One thread
-// per output element; slots in order, k in order. Dense matmul goes through cuBLAS instead.
+// per output element; slots in order, k in order. Dense matmul goes through the matrix-vector
+// kernels below (small m) or cuBLAS.
 
 extern "C" __global__ void mul_mat_id(i64 T, i64 N, i64 K, i64 slots, i64 n_exp, void* dst,
                                       int dtd, i64 d_rs, i64 d_cs, const void* ex, int dte,
@@ -25,5 +26,324 @@ extern "C" __global__ void mul_mat_id(i64 T, i64 N, i64 K, i64 slots, i64 n_exp,
             acc += ld(w, dtw, t * w_rs + j * w_cs) * y;
         }
         st(dst, dtd, t * d_rs + n * d_cs, acc);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Matrix-vector products for small m (decode): out[m, n] = a[m, k] @ b[k, n] with a in f32 and
+// b in f32/f16/bf16, f32 accumulation, bandwidth-bound on b. Batch axes (GQA broadcast
+// included) come in `MmBatch`; `blk` enumerates (batch, column block), columns fastest.
+//
+// Determinism: the value of one output element depends only on k, the dtype of b and the
+// launch shape chosen from the shapes (group size G, slices KS), never on the alignment of the
+// operands: the vectorised and the scalar loops accumulate the same products in the same
+// order, so any two runs of one graph give bit-identical results.
+
+#define MB_MAXD 4
+#define MMV_MT 8
+
+// Output batch axes: st[t] / div[t] are the element strides and GQA divisors of dst, a, b
+// (operand index along an axis = batch index / div; stride 0 where the operand is broadcast).
+// Matches `MmBatch` in src/matmul.rs.
+struct MmBatch {
+    i64 nd;
+    i64 shape[MB_MAXD];
+    i64 st[3][MB_MAXD];
+    i64 div[3][MB_MAXD];
+};
+
+__device__ __forceinline__ void mm_batch_offsets(const MmBatch& B, i64 bt, i64* o) {
+    o[0] = 0; o[1] = 0; o[2] = 0;
+    for (int ax = (int)B.nd - 1; ax >= 0; --ax) {
+        i64 d = B.shape[ax];
+        i64 c = bt % d;
+        bt /= d;
+        for (int t = 0; t < 3; ++t) o[t] += (c / B.div[t][ax]) * B.st[t][ax];
+    }
+}
+
+// 16 bytes of b as floats: 4 f32 or 8 f16/bf16, in memory order.
+template <int DT>
+__device__ __forceinline__ void unpack16(uint4 w, float* f) {
+    if (DT == DT_F32) {
+        f[0] = __uint_as_float(w.x); f[1] = __uint_as_float(w.y);
+        f[2] = __uint_as_float(w.z); f[3] = __uint_as_float(w.w);
+    } else {
+        u32 p[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (DT == DT_F16) {
+                f[2 * i] = h2f((u16)(p[i] & 0xffffu));
+                f[2 * i + 1] = h2f((u16)(p[i] >> 16));
+            } else {
+                f[2 * i] = __uint_as_float(p[i] << 16);
+                f[2 * i + 1] = __uint_as_float(p[i] & 0xffff0000u);
+            }
+        }
+    }
+}
+
+// acc[r][c] += a[r, k0 .. k0+VW) . bf[c][..] for the rows r < mt of this pass, products in k
+// order. `avec`: a's rows are 16-byte aligned at k0 (float4 loads), else scalar loads.
+template <int VW, int NC, int MT>
+__device__ __forceinline__ void mmv_k_fma(float (&acc)[MT][NC], const float (&bf)[NC][VW],
+                                          const float* ab, i64 a_rs, int mt, i64 k0, bool avec) {
+#pragma unroll
+    for (int r = 0; r < MT; ++r) {
+        if (r < mt) {
+            const float* ar = ab + r * a_rs + k0;
+            float av[VW];
+            if (avec) {
+#pragma unroll
+                for (int q = 0; q < VW / 4; ++q) {
+                    float4 x = ((const float4*)ar)[q];
+                    av[4 * q] = x.x; av[4 * q + 1] = x.y; av[4 * q + 2] = x.z; av[4 * q + 3] = x.w;
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < VW; ++e) av[e] = ar[e];
+            }
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+#pragma unroll
+                for (int e = 0; e < VW; ++e) acc[r][c] = fmaf(av[e], bf[c][e], acc[r][c]);
+            }
+        }
+    }
+}
+
+// b's k axis is contiguous: column j of b starts at element o_b + j * b_cs. A group of G lanes
+// (G a power of two <= 32) owns NC adjacent columns; lane gl of a group reads the 16-byte
+// vectors gl, gl + G, ... of each column (then the k % VW tail elements, one per lane), and
+// the group sums its lanes with a fixed xor butterfly. Rows of a go in passes of MT. The
+// result is f32 (any strides).
+template <int DT, int NC, int MT>
+__device__ __forceinline__ void mmv_k_body(i64 M, i64 N, i64 K, i64 nbatch, const MmBatch& B,
+                                           float* dst, i64 d_rs, i64 d_cs,
+                                           const float* a, i64 a_rs, const void* b, i64 b_cs,
+                                           int G, int vec) {
+    const int VW = DT == DT_F32 ? 4 : 8;
+    const int ESZ = DT == DT_F32 ? 4 : 2;
+    const int U = NC == 1 ? 4 : 1;  // vectors per column in flight per lane
+    const int lane = threadIdx.x & 31;
+    const int gl = lane & (G - 1);
+    const i64 per_warp = 32 / G;
+    const i64 group = (i64)(threadIdx.x >> 5) * per_warp + lane / G;
+    const i64 cols_per_block = (i64)(blockDim.x >> 5) * per_warp * NC;
+    const i64 ncb = (N + cols_per_block - 1) / cols_per_block;
+    const i64 nvec = K / VW;
+    for (i64 blk = blockIdx.x; blk < ncb * nbatch; blk += gridDim.x) {
+        const i64 bt = blk / ncb, cb = blk % ncb;
+        i64 o[3];
+        mm_batch_offsets(B, bt, o);
+        const i64 col0 = cb * cols_per_block + group * NC;
+        i64 bo[NC];  // element offset of each column (clamped into range: extra lanes still
+                     // take part in the shuffles, their sums are not written)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) bo[c] = o[2] + min(col0 + c, N - 1) * b_cs;
+        for (i64 i0 = 0; i0 < M; i0 += MT) {
+            const int mt = (int)min((i64)MT, M - i0);
+            const float* ab = a + o[1] + i0 * a_rs;
+            float acc[MT][NC];
+#pragma unroll
+            for (int r = 0; r < MT; ++r) {
+#pragma unroll
+                for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
+            }
+            i64 v = gl;
+            if (vec) {
+                if (U > 1) {  // U vectors per column in flight, then one at a time
+                    for (; v + (U - 1) * G < nvec; v += U * G) {
+                        uint4 w[U][NC];
+#pragma unroll
+                        for (int u = 0; u < U; ++u) {
+#pragma unroll
+                            for (int c = 0; c < NC; ++c) w[u][c] = ((const uint4*)((const char*)b + bo[c] * ESZ))[v + u * G];
+                        }
+#pragma unroll
+                        for (int u = 0; u < U; ++u) {
+                            float bf[NC][VW];
+#pragma unroll
+                            for (int c = 0; c < NC; ++c) unpack16<DT>(w[u][c], bf[c]);
+                            mmv_k_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, (v + u * G) * VW, true);
+                        }
+                    }
+                }
+                for (; v < nvec; v += G) {
+                    float bf[NC][VW];
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) unpack16<DT>(((const uint4*)((const char*)b + bo[c] * ESZ))[v], bf[c]);
+                    mmv_k_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, v * VW, true);
+                }
+            } else {
+                for (; v < nvec; v += G) {
+                    float bf[NC][VW];
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) {
+#pragma unroll
+                        for (int e = 0; e < VW; ++e) bf[c][e] = ld(b, DT, bo[c] + v * VW + e);
+                    }
+                    mmv_k_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, v * VW, false);
+                }
+            }
+            // The k % VW tail, one element per lane (same order on both paths).
+            for (i64 kk = nvec * VW + gl; kk < K; kk += G) {
+                float bf[NC][1];
+#pragma unroll
+                for (int c = 0; c < NC; ++c) bf[c][0] = ld(b, DT, bo[c] + kk);
+                mmv_k_fma<1, NC, MT>(acc, bf, ab, a_rs, mt, kk, false);
+            }
+#pragma unroll
+            for (int r = 0; r < MT; ++r) {
+                if (r < mt) {
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) {
+                        float s = acc[r][c];
+                        for (int off = G >> 1; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+                        const i64 col = col0 + c;
+                        if (gl == 0 && col < N) dst[o[0] + (i0 + r) * d_rs + col * d_cs] = s;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// `vec`: every column start of b and every row start of a is 16-byte aligned (checked on the
+// host). blockDim.x == 128. One column per lane group and one row per pass (decode) ...
+extern "C" __global__ void __launch_bounds__(128, 8) mul_mat_vec_k(
+    i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs,
+    const float* a, i64 a_rs, const void* b, int dtb, i64 b_cs, int G, int vec) {
+    switch (dtb) {
+        case DT_F16: mmv_k_body<DT_F16, 1, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, G, vec); break;
+        case DT_BF16: mmv_k_body<DT_BF16, 1, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, G, vec); break;
+        default: mmv_k_body<DT_F32, 1, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, G, vec); break;
+    }
+}
+
+// ... and four columns per lane group, MMV_MT rows per pass (each load of a serves four
+// columns).
+extern "C" __global__ void mul_mat_vec_k4(i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst,
+                                          i64 d_rs, i64 d_cs, const float* a, i64 a_rs,
+                                          const void* b, int dtb, i64 b_cs, int G, int vec) {
+    switch (dtb) {
+        case DT_F16: mmv_k_body<DT_F16, 4, MMV_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, G, vec); break;
+        case DT_BF16: mmv_k_body<DT_BF16, 4, MMV_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, G, vec); break;
+        default: mmv_k_body<DT_F32, 4, MMV_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, G, vec); break;
+    }
+}
+
+// b's n axis is contiguous (x @ w with w [k, n], attention's probabilities @ V). A block of
+// MMN_T threads is TC column threads x KS = MMN_T / TC k slices; each thread owns MMN_C
+// adjacent columns and the k indices ks, ks + KS, ...; the slices are summed by a fixed tree
+// in shared memory. `vec`: the MMN_C columns of every row of b are one aligned load. The
+// result is f32 (any strides).
+#define MMN_T 256
+#define MMN_C 4
+
+template <int DT, int MT>
+__device__ __forceinline__ void mmv_n_body(i64 M, i64 N, i64 K, i64 nbatch, const MmBatch& B,
+                                           float* dst, i64 d_rs, i64 d_cs,
+                                           const float* a, i64 a_rs, i64 a_ks, const void* b,
+                                           i64 b_rs, int TC, int vec,
+                                           float (*red)[MMN_T]) {
+    const int t = threadIdx.x;
+    const int tc = t % TC, ks = t / TC, KS = MMN_T / TC;
+    const i64 cols_per_block = (i64)TC * MMN_C;
+    const i64 ncb = (N + cols_per_block - 1) / cols_per_block;
+    for (i64 blk = blockIdx.x; blk < ncb * nbatch; blk += gridDim.x) {
+        const i64 bt = blk / ncb, cb = blk % ncb;
+        i64 o[3];
+        mm_batch_offsets(B, bt, o);
+        const i64 j0 = cb * cols_per_block + (i64)tc * MMN_C;
+        const bool full = vec && j0 + MMN_C <= N;
+        for (i64 i0 = 0; i0 < M; i0 += MT) {
+            const int mt = (int)min((i64)MT, M - i0);
+            const float* ab = a + o[1] + i0 * a_rs;
+            float acc[MT][MMN_C];
+#pragma unroll
+            for (int r = 0; r < MT; ++r) {
+#pragma unroll
+                for (int c = 0; c < MMN_C; ++c) acc[r][c] = 0.0f;
+            }
+#pragma unroll 4
+            for (i64 k = ks; k < K; k += KS) {
+                float bf[MMN_C];
+                const i64 e0 = o[2] + k * b_rs + j0;
+                if (full) {
+                    if (DT == DT_F32) {
+                        uint4 w = *(const uint4*)((const float*)b + e0);
+                        bf[0] = __uint_as_float(w.x); bf[1] = __uint_as_float(w.y);
+                        bf[2] = __uint_as_float(w.z); bf[3] = __uint_as_float(w.w);
+                    } else {
+                        uint2 w = *(const uint2*)((const u16*)b + e0);
+                        if (DT == DT_F16) {
+                            bf[0] = h2f((u16)(w.x & 0xffffu)); bf[1] = h2f((u16)(w.x >> 16));
+                            bf[2] = h2f((u16)(w.y & 0xffffu)); bf[3] = h2f((u16)(w.y >> 16));
+                        } else {
+                            bf[0] = __uint_as_float(w.x << 16); bf[1] = __uint_as_float(w.x & 0xffff0000u);
+                            bf[2] = __uint_as_float(w.y << 16); bf[3] = __uint_as_float(w.y & 0xffff0000u);
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int c = 0; c < MMN_C; ++c) bf[c] = j0 + c < N ? ld(b, DT, e0 + c) : 0.0f;
+                }
+#pragma unroll
+                for (int r = 0; r < MT; ++r) {
+                    if (r < mt) {
+                        const float av = ab[r * a_rs + k * a_ks];
+#pragma unroll
+                        for (int c = 0; c < MMN_C; ++c) acc[r][c] = fmaf(av, bf[c], acc[r][c]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < MT; ++r) {
+#pragma unroll
+                for (int c = 0; c < MMN_C; ++c) red[r * MMN_C + c][t] = acc[r][c];
+            }
+            __syncthreads();
+            for (int s = KS >> 1; s > 0; s >>= 1) {
+                if (ks < s) {
+                    for (int x = 0; x < mt * MMN_C; ++x) red[x][t] += red[x][t + s * TC];
+                }
+                __syncthreads();
+            }
+            if (ks == 0) {
+                for (int r = 0; r < mt; ++r) {
+#pragma unroll
+                    for (int c = 0; c < MMN_C; ++c) {
+                        if (j0 + c < N) dst[o[0] + (i0 + r) * d_rs + (j0 + c) * d_cs] = red[r * MMN_C + c][t];
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// blockDim.x == MMN_T; TC a power of two dividing MMN_T. One row of a per pass (decode) ...
+extern "C" __global__ void __launch_bounds__(MMN_T, 2) mul_mat_vec_n(
+    i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs,
+    const float* a, i64 a_rs, i64 a_ks, const void* b, int dtb, i64 b_rs, int TC, int vec) {
+    __shared__ float red[MMN_C][MMN_T];
+    switch (dtb) {
+        case DT_F16: mmv_n_body<DT_F16, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, a_ks, b, b_rs, TC, vec, red); break;
+        case DT_BF16: mmv_n_body<DT_BF16, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, a_ks, b, b_rs, TC, vec, red); break;
+        default: mmv_n_body<DT_F32, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, a_ks, b, b_rs, TC, vec, red); break;
+    }
+}
+
+// ... and MMV_MT rows per pass.
+extern "C" __global__ void mul_mat_vec_n8(i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst,
+                                          i64 d_rs, i64 d_cs, const float* a,
+                                          i64 a_rs, i64 a_ks, const void* b, int dtb, i64 b_rs,
+                                          int TC, int vec) {
+    __shared__ float red[MMV_MT * MMN_C][MMN_T];
+    switch (dtb) {
+        case DT_F16: mmv_n_body<DT_F16, MMV_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, a_ks, b, b_rs, TC, vec, red); break;
+        case DT_BF16: mmv_n_body<DT_BF16, MMV_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, a_ks, b, b_rs, TC, vec, red); break;
+        default: mmv_n_body<DT_F32, MMV_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, a_ks, b, b_rs, TC, vec, red); break;
     }
 }

@@ -51,6 +51,10 @@ pub struct CudaConfig {
     pub staging_max_bytes: usize,
     /// Bound on the pinned readback buffer of blocking reads; larger reads go to caller memory.
     pub readback_max_bytes: usize,
+    /// Rows of a up to which `MulMat` runs the matrix-vector kernels instead of cuBLAS
+    /// (`LOWSYNC_CUDA_MMV_MAX_M`; `None`: 8, or 32 when cuBLAS would first convert an f16/bf16
+    /// b to f32; `Some(0)`: always cuBLAS). A tuning and comparison knob.
+    pub mmv_max_m: Option<usize>,
 }
 
 impl Default for CudaConfig {
@@ -60,16 +64,19 @@ impl Default for CudaConfig {
             staging_chunk_bytes: 4 << 20,
             staging_max_bytes: 64 << 20,
             readback_max_bytes: 64 << 20,
+            mmv_max_m: None,
         }
     }
 }
 
 impl CudaConfig {
-    /// The defaults with `LOWSYNC_CUDA_SYNC_ELISION` applied (a bad value is an error naming the
-    /// variable).
+    /// The defaults with `LOWSYNC_CUDA_SYNC_ELISION` and `LOWSYNC_CUDA_MMV_MAX_M` applied (a bad
+    /// value is an error naming the variable).
     pub fn from_env() -> Result<Self> {
         Ok(CudaConfig {
             sync_elision: env::flag("LOWSYNC_CUDA_SYNC_ELISION", true)?,
+            mmv_max_m: env::unsigned("LOWSYNC_CUDA_MMV_MAX_M")?
+                .map(|v| usize::try_from(v).unwrap_or(usize::MAX)),
             ..CudaConfig::default()
         })
     }
@@ -127,7 +134,7 @@ pub(crate) struct Inner {
     pub(crate) err_word: Pinned,
     pub(crate) err_tags: Mutex<ErrTags>,
     gates: Mutex<GateWords>,
-    cfg: CudaConfig,
+    pub(crate) cfg: CudaConfig,
     /// Declared last: dropped after everything that needs the context.
     pub(crate) ctx: Arc<CudaContext>,
 }

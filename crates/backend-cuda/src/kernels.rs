@@ -53,11 +53,15 @@ pub(crate) enum Kernel {
     Argmax,
     Rope,
     MulMatId,
+    MulMatVecK,
+    MulMatVecK4,
+    MulMatVecN,
+    MulMatVecN8,
 }
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 11] = [
+    pub(crate) const ALL: [Kernel; 15] = [
         Kernel::EwUnary,
         Kernel::EwBinary,
         Kernel::CopyStrided,
@@ -69,6 +73,10 @@ impl Kernel {
         Kernel::Argmax,
         Kernel::Rope,
         Kernel::MulMatId,
+        Kernel::MulMatVecK,
+        Kernel::MulMatVecK4,
+        Kernel::MulMatVecN,
+        Kernel::MulMatVecN8,
     ];
 
     fn module(self) -> &'static str {
@@ -79,7 +87,11 @@ impl Kernel {
             Kernel::GetRows | Kernel::SetRows => "rows",
             Kernel::RmsNorm | Kernel::SoftMax | Kernel::Argmax => "norm",
             Kernel::Rope => "rope",
-            Kernel::MulMatId => "matmul",
+            Kernel::MulMatId
+            | Kernel::MulMatVecK
+            | Kernel::MulMatVecK4
+            | Kernel::MulMatVecN
+            | Kernel::MulMatVecN8 => "matmul",
         }
     }
 
@@ -96,6 +108,10 @@ impl Kernel {
             Kernel::Argmax => "argmax",
             Kernel::Rope => "rope",
             Kernel::MulMatId => "mul_mat_id",
+            Kernel::MulMatVecK => "mul_mat_vec_k",
+            Kernel::MulMatVecK4 => "mul_mat_vec_k4",
+            Kernel::MulMatVecN => "mul_mat_vec_n",
+            Kernel::MulMatVecN8 => "mul_mat_vec_n8",
         }
     }
 }
@@ -296,8 +312,32 @@ mod tests {
                 .iter()
                 .find(|(n, _)| *n == k.module())
                 .expect("module exists");
-            let decl = format!("__global__ void {}(", k.symbol());
-            assert!(src.contains(&decl), "{decl} in {}", k.module());
+            let call = format!(" {}(", k.symbol());
+            assert!(
+                src.lines()
+                    .any(|l| l.contains("__global__ void") && l.contains(&call)),
+                "a __global__ kernel `{}` in {}",
+                k.symbol(),
+                k.module()
+            );
+        }
+    }
+
+    /// Compiles every module for sm_90 where libnvrtc is installed (the GPU machine; here with
+    /// the `nvidia-cuda-nvrtc` wheel on LD_LIBRARY_PATH), so a CUDA C error shows up as a
+    /// failing unit test with NVRTC's log instead of at a backend's first open. Skipped
+    /// without libnvrtc.
+    #[test]
+    fn every_module_compiles_with_nvrtc_where_it_is_installed() {
+        if let Err(why) = crate::probe::nvrtc() {
+            eprintln!("SKIPPED nvrtc compile: {why}");
+            return;
+        }
+        for (name, src) in MODULES {
+            let full = format!("{COMMON}\n{src}");
+            let bin = compile(name, &full, &["--gpu-architecture=sm_90".to_string()])
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert!(!bin.is_empty(), "{name}: empty cubin");
         }
     }
 

@@ -9,8 +9,8 @@
 //! ([`probe`]), opens the device's primary context with cudarc's event tracking off, and builds
 //! a [`CudaBackend`]: one stream behind the ticketed choke point of [`tickets`] (sync elision
 //! by tickets, not a flag), device buffers with a reuse pool, a bounded pinned staging arena,
-//! NVRTC-compiled kernels for every op and cuBLAS for matmul. Counters are bumped inside those
-//! primitives.
+//! NVRTC-compiled kernels for every op (small-m matmul included: decode's matrix-vector
+//! products) and cuBLAS for larger matmuls. Counters are bumped inside those primitives.
 //!
 //! Invariants: see [`tickets`] (6: no driver call for an idle sync), `staging` (8: bounded
 //! staging, never rewritten under a pending copy) and `backend` (1, 2: staged bytes copied

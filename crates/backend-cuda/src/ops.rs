@@ -348,7 +348,13 @@ impl<'a> Exec<'a> {
             .filter(|&i| needs_private_copy(node, i, &node.srcs[i]))
             .collect();
         let plan = match node.op {
-            Op::MulMat => Some(matmul::plan(node, &dst, &srcs[0], &srcs[1])?),
+            Op::MulMat => Some(matmul::plan(
+                node,
+                &dst,
+                &srcs[0],
+                &srcs[1],
+                self.inner.cfg.mmv_max_m,
+            )?),
             _ => None,
         };
         let mut sizes: Vec<usize> = private

@@ -1,5 +1,6 @@
-//! `LOWSYNC_CUDA_SYNC_ELISION` (ARCHITECTURE §8): a bad value is an error naming the variable.
-//! (Its own test binary: it sets a process-wide variable.)
+//! `LOWSYNC_CUDA_SYNC_ELISION` (ARCHITECTURE §8) and `LOWSYNC_CUDA_MMV_MAX_M`: a bad value is
+//! an error naming the variable. (Its own test binary: it sets process-wide variables; one
+//! test, so nothing reads them while they are bad.)
 
 use lowsync_backend::Error;
 use lowsync_cuda::CudaConfig;
@@ -28,4 +29,16 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
         ),
     }
     std::env::remove_var("LOWSYNC_CUDA_SYNC_ELISION");
+
+    assert_eq!(CudaConfig::from_env().unwrap().mmv_max_m, None, "unset");
+    std::env::set_var("LOWSYNC_CUDA_MMV_MAX_M", "0");
+    assert_eq!(CudaConfig::from_env().unwrap().mmv_max_m, Some(0));
+    std::env::set_var("LOWSYNC_CUDA_MMV_MAX_M", " 16 ");
+    assert_eq!(CudaConfig::from_env().unwrap().mmv_max_m, Some(16));
+    std::env::set_var("LOWSYNC_CUDA_MMV_MAX_M", "-1");
+    match CudaConfig::from_env() {
+        Err(Error::Env { var, .. }) => assert_eq!(var, "LOWSYNC_CUDA_MMV_MAX_M"),
+        other => panic!("expected an env error, got {other:?}"),
+    }
+    std::env::remove_var("LOWSYNC_CUDA_MMV_MAX_M");
 }
