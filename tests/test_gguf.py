@@ -246,3 +246,13 @@ def test_top_level_exports_are_lazy() -> None:
     assert ls.load_gguf is load_gguf
     assert ls.GGUFError is GGUFError
     assert ls.Llama is Llama
+
+
+def test_partial_rope_is_refused_at_save_because_llama_cpp_cannot_load_it(
+    tmp_path: Path,
+) -> None:
+    """llama.cpp's llama/qwen2/qwen3 require rope.dimension_count == head size."""
+    model = Llama.random(LlamaConfig(300, 64, 1, 4, 2, 96, rope_dims=8), seed=0)
+    with pytest.raises(GGUFError, match=r"llama\.rope\.dimension_count = 8"):
+        model.save_gguf(tmp_path / "p.gguf")
+    assert not (tmp_path / "p.gguf").exists()

@@ -277,6 +277,13 @@ def save_gguf(model: Llama, path: str | os.PathLike[str]) -> None:
     gguf = _gguf()
     cfg = model.config
     arch = _SAVE_ARCH[cfg.arch]
+    if cfg.rope_dims != cfg.head_dim:
+        # llama.cpp refuses (llama) or asserts on (qwen2/qwen3) partial rotary embeddings.
+        raise GGUFError(
+            f"{os.fspath(path)}: cannot save a model with partial RoPE ({arch}.rope."
+            f"dimension_count = {cfg.rope_dims}, head size = {cfg.head_dim}): llama.cpp's "
+            f"{arch} architecture requires the rotary dimension count to equal the head size"
+        )
     w = gguf.GGUFWriter(os.fspath(path), arch)
     w.add_name(model.name)
     w.add_context_length(cfg.n_ctx_train)
