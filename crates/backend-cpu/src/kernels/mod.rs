@@ -35,7 +35,6 @@ mod view;
 #[cfg(test)]
 mod tests;
 
-
 use lowsync_backend::{Error, ExecNode, Result};
 use lowsync_graph::Op;
 
