@@ -17,7 +17,6 @@
 //! the launches that use it ran (frees are stream-ordered).
 
 use std::ffi::c_void;
-use std::ops::RangeInclusive;
 
 use lowsync_backend::{Error, ExecNode, Result, TensorRef};
 use lowsync_graph::{DType, Op, RopeMode};
@@ -150,44 +149,7 @@ pub(crate) struct Exec<'a> {
 
 /// An [`Error::Kernel`] for `node`.
 pub(crate) fn kernel_err(node: &ExecNode, msg: impl Into<String>) -> Error {
-    Error::Kernel {
-        op: node.op.name(),
-        node: node.name.clone(),
-        msg: msg.into(),
-    }
-}
-
-fn src_count(op: &Op) -> Option<RangeInclusive<usize>> {
-    Some(match op {
-        Op::Input | Op::Weight | Op::Persistent | Op::View => return None,
-        Op::Scale { .. } | Op::Silu | Op::Gelu | Op::RmsNorm { .. } | Op::Cpy | Op::Argmax => 1..=1,
-        Op::SoftMax { .. } => 1..=2,
-        Op::Add
-        | Op::Mul
-        | Op::SwiGlu
-        | Op::Rope { .. }
-        | Op::Concat { .. }
-        | Op::GetRows
-        | Op::MulMat => 2..=2,
-        Op::SetRows => 3..=3,
-        Op::MulMatId => 4..=4,
-    })
-}
-
-/// Whether source `i` overlaps the destination in a way the kernel must not see (the CPU
-/// oracle's rule).
-fn needs_private_copy(node: &ExecNode, i: usize, src: &TensorRef) -> bool {
-    let dst = &node.dst;
-    if i == 0 && node.op == Op::SetRows {
-        return false;
-    }
-    let (a, b) = (src.byte_extent(), dst.byte_extent());
-    let overlap = src.buffer == dst.buffer
-        && a > 0
-        && b > 0
-        && src.byte_offset < dst.byte_offset + b
-        && dst.byte_offset < src.byte_offset + a;
-    overlap && !(i == 0 && node.op.can_inplace() && src == dst)
+    node.kernel_error(msg)
 }
 
 const BLOCK: u32 = 256;
@@ -321,7 +283,7 @@ impl<'a> Exec<'a> {
 
     /// Runs one node.
     pub(crate) fn run(&mut self, node: &ExecNode) -> Result<()> {
-        let Some(want) = src_count(&node.op) else {
+        let Some(want) = node.op.src_count() else {
             return Err(kernel_err(
                 node,
                 "has no kernel (leaves and views are not executed)",
@@ -345,7 +307,7 @@ impl<'a> Exec<'a> {
             .map(|t| self.resolve(t))
             .collect::<Result<Vec<_>>>()?;
         let private: Vec<usize> = (0..node.srcs.len())
-            .filter(|&i| needs_private_copy(node, i, &node.srcs[i]))
+            .filter(|&i| node.src_needs_private_copy(i))
             .collect();
         let plan = match node.op {
             Op::MulMat => Some(matmul::plan(

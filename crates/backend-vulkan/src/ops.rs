@@ -132,11 +132,7 @@ pub(crate) struct Status {
 }
 
 pub(crate) fn kernel_err(node: &ExecNode, msg: impl Into<String>) -> Error {
-    Error::Kernel {
-        op: node.op.name(),
-        node: node.name.clone(),
-        msg: msg.into(),
-    }
+    node.kernel_error(msg)
 }
 
 fn dt(d: DType) -> &'static str {

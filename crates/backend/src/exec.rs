@@ -71,6 +71,15 @@ pub struct ExecNode {
 }
 
 impl ExecNode {
+    /// An [`Error::Kernel`](crate::Error::Kernel) naming this node and its op.
+    pub fn kernel_error(&self, msg: impl Into<String>) -> crate::Error {
+        crate::Error::Kernel {
+            op: self.op.name(),
+            node: self.name.clone(),
+            msg: msg.into(),
+        }
+    }
+
     /// Whether source `i` shares bytes with the destination in a way a kernel must not see, so
     /// it has to be read from a private copy: every overlap except `SetRows`' aliased target
     /// and an element-wise op's in-place first source with exactly the destination's layout.

@@ -108,11 +108,7 @@ fn dispatch(node: &ExecNode, dst: &Strided, s: &[Strided]) -> Result<()> {
 
 /// An [`Error::Kernel`] for `node`.
 pub(crate) fn kernel_err(node: &ExecNode, msg: impl Into<String>) -> Error {
-    Error::Kernel {
-        op: node.op.name(),
-        node: node.name.clone(),
-        msg: msg.into(),
-    }
+    node.kernel_error(msg)
 }
 
 /// `src` must have the destination's shape.
