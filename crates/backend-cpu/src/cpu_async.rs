@@ -26,8 +26,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use lowsync_backend::{
-    bump, interrupt, Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, Error, Event,
-    ExecGraph, Gate, Result, SyncStats,
+    bump, interrupt, with_host_source, Backend, BufferId, BufferType, BufferUsage, Caps,
+    DeviceKind, Error, Event, ExecGraph, Gate, Result, SyncStats,
 };
 use lowsync_graph::{DType, Op};
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -484,26 +484,10 @@ impl Backend for CpuAsyncBackend {
         // Only from host memory, which is ready as soon as its (synchronous) producer returned.
         // The bytes are staged now, at call time, so the host may reuse the source at once
         // (invariant 3 holds without keeping it alive until this stream gets there).
-        if !src_backend.buffer_type().is_host || src_backend.device_kind() != DeviceKind::Cpu {
-            return Ok(false);
-        }
-        let Some(base) = src_backend.buffer_host_ptr(src) else {
-            return Ok(false);
-        };
-        let src_size = src_backend.buffer_size(src)?;
-        if src_offset.checked_add(len).is_none_or(|e| e > src_size) {
-            return Err(Error::OutOfBounds {
-                buffer: src.0,
-                offset: src_offset,
-                len,
-                size: src_size,
-            });
-        }
-        // SAFETY: in bounds of the source buffer (checked above); the source backend is the
-        // synchronous host, so its memory is not being written during this call.
-        let data = unsafe { std::slice::from_raw_parts(base.as_ptr().add(src_offset), len) };
-        self.set_tensor_async_staged(dst, dst_offset, data)?;
-        Ok(true)
+        let staged = with_host_source(src_backend, src, src_offset, len, |data| {
+            self.set_tensor_async_staged(dst, dst_offset, data)
+        })?;
+        Ok(staged.is_some())
     }
 
     fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()> {

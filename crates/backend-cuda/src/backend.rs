@@ -24,8 +24,8 @@ use std::sync::{Arc, Weak};
 
 use cudarc::driver::CudaContext;
 use lowsync_backend::{
-    bump, env, Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, Error, Event,
-    ExecGraph, Gate, Result, SyncStats,
+    bump, env, with_host_source, Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind,
+    Error, Event, ExecGraph, Gate, Result, SyncStats,
 };
 use lowsync_graph::{DType, Op};
 use parking_lot::Mutex;
@@ -695,26 +695,10 @@ impl Backend for CudaBackend {
         }
         // S0's copy_from_host: a host (`cpu`) source is ready once its synchronous producer
         // returned; its bytes are staged now, so the host may reuse them at once (invariant 3).
-        if !src_backend.buffer_type().is_host || src_backend.device_kind() != DeviceKind::Cpu {
-            return Ok(false);
-        }
-        let Some(base) = src_backend.buffer_host_ptr(src) else {
-            return Ok(false);
-        };
-        let src_size = src_backend.buffer_size(src)?;
-        if src_offset.checked_add(len).is_none_or(|e| e > src_size) {
-            return Err(Error::OutOfBounds {
-                buffer: src.0,
-                offset: src_offset,
-                len,
-                size: src_size,
-            });
-        }
-        // SAFETY: in bounds of the source buffer (checked above); the source backend is the
-        // synchronous host, so its memory is not being written during this call.
-        let data = unsafe { std::slice::from_raw_parts(base.as_ptr().add(src_offset), len) };
-        self.set_tensor_async_staged(dst, dst_offset, data)?;
-        Ok(true)
+        let staged = with_host_source(src_backend, src, src_offset, len, |data| {
+            self.set_tensor_async_staged(dst, dst_offset, data)
+        })?;
+        Ok(staged.is_some())
     }
 
     fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()> {

@@ -30,8 +30,8 @@ use ash::vk;
 use gpu_allocator::vulkan::{Allocator, AllocatorCreateDesc};
 use gpu_allocator::MemoryLocation;
 use lowsync_backend::{
-    bump, interrupt, Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, Error, Event,
-    ExecGraph, ExecNode, Gate, Result, SyncStats, TensorRef,
+    bump, interrupt, with_host_source, Backend, BufferId, BufferType, BufferUsage, Caps,
+    DeviceKind, Error, Event, ExecGraph, ExecNode, Gate, Result, SyncStats, TensorRef,
 };
 use lowsync_graph::{DType, Op};
 use parking_lot::{Mutex, MutexGuard};
@@ -1315,36 +1315,22 @@ impl Backend for VulkanBackend {
     ) -> Result<bool> {
         // Only from host memory, ready as soon as its synchronous producer returned. The bytes
         // are staged at call time, so the source may be reused at once (invariant 3).
-        if !src_backend.buffer_type().is_host || src_backend.device_kind() != DeviceKind::Cpu {
-            return Ok(false);
-        }
-        let Some(base) = src_backend.buffer_host_ptr(src) else {
-            return Ok(false);
-        };
-        let src_size = src_backend.buffer_size(src)?;
-        if src_offset.checked_add(len).is_none_or(|e| e > src_size) {
-            return Err(Error::OutOfBounds {
-                buffer: src.0,
-                offset: src_offset,
-                len,
-                size: src_size,
-            });
-        }
-        // SAFETY: in bounds of the host buffer (checked above); its backend is synchronous.
-        let data = unsafe { std::slice::from_raw_parts(base.as_ptr().add(src_offset), len) };
         let inner = &self.inner;
-        let transfer = inner
-            .crossover
-            .is_some_and(|c| len as u64 > c.copy_max_bytes)
-            && inner.transfer_sem.is_some();
-        if transfer {
-            inner.transfer_write(dst, dst_offset, data)?;
-        } else {
-            inner.staged_write(dst, dst_offset, data)?;
-            bump(&inner.routes.compute_stream_copies, 1);
-            bump(&inner.routes.compute_stream_bytes, len as u64);
-        }
-        Ok(true)
+        let copied = with_host_source(src_backend, src, src_offset, len, |data| {
+            let transfer = inner
+                .crossover
+                .is_some_and(|c| len as u64 > c.copy_max_bytes)
+                && inner.transfer_sem.is_some();
+            if transfer {
+                inner.transfer_write(dst, dst_offset, data)
+            } else {
+                inner.staged_write(dst, dst_offset, data)?;
+                bump(&inner.routes.compute_stream_copies, 1);
+                bump(&inner.routes.compute_stream_bytes, len as u64);
+                Ok(())
+            }
+        })?;
+        Ok(copied.is_some())
     }
 
     fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()> {

@@ -87,6 +87,39 @@ pub trait Gate: Send + Sync {
     fn open(&self);
 }
 
+/// Runs `f` on `len` bytes at `offset` of `src` when `src_backend` is the synchronous host and
+/// can lend its memory (the one case `cpy_tensor_async` implementations take a host source:
+/// its producer has already returned). Returns `Ok(None)` when the source is not host memory,
+/// an `OutOfBounds` error when the range does not fit. `f` must copy the bytes before it
+/// returns (staging them), so the host may reuse the source at once (invariant 3).
+pub fn with_host_source<R>(
+    src_backend: &dyn Backend,
+    src: BufferId,
+    offset: usize,
+    len: usize,
+    f: impl FnOnce(&[u8]) -> Result<R>,
+) -> Result<Option<R>> {
+    if !src_backend.buffer_type().is_host || src_backend.device_kind() != DeviceKind::Cpu {
+        return Ok(None);
+    }
+    let Some(base) = src_backend.buffer_host_ptr(src) else {
+        return Ok(None);
+    };
+    let size = src_backend.buffer_size(src)?;
+    if offset.checked_add(len).is_none_or(|e| e > size) {
+        return Err(Error::OutOfBounds {
+            buffer: src.0,
+            offset,
+            len,
+            size,
+        });
+    }
+    // SAFETY: in bounds of the host buffer (checked above); its backend is synchronous, so the
+    // memory is not written while `f` runs.
+    let data = unsafe { std::slice::from_raw_parts(base.as_ptr().add(offset), len) };
+    f(data).map(Some)
+}
+
 fn unsupported<T>(backend: &str, what: &str) -> Result<T> {
     Err(Error::Unsupported {
         backend: backend.to_string(),
