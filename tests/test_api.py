@@ -34,6 +34,7 @@ STAT_NAMES = [
     "kernel_launches",
     "graph_captures",
     "graph_launches",
+    "device_ns",
     "staging_bytes_in_use",
     "reserves",
     "reallocs",

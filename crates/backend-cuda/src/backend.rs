@@ -55,6 +55,17 @@ pub struct CudaConfig {
     /// (`LOWSYNC_CUDA_MMV_MAX_M`; `None`: 8, or 32 when cuBLAS would first convert an f16/bf16
     /// b to f32; `Some(0)`: always cuBLAS). A tuning and comparison knob.
     pub mmv_max_m: Option<usize>,
+    /// Capture each compute graph into a CUDA graph once per shape bucket and replay it
+    /// (`LOWSYNC_CUDA_GRAPHS`, default on).
+    pub graphs: bool,
+    /// Run fused kernels for the node patterns of [`crate::fusion`] (`LOWSYNC_CUDA_FUSION`,
+    /// default on); off runs one kernel per node, the reference the fused kernels are checked
+    /// against.
+    pub fusion: bool,
+    /// Time each compute graph on the device with a pair of timing events and add the elapsed
+    /// time to the `device_ns` counter when a wait observes it (`LOWSYNC_CUDA_TIMING`, default
+    /// off: timing events are not free).
+    pub timing: bool,
 }
 
 impl Default for CudaConfig {
@@ -65,6 +76,9 @@ impl Default for CudaConfig {
             staging_max_bytes: 64 << 20,
             readback_max_bytes: 64 << 20,
             mmv_max_m: None,
+            graphs: true,
+            fusion: true,
+            timing: false,
         }
     }
 }
@@ -77,6 +91,9 @@ impl CudaConfig {
             sync_elision: env::flag("LOWSYNC_CUDA_SYNC_ELISION", true)?,
             mmv_max_m: env::unsigned("LOWSYNC_CUDA_MMV_MAX_M")?
                 .map(|v| usize::try_from(v).unwrap_or(usize::MAX)),
+            graphs: env::flag("LOWSYNC_CUDA_GRAPHS", true)?,
+            fusion: env::flag("LOWSYNC_CUDA_FUSION", true)?,
+            timing: env::flag("LOWSYNC_CUDA_TIMING", false)?,
             ..CudaConfig::default()
         })
     }
@@ -706,10 +723,7 @@ impl Backend for CudaBackend {
         i.bind()?;
         let mut scratch = i.exec.lock();
         let mut exec = Exec::new(i, &mut scratch);
-        for node in &graph.nodes {
-            exec.run(node)?;
-        }
-        Ok(())
+        crate::fusion::run_graph(&mut exec, graph)
     }
     fn synchronize(&self) -> Result<()> {
         self.inner.bind()?;

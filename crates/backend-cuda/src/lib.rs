@@ -18,6 +18,7 @@
 
 mod backend;
 mod driver;
+mod fusion;
 mod kernels;
 mod layout;
 mod matmul;

@@ -88,6 +88,9 @@ counters! {
     /// Graph captures and replays (CUDA graphs, pre-recorded command buffers).
     graph_captures,
     graph_launches,
+    /// Device time of compute graphs in nanoseconds, measured by the device's timing events
+    /// (only backends asked to time: CUDA with `LOWSYNC_CUDA_TIMING=1`; 0 elsewhere).
+    device_ns,
     /// Bytes of staging memory held right now (a gauge).
     staging_bytes_in_use,
     /// Buffers allocated for a reserve.
