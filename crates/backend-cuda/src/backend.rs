@@ -18,7 +18,7 @@
 //! bumped only inside the primitives of [`TicketStream`] and here.
 
 use std::any::Any;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
@@ -30,7 +30,8 @@ use lowsync_backend::{
 use lowsync_graph::{DType, Op};
 use parking_lot::Mutex;
 
-use crate::driver::{CuCtx, CuDriver, CuEvent};
+use crate::capture::{Action, GraphCache};
+use crate::driver::{CuCtx, CuDriver, CuEvent, CuTimedEvent};
 use crate::kernels::Modules;
 use crate::matmul::Blas;
 use crate::memory::{Buffers, DevBuf, Pinned, ALIGNMENT};
@@ -114,9 +115,33 @@ impl ChunkMem for Pinned {
 pub(crate) struct ErrTags {
     next: u32,
     recent: VecDeque<(u32, &'static str, String)>,
+    kept: HashMap<u32, (&'static str, String)>,
 }
 
 impl ErrTags {
+    /// The tag the next `tag` call hands out.
+    fn peek_next(&self) -> u32 {
+        self.next.wrapping_add(1).max(1)
+    }
+
+    /// Keeps the tags handed out since `first` for good: a captured graph's kernels report
+    /// them at every replay, long after the recent window moved on.
+    fn keep_since(&mut self, first: u32) {
+        for (t, op, node) in &self.recent {
+            if *t >= first {
+                self.kept.insert(*t, (*op, node.clone()));
+            }
+        }
+    }
+
+    fn find(&self, tag: u32) -> Option<(&'static str, String)> {
+        self.recent
+            .iter()
+            .find(|(t, _, _)| *t == tag)
+            .map(|(_, op, n)| (*op, n.clone()))
+            .or_else(|| self.kept.get(&tag).cloned())
+    }
+
     pub(crate) fn tag(&mut self, op: &'static str, node: &str) -> u32 {
         self.next = self.next.wrapping_add(1).max(1);
         self.recent.push_back((self.next, op, node.to_string()));
@@ -152,6 +177,12 @@ pub(crate) struct Inner {
     pub(crate) err_tags: Mutex<ErrTags>,
     gates: Mutex<GateWords>,
     pub(crate) cfg: CudaConfig,
+    /// Captured compute graphs (`cfg.graphs`).
+    graphs: Mutex<GraphCache>,
+    /// Bumped whenever device memory a captured graph may address moves or goes away.
+    mem_generation: AtomicU64,
+    /// Device timing of compute graphs (`cfg.timing`).
+    timing: Mutex<Timing>,
     /// Declared last: dropped after everything that needs the context.
     pub(crate) ctx: Arc<CudaContext>,
 }
@@ -174,6 +205,9 @@ impl Inner {
     /// A completed wait happened: report a bad index a kernel recorded, reclaim staging and
     /// refresh the staging gauge.
     fn after_wait(&self) -> Result<()> {
+        self.timing
+            .lock()
+            .collect(self.stream.tickets().observed, self.stream.stats());
         {
             let mut st = self.staging.lock();
             st.reclaim(self.stream.tickets().observed);
@@ -189,12 +223,10 @@ impl Inner {
         if tag == 0 {
             return Ok(());
         }
-        let tags = self.err_tags.lock();
-        let (op, node) = tags
-            .recent
-            .iter()
-            .find(|(t, _, _)| *t == tag)
-            .map(|(_, op, n)| (*op, n.clone()))
+        let (op, node) = self
+            .err_tags
+            .lock()
+            .find(tag)
             .unwrap_or(("kernel", "?".into()));
         Err(Error::Kernel {
             op,
@@ -271,6 +303,115 @@ impl Inner {
     }
 }
 
+impl Inner {
+    /// Queues `graph` through the capture cache: eager the first time, captured the second,
+    /// replayed after (see [`crate::capture`]).
+    fn run_captured(&self, graph: &Arc<ExecGraph>, scratch: &mut Scratch) -> Result<()> {
+        let generation = self.mem_generation.load(Ordering::Acquire) + scratch.moves();
+        let mut cache = self.graphs.lock();
+        match cache.action(graph, generation) {
+            Action::Eager => {
+                drop(cache);
+                crate::fusion::run_graph(&mut Exec::new(self, scratch), graph)
+            }
+            Action::Replay(exec) => self
+                .stream
+                .graph_launch(exec)
+                .map(|_| ())
+                .map_err(|e| self.driver_err("cuGraphLaunch", e)),
+            Action::Capture => {
+                let first_tag = self.err_tags.lock().peek_next();
+                let captured = match self.stream.begin_capture() {
+                    Ok(()) => {
+                        let ran = crate::fusion::run_graph(&mut Exec::new(self, scratch), graph);
+                        let ended = self.stream.end_capture();
+                        match (ran, ended) {
+                            (Ok(()), Ok(exec)) => Ok(exec),
+                            (Err(e), _) => Err(e.to_string()),
+                            (Ok(()), Err(e)) => Err(format!("cuStreamEndCapture: {e:?}")),
+                        }
+                    }
+                    Err(e) => Err(format!("cuStreamBeginCapture: {e:?}")),
+                };
+                match captured {
+                    Ok(exec) => {
+                        self.err_tags.lock().keep_since(first_tag);
+                        let exec = cache.store(graph, exec);
+                        self.stream
+                            .graph_launch(exec)
+                            .map(|_| ())
+                            .map_err(|e| self.driver_err("cuGraphLaunch", e))
+                    }
+                    Err(why) => {
+                        // Nothing of the failed capture ran: run the graph now, eagerly, and
+                        // keep it eager.
+                        tracing::debug!(backend = %self.name, "CUDA graph capture refused: {why}");
+                        cache.refuse(graph);
+                        drop(cache);
+                        crate::fusion::run_graph(&mut Exec::new(self, scratch), graph)
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Timing events around compute graphs, read back when a wait observed them.
+#[derive(Default)]
+struct Timing {
+    /// (start, end, ticket of the end record)
+    pending: VecDeque<(CuTimedEvent, CuTimedEvent, u64)>,
+    free: Vec<CuTimedEvent>,
+}
+
+impl Timing {
+    fn event(&mut self) -> std::result::Result<CuTimedEvent, cudarc::driver::DriverError> {
+        match self.free.pop() {
+            Some(e) => Ok(e),
+            None => CuTimedEvent::new(),
+        }
+    }
+
+    /// Records the start of a timed graph.
+    fn start(
+        &mut self,
+        stream: &TicketStream<CuDriver>,
+    ) -> std::result::Result<CuTimedEvent, cudarc::driver::DriverError> {
+        let ev = self.event()?;
+        stream.record_event(&ev.0)?;
+        Ok(ev)
+    }
+
+    /// Records the end of a timed graph begun with `start`.
+    fn end(
+        &mut self,
+        stream: &TicketStream<CuDriver>,
+        start: CuTimedEvent,
+    ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        let ev = self.event()?;
+        let ticket = stream.record_event(&ev.0)?;
+        self.pending.push_back((start, ev, ticket));
+        Ok(())
+    }
+
+    /// Adds the device time of every pair a wait has covered to `device_ns`.
+    fn collect(&mut self, observed: u64, stats: &SyncStats) {
+        while self.pending.front().is_some_and(|p| p.2 <= observed) {
+            let (start, end, _) = self.pending.pop_front().expect("checked");
+            if let Ok(ms) = end.elapsed_since(&start) {
+                bump(&stats.device_ns, (f64::from(ms) * 1e6) as u64);
+            }
+            self.free.push(start);
+            self.free.push(end);
+        }
+    }
+
+    fn clear(&mut self) {
+        self.pending.clear();
+        self.free.clear();
+    }
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
@@ -283,6 +424,8 @@ impl Drop for Inner {
             }
         }
         let _ = self.stream.synchronize();
+        self.graphs.lock().clear();
+        self.timing.lock().clear();
         self.exec.lock().release(&self.stream);
         let _ = self.stream.synchronize();
         self.bufs.release_all();
@@ -364,6 +507,9 @@ impl CudaBackend {
                 err_tags: Mutex::new(ErrTags::default()),
                 gates: Mutex::new(GateWords::default()),
                 cfg,
+                graphs: Mutex::new(GraphCache::default()),
+                mem_generation: AtomicU64::new(0),
+                timing: Mutex::new(Timing::default()),
                 ctx,
             })
         })
@@ -546,6 +692,7 @@ impl Backend for CudaBackend {
         let buf = i.alloc_zeroed(size)?;
         i.bufs.remove_to_pool(id);
         i.bufs.insert(id, buf);
+        i.mem_generation.fetch_add(1, Ordering::AcqRel);
         bump(&i.stream.stats().reallocs, 1);
         Ok(())
     }
@@ -553,6 +700,7 @@ impl Backend for CudaBackend {
         // Pooled, not freed: a later allocation reusing it zeroes it with a queued memset, which
         // runs after any queued work that still reads it.
         self.inner.bufs.remove_to_pool(id);
+        self.inner.mem_generation.fetch_add(1, Ordering::AcqRel);
     }
     fn buffer_size(&self, id: BufferId) -> Result<usize> {
         Ok(self.inner.bufs.get(id)?.size)
@@ -722,8 +870,28 @@ impl Backend for CudaBackend {
         let i = &self.inner;
         i.bind()?;
         let mut scratch = i.exec.lock();
-        let mut exec = Exec::new(i, &mut scratch);
-        crate::fusion::run_graph(&mut exec, graph)
+        let timed = if i.cfg.timing {
+            Some(
+                i.timing
+                    .lock()
+                    .start(&i.stream)
+                    .map_err(|e| i.driver_err("cuEventRecord", e))?,
+            )
+        } else {
+            None
+        };
+        if i.cfg.graphs {
+            i.run_captured(graph, &mut scratch)?;
+        } else {
+            crate::fusion::run_graph(&mut Exec::new(i, &mut scratch), graph)?;
+        }
+        if let Some(start) = timed {
+            i.timing
+                .lock()
+                .end(&i.stream, start)
+                .map_err(|e| i.driver_err("cuEventRecord", e))?;
+        }
+        Ok(())
     }
     fn synchronize(&self) -> Result<()> {
         self.inner.bind()?;

@@ -53,6 +53,32 @@ pub(crate) struct CuGraphExec(pub(crate) sys::CUgraphExec);
 unsafe impl Send for CuGraphExec {}
 unsafe impl Sync for CuGraphExec {}
 
+impl Drop for CuGraphExec {
+    fn drop(&mut self) {
+        // SAFETY: instantiated once by `end_capture`, destroyed once. A launch still in flight
+        // completes first: the driver frees an executing graph when it finishes.
+        let _ = unsafe { sys::cuGraphExecDestroy(self.0) };
+    }
+}
+
+/// A CUDA event that records timestamps (for `LOWSYNC_CUDA_TIMING`).
+pub(crate) struct CuTimedEvent(pub(crate) CuEvent);
+
+impl CuTimedEvent {
+    pub(crate) fn new() -> Result<Self, DriverError> {
+        result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map(|e| CuTimedEvent(CuEvent(e)))
+    }
+
+    /// Milliseconds from `start` to `self` (both completed).
+    pub(crate) fn elapsed_since(&self, start: &CuTimedEvent) -> Result<f32, DriverError> {
+        let mut ms = 0f32;
+        // SAFETY: both events are live and were recorded on the same stream.
+        unsafe { sys::cuEventElapsedTime_v2(&mut ms, start.0 .0, self.0 .0).result()? };
+        Ok(ms)
+    }
+}
+
 /// A context handle for peer copies.
 #[derive(Clone, Copy)]
 pub(crate) struct CuCtx(pub(crate) sys::CUcontext);
@@ -154,6 +180,30 @@ impl Driver for CuDriver {
     fn graph_launch(&self, exec: &CuGraphExec) -> Result<(), DriverError> {
         // SAFETY: both handles are live.
         unsafe { sys::cuGraphLaunch(exec.0, self.stream).result() }
+    }
+    fn begin_capture(&self) -> Result<(), DriverError> {
+        // SAFETY: the stream is live. Thread-local mode: only unsafe calls made by this thread
+        // (the one queueing the graph) break the capture; other threads are not affected.
+        unsafe {
+            sys::cuStreamBeginCapture_v2(
+                self.stream,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .result()
+        }
+    }
+    fn end_capture(&self) -> Result<CuGraphExec, DriverError> {
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: the stream is capturing (begin_capture succeeded); ending an invalidated
+        // capture returns an error and no graph.
+        unsafe { sys::cuStreamEndCapture(self.stream, &mut graph).result()? };
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: `graph` is the captured graph; it is destroyed once instantiated (the
+        // executable graph keeps its own copy).
+        let r = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0).result() };
+        // SAFETY: created by the capture above, destroyed once.
+        let _ = unsafe { sys::cuGraphDestroy(graph) };
+        r.map(|_| CuGraphExec(exec))
     }
     fn raw_stream(&self) -> sys::CUstream {
         self.stream

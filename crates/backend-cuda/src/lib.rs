@@ -17,6 +17,7 @@
 //! before return; one stream orders everything).
 
 mod backend;
+mod capture;
 mod driver;
 mod fusion;
 mod kernels;

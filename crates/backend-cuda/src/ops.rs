@@ -103,6 +103,8 @@ impl Dev {
 pub(crate) struct Scratch {
     ptr: u64,
     cap: usize,
+    /// Times the block moved (captured graphs hold its address).
+    moves: u64,
 }
 
 impl Scratch {
@@ -116,6 +118,15 @@ impl Scratch {
         if need <= self.cap && self.ptr != 0 {
             return Ok(self.ptr);
         }
+        if stream.is_capturing() {
+            // An allocation would be recorded into the graph; the eager run that precedes
+            // every capture sizes the block, so this only happens for a graph that cannot be
+            // captured — it falls back to eager launches.
+            return Err(format!(
+                "scratch would grow to {need} bytes during a graph capture"
+            ));
+        }
+        self.moves += 1;
         let new_cap = need.next_power_of_two().max(1 << 20);
         if self.ptr != 0 {
             // SAFETY: allocated by `malloc_async` on this stream; later work gets the new block.
@@ -128,6 +139,11 @@ impl Scratch {
             .map_err(|e| format!("cannot allocate {new_cap} bytes of scratch: {e:?}"))?;
         self.cap = new_cap;
         Ok(self.ptr)
+    }
+
+    /// How many times the block moved (a captured graph is stale after a move).
+    pub(crate) fn moves(&self) -> u64 {
+        self.moves
     }
 
     /// Frees the block (backend drop).

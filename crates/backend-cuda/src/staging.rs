@@ -260,6 +260,12 @@ mod tests {
         fn graph_launch(&self, _: &()) -> Result<(), String> {
             Ok(())
         }
+        fn begin_capture(&self) -> Result<(), String> {
+            Ok(())
+        }
+        fn end_capture(&self) -> Result<(), String> {
+            Ok(())
+        }
         fn raw_stream(&self) {}
         fn stream_synchronize(&self) -> Result<(), String> {
             Ok(())

@@ -98,6 +98,12 @@ pub trait Driver: Send + Sync {
     /// `addr` is device-visible memory that outlives the wait.
     unsafe fn stream_wait_value32(&self, addr: u64, value: u32) -> Result<(), Self::Error>;
     fn graph_launch(&self, exec: &Self::GraphExec) -> Result<(), Self::Error>;
+    /// Starts recording this stream's enqueues into a graph instead of running them
+    /// (`cuStreamBeginCapture`, thread-local mode).
+    fn begin_capture(&self) -> Result<(), Self::Error>;
+    /// Ends the recording and instantiates what it captured (the graph itself is released
+    /// once instantiated). On `Err` nothing was captured and the stream is back to normal.
+    fn end_capture(&self) -> Result<Self::GraphExec, Self::Error>;
     /// The raw stream handle (only handed out through [`TicketStream::lend`]).
     fn raw_stream(&self) -> Self::RawStream;
 
@@ -116,6 +122,12 @@ pub struct Tickets {
     pub submitted: u64,
     /// The last ticket the host saw complete through a successful wait.
     pub observed: u64,
+    /// Enqueues are being recorded into a graph (between [`TicketStream::begin_capture`] and
+    /// [`TicketStream::end_capture`]): they run nothing, so they take no ticket and are not
+    /// counted as submissions.
+    pub capturing: bool,
+    /// Enqueues recorded into graphs so far (kernels, copies, memsets, lends).
+    pub captured: u64,
 }
 
 /// Whether `synchronize` may skip the driver when nothing is outstanding.
@@ -210,6 +222,12 @@ impl<D: Driver> TicketStream<D> {
         call: impl FnOnce(&D) -> Result<R, D::Error>,
     ) -> Result<(R, u64), D::Error> {
         let mut t = self.tickets.lock();
+        if t.capturing {
+            // Recorded, not run: the graph's launch takes the ticket and is the submission.
+            t.captured += 1;
+            let ticket = t.submitted;
+            return call(&self.driver).map(|r| (r, ticket));
+        }
         // Taken before the call: a call that fails may still have queued work, so the next
         // synchronize must ask the driver (conservative).
         t.submitted += 1;
@@ -378,11 +396,45 @@ impl<D: Driver> TicketStream<D> {
             .map(|r| r.1)
     }
 
+    /// Starts recording enqueues into a graph (see [`Tickets::capturing`]). Only the thread
+    /// that queues a compute graph may enqueue until [`Self::end_capture`]; a synchronize in
+    /// between is an error.
+    pub fn begin_capture(&self) -> Result<(), D::Error> {
+        let mut t = self.tickets.lock();
+        self.driver.begin_capture()?;
+        t.capturing = true;
+        Ok(())
+    }
+
+    /// Ends the recording and instantiates the graph; counts a capture on success.
+    pub fn end_capture(&self) -> Result<D::GraphExec, D::Error> {
+        let mut t = self.tickets.lock();
+        t.capturing = false;
+        let exec = self.driver.end_capture()?;
+        drop(t);
+        bump(&self.stats.graph_captures, 1);
+        Ok(exec)
+    }
+
+    /// Whether enqueues are being recorded into a graph right now.
+    pub fn is_capturing(&self) -> bool {
+        self.tickets.lock().capturing
+    }
+
     /// Lends the raw stream for one call (cuBLAS). Borrowing counts as work (S3: acquiring
     /// a handle marks the stream used), so it takes a ticket even if the closure queues
     /// nothing. The ticket lock is held while `f` runs: `f` must not call back into this stream.
     pub fn lend<R>(&self, counted: Counted, f: impl FnOnce(&LentStream<'_, D>) -> R) -> R {
         let mut t = self.tickets.lock();
+        if t.capturing {
+            t.captured += 1;
+            let lent = LentStream {
+                raw: self.driver.raw_stream(),
+                _call: PhantomData,
+                _not_send: PhantomData,
+            };
+            return f(&lent);
+        }
         t.submitted += 1;
         let lent = LentStream {
             raw: self.driver.raw_stream(),
@@ -463,6 +515,8 @@ mod tests {
         StreamWaitEvent(u32),
         WaitValue32(u32),
         GraphLaunch,
+        BeginCapture,
+        EndCapture,
         RawStream,
         StreamSynchronize,
         EventSynchronize(u32),
@@ -548,6 +602,12 @@ mod tests {
         }
         fn graph_launch(&self, _exec: &()) -> Result<(), String> {
             self.push(Call::GraphLaunch)
+        }
+        fn begin_capture(&self) -> Result<(), String> {
+            self.push(Call::BeginCapture)
+        }
+        fn end_capture(&self) -> Result<(), String> {
+            self.push(Call::EndCapture)
         }
         fn raw_stream(&self) -> usize {
             self.calls.lock().push(Call::RawStream);
@@ -768,6 +828,65 @@ mod tests {
         assert_eq!(s.tickets().observed, 0);
         s.synchronize().unwrap();
         assert_eq!(syncs(&s), 1);
+    }
+
+    #[test]
+    fn captured_enqueues_run_nothing_and_the_replay_is_the_submission() {
+        let s = stream(single());
+        let dims = LaunchDims {
+            grid: (1, 1, 1),
+            block: (1, 1, 1),
+            shared_bytes: 0,
+        };
+        s.begin_capture().unwrap();
+        assert!(s.is_capturing());
+        unsafe {
+            s.launch((), dims, &mut []).unwrap();
+            s.memcpy_dtod(0, 0, 8).unwrap();
+            s.launch((), dims, &mut []).unwrap();
+        }
+        s.lend(Counted::Kernel, |_| ());
+        s.end_capture().unwrap();
+        assert!(!s.is_capturing());
+        let t = s.tickets();
+        assert_eq!((t.submitted, t.captured), (0, 4), "recorded, not submitted");
+        let st = s.stats().snapshot();
+        assert_eq!(
+            (
+                st.submits,
+                st.kernel_launches,
+                st.d2d_copies,
+                st.graph_captures
+            ),
+            (0, 0, 0, 1)
+        );
+        s.synchronize().unwrap();
+        assert_eq!(syncs(&s), 0, "a capture queues nothing to wait for");
+        for _ in 0..3 {
+            s.graph_launch(&()).unwrap();
+            s.synchronize().unwrap();
+        }
+        let st = s.stats().snapshot();
+        assert_eq!(
+            (st.submits, st.graph_launches, st.kernel_launches),
+            (3, 3, 0)
+        );
+        assert_eq!((st.host_waits, syncs(&s)), (3, 3), "one wait per replay");
+    }
+
+    #[test]
+    fn a_failed_capture_leaves_the_stream_counting_normally() {
+        let s = stream(single());
+        s.begin_capture().unwrap();
+        s.driver.fail_enqueues.store(true, Ordering::SeqCst);
+        assert!(s.end_capture().is_err());
+        s.driver.fail_enqueues.store(false, Ordering::SeqCst);
+        assert!(!s.is_capturing());
+        assert_eq!(s.stats().snapshot().graph_captures, 0);
+        unsafe { s.memcpy_dtod(0, 0, 8).unwrap() };
+        s.synchronize().unwrap();
+        assert_eq!(syncs(&s), 1);
+        assert_eq!(s.stats().snapshot().d2d_copies, 1);
     }
 
     #[test]

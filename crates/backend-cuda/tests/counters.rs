@@ -121,7 +121,14 @@ fn event_synchronize_is_one_host_wait_and_a_covered_one_is_elided() {
 
 #[test]
 fn a_decode_like_step_is_one_wait_one_upload_one_readback() {
-    let Some(b) = gpu("decode_step") else { return };
+    // Eager launches (graph replay has its own test in graphs.rs).
+    let cfg = CudaConfig {
+        graphs: false,
+        ..CudaConfig::default()
+    };
+    let Some(b) = gpu_with("decode_step", cfg) else {
+        return;
+    };
     let buf = b.alloc_buffer(256, BufferUsage::Compute).unwrap();
     let g = Arc::new(ExecGraph {
         nodes: vec![

@@ -1,4 +1,5 @@
-//! `LOWSYNC_CUDA_SYNC_ELISION` (ARCHITECTURE §8) and `LOWSYNC_CUDA_MMV_MAX_M`: a bad value is
+//! `LOWSYNC_CUDA_SYNC_ELISION` (ARCHITECTURE §8), `LOWSYNC_CUDA_MMV_MAX_M`, `LOWSYNC_CUDA_GRAPHS`,
+//! `LOWSYNC_CUDA_FUSION` and `LOWSYNC_CUDA_TIMING`: a bad value is
 //! an error naming the variable. (Its own test binary: it sets process-wide variables; one
 //! test, so nothing reads them while they are bad.)
 
@@ -41,4 +42,31 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
         other => panic!("expected an env error, got {other:?}"),
     }
     std::env::remove_var("LOWSYNC_CUDA_MMV_MAX_M");
+
+    for (var, default) in [
+        ("LOWSYNC_CUDA_GRAPHS", true),
+        ("LOWSYNC_CUDA_FUSION", true),
+        ("LOWSYNC_CUDA_TIMING", false),
+    ] {
+        let read = |c: &CudaConfig| match var {
+            "LOWSYNC_CUDA_GRAPHS" => c.graphs,
+            "LOWSYNC_CUDA_FUSION" => c.fusion,
+            _ => c.timing,
+        };
+        assert_eq!(
+            read(&CudaConfig::from_env().unwrap()),
+            default,
+            "{var} default"
+        );
+        std::env::set_var(var, "0");
+        assert!(!read(&CudaConfig::from_env().unwrap()), "{var}=0");
+        std::env::set_var(var, "1");
+        assert!(read(&CudaConfig::from_env().unwrap()), "{var}=1");
+        std::env::set_var(var, "sometimes");
+        match CudaConfig::from_env() {
+            Err(Error::Env { var: v, .. }) => assert_eq!(v, var),
+            other => panic!("expected an env error for {var}, got {other:?}"),
+        }
+        std::env::remove_var(var);
+    }
 }
