@@ -72,3 +72,32 @@ def test_vulkan_legacy_switch_shows_ggmls_empty_submits(clean_env: pytest.Monkey
     clean_env.setenv("LOWSYNC_VK_LEGACY_SUBMITS", "0")
     _, _, per_token = run("vulkan", "stock")
     assert per_token["empty_submits"] == 0.0
+
+
+def _cuda_decode(graphs: str, env: pytest.MonkeyPatch) -> tuple[list[int], dict[str, float]]:
+    env.setenv("LOWSYNC_CUDA_GRAPHS", graphs)
+    model = ls.Llama.random(MICRO, seed=4)
+    sess = ls.Session(model, backends=["cuda"], n_ctx=64, n_ubatch=8, policy="staged")
+    sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
+    sess.seq_rm(0)
+    # The second generation only replays: every graph of both buckets was captured already.
+    tokens = sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
+    stats = sess.last_generate
+    assert stats is not None
+    return tokens, stats.per_token
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replay_is_one_launch_per_token_and_bit_identical(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    tokens_on, on = _cuda_decode("1", clean_env)
+    tokens_off, off = _cuda_decode("0", clean_env)
+    assert tokens_on == tokens_off
+    assert on["graph_launches"] == 1.0
+    assert on["kernel_launches"] == 0.0
+    assert on["graph_captures"] == 0.0
+    assert on["host_waits"] == 1.0
+    assert (on["h2d_copies"], on["d2h_copies"], on["d2h_bytes"]) == (1.0, 1.0, 4.0)
+    assert off["graph_launches"] == 0.0
+    assert off["kernel_launches"] > 10.0

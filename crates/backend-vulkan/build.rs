@@ -136,7 +136,10 @@ const KERNELS: &[Spec] = &[
 ];
 
 fn main() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders");
+    // Read at run time: a build-script binary cached in a shared target dir may have been
+    // compiled for a clone at another path.
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
+    let dir = Path::new(&manifest).join("shaders");
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed={}", dir.display());
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR is set by cargo"));

@@ -40,8 +40,9 @@ from lowsync.session import TOKEN_COUNTERS, Session
 
 POLICIES: tuple[str, ...] = ("stock", "relaxed", "staged")
 
-# Per-token counters shown by the bench, in column order.
-COUNTERS: tuple[str, ...] = TOKEN_COUNTERS
+# Per-token counters shown by the bench, in column order (`last_generate` has every counter of
+# `TOKEN_COUNTERS`).
+COUNTERS: tuple[str, ...] = (*TOKEN_COUNTERS[:8], "kernel_launches", "graph_launches")
 
 # Switches that make a backend behave as ggml does; the bench sets them for `stock` rows.
 LEGACY_ENV: dict[str, str] = {"LOWSYNC_CUDA_SYNC_ELISION": "0", "LOWSYNC_VK_LEGACY_SUBMITS": "1"}

@@ -48,6 +48,12 @@ TOKEN_COUNTERS: tuple[str, ...] = (
     "h2d_copies",
     "d2h_copies",
     "reallocs",
+    "h2d_bytes",
+    "d2h_bytes",
+    "kernel_launches",
+    "graph_launches",
+    "graph_captures",
+    "device_ns",
 )
 
 

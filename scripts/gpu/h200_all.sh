@@ -118,4 +118,19 @@ if [[ $parts == *llamacpp* ]]; then
         sed -E 's/"(lowsync|llama_cpp)_tokens": \[[^]]*\], //g' "$logs/compare-llamacpp-$m.txt" | tail -3 | tee -a "$summary"
     done
 fi
+if [[ $parts == *profile* ]]; then
+    timeout 400 python3 benches/python/cuda_profile.py --models ${PROFILE_MODELS:-tiny,1b} -n ${PROFILE_N:-128} \
+        --json "$out/cuda-profile.json" >"$logs/cuda-profile.txt" 2>&1
+    say "cuda profile: exit $?"; cat "$logs/cuda-profile.txt" | tail -12 | tee -a "$summary"
+fi
+if [[ $parts == *nsys* ]]; then
+    nsys=$(command -v nsys || find / -name nsys -type f -perm -u+x 2>/dev/null | head -1)
+    say "nsys: ${nsys:-none}"
+    if [ -n "$nsys" ]; then
+        LOWSYNC_CUDA_GRAPHS=0 timeout 300 "$nsys" profile -o /tmp/prof -f true --stats=false \
+            python3 benches/python/cuda_profile.py --models 1b --settings "eager+fusion" -n 32 >"$logs/nsys-run.txt" 2>&1
+        "$nsys" stats -r cuda_gpu_kern_sum -f csv /tmp/prof.nsys-rep >"$logs/nsys-kern.csv" 2>"$logs/nsys-stats.err"
+        say "nsys kernels (eager, fusion on; 1b): exit $?"; head -25 "$logs/nsys-kern.csv" | cut -c1-220 | tee -a "$summary"
+    fi
+fi
 tar czf "$out/logs.tar.gz" -C "$logs" .
