@@ -37,7 +37,7 @@ mean position (layers x 2 x n_head_kv x head_dim x position x KV element size).
 asked for, host bandwidth measured with torch or numpy), so the script can be tried without a
 GPU. One row's failure is reported in the table and the JSON; the other rows still run.
 
-Run (GPU):
+Run (GPU; lowsync and gguf on PYTHONPATH, e.g. /tmp/site of scripts/gpu/h200_all.sh):
     python benches/python/compare_torch.py --models tiny,1b --json /tmp/compare_torch.json
 Try (no GPU):
     python benches/python/compare_torch.py --device cpu --models tiny --rows lowsync,hf-eager
@@ -108,7 +108,13 @@ def parse_args() -> argparse.Namespace:
         "for an f16 model)",
     )
     ap.add_argument("--reps", type=int, default=3, help="timed runs per length (median)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed runs per length and row")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed runs per length and row (lowsync captures a plan's CUDA graph on its "
+        "second run; each generate runs the prompt plan once)",
+    )
     ap.add_argument(
         "--compile-warmup",
         type=int,
@@ -341,6 +347,8 @@ def lowsync_row(
             kv_dtype=args.kv_dtype,
         )
     out["policy"] = sess.policy
+    # lowsync's attention spans every cache row under a mask (fixed shapes), not the position.
+    out["kv_rows_attended"] = args.prompt_len + args.n_long + 1
     try:
         out.update(time_session(args, sess, prompt, counters, timing))
     finally:
@@ -420,19 +428,18 @@ class HF:
         self.attn = getattr(hf.config, "_attn_implementation", None)
 
     def generate(self, n: int, **extra: Any) -> dict[str, Any]:
-        torch = self.torch
         _sync(self.device)
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=self.ids,
-                attention_mask=self.mask,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-                **extra,
-            )
+        # generate runs under no_grad itself; no inference_mode around it, as users call it.
+        out = self.model.generate(
+            input_ids=self.ids,
+            attention_mask=self.mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            **extra,
+        )
         _sync(self.device)
         t = time.perf_counter() - t0
         tokens = [int(v) for v in out[0, self.ids.shape[1] :].tolist()]
@@ -523,11 +530,10 @@ class HF:
             restore()
         out = per_token_from(shorts, longs, a.n_short, a.n_long)
         out["tokens"] = shorts[0]["tokens"][:N_COMPARE]
-        # Evidence that compiled code ran and was not rebuilt while timed.
-        out["compiled_call_used"] = (
-            getattr(hf, "_compiled_call", None) is not None
-            if api == "compile_config"
-            else c1.get("unique_graphs", 0) > c0.get("unique_graphs", 0)
+        # Evidence that compiled code ran (dynamo built a graph during warm-up, or generate
+        # kept its compiled call) and was not rebuilt while timed.
+        out["compiled_call_used"] = c1.get("unique_graphs", 0) > c0.get("unique_graphs", 0) or (
+            api == "compile_config" and getattr(hf, "_compiled_call", None) is not None
         )
         out["dynamo_during_warmup"] = {k: c1[k] - c0.get(k, 0) for k in c1}
         out["dynamo_during_timing"] = {k: c2[k] - c1.get(k, 0) for k in c2}
@@ -581,6 +587,7 @@ def run_model(args: argparse.Namespace, name: str, bandwidth: dict[str, Any]) ->
         "config": dict(vars(model.config)),
         "prompt": prompt,
         "mean_kv_position": mean_pos,
+        "weight_bytes_per_token": bytes_per_token(model, 0.0, 0)["weights"],
         "rows": {},
     }
     print(f"[{name}] built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -657,11 +664,10 @@ def print_tables(results: list[dict[str, Any]], bandwidth: dict[str, Any], args:
         print(f"read bandwidth: not measured ({bandwidth})")
     for res in results:
         floors = ", ".join(f"{v:.0f} tok/s (KV {k})" for k, v in res["floor_tok_s"].items())
-        b = next(iter(res["rows"].values()), {}).get("bytes_per_token", {})
         print(
             f"\n{res['model']}: {res['params'] / 1e6:.1f} M params, {res['weight_dtype']}; "
-            f"bytes/token {b.get('weights', 0) / 1e6:.1f} MB weights + KV at mean position "
-            f"{res['mean_kv_position']:g}; floor {floors or '-'}"
+            f"bytes/token {res['weight_bytes_per_token'] / 1e6:.1f} MB weights + KV at mean "
+            f"position {res['mean_kv_position']:g}; floor {floors or '-'}"
         )
         header = ["row", "ms/tok", "tok/s", "% floor", f"t({args.n_short}) ms"]
         header += [f"t({args.n_long}) ms", "= eager"]
@@ -691,11 +697,12 @@ def print_tables(results: list[dict[str, Any]], bandwidth: dict[str, Any], args:
         ls_rows = {k: v for k, v in res["rows"].items() if "per_token" in v}
         if ls_rows:
             names = list(next(iter(ls_rows.values()))["per_token"])
-            header = ["lowsync row", *names, "device ms/tok", "host ms/tok"]
+            header = ["lowsync row", *names, "wall ms/tok", "device ms/tok", "host ms/tok"]
             body = [
                 [
                     row,
                     *(f"{r['per_token'][c]:.2f}" for c in names),
+                    _f(r.get("per_token_ms"), ".3f"),
                     _f(r.get("device_ms_per_token"), ".3f"),
                     _f(r.get("host_ms_per_token"), ".3f"),
                 ]
@@ -744,6 +751,7 @@ def main() -> None:
         report = {
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "versions": versions(),
+            "lowsync_env": {k: v for k, v in os.environ.items() if k.startswith("LOWSYNC_")},
             "bandwidth": bandwidth,
             "models": results,
         }
