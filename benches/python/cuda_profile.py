@@ -19,10 +19,10 @@ from pathlib import Path
 import lowsync as ls
 
 SETTINGS: dict[str, dict[str, str]] = {
-    "graphs+fusion": {"LOWSYNC_CUDA_GRAPHS": "1", "LOWSYNC_CUDA_FUSION": "1"},
-    "graphs, no fusion": {"LOWSYNC_CUDA_GRAPHS": "1", "LOWSYNC_CUDA_FUSION": "0"},
-    "eager+fusion": {"LOWSYNC_CUDA_GRAPHS": "0", "LOWSYNC_CUDA_FUSION": "1"},
-    "eager, no fusion": {"LOWSYNC_CUDA_GRAPHS": "0", "LOWSYNC_CUDA_FUSION": "0"},
+    "graphs+fused": {"LOWSYNC_CUDA_GRAPHS": "1", "LOWSYNC_CUDA_FUSION": "1"},
+    "graphs+unfused": {"LOWSYNC_CUDA_GRAPHS": "1", "LOWSYNC_CUDA_FUSION": "0"},
+    "eager+fused": {"LOWSYNC_CUDA_GRAPHS": "0", "LOWSYNC_CUDA_FUSION": "1"},
+    "eager+unfused": {"LOWSYNC_CUDA_GRAPHS": "0", "LOWSYNC_CUDA_FUSION": "0"},
 }
 
 

@@ -124,13 +124,31 @@ if [[ $parts == *profile* ]]; then
     say "cuda profile: exit $?"; cat "$logs/cuda-profile.txt" | tail -12 | tee -a "$summary"
 fi
 if [[ $parts == *nsys* ]]; then
-    nsys=$(command -v nsys || find / -name nsys -type f -perm -u+x 2>/dev/null | head -1)
-    say "nsys: ${nsys:-none}"
+    # An nsys whose QdstrmImporter sits next to it (the copy inside nsight-compute has none).
+    nsys=""
+    for c in $(command -v nsys) $(find / -name nsys -type f -perm -u+x 2>/dev/null); do
+        [ -n "$(find "$(dirname "$c")" -maxdepth 2 -name 'QdstrmImporter*' 2>/dev/null | head -1)" ] && { nsys=$c; break; }
+    done
+    say "nsys: ${nsys:-none with an importer} (all: $(find / -name nsys -type f 2>/dev/null | tr '\n' ' '))"
     if [ -n "$nsys" ]; then
-        LOWSYNC_CUDA_GRAPHS=0 timeout 300 "$nsys" profile -o /tmp/prof -f true --stats=false \
-            python3 benches/python/cuda_profile.py --models 1b --settings "eager+fusion" -n 32 >"$logs/nsys-run.txt" 2>&1
+        timeout 300 "$nsys" profile -o /tmp/prof -f true --stats=false \
+            python3 benches/python/cuda_profile.py --models 1b --settings eager+fused -n 32 >"$logs/nsys-run.txt" 2>&1
         "$nsys" stats -r cuda_gpu_kern_sum -f csv /tmp/prof.nsys-rep >"$logs/nsys-kern.csv" 2>"$logs/nsys-stats.err"
-        say "nsys kernels (eager, fusion on; 1b): exit $?"; head -25 "$logs/nsys-kern.csv" | cut -c1-220 | tee -a "$summary"
+        say "nsys kernels (eager, fused; 1b): exit $?"; head -25 "$logs/nsys-kern.csv" | cut -c1-220 | tee -a "$summary"
+    fi
+fi
+if [[ $parts == *ncu* ]]; then
+    ncu=$(command -v ncu || find / -name ncu -type f -perm -u+x 2>/dev/null | head -1)
+    say "ncu: ${ncu:-none}"
+    if [ -n "$ncu" ]; then
+        # One decode step's kernels (eager launches, so each is its own launch), skipping the
+        # prompt and the first steps.
+        timeout 400 "$ncu" --csv --launch-skip ${NCU_SKIP:-1500} --launch-count ${NCU_COUNT:-400} \
+            --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum \
+            python3 benches/python/cuda_profile.py --models 1b --settings ${NCU_SETTING:-eager+unfused} -n 8 \
+            >"$logs/ncu.csv" 2>"$logs/ncu.err"
+        say "ncu: exit $?"; python3 scripts/gpu/ncu_summary.py "$logs/ncu.csv" 2>&1 | head -30 | tee -a "$summary"
+        tail -3 "$logs/ncu.err"
     fi
 fi
 tar czf "$out/logs.tar.gz" -C "$logs" .

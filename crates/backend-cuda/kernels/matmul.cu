@@ -347,3 +347,67 @@ extern "C" __global__ void mul_mat_vec_n8(i64 M, i64 N, i64 K, i64 nbatch, MmBat
         default: mmv_n_body<DT_F32, MMV_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, a_ks, b, b_rs, TC, vec, red); break;
     }
 }
+
+// Decode's matrix-vector product, one activation row: dst[j * d_cs] = sum_k x[k] * w[j, k] for
+// weights whose rows are contiguous and 16-byte aligned (w_rs: row stride in elements). Built
+// for bandwidth: x is staged once per block in shared memory (dynamic, K floats), each warp
+// owns one row and every lane keeps GV_U 16-byte loads of it in flight, so a 4 KB f16 row is one
+// round trip. The lanes' partial sums meet in a fixed xor butterfly (deterministic).
+#define GV_WARPS 8
+template <int DT>
+__device__ __forceinline__ void gemv1_body(i64 N, i64 K, float* dst, i64 d_cs, const float* x,
+                                           const void* w, i64 w_rs, float* xs) {
+    const int VW = DT == DT_F32 ? 4 : 8;
+    const int ESZ = DT == DT_F32 ? 4 : 2;
+    const int GV_U = 8;
+    for (i64 i = threadIdx.x; i < K; i += blockDim.x) xs[i] = x[i];
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const i64 row = (i64)blockIdx.x * GV_WARPS + (threadIdx.x >> 5);
+    if (row >= N) return;
+    const char* wrow = (const char*)w + row * w_rs * ESZ;
+    const uint4* wv = (const uint4*)wrow;
+    const i64 nvec = K / VW;
+    float acc = 0.0f;
+    i64 v = lane;
+    for (; v + 32 * (GV_U - 1) < nvec; v += 32 * GV_U) {
+        uint4 q[GV_U];
+#pragma unroll
+        for (int u = 0; u < GV_U; ++u) q[u] = __ldg(wv + v + 32 * u);
+#pragma unroll
+        for (int u = 0; u < GV_U; ++u) {
+            float f[VW];
+            unpack16<DT>(q[u], f);
+            const float4* xv = (const float4*)(xs + (v + 32 * u) * VW);
+#pragma unroll
+            for (int e = 0; e < VW / 4; ++e) {
+                const float4 a4 = xv[e];
+                acc = fmaf(a4.x, f[4 * e], acc);
+                acc = fmaf(a4.y, f[4 * e + 1], acc);
+                acc = fmaf(a4.z, f[4 * e + 2], acc);
+                acc = fmaf(a4.w, f[4 * e + 3], acc);
+            }
+        }
+    }
+    for (; v < nvec; v += 32) {
+        float f[VW];
+        unpack16<DT>(__ldg(wv + v), f);
+#pragma unroll
+        for (int e = 0; e < VW; ++e) acc = fmaf(xs[v * VW + e], f[e], acc);
+    }
+    for (i64 kk = nvec * VW + lane; kk < K; kk += 32) acc = fmaf(xs[kk], ld(w, DT, row * w_rs + kk), acc);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) dst[row * d_cs] = acc;
+}
+
+extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) mul_mat_vec_1(
+    i64 N, i64 K, float* dst, i64 d_cs, const float* x, const void* w, int dtw, i64 w_rs) {
+    extern __shared__ float4 gv_smem[];
+    float* xs = (float*)gv_smem;
+    switch (dtw) {
+        case DT_F16: gemv1_body<DT_F16>(N, K, dst, d_cs, x, w, w_rs, xs); break;
+        case DT_BF16: gemv1_body<DT_BF16>(N, K, dst, d_cs, x, w, w_rs, xs); break;
+        default: gemv1_body<DT_F32>(N, K, dst, d_cs, x, w, w_rs, xs); break;
+    }
+}

@@ -57,11 +57,12 @@ pub(crate) enum Kernel {
     MulMatVecK4,
     MulMatVecN,
     MulMatVecN8,
+    MulMatVec1,
 }
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 15] = [
+    pub(crate) const ALL: [Kernel; 16] = [
         Kernel::EwUnary,
         Kernel::EwBinary,
         Kernel::CopyStrided,
@@ -77,6 +78,7 @@ impl Kernel {
         Kernel::MulMatVecK4,
         Kernel::MulMatVecN,
         Kernel::MulMatVecN8,
+        Kernel::MulMatVec1,
     ];
 
     fn module(self) -> &'static str {
@@ -91,7 +93,8 @@ impl Kernel {
             | Kernel::MulMatVecK
             | Kernel::MulMatVecK4
             | Kernel::MulMatVecN
-            | Kernel::MulMatVecN8 => "matmul",
+            | Kernel::MulMatVecN8
+            | Kernel::MulMatVec1 => "matmul",
         }
     }
 
@@ -112,6 +115,7 @@ impl Kernel {
             Kernel::MulMatVecK4 => "mul_mat_vec_k4",
             Kernel::MulMatVecN => "mul_mat_vec_n",
             Kernel::MulMatVecN8 => "mul_mat_vec_n8",
+            Kernel::MulMatVec1 => "mul_mat_vec_1",
         }
     }
 }

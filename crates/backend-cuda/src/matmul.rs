@@ -143,6 +143,11 @@ pub(crate) const MMV_MAX_M: usize = 8;
 pub(crate) const MMV_MAX_M_CONVERTING: usize = 32;
 /// Batch axes the matrix-vector kernels index (`MB_MAXD` in matmul.cu).
 const MB_MAXD: usize = 4;
+/// Rows (one per warp) of a `mul_mat_vec_1` block (`GV_WARPS` in matmul.cu).
+const GEMV1_WARPS: usize = 8;
+/// Shared memory `mul_mat_vec_1` may stage its activation row in (the default 48 KB limit).
+const GEMV1_MAX_SHARED: usize = 48 << 10;
+
 /// Threads of a `mul_mat_vec_k[4]` block (the kernels' launch bounds assume 128).
 const MMV_K_THREADS: usize = 128;
 /// Threads of a `mul_mat_vec_n[8]` block (`MMN_T`) and columns per thread (`MMN_C`).
@@ -587,6 +592,34 @@ fn run_vec(
         .arg(a.ptr)
         .arg(a_rs as i64);
     match plan.route {
+        Route::VecK
+            if m == 1
+                && nbatch == 1
+                && dst.dtype == DType::F32
+                && k * 4 <= GEMV1_MAX_SHARED
+                && aligned(b.ptr, esz, &[b_ns as i64], 16)
+                && a.ptr.is_multiple_of(16)
+                && (a_ks == 1 || k == 1) =>
+        {
+            // Decode's product: one activation row against a weight with contiguous rows.
+            let args = Args::new()
+                .arg(n as i64)
+                .arg(k as i64)
+                .arg(dst.ptr)
+                .arg(d_cs as i64)
+                .arg(a.ptr)
+                .arg(b.ptr)
+                .arg(dt(b.dtype))
+                .arg(b_ns as i64);
+            ex.launch_shared(
+                node,
+                Kernel::MulMatVec1,
+                grid(n.div_ceil(GEMV1_WARPS)),
+                (GEMV1_WARPS * 32) as u32,
+                (k * 4) as u32,
+                args,
+            )
+        }
         Route::VecK => {
             let g = mmv_group(k, 16 / esz);
             let mut bs: Vec<i64> = mb.st[2][..nd].to_vec();

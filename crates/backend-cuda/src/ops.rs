@@ -235,13 +235,27 @@ impl<'a> Exec<'a> {
         k: Kernel,
         grid: u32,
         block: u32,
+        args: Args,
+    ) -> Result<()> {
+        self.launch_shared(node, k, grid, block, 0, args)
+    }
+
+    /// Queues one kernel with `shared_bytes` of dynamic shared memory (at most 48 KB, the
+    /// limit without an opt-in).
+    pub(crate) fn launch_shared(
+        &self,
+        node: &ExecNode,
+        k: Kernel,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
         mut args: Args,
     ) -> Result<()> {
         let f = self.inner.modules.get(k).map_err(|m| kernel_err(node, m))?;
         let dims = LaunchDims {
             grid: (grid, 1, 1),
             block: (block, 1, 1),
-            shared_bytes: 0,
+            shared_bytes,
         };
         let mut ptrs = args.ptrs();
         // SAFETY: `args` matches the kernel's parameter list (each op builds it against the
@@ -764,7 +778,10 @@ impl<'a> Exec<'a> {
             .arg(x.ptr)
             .arg(dt(x.dtype))
             .arg(x.last_stride() as i64);
-        self.launch(node, Kernel::Argmax, rows_grid(rows), 256, args)
+        // A long row (logits over a vocabulary) is one block's work: the widest block the
+        // kernel's shared arrays hold keeps each thread's serial part short.
+        let block = if len >= 8192 { 1024 } else { 256 };
+        self.launch(node, Kernel::Argmax, rows_grid(rows), block, args)
     }
 
     fn mul_mat_id(

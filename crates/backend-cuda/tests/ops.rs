@@ -210,6 +210,17 @@ fn argmax_picks_the_lowest_index_of_the_maximum_and_skips_nan() {
         let d = p.zeros(DType::I32, &[7]);
         check_exact(&p, &format!("argmax {dt}"), Op::Argmax, &d, &[&x]);
     }
+    // A vocabulary-long row takes the 1024-thread block: ties and NaN the same way.
+    for dt in FLOATS {
+        let mut v = rng.vec(2 * 32000);
+        v[31999] = 7.0;
+        v[20000] = 7.0; // row 0: tie -> 20000
+        v[32000 + 5] = f32::NAN;
+        v[32000 + 31000] = 6.0; // row 1 -> 31000
+        let x = p.tensor(dt, &[2, 32000], &v);
+        let d = p.zeros(DType::I32, &[2]);
+        check_exact(&p, &format!("argmax {dt} long"), Op::Argmax, &d, &[&x]);
+    }
 }
 
 #[test]
