@@ -119,7 +119,7 @@ if [[ $parts == *llamacpp* ]]; then
     done
 fi
 if [[ $parts == *profile* ]]; then
-    timeout 400 python3 benches/python/cuda_profile.py --models ${PROFILE_MODELS:-tiny,1b} -n ${PROFILE_N:-128} \
+    timeout 400 python3 benches/python/cuda_profile.py --models ${PROFILE_MODELS:-tiny,1b} -n ${PROFILE_N:-128} ${PROFILE_SETTINGS:+--settings $PROFILE_SETTINGS} \
         --json "$out/cuda-profile.json" >"$logs/cuda-profile.txt" 2>&1
     say "cuda profile: exit $?"; cat "$logs/cuda-profile.txt" | tail -12 | tee -a "$summary"
 fi
@@ -150,5 +150,10 @@ if [[ $parts == *ncu* ]]; then
         say "ncu: exit $?"; python3 scripts/gpu/ncu_summary.py "$logs/ncu.csv" 2>&1 | head -30 | tee -a "$summary"
         tail -3 "$logs/ncu.err"
     fi
+fi
+if [[ $parts == *torch* ]]; then
+    timeout 550 python3 benches/python/compare_torch.py --models ${TORCH_MODELS:-tiny,1b} --json "$out/compare-torch.json" \
+        >"$logs/compare-torch.txt" 2>"$logs/compare-torch.err"
+    say "compare torch: exit $?"; tee -a "$summary" <"$logs/compare-torch.txt"; tail -5 "$logs/compare-torch.err"
 fi
 tar czf "$out/logs.tar.gz" -C "$logs" .

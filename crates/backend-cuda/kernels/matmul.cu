@@ -350,64 +350,87 @@ extern "C" __global__ void mul_mat_vec_n8(i64 M, i64 N, i64 K, i64 nbatch, MmBat
 
 // Decode's matrix-vector product, one activation row: dst[j * d_cs] = sum_k x[k] * w[j, k] for
 // weights whose rows are contiguous and 16-byte aligned (w_rs: row stride in elements). Built
-// for bandwidth: x is staged once per block in shared memory (dynamic, K floats), each warp
-// owns one row and every lane keeps GV_U 16-byte loads of it in flight, so a 4 KB f16 row is one
-// round trip. The lanes' partial sums meet in a fixed xor butterfly (deterministic).
+// for bandwidth: each warp owns one row and every lane keeps GV_U 16-byte loads of it in flight,
+// so a 4 KB f16 row is one round trip; the first loads are issued before anything else. x comes
+// either from shared memory (`staged`: copied once per block with 16-byte loads, all in flight
+// at once) or straight from global memory through the read-only cache. The lanes' partial sums
+// meet in a fixed xor butterfly (deterministic).
 #define GV_WARPS 8
+#define GV_U 8
 template <int DT>
 __device__ __forceinline__ void gemv1_body(i64 N, i64 K, float* dst, i64 d_cs, const float* x,
-                                           const void* w, i64 w_rs, float* xs) {
+                                           const void* w, i64 w_rs, float* xs, int staged) {
     const int VW = DT == DT_F32 ? 4 : 8;
     const int ESZ = DT == DT_F32 ? 4 : 2;
-    const int GV_U = 8;
-    for (i64 i = threadIdx.x; i < K; i += blockDim.x) xs[i] = x[i];
-    __syncthreads();
     const int lane = threadIdx.x & 31;
     const i64 row = (i64)blockIdx.x * GV_WARPS + (threadIdx.x >> 5);
-    if (row >= N) return;
-    const char* wrow = (const char*)w + row * w_rs * ESZ;
-    const uint4* wv = (const uint4*)wrow;
+    const bool active = row < N;
+    const uint4* wv = (const uint4*)((const char*)w + (active ? row : 0) * w_rs * ESZ);
     const i64 nvec = K / VW;
-    float acc = 0.0f;
-    i64 v = lane;
-    for (; v + 32 * (GV_U - 1) < nvec; v += 32 * GV_U) {
-        uint4 q[GV_U];
+    uint4 q[GV_U];
 #pragma unroll
-        for (int u = 0; u < GV_U; ++u) q[u] = __ldg(wv + v + 32 * u);
+    for (int u = 0; u < GV_U; ++u) {
+        const i64 v = lane + 32 * u;
+        q[u] = active && v < nvec ? __ldg(wv + v) : make_uint4(0, 0, 0, 0);
+    }
+    const float* xr = x;
+    if (staged) {
+        const i64 n4 = K / 4;
+        const float4* x4 = (const float4*)x;
+        float4* s4 = (float4*)xs;
+        i64 i = threadIdx.x;
+        for (; i + 3 * blockDim.x < n4; i += 4 * blockDim.x) {
+            const float4 a0 = __ldg(x4 + i), a1 = __ldg(x4 + i + blockDim.x);
+            const float4 a2 = __ldg(x4 + i + 2 * blockDim.x), a3 = __ldg(x4 + i + 3 * blockDim.x);
+            s4[i] = a0; s4[i + blockDim.x] = a1; s4[i + 2 * blockDim.x] = a2; s4[i + 3 * blockDim.x] = a3;
+        }
+        for (; i < n4; i += blockDim.x) s4[i] = __ldg(x4 + i);
+        for (i64 j = n4 * 4 + threadIdx.x; j < K; j += blockDim.x) xs[j] = x[j];
+        __syncthreads();
+        xr = xs;
+    }
+    if (!active) return;
+    float acc = 0.0f;
+    for (i64 v0 = 0; v0 < nvec; v0 += 32 * GV_U) {
+        if (v0 > 0) {
+#pragma unroll
+            for (int u = 0; u < GV_U; ++u) {
+                const i64 v = v0 + lane + 32 * u;
+                q[u] = v < nvec ? __ldg(wv + v) : make_uint4(0, 0, 0, 0);
+            }
+        }
 #pragma unroll
         for (int u = 0; u < GV_U; ++u) {
-            float f[VW];
-            unpack16<DT>(q[u], f);
-            const float4* xv = (const float4*)(xs + (v + 32 * u) * VW);
+            const i64 v = v0 + lane + 32 * u;
+            if (v < nvec) {
+                float f[VW];
+                unpack16<DT>(q[u], f);
+                const float4* xv = (const float4*)(xr + v * VW);
 #pragma unroll
-            for (int e = 0; e < VW / 4; ++e) {
-                const float4 a4 = xv[e];
-                acc = fmaf(a4.x, f[4 * e], acc);
-                acc = fmaf(a4.y, f[4 * e + 1], acc);
-                acc = fmaf(a4.z, f[4 * e + 2], acc);
-                acc = fmaf(a4.w, f[4 * e + 3], acc);
+                for (int e = 0; e < VW / 4; ++e) {
+                    const float4 a4 = staged ? xv[e] : __ldg(xv + e);
+                    acc = fmaf(a4.x, f[4 * e], acc);
+                    acc = fmaf(a4.y, f[4 * e + 1], acc);
+                    acc = fmaf(a4.z, f[4 * e + 2], acc);
+                    acc = fmaf(a4.w, f[4 * e + 3], acc);
+                }
             }
         }
     }
-    for (; v < nvec; v += 32) {
-        float f[VW];
-        unpack16<DT>(__ldg(wv + v), f);
-#pragma unroll
-        for (int e = 0; e < VW; ++e) acc = fmaf(xs[v * VW + e], f[e], acc);
-    }
-    for (i64 kk = nvec * VW + lane; kk < K; kk += 32) acc = fmaf(xs[kk], ld(w, DT, row * w_rs + kk), acc);
+    for (i64 kk = nvec * VW + lane; kk < K; kk += 32) acc = fmaf(xr[kk], ld(w, DT, row * w_rs + kk), acc);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     if (lane == 0) dst[row * d_cs] = acc;
 }
 
 extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) mul_mat_vec_1(
-    i64 N, i64 K, float* dst, i64 d_cs, const float* x, const void* w, int dtw, i64 w_rs) {
+    i64 N, i64 K, float* dst, i64 d_cs, const float* x, const void* w, int dtw, i64 w_rs,
+    int staged) {
     extern __shared__ float4 gv_smem[];
     float* xs = (float*)gv_smem;
     switch (dtw) {
-        case DT_F16: gemv1_body<DT_F16>(N, K, dst, d_cs, x, w, w_rs, xs); break;
-        case DT_BF16: gemv1_body<DT_BF16>(N, K, dst, d_cs, x, w, w_rs, xs); break;
-        default: gemv1_body<DT_F32>(N, K, dst, d_cs, x, w, w_rs, xs); break;
+        case DT_F16: gemv1_body<DT_F16>(N, K, dst, d_cs, x, w, w_rs, xs, staged); break;
+        case DT_BF16: gemv1_body<DT_BF16>(N, K, dst, d_cs, x, w, w_rs, xs, staged); break;
+        default: gemv1_body<DT_F32>(N, K, dst, d_cs, x, w, w_rs, xs, staged); break;
     }
 }

@@ -67,6 +67,20 @@ pub struct CudaConfig {
     /// time to the `device_ns` counter when a wait observes it (`LOWSYNC_CUDA_TIMING`, default
     /// off: timing events are not free).
     pub timing: bool,
+    /// How single-row matrix-vector products read their activation row (a tuning knob for
+    /// benches; `Off` sends them to the general matrix-vector kernels).
+    pub decode_gemv: DecodeGemv,
+}
+
+/// The decode matrix-vector kernel's source of the activation row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeGemv {
+    /// Not used: the general `mul_mat_vec_k` kernels run single rows too.
+    Off,
+    /// Staged once per block in shared memory.
+    SharedX,
+    /// Read from global memory through the read-only cache.
+    GlobalX,
 }
 
 impl Default for CudaConfig {
@@ -80,6 +94,7 @@ impl Default for CudaConfig {
             graphs: true,
             fusion: true,
             timing: false,
+            decode_gemv: DecodeGemv::SharedX,
         }
     }
 }

@@ -31,7 +31,7 @@ pub mod tickets;
 
 use std::sync::Arc;
 
-pub use backend::{cuda_supports_op, CudaBackend, CudaConfig, CudaEvent, CudaGate};
+pub use backend::{cuda_supports_op, CudaBackend, CudaConfig, CudaEvent, CudaGate, DecodeGemv};
 use lowsync_backend::{Backend, Error, Result};
 
 /// The device ordinal of a backend name: `cuda` is 0, `cuda:N` is N.

@@ -37,6 +37,7 @@ use cudarc::cublas::{result as cbres, sys as cb};
 use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::DType;
 
+use crate::backend::DecodeGemv;
 use crate::driver::CuDriver;
 use crate::kernels::Kernel;
 use crate::ops::{dt, float_dst, float_src, kernel_err, packed, Args, Dev, Exec};
@@ -594,9 +595,11 @@ fn run_vec(
     match plan.route {
         Route::VecK
             if m == 1
+                && ex.inner.cfg.decode_gemv != DecodeGemv::Off
                 && nbatch == 1
                 && dst.dtype == DType::F32
-                && k * 4 <= GEMV1_MAX_SHARED
+                && (k * 4 <= GEMV1_MAX_SHARED
+                    || ex.inner.cfg.decode_gemv == DecodeGemv::GlobalX)
                 && aligned(b.ptr, esz, &[b_ns as i64], 16)
                 && a.ptr.is_multiple_of(16)
                 && (a_ks == 1 || k == 1) =>
@@ -611,13 +614,14 @@ fn run_vec(
                 .arg(b.ptr)
                 .arg(dt(b.dtype))
                 .arg(b_ns as i64);
+            let staged = ex.inner.cfg.decode_gemv == DecodeGemv::SharedX;
             ex.launch_shared(
                 node,
                 Kernel::MulMatVec1,
                 grid(n.div_ceil(GEMV1_WARPS)),
                 (GEMV1_WARPS * 32) as u32,
-                (k * 4) as u32,
-                args,
+                if staged { (k * 4) as u32 } else { 0 },
+                args.arg(staged as i32),
             )
         }
         Route::VecK => {
