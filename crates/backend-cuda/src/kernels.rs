@@ -37,6 +37,7 @@ const MODULES: &[(&str, &str)] = &[
     ("norm", include_str!("../kernels/norm.cu")),
     ("rope", include_str!("../kernels/rope.cu")),
     ("matmul", include_str!("../kernels/matmul.cu")),
+    ("fused", include_str!("../kernels/fused.cu")),
 ];
 
 /// A kernel: its module and its `extern "C"` name.
@@ -57,11 +58,16 @@ pub(crate) enum Kernel {
     MulMatVecK4,
     MulMatVecN,
     MulMatVecN8,
+    RmsNormMul,
+    FusedGemv,
+    FusedGemv8,
+    RopeRows,
+    AttnDecode,
 }
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 15] = [
+    pub(crate) const ALL: [Kernel; 20] = [
         Kernel::EwUnary,
         Kernel::EwBinary,
         Kernel::CopyStrided,
@@ -77,6 +83,11 @@ impl Kernel {
         Kernel::MulMatVecK4,
         Kernel::MulMatVecN,
         Kernel::MulMatVecN8,
+        Kernel::RmsNormMul,
+        Kernel::FusedGemv,
+        Kernel::FusedGemv8,
+        Kernel::RopeRows,
+        Kernel::AttnDecode,
     ];
 
     fn module(self) -> &'static str {
@@ -92,6 +103,11 @@ impl Kernel {
             | Kernel::MulMatVecK4
             | Kernel::MulMatVecN
             | Kernel::MulMatVecN8 => "matmul",
+            Kernel::RmsNormMul
+            | Kernel::FusedGemv
+            | Kernel::FusedGemv8
+            | Kernel::RopeRows
+            | Kernel::AttnDecode => "fused",
         }
     }
 
@@ -112,6 +128,11 @@ impl Kernel {
             Kernel::MulMatVecK4 => "mul_mat_vec_k4",
             Kernel::MulMatVecN => "mul_mat_vec_n",
             Kernel::MulMatVecN8 => "mul_mat_vec_n8",
+            Kernel::RmsNormMul => "rms_norm_mul",
+            Kernel::FusedGemv => "fused_gemv",
+            Kernel::FusedGemv8 => "fused_gemv8",
+            Kernel::RopeRows => "rope_rows",
+            Kernel::AttnDecode => "attn_decode",
         }
     }
 }
