@@ -4,11 +4,11 @@
 //! pass over its operands. Replacing the common chains by one kernel each brings a layer to 9
 //! launches and drops the passes over intermediates the fused kernel keeps in registers.
 //!
-//! Strategy: [`plan`] is a pure matcher over the graph's nodes (no device, no cache: it runs
-//! on every [`run_graph`] call, a few microseconds for a decode graph). At each node not yet
-//! taken it tries the patterns below, whose other members lie within [`WINDOW`] nodes after it;
-//! a matched group runs as one kernel at the position of its first node, every other node
-//! through [`Exec::run`] as before. The patterns (kernels in `kernels/fused.cu`):
+//! Strategy: [`plan`] is a pure matcher over the graph's nodes (no device, nothing cached: it
+//! runs on every [`run_graph`] call and looks at each node and a short window after it). At
+//! each node not yet taken it tries the patterns below, each next member within [`WINDOW`]
+//! nodes of the previous one; a matched group runs as one kernel at the position of its first
+//! node, every other node through [`Exec::run`] as before. The patterns (kernels in `kernels/fused.cu`):
 //! - `RmsNorm -> Mul(norm, weight row)`: one block per row.
 //! - `MulMat`s of one activation (the same `TensorRef`) — q/k/v, gate/up — each optionally
 //!   followed by an `Add` of its result and a bias row or a residual; or a gate/up pair feeding
@@ -51,7 +51,8 @@ use crate::layout::{broadcast_strides, lay};
 use crate::matmul;
 use crate::ops::{dt, grid_for, kernel_err, row_block, rows_grid, Args, Exec, BLOCK};
 
-/// How far after a group's first node its other members may lie.
+/// How far after a group's first node (the attention: after the previous member) the other
+/// members may lie.
 const WINDOW: usize = 16;
 /// Rows (tokens) up to which a fused Rope/SetRows runs: a SetRows row checks every later index
 /// for a duplicate, so its cost grows with the square of the rows.
