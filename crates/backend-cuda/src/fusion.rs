@@ -6,8 +6,8 @@
 //!
 //! Strategy: [`plan`] is a pure matcher over the graph's nodes (no device, nothing cached: it
 //! runs on every [`run_graph`] call and looks at each node and a short window after it). At
-//! each node not yet taken it tries the patterns below, each next member within [`WINDOW`]
-//! nodes of the previous one; a matched group runs as one kernel at the position of its first
+//! each node not yet taken it tries the patterns below, every further member within [`WINDOW`]
+//! nodes of an earlier one; a matched group runs as one kernel at the position of its first
 //! node, every other node through [`Exec::run`] as before. The patterns (kernels in `kernels/fused.cu`):
 //! - `RmsNorm -> Mul(norm, weight row)`: one block per row.
 //! - `MulMat`s of one activation (the same `TensorRef`) — q/k/v, gate/up — each optionally
@@ -51,8 +51,8 @@ use crate::layout::{broadcast_strides, lay};
 use crate::matmul;
 use crate::ops::{dt, grid_for, kernel_err, row_block, rows_grid, Args, Exec, BLOCK};
 
-/// How far after a group's first node (the attention: after the previous member) the other
-/// members may lie.
+/// How far after an earlier member of its group (the first, or the product of an epilogue, or
+/// the attention's previous node) a member may lie.
 const WINDOW: usize = 16;
 /// Rows (tokens) up to which a fused Rope/SetRows runs: a SetRows row checks every later index
 /// for a duplicate, so its cost grows with the square of the rows.
