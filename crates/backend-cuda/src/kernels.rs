@@ -37,6 +37,7 @@ const MODULES: &[(&str, &str)] = &[
     ("norm", include_str!("../kernels/norm.cu")),
     ("rope", include_str!("../kernels/rope.cu")),
     ("matmul", include_str!("../kernels/matmul.cu")),
+    ("fused", include_str!("../kernels/fused.cu")),
 ];
 
 /// A kernel: its module and its `extern "C"` name.
@@ -58,11 +59,16 @@ pub(crate) enum Kernel {
     MulMatVecN,
     MulMatVecN8,
     MulMatVec1,
+    RmsNormMul,
+    FusedGemv,
+    FusedGemv8,
+    RopeRows,
+    AttnDecode,
 }
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 16] = [
+    pub(crate) const ALL: [Kernel; 21] = [
         Kernel::EwUnary,
         Kernel::EwBinary,
         Kernel::CopyStrided,
@@ -79,6 +85,11 @@ impl Kernel {
         Kernel::MulMatVecN,
         Kernel::MulMatVecN8,
         Kernel::MulMatVec1,
+        Kernel::RmsNormMul,
+        Kernel::FusedGemv,
+        Kernel::FusedGemv8,
+        Kernel::RopeRows,
+        Kernel::AttnDecode,
     ];
 
     fn module(self) -> &'static str {
@@ -95,6 +106,11 @@ impl Kernel {
             | Kernel::MulMatVecN
             | Kernel::MulMatVecN8
             | Kernel::MulMatVec1 => "matmul",
+            Kernel::RmsNormMul
+            | Kernel::FusedGemv
+            | Kernel::FusedGemv8
+            | Kernel::RopeRows
+            | Kernel::AttnDecode => "fused",
         }
     }
 
@@ -116,6 +132,11 @@ impl Kernel {
             Kernel::MulMatVecN => "mul_mat_vec_n",
             Kernel::MulMatVecN8 => "mul_mat_vec_n8",
             Kernel::MulMatVec1 => "mul_mat_vec_1",
+            Kernel::RmsNormMul => "rms_norm_mul",
+            Kernel::FusedGemv => "fused_gemv",
+            Kernel::FusedGemv8 => "fused_gemv8",
+            Kernel::RopeRows => "rope_rows",
+            Kernel::AttnDecode => "attn_decode",
         }
     }
 }

@@ -197,7 +197,7 @@ fn mm_batch(batch: &[usize], ops: [&Dev; 3]) -> Option<MmBatch> {
 }
 
 /// The rows threshold of the matrix-vector kernels for these operand dtypes.
-fn mmv_max_m(a: DType, b: DType, over: Option<usize>) -> usize {
+pub(crate) fn mmv_max_m(a: DType, b: DType, over: Option<usize>) -> usize {
     over.unwrap_or(if b != DType::F32 && a != b {
         MMV_MAX_M_CONVERTING
     } else {
@@ -206,7 +206,7 @@ fn mmv_max_m(a: DType, b: DType, over: Option<usize>) -> usize {
 }
 
 /// Lanes per column of `mul_mat_vec_k`: a power of two up to 32 covering the k / vw vectors.
-fn mmv_group(k: usize, vw: usize) -> usize {
+pub(crate) fn mmv_group(k: usize, vw: usize) -> usize {
     (k / vw).max(1).next_power_of_two().min(32)
 }
 
@@ -223,7 +223,7 @@ fn mmv_n_threads(n: usize, nbatch: usize, k: usize, esz: usize) -> usize {
 }
 
 /// Whether `ptr` and every stride (in elements of `esz` bytes) are multiples of `align` bytes.
-fn aligned(ptr: u64, esz: usize, strides: &[i64], align: usize) -> bool {
+pub(crate) fn aligned(ptr: u64, esz: usize, strides: &[i64], align: usize) -> bool {
     ptr.is_multiple_of(align as u64)
         && strides
             .iter()

@@ -168,18 +168,18 @@ pub(crate) fn kernel_err(node: &ExecNode, msg: impl Into<String>) -> Error {
     node.kernel_error(msg)
 }
 
-const BLOCK: u32 = 256;
+pub(crate) const BLOCK: u32 = 256;
 
-fn grid_for(n: usize) -> u32 {
+pub(crate) fn grid_for(n: usize) -> u32 {
     n.div_ceil(BLOCK as usize).clamp(1, 1 << 16) as u32
 }
 
-fn rows_grid(rows: usize) -> u32 {
+pub(crate) fn rows_grid(rows: usize) -> u32 {
     rows.clamp(1, 65_535) as u32
 }
 
 /// Threads per block of a row kernel: a power of two from 32 to 256 covering `len`.
-fn row_block(len: usize) -> u32 {
+pub(crate) fn row_block(len: usize) -> u32 {
     (len.next_power_of_two()).clamp(32, 256) as u32
 }
 
@@ -188,7 +188,7 @@ impl<'a> Exec<'a> {
         Exec { inner, scratch }
     }
 
-    fn resolve(&self, t: &TensorRef) -> Result<Dev> {
+    pub(crate) fn resolve(&self, t: &TensorRef) -> Result<Dev> {
         if t.shape.len() != t.strides.len() {
             return Err(Error::Unsupported {
                 backend: self.inner.name.clone(),
@@ -265,7 +265,7 @@ impl<'a> Exec<'a> {
         Ok(())
     }
 
-    fn tag(&self, node: &ExecNode) -> u32 {
+    pub(crate) fn tag(&self, node: &ExecNode) -> u32 {
         self.inner.err_tags.lock().tag(node.op.name(), &node.name)
     }
 

@@ -1,0 +1,552 @@
+// Fused decode kernels: one launch for a chain of nodes (see src/fusion.rs for the patterns and
+// the host-side preconditions each kernel relies on). Every kernel still writes each tensor its
+// nodes would have written (the attention's raw scores only when the host says they may be
+// read later), in the nodes' order within the thread that owns an element, so later readers see
+// what the unfused chain would have left. Arithmetic follows the unfused kernels: f32, fixed
+// summation orders that depend only on the shapes (no float atomics), so results are
+// deterministic run to run.
+
+#define F_NEG_INF (-__int_as_float(0x7f800000))
+
+// x / (1 + e^-x), as the element-wise SwiGlu.
+__device__ __forceinline__ float f_silu(float x) { return x / (1.0f + expf(-x)); }
+
+// 16 loaded bytes as floats: 4 f32 or 8 f16/bf16, in memory order.
+template <int DT>
+__device__ __forceinline__ void f_unpack(uint4 w, float* f) {
+    if (DT == DT_F32) {
+        f[0] = __uint_as_float(w.x); f[1] = __uint_as_float(w.y);
+        f[2] = __uint_as_float(w.z); f[3] = __uint_as_float(w.w);
+    } else {
+        u32 p[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (DT == DT_F16) {
+                f[2 * i] = h2f((u16)(p[i] & 0xffffu));
+                f[2 * i + 1] = h2f((u16)(p[i] >> 16));
+            } else {
+                f[2 * i] = __uint_as_float(p[i] << 16);
+                f[2 * i + 1] = __uint_as_float(p[i] & 0xffff0000u);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RmsNorm followed by Mul with a weight row. One block per row; `L` iterates the rows with
+// st[0] = norm result, st[1] = x, st[2] = product. The sum of squares is the rms_norm kernel's
+// (same block size from the host, same strided partial sums, same block_sum). Each thread
+// stores a norm element and reads it back before multiplying, so the product sees the value
+// rounded to the norm's dtype, as the unfused Mul does (and an in-place Mul overwrites it only
+// after that read).
+extern "C" __global__ void rms_norm_mul(i64 rows, i64 len, Lay L, void* nd, int dtn, i64 n_cs,
+                                        const void* x, int dtx, i64 x_cs, float eps, void* od,
+                                        int dto, i64 o_cs, const void* w, int dtw, i64 w_cs) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        i64 o[3];
+        lay_offsets(L, r, 3, o);
+        float s = 0.0f;
+        for (i64 c = threadIdx.x; c < len; c += blockDim.x) {
+            float v = ld(x, dtx, o[1] + c * x_cs);
+            s += v * v;
+        }
+        s = block_sum(s);
+        float inv = 1.0f / sqrtf(s / (float)len + eps);
+        for (i64 c = threadIdx.x; c < len; c += blockDim.x) {
+            const i64 ni = o[0] + c * n_cs;
+            st(nd, dtn, ni, ld(x, dtx, o[1] + c * x_cs) * inv);
+            st(od, dto, o[2] + c * o_cs, ld(nd, dtn, ni) * ld(w, dtw, c * w_cs));
+        }
+        __syncthreads();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Several matrix-vector products over one activation a [M, K] (f32, k contiguous), each
+// out_s[M, n_s] = a @ W_s.T with W_s [n_s, K] row-major (k contiguous) in one dtype, in one
+// launch whose lane groups split the concatenated output columns. Optional epilogues:
+// an Add of another tensor (bias row or residual) per product, or — pair mode, two products of
+// equal n — silu(out_0) * out_1 (SwiGlu), where one lane group computes column j of both.
+//
+// Work split as the unfused mul_mat_vec_k: a group of G lanes (G a power of two <= 32, from
+// K on the host) owns one output column (a column of both products in pair mode); lane gl reads
+// the 16-byte vectors gl, gl + G, ... of its weight rows, then the K % VW tail one element per
+// lane, and the group sums its lanes with the same xor butterfly. Rows of a go in passes of MT.
+// So each output element is summed in the unfused kernel's order.
+
+#define FG_MAXS 4
+
+// One product and its epilogue Add. Matches `FgSeg` in src/fusion.rs field for field.
+struct FgSeg {
+    i64 n;               // output columns (rows of W)
+    u64 w;               // W row j at element j * w_rs
+    i64 w_rs;
+    u64 out;             // MulMat result (f32): element (i, j) at i * o_rs + j * o_cs
+    i64 o_rs, o_cs;
+    u64 add;             // the Add's other operand (0: no Add), broadcast strides
+    i64 add_dt, a_rs, a_cs;
+    u64 sum;             // the Add's result
+    i64 sum_dt, s_rs, s_cs;
+};
+
+// Matches `FgSet` in src/fusion.rs. Pair mode (pair != 0): nseg == 2, seg 0 = gate, seg 1 =
+// up, and sw the SwiGlu result.
+struct FgSet {
+    i64 nseg;
+    FgSeg seg[FG_MAXS];
+    i64 pair;
+    u64 sw;
+    i64 sw_dt, sw_rs, sw_cs;
+};
+
+// acc[r][c] += a[r, k0 .. k0 + VW) . bf[c][..] for rows r < mt, products in k order.
+template <int VW, int NC, int MT>
+__device__ __forceinline__ void fg_fma(float (&acc)[MT][NC], const float (&bf)[NC][VW],
+                                       const float* ab, i64 a_rs, int mt, i64 k0, bool avec) {
+#pragma unroll
+    for (int r = 0; r < MT; ++r) {
+        if (r < mt) {
+            const float* ar = ab + r * a_rs + k0;
+            float av[VW];
+            if (avec) {
+#pragma unroll
+                for (int q = 0; q < VW / 4; ++q) {
+                    float4 x = ((const float4*)ar)[q];
+                    av[4 * q] = x.x; av[4 * q + 1] = x.y; av[4 * q + 2] = x.z; av[4 * q + 3] = x.w;
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < VW; ++e) av[e] = ar[e];
+            }
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+#pragma unroll
+                for (int e = 0; e < VW; ++e) acc[r][c] = fmaf(av[e], bf[c][e], acc[r][c]);
+            }
+        }
+    }
+}
+
+// Writes row i, column j of segment s: the product, then (reading the other operand after
+// that write, as the unfused Add runs after the MulMat) the Add's result.
+__device__ __forceinline__ void fg_store(const FgSeg& g, i64 i, i64 j, float y) {
+    ((float*)g.out)[i * g.o_rs + j * g.o_cs] = y;
+    if (g.add) {
+        float z = y + ld((const void*)g.add, (int)g.add_dt, i * g.a_rs + j * g.a_cs);
+        st((void*)g.sum, (int)g.sum_dt, i * g.s_rs + j * g.s_cs, z);
+    }
+}
+
+template <int DT, int MT, int NC>
+__device__ __forceinline__ void fg_body(i64 M, i64 K, const float* a, i64 a_rs, const FgSet& S,
+                                        int G, int vec) {
+    const int VW = DT == DT_F32 ? 4 : 8;
+    const int ESZ = DT == DT_F32 ? 4 : 2;
+    const int U = MT == 1 ? 4 / NC : 1;  // vectors per weight row in flight per lane
+    const int gl = threadIdx.x & (G - 1);
+    const i64 groups = blockDim.x / G;
+    const i64 group = threadIdx.x / G;
+    i64 units = S.seg[0].n;
+    if (NC == 1) {
+        for (int s = 1; s < S.nseg; ++s) units += S.seg[s].n;
+    }
+    const i64 nvec = K / VW;
+    for (i64 base = (i64)blockIdx.x * groups; base < units; base += (i64)gridDim.x * groups) {
+        const i64 u = base + group;
+        // Lanes past the last unit compute a clamped one (they take part in the shuffles);
+        // their sums are not written.
+        i64 j = min(u, units - 1);
+        int s = 0;
+        if (NC == 1) {
+            while (s + 1 < S.nseg && j >= S.seg[s].n) {
+                j -= S.seg[s].n;
+                ++s;
+            }
+        }
+        const char* wr[NC];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const FgSeg& g = S.seg[NC == 1 ? s : c];
+            wr[c] = (const char*)g.w + j * g.w_rs * ESZ;
+        }
+        for (i64 i0 = 0; i0 < M; i0 += MT) {
+            const int mt = (int)min((i64)MT, M - i0);
+            const float* ab = a + i0 * a_rs;
+            float acc[MT][NC];
+#pragma unroll
+            for (int r = 0; r < MT; ++r) {
+#pragma unroll
+                for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
+            }
+            i64 v = gl;
+            if (vec) {
+                if (U > 1) {
+                    for (; v + (U - 1) * G < nvec; v += U * G) {
+                        uint4 w[U][NC];
+#pragma unroll
+                        for (int q = 0; q < U; ++q) {
+#pragma unroll
+                            for (int c = 0; c < NC; ++c) w[q][c] = ((const uint4*)wr[c])[v + q * G];
+                        }
+#pragma unroll
+                        for (int q = 0; q < U; ++q) {
+                            float bf[NC][VW];
+#pragma unroll
+                            for (int c = 0; c < NC; ++c) f_unpack<DT>(w[q][c], bf[c]);
+                            fg_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, (v + q * G) * VW, true);
+                        }
+                    }
+                }
+                for (; v < nvec; v += G) {
+                    float bf[NC][VW];
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) f_unpack<DT>(((const uint4*)wr[c])[v], bf[c]);
+                    fg_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, v * VW, true);
+                }
+            } else {
+                for (; v < nvec; v += G) {
+                    float bf[NC][VW];
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) {
+#pragma unroll
+                        for (int e = 0; e < VW; ++e) bf[c][e] = ld(wr[c], DT, v * VW + e);
+                    }
+                    fg_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, v * VW, false);
+                }
+            }
+            for (i64 kk = nvec * VW + gl; kk < K; kk += G) {
+                float bf[NC][1];
+#pragma unroll
+                for (int c = 0; c < NC; ++c) bf[c][0] = ld(wr[c], DT, kk);
+                fg_fma<1, NC, MT>(acc, bf, ab, a_rs, mt, kk, false);
+            }
+#pragma unroll
+            for (int r = 0; r < MT; ++r) {
+                if (r < mt) {
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) {
+                        for (int off = G >> 1; off > 0; off >>= 1) {
+                            acc[r][c] += __shfl_xor_sync(0xffffffffu, acc[r][c], off);
+                        }
+                    }
+                    if (gl == 0 && u < units) {
+                        const i64 i = i0 + r;
+                        if (NC == 1) {
+                            fg_store(S.seg[s], i, j, acc[r][0]);
+                        } else {
+                            const float gv = acc[r][0], uv = acc[r][NC - 1];
+                            fg_store(S.seg[0], i, j, gv);
+                            fg_store(S.seg[1], i, j, uv);
+                            st((void*)S.sw, (int)S.sw_dt, i * S.sw_rs + j * S.sw_cs, f_silu(gv) * uv);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#define FG_DISPATCH(MT)                                                                   \
+    if (S.pair) {                                                                         \
+        switch (dtw) {                                                                    \
+            case DT_F16: fg_body<DT_F16, MT, 2>(M, K, a, a_rs, S, G, vec); break;         \
+            case DT_BF16: fg_body<DT_BF16, MT, 2>(M, K, a, a_rs, S, G, vec); break;       \
+            default: fg_body<DT_F32, MT, 2>(M, K, a, a_rs, S, G, vec); break;             \
+        }                                                                                 \
+    } else {                                                                              \
+        switch (dtw) {                                                                    \
+            case DT_F16: fg_body<DT_F16, MT, 1>(M, K, a, a_rs, S, G, vec); break;         \
+            case DT_BF16: fg_body<DT_BF16, MT, 1>(M, K, a, a_rs, S, G, vec); break;       \
+            default: fg_body<DT_F32, MT, 1>(M, K, a, a_rs, S, G, vec); break;             \
+        }                                                                                 \
+    }
+
+// `vec`: a's rows and every weight row start 16-byte aligned (checked on the host).
+// blockDim.x == 128. One row of a per pass (M <= 2) ...
+extern "C" __global__ void __launch_bounds__(128, 8) fused_gemv(i64 M, i64 K, const float* a,
+                                                                i64 a_rs, FgSet S, int dtw,
+                                                                int G, int vec) {
+    FG_DISPATCH(1)
+}
+
+// ... and eight rows per pass (each weight load serves all of them).
+extern "C" __global__ void __launch_bounds__(128) fused_gemv8(i64 M, i64 K, const float* a,
+                                                              i64 a_rs, FgSet S, int dtw, int G,
+                                                              int vec) {
+    FG_DISPATCH(8)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rope followed by the SetRows of its result into a cache, and optionally a second, plain
+// SetRows (decode's V row). Rotary embedding of x [T, H, D] at positions pos [T] into r (the
+// Rope's result, contiguous on the host's word), as the rope kernel: one work item per
+// (t, h, pair) or copied dim past n_dims, angles in f64. Each element written to r is read
+// back (rounded to r's dtype, as SetRows would read it) and stored into row idx[t] of cache c,
+// column h * D + d. Work items past the rope's are the plain copy c2[idx2[j], :] = s2[j, :].
+// SetRows' rules hold for both: a row whose index a later row repeats is skipped (the last
+// write wins), a bad index is reported with the node's tag and its row skipped.
+
+extern "C" __global__ void rope_rows(
+    i64 T, i64 H, i64 D, void* r, int dtr, i64 r_st0, i64 r_st1, i64 r_st2, const void* x,
+    int dtx, i64 x_st0, i64 x_st1, i64 x_st2, const int* pos, i64 pos_st, i64 n_dims,
+    double theta_base, int neox, void* c, int dtc, i64 c_rs, i64 c_cs, i64 c_n, const int* idx,
+    i64 idx_st, u32 tag, i64 m2, i64 d2, void* c2, int dtc2, i64 c2_rs, i64 c2_cs, i64 c2_n,
+    const void* s2, int dts2, i64 s2_rs, i64 s2_cs, const int* idx2, i64 idx2_st, u32 tag2,
+    u32* err) {
+    const i64 half = n_dims / 2;
+    const i64 per_row = half + (D - n_dims);
+    const i64 n1 = T * H * per_row;
+    const i64 n = n1 + m2 * d2;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
+         i += (i64)gridDim.x * blockDim.x) {
+        if (i >= n1) {
+            const i64 jj = (i - n1) / d2, cc = (i - n1) % d2;
+            const int row = idx2[jj * idx2_st];
+            bool later = false;
+            for (i64 q = jj + 1; q < m2; ++q) later |= idx2[q * idx2_st] == row;
+            if (later) continue;
+            if (row < 0 || (i64)row >= c2_n) {
+                report(err, tag2);
+                continue;
+            }
+            st(c2, dtc2, (i64)row * c2_rs + cc * c2_cs, ld(s2, dts2, jj * s2_rs + cc * s2_cs));
+            continue;
+        }
+        const i64 k = i % per_row;
+        const i64 th = i / per_row;
+        const i64 h = th % H, t = th / H;
+        const i64 xb = t * x_st0 + h * x_st1, rb = t * r_st0 + h * r_st1;
+        // The dims this item writes and their values.
+        i64 ca, cb = -1;
+        float va, vb = 0.0f;
+        if (k >= half) {
+            ca = n_dims + (k - half);
+            va = ld(x, dtx, xb + ca * x_st2);
+        } else {
+            double freq = pow(theta_base, -2.0 * (double)k / (double)n_dims);
+            double ang = (double)pos[t * pos_st] * freq;
+            double sd, cd;
+            sincos(ang, &sd, &cd);
+            float sn = (float)sd, cs = (float)cd;
+            ca = neox ? k : 2 * k;
+            cb = neox ? k + half : 2 * k + 1;
+            float a = ld(x, dtx, xb + ca * x_st2), b = ld(x, dtx, xb + cb * x_st2);
+            va = a * cs - b * sn;
+            vb = a * sn + b * cs;
+        }
+        st(r, dtr, rb + ca * r_st2, va);
+        if (cb >= 0) st(r, dtr, rb + cb * r_st2, vb);
+        const int row = idx[t * idx_st];
+        bool later = false;
+        for (i64 q = t + 1; q < T; ++q) later |= idx[q * idx_st] == row;
+        if (later) continue;
+        if (row < 0 || (i64)row >= c_n) {
+            report(err, tag);
+            continue;
+        }
+        const i64 cr = (i64)row * c_rs + h * D * c_cs;
+        st(c, dtc, cr + ca * c_cs, ld(r, dtr, rb + ca * r_st2));
+        if (cb >= 0) st(c, dtc, cr + cb * c_cs, ld(r, dtr, rb + cb * r_st2));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention for one query row per head: kq = q @ K^T, p = softmax(kq * scale + mask),
+// o = p @ V, and optionally the Cpy of a permuted view of o — one block per query head h,
+// whose K and V head is h / k_div and h / v_div (the unfused MulMat's GQA broadcast).
+//
+// Phase 0 loads q[h] into shared memory (all reads of q precede every write of the block, so
+// results may be written over q[h] itself). Phase 1: groups of G lanes take the key positions
+// ATT_U at a time (several 16-byte loads in flight per lane) and reduce each dot product with
+// an xor butterfly; a position whose mask is -inf gets the logit -inf and, unless the raw
+// scores must be written (`write_kq`: the host found a later reader), its K row is not read.
+// Logits are parked in p. Phase 2: max, sum of exponentials, normalized p (a row with no
+// finite logit gives zeros, as soft_max). Phase 3: TC threads per V row, each owning VW
+// adjacent dims, take the positions in ATT_T / TC slices, skipping rows with p == 0 (their
+// product is 0: masked rows are never read); the slices are summed by a fixed tree in shared
+// memory. blockDim.x == ATT_T.
+
+#define ATT_T 256
+#define ATT_MAXD 256
+#define ATT_U 4
+
+template <int DT>
+__device__ __forceinline__ void attn_body(
+    i64 L, i64 D, float scale, const void* q, int dtq, i64 q_hs, i64 q_ds, const void* k,
+    i64 k_hs, i64 k_ls, i64 k_div, int kvec, int G, const void* v, i64 v_hs, i64 v_ls,
+    i64 v_div, int vvec, int TC, const void* mask, int dtm, i64 m_hs, i64 m_ls, int has_mask,
+    float* kq, i64 kq_hs, i64 kq_ls, int write_kq, float* p, i64 p_hs, i64 p_ls, float* o,
+    i64 o_hs, i64 o_ds, void* c, int dtc, i64 c_hs, i64 c_ds, int has_cpy, float* qs,
+    float* red) {
+    const int VW = DT == DT_F32 ? 4 : 8;
+    const int ESZ = DT == DT_F32 ? 4 : 2;
+    const int tid = threadIdx.x;
+    const i64 h = blockIdx.x;
+    for (i64 d = tid; d < D; d += ATT_T) qs[d] = ld(q, dtq, h * q_hs + d * q_ds);
+    __syncthreads();
+    const char* kb = (const char*)k + (h / k_div) * k_hs * ESZ;
+    const char* vb = (const char*)v + (h / v_div) * v_hs * ESZ;
+    float* ph = p + h * p_hs;
+
+    // Phase 1: logits.
+    {
+        const int ng = ATT_T / G, grp = tid / G, gl = tid & (G - 1);
+        const i64 nvec = kvec ? D / VW : 0;
+        for (i64 base = 0; base < L; base += (i64)ng * ATT_U) {
+            i64 l[ATT_U];
+            float mv[ATT_U], acc[ATT_U];
+            bool valid[ATT_U], live[ATT_U];
+#pragma unroll
+            for (int u = 0; u < ATT_U; ++u) {
+                l[u] = base + (i64)u * ng + grp;
+                const bool in = l[u] < L;
+                mv[u] = in && has_mask ? ld(mask, dtm, h * m_hs + l[u] * m_ls) : 0.0f;
+                valid[u] = in && mv[u] != F_NEG_INF;
+                live[u] = in && (write_kq || valid[u]);
+                acc[u] = 0.0f;
+            }
+            for (i64 vi = gl; vi < nvec; vi += G) {
+                uint4 w[ATT_U];
+#pragma unroll
+                for (int u = 0; u < ATT_U; ++u) {
+                    if (live[u]) w[u] = *(const uint4*)(kb + (l[u] * k_ls + vi * VW) * ESZ);
+                }
+#pragma unroll
+                for (int u = 0; u < ATT_U; ++u) {
+                    if (live[u]) {
+                        float f[VW];
+                        f_unpack<DT>(w[u], f);
+#pragma unroll
+                        for (int e = 0; e < VW; ++e) acc[u] = fmaf(qs[vi * VW + e], f[e], acc[u]);
+                    }
+                }
+            }
+            for (i64 e = nvec * VW + gl; e < D; e += G) {
+#pragma unroll
+                for (int u = 0; u < ATT_U; ++u) {
+                    if (live[u]) acc[u] = fmaf(qs[e], ld(kb, DT, l[u] * k_ls + e), acc[u]);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < ATT_U; ++u) {
+                for (int off = G >> 1; off > 0; off >>= 1) {
+                    acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], off);
+                }
+            }
+            if (gl == 0) {
+#pragma unroll
+                for (int u = 0; u < ATT_U; ++u) {
+                    if (l[u] < L) {
+                        if (write_kq) kq[h * kq_hs + l[u] * kq_ls] = acc[u];
+                        float lg = acc[u] * scale;
+                        if (has_mask) lg += mv[u];
+                        ph[l[u] * p_ls] = valid[u] ? lg : F_NEG_INF;
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+
+    // Phase 2: softmax in place in p; each thread rewrites the entries it read.
+    float mx = F_NEG_INF;
+    for (i64 j = tid; j < L; j += ATT_T) mx = fmaxf(mx, ph[j * p_ls]);
+    mx = block_max(mx);
+    float sum = 0.0f;
+    if (mx != F_NEG_INF) {
+        for (i64 j = tid; j < L; j += ATT_T) sum += expf(ph[j * p_ls] - mx);
+    }
+    sum = block_sum(sum);
+    const float inv = mx != F_NEG_INF ? 1.0f / sum : 0.0f;
+    for (i64 j = tid; j < L; j += ATT_T) {
+        ph[j * p_ls] = mx != F_NEG_INF ? expf(ph[j * p_ls] - mx) * inv : 0.0f;
+    }
+    __syncthreads();
+
+    // Phase 3: o = p @ V.
+    const int RS = ATT_T / TC;
+    const int tc = tid % TC, rs = tid / TC;
+    const int vw = vvec ? VW : 1;
+    const i64 c0 = (i64)tc * vw;
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+    if (c0 < D) {
+        for (i64 base = rs; base < L; base += (i64)RS * ATT_U) {
+            float pw[ATT_U];
+#pragma unroll
+            for (int u = 0; u < ATT_U; ++u) {
+                const i64 j = base + (i64)u * RS;
+                pw[u] = j < L ? ph[j * p_ls] : 0.0f;
+            }
+            if (vvec) {
+                uint4 w[ATT_U];
+#pragma unroll
+                for (int u = 0; u < ATT_U; ++u) {
+                    if (pw[u] != 0.0f) {
+                        w[u] = *(const uint4*)(vb + ((base + (i64)u * RS) * v_ls + c0) * ESZ);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < ATT_U; ++u) {
+                    if (pw[u] != 0.0f) {
+                        float f[VW];
+                        f_unpack<DT>(w[u], f);
+#pragma unroll
+                        for (int e = 0; e < VW; ++e) acc[e] = fmaf(pw[u], f[e], acc[e]);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int u = 0; u < ATT_U; ++u) {
+                    if (pw[u] != 0.0f) {
+                        acc[0] = fmaf(pw[u], ld(vb, DT, (base + (i64)u * RS) * v_ls + c0), acc[0]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) red[tid * 8 + e] = acc[e];
+    __syncthreads();
+    for (int s = RS >> 1; s > 0; s >>= 1) {
+        if (rs < s) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) red[tid * 8 + e] += red[(tid + s * TC) * 8 + e];
+        }
+        __syncthreads();
+    }
+    if (rs == 0) {
+        for (int e = 0; e < vw; ++e) {
+            const i64 col = c0 + e;
+            if (col < D) {
+                const float y = red[tid * 8 + e];
+                o[h * o_hs + col * o_ds] = y;
+                if (has_cpy) st(c, dtc, h * c_hs + col * c_ds, y);
+            }
+        }
+    }
+}
+
+// K and V share one dtype (dtkv). G: lanes per key row; TC: threads per V row (powers of two
+// dividing ATT_T). `kvec` / `vvec`: every K / V row start is 16-byte aligned (and, for V, D a
+// multiple of the vector width), checked on the host.
+extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
+    i64 L, i64 D, float scale, const void* q, int dtq, i64 q_hs, i64 q_ds, int dtkv,
+    const void* k, i64 k_hs, i64 k_ls, i64 k_div, int kvec, int G, const void* v, i64 v_hs,
+    i64 v_ls, i64 v_div, int vvec, int TC, const void* mask, int dtm, i64 m_hs, i64 m_ls,
+    int has_mask, float* kq, i64 kq_hs, i64 kq_ls, int write_kq, float* p, i64 p_hs, i64 p_ls,
+    float* o, i64 o_hs, i64 o_ds, void* c, int dtc, i64 c_hs, i64 c_ds, int has_cpy) {
+    __shared__ float qs[ATT_MAXD];
+    __shared__ float red[ATT_T * 8];
+#define ATT_ARGS                                                                           \
+    L, D, scale, q, dtq, q_hs, q_ds, k, k_hs, k_ls, k_div, kvec, G, v, v_hs, v_ls, v_div, \
+        vvec, TC, mask, dtm, m_hs, m_ls, has_mask, kq, kq_hs, kq_ls, write_kq, p, p_hs,   \
+        p_ls, o, o_hs, o_ds, c, dtc, c_hs, c_ds, has_cpy, qs, red
+    switch (dtkv) {
+        case DT_F16: attn_body<DT_F16>(ATT_ARGS); break;
+        case DT_BF16: attn_body<DT_BF16>(ATT_ARGS); break;
+        default: attn_body<DT_F32>(ATT_ARGS); break;
+    }
+#undef ATT_ARGS
+}

@@ -1,0 +1,735 @@
+//! The fused decode kernels against the unfused chains they replace: each case is a node chain
+//! on device buffers, run once with `fusion: false` and once with fusion on (graph replay off,
+//! so every kernel is counted), comparing every tensor the chain leaves behind and the kernel
+//! launches saved. The fused run is also checked against the CPU oracle.
+//!
+//! Bounds, fused vs unfused: NMSE <= 1e-8 for results stored in f32, whatever the weight or
+//! cache dtype (the same f32 arithmetic, at most in another summation order); 1e-6 for results
+//! stored in f16 and 1e-5 in bf16 (an f32 value one ulp apart may round to the neighbouring
+//! half). Against the oracle, the op suite's bounds (1e-7 f32, 1e-5 f16, 1e-4 bf16). Skipped
+//! without a CUDA device (`LOWSYNC_REQUIRE_CUDA=1` makes that a failure).
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{decode_one, encode, gpu_with, nmse, Rng, FLOATS};
+use lowsync_backend::{Backend, BufferId, BufferUsage, ExecGraph, ExecNode, TensorRef};
+use lowsync_cpu::CpuBackend;
+use lowsync_cuda::CudaConfig;
+use lowsync_graph::{contiguous_strides, DType, Op, RopeMode};
+
+/// A chain of nodes over a few buffers (`BufferId(i)`: buffer i of the case) and their
+/// initial bytes; run on fresh buffers of each backend.
+#[derive(Clone, Default)]
+struct Case {
+    bufs: Vec<Vec<u8>>,
+    nodes: Vec<ExecNode>,
+}
+
+impl Case {
+    fn buffer(&mut self, bytes: usize) -> u64 {
+        self.bufs.push(vec![0; bytes]);
+        (self.bufs.len() - 1) as u64
+    }
+
+    /// A packed tensor in a buffer of its own.
+    fn tensor(&mut self, dtype: DType, shape: &[usize]) -> TensorRef {
+        let n: usize = shape.iter().product();
+        let buf = self.buffer(n * dtype.size_bytes());
+        packed(buf, 0, dtype, shape)
+    }
+
+    /// Writes `values` (row-major over `t`'s shape) at `t`'s elements.
+    fn fill(&mut self, t: &TensorRef, values: &[f32]) {
+        assert_eq!(values.len(), t.numel());
+        let esz = t.dtype.size_bytes();
+        let buf = &mut self.bufs[t.buffer.0 as usize];
+        for (i, v) in values.iter().enumerate() {
+            let at = t.byte_offset + offset(t, i) * esz;
+            buf[at..at + esz].copy_from_slice(&encode(t.dtype, &[*v]));
+        }
+    }
+
+    fn rand(&mut self, rng: &mut Rng, t: &TensorRef, scale: f32) {
+        let v: Vec<f32> = (0..t.numel()).map(|_| rng.f() * scale).collect();
+        self.fill(t, &v);
+    }
+
+    fn node(&mut self, op: Op, dst: &TensorRef, srcs: &[&TensorRef]) {
+        self.nodes.push(ExecNode {
+            op,
+            name: format!("{}#{}", op.name(), self.nodes.len()),
+            dst: dst.clone(),
+            srcs: srcs.iter().map(|&t| t.clone()).collect(),
+        });
+    }
+}
+
+fn view(
+    buf: u64,
+    byte_offset: usize,
+    dtype: DType,
+    shape: &[usize],
+    strides: &[usize],
+) -> TensorRef {
+    TensorRef {
+        buffer: BufferId(buf),
+        byte_offset,
+        dtype,
+        shape: shape.to_vec(),
+        strides: strides.to_vec(),
+    }
+}
+
+fn packed(buf: u64, byte_offset: usize, dtype: DType, shape: &[usize]) -> TensorRef {
+    view(buf, byte_offset, dtype, shape, &contiguous_strides(shape))
+}
+
+/// Element offset of row-major index `i` of `t`.
+fn offset(t: &TensorRef, mut i: usize) -> usize {
+    let mut off = 0;
+    for ax in (0..t.shape.len()).rev() {
+        off += (i % t.shape[ax]) * t.strides[ax];
+        i /= t.shape[ax];
+    }
+    off
+}
+
+fn values(bufs: &[Vec<u8>], t: &TensorRef) -> Vec<f64> {
+    let esz = t.dtype.size_bytes();
+    (0..t.numel())
+        .map(|i| {
+            decode_one(
+                t.dtype,
+                &bufs[t.buffer.0 as usize],
+                t.byte_offset + offset(t, i) * esz,
+            )
+        })
+        .collect()
+}
+
+/// Runs `case` on `be` (fresh buffers); returns the final bytes of every buffer.
+fn execute(be: &dyn Backend, case: &Case) -> Vec<Vec<u8>> {
+    let ids: Vec<BufferId> = case
+        .bufs
+        .iter()
+        .map(|b| {
+            let id = be
+                .alloc_buffer(b.len().max(4), BufferUsage::Compute)
+                .unwrap();
+            if !b.is_empty() {
+                be.set_tensor(id, 0, b).unwrap();
+            }
+            id
+        })
+        .collect();
+    let map = |t: &TensorRef| TensorRef {
+        buffer: ids[t.buffer.0 as usize],
+        ..t.clone()
+    };
+    let nodes = case
+        .nodes
+        .iter()
+        .map(|n| ExecNode {
+            op: n.op,
+            name: n.name.clone(),
+            dst: map(&n.dst),
+            srcs: n.srcs.iter().map(map).collect(),
+        })
+        .collect();
+    be.synchronize().unwrap();
+    be.graph_compute_async(&Arc::new(ExecGraph { nodes }))
+        .unwrap();
+    be.synchronize().unwrap();
+    let out = ids
+        .iter()
+        .zip(&case.bufs)
+        .map(|(&id, b)| {
+            let mut v = vec![0u8; b.len()];
+            if !v.is_empty() {
+                be.get_tensor(id, 0, &mut v).unwrap();
+            }
+            be.free_buffer(id);
+            v
+        })
+        .collect();
+    out
+}
+
+/// Final buffers and kernel launches of `case` on a CUDA backend; `None` without a device.
+fn on_gpu(test: &str, case: &Case, fusion: bool) -> Option<(Vec<Vec<u8>>, u64)> {
+    let cfg = CudaConfig {
+        fusion,
+        graphs: false,
+        ..CudaConfig::default()
+    };
+    let be = gpu_with(test, cfg)?;
+    let before = be.stats().snapshot();
+    let bufs = execute(&*be, case);
+    Some((bufs, be.stats().snapshot().since(&before).kernel_launches))
+}
+
+fn fused_bound(d: DType) -> f64 {
+    match d {
+        DType::F16 => 1e-6,
+        DType::BF16 => 1e-5,
+        _ => 1e-8,
+    }
+}
+
+fn oracle_bound(d: DType) -> f64 {
+    match d {
+        DType::F16 => 1e-5,
+        DType::BF16 => 1e-4,
+        _ => 1e-7,
+    }
+}
+
+fn assert_close(what: &str, want: &[f64], got: &[f64], bound: f64) {
+    let e = nmse(want, got);
+    assert!(
+        e <= bound,
+        "{what}: NMSE {e:e} > {bound:e}\nwant {:?}\ngot  {:?}",
+        &want[..want.len().min(8)],
+        &got[..got.len().min(8)]
+    );
+}
+
+/// Runs `case` unfused and fused (the fused run on `fused_case`, the same chain with other
+/// initial bytes where a test wants that), compares `outputs` and checks that fusion saved
+/// `saved` launches. Returns false when skipped.
+fn check_with(
+    test: &str,
+    case: &Case,
+    fused_case: &Case,
+    outputs: &[(&str, &TensorRef)],
+    saved: u64,
+) -> bool {
+    let Some((off, n_off)) = on_gpu(test, case, false) else {
+        return false;
+    };
+    let (on, n_on) = on_gpu(test, fused_case, true).expect("the device is still there");
+    let oracle = execute(&CpuBackend::new(), case);
+    for (name, t) in outputs {
+        let what = format!("{test}: {name}");
+        let got = values(&on, t);
+        assert_close(
+            &format!("{what} vs unfused"),
+            &values(&off, t),
+            &got,
+            fused_bound(t.dtype),
+        );
+        assert_close(
+            &format!("{what} vs oracle"),
+            &values(&oracle, t),
+            &got,
+            oracle_bound(t.dtype),
+        );
+    }
+    assert_eq!(
+        n_off - n_on,
+        saved,
+        "{test}: launches {n_off} unfused, {n_on} fused"
+    );
+    true
+}
+
+fn check(test: &str, case: &Case, outputs: &[(&str, &TensorRef)], saved: u64) -> bool {
+    check_with(test, case, case, outputs, saved)
+}
+
+/// A GGUF weight `[out, in]` (random, scaled by 1/sqrt(in)) seen as `w.T`.
+fn weight(c: &mut Case, rng: &mut Rng, dtype: DType, inp: usize, out: usize) -> TensorRef {
+    let w = c.tensor(dtype, &[out, inp]);
+    c.rand(rng, &w, 1.0 / (inp as f32).sqrt());
+    view(w.buffer.0, 0, dtype, &[inp, out], &[1, inp])
+}
+
+#[test]
+fn norm_and_weight_row_are_one_launch() {
+    let mut rng = Rng::new(31);
+    for xdt in [DType::F32, DType::F16] {
+        for wdt in FLOATS {
+            for in_place in [true, false] {
+                for transposed in [false, true] {
+                    let mut c = Case::default();
+                    let x = if transposed {
+                        let raw = c.tensor(xdt, &[300, 3]);
+                        c.rand(&mut rng, &raw, 2.0);
+                        view(raw.buffer.0, 0, xdt, &[3, 300], &[1, 3])
+                    } else {
+                        let x = c.tensor(xdt, &[3, 300]);
+                        c.rand(&mut rng, &x, 2.0);
+                        x
+                    };
+                    let w = c.tensor(wdt, &[300]);
+                    c.rand(&mut rng, &w, 1.5);
+                    let norm = c.tensor(xdt, &[3, 300]);
+                    let out = if in_place {
+                        norm.clone()
+                    } else {
+                        c.tensor(xdt, &[3, 300])
+                    };
+                    c.node(Op::RmsNorm { eps: 1e-5 }, &norm, &[&x]);
+                    c.node(Op::Mul, &out, &[&norm, &w]);
+                    let test =
+                        format!("norm x {xdt} w {wdt} in_place {in_place} transposed {transposed}");
+                    if !check(&test, &c, &[("norm", &norm), ("product", &out)], 1) {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn projections_of_one_activation_are_one_launch() {
+    let mut rng = Rng::new(32);
+    for wdt in FLOATS {
+        // k = 2050: rows not 16-byte aligned (scalar loads) and a k % 8 tail; m = 3: eight
+        // rows per pass.
+        for (m, k) in [(1, 64), (1, 2050), (3, 256)] {
+            for bias in [false, true] {
+                let mut c = Case::default();
+                let h = c.tensor(DType::F32, &[m, k]);
+                c.rand(&mut rng, &h, 1.0);
+                let mut outputs = Vec::new();
+                for (name, n) in [("q", 96), ("k", 32), ("v", 32)] {
+                    let w = weight(&mut c, &mut rng, wdt, k, n);
+                    let out = c.tensor(DType::F32, &[m, n]);
+                    c.node(Op::MulMat, &out, &[&h, &w]);
+                    if bias {
+                        // q: in place; k: into a new tensor (the product survives); v: an f16
+                        // bias.
+                        let b = c.tensor(if name == "v" { DType::F16 } else { DType::F32 }, &[n]);
+                        c.rand(&mut rng, &b, 1.0);
+                        let sum = if name == "q" {
+                            out.clone()
+                        } else {
+                            c.tensor(DType::F32, &[m, n])
+                        };
+                        c.node(Op::Add, &sum, &[&out, &b]);
+                        outputs.push((name, sum));
+                    }
+                    outputs.push((name, out));
+                }
+                let test = format!("qkv {wdt} m {m} k {k} bias {bias}");
+                let outs: Vec<(&str, &TensorRef)> = outputs.iter().map(|(n, t)| (*n, t)).collect();
+                if !check(&test, &c, &outs, if bias { 5 } else { 2 }) {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gate_up_and_swiglu_are_one_launch() {
+    let mut rng = Rng::new(33);
+    for wdt in FLOATS {
+        for m in [1, 4] {
+            for in_place in [true, false] {
+                let mut c = Case::default();
+                let h = c.tensor(DType::F32, &[m, 256]);
+                c.rand(&mut rng, &h, 1.0);
+                let wg = weight(&mut c, &mut rng, wdt, 256, 200);
+                let wu = weight(&mut c, &mut rng, wdt, 256, 200);
+                let gate = c.tensor(DType::F32, &[m, 200]);
+                let up = c.tensor(DType::F32, &[m, 200]);
+                c.node(Op::MulMat, &gate, &[&h, &wg]);
+                c.node(Op::MulMat, &up, &[&h, &wu]);
+                let f = if in_place {
+                    gate.clone()
+                } else {
+                    c.tensor(DType::F32, &[m, 200])
+                };
+                c.node(Op::SwiGlu, &f, &[&gate, &up]);
+                let test = format!("gate/up {wdt} m {m} in_place {in_place}");
+                if !check(
+                    &test,
+                    &c,
+                    &[("gate", &gate), ("up", &up), ("swiglu", &f)],
+                    2,
+                ) {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn product_and_residual_add_are_one_launch() {
+    let mut rng = Rng::new(34);
+    for wdt in FLOATS {
+        for m in [1, 2] {
+            for residual_first in [true, false] {
+                let mut c = Case::default();
+                let a = c.tensor(DType::F32, &[m, 512]);
+                c.rand(&mut rng, &a, 1.0);
+                let x = c.tensor(DType::F32, &[m, 256]);
+                c.rand(&mut rng, &x, 1.0);
+                let w = weight(&mut c, &mut rng, wdt, 512, 256);
+                let o = c.tensor(DType::F32, &[m, 256]);
+                c.node(Op::MulMat, &o, &[&a, &w]);
+                // x + o in place over x (llama.py), or o + x in place over o.
+                if residual_first {
+                    c.node(Op::Add, &x, &[&x, &o]);
+                } else {
+                    c.node(Op::Add, &o, &[&o, &x]);
+                }
+                let test = format!("residual {wdt} m {m} residual_first {residual_first}");
+                if !check(&test, &c, &[("product", &o), ("residual", &x)], 1) {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rope_and_cache_rows_are_one_launch() {
+    let mut rng = Rng::new(35);
+    let (n_kv, hd, n_ctx) = (2, 64, 24);
+    for cache in FLOATS {
+        for mode in [RopeMode::Normal, RopeMode::Neox] {
+            for n_dims in [hd, hd / 2] {
+                // Three rows with a repeated index: the last write wins.
+                for (pos, idx) in [(vec![17], vec![17]), (vec![5, 6, 7], vec![9, 4, 9])] {
+                    let t = pos.len();
+                    let mut c = Case::default();
+                    let k_cache = c.tensor(cache, &[n_ctx, n_kv * hd]);
+                    let v_cache = c.tensor(cache, &[n_ctx, n_kv * hd]);
+                    c.rand(&mut rng, &k_cache, 1.0);
+                    c.rand(&mut rng, &v_cache, 1.0);
+                    let k = c.tensor(DType::F32, &[t, n_kv, hd]);
+                    let v = c.tensor(DType::F32, &[t, n_kv * hd]);
+                    c.rand(&mut rng, &k, 1.0);
+                    c.rand(&mut rng, &v, 1.0);
+                    let p = c.tensor(DType::I32, &[t]);
+                    c.fill(&p, &pos.iter().map(|&x| x as f32).collect::<Vec<_>>());
+                    let ix = c.tensor(DType::I32, &[t]);
+                    c.fill(&ix, &idx.iter().map(|&x| x as f32).collect::<Vec<_>>());
+                    let r = c.tensor(DType::F32, &[t, n_kv, hd]);
+                    let rows = packed(r.buffer.0, 0, DType::F32, &[t, n_kv * hd]);
+                    let rope = Op::Rope {
+                        mode,
+                        n_dims,
+                        theta_base: 10_000.0,
+                    };
+                    c.node(rope, &r, &[&k, &p]);
+                    c.node(Op::SetRows, &k_cache, &[&k_cache, &rows, &ix]);
+                    c.node(Op::SetRows, &v_cache, &[&v_cache, &v, &ix]);
+                    let test = format!("rope {cache} cache {mode:?} n_dims {n_dims} rows {t}");
+                    let outs = [("rope", &r), ("k cache", &k_cache), ("v cache", &v_cache)];
+                    if !check(&test, &c, &outs, 2) {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Mask rows: position j of head h is visible when j < valid[h], except j == hole.
+fn mask_values(heads: usize, n_ctx: usize, valid: &[usize], hole: Option<usize>) -> Vec<f32> {
+    (0..heads * n_ctx)
+        .map(|i| {
+            let (h, j) = (i / n_ctx, i % n_ctx);
+            if j < valid[h % valid.len()] && Some(j) != hole {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            }
+        })
+        .collect()
+}
+
+/// The attention chain of llama.py for one token: q [1, hq, d] f32 seen as [hq, 1, d], K and
+/// V caches [n_ctx, hkv * d] seen as [hkv, d, n_ctx] and [hkv, n_ctx, d], scores, softmax
+/// under `mask`, p @ V and the Cpy of its permutation, all in one activation buffer. With
+/// `over_scores`, the Cpy's result lies over the scores (as the allocator places it) and a
+/// last node overwrites the rest of them, so they are dead. Returns the case, the masked
+/// cache rows' tensors and the outputs to compare.
+struct Attn {
+    case: Case,
+    k_cache: TensorRef,
+    v_cache: TensorRef,
+    outputs: Vec<(&'static str, TensorRef)>,
+}
+
+fn attention_case(
+    rng: &mut Rng,
+    kv: DType,
+    (hq, hkv, d): (usize, usize, usize),
+    n_ctx: usize,
+    mask: (&[usize], usize, Option<usize>),
+    over_scores: bool,
+) -> Attn {
+    let (valid, mask_heads, hole) = mask;
+    let mut c = Case::default();
+    let k_cache = c.tensor(kv, &[n_ctx, hkv * d]);
+    let v_cache = c.tensor(kv, &[n_ctx, hkv * d]);
+    c.rand(rng, &k_cache, 1.0);
+    c.rand(rng, &v_cache, 1.0);
+    let m = if mask_heads == 1 {
+        c.tensor(DType::F32, &[1, n_ctx])
+    } else {
+        c.tensor(DType::F32, &[mask_heads, 1, n_ctx])
+    };
+    c.fill(&m, &mask_values(mask_heads, n_ctx, valid, hole));
+    let (sq, ss, so) = (hq * d * 4, hq * n_ctx * 4, hq * d * 4);
+    let act = c.buffer(sq + 2 * ss + so + so.max(ss));
+    let q = packed(act, 0, DType::F32, &[1, hq, d]);
+    c.rand(rng, &q, 1.0);
+    let qh = view(act, 0, DType::F32, &[hq, 1, d], &[d, hq * d, 1]);
+    let keys = view(k_cache.buffer.0, 0, kv, &[hkv, d, n_ctx], &[d, 1, hkv * d]);
+    let values = view(v_cache.buffer.0, 0, kv, &[hkv, n_ctx, d], &[d, hkv * d, 1]);
+    let scores = packed(act, sq, DType::F32, &[hq, 1, n_ctx]);
+    let probs = packed(act, sq + ss, DType::F32, &[hq, 1, n_ctx]);
+    let o = packed(act, sq + 2 * ss, DType::F32, &[hq, 1, d]);
+    let o_t = view(act, sq + 2 * ss, DType::F32, &[1, hq, d], &[d, d, 1]);
+    let att = packed(
+        act,
+        if over_scores { sq } else { sq + 2 * ss + so },
+        DType::F32,
+        &[1, hq, d],
+    );
+    c.node(Op::MulMat, &scores, &[&qh, &keys]);
+    c.node(
+        Op::SoftMax {
+            scale: 1.0 / (d as f32).sqrt(),
+        },
+        &probs,
+        &[&scores, &m],
+    );
+    c.node(Op::MulMat, &o, &[&probs, &values]);
+    c.node(Op::Cpy, &att, &[&o_t]);
+    let mut outputs = vec![("probs", probs), ("p @ V", o), ("copy", att)];
+    if over_scores {
+        assert!(so < ss, "the copy covers part of the scores");
+        let rest = packed(act, sq + so, DType::F32, &[(ss - so) / 4]);
+        let src = packed(act, sq + 2 * ss + so, DType::F32, &[(ss - so) / 4]);
+        c.rand(rng, &src, 1.0);
+        c.node(Op::Scale { scale: 1.0 }, &rest, &[&src]);
+        outputs.push(("rest of the scores", rest));
+    } else {
+        outputs.push(("scores", scores));
+    }
+    Attn {
+        case: c,
+        k_cache,
+        v_cache,
+        outputs,
+    }
+}
+
+fn outputs(a: &Attn) -> Vec<(&str, &TensorRef)> {
+    a.outputs.iter().map(|(n, t)| (*n, t)).collect()
+}
+
+#[test]
+fn decode_attention_is_one_launch() {
+    let mut rng = Rng::new(36);
+    let n_ctx = 160;
+    for kv in FLOATS {
+        // GQA 8 over 2; no GQA at head_dim 128; head_dim 80 (not a power of two) over 3.
+        for heads in [(8, 2, 64), (4, 4, 128), (6, 3, 80)] {
+            let masks: [(&[usize], usize, Option<usize>); 4] = [
+                (&[37], 1, Some(5)),                 // a valid prefix with a hole
+                (&[n_ctx], 1, None),                 // every row
+                (&[0], 1, None),                     // every row masked: zeros
+                (&[3, 60, n_ctx, 1], heads.0, None), // per-head masks
+            ];
+            for mask in masks {
+                for over_scores in [false, true] {
+                    let a = attention_case(&mut rng, kv, heads, n_ctx, mask, over_scores);
+                    let test =
+                        format!("attention {kv} {heads:?} mask {mask:?} over_scores {over_scores}");
+                    if !check(&test, &a.case, &outputs(&a), 3) {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn masked_cache_rows_are_never_read() {
+    let mut rng = Rng::new(37);
+    let n_ctx = 96;
+    let valid = 29;
+    for kv in FLOATS {
+        // Dead scores: the kernel reads neither K nor V rows under a -inf mask, so NaN there
+        // changes nothing (the unfused chain, reading them, runs on finite rows).
+        let a = attention_case(
+            &mut rng,
+            kv,
+            (8, 2, 64),
+            n_ctx,
+            (&[valid], 1, Some(3)),
+            true,
+        );
+        let mut poisoned = a.case.clone();
+        for cache in [&a.k_cache, &a.v_cache] {
+            for row in (valid..n_ctx).chain([3]) {
+                let r = view(
+                    cache.buffer.0,
+                    row * cache.strides[0] * kv.size_bytes(),
+                    kv,
+                    &[cache.shape[1]],
+                    &[1],
+                );
+                poisoned.fill(&r, &vec![f32::NAN; cache.shape[1]]);
+            }
+        }
+        if !check_with(
+            &format!("poisoned {kv} cache"),
+            &a.case,
+            &poisoned,
+            &outputs(&a),
+            3,
+        ) {
+            return;
+        }
+    }
+}
+
+/// One decode layer of llama.py (d 256, 8 query heads over 2 kv heads of 32, ffn 512, 64 cache
+/// rows, token at position 20) laid out as the scheduler's allocator lays it out: rope q over
+/// h, rope k over the raw q, the scores over q/k/v, p @ V over the rotated q, its Cpy over the
+/// scores, gate over them all, in-place bias and residual adds, SwiGlu in place over gate.
+fn layer(
+    rng: &mut Rng,
+    bias: bool,
+    wdt: DType,
+    kv: DType,
+) -> (Case, Vec<(&'static str, TensorRef)>) {
+    let (d, nh, nkv, hd, dff, n_ctx, at) = (256, 8, 2, 32, 512, 64, 20);
+    let kvd = nkv * hd;
+    let mut c = Case::default();
+    let inputs = c.buffer(256 + n_ctx * 4);
+    let pos = packed(inputs, 0, DType::I32, &[1]);
+    let kv_idx = packed(inputs, 64, DType::I32, &[1]);
+    let mask = packed(inputs, 256, DType::F32, &[1, n_ctx]);
+    c.fill(&pos, &[at as f32]);
+    c.fill(&kv_idx, &[at as f32]);
+    c.fill(&mask, &mask_values(1, n_ctx, &[at + 1], None));
+    let k_cache = c.tensor(kv, &[n_ctx, kvd]);
+    let v_cache = c.tensor(kv, &[n_ctx, kvd]);
+    let filled = |c: &mut Case, rng: &mut Rng, t: &TensorRef| {
+        let rows = packed(t.buffer.0, 0, kv, &[at, kvd]);
+        c.rand(rng, &rows, 1.0);
+    };
+    filled(&mut c, rng, &k_cache);
+    filled(&mut c, rng, &v_cache);
+    // Byte offsets: x, h, then a region reused by q/k/v, the scores, the copy and gate.
+    let (xo, ho, qo) = (0, d * 4, 2 * d * 4);
+    let (ko, vo) = (qo + d * 4, qo + d * 4 + kvd * 4);
+    let big = (nh * n_ctx).max(dff).max(d + 2 * kvd);
+    assert!(nh * n_ctx <= dff, "gate covers the scores");
+    let po = qo + big * 4;
+    let act = c.buffer(po + big * 4);
+    let a = |off: usize, shape: &[usize]| packed(act, off, DType::F32, shape);
+    let (x, h) = (a(xo, &[1, d]), a(ho, &[1, d]));
+    c.rand(rng, &x, 1.0);
+    let linear = |c: &mut Case, rng: &mut Rng, inp: &TensorRef, out: TensorRef, bias: bool| {
+        let w = weight(c, rng, wdt, inp.shape[1], out.shape[1]);
+        c.node(Op::MulMat, &out, &[inp, &w]);
+        if bias {
+            let b = c.tensor(DType::F32, &[out.shape[1]]);
+            c.rand(rng, &b, 0.5);
+            c.node(Op::Add, &out, &[&out, &b]);
+        }
+    };
+    let norm = |c: &mut Case, rng: &mut Rng| {
+        let w = c.tensor(DType::F32, &[d]);
+        c.rand(rng, &w, 1.0);
+        c.node(Op::RmsNorm { eps: 1e-5 }, &h, &[&x]);
+        c.node(Op::Mul, &h, &[&h, &w]);
+    };
+    norm(&mut c, rng);
+    linear(&mut c, rng, &h, a(qo, &[1, d]), bias);
+    linear(&mut c, rng, &h, a(ko, &[1, kvd]), bias);
+    linear(&mut c, rng, &h, a(vo, &[1, kvd]), bias);
+    let rope = Op::Rope {
+        mode: RopeMode::Normal,
+        n_dims: hd,
+        theta_base: 10_000.0,
+    };
+    c.node(rope, &a(ho, &[1, nh, hd]), &[&a(qo, &[1, nh, hd]), &pos]);
+    c.node(rope, &a(qo, &[1, nkv, hd]), &[&a(ko, &[1, nkv, hd]), &pos]);
+    c.node(
+        Op::SetRows,
+        &k_cache,
+        &[&k_cache, &a(qo, &[1, kvd]), &kv_idx],
+    );
+    c.node(
+        Op::SetRows,
+        &v_cache,
+        &[&v_cache, &a(vo, &[1, kvd]), &kv_idx],
+    );
+    let q = view(act, ho, DType::F32, &[nh, 1, hd], &[hd, nh * hd, 1]);
+    let keys = view(k_cache.buffer.0, 0, kv, &[nkv, hd, n_ctx], &[hd, 1, kvd]);
+    let values = view(v_cache.buffer.0, 0, kv, &[nkv, n_ctx, hd], &[hd, kvd, 1]);
+    c.node(Op::MulMat, &a(qo, &[nh, 1, n_ctx]), &[&q, &keys]);
+    let sm = Op::SoftMax {
+        scale: 1.0 / (hd as f32).sqrt(),
+    };
+    c.node(
+        sm,
+        &a(po, &[nh, 1, n_ctx]),
+        &[&a(qo, &[nh, 1, n_ctx]), &mask],
+    );
+    c.node(
+        Op::MulMat,
+        &a(ho, &[nh, 1, hd]),
+        &[&a(po, &[nh, 1, n_ctx]), &values],
+    );
+    let o_t = view(act, ho, DType::F32, &[1, nh, hd], &[hd, hd, 1]);
+    c.node(Op::Cpy, &a(qo, &[1, nh, hd]), &[&o_t]);
+    let o = a(ho, &[1, d]);
+    linear(&mut c, rng, &a(qo, &[1, d]), o.clone(), false);
+    c.node(Op::Add, &x, &[&x, &o]);
+    norm(&mut c, rng);
+    let (gate, up) = (a(qo, &[1, dff]), a(po, &[1, dff]));
+    linear(&mut c, rng, &h, gate.clone(), false);
+    linear(&mut c, rng, &h, up.clone(), false);
+    c.node(Op::SwiGlu, &gate, &[&gate, &up]);
+    linear(&mut c, rng, &gate, o.clone(), false);
+    c.node(Op::Add, &x, &[&x, &o]);
+    let outputs = vec![
+        ("x", x),
+        ("h", h),
+        ("ffn", gate),
+        ("up", up),
+        ("down", o),
+        ("k cache", k_cache),
+        ("v cache", v_cache),
+    ];
+    (c, outputs)
+}
+
+#[test]
+fn a_decode_layer_is_nine_launches() {
+    let mut rng = Rng::new(38);
+    for (wdt, kv) in [
+        (DType::F32, DType::F32),
+        (DType::F16, DType::F16),
+        (DType::BF16, DType::F32),
+    ] {
+        for bias in [false, true] {
+            let (c, outs) = layer(&mut rng, bias, wdt, kv);
+            let unfused = if bias { 25 } else { 22 };
+            assert_eq!(c.nodes.len(), unfused);
+            let test = format!("layer weights {wdt} cache {kv} bias {bias}");
+            let outs: Vec<(&str, &TensorRef)> = outs.iter().map(|(n, t)| (*n, t)).collect();
+            if !check(&test, &c, &outs, unfused as u64 - 9) {
+                return;
+            }
+        }
+    }
+}
