@@ -151,6 +151,11 @@ if [[ $parts == *ncu* ]]; then
         tail -3 "$logs/ncu.err"
     fi
 fi
+if [[ $parts == *gemvspeed* ]]; then
+    LOWSYNC_REQUIRE_CUDA=1 timeout 200 .carry/cuda-tests/gemv_speed --ignored --nocapture --test-threads=1 \
+        >"$logs/gemv-speed.txt" 2>&1
+    say "gemv speed: exit $?"; grep -E "GB/s|panicked" "$logs/gemv-speed.txt" | tee -a "$summary"
+fi
 if [[ $parts == *torch* ]]; then
     timeout 550 python3 benches/python/compare_torch.py --models ${TORCH_MODELS:-tiny,1b} --json "$out/compare-torch.json" \
         >"$logs/compare-torch.txt" 2>"$logs/compare-torch.err"
