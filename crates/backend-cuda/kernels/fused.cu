@@ -42,20 +42,47 @@ __device__ __forceinline__ void f_unpack(uint4 w, float* f) {
 extern "C" __global__ void rms_norm_mul(i64 rows, i64 len, Lay L, void* nd, int dtn, i64 n_cs,
                                         const void* x, int dtx, i64 x_cs, float eps, void* od,
                                         int dto, i64 o_cs, const void* w, int dtw, i64 w_cs) {
+    // A row that fits RN_V values per thread is read once, with every load in flight before
+    // the first use (decode's rows are one round trip, not a loop of them); longer rows loop.
+    const int RN_V = 4;
+    const bool in_regs = len <= (i64)blockDim.x * RN_V;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         i64 o[3];
         lay_offsets(L, r, 3, o);
+        float v[RN_V];
         float s = 0.0f;
-        for (i64 c = threadIdx.x; c < len; c += blockDim.x) {
-            float v = ld(x, dtx, o[1] + c * x_cs);
-            s += v * v;
+        if (in_regs) {
+#pragma unroll
+            for (int q = 0; q < RN_V; ++q) {
+                const i64 c = threadIdx.x + (i64)q * blockDim.x;
+                v[q] = c < len ? ld(x, dtx, o[1] + c * x_cs) : 0.0f;
+            }
+#pragma unroll
+            for (int q = 0; q < RN_V; ++q) s += v[q] * v[q];
+        } else {
+            for (i64 c = threadIdx.x; c < len; c += blockDim.x) {
+                float xv = ld(x, dtx, o[1] + c * x_cs);
+                s += xv * xv;
+            }
         }
         s = block_sum(s);
         float inv = 1.0f / sqrtf(s / (float)len + eps);
-        for (i64 c = threadIdx.x; c < len; c += blockDim.x) {
-            const i64 ni = o[0] + c * n_cs;
-            st(nd, dtn, ni, ld(x, dtx, o[1] + c * x_cs) * inv);
-            st(od, dto, o[2] + c * o_cs, ld(nd, dtn, ni) * ld(w, dtw, c * w_cs));
+        if (in_regs) {
+#pragma unroll
+            for (int q = 0; q < RN_V; ++q) {
+                const i64 c = threadIdx.x + (i64)q * blockDim.x;
+                if (c < len) {
+                    const i64 ni = o[0] + c * n_cs;
+                    st(nd, dtn, ni, v[q] * inv);
+                    st(od, dto, o[2] + c * o_cs, ld(nd, dtn, ni) * ld(w, dtw, c * w_cs));
+                }
+            }
+        } else {
+            for (i64 c = threadIdx.x; c < len; c += blockDim.x) {
+                const i64 ni = o[0] + c * n_cs;
+                st(nd, dtn, ni, ld(x, dtx, o[1] + c * x_cs) * inv);
+                st(od, dto, o[2] + c * o_cs, ld(nd, dtn, ni) * ld(w, dtw, c * w_cs));
+            }
         }
         __syncthreads();
     }

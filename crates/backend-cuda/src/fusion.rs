@@ -49,7 +49,7 @@ use lowsync_graph::{DType, Op, RopeMode};
 use crate::kernels::Kernel;
 use crate::layout::{broadcast_strides, lay};
 use crate::matmul;
-use crate::ops::{dt, grid_for, kernel_err, row_block, rows_grid, Args, Exec, BLOCK};
+use crate::ops::{dt, grid_for, kernel_err, rows_grid, Args, Exec, BLOCK};
 
 /// How far after an earlier member of its group (the first, or the product of an epilogue, or
 /// the attention's previous node) a member may lie.
@@ -863,13 +863,9 @@ fn launch_norm_mul(exec: &Exec<'_>, norm: &ExecNode, mul: &ExecNode) -> Result<(
         .arg(w.ptr)
         .arg(dt(w.dtype))
         .arg(ws[r - 1] as i64);
-    exec.launch(
-        norm,
-        Kernel::RmsNormMul,
-        rows_grid(rows),
-        row_block(len),
-        args,
-    )
+    // Four values per thread (the kernel's RN_V): a decode row is read in one round trip.
+    let block = len.div_ceil(4).next_power_of_two().clamp(32, 1024) as u32;
+    exec.launch(norm, Kernel::RmsNormMul, rows_grid(rows), block, args)
 }
 
 fn launch_gemv(
