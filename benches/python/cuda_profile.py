@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("--dtype", default="f16")
+    ap.add_argument("--n-ctx", type=int, default=0, help="KV cells (default: prompt + n + 8)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
@@ -74,7 +75,7 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         model = ls.Llama.random(name, seed=1, dtype=args.dtype)
-        n_ctx = 4 + args.n + 8
+        n_ctx = args.n_ctx or 4 + args.n + 8
         for setting in settings:
             r = profile(model, setting, args.n, n_ctx)
             r["model"] = name
@@ -84,7 +85,8 @@ def main() -> None:
             print(
                 f"{name:5} {setting:18} {r['tok_s']:8.1f} tok/s  wall {r['wall_us']:7.1f} us  "
                 f"device {r['device_us']:7.1f} us  host+gaps {r['host_and_gaps_us']:7.1f} us  "
-                f"waits {pt['host_waits']:.2f} h2d {pt['h2d_copies']:.2f} d2h {pt['d2h_copies']:.2f} "
+                f"waits {pt['host_waits']:.2f} h2d {pt['h2d_copies']:.2f} "
+                f"d2h {pt['d2h_copies']:.2f} "
                 f"kernels {pt['kernel_launches']:.1f} graphs {pt['graph_launches']:.2f}",
                 flush=True,
             )

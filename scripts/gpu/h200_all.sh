@@ -143,9 +143,9 @@ if [[ $parts == *ncu* ]]; then
     if [ -n "$ncu" ]; then
         # One decode step's kernels (eager launches, so each is its own launch), skipping the
         # prompt and the first steps.
-        timeout 400 "$ncu" --csv --clock-control none --cache-control none --launch-skip ${NCU_SKIP:-2980} --launch-count ${NCU_COUNT:-298} \
+        timeout 400 "$ncu" --csv --clock-control none --cache-control none --launch-skip ${NCU_SKIP:-3100} --launch-count ${NCU_COUNT:-298} \
             --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum \
-            python3 benches/python/cuda_profile.py --models 1b --settings ${NCU_SETTING:-eager+fused} -n 16 \
+            python3 benches/python/cuda_profile.py --models 1b --settings ${NCU_SETTING:-eager+fused} -n 16 --n-ctx 172 \
             >"$logs/ncu.csv" 2>"$logs/ncu.err"
         say "ncu: exit $?"; python3 scripts/gpu/ncu_summary.py "$logs/ncu.csv" 2>&1 | head -30 | tee -a "$summary"
         tail -3 "$logs/ncu.err"

@@ -49,13 +49,14 @@ extern "C" __global__ void rms_norm_mul(i64 rows, i64 len, Lay L, void* nd, int 
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         i64 o[3];
         lay_offsets(L, r, 3, o);
-        float v[RN_V];
+        float v[RN_V], wq[RN_V];
         float s = 0.0f;
         if (in_regs) {
 #pragma unroll
             for (int q = 0; q < RN_V; ++q) {
                 const i64 c = threadIdx.x + (i64)q * blockDim.x;
                 v[q] = c < len ? ld(x, dtx, o[1] + c * x_cs) : 0.0f;
+                wq[q] = c < len ? ld(w, dtw, c * w_cs) : 0.0f;
             }
 #pragma unroll
             for (int q = 0; q < RN_V; ++q) s += v[q] * v[q];
@@ -74,7 +75,7 @@ extern "C" __global__ void rms_norm_mul(i64 rows, i64 len, Lay L, void* nd, int 
                 if (c < len) {
                     const i64 ni = o[0] + c * n_cs;
                     st(nd, dtn, ni, v[q] * inv);
-                    st(od, dto, o[2] + c * o_cs, ld(nd, dtn, ni) * ld(w, dtw, c * w_cs));
+                    st(od, dto, o[2] + c * o_cs, ld(nd, dtn, ni) * wq[q]);
                 }
             }
         } else {
@@ -269,6 +270,140 @@ __device__ __forceinline__ void fg_body(i64 M, i64 K, const float* a, i64 a_rs, 
                     }
                 }
             }
+        }
+    }
+}
+
+// Decode (one row of a, every weight row 16-byte aligned): the same products and epilogues
+// with the work split of `mul_mat_vec_1` — one output unit (column j of a segment, or of both
+// products in pair mode) per warp, FG1_U 16-byte loads of each weight row in flight per lane,
+// the first ones issued before a is staged in shared memory (`staged`, K floats) or read
+// through the read-only cache. Partial sums meet in a fixed xor butterfly (deterministic).
+#define FG1_WARPS 8
+#define FG1_U 8
+template <int DT, int NC>
+__device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, float* xs,
+                                         int staged) {
+    const int VW = DT == DT_F32 ? 4 : 8;
+    const int ESZ = DT == DT_F32 ? 4 : 2;
+    const int U = FG1_U / NC;
+    const int lane = threadIdx.x & 31;
+    i64 units = S.seg[0].n;
+    if (NC == 1) {
+        for (int s = 1; s < S.nseg; ++s) units += S.seg[s].n;
+    }
+    const i64 u = (i64)blockIdx.x * FG1_WARPS + (threadIdx.x >> 5);
+    const bool active = u < units;
+    i64 j = active ? u : 0;
+    int s = 0;
+    if (NC == 1) {
+        while (s + 1 < S.nseg && j >= S.seg[s].n) {
+            j -= S.seg[s].n;
+            ++s;
+        }
+    }
+    const uint4* wr[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        const FgSeg& g = S.seg[NC == 1 ? s : c];
+        wr[c] = (const uint4*)((const char*)g.w + j * g.w_rs * ESZ);
+    }
+    const i64 nvec = K / VW;
+    uint4 q[U][NC];
+#pragma unroll
+    for (int t = 0; t < U; ++t) {
+        const i64 v = lane + 32 * t;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) q[t][c] = active && v < nvec ? __ldg(wr[c] + v) : make_uint4(0, 0, 0, 0);
+    }
+    const float* xr = a;
+    if (staged) {
+        const i64 n4 = K / 4;
+        const float4* x4 = (const float4*)a;
+        float4* s4 = (float4*)xs;
+        i64 i = threadIdx.x;
+        for (; i + 3 * blockDim.x < n4; i += 4 * blockDim.x) {
+            const float4 a0 = __ldg(x4 + i), a1 = __ldg(x4 + i + blockDim.x);
+            const float4 a2 = __ldg(x4 + i + 2 * blockDim.x), a3 = __ldg(x4 + i + 3 * blockDim.x);
+            s4[i] = a0; s4[i + blockDim.x] = a1; s4[i + 2 * blockDim.x] = a2; s4[i + 3 * blockDim.x] = a3;
+        }
+        for (; i < n4; i += blockDim.x) s4[i] = __ldg(x4 + i);
+        for (i64 k = n4 * 4 + threadIdx.x; k < K; k += blockDim.x) xs[k] = a[k];
+        __syncthreads();
+        xr = xs;
+    }
+    if (!active) return;
+    float acc[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
+    for (i64 v0 = 0; v0 < nvec; v0 += 32 * U) {
+        if (v0 > 0) {
+#pragma unroll
+            for (int t = 0; t < U; ++t) {
+                const i64 v = v0 + lane + 32 * t;
+#pragma unroll
+                for (int c = 0; c < NC; ++c) q[t][c] = v < nvec ? __ldg(wr[c] + v) : make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < U; ++t) {
+            const i64 v = v0 + lane + 32 * t;
+            if (v < nvec) {
+                const float4* xv = (const float4*)(xr + v * VW);
+                float xa[VW];
+#pragma unroll
+                for (int e = 0; e < VW / 4; ++e) {
+                    const float4 a4 = staged ? xv[e] : __ldg(xv + e);
+                    xa[4 * e] = a4.x; xa[4 * e + 1] = a4.y; xa[4 * e + 2] = a4.z; xa[4 * e + 3] = a4.w;
+                }
+#pragma unroll
+                for (int c = 0; c < NC; ++c) {
+                    float f[VW];
+                    f_unpack<DT>(q[t][c], f);
+#pragma unroll
+                    for (int e = 0; e < VW; ++e) acc[c] = fmaf(xa[e], f[e], acc[c]);
+                }
+            }
+        }
+    }
+    for (i64 kk = nvec * VW + lane; kk < K; kk += 32) {
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[c] = fmaf(xr[kk], ld((const void*)wr[c], DT, kk), acc[c]);
+    }
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], off);
+    }
+    if (lane == 0) {
+        if (NC == 1) {
+            fg_store(S.seg[s], 0, j, acc[0]);
+        } else {
+            const float gv = acc[0], uv = acc[NC - 1];
+            fg_store(S.seg[0], 0, j, gv);
+            fg_store(S.seg[1], 0, j, uv);
+            st((void*)S.sw, (int)S.sw_dt, j * S.sw_cs, f_silu(gv) * uv);
+        }
+    }
+}
+
+// blockDim.x == FG1_WARPS * 32; dynamic shared memory K floats when `staged`.
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, const float* a,
+                                                                      FgSet S, int dtw,
+                                                                      int staged) {
+    extern __shared__ float4 fg1_smem[];
+    float* xs = (float*)fg1_smem;
+    if (S.pair) {
+        switch (dtw) {
+            case DT_F16: fg1_body<DT_F16, 2>(K, a, S, xs, staged); break;
+            case DT_BF16: fg1_body<DT_BF16, 2>(K, a, S, xs, staged); break;
+            default: fg1_body<DT_F32, 2>(K, a, S, xs, staged); break;
+        }
+    } else {
+        switch (dtw) {
+            case DT_F16: fg1_body<DT_F16, 1>(K, a, S, xs, staged); break;
+            case DT_BF16: fg1_body<DT_BF16, 1>(K, a, S, xs, staged); break;
+            default: fg1_body<DT_F32, 1>(K, a, S, xs, staged); break;
         }
     }
 }

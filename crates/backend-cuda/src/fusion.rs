@@ -868,6 +868,11 @@ fn launch_norm_mul(exec: &Exec<'_>, norm: &ExecNode, mul: &ExecNode) -> Result<(
     exec.launch(norm, Kernel::RmsNormMul, rows_grid(rows), block, args)
 }
 
+/// Output units (one per warp) of a `fused_gemv1` block (`FG1_WARPS` in fused.cu).
+const GEMV1_WARPS: usize = 8;
+/// Shared memory `fused_gemv1` may stage a in (the default 48 KB limit).
+const GEMV1_MAX_SHARED: usize = 48 << 10;
+
 fn launch_gemv(
     exec: &Exec<'_>,
     nodes: &[ExecNode],
@@ -927,6 +932,25 @@ fn launch_gemv(
         set.sw_dt = dt(sw.dtype) as i64;
         set.sw_rs = sw.strides[0] as i64;
         set.sw_cs = sw.strides[1] as i64;
+    }
+    if m == 1 && vec {
+        // Decode: one output unit per warp, a staged in shared memory when it fits.
+        let staged = k * 4 <= GEMV1_MAX_SHARED;
+        let blocks = units.div_ceil(GEMV1_WARPS).clamp(1, i32::MAX as usize) as u32;
+        let args = Args::new()
+            .arg(k as i64)
+            .arg(a.ptr)
+            .arg(set)
+            .arg(dt(wdt))
+            .arg(staged as i32);
+        return exec.launch_shared(
+            first,
+            Kernel::FusedGemv1,
+            blocks,
+            (GEMV1_WARPS * 32) as u32,
+            if staged { (k * 4) as u32 } else { 0 },
+            args,
+        );
     }
     let g = matmul::mmv_group(k, 16 / esz);
     let blocks = units.div_ceil(GEMV_THREADS / g).clamp(1, i32::MAX as usize) as u32;

@@ -64,11 +64,12 @@ pub(crate) enum Kernel {
     FusedGemv8,
     RopeRows,
     AttnDecode,
+    FusedGemv1,
 }
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 21] = [
+    pub(crate) const ALL: [Kernel; 22] = [
         Kernel::EwUnary,
         Kernel::EwBinary,
         Kernel::CopyStrided,
@@ -90,6 +91,7 @@ impl Kernel {
         Kernel::FusedGemv8,
         Kernel::RopeRows,
         Kernel::AttnDecode,
+        Kernel::FusedGemv1,
     ];
 
     fn module(self) -> &'static str {
@@ -110,7 +112,8 @@ impl Kernel {
             | Kernel::FusedGemv
             | Kernel::FusedGemv8
             | Kernel::RopeRows
-            | Kernel::AttnDecode => "fused",
+            | Kernel::AttnDecode
+            | Kernel::FusedGemv1 => "fused",
         }
     }
 
@@ -137,6 +140,7 @@ impl Kernel {
             Kernel::FusedGemv8 => "fused_gemv8",
             Kernel::RopeRows => "rope_rows",
             Kernel::AttnDecode => "attn_decode",
+            Kernel::FusedGemv1 => "fused_gemv1",
         }
     }
 }
