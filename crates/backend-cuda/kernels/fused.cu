@@ -528,7 +528,7 @@ extern "C" __global__ void rope_rows(
 // product is 0: masked rows are never read); the slices are summed by a fixed tree in shared
 // memory. blockDim.x == ATT_T.
 
-#define ATT_T 1024
+#define ATT_T 256
 #define ATT_MAXD 256
 #define ATT_U 4
 

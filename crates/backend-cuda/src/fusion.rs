@@ -60,7 +60,7 @@ const MAX_ROWS: usize = 8;
 /// The largest head dimension of the fused attention (`ATT_MAXD` in fused.cu).
 const ATT_MAX_D: usize = 256;
 /// Threads of an attention block (`ATT_T`).
-const ATT_THREADS: usize = 1024;
+const ATT_THREADS: usize = 256;
 /// Threads of a fused matrix-vector block (the kernels' launch bounds assume 128).
 const GEMV_THREADS: usize = 128;
 /// Products of one fused matrix-vector launch (`FG_MAXS`).
