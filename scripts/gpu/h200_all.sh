@@ -157,7 +157,7 @@ if [[ $parts == *gemvspeed* ]]; then
     say "gemv speed: exit $?"; grep -E "GB/s|panicked" "$logs/gemv-speed.txt" | tee -a "$summary"
 fi
 if [[ $parts == *torch* ]]; then
-    timeout 550 python3 benches/python/compare_torch.py --models ${TORCH_MODELS:-tiny,1b} --json "$out/compare-torch.json" \
+    timeout ${TORCH_TIMEOUT:-550} python3 benches/python/compare_torch.py --models ${TORCH_MODELS:-tiny,1b} --json "$out/compare-torch-${TORCH_MODELS:-all}.json" \
         >"$logs/compare-torch.txt" 2>"$logs/compare-torch.err"
     say "compare torch: exit $?"; tee -a "$summary" <"$logs/compare-torch.txt"; tail -5 "$logs/compare-torch.err"
 fi
