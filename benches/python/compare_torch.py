@@ -46,7 +46,6 @@ Try (no GPU):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -55,14 +54,14 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import lowsync as ls
-from lowsync.bench import format_table
+from lowsync.bench import env_vars, format_table
 
 LOWSYNC_ROWS = ("lowsync", "lowsync-nographs", "lowsync-timing", "lowsync-nographs-timing")
 HF_ROWS = ("hf-eager", "hf-compile")
@@ -182,21 +181,6 @@ def _error(e: BaseException) -> str:
     traceback.print_exc(file=sys.stderr)
     msg = " ".join(str(e).split())
     return f"{type(e).__name__}: {msg[:300]}"
-
-
-@contextlib.contextmanager
-def env_vars(values: dict[str, str]) -> Iterator[None]:
-    """Sets environment variables for a block, restoring the previous values afterwards."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

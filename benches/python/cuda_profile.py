@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import lowsync as ls
+from lowsync.bench import env_vars
 
 SETTINGS: dict[str, dict[str, str]] = {
     "graphs+fused": {"LOWSYNC_CUDA_GRAPHS": "1", "LOWSYNC_CUDA_FUSION": "1"},
@@ -28,17 +28,8 @@ SETTINGS: dict[str, dict[str, str]] = {
 
 def profile(model: ls.Llama, setting: str, n: int, n_ctx: int) -> dict[str, object]:
     """One Session under `setting` (the backend reads the variables when it is created)."""
-    saved = {k: os.environ.get(k) for k in [*SETTINGS[setting], "LOWSYNC_CUDA_TIMING"]}
-    os.environ.update(SETTINGS[setting])
-    os.environ["LOWSYNC_CUDA_TIMING"] = "1"
-    try:
+    with env_vars({**SETTINGS[setting], "LOWSYNC_CUDA_TIMING": "1"}):
         sess = ls.Session(model, backends=["cuda"], n_ctx=n_ctx, policy="staged")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     prompt = [1, 2, 3, 4]
     sess.generate(prompt, max_new_tokens=n, seq_id=0)  # warm-up: first run and capture
     sess.seq_rm(0)

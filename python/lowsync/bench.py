@@ -49,13 +49,11 @@ LEGACY_ENV: dict[str, str] = {"LOWSYNC_CUDA_SYNC_ELISION": "0", "LOWSYNC_VK_LEGA
 
 
 @contextmanager
-def legacy_switches(policy: str) -> Iterator[None]:
-    """Sets `LEGACY_ENV` for a `stock` run (restoring the environment afterwards)."""
-    if policy != "stock":
-        yield
-        return
-    saved = {k: os.environ.get(k) for k in LEGACY_ENV}
-    os.environ.update(LEGACY_ENV)
+def env_vars(values: dict[str, str]) -> Iterator[None]:
+    """Sets environment variables for a block (backends read theirs when they are created),
+    restoring the previous values afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -64,6 +62,13 @@ def legacy_switches(policy: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextmanager
+def legacy_switches(policy: str) -> Iterator[None]:
+    """Sets `LEGACY_ENV` for a `stock` run (restoring the environment afterwards)."""
+    with env_vars(LEGACY_ENV if policy == "stock" else {}):
+        yield
 
 
 def parse_backends(values: Sequence[str]) -> list[list[str]]:

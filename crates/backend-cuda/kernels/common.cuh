@@ -102,3 +102,55 @@ __device__ float block_max(float v) {
     v = lane < nw ? sh[lane] : -__int_as_float(0x7f800000);
     return warp_max(v);
 }
+
+// Matrix-vector helpers shared by matmul.cu and fused.cu.
+// 16 loaded bytes of a weight as floats: 4 f32 or 8 f16/bf16, in memory order.
+template <int DT>
+__device__ __forceinline__ void unpack16(uint4 w, float* f) {
+    if (DT == DT_F32) {
+        f[0] = __uint_as_float(w.x); f[1] = __uint_as_float(w.y);
+        f[2] = __uint_as_float(w.z); f[3] = __uint_as_float(w.w);
+    } else {
+        u32 p[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (DT == DT_F16) {
+                f[2 * i] = h2f((u16)(p[i] & 0xffffu));
+                f[2 * i + 1] = h2f((u16)(p[i] >> 16));
+            } else {
+                f[2 * i] = __uint_as_float(p[i] << 16);
+                f[2 * i + 1] = __uint_as_float(p[i] & 0xffff0000u);
+            }
+        }
+    }
+}
+
+// acc[r][c] += a[r, k0 .. k0+VW) . bf[c][..] for the rows r < mt of this pass, products in k
+// order. `avec`: a's rows are 16-byte aligned at k0 (float4 loads), else scalar loads.
+template <int VW, int NC, int MT>
+__device__ __forceinline__ void mmv_k_fma(float (&acc)[MT][NC], const float (&bf)[NC][VW],
+                                          const float* ab, i64 a_rs, int mt, i64 k0, bool avec) {
+#pragma unroll
+    for (int r = 0; r < MT; ++r) {
+        if (r < mt) {
+            const float* ar = ab + r * a_rs + k0;
+            float av[VW];
+            if (avec) {
+#pragma unroll
+                for (int q = 0; q < VW / 4; ++q) {
+                    float4 x = ((const float4*)ar)[q];
+                    av[4 * q] = x.x; av[4 * q + 1] = x.y; av[4 * q + 2] = x.z; av[4 * q + 3] = x.w;
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < VW; ++e) av[e] = ar[e];
+            }
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+#pragma unroll
+                for (int e = 0; e < VW; ++e) acc[r][c] = fmaf(av[e], bf[c][e], acc[r][c]);
+            }
+        }
+    }
+}
+

@@ -11,31 +11,10 @@
 // x / (1 + e^-x), as the element-wise SwiGlu.
 __device__ __forceinline__ float f_silu(float x) { return x / (1.0f + expf(-x)); }
 
-// 16 loaded bytes as floats: 4 f32 or 8 f16/bf16, in memory order.
-template <int DT>
-__device__ __forceinline__ void f_unpack(uint4 w, float* f) {
-    if (DT == DT_F32) {
-        f[0] = __uint_as_float(w.x); f[1] = __uint_as_float(w.y);
-        f[2] = __uint_as_float(w.z); f[3] = __uint_as_float(w.w);
-    } else {
-        u32 p[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            if (DT == DT_F16) {
-                f[2 * i] = h2f((u16)(p[i] & 0xffffu));
-                f[2 * i + 1] = h2f((u16)(p[i] >> 16));
-            } else {
-                f[2 * i] = __uint_as_float(p[i] << 16);
-                f[2 * i + 1] = __uint_as_float(p[i] & 0xffff0000u);
-            }
-        }
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // RmsNorm followed by Mul with a weight row. One block per row; `L` iterates the rows with
-// st[0] = norm result, st[1] = x, st[2] = product. The sum of squares is the rms_norm kernel's
-// (same block size from the host, same strided partial sums, same block_sum). Each thread
+// st[0] = norm result, st[1] = x, st[2] = product. A row of up to four values per thread is
+// read once into registers (longer rows loop as the rms_norm kernel does). Each thread
 // stores a norm element and reads it back before multiplying, so the product sees the value
 // rounded to the norm's dtype, as the unfused Mul does (and an in-place Mul overwrites it only
 // after that read).
@@ -99,8 +78,8 @@ extern "C" __global__ void rms_norm_mul(i64 rows, i64 len, Lay L, void* nd, int 
 // Work split as the unfused mul_mat_vec_k: a group of G lanes (G a power of two <= 32, from
 // K on the host) owns one output column (a column of both products in pair mode); lane gl reads
 // the 16-byte vectors gl, gl + G, ... of its weight rows, then the K % VW tail one element per
-// lane, and the group sums its lanes with the same xor butterfly. Rows of a go in passes of MT.
-// So each output element is summed in the unfused kernel's order.
+// lane, and the group sums its lanes with the same xor butterfly. Rows of a go in passes of MT
+// (several rows of a: `fused_gemv` / `fused_gemv8`; one row, decode: `fused_gemv1` below).
 
 #define FG_MAXS 4
 
@@ -126,34 +105,6 @@ struct FgSet {
     u64 sw;
     i64 sw_dt, sw_rs, sw_cs;
 };
-
-// acc[r][c] += a[r, k0 .. k0 + VW) . bf[c][..] for rows r < mt, products in k order.
-template <int VW, int NC, int MT>
-__device__ __forceinline__ void fg_fma(float (&acc)[MT][NC], const float (&bf)[NC][VW],
-                                       const float* ab, i64 a_rs, int mt, i64 k0, bool avec) {
-#pragma unroll
-    for (int r = 0; r < MT; ++r) {
-        if (r < mt) {
-            const float* ar = ab + r * a_rs + k0;
-            float av[VW];
-            if (avec) {
-#pragma unroll
-                for (int q = 0; q < VW / 4; ++q) {
-                    float4 x = ((const float4*)ar)[q];
-                    av[4 * q] = x.x; av[4 * q + 1] = x.y; av[4 * q + 2] = x.z; av[4 * q + 3] = x.w;
-                }
-            } else {
-#pragma unroll
-                for (int e = 0; e < VW; ++e) av[e] = ar[e];
-            }
-#pragma unroll
-            for (int c = 0; c < NC; ++c) {
-#pragma unroll
-                for (int e = 0; e < VW; ++e) acc[r][c] = fmaf(av[e], bf[c][e], acc[r][c]);
-            }
-        }
-    }
-}
 
 // Writes row i, column j of segment s: the product, then (reading the other operand after
 // that write, as the unfused Add runs after the MulMat) the Add's result.
@@ -220,16 +171,16 @@ __device__ __forceinline__ void fg_body(i64 M, i64 K, const float* a, i64 a_rs, 
                         for (int q = 0; q < U; ++q) {
                             float bf[NC][VW];
 #pragma unroll
-                            for (int c = 0; c < NC; ++c) f_unpack<DT>(w[q][c], bf[c]);
-                            fg_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, (v + q * G) * VW, true);
+                            for (int c = 0; c < NC; ++c) unpack16<DT>(w[q][c], bf[c]);
+                            mmv_k_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, (v + q * G) * VW, true);
                         }
                     }
                 }
                 for (; v < nvec; v += G) {
                     float bf[NC][VW];
 #pragma unroll
-                    for (int c = 0; c < NC; ++c) f_unpack<DT>(((const uint4*)wr[c])[v], bf[c]);
-                    fg_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, v * VW, true);
+                    for (int c = 0; c < NC; ++c) unpack16<DT>(((const uint4*)wr[c])[v], bf[c]);
+                    mmv_k_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, v * VW, true);
                 }
             } else {
                 for (; v < nvec; v += G) {
@@ -239,14 +190,14 @@ __device__ __forceinline__ void fg_body(i64 M, i64 K, const float* a, i64 a_rs, 
 #pragma unroll
                         for (int e = 0; e < VW; ++e) bf[c][e] = ld(wr[c], DT, v * VW + e);
                     }
-                    fg_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, v * VW, false);
+                    mmv_k_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, v * VW, false);
                 }
             }
             for (i64 kk = nvec * VW + gl; kk < K; kk += G) {
                 float bf[NC][1];
 #pragma unroll
                 for (int c = 0; c < NC; ++c) bf[c][0] = ld(wr[c], DT, kk);
-                fg_fma<1, NC, MT>(acc, bf, ab, a_rs, mt, kk, false);
+                mmv_k_fma<1, NC, MT>(acc, bf, ab, a_rs, mt, kk, false);
             }
 #pragma unroll
             for (int r = 0; r < MT; ++r) {
@@ -359,7 +310,7 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
 #pragma unroll
                 for (int c = 0; c < NC; ++c) {
                     float f[VW];
-                    f_unpack<DT>(q[t][c], f);
+                    unpack16<DT>(q[t][c], f);
 #pragma unroll
                     for (int e = 0; e < VW; ++e) acc[c] = fmaf(xa[e], f[e], acc[c]);
                 }
@@ -577,7 +528,7 @@ __device__ __forceinline__ void attn_body(
                 for (int u = 0; u < ATT_U; ++u) {
                     if (live[u]) {
                         float f[VW];
-                        f_unpack<DT>(w[u], f);
+                        unpack16<DT>(w[u], f);
 #pragma unroll
                         for (int e = 0; e < VW; ++e) acc[u] = fmaf(qs[vi * VW + e], f[e], acc[u]);
                     }
@@ -653,7 +604,7 @@ __device__ __forceinline__ void attn_body(
                 for (int u = 0; u < ATT_U; ++u) {
                     if (pw[u] != 0.0f) {
                         float f[VW];
-                        f_unpack<DT>(w[u], f);
+                        unpack16<DT>(w[u], f);
 #pragma unroll
                         for (int e = 0; e < VW; ++e) acc[e] = fmaf(pw[u], f[e], acc[e]);
                     }

@@ -719,25 +719,7 @@ impl<'a> Exec<'a> {
         if total == 0 {
             return Ok(());
         }
-        let args = Args::new()
-            .arg(t as i64)
-            .arg(h as i64)
-            .arg(d as i64)
-            .arg(dst.ptr)
-            .arg(dt(dst.dtype))
-            .arg(dst.strides[0] as i64)
-            .arg(dst.strides[1] as i64)
-            .arg(dst.strides[2] as i64)
-            .arg(x.ptr)
-            .arg(dt(x.dtype))
-            .arg(x.strides[0] as i64)
-            .arg(x.strides[1] as i64)
-            .arg(x.strides[2] as i64)
-            .arg(pos.ptr)
-            .arg(pos.strides[0] as i64)
-            .arg(n_dims as i64)
-            .arg(theta_base as f64)
-            .arg((mode == RopeMode::Neox) as i32);
+        let args = rope_args(dst, x, pos, mode, n_dims, theta_base);
         self.launch(node, Kernel::Rope, grid_for(total), BLOCK, args)
     }
 
@@ -860,6 +842,38 @@ impl<'a> Exec<'a> {
 }
 
 /// `src` must have the destination's shape.
+/// The leading parameters of the `rope` kernel, which `rope_rows` (fused.cu) shares: shape of x
+/// [T, H, D], result r and x with their dtypes and strides, positions, rotated dims, base and
+/// mode.
+pub(crate) fn rope_args(
+    r: &Dev,
+    x: &Dev,
+    pos: &Dev,
+    mode: RopeMode,
+    n_dims: usize,
+    theta_base: f32,
+) -> Args {
+    Args::new()
+        .arg(x.shape[0] as i64)
+        .arg(x.shape[1] as i64)
+        .arg(x.shape[2] as i64)
+        .arg(r.ptr)
+        .arg(dt(r.dtype))
+        .arg(r.strides[0] as i64)
+        .arg(r.strides[1] as i64)
+        .arg(r.strides[2] as i64)
+        .arg(x.ptr)
+        .arg(dt(x.dtype))
+        .arg(x.strides[0] as i64)
+        .arg(x.strides[1] as i64)
+        .arg(x.strides[2] as i64)
+        .arg(pos.ptr)
+        .arg(pos.strides[0] as i64)
+        .arg(n_dims as i64)
+        .arg(theta_base as f64)
+        .arg((mode == RopeMode::Neox) as i32)
+}
+
 fn same_shape(node: &ExecNode, what: &str, src: &Dev, dst: &Dev) -> Result<()> {
     if src.shape != dst.shape {
         return Err(kernel_err(
