@@ -351,11 +351,17 @@ impl Inner {
                 match captured {
                     Ok(exec) => {
                         self.err_tags.lock().keep_since(first_tag);
-                        let exec = cache.store(graph, exec);
-                        self.stream
-                            .graph_launch(exec)
-                            .map(|_| ())
-                            .map_err(|e| self.driver_err("cuGraphLaunch", e))
+                        match cache.store(graph, exec) {
+                            Some(exec) => self
+                                .stream
+                                .graph_launch(exec)
+                                .map(|_| ())
+                                .map_err(|e| self.driver_err("cuGraphLaunch", e)),
+                            None => {
+                                drop(cache);
+                                crate::fusion::run_graph(&mut Exec::new(self, scratch), graph)
+                            }
+                        }
                     }
                     Err(why) => {
                         // Nothing of the failed capture ran: run the graph now, eagerly, and

@@ -97,15 +97,15 @@ impl GraphCache {
         }
     }
 
-    /// Keeps the graph captured for `g` and returns it for its first launch.
-    pub(crate) fn store(&mut self, g: &Arc<ExecGraph>, exec: CuGraphExec) -> &CuGraphExec {
-        let i = self
-            .find(g)
-            .expect("store follows action() for the same graph");
-        self.entries[i].state = State::Captured(exec);
-        match &self.entries[i].state {
-            State::Captured(exec) => exec,
-            _ => unreachable!(),
+    /// Keeps the graph captured for `g` and returns it for its first launch (`None` only if `g`
+    /// has no entry, i.e. `action` was not asked first: the caller then runs `g` eagerly).
+    pub(crate) fn store(&mut self, g: &Arc<ExecGraph>, exec: CuGraphExec) -> Option<&CuGraphExec> {
+        let i = self.find(g)?;
+        let e = &mut self.entries[i];
+        e.state = State::Captured(exec);
+        match &e.state {
+            State::Captured(exec) => Some(exec),
+            _ => None,
         }
     }
 
