@@ -154,3 +154,19 @@ __device__ __forceinline__ void mmv_k_fma(float (&acc)[MT][NC], const float (&bf
     }
 }
 
+// Copies x[0, K) (f32, 16-byte aligned) into shared xs with every thread's 16-byte loads in
+// flight at once (four per pass), then waits for the whole block. Every thread must call it.
+__device__ __forceinline__ void stage_row(float* xs, const float* x, i64 K) {
+    const i64 n4 = K / 4;
+    const float4* x4 = (const float4*)x;
+    float4* s4 = (float4*)xs;
+    i64 i = threadIdx.x;
+    for (; i + 3 * blockDim.x < n4; i += 4 * blockDim.x) {
+        const float4 a0 = __ldg(x4 + i), a1 = __ldg(x4 + i + blockDim.x);
+        const float4 a2 = __ldg(x4 + i + 2 * blockDim.x), a3 = __ldg(x4 + i + 3 * blockDim.x);
+        s4[i] = a0; s4[i + blockDim.x] = a1; s4[i + 2 * blockDim.x] = a2; s4[i + 3 * blockDim.x] = a3;
+    }
+    for (; i < n4; i += blockDim.x) s4[i] = __ldg(x4 + i);
+    for (i64 j = n4 * 4 + threadIdx.x; j < K; j += blockDim.x) xs[j] = x[j];
+    __syncthreads();
+}

@@ -269,18 +269,7 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
     }
     const float* xr = a;
     if (staged) {
-        const i64 n4 = K / 4;
-        const float4* x4 = (const float4*)a;
-        float4* s4 = (float4*)xs;
-        i64 i = threadIdx.x;
-        for (; i + 3 * blockDim.x < n4; i += 4 * blockDim.x) {
-            const float4 a0 = __ldg(x4 + i), a1 = __ldg(x4 + i + blockDim.x);
-            const float4 a2 = __ldg(x4 + i + 2 * blockDim.x), a3 = __ldg(x4 + i + 3 * blockDim.x);
-            s4[i] = a0; s4[i + blockDim.x] = a1; s4[i + 2 * blockDim.x] = a2; s4[i + 3 * blockDim.x] = a3;
-        }
-        for (; i < n4; i += blockDim.x) s4[i] = __ldg(x4 + i);
-        for (i64 k = n4 * 4 + threadIdx.x; k < K; k += blockDim.x) xs[k] = a[k];
-        __syncthreads();
+        stage_row(xs, a, K);
         xr = xs;
     }
     if (!active) return;

@@ -871,11 +871,6 @@ fn launch_norm_mul(exec: &Exec<'_>, norm: &ExecNode, mul: &ExecNode) -> Result<(
     exec.launch(norm, Kernel::RmsNormMul, rows_grid(rows), block, args)
 }
 
-/// Output units (one per warp) of a `fused_gemv1` block (`FG1_WARPS` in fused.cu).
-const GEMV1_WARPS: usize = 8;
-/// Shared memory `fused_gemv1` may stage a in (the default 48 KB limit).
-const GEMV1_MAX_SHARED: usize = 48 << 10;
-
 fn launch_gemv(
     exec: &Exec<'_>,
     nodes: &[ExecNode],
@@ -938,8 +933,10 @@ fn launch_gemv(
     }
     if m == 1 && vec {
         // Decode: one output unit per warp, a staged in shared memory when it fits.
-        let staged = k * 4 <= GEMV1_MAX_SHARED;
-        let blocks = units.div_ceil(GEMV1_WARPS).clamp(1, i32::MAX as usize) as u32;
+        let staged = k * 4 <= matmul::GEMV1_MAX_SHARED;
+        let blocks = units
+            .div_ceil(matmul::GEMV1_WARPS)
+            .clamp(1, i32::MAX as usize) as u32;
         let args = Args::new()
             .arg(k as i64)
             .arg(a.ptr)
@@ -950,7 +947,7 @@ fn launch_gemv(
             first,
             Kernel::FusedGemv1,
             blocks,
-            (GEMV1_WARPS * 32) as u32,
+            (matmul::GEMV1_WARPS * 32) as u32,
             if staged { (k * 4) as u32 } else { 0 },
             args,
         );

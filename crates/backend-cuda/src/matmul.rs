@@ -144,10 +144,12 @@ pub(crate) const MMV_MAX_M: usize = 8;
 pub(crate) const MMV_MAX_M_CONVERTING: usize = 32;
 /// Batch axes the matrix-vector kernels index (`MB_MAXD` in matmul.cu).
 const MB_MAXD: usize = 4;
-/// Rows (one per warp) of a `mul_mat_vec_1` block (`GV_WARPS` in matmul.cu).
-const GEMV1_WARPS: usize = 8;
-/// Shared memory `mul_mat_vec_1` may stage its activation row in (the default 48 KB limit).
-const GEMV1_MAX_SHARED: usize = 48 << 10;
+/// Rows (one per warp) of a `mul_mat_vec_1` block (`GV_WARPS` in matmul.cu; `FG1_WARPS` in
+/// fused.cu for `fused_gemv1`).
+pub(crate) const GEMV1_WARPS: usize = 8;
+/// Shared memory `mul_mat_vec_1` and `fused_gemv1` may stage an activation row in (the
+/// default 48 KB limit).
+pub(crate) const GEMV1_MAX_SHARED: usize = 48 << 10;
 
 /// Threads of a `mul_mat_vec_k[4]` block (the kernels' launch bounds assume 128).
 const MMV_K_THREADS: usize = 128;
