@@ -123,6 +123,26 @@ if [[ $parts == *profile* ]]; then
         --json "$out/cuda-profile.json" >"$logs/cuda-profile.txt" 2>&1
     say "cuda profile: exit $?"; cat "$logs/cuda-profile.txt" | tail -12 | tee -a "$summary"
 fi
+if [[ $parts == *ktrace* ]]; then
+    inc=$(find / -name cupti_activity.h -path '*include*' 2>/dev/null | head -1)
+    lib=$(find / -name 'libcupti.so*' 2>/dev/null | head -1)
+    if [ -n "$inc" ] && [ -n "$lib" ]; then
+        krec=$(grep -o 'CUpti_ActivityKernel[0-9]*' "$inc" | sort -V | tail -1)
+        cudainc=$(find / -name cuda.h -path '*include*' 2>/dev/null | head -1)
+        cc -shared -fPIC -O2 -DKREC="$krec" -I"$(dirname "$inc")" ${cudainc:+-I"$(dirname "$cudainc")"} \
+            scripts/gpu/cupti_kernels.c "$lib" -Wl,-rpath,"$(dirname "$lib")" -o /tmp/libcupti_kernels.so \
+            >"$logs/ktrace-build.log" 2>&1
+        say "ktrace build ($krec): exit $?"; tail -3 "$logs/ktrace-build.log"
+        for pdl in ${KTRACE_PDL:-1}; do
+            CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so LOWSYNC_CUDA_PDL=$pdl timeout 300 \
+                python3 benches/python/kernel_trace.py --models ${KTRACE_MODELS:-1b} -n ${KTRACE_N:-64} \
+                --csv-dir "$logs" >"$logs/ktrace-pdl$pdl.txt" 2>&1
+            say "kernel trace (LOWSYNC_CUDA_PDL=$pdl): exit $?"; tail -30 "$logs/ktrace-pdl$pdl.txt" | tee -a "$summary"
+        done
+    else
+        say "ktrace: no CUPTI (header ${inc:-none}, library ${lib:-none})"
+    fi
+fi
 if [[ $parts == *nsys* ]]; then
     # An nsys whose QdstrmImporter sits next to it (the copy inside nsight-compute has none).
     nsys=""

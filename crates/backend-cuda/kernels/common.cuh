@@ -103,6 +103,20 @@ __device__ float block_max(float v) {
     return warp_max(v);
 }
 
+// Programmatic dependent launch (compute capability 9.0+; no-ops on older devices and in a
+// launch that did not ask for it). Every kernel calls `pdl_entry` before it reads or writes
+// memory another kernel may use — only weights (see `DevBuf::weights`) may be read before it —
+// and on every path, so that its completion implies that of the kernels before it.
+// `griddepcontrol.wait` returns once the grids this one depends on have completed and their
+// writes are visible; `launch_dependents` then lets the next kernel's blocks start (they wait
+// in turn), so at most one kernel runs ahead of its producer.
+__device__ __forceinline__ void pdl_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Matrix-vector helpers shared by matmul.cu and fused.cu.
 // 16 loaded bytes of a weight as floats: 4 f32 or 8 f16/bf16, in memory order.
 template <int DT>
@@ -154,7 +168,8 @@ __device__ __forceinline__ void mmv_k_fma(float (&acc)[MT][NC], const float (&bf
     }
 }
 
-// Copies x[0, K) (f32, 16-byte aligned) into shared xs with every thread's 16-byte loads in
+// Copies x[0, K) (f32, 16-byte aligned; written by an earlier kernel, so plain loads, not the
+// read-only path) into shared xs with every thread's 16-byte loads in
 // flight at once (four per pass), then waits for the whole block. Every thread must call it.
 __device__ __forceinline__ void stage_row(float* xs, const float* x, i64 K) {
     const i64 n4 = K / 4;
@@ -162,11 +177,11 @@ __device__ __forceinline__ void stage_row(float* xs, const float* x, i64 K) {
     float4* s4 = (float4*)xs;
     i64 i = threadIdx.x;
     for (; i + 3 * blockDim.x < n4; i += 4 * blockDim.x) {
-        const float4 a0 = __ldg(x4 + i), a1 = __ldg(x4 + i + blockDim.x);
-        const float4 a2 = __ldg(x4 + i + 2 * blockDim.x), a3 = __ldg(x4 + i + 3 * blockDim.x);
+        const float4 a0 = x4[i], a1 = x4[i + blockDim.x];
+        const float4 a2 = x4[i + 2 * blockDim.x], a3 = x4[i + 3 * blockDim.x];
         s4[i] = a0; s4[i + blockDim.x] = a1; s4[i + 2 * blockDim.x] = a2; s4[i + 3 * blockDim.x] = a3;
     }
-    for (; i < n4; i += blockDim.x) s4[i] = __ldg(x4 + i);
+    for (; i < n4; i += blockDim.x) s4[i] = x4[i];
     for (i64 j = n4 * 4 + threadIdx.x; j < K; j += blockDim.x) xs[j] = x[j];
     __syncthreads();
 }

@@ -17,6 +17,7 @@ __device__ __forceinline__ float gelu_f(float x) {
 
 extern "C" __global__ void ew_unary(int op, i64 n, Lay L, void* dst, int dtd, const void* a,
                                     int dta, float scale) {
+    pdl_entry();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {
         i64 o[3];
@@ -29,6 +30,7 @@ extern "C" __global__ void ew_unary(int op, i64 n, Lay L, void* dst, int dtd, co
 
 extern "C" __global__ void ew_binary(int op, i64 n, Lay L, void* dst, int dtd, const void* a,
                                      int dta, const void* b, int dtb) {
+    pdl_entry();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {
         i64 o[3];
@@ -43,6 +45,7 @@ extern "C" __global__ void ew_binary(int op, i64 n, Lay L, void* dst, int dtd, c
 // dst = src, converting floats through f32; equal dtypes copy the bits (i32 included).
 extern "C" __global__ void copy_strided(i64 n, Lay L, void* dst, int dtd, const void* src,
                                         int dts) {
+    pdl_entry();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {
         i64 o[3];
@@ -60,6 +63,7 @@ extern "C" __global__ void copy_strided(i64 n, Lay L, void* dst, int dtd, const 
 }
 
 extern "C" __global__ void fill(i64 n, Lay L, void* dst, int dtd, float value) {
+    pdl_entry();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {
         i64 o[3];

@@ -21,6 +21,7 @@ __device__ __forceinline__ float f_silu(float x) { return x / (1.0f + expf(-x));
 extern "C" __global__ void rms_norm_mul(i64 rows, i64 len, Lay L, void* nd, int dtn, i64 n_cs,
                                         const void* x, int dtx, i64 x_cs, float eps, void* od,
                                         int dto, i64 o_cs, const void* w, int dtw, i64 w_cs) {
+    pdl_entry();
     // A row that fits RN_V values per thread is read once, with every load in flight before
     // the first use (decode's rows are one round trip, not a loop of them); longer rows loop.
     const int RN_V = 4;
@@ -234,7 +235,7 @@ __device__ __forceinline__ void fg_body(i64 M, i64 K, const float* a, i64 a_rs, 
 #define FG1_U 8
 template <int DT, int NC>
 __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, float* xs,
-                                         int staged) {
+                                         int staged, int ahead) {
     const int VW = DT == DT_F32 ? 4 : 8;
     const int ESZ = DT == DT_F32 ? 4 : 2;
     const int U = FG1_U / NC;
@@ -261,12 +262,14 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
     }
     const i64 nvec = K / VW;
     uint4 q[U][NC];
+    if (!ahead) pdl_entry();
 #pragma unroll
     for (int t = 0; t < U; ++t) {
         const i64 v = lane + 32 * t;
 #pragma unroll
         for (int c = 0; c < NC; ++c) q[t][c] = active && v < nvec ? __ldg(wr[c] + v) : make_uint4(0, 0, 0, 0);
     }
+    if (ahead) pdl_entry();
     const float* xr = a;
     if (staged) {
         stage_row(xs, a, K);
@@ -293,7 +296,7 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
                 float xa[VW];
 #pragma unroll
                 for (int e = 0; e < VW / 4; ++e) {
-                    const float4 a4 = staged ? xv[e] : __ldg(xv + e);
+                    const float4 a4 = xv[e];
                     xa[4 * e] = a4.x; xa[4 * e + 1] = a4.y; xa[4 * e + 2] = a4.z; xa[4 * e + 3] = a4.w;
                 }
 #pragma unroll
@@ -330,20 +333,20 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
 // blockDim.x == FG1_WARPS * 32; dynamic shared memory K floats when `staged`.
 extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, const float* a,
                                                                       FgSet S, int dtw,
-                                                                      int staged) {
+                                                                      int staged, int ahead) {
     extern __shared__ float4 fg1_smem[];
     float* xs = (float*)fg1_smem;
     if (S.pair) {
         switch (dtw) {
-            case DT_F16: fg1_body<DT_F16, 2>(K, a, S, xs, staged); break;
-            case DT_BF16: fg1_body<DT_BF16, 2>(K, a, S, xs, staged); break;
-            default: fg1_body<DT_F32, 2>(K, a, S, xs, staged); break;
+            case DT_F16: fg1_body<DT_F16, 2>(K, a, S, xs, staged, ahead); break;
+            case DT_BF16: fg1_body<DT_BF16, 2>(K, a, S, xs, staged, ahead); break;
+            default: fg1_body<DT_F32, 2>(K, a, S, xs, staged, ahead); break;
         }
     } else {
         switch (dtw) {
-            case DT_F16: fg1_body<DT_F16, 1>(K, a, S, xs, staged); break;
-            case DT_BF16: fg1_body<DT_BF16, 1>(K, a, S, xs, staged); break;
-            default: fg1_body<DT_F32, 1>(K, a, S, xs, staged); break;
+            case DT_F16: fg1_body<DT_F16, 1>(K, a, S, xs, staged, ahead); break;
+            case DT_BF16: fg1_body<DT_BF16, 1>(K, a, S, xs, staged, ahead); break;
+            default: fg1_body<DT_F32, 1>(K, a, S, xs, staged, ahead); break;
         }
     }
 }
@@ -368,6 +371,7 @@ extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, 
 extern "C" __global__ void __launch_bounds__(128, 8) fused_gemv(i64 M, i64 K, const float* a,
                                                                 i64 a_rs, FgSet S, int dtw,
                                                                 int G, int vec) {
+    pdl_entry();
     FG_DISPATCH(1)
 }
 
@@ -375,6 +379,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) fused_gemv(i64 M, i64 K, co
 extern "C" __global__ void __launch_bounds__(128) fused_gemv8(i64 M, i64 K, const float* a,
                                                               i64 a_rs, FgSet S, int dtw, int G,
                                                               int vec) {
+    pdl_entry();
     FG_DISPATCH(8)
 }
 
@@ -395,6 +400,7 @@ extern "C" __global__ void rope_rows(
     i64 idx_st, u32 tag, i64 m2, i64 d2, void* c2, int dtc2, i64 c2_rs, i64 c2_cs, i64 c2_n,
     const void* s2, int dts2, i64 s2_rs, i64 s2_cs, const int* idx2, i64 idx2_st, u32 tag2,
     u32* err) {
+    pdl_entry();
     const i64 half = n_dims / 2;
     const i64 per_row = half + (D - n_dims);
     const i64 n1 = T * H * per_row;
@@ -457,194 +463,172 @@ extern "C" __global__ void rope_rows(
 // o = p @ V, and optionally the Cpy of a permuted view of o — one block per query head h,
 // whose K and V head is h / k_div and h / v_div (the unfused MulMat's GQA broadcast).
 //
-// Phase 0 loads q[h] into shared memory (all reads of q precede every write of the block, so
-// results may be written over q[h] itself). Phase 1: groups of G lanes take the key positions
-// ATT_U at a time (several 16-byte loads in flight per lane) and reduce each dot product with
-// an xor butterfly; a position whose mask is -inf gets the logit -inf and, unless the raw
-// scores must be written (`write_kq`: the host found a later reader), its K row is not read.
-// Logits are parked in p. Phase 2: max, sum of exponentials, normalized p (a row with no
-// finite logit gives zeros, as soft_max). Phase 3: TC threads per V row, each owning VW
-// adjacent dims, take the positions in ATT_T / TC slices, skipping rows with p == 0 (their
-// product is 0: masked rows are never read); the slices are summed by a fixed tree in shared
-// memory. blockDim.x == ATT_T.
+// Built for latency: a decode step waits on this kernel, and its K/V rows come from DRAM. The
+// key positions go in chunks of ATT_T, one position per thread. A chunk costs two dependent
+// memory round trips: its mask entries (with q, first chunk), then — all in flight together —
+// each thread's K row (for its logit) and up to ATT_VU V rows of its slice of p @ V. A position
+// whose mask is -inf is never read from V, nor from K unless the raw scores must be written
+// (`write_kq`: the host found a later reader). Softmax is online across chunks (running max
+// and sum, the V accumulators rescaled); logits of chunks after the first are parked in p and
+// normalized at the end. In p @ V, TC threads own a V row's dims (VW adjacent ones each) and
+// the ATT_T / TC row slices are summed in a fixed order (deterministic). All reads of q
+// precede every write of the block, so results may be written over q[h] itself.
 
 #define ATT_T 256
 #define ATT_MAXD 256
-#define ATT_U 4
+#define ATT_KU 8
+#define ATT_VU 8
 
 template <int DT>
 __device__ __forceinline__ void attn_body(
     i64 L, i64 D, float scale, const void* q, int dtq, i64 q_hs, i64 q_ds, const void* k,
-    i64 k_hs, i64 k_ls, i64 k_div, int kvec, int G, const void* v, i64 v_hs, i64 v_ls,
-    i64 v_div, int vvec, int TC, const void* mask, int dtm, i64 m_hs, i64 m_ls, int has_mask,
-    float* kq, i64 kq_hs, i64 kq_ls, int write_kq, float* p, i64 p_hs, i64 p_ls, float* o,
-    i64 o_hs, i64 o_ds, void* c, int dtc, i64 c_hs, i64 c_ds, int has_cpy, float* qs,
-    float* red) {
+    i64 k_hs, i64 k_ls, i64 k_div, int kvec, const void* v, i64 v_hs, i64 v_ls, i64 v_div,
+    int vvec, int TC, const void* mask, int dtm, i64 m_hs, i64 m_ls, int has_mask, float* kq,
+    i64 kq_hs, i64 kq_ls, int write_kq, float* p, i64 p_hs, i64 p_ls, float* o, i64 o_hs,
+    i64 o_ds, void* c, int dtc, i64 c_hs, i64 c_ds, int has_cpy, float* qs, float* red,
+    float* es, int* vf) {
     const int VW = DT == DT_F32 ? 4 : 8;
     const int ESZ = DT == DT_F32 ? 4 : 2;
     const int tid = threadIdx.x;
     const i64 h = blockIdx.x;
     for (i64 d = tid; d < D; d += ATT_T) qs[d] = ld(q, dtq, h * q_hs + d * q_ds);
-    __syncthreads();
     const char* kb = (const char*)k + (h / k_div) * k_hs * ESZ;
     const char* vb = (const char*)v + (h / v_div) * v_hs * ESZ;
     float* ph = p + h * p_hs;
-
-    // Phase 1: logits.
-    {
-        const int ng = ATT_T / G, grp = tid / G, gl = tid & (G - 1);
-        const i64 nvec = kvec ? D / VW : 0;
-        for (i64 base = 0; base < L; base += (i64)ng * ATT_U) {
-            i64 l[ATT_U];
-            float mv[ATT_U], acc[ATT_U];
-            bool valid[ATT_U], live[ATT_U];
-#pragma unroll
-            for (int u = 0; u < ATT_U; ++u) {
-                l[u] = base + (i64)u * ng + grp;
-                const bool in = l[u] < L;
-                mv[u] = in && has_mask ? ld(mask, dtm, h * m_hs + l[u] * m_ls) : 0.0f;
-                valid[u] = in && mv[u] != F_NEG_INF;
-                live[u] = in && (write_kq || valid[u]);
-                acc[u] = 0.0f;
-            }
-            for (i64 vi = gl; vi < nvec; vi += G) {
-                uint4 w[ATT_U];
-#pragma unroll
-                for (int u = 0; u < ATT_U; ++u) {
-                    if (live[u]) w[u] = *(const uint4*)(kb + (l[u] * k_ls + vi * VW) * ESZ);
-                }
-#pragma unroll
-                for (int u = 0; u < ATT_U; ++u) {
-                    if (live[u]) {
-                        float f[VW];
-                        unpack16<DT>(w[u], f);
-#pragma unroll
-                        for (int e = 0; e < VW; ++e) acc[u] = fmaf(qs[vi * VW + e], f[e], acc[u]);
-                    }
-                }
-            }
-            for (i64 e = nvec * VW + gl; e < D; e += G) {
-#pragma unroll
-                for (int u = 0; u < ATT_U; ++u) {
-                    if (live[u]) acc[u] = fmaf(qs[e], ld(kb, DT, l[u] * k_ls + e), acc[u]);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < ATT_U; ++u) {
-                for (int off = G >> 1; off > 0; off >>= 1) {
-                    acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], off);
-                }
-            }
-            if (gl == 0) {
-#pragma unroll
-                for (int u = 0; u < ATT_U; ++u) {
-                    if (l[u] < L) {
-                        if (write_kq) kq[h * kq_hs + l[u] * kq_ls] = acc[u];
-                        float lg = acc[u] * scale;
-                        if (has_mask) lg += mv[u];
-                        ph[l[u] * p_ls] = valid[u] ? lg : F_NEG_INF;
-                    }
-                }
-            }
-        }
-    }
-    __syncthreads();
-
-    // Phase 2: softmax in place in p; each thread rewrites the entries it read.
-    float mx = F_NEG_INF;
-    for (i64 j = tid; j < L; j += ATT_T) mx = fmaxf(mx, ph[j * p_ls]);
-    mx = block_max(mx);
-    float sum = 0.0f;
-    if (mx != F_NEG_INF) {
-        for (i64 j = tid; j < L; j += ATT_T) sum += expf(ph[j * p_ls] - mx);
-    }
-    sum = block_sum(sum);
-    const float inv = mx != F_NEG_INF ? 1.0f / sum : 0.0f;
-    for (i64 j = tid; j < L; j += ATT_T) {
-        ph[j * p_ls] = mx != F_NEG_INF ? expf(ph[j * p_ls] - mx) * inv : 0.0f;
-    }
-    __syncthreads();
-
-    // Phase 3: o = p @ V.
+    // This thread's part of p @ V: dims [c0, c0 + vw) of rows rs, rs + RS, ... of a chunk.
     const int RS = ATT_T / TC;
     const int tc = tid % TC, rs = tid / TC;
     const int vw = vvec ? VW : 1;
     const i64 c0 = (i64)tc * vw;
+    const bool vcol = c0 < D;
+    const i64 nvec = kvec ? D / VW : 0;
     float acc[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-    if (c0 < D) {
-        for (i64 base = rs; base < L; base += (i64)RS * ATT_U) {
-            float pw[ATT_U];
+    float run_max = F_NEG_INF, run_sum = 0.0f, lg0 = F_NEG_INF;
+    uint4 vq[ATT_VU];
+    for (i64 base = 0; base < L; base += ATT_T) {
+        const i64 l = base + tid;
+        const bool in = l < L;
+        const float mv = in && has_mask ? ld(mask, dtm, h * m_hs + l * m_ls) : 0.0f;
+        const bool valid = in && mv != F_NEG_INF;
+        vf[tid] = valid;
+        __syncthreads();
+        // V rows g0 .. g0 + ATT_VU of this thread's slice (valid rows only).
+        auto load_v = [&](int g0) {
 #pragma unroll
-            for (int u = 0; u < ATT_U; ++u) {
-                const i64 j = base + (i64)u * RS;
-                pw[u] = j < L ? ph[j * p_ls] : 0.0f;
-            }
-            if (vvec) {
-                uint4 w[ATT_U];
-#pragma unroll
-                for (int u = 0; u < ATT_U; ++u) {
-                    if (pw[u] != 0.0f) {
-                        w[u] = *(const uint4*)(vb + ((base + (i64)u * RS) * v_ls + c0) * ESZ);
+            for (int u = 0; u < ATT_VU; ++u) {
+                const int r = rs + RS * (g0 + u);
+                if (g0 + u < TC && vcol && base + r < L && vf[r]) {
+                    const i64 off = (base + r) * v_ls + c0;
+                    if (vvec) {
+                        vq[u] = *(const uint4*)(vb + off * ESZ);
+                    } else {
+                        vq[u].x = __float_as_uint(ld(vb, DT, off));
                     }
                 }
+            }
+        };
+        load_v(0);
+        // The logit of position l.
+        float dot = 0.0f;
+        if (in && (write_kq || valid)) {
+            const char* kr = kb + l * k_ls * ESZ;
+            for (i64 v0 = 0; v0 < nvec; v0 += ATT_KU) {
+                uint4 w[ATT_KU];
 #pragma unroll
-                for (int u = 0; u < ATT_U; ++u) {
-                    if (pw[u] != 0.0f) {
+                for (int u = 0; u < ATT_KU; ++u) {
+                    if (v0 + u < nvec) w[u] = ((const uint4*)kr)[v0 + u];
+                }
+#pragma unroll
+                for (int u = 0; u < ATT_KU; ++u) {
+                    if (v0 + u < nvec) {
                         float f[VW];
                         unpack16<DT>(w[u], f);
 #pragma unroll
-                        for (int e = 0; e < VW; ++e) acc[e] = fmaf(pw[u], f[e], acc[e]);
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int u = 0; u < ATT_U; ++u) {
-                    if (pw[u] != 0.0f) {
-                        acc[0] = fmaf(pw[u], ld(vb, DT, (base + (i64)u * RS) * v_ls + c0), acc[0]);
+                        for (int e = 0; e < VW; ++e) dot = fmaf(qs[(v0 + u) * VW + e], f[e], dot);
                     }
                 }
             }
+            for (i64 e = nvec * VW; e < D; ++e) dot = fmaf(qs[e], ld(kr, DT, e), dot);
+        }
+        if (write_kq && in) kq[h * kq_hs + l * kq_ls] = dot;
+        const float lg = valid ? dot * scale + mv : F_NEG_INF;
+        if (base == 0) {
+            lg0 = lg;
+        } else if (in) {
+            ph[l * p_ls] = lg;
+        }
+        const float new_max = fmaxf(run_max, block_max(lg));
+        const float ex = valid && new_max != F_NEG_INF ? expf(lg - new_max) : 0.0f;
+        es[tid] = ex;
+        const float chunk_sum = block_sum(ex);  // its barriers also publish es
+        const float rescale = run_max != F_NEG_INF ? expf(run_max - new_max) : 0.0f;
+        run_sum = run_sum * rescale + chunk_sum;
+        run_max = new_max;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] *= rescale;
+        for (int g0 = 0; g0 < TC; g0 += ATT_VU) {
+            if (g0 > 0) load_v(g0);
+#pragma unroll
+            for (int u = 0; u < ATT_VU; ++u) {
+                const int r = rs + RS * (g0 + u);
+                const float pw = g0 + u < TC && vcol && base + r < L ? es[r] : 0.0f;
+                if (pw != 0.0f) {
+                    if (vvec) {
+                        float f[VW];
+                        unpack16<DT>(vq[u], f);
+#pragma unroll
+                        for (int e = 0; e < VW; ++e) acc[e] = fmaf(pw, f[e], acc[e]);
+                    } else {
+                        acc[0] = fmaf(pw, __uint_as_float(vq[u].x), acc[0]);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // es and vf are rewritten by the next chunk
+    }
+    const float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
+    for (i64 base = 0; base < L; base += ATT_T) {
+        const i64 l = base + tid;
+        if (l < L) {
+            const float lg = base == 0 ? lg0 : ph[l * p_ls];
+            ph[l * p_ls] = lg != F_NEG_INF ? expf(lg - run_max) * inv : 0.0f;
         }
     }
 #pragma unroll
     for (int e = 0; e < 8; ++e) red[tid * 8 + e] = acc[e];
     __syncthreads();
-    for (int s = RS >> 1; s > 0; s >>= 1) {
-        if (rs < s) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) red[tid * 8 + e] += red[(tid + s * TC) * 8 + e];
-        }
-        __syncthreads();
-    }
-    if (rs == 0) {
-        for (int e = 0; e < vw; ++e) {
-            const i64 col = c0 + e;
-            if (col < D) {
-                const float y = red[tid * 8 + e];
-                o[h * o_hs + col * o_ds] = y;
-                if (has_cpy) st(c, dtc, h * c_hs + col * c_ds, y);
-            }
-        }
+    for (i64 col = tid; col < D; col += ATT_T) {
+        const int ct = (int)(col / vw), ce = (int)(col % vw);
+        float y = 0.0f;
+        for (int s = 0; s < RS; ++s) y += red[(s * TC + ct) * 8 + ce];
+        y *= inv;
+        o[h * o_hs + col * o_ds] = y;
+        if (has_cpy) st(c, dtc, h * c_hs + col * c_ds, y);
     }
 }
 
-// K and V share one dtype (dtkv). G: lanes per key row; TC: threads per V row (powers of two
-// dividing ATT_T). `kvec` / `vvec`: every K / V row start is 16-byte aligned (and, for V, D a
-// multiple of the vector width), checked on the host.
+// K and V share one dtype (dtkv). G: unused (the host's lanes per key row of an earlier split,
+// kept in the signature); TC: threads per V row (a power of two dividing ATT_T). `kvec` /
+// `vvec`: every K / V row start is 16-byte aligned (and, for V, D a multiple of the vector
+// width), checked on the host.
 extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
     i64 L, i64 D, float scale, const void* q, int dtq, i64 q_hs, i64 q_ds, int dtkv,
     const void* k, i64 k_hs, i64 k_ls, i64 k_div, int kvec, int G, const void* v, i64 v_hs,
     i64 v_ls, i64 v_div, int vvec, int TC, const void* mask, int dtm, i64 m_hs, i64 m_ls,
     int has_mask, float* kq, i64 kq_hs, i64 kq_ls, int write_kq, float* p, i64 p_hs, i64 p_ls,
     float* o, i64 o_hs, i64 o_ds, void* c, int dtc, i64 c_hs, i64 c_ds, int has_cpy) {
+    pdl_entry();
     __shared__ float qs[ATT_MAXD];
     __shared__ float red[ATT_T * 8];
-#define ATT_ARGS                                                                           \
-    L, D, scale, q, dtq, q_hs, q_ds, k, k_hs, k_ls, k_div, kvec, G, v, v_hs, v_ls, v_div, \
-        vvec, TC, mask, dtm, m_hs, m_ls, has_mask, kq, kq_hs, kq_ls, write_kq, p, p_hs,   \
-        p_ls, o, o_hs, o_ds, c, dtc, c_hs, c_ds, has_cpy, qs, red
+    __shared__ float es[ATT_T];
+    __shared__ int vf[ATT_T];
+    (void)G;
+#define ATT_ARGS                                                                              \
+    L, D, scale, q, dtq, q_hs, q_ds, k, k_hs, k_ls, k_div, kvec, v, v_hs, v_ls, v_div, vvec,  \
+        TC, mask, dtm, m_hs, m_ls, has_mask, kq, kq_hs, kq_ls, write_kq, p, p_hs, p_ls, o,    \
+        o_hs, o_ds, c, dtc, c_hs, c_ds, has_cpy, qs, red, es, vf
     switch (dtkv) {
         case DT_F16: attn_body<DT_F16>(ATT_ARGS); break;
         case DT_BF16: attn_body<DT_BF16>(ATT_ARGS); break;

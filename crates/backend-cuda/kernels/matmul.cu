@@ -8,6 +8,7 @@ extern "C" __global__ void mul_mat_id(i64 T, i64 N, i64 K, i64 slots, i64 n_exp,
                                       i64 x_rs, i64 x_cs, const int* ids, i64 i_rs, i64 i_cs,
                                       const void* w, int dtw, i64 w_rs, i64 w_cs, u32* err,
                                       u32 tag) {
+    pdl_entry();
     i64 n_out = T * N;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n_out;
          i += (i64)gridDim.x * blockDim.x) {
@@ -164,6 +165,7 @@ __device__ __forceinline__ void mmv_k_body(i64 M, i64 N, i64 K, i64 nbatch, cons
 extern "C" __global__ void __launch_bounds__(128, 8) mul_mat_vec_k(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs,
     const float* a, i64 a_rs, const void* b, int dtb, i64 b_cs, int G, int vec) {
+    pdl_entry();
     switch (dtb) {
         case DT_F16: mmv_k_body<DT_F16, 1, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, G, vec); break;
         case DT_BF16: mmv_k_body<DT_BF16, 1, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, G, vec); break;
@@ -176,6 +178,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) mul_mat_vec_k(
 extern "C" __global__ void mul_mat_vec_k4(i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst,
                                           i64 d_rs, i64 d_cs, const float* a, i64 a_rs,
                                           const void* b, int dtb, i64 b_cs, int G, int vec) {
+    pdl_entry();
     switch (dtb) {
         case DT_F16: mmv_k_body<DT_F16, 4, MMV_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, G, vec); break;
         case DT_BF16: mmv_k_body<DT_BF16, 4, MMV_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, G, vec); break;
@@ -277,6 +280,7 @@ __device__ __forceinline__ void mmv_n_body(i64 M, i64 N, i64 K, i64 nbatch, cons
 extern "C" __global__ void __launch_bounds__(MMN_T, 2) mul_mat_vec_n(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs,
     const float* a, i64 a_rs, i64 a_ks, const void* b, int dtb, i64 b_rs, int TC, int vec) {
+    pdl_entry();
     __shared__ float red[MMN_C][MMN_T];
     switch (dtb) {
         case DT_F16: mmv_n_body<DT_F16, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, a_ks, b, b_rs, TC, vec, red); break;
@@ -290,6 +294,7 @@ extern "C" __global__ void mul_mat_vec_n8(i64 M, i64 N, i64 K, i64 nbatch, MmBat
                                           i64 d_rs, i64 d_cs, const float* a,
                                           i64 a_rs, i64 a_ks, const void* b, int dtb, i64 b_rs,
                                           int TC, int vec) {
+    pdl_entry();
     __shared__ float red[MMV_MT * MMN_C][MMN_T];
     switch (dtb) {
         case DT_F16: mmv_n_body<DT_F16, MMV_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, a_ks, b, b_rs, TC, vec, red); break;
@@ -309,7 +314,8 @@ extern "C" __global__ void mul_mat_vec_n8(i64 M, i64 N, i64 K, i64 nbatch, MmBat
 #define GV_U 8
 template <int DT>
 __device__ __forceinline__ void gemv1_body(i64 N, i64 K, float* dst, i64 d_cs, const float* x,
-                                           const void* w, i64 w_rs, float* xs, int staged) {
+                                           const void* w, i64 w_rs, float* xs, int staged,
+                                           int ahead) {
     const int VW = DT == DT_F32 ? 4 : 8;
     const int ESZ = DT == DT_F32 ? 4 : 2;
     const int lane = threadIdx.x & 31;
@@ -318,11 +324,13 @@ __device__ __forceinline__ void gemv1_body(i64 N, i64 K, float* dst, i64 d_cs, c
     const uint4* wv = (const uint4*)((const char*)w + (active ? row : 0) * w_rs * ESZ);
     const i64 nvec = K / VW;
     uint4 q[GV_U];
+    if (!ahead) pdl_entry();
 #pragma unroll
     for (int u = 0; u < GV_U; ++u) {
         const i64 v = lane + 32 * u;
         q[u] = active && v < nvec ? __ldg(wv + v) : make_uint4(0, 0, 0, 0);
     }
+    if (ahead) pdl_entry();
     const float* xr = x;
     if (staged) {
         stage_row(xs, x, K);
@@ -347,7 +355,7 @@ __device__ __forceinline__ void gemv1_body(i64 N, i64 K, float* dst, i64 d_cs, c
                 const float4* xv = (const float4*)(xr + v * VW);
 #pragma unroll
                 for (int e = 0; e < VW / 4; ++e) {
-                    const float4 a4 = staged ? xv[e] : __ldg(xv + e);
+                    const float4 a4 = xv[e];
                     acc = fmaf(a4.x, f[4 * e], acc);
                     acc = fmaf(a4.y, f[4 * e + 1], acc);
                     acc = fmaf(a4.z, f[4 * e + 2], acc);
@@ -364,12 +372,12 @@ __device__ __forceinline__ void gemv1_body(i64 N, i64 K, float* dst, i64 d_cs, c
 
 extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) mul_mat_vec_1(
     i64 N, i64 K, float* dst, i64 d_cs, const float* x, const void* w, int dtw, i64 w_rs,
-    int staged) {
+    int staged, int ahead) {
     extern __shared__ float4 gv_smem[];
     float* xs = (float*)gv_smem;
     switch (dtw) {
-        case DT_F16: gemv1_body<DT_F16>(N, K, dst, d_cs, x, w, w_rs, xs, staged); break;
-        case DT_BF16: gemv1_body<DT_BF16>(N, K, dst, d_cs, x, w, w_rs, xs, staged); break;
-        default: gemv1_body<DT_F32>(N, K, dst, d_cs, x, w, w_rs, xs, staged); break;
+        case DT_F16: gemv1_body<DT_F16>(N, K, dst, d_cs, x, w, w_rs, xs, staged, ahead); break;
+        case DT_BF16: gemv1_body<DT_BF16>(N, K, dst, d_cs, x, w, w_rs, xs, staged, ahead); break;
+        default: gemv1_body<DT_F32>(N, K, dst, d_cs, x, w, w_rs, xs, staged, ahead); break;
     }
 }

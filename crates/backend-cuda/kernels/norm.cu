@@ -3,6 +3,7 @@
 
 extern "C" __global__ void rms_norm(i64 rows, i64 len, Lay L, void* dst, int dtd, i64 d_cs,
                                     const void* x, int dtx, i64 x_cs, float eps) {
+    pdl_entry();
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         i64 o[3];
         lay_offsets(L, r, 2, o);
@@ -24,6 +25,7 @@ extern "C" __global__ void rms_norm(i64 rows, i64 len, Lay L, void* dst, int dtd
 extern "C" __global__ void soft_max(i64 rows, i64 len, Lay L, void* dst, int dtd, i64 d_cs,
                                     const void* x, int dtx, i64 x_cs, const void* mask, int dtm,
                                     i64 m_cs, int has_mask, float scale) {
+    pdl_entry();
     const float NEG_INF = -__int_as_float(0x7f800000);
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         i64 o[3];
@@ -67,6 +69,7 @@ __device__ __forceinline__ bool better(float v, i64 i, float bv, i64 bi) {
 }
 extern "C" __global__ void argmax(i64 rows, i64 len, Lay L, int* dst, const void* x, int dtx,
                                   i64 x_cs) {
+    pdl_entry();
     __shared__ float sv[1024];
     __shared__ i64 si[1024];
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {

@@ -6,6 +6,7 @@ extern "C" __global__ void rope(i64 T, i64 H, i64 D, void* dst, int dtd, i64 d_s
                                 i64 d_st2, const void* x, int dtx, i64 x_st0, i64 x_st1,
                                 i64 x_st2, const int* pos, i64 pos_st, i64 n_dims,
                                 double theta_base, int neox) {
+    pdl_entry();
     i64 half = n_dims / 2;
     i64 rest = D - n_dims;
     i64 per_row = half + rest;

@@ -6,6 +6,7 @@
 extern "C" __global__ void get_rows(i64 rows, i64 d, Lay L, void* dst, int dtd, i64 dst_cs,
                                     const void* table, int dtt, i64 t_rs, i64 t_cs, i64 n_table,
                                     const int* ids, u32* err, u32 tag) {
+    pdl_entry();
     i64 n = rows * d;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {
@@ -26,6 +27,7 @@ extern "C" __global__ void get_rows(i64 rows, i64 d, Lay L, void* dst, int dtd, 
 extern "C" __global__ void set_rows(i64 m, i64 d, void* dst, int dtd, i64 d_rs, i64 d_cs,
                                     i64 n_dst, const void* src, int dts, i64 s_rs, i64 s_cs,
                                     const int* idx, i64 idx_st, u32* err, u32 tag) {
+    pdl_entry();
     for (i64 j = blockIdx.x; j < m; j += gridDim.x) {
         int row = idx[j * idx_st];
         int later = 0;

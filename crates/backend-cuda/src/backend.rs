@@ -70,6 +70,11 @@ pub struct CudaConfig {
     /// How single-row matrix-vector products read their activation row (a tuning knob for
     /// benches; `Off` sends them to the general matrix-vector kernels).
     pub decode_gemv: DecodeGemv,
+    /// Launch kernels with programmatic dependent launch (`LOWSYNC_CUDA_PDL`, default on; takes
+    /// effect on compute capability 9.0 and newer): a kernel's blocks may start while the one
+    /// before it finishes, and wait on the device (`griddepcontrol.wait`) before they touch
+    /// its results; decode's matrix-vector kernels load their first weights before that wait.
+    pub pdl: bool,
 }
 
 /// The decode matrix-vector kernel's source of the activation row.
@@ -95,6 +100,7 @@ impl Default for CudaConfig {
             fusion: true,
             timing: false,
             decode_gemv: DecodeGemv::SharedX,
+            pdl: true,
         }
     }
 }
@@ -110,6 +116,7 @@ impl CudaConfig {
             graphs: env::flag("LOWSYNC_CUDA_GRAPHS", true)?,
             fusion: env::flag("LOWSYNC_CUDA_FUSION", true)?,
             timing: env::flag("LOWSYNC_CUDA_TIMING", false)?,
+            pdl: env::flag("LOWSYNC_CUDA_PDL", true)?,
             ..CudaConfig::default()
         })
     }
@@ -192,6 +199,9 @@ pub(crate) struct Inner {
     pub(crate) err_tags: Mutex<ErrTags>,
     gates: Mutex<GateWords>,
     pub(crate) cfg: CudaConfig,
+    /// Kernels are launched with programmatic dependent launch (`cfg.pdl` on a device that
+    /// has it: compute capability 9.0 or newer).
+    pub(crate) pdl: bool,
     /// Captured compute graphs (`cfg.graphs`).
     graphs: Mutex<GraphCache>,
     /// Bumped whenever device memory a captured graph may address moves or goes away.
@@ -314,7 +324,11 @@ impl Inner {
             unsafe { self.stream.memset_d8(alloc.ptr, 0, size) }
                 .map_err(|e| self.driver_err("cuMemsetD8Async", e))?;
         }
-        Ok(DevBuf { alloc, size })
+        Ok(DevBuf {
+            alloc,
+            size,
+            weights: false,
+        })
     }
 }
 
@@ -527,6 +541,7 @@ impl CudaBackend {
                 err_word,
                 err_tags: Mutex::new(ErrTags::default()),
                 gates: Mutex::new(GateWords::default()),
+                pdl: cfg.pdl && major >= 9,
                 cfg,
                 graphs: Mutex::new(GraphCache::default()),
                 mem_generation: AtomicU64::new(0),
@@ -694,10 +709,11 @@ impl Backend for CudaBackend {
         self.inner.stream.stats()
     }
 
-    fn alloc_buffer(&self, size: usize, _usage: BufferUsage) -> Result<BufferId> {
+    fn alloc_buffer(&self, size: usize, usage: BufferUsage) -> Result<BufferId> {
         let i = &self.inner;
         i.bind()?;
-        let buf = i.alloc_zeroed(size)?;
+        let mut buf = i.alloc_zeroed(size)?;
+        buf.weights = usage == BufferUsage::Weights;
         let id = BufferId::fresh();
         i.bufs.insert(id, buf);
         bump(&i.stream.stats().reserves, 1);
@@ -706,11 +722,12 @@ impl Backend for CudaBackend {
     fn realloc_buffer(&self, id: BufferId, size: usize) -> Result<()> {
         let i = &self.inner;
         i.bind()?;
-        i.bufs.get(id)?;
+        let old = i.bufs.get(id)?;
         // Queued work may still use the old memory (the contract waits; the pool would not
         // need it, but callers rely on the old contents being settled).
         i.wait()?;
-        let buf = i.alloc_zeroed(size)?;
+        let mut buf = i.alloc_zeroed(size)?;
+        buf.weights = old.weights;
         i.bufs.remove_to_pool(id);
         i.bufs.insert(id, buf);
         i.mem_generation.fetch_add(1, Ordering::AcqRel);

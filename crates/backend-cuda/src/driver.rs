@@ -123,14 +123,35 @@ impl Driver for CuDriver {
         dims: LaunchDims,
         params: &mut [*mut c_void],
     ) -> Result<(), DriverError> {
-        result::launch_kernel(
-            f.0,
-            dims.grid,
-            dims.block,
-            dims.shared_bytes,
-            self.stream,
-            params,
-        )
+        if !dims.pdl {
+            return result::launch_kernel(
+                f.0,
+                dims.grid,
+                dims.block,
+                dims.shared_bytes,
+                self.stream,
+                params,
+            );
+        }
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: std::mem::zeroed(),
+        };
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: dims.grid.0,
+            gridDimY: dims.grid.1,
+            gridDimZ: dims.grid.2,
+            blockDimX: dims.block.0,
+            blockDimY: dims.block.1,
+            blockDimZ: dims.block.2,
+            sharedMemBytes: dims.shared_bytes,
+            hStream: self.stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut()).result()
     }
     unsafe fn memcpy_htod(&self, dst: u64, src: *const u8, len: usize) -> Result<(), DriverError> {
         sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, self.stream).result()

@@ -155,6 +155,13 @@ impl Kind {
 /// Queues every node of `graph`, fused where a pattern matches and fusion is on.
 pub(crate) fn run_graph(exec: &mut Exec<'_>, graph: &Arc<ExecGraph>) -> Result<()> {
     let nodes = &graph.nodes;
+    if exec.inner.pdl {
+        // Before anything of this graph is queued: a weights buffer some node writes is no
+        // longer safe to read ahead of `griddepcontrol.wait`.
+        exec.inner
+            .bufs
+            .note_written(nodes.iter().map(|n| n.dst.buffer));
+    }
     if !exec.inner.cfg.fusion {
         for node in nodes {
             exec.run(node)?;
@@ -934,6 +941,7 @@ fn launch_gemv(
     if m == 1 && vec {
         // Decode: one output unit per warp, a staged in shared memory when it fits.
         let staged = k * 4 <= matmul::GEMV1_MAX_SHARED;
+        let ahead = segs.iter().all(|s| exec.read_ahead(&nodes[s.mm].srcs[1]));
         let blocks = units
             .div_ceil(matmul::GEMV1_WARPS)
             .clamp(1, i32::MAX as usize) as u32;
@@ -942,7 +950,8 @@ fn launch_gemv(
             .arg(a.ptr)
             .arg(set)
             .arg(dt(wdt))
-            .arg(staged as i32);
+            .arg(staged as i32)
+            .arg(ahead as i32);
         return exec.launch_shared(
             first,
             Kernel::FusedGemv1,

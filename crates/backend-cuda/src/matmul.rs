@@ -617,13 +617,14 @@ fn run_vec(
                 .arg(dt(b.dtype))
                 .arg(b_ns as i64);
             let staged = ex.inner.cfg.decode_gemv == DecodeGemv::SharedX;
+            let ahead = ex.read_ahead(&node.srcs[1]);
             ex.launch_shared(
                 node,
                 Kernel::MulMatVec1,
                 grid(n.div_ceil(GEMV1_WARPS)),
                 (GEMV1_WARPS * 32) as u32,
                 if staged { (k * 4) as u32 } else { 0 },
-                args.arg(staged as i32),
+                args.arg(staged as i32).arg(ahead as i32),
             )
         }
         Route::VecK => {

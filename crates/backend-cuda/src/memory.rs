@@ -35,6 +35,10 @@ pub(crate) struct DevAlloc {
 pub(crate) struct DevBuf {
     pub alloc: DevAlloc,
     pub size: usize,
+    /// Allocated for weights and never written by a kernel so far: only stream-ordered copies
+    /// write it, so a kernel may read it before `griddepcontrol.wait` (see `CudaConfig::pdl`).
+    /// Cleared for good when a graph with a node writing the buffer runs.
+    pub weights: bool,
 }
 
 /// The device buffers of one backend, and the pool of freed allocations.
@@ -100,6 +104,22 @@ impl Buffers {
         let b = self.live.write().remove(&id)?;
         self.pool.lock().push(b.alloc);
         Some(b)
+    }
+
+    /// Whether kernels may read buffer `id` before waiting for the kernels queued before them
+    /// (`DevBuf::weights`).
+    pub(crate) fn is_weights(&self, id: BufferId) -> bool {
+        self.live.read().get(&id).is_some_and(|b| b.weights)
+    }
+
+    /// Clears `DevBuf::weights` of every buffer in `written` (buffers some node writes).
+    pub(crate) fn note_written(&self, written: impl Iterator<Item = BufferId>) {
+        let mut live = self.live.write();
+        for id in written {
+            if let Some(b) = live.get_mut(&id) {
+                b.weights = false;
+            }
+        }
     }
 
     pub(crate) fn get(&self, id: BufferId) -> Result<DevBuf> {

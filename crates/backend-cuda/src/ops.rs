@@ -188,6 +188,12 @@ impl<'a> Exec<'a> {
         Exec { inner, scratch }
     }
 
+    /// Whether a kernel may read `t` before its `griddepcontrol.wait` (programmatic dependent
+    /// launch is on and `t` lies in a weights buffer no kernel writes).
+    pub(crate) fn read_ahead(&self, t: &TensorRef) -> bool {
+        self.inner.pdl && self.inner.bufs.is_weights(t.buffer)
+    }
+
     pub(crate) fn resolve(&self, t: &TensorRef) -> Result<Dev> {
         if t.shape.len() != t.strides.len() {
             return Err(Error::Unsupported {
@@ -256,6 +262,7 @@ impl<'a> Exec<'a> {
             grid: (grid, 1, 1),
             block: (block, 1, 1),
             shared_bytes,
+            pdl: self.inner.pdl,
         };
         let mut ptrs = args.ptrs();
         // SAFETY: `args` matches the kernel's parameter list (each op builds it against the

@@ -33,6 +33,9 @@ pub struct LaunchDims {
     pub grid: (u32, u32, u32),
     pub block: (u32, u32, u32),
     pub shared_bytes: u32,
+    /// Programmatic dependent launch: the kernel may start before the previous kernel in the
+    /// stream completes (it waits with `griddepcontrol.wait` before using its results).
+    pub pdl: bool,
 }
 
 /// The driver calls the ticket logic routes. The real implementation wraps cudarc's driver API
@@ -657,6 +660,7 @@ mod tests {
                     grid: (1, 1, 1),
                     block: (32, 1, 1),
                     shared_bytes: 0,
+                    pdl: false,
                 };
                 s.launch((), dims, &mut []).unwrap();
             }),
@@ -837,6 +841,7 @@ mod tests {
             grid: (1, 1, 1),
             block: (1, 1, 1),
             shared_bytes: 0,
+            pdl: false,
         };
         s.begin_capture().unwrap();
         assert!(s.is_capturing());
@@ -900,6 +905,7 @@ mod tests {
                 grid: (1, 1, 1),
                 block: (1, 1, 1),
                 shared_bytes: 0,
+                pdl: false,
             };
             s.launch((), dims, &mut []).unwrap();
         }
