@@ -226,6 +226,70 @@ __device__ __forceinline__ void fg_body(i64 M, i64 K, const float* a, i64 a_rs, 
     }
 }
 
+// The norm prologue of `fused_gemv1`: y = round_n(x * inv) * w with inv = 1 / sqrt(mean(x^2) +
+// eps), as rms_norm_mul computes it (round_n: rounding to the norm result's dtype), staged in
+// xs as the products' activation; block 0 also writes the norm (nd) and the product (md, f32)
+// in that order per element. A row of up to NP_V values per thread is read once, x and w
+// together; longer rows loop.
+#define NP_V 8
+__device__ __forceinline__ float round_dt(int dt, float v) {
+    switch (dt) {
+        case DT_F16: return h2f(f2h(v));
+        case DT_BF16: return bf2f(f2bf(v));
+        default: return v;
+    }
+}
+__device__ void norm_stage(float* xs, i64 K, const float* x, float eps, void* nd, int dtn,
+                           const void* w, int dtw, float* md) {
+    const bool regs = K <= (i64)blockDim.x * NP_V;
+    const bool first = blockIdx.x == 0;
+    float xv[NP_V], wv[NP_V];
+    float s = 0.0f;
+    if (regs) {
+#pragma unroll
+        for (int j = 0; j < NP_V; ++j) {
+            const i64 i = threadIdx.x + (i64)j * blockDim.x;
+            xv[j] = i < K ? x[i] : 0.0f;
+            wv[j] = i < K ? ld(w, dtw, i) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < NP_V; ++j) s += xv[j] * xv[j];
+    } else {
+        for (i64 i = threadIdx.x; i < K; i += blockDim.x) {
+            const float v = x[i];
+            xs[i] = v;
+            s += v * v;
+        }
+    }
+    s = block_sum(s);
+    const float inv = 1.0f / sqrtf(s / (float)K + eps);
+    if (regs) {
+#pragma unroll
+        for (int j = 0; j < NP_V; ++j) {
+            const i64 i = threadIdx.x + (i64)j * blockDim.x;
+            if (i < K) {
+                const float y = round_dt(dtn, xv[j] * inv) * wv[j];
+                xs[i] = y;
+                if (first) {
+                    st(nd, dtn, i, xv[j] * inv);
+                    md[i] = y;
+                }
+            }
+        }
+    } else {
+        for (i64 i = threadIdx.x; i < K; i += blockDim.x) {
+            const float xo = xs[i];
+            const float y = round_dt(dtn, xo * inv) * ld(w, dtw, i);
+            xs[i] = y;
+            if (first) {
+                st(nd, dtn, i, xo * inv);
+                md[i] = y;
+            }
+        }
+    }
+    __syncthreads();
+}
+
 // Decode (one row of a, every weight row 16-byte aligned): the same products and epilogues
 // with the work split of `mul_mat_vec_1` — one output unit (column j of a segment, or of both
 // products in pair mode) per warp, FG1_U 16-byte loads of each weight row in flight per lane,
@@ -235,7 +299,8 @@ __device__ __forceinline__ void fg_body(i64 M, i64 K, const float* a, i64 a_rs, 
 #define FG1_U 8
 template <int DT, int NC>
 __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, float* xs,
-                                         int staged, int ahead) {
+                                         int staged, int ahead, const float* nx, float eps,
+                                         void* nd, int dtn, const void* nw, int dtnw) {
     const int VW = DT == DT_F32 ? 4 : 8;
     const int ESZ = DT == DT_F32 ? 4 : 2;
     const int U = FG1_U / NC;
@@ -272,7 +337,11 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
     if (ahead) pdl_entry();
     const float* xr = a;
     if (staged) {
-        stage_row(xs, a, K);
+        if (nx) {
+            norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a);
+        } else {
+            stage_row(xs, a, K);
+        }
         xr = xs;
     }
     if (!active) return;
@@ -330,23 +399,29 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
     }
 }
 
-// blockDim.x == FG1_WARPS * 32; dynamic shared memory K floats when `staged`.
+// blockDim.x == FG1_WARPS * 32; dynamic shared memory K floats when `staged`. With nx != 0
+// (then `staged`), a is the result of the norm prologue (`norm_stage`) over row nx.
+#define FG1_NORM nx, eps, nd, dtn, nw, dtnw
 extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, const float* a,
                                                                       FgSet S, int dtw,
-                                                                      int staged, int ahead) {
+                                                                      int staged, int ahead,
+                                                                      const float* nx,
+                                                                      float eps, void* nd,
+                                                                      int dtn, const void* nw,
+                                                                      int dtnw) {
     extern __shared__ float4 fg1_smem[];
     float* xs = (float*)fg1_smem;
     if (S.pair) {
         switch (dtw) {
-            case DT_F16: fg1_body<DT_F16, 2>(K, a, S, xs, staged, ahead); break;
-            case DT_BF16: fg1_body<DT_BF16, 2>(K, a, S, xs, staged, ahead); break;
-            default: fg1_body<DT_F32, 2>(K, a, S, xs, staged, ahead); break;
+            case DT_F16: fg1_body<DT_F16, 2>(K, a, S, xs, staged, ahead, FG1_NORM); break;
+            case DT_BF16: fg1_body<DT_BF16, 2>(K, a, S, xs, staged, ahead, FG1_NORM); break;
+            default: fg1_body<DT_F32, 2>(K, a, S, xs, staged, ahead, FG1_NORM); break;
         }
     } else {
         switch (dtw) {
-            case DT_F16: fg1_body<DT_F16, 1>(K, a, S, xs, staged, ahead); break;
-            case DT_BF16: fg1_body<DT_BF16, 1>(K, a, S, xs, staged, ahead); break;
-            default: fg1_body<DT_F32, 1>(K, a, S, xs, staged, ahead); break;
+            case DT_F16: fg1_body<DT_F16, 1>(K, a, S, xs, staged, ahead, FG1_NORM); break;
+            case DT_BF16: fg1_body<DT_BF16, 1>(K, a, S, xs, staged, ahead, FG1_NORM); break;
+            default: fg1_body<DT_F32, 1>(K, a, S, xs, staged, ahead, FG1_NORM); break;
         }
     }
 }

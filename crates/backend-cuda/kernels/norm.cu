@@ -77,9 +77,21 @@ extern "C" __global__ void argmax(i64 rows, i64 len, Lay L, int* dst, const void
         lay_offsets(L, r, 2, o);
         float bv = __int_as_float(0x7fc00000);  // NaN: loses to any number
         i64 bi = len;
-        for (i64 c = threadIdx.x; c < len; c += blockDim.x) {
-            float v = ld(x, dtx, o[1] + c * x_cs);
-            if (better(v, c, bv, bi)) { bv = v; bi = c; }
+        // AM_U loads in flight per thread before the comparisons (a decode step waits on
+        // this row; ties go to the lower index, so the order of comparisons does not matter).
+        const int AM_U = 8;
+        for (i64 c0 = threadIdx.x; c0 < len; c0 += (i64)AM_U * blockDim.x) {
+            float v[AM_U];
+#pragma unroll
+            for (int u = 0; u < AM_U; ++u) {
+                const i64 c = c0 + (i64)u * blockDim.x;
+                v[u] = c < len ? ld(x, dtx, o[1] + c * x_cs) : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < AM_U; ++u) {
+                const i64 c = c0 + (i64)u * blockDim.x;
+                if (c < len && better(v[u], c, bv, bi)) { bv = v[u]; bi = c; }
+            }
         }
         sv[threadIdx.x] = bv;
         si[threadIdx.x] = bi;

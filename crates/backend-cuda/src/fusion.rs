@@ -1,7 +1,7 @@
 //! Fused decode kernels: node patterns of a compute graph that run as one launch.
 //!
 //! Why: decode is a chain of small launches (~22 per llama layer); each costs a launch and a
-//! pass over its operands. Replacing the common chains by one kernel each brings a layer to 9
+//! pass over its operands. Replacing the common chains by one kernel each brings a layer to 7
 //! launches and drops the passes over intermediates the fused kernel keeps in registers.
 //!
 //! Strategy: [`plan`] is a pure matcher over the graph's nodes (no device, nothing cached: it
@@ -9,7 +9,9 @@
 //! each node not yet taken it tries the patterns below, every further member within [`WINDOW`]
 //! nodes of an earlier one; a matched group runs as one kernel at the position of its first
 //! node, every other node through [`Exec::run`] as before. The patterns (kernels in `kernels/fused.cu`):
-//! - `RmsNorm -> Mul(norm, weight row)`: one block per row.
+//! - `RmsNorm -> Mul(norm, weight row)`: one block per row; or, for one f32 row feeding the
+//!   products below, their decode kernel's prologue (each block computes the row in shared
+//!   memory, block 0 also writes the norm and the product).
 //! - `MulMat`s of one activation (the same `TensorRef`) — q/k/v, gate/up — each optionally
 //!   followed by an `Add` of its result and a bias row or a residual; or a gate/up pair feeding
 //!   a `SwiGlu`: one matrix-vector launch over the concatenated output columns, epilogues
@@ -68,6 +70,8 @@ const ATT_THREADS: usize = 256;
 const GEMV_THREADS: usize = 128;
 /// Products of one fused matrix-vector launch (`FG_MAXS`).
 const MAX_SEGS: usize = 4;
+/// The lane chain of a fused norm prologue's writes (products use their segment index).
+const NORM_CHAIN: usize = usize::MAX;
 
 /// One unit of work of a graph: a node run as before, or a fused group.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -99,10 +103,12 @@ pub(crate) enum Kind {
         mul: usize,
     },
     /// Matrix-vector products of one activation; with `swiglu`, exactly a gate and an up
-    /// product (in that order) and no Adds.
+    /// product (in that order) and no Adds. With `norm`, the activation is the result of that
+    /// `RmsNorm -> Mul` pair of one row, which the decode kernel computes itself.
     Gemv {
         segs: Vec<Seg>,
         swiglu: Option<usize>,
+        norm: Option<NormPro>,
     },
     RopeRows {
         rope: usize,
@@ -119,6 +125,13 @@ pub(crate) enum Kind {
     },
 }
 
+/// The `RmsNorm -> Mul(norm, weight row)` in front of a fused matrix-vector launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct NormPro {
+    pub(crate) norm: usize,
+    pub(crate) mul: usize,
+}
+
 /// One product of a fused matrix-vector launch and the Add of its epilogue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Seg {
@@ -130,10 +143,11 @@ impl Kind {
     fn members(&self) -> Vec<usize> {
         let mut v = match self {
             Kind::NormMul { norm, mul } => vec![*norm, *mul],
-            Kind::Gemv { segs, swiglu } => segs
+            Kind::Gemv { segs, swiglu, norm } => segs
                 .iter()
                 .flat_map(|s| std::iter::once(s.mm).chain(s.add))
                 .chain(*swiglu)
+                .chain(norm.iter().flat_map(|n| [n.norm, n.mul]))
                 .collect(),
             Kind::RopeRows { rope, rows, plain } => std::iter::once(*rope)
                 .chain([*rows])
@@ -187,7 +201,9 @@ pub(crate) fn plan(nodes: &[ExecNode], mmv_max_m: Option<usize>) -> Vec<Step> {
             continue;
         }
         let group = match nodes[i].op {
-            Op::RmsNorm { .. } => norm_mul(nodes, i, &used),
+            Op::RmsNorm { .. } => {
+                norm_gemv(nodes, i, &used, mmv_max_m).or_else(|| norm_mul(nodes, i, &used))
+            }
             Op::MulMat => attention(nodes, i, &used).or_else(|| gemv(nodes, i, &used, mmv_max_m)),
             Op::Rope { .. } => rope_rows(nodes, i, &used),
             _ => None,
@@ -333,8 +349,18 @@ fn footprint<'a>(nodes: &'a [ExecNode], kind: &Kind) -> Option<Footprint<'a>> {
             writes.push((*norm, &nodes[*norm].dst, Lane::Elem(0)));
             writes.push((*mul, &nodes[*mul].dst, Lane::Elem(0)));
         }
-        Kind::Gemv { segs, swiglu } => {
-            reads.push((nodes[segs.first()?.mm].srcs.first()?, Lane::Any));
+        Kind::Gemv { segs, swiglu, norm } => {
+            match norm {
+                // The activation is computed inside; block 0 writes the norm and the product
+                // with the weight row, one thread per element in node order.
+                Some(n) => {
+                    reads.push((nodes[n.norm].srcs.first()?, Lane::Any));
+                    reads.push((nodes[n.mul].srcs.get(1)?, Lane::Any));
+                    writes.push((n.norm, &nodes[n.norm].dst, Lane::Elem(NORM_CHAIN)));
+                    writes.push((n.mul, &nodes[n.mul].dst, Lane::Elem(NORM_CHAIN)));
+                }
+                None => reads.push((nodes[segs.first()?.mm].srcs.first()?, Lane::Any)),
+            }
             for (s, seg) in segs.iter().enumerate() {
                 let lane = Lane::Elem(if swiglu.is_some() { 0 } else { s });
                 let mm = &nodes[seg.mm];
@@ -528,6 +554,18 @@ fn epilogue_add(nodes: &[ExecNode], mm: usize, used: &[bool]) -> Option<usize> {
 }
 
 fn gemv(nodes: &[ExecNode], i: usize, used: &[bool], mmv_max_m: Option<usize>) -> Option<Group> {
+    gemv_kind(nodes, i, used, mmv_max_m, None).map(Group::new)
+}
+
+/// The products of `gemv` (with the norm prologue `norm`, whose nodes `used` marks, a single
+/// product without an Add is a group too).
+fn gemv_kind(
+    nodes: &[ExecNode],
+    i: usize,
+    used: &[bool],
+    mmv_max_m: Option<usize>,
+    norm: Option<NormPro>,
+) -> Option<Kind> {
     gemv_dims(&nodes[i], mmv_max_m)?;
     let act = &nodes[i].srcs[0];
     let wdt = nodes[i].srcs[1].dtype;
@@ -538,7 +576,7 @@ fn gemv(nodes: &[ExecNode], i: usize, used: &[bool], mmv_max_m: Option<usize>) -
                 && gemv_dims(&nodes[j], mmv_max_m).is_some()
         }))
         .collect();
-    if let Some(g) = swiglu_pair(nodes, i, &cands, used) {
+    if let Some(g) = swiglu_pair(nodes, i, &cands, used, norm) {
         return Some(g);
     }
     let mut segs: Vec<Seg> = Vec::new();
@@ -554,6 +592,7 @@ fn gemv(nodes: &[ExecNode], i: usize, used: &[bool], mmv_max_m: Option<usize>) -
             let kind = Kind::Gemv {
                 segs: next.clone(),
                 swiglu: None,
+                norm,
             };
             if footprint(nodes, &kind).is_some_and(|f| f.safe(nodes)) {
                 segs = next;
@@ -564,14 +603,65 @@ fn gemv(nodes: &[ExecNode], i: usize, used: &[bool], mmv_max_m: Option<usize>) -
             return None;
         }
     }
-    if segs.len() == 1 && segs[0].add.is_none() {
+    if segs.len() == 1 && segs[0].add.is_none() && norm.is_none() {
         return None;
     }
-    Some(Group::new(Kind::Gemv { segs, swiglu: None }))
+    Some(Kind::Gemv {
+        segs,
+        swiglu: None,
+        norm,
+    })
+}
+
+/// `RmsNorm -> Mul(norm, weight row)` of one f32 row whose result is the activation of a
+/// following matrix-vector group: the group with the norm as its prologue (decode's kernel
+/// stages the row in shared memory, so it fits there).
+fn norm_gemv(
+    nodes: &[ExecNode],
+    i: usize,
+    used: &[bool],
+    mmv_max_m: Option<usize>,
+) -> Option<Group> {
+    let Kind::NormMul { norm, mul } = norm_mul(nodes, i, used)?.kind else {
+        return None;
+    };
+    let x = &nodes[norm].srcs[0];
+    let (nd, md) = (&nodes[norm].dst, &nodes[mul].dst);
+    let w = &nodes[mul].srcs[1];
+    let k = *x.shape.last()?;
+    let row = |t: &TensorRef| {
+        t.shape.len() == 2 && t.shape[0] == 1 && t.shape[1] == k && (t.strides[1] == 1 || k == 1)
+    };
+    let ok = row(x)
+        && row(nd)
+        && row(md)
+        && x.dtype == DType::F32
+        && md.dtype == DType::F32
+        && w.shape.last() == Some(&k)
+        && w.numel() == k
+        && (w.strides.last() == Some(&1) || k == 1)
+        && k * 4 <= matmul::GEMV1_MAX_SHARED;
+    if !ok {
+        return None;
+    }
+    let mut taken = used.to_vec();
+    taken[norm] = true;
+    taken[mul] = true;
+    let first = later(nodes, mul, &taken)
+        .find(|&j| nodes[j].op == Op::MulMat && nodes[j].srcs.first() == Some(md))?;
+    let pro = NormPro { norm, mul };
+    let kind = gemv_kind(nodes, first, &taken, mmv_max_m, Some(pro))?;
+    fits(nodes, kind)
 }
 
 /// Gate and up products among `cands` (one of them `i`) feeding a SwiGlu, as one group.
-fn swiglu_pair(nodes: &[ExecNode], i: usize, cands: &[usize], used: &[bool]) -> Option<Group> {
+fn swiglu_pair(
+    nodes: &[ExecNode],
+    i: usize,
+    cands: &[usize],
+    used: &[bool],
+    norm: Option<NormPro>,
+) -> Option<Kind> {
     for s in later(nodes, i, used) {
         let sw = &nodes[s];
         if sw.op != Op::SwiGlu || sw.srcs.len() != 2 {
@@ -591,8 +681,9 @@ fn swiglu_pair(nodes: &[ExecNode], i: usize, cands: &[usize], used: &[bool]) -> 
             let kind = Kind::Gemv {
                 segs: vec![Seg { mm: g, add: None }, Seg { mm: u, add: None }],
                 swiglu: Some(s),
+                norm,
             };
-            return fits(nodes, kind);
+            return fits(nodes, kind).map(|g| g.kind);
         }
     }
     None
@@ -815,7 +906,7 @@ fn moving(extent: usize, stride: usize) -> i64 {
 fn launch(exec: &Exec<'_>, nodes: &[ExecNode], kind: &Kind) -> Result<()> {
     match kind {
         Kind::NormMul { norm, mul } => launch_norm_mul(exec, &nodes[*norm], &nodes[*mul]),
-        Kind::Gemv { segs, swiglu } => launch_gemv(exec, nodes, segs, *swiglu),
+        Kind::Gemv { segs, swiglu, norm } => launch_gemv(exec, nodes, segs, *swiglu, *norm),
         Kind::RopeRows { rope, rows, plain } => {
             launch_rope_rows(exec, &nodes[*rope], &nodes[*rows], plain.map(|p| &nodes[p]))
         }
@@ -832,6 +923,33 @@ fn launch(exec: &Exec<'_>, nodes: &[ExecNode], kind: &Kind) -> Result<()> {
             *scores,
         ),
     }
+}
+
+/// The norm prologue's arguments of `fused_gemv1` (its product with the weight row is the
+/// kernel's activation `a`).
+struct NormArgs {
+    x: u64,
+    eps: f32,
+    nd: u64,
+    dtn: i32,
+    w: u64,
+    dtw: i32,
+}
+
+fn norm_args(exec: &Exec<'_>, norm: &ExecNode, mul: &ExecNode) -> Result<NormArgs> {
+    let Op::RmsNorm { eps } = norm.op else {
+        return Err(kernel_err(norm, "fused as a norm but is not one"));
+    };
+    let nd = exec.resolve(&norm.dst)?;
+    let w = exec.resolve(&mul.srcs[1])?;
+    Ok(NormArgs {
+        x: exec.resolve(&norm.srcs[0])?.ptr,
+        eps,
+        nd: nd.ptr,
+        dtn: dt(nd.dtype),
+        w: w.ptr,
+        dtw: dt(w.dtype),
+    })
 }
 
 fn launch_norm_mul(exec: &Exec<'_>, norm: &ExecNode, mul: &ExecNode) -> Result<()> {
@@ -883,6 +1001,7 @@ fn launch_gemv(
     nodes: &[ExecNode],
     segs: &[Seg],
     swiglu: Option<usize>,
+    norm: Option<NormPro>,
 ) -> Result<()> {
     let first = &nodes[segs[0].mm];
     let a = exec.resolve(&first.srcs[0])?;
@@ -938,9 +1057,18 @@ fn launch_gemv(
         set.sw_rs = sw.strides[0] as i64;
         set.sw_cs = sw.strides[1] as i64;
     }
+    // Decode: one output unit per warp, a staged in shared memory when it fits.
+    let staged = k * 4 <= matmul::GEMV1_MAX_SHARED;
+    let pro = match norm {
+        Some(n) if m == 1 && vec && staged => Some(norm_args(exec, &nodes[n.norm], &nodes[n.mul])?),
+        Some(n) => {
+            // Not the decode kernel after all (alignment): the norm runs first, on its own.
+            launch_norm_mul(exec, &nodes[n.norm], &nodes[n.mul])?;
+            None
+        }
+        None => None,
+    };
     if m == 1 && vec {
-        // Decode: one output unit per warp, a staged in shared memory when it fits.
-        let staged = k * 4 <= matmul::GEMV1_MAX_SHARED;
         let ahead = segs.iter().all(|s| exec.read_ahead(&nodes[s.mm].srcs[1]));
         let blocks = units
             .div_ceil(matmul::GEMV1_WARPS)
@@ -952,6 +1080,22 @@ fn launch_gemv(
             .arg(dt(wdt))
             .arg(staged as i32)
             .arg(ahead as i32);
+        let args = match pro {
+            Some(p) => args
+                .arg(p.x)
+                .arg(p.eps)
+                .arg(p.nd)
+                .arg(p.dtn)
+                .arg(p.w)
+                .arg(p.dtw),
+            None => args
+                .arg(0u64)
+                .arg(0f32)
+                .arg(0u64)
+                .arg(0i32)
+                .arg(0u64)
+                .arg(0i32),
+        };
         return exec.launch_shared(
             first,
             Kernel::FusedGemv1,
@@ -1329,13 +1473,13 @@ mod tests {
     }
 
     #[test]
-    fn a_decode_layer_runs_in_nine_steps() {
+    fn a_decode_layer_runs_in_seven_steps() {
         for kv in [DType::F32, DType::F16, DType::BF16] {
             let want = vec![
-                fused(Kind::NormMul { norm: 0, mul: 1 }),
                 fused(Kind::Gemv {
                     segs: vec![seg(2, Some(3)), seg(4, Some(5)), seg(6, Some(7))],
                     swiglu: None,
+                    norm: Some(NormPro { norm: 0, mul: 1 }),
                 }),
                 Step::Node(8),
                 fused(Kind::RopeRows {
@@ -1353,26 +1497,57 @@ mod tests {
                 fused(Kind::Gemv {
                     segs: vec![seg(16, Some(17))],
                     swiglu: None,
+                    norm: None,
                 }),
-                fused(Kind::NormMul { norm: 18, mul: 19 }),
                 fused(Kind::Gemv {
                     segs: vec![seg(20, None), seg(21, None)],
                     swiglu: Some(22),
+                    norm: Some(NormPro { norm: 18, mul: 19 }),
                 }),
                 fused(Kind::Gemv {
                     segs: vec![seg(23, Some(24))],
                     swiglu: None,
+                    norm: None,
                 }),
             ];
             assert_eq!(plan(&layer(true, kv), None), want, "{kv}");
             let steps = plan(&layer(false, kv), None);
-            assert_eq!(steps.len(), 9, "{kv}: {steps:?}");
+            assert_eq!(steps.len(), 7, "{kv}: {steps:?}");
             assert_eq!(
-                steps[1],
+                steps[0],
                 fused(Kind::Gemv {
                     segs: vec![seg(2, None), seg(3, None), seg(4, None)],
                     swiglu: None,
+                    norm: Some(NormPro { norm: 0, mul: 1 }),
                 })
+            );
+            // A norm whose row is not the products' activation stays a NormMul of its own.
+            let mut other = layer(false, kv);
+            other[1].dst.byte_offset += 4096;
+            assert_eq!(
+                plan(&other, None)[0],
+                fused(Kind::NormMul { norm: 0, mul: 1 })
+            );
+            // So does one whose prologue writes would clobber the row it reads (the product
+            // of the norm over x itself).
+            let mut clobber = layer(false, kv);
+            let x = clobber[0].srcs[0].clone();
+            clobber[1].dst = x.clone();
+            for n in &mut clobber[2..5] {
+                n.srcs[0] = x.clone();
+            }
+            assert!(
+                !plan(&clobber, None).iter().any(|s| matches!(
+                    s,
+                    Step::Fused(Group {
+                        kind: Kind::Gemv {
+                            norm: Some(NormPro { norm: 0, .. }),
+                            ..
+                        },
+                        ..
+                    })
+                )),
+                "{kv}"
             );
         }
     }
@@ -1427,7 +1602,8 @@ mod tests {
             plan(&nodes, None),
             vec![fused(Kind::Gemv {
                 segs: vec![seg(0, None), seg(1, None)],
-                swiglu: None
+                swiglu: None,
+                norm: None,
             })]
         );
     }
@@ -1460,7 +1636,8 @@ mod tests {
             vec![
                 fused(Kind::Gemv {
                     segs: vec![seg(0, None), seg(2, None)],
-                    swiglu: None
+                    swiglu: None,
+                    norm: None,
                 }),
                 Step::Node(1)
             ]
@@ -1771,7 +1948,7 @@ mod tests {
     fn the_q_rope_is_not_fused_over_a_hazard() {
         // In the layer, the k rope writes over the raw q the q rope reads.
         let steps = plan(&layer(false, DType::F16), None);
-        assert_eq!(steps[2], Step::Node(5));
+        assert_eq!(steps[1], Step::Node(5));
         // Without a cache write the k rope stays alone too.
         let pos = packed(INPUTS, 0, DType::I32, &[1]);
         let nodes = vec![node(

@@ -285,6 +285,49 @@ fn norm_and_weight_row_are_one_launch() {
 }
 
 #[test]
+fn a_norm_in_front_of_decode_products_joins_their_launch() {
+    let mut rng = Rng::new(39);
+    // k 2050: weight rows not 16-byte aligned, so the norm runs as its own launch first; k
+    // 4096: longer than the prologue's registers (its loop).
+    for (k, launches) in [(64, 1), (4096, 1), (2050, 2)] {
+        for (ndt, in_place) in [(DType::F32, true), (DType::F32, false), (DType::F16, false)] {
+            for (nw_dt, products) in [(DType::F32, 3), (DType::F16, 1), (DType::BF16, 2)] {
+                let mut c = Case::default();
+                let x = c.tensor(DType::F32, &[1, k]);
+                c.rand(&mut rng, &x, 2.0);
+                let nw = c.tensor(nw_dt, &[k]);
+                c.rand(&mut rng, &nw, 1.5);
+                let norm = c.tensor(ndt, &[1, k]);
+                let h = if in_place {
+                    norm.clone()
+                } else {
+                    c.tensor(DType::F32, &[1, k])
+                };
+                c.node(Op::RmsNorm { eps: 1e-5 }, &norm, &[&x]);
+                c.node(Op::Mul, &h, &[&norm, &nw]);
+                let mut outputs = vec![("norm".to_string(), norm.clone()), ("h".into(), h.clone())];
+                for p in 0..products {
+                    let w = weight(&mut c, &mut rng, DType::F16, k, 40 + 8 * p);
+                    let out = c.tensor(DType::F32, &[1, 40 + 8 * p]);
+                    c.node(Op::MulMat, &out, &[&h, &w]);
+                    outputs.push((format!("product {p}"), out));
+                }
+                let test = format!(
+                    "norm prologue k {k} norm {ndt} in_place {in_place} weight row {nw_dt} \
+                     products {products}"
+                );
+                let outs: Vec<(&str, &TensorRef)> =
+                    outputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
+                let saved = c.nodes.len() as u64 - launches;
+                if !check(&test, &c, &outs, saved) {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn projections_of_one_activation_are_one_launch() {
     let mut rng = Rng::new(32);
     for wdt in FLOATS {
@@ -714,7 +757,7 @@ fn layer(
 }
 
 #[test]
-fn a_decode_layer_is_nine_launches() {
+fn a_decode_layer_is_seven_launches() {
     let mut rng = Rng::new(38);
     for (wdt, kv) in [
         (DType::F32, DType::F32),
@@ -727,7 +770,7 @@ fn a_decode_layer_is_nine_launches() {
             assert_eq!(c.nodes.len(), unfused);
             let test = format!("layer weights {wdt} cache {kv} bias {bias}");
             let outs: Vec<(&str, &TensorRef)> = outs.iter().map(|(n, t)| (*n, t)).collect();
-            if !check(&test, &c, &outs, unfused as u64 - 9) {
+            if !check(&test, &c, &outs, unfused as u64 - 7) {
                 return;
             }
         }
