@@ -171,6 +171,19 @@ if [[ $parts == *ncu* ]]; then
         tail -3 "$logs/ncu.err"
     fi
 fi
+if [[ $parts == *ncudetail* ]]; then
+    # Launch statistics, occupancy and stall reasons of chosen kernels (eager, fused, 1b).
+    ncu=$(command -v ncu || find / -name ncu -type f -perm -u+x 2>/dev/null | head -1)
+    if [ -n "$ncu" ]; then
+        timeout 400 "$ncu" --kernel-name "regex:${NCUD_KERNELS:-attn_decode|fused_gemv1}" --launch-skip ${NCUD_SKIP:-40} \
+            --launch-count ${NCUD_COUNT:-5} --section LaunchStats --section Occupancy --section WarpStateStats \
+            --section SpeedOfLight --section MemoryWorkloadAnalysis \
+            python3 benches/python/cuda_profile.py --models 1b --settings eager+fused -n 16 >"$logs/ncud.txt" 2>&1
+        say "ncu detail: exit $?"
+        grep -E "^  [a-z_0-9]+\(|attn_decode|fused_gemv1|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|DRAM Throughput|Memory Throughput|Stall|stall|Static Shared|Dynamic Shared|Grid Size|Waves Per SM" \
+            "$logs/ncud.txt" | cut -c1-200 | head -${NCUD_LINES:-120} | tee -a "$summary"
+    fi
+fi
 if [[ $parts == *gemvspeed* ]]; then
     LOWSYNC_REQUIRE_CUDA=1 timeout 200 .carry/cuda-tests/gemv_speed --ignored --nocapture --test-threads=1 \
         >"$logs/gemv-speed.txt" 2>&1

@@ -117,6 +117,25 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
+// A 16-byte load of a weight for decode's matrix-vector kernels: read-only path, no L1
+// allocation, and an evict-first L2 policy. A token streams every weight byte through L2 once
+// (gigabytes against tens of megabytes of L2), which would otherwise push out what is reused —
+// activations, the KV cache rows, and the kernels' own code, whose refetch from DRAM stalls
+// every short kernel that follows.
+__device__ __forceinline__ uint4 ld_weight(const uint4* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    uint4 r;
+    u64 pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p), "l"(pol));
+    return r;
+#else
+    return __ldg(p);
+#endif
+}
+
 // Matrix-vector helpers shared by matmul.cu and fused.cu.
 // 16 loaded bytes of a weight as floats: 4 f32 or 8 f16/bf16, in memory order.
 template <int DT>
@@ -168,20 +187,52 @@ __device__ __forceinline__ void mmv_k_fma(float (&acc)[MT][NC], const float (&bf
     }
 }
 
+// The "split" staging of a row for 16-bit weights, whose lanes each take 8 adjacent values per
+// 16-byte weight load: of every 8 values, the first 4 go to a low half and the last 4 to a high
+// half (ng = K / 8 groups; values past 8 * ng keep their index), so a warp's two float4 reads
+// per weight load are 16 bytes apart lane to lane (no shared-memory bank conflict) instead of
+// 32 (two-way). `split_slot` is element i's slot.
+__device__ __forceinline__ i64 split_slot(i64 i, i64 ng) {
+    return i < ng * 8 ? ((i & 4) ? ng * 4 : 0) + (i >> 3) * 4 + (i & 3) : i;
+}
+
 // Copies x[0, K) (f32, 16-byte aligned; written by an earlier kernel, so plain loads, not the
-// read-only path) into shared xs with every thread's 16-byte loads in
-// flight at once (four per pass), then waits for the whole block. Every thread must call it.
-__device__ __forceinline__ void stage_row(float* xs, const float* x, i64 K) {
+// read-only path) into shared xs — in the split layout when `split` — with every thread's
+// 16-byte loads in flight at once (four per pass), then waits for the whole block. Every
+// thread must call it.
+__device__ __forceinline__ void stage_row(float* xs, const float* x, i64 K, bool split) {
     const i64 n4 = K / 4;
+    const i64 ng = split ? K / 8 : 0;
     const float4* x4 = (const float4*)x;
     float4* s4 = (float4*)xs;
+    // Float4 i of x (values 4i .. 4i+3) in the split layout: half i % 2 of group i / 2.
+    auto slot = [&](i64 i) { return i < 2 * ng ? ((i & 1) ? ng : 0) + (i >> 1) : i; };
     i64 i = threadIdx.x;
     for (; i + 3 * blockDim.x < n4; i += 4 * blockDim.x) {
         const float4 a0 = x4[i], a1 = x4[i + blockDim.x];
         const float4 a2 = x4[i + 2 * blockDim.x], a3 = x4[i + 3 * blockDim.x];
-        s4[i] = a0; s4[i + blockDim.x] = a1; s4[i + 2 * blockDim.x] = a2; s4[i + 3 * blockDim.x] = a3;
+        s4[slot(i)] = a0;
+        s4[slot(i + blockDim.x)] = a1;
+        s4[slot(i + 2 * blockDim.x)] = a2;
+        s4[slot(i + 3 * blockDim.x)] = a3;
     }
-    for (; i < n4; i += blockDim.x) s4[i] = x4[i];
+    for (; i < n4; i += blockDim.x) s4[slot(i)] = x4[i];
     for (i64 j = n4 * 4 + threadIdx.x; j < K; j += blockDim.x) xs[j] = x[j];
     __syncthreads();
+}
+
+// The 8 staged values of 16-byte weight load v (VW == 8: split layout; VW == 4: plain).
+template <int VW>
+__device__ __forceinline__ void staged_x(const float* xs, i64 v, i64 nvec, float* xa) {
+    float4 a, b;
+    if (VW == 8) {
+        a = ((const float4*)xs)[v];
+        b = ((const float4*)xs)[nvec + v];
+    } else {
+        a = ((const float4*)xs)[v];
+    }
+    xa[0] = a.x; xa[1] = a.y; xa[2] = a.z; xa[3] = a.w;
+    if (VW == 8) {
+        xa[4] = b.x; xa[5] = b.y; xa[6] = b.z; xa[7] = b.w;
+    }
 }

@@ -230,7 +230,7 @@ __device__ __forceinline__ void fg_body(i64 M, i64 K, const float* a, i64 a_rs, 
 // eps), as rms_norm_mul computes it (round_n: rounding to the norm result's dtype), staged in
 // xs as the products' activation; block 0 also writes the norm (nd) and the product (md, f32)
 // in that order per element. A row of up to NP_V values per thread is read once, x and w
-// together; longer rows loop.
+// together; longer rows loop. `split`: xs in the layout of `split_slot`.
 #define NP_V 8
 __device__ __forceinline__ float round_dt(int dt, float v) {
     switch (dt) {
@@ -240,7 +240,8 @@ __device__ __forceinline__ float round_dt(int dt, float v) {
     }
 }
 __device__ void norm_stage(float* xs, i64 K, const float* x, float eps, void* nd, int dtn,
-                           const void* w, int dtw, float* md) {
+                           const void* w, int dtw, float* md, bool split) {
+    const i64 ng = split ? K / 8 : 0;
     const bool regs = K <= (i64)blockDim.x * NP_V;
     const bool first = blockIdx.x == 0;
     float xv[NP_V], wv[NP_V];
@@ -257,7 +258,7 @@ __device__ void norm_stage(float* xs, i64 K, const float* x, float eps, void* nd
     } else {
         for (i64 i = threadIdx.x; i < K; i += blockDim.x) {
             const float v = x[i];
-            xs[i] = v;
+            xs[split_slot(i, ng)] = v;
             s += v * v;
         }
     }
@@ -269,7 +270,7 @@ __device__ void norm_stage(float* xs, i64 K, const float* x, float eps, void* nd
             const i64 i = threadIdx.x + (i64)j * blockDim.x;
             if (i < K) {
                 const float y = round_dt(dtn, xv[j] * inv) * wv[j];
-                xs[i] = y;
+                xs[split_slot(i, ng)] = y;
                 if (first) {
                     st(nd, dtn, i, xv[j] * inv);
                     md[i] = y;
@@ -278,9 +279,10 @@ __device__ void norm_stage(float* xs, i64 K, const float* x, float eps, void* nd
         }
     } else {
         for (i64 i = threadIdx.x; i < K; i += blockDim.x) {
-            const float xo = xs[i];
+            const i64 sl = split_slot(i, ng);
+            const float xo = xs[sl];
             const float y = round_dt(dtn, xo * inv) * ld(w, dtw, i);
-            xs[i] = y;
+            xs[sl] = y;
             if (first) {
                 st(nd, dtn, i, xo * inv);
                 md[i] = y;
@@ -332,15 +334,15 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
     for (int t = 0; t < U; ++t) {
         const i64 v = lane + 32 * t;
 #pragma unroll
-        for (int c = 0; c < NC; ++c) q[t][c] = active && v < nvec ? __ldg(wr[c] + v) : make_uint4(0, 0, 0, 0);
+        for (int c = 0; c < NC; ++c) q[t][c] = active && v < nvec ? ld_weight(wr[c] + v) : make_uint4(0, 0, 0, 0);
     }
     if (ahead) pdl_entry();
     const float* xr = a;
     if (staged) {
         if (nx) {
-            norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a);
+            norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a, VW == 8);
         } else {
-            stage_row(xs, a, K);
+            stage_row(xs, a, K, VW == 8);
         }
         xr = xs;
     }
@@ -354,19 +356,23 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
             for (int t = 0; t < U; ++t) {
                 const i64 v = v0 + lane + 32 * t;
 #pragma unroll
-                for (int c = 0; c < NC; ++c) q[t][c] = v < nvec ? __ldg(wr[c] + v) : make_uint4(0, 0, 0, 0);
+                for (int c = 0; c < NC; ++c) q[t][c] = v < nvec ? ld_weight(wr[c] + v) : make_uint4(0, 0, 0, 0);
             }
         }
 #pragma unroll
         for (int t = 0; t < U; ++t) {
             const i64 v = v0 + lane + 32 * t;
             if (v < nvec) {
-                const float4* xv = (const float4*)(xr + v * VW);
                 float xa[VW];
+                if (staged) {
+                    staged_x<VW>(xr, v, nvec, xa);
+                } else {
+                    const float4* xv = (const float4*)(xr + v * VW);
 #pragma unroll
-                for (int e = 0; e < VW / 4; ++e) {
-                    const float4 a4 = xv[e];
-                    xa[4 * e] = a4.x; xa[4 * e + 1] = a4.y; xa[4 * e + 2] = a4.z; xa[4 * e + 3] = a4.w;
+                    for (int e = 0; e < VW / 4; ++e) {
+                        const float4 a4 = xv[e];
+                        xa[4 * e] = a4.x; xa[4 * e + 1] = a4.y; xa[4 * e + 2] = a4.z; xa[4 * e + 3] = a4.w;
+                    }
                 }
 #pragma unroll
                 for (int c = 0; c < NC; ++c) {
@@ -402,7 +408,7 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
 // blockDim.x == FG1_WARPS * 32; dynamic shared memory K floats when `staged`. With nx != 0
 // (then `staged`), a is the result of the norm prologue (`norm_stage`) over row nx.
 #define FG1_NORM nx, eps, nd, dtn, nw, dtnw
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, const float* a,
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 4) fused_gemv1(i64 K, const float* a,
                                                                       FgSet S, int dtw,
                                                                       int staged, int ahead,
                                                                       const float* nx,

@@ -328,12 +328,12 @@ __device__ __forceinline__ void gemv1_body(i64 N, i64 K, float* dst, i64 d_cs, c
 #pragma unroll
     for (int u = 0; u < GV_U; ++u) {
         const i64 v = lane + 32 * u;
-        q[u] = active && v < nvec ? __ldg(wv + v) : make_uint4(0, 0, 0, 0);
+        q[u] = active && v < nvec ? ld_weight(wv + v) : make_uint4(0, 0, 0, 0);
     }
     if (ahead) pdl_entry();
     const float* xr = x;
     if (staged) {
-        stage_row(xs, x, K);
+        stage_row(xs, x, K, VW == 8);
         xr = xs;
     }
     if (!active) return;
@@ -343,24 +343,27 @@ __device__ __forceinline__ void gemv1_body(i64 N, i64 K, float* dst, i64 d_cs, c
 #pragma unroll
             for (int u = 0; u < GV_U; ++u) {
                 const i64 v = v0 + lane + 32 * u;
-                q[u] = v < nvec ? __ldg(wv + v) : make_uint4(0, 0, 0, 0);
+                q[u] = v < nvec ? ld_weight(wv + v) : make_uint4(0, 0, 0, 0);
             }
         }
 #pragma unroll
         for (int u = 0; u < GV_U; ++u) {
             const i64 v = v0 + lane + 32 * u;
             if (v < nvec) {
-                float f[VW];
+                float f[VW], xa[VW];
                 unpack16<DT>(q[u], f);
-                const float4* xv = (const float4*)(xr + v * VW);
+                if (staged) {
+                    staged_x<VW>(xr, v, nvec, xa);
+                } else {
+                    const float4* xv = (const float4*)(xr + v * VW);
 #pragma unroll
-                for (int e = 0; e < VW / 4; ++e) {
-                    const float4 a4 = xv[e];
-                    acc = fmaf(a4.x, f[4 * e], acc);
-                    acc = fmaf(a4.y, f[4 * e + 1], acc);
-                    acc = fmaf(a4.z, f[4 * e + 2], acc);
-                    acc = fmaf(a4.w, f[4 * e + 3], acc);
+                    for (int e = 0; e < VW / 4; ++e) {
+                        const float4 a4 = xv[e];
+                        xa[4 * e] = a4.x; xa[4 * e + 1] = a4.y; xa[4 * e + 2] = a4.z; xa[4 * e + 3] = a4.w;
+                    }
                 }
+#pragma unroll
+                for (int e = 0; e < VW; ++e) acc = fmaf(xa[e], f[e], acc);
             }
         }
     }
@@ -370,7 +373,7 @@ __device__ __forceinline__ void gemv1_body(i64 N, i64 K, float* dst, i64 d_cs, c
     if (lane == 0) dst[row * d_cs] = acc;
 }
 
-extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) mul_mat_vec_1(
+extern "C" __global__ void __launch_bounds__(GV_WARPS * 32, 4) mul_mat_vec_1(
     i64 N, i64 K, float* dst, i64 d_cs, const float* x, const void* w, int dtw, i64 w_rs,
     int staged, int ahead) {
     extern __shared__ float4 gv_smem[];

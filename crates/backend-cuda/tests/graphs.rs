@@ -131,7 +131,8 @@ fn replay_is_one_graph_launch_per_step_after_one_eager_run_and_one_capture() {
         match i {
             0 => {
                 assert_eq!((s.graph_captures, s.graph_launches), (0, 0), "eager first");
-                assert!(s.kernel_launches >= 4, "step 0: {s:?}"); // 5 nodes, norm+mul fused
+                // 5 nodes: norm, mul and product in one launch, then the rest.
+                assert!(s.kernel_launches >= 3, "step 0: {s:?}");
             }
             _ => {
                 assert_eq!(s.kernel_launches, 0, "step {i}: replayed, no eager kernel");
