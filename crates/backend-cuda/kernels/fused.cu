@@ -408,7 +408,7 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
 // blockDim.x == FG1_WARPS * 32; dynamic shared memory K floats when `staged`. With nx != 0
 // (then `staged`), a is the result of the norm prologue (`norm_stage`) over row nx.
 #define FG1_NORM nx, eps, nd, dtn, nw, dtnw
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 4) fused_gemv1(i64 K, const float* a,
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, const float* a,
                                                                       FgSet S, int dtw,
                                                                       int staged, int ahead,
                                                                       const float* nx,

@@ -373,7 +373,7 @@ __device__ __forceinline__ void gemv1_body(i64 N, i64 K, float* dst, i64 d_cs, c
     if (lane == 0) dst[row * d_cs] = acc;
 }
 
-extern "C" __global__ void __launch_bounds__(GV_WARPS * 32, 4) mul_mat_vec_1(
+extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) mul_mat_vec_1(
     i64 N, i64 K, float* dst, i64 d_cs, const float* x, const void* w, int dtw, i64 w_rs,
     int staged, int ahead) {
     extern __shared__ float4 gv_smem[];

@@ -202,6 +202,8 @@ pub(crate) struct Inner {
     /// Kernels are launched with programmatic dependent launch (`cfg.pdl` on a device that
     /// has it: compute capability 9.0 or newer).
     pub(crate) pdl: bool,
+    /// Streaming multiprocessors of the device.
+    pub(crate) sms: usize,
     /// Captured compute graphs (`cfg.graphs`).
     graphs: Mutex<GraphCache>,
     /// Bumped whenever device memory a captured graph may address moves or goes away.
@@ -518,6 +520,11 @@ impl CudaBackend {
             let (major, minor) = ctx
                 .compute_capability()
                 .map_err(|e| format!("reading the compute capability: {e:?}"))?;
+            let sms = ctx
+                .attribute(
+                    cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                )
+                .map_err(|e| format!("reading the multiprocessor count: {e:?}"))?;
             let driver =
                 CuDriver::new(ctx.clone()).map_err(|e| format!("cuStreamCreate: {e:?}"))?;
             let stream = TicketStream::new(
@@ -542,6 +549,7 @@ impl CudaBackend {
                 err_tags: Mutex::new(ErrTags::default()),
                 gates: Mutex::new(GateWords::default()),
                 pdl: cfg.pdl && major >= 9,
+                sms: sms.max(1) as usize,
                 cfg,
                 graphs: Mutex::new(GraphCache::default()),
                 mem_generation: AtomicU64::new(0),

@@ -2,7 +2,7 @@
 //!
 //! Why: decode is a chain of small launches (~22 per llama layer); each costs a launch and a
 //! pass over its operands. Replacing the common chains by one kernel each brings a layer to 7
-//! launches and drops the passes over intermediates the fused kernel keeps in registers.
+//! or 8 launches and drops the passes over intermediates the fused kernel keeps in registers.
 //!
 //! Strategy: [`plan`] is a pure matcher over the graph's nodes (no device, nothing cached: it
 //! runs on every [`run_graph`] call and looks at each node and a short window after it). At
@@ -11,7 +11,7 @@
 //! node, every other node through [`Exec::run`] as before. The patterns (kernels in `kernels/fused.cu`):
 //! - `RmsNorm -> Mul(norm, weight row)`: one block per row; or, for one f32 row feeding the
 //!   products below, their decode kernel's prologue (each block computes the row in shared
-//!   memory, block 0 also writes the norm and the product).
+//!   memory, block 0 also writes the norm and the product) when their blocks fit one wave.
 //! - `MulMat`s of one activation (the same `TensorRef`) — q/k/v, gate/up — each optionally
 //!   followed by an `Add` of its result and a bias row or a residual; or a gate/up pair feeding
 //!   a `SwiGlu`: one matrix-vector launch over the concatenated output columns, epilogues
@@ -70,6 +70,8 @@ const ATT_THREADS: usize = 256;
 const GEMV_THREADS: usize = 128;
 /// Products of one fused matrix-vector launch (`FG_MAXS`).
 const MAX_SEGS: usize = 4;
+/// Resident `fused_gemv1` blocks per multiprocessor (80 registers per thread on sm_90).
+const GEMV1_BLOCKS_PER_SM: usize = 3;
 /// The lane chain of a fused norm prologue's writes (products use their segment index).
 const NORM_CHAIN: usize = usize::MAX;
 
@@ -1059,10 +1061,18 @@ fn launch_gemv(
     }
     // Decode: one output unit per warp, a staged in shared memory when it fits.
     let staged = k * 4 <= matmul::GEMV1_MAX_SHARED;
+    let blocks1 = units.div_ceil(matmul::GEMV1_WARPS);
+    // Every block computes the norm before its products start; past one wave of blocks that
+    // serial prologue costs more than the launch it saves (measured on the H200: gate/up of
+    // "1b", 1024 blocks, 26 µs with it against 18.5 + 3.4 without).
+    let one_wave = blocks1 <= exec.inner.sms * GEMV1_BLOCKS_PER_SM;
     let pro = match norm {
-        Some(n) if m == 1 && vec && staged => Some(norm_args(exec, &nodes[n.norm], &nodes[n.mul])?),
+        Some(n) if m == 1 && vec && staged && one_wave => {
+            Some(norm_args(exec, &nodes[n.norm], &nodes[n.mul])?)
+        }
         Some(n) => {
-            // Not the decode kernel after all (alignment): the norm runs first, on its own.
+            // Not the decode kernel's prologue after all (alignment, or more than one wave):
+            // the norm runs first, on its own.
             launch_norm_mul(exec, &nodes[n.norm], &nodes[n.mul])?;
             None
         }
