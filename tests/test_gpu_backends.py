@@ -74,8 +74,11 @@ def test_vulkan_legacy_switch_shows_ggmls_empty_submits(clean_env: pytest.Monkey
     assert per_token["empty_submits"] == 0.0
 
 
-def _cuda_decode(graphs: str, env: pytest.MonkeyPatch) -> tuple[list[int], dict[str, float]]:
+def _cuda_decode(
+    graphs: str, env: pytest.MonkeyPatch, pdl: str = "1"
+) -> tuple[list[int], dict[str, float]]:
     env.setenv("LOWSYNC_CUDA_GRAPHS", graphs)
+    env.setenv("LOWSYNC_CUDA_PDL", pdl)
     model = ls.Llama.random(MICRO, seed=4)
     sess = ls.Session(model, backends=["cuda"], n_ctx=64, n_ubatch=8, policy="staged")
     sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
@@ -101,3 +104,15 @@ def test_cuda_graph_replay_is_one_launch_per_token_and_bit_identical(
     assert (on["h2d_copies"], on["d2h_copies"], on["d2h_bytes"]) == (1.0, 1.0, 4.0)
     assert off["graph_launches"] == 0.0
     assert off["kernel_launches"] > 10.0
+
+
+@pytest.mark.cuda
+def test_cuda_programmatic_dependent_launch_changes_no_token_or_count(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    for graphs in ("1", "0"):
+        tokens_on, on = _cuda_decode(graphs, clean_env, pdl="1")
+        tokens_off, off = _cuda_decode(graphs, clean_env, pdl="0")
+        assert tokens_on == tokens_off, f"graphs={graphs}"
+        for key in ("host_waits", "h2d_copies", "d2h_copies", "kernel_launches", "graph_launches"):
+            assert on[key] == off[key], f"graphs={graphs}: {key}"

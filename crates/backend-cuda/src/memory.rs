@@ -234,3 +234,39 @@ impl Drop for Pinned {
         let _ = unsafe { result::free_host(self.ptr.cast()) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn buf(ptr: u64, weights: bool) -> DevBuf {
+        DevBuf {
+            alloc: DevAlloc {
+                ptr,
+                capacity: ALIGNMENT,
+            },
+            size: 64,
+            weights,
+        }
+    }
+
+    #[test]
+    fn a_weights_buffer_a_graph_writes_loses_its_read_ahead_for_good() {
+        let bufs = Buffers::new("cuda:test");
+        let (w, other, act) = (BufferId(1), BufferId(2), BufferId(3));
+        bufs.insert(w, buf(0x1000, true));
+        bufs.insert(other, buf(0x2000, true));
+        bufs.insert(act, buf(0x3000, false));
+        assert!(bufs.is_weights(w) && bufs.is_weights(other));
+        assert!(
+            !bufs.is_weights(act),
+            "compute buffers are never read ahead"
+        );
+        assert!(!bufs.is_weights(BufferId(99)), "an unknown buffer is not");
+        bufs.note_written([act, w].into_iter());
+        assert!(!bufs.is_weights(w), "written by a node");
+        assert!(bufs.is_weights(other), "untouched");
+        bufs.note_written(std::iter::empty());
+        assert!(!bufs.is_weights(w), "stays cleared");
+    }
+}

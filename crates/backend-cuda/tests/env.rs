@@ -1,5 +1,5 @@
 //! `LOWSYNC_CUDA_SYNC_ELISION` (ARCHITECTURE §8), `LOWSYNC_CUDA_MMV_MAX_M`, `LOWSYNC_CUDA_GRAPHS`,
-//! `LOWSYNC_CUDA_FUSION` and `LOWSYNC_CUDA_TIMING`: a bad value is
+//! `LOWSYNC_CUDA_FUSION`, `LOWSYNC_CUDA_TIMING` and `LOWSYNC_CUDA_PDL`: a bad value is
 //! an error naming the variable. (Its own test binary: it sets process-wide variables; one
 //! test, so nothing reads them while they are bad.)
 
@@ -47,10 +47,12 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
         ("LOWSYNC_CUDA_GRAPHS", true),
         ("LOWSYNC_CUDA_FUSION", true),
         ("LOWSYNC_CUDA_TIMING", false),
+        ("LOWSYNC_CUDA_PDL", true),
     ] {
         let read = |c: &CudaConfig| match var {
             "LOWSYNC_CUDA_GRAPHS" => c.graphs,
             "LOWSYNC_CUDA_FUSION" => c.fusion,
+            "LOWSYNC_CUDA_PDL" => c.pdl,
             _ => c.timing,
         };
         assert_eq!(
