@@ -236,3 +236,19 @@ __device__ __forceinline__ void staged_x(const float* xs, i64 v, i64 nvec, float
         xa[4] = b.x; xa[5] = b.y; xa[6] = b.z; xa[7] = b.w;
     }
 }
+
+// The VW activation values of 16-byte weight load v: from the staged row (`staged_x`) or
+// straight from global memory (x 16-byte aligned).
+template <int VW>
+__device__ __forceinline__ void decode_x(const float* xr, i64 v, i64 nvec, int staged, float* xa) {
+    if (staged) {
+        staged_x<VW>(xr, v, nvec, xa);
+        return;
+    }
+    const float4* xv = (const float4*)(xr + v * VW);
+#pragma unroll
+    for (int e = 0; e < VW / 4; ++e) {
+        const float4 a4 = xv[e];
+        xa[4 * e] = a4.x; xa[4 * e + 1] = a4.y; xa[4 * e + 2] = a4.z; xa[4 * e + 3] = a4.w;
+    }
+}

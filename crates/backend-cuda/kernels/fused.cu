@@ -364,16 +364,7 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
             const i64 v = v0 + lane + 32 * t;
             if (v < nvec) {
                 float xa[VW];
-                if (staged) {
-                    staged_x<VW>(xr, v, nvec, xa);
-                } else {
-                    const float4* xv = (const float4*)(xr + v * VW);
-#pragma unroll
-                    for (int e = 0; e < VW / 4; ++e) {
-                        const float4 a4 = xv[e];
-                        xa[4 * e] = a4.x; xa[4 * e + 1] = a4.y; xa[4 * e + 2] = a4.z; xa[4 * e + 3] = a4.w;
-                    }
-                }
+                decode_x<VW>(xr, v, nvec, staged, xa);
 #pragma unroll
                 for (int c = 0; c < NC; ++c) {
                     float f[VW];

@@ -352,16 +352,7 @@ __device__ __forceinline__ void gemv1_body(i64 N, i64 K, float* dst, i64 d_cs, c
             if (v < nvec) {
                 float f[VW], xa[VW];
                 unpack16<DT>(q[u], f);
-                if (staged) {
-                    staged_x<VW>(xr, v, nvec, xa);
-                } else {
-                    const float4* xv = (const float4*)(xr + v * VW);
-#pragma unroll
-                    for (int e = 0; e < VW / 4; ++e) {
-                        const float4 a4 = xv[e];
-                        xa[4 * e] = a4.x; xa[4 * e + 1] = a4.y; xa[4 * e + 2] = a4.z; xa[4 * e + 3] = a4.w;
-                    }
-                }
+                decode_x<VW>(xr, v, nvec, staged, xa);
 #pragma unroll
                 for (int e = 0; e < VW; ++e) acc = fmaf(xa[e], f[e], acc);
             }
