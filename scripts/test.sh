@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The project's whole test run: Rust checks and tests, the wheel, Python lint/types/stubs, pytest.
+# The project's whole test run: Rust checks and tests, the CUDA kernels emulated on the CPU, the
+# wheel, Python lint/types/stubs, pytest.
 #
-# Expects cargo (with clippy, rustfmt; cargo-nextest if present) and a Python environment that
+# Expects cargo (with clippy, rustfmt; cargo-nextest if present), g++ and a Python environment that
 # has maturin, ruff, mypy and pytest (`.ci/run` makes one at $HOME/.cache/lowsync-venv). The
 # wheel is built outside the repository and installed into that environment, so pytest imports
 # the built `lowsync`, never the source tree.
@@ -19,6 +20,9 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
     cargo test --workspace --all-features
 fi
+
+# The CUDA decode kernels' source, run on the CPU against float64 references (no GPU needed).
+bash scripts/kernel_emu.sh
 
 # 2. The wheel, installed into the active environment.
 wheel_dir="$CARGO_TARGET_DIR/wheels"

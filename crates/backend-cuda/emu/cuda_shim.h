@@ -1,0 +1,129 @@
+// lowsync's CUDA kernels on the CPU: just enough of CUDA's device language for the kernels in
+// ../kernels to compile as C++ and run with one std::thread per CUDA thread.
+//
+// Why: CI has no GPU. The kernels' logic — indexing, tails, masks, reductions, shared-memory
+// layouts, the order of writes the fusion rules rely on — is checked here against float64
+// references on every CI run; timing and the memory model are not (the GPU suite is).
+//
+// Strategy: blocks run one after another (so a `__shared__` variable, made `static`, is one
+// block's), the threads of a block concurrently; `__syncthreads` is a barrier of the block and
+// `__shfl_xor_sync` one of the warp (every lane of the warp must take part, as the kernels
+// ensure). Inline PTX sits behind `__CUDA_ARCH__` in the kernels, except the f16 conversions,
+// which scripts/kernel_emu.sh replaces by `emu_h2f` / `emu_f2h` when it copies common.cuh.
+#pragma once
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+struct Dim3 {
+    unsigned x = 0, y = 0, z = 0;
+};
+inline thread_local Dim3 threadIdx, blockIdx;
+inline Dim3 blockDim, gridDim;
+
+#define __device__
+#define __forceinline__ inline
+#define __global__
+#define __launch_bounds__(...)
+#define __shared__ static
+
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+
+inline float __uint_as_float(unsigned u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+inline float __int_as_float(int u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+inline float emu_h2f(unsigned short h) {
+    _Float16 x;
+    memcpy(&x, &h, 2);
+    return (float)x;
+}
+inline unsigned short emu_f2h(float f) {
+    _Float16 x = (_Float16)f;
+    unsigned short h;
+    memcpy(&h, &x, 2);
+    return h;
+}
+template <class T>
+T min(T a, T b) {
+    return a < b ? a : b;
+}
+inline void sincos(double a, double* s, double* c) {
+    *s = std::sin(a);
+    *c = std::cos(a);
+}
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+template <class T>
+inline T __ldg(const T* p) {
+    return *p;
+}
+
+inline std::unique_ptr<std::barrier<>> emu_block;
+inline std::vector<std::unique_ptr<std::barrier<>>> emu_warps;
+inline float emu_lanes[1024];
+
+inline void __syncthreads() { emu_block->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int off) {
+    const int t = (int)threadIdx.x, w = t / 32;
+    emu_lanes[t] = v;
+    emu_warps[w]->arrive_and_wait();
+    const float r = emu_lanes[(t & ~31) | ((t & 31) ^ off)];
+    emu_warps[w]->arrive_and_wait();
+    return r;
+}
+inline unsigned atomicCAS(unsigned* p, unsigned cmp, unsigned val) {
+    std::atomic_ref<unsigned> a(*p);
+    unsigned c = cmp;
+    a.compare_exchange_strong(c, val);
+    return c;
+}
+
+// Runs `f` as a grid of `grid` blocks of `block` threads (block a multiple of 32, <= 1024).
+template <class F>
+void launch(unsigned grid, unsigned block, F f) {
+    gridDim.x = grid;
+    blockDim.x = block;
+    for (unsigned b = 0; b < grid; ++b) {
+        emu_block = std::make_unique<std::barrier<>>(block);
+        emu_warps.clear();
+        for (unsigned w = 0; w < block / 32; ++w) emu_warps.push_back(std::make_unique<std::barrier<>>(32));
+        std::vector<std::thread> threads;
+        for (unsigned t = 0; t < block; ++t) {
+            threads.emplace_back([=] {
+                threadIdx.x = t;
+                blockIdx.x = b;
+                f();
+            });
+        }
+        for (auto& t : threads) t.join();
+    }
+}
+
+#include "common.h"

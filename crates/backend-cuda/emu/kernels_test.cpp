@@ -1,0 +1,491 @@
+// The decode kernels of ../kernels run on the CPU (cuda_shim.h) and checked against float64
+// references by NMSE: rms_norm_mul, fused_gemv / fused_gemv8, fused_gemv1 (with and without
+// its norm prologue, grids smaller than the work), mul_mat_vec_1, rope_rows and attn_decode
+// (masked rows poisoned with NaN: they must not be read). Built and run by
+// scripts/kernel_emu.sh; exits non-zero on any failure.
+#include "cuda_shim.h"
+#include "fused.cu"
+#include "matmul.cu"
+
+#include <array>
+#include <random>
+#include <string>
+
+namespace {
+
+std::mt19937 rng(7);
+
+float rnd(float s) { return std::uniform_real_distribution<float>(-s, s)(rng); }
+
+int esz(int dt) { return dt == DT_F32 || dt == DT_I32 ? 4 : 2; }
+
+// A typed host array, zeroed, 64-byte aligned (the kernels' 16-byte loads need 16).
+struct Buf {
+    int dt;
+    i64 n;
+    std::unique_ptr<unsigned char, decltype(&free)> mem;
+    Buf(int dt_, i64 n_)
+        : dt(dt_), n(n_), mem(nullptr, &free) {
+        const size_t bytes = ((size_t)n * esz(dt) / 64 + 1) * 64;
+        mem.reset((unsigned char*)aligned_alloc(64, bytes));
+        memset(mem.get(), 0, bytes);
+    }
+    unsigned char* p() const { return mem.get(); }
+    float get(i64 i) const { return ld(p(), dt, i); }
+    void set(i64 i, float v) { st(p(), dt, i, v); }
+    void rand(float s = 1.0f) {
+        for (i64 i = 0; i < n; ++i) set(i, rnd(s));
+    }
+};
+
+// `v` rounded to dtype `dt` and back.
+double rounded(int dt, float v) {
+    Buf b(dt, 1);
+    b.set(0, v);
+    return b.get(0);
+}
+
+int fails = 0;
+
+void check(const std::string& what, const std::vector<double>& want, const std::vector<double>& got,
+           double bound) {
+    double num = 0, den = 0;
+    bool nan = false;
+    for (size_t i = 0; i < want.size(); ++i) {
+        if (std::isnan(got[i]) != std::isnan(want[i])) nan = true;
+        if (std::isnan(want[i])) continue;
+        num += (got[i] - want[i]) * (got[i] - want[i]);
+        den += want[i] * want[i];
+    }
+    const double e = den > 0 ? num / den : num;
+    if (nan || !(e <= bound)) {
+        ++fails;
+        printf("FAIL %s: nmse %g (bound %g), nan mismatch %d\n", what.c_str(), e, bound, nan);
+    }
+}
+
+i64 pow2(i64 x) {
+    i64 p = 1;
+    while (p < x) p <<= 1;
+    return p;
+}
+
+// The fused products' lane group per output column (as src/matmul.rs `mmv_group`).
+i64 group(i64 k, i64 vw) { return std::min<i64>(32, pow2(std::max<i64>(1, k / vw))); }
+
+void test_norm_mul() {
+    for (int xdt : {DT_F32, DT_F16})
+        for (int ndt : {DT_F32, DT_F16})
+            for (int in_place : {0, 1}) {
+                const i64 rows = 3, len = 300;
+                Buf x(xdt, rows * len);  // transposed: element (r, c) at c * rows + r
+                x.rand(2);
+                Buf w(DT_BF16, len);
+                w.rand(1.5);
+                Buf nd(ndt, rows * len), od_own(ndt, rows * len);
+                Buf& od = in_place ? nd : od_own;
+                Lay L{};
+                L.nd = 1;
+                L.shape[0] = rows;
+                L.st[0][0] = len;
+                L.st[1][0] = 1;
+                L.st[2][0] = len;
+                const unsigned block = (unsigned)std::clamp<i64>(pow2(len), 32, 256);
+                launch(rows, block, [&] {
+                    rms_norm_mul(rows, len, L, nd.p(), ndt, 1, x.p(), xdt, rows, 1e-5f, od.p(), ndt, 1,
+                                 w.p(), DT_BF16, 1);
+                });
+                std::vector<double> wn, gn, wo, go;
+                for (i64 r = 0; r < rows; ++r) {
+                    double s = 0;
+                    for (i64 c = 0; c < len; ++c) s += (double)x.get(c * rows + r) * x.get(c * rows + r);
+                    const double inv = 1.0 / std::sqrt(s / len + 1e-5);
+                    for (i64 c = 0; c < len; ++c) {
+                        const double n = rounded(ndt, (float)(x.get(c * rows + r) * inv));
+                        if (!in_place) {
+                            wn.push_back(n);
+                            gn.push_back(nd.get(r * len + c));
+                        }
+                        wo.push_back(n * w.get(c));
+                        go.push_back(od.get(r * len + c));
+                    }
+                }
+                const double b = ndt == DT_F16 ? 1e-6 : 1e-10;
+                const std::string tag = "rms_norm_mul x " + std::to_string(xdt) + " norm " +
+                                        std::to_string(ndt) + " in_place " + std::to_string(in_place);
+                if (!in_place) check(tag + ": norm", wn, gn, b);
+                check(tag + ": product", wo, go, b);
+            }
+}
+
+// One fused product set: `nseg` weights [n, ldw] of dtype wdt (rows padded by `pad`), the
+// first with a broadcast f16 Add, the second with a full Add; or a gate/up pair into a SwiGlu.
+struct Products {
+    FgSet S{};
+    std::vector<std::unique_ptr<Buf>> w, out, add, sum;
+    std::unique_ptr<Buf> sw;
+    i64 ns[3];
+    int nseg, pair;
+    i64 ldw, rows;
+
+    Products(int wdt, i64 M, i64 K, int pair_, i64 pad, const std::array<i64, 3>& n)
+        : nseg(pair_ ? 2 : 3), pair(pair_), ldw(K + pad), rows(M) {
+        S.nseg = nseg;
+        S.pair = pair;
+        for (int s = 0; s < nseg; ++s) {
+            ns[s] = pair && s == 1 ? n[0] : n[s];
+            w.push_back(std::make_unique<Buf>(wdt, ns[s] * ldw));
+            w[s]->rand(0.1f);
+            out.push_back(std::make_unique<Buf>(DT_F32, M * ns[s]));
+            FgSeg& g = S.seg[s];
+            g.n = ns[s];
+            g.w = (u64)w[s]->p();
+            g.w_rs = ldw;
+            g.out = (u64)out[s]->p();
+            g.o_rs = ns[s];
+            g.o_cs = 1;
+            if (!pair && s < 2) {
+                add.push_back(std::make_unique<Buf>(s == 0 ? DT_F16 : DT_F32, s == 0 ? ns[s] : M * ns[s]));
+                add[s]->rand();
+                sum.push_back(std::make_unique<Buf>(DT_F32, M * ns[s]));
+                g.add = (u64)add[s]->p();
+                g.add_dt = add[s]->dt;
+                g.a_rs = s == 0 ? 0 : ns[s];
+                g.a_cs = 1;
+                g.sum = (u64)sum[s]->p();
+                g.sum_dt = DT_F32;
+                g.s_rs = ns[s];
+                g.s_cs = 1;
+            }
+        }
+        if (pair) {
+            sw = std::make_unique<Buf>(DT_F32, M * ns[0]);
+            S.sw = (u64)sw->p();
+            S.sw_dt = DT_F32;
+            S.sw_rs = ns[0];
+            S.sw_cs = 1;
+        }
+    }
+
+    i64 units() const { return pair ? ns[0] : ns[0] + ns[1] + (nseg > 2 ? ns[2] : 0); }
+
+    // Checks every written tensor against activation rows act(i, k).
+    template <class A>
+    void check_all(const std::string& tag, i64 K, A act) const {
+        std::vector<double> prod[3];
+        for (int s = 0; s < nseg; ++s) {
+            std::vector<double> got, ws, gs;
+            for (i64 i = 0; i < rows; ++i)
+                for (i64 j = 0; j < ns[s]; ++j) {
+                    double acc = 0;
+                    for (i64 k = 0; k < K; ++k) acc += act(i, k) * w[s]->get(j * ldw + k);
+                    prod[s].push_back(acc);
+                    got.push_back(out[s]->get(i * ns[s] + j));
+                    if (!pair && s < 2) {
+                        ws.push_back(acc + add[s]->get(s == 0 ? j : i * ns[s] + j));
+                        gs.push_back(sum[s]->get(i * ns[s] + j));
+                    }
+                }
+            check(tag + ": product " + std::to_string(s), prod[s], got, 1e-10);
+            if (!pair && s < 2) check(tag + ": add " + std::to_string(s), ws, gs, 1e-10);
+        }
+        if (pair) {
+            std::vector<double> want, got;
+            for (i64 i = 0; i < rows * ns[0]; ++i) {
+                const double g = prod[0][i], u = prod[1][i];
+                want.push_back(g / (1 + std::exp(-g)) * u);
+                got.push_back(sw->get(i));
+            }
+            check(tag + ": swiglu", want, got, 1e-10);
+        }
+    }
+};
+
+bool aligned16(const void* p) { return (u64)p % 16 == 0; }
+
+void test_fused_gemv() {
+    for (int wdt : {DT_F32, DT_F16, DT_BF16})
+        for (i64 M : {1, 3, 8})
+            for (i64 K : {64, 2050, 7})
+                for (int pair : {0, 1})
+                    for (i64 pad : {0, 1}) {
+                        const i64 lda = K + pad;
+                        Buf a(DT_F32, M * lda);
+                        a.rand();
+                        Products P(wdt, M, K, pair, pad, {pair ? 40 : 96, 40, 33});
+                        const int e = esz(wdt);
+                        int vec = aligned16(a.p()) && (M == 1 || (lda * 4) % 16 == 0);
+                        for (int s = 0; s < P.nseg; ++s)
+                            vec &= aligned16(P.w[s]->p()) && (P.ns[s] == 1 || (P.ldw * e) % 16 == 0);
+                        const i64 G = group(K, 16 / e);
+                        const unsigned blocks = (unsigned)((P.units() + 128 / G - 1) / (128 / G));
+                        launch(blocks, 128, [&] {
+                            if (M <= 2) {
+                                fused_gemv(M, K, (const float*)a.p(), lda, P.S, wdt, (int)G, vec);
+                            } else {
+                                fused_gemv8(M, K, (const float*)a.p(), lda, P.S, wdt, (int)G, vec);
+                            }
+                        });
+                        const std::string tag = "fused_gemv w " + std::to_string(wdt) + " M " +
+                                                std::to_string(M) + " K " + std::to_string(K) +
+                                                " pair " + std::to_string(pair) + " pad " + std::to_string(pad);
+                        P.check_all(tag, K, [&](i64 i, i64 k) { return (double)a.get(i * lda + k); });
+                    }
+}
+
+// Decode's products: one row, every weight row 16-byte aligned; the norm prologue computes the
+// row (block 0 writes the norm and its product).
+void test_fused_gemv1() {
+    struct Case {
+        int wdt;
+        i64 K;
+        int pair, norm;
+    };
+    // K 2052 / 4100: a K % 8 tail after the split staging; 4100: two batches per unit.
+    for (Case c : {Case{DT_F16, 2052, 0, 0}, Case{DT_F32, 1100, 0, 1}, Case{DT_F16, 4100, 0, 1},
+                   Case{DT_BF16, 2052, 1, 0}, Case{DT_F16, 1024, 1, 1}, Case{DT_F16, 64, 0, 0}}) {
+        const i64 K = c.K;
+        Buf x(DT_F32, K), nw(DT_F32, K), nd(DT_F32, K), a(DT_F32, K);
+        x.rand(2.0f);
+        nw.rand(1.5f);
+        if (!c.norm) a.rand();
+        Products P(c.wdt, 1, K, c.pair, 0, {37, 21, 12});
+        launch((unsigned)((P.units() + 7) / 8), 256, [&] {
+            fused_gemv1(K, (const float*)a.p(), P.S, c.wdt, 1, 1, c.norm ? (const float*)x.p() : nullptr,
+                        1e-5f, c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32);
+        });
+        const std::string tag = "fused_gemv1 w " + std::to_string(c.wdt) + " K " + std::to_string(K) +
+                                " pair " + std::to_string(c.pair) + " norm " + std::to_string(c.norm);
+        std::vector<double> act(K);
+        if (c.norm) {
+            double ss = 0;
+            for (i64 k = 0; k < K; ++k) ss += (double)x.get(k) * x.get(k);
+            const double inv = 1.0 / std::sqrt(ss / K + 1e-5);
+            std::vector<double> wn, gn, ga;
+            for (i64 k = 0; k < K; ++k) {
+                act[k] = x.get(k) * inv * nw.get(k);
+                wn.push_back(x.get(k) * inv);
+                gn.push_back(nd.get(k));
+                ga.push_back(a.get(k));
+            }
+            check(tag + ": norm", wn, gn, 1e-10);
+            check(tag + ": norm product", act, ga, 1e-10);
+        } else {
+            for (i64 k = 0; k < K; ++k) act[k] = a.get(k);
+        }
+        P.check_all(tag, K, [&](i64, i64 k) { return act[k]; });
+    }
+}
+
+void test_mul_mat_vec_1() {
+    for (int wdt : {DT_F32, DT_F16, DT_BF16})
+        for (i64 K : {64, 2052, 4100})
+            for (int staged : {0, 1}) {
+                const i64 N = 45;
+                Buf x(DT_F32, K), w(wdt, N * K), d(DT_F32, N * 2);
+                x.rand();
+                w.rand(0.1f);
+                launch((unsigned)((N + 7) / 8), 256, [&] {
+                    mul_mat_vec_1(N, K, (float*)d.p(), 2, (const float*)x.p(), w.p(), wdt, K, staged, 1);
+                });
+                std::vector<double> want, got;
+                for (i64 j = 0; j < N; ++j) {
+                    double acc = 0;
+                    for (i64 k = 0; k < K; ++k) acc += (double)x.get(k) * w.get(j * K + k);
+                    want.push_back(acc);
+                    got.push_back(d.get(j * 2));
+                }
+                check("mul_mat_vec_1 w " + std::to_string(wdt) + " K " + std::to_string(K) + " staged " +
+                          std::to_string(staged),
+                      want, got, 1e-10);
+            }
+}
+
+void test_rope_rows() {
+    for (int cdt : {DT_F32, DT_F16, DT_BF16})
+        for (int neox : {0, 1})
+            for (i64 n_dims : {64, 32})
+                for (int plain : {0, 1})
+                    for (i64 T : {1, 3}) {
+                        const i64 H = 2, D = 64, n = 24, d = H * D;
+                        Buf x(DT_F32, T * H * D), pos(DT_I32, T), idx(DT_I32, T);
+                        x.rand();
+                        int pv[3] = {5, 6, 17}, iv[3] = {9, 4, 9};  // row 9 twice: the last wins
+                        if (T == 1) {
+                            pv[0] = 17;
+                            iv[0] = 3;
+                        }
+                        for (i64 t = 0; t < T; ++t) {
+                            ((int*)pos.p())[t] = pv[t];
+                            ((int*)idx.p())[t] = iv[t];
+                        }
+                        Buf r(DT_F32, T * H * D), c(cdt, n * d), c2(cdt, n * d), s2(DT_F32, T * d);
+                        c.rand();
+                        c2.rand();
+                        s2.rand();
+                        std::vector<double> want_c(n * d), want_c2(n * d);
+                        for (i64 i = 0; i < n * d; ++i) {
+                            want_c[i] = c.get(i);
+                            want_c2[i] = c2.get(i);
+                        }
+                        unsigned err = 0;
+                        const i64 items = T * H * (n_dims / 2 + D - n_dims) + (plain ? T * d : 0);
+                        launch((unsigned)((items + 255) / 256), 256, [&] {
+                            rope_rows(T, H, D, r.p(), DT_F32, H * D, D, 1, x.p(), DT_F32, H * D, D, 1,
+                                      (const int*)pos.p(), 1, n_dims, 10000.0, neox, c.p(), cdt, d, 1, n,
+                                      (const int*)idx.p(), 1, 11u, plain ? T : 0, plain ? d : 0, c2.p(), cdt,
+                                      d, 1, n, s2.p(), DT_F32, d, 1, (const int*)idx.p(), 1, 12u, &err);
+                        });
+                        std::vector<double> want_r(T * H * D), got_r, got_c, got_c2;
+                        for (i64 t = 0; t < T; ++t)
+                            for (i64 h = 0; h < H; ++h) {
+                                const i64 b = (t * H + h) * D;
+                                for (i64 k = 0; k < n_dims / 2; ++k) {
+                                    const double ang = pv[t] * std::pow(10000.0, -2.0 * k / n_dims);
+                                    const float sn = (float)std::sin(ang), cs = (float)std::cos(ang);
+                                    const i64 ia = neox ? k : 2 * k, ib = neox ? k + n_dims / 2 : 2 * k + 1;
+                                    const float xa = x.get(b + ia), xb = x.get(b + ib);
+                                    want_r[b + ia] = xa * cs - xb * sn;
+                                    want_r[b + ib] = xa * sn + xb * cs;
+                                }
+                                for (i64 k = n_dims; k < D; ++k) want_r[b + k] = x.get(b + k);
+                            }
+                        for (i64 t = 0; t < T; ++t)
+                            for (i64 j = 0; j < d; ++j) {
+                                want_c[iv[t] * d + j] = rounded(cdt, (float)want_r[t * d + j]);
+                                if (plain) want_c2[iv[t] * d + j] = rounded(cdt, s2.get(t * d + j));
+                            }
+                        for (i64 i = 0; i < T * H * D; ++i) got_r.push_back(r.get(i));
+                        for (i64 i = 0; i < n * d; ++i) {
+                            got_c.push_back(c.get(i));
+                            got_c2.push_back(c2.get(i));
+                        }
+                        const std::string tag = "rope_rows cache " + std::to_string(cdt) + " neox " +
+                                                std::to_string(neox) + " n_dims " + std::to_string(n_dims) +
+                                                " T " + std::to_string(T) + " plain " + std::to_string(plain);
+                        check(tag + ": rope", want_r, got_r, 1e-12);
+                        check(tag + ": cache", want_c, got_c, cdt == DT_F32 ? 1e-12 : 1e-6);
+                        check(tag + ": second cache", want_c2, got_c2, 1e-12);
+                        if (err) {
+                            ++fails;
+                            printf("FAIL %s: error word %u\n", tag.c_str(), err);
+                        }
+                    }
+}
+
+// Mask modes: 0 a prefix of 37 with a hole at 5 (shared by the heads), 1 all valid, 2 all
+// masked, 3 a prefix per head, 4 every third position masked and the tail (several chunks).
+bool valid_at(int mode, i64 h, i64 j) {
+    switch (mode) {
+        case 0: return j < 37 && j != 5;
+        case 1: return true;
+        case 2: return false;
+        case 3: {
+            const i64 v[4] = {3, 60, 100, 1};
+            return j < v[h % 4];
+        }
+        default: return j % 3 != 0 && j < 550;
+    }
+}
+
+void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad, i64 L) {
+    const i64 ld_kv = Hk * D + pad;  // cache row stride (pad: unaligned rows)
+    Buf kc(kvdt, L * ld_kv), vc(kvdt, L * ld_kv), q(DT_F32, Hq * D);
+    kc.rand();
+    vc.rand();
+    q.rand();
+    const i64 mh = mode == 3 ? Hq : 1;
+    Buf m(DT_F32, mh * L);
+    for (i64 h = 0; h < mh; ++h)
+        for (i64 j = 0; j < L; ++j) m.set(h * L + j, valid_at(mode, h, j) ? 0.0f : -INFINITY);
+    // Masked rows are never read unless the raw scores are written: poison them.
+    if (!wkq && mode != 3) {
+        for (i64 j = 0; j < L; ++j)
+            if (!valid_at(mode, 0, j))
+                for (i64 c = 0; c < Hk * D; ++c) {
+                    kc.set(j * ld_kv + c, NAN);
+                    vc.set(j * ld_kv + c, NAN);
+                }
+    }
+    Buf kq(DT_F32, Hq * L), p(DT_F32, Hq * L), o(DT_F32, Hq * D), cp(DT_F16, Hq * D);
+    const int e = esz(kvdt), vw = 16 / e;
+    const int kvec = aligned16(kc.p()) && (ld_kv * e) % 16 == 0 && (Hk == 1 || (D * e) % 16 == 0);
+    const int vvec = D % vw == 0 && aligned16(vc.p()) && (Hk == 1 || (D * e) % 16 == 0) && (ld_kv * e) % 16 == 0;
+    const int G = (int)std::min<i64>(32, pow2((D + vw - 1) / vw));
+    const int TC = (int)pow2(vvec ? D / vw : D);
+    const float scale = 1.0f / std::sqrt((float)D);
+    // The copy's destination is [D, Hq] (strides 1 and Hq): a permuted view.
+    launch((unsigned)Hq, 256, [&] {
+        attn_decode(L, D, scale, q.p(), DT_F32, D, 1, kvdt, kc.p(), D, ld_kv, Hq / Hk, kvec, G, vc.p(), D, ld_kv,
+                    Hq / Hk, vvec, TC, m.p(), DT_F32, mode == 3 ? L : 0, 1, 1, (float*)kq.p(), L, 1, wkq,
+                    (float*)p.p(), L, 1, (float*)o.p(), D, 1, cp.p(), DT_F16, 1, Hq, 1);
+    });
+    std::vector<double> wkq_v, gkq, wp, gp, wo, go, wc, gc;
+    for (i64 h = 0; h < Hq; ++h) {
+        const i64 kh = h / (Hq / Hk);
+        std::vector<double> lg(L);
+        double mx = -INFINITY;
+        for (i64 j = 0; j < L; ++j) {
+            const bool ok = valid_at(mode, mode == 3 ? h : 0, j);
+            double s = 0;
+            if (ok || wkq)
+                for (i64 dd = 0; dd < D; ++dd) s += (double)q.get(h * D + dd) * kc.get(j * ld_kv + kh * D + dd);
+            if (wkq) {
+                wkq_v.push_back(s);
+                gkq.push_back(kq.get(h * L + j));
+            }
+            lg[j] = ok ? s * scale : -INFINITY;
+            mx = std::max(mx, lg[j]);
+        }
+        double sum = 0;
+        for (i64 j = 0; j < L; ++j) sum += mx == -INFINITY ? 0 : std::exp(lg[j] - mx);
+        std::vector<double> pr(L);
+        for (i64 j = 0; j < L; ++j) {
+            pr[j] = mx == -INFINITY ? 0 : std::exp(lg[j] - mx) / sum;
+            wp.push_back(pr[j]);
+            gp.push_back(p.get(h * L + j));
+        }
+        for (i64 dd = 0; dd < D; ++dd) {
+            double acc = 0;
+            for (i64 j = 0; j < L; ++j)
+                if (pr[j] != 0) acc += pr[j] * vc.get(j * ld_kv + kh * D + dd);
+            wo.push_back(acc);
+            go.push_back(o.get(h * D + dd));
+            wc.push_back(rounded(DT_F16, o.get(h * D + dd)));
+            gc.push_back(cp.get(dd * Hq + h));
+        }
+    }
+    const std::string tag = "attn_decode kv " + std::to_string(kvdt) + " heads " + std::to_string(Hq) + "/" +
+                            std::to_string(Hk) + " D " + std::to_string(D) + " scores " + std::to_string(wkq) +
+                            " mode " + std::to_string(mode) + " pad " + std::to_string(pad) + " L " +
+                            std::to_string(L);
+    if (wkq) check(tag + ": scores", wkq_v, gkq, 1e-10);
+    check(tag + ": p", wp, gp, 1e-10);
+    check(tag + ": o", wo, go, 1e-10);
+    check(tag + ": copy", wc, gc, 0);
+}
+
+void test_attention() {
+    const std::array<i64, 3> shapes[] = {{8, 2, 64}, {4, 4, 128}, {6, 3, 80}, {2, 1, 256}, {3, 3, 20}};
+    for (int kvdt : {DT_F32, DT_F16, DT_BF16})
+        for (const auto& s : shapes) {
+            for (int mode = 0; mode < 5; ++mode) attention_case(kvdt, s[0], s[1], s[2], 0, mode, 0, 100);
+            attention_case(kvdt, s[0], s[1], s[2], 1, 0, 0, 100);    // scores written
+            attention_case(kvdt, s[0], s[1], s[2], 0, 0, 1, 100);    // unaligned rows
+            attention_case(kvdt, s[0], s[1], s[2], 0, 4, 0, 600);    // three chunks
+            attention_case(kvdt, s[0], s[1], s[2], 1, 1, 1, 600);    // ... scores, unaligned
+        }
+}
+
+}  // namespace
+
+int main() {
+    test_norm_mul();
+    test_fused_gemv();
+    test_fused_gemv1();
+    test_mul_mat_vec_1();
+    test_rope_rows();
+    test_attention();
+    printf("kernel emulation: %d failure(s)\n", fails);
+    return fails != 0;
+}
