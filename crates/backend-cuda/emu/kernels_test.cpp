@@ -1,11 +1,12 @@
 // The decode kernels of ../kernels run on the CPU (cuda_shim.h) and checked against float64
 // references by NMSE: rms_norm_mul, fused_gemv / fused_gemv8, fused_gemv1 (with and without
-// its norm prologue, grids smaller than the work), mul_mat_vec_1, rope_rows and attn_decode
-// (masked rows poisoned with NaN: they must not be read). Built and run by
+// its norm prologue), mul_mat_vec_1, rope_rows, attn_decode (masked rows poisoned with NaN:
+// they must not be read), soft_max and argmax (exact). Built and run by
 // scripts/kernel_emu.sh; exits non-zero on any failure.
 #include "cuda_shim.h"
 #include "fused.cu"
 #include "matmul.cu"
+#include "norm.cu"
 
 #include <array>
 #include <random>
@@ -477,6 +478,85 @@ void test_attention() {
         }
 }
 
+// One row per block: rows of `len` contiguous values, the destination's rows `d_rs` apart.
+Lay rows_lay(i64 rows, i64 len, i64 d_rs) {
+    Lay L{};
+    L.nd = 1;
+    L.shape[0] = rows;
+    L.st[0][0] = d_rs;
+    L.st[1][0] = len;
+    L.st[2][0] = 0;  // soft_max's mask: one row for all
+    return L;
+}
+
+void test_soft_max() {
+    for (int has_mask : {0, 1})
+        for (i64 len : {7, 300, 4100}) {
+            const i64 rows = 3;
+            Buf x(DT_F32, rows * len), mask(DT_F32, len), d(DT_F32, rows * len);
+            x.rand(4);
+            for (i64 c = 0; c < len; ++c) mask.set(c, c % 5 == 1 ? -INFINITY : rnd(1));
+            launch(rows, 256, [&] {
+                soft_max(rows, len, rows_lay(rows, len, len), d.p(), DT_F32, 1, x.p(), DT_F32, 1, mask.p(), DT_F32, 1,
+                         has_mask, 0.5f);
+            });
+            std::vector<double> want, got;
+            for (i64 r = 0; r < rows; ++r) {
+                std::vector<double> v(len);
+                double mx = -INFINITY, sum = 0;
+                for (i64 c = 0; c < len; ++c) {
+                    v[c] = x.get(r * len + c) * 0.5 + (has_mask ? mask.get(c) : 0.0);
+                    mx = std::max(mx, v[c]);
+                }
+                for (i64 c = 0; c < len; ++c) sum += std::exp(v[c] - mx);
+                for (i64 c = 0; c < len; ++c) {
+                    want.push_back(std::exp(v[c] - mx) / sum);
+                    got.push_back(d.get(r * len + c));
+                }
+            }
+            check("soft_max mask " + std::to_string(has_mask) + " len " + std::to_string(len), want, got, 1e-10);
+        }
+}
+
+// The largest value's index, the lowest on ties, NaN below every number, an all-NaN row 0.
+void test_argmax() {
+    for (i64 len : {7, 1000, 32000})
+        for (int kind = 0; kind < 4; ++kind) {
+            const i64 rows = 2;
+            Buf x(DT_F16, rows * len), d(DT_I32, rows);
+            x.rand(8);
+            std::vector<int> want(rows);
+            for (i64 r = 0; r < rows; ++r) {
+                if (kind == 1) {  // ties: the maximum at two places
+                    x.set(r * len + len / 3, 100.0f);
+                    x.set(r * len + len - 1, 100.0f);
+                }
+                if (kind == 2) {  // NaNs around the maximum
+                    for (i64 c = 0; c < len; c += 3) x.set(r * len + c, NAN);
+                }
+                if (kind == 3) {  // all NaN
+                    for (i64 c = 0; c < len; ++c) x.set(r * len + c, NAN);
+                }
+                i64 best = -1;
+                for (i64 c = 0; c < len; ++c) {
+                    const float v = x.get(r * len + c);
+                    if (v == v && (best < 0 || v > x.get(r * len + best))) best = c;
+                }
+                want[r] = best < 0 ? 0 : (int)best;
+            }
+            // The backend's block: 1024 threads for rows of 8192 values or more, else 256.
+            launch(rows, len >= 8192 ? 1024 : 256, [&] { argmax(rows, len, rows_lay(rows, len, 1), (int*)d.p(), x.p(), DT_F16, 1); });
+            for (i64 r = 0; r < rows; ++r) {
+                const int got = ((int*)d.p())[r];
+                if (got != want[r]) {
+                    ++fails;
+                    printf("FAIL argmax len %lld kind %d row %lld: %d, want %d\n", (long long)len, kind,
+                           (long long)r, got, want[r]);
+                }
+            }
+        }
+}
+
 }  // namespace
 
 int main() {
@@ -486,6 +566,8 @@ int main() {
     test_mul_mat_vec_1();
     test_rope_rows();
     test_attention();
+    test_soft_max();
+    test_argmax();
     printf("kernel emulation: %d failure(s)\n", fails);
     return fails != 0;
 }
