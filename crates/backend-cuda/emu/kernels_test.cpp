@@ -1,6 +1,6 @@
 // The decode kernels of ../kernels run on the CPU (cuda_shim.h) and checked against float64
 // references by NMSE: rms_norm_mul, fused_gemv / fused_gemv8, fused_gemv1 (with and without
-// its norm prologue), mul_mat_vec_1, rope_rows, attn_decode (masked rows poisoned with NaN:
+// its norm prologue), mul_mat_vec_k / mul_mat_vec_k4, mul_mat_vec_1, rope_rows, attn_decode (masked rows poisoned with NaN:
 // they must not be read), soft_max and argmax (exact). Built and run by
 // scripts/kernel_emu.sh; exits non-zero on any failure.
 #include "cuda_shim.h"
@@ -276,6 +276,47 @@ void test_fused_gemv1() {
         }
         P.check_all(tag, K, [&](i64, i64 k) { return act[k]; });
     }
+}
+
+// The general matrix-vector kernels: one column per lane group (m <= 2) or four columns and
+// eight rows per pass, b's k axis contiguous (columns `ldb` apart), no batch axes.
+void test_mul_mat_vec_k() {
+    for (int wdt : {DT_F32, DT_F16, DT_BF16})
+        for (i64 M : {1, 5})
+            for (i64 K : {7, 64, 2050})
+                for (i64 pad : {0, 1}) {
+                    const i64 N = 37, lda = K + pad, ldb = K + pad;
+                    Buf a(DT_F32, M * lda), b(wdt, N * ldb), d(DT_F32, M * N);
+                    a.rand();
+                    b.rand(0.1f);
+                    const int e = esz(wdt);
+                    const int vec = aligned16(a.p()) && aligned16(b.p()) && (M == 1 || (lda * 4) % 16 == 0) &&
+                                    (ldb * e) % 16 == 0;
+                    const i64 G = group(K, 16 / e);
+                    const int nc = M <= 2 ? 1 : 4;
+                    const i64 cols_per_block = 4 * (32 / G) * nc;
+                    MmBatch B{};
+                    launch((unsigned)((N + cols_per_block - 1) / cols_per_block), 128, [&] {
+                        if (nc == 1) {
+                            mul_mat_vec_k(M, N, K, 1, B, (float*)d.p(), N, 1, (const float*)a.p(), lda, b.p(), wdt,
+                                          ldb, (int)G, vec);
+                        } else {
+                            mul_mat_vec_k4(M, N, K, 1, B, (float*)d.p(), N, 1, (const float*)a.p(), lda, b.p(), wdt,
+                                           ldb, (int)G, vec);
+                        }
+                    });
+                    std::vector<double> want, got;
+                    for (i64 i = 0; i < M; ++i)
+                        for (i64 j = 0; j < N; ++j) {
+                            double acc = 0;
+                            for (i64 k = 0; k < K; ++k) acc += (double)a.get(i * lda + k) * b.get(j * ldb + k);
+                            want.push_back(acc);
+                            got.push_back(d.get(i * N + j));
+                        }
+                    check("mul_mat_vec_k w " + std::to_string(wdt) + " M " + std::to_string(M) + " K " +
+                              std::to_string(K) + " pad " + std::to_string(pad),
+                          want, got, 1e-10);
+                }
 }
 
 void test_mul_mat_vec_1() {
@@ -563,6 +604,7 @@ int main() {
     test_norm_mul();
     test_fused_gemv();
     test_fused_gemv1();
+    test_mul_mat_vec_k();
     test_mul_mat_vec_1();
     test_rope_rows();
     test_attention();

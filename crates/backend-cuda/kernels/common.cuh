@@ -196,6 +196,67 @@ __device__ __forceinline__ i64 split_slot(i64 i, i64 ng) {
     return i < ng * 8 ? ((i & 4) ? ng * 4 : 0) + (i >> 3) * 4 + (i & 3) : i;
 }
 
+// One pass of MT rows of a against NC weight rows wr[c] (k contiguous, DT) by lane gl of a
+// group of G lanes: acc[r][c] = the lane's share of a[r, :] . wr[c], before the group's xor
+// butterfly. The lane takes the 16-byte vectors gl, gl + G, ... — U of each row in flight at
+// a time when `vec` (every row start 16-byte aligned), else the same elements by scalar loads
+// in the same order — then the k % VW tail, one element per lane. Shared by mul_mat_vec_k and
+// fused_gemv, so both sum in one order.
+template <int DT, int NC, int MT, int U>
+__device__ __forceinline__ void mmv_k_pass(float (&acc)[MT][NC], const char* const (&wr)[NC], i64 K,
+                                           int G, int gl, int vec, const float* ab, i64 a_rs,
+                                           int mt) {
+    const int VW = DT == DT_F32 ? 4 : 8;
+    const i64 nvec = K / VW;
+#pragma unroll
+    for (int r = 0; r < MT; ++r) {
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
+    }
+    i64 v = gl;
+    if (vec) {
+        if (U > 1) {
+            for (; v + (U - 1) * G < nvec; v += U * G) {
+                uint4 w[U][NC];
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) w[u][c] = ((const uint4*)wr[c])[v + u * G];
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    float bf[NC][VW];
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) unpack16<DT>(w[u][c], bf[c]);
+                    mmv_k_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, (v + u * G) * VW, true);
+                }
+            }
+        }
+        for (; v < nvec; v += G) {
+            float bf[NC][VW];
+#pragma unroll
+            for (int c = 0; c < NC; ++c) unpack16<DT>(((const uint4*)wr[c])[v], bf[c]);
+            mmv_k_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, v * VW, true);
+        }
+    } else {
+        for (; v < nvec; v += G) {
+            float bf[NC][VW];
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+#pragma unroll
+                for (int e = 0; e < VW; ++e) bf[c][e] = ld(wr[c], DT, v * VW + e);
+            }
+            mmv_k_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, v * VW, false);
+        }
+    }
+    for (i64 kk = nvec * VW + gl; kk < K; kk += G) {
+        float bf[NC][1];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) bf[c][0] = ld(wr[c], DT, kk);
+        mmv_k_fma<1, NC, MT>(acc, bf, ab, a_rs, mt, kk, false);
+    }
+}
+
 // Copies x[0, K) (f32, 16-byte aligned; written by an earlier kernel, so plain loads, not the
 // read-only path) into shared xs — in the split layout when `split` — with every thread's
 // 16-byte loads in flight at once (four per pass), then waits for the whole block. Every

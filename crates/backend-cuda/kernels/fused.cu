@@ -117,89 +117,59 @@ __device__ __forceinline__ void fg_store(const FgSeg& g, i64 i, i64 j, float y) 
     }
 }
 
-template <int DT, int MT, int NC>
-__device__ __forceinline__ void fg_body(i64 M, i64 K, const float* a, i64 a_rs, const FgSet& S,
-                                        int G, int vec) {
-    const int VW = DT == DT_F32 ? 4 : 8;
-    const int ESZ = DT == DT_F32 ? 4 : 2;
-    const int U = MT == 1 ? 4 / NC : 1;  // vectors per weight row in flight per lane
-    const int gl = threadIdx.x & (G - 1);
-    const i64 groups = blockDim.x / G;
-    const i64 group = threadIdx.x / G;
+// Output units of a set: the columns of its segments one after another, or (pair mode, NC 2)
+// the columns both products share.
+template <int NC>
+__device__ __forceinline__ i64 fg_units(const FgSet& S) {
     i64 units = S.seg[0].n;
     if (NC == 1) {
         for (int s = 1; s < S.nseg; ++s) units += S.seg[s].n;
     }
-    const i64 nvec = K / VW;
+    return units;
+}
+
+// Segment s and column j of unit u, and the start of the weight row(s) it reads (row j of
+// segment s, or of each product in pair mode).
+template <int DT, int NC>
+__device__ __forceinline__ void fg_unit(const FgSet& S, i64 u, int& s, i64& j,
+                                        const char* (&wr)[NC]) {
+    const int ESZ = DT == DT_F32 ? 4 : 2;
+    s = 0;
+    j = u;
+    if (NC == 1) {
+        while (s + 1 < S.nseg && j >= S.seg[s].n) {
+            j -= S.seg[s].n;
+            ++s;
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        const FgSeg& g = S.seg[NC == 1 ? s : c];
+        wr[c] = (const char*)g.w + j * g.w_rs * ESZ;
+    }
+}
+
+template <int DT, int MT, int NC>
+__device__ __forceinline__ void fg_body(i64 M, i64 K, const float* a, i64 a_rs, const FgSet& S,
+                                        int G, int vec) {
+    const int U = MT == 1 ? 4 / NC : 1;  // vectors per weight row in flight per lane
+    const int gl = threadIdx.x & (G - 1);
+    const i64 groups = blockDim.x / G;
+    const i64 group = threadIdx.x / G;
+    const i64 units = fg_units<NC>(S);
     for (i64 base = (i64)blockIdx.x * groups; base < units; base += (i64)gridDim.x * groups) {
         const i64 u = base + group;
         // Lanes past the last unit compute a clamped one (they take part in the shuffles);
         // their sums are not written.
-        i64 j = min(u, units - 1);
-        int s = 0;
-        if (NC == 1) {
-            while (s + 1 < S.nseg && j >= S.seg[s].n) {
-                j -= S.seg[s].n;
-                ++s;
-            }
-        }
+        int s;
+        i64 j;
         const char* wr[NC];
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            const FgSeg& g = S.seg[NC == 1 ? s : c];
-            wr[c] = (const char*)g.w + j * g.w_rs * ESZ;
-        }
+        fg_unit<DT, NC>(S, min(u, units - 1), s, j, wr);
         for (i64 i0 = 0; i0 < M; i0 += MT) {
             const int mt = (int)min((i64)MT, M - i0);
             const float* ab = a + i0 * a_rs;
             float acc[MT][NC];
-#pragma unroll
-            for (int r = 0; r < MT; ++r) {
-#pragma unroll
-                for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
-            }
-            i64 v = gl;
-            if (vec) {
-                if (U > 1) {
-                    for (; v + (U - 1) * G < nvec; v += U * G) {
-                        uint4 w[U][NC];
-#pragma unroll
-                        for (int q = 0; q < U; ++q) {
-#pragma unroll
-                            for (int c = 0; c < NC; ++c) w[q][c] = ((const uint4*)wr[c])[v + q * G];
-                        }
-#pragma unroll
-                        for (int q = 0; q < U; ++q) {
-                            float bf[NC][VW];
-#pragma unroll
-                            for (int c = 0; c < NC; ++c) unpack16<DT>(w[q][c], bf[c]);
-                            mmv_k_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, (v + q * G) * VW, true);
-                        }
-                    }
-                }
-                for (; v < nvec; v += G) {
-                    float bf[NC][VW];
-#pragma unroll
-                    for (int c = 0; c < NC; ++c) unpack16<DT>(((const uint4*)wr[c])[v], bf[c]);
-                    mmv_k_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, v * VW, true);
-                }
-            } else {
-                for (; v < nvec; v += G) {
-                    float bf[NC][VW];
-#pragma unroll
-                    for (int c = 0; c < NC; ++c) {
-#pragma unroll
-                        for (int e = 0; e < VW; ++e) bf[c][e] = ld(wr[c], DT, v * VW + e);
-                    }
-                    mmv_k_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, v * VW, false);
-                }
-            }
-            for (i64 kk = nvec * VW + gl; kk < K; kk += G) {
-                float bf[NC][1];
-#pragma unroll
-                for (int c = 0; c < NC; ++c) bf[c][0] = ld(wr[c], DT, kk);
-                mmv_k_fma<1, NC, MT>(acc, bf, ab, a_rs, mt, kk, false);
-            }
+            mmv_k_pass<DT, NC, MT, U>(acc, wr, K, G, gl, vec, ab, a_rs, mt);
 #pragma unroll
             for (int r = 0; r < MT; ++r) {
                 if (r < mt) {
@@ -304,29 +274,18 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
                                          int staged, int ahead, const float* nx, float eps,
                                          void* nd, int dtn, const void* nw, int dtnw) {
     const int VW = DT == DT_F32 ? 4 : 8;
-    const int ESZ = DT == DT_F32 ? 4 : 2;
     const int U = FG1_U / NC;
     const int lane = threadIdx.x & 31;
-    i64 units = S.seg[0].n;
-    if (NC == 1) {
-        for (int s = 1; s < S.nseg; ++s) units += S.seg[s].n;
-    }
+    const i64 units = fg_units<NC>(S);
     const i64 u = (i64)blockIdx.x * FG1_WARPS + (threadIdx.x >> 5);
     const bool active = u < units;
-    i64 j = active ? u : 0;
-    int s = 0;
-    if (NC == 1) {
-        while (s + 1 < S.nseg && j >= S.seg[s].n) {
-            j -= S.seg[s].n;
-            ++s;
-        }
-    }
+    int s;
+    i64 j;
+    const char* wrow[NC];
+    fg_unit<DT, NC>(S, active ? u : 0, s, j, wrow);
     const uint4* wr[NC];
 #pragma unroll
-    for (int c = 0; c < NC; ++c) {
-        const FgSeg& g = S.seg[NC == 1 ? s : c];
-        wr[c] = (const uint4*)((const char*)g.w + j * g.w_rs * ESZ);
-    }
+    for (int c = 0; c < NC; ++c) wr[c] = (const uint4*)wrow[c];
     const i64 nvec = K / VW;
     uint4 q[U][NC];
     if (!ahead) pdl_entry();

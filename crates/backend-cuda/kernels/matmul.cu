@@ -73,7 +73,6 @@ __device__ __forceinline__ void mmv_k_body(i64 M, i64 N, i64 K, i64 nbatch, cons
                                            float* dst, i64 d_rs, i64 d_cs,
                                            const float* a, i64 a_rs, const void* b, i64 b_cs,
                                            int G, int vec) {
-    const int VW = DT == DT_F32 ? 4 : 8;
     const int ESZ = DT == DT_F32 ? 4 : 2;
     const int U = NC == 1 ? 4 : 1;  // vectors per column in flight per lane
     const int lane = threadIdx.x & 31;
@@ -82,68 +81,21 @@ __device__ __forceinline__ void mmv_k_body(i64 M, i64 N, i64 K, i64 nbatch, cons
     const i64 group = (i64)(threadIdx.x >> 5) * per_warp + lane / G;
     const i64 cols_per_block = (i64)(blockDim.x >> 5) * per_warp * NC;
     const i64 ncb = (N + cols_per_block - 1) / cols_per_block;
-    const i64 nvec = K / VW;
     for (i64 blk = blockIdx.x; blk < ncb * nbatch; blk += gridDim.x) {
         const i64 bt = blk / ncb, cb = blk % ncb;
         i64 o[3];
         mm_batch_offsets(B, bt, o);
         const i64 col0 = cb * cols_per_block + group * NC;
-        i64 bo[NC];  // element offset of each column (clamped into range: extra lanes still
-                     // take part in the shuffles, their sums are not written)
+        // Each column's start (clamped into range: extra lanes still take part in the
+        // shuffles, their sums are not written).
+        const char* wr[NC];
 #pragma unroll
-        for (int c = 0; c < NC; ++c) bo[c] = o[2] + min(col0 + c, N - 1) * b_cs;
+        for (int c = 0; c < NC; ++c) wr[c] = (const char*)b + (o[2] + min(col0 + c, N - 1) * b_cs) * ESZ;
         for (i64 i0 = 0; i0 < M; i0 += MT) {
             const int mt = (int)min((i64)MT, M - i0);
             const float* ab = a + o[1] + i0 * a_rs;
             float acc[MT][NC];
-#pragma unroll
-            for (int r = 0; r < MT; ++r) {
-#pragma unroll
-                for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
-            }
-            i64 v = gl;
-            if (vec) {
-                if (U > 1) {  // U vectors per column in flight, then one at a time
-                    for (; v + (U - 1) * G < nvec; v += U * G) {
-                        uint4 w[U][NC];
-#pragma unroll
-                        for (int u = 0; u < U; ++u) {
-#pragma unroll
-                            for (int c = 0; c < NC; ++c) w[u][c] = ((const uint4*)((const char*)b + bo[c] * ESZ))[v + u * G];
-                        }
-#pragma unroll
-                        for (int u = 0; u < U; ++u) {
-                            float bf[NC][VW];
-#pragma unroll
-                            for (int c = 0; c < NC; ++c) unpack16<DT>(w[u][c], bf[c]);
-                            mmv_k_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, (v + u * G) * VW, true);
-                        }
-                    }
-                }
-                for (; v < nvec; v += G) {
-                    float bf[NC][VW];
-#pragma unroll
-                    for (int c = 0; c < NC; ++c) unpack16<DT>(((const uint4*)((const char*)b + bo[c] * ESZ))[v], bf[c]);
-                    mmv_k_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, v * VW, true);
-                }
-            } else {
-                for (; v < nvec; v += G) {
-                    float bf[NC][VW];
-#pragma unroll
-                    for (int c = 0; c < NC; ++c) {
-#pragma unroll
-                        for (int e = 0; e < VW; ++e) bf[c][e] = ld(b, DT, bo[c] + v * VW + e);
-                    }
-                    mmv_k_fma<VW, NC, MT>(acc, bf, ab, a_rs, mt, v * VW, false);
-                }
-            }
-            // The k % VW tail, one element per lane (same order on both paths).
-            for (i64 kk = nvec * VW + gl; kk < K; kk += G) {
-                float bf[NC][1];
-#pragma unroll
-                for (int c = 0; c < NC; ++c) bf[c][0] = ld(b, DT, bo[c] + kk);
-                mmv_k_fma<1, NC, MT>(acc, bf, ab, a_rs, mt, kk, false);
-            }
+            mmv_k_pass<DT, NC, MT, U>(acc, wr, K, G, gl, vec, ab, a_rs, mt);
 #pragma unroll
             for (int r = 0; r < MT; ++r) {
                 if (r < mt) {

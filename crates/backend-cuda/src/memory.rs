@@ -112,10 +112,21 @@ impl Buffers {
         self.live.read().get(&id).is_some_and(|b| b.weights)
     }
 
-    /// Clears `DevBuf::weights` of every buffer in `written` (buffers some node writes).
+    /// Clears `DevBuf::weights` of every buffer in `written` (buffers some node writes). Runs
+    /// for every eagerly queued graph, where no node writes weights: a scan under the read
+    /// lock, the write lock only when a flag has to go.
     pub(crate) fn note_written(&self, written: impl Iterator<Item = BufferId>) {
+        let hit: Vec<BufferId> = {
+            let live = self.live.read();
+            written
+                .filter(|id| live.get(id).is_some_and(|b| b.weights))
+                .collect()
+        };
+        if hit.is_empty() {
+            return;
+        }
         let mut live = self.live.write();
-        for id in written {
+        for id in hit {
             if let Some(b) = live.get_mut(&id) {
                 b.weights = false;
             }

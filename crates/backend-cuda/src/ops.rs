@@ -848,7 +848,6 @@ impl<'a> Exec<'a> {
     }
 }
 
-/// `src` must have the destination's shape.
 /// The leading parameters of the `rope` kernel, which `rope_rows` (fused.cu) shares: shape of x
 /// [T, H, D], result r and x with their dtypes and strides, positions, rotated dims, base and
 /// mode.
