@@ -79,6 +79,29 @@ def main() -> None:
         print("| --- | ---: | ---: | ---: |")
         for k, v in sorted(per_name.items(), key=lambda kv: -sum(kv[1])):
             print(f"| {k[:40]} | {len(v) / ns:.0f} | {sum(v) / ns:.1f} | {sum(v) / len(v):.2f} |")
+        # Exposed time: how far each kernel moves the token's end past every kernel before it
+        # (with programmatic dependent launch kernels start early and overlap, so a duration
+        # alone overstates what a kernel costs the token).
+        print("| pos | kernel | us (median) | exposed us (median) |")
+        print("| ---: | --- | ---: | ---: |")
+        n_k = len(steps[0])
+        exposed_by_name: dict[str, float] = defaultdict(float)
+        for i in range(n_k):
+            durs, exps = [], []
+            for step in steps:
+                prev_end = max((r[2] for r in step[:i]), default=step[0][1])
+                durs.append((step[i][2] - step[i][1]) / 1e3)
+                exps.append(max(step[i][2] - prev_end, 0) / 1e3)
+            exposed_by_name[steps[0][i][0]] += statistics.median(exps)
+            if i < 20 or i >= n_k - 6:
+                print(
+                    f"| {i} | {steps[0][i][0][:40]} | {statistics.median(durs):.2f} | "
+                    f"{statistics.median(exps):.2f} |"
+                )
+        print("| kernel | exposed us/token |")
+        print("| --- | ---: |")
+        for k, e in sorted(exposed_by_name.items(), key=lambda kv: -kv[1]):
+            print(f"| {k[:40]} | {e:.1f} |")
         sp, bu = statistics.median(spans), statistics.median(busy)
         print(
             f"per token (median): span {sp:.1f} us, kernels {bu:.1f} us, between kernels "

@@ -137,7 +137,7 @@ if [[ $parts == *ktrace* ]]; then
             CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so LOWSYNC_CUDA_PDL=$pdl timeout 300 \
                 python3 benches/python/kernel_trace.py --models ${KTRACE_MODELS:-1b} -n ${KTRACE_N:-64} \
                 --csv-dir "$logs" >"$logs/ktrace-pdl$pdl.txt" 2>&1
-            say "kernel trace (LOWSYNC_CUDA_PDL=$pdl): exit $?"; tail -30 "$logs/ktrace-pdl$pdl.txt" | tee -a "$summary"
+            say "kernel trace (LOWSYNC_CUDA_PDL=$pdl): exit $?"; tail -75 "$logs/ktrace-pdl$pdl.txt" | tee -a "$summary"
         done
     else
         say "ktrace: no CUPTI (header ${inc:-none}, library ${lib:-none})"
@@ -178,8 +178,12 @@ if [[ $parts == *ncudetail* ]]; then
         timeout 400 "$ncu" --kernel-name "regex:${NCUD_KERNELS:-attn_decode|fused_gemv1}" --launch-skip ${NCUD_SKIP:-40} \
             --launch-count ${NCUD_COUNT:-5} --section LaunchStats --section Occupancy --section WarpStateStats \
             --section SpeedOfLight --section MemoryWorkloadAnalysis \
-            python3 benches/python/cuda_profile.py --models 1b --settings eager+fused -n 16 >"$logs/ncud.txt" 2>&1
+            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+            python3 benches/python/cuda_profile.py --models 1b --settings eager+fused -n 16 --n-ctx 172 >"$logs/ncud.txt" 2>&1
         say "ncu detail: exit $?"
+        # Stall reasons per kernel launch, largest first (warps stalled per issued instruction).
+        awk '/^  [a-z_0-9]+\(/ {k=$1} /issue_stalled/ && $NF+0 > 0.05 {print k, $1, $NF}' "$logs/ncud.txt" |
+            sort -k1,1 -k3,3gr | awk '{if (c[$1]++ < 8) print}' | tee -a "$summary"
         grep -E "^  [a-z_0-9]+\(|attn_decode|fused_gemv1|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|DRAM Throughput|Memory Throughput|Stall|stall|Static Shared|Dynamic Shared|Grid Size|Waves Per SM" \
             "$logs/ncud.txt" | cut -c1-200 | head -${NCUD_LINES:-120} | tee -a "$summary"
     fi

@@ -1,7 +1,8 @@
 // The decode kernels of ../kernels run on the CPU (cuda_shim.h) and checked against float64
 // references by NMSE: rms_norm_mul, fused_gemv / fused_gemv8, fused_gemv1 (with and without
-// its norm prologue), mul_mat_vec_k / mul_mat_vec_k4, mul_mat_vec_1, rope_rows, attn_decode (masked rows poisoned with NaN:
-// they must not be read), soft_max and argmax (exact). Built and run by
+// its norm prologue; its row-pair mode with the Rope and KV-cache row epilogues),
+// mul_mat_vec_k / mul_mat_vec_k4, mul_mat_vec_1, rope_rows, attn_decode (masked rows poisoned
+// with NaN: they must not be read), soft_max and argmax (exact). Built and run by
 // scripts/kernel_emu.sh; exits non-zero on any failure.
 #include "cuda_shim.h"
 #include "fused.cu"
@@ -133,6 +134,7 @@ struct Products {
         : nseg(pair_ ? 2 : 3), pair(pair_), ldw(K + pad), rows(M) {
         S.nseg = nseg;
         S.pair = pair;
+        S.wnorm = 1;
         for (int s = 0; s < nseg; ++s) {
             ns[s] = pair && s == 1 ? n[0] : n[s];
             w.push_back(std::make_unique<Buf>(wdt, ns[s] * ldw));
@@ -145,6 +147,8 @@ struct Products {
             g.out = (u64)out[s]->p();
             g.o_rs = ns[s];
             g.o_cs = 1;
+            g.wout = 1;
+            g.wsum = 1;
             if (!pair && s < 2) {
                 add.push_back(std::make_unique<Buf>(s == 0 ? DT_F16 : DT_F32, s == 0 ? ns[s] : M * ns[s]));
                 add[s]->rand();
@@ -276,6 +280,253 @@ void test_fused_gemv1() {
         }
         P.check_all(tag, K, [&](i64, i64 k) { return act[k]; });
     }
+}
+
+// Decode's row-pair mode (pair 2): one unit is columns j, j + 1 of one segment. Segments as a
+// layer's attention inputs: q (hq heads of hd dims, Rope only), k (one head, Rope and a cache
+// row), v (one head, cache row only); each with or without a broadcast bias Add (`add`, a
+// mask over the segments). `wout` / `wsum` (masks) and `wnorm` off: those results are dead and
+// must keep their NaN sentinels. `bad`: k's row index is c_n (1) or v's is -1 (2): the error
+// word gets that segment's tag and its cache is left as it was.
+struct RpCase {
+    int wdt;
+    i64 K, hd, n_dims, hq;
+    int add, sum_dt, r_dt, c_dt, norm, wout, wsum, wnorm, bad, ahead, pos;
+    double theta;
+};
+
+void rowpair_case(const RpCase& c) {
+    const i64 K = c.K, e = esz(c.wdt);
+    const i64 ldw = (K * e + 15) / 16 * 16 / e;  // rows 16-byte aligned (K 202: a K % VW tail)
+    const i64 n[3] = {c.hq * c.hd, c.hd, c.hd};
+    const i64 tail = 8;                             // sentinels past every row the kernel writes
+    // Caches of cn rows longer than n, between two guard rows (rows -1 and cn: a bad index's).
+    const i64 cn = 5, crs[3] = {0, n[1] + 8, n[2] + 6};
+    const int tags[3] = {0, 21, 22};
+    const int rows[3] = {0, c.bad == 1 ? (int)cn : 3, c.bad == 2 ? -1 : 1};
+    auto nan_fill = [](Buf& b) {
+        for (i64 i = 0; i < b.n; ++i) b.set(i, NAN);
+    };
+    Buf x(DT_F32, K), nw(DT_F32, K), nd(DT_F32, K), a(DT_F32, K), pos(DT_I32, 1);
+    Buf idx_k(DT_I32, 1), idx_v(DT_I32, 1);
+    x.rand(2.0f);
+    nw.rand(1.5f);
+    nan_fill(nd);
+    if (c.norm) {
+        nan_fill(a);  // the prologue's product: written only with wnorm, never read by the products
+    } else {
+        a.rand();
+    }
+    ((int*)pos.p())[0] = c.pos;
+    ((int*)idx_k.p())[0] = rows[1];
+    ((int*)idx_v.p())[0] = rows[2];
+    unsigned err = 0;
+    FgSet S{};
+    S.nseg = 3;
+    S.pair = 2;
+    S.wnorm = c.wnorm;
+    S.err = (u64)&err;
+    std::unique_ptr<Buf> w[3], out[3], add[3], sum[3], r[3], cache[3];
+    std::vector<double> cache0[3];
+    for (int s = 0; s < 3; ++s) {
+        FgSeg& g = S.seg[s];
+        w[s] = std::make_unique<Buf>(c.wdt, n[s] * ldw);
+        w[s]->rand(0.1f);
+        out[s] = std::make_unique<Buf>(DT_F32, n[s] + tail);
+        nan_fill(*out[s]);
+        g.n = n[s];
+        g.w = (u64)w[s]->p();
+        g.w_rs = ldw;
+        g.out = (u64)out[s]->p();
+        g.o_rs = n[s];
+        g.o_cs = 1;
+        g.wout = (c.wout >> s) & 1;
+        g.wsum = (c.wsum >> s) & 1;
+        if ((c.add >> s) & 1) {
+            add[s] = std::make_unique<Buf>(s == 0 ? DT_F16 : DT_F32, n[s]);
+            add[s]->rand();
+            sum[s] = std::make_unique<Buf>(c.sum_dt, n[s] + tail);
+            nan_fill(*sum[s]);
+            g.add = (u64)add[s]->p();
+            g.add_dt = add[s]->dt;
+            g.a_rs = 0;
+            g.a_cs = 1;
+            g.sum = (u64)sum[s]->p();
+            g.sum_dt = c.sum_dt;
+            g.s_rs = n[s];
+            g.s_cs = 1;
+        }
+        if (s < 2) {
+            r[s] = std::make_unique<Buf>(c.r_dt, n[s] + tail);
+            nan_fill(*r[s]);
+            g.r = (u64)r[s]->p();
+            g.r_dt = c.r_dt;
+            g.hd = c.hd;
+            g.n_dims = c.n_dims;
+            g.theta = c.theta;
+            g.pos = (u64)pos.p();
+        }
+        if (s > 0) {
+            cache[s] = std::make_unique<Buf>(c.c_dt, (cn + 2) * crs[s]);
+            cache[s]->rand();
+            for (i64 i = 0; i < cache[s]->n; ++i) cache0[s].push_back(cache[s]->get(i));
+            g.c = (u64)(cache[s]->p() + crs[s] * esz(c.c_dt));
+            g.c_dt = c.c_dt;
+            g.c_rs = crs[s];
+            g.c_cs = 1;
+            g.c_n = cn;
+            g.idx = (u64)(s == 1 ? idx_k : idx_v).p();
+            g.tag = tags[s];
+        }
+    }
+    const i64 units = (n[0] + n[1] + n[2]) / 2;
+    launch((unsigned)((units + 7) / 8), 256, [&] {
+        fused_gemv1(K, (const float*)a.p(), S, c.wdt, 1, c.ahead, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
+                    nd.p(), DT_F32, nw.p(), DT_F32);
+    });
+    const std::string tag = "fused_gemv1 row pairs w " + std::to_string(c.wdt) + " K " + std::to_string(K) +
+                            " hd " + std::to_string(c.hd) + " n_dims " + std::to_string(c.n_dims) + " add " +
+                            std::to_string(c.add) + " sum " + std::to_string(c.sum_dt) + " rope " +
+                            std::to_string(c.r_dt) + " cache " + std::to_string(c.c_dt) + " norm " +
+                            std::to_string(c.norm) + " wout " + std::to_string(c.wout) + " wsum " +
+                            std::to_string(c.wsum) + " wnorm " + std::to_string(c.wnorm) + " bad " +
+                            std::to_string(c.bad);
+    // The activation row, and the prologue's results (NaN where they must not be written).
+    std::vector<double> act(K), wn(K, NAN), wa(K, NAN), gn, ga;
+    if (c.norm) {
+        double ss = 0;
+        for (i64 k = 0; k < K; ++k) ss += (double)x.get(k) * x.get(k);
+        const double inv = 1.0 / std::sqrt(ss / K + 1e-5);
+        for (i64 k = 0; k < K; ++k) {
+            act[k] = x.get(k) * inv * nw.get(k);
+            if (c.wnorm) {
+                wn[k] = x.get(k) * inv;
+                wa[k] = act[k];
+            }
+        }
+    } else {
+        for (i64 k = 0; k < K; ++k) act[k] = wa[k] = a.get(k);
+    }
+    for (i64 k = 0; k < K; ++k) {
+        gn.push_back(nd.get(k));
+        ga.push_back(a.get(k));
+    }
+    check(tag + ": norm", wn, gn, 1e-10);
+    check(tag + ": norm product", wa, ga, 1e-10);
+    auto got_of = [](const Buf& b) {
+        std::vector<double> v;
+        for (i64 i = 0; i < b.n; ++i) v.push_back(b.get(i));
+        return v;
+    };
+    // The Rope of pair (j, j + 1) of v as the rope kernel computes it: the angle in f64, its
+    // sine and cosine rounded to f32, dims at or past n_dims copied; rounded to r_dt.
+    auto rope = [&](const std::vector<double>& v, i64 j, double& r0, double& r1) {
+        const i64 d = j % c.hd;
+        r0 = v[j];
+        r1 = v[j + 1];
+        if (d < c.n_dims) {
+            const double ang = (double)c.pos * std::pow(c.theta, -2.0 * (double)(d / 2) / (double)c.n_dims);
+            const double sn = (float)std::sin(ang), cs = (float)std::cos(ang);
+            r0 = v[j] * cs - v[j + 1] * sn;
+            r1 = v[j] * sn + v[j + 1] * cs;
+        }
+        r0 = rounded(c.r_dt, (float)r0);
+        r1 = rounded(c.r_dt, (float)r1);
+    };
+    for (int s = 0; s < 3; ++s) {
+        const std::string st = tag + ": seg " + std::to_string(s);
+        const bool has_add = (c.add >> s) & 1;
+        // Any 16-bit rounding on the way to a value: a rare one-ulp flip against the float64 chain.
+        bool rounded_chain = has_add && c.sum_dt != DT_F32;
+        std::vector<double> prod(n[s]), val(n[s]), wout_v(n[s] + tail, NAN), wsum_v(n[s] + tail, NAN);
+        for (i64 j = 0; j < n[s]; ++j) {
+            double acc = 0;
+            for (i64 k = 0; k < K; ++k) acc += act[k] * w[s]->get(j * ldw + k);
+            prod[j] = acc;
+            val[j] = acc;
+            if (has_add) val[j] = rounded(c.sum_dt, (float)(acc + add[s]->get(j)));
+            if ((c.wout >> s) & 1) wout_v[j] = prod[j];
+            if (has_add && ((c.wsum >> s) & 1)) wsum_v[j] = val[j];
+        }
+        const std::vector<double> gout = got_of(*out[s]), gsum = has_add ? got_of(*sum[s]) : gout;
+        check(st + " product", wout_v, gout, 1e-10);
+        if (has_add) check(st + " add", wsum_v, gsum, rounded_chain ? 1e-6 : 1e-10);
+        // Exactly: each stored value is its source as stored, added to / rounded as the unfused
+        // chain's next node reads it back (`src`: what the cache row holds, where it is stored).
+        std::vector<double> src(n[s], NAN), want_sum, got_sum;
+        if (has_add && ((c.wout >> s) & 1) && ((c.wsum >> s) & 1))
+            for (i64 j = 0; j < n[s]; ++j) {
+                want_sum.push_back(rounded(c.sum_dt, (float)gout[j] + (float)add[s]->get(j)));
+                got_sum.push_back(gsum[j]);
+            }
+        check(st + " add of the stored product", want_sum, got_sum, 0);
+        if ((has_add ? c.wsum >> s : c.wout >> s) & 1)
+            for (i64 j = 0; j < n[s]; ++j) src[j] = has_add ? gsum[j] : gout[j];
+        std::vector<double> cval = val;
+        if (s < 2) {
+            std::vector<double> wr(n[s] + tail, NAN);
+            for (i64 j = 0; j < n[s]; j += 2) {
+                rope(val, j, wr[j], wr[j + 1]);
+                cval[j] = wr[j];
+                cval[j + 1] = wr[j + 1];
+            }
+            rounded_chain |= c.r_dt != DT_F32;
+            const std::vector<double> grope = got_of(*r[s]);
+            check(st + " rope", wr, grope, rounded_chain ? 1e-6 : 1e-10);
+            // The Rope of the value as stored (where it is): no rounding flips before it.
+            std::vector<double> wsr(n[s]), gsr(grope.begin(), grope.begin() + n[s]);
+            for (i64 j = 0; j < n[s]; j += 2) rope(src, j, wsr[j], wsr[j + 1]);
+            if (!std::isnan(src[0])) check(st + " rope of the stored value", wsr, gsr, c.r_dt == DT_F32 ? 1e-12 : 1e-6);
+            for (i64 j = 0; j < n[s]; ++j) src[j] = grope[j];
+        }
+        if (s > 0) {
+            // The row written (unless the index is bad), and the rest of the cache exactly as it was.
+            const bool ok = rows[s] >= 0 && rows[s] < cn;
+            std::vector<double> wrow, grow, wrest, grest, wsrc, gsrc;
+            const std::vector<double> got = got_of(*cache[s]);
+            for (i64 i = 0; i < cache[s]->n; ++i) {
+                const i64 row = i / crs[s] - 1, col = i % crs[s];
+                if (ok && row == rows[s] && col < n[s]) {
+                    wrow.push_back(rounded(c.c_dt, (float)cval[col]));
+                    grow.push_back(got[i]);
+                    if (!std::isnan(src[col])) {
+                        wsrc.push_back(rounded(c.c_dt, (float)src[col]));
+                        gsrc.push_back(got[i]);
+                    }
+                } else {
+                    wrest.push_back(cache0[s][i]);
+                    grest.push_back(got[i]);
+                }
+            }
+            rounded_chain |= c.c_dt != DT_F32;
+            if (ok) check(st + " cache row", wrow, grow, rounded_chain ? 1e-6 : 1e-10);
+            check(st + " cache row of the stored value", wsrc, gsrc, 0);
+            check(st + " cache rest", wrest, grest, 0);
+        }
+    }
+    const unsigned want_err = c.bad == 1 ? 21u : c.bad == 2 ? 22u : 0u;
+    if (err != want_err) {
+        ++fails;
+        printf("FAIL %s: error word %u, want %u\n", tag.c_str(), err, want_err);
+    }
+}
+
+void test_fused_gemv1_rowpair() {
+    const int F32 = DT_F32, F16 = DT_F16, BF16 = DT_BF16;
+    // wdt, K, hd, n_dims, q heads, add, sum_dt, r_dt, c_dt, norm, wout, wsum, wnorm, bad, ahead,
+    // pos, theta. hd 20: 50 units, the last block's warps partly idle.
+    const RpCase cases[] = {
+        {F16, 64, 16, 16, 2, 0, F32, F32, F16, 0, 7, 7, 1, 0, 1, 37, 10000.0},
+        {BF16, 202, 16, 8, 3, 7, F32, F16, BF16, 1, 7, 7, 1, 0, 0, 5, 10000.0},
+        {F32, 202, 64, 64, 2, 7, F16, F32, F32, 0, 5, 6, 1, 0, 1, 1000, 1000000.0},
+        {F16, 2048, 64, 32, 2, 7, F32, F16, F16, 1, 0, 0, 0, 0, 1, 37, 10000.0},
+        {F32, 64, 16, 8, 2, 0, F32, F16, BF16, 1, 7, 7, 1, 1, 1, 11, 10000.0},
+        {BF16, 64, 64, 64, 2, 7, F16, F16, F32, 0, 2, 5, 1, 2, 1, 123, 500000.0},
+        {F16, 202, 20, 10, 3, 4, F16, F32, F16, 1, 6, 7, 0, 0, 0, 70, 10000.0},
+        {F32, 202, 16, 16, 1, 7, F32, F16, BF16, 0, 7, 7, 1, 1, 1, 3, 10000.0},
+        {BF16, 202, 64, 32, 2, 0, F32, F32, F16, 1, 1, 0, 1, 2, 1, 4095, 10000.0},
+    };
+    for (const RpCase& c : cases) rowpair_case(c);
 }
 
 // The general matrix-vector kernels: one column per lane group (m <= 2) or four columns and
@@ -604,6 +855,7 @@ int main() {
     test_norm_mul();
     test_fused_gemv();
     test_fused_gemv1();
+    test_fused_gemv1_rowpair();
     test_mul_mat_vec_k();
     test_mul_mat_vec_1();
     test_rope_rows();

@@ -76,6 +76,10 @@ extern "C" __global__ void rms_norm_mul(i64 rows, i64 len, Lay L, void* nd, int 
 // an Add of another tensor (bias row or residual) per product, or — pair mode, two products of
 // equal n — silu(out_0) * out_1 (SwiGlu), where one lane group computes column j of both.
 //
+// Decode's products also take the row-pair mode (pair == 2, `fused_gemv1` only): one unit is two
+// adjacent output columns of one segment, so that the unit's lane can finish a q or k head's
+// rotary pairs (adjacent dims) and write them, and their KV-cache row, itself (`fg_rope_pair`).
+//
 // Work split as the unfused mul_mat_vec_k: a group of G lanes (G a power of two <= 32, from
 // K on the host) owns one output column (a column of both products in pair mode); lane gl reads
 // the 16-byte vectors gl, gl + G, ... of its weight rows, then the K % VW tail one element per
@@ -84,7 +88,7 @@ extern "C" __global__ void rms_norm_mul(i64 rows, i64 len, Lay L, void* nd, int 
 
 #define FG_MAXS 4
 
-// One product and its epilogue Add. Matches `FgSeg` in src/fusion.rs field for field.
+// One product and its epilogues. Matches `FgSeg` in src/fusion.rs field for field.
 struct FgSeg {
     i64 n;               // output columns (rows of W)
     u64 w;               // W row j at element j * w_rs
@@ -95,57 +99,124 @@ struct FgSeg {
     i64 add_dt, a_rs, a_cs;
     u64 sum;             // the Add's result
     i64 sum_dt, s_rs, s_cs;
+    i64 wout;            // 0: the product is dead after the group (nothing reads it), not written
+    i64 wsum;            // 0: the same for the Add's result
+    // Row-pair mode only. The segment's value (the Add's result, else the product; one row,
+    // contiguous) as heads of hd dims: with n_dims > 0, a Rope (adjacent pairs) of it at
+    // position pos[0] into r (contiguous, dtype r_dt) ...
+    u64 r;
+    i64 r_dt, hd, n_dims;
+    double theta;
+    u64 pos;
+    // ... and with c != 0, the SetRows of that result (or of the value, without the Rope) into
+    // row idx[0] of cache c (c_n rows; a bad index is reported with `tag`).
+    u64 c;
+    i64 c_dt, c_rs, c_cs, c_n;
+    u64 idx;
+    i64 tag;
 };
 
-// Matches `FgSet` in src/fusion.rs. Pair mode (pair != 0): nseg == 2, seg 0 = gate, seg 1 =
-// up, and sw the SwiGlu result.
+// Matches `FgSet` in src/fusion.rs. pair == 1: nseg == 2, seg 0 = gate, seg 1 = up, and sw the
+// SwiGlu result. pair == 2: row pairs (every n even). wnorm == 0: the norm prologue's results
+// are dead after the group and not written. err: the error word of the SetRows epilogues.
 struct FgSet {
     i64 nseg;
     FgSeg seg[FG_MAXS];
     i64 pair;
     u64 sw;
     i64 sw_dt, sw_rs, sw_cs;
+    i64 wnorm;
+    u64 err;
 };
 
-// Writes row i, column j of segment s: the product, then (reading the other operand after
-// that write, as the unfused Add runs after the MulMat) the Add's result.
-__device__ __forceinline__ void fg_store(const FgSeg& g, i64 i, i64 j, float y) {
-    ((float*)g.out)[i * g.o_rs + j * g.o_cs] = y;
-    if (g.add) {
-        float z = y + ld((const void*)g.add, (int)g.add_dt, i * g.a_rs + j * g.a_cs);
-        st((void*)g.sum, (int)g.sum_dt, i * g.s_rs + j * g.s_cs, z);
+__device__ __forceinline__ float round_dt(int dt, float v) {
+    switch (dt) {
+        case DT_F16: return h2f(f2h(v));
+        case DT_BF16: return bf2f(f2bf(v));
+        default: return v;
     }
 }
 
-// Output units of a set: the columns of its segments one after another, or (pair mode, NC 2)
-// the columns both products share.
+// Writes row i, column j of segment s: the product, then (reading the other operand after
+// that write, as the unfused Add runs after the MulMat) the Add's result. Returns the value a
+// later reader of the segment's result sees (the sum rounded to its dtype, or the product).
+__device__ __forceinline__ float fg_store(const FgSeg& g, i64 i, i64 j, float y) {
+    if (g.wout) ((float*)g.out)[i * g.o_rs + j * g.o_cs] = y;
+    if (g.add) {
+        float z = y + ld((const void*)g.add, (int)g.add_dt, i * g.a_rs + j * g.a_cs);
+        if (g.wsum) st((void*)g.sum, (int)g.sum_dt, i * g.s_rs + j * g.s_cs, z);
+        return round_dt((int)g.sum_dt, z);
+    }
+    return y;
+}
+
+// Columns j and j + 1 (one rotary pair: j even) of segment g in row-pair mode, decode's one
+// row: the products and Adds, then the Rope as the rope kernel computes it (angle in f64 from
+// the same expression; dims at or past n_dims copied), then the cache row — each value as the
+// unfused chain's next node would read it back.
+__device__ void fg_rope_pair(const FgSeg& g, u64 err, i64 j, float y0, float y1) {
+    float z0 = fg_store(g, 0, j, y0), z1 = fg_store(g, 0, j + 1, y1);
+    if (g.n_dims > 0) {
+        if (j % g.hd < g.n_dims) {
+            const i64 k = (j % g.hd) / 2;
+            const double freq = pow(g.theta, -2.0 * (double)k / (double)g.n_dims);
+            const double ang = (double)(*(const int*)g.pos) * freq;
+            double sd, cd;
+            sincos(ang, &sd, &cd);
+            const float sn = (float)sd, cs = (float)cd;
+            const float a = z0, b = z1;
+            z0 = a * cs - b * sn;
+            z1 = a * sn + b * cs;
+        }
+        st((void*)g.r, (int)g.r_dt, j, z0);
+        st((void*)g.r, (int)g.r_dt, j + 1, z1);
+        z0 = round_dt((int)g.r_dt, z0);
+        z1 = round_dt((int)g.r_dt, z1);
+    }
+    if (g.c) {
+        const int row = *(const int*)g.idx;
+        if (row < 0 || (i64)row >= g.c_n) {
+            report((u32*)err, (u32)g.tag);
+        } else {
+            const i64 base = (i64)row * g.c_rs;
+            st((void*)g.c, (int)g.c_dt, base + j * g.c_cs, z0);
+            st((void*)g.c, (int)g.c_dt, base + (j + 1) * g.c_cs, z1);
+        }
+    }
+}
+
+// Output units of a set: the columns of its segments one after another, the columns both
+// products share (pair 1, NC 2), or the column pairs of the segments (pair 2, NC 2).
 template <int NC>
 __device__ __forceinline__ i64 fg_units(const FgSet& S) {
-    i64 units = S.seg[0].n;
-    if (NC == 1) {
-        for (int s = 1; s < S.nseg; ++s) units += S.seg[s].n;
-    }
+    if (NC == 2 && S.pair == 1) return S.seg[0].n;
+    const int per = NC == 2 ? 2 : 1;
+    i64 units = 0;
+    for (int s = 0; s < S.nseg; ++s) units += S.seg[s].n / per;
     return units;
 }
 
-// Segment s and column j of unit u, and the start of the weight row(s) it reads (row j of
-// segment s, or of each product in pair mode).
+// Segment s and (first) column j of unit u, and the start of the weight row(s) it reads: row j
+// of segment s, of each product (pair 1), or rows j and j + 1 of segment s (pair 2).
 template <int DT, int NC>
 __device__ __forceinline__ void fg_unit(const FgSet& S, i64 u, int& s, i64& j,
                                         const char* (&wr)[NC]) {
     const int ESZ = DT == DT_F32 ? 4 : 2;
+    const bool pair1 = NC == 2 && S.pair == 1;
+    const int per = NC == 2 ? 2 : 1;
     s = 0;
     j = u;
-    if (NC == 1) {
-        while (s + 1 < S.nseg && j >= S.seg[s].n) {
-            j -= S.seg[s].n;
+    if (!pair1) {
+        while (s + 1 < S.nseg && j >= S.seg[s].n / per) {
+            j -= S.seg[s].n / per;
             ++s;
         }
+        j *= per;
     }
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
-        const FgSeg& g = S.seg[NC == 1 ? s : c];
-        wr[c] = (const char*)g.w + j * g.w_rs * ESZ;
+        const FgSeg& g = S.seg[pair1 ? c : s];
+        wr[c] = (const char*)g.w + (j + (pair1 ? 0 : c)) * g.w_rs * ESZ;
     }
 }
 
@@ -199,21 +270,14 @@ __device__ __forceinline__ void fg_body(i64 M, i64 K, const float* a, i64 a_rs, 
 // The norm prologue of `fused_gemv1`: y = round_n(x * inv) * w with inv = 1 / sqrt(mean(x^2) +
 // eps), as rms_norm_mul computes it (round_n: rounding to the norm result's dtype), staged in
 // xs as the products' activation; block 0 also writes the norm (nd) and the product (md, f32)
-// in that order per element. A row of up to NP_V values per thread is read once, x and w
+// in that order per element (unless `write` is off: they are dead). A row of up to NP_V values per thread is read once, x and w
 // together; longer rows loop. `split`: xs in the layout of `split_slot`.
 #define NP_V 8
-__device__ __forceinline__ float round_dt(int dt, float v) {
-    switch (dt) {
-        case DT_F16: return h2f(f2h(v));
-        case DT_BF16: return bf2f(f2bf(v));
-        default: return v;
-    }
-}
 __device__ void norm_stage(float* xs, i64 K, const float* x, float eps, void* nd, int dtn,
-                           const void* w, int dtw, float* md, bool split) {
+                           const void* w, int dtw, float* md, bool split, bool write) {
     const i64 ng = split ? K / 8 : 0;
     const bool regs = K <= (i64)blockDim.x * NP_V;
-    const bool first = blockIdx.x == 0;
+    const bool first = write && blockIdx.x == 0;
     float xv[NP_V], wv[NP_V];
     float s = 0.0f;
     if (regs) {
@@ -299,7 +363,7 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
     const float* xr = a;
     if (staged) {
         if (nx) {
-            norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a, VW == 8);
+            norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a, VW == 8, S.wnorm != 0);
         } else {
             stage_row(xs, a, K, VW == 8);
         }
@@ -346,6 +410,8 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
     if (lane == 0) {
         if (NC == 1) {
             fg_store(S.seg[s], 0, j, acc[0]);
+        } else if (S.pair == 2) {
+            fg_rope_pair(S.seg[s], S.err, j, acc[0], acc[NC - 1]);
         } else {
             const float gv = acc[0], uv = acc[NC - 1];
             fg_store(S.seg[0], 0, j, gv);

@@ -49,7 +49,7 @@
 use std::sync::Arc;
 
 use lowsync_backend::{ExecGraph, ExecNode, Result, TensorRef};
-use lowsync_graph::{DType, Op};
+use lowsync_graph::{DType, Op, RopeMode};
 
 use crate::kernels::Kernel;
 use crate::layout::{broadcast_strides, lay};
@@ -134,11 +134,36 @@ pub(crate) struct NormPro {
     pub(crate) mul: usize,
 }
 
-/// One product of a fused matrix-vector launch and the Add of its epilogue.
+/// One product of a fused matrix-vector launch and its epilogues: the Add, and (decode's
+/// row-pair kernel) a `Rope` of the segment's value and a `SetRows` of that result — or of the
+/// value itself — into a KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Seg {
     pub(crate) mm: usize,
     pub(crate) add: Option<usize>,
+    pub(crate) rope: Option<usize>,
+    pub(crate) rows: Option<usize>,
+}
+
+impl Seg {
+    fn new(mm: usize, add: Option<usize>) -> Seg {
+        Seg {
+            mm,
+            add,
+            rope: None,
+            rows: None,
+        }
+    }
+
+    /// The node whose result is the segment's value (what its Rope or SetRows reads).
+    fn value(&self) -> usize {
+        self.add.unwrap_or(self.mm)
+    }
+}
+
+/// Whether any product of the group has a Rope or SetRows epilogue (the row-pair kernel).
+fn has_tails(segs: &[Seg]) -> bool {
+    segs.iter().any(|s| s.rope.is_some() || s.rows.is_some())
 }
 
 impl Kind {
@@ -147,7 +172,7 @@ impl Kind {
             Kind::NormMul { norm, mul } => vec![*norm, *mul],
             Kind::Gemv { segs, swiglu, norm } => segs
                 .iter()
-                .flat_map(|s| std::iter::once(s.mm).chain(s.add))
+                .flat_map(|s| [Some(s.mm), s.add, s.rope, s.rows].into_iter().flatten())
                 .chain(*swiglu)
                 .chain(norm.iter().flat_map(|n| [n.norm, n.mul]))
                 .collect(),
@@ -352,14 +377,17 @@ fn footprint<'a>(nodes: &'a [ExecNode], kind: &Kind) -> Option<Footprint<'a>> {
             writes.push((*mul, &nodes[*mul].dst, Lane::Elem(0)));
         }
         Kind::Gemv { segs, swiglu, norm } => {
+            let dead = Dead::of(nodes, segs, *norm);
             match norm {
                 // The activation is computed inside; block 0 writes the norm and the product
                 // with the weight row, one thread per element in node order.
                 Some(n) => {
                     reads.push((nodes[n.norm].srcs.first()?, Lane::Any));
                     reads.push((nodes[n.mul].srcs.get(1)?, Lane::Any));
-                    writes.push((n.norm, &nodes[n.norm].dst, Lane::Elem(NORM_CHAIN)));
-                    writes.push((n.mul, &nodes[n.mul].dst, Lane::Elem(NORM_CHAIN)));
+                    if !dead.norm {
+                        writes.push((n.norm, &nodes[n.norm].dst, Lane::Elem(NORM_CHAIN)));
+                        writes.push((n.mul, &nodes[n.mul].dst, Lane::Elem(NORM_CHAIN)));
+                    }
                 }
                 None => reads.push((nodes[segs.first()?.mm].srcs.first()?, Lane::Any)),
             }
@@ -367,10 +395,25 @@ fn footprint<'a>(nodes: &'a [ExecNode], kind: &Kind) -> Option<Footprint<'a>> {
                 let lane = Lane::Elem(if swiglu.is_some() { 0 } else { s });
                 let mm = &nodes[seg.mm];
                 reads.push((mm.srcs.get(1)?, Lane::Any));
-                writes.push((seg.mm, &mm.dst, lane));
+                if !dead.products[s] {
+                    writes.push((seg.mm, &mm.dst, lane));
+                }
                 if let Some(a) = seg.add {
                     reads.push((add_other(&nodes[a], &mm.dst)?, lane));
-                    writes.push((a, &nodes[a].dst, lane));
+                    if !dead.sums[s] {
+                        writes.push((a, &nodes[a].dst, lane));
+                    }
+                }
+                // The Rope and SetRows read the value from the unit's registers; the rotary
+                // pair (j, j + 1) of the Rope's result is written by the thread of product
+                // element j, the cache row by many.
+                if let Some(r) = seg.rope {
+                    reads.push((nodes[r].srcs.get(1)?, Lane::Any));
+                    writes.push((r, &nodes[r].dst, lane));
+                }
+                if let Some(w) = seg.rows {
+                    reads.push((nodes[w].srcs.get(2)?, Lane::Any));
+                    writes.push((w, &nodes[w].dst, Lane::Any));
                 }
             }
             if let Some(s) = swiglu {
@@ -430,12 +473,17 @@ fn fits(nodes: &[ExecNode], kind: Kind) -> Option<Group> {
 /// contiguous result before any node but `reader`'s first source reads it. Bytes never
 /// overwritten count as live (a later split or the host may read them).
 fn dead_after(nodes: &[ExecNode], at: usize, reader: usize) -> bool {
+    dead_after_reads(nodes, at, &[(reader, 0)])
+}
+
+/// `dead_after` with several reads inside the group: (node, source index) pairs.
+fn dead_after_reads(nodes: &[ExecNode], at: usize, inside: &[(usize, usize)]) -> bool {
     let t = &nodes[at].dst;
     let mut live = vec![byte_range(t)];
     for (j, n) in nodes.iter().enumerate().skip(at + 1) {
         let reads_live = n.srcs.iter().enumerate().any(|(i, s)| {
             let (s0, s1) = byte_range(s);
-            !(j == reader && i == 0)
+            !inside.contains(&(j, i))
                 && s.buffer == t.buffer
                 && s0 < s1
                 && live.iter().any(|&(l0, l1)| s0 < l1 && l0 < s1)
@@ -457,6 +505,64 @@ fn dead_after(nodes: &[ExecNode], at: usize, reader: usize) -> bool {
         }
     }
     false
+}
+
+/// The results a row-pair group (one with Rope or SetRows epilogues) does not write because
+/// they are dead after it: the norm prologue's (read only by the products), each product its
+/// Add consumes, and each value (product or sum) its Rope or SetRows consumes. Other groups
+/// write everything. Not writing them is what lets a Rope's result lie over them (the
+/// allocator reuses the norm's row for q's rotation, and q's product for k's).
+struct Dead {
+    norm: bool,
+    products: Vec<bool>,
+    sums: Vec<bool>,
+}
+
+impl Dead {
+    fn of(nodes: &[ExecNode], segs: &[Seg], norm: Option<NormPro>) -> Dead {
+        if !has_tails(segs) {
+            return Dead {
+                norm: false,
+                products: vec![false; segs.len()],
+                sums: vec![false; segs.len()],
+            };
+        }
+        let norm = norm.is_some_and(|n| {
+            let products: Vec<(usize, usize)> = segs.iter().map(|s| (s.mm, 0)).collect();
+            dead_after_reads(nodes, n.norm, &[(n.mul, 0)])
+                && dead_after_reads(nodes, n.mul, &products)
+        });
+        // The value's readers inside the group: its Rope, else its SetRows.
+        let tail = |s: &Seg| match (s.rope, s.rows) {
+            (Some(r), _) => vec![(r, 0)],
+            (None, Some(w)) => vec![(w, 1)],
+            (None, None) => Vec::new(),
+        };
+        let dead = |at: usize, inside: Vec<(usize, usize)>| {
+            !inside.is_empty() && dead_after_reads(nodes, at, &inside)
+        };
+        let products = segs
+            .iter()
+            .map(|s| match s.add {
+                Some(a) => {
+                    let out = &nodes[s.mm].dst;
+                    let srcs = &nodes[a].srcs;
+                    let inside = (0..srcs.len()).filter(|&i| srcs[i] == *out);
+                    dead(s.mm, inside.map(|i| (a, i)).collect())
+                }
+                None => dead(s.mm, tail(s)),
+            })
+            .collect();
+        let sums = segs
+            .iter()
+            .map(|s| s.add.is_some_and(|a| dead(a, tail(s))))
+            .collect();
+        Dead {
+            norm,
+            products,
+            sums,
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -587,7 +693,7 @@ fn gemv_kind(
             break;
         }
         let add = epilogue_add(nodes, c, used);
-        let tries = [Seg { mm: c, add }, Seg { mm: c, add: None }];
+        let tries = [Seg::new(c, add), Seg::new(c, None)];
         for t in &tries[..if add.is_some() { 2 } else { 1 }] {
             let mut next = segs.clone();
             next.push(*t);
@@ -605,6 +711,16 @@ fn gemv_kind(
             return None;
         }
     }
+    if let Some(tailed) = tails(nodes, &segs, used) {
+        let kind = Kind::Gemv {
+            segs: tailed,
+            swiglu: None,
+            norm,
+        };
+        if footprint(nodes, &kind).is_some_and(|f| f.safe(nodes)) {
+            return Some(kind);
+        }
+    }
     if segs.len() == 1 && segs[0].add.is_none() && norm.is_none() {
         return None;
     }
@@ -613,6 +729,80 @@ fn gemv_kind(
         swiglu: None,
         norm,
     })
+}
+
+/// Decode's epilogues of `segs`, each product's value being one contiguous row of even
+/// length: a later normal-mode (adjacent pairs) `Rope` of the value viewed as `[1, heads,
+/// head_dim]` at one position, and a later `SetRows` of that result (or, without a Rope, of
+/// the value) into one cache row. `None` when no product has one.
+fn tails(nodes: &[ExecNode], segs: &[Seg], used: &[bool]) -> Option<Vec<Seg>> {
+    let mut taken = used.to_vec();
+    for s in segs {
+        taken[s.mm] = true;
+        if let Some(a) = s.add {
+            taken[a] = true;
+        }
+    }
+    let mut out = segs.to_vec();
+    for seg in &mut out {
+        let at = seg.value();
+        let v = &nodes[at].dst;
+        let n = v.numel();
+        if v.shape != [1, n] || !v.is_contiguous() || !n.is_multiple_of(2) || !v.dtype.is_float() {
+            continue;
+        }
+        seg.rope = later(nodes, at, &taken).find(|&j| rope_tail(&nodes[j], v));
+        if let Some(r) = seg.rope {
+            taken[r] = true;
+        }
+        let src = seg.rope.map_or(v, |r| &nodes[r].dst);
+        seg.rows = later(nodes, seg.rope.unwrap_or(at), &taken).find(|&j| {
+            let w = &nodes[j];
+            set_rows_ok(w) && w.srcs[2].numel() == 1 && same_bytes(&w.srcs[1], src)
+        });
+        if let Some(w) = seg.rows {
+            taken[w] = true;
+        }
+    }
+    has_tails(&out).then_some(out)
+}
+
+/// Whether `a` reads exactly the contiguous elements `b` holds, in the same dtype.
+fn same_bytes(a: &TensorRef, b: &TensorRef) -> bool {
+    a.buffer == b.buffer
+        && a.byte_offset == b.byte_offset
+        && a.dtype == b.dtype
+        && a.numel() == b.numel()
+        && a.is_contiguous()
+        && b.is_contiguous()
+}
+
+/// A Rope the row-pair kernel computes over value row `v`: normal mode, `[1, heads, hd]`
+/// over v's elements, even hd and n_dims, one i32 position, a contiguous float result.
+fn rope_tail(node: &ExecNode, v: &TensorRef) -> bool {
+    let Op::Rope {
+        mode: RopeMode::Normal,
+        n_dims,
+        ..
+    } = node.op
+    else {
+        return false;
+    };
+    let [x, pos] = node.srcs.as_slice() else {
+        return false;
+    };
+    x.shape.len() == 3
+        && x.shape[0] == 1
+        && x.shape[2].is_multiple_of(2)
+        && same_bytes(x, v)
+        && node.dst.shape == x.shape
+        && node.dst.is_contiguous()
+        && node.dst.dtype.is_float()
+        && pos.dtype == DType::I32
+        && pos.shape == [1]
+        && n_dims > 0
+        && n_dims.is_multiple_of(2)
+        && n_dims <= x.shape[2]
 }
 
 /// `RmsNorm -> Mul(norm, weight row)` of one f32 row whose result is the activation of a
@@ -681,7 +871,7 @@ fn swiglu_pair(
             && nodes[u].dst.shape == nodes[g].dst.shape;
         if ok {
             let kind = Kind::Gemv {
-                segs: vec![Seg { mm: g, add: None }, Seg { mm: u, add: None }],
+                segs: vec![Seg::new(g, None), Seg::new(u, None)],
                 swiglu: Some(s),
                 norm,
             };
@@ -731,7 +921,7 @@ fn rope_rows(nodes: &[ExecNode], i: usize, used: &[bool]) -> Option<Group> {
         && pos.shape == [x.shape[0]]
         && x.shape[0] <= MAX_ROWS
         && n_dims > 0
-        && n_dims % 2 == 0
+        && n_dims.is_multiple_of(2)
         && n_dims <= x.shape[2];
     if !ok {
         return None;
@@ -881,6 +1071,21 @@ struct FgSeg {
     sum_dt: i64,
     s_rs: i64,
     s_cs: i64,
+    wout: i64,
+    wsum: i64,
+    r: u64,
+    r_dt: i64,
+    hd: i64,
+    n_dims: i64,
+    theta: f64,
+    pos: u64,
+    c: u64,
+    c_dt: i64,
+    c_rs: i64,
+    c_cs: i64,
+    c_n: i64,
+    idx: u64,
+    tag: i64,
 }
 
 /// The products of one launch (`struct FgSet` in fused.cu).
@@ -894,6 +1099,8 @@ struct FgSet {
     sw_dt: i64,
     sw_rs: i64,
     sw_cs: i64,
+    wnorm: i64,
+    err: u64,
 }
 
 /// A stride that moves a vector's start (extent-1 axes never do).
@@ -905,7 +1112,7 @@ fn moving(extent: usize, stride: usize) -> i64 {
     }
 }
 
-fn launch(exec: &Exec<'_>, nodes: &[ExecNode], kind: &Kind) -> Result<()> {
+fn launch(exec: &mut Exec<'_>, nodes: &[ExecNode], kind: &Kind) -> Result<()> {
     match kind {
         Kind::NormMul { norm, mul } => launch_norm_mul(exec, &nodes[*norm], &nodes[*mul]),
         Kind::Gemv { segs, swiglu, norm } => launch_gemv(exec, nodes, segs, *swiglu, *norm),
@@ -999,7 +1206,7 @@ fn launch_norm_mul(exec: &Exec<'_>, norm: &ExecNode, mul: &ExecNode) -> Result<(
 }
 
 fn launch_gemv(
-    exec: &Exec<'_>,
+    exec: &mut Exec<'_>,
     nodes: &[ExecNode],
     segs: &[Seg],
     swiglu: Option<usize>,
@@ -1010,14 +1217,19 @@ fn launch_gemv(
     let (m, k) = (a.shape[0], a.shape[1]);
     let wdt = first.srcs[1].dtype;
     let esz = wdt.size_bytes();
+    let tails = has_tails(segs);
+    let dead = Dead::of(nodes, segs, norm);
     let mut set = FgSet {
         nseg: segs.len() as i64,
-        pair: swiglu.is_some() as i64,
+        pair: if tails { 2 } else { swiglu.is_some() as i64 },
+        wnorm: (!dead.norm) as i64,
+        err: exec.inner.err_word.dev(),
         ..FgSet::default()
     };
     let mut vec = matmul::aligned(a.ptr, 4, &[moving(m, a.strides[0])], 16);
     let mut units = 0usize;
-    for (slot, seg) in set.seg.iter_mut().zip(segs) {
+    for (si, (slot, seg)) in set.seg.iter_mut().zip(segs).enumerate() {
+        let skip = dead.products[si];
         let mm = &nodes[seg.mm];
         let w = exec.resolve(&mm.srcs[1])?;
         let out = exec.resolve(&mm.dst)?;
@@ -1030,8 +1242,37 @@ fn launch_gemv(
             out: out.ptr,
             o_rs: out.strides[0] as i64,
             o_cs: out.strides[1] as i64,
+            wout: (!skip) as i64,
+            wsum: (!dead.sums[si]) as i64,
             ..FgSeg::default()
         };
+        if let Some(ri) = seg.rope {
+            let rope = &nodes[ri];
+            let Op::Rope {
+                n_dims, theta_base, ..
+            } = rope.op
+            else {
+                return Err(kernel_err(rope, "fused as a rope but is not one"));
+            };
+            let r = exec.resolve(&rope.dst)?;
+            slot.r = r.ptr;
+            slot.r_dt = dt(r.dtype) as i64;
+            slot.hd = r.shape[2] as i64;
+            slot.n_dims = n_dims as i64;
+            slot.theta = theta_base as f64;
+            slot.pos = exec.resolve(&rope.srcs[1])?.ptr;
+        }
+        if let Some(wi) = seg.rows {
+            let rows = &nodes[wi];
+            let c = exec.resolve(&rows.dst)?;
+            slot.c = c.ptr;
+            slot.c_dt = dt(c.dtype) as i64;
+            slot.c_rs = c.strides[0] as i64;
+            slot.c_cs = c.strides[1] as i64;
+            slot.c_n = c.shape[0] as i64;
+            slot.idx = exec.resolve(&rows.srcs[2])?.ptr;
+            slot.tag = exec.tag(rows) as i64;
+        }
         if let Some(ai) = seg.add {
             let add = &nodes[ai];
             let other = add_other(add, &mm.dst).ok_or_else(|| {
@@ -1052,6 +1293,9 @@ fn launch_gemv(
         }
         units = if swiglu.is_some() { n } else { units + n };
     }
+    if tails {
+        units /= 2;
+    }
     if let Some(s) = swiglu {
         let sw = exec.resolve(&nodes[s].dst)?;
         set.sw = sw.ptr;
@@ -1066,6 +1310,21 @@ fn launch_gemv(
     // serial prologue costs more than the launch it saves (measured on the H200: gate/up of
     // "1b", 1024 blocks, 26 µs with it against 18.5 + 3.4 without).
     let one_wave = blocks1 <= exec.inner.sms * GEMV1_BLOCKS_PER_SM;
+    if tails && !(m == 1 && vec && staged && (norm.is_none() || one_wave)) {
+        // The row-pair kernel does not apply after all (alignment, or a norm prologue past one
+        // wave whose separate launch would leave its row under the Rope's result): the
+        // members run one by one, in node order, at the group's position.
+        let mut members: Vec<usize> = segs
+            .iter()
+            .flat_map(|s| [Some(s.mm), s.add, s.rope, s.rows].into_iter().flatten())
+            .chain(norm.iter().flat_map(|n| [n.norm, n.mul]))
+            .collect();
+        members.sort_unstable();
+        for i in members {
+            exec.run(&nodes[i])?;
+        }
+        return Ok(());
+    }
     let pro = match norm {
         Some(n) if m == 1 && vec && staged && one_wave => {
             Some(norm_args(exec, &nodes[n.norm], &nodes[n.mul])?)
@@ -1308,7 +1567,6 @@ fn launch_attention(
 mod tests {
     use super::*;
     use lowsync_backend::BufferId;
-    use lowsync_graph::RopeMode;
 
     const ACT: u64 = 1;
     const INPUTS: u64 = 2;
@@ -1475,27 +1733,34 @@ mod tests {
     }
 
     fn seg(mm: usize, add: Option<usize>) -> Seg {
-        Seg { mm, add }
+        Seg::new(mm, add)
     }
 
     fn fused(kind: Kind) -> Step {
         Step::Fused(Group::new(kind))
     }
 
+    fn tailed(mm: usize, add: Option<usize>, rope: Option<usize>, rows: Option<usize>) -> Seg {
+        Seg {
+            mm,
+            add,
+            rope,
+            rows,
+        }
+    }
+
     #[test]
-    fn a_decode_layer_runs_in_seven_steps() {
+    fn a_decode_layer_runs_in_five_steps() {
         for kv in [DType::F32, DType::F16, DType::BF16] {
             let want = vec![
                 fused(Kind::Gemv {
-                    segs: vec![seg(2, Some(3)), seg(4, Some(5)), seg(6, Some(7))],
+                    segs: vec![
+                        tailed(2, Some(3), Some(8), None),
+                        tailed(4, Some(5), Some(9), Some(10)),
+                        tailed(6, Some(7), None, Some(11)),
+                    ],
                     swiglu: None,
                     norm: Some(NormPro { norm: 0, mul: 1 }),
-                }),
-                Step::Node(8),
-                fused(Kind::RopeRows {
-                    rope: 9,
-                    rows: 10,
-                    plain: Some(11),
                 }),
                 fused(Kind::Attention {
                     kq: 12,
@@ -1522,11 +1787,15 @@ mod tests {
             ];
             assert_eq!(plan(&layer(true, kv), None), want, "{kv}");
             let steps = plan(&layer(false, kv), None);
-            assert_eq!(steps.len(), 7, "{kv}: {steps:?}");
+            assert_eq!(steps.len(), 5, "{kv}: {steps:?}");
             assert_eq!(
                 steps[0],
                 fused(Kind::Gemv {
-                    segs: vec![seg(2, None), seg(3, None), seg(4, None)],
+                    segs: vec![
+                        tailed(2, None, Some(5), None),
+                        tailed(3, None, Some(6), Some(7)),
+                        tailed(4, None, None, Some(8)),
+                    ],
                     swiglu: None,
                     norm: Some(NormPro { norm: 0, mul: 1 }),
                 })
@@ -1955,10 +2224,81 @@ mod tests {
     }
 
     #[test]
-    fn the_q_rope_is_not_fused_over_a_hazard() {
-        // In the layer, the k rope writes over the raw q the q rope reads.
-        let steps = plan(&layer(false, DType::F16), None);
+    fn rope_and_cache_epilogues_skip_only_dead_results() {
+        // In the layer the norm row lies under q's rotation and q's product under k's: the
+        // row-pair group writes neither (nothing outside reads them before they are
+        // overwritten), nor the products its Rope or SetRows consume.
+        let nodes = layer(false, DType::F16);
+        let Step::Fused(Group {
+            kind: Kind::Gemv { segs, norm, .. },
+            ..
+        }) = &plan(&nodes, None)[0]
+        else {
+            panic!("no fused products");
+        };
+        let dead = Dead::of(&nodes, segs, *norm);
+        assert!(dead.norm);
+        assert_eq!(dead.products, [true, true, true]);
+        assert_eq!(dead.sums, [false, false, false]);
+        // With biases the products are consumed by their Adds and the sums by the tails.
+        let nodes = layer(true, DType::F16);
+        let Step::Fused(Group {
+            kind: Kind::Gemv { segs, norm, .. },
+            ..
+        }) = &plan(&nodes, None)[0]
+        else {
+            panic!("no fused products");
+        };
+        let dead = Dead::of(&nodes, segs, *norm);
+        assert!(dead.norm);
+        assert_eq!(dead.products, [true, true, true]);
+        assert_eq!(dead.sums, [true, true, true]);
+
+        // Something outside that reads q's product keeps it live: its write would then
+        // overlap k's rotation, so the epilogues are refused and the ropes run as before.
+        let mut live = layer(false, DType::F16);
+        let q_out = live[2].dst.clone();
+        live.insert(
+            9,
+            node(
+                Op::Cpy,
+                packed(ACT, 4096, DType::F32, &[1, 64]),
+                vec![q_out],
+            ),
+        );
+        let steps = plan(&live, None);
+        assert!(
+            matches!(&steps[0], Step::Fused(Group { kind: Kind::Gemv { segs, .. }, .. }) if !has_tails(segs)),
+            "{steps:?}"
+        );
         assert_eq!(steps[1], Step::Node(5));
+        // A neox rope (halves, not adjacent pairs) is no epilogue either; the cache writes
+        // still are.
+        let mut neox = layer(false, DType::F16);
+        for n in &mut neox[5..7] {
+            n.op = Op::Rope {
+                mode: RopeMode::Neox,
+                n_dims: 16,
+                theta_base: 10000.0,
+            };
+        }
+        let steps = plan(&neox, None);
+        let Step::Fused(Group {
+            kind: Kind::Gemv { segs, .. },
+            ..
+        }) = &steps[0]
+        else {
+            panic!("{steps:?}");
+        };
+        assert!(segs.iter().all(|s| s.rope.is_none()), "{steps:?}");
+    }
+
+    #[test]
+    fn the_q_rope_is_not_fused_over_a_hazard() {
+        // Without the products' epilogues (here: matrix-vector fusion off by a rows limit of
+        // 0), the k rope writes over the raw q the q rope reads.
+        let steps = plan(&layer(false, DType::F16), Some(0));
+        assert!(steps.contains(&Step::Node(5)), "{steps:?}");
         // Without a cache write the k rope stays alone too.
         let pos = packed(INPUTS, 0, DType::I32, &[1]);
         let nodes = vec![node(
@@ -2005,7 +2345,7 @@ mod tests {
 
     #[test]
     fn fg_structs_match_the_cuda_layout() {
-        assert_eq!(std::mem::size_of::<FgSeg>(), 8 * 14);
-        assert_eq!(std::mem::size_of::<FgSet>(), 8 * (1 + 14 * MAX_SEGS + 5));
+        assert_eq!(std::mem::size_of::<FgSeg>(), 8 * 29);
+        assert_eq!(std::mem::size_of::<FgSet>(), 8 * (1 + 29 * MAX_SEGS + 7));
     }
 }
