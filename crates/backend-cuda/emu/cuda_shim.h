@@ -31,6 +31,7 @@ inline Dim3 blockDim, gridDim;
 
 #define __device__
 #define __forceinline__ inline
+#define __noinline__
 #define __global__
 #define __launch_bounds__(...)
 #define __shared__ static

@@ -208,6 +208,42 @@ struct Products {
 
 bool aligned16(const void* p) { return (u64)p % 16 == 0; }
 
+// Decode's row (one contiguous f32 row, f32 weight): rms_norm_mul's short path, with the
+// block size the host picks (a quarter of the row, rounded up to a power of two).
+void test_norm_mul_row() {
+    for (i64 len : {300, 2048})
+        for (int in_place : {0, 1}) {
+            Buf x(DT_F32, len), w(DT_F32, len), nd(DT_F32, len), od_own(DT_F32, len);
+            x.rand(2);
+            w.rand(1.5);
+            Buf& od = in_place ? nd : od_own;
+            Lay L{};
+            L.nd = 1;
+            L.shape[0] = 1;
+            const unsigned block = (unsigned)std::clamp<i64>(pow2((len + 3) / 4), 32, 1024);
+            launch(1, block, [&] {
+                rms_norm_mul(1, len, L, nd.p(), DT_F32, 1, x.p(), DT_F32, 1, 1e-5f, od.p(), DT_F32, 1, w.p(),
+                             DT_F32, 1);
+            });
+            std::vector<double> wn, gn, wo, go;
+            double s = 0;
+            for (i64 c = 0; c < len; ++c) s += (double)x.get(c) * x.get(c);
+            const double inv = 1.0 / std::sqrt(s / len + 1e-5);
+            for (i64 c = 0; c < len; ++c) {
+                const double n = x.get(c) * inv;
+                if (!in_place) {
+                    wn.push_back(n);
+                    gn.push_back(nd.get(c));
+                }
+                wo.push_back(n * w.get(c));
+                go.push_back(od.get(c));
+            }
+            const std::string tag = "rms_norm_mul row " + std::to_string(len) + " in_place " + std::to_string(in_place);
+            if (!in_place) check(tag + ": norm", wn, gn, 1e-10);
+            check(tag + ": product", wo, go, 1e-10);
+        }
+}
+
 void test_fused_gemv() {
     for (int wdt : {DT_F32, DT_F16, DT_BF16})
         for (i64 M : {1, 3, 8})
@@ -681,7 +717,9 @@ bool valid_at(int mode, i64 h, i64 j) {
     }
 }
 
-void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad, i64 L) {
+// `narrow`: the kernel's short path (32-bit offsets, f32 q, mask and copy), else the general
+// one (64-bit offsets, an f16 copy).
+void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad, i64 L, int narrow) {
     const i64 ld_kv = Hk * D + pad;  // cache row stride (pad: unaligned rows)
     Buf kc(kvdt, L * ld_kv), vc(kvdt, L * ld_kv), q(DT_F32, Hq * D);
     kc.rand();
@@ -700,7 +738,8 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
                     vc.set(j * ld_kv + c, NAN);
                 }
     }
-    Buf kq(DT_F32, Hq * L), p(DT_F32, Hq * L), o(DT_F32, Hq * D), cp(DT_F16, Hq * D);
+    const int cdt = narrow ? DT_F32 : DT_F16;
+    Buf kq(DT_F32, Hq * L), p(DT_F32, Hq * L), o(DT_F32, Hq * D), cp(cdt, Hq * D);
     const int e = esz(kvdt), vw = 16 / e;
     const int kvec = aligned16(kc.p()) && (ld_kv * e) % 16 == 0 && (Hk == 1 || (D * e) % 16 == 0);
     const int vvec = D % vw == 0 && aligned16(vc.p()) && (Hk == 1 || (D * e) % 16 == 0) && (ld_kv * e) % 16 == 0;
@@ -711,7 +750,7 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
     launch((unsigned)Hq, 256, [&] {
         attn_decode(L, D, scale, q.p(), DT_F32, D, 1, kvdt, kc.p(), D, ld_kv, Hq / Hk, kvec, G, vc.p(), D, ld_kv,
                     Hq / Hk, vvec, TC, m.p(), DT_F32, mode == 3 ? L : 0, 1, 1, (float*)kq.p(), L, 1, wkq,
-                    (float*)p.p(), L, 1, (float*)o.p(), D, 1, cp.p(), DT_F16, 1, Hq, 1);
+                    (float*)p.p(), L, 1, (float*)o.p(), D, 1, cp.p(), cdt, 1, Hq, 1, narrow);
     });
     std::vector<double> wkq_v, gkq, wp, gp, wo, go, wc, gc;
     for (i64 h = 0; h < Hq; ++h) {
@@ -744,14 +783,14 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
                 if (pr[j] != 0) acc += pr[j] * vc.get(j * ld_kv + kh * D + dd);
             wo.push_back(acc);
             go.push_back(o.get(h * D + dd));
-            wc.push_back(rounded(DT_F16, o.get(h * D + dd)));
+            wc.push_back(rounded(cdt, o.get(h * D + dd)));
             gc.push_back(cp.get(dd * Hq + h));
         }
     }
     const std::string tag = "attn_decode kv " + std::to_string(kvdt) + " heads " + std::to_string(Hq) + "/" +
                             std::to_string(Hk) + " D " + std::to_string(D) + " scores " + std::to_string(wkq) +
                             " mode " + std::to_string(mode) + " pad " + std::to_string(pad) + " L " +
-                            std::to_string(L);
+                            std::to_string(L) + " narrow " + std::to_string(narrow);
     if (wkq) check(tag + ": scores", wkq_v, gkq, 1e-10);
     check(tag + ": p", wp, gp, 1e-10);
     check(tag + ": o", wo, go, 1e-10);
@@ -762,11 +801,14 @@ void test_attention() {
     const std::array<i64, 3> shapes[] = {{8, 2, 64}, {4, 4, 128}, {6, 3, 80}, {2, 1, 256}, {3, 3, 20}};
     for (int kvdt : {DT_F32, DT_F16, DT_BF16})
         for (const auto& s : shapes) {
-            for (int mode = 0; mode < 5; ++mode) attention_case(kvdt, s[0], s[1], s[2], 0, mode, 0, 100);
-            attention_case(kvdt, s[0], s[1], s[2], 1, 0, 0, 100);    // scores written
-            attention_case(kvdt, s[0], s[1], s[2], 0, 0, 1, 100);    // unaligned rows
-            attention_case(kvdt, s[0], s[1], s[2], 0, 4, 0, 600);    // three chunks
-            attention_case(kvdt, s[0], s[1], s[2], 1, 1, 1, 600);    // ... scores, unaligned
+            for (int mode = 0; mode < 5; ++mode)
+                attention_case(kvdt, s[0], s[1], s[2], 0, mode, 0, 100, (mode + kvdt) % 2);
+            attention_case(kvdt, s[0], s[1], s[2], 1, 0, 0, 100, 1);    // scores written
+            attention_case(kvdt, s[0], s[1], s[2], 1, 0, 0, 100, 0);
+            attention_case(kvdt, s[0], s[1], s[2], 0, 0, 1, 100, 1);    // unaligned rows
+            attention_case(kvdt, s[0], s[1], s[2], 0, 4, 0, 600, 1);    // three chunks
+            attention_case(kvdt, s[0], s[1], s[2], 0, 4, 0, 600, 0);
+            attention_case(kvdt, s[0], s[1], s[2], 1, 1, 1, 600, 1);    // ... scores, unaligned
         }
 }
 
@@ -854,6 +896,7 @@ void test_argmax() {
 int main() {
     test_norm_mul();
     test_fused_gemv();
+    test_norm_mul_row();
     test_fused_gemv1();
     test_fused_gemv1_rowpair();
     test_mul_mat_vec_k();

@@ -262,23 +262,27 @@ __device__ __forceinline__ void mmv_k_pass(float (&acc)[MT][NC], const char* con
 // 16-byte loads in flight at once (four per pass), then waits for the whole block. Every
 // thread must call it.
 __device__ __forceinline__ void stage_row(float* xs, const float* x, i64 K, bool split) {
-    const i64 n4 = K / 4;
-    const i64 ng = split ? K / 8 : 0;
+    const int n4 = (int)(K / 4);
+    const int ng = split ? (int)(K / 8) : 0;
     const float4* x4 = (const float4*)x;
     float4* s4 = (float4*)xs;
     // Float4 i of x (values 4i .. 4i+3) in the split layout: half i % 2 of group i / 2.
-    auto slot = [&](i64 i) { return i < 2 * ng ? ((i & 1) ? ng : 0) + (i >> 1) : i; };
-    i64 i = threadIdx.x;
-    for (; i + 3 * blockDim.x < n4; i += 4 * blockDim.x) {
-        const float4 a0 = x4[i], a1 = x4[i + blockDim.x];
-        const float4 a2 = x4[i + 2 * blockDim.x], a3 = x4[i + 3 * blockDim.x];
+    auto slot = [&](int i) { return i < 2 * ng ? ((i & 1) ? ng : 0) + (i >> 1) : i; };
+    const int bd = blockDim.x;
+    int i = threadIdx.x;
+#pragma unroll 1
+    for (; i + 3 * bd < n4; i += 4 * bd) {
+        const float4 a0 = x4[i], a1 = x4[i + bd];
+        const float4 a2 = x4[i + 2 * bd], a3 = x4[i + 3 * bd];
         s4[slot(i)] = a0;
-        s4[slot(i + blockDim.x)] = a1;
-        s4[slot(i + 2 * blockDim.x)] = a2;
-        s4[slot(i + 3 * blockDim.x)] = a3;
+        s4[slot(i + bd)] = a1;
+        s4[slot(i + 2 * bd)] = a2;
+        s4[slot(i + 3 * bd)] = a3;
     }
-    for (; i < n4; i += blockDim.x) s4[slot(i)] = x4[i];
-    for (i64 j = n4 * 4 + threadIdx.x; j < K; j += blockDim.x) xs[j] = x[j];
+#pragma unroll 1
+    for (; i < n4; i += bd) s4[slot(i)] = x4[i];
+#pragma unroll 1
+    for (i64 j = (i64)n4 * 4 + threadIdx.x; j < K; j += bd) xs[j] = x[j];
     __syncthreads();
 }
 

@@ -26,6 +26,36 @@ extern "C" __global__ void rms_norm_mul(i64 rows, i64 len, Lay L, void* nd, int 
     // the first use (decode's rows are one round trip, not a loop of them); longer rows loop.
     const int RN_V = 4;
     const bool in_regs = len <= (i64)blockDim.x * RN_V;
+    if (rows == 1 && in_regs && dtn == DT_F32 && dtx == DT_F32 && dto == DT_F32 &&
+        dtw == DT_F32 && n_cs == 1 && x_cs == 1 && o_cs == 1 && w_cs == 1) {
+        // Decode's case (one contiguous f32 row, at offset 0 of each tensor): a short path with
+        // no dtype switches and no index arithmetic, as instruction fetch is much of the
+        // cost of a kernel this small. Each thread reads its elements before it writes them.
+        const int n = (int)len;
+        const float* xf = (const float*)x;
+        const float* wf = (const float*)w;
+        float v[RN_V], wq[RN_V], s = 0.0f;
+#pragma unroll
+        for (int q = 0; q < RN_V; ++q) {
+            const int c = threadIdx.x + q * blockDim.x;
+            v[q] = c < n ? xf[c] : 0.0f;
+            wq[q] = c < n ? wf[c] : 0.0f;
+        }
+#pragma unroll
+        for (int q = 0; q < RN_V; ++q) s += v[q] * v[q];
+        s = block_sum(s);
+        const float inv = 1.0f / sqrtf(s / (float)len + eps);
+#pragma unroll
+        for (int q = 0; q < RN_V; ++q) {
+            const int c = threadIdx.x + q * blockDim.x;
+            if (c < n) {
+                const float nv = v[q] * inv;
+                ((float*)nd)[c] = nv;
+                ((float*)od)[c] = nv * wq[q];
+            }
+        }
+        return;
+    }
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         i64 o[3];
         lay_offsets(L, r, 3, o);
@@ -273,7 +303,7 @@ __device__ __forceinline__ void fg_body(i64 M, i64 K, const float* a, i64 a_rs, 
 // in that order per element (unless `write` is off: they are dead). A row of up to NP_V values per thread is read once, x and w
 // together; longer rows loop. `split`: xs in the layout of `split_slot`.
 #define NP_V 8
-__device__ void norm_stage(float* xs, i64 K, const float* x, float eps, void* nd, int dtn,
+__device__ __noinline__ void norm_stage_any(float* xs, i64 K, const float* x, float eps, void* nd, int dtn,
                            const void* w, int dtw, float* md, bool split, bool write) {
     const i64 ng = split ? K / 8 : 0;
     const bool regs = K <= (i64)blockDim.x * NP_V;
@@ -326,6 +356,47 @@ __device__ void norm_stage(float* xs, i64 K, const float* x, float eps, void* nd
     __syncthreads();
 }
 
+// The norm prologue. Its common case — f32 weight row and norm result, a row of at most NP_V
+// values per thread — takes a short path of plain loads and stores: decode kernels are
+// short enough that fetching their instructions is much of their time, and the generic
+// path's per-element dtype switches are most of this prologue's code.
+__device__ __forceinline__ void norm_stage(float* xs, i64 K, const float* x, float eps, void* nd,
+                                           int dtn, const void* w, int dtw, float* md,
+                                           bool split, bool write) {
+    if (dtn != DT_F32 || dtw != DT_F32 || K > (i64)blockDim.x * NP_V) {
+        norm_stage_any(xs, K, x, eps, nd, dtn, w, dtw, md, split, write);
+        return;
+    }
+    const int k = (int)K, ng = split ? k / 8 : 0;
+    const bool first = write && blockIdx.x == 0;
+    const float* wf = (const float*)w;
+    float xv[NP_V], wv[NP_V];
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NP_V; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        xv[j] = i < k ? x[i] : 0.0f;
+        wv[j] = i < k ? wf[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < NP_V; ++j) s += xv[j] * xv[j];
+    s = block_sum(s);
+    const float inv = 1.0f / sqrtf(s / (float)k + eps);
+#pragma unroll
+    for (int j = 0; j < NP_V; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < k) {
+            const float n = xv[j] * inv, y = n * wv[j];
+            xs[i < ng * 8 ? ((i & 4) ? ng * 4 : 0) + (i >> 3) * 4 + (i & 3) : i] = y;
+            if (first) {
+                ((float*)nd)[i] = n;
+                md[i] = y;
+            }
+        }
+    }
+    __syncthreads();
+}
+
 // Decode (one row of a, every weight row 16-byte aligned): the same products and epilogues
 // with the work split of `mul_mat_vec_1` — one output unit (column j of a segment, or of both
 // products in pair mode) per warp, FG1_U 16-byte loads of each weight row in flight per lane,
@@ -333,15 +404,19 @@ __device__ void norm_stage(float* xs, i64 K, const float* x, float eps, void* nd
 // through the read-only cache. Partial sums meet in a fixed xor butterfly (deterministic).
 #define FG1_WARPS 8
 #define FG1_U 8
-template <int DT, int NC>
-__device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, float* xs,
-                                         int staged, int ahead, const float* nx, float eps,
-                                         void* nd, int dtn, const void* nw, int dtnw) {
+// Offsets are 32-bit (the host checks K and the units fit) and `staged` is a template
+// parameter: decode kernels spend much of their time fetching instructions (each warp runs
+// its path once), so the path is kept short — no 64-bit index arithmetic, no run-time branch
+// per weight load, no unrolled copies of loops that run once.
+template <int DT, int NC, bool STAGED>
+__device__ __forceinline__ void fg1_body(int K, const float* a, const FgSet& S, float* xs,
+                                         int ahead, const float* nx, float eps, void* nd,
+                                         int dtn, const void* nw, int dtnw) {
     const int VW = DT == DT_F32 ? 4 : 8;
     const int U = FG1_U / NC;
     const int lane = threadIdx.x & 31;
-    const i64 units = fg_units<NC>(S);
-    const i64 u = (i64)blockIdx.x * FG1_WARPS + (threadIdx.x >> 5);
+    const int units = (int)fg_units<NC>(S);
+    const int u = blockIdx.x * FG1_WARPS + (threadIdx.x >> 5);
     const bool active = u < units;
     int s;
     i64 j;
@@ -350,18 +425,18 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
     const uint4* wr[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) wr[c] = (const uint4*)wrow[c];
-    const i64 nvec = K / VW;
+    const int nvec = K / VW;
     uint4 q[U][NC];
     if (!ahead) pdl_entry();
 #pragma unroll
     for (int t = 0; t < U; ++t) {
-        const i64 v = lane + 32 * t;
+        const int v = lane + 32 * t;
 #pragma unroll
         for (int c = 0; c < NC; ++c) q[t][c] = active && v < nvec ? ld_weight(wr[c] + v) : make_uint4(0, 0, 0, 0);
     }
     if (ahead) pdl_entry();
     const float* xr = a;
-    if (staged) {
+    if (STAGED) {
         if (nx) {
             norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a, VW == 8, S.wnorm != 0);
         } else {
@@ -373,21 +448,22 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
     float acc[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
-    for (i64 v0 = 0; v0 < nvec; v0 += 32 * U) {
+#pragma unroll 1
+    for (int v0 = 0; v0 < nvec; v0 += 32 * U) {
         if (v0 > 0) {
 #pragma unroll
             for (int t = 0; t < U; ++t) {
-                const i64 v = v0 + lane + 32 * t;
+                const int v = v0 + lane + 32 * t;
 #pragma unroll
                 for (int c = 0; c < NC; ++c) q[t][c] = v < nvec ? ld_weight(wr[c] + v) : make_uint4(0, 0, 0, 0);
             }
         }
 #pragma unroll
         for (int t = 0; t < U; ++t) {
-            const i64 v = v0 + lane + 32 * t;
+            const int v = v0 + lane + 32 * t;
             if (v < nvec) {
                 float xa[VW];
-                decode_x<VW>(xr, v, nvec, staged, xa);
+                decode_x<VW>(xr, v, nvec, STAGED, xa);
 #pragma unroll
                 for (int c = 0; c < NC; ++c) {
                     float f[VW];
@@ -398,7 +474,8 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
             }
         }
     }
-    for (i64 kk = nvec * VW + lane; kk < K; kk += 32) {
+#pragma unroll 1
+    for (int kk = nvec * VW + lane; kk < K; kk += 32) {
 #pragma unroll
         for (int c = 0; c < NC; ++c) acc[c] = fmaf(xr[kk], ld((const void*)wr[c], DT, kk), acc[c]);
     }
@@ -422,7 +499,8 @@ __device__ __forceinline__ void fg1_body(i64 K, const float* a, const FgSet& S, 
 }
 
 // blockDim.x == FG1_WARPS * 32; dynamic shared memory K floats when `staged`. With nx != 0
-// (then `staged`), a is the result of the norm prologue (`norm_stage`) over row nx.
+// (then `staged`), a is the result of the norm prologue (`norm_stage`) over row nx. K and
+// the number of output units are below 2^31 (checked on the host).
 #define FG1_NORM nx, eps, nd, dtn, nw, dtnw
 extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, const float* a,
                                                                       FgSet S, int dtw,
@@ -433,19 +511,28 @@ extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, 
                                                                       int dtnw) {
     extern __shared__ float4 fg1_smem[];
     float* xs = (float*)fg1_smem;
+    const int k = (int)K;
+#define FG1_CASE(DT, NC)                                                              \
+    if (staged) {                                                                     \
+        fg1_body<DT, NC, true>(k, a, S, xs, ahead, FG1_NORM);                         \
+    } else {                                                                          \
+        fg1_body<DT, NC, false>(k, a, S, xs, ahead, FG1_NORM);                        \
+    }                                                                                 \
+    break;
     if (S.pair) {
         switch (dtw) {
-            case DT_F16: fg1_body<DT_F16, 2>(K, a, S, xs, staged, ahead, FG1_NORM); break;
-            case DT_BF16: fg1_body<DT_BF16, 2>(K, a, S, xs, staged, ahead, FG1_NORM); break;
-            default: fg1_body<DT_F32, 2>(K, a, S, xs, staged, ahead, FG1_NORM); break;
+            case DT_F16: FG1_CASE(DT_F16, 2)
+            case DT_BF16: FG1_CASE(DT_BF16, 2)
+            default: FG1_CASE(DT_F32, 2)
         }
     } else {
         switch (dtw) {
-            case DT_F16: fg1_body<DT_F16, 1>(K, a, S, xs, staged, ahead, FG1_NORM); break;
-            case DT_BF16: fg1_body<DT_BF16, 1>(K, a, S, xs, staged, ahead, FG1_NORM); break;
-            default: fg1_body<DT_F32, 1>(K, a, S, xs, staged, ahead, FG1_NORM); break;
+            case DT_F16: FG1_CASE(DT_F16, 1)
+            case DT_BF16: FG1_CASE(DT_BF16, 1)
+            default: FG1_CASE(DT_F32, 1)
         }
     }
+#undef FG1_CASE
 }
 
 #define FG_DISPATCH(MT)                                                                   \
@@ -576,19 +663,35 @@ extern "C" __global__ void rope_rows(
 #define ATT_KU 8
 #define ATT_VU 8
 
-template <int DT>
+// Loads and stores of a tensor that is f32 whenever `F32` (the host checked): no dtype switch
+// on the path, which keeps decode kernels short.
+template <bool F32>
+__device__ __forceinline__ float ldio(const void* p, int dt, i64 i) {
+    return F32 ? ((const float*)p)[i] : ld(p, dt, i);
+}
+template <bool F32>
+__device__ __forceinline__ void stio(void* p, int dt, i64 i, float v) {
+    if (F32) {
+        ((float*)p)[i] = v;
+    } else {
+        st(p, dt, i, v);
+    }
+}
+
+template <int DT, typename I, bool F32IO>
 __device__ __forceinline__ void attn_body(
-    i64 L, i64 D, float scale, const void* q, int dtq, i64 q_hs, i64 q_ds, const void* k,
-    i64 k_hs, i64 k_ls, i64 k_div, int kvec, const void* v, i64 v_hs, i64 v_ls, i64 v_div,
-    int vvec, int TC, const void* mask, int dtm, i64 m_hs, i64 m_ls, int has_mask, float* kq,
-    i64 kq_hs, i64 kq_ls, int write_kq, float* p, i64 p_hs, i64 p_ls, float* o, i64 o_hs,
-    i64 o_ds, void* c, int dtc, i64 c_hs, i64 c_ds, int has_cpy, float* qs, float* red,
+    I L, I D, float scale, const void* q, int dtq, I q_hs, I q_ds, const void* k,
+    I k_hs, I k_ls, I k_div, int kvec, const void* v, I v_hs, I v_ls, I v_div,
+    int vvec, int TC, const void* mask, int dtm, I m_hs, I m_ls, int has_mask, float* kq,
+    I kq_hs, I kq_ls, int write_kq, float* p, I p_hs, I p_ls, float* o, I o_hs,
+    I o_ds, void* c, int dtc, I c_hs, I c_ds, int has_cpy, float* qs, float* red,
     float* es, int* vf) {
     const int VW = DT == DT_F32 ? 4 : 8;
     const int ESZ = DT == DT_F32 ? 4 : 2;
     const int tid = threadIdx.x;
-    const i64 h = blockIdx.x;
-    for (i64 d = tid; d < D; d += ATT_T) qs[d] = ld(q, dtq, h * q_hs + d * q_ds);
+    const I h = (I)blockIdx.x;
+#pragma unroll 1
+    for (I d = tid; d < D; d += ATT_T) qs[d] = ldio<F32IO>(q, dtq, h * q_hs + d * q_ds);
     const char* kb = (const char*)k + (h / k_div) * k_hs * ESZ;
     const char* vb = (const char*)v + (h / v_div) * v_hs * ESZ;
     float* ph = p + h * p_hs;
@@ -596,18 +699,19 @@ __device__ __forceinline__ void attn_body(
     const int RS = ATT_T / TC;
     const int tc = tid % TC, rs = tid / TC;
     const int vw = vvec ? VW : 1;
-    const i64 c0 = (i64)tc * vw;
+    const I c0 = (I)tc * vw;
     const bool vcol = c0 < D;
-    const i64 nvec = kvec ? D / VW : 0;
+    const I nvec = kvec ? D / VW : 0;
     float acc[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
     float run_max = F_NEG_INF, run_sum = 0.0f, lg0 = F_NEG_INF;
     uint4 vq[ATT_VU];
-    for (i64 base = 0; base < L; base += ATT_T) {
-        const i64 l = base + tid;
+#pragma unroll 1
+    for (I base = 0; base < L; base += ATT_T) {
+        const I l = base + tid;
         const bool in = l < L;
-        const float mv = in && has_mask ? ld(mask, dtm, h * m_hs + l * m_ls) : 0.0f;
+        const float mv = in && has_mask ? ldio<F32IO>(mask, dtm, h * m_hs + l * m_ls) : 0.0f;
         const bool valid = in && mv != F_NEG_INF;
         vf[tid] = valid;
         __syncthreads();
@@ -617,7 +721,7 @@ __device__ __forceinline__ void attn_body(
             for (int u = 0; u < ATT_VU; ++u) {
                 const int r = rs + RS * (g0 + u);
                 if (g0 + u < TC && vcol && base + r < L && vf[r]) {
-                    const i64 off = (base + r) * v_ls + c0;
+                    const I off = (base + r) * v_ls + c0;
                     if (vvec) {
                         vq[u] = *(const uint4*)(vb + off * ESZ);
                     } else {
@@ -631,7 +735,8 @@ __device__ __forceinline__ void attn_body(
         float dot = 0.0f;
         if (in && (write_kq || valid)) {
             const char* kr = kb + l * k_ls * ESZ;
-            for (i64 v0 = 0; v0 < nvec; v0 += ATT_KU) {
+#pragma unroll 1
+            for (I v0 = 0; v0 < nvec; v0 += ATT_KU) {
                 uint4 w[ATT_KU];
 #pragma unroll
                 for (int u = 0; u < ATT_KU; ++u) {
@@ -647,7 +752,8 @@ __device__ __forceinline__ void attn_body(
                     }
                 }
             }
-            for (i64 e = nvec * VW; e < D; ++e) dot = fmaf(qs[e], ld(kr, DT, e), dot);
+#pragma unroll 1
+            for (I e = nvec * VW; e < D; ++e) dot = fmaf(qs[e], ld(kr, DT, e), dot);
         }
         if (write_kq && in) kq[h * kq_hs + l * kq_ls] = dot;
         const float lg = valid ? dot * scale + mv : F_NEG_INF;
@@ -665,6 +771,7 @@ __device__ __forceinline__ void attn_body(
         run_max = new_max;
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] *= rescale;
+#pragma unroll 1
         for (int g0 = 0; g0 < TC; g0 += ATT_VU) {
             if (g0 > 0) load_v(g0);
 #pragma unroll
@@ -686,8 +793,9 @@ __device__ __forceinline__ void attn_body(
         __syncthreads();  // es and vf are rewritten by the next chunk
     }
     const float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
-    for (i64 base = 0; base < L; base += ATT_T) {
-        const i64 l = base + tid;
+#pragma unroll 1
+    for (I base = 0; base < L; base += ATT_T) {
+        const I l = base + tid;
         if (l < L) {
             const float lg = base == 0 ? lg0 : ph[l * p_ls];
             ph[l * p_ls] = lg != F_NEG_INF ? expf(lg - run_max) * inv : 0.0f;
@@ -696,18 +804,20 @@ __device__ __forceinline__ void attn_body(
 #pragma unroll
     for (int e = 0; e < 8; ++e) red[tid * 8 + e] = acc[e];
     __syncthreads();
-    for (i64 col = tid; col < D; col += ATT_T) {
+#pragma unroll 1
+    for (I col = tid; col < D; col += ATT_T) {
         const int ct = (int)(col / vw), ce = (int)(col % vw);
         float y = 0.0f;
+#pragma unroll 4
         for (int s = 0; s < RS; ++s) y += red[(s * TC + ct) * 8 + ce];
         y *= inv;
         o[h * o_hs + col * o_ds] = y;
-        if (has_cpy) st(c, dtc, h * c_hs + col * c_ds, y);
+        if (has_cpy) stio<F32IO>(c, dtc, h * c_hs + col * c_ds, y);
     }
 }
 
 // K and V share one dtype (dtkv). G: unused (the host's lanes per key row of an earlier split,
-// kept in the signature); TC: threads per V row (a power of two dividing ATT_T). `kvec` /
+// kept in the signature); `narrow`: every element offset of the launch fits in 32 bits; TC: threads per V row (a power of two dividing ATT_T). `kvec` /
 // `vvec`: every K / V row start is 16-byte aligned (and, for V, D a multiple of the vector
 // width), checked on the host.
 extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
@@ -715,7 +825,8 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
     const void* k, i64 k_hs, i64 k_ls, i64 k_div, int kvec, int G, const void* v, i64 v_hs,
     i64 v_ls, i64 v_div, int vvec, int TC, const void* mask, int dtm, i64 m_hs, i64 m_ls,
     int has_mask, float* kq, i64 kq_hs, i64 kq_ls, int write_kq, float* p, i64 p_hs, i64 p_ls,
-    float* o, i64 o_hs, i64 o_ds, void* c, int dtc, i64 c_hs, i64 c_ds, int has_cpy) {
+    float* o, i64 o_hs, i64 o_ds, void* c, int dtc, i64 c_hs, i64 c_ds, int has_cpy,
+    int narrow) {
     pdl_entry();
     __shared__ float qs[ATT_MAXD];
     __shared__ float red[ATT_T * 8];
@@ -726,10 +837,21 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
     L, D, scale, q, dtq, q_hs, q_ds, k, k_hs, k_ls, k_div, kvec, v, v_hs, v_ls, v_div, vvec,  \
         TC, mask, dtm, m_hs, m_ls, has_mask, kq, kq_hs, kq_ls, write_kq, p, p_hs, p_ls, o,    \
         o_hs, o_ds, c, dtc, c_hs, c_ds, has_cpy, qs, red, es, vf
-    switch (dtkv) {
-        case DT_F16: attn_body<DT_F16>(ATT_ARGS); break;
-        case DT_BF16: attn_body<DT_BF16>(ATT_ARGS); break;
-        default: attn_body<DT_F32>(ATT_ARGS); break;
+    // The short path: 32-bit offsets (every offset the host computes fits) and f32 q, mask
+    // and copy; else the general one.
+    const bool f32io = dtq == DT_F32 && (!has_mask || dtm == DT_F32) && (!has_cpy || dtc == DT_F32);
+    if (narrow && f32io) {
+        switch (dtkv) {
+            case DT_F16: attn_body<DT_F16, int, true>(ATT_ARGS); break;
+            case DT_BF16: attn_body<DT_BF16, int, true>(ATT_ARGS); break;
+            default: attn_body<DT_F32, int, true>(ATT_ARGS); break;
+        }
+    } else {
+        switch (dtkv) {
+            case DT_F16: attn_body<DT_F16, i64, false>(ATT_ARGS); break;
+            case DT_BF16: attn_body<DT_BF16, i64, false>(ATT_ARGS); break;
+            default: attn_body<DT_F32, i64, false>(ATT_ARGS); break;
+        }
     }
 #undef ATT_ARGS
 }

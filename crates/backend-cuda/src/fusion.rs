@@ -1310,6 +1310,9 @@ fn launch_gemv(
     // serial prologue costs more than the launch it saves (measured on the H200: gate/up of
     // "1b", 1024 blocks, 26 µs with it against 18.5 + 3.4 without).
     let one_wave = blocks1 <= exec.inner.sms * GEMV1_BLOCKS_PER_SM;
+    // The decode kernel computes offsets in 32 bits.
+    let narrow = k < i32::MAX as usize && units < i32::MAX as usize;
+    let vec = vec && narrow;
     if tails && !(m == 1 && vec && staged && (norm.is_none() || one_wave)) {
         // The row-pair kernel does not apply after all (alignment, or a norm prologue past one
         // wave whose separate launch would leave its row under the Rope's result): the
@@ -1559,6 +1562,22 @@ fn launch_attention(
         .arg(c_hs)
         .arg(c_ds)
         .arg(cpy.is_some() as i32);
+    // The kernel's short path computes offsets in 32 bits: every tensor it touches must span
+    // fewer than 2^31 bytes.
+    let small = |t: &TensorRef| t.byte_extent() < i32::MAX as usize;
+    let narrow = [
+        &kq.srcs[0],
+        &kq.srcs[1],
+        &kq.dst,
+        &sm.dst,
+        &pv.srcs[1],
+        &pv.dst,
+    ]
+    .into_iter()
+    .chain(sm.srcs.get(1))
+    .chain(cpy.map(|c| &c.dst))
+    .all(small);
+    let args = args.arg(narrow as i32);
     let grid = hq.clamp(1, i32::MAX as usize) as u32;
     exec.launch(kq, Kernel::AttnDecode, grid, ATT_THREADS as u32, args)
 }
