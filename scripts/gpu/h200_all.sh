@@ -157,7 +157,7 @@ if [[ $parts == *nsys* ]]; then
         say "nsys kernels (eager, fused; 1b): exit $?"; head -25 "$logs/nsys-kern.csv" | cut -c1-220 | tee -a "$summary"
     fi
 fi
-if [[ $parts == *ncu* ]]; then
+if [[ " $parts " == *" ncu "* ]]; then
     ncu=$(command -v ncu || find / -name ncu -type f -perm -u+x 2>/dev/null | head -1)
     say "ncu: ${ncu:-none}"
     if [ -n "$ncu" ]; then
@@ -186,6 +186,22 @@ if [[ $parts == *ncudetail* ]]; then
             sort -k1,1 -k3,3gr | awk '{if (c[$1]++ < 8) print}' | tee -a "$summary"
         grep -E "^  [a-z_0-9]+\(|attn_decode|fused_gemv1|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|DRAM Throughput|Memory Throughput|Stall|stall|Static Shared|Dynamic Shared|Grid Size|Waves Per SM" \
             "$logs/ncud.txt" | cut -c1-200 | head -${NCUD_LINES:-120} | tee -a "$summary"
+    fi
+fi
+if [[ $parts == *ncusource* ]]; then
+    # Stall samples per SASS instruction of chosen decode kernels (eager, fused, 1b): where in
+    # the code the warps wait. One report per kernel name; the source page as CSV.
+    ncu=$(command -v ncu || find / -name ncu -type f -perm -u+x 2>/dev/null | head -1)
+    if [ -n "$ncu" ]; then
+        for kn in ${NCUS_KERNELS:-attn_decode}; do
+            timeout 300 "$ncu" -f -o "$logs/src-$kn" --kernel-name "$kn" --launch-skip ${NCUS_SKIP:-20} --launch-count 1 \
+                --section SourceCounters --section WarpStateStats --import-source no \
+                python3 benches/python/cuda_profile.py --models 1b --settings eager+fused -n 16 --n-ctx 172 \
+                >"$logs/src-$kn.txt" 2>&1
+            "$ncu" -i "$logs/src-$kn.ncu-rep" --page source --csv --print-source sass >"$logs/src-$kn.csv" 2>>"$logs/src-$kn.txt"
+            say "ncu source $kn: exit $? ($(wc -l <"$logs/src-$kn.csv") lines)"
+            python3 scripts/gpu/ncu_source.py "$logs/src-$kn.csv" 2>&1 | head -${NCUS_LINES:-40} | tee -a "$summary"
+        done
     fi
 fi
 if [[ $parts == *gemvspeed* ]]; then

@@ -292,8 +292,10 @@ void test_fused_gemv1() {
         if (!c.norm) a.rand();
         Products P(c.wdt, 1, K, c.pair, 0, {37, 21, 12});
         launch((unsigned)((P.units() + 7) / 8), 256, [&] {
-            fused_gemv1(K, (const float*)a.p(), P.S, c.wdt, 1, 1, c.norm ? (const float*)x.p() : nullptr,
-                        1e-5f, c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32);
+            // The host launches the pair modes through their own entry point.
+            auto* kernel = c.pair ? fused_gemv1_pair : fused_gemv1;
+            kernel(K, (const float*)a.p(), P.S, c.wdt, 1, 1, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
+                   c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32);
         });
         const std::string tag = "fused_gemv1 w " + std::to_string(c.wdt) + " K " + std::to_string(K) +
                                 " pair " + std::to_string(c.pair) + " norm " + std::to_string(c.norm);
@@ -399,7 +401,7 @@ void rowpair_case(const RpCase& c) {
             g.r_dt = c.r_dt;
             g.hd = c.hd;
             g.n_dims = c.n_dims;
-            g.theta = c.theta;
+            g.l2theta = std::log2(c.theta);
             g.pos = (u64)pos.p();
         }
         if (s > 0) {
@@ -417,8 +419,8 @@ void rowpair_case(const RpCase& c) {
     }
     const i64 units = (n[0] + n[1] + n[2]) / 2;
     launch((unsigned)((units + 7) / 8), 256, [&] {
-        fused_gemv1(K, (const float*)a.p(), S, c.wdt, 1, c.ahead, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
-                    nd.p(), DT_F32, nw.p(), DT_F32);
+        fused_gemv1_pair(K, (const float*)a.p(), S, c.wdt, 1, c.ahead, c.norm ? (const float*)x.p() : nullptr,
+                         1e-5f, nd.p(), DT_F32, nw.p(), DT_F32);
     });
     const std::string tag = "fused_gemv1 row pairs w " + std::to_string(c.wdt) + " K " + std::to_string(K) +
                             " hd " + std::to_string(c.hd) + " n_dims " + std::to_string(c.n_dims) + " add " +

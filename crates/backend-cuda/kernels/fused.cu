@@ -136,7 +136,7 @@ struct FgSeg {
     // position pos[0] into r (contiguous, dtype r_dt) ...
     u64 r;
     i64 r_dt, hd, n_dims;
-    double theta;
+    double l2theta;      // log2 of the rope's theta base
     u64 pos;
     // ... and with c != 0, the SetRows of that result (or of the value, without the Rope) into
     // row idx[0] of cache c (c_n rows; a bad index is reported with `tag`).
@@ -189,7 +189,10 @@ __device__ void fg_rope_pair(const FgSeg& g, u64 err, i64 j, float y0, float y1)
     if (g.n_dims > 0) {
         if (j % g.hd < g.n_dims) {
             const i64 k = (j % g.hd) / 2;
-            const double freq = pow(g.theta, -2.0 * (double)k / (double)g.n_dims);
+            // theta^(-2k / n_dims) as exp2 of a host-computed log2: the same value to within
+            // an ulp of f64 (invisible after the f32 rounding of sin and cos), a fraction of
+            // pow's instructions on a path every q/k unit runs.
+            const double freq = exp2(-2.0 * (double)k / (double)g.n_dims * g.l2theta);
             const double ang = (double)(*(const int*)g.pos) * freq;
             double sd, cd;
             sincos(ang, &sd, &cd);
@@ -502,6 +505,16 @@ __device__ __forceinline__ void fg1_body(int K, const float* a, const FgSet& S, 
 // (then `staged`), a is the result of the norm prologue (`norm_stage`) over row nx. K and
 // the number of output units are below 2^31 (checked on the host).
 #define FG1_NORM nx, eps, nd, dtn, nw, dtnw
+#define FG1_CASE(DT, NC)                                                              \
+    if (staged) {                                                                     \
+        fg1_body<DT, NC, true>((int)K, a, S, xs, ahead, FG1_NORM);                    \
+    } else {                                                                          \
+        fg1_body<DT, NC, false>((int)K, a, S, xs, ahead, FG1_NORM);                   \
+    }                                                                                 \
+    break;
+// One product per unit (S.pair == 0). The pair modes have their own entry point below, so
+// that each is allocated the registers it needs: the row-pair epilogue's f64 rope would
+// otherwise cost every product a resident block per multiprocessor.
 extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, const float* a,
                                                                       FgSet S, int dtw,
                                                                       int staged, int ahead,
@@ -511,29 +524,26 @@ extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, 
                                                                       int dtnw) {
     extern __shared__ float4 fg1_smem[];
     float* xs = (float*)fg1_smem;
-    const int k = (int)K;
-#define FG1_CASE(DT, NC)                                                              \
-    if (staged) {                                                                     \
-        fg1_body<DT, NC, true>(k, a, S, xs, ahead, FG1_NORM);                         \
-    } else {                                                                          \
-        fg1_body<DT, NC, false>(k, a, S, xs, ahead, FG1_NORM);                        \
-    }                                                                                 \
-    break;
-    if (S.pair) {
-        switch (dtw) {
-            case DT_F16: FG1_CASE(DT_F16, 2)
-            case DT_BF16: FG1_CASE(DT_BF16, 2)
-            default: FG1_CASE(DT_F32, 2)
-        }
-    } else {
-        switch (dtw) {
-            case DT_F16: FG1_CASE(DT_F16, 1)
-            case DT_BF16: FG1_CASE(DT_BF16, 1)
-            default: FG1_CASE(DT_F32, 1)
-        }
+    switch (dtw) {
+        case DT_F16: FG1_CASE(DT_F16, 1)
+        case DT_BF16: FG1_CASE(DT_BF16, 1)
+        default: FG1_CASE(DT_F32, 1)
     }
-#undef FG1_CASE
 }
+
+// Gate/up with SwiGlu (S.pair == 1) and row pairs (S.pair == 2); same parameters.
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_pair(
+    i64 K, const float* a, FgSet S, int dtw, int staged, int ahead, const float* nx, float eps,
+    void* nd, int dtn, const void* nw, int dtnw) {
+    extern __shared__ float4 fg1_smem[];
+    float* xs = (float*)fg1_smem;
+    switch (dtw) {
+        case DT_F16: FG1_CASE(DT_F16, 2)
+        case DT_BF16: FG1_CASE(DT_BF16, 2)
+        default: FG1_CASE(DT_F32, 2)
+    }
+}
+#undef FG1_CASE
 
 #define FG_DISPATCH(MT)                                                                   \
     if (S.pair) {                                                                         \
@@ -678,14 +688,18 @@ __device__ __forceinline__ void stio(void* p, int dt, i64 i, float v) {
     }
 }
 
-template <int DT, typename I, bool F32IO>
+// FAST: the short path — 32-bit offsets, f32 q/mask/copy, vector K and V rows, no raw scores
+// (F32IO and I = int with it); the flags' other branches are compiled out of it.
+template <int DT, typename I, bool F32IO, bool FAST>
 __device__ __forceinline__ void attn_body(
     I L, I D, float scale, const void* q, int dtq, I q_hs, I q_ds, const void* k,
-    I k_hs, I k_ls, I k_div, int kvec, const void* v, I v_hs, I v_ls, I v_div,
-    int vvec, int TC, const void* mask, int dtm, I m_hs, I m_ls, int has_mask, float* kq,
-    I kq_hs, I kq_ls, int write_kq, float* p, I p_hs, I p_ls, float* o, I o_hs,
+    I k_hs, I k_ls, I k_div, int kvec_arg, const void* v, I v_hs, I v_ls, I v_div,
+    int vvec_arg, int TC, const void* mask, int dtm, I m_hs, I m_ls, int has_mask, float* kq,
+    I kq_hs, I kq_ls, int write_kq_arg, float* p, I p_hs, I p_ls, float* o, I o_hs,
     I o_ds, void* c, int dtc, I c_hs, I c_ds, int has_cpy, float* qs, float* red,
     float* es, int* vf) {
+    const bool kvec = FAST || kvec_arg, vvec = FAST || vvec_arg;
+    const bool write_kq = !FAST && write_kq_arg;
     const int VW = DT == DT_F32 ? 4 : 8;
     const int ESZ = DT == DT_F32 ? 4 : 2;
     const int tid = threadIdx.x;
@@ -837,20 +851,20 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
     L, D, scale, q, dtq, q_hs, q_ds, k, k_hs, k_ls, k_div, kvec, v, v_hs, v_ls, v_div, vvec,  \
         TC, mask, dtm, m_hs, m_ls, has_mask, kq, kq_hs, kq_ls, write_kq, p, p_hs, p_ls, o,    \
         o_hs, o_ds, c, dtc, c_hs, c_ds, has_cpy, qs, red, es, vf
-    // The short path: 32-bit offsets (every offset the host computes fits) and f32 q, mask
-    // and copy; else the general one.
+    // The short path: 32-bit offsets (every offset the host computes fits), f32 q, mask and
+    // copy, vector rows and no raw scores; else the general one.
     const bool f32io = dtq == DT_F32 && (!has_mask || dtm == DT_F32) && (!has_cpy || dtc == DT_F32);
-    if (narrow && f32io) {
+    if (narrow && f32io && kvec && vvec && !write_kq) {
         switch (dtkv) {
-            case DT_F16: attn_body<DT_F16, int, true>(ATT_ARGS); break;
-            case DT_BF16: attn_body<DT_BF16, int, true>(ATT_ARGS); break;
-            default: attn_body<DT_F32, int, true>(ATT_ARGS); break;
+            case DT_F16: attn_body<DT_F16, int, true, true>(ATT_ARGS); break;
+            case DT_BF16: attn_body<DT_BF16, int, true, true>(ATT_ARGS); break;
+            default: attn_body<DT_F32, int, true, true>(ATT_ARGS); break;
         }
     } else {
         switch (dtkv) {
-            case DT_F16: attn_body<DT_F16, i64, false>(ATT_ARGS); break;
-            case DT_BF16: attn_body<DT_BF16, i64, false>(ATT_ARGS); break;
-            default: attn_body<DT_F32, i64, false>(ATT_ARGS); break;
+            case DT_F16: attn_body<DT_F16, i64, false, false>(ATT_ARGS); break;
+            case DT_BF16: attn_body<DT_BF16, i64, false, false>(ATT_ARGS); break;
+            default: attn_body<DT_F32, i64, false, false>(ATT_ARGS); break;
         }
     }
 #undef ATT_ARGS

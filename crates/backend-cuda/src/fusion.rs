@@ -70,8 +70,10 @@ const ATT_THREADS: usize = 256;
 const GEMV_THREADS: usize = 128;
 /// Products of one fused matrix-vector launch (`FG_MAXS`).
 const MAX_SEGS: usize = 4;
-/// Resident `fused_gemv1` blocks per multiprocessor (80 registers per thread on sm_90).
+/// Resident `fused_gemv1` blocks per multiprocessor (80 registers per thread on sm_90) ...
 const GEMV1_BLOCKS_PER_SM: usize = 3;
+/// ... and `fused_gemv1_pair` blocks (100 registers: its f64 rope epilogue).
+const GEMV1_PAIR_BLOCKS_PER_SM: usize = 2;
 /// The lane chain of a fused norm prologue's writes (products use their segment index).
 const NORM_CHAIN: usize = usize::MAX;
 
@@ -1077,7 +1079,7 @@ struct FgSeg {
     r_dt: i64,
     hd: i64,
     n_dims: i64,
-    theta: f64,
+    l2theta: f64,
     pos: u64,
     c: u64,
     c_dt: i64,
@@ -1259,7 +1261,7 @@ fn launch_gemv(
             slot.r_dt = dt(r.dtype) as i64;
             slot.hd = r.shape[2] as i64;
             slot.n_dims = n_dims as i64;
-            slot.theta = theta_base as f64;
+            slot.l2theta = (theta_base as f64).log2();
             slot.pos = exec.resolve(&rope.srcs[1])?.ptr;
         }
         if let Some(wi) = seg.rows {
@@ -1309,21 +1311,32 @@ fn launch_gemv(
     // Every block computes the norm before its products start; past one wave of blocks that
     // serial prologue costs more than the launch it saves (measured on the H200: gate/up of
     // "1b", 1024 blocks, 26 µs with it against 18.5 + 3.4 without).
-    let one_wave = blocks1 <= exec.inner.sms * GEMV1_BLOCKS_PER_SM;
+    let per_sm = if set.pair != 0 {
+        GEMV1_PAIR_BLOCKS_PER_SM
+    } else {
+        GEMV1_BLOCKS_PER_SM
+    };
+    // With Rope epilogues the prologue is kept past one wave: it costs less than the launches
+    // the epilogues save, and a separate norm would leave its row under q's rotation.
+    let one_wave = blocks1 <= exec.inner.sms * per_sm || tails;
     // The decode kernel computes offsets in 32 bits.
     let narrow = k < i32::MAX as usize && units < i32::MAX as usize;
     let vec = vec && narrow;
-    if tails && !(m == 1 && vec && staged && (norm.is_none() || one_wave)) {
-        // The row-pair kernel does not apply after all (alignment, or a norm prologue past one
-        // wave whose separate launch would leave its row under the Rope's result): the
-        // members run one by one, in node order, at the group's position.
-        let mut members: Vec<usize> = segs
+    if tails && !(m == 1 && vec && staged) {
+        // The row-pair kernel does not apply after all (alignment, a long row): the norm, the
+        // products with their Adds, then the Ropes and SetRows — node order, at the group's
+        // position — writing every result.
+        if let Some(n) = norm {
+            launch_norm_mul(exec, &nodes[n.norm], &nodes[n.mul])?;
+        }
+        let plain: Vec<Seg> = segs.iter().map(|s| Seg::new(s.mm, s.add)).collect();
+        launch_gemv(exec, nodes, &plain, swiglu, None)?;
+        let mut rest: Vec<usize> = segs
             .iter()
-            .flat_map(|s| [Some(s.mm), s.add, s.rope, s.rows].into_iter().flatten())
-            .chain(norm.iter().flat_map(|n| [n.norm, n.mul]))
+            .flat_map(|s| [s.rope, s.rows].into_iter().flatten())
             .collect();
-        members.sort_unstable();
-        for i in members {
+        rest.sort_unstable();
+        for i in rest {
             exec.run(&nodes[i])?;
         }
         return Ok(());
@@ -1370,7 +1383,11 @@ fn launch_gemv(
         };
         return exec.launch_shared(
             first,
-            Kernel::FusedGemv1,
+            if set.pair != 0 {
+                Kernel::FusedGemv1Pair
+            } else {
+                Kernel::FusedGemv1
+            },
             blocks,
             (matmul::GEMV1_WARPS * 32) as u32,
             if staged { (k * 4) as u32 } else { 0 },

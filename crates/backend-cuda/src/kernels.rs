@@ -65,11 +65,12 @@ pub(crate) enum Kernel {
     RopeRows,
     AttnDecode,
     FusedGemv1,
+    FusedGemv1Pair,
 }
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 22] = [
+    pub(crate) const ALL: [Kernel; 23] = [
         Kernel::EwUnary,
         Kernel::EwBinary,
         Kernel::CopyStrided,
@@ -92,6 +93,7 @@ impl Kernel {
         Kernel::RopeRows,
         Kernel::AttnDecode,
         Kernel::FusedGemv1,
+        Kernel::FusedGemv1Pair,
     ];
 
     fn module(self) -> &'static str {
@@ -113,7 +115,8 @@ impl Kernel {
             | Kernel::FusedGemv8
             | Kernel::RopeRows
             | Kernel::AttnDecode
-            | Kernel::FusedGemv1 => "fused",
+            | Kernel::FusedGemv1
+            | Kernel::FusedGemv1Pair => "fused",
         }
     }
 
@@ -141,6 +144,7 @@ impl Kernel {
             Kernel::RopeRows => "rope_rows",
             Kernel::AttnDecode => "attn_decode",
             Kernel::FusedGemv1 => "fused_gemv1",
+            Kernel::FusedGemv1Pair => "fused_gemv1_pair",
         }
     }
 }

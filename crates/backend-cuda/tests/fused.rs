@@ -477,7 +477,8 @@ fn rope_and_cache_rows_are_one_launch() {
 }
 
 /// q/k/v products of one row with their Rope and cache-row writes as epilogues (decode's
-/// row-pair kernel): one launch, partial rotation included.
+/// row-pair kernel): one launch, partial rotation included. With an activation that is not
+/// 16-byte aligned the group runs as the products' launch, then each Rope and SetRows.
 #[test]
 fn products_with_rope_and_cache_rows_are_one_launch() {
     let mut rng = Rng::new(41);
@@ -488,12 +489,13 @@ fn products_with_rope_and_cache_rows_are_one_launch() {
         (DType::F32, DType::F32, false),
         (DType::F16, DType::F32, true),
     ] {
-        for hd in [32, 16] {
+        for (hd, x_at) in [(32, 0), (16, 0), (16, 4)] {
             for n_dims in [hd, hd / 2] {
                 let kvd = nkv * hd;
                 let q_d = nh * hd;
                 let mut c = Case::default();
-                let x = c.tensor(DType::F32, &[1, d]);
+                let xb = c.buffer(x_at + d * 4);
+                let x = packed(xb, x_at, DType::F32, &[1, d]);
                 c.rand(&mut rng, &x, 1.0);
                 let k_cache = c.tensor(cache, &[n_ctx, kvd]);
                 let v_cache = c.tensor(cache, &[n_ctx, kvd]);
@@ -531,8 +533,9 @@ fn products_with_rope_and_cache_rows_are_one_launch() {
                 c.node(Op::SetRows, &v_cache, &[&v_cache, &vals[2], &ix]);
                 let n = c.nodes.len() as u64;
                 let test = format!(
-                    "qkv epilogues w {wdt} cache {cache} bias {bias} hd {hd} n_dims {n_dims}"
+                    "qkv epilogues w {wdt} cache {cache} bias {bias} hd {hd} n_dims {n_dims} x at {x_at}"
                 );
+                let launches = if x_at == 0 { 1 } else { 5 };
                 let outs = [
                     ("q", &vals[0]),
                     ("k", &vals[1]),
@@ -542,7 +545,7 @@ fn products_with_rope_and_cache_rows_are_one_launch() {
                     ("k cache", &k_cache),
                     ("v cache", &v_cache),
                 ];
-                if !check(&test, &c, &outs, n - 1) {
+                if !check(&test, &c, &outs, n - launches) {
                     return;
                 }
             }
