@@ -37,7 +37,7 @@ def main() -> None:
     print(f"{len(body)} SASS lines, {total:.0f} stall samples; columns: {len(head)}")
     reasons: Counter[str] = Counter()
     for n, i in col.items():
-        if n.startswith("stall_") or "Stall" in n and n != head[samp] and "Sampling" not in n:
+        if n.startswith("stall_") or ("Stall" in n and n != head[samp] and "Sampling" not in n):
             reasons[n] = int(sum(num(r[i]) for r in body))
     for n, v in reasons.most_common(8):
         print(f"  {n}: {v}")

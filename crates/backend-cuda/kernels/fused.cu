@@ -11,6 +11,26 @@
 // x / (1 + e^-x), as the element-wise SwiGlu.
 __device__ __forceinline__ float f_silu(float x) { return x / (1.0f + expf(-x)); }
 
+// One f32 row x[0, n) and weight row w, NV values per thread (n <= NV * blockDim.x): each
+// thread's values of both, in flight together, and 1 / sqrt(mean(x^2) + eps) over the block.
+// The short path of decode's norms (no dtype switch, 32-bit indices). Every thread must call
+// it.
+template <int NV>
+__device__ __forceinline__ float row_rms_f32(const float* x, const float* w, int n, float eps,
+                                             float (&xv)[NV], float (&wv)[NV]) {
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        xv[j] = i < n ? x[i] : 0.0f;
+        wv[j] = i < n ? w[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < NV; ++j) s += xv[j] * xv[j];
+    s = block_sum(s);
+    return 1.0f / sqrtf(s / (float)n + eps);
+}
+
 // ---------------------------------------------------------------------------------------------
 // RmsNorm followed by Mul with a weight row. One block per row; `L` iterates the rows with
 // st[0] = norm result, st[1] = x, st[2] = product. A row of up to four values per thread is
@@ -32,19 +52,8 @@ extern "C" __global__ void rms_norm_mul(i64 rows, i64 len, Lay L, void* nd, int 
         // no dtype switches and no index arithmetic, as instruction fetch is much of the
         // cost of a kernel this small. Each thread reads its elements before it writes them.
         const int n = (int)len;
-        const float* xf = (const float*)x;
-        const float* wf = (const float*)w;
-        float v[RN_V], wq[RN_V], s = 0.0f;
-#pragma unroll
-        for (int q = 0; q < RN_V; ++q) {
-            const int c = threadIdx.x + q * blockDim.x;
-            v[q] = c < n ? xf[c] : 0.0f;
-            wq[q] = c < n ? wf[c] : 0.0f;
-        }
-#pragma unroll
-        for (int q = 0; q < RN_V; ++q) s += v[q] * v[q];
-        s = block_sum(s);
-        const float inv = 1.0f / sqrtf(s / (float)len + eps);
+        float v[RN_V], wq[RN_V];
+        const float inv = row_rms_f32<RN_V>((const float*)x, (const float*)w, n, eps, v, wq);
 #pragma unroll
         for (int q = 0; q < RN_V; ++q) {
             const int c = threadIdx.x + q * blockDim.x;
@@ -372,19 +381,8 @@ __device__ __forceinline__ void norm_stage(float* xs, i64 K, const float* x, flo
     }
     const int k = (int)K, ng = split ? k / 8 : 0;
     const bool first = write && blockIdx.x == 0;
-    const float* wf = (const float*)w;
     float xv[NP_V], wv[NP_V];
-    float s = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NP_V; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
-        xv[j] = i < k ? x[i] : 0.0f;
-        wv[j] = i < k ? wf[i] : 0.0f;
-    }
-#pragma unroll
-    for (int j = 0; j < NP_V; ++j) s += xv[j] * xv[j];
-    s = block_sum(s);
-    const float inv = 1.0f / sqrtf(s / (float)k + eps);
+    const float inv = row_rms_f32<NP_V>(x, (const float*)w, k, eps, xv, wv);
 #pragma unroll
     for (int j = 0; j < NP_V; ++j) {
         const int i = threadIdx.x + j * blockDim.x;

@@ -2264,28 +2264,20 @@ mod tests {
         // In the layer the norm row lies under q's rotation and q's product under k's: the
         // row-pair group writes neither (nothing outside reads them before they are
         // overwritten), nor the products its Rope or SetRows consume.
-        let nodes = layer(false, DType::F16);
-        let Step::Fused(Group {
-            kind: Kind::Gemv { segs, norm, .. },
-            ..
-        }) = &plan(&nodes, None)[0]
-        else {
-            panic!("no fused products");
+        // The skipped results of the first step (the q/k/v group) of a layer.
+        let dead_of = |nodes: &[ExecNode]| match &plan(nodes, None)[0] {
+            Step::Fused(Group {
+                kind: Kind::Gemv { segs, norm, .. },
+                ..
+            }) => Dead::of(nodes, segs, *norm),
+            other => panic!("no fused products: {other:?}"),
         };
-        let dead = Dead::of(&nodes, segs, *norm);
+        let dead = dead_of(&layer(false, DType::F16));
         assert!(dead.norm);
         assert_eq!(dead.products, [true, true, true]);
         assert_eq!(dead.sums, [false, false, false]);
         // With biases the products are consumed by their Adds and the sums by the tails.
-        let nodes = layer(true, DType::F16);
-        let Step::Fused(Group {
-            kind: Kind::Gemv { segs, norm, .. },
-            ..
-        }) = &plan(&nodes, None)[0]
-        else {
-            panic!("no fused products");
-        };
-        let dead = Dead::of(&nodes, segs, *norm);
+        let dead = dead_of(&layer(true, DType::F16));
         assert!(dead.norm);
         assert_eq!(dead.products, [true, true, true]);
         assert_eq!(dead.sums, [true, true, true]);
