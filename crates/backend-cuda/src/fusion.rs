@@ -733,11 +733,19 @@ fn gemv_kind(
     })
 }
 
-/// Decode's epilogues of `segs`, each product's value being one contiguous row of even
-/// length: a later normal-mode (adjacent pairs) `Rope` of the value viewed as `[1, heads,
+/// Decode's epilogues of `segs` (one row each, of an even number of columns), each product's
+/// value being one contiguous row: a later normal-mode (adjacent pairs) `Rope` of the value viewed as `[1, heads,
 /// head_dim]` at one position, and a later `SetRows` of that result (or, without a Rope, of
 /// the value) into one cache row. `None` when no product has one.
 fn tails(nodes: &[ExecNode], segs: &[Seg], used: &[bool]) -> Option<Vec<Seg>> {
+    // The row-pair kernel splits every product (with an epilogue or not) into column pairs.
+    let pairs = segs.iter().all(|s| {
+        let out = &nodes[s.mm].dst;
+        out.shape.len() == 2 && out.shape[0] == 1 && out.shape[1].is_multiple_of(2)
+    });
+    if !pairs {
+        return None;
+    }
     let mut taken = used.to_vec();
     for s in segs {
         taken[s.mm] = true;
@@ -2300,6 +2308,16 @@ mod tests {
             "{steps:?}"
         );
         assert_eq!(steps[1], Step::Node(5));
+        // A product of an odd number of columns cannot be split into row pairs: no epilogues
+        // for the group.
+        let mut odd = layer(false, DType::F16);
+        odd[4].dst.shape = vec![1, 31];
+        odd[4].srcs[1].shape = vec![64, 31];
+        let steps = plan(&odd, None);
+        assert!(
+            matches!(&steps[0], Step::Fused(Group { kind: Kind::Gemv { segs, .. }, .. }) if !has_tails(segs)),
+            "{steps:?}"
+        );
         // A neox rope (halves, not adjacent pairs) is no epilogue either; the cache writes
         // still are.
         let mut neox = layer(false, DType::F16);
