@@ -687,8 +687,8 @@ __device__ __forceinline__ void stio(void* p, int dt, i64 i, float v) {
 }
 
 // FAST: the short path — 32-bit offsets, f32 q/mask/copy, vector K and V rows, no raw scores
-// (F32IO and I = int with it); the flags' other branches are compiled out of it.
-template <int DT, typename I, bool F32IO, bool FAST>
+// (I = int with it); the flags' other branches are compiled out of it.
+template <int DT, typename I, bool FAST>
 __device__ __forceinline__ void attn_body(
     I L, I D, float scale, const void* q, int dtq, I q_hs, I q_ds, const void* k,
     I k_hs, I k_ls, I k_div, int kvec_arg, const void* v, I v_hs, I v_ls, I v_div,
@@ -703,7 +703,7 @@ __device__ __forceinline__ void attn_body(
     const int tid = threadIdx.x;
     const I h = (I)blockIdx.x;
 #pragma unroll 1
-    for (I d = tid; d < D; d += ATT_T) qs[d] = ldio<F32IO>(q, dtq, h * q_hs + d * q_ds);
+    for (I d = tid; d < D; d += ATT_T) qs[d] = ldio<FAST>(q, dtq, h * q_hs + d * q_ds);
     const char* kb = (const char*)k + (h / k_div) * k_hs * ESZ;
     const char* vb = (const char*)v + (h / v_div) * v_hs * ESZ;
     float* ph = p + h * p_hs;
@@ -723,7 +723,7 @@ __device__ __forceinline__ void attn_body(
     for (I base = 0; base < L; base += ATT_T) {
         const I l = base + tid;
         const bool in = l < L;
-        const float mv = in && has_mask ? ldio<F32IO>(mask, dtm, h * m_hs + l * m_ls) : 0.0f;
+        const float mv = in && has_mask ? ldio<FAST>(mask, dtm, h * m_hs + l * m_ls) : 0.0f;
         const bool valid = in && mv != F_NEG_INF;
         vf[tid] = valid;
         __syncthreads();
@@ -824,7 +824,7 @@ __device__ __forceinline__ void attn_body(
         for (int s = 0; s < RS; ++s) y += red[(s * TC + ct) * 8 + ce];
         y *= inv;
         o[h * o_hs + col * o_ds] = y;
-        if (has_cpy) stio<F32IO>(c, dtc, h * c_hs + col * c_ds, y);
+        if (has_cpy) stio<FAST>(c, dtc, h * c_hs + col * c_ds, y);
     }
 }
 
@@ -854,15 +854,15 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
     const bool f32io = dtq == DT_F32 && (!has_mask || dtm == DT_F32) && (!has_cpy || dtc == DT_F32);
     if (narrow && f32io && kvec && vvec && !write_kq) {
         switch (dtkv) {
-            case DT_F16: attn_body<DT_F16, int, true, true>(ATT_ARGS); break;
-            case DT_BF16: attn_body<DT_BF16, int, true, true>(ATT_ARGS); break;
-            default: attn_body<DT_F32, int, true, true>(ATT_ARGS); break;
+            case DT_F16: attn_body<DT_F16, int, true>(ATT_ARGS); break;
+            case DT_BF16: attn_body<DT_BF16, int, true>(ATT_ARGS); break;
+            default: attn_body<DT_F32, int, true>(ATT_ARGS); break;
         }
     } else {
         switch (dtkv) {
-            case DT_F16: attn_body<DT_F16, i64, false, false>(ATT_ARGS); break;
-            case DT_BF16: attn_body<DT_BF16, i64, false, false>(ATT_ARGS); break;
-            default: attn_body<DT_F32, i64, false, false>(ATT_ARGS); break;
+            case DT_F16: attn_body<DT_F16, i64, false>(ATT_ARGS); break;
+            case DT_BF16: attn_body<DT_BF16, i64, false>(ATT_ARGS); break;
+            default: attn_body<DT_F32, i64, false>(ATT_ARGS); break;
         }
     }
 #undef ATT_ARGS

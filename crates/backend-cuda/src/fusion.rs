@@ -1326,7 +1326,7 @@ fn launch_gemv(
     };
     // With Rope epilogues the prologue is kept past one wave: it costs less than the launches
     // the epilogues save, and a separate norm would leave its row under q's rotation.
-    let one_wave = blocks1 <= exec.inner.sms * per_sm || tails;
+    let prologue_fits = blocks1 <= exec.inner.sms * per_sm || tails;
     // The decode kernel computes offsets in 32 bits.
     let narrow = k < i32::MAX as usize && units < i32::MAX as usize;
     let vec = vec && narrow;
@@ -1350,7 +1350,7 @@ fn launch_gemv(
         return Ok(());
     }
     let pro = match norm {
-        Some(n) if m == 1 && vec && staged && one_wave => {
+        Some(n) if m == 1 && vec && staged && prologue_fits => {
             Some(norm_args(exec, &nodes[n.norm], &nodes[n.mul])?)
         }
         Some(n) => {
