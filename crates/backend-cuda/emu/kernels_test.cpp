@@ -797,6 +797,34 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
     check(tag + ": p", wp, gp, 1e-10);
     check(tag + ": o", wo, go, 1e-10);
     check(tag + ": copy", wc, gc, 0);
+    // The short path (attn_fast), where the host would take it: the same o and copy.
+    const int G2 = (int)(D / vw);
+    if (narrow && !wkq && kvec && vvec && D % vw == 0 && (G2 == 4 || G2 == 8 || G2 == 16 || G2 == 32)) {
+        for (int write_o : {1, 0}) {
+            Buf o2(DT_F32, Hq * D), c2(DT_F32, Hq * D);
+            for (i64 i = 0; i < Hq * D; ++i) o2.set(i, 7.0f);
+            launch((unsigned)Hq, 256, [&] {
+                attn_fast((int)L, (int)D, scale, (const float*)q.p(), (int)D, 1, kvdt, kc.p(), (int)D, (int)ld_kv,
+                          (int)(Hq / Hk), vc.p(), (int)D, (int)ld_kv, (int)(Hq / Hk), (const float*)m.p(),
+                          mode == 3 ? (int)L : 0, 1, 1, (float*)o2.p(), (int)D, 1, write_o,
+                          (float*)c2.p(), 1, (int)Hq, 1);
+            });
+            std::vector<double> go2, gc2, wc2, wkeep;
+            for (i64 h = 0; h < Hq; ++h)
+                for (i64 dd = 0; dd < D; ++dd) {
+                    go2.push_back(o2.get(h * D + dd));
+                    gc2.push_back(c2.get(dd * Hq + h));
+                }
+            const std::string t2 = "attn_fast" + tag.substr(11) + " write_o " + std::to_string(write_o);
+            check(t2 + ": copy", wo, gc2, 1e-10);
+            if (write_o) {
+                check(t2 + ": o", wo, go2, 1e-10);
+            } else {
+                for (i64 i = 0; i < Hq * D; ++i) wkeep.push_back(7.0);
+                check(t2 + ": o untouched", wkeep, go2, 0);
+            }
+        }
+    }
 }
 
 void test_attention() {

@@ -867,3 +867,156 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
     }
 #undef ATT_ARGS
 }
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention, short path (`attn_fast`): the same results as `attn_decode` for f32 q, mask
+// and copy, 16-byte aligned K/V rows whose head size D is VW * G (VW: elements in 16 bytes, G a
+// power of two up to 32), when neither the raw scores nor p must be written.
+//
+// Built for the length of its dependency chain, which is all a decode step sees of it: G lanes
+// share a key (each holds VW dims of q, K and V), AF_T / G keys per pass, AF_P passes per chunk
+// of keys. A chunk's q slice, mask entries, K and V rows are loaded at once — one memory round
+// trip; K and V rows of masked keys are read too (bytes instead of a second round trip) but
+// never used. The logit is a VW-long dot product and log2(G) shuffles; each warp keeps its own
+// running max, sum and p @ V partials (online softmax across chunks, no barrier), and the
+// warps meet once, through shared memory, at the end — in a fixed order (deterministic).
+#define AF_T 256
+#define AF_P 8
+
+template <int DT, int G>
+__device__ __forceinline__ void attn_fast_body(int L, float scale, const float* q, int q_hs,
+                                               int q_ds, const void* k, int k_hs, int k_ls,
+                                               int k_div, const void* v, int v_hs, int v_ls,
+                                               int v_div, const float* mask, int m_hs, int m_ls,
+                                               int has_mask, float* o, int o_hs, int o_ds,
+                                               int write_o, float* c, int c_hs, int c_ds,
+                                               int has_cpy, float* sh) {
+    constexpr int VW = DT == DT_F32 ? 4 : 8;
+    constexpr int ESZ = DT == DT_F32 ? 4 : 2;
+    constexpr int D = G * VW;
+    constexpr int KP = AF_T / G;  // keys per pass
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int kg = tid / G, d0 = (tid % G) * VW;
+    const int h = blockIdx.x;
+    float qv[VW];
+#pragma unroll
+    for (int e = 0; e < VW; ++e) qv[e] = q[h * q_hs + (d0 + e) * q_ds];
+    const char* kb = (const char*)k + ((h / k_div) * k_hs + d0) * ESZ;
+    const char* vb = (const char*)v + ((h / v_div) * v_hs + d0) * ESZ;
+    const float* mh = mask + h * m_hs;
+    float wmax = F_NEG_INF, wsum = 0.0f, acc[VW];
+#pragma unroll
+    for (int e = 0; e < VW; ++e) acc[e] = 0.0f;
+#pragma unroll 1
+    for (int base = 0; base < L; base += KP * AF_P) {
+        uint4 kr[AF_P], vr[AF_P];
+        float lg[AF_P];
+        // Passes past L are skipped whole (a block-uniform branch): short windows run and
+        // fetch only the code of the passes they use.
+        const int np = min(AF_P, (L - base + KP - 1) / KP);
+#pragma unroll
+        for (int t = 0; t < AF_P; ++t) {
+            if (t < np) {
+                const int l = base + kg + KP * t;
+                const bool in = l < L;
+                lg[t] = in ? (has_mask ? mh[l * m_ls] : 0.0f) : F_NEG_INF;
+                kr[t] = in ? *(const uint4*)(kb + l * k_ls * ESZ) : make_uint4(0, 0, 0, 0);
+                vr[t] = in ? *(const uint4*)(vb + l * v_ls * ESZ) : make_uint4(0, 0, 0, 0);
+            }
+        }
+        float cmax = F_NEG_INF;
+#pragma unroll
+        for (int t = 0; t < AF_P; ++t) {
+            if (t >= np) break;
+            float f[VW];
+            unpack16<DT>(kr[t], f);
+            float dot = 0.0f;
+#pragma unroll
+            for (int e = 0; e < VW; ++e) dot = fmaf(qv[e], f[e], dot);
+#pragma unroll
+            for (int off = G >> 1; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+            lg[t] = lg[t] != F_NEG_INF ? dot * scale + lg[t] : F_NEG_INF;
+            cmax = fmaxf(cmax, lg[t]);
+        }
+#pragma unroll
+        for (int off = G; off < 32; off <<= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, off));
+        const float nmax = fmaxf(wmax, cmax);
+        const float rescale = wmax != F_NEG_INF ? expf(wmax - nmax) : 0.0f;
+        wsum *= rescale;
+#pragma unroll
+        for (int e = 0; e < VW; ++e) acc[e] *= rescale;
+        wmax = nmax;
+#pragma unroll
+        for (int t = 0; t < AF_P; ++t) {
+            if (t >= np) break;
+            const float pw = lg[t] != F_NEG_INF ? expf(lg[t] - nmax) : 0.0f;
+            wsum += pw;
+            if (pw != 0.0f) {
+                float f[VW];
+                unpack16<DT>(vr[t], f);
+#pragma unroll
+                for (int e = 0; e < VW; ++e) acc[e] = fmaf(pw, f[e], acc[e]);
+            }
+        }
+    }
+    // The warp's key groups meet: lanes with the same dims, in xor order.
+#pragma unroll
+    for (int off = G; off < 32; off <<= 1) {
+        wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
+#pragma unroll
+        for (int e = 0; e < VW; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
+    }
+    float* wm = sh;              // [AF_T / 32]
+    float* ws = sh + AF_T / 32;  // [AF_T / 32]
+    float* wa = sh + AF_T / 16;  // [AF_T / 32][D]
+    if (lane < G) {
+#pragma unroll
+        for (int e = 0; e < VW; ++e) wa[warp * D + d0 + e] = acc[e];
+    }
+    if (lane == 0) {
+        wm[warp] = wmax;
+        ws[warp] = wsum;
+    }
+    __syncthreads();
+    if (tid < D) {
+        float m = F_NEG_INF;
+#pragma unroll
+        for (int w = 0; w < AF_T / 32; ++w) m = fmaxf(m, wm[w]);
+        float s = 0.0f, y = 0.0f;
+#pragma unroll
+        for (int w = 0; w < AF_T / 32; ++w) {
+            const float f = wm[w] != F_NEG_INF ? expf(wm[w] - m) : 0.0f;
+            s = fmaf(ws[w], f, s);
+            y = fmaf(wa[w * D + tid], f, y);
+        }
+        y = s > 0.0f ? y / s : 0.0f;
+        if (write_o) o[h * o_hs + tid * o_ds] = y;
+        if (has_cpy) c[h * c_hs + tid * c_ds] = y;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(
+    int L, int D, float scale, const float* q, int q_hs, int q_ds, int dtkv, const void* k,
+    int k_hs, int k_ls, int k_div, const void* v, int v_hs, int v_ls, int v_div,
+    const float* mask, int m_hs, int m_ls, int has_mask, float* o, int o_hs, int o_ds,
+    int write_o, float* c, int c_hs, int c_ds, int has_cpy) {
+    pdl_entry();
+    __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
+#define AF_ARGS                                                                                 \
+    L, scale, q, q_hs, q_ds, k, k_hs, k_ls, k_div, v, v_hs, v_ls, v_div, mask, m_hs, m_ls,      \
+        has_mask, o, o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy, sh
+#define AF_CASE(DT, VW)                                                                         \
+    switch (D / VW) {                                                                           \
+        case 4: attn_fast_body<DT, 4>(AF_ARGS); break;                                          \
+        case 8: attn_fast_body<DT, 8>(AF_ARGS); break;                                          \
+        case 16: attn_fast_body<DT, 16>(AF_ARGS); break;                                        \
+        default: attn_fast_body<DT, 32>(AF_ARGS); break;                                        \
+    }
+    switch (dtkv) {
+        case DT_F16: AF_CASE(DT_F16, 8); break;
+        case DT_BF16: AF_CASE(DT_BF16, 8); break;
+        default: AF_CASE(DT_F32, 4); break;
+    }
+#undef AF_CASE
+#undef AF_ARGS
+}

@@ -1135,12 +1135,20 @@ fn launch(exec: &mut Exec<'_>, nodes: &[ExecNode], kind: &Kind) -> Result<()> {
             pv,
             cpy,
             scores,
-        } => launch_attention(
-            exec,
-            [&nodes[*kq], &nodes[*soft_max], &nodes[*pv]],
-            cpy.map(|c| &nodes[c]),
-            *scores,
-        ),
+        } => {
+            // p and (beside its copy) o are written only when something reads them later.
+            let live = Live {
+                scores: *scores,
+                probs: !dead_after(nodes, *soft_max, *pv),
+                out: cpy.is_none_or(|c| !dead_after(nodes, *pv, c)),
+            };
+            launch_attention(
+                exec,
+                [&nodes[*kq], &nodes[*soft_max], &nodes[*pv]],
+                cpy.map(|c| &nodes[c]),
+                live,
+            )
+        }
     }
 }
 
@@ -1493,11 +1501,20 @@ fn launch_rope_rows(
     exec.launch(rope, Kernel::RopeRows, grid_for(n1 + n2), BLOCK, args)
 }
 
+/// Which of the attention's intermediate results must be written: the raw scores, p, and o
+/// (when it has a copy).
+#[derive(Clone, Copy, Debug)]
+struct Live {
+    scores: bool,
+    probs: bool,
+    out: bool,
+}
+
 fn launch_attention(
     exec: &Exec<'_>,
     [kq, sm, pv]: [&ExecNode; 3],
     cpy: Option<&ExecNode>,
-    scores: bool,
+    live: Live,
 ) -> Result<()> {
     let Op::SoftMax { scale } = sm.op else {
         return Err(kernel_err(sm, "fused as a softmax but is not one"));
@@ -1546,6 +1563,65 @@ fn launch_attention(
         }
         None => (None, 0, 0),
     };
+    // The kernel's short paths compute offsets in 32 bits: every tensor it touches must span
+    // fewer than 2^31 bytes.
+    let small = |t: &TensorRef| t.byte_extent() < i32::MAX as usize;
+    let narrow = [
+        &kq.srcs[0],
+        &kq.srcs[1],
+        &kq.dst,
+        &sm.dst,
+        &pv.srcs[1],
+        &pv.dst,
+    ]
+    .into_iter()
+    .chain(sm.srcs.get(1))
+    .chain(cpy.map(|c| &c.dst))
+    .all(small);
+    let grid = hq.clamp(1, i32::MAX as usize) as u32;
+    let f32io = q.dtype == DType::F32
+        && mask.as_ref().is_none_or(|m| m.dtype == DType::F32)
+        && c.as_ref().is_none_or(|c| c.dtype == DType::F32);
+    if narrow
+        && f32io
+        && kvec
+        && vvec
+        && !live.scores
+        && !live.probs
+        && d % vw == 0
+        && matches!(d / vw, 4 | 8 | 16 | 32)
+    {
+        let i = |v: usize| v as i32;
+        let args = Args::new()
+            .arg(i(l))
+            .arg(i(d))
+            .arg(scale)
+            .arg(q.ptr)
+            .arg(i(q.strides[0]))
+            .arg(i(q.strides[2]))
+            .arg(dt(k.dtype))
+            .arg(k.ptr)
+            .arg(i(k.strides[0]))
+            .arg(i(k.strides[2]))
+            .arg(i(hq / k.shape[0]))
+            .arg(v.ptr)
+            .arg(i(v.strides[0]))
+            .arg(i(v.strides[1]))
+            .arg(i(hq / v.shape[0]))
+            .arg(mask.as_ref().map_or(0, |m| m.ptr))
+            .arg(m_hs as i32)
+            .arg(m_ls as i32)
+            .arg(mask.is_some() as i32)
+            .arg(o.ptr)
+            .arg(i(o.strides[0]))
+            .arg(i(o.strides[2]))
+            .arg(live.out as i32)
+            .arg(c.as_ref().map_or(0, |c| c.ptr))
+            .arg(c_hs as i32)
+            .arg(c_ds as i32)
+            .arg(cpy.is_some() as i32);
+        return exec.launch(kq, Kernel::AttnFast, grid, ATT_THREADS as u32, args);
+    }
     let args = Args::new()
         .arg(l as i64)
         .arg(d as i64)
@@ -1575,7 +1651,7 @@ fn launch_attention(
         .arg(s.ptr)
         .arg(s.strides[0] as i64)
         .arg(s.strides[2] as i64)
-        .arg(scores as i32)
+        .arg(live.scores as i32)
         .arg(p.ptr)
         .arg(p.strides[0] as i64)
         .arg(p.strides[2] as i64)
@@ -1586,24 +1662,8 @@ fn launch_attention(
         .arg(c.as_ref().map_or(0, |c| dt(c.dtype)))
         .arg(c_hs)
         .arg(c_ds)
-        .arg(cpy.is_some() as i32);
-    // The kernel's short path computes offsets in 32 bits: every tensor it touches must span
-    // fewer than 2^31 bytes.
-    let small = |t: &TensorRef| t.byte_extent() < i32::MAX as usize;
-    let narrow = [
-        &kq.srcs[0],
-        &kq.srcs[1],
-        &kq.dst,
-        &sm.dst,
-        &pv.srcs[1],
-        &pv.dst,
-    ]
-    .into_iter()
-    .chain(sm.srcs.get(1))
-    .chain(cpy.map(|c| &c.dst))
-    .all(small);
-    let args = args.arg(narrow as i32);
-    let grid = hq.clamp(1, i32::MAX as usize) as u32;
+        .arg(cpy.is_some() as i32)
+        .arg(narrow as i32);
     exec.launch(kq, Kernel::AttnDecode, grid, ATT_THREADS as u32, args)
 }
 

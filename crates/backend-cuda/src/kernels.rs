@@ -64,13 +64,14 @@ pub(crate) enum Kernel {
     FusedGemv8,
     RopeRows,
     AttnDecode,
+    AttnFast,
     FusedGemv1,
     FusedGemv1Pair,
 }
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 23] = [
+    pub(crate) const ALL: [Kernel; 24] = [
         Kernel::EwUnary,
         Kernel::EwBinary,
         Kernel::CopyStrided,
@@ -92,6 +93,7 @@ impl Kernel {
         Kernel::FusedGemv8,
         Kernel::RopeRows,
         Kernel::AttnDecode,
+        Kernel::AttnFast,
         Kernel::FusedGemv1,
         Kernel::FusedGemv1Pair,
     ];
@@ -115,6 +117,7 @@ impl Kernel {
             | Kernel::FusedGemv8
             | Kernel::RopeRows
             | Kernel::AttnDecode
+            | Kernel::AttnFast
             | Kernel::FusedGemv1
             | Kernel::FusedGemv1Pair => "fused",
         }
@@ -143,6 +146,7 @@ impl Kernel {
             Kernel::FusedGemv8 => "fused_gemv8",
             Kernel::RopeRows => "rope_rows",
             Kernel::AttnDecode => "attn_decode",
+            Kernel::AttnFast => "attn_fast",
             Kernel::FusedGemv1 => "fused_gemv1",
             Kernel::FusedGemv1Pair => "fused_gemv1_pair",
         }
