@@ -799,24 +799,33 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
     check(tag + ": copy", wc, gc, 0);
     // The short path (attn_fast), where the host would take it: the same o and copy.
     const int G2 = (int)(D / vw);
-    if (narrow && !wkq && kvec && vvec && D % vw == 0 && (G2 == 4 || G2 == 8 || G2 == 16 || G2 == 32)) {
+    if (narrow && kvec && vvec && D % vw == 0 && (G2 == 4 || G2 == 8 || G2 == 16 || G2 == 32)) {
         for (int write_o : {1, 0}) {
-            Buf o2(DT_F32, Hq * D), c2(DT_F32, Hq * D);
+            const int write_p = write_o;  // both ways with and without p
+            Buf o2(DT_F32, Hq * D), c2(DT_F32, Hq * D), kq2(DT_F32, Hq * L), p2(DT_F32, Hq * L);
             for (i64 i = 0; i < Hq * D; ++i) o2.set(i, 7.0f);
             launch((unsigned)Hq, 256, [&] {
                 attn_fast((int)L, (int)D, scale, (const float*)q.p(), (int)D, 1, kvdt, kc.p(), (int)D, (int)ld_kv,
                           (int)(Hq / Hk), vc.p(), (int)D, (int)ld_kv, (int)(Hq / Hk), (const float*)m.p(),
-                          mode == 3 ? (int)L : 0, 1, 1, (float*)o2.p(), (int)D, 1, write_o,
+                          mode == 3 ? (int)L : 0, 1, 1, (float*)kq2.p(), (int)L, 1, wkq, (float*)p2.p(),
+                          (int)L, 1, write_p, (float*)o2.p(), (int)D, 1, write_o,
                           (float*)c2.p(), 1, (int)Hq, 1);
             });
-            std::vector<double> go2, gc2, wc2, wkeep;
-            for (i64 h = 0; h < Hq; ++h)
+            std::vector<double> go2, gc2, wc2, wkeep, gkq2, gp2;
+            for (i64 h = 0; h < Hq; ++h) {
                 for (i64 dd = 0; dd < D; ++dd) {
                     go2.push_back(o2.get(h * D + dd));
                     gc2.push_back(c2.get(dd * Hq + h));
                 }
+                for (i64 j = 0; j < L; ++j) {
+                    gkq2.push_back(kq2.get(h * L + j));
+                    gp2.push_back(p2.get(h * L + j));
+                }
+            }
             const std::string t2 = "attn_fast" + tag.substr(11) + " write_o " + std::to_string(write_o);
             check(t2 + ": copy", wo, gc2, 1e-10);
+            if (wkq) check(t2 + ": scores", wkq_v, gkq2, 1e-10);
+            if (write_p) check(t2 + ": p", wp, gp2, 1e-10);
             if (write_o) {
                 check(t2 + ": o", wo, go2, 1e-10);
             } else {

@@ -871,7 +871,8 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
 // ---------------------------------------------------------------------------------------------
 // Decode attention, short path (`attn_fast`): the same results as `attn_decode` for f32 q, mask
 // and copy, 16-byte aligned K/V rows whose head size D is VW * G (VW: elements in 16 bytes, G a
-// power of two up to 32), when neither the raw scores nor p must be written.
+// power of two up to 32). The raw scores, p and o are written only when asked (`write_kq`,
+// `write_p`, `write_o`: the host found a later reader).
 //
 // Built for the length of its dependency chain, which is all a decode step sees of it: G lanes
 // share a key (each holds VW dims of q, K and V), AF_T / G keys per pass, AF_P passes per chunk
@@ -879,7 +880,8 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
 // trip; K and V rows of masked keys are read too (bytes instead of a second round trip) but
 // never used. The logit is a VW-long dot product and log2(G) shuffles; each warp keeps its own
 // running max, sum and p @ V partials (online softmax across chunks, no barrier), and the
-// warps meet once, through shared memory, at the end — in a fixed order (deterministic).
+// warps meet once, through shared memory, at the end — in a fixed order (deterministic). p,
+// when written, first holds the logits; each thread normalizes the entries it wrote itself.
 #define AF_T 256
 #define AF_P 8
 
@@ -888,7 +890,9 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
                                                int q_ds, const void* k, int k_hs, int k_ls,
                                                int k_div, const void* v, int v_hs, int v_ls,
                                                int v_div, const float* mask, int m_hs, int m_ls,
-                                               int has_mask, float* o, int o_hs, int o_ds,
+                                               int has_mask, float* kq, int kq_hs, int kq_ls,
+                                               int write_kq, float* p, int p_hs, int p_ls,
+                                               int write_p, float* o, int o_hs, int o_ds,
                                                int write_o, float* c, int c_hs, int c_ds,
                                                int has_cpy, float* sh) {
     constexpr int VW = DT == DT_F32 ? 4 : 8;
@@ -904,6 +908,8 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
     const char* kb = (const char*)k + ((h / k_div) * k_hs + d0) * ESZ;
     const char* vb = (const char*)v + ((h / v_div) * v_hs + d0) * ESZ;
     const float* mh = mask + h * m_hs;
+    const bool lead = tid % G == 0;  // writes its key's scores and p
+    float* ph = p + h * p_hs;
     float wmax = F_NEG_INF, wsum = 0.0f, acc[VW];
 #pragma unroll
     for (int e = 0; e < VW; ++e) acc[e] = 0.0f;
@@ -935,7 +941,10 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
             for (int e = 0; e < VW; ++e) dot = fmaf(qv[e], f[e], dot);
 #pragma unroll
             for (int off = G >> 1; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+            const int l = base + kg + KP * t;
+            if (write_kq && lead && l < L) kq[h * kq_hs + l * kq_ls] = dot;
             lg[t] = lg[t] != F_NEG_INF ? dot * scale + lg[t] : F_NEG_INF;
+            if (write_p && lead && l < L) ph[l * p_ls] = lg[t];
             cmax = fmaxf(cmax, lg[t]);
         }
 #pragma unroll
@@ -978,33 +987,43 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
         ws[warp] = wsum;
     }
     __syncthreads();
+    float m = F_NEG_INF;
+#pragma unroll
+    for (int w = 0; w < AF_T / 32; ++w) m = fmaxf(m, wm[w]);
+    float s = 0.0f, y = 0.0f;
+#pragma unroll
+    for (int w = 0; w < AF_T / 32; ++w) {
+        const float f = wm[w] != F_NEG_INF ? expf(wm[w] - m) : 0.0f;
+        s = fmaf(ws[w], f, s);
+        if (tid < D) y = fmaf(wa[w * D + tid], f, y);
+    }
     if (tid < D) {
-        float m = F_NEG_INF;
-#pragma unroll
-        for (int w = 0; w < AF_T / 32; ++w) m = fmaxf(m, wm[w]);
-        float s = 0.0f, y = 0.0f;
-#pragma unroll
-        for (int w = 0; w < AF_T / 32; ++w) {
-            const float f = wm[w] != F_NEG_INF ? expf(wm[w] - m) : 0.0f;
-            s = fmaf(ws[w], f, s);
-            y = fmaf(wa[w * D + tid], f, y);
-        }
         y = s > 0.0f ? y / s : 0.0f;
         if (write_o) o[h * o_hs + tid * o_ds] = y;
         if (has_cpy) c[h * c_hs + tid * c_ds] = y;
+    }
+    if (write_p && lead) {
+        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+#pragma unroll 1
+        for (int l = kg; l < L; l += KP) {
+            const float lv = ph[l * p_ls];
+            ph[l * p_ls] = lv != F_NEG_INF ? expf(lv - m) * inv : 0.0f;
+        }
     }
 }
 
 extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(
     int L, int D, float scale, const float* q, int q_hs, int q_ds, int dtkv, const void* k,
     int k_hs, int k_ls, int k_div, const void* v, int v_hs, int v_ls, int v_div,
-    const float* mask, int m_hs, int m_ls, int has_mask, float* o, int o_hs, int o_ds,
+    const float* mask, int m_hs, int m_ls, int has_mask, float* kq, int kq_hs, int kq_ls,
+    int write_kq, float* p, int p_hs, int p_ls, int write_p, float* o, int o_hs, int o_ds,
     int write_o, float* c, int c_hs, int c_ds, int has_cpy) {
     pdl_entry();
     __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
 #define AF_ARGS                                                                                 \
     L, scale, q, q_hs, q_ds, k, k_hs, k_ls, k_div, v, v_hs, v_ls, v_div, mask, m_hs, m_ls,      \
-        has_mask, o, o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy, sh
+        has_mask, kq, kq_hs, kq_ls, write_kq, p, p_hs, p_ls, write_p, o, o_hs, o_ds, write_o, c, \
+        c_hs, c_ds, has_cpy, sh
 #define AF_CASE(DT, VW)                                                                         \
     switch (D / VW) {                                                                           \
         case 4: attn_fast_body<DT, 4>(AF_ARGS); break;                                          \

@@ -1582,15 +1582,7 @@ fn launch_attention(
     let f32io = q.dtype == DType::F32
         && mask.as_ref().is_none_or(|m| m.dtype == DType::F32)
         && c.as_ref().is_none_or(|c| c.dtype == DType::F32);
-    if narrow
-        && f32io
-        && kvec
-        && vvec
-        && !live.scores
-        && !live.probs
-        && d % vw == 0
-        && matches!(d / vw, 4 | 8 | 16 | 32)
-    {
+    if narrow && f32io && kvec && vvec && d % vw == 0 && matches!(d / vw, 4 | 8 | 16 | 32) {
         let i = |v: usize| v as i32;
         let args = Args::new()
             .arg(i(l))
@@ -1612,6 +1604,14 @@ fn launch_attention(
             .arg(m_hs as i32)
             .arg(m_ls as i32)
             .arg(mask.is_some() as i32)
+            .arg(s.ptr)
+            .arg(i(s.strides[0]))
+            .arg(i(s.strides[2]))
+            .arg(live.scores as i32)
+            .arg(p.ptr)
+            .arg(i(p.strides[0]))
+            .arg(i(p.strides[2]))
+            .arg(live.probs as i32)
             .arg(o.ptr)
             .arg(i(o.strides[0]))
             .arg(i(o.strides[2]))
