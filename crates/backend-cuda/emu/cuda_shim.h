@@ -56,6 +56,11 @@ inline unsigned __float_as_uint(float f) {
     memcpy(&u, &f, 4);
     return u;
 }
+inline int __float_as_int(float f) {
+    int u;
+    memcpy(&u, &f, 4);
+    return u;
+}
 inline float __int_as_float(int u) {
     float f;
     memcpy(&f, &u, 4);

@@ -893,10 +893,11 @@ void test_soft_max() {
 
 // The largest value's index, the lowest on ties, NaN below every number, an all-NaN row 0.
 void test_argmax() {
-    for (i64 len : {7, 1000, 32000})
+    for (int xdt : {DT_F16, DT_F32})
+    for (i64 len : {7, 1000, 32000, 100000})
         for (int kind = 0; kind < 4; ++kind) {
             const i64 rows = 2;
-            Buf x(DT_F16, rows * len), d(DT_I32, rows);
+            Buf x(xdt, rows * len), d(DT_I32, rows);
             x.rand(8);
             std::vector<int> want(rows);
             for (i64 r = 0; r < rows; ++r) {
@@ -918,13 +919,13 @@ void test_argmax() {
                 want[r] = best < 0 ? 0 : (int)best;
             }
             // The backend's block: 1024 threads for rows of 8192 values or more, else 256.
-            launch(rows, len >= 8192 ? 1024 : 256, [&] { argmax(rows, len, rows_lay(rows, len, 1), (int*)d.p(), x.p(), DT_F16, 1); });
+            launch(rows, len >= 8192 ? 1024 : 256, [&] { argmax(rows, len, rows_lay(rows, len, 1), (int*)d.p(), x.p(), xdt, 1); });
             for (i64 r = 0; r < rows; ++r) {
                 const int got = ((int*)d.p())[r];
                 if (got != want[r]) {
                     ++fails;
-                    printf("FAIL argmax len %lld kind %d row %lld: %d, want %d\n", (long long)len, kind,
-                           (long long)r, got, want[r]);
+                    printf("FAIL argmax dtype %d len %lld kind %d row %lld: %d, want %d\n", xdt, (long long)len,
+                           kind, (long long)r, got, want[r]);
                 }
             }
         }

@@ -67,45 +67,67 @@ __device__ __forceinline__ bool better(float v, i64 i, float bv, i64 bi) {
     if (vn) return i < bi;
     return v > bv || (v == bv && i < bi);
 }
+// A row's values of one thread: AM_U loads in flight before the comparisons (a decode step
+// waits on this row; ties go to the lower index, so the order of comparisons does not matter).
+#define AM_U 32
+template <bool F32>
+__device__ __forceinline__ void argmax_part(const void* x, int dtx, i64 base, i64 x_cs, i64 len,
+                                            float& bv, i64& bi) {
+#pragma unroll 1
+    for (i64 c0 = threadIdx.x; c0 < len; c0 += (i64)AM_U * blockDim.x) {
+        float v[AM_U];
+#pragma unroll
+        for (int u = 0; u < AM_U; ++u) {
+            const i64 c = c0 + (i64)u * blockDim.x;
+            v[u] = c < len ? (F32 ? ((const float*)x)[base + c * x_cs] : ld(x, dtx, base + c * x_cs)) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < AM_U; ++u) {
+            const i64 c = c0 + (i64)u * blockDim.x;
+            if (c < len && better(v[u], c, bv, bi)) { bv = v[u]; bi = c; }
+        }
+    }
+}
+
+// The best of a warp's (value, index) pairs, in every lane (an xor butterfly; `better` is a
+// total order on distinct indices, so the result does not depend on the order). Indices
+// travel as 32-bit words: the host launches rows shorter than 2^31.
+__device__ __forceinline__ void argmax_warp(float& bv, i64& bi) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+        const i64 oi = (i64)__float_as_int(__shfl_xor_sync(0xffffffffu, __int_as_float((int)bi), off));
+        if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+}
+
 extern "C" __global__ void argmax(i64 rows, i64 len, Lay L, int* dst, const void* x, int dtx,
                                   i64 x_cs) {
     pdl_entry();
-    __shared__ float sv[1024];
-    __shared__ i64 si[1024];
+    __shared__ float sv[32];
+    __shared__ i64 si[32];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         i64 o[3];
         lay_offsets(L, r, 2, o);
         float bv = __int_as_float(0x7fc00000);  // NaN: loses to any number
         i64 bi = len;
-        // AM_U loads in flight per thread before the comparisons (a decode step waits on
-        // this row; ties go to the lower index, so the order of comparisons does not matter).
-        const int AM_U = 8;
-        for (i64 c0 = threadIdx.x; c0 < len; c0 += (i64)AM_U * blockDim.x) {
-            float v[AM_U];
-#pragma unroll
-            for (int u = 0; u < AM_U; ++u) {
-                const i64 c = c0 + (i64)u * blockDim.x;
-                v[u] = c < len ? ld(x, dtx, o[1] + c * x_cs) : 0.0f;
-            }
-#pragma unroll
-            for (int u = 0; u < AM_U; ++u) {
-                const i64 c = c0 + (i64)u * blockDim.x;
-                if (c < len && better(v[u], c, bv, bi)) { bv = v[u]; bi = c; }
-            }
+        if (dtx == DT_F32) {
+            argmax_part<true>(x, dtx, o[1], x_cs, len, bv, bi);
+        } else {
+            argmax_part<false>(x, dtx, o[1], x_cs, len, bv, bi);
         }
-        sv[threadIdx.x] = bv;
-        si[threadIdx.x] = bi;
+        argmax_warp(bv, bi);
+        if (lane == 0) {
+            sv[w] = bv;
+            si[w] = bi;
+        }
         __syncthreads();
-        for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-            if (threadIdx.x < s && better(sv[threadIdx.x + s], si[threadIdx.x + s], sv[threadIdx.x], si[threadIdx.x])) {
-                sv[threadIdx.x] = sv[threadIdx.x + s];
-                si[threadIdx.x] = si[threadIdx.x + s];
-            }
-            __syncthreads();
-        }
-        if (threadIdx.x == 0) {
-            i64 b = si[0];
-            dst[o[0]] = (sv[0] != sv[0] || b >= len) ? 0 : (int)b;
+        if (w == 0) {
+            bv = lane < nw ? sv[lane] : __int_as_float(0x7fc00000);
+            bi = lane < nw ? si[lane] : len;
+            argmax_warp(bv, bi);
+            if (lane == 0) dst[o[0]] = (bv != bv || bi >= len) ? 0 : (int)bi;
         }
         __syncthreads();
     }

@@ -758,6 +758,13 @@ impl<'a> Exec<'a> {
                 format!("argmax of an empty last axis ({:?})", x.shape),
             ));
         }
+        // The result is an i32 index, and the kernel's lanes exchange indices as 32-bit words.
+        if len > i32::MAX as usize {
+            return Err(kernel_err(
+                node,
+                format!("argmax over {len} values: at most 2^31 - 1 per row"),
+            ));
+        }
         let l = self.lay(node, &lead, &[&dst.strides, &xs])?;
         let args = Args::new()
             .arg(rows as i64)
