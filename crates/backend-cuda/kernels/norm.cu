@@ -69,7 +69,7 @@ __device__ __forceinline__ bool better(float v, i64 i, float bv, i64 bi) {
 }
 // A row's values of one thread: AM_U loads in flight before the comparisons (a decode step
 // waits on this row; ties go to the lower index, so the order of comparisons does not matter).
-#define AM_U 32
+#define AM_U 16
 template <bool F32>
 __device__ __forceinline__ void argmax_part(const void* x, int dtx, i64 base, i64 x_cs, i64 len,
                                             float& bv, i64& bi) {
@@ -101,7 +101,7 @@ __device__ __forceinline__ void argmax_warp(float& bv, i64& bi) {
     }
 }
 
-extern "C" __global__ void argmax(i64 rows, i64 len, Lay L, int* dst, const void* x, int dtx,
+extern "C" __global__ void __launch_bounds__(1024) argmax(i64 rows, i64 len, Lay L, int* dst, const void* x, int dtx,
                                   i64 x_cs) {
     pdl_entry();
     __shared__ float sv[32];
