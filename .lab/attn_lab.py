@@ -114,7 +114,8 @@ MARKS_FAST = [
     ("    int write_o, float* c, int c_hs, int c_ds, int has_cpy) {\n    pdl_entry();",
      "    int write_o, float* c, int c_hs, int c_ds, int has_cpy) {\n    LAB(10); if (threadIdx.x == 0) lab_g[128 + 2 * blockIdx.x] = gtime(); pdl_entry(); LAB(11);"),
     ("    // The warp's key groups meet: lanes with the same dims, in xor order.\n", "    LAB(12);\n"),
-    ("    __syncthreads();\n    if (tid < D) {", "    __syncthreads();\n    LAB(13);\n    if (tid < D) {"),
+    ("    __syncthreads();\n    float m = F_NEG_INF;", "    __syncthreads();\n    LAB(13);\n    float m = F_NEG_INF;"),
+    ("    __syncthreads();\n    float wmax", "    __syncthreads();\n    LAB(15);\n    float wmax"),
     ("#undef AF_CASE\n#undef AF_ARGS\n}", "#undef AF_CASE\n#undef AF_ARGS\n    LAB(14); __syncthreads(); if (threadIdx.x == 0) lab_g[128 + 2 * blockIdx.x + 1] = gtime();\n}"),
 ]
 
@@ -153,7 +154,7 @@ def main():
             P(vc), I64(D), I64(ldkv), I64(Hq // Hk), I32(1), I32(TC), P(mk), I32(0), I64(0), I64(1), I32(1),
             P(0), I64(L), I64(1), I32(0), P(p), I64(L), I64(1), P(o), I64(D), I64(1), P(c), I32(0), I64(1), I64(Hq), I32(1), I32(1)]
     fast_args = [I32(L), I32(D), F32(D ** -0.5), P(q), I32(D), I32(1), I32(1), P(kc), I32(D), I32(ldkv), I32(Hq // Hk),
-                 P(vc), I32(D), I32(ldkv), I32(Hq // Hk), P(mk), I32(0), I32(1), I32(1), P(o), I32(D), I32(1), I32(1),
+                 P(vc), I32(D), I32(ldkv), I32(Hq // Hk), P(mk), I32(0), I32(1), I32(1), P(0), I32(L), I32(1), I32(0), P(p), I32(L), I32(1), I32(0), P(o), I32(D), I32(1), I32(1),
                  P(c), I32(1), I32(Hq), I32(1)]
     fargs = [P(fo)]
     def one(kern, args, marks, gofs, cold):
@@ -166,7 +167,7 @@ def main():
         ph = np.diff(ts) / mhz
         span = (g[1::2].max() - g[0::2].min()) / 1e3
         return ph, (ts[-1] - ts[0]) / mhz, span
-    for name, kern, args, marks, gofs in (("old", attn, old_args, list(range(9)), 0), ("fast", fast, fast_args, list(range(10, 15)), 128)):
+    for name, kern, args, marks, gofs in (("old", attn, old_args, list(range(9)), 0), ("fast", fast, fast_args, [10, 11, 15, 12, 13, 14], 128)):
         cuda.cuMemsetD8_v2(ctypes.c_uint64(c), 0, Hq * D * 4)
         for cold in (False, True):
             res = [one(kern, args, marks, gofs, cold) for _ in range(30)]

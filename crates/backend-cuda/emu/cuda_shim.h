@@ -104,6 +104,17 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
     emu_warps[w]->arrive_and_wait();
     return r;
 }
+inline int emu_votes[1024];
+inline unsigned __ballot_sync(unsigned, int pred) {
+    const int t = (int)threadIdx.x, w = t / 32;
+    emu_votes[t] = pred != 0;
+    emu_warps[w]->arrive_and_wait();
+    unsigned r = 0;
+    for (int i = 0; i < 32; ++i) r |= (unsigned)emu_votes[(t & ~31) | i] << i;
+    emu_warps[w]->arrive_and_wait();
+    return r;
+}
+inline int __any_sync(unsigned m, int pred) { return __ballot_sync(m, pred) != 0; }
 inline unsigned atomicCAS(unsigned* p, unsigned cmp, unsigned val) {
     std::atomic_ref<unsigned> a(*p);
     unsigned c = cmp;
