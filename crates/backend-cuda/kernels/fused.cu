@@ -876,19 +876,19 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
 //
 // Built for the length of its dependency chain, which is all a decode step sees of it: G lanes
 // share a key (each holds VW dims of q, K and V), AF_T / G keys per pass, AF_P passes per chunk
-// of keys. First the mask, with q: one bit per key in shared memory (a ballot per 32 keys), so
-// that only valid keys' K and V rows are read — the window spans the whole cache, its valid
-// part is often short. Then a chunk's mask values, K and V rows are loaded at once, one memory
-// round trip; a warp skips passes without a valid key (a vote), and a chunk without one costs
-// no loads. The logit is a VW-long dot product and log2(G) shuffles; each warp keeps its own
+// of keys (256 for f16 and D = 64). A window of one chunk (SPEC) loads q, mask entries, K and V
+// rows at once — one memory round trip; K and V rows of its masked keys are read too (at most
+// a chunk of rows: bytes instead of a second round trip; never used). Longer windows load each
+// chunk's mask entries first, then K and V rows of valid keys only, and a warp skips passes
+// without a valid key (a vote): a long window with a short valid part reads little. The logit is a VW-long dot product and log2(G)
+// shuffles; each warp keeps its own
 // running max, sum and p @ V partials (online softmax across chunks, no barrier), and the
 // warps meet once, through shared memory, at the end — in a fixed order (deterministic). p,
 // when written, first holds the logits; each thread normalizes the entries it wrote itself.
 #define AF_T 256
 #define AF_P 8
-#define AF_MAXL 32768
 
-template <int DT, int G>
+template <int DT, int G, bool SPEC>
 __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* q, int q_hs,
                                                int q_ds, const void* k, int k_hs, int k_ls,
                                                int k_div, const void* v, int v_hs, int v_ls,
@@ -897,7 +897,7 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
                                                int write_kq, float* p, int p_hs, int p_ls,
                                                int write_p, float* o, int o_hs, int o_ds,
                                                int write_o, float* c, int c_hs, int c_ds,
-                                               int has_cpy, float* sh, unsigned* vbits) {
+                                               int has_cpy, float* sh) {
     constexpr int VW = DT == DT_F32 ? 4 : 8;
     constexpr int ESZ = DT == DT_F32 ? 4 : 2;
     constexpr int D = G * VW;
@@ -915,14 +915,6 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
     float* ph = p + h * p_hs;
     // Keys whose scores or p are written are computed even when masked.
     const bool every = write_kq || write_p;
-#pragma unroll 4
-    for (int l0 = warp * 32; l0 < L; l0 += AF_T) {
-        const int l = l0 + lane;
-        const bool ok = l < L && (!has_mask || mh[l * m_ls] != F_NEG_INF);
-        const unsigned b = __ballot_sync(0xffffffffu, ok);
-        if (lane == 0) vbits[l0 >> 5] = b;
-    }
-    __syncthreads();
     float wmax = F_NEG_INF, wsum = 0.0f, acc[VW];
 #pragma unroll
     for (int e = 0; e < VW; ++e) acc[e] = 0.0f;
@@ -934,17 +926,34 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
         // Passes past L are skipped whole (a block-uniform branch): short windows run and
         // fetch only the code of the passes they use.
         const int np = min(AF_P, (L - base + KP - 1) / KP);
+        if (SPEC) {
 #pragma unroll
-        for (int t = 0; t < AF_P; ++t) {
-            alive[t] = false;
-            if (t < np) {
+            for (int t = 0; t < AF_P; ++t) {
+                alive[t] = t < np;
+                if (t < np) {
+                    const int l = base + kg + KP * t;
+                    const bool in = l < L;
+                    lg[t] = in ? (has_mask ? mh[l * m_ls] : 0.0f) : F_NEG_INF;
+                    kr[t] = in ? *(const uint4*)(kb + l * k_ls * ESZ) : make_uint4(0, 0, 0, 0);
+                    vr[t] = in ? *(const uint4*)(vb + l * v_ls * ESZ) : make_uint4(0, 0, 0, 0);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int t = 0; t < AF_P; ++t) {
                 const int l = base + kg + KP * t;
-                const bool in = l < L;
-                const bool ok = in && ((vbits[l >> 5] >> (l & 31)) & 1u);
-                alive[t] = __any_sync(0xffffffffu, ok || (every && in));
-                lg[t] = ok ? (has_mask ? mh[l * m_ls] : 0.0f) : F_NEG_INF;
-                kr[t] = ok || (write_kq && in) ? *(const uint4*)(kb + l * k_ls * ESZ) : make_uint4(0, 0, 0, 0);
-                vr[t] = ok ? *(const uint4*)(vb + l * v_ls * ESZ) : make_uint4(0, 0, 0, 0);
+                lg[t] = t < np && l < L ? (has_mask ? mh[l * m_ls] : 0.0f) : F_NEG_INF;
+            }
+#pragma unroll
+            for (int t = 0; t < AF_P; ++t) {
+                alive[t] = false;
+                if (t < np) {
+                    const int l = base + kg + KP * t;
+                    const bool in = l < L, ok = lg[t] != F_NEG_INF;
+                    alive[t] = __any_sync(0xffffffffu, ok || (every && in));
+                    kr[t] = ok || (write_kq && in) ? *(const uint4*)(kb + l * k_ls * ESZ) : make_uint4(0, 0, 0, 0);
+                    vr[t] = ok ? *(const uint4*)(vb + l * v_ls * ESZ) : make_uint4(0, 0, 0, 0);
+                }
             }
         }
         float cmax = F_NEG_INF;
@@ -1039,17 +1048,25 @@ extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(
     int write_o, float* c, int c_hs, int c_ds, int has_cpy) {
     pdl_entry();
     __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
-    __shared__ unsigned vbits[AF_MAXL / 32];
+    // A window of one chunk reads its masked keys' rows too (one round trip); longer ones
+    // read the mask first.
+    const bool spec = L <= (AF_T / (D / (dtkv == DT_F32 ? 4 : 8))) * AF_P;
 #define AF_ARGS                                                                                 \
     L, scale, q, q_hs, q_ds, k, k_hs, k_ls, k_div, v, v_hs, v_ls, v_div, mask, m_hs, m_ls,      \
         has_mask, kq, kq_hs, kq_ls, write_kq, p, p_hs, p_ls, write_p, o, o_hs, o_ds, write_o, c, \
-        c_hs, c_ds, has_cpy, sh, vbits
+        c_hs, c_ds, has_cpy, sh
+#define AF_SPEC(DT, G)                                                                          \
+    if (spec) {                                                                                 \
+        attn_fast_body<DT, G, true>(AF_ARGS);                                                   \
+    } else {                                                                                    \
+        attn_fast_body<DT, G, false>(AF_ARGS);                                                  \
+    }
 #define AF_CASE(DT, VW)                                                                         \
     switch (D / VW) {                                                                           \
-        case 4: attn_fast_body<DT, 4>(AF_ARGS); break;                                          \
-        case 8: attn_fast_body<DT, 8>(AF_ARGS); break;                                          \
-        case 16: attn_fast_body<DT, 16>(AF_ARGS); break;                                        \
-        default: attn_fast_body<DT, 32>(AF_ARGS); break;                                        \
+        case 4: AF_SPEC(DT, 4); break;                                                          \
+        case 8: AF_SPEC(DT, 8); break;                                                          \
+        case 16: AF_SPEC(DT, 16); break;                                                        \
+        default: AF_SPEC(DT, 32); break;                                                        \
     }
     switch (dtkv) {
         case DT_F16: AF_CASE(DT_F16, 8); break;
@@ -1057,5 +1074,6 @@ extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(
         default: AF_CASE(DT_F32, 4); break;
     }
 #undef AF_CASE
+#undef AF_SPEC
 #undef AF_ARGS
 }

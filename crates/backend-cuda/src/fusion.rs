@@ -66,8 +66,6 @@ const MAX_ROWS: usize = 8;
 const ATT_MAX_D: usize = 256;
 /// Threads of an attention block (`ATT_T`).
 const ATT_THREADS: usize = 256;
-/// Longest window of `attn_fast` (`AF_MAXL` in fused.cu: one bit per key in shared memory).
-const ATT_FAST_MAX_L: usize = 32768;
 /// Threads of a fused matrix-vector block (the kernels' launch bounds assume 128).
 const GEMV_THREADS: usize = 128;
 /// Products of one fused matrix-vector launch (`FG_MAXS`).
@@ -1584,14 +1582,7 @@ fn launch_attention(
     let f32io = q.dtype == DType::F32
         && mask.as_ref().is_none_or(|m| m.dtype == DType::F32)
         && c.as_ref().is_none_or(|c| c.dtype == DType::F32);
-    if narrow
-        && f32io
-        && kvec
-        && vvec
-        && d % vw == 0
-        && matches!(d / vw, 4 | 8 | 16 | 32)
-        && l <= ATT_FAST_MAX_L
-    {
+    if narrow && f32io && kvec && vvec && d % vw == 0 && matches!(d / vw, 4 | 8 | 16 | 32) {
         let i = |v: usize| v as i32;
         let args = Args::new()
             .arg(i(l))
