@@ -115,8 +115,7 @@ MARKS_FAST = [
      "    int write_o, float* c, int c_hs, int c_ds, int has_cpy) {\n    LAB(10); if (threadIdx.x == 0) lab_g[128 + 2 * blockIdx.x] = gtime(); pdl_entry(); LAB(11);"),
     ("    // The warp's key groups meet: lanes with the same dims, in xor order.\n", "    LAB(12);\n"),
     ("    __syncthreads();\n    float m = F_NEG_INF;", "    __syncthreads();\n    LAB(13);\n    float m = F_NEG_INF;"),
-    ("    __syncthreads();\n    float wmax", "    __syncthreads();\n    LAB(15);\n    float wmax"),
-    ("#undef AF_CASE\n#undef AF_ARGS\n}", "#undef AF_CASE\n#undef AF_ARGS\n    LAB(14); __syncthreads(); if (threadIdx.x == 0) lab_g[128 + 2 * blockIdx.x + 1] = gtime();\n}"),
+    ("#undef AF_CASE\n#undef AF_SPEC\n#undef AF_ARGS\n}", "#undef AF_CASE\n#undef AF_SPEC\n#undef AF_ARGS\n    LAB(14); __syncthreads(); if (threadIdx.x == 0) lab_g[128 + 2 * blockIdx.x + 1] = gtime();\n}"),
 ]
 
 def main():
@@ -167,7 +166,7 @@ def main():
         ph = np.diff(ts) / mhz
         span = (g[1::2].max() - g[0::2].min()) / 1e3
         return ph, (ts[-1] - ts[0]) / mhz, span
-    for name, kern, args, marks, gofs in (("old", attn, old_args, list(range(9)), 0), ("fast", fast, fast_args, [10, 11, 15, 12, 13, 14], 128)):
+    for name, kern, args, marks, gofs in (("old", attn, old_args, list(range(9)), 0), ("fast", fast, fast_args, [10, 11, 12, 13, 14], 128)):
         cuda.cuMemsetD8_v2(ctypes.c_uint64(c), 0, Hq * D * 4)
         for cold in (False, True):
             res = [one(kern, args, marks, gofs, cold) for _ in range(30)]

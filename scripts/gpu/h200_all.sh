@@ -6,7 +6,7 @@
 # the pruned llama-cpp-python sdist), .gl/ (the Vulkan loader .debs).
 # Output: $OUT/summary.txt (what a closing note quotes) and $OUT/logs.tar.gz (everything).
 #
-#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp]
+#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [attn] ...
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -122,6 +122,11 @@ if [[ $parts == *profile* ]]; then
     timeout 400 python3 benches/python/cuda_profile.py --models ${PROFILE_MODELS:-tiny,1b} -n ${PROFILE_N:-128} ${PROFILE_SETTINGS:+--settings $PROFILE_SETTINGS} \
         --json "$out/cuda-profile.json" >"$logs/cuda-profile.txt" 2>&1
     say "cuda profile: exit $?"; cat "$logs/cuda-profile.txt" | tail -12 | tee -a "$summary"
+fi
+if [[ $parts == *attn* ]]; then
+    timeout 300 python3 benches/python/attn_kernels.py --windows ${ATTN_WINDOWS:-72:40,172:100,172:8,2048:100} \
+        >"$logs/attn-kernels.txt" 2>&1
+    say "attention kernels: exit $?"; tee -a "$summary" <"$logs/attn-kernels.txt"
 fi
 if [[ $parts == *ktrace* ]]; then
     inc=$(find / -name cupti_activity.h -path '*include*' 2>/dev/null | head -1)

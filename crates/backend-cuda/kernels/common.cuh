@@ -103,6 +103,35 @@ __device__ float block_max(float v) {
     return warp_max(v);
 }
 
+// Phase marks for `benches/python/attn_kernels.py`, which compiles the module itself with
+// PHASE_MARKS defined: thread 0 of block 0 records clock64() at mark n, and thread 0 of every
+// block its %globaltimer at entry and exit. The backend's build leaves them empty.
+#ifdef PHASE_MARKS
+__device__ unsigned long long phase_clk[16];
+__device__ unsigned long long phase_g[2 * 1024];
+__device__ __forceinline__ void phase_time(int slot) {
+    if (threadIdx.x == 0 && blockIdx.x < 1024) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        phase_g[2 * blockIdx.x + slot] = t;
+    }
+}
+#define PHASE(n)                                                            \
+    do {                                                                    \
+        if (threadIdx.x == 0 && blockIdx.x == 0) phase_clk[n] = clock64(); \
+    } while (0)
+#define PHASE_ENTRY() phase_time(0)
+#define PHASE_EXIT()     \
+    do {                 \
+        __syncthreads(); \
+        phase_time(1);   \
+    } while (0)
+#else
+#define PHASE(n)
+#define PHASE_ENTRY()
+#define PHASE_EXIT()
+#endif
+
 // Programmatic dependent launch (compute capability 9.0+; no-ops on older devices and in a
 // launch that did not ask for it). Every kernel calls `pdl_entry` before it reads or writes
 // memory another kernel may use — only weights (see `DevBuf::weights`) may be read before it —

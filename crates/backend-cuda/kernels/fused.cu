@@ -727,6 +727,7 @@ __device__ __forceinline__ void attn_body(
         const bool valid = in && mv != F_NEG_INF;
         vf[tid] = valid;
         __syncthreads();
+        PHASE(2);
         // V rows g0 .. g0 + ATT_VU of this thread's slice (valid rows only).
         auto load_v = [&](int g0) {
 #pragma unroll
@@ -767,6 +768,7 @@ __device__ __forceinline__ void attn_body(
 #pragma unroll 1
             for (I e = nvec * VW; e < D; ++e) dot = fmaf(qs[e], ld(kr, DT, e), dot);
         }
+        PHASE(3);
         if (write_kq && in) kq[h * kq_hs + l * kq_ls] = dot;
         const float lg = valid ? dot * scale + mv : F_NEG_INF;
         if (base == 0) {
@@ -775,9 +777,11 @@ __device__ __forceinline__ void attn_body(
             ph[l * p_ls] = lg;
         }
         const float new_max = fmaxf(run_max, block_max(lg));
+        PHASE(4);
         const float ex = valid && new_max != F_NEG_INF ? expf(lg - new_max) : 0.0f;
         es[tid] = ex;
         const float chunk_sum = block_sum(ex);  // its barriers also publish es
+        PHASE(5);
         const float rescale = run_max != F_NEG_INF ? expf(run_max - new_max) : 0.0f;
         run_sum = run_sum * rescale + chunk_sum;
         run_max = new_max;
@@ -804,6 +808,7 @@ __device__ __forceinline__ void attn_body(
         }
         __syncthreads();  // es and vf are rewritten by the next chunk
     }
+    PHASE(6);
     const float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
 #pragma unroll 1
     for (I base = 0; base < L; base += ATT_T) {
@@ -816,6 +821,7 @@ __device__ __forceinline__ void attn_body(
 #pragma unroll
     for (int e = 0; e < 8; ++e) red[tid * 8 + e] = acc[e];
     __syncthreads();
+    PHASE(7);
 #pragma unroll 1
     for (I col = tid; col < D; col += ATT_T) {
         const int ct = (int)(col / vw), ce = (int)(col % vw);
@@ -839,7 +845,10 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
     int has_mask, float* kq, i64 kq_hs, i64 kq_ls, int write_kq, float* p, i64 p_hs, i64 p_ls,
     float* o, i64 o_hs, i64 o_ds, void* c, int dtc, i64 c_hs, i64 c_ds, int has_cpy,
     int narrow) {
+    PHASE_ENTRY();
+    PHASE(0);
     pdl_entry();
+    PHASE(1);
     __shared__ float qs[ATT_MAXD];
     __shared__ float red[ATT_T * 8];
     __shared__ float es[ATT_T];
@@ -866,6 +875,8 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
         }
     }
 #undef ATT_ARGS
+    PHASE(8);
+    PHASE_EXIT();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -996,6 +1007,7 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
             }
         }
     }
+    PHASE(2);
     // The warp's key groups meet: lanes with the same dims, in xor order.
 #pragma unroll
     for (int off = G; off < 32; off <<= 1) {
@@ -1015,6 +1027,7 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
         ws[warp] = wsum;
     }
     __syncthreads();
+    PHASE(3);
     float m = F_NEG_INF;
 #pragma unroll
     for (int w = 0; w < AF_T / 32; ++w) m = fmaxf(m, wm[w]);
@@ -1046,7 +1059,10 @@ extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(
     const float* mask, int m_hs, int m_ls, int has_mask, float* kq, int kq_hs, int kq_ls,
     int write_kq, float* p, int p_hs, int p_ls, int write_p, float* o, int o_hs, int o_ds,
     int write_o, float* c, int c_hs, int c_ds, int has_cpy) {
+    PHASE_ENTRY();
+    PHASE(0);
     pdl_entry();
+    PHASE(1);
     __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
     // A window of one chunk reads its masked keys' rows too (one round trip); longer ones
     // read the mask first.
@@ -1076,4 +1092,6 @@ extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(
 #undef AF_CASE
 #undef AF_SPEC
 #undef AF_ARGS
+    PHASE(4);
+    PHASE_EXIT();
 }
