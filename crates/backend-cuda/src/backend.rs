@@ -75,6 +75,10 @@ pub struct CudaConfig {
     /// before it finishes, and wait on the device (`griddepcontrol.wait`) before they touch
     /// its results; decode's matrix-vector kernels load their first weights before that wait.
     pub pdl: bool,
+    /// Decode attention takes its short-path kernel `attn_fast` where it applies
+    /// (`LOWSYNC_CUDA_ATTN_FAST`, default on); off runs the general `attn_decode` — a knob for
+    /// comparing the two inside the replayed graph.
+    pub attn_fast: bool,
 }
 
 /// The decode matrix-vector kernel's source of the activation row.
@@ -101,6 +105,7 @@ impl Default for CudaConfig {
             timing: false,
             decode_gemv: DecodeGemv::SharedX,
             pdl: true,
+            attn_fast: true,
         }
     }
 }
@@ -117,6 +122,7 @@ impl CudaConfig {
             fusion: env::flag("LOWSYNC_CUDA_FUSION", true)?,
             timing: env::flag("LOWSYNC_CUDA_TIMING", false)?,
             pdl: env::flag("LOWSYNC_CUDA_PDL", true)?,
+            attn_fast: env::flag("LOWSYNC_CUDA_ATTN_FAST", true)?,
             ..CudaConfig::default()
         })
     }

@@ -1582,7 +1582,14 @@ fn launch_attention(
     let f32io = q.dtype == DType::F32
         && mask.as_ref().is_none_or(|m| m.dtype == DType::F32)
         && c.as_ref().is_none_or(|c| c.dtype == DType::F32);
-    if narrow && f32io && kvec && vvec && d % vw == 0 && matches!(d / vw, 4 | 8 | 16 | 32) {
+    if exec.inner.cfg.attn_fast
+        && narrow
+        && f32io
+        && kvec
+        && vvec
+        && d % vw == 0
+        && matches!(d / vw, 4 | 8 | 16 | 32)
+    {
         let i = |v: usize| v as i32;
         let args = Args::new()
             .arg(i(l))
