@@ -19,8 +19,11 @@
 //! - `Rope -> SetRows(cache, rope result reshaped)`, plus the next plain `SetRows` (the V
 //!   row): rope, cache row write and V row write in one launch.
 //! - `MulMat(q, K) -> SoftMax(mask, scale) -> MulMat(p, V) [-> Cpy of a permutation]` for one
-//!   query row per head: one block per query head, reading only the K/V rows whose mask entry
-//!   is not -inf.
+//!   query row per head: one block per query head. `attn_fast` where it applies (f32 q, mask
+//!   and copy, aligned rows, a power-of-two number of 16-byte pieces per head; see
+//!   `CudaConfig::attn_fast`), else `attn_decode`. Both read the K/V rows of valid keys only,
+//!   except that `attn_fast` reads a one-chunk window's rows together with its mask (one round
+//!   trip instead of two; masked rows' values are never used).
 //!
 //! Each kernel has exact preconditions (dtypes, ranks, contiguity, at most
 //! [`matmul::mmv_max_m`] activation rows, head_dim <= [`ATT_MAX_D`], ...); nodes that miss one
@@ -28,9 +31,10 @@
 //!
 //! Invariants (checked per group by [`Footprint::safe`], so results equal the unfused chain's):
 //! - A fused kernel writes every tensor its nodes write, in node order within the thread that
-//!   owns an element — except the attention's raw scores when [`dead_after`] proves nothing
-//!   reads them before they are overwritten (the scores of masked positions would need the K
-//!   rows the kernel skips, and the allocator puts later tensors over them).
+//!   owns an element — except the attention's raw scores, and for `attn_fast` also p and (beside
+//!   its copy) o, when [`dead_after`] proves nothing reads them before they are overwritten
+//!   (the scores of masked positions would need the K rows the kernel skips, and the allocator
+//!   puts later tensors over them).
 //! - No member needs a private copy of a source (`ExecNode::src_needs_private_copy`).
 //! - No write of the group overlaps a tensor the group reads, unless the same thread reads the
 //!   element before writing it (an in-place residual) or, in the attention, the write belongs to
