@@ -891,11 +891,11 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
 // rows at once — one memory round trip; K and V rows of its masked keys are read too (at most
 // a chunk of rows: bytes instead of a second round trip; never used). Longer windows load each
 // chunk's mask entries first, then K and V rows of valid keys only, and a warp skips passes
-// without a valid key (a vote): a long window with a short valid part reads little. The logit is a VW-long dot product and log2(G)
-// shuffles; each warp keeps its own
-// running max, sum and p @ V partials (online softmax across chunks, no barrier), and the
-// warps meet once, through shared memory, at the end — in a fixed order (deterministic). p,
-// when written, first holds the logits; each thread normalizes the entries it wrote itself.
+// without a valid key (a vote): a long window with a short valid part reads little. The logit
+// is a VW-long dot product and log2(G) shuffles; each warp keeps its own running max, sum and
+// p @ V partials (online softmax across chunks, no barrier), and the warps meet once, through
+// shared memory, at the end — in a fixed order (deterministic). p, when written, first holds
+// the logits; each thread normalizes the entries it wrote itself.
 #define AF_T 256
 #define AF_P 8
 
