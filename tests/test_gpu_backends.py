@@ -75,10 +75,11 @@ def test_vulkan_legacy_switch_shows_ggmls_empty_submits(clean_env: pytest.Monkey
 
 
 def _cuda_decode(
-    graphs: str, env: pytest.MonkeyPatch, pdl: str = "1"
+    graphs: str, env: pytest.MonkeyPatch, pdl: str = "1", rehearse: str = "1"
 ) -> tuple[list[int], dict[str, float]]:
     env.setenv("LOWSYNC_CUDA_GRAPHS", graphs)
     env.setenv("LOWSYNC_CUDA_PDL", pdl)
+    env.setenv("LOWSYNC_CUDA_REHEARSE", rehearse)
     model = ls.Llama.random(MICRO, seed=4)
     sess = ls.Session(model, backends=["cuda"], n_ctx=64, n_ubatch=8, policy="staged")
     sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
@@ -113,6 +114,18 @@ def test_cuda_programmatic_dependent_launch_changes_no_token_or_count(
     for graphs in ("1", "0"):
         tokens_on, on = _cuda_decode(graphs, clean_env, pdl="1")
         tokens_off, off = _cuda_decode(graphs, clean_env, pdl="0")
+        assert tokens_on == tokens_off, f"graphs={graphs}"
+        for key in ("host_waits", "h2d_copies", "d2h_copies", "kernel_launches", "graph_launches"):
+            assert on[key] == off[key], f"graphs={graphs}: {key}"
+
+
+@pytest.mark.cuda
+def test_cuda_rehearsal_changes_no_token_or_count(clean_env: pytest.MonkeyPatch) -> None:
+    # Kernels launched ahead of their producer run their path once before their wait, on
+    # inputs the producer is still writing: nothing of that pass may reach a result.
+    for graphs in ("1", "0"):
+        tokens_on, on = _cuda_decode(graphs, clean_env, rehearse="1")
+        tokens_off, off = _cuda_decode(graphs, clean_env, rehearse="0")
         assert tokens_on == tokens_off, f"graphs={graphs}"
         for key in ("host_waits", "h2d_copies", "d2h_copies", "kernel_launches", "graph_launches"):
             assert on[key] == off[key], f"graphs={graphs}: {key}"

@@ -138,11 +138,13 @@ if [[ $parts == *ktrace* ]]; then
             scripts/gpu/cupti_kernels.c "$lib" -Wl,-rpath,"$(dirname "$lib")" -o /tmp/libcupti_kernels.so \
             >"$logs/ktrace-build.log" 2>&1
         say "ktrace build ($krec): exit $?"; tail -3 "$logs/ktrace-build.log"
-        for pdl in ${KTRACE_PDL:-1}; do
-            CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so LOWSYNC_CUDA_PDL=$pdl timeout 300 \
+        # KTRACE_ENVS: one trace per entry, each a comma-separated list of VAR=value.
+        for envs in ${KTRACE_ENVS:-LOWSYNC_CUDA_PDL=1}; do
+            tag=$(echo "$envs" | tr ',=' '__')
+            env $(echo "$envs" | tr ',' ' ') CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so timeout 300 \
                 python3 benches/python/kernel_trace.py --models ${KTRACE_MODELS:-1b} -n ${KTRACE_N:-64} \
-                --csv-dir "$logs" >"$logs/ktrace-pdl$pdl.txt" 2>&1
-            say "kernel trace (LOWSYNC_CUDA_PDL=$pdl): exit $?"; tail -75 "$logs/ktrace-pdl$pdl.txt" | tee -a "$summary"
+                --csv-dir "$logs" >"$logs/ktrace-$tag.txt" 2>&1
+            say "kernel trace ($envs): exit $?"; tail -${KTRACE_TAIL:-75} "$logs/ktrace-$tag.txt" | tee -a "$summary"
         done
     else
         say "ktrace: no CUPTI (header ${inc:-none}, library ${lib:-none})"

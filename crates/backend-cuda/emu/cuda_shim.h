@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -34,6 +35,7 @@ inline Dim3 blockDim, gridDim;
 #define __noinline__
 #define __global__
 #define __launch_bounds__(...)
+#define __maxnreg__(...)
 #define __shared__ static
 
 struct alignas(16) uint4 {
@@ -91,6 +93,11 @@ inline T __ldg(const T* p) {
     return *p;
 }
 
+template <class T>
+inline T __ldcg(const T* p) {
+    return *p;
+}
+
 inline std::unique_ptr<std::barrier<>> emu_block;
 inline std::vector<std::unique_ptr<std::barrier<>>> emu_warps;
 inline float emu_lanes[1024];
@@ -120,6 +127,18 @@ inline unsigned atomicCAS(unsigned* p, unsigned cmp, unsigned val) {
     unsigned c = cmp;
     a.compare_exchange_strong(c, val);
     return c;
+}
+
+// The wait of programmatic dependent launch (`pdl_entry` under LOWSYNC_EMU). With a hook
+// installed it is a barrier of the block around the hook, called by thread 0: where a test of a
+// rehearsing kernel checks that nothing was stored yet and swaps stale inputs for the real
+// ones. Without one it is nothing (kernels whose threads do not all wait run as before).
+inline std::function<void()> emu_on_wait;
+inline void emu_pdl_wait() {
+    if (!emu_on_wait) return;
+    emu_block->arrive_and_wait();
+    if (threadIdx.x == 0) emu_on_wait();
+    emu_block->arrive_and_wait();
 }
 
 // Runs `f` as a grid of `grid` blocks of `block` threads (block a multiple of 32, <= 1024).

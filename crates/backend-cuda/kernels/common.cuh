@@ -139,12 +139,31 @@ __device__ __forceinline__ void phase_time(int slot) {
 // `griddepcontrol.wait` returns once the grids this one depends on have completed and their
 // writes are visible; `launch_dependents` then lets the next kernel's blocks start (they wait
 // in turn), so at most one kernel runs ahead of its producer.
+//
+// A kernel launched early may also rehearse (`attn_fast` does): run its own path once before
+// the wait, on whatever its inputs hold then, with every global store off, so that the
+// instructions of the real pass are in the multiprocessor's instruction cache when the wait
+// returns (these kernels run each instruction about once per warp; fetching them is much of
+// their time). The rehearsal reads activations and the KV cache through `ld_cg` only, in both
+// passes, so no line it brought into L1 can be read by the real pass. The CPU emulation
+// (LOWSYNC_EMU) makes the wait a block barrier with a hook, where its tests swap stale inputs
+// for the real ones. (Rehearsing matrix-vector kernels measured slower on the H200: the loop
+// keeps the loaded weights live across both passes, 128 registers instead of 80, and the first
+// wave's extra staging competes with the producer's tail.)
 __device__ __forceinline__ void pdl_entry() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#elif defined(LOWSYNC_EMU)
+    emu_pdl_wait();
 #endif
 }
+
+// Loads of data an earlier kernel writes, in code a rehearsal runs: cached in L2 only (the
+// point of coherence), never in L1.
+__device__ __forceinline__ float ld_cg(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ float4 ld_cg(const float4* p) { return __ldcg(p); }
+__device__ __forceinline__ uint4 ld_cg(const uint4* p) { return __ldcg(p); }
 
 // A 16-byte load of a weight for decode's matrix-vector kernels: read-only path, no L1
 // allocation, and an evict-first L2 policy. A token streams every weight byte through L2 once

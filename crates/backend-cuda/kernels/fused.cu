@@ -529,8 +529,13 @@ extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, 
     }
 }
 
-// Gate/up with SwiGlu (S.pair == 1) and row pairs (S.pair == 2); same parameters.
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_pair(
+// Gate/up with SwiGlu (S.pair == 1) and row pairs (S.pair == 2); same parameters. At most 88
+// registers per thread (a spill of 12 bytes in the rope epilogue; blockDim.x is FG1_WARPS * 32):
+// with programmatic dependent launch the next kernel's blocks start on a multiprocessor only
+// where registers are left, and 88 leaves room for one `fused_gemv1` block (80) beside two of
+// these, and for an `attn_fast` block (158) beside one — the first wave of the next kernel
+// loads its weights, or rehearses, while this one finishes.
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_pair(
     i64 K, const float* a, FgSet S, int dtw, int staged, int ahead, const float* nx, float eps,
     void* nd, int dtn, const void* nw, int dtnw) {
     extern __shared__ float4 fg1_smem[];
@@ -918,7 +923,7 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
     const int h = blockIdx.x;
     float qv[VW];
 #pragma unroll
-    for (int e = 0; e < VW; ++e) qv[e] = q[h * q_hs + (d0 + e) * q_ds];
+    for (int e = 0; e < VW; ++e) qv[e] = ld_cg(q + h * q_hs + (d0 + e) * q_ds);
     const char* kb = (const char*)k + ((h / k_div) * k_hs + d0) * ESZ;
     const char* vb = (const char*)v + ((h / v_div) * v_hs + d0) * ESZ;
     const float* mh = mask + h * m_hs;
@@ -944,16 +949,16 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
                 if (t < np) {
                     const int l = base + kg + KP * t;
                     const bool in = l < L;
-                    lg[t] = in ? (has_mask ? mh[l * m_ls] : 0.0f) : F_NEG_INF;
-                    kr[t] = in ? *(const uint4*)(kb + l * k_ls * ESZ) : make_uint4(0, 0, 0, 0);
-                    vr[t] = in ? *(const uint4*)(vb + l * v_ls * ESZ) : make_uint4(0, 0, 0, 0);
+                    lg[t] = in ? (has_mask ? ld_cg(mh + l * m_ls) : 0.0f) : F_NEG_INF;
+                    kr[t] = in ? ld_cg((const uint4*)(kb + l * k_ls * ESZ)) : make_uint4(0, 0, 0, 0);
+                    vr[t] = in ? ld_cg((const uint4*)(vb + l * v_ls * ESZ)) : make_uint4(0, 0, 0, 0);
                 }
             }
         } else {
 #pragma unroll
             for (int t = 0; t < AF_P; ++t) {
                 const int l = base + kg + KP * t;
-                lg[t] = t < np && l < L ? (has_mask ? mh[l * m_ls] : 0.0f) : F_NEG_INF;
+                lg[t] = t < np && l < L ? (has_mask ? ld_cg(mh + l * m_ls) : 0.0f) : F_NEG_INF;
             }
 #pragma unroll
             for (int t = 0; t < AF_P; ++t) {
@@ -962,8 +967,8 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
                     const int l = base + kg + KP * t;
                     const bool in = l < L, ok = lg[t] != F_NEG_INF;
                     alive[t] = __any_sync(0xffffffffu, ok || (every && in));
-                    kr[t] = ok || (write_kq && in) ? *(const uint4*)(kb + l * k_ls * ESZ) : make_uint4(0, 0, 0, 0);
-                    vr[t] = ok ? *(const uint4*)(vb + l * v_ls * ESZ) : make_uint4(0, 0, 0, 0);
+                    kr[t] = ok || (write_kq && in) ? ld_cg((const uint4*)(kb + l * k_ls * ESZ)) : make_uint4(0, 0, 0, 0);
+                    vr[t] = ok ? ld_cg((const uint4*)(vb + l * v_ls * ESZ)) : make_uint4(0, 0, 0, 0);
                 }
             }
         }
@@ -1058,19 +1063,17 @@ extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(
     int k_hs, int k_ls, int k_div, const void* v, int v_hs, int v_ls, int v_div,
     const float* mask, int m_hs, int m_ls, int has_mask, float* kq, int kq_hs, int kq_ls,
     int write_kq, float* p, int p_hs, int p_ls, int write_p, float* o, int o_hs, int o_ds,
-    int write_o, float* c, int c_hs, int c_ds, int has_cpy) {
+    int write_o, float* c, int c_hs, int c_ds, int has_cpy, int rehearse) {
     PHASE_ENTRY();
     PHASE(0);
-    pdl_entry();
-    PHASE(1);
     __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
     // A window of one chunk reads its masked keys' rows too (one round trip); longer ones
     // read the mask first.
     const bool spec = L <= (AF_T / (D / (dtkv == DT_F32 ? 4 : 8))) * AF_P;
 #define AF_ARGS                                                                                 \
     L, scale, q, q_hs, q_ds, k, k_hs, k_ls, k_div, v, v_hs, v_ls, v_div, mask, m_hs, m_ls,      \
-        has_mask, kq, kq_hs, kq_ls, write_kq, p, p_hs, p_ls, write_p, o, o_hs, o_ds, write_o, c, \
-        c_hs, c_ds, has_cpy, sh
+        has_mask, kq, kq_hs, kq_ls, wkq, p, p_hs, p_ls, wp, o, o_hs, o_ds, wo, c, c_hs, c_ds, wc, \
+        sh
 #define AF_SPEC(DT, G)                                                                          \
     if (spec) {                                                                                 \
         attn_fast_body<DT, G, true>(AF_ARGS);                                                   \
@@ -1084,10 +1087,24 @@ extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(
         case 16: AF_SPEC(DT, 16); break;                                                        \
         default: AF_SPEC(DT, 32); break;                                                        \
     }
-    switch (dtkv) {
-        case DT_F16: AF_CASE(DT_F16, 8); break;
-        case DT_BF16: AF_CASE(DT_BF16, 8); break;
-        default: AF_CASE(DT_F32, 4); break;
+    // With `rehearse` (a launch ahead of its producer), a rehearsal first (see `pdl_entry`):
+    // the whole path on the inputs as they are, no global stores.
+#pragma unroll 1
+    for (int pass = rehearse ? 0 : 1; pass < 2; ++pass) {
+        const int real = pass;
+        if (real) {
+            pdl_entry();
+            PHASE(1);
+        }
+        const int wkq = write_kq && real, wp = write_p && real, wo = write_o && real;
+        const int wc = has_cpy && real;
+        switch (dtkv) {
+            case DT_F16: AF_CASE(DT_F16, 8); break;
+            case DT_BF16: AF_CASE(DT_BF16, 8); break;
+            default: AF_CASE(DT_F32, 4); break;
+        }
+        // The real pass reuses the shared partials: every rehearsal read of them comes first.
+        if (!real) __syncthreads();
     }
 #undef AF_CASE
 #undef AF_SPEC

@@ -79,6 +79,12 @@ pub struct CudaConfig {
     /// (`LOWSYNC_CUDA_ATTN_FAST`, default on); off runs the general `attn_decode` — a knob for
     /// comparing the two inside the replayed graph.
     pub attn_fast: bool,
+    /// Decode attention (`attn_fast`), launched ahead of its producer (programmatic dependent
+    /// launch), rehearses before its wait (`LOWSYNC_CUDA_REHEARSE`, default on): it runs its
+    /// own path once on the inputs as they are, with no global stores, so that its
+    /// instructions are cached when the wait returns. Off is a knob for measuring what that
+    /// buys.
+    pub rehearse: bool,
 }
 
 /// The decode matrix-vector kernel's source of the activation row.
@@ -106,6 +112,7 @@ impl Default for CudaConfig {
             decode_gemv: DecodeGemv::SharedX,
             pdl: true,
             attn_fast: true,
+            rehearse: true,
         }
     }
 }
@@ -123,6 +130,7 @@ impl CudaConfig {
             timing: env::flag("LOWSYNC_CUDA_TIMING", false)?,
             pdl: env::flag("LOWSYNC_CUDA_PDL", true)?,
             attn_fast: env::flag("LOWSYNC_CUDA_ATTN_FAST", true)?,
+            rehearse: env::flag("LOWSYNC_CUDA_REHEARSE", true)?,
             ..CudaConfig::default()
         })
     }

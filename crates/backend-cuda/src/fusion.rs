@@ -76,7 +76,7 @@ const GEMV_THREADS: usize = 128;
 const MAX_SEGS: usize = 4;
 /// Resident `fused_gemv1` blocks per multiprocessor (80 registers per thread on sm_90) ...
 const GEMV1_BLOCKS_PER_SM: usize = 3;
-/// ... and `fused_gemv1_pair` blocks (100 registers: its f64 rope epilogue).
+/// ... and `fused_gemv1_pair` blocks (at most 88 registers, `__maxnreg__`).
 const GEMV1_PAIR_BLOCKS_PER_SM: usize = 2;
 /// The lane chain of a fused norm prologue's writes (products use their segment index).
 const NORM_CHAIN: usize = usize::MAX;
@@ -1630,7 +1630,8 @@ fn launch_attention(
             .arg(c.as_ref().map_or(0, |c| c.ptr))
             .arg(c_hs as i32)
             .arg(c_ds as i32)
-            .arg(cpy.is_some() as i32);
+            .arg(cpy.is_some() as i32)
+            .arg(exec.rehearse() as i32);
         return exec.launch(kq, Kernel::AttnFast, grid, ATT_THREADS as u32, args);
     }
     let args = Args::new()

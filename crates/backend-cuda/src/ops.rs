@@ -194,6 +194,12 @@ impl<'a> Exec<'a> {
         self.inner.pdl && self.inner.bufs.is_weights(t.buffer)
     }
 
+    /// Whether kernels that can rehearse do (see `CudaConfig::rehearse`): only when they are
+    /// launched ahead of their producer, so that the rehearsal runs while it finishes.
+    pub(crate) fn rehearse(&self) -> bool {
+        self.inner.pdl && self.inner.cfg.rehearse
+    }
+
     pub(crate) fn resolve(&self, t: &TensorRef) -> Result<Dev> {
         if t.shape.len() != t.strides.len() {
             return Err(Error::Unsupported {

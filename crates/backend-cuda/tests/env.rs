@@ -1,5 +1,6 @@
 //! `LOWSYNC_CUDA_SYNC_ELISION` (ARCHITECTURE §8), `LOWSYNC_CUDA_MMV_MAX_M`, `LOWSYNC_CUDA_GRAPHS`,
-//! `LOWSYNC_CUDA_FUSION`, `LOWSYNC_CUDA_TIMING` and `LOWSYNC_CUDA_PDL`: a bad value is
+//! `LOWSYNC_CUDA_FUSION`, `LOWSYNC_CUDA_TIMING`, `LOWSYNC_CUDA_PDL`, `LOWSYNC_CUDA_ATTN_FAST` and
+//! `LOWSYNC_CUDA_REHEARSE`: a bad value is
 //! an error naming the variable. (Its own test binary: it sets process-wide variables; one
 //! test, so nothing reads them while they are bad.)
 
@@ -48,11 +49,15 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
         ("LOWSYNC_CUDA_FUSION", true),
         ("LOWSYNC_CUDA_TIMING", false),
         ("LOWSYNC_CUDA_PDL", true),
+        ("LOWSYNC_CUDA_ATTN_FAST", true),
+        ("LOWSYNC_CUDA_REHEARSE", true),
     ] {
         let read = |c: &CudaConfig| match var {
             "LOWSYNC_CUDA_GRAPHS" => c.graphs,
             "LOWSYNC_CUDA_FUSION" => c.fusion,
             "LOWSYNC_CUDA_PDL" => c.pdl,
+            "LOWSYNC_CUDA_ATTN_FAST" => c.attn_fast,
+            "LOWSYNC_CUDA_REHEARSE" => c.rehearse,
             _ => c.timing,
         };
         assert_eq!(
