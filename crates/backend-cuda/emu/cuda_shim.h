@@ -88,6 +88,7 @@ inline void sincos(double a, double* s, double* c) {
     *c = std::cos(a);
 }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
 template <class T>
 inline T __ldg(const T* p) {
     return *p;

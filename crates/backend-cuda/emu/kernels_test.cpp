@@ -936,7 +936,7 @@ void test_soft_max() {
 // The largest value's index, the lowest on ties, NaN below every number, an all-NaN row 0.
 void test_argmax() {
     for (int xdt : {DT_F16, DT_F32})
-    for (i64 len : {7, 1000, 32000, 100000})
+    for (i64 len : {7, 1000, 32000, 32003, 100000})  // 32003: a tail, and row 1 unaligned
         for (int kind = 0; kind < 4; ++kind) {
             const i64 rows = 2;
             Buf x(xdt, rows * len), d(DT_I32, rows);

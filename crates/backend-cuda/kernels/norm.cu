@@ -89,6 +89,38 @@ __device__ __forceinline__ void argmax_part(const void* x, int dtx, i64 base, i6
     }
 }
 
+// A contiguous f32 row that starts 16-byte aligned (decode's logits): AM_V 16-byte loads in
+// flight per thread, so that a vocabulary of up to 4 * AM_V * blockDim.x values (32768 with
+// 1024 threads) is one memory round trip. 32-bit indices (the host checks the length).
+#define AM_V 8
+__device__ __forceinline__ void argmax_part_v4(const float* x, int len, float& bv, i64& bi) {
+    const int n4 = len / 4;
+    const float4* x4 = (const float4*)x;
+#pragma unroll 1
+    for (int c0 = threadIdx.x; c0 < n4; c0 += AM_V * blockDim.x) {
+        float4 v[AM_V];
+#pragma unroll
+        for (int u = 0; u < AM_V; ++u) {
+            const int c = c0 + u * blockDim.x;
+            v[u] = c < n4 ? x4[c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int u = 0; u < AM_V; ++u) {
+            const int c = 4 * (c0 + u * (int)blockDim.x);
+            if (c < 4 * n4) {
+                if (better(v[u].x, c, bv, bi)) { bv = v[u].x; bi = c; }
+                if (better(v[u].y, c + 1, bv, bi)) { bv = v[u].y; bi = c + 1; }
+                if (better(v[u].z, c + 2, bv, bi)) { bv = v[u].z; bi = c + 2; }
+                if (better(v[u].w, c + 3, bv, bi)) { bv = v[u].w; bi = c + 3; }
+            }
+        }
+    }
+#pragma unroll 1
+    for (int c = 4 * n4 + threadIdx.x; c < len; c += blockDim.x) {
+        if (better(x[c], c, bv, bi)) { bv = x[c]; bi = c; }
+    }
+}
+
 // The best of a warp's (value, index) pairs, in every lane (an xor butterfly; `better` is a
 // total order on distinct indices, so the result does not depend on the order). Indices
 // travel as 32-bit words: the host launches rows shorter than 2^31.
@@ -112,7 +144,9 @@ extern "C" __global__ void __launch_bounds__(1024) argmax(i64 rows, i64 len, Lay
         lay_offsets(L, r, 2, o);
         float bv = __int_as_float(0x7fc00000);  // NaN: loses to any number
         i64 bi = len;
-        if (dtx == DT_F32) {
+        if (dtx == DT_F32 && x_cs == 1 && (((u64)((const float*)x + o[1])) & 15) == 0) {
+            argmax_part_v4((const float*)x + o[1], (int)len, bv, bi);
+        } else if (dtx == DT_F32) {
             argmax_part<true>(x, dtx, o[1], x_cs, len, bv, bi);
         } else {
             argmax_part<false>(x, dtx, o[1], x_cs, len, bv, bi);
