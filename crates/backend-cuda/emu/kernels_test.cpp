@@ -320,22 +320,27 @@ void test_fused_gemv1() {
         int pair, norm;
     };
     // K 2052 / 4100: a K % 8 tail after the split staging; 4100: two batches per unit.
+    // grid: 0, a warp per unit (unstreamed); 1 and 3 blocks streamed (each warp strides over
+    // several units, the refills crossing from one unit to the next); 99: a streamed grid
+    // larger than needed (idle warps).
     for (Case c : {Case{DT_F16, 2052, 0, 0}, Case{DT_F32, 1100, 0, 1}, Case{DT_F16, 4100, 0, 1},
-                   Case{DT_BF16, 2052, 1, 0}, Case{DT_F16, 1024, 1, 1}, Case{DT_F16, 64, 0, 0}}) {
+                   Case{DT_BF16, 2052, 1, 0}, Case{DT_F16, 1024, 1, 1}, Case{DT_F16, 64, 0, 0}})
+        for (int grid : {0, 1, 3, 99}) {
         const i64 K = c.K;
         Buf x(DT_F32, K), nw(DT_F32, K), nd(DT_F32, K), a(DT_F32, K);
         x.rand(2.0f);
         nw.rand(1.5f);
         if (!c.norm) a.rand();
         Products P(c.wdt, 1, K, c.pair, 0, {37, 21, 12});
-        launch((unsigned)((P.units() + 7) / 8), 256, [&] {
+        launch(grid ? (unsigned)grid : (unsigned)((P.units() + 7) / 8), 256, [&] {
             // The host launches the pair modes through their own entry point.
             auto* kernel = c.pair ? fused_gemv1_pair : fused_gemv1;
-            kernel(K, (const float*)a.p(), P.S, c.wdt, 1, 1, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
-                   c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32);
+            kernel(K, (const float*)a.p(), P.S, c.wdt, 1, 1, grid != 0, c.norm ? (const float*)x.p() : nullptr,
+                   1e-5f, c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32);
         });
         const std::string tag = "fused_gemv1 w " + std::to_string(c.wdt) + " K " + std::to_string(K) +
-                                " pair " + std::to_string(c.pair) + " norm " + std::to_string(c.norm);
+                                " pair " + std::to_string(c.pair) + " norm " + std::to_string(c.norm) +
+                                " grid " + std::to_string(grid);
         std::vector<double> act(K);
         if (c.norm) {
             double ss = 0;
@@ -456,7 +461,8 @@ void rowpair_case(const RpCase& c) {
     }
     const i64 units = (n[0] + n[1] + n[2]) / 2;
     launch((unsigned)((units + 7) / 8), 256, [&] {
-        fused_gemv1_pair(K, (const float*)a.p(), S, c.wdt, 1, c.ahead, c.norm ? (const float*)x.p() : nullptr,
+        // stream 1: row pairs are never streamed (the whole grid is launched).
+        fused_gemv1_pair(K, (const float*)a.p(), S, c.wdt, 1, c.ahead, 1, c.norm ? (const float*)x.p() : nullptr,
                          1e-5f, nd.p(), DT_F32, nw.p(), DT_F32);
     });
     const std::string tag = "fused_gemv1 row pairs w " + std::to_string(c.wdt) + " K " + std::to_string(K) +

@@ -499,15 +499,130 @@ __device__ __forceinline__ void fg1_body(int K, const float* a, const FgSet& S, 
     }
 }
 
+// The same products without row-pair epilogues (NC 1, or gate/up with SwiGlu), streamed: the
+// grid is at most one wave and its warps stride over the units (unit u, u + warps, ...), and
+// each lane keeps its FG1_U weight loads in flight the whole time — the register of a loaded
+// vector is refilled, as soon as its products are done, with the load FG1_U vectors ahead in
+// the warp's sequence: the next round of the unit, or the first of its next unit. No block
+// turnover, no round without loads in flight, and the staging (and norm prologue) runs once
+// per block. Each unit is still one warp's, in the same order (the same sums bit for bit).
+template <int DT, int NC, bool STAGED>
+__device__ __forceinline__ void fg1_stream(int K, const float* a, const FgSet& S, float* xs,
+                                           int ahead, const float* nx, float eps, void* nd,
+                                           int dtn, const void* nw, int dtnw) {
+    const int VW = DT == DT_F32 ? 4 : 8;
+    const int U = FG1_U / NC;
+    const int lane = threadIdx.x & 31;
+    const int units = (int)fg_units<NC>(S);
+    const int stride = gridDim.x * FG1_WARPS;
+    int u = blockIdx.x * FG1_WARPS + (threadIdx.x >> 5);
+    const int nvec = K / VW;
+    int s;
+    i64 j;
+    const char* wrow[NC];
+    fg_unit<DT, NC>(S, u < units ? u : 0, s, j, wrow);
+    const uint4* wr[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) wr[c] = (const uint4*)wrow[c];
+    uint4 q[U][NC];
+    if (!ahead) pdl_entry();
+#pragma unroll
+    for (int t = 0; t < U; ++t) {
+        const int v = lane + 32 * t;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) q[t][c] = u < units && v < nvec ? ld_weight(wr[c] + v) : make_uint4(0, 0, 0, 0);
+    }
+    if (ahead) pdl_entry();
+    const float* xr = a;
+    if (STAGED) {
+        if (nx) {
+            norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a, VW == 8, S.wnorm != 0);
+        } else {
+            stage_row(xs, a, K, VW == 8);
+        }
+        xr = xs;
+    }
+#pragma unroll 1
+    while (u < units) {  // warp-uniform
+        const int un = u + stride;
+        int sn;
+        i64 jn;
+        const char* wnrow[NC];
+        fg_unit<DT, NC>(S, un < units ? un : u, sn, jn, wnrow);
+        const uint4* wn[NC];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) wn[c] = (const uint4*)wnrow[c];
+        float acc[NC];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
+#pragma unroll 1
+        for (int v0 = 0; v0 < nvec; v0 += 32 * U) {
+            const bool last = v0 + 32 * U >= nvec;
+#pragma unroll
+            for (int t = 0; t < U; ++t) {
+                const int v = v0 + lane + 32 * t;
+                if (v < nvec) {
+                    float xa[VW];
+                    decode_x<VW>(xr, v, nvec, STAGED, xa);
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) {
+                        float f[VW];
+                        unpack16<DT>(q[t][c], f);
+#pragma unroll
+                        for (int e = 0; e < VW; ++e) acc[c] = fmaf(xa[e], f[e], acc[c]);
+                    }
+                }
+                // Refill: this unit's next round, or the next unit's first.
+                const int vn = last ? lane + 32 * t : v + 32 * U;
+                const bool ok = vn < nvec && (!last || un < units);
+#pragma unroll
+                for (int c = 0; c < NC; ++c) q[t][c] = ok ? ld_weight((last ? wn[c] : wr[c]) + vn) : make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll 1
+        for (int kk = nvec * VW + lane; kk < K; kk += 32) {
+#pragma unroll
+            for (int c = 0; c < NC; ++c) acc[c] = fmaf(xr[kk], ld((const void*)wr[c], DT, kk), acc[c]);
+        }
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], off);
+        }
+        if (lane == 0) {
+            if (NC == 1) {
+                fg_store(S.seg[s], 0, j, acc[0]);
+            } else {
+                const float gv = acc[0], uv = acc[NC - 1];
+                fg_store(S.seg[0], 0, j, gv);
+                fg_store(S.seg[1], 0, j, uv);
+                st((void*)S.sw, (int)S.sw_dt, j * S.sw_cs, f_silu(gv) * uv);
+            }
+        }
+        u = un;
+        s = sn;
+        j = jn;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) wr[c] = wn[c];
+    }
+}
+
 // blockDim.x == FG1_WARPS * 32; dynamic shared memory K floats when `staged`. With nx != 0
 // (then `staged`), a is the result of the norm prologue (`norm_stage`) over row nx. K and
-// the number of output units are below 2^31 (checked on the host).
+// the number of output units are below 2^31 (checked on the host). `stream`: the grid may be
+// smaller than one warp per unit (`fg1_stream`); row pairs (S.pair == 2) are never streamed.
 #define FG1_NORM nx, eps, nd, dtn, nw, dtnw
 #define FG1_CASE(DT, NC)                                                              \
-    if (staged) {                                                                     \
-        fg1_body<DT, NC, true>((int)K, a, S, xs, ahead, FG1_NORM);                    \
+    if (S.pair == 2 || !stream) {                                                     \
+        if (staged) {                                                                 \
+            fg1_body<DT, NC, true>((int)K, a, S, xs, ahead, FG1_NORM);                \
+        } else {                                                                      \
+            fg1_body<DT, NC, false>((int)K, a, S, xs, ahead, FG1_NORM);               \
+        }                                                                             \
+    } else if (staged) {                                                              \
+        fg1_stream<DT, NC, true>((int)K, a, S, xs, ahead, FG1_NORM);                  \
     } else {                                                                          \
-        fg1_body<DT, NC, false>((int)K, a, S, xs, ahead, FG1_NORM);                   \
+        fg1_stream<DT, NC, false>((int)K, a, S, xs, ahead, FG1_NORM);                 \
     }                                                                                 \
     break;
 // One product per unit (S.pair == 0). The pair modes have their own entry point below, so
@@ -516,6 +631,7 @@ __device__ __forceinline__ void fg1_body(int K, const float* a, const FgSet& S, 
 extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, const float* a,
                                                                       FgSet S, int dtw,
                                                                       int staged, int ahead,
+                                                                      int stream,
                                                                       const float* nx,
                                                                       float eps, void* nd,
                                                                       int dtn, const void* nw,
@@ -536,8 +652,8 @@ extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, 
 // these, and for an `attn_fast` block (158) beside one — the first wave of the next kernel
 // loads its weights, or rehearses, while this one finishes.
 extern "C" __global__ void __maxnreg__(88) fused_gemv1_pair(
-    i64 K, const float* a, FgSet S, int dtw, int staged, int ahead, const float* nx, float eps,
-    void* nd, int dtn, const void* nw, int dtnw) {
+    i64 K, const float* a, FgSet S, int dtw, int staged, int ahead, int stream, const float* nx,
+    float eps, void* nd, int dtn, const void* nw, int dtnw) {
     extern __shared__ float4 fg1_smem[];
     float* xs = (float*)fg1_smem;
     switch (dtw) {

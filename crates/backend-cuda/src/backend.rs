@@ -85,6 +85,15 @@ pub struct CudaConfig {
     /// instructions are cached when the wait returns. Off is a knob for measuring what that
     /// buys.
     pub rehearse: bool,
+    /// Decode's matrix-vector products without row-pair epilogues run streamed
+    /// (`LOWSYNC_CUDA_GEMV_STREAM`, default on): a grid of at most `stream_blocks` blocks per
+    /// multiprocessor whose warps stride over the output units, keeping their weight loads in
+    /// flight from one unit to the next, with the norm prologue folded in; off launches one
+    /// warp per unit as before.
+    pub gemv_stream: bool,
+    /// Resident blocks per multiprocessor of a streamed product's grid
+    /// (`LOWSYNC_CUDA_GEMV_BLOCKS`, default 2).
+    pub stream_blocks: usize,
 }
 
 /// The decode matrix-vector kernel's source of the activation row.
@@ -113,6 +122,8 @@ impl Default for CudaConfig {
             pdl: true,
             attn_fast: true,
             rehearse: true,
+            gemv_stream: true,
+            stream_blocks: 2,
         }
     }
 }
@@ -131,6 +142,18 @@ impl CudaConfig {
             pdl: env::flag("LOWSYNC_CUDA_PDL", true)?,
             attn_fast: env::flag("LOWSYNC_CUDA_ATTN_FAST", true)?,
             rehearse: env::flag("LOWSYNC_CUDA_REHEARSE", true)?,
+            gemv_stream: env::flag("LOWSYNC_CUDA_GEMV_STREAM", true)?,
+            stream_blocks: match env::unsigned("LOWSYNC_CUDA_GEMV_BLOCKS")? {
+                Some(0) => {
+                    return Err(Error::Env {
+                        var: "LOWSYNC_CUDA_GEMV_BLOCKS",
+                        value: "0".into(),
+                        expected: "a positive integer (blocks per multiprocessor)",
+                    })
+                }
+                Some(v) => usize::try_from(v).unwrap_or(usize::MAX).min(32),
+                None => 2,
+            },
             ..CudaConfig::default()
         })
     }

@@ -1336,9 +1336,14 @@ fn launch_gemv(
     } else {
         GEMV1_BLOCKS_PER_SM
     };
+    // Streamed (`fg1_stream`; not row pairs): a grid of at most `stream_blocks` per
+    // multiprocessor whose warps stride over the units, so the prologue always runs once per
+    // resident block.
+    let stream = exec.inner.cfg.gemv_stream && !tails;
+    let stream_grid = exec.inner.sms * exec.inner.cfg.stream_blocks.max(1);
     // With Rope epilogues the prologue is kept past one wave: it costs less than the launches
     // the epilogues save, and a separate norm would leave its row under q's rotation.
-    let prologue_fits = blocks1 <= exec.inner.sms * per_sm || tails;
+    let prologue_fits = stream || blocks1 <= exec.inner.sms * per_sm || tails;
     // The decode kernel computes offsets in 32 bits.
     let narrow = k < i32::MAX as usize && units < i32::MAX as usize;
     let vec = vec && narrow;
@@ -1375,16 +1380,20 @@ fn launch_gemv(
     };
     if m == 1 && vec {
         let ahead = segs.iter().all(|s| exec.read_ahead(&nodes[s.mm].srcs[1]));
-        let blocks = units
-            .div_ceil(matmul::GEMV1_WARPS)
-            .clamp(1, i32::MAX as usize) as u32;
+        let blocks = if stream {
+            blocks1.min(stream_grid)
+        } else {
+            blocks1
+        };
+        let blocks = blocks.clamp(1, i32::MAX as usize) as u32;
         let args = Args::new()
             .arg(k as i64)
             .arg(a.ptr)
             .arg(set)
             .arg(dt(wdt))
             .arg(staged as i32)
-            .arg(ahead as i32);
+            .arg(ahead as i32)
+            .arg(stream as i32);
         let args = match pro {
             Some(p) => args
                 .arg(p.x)

@@ -1,6 +1,6 @@
 //! `LOWSYNC_CUDA_SYNC_ELISION` (ARCHITECTURE §8), `LOWSYNC_CUDA_MMV_MAX_M`, `LOWSYNC_CUDA_GRAPHS`,
 //! `LOWSYNC_CUDA_FUSION`, `LOWSYNC_CUDA_TIMING`, `LOWSYNC_CUDA_PDL`, `LOWSYNC_CUDA_ATTN_FAST` and
-//! `LOWSYNC_CUDA_REHEARSE`: a bad value is
+//! `LOWSYNC_CUDA_REHEARSE`, `LOWSYNC_CUDA_GEMV_STREAM` and `LOWSYNC_CUDA_GEMV_BLOCKS`: a bad value is
 //! an error naming the variable. (Its own test binary: it sets process-wide variables; one
 //! test, so nothing reads them while they are bad.)
 
@@ -44,6 +44,20 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
     }
     std::env::remove_var("LOWSYNC_CUDA_MMV_MAX_M");
 
+    assert_eq!(CudaConfig::from_env().unwrap().stream_blocks, 2, "unset");
+    std::env::set_var("LOWSYNC_CUDA_GEMV_BLOCKS", "3");
+    assert_eq!(CudaConfig::from_env().unwrap().stream_blocks, 3);
+    std::env::set_var("LOWSYNC_CUDA_GEMV_BLOCKS", "1000");
+    assert_eq!(CudaConfig::from_env().unwrap().stream_blocks, 32, "capped");
+    for bad in ["0", "two"] {
+        std::env::set_var("LOWSYNC_CUDA_GEMV_BLOCKS", bad);
+        match CudaConfig::from_env() {
+            Err(Error::Env { var, .. }) => assert_eq!(var, "LOWSYNC_CUDA_GEMV_BLOCKS"),
+            other => panic!("expected an env error for {bad:?}, got {other:?}"),
+        }
+    }
+    std::env::remove_var("LOWSYNC_CUDA_GEMV_BLOCKS");
+
     for (var, default) in [
         ("LOWSYNC_CUDA_GRAPHS", true),
         ("LOWSYNC_CUDA_FUSION", true),
@@ -51,6 +65,7 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
         ("LOWSYNC_CUDA_PDL", true),
         ("LOWSYNC_CUDA_ATTN_FAST", true),
         ("LOWSYNC_CUDA_REHEARSE", true),
+        ("LOWSYNC_CUDA_GEMV_STREAM", true),
     ] {
         let read = |c: &CudaConfig| match var {
             "LOWSYNC_CUDA_GRAPHS" => c.graphs,
@@ -58,6 +73,7 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
             "LOWSYNC_CUDA_PDL" => c.pdl,
             "LOWSYNC_CUDA_ATTN_FAST" => c.attn_fast,
             "LOWSYNC_CUDA_REHEARSE" => c.rehearse,
+            "LOWSYNC_CUDA_GEMV_STREAM" => c.gemv_stream,
             _ => c.timing,
         };
         assert_eq!(

@@ -891,3 +891,86 @@ fn a_decode_layer_is_five_launches() {
         }
     }
 }
+
+/// Final buffers and kernel launches of `case` on a CUDA backend with `cfg` (graphs off).
+fn on_gpu_cfg(test: &str, case: &Case, cfg: CudaConfig) -> Option<(Vec<Vec<u8>>, u64)> {
+    let be = gpu_with(
+        test,
+        CudaConfig {
+            graphs: false,
+            ..cfg
+        },
+    )?;
+    let before = be.stats().snapshot();
+    let bufs = execute(&*be, case);
+    Some((bufs, be.stats().snapshot().since(&before).kernel_launches))
+}
+
+#[test]
+fn streamed_products_match_a_warp_per_unit_bit_for_bit() {
+    // More output units than a streamed grid has warps (sms x 2 blocks x 8 warps): warps take
+    // several units each, their loads running on from one unit into the next. Every unit is
+    // still summed by one warp in one order, so the results are the same bytes; the norm in
+    // front of gate/up joins the streamed launch (one block per multiprocessor computes it),
+    // where a warp per unit is more than a wave and runs it on its own.
+    let mut rng = Rng::new(41);
+    for wdt in FLOATS {
+        let (k, n, dn) = (256, 6000, 5000);
+        let mut c = Case::default();
+        let x = c.tensor(DType::F32, &[1, k]);
+        c.rand(&mut rng, &x, 2.0);
+        let nw = c.tensor(DType::F32, &[k]);
+        c.rand(&mut rng, &nw, 1.5);
+        let norm = c.tensor(DType::F32, &[1, k]);
+        let h = c.tensor(DType::F32, &[1, k]);
+        c.node(Op::RmsNorm { eps: 1e-5 }, &norm, &[&x]);
+        c.node(Op::Mul, &h, &[&norm, &nw]);
+        let wg = weight(&mut c, &mut rng, wdt, k, n);
+        let wu = weight(&mut c, &mut rng, wdt, k, n);
+        let gate = c.tensor(DType::F32, &[1, n]);
+        let up = c.tensor(DType::F32, &[1, n]);
+        c.node(Op::MulMat, &gate, &[&h, &wg]);
+        c.node(Op::MulMat, &up, &[&h, &wu]);
+        c.node(Op::SwiGlu, &gate, &[&gate, &up]);
+        let wd = weight(&mut c, &mut rng, wdt, n, dn);
+        let d = c.tensor(DType::F32, &[1, dn]);
+        let res = c.tensor(DType::F32, &[1, dn]);
+        c.rand(&mut rng, &res, 1.0);
+        c.node(Op::MulMat, &d, &[&gate, &wd]);
+        c.node(Op::Add, &res, &[&res, &d]);
+        let test = format!("streamed {wdt}");
+        let on = CudaConfig::default();
+        let off = CudaConfig {
+            gemv_stream: false,
+            ..CudaConfig::default()
+        };
+        let Some((streamed, n_on)) = on_gpu_cfg(&test, &c, on) else {
+            return;
+        };
+        let (plain, n_off) = on_gpu_cfg(&test, &c, off).expect("the device is still there");
+        for (name, t) in [
+            ("norm", &norm),
+            ("h", &h),
+            ("swiglu", &gate),
+            ("up", &up),
+            ("residual", &res),
+        ] {
+            assert!(
+                values(&streamed, t) == values(&plain, t),
+                "{test}: {name} differs between streamed and one warp per unit"
+            );
+        }
+        let oracle = execute(&CpuBackend::new(), &c);
+        assert_close(
+            &format!("{test}: residual vs oracle"),
+            &values(&oracle, &res),
+            &values(&streamed, &res),
+            oracle_bound(wdt),
+        );
+        assert_eq!(
+            (n_on, n_off),
+            (2, 3),
+            "{test}: launches streamed, unstreamed"
+        );
+    }
+}
