@@ -48,7 +48,8 @@
 //! are deterministic run to run. Their orders differ from the unfused kernels' (decode's
 //! products run one output unit per warp, `fused_gemv1`), so fused and unfused results agree
 //! within the NMSE bounds of `tests/fused.rs`, not bit for bit; graph replay on and off are
-//! bit-identical (same kernels).
+//! bit-identical (same kernels), and so are streamed and unstreamed products (a streamed
+//! grid's warps take several units each, every unit still one warp's, in the same order).
 
 use std::sync::Arc;
 
@@ -74,8 +75,9 @@ const ATT_THREADS: usize = 256;
 const GEMV_THREADS: usize = 128;
 /// Products of one fused matrix-vector launch (`FG_MAXS`).
 const MAX_SEGS: usize = 4;
-/// Resident `fused_gemv1` blocks per multiprocessor (80 registers per thread on sm_90) ...
-const GEMV1_BLOCKS_PER_SM: usize = 3;
+/// Resident `fused_gemv1` blocks per multiprocessor (104 registers per thread on sm_90, for
+/// its streamed path) ...
+const GEMV1_BLOCKS_PER_SM: usize = 2;
 /// ... and `fused_gemv1_pair` blocks (at most 88 registers, `__maxnreg__`).
 const GEMV1_PAIR_BLOCKS_PER_SM: usize = 2;
 /// The lane chain of a fused norm prologue's writes (products use their segment index).
@@ -1325,7 +1327,8 @@ fn launch_gemv(
         set.sw_rs = sw.strides[0] as i64;
         set.sw_cs = sw.strides[1] as i64;
     }
-    // Decode: one output unit per warp, a staged in shared memory when it fits.
+    // Decode: one output unit per warp (or streamed, below), a staged in shared memory when it
+    // fits.
     let staged = k * 4 <= matmul::GEMV1_MAX_SHARED;
     let blocks1 = units.div_ceil(matmul::GEMV1_WARPS);
     // Every block computes the norm before its products start; past one wave of blocks that
