@@ -108,24 +108,22 @@ def test_cuda_graph_replay_is_one_launch_per_token_and_bit_identical(
 
 
 @pytest.mark.cuda
-def test_cuda_programmatic_dependent_launch_changes_no_token_or_count(
-    clean_env: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    "knob",
+    [
+        # Kernels launched before their producer finishes, waiting on the device.
+        "pdl",
+        # Attention, launched ahead, runs its path once before its wait, on inputs its
+        # producer is still writing: nothing of that pass may reach a result.
+        "rehearse",
+    ],
+)
+def test_cuda_launch_knobs_change_no_token_or_count(
+    knob: str, clean_env: pytest.MonkeyPatch
 ) -> None:
     for graphs in ("1", "0"):
-        tokens_on, on = _cuda_decode(graphs, clean_env, pdl="1")
-        tokens_off, off = _cuda_decode(graphs, clean_env, pdl="0")
-        assert tokens_on == tokens_off, f"graphs={graphs}"
+        tokens_on, on = _cuda_decode(graphs, clean_env, **{knob: "1"})
+        tokens_off, off = _cuda_decode(graphs, clean_env, **{knob: "0"})
+        assert tokens_on == tokens_off, f"{knob}, graphs={graphs}"
         for key in ("host_waits", "h2d_copies", "d2h_copies", "kernel_launches", "graph_launches"):
-            assert on[key] == off[key], f"graphs={graphs}: {key}"
-
-
-@pytest.mark.cuda
-def test_cuda_rehearsal_changes_no_token_or_count(clean_env: pytest.MonkeyPatch) -> None:
-    # Kernels launched ahead of their producer run their path once before their wait, on
-    # inputs the producer is still writing: nothing of that pass may reach a result.
-    for graphs in ("1", "0"):
-        tokens_on, on = _cuda_decode(graphs, clean_env, rehearse="1")
-        tokens_off, off = _cuda_decode(graphs, clean_env, rehearse="0")
-        assert tokens_on == tokens_off, f"graphs={graphs}"
-        for key in ("host_waits", "h2d_copies", "d2h_copies", "kernel_launches", "graph_launches"):
-            assert on[key] == off[key], f"graphs={graphs}: {key}"
+            assert on[key] == off[key], f"{knob}, graphs={graphs}: {key}"

@@ -398,6 +398,55 @@ __device__ __forceinline__ void norm_stage(float* xs, i64 K, const float* x, flo
     __syncthreads();
 }
 
+// acc[c] += the products of loaded weight vector w[c] (vector v of its row) with the VW
+// activation values of v — one step of both decode bodies below.
+template <int DT, int NC, bool STAGED>
+__device__ __forceinline__ void fg1_fma(const float* xr, int v, int nvec, const uint4 (&w)[NC],
+                                        float (&acc)[NC]) {
+    const int VW = DT == DT_F32 ? 4 : 8;
+    float xa[VW];
+    decode_x<VW>(xr, v, nvec, STAGED, xa);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        float f[VW];
+        unpack16<DT>(w[c], f);
+#pragma unroll
+        for (int e = 0; e < VW; ++e) acc[c] = fmaf(xa[e], f[e], acc[c]);
+    }
+}
+
+// A unit's last K % VW products, then its lanes' sums (a fixed xor butterfly): every lane
+// ends with the unit's sums.
+template <int DT, int NC>
+__device__ __forceinline__ void fg1_sums(int K, int nvec, const float* xr, const uint4* const (&wr)[NC],
+                                         int lane, float (&acc)[NC]) {
+    const int VW = DT == DT_F32 ? 4 : 8;
+#pragma unroll 1
+    for (int kk = nvec * VW + lane; kk < K; kk += 32) {
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[c] = fmaf(xr[kk], ld((const void*)wr[c], DT, kk), acc[c]);
+    }
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], off);
+    }
+}
+
+// The epilogue of a unit without row pairs: column j of segment s (NC 1), or of gate and up
+// with their SwiGlu (NC 2).
+template <int NC>
+__device__ __forceinline__ void fg1_store(const FgSet& S, int s, i64 j, const float (&acc)[NC]) {
+    if (NC == 1) {
+        fg_store(S.seg[s], 0, j, acc[0]);
+    } else {
+        const float gv = acc[0], uv = acc[NC - 1];
+        fg_store(S.seg[0], 0, j, gv);
+        fg_store(S.seg[1], 0, j, uv);
+        st((void*)S.sw, (int)S.sw_dt, j * S.sw_cs, f_silu(gv) * uv);
+    }
+}
+
 // Decode (one row of a, every weight row 16-byte aligned): the same products and epilogues
 // with the work split of `mul_mat_vec_1` — one output unit (column j of a segment, or of both
 // products in pair mode) per warp, FG1_U 16-byte loads of each weight row in flight per lane,
@@ -405,6 +454,35 @@ __device__ __forceinline__ void norm_stage(float* xs, i64 K, const float* x, flo
 // through the read-only cache. Partial sums meet in a fixed xor butterfly (deterministic).
 #define FG1_WARPS 8
 #define FG1_U 8
+// The start of both decode bodies: a unit's first FG1_U weight loads per lane (`active`: the
+// warp has a unit), issued before the wait when `ahead`, then the activation row staged in
+// xs — through the norm prologue when nx != 0 — or read in place. Returns the row to use.
+template <int DT, int NC, bool STAGED>
+__device__ __forceinline__ const float* fg1_start(int K, const float* a, const FgSet& S, float* xs,
+                                                  int ahead, bool active,
+                                                  const uint4* const (&wr)[NC],
+                                                  uint4 (&q)[FG1_U / NC][NC], const float* nx,
+                                                  float eps, void* nd, int dtn, const void* nw,
+                                                  int dtnw) {
+    const int VW = DT == DT_F32 ? 4 : 8;
+    const int lane = threadIdx.x & 31, nvec = K / VW;
+    if (!ahead) pdl_entry();
+#pragma unroll
+    for (int t = 0; t < FG1_U / NC; ++t) {
+        const int v = lane + 32 * t;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) q[t][c] = active && v < nvec ? ld_weight(wr[c] + v) : make_uint4(0, 0, 0, 0);
+    }
+    if (ahead) pdl_entry();
+    if (!STAGED) return a;
+    if (nx) {
+        norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a, VW == 8, S.wnorm != 0);
+    } else {
+        stage_row(xs, a, K, VW == 8);
+    }
+    return xs;
+}
+
 // Offsets are 32-bit (the host checks K and the units fit) and `staged` is a template
 // parameter: decode kernels spend much of their time fetching instructions (each warp runs
 // its path once), so the path is kept short — no 64-bit index arithmetic, no run-time branch
@@ -428,23 +506,8 @@ __device__ __forceinline__ void fg1_body(int K, const float* a, const FgSet& S, 
     for (int c = 0; c < NC; ++c) wr[c] = (const uint4*)wrow[c];
     const int nvec = K / VW;
     uint4 q[U][NC];
-    if (!ahead) pdl_entry();
-#pragma unroll
-    for (int t = 0; t < U; ++t) {
-        const int v = lane + 32 * t;
-#pragma unroll
-        for (int c = 0; c < NC; ++c) q[t][c] = active && v < nvec ? ld_weight(wr[c] + v) : make_uint4(0, 0, 0, 0);
-    }
-    if (ahead) pdl_entry();
-    const float* xr = a;
-    if (STAGED) {
-        if (nx) {
-            norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a, VW == 8, S.wnorm != 0);
-        } else {
-            stage_row(xs, a, K, VW == 8);
-        }
-        xr = xs;
-    }
+    const float* xr = fg1_start<DT, NC, STAGED>(K, a, S, xs, ahead, active, wr, q, nx, eps, nd,
+                                                dtn, nw, dtnw);
     if (!active) return;
     float acc[NC];
 #pragma unroll
@@ -462,39 +525,15 @@ __device__ __forceinline__ void fg1_body(int K, const float* a, const FgSet& S, 
 #pragma unroll
         for (int t = 0; t < U; ++t) {
             const int v = v0 + lane + 32 * t;
-            if (v < nvec) {
-                float xa[VW];
-                decode_x<VW>(xr, v, nvec, STAGED, xa);
-#pragma unroll
-                for (int c = 0; c < NC; ++c) {
-                    float f[VW];
-                    unpack16<DT>(q[t][c], f);
-#pragma unroll
-                    for (int e = 0; e < VW; ++e) acc[c] = fmaf(xa[e], f[e], acc[c]);
-                }
-            }
+            if (v < nvec) fg1_fma<DT, NC, STAGED>(xr, v, nvec, q[t], acc);
         }
     }
-#pragma unroll 1
-    for (int kk = nvec * VW + lane; kk < K; kk += 32) {
-#pragma unroll
-        for (int c = 0; c < NC; ++c) acc[c] = fmaf(xr[kk], ld((const void*)wr[c], DT, kk), acc[c]);
-    }
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], off);
-    }
+    fg1_sums<DT, NC>(K, nvec, xr, wr, lane, acc);
     if (lane == 0) {
-        if (NC == 1) {
-            fg_store(S.seg[s], 0, j, acc[0]);
-        } else if (S.pair == 2) {
+        if (NC == 2 && S.pair == 2) {
             fg_rope_pair(S.seg[s], S.err, j, acc[0], acc[NC - 1]);
         } else {
-            const float gv = acc[0], uv = acc[NC - 1];
-            fg_store(S.seg[0], 0, j, gv);
-            fg_store(S.seg[1], 0, j, uv);
-            st((void*)S.sw, (int)S.sw_dt, j * S.sw_cs, f_silu(gv) * uv);
+            fg1_store<NC>(S, s, j, acc);
         }
     }
 }
@@ -525,23 +564,8 @@ __device__ __forceinline__ void fg1_stream(int K, const float* a, const FgSet& S
 #pragma unroll
     for (int c = 0; c < NC; ++c) wr[c] = (const uint4*)wrow[c];
     uint4 q[U][NC];
-    if (!ahead) pdl_entry();
-#pragma unroll
-    for (int t = 0; t < U; ++t) {
-        const int v = lane + 32 * t;
-#pragma unroll
-        for (int c = 0; c < NC; ++c) q[t][c] = u < units && v < nvec ? ld_weight(wr[c] + v) : make_uint4(0, 0, 0, 0);
-    }
-    if (ahead) pdl_entry();
-    const float* xr = a;
-    if (STAGED) {
-        if (nx) {
-            norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a, VW == 8, S.wnorm != 0);
-        } else {
-            stage_row(xs, a, K, VW == 8);
-        }
-        xr = xs;
-    }
+    const float* xr = fg1_start<DT, NC, STAGED>(K, a, S, xs, ahead, u < units, wr, q, nx, eps,
+                                                nd, dtn, nw, dtnw);
 #pragma unroll 1
     while (u < units) {  // warp-uniform
         const int un = u + stride;
@@ -561,17 +585,7 @@ __device__ __forceinline__ void fg1_stream(int K, const float* a, const FgSet& S
 #pragma unroll
             for (int t = 0; t < U; ++t) {
                 const int v = v0 + lane + 32 * t;
-                if (v < nvec) {
-                    float xa[VW];
-                    decode_x<VW>(xr, v, nvec, STAGED, xa);
-#pragma unroll
-                    for (int c = 0; c < NC; ++c) {
-                        float f[VW];
-                        unpack16<DT>(q[t][c], f);
-#pragma unroll
-                        for (int e = 0; e < VW; ++e) acc[c] = fmaf(xa[e], f[e], acc[c]);
-                    }
-                }
+                if (v < nvec) fg1_fma<DT, NC, STAGED>(xr, v, nvec, q[t], acc);
                 // Refill: this unit's next round, or the next unit's first.
                 const int vn = last ? lane + 32 * t : v + 32 * U;
                 const bool ok = vn < nvec && (!last || un < units);
@@ -579,26 +593,8 @@ __device__ __forceinline__ void fg1_stream(int K, const float* a, const FgSet& S
                 for (int c = 0; c < NC; ++c) q[t][c] = ok ? ld_weight((last ? wn[c] : wr[c]) + vn) : make_uint4(0, 0, 0, 0);
             }
         }
-#pragma unroll 1
-        for (int kk = nvec * VW + lane; kk < K; kk += 32) {
-#pragma unroll
-            for (int c = 0; c < NC; ++c) acc[c] = fmaf(xr[kk], ld((const void*)wr[c], DT, kk), acc[c]);
-        }
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], off);
-        }
-        if (lane == 0) {
-            if (NC == 1) {
-                fg_store(S.seg[s], 0, j, acc[0]);
-            } else {
-                const float gv = acc[0], uv = acc[NC - 1];
-                fg_store(S.seg[0], 0, j, gv);
-                fg_store(S.seg[1], 0, j, uv);
-                st((void*)S.sw, (int)S.sw_dt, j * S.sw_cs, f_silu(gv) * uv);
-            }
-        }
+        fg1_sums<DT, NC>(K, nvec, xr, wr, lane, acc);
+        if (lane == 0) fg1_store<NC>(S, s, j, acc);
         u = un;
         s = sn;
         j = jn;
