@@ -162,7 +162,6 @@ __device__ __forceinline__ void pdl_entry() {
 // Loads of data an earlier kernel writes, in code a rehearsal runs: cached in L2 only (the
 // point of coherence), never in L1.
 __device__ __forceinline__ float ld_cg(const float* p) { return __ldcg(p); }
-__device__ __forceinline__ float4 ld_cg(const float4* p) { return __ldcg(p); }
 __device__ __forceinline__ uint4 ld_cg(const uint4* p) { return __ldcg(p); }
 
 // A 16-byte load of a weight for decode's matrix-vector kernels: read-only path, no L1

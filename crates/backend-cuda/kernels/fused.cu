@@ -454,6 +454,16 @@ __device__ __forceinline__ void fg1_store(const FgSet& S, int s, i64 j, const fl
 // through the read-only cache. Partial sums meet in a fixed xor butterfly (deterministic).
 #define FG1_WARPS 8
 #define FG1_U 8
+// `fg_unit` with the weight rows as 16-byte vectors (decode's rows are 16-byte aligned).
+template <int DT, int NC>
+__device__ __forceinline__ void fg1_unit(const FgSet& S, int u, int& s, i64& j,
+                                         const uint4* (&wr)[NC]) {
+    const char* row[NC];
+    fg_unit<DT, NC>(S, u, s, j, row);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) wr[c] = (const uint4*)row[c];
+}
+
 // The start of both decode bodies: a unit's first FG1_U weight loads per lane (`active`: the
 // warp has a unit), issued before the wait when `ahead`, then the activation row staged in
 // xs — through the norm prologue when nx != 0 — or read in place. Returns the row to use.
@@ -499,11 +509,8 @@ __device__ __forceinline__ void fg1_body(int K, const float* a, const FgSet& S, 
     const bool active = u < units;
     int s;
     i64 j;
-    const char* wrow[NC];
-    fg_unit<DT, NC>(S, active ? u : 0, s, j, wrow);
     const uint4* wr[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) wr[c] = (const uint4*)wrow[c];
+    fg1_unit<DT, NC>(S, active ? u : 0, s, j, wr);
     const int nvec = K / VW;
     uint4 q[U][NC];
     const float* xr = fg1_start<DT, NC, STAGED>(K, a, S, xs, ahead, active, wr, q, nx, eps, nd,
@@ -558,11 +565,8 @@ __device__ __forceinline__ void fg1_stream(int K, const float* a, const FgSet& S
     const int nvec = K / VW;
     int s;
     i64 j;
-    const char* wrow[NC];
-    fg_unit<DT, NC>(S, u < units ? u : 0, s, j, wrow);
     const uint4* wr[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) wr[c] = (const uint4*)wrow[c];
+    fg1_unit<DT, NC>(S, u < units ? u : 0, s, j, wr);
     uint4 q[U][NC];
     const float* xr = fg1_start<DT, NC, STAGED>(K, a, S, xs, ahead, u < units, wr, q, nx, eps,
                                                 nd, dtn, nw, dtnw);
@@ -571,11 +575,8 @@ __device__ __forceinline__ void fg1_stream(int K, const float* a, const FgSet& S
         const int un = u + stride;
         int sn;
         i64 jn;
-        const char* wnrow[NC];
-        fg_unit<DT, NC>(S, un < units ? un : u, sn, jn, wnrow);
         const uint4* wn[NC];
-#pragma unroll
-        for (int c = 0; c < NC; ++c) wn[c] = (const uint4*)wnrow[c];
+        fg1_unit<DT, NC>(S, un < units ? un : u, sn, jn, wn);
         float acc[NC];
 #pragma unroll
         for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
