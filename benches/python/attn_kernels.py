@@ -98,12 +98,13 @@ class Cuda:
     def upload(self, a: np.ndarray[Any, Any] | None, nbytes: int = 0) -> int:
         p = ctypes.c_uint64()
         size = a.nbytes if a is not None else nbytes
-        self.ck(self.cu.cuMemAlloc_v2(ctypes.byref(p), max(size, 16)), "cuMemAlloc")
+        n = ctypes.c_size_t(max(size, 16))  # ctypes would pass a bare int as a 32-bit int
+        self.ck(self.cu.cuMemAlloc_v2(ctypes.byref(p), n), "cuMemAlloc")
         if a is not None:
             b = np.ascontiguousarray(a).tobytes()
             self.ck(self.cu.cuMemcpyHtoD_v2(p, b, len(b)), "cuMemcpyHtoD")
         else:
-            self.ck(self.cu.cuMemsetD8_v2(p, 0, max(size, 16)), "cuMemsetD8")
+            self.ck(self.cu.cuMemsetD8_v2(p, 0, n), "cuMemsetD8")
         return p.value
 
     def download(self, ptr: int, out: np.ndarray[Any, Any]) -> None:
@@ -135,7 +136,13 @@ class Cuda:
         self.ck(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
 
-def pack(types: str, *vals: float) -> list[Any]:
+# The kernels' parameter lists as `pack` type strings (tests/test_bench_scripts.py checks them
+# against kernels/fused.cu).
+DECODE_TYPES = "llfpillipllliipllliipillipllipllpllpillii"
+FAST_TYPES = "iifpiiipiiipiiipiiipiiipiiipiiipiiii"
+
+
+def pack(types: str, *vals: Any) -> list[Any]:
     """Kernel arguments from a type string: l i64, i i32, f f32, p pointer."""
     kinds = {"l": I64, "i": I32, "f": F32, "p": PTR}
     return [kinds[t](v) for t, v in zip(types, vals, strict=True)]
@@ -177,14 +184,15 @@ def run_window(
     ld, div, scale = hk * d, hq // hk, d**-0.5
     # Arguments as the backend passes them (fusion.rs, launch_attention); the copy is [d, hq].
     general = pack(
-        "llfpillipllliipllliipillipllipllpllpillii",
+        DECODE_TYPES,
         *(L, d, scale, qd, 0, d, 1, 1, kc, d, ld, div, 1, 8, vc, d, ld, div, 1, 8),
         *(md, 0, 0, 1, 1, 0, L, 1, 0, p, L, 1, o, d, 1, c, 0, 1, hq, 1, 1),
     )
+    # The last argument, `rehearse`, is 0: no launch runs ahead of a producer here.
     short = pack(
-        "iifpiiipiiipiiipiiipiiipiiipiiipiii",
+        FAST_TYPES,
         *(L, d, scale, qd, d, 1, 1, kc, d, ld, div, vc, d, ld, div, md, 0, 1, 1),
-        *(0, L, 1, 0, p, L, 1, 0, o, d, 1, 1, c, 1, hq, 1),
+        *(0, L, 1, 0, p, L, 1, 0, o, d, 1, 1, c, 1, hq, 1, 0),
     )
     print(f"window {L} rows, {int((~bad).sum())} valid; µs: block 0 | all blocks | phases")
     for name, marks, args in (("attn_decode", 9, general), ("attn_fast", 5, short)):

@@ -6,7 +6,7 @@
 # the pruned llama-cpp-python sdist), .gl/ (the Vulkan loader .debs).
 # Output: $OUT/summary.txt (what a closing note quotes) and $OUT/logs.tar.gz (everything).
 #
-#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [attn] ...
+#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [attn] [barrier] ...
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -127,6 +127,10 @@ if [[ $parts == *attn* ]]; then
     timeout 300 python3 benches/python/attn_kernels.py --windows ${ATTN_WINDOWS:-72:40,172:100,172:8,2048:100} \
         >"$logs/attn-kernels.txt" 2>&1
     say "attention kernels: exit $?"; tee -a "$summary" <"$logs/attn-kernels.txt"
+fi
+if [[ $parts == *barrier* ]]; then
+    timeout 300 python3 benches/python/grid_barrier.py --mb ${BARRIER_MB:-8,33} >"$logs/grid-barrier.txt" 2>&1
+    say "grid barrier: exit $?"; tee -a "$summary" <"$logs/grid-barrier.txt"
 fi
 if [[ $parts == *ktrace* ]]; then
     inc=$(find / -name cupti_activity.h -path '*include*' 2>/dev/null | head -1)

@@ -1,0 +1,176 @@
+"""What a grid-wide barrier costs between weight-streaming phases (design data for a persistent
+decode kernel).
+
+Why: a decode step is a chain of matrix-vector products, each needing all of the one before. As
+separate kernels (even with programmatic dependent launch) every boundary drains the memory pipe:
+one kernel's tail, the next one's launch and first loads. A persistent kernel would replace each
+boundary by a grid barrier and could issue the next product's first weight loads before it. This
+script measures, in one process, one kernel of `phases` phases, each reading `MB` distinct
+megabytes of a 2 GB buffer (8 16-byte loads in flight per thread, one block per multiprocessor
+or two):
+
+- `stream`: no barrier between phases (the bandwidth floor);
+- `barrier`: a grid barrier after each phase (an atomic counter and a generation word, acquire
+  and release at GPU scope);
+- `ahead`: the same barrier, each thread's first 8 loads of the next phase issued before it;
+- `flags`: as `ahead`, with a barrier without atomics: each block publishes its arrival in its
+  own word, and every block reads all the words;
+- `empty`: barriers only, no bytes (each barrier's own round trip).
+
+It prints µs per phase and the implied bandwidth. Needs an NVIDIA GPU, libcuda and libnvrtc on
+LD_LIBRARY_PATH; no lowsync wheel. Run: `python benches/python/grid_barrier.py --mb 8,33`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+
+import numpy as np
+from attn_kernels import I32, I64, PTR, Cuda
+
+SOURCE = r"""
+typedef unsigned long long u64;
+__device__ __forceinline__ u64 now() {
+    u64 t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+// bar[0]: arrivals, bar[1]: generation.
+__device__ __forceinline__ void grid_barrier(unsigned* bar) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned gen = ld_acquire(bar + 1);
+        unsigned old;
+        asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;"
+                     : "=r"(old) : "l"(bar) : "memory");
+        if (old == gridDim.x - 1) {
+            bar[0] = 0;
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(bar + 1) : "memory");
+        } else {
+            while (ld_acquire(bar + 1) == gen) {
+            }
+        }
+    }
+    __syncthreads();
+}
+// Without atomics: block b publishes its arrival count in its own word (release); warp 0 of
+// every block reads all the words (acquire) until each has arrived. bar[2 + b]: block b.
+__device__ __forceinline__ void flag_barrier(unsigned* bar, unsigned epoch) {
+    __syncthreads();
+    unsigned* flags = bar + 2;
+    if (threadIdx.x == 0) {
+        asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + blockIdx.x), "r"(epoch)
+                     : "memory");
+    }
+    if (threadIdx.x < 32) {
+        for (unsigned b = threadIdx.x; b < gridDim.x; b += 32) {
+            while ((int)(ld_acquire(flags + b) - epoch) < 0) {
+            }
+        }
+        __syncwarp();
+    }
+    __syncthreads();
+}
+__device__ __forceinline__ uint4 ldw(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+#define Q 8
+extern "C" __global__ void __launch_bounds__(256) phases(const uint4* w, long long nvec,
+        long long per, int nphase, int mode, unsigned* bar, float* sink, u64* t) {
+    const long long nth = (long long)gridDim.x * blockDim.x;
+    const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long slots = per > 0 ? nvec / per : 1;
+    unsigned acc = 0;
+    uint4 q[Q];
+    auto issue = [&](int p) {
+        const uint4* base = w + (p % slots) * per;
+#pragma unroll
+        for (int k = 0; k < Q; ++k) {
+            const long long i = gid + k * nth;
+            q[k] = i < per ? ldw(base + i) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    if (blockIdx.x == 0 && threadIdx.x == 0) t[0] = now();
+    issue(0);
+    for (int p = 0; p < nphase; ++p) {
+#pragma unroll
+        for (int k = 0; k < Q; ++k) acc ^= q[k].x + q[k].y + q[k].z + q[k].w;
+        const uint4* base = w + (p % slots) * per;
+        for (long long i0 = gid + Q * nth; i0 < per; i0 += Q * nth) {
+#pragma unroll
+            for (int k = 0; k < Q; ++k) {
+                const long long i = i0 + k * nth;
+                q[k] = i < per ? ldw(base + i) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int k = 0; k < Q; ++k) acc ^= q[k].x + q[k].y + q[k].z + q[k].w;
+        }
+        const bool more = p + 1 < nphase;
+        if (mode >= 2 && more) issue(p + 1);
+        if (mode == 1 || mode == 2) grid_barrier(bar);
+        if (mode == 3) flag_barrier(bar, (unsigned)p + 1);
+        if (mode < 2 && more) issue(p + 1);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) t[1] = now();
+    if (acc == 0x12345678u) sink[gid] = (float)acc;
+}
+"""
+
+MODES = {"stream": 0, "barrier": 1, "ahead": 2, "flags": 3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--mb", default="8,33", help="megabytes per phase, comma list")
+    ap.add_argument("--phases", type=int, default=64, help="phases per kernel")
+    ap.add_argument("--reps", type=int, default=9, help="launches per setting (median)")
+    args = ap.parse_args()
+    sizes = [float(m) for m in args.mb.split(",")]
+    cuda = Cuda()
+    f = cuda.func(cuda.compile(SOURCE, "barrier.cu", []), "phases")
+    nbytes = 2 << 30
+    w = cuda.upload(None, nbytes)
+    bar = cuda.upload(None, 4 * (2 + 2 * cuda.sms))
+    t = cuda.upload(None, 16)
+    sink = cuda.upload(None, cuda.sms * 2 * 256 * 4)
+    print(f"{cuda.arch}, {cuda.sms} SMs; {args.phases} phases per launch, median of {args.reps}")
+
+    def run(grid: int, per_vec: int, mode: int) -> float:
+        times = []
+        for _ in range(args.reps):
+            zero = ctypes.c_size_t(4 * (2 + 2 * cuda.sms))
+            cuda.ck(cuda.cu.cuMemsetD8_v2(ctypes.c_uint64(bar), 0, zero), "cuMemsetD8")
+            a = [PTR(w), I64(nbytes // 16), I64(per_vec), I32(args.phases), I32(mode)]
+            cuda.launch(f, grid, 256, [*a, PTR(bar), PTR(sink), PTR(t)])
+            cuda.sync()
+            out = np.zeros(2, np.uint64)
+            cuda.download(t, out)
+            times.append((int(out[1]) - int(out[0])) / 1e3 / args.phases)
+        return float(np.median(times))
+
+    for per_block in (1, 2):
+        grid = cuda.sms * per_block
+        empty, flags = run(grid, 0, 1), run(grid, 0, 3)
+        print(f"grid {grid} blocks: empty barrier {empty:.2f} us, flags {flags:.2f} us")
+        for mb in sizes:
+            per_vec = int(mb * (1 << 20)) // 16
+            row = []
+            for name, mode in MODES.items():
+                us = run(grid, per_vec, mode)
+                row.append(f"{name} {us:6.2f} us ({mb * (1 << 20) / us / 1e3:5.0f} GB/s)")
+            print(f"  {mb:5.1f} MB per phase: " + " | ".join(row))
+
+
+if __name__ == "__main__":
+    main()
