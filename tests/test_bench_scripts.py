@@ -27,8 +27,13 @@ def _codes(kernel: str) -> str:
     attrs = r"(?:__\w+__\([^)]*\)\s*)*"  # __launch_bounds__(...), __maxnreg__(...)
     m = re.search(r'extern "C" __global__ void\s*' + attrs + kernel + r"\(([^)]*)\)", src)
     assert m, f"{kernel} not found in {FUSED}"
+    params = m.group(1).strip()
+    if re.fullmatch(r"\w+", params):  # a macro of the parameter list (several entry points)
+        d = re.search(r"#define " + params + r"((?:[^\n]*\\\n)*[^\n]*)", src)
+        assert d, f"{kernel}: macro {params} not found"
+        params = d.group(1).replace("\\\n", " ")
     out = []
-    for param in m.group(1).split(","):
+    for param in params.split(","):
         decl = param.strip()
         if "*" in decl:
             out.append("p")
@@ -47,6 +52,7 @@ def test_attention_bench_arguments_match_the_kernels() -> None:
     attn = _module("attn_kernels")
     assert _codes("attn_decode") == attn.DECODE_TYPES
     assert _codes("attn_fast") == attn.FAST_TYPES
+    assert _codes("attn_fast_long") == attn.FAST_TYPES
 
 
 def test_the_signature_reader_sees_every_parameter() -> None:

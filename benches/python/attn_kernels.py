@@ -1,4 +1,5 @@
-"""Decode attention kernels side by side: `attn_decode` (general) and `attn_fast` (short path).
+"""Decode attention kernels side by side: `attn_decode` (general), `attn_fast` (short path) and,
+for windows past one chunk of keys, `attn_fast_long` (valid keys listed first).
 
 Why: a decoded token waits on each layer's attention, whose time is a chain of latencies (a
 memory round trip, barriers, fetching the kernel's instructions), not bytes. Inside the replayed
@@ -195,7 +196,10 @@ def run_window(
         *(0, L, 1, 0, p, L, 1, 0, o, d, 1, 1, c, 1, hq, 1, 0),
     )
     print(f"window {L} rows, {int((~bad).sum())} valid; µs: block 0 | all blocks | phases")
-    for name, marks, args in (("attn_decode", 9, general), ("attn_fast", 5, short)):
+    kernels = [("attn_decode", 9, general), ("attn_fast", 5, short)]
+    if L > 256:  # past one chunk of keys (head size 64, f16): the listing path too
+        kernels.append(("attn_fast_long", 5, short))
+    for name, marks, args in kernels:
         f = cuda.func(mod, name)
         cuda.ck(cuda.cu.cuMemsetD8_v2(ctypes.c_uint64(c), 0, hq * d * 4), "cuMemsetD8")
         for cold in (False, True):

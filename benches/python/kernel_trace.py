@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--dtype", default="f16")
     ap.add_argument("--csv-dir", type=Path, default=Path("/tmp"))
+    ap.add_argument("--n-ctx", type=int, default=0, help="KV cache rows (default: just enough)")
     args = ap.parse_args()
     lib_path = os.environ.get("CUDA_INJECTION64_PATH")
     if not lib_path:
@@ -40,7 +41,8 @@ def main() -> None:
     for name in args.models.split(","):
         model = ls.Llama.random(name, seed=1, dtype=args.dtype)
         with env_vars({"LOWSYNC_CUDA_GRAPHS": "1"}):
-            sess = ls.Session(model, backends=["cuda"], n_ctx=4 + args.n + 8, policy="staged")
+            n_ctx = args.n_ctx or 4 + args.n + 8
+            sess = ls.Session(model, backends=["cuda"], n_ctx=n_ctx, policy="staged")
         if not lib.lowsync_ktrace_active():
             raise SystemExit("CUPTI injection is not active (the driver did not load the library)")
         prompt = [1, 2, 3, 4]

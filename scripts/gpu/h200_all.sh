@@ -146,7 +146,7 @@ if [[ $parts == *ktrace* ]]; then
         for envs in ${KTRACE_ENVS:-LOWSYNC_CUDA_PDL=1}; do
             tag=$(echo "$envs" | tr ',=' '__')
             env $(echo "$envs" | tr ',' ' ') CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so timeout 300 \
-                python3 benches/python/kernel_trace.py --models ${KTRACE_MODELS:-1b} -n ${KTRACE_N:-64} \
+                python3 benches/python/kernel_trace.py --models ${KTRACE_MODELS:-1b} -n ${KTRACE_N:-64} ${KTRACE_ARGS:-} \
                 --csv-dir "$logs" >"$logs/ktrace-$tag.txt" 2>&1
             say "kernel trace ($envs): exit $?"; tail -${KTRACE_TAIL:-75} "$logs/ktrace-$tag.txt" | tee -a "$summary"
         done

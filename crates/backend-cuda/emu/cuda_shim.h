@@ -112,6 +112,24 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
     emu_warps[w]->arrive_and_wait();
     return r;
 }
+// Lane i reads lane src(i)'s int (its own where src is outside the warp, as __shfl_up_sync).
+inline int emu_ilanes[1024];
+template <class Src>
+inline int emu_shfl_int(int v, Src src) {
+    const int t = (int)threadIdx.x, w = t / 32, s = src(t & 31);
+    emu_ilanes[t] = v;
+    emu_warps[w]->arrive_and_wait();
+    const int r = s >= 0 && s < 32 ? emu_ilanes[(t & ~31) | s] : v;
+    emu_warps[w]->arrive_and_wait();
+    return r;
+}
+inline int __shfl_up_sync(unsigned, int v, int off) {
+    return emu_shfl_int(v, [off](int lane) { return lane - off; });
+}
+inline int __shfl_sync(unsigned, int v, int src) {
+    return emu_shfl_int(v, [src](int) { return src; });
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int emu_votes[1024];
 inline unsigned __ballot_sync(unsigned, int pred) {
     const int t = (int)threadIdx.x, w = t / 32;

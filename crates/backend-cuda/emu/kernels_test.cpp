@@ -881,6 +881,43 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
                 check(t2 + ": o untouched", wkeep, go2, 0);
             }
         }
+        // The listing path (attn_fast_long; the host takes it for windows past one chunk with
+        // neither scores nor p written): the same o and copy, and it never writes scores or p
+        // even when asked (its contract), nor reads a masked row (poisoned above).
+        for (int write_o : {1, 0})
+            for (int rehearse : {0, 1}) {
+                Buf o3(DT_F32, Hq * D), c3(DT_F32, Hq * D), kq3(DT_F32, Hq * L), p3(DT_F32, Hq * L);
+                for (i64 i = 0; i < Hq * D; ++i) o3.set(i, 7.0f);
+                for (i64 i = 0; i < Hq * L; ++i) {
+                    kq3.set(i, NAN);
+                    p3.set(i, NAN);
+                }
+                Producer pr(rehearse ? std::vector<Buf*>{&q, &kc, &vc, &m} : std::vector<Buf*>{}, {&o3, &c3, &kq3, &p3});
+                launch((unsigned)Hq, 256, [&] {
+                    attn_fast_long((int)L, (int)D, scale, (const float*)q.p(), (int)D, 1, kvdt, kc.p(), (int)D,
+                                   (int)ld_kv, (int)(Hq / Hk), vc.p(), (int)D, (int)ld_kv, (int)(Hq / Hk),
+                                   (const float*)m.p(), mode == 3 ? (int)L : 0, 1, 1, (float*)kq3.p(), (int)L, 1, 1,
+                                   (float*)p3.p(), (int)L, 1, 1, (float*)o3.p(), (int)D, 1, write_o,
+                                   (float*)c3.p(), 1, (int)Hq, 1, rehearse);
+                });
+                std::vector<double> go3, gc3, wkeep, untouched, gkp;
+                for (i64 h = 0; h < Hq; ++h)
+                    for (i64 dd = 0; dd < D; ++dd) {
+                        go3.push_back(o3.get(h * D + dd));
+                        gc3.push_back(c3.get(dd * Hq + h));
+                        wkeep.push_back(7.0);
+                    }
+                for (i64 i = 0; i < Hq * L; ++i) {
+                    untouched.push_back(std::isnan(kq3.get(i)) && std::isnan(p3.get(i)) ? 1.0 : 0.0);
+                    gkp.push_back(1.0);
+                }
+                const std::string t3 = "attn_fast_long" + tag.substr(11) + " write_o " + std::to_string(write_o) +
+                                       " rehearse " + std::to_string(rehearse);
+                pr.check(t3);
+                check(t3 + ": copy", wo, gc3, 1e-10);
+                check(t3 + (write_o ? ": o" : ": o untouched"), write_o ? wo : wkeep, go3, write_o ? 1e-10 : 0);
+                check(t3 + ": scores and p untouched", gkp, untouched, 0);
+            }
     }
 }
 
@@ -897,6 +934,10 @@ void test_attention() {
             attention_case(kvdt, s[0], s[1], s[2], 0, 4, 0, 600, 0);
             attention_case(kvdt, s[0], s[1], s[2], 1, 1, 1, 600, 1);    // ... scores, unaligned
         }
+    // Past one listing (2048 keys): sparse, dense (several chunks of valid keys per listing),
+    // per-head masks, and none valid.
+    for (int mode : {4, 1, 3, 2}) attention_case(DT_F16, 8, 2, 64, 0, mode, 0, 2500, 1);
+    attention_case(DT_F32, 4, 4, 128, 0, 0, 0, 2049, 1);
 }
 
 // One row per block: rows of `len` contiguous values, the destination's rows `d_rs` apart.

@@ -1014,10 +1014,68 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
 // p @ V partials (online softmax across chunks, no barrier), and the warps meet once, through
 // shared memory, at the end — in a fixed order (deterministic). p, when written, first holds
 // the logits; each thread normalizes the entries it wrote itself.
+//
+// LIST (`attn_fast_long`: a window longer than a chunk, a mask, no scores or p written): the
+// window is taken AF_LS keys at a time — one round trip loads all their mask entries, the
+// block lists the keys with a finite entry in order (`af_list`), and the passes run over that
+// list as SPEC runs over a window: a round trip per chunk of valid keys, none for masked ones.
 #define AF_T 256
 #define AF_P 8
+#define AF_LR 8                 // mask entries per thread per listing
+#define AF_LS (AF_T * AF_LR)    // keys per listing
+#define AF_LSH (2 * AF_LS + 2 * AF_LR * (AF_T / 32) + 1)  // af_list's shared words
 
-template <int DT, int G, bool SPEC>
+// Keys [sb, sb + n) of the window whose mask entry is not -inf, ascending, into keys (their
+// entries into mv); returns how many (every thread). cnt: AF_LR * (AF_T / 32) + 1 words.
+__device__ __forceinline__ int af_list(const float* mh, int m_ls, int sb, int n, int* keys,
+                                       float* mv, int* cnt) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    constexpr int NW = AF_T / 32;
+    float e[AF_LR];
+#pragma unroll
+    for (int r = 0; r < AF_LR; ++r) {
+        const int i = r * AF_T + tid;
+        e[r] = i < n ? ld_cg(mh + (sb + i) * m_ls) : F_NEG_INF;
+    }
+    unsigned bal[AF_LR];
+#pragma unroll
+    for (int r = 0; r < AF_LR; ++r) {
+        bal[r] = __ballot_sync(0xffffffffu, e[r] != F_NEG_INF);
+        if (lane == 0) cnt[r * NW + warp] = __popc(bal[r]);
+    }
+    __syncthreads();
+    if (warp == 0) {
+        // Exclusive offsets of the AF_LR * NW counts, in key order (round, then warp).
+        int run = 0;
+#pragma unroll 1
+        for (int b = 0; b < AF_LR * NW; b += 32) {
+            const int c = b + lane < AF_LR * NW ? cnt[b + lane] : 0;
+            int incl = c;
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, incl, off);
+                if (lane >= off) incl += y;
+            }
+            if (b + lane < AF_LR * NW) cnt[b + lane] = run + incl - c;
+            run += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        if (lane == 0) cnt[AF_LR * NW] = run;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < AF_LR; ++r) {
+        if (e[r] != F_NEG_INF) {
+            const int at = cnt[r * NW + warp] + __popc(bal[r] & ((1u << lane) - 1u));
+            keys[at] = sb + r * AF_T + tid;
+            mv[at] = e[r];
+        }
+    }
+    const int total = cnt[AF_LR * NW];
+    __syncthreads();
+    return total;
+}
+
+template <int DT, int G, bool SPEC, bool LIST = false>
 __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* q, int q_hs,
                                                int q_ds, const void* k, int k_hs, int k_ls,
                                                int k_div, const void* v, int v_hs, int v_ls,
@@ -1026,7 +1084,7 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
                                                int write_kq, float* p, int p_hs, int p_ls,
                                                int write_p, float* o, int o_hs, int o_ds,
                                                int write_o, float* c, int c_hs, int c_ds,
-                                               int has_cpy, float* sh) {
+                                               int has_cpy, float* sh, int* lsh = nullptr) {
     constexpr int VW = DT == DT_F32 ? 4 : 8;
     constexpr int ESZ = DT == DT_F32 ? 4 : 2;
     constexpr int D = G * VW;
@@ -1047,81 +1105,102 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
     float wmax = F_NEG_INF, wsum = 0.0f, acc[VW];
 #pragma unroll
     for (int e = 0; e < VW; ++e) acc[e] = 0.0f;
+    int* keys = lsh;
+    float* mv = (float*)(lsh + AF_LS);
 #pragma unroll 1
-    for (int base = 0; base < L; base += KP * AF_P) {
-        uint4 kr[AF_P], vr[AF_P];
-        float lg[AF_P];
-        bool alive[AF_P];
-        // Passes past L are skipped whole (a block-uniform branch): short windows run and
-        // fetch only the code of the passes they use.
-        const int np = min(AF_P, (L - base + KP - 1) / KP);
-        if (SPEC) {
+    for (int sb = 0; sb < (LIST ? L : 1); sb += AF_LS) {
+        // LIST: the valid keys of this listing; otherwise the whole window.
+        const int n = LIST ? af_list(mh, m_ls, sb, min(AF_LS, L - sb), keys, mv, lsh + 2 * AF_LS) : L;
+#pragma unroll 1
+        for (int base = 0; base < n; base += KP * AF_P) {
+            uint4 kr[AF_P], vr[AF_P];
+            float lg[AF_P];
+            bool alive[AF_P];
+            // Passes past L are skipped whole (a block-uniform branch): short windows run and
+            // fetch only the code of the passes they use.
+            const int np = min(AF_P, (n - base + KP - 1) / KP);
+            if (LIST) {
 #pragma unroll
-            for (int t = 0; t < AF_P; ++t) {
-                alive[t] = t < np;
-                if (t < np) {
+                for (int t = 0; t < AF_P; ++t) {
+                    alive[t] = t < np;
+                    if (t < np) {
+                        const int j = base + kg + KP * t;
+                        const bool in = j < n;
+                        const int l = in ? keys[j] : 0;
+                        lg[t] = in ? mv[j] : F_NEG_INF;
+                        kr[t] = in ? ld_cg((const uint4*)(kb + l * k_ls * ESZ)) : make_uint4(0, 0, 0, 0);
+                        vr[t] = in ? ld_cg((const uint4*)(vb + l * v_ls * ESZ)) : make_uint4(0, 0, 0, 0);
+                    }
+                }
+            } else if (SPEC) {
+#pragma unroll
+                for (int t = 0; t < AF_P; ++t) {
+                    alive[t] = t < np;
+                    if (t < np) {
+                        const int l = base + kg + KP * t;
+                        const bool in = l < L;
+                        lg[t] = in ? (has_mask ? ld_cg(mh + l * m_ls) : 0.0f) : F_NEG_INF;
+                        kr[t] = in ? ld_cg((const uint4*)(kb + l * k_ls * ESZ)) : make_uint4(0, 0, 0, 0);
+                        vr[t] = in ? ld_cg((const uint4*)(vb + l * v_ls * ESZ)) : make_uint4(0, 0, 0, 0);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int t = 0; t < AF_P; ++t) {
                     const int l = base + kg + KP * t;
-                    const bool in = l < L;
-                    lg[t] = in ? (has_mask ? ld_cg(mh + l * m_ls) : 0.0f) : F_NEG_INF;
-                    kr[t] = in ? ld_cg((const uint4*)(kb + l * k_ls * ESZ)) : make_uint4(0, 0, 0, 0);
-                    vr[t] = in ? ld_cg((const uint4*)(vb + l * v_ls * ESZ)) : make_uint4(0, 0, 0, 0);
+                    lg[t] = t < np && l < L ? (has_mask ? ld_cg(mh + l * m_ls) : 0.0f) : F_NEG_INF;
+                }
+#pragma unroll
+                for (int t = 0; t < AF_P; ++t) {
+                    alive[t] = false;
+                    if (t < np) {
+                        const int l = base + kg + KP * t;
+                        const bool in = l < L, ok = lg[t] != F_NEG_INF;
+                        alive[t] = __any_sync(0xffffffffu, ok || (every && in));
+                        kr[t] = ok || (write_kq && in) ? ld_cg((const uint4*)(kb + l * k_ls * ESZ)) : make_uint4(0, 0, 0, 0);
+                        vr[t] = ok ? ld_cg((const uint4*)(vb + l * v_ls * ESZ)) : make_uint4(0, 0, 0, 0);
+                    }
                 }
             }
-        } else {
+            float cmax = F_NEG_INF;
 #pragma unroll
             for (int t = 0; t < AF_P; ++t) {
-                const int l = base + kg + KP * t;
-                lg[t] = t < np && l < L ? (has_mask ? ld_cg(mh + l * m_ls) : 0.0f) : F_NEG_INF;
-            }
-#pragma unroll
-            for (int t = 0; t < AF_P; ++t) {
-                alive[t] = false;
-                if (t < np) {
-                    const int l = base + kg + KP * t;
-                    const bool in = l < L, ok = lg[t] != F_NEG_INF;
-                    alive[t] = __any_sync(0xffffffffu, ok || (every && in));
-                    kr[t] = ok || (write_kq && in) ? ld_cg((const uint4*)(kb + l * k_ls * ESZ)) : make_uint4(0, 0, 0, 0);
-                    vr[t] = ok ? ld_cg((const uint4*)(vb + l * v_ls * ESZ)) : make_uint4(0, 0, 0, 0);
-                }
-            }
-        }
-        float cmax = F_NEG_INF;
-#pragma unroll
-        for (int t = 0; t < AF_P; ++t) {
-            if (t >= np) break;
-            if (!alive[t]) continue;  // warp-uniform
-            float f[VW];
-            unpack16<DT>(kr[t], f);
-            float dot = 0.0f;
-#pragma unroll
-            for (int e = 0; e < VW; ++e) dot = fmaf(qv[e], f[e], dot);
-#pragma unroll
-            for (int off = G >> 1; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-            const int l = base + kg + KP * t;
-            if (write_kq && lead && l < L) kq[h * kq_hs + l * kq_ls] = dot;
-            lg[t] = lg[t] != F_NEG_INF ? dot * scale + lg[t] : F_NEG_INF;
-            if (write_p && lead && l < L) ph[l * p_ls] = lg[t];
-            cmax = fmaxf(cmax, lg[t]);
-        }
-#pragma unroll
-        for (int off = G; off < 32; off <<= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, off));
-        const float nmax = fmaxf(wmax, cmax);
-        const float rescale = wmax != F_NEG_INF ? expf(wmax - nmax) : 0.0f;
-        wsum *= rescale;
-#pragma unroll
-        for (int e = 0; e < VW; ++e) acc[e] *= rescale;
-        wmax = nmax;
-#pragma unroll
-        for (int t = 0; t < AF_P; ++t) {
-            if (t >= np) break;
-            if (!alive[t]) continue;
-            const float pw = lg[t] != F_NEG_INF ? expf(lg[t] - nmax) : 0.0f;
-            wsum += pw;
-            if (pw != 0.0f) {
+                if (t >= np) break;
+                if (!alive[t]) continue;  // warp-uniform
                 float f[VW];
-                unpack16<DT>(vr[t], f);
+                unpack16<DT>(kr[t], f);
+                float dot = 0.0f;
 #pragma unroll
-                for (int e = 0; e < VW; ++e) acc[e] = fmaf(pw, f[e], acc[e]);
+                for (int e = 0; e < VW; ++e) dot = fmaf(qv[e], f[e], dot);
+#pragma unroll
+                for (int off = G >> 1; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+                const int l = base + kg + KP * t;
+                // (LIST never writes scores or p: the host takes it only when neither is.)
+                if (!LIST && write_kq && lead && l < L) kq[h * kq_hs + l * kq_ls] = dot;
+                lg[t] = lg[t] != F_NEG_INF ? dot * scale + lg[t] : F_NEG_INF;
+                if (!LIST && write_p && lead && l < L) ph[l * p_ls] = lg[t];
+                cmax = fmaxf(cmax, lg[t]);
+            }
+#pragma unroll
+            for (int off = G; off < 32; off <<= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, off));
+            const float nmax = fmaxf(wmax, cmax);
+            const float rescale = wmax != F_NEG_INF ? expf(wmax - nmax) : 0.0f;
+            wsum *= rescale;
+#pragma unroll
+            for (int e = 0; e < VW; ++e) acc[e] *= rescale;
+            wmax = nmax;
+#pragma unroll
+            for (int t = 0; t < AF_P; ++t) {
+                if (t >= np) break;
+                if (!alive[t]) continue;
+                const float pw = lg[t] != F_NEG_INF ? expf(lg[t] - nmax) : 0.0f;
+                wsum += pw;
+                if (pw != 0.0f) {
+                    float f[VW];
+                    unpack16<DT>(vr[t], f);
+#pragma unroll
+                    for (int e = 0; e < VW; ++e) acc[e] = fmaf(pw, f[e], acc[e]);
+                }
             }
         }
     }
@@ -1171,15 +1250,17 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(
-    int L, int D, float scale, const float* q, int q_hs, int q_ds, int dtkv, const void* k,
-    int k_hs, int k_ls, int k_div, const void* v, int v_hs, int v_ls, int v_div,
-    const float* mask, int m_hs, int m_ls, int has_mask, float* kq, int kq_hs, int kq_ls,
-    int write_kq, float* p, int p_hs, int p_ls, int write_p, float* o, int o_hs, int o_ds,
-    int write_o, float* c, int c_hs, int c_ds, int has_cpy, int rehearse) {
+#define AF_PARAMS                                                                               \
+    int L, int D, float scale, const float *q, int q_hs, int q_ds, int dtkv, const void *k,     \
+        int k_hs, int k_ls, int k_div, const void *v, int v_hs, int v_ls, int v_div,            \
+        const float *mask, int m_hs, int m_ls, int has_mask, float *kq, int kq_hs, int kq_ls,   \
+        int write_kq, float *p, int p_hs, int p_ls, int write_p, float *o, int o_hs, int o_ds, \
+        int write_o, float *c, int c_hs, int c_ds, int has_cpy, int rehearse
+// Both entry points below. LIST: `attn_fast_long` (lsh: AF_LSH words of shared memory).
+template <bool LIST>
+__device__ __forceinline__ void attn_fast_run(AF_PARAMS, float* sh, int* lsh) {
     PHASE_ENTRY();
     PHASE(0);
-    __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
     // A window of one chunk reads its masked keys' rows too (one round trip); longer ones
     // read the mask first.
     const bool spec = L <= (AF_T / (D / (dtkv == DT_F32 ? 4 : 8))) * AF_P;
@@ -1188,7 +1269,9 @@ extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(
         has_mask, kq, kq_hs, kq_ls, wkq, p, p_hs, p_ls, wp, o, o_hs, o_ds, wo, c, c_hs, c_ds, wc, \
         sh
 #define AF_SPEC(DT, G)                                                                          \
-    if (spec) {                                                                                 \
+    if (LIST) {                                                                                 \
+        attn_fast_body<DT, G, false, true>(AF_ARGS, lsh);                                       \
+    } else if (spec) {                                                                          \
         attn_fast_body<DT, G, true>(AF_ARGS);                                                   \
     } else {                                                                                    \
         attn_fast_body<DT, G, false>(AF_ARGS);                                                  \
@@ -1225,3 +1308,24 @@ extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(
     PHASE(4);
     PHASE_EXIT();
 }
+
+extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(AF_PARAMS) {
+    __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
+    attn_fast_run<false>(L, D, scale, q, q_hs, q_ds, dtkv, k, k_hs, k_ls, k_div, v, v_hs, v_ls,
+                         v_div, mask, m_hs, m_ls, has_mask, kq, kq_hs, kq_ls, write_kq, p, p_hs,
+                         p_ls, write_p, o, o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy, rehearse,
+                         sh, nullptr);
+}
+
+// A window longer than one chunk with a mask, where neither the raw scores nor p are written
+// (the host's condition; write_kq and write_p are ignored): the valid keys are listed first
+// (LIST above), so masked keys cost no round trips. Its own entry point, so that the listing's
+// registers and shared memory never touch `attn_fast`'s (which must fit beside q/k/v's blocks).
+extern "C" __global__ void __maxnreg__(168) attn_fast_long(AF_PARAMS) {
+    __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
+    __shared__ int lsh[AF_LSH];
+    attn_fast_run<true>(L, D, scale, q, q_hs, q_ds, dtkv, k, k_hs, k_ls, k_div, v, v_hs, v_ls,
+                        v_div, mask, m_hs, m_ls, 1, kq, kq_hs, kq_ls, 0, p, p_hs, p_ls, 0, o,
+                        o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy, rehearse, sh, lsh);
+}
+#undef AF_PARAMS

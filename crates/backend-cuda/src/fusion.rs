@@ -23,7 +23,9 @@
 //!   and copy, aligned rows, a power-of-two number of 16-byte pieces per head; see
 //!   `CudaConfig::attn_fast`), else `attn_decode`. Both read the K/V rows of valid keys only,
 //!   except that `attn_fast` reads a one-chunk window's rows together with its mask (one round
-//!   trip instead of two; masked rows' values are never used).
+//!   trip instead of two; masked rows' values are never used). A window longer than one chunk
+//!   with a mask, whose scores and p are dead, takes `attn_fast_long`: it lists the valid keys
+//!   first (2048 mask entries per round trip), so masked keys cost nothing.
 //!
 //! Each kernel has exact preconditions (dtypes, ranks, contiguity, at most
 //! [`matmul::mmv_max_m`] activation rows, head_dim <= [`ATT_MAX_D`], ...); nodes that miss one
@@ -69,8 +71,10 @@ const WINDOW: usize = 16;
 const MAX_ROWS: usize = 8;
 /// The largest head dimension of the fused attention (`ATT_MAXD` in fused.cu).
 const ATT_MAX_D: usize = 256;
-/// Threads of an attention block (`ATT_T`).
+/// Threads of an attention block (`ATT_T`, `AF_T`).
 const ATT_THREADS: usize = 256;
+/// Passes of `attn_fast` over a chunk of keys (`AF_P`).
+const ATT_PASSES: usize = 8;
 /// Threads of a fused matrix-vector block (the kernels' launch bounds assume 128).
 const GEMV_THREADS: usize = 128;
 /// Products of one fused matrix-vector launch (`FG_MAXS`).
@@ -1644,7 +1648,16 @@ fn launch_attention(
             .arg(c_ds as i32)
             .arg(cpy.is_some() as i32)
             .arg(exec.rehearse() as i32);
-        return exec.launch(kq, Kernel::AttnFast, grid, ATT_THREADS as u32, args);
+        // A window longer than one chunk of keys, with a mask, and neither the scores nor p
+        // written: its valid keys are listed first (`attn_fast_long`), so masked keys cost no
+        // memory round trips.
+        let chunk = ATT_THREADS / (d / vw) * ATT_PASSES;
+        let kernel = if l > chunk && mask.is_some() && !live.scores && !live.probs {
+            Kernel::AttnFastLong
+        } else {
+            Kernel::AttnFast
+        };
+        return exec.launch(kq, kernel, grid, ATT_THREADS as u32, args);
     }
     let args = Args::new()
         .arg(l as i64)

@@ -65,13 +65,14 @@ pub(crate) enum Kernel {
     RopeRows,
     AttnDecode,
     AttnFast,
+    AttnFastLong,
     FusedGemv1,
     FusedGemv1Pair,
 }
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 24] = [
+    pub(crate) const ALL: [Kernel; 25] = [
         Kernel::EwUnary,
         Kernel::EwBinary,
         Kernel::CopyStrided,
@@ -94,6 +95,7 @@ impl Kernel {
         Kernel::RopeRows,
         Kernel::AttnDecode,
         Kernel::AttnFast,
+        Kernel::AttnFastLong,
         Kernel::FusedGemv1,
         Kernel::FusedGemv1Pair,
     ];
@@ -118,6 +120,7 @@ impl Kernel {
             | Kernel::RopeRows
             | Kernel::AttnDecode
             | Kernel::AttnFast
+            | Kernel::AttnFastLong
             | Kernel::FusedGemv1
             | Kernel::FusedGemv1Pair => "fused",
         }
@@ -147,6 +150,7 @@ impl Kernel {
             Kernel::RopeRows => "rope_rows",
             Kernel::AttnDecode => "attn_decode",
             Kernel::AttnFast => "attn_fast",
+            Kernel::AttnFastLong => "attn_fast_long",
             Kernel::FusedGemv1 => "fused_gemv1",
             Kernel::FusedGemv1Pair => "fused_gemv1_pair",
         }

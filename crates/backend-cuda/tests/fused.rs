@@ -974,3 +974,53 @@ fn streamed_products_match_a_warp_per_unit_bit_for_bit() {
         );
     }
 }
+
+#[test]
+fn long_windows_list_their_valid_keys() {
+    // Windows past one chunk of keys (256 at head size 64 in f16) with p and the scores dead —
+    // decode's case — run `attn_fast_long`: the valid keys are listed, 2048 mask entries at a
+    // time, and only their rows are read. Sparse and dense windows across listings, per-head
+    // masks, and every key masked; masked rows are NaN in the poisoned copy.
+    let mut rng = Rng::new(44);
+    let n_ctx = 4500;
+    for kv in [DType::F16, DType::F32] {
+        let masks: [(&[usize], usize, Option<usize>); 4] = [
+            (&[100], 1, Some(7)),
+            (&[3000], 1, None),
+            (&[5, 2100, 700, 4500], 8, None),
+            (&[0], 1, None),
+        ];
+        for mask in masks {
+            let mut a = attention_case(&mut rng, kv, (8, 2, 64), n_ctx, mask, true);
+            // p dead too: a later node overwrites it (as the allocator reuses that memory).
+            let probs = a.outputs.remove(0).1;
+            assert_eq!(probs.shape, [8, 1, n_ctx]);
+            let src = a.case.tensor(DType::F32, &[8, 1, n_ctx]);
+            a.case.rand(&mut rng, &src, 1.0);
+            a.case.node(Op::Scale { scale: 1.0 }, &probs, &[&src]);
+            let test = format!("long window {kv} mask {mask:?}");
+            let mut poisoned = a.case.clone();
+            let (valid, heads, hole) = mask;
+            for cache in [&a.k_cache, &a.v_cache] {
+                for row in 0..n_ctx {
+                    let used =
+                        (0..heads).any(|h| row < valid[h % valid.len()] && Some(row) != hole);
+                    if used {
+                        continue;
+                    }
+                    let r = view(
+                        cache.buffer.0,
+                        row * cache.strides[0] * kv.size_bytes(),
+                        kv,
+                        &[cache.shape[1]],
+                        &[1],
+                    );
+                    poisoned.fill(&r, &vec![f32::NAN; cache.shape[1]]);
+                }
+            }
+            if !check_with(&test, &a.case, &poisoned, &outputs(&a), 3) {
+                return;
+            }
+        }
+    }
+}
