@@ -34,14 +34,12 @@ fn work_behind_a_closed_gate_has_not_run() {
     let buf = b.alloc_buffer(64, BufferUsage::Compute).unwrap();
     let gate = b.gate_close().unwrap();
     // y = x * 2 behind the gate.
-    let g = Arc::new(ExecGraph {
-        nodes: vec![ExecNode {
-            op: Op::Scale { scale: 2.0 },
-            name: "y".into(),
-            dst: f32_ref(buf, 16, 4),
-            srcs: vec![f32_ref(buf, 0, 4)],
-        }],
-    });
+    let g = Arc::new(ExecGraph::new(vec![ExecNode {
+        op: Op::Scale { scale: 2.0 },
+        name: "y".into(),
+        dst: f32_ref(buf, 16, 4),
+        srcs: vec![f32_ref(buf, 0, 4)],
+    }]));
     b.set_tensor_async_staged(buf, 0, &bytes(&[1.0, 2.0, 3.0, 4.0]))
         .unwrap();
     b.graph_compute_async(&g).unwrap();
@@ -77,14 +75,12 @@ fn staged_write_behind_a_gated_graph_is_invisible_to_it_and_visible_to_the_next(
     let b = CpuAsyncBackend::new("cpu-async").unwrap();
     let buf = b.alloc_buffer(64, BufferUsage::Compute).unwrap();
     b.set_tensor(buf, 0, &bytes(&[1.0, 1.0])).unwrap();
-    let g = Arc::new(ExecGraph {
-        nodes: vec![ExecNode {
-            op: Op::Scale { scale: 10.0 },
-            name: "y".into(),
-            dst: f32_ref(buf, 16, 2),
-            srcs: vec![f32_ref(buf, 0, 2)],
-        }],
-    });
+    let g = Arc::new(ExecGraph::new(vec![ExecNode {
+        op: Op::Scale { scale: 10.0 },
+        name: "y".into(),
+        dst: f32_ref(buf, 16, 2),
+        srcs: vec![f32_ref(buf, 0, 2)],
+    }]));
     let gate = b.gate_close().unwrap();
     b.graph_compute_async(&g).unwrap(); // reads x = 1
     b.set_tensor_async_staged(buf, 0, &bytes(&[5.0, 5.0]))

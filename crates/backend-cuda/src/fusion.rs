@@ -37,6 +37,10 @@
 //!   its copy) o, when [`dead_after`] proves nothing reads them before they are overwritten
 //!   (the scores of masked positions would need the K rows the kernel skips, and the allocator
 //!   puts later tensors over them).
+//!   Where the scheduler says which scratch bytes later splits read (`ExecGraph::scratch`),
+//!   [`run_graph`] adds stand-in nodes past the last one that write every other scratch byte
+//!   (the next graph writes them before reading), so results nothing reads after the graph
+//!   are dead too; the stand-ins never run.
 //! - No member needs a private copy of a source (`ExecNode::src_needs_private_copy`).
 //! - No write of the group overlaps a tensor the group reads, unless the same thread reads the
 //!   element before writing it (an in-place residual) or, in the attention, the write belongs to
@@ -55,7 +59,7 @@
 
 use std::sync::Arc;
 
-use lowsync_backend::{ExecGraph, ExecNode, Result, TensorRef};
+use lowsync_backend::{ExecGraph, ExecNode, Result, ScratchLive, TensorRef};
 use lowsync_graph::{DType, Op, RopeMode};
 
 use crate::kernels::Kernel;
@@ -221,13 +225,58 @@ pub(crate) fn run_graph(exec: &mut Exec<'_>, graph: &Arc<ExecGraph>) -> Result<(
         }
         return Ok(());
     }
-    for step in plan(nodes, exec.inner.cfg.mmv_max_m) {
+    // The scratch bytes nothing reads after the graph, as writes of a last node, so that
+    // `dead_after` sees them overwritten: results left there are dead too.
+    let all = with_scratch_end(nodes, graph.scratch.as_ref());
+    for step in plan(&all, exec.inner.cfg.mmv_max_m) {
         match step {
+            Step::Node(i) if i >= nodes.len() => {} // a stand-in, never run
             Step::Node(i) => exec.run(&nodes[i])?,
-            Step::Fused(g) => launch(exec, nodes, &g.kind)?,
+            Step::Fused(g) => launch(exec, &all, &g.kind)?,
         }
     }
     Ok(())
+}
+
+/// Past this, no scratch buffer reaches (the stand-ins' last range ends here).
+const SCRATCH_END: usize = 1 << 50;
+
+/// `nodes`, then (with `scratch` known) one stand-in node per range of the scratch buffer that
+/// no later split reads — the next writer of those bytes, which comes before any reader. The
+/// stand-ins are `Scale` nodes without sources (no pattern takes one as a member) and never
+/// run; they only end the liveness `dead_after` computes.
+fn with_scratch_end<'a>(
+    nodes: &'a [ExecNode],
+    scratch: Option<&ScratchLive>,
+) -> std::borrow::Cow<'a, [ExecNode]> {
+    let Some(sc) = scratch else {
+        return std::borrow::Cow::Borrowed(nodes);
+    };
+    let mut kept = sc.kept.clone();
+    kept.sort_unstable();
+    let mut all = nodes.to_vec();
+    let mut at = 0usize;
+    for (a, b) in kept.into_iter().chain([(SCRATCH_END, SCRATCH_END)]) {
+        if a > at {
+            let (start, end) = (at.next_multiple_of(4), a - a % 4);
+            if end > start {
+                all.push(ExecNode {
+                    op: Op::Scale { scale: 0.0 },
+                    name: "(next writer of dead scratch)".into(),
+                    dst: TensorRef {
+                        buffer: sc.buffer,
+                        byte_offset: start,
+                        dtype: DType::F32,
+                        shape: vec![(end - start) / 4],
+                        strides: vec![1],
+                    },
+                    srcs: Vec::new(),
+                });
+            }
+        }
+        at = at.max(b);
+    }
+    std::borrow::Cow::Owned(all)
 }
 
 /// The steps of `nodes`, in execution order. `mmv_max_m` is `CudaConfig::mmv_max_m` (fused
@@ -2235,6 +2284,64 @@ mod tests {
         ];
         v.extend(tail);
         v
+    }
+
+    #[test]
+    fn scratch_no_later_split_reads_ends_the_life_of_what_is_left_there() {
+        // Nothing after the attention overwrites its scores: without knowing what is read
+        // after the graph they are written; with the scheduler's word that no later split
+        // reads those bytes, they are dead.
+        let f = DType::F32;
+        let nodes = attention_nodes(64, f, f, vec![]);
+        let scores = nodes[0].dst.clone();
+        let (s0, _) = byte_range(&scores);
+        let written = |scratch: Option<&ScratchLive>| match &plan(
+            &with_scratch_end(&nodes, scratch),
+            None,
+        )[0]
+        {
+            Step::Fused(Group {
+                kind: Kind::Attention { scores, .. },
+                ..
+            }) => *scores,
+            s => panic!("not an attention: {s:?}"),
+        };
+        let live = |kept: Vec<(usize, usize)>| ScratchLive {
+            buffer: scores.buffer,
+            kept,
+        };
+        assert!(written(None), "nothing known");
+        assert!(
+            !written(Some(&live(vec![]))),
+            "no later split reads the scratch"
+        );
+        assert!(
+            written(Some(&live(vec![(s0 + 4, s0 + 8)]))),
+            "a later split reads some"
+        );
+        assert!(
+            !written(Some(&live(vec![(0, s0)]))),
+            "a later split reads other bytes"
+        );
+        let other = ScratchLive {
+            buffer: BufferId(999),
+            kept: vec![],
+        };
+        assert!(
+            written(Some(&other)),
+            "another buffer's scratch says nothing of this one"
+        );
+        // The stand-ins only end liveness: they join no group and are given as plain nodes
+        // past the real ones (which `run_graph` skips).
+        let all = with_scratch_end(&nodes, Some(&live(vec![(s0 + 4, s0 + 8)])));
+        assert_eq!(all.len(), nodes.len() + 2, "the gaps around the kept range");
+        for step in plan(&all, None) {
+            match step {
+                Step::Fused(g) => assert!(g.nodes.iter().all(|&i| i < nodes.len()), "{g:?}"),
+                Step::Node(i) if i >= nodes.len() => assert_eq!(all[i].srcs.len(), 0),
+                Step::Node(_) => {}
+            }
+        }
     }
 
     fn attention_kind(cpy: Option<usize>, scores: bool) -> Step {

@@ -130,28 +130,26 @@ fn a_decode_like_step_is_one_wait_one_upload_one_readback() {
         return;
     };
     let buf = b.alloc_buffer(256, BufferUsage::Compute).unwrap();
-    let g = Arc::new(ExecGraph {
-        nodes: vec![
-            ExecNode {
-                op: Op::Scale { scale: 2.0 },
-                name: "y".into(),
-                dst: f32_ref(buf, 64, 4),
-                srcs: vec![f32_ref(buf, 0, 4)],
+    let g = Arc::new(ExecGraph::new(vec![
+        ExecNode {
+            op: Op::Scale { scale: 2.0 },
+            name: "y".into(),
+            dst: f32_ref(buf, 64, 4),
+            srcs: vec![f32_ref(buf, 0, 4)],
+        },
+        ExecNode {
+            op: Op::Argmax,
+            name: "tok".into(),
+            dst: TensorRef {
+                buffer: buf,
+                byte_offset: 128,
+                dtype: DType::I32,
+                shape: vec![],
+                strides: vec![],
             },
-            ExecNode {
-                op: Op::Argmax,
-                name: "tok".into(),
-                dst: TensorRef {
-                    buffer: buf,
-                    byte_offset: 128,
-                    dtype: DType::I32,
-                    shape: vec![],
-                    strides: vec![],
-                },
-                srcs: vec![f32_ref(buf, 64, 4)],
-            },
-        ],
-    });
+            srcs: vec![f32_ref(buf, 64, 4)],
+        },
+    ]));
     // Warm up (kernel compilation, first launches).
     b.set_tensor_async_staged(buf, 0, &[0u8; 16]).unwrap();
     b.graph_compute_async(&g).unwrap();

@@ -146,7 +146,7 @@ fn try_execute(be: &dyn Backend, case: &Case) -> (lowsync_backend::Result<()>, V
         })
         .collect();
     be.synchronize().unwrap();
-    be.graph_compute_async(&Arc::new(ExecGraph { nodes }))
+    be.graph_compute_async(&Arc::new(ExecGraph::new(nodes)))
         .unwrap();
     let done = be.synchronize();
     let out = ids

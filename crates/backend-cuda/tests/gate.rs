@@ -35,14 +35,12 @@ fn floats(b: &[u8]) -> Vec<f32> {
 }
 
 fn scale(buf: lowsync_backend::BufferId, by: f32, n: usize) -> Arc<ExecGraph> {
-    Arc::new(ExecGraph {
-        nodes: vec![ExecNode {
-            op: Op::Scale { scale: by },
-            name: "y".into(),
-            dst: f32_ref(buf, 256, n),
-            srcs: vec![f32_ref(buf, 0, n)],
-        }],
-    })
+    Arc::new(ExecGraph::new(vec![ExecNode {
+        op: Op::Scale { scale: by },
+        name: "y".into(),
+        dst: f32_ref(buf, 256, n),
+        srcs: vec![f32_ref(buf, 0, n)],
+    }]))
 }
 
 #[test]

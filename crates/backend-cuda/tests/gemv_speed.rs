@@ -76,9 +76,7 @@ fn decode_gemv_bandwidth_per_setting_and_shape() {
                     },
                 ],
             };
-            let g = Arc::new(ExecGraph {
-                nodes: vec![node; CHAIN],
-            });
+            let g = Arc::new(ExecGraph::new(vec![node; CHAIN]));
             for _ in 0..3 {
                 b.graph_compute_async(&g).unwrap(); // eager, capture, replay
             }

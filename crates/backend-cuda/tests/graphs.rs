@@ -67,20 +67,18 @@ fn decode_graph(b: &CudaBackend, rng: &mut Rng) -> Decode {
     b.set_tensor(buf, 1024, &nwb).unwrap();
     let wb = common::encode(DType::F16, &rng.vec(V * D));
     b.set_tensor(buf, 2048, &wb).unwrap();
-    let g = Arc::new(ExecGraph {
-        nodes: vec![
-            node(Op::RmsNorm { eps: 1e-5 }, "norm", h.clone(), vec![x]),
-            node(Op::Mul, "normw", hn.clone(), vec![h, nw]),
-            node(Op::MulMat, "logits", logits.clone(), vec![hn, wt]),
-            node(
-                Op::SoftMax { scale: 0.5 },
-                "probs",
-                probs.clone(),
-                vec![logits],
-            ),
-            node(Op::Argmax, "tok", tok, vec![probs.clone()]),
-        ],
-    });
+    let g = Arc::new(ExecGraph::new(vec![
+        node(Op::RmsNorm { eps: 1e-5 }, "norm", h.clone(), vec![x]),
+        node(Op::Mul, "normw", hn.clone(), vec![h, nw]),
+        node(Op::MulMat, "logits", logits.clone(), vec![hn, wt]),
+        node(
+            Op::SoftMax { scale: 0.5 },
+            "probs",
+            probs.clone(),
+            vec![logits],
+        ),
+        node(Op::Argmax, "tok", tok, vec![probs.clone()]),
+    ]));
     Decode {
         g,
         buf,

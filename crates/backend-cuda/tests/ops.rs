@@ -267,7 +267,7 @@ fn bad_indices_surface_at_the_next_wait_and_the_backend_stays_usable() {
         dst: d.gpu.clone(),
         srcs: vec![table.gpu.clone(), ids.gpu.clone()],
     };
-    let g = std::sync::Arc::new(lowsync_backend::ExecGraph { nodes: vec![node] });
+    let g = std::sync::Arc::new(lowsync_backend::ExecGraph::new(vec![node]));
     gpu.graph_compute_async(&g).unwrap();
     match gpu.synchronize() {
         Err(Error::Kernel { op, node, msg }) => {
@@ -303,9 +303,9 @@ fn bad_shapes_are_errors_before_anything_is_queued() {
     let before = p.gpu.stats().snapshot();
     let r = p
         .gpu
-        .graph_compute_async(&std::sync::Arc::new(lowsync_backend::ExecGraph {
-            nodes: vec![node],
-        }));
+        .graph_compute_async(&std::sync::Arc::new(lowsync_backend::ExecGraph::new(vec![
+            node,
+        ])));
     assert!(
         matches!(r, Err(Error::Kernel { op: "mul_mat", .. })),
         "{r:?}"

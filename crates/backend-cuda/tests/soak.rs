@@ -22,28 +22,26 @@ fn ten_thousand_staged_steps_keep_staging_bounded_and_one_wait_per_step() {
         shape: vec![n],
         strides: vec![1],
     };
-    let g = Arc::new(ExecGraph {
-        nodes: vec![
-            ExecNode {
-                op: Op::Scale { scale: 3.0 },
-                name: "y".into(),
-                dst: x(256, 8),
-                srcs: vec![x(0, 8)],
+    let g = Arc::new(ExecGraph::new(vec![
+        ExecNode {
+            op: Op::Scale { scale: 3.0 },
+            name: "y".into(),
+            dst: x(256, 8),
+            srcs: vec![x(0, 8)],
+        },
+        ExecNode {
+            op: Op::Argmax,
+            name: "tok".into(),
+            dst: TensorRef {
+                buffer: buf,
+                byte_offset: 512,
+                dtype: DType::I32,
+                shape: vec![],
+                strides: vec![],
             },
-            ExecNode {
-                op: Op::Argmax,
-                name: "tok".into(),
-                dst: TensorRef {
-                    buffer: buf,
-                    byte_offset: 512,
-                    dtype: DType::I32,
-                    shape: vec![],
-                    strides: vec![],
-                },
-                srcs: vec![x(256, 8)],
-            },
-        ],
-    });
+            srcs: vec![x(256, 8)],
+        },
+    ]));
     let mut max_staging = 0;
     for step in 0..10_000usize {
         let before = b.stats().snapshot();

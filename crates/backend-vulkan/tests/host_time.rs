@@ -40,7 +40,7 @@ fn host_time_per_submit_and_staged_write() {
                 ],
             })
             .collect();
-        let chain = Arc::new(ExecGraph { nodes });
+        let chain = Arc::new(ExecGraph::new(nodes));
         for _ in 0..50 {
             b.graph_compute_async(&one).unwrap();
             b.graph_compute_async(&chain).unwrap();

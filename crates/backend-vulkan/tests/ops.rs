@@ -213,7 +213,7 @@ fn run(b: &dyn Backend, case: &Case) -> Result<Vec<f64>, Error> {
         dst,
         srcs,
     };
-    b.graph_compute_async(&Arc::new(ExecGraph { nodes: vec![node] }))?;
+    b.graph_compute_async(&Arc::new(ExecGraph::new(vec![node])))?;
     b.synchronize()?;
     let mut out = vec![0u8; spec.elems() * spec.dtype.size_bytes()];
     b.get_tensor(dst_id, 0, &mut out)?;
@@ -672,14 +672,12 @@ fn an_overlapping_source_is_read_before_the_destination_is_written() {
                 strides: vec![1],
             };
             // dst = x[1..33] = x[0..32]: a shifted overlap, not an in-place layout.
-            let g = Arc::new(ExecGraph {
-                nodes: vec![ExecNode {
-                    op: Op::Cpy,
-                    name: "shift".into(),
-                    dst: at(1),
-                    srcs: vec![at(0)],
-                }],
-            });
+            let g = Arc::new(ExecGraph::new(vec![ExecNode {
+                op: Op::Cpy,
+                name: "shift".into(),
+                dst: at(1),
+                srcs: vec![at(0)],
+            }]));
             b.graph_compute_async(&g).unwrap();
             results.push(common::read_f32(b, buf, 33));
         }

@@ -103,4 +103,35 @@ impl ExecNode {
 #[derive(Clone, Debug, Default)]
 pub struct ExecGraph {
     pub nodes: Vec<ExecNode>,
+    /// What of the scheduler's scratch memory is read after this graph, where the scheduler
+    /// knows it (`None`: every byte the graph writes may be read later). A backend may skip
+    /// writing results nothing reads (the CUDA fusion pass does).
+    pub scratch: Option<ScratchLive>,
+}
+
+impl ExecGraph {
+    /// A graph of `nodes` with nothing known of what is read after it.
+    pub fn new(nodes: Vec<ExecNode>) -> Self {
+        ExecGraph {
+            nodes,
+            scratch: None,
+        }
+    }
+}
+
+/// A scratch buffer of a split's backend and the byte ranges `[start, end)` of it that later
+/// splits read after the split's graph. Every other byte of `buffer` is dead once the graph
+/// has run: the next write to it comes before any read (inputs, outputs, weights and state
+/// live in other buffers).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScratchLive {
+    pub buffer: BufferId,
+    pub kept: Vec<(usize, usize)>,
+}
+
+impl ScratchLive {
+    /// Whether bytes `[start, end)` of `buffer` may be read after the graph.
+    pub fn read_after(&self, buffer: BufferId, start: usize, end: usize) -> bool {
+        buffer != self.buffer || self.kept.iter().any(|&(a, b)| start < b && a < end)
+    }
 }

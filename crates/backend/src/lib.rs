@@ -26,7 +26,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 pub use error::{Error, Result};
-pub use exec::{BufferId, ExecGraph, ExecNode, TensorRef};
+pub use exec::{BufferId, ExecGraph, ExecNode, ScratchLive, TensorRef};
 use lowsync_graph::{DType, Op};
 pub use stats::{bump, StatsSnapshot, SyncStats};
 

@@ -30,7 +30,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use lowsync_backend::{Backend, BufferId, BufferUsage, Event, ExecGraph, ExecNode, TensorRef};
+use lowsync_backend::{
+    Backend, BufferId, BufferUsage, Event, ExecGraph, ExecNode, ScratchLive, TensorRef,
+};
 use lowsync_graph::{DType, Graph, Op};
 
 use crate::alloc::align;
@@ -38,6 +40,7 @@ use crate::analysis::{Analysis, ItemKey};
 use crate::error::{Error, Result};
 use crate::policy::SyncPolicy;
 use crate::sched::{LeafHome, Sched};
+use crate::split::SplitDef;
 
 /// A host-written input of a plan.
 #[derive(Clone, Debug)]
@@ -107,6 +110,24 @@ pub struct Plan {
     n_nodes: usize,
     n_leafs: usize,
     placement: Vec<usize>,
+}
+
+/// The scratch bytes of `buffer` (split `sp`'s backend's) that later splits read after `sp`'s
+/// graph: every planned block written up to its last node and read after it (pipelined copies,
+/// pinned, are always kept). Nothing else of the scratch is read before being written again
+/// (inputs, outputs, weights and state have buffers of their own).
+fn scratch_live(a: &Analysis, sp: &SplitDef, buffer: Option<BufferId>) -> Option<ScratchLive> {
+    let buffer = buffer?;
+    let end = *sp.nodes.iter().max()?;
+    let bi = &a.per_backend[sp.backend];
+    let kept = bi
+        .items
+        .iter()
+        .zip(&bi.plan.offsets)
+        .filter(|(it, _)| it.def <= end && (it.last > end || it.pinned))
+        .map(|(it, &off)| (off, off + it.size))
+        .collect();
+    Some(ScratchLive { buffer, kept })
 }
 
 fn node_name(g: &Graph, i: usize) -> String {
@@ -260,6 +281,7 @@ impl Plan {
         let mut splits = Vec::new();
         for (s, sp) in a.splits.iter().enumerate() {
             let be = &backends[sp.backend];
+            let scratch = scratch_live(&a, sp, compute[sp.backend]);
             let mut exec = Vec::new();
             for c in 0..n_copies {
                 let mut nodes = Vec::with_capacity(sp.nodes.len());
@@ -280,7 +302,10 @@ impl Plan {
                         srcs,
                     });
                 }
-                exec.push(Arc::new(ExecGraph { nodes }));
+                exec.push(Arc::new(ExecGraph {
+                    nodes,
+                    scratch: scratch.clone(),
+                }));
             }
             let mut foreign = Vec::new();
             for &r in &sp.foreign {

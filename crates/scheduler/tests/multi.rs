@@ -7,11 +7,11 @@ mod common;
 use std::sync::Arc;
 
 use common::Masked;
-use lowsync_backend::{Backend, StatsSnapshot};
+use lowsync_backend::{Backend, StatsSnapshot, TensorRef};
 use lowsync_cpu::{CpuAsyncBackend, CpuBackend};
 use lowsync_graph::{DType, Graph, Op, TensorId};
 use lowsync_scheduler::alloc::verify_items;
-use lowsync_scheduler::{analyze, Error, Plan, Sched, SyncPolicy};
+use lowsync_scheduler::{analyze, Analysis, Error, ItemKey, Plan, Sched, SyncPolicy};
 use proptest::prelude::*;
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -618,6 +618,72 @@ fn random_graph(ops: &[RandOp], n_out: usize) -> Graph {
     g
 }
 
+fn byte_span(t: &TensorRef) -> (usize, usize) {
+    (t.byte_offset, t.byte_offset + t.byte_extent())
+}
+
+/// What each split's graph reports as read after it (`ExecGraph::scratch`) covers every later
+/// node's read of a result the split left in its scratch (one no node and no foreign copy —
+/// `a`'s copy items, written as their split starts — overwrote since); and a plan of one
+/// split, unpipelined, keeps nothing.
+fn later_reads_are_kept(plan: &Plan, a: &Analysis, n_copies: usize) -> Result<(), String> {
+    for c in 0..n_copies {
+        let graphs: Vec<_> = (0..plan.n_splits())
+            .map(|s| plan.exec_graph(s, c))
+            .collect();
+        for (s, g) in graphs.iter().enumerate() {
+            let Some(sc) = &g.scratch else {
+                // No scratch buffer on its backend (every result is an output).
+                continue;
+            };
+            if graphs.len() == 1 && n_copies == 1 && !sc.kept.is_empty() {
+                return Err(format!("one split keeps {:?}", sc.kept));
+            }
+            let mut left: Vec<(usize, usize)> = g
+                .nodes
+                .iter()
+                .filter(|n| n.dst.buffer == sc.buffer)
+                .map(|n| byte_span(&n.dst))
+                .collect();
+            let cut =
+                |left: Vec<(usize, usize)>, (w0, w1): (usize, usize)| -> Vec<(usize, usize)> {
+                    left.into_iter()
+                        .flat_map(|(l0, l1)| [(l0, l1.min(w0)), (l0.max(w1), l1)])
+                        .filter(|&(x, y)| x < y)
+                        .collect()
+                };
+            let backend = a.splits[s].backend;
+            for (s2, g2) in graphs.iter().enumerate().skip(s + 1) {
+                if a.splits[s2].backend == backend {
+                    let bi = &a.per_backend[backend];
+                    for ((key, item), &off) in bi.keys.iter().zip(&bi.items).zip(&bi.plan.offsets) {
+                        if matches!(*key, ItemKey::Copy { split, copy, .. } if split == s2 && copy == c)
+                        {
+                            left = cut(left, (off, off + item.size));
+                        }
+                    }
+                }
+                for n in &g2.nodes {
+                    for src in n.srcs.iter().filter(|t| t.buffer == sc.buffer) {
+                        let (a, b) = byte_span(src);
+                        let ours = left.iter().any(|&(l0, l1)| a < l1 && l0 < b);
+                        if ours && !sc.read_after(src.buffer, a, b) {
+                            return Err(format!(
+                                "split {s} copy {c}: {} reads [{a}, {b}) of it later, kept {:?}",
+                                n.name, sc.kept
+                            ));
+                        }
+                    }
+                    if n.dst.buffer == sc.buffer && n.op != Op::SetRows && n.dst.is_contiguous() {
+                        left = cut(left, byte_span(&n.dst));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn eval(plan: &mut Plan, steps: usize) -> Vec<Vec<u8>> {
     let names: Vec<String> = plan.outputs().iter().map(|o| o.name.clone()).collect();
     let mut out = Vec::new();
@@ -656,6 +722,8 @@ proptest! {
                 }
                 prop_assert!(a.placement.iter().all(|&b| b < 2));
                 let mut plan = sc.compile(&g).unwrap();
+                let kept = later_reads_are_kept(&plan, &a, n_copies);
+                prop_assert!(kept.is_ok(), "{:?}", kept);
                 prop_assert_eq!(&eval(&mut plan, 2), &want, "{} n_copies={}", policy, n_copies);
             }
         }

@@ -185,15 +185,17 @@ impl Pair {
             dst: d.clone(),
             srcs: s,
         };
-        let gc = Arc::new(ExecGraph {
-            nodes: vec![node(&dst.cpu, srcs.iter().map(|t| t.cpu.clone()).collect())],
-        });
+        let gc = Arc::new(ExecGraph::new(vec![node(
+            &dst.cpu,
+            srcs.iter().map(|t| t.cpu.clone()).collect(),
+        )]));
         self.cpu
             .graph_compute_async(&gc)
             .expect("the CPU oracle runs the case");
-        let gg = Arc::new(ExecGraph {
-            nodes: vec![node(&dst.gpu, srcs.iter().map(|t| t.gpu.clone()).collect())],
-        });
+        let gg = Arc::new(ExecGraph::new(vec![node(
+            &dst.gpu,
+            srcs.iter().map(|t| t.gpu.clone()).collect(),
+        )]));
         self.gpu.graph_compute_async(&gg)?;
         self.gpu.synchronize()
     }

@@ -89,14 +89,14 @@ pub fn graph(
     dst: TensorRef,
     srcs: Vec<TensorRef>,
 ) -> std::sync::Arc<lowsync_backend::ExecGraph> {
-    std::sync::Arc::new(lowsync_backend::ExecGraph {
-        nodes: vec![lowsync_backend::ExecNode {
+    std::sync::Arc::new(lowsync_backend::ExecGraph::new(vec![
+        lowsync_backend::ExecNode {
             op,
             name: op.name().to_string(),
             dst,
             srcs,
-        }],
-    })
+        },
+    ]))
 }
 
 /// `dst = src` (f32, `n` elements) as a graph.
