@@ -715,6 +715,24 @@ fn decode_attention_is_one_launch() {
     }
 }
 
+/// `a`'s case with `rows` of both caches NaN.
+fn poison_rows(a: &Attn, kv: DType, rows: impl Iterator<Item = usize>) -> Case {
+    let mut poisoned = a.case.clone();
+    for row in rows {
+        for cache in [&a.k_cache, &a.v_cache] {
+            let r = view(
+                cache.buffer.0,
+                row * cache.strides[0] * kv.size_bytes(),
+                kv,
+                &[cache.shape[1]],
+                &[1],
+            );
+            poisoned.fill(&r, &vec![f32::NAN; cache.shape[1]]);
+        }
+    }
+    poisoned
+}
+
 #[test]
 fn masked_cache_rows_are_never_read() {
     let mut rng = Rng::new(37);
@@ -731,19 +749,7 @@ fn masked_cache_rows_are_never_read() {
             (&[valid], 1, Some(3)),
             true,
         );
-        let mut poisoned = a.case.clone();
-        for cache in [&a.k_cache, &a.v_cache] {
-            for row in (valid..n_ctx).chain([3]) {
-                let r = view(
-                    cache.buffer.0,
-                    row * cache.strides[0] * kv.size_bytes(),
-                    kv,
-                    &[cache.shape[1]],
-                    &[1],
-                );
-                poisoned.fill(&r, &vec![f32::NAN; cache.shape[1]]);
-            }
-        }
+        let poisoned = poison_rows(&a, kv, (valid..n_ctx).chain([3]));
         if !check_with(
             &format!("poisoned {kv} cache"),
             &a.case,
@@ -999,25 +1005,11 @@ fn long_windows_list_their_valid_keys() {
             a.case.rand(&mut rng, &src, 1.0);
             a.case.node(Op::Scale { scale: 1.0 }, &probs, &[&src]);
             let test = format!("long window {kv} mask {mask:?}");
-            let mut poisoned = a.case.clone();
             let (valid, heads, hole) = mask;
-            for cache in [&a.k_cache, &a.v_cache] {
-                for row in 0..n_ctx {
-                    let used =
-                        (0..heads).any(|h| row < valid[h % valid.len()] && Some(row) != hole);
-                    if used {
-                        continue;
-                    }
-                    let r = view(
-                        cache.buffer.0,
-                        row * cache.strides[0] * kv.size_bytes(),
-                        kv,
-                        &[cache.shape[1]],
-                        &[1],
-                    );
-                    poisoned.fill(&r, &vec![f32::NAN; cache.shape[1]]);
-                }
-            }
+            let unused = (0..n_ctx).filter(|&row| {
+                !(0..heads).any(|h| row < valid[h % valid.len()] && Some(row) != hole)
+            });
+            let poisoned = poison_rows(&a, kv, unused);
             if !check_with(&test, &a.case, &poisoned, &outputs(&a), 3) {
                 return;
             }
