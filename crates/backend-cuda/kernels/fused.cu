@@ -1023,7 +1023,7 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
 #define AF_P 8
 #define AF_LR 8                 // mask entries per thread per listing
 #define AF_LS (AF_T * AF_LR)    // keys per listing
-#define AF_LSH (2 * AF_LS + 2 * AF_LR * (AF_T / 32) + 1)  // af_list's shared words
+#define AF_LSH (2 * AF_LS + AF_LR * (AF_T / 32) + 1)  // af_list's shared words
 
 // Keys [sb, sb + n) of the window whose mask entry is not -inf, ascending, into keys (their
 // entries into mv); returns how many (every thread). cnt: AF_LR * (AF_T / 32) + 1 words.
@@ -1116,8 +1116,8 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
             uint4 kr[AF_P], vr[AF_P];
             float lg[AF_P];
             bool alive[AF_P];
-            // Passes past L are skipped whole (a block-uniform branch): short windows run and
-            // fetch only the code of the passes they use.
+            // Passes past the window (or the list) are skipped whole (a block-uniform branch):
+            // short windows run and fetch only the code of the passes they use.
             const int np = min(AF_P, (n - base + KP - 1) / KP);
             if (LIST) {
 #pragma unroll
