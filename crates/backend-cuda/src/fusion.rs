@@ -38,9 +38,8 @@
 //!   (the scores of masked positions would need the K rows the kernel skips, and the allocator
 //!   puts later tensors over them).
 //!   Where the scheduler says which scratch bytes later splits read (`ExecGraph::scratch`),
-//!   [`run_graph`] adds stand-in nodes past the last one that write every other scratch byte
-//!   (the next graph writes them before reading), so results nothing reads after the graph
-//!   are dead too; the stand-ins never run.
+//!   [`dead_after`] counts every other scratch byte as overwritten at the graph's end (the next
+//!   graph writes it before reading), so results nothing reads after the graph are dead too.
 //! - No member needs a private copy of a source (`ExecNode::src_needs_private_copy`).
 //! - No write of the group overlaps a tensor the group reads, unless the same thread reads the
 //!   element before writing it (an in-place residual) or, in the attention, the write belongs to
@@ -225,63 +224,37 @@ pub(crate) fn run_graph(exec: &mut Exec<'_>, graph: &Arc<ExecGraph>) -> Result<(
         }
         return Ok(());
     }
-    // The scratch bytes nothing reads after the graph, as writes of a last node, so that
-    // `dead_after` sees them overwritten: results left there are dead too.
-    let all = with_scratch_end(nodes, graph.scratch.as_ref());
-    for step in plan(&all, exec.inner.cfg.mmv_max_m) {
+    let nodes = Nodes {
+        list: nodes,
+        end: graph.scratch.as_ref(),
+    };
+    for step in plan(&nodes, exec.inner.cfg.mmv_max_m) {
         match step {
-            Step::Node(i) if i >= nodes.len() => {} // a stand-in, never run
             Step::Node(i) => exec.run(&nodes[i])?,
-            Step::Fused(g) => launch(exec, &all, &g.kind)?,
+            Step::Fused(g) => launch(exec, &nodes, &g.kind)?,
         }
     }
     Ok(())
 }
 
-/// Past this, no scratch buffer reaches (the stand-ins' last range ends here).
-const SCRATCH_END: usize = 1 << 50;
+/// A graph's nodes and what is known of the scratch bytes read after it
+/// (`ExecGraph::scratch`): at the graph's end, [`dead_after`] counts every other scratch byte
+/// as overwritten (the next graph writes it before any read).
+pub(crate) struct Nodes<'a> {
+    list: &'a [ExecNode],
+    end: Option<&'a ScratchLive>,
+}
 
-/// `nodes`, then (with `scratch` known) one stand-in node per range of the scratch buffer that
-/// no later split reads — the next writer of those bytes, which comes before any reader. The
-/// stand-ins are `Scale` nodes without sources (no pattern takes one as a member) and never
-/// run; they only end the liveness `dead_after` computes.
-fn with_scratch_end<'a>(
-    nodes: &'a [ExecNode],
-    scratch: Option<&ScratchLive>,
-) -> std::borrow::Cow<'a, [ExecNode]> {
-    let Some(sc) = scratch else {
-        return std::borrow::Cow::Borrowed(nodes);
-    };
-    let mut kept = sc.kept.clone();
-    kept.sort_unstable();
-    let mut all = nodes.to_vec();
-    let mut at = 0usize;
-    for (a, b) in kept.into_iter().chain([(SCRATCH_END, SCRATCH_END)]) {
-        if a > at {
-            let (start, end) = (at.next_multiple_of(4), a - a % 4);
-            if end > start {
-                all.push(ExecNode {
-                    op: Op::Scale { scale: 0.0 },
-                    name: "(next writer of dead scratch)".into(),
-                    dst: TensorRef {
-                        buffer: sc.buffer,
-                        byte_offset: start,
-                        dtype: DType::F32,
-                        shape: vec![(end - start) / 4],
-                        strides: vec![1],
-                    },
-                    srcs: Vec::new(),
-                });
-            }
-        }
-        at = at.max(b);
+impl std::ops::Deref for Nodes<'_> {
+    type Target = [ExecNode];
+    fn deref(&self) -> &[ExecNode] {
+        self.list
     }
-    std::borrow::Cow::Owned(all)
 }
 
 /// The steps of `nodes`, in execution order. `mmv_max_m` is `CudaConfig::mmv_max_m` (fused
 /// products take the matrix-vector kernels' rows limit).
-pub(crate) fn plan(nodes: &[ExecNode], mmv_max_m: Option<usize>) -> Vec<Step> {
+pub(crate) fn plan(nodes: &Nodes<'_>, mmv_max_m: Option<usize>) -> Vec<Step> {
     let mut used = vec![false; nodes.len()];
     let mut steps = Vec::with_capacity(nodes.len());
     for i in 0..nodes.len() {
@@ -427,7 +400,7 @@ impl Footprint<'_> {
 }
 
 /// The footprint of a candidate group; `None` when it is not well formed.
-fn footprint<'a>(nodes: &'a [ExecNode], kind: &Kind) -> Option<Footprint<'a>> {
+fn footprint<'a>(nodes: &'a Nodes<'_>, kind: &Kind) -> Option<Footprint<'a>> {
     let mut reads = Vec::new();
     let mut writes = Vec::new();
     match kind {
@@ -523,7 +496,7 @@ fn footprint<'a>(nodes: &'a [ExecNode], kind: &Kind) -> Option<Footprint<'a>> {
 }
 
 /// `kind` as a group, if its footprint is safe.
-fn fits(nodes: &[ExecNode], kind: Kind) -> Option<Group> {
+fn fits(nodes: &Nodes<'_>, kind: Kind) -> Option<Group> {
     footprint(nodes, &kind)?
         .safe(nodes)
         .then(|| Group::new(kind))
@@ -533,12 +506,12 @@ fn fits(nodes: &[ExecNode], kind: Kind) -> Option<Group> {
 /// group) has read them: in node order after `at`, every byte is overwritten by a node's whole
 /// contiguous result before any node but `reader`'s first source reads it. Bytes never
 /// overwritten count as live (a later split or the host may read them).
-fn dead_after(nodes: &[ExecNode], at: usize, reader: usize) -> bool {
+fn dead_after(nodes: &Nodes<'_>, at: usize, reader: usize) -> bool {
     dead_after_reads(nodes, at, &[(reader, 0)])
 }
 
 /// `dead_after` with several reads inside the group: (node, source index) pairs.
-fn dead_after_reads(nodes: &[ExecNode], at: usize, inside: &[(usize, usize)]) -> bool {
+fn dead_after_reads(nodes: &Nodes<'_>, at: usize, inside: &[(usize, usize)]) -> bool {
     let t = &nodes[at].dst;
     let mut live = vec![byte_range(t)];
     for (j, n) in nodes.iter().enumerate().skip(at + 1) {
@@ -565,7 +538,10 @@ fn dead_after_reads(nodes: &[ExecNode], at: usize, inside: &[(usize, usize)]) ->
             }
         }
     }
-    false
+    // The graph's end: bytes of the scratch no later split reads are written next.
+    nodes
+        .end
+        .is_some_and(|sc| live.iter().all(|&(a, b)| !sc.read_after(t.buffer, a, b)))
 }
 
 /// The results a row-pair group (one with Rope or SetRows epilogues) does not write because
@@ -580,7 +556,7 @@ struct Dead {
 }
 
 impl Dead {
-    fn of(nodes: &[ExecNode], segs: &[Seg], norm: Option<NormPro>) -> Dead {
+    fn of(nodes: &Nodes<'_>, segs: &[Seg], norm: Option<NormPro>) -> Dead {
         if !has_tails(segs) {
             return Dead {
                 norm: false,
@@ -629,7 +605,7 @@ impl Dead {
 // ---------------------------------------------------------------------------------------------
 // Patterns.
 
-fn norm_mul(nodes: &[ExecNode], i: usize, used: &[bool]) -> Option<Group> {
+fn norm_mul(nodes: &Nodes<'_>, i: usize, used: &[bool]) -> Option<Group> {
     let norm = &nodes[i];
     let [x] = norm.srcs.as_slice() else {
         return None;
@@ -722,14 +698,14 @@ fn epilogue_add(nodes: &[ExecNode], mm: usize, used: &[bool]) -> Option<usize> {
     add_other(&nodes[j], out).map(|_| j)
 }
 
-fn gemv(nodes: &[ExecNode], i: usize, used: &[bool], mmv_max_m: Option<usize>) -> Option<Group> {
+fn gemv(nodes: &Nodes<'_>, i: usize, used: &[bool], mmv_max_m: Option<usize>) -> Option<Group> {
     gemv_kind(nodes, i, used, mmv_max_m, None).map(Group::new)
 }
 
 /// The products of `gemv` (with the norm prologue `norm`, whose nodes `used` marks, a single
 /// product without an Add is a group too).
 fn gemv_kind(
-    nodes: &[ExecNode],
+    nodes: &Nodes<'_>,
     i: usize,
     used: &[bool],
     mmv_max_m: Option<usize>,
@@ -878,7 +854,7 @@ fn rope_tail(node: &ExecNode, v: &TensorRef) -> bool {
 /// following matrix-vector group: the group with the norm as its prologue (decode's kernel
 /// stages the row in shared memory, so it fits there).
 fn norm_gemv(
-    nodes: &[ExecNode],
+    nodes: &Nodes<'_>,
     i: usize,
     used: &[bool],
     mmv_max_m: Option<usize>,
@@ -917,7 +893,7 @@ fn norm_gemv(
 
 /// Gate and up products among `cands` (one of them `i`) feeding a SwiGlu, as one group.
 fn swiglu_pair(
-    nodes: &[ExecNode],
+    nodes: &Nodes<'_>,
     i: usize,
     cands: &[usize],
     used: &[bool],
@@ -971,7 +947,7 @@ fn set_rows_ok(n: &ExecNode) -> bool {
         && d.shape[0] > 0
 }
 
-fn rope_rows(nodes: &[ExecNode], i: usize, used: &[bool]) -> Option<Group> {
+fn rope_rows(nodes: &Nodes<'_>, i: usize, used: &[bool]) -> Option<Group> {
     let rope = &nodes[i];
     let Op::Rope { n_dims, .. } = rope.op else {
         return None;
@@ -1052,7 +1028,7 @@ fn cpy_axes(o: &TensorRef, cpy: &ExecNode) -> Option<Vec<Option<usize>>> {
         .collect()
 }
 
-fn attention(nodes: &[ExecNode], i: usize, used: &[bool]) -> Option<Group> {
+fn attention(nodes: &Nodes<'_>, i: usize, used: &[bool]) -> Option<Group> {
     let kq = &nodes[i];
     let [q, k] = kq.srcs.as_slice() else {
         return None;
@@ -1181,7 +1157,7 @@ fn moving(extent: usize, stride: usize) -> i64 {
     }
 }
 
-fn launch(exec: &mut Exec<'_>, nodes: &[ExecNode], kind: &Kind) -> Result<()> {
+fn launch(exec: &mut Exec<'_>, nodes: &Nodes<'_>, kind: &Kind) -> Result<()> {
     match kind {
         Kind::NormMul { norm, mul } => launch_norm_mul(exec, &nodes[*norm], &nodes[*mul]),
         Kind::Gemv { segs, swiglu, norm } => launch_gemv(exec, nodes, segs, *swiglu, *norm),
@@ -1284,7 +1260,7 @@ fn launch_norm_mul(exec: &Exec<'_>, norm: &ExecNode, mul: &ExecNode) -> Result<(
 
 fn launch_gemv(
     exec: &mut Exec<'_>,
-    nodes: &[ExecNode],
+    nodes: &Nodes<'_>,
     segs: &[Seg],
     swiglu: Option<usize>,
     norm: Option<NormPro>,
@@ -1757,6 +1733,22 @@ fn launch_attention(
 mod tests {
     use super::*;
     use lowsync_backend::BufferId;
+
+    /// Nodes with nothing known of what is read after them.
+    fn bare(nodes: &[ExecNode]) -> Nodes<'_> {
+        Nodes {
+            list: nodes,
+            end: None,
+        }
+    }
+
+    fn plan(nodes: &[ExecNode], mmv_max_m: Option<usize>) -> Vec<Step> {
+        super::plan(&bare(nodes), mmv_max_m)
+    }
+
+    fn dead_after(nodes: &[ExecNode], at: usize, reader: usize) -> bool {
+        super::dead_after(&bare(nodes), at, reader)
+    }
 
     const ACT: u64 = 1;
     const INPUTS: u64 = 2;
@@ -2295,17 +2287,14 @@ mod tests {
         let nodes = attention_nodes(64, f, f, vec![]);
         let scores = nodes[0].dst.clone();
         let (s0, _) = byte_range(&scores);
-        let written = |scratch: Option<&ScratchLive>| match &plan(
-            &with_scratch_end(&nodes, scratch),
-            None,
-        )[0]
-        {
-            Step::Fused(Group {
-                kind: Kind::Attention { scores, .. },
-                ..
-            }) => *scores,
-            s => panic!("not an attention: {s:?}"),
-        };
+        let written =
+            |end: Option<&ScratchLive>| match &super::plan(&Nodes { list: &nodes, end }, None)[0] {
+                Step::Fused(Group {
+                    kind: Kind::Attention { scores, .. },
+                    ..
+                }) => *scores,
+                s => panic!("not an attention: {s:?}"),
+            };
         let live = |kept: Vec<(usize, usize)>| ScratchLive {
             buffer: scores.buffer,
             kept,
@@ -2331,17 +2320,6 @@ mod tests {
             written(Some(&other)),
             "another buffer's scratch says nothing of this one"
         );
-        // The stand-ins only end liveness: they join no group and are given as plain nodes
-        // past the real ones (which `run_graph` skips).
-        let all = with_scratch_end(&nodes, Some(&live(vec![(s0 + 4, s0 + 8)])));
-        assert_eq!(all.len(), nodes.len() + 2, "the gaps around the kept range");
-        for step in plan(&all, None) {
-            match step {
-                Step::Fused(g) => assert!(g.nodes.iter().all(|&i| i < nodes.len()), "{g:?}"),
-                Step::Node(i) if i >= nodes.len() => assert_eq!(all[i].srcs.len(), 0),
-                Step::Node(_) => {}
-            }
-        }
     }
 
     fn attention_kind(cpy: Option<usize>, scores: bool) -> Step {
@@ -2481,7 +2459,7 @@ mod tests {
             Step::Fused(Group {
                 kind: Kind::Gemv { segs, norm, .. },
                 ..
-            }) => Dead::of(nodes, segs, *norm),
+            }) => Dead::of(&bare(nodes), segs, *norm),
             other => panic!("no fused products: {other:?}"),
         };
         let dead = dead_of(&layer(false, DType::F16));
