@@ -38,9 +38,22 @@ pub fn open(cfg: VkConfig) -> Option<VulkanBackend> {
     }
 }
 
-/// Fails when the validation layer reported anything.
+/// The layer's report that its own timeline tracking fell behind: Debian 12's layers (1.3.239)
+/// lose a host `vkSignalSemaphore` that races a submission waiting on it, wait 10 s for
+/// their tracker and then say so ("most likely a validation bug"). The driver saw the signal and
+/// the work ran; Vulkan-ValidationLayers PR 8519 (2024) rewrote that tracking and fixed it.
+const LAYER_TRACKING_TIMEOUT: &str = "UNASSIGNED-VkSemaphore-state-timeout";
+
+/// Fails when the validation layer reported anything but its own tracking timeout, which is
+/// printed instead.
 pub fn assert_clean(b: &VulkanBackend) {
-    let msgs = b.validation_messages();
+    let (layer_bug, msgs): (Vec<String>, Vec<String>) = b
+        .validation_messages()
+        .into_iter()
+        .partition(|m| m.contains(LAYER_TRACKING_TIMEOUT));
+    for m in &layer_bug {
+        eprintln!("ignored (validation-layer tracking bug, not a usage error): {m}");
+    }
     assert!(
         msgs.is_empty(),
         "{} validation message(s):\n{}",
