@@ -26,10 +26,11 @@ def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[dict[str,
 
 def test_bench_json_rows_and_counts(capsys: pytest.CaptureFixture[str], clean_env: object) -> None:
     rows = _json(capsys, ["bench", "-p", "8", "-n", "4", "--backend", "cpu-async", "--json"])
-    assert [(r["backend"], r["policy"]) for r in rows] == [
-        ("cpu-async", "stock"),
-        ("cpu-async", "relaxed"),
-        ("cpu-async", "staged"),
+    assert [(r["backend"], r["policy"], r["launch_ahead"]) for r in rows] == [
+        ("cpu-async", "stock", False),
+        ("cpu-async", "relaxed", False),
+        ("cpu-async", "staged", False),
+        ("cpu-async", "staged", True),
     ]
     for row in rows:
         assert row.keys() >= JSON_FIELDS
@@ -43,15 +44,19 @@ def test_bench_json_rows_and_counts(capsys: pytest.CaptureFixture[str], clean_en
         assert row["reallocs"] == 0.0
         assert row["d2h_copies"] == 1.0
     # Per generated token on cpu-async, U = 5 inputs: stock U + 1 waits, relaxed 2, staged 1.
-    assert [(r["host_waits"], r["h2d_copies"]) for r in rows] == [
-        (6.0, 5.0),
-        (2.0, 5.0),
-        (1.0, 1.0),
+    # Launch-ahead keeps staged's counts and adds the token's device-side copy (every step
+    # after the first of the n = 4).
+    assert [(r["host_waits"], r["h2d_copies"], r["d2d_copies"]) for r in rows] == [
+        (6.0, 5.0, 0.0),
+        (2.0, 5.0, 0.0),
+        (1.0, 1.0, 0.0),
+        (1.0, 1.0, 0.75),
     ]
 
 
 def test_bench_default_backends_skip_noop(capsys: pytest.CaptureFixture[str]) -> None:
-    rows = _json(capsys, ["bench", "-p", "4", "-n", "2", "--policy", "staged", "--json"])
+    argv = ["bench", "-p", "4", "-n", "2", "--policy", "staged", "--launch-ahead", "0", "--json"]
+    rows = _json(capsys, argv)
     assert [r["backend"] for r in rows] == [b for b in ls.available_backends() if b != "noop"]
 
 
@@ -61,12 +66,13 @@ def test_bench_table_on_noop(capsys: pytest.CaptureFixture[str]) -> None:
     lines = capsys.readouterr().out.splitlines()
     for column in ("model", "backend", "policy", "pp t/s", "tg t/s", *COUNTERS):
         assert column in lines[0]
-    assert len(lines) == 4  # header, rule, one row, the note
+    assert len(lines) == 5  # header, rule, staged without and with launch-ahead, the note
     assert "| tiny" in lines[2]
     assert "noop" in lines[2]
-    assert "staged" in lines[2]
+    assert "| staged " in lines[2]
+    assert "| staged+ahead " in lines[3]
     assert "±" in lines[2]  # -r 2: mean ± standard deviation
-    assert "4 prompt tokens" in lines[3]
+    assert "4 prompt tokens" in lines[4]
 
 
 def test_bench_backend_and_policy_lists(capsys: pytest.CaptureFixture[str]) -> None:
@@ -80,8 +86,23 @@ def test_bench_backend_and_policy_lists(capsys: pytest.CaptureFixture[str]) -> N
         "relaxed,staged",
     ]
     rows = _json(capsys, argv)
-    assert [(r["backend"], r["policy"]) for r in rows] == [
-        (b, p) for b in ("cpu", "cpu-async", "cpu-async+cpu") for p in ("relaxed", "staged")
+    # Launch-ahead rows (staged only) where the backend can: not on the synchronous `cpu`.
+    assert [(r["backend"], r["policy"], r["launch_ahead"]) for r in rows] == [
+        ("cpu", "relaxed", False),
+        ("cpu", "staged", False),
+        ("cpu-async", "relaxed", False),
+        ("cpu-async", "staged", False),
+        ("cpu-async", "staged", True),
+        ("cpu-async+cpu", "relaxed", False),
+        ("cpu-async+cpu", "staged", False),
+        ("cpu-async+cpu", "staged", True),
+    ]
+    one = ["bench", "-p", "2", "-n", "2", "--json", "--backend", "cpu-async"]
+    rows = _json(capsys, [*one, "--launch-ahead", "1"])
+    assert [(r["policy"], r["launch_ahead"]) for r in rows] == [
+        ("stock", False),
+        ("relaxed", False),
+        ("staged", True),
     ]
     assert parse_backends(["a,b", "c+d"]) == [["a"], ["b"], ["c", "d"]]
 
@@ -108,6 +129,9 @@ def test_bench_failures_are_clean(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert "unknown policy 'eager'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "-n", "0"])
+    with pytest.raises(SystemExit):
+        main(["bench", "--launch-ahead", "2"])
+    assert "expected a list of 0 and 1" in capsys.readouterr().err
 
 
 def test_stock_rows_turn_on_legacy_switches(monkeypatch: pytest.MonkeyPatch) -> None:

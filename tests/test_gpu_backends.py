@@ -127,3 +127,37 @@ def test_cuda_launch_knobs_change_no_token_or_count(
         assert tokens_on == tokens_off, f"{knob}, graphs={graphs}"
         for key in ("host_waits", "h2d_copies", "d2h_copies", "kernel_launches", "graph_launches"):
             assert on[key] == off[key], f"{knob}, graphs={graphs}: {key}"
+
+
+@pytest.mark.cuda
+def test_cuda_launch_ahead_is_bit_identical_with_the_same_counts(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """Step t+1 queued before token t is read (the token fed on the device): the same tokens
+    and logits after, per token one wait, one upload, one 4-byte read, one graph launch, and
+    the token's device copy on every step after the first."""
+    model = ls.Llama.random(MICRO, seed=4)
+    runs = {}
+    for ahead in (False, True):
+        sess = ls.Session(model, backends=["cuda"], n_ctx=64, n_ubatch=8, launch_ahead=ahead)
+        assert sess.launch_ahead == ahead
+        sess.generate(PROMPT, max_new_tokens=4)  # warm-up: captures
+        sess.clear()
+        tokens = sess.generate(PROMPT, max_new_tokens=N_GEN)
+        stats = sess.last_generate
+        assert stats is not None
+        stopped = sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=1, stop=[tokens[2]])
+        after = sess.decode([9, 8], seq_id=1, logits="all")
+        runs[ahead] = (tokens, stopped, after, stats)
+    (t0, s0, a0, _), (t1, s1, a1, st) = runs[False], runs[True]
+    assert (t1, s1) == (t0, s0)
+    assert np.array_equal(a1, a0)
+    pt = st.per_token
+    assert (pt["host_waits"], pt["h2d_copies"], pt["d2h_copies"], pt["d2h_bytes"]) == (
+        1.0,
+        1.0,
+        1.0,
+        4.0,
+    ), pt
+    assert pt["graph_launches"] == 1.0
+    assert pt["d2d_copies"] * st.n_steps == st.n_steps - 1

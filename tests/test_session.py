@@ -141,6 +141,125 @@ def test_counts_per_generated_token_on_cpu_async_tiny(
     assert st.per_token["empty_submits"] == 0.0
 
 
+# ---- launch-ahead ----------------------------------------------------------------------------
+
+
+def _cache_state(sess: ls.Session) -> tuple[int, list[int], list[list[int]]]:
+    return (
+        sess.n_free,
+        [sess.seq_pos_max(s) for s in range(sess.n_seq)],
+        [sess.seq_cells(s) for s in range(sess.n_seq)],
+    )
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["cpu-async", "cpu-async+cpu", pytest.param("vulkan", marks=pytest.mark.vulkan)],
+)
+def test_launch_ahead_gives_the_same_tokens_cache_and_next_logits(
+    model: Llama, backend: str, clean_env: pytest.MonkeyPatch
+) -> None:
+    """Step t+1 queued before token t is read, its token fed on the device: the same tokens,
+    the same cache (a stop token's speculative step gives its cell back), the same logits of a
+    decode after it, and per token one wait, one upload, one 4-byte read and one device copy."""
+    backends = backend.split("+")
+    ahead = ls.Session(model, backends=backends, n_ctx=64, n_ubatch=8, launch_ahead=True)
+    plain = ls.Session(model, backends=backends, n_ctx=64, n_ubatch=8, launch_ahead=False)
+    assert ahead.launch_ahead
+    assert not plain.launch_ahead
+    full = plain.generate(PROMPT[:6], max_new_tokens=10)
+    plain.clear()
+    stop_at = [[], [full[0]], [full[1]], [full[4]], [full[9]]]
+    for n in (1, 2, 3, 10):
+        for stop in stop_at:
+            got = ahead.generate(PROMPT[:6], max_new_tokens=n, seq_id=1, stop=stop)
+            want = plain.generate(PROMPT[:6], max_new_tokens=n, seq_id=1, stop=stop)
+            assert got == want, (n, stop)
+            assert _cache_state(ahead) == _cache_state(plain), (n, stop)
+            after_a = ahead.decode([5, 9], seq_id=1, logits="all")
+            after_p = plain.decode([5, 9], seq_id=1, logits="all")
+            assert np.array_equal(after_a, after_p), (n, stop)
+            ahead.clear()
+            plain.clear()
+    ahead.generate(PROMPT[:6], max_new_tokens=10)
+    st = ahead.last_generate
+    assert st is not None
+    assert st.n_steps == 9
+    pt = st.per_token
+    assert (pt["host_waits"], pt["h2d_copies"], pt["d2h_copies"], pt["d2h_bytes"]) == (
+        1.0,
+        1.0,
+        1.0,
+        4.0,
+    ), pt
+    # Every step after the first takes its token from the step before, on the device.
+    assert pt["d2d_copies"] * st.n_steps == st.n_steps - 1
+
+
+def test_launch_ahead_needs_staged_and_an_async_backend(
+    model: Llama, clean_env: pytest.MonkeyPatch
+) -> None:
+    assert not ls.Session(model, backends=["cpu"], n_ctx=16, n_ubatch=4).launch_ahead
+    stock = ls.Session(model, backends=["cpu-async"], n_ctx=16, n_ubatch=4, policy="stock")
+    assert not stock.launch_ahead
+    assert ls.Session(model, backends=["cpu-async"], n_ctx=16, n_ubatch=4).launch_ahead
+    clean_env.setenv("LOWSYNC_LAUNCH_AHEAD", "0")
+    assert not ls.Session(model, backends=["cpu-async"], n_ctx=16, n_ubatch=4).launch_ahead
+    clean_env.setenv("LOWSYNC_LAUNCH_AHEAD", "yes")
+    with pytest.raises(SessionError, match="LOWSYNC_LAUNCH_AHEAD must be 0 or 1"):
+        ls.Session(model, backends=["cpu-async"], n_ctx=16, n_ubatch=4)
+    with pytest.raises(SessionError, match="launch_ahead must be a bool"):
+        ls.Session(model, n_ctx=16, n_ubatch=4, launch_ahead=1)  # type: ignore[arg-type]
+
+
+class _FailingRead:
+    """A pending read whose wait raises."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def wait(self) -> Any:
+        raise self.error
+
+
+class _PlanFailingReads:
+    """A plan whose `fail_at`-th read_async returns a read that raises."""
+
+    def __init__(self, plan: ls.Plan, fail_at: int, error: BaseException) -> None:
+        self.plan, self.fail_at, self.error, self.reads = plan, fail_at, error, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.plan, name)
+
+    def read_async(self, name: str) -> Any:
+        self.reads += 1
+        if self.reads == self.fail_at:
+            return _FailingRead(self.error)
+        return self.plan.read_async(name)
+
+
+@pytest.mark.parametrize("error", [ls.BackendError("device lost"), KeyboardInterrupt()])
+def test_a_failed_read_ahead_gives_the_queued_steps_cell_back(
+    model: Llama, error: BaseException, clean_env: pytest.MonkeyPatch
+) -> None:
+    sess = ls.Session(model, backends=["cpu-async"], n_ctx=32, n_ubatch=4)
+    assert sess.launch_ahead
+    bucket = sess._buckets[0]
+    real = bucket.plan
+    bucket.plan = _PlanFailingReads(real, 3, error)  # type: ignore[assignment]
+    with pytest.raises(type(error)):
+        sess.generate(PROMPT[:5], max_new_tokens=8)
+    # Steps 1-3 ran and keep their cells (as a plain step whose read fails does); step 4,
+    # queued ahead of the failed read of token 3, gave its cell back: 5 prompt cells + 3.
+    assert sess.n_free == 32 - 8
+    assert sess.seq_pos_max(0) == 7
+    bucket.plan = real
+    sess.clear()
+    again = sess.generate(PROMPT[:5], max_new_tokens=8)
+    plain = ls.Session(model, backends=["cpu-async"], n_ctx=32, n_ubatch=4, launch_ahead=False)
+    assert again == plain.generate(PROMPT[:5], max_new_tokens=8)
+
+
 def test_outputs_bit_identical_across_policies_and_backends(model: Llama) -> None:
     results: dict[tuple[str, str], tuple[Any, list[int]]] = {}
     for backends in (["cpu"], ["cpu-async"], ["cpu-async", "cpu"]):

@@ -180,7 +180,24 @@ class Plan:
     def set_input(self, name: str, data: npt.NDArray[Any]) -> None: ...
     def compute(self) -> None: ...
     def get_output(self, name: str) -> npt.NDArray[Any]: ...
+    def feed(self, input: str, output: str) -> None:
+        """Arms a device-side feed for the next `compute` only: `input` takes `output`'s bytes
+        as the previous step left them, copied on the device in stream order."""
+    def can_feed(self, input: str, output: str) -> bool: ...
+    def can_read_async(self, output: str) -> bool: ...
+    def read_async(self, output: str) -> PendingOutput:
+        """Queues a read of `output` after the steps queued so far; returns without waiting."""
     def synchronize(self) -> None: ...
+
+@final
+class PendingOutput:
+    """An output read queued by `Plan.read_async`."""
+
+    @property
+    def done(self) -> bool:
+        """Whether the read completed (never waits)."""
+    def wait(self) -> npt.NDArray[Any]:
+        """Waits for the read (one host wait; none once waited) and returns the output."""
 
 @final
 class Context:

@@ -12,7 +12,8 @@ first generated token), generate `-n` more tokens one step at a time. The counte
 backends' own (`Context.stats()`); this module only takes differences over the generation
 steps and divides by their number (ARCHITECTURE §3 "per token"). `stock` rows turn on the
 backends' legacy switches (`LOWSYNC_CUDA_SYNC_ELISION=0`, `LOWSYNC_VK_LEGACY_SUBMITS=1`) while
-their session exists, so they show ggml's behaviour end to end. `batched-bench` mirrors
+their session exists, so they show ggml's behaviour end to end. `staged` runs twice where the
+backend can launch ahead (`--launch-ahead 0,1`): the plain loop and `staged+ahead`, side by side. `batched-bench` mirrors
 llama-batched-bench: `npl` sequences, a prompt of `npp` tokens each (or one prompt shared
 through `seq_cp` with `-pps`), then `ntg` steps that decode one token of every sequence in one
 ubatch; it reports the reallocations of each run, which must be zero.
@@ -42,7 +43,12 @@ POLICIES: tuple[str, ...] = ("stock", "relaxed", "staged")
 
 # Per-token counters shown by the bench, in column order (`last_generate` has every counter of
 # `TOKEN_COUNTERS`).
-COUNTERS: tuple[str, ...] = (*TOKEN_COUNTERS[:8], "kernel_launches", "graph_launches")
+COUNTERS: tuple[str, ...] = (
+    *TOKEN_COUNTERS[:8],
+    "d2d_copies",
+    "kernel_launches",
+    "graph_launches",
+)
 
 # Switches that make a backend behave as ggml does; the bench sets them for `stock` rows.
 LEGACY_ENV: dict[str, str] = {"LOWSYNC_CUDA_SYNC_ELISION": "0", "LOWSYNC_VK_LEGACY_SUBMITS": "1"}
@@ -139,6 +145,12 @@ class BenchRow:
     tg_tps: float
     tg_tps_std: float
     per_token: dict[str, float] = field(default_factory=dict)
+    launch_ahead: bool = False
+
+    @property
+    def label(self) -> str:
+        """The policy column: the policy, `+ahead` when the decode loop launched ahead."""
+        return self.policy + ("+ahead" if self.launch_ahead else "")
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON row: identification, speeds, then one float per counter."""
@@ -148,6 +160,7 @@ class BenchRow:
             "wtype": self.wtype,
             "backend": self.backend,
             "policy": self.policy,
+            "launch_ahead": self.launch_ahead,
             "n_prompt": self.n_prompt,
             "n_gen": self.n_gen,
             "reps": self.reps,
@@ -174,11 +187,14 @@ def run_bench(
     n_ubatch: int = 32,
     seed: int = 0,
     on_rep: Callable[[], None] | None = None,
-) -> BenchRow:
+    launch_ahead: bool = False,
+) -> BenchRow | None:
     """Runs one bench row: a warm-up, then `reps` times prompt + `n_gen` generated tokens.
 
     `backends` is one context's backend list. Per-token counters are the deltas over the
-    `n_gen` generation steps (after the prompt), averaged over the repetitions.
+    `n_gen` generation steps (after the prompt), averaged over the repetitions. With
+    `launch_ahead` the decode loop queues step t+1 before it reads token t; None when the
+    session cannot (not `staged`, or a backend without stream-ordered copies and reads).
     """
     if n_prompt < 1 or n_gen < 1 or reps < 1:
         raise ValueError("n_prompt, n_gen and reps must be at least 1")
@@ -192,7 +208,10 @@ def run_bench(
             n_seq=1,
             n_ubatch=min(n_ubatch, n_prompt),
             policy=policy,
+            launch_ahead=launch_ahead,
         )
+        if launch_ahead and not sess.launch_ahead:
+            return None
         sess.generate(prompt, 2)  # warm-up: first use of every plan
         pp, tg = [], []
         totals = dict.fromkeys(COUNTERS, 0.0)
@@ -224,6 +243,7 @@ def run_bench(
         tg_tps=tg_mean,
         tg_tps_std=tg_std,
         per_token={c: totals[c] / reps for c in COUNTERS},
+        launch_ahead=sess.launch_ahead,
     )
 
 
@@ -263,7 +283,7 @@ def format_rows(rows: Sequence[BenchRow]) -> str:
             _fmt_params(r.params),
             r.wtype.upper(),
             r.backend,
-            r.policy,
+            r.label,
             _fmt_tps(r.pp_tps, r.pp_tps_std, r.reps),
             _fmt_tps(r.tg_tps, r.tg_tps_std, r.reps),
             *(f"{r.per_token[c]:.2f}" for c in COUNTERS),

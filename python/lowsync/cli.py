@@ -58,6 +58,15 @@ def _positive(text: str) -> int:
     return v
 
 
+def _ahead_list(text: str) -> list[int]:
+    out = []
+    for item in text.split(","):
+        if item.strip() not in ("0", "1"):
+            raise argparse.ArgumentTypeError(f"expected a list of 0 and 1, got {text!r}")
+        out.append(int(item))
+    return sorted(set(out))
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-m",
@@ -115,6 +124,14 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("-p", "--n-prompt", type=_positive, default=32, help="prompt tokens (32)")
     bench.add_argument("-n", "--n-gen", type=_positive, default=32, help="generated tokens (32)")
     bench.add_argument("-r", "--repetitions", type=_positive, default=1, help="repetitions (1)")
+    bench.add_argument(
+        "--launch-ahead",
+        type=_ahead_list,
+        default=[0, 1],
+        metavar="0,1",
+        help="staged rows without (0) and with (1) launch-ahead: step t+1 queued before token "
+        "t is read, fed on the device; a backend that cannot gets no 1 row (default: 0,1)",
+    )
 
     batched = sub.add_parser(
         "batched-bench",
@@ -167,26 +184,33 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     model = _load_model(args.model, args.seed, "bench", args.type)
     if model is None:
         return 1
-    pairs = [(b, p) for b in _backends(args) for p in policies]
-    progress = Progress(len(pairs) * args.repetitions)
+    # Launch-ahead needs the staged policy: other policies run the plain loop only.
+    runs = [
+        (b, p, ahead)
+        for b in _backends(args)
+        for p in policies
+        for ahead in (args.launch_ahead if p == "staged" else [0])
+    ]
+    progress = Progress(len(runs) * args.repetitions)
     rows: list[BenchRow] = []
     label = ""
     try:
-        for backends, policy in pairs:
-            label = f"{'+'.join(backends)}/{policy}"
-            rows.append(
-                run_bench(
-                    model,
-                    backends,
-                    policy,
-                    n_prompt=args.n_prompt,
-                    n_gen=args.n_gen,
-                    reps=args.repetitions,
-                    n_ubatch=args.n_ubatch,
-                    seed=args.seed,
-                    on_rep=functools.partial(progress.update, label),
-                )
+        for backends, policy, ahead in runs:
+            label = f"{'+'.join(backends)}/{policy}{'+ahead' if ahead else ''}"
+            row = run_bench(
+                model,
+                backends,
+                policy,
+                n_prompt=args.n_prompt,
+                n_gen=args.n_gen,
+                reps=args.repetitions,
+                n_ubatch=args.n_ubatch,
+                seed=args.seed,
+                on_rep=functools.partial(progress.update, label),
+                launch_ahead=bool(ahead),
             )
+            if row is not None:
+                rows.append(row)
     except LowsyncError as e:
         progress.close()
         print(f"lowsync bench: {label}: {e}", file=sys.stderr)

@@ -15,7 +15,10 @@ cells: the last row is a scratch row that padded tokens of a short ubatch write 
 ever admits it. Per ubatch the host
 fills `tokens`, `pos`, `kv_idx`, `kq_mask` and `out_ids` (padded to the bucket) and computes;
 a greedy step reads only `next` (4 bytes per output row), so under the `staged` policy a
-generated token costs one host wait.
+generated token costs one host wait. With launch-ahead (`staged`, a backend with stream-ordered
+copies and reads) `generate` queues step t+1 before it reads token t: the decode plan's `tokens`
+input is fed on the device from the step before's `next`, and the read of token t is waited for
+on its own, so the device runs step after step while the host reads and checks tokens.
 
 Invariants: every public method validates its arguments (token ids, sequence ids, free cells)
 before it changes any state; a decode that fails part-way (a backend error, Ctrl-C) gives back
@@ -25,6 +28,7 @@ steps after `seq_cp` and ubatches without outputs run the same plans (invariants
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,6 +58,8 @@ TOKEN_COUNTERS: tuple[str, ...] = (
     "graph_launches",
     "graph_captures",
     "device_ns",
+    "d2d_copies",
+    "d2d_bytes",
 )
 
 
@@ -91,6 +97,18 @@ class GenerateStats:
     def tg_tps(self) -> float:
         """Generated tokens per second over the decode steps."""
         return self.n_steps / self.decode_s if self.decode_s > 0 else float("inf")
+
+
+def _launch_ahead_setting(value: bool | None) -> bool:
+    """`launch_ahead` as given, or `LOWSYNC_LAUNCH_AHEAD` (0 or 1, default 1) when None."""
+    if value is not None:
+        if not isinstance(value, bool):
+            raise SessionError(f"Session: launch_ahead must be a bool or None, got {value!r}")
+        return value
+    raw = os.environ.get("LOWSYNC_LAUNCH_AHEAD", "1").strip()
+    if raw not in ("0", "1"):
+        raise SessionError(f"LOWSYNC_LAUNCH_AHEAD must be 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 class _Bucket:
@@ -135,6 +153,7 @@ class Session:
         policy: str | None = None,
         kv_dtype: str = "f32",
         buckets: Sequence[int] = (1,),
+        launch_ahead: bool | None = None,
     ) -> None:
         for what, v in (("n_ctx", n_ctx), ("n_seq", n_seq), ("n_ubatch", n_ubatch)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -145,6 +164,7 @@ class Session:
                 f"Session: buckets must be positive ints of at most n_ubatch ({n_ubatch}), "
                 f"got {list(buckets)}"
             )
+        launch_ahead = _launch_ahead_setting(launch_ahead)
         if kv_dtype not in ("f32", "f16", "bf16"):
             raise SessionError(f"Session: kv_dtype must be f32, f16 or bf16, got {kv_dtype!r}")
         if isinstance(backends, str):
@@ -167,6 +187,13 @@ class Session:
             compiled.append(_Bucket(self.context.compile(graph), size, self._n_rows))
             del graph  # the context holds the uploaded weights; drop the graph's copy now
         self._buckets = compiled[::-1]  # smallest first, for `_bucket_for`
+        decode = self._buckets[0].plan
+        self._launch_ahead = (
+            launch_ahead
+            and decode.policy == "staged"
+            and decode.can_feed("tokens", OUTPUT_NEXT)
+            and decode.can_read_async(OUTPUT_NEXT)
+        )
 
         # Cell state: position (-1: free), sequence membership, and per sequence the mask row
         # it sees (0 on its cells, -inf elsewhere and always on the scratch row).
@@ -188,6 +215,13 @@ class Session:
     def backends(self) -> list[str]:
         """The context's backends."""
         return self.context.backends
+
+    @property
+    def launch_ahead(self) -> bool:
+        """Whether `generate` queues step t+1 before it reads token t (the token reaches step
+        t+1 on the device). Asked for with `launch_ahead` or `LOWSYNC_LAUNCH_AHEAD` (default
+        on); it needs the `staged` policy and a backend with stream-ordered copies and reads."""
+        return self._launch_ahead
 
     @property
     def n_free(self) -> int:
@@ -295,7 +329,10 @@ class Session:
         """Greedy generation on the device: decodes `prompt` into `seq_id`, then feeds each
         generated token back, one step per token; returns the generated tokens.
 
-        Each step reads only the sampled token (one host wait under `staged`). Generation ends
+        Each step reads only the sampled token (one host wait under `staged`). With
+        `launch_ahead`, step t+1 is queued before token t is read, its token copied on the
+        device from step t's output, so the device never waits for the host; when token t is a
+        stop token, step t+1 ran for nothing and its cell is given back. Generation ends
         after `max_new_tokens` tokens or at a token in `stop`. The cache must have room for the
         prompt and every generated token but the last, checked before anything runs. Timing and
         counters of the call are kept in `last_generate`.
@@ -328,12 +365,15 @@ class Session:
         mid = self.context.stats()["total"]
         steps = 0
         decode = self._buckets[0]
-        while len(out) < max_new_tokens and token not in stops:
-            self._check_device_token(token)
-            self._run_one(decode, token, seq_id)
-            token = int(decode.plan.get_output(OUTPUT_NEXT)[0])  # the one wait of the step
-            out.append(token)
-            steps += 1
+        if self._launch_ahead:
+            steps = self._generate_ahead(decode, token, seq_id, max_new_tokens, stops, out)
+        else:
+            while len(out) < max_new_tokens and token not in stops:
+                self._check_device_token(token)
+                self._run_one(decode, token, seq_id)
+                token = int(decode.plan.get_output(OUTPUT_NEXT)[0])  # the one wait of the step
+                out.append(token)
+                steps += 1
         t2 = time.perf_counter()
         after = self.context.stats()["total"]
         self.last_generate = GenerateStats(
@@ -532,7 +572,60 @@ class Session:
             plan.set_input("out_ids", bucket.out_ids)
         return cells
 
-    def _run_one(self, bucket: _Bucket, token: int, seq_id: int) -> None:
+    def _generate_ahead(
+        self,
+        decode: _Bucket,
+        token: int,
+        seq_id: int,
+        max_new_tokens: int,
+        stops: set[int],
+        out: list[int],
+    ) -> int:
+        """The decode steps of `generate` with launch-ahead; appends to `out`, returns the
+        number of steps whose token was read.
+
+        Step k takes token k-1; step 1's comes from the host (the prompt's output), every later
+        one is fed on the device from the step before. Step k+1 is queued before token k is
+        read, so each iteration's one host wait finds the next step already queued.
+        """
+        if len(out) >= max_new_tokens or token in stops:
+            return 0
+        self._check_device_token(token)
+        plan = decode.plan
+        self._run_one(decode, token, seq_id)
+        pending = plan.read_async(OUTPUT_NEXT)
+        steps = 0
+        while True:
+            # `pending` holds token len(out); one more step is needed after it only if the
+            # output is not full once it is read.
+            ahead = None
+            if len(out) + 1 < max_new_tokens:
+                saved_next = list(self._seq_next)
+                plan.feed("tokens", OUTPUT_NEXT)
+                # The host's token is a placeholder: the feed overwrites it on the device.
+                cell = self._run_one(decode, 0, seq_id)
+                ahead = ((cell, seq_id), saved_next)
+            try:
+                token = int(pending.wait()[0])  # the one wait of the step
+                self._check_device_token(token)
+                follow = plan.read_async(OUTPUT_NEXT) if ahead is not None else None
+            except BaseException:
+                if ahead is not None:
+                    self._give_back([ahead[0]], ahead[1])
+                raise
+            out.append(token)
+            steps += 1
+            if ahead is None:
+                return steps
+            if token in stops:
+                # The step queued ahead took a stop token: give back its cell (its KV row is
+                # masked from now on, and whoever takes the cell next overwrites it).
+                self._give_back([ahead[0]], ahead[1])
+                return steps
+            assert follow is not None
+            pending = follow
+
+    def _run_one(self, bucket: _Bucket, token: int, seq_id: int) -> int:
         """The decode step of `generate`: one token of one sequence, no output read here."""
         if not self._free:
             raise ContextFullError("decode: the KV cache is full")
@@ -543,3 +636,4 @@ class Session:
         except BaseException:
             self._give_back([(cells[0], seq_id)], saved_next)
             raise
+        return cells[0]

@@ -107,6 +107,8 @@ impl Backend for CpuBackend {
             sync_elision: true,
             graph_replay: false,
             test_gate: false,
+            copy_async: false,
+            read_async: false,
         }
     }
     fn buffer_type(&self) -> BufferType {

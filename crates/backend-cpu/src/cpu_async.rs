@@ -27,7 +27,7 @@ use std::thread::JoinHandle;
 
 use lowsync_backend::{
     bump, interrupt, with_host_source, Backend, BufferId, BufferType, BufferUsage, Caps,
-    DeviceKind, Error, Event, ExecGraph, Gate, Result, SyncStats,
+    DeviceKind, Error, Event, ExecGraph, Gate, Readback, Result, SyncStats,
 };
 use lowsync_graph::{DType, Op};
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -62,6 +62,20 @@ enum Work {
         offset: usize,
         out: RawPtr,
         len: usize,
+    },
+    /// A stream-ordered copy between two buffers of this stream.
+    Copy {
+        src: BufferId,
+        src_offset: usize,
+        dst: BufferId,
+        dst_offset: usize,
+        len: usize,
+    },
+    /// A read into memory the [`AsyncReadback`] and the queue share.
+    ReadInto {
+        src: BufferId,
+        offset: usize,
+        into: Arc<Mutex<Vec<u8>>>,
     },
     WaitEvent(Arc<dyn Event>),
     Gate(Arc<GateState>),
@@ -249,6 +263,25 @@ fn worker_loop(shared: &Shared, rx: Receiver<Item>) {
                 // SAFETY: bounds checked by `span`; `out` is valid per the enqueue contract.
                 unsafe { std::ptr::copy_nonoverlapping(p, out.0, len) }
             }),
+            Work::Copy {
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                len,
+            } => shared.store.span(src, src_offset, len).and_then(|from| {
+                let to = shared.store.span(dst, dst_offset, len)?;
+                // SAFETY: both ranges bounds-checked by `span`; `copy` allows overlap.
+                unsafe { std::ptr::copy(from, to, len) };
+                Ok(())
+            }),
+            Work::ReadInto { src, offset, into } => {
+                let mut out = into.lock();
+                shared.store.span(src, offset, out.len()).map(|p| {
+                    // SAFETY: bounds checked by `span`; `out` is owned memory of that length.
+                    unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), out.len()) }
+                })
+            }
             Work::WaitEvent(ev) => {
                 while !ev.is_complete() && !shared.cancelled(ticket) {
                     wait_foreign_event(&*ev);
@@ -308,6 +341,34 @@ fn wait_foreign_event(ev: &dyn Event) {
     }
 }
 
+/// A read of a `cpu-async` stream. The queue item shares its memory, so dropping it early is
+/// safe.
+struct AsyncReadback {
+    owner: Arc<Shared>,
+    ticket: u64,
+    into: Arc<Mutex<Vec<u8>>>,
+    /// The bytes, once waited for.
+    bytes: Option<Vec<u8>>,
+}
+
+impl Readback for AsyncReadback {
+    fn is_complete(&self) -> bool {
+        self.bytes.is_some() || self.owner.progress.lock().completed >= self.ticket
+    }
+    fn wait(&mut self) -> Result<&[u8]> {
+        if self.bytes.is_none() {
+            if self.owner.progress.lock().observed >= self.ticket {
+                bump(&self.owner.stats.elided_syncs, 1);
+            } else {
+                self.owner.count_wait();
+                self.owner.wait_ticket(self.ticket)?;
+            }
+            self.bytes = Some(std::mem::take(&mut *self.into.lock()));
+        }
+        Ok(self.bytes.as_deref().unwrap_or_default())
+    }
+}
+
 /// An event of a `cpu-async` stream: complete when the owner's `completed` reaches its ticket.
 pub struct AsyncEvent {
     owner: Arc<Shared>,
@@ -361,6 +422,8 @@ impl Backend for CpuAsyncBackend {
             sync_elision: true,
             graph_replay: false,
             test_gate: true,
+            copy_async: true,
+            read_async: true,
         }
     }
     fn buffer_type(&self) -> BufferType {
@@ -488,6 +551,45 @@ impl Backend for CpuAsyncBackend {
             self.set_tensor_async_staged(dst, dst_offset, data)
         })?;
         Ok(staged.is_some())
+    }
+
+    fn copy_async(
+        &self,
+        src: BufferId,
+        src_offset: usize,
+        dst: BufferId,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        self.shared.store.span(src, src_offset, len)?;
+        self.shared.store.span(dst, dst_offset, len)?;
+        bump(&self.shared.stats.d2d_copies, 1);
+        bump(&self.shared.stats.d2d_bytes, len as u64);
+        self.enqueue(Work::Copy {
+            src,
+            src_offset,
+            dst,
+            dst_offset,
+            len,
+        });
+        Ok(())
+    }
+    fn read_async(&self, src: BufferId, offset: usize, len: usize) -> Result<Box<dyn Readback>> {
+        self.shared.store.span(src, offset, len)?;
+        bump(&self.shared.stats.d2h_copies, 1);
+        bump(&self.shared.stats.d2h_bytes, len as u64);
+        let into = Arc::new(Mutex::new(vec![0u8; len]));
+        let ticket = self.enqueue(Work::ReadInto {
+            src,
+            offset,
+            into: into.clone(),
+        });
+        Ok(Box::new(AsyncReadback {
+            owner: self.shared.clone(),
+            ticket,
+            into,
+            bytes: None,
+        }))
     }
 
     fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()> {

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use lowsync_backend::{
     bump, Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, Error, Event, ExecGraph,
-    Result, SyncStats,
+    Readback, Result, SyncStats,
 };
 use lowsync_graph::{DType, Op};
 use parking_lot::Mutex;
@@ -30,12 +30,54 @@ struct Progress {
     completed: u64,
 }
 
+/// The counters and tickets, shared with the backend's reads.
+#[derive(Default)]
+struct Shared {
+    stats: SyncStats,
+    progress: Mutex<Progress>,
+}
+
+impl Shared {
+    /// One host wait that finds everything up to `ticket` done.
+    fn wait_for(&self, ticket: u64) {
+        bump(&self.stats.host_waits, 1);
+        bump(&self.stats.driver_syncs, 1);
+        let mut p = self.progress.lock();
+        p.completed = p.completed.max(ticket);
+    }
+}
+
 /// The no-op backend.
 pub struct NoopBackend {
     name: String,
-    stats: SyncStats,
-    progress: Mutex<Progress>,
+    shared: Arc<Shared>,
     sizes: Mutex<HashMap<BufferId, usize>>,
+}
+
+/// A read of the no-op stream: zeros, counted like `cpu-async`'s (one wait, none once the
+/// stream was observed past it).
+struct NoopReadback {
+    owner: Arc<Shared>,
+    ticket: u64,
+    bytes: Option<Vec<u8>>,
+    len: usize,
+}
+
+impl Readback for NoopReadback {
+    fn is_complete(&self) -> bool {
+        true
+    }
+    fn wait(&mut self) -> Result<&[u8]> {
+        if self.bytes.is_none() {
+            if self.owner.progress.lock().completed >= self.ticket {
+                bump(&self.owner.stats.elided_syncs, 1);
+            } else {
+                self.owner.wait_for(self.ticket);
+            }
+            self.bytes = Some(vec![0; self.len]);
+        }
+        Ok(self.bytes.as_deref().unwrap_or_default())
+    }
 }
 
 impl NoopBackend {
@@ -48,22 +90,21 @@ impl NoopBackend {
     pub fn named(name: &str) -> Self {
         NoopBackend {
             name: name.to_string(),
-            stats: SyncStats::default(),
-            progress: Mutex::default(),
+            shared: Arc::default(),
             sizes: Mutex::default(),
         }
     }
 
-    fn enqueue(&self) {
-        self.progress.lock().submitted += 1;
-        bump(&self.stats.submits, 1);
+    fn enqueue(&self) -> u64 {
+        let mut p = self.shared.progress.lock();
+        p.submitted += 1;
+        bump(&self.shared.stats.submits, 1);
+        p.submitted
     }
 
     fn wait_all(&self) {
-        bump(&self.stats.host_waits, 1);
-        bump(&self.stats.driver_syncs, 1);
-        let mut p = self.progress.lock();
-        p.completed = p.submitted;
+        let submitted = self.shared.progress.lock().submitted;
+        self.shared.wait_for(submitted);
     }
 
     fn check(&self, id: BufferId, offset: usize, len: usize) -> Result<()> {
@@ -80,13 +121,13 @@ impl NoopBackend {
     }
 
     fn count_h2d(&self, len: usize) {
-        bump(&self.stats.h2d_copies, 1);
-        bump(&self.stats.h2d_bytes, len as u64);
+        bump(&self.shared.stats.h2d_copies, 1);
+        bump(&self.shared.stats.h2d_bytes, len as u64);
     }
 
     fn count_d2h(&self, len: usize) {
-        bump(&self.stats.d2h_copies, 1);
-        bump(&self.stats.d2h_bytes, len as u64);
+        bump(&self.shared.stats.d2h_copies, 1);
+        bump(&self.shared.stats.d2h_bytes, len as u64);
     }
 }
 
@@ -107,6 +148,8 @@ impl Backend for NoopBackend {
             sync_elision: true,
             graph_replay: false,
             test_gate: false,
+            copy_async: true,
+            read_async: true,
         }
     }
     fn buffer_type(&self) -> BufferType {
@@ -120,11 +163,11 @@ impl Backend for NoopBackend {
         true
     }
     fn stats(&self) -> &SyncStats {
-        &self.stats
+        &self.shared.stats
     }
 
     fn alloc_buffer(&self, size: usize, _usage: BufferUsage) -> Result<BufferId> {
-        bump(&self.stats.reserves, 1);
+        bump(&self.shared.stats.reserves, 1);
         let id = BufferId::fresh();
         self.sizes.lock().insert(id, size);
         Ok(id)
@@ -136,7 +179,7 @@ impl Backend for NoopBackend {
             .get_mut(&id)
             .ok_or_else(|| Error::UnknownBuffer(id.0, self.name.clone()))?;
         *slot = size;
-        bump(&self.stats.reallocs, 1);
+        bump(&self.shared.stats.reallocs, 1);
         Ok(())
     }
     fn free_buffer(&self, id: BufferId) {
@@ -198,18 +241,45 @@ impl Backend for NoopBackend {
         Ok(())
     }
 
+    fn copy_async(
+        &self,
+        src: BufferId,
+        src_offset: usize,
+        dst: BufferId,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        self.check(src, src_offset, len)?;
+        self.check(dst, dst_offset, len)?;
+        bump(&self.shared.stats.d2d_copies, 1);
+        bump(&self.shared.stats.d2d_bytes, len as u64);
+        self.enqueue();
+        Ok(())
+    }
+    fn read_async(&self, src: BufferId, offset: usize, len: usize) -> Result<Box<dyn Readback>> {
+        self.check(src, offset, len)?;
+        self.count_d2h(len);
+        let ticket = self.enqueue();
+        Ok(Box::new(NoopReadback {
+            owner: self.shared.clone(),
+            ticket,
+            bytes: None,
+            len,
+        }))
+    }
+
     fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()> {
-        bump(&self.stats.kernel_launches, graph.nodes.len() as u64);
+        bump(&self.shared.stats.kernel_launches, graph.nodes.len() as u64);
         self.enqueue();
         Ok(())
     }
     fn synchronize(&self) -> Result<()> {
         let idle = {
-            let p = self.progress.lock();
+            let p = self.shared.progress.lock();
             p.completed == p.submitted
         };
         if idle {
-            bump(&self.stats.elided_syncs, 1);
+            bump(&self.shared.stats.elided_syncs, 1);
         } else {
             self.wait_all();
         }

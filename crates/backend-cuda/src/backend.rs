@@ -25,7 +25,7 @@ use std::sync::{Arc, Weak};
 use cudarc::driver::CudaContext;
 use lowsync_backend::{
     bump, env, with_host_source, Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind,
-    Error, Event, ExecGraph, Gate, Result, SyncStats,
+    Error, Event, ExecGraph, Gate, Readback, Result, SyncStats,
 };
 use lowsync_graph::{DType, Op};
 use parking_lot::Mutex;
@@ -228,6 +228,9 @@ pub(crate) struct Inner {
     pub(crate) bufs: Buffers,
     staging: Mutex<Staging<CuDriver, Pinned>>,
     readback: Mutex<Option<Pinned>>,
+    /// Pinned slots of `read_async`, each with the event of its last read. A slot is reused
+    /// once that event completed (a read dropped before it completed stays out until then).
+    read_slots: Mutex<Vec<ReadSlot>>,
     pub(crate) exec: Mutex<Scratch>,
     pub(crate) modules: Modules,
     pub(crate) blas: Mutex<Option<Blas>>,
@@ -579,6 +582,7 @@ impl CudaBackend {
                 bufs: Buffers::new(name),
                 staging: Mutex::new(Staging::new(cfg.staging_chunk_bytes, cfg.staging_max_bytes)),
                 readback: Mutex::new(None),
+                read_slots: Mutex::new(Vec::new()),
                 exec: Mutex::new(Scratch::default()),
                 modules: Modules::new(major, minor),
                 blas: Mutex::new(None),
@@ -678,6 +682,46 @@ impl Event for CudaEvent {
     }
 }
 
+/// A pinned slot of `read_async` and the event recorded after its last read.
+struct ReadSlot {
+    mem: Pinned,
+    ev: Arc<dyn Event>,
+}
+
+/// A read into a pinned slot. Dropping it returns the slot to the pool; the pool reuses a slot
+/// only after its event completed, so an early drop is safe.
+struct CudaReadback {
+    owner: Arc<Inner>,
+    slot: Option<ReadSlot>,
+    len: usize,
+    waited: bool,
+}
+
+impl Readback for CudaReadback {
+    fn is_complete(&self) -> bool {
+        self.waited || self.slot.as_ref().is_none_or(|s| s.ev.is_complete())
+    }
+    fn wait(&mut self) -> Result<&[u8]> {
+        let Some(slot) = self.slot.as_ref() else {
+            return Ok(&[]);
+        };
+        if !self.waited {
+            slot.ev.synchronize()?;
+            self.waited = true;
+        }
+        // SAFETY: the slot holds at least `len` bytes, and the read into them completed.
+        Ok(unsafe { std::slice::from_raw_parts(slot.mem.ptr(), self.len) })
+    }
+}
+
+impl Drop for CudaReadback {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.owner.read_slots.lock().push(slot);
+        }
+    }
+}
+
 /// A test gate: the stream waits until the host writes 1 into a mapped word. Dropping an
 /// unopened gate opens it, so a forgotten gate cannot hang the stream.
 pub struct CudaGate {
@@ -738,6 +782,8 @@ impl Backend for CudaBackend {
             sync_elision: self.inner.stream.elides(),
             graph_replay: false,
             test_gate: true,
+            copy_async: true,
+            read_async: true,
         }
     }
     fn buffer_type(&self) -> BufferType {
@@ -885,6 +931,73 @@ impl Backend for CudaBackend {
         unsafe { i.stream.memcpy_dtoh(out, from, len) }
             .map_err(|e| i.driver_err("cuMemcpyDtoHAsync", e))?;
         Ok(())
+    }
+    fn copy_async(
+        &self,
+        src: BufferId,
+        src_offset: usize,
+        dst: BufferId,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        let i = &self.inner;
+        i.bind()?;
+        let from = i.bufs.span(src, src_offset, len)?;
+        let to = i.bufs.span(dst, dst_offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges are checked device memory of this context.
+        unsafe { i.stream.memcpy_dtod(to, from, len) }
+            .map_err(|e| i.driver_err("cuMemcpyDtoDAsync", e))?;
+        Ok(())
+    }
+    fn read_async(&self, src: BufferId, offset: usize, len: usize) -> Result<Box<dyn Readback>> {
+        let i = &self.inner;
+        i.bind()?;
+        let from = i.bufs.span(src, offset, len)?;
+        if len == 0 {
+            return Ok(Box::new(CudaReadback {
+                owner: i.clone(),
+                slot: None,
+                len,
+                waited: true,
+            }));
+        }
+        let reusable = {
+            let mut pool = i.read_slots.lock();
+            let found = pool
+                .iter()
+                .position(|s| s.mem.len() >= len && s.ev.is_complete());
+            found.map(|k| pool.swap_remove(k))
+        };
+        let slot = match reusable {
+            Some(s) => s,
+            None => ReadSlot {
+                mem: Pinned::staging(len.next_power_of_two()).map_err(|reason| {
+                    Error::Unavailable {
+                        backend: i.name.clone(),
+                        reason,
+                    }
+                })?,
+                ev: self.event_new()?,
+            },
+        };
+        // From here the slot goes back to the pool on every path (the readback's drop).
+        let rb = CudaReadback {
+            owner: i.clone(),
+            slot: Some(slot),
+            len,
+            waited: false,
+        };
+        let Some(slot) = rb.slot.as_ref() else {
+            return Err(i.driver_err("read slot", "missing"));
+        };
+        // SAFETY: the slot is pinned, holds `len` bytes and is not read before its event.
+        unsafe { i.stream.memcpy_dtoh(slot.mem.ptr(), from, len) }
+            .map_err(|e| i.driver_err("cuMemcpyDtoHAsync", e))?;
+        self.event_record(&slot.ev)?;
+        Ok(Box::new(rb))
     }
     fn cpy_tensor_async(
         &self,

@@ -197,3 +197,46 @@ fn another_cuda_stream_waits_on_an_event_device_side() {
     ev_b.synchronize().unwrap();
     assert!(ev.is_complete());
 }
+
+/// The launch-ahead primitives: a stream-ordered device copy between a graph that writes its
+/// source and one that reads its destination, and single reads into pinned slots that see the
+/// work queued before them, count one host wait each (none for a second wait) and may be
+/// dropped before they completed (their slot is reused only once it did).
+#[test]
+fn copies_and_single_reads_keep_stream_order_behind_the_gate() {
+    let Some(b) = gpu("gate_copy_read") else {
+        return;
+    };
+    let buf = b.alloc_buffer(512, BufferUsage::Compute).unwrap();
+    let g = scale(buf, 2.0, 4);
+    b.graph_compute_async(&g).unwrap(); // compile and warm up outside the gate
+    b.set_tensor(buf, 0, &bytes(&[1.0, 2.0, 3.0, 4.0])).unwrap();
+    let gate = b.gate_close().unwrap();
+    let before = b.stats().snapshot();
+    // y = 2x; x <- y (device copy); read x; y = 2x; read y.
+    b.graph_compute_async(&g).unwrap();
+    b.copy_async(buf, 256, buf, 0, 16).unwrap();
+    let mut first = b.read_async(buf, 0, 16).unwrap();
+    b.graph_compute_async(&g).unwrap();
+    let mut second = b.read_async(buf, 256, 16).unwrap();
+    let queued = b.stats().snapshot().since(&before);
+    assert_eq!(queued.host_waits, 0, "queuing copies and reads never waits");
+    assert_eq!((queued.d2d_copies, queued.d2h_copies), (1, 2));
+    assert!(!first.is_complete(), "the read ran behind a closed gate");
+    // Dropped before it completed: its slot must not be handed out until it did.
+    drop(b.read_async(buf, 0, 16).unwrap());
+    gate.open();
+    assert_eq!(floats(first.wait().unwrap()), vec![2.0, 4.0, 6.0, 8.0]);
+    assert_eq!(floats(second.wait().unwrap()), vec![4.0, 8.0, 12.0, 16.0]);
+    assert_eq!(floats(second.wait().unwrap()), vec![4.0, 8.0, 12.0, 16.0]);
+    assert_eq!(b.stats().snapshot().since(&before).host_waits, 2);
+    for k in 0..8 {
+        b.set_tensor_async_staged(buf, 0, &bytes(&[k as f32; 4]))
+            .unwrap();
+        let mut r = b.read_async(buf, 0, 16).unwrap();
+        assert_eq!(floats(r.wait().unwrap()), vec![k as f32; 4]);
+    }
+    assert!(b.copy_async(buf, 500, buf, 0, 16).is_err(), "out of bounds");
+    assert!(b.read_async(buf, 500, 16).is_err(), "out of bounds");
+    b.synchronize().unwrap();
+}

@@ -31,7 +31,7 @@ use gpu_allocator::vulkan::{Allocator, AllocatorCreateDesc};
 use gpu_allocator::MemoryLocation;
 use lowsync_backend::{
     bump, interrupt, with_host_source, Backend, BufferId, BufferType, BufferUsage, Caps,
-    DeviceKind, Error, Event, ExecGraph, ExecNode, Gate, Result, SyncStats, TensorRef,
+    DeviceKind, Error, Event, ExecGraph, ExecNode, Gate, Readback, Result, SyncStats, TensorRef,
 };
 use lowsync_graph::{DType, Op};
 use parking_lot::{Mutex, MutexGuard};
@@ -43,8 +43,8 @@ use crate::memory::{create_buffer, destroy_buffer, Arena, DevBuffer, Placement, 
 use crate::ops::{self, Limits, Res, Status};
 use crate::pipelines::{Bind, Pipelines};
 use crate::stream::{
-    barrier, create_pool, create_timeline, ErrorSite, GraphPlan, HostSignal, PendingRead, Recorded,
-    State, StatusWords, Timeline, Tracker, TransferRoute,
+    barrier, create_pool, create_timeline, ErrorSite, GraphPlan, HostSignal, PendingRead,
+    ReadTarget, Recorded, State, StatusWords, Timeline, Tracker, TransferRoute,
 };
 
 /// Smallest staging / readback chunk.
@@ -373,6 +373,105 @@ impl Inner {
     /// Blocks until `target` completed: one host wait, one driver sync. Polls the interrupt
     /// hook; on Ctrl-C it opens this backend's gates so the queue drains, then reports
     /// `Interrupted` (the backend stays usable).
+    /// Queues a read of `src` into a readback region; the bytes land in `target` at the wait
+    /// that observes it. With `submit` the open work is submitted at once, so the read
+    /// completes without another call. Returns the point to wait for.
+    fn queue_read(
+        &self,
+        src: BufferId,
+        offset: usize,
+        len: usize,
+        submit: bool,
+        target: impl FnOnce() -> ReadTarget,
+    ) -> Result<Retire> {
+        let mut st = self.state.lock();
+        Inner::check_span(&st, &self.name, src, offset, len)?;
+        bump(&self.stats.d2h_copies, 1);
+        bump(&self.stats.d2h_bytes, len as u64);
+        if len == 0 {
+            return Ok(Retire::default());
+        }
+        if len as u64 > st.readback.max_region() {
+            return Err(Error::Unsupported {
+                backend: self.name.clone(),
+                what: format!(
+                    "asynchronous reads above {} bytes",
+                    st.readback.max_region()
+                ),
+            });
+        }
+        let vk_src = st.buffers[&src].buffer;
+        let mut region = None;
+        for attempt in 0..2 {
+            let retire = st.open_retire();
+            let State {
+                readback,
+                allocator,
+                ..
+            } = &mut *st;
+            let allocator = allocator
+                .as_mut()
+                .ok_or_else(|| unavailable("the backend is shutting down"))?;
+            region = readback
+                .alloc(len as u64, 16, retire, self.device(), allocator)?
+                .map(|r| (r, retire));
+            if region.is_some() || attempt == 1 {
+                break;
+            }
+            // The readback arena is full of reads in flight: wait for them (counted) and retry.
+            drop(st);
+            self.synchronize()?;
+            st = self.state.lock();
+        }
+        let Some((region, retire)) = region else {
+            return Err(unavailable("readback arena exhausted"));
+        };
+        st.record_copy(
+            self.device(),
+            (vk_src, offset as u64),
+            (region.buffer, region.offset),
+            len as u64,
+        )?;
+        st.pending_reads.push(PendingRead {
+            retire,
+            src: region.ptr,
+            out: target(),
+            len,
+        });
+        if submit {
+            st.submit_open(&self.dev, &self.stats, vk::Fence::null())?;
+        }
+        Ok(st.end_point())
+    }
+
+    /// Host wait until the stream passed `p`: elided (counted as such) when a wait already
+    /// observed it, else one counted wait on the timelines `p` is still ahead on.
+    fn wait_point(&self, p: Retire) -> Result<()> {
+        let st = self.state.lock();
+        let observed = Retire {
+            compute: st.compute.observed,
+            transfer: st.transfer.as_ref().map_or(0, |t| t.tl.observed),
+        };
+        drop(st);
+        if p.done_by(observed) {
+            bump(&self.stats.elided_syncs, 1);
+            return Ok(());
+        }
+        let target = Retire {
+            compute: if p.compute > observed.compute {
+                p.compute
+            } else {
+                0
+            },
+            transfer: if p.transfer > observed.transfer {
+                p.transfer
+            } else {
+                0
+            },
+        };
+        self.wait(target)
+    }
+
     fn wait(&self, target: Retire) -> Result<()> {
         bump(&self.stats.host_waits, 1);
         bump(&self.stats.driver_syncs, 1);
@@ -788,7 +887,7 @@ impl Inner {
             st.pending_reads.push(PendingRead {
                 retire,
                 src: region.ptr,
-                out: chunk.as_mut_ptr(),
+                out: ReadTarget::Raw(chunk.as_mut_ptr()),
                 len: chunk.len(),
             });
             if self.config.legacy_submits {
@@ -1096,32 +1195,36 @@ impl Event for VkEvent {
     }
     fn synchronize(&self) -> Result<()> {
         let p = *self.point.lock();
-        let st = self.owner.state.lock();
-        let observed = Retire {
-            compute: st.compute.observed,
-            transfer: st.transfer.as_ref().map_or(0, |t| t.tl.observed),
-        };
-        drop(st);
-        if p.done_by(observed) {
-            bump(&self.owner.stats.elided_syncs, 1);
-            return Ok(());
-        }
-        let target = Retire {
-            compute: if p.compute > observed.compute {
-                p.compute
-            } else {
-                0
-            },
-            transfer: if p.transfer > observed.transfer {
-                p.transfer
-            } else {
-                0
-            },
-        };
-        self.owner.wait(target)
+        self.owner.wait_point(p)
     }
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+/// A read of a Vulkan stream: its bytes land in `into` at the wait that observes `point`.
+struct VkReadback {
+    owner: Arc<Inner>,
+    point: Retire,
+    into: Arc<Mutex<Vec<u8>>>,
+    bytes: Option<Vec<u8>>,
+}
+
+impl Readback for VkReadback {
+    fn is_complete(&self) -> bool {
+        if self.bytes.is_some() {
+            return true;
+        }
+        let mut st = self.owner.state.lock();
+        st.poll(self.owner.device());
+        self.point.done_by(st.completed())
+    }
+    fn wait(&mut self) -> Result<&[u8]> {
+        if self.bytes.is_none() {
+            self.owner.wait_point(self.point)?;
+            self.bytes = Some(std::mem::take(&mut *self.into.lock()));
+        }
+        Ok(self.bytes.as_deref().unwrap_or_default())
     }
 }
 
@@ -1158,6 +1261,8 @@ impl Backend for VulkanBackend {
             sync_elision: !self.inner.config.legacy_submits,
             graph_replay: false,
             test_gate: true,
+            copy_async: true,
+            read_async: true,
         }
     }
     fn buffer_type(&self) -> BufferType {
@@ -1254,55 +1359,45 @@ impl Backend for VulkanBackend {
         out: *mut u8,
         len: usize,
     ) -> Result<()> {
+        self.inner
+            .queue_read(src, offset, len, false, || ReadTarget::Raw(out))?;
+        Ok(())
+    }
+    fn copy_async(
+        &self,
+        src: BufferId,
+        src_offset: usize,
+        dst: BufferId,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<()> {
         let inner = &self.inner;
         let mut st = inner.state.lock();
-        Inner::check_span(&st, &inner.name, src, offset, len)?;
-        bump(&inner.stats.d2h_copies, 1);
-        bump(&inner.stats.d2h_bytes, len as u64);
+        Inner::check_span(&st, &inner.name, src, src_offset, len)?;
+        Inner::check_span(&st, &inner.name, dst, dst_offset, len)?;
+        bump(&inner.stats.d2d_copies, 1);
+        bump(&inner.stats.d2d_bytes, len as u64);
         if len == 0 {
             return Ok(());
         }
-        if len as u64 > st.readback.max_region() {
-            return Err(Error::Unsupported {
-                backend: inner.name.clone(),
-                what: format!(
-                    "asynchronous reads above {} bytes",
-                    st.readback.max_region()
-                ),
-            });
-        }
-        let vk_src = st.buffers[&src].buffer;
-        let retire = st.open_retire();
-        let region = {
-            let State {
-                readback,
-                allocator,
-                ..
-            } = &mut *st;
-            let allocator = allocator
-                .as_mut()
-                .ok_or_else(|| unavailable("the backend is shutting down"))?;
-            readback.alloc(len as u64, 16, retire, inner.device(), allocator)?
-        };
-        let Some(region) = region else {
-            drop(st);
-            inner.synchronize()?;
-            // SAFETY: forwarded contract.
-            return unsafe { self.get_tensor_async(src, offset, out, len) };
-        };
+        let (vk_src, vk_dst) = (st.buffers[&src].buffer, st.buffers[&dst].buffer);
         st.record_copy(
             inner.device(),
-            (vk_src, offset as u64),
-            (region.buffer, region.offset),
+            (vk_src, src_offset as u64),
+            (vk_dst, dst_offset as u64),
             len as u64,
-        )?;
-        st.pending_reads.push(PendingRead {
-            retire,
-            src: region.ptr,
-            out,
-            len,
-        });
-        Ok(())
+        )
+    }
+    fn read_async(&self, src: BufferId, offset: usize, len: usize) -> Result<Box<dyn Readback>> {
+        let inner = &self.inner;
+        let into = Arc::new(Mutex::new(vec![0u8; len]));
+        let point = inner.queue_read(src, offset, len, true, || ReadTarget::Owned(into.clone()))?;
+        Ok(Box::new(VkReadback {
+            owner: inner.clone(),
+            point,
+            into,
+            bytes: None,
+        }))
     }
     fn cpy_tensor_async(
         &self,

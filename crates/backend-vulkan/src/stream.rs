@@ -33,6 +33,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Weak};
 
+use parking_lot::Mutex;
+
 use ash::vk;
 use gpu_allocator::vulkan::Allocator;
 use lowsync_backend::{bump, BufferId, Error, ExecGraph, Result, SyncStats};
@@ -192,8 +194,16 @@ pub(crate) struct Recording {
 pub(crate) struct PendingRead {
     pub retire: Retire,
     pub src: *const u8,
-    pub out: *mut u8,
+    pub out: ReadTarget,
     pub len: usize,
+}
+
+/// Where a pending read lands.
+pub(crate) enum ReadTarget {
+    /// Caller memory, valid until the next synchronize (`get_tensor_async`'s contract).
+    Raw(*mut u8),
+    /// Memory a `read_async` ticket shares, so dropping the ticket early is safe.
+    Owned(Arc<Mutex<Vec<u8>>>),
 }
 
 /// What an index error reported by a kernel refers to.
@@ -600,9 +610,20 @@ impl State {
         while i < self.pending_reads.len() {
             if self.pending_reads[i].retire.done_by(done) {
                 let r = self.pending_reads.swap_remove(i);
-                // SAFETY: `src` is a readback region held until this point; `out` is valid per
-                // the caller's `get_tensor_async` contract.
-                unsafe { std::ptr::copy_nonoverlapping(r.src, r.out, r.len) };
+                match r.out {
+                    // SAFETY: `src` is a readback region held until this point; `out` is valid
+                    // per the caller's `get_tensor_async` contract.
+                    ReadTarget::Raw(out) => unsafe {
+                        std::ptr::copy_nonoverlapping(r.src, out, r.len)
+                    },
+                    ReadTarget::Owned(out) => {
+                        let mut out = out.lock();
+                        let n = r.len.min(out.len());
+                        // SAFETY: the region holds `r.len` bytes until this point; `out` owns
+                        // `n` of them.
+                        unsafe { std::ptr::copy_nonoverlapping(r.src, out.as_mut_ptr(), n) };
+                    }
+                }
             } else {
                 i += 1;
             }

@@ -165,3 +165,47 @@ fn waiting_on_a_cpu_async_event_happens_on_the_device_side() {
     assert_eq!(common::read_f32(&b, y, 8), vec![4.0; 8]);
     common::assert_clean(&b);
 }
+
+#[test]
+fn copies_and_reads_keep_stream_order_behind_a_gate() {
+    for cfg in common::both_paths() {
+        let Some(b) = common::open(cfg) else { return };
+        let x = common::buffer_with(&b, &common::f32_bytes(&[1.0, 2.0, 3.0, 4.0]));
+        let y = b.alloc_buffer(16, BufferUsage::Compute).unwrap();
+        let gate = b.gate_close().unwrap();
+        let before = b.stats().snapshot();
+        // y = x + x; x <- y (a stream-ordered copy); read x; y = x + x; read y.
+        b.graph_compute_async(&common::add_graph(x, x, y, 4))
+            .unwrap();
+        b.copy_async(y, 0, x, 0, 16).unwrap();
+        let mut first = b.read_async(x, 0, 16).unwrap();
+        b.graph_compute_async(&common::add_graph(x, x, y, 4))
+            .unwrap();
+        let mut second = b.read_async(y, 0, 16).unwrap();
+        let queued = b.stats().snapshot().since(&before);
+        assert_eq!(queued.host_waits, 0, "queuing copies and reads never waits");
+        assert_eq!((queued.d2d_copies, queued.d2h_copies), (1, 2));
+        for _ in 0..100 {
+            std::thread::yield_now();
+        }
+        assert!(!first.is_complete(), "the read ran behind a closed gate");
+        gate.open();
+        let floats = |b: &[u8]| -> Vec<f32> {
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        assert_eq!(floats(first.wait().unwrap()), vec![2.0, 4.0, 6.0, 8.0]);
+        assert_eq!(floats(second.wait().unwrap()), vec![4.0, 8.0, 12.0, 16.0]);
+        assert_eq!(floats(second.wait().unwrap()), vec![4.0, 8.0, 12.0, 16.0]);
+        assert_eq!(b.stats().snapshot().since(&before).host_waits, 2);
+        // A read dropped before it completed is harmless.
+        let gate = b.gate_close().unwrap();
+        drop(b.read_async(y, 0, 16).unwrap());
+        gate.open();
+        b.synchronize().unwrap();
+        assert_eq!(common::read_f32(&b, y, 4), vec![4.0, 8.0, 12.0, 16.0]);
+        assert!(b.copy_async(x, 8, y, 0, 16).is_err(), "out of bounds");
+        common::assert_clean(&b);
+    }
+}

@@ -9,8 +9,10 @@
 //! buffers, blocking `set_tensor`/`get_tensor`, `graph_compute_async`, `synchronize`. Optional:
 //! `set_tensor_async` (pinned caller memory valid until the next synchronize),
 //! `set_tensor_async_staged` (bytes copied before return), `get_tensor_async`,
-//! `cpy_tensor_async`, events, the test gate. A default method returns `Unsupported` so a
-//! backend that lacks a capability needs no code for it.
+//! `cpy_tensor_async`, `copy_async` (between two buffers of one stream), `read_async` (a read
+//! into memory the returned [`Readback`] owns, waited for on its own), events, the test gate. A
+//! default method returns `Unsupported` so a backend that lacks a capability needs no code for
+//! it.
 //!
 //! Invariants: counters are bumped only inside the backend's primitives; a `synchronize` with
 //! nothing outstanding on a backend with `sync_elision` makes no driver call (invariant 6).
@@ -67,6 +69,10 @@ pub struct Caps {
     pub sync_elision: bool,
     pub graph_replay: bool,
     pub test_gate: bool,
+    /// [`Backend::copy_async`]: stream-ordered copies between this backend's buffers.
+    pub copy_async: bool,
+    /// [`Backend::read_async`]: reads waited for one by one, not by a whole-stream sync.
+    pub read_async: bool,
 }
 
 /// A point in a backend's stream. Recorded by [`Backend::event_record`], waited on by another
@@ -78,6 +84,19 @@ pub trait Event: Send + Sync {
     fn synchronize(&self) -> Result<()>;
     /// For backends that recognise their own events.
     fn as_any(&self) -> &dyn Any;
+}
+
+/// A read queued by [`Backend::read_async`]. Its bytes land in memory the read owns.
+///
+/// Dropping one before it completed is safe and never blocks: the backend keeps the memory
+/// until the device is done with it.
+pub trait Readback: Send {
+    /// Whether the read completed (never blocks, never counted, never advances what the
+    /// backend observed).
+    fn is_complete(&self) -> bool;
+    /// Waits for the read (one counted host wait, or none when the backend already observed
+    /// its completion) and returns its bytes.
+    fn wait(&mut self) -> Result<&[u8]>;
 }
 
 /// The test gate: work queued on the stream after [`Backend::gate_close`] waits until
@@ -200,6 +219,26 @@ pub trait Backend: Send + Sync {
         _len: usize,
     ) -> Result<bool> {
         Ok(false)
+    }
+
+    /// Queues a copy of `len` bytes from `src` to `dst`, both buffers of this backend, in
+    /// stream order: after the work queued before it, before the work queued after it. The
+    /// ranges must not overlap. Counted as a device-to-device copy.
+    fn copy_async(
+        &self,
+        _src: BufferId,
+        _src_offset: usize,
+        _dst: BufferId,
+        _dst_offset: usize,
+        _len: usize,
+    ) -> Result<()> {
+        unsupported(self.name(), "copy_async")
+    }
+    /// Queues a read of `len` bytes at `offset` of `src` at the current end of the stream.
+    /// Unlike `get_tensor_async`, the bytes are ready when this one read is (not at the next
+    /// `synchronize`), so the host can queue more work before it waits for them.
+    fn read_async(&self, _src: BufferId, _offset: usize, _len: usize) -> Result<Box<dyn Readback>> {
+        unsupported(self.name(), "read_async")
     }
 
     /// Queues a graph. Errors of kernels that run later surface at the next wait.

@@ -15,7 +15,8 @@ mod registry;
 
 use std::sync::Arc;
 
-use lowsync_backend::{Backend, StatsSnapshot};
+use lowsync_backend::{Backend, Readback, StatsSnapshot};
+use lowsync_graph::DType;
 use lowsync_scheduler::{Plan, Sched, SyncPolicy};
 use numpy::{PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -172,6 +173,42 @@ impl PyPlan {
         numpy_io::to_array(py, &bytes, dt, &shape)
     }
 
+    /// Arms a device-side feed for the next `compute` only: input `input` takes output
+    /// `output`'s bytes as the previous step left them, copied on the device in stream order
+    /// (e.g. `feed("tokens", "next")`: the token the last step sampled, unseen by the host).
+    fn feed(&mut self, input: &str, output: &str) -> PyResult<()> {
+        self.inner.feed(input, output).map_err(sched_err)
+    }
+
+    /// Whether `feed(input, output)` would be accepted (same dtype and shape, and the backend
+    /// reading the input can copy the output in stream order).
+    fn can_feed(&self, input: &str, output: &str) -> bool {
+        self.inner.can_feed(input, output)
+    }
+
+    /// Whether `read_async(output)` is available for this output.
+    fn can_read_async(&self, output: &str) -> bool {
+        let Ok(slot) = self.inner.output(output) else {
+            return false;
+        };
+        let bs = self.inner.sched().backends();
+        slot.backend.is_some_and(|b| bs[b].caps().read_async) && slot.tensor.is_contiguous()
+    }
+
+    /// Queues a read of output `output` after the steps queued so far and returns at once; the
+    /// returned `PendingOutput.wait()` is the host wait (more steps may be queued before it).
+    fn read_async(&self, py: Python<'_>, output: &str) -> PyResult<PendingOutput> {
+        let slot = self.inner.output(output).map_err(sched_err)?;
+        let (dtype, shape) = (slot.tensor.dtype, slot.tensor.shape.clone());
+        let plan = &self.inner;
+        let rb = detach::run(py, || plan.read_async(output), sched_err)?;
+        Ok(PendingOutput {
+            rb: std::sync::Mutex::new(rb),
+            dtype,
+            shape,
+        })
+    }
+
     /// Waits for all queued work of the plan's context (the next step uses input copy 0).
     fn synchronize(&mut self, py: Python<'_>) -> PyResult<()> {
         let plan = &mut self.inner;
@@ -226,6 +263,41 @@ impl PyPlan {
     }
 }
 
+/// An output read queued by `Plan.read_async`.
+#[pyclass(name = "PendingOutput", module = "lowsync._native", frozen)]
+struct PendingOutput {
+    rb: std::sync::Mutex<Box<dyn Readback>>,
+    dtype: DType,
+    shape: Vec<usize>,
+}
+
+#[pymethods]
+impl PendingOutput {
+    /// Whether the read completed (never waits).
+    #[getter]
+    fn done(&self) -> bool {
+        self.rb.lock().is_ok_and(|rb| rb.is_complete())
+    }
+
+    /// Waits for the read (the one host wait; none once waited) and returns the output as an
+    /// owned numpy array.
+    fn wait<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let rb = &self.rb;
+        let bytes = detach::run(
+            py,
+            || -> Result<Vec<u8>, lowsync_backend::Error> {
+                let mut rb = rb.lock().map_err(|_| lowsync_backend::Error::Unavailable {
+                    backend: "read".into(),
+                    reason: "a wait on this read panicked".into(),
+                })?;
+                Ok(rb.wait()?.to_vec())
+            },
+            backend_err,
+        )?;
+        numpy_io::to_array(py, &bytes, self.dtype, &self.shape)
+    }
+}
+
 /// Backends that can be created on this machine.
 #[pyfunction]
 fn available_backends() -> Vec<String> {
@@ -265,6 +337,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTensor>()?;
     m.add_class::<PyContext>()?;
     m.add_class::<PyPlan>()?;
+    m.add_class::<PendingOutput>()?;
     m.add_function(wrap_pyfunction!(available_backends, m)?)?;
     m.add_function(wrap_pyfunction!(stat_names, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;

@@ -22,6 +22,11 @@
 //!
 //! A backend without the capability a policy needs gets the stock path (invariant 5).
 //!
+//! Launch-ahead: [`Plan::feed`] arms, for the next step only, a stream-ordered device copy of
+//! an output over an input's arena bytes, queued after the step's input writes; with
+//! [`Plan::read_async`] (a read waited for on its own) a decode loop queues step t+1, fed the
+//! token step t samples, before it waits for token t, so the device never idles on the host.
+//!
 //! Invariants: the caller may reuse its input memory when `set_input` returns and the pack when
 //! `compute` returns (invariant 1); every copy is ordered after its source's producer
 //! (invariant 2); sources of copies are not reused before the copy (invariant 3, by liveness and
@@ -31,7 +36,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use lowsync_backend::{
-    Backend, BufferId, BufferUsage, Event, ExecGraph, ExecNode, ScratchLive, TensorRef,
+    Backend, BufferId, BufferUsage, Event, ExecGraph, ExecNode, Readback, ScratchLive, TensorRef,
 };
 use lowsync_graph::{DType, Graph, Op};
 
@@ -75,6 +80,16 @@ struct ForeignCopy {
     len: usize,
 }
 
+/// A device-side feed armed for the next step: `len` bytes of an output copied, in stream
+/// order after the step's input writes, over each arena copy of an input.
+#[derive(Clone, Debug)]
+struct Feed {
+    src: (BufferId, usize),
+    len: usize,
+    /// (split, offset of the input in the split's arena).
+    targets: Vec<(usize, usize)>,
+}
+
 /// One split, resolved.
 struct SplitExec {
     backend: usize,
@@ -107,6 +122,8 @@ pub struct Plan {
     own_buffers: Vec<(usize, BufferId)>,
     pack: Vec<u8>,
     next_copy: usize,
+    /// Armed by [`Plan::feed`] for the next `compute` only.
+    feeds: Vec<Feed>,
     n_nodes: usize,
     n_leafs: usize,
     placement: Vec<usize>,
@@ -422,6 +439,7 @@ impl Plan {
             own_buffers,
             pack: vec![0; pack_len],
             next_copy: 0,
+            feeds: Vec::new(),
             n_nodes: graph.n_nodes(),
             n_leafs: graph.n_leafs(),
             placement: a.placement,
@@ -524,6 +542,96 @@ impl Plan {
         Ok(&mut self.pack[off..off + n])
     }
 
+    /// Resolves a feed of output `output` into input `input`: same dtype and shape, the output
+    /// contiguous, and every split that reads the input on the output's backend, which can
+    /// copy in stream order.
+    fn resolve_feed(&self, input: &str, output: &str) -> Result<Feed> {
+        let inp = self.input(input)?;
+        let out = self.output(output)?;
+        let t = &out.tensor;
+        let bad = |why: String| Err(Error::Input(format!("feed `{output}` -> `{input}`: {why}")));
+        if t.dtype != inp.dtype || t.shape != inp.shape {
+            return bad(format!(
+                "the output is {} {:?}, the input {} {:?}",
+                t.dtype, t.shape, inp.dtype, inp.shape
+            ));
+        }
+        if !t.is_contiguous() {
+            return bad("the output is a strided view".into());
+        }
+        let Some(b) = out.backend else {
+            return bad("the output is a user input, not computed on a device".into());
+        };
+        let backends = self.sched.backends();
+        if !backends[b].caps().copy_async {
+            return bad(format!(
+                "backend {} has no stream-ordered copies",
+                backends[b].name()
+            ));
+        }
+        let mut targets = Vec::new();
+        for (s, sp) in self.splits.iter().enumerate() {
+            let Some((_, _, range)) = &sp.arena else {
+                continue;
+            };
+            for q in std::iter::once(inp.offset).chain(inp.mirrors.iter().copied()) {
+                if range.contains(&q) {
+                    if sp.backend != b {
+                        return bad(format!(
+                            "split {s} reads the input on {}, the output is on {}",
+                            backends[sp.backend].name(),
+                            backends[b].name()
+                        ));
+                    }
+                    targets.push((s, q - range.start));
+                }
+            }
+        }
+        if targets.is_empty() {
+            return bad("no split reads the input".into());
+        }
+        Ok(Feed {
+            src: (t.buffer, t.byte_offset),
+            len: inp.nbytes,
+            targets,
+        })
+    }
+
+    /// Whether [`Plan::feed`] would accept this pair.
+    pub fn can_feed(&self, input: &str, output: &str) -> bool {
+        self.resolve_feed(input, output).is_ok()
+    }
+
+    /// Arms a device-side feed for the next [`Plan::compute`] only: input `input` takes the
+    /// bytes output `output` holds when that step starts (what the step queued before it
+    /// wrote), copied in stream order after the step's input writes, instead of the host's
+    /// bytes. A decode step takes the token the previous step sampled without the host
+    /// reading it first, so the host can queue step t+1 before it waits for token t.
+    pub fn feed(&mut self, input: &str, output: &str) -> Result<()> {
+        let f = self.resolve_feed(input, output)?;
+        self.feeds.push(f);
+        Ok(())
+    }
+
+    /// Queues a read of output `output` at the current end of its backend's stream (after the
+    /// steps queued so far) and returns it without waiting; its `wait` is the one host wait.
+    pub fn read_async(&self, output: &str) -> Result<Box<dyn Readback>> {
+        let slot = self.output(output)?;
+        let t = &slot.tensor;
+        let bad = |why: &str| Err(Error::Input(format!("read_async `{output}`: {why}")));
+        let Some(b) = slot.backend else {
+            return bad("the output is a user input; get_output reads it without waiting");
+        };
+        if !t.is_contiguous() {
+            return bad("the output is a strided view; use get_output");
+        }
+        let be = &self.sched.backends()[b];
+        if !be.caps().read_async {
+            return bad(&format!("backend {} has no single-read waits", be.name()));
+        }
+        Ok(be.read_async(t.buffer, t.byte_offset, t.byte_extent())?)
+    }
+
     /// Queues one step: every split's inputs under the policy, then its graph.
     pub fn compute(&mut self) -> Result<()> {
         let sched = self.sched.clone();
@@ -536,6 +644,7 @@ impl Plan {
         .entered();
         let c = self.next_copy;
         self.next_copy = (c + 1) % self.sched.n_copies();
+        let feeds = std::mem::take(&mut self.feeds);
         for slot in &self.inputs {
             for &m in &slot.mirrors {
                 self.pack
@@ -614,6 +723,13 @@ impl Plan {
                     }
                     for f in &sp.foreign {
                         copy_foreign(backends, sp.backend, f, c, CopyFallback::Staged)?;
+                    }
+                }
+            }
+            if let Some((arena, bases, _)) = &sp.arena {
+                for f in &feeds {
+                    for &(_, off) in f.targets.iter().filter(|(fs, _)| *fs == s) {
+                        be.copy_async(f.src.0, f.src.1, *arena, bases[c] + off, f.len)?;
                     }
                 }
             }

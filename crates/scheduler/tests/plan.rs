@@ -241,3 +241,84 @@ fn persistent_state_survives_steps_and_is_written_by_set_rows() {
         vec![1.0, -1.0, 2.0, -2.0, 3.0, -3.0, 4.0, -4.0]
     );
 }
+
+/// A device-side feed (the launch-ahead decode loop's mechanism): step k+1 is queued before
+/// step k's output is read, and takes that output as its input on the device. Every policy
+/// gives the same values; under `staged` nothing waits until the reads; the feed is armed for
+/// one step only.
+#[test]
+fn a_fed_step_takes_the_previous_output_on_the_device() {
+    for policy in SyncPolicy::ALL {
+        let be: Arc<dyn Backend> = Arc::new(CpuAsyncBackend::new("cpu-async").unwrap());
+        let mut plan = Plan::compile(&sum_graph(1), be.clone(), policy).unwrap();
+        assert!(plan.can_feed("x0", "y"));
+        plan.set_input("x0", &f32_bytes(&[1.0; 4])).unwrap();
+        let before = be.stats().snapshot();
+        plan.compute().unwrap();
+        let mut reads = vec![plan.read_async("y").unwrap()];
+        for _ in 0..2 {
+            plan.feed("x0", "y").unwrap();
+            plan.compute().unwrap();
+            reads.push(plan.read_async("y").unwrap());
+        }
+        let queued = be.stats().snapshot().since(&before);
+        if policy == SyncPolicy::Staged {
+            assert_eq!(queued.host_waits, 0, "nothing waits before the reads");
+        }
+        assert_eq!((queued.d2d_copies, queued.d2d_bytes), (2, 32), "{policy}");
+        let got: Vec<Vec<f32>> = reads
+            .iter_mut()
+            .map(|r| floats(r.wait().unwrap()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                vec![1.0, 2.0, 3.0, 4.0],
+                vec![1.0, 4.0, 9.0, 16.0],
+                vec![1.0, 8.0, 27.0, 64.0]
+            ],
+            "{policy}"
+        );
+        if policy == SyncPolicy::Staged {
+            let d = be.stats().snapshot().since(&before);
+            assert_eq!(d.host_waits, 3, "one wait per read");
+        }
+        // Not armed any more: the host's bytes again.
+        plan.compute().unwrap();
+        assert_eq!(
+            floats(&plan.get_output("y").unwrap()),
+            vec![1.0, 2.0, 3.0, 4.0]
+        );
+    }
+}
+
+#[test]
+fn bad_feeds_and_reads_are_errors_and_the_plan_stays_usable() {
+    let mut g = sum_graph(1);
+    let idx = g.input("idx", &[4], DType::I32).unwrap();
+    g.output("idx_out", idx).unwrap();
+    let z = g.input("z", &[4], DType::F32).unwrap();
+    g.output("z_out", z).unwrap();
+    let be: Arc<dyn Backend> = Arc::new(CpuAsyncBackend::new("cpu-async").unwrap());
+    let mut plan = Plan::compile(&g, be, SyncPolicy::Staged).unwrap();
+    let err = |r: lowsync_scheduler::Result<()>| r.unwrap_err().to_string();
+    assert!(err(plan.feed("nope", "y")).contains("nope"));
+    assert!(err(plan.feed("x0", "nope")).contains("nope"));
+    assert!(err(plan.feed("idx", "y")).contains("i32"), "dtype mismatch");
+    assert!(err(plan.feed("x0", "z_out")).contains("user input"));
+    assert!(plan.read_async("z_out").is_err());
+    assert!(!plan.can_feed("idx", "y"));
+    // A backend without stream-ordered copies cannot feed, and says so.
+    let sync: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+    let mut on_cpu = Plan::compile(&sum_graph(1), sync, SyncPolicy::Staged).unwrap();
+    assert!(err(on_cpu.feed("x0", "y")).contains("stream-ordered copies"));
+    assert!(on_cpu.read_async("y").is_err());
+    assert_eq!(step(&mut on_cpu, 1, 1.0), vec![1.0, 2.0, 3.0, 4.0]);
+    // Nothing was armed by the failed calls.
+    plan.set_input("x0", &f32_bytes(&[2.0; 4])).unwrap();
+    plan.compute().unwrap();
+    assert_eq!(
+        floats(&plan.get_output("y").unwrap()),
+        vec![2.0, 4.0, 6.0, 8.0]
+    );
+}
