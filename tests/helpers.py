@@ -72,3 +72,12 @@ def run(
         plan.set_input(name, np.asarray(data))
     plan.compute()
     return {name: plan.get_output(name) for name in plan.outputs}
+
+
+def assert_launch_ahead_counts(stats: ls.session.GenerateStats) -> None:
+    """Per generated token with launch-ahead: one wait, one upload, one 4-byte read, and the
+    token's device copy on every step after the first (its token comes from the host)."""
+    pt = stats.per_token
+    got = (pt["host_waits"], pt["h2d_copies"], pt["d2h_copies"], pt["d2h_bytes"])
+    assert got == (1.0, 1.0, 1.0, 4.0), pt
+    assert pt["d2d_copies"] * stats.n_steps == stats.n_steps - 1, pt

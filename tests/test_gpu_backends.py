@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import lowsync as ls
+from helpers import assert_launch_ahead_counts
 from lowsync.models.llama import LlamaConfig
 
 # Small enough for lavapipe (a CPU implementation of Vulkan) to decode in a second.
@@ -152,12 +153,5 @@ def test_cuda_launch_ahead_is_bit_identical_with_the_same_counts(
     (t0, s0, a0, _), (t1, s1, a1, st) = runs[False], runs[True]
     assert (t1, s1) == (t0, s0)
     assert np.array_equal(a1, a0)
-    pt = st.per_token
-    assert (pt["host_waits"], pt["h2d_copies"], pt["d2h_copies"], pt["d2h_bytes"]) == (
-        1.0,
-        1.0,
-        1.0,
-        4.0,
-    ), pt
-    assert pt["graph_launches"] == 1.0
-    assert pt["d2d_copies"] * st.n_steps == st.n_steps - 1
+    assert_launch_ahead_counts(st)
+    assert st.per_token["graph_launches"] == 1.0

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import lowsync as ls
+from helpers import assert_launch_ahead_counts
 from llama_ref import Spec, forward, rel_err
 from lowsync.models.llama import Llama, LlamaConfig
 from lowsync.session import ContextFullError, SessionError
@@ -185,15 +186,7 @@ def test_launch_ahead_gives_the_same_tokens_cache_and_next_logits(
     st = ahead.last_generate
     assert st is not None
     assert st.n_steps == 9
-    pt = st.per_token
-    assert (pt["host_waits"], pt["h2d_copies"], pt["d2h_copies"], pt["d2h_bytes"]) == (
-        1.0,
-        1.0,
-        1.0,
-        4.0,
-    ), pt
-    # Every step after the first takes its token from the step before, on the device.
-    assert pt["d2d_copies"] * st.n_steps == st.n_steps - 1
+    assert_launch_ahead_counts(st)
 
 
 def test_launch_ahead_needs_staged_and_an_async_backend(

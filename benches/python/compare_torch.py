@@ -14,8 +14,9 @@ per token is `(t(n_long) - t(n_short)) / (n_long - n_short)`, which cancels the 
 first token and every fixed cost of a call (medians over `--reps`, short and long interleaved).
 Rows:
 
-- `lowsync`: a `Session` on `cuda` with the default CUDA settings (graph replay on);
-  `lowsync-nographs` sets `LOWSYNC_CUDA_GRAPHS=0`, and a `-timing` suffix sets
+- `lowsync`: a `Session` on `cuda` with the default settings (graph replay on, launch-ahead on);
+  `lowsync-noahead` sets `LOWSYNC_LAUNCH_AHEAD=0` (the step loop reads token t before it queues
+  step t+1), `lowsync-nographs` sets `LOWSYNC_CUDA_GRAPHS=0`, and a `-timing` suffix sets
   `LOWSYNC_CUDA_TIMING=1` (`lowsync-timing`, `lowsync-nographs-timing`). The variables are
   read when a backend is created, i.e. when a `Session` makes its `Context`, so each row has
   its own session, made while its variables are set. Counter deltas (`Context.stats()`) give
@@ -63,10 +64,16 @@ import numpy as np
 import lowsync as ls
 from lowsync.bench import env_vars, format_table
 
-LOWSYNC_ROWS = ("lowsync", "lowsync-nographs", "lowsync-timing", "lowsync-nographs-timing")
+LOWSYNC_ROWS = (
+    "lowsync",
+    "lowsync-noahead",
+    "lowsync-nographs",
+    "lowsync-timing",
+    "lowsync-nographs-timing",
+)
 HF_ROWS = ("hf-eager", "hf-compile")
 DEFAULT_ROWS = {
-    "cuda": "lowsync,lowsync-nographs,lowsync-timing,hf-eager,hf-compile",
+    "cuda": "lowsync,lowsync-noahead,lowsync-nographs,lowsync-timing,hf-eager,hf-compile",
     # No compile row on the CPU by default: inductor's CPU build is slow and CUDA graphs
     # (the point of reduce-overhead) do not exist there.
     "cpu": "lowsync,hf-eager",
@@ -79,6 +86,7 @@ COUNTERS = (
     "kernel_launches",
     "graph_launches",
     "graph_captures",
+    "d2d_copies",
 )
 N_COMPARE = 32  # greedy tokens compared with hf-eager's
 BYTES = {"f32": 4, "f16": 2, "bf16": 2}
@@ -311,9 +319,10 @@ def lowsync_row(
     env = {
         "LOWSYNC_CUDA_GRAPHS": "0" if "nographs" in flags else "1",
         "LOWSYNC_CUDA_TIMING": "1" if "timing" in flags else "0",
+        "LOWSYNC_LAUNCH_AHEAD": "0" if "noahead" in flags else "1",
     }
     out: dict[str, Any] = {"env": env, "backend": args.lowsync_backend, "kv_dtype": args.kv_dtype}
-    if flags and not args.lowsync_backend.startswith("cuda"):
+    if flags - {"noahead"} and not args.lowsync_backend.startswith("cuda"):
         out["skipped"] = "the CUDA variables do nothing on " + args.lowsync_backend
         return out
     names = set(ls.stat_names())
@@ -331,6 +340,7 @@ def lowsync_row(
             kv_dtype=args.kv_dtype,
         )
     out["policy"] = sess.policy
+    out["launch_ahead"] = sess.launch_ahead
     # lowsync's attention spans every cache row under a mask (fixed shapes), not the position.
     out["kv_rows_attended"] = args.prompt_len + args.n_long + 1
     try:

@@ -18,6 +18,7 @@ __all__ = [
     "GraphError",
     "InputError",
     "LowsyncError",
+    "PendingOutput",
     "Plan",
     "ReallocError",
     "Tensor",

@@ -13,10 +13,11 @@ backends' own (`Context.stats()`); this module only takes differences over the g
 steps and divides by their number (ARCHITECTURE §3 "per token"). `stock` rows turn on the
 backends' legacy switches (`LOWSYNC_CUDA_SYNC_ELISION=0`, `LOWSYNC_VK_LEGACY_SUBMITS=1`) while
 their session exists, so they show ggml's behaviour end to end. `staged` runs twice where the
-backend can launch ahead (`--launch-ahead 0,1`): the plain loop and `staged+ahead`, side by side. `batched-bench` mirrors
-llama-batched-bench: `npl` sequences, a prompt of `npp` tokens each (or one prompt shared
-through `seq_cp` with `-pps`), then `ntg` steps that decode one token of every sequence in one
-ubatch; it reports the reallocations of each run, which must be zero.
+backend can launch ahead (`--launch-ahead 0,1`): the plain loop and `staged+ahead`, side by
+side. `batched-bench` mirrors llama-batched-bench: `npl` sequences, a prompt of `npp` tokens
+each (or one prompt shared through `seq_cp` with `-pps`), then `ntg` steps that decode one
+token of every sequence in one ubatch; it reports the reallocations of each run, which must be
+zero.
 
 Invariants: a session's plans are compiled once, before any measurement; the same prompt
 (seeded) is used for every row, so rows differ only in backend and policy.

@@ -1,6 +1,10 @@
 //! Gate tests on `cpu-async`: work behind a closed gate has not run; a staged write issued
 //! while the gate is closed delivers the bytes of the call even if the caller overwrites its
-//! buffer at once (invariant 1); opening the gate completes everything in order.
+//! buffer at once (invariant 1); opening the gate completes everything in order. The
+//! launch-ahead primitives keep stream order: `copy_async` runs between a graph that writes its
+//! source and one that reads its destination; a `read_async` sees the work queued before it and
+//! not the work queued after it, costs one counted host wait (none on a second `wait`), and may
+//! be dropped before it completed.
 
 use std::sync::Arc;
 
@@ -132,4 +136,76 @@ fn another_stream_waits_on_an_event_device_side() {
     gate.open();
     ev_b.synchronize().unwrap();
     assert!(ev.is_complete());
+}
+
+/// `buf[dst..] = buf[src..] * 2` over 4 floats.
+fn double(buf: lowsync_backend::BufferId, src: usize, dst: usize) -> Arc<ExecGraph> {
+    Arc::new(ExecGraph::new(vec![ExecNode {
+        op: Op::Scale { scale: 2.0 },
+        name: "y".into(),
+        dst: f32_ref(buf, dst, 4),
+        srcs: vec![f32_ref(buf, src, 4)],
+    }]))
+}
+
+#[test]
+fn a_copy_and_reads_keep_stream_order_behind_a_gate() {
+    let b = CpuAsyncBackend::new("cpu-async").unwrap();
+    let buf = b.alloc_buffer(64, BufferUsage::Compute).unwrap();
+    b.set_tensor(buf, 0, &bytes(&[1.0, 2.0, 3.0, 4.0])).unwrap();
+    let gate = b.gate_close().unwrap();
+    let before = b.stats().snapshot();
+    // y = 2x; x <- y (on the stream); read x; y = 2x; read y.
+    b.graph_compute_async(&double(buf, 0, 16)).unwrap();
+    b.copy_async(buf, 16, buf, 0, 16).unwrap();
+    let mut first = b.read_async(buf, 0, 16).unwrap();
+    b.graph_compute_async(&double(buf, 0, 16)).unwrap();
+    let mut second = b.read_async(buf, 16, 16).unwrap();
+    let queued = b.stats().snapshot().since(&before);
+    assert_eq!(queued.host_waits, 0, "queuing copies and reads never waits");
+    assert_eq!((queued.d2d_copies, queued.d2d_bytes), (1, 16));
+    assert_eq!((queued.d2h_copies, queued.d2h_bytes), (2, 32));
+    assert!(!first.is_complete(), "the read ran behind a closed gate");
+    gate.open();
+    assert_eq!(floats(first.wait().unwrap()), vec![2.0, 4.0, 6.0, 8.0]);
+    assert_eq!(floats(second.wait().unwrap()), vec![4.0, 8.0, 12.0, 16.0]);
+    assert_eq!(floats(second.wait().unwrap()), vec![4.0, 8.0, 12.0, 16.0]);
+    let d = b.stats().snapshot().since(&before);
+    assert_eq!(
+        d.host_waits, 2,
+        "one wait per read, none for a second wait on one"
+    );
+    b.synchronize().unwrap();
+    assert_eq!(
+        b.stats().snapshot().since(&before).host_waits,
+        2,
+        "sync was elided"
+    );
+}
+
+#[test]
+fn a_read_dropped_before_it_completed_is_harmless() {
+    let b = CpuAsyncBackend::new("cpu-async").unwrap();
+    let buf = b.alloc_buffer(64, BufferUsage::Compute).unwrap();
+    b.set_tensor(buf, 0, &bytes(&[1.0; 4])).unwrap();
+    let gate = b.gate_close().unwrap();
+    let early = b.read_async(buf, 0, 16).unwrap();
+    drop(early);
+    gate.open();
+    b.synchronize().unwrap();
+    let mut later = b.read_async(buf, 0, 16).unwrap();
+    assert_eq!(floats(later.wait().unwrap()), vec![1.0; 4]);
+}
+
+#[test]
+fn out_of_bounds_copies_and_reads_are_errors_and_the_stream_stays_usable() {
+    let b = CpuAsyncBackend::new("cpu-async").unwrap();
+    let buf = b.alloc_buffer(64, BufferUsage::Compute).unwrap();
+    assert!(b.copy_async(buf, 60, buf, 0, 16).is_err());
+    assert!(b.copy_async(buf, 0, buf, 56, 16).is_err());
+    assert!(b.read_async(buf, 56, 16).is_err());
+    b.set_tensor(buf, 0, &bytes(&[3.0; 4])).unwrap();
+    b.copy_async(buf, 0, buf, 32, 16).unwrap();
+    let mut r = b.read_async(buf, 32, 16).unwrap();
+    assert_eq!(floats(r.wait().unwrap()), vec![3.0; 4]);
 }

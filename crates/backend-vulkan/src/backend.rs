@@ -404,16 +404,8 @@ impl Inner {
         let mut region = None;
         for attempt in 0..2 {
             let retire = st.open_retire();
-            let State {
-                readback,
-                allocator,
-                ..
-            } = &mut *st;
-            let allocator = allocator
-                .as_mut()
-                .ok_or_else(|| unavailable("the backend is shutting down"))?;
-            region = readback
-                .alloc(len as u64, 16, retire, self.device(), allocator)?
+            region = st
+                .alloc_readback(len as u64, retire, self.device())?
                 .map(|r| (r, retire));
             if region.is_some() || attempt == 1 {
                 break;
@@ -864,17 +856,7 @@ impl Inner {
         let mut st = st;
         for (i, chunk) in out.chunks_mut(piece.max(1)).enumerate() {
             let retire = st.open_retire();
-            let region = {
-                let State {
-                    readback,
-                    allocator,
-                    ..
-                } = &mut *st;
-                let allocator = allocator
-                    .as_mut()
-                    .ok_or_else(|| unavailable("the backend is shutting down"))?;
-                readback.alloc(chunk.len() as u64, 16, retire, self.device(), allocator)?
-            };
+            let region = st.alloc_readback(chunk.len() as u64, retire, self.device())?;
             let Some(region) = region else {
                 return Err(unavailable("readback arena exhausted"));
             };

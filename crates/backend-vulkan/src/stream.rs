@@ -39,8 +39,8 @@ use ash::vk;
 use gpu_allocator::vulkan::Allocator;
 use lowsync_backend::{bump, BufferId, Error, ExecGraph, Result, SyncStats};
 
-use crate::device::{vk_err, Device};
-use crate::memory::{destroy_buffer, Arena, DevBuffer, Retire};
+use crate::device::{unavailable, vk_err, Device};
+use crate::memory::{destroy_buffer, Arena, DevBuffer, Region, Retire};
 use crate::ops::Push;
 use crate::pipelines::{Bind, Pipelines};
 
@@ -273,6 +273,25 @@ pub(crate) struct State {
 unsafe impl Send for State {}
 
 impl State {
+    /// A readback region of `len` bytes used by submissions up to `retire`; `Ok(None)` when
+    /// the arena is full of reads in flight (wait, then retry).
+    pub(crate) fn alloc_readback(
+        &mut self,
+        len: u64,
+        retire: Retire,
+        device: &ash::Device,
+    ) -> Result<Option<Region>> {
+        let State {
+            readback,
+            allocator,
+            ..
+        } = self;
+        let allocator = allocator
+            .as_mut()
+            .ok_or_else(|| unavailable("the backend is shutting down"))?;
+        readback.alloc(len, 16, retire, device, allocator)
+    }
+
     pub(crate) fn allocator(&mut self) -> Result<&mut Allocator> {
         self.allocator
             .as_mut()
