@@ -12,9 +12,10 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/lowsync-target}"
 
-# 1. Rust: format, lints, tests.
+# 1. Rust: format, lints, docs (no broken or private links), tests.
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --all-features -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features
 if cargo nextest --version >/dev/null 2>&1; then
     cargo nextest run --workspace --all-features
 else

@@ -51,8 +51,8 @@ pub fn llama_shaped_two_splits(s: Shape, head_backend: &str) -> Graph {
 }
 
 /// One decode step (n_tokens = 1) of a llama-shaped model. Inputs: `tokens`, `pos`, `kv_idx`
-/// (i32 [1]), `kq_mask` (f32 [1, n_ctx]), `out_ids` (i32 [1]), `logit_scale` (f32 [1]).
-/// Output: `next` (i32 [1]), the greedy token.
+/// (`i32 [1]`), `kq_mask` (`f32 [1, n_ctx]`), `out_ids` (`i32 [1]`), `logit_scale` (`f32 [1]`).
+/// Output: `next` (`i32 [1]`), the greedy token.
 pub fn llama_shaped(s: Shape) -> Graph {
     build(s, None)
 }

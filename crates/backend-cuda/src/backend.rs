@@ -59,7 +59,7 @@ pub struct CudaConfig {
     /// Capture each compute graph into a CUDA graph once per shape bucket and replay it
     /// (`LOWSYNC_CUDA_GRAPHS`, default on).
     pub graphs: bool,
-    /// Run fused kernels for the node patterns of [`crate::fusion`] (`LOWSYNC_CUDA_FUSION`,
+    /// Run fused kernels for the node patterns of `fusion` (`LOWSYNC_CUDA_FUSION`,
     /// default on); off runs one kernel per node, the reference the fused kernels are checked
     /// against.
     pub fusion: bool,

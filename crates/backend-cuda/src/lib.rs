@@ -6,7 +6,7 @@
 //! there is a clear "CUDA unavailable: ..." error, never a panic.
 //!
 //! Strategy: [`create`] probes the driver library and its symbols before anything can panic
-//! ([`probe`]), opens the device's primary context with cudarc's event tracking off, and builds
+//! (`probe`), opens the device's primary context with cudarc's event tracking off, and builds
 //! a [`CudaBackend`]: one stream behind the ticketed choke point of [`tickets`] (sync elision
 //! by tickets, not a flag), device buffers with a reuse pool, a bounded pinned staging arena,
 //! NVRTC-compiled kernels for every op (small-m matmul included: decode's matrix-vector

@@ -70,7 +70,7 @@ pub struct RouteCounters {
     pub direct_writes: AtomicU64,
 }
 
-/// A copy of [`RouteCounters`] at one moment.
+/// A copy of the route counters at one moment.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RouteSnapshot {
     pub compute_stream_copies: u64,

@@ -3,8 +3,8 @@
 //! Why: users script lowsync from Python; this crate is the translation layer and nothing
 //! more — no scheduling decisions live here (STYLE.md: bindings hold no logic).
 //!
-//! Strategy: one error mapping ([`errors`]), one GIL-release helper ([`detach`]), one backend
-//! registry ([`registry`]), numpy conversion in [`numpy_io`]. `Context`, `Plan`, `Graph` and
+//! Strategy: one error mapping (`errors`), one GIL-release helper (`detach`), one backend
+//! registry (`registry`), numpy conversion in `numpy_io`. `Context`, `Plan`, `Graph` and
 //! `Tensor` are thin wrappers over the scheduler and graph crates.
 
 mod detach;

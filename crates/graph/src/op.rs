@@ -3,9 +3,9 @@
 /// Rotary embedding variant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RopeMode {
-    /// Rotate adjacent pairs (x[2i], x[2i+1]); what GGUF llama files expect.
+    /// Rotate adjacent pairs (`x[2i]`, `x[2i+1]`); what GGUF llama files expect.
     Normal,
-    /// Rotate halves (x[i], x[i + n_dims/2]); GPT-NeoX / qwen style.
+    /// Rotate halves (`x[i]`, `x[i + n_dims/2]`); GPT-NeoX / qwen style.
     Neox,
 }
 
