@@ -682,14 +682,29 @@ impl Event for CudaEvent {
     }
 }
 
-/// A pinned slot of `read_async` and the event recorded after its last read.
+/// A pinned slot of `read_async`, the event recorded after its last read and that record's
+/// ticket (0: never recorded). A raw event, not a [`CudaEvent`]: the slots live in `Inner`, so
+/// they must not hold an `Arc` of it.
 struct ReadSlot {
     mem: Pinned,
-    ev: Arc<dyn Event>,
+    ev: CuEvent,
+    ticket: u64,
+}
+
+impl ReadSlot {
+    /// Whether the slot's last read completed (a non-blocking query, not counted).
+    fn idle(&self, owner: &Inner) -> bool {
+        self.ticket == 0
+            || (owner.bind().is_ok()
+                && owner
+                    .stream
+                    .query_event(&self.ev, self.ticket)
+                    .unwrap_or(false))
+    }
 }
 
 /// A read into a pinned slot. Dropping it returns the slot to the pool; the pool reuses a slot
-/// only after its event completed, so an early drop is safe.
+/// only once its last read completed, so an early drop is safe.
 struct CudaReadback {
     owner: Arc<Inner>,
     slot: Option<ReadSlot>,
@@ -699,14 +714,19 @@ struct CudaReadback {
 
 impl Readback for CudaReadback {
     fn is_complete(&self) -> bool {
-        self.waited || self.slot.as_ref().is_none_or(|s| s.ev.is_complete())
+        self.waited || self.slot.as_ref().is_none_or(|s| s.idle(&self.owner))
     }
     fn wait(&mut self) -> Result<&[u8]> {
         let Some(slot) = self.slot.as_ref() else {
             return Ok(&[]);
         };
         if !self.waited {
-            slot.ev.synchronize()?;
+            let o = &self.owner;
+            o.bind()?;
+            o.stream
+                .wait_event_host(&slot.ev, slot.ticket)
+                .map_err(|e| o.driver_err("cuEventSynchronize", e))?;
+            o.after_wait()?;
             self.waited = true;
         }
         // SAFETY: the slot holds at least `len` bytes, and the read into them completed.
@@ -966,9 +986,7 @@ impl Backend for CudaBackend {
         }
         let reusable = {
             let mut pool = i.read_slots.lock();
-            let found = pool
-                .iter()
-                .position(|s| s.mem.len() >= len && s.ev.is_complete());
+            let found = pool.iter().position(|s| s.mem.len() >= len && s.idle(i));
             found.map(|k| pool.swap_remove(k))
         };
         let slot = match reusable {
@@ -980,23 +998,32 @@ impl Backend for CudaBackend {
                         reason,
                     }
                 })?,
-                ev: self.event_new()?,
+                ev: CuEvent::new().map_err(|e| i.driver_err("cuEventCreate", e))?,
+                ticket: 0,
             },
         };
         // From here the slot goes back to the pool on every path (the readback's drop).
-        let rb = CudaReadback {
+        let mut rb = CudaReadback {
             owner: i.clone(),
             slot: Some(slot),
             len,
             waited: false,
         };
-        let Some(slot) = rb.slot.as_ref() else {
+        let Some(slot) = rb.slot.as_mut() else {
             return Err(i.driver_err("read slot", "missing"));
         };
         // SAFETY: the slot is pinned, holds `len` bytes and is not read before its event.
         unsafe { i.stream.memcpy_dtoh(slot.mem.ptr(), from, len) }
             .map_err(|e| i.driver_err("cuMemcpyDtoHAsync", e))?;
-        self.event_record(&slot.ev)?;
+        match i.stream.record_event(&slot.ev) {
+            Ok(t) => slot.ticket = t,
+            Err(e) => {
+                // The copy may still be in flight and nothing marks its end: the slot must
+                // neither be reused nor freed (a broken context; a few bytes are kept).
+                std::mem::forget(rb.slot.take());
+                return Err(i.driver_err("cuEventRecord", e));
+            }
+        }
         Ok(Box::new(rb))
     }
     fn cpy_tensor_async(
