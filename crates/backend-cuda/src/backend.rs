@@ -640,6 +640,13 @@ impl CudaBackend {
         self.inner.ordinal
     }
 
+    /// How many owners the backend's shared state has: 1 once the backend is the only one
+    /// (no event, gate or read of it alive). Tests use it to prove nothing of the backend keeps
+    /// the backend itself alive (a cycle would keep its context and memory after its last user).
+    pub fn state_owners(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
     /// Pinned staging bytes allocated (bounded by the configuration; invariant 8).
     pub fn staging_bytes_allocated(&self) -> usize {
         self.inner.staging.lock().bytes_allocated()
