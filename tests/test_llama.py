@@ -133,6 +133,32 @@ def test_graph_counts_depend_only_on_context_constants() -> None:
     assert sorted(plan.outputs) == ["logits", "next"]
 
 
+# Per layer of the decode graph, what the CUDA backend launches (ARCHITECTURE: 5 per layer).
+DECODE_LAYER_LAUNCHES = [
+    "fused gemv+norm+tails [rms_norm,mul,mul_mat,mul_mat,mul_mat,rope,rope,set_rows,set_rows]",
+    "fused attention+cpy [mul_mat,soft_max,mul_mat,cpy]",
+    "fused gemv [mul_mat,add]",
+    "fused gemv+norm+swiglu [rms_norm,mul,mul_mat,mul_mat,swiglu]",
+    "fused gemv [mul_mat,add]",
+]
+
+
+@pytest.mark.parametrize("n_ctx", [64, 4096])
+def test_cuda_decode_plan_is_five_launches_per_layer_at_any_cache_size(n_ctx: int) -> None:
+    """The decode graph's CUDA launches, worked out without a device (`cuda_fusion_plan`, on a
+    plan compiled for `noop`: the same nodes; CUDA aligns scratch to 256 bytes, noop to 64):
+    the embedding row, five fused launches per layer, the final norm, the output row, the head
+    and argmax. The last layer's attention writes no scores (nothing reads them after the
+    graph), at a small cache and a large one alike."""
+    model = Llama.random(LlamaConfig(300, 128, 3, 4, 2, 256), seed=0, dtype="f16")
+    sess = ls.Session(model, backends=["noop"], n_ctx=n_ctx, n_ubatch=4, kv_dtype="f16")
+    launches = sess.plans[0].cuda_fusion_plan()
+    head = ["fused norm_mul [rms_norm,mul]", "get_rows", "mul_mat", "argmax"]
+    assert launches == ["get_rows", *DECODE_LAYER_LAUNCHES * 3, *head], launches
+    with pytest.raises(ls.InputError, match="split 1 does not exist"):
+        sess.plans[0].cuda_fusion_plan(1)
+
+
 def test_config_and_weight_errors() -> None:
     with pytest.raises(ValueError, match="n_head_kv"):
         LlamaConfig(300, 64, 2, 4, 3, 96)

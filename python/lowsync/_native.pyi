@@ -188,6 +188,9 @@ class Plan:
     def can_read_async(self, output: str) -> bool: ...
     def read_async(self, output: str) -> PendingOutput:
         """Queues a read of `output` after the steps queued so far; returns without waiting."""
+    def cuda_fusion_plan(self, split: int = 0) -> list[str]:
+        """What the CUDA backend launches for a split's graph (fusion on), without a device:
+        one line per launch, `fused <kind> [<member ops>]` or a node's op."""
     def synchronize(self) -> None: ...
 
 @final

@@ -237,6 +237,45 @@ pub(crate) fn run_graph(exec: &mut Exec<'_>, graph: &Arc<ExecGraph>) -> Result<(
     Ok(())
 }
 
+/// What `run_graph` launches for `graph` with fusion on, worked out without a device: one line
+/// per launch, `fused <kind>` (with its members' ops) or the op of a node run on its own.
+pub(crate) fn describe(graph: &ExecGraph, mmv_max_m: Option<usize>) -> Vec<String> {
+    let nodes = Nodes {
+        list: &graph.nodes,
+        end: graph.scratch.as_ref(),
+    };
+    let ops = |members: &[usize]| -> String {
+        let names: Vec<&str> = members.iter().map(|&j| nodes[j].op.name()).collect();
+        names.join(",")
+    };
+    plan(&nodes, mmv_max_m)
+        .into_iter()
+        .map(|step| match step {
+            Step::Node(i) => nodes[i].op.name().to_string(),
+            Step::Fused(g) => {
+                let kind = match &g.kind {
+                    Kind::NormMul { .. } => "norm_mul".to_string(),
+                    Kind::Gemv {
+                        segs, swiglu, norm, ..
+                    } => format!(
+                        "gemv{}{}{}",
+                        if norm.is_some() { "+norm" } else { "" },
+                        if swiglu.is_some() { "+swiglu" } else { "" },
+                        if has_tails(segs) { "+tails" } else { "" },
+                    ),
+                    Kind::RopeRows { .. } => "rope_rows".to_string(),
+                    Kind::Attention { cpy, scores, .. } => format!(
+                        "attention{}{}",
+                        if cpy.is_some() { "+cpy" } else { "" },
+                        if *scores { "+scores" } else { "" },
+                    ),
+                };
+                format!("fused {kind} [{}]", ops(&g.nodes))
+            }
+        })
+        .collect()
+}
+
 /// A graph's nodes and what is known of the scratch bytes read after it
 /// (`ExecGraph::scratch`): at the graph's end, [`dead_after`] counts every other scratch byte
 /// as overwritten (the next graph writes it before any read).

@@ -68,6 +68,13 @@ pub fn create_with_config(name: &str, cfg: CudaConfig) -> Result<Arc<CudaBackend
     )
 }
 
+/// What the CUDA backend launches for `graph` with fusion on (default settings), worked out
+/// without a device: one line per launch, `fused <kind> [<member ops>]` or the op of a node run
+/// on its own. Tests and tools use it to check which of a model's nodes fuse at a given shape.
+pub fn fusion_plan(graph: &lowsync_backend::ExecGraph) -> Vec<String> {
+    fusion::describe(graph, CudaConfig::default().mmv_max_m)
+}
+
 /// Names of the CUDA devices usable on this machine (`cuda:0`, ...); empty, without a panic,
 /// when the driver library or a device is missing.
 pub fn available_devices() -> Vec<String> {

@@ -209,6 +209,20 @@ impl PyPlan {
         })
     }
 
+    /// What the CUDA backend launches for split `split`'s graph with fusion on, worked out
+    /// without a device (the plan may be compiled for any backend): one line per launch,
+    /// `fused <kind> [<member ops>]` or the op of a node run on its own.
+    #[pyo3(signature = (split = 0))]
+    fn cuda_fusion_plan(&self, split: usize) -> PyResult<Vec<String>> {
+        if split >= self.inner.n_splits() {
+            return Err(input_err(format!(
+                "split {split} does not exist: the plan has {} split(s)",
+                self.inner.n_splits()
+            )));
+        }
+        registry::cuda_fusion_plan(self.inner.exec_graph(split, 0)).map_err(backend_err)
+    }
+
     /// Waits for all queued work of the plan's context (the next step uses input copy 0).
     fn synchronize(&mut self, py: Python<'_>) -> PyResult<()> {
         let plan = &mut self.inner;

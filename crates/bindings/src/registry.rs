@@ -36,6 +36,20 @@ fn cuda(name: &str) -> Result<Arc<dyn Backend>> {
     lowsync_cuda::create(name)
 }
 
+/// What the CUDA backend would launch for a split's graph (fusion on), without a device.
+#[cfg(feature = "cuda")]
+pub fn cuda_fusion_plan(graph: &lowsync_backend::ExecGraph) -> Result<Vec<String>> {
+    Ok(lowsync_cuda::fusion_plan(graph))
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_fusion_plan(_graph: &lowsync_backend::ExecGraph) -> Result<Vec<String>> {
+    Err(Error::Unavailable {
+        backend: "CUDA".into(),
+        reason: "this build of lowsync was made without the `cuda` feature".into(),
+    })
+}
+
 #[cfg(not(feature = "cuda"))]
 fn cuda(_name: &str) -> Result<Arc<dyn Backend>> {
     Err(Error::Unavailable {
