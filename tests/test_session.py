@@ -216,7 +216,7 @@ class _FailingRead:
 
 
 class _PlanFailingReads:
-    """A plan whose `fail_at`-th read_async returns a read that raises."""
+    """A plan whose `fail_at`-th read of `next` (`read_async` or `get_output`) fails."""
 
     def __init__(self, plan: ls.Plan, fail_at: int, error: BaseException) -> None:
         self.plan, self.fail_at, self.error, self.reads = plan, fail_at, error, 0
@@ -224,33 +224,44 @@ class _PlanFailingReads:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.plan, name)
 
-    def read_async(self, name: str) -> Any:
+    def _fails(self) -> bool:
         self.reads += 1
-        if self.reads == self.fail_at:
-            return _FailingRead(self.error)
-        return self.plan.read_async(name)
+        return self.reads == self.fail_at
+
+    def read_async(self, name: str) -> Any:
+        return _FailingRead(self.error) if self._fails() else self.plan.read_async(name)
+
+    def get_output(self, name: str) -> Any:
+        if self._fails():
+            raise self.error
+        return self.plan.get_output(name)
 
 
+@pytest.mark.parametrize("ahead", [True, False])
 @pytest.mark.parametrize("error", [ls.BackendError("device lost"), KeyboardInterrupt()])
-def test_a_failed_read_ahead_gives_the_queued_steps_cell_back(
-    model: Llama, error: BaseException, clean_env: pytest.MonkeyPatch
+def test_a_failed_read_gives_back_the_cells_of_unread_steps(
+    model: Llama, error: BaseException, ahead: bool, clean_env: pytest.MonkeyPatch
 ) -> None:
-    sess = ls.Session(model, backends=["cpu-async"], n_ctx=32, n_ubatch=4)
-    assert sess.launch_ahead
+    """Only steps the device is known to have finished (their token was read) keep their
+    cells: the step whose read failed gives its cell back, and so does the one queued ahead of
+    it (Ctrl-C cancels queued work, so neither KV row may have been written)."""
+    sess = ls.Session(model, backends=["cpu-async"], n_ctx=32, n_ubatch=4, launch_ahead=ahead)
+    assert sess.launch_ahead == ahead
+    sess.decode(PROMPT[:5], logits="none")  # 5 cells
     bucket = sess._buckets[0]
     real = bucket.plan
     bucket.plan = _PlanFailingReads(real, 3, error)  # type: ignore[assignment]
     with pytest.raises(type(error)):
-        sess.generate(PROMPT[:5], max_new_tokens=8)
-    # Steps 1-3 ran and keep their cells (as a plain step whose read fails does); step 4,
-    # queued ahead of the failed read of token 3, gave its cell back: 5 prompt cells + 3.
-    assert sess.n_free == 32 - 8
-    assert sess.seq_pos_max(0) == 7
+        sess.generate(PROMPT[5:9], max_new_tokens=8, seq_id=1)
+    # Prompt (4 tokens, one ubatch of 4: no read of the decode plan), steps 1 and 2 read and
+    # kept; step 3's read failed (and step 4, queued ahead, never was read).
+    assert sess.n_free == 32 - 5 - 4 - 2
+    assert sess.seq_pos_max(1) == 5
     bucket.plan = real
-    sess.clear()
-    again = sess.generate(PROMPT[:5], max_new_tokens=8)
+    sess.seq_rm(1)
+    again = sess.generate(PROMPT[5:9], max_new_tokens=8, seq_id=1)
     plain = ls.Session(model, backends=["cpu-async"], n_ctx=32, n_ubatch=4, launch_ahead=False)
-    assert again == plain.generate(PROMPT[:5], max_new_tokens=8)
+    assert again == plain.generate(PROMPT[5:9], max_new_tokens=8)
 
 
 def test_outputs_bit_identical_across_policies_and_backends(model: Llama) -> None:

@@ -370,8 +370,13 @@ class Session:
         else:
             while len(out) < max_new_tokens and token not in stops:
                 self._check_device_token(token)
-                self._run_one(decode, token, seq_id)
-                token = int(decode.plan.get_output(OUTPUT_NEXT)[0])  # the one wait of the step
+                taken, saved_next = self._run_one(decode, token, seq_id)
+                try:
+                    token = int(decode.plan.get_output(OUTPUT_NEXT)[0])  # the step's one wait
+                except BaseException:
+                    # Not known to have run (Ctrl-C cancels queued work): give its cell back.
+                    self._give_back([taken], saved_next)
+                    raise
                 out.append(token)
                 steps += 1
         t2 = time.perf_counter()
@@ -586,13 +591,15 @@ class Session:
 
         Step k takes token k-1; step 1's comes from the host (the prompt's output), every later
         one is fed on the device from the step before. Step k+1 is queued before token k is
-        read, so each iteration's one host wait finds the next step already queued.
+        read, so each iteration's one host wait finds the next step already queued. A step
+        whose token is not read (a failed read, or the step queued ahead of one) gives its
+        cell back: only steps the device is known to have finished keep theirs.
         """
         if len(out) >= max_new_tokens or token in stops:
             return 0
         self._check_device_token(token)
         plan = decode.plan
-        self._run_one(decode, token, seq_id)
+        current = self._run_one(decode, token, seq_id)
         pending = plan.read_async(OUTPUT_NEXT)
         steps = 0
         while True:
@@ -600,18 +607,16 @@ class Session:
             # output is not full once it is read.
             ahead = None
             if len(out) + 1 < max_new_tokens:
-                saved_next = list(self._seq_next)
                 plan.feed("tokens", OUTPUT_NEXT)
                 # The host's token is a placeholder: the feed overwrites it on the device.
-                cell = self._run_one(decode, 0, seq_id)
-                ahead = ((cell, seq_id), saved_next)
+                ahead = self._run_one(decode, 0, seq_id)
             try:
                 token = int(pending.wait()[0])  # the one wait of the step
                 self._check_device_token(token)
                 follow = plan.read_async(OUTPUT_NEXT) if ahead is not None else None
             except BaseException:
-                if ahead is not None:
-                    self._give_back([ahead[0]], ahead[1])
+                unread = [current] if ahead is None else [current, ahead]
+                self._give_back([t for t, _ in unread], current[1])
                 raise
             out.append(token)
             steps += 1
@@ -623,10 +628,13 @@ class Session:
                 self._give_back([ahead[0]], ahead[1])
                 return steps
             assert follow is not None
-            pending = follow
+            pending, current = follow, ahead
 
-    def _run_one(self, bucket: _Bucket, token: int, seq_id: int) -> int:
-        """The decode step of `generate`: one token of one sequence, no output read here."""
+    def _run_one(
+        self, bucket: _Bucket, token: int, seq_id: int
+    ) -> tuple[tuple[int, int], list[int]]:
+        """The decode step of `generate`: one token of one sequence, no output read here.
+        Returns the (cell, sequence) it took and the positions before it, for `_give_back`."""
         if not self._free:
             raise ContextFullError("decode: the KV cache is full")
         saved_next = list(self._seq_next)
@@ -636,4 +644,4 @@ class Session:
         except BaseException:
             self._give_back([(cells[0], seq_id)], saved_next)
             raise
-        return cells[0]
+        return (cells[0], seq_id), saved_next
