@@ -183,7 +183,18 @@ class Plan:
     def get_output(self, name: str) -> npt.NDArray[Any]: ...
     def feed(self, input: str, output: str) -> None:
         """Arms a device-side feed for the next `compute` only: `input` takes `output`'s bytes
-        as the previous step left them, copied on the device in stream order."""
+        as the previous step left them, copied on the device in stream order.
+
+        The launch-ahead decode loop (what `Session.generate` does)::
+
+            plan.compute()                      # step 1, its token from the host
+            pending = plan.read_async("next")
+            while ...:
+                plan.feed("tokens", "next")     # step k+1 takes token k on the device
+                plan.compute()
+                token = pending.wait()[0]       # token k: the one host wait
+                pending = plan.read_async("next")
+        """
     def can_feed(self, input: str, output: str) -> bool: ...
     def can_read_async(self, output: str) -> bool: ...
     def read_async(self, output: str) -> PendingOutput:
