@@ -1,10 +1,14 @@
-"""The GPU bench scripts launch kernels through raw argument lists; these checks (no GPU) keep
-those lists in step with the kernels' signatures, which they otherwise drift from silently."""
+"""The GPU bench scripts, checked without a GPU: the raw argument lists they launch kernels with
+stay in step with the kernels' signatures (they otherwise drift silently), and the comparison
+script's lowsync rows run."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -59,3 +63,24 @@ def test_the_signature_reader_sees_every_parameter() -> None:
     # attn_fast ends with `rehearse`: a list one short (the drift this file guards) differs.
     assert _codes("attn_fast").endswith("pi" + "iii")
     assert len(_codes("attn_fast")) == 36
+
+
+def test_compare_torch_lowsync_rows_run_without_torch(tmp_path: Path) -> None:
+    """The comparison script's lowsync rows (the closing figures come from its GPU runs) on
+    `cpu-async`: with and without launch-ahead, the same tokens, the counts per token, and the
+    JSON the notes quote. Runs with or without torch installed."""
+    out = tmp_path / "ct.json"
+    argv = [sys.executable, str(ROOT / "benches" / "python" / "compare_torch.py")]
+    argv += ["--device", "cpu", "--models", "tiny", "--rows", "lowsync,lowsync-noahead"]
+    argv += ["--lowsync-backend", "cpu-async", "--n-short", "2", "--n-long", "6", "--reps", "1"]
+    argv += ["--warmup", "0", "--bw-gb", "0.05", "--bw-reps", "1", "--json", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["models"][0]["rows"]
+    ahead, plain = rows["lowsync"], rows["lowsync-noahead"]
+    assert (ahead["launch_ahead"], plain["launch_ahead"]) == (True, False)
+    assert ahead["tokens"] == plain["tokens"]
+    for row, d2d in ((ahead, 1.0), (plain, 0.0)):
+        pt = row["per_token"]
+        assert (pt["host_waits"], pt["h2d_copies"], pt["d2h_copies"]) == (1.0, 1.0, 1.0), pt
+        assert pt["d2d_copies"] == d2d, pt
