@@ -122,8 +122,10 @@ pub struct Plan {
     own_buffers: Vec<(usize, BufferId)>,
     pack: Vec<u8>,
     next_copy: usize,
-    /// Armed by [`Plan::feed`] for the next `compute` only.
-    feeds: Vec<Feed>,
+    /// Feeds resolved so far, by (input, output): a decode loop arms the same one every step.
+    resolved_feeds: Vec<(String, String, Feed)>,
+    /// Indices into `resolved_feeds` armed by [`Plan::feed`] for the next `compute` only.
+    feeds: Vec<usize>,
     n_nodes: usize,
     n_leafs: usize,
     placement: Vec<usize>,
@@ -439,6 +441,7 @@ impl Plan {
             own_buffers,
             pack: vec![0; pack_len],
             next_copy: 0,
+            resolved_feeds: Vec::new(),
             feeds: Vec::new(),
             n_nodes: graph.n_nodes(),
             n_leafs: graph.n_leafs(),
@@ -608,8 +611,20 @@ impl Plan {
     /// bytes. A decode step takes the token the previous step sampled without the host
     /// reading it first, so the host can queue step t+1 before it waits for token t.
     pub fn feed(&mut self, input: &str, output: &str) -> Result<()> {
-        let f = self.resolve_feed(input, output)?;
-        self.feeds.push(f);
+        let known = self
+            .resolved_feeds
+            .iter()
+            .position(|(i, o, _)| i == input && o == output);
+        let k = match known {
+            Some(k) => k,
+            None => {
+                let f = self.resolve_feed(input, output)?;
+                self.resolved_feeds
+                    .push((input.to_string(), output.to_string(), f));
+                self.resolved_feeds.len() - 1
+            }
+        };
+        self.feeds.push(k);
         Ok(())
     }
 
@@ -727,7 +742,7 @@ impl Plan {
                 }
             }
             if let Some((arena, bases, _)) = &sp.arena {
-                for f in &feeds {
+                for f in feeds.iter().map(|&k| &self.resolved_feeds[k].2) {
                     for &(_, off) in f.targets.iter().filter(|(fs, _)| *fs == s) {
                         be.copy_async(f.src.0, f.src.1, *arena, bases[c] + off, f.len)?;
                     }
