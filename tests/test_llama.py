@@ -123,14 +123,19 @@ def test_builtin_configs() -> None:
 def test_graph_counts_depend_only_on_context_constants() -> None:
     model = Llama.random(LlamaConfig(300, 64, 2, 4, 2, 96), seed=0)
     counts = set()
-    for n_tokens, n_out in [(1, 1), (4, 4), (4, 1), (32, 32), (32, 7)]:
+    for n_tokens, n_out in [(1, 2), (4, 4), (4, 1), (32, 32), (32, 7)]:
         g = model.build_graph(n_tokens, 65, n_out)
         counts.add((g.n_nodes, g.n_leafs))
     assert len(counts) == 1, counts
-    g = model.build_graph(4, 65, 4)
-    plan = ls.Context(["cpu"]).compile(g)
-    assert sorted(plan.inputs) == sorted(INPUTS)
-    assert sorted(plan.outputs) == ["logits", "next"]
+    # One token with one output: the same graph less the output-row selection (its only row is
+    # row 0), and the same inputs (`out_ids` is declared, not read).
+    ((nodes, leafs),) = counts
+    one = model.build_graph(1, 65, 1)
+    assert (one.n_nodes, one.n_leafs) == (nodes - 1, leafs)
+    for g in (model.build_graph(4, 65, 4), one):
+        plan = ls.Context(["cpu"]).compile(g)
+        assert sorted(plan.inputs) == sorted(INPUTS)
+        assert sorted(plan.outputs) == ["logits", "next"]
 
 
 # Per layer of the decode graph, what the CUDA backend launches (ARCHITECTURE: 5 per layer).
@@ -147,13 +152,14 @@ DECODE_LAYER_LAUNCHES = [
 def test_cuda_decode_plan_is_five_launches_per_layer_at_any_cache_size(n_ctx: int) -> None:
     """The decode graph's CUDA launches, worked out without a device (`cuda_fusion_plan`, on a
     plan compiled for `noop`: the same nodes; CUDA aligns scratch to 256 bytes, noop to 64):
-    the embedding row, five fused launches per layer, the final norm, the output row, the head
-    and argmax. The last layer's attention writes no scores (nothing reads them after the
-    graph), at a small cache and a large one alike."""
+    the embedding row, five fused launches per layer, the final norm, and the head with its
+    argmax (one launch; a one-token graph selects no output row). The last layer's attention
+    writes no scores (nothing reads them after the graph), at a small cache and a large one
+    alike."""
     model = Llama.random(LlamaConfig(300, 128, 3, 4, 2, 256), seed=0, dtype="f16")
     sess = ls.Session(model, backends=["noop"], n_ctx=n_ctx, n_ubatch=4, kv_dtype="f16")
     launches = sess.plans[0].cuda_fusion_plan()
-    head = ["fused norm_mul [rms_norm,mul]", "get_rows", "mul_mat", "argmax"]
+    head = ["fused norm_mul [rms_norm,mul]", "fused gemv+argmax [mul_mat,argmax]"]
     assert launches == ["get_rows", *DECODE_LAYER_LAUNCHES * 3, *head], launches
     with pytest.raises(ls.InputError, match="split 1 does not exist"):
         sess.plans[0].cuda_fusion_plan(1)

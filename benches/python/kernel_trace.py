@@ -61,8 +61,9 @@ def main() -> None:
         by_corr: dict[int, list[tuple[str, int, int, int]]] = defaultdict(list)
         for r in rows:
             by_corr[r[3]].append(r)
-        # Tokens: the decode steps' graph launches (prompt launches have other kernel counts).
-        sizes = [len(v) for v in by_corr.values()]
+        # Tokens: the decode steps' graph launches (prompt launches have other kernel counts;
+        # a prompt run eagerly, one kernel per launch, can outnumber them).
+        sizes = [len(v) for v in by_corr.values() if len(v) > 1] or [1]
         mode = statistics.mode(sizes)
         steps = [sorted(v, key=lambda r: r[1]) for v in by_corr.values() if len(v) == mode]
         print(

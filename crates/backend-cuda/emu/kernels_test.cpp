@@ -675,6 +675,63 @@ void test_mul_mat_vec_1() {
             }
 }
 
+// The head's product and argmax in one launch: the logits as `mul_mat_vec_1` writes them, the
+// index as `argmax` would give over them (ties, NaN rows, an all-NaN row), and the ticket back
+// at 0 — checked over two launches with one ticket.
+void test_mul_mat_vec_1_argmax() {
+    for (int wdt : {DT_F32, DT_F16, DT_BF16})
+        for (i64 N : {45, 203})
+            for (int kind = 0; kind < 4; ++kind) {
+                const i64 K = 2052;
+                const unsigned grid = (unsigned)((N + 7) / 8);
+                Buf x(DT_F32, K), w(wdt, N * K), d(DT_F32, N), am(DT_I32, 1), pv(DT_F32, grid),
+                    pi(DT_I32, grid);
+                unsigned ticket = 0;
+                x.rand();
+                w.rand(0.1f);
+                if (kind == 1) {  // ties: two equal rows, far apart, with the largest sums
+                    for (i64 k = 0; k < K; ++k) {
+                        const float v = x.get(k) > 0 ? 0.5f : -0.5f;
+                        w.set(3 * K + k, v);
+                        w.set((N - 2) * K + k, v);
+                    }
+                }
+                if (kind == 2) {  // NaN logits, the largest among them
+                    for (i64 j = 0; j < N; j += 3) w.set(j * K + 7, NAN);
+                }
+                if (kind == 3) x.set(5, NAN);  // every logit NaN
+                for (int rep = 0; rep < 2; ++rep) {
+                    ((int*)am.p())[0] = -1;
+                    launch(grid, 256, [&] {
+                        mul_mat_vec_1_argmax(N, K, (float*)d.p(), 1, (const float*)x.p(), w.p(), wdt, K, 1, 1,
+                                             (int*)am.p(), (float*)pv.p(), (int*)pi.p(), &ticket);
+                    });
+                    std::vector<double> want, got;
+                    i64 best = -1;
+                    for (i64 j = 0; j < N; ++j) {
+                        double acc = 0;
+                        for (i64 k = 0; k < K; ++k) acc += (double)x.get(k) * w.get(j * K + k);
+                        const float v = d.get(j);
+                        if (acc == acc) {
+                            want.push_back(acc);
+                            got.push_back(v);
+                        }
+                        if (v == v && (best < 0 || v > d.get(best))) best = j;
+                    }
+                    const std::string what = "mul_mat_vec_1_argmax w " + std::to_string(wdt) + " N " +
+                                             std::to_string(N) + " kind " + std::to_string(kind);
+                    check(what, want, got, 1e-10);
+                    const int want_i = best < 0 ? 0 : (int)best;
+                    const int got_i = ((int*)am.p())[0];
+                    if (got_i != want_i || ticket != 0 || (kind == 1 && got_i != 3)) {
+                        ++fails;
+                        printf("FAIL %s launch %d: index %d, want %d; ticket %u\n", what.c_str(), rep, got_i,
+                               want_i, ticket);
+                    }
+                }
+            }
+}
+
 void test_rope_rows() {
     for (int cdt : {DT_F32, DT_F16, DT_BF16})
         for (int neox : {0, 1})
@@ -1034,6 +1091,7 @@ int main() {
     test_attention();
     test_soft_max();
     test_argmax();
+    test_mul_mat_vec_1_argmax();
     printf("kernel emulation: %d failure(s)\n", fails);
     return fails != 0;
 }

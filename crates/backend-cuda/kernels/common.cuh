@@ -159,6 +159,26 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
+// Argmax order (the `argmax` kernel and decode's head): a larger value wins, the lower index
+// on ties, NaN below every number (an all-NaN row gives index 0).
+__device__ __forceinline__ bool better(float v, i64 i, float bv, i64 bi) {
+    bool vn = v != v, bn = bv != bv;
+    if (vn != bn) return bn;  // a number beats NaN
+    if (vn) return i < bi;
+    return v > bv || (v == bv && i < bi);
+}
+// The best of a warp's (value, index) pairs, in every lane (an xor butterfly; `better` is a
+// total order on distinct indices, so the result does not depend on the order). Indices
+// travel as 32-bit words: the host launches rows shorter than 2^31.
+__device__ __forceinline__ void argmax_warp(float& bv, i64& bi) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+        const i64 oi = (i64)__float_as_int(__shfl_xor_sync(0xffffffffu, __int_as_float((int)bi), off));
+        if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+}
+
 // Loads of data an earlier kernel writes, in code a rehearsal runs: cached in L2 only (the
 // point of coherence), never in L1.
 __device__ __forceinline__ float ld_cg(const float* p) { return __ldcg(p); }

@@ -261,13 +261,22 @@ extern "C" __global__ void mul_mat_vec_n8(i64 M, i64 N, i64 K, i64 nbatch, MmBat
 // so a 4 KB f16 row is one round trip; the first loads are issued before anything else. x comes
 // either from shared memory (`staged`: copied once per block with 16-byte loads, all in flight
 // at once) or straight from global memory through the read-only cache. The lanes' partial sums
-// meet in a fixed xor butterfly (deterministic).
+// meet in a fixed xor butterfly (deterministic). With AM, the argmax of the row follows
+// (`gemv1_argmax`; every warp of the block gets there).
 #define GV_WARPS 8
 #define GV_U 8
-template <int DT>
+// Where `mul_mat_vec_1_argmax` leaves its result and its blocks' partials.
+struct Gv1Argmax {
+    int* am;
+    float* part_v;
+    int* part_i;
+    unsigned* ticket;
+};
+__device__ __forceinline__ void gemv1_argmax(i64 N, bool active, i64 row, float acc, const Gv1Argmax& A);
+template <int DT, bool AM>
 __device__ __forceinline__ void gemv1_body(i64 N, i64 K, float* dst, i64 d_cs, const float* x,
                                            const void* w, i64 w_rs, float* xs, int staged,
-                                           int ahead) {
+                                           int ahead, const Gv1Argmax& A) {
     const int VW = DT == DT_F32 ? 4 : 8;
     const int ESZ = DT == DT_F32 ? 4 : 2;
     const int lane = threadIdx.x & 31;
@@ -288,32 +297,35 @@ __device__ __forceinline__ void gemv1_body(i64 N, i64 K, float* dst, i64 d_cs, c
         stage_row(xs, x, K, VW == 8);
         xr = xs;
     }
-    if (!active) return;
+    if (!AM && !active) return;
     float acc = 0.0f;
-    for (i64 v0 = 0; v0 < nvec; v0 += 32 * GV_U) {
-        if (v0 > 0) {
+    if (!AM || active) {  // warp-uniform
+        for (i64 v0 = 0; v0 < nvec; v0 += 32 * GV_U) {
+            if (v0 > 0) {
+#pragma unroll
+                for (int u = 0; u < GV_U; ++u) {
+                    const i64 v = v0 + lane + 32 * u;
+                    q[u] = v < nvec ? ld_weight(wv + v) : make_uint4(0, 0, 0, 0);
+                }
+            }
 #pragma unroll
             for (int u = 0; u < GV_U; ++u) {
                 const i64 v = v0 + lane + 32 * u;
-                q[u] = v < nvec ? ld_weight(wv + v) : make_uint4(0, 0, 0, 0);
+                if (v < nvec) {
+                    float f[VW], xa[VW];
+                    unpack16<DT>(q[u], f);
+                    decode_x<VW>(xr, v, nvec, staged, xa);
+#pragma unroll
+                    for (int e = 0; e < VW; ++e) acc = fmaf(xa[e], f[e], acc);
+                }
             }
         }
+        for (i64 kk = nvec * VW + lane; kk < K; kk += 32) acc = fmaf(xr[kk], ld(w, DT, row * w_rs + kk), acc);
 #pragma unroll
-        for (int u = 0; u < GV_U; ++u) {
-            const i64 v = v0 + lane + 32 * u;
-            if (v < nvec) {
-                float f[VW], xa[VW];
-                unpack16<DT>(q[u], f);
-                decode_x<VW>(xr, v, nvec, staged, xa);
-#pragma unroll
-                for (int e = 0; e < VW; ++e) acc = fmaf(xa[e], f[e], acc);
-            }
-        }
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (lane == 0) dst[row * d_cs] = acc;
     }
-    for (i64 kk = nvec * VW + lane; kk < K; kk += 32) acc = fmaf(xr[kk], ld(w, DT, row * w_rs + kk), acc);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) dst[row * d_cs] = acc;
+    if (AM) gemv1_argmax(N, active, row, acc, A);
 }
 
 extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) mul_mat_vec_1(
@@ -321,9 +333,74 @@ extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) mul_mat_vec_1(
     int staged, int ahead) {
     extern __shared__ float4 gv_smem[];
     float* xs = (float*)gv_smem;
+    const Gv1Argmax none = {};
     switch (dtw) {
-        case DT_F16: gemv1_body<DT_F16>(N, K, dst, d_cs, x, w, w_rs, xs, staged, ahead); break;
-        case DT_BF16: gemv1_body<DT_BF16>(N, K, dst, d_cs, x, w, w_rs, xs, staged, ahead); break;
-        default: gemv1_body<DT_F32>(N, K, dst, d_cs, x, w, w_rs, xs, staged, ahead); break;
+        case DT_F16: gemv1_body<DT_F16, false>(N, K, dst, d_cs, x, w, w_rs, xs, staged, ahead, none); break;
+        case DT_BF16: gemv1_body<DT_BF16, false>(N, K, dst, d_cs, x, w, w_rs, xs, staged, ahead, none); break;
+        default: gemv1_body<DT_F32, false>(N, K, dst, d_cs, x, w, w_rs, xs, staged, ahead, none); break;
+    }
+}
+
+// Decode's output head: `mul_mat_vec_1`'s product (N logits, one f32 row) and their argmax
+// (`better`) in one launch, instead of a second kernel that reads the row back with one block.
+// Each block leaves the best (value, index) of its rows in part_v / part_i[blockIdx.x]; the
+// block that takes the last ticket reduces those — in any order: `better` is a total order on
+// distinct indices, so the result is the `argmax` kernel's — writes the index to am (an
+// all-NaN row gives 0) and sets the ticket back to 0 for the next launch. The ticket is 0
+// before the launch (the host's invariant) and N < 2^31.
+__device__ __forceinline__ void gemv1_argmax(i64 N, bool active, i64 row, float acc, const Gv1Argmax& A) {
+    __shared__ float sv[GV_WARPS];
+    __shared__ int si[GV_WARPS];
+    __shared__ int last;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        sv[warp] = active ? acc : __int_as_float(0x7fc00000);
+        si[warp] = active ? (int)row : (int)N;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float bv = __int_as_float(0x7fc00000);
+        i64 bi = N;
+        for (int i = 0; i < GV_WARPS; ++i)
+            if (better(sv[i], si[i], bv, bi)) { bv = sv[i]; bi = si[i]; }
+        A.part_v[blockIdx.x] = bv;
+        A.part_i[blockIdx.x] = (int)bi;
+        __threadfence();  // the partial is visible before the ticket says so
+        last = atomicAdd(A.ticket, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    float bv = __int_as_float(0x7fc00000);
+    i64 bi = N;
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) {
+        const float v = __ldcg(A.part_v + b);
+        const i64 i = __ldcg(A.part_i + b);
+        if (better(v, i, bv, bi)) { bv = v; bi = i; }
+    }
+    argmax_warp(bv, bi);
+    if (lane == 0) {  // (thread 0 read sv / si before the barrier above)
+        sv[warp] = bv;
+        si[warp] = (int)bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < GV_WARPS; ++i)
+            if (better(sv[i], si[i], bv, bi)) { bv = sv[i]; bi = si[i]; }
+        A.am[0] = (bv != bv || bi >= N) ? 0 : (int)bi;
+        *A.ticket = 0u;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) mul_mat_vec_1_argmax(
+    i64 N, i64 K, float* dst, i64 d_cs, const float* x, const void* w, int dtw, i64 w_rs,
+    int staged, int ahead, int* am, float* part_v, int* part_i, unsigned* ticket) {
+    extern __shared__ float4 gv_smem[];
+    float* xs = (float*)gv_smem;
+    const Gv1Argmax A = {am, part_v, part_i, ticket};
+    switch (dtw) {
+        case DT_F16: gemv1_body<DT_F16, true>(N, K, dst, d_cs, x, w, w_rs, xs, staged, ahead, A); break;
+        case DT_BF16: gemv1_body<DT_BF16, true>(N, K, dst, d_cs, x, w, w_rs, xs, staged, ahead, A); break;
+        default: gemv1_body<DT_F32, true>(N, K, dst, d_cs, x, w, w_rs, xs, staged, ahead, A); break;
     }
 }

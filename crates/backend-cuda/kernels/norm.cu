@@ -59,14 +59,6 @@ extern "C" __global__ void soft_max(i64 rows, i64 len, Lay L, void* dst, int dtd
     }
 }
 
-// Index of the largest value, lowest index on ties, NaN below every number, all-NaN -> 0.
-// `L` st[0] = dst (i32) strides, st[1] = x strides.
-__device__ __forceinline__ bool better(float v, i64 i, float bv, i64 bi) {
-    bool vn = v != v, bn = bv != bv;
-    if (vn != bn) return bn;  // a number beats NaN
-    if (vn) return i < bi;
-    return v > bv || (v == bv && i < bi);
-}
 // A row's values of one thread: AM_U loads in flight before the comparisons (a decode step
 // waits on this row; ties go to the lower index, so the order of comparisons does not matter).
 #define AM_U 16
@@ -121,18 +113,8 @@ __device__ __forceinline__ void argmax_part_v4(const float* x, int len, float& b
     }
 }
 
-// The best of a warp's (value, index) pairs, in every lane (an xor butterfly; `better` is a
-// total order on distinct indices, so the result does not depend on the order). Indices
-// travel as 32-bit words: the host launches rows shorter than 2^31.
-__device__ __forceinline__ void argmax_warp(float& bv, i64& bi) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-        const i64 oi = (i64)__float_as_int(__shfl_xor_sync(0xffffffffu, __int_as_float((int)bi), off));
-        if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-    }
-}
-
+// Index of the largest value of each row (`better`). `L` st[0] = dst (i32) strides, st[1] = x
+// strides.
 extern "C" __global__ void __launch_bounds__(1024) argmax(i64 rows, i64 len, Lay L, int* dst, const void* x, int dtx,
                                   i64 x_cs) {
     pdl_entry();

@@ -34,7 +34,7 @@ use crate::capture::{Action, GraphCache};
 use crate::driver::{CuCtx, CuDriver, CuEvent, CuTimedEvent};
 use crate::kernels::Modules;
 use crate::matmul::Blas;
-use crate::memory::{Buffers, DevBuf, Pinned, ALIGNMENT};
+use crate::memory::{Buffers, DevBuf, HeadWork, Pinned, ALIGNMENT};
 use crate::ops::{Exec, Scratch};
 use crate::staging::{ChunkMem, Staging};
 use crate::tickets::{SyncElision, TicketStream};
@@ -237,6 +237,8 @@ pub(crate) struct Inner {
     /// Host-mapped word kernels write a tag into on a bad index.
     pub(crate) err_word: Pinned,
     pub(crate) err_tags: Mutex<ErrTags>,
+    /// The ticket and partials of kernels that elect a last block.
+    pub(crate) head_work: HeadWork,
     gates: Mutex<GateWords>,
     pub(crate) cfg: CudaConfig,
     /// Kernels are launched with programmatic dependent launch (`cfg.pdl` on a device that
@@ -575,6 +577,7 @@ impl CudaBackend {
                 },
             );
             let err_word = Pinned::mapped(64)?;
+            let head_work = HeadWork::new()?;
             Ok(Inner {
                 name: name.to_string(),
                 ordinal,
@@ -588,6 +591,7 @@ impl CudaBackend {
                 blas: Mutex::new(None),
                 err_word,
                 err_tags: Mutex::new(ErrTags::default()),
+                head_work,
                 gates: Mutex::new(GateWords::default()),
                 pdl: cfg.pdl && major >= 9,
                 sms: sms.max(1) as usize,

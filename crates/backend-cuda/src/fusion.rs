@@ -132,6 +132,12 @@ pub(crate) enum Kind {
         rows: usize,
         plain: Option<usize>,
     },
+    /// Decode's output head: a one-row product (the `mul_mat_vec_1` shape) and the `Argmax`
+    /// of its result, one launch (`mul_mat_vec_1_argmax`).
+    HeadArgmax {
+        mm: usize,
+        argmax: usize,
+    },
     /// `scores`: the raw `q @ K^T` must be written (something may read it later).
     Attention {
         kq: usize,
@@ -191,6 +197,7 @@ impl Kind {
                 .chain(*swiglu)
                 .chain(norm.iter().flat_map(|n| [n.norm, n.mul]))
                 .collect(),
+            Kind::HeadArgmax { mm, argmax } => vec![*mm, *argmax],
             Kind::RopeRows { rope, rows, plain } => std::iter::once(*rope)
                 .chain([*rows])
                 .chain(*plain)
@@ -264,6 +271,7 @@ pub(crate) fn describe(graph: &ExecGraph, mmv_max_m: Option<usize>) -> Vec<Strin
                         if has_tails(segs) { "+tails" } else { "" },
                     ),
                     Kind::RopeRows { .. } => "rope_rows".to_string(),
+                    Kind::HeadArgmax { .. } => "gemv+argmax".to_string(),
                     Kind::Attention { cpy, scores, .. } => format!(
                         "attention{}{}",
                         if cpy.is_some() { "+cpy" } else { "" },
@@ -304,7 +312,9 @@ pub(crate) fn plan(nodes: &Nodes<'_>, mmv_max_m: Option<usize>) -> Vec<Step> {
             Op::RmsNorm { .. } => {
                 norm_gemv(nodes, i, &used, mmv_max_m).or_else(|| norm_mul(nodes, i, &used))
             }
-            Op::MulMat => attention(nodes, i, &used).or_else(|| gemv(nodes, i, &used, mmv_max_m)),
+            Op::MulMat => attention(nodes, i, &used)
+                .or_else(|| gemv(nodes, i, &used, mmv_max_m))
+                .or_else(|| head_argmax(nodes, i, &used, mmv_max_m)),
             Op::Rope { .. } => rope_rows(nodes, i, &used),
             _ => None,
         };
@@ -492,6 +502,13 @@ fn footprint<'a>(nodes: &'a Nodes<'_>, kind: &Kind) -> Option<Footprint<'a>> {
             if let Some(s) = swiglu {
                 writes.push((*s, &nodes[*s].dst, Lane::Elem(0)));
             }
+        }
+        Kind::HeadArgmax { mm, argmax } => {
+            let m = &nodes[*mm];
+            reads.push((m.srcs.first()?, Lane::Any));
+            reads.push((m.srcs.get(1)?, Lane::Any));
+            writes.push((*mm, &m.dst, Lane::Any));
+            writes.push((*argmax, &nodes[*argmax].dst, Lane::Any));
         }
         Kind::RopeRows { rope, rows, plain } => {
             let r = &nodes[*rope];
@@ -741,6 +758,42 @@ fn gemv(nodes: &Nodes<'_>, i: usize, used: &[bool], mmv_max_m: Option<usize>) ->
     gemv_kind(nodes, i, used, mmv_max_m, None).map(Group::new)
 }
 
+/// Decode's output head: a lone one-row product (no group of its own) whose result is read by
+/// the `Argmax` after it, taken as one launch (`Kind::HeadArgmax`). The argmax's row is the
+/// product's whole result ([1, n], n below 2^31) and its result one i32.
+fn head_argmax(
+    nodes: &Nodes<'_>,
+    i: usize,
+    used: &[bool],
+    mmv_max_m: Option<usize>,
+) -> Option<Group> {
+    let j = argmax_of(nodes, i, used, mmv_max_m)?;
+    fits(nodes, Kind::HeadArgmax { mm: i, argmax: j })
+}
+
+/// The `Argmax` that `head_argmax` would take with product `i`: the first later node reading
+/// the product's result.
+fn argmax_of(
+    nodes: &[ExecNode],
+    i: usize,
+    used: &[bool],
+    mmv_max_m: Option<usize>,
+) -> Option<usize> {
+    let (m, _, n) = gemv_dims(&nodes[i], mmv_max_m)?;
+    let out = &nodes[i].dst;
+    if m != 1 || n > i32::MAX as usize || !out.is_contiguous() {
+        return None;
+    }
+    let j = later(nodes, i, used).find(|&j| nodes[j].srcs.iter().any(|s| overlap(s, out)))?;
+    let am = &nodes[j];
+    let ok = am.op == Op::Argmax
+        && am.srcs.len() == 1
+        && am.srcs[0] == *out
+        && am.dst.dtype == DType::I32
+        && am.dst.numel() == 1;
+    ok.then_some(j)
+}
+
 /// The products of `gemv` (with the norm prologue `norm`, whose nodes `used` marks, a single
 /// product without an Add is a group too).
 fn gemv_kind(
@@ -927,6 +980,18 @@ fn norm_gemv(
         .find(|&j| nodes[j].op == Op::MulMat && nodes[j].srcs.first() == Some(md))?;
     let pro = NormPro { norm, mul };
     let kind = gemv_kind(nodes, first, &taken, mmv_max_m, Some(pro))?;
+    if let Kind::Gemv {
+        segs, swiglu: None, ..
+    } = &kind
+    {
+        // A lone product whose argmax follows (decode's head): the product takes its argmax
+        // rather than the norm (`head_argmax`), which saves the same launch and keeps the
+        // head on the one-row kernel.
+        let lone = segs.len() == 1 && segs[0].add.is_none() && !has_tails(segs);
+        if lone && argmax_of(nodes, first, &taken, mmv_max_m).is_some() {
+            return None;
+        }
+    }
     fits(nodes, kind)
 }
 
@@ -1200,6 +1265,14 @@ fn launch(exec: &mut Exec<'_>, nodes: &Nodes<'_>, kind: &Kind) -> Result<()> {
     match kind {
         Kind::NormMul { norm, mul } => launch_norm_mul(exec, &nodes[*norm], &nodes[*mul]),
         Kind::Gemv { segs, swiglu, norm } => launch_gemv(exec, nodes, segs, *swiglu, *norm),
+        Kind::HeadArgmax { mm, argmax } => {
+            let (mm, argmax) = (&nodes[*mm], &nodes[*argmax]);
+            if !matmul::run_vec1_argmax(exec, mm, argmax)? {
+                exec.run(mm)?;
+                exec.run(argmax)?;
+            }
+            Ok(())
+        }
         Kind::RopeRows { rope, rows, plain } => {
             launch_rope_rows(exec, &nodes[*rope], &nodes[*rows], plain.map(|p| &nodes[p]))
         }
@@ -2050,6 +2123,78 @@ mod tests {
                 "{kv}"
             );
         }
+    }
+
+    /// llama.py's head at one token: the final norm (its own launch: the head is many waves),
+    /// the product with the output weight, its argmax.
+    fn head(rows: usize) -> Vec<ExecNode> {
+        let (x, h) = (act(0, &[rows, 64]), act(1024, &[rows, 64]));
+        vec![
+            node(NORM, h.clone(), vec![x]),
+            node(
+                Op::Mul,
+                h.clone(),
+                vec![h.clone(), packed(10, 0, DType::F32, &[64])],
+            ),
+            node(
+                Op::MulMat,
+                act(4096, &[rows, 300]),
+                vec![h, wt(20, DType::F16, 64, 300)],
+            ),
+            node(
+                Op::Argmax,
+                packed(INPUTS, 0, DType::I32, &[rows]),
+                vec![act(4096, &[rows, 300])],
+            ),
+        ]
+    }
+
+    #[test]
+    fn the_head_and_its_argmax_are_one_launch() {
+        let want = vec![
+            fused(Kind::NormMul { norm: 0, mul: 1 }),
+            fused(Kind::HeadArgmax { mm: 2, argmax: 3 }),
+        ];
+        assert_eq!(plan(&head(1), None), want);
+        // Otherwise the argmax runs on its own (the product may still take the norm).
+        let alone = |steps: &[Step], am: usize| {
+            steps.contains(&Step::Node(am))
+                && !steps.iter().any(|s| {
+                    matches!(
+                        s,
+                        Step::Fused(Group {
+                            kind: Kind::HeadArgmax { .. },
+                            ..
+                        })
+                    )
+                })
+        };
+        // Two rows: two indices, not the one-row kernel's.
+        assert!(alone(&plan(&head(2), None), 3));
+        // cuBLAS for the product (no matrix-vector kernel at all).
+        assert!(alone(&plan(&head(1), Some(0)), 3));
+        // The argmax of something else, or of a part of the logits.
+        let mut other = head(1);
+        other[3].srcs[0].byte_offset += 4;
+        other[3].srcs[0].shape = vec![1, 299];
+        assert!(alone(&plan(&other, None), 3));
+        // A node between them that writes the logits runs between them.
+        let mut between = head(1);
+        let fill = node(
+            Op::Scale { scale: 2.0 },
+            act(4096, &[1, 300]),
+            vec![act(4096, &[1, 300])],
+        );
+        between.insert(3, fill);
+        let steps = plan(&between, None);
+        assert!(
+            alone(&steps, 4) && steps.ends_with(&[Step::Node(3), Step::Node(4)]),
+            "{steps:?}"
+        );
+        // The index overlapping the activation the product reads.
+        let mut clobber = head(1);
+        clobber[3].dst = packed(ACT, 1024, DType::I32, &[1]);
+        assert!(alone(&plan(&clobber, None), 3));
     }
 
     #[test]

@@ -59,6 +59,7 @@ pub(crate) enum Kernel {
     MulMatVecN,
     MulMatVecN8,
     MulMatVec1,
+    MulMatVec1Argmax,
     RmsNormMul,
     FusedGemv,
     FusedGemv8,
@@ -72,7 +73,7 @@ pub(crate) enum Kernel {
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 25] = [
+    pub(crate) const ALL: [Kernel; 26] = [
         Kernel::EwUnary,
         Kernel::EwBinary,
         Kernel::CopyStrided,
@@ -89,6 +90,7 @@ impl Kernel {
         Kernel::MulMatVecN,
         Kernel::MulMatVecN8,
         Kernel::MulMatVec1,
+        Kernel::MulMatVec1Argmax,
         Kernel::RmsNormMul,
         Kernel::FusedGemv,
         Kernel::FusedGemv8,
@@ -113,7 +115,8 @@ impl Kernel {
             | Kernel::MulMatVecK4
             | Kernel::MulMatVecN
             | Kernel::MulMatVecN8
-            | Kernel::MulMatVec1 => "matmul",
+            | Kernel::MulMatVec1
+            | Kernel::MulMatVec1Argmax => "matmul",
             Kernel::RmsNormMul
             | Kernel::FusedGemv
             | Kernel::FusedGemv8
@@ -144,6 +147,7 @@ impl Kernel {
             Kernel::MulMatVecN => "mul_mat_vec_n",
             Kernel::MulMatVecN8 => "mul_mat_vec_n8",
             Kernel::MulMatVec1 => "mul_mat_vec_1",
+            Kernel::MulMatVec1Argmax => "mul_mat_vec_1_argmax",
             Kernel::RmsNormMul => "rms_norm_mul",
             Kernel::FusedGemv => "fused_gemv",
             Kernel::FusedGemv8 => "fused_gemv8",

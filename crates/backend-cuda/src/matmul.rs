@@ -40,6 +40,7 @@ use lowsync_graph::DType;
 use crate::backend::DecodeGemv;
 use crate::driver::CuDriver;
 use crate::kernels::Kernel;
+use crate::memory::HEAD_BLOCKS;
 use crate::ops::{dt, float_dst, float_src, kernel_err, packed, Args, Dev, Exec};
 use crate::tickets::{Counted, TicketStream};
 
@@ -549,6 +550,91 @@ pub(crate) fn run(
     Ok(())
 }
 
+/// A launch of `mul_mat_vec_1` (or its argmax variant, which takes the same first arguments).
+struct Vec1 {
+    grid: u32,
+    shared: u32,
+    args: Args,
+}
+
+/// Decode's product — one f32 activation row (`a` as run, after any conversion) against a
+/// weight with contiguous, 16-byte aligned rows — as a `mul_mat_vec_1` launch; `None` when the
+/// product does not take that kernel.
+fn vec1(ex: &Exec<'_>, node: &ExecNode, plan: &Plan, dst: &Dev, a: &Dev, b: &Dev) -> Option<Vec1> {
+    let (m, n, k) = (plan.m, plan.n, plan.k);
+    let (ra, rb, rd) = (a.rank(), b.rank(), dst.rank());
+    let a_ks = a.strides[ra - 1];
+    let b_ns = b.strides[rb - 1];
+    let d_cs = dst.strides[rd - 1];
+    let cfg = &ex.inner.cfg;
+    let ok = plan.route == Route::VecK
+        && m == 1
+        && cfg.decode_gemv != DecodeGemv::Off
+        && plan.batch.iter().product::<usize>() == 1
+        && dst.dtype == DType::F32
+        && a.dtype == DType::F32
+        && (k * 4 <= GEMV1_MAX_SHARED || cfg.decode_gemv == DecodeGemv::GlobalX)
+        && aligned(b.ptr, b.dtype.size_bytes(), &[b_ns as i64], 16)
+        && a.ptr.is_multiple_of(16)
+        && (a_ks == 1 || k == 1);
+    if !ok {
+        return None;
+    }
+    let staged = cfg.decode_gemv == DecodeGemv::SharedX;
+    let args = Args::new()
+        .arg(n as i64)
+        .arg(k as i64)
+        .arg(dst.ptr)
+        .arg(d_cs as i64)
+        .arg(a.ptr)
+        .arg(b.ptr)
+        .arg(dt(b.dtype))
+        .arg(b_ns as i64)
+        .arg(staged as i32)
+        .arg(ex.read_ahead(&node.srcs[1]) as i32);
+    Some(Vec1 {
+        grid: n.div_ceil(GEMV1_WARPS).clamp(1, i32::MAX as usize) as u32,
+        shared: if staged { (k * 4) as u32 } else { 0 },
+        args,
+    })
+}
+
+/// Decode's output head: product `mm` and the `Argmax` node `am` of its result as one
+/// `mul_mat_vec_1_argmax` launch. `Ok(false)` (nothing queued) when the product does not take
+/// `mul_mat_vec_1` as it stands; the caller then runs both nodes on their own.
+pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Result<bool> {
+    let dst = ex.resolve(&mm.dst)?;
+    let a = ex.resolve(&mm.srcs[0])?;
+    let b = ex.resolve(&mm.srcs[1])?;
+    let idx = ex.resolve(&am.dst)?;
+    let plan = plan(mm, &dst, &a, &b, ex.inner.cfg.mmv_max_m)?;
+    let fits = !plan.convert_a
+        && plan.k > 0
+        && plan.n.div_ceil(GEMV1_WARPS) <= HEAD_BLOCKS
+        && idx.dtype == DType::I32
+        && idx.numel() == 1;
+    let Some(v1) = fits.then(|| vec1(ex, mm, &plan, &dst, &a, &b)).flatten() else {
+        return Ok(false);
+    };
+    let work = &ex.inner.head_work;
+    let (part_v, part_i) = work.partials();
+    let args = v1
+        .args
+        .arg(idx.ptr)
+        .arg(part_v)
+        .arg(part_i)
+        .arg(work.ticket());
+    ex.launch_shared(
+        mm,
+        Kernel::MulMatVec1Argmax,
+        v1.grid,
+        (GEMV1_WARPS * 32) as u32,
+        v1.shared,
+        args,
+    )?;
+    Ok(true)
+}
+
 /// Queues `dst = a @ b` as one launch of a matrix-vector kernel (`plan.route` is not Blas).
 fn run_vec(
     ex: &Exec<'_>,
@@ -594,39 +680,17 @@ fn run_vec(
         .arg(d_cs as i64)
         .arg(a.ptr)
         .arg(a_rs as i64);
+    if let Some(v1) = vec1(ex, node, plan, dst, &a, b) {
+        return ex.launch_shared(
+            node,
+            Kernel::MulMatVec1,
+            v1.grid,
+            (GEMV1_WARPS * 32) as u32,
+            v1.shared,
+            v1.args,
+        );
+    }
     match plan.route {
-        Route::VecK
-            if m == 1
-                && ex.inner.cfg.decode_gemv != DecodeGemv::Off
-                && nbatch == 1
-                && dst.dtype == DType::F32
-                && (k * 4 <= GEMV1_MAX_SHARED
-                    || ex.inner.cfg.decode_gemv == DecodeGemv::GlobalX)
-                && aligned(b.ptr, esz, &[b_ns as i64], 16)
-                && a.ptr.is_multiple_of(16)
-                && (a_ks == 1 || k == 1) =>
-        {
-            // Decode's product: one activation row against a weight with contiguous rows.
-            let args = Args::new()
-                .arg(n as i64)
-                .arg(k as i64)
-                .arg(dst.ptr)
-                .arg(d_cs as i64)
-                .arg(a.ptr)
-                .arg(b.ptr)
-                .arg(dt(b.dtype))
-                .arg(b_ns as i64);
-            let staged = ex.inner.cfg.decode_gemv == DecodeGemv::SharedX;
-            let ahead = ex.read_ahead(&node.srcs[1]);
-            ex.launch_shared(
-                node,
-                Kernel::MulMatVec1,
-                grid(n.div_ceil(GEMV1_WARPS)),
-                (GEMV1_WARPS * 32) as u32,
-                if staged { (k * 4) as u32 } else { 0 },
-                args.arg(staged as i32).arg(ahead as i32),
-            )
-        }
         Route::VecK => {
             let g = mmv_group(k, 16 / esz);
             let mut bs: Vec<i64> = mb.st[2][..nd].to_vec();

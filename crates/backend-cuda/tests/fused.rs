@@ -440,6 +440,36 @@ fn product_and_residual_add_are_one_launch() {
 }
 
 #[test]
+fn the_head_product_and_its_argmax_are_one_launch() {
+    let mut rng = Rng::new(41);
+    for wdt in FLOATS {
+        // A vocabulary of one block and one of thousands (the ticket elects the last block).
+        for vocab in [300, 32003] {
+            let mut c = Case::default();
+            let h = c.tensor(DType::F32, &[1, 256]);
+            c.rand(&mut rng, &h, 1.0);
+            let w = weight(&mut c, &mut rng, wdt, 256, vocab);
+            let logits = c.tensor(DType::F32, &[1, vocab]);
+            let next = c.tensor(DType::I32, &[1]);
+            c.node(Op::MulMat, &logits, &[&h, &w]);
+            c.node(Op::Argmax, &next, &[&logits]);
+            let test = format!("head {wdt} vocab {vocab}");
+            let Some((off, _)) = on_gpu(&test, &c, false) else {
+                return;
+            };
+            let (on, _) = on_gpu(&test, &c, true).expect("the device is still there");
+            assert_eq!(
+                values(&on, &logits),
+                values(&off, &logits),
+                "{test}: the same kernel arithmetic, so the same logits"
+            );
+            assert_eq!(values(&on, &next), values(&off, &next), "{test}: index");
+            assert!(check(&test, &c, &[("logits", &logits)], 1));
+        }
+    }
+}
+
+#[test]
 fn rope_and_cache_rows_are_one_launch() {
     let mut rng = Rng::new(35);
     let (n_kv, hd, n_ctx) = (2, 64, 24);

@@ -13,7 +13,8 @@ projection is `x @ w.T` over a transposed view and no weight is copied or transp
 - inputs (written by the host every step): `tokens` i32 [T], `pos` i32 [T], `kv_idx` i32 [T]
   (the KV-cache row each token's K and V are written to, with `set_rows`), `kq_mask` f32
   [T, n_ctx] (0 where a token may attend a cache row, -inf elsewhere; a fully masked row gives
-  zeros) and `out_ids` i32 [n_out] (the token rows whose logits are computed);
+  zeros) and `out_ids` i32 [n_out] (the token rows whose logits are computed; a one-token
+  graph with one output has only row 0 and does not read it);
 - persistent state: per layer `cache_k_l{i}` and `cache_v_l{i}`, [n_ctx, n_head_kv * head_dim];
 - outputs: `logits` f32 [n_out, n_vocab] and `next` i32 [n_out], the greedy token of each output
   row (argmax on the device, so a decode step reads back 4 bytes).
@@ -387,7 +388,9 @@ class _GraphBuilder:
             x = x + self.linear(ff, p + "ffn_down")
 
         x = self.norm(x, "output_norm.weight")
-        rows = g.get_rows(x, out_ids)  # [n_out, d]
+        # One token, one output: the row is x itself (decode's head then starts with the product,
+        # which the CUDA backend runs together with its argmax).
+        rows = x if t == 1 and self.n_out == 1 else g.get_rows(x, out_ids)  # [n_out, d]
         out_name = "token_embd" if cfg.tied_embeddings else "output"
         logits = self.linear(rows, out_name)  # [n_out, n_vocab]
         g.output(OUTPUT_LOGITS, logits)
