@@ -153,13 +153,14 @@ def test_cuda_decode_plan_is_five_launches_per_layer_at_any_cache_size(n_ctx: in
     """The decode graph's CUDA launches, worked out without a device (`cuda_fusion_plan`, on a
     plan compiled for `noop`: the same nodes; CUDA aligns scratch to 256 bytes, noop to 64):
     the embedding row, five fused launches per layer, the final norm, and the head with its
-    argmax (one launch; a one-token graph selects no output row). The last layer's attention
+    argmax folded in and the one-thread take of the index (a one-token graph selects no output
+    row, and no kernel reads the logits back). The last layer's attention
     writes no scores (nothing reads them after the graph), at a small cache and a large one
     alike."""
     model = Llama.random(LlamaConfig(300, 128, 3, 4, 2, 256), seed=0, dtype="f16")
     sess = ls.Session(model, backends=["noop"], n_ctx=n_ctx, n_ubatch=4, kv_dtype="f16")
     launches = sess.plans[0].cuda_fusion_plan()
-    head = ["fused norm_mul [rms_norm,mul]", "fused gemv+argmax [mul_mat,argmax]"]
+    head = ["fused norm_mul [rms_norm,mul]", "fused gemv+argmax [mul_mat,argmax]", "argmax_take"]
     assert launches == ["get_rows", *DECODE_LAYER_LAUNCHES * 3, *head], launches
     with pytest.raises(ls.InputError, match="split 1 does not exist"):
         sess.plans[0].cuda_fusion_plan(1)

@@ -141,10 +141,13 @@ inline unsigned __ballot_sync(unsigned, int pred) {
     return r;
 }
 inline int __any_sync(unsigned m, int pred) { return __ballot_sync(m, pred) != 0; }
-inline unsigned atomicAdd(unsigned* p, unsigned val) {
-    return std::atomic_ref<unsigned>(*p).fetch_add(val);
+inline unsigned long long atomicMax(unsigned long long* p, unsigned long long val) {
+    std::atomic_ref<unsigned long long> a(*p);
+    unsigned long long old = a.load();
+    while (old < val && !a.compare_exchange_weak(old, val)) {
+    }
+    return old;
 }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline unsigned atomicCAS(unsigned* p, unsigned cmp, unsigned val) {
     std::atomic_ref<unsigned> a(*p);
     unsigned c = cmp;

@@ -26,6 +26,10 @@
 //!   trip instead of two; masked rows' values are never used). A window longer than one chunk
 //!   with a mask, whose scores and p are dead, takes `attn_fast_long`: it lists the valid keys
 //!   first (2048 mask entries per round trip), so masked keys cost nothing.
+//! - `MulMat` of one row -> `Argmax` of its whole result (decode's head): each block of the
+//!   product folds the best (value, row) of its rows, as a 64-bit key, into one device word
+//!   with an integer atomic max (order-independent, so deterministic); a one-thread
+//!   `argmax_take` turns the word into the index and zeroes it. No kernel reads the logits back.
 //!
 //! Each kernel has exact preconditions (dtypes, ranks, contiguity, at most
 //! [`matmul::mmv_max_m`] activation rows, head_dim <= [`ATT_MAX_D`], ...); nodes that miss one
@@ -133,7 +137,8 @@ pub(crate) enum Kind {
         plain: Option<usize>,
     },
     /// Decode's output head: a one-row product (the `mul_mat_vec_1` shape) and the `Argmax`
-    /// of its result, one launch (`mul_mat_vec_1_argmax`).
+    /// of its result: the argmax folded into the product's launch (`mul_mat_vec_1_argmax`),
+    /// then a one-thread `argmax_take` instead of a kernel that reads the logits back.
     HeadArgmax {
         mm: usize,
         argmax: usize,
@@ -257,8 +262,8 @@ pub(crate) fn describe(graph: &ExecGraph, mmv_max_m: Option<usize>) -> Vec<Strin
     };
     plan(&nodes, mmv_max_m)
         .into_iter()
-        .map(|step| match step {
-            Step::Node(i) => nodes[i].op.name().to_string(),
+        .flat_map(|step| match step {
+            Step::Node(i) => vec![nodes[i].op.name().to_string()],
             Step::Fused(g) => {
                 let kind = match &g.kind {
                     Kind::NormMul { .. } => "norm_mul".to_string(),
@@ -278,7 +283,12 @@ pub(crate) fn describe(graph: &ExecGraph, mmv_max_m: Option<usize>) -> Vec<Strin
                         if *scores { "+scores" } else { "" },
                     ),
                 };
-                format!("fused {kind} [{}]", ops(&g.nodes))
+                let mut lines = vec![format!("fused {kind} [{}]", ops(&g.nodes))];
+                if matches!(g.kind, Kind::HeadArgmax { .. }) {
+                    // The one-thread take of the index the product's blocks folded.
+                    lines.push("argmax_take".to_string());
+                }
+                lines
             }
         })
         .collect()
@@ -759,8 +769,8 @@ fn gemv(nodes: &Nodes<'_>, i: usize, used: &[bool], mmv_max_m: Option<usize>) ->
 }
 
 /// Decode's output head: a lone one-row product (no group of its own) whose result is read by
-/// the `Argmax` after it, taken as one launch (`Kind::HeadArgmax`). The argmax's row is the
-/// product's whole result ([1, n], n below 2^31) and its result one i32.
+/// the `Argmax` after it (`Kind::HeadArgmax`). The argmax's row is the product's whole result
+/// ([1, n], n below 2^31) and its result one i32.
 fn head_argmax(
     nodes: &Nodes<'_>,
     i: usize,

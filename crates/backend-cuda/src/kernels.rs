@@ -60,6 +60,7 @@ pub(crate) enum Kernel {
     MulMatVecN8,
     MulMatVec1,
     MulMatVec1Argmax,
+    ArgmaxTake,
     RmsNormMul,
     FusedGemv,
     FusedGemv8,
@@ -73,7 +74,7 @@ pub(crate) enum Kernel {
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 26] = [
+    pub(crate) const ALL: [Kernel; 27] = [
         Kernel::EwUnary,
         Kernel::EwBinary,
         Kernel::CopyStrided,
@@ -91,6 +92,7 @@ impl Kernel {
         Kernel::MulMatVecN8,
         Kernel::MulMatVec1,
         Kernel::MulMatVec1Argmax,
+        Kernel::ArgmaxTake,
         Kernel::RmsNormMul,
         Kernel::FusedGemv,
         Kernel::FusedGemv8,
@@ -116,7 +118,8 @@ impl Kernel {
             | Kernel::MulMatVecN
             | Kernel::MulMatVecN8
             | Kernel::MulMatVec1
-            | Kernel::MulMatVec1Argmax => "matmul",
+            | Kernel::MulMatVec1Argmax
+            | Kernel::ArgmaxTake => "matmul",
             Kernel::RmsNormMul
             | Kernel::FusedGemv
             | Kernel::FusedGemv8
@@ -148,6 +151,7 @@ impl Kernel {
             Kernel::MulMatVecN8 => "mul_mat_vec_n8",
             Kernel::MulMatVec1 => "mul_mat_vec_1",
             Kernel::MulMatVec1Argmax => "mul_mat_vec_1_argmax",
+            Kernel::ArgmaxTake => "argmax_take",
             Kernel::RmsNormMul => "rms_norm_mul",
             Kernel::FusedGemv => "fused_gemv",
             Kernel::FusedGemv8 => "fused_gemv8",

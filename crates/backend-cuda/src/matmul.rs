@@ -40,7 +40,6 @@ use lowsync_graph::DType;
 use crate::backend::DecodeGemv;
 use crate::driver::CuDriver;
 use crate::kernels::Kernel;
-use crate::memory::HEAD_BLOCKS;
 use crate::ops::{dt, float_dst, float_src, kernel_err, packed, Args, Dev, Exec};
 use crate::tickets::{Counted, TicketStream};
 
@@ -599,9 +598,10 @@ fn vec1(ex: &Exec<'_>, node: &ExecNode, plan: &Plan, dst: &Dev, a: &Dev, b: &Dev
     })
 }
 
-/// Decode's output head: product `mm` and the `Argmax` node `am` of its result as one
-/// `mul_mat_vec_1_argmax` launch. `Ok(false)` (nothing queued) when the product does not take
-/// `mul_mat_vec_1` as it stands; the caller then runs both nodes on their own.
+/// Decode's output head: product `mm` and the `Argmax` node `am` of its result as a
+/// `mul_mat_vec_1_argmax` launch (the argmax folded into the product's blocks) and a one-thread
+/// `argmax_take`. `Ok(false)` (nothing queued) when the product does not take `mul_mat_vec_1`
+/// as it stands; the caller then runs both nodes on their own.
 pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Result<bool> {
     let dst = ex.resolve(&mm.dst)?;
     let a = ex.resolve(&mm.srcs[0])?;
@@ -610,27 +610,27 @@ pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Re
     let plan = plan(mm, &dst, &a, &b, ex.inner.cfg.mmv_max_m)?;
     let fits = !plan.convert_a
         && plan.k > 0
-        && plan.n.div_ceil(GEMV1_WARPS) <= HEAD_BLOCKS
+        && plan.n <= i32::MAX as usize
         && idx.dtype == DType::I32
         && idx.numel() == 1;
     let Some(v1) = fits.then(|| vec1(ex, mm, &plan, &dst, &a, &b)).flatten() else {
         return Ok(false);
     };
-    let work = &ex.inner.head_work;
-    let (part_v, part_i) = work.partials();
-    let args = v1
-        .args
-        .arg(idx.ptr)
-        .arg(part_v)
-        .arg(part_i)
-        .arg(work.ticket());
+    let key = ex.inner.head_work.key();
     ex.launch_shared(
         mm,
         Kernel::MulMatVec1Argmax,
         v1.grid,
         (GEMV1_WARPS * 32) as u32,
         v1.shared,
-        args,
+        v1.args.arg(key),
+    )?;
+    ex.launch(
+        am,
+        Kernel::ArgmaxTake,
+        1,
+        32,
+        Args::new().arg(key).arg(idx.ptr),
     )?;
     Ok(true)
 }

@@ -246,50 +246,34 @@ impl Drop for Pinned {
     }
 }
 
-/// The device memory of kernels that elect a last block (`mul_mat_vec_1_argmax`): a ticket
-/// word, zero between launches (each launch sets it back), and room for the per-block partials
-/// of up to [`HEAD_BLOCKS`] blocks. Allocated and zeroed once at open, so such a kernel never
-/// asks for scratch (whose growth would bump the memory generation and re-capture graphs).
+/// The argmax key of decode's head (`mul_mat_vec_1_argmax` folds its blocks' keys into it,
+/// `argmax_take` reads it and sets it back to 0): one device word, allocated and zeroed once at
+/// open, so the head never asks for scratch (whose growth would bump the memory generation and
+/// re-capture graphs).
 pub(crate) struct HeadWork {
     ptr: u64,
 }
 
-/// Blocks whose partials [`HeadWork`] holds (a `mul_mat_vec_1_argmax` grid: 8 rows per block,
-/// so vocabularies up to 524,288 rows).
-pub(crate) const HEAD_BLOCKS: usize = 65_536;
-
-// SAFETY: a device address; kernels on the owning stream use it, one launch at a time.
+// SAFETY: a device address; kernels on the owning stream use it, one head at a time.
 unsafe impl Send for HeadWork {}
 unsafe impl Sync for HeadWork {}
 
 impl HeadWork {
-    const BYTES: usize = ALIGNMENT + 8 * HEAD_BLOCKS;
-
-    /// The zeroed region (the caller bound the context; nothing is queued yet).
+    /// The zeroed word (the caller bound the context; nothing is queued yet).
     pub(crate) fn new() -> std::result::Result<Self, String> {
         // SAFETY: a plain allocation, freed in `Drop`.
-        let ptr = unsafe { result::malloc_sync(Self::BYTES) }.map_err(|e| {
-            format!(
-                "cannot allocate {} bytes of device memory: {e:?}",
-                Self::BYTES
-            )
-        })?;
+        let ptr = unsafe { result::malloc_sync(ALIGNMENT) }
+            .map_err(|e| format!("cannot allocate {ALIGNMENT} bytes of device memory: {e:?}"))?;
         let work = HeadWork { ptr };
         // SAFETY: the allocation above, whole.
-        unsafe { result::memset_d8_sync(ptr, 0, Self::BYTES) }
+        unsafe { result::memset_d8_sync(ptr, 0, ALIGNMENT) }
             .map_err(|e| format!("cannot zero device memory: {e:?}"))?;
         Ok(work)
     }
 
-    /// The ticket word.
-    pub(crate) fn ticket(&self) -> u64 {
+    /// The key word (u64).
+    pub(crate) fn key(&self) -> u64 {
         self.ptr
-    }
-
-    /// The partial values (f32) and indices (i32), [`HEAD_BLOCKS`] each.
-    pub(crate) fn partials(&self) -> (u64, u64) {
-        let v = self.ptr + ALIGNMENT as u64;
-        (v, v + 4 * HEAD_BLOCKS as u64)
     }
 }
 
