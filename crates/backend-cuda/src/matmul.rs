@@ -625,13 +625,14 @@ pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Re
         v1.shared,
         v1.args.arg(key),
     )?;
-    ex.launch(
-        am,
-        Kernel::ArgmaxTake,
-        1,
-        32,
-        Args::new().arg(key).arg(idx.ptr),
-    )?;
+    let take = Args::new().arg(key).arg(idx.ptr);
+    if let Err(e) = ex.launch(am, Kernel::ArgmaxTake, 1, 32, take) {
+        // The key holds this launch's maximum: zero it (best effort), or the next head would
+        // count it.
+        // SAFETY: the key word is this backend's device memory, 8 bytes of its 256.
+        let _ = unsafe { ex.inner.stream.memset_d8(key, 0, 8) };
+        return Err(e);
+    }
     Ok(true)
 }
 
