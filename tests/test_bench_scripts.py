@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FUSED = ROOT / "crates" / "backend-cuda" / "kernels" / "fused.cu"
@@ -21,6 +25,7 @@ def _module(name: str) -> ModuleType:
     assert spec is not None
     assert spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the class is built
     spec.loader.exec_module(mod)
     return mod
 
@@ -84,3 +89,92 @@ def test_compare_torch_lowsync_rows_run_without_torch(tmp_path: Path) -> None:
         pt = row["per_token"]
         assert (pt["host_waits"], pt["h2d_copies"], pt["d2h_copies"]) == (1.0, 1.0, 1.0), pt
         assert pt["d2d_copies"] == d2d, pt
+
+
+def test_kernel_trace_parses_variants_and_rejects_bad_ones() -> None:
+    kt = _module("kernel_trace")
+    assert kt.parse_variant("base") == ("base", {})
+    assert kt.parse_variant("pf=LOWSYNC_CUDA_PDL=0,LOWSYNC_CUDA_GEMV_BLOCKS=3") == (
+        "pf",
+        {"LOWSYNC_CUDA_PDL": "0", "LOWSYNC_CUDA_GEMV_BLOCKS": "3"},
+    )
+    for bad in ["", "a b", "x=PDL", "x=lower=1", "x==1"]:
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            kt.parse_variant(bad)
+
+
+def test_kernel_trace_finds_the_decode_steps_and_their_exposed_time() -> None:
+    """Synthetic CUPTI rows: an eager prompt (one kernel per launch, more launches than steps),
+    a 2-kernel prompt graph, and three 3-kernel decode steps whose second kernel starts before
+    the first ends (dependent launch)."""
+    kt = _module("kernel_trace")
+    lines = [f"eager_{i},{i * 10_000},{i * 10_000 + 1_000},{100 + i}" for i in range(5)]
+    lines += ["pp_a,60000,61000,200", "pp_b,61000,62000,200"]
+    for t in range(3):
+        base, corr = 100_000 * (t + 1), 300 + t
+        # a: 0-4 us; b (a comma in its name): 3-10 us, then 1 us later per step; c: 1.5 us
+        lines += [
+            f"a,{base},{base + 4_000},{corr}",
+            f"b<float, 2>,{base + 3_000},{base + 10_000 + t * 1_000},{corr}",
+            f"c,{base + 10_500 + t * 1_000},{base + 12_000 + t * 1_000},{corr}",
+        ]
+    steps, mode, launches = kt.decode_steps(kt.read_rows("\n".join(lines)))
+    assert (mode, launches, len(steps)) == (3, 9, 3)
+    s = kt.summarize(steps)
+    assert [p[0] for p in s.positions] == ["a", "b<float, 2>", "c"]
+    # Medians over the steps: b ends 10, 11, 12 us after the step's start.
+    assert s.positions[1] == ("b<float, 2>", 8.0, 7.0)
+    assert s.positions[2] == ("c", 1.5, 2.0)  # ends 2 us after b
+    assert s.span == 13.0
+    assert s.busy == 4.0 + 8.0 + 1.5
+    assert s.exposed == {"a": 4.0, "b<float, 2>": 7.0, "c": 2.0}
+    with pytest.raises(ValueError, match="no decode steps"):
+        kt.summarize([])
+
+
+_FAKE_CUPTI = r"""
+#include <stdio.h>
+int lowsync_ktrace_active(void) { return 1; }
+void lowsync_ktrace_begin(void) {}
+long lowsync_ktrace_end(const char *path) {
+    FILE *f = fopen(path, "w");
+    if (!f) return -1;
+    for (int t = 0; t < 3; ++t) {
+        long b = 100000L * (t + 1);
+        fprintf(f, "a,%ld,%ld,%d\nb,%ld,%ld,%d\n", b, b + 4000, t, b + 3000, b + 10000, t);
+    }
+    fclose(f);
+    return 6;
+}
+"""
+
+
+def test_kernel_trace_runs_variants_side_by_side(tmp_path: Path) -> None:
+    """The trace script's plumbing (a session per variant, rounds in turn, a CSV per trace, the
+    side-by-side table) on `cpu`, with a stand-in for the CUPTI library that reports the same
+    three 2-kernel steps for every trace."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in trace library")
+    src, lib = tmp_path / "fake.c", tmp_path / "libfake.so"
+    src.write_text(_FAKE_CUPTI)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    argv = [sys.executable, str(ROOT / "benches" / "python" / "kernel_trace.py")]
+    argv += ["--backend", "cpu", "--models", "tiny", "-n", "3", "--csv-dir", str(tmp_path)]
+    argv += ["--variant", "base", "--variant", "other=LOWSYNC_CUDA_PDL=0", "--rounds", "2"]
+    env = {**os.environ, "CUDA_INJECTION64_PATH": str(lib)}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert out.count("decode steps of 2 kernels") == 4, out
+    assert sorted(p.name for p in tmp_path.glob("ktrace-*.csv")) == [
+        f"ktrace-tiny-pdl1-{v}-r{r}.csv" for v in ("base", "other") for r in (0, 1)
+    ]
+    table = out[out.index("variants side by side") :]
+    assert "| base | - | 10.0 | 11.0 | 1.000 |" in table, table
+    assert "| other | LOWSYNC_CUDA_PDL=0 | 10.0 | 11.0 | 1.000 |" in table, table
+    bad = subprocess.run(
+        [*argv[:2], "--variant", "x=oops"], capture_output=True, text=True, env=env, check=False
+    )
+    assert bad.returncode != 0
+    assert "'x=oops'" in bad.stderr

@@ -8,7 +8,14 @@ launch; then per graph launch (one token): the span from its first kernel's star
 kernel's end, the sum of kernel durations, and the difference — time in which no kernel of the
 token ran (launch latency between dependent kernels), negative when kernels overlap.
 
-Run: `python benches/python/kernel_trace.py --models 1b -n 64 --csv-dir /tmp/kt`.
+Variants (`--variant NAME=VAR=value,VAR=value`, repeatable) compare backend settings side by
+side in one process: the model is built once, each variant gets its own session (its backend
+reads the variables when it is created), and `--rounds` traces them in turn, A B A B, so that
+a drift of the machine touches every variant alike. A last table puts their spans side by side,
+as ratios to the first variant. Without `--variant` the one configuration is the environment's.
+
+Run: `python benches/python/kernel_trace.py --models 1b -n 64 --csv-dir /tmp/kt`, or
+`... --variant base --variant nopdl=LOWSYNC_CUDA_PDL=0 --rounds 3`.
 """
 
 from __future__ import annotations
@@ -16,12 +23,139 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import re
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import lowsync as ls
-from lowsync.bench import env_vars
+Row = tuple[str, int, int, int]  # kernel name, start ns, end ns, correlation id (launch)
+
+_VAR = re.compile(r"[A-Z][A-Z0-9_]*")
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """`NAME` or `NAME=VAR=value,VAR=value` -> (name, variables); a malformed one is an error
+    that names it."""
+    name, _, rest = text.partition("=")
+    if not re.fullmatch(r"[\w.+-]+", name):
+        raise ValueError(f"variant {text!r}: expected NAME or NAME=VAR=value,...")
+    env: dict[str, str] = {}
+    for item in filter(None, rest.split(",")):
+        var, eq, value = item.partition("=")
+        if not eq or not _VAR.fullmatch(var):
+            raise ValueError(f"variant {text!r}: {item!r} is not VAR=value")
+        env[var] = value
+    return name, env
+
+
+def read_rows(text: str) -> list[Row]:
+    """The CUPTI library's CSV: name,start_ns,end_ns,correlation_id (names may hold commas)."""
+    rows = []
+    for line in text.splitlines():
+        kname, s, e, c = line.rsplit(",", 3)
+        rows.append((kname, int(s), int(e), int(c)))
+    return rows
+
+
+def decode_steps(rows: list[Row]) -> tuple[list[list[Row]], int, int]:
+    """The decode steps among the traced launches, each a list of its kernels by start time;
+    the kernels per step and the number of launches. Steps are the most common launch size among
+    launches of more than one kernel (a prompt's graph has another size, and a prompt run
+    eagerly — one kernel per launch — can outnumber the steps)."""
+    by_corr: dict[int, list[Row]] = defaultdict(list)
+    for r in rows:
+        by_corr[r[3]].append(r)
+    sizes = [len(v) for v in by_corr.values() if len(v) > 1] or [1]
+    mode = statistics.mode(sizes)
+    steps = [sorted(v, key=lambda r: r[1]) for v in by_corr.values() if len(v) == mode]
+    return steps, mode, len(by_corr)
+
+
+@dataclass
+class Summary:
+    """What the traced steps of one configuration say (µs)."""
+
+    steps: int
+    kernels_per_step: int
+    span: float  # median first start -> last end per step
+    busy: float  # median sum of kernel durations per step
+    per_name: dict[str, list[float]] = field(default_factory=dict)  # every launch's duration
+    positions: list[tuple[str, float, float]] = field(default_factory=list)  # name, dur, exposed
+    exposed: dict[str, float] = field(default_factory=dict)  # per name, summed over positions
+
+
+def summarize(steps: list[list[Row]]) -> Summary:
+    """Medians over `steps` (all of one size). A kernel's exposed time is how far it moves the
+    step's end past every kernel before it: with programmatic dependent launch kernels start
+    early and overlap, so a duration alone overstates what a kernel costs the token."""
+    if not steps:
+        raise ValueError("no decode steps were traced")
+    per_name: dict[str, list[float]] = defaultdict(list)
+    spans, busy = [], []
+    for step in steps:
+        spans.append((max(r[2] for r in step) - step[0][1]) / 1e3)
+        busy.append(sum(r[2] - r[1] for r in step) / 1e3)
+        for r in step:
+            per_name[r[0]].append((r[2] - r[1]) / 1e3)
+    positions = []
+    exposed: dict[str, float] = defaultdict(float)
+    for i in range(len(steps[0])):
+        durs, exps = [], []
+        for step in steps:
+            prev_end = max((r[2] for r in step[:i]), default=step[0][1])
+            durs.append((step[i][2] - step[i][1]) / 1e3)
+            exps.append(max(step[i][2] - prev_end, 0) / 1e3)
+        name = steps[0][i][0]
+        positions.append((name, statistics.median(durs), statistics.median(exps)))
+        exposed[name] += statistics.median(exps)
+    return Summary(
+        steps=len(steps),
+        kernels_per_step=len(steps[0]),
+        span=statistics.median(spans),
+        busy=statistics.median(busy),
+        per_name=dict(per_name),
+        positions=positions,
+        exposed=dict(exposed),
+    )
+
+
+def report(s: Summary) -> None:
+    ns = s.steps
+    print("| kernel | per token | us/token | us/launch |")
+    print("| --- | ---: | ---: | ---: |")
+    for k, v in sorted(s.per_name.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {k[:40]} | {len(v) / ns:.0f} | {sum(v) / ns:.1f} | {sum(v) / len(v):.2f} |")
+    print("| pos | kernel | us (median) | exposed us (median) |")
+    print("| ---: | --- | ---: | ---: |")
+    n_k = len(s.positions)
+    for i, (name, dur, exp) in enumerate(s.positions):
+        if i < 20 or i >= n_k - 6:
+            print(f"| {i} | {name[:40]} | {dur:.2f} | {exp:.2f} |")
+    print("| kernel | exposed us/token |")
+    print("| --- | ---: |")
+    for k, e in sorted(s.exposed.items(), key=lambda kv: -kv[1]):
+        print(f"| {k[:40]} | {e:.1f} |")
+    gap = s.span - s.busy
+    print(
+        f"per token (median): span {s.span:.1f} us, kernels {s.busy:.1f} us, between kernels "
+        f"{gap:.1f} us ({gap / max(s.kernels_per_step - 1, 1):.2f} us per boundary)"
+    )
+
+
+def side_by_side(model: str, results: list[tuple[str, dict[str, str], Summary, float]]) -> None:
+    """One row per variant: span and kernel time per token, and the span's ratio to the
+    first variant's."""
+    print(f"{model}: variants side by side (one process, rounds interleaved)")
+    print("| variant | settings | span us/token | kernels us/token | span vs first | tok/s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    first = results[0][2].span
+    for name, env, s, tps in results:
+        settings = ",".join(f"{k}={v}" for k, v in env.items()) or "-"
+        print(
+            f"| {name} | {settings} | {s.span:.1f} | {s.busy:.1f} | {s.span / first:.3f} | "
+            f"{tps:.1f} |"
+        )
 
 
 def main() -> None:
@@ -31,85 +165,80 @@ def main() -> None:
     ap.add_argument("--dtype", default="f16")
     ap.add_argument("--csv-dir", type=Path, default=Path("/tmp"))
     ap.add_argument("--n-ctx", type=int, default=0, help="KV cache rows (default: just enough)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME or NAME=VAR=value,VAR=value: a configuration traced side by side",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="traces per variant, interleaved")
+    ap.add_argument("--backend", default="cuda", help="backend of the sessions (tests: cpu)")
     args = ap.parse_args()
+    try:
+        variants = [parse_variant(v) for v in args.variant] or [("", {})]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if len({v[0] for v in variants}) != len(variants):
+        raise SystemExit("variant names must differ")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     lib_path = os.environ.get("CUDA_INJECTION64_PATH")
     if not lib_path:
         raise SystemExit("CUDA_INJECTION64_PATH is not set: build scripts/gpu/cupti_kernels.c")
+    import lowsync as ls
+    from lowsync.bench import env_vars
+
     lib = ctypes.CDLL(lib_path)
     lib.lowsync_ktrace_end.restype = ctypes.c_long
     lib.lowsync_ktrace_end.argtypes = [ctypes.c_char_p]
+    prompt = [1, 2, 3, 4]
     for name in args.models.split(","):
         model = ls.Llama.random(name, seed=1, dtype=args.dtype)
-        with env_vars({"LOWSYNC_CUDA_GRAPHS": "1"}):
-            n_ctx = args.n_ctx or 4 + args.n + 8
-            sess = ls.Session(model, backends=["cuda"], n_ctx=n_ctx, policy="staged")
-        if not lib.lowsync_ktrace_active():
-            raise SystemExit("CUPTI injection is not active (the driver did not load the library)")
-        prompt = [1, 2, 3, 4]
-        sess.generate(prompt, max_new_tokens=args.n, seq_id=0)
-        sess.seq_rm(0)
-        lib.lowsync_ktrace_begin()
-        sess.generate(prompt, max_new_tokens=args.n, seq_id=0)
-        csv = args.csv_dir / f"ktrace-{name}-pdl{os.environ.get('LOWSYNC_CUDA_PDL', '1')}.csv"
-        nrec = lib.lowsync_ktrace_end(str(csv).encode())
-        st = sess.last_generate
-        assert st is not None
-        rows = []
-        for line in csv.read_text().splitlines():
-            kname, s, e, c = line.rsplit(",", 3)
-            rows.append((kname, int(s), int(e), int(c)))
-        by_corr: dict[int, list[tuple[str, int, int, int]]] = defaultdict(list)
-        for r in rows:
-            by_corr[r[3]].append(r)
-        # Tokens: the decode steps' graph launches (prompt launches have other kernel counts;
-        # a prompt run eagerly, one kernel per launch, can outnumber them).
-        sizes = [len(v) for v in by_corr.values() if len(v) > 1] or [1]
-        mode = statistics.mode(sizes)
-        steps = [sorted(v, key=lambda r: r[1]) for v in by_corr.values() if len(v) == mode]
-        print(
-            f"{name}: {nrec} kernel records, {len(by_corr)} launches, {len(steps)} decode "
-            f"steps of {mode} kernels; {st.tg_tps:.1f} tok/s"
-        )
-        per_name: dict[str, list[float]] = defaultdict(list)
-        spans, busy = [], []
-        for step in steps:
-            spans.append((max(r[2] for r in step) - step[0][1]) / 1e3)
-            busy.append(sum(r[2] - r[1] for r in step) / 1e3)
-            for r in step:
-                per_name[r[0]].append((r[2] - r[1]) / 1e3)
-        ns = len(steps)
-        print("| kernel | per token | us/token | us/launch |")
-        print("| --- | ---: | ---: | ---: |")
-        for k, v in sorted(per_name.items(), key=lambda kv: -sum(kv[1])):
-            print(f"| {k[:40]} | {len(v) / ns:.0f} | {sum(v) / ns:.1f} | {sum(v) / len(v):.2f} |")
-        # Exposed time: how far each kernel moves the token's end past every kernel before it
-        # (with programmatic dependent launch kernels start early and overlap, so a duration
-        # alone overstates what a kernel costs the token).
-        print("| pos | kernel | us (median) | exposed us (median) |")
-        print("| ---: | --- | ---: | ---: |")
-        n_k = len(steps[0])
-        exposed_by_name: dict[str, float] = defaultdict(float)
-        for i in range(n_k):
-            durs, exps = [], []
-            for step in steps:
-                prev_end = max((r[2] for r in step[:i]), default=step[0][1])
-                durs.append((step[i][2] - step[i][1]) / 1e3)
-                exps.append(max(step[i][2] - prev_end, 0) / 1e3)
-            exposed_by_name[steps[0][i][0]] += statistics.median(exps)
-            if i < 20 or i >= n_k - 6:
-                print(
-                    f"| {i} | {steps[0][i][0][:40]} | {statistics.median(durs):.2f} | "
-                    f"{statistics.median(exps):.2f} |"
+        n_ctx = args.n_ctx or 4 + args.n + 8
+        sessions = []
+        for _, env in variants:
+            with env_vars({"LOWSYNC_CUDA_GRAPHS": "1", **env}):
+                sess = ls.Session(model, backends=[args.backend], n_ctx=n_ctx, policy="staged")
+            if not lib.lowsync_ktrace_active():
+                raise SystemExit(
+                    "CUPTI injection is not active (the driver did not load the library)"
                 )
-        print("| kernel | exposed us/token |")
-        print("| --- | ---: |")
-        for k, e in sorted(exposed_by_name.items(), key=lambda kv: -kv[1]):
-            print(f"| {k[:40]} | {e:.1f} |")
-        sp, bu = statistics.median(spans), statistics.median(busy)
-        print(
-            f"per token (median): span {sp:.1f} us, kernels {bu:.1f} us, between kernels "
-            f"{sp - bu:.1f} us ({(sp - bu) / max(mode - 1, 1):.2f} us per boundary)"
-        )
+            sess.generate(prompt, max_new_tokens=args.n, seq_id=0)  # capture
+            sess.seq_rm(0)
+            sessions.append(sess)
+        steps: list[list[list[Row]]] = [[] for _ in variants]
+        tps: list[list[float]] = [[] for _ in variants]
+        for rnd in range(args.rounds):
+            for i, ((vname, _), sess) in enumerate(zip(variants, sessions, strict=True)):
+                lib.lowsync_ktrace_begin()
+                sess.generate(prompt, max_new_tokens=args.n, seq_id=0)
+                tag = f"-{vname}" if vname else ""
+                pdl = os.environ.get("LOWSYNC_CUDA_PDL", "1")
+                csv = args.csv_dir / f"ktrace-{name}-pdl{pdl}{tag}-r{rnd}.csv"
+                nrec = lib.lowsync_ktrace_end(str(csv).encode())
+                sess.seq_rm(0)
+                st = sess.last_generate
+                assert st is not None
+                got, mode, launches = decode_steps(read_rows(csv.read_text()))
+                print(
+                    f"{name}{' ' + vname if vname else ''} round {rnd}: {nrec} kernel records, "
+                    f"{launches} launches, {len(got)} decode steps of {mode} kernels; "
+                    f"{st.tg_tps:.1f} tok/s"
+                )
+                steps[i].extend(got)
+                tps[i].append(st.tg_tps)
+        results = []
+        for (vname, env), vsteps, vtps in zip(variants, steps, tps, strict=True):
+            sizes = {len(s) for s in vsteps}
+            if len(sizes) > 1:
+                raise SystemExit(f"{name} {vname}: rounds traced steps of sizes {sorted(sizes)}")
+            s = summarize(vsteps)
+            if vname:
+                print(f"== {name} {vname} ({','.join(f'{k}={v}' for k, v in env.items()) or '-'})")
+            report(s)
+            results.append((vname, env, s, statistics.median(vtps)))
+        if len(variants) > 1:
+            side_by_side(name, results)
 
 
 if __name__ == "__main__":

@@ -142,8 +142,23 @@ if [[ $parts == *ktrace* ]]; then
             scripts/gpu/cupti_kernels.c "$lib" -Wl,-rpath,"$(dirname "$lib")" -o /tmp/libcupti_kernels.so \
             >"$logs/ktrace-build.log" 2>&1
         say "ktrace build ($krec): exit $?"; tail -3 "$logs/ktrace-build.log"
-        # KTRACE_ENVS: one trace per entry, each a comma-separated list of VAR=value.
-        for envs in ${KTRACE_ENVS:-LOWSYNC_CUDA_PDL=1}; do
+        # KTRACE_VARIANTS: NAME=VAR=value,... entries traced side by side in one process
+        # (KTRACE_ROUNDS rounds, interleaved; one model build, one table of ratios).
+        if [ -n "${KTRACE_VARIANTS:-}" ]; then
+            vargs=()
+            for v in $KTRACE_VARIANTS; do vargs+=(--variant "$v"); done
+            CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so timeout 500 \
+                python3 benches/python/kernel_trace.py --models ${KTRACE_MODELS:-1b} -n ${KTRACE_N:-64} \
+                --rounds ${KTRACE_ROUNDS:-3} "${vargs[@]}" ${KTRACE_ARGS:-} --csv-dir "$logs" \
+                >"$logs/ktrace-variants.txt" 2>&1
+            say "kernel trace variants ($KTRACE_VARIANTS): exit $?"
+            sed -n '/variants side by side/,$p' "$logs/ktrace-variants.txt" | tee -a "$summary"
+        fi
+        # KTRACE_ENVS: one trace per entry (a process each), each a comma-separated list of
+        # VAR=value; by default one trace of the defaults, none when only variants are asked for.
+        kenvs=${KTRACE_ENVS:-}
+        [ -z "$kenvs" ] && [ -z "${KTRACE_VARIANTS:-}" ] && kenvs=LOWSYNC_CUDA_PDL=1
+        for envs in $kenvs; do
             tag=$(echo "$envs" | tr ',=' '__')
             env $(echo "$envs" | tr ',' ' ') CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so timeout 300 \
                 python3 benches/python/kernel_trace.py --models ${KTRACE_MODELS:-1b} -n ${KTRACE_N:-64} ${KTRACE_ARGS:-} \

@@ -645,9 +645,10 @@ extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, 
 // Gate/up with SwiGlu (S.pair == 1) and row pairs (S.pair == 2); same parameters. At most 88
 // registers per thread (a spill of 12 bytes in the rope epilogue; blockDim.x is FG1_WARPS * 32):
 // with programmatic dependent launch the next kernel's blocks start on a multiprocessor only
-// where registers are left, and 88 leaves room for one `fused_gemv1` block (80) beside two of
-// these, and for an `attn_fast` block (158) beside one — the first wave of the next kernel
-// loads its weights, or rehearses, while this one finishes.
+// where registers are left, and 88 leaves room for an `attn_fast` block (158) beside one of
+// these — attention rehearses while q/k/v finishes. `fused_gemv1` (104) does not fit beside two
+// streamed gate/up blocks, nor these beside two of its own; holding it to 80 to make room was
+// measured slower on the H200 (README: "Measured on the H200 and not kept").
 extern "C" __global__ void __maxnreg__(88) fused_gemv1_pair(
     i64 K, const float* a, FgSet S, int dtw, int staged, int ahead, int stream, const float* nx,
     float eps, void* nd, int dtn, const void* nw, int dtnw) {
