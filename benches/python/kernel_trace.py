@@ -49,6 +49,11 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
+def settings(env: dict[str, str]) -> str:
+    """A variant's variables as VAR=value,... ("-" for none)."""
+    return ",".join(f"{k}={v}" for k, v in env.items()) or "-"
+
+
 def read_rows(text: str) -> list[Row]:
     """The CUPTI library's CSV: name,start_ns,end_ns,correlation_id (names may hold commas)."""
     rows = []
@@ -151,9 +156,8 @@ def side_by_side(model: str, results: list[tuple[str, dict[str, str], Summary, f
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     first = results[0][2].span
     for name, env, s, tps in results:
-        settings = ",".join(f"{k}={v}" for k, v in env.items()) or "-"
         print(
-            f"| {name} | {settings} | {s.span:.1f} | {s.busy:.1f} | {s.span / first:.3f} | "
+            f"| {name} | {settings(env)} | {s.span:.1f} | {s.busy:.1f} | {s.span / first:.3f} | "
             f"{tps:.1f} |"
         )
 
@@ -208,12 +212,12 @@ def main() -> None:
             sessions.append(sess)
         steps: list[list[list[Row]]] = [[] for _ in variants]
         tps: list[list[float]] = [[] for _ in variants]
+        pdl = os.environ.get("LOWSYNC_CUDA_PDL", "1")
         for rnd in range(args.rounds):
             for i, ((vname, _), sess) in enumerate(zip(variants, sessions, strict=True)):
                 lib.lowsync_ktrace_begin()
                 sess.generate(prompt, max_new_tokens=args.n, seq_id=0)
                 tag = f"-{vname}" if vname else ""
-                pdl = os.environ.get("LOWSYNC_CUDA_PDL", "1")
                 csv = args.csv_dir / f"ktrace-{name}-pdl{pdl}{tag}-r{rnd}.csv"
                 nrec = lib.lowsync_ktrace_end(str(csv).encode())
                 sess.seq_rm(0)
@@ -234,7 +238,7 @@ def main() -> None:
                 raise SystemExit(f"{name} {vname}: rounds traced steps of sizes {sorted(sizes)}")
             s = summarize(vsteps)
             if vname:
-                print(f"== {name} {vname} ({','.join(f'{k}={v}' for k, v in env.items()) or '-'})")
+                print(f"== {name} {vname} ({settings(env)})")
             report(s)
             results.append((vname, env, s, statistics.median(vtps)))
         if len(variants) > 1:
