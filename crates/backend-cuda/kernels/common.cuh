@@ -185,18 +185,25 @@ __device__ __forceinline__ float ld_cg(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ uint4 ld_cg(const uint4* p) { return __ldcg(p); }
 
 // A 16-byte load of a weight for decode's matrix-vector kernels: read-only path, no L1
-// allocation, and an evict-first L2 policy. A token streams every weight byte through L2 once
-// (gigabytes against tens of megabytes of L2), which would otherwise push out what is reused —
-// activations, the KV cache rows, and the kernels' own code, whose refetch from DRAM stalls
-// every short kernel that follows.
+// allocation. A token streams every weight byte through L2 once (gigabytes against tens of
+// megabytes of L2). With LOWSYNC_WEIGHT_EVICT_FIRST (`LOWSYNC_CUDA_WEIGHT_EVICT_FIRST=1`) the
+// load carries an evict-first L2 policy, meant to keep what is reused (activations, KV rows,
+// kernel code) resident; on the H200 the plain load measured faster (README), so it is the
+// default.
 __device__ __forceinline__ uint4 ld_weight(const uint4* p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     uint4 r;
+#if defined(LOWSYNC_WEIGHT_EVICT_FIRST)
     u64 pol;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
     asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
         : "l"(p), "l"(pol));
+#else
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+#endif
     return r;
 #else
     return __ldg(p);

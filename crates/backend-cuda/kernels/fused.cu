@@ -642,6 +642,28 @@ extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, 
     }
 }
 
+// The streamed, staged path of `fused_gemv1` for one weight dtype each (`fused_gemv1_s16`: f16,
+// `fused_gemv1_sb16`: bf16, `fused_gemv1_s32`: f32; decode's o and down), same parameters
+// (`staged` and `stream` are 1). Held to 80 registers: two of these blocks (the streamed grid)
+// then leave room for a `fused_gemv1_pair` block (88) on the multiprocessor, so the next
+// kernel's first wave (q/k/v after down, gate/up after o) loads its weights while this one
+// finishes. The host pads each block's shared memory (`stream_pad` in fusion.rs) so that a
+// third does not fit: unpadded, three land on some multiprocessors and the grid of two per
+// multiprocessor runs unevenly (H200, "1b": 755 µs per token unpadded, 730 padded, 760 with
+// `fused_gemv1`). One path per entry point is what fits in 80: `fused_gemv1` with every path
+// takes 104 registers, and capped at 80 it spills in the streamed loop.
+#define FG1S_PARAMS                                                                             \
+    i64 K, const float *a, FgSet S, int dtw, int staged, int ahead, int stream, const float *nx, \
+        float eps, void *nd, int dtn, const void *nw, int dtnw
+#define FG1S_BODY(DT)                                                                       \
+    extern __shared__ float4 fg1_smem[];                                                    \
+    fg1_stream<DT, 1, true>((int)K, a, S, (float*)fg1_smem, ahead, FG1_NORM);
+extern "C" __global__ void __maxnreg__(80) fused_gemv1_s16(FG1S_PARAMS) { FG1S_BODY(DT_F16) }
+extern "C" __global__ void __maxnreg__(80) fused_gemv1_sb16(FG1S_PARAMS) { FG1S_BODY(DT_BF16) }
+extern "C" __global__ void __maxnreg__(80) fused_gemv1_s32(FG1S_PARAMS) { FG1S_BODY(DT_F32) }
+#undef FG1S_BODY
+#undef FG1S_PARAMS
+
 // Gate/up with SwiGlu (S.pair == 1) and row pairs (S.pair == 2); same parameters. At most 88
 // registers per thread (a spill of 12 bytes in the rope epilogue; blockDim.x is FG1_WARPS * 32):
 // with programmatic dependent launch the next kernel's blocks start on a multiprocessor only

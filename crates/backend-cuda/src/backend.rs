@@ -94,7 +94,20 @@ pub struct CudaConfig {
     /// Resident blocks per multiprocessor of a streamed product's grid
     /// (`LOWSYNC_CUDA_GEMV_BLOCKS`, default 2).
     pub stream_blocks: usize,
+    /// Shared memory (KiB) each block of a streamed product asks for at least
+    /// (`LOWSYNC_CUDA_GEMV_PAD_KB`; 0 turns it off). `None`, the default, takes the least that
+    /// keeps `stream_blocks + 1` of them off one multiprocessor (80 KiB on the H200): the
+    /// streamed entry points take 80 registers, so without it a third block would land where
+    /// the next kernel's first blocks should start (see `fused_gemv1_s16` in fused.cu).
+    pub stream_pad_kb: Option<usize>,
+    /// Decode's weight loads carry an evict-first L2 policy (`LOWSYNC_CUDA_WEIGHT_EVICT_FIRST`,
+    /// default off: plain loads measured faster on the H200; see README).
+    pub weight_evict_first: bool,
 }
+
+/// The largest shared memory a block may ask for on any CUDA device to date (sm_90, sm_100:
+/// 227 KiB); `LOWSYNC_CUDA_GEMV_PAD_KB` above it is an error.
+const MAX_PAD_KB: u64 = 227;
 
 /// The decode matrix-vector kernel's source of the activation row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,6 +137,8 @@ impl Default for CudaConfig {
             rehearse: true,
             gemv_stream: true,
             stream_blocks: 2,
+            stream_pad_kb: None,
+            weight_evict_first: false,
         }
     }
 }
@@ -154,6 +169,17 @@ impl CudaConfig {
                 Some(v) => usize::try_from(v).unwrap_or(usize::MAX).min(32),
                 None => 2,
             },
+            stream_pad_kb: match env::unsigned("LOWSYNC_CUDA_GEMV_PAD_KB")? {
+                Some(v) if v > MAX_PAD_KB => {
+                    return Err(Error::Env {
+                        var: "LOWSYNC_CUDA_GEMV_PAD_KB",
+                        value: v.to_string(),
+                        expected: "KiB of shared memory per block, at most 227",
+                    })
+                }
+                v => v.map(|v| v as usize),
+            },
+            weight_evict_first: env::flag("LOWSYNC_CUDA_WEIGHT_EVICT_FIRST", false)?,
             ..CudaConfig::default()
         })
     }
@@ -246,6 +272,8 @@ pub(crate) struct Inner {
     pub(crate) pdl: bool,
     /// Streaming multiprocessors of the device.
     pub(crate) sms: usize,
+    /// Bytes of shared memory a streamed product's block asks for at least (`stream_pad`).
+    pub(crate) stream_shared: usize,
     /// Captured compute graphs (`cfg.graphs`).
     graphs: Mutex<GraphCache>,
     /// Bumped whenever device memory a captured graph may address moves or goes away.
@@ -567,6 +595,28 @@ impl CudaBackend {
                     cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
                 )
                 .map_err(|e| format!("reading the multiprocessor count: {e:?}"))?;
+            let attr = |a, what: &str| {
+                ctx.attribute(a)
+                    .map(|v| v.max(0) as usize)
+                    .map_err(|e| format!("reading {what}: {e:?}"))
+            };
+            use cudarc::driver::sys::CUdevice_attribute as A;
+            let shared = crate::fusion::SharedLimits {
+                per_sm: attr(
+                    A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+                    "the shared memory per multiprocessor",
+                )?,
+                per_block: attr(
+                    A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                    "the shared memory per block",
+                )?,
+                reserved: attr(
+                    A::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK,
+                    "the shared memory reserved per block",
+                )?,
+            };
+            let stream_shared =
+                crate::fusion::stream_pad(cfg.stream_pad_kb, cfg.stream_blocks, shared);
             let driver =
                 CuDriver::new(ctx.clone()).map_err(|e| format!("cuStreamCreate: {e:?}"))?;
             let stream = TicketStream::new(
@@ -587,7 +637,7 @@ impl CudaBackend {
                 readback: Mutex::new(None),
                 read_slots: Mutex::new(Vec::new()),
                 exec: Mutex::new(Scratch::default()),
-                modules: Modules::new(major, minor),
+                modules: Modules::new(major, minor, shared.per_block, cfg.weight_evict_first),
                 blas: Mutex::new(None),
                 err_word,
                 err_tags: Mutex::new(ErrTags::default()),
@@ -595,6 +645,7 @@ impl CudaBackend {
                 gates: Mutex::new(GateWords::default()),
                 pdl: cfg.pdl && major >= 9,
                 sms: sms.max(1) as usize,
+                stream_shared,
                 cfg,
                 graphs: Mutex::new(GraphCache::default()),
                 mem_generation: AtomicU64::new(0),
@@ -1207,5 +1258,75 @@ impl Backend for CudaBackend {
             word,
             _owner: i.clone(),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::Kernel;
+    use cudarc::driver::result::{function, occupancy};
+    use cudarc::driver::sys::CUfunction_attribute as F;
+
+    /// On the device: a streamed product's blocks, padded as `stream_pad` says, fit
+    /// `stream_blocks` to a multiprocessor and no more, and beside them there is room (registers
+    /// and shared memory) for a `fused_gemv1_pair` block staging a 4096-wide row, the next
+    /// kernel's first wave. Skipped without a CUDA device.
+    #[test]
+    fn padded_streamed_blocks_leave_room_for_the_next_kernel() {
+        let b = match CudaBackend::open("cuda", 0, CudaConfig::default()) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("SKIPPED streamed occupancy: {e}");
+                return;
+            }
+        };
+        let inner = &b.inner;
+        inner.bind().unwrap();
+        let threads = (crate::matmul::GEMV1_WARPS * 32) as i32;
+        let pad = inner.stream_shared;
+        let attr = |a| inner.ctx.attribute(a).unwrap() as usize;
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let regs_per_sm = attr(A::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR);
+        let smem_per_sm = attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR);
+        let reserved = attr(A::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK);
+        eprintln!(
+            "stream pad {pad} B; {regs_per_sm} registers, {smem_per_sm} B per multiprocessor"
+        );
+        assert!(pad > 0, "the default pads streamed blocks on this device");
+        let pair = inner.modules.get(Kernel::FusedGemv1Pair).unwrap();
+        // SAFETY: the function handles come from loaded modules; the context is bound.
+        let pair_regs =
+            unsafe { function::get_function_attribute(pair.0, F::CU_FUNC_ATTRIBUTE_NUM_REGS) }
+                .unwrap() as usize;
+        for k in [
+            Kernel::FusedGemv1S16,
+            Kernel::FusedGemv1Sb16,
+            Kernel::FusedGemv1S32,
+        ] {
+            let f = inner.modules.get(k).unwrap();
+            // SAFETY: as above.
+            let (fit, fit_bare, regs) = unsafe {
+                (
+                    occupancy::max_active_block_per_multiprocessor(f.0, threads, pad).unwrap(),
+                    occupancy::max_active_block_per_multiprocessor(f.0, threads, 16 << 10).unwrap(),
+                    function::get_function_attribute(f.0, F::CU_FUNC_ATTRIBUTE_NUM_REGS).unwrap(),
+                )
+            };
+            eprintln!("{k:?}: {regs} registers; {fit} blocks per multiprocessor padded, {fit_bare} with 16 KiB");
+            assert_eq!(fit as usize, inner.cfg.stream_blocks, "{k:?} padded");
+            let blocks = inner.cfg.stream_blocks;
+            let regs_used = (blocks * regs as usize + pair_regs) * threads as usize;
+            assert!(
+                regs_used <= regs_per_sm,
+                "{k:?}: {blocks} blocks of {regs} registers and a pair block of {pair_regs} need \
+                 {regs_used} of {regs_per_sm}"
+            );
+            let smem_used = blocks * (pad + reserved) + (4096 * 4 + reserved);
+            assert!(
+                smem_used <= smem_per_sm,
+                "{k:?}: shared memory {smem_used} of {smem_per_sm}"
+            );
+        }
     }
 }

@@ -86,11 +86,43 @@ const ATT_PASSES: usize = 8;
 const GEMV_THREADS: usize = 128;
 /// Products of one fused matrix-vector launch (`FG_MAXS`).
 const MAX_SEGS: usize = 4;
-/// Resident `fused_gemv1` blocks per multiprocessor (104 registers per thread on sm_90, for
-/// its streamed path) ...
+/// Resident `fused_gemv1` blocks per multiprocessor (104 registers per thread on sm_90; its
+/// streamed entry points `fused_gemv1_s16` and kin, 80) ...
 const GEMV1_BLOCKS_PER_SM: usize = 2;
 /// ... and `fused_gemv1_pair` blocks (at most 88 registers, `__maxnreg__`).
 const GEMV1_PAIR_BLOCKS_PER_SM: usize = 2;
+/// A device's shared memory limits, in bytes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SharedLimits {
+    /// Per multiprocessor (228 KiB on the H200).
+    pub(crate) per_sm: usize,
+    /// The most one block may ask for (opt-in; 227 KiB).
+    pub(crate) per_block: usize,
+    /// Taken by the system for each resident block (1 KiB).
+    pub(crate) reserved: usize,
+}
+
+/// Bytes of shared memory each block of a streamed product asks for at least, so that its
+/// `blocks` per multiprocessor fit and one more does not: the streamed entry points take 80
+/// registers, so the register file alone would let a third block onto a multiprocessor, and a
+/// grid of two per multiprocessor would then land unevenly and take the room the next kernel's
+/// first blocks start in. `pad_kb` is `CudaConfig::stream_pad_kb`: `None` computes it (the
+/// least that excludes one more block, rounded up to 8 KiB: 80 KiB on the H200, leaving 66 KiB
+/// beside two blocks for the next kernel), `Some(0)` turns it off, `Some(n)` asks for n KiB,
+/// capped at what a block may have. 0 where no pad holds exactly `blocks`.
+pub(crate) fn stream_pad(pad_kb: Option<usize>, blocks: usize, lim: SharedLimits) -> usize {
+    if let Some(kb) = pad_kb {
+        return (kb << 10).min(lim.per_block);
+    }
+    let blocks = blocks.max(1);
+    let least = (lim.per_sm / (blocks + 1) + 1).saturating_sub(lim.reserved);
+    let pad = least.div_ceil(8 << 10) * (8 << 10);
+    if pad > lim.per_block || blocks * (pad + lim.reserved) > lim.per_sm {
+        return 0;
+    }
+    pad
+}
+
 /// The lane chain of a fused norm prologue's writes (products use their segment index).
 const NORM_CHAIN: usize = usize::MAX;
 
@@ -1564,16 +1596,31 @@ fn launch_gemv(
                 .arg(0u64)
                 .arg(0i32),
         };
+        // A streamed, staged product without pairs takes its dtype's own entry point (80
+        // registers, so that the next kernel's first blocks fit beside its two per
+        // multiprocessor).
+        let kernel = match (set.pair != 0, stream && staged, wdt) {
+            (true, _, _) => Kernel::FusedGemv1Pair,
+            (false, true, DType::F16) => Kernel::FusedGemv1S16,
+            (false, true, DType::BF16) => Kernel::FusedGemv1Sb16,
+            (false, true, DType::F32) => Kernel::FusedGemv1S32,
+            (false, _, _) => Kernel::FusedGemv1,
+        };
         return exec.launch_shared(
             first,
-            if set.pair != 0 {
-                Kernel::FusedGemv1Pair
-            } else {
-                Kernel::FusedGemv1
-            },
+            kernel,
             blocks,
             (matmul::GEMV1_WARPS * 32) as u32,
-            if staged { (k * 4) as u32 } else { 0 },
+            if staged {
+                let pad = if matches!(kernel, Kernel::FusedGemv1Pair | Kernel::FusedGemv1) {
+                    0
+                } else {
+                    exec.inner.stream_shared
+                };
+                (k * 4).max(pad) as u32
+            } else {
+                0
+            },
             args,
         );
     }
@@ -1870,6 +1917,49 @@ mod tests {
 
     fn dead_after(nodes: &[ExecNode], at: usize, reader: usize) -> bool {
         super::dead_after(&bare(nodes), at, reader)
+    }
+
+    const H200: SharedLimits = SharedLimits {
+        per_sm: 228 << 10,
+        per_block: 227 << 10,
+        reserved: 1 << 10,
+    };
+
+    #[test]
+    fn stream_pad_holds_the_streamed_grid_to_its_blocks_per_multiprocessor() {
+        assert_eq!(
+            stream_pad(None, 2, H200),
+            80 << 10,
+            "the H200, two per multiprocessor"
+        );
+        for blocks in 1..=8 {
+            let pad = stream_pad(None, blocks, H200);
+            if pad == 0 {
+                continue;
+            }
+            let fit = H200.per_sm / (pad + H200.reserved);
+            assert_eq!(fit, blocks, "{blocks} per multiprocessor: pad {pad}");
+            assert_eq!(pad % (8 << 10), 0);
+        }
+        // An A100 (164 KiB per multiprocessor, 163 per block).
+        let a100 = SharedLimits {
+            per_sm: 164 << 10,
+            per_block: 163 << 10,
+            reserved: 1 << 10,
+        };
+        assert_eq!(stream_pad(None, 2, a100), 56 << 10);
+        assert_eq!(a100.per_sm / ((56 << 10) + a100.reserved), 2);
+        // Asked for: off, as given, capped at what a block may have.
+        assert_eq!(stream_pad(Some(0), 2, H200), 0);
+        assert_eq!(stream_pad(Some(96), 2, H200), 96 << 10);
+        assert_eq!(stream_pad(Some(227), 2, a100), 163 << 10);
+        // Nothing fits exactly: no pad rather than a launch the device refuses.
+        let tiny = SharedLimits {
+            per_sm: 48 << 10,
+            per_block: 48 << 10,
+            reserved: 1 << 10,
+        };
+        assert_eq!(stream_pad(None, 8, tiny), 0);
     }
 
     const ACT: u64 = 1;

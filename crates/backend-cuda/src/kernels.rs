@@ -70,11 +70,16 @@ pub(crate) enum Kernel {
     AttnFastLong,
     FusedGemv1,
     FusedGemv1Pair,
+    /// `fused_gemv1`'s streamed, staged path alone, for f16, bf16 and f32 weights (80
+    /// registers: see fused.cu).
+    FusedGemv1S16,
+    FusedGemv1Sb16,
+    FusedGemv1S32,
 }
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 27] = [
+    pub(crate) const ALL: [Kernel; 30] = [
         Kernel::EwUnary,
         Kernel::EwBinary,
         Kernel::CopyStrided,
@@ -102,6 +107,9 @@ impl Kernel {
         Kernel::AttnFastLong,
         Kernel::FusedGemv1,
         Kernel::FusedGemv1Pair,
+        Kernel::FusedGemv1S16,
+        Kernel::FusedGemv1Sb16,
+        Kernel::FusedGemv1S32,
     ];
 
     fn module(self) -> &'static str {
@@ -128,7 +136,10 @@ impl Kernel {
             | Kernel::AttnFast
             | Kernel::AttnFastLong
             | Kernel::FusedGemv1
-            | Kernel::FusedGemv1Pair => "fused",
+            | Kernel::FusedGemv1Pair
+            | Kernel::FusedGemv1S16
+            | Kernel::FusedGemv1Sb16
+            | Kernel::FusedGemv1S32 => "fused",
         }
     }
 
@@ -161,6 +172,9 @@ impl Kernel {
             Kernel::AttnFastLong => "attn_fast_long",
             Kernel::FusedGemv1 => "fused_gemv1",
             Kernel::FusedGemv1Pair => "fused_gemv1_pair",
+            Kernel::FusedGemv1S16 => "fused_gemv1_s16",
+            Kernel::FusedGemv1Sb16 => "fused_gemv1_sb16",
+            Kernel::FusedGemv1S32 => "fused_gemv1_s32",
         }
     }
 }
@@ -172,15 +186,21 @@ unsafe impl Send for Module {}
 /// Loaded modules of one context.
 pub(crate) struct Modules {
     arch: String,
+    max_shared: usize,
+    evict_first: bool,
     loaded: Mutex<HashMap<&'static str, Module>>,
     funcs: Mutex<HashMap<Kernel, CuFunction>>,
 }
 
 impl Modules {
-    /// Modules for a device of compute capability `major.minor`.
-    pub(crate) fn new(major: i32, minor: i32) -> Self {
+    /// Modules for a device of compute capability `major.minor` whose blocks may ask for up to
+    /// `max_shared` bytes of shared memory (the opt-in limit), compiled with the weight loads'
+    /// evict-first L2 policy or without (`CudaConfig::weight_evict_first`).
+    pub(crate) fn new(major: i32, minor: i32, max_shared: usize, evict_first: bool) -> Self {
         Modules {
             arch: format!("sm_{major}{minor}"),
+            max_shared,
+            evict_first,
             loaded: Mutex::new(HashMap::new()),
             funcs: Mutex::new(HashMap::new()),
         }
@@ -213,6 +233,30 @@ impl Modules {
         // SAFETY: the module is loaded and stays loaded while `self` lives.
         let f = unsafe { result::module::get_function(module, sym) }
             .map_err(|e| format!("kernel {} not found in module {name}: {e:?}", k.symbol()))?;
+        if matches!(
+            k,
+            Kernel::FusedGemv1S16 | Kernel::FusedGemv1Sb16 | Kernel::FusedGemv1S32
+        ) {
+            // Streamed blocks ask for more than the default 48 KB of shared memory when padded
+            // (`CudaConfig::stream_pad_kb`); this raises their limit to the device's, less the
+            // kernel's static shared memory (the driver refuses a limit above that).
+            use sys::CUfunction_attribute as F;
+            // SAFETY: `f` was just looked up in a loaded module.
+            let fixed = unsafe {
+                result::function::get_function_attribute(f, F::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            }
+            .map_err(|e| format!("kernel {}: static shared memory: {e:?}", k.symbol()))?;
+            let limit = self.max_shared.saturating_sub(fixed.max(0) as usize);
+            // SAFETY: as above.
+            unsafe {
+                result::function::set_function_attribute(
+                    f,
+                    F::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    i32::try_from(limit).unwrap_or(i32::MAX),
+                )
+            }
+            .map_err(|e| format!("kernel {}: shared memory limit {limit}: {e:?}", k.symbol()))?;
+        }
         self.funcs.lock().insert(k, CuFunction(f));
         Ok(CuFunction(f))
     }
@@ -223,7 +267,10 @@ impl Modules {
             .find(|(n, _)| *n == name)
             .map(|(_, s)| format!("{COMMON}\n{s}"))
             .ok_or_else(|| format!("no kernel module {name}"))?;
-        let options = [format!("--gpu-architecture={}", self.arch)];
+        let mut options = vec![format!("--gpu-architecture={}", self.arch)];
+        if self.evict_first {
+            options.push("-DLOWSYNC_WEIGHT_EVICT_FIRST=1".into());
+        }
         let key = fnv1a(&[src.as_bytes(), options.concat().as_bytes()]);
         let file = format!("{name}-{}-{key:016x}.cubin", self.arch);
         if let Some(bin) = CUBINS.lock().get(&file).cloned() {
@@ -382,11 +429,14 @@ mod tests {
             eprintln!("SKIPPED nvrtc compile: {why}");
             return;
         }
-        for (name, src) in MODULES {
-            let full = format!("{COMMON}\n{src}");
-            let bin = compile(name, &full, &["--gpu-architecture=sm_90".to_string()])
-                .unwrap_or_else(|e| panic!("{e}"));
-            assert!(!bin.is_empty(), "{name}: empty cubin");
+        let arch = "--gpu-architecture=sm_90".to_string();
+        let evict = "-DLOWSYNC_WEIGHT_EVICT_FIRST=1".to_string();
+        for options in [vec![arch.clone()], vec![arch.clone(), evict]] {
+            for (name, src) in MODULES {
+                let full = format!("{COMMON}\n{src}");
+                let bin = compile(name, &full, &options).unwrap_or_else(|e| panic!("{e}"));
+                assert!(!bin.is_empty(), "{name} {options:?}: empty cubin");
+            }
         }
     }
 

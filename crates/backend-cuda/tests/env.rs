@@ -1,7 +1,7 @@
 //! `LOWSYNC_CUDA_SYNC_ELISION` (ARCHITECTURE §8), `LOWSYNC_CUDA_MMV_MAX_M`, `LOWSYNC_CUDA_GRAPHS`,
 //! `LOWSYNC_CUDA_FUSION`, `LOWSYNC_CUDA_TIMING`, `LOWSYNC_CUDA_PDL`, `LOWSYNC_CUDA_ATTN_FAST`,
-//! `LOWSYNC_CUDA_REHEARSE`, `LOWSYNC_CUDA_GEMV_STREAM` and `LOWSYNC_CUDA_GEMV_BLOCKS`: a bad
-//! value is an error naming the variable. (Its own test binary: it sets process-wide variables; one
+//! `LOWSYNC_CUDA_REHEARSE`, `LOWSYNC_CUDA_GEMV_STREAM`, `LOWSYNC_CUDA_GEMV_BLOCKS`,
+//! `LOWSYNC_CUDA_GEMV_PAD_KB` and `LOWSYNC_CUDA_WEIGHT_EVICT_FIRST`: a bad value is an error naming the variable. (Its own test binary: it sets process-wide variables; one
 //! test, so nothing reads them while they are bad.)
 
 use lowsync_backend::Error;
@@ -58,6 +58,24 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
     }
     std::env::remove_var("LOWSYNC_CUDA_GEMV_BLOCKS");
 
+    assert_eq!(
+        CudaConfig::from_env().unwrap().stream_pad_kb,
+        None,
+        "unset: automatic"
+    );
+    std::env::set_var("LOWSYNC_CUDA_GEMV_PAD_KB", "0");
+    assert_eq!(CudaConfig::from_env().unwrap().stream_pad_kb, Some(0));
+    std::env::set_var("LOWSYNC_CUDA_GEMV_PAD_KB", "227");
+    assert_eq!(CudaConfig::from_env().unwrap().stream_pad_kb, Some(227));
+    for bad in ["228", "80k", "-1"] {
+        std::env::set_var("LOWSYNC_CUDA_GEMV_PAD_KB", bad);
+        match CudaConfig::from_env() {
+            Err(Error::Env { var, .. }) => assert_eq!(var, "LOWSYNC_CUDA_GEMV_PAD_KB"),
+            other => panic!("expected an env error for {bad:?}, got {other:?}"),
+        }
+    }
+    std::env::remove_var("LOWSYNC_CUDA_GEMV_PAD_KB");
+
     for (var, default) in [
         ("LOWSYNC_CUDA_GRAPHS", true),
         ("LOWSYNC_CUDA_FUSION", true),
@@ -66,6 +84,7 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
         ("LOWSYNC_CUDA_ATTN_FAST", true),
         ("LOWSYNC_CUDA_REHEARSE", true),
         ("LOWSYNC_CUDA_GEMV_STREAM", true),
+        ("LOWSYNC_CUDA_WEIGHT_EVICT_FIRST", false),
     ] {
         let read = |c: &CudaConfig| match var {
             "LOWSYNC_CUDA_GRAPHS" => c.graphs,
@@ -74,6 +93,7 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
             "LOWSYNC_CUDA_ATTN_FAST" => c.attn_fast,
             "LOWSYNC_CUDA_REHEARSE" => c.rehearse,
             "LOWSYNC_CUDA_GEMV_STREAM" => c.gemv_stream,
+            "LOWSYNC_CUDA_WEIGHT_EVICT_FIRST" => c.weight_evict_first,
             _ => c.timing,
         };
         assert_eq!(

@@ -986,6 +986,18 @@ fn streamed_products_match_a_warp_per_unit_bit_for_bit() {
             return;
         };
         let (plain, n_off) = on_gpu_cfg(&test, &c, off).expect("the device is still there");
+        // The streamed blocks' shared memory pad (occupancy only) and the weight loads' L2
+        // policy change no result.
+        let unpadded = CudaConfig {
+            stream_pad_kb: Some(0),
+            ..CudaConfig::default()
+        };
+        let evict = CudaConfig {
+            weight_evict_first: true,
+            ..CudaConfig::default()
+        };
+        let (unpadded, _) = on_gpu_cfg(&test, &c, unpadded).expect("the device is still there");
+        let (evict, _) = on_gpu_cfg(&test, &c, evict).expect("the device is still there");
         for (name, t) in [
             ("norm", &norm),
             ("h", &h),
@@ -993,10 +1005,16 @@ fn streamed_products_match_a_warp_per_unit_bit_for_bit() {
             ("up", &up),
             ("residual", &res),
         ] {
-            assert!(
-                values(&streamed, t) == values(&plain, t),
-                "{test}: {name} differs between streamed and one warp per unit"
-            );
+            for (other, what) in [
+                (&plain, "one warp per unit"),
+                (&unpadded, "unpadded streamed blocks"),
+                (&evict, "evict-first weight loads"),
+            ] {
+                assert!(
+                    values(&streamed, t) == values(other, t),
+                    "{test}: {name} differs between streamed and {what}"
+                );
+            }
         }
         let oracle = execute(&CpuBackend::new(), &c);
         assert_close(
