@@ -109,15 +109,16 @@ pub(crate) struct SharedLimits {
 /// first blocks start in. `pad_kb` is `CudaConfig::stream_pad_kb`: `None` computes it (the
 /// least that excludes one more block, rounded up to 8 KiB: 80 KiB on the H200, leaving 66 KiB
 /// beside two blocks for the next kernel), `Some(0)` turns it off, `Some(n)` asks for n KiB,
-/// capped at what a block may have. 0 where no pad holds exactly `blocks`.
+/// capped at what a block may have less 1 KiB (the kernels' own static shared memory, 128
+/// bytes, counts against the same limit). 0 where no pad holds exactly `blocks`.
 pub(crate) fn stream_pad(pad_kb: Option<usize>, blocks: usize, lim: SharedLimits) -> usize {
     if let Some(kb) = pad_kb {
-        return (kb << 10).min(lim.per_block);
+        return (kb << 10).min(lim.per_block.saturating_sub(1 << 10));
     }
     let blocks = blocks.max(1);
     let least = (lim.per_sm / (blocks + 1) + 1).saturating_sub(lim.reserved);
     let pad = least.div_ceil(8 << 10) * (8 << 10);
-    if pad > lim.per_block || blocks * (pad + lim.reserved) > lim.per_sm {
+    if pad + (1 << 10) > lim.per_block || blocks * (pad + lim.reserved) > lim.per_sm {
         return 0;
     }
     pad
@@ -1952,7 +1953,8 @@ mod tests {
         // Asked for: off, as given, capped at what a block may have.
         assert_eq!(stream_pad(Some(0), 2, H200), 0);
         assert_eq!(stream_pad(Some(96), 2, H200), 96 << 10);
-        assert_eq!(stream_pad(Some(227), 2, a100), 163 << 10);
+        assert_eq!(stream_pad(Some(227), 2, a100), 162 << 10);
+        assert_eq!(stream_pad(Some(227), 2, H200), 226 << 10);
         // Nothing fits exactly: no pad rather than a launch the device refuses.
         let tiny = SharedLimits {
             per_sm: 48 << 10,
