@@ -1299,11 +1299,7 @@ mod tests {
         let pair_regs =
             unsafe { function::get_function_attribute(pair.0, F::CU_FUNC_ATTRIBUTE_NUM_REGS) }
                 .unwrap() as usize;
-        for k in [
-            Kernel::FusedGemv1S16,
-            Kernel::FusedGemv1Sb16,
-            Kernel::FusedGemv1S32,
-        ] {
+        for k in Kernel::STREAMED {
             let f = inner.modules.get(k).unwrap();
             // SAFETY: as above.
             let (fit, fit_bare, regs) = unsafe {

@@ -1599,7 +1599,7 @@ fn launch_gemv(
         };
         // A streamed, staged product without pairs takes its dtype's own entry point (80
         // registers, so that the next kernel's first blocks fit beside its two per
-        // multiprocessor).
+        // multiprocessor), its blocks padded to hold them to that many (`stream_pad`).
         let kernel = match (set.pair != 0, stream && staged, wdt) {
             (true, _, _) => Kernel::FusedGemv1Pair,
             (false, true, DType::F16) => Kernel::FusedGemv1S16,
@@ -1607,21 +1607,17 @@ fn launch_gemv(
             (false, true, DType::F32) => Kernel::FusedGemv1S32,
             (false, _, _) => Kernel::FusedGemv1,
         };
+        let shared = match (staged, Kernel::STREAMED.contains(&kernel)) {
+            (false, _) => 0,
+            (true, false) => k * 4,
+            (true, true) => (k * 4).max(exec.inner.stream_shared),
+        };
         return exec.launch_shared(
             first,
             kernel,
             blocks,
             (matmul::GEMV1_WARPS * 32) as u32,
-            if staged {
-                let pad = if matches!(kernel, Kernel::FusedGemv1Pair | Kernel::FusedGemv1) {
-                    0
-                } else {
-                    exec.inner.stream_shared
-                };
-                (k * 4).max(pad) as u32
-            } else {
-                0
-            },
+            shared as u32,
             args,
         );
     }

@@ -112,6 +112,14 @@ impl Kernel {
         Kernel::FusedGemv1S32,
     ];
 
+    /// The streamed products' own entry points (one per weight dtype), whose blocks may ask
+    /// for more than the default 48 KB of shared memory (`stream_pad`).
+    pub(crate) const STREAMED: [Kernel; 3] = [
+        Kernel::FusedGemv1S16,
+        Kernel::FusedGemv1Sb16,
+        Kernel::FusedGemv1S32,
+    ];
+
     fn module(self) -> &'static str {
         match self {
             Kernel::EwUnary | Kernel::EwBinary | Kernel::CopyStrided | Kernel::Fill => {
@@ -233,10 +241,7 @@ impl Modules {
         // SAFETY: the module is loaded and stays loaded while `self` lives.
         let f = unsafe { result::module::get_function(module, sym) }
             .map_err(|e| format!("kernel {} not found in module {name}: {e:?}", k.symbol()))?;
-        if matches!(
-            k,
-            Kernel::FusedGemv1S16 | Kernel::FusedGemv1Sb16 | Kernel::FusedGemv1S32
-        ) {
+        if Kernel::STREAMED.contains(&k) {
             // Streamed blocks ask for more than the default 48 KB of shared memory when padded
             // (`CudaConfig::stream_pad_kb`); this raises their limit to the device's, less the
             // kernel's static shared memory (the driver refuses a limit above that).
