@@ -590,17 +590,16 @@ impl CudaBackend {
             let (major, minor) = ctx
                 .compute_capability()
                 .map_err(|e| format!("reading the compute capability: {e:?}"))?;
-            let sms = ctx
-                .attribute(
-                    cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-                )
-                .map_err(|e| format!("reading the multiprocessor count: {e:?}"))?;
             let attr = |a, what: &str| {
                 ctx.attribute(a)
                     .map(|v| v.max(0) as usize)
                     .map_err(|e| format!("reading {what}: {e:?}"))
             };
             use cudarc::driver::sys::CUdevice_attribute as A;
+            let sms = attr(
+                A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                "the multiprocessor count",
+            )?;
             let shared = crate::fusion::SharedLimits {
                 per_sm: attr(
                     A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
@@ -644,7 +643,7 @@ impl CudaBackend {
                 head_work,
                 gates: Mutex::new(GateWords::default()),
                 pdl: cfg.pdl && major >= 9,
-                sms: sms.max(1) as usize,
+                sms: sms.max(1),
                 stream_shared,
                 cfg,
                 graphs: Mutex::new(GraphCache::default()),
