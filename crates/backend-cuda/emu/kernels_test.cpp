@@ -360,12 +360,14 @@ void test_fused_gemv1() {
             for (i64 k = 0; k < K; ++k) act[k] = a.get(k);
         }
         P.check_all(tag, K, [&](i64, i64 k) { return act[k]; });
-        if (c.pair || grid == 0) continue;
+        if (grid == 0) continue;
         // The streamed path's own entry point for this weight dtype (the host launches it for
-        // streamed, staged products): the same bytes in every result, written again from NaN.
+        // streamed, staged products; gate/up's with SwiGlu in pair mode): the same bytes in
+        // every result, written again from NaN.
         std::vector<Buf*> res;
         for (auto& b : P.out) res.push_back(b.get());
         for (auto& b : P.sum) res.push_back(b.get());
+        if (c.pair) res.push_back(P.sw.get());
         std::vector<std::vector<float>> before;
         for (Buf* b : res) {
             before.emplace_back();
@@ -374,7 +376,12 @@ void test_fused_gemv1() {
                 b->set(i, NAN);
             }
         }
-        auto* own = c.wdt == DT_F16 ? fused_gemv1_s16 : c.wdt == DT_BF16 ? fused_gemv1_sb16 : fused_gemv1_s32;
+        auto* own = c.pair ? (c.wdt == DT_F16    ? fused_gemv1_gu16
+                              : c.wdt == DT_BF16 ? fused_gemv1_gub16
+                                                 : fused_gemv1_gu32)
+                           : (c.wdt == DT_F16    ? fused_gemv1_s16
+                              : c.wdt == DT_BF16 ? fused_gemv1_sb16
+                                                 : fused_gemv1_s32);
         launch((unsigned)grid, 256, [&] {
             own(K, (const float*)a.p(), P.S, c.wdt, 1, 1, 1, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
                 c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32);
@@ -403,7 +410,9 @@ struct RpCase {
     double theta;
 };
 
-void rowpair_case(const RpCase& c) {
+// `own`: through the row-pair path's own entry point for the weight dtype (`fused_gemv1_rp16`
+// and kin, what the host launches), else through `fused_gemv1_pair`.
+void rowpair_case(const RpCase& c, bool own) {
     const i64 K = c.K, e = esz(c.wdt);
     const i64 ldw = (K * e + 15) / 16 * 16 / e;  // rows 16-byte aligned (K 202: a K % VW tail)
     const i64 n[3] = {c.hq * c.hd, c.hd, c.hd};
@@ -490,10 +499,15 @@ void rowpair_case(const RpCase& c) {
     const i64 units = (n[0] + n[1] + n[2]) / 2;
     launch((unsigned)((units + 7) / 8), 256, [&] {
         // stream 1: row pairs are never streamed (the whole grid is launched).
-        fused_gemv1_pair(K, (const float*)a.p(), S, c.wdt, 1, c.ahead, 1, c.norm ? (const float*)x.p() : nullptr,
-                         1e-5f, nd.p(), DT_F32, nw.p(), DT_F32);
+        auto* kernel = !own ? fused_gemv1_pair
+                       : c.wdt == DT_F16 ? fused_gemv1_rp16
+                       : c.wdt == DT_BF16 ? fused_gemv1_rpb16
+                                          : fused_gemv1_rp32;
+        kernel(K, (const float*)a.p(), S, c.wdt, 1, c.ahead, 1, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
+               nd.p(), DT_F32, nw.p(), DT_F32);
     });
-    const std::string tag = "fused_gemv1 row pairs w " + std::to_string(c.wdt) + " K " + std::to_string(K) +
+    const std::string tag = std::string(own ? "fused_gemv1_rp" : "fused_gemv1_pair") + " row pairs w " +
+                            std::to_string(c.wdt) + " K " + std::to_string(K) +
                             " hd " + std::to_string(c.hd) + " n_dims " + std::to_string(c.n_dims) + " add " +
                             std::to_string(c.add) + " sum " + std::to_string(c.sum_dt) + " rope " +
                             std::to_string(c.r_dt) + " cache " + std::to_string(c.c_dt) + " norm " +
@@ -635,7 +649,8 @@ void test_fused_gemv1_rowpair() {
         {F32, 202, 16, 16, 1, 7, F32, F16, BF16, 0, 7, 7, 1, 1, 1, 3, 10000.0},
         {BF16, 202, 64, 32, 2, 0, F32, F32, F16, 1, 1, 0, 1, 2, 1, 4095, 10000.0},
     };
-    for (const RpCase& c : cases) rowpair_case(c);
+    for (const RpCase& c : cases)
+        for (bool own : {true, false}) rowpair_case(c, own);
 }
 
 // The general matrix-vector kernels: one column per lane group (m <= 2) or four columns and

@@ -85,6 +85,12 @@ pub struct CudaConfig {
     /// instructions are cached when the wait returns. Off is a knob for measuring what that
     /// buys.
     pub rehearse: bool,
+    /// Decode's gate/up (streamed) and q/k/v (row pairs) take their own entry points per
+    /// weight dtype, `fused_gemv1_gu16` and `fused_gemv1_rp16` and kin
+    /// (`LOWSYNC_CUDA_GEMV_SPLIT`, default on): each holds one path, which fits in 88
+    /// registers without a spill, where `fused_gemv1_pair` holds both. Off is a knob for
+    /// measuring what that buys.
+    pub gemv_split: bool,
     /// Decode's matrix-vector products without row-pair epilogues run streamed
     /// (`LOWSYNC_CUDA_GEMV_STREAM`, default on): a grid of at most `stream_blocks` blocks per
     /// multiprocessor whose warps stride over the output units, keeping their weight loads in
@@ -135,6 +141,7 @@ impl Default for CudaConfig {
             pdl: true,
             attn_fast: true,
             rehearse: true,
+            gemv_split: true,
             gemv_stream: true,
             stream_blocks: 2,
             stream_pad_kb: None,
@@ -157,6 +164,7 @@ impl CudaConfig {
             pdl: env::flag("LOWSYNC_CUDA_PDL", true)?,
             attn_fast: env::flag("LOWSYNC_CUDA_ATTN_FAST", true)?,
             rehearse: env::flag("LOWSYNC_CUDA_REHEARSE", true)?,
+            gemv_split: env::flag("LOWSYNC_CUDA_GEMV_SPLIT", true)?,
             gemv_stream: env::flag("LOWSYNC_CUDA_GEMV_STREAM", true)?,
             stream_blocks: match env::unsigned("LOWSYNC_CUDA_GEMV_BLOCKS")? {
                 Some(0) => {
@@ -1269,8 +1277,8 @@ mod tests {
 
     /// On the device: a streamed product's blocks, padded as `stream_pad` says, fit
     /// `stream_blocks` to a multiprocessor and no more, and beside them there is room (registers
-    /// and shared memory) for a `fused_gemv1_pair` block staging a 4096-wide row, the next
-    /// kernel's first wave. Skipped without a CUDA device.
+    /// and shared memory) for a block of any pair kernel (`fused_gemv1_pair`, `fused_gemv1_gu16`,
+    /// `fused_gemv1_rp16` and kin) staging a 4096-wide row, the next kernel's first wave. Skipped without a CUDA device.
     #[test]
     fn padded_streamed_blocks_leave_room_for_the_next_kernel() {
         let b = match CudaBackend::open("cuda", 0, CudaConfig::default()) {
@@ -1293,11 +1301,25 @@ mod tests {
             "stream pad {pad} B; {regs_per_sm} registers, {smem_per_sm} B per multiprocessor"
         );
         assert!(pad > 0, "the default pads streamed blocks on this device");
-        let pair = inner.modules.get(Kernel::FusedGemv1Pair).unwrap();
-        // SAFETY: the function handles come from loaded modules; the context is bound.
-        let pair_regs =
-            unsafe { function::get_function_attribute(pair.0, F::CU_FUNC_ATTRIBUTE_NUM_REGS) }
-                .unwrap() as usize;
+        // The pair kernels: `fused_gemv1_pair` and its one-path entry points.
+        let pair_regs = [
+            Kernel::FusedGemv1Pair,
+            Kernel::FusedGemv1Gu16,
+            Kernel::FusedGemv1Gub16,
+            Kernel::FusedGemv1Gu32,
+            Kernel::FusedGemv1Rp16,
+            Kernel::FusedGemv1Rpb16,
+            Kernel::FusedGemv1Rp32,
+        ]
+        .into_iter()
+        .map(|k| {
+            let f = inner.modules.get(k).unwrap();
+            // SAFETY: the function handles come from loaded modules; the context is bound.
+            unsafe { function::get_function_attribute(f.0, F::CU_FUNC_ATTRIBUTE_NUM_REGS) }.unwrap()
+                as usize
+        })
+        .max()
+        .unwrap();
         for k in Kernel::STREAMED {
             let f = inner.modules.get(k).unwrap();
             // SAFETY: as above.

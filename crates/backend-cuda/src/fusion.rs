@@ -1600,7 +1600,16 @@ fn launch_gemv(
         // A streamed, staged product without pairs takes its dtype's own entry point (80
         // registers, so that the next kernel's first blocks fit beside its two per
         // multiprocessor), its blocks padded to hold them to that many (`stream_pad`).
+        // Staged, a pair mode's decode path takes its own entry point (`gemv_split`): q/k/v's
+        // row pairs, or gate/up streamed.
+        let split = exec.inner.cfg.gemv_split && staged;
         let kernel = match (set.pair != 0, stream && staged, wdt) {
+            (true, _, DType::F16) if split && tails => Kernel::FusedGemv1Rp16,
+            (true, _, DType::BF16) if split && tails => Kernel::FusedGemv1Rpb16,
+            (true, _, DType::F32) if split && tails => Kernel::FusedGemv1Rp32,
+            (true, true, DType::F16) if split => Kernel::FusedGemv1Gu16,
+            (true, true, DType::BF16) if split => Kernel::FusedGemv1Gub16,
+            (true, true, DType::F32) if split => Kernel::FusedGemv1Gu32,
             (true, _, _) => Kernel::FusedGemv1Pair,
             (false, true, DType::F16) => Kernel::FusedGemv1S16,
             (false, true, DType::BF16) => Kernel::FusedGemv1Sb16,

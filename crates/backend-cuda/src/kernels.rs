@@ -75,11 +75,19 @@ pub(crate) enum Kernel {
     FusedGemv1S16,
     FusedGemv1Sb16,
     FusedGemv1S32,
+    /// `fused_gemv1_pair`'s two decode paths alone, per weight dtype: gate/up streamed (`gu`)
+    /// and q/k/v's row pairs (`rp`; see fused.cu).
+    FusedGemv1Gu16,
+    FusedGemv1Gub16,
+    FusedGemv1Gu32,
+    FusedGemv1Rp16,
+    FusedGemv1Rpb16,
+    FusedGemv1Rp32,
 }
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 30] = [
+    pub(crate) const ALL: [Kernel; 36] = [
         Kernel::EwUnary,
         Kernel::EwBinary,
         Kernel::CopyStrided,
@@ -110,6 +118,12 @@ impl Kernel {
         Kernel::FusedGemv1S16,
         Kernel::FusedGemv1Sb16,
         Kernel::FusedGemv1S32,
+        Kernel::FusedGemv1Gu16,
+        Kernel::FusedGemv1Gub16,
+        Kernel::FusedGemv1Gu32,
+        Kernel::FusedGemv1Rp16,
+        Kernel::FusedGemv1Rpb16,
+        Kernel::FusedGemv1Rp32,
     ];
 
     /// The streamed products' own entry points (one per weight dtype), whose blocks may ask
@@ -147,7 +161,13 @@ impl Kernel {
             | Kernel::FusedGemv1Pair
             | Kernel::FusedGemv1S16
             | Kernel::FusedGemv1Sb16
-            | Kernel::FusedGemv1S32 => "fused",
+            | Kernel::FusedGemv1S32
+            | Kernel::FusedGemv1Gu16
+            | Kernel::FusedGemv1Gub16
+            | Kernel::FusedGemv1Gu32
+            | Kernel::FusedGemv1Rp16
+            | Kernel::FusedGemv1Rpb16
+            | Kernel::FusedGemv1Rp32 => "fused",
         }
     }
 
@@ -178,6 +198,12 @@ impl Kernel {
             Kernel::AttnDecode => "attn_decode",
             Kernel::AttnFast => "attn_fast",
             Kernel::AttnFastLong => "attn_fast_long",
+            Kernel::FusedGemv1Gu16 => "fused_gemv1_gu16",
+            Kernel::FusedGemv1Gub16 => "fused_gemv1_gub16",
+            Kernel::FusedGemv1Gu32 => "fused_gemv1_gu32",
+            Kernel::FusedGemv1Rp16 => "fused_gemv1_rp16",
+            Kernel::FusedGemv1Rpb16 => "fused_gemv1_rpb16",
+            Kernel::FusedGemv1Rp32 => "fused_gemv1_rp32",
             Kernel::FusedGemv1 => "fused_gemv1",
             Kernel::FusedGemv1Pair => "fused_gemv1_pair",
             Kernel::FusedGemv1S16 => "fused_gemv1_s16",

@@ -1,7 +1,7 @@
 //! `LOWSYNC_CUDA_SYNC_ELISION` (ARCHITECTURE §8), `LOWSYNC_CUDA_MMV_MAX_M`, `LOWSYNC_CUDA_GRAPHS`,
 //! `LOWSYNC_CUDA_FUSION`, `LOWSYNC_CUDA_TIMING`, `LOWSYNC_CUDA_PDL`, `LOWSYNC_CUDA_ATTN_FAST`,
-//! `LOWSYNC_CUDA_REHEARSE`, `LOWSYNC_CUDA_GEMV_STREAM`, `LOWSYNC_CUDA_GEMV_BLOCKS`,
-//! `LOWSYNC_CUDA_GEMV_PAD_KB` and `LOWSYNC_CUDA_WEIGHT_EVICT_FIRST`: a bad value is an error
+//! `LOWSYNC_CUDA_REHEARSE`, `LOWSYNC_CUDA_GEMV_STREAM`, `LOWSYNC_CUDA_GEMV_SPLIT`,
+//! `LOWSYNC_CUDA_GEMV_BLOCKS`, `LOWSYNC_CUDA_GEMV_PAD_KB` and `LOWSYNC_CUDA_WEIGHT_EVICT_FIRST`: a bad value is an error
 //! naming the variable. (Its own test binary: it sets process-wide variables; one test, so
 //! nothing reads them while they are bad.)
 
@@ -85,6 +85,7 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
         ("LOWSYNC_CUDA_ATTN_FAST", true),
         ("LOWSYNC_CUDA_REHEARSE", true),
         ("LOWSYNC_CUDA_GEMV_STREAM", true),
+        ("LOWSYNC_CUDA_GEMV_SPLIT", true),
         ("LOWSYNC_CUDA_WEIGHT_EVICT_FIRST", false),
     ] {
         let read = |c: &CudaConfig| match var {
@@ -94,6 +95,7 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
             "LOWSYNC_CUDA_ATTN_FAST" => c.attn_fast,
             "LOWSYNC_CUDA_REHEARSE" => c.rehearse,
             "LOWSYNC_CUDA_GEMV_STREAM" => c.gemv_stream,
+            "LOWSYNC_CUDA_GEMV_SPLIT" => c.gemv_split,
             "LOWSYNC_CUDA_WEIGHT_EVICT_FIRST" => c.weight_evict_first,
             _ => c.timing,
         };
