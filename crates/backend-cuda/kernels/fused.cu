@@ -662,7 +662,6 @@ extern "C" __global__ void __maxnreg__(80) fused_gemv1_s16(FG1S_PARAMS) { FG1S_B
 extern "C" __global__ void __maxnreg__(80) fused_gemv1_sb16(FG1S_PARAMS) { FG1S_BODY(DT_BF16) }
 extern "C" __global__ void __maxnreg__(80) fused_gemv1_s32(FG1S_PARAMS) { FG1S_BODY(DT_F32) }
 #undef FG1S_BODY
-#undef FG1S_PARAMS
 
 // Gate/up with SwiGlu (S.pair == 1) and row pairs (S.pair == 2); same parameters — the paths
 // the entry points below do not take (`LOWSYNC_CUDA_GEMV_SPLIT=0`, unstaged, unstreamed). At
@@ -687,30 +686,27 @@ extern "C" __global__ void __maxnreg__(88) fused_gemv1_pair(
 #undef FG1_CASE
 
 // The two decode paths of `fused_gemv1_pair`, each in its own entry point per weight dtype
-// (same parameters, `staged` 1): gate/up with SwiGlu streamed (`fused_gemv1_gu16`, `_gub16`,
+// (the parameters of `fused_gemv1_s16`, `staged` 1): gate/up with SwiGlu streamed (`fused_gemv1_gu16`, `_gub16`,
 // `_gu32`: `stream` 1) and q/k/v's row pairs (`fused_gemv1_rp16`, `_rpb16`, `_rp32`). Alone,
 // each path fits in 88 registers without a spill, and its launch runs only its own code —
 // these kernels fetch much of their time in instructions. On the H200 ("1b", one process):
 // 699.9 µs per token against 730.7 through `fused_gemv1_pair` (q/k/v 7.17 -> 6.33 µs per
 // layer exposed, gate/up 19.71 -> 18.27, down 9.28 -> 9.73).
-#define FG1P_PARAMS                                                                             \
-    i64 K, const float *a, FgSet S, int dtw, int staged, int ahead, int stream, const float *nx, \
-        float eps, void *nd, int dtn, const void *nw, int dtnw
 #define FG1_GU(DT)                                                                          \
     extern __shared__ float4 fg1_smem[];                                                    \
     fg1_stream<DT, 2, true>((int)K, a, S, (float*)fg1_smem, ahead, FG1_NORM);
 #define FG1_RP(DT)                                                                          \
     extern __shared__ float4 fg1_smem[];                                                    \
     fg1_body<DT, 2, true>((int)K, a, S, (float*)fg1_smem, ahead, FG1_NORM);
-extern "C" __global__ void __maxnreg__(88) fused_gemv1_gu16(FG1P_PARAMS) { FG1_GU(DT_F16) }
-extern "C" __global__ void __maxnreg__(88) fused_gemv1_gub16(FG1P_PARAMS) { FG1_GU(DT_BF16) }
-extern "C" __global__ void __maxnreg__(88) fused_gemv1_gu32(FG1P_PARAMS) { FG1_GU(DT_F32) }
-extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp16(FG1P_PARAMS) { FG1_RP(DT_F16) }
-extern "C" __global__ void __maxnreg__(88) fused_gemv1_rpb16(FG1P_PARAMS) { FG1_RP(DT_BF16) }
-extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp32(FG1P_PARAMS) { FG1_RP(DT_F32) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_gu16(FG1S_PARAMS) { FG1_GU(DT_F16) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_gub16(FG1S_PARAMS) { FG1_GU(DT_BF16) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_gu32(FG1S_PARAMS) { FG1_GU(DT_F32) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp16(FG1S_PARAMS) { FG1_RP(DT_F16) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_rpb16(FG1S_PARAMS) { FG1_RP(DT_BF16) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp32(FG1S_PARAMS) { FG1_RP(DT_F32) }
 #undef FG1_RP
 #undef FG1_GU
-#undef FG1P_PARAMS
+#undef FG1S_PARAMS
 
 #define FG_DISPATCH(MT)                                                                   \
     if (S.pair) {                                                                         \

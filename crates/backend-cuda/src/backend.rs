@@ -1302,24 +1302,16 @@ mod tests {
         );
         assert!(pad > 0, "the default pads streamed blocks on this device");
         // The pair kernels: `fused_gemv1_pair` and its one-path entry points.
-        let pair_regs = [
-            Kernel::FusedGemv1Pair,
-            Kernel::FusedGemv1Gu16,
-            Kernel::FusedGemv1Gub16,
-            Kernel::FusedGemv1Gu32,
-            Kernel::FusedGemv1Rp16,
-            Kernel::FusedGemv1Rpb16,
-            Kernel::FusedGemv1Rp32,
-        ]
-        .into_iter()
-        .map(|k| {
-            let f = inner.modules.get(k).unwrap();
-            // SAFETY: the function handles come from loaded modules; the context is bound.
-            unsafe { function::get_function_attribute(f.0, F::CU_FUNC_ATTRIBUTE_NUM_REGS) }.unwrap()
-                as usize
-        })
-        .max()
-        .unwrap();
+        let pair_regs = std::iter::once(Kernel::FusedGemv1Pair)
+            .chain(Kernel::PAIR_PATHS)
+            .map(|k| {
+                let f = inner.modules.get(k).unwrap();
+                // SAFETY: the function handles come from loaded modules; the context is bound.
+                unsafe { function::get_function_attribute(f.0, F::CU_FUNC_ATTRIBUTE_NUM_REGS) }
+                    .unwrap() as usize
+            })
+            .max()
+            .unwrap();
         for k in Kernel::STREAMED {
             let f = inner.modules.get(k).unwrap();
             // SAFETY: as above.

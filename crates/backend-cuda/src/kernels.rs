@@ -126,6 +126,17 @@ impl Kernel {
         Kernel::FusedGemv1Rp32,
     ];
 
+    /// The one-path entry points of `fused_gemv1_pair` (gate/up streamed, q/k/v's row pairs).
+    #[cfg(test)]
+    pub(crate) const PAIR_PATHS: [Kernel; 6] = [
+        Kernel::FusedGemv1Gu16,
+        Kernel::FusedGemv1Gub16,
+        Kernel::FusedGemv1Gu32,
+        Kernel::FusedGemv1Rp16,
+        Kernel::FusedGemv1Rpb16,
+        Kernel::FusedGemv1Rp32,
+    ];
+
     /// The streamed products' own entry points (one per weight dtype), whose blocks may ask
     /// for more than the default 48 KB of shared memory (`stream_pad`).
     pub(crate) const STREAMED: [Kernel; 3] = [
