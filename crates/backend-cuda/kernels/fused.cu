@@ -686,8 +686,9 @@ extern "C" __global__ void __maxnreg__(88) fused_gemv1_pair(
 #undef FG1_CASE
 
 // The two decode paths of `fused_gemv1_pair`, each in its own entry point per weight dtype
-// (the parameters of `fused_gemv1_s16`, `staged` 1): gate/up with SwiGlu streamed (`fused_gemv1_gu16`, `_gub16`,
-// `_gu32`: `stream` 1) and q/k/v's row pairs (`fused_gemv1_rp16`, `_rpb16`, `_rp32`). Alone,
+// (the parameters of `fused_gemv1_s16`, `staged` 1): gate/up with SwiGlu streamed
+// (`fused_gemv1_gu16`, `_gub16`, `_gu32`: `stream` 1) and q/k/v's row pairs
+// (`fused_gemv1_rp16`, `_rpb16`, `_rp32`). Alone,
 // each path fits in 88 registers without a spill, and its launch runs only its own code —
 // these kernels fetch much of their time in instructions. On the H200 ("1b", one process):
 // 699.9 µs per token against 730.7 through `fused_gemv1_pair` (q/k/v 7.17 -> 6.33 µs per

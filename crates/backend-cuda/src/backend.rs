@@ -1277,8 +1277,9 @@ mod tests {
 
     /// On the device: a streamed product's blocks, padded as `stream_pad` says, fit
     /// `stream_blocks` to a multiprocessor and no more, and beside them there is room (registers
-    /// and shared memory) for a block of any pair kernel (`fused_gemv1_pair`, `fused_gemv1_gu16`,
-    /// `fused_gemv1_rp16` and kin) staging a 4096-wide row, the next kernel's first wave. Skipped without a CUDA device.
+    /// and shared memory) for a block of any pair kernel (`fused_gemv1_pair`,
+    /// `fused_gemv1_gu16`, `fused_gemv1_rp16` and kin) staging a 4096-wide row, the next
+    /// kernel's first wave. Skipped without a CUDA device.
     #[test]
     fn padded_streamed_blocks_leave_room_for_the_next_kernel() {
         let b = match CudaBackend::open("cuda", 0, CudaConfig::default()) {
@@ -1303,7 +1304,8 @@ mod tests {
         assert!(pad > 0, "the default pads streamed blocks on this device");
         // The pair kernels: `fused_gemv1_pair` and its one-path entry points.
         let pair_regs = std::iter::once(Kernel::FusedGemv1Pair)
-            .chain(Kernel::PAIR_PATHS)
+            .chain(Kernel::GATE_UP)
+            .chain(Kernel::ROW_PAIRS)
             .map(|k| {
                 let f = inner.modules.get(k).unwrap();
                 // SAFETY: the function handles come from loaded modules; the context is bound.

@@ -1603,19 +1603,16 @@ fn launch_gemv(
         // Staged, a pair mode's decode path takes its own entry point (`gemv_split`): q/k/v's
         // row pairs, or gate/up streamed.
         let split = exec.inner.cfg.gemv_split && staged;
-        let kernel = match (set.pair != 0, stream && staged, wdt) {
-            (true, _, DType::F16) if split && tails => Kernel::FusedGemv1Rp16,
-            (true, _, DType::BF16) if split && tails => Kernel::FusedGemv1Rpb16,
-            (true, _, DType::F32) if split && tails => Kernel::FusedGemv1Rp32,
-            (true, true, DType::F16) if split => Kernel::FusedGemv1Gu16,
-            (true, true, DType::BF16) if split => Kernel::FusedGemv1Gub16,
-            (true, true, DType::F32) if split => Kernel::FusedGemv1Gu32,
-            (true, _, _) => Kernel::FusedGemv1Pair,
-            (false, true, DType::F16) => Kernel::FusedGemv1S16,
-            (false, true, DType::BF16) => Kernel::FusedGemv1Sb16,
-            (false, true, DType::F32) => Kernel::FusedGemv1S32,
-            (false, _, _) => Kernel::FusedGemv1,
+        let (own, shared_kernel) = match (set.pair != 0, stream && staged) {
+            (true, _) if split && tails => (Some(Kernel::ROW_PAIRS), Kernel::FusedGemv1Pair),
+            (true, true) if split => (Some(Kernel::GATE_UP), Kernel::FusedGemv1Pair),
+            (true, _) => (None, Kernel::FusedGemv1Pair),
+            (false, true) => (Some(Kernel::STREAMED), Kernel::FusedGemv1),
+            (false, false) => (None, Kernel::FusedGemv1),
         };
+        let kernel = own
+            .and_then(|list| Kernel::for_weights(list, wdt))
+            .unwrap_or(shared_kernel);
         let shared = match (staged, Kernel::STREAMED.contains(&kernel)) {
             (false, _) => 0,
             (true, false) => k * 4,

@@ -21,6 +21,8 @@ use cudarc::driver::{result, sys};
 use cudarc::nvrtc::{result as nvres, sys as nvsys};
 use parking_lot::Mutex;
 
+use lowsync_graph::DType;
+
 use crate::driver::CuFunction;
 
 /// Cubins compiled or read by this process, by cache file name (every backend of a device
@@ -126,24 +128,36 @@ impl Kernel {
         Kernel::FusedGemv1Rp32,
     ];
 
-    /// The one-path entry points of `fused_gemv1_pair` (gate/up streamed, q/k/v's row pairs).
-    #[cfg(test)]
-    pub(crate) const PAIR_PATHS: [Kernel; 6] = [
-        Kernel::FusedGemv1Gu16,
-        Kernel::FusedGemv1Gub16,
-        Kernel::FusedGemv1Gu32,
-        Kernel::FusedGemv1Rp16,
-        Kernel::FusedGemv1Rpb16,
-        Kernel::FusedGemv1Rp32,
-    ];
-
-    /// The streamed products' own entry points (one per weight dtype), whose blocks may ask
-    /// for more than the default 48 KB of shared memory (`stream_pad`).
+    /// The streamed products' own entry points, whose blocks may ask for more than the
+    /// default 48 KB of shared memory (`stream_pad`) ...
     pub(crate) const STREAMED: [Kernel; 3] = [
         Kernel::FusedGemv1S16,
         Kernel::FusedGemv1Sb16,
         Kernel::FusedGemv1S32,
     ];
+    /// ... and `fused_gemv1_pair`'s one-path entry points: gate/up streamed ...
+    pub(crate) const GATE_UP: [Kernel; 3] = [
+        Kernel::FusedGemv1Gu16,
+        Kernel::FusedGemv1Gub16,
+        Kernel::FusedGemv1Gu32,
+    ];
+    /// ... and q/k/v's row pairs. Each of these lists is per weight dtype: f16, bf16, f32.
+    pub(crate) const ROW_PAIRS: [Kernel; 3] = [
+        Kernel::FusedGemv1Rp16,
+        Kernel::FusedGemv1Rpb16,
+        Kernel::FusedGemv1Rp32,
+    ];
+
+    /// The kernel of a per-dtype list (`STREAMED`, `GATE_UP`, `ROW_PAIRS`) for weights of
+    /// dtype `d`; none for integer weights.
+    pub(crate) fn for_weights(list: [Kernel; 3], d: DType) -> Option<Kernel> {
+        match d {
+            DType::F16 => Some(list[0]),
+            DType::BF16 => Some(list[1]),
+            DType::F32 => Some(list[2]),
+            DType::I32 => None,
+        }
+    }
 
     fn module(self) -> &'static str {
         match self {
