@@ -169,6 +169,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="f16")
     ap.add_argument("--csv-dir", type=Path, default=Path("/tmp"))
     ap.add_argument("--n-ctx", type=int, default=0, help="KV cache rows (default: just enough)")
+    ap.add_argument("--prompt-len", type=int, default=4, help="prompt tokens before decoding")
+    ap.add_argument("--kv-dtype", default="f32", choices=["f32", "f16", "bf16"])
     ap.add_argument(
         "--variant",
         action="append",
@@ -186,6 +188,8 @@ def main() -> None:
         raise SystemExit("variant names must differ")
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
+    if args.prompt_len < 1:
+        raise SystemExit("--prompt-len must be at least 1")
     lib_path = os.environ.get("CUDA_INJECTION64_PATH")
     if not lib_path:
         raise SystemExit("CUDA_INJECTION64_PATH is not set: build scripts/gpu/cupti_kernels.c")
@@ -195,14 +199,20 @@ def main() -> None:
     lib = ctypes.CDLL(lib_path)
     lib.lowsync_ktrace_end.restype = ctypes.c_long
     lib.lowsync_ktrace_end.argtypes = [ctypes.c_char_p]
-    prompt = [1, 2, 3, 4]
+    prompt = [1 + i % 1000 for i in range(args.prompt_len)]
     for name in args.models.split(","):
         model = ls.Llama.random(name, seed=1, dtype=args.dtype)
-        n_ctx = args.n_ctx or 4 + args.n + 8
+        n_ctx = args.n_ctx or args.prompt_len + args.n + 8
         sessions = []
         for _, env in variants:
             with env_vars({"LOWSYNC_CUDA_GRAPHS": "1", **env}):
-                sess = ls.Session(model, backends=[args.backend], n_ctx=n_ctx, policy="staged")
+                sess = ls.Session(
+                    model,
+                    backends=[args.backend],
+                    n_ctx=n_ctx,
+                    policy="staged",
+                    kv_dtype=args.kv_dtype,
+                )
             if not lib.lowsync_ktrace_active():
                 raise SystemExit(
                     "CUPTI injection is not active (the driver did not load the library)"

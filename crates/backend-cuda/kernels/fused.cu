@@ -1365,10 +1365,10 @@ extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(AF_PARAMS) {
                          sh, nullptr);
 }
 
-// A window longer than one chunk with a mask, where neither the raw scores nor p are written
-// (the host's condition; write_kq and write_p are ignored): the valid keys are listed first
-// (LIST above), so masked keys cost no round trips. Its own entry point, so that the listing's
-// registers and shared memory never touch `attn_fast`'s (which must fit beside q/k/v's blocks).
+// A window with a mask, where neither the raw scores nor p are written (the host's condition,
+// decode's case, at any window length; write_kq and write_p are ignored): the valid keys are
+// listed first (LIST above), so masked keys cost no round trips. Its own entry point, so that
+// the listing's registers and shared memory never touch `attn_fast`'s.
 extern "C" __global__ void __maxnreg__(168) attn_fast_long(AF_PARAMS) {
     __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
     __shared__ int lsh[AF_LSH];

@@ -1032,36 +1032,53 @@ fn streamed_products_match_a_warp_per_unit_bit_for_bit() {
 }
 
 #[test]
-fn long_windows_list_their_valid_keys() {
-    // Windows past one chunk of keys (256 at head size 64 in f16) with p and the scores dead —
-    // decode's case — run `attn_fast_long`: the valid keys are listed, 2048 mask entries at a
-    // time, and only their rows are read. Sparse and dense windows across listings, per-head
-    // masks, and every key masked; masked rows are NaN in the poisoned copy.
+fn masked_windows_list_their_valid_keys() {
+    // Masked windows with p and the scores dead — decode's case — run `attn_fast_long` at any
+    // length: the valid keys are listed, 2048 mask entries at a time, and only their rows are
+    // read. Sparse and dense windows across listings, per-head masks, and every key masked, in
+    // a long window and in one shorter than a chunk of keys (256 at head size 64 in f16);
+    // masked rows are NaN in the poisoned copy.
     let mut rng = Rng::new(44);
-    let n_ctx = 4500;
+    type Mask = (&'static [usize], usize, Option<usize>);
+    let windows: [(usize, [Mask; 4]); 2] = [
+        (
+            4500,
+            [
+                (&[100], 1, Some(7)),
+                (&[3000], 1, None),
+                (&[5, 2100, 700, 4500], 8, None),
+                (&[0], 1, None),
+            ],
+        ),
+        (
+            77,
+            [
+                (&[40], 1, Some(7)),
+                (&[77], 1, None),
+                (&[5, 70, 30, 77], 8, None),
+                (&[0], 1, None),
+            ],
+        ),
+    ];
     for kv in [DType::F16, DType::F32] {
-        let masks: [(&[usize], usize, Option<usize>); 4] = [
-            (&[100], 1, Some(7)),
-            (&[3000], 1, None),
-            (&[5, 2100, 700, 4500], 8, None),
-            (&[0], 1, None),
-        ];
-        for mask in masks {
-            let mut a = attention_case(&mut rng, kv, (8, 2, 64), n_ctx, mask, true);
-            // p dead too: a later node overwrites it (as the allocator reuses that memory).
-            let probs = a.outputs.remove(0).1;
-            assert_eq!(probs.shape, [8, 1, n_ctx]);
-            let src = a.case.tensor(DType::F32, &[8, 1, n_ctx]);
-            a.case.rand(&mut rng, &src, 1.0);
-            a.case.node(Op::Scale { scale: 1.0 }, &probs, &[&src]);
-            let test = format!("long window {kv} mask {mask:?}");
-            let (valid, heads, hole) = mask;
-            let unused = (0..n_ctx).filter(|&row| {
-                !(0..heads).any(|h| row < valid[h % valid.len()] && Some(row) != hole)
-            });
-            let poisoned = poison_rows(&a, kv, unused);
-            if !check_with(&test, &a.case, &poisoned, &outputs(&a), 3) {
-                return;
+        for (n_ctx, masks) in windows {
+            for mask in masks {
+                let mut a = attention_case(&mut rng, kv, (8, 2, 64), n_ctx, mask, true);
+                // p dead too: a later node overwrites it (as the allocator reuses that memory).
+                let probs = a.outputs.remove(0).1;
+                assert_eq!(probs.shape, [8, 1, n_ctx]);
+                let src = a.case.tensor(DType::F32, &[8, 1, n_ctx]);
+                a.case.rand(&mut rng, &src, 1.0);
+                a.case.node(Op::Scale { scale: 1.0 }, &probs, &[&src]);
+                let test = format!("window {n_ctx} {kv} mask {mask:?}");
+                let (valid, heads, hole) = mask;
+                let unused = (0..n_ctx).filter(|&row| {
+                    !(0..heads).any(|h| row < valid[h % valid.len()] && Some(row) != hole)
+                });
+                let poisoned = poison_rows(&a, kv, unused);
+                if !check_with(&test, &a.case, &poisoned, &outputs(&a), 3) {
+                    return;
+                }
             }
         }
     }
