@@ -5,7 +5,8 @@ import csv
 import sys
 from collections import defaultdict
 
-rows = list(csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"')))
+with open(sys.argv[1]) as f:
+    rows = list(csv.DictReader(line for line in f if line.startswith('"')))
 per: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
 for r in rows:
     unit = r.get("Metric Unit", "")
@@ -31,5 +32,7 @@ for (_, name), m in per.items():
 total = sum(a[1] for a in agg.values())
 print(f"{len(per)} launches, {total / 1e3:.1f} us of kernel time")
 for name, (n, t, pct, rd) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
-    print(f"{name:32} n={n:4d} total {t / 1e3:8.1f} us  mean {t / n / 1e3:7.2f} us  "
-          f"dram {pct / n:5.1f}%  read {rd / n / 1e6:8.3f} MB/launch")
+    print(
+        f"{name:32} n={n:4d} total {t / 1e3:8.1f} us  mean {t / n / 1e3:7.2f} us  "
+        f"dram {pct / n:5.1f}%  read {rd / n / 1e6:8.3f} MB/launch"
+    )
