@@ -655,13 +655,14 @@ extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, 
 #define FG1S_PARAMS                                                                             \
     i64 K, const float *a, FgSet S, int dtw, int staged, int ahead, int stream, const float *nx, \
         float eps, void *nd, int dtn, const void *nw, int dtnw
-#define FG1S_BODY(DT)                                                                       \
+// The body of a one-path entry point: `fg1_stream` or `fg1_body` (PATH stream or body), staged,
+// for weights of dtype DT_##DT and NC products per unit.
+#define FG1_OWN(PATH, DT, NC)                                                               \
     extern __shared__ float4 fg1_smem[];                                                    \
-    fg1_stream<DT, 1, true>((int)K, a, S, (float*)fg1_smem, ahead, FG1_NORM);
-extern "C" __global__ void __maxnreg__(80) fused_gemv1_s16(FG1S_PARAMS) { FG1S_BODY(DT_F16) }
-extern "C" __global__ void __maxnreg__(80) fused_gemv1_sb16(FG1S_PARAMS) { FG1S_BODY(DT_BF16) }
-extern "C" __global__ void __maxnreg__(80) fused_gemv1_s32(FG1S_PARAMS) { FG1S_BODY(DT_F32) }
-#undef FG1S_BODY
+    fg1_##PATH<DT_##DT, NC, true>((int)K, a, S, (float*)fg1_smem, ahead, FG1_NORM);
+extern "C" __global__ void __maxnreg__(80) fused_gemv1_s16(FG1S_PARAMS) { FG1_OWN(stream, F16, 1) }
+extern "C" __global__ void __maxnreg__(80) fused_gemv1_sb16(FG1S_PARAMS) { FG1_OWN(stream, BF16, 1) }
+extern "C" __global__ void __maxnreg__(80) fused_gemv1_s32(FG1S_PARAMS) { FG1_OWN(stream, F32, 1) }
 
 // Gate/up with SwiGlu (S.pair == 1) and row pairs (S.pair == 2); same parameters — the paths
 // the entry points below do not take (`LOWSYNC_CUDA_GEMV_SPLIT=0`, unstaged, unstreamed). At
@@ -672,9 +673,7 @@ extern "C" __global__ void __maxnreg__(80) fused_gemv1_s32(FG1S_PARAMS) { FG1S_B
 // these — attention rehearses while q/k/v finishes. `fused_gemv1` (104) does not fit beside two
 // streamed gate/up blocks, nor these beside two of its own; holding it to 80 to make room was
 // measured slower on the H200 (README: "Measured on the H200 and not kept").
-extern "C" __global__ void __maxnreg__(88) fused_gemv1_pair(
-    i64 K, const float* a, FgSet S, int dtw, int staged, int ahead, int stream, const float* nx,
-    float eps, void* nd, int dtn, const void* nw, int dtnw) {
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_pair(FG1S_PARAMS) {
     extern __shared__ float4 fg1_smem[];
     float* xs = (float*)fg1_smem;
     switch (dtw) {
@@ -693,20 +692,13 @@ extern "C" __global__ void __maxnreg__(88) fused_gemv1_pair(
 // these kernels fetch much of their time in instructions. On the H200 ("1b", one process):
 // 699.9 µs per token against 730.7 through `fused_gemv1_pair` (q/k/v 7.17 -> 6.33 µs per
 // layer exposed, gate/up 19.71 -> 18.27, down 9.28 -> 9.73).
-#define FG1_GU(DT)                                                                          \
-    extern __shared__ float4 fg1_smem[];                                                    \
-    fg1_stream<DT, 2, true>((int)K, a, S, (float*)fg1_smem, ahead, FG1_NORM);
-#define FG1_RP(DT)                                                                          \
-    extern __shared__ float4 fg1_smem[];                                                    \
-    fg1_body<DT, 2, true>((int)K, a, S, (float*)fg1_smem, ahead, FG1_NORM);
-extern "C" __global__ void __maxnreg__(88) fused_gemv1_gu16(FG1S_PARAMS) { FG1_GU(DT_F16) }
-extern "C" __global__ void __maxnreg__(88) fused_gemv1_gub16(FG1S_PARAMS) { FG1_GU(DT_BF16) }
-extern "C" __global__ void __maxnreg__(88) fused_gemv1_gu32(FG1S_PARAMS) { FG1_GU(DT_F32) }
-extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp16(FG1S_PARAMS) { FG1_RP(DT_F16) }
-extern "C" __global__ void __maxnreg__(88) fused_gemv1_rpb16(FG1S_PARAMS) { FG1_RP(DT_BF16) }
-extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp32(FG1S_PARAMS) { FG1_RP(DT_F32) }
-#undef FG1_RP
-#undef FG1_GU
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_gu16(FG1S_PARAMS) { FG1_OWN(stream, F16, 2) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_gub16(FG1S_PARAMS) { FG1_OWN(stream, BF16, 2) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_gu32(FG1S_PARAMS) { FG1_OWN(stream, F32, 2) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp16(FG1S_PARAMS) { FG1_OWN(body, F16, 2) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_rpb16(FG1S_PARAMS) { FG1_OWN(body, BF16, 2) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp32(FG1S_PARAMS) { FG1_OWN(body, F32, 2) }
+#undef FG1_OWN
 #undef FG1S_PARAMS
 
 #define FG_DISPATCH(MT)                                                                   \
