@@ -65,9 +65,10 @@ def test_attention_bench_arguments_match_the_kernels() -> None:
 
 
 def test_the_signature_reader_sees_every_parameter() -> None:
-    # attn_fast ends with `rehearse`: a list one short (the drift this file guards) differs.
-    assert _codes("attn_fast").endswith("pi" + "iii")
-    assert len(_codes("attn_fast")) == 36
+    # attn_fast ends with `rehearse, mask_ahead`: a list one short (the drift this file guards)
+    # differs.
+    assert _codes("attn_fast").endswith("pi" + "iiii")
+    assert len(_codes("attn_fast")) == 37
 
 
 def test_compare_torch_lowsync_rows_run_without_torch(tmp_path: Path) -> None:

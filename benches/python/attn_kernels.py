@@ -140,7 +140,7 @@ class Cuda:
 # The kernels' parameter lists as `pack` type strings (tests/test_bench_scripts.py checks them
 # against kernels/fused.cu).
 DECODE_TYPES = "llfpillipllliipllliipillipllipllpllpillii"
-FAST_TYPES = "iifpiiipiiipiiipiiipiiipiiipiiipiiii"
+FAST_TYPES = "iifpiiipiiipiiipiiipiiipiiipiiipiiiii"
 
 
 def pack(types: str, *vals: Any) -> list[Any]:
@@ -189,11 +189,12 @@ def run_window(
         *(L, d, scale, qd, 0, d, 1, 1, kc, d, ld, div, 1, 8, vc, d, ld, div, 1, 8),
         *(md, 0, 0, 1, 1, 0, L, 1, 0, p, L, 1, o, d, 1, c, 0, 1, hq, 1, 1),
     )
-    # The last argument, `rehearse`, is 0: no launch runs ahead of a producer here.
+    # The last two arguments, `rehearse` and `mask_ahead`, are 0: no launch runs ahead of a
+    # producer here.
     short = pack(
         FAST_TYPES,
         *(L, d, scale, qd, d, 1, 1, kc, d, ld, div, vc, d, ld, div, md, 0, 1, 1),
-        *(0, L, 1, 0, p, L, 1, 0, o, d, 1, 1, c, 1, hq, 1, 0),
+        *(0, L, 1, 0, p, L, 1, 0, o, d, 1, 1, c, 1, hq, 1, 0, 0),
     )
     print(f"window {L} rows, {int((~bad).sum())} valid; µs: block 0 | all blocks | phases")
     kernels = [("attn_decode", 9, general), ("attn_fast", 5, short)]

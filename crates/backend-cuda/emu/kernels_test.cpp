@@ -968,7 +968,7 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
                           (int)(Hq / Hk), vc.p(), (int)D, (int)ld_kv, (int)(Hq / Hk), (const float*)m.p(),
                           mode == 3 ? (int)L : 0, 1, 1, (float*)kq2.p(), (int)L, 1, wkq, (float*)p2.p(),
                           (int)L, 1, write_p, (float*)o2.p(), (int)D, 1, write_o,
-                          (float*)c2.p(), 1, (int)Hq, 1, rehearse);
+                          (float*)c2.p(), 1, (int)Hq, 1, rehearse, 0);
             });
             std::vector<double> go2, gc2, wc2, wkeep, gkq2, gp2;
             for (i64 h = 0; h < Hq; ++h) {
@@ -997,21 +997,28 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
         // The listing path (attn_fast_long; the host takes it for windows past one chunk with
         // neither scores nor p written): the same o and copy, and it never writes scores or p
         // even when asked (its contract), nor reads a masked row (poisoned above).
+        // With mask_ahead (the mask is no running kernel's output), the real pass takes the
+        // rehearsal's listing: the producer then swaps q and the caches only.
         for (int write_o : {1, 0})
-            for (int rehearse : {0, 1}) {
+            for (int rehearse : {0, 1})
+            for (int mask_ahead : {0, 1}) {
+                if (mask_ahead && !rehearse) continue;
                 Buf o3(DT_F32, Hq * D), c3(DT_F32, Hq * D), kq3(DT_F32, Hq * L), p3(DT_F32, Hq * L);
                 for (i64 i = 0; i < Hq * D; ++i) o3.set(i, 7.0f);
                 for (i64 i = 0; i < Hq * L; ++i) {
                     kq3.set(i, NAN);
                     p3.set(i, NAN);
                 }
-                Producer pr(rehearse ? std::vector<Buf*>{&q, &kc, &vc, &m} : std::vector<Buf*>{}, {&o3, &c3, &kq3, &p3});
+                Producer pr(!rehearse ? std::vector<Buf*>{}
+                            : mask_ahead ? std::vector<Buf*>{&q, &kc, &vc}
+                                         : std::vector<Buf*>{&q, &kc, &vc, &m},
+                            {&o3, &c3, &kq3, &p3});
                 launch((unsigned)Hq, 256, [&] {
                     attn_fast_long((int)L, (int)D, scale, (const float*)q.p(), (int)D, 1, kvdt, kc.p(), (int)D,
                                    (int)ld_kv, (int)(Hq / Hk), vc.p(), (int)D, (int)ld_kv, (int)(Hq / Hk),
                                    (const float*)m.p(), mode == 3 ? (int)L : 0, 1, 1, (float*)kq3.p(), (int)L, 1, 1,
                                    (float*)p3.p(), (int)L, 1, 1, (float*)o3.p(), (int)D, 1, write_o,
-                                   (float*)c3.p(), 1, (int)Hq, 1, rehearse);
+                                   (float*)c3.p(), 1, (int)Hq, 1, rehearse, mask_ahead);
                 });
                 std::vector<double> go3, gc3, wkeep, untouched, gkp;
                 for (i64 h = 0; h < Hq; ++h)
@@ -1025,7 +1032,8 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
                     gkp.push_back(1.0);
                 }
                 const std::string t3 = "attn_fast_long" + tag.substr(11) + " write_o " + std::to_string(write_o) +
-                                       " rehearse " + std::to_string(rehearse);
+                                       " rehearse " + std::to_string(rehearse) + " mask_ahead " +
+                                       std::to_string(mask_ahead);
                 pr.check(t3);
                 check(t3 + ": copy", wo, gc3, 1e-10);
                 check(t3 + (write_o ? ": o" : ": o untouched"), write_o ? wo : wkeep, go3, write_o ? 1e-10 : 0);

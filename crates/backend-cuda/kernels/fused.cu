@@ -1124,7 +1124,8 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
                                                int write_kq, float* p, int p_hs, int p_ls,
                                                int write_p, float* o, int o_hs, int o_ds,
                                                int write_o, float* c, int c_hs, int c_ds,
-                                               int has_cpy, float* sh, int* lsh = nullptr) {
+                                               int has_cpy, float* sh, int* lsh = nullptr,
+                                               bool listed = false) {
     constexpr int VW = DT == DT_F32 ? 4 : 8;
     constexpr int ESZ = DT == DT_F32 ? 4 : 2;
     constexpr int D = G * VW;
@@ -1149,8 +1150,11 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
     float* mv = (float*)(lsh + AF_LS);
 #pragma unroll 1
     for (int sb = 0; sb < (LIST ? L : 1); sb += AF_LS) {
-        // LIST: the valid keys of this listing; otherwise the whole window.
-        const int n = LIST ? af_list(mh, m_ls, sb, min(AF_LS, L - sb), keys, mv, lsh + 2 * AF_LS) : L;
+        // LIST: the valid keys of this listing (`listed`: the rehearsal's, still in shared
+        // memory); otherwise the whole window.
+        const int n = !LIST ? L
+                      : listed ? lsh[2 * AF_LS + AF_LR * (AF_T / 32)]
+                               : af_list(mh, m_ls, sb, min(AF_LS, L - sb), keys, mv, lsh + 2 * AF_LS);
 #pragma unroll 1
         for (int base = 0; base < n; base += KP * AF_P) {
             uint4 kr[AF_P], vr[AF_P];
@@ -1295,12 +1299,19 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
         int k_hs, int k_ls, int k_div, const void *v, int v_hs, int v_ls, int v_div,            \
         const float *mask, int m_hs, int m_ls, int has_mask, float *kq, int kq_hs, int kq_ls,   \
         int write_kq, float *p, int p_hs, int p_ls, int write_p, float *o, int o_hs, int o_ds, \
-        int write_o, float *c, int c_hs, int c_ds, int has_cpy, int rehearse
+        int write_o, float *c, int c_hs, int c_ds, int has_cpy, int rehearse, int mask_ahead
 // Both entry points below. LIST: `attn_fast_long` (lsh: AF_LSH words of shared memory).
+//
+// mask_ahead: the mask is no kernel's output that may still be running (the host checked that
+// no node of the graph writes it; decode's mask is uploaded before the graph starts), so the
+// listing a rehearsal made of a window of one listing is the real pass's too: the real pass
+// skips it and issues q's and the listed keys' K and V loads together — one memory round trip
+// after the wait instead of two.
 template <bool LIST>
 __device__ __forceinline__ void attn_fast_run(AF_PARAMS, float* sh, int* lsh) {
     PHASE_ENTRY();
     PHASE(0);
+    const bool reuse = LIST && rehearse && mask_ahead && L <= AF_LS;
     // A window of one chunk reads its masked keys' rows too (one round trip); longer ones
     // read the mask first.
     const bool spec = L <= (AF_T / (D / (dtkv == DT_F32 ? 4 : 8))) * AF_P;
@@ -1310,7 +1321,7 @@ __device__ __forceinline__ void attn_fast_run(AF_PARAMS, float* sh, int* lsh) {
         sh
 #define AF_SPEC(DT, G)                                                                          \
     if (LIST) {                                                                                 \
-        attn_fast_body<DT, G, false, true>(AF_ARGS, lsh);                                       \
+        attn_fast_body<DT, G, false, true>(AF_ARGS, lsh, reuse && real);                        \
     } else if (spec) {                                                                          \
         attn_fast_body<DT, G, true>(AF_ARGS);                                                   \
     } else {                                                                                    \
@@ -1354,7 +1365,7 @@ extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(AF_PARAMS) {
     attn_fast_run<false>(L, D, scale, q, q_hs, q_ds, dtkv, k, k_hs, k_ls, k_div, v, v_hs, v_ls,
                          v_div, mask, m_hs, m_ls, has_mask, kq, kq_hs, kq_ls, write_kq, p, p_hs,
                          p_ls, write_p, o, o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy, rehearse,
-                         sh, nullptr);
+                         mask_ahead, sh, nullptr);
 }
 
 // A window with a mask, where neither the raw scores nor p are written (the host's condition,
@@ -1366,6 +1377,7 @@ extern "C" __global__ void __maxnreg__(168) attn_fast_long(AF_PARAMS) {
     __shared__ int lsh[AF_LSH];
     attn_fast_run<true>(L, D, scale, q, q_hs, q_ds, dtkv, k, k_hs, k_ls, k_div, v, v_hs, v_ls,
                         v_div, mask, m_hs, m_ls, 1, kq, kq_hs, kq_ls, 0, p, p_hs, p_ls, 0, o,
-                        o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy, rehearse, sh, lsh);
+                        o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy, rehearse, mask_ahead, sh,
+                        lsh);
 }
 #undef AF_PARAMS

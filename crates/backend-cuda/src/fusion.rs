@@ -1329,6 +1329,7 @@ fn launch(exec: &mut Exec<'_>, nodes: &Nodes<'_>, kind: &Kind) -> Result<()> {
                 scores: *scores,
                 probs: !dead_after(nodes, *soft_max, *pv),
                 out: cpy.is_none_or(|c| !dead_after(nodes, *pv, c)),
+                mask_ahead: mask_ahead(nodes, &nodes[*kq], &nodes[*soft_max]),
             };
             launch_attention(
                 exec,
@@ -1716,13 +1717,26 @@ fn launch_rope_rows(
     exec.launch(rope, Kernel::RopeRows, grid_for(n1 + n2), BLOCK, args)
 }
 
+/// Whether attention's mask may be read before its dependency wait: no node of the graph
+/// writes the mask's buffer (decode's mask is uploaded before the graph runs), and a node of
+/// the graph writes q, so the launch just before the attention — the only kernel that may still
+/// run while it rehearses — is this graph's.
+fn mask_ahead(nodes: &[ExecNode], kq: &ExecNode, sm: &ExecNode) -> bool {
+    sm.srcs.get(1).is_some_and(|m| {
+        !nodes.iter().any(|n| n.dst.buffer == m.buffer)
+            && nodes.iter().any(|n| overlap(&n.dst, &kq.srcs[0]))
+    })
+}
+
 /// Which of the attention's intermediate results must be written: the raw scores, p, and o
-/// (when it has a copy).
+/// (when it has a copy); and whether its mask may be read ahead.
 #[derive(Clone, Copy, Debug)]
 struct Live {
     scores: bool,
     probs: bool,
     out: bool,
+    /// See [`mask_ahead`].
+    mask_ahead: bool,
 }
 
 fn launch_attention(
@@ -1842,7 +1856,8 @@ fn launch_attention(
             .arg(c_hs as i32)
             .arg(c_ds as i32)
             .arg(cpy.is_some() as i32)
-            .arg(exec.rehearse() as i32);
+            .arg(exec.rehearse() as i32)
+            .arg((exec.rehearse() && live.mask_ahead) as i32);
         // A window with a mask, and neither the scores nor p written (decode's): its valid keys
         // are listed first (`attn_fast_long`), so masked keys cost no memory round trips. Also
         // within one chunk of keys, where `attn_fast` would read every row with the mask in
@@ -2857,6 +2872,24 @@ mod tests {
         assert!(dead_after(&nodes, 0, 1), "its reader is skipped");
         assert!(!dead_after(&nodes, 0, 3), "read by node 1");
         assert!(!dead_after(&nodes[..3], 0, 1), "half never overwritten");
+    }
+
+    #[test]
+    fn the_mask_is_read_ahead_only_when_no_node_writes_it_and_q_is_the_graphs() {
+        // A decode layer: the mask is an input no node writes, q comes from its q/k/v group.
+        let l = layer(true, DType::F16);
+        assert!(mask_ahead(&l, &l[12], &l[13]));
+        // A node writing anything in the mask's buffer (a mask built on the device).
+        let mut built = l.clone();
+        let mask = built[13].srcs[1].clone();
+        built.insert(0, node(Op::Cpy, mask.clone(), vec![act(0, &[1, 32])]));
+        assert!(!mask_ahead(&built, &built[13], &built[14]));
+        // No mask, or q from outside the graph (the attention could be its first launch).
+        let mut bare = l.clone();
+        bare[13].srcs.truncate(1);
+        assert!(!mask_ahead(&bare, &bare[12], &bare[13]));
+        let alone = attention_nodes(64, DType::F16, DType::F16, vec![]);
+        assert!(!mask_ahead(&alone, &alone[0], &alone[1]));
     }
 
     #[test]

@@ -1037,7 +1037,9 @@ fn masked_windows_list_their_valid_keys() {
     // length: the valid keys are listed, 2048 mask entries at a time, and only their rows are
     // read. Sparse and dense windows across listings, per-head masks, and every key masked, in
     // a long window and in one shorter than a chunk of keys (256 at head size 64 in f16);
-    // masked rows are NaN in the poisoned copy.
+    // masked rows are NaN in the poisoned copy. With q written by a node of the graph (as
+    // decode's q/k/v group does) and the mask by none, the attention launched ahead takes its
+    // rehearsal's listing (`mask_ahead`) in windows of one listing.
     let mut rng = Rng::new(44);
     type Mask = (&'static [usize], usize, Option<usize>);
     let windows: [(usize, [Mask; 4]); 2] = [
@@ -1060,17 +1062,30 @@ fn masked_windows_list_their_valid_keys() {
             ],
         ),
     ];
-    for kv in [DType::F16, DType::F32] {
+    for (kv, q_node) in [
+        (DType::F16, false),
+        (DType::F32, false),
+        (DType::F16, true),
+        (DType::F32, true),
+    ] {
         for (n_ctx, masks) in windows {
             for mask in masks {
                 let mut a = attention_case(&mut rng, kv, (8, 2, 64), n_ctx, mask, true);
+                if q_node {
+                    let q = packed(a.case.nodes[0].srcs[0].buffer.0, 0, DType::F32, &[1, 8, 64]);
+                    let src = a.case.tensor(DType::F32, &[1, 8, 64]);
+                    a.case.rand(&mut rng, &src, 1.0);
+                    a.case.node(Op::Scale { scale: 1.0 }, &q, &[&src]);
+                    let scale = a.case.nodes.pop().expect("just pushed");
+                    a.case.nodes.insert(0, scale);
+                }
                 // p dead too: a later node overwrites it (as the allocator reuses that memory).
                 let probs = a.outputs.remove(0).1;
                 assert_eq!(probs.shape, [8, 1, n_ctx]);
                 let src = a.case.tensor(DType::F32, &[8, 1, n_ctx]);
                 a.case.rand(&mut rng, &src, 1.0);
                 a.case.node(Op::Scale { scale: 1.0 }, &probs, &[&src]);
-                let test = format!("window {n_ctx} {kv} mask {mask:?}");
+                let test = format!("window {n_ctx} {kv} mask {mask:?} q from a node {q_node}");
                 let (valid, heads, hole) = mask;
                 let unused = (0..n_ctx).filter(|&row| {
                     !(0..heads).any(|h| row < valid[h % valid.len()] && Some(row) != hole)
