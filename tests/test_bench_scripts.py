@@ -129,6 +129,8 @@ def test_kernel_trace_finds_the_decode_steps_and_their_exposed_time() -> None:
     assert s.span == 13.0
     assert s.busy == 4.0 + 8.0 + 1.5
     assert s.exposed == {"a": 4.0, "b<float, 2>": 7.0, "c": 2.0}
+    # Steps start 100 us apart and end 12, 13, 14 us after their start: gaps 88 and 87 us.
+    assert s.between == 87.5
     with pytest.raises(ValueError, match="no decode steps"):
         kt.summarize([])
 

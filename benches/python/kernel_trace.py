@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import os
 import re
 import statistics
@@ -88,6 +89,9 @@ class Summary:
     per_name: dict[str, list[float]] = field(default_factory=dict)  # every launch's duration
     positions: list[tuple[str, float, float]] = field(default_factory=list)  # name, dur, exposed
     exposed: dict[str, float] = field(default_factory=dict)  # per name, summed over positions
+    # median from one step's last kernel end to the next step's first kernel start (what a
+    # token spends outside its graph's kernels: copies, graph launch); None with one step
+    between: float | None = None
 
 
 def summarize(steps: list[list[Row]]) -> Summary:
@@ -114,7 +118,10 @@ def summarize(steps: list[list[Row]]) -> Summary:
         name = steps[0][i][0]
         positions.append((name, statistics.median(durs), statistics.median(exps)))
         exposed[name] += statistics.median(exps)
+    order = sorted(steps, key=lambda st: st[0][1])
+    gaps = [(b[0][1] - max(r[2] for r in a)) / 1e3 for a, b in itertools.pairwise(order)]
     return Summary(
+        between=statistics.median(gaps) if gaps else None,
         steps=len(steps),
         kernels_per_step=len(steps[0]),
         span=statistics.median(spans),
@@ -146,6 +153,11 @@ def report(s: Summary) -> None:
         f"per token (median): span {s.span:.1f} us, kernels {s.busy:.1f} us, between kernels "
         f"{gap:.1f} us ({gap / max(s.kernels_per_step - 1, 1):.2f} us per boundary)"
     )
+    if s.between is not None:
+        print(
+            f"between steps (median): {s.between:.1f} us from a step's last kernel to the next "
+            "step's first (the copies between graphs and the graph launch)"
+        )
 
 
 def side_by_side(model: str, results: list[tuple[str, dict[str, str], Summary, float]]) -> None:
