@@ -131,6 +131,18 @@ def test_kernel_trace_finds_the_decode_steps_and_their_exposed_time() -> None:
     assert s.exposed == {"a": 4.0, "b<float, 2>": 7.0, "c": 2.0}
     # Steps start 100 us apart and end 12, 13, 14 us after their start: gaps 88 and 87 us.
     assert s.between == 87.5
+    # Copies between the steps (KTRACE_MEMCPY=1) are no launch of a step and show in order.
+    copies = [
+        "memcpy:DtoH:4,113000,114000,900",
+        "memcpy:HtoD:64,116000,118000,901",
+        "memcpy:DtoH:4,214000,215000,902",
+        "memcpy:HtoD:64,218000,220000,903",
+    ]
+    rows = kt.read_rows("\n".join(lines + copies))
+    with_copies, _, launches = kt.decode_steps(rows)
+    assert (len(with_copies), launches) == (3, 9)
+    got = kt.between_copies(with_copies, [r for r in rows if kt.is_copy(r)])
+    assert got == [("memcpy:DtoH:4", 1.0, 1.0), ("memcpy:HtoD:64", 4.5, 2.0)]
     with pytest.raises(ValueError, match="no decode steps"):
         kt.summarize([])
 

@@ -6,7 +6,10 @@ the script generates `-n` tokens once to capture, then again while CUPTI records
 start and end, and prints per kernel name: launches per token, device µs per token and per
 launch; then per graph launch (one token): the span from its first kernel's start to its last
 kernel's end, the sum of kernel durations, and the difference — time in which no kernel of the
-token ran (launch latency between dependent kernels), negative when kernels overlap.
+token ran (launch latency between dependent kernels), negative when kernels overlap; and the
+time between steps (one step's last kernel to the next one's first). With `KTRACE_MEMCPY=1` the
+library records memory copies too, and the copies between steps are listed in order, each with
+its start after the earlier step's end and its duration.
 
 Variants (`--variant NAME=VAR=value,VAR=value`, repeatable) compare backend settings side by
 side in one process: the model is built once, each variant gets its own session (its backend
@@ -26,7 +29,7 @@ import itertools
 import os
 import re
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +67,31 @@ def read_rows(text: str) -> list[Row]:
     return rows
 
 
+def is_copy(r: Row) -> bool:
+    """A memory copy's row (`KTRACE_MEMCPY=1`): named memcpy:<kind>:<bytes>."""
+    return r[0].startswith("memcpy:")
+
+
+def between_copies(steps: list[list[Row]], copies: list[Row]) -> list[tuple[str, float, float]]:
+    """The copies that run between consecutive steps, in order: (name, start after the earlier
+    step's last kernel, duration), medians in µs over the gaps with the most common sequence of
+    copies (between rounds of a trace there are none)."""
+    order = sorted(steps, key=lambda st: st[0][1])
+    seqs = []
+    for a, b in itertools.pairwise(order):
+        end, nxt = max(r[2] for r in a), b[0][1]
+        inside = sorted((c for c in copies if end <= c[1] < nxt), key=lambda c: c[1])
+        seqs.append([(c[0], (c[1] - end) / 1e3, (c[2] - c[1]) / 1e3) for c in inside])
+    if not seqs:
+        return []
+    kinds = Counter(tuple(x[0] for x in q) for q in seqs).most_common(1)[0][0]
+    same = [q for q in seqs if tuple(x[0] for x in q) == kinds]
+    return [
+        (k, statistics.median(q[i][1] for q in same), statistics.median(q[i][2] for q in same))
+        for i, k in enumerate(kinds)
+    ]
+
+
 def decode_steps(rows: list[Row]) -> tuple[list[list[Row]], int, int]:
     """The decode steps among the traced launches, each a list of its kernels by start time;
     the kernels per step and the number of launches. Steps are the most common launch size among
@@ -71,7 +99,8 @@ def decode_steps(rows: list[Row]) -> tuple[list[list[Row]], int, int]:
     eagerly — one kernel per launch — can outnumber the steps)."""
     by_corr: dict[int, list[Row]] = defaultdict(list)
     for r in rows:
-        by_corr[r[3]].append(r)
+        if not is_copy(r):
+            by_corr[r[3]].append(r)
     sizes = [len(v) for v in by_corr.values() if len(v) > 1] or [1]
     mode = statistics.mode(sizes)
     steps = [sorted(v, key=lambda r: r[1]) for v in by_corr.values() if len(v) == mode]
@@ -233,6 +262,7 @@ def main() -> None:
             sess.seq_rm(0)
             sessions.append(sess)
         steps: list[list[list[Row]]] = [[] for _ in variants]
+        copies: list[list[Row]] = [[] for _ in variants]
         tps: list[list[float]] = [[] for _ in variants]
         pdl = os.environ.get("LOWSYNC_CUDA_PDL", "1")
         for rnd in range(args.rounds):
@@ -245,7 +275,9 @@ def main() -> None:
                 sess.seq_rm(0)
                 st = sess.last_generate
                 assert st is not None
-                got, mode, launches = decode_steps(read_rows(csv.read_text()))
+                rows = read_rows(csv.read_text())
+                got, mode, launches = decode_steps(rows)
+                copies[i].extend(r for r in rows if is_copy(r))
                 print(
                     f"{name}{' ' + vname if vname else ''} round {rnd}: {nrec} kernel records, "
                     f"{launches} launches, {len(got)} decode steps of {mode} kernels; "
@@ -254,7 +286,7 @@ def main() -> None:
                 steps[i].extend(got)
                 tps[i].append(st.tg_tps)
         results = []
-        for (vname, env), vsteps, vtps in zip(variants, steps, tps, strict=True):
+        for (vname, env), vsteps, vcopies, vtps in zip(variants, steps, copies, tps, strict=True):
             sizes = {len(s) for s in vsteps}
             if len(sizes) > 1:
                 raise SystemExit(f"{name} {vname}: rounds traced steps of sizes {sorted(sizes)}")
@@ -262,6 +294,8 @@ def main() -> None:
             if vname:
                 print(f"== {name} {vname} ({settings(env)})")
             report(s)
+            for cname, at, dur in between_copies(vsteps, vcopies):
+                print(f"  between steps: {cname} from {at:.1f} us after a step's end, {dur:.1f} us")
             results.append((vname, env, s, statistics.median(vtps)))
         if len(variants) > 1:
             side_by_side(name, results)

@@ -3,8 +3,11 @@
  * the GPU machine). Loaded by the driver (CUDA_INJECTION64_PATH); the script drives it with
  * ctypes: lowsync_ktrace_begin() starts recording, lowsync_ktrace_end(path) flushes and writes
  * one CSV line per kernel: name,start_ns,end_ns,correlation_id (kernels of one cuGraphLaunch
- * share the launch's correlation id).
- * Build: cc -shared -fPIC -O2 -DKREC=<newest CUpti_ActivityKernelN> -I<cupti include> ... */
+ * share the launch's correlation id). With KTRACE_MEMCPY=1 in the environment it records
+ * memory copies too, one line each: memcpy:<HtoD|DtoH|DtoD|other>:<bytes>,start,end,corr (a
+ * copy has a correlation id of its own), so that what runs between two graphs shows.
+ * Build: cc -shared -fPIC -O2 -DKREC=<newest CUpti_ActivityKernelN>
+ *        -DMREC=<newest CUpti_ActivityMemcpyN> -I<cupti include> ... */
 #include <cupti.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,11 +16,17 @@
 #ifndef KREC
 #define KREC CUpti_ActivityKernel4
 #endif
+#ifndef MREC
+#define MREC CUpti_ActivityMemcpy5
+#endif
 
 typedef struct {
     const char *name;
     unsigned long long start, end;
     unsigned corr;
+    int copy;                 /* 1: a memory copy (name unused) */
+    unsigned char copy_kind;
+    unsigned long long bytes;
 } Rec;
 
 static Rec *recs;
@@ -37,19 +46,30 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
     (void)size;
     CUpti_Activity *r = NULL;
     while (cuptiActivityGetNextRecord(buf, valid, &r) == CUPTI_SUCCESS) {
-        if (r->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL && r->kind != CUPTI_ACTIVITY_KIND_KERNEL)
-            continue;
-        const KREC *k = (const KREC *)r;
-        if (!recording) continue;
+        const int kernel =
+            r->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL || r->kind == CUPTI_ACTIVITY_KIND_KERNEL;
+        if ((!kernel && r->kind != CUPTI_ACTIVITY_KIND_MEMCPY) || !recording) continue;
         if (nrec == cap) {
             cap = cap ? 2 * cap : 1 << 16;
             recs = (Rec *)realloc(recs, cap * sizeof(Rec));
         }
-        recs[nrec].name = k->name;
-        recs[nrec].start = k->start;
-        recs[nrec].end = k->end;
-        recs[nrec].corr = k->correlationId;
-        ++nrec;
+        Rec *o = &recs[nrec++];
+        memset(o, 0, sizeof *o);
+        if (kernel) {
+            const KREC *k = (const KREC *)r;
+            o->name = k->name;
+            o->start = k->start;
+            o->end = k->end;
+            o->corr = k->correlationId;
+        } else {
+            const MREC *m = (const MREC *)r;
+            o->copy = 1;
+            o->copy_kind = m->copyKind;
+            o->bytes = m->bytes;
+            o->start = m->start;
+            o->end = m->end;
+            o->corr = m->correlationId;
+        }
     }
     free(buf);
 }
@@ -58,6 +78,9 @@ int InitializeInjection(void) {
     if (initialised) return 1;
     if (cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed) != CUPTI_SUCCESS) return 0;
     if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS) return 0;
+    const char *mc = getenv("KTRACE_MEMCPY");
+    if (mc && strcmp(mc, "1") == 0 && cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY) != CUPTI_SUCCESS)
+        return 0;
     initialised = 1;
     return 1;
 }
@@ -75,9 +98,18 @@ long lowsync_ktrace_end(const char *path) {
     recording = 0;
     FILE *f = fopen(path, "w");
     if (!f) return -1;
-    for (size_t i = 0; i < nrec; ++i)
-        fprintf(f, "%s,%llu,%llu,%u\n", recs[i].name ? recs[i].name : "?", recs[i].start, recs[i].end,
-                recs[i].corr);
+    for (size_t i = 0; i < nrec; ++i) {
+        const Rec *r = &recs[i];
+        if (r->copy) {
+            const char *kind = r->copy_kind == CUPTI_ACTIVITY_MEMCPY_KIND_HTOD   ? "HtoD"
+                               : r->copy_kind == CUPTI_ACTIVITY_MEMCPY_KIND_DTOH ? "DtoH"
+                               : r->copy_kind == CUPTI_ACTIVITY_MEMCPY_KIND_DTOD ? "DtoD"
+                                                                                 : "other";
+            fprintf(f, "memcpy:%s:%llu,%llu,%llu,%u\n", kind, r->bytes, r->start, r->end, r->corr);
+        } else {
+            fprintf(f, "%s,%llu,%llu,%u\n", r->name ? r->name : "?", r->start, r->end, r->corr);
+        }
+    }
     fclose(f);
     return (long)nrec;
 }

@@ -137,8 +137,10 @@ if [[ $parts == *ktrace* ]]; then
     lib=$(find / -name 'libcupti.so*' 2>/dev/null | head -1)
     if [ -n "$inc" ] && [ -n "$lib" ]; then
         krec=$(grep -o 'CUpti_ActivityKernel[0-9]*' "$inc" | sort -V | tail -1)
+        mrec=$(grep -o 'CUpti_ActivityMemcpy[0-9]*' "$inc" | sort -V | tail -1)
         cudainc=$(find / -name cuda.h -path '*include*' 2>/dev/null | head -1)
-        cc -shared -fPIC -O2 -DKREC="$krec" -I"$(dirname "$inc")" ${cudainc:+-I"$(dirname "$cudainc")"} \
+        # KTRACE_MEMCPY=1 in the environment records the copies between graphs too.
+        cc -shared -fPIC -O2 -DKREC="$krec" -DMREC="$mrec" -I"$(dirname "$inc")" ${cudainc:+-I"$(dirname "$cudainc")"} \
             scripts/gpu/cupti_kernels.c "$lib" -Wl,-rpath,"$(dirname "$lib")" -o /tmp/libcupti_kernels.so \
             >"$logs/ktrace-build.log" 2>&1
         say "ktrace build ($krec): exit $?"; tail -3 "$logs/ktrace-build.log"
