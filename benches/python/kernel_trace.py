@@ -72,14 +72,19 @@ def is_copy(r: Row) -> bool:
     return r[0].startswith("memcpy:")
 
 
+def step_gaps(steps: list[list[Row]]) -> list[tuple[int, int]]:
+    """(last kernel end, next step's first kernel start) in ns for consecutive steps in time
+    order."""
+    order = sorted(steps, key=lambda st: st[0][1])
+    return [(max(r[2] for r in a), b[0][1]) for a, b in itertools.pairwise(order)]
+
+
 def between_copies(steps: list[list[Row]], copies: list[Row]) -> list[tuple[str, float, float]]:
     """The copies that run between consecutive steps, in order: (name, start after the earlier
     step's last kernel, duration), medians in µs over the gaps with the most common sequence of
     copies (between rounds of a trace there are none)."""
-    order = sorted(steps, key=lambda st: st[0][1])
     seqs = []
-    for a, b in itertools.pairwise(order):
-        end, nxt = max(r[2] for r in a), b[0][1]
+    for end, nxt in step_gaps(steps):
         inside = sorted((c for c in copies if end <= c[1] < nxt), key=lambda c: c[1])
         seqs.append([(c[0], (c[1] - end) / 1e3, (c[2] - c[1]) / 1e3) for c in inside])
     if not seqs:
@@ -147,8 +152,7 @@ def summarize(steps: list[list[Row]]) -> Summary:
         name = steps[0][i][0]
         positions.append((name, statistics.median(durs), statistics.median(exps)))
         exposed[name] += statistics.median(exps)
-    order = sorted(steps, key=lambda st: st[0][1])
-    gaps = [(b[0][1] - max(r[2] for r in a)) / 1e3 for a, b in itertools.pairwise(order)]
+    gaps = [(nxt - end) / 1e3 for end, nxt in step_gaps(steps)]
     return Summary(
         between=statistics.median(gaps) if gaps else None,
         steps=len(steps),

@@ -1148,13 +1148,14 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
     for (int e = 0; e < VW; ++e) acc[e] = 0.0f;
     int* keys = lsh;
     float* mv = (float*)(lsh + AF_LS);
+    int* cnt = lsh + 2 * AF_LS;  // af_list's counts; the listing's length at the end
 #pragma unroll 1
     for (int sb = 0; sb < (LIST ? L : 1); sb += AF_LS) {
         // LIST: the valid keys of this listing (`listed`: the rehearsal's, still in shared
         // memory); otherwise the whole window.
         const int n = !LIST ? L
-                      : listed ? lsh[2 * AF_LS + AF_LR * (AF_T / 32)]
-                               : af_list(mh, m_ls, sb, min(AF_LS, L - sb), keys, mv, lsh + 2 * AF_LS);
+                      : listed ? cnt[AF_LR * (AF_T / 32)]
+                               : af_list(mh, m_ls, sb, min(AF_LS, L - sb), keys, mv, cnt);
 #pragma unroll 1
         for (int base = 0; base < n; base += KP * AF_P) {
             uint4 kr[AF_P], vr[AF_P];

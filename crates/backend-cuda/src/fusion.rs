@@ -1857,7 +1857,7 @@ fn launch_attention(
             .arg(c_ds as i32)
             .arg(cpy.is_some() as i32)
             .arg(exec.rehearse() as i32)
-            .arg((exec.rehearse() && live.mask_ahead) as i32);
+            .arg(live.mask_ahead as i32);
         // A window with a mask, and neither the scores nor p written (decode's): its valid keys
         // are listed first (`attn_fast_long`), so masked keys cost no memory round trips. Also
         // within one chunk of keys, where `attn_fast` would read every row with the mask in
