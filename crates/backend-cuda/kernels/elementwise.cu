@@ -71,3 +71,25 @@ extern "C" __global__ void fill(i64 n, Lay L, void* dst, int dtd, float value) {
         st(dst, dtd, o[0], value);
     }
 }
+
+// A small copy done by one block instead of a copy engine (`LOWSYNC_CUDA_COPY_KERNEL`): either
+// side may be pinned host memory, addressed by its host pointer (unified addressing maps every
+// pinned allocation at the same address). Launched without dependent launch, so it starts
+// after everything queued before it completed; the next kernel's `griddepcontrol.wait` (or a
+// graph launch) orders what follows. Widest accesses the three addresses' alignment allows.
+extern "C" __global__ void small_copy(u64 dst, u64 src, i64 len) {
+    const u64 al = dst | src | (u64)len;
+    if ((al & 15) == 0) {
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        for (i64 i = threadIdx.x; i < len / 16; i += blockDim.x) d[i] = s[i];
+    } else if ((al & 3) == 0) {
+        const u32* s = (const u32*)src;
+        u32* d = (u32*)dst;
+        for (i64 i = threadIdx.x; i < len / 4; i += blockDim.x) d[i] = s[i];
+    } else {
+        const unsigned char* s = (const unsigned char*)src;
+        unsigned char* d = (unsigned char*)dst;
+        for (i64 i = threadIdx.x; i < len; i += blockDim.x) d[i] = s[i];
+    }
+}

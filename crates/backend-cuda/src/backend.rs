@@ -32,12 +32,13 @@ use parking_lot::Mutex;
 
 use crate::capture::{Action, GraphCache};
 use crate::driver::{CuCtx, CuDriver, CuEvent, CuTimedEvent};
+use crate::kernels::Kernel;
 use crate::kernels::Modules;
 use crate::matmul::Blas;
 use crate::memory::{Buffers, DevBuf, HeadWork, Pinned, ALIGNMENT};
 use crate::ops::{Exec, Scratch};
 use crate::staging::{ChunkMem, Staging};
-use crate::tickets::{SyncElision, TicketStream};
+use crate::tickets::{Counted, LaunchDims, SyncElision, TicketStream};
 
 /// Settings of one CUDA backend. [`CudaConfig::from_env`] reads ARCHITECTURE §8's variables;
 /// tests build one explicitly.
@@ -109,6 +110,11 @@ pub struct CudaConfig {
     /// Decode's weight loads carry an evict-first L2 policy (`LOWSYNC_CUDA_WEIGHT_EVICT_FIRST`,
     /// default off: plain loads measured faster on the H200; see README).
     pub weight_evict_first: bool,
+    /// Copies of at most this many bytes between device memory and the backend's own pinned
+    /// memory (staged writes, `read_async`) or within the device (`copy_async`) run as a
+    /// one-block kernel instead of on a copy engine (`LOWSYNC_CUDA_COPY_KERNEL`, bytes; 0:
+    /// never). Outside graphs only; counted as the copy they do.
+    pub copy_kernel_max: usize,
 }
 
 /// The largest shared memory a block may ask for on any CUDA device to date (sm_90, sm_100:
@@ -146,6 +152,7 @@ impl Default for CudaConfig {
             stream_blocks: 2,
             stream_pad_kb: None,
             weight_evict_first: false,
+            copy_kernel_max: 0,
         }
     }
 }
@@ -188,6 +195,8 @@ impl CudaConfig {
                 v => v.map(|v| v as usize),
             },
             weight_evict_first: env::flag("LOWSYNC_CUDA_WEIGHT_EVICT_FIRST", false)?,
+            copy_kernel_max: env::unsigned("LOWSYNC_CUDA_COPY_KERNEL")?
+                .map_or(0, |v| usize::try_from(v).unwrap_or(usize::MAX)),
             ..CudaConfig::default()
         })
     }
@@ -355,6 +364,33 @@ impl Inner {
             .store(st.bytes_in_use() as u64, Ordering::Relaxed);
     }
 
+    /// Queues the copy of `len` bytes from `src` to `dst` as a one-block kernel
+    /// (`cfg.copy_kernel_max`), counted as `counted`; `Ok(None)` when it does not apply (too
+    /// long, a graph being captured, kernels unavailable), and the caller queues a copy engine
+    /// copy instead. Both addresses are device memory or this backend's pinned memory.
+    fn copy_kernel(&self, dst: u64, src: u64, len: usize, counted: Counted) -> Result<Option<u64>> {
+        if len == 0 || len > self.cfg.copy_kernel_max || self.stream.is_capturing() {
+            return Ok(None);
+        }
+        let Ok(f) = self.modules.get(Kernel::SmallCopy) else {
+            return Ok(None);
+        };
+        let dims = LaunchDims {
+            grid: (1, 1, 1),
+            block: (128, 1, 1),
+            shared_bytes: 0,
+            pdl: false,
+        };
+        let mut args = [dst, src, len as u64];
+        let mut ptrs: Vec<*mut std::ffi::c_void> =
+            args.iter_mut().map(|a| (a as *mut u64).cast()).collect();
+        // SAFETY: `small_copy(u64, u64, i64)` takes exactly these three values; the caller
+        // keeps both ranges valid until the copy's ticket is observed.
+        let t = unsafe { self.stream.launch_copy(counted, f, dims, &mut ptrs) }
+            .map_err(|e| self.driver_err("small_copy launch", e))?;
+        Ok(Some(t))
+    }
+
     /// Stages `data` and queues its copy to device address `dst` (split into chunk pieces).
     fn stage_to(&self, dst: u64, data: &[u8]) -> Result<()> {
         let mut st = self.staging.lock();
@@ -372,8 +408,13 @@ impl Inner {
             unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), region.ptr, part.len()) };
             let at = dst + (i * piece) as u64;
             // SAFETY: the region stays untouched until its ticket is observed or fenced.
-            let t = unsafe { self.stream.memcpy_htod(at, region.ptr, part.len()) }
-                .map_err(|e| self.driver_err("cuMemcpyHtoDAsync", e))?;
+            let by_kernel =
+                self.copy_kernel(at, region.ptr as u64, part.len(), Counted::H2D(part.len()))?;
+            let t = match by_kernel {
+                Some(t) => t,
+                None => unsafe { self.stream.memcpy_htod(at, region.ptr, part.len()) }
+                    .map_err(|e| self.driver_err("cuMemcpyHtoDAsync", e))?,
+            };
             st.commit(&region, t);
         }
         self.update_gauge(&st);
@@ -1036,6 +1077,10 @@ impl Backend for CudaBackend {
         if len == 0 {
             return Ok(());
         }
+        let apart = to + len as u64 <= from || from + len as u64 <= to;
+        if apart && i.copy_kernel(to, from, len, Counted::D2D(len))?.is_some() {
+            return Ok(());
+        }
         // SAFETY: both ranges are checked device memory of this context.
         unsafe { i.stream.memcpy_dtod(to, from, len) }
             .map_err(|e| i.driver_err("cuMemcpyDtoDAsync", e))?;
@@ -1081,9 +1126,14 @@ impl Backend for CudaBackend {
         let Some(slot) = rb.slot.as_mut() else {
             return Err(i.driver_err("read slot", "missing"));
         };
-        // SAFETY: the slot is pinned, holds `len` bytes and is not read before its event.
-        unsafe { i.stream.memcpy_dtoh(slot.mem.ptr(), from, len) }
-            .map_err(|e| i.driver_err("cuMemcpyDtoHAsync", e))?;
+        // The slot is pinned, holds `len` bytes and is not read before its event.
+        if i.copy_kernel(slot.mem.ptr() as u64, from, len, Counted::D2H(len))?
+            .is_none()
+        {
+            // SAFETY: as above.
+            unsafe { i.stream.memcpy_dtoh(slot.mem.ptr(), from, len) }
+                .map_err(|e| i.driver_err("cuMemcpyDtoHAsync", e))?;
+        }
         match i.stream.record_event(&slot.ev) {
             Ok(t) => slot.ticket = t,
             Err(e) => {

@@ -47,6 +47,8 @@ const MODULES: &[(&str, &str)] = &[
 pub(crate) enum Kernel {
     EwUnary,
     EwBinary,
+    /// One block copying a few bytes between device and pinned host memory (`small_copy`).
+    SmallCopy,
     CopyStrided,
     Fill,
     GetRows,
@@ -89,8 +91,9 @@ pub(crate) enum Kernel {
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 36] = [
+    pub(crate) const ALL: [Kernel; 37] = [
         Kernel::EwUnary,
+        Kernel::SmallCopy,
         Kernel::EwBinary,
         Kernel::CopyStrided,
         Kernel::Fill,
@@ -161,9 +164,11 @@ impl Kernel {
 
     fn module(self) -> &'static str {
         match self {
-            Kernel::EwUnary | Kernel::EwBinary | Kernel::CopyStrided | Kernel::Fill => {
-                "elementwise"
-            }
+            Kernel::EwUnary
+            | Kernel::EwBinary
+            | Kernel::CopyStrided
+            | Kernel::Fill
+            | Kernel::SmallCopy => "elementwise",
             Kernel::GetRows | Kernel::SetRows => "rows",
             Kernel::RmsNorm | Kernel::SoftMax | Kernel::Argmax => "norm",
             Kernel::Rope => "rope",
@@ -202,6 +207,7 @@ impl Kernel {
             Kernel::EwBinary => "ew_binary",
             Kernel::CopyStrided => "copy_strided",
             Kernel::Fill => "fill",
+            Kernel::SmallCopy => "small_copy",
             Kernel::GetRows => "get_rows",
             Kernel::SetRows => "set_rows",
             Kernel::RmsNorm => "rms_norm",

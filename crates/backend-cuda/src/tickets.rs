@@ -287,6 +287,22 @@ impl<D: Driver> TicketStream<D> {
             .map(|r| r.1)
     }
 
+    /// Queues a kernel that performs one copy (a few bytes moved by one block instead of a copy
+    /// engine): counted as that copy (`counted`: `H2D`, `D2H` or `D2D`), one submission.
+    ///
+    /// # Safety
+    /// As [`Driver::launch`].
+    pub unsafe fn launch_copy(
+        &self,
+        counted: Counted,
+        f: D::Function,
+        dims: LaunchDims,
+        params: &mut [*mut c_void],
+    ) -> Result<u64, D::Error> {
+        self.enqueue(counted, |d| unsafe { d.launch(f, dims, params) })
+            .map(|r| r.1)
+    }
+
     /// Queues a host-to-device copy.
     ///
     /// # Safety
@@ -664,6 +680,15 @@ mod tests {
                 };
                 s.launch((), dims, &mut []).unwrap();
             }),
+            ("launch_copy", |s| unsafe {
+                let dims = LaunchDims {
+                    grid: (1, 1, 1),
+                    block: (128, 1, 1),
+                    shared_bytes: 0,
+                    pdl: false,
+                };
+                s.launch_copy(Counted::D2H(4), (), dims, &mut []).unwrap();
+            }),
             ("memcpy_htod", |s| unsafe {
                 s.memcpy_htod(0, [0u8; 4].as_ptr(), 4).unwrap();
             }),
@@ -921,6 +946,33 @@ mod tests {
             st.submits, 5,
             "copies, the kernel and the graph; not the event"
         );
+    }
+
+    #[test]
+    fn a_copy_done_by_a_kernel_counts_as_that_copy_not_as_a_kernel() {
+        let s = stream(single());
+        let dims = LaunchDims {
+            grid: (1, 1, 1),
+            block: (128, 1, 1),
+            shared_bytes: 0,
+            pdl: false,
+        };
+        unsafe {
+            s.launch_copy(Counted::H2D(512), (), dims, &mut []).unwrap();
+            s.launch_copy(Counted::D2D(4), (), dims, &mut []).unwrap();
+            s.launch_copy(Counted::D2H(4), (), dims, &mut []).unwrap();
+        }
+        let st = s.stats().snapshot();
+        assert_eq!((st.h2d_copies, st.h2d_bytes), (1, 512));
+        assert_eq!((st.d2d_copies, st.d2d_bytes), (1, 4));
+        assert_eq!((st.d2h_copies, st.d2h_bytes), (1, 4));
+        assert_eq!((st.kernel_launches, st.submits), (0, 3));
+        assert!(
+            calls(&s).iter().all(|c| matches!(c, Call::Launch)),
+            "{:?}",
+            calls(&s)
+        );
+        assert_eq!(s.tickets().submitted, 3);
     }
 
     #[test]

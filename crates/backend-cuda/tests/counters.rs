@@ -171,3 +171,45 @@ fn a_decode_like_step_is_one_wait_one_upload_one_readback() {
         assert_eq!(d.submits, 4, "upload, two kernels, readback");
     }
 }
+
+#[test]
+fn small_copies_run_as_kernels_land_in_order_and_count_as_copies() {
+    let cfg = CudaConfig {
+        copy_kernel_max: 4096,
+        ..CudaConfig::default()
+    };
+    let Some(b) = gpu_with("copy_kernel", cfg) else {
+        return;
+    };
+    let buf = b.alloc_buffer(16 << 10, BufferUsage::Inputs).unwrap();
+    b.synchronize().unwrap();
+    // Aligned (16-byte path), 4-byte aligned, and odd sizes and offsets (byte path).
+    for (off, len) in [(0usize, 512usize), (1024, 12), (2051, 7)] {
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 + off) as u8).collect();
+        let before = snap(&*b);
+        b.set_tensor_async_staged(buf, off, &data).unwrap();
+        b.copy_async(buf, off, buf, 8192 + off, len).unwrap();
+        let mut rb = b.read_async(buf, 8192 + off, len).unwrap();
+        let got = rb.wait().unwrap().to_vec();
+        assert_eq!(got, data, "{len} bytes at {off}");
+        let d = snap(&*b).since(&before);
+        assert_eq!(
+            (d.h2d_copies, d.d2d_copies, d.d2h_copies, d.kernel_launches),
+            (1, 1, 1, 0),
+            "{d:?}"
+        );
+        assert_eq!((d.submits, d.host_waits), (3, 1), "{d:?}");
+        assert_eq!(
+            (d.h2d_bytes, d.d2d_bytes, d.d2h_bytes),
+            (len as u64, len as u64, len as u64)
+        );
+    }
+    // Longer than the limit: the copy engine, counted the same way.
+    let big = vec![5u8; 4097];
+    let before = snap(&*b);
+    b.set_tensor_async_staged(buf, 0, &big).unwrap();
+    let mut rb = b.read_async(buf, 0, big.len()).unwrap();
+    assert_eq!(rb.wait().unwrap(), &big[..]);
+    let d = snap(&*b).since(&before);
+    assert_eq!((d.h2d_copies, d.d2h_copies, d.submits), (1, 1, 2), "{d:?}");
+}
