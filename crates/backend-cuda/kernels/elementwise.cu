@@ -93,3 +93,41 @@ extern "C" __global__ void small_copy(u64 dst, u64 src, i64 len) {
         for (i64 i = threadIdx.x; i < len; i += blockDim.x) d[i] = s[i];
     }
 }
+
+// Small copies batched into one launch (`TicketStream::defer_htod` / `defer_dtod`): host bytes
+// ride in the parameter block itself, so a host-to-device copy reads no host memory and takes
+// no copy engine. Layout shared with `BatchParams` in tickets.rs (4,048 bytes: within the 4 KiB
+// of parameters every device takes). The copies run in order, one block, a barrier between
+// them: a later copy may read what an earlier one wrote.
+#define BATCH_ITEMS 8
+#define BATCH_DATA 3840
+struct BatchItem {
+    u64 dst;
+    u64 src;  // 0: the bytes are the batch's own, at `at`
+    u32 len;
+    u32 at;
+};
+struct __align__(16) CopyBatch {
+    unsigned char data[BATCH_DATA];
+    BatchItem items[BATCH_ITEMS];
+    u32 n;
+    u32 pad;
+};
+
+extern "C" __global__ void copy_batch(const __grid_constant__ CopyBatch b) {
+    for (u32 k = 0; k < b.n && k < BATCH_ITEMS; ++k) {
+        const BatchItem it = b.items[k];
+        const unsigned char* s = it.src ? (const unsigned char*)it.src : b.data + it.at;
+        unsigned char* d = (unsigned char*)it.dst;
+        if ((((u64)s | (u64)d | it.len) & 15) == 0) {
+            for (u32 i = threadIdx.x; i < it.len / 16; i += blockDim.x)
+                ((uint4*)d)[i] = ((const uint4*)s)[i];
+        } else if ((((u64)s | (u64)d | it.len) & 3) == 0) {
+            for (u32 i = threadIdx.x; i < it.len / 4; i += blockDim.x)
+                ((u32*)d)[i] = ((const u32*)s)[i];
+        } else {
+            for (u32 i = threadIdx.x; i < it.len; i += blockDim.x) d[i] = s[i];
+        }
+        __syncthreads();
+    }
+}

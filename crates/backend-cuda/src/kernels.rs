@@ -49,6 +49,8 @@ pub(crate) enum Kernel {
     EwBinary,
     /// One block copying a few bytes between device and pinned host memory (`small_copy`).
     SmallCopy,
+    /// Up to eight small copies in one launch, host bytes in its parameters (`copy_batch`).
+    CopyBatch,
     CopyStrided,
     Fill,
     GetRows,
@@ -91,9 +93,10 @@ pub(crate) enum Kernel {
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 37] = [
+    pub(crate) const ALL: [Kernel; 38] = [
         Kernel::EwUnary,
         Kernel::SmallCopy,
+        Kernel::CopyBatch,
         Kernel::EwBinary,
         Kernel::CopyStrided,
         Kernel::Fill,
@@ -168,7 +171,8 @@ impl Kernel {
             | Kernel::EwBinary
             | Kernel::CopyStrided
             | Kernel::Fill
-            | Kernel::SmallCopy => "elementwise",
+            | Kernel::SmallCopy
+            | Kernel::CopyBatch => "elementwise",
             Kernel::GetRows | Kernel::SetRows => "rows",
             Kernel::RmsNorm | Kernel::SoftMax | Kernel::Argmax => "norm",
             Kernel::Rope => "rope",
@@ -208,6 +212,7 @@ impl Kernel {
             Kernel::CopyStrided => "copy_strided",
             Kernel::Fill => "fill",
             Kernel::SmallCopy => "small_copy",
+            Kernel::CopyBatch => "copy_batch",
             Kernel::GetRows => "get_rows",
             Kernel::SetRows => "set_rows",
             Kernel::RmsNorm => "rms_norm",

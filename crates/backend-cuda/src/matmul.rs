@@ -61,6 +61,7 @@ impl Blas {
                     // SAFETY: a live handle and the backend's live stream.
                     unsafe { cbres::set_stream(blas.0, s.as_raw() as cb::cudaStream_t) }
                 })
+                .map_err(|e| format!("launching the pending copies: {e:?}"))?
                 .map_err(|e| format!("cublasSetStream: {e:?}"))?;
             Ok(blas)
         })
@@ -540,6 +541,7 @@ pub(crate) fn run(
             }
         });
         status
+            .map_err(|e| kernel_err(node, format!("launching the pending copies: {e:?}")))?
             .map_err(|e| kernel_err(node, format!("cublasGemmStridedBatchedEx failed: {e:?}")))?;
     }
     drop(blas);

@@ -15,6 +15,12 @@
 //! driver call iff `observed == submitted` (an elided sync). Counters are bumped here, in the
 //! primitive that enqueues or waits (ARCHITECTURE §3).
 //!
+//! Small host-to-device and device-to-device copies may wait in a batch
+//! ([`TicketStream::defer_htod`]) that runs as one kernel, the host bytes in its parameters.
+//! The batch is launched first by whatever reaches the driver next — every enqueue, a lend, a
+//! capture, a synchronize, a host wait — so stream order is the order of the calls; a deferred
+//! copy is counted when it is deferred, its batch's launch is the submission.
+//!
 //! Invariants: (6) with elision on, `synchronize` after no enqueue makes no driver call and
 //! after any enqueue it waits; a failed wait never advances `observed`; a failed enqueue still
 //! counts as outstanding work (the next sync asks the driver); elision is only on when exactly
@@ -178,10 +184,60 @@ impl<D: Driver> LentStream<'_, D> {
     }
 }
 
+/// Most copies one batch carries.
+pub const BATCH_ITEMS: usize = 8;
+/// Bytes of host data one batch carries inside its kernel parameters. With the items the
+/// parameter block is 4,048 bytes: every CUDA device takes 4 KiB of kernel parameters.
+pub const BATCH_DATA: usize = 3840;
+
+/// One copy of a batch: `len` bytes to `dst`, from device address `src`, or (`src == 0`) from
+/// the batch's own data at `at`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchItem {
+    pub dst: u64,
+    pub src: u64,
+    pub len: u32,
+    pub at: u32,
+}
+
+/// The one parameter of the `copy_batch` kernel (layout shared with `CopyBatch` in
+/// elementwise.cu): the host bytes first, so that they start 16-byte aligned.
+#[repr(C, align(16))]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BatchParams {
+    pub data: [u8; BATCH_DATA],
+    pub items: [BatchItem; BATCH_ITEMS],
+    pub n: u32,
+    pub pad: u32,
+}
+
+impl Default for BatchParams {
+    fn default() -> Self {
+        BatchParams {
+            data: [0; BATCH_DATA],
+            items: [BatchItem::default(); BATCH_ITEMS],
+            n: 0,
+            pad: 0,
+        }
+    }
+}
+
+/// Small copies waiting to run together as one kernel (see [`TicketStream::defer_htod`]).
+struct Batch<F> {
+    /// The `copy_batch` kernel; `None`: batching is off.
+    kernel: Option<F>,
+    params: Box<BatchParams>,
+    /// Bytes of `params.data` in use (each copy's data starts 16-byte aligned).
+    used: usize,
+}
+
 /// A stream whose every enqueue takes a ticket (see the module docs).
 pub struct TicketStream<D: Driver> {
     driver: D,
     tickets: Mutex<Tickets>,
+    /// Locked before `tickets` wherever both are held.
+    batch: Mutex<Batch<D::Function>>,
     elide: bool,
     stats: SyncStats,
 }
@@ -192,6 +248,11 @@ impl<D: Driver> TicketStream<D> {
         TicketStream {
             driver,
             tickets: Mutex::new(Tickets::default()),
+            batch: Mutex::new(Batch {
+                kernel: None,
+                params: Box::default(),
+                used: 0,
+            }),
             elide: elision.enabled(),
             stats: SyncStats::default(),
         }
@@ -224,6 +285,7 @@ impl<D: Driver> TicketStream<D> {
         counted: Counted,
         call: impl FnOnce(&D) -> Result<R, D::Error>,
     ) -> Result<(R, u64), D::Error> {
+        self.flush()?;
         let mut t = self.tickets.lock();
         if t.capturing {
             // Recorded, not run: the graph's launch takes the ticket and is the submission.
@@ -285,6 +347,107 @@ impl<D: Driver> TicketStream<D> {
     ) -> Result<u64, D::Error> {
         self.enqueue(Counted::Kernel, |d| unsafe { d.launch(f, dims, params) })
             .map(|r| r.1)
+    }
+
+    /// Lets host-to-device and device-to-device copies of a few bytes wait and run together as
+    /// one launch of `kernel` (`copy_batch`, taking one [`BatchParams`]).
+    pub fn enable_batch(&self, kernel: D::Function) {
+        self.batch.lock().kernel = Some(kernel);
+    }
+
+    /// Queues `data` for device address `dst` in the pending batch: the bytes are copied into
+    /// the batch now, and the batch runs as one kernel (the bytes riding in its parameters, no
+    /// copy engine) right before whatever reaches this stream's driver next — an enqueue, a
+    /// lend, a capture, a wait. Counted as one H2D copy now; the batch's launch is the
+    /// submission. `Ok(false)`, nothing queued: batching is off, a graph is being captured, or
+    /// `data` is longer than a batch holds.
+    pub fn defer_htod(&self, dst: u64, data: &[u8]) -> Result<bool, D::Error> {
+        self.defer(dst, 0, data, data.len())
+    }
+
+    /// Queues a device-to-device copy of `len` bytes in the pending batch, as
+    /// [`Self::defer_htod`] (counted as one D2D copy now). The ranges must not overlap.
+    pub fn defer_dtod(&self, dst: u64, src: u64, len: usize) -> Result<bool, D::Error> {
+        if src == 0 {
+            return Ok(false);
+        }
+        self.defer(dst, src, &[], len)
+    }
+
+    /// `data` (host bytes, `src == 0`) or `len` bytes at `src` into the batch.
+    fn defer(&self, dst: u64, src: u64, data: &[u8], len: usize) -> Result<bool, D::Error> {
+        if len == 0 || len > BATCH_DATA || self.tickets.lock().capturing {
+            return Ok(false);
+        }
+        let fits = |b: &Batch<D::Function>| {
+            (b.params.n as usize) < BATCH_ITEMS && b.used + data.len() <= BATCH_DATA
+        };
+        let mut b = self.batch.lock();
+        if b.kernel.is_none() {
+            return Ok(false);
+        }
+        if !fits(&b) {
+            drop(b);
+            self.flush()?;
+            b = self.batch.lock();
+            if !fits(&b) {
+                // Another thread filled it since the flush: the caller takes the copy engine.
+                return Ok(false);
+            }
+        }
+        let at = b.used;
+        b.params.data[at..at + data.len()].copy_from_slice(data);
+        b.used = (at + data.len()).next_multiple_of(16);
+        let n = b.params.n as usize;
+        b.params.items[n] = BatchItem {
+            dst,
+            src,
+            len: len as u32,
+            at: at as u32,
+        };
+        b.params.n += 1;
+        drop(b);
+        let s = &self.stats;
+        if src == 0 {
+            bump(&s.h2d_copies, 1);
+            bump(&s.h2d_bytes, len as u64);
+        } else {
+            bump(&s.d2d_copies, 1);
+            bump(&s.d2d_bytes, len as u64);
+        }
+        Ok(true)
+    }
+
+    /// Launches the pending batch, if any (one ticket, one submission).
+    fn flush(&self) -> Result<(), D::Error> {
+        let mut b = self.batch.lock();
+        let Some(f) = b.kernel.filter(|_| b.params.n > 0) else {
+            return Ok(());
+        };
+        let mut t = self.tickets.lock();
+        t.submitted += 1;
+        let dims = LaunchDims {
+            grid: (1, 1, 1),
+            block: (128, 1, 1),
+            shared_bytes: 0,
+            pdl: false,
+        };
+        let mut param: *mut c_void = (&mut *b.params as *mut BatchParams).cast();
+        // SAFETY: `copy_batch` takes one `BatchParams` by value, which the driver copies at the
+        // launch; every address in it was checked by the backend that deferred the copy.
+        let r = unsafe {
+            self.driver
+                .launch(f, dims, std::slice::from_mut(&mut param))
+        };
+        drop(t);
+        // Launched or not, these copies are done with (a failed launch leaves them lost and the
+        // ticket outstanding, so the next synchronize asks the driver and reports the error).
+        b.params.n = 0;
+        b.used = 0;
+        drop(b);
+        r?;
+        bump(&self.stats.submits, 1);
+        Ok(())
     }
 
     /// Queues a kernel that performs one copy (a few bytes moved by one block instead of a copy
@@ -419,6 +582,7 @@ impl<D: Driver> TicketStream<D> {
     /// that queues a compute graph may enqueue until [`Self::end_capture`]; a synchronize in
     /// between is an error.
     pub fn begin_capture(&self) -> Result<(), D::Error> {
+        self.flush()?;
         let mut t = self.tickets.lock();
         self.driver.begin_capture()?;
         t.capturing = true;
@@ -443,7 +607,13 @@ impl<D: Driver> TicketStream<D> {
     /// Lends the raw stream for one call (cuBLAS). Borrowing counts as work (S3: acquiring
     /// a handle marks the stream used), so it takes a ticket even if the closure queues
     /// nothing. The ticket lock is held while `f` runs: `f` must not call back into this stream.
-    pub fn lend<R>(&self, counted: Counted, f: impl FnOnce(&LentStream<'_, D>) -> R) -> R {
+    /// A pending batch is launched first; `Err` only when that launch fails (`f` not called).
+    pub fn lend<R>(
+        &self,
+        counted: Counted,
+        f: impl FnOnce(&LentStream<'_, D>) -> R,
+    ) -> Result<R, D::Error> {
+        self.flush()?;
         let mut t = self.tickets.lock();
         if t.capturing {
             t.captured += 1;
@@ -452,7 +622,7 @@ impl<D: Driver> TicketStream<D> {
                 _call: PhantomData,
                 _not_send: PhantomData,
             };
-            return f(&lent);
+            return Ok(f(&lent));
         }
         t.submitted += 1;
         let lent = LentStream {
@@ -463,12 +633,13 @@ impl<D: Driver> TicketStream<D> {
         let r = f(&lent);
         drop(t);
         self.count(counted);
-        r
+        Ok(r)
     }
 
     /// Waits until everything queued completed, or returns at once (an elided sync) when the
     /// last completed wait already covered every ticket and elision is on.
     pub fn synchronize(&self) -> Result<(), D::Error> {
+        self.flush()?;
         let target = {
             let t = self.tickets.lock();
             if self.elide && t.observed == t.submitted {
@@ -487,6 +658,7 @@ impl<D: Driver> TicketStream<D> {
     /// Host wait for an event recorded at `ticket` (from [`Self::record_event`]); elided when
     /// a completed wait already covered the ticket.
     pub fn wait_event_host(&self, ev: &D::Event, ticket: u64) -> Result<(), D::Error> {
+        self.flush()?;
         if self.elide && ticket <= self.tickets.lock().observed {
             bump(&self.stats.elided_syncs, 1);
             return Ok(());
@@ -545,6 +717,8 @@ mod tests {
     #[derive(Default)]
     struct Fake {
         calls: Mutex<Vec<Call>>,
+        /// The parameter block of every one-parameter launch (the batches).
+        batches: Mutex<Vec<BatchParams>>,
         fail_next_wait: AtomicBool,
         fail_enqueues: AtomicBool,
     }
@@ -578,8 +752,14 @@ mod tests {
             &self,
             _f: (),
             _dims: LaunchDims,
-            _params: &mut [*mut c_void],
+            params: &mut [*mut c_void],
         ) -> Result<(), String> {
+            if let [p] = params {
+                // SAFETY: the only one-parameter launch in these tests is a batch's.
+                self.batches
+                    .lock()
+                    .push(unsafe { (*p as *const BatchParams).read() });
+            }
             self.push(Call::Launch)
         }
         unsafe fn memcpy_htod(&self, _dst: u64, _src: *const u8, len: usize) -> Result<(), String> {
@@ -723,7 +903,8 @@ mod tests {
                 s.graph_launch(&()).unwrap();
             }),
             ("lend (cuBLAS handle / raw stream)", |s| {
-                s.lend(Counted::Kernel, |raw| assert_eq!(raw.as_raw(), 7));
+                s.lend(Counted::Kernel, |raw| assert_eq!(raw.as_raw(), 7))
+                    .unwrap();
             }),
         ]
     }
@@ -875,7 +1056,7 @@ mod tests {
             s.memcpy_dtod(0, 0, 8).unwrap();
             s.launch((), dims, &mut []).unwrap();
         }
-        s.lend(Counted::Kernel, |_| ());
+        s.lend(Counted::Kernel, |_| ()).unwrap();
         s.end_capture().unwrap();
         assert!(!s.is_capturing());
         let t = s.tickets();
@@ -975,10 +1156,148 @@ mod tests {
         assert_eq!(s.tickets().submitted, 3);
     }
 
+    fn batched() -> TicketStream<Fake> {
+        let s = stream(single());
+        s.enable_batch(());
+        s
+    }
+
+    #[test]
+    fn the_batch_parameters_have_the_layout_the_kernel_reads() {
+        assert_eq!(std::mem::size_of::<BatchParams>(), 4048);
+        assert_eq!(std::mem::align_of::<BatchParams>(), 16);
+        assert_eq!(std::mem::offset_of!(BatchParams, items), 3840);
+        assert_eq!(std::mem::offset_of!(BatchParams, n), 4032);
+        assert_eq!(std::mem::size_of::<BatchItem>(), 24);
+    }
+
+    #[test]
+    fn deferred_copies_run_as_one_launch_before_the_next_enqueue() {
+        let s = batched();
+        assert!(s.defer_htod(0x1000, &[1, 2, 3]).unwrap());
+        assert!(s.defer_htod(0x2000, &[7u8; 32]).unwrap());
+        assert!(s.defer_dtod(0x3000, 0x1000, 4).unwrap());
+        assert!(calls(&s).is_empty(), "nothing reaches the driver yet");
+        assert_eq!(s.tickets().submitted, 0);
+        let st = s.stats().snapshot();
+        assert_eq!(
+            (st.h2d_copies, st.h2d_bytes, st.d2d_copies, st.d2d_bytes),
+            (2, 35, 1, 4)
+        );
+        assert_eq!(st.submits, 0, "the launch is the submission");
+        s.graph_launch(&()).unwrap();
+        assert_eq!(calls(&s), vec![Call::Launch, Call::GraphLaunch]);
+        assert_eq!(s.tickets().submitted, 2);
+        assert_eq!(s.stats().snapshot().submits, 2);
+        let b = s.driver.batches.lock()[0].clone();
+        assert_eq!(b.n, 3);
+        let items = &b.items[..3];
+        assert_eq!(
+            items,
+            &[
+                BatchItem {
+                    dst: 0x1000,
+                    src: 0,
+                    len: 3,
+                    at: 0
+                },
+                BatchItem {
+                    dst: 0x2000,
+                    src: 0,
+                    len: 32,
+                    at: 16
+                },
+                BatchItem {
+                    dst: 0x3000,
+                    src: 0x1000,
+                    len: 4,
+                    at: 48
+                },
+            ]
+        );
+        assert_eq!(&b.data[..3], &[1, 2, 3]);
+        assert_eq!(&b.data[16..48], &[7u8; 32]);
+        // The next enqueue finds nothing pending.
+        s.graph_launch(&()).unwrap();
+        assert_eq!(calls(&s).len(), 3);
+    }
+
+    #[test]
+    fn every_wait_and_lend_launches_the_pending_batch_first() {
+        let s = batched();
+        s.defer_htod(0x1000, &[1]).unwrap();
+        s.synchronize().unwrap();
+        assert_eq!(calls(&s), vec![Call::Launch, Call::StreamSynchronize]);
+        assert_eq!(
+            s.stats().snapshot().elided_syncs,
+            0,
+            "the batch is work to wait for"
+        );
+        s.defer_htod(0x1000, &[1]).unwrap();
+        s.wait_event_host(&3, 1).unwrap();
+        assert_eq!(calls(&s)[2], Call::Launch);
+        s.defer_htod(0x1000, &[1]).unwrap();
+        s.lend(Counted::NotASubmit, |_| ()).unwrap();
+        assert_eq!(
+            calls(&s)[calls(&s).len() - 2..],
+            [Call::Launch, Call::RawStream]
+        );
+        s.defer_htod(0x1000, &[1]).unwrap();
+        s.begin_capture().unwrap();
+        assert_eq!(
+            calls(&s)[calls(&s).len() - 2..],
+            [Call::Launch, Call::BeginCapture]
+        );
+        assert!(
+            !s.defer_htod(0x1000, &[1]).unwrap(),
+            "nothing is deferred into a capture"
+        );
+        s.end_capture().unwrap();
+    }
+
+    #[test]
+    fn a_full_batch_is_launched_and_a_new_one_started() {
+        let s = batched();
+        for k in 0..BATCH_ITEMS {
+            assert!(s.defer_htod(0x1000 * k as u64, &[k as u8; 8]).unwrap());
+        }
+        assert!(calls(&s).is_empty());
+        assert!(s.defer_htod(0x9000, &[9; 8]).unwrap());
+        assert_eq!(
+            calls(&s),
+            vec![Call::Launch],
+            "the ninth copy launched the first eight"
+        );
+        // Data: two copies of 2,000 bytes do not fit one batch's 3,840.
+        s.synchronize().unwrap();
+        assert!(s.defer_htod(0, &vec![1u8; 2000]).unwrap());
+        assert!(s.defer_htod(0, &vec![2u8; 2000]).unwrap());
+        let n = calls(&s).iter().filter(|c| **c == Call::Launch).count();
+        assert_eq!(n, 3);
+        s.synchronize().unwrap();
+        let b = s.driver.batches.lock();
+        assert_eq!(b.iter().map(|b| b.n).collect::<Vec<_>>(), vec![8, 1, 1, 1]);
+    }
+
+    #[test]
+    fn copies_a_batch_cannot_take_are_left_to_the_caller() {
+        let off = stream(single());
+        assert!(
+            !off.defer_htod(0x1000, &[1]).unwrap(),
+            "batching not enabled"
+        );
+        let s = batched();
+        assert!(!s.defer_htod(0x1000, &vec![0u8; BATCH_DATA + 1]).unwrap());
+        assert!(!s.defer_htod(0x1000, &[]).unwrap());
+        assert!(!s.defer_dtod(0x1000, 0, 4).unwrap(), "a null source");
+        assert!(calls(&s).is_empty());
+        assert_eq!(s.stats().snapshot().h2d_copies, 0);
+    }
+
     #[test]
     fn lend_hands_out_the_stream_only_inside_the_call() {
         let s = stream(single());
-        let got = s.lend(Counted::NotASubmit, |raw| raw.as_raw());
+        let got = s.lend(Counted::NotASubmit, |raw| raw.as_raw()).unwrap();
         assert_eq!(got, 7);
         assert_eq!(s.tickets().submitted, 1);
         assert_eq!(s.stats().snapshot().submits, 0);

@@ -1,8 +1,8 @@
 //! `LOWSYNC_CUDA_SYNC_ELISION` (ARCHITECTURE §8), `LOWSYNC_CUDA_MMV_MAX_M`, `LOWSYNC_CUDA_GRAPHS`,
 //! `LOWSYNC_CUDA_FUSION`, `LOWSYNC_CUDA_TIMING`, `LOWSYNC_CUDA_PDL`, `LOWSYNC_CUDA_ATTN_FAST`,
 //! `LOWSYNC_CUDA_REHEARSE`, `LOWSYNC_CUDA_GEMV_STREAM`, `LOWSYNC_CUDA_GEMV_SPLIT`,
-//! `LOWSYNC_CUDA_GEMV_BLOCKS`, `LOWSYNC_CUDA_GEMV_PAD_KB` and
-//! `LOWSYNC_CUDA_WEIGHT_EVICT_FIRST`: a bad value is an error naming the variable. (Its own
+//! `LOWSYNC_CUDA_GEMV_BLOCKS`, `LOWSYNC_CUDA_GEMV_PAD_KB`, `LOWSYNC_CUDA_WEIGHT_EVICT_FIRST`,
+//! `LOWSYNC_CUDA_COPY_KERNEL` and `LOWSYNC_CUDA_READ_KERNEL`: a bad value is an error naming the variable. (Its own
 //! test binary: it sets process-wide variables; one test, so nothing reads them while they
 //! are bad.)
 
@@ -78,6 +78,24 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
     }
     std::env::remove_var("LOWSYNC_CUDA_GEMV_PAD_KB");
 
+    assert_eq!(
+        CudaConfig::from_env().unwrap().copy_kernel_max,
+        4096,
+        "unset"
+    );
+    std::env::set_var("LOWSYNC_CUDA_COPY_KERNEL", "0");
+    assert_eq!(CudaConfig::from_env().unwrap().copy_kernel_max, 0);
+    std::env::set_var("LOWSYNC_CUDA_COPY_KERNEL", "512");
+    assert_eq!(CudaConfig::from_env().unwrap().copy_kernel_max, 512);
+    for bad in ["4k", "-1"] {
+        std::env::set_var("LOWSYNC_CUDA_COPY_KERNEL", bad);
+        match CudaConfig::from_env() {
+            Err(Error::Env { var, .. }) => assert_eq!(var, "LOWSYNC_CUDA_COPY_KERNEL"),
+            other => panic!("expected an env error for {bad:?}, got {other:?}"),
+        }
+    }
+    std::env::remove_var("LOWSYNC_CUDA_COPY_KERNEL");
+
     for (var, default) in [
         ("LOWSYNC_CUDA_GRAPHS", true),
         ("LOWSYNC_CUDA_FUSION", true),
@@ -88,6 +106,7 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
         ("LOWSYNC_CUDA_GEMV_STREAM", true),
         ("LOWSYNC_CUDA_GEMV_SPLIT", true),
         ("LOWSYNC_CUDA_WEIGHT_EVICT_FIRST", false),
+        ("LOWSYNC_CUDA_READ_KERNEL", true),
     ] {
         let read = |c: &CudaConfig| match var {
             "LOWSYNC_CUDA_GRAPHS" => c.graphs,
@@ -98,6 +117,7 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
             "LOWSYNC_CUDA_GEMV_STREAM" => c.gemv_stream,
             "LOWSYNC_CUDA_GEMV_SPLIT" => c.gemv_split,
             "LOWSYNC_CUDA_WEIGHT_EVICT_FIRST" => c.weight_evict_first,
+            "LOWSYNC_CUDA_READ_KERNEL" => c.read_kernel,
             _ => c.timing,
         };
         assert_eq!(
