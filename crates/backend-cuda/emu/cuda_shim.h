@@ -34,6 +34,8 @@ inline Dim3 blockDim, gridDim;
 #define __forceinline__ inline
 #define __noinline__
 #define __global__
+#define __grid_constant__
+#define __align__(n) alignas(n)
 #define __launch_bounds__(...)
 #define __maxnreg__(...)
 #define __shared__ static

@@ -2,9 +2,11 @@
 // references by NMSE: rms_norm_mul, fused_gemv / fused_gemv8, fused_gemv1 (with and without
 // its norm prologue; its row-pair mode with the Rope and KV-cache row epilogues),
 // mul_mat_vec_k / mul_mat_vec_k4, mul_mat_vec_1, rope_rows, attn_decode (masked rows poisoned
-// with NaN: they must not be read), soft_max and argmax (exact). Built and run by
+// with NaN: they must not be read), soft_max and argmax (exact), and the small copies
+// small_copy and copy_batch (exact, in order). Built and run by
 // scripts/kernel_emu.sh; exits non-zero on any failure.
 #include "cuda_shim.h"
+#include "elementwise.cu"
 #include "fused.cu"
 #include "matmul.cu"
 #include "norm.cu"
@@ -1143,7 +1145,44 @@ void test_argmax() {
 
 }  // namespace
 
+// small_copy at each alignment path, and copy_batch: host bytes in its parameter (16-byte
+// aligned and odd), a device copy reading what an earlier copy of the batch wrote (order), and
+// nothing past `n` run.
+void test_copies() {
+    std::vector<unsigned char> src(4096), dst(4096, 0);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = (unsigned char)(i * 13 + 5);
+    for (auto [off, len] : {std::pair<int, int>{0, 512}, {64, 12}, {3, 7}}) {
+        std::fill(dst.begin(), dst.end(), 0);
+        launch(1, 128, [&] { small_copy((u64)(dst.data() + off), (u64)(src.data() + off), len); });
+        bool ok = std::equal(src.begin() + off, src.begin() + off + len, dst.begin() + off) &&
+                  std::all_of(dst.begin() + off + len, dst.end(), [](unsigned char c) { return c == 0; });
+        if (!ok) {
+            printf("FAIL small_copy %d bytes at %d\n", len, off);
+            ++fails;
+        }
+    }
+    CopyBatch b{};
+    std::vector<unsigned char> a(256, 0), c(256, 0), d(256, 0);
+    for (int i = 0; i < 48; ++i) b.data[i] = (unsigned char)(200 - i);
+    for (int i = 0; i < 7; ++i) b.data[48 + i] = (unsigned char)(i + 1);
+    b.items[0] = BatchItem{(u64)a.data(), 0, 48, 0};         // host bytes, 16-byte path
+    b.items[1] = BatchItem{(u64)(c.data() + 3), 0, 7, 48};   // host bytes, odd
+    b.items[2] = BatchItem{(u64)d.data(), (u64)a.data(), 48, 0};  // reads item 0's result
+    b.items[3] = BatchItem{(u64)d.data(), (u64)src.data(), 200, 0};  // past n: must not run
+    b.n = 3;
+    launch(1, 128, [&] { copy_batch(b); });
+    bool ok = true;
+    for (int i = 0; i < 48; ++i) ok &= a[i] == 200 - i && d[i] == 200 - i;
+    for (int i = 0; i < 7; ++i) ok &= c[3 + i] == i + 1;
+    ok &= c[2] == 0 && c[10] == 0 && a[48] == 0 && d[48] == 0;
+    if (!ok) {
+        printf("FAIL copy_batch\n");
+        ++fails;
+    }
+}
+
 int main() {
+    test_copies();
     test_norm_mul();
     test_fused_gemv();
     test_norm_mul_row();
