@@ -114,17 +114,18 @@ pub struct CudaConfig {
     /// default off: plain loads measured faster on the H200; see README).
     pub weight_evict_first: bool,
     /// Host-to-device writes of at most this many bytes (`set_tensor_async_staged`; a batch
-    /// holds up to 3,840 host bytes) and device-to-device copies (`copy_async`) wait in a batch that runs as one kernel right
-    /// before the next thing queued on the stream, the host bytes inside its parameters
-    /// (`TicketStream::defer_htod`); reads of at most this many bytes (`read_async`) run as a
-    /// one-block kernel writing the pinned slot (`read_kernel`). No copy engine between two
-    /// decode graphs: on the H200 the time between them fell from 16.9 to 6.7 µs
-    /// (`LOWSYNC_CUDA_COPY_KERNEL`, bytes, default 4096; 0: copy engines). Outside graph
-    /// capture only; each copy is counted as the copy it is, and a batch's launch as one
-    /// submission.
+    /// holds up to 3,840 host bytes) and device-to-device copies (`copy_async`) wait in a
+    /// batch that runs as one kernel right before the next thing queued on the stream, the
+    /// host bytes inside its parameters (`TicketStream::defer_htod`); reads of at most this
+    /// many bytes (`read_async`) ride in the batch too, or run as a one-block kernel writing
+    /// the pinned slot when it cannot take them (`read_kernel`). No copy engine between two
+    /// decode graphs: on the H200 the time between them fell from 16.9 to 6.7 µs with the read
+    /// as its own kernel (`LOWSYNC_CUDA_COPY_KERNEL`, bytes, default 4096; 0: copy engines).
+    /// Outside graph capture only; each copy is counted as the copy it is, and a batch's launch
+    /// as one submission.
     pub copy_kernel_max: usize,
-    /// `read_async` of at most `copy_kernel_max` bytes runs as a one-block kernel
-    /// (`LOWSYNC_CUDA_READ_KERNEL`, default on); off takes a copy engine.
+    /// `read_async` of at most `copy_kernel_max` bytes rides in the copy batch, or runs as a
+    /// one-block kernel (`LOWSYNC_CUDA_READ_KERNEL`, default on); off takes a copy engine.
     pub read_kernel: bool,
 }
 
@@ -375,6 +376,14 @@ impl Inner {
             .stats()
             .staging_bytes_in_use
             .store(st.bytes_in_use() as u64, Ordering::Relaxed);
+    }
+
+    /// The result of `defer_dtoh` as this backend's error.
+    fn defer_read(
+        &self,
+        r: std::result::Result<Option<u64>, cudarc::driver::result::DriverError>,
+    ) -> Result<Option<u64>> {
+        r.map_err(|e| self.driver_err("copy_batch launch", e))
     }
 
     /// The result of a `defer_*` call as this backend's error.
@@ -733,7 +742,13 @@ impl CudaBackend {
         }
         if inner.cfg.copy_kernel_max > 0 {
             if let Ok(f) = inner.modules.get(Kernel::CopyBatch) {
-                inner.stream.enable_batch(f);
+                // Reads ride in the batch too when they may run as kernels (and an event for
+                // them can be made; otherwise they take `small_copy` or a copy engine).
+                let read_event = match inner.cfg.read_kernel {
+                    true => CuEvent::new().ok(),
+                    false => None,
+                };
+                inner.stream.enable_batch(f, read_event);
             }
         }
         match crate::matmul::Blas::new(&inner.stream) {
@@ -827,17 +842,24 @@ struct ReadSlot {
     mem: Pinned,
     ev: CuEvent,
     ticket: u64,
+    /// The last read rode in a copy batch (`TicketStream::defer_dtoh`): `ticket` is the batch
+    /// read event's, and `ev` was not recorded.
+    batched: bool,
 }
 
 impl ReadSlot {
-    /// Whether the slot's last read completed (a non-blocking query, not counted).
+    /// Whether the slot's last read completed (a non-blocking query, not counted; a batch
+    /// still pending is launched).
     fn idle(&self, owner: &Inner) -> bool {
-        self.ticket == 0
-            || (owner.bind().is_ok()
-                && owner
-                    .stream
-                    .query_event(&self.ev, self.ticket)
-                    .unwrap_or(false))
+        if self.ticket == 0 {
+            return true;
+        }
+        owner.bind().is_ok()
+            && match self.batched {
+                true => owner.stream.read_done(self.ticket),
+                false => owner.stream.query_event(&self.ev, self.ticket),
+            }
+            .unwrap_or(false)
     }
 }
 
@@ -861,9 +883,11 @@ impl Readback for CudaReadback {
         if !self.waited {
             let o = &self.owner;
             o.bind()?;
-            o.stream
-                .wait_event_host(&slot.ev, slot.ticket)
-                .map_err(|e| o.driver_err("cuEventSynchronize", e))?;
+            match slot.batched {
+                true => o.stream.wait_read(slot.ticket),
+                false => o.stream.wait_event_host(&slot.ev, slot.ticket),
+            }
+            .map_err(|e| o.driver_err("cuEventSynchronize", e))?;
             o.after_wait()?;
             self.waited = true;
         }
@@ -1145,6 +1169,7 @@ impl Backend for CudaBackend {
                 })?,
                 ev: CuEvent::new().map_err(|e| i.driver_err("cuEventCreate", e))?,
                 ticket: 0,
+                batched: false,
             },
         };
         // From here the slot goes back to the pool on every path (the readback's drop).
@@ -1157,6 +1182,17 @@ impl Backend for CudaBackend {
         let Some(slot) = rb.slot.as_mut() else {
             return Err(i.driver_err("read slot", "missing"));
         };
+        slot.batched = false;
+        if len <= i.cfg.copy_kernel_max && i.cfg.read_kernel {
+            // SAFETY: the slot is pinned, holds `len` bytes, and is neither read nor reused
+            // before its read completed (`wait` and `idle` ask the stream).
+            let deferred = unsafe { i.stream.defer_dtoh(slot.mem.ptr(), from, len) };
+            if let Some(t) = i.defer_read(deferred)? {
+                slot.ticket = t;
+                slot.batched = true;
+                return Ok(Box::new(rb));
+            }
+        }
         // The slot is pinned, holds `len` bytes and is not read before its event.
         if i.read_by_kernel(slot.mem.ptr() as u64, from, len)?
             .is_none()

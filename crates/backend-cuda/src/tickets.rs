@@ -15,11 +15,13 @@
 //! driver call iff `observed == submitted` (an elided sync). Counters are bumped here, in the
 //! primitive that enqueues or waits (ARCHITECTURE §3).
 //!
-//! Small host-to-device and device-to-device copies may wait in a batch
-//! ([`TicketStream::defer_htod`]) that runs as one kernel, the host bytes in its parameters.
-//! The batch is launched first by whatever reaches the driver next — every enqueue, a lend, a
-//! capture, a synchronize, a host wait — so stream order is the order of the calls; a deferred
-//! copy is counted when it is deferred, its batch's launch is the submission.
+//! Small host-to-device and device-to-device copies, and reads into pinned host memory, may
+//! wait in a batch ([`TicketStream::defer_htod`], [`TicketStream::defer_dtoh`]) that runs as
+//! one kernel, the host bytes in its parameters. The batch is launched first by whatever
+//! reaches the driver next — every enqueue, a lend, a capture, a synchronize, a host wait, a
+//! poll of a batched read — so stream order is the order of the calls, and the ticket a
+//! deferred copy will take is known when it is deferred; a deferred copy is counted when it is
+//! deferred, its batch's launch is the submission.
 //!
 //! Invariants: (6) with elision on, `synchronize` after no enqueue makes no driver call and
 //! after any enqueue it waits; a failed wait never advances `observed`; a failed enqueue still
@@ -230,6 +232,8 @@ struct Batch<F> {
     params: Box<BatchParams>,
     /// Bytes of `params.data` in use (each copy's data starts 16-byte aligned).
     used: usize,
+    /// The pending batch holds a read.
+    has_read: bool,
 }
 
 /// A stream whose every enqueue takes a ticket (see the module docs).
@@ -238,6 +242,8 @@ pub struct TicketStream<D: Driver> {
     tickets: Mutex<Tickets>,
     /// Locked before `tickets` wherever both are held.
     batch: Mutex<Batch<D::Function>>,
+    /// Recorded right after each batch that holds a read (`defer_dtoh`): what reads wait on.
+    read_event: std::sync::OnceLock<D::Event>,
     elide: bool,
     stats: SyncStats,
 }
@@ -252,7 +258,9 @@ impl<D: Driver> TicketStream<D> {
                 kernel: None,
                 params: Box::default(),
                 used: 0,
+                has_read: false,
             }),
+            read_event: std::sync::OnceLock::new(),
             elide: elision.enabled(),
             stats: SyncStats::default(),
         }
@@ -351,8 +359,69 @@ impl<D: Driver> TicketStream<D> {
 
     /// Lets host-to-device and device-to-device copies of a few bytes wait and run together as
     /// one launch of `kernel` (`copy_batch`, taking one [`BatchParams`]).
-    pub fn enable_batch(&self, kernel: D::Function) {
+    /// With `read_event`, reads of a few bytes into host memory may ride in the batch too
+    /// ([`Self::defer_dtoh`]); the event is recorded after each batch that holds one.
+    pub fn enable_batch(&self, kernel: D::Function, read_event: Option<D::Event>) {
         self.batch.lock().kernel = Some(kernel);
+        if let Some(ev) = read_event {
+            // Set once: a second call keeps the first event (reads may be waiting on it).
+            let _ = self.read_event.set(ev);
+        }
+    }
+
+    /// Queues a read of `len` device bytes at `src` into host memory at `dst` (pinned, which
+    /// the device addresses directly) in the pending batch, as [`Self::defer_htod`] (counted as
+    /// one D2H copy now). Returns the ticket to wait for with [`Self::wait_read`]; `None`,
+    /// nothing queued: reads are not batched, a graph is being captured, or the batch is full
+    /// of other copies.
+    ///
+    /// # Safety
+    /// `dst` holds `len` bytes that stay valid and unread until that wait (or
+    /// [`Self::read_done`]) says the read completed.
+    pub unsafe fn defer_dtoh(
+        &self,
+        dst: *mut u8,
+        src: u64,
+        len: usize,
+    ) -> Result<Option<u64>, D::Error> {
+        if src == 0 || self.read_event.get().is_none() {
+            return Ok(None);
+        }
+        // The batch's launch takes the returned ticket, its read event the one after.
+        Ok(self.defer(dst as u64, src, &[], len, true)?.map(|t| t + 1))
+    }
+
+    /// Host wait for a read queued by [`Self::defer_dtoh`] at `ticket`: launches the batch if
+    /// it is still pending, then waits for the read event (elided when a completed wait already
+    /// covered the ticket). A later batch may have recorded the event again since: the wait
+    /// then lasts until that later point of the stream, which is after the read.
+    pub fn wait_read(&self, ticket: u64) -> Result<(), D::Error> {
+        self.flush()?;
+        if self.elide && ticket <= self.tickets.lock().observed {
+            bump(&self.stats.elided_syncs, 1);
+            return Ok(());
+        }
+        let Some(ev) = self.read_event.get() else {
+            return Ok(());
+        };
+        bump(&self.stats.host_waits, 1);
+        bump(&self.stats.driver_syncs, 1);
+        self.driver.event_synchronize(ev)?;
+        self.observe(ticket);
+        Ok(())
+    }
+
+    /// Whether a read queued by [`Self::defer_dtoh`] at `ticket` completed, without blocking
+    /// (launching the batch if it is still pending, so that polling never waits forever).
+    pub fn read_done(&self, ticket: u64) -> Result<bool, D::Error> {
+        if ticket <= self.tickets.lock().observed {
+            return Ok(true);
+        }
+        self.flush()?;
+        match self.read_event.get() {
+            Some(ev) => self.driver.event_query(ev),
+            None => Ok(true),
+        }
     }
 
     /// Queues `data` for device address `dst` in the pending batch: the bytes are copied into
@@ -362,7 +431,7 @@ impl<D: Driver> TicketStream<D> {
     /// submission. `Ok(false)`, nothing queued: batching is off, a graph is being captured, or
     /// `data` is longer than a batch holds.
     pub fn defer_htod(&self, dst: u64, data: &[u8]) -> Result<bool, D::Error> {
-        self.defer(dst, 0, data, data.len())
+        Ok(self.defer(dst, 0, data, data.len(), false)?.is_some())
     }
 
     /// Queues a device-to-device copy of `len` bytes in the pending batch, as
@@ -371,20 +440,30 @@ impl<D: Driver> TicketStream<D> {
         if src == 0 {
             return Ok(false);
         }
-        self.defer(dst, src, &[], len)
+        Ok(self.defer(dst, src, &[], len, false)?.is_some())
     }
 
-    /// `data` (host bytes, `src == 0`) or `len` bytes at `src` into the batch.
-    fn defer(&self, dst: u64, src: u64, data: &[u8], len: usize) -> Result<bool, D::Error> {
-        if len == 0 || len > BATCH_DATA || self.tickets.lock().capturing {
-            return Ok(false);
+    /// `data` (host bytes, `src == 0`) or `len` bytes at `src` into the batch (`read`: into
+    /// host memory). Returns the ticket the batch's launch will take (nothing takes a ticket
+    /// before it: every path to the driver launches the batch first), or `None`: not deferred.
+    fn defer(
+        &self,
+        dst: u64,
+        src: u64,
+        data: &[u8],
+        len: usize,
+        read: bool,
+    ) -> Result<Option<u64>, D::Error> {
+        if len == 0 || len > BATCH_DATA {
+            return Ok(None);
         }
         let fits = |b: &Batch<D::Function>| {
             (b.params.n as usize) < BATCH_ITEMS && b.used + data.len() <= BATCH_DATA
         };
         let mut b = self.batch.lock();
-        if b.kernel.is_none() {
-            return Ok(false);
+        // Checked under the batch lock, which `begin_capture` holds while it starts one.
+        if b.kernel.is_none() || self.tickets.lock().capturing {
+            return Ok(None);
         }
         if !fits(&b) {
             drop(b);
@@ -392,7 +471,7 @@ impl<D: Driver> TicketStream<D> {
             b = self.batch.lock();
             if !fits(&b) {
                 // Another thread filled it since the flush: the caller takes the copy engine.
-                return Ok(false);
+                return Ok(None);
             }
         }
         let at = b.used;
@@ -406,21 +485,27 @@ impl<D: Driver> TicketStream<D> {
             at: at as u32,
         };
         b.params.n += 1;
+        b.has_read |= read;
+        // Read under the batch lock: no flush can launch the batch in between.
+        let ticket = self.tickets.lock().submitted + 1;
         drop(b);
         let s = &self.stats;
-        if src == 0 {
-            bump(&s.h2d_copies, 1);
-            bump(&s.h2d_bytes, len as u64);
-        } else {
-            bump(&s.d2d_copies, 1);
-            bump(&s.d2d_bytes, len as u64);
-        }
-        Ok(true)
+        let (copies, bytes) = match (src == 0, read) {
+            (true, _) => (&s.h2d_copies, &s.h2d_bytes),
+            (false, true) => (&s.d2h_copies, &s.d2h_bytes),
+            (false, false) => (&s.d2d_copies, &s.d2d_bytes),
+        };
+        bump(copies, 1);
+        bump(bytes, len as u64);
+        Ok(Some(ticket))
     }
 
     /// Launches the pending batch, if any (one ticket, one submission).
     fn flush(&self) -> Result<(), D::Error> {
-        let mut b = self.batch.lock();
+        self.flush_locked(&mut self.batch.lock())
+    }
+
+    fn flush_locked(&self, b: &mut Batch<D::Function>) -> Result<(), D::Error> {
         let Some(f) = b.kernel.filter(|_| b.params.n > 0) else {
             return Ok(());
         };
@@ -435,19 +520,25 @@ impl<D: Driver> TicketStream<D> {
         let mut param: *mut c_void = (&mut *b.params as *mut BatchParams).cast();
         // SAFETY: `copy_batch` takes one `BatchParams` by value, which the driver copies at the
         // launch; every address in it was checked by the backend that deferred the copy.
-        let r = unsafe {
+        let mut r = unsafe {
             self.driver
                 .launch(f, dims, std::slice::from_mut(&mut param))
         };
+        let launched = r.is_ok();
+        if let (true, true, Some(ev)) = (launched, b.has_read, self.read_event.get()) {
+            t.submitted += 1;
+            r = self.driver.event_record(ev);
+        }
         drop(t);
         // Launched or not, these copies are done with (a failed launch leaves them lost and the
         // ticket outstanding, so the next synchronize asks the driver and reports the error).
         b.params.n = 0;
         b.used = 0;
-        drop(b);
-        r?;
-        bump(&self.stats.submits, 1);
-        Ok(())
+        b.has_read = false;
+        if launched {
+            bump(&self.stats.submits, 1);
+        }
+        r
     }
 
     /// Queues a kernel that performs one copy (a few bytes moved by one block instead of a copy
@@ -582,7 +673,10 @@ impl<D: Driver> TicketStream<D> {
     /// that queues a compute graph may enqueue until [`Self::end_capture`]; a synchronize in
     /// between is an error.
     pub fn begin_capture(&self) -> Result<(), D::Error> {
-        self.flush()?;
+        // The batch stays locked until the capture started, so nothing is deferred between the
+        // launch of the pending batch and the capture (nothing is deferred during one).
+        let mut b = self.batch.lock();
+        self.flush_locked(&mut b)?;
         let mut t = self.tickets.lock();
         self.driver.begin_capture()?;
         t.capturing = true;
@@ -1158,7 +1252,7 @@ mod tests {
 
     fn batched() -> TicketStream<Fake> {
         let s = stream(single());
-        s.enable_batch(());
+        s.enable_batch((), Some(9));
         s
     }
 
@@ -1277,6 +1371,99 @@ mod tests {
         s.synchronize().unwrap();
         let b = s.driver.batches.lock();
         assert_eq!(b.iter().map(|b| b.n).collect::<Vec<_>>(), vec![8, 1, 1, 1]);
+    }
+
+    #[test]
+    fn a_read_rides_in_the_batch_and_its_wait_is_on_the_read_event() {
+        let s = batched();
+        let mut out = [0u8; 4];
+        let t = unsafe { s.defer_dtoh(out.as_mut_ptr(), 0x5000, 4) }
+            .unwrap()
+            .unwrap();
+        assert!(s.defer_htod(0x1000, &[1; 8]).unwrap());
+        assert!(s.defer_dtod(0x2000, 0x5000, 4).unwrap());
+        assert_eq!(
+            t, 2,
+            "the batch's launch takes ticket 1, its read event ticket 2"
+        );
+        assert!(calls(&s).is_empty());
+        let st = s.stats().snapshot();
+        assert_eq!(
+            (st.d2h_copies, st.d2h_bytes, st.h2d_copies, st.d2d_copies),
+            (1, 4, 1, 1)
+        );
+        s.graph_launch(&()).unwrap();
+        assert_eq!(
+            calls(&s),
+            vec![Call::Launch, Call::EventRecord(9), Call::GraphLaunch]
+        );
+        assert_eq!(s.tickets().submitted, 3);
+        let b = s.driver.batches.lock()[0].clone();
+        assert_eq!(b.n, 3);
+        assert_eq!(
+            b.items[0],
+            BatchItem {
+                dst: out.as_mut_ptr() as u64,
+                src: 0x5000,
+                len: 4,
+                at: 0
+            }
+        );
+        // The wait: one host wait on the read event, observing the read's ticket only (the
+        // graph after it is still outstanding).
+        s.wait_read(t).unwrap();
+        assert_eq!(calls(&s)[3], Call::EventSynchronize(9));
+        assert_eq!(s.tickets().observed, 2);
+        let st = s.stats().snapshot();
+        assert_eq!(
+            (st.host_waits, st.submits),
+            (1, 2),
+            "the batch and the graph"
+        );
+        s.wait_read(t).unwrap();
+        assert_eq!(
+            s.stats().snapshot().elided_syncs,
+            1,
+            "a covered read is not waited again"
+        );
+        s.synchronize().unwrap();
+        assert_eq!(calls(&s).last(), Some(&Call::StreamSynchronize));
+    }
+
+    #[test]
+    fn waiting_or_polling_a_pending_read_launches_its_batch_first() {
+        let s = batched();
+        let mut out = [0u8; 4];
+        let t = unsafe { s.defer_dtoh(out.as_mut_ptr(), 0x5000, 4) }
+            .unwrap()
+            .unwrap();
+        assert!(!s.read_done(t).unwrap(), "the fake's events never complete");
+        assert_eq!(
+            calls(&s),
+            vec![Call::Launch, Call::EventRecord(9), Call::EventQuery(9)]
+        );
+        let t2 = unsafe { s.defer_dtoh(out.as_mut_ptr(), 0x6000, 4) }
+            .unwrap()
+            .unwrap();
+        assert_eq!(t2, 4);
+        s.wait_read(t2).unwrap();
+        assert_eq!(
+            calls(&s)[3..],
+            [
+                Call::Launch,
+                Call::EventRecord(9),
+                Call::EventSynchronize(9)
+            ]
+        );
+        assert_eq!(s.tickets().observed, 4);
+        // Without a read event, reads are not batched.
+        let plain = stream(single());
+        plain.enable_batch((), None);
+        assert_eq!(
+            unsafe { plain.defer_dtoh(out.as_mut_ptr(), 0x5000, 4) }.unwrap(),
+            None
+        );
+        assert_eq!(plain.stats().snapshot().d2h_copies, 0);
     }
 
     #[test]

@@ -2,9 +2,9 @@
 //! `LOWSYNC_CUDA_FUSION`, `LOWSYNC_CUDA_TIMING`, `LOWSYNC_CUDA_PDL`, `LOWSYNC_CUDA_ATTN_FAST`,
 //! `LOWSYNC_CUDA_REHEARSE`, `LOWSYNC_CUDA_GEMV_STREAM`, `LOWSYNC_CUDA_GEMV_SPLIT`,
 //! `LOWSYNC_CUDA_GEMV_BLOCKS`, `LOWSYNC_CUDA_GEMV_PAD_KB`, `LOWSYNC_CUDA_WEIGHT_EVICT_FIRST`,
-//! `LOWSYNC_CUDA_COPY_KERNEL` and `LOWSYNC_CUDA_READ_KERNEL`: a bad value is an error naming the variable. (Its own
-//! test binary: it sets process-wide variables; one test, so nothing reads them while they
-//! are bad.)
+//! `LOWSYNC_CUDA_COPY_KERNEL` and `LOWSYNC_CUDA_READ_KERNEL`: a bad value is an error naming
+//! the variable. (Its own test binary: it sets process-wide variables; one test, so nothing
+//! reads them while they are bad.)
 
 use lowsync_backend::Error;
 use lowsync_cuda::CudaConfig;
