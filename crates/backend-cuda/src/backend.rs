@@ -409,12 +409,7 @@ impl Inner {
         let Ok(f) = self.modules.get(Kernel::SmallCopy) else {
             return Ok(None);
         };
-        let dims = LaunchDims {
-            grid: (1, 1, 1),
-            block: (128, 1, 1),
-            shared_bytes: 0,
-            pdl: false,
-        };
+        let dims = LaunchDims::one_block(128);
         let mut args = [dst, src, len as u64];
         let mut ptrs: Vec<*mut std::ffi::c_void> =
             args.iter_mut().map(|a| (a as *mut u64).cast()).collect();

@@ -46,6 +46,19 @@ pub struct LaunchDims {
     pub pdl: bool,
 }
 
+impl LaunchDims {
+    /// One block of `threads` threads, no dynamic shared memory, launched in stream order
+    /// (the copy kernels).
+    pub fn one_block(threads: u32) -> Self {
+        LaunchDims {
+            grid: (1, 1, 1),
+            block: (threads, 1, 1),
+            shared_bytes: 0,
+            pdl: false,
+        }
+    }
+}
+
 /// The driver calls the ticket logic routes. The real implementation wraps cudarc's driver API
 /// around one `CUstream`; tests use a recording fake. Enqueue methods are only reachable through
 /// [`TicketStream`], which owns the driver.
@@ -396,30 +409,20 @@ impl<D: Driver> TicketStream<D> {
     /// covered the ticket). A later batch may have recorded the event again since: the wait
     /// then lasts until that later point of the stream, which is after the read.
     pub fn wait_read(&self, ticket: u64) -> Result<(), D::Error> {
-        self.flush()?;
-        if self.elide && ticket <= self.tickets.lock().observed {
-            bump(&self.stats.elided_syncs, 1);
-            return Ok(());
+        match self.read_event.get() {
+            Some(ev) => self.wait_event_host(ev, ticket),
+            None => self.flush(), // no read was batched
         }
-        let Some(ev) = self.read_event.get() else {
-            return Ok(());
-        };
-        bump(&self.stats.host_waits, 1);
-        bump(&self.stats.driver_syncs, 1);
-        self.driver.event_synchronize(ev)?;
-        self.observe(ticket);
-        Ok(())
     }
 
     /// Whether a read queued by [`Self::defer_dtoh`] at `ticket` completed, without blocking
     /// (launching the batch if it is still pending, so that polling never waits forever).
     pub fn read_done(&self, ticket: u64) -> Result<bool, D::Error> {
-        if ticket <= self.tickets.lock().observed {
-            return Ok(true);
+        if ticket > self.tickets.lock().submitted {
+            self.flush()?; // its batch is still pending
         }
-        self.flush()?;
         match self.read_event.get() {
-            Some(ev) => self.driver.event_query(ev),
+            Some(ev) => self.query_event(ev, ticket),
             None => Ok(true),
         }
     }
@@ -511,12 +514,7 @@ impl<D: Driver> TicketStream<D> {
         };
         let mut t = self.tickets.lock();
         t.submitted += 1;
-        let dims = LaunchDims {
-            grid: (1, 1, 1),
-            block: (128, 1, 1),
-            shared_bytes: 0,
-            pdl: false,
-        };
+        let dims = LaunchDims::one_block(128);
         let mut param: *mut c_void = (&mut *b.params as *mut BatchParams).cast();
         // SAFETY: `copy_batch` takes one `BatchParams` by value, which the driver copies at the
         // launch; every address in it was checked by the backend that deferred the copy.
@@ -946,21 +944,11 @@ mod tests {
     fn every_enqueue_path() -> Vec<Path> {
         vec![
             ("launch", |s| unsafe {
-                let dims = LaunchDims {
-                    grid: (1, 1, 1),
-                    block: (32, 1, 1),
-                    shared_bytes: 0,
-                    pdl: false,
-                };
+                let dims = LaunchDims::one_block(32);
                 s.launch((), dims, &mut []).unwrap();
             }),
             ("launch_copy", |s| unsafe {
-                let dims = LaunchDims {
-                    grid: (1, 1, 1),
-                    block: (128, 1, 1),
-                    shared_bytes: 0,
-                    pdl: false,
-                };
+                let dims = LaunchDims::one_block(128);
                 s.launch_copy(Counted::D2H(4), (), dims, &mut []).unwrap();
             }),
             ("memcpy_htod", |s| unsafe {
@@ -1137,12 +1125,7 @@ mod tests {
     #[test]
     fn captured_enqueues_run_nothing_and_the_replay_is_the_submission() {
         let s = stream(single());
-        let dims = LaunchDims {
-            grid: (1, 1, 1),
-            block: (1, 1, 1),
-            shared_bytes: 0,
-            pdl: false,
-        };
+        let dims = LaunchDims::one_block(1);
         s.begin_capture().unwrap();
         assert!(s.is_capturing());
         unsafe {
@@ -1201,12 +1184,7 @@ mod tests {
             s.memcpy_htod(0, [0u8; 16].as_ptr(), 16).unwrap();
             s.memcpy_dtoh([0u8; 4].as_mut_ptr(), 0, 4).unwrap();
             s.memcpy_dtod(0, 0, 8).unwrap();
-            let dims = LaunchDims {
-                grid: (1, 1, 1),
-                block: (1, 1, 1),
-                shared_bytes: 0,
-                pdl: false,
-            };
+            let dims = LaunchDims::one_block(1);
             s.launch((), dims, &mut []).unwrap();
         }
         s.graph_launch(&()).unwrap();
@@ -1226,12 +1204,7 @@ mod tests {
     #[test]
     fn a_copy_done_by_a_kernel_counts_as_that_copy_not_as_a_kernel() {
         let s = stream(single());
-        let dims = LaunchDims {
-            grid: (1, 1, 1),
-            block: (128, 1, 1),
-            shared_bytes: 0,
-            pdl: false,
-        };
+        let dims = LaunchDims::one_block(128);
         unsafe {
             s.launch_copy(Counted::H2D(512), (), dims, &mut []).unwrap();
             s.launch_copy(Counted::D2D(4), (), dims, &mut []).unwrap();
