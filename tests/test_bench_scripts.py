@@ -143,6 +143,16 @@ def test_kernel_trace_finds_the_decode_steps_and_their_exposed_time() -> None:
     assert (len(with_copies), launches) == (3, 9)
     got = kt.between_copies(with_copies, [r for r in rows if kt.is_copy(r)])
     assert got == [("memcpy:DtoH:4", 1.0, 1.0), ("memcpy:HtoD:64", 4.5, 2.0)]
+    # Kernels launched on their own between the steps (the copy batch) are listed the same way;
+    # the prompt's eager kernels before the first step are not between two steps.
+    batch = ["copy_batch,115000,116500,910", "copy_batch,215000,216000,911"]
+    rows = kt.read_rows("\n".join(lines + batch))
+    got_steps, _, _ = kt.decode_steps(rows)
+    outside = kt.outside_steps(rows, got_steps)
+    assert {r[0] for r in outside} == {"copy_batch", "pp_a", "pp_b"} | {
+        f"eager_{i}" for i in range(5)
+    }
+    assert kt.between_copies(got_steps, outside) == [("copy_batch", 2.5, 1.25)]
     with pytest.raises(ValueError, match="no decode steps"):
         kt.summarize([])
 

@@ -72,6 +72,13 @@ def is_copy(r: Row) -> bool:
     return r[0].startswith("memcpy:")
 
 
+def outside_steps(rows: list[Row], steps: list[list[Row]]) -> list[Row]:
+    """The rows that belong to no decode step: memory copies (`KTRACE_MEMCPY=1`) and kernels
+    launched on their own, such as the copy kernels that run between two steps' graphs."""
+    inside = {r[3] for step in steps for r in step}
+    return [r for r in rows if r[3] not in inside]
+
+
 def step_gaps(steps: list[list[Row]]) -> list[tuple[int, int]]:
     """(last kernel end, next step's first kernel start) in ns for consecutive steps in time
     order."""
@@ -80,9 +87,10 @@ def step_gaps(steps: list[list[Row]]) -> list[tuple[int, int]]:
 
 
 def between_copies(steps: list[list[Row]], copies: list[Row]) -> list[tuple[str, float, float]]:
-    """The copies that run between consecutive steps, in order: (name, start after the earlier
-    step's last kernel, duration), medians in µs over the gaps with the most common sequence of
-    copies (between rounds of a trace there are none)."""
+    """The copies (or other rows outside the steps: `outside_steps`) that run between
+    consecutive steps, in order: (name, start after the earlier step's last kernel, duration),
+    medians in µs over the gaps with the most common sequence (which leaves out the gaps between
+    rounds of a trace, where the next prompt runs)."""
     seqs = []
     for end, nxt in step_gaps(steps):
         inside = sorted((c for c in copies if end <= c[1] < nxt), key=lambda c: c[1])
@@ -281,7 +289,7 @@ def main() -> None:
                 assert st is not None
                 rows = read_rows(csv.read_text())
                 got, mode, launches = decode_steps(rows)
-                copies[i].extend(r for r in rows if is_copy(r))
+                copies[i].extend(outside_steps(rows, got))
                 print(
                     f"{name}{' ' + vname if vname else ''} round {rnd}: {nrec} kernel records, "
                     f"{launches} launches, {len(got)} decode steps of {mode} kernels; "
