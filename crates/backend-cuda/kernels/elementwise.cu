@@ -72,33 +72,34 @@ extern "C" __global__ void fill(i64 n, Lay L, void* dst, int dtd, float value) {
     }
 }
 
-// A small copy done by one block instead of a copy engine (`LOWSYNC_CUDA_COPY_KERNEL`): either
-// side may be pinned host memory, addressed by its host pointer (unified addressing maps every
-// pinned allocation at the same address). Launched without dependent launch, so it starts
-// after everything queued before it completed; the next kernel's `griddepcontrol.wait` (or a
-// graph launch) orders what follows. Widest accesses the three addresses' alignment allows.
-extern "C" __global__ void small_copy(u64 dst, u64 src, i64 len) {
-    const u64 al = dst | src | (u64)len;
+// `len` bytes from `s` to `d` by the threads of one block, with the widest accesses the three
+// values' alignment allows. Either side may be pinned host memory (unified addressing maps it
+// at its host pointer) or, in `copy_batch`, the kernel's own parameter block.
+__device__ __forceinline__ void block_copy(unsigned char* d, const unsigned char* s, u64 len) {
+    const u64 al = (u64)d | (u64)s | len;
     if ((al & 15) == 0) {
-        const uint4* s = (const uint4*)src;
-        uint4* d = (uint4*)dst;
-        for (i64 i = threadIdx.x; i < len / 16; i += blockDim.x) d[i] = s[i];
+        for (u64 i = threadIdx.x; i < len / 16; i += blockDim.x)
+            ((uint4*)d)[i] = ((const uint4*)s)[i];
     } else if ((al & 3) == 0) {
-        const u32* s = (const u32*)src;
-        u32* d = (u32*)dst;
-        for (i64 i = threadIdx.x; i < len / 4; i += blockDim.x) d[i] = s[i];
+        for (u64 i = threadIdx.x; i < len / 4; i += blockDim.x) ((u32*)d)[i] = ((const u32*)s)[i];
     } else {
-        const unsigned char* s = (const unsigned char*)src;
-        unsigned char* d = (unsigned char*)dst;
-        for (i64 i = threadIdx.x; i < len; i += blockDim.x) d[i] = s[i];
+        for (u64 i = threadIdx.x; i < len; i += blockDim.x) d[i] = s[i];
     }
 }
 
-// Small copies batched into one launch (`TicketStream::defer_htod` / `defer_dtod`): host bytes
-// ride in the parameter block itself, so a host-to-device copy reads no host memory and takes
-// no copy engine. Layout shared with `BatchParams` in tickets.rs (4,048 bytes: within the 4 KiB
-// of parameters every device takes). The copies run in order, one block, a barrier between
-// them: a later copy may read what an earlier one wrote.
+// A small copy done by one block instead of a copy engine (`LOWSYNC_CUDA_COPY_KERNEL`; a read
+// the copy batch cannot take). Launched without dependent launch, so it starts after
+// everything queued before it completed; the next kernel's `griddepcontrol.wait` (or a graph
+// launch) orders what follows.
+extern "C" __global__ void small_copy(u64 dst, u64 src, i64 len) {
+    block_copy((unsigned char*)dst, (const unsigned char*)src, (u64)len);
+}
+
+// Small copies batched into one launch (`TicketStream::defer_htod` / `defer_dtod` /
+// `defer_dtoh`): host bytes ride in the parameter block itself, so a host-to-device copy reads
+// no host memory and takes no copy engine. Layout shared with `BatchParams` in tickets.rs (4,048
+// bytes: within the 4 KiB of parameters every device takes). The copies run in order, one
+// block, a barrier between them: a later copy may read what an earlier one wrote.
 #define BATCH_ITEMS 8
 #define BATCH_DATA 3840
 struct BatchItem {
@@ -118,16 +119,7 @@ extern "C" __global__ void copy_batch(const __grid_constant__ CopyBatch b) {
     for (u32 k = 0; k < b.n && k < BATCH_ITEMS; ++k) {
         const BatchItem it = b.items[k];
         const unsigned char* s = it.src ? (const unsigned char*)it.src : b.data + it.at;
-        unsigned char* d = (unsigned char*)it.dst;
-        if ((((u64)s | (u64)d | it.len) & 15) == 0) {
-            for (u32 i = threadIdx.x; i < it.len / 16; i += blockDim.x)
-                ((uint4*)d)[i] = ((const uint4*)s)[i];
-        } else if ((((u64)s | (u64)d | it.len) & 3) == 0) {
-            for (u32 i = threadIdx.x; i < it.len / 4; i += blockDim.x)
-                ((u32*)d)[i] = ((const u32*)s)[i];
-        } else {
-            for (u32 i = threadIdx.x; i < it.len; i += blockDim.x) d[i] = s[i];
-        }
+        block_copy((unsigned char*)it.dst, s, it.len);
         __syncthreads();
     }
 }

@@ -378,19 +378,12 @@ impl Inner {
             .store(st.bytes_in_use() as u64, Ordering::Relaxed);
     }
 
-    /// The result of `defer_dtoh` as this backend's error.
-    fn defer_read(
+    /// The result of a `defer_*` call (which may launch the pending batch) as this backend's
+    /// error.
+    fn defer<T>(
         &self,
-        r: std::result::Result<Option<u64>, cudarc::driver::result::DriverError>,
-    ) -> Result<Option<u64>> {
-        r.map_err(|e| self.driver_err("copy_batch launch", e))
-    }
-
-    /// The result of a `defer_*` call as this backend's error.
-    fn defer(
-        &self,
-        r: std::result::Result<bool, cudarc::driver::result::DriverError>,
-    ) -> Result<bool> {
+        r: std::result::Result<T, cudarc::driver::result::DriverError>,
+    ) -> Result<T> {
         r.map_err(|e| self.driver_err("copy_batch launch", e))
     }
 
@@ -1182,7 +1175,7 @@ impl Backend for CudaBackend {
             // SAFETY: the slot is pinned, holds `len` bytes, and is neither read nor reused
             // before its read completed (`wait` and `idle` ask the stream).
             let deferred = unsafe { i.stream.defer_dtoh(slot.mem.ptr(), from, len) };
-            if let Some(t) = i.defer_read(deferred)? {
+            if let Some(t) = i.defer(deferred)? {
                 slot.ticket = t;
                 slot.batched = true;
                 return Ok(Box::new(rb));
