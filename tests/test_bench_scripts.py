@@ -203,3 +203,19 @@ def test_kernel_trace_runs_variants_side_by_side(tmp_path: Path) -> None:
     )
     assert bad.returncode != 0
     assert "'x=oops'" in bad.stderr
+
+
+def test_ring_bench_streams_the_matrices_of_1b() -> None:
+    """`ring_decode.py`'s step reads, in f16, every matrix the "1b" decode step reads in full
+    (all but the embedding table, of which decode reads one row), in the order of a layer."""
+    sys.path.insert(0, str(ROOT / "benches" / "python"))  # its `from attn_kernels import`
+    ring = _module("ring_decode")
+    from lowsync.models.llama import BUILTIN_CONFIGS
+
+    shapes = BUILTIN_CONFIGS["1b"].weight_shapes()
+    want = sum(r * k * 2 for n, (r, *k_) in shapes.items() for k in k_ if n != "token_embd.weight")
+    phases = ring.phases_1b(BUILTIN_CONFIGS["1b"].n_layer)
+    assert sum(rows * k * 2 for rows, k, _ in phases) == want
+    # q/k/v, the attention-like phase, o, gate/up, down; the head last.
+    assert [kind for _, _, kind in phases[:5]] == [0, 1, 0, 0, 0]
+    assert phases[-1] == (32000, 2048, 0)

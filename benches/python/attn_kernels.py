@@ -110,7 +110,9 @@ class Cuda:
 
     def download(self, ptr: int, out: np.ndarray[Any, Any]) -> None:
         self.ck(
-            self.cu.cuMemcpyDtoH_v2(out.ctypes.data, ctypes.c_uint64(ptr), out.nbytes),
+            self.cu.cuMemcpyDtoH_v2(
+                ctypes.c_void_p(out.ctypes.data), ctypes.c_uint64(ptr), ctypes.c_size_t(out.nbytes)
+            ),
             "cuMemcpyDtoH",
         )
 

@@ -6,7 +6,7 @@
 # the pruned llama-cpp-python sdist), .gl/ (the Vulkan loader .debs).
 # Output: $OUT/summary.txt (what a closing note quotes) and $OUT/logs.tar.gz (everything).
 #
-#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [attn] [barrier] ...
+#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [attn] [barrier] [ring] ...
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -131,6 +131,11 @@ fi
 if [[ $parts == *barrier* ]]; then
     timeout 300 python3 benches/python/grid_barrier.py --mb ${BARRIER_MB:-8,33} >"$logs/grid-barrier.txt" 2>&1
     say "grid barrier: exit $?"; tee -a "$summary" <"$logs/grid-barrier.txt"
+fi
+if [[ $parts == *ring* ]]; then
+    # A persistent decode step with a weight ring (design data; RING_ARGS: e.g. "--interleave 1").
+    timeout 300 python3 benches/python/ring_decode.py ${RING_ARGS:-} >"$logs/ring-decode.txt" 2>&1
+    say "ring decode: exit $?"; tee -a "$summary" <"$logs/ring-decode.txt"
 fi
 if [[ $parts == *ktrace* ]]; then
     inc=$(find / -name cupti_activity.h -path '*include*' 2>/dev/null | head -1)
