@@ -47,6 +47,12 @@ typedef unsigned long long u64;
 #ifndef CW
 #define CW 8
 #endif
+#ifndef SPW
+#define SPW 0
+#endif
+#if SPW
+#define NG CW
+#endif
 #ifndef NG
 #define NG 1
 #endif
@@ -200,7 +206,7 @@ extern "C" __global__ void __launch_bounds__((CW + 1) * 32, 1) ring(const char* 
     const int ct = threadIdx.x - 32, warp = ct >> 5, lane = ct & 31;
     const int grp = warp / GW, gw = warp % GW;  // NG groups of GW warps take chunks in turn
     int slot = 0;
-    unsigned use = 0, q = 0;
+    unsigned use = 0;
     for (int p = 0; p < nphase; ++p) {
         const Phase P = ph[p];
         if (deps == 1 && p > 0) {
@@ -217,6 +223,52 @@ extern "C" __global__ void __launch_bounds__((CW + 1) * 32, 1) ring(const char* 
         }
         const float* x = vec + (size_t)P.in * vstride;
         float* y = vec + (size_t)P.out * vstride;
+#if SPW
+        if (P.kind == 0) {
+            // A slot per warp (warps take chunks in turn): each of its rows whole (lane: vectors
+            // lane + 32 j), the activations staged in shared memory, one butterfly per row.
+            float* xs = red;
+            for (int i = ct; i < P.K; i += CW * 32) xs[i] = __ldcg(x + i);
+            consumers_sync();
+            const int kv8 = P.K / 8;
+            const int rb = (int)(((long long)P.rows * b) / G);
+            const int re = (int)(((long long)P.rows * (b + 1)) / G);
+            const int rps = SLOT / (P.K * 2);
+            CHUNKS(P, rps) {
+                CHUNK_R(P, rps);
+                if (slot % CW != warp) {  // the host keeps nslots a multiple of CW
+                    if (++slot == nslots) { slot = 0; ++use; }
+                    continue;
+                }
+                mbar_wait(sa(&full[slot]), use & 1, t0, err);
+                if (deps != 2) {
+                    const uint4* sl = (const uint4*)(ring + (size_t)slot * SLOT);
+                    for (int i = 0; i < n; ++i) {
+                        float acc = 0.0f, acc2 = 0.0f;
+#pragma unroll 8
+                        for (int v = lane; v < kv8; v += 32) {
+                            float f[8];
+                            unpack(sl[i * kv8 + v], f);
+                            const float4 a = *(const float4*)(xs + 8 * v);
+                            const float4 c = *(const float4*)(xs + 8 * v + 4);
+                            acc = fmaf(f[0], a.x, acc); acc2 = fmaf(f[1], a.y, acc2);
+                            acc = fmaf(f[2], a.z, acc); acc2 = fmaf(f[3], a.w, acc2);
+                            acc = fmaf(f[4], c.x, acc); acc2 = fmaf(f[5], c.y, acc2);
+                            acc = fmaf(f[6], c.z, acc); acc2 = fmaf(f[7], c.w, acc2);
+                        }
+                        acc += acc2;
+#pragma unroll
+                        for (int o = 16; o > 0; o >>= 1) {
+                            acc += __shfl_xor_sync(0xffffffffu, acc, o);
+                        }
+                        if (lane == 0) __stcg(y + r + i, acc);
+                    }
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(sa(&empty[slot]));
+                if (++slot == nslots) { slot = 0; ++use; }
+            }
+#else
         if (P.kind == 0) {
             // A slot's 1024 vectors in CW segments, one per warp (VPL per lane): segment w is
             // row (w * SEG) / (K/8) of the slot, from vector (w * SEG) % (K/8) on. Its
@@ -237,7 +289,7 @@ extern "C" __global__ void __launch_bounds__((CW + 1) * 32, 1) ring(const char* 
             const int rps = SLOT / (P.K * 2);
             CHUNKS(P, rps) {
                 CHUNK_R(P, rps);
-                if (q++ % NG != grp) {
+                if (slot % NG != grp) {  // the host keeps nslots a multiple of NG
                     if (++slot == nslots) { slot = 0; ++use; }
                     continue;
                 }
@@ -274,6 +326,7 @@ extern "C" __global__ void __launch_bounds__((CW + 1) * 32, 1) ring(const char* 
                 for (int k = 0; k < segs; ++k) s += red[i * GW + k];
                 if (GLOBAL_ROW(i, rps) < P.rows) __stcg(y + GLOBAL_ROW(i, rps), s);
             }
+#endif
         } else if (b < 32) {
             // Attention-like: q (64 values) and 18 KB of cache rows in one round trip, a block
             // sum, 64 outputs.
@@ -337,7 +390,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--reps", type=int, default=20, help="launches per setting")
     ap.add_argument("--rounds", type=int, default=3, help="settings interleaved this many times")
-    ap.add_argument("--cw", type=int, default=8, choices=(8, 16), help="consumer warps per block")
+    ap.add_argument(
+        "--cw", type=int, default=8, choices=(4, 8, 16), help="consumer warps per block"
+    )
     ap.add_argument("--split", type=int, default=1, help="bulk copies per 16 KB slot")
     ap.add_argument(
         "--groups",
@@ -360,10 +415,23 @@ def main() -> None:
         choices=(0, 1),
         help="1: chunks of a phase dealt to blocks in turn instead of a contiguous share",
     )
+    ap.add_argument(
+        "--spw",
+        type=int,
+        default=0,
+        choices=(0, 1),
+        help="1: a slot per consumer warp (whole rows, no partial sums)",
+    )
     ap.add_argument("--bps", type=int, default=1, choices=(1, 2), help="blocks per SM")
     args = ap.parse_args()
-    if args.cw // args.groups < 4:
+    if args.cw // args.groups < 4 and not args.spw:
         ap.error("each consumer group needs at least 4 warps (--cw / --groups)")
+    owners = args.cw if args.spw else args.groups
+    bad = [s for s in args.slots.split(",") if int(s) % owners]
+    if bad:
+        # A slot always goes to the same consumer (group or warp): a consumer waiting for a
+        # later use of a slot than the one pending would see the pending phase's parity as done.
+        ap.error(f"--slots {','.join(bad)}: each must be a multiple of {owners} (the consumers)")
     cuda = Cuda()
     mod = cuda.compile(
         SOURCE,
@@ -374,6 +442,7 @@ def main() -> None:
             f"INTERLEAVE={args.interleave}",
             f"NG={args.groups}",
             f"FASTCVT={args.fastcvt}",
+            f"SPW={args.spw}",
         ],
     )
     grid = cuda.sms * args.bps
@@ -431,7 +500,7 @@ def main() -> None:
     epoch = [0]
 
     def launch_ring(slots: int, deps: int) -> None:
-        dyn = slots * SLOT + MAXR * cw * 4
+        dyn = slots * SLOT + max(MAXR * cw * 4, 8192 * 4 if args.spw else 0)
         cuda.ck(cuda.cu.cuFuncSetAttribute(f_ring, smem_attr, dyn), "cuFuncSetAttribute")
         epoch[0] += 1
         a = [
@@ -468,7 +537,7 @@ def main() -> None:
         return (time.perf_counter() - t) / args.reps * 1e6
 
     # Correctness: one step, then a few phases against numpy.
-    launch_ring(8, 1)
+    launch_ring(int(args.slots.split(",")[0]), 1)
     cuda.sync()
     e = np.zeros(1, np.uint32)
     cuda.download(err, e)
