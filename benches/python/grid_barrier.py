@@ -15,7 +15,10 @@ or two):
 - `ahead`: the same barrier, each thread's first 8 loads of the next phase issued before it;
 - `flags`: as `ahead`, with a barrier without atomics: each block publishes its arrival in its
   own word, and every block reads all the words;
-- `empty`: barriers only, no bytes (each barrier's own round trip).
+- `empty`: barriers only, no bytes (each barrier's own round trip);
+- `bulk N KB`: as `ahead`, and each block's first N KB of the next phase copied into shared
+  memory (`cp.async.bulk`) before the barrier: more bytes in flight across it than registers
+  hold (also without barriers, the floor of that path).
 
 It prints µs per phase and the implied bandwidth. Needs an NVIDIA GPU, libcuda and libnvrtc on
 LD_LIBRARY_PATH; no lowsync wheel. Run: `python benches/python/grid_barrier.py --mb 8,33`.
@@ -123,6 +126,84 @@ extern "C" __global__ void __launch_bounds__(256) phases(const uint4* w, long lo
     if (blockIdx.x == 0 && threadIdx.x == 0) t[1] = now();
     if (acc == 0x12345678u) sink[gid] = (float)acc;
 }
+__device__ __forceinline__ unsigned sa(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+// `phases` with more bytes in flight across each barrier than registers hold: block b's chunk
+// of every phase (cvec vectors from b * cvec) comes by one bulk copy into shared memory
+// (`cp.async.bulk`, an mbarrier), issued before the barrier that ends the previous phase; the
+// rest of the phase streams through registers, its first Q loads per thread also issued
+// before the barrier (as `ahead`). `barrier` 0: the same without barriers.
+extern "C" __global__ void __launch_bounds__(256) phases_bulk(const uint4* w, long long nvec,
+        long long per, int nphase, int barrier, unsigned* bar, float* sink, u64* t, int cvec) {
+    extern __shared__ __align__(128) uint4 chunk[];
+    __shared__ __align__(8) u64 mb;
+    const long long nth = (long long)gridDim.x * blockDim.x;
+    const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long slots = nvec / per, head = (long long)gridDim.x * cvec;
+    unsigned acc = 0;
+    uint4 q[Q];
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(sa(&mb)));
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    auto prefetch = [&](int p) {
+        if (threadIdx.x == 0 && cvec > 0) {
+            const uint4* src = w + (p % slots) * per + (long long)blockIdx.x * cvec;
+            asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }"
+                         ::"r"(sa(&mb)), "r"(cvec * 16) : "memory");
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                         " [%0], [%1], %2, [%3];"
+                         ::"r"(sa(chunk)), "l"(src), "r"(cvec * 16), "r"(sa(&mb)) : "memory");
+        }
+    };
+    auto issue = [&](int p) {
+        const uint4* base = w + (p % slots) * per;
+#pragma unroll
+        for (int k = 0; k < Q; ++k) {
+            const long long i = head + gid + k * nth;
+            q[k] = i < per ? ldw(base + i) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    if (blockIdx.x == 0 && threadIdx.x == 0) t[0] = now();
+    prefetch(0);
+    issue(0);
+    for (int p = 0; p < nphase; ++p) {
+        if (cvec > 0) {
+            unsigned ok = 0;
+            while (!ok) {
+                asm volatile("{ .reg .pred r; mbarrier.try_wait.parity.shared::cta.b64 r, [%1], %2;"
+                             " selp.u32 %0, 1, 0, r; }"
+                             : "=r"(ok) : "r"(sa(&mb)), "r"(p & 1) : "memory");
+            }
+            for (int i = threadIdx.x; i < cvec; i += blockDim.x) {
+                const uint4 v = chunk[i];
+                acc ^= v.x + v.y + v.z + v.w;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < Q; ++k) acc ^= q[k].x + q[k].y + q[k].z + q[k].w;
+        const uint4* base = w + (p % slots) * per;
+        for (long long i0 = head + gid + Q * nth; i0 < per; i0 += Q * nth) {
+#pragma unroll
+            for (int k = 0; k < Q; ++k) {
+                const long long i = i0 + k * nth;
+                q[k] = i < per ? ldw(base + i) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int k = 0; k < Q; ++k) acc ^= q[k].x + q[k].y + q[k].z + q[k].w;
+        }
+        __syncthreads();  // the chunk is read before the next copy overwrites it
+        if (p + 1 < nphase) {
+            prefetch(p + 1);
+            issue(p + 1);
+        }
+        if (barrier) grid_barrier(bar);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) t[1] = now();
+    if (acc == 0x12345678u) sink[gid] = (float)acc;
+}
 """
 
 MODES = {"stream": 0, "barrier": 1, "ahead": 2, "flags": 3}
@@ -135,10 +216,16 @@ def main() -> None:
     ap.add_argument("--mb", default="8,33", help="megabytes per phase, comma list")
     ap.add_argument("--phases", type=int, default=64, help="phases per kernel")
     ap.add_argument("--reps", type=int, default=9, help="launches per setting (median)")
+    ap.add_argument(
+        "--chunk-kb",
+        default="16,48",
+        help="`bulk` rows: KB per block copied to shared memory ahead of each barrier",
+    )
     args = ap.parse_args()
     sizes = [float(m) for m in args.mb.split(",")]
     cuda = Cuda()
-    f = cuda.func(cuda.compile(SOURCE, "barrier.cu", []), "phases")
+    mod = cuda.compile(SOURCE, "barrier.cu", [])
+    f = cuda.func(mod, "phases")
     nbytes = 2 << 30
     w = cuda.upload(None, nbytes)
     bar = cuda.upload(None, 4 * (2 + 2 * cuda.sms))
@@ -146,13 +233,27 @@ def main() -> None:
     sink = cuda.upload(None, cuda.sms * 2 * 256 * 4)
     print(f"{cuda.arch}, {cuda.sms} SMs; {args.phases} phases per launch, median of {args.reps}")
 
-    def run(grid: int, per_vec: int, mode: int) -> float:
+    fb = cuda.func(mod, "phases_bulk")
+
+    def run(grid: int, per_vec: int, mode: int, chunk_kb: int = -1) -> float:
+        """µs per phase: `phases` in `mode`, or (chunk_kb >= 0) `phases_bulk` with a chunk of
+        that many KB per block, with barriers (mode 1) or without (0)."""
         times = []
         for _ in range(args.reps):
             zero = ctypes.c_size_t(4 * (2 + 2 * cuda.sms))
             cuda.ck(cuda.cu.cuMemsetD8_v2(ctypes.c_uint64(bar), 0, zero), "cuMemsetD8")
             a = [PTR(w), I64(nbytes // 16), I64(per_vec), I32(args.phases), I32(mode)]
-            cuda.launch(f, grid, 256, [*a, PTR(bar), PTR(sink), PTR(t)])
+            if chunk_kb < 0:
+                cuda.launch(f, grid, 256, [*a, PTR(bar), PTR(sink), PTR(t)])
+            else:
+                smem = chunk_kb * 1024
+                cuda.ck(cuda.cu.cuFuncSetAttribute(fb, 8, max(smem, 16)), "cuFuncSetAttribute")
+                b = [*a, PTR(bar), PTR(sink), PTR(t), I32(smem // 16)]
+                ptrs = (ctypes.c_void_p * len(b))(
+                    *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in b]
+                )
+                r = cuda.cu.cuLaunchKernel(fb, grid, 1, 1, 256, 1, 1, smem, None, ptrs, None)
+                cuda.ck(r, "cuLaunchKernel")
             cuda.sync()
             out = np.zeros(2, np.uint64)
             cuda.download(t, out)
@@ -170,6 +271,16 @@ def main() -> None:
                 us = run(grid, per_vec, mode)
                 row.append(f"{name} {us:6.2f} us ({mb * (1 << 20) / us / 1e3:5.0f} GB/s)")
             print(f"  {mb:5.1f} MB per phase: " + " | ".join(row))
+            row = []
+            for kb in [int(c) for c in args.chunk_kb.split(",")]:
+                if per_vec < grid * kb * 64 or kb * 1024 * per_block > 200 * 1024:
+                    continue
+                for name, mode in (("bulk", 1), ("bulk, no barrier", 0)):
+                    us = run(grid, per_vec, mode, kb)
+                    gb_s = mb * (1 << 20) / us / 1e3
+                    row.append(f"{name} {kb} KB {us:6.2f} us ({gb_s:5.0f} GB/s)")
+            if row:
+                print("                      " + " | ".join(row))
 
 
 if __name__ == "__main__":
