@@ -118,6 +118,18 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }"
                  ::"r"(bar) : "memory");
 }
+// Block b's first row of a phase of `rows` rows (its share: share(b) .. share(b + 1)).
+__device__ __forceinline__ int share(int rows, int b, int G) {
+    return (int)(((long long)rows * b) / G);
+}
+// The ring position after a slot: the next slot, and a wrap counted in `use`.
+#define NEXT_SLOT()            \
+    do {                       \
+        if (++slot == nslots) { \
+            slot = 0;          \
+            ++use;             \
+        }                      \
+    } while (0)
 __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" ::"r"(CW * 32) : "memory");
 }
@@ -176,8 +188,7 @@ extern "C" __global__ void __launch_bounds__((CW + 1) * 32, 1) ring(const char* 
         for (int p = 0; p < nphase; ++p) {
             const Phase P = ph[p];
             if (P.kind != 0) continue;
-            const int rb = (int)(((long long)P.rows * b) / G);
-            const int re = (int)(((long long)P.rows * (b + 1)) / G);
+            const int rb = share(P.rows, b, G), re = share(P.rows, b + 1, G);
             const int rowb = P.K * 2, rps = SLOT / rowb;
             CHUNKS(P, rps) {
                 CHUNK_R(P, rps);
@@ -198,7 +209,7 @@ extern "C" __global__ void __launch_bounds__((CW + 1) * 32, 1) ring(const char* 
                                  " [%0], [%1], %2, [%3];"
                                  ::"r"(dst), "l"(src), "r"(nb), "r"(fb) : "memory");
                 }
-                if (++slot == nslots) { slot = 0; ++use; }
+                NEXT_SLOT();
             }
         }
         return;
@@ -231,13 +242,12 @@ extern "C" __global__ void __launch_bounds__((CW + 1) * 32, 1) ring(const char* 
             for (int i = ct; i < P.K; i += CW * 32) xs[i] = __ldcg(x + i);
             consumers_sync();
             const int kv8 = P.K / 8;
-            const int rb = (int)(((long long)P.rows * b) / G);
-            const int re = (int)(((long long)P.rows * (b + 1)) / G);
+            const int rb = share(P.rows, b, G), re = share(P.rows, b + 1, G);
             const int rps = SLOT / (P.K * 2);
             CHUNKS(P, rps) {
                 CHUNK_R(P, rps);
                 if (slot % CW != warp) {  // the host keeps nslots a multiple of CW
-                    if (++slot == nslots) { slot = 0; ++use; }
+                    NEXT_SLOT();
                     continue;
                 }
                 mbar_wait(sa(&full[slot]), use & 1, t0, err);
@@ -266,7 +276,7 @@ extern "C" __global__ void __launch_bounds__((CW + 1) * 32, 1) ring(const char* 
                 }
                 __syncwarp();
                 if (lane == 0) mbar_arrive(sa(&empty[slot]));
-                if (++slot == nslots) { slot = 0; ++use; }
+                NEXT_SLOT();
             }
 #else
         if (P.kind == 0) {
@@ -284,13 +294,12 @@ extern "C" __global__ void __launch_bounds__((CW + 1) * 32, 1) ring(const char* 
                 xr[j][0] = a.x; xr[j][1] = a.y; xr[j][2] = a.z; xr[j][3] = a.w;
                 xr[j][4] = bb.x; xr[j][5] = bb.y; xr[j][6] = bb.z; xr[j][7] = bb.w;
             }
-            const int rb = (int)(((long long)P.rows * b) / G);
-            const int re = (int)(((long long)P.rows * (b + 1)) / G);
+            const int rb = share(P.rows, b, G), re = share(P.rows, b + 1, G);
             const int rps = SLOT / (P.K * 2);
             CHUNKS(P, rps) {
                 CHUNK_R(P, rps);
                 if (slot % NG != grp) {  // the host keeps nslots a multiple of NG
-                    if (++slot == nslots) { slot = 0; ++use; }
+                    NEXT_SLOT();
                     continue;
                 }
                 mbar_wait(sa(&full[slot]), use & 1, t0, err);
@@ -318,7 +327,7 @@ extern "C" __global__ void __launch_bounds__((CW + 1) * 32, 1) ring(const char* 
                 }
                 __syncwarp();
                 if (lane == 0) mbar_arrive(sa(&empty[slot]));
-                if (++slot == nslots) { slot = 0; ++use; }
+                NEXT_SLOT();
             }
             consumers_sync();
             for (int i = ct; i < LOCAL_ROWS(P, rps); i += CW * 32) {
@@ -401,27 +410,13 @@ def main() -> None:
         choices=(1, 2, 4),
         help="consumer groups taking slots in turn (consumer warps / groups each)",
     )
-    ap.add_argument(
-        "--fastcvt",
-        type=int,
-        default=0,
-        choices=(0, 1),
-        help="1: f16 to f32 by moving bits instead of cvt",
-    )
-    ap.add_argument(
-        "--interleave",
-        type=int,
-        default=0,
-        choices=(0, 1),
-        help="1: chunks of a phase dealt to blocks in turn instead of a contiguous share",
-    )
-    ap.add_argument(
-        "--spw",
-        type=int,
-        default=0,
-        choices=(0, 1),
-        help="1: a slot per consumer warp (whole rows, no partial sums)",
-    )
+    switches = {
+        "--fastcvt": "1: f16 to f32 by moving bits instead of cvt",
+        "--interleave": "1: a phase's chunks dealt to blocks in turn, not a contiguous share",
+        "--spw": "1: a slot per consumer warp (whole rows, no partial sums)",
+    }
+    for flag, text in switches.items():
+        ap.add_argument(flag, type=int, default=0, choices=(0, 1), help=text)
     ap.add_argument("--bps", type=int, default=1, choices=(1, 2), help="blocks per SM")
     args = ap.parse_args()
     if args.cw // args.groups < 4 and not args.spw:
