@@ -15,6 +15,9 @@ or two):
 - `ahead`: the same barrier, each thread's first 8 loads of the next phase issued before it;
 - `flags`: as `ahead`, with a barrier without atomics: each block publishes its arrival in its
   own word, and every block reads all the words;
+- `tree`, `red`: as `ahead` with other barriers: two levels of atomic counters (12 groups,
+  each polling its own generation word), or arrivals by `red` (no returned value) counted by
+  one master block that releases a generation word;
 - `empty`: barriers only, no bytes (each barrier's own round trip);
 - `bulk N KB`: as `ahead`, and each block's first N KB of the next phase copied into shared
   memory (`cp.async.bulk`) before the barrier: more bytes in flight across it than registers
@@ -57,6 +60,52 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar) {
             asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(bar + 1) : "memory");
         } else {
             while (ld_acquire(bar + 1) == gen) {
+            }
+        }
+    }
+    __syncthreads();
+}
+// Two levels: block b arrives on its group's counter (b % TG; counters 128 bytes apart), the
+// last of a group on the top counter, and the last of those writes every group's generation
+// word, which the group's blocks poll. Counts grow by the epoch (no reset). bar[64 + 32 g]:
+// group g's counter, bar[64 + 32 TG]: top, bar[1024 + 32 g]: group g's generation.
+#define TG 12
+__device__ __forceinline__ void tree_barrier(unsigned* bar, unsigned epoch) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned g = blockIdx.x % TG;
+        const unsigned size = gridDim.x / TG + (g < gridDim.x % TG ? 1 : 0);
+        unsigned old;
+        asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;"
+                     : "=r"(old) : "l"(bar + 64 + 32 * g) : "memory");
+        if (old == epoch * size - 1) {
+            asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;"
+                         : "=r"(old) : "l"(bar + 64 + 32 * TG) : "memory");
+            if (old == epoch * TG - 1) {
+                for (unsigned h = 0; h < TG; ++h) {
+                    asm volatile("st.release.gpu.global.u32 [%0], %1;"
+                                 ::"l"(bar + 1024 + 32 * h), "r"(epoch) : "memory");
+                }
+            }
+        }
+        while (ld_acquire(bar + 1024 + 32 * g) < epoch) {
+        }
+    }
+    __syncthreads();
+}
+// Arrivals without a returned value (`red`), one master (block 0) polls the count and
+// releases a generation word every block polls. bar[2048]: count, bar[2080]: generation.
+__device__ __forceinline__ void red_barrier(unsigned* bar, unsigned epoch) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(bar + 2048) : "memory");
+        if (blockIdx.x == 0) {
+            while (ld_acquire(bar + 2048) < epoch * gridDim.x) {
+            }
+            asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(bar + 2080), "r"(epoch)
+                         : "memory");
+        } else {
+            while (ld_acquire(bar + 2080) < epoch) {
             }
         }
     }
@@ -121,6 +170,8 @@ extern "C" __global__ void __launch_bounds__(256) phases(const uint4* w, long lo
         if (mode >= 2 && more) issue(p + 1);
         if (mode == 1 || mode == 2) grid_barrier(bar);
         if (mode == 3) flag_barrier(bar, (unsigned)p + 1);
+        if (mode == 4) tree_barrier(bar, (unsigned)p + 1);
+        if (mode == 5) red_barrier(bar, (unsigned)p + 1);
         if (mode < 2 && more) issue(p + 1);
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) t[1] = now();
@@ -206,7 +257,8 @@ extern "C" __global__ void __launch_bounds__(256) phases_bulk(const uint4* w, lo
 }
 """
 
-MODES = {"stream": 0, "barrier": 1, "ahead": 2, "flags": 3}
+MODES = {"stream": 0, "barrier": 1, "ahead": 2, "flags": 3, "tree": 4, "red": 5}
+BAR_BYTES = 4 * 4096
 
 
 def main() -> None:
@@ -228,7 +280,7 @@ def main() -> None:
     f = cuda.func(mod, "phases")
     nbytes = 2 << 30
     w = cuda.upload(None, nbytes)
-    bar = cuda.upload(None, 4 * (2 + 2 * cuda.sms))
+    bar = cuda.upload(None, BAR_BYTES)
     t = cuda.upload(None, 16)
     sink = cuda.upload(None, cuda.sms * 2 * 256 * 4)
     print(f"{cuda.arch}, {cuda.sms} SMs; {args.phases} phases per launch, median of {args.reps}")
@@ -240,7 +292,7 @@ def main() -> None:
         that many KB per block, with barriers (mode 1) or without (0)."""
         times = []
         for _ in range(args.reps):
-            zero = ctypes.c_size_t(4 * (2 + 2 * cuda.sms))
+            zero = ctypes.c_size_t(BAR_BYTES)
             cuda.ck(cuda.cu.cuMemsetD8_v2(ctypes.c_uint64(bar), 0, zero), "cuMemsetD8")
             a = [PTR(w), I64(nbytes // 16), I64(per_vec), I32(args.phases), I32(mode)]
             if chunk_kb < 0:
@@ -262,8 +314,9 @@ def main() -> None:
 
     for per_block in (1, 2):
         grid = cuda.sms * per_block
-        empty, flags = run(grid, 0, 1), run(grid, 0, 3)
-        print(f"grid {grid} blocks: empty barrier {empty:.2f} us, flags {flags:.2f} us")
+        empty = {name: run(grid, 0, MODES[name]) for name in ("barrier", "flags", "tree", "red")}
+        cells = ", ".join(f"{k} {v:.2f} us" for k, v in empty.items())
+        print(f"grid {grid} blocks: empty barriers: {cells}")
         for mb in sizes:
             per_vec = int(mb * (1 << 20)) // 16
             row = []
