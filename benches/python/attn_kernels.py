@@ -139,6 +139,42 @@ class Cuda:
         self.ck(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
 
+# Device helpers the standalone bench kernels share (grid_barrier.py, ring_decode.py,
+# gemv_mma.py): the global timer, a GPU-scope acquire load, a weight load past L1, a shared
+# memory address, f16 <-> f32.
+DEVICE_HELPERS = r"""
+typedef unsigned long long u64;
+__device__ __forceinline__ u64 now() {
+    u64 t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint4 ldw(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ unsigned sa(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ float h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ unsigned short f2h(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+"""
+
 # The kernels' parameter lists as `pack` type strings (tests/test_bench_scripts.py checks them
 # against kernels/fused.cu).
 DECODE_TYPES = "llfpillipllliipllliipillipllipllpllpillii"

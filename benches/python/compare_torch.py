@@ -278,7 +278,8 @@ def _device_bandwidth(torch: Any, n: int, reps: int) -> dict[str, Any]:
         per_kernel[name] = n * 4 / (best_ms / 1e3) / 1e9
     probe_error = None
     try:  # our own streaming read (stream_probe.py): faster than torch's reductions on an H200
-        from stream_probe import attach
+        from attn_kernels import Cuda
+        from stream_probe import StreamRead
 
         def timer(call: Callable[[], Any]) -> float:
             start.record()
@@ -287,7 +288,7 @@ def _device_bandwidth(torch: Any, n: int, reps: int) -> dict[str, Any]:
             end.synchronize()
             return float(start.elapsed_time(end)) / 1e3
 
-        per_kernel["stream_read"] = attach().best_gb_s(x.data_ptr(), n * 4, reps, timer)
+        per_kernel["stream_read"] = StreamRead(Cuda()).best_gb_s(x.data_ptr(), n * 4, reps, timer)
     except Exception as e:  # no NVRTC: the floor rests on torch's reductions alone
         probe_error = _error(e)
     del x, fn  # give the memory back before the models load

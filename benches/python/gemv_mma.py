@@ -33,27 +33,13 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from attn_kernels import I32, PTR, Cuda
+from attn_kernels import DEVICE_HELPERS, I32, PTR, Cuda
 from stream_probe import StreamRead
 
-SOURCE = r"""
+SOURCE = (
+    DEVICE_HELPERS
+    + r"""
 #define Q 8
-__device__ __forceinline__ float h2f(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-__device__ __forceinline__ unsigned short f2h(float f) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-__device__ __forceinline__ uint4 ldw(const uint4* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
 // A warp per row (units = rows), Q loads per lane in flight, refilled as used.
 extern "C" __global__ void __launch_bounds__(256) gemv_scalar(const uint4* w, const float* x,
                                                              float* y, int rows, int K) {
@@ -157,6 +143,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_mma(const uint4* w, const
     }
 }
 """
+)
 
 SHAPES = {"gate/up": (16384, 2048), "down": (2048, 8192), "head": (32000, 2048), "o": (2048, 2048)}
 

@@ -33,20 +33,11 @@ import argparse
 import ctypes
 
 import numpy as np
-from attn_kernels import I32, I64, PTR, Cuda
+from attn_kernels import DEVICE_HELPERS, I32, I64, PTR, Cuda
 
-SOURCE = r"""
-typedef unsigned long long u64;
-__device__ __forceinline__ u64 now() {
-    u64 t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    return t;
-}
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
+SOURCE = (
+    DEVICE_HELPERS
+    + r"""
 // bar[0]: arrivals, bar[1]: generation.
 __device__ __forceinline__ void grid_barrier(unsigned* bar) {
     __syncthreads();
@@ -129,12 +120,6 @@ __device__ __forceinline__ void flag_barrier(unsigned* bar, unsigned epoch) {
     }
     __syncthreads();
 }
-__device__ __forceinline__ uint4 ldw(const uint4* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
 #define Q 8
 extern "C" __global__ void __launch_bounds__(256) phases(const uint4* w, long long nvec,
         long long per, int nphase, int mode, unsigned* bar, float* sink, u64* t) {
@@ -176,9 +161,6 @@ extern "C" __global__ void __launch_bounds__(256) phases(const uint4* w, long lo
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) t[1] = now();
     if (acc == 0x12345678u) sink[gid] = (float)acc;
-}
-__device__ __forceinline__ unsigned sa(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
 }
 // `phases` with more bytes in flight across each barrier than registers hold: block b's chunk
 // of every phase (cvec vectors from b * cvec) comes by one bulk copy into shared memory
@@ -256,6 +238,7 @@ extern "C" __global__ void __launch_bounds__(256) phases_bulk(const uint4* w, lo
     if (acc == 0x12345678u) sink[gid] = (float)acc;
 }
 """
+)
 
 MODES = {"stream": 0, "barrier": 1, "ahead": 2, "flags": 3, "tree": 4, "red": 5}
 BAR_BYTES = 4 * 4096

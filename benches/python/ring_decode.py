@@ -35,14 +35,15 @@ import ctypes
 import time
 
 import numpy as np
-from attn_kernels import I32, I64, PTR, Cuda
+from attn_kernels import DEVICE_HELPERS, I32, I64, PTR, Cuda
 from stream_probe import StreamRead
 
 SLOT = 16384
 MAXR = 256  # rows of one phase per block
 
-SOURCE = r"""
-typedef unsigned long long u64;
+SOURCE = (
+    DEVICE_HELPERS
+    + r"""
 #define SLOT 16384
 #ifndef CW
 #define CW 8
@@ -84,19 +85,6 @@ typedef unsigned long long u64;
 #define MAXR 256
 #define TIMEOUT_NS 300000000ull
 struct Phase { u64 off; int rows, K, kind, in, out, pad; };
-__device__ __forceinline__ u64 now() {
-    u64 t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    return t;
-}
-__device__ __forceinline__ unsigned sa(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 __device__ __forceinline__ bool mbar_try(unsigned bar, unsigned parity) {
     unsigned ok;
     asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
@@ -132,11 +120,6 @@ __device__ __forceinline__ int share(int rows, int b, int G) {
     } while (0)
 __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" ::"r"(CW * 32) : "memory");
-}
-__device__ __forceinline__ float h2f(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
 }
 #if FASTCVT
 // f16 -> f32 by moving the bits (sign, exponent and mantissa shifted into place): the value
@@ -246,7 +229,7 @@ extern "C" __global__ void __launch_bounds__((CW + 1) * 32, 1) ring(const char* 
             const int rps = SLOT / (P.K * 2);
             CHUNKS(P, rps) {
                 CHUNK_R(P, rps);
-                if (slot % CW != warp) {  // the host keeps nslots a multiple of CW
+                if (slot % NG != grp) {  // the host keeps nslots a multiple of NG
                     NEXT_SLOT();
                     continue;
                 }
@@ -380,6 +363,13 @@ extern "C" __global__ void fill(unsigned short* w, long long n, float scale, uns
     }
 }
 """
+)
+
+
+def smem_bytes(slots: int, cw: int, spw: int) -> int:
+    """Dynamic shared memory of a `ring` block: the slots, then the partial sums (or, a slot per
+    warp, the staged activations of the longest row)."""
+    return slots * SLOT + max(MAXR * cw * 4, 8192 * 4 if spw else 0)
 
 
 def phases_1b(layers: int) -> list[tuple[int, int, int]]:
@@ -427,6 +417,12 @@ def main() -> None:
         # A slot always goes to the same consumer (group or warp): a consumer waiting for a
         # later use of a slot than the one pending would see the pending phase's parity as done.
         ap.error(f"--slots {','.join(bad)}: each must be a multiple of {owners} (the consumers)")
+    # Every block must be resident at once (they wait on each other): --bps blocks of shared
+    # memory per multiprocessor (228 KB on sm_90, 1 KB reserved per block).
+    fits = (228 << 10) // args.bps - (1 << 10)
+    big = [s for s in args.slots.split(",") if smem_bytes(int(s), args.cw, args.spw) > fits]
+    if big:
+        ap.error(f"--slots {','.join(big)}: {args.bps} block(s) per SM do not fit")
     cuda = Cuda()
     mod = cuda.compile(
         SOURCE,
@@ -495,7 +491,7 @@ def main() -> None:
     epoch = [0]
 
     def launch_ring(slots: int, deps: int) -> None:
-        dyn = slots * SLOT + max(MAXR * cw * 4, 8192 * 4 if args.spw else 0)
+        dyn = smem_bytes(slots, cw, args.spw)
         cuda.ck(cuda.cu.cuFuncSetAttribute(f_ring, smem_attr, dyn), "cuFuncSetAttribute")
         epoch[0] += 1
         a = [

@@ -106,11 +106,6 @@ class StreamRead:
         return nbytes / best / 1e9
 
 
-def attach(cuda: Cuda | None = None) -> StreamRead:
-    """A StreamRead on the current device's primary context (the one torch uses)."""
-    return StreamRead(cuda if cuda is not None else Cuda())
-
-
 def main() -> None:
     """Read rate against bytes in flight: loads per thread and resident 256-thread blocks per
     multiprocessor, for the grid-wide sweep and for the decode products' row-per-warp reads."""
