@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,3 +220,48 @@ def test_ring_bench_streams_the_matrices_of_1b() -> None:
     # q/k/v, the attention-like phase, o, gate/up, down; the head last.
     assert [kind for _, _, kind in phases[:5]] == [0, 1, 0, 0, 0]
     assert phases[-1] == (32000, 2048, 0)
+
+
+def test_cluster_bench_lays_out_the_matrices_of_a_1b_layer() -> None:
+    """`cluster_decode.py`'s two kernels read, per layer, exactly the bytes of "1b"'s layer
+    matrices, in its own block layout: packing then unpacking gives back every matrix, and each
+    block starts where the kernels expect (group rows, o's row slice, FFN rows, down's columns)."""
+    sys.path.insert(0, str(ROOT / "benches" / "python"))  # its `from attn_kernels import`
+    cd = _module("cluster_decode")
+    from lowsync.models.llama import BUILTIN_CONFIGS
+
+    cfg = BUILTIN_CONFIGS["1b"]
+    shapes = cfg.weight_shapes()
+    layer = sum(r * k * 2 for n, (r, *k_) in shapes.items() for k in k_ if n.startswith("blk.0."))
+    assert layer == cd.NG * cd.CA * cd.WA_BYTES + cd.NB * cd.WB_BYTES
+    assert (
+        cfg.n_embd,
+        cfg.head_dim,
+        cfg.n_head,
+        cfg.n_head_kv,
+        cfg.n_ff,
+    ) == (cd.D, cd.HD, cd.NG * cd.QPG, cd.NG, cd.NB * cd.FR)
+    rng = np.random.default_rng(0)
+    ng, nb = 2, 16  # a small layer: two KV groups, 1,024 FFN rows
+
+    def m(r: int, c: int) -> np.ndarray:
+        return rng.standard_normal((r, c)).astype(np.float16)
+
+    wq, wk, wv, wo = m(ng * 256, cd.D), m(ng * 64, cd.D), m(ng * 64, cd.D), m(cd.D, ng * 256)
+    wa = cd.pack_attn(wq, wk, wv, wo)
+    assert wa.shape == (ng * cd.CA, cd.WA_BYTES // 2)
+    for got, want in zip(cd.unpack_attn(wa.ravel(), ng), (wq, wk, wv, wo), strict=True):
+        np.testing.assert_array_equal(got, want)
+    g, r = 1, 11  # block (g, r): group rows 264.. (k rows 8..), o rows 1408.. at g's columns
+    np.testing.assert_array_equal(wa[g * cd.CA + r, : cd.D], wk[g * 64 + 24 * r - 256])
+    o = wa[g * cd.CA + r, cd.RA * cd.D :].reshape(cd.OR, cd.OC)
+    np.testing.assert_array_equal(o, wo[128 * r : 128 * r + 128, 256 * g : 256 * g + 256])
+    gate, up, down = m(nb * 64, cd.D), m(nb * 64, cd.D), m(cd.D, nb * 64)
+    wb = cd.pack_ffn(gate, up, down)
+    assert wb.shape == (nb, cd.WB_BYTES // 2)
+    for got, want in zip(cd.unpack_ffn(wb.ravel(), nb), (gate, up, down), strict=True):
+        np.testing.assert_array_equal(got, want)
+    b = 9  # block b: gate row 64b, then up row 64b, ...; down's column 64b after 128 rows
+    np.testing.assert_array_equal(wb[b, : cd.D], gate[64 * b])
+    np.testing.assert_array_equal(wb[b, cd.D : 2 * cd.D], up[64 * b])
+    np.testing.assert_array_equal(wb[b, 128 * cd.D : 129 * cd.D], down[:, 64 * b])

@@ -6,7 +6,7 @@
 # the pruned llama-cpp-python sdist), .gl/ (the Vulkan loader .debs).
 # Output: $OUT/summary.txt (what a closing note quotes) and $OUT/logs.tar.gz (everything).
 #
-#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [attn] [barrier] [ring] ...
+#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [attn] [barrier] [ring] [cluster] ...
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -136,6 +136,15 @@ if [[ $parts == *ring* ]]; then
     # A persistent decode step with a weight ring (design data; RING_ARGS: e.g. "--interleave 1").
     timeout 300 python3 benches/python/ring_decode.py ${RING_ARGS:-} >"$logs/ring-decode.txt" 2>&1
     say "ring decode: exit $?"; tee -a "$summary" <"$logs/ring-decode.txt"
+fi
+if [[ $parts == *cluster* ]]; then
+    # Two kernels per layer with thread-block clusters (design data): "1b"'s shape (does not fit
+    # the H200 in one wave) and 7 KV groups / 7,680 FFN rows (fits); CLUSTER_ARGS adds options.
+    for shape in "" "--groups 7 --ffn-blocks 120"; do
+        timeout 300 python3 benches/python/cluster_decode.py $shape ${CLUSTER_ARGS:-} >>"$logs/cluster-decode.txt" 2>&1
+        say "cluster decode ${shape:-1b}: exit $?"
+    done
+    tee -a "$summary" <"$logs/cluster-decode.txt"
 fi
 if [[ $parts == *ktrace* ]]; then
     inc=$(find / -name cupti_activity.h -path '*include*' 2>/dev/null | head -1)
