@@ -195,18 +195,6 @@ __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(~0u, v, o));
     return v;
 }
-// Eight f16 weights times eight f32 values in shared memory.
-__device__ __forceinline__ float dot8(uint4 w, const float* x) {
-    const float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
-    float s = h2f(w.x & 0xffff) * a.x;
-    s = fmaf(h2f(w.x >> 16), a.y, s);
-    s = fmaf(h2f(w.y & 0xffff), a.z, s);
-    s = fmaf(h2f(w.y >> 16), a.w, s);
-    s = fmaf(h2f(w.z & 0xffff), b.x, s);
-    s = fmaf(h2f(w.z >> 16), b.y, s);
-    s = fmaf(h2f(w.w & 0xffff), b.z, s);
-    return fmaf(h2f(w.w >> 16), b.w, s);
-}
 // Fixed point (ATOM): value * 2^32 in a 64-bit integer; integer adds are exact and
 // associative, so sums made of atomic adds do not depend on their order.
 __device__ __forceinline__ unsigned long long f2fx(float v) {
@@ -226,6 +214,10 @@ __device__ __forceinline__ float dot8x(uint4 w, float4 a, float4 b) {
     s = fmaf(h2f(w.z >> 16), b.y, s);
     s = fmaf(h2f(w.w & 0xffff), b.z, s);
     return fmaf(h2f(w.w >> 16), b.w, s);
+}
+// Eight f16 weights times eight f32 values in shared memory.
+__device__ __forceinline__ float dot8(uint4 w, const float* x) {
+    return dot8x(w, *(const float4*)x, *(const float4*)(x + 4));
 }
 // Sum over the block (256 threads) in a fixed order; `red` holds 8 floats; every thread gets it.
 __device__ __forceinline__ float block_sum(float v, float* red) {
