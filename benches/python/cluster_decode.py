@@ -75,7 +75,6 @@ SB = 128  # stamp slots per kernel (blocks of either kernel)
 WA_BYTES = RA * D * 2 + OR * OC * 2  # 160 KB per layer_attn block
 WB_BYTES = 3 * FR * D * 2  # 768 KB per layer_ffn block
 MAXJ = 32  # cached positions per layer_attn block
-SCMAX = CA * MAXJ  # the longest window
 EPS = 1e-5
 ROPE_BASE = 10000.0
 
@@ -137,11 +136,6 @@ __device__ __forceinline__ void st_cl(unsigned a, float v) {
 __device__ __forceinline__ void st_cl4(unsigned a, float x, float y, float z, float w) {
     asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};"
                  ::"r"(a), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
-}
-__device__ __forceinline__ float ld_cl(unsigned a) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
-    return v;
 }
 __device__ __forceinline__ void cl_arrive_relaxed() {
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
