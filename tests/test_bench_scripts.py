@@ -265,3 +265,44 @@ def test_cluster_bench_lays_out_the_matrices_of_a_1b_layer() -> None:
     np.testing.assert_array_equal(wb[b, : cd.D], gate[64 * b])
     np.testing.assert_array_equal(wb[b, cd.D : 2 * cd.D], up[64 * b])
     np.testing.assert_array_equal(wb[b, 128 * cd.D : 129 * cd.D], down[:, 64 * b])
+
+
+def test_ffn_chain_lays_out_the_ffn_of_a_1b_layer() -> None:
+    """`ffn_chain.py`'s fused kernel reads, per layer, exactly the bytes of "1b"'s FFN matrices in
+    either block layout: packing then unpacking gives back gate, up and down, and the elements
+    sit where the kernel's address arithmetic (`GU_STEP`, `DN_STEP`, layout 1) looks for them."""
+    sys.path.insert(0, str(ROOT / "benches" / "python"))  # its `from attn_kernels import`
+    fc = _module("ffn_chain")
+    from lowsync.models.llama import BUILTIN_CONFIGS
+
+    cfg = BUILTIN_CONFIGS["1b"]
+    assert (cfg.n_embd, cfg.n_ff) == (fc.D, fc.F)
+    shapes = cfg.weight_shapes()
+    ffn = sum(
+        r * k * 2
+        for n, (r, *k_) in shapes.items()
+        for k in k_
+        if n.startswith("blk.0.ffn_") and not n.endswith("norm.weight")
+    )
+    assert ffn == 3 * fc.F * fc.D * 2
+    rng = np.random.default_rng(0)
+    f, d, fr = 256, fc.D, fc.FR  # 8 blocks of 32 FFN rows
+    gate, up = rng.standard_normal((f, d)), rng.standard_normal((f, d))
+    down = rng.standard_normal((d, f))
+    for layout in (0, 1):
+        w = fc.pack_fused(gate, up, down, layout)
+        assert w.size == 3 * f * d
+        for got, want in zip(fc.unpack_fused(w, f, d, layout), (gate, up, down), strict=True):
+            np.testing.assert_array_equal(got, want)
+    w, nb = fc.pack_fused(gate, up, down, 1), f // fr
+    # gate/up step s of (block b, warp wp), lane l: 16-byte vector ((s nb + b) 8 + wp) 64 +
+    # c 32 + l, the 8 values at columns (s % 8) 256 + 8 l of FFN row b fr + wp fr / 8 + s // 8
+    for s, b, wp, c, lane in ((0, 0, 0, 0, 0), (5, 1, 3, 1, 7), (31, nb - 1, 7, 1, 31)):
+        at = ((((s * nb + b) * 8 + wp) * 64) + c * 32 + lane) * 8
+        row, col = b * fr + wp * (fr // 8) + s // 8, (s % 8) * 256 + 8 * lane
+        np.testing.assert_array_equal(w[at : at + 8], (gate, up)[c][row, col : col + 8])
+    # down step i of block b, thread t: vector nb fr d / 4 + (i nb + b) d / 4 + c d / 8 + t,
+    # rows 8t .. 8t + 7 of down at column b fr + 2i + c
+    for i, b, c, t in ((0, 0, 0, 0), (3, 2, 1, 100), (15, nb - 1, 1, 255)):
+        at = (nb * fr * d // 4 + (i * nb + b) * d // 4 + c * d // 8 + t) * 8
+        np.testing.assert_array_equal(w[at : at + 8], down[8 * t : 8 * t + 8, b * fr + 2 * i + c])

@@ -6,7 +6,7 @@
 # the pruned llama-cpp-python sdist), .gl/ (the Vulkan loader .debs).
 # Output: $OUT/summary.txt (what a closing note quotes) and $OUT/logs.tar.gz (everything).
 #
-#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [attn] [barrier] [ring] [cluster] ...
+#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [attn] [barrier] [ring] [cluster] [ffn] ...
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -145,6 +145,11 @@ if [[ $parts == *cluster* ]]; then
         say "cluster decode ${shape:-1b}: exit $?"
     done
     tee -a "$summary" <"$logs/cluster-decode.txt"
+fi
+if [[ $parts == *ffn* ]]; then
+    # A layer's FFN as two kernels (lowsync's design) or one (design data); FFN_ARGS adds options.
+    timeout 300 python3 benches/python/ffn_chain.py ${FFN_ARGS:-} >"$logs/ffn-chain.txt" 2>&1
+    say "ffn chain: exit $?"; tee -a "$summary" <"$logs/ffn-chain.txt"
 fi
 if [[ $parts == *ktrace* ]]; then
     inc=$(find / -name cupti_activity.h -path '*include*' 2>/dev/null | head -1)
