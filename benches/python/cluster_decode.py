@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -77,6 +78,99 @@ WB_BYTES = 3 * FR * D * 2  # 768 KB per layer_ffn block
 MAXJ = 32  # cached positions per layer_attn block
 EPS = 1e-5
 ROPE_BASE = 10000.0
+
+# Device helpers shared with ffn_chain.py (after its NT and TRIGGER_EARLY are defined):
+# distributed shared memory, cluster barriers, warp and block sums, fixed-point atomic adds, f16
+# dot products, the dependency wait.
+CLUSTER_HELPERS = r"""
+__device__ __forceinline__ unsigned mapa(unsigned a, unsigned rank) {
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ void st_cl(unsigned a, float v) {
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory");
+}
+__device__ __forceinline__ void st_cl4(unsigned a, float x, float y, float z, float w) {
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};"
+                 ::"r"(a), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+}
+__device__ __forceinline__ void cl_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cl_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cl_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cl_sync() { cl_arrive(); cl_wait(); }
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(~0u, v, o));
+    return v;
+}
+// Fixed point (ATOM): value * 2^32 in a 64-bit integer; integer adds are exact and
+// associative, so sums made of atomic adds do not depend on their order.
+__device__ __forceinline__ unsigned long long f2fx(float v) {
+    return (unsigned long long)__float2ll_rn(v * 4294967296.0f);
+}
+__device__ __forceinline__ float fx2f(long long i) { return (float)i * (1.0f / 4294967296.0f); }
+__device__ __forceinline__ void red_fx(unsigned long long* p, float v) {
+    asm volatile("red.global.add.u64 [%0], %1;" ::"l"(p), "l"(f2fx(v)) : "memory");
+}
+// Eight f16 weights times eight f32 values already loaded.
+__device__ __forceinline__ float dot8x(uint4 w, float4 a, float4 b) {
+    float s = h2f(w.x & 0xffff) * a.x;
+    s = fmaf(h2f(w.x >> 16), a.y, s);
+    s = fmaf(h2f(w.y & 0xffff), a.z, s);
+    s = fmaf(h2f(w.y >> 16), a.w, s);
+    s = fmaf(h2f(w.z & 0xffff), b.x, s);
+    s = fmaf(h2f(w.z >> 16), b.y, s);
+    s = fmaf(h2f(w.w & 0xffff), b.z, s);
+    return fmaf(h2f(w.w >> 16), b.w, s);
+}
+// Eight f16 weights times eight f32 values in shared memory.
+__device__ __forceinline__ float dot8(uint4 w, const float* x) {
+    return dot8x(w, *(const float4*)x, *(const float4*)(x + 4));
+}
+// Sum over the block (256 threads) in a fixed order; `red` holds 8 floats; every thread gets it.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    v = warp_sum(v);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < NT / 32; ++i) s += red[i];
+    return s;
+}
+// acc[e] += h times f16 weight e of v (e = 0..7).
+__device__ __forceinline__ void axpy8(float (&acc)[8], float h, uint4 v) {
+    acc[0] = fmaf(h, h2f(v.x & 0xffff), acc[0]);
+    acc[1] = fmaf(h, h2f(v.x >> 16), acc[1]);
+    acc[2] = fmaf(h, h2f(v.y & 0xffff), acc[2]);
+    acc[3] = fmaf(h, h2f(v.y >> 16), acc[3]);
+    acc[4] = fmaf(h, h2f(v.z & 0xffff), acc[4]);
+    acc[5] = fmaf(h, h2f(v.z >> 16), acc[5]);
+    acc[6] = fmaf(h, h2f(v.w & 0xffff), acc[6]);
+    acc[7] = fmaf(h, h2f(v.w >> 16), acc[7]);
+}
+// The dependency wait, then the next kernel's launch (or the launch first: TRIGGER_EARLY).
+__device__ __forceinline__ void pdl() {
+#if TRIGGER_EARLY
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#else
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+"""
 
 SOURCE = (
     DEVICE_HELPERS
@@ -125,38 +219,9 @@ SOURCE = (
 #endif
 #define FFN_BOUNDS __maxnreg__(FFN_MAXNREG)
 
-__device__ __forceinline__ unsigned mapa(unsigned a, unsigned rank) {
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ void st_cl(unsigned a, float v) {
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory");
-}
-__device__ __forceinline__ void st_cl4(unsigned a, float x, float y, float z, float w) {
-    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};"
-                 ::"r"(a), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
-}
-__device__ __forceinline__ void cl_arrive_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cl_arrive() {
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cl_wait() {
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cl_sync() { cl_arrive(); cl_wait(); }
-// The dependency wait, then the next kernel's launch (or the launch first: TRIGGER_EARLY).
-__device__ __forceinline__ void pdl() {
-#if TRIGGER_EARLY
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#else
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+"""
+    + CLUSTER_HELPERS
+    + r"""
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -178,50 +243,6 @@ __device__ __forceinline__ void ffn_trigger_late() {
 #if FFN_TRIGGER_LATE
     pdl_trigger();
 #endif
-}
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
-    return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(~0u, v, o));
-    return v;
-}
-// Fixed point (ATOM): value * 2^32 in a 64-bit integer; integer adds are exact and
-// associative, so sums made of atomic adds do not depend on their order.
-__device__ __forceinline__ unsigned long long f2fx(float v) {
-    return (unsigned long long)__float2ll_rn(v * 4294967296.0f);
-}
-__device__ __forceinline__ float fx2f(long long i) { return (float)i * (1.0f / 4294967296.0f); }
-__device__ __forceinline__ void red_fx(unsigned long long* p, float v) {
-    asm volatile("red.global.add.u64 [%0], %1;" ::"l"(p), "l"(f2fx(v)) : "memory");
-}
-// Eight f16 weights times eight f32 values already loaded.
-__device__ __forceinline__ float dot8x(uint4 w, float4 a, float4 b) {
-    float s = h2f(w.x & 0xffff) * a.x;
-    s = fmaf(h2f(w.x >> 16), a.y, s);
-    s = fmaf(h2f(w.y & 0xffff), a.z, s);
-    s = fmaf(h2f(w.y >> 16), a.w, s);
-    s = fmaf(h2f(w.z & 0xffff), b.x, s);
-    s = fmaf(h2f(w.z >> 16), b.y, s);
-    s = fmaf(h2f(w.w & 0xffff), b.z, s);
-    return fmaf(h2f(w.w >> 16), b.w, s);
-}
-// Eight f16 weights times eight f32 values in shared memory.
-__device__ __forceinline__ float dot8(uint4 w, const float* x) {
-    return dot8x(w, *(const float4*)x, *(const float4*)(x + 4));
-}
-// Sum over the block (256 threads) in a fixed order; `red` holds 8 floats; every thread gets it.
-__device__ __forceinline__ float block_sum(float v, float* red) {
-    v = warp_sum(v);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < NT / 32; ++i) s += red[i];
-    return s;
 }
 __device__ __forceinline__ void stamp(u64* st, int slot) {
     if (threadIdx.x == 0 && st) st[blockIdx.x * 3 + slot] = now();
@@ -663,15 +684,7 @@ extern "C" __global__ void FFN_BOUNDS layer_ffn(const uint4* __restrict__ wb,
             const int i = s0 + k, nx = i + NPRE;
             const uint4 v = buf[k];
             if (nx < FR) buf[k] = ldw(dn + (size_t)nx * (D / 8));
-            const float hi = h[i];
-            acc[0] = fmaf(hi, h2f(v.x & 0xffff), acc[0]);
-            acc[1] = fmaf(hi, h2f(v.x >> 16), acc[1]);
-            acc[2] = fmaf(hi, h2f(v.y & 0xffff), acc[2]);
-            acc[3] = fmaf(hi, h2f(v.y >> 16), acc[3]);
-            acc[4] = fmaf(hi, h2f(v.z & 0xffff), acc[4]);
-            acc[5] = fmaf(hi, h2f(v.z >> 16), acc[5]);
-            acc[6] = fmaf(hi, h2f(v.w & 0xffff), acc[6]);
-            acc[7] = fmaf(hi, h2f(v.w >> 16), acc[7]);
+            axpy8(acc, h[i], v);
         }
     }
 #if ATOM
@@ -755,6 +768,54 @@ def config(grid: int, smem: int, cluster: int, pdl: bool, stream: Any) -> tuple[
     cfg.attrs = attrs
     cfg.nattrs = 2
     return cfg, attrs  # the attributes must outlive the call
+
+
+def capture(cuda: Cuda, stream: ctypes.c_void_p, enqueue: Callable[[], None]) -> ctypes.c_void_p:
+    """The launches `enqueue` makes on `stream`, captured and instantiated as one graph."""
+    cu = cuda.cu
+    cuda.ck(cu.cuStreamBeginCapture_v2(stream, 2), "cuStreamBeginCapture")
+    enqueue()
+    g, ex = ctypes.c_void_p(), ctypes.c_void_p()
+    cuda.ck(cu.cuStreamEndCapture(stream, ctypes.byref(g)), "cuStreamEndCapture")
+    cuda.ck(cu.cuGraphInstantiateWithFlags(ctypes.byref(ex), g, ctypes.c_uint64(0)), "inst")
+    return ex
+
+
+def registers(cuda: Cuda, mod: ctypes.c_void_p, names: tuple[str, ...]) -> list[int]:
+    """Registers per thread of each kernel of `mod` named."""
+    out = []
+    for f in names:
+        n = ctypes.c_int()
+        cuda.ck(cuda.cu.cuFuncGetAttribute(ctypes.byref(n), 4, cuda.func(mod, f)), "regs")
+        out.append(n.value)
+    return out
+
+
+def replay_us(
+    cuda: Cuda,
+    stream: ctypes.c_void_p,
+    ex: ctypes.c_void_p,
+    reps: int,
+    before: Callable[[], None] | None = None,
+) -> list[float]:
+    """µs of each of `reps` replays of graph `ex` (CUDA events around each; `before` runs on the
+    host ahead of each replay, untimed)."""
+    cu, ck = cuda.cu, cuda.ck
+    e0, e1 = ctypes.c_void_p(), ctypes.c_void_p()
+    ck(cu.cuEventCreate(ctypes.byref(e0), 0), "cuEventCreate")
+    ck(cu.cuEventCreate(ctypes.byref(e1), 0), "cuEventCreate")
+    out = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        ck(cu.cuEventRecord(e0, stream), "cuEventRecord")
+        ck(cu.cuGraphLaunch(ex, stream), "cuGraphLaunch")
+        ck(cu.cuEventRecord(e1, stream), "cuEventRecord")
+        ck(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        ms = ctypes.c_float()
+        ck(cu.cuEventElapsedTime(ctypes.byref(ms), e0, e1), "cuEventElapsedTime")
+        out.append(ms.value * 1e3)
+    return out
 
 
 Matrix = np.ndarray[Any, Any]
@@ -905,32 +966,11 @@ class Model:
         )
 
     def graph(self, pdl: bool) -> ctypes.c_void_p:
-        cu = self.cuda.cu
-        self.cuda.ck(cu.cuStreamBeginCapture_v2(self.stream, 2), "cuStreamBeginCapture")
-        self.enqueue(pdl)
-        g, ex = ctypes.c_void_p(), ctypes.c_void_p()
-        self.cuda.ck(cu.cuStreamEndCapture(self.stream, ctypes.byref(g)), "cuStreamEndCapture")
-        self.cuda.ck(
-            cu.cuGraphInstantiateWithFlags(ctypes.byref(ex), g, ctypes.c_uint64(0)), "inst"
-        )
-        return ex
+        return capture(self.cuda, self.stream, lambda: self.enqueue(pdl))
 
     def time_graph(self, ex: ctypes.c_void_p, reps: int) -> float:
         """Median µs per replay (events around each of `reps` replays)."""
-        cu, ck = self.cuda.cu, self.cuda.ck
-        e0, e1 = ctypes.c_void_p(), ctypes.c_void_p()
-        ck(cu.cuEventCreate(ctypes.byref(e0), 0), "cuEventCreate")
-        ck(cu.cuEventCreate(ctypes.byref(e1), 0), "cuEventCreate")
-        out = []
-        for _ in range(reps):
-            ck(cu.cuEventRecord(e0, self.stream), "cuEventRecord")
-            ck(cu.cuGraphLaunch(ex, self.stream), "cuGraphLaunch")
-            ck(cu.cuEventRecord(e1, self.stream), "cuEventRecord")
-            ck(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
-            ms = ctypes.c_float()
-            ck(cu.cuEventElapsedTime(ctypes.byref(ms), e0, e1), "cuEventElapsedTime")
-            out.append(ms.value * 1e3)
-        return float(np.median(out))
+        return float(np.median(replay_us(self.cuda, self.stream, ex, reps)))
 
     def stamps(self) -> tuple[list[Matrix], list[Matrix]]:
         """Per layer, each block's globaltimer (ns) at entry, after its wait and at exit:
@@ -1062,11 +1102,7 @@ def main() -> None:
     t = time.time()
     defines = [d for d in args.defines.split(",") if d] + [f"NG={NG}", f"NPARTS={NB // CB}"]
     mod = cuda.compile(SOURCE, "cluster_decode.cu", defines)
-    regs = []
-    for f in ("layer_attn", "layer_ffn"):
-        n = ctypes.c_int()
-        cuda.ck(cuda.cu.cuFuncGetAttribute(ctypes.byref(n), 4, cuda.func(mod, f)), "regs")
-        regs.append(n.value)
+    regs = registers(cuda, mod, ("layer_attn", "layer_ffn"))
     print(
         f"{cuda.arch}, {cuda.sms} SMs; compiled in {time.time() - t:.1f} s; "
         f"-D {' '.join(defines)}; registers: layer_attn {regs[0]}, layer_ffn {regs[1]}"

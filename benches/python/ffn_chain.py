@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 from attn_kernels import DEVICE_HELPERS, PTR, Cuda
-from cluster_decode import config
+from cluster_decode import CLUSTER_HELPERS, capture, config, registers, replay_us
 from stream_probe import StreamRead
 
 D, F, FR, NT = 2048, 8192, 32, 256
@@ -76,66 +76,19 @@ SOURCE = (
 #endif
 #define NS 5  // stamp slots per block: entry, release, exit, (ffn_fused) gate/up done, down done
 #define NP2 (NPRE / 2)  // chunk pairs in flight per lane
-#define RPW (FR / 8)
+#define RPW (FR / 8)  // gate/up row pairs per warp (ffn_fused)
 #define NBLK (F / FR)  // ffn_fused's blocks
 #ifndef CL
-#define CL 1  // ffn_fused's cluster: partials summed in distributed shared memory first
+#define CL 2  // ffn_fused's cluster: partials summed in distributed shared memory first
 #endif
 #ifndef LAYOUT
 #define LAYOUT 1  // ffn_fused's weights: 0 block by block, 1 step-major (pack_fused)
-#endif  // gate/up row pairs per warp (ffn_fused)
+#endif
 #define WB (3 * FR * D * 2)  // bytes per ffn_fused block
 
-__device__ __forceinline__ void pdl() {
-#if TRIGGER_EARLY
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#else
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ unsigned mapa(unsigned a, unsigned rank) {
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ void st_cl4(unsigned a, float x, float y, float z, float w) {
-    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};"
-                 ::"r"(a), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
-}
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
-    return v;
-}
-__device__ __forceinline__ float block_sum(float v, float* red) {
-    v = warp_sum(v);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < NT / 32; ++i) s += red[i];
-    return s;
-}
-__device__ __forceinline__ unsigned long long f2fx(float v) {
-    return (unsigned long long)__float2ll_rn(v * 4294967296.0f);
-}
-__device__ __forceinline__ float fx2f(long long i) { return (float)i * (1.0f / 4294967296.0f); }
-__device__ __forceinline__ void red_fx(unsigned long long* p, float v) {
-    asm volatile("red.global.add.u64 [%0], %1;" ::"l"(p), "l"(f2fx(v)) : "memory");
-}
-__device__ __forceinline__ float dot8(uint4 w, const float* x) {
-    const float4 a = *(const float4*)x, b = *(const float4*)(x + 4);
-    float s = h2f(w.x & 0xffff) * a.x;
-    s = fmaf(h2f(w.x >> 16), a.y, s);
-    s = fmaf(h2f(w.y & 0xffff), a.z, s);
-    s = fmaf(h2f(w.y >> 16), a.w, s);
-    s = fmaf(h2f(w.z & 0xffff), b.x, s);
-    s = fmaf(h2f(w.z >> 16), b.y, s);
-    s = fmaf(h2f(w.w & 0xffff), b.z, s);
-    return fmaf(h2f(w.w >> 16), b.w, s);
-}
+"""
+    + CLUSTER_HELPERS
+    + r"""
 __device__ __forceinline__ void stamp(u64* st, int slot) {
     if (threadIdx.x == 0 && st) st[blockIdx.x * NS + slot] = now();
 }
@@ -237,15 +190,7 @@ extern "C" __global__ void __maxnreg__(MAXNREG) ffn_fused(const uint4* __restric
             for (int c = 0; c < 2; ++c) {
                 const uint4 v = buf[k][c];
                 if (nx < FR / 2) buf[k][c] = ldw(DN_STEP(nx, c));
-                const float hi = h[2 * i + c];
-                acc[0] = fmaf(hi, h2f(v.x & 0xffff), acc[0]);
-                acc[1] = fmaf(hi, h2f(v.x >> 16), acc[1]);
-                acc[2] = fmaf(hi, h2f(v.y & 0xffff), acc[2]);
-                acc[3] = fmaf(hi, h2f(v.y >> 16), acc[3]);
-                acc[4] = fmaf(hi, h2f(v.z & 0xffff), acc[4]);
-                acc[5] = fmaf(hi, h2f(v.z >> 16), acc[5]);
-                acc[6] = fmaf(hi, h2f(v.w & 0xffff), acc[6]);
-                acc[7] = fmaf(hi, h2f(v.w >> 16), acc[7]);
+                axpy8(acc, h[2 * i + c], v);
             }
         }
     }
@@ -552,34 +497,13 @@ class Chain:
         self._put(self.d_fx + D * 8, z)
 
     def graph(self, design: str, pdl: bool) -> ctypes.c_void_p:
-        cu = self.cuda.cu
-        self.cuda.ck(cu.cuStreamBeginCapture_v2(self.stream, 2), "cuStreamBeginCapture")
-        self.enqueue(design, pdl)
-        g, ex = ctypes.c_void_p(), ctypes.c_void_p()
-        self.cuda.ck(cu.cuStreamEndCapture(self.stream, ctypes.byref(g)), "cuStreamEndCapture")
-        self.cuda.ck(
-            cu.cuGraphInstantiateWithFlags(ctypes.byref(ex), g, ctypes.c_uint64(0)), "inst"
-        )
-        return ex
+        return capture(self.cuda, self.stream, lambda: self.enqueue(design, pdl))
 
     def run(self, design: str, ex: ctypes.c_void_p, reps: int) -> list[float]:
-        """µs per replay (events around each)."""
-        cu, ck = self.cuda.cu, self.cuda.ck
-        e0, e1 = ctypes.c_void_p(), ctypes.c_void_p()
-        ck(cu.cuEventCreate(ctypes.byref(e0), 0), "cuEventCreate")
-        ck(cu.cuEventCreate(ctypes.byref(e1), 0), "cuEventCreate")
-        out = []
-        for _ in range(reps):
-            if design == "fused":
-                self.zero_first()
-            ck(cu.cuEventRecord(e0, self.stream), "cuEventRecord")
-            ck(cu.cuGraphLaunch(ex, self.stream), "cuGraphLaunch")
-            ck(cu.cuEventRecord(e1, self.stream), "cuEventRecord")
-            ck(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
-            ms = ctypes.c_float()
-            ck(cu.cuEventElapsedTime(ctypes.byref(ms), e0, e1), "cuEventElapsedTime")
-            out.append(ms.value * 1e3)
-        return out
+        """µs per replay (events around each); the fused chain's first accumulator is zeroed
+        before each."""
+        zero = self.zero_first if design == "fused" else None
+        return replay_us(self.cuda, self.stream, ex, reps, zero)
 
     def result(self, design: str) -> Matrix:
         if design == "fused":
@@ -636,11 +560,7 @@ def main() -> None:
     defines = [d for d in args.defines.split(",") if d]
     defines += [f"CL={args.cluster}", f"LAYOUT={args.layout}"]
     mod = cuda.compile(SOURCE, "ffn_chain.cu", defines)
-    regs = []
-    for f in ("ffn_fused", "ffn_gu", "ffn_down"):
-        n = ctypes.c_int()
-        cuda.ck(cuda.cu.cuFuncGetAttribute(ctypes.byref(n), 4, cuda.func(mod, f)), "regs")
-        regs.append(n.value)
+    regs = registers(cuda, mod, ("ffn_fused", "ffn_gu", "ffn_down"))
     print(
         f"{cuda.arch}, {cuda.sms} SMs; compiled in {time.time() - t:.1f} s; -D {defines}; "
         f"registers: ffn_fused {regs[0]}, ffn_gu {regs[1]}, ffn_down {regs[2]}"
