@@ -59,12 +59,8 @@ SOURCE = (
 #define D 2048
 #define NT 256
 #define EPS 1e-5f
-#ifndef F
-#define F 8192
-#endif
-#ifndef FR
-#define FR 32
-#endif
+#define F 8192  // FFN rows (F and FR are the script's too)
+#define FR 32  // FFN rows per ffn_fused block
 #ifndef NPRE
 #define NPRE 8
 #endif
@@ -121,7 +117,6 @@ extern "C" __global__ void __maxnreg__(MAXNREG) ffn_fused(const uint4* __restric
 #endif
     const int t = threadIdx.x, lane = t & 31, w = t >> 5, b = blockIdx.x;
     stamp(st, 0);
-    // Warp w's RPW row pairs: gate row, up row, ... (chunk c of a row: 32 vectors at c * 32).
 #if LAYOUT == 0
     // Block b's weights in a row: warp w's RPW row pairs (gate row, up row, ...; chunk q of a
     // row: 32 vectors at q * 32), then its FR rows of down transposed.
