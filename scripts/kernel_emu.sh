@@ -2,19 +2,20 @@
 # Runs the CUDA backend's decode kernels on the CPU and checks them against float64 references
 # (crates/backend-cuda/emu): the kernels' logic is tested on every CI run, which has no GPU.
 #
-# Copies kernels/*.cu and common.cuh to a scratch folder, with the two f16 conversions of inline
+# Copies kernels/*.cu, the fused families' src/fusion/*.cu and common.cuh to a scratch folder, with the two f16 conversions of inline
 # PTX replaced by C++ ones and `extern __shared__` arrays made static, compiles the test with
 # g++ (C++20: std::barrier) and runs it. Needs g++ (Debian: apt-get install g++).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 kernels="$root/crates/backend-cuda/kernels"
+fused="$root/crates/backend-cuda/src/fusion"
 emu="$root/crates/backend-cuda/emu"
 command -v g++ >/dev/null || { echo "kernel_emu: g++ is not installed (apt-get install g++)" >&2; exit 1; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python3 - "$kernels" "$work" <<'PY'
+python3 - "$kernels" "$fused" "$work" <<'PY'
 import pathlib, re, sys
-src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+src, fused, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
 common = (src / "common.cuh").read_text()
 for ptx, cpp in [
     ('asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));', "f = emu_h2f(h);"),
@@ -24,7 +25,9 @@ for ptx, cpp in [
         sys.exit(f"kernel_emu: common.cuh no longer has `{ptx}`: update scripts/kernel_emu.sh")
     common = common.replace(ptx, cpp)
 (dst / "common.h").write_text(common)
-for cu in src.glob("*.cu"):
+for cu in [*src.glob("*.cu"), *fused.glob("*.cu")]:
+    if (dst / cu.name).exists():
+        sys.exit(f"kernel_emu: two kernel files are named {cu.name}")
     text = re.sub(r"extern __shared__ (\w+) (\w+)\[\];", r"static \1 \2[16384];", cu.read_text())
     (dst / cu.name).write_text(text)
 PY

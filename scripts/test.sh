@@ -35,8 +35,8 @@ test "${#wheels[@]}" -eq 1
 "$PYTHON" -m pip install --force-reinstall --no-deps "${wheels[0]}"
 
 # 3. Python: lint, format, types, the stub against the built module.
-"$PYTHON" -m ruff check python tests benches/python
-"$PYTHON" -m ruff format --check python tests benches/python
+"$PYTHON" -m ruff check python tests benches/python benches/profile scripts
+"$PYTHON" -m ruff format --check python tests benches/python benches/profile scripts
 "$PYTHON" -m mypy python/lowsync
 "$PYTHON" -m mypy.stubtest lowsync._native
 

@@ -2,7 +2,8 @@
 
 Device markers: a test marked `cuda` or `vulkan` runs only when `lowsync.available_backends()`
 lists that device; otherwise it is skipped with the reason — except that with
-`LOWSYNC_REQUIRE_VULKAN=1` (set by `.ci/run`) a missing Vulkan device fails the test instead.
+`LOWSYNC_REQUIRE_CUDA=1` (set on the GPU machine) or `LOWSYNC_REQUIRE_VULKAN=1` (set by
+`.ci/run`) a missing device of that kind fails the test instead.
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ def _has_device(prefix: str) -> bool:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("cuda") is not None and not _has_device("cuda"):
-        pytest.skip("no CUDA device on this machine")
-    if item.get_closest_marker("vulkan") is not None and not _has_device("vulkan"):
-        if os.environ.get("LOWSYNC_REQUIRE_VULKAN") == "1":
-            pytest.fail("LOWSYNC_REQUIRE_VULKAN=1 but lowsync lists no Vulkan device")
-        pytest.skip("no Vulkan device on this machine")
+    for marker, name, var in (
+        ("cuda", "CUDA", "LOWSYNC_REQUIRE_CUDA"),
+        ("vulkan", "Vulkan", "LOWSYNC_REQUIRE_VULKAN"),
+    ):
+        if item.get_closest_marker(marker) is not None and not _has_device(marker):
+            if os.environ.get(var) == "1":
+                pytest.fail(f"{var}=1 but lowsync lists no {name} device")
+            pytest.skip(f"no {name} device on this machine")

@@ -38,7 +38,7 @@ class Spec:
     qk_norm: bool = False
     tied: bool = False
     wtype: str = "F32"  # type of the 2-D tensors: F32, F16, BF16, Q8_0
-    extra_keys: dict[str, Any] = field(default_factory=dict)
+    extra_keys: dict[str, Any] = field(default_factory=dict)  # str, float, int or list
 
     @property
     def neox(self) -> bool:
@@ -128,7 +128,9 @@ def write_gguf(path: Path, spec: Spec, weights: dict[str, Array], vocab: bool = 
     w.add_rope_freq_base(spec.theta)
     w.add_layer_norm_rms_eps(spec.eps)
     for key, value in spec.extra_keys.items():
-        if isinstance(value, str):
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, str):
             w.add_string(key, value)
         elif isinstance(value, float):
             w.add_float32(key, value)

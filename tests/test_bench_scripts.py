@@ -1,6 +1,6 @@
-"""The GPU bench scripts, checked without a GPU: the raw argument lists they launch kernels with
-stay in step with the kernels' signatures (they otherwise drift silently), and the comparison
-script's lowsync rows run."""
+"""The GPU bench and profiling scripts, checked without a GPU: the raw argument lists they
+launch kernels with stay in step with the kernels' signatures (they otherwise drift silently),
+the trace script's parsing and plumbing work, and the comparison script's lowsync rows run."""
 
 from __future__ import annotations
 
@@ -14,15 +14,17 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FUSED = ROOT / "crates" / "backend-cuda" / "kernels" / "fused.cu"
+CUDA_CRATE = ROOT / "crates" / "backend-cuda"
+PROFILE = ROOT / "benches" / "profile"
 
 
-def _module(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benches" / "python" / f"{name}.py")
+def _module(name: str, folder: Path = PROFILE) -> ModuleType:
+    if str(PROFILE) not in sys.path:
+        sys.path.insert(0, str(PROFILE))  # the profiling scripts import `cuda_driver`
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     assert spec is not None
     assert spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -31,17 +33,24 @@ def _module(name: str) -> ModuleType:
     return mod
 
 
+def _kernel_sources() -> dict[Path, str]:
+    return {p: p.read_text() for p in sorted(CUDA_CRATE.rglob("*.cu*"))}
+
+
 def _codes(kernel: str) -> str:
-    """`pack` type codes of an `extern "C"` kernel's parameters in fused.cu."""
-    src = FUSED.read_text()
+    """`pack` type codes of an `extern "C"` kernel's parameters, wherever in the CUDA backend's
+    kernel sources it is defined."""
+    srcs = _kernel_sources()
     attrs = r"(?:__\w+__\([^)]*\)\s*)*"  # __launch_bounds__(...), __maxnreg__(...)
-    m = re.search(r'extern "C" __global__ void\s*' + attrs + kernel + r"\(([^)]*)\)", src)
-    assert m, f"{kernel} not found in {FUSED}"
-    params = m.group(1).strip()
+    pat = re.compile(r'extern "C" __global__ void\s*' + attrs + kernel + r"\(([^)]*)\)")
+    found = [m for src in srcs.values() if (m := pat.search(src))]
+    assert len(found) == 1, f"{kernel}: {len(found)} definitions under {CUDA_CRATE}"
+    params = found[0].group(1).strip()
     if re.fullmatch(r"\w+", params):  # a macro of the parameter list (several entry points)
-        d = re.search(r"#define " + params + r"((?:[^\n]*\\\n)*[^\n]*)", src)
-        assert d, f"{kernel}: macro {params} not found"
-        params = d.group(1).replace("\\\n", " ")
+        macro = re.compile(r"#define " + params + r"((?:[^\n]*\\\n)*[^\n]*)")
+        defs = [d for src in srcs.values() if (d := macro.search(src))]
+        assert len(defs) == 1, f"{kernel}: macro {params}: {len(defs)} definitions"
+        params = defs[0].group(1).replace("\\\n", " ")
     out = []
     for param in params.split(","):
         decl = param.strip()
@@ -63,6 +72,17 @@ def test_attention_bench_arguments_match_the_kernels() -> None:
     assert _codes("attn_decode") == attn.DECODE_TYPES
     assert _codes("attn_fast") == attn.FAST_TYPES
     assert _codes("attn_fast_long") == attn.FAST_TYPES
+    # The script finds each kernel's file and compiles it with the shared header in front, as
+    # the backend does, wherever the backend's layout puts them.
+    for kernel in ("attn_decode", "attn_fast", "attn_fast_long"):
+        path = attn.kernel_file(kernel)
+        assert path.suffix == ".cu"
+        assert CUDA_CRATE in path.parents
+        src, dirs = attn.module_source(path)
+        assert "struct Lay" in src, "common.cuh is not in the module's source"
+        assert "PHASE_MARKS" in src
+        assert src.endswith(path.read_text())
+        assert path.parent in dirs
 
 
 def test_the_signature_reader_sees_every_parameter() -> None:
@@ -96,13 +116,27 @@ def test_compare_torch_lowsync_rows_run_without_torch(tmp_path: Path) -> None:
 def test_kernel_trace_parses_variants_and_rejects_bad_ones() -> None:
     kt = _module("kernel_trace")
     assert kt.parse_variant("base") == ("base", {})
-    assert kt.parse_variant("pf=LOWSYNC_CUDA_PDL=0,LOWSYNC_CUDA_GEMV_BLOCKS=3") == (
+    # Tuning keys (lower case) join into LOWSYNC_CUDA_TUNE; variables (upper case) stay apart.
+    assert kt.parse_variant("pf=pdl=0,LOWSYNC_CUDA_GRAPHS=0,gemv_blocks=3") == (
         "pf",
-        {"LOWSYNC_CUDA_PDL": "0", "LOWSYNC_CUDA_GEMV_BLOCKS": "3"},
+        {"LOWSYNC_CUDA_GRAPHS": "0", "LOWSYNC_CUDA_TUNE": "pdl=0,gemv_blocks=3"},
     )
-    for bad in ["", "a b", "x=PDL", "x=lower=1", "x==1"]:
+    for bad in ["", "a b", "x=PDL", "x=Lower=1", "x==1", "x=pdl=", "x=LOWSYNC_CUDA_TUNE=pdl=0"]:
         with pytest.raises(ValueError, match=re.escape(repr(bad))):
             kt.parse_variant(bad)
+
+
+def test_kernel_trace_variants_override_the_environments_tuning_keys() -> None:
+    kt = _module("kernel_trace")
+    _, env = kt.parse_variant("v=gemv_blocks=3,pdl=0")
+    merged = kt.with_tune(env, "pdl=1,copy_kernel=0")
+    assert kt.tune_items(merged["LOWSYNC_CUDA_TUNE"]) == {
+        "pdl": "0",
+        "copy_kernel": "0",
+        "gemv_blocks": "3",
+    }
+    assert kt.with_tune({"LOWSYNC_CUDA_GRAPHS": "0"}, "pdl=0") == {"LOWSYNC_CUDA_GRAPHS": "0"}
+    assert kt.with_tune(env, "") == env
 
 
 def test_kernel_trace_finds_the_decode_steps_and_their_exposed_time() -> None:
@@ -185,10 +219,11 @@ def test_kernel_trace_runs_variants_side_by_side(tmp_path: Path) -> None:
     src, lib = tmp_path / "fake.c", tmp_path / "libfake.so"
     src.write_text(_FAKE_CUPTI)
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
-    argv = [sys.executable, str(ROOT / "benches" / "python" / "kernel_trace.py")]
+    argv = [sys.executable, str(PROFILE / "kernel_trace.py")]
     argv += ["--backend", "cpu", "--models", "tiny", "-n", "3", "--csv-dir", str(tmp_path)]
-    argv += ["--variant", "base", "--variant", "other=LOWSYNC_CUDA_PDL=0", "--rounds", "2"]
+    argv += ["--variant", "base", "--variant", "other=pdl=0", "--rounds", "2"]
     env = {**os.environ, "CUDA_INJECTION64_PATH": str(lib)}
+    env.pop("LOWSYNC_CUDA_TUNE", None)  # the file names carry the environment's pdl key
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
@@ -198,111 +233,9 @@ def test_kernel_trace_runs_variants_side_by_side(tmp_path: Path) -> None:
     ]
     table = out[out.index("variants side by side") :]
     assert "| base | - | 10.0 | 11.0 | 1.000 |" in table, table
-    assert "| other | LOWSYNC_CUDA_PDL=0 | 10.0 | 11.0 | 1.000 |" in table, table
+    assert "| other | LOWSYNC_CUDA_TUNE=pdl=0 | 10.0 | 11.0 | 1.000 |" in table, table
     bad = subprocess.run(
         [*argv[:2], "--variant", "x=oops"], capture_output=True, text=True, env=env, check=False
     )
     assert bad.returncode != 0
     assert "'x=oops'" in bad.stderr
-
-
-def test_ring_bench_streams_the_matrices_of_1b() -> None:
-    """`ring_decode.py`'s step reads, in f16, every matrix the "1b" decode step reads in full
-    (all but the embedding table, of which decode reads one row), in the order of a layer."""
-    sys.path.insert(0, str(ROOT / "benches" / "python"))  # its `from attn_kernels import`
-    ring = _module("ring_decode")
-    from lowsync.models.llama import BUILTIN_CONFIGS
-
-    shapes = BUILTIN_CONFIGS["1b"].weight_shapes()
-    want = sum(r * k * 2 for n, (r, *k_) in shapes.items() for k in k_ if n != "token_embd.weight")
-    phases = ring.phases_1b(BUILTIN_CONFIGS["1b"].n_layer)
-    assert sum(rows * k * 2 for rows, k, _ in phases) == want
-    # q/k/v, the attention-like phase, o, gate/up, down; the head last.
-    assert [kind for _, _, kind in phases[:5]] == [0, 1, 0, 0, 0]
-    assert phases[-1] == (32000, 2048, 0)
-
-
-def test_cluster_bench_lays_out_the_matrices_of_a_1b_layer() -> None:
-    """`cluster_decode.py`'s two kernels read, per layer, exactly the bytes of "1b"'s layer
-    matrices, in its own block layout: packing then unpacking gives back every matrix, and each
-    block starts where the kernels expect (group rows, o's row slice, FFN rows, down's columns)."""
-    sys.path.insert(0, str(ROOT / "benches" / "python"))  # its `from attn_kernels import`
-    cd = _module("cluster_decode")
-    from lowsync.models.llama import BUILTIN_CONFIGS
-
-    cfg = BUILTIN_CONFIGS["1b"]
-    shapes = cfg.weight_shapes()
-    layer = sum(r * k * 2 for n, (r, *k_) in shapes.items() for k in k_ if n.startswith("blk.0."))
-    assert layer == cd.NG * cd.CA * cd.WA_BYTES + cd.NB * cd.WB_BYTES
-    assert (
-        cfg.n_embd,
-        cfg.head_dim,
-        cfg.n_head,
-        cfg.n_head_kv,
-        cfg.n_ff,
-    ) == (cd.D, cd.HD, cd.NG * cd.QPG, cd.NG, cd.NB * cd.FR)
-    rng = np.random.default_rng(0)
-    ng, nb = 2, 16  # a small layer: two KV groups, 1,024 FFN rows
-
-    def m(r: int, c: int) -> np.ndarray:
-        return rng.standard_normal((r, c)).astype(np.float16)
-
-    wq, wk, wv, wo = m(ng * 256, cd.D), m(ng * 64, cd.D), m(ng * 64, cd.D), m(cd.D, ng * 256)
-    wa = cd.pack_attn(wq, wk, wv, wo)
-    assert wa.shape == (ng * cd.CA, cd.WA_BYTES // 2)
-    for got, want in zip(cd.unpack_attn(wa.ravel(), ng), (wq, wk, wv, wo), strict=True):
-        np.testing.assert_array_equal(got, want)
-    g, r = 1, 11  # block (g, r): group rows 264.. (k rows 8..), o rows 1408.. at g's columns
-    np.testing.assert_array_equal(wa[g * cd.CA + r, : cd.D], wk[g * 64 + 24 * r - 256])
-    o = wa[g * cd.CA + r, cd.RA * cd.D :].reshape(cd.OR, cd.OC)
-    np.testing.assert_array_equal(o, wo[128 * r : 128 * r + 128, 256 * g : 256 * g + 256])
-    gate, up, down = m(nb * 64, cd.D), m(nb * 64, cd.D), m(cd.D, nb * 64)
-    wb = cd.pack_ffn(gate, up, down)
-    assert wb.shape == (nb, cd.WB_BYTES // 2)
-    for got, want in zip(cd.unpack_ffn(wb.ravel(), nb), (gate, up, down), strict=True):
-        np.testing.assert_array_equal(got, want)
-    b = 9  # block b: gate row 64b, then up row 64b, ...; down's column 64b after 128 rows
-    np.testing.assert_array_equal(wb[b, : cd.D], gate[64 * b])
-    np.testing.assert_array_equal(wb[b, cd.D : 2 * cd.D], up[64 * b])
-    np.testing.assert_array_equal(wb[b, 128 * cd.D : 129 * cd.D], down[:, 64 * b])
-
-
-def test_ffn_chain_lays_out_the_ffn_of_a_1b_layer() -> None:
-    """`ffn_chain.py`'s fused kernel reads, per layer, exactly the bytes of "1b"'s FFN matrices in
-    either block layout: packing then unpacking gives back gate, up and down, and the elements
-    sit where the kernel's address arithmetic (`GU_STEP`, `DN_STEP`, layout 1) looks for them."""
-    sys.path.insert(0, str(ROOT / "benches" / "python"))  # its `from attn_kernels import`
-    fc = _module("ffn_chain")
-    from lowsync.models.llama import BUILTIN_CONFIGS
-
-    cfg = BUILTIN_CONFIGS["1b"]
-    assert (cfg.n_embd, cfg.n_ff) == (fc.D, fc.F)
-    shapes = cfg.weight_shapes()
-    ffn = sum(
-        r * k * 2
-        for n, (r, *k_) in shapes.items()
-        for k in k_
-        if n.startswith("blk.0.ffn_") and not n.endswith("norm.weight")
-    )
-    assert ffn == 3 * fc.F * fc.D * 2
-    rng = np.random.default_rng(0)
-    f, d, fr = 256, fc.D, fc.FR  # 8 blocks of 32 FFN rows
-    gate, up = rng.standard_normal((f, d)), rng.standard_normal((f, d))
-    down = rng.standard_normal((d, f))
-    for layout in (0, 1):
-        w = fc.pack_fused(gate, up, down, layout)
-        assert w.size == 3 * f * d
-        for got, want in zip(fc.unpack_fused(w, f, d, layout), (gate, up, down), strict=True):
-            np.testing.assert_array_equal(got, want)
-    w, nb = fc.pack_fused(gate, up, down, 1), f // fr
-    # gate/up step s of (block b, warp wp), lane l: 16-byte vector ((s nb + b) 8 + wp) 64 +
-    # c 32 + l, the 8 values at columns (s % 8) 256 + 8 l of FFN row b fr + wp fr / 8 + s // 8
-    for s, b, wp, c, lane in ((0, 0, 0, 0, 0), (5, 1, 3, 1, 7), (31, nb - 1, 7, 1, 31)):
-        at = ((((s * nb + b) * 8 + wp) * 64) + c * 32 + lane) * 8
-        row, col = b * fr + wp * (fr // 8) + s // 8, (s % 8) * 256 + 8 * lane
-        np.testing.assert_array_equal(w[at : at + 8], (gate, up)[c][row, col : col + 8])
-    # down step i of block b, thread t: vector nb fr d / 4 + (i nb + b) d / 4 + c d / 8 + t,
-    # rows 8t .. 8t + 7 of down at column b fr + 2i + c
-    for i, b, c, t in ((0, 0, 0, 0), (3, 2, 1, 100), (15, nb - 1, 1, 255)):
-        at = (nb * fr * d // 4 + (i * nb + b) * d // 4 + c * d // 8 + t) * 8
-        np.testing.assert_array_equal(w[at : at + 8], down[8 * t : 8 * t + 8, b * fr + 2 * i + c])

@@ -3,7 +3,11 @@ kind of bad file (each names the file, the key or tensor, and what is supported)
 
 from __future__ import annotations
 
+import ast
 import re
+import struct
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -256,3 +260,189 @@ def test_partial_rope_is_refused_at_save_because_llama_cpp_cannot_load_it(
     with pytest.raises(GGUFError, match=r"llama\.rope\.dimension_count = 8"):
         model.save_gguf(tmp_path / "p.gguf")
     assert not (tmp_path / "p.gguf").exists()
+
+
+# ---- strict and bounded loading: each of these loaded silently, or hung, before --------------
+
+
+def _saved(tmp_path: Path, name: str = "saved.gguf") -> Path:
+    model = Llama.random(LlamaConfig(300, 64, 1, 4, 2, 96), seed=2)
+    model.save_gguf(tmp_path / name)
+    return tmp_path / name
+
+
+def _offset_field(data: bytes, path: Path, name: str) -> int:
+    """The byte position of tensor `name`'s data offset in its table entry."""
+    n_dims = len(next(t for t in gguf.GGUFReader(path).tensors if t.name == name).shape)
+    raw = name.encode()
+    at = data.index(struct.pack("<Q", len(raw)) + raw)
+    return at + 8 + len(raw) + 4 + 8 * n_dims + 4
+
+
+def _patched(path: Path, changes: dict[str, int | str]) -> Path:
+    """A copy of `path` whose tensors get new data offsets: a number, or another's offset."""
+    data = bytearray(path.read_bytes())
+    names = set(changes) | {v for v in changes.values() if isinstance(v, str)}
+    at = {n: _offset_field(bytes(data), path, n) for n in names}
+    old = {n: struct.unpack_from("<Q", data, at[n])[0] for n in names}
+    for n, new in changes.items():
+        struct.pack_into("<Q", data, at[n], old[new] if isinstance(new, str) else new)
+    out = path.with_name("patched.gguf")
+    out.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("changes", "patterns"),
+    [
+        ({"blk.0.attn_k.weight": "blk.0.attn_q.weight"}, [r"`blk\.0\.attn_k\.weight`", "overlap"]),
+        ({"blk.0.attn_k.weight": 2**40}, [r"`blk\.0\.attn_k\.weight`", "past the end"]),
+        ({"blk.0.attn_k.weight": 2**64 - 32}, [r"`blk\.0\.attn_k\.weight`", "wraps around"]),
+        # attn_k and attn_v have one shape: exchanged offsets pass every check but llama.cpp's
+        # layout rule, and would load with K and V exchanged.
+        (
+            {
+                "blk.0.attn_k.weight": "blk.0.attn_v.weight",
+                "blk.0.attn_v.weight": "blk.0.attn_k.weight",
+            },
+            [
+                r"`blk\.0\.attn_k\.weight` has data offset \d+ where \d+ was expected",
+                "without gaps",
+            ],
+        ),
+    ],
+)
+def test_invalid_tensor_offsets_are_refused(
+    tmp_path: Path, changes: dict[str, int | str], patterns: list[str]
+) -> None:
+    _raises(_patched(_saved(tmp_path), changes), *patterns)
+
+
+def test_misaligned_tensor_offset_is_refused(tmp_path: Path) -> None:
+    path = _saved(tmp_path)
+    data = bytearray(path.read_bytes())
+    at = _offset_field(bytes(data), path, "blk.0.ffn_up.weight")
+    struct.pack_into("<Q", data, at, struct.unpack_from("<Q", data, at)[0] + 4)
+    bad = tmp_path / "misaligned.gguf"
+    bad.write_bytes(bytes(data))
+    _raises(bad, r"`blk\.0\.ffn_up\.weight`", "not a multiple of the alignment 32")
+
+
+def test_non_utf8_metadata_names_file_and_key(tmp_path: Path) -> None:
+    model = Llama.random(LlamaConfig(300, 64, 1, 4, 2, 96), seed=2)
+    model.name = "NAMEXXXX"
+    model.save_gguf(tmp_path / "n.gguf")
+    data = (tmp_path / "n.gguf").read_bytes()
+    (tmp_path / "name.gguf").write_bytes(data.replace(b"NAMEXXXX", b"NAME\xff\xfeXX"))
+    _raises(tmp_path / "name.gguf", r"`general\.name` is not valid UTF-8")
+    (tmp_path / "tok.gguf").write_bytes(data.replace(b"<unk>", b"<\xc3nk>"))
+    _raises(tmp_path / "tok.gguf", r"`tokenizer\.ggml\.tokens`", "element 0", "UTF-8")
+
+
+def test_huge_array_count_is_refused_without_reading_it(tmp_path: Path) -> None:
+    path = _saved(tmp_path)
+    data = bytearray(path.read_bytes())
+    key = b"tokenizer.ggml.tokens"
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key) + 8  # type, item type
+    assert struct.unpack_from("<Q", data, at)[0] == 300
+    struct.pack_into("<Q", data, at, 2**40)
+    bad = tmp_path / "huge.gguf"
+    bad.write_bytes(bytes(data))
+    tracemalloc.start()
+    try:
+        _raises(bad, r"`tokenizer\.ggml\.tokens`", str(2**40), "truncated or corrupt")
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
+def test_q8_0_values_beyond_f16_load_finite_as_f32(tmp_path: Path) -> None:
+    spec = Spec(wtype="Q8_0")
+    w = random_weights(spec)
+    w["blk.1.ffn_down.weight"][3, 5] = 1e5  # above f16's 65504
+    w["blk.0.ffn_down.weight"][3, 5] = 65000.0  # within it: its tensor stays f16
+    model = load_gguf(write_gguf(tmp_path / "big.gguf", spec, w))
+    t = gguf.GGMLQuantizationType.Q8_0
+    for name, dtype in (
+        ("blk.1.ffn_down.weight", np.float32),
+        ("blk.0.ffn_down.weight", np.float16),
+    ):
+        want = gguf.quants.dequantize(gguf.quants.quantize(w[name], t), t).astype(dtype)
+        got = model.weights[name]
+        assert got.dtype == dtype, name
+        assert np.isfinite(got).all(), name
+        assert np.array_equal(got, want), name
+    assert model.dtypes["blk.1.ffn_down.weight"] == "f32"
+    assert model.dtypes["blk.1.ffn_up.weight"] == "f16"
+    assert np.isfinite(_logits(model)).all()
+
+
+@pytest.mark.parametrize(
+    ("make", "pattern"),
+    [
+        (lambda p: p.mkdir(), "is a directory"),
+        (lambda p: p.write_bytes(b""), r"is empty \(0 bytes\)"),
+        (lambda p: p.write_bytes(b"GGUF"), r"too short to be a GGUF file \(4 bytes"),
+    ],
+)
+def test_paths_that_are_not_gguf_files_say_what_they_are(
+    tmp_path: Path, make: Callable[[Path], object], pattern: str
+) -> None:
+    make(tmp_path / "x.gguf")
+    _raises(tmp_path / "x.gguf", pattern)
+
+
+def test_dev_null_is_not_a_regular_file() -> None:
+    with pytest.raises(GGUFError, match=r"/dev/null: is not a regular file \(a character device"):
+        load_gguf("/dev/null")
+
+
+def test_a_large_valid_array_costs_memory_in_proportion_to_its_bytes(tmp_path: Path) -> None:
+    # Real vocabularies carry ~150k merges; the gguf package's reader took ~20 s and 80x the
+    # array's bytes for 200k of them (numpy views per element).
+    merges = [f"m{i} x" for i in range(100_000)]
+    spec = Spec(extra_keys={"tokenizer.ggml.merges": merges})
+    path = write_gguf(tmp_path / "merges.gguf", spec, random_weights(spec))
+    array_bytes = sum(8 + len(m) for m in merges)
+    tracemalloc.start()
+    try:
+        model = load_gguf(path)
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert peak < 8 * array_bytes, (peak, array_bytes)
+    assert model.metadata["tokenizer.ggml.merges"][0] == merges
+
+
+def _lowsync_imports(path: Path) -> set[str]:
+    """The `lowsync.*` modules a source file imports, at top level or inside functions."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lowsync"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("lowsync")}
+    return found
+
+
+def test_gguf_and_model_modules_import_without_a_circle() -> None:
+    root = Path(ls.__file__).parent
+    modules = {
+        "lowsync.gguf": root / "gguf.py",
+        "lowsync.gguf_reader": root / "gguf_reader.py",
+        "lowsync.gguf_writer": root / "gguf_writer.py",
+        "lowsync.models": root / "models" / "__init__.py",
+        "lowsync.models.llama": root / "models" / "llama.py",
+    }
+    graph = {m: _lowsync_imports(p) & set(modules) for m, p in modules.items()}
+    assert "lowsync.gguf" not in graph["lowsync.models.llama"]
+    assert not graph["lowsync.gguf_writer"] & {"lowsync.models", "lowsync.models.llama"}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(
+            n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph[start]
+        )
+
+    assert [m for m in modules if reaches(m, m, set())] == []

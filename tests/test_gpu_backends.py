@@ -79,8 +79,7 @@ def _cuda_decode(
     graphs: str, env: pytest.MonkeyPatch, pdl: str = "1", rehearse: str = "1"
 ) -> tuple[list[int], dict[str, float]]:
     env.setenv("LOWSYNC_CUDA_GRAPHS", graphs)
-    env.setenv("LOWSYNC_CUDA_PDL", pdl)
-    env.setenv("LOWSYNC_CUDA_REHEARSE", rehearse)
+    env.setenv("LOWSYNC_CUDA_TUNE", f"pdl={pdl},rehearse={rehearse}")
     model = ls.Llama.random(MICRO, seed=4)
     sess = ls.Session(model, backends=["cuda"], n_ctx=64, n_ubatch=8, policy="staged")
     sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)

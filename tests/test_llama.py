@@ -159,11 +159,11 @@ def test_cuda_decode_plan_is_five_launches_per_layer_at_any_cache_size(n_ctx: in
     alike."""
     model = Llama.random(LlamaConfig(300, 128, 3, 4, 2, 256), seed=0, dtype="f16")
     sess = ls.Session(model, backends=["noop"], n_ctx=n_ctx, n_ubatch=4, kv_dtype="f16")
-    launches = sess.plans[0].cuda_fusion_plan()
+    launches = ls._native.cuda_fusion_plan(sess.plans[0])
     head = ["fused norm_mul [rms_norm,mul]", "fused gemv+argmax [mul_mat,argmax]", "argmax_take"]
     assert launches == ["get_rows", *DECODE_LAYER_LAUNCHES * 3, *head], launches
     with pytest.raises(ls.InputError, match="split 1 does not exist"):
-        sess.plans[0].cuda_fusion_plan(1)
+        ls._native.cuda_fusion_plan(sess.plans[0], 1)
 
 
 def test_config_and_weight_errors() -> None:
@@ -185,3 +185,11 @@ def test_config_and_weight_errors() -> None:
         Llama(model.config, weights)
     with pytest.raises(ValueError, match="n_tokens"):
         model.build_graph(0, 16, 1)
+
+
+def test_an_unknown_builtin_model_is_a_lowsync_error_naming_the_choices() -> None:
+    with pytest.raises(ls.ModelError, match="tiny") as info:
+        ls.Llama.random("huge")
+    assert isinstance(info.value, ls.LowsyncError)
+    with pytest.raises(ls.ModelError, match="dtype"):
+        ls.Llama.random("tiny", dtype="q4")

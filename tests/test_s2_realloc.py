@@ -87,4 +87,6 @@ def test_without_debug_the_state_dependent_graph_reallocates_and_counts(
 ) -> None:
     ctx = ls.Context(["cpu-async"])
     decode(ctx, state_dependent=True)
-    assert ctx.stats()["total"]["reallocs"] >= 2
+    # One per gather step (8): the first for its new node count, each later one because its
+    # tensors outgrew the previous (never shrinking) reserve by a row.
+    assert ctx.stats()["total"]["reallocs"] == 8

@@ -31,9 +31,9 @@ Rows:
 Every row compares its greedy tokens (the first 32 of the short run) with `hf-eager`'s.
 The floor: read bandwidth is measured in this process over a >= 4 GB device tensor, timed with
 CUDA events: the best of several `sum`/`amax` passes with torch and of reads by our own streaming
-kernel (`stream_probe.py`, through NVRTC; 10-15% faster than torch's reductions on an H200, so
-floors before it was added are that much lower); bytes per token are
-every weight tensor once, `token_embd` as one row, plus the KV cache read at the timed window's
+kernel (`benches/profile/stream_probe.py`, through NVRTC; 10-15% faster than torch's reductions
+on an H200, so floors before it was added are that much lower); bytes per token are every
+weight tensor once, `token_embd` as one row, plus the KV cache read at the timed window's
 mean position (layers x 2 x n_head_kv x head_dim x position x KV element size).
 
 `--device cpu` runs lowsync's `cpu` backend and transformers on the CPU (no compile row unless
@@ -74,6 +74,7 @@ LOWSYNC_ROWS = (
     "lowsync-nographs-timing",
 )
 HF_ROWS = ("hf-eager", "hf-compile")
+PROFILE = Path(__file__).resolve().parents[1] / "profile"  # stream_probe.py, cuda_driver.py
 DEFAULT_ROWS = {
     "cuda": "lowsync,lowsync-noahead,lowsync-nographs,lowsync-timing,hf-eager,hf-compile",
     # No compile row on the CPU by default: inductor's CPU build is slow and CUDA graphs
@@ -278,7 +279,8 @@ def _device_bandwidth(torch: Any, n: int, reps: int) -> dict[str, Any]:
         per_kernel[name] = n * 4 / (best_ms / 1e3) / 1e9
     probe_error = None
     try:  # our own streaming read (stream_probe.py): faster than torch's reductions on an H200
-        from attn_kernels import Cuda
+        sys.path.insert(0, str(PROFILE))
+        from cuda_driver import Cuda
         from stream_probe import StreamRead
 
         def timer(call: Callable[[], Any]) -> float:

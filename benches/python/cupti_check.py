@@ -3,9 +3,10 @@
 The driver loads `scripts/gpu/cupti_counter.c` (built as a shared library) through
 `CUDA_INJECTION64_PATH`; this script reads its counts with ctypes around a decode loop and
 prints, per policy, both sides per generated token. Host waits should equal stream + event +
-context synchronizations seen by CUPTI; H2D/D2H copies the HtoD/DtoH memcpy calls. The copies
-are checked on the copy-engine path (`LOWSYNC_CUDA_COPY_KERNEL=0`, set here): by default small
-copies ride in one `copy_batch` kernel launch, which CUPTI sees as a launch, not a memcpy.
+context synchronizations seen by CUPTI; H2D/D2H copies the HtoD/DtoH memcpy calls. The
+copies are checked on the copy-engine path (`LOWSYNC_CUDA_TUNE=copy_kernel=0`, set here): by
+default small copies ride in one `copy_batch` kernel launch, which CUPTI sees as a launch, not
+a memcpy.
 
 Run: `CUDA_INJECTION64_PATH=/tmp/libcupti_counter.so python benches/python/cupti_check.py`.
 """
@@ -29,7 +30,7 @@ def main() -> None:
         lib.lowsync_cupti_counts(counts)
         return dict(zip(FIELDS, counts, strict=True))
 
-    os.environ["LOWSYNC_CUDA_COPY_KERNEL"] = "0"  # copies as cuMemcpy calls (see above)
+    os.environ["LOWSYNC_CUDA_TUNE"] = "copy_kernel=0"  # copies as cuMemcpy calls (see above)
     model = ls.Llama.random(os.environ.get("MODEL", "tiny"), seed=2, dtype="f16")
     n = 64
     for policy in ("stock", "relaxed", "staged"):

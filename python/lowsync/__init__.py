@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # served lazily at run time (see `_LAZY`); visible to type ch
     from lowsync.gguf import save_gguf as save_gguf
     from lowsync.models import Llama as Llama
     from lowsync.models import LlamaConfig as LlamaConfig
+    from lowsync.models import ModelError as ModelError
     from lowsync.session import ContextFullError as ContextFullError
     from lowsync.session import Session as Session
     from lowsync.session import SessionError as SessionError
@@ -90,6 +91,7 @@ _LAZY: dict[str, str] = {
     "GGUFError": "lowsync.gguf",
     "Llama": "lowsync.models",
     "LlamaConfig": "lowsync.models",
+    "ModelError": "lowsync.models",
     "Session": "lowsync.session",
     "SessionError": "lowsync.session",
     "ContextFullError": "lowsync.session",

@@ -25,7 +25,10 @@ __all__ = [
     "UnknownBackendError",
     "UnsupportedError",
     "available_backends",
+    "cuda_fusion_plan",
+    "device_type",
     "enable_tracing",
+    "env_flag",
     "stat_names",
     "version",
 ]
@@ -64,8 +67,21 @@ class ReallocError(LowsyncError, RuntimeError):
 def available_backends() -> list[str]:
     """Backends usable on this machine, e.g. `["cpu", "cpu-async", "noop"]`."""
 
+def cuda_fusion_plan(plan: Plan, split: int = 0) -> list[str]:
+    """What the CUDA backend launches for split `split` of `plan` (fusion on), worked out
+    without a device (the plan may be compiled for any backend): one line per launch,
+    `fused <kind> [<member ops>]` or a node's op. A split that does not exist is an
+    `InputError`."""
+
 def stat_names() -> list[str]:
     """The counter names of `Context.stats()`, in their fixed order."""
+
+def device_type(name: str) -> str:
+    """The kind of device backend `name` runs on: "cpu", "gpu", or a Vulkan device's type
+    ("cpu" for a software rasteriser such as lavapipe, "discrete_gpu", ...)."""
+
+def env_flag(var: str, default: bool) -> bool:
+    """Reads the 0/1 flag `var` (one the Python package reads); a bad value is an `EnvError`."""
 
 def enable_tracing(filter: str) -> None:
     """Sends lowsync's tracing spans (per step, split, submit) to stderr, filtered like RUST_LOG
@@ -178,9 +194,12 @@ class Plan:
     @property
     def split_backends(self) -> list[str]:
         """The backend of each split, in order."""
-    def set_input(self, name: str, data: npt.NDArray[Any]) -> None: ...
+    def set_input(self, name: str, data: npt.NDArray[Any]) -> None:
+        """Copies `data` (any memory layout, read in C order) into input `name`."""
     def compute(self) -> None: ...
-    def get_output(self, name: str) -> npt.NDArray[Any]: ...
+    def get_output(self, name: str) -> npt.NDArray[Any]:
+        """Waits for the step and returns output `name`; an `InputError` before any `compute`
+        of this plan succeeded (the output holds no result yet)."""
     def feed(self, input: str, output: str) -> None:
         """Arms a device-side feed for the next `compute` only: `input` takes `output`'s bytes
         as the previous step left them, copied on the device in stream order.
@@ -199,9 +218,6 @@ class Plan:
     def can_read_async(self, output: str) -> bool: ...
     def read_async(self, output: str) -> PendingOutput:
         """Queues a read of `output` after the steps queued so far; returns without waiting."""
-    def cuda_fusion_plan(self, split: int = 0) -> list[str]:
-        """What the CUDA backend launches for a split's graph (fusion on), without a device:
-        one line per launch, `fused <kind> [<member ops>]` or a node's op."""
     def synchronize(self) -> None: ...
 
 @final
@@ -219,10 +235,14 @@ class Context:
     """Backends and a sync policy ("stock", "relaxed" or "staged") that plans run on."""
 
     def __new__(
-        cls, backends: Sequence[str] = ..., policy: str | None = None, n_copies: int = 1
+        cls,
+        backends: str | Sequence[str] | None = None,
+        policy: str | None = None,
+        n_copies: int | None = None,
     ) -> Context:
-        """Backends in priority order (user inputs start on `cpu`); `n_copies` > 1 keeps that
-        many copies of every split input so successive evaluations can overlap."""
+        """Backends in priority order (user inputs start on `cpu`; default `["cpu"]`; one name
+        is a list of one); `n_copies` (1 to 16, default 1) > 1 keeps that many copies of every
+        split input so successive evaluations can overlap."""
     @property
     def backends(self) -> list[str]: ...
     @property

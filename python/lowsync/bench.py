@@ -8,19 +8,25 @@ waits, driver syncs, elided syncs, submits, empty submits, H2D and D2H copies, r
 
 Strategy: each (backend, policy) pair gets its own `Session` (one context, plans compiled once),
 a warm-up, then `-r` repetitions of: clear the cache, decode `-p` prompt tokens (reading the
-first generated token), generate `-n` more tokens one step at a time. The counters are the
-backends' own (`Context.stats()`); this module only takes differences over the generation
-steps and divides by their number (ARCHITECTURE §3 "per token"). `stock` rows turn on the
-backends' legacy switches (`LOWSYNC_CUDA_SYNC_ELISION=0`, `LOWSYNC_VK_LEGACY_SUBMITS=1`) while
-their session exists, so they show ggml's behaviour end to end. `staged` runs twice where the
-backend can launch ahead (`--launch-ahead 0,1`): the plain loop and `staged+ahead`, side by
-side. `batched-bench` mirrors llama-batched-bench: `npl` sequences, a prompt of `npp` tokens
-each (or one prompt shared through `seq_cp` with `-pps`), then `ntg` steps that decode one
-token of every sequence in one ubatch; it reports the reallocations of each run, which must be
-zero.
+first generated token), generate `-n` more tokens one step at a time. The warm-up repeats a
+short prompt + generation round (at least twice) until a round captures no CUDA graph: a graph
+runs eagerly once and is captured on its second run, so one round would leave captures (of the
+prompt graph at least) inside the first timed repetition. The counters are the backends' own
+(`Context.stats()`, names from `stat_names()`); this module only takes differences over the
+generation steps and divides by their number (ARCHITECTURE §3 "per token"). `stock` rows turn
+on the legacy switches of their backends (`LOWSYNC_CUDA_SYNC_ELISION=0` for CUDA,
+`LOWSYNC_VK_LEGACY_SUBMITS=1` for Vulkan) while their session exists, so they show ggml's
+behaviour end to end; such rows are labelled `stock*`, with a footnote. `staged` runs twice
+where the backend can launch ahead (`--launch-ahead 0,1`): the plain loop and `staged+ahead`,
+side by side. `batched-bench` mirrors llama-batched-bench: `npl` sequences, a prompt of `npp`
+tokens each (or one prompt shared through `seq_cp` with `-pps`), then `ntg` steps that decode
+one token of every sequence in one ubatch; it reports the reallocations of each run, which
+must be zero.
 
-Invariants: a session's plans are compiled once, before any measurement; the same prompt
-(seeded) is used for every row, so rows differ only in backend and policy.
+Invariants: a session's plans are compiled once, before any measurement; no graph capture
+happens in a timed repetition unless the warm-up's bound ran out (the JSON row's
+`graph_captures` says); the same prompt (seeded) is used for every row, so rows differ only in
+backend and policy.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import numpy as np
 
@@ -42,17 +48,38 @@ from lowsync.session import TOKEN_COUNTERS, Session
 
 POLICIES: tuple[str, ...] = ("stock", "relaxed", "staged")
 
-# Per-token counters shown by the bench, in column order (`last_generate` has every counter of
-# `TOKEN_COUNTERS`).
-COUNTERS: tuple[str, ...] = (
-    *TOKEN_COUNTERS[:8],
+# Per-token counters shown in the table, in column order: a choice among the core's counters
+# (`stat_names()`, which `TOKEN_COUNTERS` is); the JSON row carries all of them.
+_COLUMNS: tuple[str, ...] = (
+    "host_waits",
+    "driver_syncs",
+    "elided_syncs",
+    "submits",
+    "empty_submits",
+    "h2d_copies",
+    "d2h_copies",
+    "reallocs",
     "d2d_copies",
     "kernel_launches",
     "graph_launches",
 )
+_missing = [c for c in _COLUMNS if c not in TOKEN_COUNTERS]
+if _missing:  # a counter renamed in the core: fail at import, not with a KeyError mid-bench
+    raise ImportError(f"lowsync.bench: the core has no counter {', '.join(_missing)}")
+COUNTERS: tuple[str, ...] = _COLUMNS
 
-# Switches that make a backend behave as ggml does; the bench sets them for `stock` rows.
-LEGACY_ENV: dict[str, str] = {"LOWSYNC_CUDA_SYNC_ELISION": "0", "LOWSYNC_VK_LEGACY_SUBMITS": "1"}
+# Switches that make a backend behave as ggml does, per backend family; the bench sets them for
+# `stock` rows of that backend.
+LEGACY_ENV: dict[str, dict[str, str]] = {
+    "cuda": {"LOWSYNC_CUDA_SYNC_ELISION": "0"},
+    "vulkan": {"LOWSYNC_VK_LEGACY_SUBMITS": "1"},
+}
+
+# The warm-up: rounds of the prompt and at most this many generated tokens (so the decode graph
+# runs eagerly, is captured and replays, and launch-ahead's fed step runs), until a round
+# captures nothing or the bound is reached.
+WARMUP_TOKENS = 4
+WARMUP_MAX_ROUNDS = 6
 
 
 @contextmanager
@@ -71,10 +98,21 @@ def env_vars(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def legacy_env(policy: str, backends: Sequence[str]) -> dict[str, str]:
+    """The legacy switches a `policy` row on `backends` runs with: those of each backend's
+    family (`cuda:1` is `cuda`) for `stock`, none otherwise."""
+    if policy != "stock":
+        return {}
+    out: dict[str, str] = {}
+    for b in backends:
+        out.update(LEGACY_ENV.get(b.split(":", 1)[0], {}))
+    return out
+
+
 @contextmanager
-def legacy_switches(policy: str) -> Iterator[None]:
-    """Sets `LEGACY_ENV` for a `stock` run (restoring the environment afterwards)."""
-    with env_vars(LEGACY_ENV if policy == "stock" else {}):
+def legacy_switches(policy: str, backends: Sequence[str]) -> Iterator[None]:
+    """Sets `legacy_env(policy, backends)` for a block (restoring the environment afterwards)."""
+    with env_vars(legacy_env(policy, backends)):
         yield
 
 
@@ -123,10 +161,11 @@ class Progress:
         self.drawn = True
 
     def close(self) -> None:
-        """Erases the bar (on a terminal)."""
+        """Erases the bar (on a terminal); it is drawn again by the next update."""
         if self.drawn and self.tty:
             self.stream.write("\r" + " " * 79 + "\r")
             self.stream.flush()
+            self.drawn = False
 
 
 @dataclass(frozen=True)
@@ -147,14 +186,18 @@ class BenchRow:
     tg_tps_std: float
     per_token: dict[str, float] = field(default_factory=dict)
     launch_ahead: bool = False
+    legacy: tuple[str, ...] = ()  # the legacy switches it ran with, as VAR=value
+    warmup_rounds: int = 1
 
     @property
     def label(self) -> str:
-        """The policy column: the policy, `+ahead` when the decode loop launched ahead."""
-        return self.policy + ("+ahead" if self.launch_ahead else "")
+        """The policy column: the policy, `+ahead` when the decode loop launched ahead, `*`
+        when it ran with legacy switches (the table's footnote lists them)."""
+        return self.policy + ("+ahead" if self.launch_ahead else "") + ("*" if self.legacy else "")
 
     def as_dict(self) -> dict[str, Any]:
-        """The JSON row: identification, speeds, then one float per counter."""
+        """The JSON row: identification, speeds, then one float per counter (every counter of
+        `TOKEN_COUNTERS`, not only the table's)."""
         row: dict[str, Any] = {
             "model": self.model,
             "params": self.params,
@@ -162,20 +205,53 @@ class BenchRow:
             "backend": self.backend,
             "policy": self.policy,
             "launch_ahead": self.launch_ahead,
+            "legacy_switches": list(self.legacy),
             "n_prompt": self.n_prompt,
             "n_gen": self.n_gen,
             "reps": self.reps,
+            "warmup_rounds": self.warmup_rounds,
             "pp_tps": self.pp_tps,
             "pp_tps_std": self.pp_tps_std,
             "tg_tps": self.tg_tps,
             "tg_tps_std": self.tg_tps_std,
         }
-        row.update({c: float(self.per_token[c]) for c in COUNTERS})
+        row.update({c: float(v) for c, v in self.per_token.items()})
         return row
 
 
 def _mean_std(xs: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+class _Warmable(Protocol):
+    def clear(self) -> None: ...
+    def generate(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]: ...
+    def stats(self) -> dict[str, dict[str, int]]: ...
+
+
+def warm_up(
+    sess: _Warmable,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    max_rounds: int = WARMUP_MAX_ROUNDS,
+) -> int:
+    """Runs rounds of `prompt` + `max_new_tokens` generated tokens (cache cleared before each):
+    two, then more until a round captures no graph, at most `max_rounds`; returns the rounds.
+
+    A CUDA graph runs eagerly the first time and is captured the second (ARCHITECTURE §5), so
+    by the end of round two every plan a round uses has been captured; one more round with
+    nothing captured shows it (a graph captured again, e.g. after a reallocation, keeps the
+    loop going). Backends without graph replay never capture: two rounds. `max_new_tokens`
+    is at least 2, so that the decode graph runs too."""
+    if max_new_tokens < 2:
+        raise ValueError(f"warm_up: max_new_tokens must be at least 2, got {max_new_tokens}")
+    for rounds in range(1, max_rounds + 1):
+        sess.clear()
+        before = sess.stats()["total"]["graph_captures"]
+        sess.generate(prompt, max_new_tokens)
+        if rounds >= 2 and sess.stats()["total"]["graph_captures"] == before:
+            return rounds
+    return max_rounds
 
 
 def run_bench(
@@ -190,7 +266,8 @@ def run_bench(
     on_rep: Callable[[], None] | None = None,
     launch_ahead: bool = False,
 ) -> BenchRow | None:
-    """Runs one bench row: a warm-up, then `reps` times prompt + `n_gen` generated tokens.
+    """Runs one bench row: the warm-up (`warm_up`), then `reps` times prompt + `n_gen`
+    generated tokens.
 
     `backends` is one context's backend list. Per-token counters are the deltas over the
     `n_gen` generation steps (after the prompt), averaged over the repetitions. With
@@ -201,7 +278,8 @@ def run_bench(
         raise ValueError("n_prompt, n_gen and reps must be at least 1")
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, model.config.n_vocab, size=n_prompt).tolist()
-    with legacy_switches(policy):
+    legacy = legacy_env(policy, backends)
+    with env_vars(legacy):
         sess = Session(
             model,
             backends=list(backends),
@@ -213,9 +291,9 @@ def run_bench(
         )
         if launch_ahead and not sess.launch_ahead:
             return None
-        sess.generate(prompt, 2)  # warm-up: first use of every plan
+        rounds = warm_up(sess, prompt, min(n_gen + 1, WARMUP_TOKENS))
         pp, tg = [], []
-        totals = dict.fromkeys(COUNTERS, 0.0)
+        totals = dict.fromkeys(TOKEN_COUNTERS, 0.0)
         for _ in range(reps):
             sess.clear()
             sess.generate(prompt, n_gen + 1)  # the prompt's token, then n_gen steps
@@ -224,7 +302,7 @@ def run_bench(
             assert st.n_steps == n_gen
             pp.append(st.pp_tps)
             tg.append(st.tg_tps)
-            for c in COUNTERS:
+            for c in TOKEN_COUNTERS:
                 totals[c] += st.per_token[c]
             if on_rep is not None:
                 on_rep()
@@ -243,8 +321,10 @@ def run_bench(
         pp_tps_std=pp_std,
         tg_tps=tg_mean,
         tg_tps_std=tg_std,
-        per_token={c: totals[c] / reps for c in COUNTERS},
+        per_token={c: totals[c] / reps for c in TOKEN_COUNTERS},
         launch_ahead=sess.launch_ahead,
+        legacy=tuple(f"{k}={v}" for k, v in sorted(legacy.items())),
+        warmup_rounds=rounds,
     )
 
 
@@ -258,45 +338,121 @@ def _fmt_tps(mean: float, std: float, reps: int) -> str:
     return f"{mean:.1f} ± {std:.1f}" if reps > 1 else f"{mean:.1f}"
 
 
+def _format_line(line: Sequence[str], widths: Sequence[int], n_left: int) -> str:
+    # A cell wider than its column widens only its own line (a streamed row may not fit the
+    # widths chosen before it ran); markdown does not care.
+    cells = [
+        cell.ljust(w) if i < n_left else cell.rjust(w)
+        for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _format_rule(widths: Sequence[int], n_left: int) -> str:
+    return (
+        "| "
+        + " | ".join("-" * w if i < n_left else "-" * (w - 1) + ":" for i, w in enumerate(widths))
+        + " |"
+    )
+
+
 def format_table(header: Sequence[str], body: Sequence[Sequence[str]], n_left: int) -> str:
     """A markdown table like llama-bench's: the first `n_left` columns left-aligned."""
     widths = [max(3, *(len(line[i]) for line in [header, *body])) for i in range(len(header))]
+    lines = [_format_line(header, widths, n_left), _format_rule(widths, n_left)]
+    return "\n".join([*lines, *(_format_line(line, widths, n_left) for line in body)])
 
-    def fmt(line: Sequence[str]) -> str:
-        cells = [
-            cell.ljust(w) if i < n_left else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
-        ]
-        return "| " + " | ".join(cells) + " |"
 
-    rule = "| " + " | ".join(
-        "-" * w if i < n_left else "-" * (w - 1) + ":" for i, w in enumerate(widths)
-    )
-    return "\n".join([fmt(header), rule + " |", *(fmt(line) for line in body)])
+BENCH_HEADER: tuple[str, ...] = (
+    "model",
+    "params",
+    "type",
+    "backend",
+    "policy",
+    "pp t/s",
+    "tg t/s",
+    *COUNTERS,
+)
+_BENCH_LEFT = 5  # identification columns, left-aligned
+
+
+def _row_cells(r: BenchRow) -> list[str]:
+    return [
+        r.model,
+        _fmt_params(r.params),
+        r.wtype.upper(),
+        r.backend,
+        r.label,
+        _fmt_tps(r.pp_tps, r.pp_tps_std, r.reps),
+        _fmt_tps(r.tg_tps, r.tg_tps_std, r.reps),
+        *(f"{r.per_token[c]:.2f}" for c in COUNTERS),
+    ]
+
+
+def bench_note(rows: Sequence[BenchRow]) -> str:
+    """The lines under the table: the token counts, and the footnote of `*` rows."""
+    if not rows:
+        return ""
+    note = f"pp: {rows[0].n_prompt} prompt tokens, tg: {rows[0].n_gen} generated tokens"
+    legacy = sorted({s for r in rows for s in r.legacy})
+    if legacy:
+        note += (
+            f"\n*: stock with the backends' legacy switches (ggml's behaviour): {', '.join(legacy)}"
+        )
+    return note
 
 
 def format_rows(rows: Sequence[BenchRow]) -> str:
     """The `lowsync bench` table; counters are per generated token."""
-    header = ["model", "params", "type", "backend", "policy", "pp t/s", "tg t/s", *COUNTERS]
-    body = [
-        [
-            r.model,
-            _fmt_params(r.params),
-            r.wtype.upper(),
-            r.backend,
-            r.label,
-            _fmt_tps(r.pp_tps, r.pp_tps_std, r.reps),
-            _fmt_tps(r.tg_tps, r.tg_tps_std, r.reps),
-            *(f"{r.per_token[c]:.2f}" for c in COUNTERS),
+    note = bench_note(rows)
+    table = format_table(BENCH_HEADER, [_row_cells(r) for r in rows], n_left=_BENCH_LEFT)
+    return table + ("\n" + note if note else "")
+
+
+class RowPrinter:
+    """The `lowsync bench` table printed a row at a time, as each run finishes (so rows of a
+    bench stopped part-way are on screen). Column widths are chosen up front from what is
+    known before running: the header, the model and backend names, and the policy labels."""
+
+    def __init__(
+        self,
+        stream: TextIO,
+        model: Llama,
+        runs: Sequence[tuple[str, str]],
+        reps: int,
+    ) -> None:
+        """`runs`: the (backend, policy label) of each planned row."""
+        known = [
+            model.name,
+            _fmt_params(model.n_params),
+            model.weight_type.upper(),
+            max((b for b, _ in runs), key=len, default=""),
+            max((p for _, p in runs), key=len, default=""),
+            "0.0 ± 0.0" if reps > 1 else "0.0",
+            "0.0 ± 0.0" if reps > 1 else "0.0",
         ]
-        for r in rows
-    ]
-    note = (
-        f"pp: {rows[0].n_prompt} prompt tokens, tg: {rows[0].n_gen} generated tokens"
-        if rows
-        else ""
-    )
-    return format_table(header, body, n_left=5) + ("\n" + note if note else "")
+        numeric = 8 if reps == 1 else 15  # room for "12345.6" or "12345.6 ± 123.4"
+        self.widths = [max(3, len(h), len(k)) for h, k in zip(BENCH_HEADER, known, strict=False)]
+        self.widths[5:7] = [max(w, numeric) for w in self.widths[5:7]]
+        self.widths += [max(len(c), 6) for c in COUNTERS]  # "123.45"
+        self.stream = stream
+        self.rows: list[BenchRow] = []
+
+    def add(self, row: BenchRow) -> None:
+        """Prints `row` (after the header, for the first)."""
+        if not self.rows:
+            self.stream.write(_format_line(BENCH_HEADER, self.widths, _BENCH_LEFT) + "\n")
+            self.stream.write(_format_rule(self.widths, _BENCH_LEFT) + "\n")
+        self.rows.append(row)
+        self.stream.write(_format_line(_row_cells(row), self.widths, _BENCH_LEFT) + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """Prints the note under the table (nothing when no row finished)."""
+        note = bench_note(self.rows)
+        if note:
+            self.stream.write(note + "\n")
+            self.stream.flush()
 
 
 # ---- batched bench --------------------------------------------------------------------------
@@ -317,6 +473,7 @@ class BatchedRow:
     t_tg: float
     reallocs: int
     host_waits_per_step: float
+    legacy: tuple[str, ...] = ()  # the legacy switches it ran with, as VAR=value
 
     @property
     def pp_tokens(self) -> int:
@@ -353,6 +510,7 @@ class BatchedRow:
             "s": self.s_total,
             "reallocs": self.reallocs,
             "host_waits_per_step": self.host_waits_per_step,
+            "legacy_switches": list(self.legacy),
         }
 
 
@@ -414,7 +572,8 @@ def run_batched(
 
 
 def format_batched(rows: Sequence[BatchedRow]) -> str:
-    """The `lowsync batched-bench` table (llama-batched-bench's columns plus reallocations)."""
+    """The `lowsync batched-bench` table (llama-batched-bench's columns plus reallocations);
+    rows run with legacy switches are `stock*`, with a footnote."""
     header = [
         "backend",
         "policy",
@@ -434,7 +593,7 @@ def format_batched(rows: Sequence[BatchedRow]) -> str:
     body = [
         [
             r.backend,
-            r.policy,
+            r.policy + ("*" if r.legacy else ""),
             str(r.npp),
             str(r.ntg),
             str(r.npl),
@@ -450,4 +609,6 @@ def format_batched(rows: Sequence[BatchedRow]) -> str:
         ]
         for r in rows
     ]
-    return format_table(header, body, n_left=2)
+    legacy = sorted({s for r in rows for s in r.legacy})
+    note = f"\n*: stock with the backends' legacy switches: {', '.join(legacy)}" if legacy else ""
+    return format_table(header, body, n_left=2) + note

@@ -1,29 +1,44 @@
 """The `lowsync` command line: `lowsync bench` (the main job) and `lowsync batched-bench`.
 
 `lowsync bench` decodes a prompt and generates tokens with a model (the built-in "tiny" unless
-`-m FILE.gguf`) on every usable backend under every sync policy and prints one row per pair:
-prompt and generation tokens/s and, per generated token, host waits, driver syncs, elided
-syncs, submits, empty submits, H2D and D2H copies and reallocations. `lowsync batched-bench`
-mirrors llama-batched-bench (`-npp`, `-ntg`, `-npl`, `-pps`) and fails when a run reallocates.
+`-m FILE.gguf`) on every usable backend under every sync policy and prints one row per pair as
+it finishes: prompt and generation tokens/s and, per generated token, host waits, driver syncs,
+elided syncs, submits, empty submits, H2D and D2H copies and reallocations. Stopped by Ctrl-C or
+`--timeout`, it keeps (and with `--json` prints) the rows finished so far. `lowsync
+batched-bench` mirrors llama-batched-bench (`-npp`, `-ntg`, `-npl`, `-pps`) and fails when a
+run reallocates.
+
+By default the bench runs every available backend except those that would read as nonsense or
+take minutes next to the others: `noop` (runs no kernel) and Vulkan devices of CPU type (a
+software rasteriser such as lavapipe). Either runs when named with `--backend`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
+import math
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
 
+from lowsync import _native
 from lowsync._native import LowsyncError, available_backends, version
 from lowsync.bench import (
     POLICIES,
     BatchedRow,
     BenchRow,
     Progress,
+    RowPrinter,
     batched_n_ctx,
     format_batched,
-    format_rows,
+    legacy_env,
     legacy_switches,
     parse_backends,
     run_batched,
@@ -34,6 +49,14 @@ from lowsync.models.llama import BUILTIN_CONFIGS, Llama
 # Backends the bench skips unless asked for by name: `noop` runs no kernel, so its rows measure
 # host overhead alone and would read as absurd throughput next to real backends.
 _OPT_IN_BACKENDS = frozenset({"noop"})
+
+# Exit statuses of a bench stopped part-way (as a shell reports Ctrl-C and timeout(1) a timeout).
+EXIT_INTERRUPTED = 130
+EXIT_TIMEOUT = 124
+
+
+class BenchTimeout(Exception):
+    """`--timeout` ran out (raised in the main thread by SIGALRM, also inside a native wait)."""
 
 
 def _int_list(text: str) -> list[int]:
@@ -65,6 +88,16 @@ def _ahead_list(text: str) -> list[int]:
             raise argparse.ArgumentTypeError(f"expected a list of 0 and 1, got {text!r}")
         out.append(int(item))
     return sorted(set(out))
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return v
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -132,6 +165,13 @@ def _parser() -> argparse.ArgumentParser:
         help="staged rows without (0) and with (1) launch-ahead: step t+1 queued before token "
         "t is read, fed on the device; a backend that cannot gets no 1 row (default: 0,1)",
     )
+    bench.add_argument(
+        "--timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help="stop after SECONDS (also inside a row) and keep the rows finished by then "
+        "(exit status 124); default: no limit",
+    )
 
     batched = sub.add_parser(
         "batched-bench",
@@ -163,10 +203,31 @@ def _load_model(spec: str, seed: int, command: str, dtype: str = "f32") -> Llama
         return None
 
 
+def software_devices(names: Sequence[str]) -> list[str]:
+    """The Vulkan devices among `names` whose device type is CPU (a software rasteriser such
+    as lavapipe), as the native module reports it.
+
+    The type comes from `lowsync._native.device_type(name)` (VkPhysicalDeviceType: "cpu",
+    "discrete_gpu", ...), never from a device name; a native module without that function
+    cannot tell, and then no device counts as one."""
+    device_type = getattr(_native, "device_type", None)
+    if device_type is None:
+        return []
+    return [b for b in names if b.split(":", 1)[0] == "vulkan" and device_type(b) == "cpu"]
+
+
 def _backends(args: argparse.Namespace) -> list[list[str]]:
     if args.backend:
         return parse_backends(args.backend)
-    return [[b] for b in available_backends() if b not in _OPT_IN_BACKENDS]
+    names = [b for b in available_backends() if b not in _OPT_IN_BACKENDS]
+    skipped = software_devices(names)
+    if skipped:
+        print(
+            f"lowsync {args.command}: skipping {', '.join(skipped)}: a CPU-type Vulkan device "
+            "(software rasteriser); name it with --backend to run it",
+            file=sys.stderr,
+        )
+    return [[b] for b in names if b not in skipped]
 
 
 def _policies(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
@@ -177,6 +238,31 @@ def _policies(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
         if p not in POLICIES:
             parser.error(f"unknown policy {p!r} (choose from {', '.join(POLICIES)})")
     return out
+
+
+@contextmanager
+def _deadline(seconds: float | None) -> Iterator[None]:
+    """Raises `BenchTimeout` in the block once `seconds` have passed: through SIGALRM, so a
+    native wait is interrupted too (it polls Python's signal handlers). Outside the main thread,
+    or without `setitimer`, nothing is armed and the caller checks between rows."""
+    if (
+        seconds is None
+        or not hasattr(signal, "setitimer")
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        yield
+        return
+
+    def ring(signum: int, frame: FrameType | None) -> None:
+        raise BenchTimeout(f"timed out after {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -191,36 +277,57 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         for p in policies
         for ahead in (args.launch_ahead if p == "staged" else [0])
     ]
+    labels = [
+        (
+            "+".join(b),
+            p + ("+ahead" if ahead else "") + ("*" if legacy_env(p, b) else ""),
+        )
+        for b, p, ahead in runs
+    ]
     progress = Progress(len(runs) * args.repetitions)
+    printer = None if args.json else RowPrinter(sys.stdout, model, labels, args.repetitions)
     rows: list[BenchRow] = []
     label = ""
+    status, stopped = 0, ""
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
     try:
-        for backends, policy, ahead in runs:
-            label = f"{'+'.join(backends)}/{policy}{'+ahead' if ahead else ''}"
-            row = run_bench(
-                model,
-                backends,
-                policy,
-                n_prompt=args.n_prompt,
-                n_gen=args.n_gen,
-                reps=args.repetitions,
-                n_ubatch=args.n_ubatch,
-                seed=args.seed,
-                on_rep=functools.partial(progress.update, label),
-                launch_ahead=bool(ahead),
-            )
-            if row is not None:
-                rows.append(row)
+        with _deadline(args.timeout):
+            for backends, policy, ahead in runs:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise BenchTimeout(f"timed out after {args.timeout:g} s")
+                label = f"{'+'.join(backends)}/{policy}{'+ahead' if ahead else ''}"
+                row = run_bench(
+                    model,
+                    backends,
+                    policy,
+                    n_prompt=args.n_prompt,
+                    n_gen=args.n_gen,
+                    reps=args.repetitions,
+                    n_ubatch=args.n_ubatch,
+                    seed=args.seed,
+                    on_rep=functools.partial(progress.update, label),
+                    launch_ahead=bool(ahead),
+                )
+                if row is not None:
+                    rows.append(row)
+                    if printer is not None:
+                        progress.close()  # the bar (stderr) off the line the row goes on
+                        printer.add(row)
     except LowsyncError as e:
-        progress.close()
-        print(f"lowsync bench: {label}: {e}", file=sys.stderr)
-        return 1
+        status, stopped = 1, f"{label}: {e}"
+    except KeyboardInterrupt:
+        status, stopped = EXIT_INTERRUPTED, f"interrupted in {label}"
+    except BenchTimeout as e:
+        status, stopped = EXIT_TIMEOUT, f"{e}, in {label}"
     progress.close()
-    if args.json:
+    if printer is not None:
+        printer.close()
+    elif status != 1:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
-    else:
-        print(format_rows(rows))
-    return 0
+    if stopped:
+        kept = f"; {len(rows)} finished row(s) kept" if status != 1 else ""
+        print(f"lowsync bench: {stopped}{kept}", file=sys.stderr)
+    return status
 
 
 def _batched(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -242,7 +349,7 @@ def _batched(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         for backends, policy in pairs:
             label = f"{'+'.join(backends)}/{policy}"
-            with legacy_switches(policy):
+            with legacy_switches(policy, backends):
                 sess = Session(
                     model,
                     backends=backends,
@@ -253,8 +360,10 @@ def _batched(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     # A graph per batch size, so a TG step of B sequences is not padded to -ub.
                     buckets=sorted({1, *(b for b in args.npl if b <= args.n_ubatch)}),
                 )
+                legacy = tuple(f"{k}={v}" for k, v in sorted(legacy_env(policy, backends).items()))
                 for npp, ntg, npl in combos:
-                    rows.append(run_batched(sess, npp, ntg, npl, args.pps, seed=args.seed))
+                    row = run_batched(sess, npp, ntg, npl, args.pps, seed=args.seed)
+                    rows.append(dataclasses.replace(row, legacy=legacy))
                     progress.update(f"{label} pp{npp} tg{ntg} b{npl}")
     except LowsyncError as e:
         progress.close()

@@ -5,114 +5,92 @@ lowsync run the identical file llama.cpp runs, which is how its results and spee
 Anything this loader cannot run faithfully must be refused with a message that names the file,
 the key or tensor, and what is supported — never loaded approximately.
 
-Strategy: the `gguf` package (imported on first use, so `import lowsync` stays light) reads the
-file memory-mapped. Hyper-parameters come from `<arch>.*` keys and the variant from which
-tensors exist (q/k/v biases: qwen2; q/k norms: qwen3; no `output.weight`: tied embeddings).
-GGUF lists dimensions ne0 first; the reader already exposes numpy order (`[out, in]` for a
-projection), which is what `lowsync.models.llama` consumes, so F32 and F16 tensors stay
-memory-mapped views. BF16 is widened to float32 (marked bf16, uploaded as bf16) and Q8_0 is
-dequantised to f16 at load (this round has no quantised kernels). `save_gguf` writes the same
-layout with `gguf.GGUFWriter`, plus a byte-level SPM vocabulary when the model has none.
+Strategy: `lowsync.gguf_reader` parses and checks the file, memory-mapped, in time and memory
+proportional to its size; this module turns it into a `Llama`. Hyper-parameters come from
+`<arch>.*` keys and the variant from which tensors exist (q/k/v biases: qwen2; q/k norms:
+qwen3; no `output.weight`: tied embeddings). GGUF lists dimensions ne0 first; reversed, that is
+numpy order (`[out, in]` for a projection), which is what `lowsync.models.llama` consumes, so
+F32 and F16 tensors stay memory-mapped views. BF16 is widened to float32 (marked bf16,
+uploaded as bf16). Q8_0 is dequantised at load (this round has no quantised kernels): to f16,
+or to f32 for a tensor holding a value beyond f16's range (65504), which f16 would make inf.
+Saving is `lowsync.gguf_writer` (re-exported here); the layering is reader/writer below
+`lowsync.models` below this module, so nothing imports in a circle.
 
 Invariants: a loaded model's config and tensor shapes agree (checked here, per tensor); every
-error is a `GGUFError` (a `LowsyncError` and a `ValueError`).
+error is a `GGUFError` (a `LowsyncError` and a `ValueError`), except a path that does not
+exist (`FileNotFoundError`) or cannot be opened (the `OSError` naming it).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from lowsync._native import LowsyncError
+from lowsync.gguf_reader import GGUFError, GGUFFile, TensorInfo, ValueType
+from lowsync.gguf_writer import save_gguf
 from lowsync.models.llama import ARCH_ROPE, Llama, LlamaConfig
-
-if TYPE_CHECKING:
-    import gguf
 
 Array = npt.NDArray[Any]
 
+__all__ = ["SUPPORTED_TYPES", "GGUFError", "load_gguf", "save_gguf"]
+
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0")
-# Architectures saved under another name: mistral files use llama's tensors and keys.
-_SAVE_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-
-class GGUFError(LowsyncError, ValueError):
-    """A GGUF file lowsync cannot load: the message names the file, the key or tensor, and
-    what is supported."""
-
-
-def _gguf() -> Any:
-    try:
-        import gguf
-    except ModuleNotFoundError as e:  # pragma: no cover - depends on the environment
-        raise ModuleNotFoundError(
-            "lowsync.gguf needs the `gguf` package: pip install 'lowsync[gguf]' (or gguf)",
-            name="gguf",
-        ) from e
-    return gguf
+_F16_MAX = float(np.finfo(np.float16).max)
+_Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", 32)])  # an f16 scale, then 32 int8 weights
+_Q8_0_CHUNK_BLOCKS = 1 << 16  # blocks dequantised at a time: bounds the f32 temporaries
 
 
 class _File:
-    """A memory-mapped GGUF file and typed access to its fields, with errors naming it."""
+    """A checked GGUF file and typed access to its keys, with errors naming the file."""
 
     def __init__(self, path: Path) -> None:
-        lib = _gguf()
+        self.f = GGUFFile(path)
         self.path = path
-        try:
-            self.reader: gguf.GGUFReader = lib.GGUFReader(path)
-        except Exception as e:  # the reader raises ValueError, IndexError, struct errors, ...
-            raise GGUFError(
-                f"{path}: not a readable GGUF file (corrupt or truncated?): {type(e).__name__}: {e}"
-            ) from e
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = self.f.tensors
+        self.fields = self.f.fields
+        self.arch_hint = "llama-family"
 
     def err(self, msg: str) -> GGUFError:
-        return GGUFError(f"{self.path}: {msg}")
-
-    def has(self, key: str) -> bool:
-        return key in self.reader.fields
+        return self.f.err(msg)
 
     def scalar(self, key: str, kind: type, default: Any = None) -> Any:
         """The value of a scalar key as `kind` (int, float or str); `default` when absent
         (an error when the default is None)."""
-        gguf = _gguf()
-        field = self.reader.fields.get(key)
+        field = self.fields.get(key)
         if field is None:
             if default is None:
                 raise self.err(f"missing key `{key}`, which a {self.arch_hint} model needs")
             return default
-        vtype = field.types[0] if field.types else None
-        if vtype == gguf.GGUFValueType.ARRAY:
+        if field.type == ValueType.ARRAY:
             raise self.err(
                 f"key `{key}` is an array (per-layer values?); lowsync supports one value for "
                 "every layer"
             )
-        value = field.contents()
+        value = field.value
         ok = (
             (kind is str and isinstance(value, str))
             or (kind is int and isinstance(value, int) and not isinstance(value, bool))
             or (kind is float and isinstance(value, int | float) and not isinstance(value, bool))
         )
         if not ok:
-            raise self.err(f"key `{key}` holds {value!r}; expected {kind.__name__}")
-        if kind is float and vtype == gguf.GGUFValueType.FLOAT32:
+            raise self.err(f"key `{key}` holds {value!r:.80}; expected {kind.__name__}")
+        if kind is float and field.type == ValueType.FLOAT32:
             # The shortest decimal that is this float32 (1e-5, not 9.99999974e-06): the value the
             # writer meant, and the same float32 once a graph op takes it.
             return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
         return kind(value)
 
-    arch_hint = "llama-family"
-
 
 def load_gguf(path: str | os.PathLike[str]) -> Llama:
     """Loads a llama, mistral, qwen2 or qwen3 decoder from a GGUF file.
 
-    Weights in F32, F16, BF16 or Q8_0 (dequantised to f16). F32/F16 tensors stay memory-mapped
-    until a session uploads them. Raises `GGUFError` for anything else.
+    Weights in F32, F16, BF16 or Q8_0 (dequantised to f16, or to f32 for a tensor with values
+    beyond f16's range). F32/F16 tensors stay memory-mapped until a session uploads them.
+    Raises `GGUFError` for anything else.
 
     Example::
 
@@ -120,7 +98,7 @@ def load_gguf(path: str | os.PathLike[str]) -> Llama:
         sess = lowsync.Session(model, backends=["cpu"])
     """
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise FileNotFoundError(f"GGUF file {p} does not exist")
     f = _File(p)
 
@@ -157,15 +135,22 @@ def load_gguf(path: str | os.PathLike[str]) -> Llama:
             f"K heads have {k_dim} dims but `{arch}.attention.value_length` is {v_dim}; lowsync "
             "supports equal K and V head sizes"
         )
+    n_layer = f.scalar(f"{arch}.block_count", int)
+    if n_layer > len(f.tensors):
+        # Each block has several tensors: a count past the table is corrupt, and listing the
+        # tensors such a count would need costs time in the count, not in the file's size.
+        raise f.err(
+            f"`{arch}.block_count` is {n_layer} but the file has only {len(f.tensors)} tensors"
+        )
 
     embd = f.tensors.get("token_embd.weight")
     if embd is None:
         raise f.err("missing tensor `token_embd.weight`")
-    n_vocab = int(embd.shape[1]) if len(embd.shape) == 2 else 0
-    tokens_field = f.reader.fields.get("tokenizer.ggml.tokens")
-    if tokens_field is not None and len(tokens_field.data) != n_vocab:
+    n_vocab = embd.ne[1] if len(embd.ne) == 2 else 0
+    tokens_field = f.fields.get("tokenizer.ggml.tokens")
+    if tokens_field is not None and len(tokens_field) != n_vocab:
         raise f.err(
-            f"the vocabulary (`tokenizer.ggml.tokens`) has {len(tokens_field.data)} tokens but "
+            f"the vocabulary (`tokenizer.ggml.tokens`) has {len(tokens_field)} tokens but "
             f"`token_embd.weight` has {n_vocab} rows"
         )
     vocab_key = f.scalar(f"{arch}.vocab_size", int, 0)
@@ -178,7 +163,7 @@ def load_gguf(path: str | os.PathLike[str]) -> Llama:
         config = LlamaConfig(
             n_vocab=n_vocab,
             n_embd=n_embd,
-            n_layer=f.scalar(f"{arch}.block_count", int),
+            n_layer=n_layer,
             n_head=n_head,
             n_head_kv=f.scalar(f"{arch}.attention.head_count_kv", int, n_head),
             n_ff=f.scalar(f"{arch}.feed_forward_length", int),
@@ -215,13 +200,13 @@ def load_gguf(path: str | os.PathLike[str]) -> Llama:
     weights: dict[str, Array] = {}
     dtypes: dict[str, str] = {}
     for name, shape in want.items():
-        weights[name], dtypes[name] = _read_tensor(f, name, shape)
+        weights[name], dtypes[name] = _read_tensor(f, f.tensors[name], shape)
 
     metadata: dict[str, tuple[Any, int, int | None]] = {}
-    for key, field in f.reader.fields.items():
+    for key, field in f.fields.items():
         if key.startswith("tokenizer."):
-            sub = int(field.types[-1]) if len(field.types) > 1 else None
-            metadata[key] = (field.contents(), int(field.types[0]), sub)
+            sub = None if field.item_type is None else int(field.item_type)
+            metadata[key] = (field.value, int(field.type), sub)
 
     name = f.scalar("general.name", str, p.stem)
     try:
@@ -230,127 +215,50 @@ def load_gguf(path: str | os.PathLike[str]) -> Llama:
         raise f.err(str(e)) from e
 
 
-def _read_tensor(f: _File, name: str, shape: tuple[int, ...]) -> tuple[Array, str]:
+def _read_tensor(f: _File, t: TensorInfo, shape: tuple[int, ...]) -> tuple[Array, str]:
     """One tensor as a numpy array in numpy order, and its lowsync dtype."""
-    gguf = _gguf()
-    qt = gguf.GGMLQuantizationType
-    t = f.tensors[name]
-    ne = [int(d) for d in t.shape]
-    if tuple(reversed(ne)) != shape:
+    if t.shape != shape:
         raise f.err(
-            f"tensor `{name}` has ne {ne} (numpy shape {tuple(reversed(ne))}); the model's "
+            f"tensor `{t.name}` has ne {list(t.ne)} (numpy shape {t.shape}); the model's "
             f"hyper-parameters need numpy shape {shape}"
         )
-    ttype = t.tensor_type
-    type_name = getattr(ttype, "name", str(ttype))
-    if type_name not in SUPPORTED_TYPES:
+    kind = t.type.name
+    if kind not in SUPPORTED_TYPES:
         raise f.err(
-            f"tensor `{name}` has type {type_name}, which lowsync does not load yet "
+            f"tensor `{t.name}` has type {kind}, which lowsync does not load yet "
             f"(supported: {', '.join(SUPPORTED_TYPES)})"
         )
-    data: Array = t.data
-    block, type_size = gguf.GGML_QUANT_SIZES[ttype]
-    if data.nbytes != t.n_elements * type_size // block or t.n_bytes != data.nbytes:
-        raise f.err(f"tensor `{name}`: the file ends inside its data (truncated)")
-    if ttype == qt.F32:
-        return data.astype(np.float32, copy=False).reshape(shape), "f32"
-    if ttype == qt.F16:
-        return data.astype(np.float16, copy=False).reshape(shape), "f16"
-    if ttype == qt.BF16:
-        bits = np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
+    data = f.f.tensor_data(t)  # the reader checked that these bytes lie inside the file
+    if kind == "F32":
+        return data.view("<f4").reshape(shape), "f32"
+    if kind == "F16":
+        return data.view("<f2").reshape(shape), "f16"
+    if kind == "BF16":
+        bits = data.view("<u2").astype(np.uint32)
+        np.left_shift(bits, 16, out=bits)
         return bits.view(np.float32).reshape(shape), "bf16"
-    # Q8_0: blocks of 32 weights, each an f16 scale followed by 32 int8 values.
-    blocks = np.ascontiguousarray(data).reshape(-1, 34)
-    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-    q = blocks[:, 2:].view(np.int8).astype(np.float32)
-    return (q * scale).astype(np.float16).reshape(shape), "f16"
+    values, dtype = _dequantize_q8_0(data.view(_Q8_0_BLOCK))
+    return values.reshape(shape), dtype
 
 
-def save_gguf(model: Llama, path: str | os.PathLike[str]) -> None:
-    """Writes `model` as a GGUF file that llama.cpp loads.
+def _dequantize_q8_0(blocks: Array) -> tuple[Array, str]:
+    """Q8_0 blocks as f16 values, or as f32 where some value is beyond f16's range.
 
-    The architecture is the model's (mistral is written as llama). Weights keep their dtypes
-    (f32, f16, bf16). A model loaded from GGUF keeps its tokenizer fields; any other model gets
-    a byte-level SPM vocabulary: `<unk>`, `<s>`, `</s>`, the 256 byte tokens, then filler
-    pieces up to `n_vocab`.
+    A value is its block's scale times an int8, computed in f32 (as `gguf.quants` does); f16
+    would turn a value above 65504 into inf, so such a tensor stays f32 (twice the memory, the
+    exact values). |int8| <= 128, so only blocks whose scale exceeds 65504 / 128 can overflow.
     """
-    gguf = _gguf()
-    cfg = model.config
-    arch = _SAVE_ARCH[cfg.arch]
-    if cfg.rope_dims != cfg.head_dim:
-        # llama.cpp refuses (llama) or asserts on (qwen2/qwen3) partial rotary embeddings.
-        raise GGUFError(
-            f"{os.fspath(path)}: cannot save a model with partial RoPE ({arch}.rope."
-            f"dimension_count = {cfg.rope_dims}, head size = {cfg.head_dim}): llama.cpp's "
-            f"{arch} architecture requires the rotary dimension count to equal the head size"
-        )
-    w = gguf.GGUFWriter(os.fspath(path), arch)
-    w.add_name(model.name)
-    w.add_context_length(cfg.n_ctx_train)
-    w.add_embedding_length(cfg.n_embd)
-    w.add_block_count(cfg.n_layer)
-    w.add_feed_forward_length(cfg.n_ff)
-    w.add_head_count(cfg.n_head)
-    w.add_head_count_kv(cfg.n_head_kv)
-    if cfg.head_dim != cfg.n_embd // cfg.n_head or cfg.n_embd % cfg.n_head:
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.rope_dims)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_eps)
-    w.add_vocab_size(cfg.n_vocab)
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}
-    w.add_file_type(int(file_type.get(model.weight_type, gguf.LlamaFileType.MOSTLY_BF16)))
-
-    if any(k.startswith("tokenizer.ggml.") for k in model.metadata):
-        for key, (value, vtype, sub) in model.metadata.items():
-            w.add_key_value(
-                key,
-                value,
-                gguf.GGUFValueType(vtype),
-                sub_type=None if sub is None else gguf.GGUFValueType(sub),
-            )
-    else:
-        _add_byte_vocab(w, cfg.n_vocab)
-
-    for name, data in model.weights.items():
-        if model.dtypes[name] == "bf16":
-            bits = (np.ascontiguousarray(data, np.float32).view(np.uint32) >> 16).astype(np.uint16)
-            w.add_tensor(name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def _add_byte_vocab(w: Any, n_vocab: int) -> None:
-    """A byte-level SPM ("llama") vocabulary of exactly `n_vocab` tokens."""
-    gguf = _gguf()
-    tt = gguf.TokenType
-    tokens: list[str] = ["<unk>", "<s>", "</s>"]
-    types: list[int] = [int(tt.UNKNOWN), int(tt.CONTROL), int(tt.CONTROL)]
-    tokens += [f"<0x{b:02X}>" for b in range(256)]
-    types += [int(tt.BYTE)] * 256
-    filler = n_vocab - len(tokens)
-    tokens += [_filler_piece(i) for i in range(max(filler, 0))]
-    types += [int(tt.NORMAL)] * max(filler, 0)
-    tokens, types = tokens[:n_vocab], types[:n_vocab]
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([-float(i) for i in range(len(tokens))])
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-
-
-def _filler_piece(i: int) -> str:
-    """A unique lowercase piece for filler token `i`: "▁a", "▁b", ..., "▁ba", ..."""
-    letters = ""
-    i += 1
-    while i:
-        i, r = divmod(i - 1, 26)
-        letters = chr(ord("a") + r) + letters
-    return "\u2581" + letters
+    scale = blocks["d"].astype(np.float32)
+    risky = np.abs(scale) > _F16_MAX / 128  # NaN is not risky: it stays NaN in f16
+    dtype: type = np.float16
+    # inf or NaN scales are the file's values; they give inf or NaN weights, as in llama.cpp.
+    with np.errstate(invalid="ignore", over="ignore"):
+        if risky.any():
+            q_max = np.abs(blocks["qs"][risky].astype(np.int16)).max(axis=1)
+            if (np.abs(scale[risky]) * q_max > _F16_MAX).any():
+                dtype = np.float32
+        out: Array = np.empty((blocks.shape[0], 32), dtype)
+        for i in range(0, blocks.shape[0], _Q8_0_CHUNK_BLOCKS):
+            j = i + _Q8_0_CHUNK_BLOCKS
+            out[i:j] = blocks["qs"][i:j].astype(np.float32) * scale[i:j, None]
+    return out, "f32" if dtype is np.float32 else "f16"

@@ -3,72 +3,74 @@
 Why: the graph contract (ARCHITECTURE §6) moves everything that changes between steps out of
 the graph and into small host-written inputs. Something must own that state — which KV-cache
 cell holds which position of which sequences — and turn it into inputs every step, without
-ever rebuilding a graph. That is this module; the graph itself is `lowsync.models.llama`.
+ever rebuilding a graph. The state is `lowsync.kv_cells.KvCells`; this module turns it into
+inputs and runs the plans; the graph itself is `lowsync.models.llama`.
 
 Strategy: one `Context` per session (the user's backend list is passed straight through) and
 one compiled plan per shape bucket, compiled once in `__init__`, largest first (reserve once):
 by default a 1-token decode graph and an `n_ubatch`-token graph. All plans name the same
-weights and persistent KV tensors, which the context shares between its plans. The cache is
-unified, like llama.cpp's: `n_ctx` cells, each with a position and a set of sequence ids, so
-`seq_cp` shares cells without copying data. The cache tensors have one more row than there are
-cells: the last row is a scratch row that padded tokens of a short ubatch write to; no mask row
-ever admits it. Per ubatch the host
-fills `tokens`, `pos`, `kv_idx`, `kq_mask` and `out_ids` (padded to the bucket) and computes;
-a greedy step reads only `next` (4 bytes per output row), so under the `staged` policy a
-generated token costs one host wait. With launch-ahead (`staged`, a backend with stream-ordered
-copies and reads) `generate` queues step t+1 before it reads token t: the decode plan's `tokens`
-input is fed on the device from the step before's `next`, and the read of token t is waited for
-on its own, so the device runs step after step while the host reads and checks tokens.
+weights and persistent KV tensors, which the context shares between its plans. The cache
+tensors have one more row than there are cells: the scratch row that padded tokens of a short
+ubatch write to. Per ubatch the host fills `tokens`, `pos`, `kv_idx`, `kq_mask` and `out_ids`
+(padded to the bucket) and computes; a greedy step reads only `next` (4 bytes per output row),
+so under the `staged` policy a generated token costs one host wait. With launch-ahead
+(`staged`, a backend with stream-ordered copies and reads) `generate` queues step t+1 before it
+reads token t: the decode plan's `tokens` input is fed on the device from the step before's
+`next`, and the read of token t is waited for on its own, so the device runs step after step
+while the host reads and checks tokens.
 
-Invariants: every public method validates its arguments (token ids, sequence ids, free cells)
-before it changes any state; a decode that fails part-way (a backend error, Ctrl-C) gives back
-the cells it took, so the session stays usable (invariant 14). Shapes never depend on state, so
-steps after `seq_cp` and ubatches without outputs run the same plans (invariants 11, 12).
+Invariants: every public method validates its arguments before it changes any state; every
+step is a transaction on the cells (`KvCells.begin` .. `commit` / `rollback`), so a step that
+fails anywhere — a bad input, a backend error, Ctrl-C between any two lines — leaves the cells
+as they were before it; after Ctrl-C (which cancels queued work) the cells of steps never
+waited for are freed too, since their rows may not have been written; and what an interrupt
+outside any handler leaves (an open step, an armed feed) is repaired on entry to the next call
+(invariant 14). Calls are serialised by a lock, so threads may share a session. Shapes never
+depend on state, so steps after `seq_cp` and ubatches without outputs run the same plans
+(invariants 11, 12).
 """
 
 from __future__ import annotations
 
-import os
+import functools
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from lowsync._native import Context, LowsyncError, Plan
+from lowsync._native import Context, LowsyncError, Plan, env_flag, stat_names
+from lowsync.kv_cells import ContextFullError, KvCells, SessionError, Step
 from lowsync.models.llama import OUTPUT_LOGITS, OUTPUT_NEXT, Llama
+
+__all__ = ["TOKEN_COUNTERS", "ContextFullError", "GenerateStats", "Session", "SessionError"]
 
 LogitsMode = Literal["last", "all", "none"]
 
-# Counters reported per generated token (the bench's columns).
-TOKEN_COUNTERS: tuple[str, ...] = (
-    "host_waits",
-    "driver_syncs",
-    "elided_syncs",
-    "submits",
-    "empty_submits",
-    "h2d_copies",
-    "d2h_copies",
-    "reallocs",
-    "h2d_bytes",
-    "d2h_bytes",
-    "kernel_launches",
-    "graph_launches",
-    "graph_captures",
-    "device_ns",
-    "d2d_copies",
-    "d2d_bytes",
-)
+# Every counter of `Context.stats()`, in the core's order: `GenerateStats` reports each of them
+# for the prompt and per generated token (`staging_bytes_in_use` is a level, so its "per token"
+# figure is its growth per token, 0 while staging stays bounded).
+TOKEN_COUNTERS: tuple[str, ...] = tuple(stat_names())
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
-class SessionError(LowsyncError, ValueError):
-    """Bad input to a `Session`: an unknown sequence id, a token id out of range, ..."""
+def _serialised(
+    method: Callable[Concatenate[Session, _P], _R],
+) -> Callable[Concatenate[Session, _P], _R]:
+    """Runs `method` under the session's lock (one call at a time, whichever thread)."""
 
+    @functools.wraps(method)
+    def locked(self: Session, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            self._recover()
+            return method(self, *args, **kwargs)
 
-class ContextFullError(SessionError):
-    """The KV cache has too few free cells for the tokens of a decode."""
+    return locked
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,8 @@ class GenerateStats:
 
     The prompt phase (`prefill_s`, `prefill`) decodes the prompt and reads the first generated
     token; the decode phase is the `n_steps` one-token steps after it, and `per_token` holds its
-    counter deltas divided by `n_steps` (the "per generated token" figures of the bench).
+    counter deltas divided by `n_steps` (the "per generated token" figures of the bench). Both
+    hold every counter of `TOKEN_COUNTERS`.
     """
 
     n_prompt: int
@@ -100,27 +103,25 @@ class GenerateStats:
 
 
 def _launch_ahead_setting(value: bool | None) -> bool:
-    """`launch_ahead` as given, or `LOWSYNC_LAUNCH_AHEAD` (0 or 1, default 1) when None."""
-    if value is not None:
-        if not isinstance(value, bool):
-            raise SessionError(f"Session: launch_ahead must be a bool or None, got {value!r}")
-        return value
-    raw = os.environ.get("LOWSYNC_LAUNCH_AHEAD", "1").strip()
-    if raw not in ("0", "1"):
-        raise SessionError(f"LOWSYNC_LAUNCH_AHEAD must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    """`launch_ahead` as given, or `LOWSYNC_LAUNCH_AHEAD` (0 or 1, default 1) when None; the
+    variable goes through the core's parser, so a bad value is an `EnvError` naming it."""
+    if value is None:
+        return env_flag("LOWSYNC_LAUNCH_AHEAD", True)
+    if not isinstance(value, bool):
+        raise SessionError(f"Session: launch_ahead must be a bool or None, got {value!r}")
+    return value
 
 
 class _Bucket:
     """One compiled graph of fixed token count, with the host buffers of its inputs."""
 
-    def __init__(self, plan: Plan, n_tokens: int, n_cells: int) -> None:
+    def __init__(self, plan: Plan, n_tokens: int, n_rows: int) -> None:
         self.plan = plan
         self.n_tokens = n_tokens
         self.tokens = np.zeros(n_tokens, np.int32)
         self.pos = np.zeros(n_tokens, np.int32)
         self.kv_idx = np.zeros(n_tokens, np.int32)
-        self.kq_mask = np.full((n_tokens, n_cells), -np.inf, np.float32)
+        self.kq_mask = np.full((n_tokens, n_rows), -np.inf, np.float32)
         self.out_ids = np.zeros(n_tokens, np.int32)
         plan.set_input("out_ids", self.out_ids)
 
@@ -134,6 +135,16 @@ class Session:
     `buckets` plus one of `n_ubatch` tokens, all at creation; a ubatch runs on the smallest that
     holds it, padded. The default `(1,)` gives single-token steps their own graph; `()` runs
     everything through the `n_ubatch` graph; e.g. `(1, 2, 4)` suits 4 parallel sequences.
+
+    A call that raises — bad input, a backend error, KeyboardInterrupt — leaves the cache as it
+    was before the call, and the session stays usable. One exception to "as it was": when a
+    call is interrupted (Ctrl-C), cells of earlier calls whose device work was never waited
+    for (a `decode(..., logits="none")` not followed by any read) are freed too, since the
+    backends cancel queued work on Ctrl-C and those KV rows may never have been written;
+    `seq_pos_max` shows what each sequence still holds.
+
+    Threads may share a session: its calls are serialised by a lock (a second thread's call
+    waits until the first returns), so each call sees and leaves a consistent cache.
 
     Example::
 
@@ -155,6 +166,11 @@ class Session:
         buckets: Sequence[int] = (1,),
         launch_ahead: bool | None = None,
     ) -> None:
+        if not isinstance(model, Llama):
+            raise SessionError(
+                f"Session: model must be a lowsync Llama (Llama.random or load_gguf), "
+                f"got {type(model).__name__}"
+            )
         for what, v in (("n_ctx", n_ctx), ("n_seq", n_seq), ("n_ubatch", n_ubatch)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise SessionError(f"Session: {what} must be a positive integer, got {v!r}")
@@ -174,17 +190,17 @@ class Session:
         self.n_seq = n_seq
         self.n_ubatch = n_ubatch
         self.n_vocab = model.config.n_vocab
+        self._lock = threading.RLock()
+        self._cells = KvCells(n_ctx, n_seq)
         self.context = Context(list(backends), policy=policy)
-        # The cache has n_ctx cells plus the scratch row that padding writes (never attended).
-        self._n_rows = n_ctx + 1
-        self._scratch = n_ctx
+        n_rows = self._cells.n_rows
         # Largest bucket first: its compile is the worst-case reserve, and every smaller graph
         # (same nodes, smaller tensors) then fits it without reallocating (invariant 11).
         sizes = sorted({*buckets, n_ubatch}, reverse=True)
         compiled: list[_Bucket] = []
         for size in sizes:
-            graph = model.build_graph(size, self._n_rows, size, kv_dtype=kv_dtype)
-            compiled.append(_Bucket(self.context.compile(graph), size, self._n_rows))
+            graph = model.build_graph(size, n_rows, size, kv_dtype=kv_dtype)
+            compiled.append(_Bucket(self.context.compile(graph), size, n_rows))
             del graph  # the context holds the uploaded weights; drop the graph's copy now
         self._buckets = compiled[::-1]  # smallest first, for `_bucket_for`
         decode = self._buckets[0].plan
@@ -194,14 +210,9 @@ class Session:
             and decode.can_feed("tokens", OUTPUT_NEXT)
             and decode.can_read_async(OUTPUT_NEXT)
         )
-
-        # Cell state: position (-1: free), sequence membership, and per sequence the mask row
-        # it sees (0 on its cells, -inf elsewhere and always on the scratch row).
-        self._cell_pos = np.full(n_ctx, -1, np.int64)
-        self._cell_seq = np.zeros((n_ctx, n_seq), bool)
-        self._seq_mask = np.full((n_seq, self._n_rows), -np.inf, np.float32)
-        self._seq_next = [0] * n_seq  # next position of each sequence (max position + 1)
-        self._free: list[int] = list(range(n_ctx - 1, -1, -1))  # a stack: pops 0, 1, 2, ...
+        # Set from just before a feed is armed until the compute that takes it returned: while
+        # set outside a call, a feed may be armed for whatever computes next (`_recover`).
+        self._feed_armed = False
         self.last_generate: GenerateStats | None = None
 
     # ---- facts --------------------------------------------------------------------------------
@@ -226,59 +237,55 @@ class Session:
     @property
     def n_free(self) -> int:
         """KV cells not used by any sequence."""
-        return len(self._free)
+        with self._lock:
+            self._recover()
+            return self._cells.n_free
 
     @property
     def plans(self) -> list[Plan]:
         """The compiled plans, smallest bucket first (compiled once, at creation)."""
         return [b.plan for b in self._buckets]
 
+    @_serialised
     def seq_pos_max(self, seq_id: int) -> int:
         """The largest position held by `seq_id`, or -1 when it holds none."""
-        self._check_seq(seq_id)
-        return self._seq_next[seq_id] - 1
+        return self._cells.pos_max(seq_id)
 
+    @_serialised
     def seq_cells(self, seq_id: int) -> list[int]:
         """The cells `seq_id` holds, in cell order (cells may be shared with other sequences)."""
-        self._check_seq(seq_id)
-        return [int(c) for c in np.flatnonzero(self._cell_seq[:, seq_id])]
+        return self._cells.cells(seq_id)
 
+    @_serialised
     def stats(self) -> dict[str, dict[str, int]]:
         """Cumulative counters of the context: per backend and `"total"`."""
         return self.context.stats()
 
     # ---- sequences ----------------------------------------------------------------------------
 
+    @_serialised
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int | None = None) -> None:
         """Makes `dst` share `src`'s cells with positions in [p0, p1): no data is copied."""
-        self._check_seq(src)
-        self._check_seq(dst)
-        cells = self._range_cells(src, p0, p1)
-        if src == dst or cells.size == 0:
-            return
-        self._cell_seq[cells, dst] = True
-        self._seq_mask[dst, cells] = 0.0
-        self._seq_next[dst] = max(self._seq_next[dst], int(self._cell_pos[cells].max()) + 1)
+        self._cells.copy(src, dst, p0, p1)
 
+    @_serialised
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None) -> None:
         """Removes `seq_id` from its cells with positions in [p0, p1); frees cells left empty."""
-        self._check_seq(seq_id)
-        self._drop(seq_id, self._range_cells(seq_id, p0, p1))
+        self._cells.remove(seq_id, p0, p1)
 
+    @_serialised
     def seq_keep(self, seq_id: int) -> None:
         """Removes every other sequence from the cache."""
-        self._check_seq(seq_id)
-        for s in range(self.n_seq):
-            if s != seq_id:
-                self._drop(s, np.flatnonzero(self._cell_seq[:, s]))
+        self._cells.keep(seq_id)
 
+    @_serialised
     def clear(self) -> None:
         """Empties the cache (every sequence)."""
-        for s in range(self.n_seq):
-            self._drop(s, np.flatnonzero(self._cell_seq[:, s]))
+        self._cells.clear()
 
     # ---- decoding -----------------------------------------------------------------------------
 
+    @_serialised
     def decode(
         self,
         tokens: Sequence[int] | npt.NDArray[np.integer[Any]],
@@ -302,6 +309,7 @@ class Session:
         out = np.concatenate(rows) if len(rows) > 1 else rows[0]
         return out[-1] if logits == "last" else out
 
+    @_serialised
     def step(self, tokens: Mapping[int, int]) -> dict[int, int]:
         """Decodes one token for each of several sequences in one ubatch; returns each
         sequence's greedy next token (argmax on the device: only `next` is read back).
@@ -311,14 +319,15 @@ class Session:
         seqs = list(tokens)
         if not seqs:
             raise SessionError("step: no sequences given")
-        toks = self._check_tokens([tokens[s] for s in seqs])
         for s in seqs:
             self._check_seq(s)
+        toks = self._check_tokens([tokens[s] for s in seqs])
         nxt = self._run(toks, seqs, [True] * len(seqs), want="next")
         assert nxt is not None
         ids = np.concatenate(nxt)
         return {s: int(t) for s, t in zip(seqs, ids, strict=True)}
 
+    @_serialised
     def generate(
         self,
         prompt: Sequence[int] | npt.NDArray[np.integer[Any]],
@@ -335,7 +344,9 @@ class Session:
         stop token, step t+1 ran for nothing and its cell is given back. Generation ends
         after `max_new_tokens` tokens or at a token in `stop`. The cache must have room for the
         prompt and every generated token but the last, checked before anything runs. Timing and
-        counters of the call are kept in `last_generate`.
+        counters of the call are kept in `last_generate`. If a step fails, the steps whose
+        token was read keep their cells (`seq_pos_max` shows how far it got) and the failed
+        step gives its cell back.
         """
         toks = self._check_tokens(prompt)
         self._check_seq(seq_id)
@@ -346,10 +357,11 @@ class Session:
         if len(toks) == 0:
             raise SessionError("generate: the prompt is empty")
         need = len(toks) + max_new_tokens - 1
-        if need > self.n_free:
+        if need > self._cells.n_free:
             raise ContextFullError(
                 f"generate: needs {need} free KV cells ({len(toks)} prompt tokens + "
-                f"{max_new_tokens - 1} fed back), the cache has {self.n_free} of {self.n_ctx}"
+                f"{max_new_tokens - 1} fed back), the cache has {self._cells.n_free} of "
+                f"{self.n_ctx}"
             )
         stops = {int(t) for t in stop}
 
@@ -363,22 +375,11 @@ class Session:
         out = [token]
         t1 = time.perf_counter()
         mid = self.context.stats()["total"]
-        steps = 0
         decode = self._buckets[0]
         if self._launch_ahead:
             steps = self._generate_ahead(decode, token, seq_id, max_new_tokens, stops, out)
         else:
-            while len(out) < max_new_tokens and token not in stops:
-                self._check_device_token(token)
-                taken, saved_next = self._run_one(decode, token, seq_id)
-                try:
-                    token = int(decode.plan.get_output(OUTPUT_NEXT)[0])  # the step's one wait
-                except BaseException:
-                    # Not known to have run (Ctrl-C cancels queued work): give its cell back.
-                    self._give_back([taken], saved_next)
-                    raise
-                out.append(token)
-                steps += 1
+            steps = self._generate_plain(decode, token, seq_id, max_new_tokens, stops, out)
         t2 = time.perf_counter()
         after = self.context.stats()["total"]
         self.last_generate = GenerateStats(
@@ -395,13 +396,7 @@ class Session:
     # ---- validation ---------------------------------------------------------------------------
 
     def _check_seq(self, seq_id: int) -> None:
-        if isinstance(seq_id, bool) or not isinstance(seq_id, int | np.integer):
-            raise SessionError(f"sequence id must be an int, got {seq_id!r}")
-        if not 0 <= seq_id < self.n_seq:
-            raise SessionError(
-                f"unknown sequence id {seq_id}: this session has sequences 0..{self.n_seq - 1} "
-                f"(n_seq={self.n_seq})"
-            )
+        self._cells.pos_max(seq_id)  # raises SessionError naming the valid ids
 
     def _check_seq_ids(self, seq_id: int | Sequence[int], n: int) -> list[int]:
         if isinstance(seq_id, int | np.integer) and not isinstance(seq_id, bool):
@@ -454,46 +449,19 @@ class Session:
             raise SessionError(f"decode: {len(flags)} logits flags for {n} tokens")
         return flags
 
-    def _range_cells(self, seq_id: int, p0: int, p1: int | None) -> npt.NDArray[np.intp]:
-        hi = np.iinfo(np.int64).max if p1 is None else p1
-        if p0 < 0 or hi < p0:
-            raise SessionError(f"position range [{p0}, {p1}) is empty or negative")
-        sel = self._cell_seq[:, seq_id] & (self._cell_pos >= p0) & (self._cell_pos < hi)
-        return np.flatnonzero(sel)
-
-    # ---- cache state --------------------------------------------------------------------------
-
-    def _drop(self, seq_id: int, cells: npt.NDArray[np.intp]) -> None:
-        """Removes `seq_id` from `cells` and frees the cells no sequence holds any more."""
-        if cells.size == 0:
-            return
-        self._cell_seq[cells, seq_id] = False
-        self._seq_mask[seq_id, cells] = -np.inf
-        emptied = cells[~self._cell_seq[cells].any(axis=1)]
-        self._cell_pos[emptied] = -1
-        # Freed cells go back on the stack lowest-last, so the next allocation takes them in
-        # ascending order.
-        self._free.extend(int(c) for c in sorted(emptied.tolist(), reverse=True))
-        held = self._cell_pos[self._cell_seq[:, seq_id]]
-        self._seq_next[seq_id] = int(held.max()) + 1 if held.size else 0
-
-    def _take(self, seqs: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Gives each token a free cell and its sequence's next position."""
-        cells = [self._free.pop() for _ in seqs]
-        positions = []
-        for c, s in zip(cells, seqs, strict=True):
-            p = self._seq_next[s]
-            self._seq_next[s] = p + 1
-            self._cell_pos[c] = p
-            self._cell_seq[c, s] = True
-            self._seq_mask[s, c] = 0.0
-            positions.append(p)
-        return cells, positions
-
     # ---- running ------------------------------------------------------------------------------
 
     def _bucket_for(self, n: int) -> _Bucket:
         return next(b for b in self._buckets if b.n_tokens >= n)
+
+    def _abort(self, error: BaseException, *steps: Step) -> None:
+        """After `error`: undoes the open `steps` (newest first). An interruption (Ctrl-C, or
+        any exception a signal handler raised inside a native wait) makes the backends cancel
+        their queued work, so the cells of committed steps that were never waited for are
+        freed too; a lowsync error leaves queued work to run."""
+        self._cells.rollback(*steps)
+        if not isinstance(error, LowsyncError):
+            self._cells.invalidate_pending()
 
     def _run(
         self,
@@ -502,65 +470,65 @@ class Session:
         flags: list[bool],
         want: Literal["logits", "next"],
     ) -> list[npt.NDArray[Any]] | None:
-        """Runs the tokens in ubatches; returns the wanted output rows of each ubatch that has
-        any (None when no token wants an output). All-or-nothing on the cache."""
-        if len(tokens) > self.n_free:
+        """Runs the tokens in ubatches, as one step of the cells; returns the wanted output rows
+        of each ubatch that has any (None when no token wants an output)."""
+        if len(tokens) > self._cells.n_free:
             raise ContextFullError(
                 f"decode: {len(tokens)} tokens need as many free KV cells; the cache has "
-                f"{self.n_free} free of {self.n_ctx} (free some with seq_rm, or use a larger n_ctx)"
+                f"{self._cells.n_free} free of {self.n_ctx} (free some with seq_rm, or use a "
+                f"larger n_ctx)"
             )
-        taken: list[tuple[int, int]] = []  # (cell, seq) of this call, to give back on failure
-        saved_next = list(self._seq_next)
+        step = self._cells.begin()
         results: list[npt.NDArray[Any]] = []
+        waited = False  # whether the last ubatch's output was read (so all of them ran)
         try:
             for start in range(0, len(tokens), self.n_ubatch):
                 stop = min(start + self.n_ubatch, len(tokens))
                 sub_seqs = seqs[start:stop]
                 rows = [i for i, f in enumerate(flags[start:stop]) if f]
                 bucket = self._bucket_for(stop - start)
-                cells = self._fill(bucket, tokens[start:stop], sub_seqs, rows)
-                taken.extend(zip(cells, sub_seqs, strict=True))
+                cells, positions = self._cells.take(sub_seqs, step)
+                self._fill(bucket, tokens[start:stop], sub_seqs, rows, cells, positions)
                 bucket.plan.compute()
+                waited = False
                 if rows:
                     name = OUTPUT_LOGITS if want == "logits" else OUTPUT_NEXT
                     results.append(bucket.plan.get_output(name)[: len(rows)])
-        except BaseException:
-            self._give_back(taken, saved_next)
+                    waited = True
+        except BaseException as e:
+            self._abort(e, step)
             raise
+        self._cells.commit(step, confirmed=waited)
         return results or None
 
-    def _give_back(self, taken: list[tuple[int, int]], saved_next: list[int]) -> None:
-        for c, s in reversed(taken):
-            self._cell_seq[c, s] = False
-            self._seq_mask[s, c] = -np.inf
-            self._cell_pos[c] = -1
-            self._free.append(c)
-        self._seq_next[:] = saved_next
-
     def _fill(
-        self, bucket: _Bucket, tokens: list[int], seqs: list[int], rows: list[int]
-    ) -> list[int]:
-        """Takes cells for one ubatch and writes the bucket's inputs (padded to its size)."""
+        self,
+        bucket: _Bucket,
+        tokens: list[int],
+        seqs: list[int],
+        rows: list[int],
+        cells: list[int],
+        positions: list[int],
+    ) -> None:
+        """Writes the bucket's inputs for one ubatch (padded to its size) into its plan."""
         m, size, plan = len(tokens), bucket.n_tokens, bucket.plan
-        cells, positions = self._take(seqs)
         if size == 1:
             # The decode step, the hot path: item writes, and the sequence's own mask row
             # (a view: set_input copies it straight into the input pack).
             bucket.tokens[0], bucket.pos[0], bucket.kv_idx[0] = tokens[0], positions[0], cells[0]
-            s = seqs[0]
-            mask = self._seq_mask[s : s + 1]
+            mask = self._cells.mask_row(seqs[0])
         else:
             bucket.tokens[:m] = tokens
             bucket.tokens[m:] = 0
             bucket.pos[:m] = positions
             bucket.pos[m:] = 0
             bucket.kv_idx[:m] = cells
-            bucket.kv_idx[m:] = self._scratch  # padding writes the scratch row
+            bucket.kv_idx[m:] = self._cells.scratch  # padding writes the scratch row
             mask = bucket.kq_mask
             if all(s == seqs[0] for s in seqs):
-                mask[:m] = self._seq_mask[seqs[0]]
+                mask[:m] = self._cells.mask_row(seqs[0])
             else:
-                mask[:m] = self._seq_mask[seqs]
+                mask[:m] = self._cells.mask_rows(seqs)
             # A token must not see the cells of later tokens of this ubatch: those are of its
             # own sequence with larger positions, or of another sequence (already -inf).
             if m > 1:
@@ -575,7 +543,76 @@ class Session:
             bucket.out_ids[: len(rows)] = rows
             bucket.out_ids[len(rows) :] = 0
             plan.set_input("out_ids", bucket.out_ids)
-        return cells
+
+    def _queue_one(
+        self, bucket: _Bucket, token: int, seq_id: int, step: Step, feed: bool = False
+    ) -> None:
+        """Queues one decode step of `generate` in `step`: one token of one sequence, no read.
+        With `feed` the token comes from the previous step's `next`, on the device."""
+        cells, positions = self._cells.take([seq_id], step)
+        self._fill(bucket, [token], [seq_id], [0], cells, positions)
+        if not feed:
+            bucket.plan.compute()
+            return
+        # Armed last, right before the compute that takes it: a failure in the writes above
+        # arms nothing. Until that compute has returned the feed may still be armed (a compute
+        # that raised may not have got to take it): `_recover` then lets a harmless step take
+        # it before the next real one.
+        self._feed_armed = True
+        bucket.plan.feed("tokens", OUTPUT_NEXT)
+        bucket.plan.compute()
+        self._feed_armed = False
+
+    def _recover(self) -> None:
+        """Repairs what a failure left behind, before a call uses the session: open steps of
+        the cells that an interrupt outside any handler left (rolled back), and a feed that may
+        still be armed because its compute failed or never started, which would otherwise
+        replace the host's tokens of the next real step. That feed is taken by a step that
+        writes only the scratch row (no mask admits it) and whose output nobody reads."""
+        self._cells.recover()
+        if self._feed_armed:
+            b = self._buckets[0]
+            b.tokens[:] = 0
+            b.pos[:] = 0
+            b.kv_idx[:] = self._cells.scratch
+            b.kq_mask[:] = -np.inf
+            b.out_ids[:] = 0
+            for name, data in (
+                ("tokens", b.tokens),
+                ("pos", b.pos),
+                ("kv_idx", b.kv_idx),
+                ("kq_mask", b.kq_mask),
+                ("out_ids", b.out_ids),
+            ):
+                b.plan.set_input(name, data)
+            b.plan.compute()
+            self._feed_armed = False
+
+    def _generate_plain(
+        self,
+        decode: _Bucket,
+        token: int,
+        seq_id: int,
+        max_new_tokens: int,
+        stops: set[int],
+        out: list[int],
+    ) -> int:
+        """The decode steps of `generate` without launch-ahead: queue, read, repeat. Appends
+        to `out`; returns the number of steps."""
+        steps = 0
+        while len(out) < max_new_tokens and token not in stops:
+            self._check_device_token(token)
+            step = self._cells.begin()
+            try:
+                self._queue_one(decode, token, seq_id, step)
+                token = int(decode.plan.get_output(OUTPUT_NEXT)[0])  # the step's one wait
+            except BaseException as e:
+                self._abort(e, step)
+                raise
+            self._cells.commit(step, confirmed=True)
+            out.append(token)
+            steps += 1
+        return steps
 
     def _generate_ahead(
         self,
@@ -591,33 +628,38 @@ class Session:
 
         Step k takes token k-1; step 1's comes from the host (the prompt's output), every later
         one is fed on the device from the step before. Step k+1 is queued before token k is
-        read, so each iteration's one host wait finds the next step already queued. A step
-        whose token is not read (a failed read, or the step queued ahead of one) gives its
-        cell back: only steps the device is known to have finished keep theirs.
+        read, so each iteration's one host wait finds the next step already queued. A step is
+        committed when its token is read; on a failure the open steps (the one whose read
+        failed and the one queued ahead of it) are rolled back.
         """
         if len(out) >= max_new_tokens or token in stops:
             return 0
         self._check_device_token(token)
         plan = decode.plan
-        current = self._run_one(decode, token, seq_id)
-        pending = plan.read_async(OUTPUT_NEXT)
+        current = self._cells.begin()
+        try:
+            self._queue_one(decode, token, seq_id, current)
+            pending = plan.read_async(OUTPUT_NEXT)
+        except BaseException as e:
+            self._abort(e, current)
+            raise
         steps = 0
         while True:
             # `pending` holds token len(out); one more step is needed after it only if the
             # output is not full once it is read.
-            ahead = None
-            if len(out) + 1 < max_new_tokens:
-                plan.feed("tokens", OUTPUT_NEXT)
-                # The host's token is a placeholder: the feed overwrites it on the device.
-                ahead = self._run_one(decode, 0, seq_id)
+            ahead: Step | None = None
             try:
+                if len(out) + 1 < max_new_tokens:
+                    ahead = self._cells.begin()
+                    # The host's token is a placeholder: the feed overwrites it on the device.
+                    self._queue_one(decode, 0, seq_id, ahead, feed=True)
                 token = int(pending.wait()[0])  # the one wait of the step
                 self._check_device_token(token)
                 follow = plan.read_async(OUTPUT_NEXT) if ahead is not None else None
-            except BaseException:
-                unread = [current] if ahead is None else [current, ahead]
-                self._give_back([t for t, _ in unread], current[1])
+            except BaseException as e:
+                self._abort(e, *(s for s in (ahead, current) if s is not None))
                 raise
+            self._cells.commit(current, confirmed=True)
             out.append(token)
             steps += 1
             if ahead is None:
@@ -625,23 +667,7 @@ class Session:
             if token in stops:
                 # The step queued ahead took a stop token: give back its cell (its KV row is
                 # masked from now on, and whoever takes the cell next overwrites it).
-                self._give_back([ahead[0]], ahead[1])
+                self._cells.rollback(ahead)
                 return steps
             assert follow is not None
             pending, current = follow, ahead
-
-    def _run_one(
-        self, bucket: _Bucket, token: int, seq_id: int
-    ) -> tuple[tuple[int, int], list[int]]:
-        """The decode step of `generate`: one token of one sequence, no output read here.
-        Returns the (cell, sequence) it took and the positions before it, for `_give_back`."""
-        if not self._free:
-            raise ContextFullError("decode: the KV cache is full")
-        saved_next = list(self._seq_next)
-        cells = self._fill(bucket, [token], [seq_id], [0])
-        try:
-            bucket.plan.compute()
-        except BaseException:
-            self._give_back([(cells[0], seq_id)], saved_next)
-            raise
-        return (cells[0], seq_id), saved_next

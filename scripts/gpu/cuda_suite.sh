@@ -67,7 +67,7 @@ for line in sys.stdin:
         chmod +x "$t"
         echo "=== $name"
         # A bound per binary: an ordering bug that deadlocks must not eat the whole lease.
-        if timeout "${CUDA_SUITE_TIMEOUT_S:-240}" "$t" --test-threads=1 >"$logs/$name.log" 2>&1; then
+        if timeout "${CUDA_SUITE_TIMEOUT_S:-240}" "$t" --include-ignored --test-threads=1 >"$logs/$name.log" 2>&1; then
             grep -E "^test result" "$logs/$name.log" | tail -1
         else
             failed+=("$name")

@@ -6,7 +6,7 @@
 # the pruned llama-cpp-python sdist), .gl/ (the Vulkan loader .debs).
 # Output: $OUT/summary.txt (what a closing note quotes) and $OUT/logs.tar.gz (everything).
 #
-#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [attn] [barrier] [ring] [cluster] [ffn] ...
+#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [attn] [ktrace] [torch] ...
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -50,7 +50,7 @@ run_suite() { # name dir
     [ -d "$dir" ] || { say "$name: no binaries carried"; return; }
     for t in "$dir"/*; do
         chmod +x "$t"
-        timeout 300 "$t" --test-threads=1 >"$logs/$name-$(basename "$t").log" 2>&1
+        timeout 300 "$t" --include-ignored --test-threads=1 >"$logs/$name-$(basename "$t").log" 2>&1
         say "$name $(basename "$t"): exit $? $(grep -E '^test result' "$logs/$name-$(basename "$t").log" | tail -1)"
         grep -E "^test .* FAILED|panicked" "$logs/$name-$(basename "$t").log" | head -5 | tee -a "$summary"
     done
@@ -75,9 +75,9 @@ if [[ $parts == *compare* ]]; then
 fi
 if [[ $parts == *mmvab* ]]; then
     for knob in 0 8; do
-        LOWSYNC_CUDA_MMV_MAX_M=$knob timeout 300 python3 -m lowsync.cli bench -m 1b -t f16 --backend cuda --policy stock,staged \
+        LOWSYNC_CUDA_TUNE=mmv_max_m=$knob timeout 300 python3 -m lowsync.cli bench -m 1b -t f16 --backend cuda --policy stock,staged \
             -p 32 -n ${BENCH_N:-64} >"$logs/bench-mmv$knob.txt" 2>/dev/null
-        say "1b cuda, LOWSYNC_CUDA_MMV_MAX_M=$knob: exit $?"; grep -E '^\| 1b ' "$logs/bench-mmv$knob.txt" | tee -a "$summary"
+        say "1b cuda, LOWSYNC_CUDA_TUNE=mmv_max_m=$knob: exit $?"; grep -E '^\| 1b ' "$logs/bench-mmv$knob.txt" | tee -a "$summary"
     done
 fi
 if [[ $parts == *pytest* ]]; then
@@ -119,37 +119,14 @@ if [[ $parts == *llamacpp* ]]; then
     done
 fi
 if [[ $parts == *profile* ]]; then
-    timeout 400 python3 benches/python/cuda_profile.py --models ${PROFILE_MODELS:-tiny,1b} -n ${PROFILE_N:-128} ${PROFILE_SETTINGS:+--settings $PROFILE_SETTINGS} \
+    timeout 400 python3 benches/profile/cuda_profile.py --models ${PROFILE_MODELS:-tiny,1b} -n ${PROFILE_N:-128} ${PROFILE_SETTINGS:+--settings $PROFILE_SETTINGS} \
         --json "$out/cuda-profile.json" >"$logs/cuda-profile.txt" 2>&1
     say "cuda profile: exit $?"; cat "$logs/cuda-profile.txt" | tail -12 | tee -a "$summary"
 fi
 if [[ $parts == *attn* ]]; then
-    timeout 300 python3 benches/python/attn_kernels.py --windows ${ATTN_WINDOWS:-72:40,172:100,172:8,2048:100} \
+    timeout 300 python3 benches/profile/attn_kernels.py --windows ${ATTN_WINDOWS:-72:40,172:100,172:8,2048:100} \
         >"$logs/attn-kernels.txt" 2>&1
     say "attention kernels: exit $?"; tee -a "$summary" <"$logs/attn-kernels.txt"
-fi
-if [[ $parts == *barrier* ]]; then
-    timeout 300 python3 benches/python/grid_barrier.py --mb ${BARRIER_MB:-8,33} >"$logs/grid-barrier.txt" 2>&1
-    say "grid barrier: exit $?"; tee -a "$summary" <"$logs/grid-barrier.txt"
-fi
-if [[ $parts == *ring* ]]; then
-    # A persistent decode step with a weight ring (design data; RING_ARGS: e.g. "--interleave 1").
-    timeout 300 python3 benches/python/ring_decode.py ${RING_ARGS:-} >"$logs/ring-decode.txt" 2>&1
-    say "ring decode: exit $?"; tee -a "$summary" <"$logs/ring-decode.txt"
-fi
-if [[ $parts == *cluster* ]]; then
-    # Two kernels per layer with thread-block clusters (design data): "1b"'s shape (does not fit
-    # the H200 in one wave) and 7 KV groups / 7,680 FFN rows (fits); CLUSTER_ARGS adds options.
-    for shape in "" "--groups 7 --ffn-blocks 120"; do
-        timeout 300 python3 benches/python/cluster_decode.py $shape ${CLUSTER_ARGS:-} >>"$logs/cluster-decode.txt" 2>&1
-        say "cluster decode ${shape:-1b}: exit $?"
-    done
-    tee -a "$summary" <"$logs/cluster-decode.txt"
-fi
-if [[ $parts == *ffn* ]]; then
-    # A layer's FFN as two kernels (lowsync's design) or one (design data); FFN_ARGS adds options.
-    timeout 300 python3 benches/python/ffn_chain.py ${FFN_ARGS:-} >"$logs/ffn-chain.txt" 2>&1
-    say "ffn chain: exit $?"; tee -a "$summary" <"$logs/ffn-chain.txt"
 fi
 if [[ $parts == *ktrace* ]]; then
     inc=$(find / -name cupti_activity.h -path '*include*' 2>/dev/null | head -1)
@@ -163,26 +140,30 @@ if [[ $parts == *ktrace* ]]; then
             scripts/gpu/cupti_kernels.c "$lib" -Wl,-rpath,"$(dirname "$lib")" -o /tmp/libcupti_kernels.so \
             >"$logs/ktrace-build.log" 2>&1
         say "ktrace build ($krec): exit $?"; tail -3 "$logs/ktrace-build.log"
-        # KTRACE_VARIANTS: NAME=VAR=value,... entries traced side by side in one process
-        # (KTRACE_ROUNDS rounds, interleaved; one model build, one table of ratios).
+        # KTRACE_VARIANTS: NAME=SETTING,... entries (a SETTING is VAR=value or a tuning key
+        # key=value of LOWSYNC_CUDA_TUNE) traced side by side in one process (KTRACE_ROUNDS
+        # rounds, interleaved; one model build, one table of ratios).
         if [ -n "${KTRACE_VARIANTS:-}" ]; then
             vargs=()
             for v in $KTRACE_VARIANTS; do vargs+=(--variant "$v"); done
             CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so timeout 500 \
-                python3 benches/python/kernel_trace.py --models ${KTRACE_MODELS:-1b} -n ${KTRACE_N:-64} \
+                python3 benches/profile/kernel_trace.py --models ${KTRACE_MODELS:-1b} -n ${KTRACE_N:-64} \
                 --rounds ${KTRACE_ROUNDS:-3} "${vargs[@]}" ${KTRACE_ARGS:-} --csv-dir "$logs" \
                 >"$logs/ktrace-variants.txt" 2>&1
             say "kernel trace variants ($KTRACE_VARIANTS): exit $?"
             sed -n '/variants side by side/,$p' "$logs/ktrace-variants.txt" | tee -a "$summary"
         fi
-        # KTRACE_ENVS: one trace per entry (a process each), each a comma-separated list of
-        # VAR=value; by default one trace of the defaults, none when only variants are asked for.
+        # KTRACE_ENVS: one trace per entry (a process each), each a ;-separated list of
+        # VAR=value (LOWSYNC_CUDA_TUNE's own value is comma-separated); by default one trace of
+        # the defaults ("default"), none when only variants are asked for.
         kenvs=${KTRACE_ENVS:-}
-        [ -z "$kenvs" ] && [ -z "${KTRACE_VARIANTS:-}" ] && kenvs=LOWSYNC_CUDA_PDL=1
+        [ -z "$kenvs" ] && [ -z "${KTRACE_VARIANTS:-}" ] && kenvs=default
         for envs in $kenvs; do
-            tag=$(echo "$envs" | tr ',=' '__')
-            env $(echo "$envs" | tr ',' ' ') CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so timeout 300 \
-                python3 benches/python/kernel_trace.py --models ${KTRACE_MODELS:-1b} -n ${KTRACE_N:-64} ${KTRACE_ARGS:-} \
+            tag=$(echo "$envs" | tr ',=;' '___')
+            vars=()
+            [ "$envs" = default ] || IFS=';' read -r -a vars <<<"$envs"
+            env "${vars[@]}" CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so timeout 300 \
+                python3 benches/profile/kernel_trace.py --models ${KTRACE_MODELS:-1b} -n ${KTRACE_N:-64} ${KTRACE_ARGS:-} \
                 --csv-dir "$logs" >"$logs/ktrace-$tag.txt" 2>&1
             say "kernel trace ($envs): exit $?"; tail -${KTRACE_TAIL:-75} "$logs/ktrace-$tag.txt" | tee -a "$summary"
         done
@@ -199,7 +180,7 @@ if [[ $parts == *nsys* ]]; then
     say "nsys: ${nsys:-none with an importer} (all: $(find / -name nsys -type f 2>/dev/null | tr '\n' ' '))"
     if [ -n "$nsys" ]; then
         timeout 300 "$nsys" profile -o /tmp/prof -f true --stats=false \
-            python3 benches/python/cuda_profile.py --models 1b --settings eager+fused -n 32 >"$logs/nsys-run.txt" 2>&1
+            python3 benches/profile/cuda_profile.py --models 1b --settings eager+fused -n 32 >"$logs/nsys-run.txt" 2>&1
         "$nsys" stats -r cuda_gpu_kern_sum -f csv /tmp/prof.nsys-rep >"$logs/nsys-kern.csv" 2>"$logs/nsys-stats.err"
         say "nsys kernels (eager, fused; 1b): exit $?"; head -25 "$logs/nsys-kern.csv" | cut -c1-220 | tee -a "$summary"
     fi
@@ -212,7 +193,7 @@ if [[ " $parts " == *" ncu "* ]]; then
         # prompt and the first steps.
         timeout 400 "$ncu" --csv --clock-control none --cache-control none --launch-skip ${NCU_SKIP:-3100} --launch-count ${NCU_COUNT:-298} \
             --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum \
-            python3 benches/python/cuda_profile.py --models 1b --settings ${NCU_SETTING:-eager+fused} -n 16 --n-ctx 172 \
+            python3 benches/profile/cuda_profile.py --models 1b --settings ${NCU_SETTING:-eager+fused} -n 16 --n-ctx 172 \
             >"$logs/ncu.csv" 2>"$logs/ncu.err"
         say "ncu: exit $?"; python3 scripts/gpu/ncu_summary.py "$logs/ncu.csv" 2>&1 | head -30 | tee -a "$summary"
         tail -3 "$logs/ncu.err"
@@ -226,7 +207,7 @@ if [[ $parts == *ncudetail* ]]; then
             --launch-count ${NCUD_COUNT:-5} --section LaunchStats --section Occupancy --section WarpStateStats \
             --section SpeedOfLight --section MemoryWorkloadAnalysis \
             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-            python3 benches/python/cuda_profile.py --models 1b --settings eager+fused -n 16 --n-ctx 172 >"$logs/ncud.txt" 2>&1
+            python3 benches/profile/cuda_profile.py --models 1b --settings eager+fused -n 16 --n-ctx 172 >"$logs/ncud.txt" 2>&1
         say "ncu detail: exit $?"
         # Stall reasons per kernel launch, largest first (warps stalled per issued instruction).
         awk '/^  [a-z_0-9]+\(/ {k=$1} /issue_stalled/ && $NF+0 > 0.05 {print k, $1, $NF}' "$logs/ncud.txt" |
@@ -243,7 +224,7 @@ if [[ $parts == *ncusource* ]]; then
         for kn in ${NCUS_KERNELS:-attn_decode}; do
             timeout 300 "$ncu" -f -o "$logs/src-$kn" --kernel-name "$kn" --launch-skip ${NCUS_SKIP:-20} --launch-count 1 \
                 --section SourceCounters --section WarpStateStats --import-source no \
-                python3 benches/python/cuda_profile.py --models 1b --settings eager+fused -n 16 --n-ctx 172 \
+                python3 benches/profile/cuda_profile.py --models 1b --settings eager+fused -n 16 --n-ctx 172 \
                 >"$logs/src-$kn.txt" 2>&1
             "$ncu" -i "$logs/src-$kn.ncu-rep" --page source --csv --print-source sass >"$logs/src-$kn.csv" 2>>"$logs/src-$kn.txt"
             say "ncu source $kn: exit $? ($(wc -l <"$logs/src-$kn.csv") lines)"

@@ -60,23 +60,10 @@ impl Event for DoneEvent {
     }
 }
 
-/// Whether the CPU kernels implement `op` for these dtypes.
+/// Whether the CPU kernels implement `op` for these dtypes: the graph's own rule
+/// ([`Op::accepts`]), which these kernels define.
 pub fn cpu_supports_op(op: &Op, dst: DType, srcs: &[DType]) -> bool {
-    let floats = |ds: &[DType]| ds.iter().all(|d| d.is_float());
-    match op {
-        Op::Input | Op::Weight | Op::Persistent | Op::View => true,
-        Op::GetRows => {
-            dst.is_float() && srcs.len() == 2 && srcs[0].is_float() && srcs[1] == DType::I32
-        }
-        Op::SetRows => srcs.len() == 3 && floats(&srcs[..2]) && srcs[2] == DType::I32,
-        Op::Rope { .. } => srcs.len() == 2 && srcs[0].is_float() && srcs[1] == DType::I32,
-        Op::Argmax => dst == DType::I32 && floats(srcs),
-        Op::MulMatId => {
-            srcs.len() == 4 && floats(&srcs[..2]) && srcs[2] == DType::I32 && srcs[3].is_float()
-        }
-        Op::Cpy | Op::Concat { .. } => srcs.iter().all(|s| s.is_float() == dst.is_float()),
-        _ => dst.is_float() && floats(srcs),
-    }
+    op.accepts(dst, srcs)
 }
 
 /// Runs a graph's kernels in order on this thread, polling the interrupt hook between nodes.

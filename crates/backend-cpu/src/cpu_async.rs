@@ -16,6 +16,13 @@
 //! cancelled — the worker skips their kernels and gates but still performs their copies — waits
 //! for the drain, and returns `Interrupted`; the stream stays usable.
 //!
+//! Waits on other streams' events count what the program did, never what had finished:
+//! `event_wait` on another `cpu-async` stream's recorded event always queues one item (one
+//! submission) on which the worker blocks (on that stream's condition variable, no spinning)
+//! until the ticket captured at the call completed. Own events, `cpu`'s (complete when
+//! recorded) and never-recorded ones cost nothing. An event of another kind (CUDA, Vulkan) is
+//! waited for by the host at the call, as `cpu` does, and counted by its own `synchronize`.
+//!
 //! Invariants: items run in ticket order (invariant 2); a staged write's bytes are owned by the
 //! queue (invariant 1); counters are bumped in the primitive that enqueues or waits.
 
@@ -77,7 +84,12 @@ enum Work {
         offset: usize,
         into: Arc<Mutex<Vec<u8>>>,
     },
-    WaitEvent(Arc<dyn Event>),
+    /// A device-side wait until another `cpu-async` stream completed `ticket` (the ticket its
+    /// event stood at when `event_wait` was called: a later re-record does not move it).
+    WaitTicket {
+        owner: Arc<Shared>,
+        ticket: u64,
+    },
     Gate(Arc<GateState>),
     Shutdown,
 }
@@ -282,9 +294,15 @@ fn worker_loop(shared: &Shared, rx: Receiver<Item>) {
                     unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), out.len()) }
                 })
             }
-            Work::WaitEvent(ev) => {
-                while !ev.is_complete() && !shared.cancelled(ticket) {
-                    wait_foreign_event(&*ev);
+            Work::WaitTicket {
+                owner,
+                ticket: until,
+            } => {
+                let mut p = owner.progress.lock();
+                // Woken by every item the owner completes; the timeout only lets a
+                // cancellation (Ctrl-C, shutdown) of this stream through.
+                while p.completed < until && !shared.cancelled(ticket) {
+                    owner.done.wait_for(&mut p, interrupt::POLL_INTERVAL);
                 }
                 Ok(())
             }
@@ -327,18 +345,6 @@ fn copy_into(
     // SAFETY: bounds checked by `span`; `src` is valid per the enqueue contract.
     unsafe { std::ptr::copy_nonoverlapping(src, p, len) };
     Ok(())
-}
-
-/// Device-side wait on another stream's event, done by this worker (not the host thread).
-fn wait_foreign_event(ev: &dyn Event) {
-    if let Some(a) = ev.as_any().downcast_ref::<AsyncEvent>() {
-        let mut p = a.owner.progress.lock();
-        if p.completed < a.ticket.load(Ordering::Acquire) {
-            a.owner.done.wait_for(&mut p, interrupt::POLL_INTERVAL);
-        }
-    } else {
-        std::thread::yield_now();
-    }
 }
 
 /// A read of a `cpu-async` stream. The queue item shares its memory, so dropping it early is
@@ -637,14 +643,25 @@ impl Backend for CpuAsyncBackend {
         Ok(())
     }
     fn event_wait(&self, ev: &Arc<dyn Event>) -> Result<()> {
-        let own = ev
-            .as_any()
-            .downcast_ref::<AsyncEvent>()
-            .is_some_and(|a| Arc::ptr_eq(&a.owner, &self.shared));
-        if own || ev.as_any().is::<DoneEvent>() || ev.is_complete() {
-            return Ok(()); // stream order (or an already complete event) suffices
+        if ev.as_any().is::<DoneEvent>() {
+            return Ok(()); // recorded by the synchronous host: complete when recorded
         }
-        self.enqueue(Work::WaitEvent(ev.clone()));
+        let Some(a) = ev.as_any().downcast_ref::<AsyncEvent>() else {
+            // Another kind of stream: the host waits (counted by that event's backend).
+            return ev.synchronize();
+        };
+        if Arc::ptr_eq(&a.owner, &self.shared) {
+            return Ok(()); // stream order suffices
+        }
+        let ticket = a.ticket.load(Ordering::Acquire);
+        if ticket == 0 {
+            return Ok(()); // never recorded: complete
+        }
+        // Queued even when the event already completed, so the count never depends on timing.
+        self.enqueue(Work::WaitTicket {
+            owner: a.owner.clone(),
+            ticket,
+        });
         Ok(())
     }
 

@@ -33,9 +33,10 @@ impl HostBuffer {
     /// A zeroed buffer, or an error naming the size when the host cannot provide it (never an
     /// abort: an oversized model or cache must leave the session usable — invariant 14).
     fn new(owner: &str, size: usize) -> Result<Self> {
-        let oom = || Error::Unavailable {
-            backend: owner.to_string(),
-            reason: format!("out of host memory: cannot allocate a buffer of {size} bytes"),
+        let oom = || Error::OutOfMemory {
+            device: "host".into(),
+            what: format!("a buffer of backend `{owner}`"),
+            bytes: size,
         };
         let layout = Layout::from_size_align(size.max(ALIGNMENT), ALIGNMENT).map_err(|_| oom())?;
         // SAFETY: the layout has a non-zero size.

@@ -74,7 +74,9 @@ impl Readback for NoopReadback {
             } else {
                 self.owner.wait_for(self.ticket);
             }
-            self.bytes = Some(vec![0; self.len]);
+            self.bytes = Some(lowsync_backend::host_zeroed(self.len, || {
+                "a read of the noop backend".into()
+            })?);
         }
         Ok(self.bytes.as_deref().unwrap_or_default())
     }

@@ -2,8 +2,11 @@
 //! counts one host wait and one driver sync; an idle synchronize is elided; staged writes never
 //! wait; and the counts equal what a test-side wrapper observes around the worker's wait.
 
+mod common;
+
 use std::sync::Arc;
 
+use common::{wait_until, Watched};
 use lowsync_backend::{Backend, BufferUsage, ExecGraph, StatsSnapshot};
 use lowsync_cpu::{CpuAsyncBackend, CpuBackend, NoopBackend};
 
@@ -159,25 +162,162 @@ fn counts_match_a_test_side_model_of_the_stream() {
 #[test]
 fn a_counted_wait_really_blocks_until_the_gate_opens() {
     let b = Arc::new(CpuAsyncBackend::new("cpu-async").unwrap());
-    let gate = b.gate_close().unwrap();
+    let gate = Watched::close(&*b);
     let ev = b.event_new().unwrap();
     b.event_record(&ev).unwrap();
     let waiter = {
-        let b = b.clone();
+        let (b, ev) = (b.clone(), ev.clone());
         std::thread::spawn(move || {
             b.synchronize().unwrap();
-            b.stats().snapshot().host_waits
+            // Returning before the gated work ran would be a wait that did not wait.
+            ev.is_complete()
         })
     };
-    // The waiter cannot finish while the gate is closed.
-    for _ in 0..100 {
-        std::thread::yield_now();
-    }
+    // The wait is counted when it starts: the waiter is inside it now.
+    wait_until("the waiter counted its wait", || {
+        b.stats().snapshot().host_waits == 1
+    });
     assert!(!ev.is_complete());
-    assert!(!waiter.is_finished());
     gate.open();
-    assert_eq!(waiter.join().unwrap(), 1);
-    assert!(ev.is_complete());
+    assert!(
+        waiter.join().unwrap(),
+        "synchronize returned before the work completed"
+    );
+    assert_eq!(b.stats().snapshot().host_waits, 1);
+}
+
+/// The counters that changed in `d`, by name (every other counter stayed put).
+fn changed(d: &StatsSnapshot) -> Vec<(&'static str, u64)> {
+    d.fields().into_iter().filter(|&(_, v)| v != 0).collect()
+}
+
+/// Every `cpu-async` primitive changes exactly the counters ARCHITECTURE §3 assigns to it, by
+/// exactly its amount: copies and their bytes, kernels per node, one submission per queued
+/// item, one host wait and driver sync per wait, an elided sync where the host had already
+/// observed everything, a reserve per buffer, a realloc per growth.
+#[test]
+fn each_cpu_async_primitive_changes_exactly_its_counters() {
+    let b = CpuAsyncBackend::new("cpu-async").unwrap();
+    let delta = |f: &mut dyn FnMut()| {
+        let before = snap(&b);
+        f();
+        changed(&snap(&b).since(&before))
+    };
+    let wait = [("host_waits", 1), ("driver_syncs", 1)];
+    let with_wait = |mut v: Vec<(&'static str, u64)>| {
+        v.extend(wait);
+        v.sort();
+        v
+    };
+    let sorted = |mut v: Vec<(&'static str, u64)>| {
+        v.sort();
+        v
+    };
+    let mut buf = None;
+    assert_eq!(
+        delta(&mut || buf = Some(b.alloc_buffer(256, BufferUsage::Compute).unwrap())),
+        [("reserves", 1)]
+    );
+    let buf = buf.unwrap();
+    assert_eq!(
+        sorted(delta(&mut || b.set_tensor(buf, 0, &[1u8; 16]).unwrap())),
+        with_wait(vec![("submits", 1), ("h2d_copies", 1), ("h2d_bytes", 16)])
+    );
+    let mut out = [0u8; 64];
+    assert_eq!(
+        sorted(delta(&mut || b.get_tensor(buf, 0, &mut out[..8]).unwrap())),
+        with_wait(vec![("submits", 1), ("d2h_copies", 1), ("d2h_bytes", 8)])
+    );
+    let src = [2u8; 12];
+    assert_eq!(
+        sorted(delta(&mut || {
+            // SAFETY: `src` outlives the synchronize that ends the write.
+            unsafe {
+                b.set_tensor_async(buf, 16, src.as_ptr(), src.len())
+                    .unwrap()
+            };
+            b.synchronize().unwrap();
+        })),
+        with_wait(vec![("submits", 1), ("h2d_copies", 1), ("h2d_bytes", 12)])
+    );
+    assert_eq!(
+        sorted(delta(&mut || {
+            // SAFETY: `out` outlives the synchronize that ends the read.
+            unsafe { b.get_tensor_async(buf, 0, out.as_mut_ptr(), 20).unwrap() };
+            b.synchronize().unwrap();
+        })),
+        with_wait(vec![("submits", 1), ("d2h_copies", 1), ("d2h_bytes", 20)])
+    );
+    assert_eq!(&out[16..20], &[2u8; 4]);
+    assert_eq!(
+        sorted(delta(&mut || {
+            b.set_tensor_async_staged(buf, 0, &[3u8; 24]).unwrap();
+            b.synchronize().unwrap(); // the staging gauge is back at 0 once the write ran
+        })),
+        with_wait(vec![("submits", 1), ("h2d_copies", 1), ("h2d_bytes", 24)])
+    );
+    let f32_ref = |byte_offset| lowsync_backend::TensorRef {
+        buffer: buf,
+        byte_offset,
+        dtype: lowsync_graph::DType::F32,
+        shape: vec![4],
+        strides: vec![1],
+    };
+    let node = |dst, src| lowsync_backend::ExecNode {
+        op: lowsync_graph::Op::Scale { scale: 2.0 },
+        name: "y".into(),
+        dst: f32_ref(dst),
+        srcs: vec![f32_ref(src)],
+    };
+    let g = Arc::new(ExecGraph::new(vec![
+        node(64, 0),
+        node(80, 64),
+        node(96, 80),
+    ]));
+    assert_eq!(
+        sorted(delta(&mut || {
+            b.graph_compute_async(&g).unwrap();
+            b.synchronize().unwrap();
+        })),
+        with_wait(vec![("submits", 1), ("kernel_launches", 3)])
+    );
+    assert_eq!(
+        sorted(delta(&mut || {
+            b.copy_async(buf, 0, buf, 128, 8).unwrap();
+            b.synchronize().unwrap();
+        })),
+        with_wait(vec![("submits", 1), ("d2d_copies", 1), ("d2d_bytes", 8)])
+    );
+    assert_eq!(
+        sorted(delta(&mut || {
+            let mut r = b.read_async(buf, 128, 4).unwrap();
+            assert_eq!(r.wait().unwrap(), &[3u8; 4]);
+        })),
+        with_wait(vec![("submits", 1), ("d2h_copies", 1), ("d2h_bytes", 4)])
+    );
+    // Events: covered by the last wait (elided), then pending (one wait), then covered again.
+    let ev = b.event_new().unwrap();
+    b.event_record(&ev).unwrap();
+    assert_eq!(
+        delta(&mut || ev.synchronize().unwrap()),
+        [("elided_syncs", 1)]
+    );
+    b.set_tensor_async_staged(buf, 0, &[4u8; 4]).unwrap();
+    b.event_record(&ev).unwrap();
+    assert_eq!(delta(&mut || ev.synchronize().unwrap()), wait);
+    assert_eq!(
+        delta(&mut || ev.synchronize().unwrap()),
+        [("elided_syncs", 1)]
+    );
+    assert_eq!(
+        delta(&mut || b.synchronize().unwrap()),
+        [("elided_syncs", 1)]
+    );
+    assert_eq!(
+        sorted(delta(&mut || b.realloc_buffer(buf, 512).unwrap())),
+        sorted(vec![("elided_syncs", 1), ("reallocs", 1)]),
+        "nothing outstanding: the realloc's synchronize is elided"
+    );
 }
 
 #[test]

@@ -4,11 +4,19 @@
 //! launch-ahead primitives keep stream order: `copy_async` runs between a graph that writes its
 //! source and one that reads its destination; a `read_async` sees the work queued before it and
 //! not the work queued after it, costs one counted host wait (none on a second `wait`), and may
-//! be dropped before it completed.
+//! be dropped before it completed. A wait on another stream's event is one queued item whether
+//! or not the event completed; an event of another kind is waited by the host at the call.
+//! Every gate has a watchdog (`common::Watched`): a test that blocks behind it fails.
 
+mod common;
+
+use std::any::Any;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use lowsync_backend::{Backend, BufferUsage, ExecGraph, ExecNode, TensorRef};
+use common::{blocks_until_opened, Watched};
+
+use lowsync_backend::{Backend, BufferUsage, Event, ExecGraph, ExecNode, TensorRef};
 use lowsync_cpu::CpuAsyncBackend;
 use lowsync_graph::{DType, Op};
 
@@ -36,7 +44,7 @@ fn floats(b: &[u8]) -> Vec<f32> {
 fn work_behind_a_closed_gate_has_not_run() {
     let b = CpuAsyncBackend::new("cpu-async").unwrap();
     let buf = b.alloc_buffer(64, BufferUsage::Compute).unwrap();
-    let gate = b.gate_close().unwrap();
+    let gate = Watched::close(&b);
     // y = x * 2 behind the gate.
     let g = Arc::new(ExecGraph::new(vec![ExecNode {
         op: Op::Scale { scale: 2.0 },
@@ -64,7 +72,7 @@ fn work_behind_a_closed_gate_has_not_run() {
 fn staged_write_may_be_overwritten_after_return() {
     let b = CpuAsyncBackend::new("cpu-async").unwrap();
     let buf = b.alloc_buffer(64, BufferUsage::Inputs).unwrap();
-    let gate = b.gate_close().unwrap();
+    let gate = Watched::close(&b);
     let mut host = bytes(&[1.0, 2.0, 3.0, 4.0]);
     b.set_tensor_async_staged(buf, 0, &host).unwrap();
     host.copy_from_slice(&bytes(&[9.0, 9.0, 9.0, 9.0])); // the caller reuses its buffer at once
@@ -85,7 +93,7 @@ fn staged_write_behind_a_gated_graph_is_invisible_to_it_and_visible_to_the_next(
         dst: f32_ref(buf, 16, 2),
         srcs: vec![f32_ref(buf, 0, 2)],
     }]));
-    let gate = b.gate_close().unwrap();
+    let gate = Watched::close(&b);
     b.graph_compute_async(&g).unwrap(); // reads x = 1
     b.set_tensor_async_staged(buf, 0, &bytes(&[5.0, 5.0]))
         .unwrap(); // queued after the graph
@@ -103,7 +111,7 @@ fn staged_write_behind_a_gated_graph_is_invisible_to_it_and_visible_to_the_next(
 fn opening_the_gate_completes_everything_in_order() {
     let b = CpuAsyncBackend::new("cpu-async").unwrap();
     let buf = b.alloc_buffer(64, BufferUsage::Inputs).unwrap();
-    let gate = b.gate_close().unwrap();
+    let gate = Watched::close(&b);
     for i in 0..10u8 {
         b.set_tensor_async_staged(buf, 0, &[i; 4]).unwrap();
     }
@@ -121,21 +129,133 @@ fn opening_the_gate_completes_everything_in_order() {
 #[test]
 fn another_stream_waits_on_an_event_device_side() {
     let a = CpuAsyncBackend::new("cpu-async").unwrap();
-    let b = CpuAsyncBackend::new("cpu-async-2").unwrap();
-    let gate = a.gate_close().unwrap();
+    let b: Arc<dyn Backend> = Arc::new(CpuAsyncBackend::new("cpu-async-2").unwrap());
+    let gate = Watched::close(&a);
     let ev = a.event_new().unwrap();
     a.event_record(&ev).unwrap();
     let buf = b.alloc_buffer(16, BufferUsage::Inputs).unwrap();
     let before = b.stats().snapshot();
     b.event_wait(&ev).unwrap(); // no host wait: the stream waits
     b.set_tensor_async_staged(buf, 0, &[7u8; 4]).unwrap();
+    assert_eq!(b.stats().snapshot().since(&before).host_waits, 0);
+    // b's queue must stay behind a's gate: a wait for it returns only once the gate opened.
+    let blocked = blocks_until_opened(&b, &gate, || b.synchronize().unwrap());
+    gate.open();
+    assert!(
+        blocked,
+        "b's stream ran past its wait on a's event while a was gated"
+    );
+    assert!(ev.is_complete());
+}
+
+/// Issue 29.14: the wait on another stream's event is queued (one submission, no host wait)
+/// whether the event is still pending or long complete, so counts never depend on timing; the
+/// wait captures the event's ticket at the call (a later re-record does not delay it); events
+/// of this stream, of `cpu` and never-recorded ones are ordered without an item.
+#[test]
+fn a_wait_on_another_streams_event_is_one_submission_whether_or_not_it_completed() {
+    let a = CpuAsyncBackend::new("cpu-async").unwrap();
+    let b = CpuAsyncBackend::new("cpu-async-2").unwrap();
+    let buf = b.alloc_buffer(16, BufferUsage::Inputs).unwrap();
+    let ev = a.event_new().unwrap();
+    let counts = |b: &CpuAsyncBackend, f: &dyn Fn()| {
+        let (before_a, before_b) = (a.stats().snapshot(), b.stats().snapshot());
+        f();
+        let (da, db) = (
+            a.stats().snapshot().since(&before_a),
+            b.stats().snapshot().since(&before_b),
+        );
+        (db.submits, db.host_waits + da.host_waits, da.submits)
+    };
+    assert_eq!(
+        counts(&b, &|| b.event_wait(&ev).unwrap()),
+        (0, 0, 0),
+        "never recorded: complete"
+    );
+    // Pending: behind a's closed gate.
+    let gate = Watched::close(&a);
+    a.event_record(&ev).unwrap();
+    assert_eq!(counts(&b, &|| b.event_wait(&ev).unwrap()), (1, 0, 0));
+    // Re-recorded behind more gated work: b's wait still ends at the first record.
+    a.set_tensor_async_staged(a.alloc_buffer(4, BufferUsage::Inputs).unwrap(), 0, &[1; 4])
+        .unwrap();
+    a.event_record(&ev).unwrap();
+    let late = Watched::close(&a);
+    a.event_record(&ev).unwrap();
+    b.set_tensor_async_staged(buf, 0, &[7u8; 4]).unwrap();
     let ev_b = b.event_new().unwrap();
     b.event_record(&ev_b).unwrap();
-    assert_eq!(b.stats().snapshot().since(&before).host_waits, 0);
-    assert!(!ev_b.is_complete(), "b's write waits for a's gate");
+    assert!(!ev_b.is_complete(), "b waits for a's gate");
     gate.open();
     ev_b.synchronize().unwrap();
+    assert!(!ev.is_complete(), "a is still behind its second gate");
+    late.open();
+    a.synchronize().unwrap();
+    // Complete, and observed by a's host: the same single item, never a shortcut.
     assert!(ev.is_complete());
+    for _ in 0..3 {
+        assert_eq!(counts(&b, &|| b.event_wait(&ev).unwrap()), (1, 0, 0));
+    }
+    // Own events and the synchronous host's are ordered by the stream: nothing queued.
+    let own = b.event_new().unwrap();
+    b.event_record(&own).unwrap();
+    let host = lowsync_cpu::CpuBackend::new().event_new().unwrap();
+    assert_eq!(counts(&b, &|| b.event_wait(&own).unwrap()), (0, 0, 0));
+    assert_eq!(counts(&b, &|| b.event_wait(&host).unwrap()), (0, 0, 0));
+    b.synchronize().unwrap();
+}
+
+/// An event of another kind of backend: `cpu-async`'s worker cannot wait on it, so the host
+/// waits at the call, through the event's own `synchronize` (where its backend counts it),
+/// once per call, whether or not it completed; nothing is queued.
+#[test]
+fn an_event_of_another_kind_is_waited_by_the_host_at_the_call() {
+    struct Foreign {
+        complete: AtomicBool,
+        waits: AtomicU64,
+        on: std::sync::Mutex<Vec<std::thread::ThreadId>>,
+    }
+    impl Event for Foreign {
+        fn is_complete(&self) -> bool {
+            self.complete.load(Ordering::Acquire)
+        }
+        fn synchronize(&self) -> lowsync_backend::Result<()> {
+            self.waits.fetch_add(1, Ordering::AcqRel);
+            self.on.lock().unwrap().push(std::thread::current().id());
+            self.complete.store(true, Ordering::Release);
+            Ok(())
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+    let b = CpuAsyncBackend::new("cpu-async").unwrap();
+    let foreign = Arc::new(Foreign {
+        complete: AtomicBool::new(false),
+        waits: AtomicU64::new(0),
+        on: std::sync::Mutex::new(Vec::new()),
+    });
+    let ev: Arc<dyn Event> = foreign.clone();
+    let before = b.stats().snapshot();
+    b.event_wait(&ev).unwrap(); // pending
+    b.event_wait(&ev).unwrap(); // complete now
+    let d = b.stats().snapshot().since(&before);
+    assert_eq!(
+        (d.submits, d.host_waits),
+        (0, 0),
+        "nothing queued on cpu-async"
+    );
+    assert_eq!(
+        foreign.waits.load(Ordering::Acquire),
+        2,
+        "one host wait per call"
+    );
+    let here = std::thread::current().id();
+    assert_eq!(
+        *foreign.on.lock().unwrap(),
+        vec![here, here],
+        "on the calling thread"
+    );
 }
 
 /// `buf[dst..] = buf[src..] * 2` over 4 floats.
@@ -153,7 +273,7 @@ fn a_copy_and_reads_keep_stream_order_behind_a_gate() {
     let b = CpuAsyncBackend::new("cpu-async").unwrap();
     let buf = b.alloc_buffer(64, BufferUsage::Compute).unwrap();
     b.set_tensor(buf, 0, &bytes(&[1.0, 2.0, 3.0, 4.0])).unwrap();
-    let gate = b.gate_close().unwrap();
+    let gate = Watched::close(&b);
     let before = b.stats().snapshot();
     // y = 2x; x <- y (on the stream); read x; y = 2x; read y.
     b.graph_compute_async(&double(buf, 0, 16)).unwrap();
@@ -188,7 +308,7 @@ fn a_read_dropped_before_it_completed_is_harmless() {
     let b = CpuAsyncBackend::new("cpu-async").unwrap();
     let buf = b.alloc_buffer(64, BufferUsage::Compute).unwrap();
     b.set_tensor(buf, 0, &bytes(&[1.0; 4])).unwrap();
-    let gate = b.gate_close().unwrap();
+    let gate = Watched::close(&b);
     let early = b.read_async(buf, 0, 16).unwrap();
     drop(early);
     gate.open();

@@ -1,4 +1,4 @@
-// The decode kernels of ../kernels run on the CPU (cuda_shim.h) and checked against float64
+// The decode kernels of ../kernels and ../src/fusion run on the CPU (cuda_shim.h) and checked against float64
 // references by NMSE: rms_norm_mul, fused_gemv / fused_gemv8, fused_gemv1 (with and without
 // its norm prologue; its row-pair mode with the Rope and KV-cache row epilogues),
 // mul_mat_vec_k / mul_mat_vec_k4, mul_mat_vec_1, rope_rows, attn_decode (masked rows poisoned
@@ -6,10 +6,13 @@
 // small_copy and copy_batch (exact, in order). Built and run by
 // scripts/kernel_emu.sh; exits non-zero on any failure.
 #include "cuda_shim.h"
+#include "attention.cu"
 #include "elementwise.cu"
-#include "fused.cu"
+#include "gemv.cu"
 #include "matmul.cu"
 #include "norm.cu"
+#include "norm_mul.cu"
+#include "rope_rows.cu"
 
 #include <array>
 #include <random>

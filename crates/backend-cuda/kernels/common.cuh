@@ -186,31 +186,21 @@ __device__ __forceinline__ uint4 ld_cg(const uint4* p) { return __ldcg(p); }
 
 // A 16-byte load of a weight for decode's matrix-vector kernels: read-only path, no L1
 // allocation. A token streams every weight byte through L2 once (gigabytes against tens of
-// megabytes of L2). With LOWSYNC_WEIGHT_EVICT_FIRST (`LOWSYNC_CUDA_WEIGHT_EVICT_FIRST=1`) the
-// load carries an evict-first L2 policy, meant to keep what is reused (activations, KV rows,
-// kernel code) resident; on the H200 the plain load measured faster (README), so it is the
-// default.
+// megabytes of L2). An evict-first L2 policy on this load (meant to keep what is reused —
+// activations, KV rows, kernel code — resident) measured slower on the H200 and was dropped.
 __device__ __forceinline__ uint4 ld_weight(const uint4* p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     uint4 r;
-#if defined(LOWSYNC_WEIGHT_EVICT_FIRST)
-    u64 pol;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p), "l"(pol));
-#else
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
         : "l"(p));
-#endif
     return r;
 #else
     return __ldg(p);
 #endif
 }
 
-// Matrix-vector helpers shared by matmul.cu and fused.cu.
+// Matrix-vector helpers shared by matmul.cu and the fused products (src/fusion/gemv.cu).
 // 16 loaded bytes of a weight as floats: 4 f32 or 8 f16/bf16, in memory order.
 template <int DT>
 __device__ __forceinline__ void unpack16(uint4 w, float* f) {
@@ -390,4 +380,24 @@ __device__ __forceinline__ void decode_x(const float* xr, i64 v, i64 nvec, int s
         const float4 a4 = xv[e];
         xa[4 * e] = a4.x; xa[4 * e + 1] = a4.y; xa[4 * e + 2] = a4.z; xa[4 * e + 3] = a4.w;
     }
+}
+
+// One f32 row x[0, n) and weight row w, NV values per thread (n <= NV * blockDim.x): each
+// thread's values of both, in flight together, and 1 / sqrt(mean(x^2) + eps) over the block.
+// The short path of decode's norms (no dtype switch, 32-bit indices; rms_norm_mul and the
+// fused products' norm prologue). Every thread must call it.
+template <int NV>
+__device__ __forceinline__ float row_rms_f32(const float* x, const float* w, int n, float eps,
+                                             float (&xv)[NV], float (&wv)[NV]) {
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        xv[j] = i < n ? x[i] : 0.0f;
+        wv[j] = i < n ? w[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < NV; ++j) s += xv[j] * xv[j];
+    s = block_sum(s);
+    return 1.0f / sqrtf(s / (float)n + eps);
 }

@@ -87,7 +87,7 @@ __device__ __forceinline__ void block_copy(unsigned char* d, const unsigned char
     }
 }
 
-// A small copy done by one block instead of a copy engine (`LOWSYNC_CUDA_COPY_KERNEL`; a read
+// A small copy done by one block instead of a copy engine (tune key `copy_kernel`; a read
 // the copy batch cannot take). Launched without dependent launch, so it starts after
 // everything queued before it completed; the next kernel's `griddepcontrol.wait` (or a graph
 // launch) orders what follows.

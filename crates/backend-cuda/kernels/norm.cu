@@ -21,7 +21,9 @@ extern "C" __global__ void rms_norm(i64 rows, i64 len, Lay L, void* dst, int dtd
     }
 }
 
-// softmax(x * scale + mask); a row with no finite maximum (all -inf) gives zeros.
+// softmax(x * scale + mask); a row with no finite maximum (all -inf) gives zeros, and a row
+// holding a NaN gives NaNs (fmaxf skips NaN, so the row's NaNs are counted on their own: an
+// all-NaN row must not look fully masked).
 extern "C" __global__ void soft_max(i64 rows, i64 len, Lay L, void* dst, int dtd, i64 d_cs,
                                     const void* x, int dtx, i64 x_cs, const void* mask, int dtm,
                                     i64 m_cs, int has_mask, float scale) {
@@ -31,14 +33,18 @@ extern "C" __global__ void soft_max(i64 rows, i64 len, Lay L, void* dst, int dtd
         i64 o[3];
         lay_offsets(L, r, has_mask ? 3 : 2, o);
         float mx = NEG_INF;
+        float has_nan = 0.0f;
         for (i64 c = threadIdx.x; c < len; c += blockDim.x) {
             float v = ld(x, dtx, o[1] + c * x_cs) * scale;
             if (has_mask) v += ld(mask, dtm, o[2] + c * m_cs);
             mx = fmaxf(mx, v);
+            if (v != v) has_nan = 1.0f;
         }
         mx = block_max(mx);
-        if (mx == NEG_INF) {
-            for (i64 c = threadIdx.x; c < len; c += blockDim.x) st(dst, dtd, o[0] + c * d_cs, 0.0f);
+        has_nan = block_max(has_nan);
+        if (has_nan != 0.0f || mx == NEG_INF) {
+            const float fill = has_nan != 0.0f ? __int_as_float(0x7fc00000) : 0.0f;
+            for (i64 c = threadIdx.x; c < len; c += blockDim.x) st(dst, dtd, o[0] + c * d_cs, fill);
             __syncthreads();
             continue;
         }

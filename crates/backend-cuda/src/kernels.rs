@@ -4,8 +4,9 @@
 //! at run time for that GPU (SASS for `sm_XX`, no PTX JIT), once per process, and the binary is
 //! kept on disk so the next process skips NVRTC entirely.
 //!
-//! Strategy: each `kernels/*.cu` file (with the shared `common.cuh` prepended) is one module,
-//! compiled on the first launch of any of its kernels. The cubin is cached under
+//! Strategy: each `kernels/*.cu` file, and each fused family's `src/fusion/*.cu` beside its
+//! launcher (with the shared `kernels/common.cuh` prepended), is one module, compiled on the
+//! first launch of any of its kernels. The cubin is cached under
 //! `$XDG_CACHE_HOME/lowsync/cuda` (or `~/.cache/lowsync/cuda`), keyed by a hash of source,
 //! architecture and options; a cache file that fails to load is recompiled and replaced.
 //! Cache I/O failures are ignored (the cache is an optimisation).
@@ -39,7 +40,10 @@ const MODULES: &[(&str, &str)] = &[
     ("norm", include_str!("../kernels/norm.cu")),
     ("rope", include_str!("../kernels/rope.cu")),
     ("matmul", include_str!("../kernels/matmul.cu")),
-    ("fused", include_str!("../kernels/fused.cu")),
+    ("fused_norm_mul", include_str!("fusion/norm_mul.cu")),
+    ("fused_gemv", include_str!("fusion/gemv.cu")),
+    ("fused_rope_rows", include_str!("fusion/rope_rows.cu")),
+    ("fused_attention", include_str!("fusion/attention.cu")),
 ];
 
 /// A kernel: its module and its `extern "C"` name.
@@ -77,12 +81,12 @@ pub(crate) enum Kernel {
     FusedGemv1,
     FusedGemv1Pair,
     /// `fused_gemv1`'s streamed, staged path alone, for f16, bf16 and f32 weights (80
-    /// registers: see fused.cu).
+    /// registers: see fusion/gemv.cu).
     FusedGemv1S16,
     FusedGemv1Sb16,
     FusedGemv1S32,
     /// `fused_gemv1_pair`'s two decode paths alone, per weight dtype: gate/up streamed (`gu`)
-    /// and q/k/v's row pairs (`rp`; see fused.cu).
+    /// and q/k/v's row pairs (`rp`; see fusion/gemv.cu).
     FusedGemv1Gu16,
     FusedGemv1Gub16,
     FusedGemv1Gu32,
@@ -184,13 +188,9 @@ impl Kernel {
             | Kernel::MulMatVec1
             | Kernel::MulMatVec1Argmax
             | Kernel::ArgmaxTake => "matmul",
-            Kernel::RmsNormMul
-            | Kernel::FusedGemv
+            Kernel::RmsNormMul => "fused_norm_mul",
+            Kernel::FusedGemv
             | Kernel::FusedGemv8
-            | Kernel::RopeRows
-            | Kernel::AttnDecode
-            | Kernel::AttnFast
-            | Kernel::AttnFastLong
             | Kernel::FusedGemv1
             | Kernel::FusedGemv1Pair
             | Kernel::FusedGemv1S16
@@ -201,7 +201,9 @@ impl Kernel {
             | Kernel::FusedGemv1Gu32
             | Kernel::FusedGemv1Rp16
             | Kernel::FusedGemv1Rpb16
-            | Kernel::FusedGemv1Rp32 => "fused",
+            | Kernel::FusedGemv1Rp32 => "fused_gemv",
+            Kernel::RopeRows => "fused_rope_rows",
+            Kernel::AttnDecode | Kernel::AttnFast | Kernel::AttnFastLong => "fused_attention",
         }
     }
 
@@ -257,20 +259,17 @@ unsafe impl Send for Module {}
 pub(crate) struct Modules {
     arch: String,
     max_shared: usize,
-    evict_first: bool,
     loaded: Mutex<HashMap<&'static str, Module>>,
     funcs: Mutex<HashMap<Kernel, CuFunction>>,
 }
 
 impl Modules {
     /// Modules for a device of compute capability `major.minor` whose blocks may ask for up to
-    /// `max_shared` bytes of shared memory (the opt-in limit), compiled with the weight loads'
-    /// evict-first L2 policy or without (`CudaConfig::weight_evict_first`).
-    pub(crate) fn new(major: i32, minor: i32, max_shared: usize, evict_first: bool) -> Self {
+    /// `max_shared` bytes of shared memory (the opt-in limit).
+    pub(crate) fn new(major: i32, minor: i32, max_shared: usize) -> Self {
         Modules {
             arch: format!("sm_{major}{minor}"),
             max_shared,
-            evict_first,
             loaded: Mutex::new(HashMap::new()),
             funcs: Mutex::new(HashMap::new()),
         }
@@ -334,10 +333,7 @@ impl Modules {
             .find(|(n, _)| *n == name)
             .map(|(_, s)| format!("{COMMON}\n{s}"))
             .ok_or_else(|| format!("no kernel module {name}"))?;
-        let mut options = vec![format!("--gpu-architecture={}", self.arch)];
-        if self.evict_first {
-            options.push("-DLOWSYNC_WEIGHT_EVICT_FIRST=1".into());
-        }
+        let options = vec![format!("--gpu-architecture={}", self.arch)];
         let key = fnv1a(&[src.as_bytes(), options.concat().as_bytes()]);
         let file = format!("{name}-{}-{key:016x}.cubin", self.arch);
         if let Some(bin) = CUBINS.lock().get(&file).cloned() {
@@ -496,20 +492,19 @@ mod tests {
             eprintln!("SKIPPED nvrtc compile: {why}");
             return;
         }
-        let arch = "--gpu-architecture=sm_90".to_string();
-        let evict = "-DLOWSYNC_WEIGHT_EVICT_FIRST=1".to_string();
-        for options in [vec![arch.clone()], vec![arch.clone(), evict]] {
-            for (name, src) in MODULES {
-                let full = format!("{COMMON}\n{src}");
-                let bin = compile(name, &full, &options).unwrap_or_else(|e| panic!("{e}"));
-                assert!(!bin.is_empty(), "{name} {options:?}: empty cubin");
-            }
+        let options = ["--gpu-architecture=sm_90".to_string()];
+        for (name, src) in MODULES {
+            let full = format!("{COMMON}\n{src}");
+            let bin = compile(name, &full, &options).unwrap_or_else(|e| panic!("{e}"));
+            assert!(!bin.is_empty(), "{name}: empty cubin");
         }
     }
 
     #[test]
     fn cache_keys_are_stable_and_separate_parts() {
-        assert_eq!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"ab", b"c"]));
+        // FNV-1a-64 of "ab\xffc\xff" (each part ends with 0xff), computed outside this code:
+        // the cache key of a kernel must not change between builds.
+        assert_eq!(fnv1a(&[b"ab", b"c"]), 0x20ba_9b30_25a8_b421);
         assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
     }
 }

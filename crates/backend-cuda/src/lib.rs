@@ -13,25 +13,33 @@
 //! products) and cuBLAS for larger matmuls. Counters are bumped inside those primitives.
 //!
 //! Invariants: see [`tickets`] (6: no driver call for an idle sync), `staging` (8: bounded
-//! staging, never rewritten under a pending copy) and `backend` (1, 2: staged bytes copied
-//! before return; one stream orders everything).
+//! staging, never rewritten under a pending copy), `device` and `backend` (1, 2: staged bytes
+//! copied before return; one stream orders everything).
 
+// Layers, bottom to top (a module imports only from modules above it in this list):
+// config, probe, layout, copy_batch -> tickets -> driver -> memory, staging, kernels,
+// graph_cache, timing -> device -> exec -> fusion -> capture -> backend.
 mod backend;
 mod capture;
+mod config;
+mod copy_batch;
+mod device;
 mod driver;
+mod exec;
 mod fusion;
+mod graph_cache;
 mod kernels;
 mod layout;
-mod matmul;
 mod memory;
-mod ops;
 mod probe;
 mod staging;
 pub mod tickets;
+mod timing;
 
 use std::sync::Arc;
 
-pub use backend::{cuda_supports_op, CudaBackend, CudaConfig, CudaEvent, CudaGate, DecodeGemv};
+pub use backend::{cuda_supports_op, CudaBackend, CudaEvent, CudaGate};
+pub use config::{CudaConfig, DecodeGemv};
 use lowsync_backend::{Backend, Error, Result};
 
 /// The device ordinal of a backend name: `cuda` is 0, `cuda:N` is N.
@@ -47,7 +55,8 @@ pub fn parse_name(name: &str) -> Result<usize> {
 }
 
 /// Creates the backend called `name` (`cuda` or `cuda:N`) with the settings of the
-/// environment (`LOWSYNC_CUDA_SYNC_ELISION`).
+/// environment (`LOWSYNC_CUDA_SYNC_ELISION`, `LOWSYNC_CUDA_GRAPHS`, `LOWSYNC_CUDA_FUSION`,
+/// `LOWSYNC_CUDA_TIMING`, `LOWSYNC_CUDA_TUNE`).
 pub fn create(name: &str) -> Result<Arc<dyn Backend>> {
     let cfg = CudaConfig::from_env()?;
     create_with_config(name, cfg).map(|b| b as Arc<dyn Backend>)

@@ -9,7 +9,9 @@
 //! similar size (its zeroing memset is queued on the stream, so it is ordered after any work
 //! still reading the old contents). Pinned host memory is allocated with flags 0 — not
 //! write-combined, so the host can also read it at full speed — or with `DEVICEMAP` for words
-//! the device polls or writes (the test gate, the kernel error word).
+//! the device polls or writes (the test gate, the kernel error word). Scratch for nodes
+//! (private copies of sources, matmul conversions) is one stream-ordered allocation, grown by
+//! freeing and re-allocating it on the stream, so no work still using the old block loses it.
 //!
 //! Invariant: a buffer's device address never changes while it is in the table; memory is
 //! returned to the driver only when the backend drops, after its stream is idle.
@@ -19,6 +21,9 @@ use std::collections::HashMap;
 use cudarc::driver::{result, sys};
 use lowsync_backend::{BufferId, Error, Result, TensorRef};
 use parking_lot::{Mutex, RwLock};
+
+use crate::driver::CuDriver;
+use crate::tickets::TicketStream;
 
 /// Alignment of every device buffer (and of the scheduler's offsets within them).
 pub(crate) const ALIGNMENT: usize = 256;
@@ -282,6 +287,65 @@ impl Drop for HeadWork {
         // SAFETY: allocated in `new`, freed once; the backend drops it with its stream idle
         // and its context bound.
         let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+/// The backend's scratch memory: one stream-ordered allocation.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    ptr: u64,
+    cap: usize,
+    /// Times the block moved (captured graphs hold its address).
+    moves: u64,
+}
+
+impl Scratch {
+    /// At least `need` bytes; growing frees the old block on the stream (after the work that
+    /// uses it) and allocates a new one.
+    pub(crate) fn ensure(
+        &mut self,
+        stream: &TicketStream<CuDriver>,
+        need: usize,
+    ) -> std::result::Result<u64, String> {
+        if need <= self.cap && self.ptr != 0 {
+            return Ok(self.ptr);
+        }
+        if stream.is_capturing() {
+            // An allocation would be recorded into the graph; the eager run that precedes
+            // every capture sizes the block, so this only happens for a graph that cannot be
+            // captured — it falls back to eager launches.
+            return Err(format!(
+                "scratch would grow to {need} bytes during a graph capture"
+            ));
+        }
+        self.moves += 1;
+        let new_cap = need.next_power_of_two().max(1 << 20);
+        if self.ptr != 0 {
+            // SAFETY: allocated by `malloc_async` on this stream; later work gets the new block.
+            unsafe { stream.free_async(self.ptr) }.map_err(|e| format!("cuMemFreeAsync: {e:?}"))?;
+            self.ptr = 0;
+            self.cap = 0;
+        }
+        // SAFETY: used only by work queued after this call.
+        self.ptr = unsafe { stream.malloc_async(new_cap) }
+            .map_err(|e| format!("cannot allocate {new_cap} bytes of scratch: {e:?}"))?;
+        self.cap = new_cap;
+        Ok(self.ptr)
+    }
+
+    /// How many times the block moved (a captured graph is stale after a move).
+    pub(crate) fn moves(&self) -> u64 {
+        self.moves
+    }
+
+    /// Frees the block (backend drop).
+    pub(crate) fn release(&mut self, stream: &TicketStream<CuDriver>) {
+        if self.ptr != 0 {
+            // SAFETY: as in `ensure`.
+            let _ = unsafe { stream.free_async(self.ptr) };
+            self.ptr = 0;
+            self.cap = 0;
+        }
     }
 }
 

@@ -1,16 +1,144 @@
-//! `LOWSYNC_CUDA_SYNC_ELISION` (ARCHITECTURE §8), `LOWSYNC_CUDA_MMV_MAX_M`, `LOWSYNC_CUDA_GRAPHS`,
-//! `LOWSYNC_CUDA_FUSION`, `LOWSYNC_CUDA_TIMING`, `LOWSYNC_CUDA_PDL`, `LOWSYNC_CUDA_ATTN_FAST`,
-//! `LOWSYNC_CUDA_REHEARSE`, `LOWSYNC_CUDA_GEMV_STREAM`, `LOWSYNC_CUDA_GEMV_SPLIT`,
-//! `LOWSYNC_CUDA_GEMV_BLOCKS`, `LOWSYNC_CUDA_GEMV_PAD_KB`, `LOWSYNC_CUDA_WEIGHT_EVICT_FIRST`,
-//! `LOWSYNC_CUDA_COPY_KERNEL` and `LOWSYNC_CUDA_READ_KERNEL`: a bad value is an error naming
-//! the variable. (Its own test binary: it sets process-wide variables; one test, so nothing
-//! reads them while they are bad.)
+//! The CUDA backend's variables: the user-facing `LOWSYNC_CUDA_SYNC_ELISION` (ARCHITECTURE §8),
+//! `LOWSYNC_CUDA_GRAPHS`, `LOWSYNC_CUDA_FUSION` and `LOWSYNC_CUDA_TIMING`, and the decode
+//! path's tuning knobs in `LOWSYNC_CUDA_TUNE=key=value,...` (docs/tuning.md): a bad value is an
+//! error naming the variable. The tuning string's parser is a pure function
+//! (`CudaConfig::with_tune`), tested here without the environment; the environment is read by
+//! one test of its own, since it sets process-wide variables (nothing else reads them while
+//! they are bad). No GPU needed.
 
 use lowsync_backend::Error;
 use lowsync_cuda::CudaConfig;
 
+fn tuned(spec: &str) -> lowsync_backend::Result<CudaConfig> {
+    CudaConfig::default().with_tune(spec)
+}
+
+/// The error of `spec`, which must be an `Env` error for `LOWSYNC_CUDA_TUNE` with the whole
+/// value: its `expected` text.
+fn tune_error(spec: &str) -> &'static str {
+    match tuned(spec) {
+        Err(Error::Env {
+            var,
+            value,
+            expected,
+        }) => {
+            assert_eq!(var, "LOWSYNC_CUDA_TUNE", "{spec}");
+            assert_eq!(value, spec, "the variable's value");
+            expected
+        }
+        other => panic!("{spec}: expected an env error, got {other:?}"),
+    }
+}
+
 #[test]
-fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
+fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
+    let d = CudaConfig::default();
+    assert_eq!(tuned("").unwrap(), d, "empty: the defaults");
+    let defaults = (
+        d.pdl,
+        d.attn_fast,
+        d.rehearse,
+        d.gemv_stream,
+        d.gemv_split,
+        d.read_kernel,
+    );
+    assert_eq!(defaults, (true, true, true, true, true, true));
+    assert_eq!(
+        (
+            d.stream_blocks,
+            d.stream_pad_kb,
+            d.copy_kernel_max,
+            d.mmv_max_m
+        ),
+        (2, None, 4096, None)
+    );
+
+    type Read = fn(&CudaConfig) -> bool;
+    let flags: [(&str, Read); 6] = [
+        ("pdl", |c| c.pdl),
+        ("attn_fast", |c| c.attn_fast),
+        ("rehearse", |c| c.rehearse),
+        ("gemv_stream", |c| c.gemv_stream),
+        ("gemv_split", |c| c.gemv_split),
+        ("read_kernel", |c| c.read_kernel),
+    ];
+    for (key, read) in flags {
+        assert!(!read(&tuned(&format!("{key}=0")).unwrap()), "{key}=0");
+        assert!(read(&tuned(&format!("{key}=1")).unwrap()), "{key}=1");
+        let back = tuned(&format!("{key}=0,{key}=1")).unwrap();
+        assert_eq!(
+            back, d,
+            "{key} touches only its own knob; the last item wins"
+        );
+        assert!(tune_error(&format!("{key}=yes")).contains(key));
+    }
+
+    assert_eq!(tuned("gemv_blocks=3").unwrap().stream_blocks, 3);
+    assert_eq!(
+        tuned("gemv_blocks=1000").unwrap().stream_blocks,
+        32,
+        "capped"
+    );
+    assert_eq!(tuned("gemv_pad_kb=0").unwrap().stream_pad_kb, Some(0));
+    assert_eq!(tuned("gemv_pad_kb=227").unwrap().stream_pad_kb, Some(227));
+    assert_eq!(tuned("copy_kernel=0").unwrap().copy_kernel_max, 0);
+    assert_eq!(tuned("copy_kernel=512").unwrap().copy_kernel_max, 512);
+    assert_eq!(tuned("mmv_max_m=0").unwrap().mmv_max_m, Some(0));
+    assert_eq!(tuned("mmv_max_m= 16 ").unwrap().mmv_max_m, Some(16));
+
+    let c = tuned(" pdl=0 , gemv_blocks=4,,mmv_max_m=8,").unwrap();
+    assert_eq!(
+        c,
+        CudaConfig {
+            pdl: false,
+            stream_blocks: 4,
+            mmv_max_m: Some(8),
+            ..CudaConfig::default()
+        },
+        "several items, spaces and empty items"
+    );
+}
+
+#[test]
+fn a_bad_tune_key_or_value_is_an_error_naming_the_variable() {
+    for bad in ["gemv_blocks=0", "gemv_blocks=two"] {
+        assert!(tune_error(bad).contains("positive integer"), "{bad}");
+    }
+    for bad in ["gemv_pad_kb=228", "gemv_pad_kb=80k", "gemv_pad_kb=-1"] {
+        assert!(tune_error(bad).contains("at most 227"), "{bad}");
+    }
+    for bad in ["copy_kernel=4k", "copy_kernel=-1"] {
+        assert!(tune_error(bad).contains("bytes"), "{bad}");
+    }
+    assert!(tune_error("mmv_max_m=-1").contains("rows"));
+    // Unknown keys — the dropped evict-first switch among them — and items without `=` list
+    // every accepted key.
+    for bad in [
+        "weight_evict_first=1",
+        "pdl=1,evict_first=0",
+        "PDL=0",
+        "pdl",
+    ] {
+        let expected = tune_error(bad);
+        for key in [
+            "pdl",
+            "attn_fast",
+            "rehearse",
+            "gemv_stream",
+            "gemv_split",
+            "gemv_blocks",
+            "gemv_pad_kb",
+            "copy_kernel",
+            "read_kernel",
+            "mmv_max_m",
+        ] {
+            assert!(expected.contains(key), "{bad}: {expected} lacks {key}");
+        }
+    }
+}
+
+#[test]
+fn variables_are_read_and_a_bad_value_is_an_error_naming_the_variable() {
     std::env::set_var("LOWSYNC_CUDA_SYNC_ELISION", "0");
     assert!(!CudaConfig::from_env().unwrap().sync_elision);
     std::env::set_var("LOWSYNC_CUDA_SYNC_ELISION", "1");
@@ -34,90 +162,14 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
     }
     std::env::remove_var("LOWSYNC_CUDA_SYNC_ELISION");
 
-    assert_eq!(CudaConfig::from_env().unwrap().mmv_max_m, None, "unset");
-    std::env::set_var("LOWSYNC_CUDA_MMV_MAX_M", "0");
-    assert_eq!(CudaConfig::from_env().unwrap().mmv_max_m, Some(0));
-    std::env::set_var("LOWSYNC_CUDA_MMV_MAX_M", " 16 ");
-    assert_eq!(CudaConfig::from_env().unwrap().mmv_max_m, Some(16));
-    std::env::set_var("LOWSYNC_CUDA_MMV_MAX_M", "-1");
-    match CudaConfig::from_env() {
-        Err(Error::Env { var, .. }) => assert_eq!(var, "LOWSYNC_CUDA_MMV_MAX_M"),
-        other => panic!("expected an env error, got {other:?}"),
-    }
-    std::env::remove_var("LOWSYNC_CUDA_MMV_MAX_M");
-
-    assert_eq!(CudaConfig::from_env().unwrap().stream_blocks, 2, "unset");
-    std::env::set_var("LOWSYNC_CUDA_GEMV_BLOCKS", "3");
-    assert_eq!(CudaConfig::from_env().unwrap().stream_blocks, 3);
-    std::env::set_var("LOWSYNC_CUDA_GEMV_BLOCKS", "1000");
-    assert_eq!(CudaConfig::from_env().unwrap().stream_blocks, 32, "capped");
-    for bad in ["0", "two"] {
-        std::env::set_var("LOWSYNC_CUDA_GEMV_BLOCKS", bad);
-        match CudaConfig::from_env() {
-            Err(Error::Env { var, .. }) => assert_eq!(var, "LOWSYNC_CUDA_GEMV_BLOCKS"),
-            other => panic!("expected an env error for {bad:?}, got {other:?}"),
-        }
-    }
-    std::env::remove_var("LOWSYNC_CUDA_GEMV_BLOCKS");
-
-    assert_eq!(
-        CudaConfig::from_env().unwrap().stream_pad_kb,
-        None,
-        "unset: automatic"
-    );
-    std::env::set_var("LOWSYNC_CUDA_GEMV_PAD_KB", "0");
-    assert_eq!(CudaConfig::from_env().unwrap().stream_pad_kb, Some(0));
-    std::env::set_var("LOWSYNC_CUDA_GEMV_PAD_KB", "227");
-    assert_eq!(CudaConfig::from_env().unwrap().stream_pad_kb, Some(227));
-    for bad in ["228", "80k", "-1"] {
-        std::env::set_var("LOWSYNC_CUDA_GEMV_PAD_KB", bad);
-        match CudaConfig::from_env() {
-            Err(Error::Env { var, .. }) => assert_eq!(var, "LOWSYNC_CUDA_GEMV_PAD_KB"),
-            other => panic!("expected an env error for {bad:?}, got {other:?}"),
-        }
-    }
-    std::env::remove_var("LOWSYNC_CUDA_GEMV_PAD_KB");
-
-    assert_eq!(
-        CudaConfig::from_env().unwrap().copy_kernel_max,
-        4096,
-        "unset"
-    );
-    std::env::set_var("LOWSYNC_CUDA_COPY_KERNEL", "0");
-    assert_eq!(CudaConfig::from_env().unwrap().copy_kernel_max, 0);
-    std::env::set_var("LOWSYNC_CUDA_COPY_KERNEL", "512");
-    assert_eq!(CudaConfig::from_env().unwrap().copy_kernel_max, 512);
-    for bad in ["4k", "-1"] {
-        std::env::set_var("LOWSYNC_CUDA_COPY_KERNEL", bad);
-        match CudaConfig::from_env() {
-            Err(Error::Env { var, .. }) => assert_eq!(var, "LOWSYNC_CUDA_COPY_KERNEL"),
-            other => panic!("expected an env error for {bad:?}, got {other:?}"),
-        }
-    }
-    std::env::remove_var("LOWSYNC_CUDA_COPY_KERNEL");
-
     for (var, default) in [
         ("LOWSYNC_CUDA_GRAPHS", true),
         ("LOWSYNC_CUDA_FUSION", true),
         ("LOWSYNC_CUDA_TIMING", false),
-        ("LOWSYNC_CUDA_PDL", true),
-        ("LOWSYNC_CUDA_ATTN_FAST", true),
-        ("LOWSYNC_CUDA_REHEARSE", true),
-        ("LOWSYNC_CUDA_GEMV_STREAM", true),
-        ("LOWSYNC_CUDA_GEMV_SPLIT", true),
-        ("LOWSYNC_CUDA_WEIGHT_EVICT_FIRST", false),
-        ("LOWSYNC_CUDA_READ_KERNEL", true),
     ] {
         let read = |c: &CudaConfig| match var {
             "LOWSYNC_CUDA_GRAPHS" => c.graphs,
             "LOWSYNC_CUDA_FUSION" => c.fusion,
-            "LOWSYNC_CUDA_PDL" => c.pdl,
-            "LOWSYNC_CUDA_ATTN_FAST" => c.attn_fast,
-            "LOWSYNC_CUDA_REHEARSE" => c.rehearse,
-            "LOWSYNC_CUDA_GEMV_STREAM" => c.gemv_stream,
-            "LOWSYNC_CUDA_GEMV_SPLIT" => c.gemv_split,
-            "LOWSYNC_CUDA_WEIGHT_EVICT_FIRST" => c.weight_evict_first,
-            "LOWSYNC_CUDA_READ_KERNEL" => c.read_kernel,
             _ => c.timing,
         };
         assert_eq!(
@@ -136,4 +188,22 @@ fn sync_elision_variable_is_parsed_and_a_bad_value_is_an_error() {
         }
         std::env::remove_var(var);
     }
+
+    assert_eq!(CudaConfig::from_env().unwrap(), CudaConfig::default());
+    std::env::set_var("LOWSYNC_CUDA_TUNE", "pdl=0,gemv_blocks=3");
+    let c = CudaConfig::from_env().unwrap();
+    assert!(!c.pdl && c.stream_blocks == 3 && c.rehearse, "{c:?}");
+    std::env::set_var("LOWSYNC_CUDA_TUNE", "gemv_blocks=0");
+    match CudaConfig::from_env() {
+        Err(Error::Env { var, .. }) => assert_eq!(var, "LOWSYNC_CUDA_TUNE"),
+        other => panic!("expected an env error, got {other:?}"),
+    }
+    match lowsync_cuda::create("cuda") {
+        Err(Error::Env { var, .. }) => assert_eq!(var, "LOWSYNC_CUDA_TUNE"),
+        other => panic!(
+            "create must report the bad variable, got {:?}",
+            other.map(|_| ())
+        ),
+    }
+    std::env::remove_var("LOWSYNC_CUDA_TUNE");
 }

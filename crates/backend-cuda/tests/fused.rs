@@ -6,8 +6,8 @@
 //! Bounds, fused vs unfused: NMSE <= 1e-8 for results stored in f32, whatever the weight or
 //! cache dtype (the same f32 arithmetic, at most in another summation order); 1e-6 for results
 //! stored in f16 and 1e-5 in bf16 (an f32 value one ulp apart may round to the neighbouring
-//! half). Against the oracle, the op suite's bounds (1e-7 f32, 1e-5 f16, 1e-4 bf16). Skipped
-//! without a CUDA device (`LOWSYNC_REQUIRE_CUDA=1` makes that a failure).
+//! half). Against the oracle, the op suite's bounds (1e-7 f32, 1e-5 f16, 1e-4 bf16). Ignored
+//! without a CUDA device (see `common`).
 
 mod common;
 
@@ -164,17 +164,17 @@ fn try_execute(be: &dyn Backend, case: &Case) -> (lowsync_backend::Result<()>, V
     (done, out)
 }
 
-/// Final buffers and kernel launches of `case` on a CUDA backend; `None` without a device.
-fn on_gpu(test: &str, case: &Case, fusion: bool) -> Option<(Vec<Vec<u8>>, u64)> {
+/// Final buffers and kernel launches of `case` on a CUDA backend.
+fn on_gpu(test: &str, case: &Case, fusion: bool) -> (Vec<Vec<u8>>, u64) {
     let cfg = CudaConfig {
         fusion,
         graphs: false,
         ..CudaConfig::default()
     };
-    let be = gpu_with(test, cfg)?;
+    let be = gpu_with(test, cfg);
     let before = be.stats().snapshot();
     let bufs = execute(&*be, case);
-    Some((bufs, be.stats().snapshot().since(&before).kernel_launches))
+    (bufs, be.stats().snapshot().since(&before).kernel_launches)
 }
 
 fn fused_bound(d: DType) -> f64 {
@@ -205,18 +205,16 @@ fn assert_close(what: &str, want: &[f64], got: &[f64], bound: f64) {
 
 /// Runs `case` unfused and fused (the fused run on `fused_case`, the same chain with other
 /// initial bytes where a test wants that), compares `outputs` and checks that fusion saved
-/// `saved` launches. Returns false when skipped.
+/// `saved` launches.
 fn check_with(
     test: &str,
     case: &Case,
     fused_case: &Case,
     outputs: &[(&str, &TensorRef)],
     saved: u64,
-) -> bool {
-    let Some((off, n_off)) = on_gpu(test, case, false) else {
-        return false;
-    };
-    let (on, n_on) = on_gpu(test, fused_case, true).expect("the device is still there");
+) {
+    let (off, n_off) = on_gpu(test, case, false);
+    let (on, n_on) = on_gpu(test, fused_case, true);
     let oracle = execute(&CpuBackend::new(), case);
     for (name, t) in outputs {
         let what = format!("{test}: {name}");
@@ -239,10 +237,9 @@ fn check_with(
         saved,
         "{test}: launches {n_off} unfused, {n_on} fused"
     );
-    true
 }
 
-fn check(test: &str, case: &Case, outputs: &[(&str, &TensorRef)], saved: u64) -> bool {
+fn check(test: &str, case: &Case, outputs: &[(&str, &TensorRef)], saved: u64) {
     check_with(test, case, case, outputs, saved)
 }
 
@@ -254,6 +251,7 @@ fn weight(c: &mut Case, rng: &mut Rng, dtype: DType, inp: usize, out: usize) -> 
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn norm_and_weight_row_are_one_launch() {
     let mut rng = Rng::new(31);
     for xdt in [DType::F32, DType::F16] {
@@ -282,9 +280,7 @@ fn norm_and_weight_row_are_one_launch() {
                     c.node(Op::Mul, &out, &[&norm, &w]);
                     let test =
                         format!("norm x {xdt} w {wdt} in_place {in_place} transposed {transposed}");
-                    if !check(&test, &c, &[("norm", &norm), ("product", &out)], 1) {
-                        return;
-                    }
+                    check(&test, &c, &[("norm", &norm), ("product", &out)], 1);
                 }
             }
         }
@@ -292,6 +288,7 @@ fn norm_and_weight_row_are_one_launch() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn a_norm_in_front_of_decode_products_joins_their_launch() {
     let mut rng = Rng::new(39);
     // k 2050: weight rows not 16-byte aligned, so the norm runs as its own launch first; k
@@ -326,15 +323,14 @@ fn a_norm_in_front_of_decode_products_joins_their_launch() {
                 let outs: Vec<(&str, &TensorRef)> =
                     outputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
                 let saved = c.nodes.len() as u64 - launches;
-                if !check(&test, &c, &outs, saved) {
-                    return;
-                }
+                check(&test, &c, &outs, saved);
             }
         }
     }
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn projections_of_one_activation_are_one_launch() {
     let mut rng = Rng::new(32);
     for wdt in FLOATS {
@@ -367,15 +363,14 @@ fn projections_of_one_activation_are_one_launch() {
                 }
                 let test = format!("qkv {wdt} m {m} k {k} bias {bias}");
                 let outs: Vec<(&str, &TensorRef)> = outputs.iter().map(|(n, t)| (*n, t)).collect();
-                if !check(&test, &c, &outs, if bias { 5 } else { 2 }) {
-                    return;
-                }
+                check(&test, &c, &outs, if bias { 5 } else { 2 });
             }
         }
     }
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn gate_up_and_swiglu_are_one_launch() {
     let mut rng = Rng::new(33);
     for wdt in FLOATS {
@@ -397,20 +392,19 @@ fn gate_up_and_swiglu_are_one_launch() {
                 };
                 c.node(Op::SwiGlu, &f, &[&gate, &up]);
                 let test = format!("gate/up {wdt} m {m} in_place {in_place}");
-                if !check(
+                check(
                     &test,
                     &c,
                     &[("gate", &gate), ("up", &up), ("swiglu", &f)],
                     2,
-                ) {
-                    return;
-                }
+                );
             }
         }
     }
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn product_and_residual_add_are_one_launch() {
     let mut rng = Rng::new(34);
     for wdt in FLOATS {
@@ -431,15 +425,14 @@ fn product_and_residual_add_are_one_launch() {
                     c.node(Op::Add, &o, &[&o, &x]);
                 }
                 let test = format!("residual {wdt} m {m} residual_first {residual_first}");
-                if !check(&test, &c, &[("product", &o), ("residual", &x)], 1) {
-                    return;
-                }
+                check(&test, &c, &[("product", &o), ("residual", &x)], 1);
             }
         }
     }
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn the_head_product_and_its_argmax_are_one_launch() {
     let mut rng = Rng::new(41);
     for wdt in FLOATS {
@@ -454,10 +447,8 @@ fn the_head_product_and_its_argmax_are_one_launch() {
             c.node(Op::MulMat, &logits, &[&h, &w]);
             c.node(Op::Argmax, &next, &[&logits]);
             let test = format!("head {wdt} vocab {vocab}");
-            let Some((off, _)) = on_gpu(&test, &c, false) else {
-                return;
-            };
-            let (on, _) = on_gpu(&test, &c, true).expect("the device is still there");
+            let (off, _) = on_gpu(&test, &c, false);
+            let (on, _) = on_gpu(&test, &c, true);
             assert_eq!(
                 values(&on, &logits),
                 values(&off, &logits),
@@ -466,12 +457,13 @@ fn the_head_product_and_its_argmax_are_one_launch() {
             assert_eq!(values(&on, &next), values(&off, &next), "{test}: index");
             // As many launches: the argmax kernel that read the logits back with one block is
             // replaced by the one-thread take of the folded index.
-            assert!(check(&test, &c, &[("logits", &logits)], 0));
+            check(&test, &c, &[("logits", &logits)], 0);
         }
     }
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn rope_and_cache_rows_are_one_launch() {
     let mut rng = Rng::new(35);
     let (n_kv, hd, n_ctx) = (2, 64, 24);
@@ -506,9 +498,7 @@ fn rope_and_cache_rows_are_one_launch() {
                     c.node(Op::SetRows, &v_cache, &[&v_cache, &v, &ix]);
                     let test = format!("rope {cache} cache {mode:?} n_dims {n_dims} rows {t}");
                     let outs = [("rope", &r), ("k cache", &k_cache), ("v cache", &v_cache)];
-                    if !check(&test, &c, &outs, 2) {
-                        return;
-                    }
+                    check(&test, &c, &outs, 2);
                 }
             }
         }
@@ -519,6 +509,7 @@ fn rope_and_cache_rows_are_one_launch() {
 /// row-pair kernel): one launch, partial rotation included. With an activation that is not
 /// 16-byte aligned the group runs as the products' launch, then each Rope and SetRows.
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn products_with_rope_and_cache_rows_are_one_launch() {
     let mut rng = Rng::new(41);
     let (d, nh, nkv, n_ctx, at) = (128, 4, 2, 16, 9);
@@ -584,9 +575,7 @@ fn products_with_rope_and_cache_rows_are_one_launch() {
                     ("k cache", &k_cache),
                     ("v cache", &v_cache),
                 ];
-                if !check(&test, &c, &outs, n - launches) {
-                    return;
-                }
+                check(&test, &c, &outs, n - launches);
             }
         }
     }
@@ -595,10 +584,9 @@ fn products_with_rope_and_cache_rows_are_one_launch() {
 /// A bad cache index in a product's SetRows epilogue is reported against that node, and the
 /// backend stays usable.
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn a_bad_cache_row_in_an_epilogue_is_an_error_naming_its_node() {
-    let Some(be) = gpu_with("epilogue_bad_row", CudaConfig::default()) else {
-        return;
-    };
+    let be = gpu_with("epilogue_bad_row", CudaConfig::default());
     let mut rng = Rng::new(42);
     let (d, n, n_ctx) = (64, 32, 8);
     let mut c = Case::default();
@@ -721,6 +709,7 @@ fn outputs(a: &Attn) -> Vec<(&str, &TensorRef)> {
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn decode_attention_is_one_launch() {
     let mut rng = Rng::new(36);
     let n_ctx = 160;
@@ -738,9 +727,7 @@ fn decode_attention_is_one_launch() {
                     let a = attention_case(&mut rng, kv, heads, n_ctx, mask, over_scores);
                     let test =
                         format!("attention {kv} {heads:?} mask {mask:?} over_scores {over_scores}");
-                    if !check(&test, &a.case, &outputs(&a), 3) {
-                        return;
-                    }
+                    check(&test, &a.case, &outputs(&a), 3);
                 }
             }
         }
@@ -766,6 +753,7 @@ fn poison_rows(a: &Attn, kv: DType, rows: impl Iterator<Item = usize>) -> Case {
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn masked_cache_rows_are_never_read() {
     let mut rng = Rng::new(37);
     let n_ctx = 96;
@@ -782,15 +770,13 @@ fn masked_cache_rows_are_never_read() {
             true,
         );
         let poisoned = poison_rows(&a, kv, (valid..n_ctx).chain([3]));
-        if !check_with(
+        check_with(
             &format!("poisoned {kv} cache"),
             &a.case,
             &poisoned,
             &outputs(&a),
             3,
-        ) {
-            return;
-        }
+        );
     }
 }
 
@@ -910,6 +896,7 @@ fn layer(
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn a_decode_layer_is_five_launches() {
     let mut rng = Rng::new(38);
     for (wdt, kv) in [
@@ -923,28 +910,27 @@ fn a_decode_layer_is_five_launches() {
             assert_eq!(c.nodes.len(), unfused);
             let test = format!("layer weights {wdt} cache {kv} bias {bias}");
             let outs: Vec<(&str, &TensorRef)> = outs.iter().map(|(n, t)| (*n, t)).collect();
-            if !check(&test, &c, &outs, unfused as u64 - 5) {
-                return;
-            }
+            check(&test, &c, &outs, unfused as u64 - 5);
         }
     }
 }
 
 /// Final buffers and kernel launches of `case` on a CUDA backend with `cfg` (graphs off).
-fn on_gpu_cfg(test: &str, case: &Case, cfg: CudaConfig) -> Option<(Vec<Vec<u8>>, u64)> {
+fn on_gpu_cfg(test: &str, case: &Case, cfg: CudaConfig) -> (Vec<Vec<u8>>, u64) {
     let be = gpu_with(
         test,
         CudaConfig {
             graphs: false,
             ..cfg
         },
-    )?;
+    );
     let before = be.stats().snapshot();
     let bufs = execute(&*be, case);
-    Some((bufs, be.stats().snapshot().since(&before).kernel_launches))
+    (bufs, be.stats().snapshot().since(&before).kernel_launches)
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn streamed_products_match_a_warp_per_unit_bit_for_bit() {
     // More output units than a streamed grid has warps (sms x 2 blocks x 8 warps): warps take
     // several units each, their loads running on from one unit into the next. Every unit is
@@ -982,22 +968,14 @@ fn streamed_products_match_a_warp_per_unit_bit_for_bit() {
             gemv_stream: false,
             ..CudaConfig::default()
         };
-        let Some((streamed, n_on)) = on_gpu_cfg(&test, &c, on) else {
-            return;
-        };
-        let (plain, n_off) = on_gpu_cfg(&test, &c, off).expect("the device is still there");
-        // The streamed blocks' shared memory pad (occupancy only) and the weight loads' L2
-        // policy change no result.
+        let (streamed, n_on) = on_gpu_cfg(&test, &c, on);
+        let (plain, n_off) = on_gpu_cfg(&test, &c, off);
+        // The streamed blocks' shared memory pad (occupancy only) changes no result.
         let unpadded = CudaConfig {
             stream_pad_kb: Some(0),
             ..CudaConfig::default()
         };
-        let evict = CudaConfig {
-            weight_evict_first: true,
-            ..CudaConfig::default()
-        };
-        let (unpadded, _) = on_gpu_cfg(&test, &c, unpadded).expect("the device is still there");
-        let (evict, _) = on_gpu_cfg(&test, &c, evict).expect("the device is still there");
+        let (unpadded, _) = on_gpu_cfg(&test, &c, unpadded);
         for (name, t) in [
             ("norm", &norm),
             ("h", &h),
@@ -1008,7 +986,6 @@ fn streamed_products_match_a_warp_per_unit_bit_for_bit() {
             for (other, what) in [
                 (&plain, "one warp per unit"),
                 (&unpadded, "unpadded streamed blocks"),
-                (&evict, "evict-first weight loads"),
             ] {
                 assert!(
                     values(&streamed, t) == values(other, t),
@@ -1032,6 +1009,7 @@ fn streamed_products_match_a_warp_per_unit_bit_for_bit() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn masked_windows_list_their_valid_keys() {
     // Masked windows with p and the scores dead — decode's case — run `attn_fast_long` at any
     // length: the valid keys are listed, 2048 mask entries at a time, and only their rows are
@@ -1091,9 +1069,7 @@ fn masked_windows_list_their_valid_keys() {
                     !(0..heads).any(|h| row < valid[h % valid.len()] && Some(row) != hole)
                 });
                 let poisoned = poison_rows(&a, kv, unused);
-                if !check_with(&test, &a.case, &poisoned, &outputs(&a), 3) {
-                    return;
-                }
+                check_with(&test, &a.case, &poisoned, &outputs(&a), 3);
             }
         }
     }

@@ -2,8 +2,7 @@
 //! KV cache) against the CPU oracle: weights seen as `w.T` (k contiguous) and as `w` (n
 //! contiguous) in f32/f16/bf16, odd k tails, GQA batches, one launch per product, bit-identical
 //! results run to run and whatever the operands' alignment. NMSE bounds as in `ops.rs` (the
-//! result is f32: 1e-7). Skipped without a CUDA device (`LOWSYNC_REQUIRE_CUDA=1` makes that a
-//! failure).
+//! result is f32: 1e-7). Ignored without a CUDA device (see `common`).
 
 mod common;
 
@@ -12,8 +11,8 @@ use lowsync_backend::Backend;
 use lowsync_cuda::CudaConfig;
 use lowsync_graph::{DType, Op};
 
-fn pair(test: &str) -> Option<Pair> {
-    gpu(test).map(Pair::new)
+fn pair(test: &str) -> Pair {
+    Pair::new(gpu(test))
 }
 
 /// Runs `dst = a @ b` on both backends, checks the f32 bound and returns the CUDA result's bits
@@ -36,8 +35,9 @@ fn check(p: &Pair, case: &str, dst: &Twin, a: &Twin, b: &Twin) -> (Vec<u64>, u64
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn transposed_weights_match_the_oracle_in_one_launch() {
-    let Some(p) = pair("gemv_k") else { return };
+    let p = pair("gemv_k");
     let mut rng = Rng::new(21);
     for bdt in FLOATS {
         // 8192: the decode kernel's shared staging of x at a large k; 16384 f32 exceeds it.
@@ -61,8 +61,9 @@ fn transposed_weights_match_the_oracle_in_one_launch() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn row_major_weights_match_the_oracle_in_one_launch() {
-    let Some(p) = pair("gemv_n") else { return };
+    let p = pair("gemv_n");
     let mut rng = Rng::new(22);
     for bdt in FLOATS {
         for k in [64, 2050] {
@@ -81,8 +82,9 @@ fn row_major_weights_match_the_oracle_in_one_launch() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn half_weights_under_f32_activations_take_the_kernel_up_to_32_rows() {
-    let Some(p) = pair("gemv_rows") else { return };
+    let p = pair("gemv_rows");
     let mut rng = Rng::new(23);
     for bdt in [DType::F16, DType::BF16] {
         for (k, n) in [(2048, 300), (2050, 33)] {
@@ -101,10 +103,9 @@ fn half_weights_under_f32_activations_take_the_kernel_up_to_32_rows() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn attention_over_a_kv_cache_is_one_launch_per_product() {
-    let Some(p) = pair("gemv_attention") else {
-        return;
-    };
+    let p = pair("gemv_attention");
     let mut rng = Rng::new(24);
     let (n_h, n_kv, hd) = (8, 2, 64);
     for kv in FLOATS {
@@ -131,10 +132,9 @@ fn attention_over_a_kv_cache_is_one_launch_per_product() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn batches_broadcasts_strided_results_and_converted_activations() {
-    let Some(p) = pair("gemv_layouts") else {
-        return;
-    };
+    let p = pair("gemv_layouts");
     let mut rng = Rng::new(25);
     for bdt in FLOATS {
         // A 3-D a over a 2-D weight (the weight broadcast over the batch).
@@ -174,10 +174,9 @@ fn batches_broadcasts_strided_results_and_converted_activations() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn results_do_not_depend_on_operand_alignment() {
-    let Some(p) = pair("gemv_alignment") else {
-        return;
-    };
+    let p = pair("gemv_alignment");
     let mut rng = Rng::new(26);
     for bdt in FLOATS {
         let (m, k, n) = (2, 1024, 48);
@@ -211,10 +210,9 @@ fn results_do_not_depend_on_operand_alignment() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn results_are_bit_identical_run_to_run() {
-    let Some(p) = pair("gemv_determinism") else {
-        return;
-    };
+    let p = pair("gemv_determinism");
     let mut rng = Rng::new(27);
     for bdt in FLOATS {
         let w = p.rand(&mut rng, bdt, &[2048, 2048]);
@@ -232,14 +230,13 @@ fn results_are_bit_identical_run_to_run() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn the_threshold_knob_sends_small_products_back_to_cublas() {
     let cfg = CudaConfig {
         mmv_max_m: Some(0),
         ..CudaConfig::default()
     };
-    let Some(g) = gpu_with("gemv_knob", cfg) else {
-        return;
-    };
+    let g = gpu_with("gemv_knob", cfg);
     let p = Pair::new(g);
     let mut rng = Rng::new(28);
     let x = p.rand(&mut rng, DType::F32, &[1, 256]);

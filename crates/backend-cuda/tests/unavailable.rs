@@ -1,14 +1,25 @@
 //! Selecting `cuda` where it cannot run: a clear error, never a panic. On a machine without the
 //! NVIDIA driver (CI) `create` is `Unavailable` and no device is listed; on a GPU machine the
-//! same calls succeed. Bad names and ordinals are errors everywhere.
+//! same calls succeed. Bad names and ordinals are errors everywhere. With
+//! `LOWSYNC_REQUIRE_CUDA=1` (the GPU machine's setting) a missing device is a failure here,
+//! whether or not the ignored device tests were asked for.
 
 use lowsync_backend::Error;
+
+/// Whether a missing device must fail (`LOWSYNC_REQUIRE_CUDA=1`).
+fn required() -> bool {
+    std::env::var("LOWSYNC_REQUIRE_CUDA").is_ok_and(|v| v.trim() == "1")
+}
 
 #[test]
 fn cuda_without_a_driver_or_device_is_a_clear_unavailable_error() {
     let devices = lowsync_cuda::available_devices();
     match lowsync_cuda::create("cuda") {
         Err(Error::Unavailable { backend, reason }) => {
+            assert!(
+                !required(),
+                "LOWSYNC_REQUIRE_CUDA=1 but {backend} unavailable: {reason}"
+            );
             assert_eq!(backend, "CUDA");
             assert!(
                 devices.is_empty(),

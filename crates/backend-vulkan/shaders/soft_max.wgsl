@@ -1,5 +1,6 @@
 // softmax(x * scale + mask) over the last axis: one workgroup per row. A row whose entries are
-// all -inf (fully masked) gives zeros, as the CPU oracle.
+// all -inf (fully masked) gives zeros, as the CPU oracle; a row holding a NaN gives NaNs (the
+// NaNs are counted on their own: `max` may drop a NaN, and an all-NaN row must not look masked).
 
 struct Pc {
     // leading row dims in xyz, row length in w
@@ -45,9 +46,24 @@ fn main(
     let ninf = bitcast<f32>(0xff800000u);
 
     var mx = ninf;
+    var nans = 0.0;
     for (var j = li; j < len; j += 256u) {
-        mx = max(mx, value(a0, m0, j));
+        let v = value(a0, m0, j);
+        mx = max(mx, v);
+        if v != v {
+            nans = 1.0;
+        }
     }
+    red[li] = nans;
+    workgroupBarrier();
+    for (var w = 128u; w > 0u; w >>= 1u) {
+        if li < w {
+            red[li] = max(red[li], red[li + w]);
+        }
+        workgroupBarrier();
+    }
+    let has_nan = red[0] != 0.0;
+    workgroupBarrier();
     red[li] = mx;
     workgroupBarrier();
     for (var w = 128u; w > 0u; w >>= 1u) {
@@ -60,7 +76,8 @@ fn main(
     workgroupBarrier();
 
     // Barriers stay in uniform control flow: a fully masked row only selects zeros below.
-    let all_masked = mx == ninf;
+    // With a NaN in the row the sum below is NaN, so every entry comes out NaN.
+    let all_masked = mx == ninf && !has_nan;
     var s = 0.0;
     if !all_masked {
         for (var j = li; j < len; j += 256u) {

@@ -1,4 +1,5 @@
-//! Instance, physical device and queue selection, and the validation-message sink.
+//! Instance, physical device and queue selection, the validation-message sink, and the
+//! command-pool helpers every queue route uses.
 //!
 //! Why: everything else needs one logical device with a compute queue, an optional dedicated
 //! transfer queue, timeline semaphores, and — in tests — the Khronos validation layer with
@@ -37,6 +38,33 @@ pub(crate) fn unavailable(reason: impl Into<String>) -> Error {
 /// A Vulkan call failed: the message names the call.
 pub(crate) fn vk_err(what: &str, r: vk::Result) -> Error {
     unavailable(format!("{what} failed: {r:?}"))
+}
+
+/// A command pool of `family` whose buffers are reset one by one (each route recycles its
+/// buffers as their submissions complete).
+pub(crate) fn create_pool(device: &ash::Device, family: u32) -> Result<vk::CommandPool> {
+    let info = vk::CommandPoolCreateInfo::default()
+        .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER)
+        .queue_family_index(family);
+    // SAFETY: valid create info.
+    unsafe { device.create_command_pool(&info, None) }.map_err(|r| vk_err("vkCreateCommandPool", r))
+}
+
+/// One primary command buffer from `pool`; the caller serialises use of the pool.
+pub(crate) fn allocate_command_buffer(
+    device: &ash::Device,
+    pool: vk::CommandPool,
+) -> Result<vk::CommandBuffer> {
+    let info = vk::CommandBufferAllocateInfo::default()
+        .command_pool(pool)
+        .level(vk::CommandBufferLevel::PRIMARY)
+        .command_buffer_count(1);
+    // SAFETY: a live pool, used by one thread at a time (the owner's lock).
+    let v = unsafe { device.allocate_command_buffers(&info) }
+        .map_err(|r| vk_err("vkAllocateCommandBuffers", r))?;
+    v.into_iter()
+        .next()
+        .ok_or_else(|| unavailable("no command buffer allocated"))
 }
 
 unsafe extern "system" fn on_message(
@@ -161,6 +189,26 @@ impl Instance {
         let pds = unsafe { self.instance.enumerate_physical_devices() }
             .map_err(|r| vk_err("vkEnumeratePhysicalDevices", r))?;
         Ok(pds.into_iter().map(|pd| (pd, self.usable(pd))).collect())
+    }
+
+    /// The reported kind of physical device `index` (see [`crate::device_type`]).
+    pub(crate) fn device_type(&self, index: usize) -> Result<&'static str> {
+        let devices = self.devices()?;
+        let Some(&(pd, _)) = devices.get(index) else {
+            return Err(unavailable(format!(
+                "no Vulkan device {index} ({} found)",
+                devices.len()
+            )));
+        };
+        // SAFETY: a query on a physical device of this instance.
+        let props = unsafe { self.instance.get_physical_device_properties(pd) };
+        Ok(match props.device_type {
+            vk::PhysicalDeviceType::CPU => "cpu",
+            vk::PhysicalDeviceType::DISCRETE_GPU => "discrete_gpu",
+            vk::PhysicalDeviceType::INTEGRATED_GPU => "integrated_gpu",
+            vk::PhysicalDeviceType::VIRTUAL_GPU => "virtual_gpu",
+            _ => "other",
+        })
     }
 
     fn usable(&self, pd: vk::PhysicalDevice) -> std::result::Result<(), String> {

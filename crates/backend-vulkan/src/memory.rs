@@ -8,7 +8,7 @@
 //! Strategy: a [`DevBuffer`] records whether the host may write it directly (mapped, coherent,
 //! and not on the forced no-ReBAR path) and read it directly (also host-cached). An [`Arena`]
 //! is a list of persistently mapped chunks, each bump-allocated and stamped with the
-//! [`Retire`] point (compute and transfer timeline values) of the last submission that uses
+//! `Retire` point (compute and transfer timeline values) of the last submission that uses
 //! it; a chunk is reset once both values completed. An arena grows by a chunk when no chunk
 //! fits, up to a cap; past the cap the caller must wait for the device and retry. Chunks that
 //! stay unused for many reclaims are freed, so a one-off large upload does not pin memory.
@@ -24,6 +24,7 @@ use gpu_allocator::MemoryLocation;
 use lowsync_backend::{BufferUsage, Result};
 
 use crate::device::{unavailable, vk_err};
+use crate::timeline::Retire;
 
 /// Round `v` up to a multiple of `a` (a power of two).
 pub(crate) fn align_up(v: u64, a: u64) -> u64 {
@@ -32,26 +33,6 @@ pub(crate) fn align_up(v: u64, a: u64) -> u64 {
 
 /// Buffers at or above this size get their own `VkDeviceMemory` (weights, KV cache).
 const DEDICATED_MIN_BYTES: u64 = 32 << 20;
-
-/// Where in the two timelines a resource is last used: it may be reused once the compute
-/// timeline reached `compute` and the transfer timeline reached `transfer`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Retire {
-    pub compute: u64,
-    pub transfer: u64,
-}
-
-impl Retire {
-    pub(crate) fn done_by(&self, done: Retire) -> bool {
-        self.compute <= done.compute && self.transfer <= done.transfer
-    }
-    pub(crate) fn max(self, o: Retire) -> Retire {
-        Retire {
-            compute: self.compute.max(o.compute),
-            transfer: self.transfer.max(o.transfer),
-        }
-    }
-}
 
 /// A `VkBuffer` with its memory.
 pub(crate) struct DevBuffer {

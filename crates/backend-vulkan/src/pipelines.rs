@@ -1,5 +1,5 @@
-//! Compute pipelines (created once per kernel variant and cached) and descriptor sets (cached
-//! by their bindings and reused across steps).
+//! Compute pipelines (created once per kernel variant and cached), the push-constant block they
+//! share, and descriptor sets (cached by their bindings and reused across steps).
 //!
 //! Why: a decode step records the same few hundred dispatches every token. Creating a
 //! pipeline or writing a descriptor set per dispatch would cost more host time than the
@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use std::sync::OnceLock;
 
 use ash::vk;
+use bytemuck::{Pod, Zeroable};
 use lowsync_backend::Result;
 
 use crate::device::{unavailable, vk_err};
@@ -43,6 +44,24 @@ fn spirv(name: &str) -> Option<&'static [u8]> {
         .get(name)
         .copied()
 }
+
+/// Push constants: eight `uvec4`s (128 bytes, the guaranteed minimum), named as the kernels
+/// name them; each kernel's header says what its fields hold.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub(crate) struct Push {
+    pub shape: [u32; 4],
+    pub d_str: [u32; 4],
+    pub a_str: [u32; 4],
+    pub b_str: [u32; 4],
+    pub offs: [u32; 4],
+    pub op: [u32; 4],
+    pub prm: [u32; 4],
+    pub pad: [u32; 4],
+}
+
+// Every pipeline layout declares exactly this many push-constant bytes.
+const _: () = assert!(std::mem::size_of::<Push>() == PUSH_BYTES as usize);
 
 /// One storage-buffer binding of a dispatch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -8,21 +8,18 @@
 //! whatever must wait on it), signalling the next value of the compute timeline — the fence
 //! rides on the last compute submission, so `synchronize` never needs an empty submit.
 //!
-//! Strategy: tickets, not timing. `submitted` is the last value a compute submission will
-//! signal; `observed` is the last value the host saw complete through a wait. `synchronize`
-//! is elided iff nothing is open and `observed == submitted` on both timelines (invariant 6).
-//! Transfer-route copies are separate submissions signalling the transfer timeline; the next
-//! compute submission waits on it, and a host wait on compute covers every transfer value a
-//! completed compute submission waited on. Hazards inside a command buffer are tracked by the
-//! byte ranges each command binds (the same ranges the synchronization validation layer
-//! sees); a global barrier separates a command from earlier ones it conflicts with, and every
-//! command buffer opens with a barrier against earlier submissions and closes with one that
-//! makes device writes visible to the host.
-//!
-//! A graph is checked and planned once (`GraphPlan`: pipelines, descriptor sets, push
-//! constants, barrier positions) and replayed on later steps while the graph object and every
-//! buffer it binds are unchanged (`generation` is bumped when a buffer is freed or replaced and
-//! when cached descriptor sets are dropped), so a decode step costs recording, not planning.
+//! Strategy: tickets, not timing (`crate::timeline`). `submitted` is the last value a compute
+//! submission will signal; `observed` is the last value the host saw complete through a wait.
+//! `synchronize` is elided iff nothing is open and `observed == submitted` on both timelines
+//! (invariant 6). Transfer-route copies (`crate::transfer`) are separate submissions signalling
+//! the transfer timeline; the next compute submission waits on it, and a host wait on compute
+//! covers every transfer value a completed compute submission waited on. Hazards inside a
+//! command buffer are tracked by the byte ranges each command binds (the same ranges the
+//! synchronization validation layer sees); a global barrier separates a command from earlier
+//! ones it conflicts with, and every command buffer opens with a barrier against earlier
+//! submissions and closes with one that makes device writes visible to the host. Graph plans
+//! (`crate::plan`) are recorded as they are; `generation` is bumped when a buffer is freed or
+//! replaced and when cached descriptor sets are dropped, which retires every plan.
 //!
 //! Invariants: a submission always carries at least one command (invariant 7; the legacy
 //! switch's empty submit is the one exception); resources used by a submission (command
@@ -30,42 +27,21 @@
 //! destroyed only after its retire point completed (invariant 8).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
 use ash::vk;
 use gpu_allocator::vulkan::Allocator;
-use lowsync_backend::{bump, BufferId, Error, ExecGraph, Result, SyncStats};
+use lowsync_backend::{bump, BufferId, Error, Result, SyncStats};
 
-use crate::device::{unavailable, vk_err, Device};
-use crate::memory::{destroy_buffer, Arena, DevBuffer, Region, Retire};
-use crate::ops::Push;
-use crate::pipelines::{Bind, Pipelines};
-
-/// A timeline semaphore and what the host knows of it.
-pub(crate) struct Timeline {
-    pub sem: vk::Semaphore,
-    /// The last value a submission signals.
-    pub submitted: u64,
-    /// The last value the host saw complete through a wait.
-    pub observed: u64,
-    /// The last value known complete (waits or non-blocking queries); used for reclaiming.
-    pub completed: u64,
-}
-
-/// The transfer route: a dedicated transfer queue, or (forced) separate submissions on the
-/// compute queue with their own timeline.
-pub(crate) struct TransferRoute {
-    pub queue: vk::Queue,
-    pub pool: vk::CommandPool,
-    pub free: Vec<vk::CommandBuffer>,
-    pub inflight: VecDeque<(u64, vk::CommandBuffer)>,
-    pub tl: Timeline,
-    /// The highest transfer value a compute submission has waited on.
-    pub waited_by_compute: u64,
-}
+use crate::device::{allocate_command_buffer, unavailable, vk_err, Device};
+use crate::memory::{destroy_buffer, Arena, DevBuffer, Region};
+use crate::pipelines::Pipelines;
+use crate::plan::{Access, ErrorSite, GraphPlan, Recorded};
+use crate::timeline::{Retire, Timeline};
+use crate::transfer::TransferRoute;
 
 /// A semaphore the host signals to value 1: a test gate, or the bridge of a foreign event.
 pub(crate) struct HostSignal {
@@ -75,107 +51,6 @@ pub(crate) struct HostSignal {
     pub last_waited: Retire,
     /// Still to be waited on by the next compute submission.
     pub pending: bool,
-}
-
-/// A byte range a recorded command touches.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Access {
-    pub buffer: vk::Buffer,
-    pub start: u64,
-    pub end: u64,
-    pub write: bool,
-}
-
-impl Access {
-    fn conflicts(&self, o: &Access) -> bool {
-        self.buffer == o.buffer
-            && (self.write || o.write)
-            && self.start < o.end
-            && o.start < self.end
-    }
-}
-
-/// One command of a graph plan, ready to record.
-#[derive(Clone, Debug)]
-pub(crate) enum Recorded {
-    /// A global barrier between conflicting commands.
-    Barrier,
-    Copy {
-        src: (vk::Buffer, u64),
-        dst: (vk::Buffer, u64),
-        size: u64,
-    },
-    Dispatch {
-        pipeline: vk::Pipeline,
-        layout: vk::PipelineLayout,
-        set: vk::DescriptorSet,
-        push: Push,
-        groups: [u32; 3],
-    },
-}
-
-impl Recorded {
-    /// The ranges this command touches (`binds` for a dispatch).
-    pub(crate) fn accesses(&self, binds: &[Bind]) -> Vec<Access> {
-        match self {
-            Recorded::Barrier => Vec::new(),
-            Recorded::Copy { src, dst, size } => vec![
-                Access {
-                    buffer: src.0,
-                    start: src.1,
-                    end: src.1 + size,
-                    write: false,
-                },
-                Access {
-                    buffer: dst.0,
-                    start: dst.1,
-                    end: dst.1 + size,
-                    write: true,
-                },
-            ],
-            Recorded::Dispatch { .. } => binds
-                .iter()
-                .map(|b| Access {
-                    buffer: b.buffer,
-                    start: b.offset,
-                    end: b.offset + b.range,
-                    write: b.write,
-                })
-                .collect(),
-        }
-    }
-}
-
-/// Places barriers while a plan is built: a command that conflicts with one since the last
-/// barrier gets a barrier before it.
-#[derive(Default)]
-pub(crate) struct Tracker {
-    since_barrier: Vec<Access>,
-}
-
-impl Tracker {
-    pub(crate) fn push(&mut self, steps: &mut Vec<Recorded>, acc: Vec<Access>, step: Recorded) {
-        let conflict = acc
-            .iter()
-            .any(|a| self.since_barrier.iter().any(|b| a.conflicts(b)));
-        if conflict {
-            steps.push(Recorded::Barrier);
-            self.since_barrier.clear();
-        }
-        self.since_barrier.extend(acc);
-        steps.push(step);
-    }
-}
-
-/// A graph checked and planned once, replayed while the graph and its buffers are unchanged.
-pub(crate) struct GraphPlan {
-    pub graph: Weak<ExecGraph>,
-    /// `State::generation` when planned (bumped whenever a buffer is freed or replaced).
-    pub generation: u64,
-    pub steps: Vec<Recorded>,
-    pub sites: Vec<(u32, ErrorSite)>,
-    /// False when the plan uses per-submission scratch memory.
-    pub replayable: bool,
 }
 
 /// The command buffer being recorded.
@@ -204,16 +79,6 @@ pub(crate) enum ReadTarget {
     Raw(*mut u8),
     /// Memory a `read_async` ticket shares, so dropping the ticket early is safe.
     Owned(Arc<Mutex<Vec<u8>>>),
-}
-
-/// What an index error reported by a kernel refers to.
-#[derive(Clone, Debug)]
-pub(crate) struct ErrorSite {
-    pub op: &'static str,
-    pub node: String,
-    pub what: &'static str,
-    pub rows_of: &'static str,
-    pub n: usize,
 }
 
 /// The error-status words of index-checking kernels: `[count, tag, position, value]`.
@@ -248,8 +113,6 @@ pub(crate) struct State {
     pub free_cmds: Vec<vk::CommandBuffer>,
     /// Submitted compute command buffers: (value, buffer).
     pub inflight: VecDeque<(u64, vk::CommandBuffer)>,
-    /// Compute values whose submission waited on a transfer value: (compute, transfer).
-    pub transfer_marks: VecDeque<(u64, u64)>,
     pub transfer: Option<TransferRoute>,
     pub open: Option<Recording>,
     pub signals: Vec<HostSignal>,
@@ -295,7 +158,7 @@ impl State {
     pub(crate) fn allocator(&mut self) -> Result<&mut Allocator> {
         self.allocator
             .as_mut()
-            .ok_or_else(|| crate::device::unavailable("the backend is shutting down"))
+            .ok_or_else(|| unavailable("the backend is shutting down"))
     }
 
     /// The retire point of work recorded into the open command buffer now.
@@ -352,19 +215,10 @@ impl State {
     }
 
     fn take_cmd(&mut self, device: &ash::Device) -> Result<vk::CommandBuffer> {
-        if let Some(c) = self.free_cmds.pop() {
-            return Ok(c);
+        match self.free_cmds.pop() {
+            Some(c) => Ok(c),
+            None => allocate_command_buffer(device, self.pool),
         }
-        let info = vk::CommandBufferAllocateInfo::default()
-            .command_pool(self.pool)
-            .level(vk::CommandBufferLevel::PRIMARY)
-            .command_buffer_count(1);
-        // SAFETY: a live pool, used under the state lock.
-        let v = unsafe { device.allocate_command_buffers(&info) }
-            .map_err(|r| vk_err("vkAllocateCommandBuffers", r))?;
-        v.into_iter()
-            .next()
-            .ok_or_else(|| crate::device::unavailable("no command buffer allocated"))
     }
 
     /// The open recording, beginning a command buffer when none is open.
@@ -391,7 +245,7 @@ impl State {
         }
         self.open
             .as_mut()
-            .ok_or_else(|| crate::device::unavailable("no open command buffer"))
+            .ok_or_else(|| unavailable("no open command buffer"))
     }
 
     /// Records a buffer copy into the open command buffer.
@@ -544,7 +398,7 @@ impl State {
         let mut wait_sems = Vec::new();
         let mut wait_vals = Vec::new();
         for s in self.signals.iter_mut().filter(|s| s.pending) {
-            if !s.signaled.load(std::sync::atomic::Ordering::Acquire) {
+            if !s.signaled.load(Ordering::Acquire) {
                 wait_sems.push(s.sem);
                 wait_vals.push(1u64);
                 s.last_waited = s.last_waited.max(Retire {
@@ -554,14 +408,10 @@ impl State {
             }
             s.pending = false;
         }
-        let mut waited_transfer = None;
-        if let Some(t) = self.transfer.as_mut() {
-            if t.tl.submitted > t.waited_by_compute {
-                wait_sems.push(t.tl.sem);
-                wait_vals.push(t.tl.submitted);
-                t.waited_by_compute = t.tl.submitted;
-                waited_transfer = Some(t.tl.submitted);
-            }
+        let waited_transfer = self.transfer.as_mut().and_then(TransferRoute::compute_wait);
+        if let Some((sem, v)) = waited_transfer {
+            wait_sems.push(sem);
+            wait_vals.push(v);
         }
         let stages = vec![ALL_STAGES; wait_sems.len()];
         let signal = [self.compute.sem];
@@ -591,8 +441,8 @@ impl State {
         }
         self.compute.submitted = value;
         self.inflight.push_back((value, cmd));
-        if let Some(t) = waited_transfer {
-            self.transfer_marks.push_back((value, t));
+        if let (Some(t), Some((_, v))) = (self.transfer.as_mut(), waited_transfer) {
+            t.waited_by(value, v);
         }
         Ok(())
     }
@@ -608,17 +458,8 @@ impl State {
         self.compute.observed = self.compute.observed.max(target.compute);
         self.compute.completed = self.compute.completed.max(self.compute.observed);
         // A completed compute submission implies the transfer values it waited on.
-        let mut covered = 0;
-        while let Some(&(v, t)) = self.transfer_marks.front() {
-            if v > self.compute.observed {
-                break;
-            }
-            covered = t;
-            self.transfer_marks.pop_front();
-        }
         if let Some(t) = self.transfer.as_mut() {
-            t.tl.observed = t.tl.observed.max(target.transfer).max(covered);
-            t.tl.completed = t.tl.completed.max(t.tl.observed);
+            t.observe(self.compute.observed, target.transfer);
         }
         let done = Retire {
             compute: self.compute.observed,
@@ -658,10 +499,7 @@ impl State {
             self.compute.completed = self.compute.completed.max(v);
         }
         if let Some(t) = self.transfer.as_mut() {
-            // SAFETY: as above.
-            if let Ok(v) = unsafe { device.get_semaphore_counter_value(t.tl.sem) } {
-                t.tl.completed = t.tl.completed.max(v);
-            }
+            t.poll(device);
         }
     }
 
@@ -681,16 +519,7 @@ impl State {
             self.free_cmds.push(cmd);
         }
         if let Some(t) = self.transfer.as_mut() {
-            while let Some(&(v, cmd)) = t.inflight.front() {
-                if v > done.transfer {
-                    break;
-                }
-                t.inflight.pop_front();
-                // SAFETY: as above.
-                unsafe { device.reset_command_buffer(cmd, vk::CommandBufferResetFlags::empty()) }
-                    .map_err(|r| vk_err("vkResetCommandBuffer", r))?;
-                t.free.push(cmd);
-            }
+            t.reclaim(device, done.transfer)?;
         }
         let Some(allocator) = self.allocator.as_mut() else {
             return Ok(());
@@ -698,7 +527,7 @@ impl State {
         let freed = self.staging.reclaim(done, device, allocator);
         stats
             .staging_bytes_in_use
-            .fetch_sub(freed, std::sync::atomic::Ordering::Relaxed);
+            .fetch_sub(freed, Ordering::Relaxed);
         self.readback.reclaim(done, device, allocator);
         self.scratch.reclaim(done, device, allocator);
         let mut i = 0;
@@ -712,7 +541,7 @@ impl State {
             }
         }
         self.signals.retain(|s| {
-            let signaled = s.signaled.load(std::sync::atomic::Ordering::Acquire);
+            let signaled = s.signaled.load(Ordering::Acquire);
             let drop = signaled && s.last_waited.done_by(done);
             if drop {
                 // SAFETY: signalled and no longer waited on by pending work.
@@ -821,19 +650,15 @@ pub(crate) fn barrier(
     };
 }
 
-pub(crate) fn create_timeline(device: &ash::Device) -> Result<vk::Semaphore> {
-    let mut ty = vk::SemaphoreTypeCreateInfo::default()
-        .semaphore_type(vk::SemaphoreType::TIMELINE)
-        .initial_value(0);
-    let info = vk::SemaphoreCreateInfo::default().push_next(&mut ty);
-    // SAFETY: valid create info.
-    unsafe { device.create_semaphore(&info, None) }.map_err(|r| vk_err("vkCreateSemaphore", r))
-}
-
-pub(crate) fn create_pool(device: &ash::Device, family: u32) -> Result<vk::CommandPool> {
-    let info = vk::CommandPoolCreateInfo::default()
-        .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER)
-        .queue_family_index(family);
-    // SAFETY: valid create info.
-    unsafe { device.create_command_pool(&info, None) }.map_err(|r| vk_err("vkCreateCommandPool", r))
+/// Signals a host semaphore to 1 once.
+pub(crate) fn signal_once(device: &ash::Device, sem: vk::Semaphore, flag: &AtomicBool) {
+    if flag.load(Ordering::Acquire) {
+        return;
+    }
+    let info = vk::SemaphoreSignalInfo::default().semaphore(sem).value(1);
+    // SAFETY: a live timeline semaphore at value 0; the flag is set after the signal so
+    // nobody destroys it first. Concurrent openers are serialised by the owners' locks.
+    if unsafe { device.signal_semaphore(&info) }.is_ok() {
+        flag.store(true, Ordering::Release);
+    }
 }

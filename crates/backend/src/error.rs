@@ -24,6 +24,12 @@ pub enum Error {
         node: String,
         msg: String,
     },
+    #[error("out of {device} memory: cannot allocate {bytes} bytes for {what}")]
+    OutOfMemory {
+        device: String,
+        what: String,
+        bytes: usize,
+    },
     #[error("interrupted; queued work was drained and the backend is usable")]
     Interrupted,
     #[error("environment variable {var}={value:?} is invalid: expected {expected}")]

@@ -28,23 +28,34 @@ pub struct TensorRef {
 }
 
 impl TensorRef {
-    /// Number of elements.
+    /// Number of elements (saturating at `usize::MAX`).
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        self.shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .unwrap_or(usize::MAX)
     }
 
-    /// Bytes from `byte_offset` to one past the furthest element (0 when empty).
-    pub fn byte_extent(&self) -> usize {
+    /// Bytes from `byte_offset` to one past the furthest element (0 when empty); `None` when
+    /// that overflows.
+    pub fn checked_byte_extent(&self) -> Option<usize> {
         if self.numel() == 0 {
-            return 0;
+            return Some(0);
         }
-        let last: usize = self
-            .shape
+        self.shape
             .iter()
             .zip(&self.strides)
-            .map(|(&d, &s)| (d - 1) * s)
-            .sum();
-        (last + 1) * self.dtype.size_bytes()
+            .try_fold(0usize, |acc, (&d, &s)| {
+                acc.checked_add((d - 1).checked_mul(s)?)
+            })?
+            .checked_add(1)?
+            .checked_mul(self.dtype.size_bytes())
+    }
+
+    /// [`TensorRef::checked_byte_extent`], saturating at `usize::MAX`: a layout whose extent
+    /// overflows then fails every bounds check instead of wrapping to a small size that passes.
+    pub fn byte_extent(&self) -> usize {
+        self.checked_byte_extent().unwrap_or(usize::MAX)
     }
 
     /// Whether the elements are packed row-major.
@@ -54,7 +65,7 @@ impl TensorRef {
             if d != 1 && s != want {
                 return false;
             }
-            want *= d;
+            want = want.saturating_mul(d);
         }
         true
     }
@@ -133,5 +144,31 @@ impl ScratchLive {
     /// Whether bytes `[start, end)` of `buffer` may be read after the graph.
     pub fn read_after(&self, buffer: BufferId, start: usize, end: usize) -> bool {
         buffer != self.buffer || self.kept.iter().any(|&(a, b)| start < b && a < end)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tref(shape: Vec<usize>, strides: Vec<usize>) -> TensorRef {
+        TensorRef {
+            buffer: BufferId(1),
+            byte_offset: 0,
+            dtype: DType::F32,
+            shape,
+            strides,
+        }
+    }
+
+    #[test]
+    fn byte_extent_saturates_instead_of_wrapping() {
+        assert_eq!(tref(vec![2, 3], vec![3, 1]).byte_extent(), 24);
+        assert_eq!(tref(vec![0, 3], vec![3, 1]).byte_extent(), 0);
+        // Unchecked, ((2^63) * 2 + 1 + 1) * 4 wraps to 8 bytes and passes a bounds check.
+        let wraps = tref(vec![(1 << 63) + 1, 2], vec![2, 1]);
+        assert_eq!(wraps.checked_byte_extent(), None);
+        assert_eq!(wraps.byte_extent(), usize::MAX);
+        assert_eq!(wraps.numel(), usize::MAX);
     }
 }

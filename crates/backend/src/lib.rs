@@ -139,6 +139,23 @@ pub fn with_host_source<R>(
     f(data).map(Some)
 }
 
+/// A zeroed host vector of `len` bytes, or [`Error::OutOfMemory`] naming `what` and the size
+/// when the allocator cannot provide it. Every host allocation sized by user data goes through
+/// this, because `vec![0; n]` aborts the process when `n` bytes are not available (invariant
+/// 14: a clear error, never a crash).
+pub fn host_zeroed(len: usize, what: impl FnOnce() -> String) -> Result<Vec<u8>> {
+    let mut v = Vec::new();
+    if len > isize::MAX as usize || v.try_reserve_exact(len).is_err() {
+        return Err(Error::OutOfMemory {
+            device: "host".into(),
+            what: what(),
+            bytes: len,
+        });
+    }
+    v.resize(len, 0);
+    Ok(v)
+}
+
 fn unsupported<T>(backend: &str, what: &str) -> Result<T> {
     Err(Error::Unsupported {
         backend: backend.to_string(),
@@ -263,5 +280,21 @@ pub trait Backend: Send + Sync {
     /// Queues a closed gate: later work on this stream waits until it is opened.
     fn gate_close(&self) -> Result<Arc<dyn Gate>> {
         unsupported(self.name(), "the test gate")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_zeroed_refuses_what_the_allocator_cannot_give() {
+        assert_eq!(host_zeroed(3, || "x".into()).unwrap(), vec![0u8; 3]);
+        let e = host_zeroed(usize::MAX / 2, || "the pack".into()).unwrap_err();
+        let m = e.to_string();
+        assert!(
+            m.contains("out of host memory") && m.contains("the pack"),
+            "{m}"
+        );
     }
 }

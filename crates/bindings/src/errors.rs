@@ -143,7 +143,7 @@ pub fn sched_err(e: SchedError) -> PyErr {
         SchedError::Graph(_) => raise(&ex.graph, msg),
         SchedError::Input(_) | SchedError::UnknownPolicy(_) => raise(&ex.input, msg),
         SchedError::NoBackend { .. } | SchedError::Unsupported(_) => raise(&ex.unsupported, msg),
-        SchedError::Placement(_) => raise(&ex.graph, msg),
+        SchedError::Placement(_) | SchedError::TooLarge(_) => raise(&ex.graph, msg),
         SchedError::Realloc(_) => raise(&ex.realloc, msg),
     }
 }

@@ -7,6 +7,7 @@ use numpy::{PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
+use crate::convert;
 use crate::errors::{graph_err, input_err};
 use crate::numpy_io::{array_bytes, parse_dtype};
 
@@ -92,9 +93,10 @@ impl PyGraph {
     fn input(
         slf: &Bound<'_, Self>,
         name: &str,
-        shape: Vec<usize>,
+        shape: &Bound<'_, PyAny>,
         dtype: &str,
     ) -> PyResult<PyTensor> {
+        let shape = convert::shape(shape, "input", &format!("`{name}`"))?;
         let dt = parse_dtype(dtype)?;
         op(slf, |g| g.input(name, &shape, dt))
     }
@@ -133,10 +135,11 @@ impl PyGraph {
     fn persistent(
         slf: &Bound<'_, Self>,
         name: &str,
-        shape: Vec<usize>,
+        shape: &Bound<'_, PyAny>,
         dtype: &str,
         backend: Option<String>,
     ) -> PyResult<PyTensor> {
+        let shape = convert::shape(shape, "persistent", &format!("`{name}`"))?;
         let dt = parse_dtype(dtype)?;
         op(slf, |g| {
             let id = g.persistent(name, &shape, dt)?;
@@ -293,8 +296,9 @@ impl PyGraph {
     fn reshape(
         slf: &Bound<'_, Self>,
         x: PyRef<'_, PyTensor>,
-        shape: Vec<usize>,
+        shape: &Bound<'_, PyAny>,
     ) -> PyResult<PyTensor> {
+        let shape = convert::shape(shape, "reshape", "the result")?;
         let x = tid(slf, &x)?;
         op(slf, |g| g.reshape(x, &shape))
     }

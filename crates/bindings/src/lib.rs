@@ -7,6 +7,7 @@
 //! registry (`registry`), numpy conversion in `numpy_io`. `Context`, `Plan`, `Graph` and
 //! `Tensor` are thin wrappers over the scheduler and graph crates.
 
+mod convert;
 mod detach;
 mod errors;
 mod graph;
@@ -42,8 +43,20 @@ fn stats_dict<'py>(py: Python<'py>, s: &StatsSnapshot) -> PyResult<Bound<'py, Py
 #[pymethods]
 impl PyContext {
     #[new]
-    #[pyo3(signature = (backends = vec!["cpu".to_string()], policy = None, n_copies = 1))]
-    fn new(backends: Vec<String>, policy: Option<&str>, n_copies: usize) -> PyResult<Self> {
+    #[pyo3(signature = (backends = None, policy = None, n_copies = None))]
+    fn new(
+        backends: Option<&Bound<'_, PyAny>>,
+        policy: Option<&str>,
+        n_copies: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let backends = match backends {
+            None => vec!["cpu".to_string()],
+            Some(b) => convert::backend_names(b)?,
+        };
+        let n_copies = match n_copies {
+            None => 1,
+            Some(n) => convert::count(n, "Context: n_copies")?,
+        };
         let policy = match policy {
             Some(p) => p.parse::<SyncPolicy>().map_err(sched_err)?,
             None => SyncPolicy::from_env().map_err(sched_err)?,
@@ -188,11 +201,7 @@ impl PyPlan {
 
     /// Whether `read_async(output)` is available for this output.
     fn can_read_async(&self, output: &str) -> bool {
-        let Ok(slot) = self.inner.output(output) else {
-            return false;
-        };
-        let bs = self.inner.sched().backends();
-        slot.backend.is_some_and(|b| bs[b].caps().read_async) && slot.tensor.is_contiguous()
+        self.inner.can_read_async(output)
     }
 
     /// Queues a read of output `output` after the steps queued so far and returns at once; the
@@ -207,20 +216,6 @@ impl PyPlan {
             dtype,
             shape,
         })
-    }
-
-    /// What the CUDA backend launches for split `split`'s graph with fusion on, worked out
-    /// without a device (the plan may be compiled for any backend): one line per launch,
-    /// `fused <kind> [<member ops>]` or the op of a node run on its own.
-    #[pyo3(signature = (split = 0))]
-    fn cuda_fusion_plan(&self, split: usize) -> PyResult<Vec<String>> {
-        if split >= self.inner.n_splits() {
-            return Err(input_err(format!(
-                "split {split} does not exist: the plan has {} split(s)",
-                self.inner.n_splits()
-            )));
-        }
-        registry::cuda_fusion_plan(self.inner.exec_graph(split, 0)).map_err(backend_err)
     }
 
     /// Waits for all queued work of the plan's context (the next step uses input copy 0).
@@ -312,6 +307,22 @@ impl PendingOutput {
     }
 }
 
+/// What the CUDA backend launches for split `split` of `plan` with fusion on, worked out
+/// without a device (the plan may be compiled for any backend): one line per launch,
+/// `fused <kind> [<member ops>]` or the op of a node run on its own.
+#[pyfunction]
+#[pyo3(signature = (plan, split = 0))]
+fn cuda_fusion_plan(plan: PyRef<'_, PyPlan>, split: usize) -> PyResult<Vec<String>> {
+    let p = &plan.inner;
+    if split >= p.n_splits() {
+        return Err(input_err(format!(
+            "split {split} does not exist: the plan has {} split(s)",
+            p.n_splits()
+        )));
+    }
+    registry::cuda_fusion_plan(p.exec_graph(split, 0)).map_err(backend_err)
+}
+
 /// Backends that can be created on this machine.
 #[pyfunction]
 fn available_backends() -> Vec<String> {
@@ -322,6 +333,30 @@ fn available_backends() -> Vec<String> {
 #[pyfunction]
 fn stat_names() -> Vec<&'static str> {
     StatsSnapshot::NAMES.to_vec()
+}
+
+/// The environment flags the Python package reads; they go through the same parser as the
+/// core's, so a bad value is the same `EnvError` naming the variable.
+const PYTHON_FLAGS: &[&str] = &["LOWSYNC_LAUNCH_AHEAD"];
+
+/// What kind of device backend `name` runs on (`"cpu"`, `"gpu"`, or a Vulkan device's type:
+/// `"cpu"` for a software rasteriser, `"discrete_gpu"`, ...), without opening it.
+#[pyfunction]
+fn device_type(name: &str) -> PyResult<&'static str> {
+    registry::device_type(name).map_err(backend_err)
+}
+
+/// Reads the `0`/`1` flag `var` (one of the Python package's flags); unset or empty means
+/// `default`.
+#[pyfunction]
+fn env_flag(var: &str, default: bool) -> PyResult<bool> {
+    let Some(&name) = PYTHON_FLAGS.iter().find(|n| **n == var) else {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "{var} is not a flag the Python package reads (known: {})",
+            PYTHON_FLAGS.join(", ")
+        )));
+    };
+    lowsync_backend::env::flag(name, default).map_err(backend_err)
 }
 
 /// Sends lowsync's tracing spans and events (per step, per split, per submit) to stderr,
@@ -353,7 +388,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPlan>()?;
     m.add_class::<PendingOutput>()?;
     m.add_function(wrap_pyfunction!(available_backends, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_fusion_plan, m)?)?;
     m.add_function(wrap_pyfunction!(stat_names, m)?)?;
+    m.add_function(wrap_pyfunction!(env_flag, m)?)?;
+    m.add_function(wrap_pyfunction!(device_type, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(enable_tracing, m)?)?;
     Ok(())

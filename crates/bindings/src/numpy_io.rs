@@ -1,4 +1,10 @@
 //! numpy <-> bytes: dtype checks, one copy in, owned arrays out.
+//!
+//! Arrays are read in logical (C, row-major) order whatever their memory layout: a
+//! Fortran-ordered, transposed, sliced or broadcast (stride-0) array gives the same bytes as
+//! `np.ascontiguousarray` of it. Only a C-contiguous array is copied as one block. Sizes come
+//! from the array's shape, not its memory (a broadcast view is small in memory and may be huge
+//! logically), so they are checked and allocated fallibly.
 
 use half::{bf16, f16};
 use lowsync_graph::DType;
@@ -8,7 +14,7 @@ use numpy::{
 };
 use pyo3::prelude::*;
 
-use crate::errors::input_err;
+use crate::errors::{backend_err, graph_err, input_err};
 
 /// Parses a dtype name.
 pub fn parse_dtype(s: &str) -> PyResult<DType> {
@@ -40,9 +46,10 @@ fn copy_typed<T: Element + bytemuck::Pod>(
         return Ok(false);
     };
     let ro = typed.try_readonly().map_err(|e| input_err(e.to_string()))?;
-    match ro.as_slice() {
-        Ok(s) => dst.copy_from_slice(bytemuck::cast_slice(s)),
-        Err(_) => {
+    // `as_slice` also accepts a Fortran-contiguous array, whose memory order is not C order.
+    match ro.as_slice().ok().filter(|_| ro.is_c_contiguous()) {
+        Some(s) => dst.copy_from_slice(bytemuck::cast_slice(s)),
+        None => {
             let size = std::mem::size_of::<T>();
             for (chunk, v) in dst.chunks_exact_mut(size).zip(ro.as_array().iter()) {
                 chunk.copy_from_slice(bytemuck::bytes_of(v));
@@ -94,10 +101,19 @@ pub fn write_array(
     )))
 }
 
-/// The bytes of a weight array converted to `dt`.
+/// The bytes of a weight array converted to `dt`; an array too large for its shape to be
+/// addressed is a `GraphError`, one the host cannot hold a `BackendError` (never an abort).
 pub fn array_bytes(arr: &Bound<'_, PyUntypedArray>, dt: DType, name: &str) -> PyResult<Vec<u8>> {
-    let n: usize = arr.shape().iter().product();
-    let mut out = vec![0u8; n * dt.size_bytes()];
+    let shape = arr.shape();
+    let Some(n) = lowsync_graph::shape_bytes(shape, dt.size_bytes()) else {
+        return Err(graph_err(lowsync_graph::Error::Shape {
+            op: "weight",
+            msg: format!("`{name}` of shape {shape:?} ({dt}) is too large to address"),
+        }));
+    };
+    let mut out =
+        lowsync_backend::host_zeroed(n, || format!("weight `{name}` of shape {shape:?} ({dt})"))
+            .map_err(backend_err)?;
     write_array(arr, dt, &mut out, "weight", name)?;
     Ok(out)
 }

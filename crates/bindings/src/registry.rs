@@ -58,6 +58,33 @@ fn cuda(_name: &str) -> Result<Arc<dyn Backend>> {
     })
 }
 
+/// What kind of device backend `name` runs on: `"cpu"` for the host backends, `"gpu"` for
+/// CUDA, and for Vulkan the physical device's type (`"cpu"` for a software rasteriser such as
+/// lavapipe, `"discrete_gpu"`, `"integrated_gpu"`, `"virtual_gpu"`, `"other"`), read without
+/// opening the device.
+pub fn device_type(name: &str) -> Result<&'static str> {
+    let base = name.split_once(':').map_or(name, |(b, _)| b);
+    match base {
+        "cpu" | "cpu-async" | "noop" if base == name => Ok("cpu"),
+        "cuda" => Ok("gpu"),
+        "vulkan" => vulkan_device_type(name),
+        _ => Err(Error::UnknownBackend(name.to_string())),
+    }
+}
+
+#[cfg(feature = "vulkan")]
+fn vulkan_device_type(name: &str) -> Result<&'static str> {
+    lowsync_vulkan::device_type(name)
+}
+
+#[cfg(not(feature = "vulkan"))]
+fn vulkan_device_type(_name: &str) -> Result<&'static str> {
+    Err(Error::Unavailable {
+        backend: "Vulkan".into(),
+        reason: "this build of lowsync was made without the `vulkan` feature".into(),
+    })
+}
+
 #[cfg(feature = "vulkan")]
 fn vulkan(name: &str) -> Result<Arc<dyn Backend>> {
     lowsync_vulkan::create(name)

@@ -10,13 +10,15 @@
 //! here until a backend uploads it) and persistent tensors (state such as the KV cache).
 //!
 //! Invariants: node and leaf counts depend only on the calls made, never on data (S2); every
-//! layout of a view stays inside its root.
+//! layout of a view stays inside its root; every tensor's bytes and strides fit in `isize::MAX`
+//! ([`shape_bytes`]), so no size computed from a graph wraps around (a wrapped size would let a
+//! kernel read outside its buffer).
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::layout::{broadcast_shapes, Layout};
+use crate::layout::{broadcast_shapes, shape_bytes, Layout};
 use crate::{DType, Op, RopeMode};
 
 /// Index of a tensor in its graph.
@@ -77,6 +79,19 @@ fn shape_err(op: &'static str, msg: String) -> Error {
 
 fn dtype_err(op: &'static str, msg: String) -> Error {
     Error::DType { op, msg }
+}
+
+/// The bytes of a tensor of `shape` and `dtype`, or the error of `op` saying it is too large.
+fn checked_bytes(op: &'static str, what: &str, shape: &[usize], dtype: DType) -> Result<usize> {
+    shape_bytes(shape, dtype.size_bytes()).ok_or_else(|| {
+        shape_err(
+            op,
+            format!(
+                "{what} of shape {shape:?} ({dtype}) is too large to address (more than {} bytes)",
+                isize::MAX
+            ),
+        )
+    })
 }
 
 impl Graph {
@@ -144,27 +159,26 @@ impl Graph {
         id
     }
 
-    fn push_new(&mut self, op: Op, srcs: Vec<TensorId>, dtype: DType, shape: &[usize]) -> TensorId {
-        self.push(TensorInfo {
+    fn push_new(
+        &mut self,
+        op: Op,
+        srcs: Vec<TensorId>,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<TensorId> {
+        checked_bytes(op.name(), "the result", shape, dtype)?;
+        Ok(self.push(TensorInfo {
             name: None,
             dtype,
             layout: Layout::contiguous(shape),
             op,
             srcs,
             root: TensorId(0),
-        })
+        }))
     }
 
     fn leaf(&mut self, op: Op, name: &str, shape: &[usize], dtype: DType) -> Result<TensorId> {
-        let bytes = shape
-            .iter()
-            .try_fold(dtype.size_bytes(), |acc, &d| acc.checked_mul(d));
-        if bytes.is_none_or(|b| b > isize::MAX as usize) {
-            return Err(shape_err(
-                op.name(),
-                format!("`{name}` of shape {shape:?} ({dtype}) is too large to address"),
-            ));
-        }
+        checked_bytes(op.name(), &format!("`{name}`"), shape, dtype)?;
         self.claim_name(name)?;
         Ok(self.push(TensorInfo {
             name: Some(name.to_string()),
@@ -190,7 +204,7 @@ impl Graph {
         bytes: Arc<[u8]>,
         backend: Option<String>,
     ) -> Result<TensorId> {
-        let want = shape.iter().product::<usize>() * dtype.size_bytes();
+        let want = checked_bytes("weight", &format!("`{name}`"), shape, dtype)?;
         if bytes.len() != want {
             return Err(Error::WeightSize {
                 name: name.to_string(),
@@ -271,6 +285,9 @@ impl Graph {
     /// Same elements, another shape. The source must be contiguous.
     pub fn reshape(&mut self, a: TensorId, shape: &[usize]) -> Result<TensorId> {
         let t = self.check(a)?;
+        // Checked before the count is compared: a product that wraps (2 elements reshaped to
+        // [2^63 + 1, 2]) would otherwise pass, and a kernel would index far past the buffer.
+        checked_bytes("reshape", "the result", shape, t.dtype)?;
         if shape.iter().product::<usize>() != t.layout.numel() {
             return Err(shape_err(
                 "reshape",
@@ -395,7 +412,7 @@ impl Graph {
         let d = t.shape()[1];
         let mut shape = self.int("get_rows", ids, "ids")?.shape().to_vec();
         shape.push(d);
-        Ok(self.push_new(Op::GetRows, vec![table, ids], DType::F32, &shape))
+        self.push_new(Op::GetRows, vec![table, ids], DType::F32, &shape)
     }
 
     /// numpy `a @ b` (see [`Op::MulMat`]); result f32.
@@ -424,7 +441,7 @@ impl Graph {
         })?;
         let mut shape = batch;
         shape.extend([m, n]);
-        Ok(self.push_new(Op::MulMat, vec![a, b], DType::F32, &shape))
+        self.push_new(Op::MulMat, vec![a, b], DType::F32, &shape)
     }
 
     fn binary(&mut self, op: Op, a: TensorId, b: TensorId) -> Result<TensorId> {
@@ -433,7 +450,7 @@ impl Graph {
         let (sa, dt) = (ta.shape().to_vec(), ta.dtype);
         let sb = self.float(name, b, "b")?.shape().to_vec();
         match broadcast_shapes(&sa, &sb) {
-            Some(s) if s == sa => Ok(self.push_new(op, vec![a, b], dt, &sa)),
+            Some(s) if s == sa => self.push_new(op, vec![a, b], dt, &sa),
             _ => Err(shape_err(
                 name,
                 format!("cannot broadcast {sb:?} onto {sa:?}"),
@@ -454,7 +471,7 @@ impl Graph {
     fn unary(&mut self, op: Op, a: TensorId) -> Result<TensorId> {
         let t = self.float(op.name(), a, "x")?;
         let (s, dt) = (t.shape().to_vec(), t.dtype);
-        Ok(self.push_new(op, vec![a], dt, &s))
+        self.push_new(op, vec![a], dt, &s)
     }
 
     /// `a * scale`.
@@ -491,7 +508,7 @@ impl Graph {
                 format!("gate {sg:?} and up {su:?} differ"),
             ));
         }
-        Ok(self.push_new(Op::SwiGlu, vec![gate, up], dt, &sg))
+        self.push_new(Op::SwiGlu, vec![gate, up], dt, &sg)
     }
 
     /// Rotary embedding of `x [T, H, D]` at `pos i32 [T]`.
@@ -518,6 +535,14 @@ impl Graph {
                 format!("positions {sp:?} must be [{}] for x {sx:?}", sx[0]),
             ));
         }
+        // A base <= 0 (or NaN) makes every frequency NaN: refuse it here, where the call that
+        // made it is known, instead of producing NaN activations at run time.
+        if !(theta_base.is_finite() && theta_base > 0.0) {
+            return Err(shape_err(
+                "rope",
+                format!("theta_base must be a finite number > 0, got {theta_base}"),
+            ));
+        }
         if n_dims == 0 || n_dims % 2 == 1 || n_dims > sx[2] {
             return Err(shape_err(
                 "rope",
@@ -532,7 +557,7 @@ impl Graph {
             n_dims,
             theta_base,
         };
-        Ok(self.push_new(op, vec![x, pos], dt, &sx))
+        self.push_new(op, vec![x, pos], dt, &sx)
     }
 
     /// `softmax(x * scale + mask)` over the last axis; `mask` broadcast onto `x`.
@@ -558,7 +583,7 @@ impl Graph {
             }
             srcs.push(m);
         }
-        Ok(self.push_new(Op::SoftMax { scale }, srcs, dt, &sx))
+        self.push_new(Op::SoftMax { scale }, srcs, dt, &sx)
     }
 
     /// Contiguous copy converted to `dtype` (`cont` when the dtype is unchanged).
@@ -571,7 +596,7 @@ impl Graph {
             ));
         }
         let s = t.shape().to_vec();
-        Ok(self.push_new(Op::Cpy, vec![a], dtype, &s))
+        self.push_new(Op::Cpy, vec![a], dtype, &s)
     }
 
     /// Contiguous copy with the same dtype.
@@ -603,8 +628,13 @@ impl Graph {
             ));
         }
         let mut s = sa;
-        s[axis] += sb[axis];
-        Ok(self.push_new(Op::Concat { axis }, vec![a, b], da, &s))
+        s[axis] = s[axis].checked_add(sb[axis]).ok_or_else(|| {
+            shape_err(
+                "concat",
+                format!("axis {axis} of {s:?} and {sb:?} together overflows"),
+            )
+        })?;
+        self.push_new(Op::Concat { axis }, vec![a, b], da, &s)
     }
 
     /// Writes `src [m, d]` into rows `idx [m]` of the persistent `dst [n, d]`; the result
@@ -636,7 +666,8 @@ impl Graph {
         }))
     }
 
-    /// Index of the maximum over the last axis (lowest index on ties), i32.
+    /// Index of the maximum over the last axis (lowest index on ties; the first `NaN`, as
+    /// numpy, when the row has one), i32.
     pub fn argmax(&mut self, a: TensorId) -> Result<TensorId> {
         let s = self.float("argmax", a, "x")?.shape().to_vec();
         if s.is_empty() || s[s.len() - 1] == 0 {
@@ -645,7 +676,7 @@ impl Graph {
                 format!("needs a non-empty last axis, got {s:?}"),
             ));
         }
-        Ok(self.push_new(Op::Argmax, vec![a], DType::I32, &s[..s.len() - 1]))
+        self.push_new(Op::Argmax, vec![a], DType::I32, &s[..s.len() - 1])
     }
 
     /// MoE expert matmul with weighted sum (see [`Op::MulMatId`]).
@@ -681,12 +712,12 @@ impl Graph {
             ));
         }
         let shape = [sx[0], se[2]];
-        Ok(self.push_new(
+        self.push_new(
             Op::MulMatId,
             vec![experts, x, ids, weights],
             DType::F32,
             &shape,
-        ))
+        )
     }
 }
 

@@ -12,5 +12,5 @@ mod op;
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use graph::{mul_mat_batch, Graph, TensorId, TensorInfo, WeightData};
-pub use layout::{broadcast_shapes, contiguous_strides, Layout};
+pub use layout::{broadcast_shapes, contiguous_strides, shape_bytes, Layout};
 pub use op::{Op, RopeMode};

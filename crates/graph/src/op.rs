@@ -1,5 +1,7 @@
 //! The ops a llama-family decoder needs. Parameters live in the variant; sources in the node.
 
+use crate::DType;
+
 /// Rotary embedding variant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RopeMode {
@@ -42,7 +44,8 @@ pub enum Op {
         theta_base: f32,
     },
     /// `softmax(x * scale + mask)` over the last axis; `mask` optional (second source,
-    /// broadcast to `x`); `-inf` masks an entry; a fully masked row gives zeros.
+    /// broadcast to `x`); `-inf` masks an entry; a fully masked row gives zeros. A `NaN`
+    /// anywhere in a row makes the whole row `NaN` (it propagates, never vanishes).
     SoftMax { scale: f32 },
     /// `x * sigmoid(x)`.
     Silu,
@@ -57,7 +60,8 @@ pub enum Op {
     /// Write `src [m, d]` into rows `idx i32 [m]` of persistent `dst [n, d]`; the result aliases
     /// `dst`, so readers of the result see the write.
     SetRows,
-    /// Index of the largest element of the last axis, lowest index on ties; i32.
+    /// Index of the largest element of the last axis, lowest index on ties; i32. A `NaN` ranks
+    /// below every number (every backend's kernels agree on this), an all-`NaN` row gives 0.
     Argmax,
     /// Mixture of experts: srcs `[experts [E, k, n], x [T, k], ids i32 [T, K], w [T, K]]`;
     /// `out[t] = sum_j w[t, j] * (x[t] @ experts[ids[t, j]])`, result `[T, n]` f32.
@@ -111,6 +115,52 @@ impl Op {
         })
     }
 
+    /// Checks that a node of this op has `n_srcs` sources; the message says what was expected.
+    ///
+    /// Every backend's executor calls this before it resolves a node's tensors, so a malformed
+    /// graph is one error with one wording on every backend.
+    pub fn check_arity(&self, n_srcs: usize) -> std::result::Result<(), String> {
+        let Some(want) = self.src_count() else {
+            return Err("has no kernel (leaves and views are not executed)".into());
+        };
+        if want.contains(&n_srcs) {
+            Ok(())
+        } else {
+            Err(format!(
+                "expects {}..={} sources, got {n_srcs}",
+                want.start(),
+                want.end()
+            ))
+        }
+    }
+
+    /// Whether the op is defined for a result of dtype `dst` over sources of dtypes `srcs`:
+    /// the rule of the reference (CPU) kernels, which every backend starts from.
+    ///
+    /// A backend's `supports_op` is this rule, narrowed where its kernels cover less (Vulkan's
+    /// products write f32 only). Leaves and views accept anything; a wrong source count is
+    /// refused here, so backends need no arity checks of their own in `supports_op`.
+    pub fn accepts(&self, dst: DType, srcs: &[DType]) -> bool {
+        let floats = |ds: &[DType]| ds.iter().all(|d| d.is_float());
+        let Some(want) = self.src_count() else {
+            return true;
+        };
+        if !want.contains(&srcs.len()) {
+            return false;
+        }
+        match self {
+            Op::GetRows => dst.is_float() && srcs[0].is_float() && srcs[1] == DType::I32,
+            Op::SetRows => dst.is_float() && floats(&srcs[..2]) && srcs[2] == DType::I32,
+            Op::Rope { .. } => dst.is_float() && srcs[0].is_float() && srcs[1] == DType::I32,
+            Op::Argmax => dst == DType::I32 && floats(srcs),
+            Op::MulMatId => {
+                dst.is_float() && floats(&srcs[..2]) && srcs[2] == DType::I32 && srcs[3].is_float()
+            }
+            Op::Cpy | Op::Concat { .. } => srcs.iter().all(|s| s.is_float() == dst.is_float()),
+            _ => dst.is_float() && floats(srcs),
+        }
+    }
+
     /// Leaves own memory that outlives a step or is written by the host.
     pub fn is_leaf(&self) -> bool {
         matches!(self, Op::Input | Op::Weight | Op::Persistent)
@@ -133,5 +183,35 @@ impl Op {
             self,
             Op::Add | Op::Mul | Op::Scale { .. } | Op::Silu | Op::Gelu | Op::SwiGlu
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_refuses_a_wrong_source_count_and_non_float_data() {
+        assert!(Op::Add.accepts(DType::F32, &[DType::F32, DType::F16]));
+        assert!(!Op::Add.accepts(DType::F32, &[DType::F32]));
+        assert!(!Op::Add.accepts(DType::F32, &[DType::F32, DType::I32]));
+        assert!(Op::GetRows.accepts(DType::F32, &[DType::F16, DType::I32]));
+        assert!(!Op::GetRows.accepts(DType::F32, &[DType::F16, DType::F32]));
+        assert!(Op::Argmax.accepts(DType::I32, &[DType::F32]));
+        assert!(!Op::Argmax.accepts(DType::F32, &[DType::F32]));
+        assert!(!Op::Argmax.accepts(DType::I32, &[DType::F32, DType::F32]));
+        assert!(Op::Cpy.accepts(DType::I32, &[DType::I32]));
+        assert!(!Op::Cpy.accepts(DType::F32, &[DType::I32]));
+        assert!(Op::SoftMax { scale: 1.0 }.accepts(DType::F32, &[DType::F32]));
+        assert!(Op::SoftMax { scale: 1.0 }.accepts(DType::F32, &[DType::F32, DType::F32]));
+        assert!(Op::View.accepts(DType::I32, &[DType::F32]));
+    }
+
+    #[test]
+    fn check_arity_names_what_was_expected() {
+        assert!(Op::SetRows.check_arity(3).is_ok());
+        let msg = Op::SetRows.check_arity(2).unwrap_err();
+        assert_eq!(msg, "expects 3..=3 sources, got 2");
+        assert!(Op::Input.check_arity(0).unwrap_err().contains("no kernel"));
     }
 }

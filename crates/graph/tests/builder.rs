@@ -99,3 +99,63 @@ fn node_and_leaf_counts_follow_the_calls_only() {
     let g = build();
     assert_eq!((g.n_nodes(), g.n_leafs()), (2, 2));
 }
+
+// ---- size arithmetic: what would wrap is refused when the node is built ----------------------
+
+#[test]
+fn reshape_refuses_an_element_count_that_wraps() {
+    let mut g = Graph::new();
+    let w = g
+        .weight("w", &[2], DType::F32, Arc::from(vec![0u8; 8]), None)
+        .unwrap();
+    // (2^63 + 1) * 2 wraps to 2 elements: unchecked, get_rows would then index far past `w`.
+    let m = msg(g.reshape(w, &[(1usize << 63) + 1, 2]));
+    assert!(m.contains("reshape") && m.contains("too large"), "{m}");
+    assert!(g.reshape(w, &[1, 2]).is_ok());
+}
+
+#[test]
+fn mul_mat_refuses_a_result_whose_bytes_wrap() {
+    let mut g = Graph::new();
+    let a = g.input("a", &[1 << 31, 0], DType::F32).unwrap();
+    let b = g.input("b", &[0, 1 << 31], DType::F32).unwrap();
+    // [2^31, 2^31] f32 is 2^64 bytes, which wraps to 0.
+    let m = msg(g.mul_mat(a, b));
+    assert!(m.contains("mul_mat") && m.contains("too large"), "{m}");
+}
+
+#[test]
+fn concat_refuses_an_axis_that_overflows() {
+    let mut g = Graph::new();
+    // Each [2^60, 0] is addressable; together their strides would reach 2^63 bytes.
+    let a = g.input("a", &[1 << 60, 0], DType::F32).unwrap();
+    let m = msg(g.concat(a, a, 0));
+    assert!(m.contains("concat") && m.contains("too large"), "{m}");
+    let big = g.input("big", &[usize::MAX, 0], DType::I32);
+    assert!(big.is_err(), "strides of [usize::MAX, 0] overflow");
+}
+
+#[test]
+fn weight_size_check_does_not_wrap() {
+    let mut g = Graph::new();
+    let m = msg(g.weight(
+        "w",
+        &[1 << 62, 4],
+        DType::F32,
+        Arc::from(vec![0u8; 0]),
+        None,
+    ));
+    assert!(m.contains("too large"), "{m}");
+}
+
+#[test]
+fn rope_refuses_a_base_that_gives_nan() {
+    let mut g = Graph::new();
+    let x = g.input("x", &[1, 1, 4], DType::F32).unwrap();
+    let p = g.input("p", &[1], DType::I32).unwrap();
+    for base in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        let m = msg(g.rope(x, p, RopeMode::Normal, 4, base));
+        assert!(m.contains("theta_base"), "{base}: {m}");
+    }
+    assert!(g.rope(x, p, RopeMode::Normal, 4, 10000.0).is_ok());
+}

@@ -9,7 +9,7 @@ use lowsync_backend::Backend;
 use lowsync_graph::{Graph, Op};
 
 use crate::alloc::{align, plan_items, Item, ItemPlan};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::placement::{place, Placement};
 use crate::split::{split_graph, SplitDef};
 
@@ -56,6 +56,10 @@ pub struct Analysis {
     pub per_backend: Vec<BackendItems>,
 }
 
+/// The most bytes one allocation (a tensor, a backend's scratch, a plan's outputs or input
+/// arena) may take; Rust's own allocation limit.
+pub(crate) const MAX_BYTES: usize = isize::MAX as usize;
+
 /// Analyses `graph`. `size_floor`, when given, raises each root's planned size to at least the
 /// reserved worst case, so the offsets equal the reserve's.
 pub fn analyze(
@@ -72,8 +76,21 @@ pub fn analyze(
 
     let extent_bytes: Vec<usize> = ts
         .iter()
-        .map(|t| t.layout.extent() * t.dtype.size_bytes())
-        .collect();
+        .map(|t| {
+            t.layout
+                .checked_extent()
+                .and_then(|e| e.checked_mul(t.dtype.size_bytes()))
+                .filter(|&b| b <= MAX_BYTES)
+                .ok_or_else(|| {
+                    Error::TooLarge(format!(
+                        "tensor `{}` of shape {:?} ({}) is too large to address",
+                        t.name.as_deref().unwrap_or(t.op.name()),
+                        t.layout.shape,
+                        t.dtype
+                    ))
+                })
+        })
+        .collect::<Result<_>>()?;
     let sizes: Vec<usize> = (0..n)
         .map(|i| {
             let own = if ts[i].root.index() == i {
@@ -165,7 +182,20 @@ pub fn analyze(
             });
         }
     }
-    for bi in &mut per_backend {
+    for (b, bi) in per_backend.iter_mut().enumerate() {
+        // The plan never exceeds the sum of its items, so bounding the sum keeps every offset
+        // the free list computes in range.
+        let total = bi
+            .items
+            .iter()
+            .try_fold(0usize, |acc, it| acc.checked_add(it.size))
+            .filter(|&t| t <= MAX_BYTES);
+        if total.is_none() {
+            return Err(Error::TooLarge(format!(
+                "the scratch memory of this graph on backend `{}` exceeds {MAX_BYTES} bytes",
+                backends[b].name()
+            )));
+        }
         bi.plan = plan_items(&bi.items);
     }
     Ok(Analysis {

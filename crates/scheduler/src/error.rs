@@ -21,6 +21,8 @@ pub enum Error {
     Unsupported(String),
     #[error("placement: {0}")]
     Placement(String),
+    #[error("{0}")]
+    TooLarge(String),
     #[error("unexpected graph re-allocation: {0}")]
     Realloc(String),
     #[error("unknown sync policy `{0}` (expected stock, relaxed or staged)")]

@@ -19,4 +19,4 @@ pub use analysis::{analyze, Analysis, ItemKey};
 pub use error::{Error, Result};
 pub use plan::{InputSlot, OutputSlot, Plan};
 pub use policy::SyncPolicy;
-pub use sched::{debug_realloc_from_env, Sched};
+pub use sched::{debug_realloc_from_env, Sched, MAX_COPIES};

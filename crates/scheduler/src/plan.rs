@@ -41,11 +41,13 @@ use lowsync_backend::{
 use lowsync_graph::{DType, Graph, Op};
 
 use crate::alloc::align;
-use crate::analysis::{Analysis, ItemKey};
+use crate::analysis::{Analysis, ItemKey, MAX_BYTES};
 use crate::error::{Error, Result};
 use crate::policy::SyncPolicy;
 use crate::sched::{LeafHome, Sched};
 use crate::split::SplitDef;
+
+mod build;
 
 /// A host-written input of a plan.
 #[derive(Clone, Debug)]
@@ -129,324 +131,21 @@ pub struct Plan {
     n_nodes: usize,
     n_leafs: usize,
     placement: Vec<usize>,
+    /// A step has been queued: before that, outputs hold no result to read.
+    computed: bool,
 }
 
-/// The scratch bytes of `buffer` (split `sp`'s backend's) that later splits read after `sp`'s
-/// graph: every planned block written up to its last node and read after it (pipelined copies,
-/// pinned, are always kept). Nothing else of the scratch is read before being written again
-/// (inputs, outputs, weights and state have buffers of their own).
-fn scratch_live(a: &Analysis, sp: &SplitDef, buffer: Option<BufferId>) -> Option<ScratchLive> {
-    let buffer = buffer?;
-    let end = *sp.nodes.iter().max()?;
-    let bi = &a.per_backend[sp.backend];
-    let kept = bi
-        .items
-        .iter()
-        .zip(&bi.plan.offsets)
-        .filter(|(it, _)| it.def <= end && (it.last > end || it.pinned))
-        .map(|(it, &off)| (off, off + it.size))
-        .collect();
-    Some(ScratchLive { buffer, kept })
-}
-
-fn node_name(g: &Graph, i: usize) -> String {
-    let t = &g.tensors()[i];
-    t.name
-        .clone()
-        .unwrap_or_else(|| format!("{}#{i}", t.op.name()))
+/// `a + b` for a memory size, or an error naming `what` when it passes [`MAX_BYTES`].
+fn add_bytes(a: usize, b: usize, what: &str) -> Result<usize> {
+    a.checked_add(b)
+        .filter(|&n| n <= MAX_BYTES)
+        .ok_or_else(|| Error::TooLarge(format!("{what} exceed {MAX_BYTES} bytes")))
 }
 
 impl Plan {
     /// Compiles `graph` for a single backend (a one-backend context).
     pub fn compile(graph: &Graph, backend: Arc<dyn Backend>, policy: SyncPolicy) -> Result<Plan> {
         Sched::new(vec![backend], policy, 1)?.compile(graph)
-    }
-
-    pub(crate) fn build(
-        sched: Arc<Sched>,
-        graph: &Graph,
-        a: Analysis,
-        compute: &[Option<BufferId>],
-        leaves: HashMap<usize, LeafHome>,
-    ) -> Result<Plan> {
-        let ts = graph.tensors();
-        let backends = sched.backends().to_vec();
-        let n_copies = sched.n_copies();
-        let mut own_buffers: Vec<(usize, BufferId)> = Vec::new();
-
-        // Outputs: each backend's output roots packed in a buffer of the plan's own.
-        let mut out_off: HashMap<usize, usize> = HashMap::new();
-        let mut out_bytes = vec![0usize; backends.len()];
-        for (r, &is_out) in a.output_roots.iter().enumerate() {
-            if is_out {
-                let b = a.placement[r];
-                out_off.insert(r, out_bytes[b]);
-                out_bytes[b] += align(a.extent_bytes[r]);
-            }
-        }
-        let mut out_buf: Vec<Option<BufferId>> = vec![None; backends.len()];
-        for (b, &bytes) in out_bytes.iter().enumerate() {
-            if a.output_roots
-                .iter()
-                .enumerate()
-                .any(|(r, &o)| o && a.placement[r] == b)
-            {
-                let id = backends[b].alloc_buffer(bytes, BufferUsage::Compute)?;
-                own_buffers.push((b, id));
-                out_buf[b] = Some(id);
-            }
-        }
-
-        // Input arenas: per split, its user inputs packed; the pack mirrors all arenas.
-        let mut pack_len = 0usize;
-        let mut arena_layout: Vec<Vec<(usize, usize, usize)>> = Vec::new(); // (root, offset, bytes)
-        let mut arena_bytes: Vec<usize> = Vec::new();
-        let mut pack_base: Vec<usize> = Vec::new();
-        for sp in &a.splits {
-            let mut off = 0;
-            let mut lay = Vec::new();
-            for &r in &sp.user_inputs {
-                let bytes = a.extent_bytes[r];
-                lay.push((r, off, bytes));
-                off += align(bytes);
-            }
-            pack_base.push(pack_len);
-            pack_len += off;
-            arena_layout.push(lay);
-            arena_bytes.push(off);
-        }
-        let mut arena_buf_per_backend: Vec<usize> = vec![0; backends.len()];
-        let mut arena_base: Vec<Vec<usize>> = Vec::new();
-        for (s, sp) in a.splits.iter().enumerate() {
-            let mut bases = Vec::new();
-            for _ in 0..n_copies {
-                bases.push(arena_buf_per_backend[sp.backend]);
-                arena_buf_per_backend[sp.backend] += arena_bytes[s];
-            }
-            arena_base.push(bases);
-        }
-        let mut arena_buf: Vec<Option<BufferId>> = vec![None; backends.len()];
-        for (b, &bytes) in arena_buf_per_backend.iter().enumerate() {
-            // Inputs of zero elements still need an address to point at.
-            if bytes > 0
-                || a.splits
-                    .iter()
-                    .any(|sp| sp.backend == b && !sp.user_inputs.is_empty())
-            {
-                let id = backends[b].alloc_buffer(bytes, BufferUsage::Inputs)?;
-                own_buffers.push((b, id));
-                arena_buf[b] = Some(id);
-            }
-        }
-
-        // Where each root lives, seen from split `s`, copy `c`.
-        let missing =
-            |what: &str| Error::Unsupported(format!("internal: no memory planned for {what}"));
-        let home = |r: usize| -> Result<(BufferId, usize)> {
-            let t = &ts[r];
-            let b = a.placement[r];
-            match t.op {
-                Op::Weight | Op::Persistent => leaves
-                    .get(&r)
-                    .map(|h| (h.buffer, 0))
-                    .ok_or_else(|| missing("a leaf")),
-                _ if a.output_roots[r] => {
-                    Ok((out_buf[b].ok_or_else(|| missing("outputs"))?, out_off[&r]))
-                }
-                _ => {
-                    let off = a.per_backend[b]
-                        .offset(ItemKey::Node(r))
-                        .ok_or_else(|| missing("a node"))?;
-                    Ok((compute[b].ok_or_else(|| missing("scratch"))?, off))
-                }
-            }
-        };
-        let locate = |s: usize, c: usize, r: usize| -> Result<(BufferId, usize)> {
-            let sp = &a.splits[s];
-            if ts[r].op == Op::Input {
-                let (_, off, _) = arena_layout[s]
-                    .iter()
-                    .find(|(x, _, _)| *x == r)
-                    .ok_or_else(|| missing("an input"))?;
-                return Ok((
-                    arena_buf[sp.backend].ok_or_else(|| missing("an arena"))?,
-                    arena_base[s][c] + off,
-                ));
-            }
-            if a.placement[r] != sp.backend {
-                let key = ItemKey::Copy {
-                    split: s,
-                    root: r,
-                    copy: c,
-                };
-                let off = a.per_backend[sp.backend]
-                    .offset(key)
-                    .ok_or_else(|| missing("a copy"))?;
-                return Ok((compute[sp.backend].ok_or_else(|| missing("scratch"))?, off));
-            }
-            home(r)
-        };
-        let tref = |base: (BufferId, usize), t: usize| -> TensorRef {
-            let info = &ts[t];
-            TensorRef {
-                buffer: base.0,
-                byte_offset: base.1 + info.layout.offset * info.dtype.size_bytes(),
-                dtype: info.dtype,
-                shape: info.layout.shape.clone(),
-                strides: info.layout.strides.clone(),
-            }
-        };
-
-        let mut splits = Vec::new();
-        for (s, sp) in a.splits.iter().enumerate() {
-            let be = &backends[sp.backend];
-            let scratch = scratch_live(&a, sp, compute[sp.backend]);
-            let mut exec = Vec::new();
-            for c in 0..n_copies {
-                let mut nodes = Vec::with_capacity(sp.nodes.len());
-                for &j in &sp.nodes {
-                    let t = &ts[j];
-                    let dst = tref(locate(s, c, t.root.index())?, j);
-                    let mut srcs = Vec::with_capacity(t.srcs.len());
-                    for src in &t.srcs {
-                        srcs.push(tref(
-                            locate(s, c, ts[src.index()].root.index())?,
-                            src.index(),
-                        ));
-                    }
-                    nodes.push(ExecNode {
-                        op: t.op,
-                        name: node_name(graph, j),
-                        dst,
-                        srcs,
-                    });
-                }
-                exec.push(Arc::new(ExecGraph {
-                    nodes,
-                    scratch: scratch.clone(),
-                }));
-            }
-            let mut foreign = Vec::new();
-            for &r in &sp.foreign {
-                let src = home(r)?;
-                let dst = (0..n_copies)
-                    .map(|c| locate(s, c, r))
-                    .collect::<Result<Vec<_>>>()?;
-                foreign.push(ForeignCopy {
-                    src_backend: a.placement[r],
-                    src,
-                    dst,
-                    len: a.extent_bytes[r],
-                });
-            }
-            let arena = arena_buf[sp.backend]
-                .filter(|_| arena_bytes[s] > 0)
-                .map(|id| {
-                    (
-                        id,
-                        arena_base[s].clone(),
-                        pack_base[s]..pack_base[s] + arena_bytes[s],
-                    )
-                });
-            let user_inputs = arena_layout[s]
-                .iter()
-                .map(|&(_, off, bytes)| (off, bytes))
-                .collect();
-            let events = (0..n_copies)
-                .map(|_| {
-                    if be.caps().events {
-                        be.event_new().map(Some)
-                    } else {
-                        Ok(None)
-                    }
-                })
-                .collect::<lowsync_backend::Result<Vec<_>>>()?;
-            splits.push(SplitExec {
-                backend: sp.backend,
-                exec,
-                arena,
-                user_inputs,
-                foreign,
-                events,
-            });
-        }
-
-        // Inputs: the first split that reads an input holds its canonical pack slot.
-        let mut inputs = Vec::new();
-        let mut input_index = HashMap::new();
-        for (id, t) in graph.inputs() {
-            let r = id.index();
-            let mut slots = a.splits.iter().enumerate().filter_map(|(s, _)| {
-                arena_layout[s]
-                    .iter()
-                    .find(|(x, _, _)| *x == r)
-                    .map(|(_, off, _)| pack_base[s] + off)
-            });
-            let name = t.name.clone().unwrap_or_default();
-            let Some(offset) = slots.next() else {
-                // An input no node reads: keep it settable (a pack slot of its own).
-                let off = pack_len;
-                pack_len += align(t.nbytes());
-                input_index.insert(name.clone(), inputs.len());
-                inputs.push(InputSlot {
-                    name,
-                    dtype: t.dtype,
-                    shape: t.layout.shape.clone(),
-                    offset: off,
-                    nbytes: t.nbytes(),
-                    mirrors: vec![],
-                });
-                continue;
-            };
-            input_index.insert(name.clone(), inputs.len());
-            inputs.push(InputSlot {
-                name,
-                dtype: t.dtype,
-                shape: t.layout.shape.clone(),
-                offset,
-                nbytes: t.nbytes(),
-                mirrors: slots.collect(),
-            });
-        }
-
-        let mut outputs = Vec::new();
-        let mut output_index = HashMap::new();
-        for (name, id) in graph.outputs() {
-            let r = ts[id.index()].root.index();
-            let slot = if ts[r].op == Op::Input {
-                let off = inputs[input_index[ts[r].name.as_deref().unwrap_or_default()]].offset;
-                OutputSlot {
-                    name: name.clone(),
-                    backend: None,
-                    tensor: tref((BufferId(0), off), id.index()),
-                }
-            } else {
-                OutputSlot {
-                    name: name.clone(),
-                    backend: Some(a.placement[r]),
-                    tensor: tref(home(r)?, id.index()),
-                }
-            };
-            output_index.insert(name.clone(), outputs.len());
-            outputs.push(slot);
-        }
-
-        Ok(Plan {
-            sched,
-            splits,
-            inputs,
-            input_index,
-            outputs,
-            output_index,
-            own_buffers,
-            pack: vec![0; pack_len],
-            next_copy: 0,
-            resolved_feeds: Vec::new(),
-            feeds: Vec::new(),
-            n_nodes: graph.n_nodes(),
-            n_leafs: graph.n_leafs(),
-            placement: a.placement,
-        })
     }
 
     /// The first backend of the plan's context.
@@ -600,6 +299,27 @@ impl Plan {
         })
     }
 
+    /// Whether [`Plan::read_async`] is available for output `output`: it is computed on a
+    /// backend with single-read waits and is contiguous there.
+    pub fn can_read_async(&self, output: &str) -> bool {
+        let Ok(slot) = self.output(output) else {
+            return false;
+        };
+        let backends = self.sched.backends();
+        slot.backend.is_some_and(|b| backends[b].caps().read_async) && slot.tensor.is_contiguous()
+    }
+
+    /// An error for a read of `output` before any step was queued (its memory holds zeros,
+    /// which look like a result).
+    fn check_computed(&self, output: &str) -> Result<()> {
+        if self.computed {
+            return Ok(());
+        }
+        Err(Error::Input(format!(
+            "output `{output}` holds no result yet: no compute() of this plan has succeeded"
+        )))
+    }
+
     /// Whether [`Plan::feed`] would accept this pair.
     pub fn can_feed(&self, input: &str, output: &str) -> bool {
         self.resolve_feed(input, output).is_ok()
@@ -632,6 +352,7 @@ impl Plan {
     /// steps queued so far) and returns it without waiting; its `wait` is the one host wait.
     pub fn read_async(&self, output: &str) -> Result<Box<dyn Readback>> {
         let slot = self.output(output)?;
+        self.check_computed(output)?;
         let t = &slot.tensor;
         let bad = |why: &str| Err(Error::Input(format!("read_async `{output}`: {why}")));
         let Some(b) = slot.backend else {
@@ -753,15 +474,18 @@ impl Plan {
                 be.event_record(ev)?;
             }
         }
+        self.computed = true;
         Ok(())
     }
 
     /// Waits for queued work and reads an output as contiguous row-major bytes.
     pub fn get_output(&self, name: &str) -> Result<Vec<u8>> {
         let slot = self.output(name)?;
+        self.check_computed(name)?;
         let t = &slot.tensor;
         let esize = t.dtype.size_bytes();
-        let mut raw = vec![0u8; t.byte_extent()];
+        let what = || format!("reading output `{name}`");
+        let mut raw = lowsync_backend::host_zeroed(t.byte_extent(), what)?;
         match slot.backend {
             Some(b) if !raw.is_empty() => {
                 self.sched.backends()[b].get_tensor(t.buffer, t.byte_offset, &mut raw)?
@@ -774,7 +498,7 @@ impl Plan {
         }
         // A strided view: gather on the host.
         let n = t.numel();
-        let mut out = vec![0u8; n * esize];
+        let mut out = lowsync_backend::host_zeroed(n.saturating_mul(esize), what)?;
         let mut idx = vec![0usize; t.shape.len()];
         for k in 0..n {
             let src: usize = idx
@@ -886,5 +610,53 @@ impl Drop for Plan {
         for (b, id) in &self.own_buffers {
             self.sched.backends()[*b].free_buffer(*id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lowsync_cpu::CpuBackend;
+
+    fn scale_plan(shape: &[usize]) -> Result<Plan> {
+        let mut g = Graph::new();
+        let x = g.input("x", shape, DType::F32)?;
+        let y = g.scale(x, 2.0)?;
+        g.output("y", y)?;
+        Plan::compile(&g, Arc::new(CpuBackend::new()), SyncPolicy::Staged)
+    }
+
+    #[test]
+    fn add_bytes_refuses_a_sum_past_the_allocation_limit() {
+        assert_eq!(add_bytes(2, 3, "x").unwrap(), 5);
+        assert!(add_bytes(MAX_BYTES, 1, "the inputs").is_err());
+        assert!(add_bytes(usize::MAX, 1, "the inputs").is_err());
+    }
+
+    #[test]
+    fn an_output_read_before_any_compute_is_an_error_not_zeros() {
+        let mut p = scale_plan(&[2]).unwrap();
+        let e = p.get_output("y").unwrap_err();
+        assert!(
+            matches!(&e, Error::Input(m) if m.contains("no compute() of this plan")),
+            "{e}"
+        );
+        p.set_input("x", &1f32.to_ne_bytes().repeat(2)).unwrap();
+        p.compute().unwrap();
+        assert_eq!(p.get_output("y").unwrap(), 2f32.to_ne_bytes().repeat(2));
+    }
+
+    #[test]
+    fn a_huge_input_is_an_error_at_compile() {
+        // 2^40 f32 elements: 4 TiB of arena and pack, more than the host has.
+        let e = scale_plan(&[1 << 40]).err().expect("refused");
+        assert!(e.to_string().contains("out of host memory"), "{e}");
+    }
+
+    #[test]
+    fn can_read_async_needs_a_backend_with_single_read_waits() {
+        let p = scale_plan(&[2]).unwrap();
+        assert!(!p.can_read_async("y"), "cpu has no read_async");
+        assert!(!p.can_read_async("nope"));
     }
 }

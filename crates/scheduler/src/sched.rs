@@ -8,19 +8,31 @@
 //! Strategy: scratch ("compute") memory is one buffer per backend, shared by every plan of the
 //! context and grown only. Weights and persistent tensors are shared by name across plans
 //! (compiling the decode graph after the prefill graph uploads nothing and sees the same KV
-//! cache). The first compile (or an explicit `reserve`) records the worst case: node and leaf
-//! counts, placement, and each tensor's size. A later graph that fits it is planned with the
-//! reserved sizes — the same offsets, no allocation. One that does not fit needs a re-reserve:
-//! every backend is synchronized first, the reserve becomes the element-wise maximum (never
-//! smaller), and each backend's compute buffer is re-allocated (counted by the backend as a
-//! realloc). `LOWSYNC_SCHED_DEBUG_REALLOC=1` turns an unexpected re-reserve (same graph size,
+//! cache). The reserve records the worst case per graph shape (node and leaf counts and
+//! placement): each tensor's size. A later graph that fits the entry of its shape is planned
+//! with the reserved sizes — the same offsets, no allocation. One that does not fit needs a
+//! re-reserve: every backend is synchronized first, the entry becomes the element-wise maximum
+//! (never smaller), and each backend's compute buffer is re-allocated (counted by the backend as
+//! a realloc). `LOWSYNC_SCHED_DEBUG_REALLOC=1` turns an unexpected re-reserve (same graph size,
 //! same placement as the previous graph) into an error, `=2` any re-reserve.
+//!
+//! The first reserve: an explicit `reserve` (any number of calls, one per shape the caller will
+//! run), or, without one, the graphs compiled before the context's first step. During that
+//! set-up a graph of a shape not reserved yet that fits the buffers as they are joins the
+//! reserve: nothing has run and no memory changes, so it is no re-reserve (a session compiles
+//! its buckets largest first, and its one-token graph has a node fewer than the others). A
+//! graph of a known shape that outgrows its entry is a re-reserve even then.
+//!
+//! Sizes: every graph's tensors fit in `isize::MAX` bytes (the graph builder checks), and the
+//! analysis checks each backend's total before planning, so no offset wraps; `n_copies` is at
+//! most [`MAX_COPIES`].
 //!
 //! Invariants: buffers never shrink; a re-reserve synchronizes all backends first; a plan's
 //! scratch offsets always lie inside the shared buffers.
 
 use std::collections::HashMap;
 use std::hash::Hasher;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use lowsync_backend::{env, Backend, BufferId, BufferUsage, DeviceKind};
@@ -88,7 +100,10 @@ impl Reserved {
 struct SchedState {
     /// Per backend: the shared scratch buffer and its size.
     compute: Vec<Option<(BufferId, usize)>>,
-    reserved: Option<Reserved>,
+    /// The worst case of each graph shape reserved so far.
+    reserved: Vec<Reserved>,
+    /// `reserve` was called: the caller declared the worst case, so set-up is over.
+    explicit_reserve: bool,
     last_graph_size: Option<usize>,
     leaves: HashMap<String, LeafHome>,
 }
@@ -104,12 +119,26 @@ pub struct Sched {
     /// Held while a plan queues a step: plans of one context share scratch memory, so two
     /// threads must not interleave their steps.
     step_lock: Mutex<()>,
+    /// A plan of this context has queued a step (the reserve's set-up is over).
+    stepped: AtomicBool,
 }
+
+/// The most input copies per split a context takes (ggml keeps 4 by default). Each copy is a
+/// whole set of split inputs and of pipelined scratch copies, so more only costs memory.
+pub const MAX_COPIES: usize = 16;
 
 /// Reads `LOWSYNC_SCHED_DEBUG_REALLOC` (0, 1 or 2).
 pub fn debug_realloc_from_env() -> Result<u8> {
     let v = env::choice("LOWSYNC_SCHED_DEBUG_REALLOC", &["0", "1", "2"], "0, 1 or 2")?;
     Ok(v.map_or(0, |s| s.as_bytes()[0] - b'0'))
+}
+
+/// Puts a reserve entry back in its slot (`known`) or beside the others.
+fn store_reserved(st: &mut SchedState, known: Option<usize>, r: Reserved) {
+    match known {
+        Some(k) => st.reserved[k] = r,
+        None => st.reserved.push(r),
+    }
 }
 
 fn fingerprint(bytes: &[u8]) -> u64 {
@@ -146,8 +175,10 @@ impl Sched {
         if backends.is_empty() {
             return Err(Error::Input("a context needs at least one backend".into()));
         }
-        if n_copies == 0 {
-            return Err(Error::Input("n_copies must be at least 1".into()));
+        if n_copies == 0 || n_copies > MAX_COPIES {
+            return Err(Error::Input(format!(
+                "n_copies must be between 1 and {MAX_COPIES}, got {n_copies}"
+            )));
         }
         let host = backends
             .iter()
@@ -164,6 +195,7 @@ impl Sched {
                 ..Default::default()
             }),
             step_lock: Mutex::new(()),
+            stepped: AtomicBool::new(false),
         }))
     }
 
@@ -184,9 +216,12 @@ impl Sched {
         self.debug_realloc
     }
 
-    /// Serialises the steps of this context's plans.
+    /// Serialises the steps of this context's plans; taken by every step, so it also marks the
+    /// end of the reserve's set-up.
     pub(crate) fn step_guard(&self) -> parking_lot::MutexGuard<'_, ()> {
-        self.step_lock.lock()
+        let g = self.step_lock.lock();
+        self.stepped.store(true, Ordering::Relaxed);
+        g
     }
 
     /// Waits for all queued work on every backend.
@@ -201,13 +236,15 @@ impl Sched {
         graph.n_nodes().max(graph.n_leafs()) + graph.inputs().count() * 2 * self.n_copies
     }
 
-    /// Plans `graph` as the worst case (merged with any earlier reserve) and sizes the shared
-    /// buffers for it. Counts one reserve per buffer allocated.
+    /// Plans `graph` as the worst case of its shape (merged with an earlier reserve of the
+    /// same shape; other shapes keep theirs) and sizes the shared buffers for it. Counts one
+    /// reserve per buffer allocated.
     pub fn reserve(&self, graph: &Graph) -> Result<()> {
         let mut st = self.state.lock();
         let fresh = analyze(graph, &self.backends, self.host, self.n_copies, None)?;
-        let merged = match &st.reserved {
-            Some(r) => r.merged(graph, &fresh),
+        let known = st.reserved.iter().position(|r| r.same_shape(graph, &fresh));
+        let merged = match known {
+            Some(k) => st.reserved[k].merged(graph, &fresh),
             None => Reserved::of(graph, &fresh),
         };
         let a = analyze(
@@ -218,8 +255,20 @@ impl Sched {
             Some(&merged.sizes),
         )?;
         self.grow(&mut st, &a)?;
-        st.reserved = Some(merged);
+        store_reserved(&mut st, known, merged);
+        st.explicit_reserve = true;
         Ok(())
+    }
+
+    /// Whether every backend's shared buffer already holds what `a` plans.
+    fn fits_buffers(st: &SchedState, a: &Analysis) -> bool {
+        a.per_backend
+            .iter()
+            .zip(&st.compute)
+            .all(|(bi, c)| match c {
+                Some((_, have)) => bi.plan.bytes <= *have,
+                None => bi.plan.bytes == 0 && bi.items.is_empty(),
+            })
     }
 
     /// Places, splits and allocates `graph` once; the returned plan runs it step after step.
@@ -233,11 +282,18 @@ impl Sched {
         // reserve is touched, so the context is as it was (invariant 14).
         let leaves = self.leaf_homes(&mut st, graph, &fresh)?;
         let graph_size = self.graph_size(graph);
-        let analysis = match st.reserved.clone() {
-            None => {
+        let known = st.reserved.iter().position(|r| r.same_shape(graph, &fresh));
+        let setting_up = !st.explicit_reserve && !self.stepped.load(Ordering::Relaxed);
+        let analysis = match known.map(|k| st.reserved[k].clone()) {
+            None if st.reserved.is_empty() => {
                 // The first graph is the reserve.
                 self.grow(&mut st, &fresh)?;
-                st.reserved = Some(Reserved::of(graph, &fresh));
+                st.reserved.push(Reserved::of(graph, &fresh));
+                fresh
+            }
+            None if setting_up && Self::fits_buffers(&st, &fresh) => {
+                // Another shape of the first reserve (see the module header): no memory moves.
+                st.reserved.push(Reserved::of(graph, &fresh));
                 fresh
             }
             Some(r) if r.fits(graph, &fresh) => analyze(
@@ -247,7 +303,13 @@ impl Sched {
                 self.n_copies,
                 Some(&r.sizes),
             )?,
-            Some(r) => {
+            r => {
+                // A shape not reserved yet is compared with the latest entry, as ggml compares
+                // with the previous graph.
+                let r = match r.or_else(|| st.reserved.last().cloned()) {
+                    Some(r) => r,
+                    None => Reserved::of(graph, &fresh),
+                };
                 let same_size = st.last_graph_size == Some(graph_size);
                 let same_placement = r.placement == fresh.placement;
                 let why = format!(
@@ -270,7 +332,10 @@ impl Sched {
                 }
                 // A re-reserve: wait for every backend, then never plan smaller than before.
                 self.synchronize()?;
-                let merged = r.merged(graph, &fresh);
+                let merged = match known {
+                    Some(_) => r.merged(graph, &fresh),
+                    None => Reserved::of(graph, &fresh),
+                };
                 let a = analyze(
                     graph,
                     &self.backends,
@@ -279,7 +344,7 @@ impl Sched {
                     Some(&merged.sizes),
                 )?;
                 self.realloc_all(&mut st, &a)?;
-                st.reserved = Some(merged);
+                store_reserved(&mut st, known, merged);
                 a
             }
         };
@@ -404,5 +469,84 @@ impl Drop for Sched {
         for h in st.leaves.values() {
             self.backends[h.backend].free_buffer(h.buffer);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lowsync_cpu::{CpuBackend, NoopBackend};
+
+    fn cpu() -> Vec<Arc<dyn Backend>> {
+        vec![Arc::new(CpuBackend::new())]
+    }
+
+    /// `x [rows, 4]` through `extra + 1` scales.
+    fn chain(rows: usize, extra: usize) -> Graph {
+        let mut g = Graph::new();
+        let mut h = g.input("x", &[rows, 4], DType::F32).unwrap();
+        for _ in 0..=extra {
+            h = g.scale(h, 2.0).unwrap();
+        }
+        h = g.silu(h).unwrap();
+        g.output("y", h).unwrap();
+        g
+    }
+
+    #[test]
+    fn n_copies_beyond_the_limit_is_refused_before_anything_is_sized() {
+        for n in [0, MAX_COPIES + 1, 1 << 40] {
+            let e = Sched::with_debug_realloc(cpu(), SyncPolicy::Staged, n, 0)
+                .err()
+                .expect("refused");
+            assert!(
+                e.to_string().contains("n_copies must be between 1 and 16"),
+                "{e}"
+            );
+        }
+        assert!(Sched::with_debug_realloc(cpu(), SyncPolicy::Staged, MAX_COPIES, 0).is_ok());
+    }
+
+    #[test]
+    fn a_smaller_graph_of_another_shape_joins_the_first_reserve_at_level_2() {
+        // What a session does: its largest bucket first, then a graph with a node fewer.
+        let noop: Arc<dyn Backend> = Arc::new(NoopBackend::new());
+        let sc = Sched::with_debug_realloc(vec![noop.clone()], SyncPolicy::Staged, 1, 2).unwrap();
+        sc.compile(&chain(32, 1)).unwrap();
+        sc.compile(&chain(8, 0)).unwrap();
+        // Both shapes are reserved now: compiling either again is free.
+        sc.compile(&chain(32, 1)).unwrap();
+        sc.compile(&chain(8, 0)).unwrap();
+        assert_eq!(noop.stats().snapshot().reallocs, 0);
+    }
+
+    #[test]
+    fn after_the_first_step_a_new_shape_is_a_re_reserve_again() {
+        let sc = Sched::with_debug_realloc(cpu(), SyncPolicy::Staged, 1, 2).unwrap();
+        let mut p = sc.compile(&chain(32, 1)).unwrap();
+        p.set_input("x", &[0u8; 32 * 16]).unwrap();
+        p.compute().unwrap();
+        let e = sc.compile(&chain(8, 0)).err().expect("refused");
+        assert!(matches!(e, Error::Realloc(_)), "{e}");
+    }
+
+    #[test]
+    fn a_known_shape_that_outgrows_its_entry_is_a_re_reserve_even_in_set_up() {
+        let sc = Sched::with_debug_realloc(cpu(), SyncPolicy::Staged, 1, 2).unwrap();
+        sc.compile(&chain(8, 0)).unwrap();
+        let e = sc.compile(&chain(32, 0)).err().expect("refused");
+        assert!(matches!(e, Error::Realloc(_)), "{e}");
+    }
+
+    #[test]
+    fn an_explicit_reserve_ends_the_set_up() {
+        let sc = Sched::with_debug_realloc(cpu(), SyncPolicy::Staged, 1, 2).unwrap();
+        sc.reserve(&chain(32, 1)).unwrap();
+        let e = sc.compile(&chain(8, 0)).err().expect("refused");
+        assert!(matches!(e, Error::Realloc(_)), "{e}");
+        // Reserving the second shape too declares both; then both compile.
+        sc.reserve(&chain(8, 0)).unwrap();
+        sc.compile(&chain(8, 0)).unwrap();
+        sc.compile(&chain(32, 1)).unwrap();
     }
 }

@@ -6,7 +6,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::Masked;
+use common::{blocks_until_opened, Masked, Watched};
 use lowsync_backend::{Backend, StatsSnapshot, TensorRef};
 use lowsync_cpu::{CpuAsyncBackend, CpuBackend};
 use lowsync_graph::{DType, Graph, Op, TensorId};
@@ -121,41 +121,30 @@ fn counts_per_step_follow_w0_to_w6_as_functions_of_u_and_a() {
                 .map(|(n, d)| (n.as_str(), d.clone()))
                 .collect();
             run_steps(&mut plan, &inputs, 1, "y");
-            let (bd, bh) = (dev.stats().snapshot(), host.stats().snapshot());
-            let steps = 4u64;
-            outs.push(run_steps(&mut plan, &inputs, steps as usize, "y"));
-            let (d, h) = (
-                dev.stats().snapshot().since(&bd),
-                host.stats().snapshot().since(&bh),
-            );
             let (u, a) = (u as u64, a as u64);
             let (waits, elided_dev, elided_host, h2d) = match policy {
                 SyncPolicy::Stock => (u + 1 + a.saturating_sub(1), u + a.min(1), 0, u + a),
                 SyncPolicy::Relaxed => (2, 1, if a > 0 { 2 } else { 0 }, u + a),
                 SyncPolicy::Staged => (1, 0, 0, 1 + a),
             };
-            assert_eq!(
-                d.host_waits + h.host_waits,
-                waits * steps,
-                "{policy} U={u} A={a} host waits"
-            );
-            assert_eq!(
-                d.driver_syncs,
-                waits * steps,
-                "{policy} U={u} A={a} driver syncs"
-            );
-            assert_eq!(
-                d.elided_syncs,
-                elided_dev * steps,
-                "{policy} U={u} A={a} cpu-async elided"
-            );
-            assert_eq!(
-                h.elided_syncs,
-                elided_host * steps,
-                "{policy} U={u} A={a} cpu elided"
-            );
-            assert_eq!(d.h2d_copies, h2d * steps, "{policy} U={u} A={a} H2D copies");
-            assert_eq!(d.reallocs + h.reallocs, 0);
+            let mut last = Vec::new();
+            // Per step, not a total: a steady 1 and an alternating 0/2 are different.
+            for step in 0..4 {
+                let (bd, bh) = (dev.stats().snapshot(), host.stats().snapshot());
+                last = run_steps(&mut plan, &inputs, 1, "y");
+                let (d, h) = (
+                    dev.stats().snapshot().since(&bd),
+                    host.stats().snapshot().since(&bh),
+                );
+                let what = format!("{policy} U={u} A={a} step {step}");
+                assert_eq!(d.host_waits + h.host_waits, waits, "{what}: host waits");
+                assert_eq!(d.driver_syncs, waits, "{what}: driver syncs");
+                assert_eq!(d.elided_syncs, elided_dev, "{what}: cpu-async elided");
+                assert_eq!(h.elided_syncs, elided_host, "{what}: cpu elided");
+                assert_eq!(d.h2d_copies, h2d, "{what}: H2D copies");
+                assert_eq!(d.reallocs + h.reallocs, 0, "{what}: reallocs");
+            }
+            outs.push(last);
         }
         assert!(
             outs.windows(2).all(|w| w[0] == w[1]),
@@ -187,19 +176,32 @@ fn activation_back_to_the_host_costs_one_wait_under_staged() {
         assert_eq!(plan.split_backends(), vec![0, 1]);
         let inputs = [("x", f32_bytes(&[1.0, 1.0, 2.0, 2.0]))];
         run_steps(&mut plan, &inputs, 1, "c");
-        let (before, dev_before) = (total(&[&dev, &host]), dev.stats().snapshot());
-        outs.push(run_steps(&mut plan, &inputs, 3, "c"));
-        let d = total(&[&dev, &host]).since(&before);
-        let dd = dev.stats().snapshot().since(&dev_before);
-        let waits = match policy {
-            SyncPolicy::Stock | SyncPolicy::Relaxed => 3,
-            SyncPolicy::Staged => 1,
+        // (host waits, elided on cpu-async, elided on cpu): stock elides W1 on cpu-async and
+        // W3 and W5 on cpu; relaxed its opening sync on cpu-async and, on cpu, the host split's
+        // opening and closing syncs and W5 of its stock fallback copy.
+        let (waits, elided_dev, elided_host) = match policy {
+            SyncPolicy::Stock => (3, 1, 2),
+            SyncPolicy::Relaxed => (3, 1, 3),
+            SyncPolicy::Staged => (1, 0, 0),
         };
-        assert_eq!(d.host_waits, waits * 3, "{policy}");
-        assert_eq!(
-            dd.d2h_copies, 3,
-            "{policy}: one device read per step (the activation); the output is host memory"
-        );
+        let mut last = Vec::new();
+        for step in 0..3 {
+            let (before, dev_before) = (total(&[&dev, &host]), dev.stats().snapshot());
+            last = run_steps(&mut plan, &inputs, 1, "c");
+            let d = total(&[&dev, &host]).since(&before);
+            let dd = dev.stats().snapshot().since(&dev_before);
+            assert_eq!(d.host_waits, waits, "{policy} step {step}");
+            assert_eq!(
+                (dd.elided_syncs, d.elided_syncs - dd.elided_syncs),
+                (elided_dev, elided_host),
+                "{policy} step {step}: elided syncs on cpu-async, on cpu"
+            );
+            assert_eq!(
+                dd.d2h_copies, 1,
+                "{policy} step {step}: one device read (the activation); the output is host memory"
+            );
+        }
+        outs.push(last);
     }
     assert_eq!(floats(&outs[0]), vec![10.0, 20.0, 60.0, 80.0]);
     assert!(outs.windows(2).all(|w| w[0] == w[1]));
@@ -224,20 +226,15 @@ fn split_without_inputs_never_overlaps_the_previous_split() {
         let mut plan = sc.compile(&g).unwrap();
         assert_eq!(plan.split_backends(), vec![0, 1]);
         plan.set_input("x", &f32_bytes(&[2.0; 4])).unwrap();
-        let gate = dev.gate_close().unwrap();
-        let waits0 = dev.stats().snapshot().host_waits;
-        let opener = {
-            let dev = dev.clone();
-            std::thread::spawn(move || {
-                // Open only once the host is blocked waiting for the device.
-                while dev.stats().snapshot().host_waits == waits0 {
-                    std::thread::yield_now();
-                }
-                gate.open();
-            })
-        };
-        plan.compute().unwrap();
-        opener.join().unwrap();
+        let gate = Watched::close(&*dev);
+        // The host split must wait for the device split, which sits behind the gate.
+        let blocked = blocks_until_opened(&dev, &gate, || plan.compute().unwrap());
+        gate.open();
+        assert!(
+            blocked,
+            "{policy}: compute returned while the device split was behind its closed gate: \
+             the host split did not wait for it"
+        );
         let ev = dev.event_new().unwrap();
         dev.event_record(&ev).unwrap();
         assert!(
@@ -246,6 +243,21 @@ fn split_without_inputs_never_overlaps_the_previous_split() {
         );
         assert_eq!(floats(&plan.get_output("b").unwrap()), vec![2.0; 4]);
         assert_eq!(floats(&plan.get_output("c").unwrap()), vec![6.0; 4]);
+        // Ungated steps: W0 is one host wait on cpu-async under every policy (stock and
+        // relaxed synchronize it, staged waits on its event from the synchronous host), on top
+        // of the input's (stock W2, relaxed's closing sync) and the read of `b`.
+        let waits = match policy {
+            SyncPolicy::Stock | SyncPolicy::Relaxed => 3,
+            SyncPolicy::Staged => 2,
+        };
+        for step in 0..3 {
+            let before = dev.stats().snapshot();
+            plan.set_input("x", &f32_bytes(&[step as f32; 4])).unwrap();
+            plan.compute().unwrap();
+            assert_eq!(floats(&plan.get_output("b").unwrap()), vec![step as f32; 4]);
+            let d = dev.stats().snapshot().since(&before);
+            assert_eq!(d.host_waits, waits, "{policy} step {step}: host waits");
+        }
     }
 }
 
@@ -275,7 +287,7 @@ fn host_activation_overwritten_by_the_next_step_still_reaches_the_queued_split()
         let out = g.scale(rows, 1.0).unwrap();
         g.output("rows", out).unwrap();
         let mut plan = sc.compile(&g).unwrap();
-        let gate = (policy == SyncPolicy::Staged).then(|| dev.gate_close().unwrap());
+        let gate = (policy == SyncPolicy::Staged).then(|| Watched::close(&*dev));
         for (step, v) in [(0i32, 1.0f32), (1, 5.0)] {
             plan.set_input("x", &f32_bytes(&[v; 4])).unwrap();
             plan.set_input("slot", &step.to_ne_bytes()).unwrap();
@@ -291,6 +303,33 @@ fn host_activation_overwritten_by_the_next_step_still_reaches_the_queued_split()
             floats(&plan.get_output("rows").unwrap()),
             vec![1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 15.0, 20.0],
             "{policy}"
+        );
+    }
+}
+
+/// Stock with `n_copies > 1` (pipelined): W1 waits on the event of the copy it overwrites, not
+/// on the whole stream. Each step's read observed everything, so each input's W1 is an elided
+/// event wait, then W2 a blocking write: U + 1 host waits and U elided syncs per step, as with
+/// one copy, the copies rotating.
+#[test]
+fn pipelined_stock_waits_on_the_event_of_the_copy_it_overwrites() {
+    let (sc, dev, host) = sched(SyncPolicy::Stock, 4);
+    let mut plan = sc.compile(&u_a_graph(2, 1)).unwrap();
+    let inputs = [("x0", f32_bytes(&[1.0; 4])), ("x1", f32_bytes(&[2.0; 4]))];
+    run_steps(&mut plan, &inputs, 1, "y");
+    for step in 0..6 {
+        let copy = plan.next_copy();
+        let (bd, bh) = (dev.stats().snapshot(), host.stats().snapshot());
+        let y = run_steps(&mut plan, &inputs, 1, "y");
+        assert_eq!(floats(&y), vec![5.0, 6.0, 7.0, 8.0]);
+        let (d, h) = (
+            dev.stats().snapshot().since(&bd),
+            host.stats().snapshot().since(&bh),
+        );
+        assert_eq!(
+            (d.host_waits, d.elided_syncs, h.host_waits, d.h2d_copies),
+            (3, 2, 0, 3),
+            "step {step} (copy {copy}): host waits, elided syncs, cpu waits, H2D copies"
         );
     }
 }

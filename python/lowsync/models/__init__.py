@@ -2,11 +2,13 @@
 
 A model here is numpy weights plus a config; `Llama.build_graph` turns it into one
 `lowsync.Graph` per shape bucket, and `lowsync.Session` runs those graphs. Loading from GGUF is
-in `lowsync.gguf`; nothing in this package imports the `gguf` package until a file is saved.
+in `lowsync.gguf`, which sits above this package; `Llama.save_gguf` calls down into
+`lowsync.gguf_writer`, which knows models only by protocol, so no import goes in a circle.
+Nothing here imports the `gguf` package until a file is saved.
 """
 
 from __future__ import annotations
 
-from lowsync.models.llama import BUILTIN_CONFIGS, Llama, LlamaConfig
+from lowsync.models.llama import BUILTIN_CONFIGS, Llama, LlamaConfig, ModelError
 
-__all__ = ["BUILTIN_CONFIGS", "Llama", "LlamaConfig"]
+__all__ = ["BUILTIN_CONFIGS", "Llama", "LlamaConfig", "ModelError"]

@@ -34,7 +34,13 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from lowsync._native import Graph, Tensor
+from lowsync._native import Graph, LowsyncError, Tensor
+from lowsync.gguf_writer import save_gguf
+
+
+class ModelError(LowsyncError, ValueError):
+    """A bad model argument: an unknown built-in name, a weight dtype lowsync does not have."""
+
 
 Array = npt.NDArray[Any]
 RopeMode = Literal["normal", "neox"]
@@ -227,12 +233,12 @@ class Llama:
             config, label = name, "custom"
         else:
             if name not in BUILTIN_CONFIGS:
-                raise ValueError(
+                raise ModelError(
                     f"unknown built-in model {name!r} (built-in: {', '.join(BUILTIN_CONFIGS)})"
                 )
             config, label = BUILTIN_CONFIGS[name], name
         if dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"dtype must be one of {WEIGHT_DTYPES}, got {dtype!r}")
+            raise ModelError(f"dtype must be one of {WEIGHT_DTYPES}, got {dtype!r}")
         rng = np.random.default_rng(seed)
         weights: dict[str, Array] = {}
         dtypes: dict[str, str] = {}
@@ -276,9 +282,7 @@ class Llama:
         )
 
     def save_gguf(self, path: str | Path) -> None:
-        """Writes the model to a GGUF file llama.cpp can load (see `lowsync.gguf.save_gguf`)."""
-        from lowsync.gguf import save_gguf
-
+        """Writes the model to a GGUF file llama.cpp can load (see `lowsync.gguf_writer`)."""
         save_gguf(self, path)
 
     # ---- graph --------------------------------------------------------------------------------

@@ -45,23 +45,9 @@ use view::Strided;
 ///
 /// Leaves (`Input`, `Weight`, `Persistent`) and `View` have no kernel and are an error here.
 pub fn run_node(node: &ExecNode, mem: &dyn Mem) -> Result<()> {
-    let Some(want) = node.op.src_count() else {
-        return Err(kernel_err(
-            node,
-            "has no kernel (leaves and views are not executed)",
-        ));
-    };
-    if !want.contains(&node.srcs.len()) {
-        return Err(kernel_err(
-            node,
-            format!(
-                "expects {}..={} sources, got {}",
-                want.start(),
-                want.end(),
-                node.srcs.len()
-            ),
-        ));
-    }
+    node.op
+        .check_arity(node.srcs.len())
+        .map_err(|m| kernel_err(node, m))?;
     let dst = Strided::resolve(node, &node.dst, mem)?;
     let mut private = Vec::new();
     let mut srcs = Vec::with_capacity(node.srcs.len());

@@ -3,7 +3,9 @@
 //! Strategy: the optional mask is broadcast onto `x` (stride-0 axes) and read row by row next
 //! to `x`. Each row subtracts its maximum before `exp` for stability. A row whose entries are
 //! all `-inf` (fully masked, or empty) has no maximum to subtract and gives zeros instead of
-//! `NaN`. One row per job, so sums never depend on threading.
+//! `NaN`. A `NaN` in a row makes its maximum `NaN` (the fold does not skip it, unlike
+//! `f32::max`), so the whole row comes out `NaN`: one bad weight shows in the logits instead
+//! of vanishing into finite values. One row per job, so sums never depend on threading.
 
 use lowsync_backend::{ExecNode, Result};
 
@@ -63,9 +65,9 @@ pub(super) fn soft_max(
     Ok(())
 }
 
-/// Softmax of one row in place; an all `-inf` row becomes zeros.
+/// Softmax of one row in place; an all `-inf` row becomes zeros, a row with a `NaN` all `NaN`.
 fn softmax_in_place(v: &mut [f32]) {
-    let max = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let max = v.iter().copied().fold(f32::NEG_INFINITY, nan_max);
     if max == f32::NEG_INFINITY {
         v.fill(0.0);
         return;
@@ -77,4 +79,13 @@ fn softmax_in_place(v: &mut [f32]) {
     }
     let inv = 1.0 / sum;
     v.iter_mut().for_each(|x| *x *= inv);
+}
+
+/// The larger of two values, `NaN` when either is `NaN` (`f32::max` returns the other one).
+fn nan_max(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
 }

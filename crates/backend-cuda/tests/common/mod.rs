@@ -1,6 +1,17 @@
-//! Shared helpers of the CUDA integration tests: the skip-or-require rule, twin tensors on the
-//! CPU oracle and the CUDA backend, a deterministic random source and the NMSE check.
+//! Shared helpers of the CUDA integration tests: the device every device test opens, twin
+//! tensors on the CPU oracle and the CUDA backend, a deterministic random source, the NMSE
+//! check, and the deadlines of waits (shared with the CPU backend's tests).
+//!
+//! Tests that need a device are `#[ignore = "needs a CUDA device ..."]`, so a machine without
+//! one reports them as ignored (skipped), with that reason, and never as passed; a run that
+//! includes them (`--include-ignored`, nextest's `--run-ignored all`) on a machine without a
+//! device fails them in [`gpu_with`]. Tests that need no device are not ignored.
 #![allow(dead_code)]
+
+#[path = "../../../backend-cpu/tests/common/mod.rs"]
+mod deadline;
+#[allow(unused_imports)] // each test file uses some of them
+pub use deadline::{wait_until, Watched};
 
 use std::sync::Arc;
 
@@ -10,31 +21,19 @@ use lowsync_cpu::CpuBackend;
 use lowsync_cuda::{CudaBackend, CudaConfig};
 use lowsync_graph::{contiguous_strides, DType, Op};
 
-/// Whether a missing device must fail the test (`LOWSYNC_REQUIRE_CUDA=1`) instead of skipping.
-pub fn required() -> bool {
-    std::env::var("LOWSYNC_REQUIRE_CUDA").is_ok_and(|v| v.trim() == "1")
-}
-
-/// The CUDA backend `cuda:0` with `cfg`, or `None` (test skipped, reason printed) when this
-/// machine has no usable CUDA device. Panics instead when `LOWSYNC_REQUIRE_CUDA=1`.
-pub fn gpu_with(test: &str, cfg: CudaConfig) -> Option<Arc<CudaBackend>> {
-    if lowsync_cuda::available_devices().is_empty() {
-        let why = match lowsync_cuda::create("cuda") {
-            Err(e) => e.to_string(),
-            Ok(_) => "no device listed".to_string(),
-        };
-        assert!(!required(), "{test}: LOWSYNC_REQUIRE_CUDA=1 but {why}");
-        eprintln!("SKIPPED {test}: {why}");
-        return None;
-    }
-    match lowsync_cuda::create_with_config("cuda:0", cfg) {
-        Ok(b) => Some(b),
-        Err(e) => panic!("{test}: a CUDA device is listed but cannot be opened: {e}"),
-    }
+/// The CUDA backend `cuda:0` with `cfg`, for a test that needs a device (and is ignored
+/// unless asked for). Panics, naming `test` and why, when the device cannot be opened.
+pub fn gpu_with(test: &str, cfg: CudaConfig) -> Arc<CudaBackend> {
+    lowsync_cuda::create_with_config("cuda:0", cfg).unwrap_or_else(|e| {
+        panic!(
+            "{test} needs a CUDA device, and this machine has none it can open ({e}); device \
+             tests run only on a machine with one"
+        )
+    })
 }
 
 /// `cuda:0` with the default settings (elision on).
-pub fn gpu(test: &str) -> Option<Arc<CudaBackend>> {
+pub fn gpu(test: &str) -> Arc<CudaBackend> {
     gpu_with(test, CudaConfig::default())
 }
 
@@ -129,6 +128,7 @@ pub struct Pair {
 }
 
 impl Pair {
+    /// The oracle next to a new `cuda:0` backend (see [`gpu`]).
     pub fn new(gpu: Arc<CudaBackend>) -> Self {
         Pair {
             cpu: CpuBackend::new(),

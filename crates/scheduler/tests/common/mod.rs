@@ -1,4 +1,11 @@
-//! A test backend: another backend with some capabilities hidden or some ops refused.
+//! A test backend: another backend with some capabilities hidden or some ops refused; and the
+//! deadlines of the tests' waits (`wait_until`, the watched test gate), shared with the CPU
+//! backend's tests so that a broken ordering wait fails a test instead of hanging it.
+#![allow(dead_code)]
+
+#[path = "../../../backend-cpu/tests/common/mod.rs"]
+mod deadline;
+pub use deadline::{blocks_until_opened, Watched};
 
 use std::sync::Arc;
 

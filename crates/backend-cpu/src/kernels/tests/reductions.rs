@@ -192,3 +192,29 @@ fn argmax_treats_nan_as_smaller_than_everything() {
     run(&mem, Op::Argmax, &dst, &[&x]).unwrap();
     assert_eq!(mem.read_i32(&dst), vec![1, 2, 0]);
 }
+
+#[test]
+fn softmax_propagates_nan_through_its_row() {
+    let mut mem = TestMem::new();
+    let nan = f32::NAN;
+    // Row 0 all NaN (a max fold that skips NaN turned it into zeros), row 1 one NaN, row 2
+    // finite, row 3 a NaN in the mask.
+    let x = mem.tensor(
+        DType::F32,
+        &[4, 3],
+        &[nan, nan, nan, 1., nan, 3., 1., 2., 3., 1., 2., 3.],
+    );
+    let mask = mem.tensor(
+        DType::F32,
+        &[4, 3],
+        &[0., 0., 0., 0., 0., 0., 0., 0., 0., 0., nan, 0.],
+    );
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        let dst = mem.zeros(dt, &[4, 3]);
+        run(&mem, Op::SoftMax { scale: 1.0 }, &dst, &[&x, &mask]).unwrap();
+        let got = mem.read(&dst);
+        assert!(got[..6].iter().all(|v| v.is_nan()), "{dt}: {got:?}");
+        assert!(got[6..9].iter().all(|v| v.is_finite()), "{dt}: {got:?}");
+        assert!(got[9..].iter().all(|v| v.is_nan()), "{dt}: {got:?}");
+    }
+}

@@ -1,5 +1,6 @@
 //! `GetRows` and `SetRows`: gathers and scatters, dtype conversion, bad indices.
 
+use lowsync_backend::Error;
 use lowsync_graph::{DType, Op};
 
 use super::harness::*;
@@ -115,4 +116,18 @@ fn set_rows_out_of_range_index_is_an_error_and_writes_nothing() {
             "nothing written"
         );
     }
+}
+
+#[test]
+fn a_view_whose_extent_wraps_is_refused_before_any_read() {
+    // A 2-element table seen as [2^63 + 1, 2]: unchecked, its byte extent wraps to 8 bytes,
+    // passes the bounds check, and get_rows reads row 2^30 far outside the buffer.
+    let mut mem = TestMem::new();
+    let table = mem.tensor(DType::F32, &[2], &[1., 2.]);
+    let huge = view(&table, &[(1usize << 63) + 1, 2], &[2, 1], 0);
+    let ids = mem.ints(&[1], &[1 << 30]);
+    let dst = mem.zeros(DType::F32, &[1, 2]);
+    let e = run(&mem, Op::GetRows, &dst, &[&huge, &ids]).unwrap_err();
+    assert!(matches!(e, Error::OutOfBounds { .. }), "{e}");
+    assert_eq!(mem.read(&dst), vec![0.0; 2], "nothing was written");
 }

@@ -1,0 +1,378 @@
+//! Settings of one CUDA backend: the user-facing switches and the decode path's tuning knobs.
+//!
+//! Why: a user sets a handful of variables (`LOWSYNC_CUDA_SYNC_ELISION`, `LOWSYNC_CUDA_GRAPHS`,
+//! `LOWSYNC_CUDA_FUSION`, `LOWSYNC_CUDA_TIMING`); the decode path also has A/B switches that
+//! exist to measure one kernel choice against another. Those live behind one variable,
+//! `LOWSYNC_CUDA_TUNE=key=value,...` (docs/tuning.md), so the list of knobs is in one place and
+//! the user-facing variables stay few.
+//!
+//! Strategy: [`CudaConfig::from_env`] reads the user-facing variables through
+//! `lowsync_backend::env`, then applies `LOWSYNC_CUDA_TUNE` with [`CudaConfig::with_tune`], a
+//! pure function of the string (tested without a device or the environment). [`stream_pad`]
+//! resolves the streamed products' shared-memory pad against the device's limits at open.
+//!
+//! Invariants: unset or empty means the defaults of [`CudaConfig::default`]; a bad value is an
+//! `Error::Env` naming the variable (for `LOWSYNC_CUDA_TUNE`, with the key's accepted values or
+//! the list of keys), never a silent default.
+
+use lowsync_backend::{env, Error, Result};
+
+/// Settings of one CUDA backend. [`CudaConfig::from_env`] reads ARCHITECTURE §8's variables and
+/// `LOWSYNC_CUDA_TUNE`; tests build one explicitly.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaConfig {
+    /// Elide a `synchronize` with nothing outstanding (`LOWSYNC_CUDA_SYNC_ELISION`, default
+    /// on). Only takes effect when the process sees exactly one CUDA device.
+    pub sync_elision: bool,
+    /// Size of one pinned staging chunk (the largest piece one staged copy moves).
+    pub staging_chunk_bytes: usize,
+    /// Bound on the pinned staging arena (invariant 8).
+    pub staging_max_bytes: usize,
+    /// Bound on the pinned readback buffer of blocking reads; larger reads go to caller memory.
+    pub readback_max_bytes: usize,
+    /// Rows of a up to which `MulMat` runs the matrix-vector kernels instead of cuBLAS
+    /// (tune key `mmv_max_m`; `None`: 8, or 32 when cuBLAS would first convert an f16/bf16 b
+    /// to f32; `Some(0)`: always cuBLAS). A tuning and comparison knob.
+    pub mmv_max_m: Option<usize>,
+    /// Capture each compute graph into a CUDA graph once per shape bucket and replay it
+    /// (`LOWSYNC_CUDA_GRAPHS`, default on).
+    pub graphs: bool,
+    /// Run fused kernels for the node patterns of `fusion` (`LOWSYNC_CUDA_FUSION`,
+    /// default on); off runs one kernel per node, the reference the fused kernels are checked
+    /// against.
+    pub fusion: bool,
+    /// Time each compute graph on the device with a pair of timing events and add the elapsed
+    /// time to the `device_ns` counter when a wait observes it (`LOWSYNC_CUDA_TIMING`, default
+    /// off: timing events are not free).
+    pub timing: bool,
+    /// How single-row matrix-vector products read their activation row (a tuning knob for
+    /// benches; `Off` sends them to the general matrix-vector kernels).
+    pub decode_gemv: DecodeGemv,
+    /// Launch kernels with programmatic dependent launch (tune key `pdl`, default on; takes
+    /// effect on compute capability 9.0 and newer): a kernel's blocks may start while the one
+    /// before it finishes, and wait on the device (`griddepcontrol.wait`) before they touch
+    /// its results; decode's matrix-vector kernels load their first weights before that wait.
+    pub pdl: bool,
+    /// Decode attention takes its short-path kernel `attn_fast` where it applies (tune key
+    /// `attn_fast`, default on); off runs the general `attn_decode` — a knob for comparing the
+    /// two inside the replayed graph.
+    pub attn_fast: bool,
+    /// Decode attention (`attn_fast`), launched ahead of its producer (programmatic dependent
+    /// launch), rehearses before its wait (tune key `rehearse`, default on): it runs its own
+    /// path once on the inputs as they are, with no global stores, so that its instructions
+    /// are cached when the wait returns. Off is a knob for measuring what that buys.
+    pub rehearse: bool,
+    /// Decode's gate/up (streamed) and q/k/v (row pairs) take their own entry points per
+    /// weight dtype, `fused_gemv1_gu16` and `fused_gemv1_rp16` and kin (tune key `gemv_split`,
+    /// default on): each holds one path, which fits in 88 registers without a spill, where
+    /// `fused_gemv1_pair` holds both. Off is a knob for measuring what that buys.
+    pub gemv_split: bool,
+    /// Decode's matrix-vector products without row-pair epilogues run streamed (tune key
+    /// `gemv_stream`, default on): a grid of at most `stream_blocks` blocks per multiprocessor
+    /// whose warps stride over the output units, keeping their weight loads in flight from one
+    /// unit to the next, with the norm prologue folded in; off launches one warp per unit.
+    pub gemv_stream: bool,
+    /// Resident blocks per multiprocessor of a streamed product's grid (tune key
+    /// `gemv_blocks`, default 2).
+    pub stream_blocks: usize,
+    /// Shared memory (KiB) each block of a streamed product asks for at least (tune key
+    /// `gemv_pad_kb`; 0 turns it off). `None`, the default, takes the least that keeps
+    /// `stream_blocks + 1` of them off one multiprocessor (80 KiB on the H200): the streamed
+    /// entry points take 80 registers, so without it a third block would land where the next
+    /// kernel's first blocks should start (see `fused_gemv1_s16` in fusion/gemv.cu).
+    pub stream_pad_kb: Option<usize>,
+    /// Host-to-device writes of at most this many bytes (`set_tensor_async_staged`; a batch
+    /// holds up to 3,840 host bytes) and device-to-device copies (`copy_async`) wait in a
+    /// batch that runs as one kernel right before the next thing queued on the stream, the
+    /// host bytes inside its parameters (`TicketStream::defer_htod`); reads of at most this
+    /// many bytes (`read_async`) ride in the batch too, or run as a one-block kernel writing
+    /// the pinned slot when it cannot take them (`read_kernel`). No copy engine between two
+    /// decode graphs: on the H200 the time between them fell from 16.9 to 6.7 µs with the read
+    /// as its own kernel (tune key `copy_kernel`, bytes, default 4096; 0: copy engines).
+    /// Outside graph capture only; each copy is counted as the copy it is, and a batch's launch
+    /// as one submission.
+    pub copy_kernel_max: usize,
+    /// `read_async` of at most `copy_kernel_max` bytes rides in the copy batch, or runs as a
+    /// one-block kernel (tune key `read_kernel`, default on); off takes a copy engine.
+    pub read_kernel: bool,
+}
+
+/// The decode matrix-vector kernel's source of the activation row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeGemv {
+    /// Not used: the general `mul_mat_vec_k` kernels run single rows too.
+    Off,
+    /// Staged once per block in shared memory.
+    SharedX,
+    /// Read from global memory through the read-only cache.
+    GlobalX,
+}
+
+impl Default for CudaConfig {
+    fn default() -> Self {
+        CudaConfig {
+            sync_elision: true,
+            staging_chunk_bytes: 4 << 20,
+            staging_max_bytes: 64 << 20,
+            readback_max_bytes: 64 << 20,
+            mmv_max_m: None,
+            graphs: true,
+            fusion: true,
+            timing: false,
+            decode_gemv: DecodeGemv::SharedX,
+            pdl: true,
+            attn_fast: true,
+            rehearse: true,
+            gemv_split: true,
+            gemv_stream: true,
+            stream_blocks: 2,
+            stream_pad_kb: None,
+            copy_kernel_max: 4096,
+            read_kernel: true,
+        }
+    }
+}
+
+/// The variable holding the decode path's tuning knobs.
+pub(crate) const TUNE_VAR: &str = "LOWSYNC_CUDA_TUNE";
+
+/// The largest shared memory a block may ask for on any CUDA device to date (sm_90, sm_100:
+/// 227 KiB); a larger `gemv_pad_kb` is an error.
+const MAX_PAD_KB: u64 = 227;
+
+/// Most blocks per multiprocessor a streamed grid takes (larger `gemv_blocks` are capped).
+const MAX_STREAM_BLOCKS: u64 = 32;
+
+/// What `LOWSYNC_CUDA_TUNE` takes, for an unknown key or an item without `=`.
+const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, rehearse, \
+     gemv_stream, gemv_split, gemv_blocks, gemv_pad_kb, copy_kernel, read_kernel, mmv_max_m \
+     (see docs/tuning.md)";
+
+impl CudaConfig {
+    /// The defaults with the user-facing variables (`LOWSYNC_CUDA_SYNC_ELISION`,
+    /// `LOWSYNC_CUDA_GRAPHS`, `LOWSYNC_CUDA_FUSION`, `LOWSYNC_CUDA_TIMING`) and then
+    /// `LOWSYNC_CUDA_TUNE` applied; a bad value is an error naming the variable.
+    pub fn from_env() -> Result<Self> {
+        let cfg = CudaConfig {
+            sync_elision: env::flag("LOWSYNC_CUDA_SYNC_ELISION", true)?,
+            graphs: env::flag("LOWSYNC_CUDA_GRAPHS", true)?,
+            fusion: env::flag("LOWSYNC_CUDA_FUSION", true)?,
+            timing: env::flag("LOWSYNC_CUDA_TIMING", false)?,
+            ..CudaConfig::default()
+        };
+        match std::env::var(TUNE_VAR) {
+            Ok(spec) => cfg.with_tune(&spec),
+            Err(_) => Ok(cfg),
+        }
+    }
+
+    /// `self` with the tuning knobs of `spec` (the value of `LOWSYNC_CUDA_TUNE`) applied:
+    /// comma-separated `key=value` items, whitespace around each ignored, empty items skipped,
+    /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`, `rehearse`,
+    /// `gemv_stream`, `gemv_split`, `read_kernel` (0 or 1); `gemv_blocks` (1 or more, capped at
+    /// 32); `gemv_pad_kb` (0 to 227); `copy_kernel` (bytes); `mmv_max_m` (rows). An unknown
+    /// key, an item without `=` or a bad value is an `Error::Env` for `LOWSYNC_CUDA_TUNE`.
+    pub fn with_tune(mut self, spec: &str) -> Result<Self> {
+        let bad = |expected: &'static str| Error::Env {
+            var: TUNE_VAR,
+            value: spec.to_string(),
+            expected,
+        };
+        for item in spec.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let Some((key, value)) = item.split_once('=') else {
+                return Err(bad(TUNE_KEYS));
+            };
+            let value = value.trim();
+            let flag = |expected| match value {
+                "0" => Ok(false),
+                "1" => Ok(true),
+                _ => Err(bad(expected)),
+            };
+            let unsigned = |expected| value.parse::<u64>().map_err(|_| bad(expected));
+            let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+            match key.trim() {
+                "pdl" => self.pdl = flag("pdl=0 or pdl=1")?,
+                "attn_fast" => self.attn_fast = flag("attn_fast=0 or attn_fast=1")?,
+                "rehearse" => self.rehearse = flag("rehearse=0 or rehearse=1")?,
+                "gemv_stream" => self.gemv_stream = flag("gemv_stream=0 or gemv_stream=1")?,
+                "gemv_split" => self.gemv_split = flag("gemv_split=0 or gemv_split=1")?,
+                "read_kernel" => self.read_kernel = flag("read_kernel=0 or read_kernel=1")?,
+                "gemv_blocks" => {
+                    let expected =
+                        "gemv_blocks=N, N a positive integer (blocks per multiprocessor)";
+                    match unsigned(expected)? {
+                        0 => return Err(bad(expected)),
+                        v => self.stream_blocks = size(v.min(MAX_STREAM_BLOCKS)),
+                    }
+                }
+                "gemv_pad_kb" => {
+                    let expected = "gemv_pad_kb=N, N KiB of shared memory per block, at most 227";
+                    match unsigned(expected)? {
+                        v if v > MAX_PAD_KB => return Err(bad(expected)),
+                        v => self.stream_pad_kb = Some(size(v)),
+                    }
+                }
+                "copy_kernel" => {
+                    self.copy_kernel_max = size(unsigned("copy_kernel=N, N bytes (0: off)")?)
+                }
+                "mmv_max_m" => {
+                    self.mmv_max_m = Some(size(unsigned("mmv_max_m=N, N rows (0: cuBLAS)")?))
+                }
+                _ => return Err(bad(TUNE_KEYS)),
+            }
+        }
+        Ok(self)
+    }
+}
+
+/// A device's shared memory limits, in bytes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SharedLimits {
+    /// Per multiprocessor (228 KiB on the H200).
+    pub(crate) per_sm: usize,
+    /// The most one block may ask for (opt-in; 227 KiB).
+    pub(crate) per_block: usize,
+    /// Taken by the system for each resident block (1 KiB).
+    pub(crate) reserved: usize,
+}
+
+/// Bytes of shared memory each block of a streamed product asks for at least, so that its
+/// `blocks` per multiprocessor fit and one more does not: the streamed entry points take 80
+/// registers, so the register file alone would let a third block onto a multiprocessor, and a
+/// grid of two per multiprocessor would then land unevenly and take the room the next kernel's
+/// first blocks start in. `pad_kb` is `CudaConfig::stream_pad_kb`: `None` computes it (the
+/// least that excludes one more block, rounded up to 8 KiB: 80 KiB on the H200, leaving 66 KiB
+/// beside two blocks for the next kernel), `Some(0)` turns it off, `Some(n)` asks for n KiB,
+/// capped at what a block may have less 1 KiB (the kernels' own static shared memory, 128
+/// bytes, counts against the same limit). 0 where no pad holds exactly `blocks`.
+pub(crate) fn stream_pad(pad_kb: Option<usize>, blocks: usize, lim: SharedLimits) -> usize {
+    if let Some(kb) = pad_kb {
+        return (kb << 10).min(lim.per_block.saturating_sub(1 << 10));
+    }
+    let blocks = blocks.max(1);
+    let least = (lim.per_sm / (blocks + 1) + 1).saturating_sub(lim.reserved);
+    let pad = least.div_ceil(8 << 10) * (8 << 10);
+    if pad + (1 << 10) > lim.per_block || blocks * (pad + lim.reserved) > lim.per_sm {
+        return 0;
+    }
+    pad
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tuned(spec: &str) -> Result<CudaConfig> {
+        CudaConfig::default().with_tune(spec)
+    }
+
+    #[test]
+    fn an_empty_tune_keeps_every_default() {
+        for spec in ["", " ", ",", " , ,"] {
+            assert_eq!(tuned(spec).unwrap(), CudaConfig::default(), "{spec:?}");
+        }
+    }
+
+    #[test]
+    fn every_tune_key_sets_its_field() {
+        let c = tuned(
+            "pdl=0, attn_fast=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
+             gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16",
+        )
+        .unwrap();
+        let want = CudaConfig {
+            pdl: false,
+            attn_fast: false,
+            rehearse: false,
+            gemv_stream: false,
+            gemv_split: false,
+            read_kernel: false,
+            stream_blocks: 3,
+            stream_pad_kb: Some(96),
+            copy_kernel_max: 512,
+            mmv_max_m: Some(16),
+            ..CudaConfig::default()
+        };
+        assert_eq!(c, want);
+        assert_eq!(
+            tuned("gemv_blocks=1000").unwrap().stream_blocks,
+            32,
+            "capped"
+        );
+        assert!(tuned("pdl=0,pdl=1").unwrap().pdl, "the last item wins");
+        assert_eq!(tuned(" copy_kernel = 0 ").unwrap().copy_kernel_max, 0);
+    }
+
+    #[test]
+    fn a_bad_tune_item_names_the_variable_and_what_it_takes() {
+        for (spec, names) in [
+            ("pdl=2", "pdl=0 or pdl=1"),
+            ("gemv_blocks=0", "positive integer"),
+            ("gemv_blocks=two", "positive integer"),
+            ("gemv_pad_kb=228", "at most 227"),
+            ("gemv_pad_kb=-1", "at most 227"),
+            ("copy_kernel=4k", "bytes"),
+            ("mmv_max_m=-1", "rows"),
+            ("pdl=1,evict_first=1", "gemv_blocks"),
+            ("weight_evict_first=1", "mmv_max_m"),
+            ("pdl", "key=value"),
+        ] {
+            match tuned(spec) {
+                Err(Error::Env {
+                    var,
+                    value,
+                    expected,
+                }) => {
+                    assert_eq!(var, TUNE_VAR, "{spec}");
+                    assert_eq!(value, spec);
+                    assert!(expected.contains(names), "{spec}: {expected}");
+                }
+                other => panic!("{spec}: expected an env error, got {other:?}"),
+            }
+        }
+    }
+
+    const H200: SharedLimits = SharedLimits {
+        per_sm: 228 << 10,
+        per_block: 227 << 10,
+        reserved: 1 << 10,
+    };
+
+    #[test]
+    fn stream_pad_holds_the_streamed_grid_to_its_blocks_per_multiprocessor() {
+        assert_eq!(
+            stream_pad(None, 2, H200),
+            80 << 10,
+            "the H200, two per multiprocessor"
+        );
+        for blocks in 1..=8 {
+            let pad = stream_pad(None, blocks, H200);
+            if pad == 0 {
+                continue;
+            }
+            let fit = H200.per_sm / (pad + H200.reserved);
+            assert_eq!(fit, blocks, "{blocks} per multiprocessor: pad {pad}");
+            assert_eq!(pad % (8 << 10), 0);
+        }
+        // An A100 (164 KiB per multiprocessor, 163 per block).
+        let a100 = SharedLimits {
+            per_sm: 164 << 10,
+            per_block: 163 << 10,
+            reserved: 1 << 10,
+        };
+        assert_eq!(stream_pad(None, 2, a100), 56 << 10);
+        assert_eq!(a100.per_sm / ((56 << 10) + a100.reserved), 2);
+        // Asked for: off, as given, capped at what a block may have.
+        assert_eq!(stream_pad(Some(0), 2, H200), 0);
+        assert_eq!(stream_pad(Some(96), 2, H200), 96 << 10);
+        assert_eq!(stream_pad(Some(227), 2, a100), 162 << 10);
+        assert_eq!(stream_pad(Some(227), 2, H200), 226 << 10);
+        // Nothing fits exactly: no pad rather than a launch the device refuses.
+        let tiny = SharedLimits {
+            per_sm: 48 << 10,
+            per_block: 48 << 10,
+            reserved: 1 << 10,
+        };
+        assert_eq!(stream_pad(None, 8, tiny), 0);
+    }
+}

@@ -1,0 +1,585 @@
+// Fused decode attention: q @ K^T -> SoftMax -> p @ V (-> the Cpy of a permutation) in one
+// launch per query head: `attn_decode`, and the short paths `attn_fast` and `attn_fast_long`.
+// The host side (patterns, preconditions, launch): src/fusion/attention.rs.
+// Like every fused kernel it writes each tensor its nodes would have written (unless the host
+// proved a result dead), in the nodes' order within the thread that owns an element, so later
+// readers see what the unfused chain would have left; arithmetic is f32 in fixed summation
+// orders that depend only on the shapes (no float atomics), so results are deterministic run to
+// run. One NVRTC module, compiled with kernels/common.cuh in front of it.
+
+#define F_NEG_INF (-__int_as_float(0x7f800000))
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention for one query row per head: kq = q @ K^T, p = softmax(kq * scale + mask),
+// o = p @ V, and optionally the Cpy of a permuted view of o — one block per query head h,
+// whose K and V head is h / k_div and h / v_div (the unfused MulMat's GQA broadcast).
+//
+// Built for latency: a decode step waits on this kernel, and its K/V rows come from DRAM. The
+// key positions go in chunks of ATT_T, one position per thread. A chunk costs two dependent
+// memory round trips: its mask entries (with q, first chunk), then — all in flight together —
+// each thread's K row (for its logit) and up to ATT_VU V rows of its slice of p @ V. A position
+// whose mask is -inf is never read from V, nor from K unless the raw scores must be written
+// (`write_kq`: the host found a later reader). Softmax is online across chunks (running max
+// and sum, the V accumulators rescaled); logits of chunks after the first are parked in p and
+// normalized at the end. In p @ V, TC threads own a V row's dims (VW adjacent ones each) and
+// the ATT_T / TC row slices are summed in a fixed order (deterministic). All reads of q
+// precede every write of the block, so results may be written over q[h] itself.
+
+#define ATT_T 256
+#define ATT_MAXD 256
+#define ATT_KU 8
+#define ATT_VU 8
+
+// Loads and stores of a tensor that is f32 whenever `F32` (the host checked): no dtype switch
+// on the path, which keeps decode kernels short.
+template <bool F32>
+__device__ __forceinline__ float ldio(const void* p, int dt, i64 i) {
+    return F32 ? ((const float*)p)[i] : ld(p, dt, i);
+}
+template <bool F32>
+__device__ __forceinline__ void stio(void* p, int dt, i64 i, float v) {
+    if (F32) {
+        ((float*)p)[i] = v;
+    } else {
+        st(p, dt, i, v);
+    }
+}
+
+// FAST: the short path — 32-bit offsets, f32 q/mask/copy, vector K and V rows, no raw scores
+// (I = int with it); the flags' other branches are compiled out of it.
+template <int DT, typename I, bool FAST>
+__device__ __forceinline__ void attn_body(
+    I L, I D, float scale, const void* q, int dtq, I q_hs, I q_ds, const void* k,
+    I k_hs, I k_ls, I k_div, int kvec_arg, const void* v, I v_hs, I v_ls, I v_div,
+    int vvec_arg, int TC, const void* mask, int dtm, I m_hs, I m_ls, int has_mask, float* kq,
+    I kq_hs, I kq_ls, int write_kq_arg, float* p, I p_hs, I p_ls, float* o, I o_hs,
+    I o_ds, void* c, int dtc, I c_hs, I c_ds, int has_cpy, float* qs, float* red,
+    float* es, int* vf) {
+    const bool kvec = FAST || kvec_arg, vvec = FAST || vvec_arg;
+    const bool write_kq = !FAST && write_kq_arg;
+    const int VW = DT == DT_F32 ? 4 : 8;
+    const int ESZ = DT == DT_F32 ? 4 : 2;
+    const int tid = threadIdx.x;
+    const I h = (I)blockIdx.x;
+#pragma unroll 1
+    for (I d = tid; d < D; d += ATT_T) qs[d] = ldio<FAST>(q, dtq, h * q_hs + d * q_ds);
+    const char* kb = (const char*)k + (h / k_div) * k_hs * ESZ;
+    const char* vb = (const char*)v + (h / v_div) * v_hs * ESZ;
+    float* ph = p + h * p_hs;
+    // This thread's part of p @ V: dims [c0, c0 + vw) of rows rs, rs + RS, ... of a chunk.
+    const int RS = ATT_T / TC;
+    const int tc = tid % TC, rs = tid / TC;
+    const int vw = vvec ? VW : 1;
+    const I c0 = (I)tc * vw;
+    const bool vcol = c0 < D;
+    const I nvec = kvec ? D / VW : 0;
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+    float run_max = F_NEG_INF, run_sum = 0.0f, lg0 = F_NEG_INF;
+    uint4 vq[ATT_VU];
+#pragma unroll 1
+    for (I base = 0; base < L; base += ATT_T) {
+        const I l = base + tid;
+        const bool in = l < L;
+        const float mv = in && has_mask ? ldio<FAST>(mask, dtm, h * m_hs + l * m_ls) : 0.0f;
+        const bool valid = in && mv != F_NEG_INF;
+        vf[tid] = valid;
+        __syncthreads();
+        PHASE(2);
+        // V rows g0 .. g0 + ATT_VU of this thread's slice (valid rows only).
+        auto load_v = [&](int g0) {
+#pragma unroll
+            for (int u = 0; u < ATT_VU; ++u) {
+                const int r = rs + RS * (g0 + u);
+                if (g0 + u < TC && vcol && base + r < L && vf[r]) {
+                    const I off = (base + r) * v_ls + c0;
+                    if (vvec) {
+                        vq[u] = *(const uint4*)(vb + off * ESZ);
+                    } else {
+                        vq[u].x = __float_as_uint(ld(vb, DT, off));
+                    }
+                }
+            }
+        };
+        load_v(0);
+        // The logit of position l.
+        float dot = 0.0f;
+        if (in && (write_kq || valid)) {
+            const char* kr = kb + l * k_ls * ESZ;
+#pragma unroll 1
+            for (I v0 = 0; v0 < nvec; v0 += ATT_KU) {
+                uint4 w[ATT_KU];
+#pragma unroll
+                for (int u = 0; u < ATT_KU; ++u) {
+                    if (v0 + u < nvec) w[u] = ((const uint4*)kr)[v0 + u];
+                }
+#pragma unroll
+                for (int u = 0; u < ATT_KU; ++u) {
+                    if (v0 + u < nvec) {
+                        float f[VW];
+                        unpack16<DT>(w[u], f);
+#pragma unroll
+                        for (int e = 0; e < VW; ++e) dot = fmaf(qs[(v0 + u) * VW + e], f[e], dot);
+                    }
+                }
+            }
+#pragma unroll 1
+            for (I e = nvec * VW; e < D; ++e) dot = fmaf(qs[e], ld(kr, DT, e), dot);
+        }
+        PHASE(3);
+        if (write_kq && in) kq[h * kq_hs + l * kq_ls] = dot;
+        const float lg = valid ? dot * scale + mv : F_NEG_INF;
+        if (base == 0) {
+            lg0 = lg;
+        } else if (in) {
+            ph[l * p_ls] = lg;
+        }
+        const float new_max = fmaxf(run_max, block_max(lg));
+        PHASE(4);
+        const float ex = valid && new_max != F_NEG_INF ? expf(lg - new_max) : 0.0f;
+        es[tid] = ex;
+        const float chunk_sum = block_sum(ex);  // its barriers also publish es
+        PHASE(5);
+        const float rescale = run_max != F_NEG_INF ? expf(run_max - new_max) : 0.0f;
+        run_sum = run_sum * rescale + chunk_sum;
+        run_max = new_max;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] *= rescale;
+#pragma unroll 1
+        for (int g0 = 0; g0 < TC; g0 += ATT_VU) {
+            if (g0 > 0) load_v(g0);
+#pragma unroll
+            for (int u = 0; u < ATT_VU; ++u) {
+                const int r = rs + RS * (g0 + u);
+                const float pw = g0 + u < TC && vcol && base + r < L ? es[r] : 0.0f;
+                if (pw != 0.0f) {
+                    if (vvec) {
+                        float f[VW];
+                        unpack16<DT>(vq[u], f);
+#pragma unroll
+                        for (int e = 0; e < VW; ++e) acc[e] = fmaf(pw, f[e], acc[e]);
+                    } else {
+                        acc[0] = fmaf(pw, __uint_as_float(vq[u].x), acc[0]);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // es and vf are rewritten by the next chunk
+    }
+    PHASE(6);
+    const float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
+#pragma unroll 1
+    for (I base = 0; base < L; base += ATT_T) {
+        const I l = base + tid;
+        if (l < L) {
+            const float lg = base == 0 ? lg0 : ph[l * p_ls];
+            ph[l * p_ls] = lg != F_NEG_INF ? expf(lg - run_max) * inv : 0.0f;
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) red[tid * 8 + e] = acc[e];
+    __syncthreads();
+    PHASE(7);
+#pragma unroll 1
+    for (I col = tid; col < D; col += ATT_T) {
+        const int ct = (int)(col / vw), ce = (int)(col % vw);
+        float y = 0.0f;
+#pragma unroll 4
+        for (int s = 0; s < RS; ++s) y += red[(s * TC + ct) * 8 + ce];
+        y *= inv;
+        o[h * o_hs + col * o_ds] = y;
+        if (has_cpy) stio<FAST>(c, dtc, h * c_hs + col * c_ds, y);
+    }
+}
+
+// K and V share one dtype (dtkv). G: unused (the host's lanes per key row of an earlier split,
+// kept in the signature); `narrow`: every element offset of the launch fits in 32 bits; TC: threads per V row (a power of two dividing ATT_T). `kvec` /
+// `vvec`: every K / V row start is 16-byte aligned (and, for V, D a multiple of the vector
+// width), checked on the host.
+extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
+    i64 L, i64 D, float scale, const void* q, int dtq, i64 q_hs, i64 q_ds, int dtkv,
+    const void* k, i64 k_hs, i64 k_ls, i64 k_div, int kvec, int G, const void* v, i64 v_hs,
+    i64 v_ls, i64 v_div, int vvec, int TC, const void* mask, int dtm, i64 m_hs, i64 m_ls,
+    int has_mask, float* kq, i64 kq_hs, i64 kq_ls, int write_kq, float* p, i64 p_hs, i64 p_ls,
+    float* o, i64 o_hs, i64 o_ds, void* c, int dtc, i64 c_hs, i64 c_ds, int has_cpy,
+    int narrow) {
+    PHASE_ENTRY();
+    PHASE(0);
+    pdl_entry();
+    PHASE(1);
+    __shared__ float qs[ATT_MAXD];
+    __shared__ float red[ATT_T * 8];
+    __shared__ float es[ATT_T];
+    __shared__ int vf[ATT_T];
+    (void)G;
+#define ATT_ARGS                                                                              \
+    L, D, scale, q, dtq, q_hs, q_ds, k, k_hs, k_ls, k_div, kvec, v, v_hs, v_ls, v_div, vvec,  \
+        TC, mask, dtm, m_hs, m_ls, has_mask, kq, kq_hs, kq_ls, write_kq, p, p_hs, p_ls, o,    \
+        o_hs, o_ds, c, dtc, c_hs, c_ds, has_cpy, qs, red, es, vf
+    // The short path: 32-bit offsets (every offset the host computes fits), f32 q, mask and
+    // copy, vector rows and no raw scores; else the general one.
+    const bool f32io = dtq == DT_F32 && (!has_mask || dtm == DT_F32) && (!has_cpy || dtc == DT_F32);
+    if (narrow && f32io && kvec && vvec && !write_kq) {
+        switch (dtkv) {
+            case DT_F16: attn_body<DT_F16, int, true>(ATT_ARGS); break;
+            case DT_BF16: attn_body<DT_BF16, int, true>(ATT_ARGS); break;
+            default: attn_body<DT_F32, int, true>(ATT_ARGS); break;
+        }
+    } else {
+        switch (dtkv) {
+            case DT_F16: attn_body<DT_F16, i64, false>(ATT_ARGS); break;
+            case DT_BF16: attn_body<DT_BF16, i64, false>(ATT_ARGS); break;
+            default: attn_body<DT_F32, i64, false>(ATT_ARGS); break;
+        }
+    }
+#undef ATT_ARGS
+    PHASE(8);
+    PHASE_EXIT();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention, short path (`attn_fast`): the same results as `attn_decode` for f32 q, mask
+// and copy, 16-byte aligned K/V rows whose head size D is VW * G (VW: elements in 16 bytes, G a
+// power of two up to 32). The raw scores, p and o are written only when asked (`write_kq`,
+// `write_p`, `write_o`: the host found a later reader).
+//
+// Built for the length of its dependency chain, which is all a decode step sees of it: G lanes
+// share a key (each holds VW dims of q, K and V), AF_T / G keys per pass, AF_P passes per chunk
+// of keys (256 for f16 and D = 64). A window of one chunk (SPEC) loads q, mask entries, K and V
+// rows at once — one memory round trip; K and V rows of its masked keys are read too (at most
+// a chunk of rows: bytes instead of a second round trip; never used). Longer windows load each
+// chunk's mask entries first, then K and V rows of valid keys only, and a warp skips passes
+// without a valid key (a vote): a long window with a short valid part reads little. The logit
+// is a VW-long dot product and log2(G) shuffles; each warp keeps its own running max, sum and
+// p @ V partials (online softmax across chunks, no barrier), and the warps meet once, through
+// shared memory, at the end — in a fixed order (deterministic). p, when written, first holds
+// the logits; each thread normalizes the entries it wrote itself.
+//
+// LIST (`attn_fast_long`: a window longer than a chunk, a mask, no scores or p written): the
+// window is taken AF_LS keys at a time — one round trip loads all their mask entries, the
+// block lists the keys with a finite entry in order (`af_list`), and the passes run over that
+// list as SPEC runs over a window: a round trip per chunk of valid keys, none for masked ones.
+#define AF_T 256
+#define AF_P 8
+#define AF_LR 8                 // mask entries per thread per listing
+#define AF_LS (AF_T * AF_LR)    // keys per listing
+#define AF_LSH (2 * AF_LS + AF_LR * (AF_T / 32) + 1)  // af_list's shared words
+
+// Keys [sb, sb + n) of the window whose mask entry is not -inf, ascending, into keys (their
+// entries into mv); returns how many (every thread). cnt: AF_LR * (AF_T / 32) + 1 words.
+__device__ __forceinline__ int af_list(const float* mh, int m_ls, int sb, int n, int* keys,
+                                       float* mv, int* cnt) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    constexpr int NW = AF_T / 32;
+    float e[AF_LR];
+#pragma unroll
+    for (int r = 0; r < AF_LR; ++r) {
+        const int i = r * AF_T + tid;
+        e[r] = i < n ? ld_cg(mh + (sb + i) * m_ls) : F_NEG_INF;
+    }
+    unsigned bal[AF_LR];
+#pragma unroll
+    for (int r = 0; r < AF_LR; ++r) {
+        bal[r] = __ballot_sync(0xffffffffu, e[r] != F_NEG_INF);
+        if (lane == 0) cnt[r * NW + warp] = __popc(bal[r]);
+    }
+    __syncthreads();
+    if (warp == 0) {
+        // Exclusive offsets of the AF_LR * NW counts, in key order (round, then warp).
+        int run = 0;
+#pragma unroll 1
+        for (int b = 0; b < AF_LR * NW; b += 32) {
+            const int c = b + lane < AF_LR * NW ? cnt[b + lane] : 0;
+            int incl = c;
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, incl, off);
+                if (lane >= off) incl += y;
+            }
+            if (b + lane < AF_LR * NW) cnt[b + lane] = run + incl - c;
+            run += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        if (lane == 0) cnt[AF_LR * NW] = run;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < AF_LR; ++r) {
+        if (e[r] != F_NEG_INF) {
+            const int at = cnt[r * NW + warp] + __popc(bal[r] & ((1u << lane) - 1u));
+            keys[at] = sb + r * AF_T + tid;
+            mv[at] = e[r];
+        }
+    }
+    const int total = cnt[AF_LR * NW];
+    __syncthreads();
+    return total;
+}
+
+template <int DT, int G, bool SPEC, bool LIST = false>
+__device__ __forceinline__ void attn_fast_body(int L, float scale, const float* q, int q_hs,
+                                               int q_ds, const void* k, int k_hs, int k_ls,
+                                               int k_div, const void* v, int v_hs, int v_ls,
+                                               int v_div, const float* mask, int m_hs, int m_ls,
+                                               int has_mask, float* kq, int kq_hs, int kq_ls,
+                                               int write_kq, float* p, int p_hs, int p_ls,
+                                               int write_p, float* o, int o_hs, int o_ds,
+                                               int write_o, float* c, int c_hs, int c_ds,
+                                               int has_cpy, float* sh, int* lsh = nullptr,
+                                               bool listed = false) {
+    constexpr int VW = DT == DT_F32 ? 4 : 8;
+    constexpr int ESZ = DT == DT_F32 ? 4 : 2;
+    constexpr int D = G * VW;
+    constexpr int KP = AF_T / G;  // keys per pass
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int kg = tid / G, d0 = (tid % G) * VW;
+    const int h = blockIdx.x;
+    float qv[VW];
+#pragma unroll
+    for (int e = 0; e < VW; ++e) qv[e] = ld_cg(q + h * q_hs + (d0 + e) * q_ds);
+    const char* kb = (const char*)k + ((h / k_div) * k_hs + d0) * ESZ;
+    const char* vb = (const char*)v + ((h / v_div) * v_hs + d0) * ESZ;
+    const float* mh = mask + h * m_hs;
+    const bool lead = tid % G == 0;  // writes its key's scores and p
+    float* ph = p + h * p_hs;
+    // Keys whose scores or p are written are computed even when masked.
+    const bool every = write_kq || write_p;
+    float wmax = F_NEG_INF, wsum = 0.0f, acc[VW];
+#pragma unroll
+    for (int e = 0; e < VW; ++e) acc[e] = 0.0f;
+    int* keys = lsh;
+    float* mv = (float*)(lsh + AF_LS);
+    int* cnt = lsh + 2 * AF_LS;  // af_list's counts; the listing's length at the end
+#pragma unroll 1
+    for (int sb = 0; sb < (LIST ? L : 1); sb += AF_LS) {
+        // LIST: the valid keys of this listing (`listed`: the rehearsal's, still in shared
+        // memory); otherwise the whole window.
+        const int n = !LIST ? L
+                      : listed ? cnt[AF_LR * (AF_T / 32)]
+                               : af_list(mh, m_ls, sb, min(AF_LS, L - sb), keys, mv, cnt);
+#pragma unroll 1
+        for (int base = 0; base < n; base += KP * AF_P) {
+            uint4 kr[AF_P], vr[AF_P];
+            float lg[AF_P];
+            bool alive[AF_P];
+            // Passes past the window (or the list) are skipped whole (a block-uniform branch):
+            // short windows run and fetch only the code of the passes they use.
+            const int np = min(AF_P, (n - base + KP - 1) / KP);
+            if (LIST) {
+#pragma unroll
+                for (int t = 0; t < AF_P; ++t) {
+                    alive[t] = t < np;
+                    if (t < np) {
+                        const int j = base + kg + KP * t;
+                        const bool in = j < n;
+                        const int l = in ? keys[j] : 0;
+                        lg[t] = in ? mv[j] : F_NEG_INF;
+                        kr[t] = in ? ld_cg((const uint4*)(kb + l * k_ls * ESZ)) : make_uint4(0, 0, 0, 0);
+                        vr[t] = in ? ld_cg((const uint4*)(vb + l * v_ls * ESZ)) : make_uint4(0, 0, 0, 0);
+                    }
+                }
+            } else if (SPEC) {
+#pragma unroll
+                for (int t = 0; t < AF_P; ++t) {
+                    alive[t] = t < np;
+                    if (t < np) {
+                        const int l = base + kg + KP * t;
+                        const bool in = l < L;
+                        lg[t] = in ? (has_mask ? ld_cg(mh + l * m_ls) : 0.0f) : F_NEG_INF;
+                        kr[t] = in ? ld_cg((const uint4*)(kb + l * k_ls * ESZ)) : make_uint4(0, 0, 0, 0);
+                        vr[t] = in ? ld_cg((const uint4*)(vb + l * v_ls * ESZ)) : make_uint4(0, 0, 0, 0);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int t = 0; t < AF_P; ++t) {
+                    const int l = base + kg + KP * t;
+                    lg[t] = t < np && l < L ? (has_mask ? ld_cg(mh + l * m_ls) : 0.0f) : F_NEG_INF;
+                }
+#pragma unroll
+                for (int t = 0; t < AF_P; ++t) {
+                    alive[t] = false;
+                    if (t < np) {
+                        const int l = base + kg + KP * t;
+                        const bool in = l < L, ok = lg[t] != F_NEG_INF;
+                        alive[t] = __any_sync(0xffffffffu, ok || (every && in));
+                        kr[t] = ok || (write_kq && in) ? ld_cg((const uint4*)(kb + l * k_ls * ESZ)) : make_uint4(0, 0, 0, 0);
+                        vr[t] = ok ? ld_cg((const uint4*)(vb + l * v_ls * ESZ)) : make_uint4(0, 0, 0, 0);
+                    }
+                }
+            }
+            float cmax = F_NEG_INF;
+#pragma unroll
+            for (int t = 0; t < AF_P; ++t) {
+                if (t >= np) break;
+                if (!alive[t]) continue;  // warp-uniform
+                float f[VW];
+                unpack16<DT>(kr[t], f);
+                float dot = 0.0f;
+#pragma unroll
+                for (int e = 0; e < VW; ++e) dot = fmaf(qv[e], f[e], dot);
+#pragma unroll
+                for (int off = G >> 1; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+                const int l = base + kg + KP * t;
+                // (LIST never writes scores or p: the host takes it only when neither is.)
+                if (!LIST && write_kq && lead && l < L) kq[h * kq_hs + l * kq_ls] = dot;
+                lg[t] = lg[t] != F_NEG_INF ? dot * scale + lg[t] : F_NEG_INF;
+                if (!LIST && write_p && lead && l < L) ph[l * p_ls] = lg[t];
+                cmax = fmaxf(cmax, lg[t]);
+            }
+#pragma unroll
+            for (int off = G; off < 32; off <<= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, off));
+            const float nmax = fmaxf(wmax, cmax);
+            const float rescale = wmax != F_NEG_INF ? expf(wmax - nmax) : 0.0f;
+            wsum *= rescale;
+#pragma unroll
+            for (int e = 0; e < VW; ++e) acc[e] *= rescale;
+            wmax = nmax;
+#pragma unroll
+            for (int t = 0; t < AF_P; ++t) {
+                if (t >= np) break;
+                if (!alive[t]) continue;
+                const float pw = lg[t] != F_NEG_INF ? expf(lg[t] - nmax) : 0.0f;
+                wsum += pw;
+                if (pw != 0.0f) {
+                    float f[VW];
+                    unpack16<DT>(vr[t], f);
+#pragma unroll
+                    for (int e = 0; e < VW; ++e) acc[e] = fmaf(pw, f[e], acc[e]);
+                }
+            }
+        }
+    }
+    PHASE(2);
+    // The warp's key groups meet: lanes with the same dims, in xor order.
+#pragma unroll
+    for (int off = G; off < 32; off <<= 1) {
+        wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
+#pragma unroll
+        for (int e = 0; e < VW; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
+    }
+    float* wm = sh;              // [AF_T / 32]
+    float* ws = sh + AF_T / 32;  // [AF_T / 32]
+    float* wa = sh + AF_T / 16;  // [AF_T / 32][D]
+    if (lane < G) {
+#pragma unroll
+        for (int e = 0; e < VW; ++e) wa[warp * D + d0 + e] = acc[e];
+    }
+    if (lane == 0) {
+        wm[warp] = wmax;
+        ws[warp] = wsum;
+    }
+    __syncthreads();
+    PHASE(3);
+    float m = F_NEG_INF;
+#pragma unroll
+    for (int w = 0; w < AF_T / 32; ++w) m = fmaxf(m, wm[w]);
+    float s = 0.0f, y = 0.0f;
+#pragma unroll
+    for (int w = 0; w < AF_T / 32; ++w) {
+        const float f = wm[w] != F_NEG_INF ? expf(wm[w] - m) : 0.0f;
+        s = fmaf(ws[w], f, s);
+        if (tid < D) y = fmaf(wa[w * D + tid], f, y);
+    }
+    if (tid < D) {
+        y = s > 0.0f ? y / s : 0.0f;
+        if (write_o) o[h * o_hs + tid * o_ds] = y;
+        if (has_cpy) c[h * c_hs + tid * c_ds] = y;
+    }
+    if (write_p && lead) {
+        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+#pragma unroll 1
+        for (int l = kg; l < L; l += KP) {
+            const float lv = ph[l * p_ls];
+            ph[l * p_ls] = lv != F_NEG_INF ? expf(lv - m) * inv : 0.0f;
+        }
+    }
+}
+
+#define AF_PARAMS                                                                               \
+    int L, int D, float scale, const float *q, int q_hs, int q_ds, int dtkv, const void *k,     \
+        int k_hs, int k_ls, int k_div, const void *v, int v_hs, int v_ls, int v_div,            \
+        const float *mask, int m_hs, int m_ls, int has_mask, float *kq, int kq_hs, int kq_ls,   \
+        int write_kq, float *p, int p_hs, int p_ls, int write_p, float *o, int o_hs, int o_ds, \
+        int write_o, float *c, int c_hs, int c_ds, int has_cpy, int rehearse, int mask_ahead
+// Both entry points below. LIST: `attn_fast_long` (lsh: AF_LSH words of shared memory).
+//
+// mask_ahead: the mask is no kernel's output that may still be running (the host checked that
+// no node of the graph writes it; decode's mask is uploaded before the graph starts), so the
+// listing a rehearsal made of a window of one listing is the real pass's too: the real pass
+// skips it and issues q's and the listed keys' K and V loads together — one memory round trip
+// after the wait instead of two.
+template <bool LIST>
+__device__ __forceinline__ void attn_fast_run(AF_PARAMS, float* sh, int* lsh) {
+    PHASE_ENTRY();
+    PHASE(0);
+    const bool reuse = LIST && rehearse && mask_ahead && L <= AF_LS;
+    // A window of one chunk reads its masked keys' rows too (one round trip); longer ones
+    // read the mask first.
+    const bool spec = L <= (AF_T / (D / (dtkv == DT_F32 ? 4 : 8))) * AF_P;
+#define AF_ARGS                                                                                 \
+    L, scale, q, q_hs, q_ds, k, k_hs, k_ls, k_div, v, v_hs, v_ls, v_div, mask, m_hs, m_ls,      \
+        has_mask, kq, kq_hs, kq_ls, wkq, p, p_hs, p_ls, wp, o, o_hs, o_ds, wo, c, c_hs, c_ds, wc, \
+        sh
+#define AF_SPEC(DT, G)                                                                          \
+    if (LIST) {                                                                                 \
+        attn_fast_body<DT, G, false, true>(AF_ARGS, lsh, reuse && real);                        \
+    } else if (spec) {                                                                          \
+        attn_fast_body<DT, G, true>(AF_ARGS);                                                   \
+    } else {                                                                                    \
+        attn_fast_body<DT, G, false>(AF_ARGS);                                                  \
+    }
+#define AF_CASE(DT, VW)                                                                         \
+    switch (D / VW) {                                                                           \
+        case 4: AF_SPEC(DT, 4); break;                                                          \
+        case 8: AF_SPEC(DT, 8); break;                                                          \
+        case 16: AF_SPEC(DT, 16); break;                                                        \
+        default: AF_SPEC(DT, 32); break;                                                        \
+    }
+    // With `rehearse` (a launch ahead of its producer), a rehearsal first (see `pdl_entry`):
+    // the whole path on the inputs as they are, no global stores.
+#pragma unroll 1
+    for (int pass = rehearse ? 0 : 1; pass < 2; ++pass) {
+        const int real = pass;
+        if (real) {
+            pdl_entry();
+            PHASE(1);
+        }
+        const int wkq = write_kq && real, wp = write_p && real, wo = write_o && real;
+        const int wc = has_cpy && real;
+        switch (dtkv) {
+            case DT_F16: AF_CASE(DT_F16, 8); break;
+            case DT_BF16: AF_CASE(DT_BF16, 8); break;
+            default: AF_CASE(DT_F32, 4); break;
+        }
+        // The real pass reuses the shared partials: every rehearsal read of them comes first.
+        if (!real) __syncthreads();
+    }
+#undef AF_CASE
+#undef AF_SPEC
+#undef AF_ARGS
+    PHASE(4);
+    PHASE_EXIT();
+}
+
+extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(AF_PARAMS) {
+    __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
+    attn_fast_run<false>(L, D, scale, q, q_hs, q_ds, dtkv, k, k_hs, k_ls, k_div, v, v_hs, v_ls,
+                         v_div, mask, m_hs, m_ls, has_mask, kq, kq_hs, kq_ls, write_kq, p, p_hs,
+                         p_ls, write_p, o, o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy, rehearse,
+                         mask_ahead, sh, nullptr);
+}
+
+// A window with a mask, where neither the raw scores nor p are written (the host's condition,
+// decode's case, at any window length; write_kq and write_p are ignored): the valid keys are
+// listed first (LIST above), so masked keys cost no round trips. Its own entry point, so that
+// the listing's registers and shared memory never touch `attn_fast`'s.
+extern "C" __global__ void __maxnreg__(168) attn_fast_long(AF_PARAMS) {
+    __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
+    __shared__ int lsh[AF_LSH];
+    attn_fast_run<true>(L, D, scale, q, q_hs, q_ds, dtkv, k, k_hs, k_ls, k_div, v, v_hs, v_ls,
+                        v_div, mask, m_hs, m_ls, 1, kq, kq_hs, kq_ls, 0, p, p_hs, p_ls, 0, o,
+                        o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy, rehearse, mask_ahead, sh,
+                        lsh);
+}
+#undef AF_PARAMS

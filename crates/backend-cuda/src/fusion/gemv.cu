@@ -1,0 +1,636 @@
+// Fused matrix-vector products: the products of one activation (q/k/v, gate/up, o, down)
+// with their epilogues (Add, SwiGlu, decode's Rope and KV-cache rows) and the norm prologue.
+// The host side (patterns, preconditions, launch): src/fusion/gemv.rs.
+// Like every fused kernel it writes each tensor its nodes would have written (unless the host
+// proved a result dead), in the nodes' order within the thread that owns an element, so later
+// readers see what the unfused chain would have left; arithmetic is f32 in fixed summation
+// orders that depend only on the shapes (no float atomics), so results are deterministic run to
+// run. One NVRTC module, compiled with kernels/common.cuh in front of it.
+
+// x / (1 + e^-x), as the element-wise SwiGlu.
+__device__ __forceinline__ float f_silu(float x) { return x / (1.0f + expf(-x)); }
+
+// ---------------------------------------------------------------------------------------------
+// Several matrix-vector products over one activation a [M, K] (f32, k contiguous), each
+// out_s[M, n_s] = a @ W_s.T with W_s [n_s, K] row-major (k contiguous) in one dtype, in one
+// launch whose lane groups split the concatenated output columns. Optional epilogues:
+// an Add of another tensor (bias row or residual) per product, or — pair mode, two products of
+// equal n — silu(out_0) * out_1 (SwiGlu), where one lane group computes column j of both.
+//
+// Decode's products also take the row-pair mode (pair == 2, `fused_gemv1` only): one unit is two
+// adjacent output columns of one segment, so that the unit's lane can finish a q or k head's
+// rotary pairs (adjacent dims) and write them, and their KV-cache row, itself (`fg_rope_pair`).
+//
+// Work split as the unfused mul_mat_vec_k: a group of G lanes (G a power of two <= 32, from
+// K on the host) owns one output column (a column of both products in pair mode); lane gl reads
+// the 16-byte vectors gl, gl + G, ... of its weight rows, then the K % VW tail one element per
+// lane, and the group sums its lanes with the same xor butterfly. Rows of a go in passes of MT
+// (several rows of a: `fused_gemv` / `fused_gemv8`; one row, decode: `fused_gemv1` below).
+
+#define FG_MAXS 4
+
+// One product and its epilogues. Matches `FgSeg` in src/fusion/gemv.rs field for field.
+struct FgSeg {
+    i64 n;               // output columns (rows of W)
+    u64 w;               // W row j at element j * w_rs
+    i64 w_rs;
+    u64 out;             // MulMat result (f32): element (i, j) at i * o_rs + j * o_cs
+    i64 o_rs, o_cs;
+    u64 add;             // the Add's other operand (0: no Add), broadcast strides
+    i64 add_dt, a_rs, a_cs;
+    u64 sum;             // the Add's result
+    i64 sum_dt, s_rs, s_cs;
+    i64 wout;            // 0: the product is dead after the group (nothing reads it), not written
+    i64 wsum;            // 0: the same for the Add's result
+    // Row-pair mode only. The segment's value (the Add's result, else the product; one row,
+    // contiguous) as heads of hd dims: with n_dims > 0, a Rope (adjacent pairs) of it at
+    // position pos[0] into r (contiguous, dtype r_dt) ...
+    u64 r;
+    i64 r_dt, hd, n_dims;
+    double l2theta;      // log2 of the rope's theta base
+    u64 pos;
+    // ... and with c != 0, the SetRows of that result (or of the value, without the Rope) into
+    // row idx[0] of cache c (c_n rows; a bad index is reported with `tag`).
+    u64 c;
+    i64 c_dt, c_rs, c_cs, c_n;
+    u64 idx;
+    i64 tag;
+};
+
+// Matches `FgSet` in src/fusion/gemv.rs. pair == 1: nseg == 2, seg 0 = gate, seg 1 = up, and sw the
+// SwiGlu result. pair == 2: row pairs (every n even). wnorm == 0: the norm prologue's results
+// are dead after the group and not written. err: the error word of the SetRows epilogues.
+struct FgSet {
+    i64 nseg;
+    FgSeg seg[FG_MAXS];
+    i64 pair;
+    u64 sw;
+    i64 sw_dt, sw_rs, sw_cs;
+    i64 wnorm;
+    u64 err;
+};
+
+__device__ __forceinline__ float round_dt(int dt, float v) {
+    switch (dt) {
+        case DT_F16: return h2f(f2h(v));
+        case DT_BF16: return bf2f(f2bf(v));
+        default: return v;
+    }
+}
+
+// Writes row i, column j of segment s: the product, then (reading the other operand after
+// that write, as the unfused Add runs after the MulMat) the Add's result. Returns the value a
+// later reader of the segment's result sees (the sum rounded to its dtype, or the product).
+__device__ __forceinline__ float fg_store(const FgSeg& g, i64 i, i64 j, float y) {
+    if (g.wout) ((float*)g.out)[i * g.o_rs + j * g.o_cs] = y;
+    if (g.add) {
+        float z = y + ld((const void*)g.add, (int)g.add_dt, i * g.a_rs + j * g.a_cs);
+        if (g.wsum) st((void*)g.sum, (int)g.sum_dt, i * g.s_rs + j * g.s_cs, z);
+        return round_dt((int)g.sum_dt, z);
+    }
+    return y;
+}
+
+// Columns j and j + 1 (one rotary pair: j even) of segment g in row-pair mode, decode's one
+// row: the products and Adds, then the Rope as the rope kernel computes it (angle in f64 from
+// the same expression; dims at or past n_dims copied), then the cache row — each value as the
+// unfused chain's next node would read it back.
+__device__ void fg_rope_pair(const FgSeg& g, u64 err, i64 j, float y0, float y1) {
+    float z0 = fg_store(g, 0, j, y0), z1 = fg_store(g, 0, j + 1, y1);
+    if (g.n_dims > 0) {
+        if (j % g.hd < g.n_dims) {
+            const i64 k = (j % g.hd) / 2;
+            // theta^(-2k / n_dims) as exp2 of a host-computed log2: the same value to within
+            // an ulp of f64 (invisible after the f32 rounding of sin and cos), a fraction of
+            // pow's instructions on a path every q/k unit runs.
+            const double freq = exp2(-2.0 * (double)k / (double)g.n_dims * g.l2theta);
+            const double ang = (double)(*(const int*)g.pos) * freq;
+            double sd, cd;
+            sincos(ang, &sd, &cd);
+            const float sn = (float)sd, cs = (float)cd;
+            const float a = z0, b = z1;
+            z0 = a * cs - b * sn;
+            z1 = a * sn + b * cs;
+        }
+        st((void*)g.r, (int)g.r_dt, j, z0);
+        st((void*)g.r, (int)g.r_dt, j + 1, z1);
+        z0 = round_dt((int)g.r_dt, z0);
+        z1 = round_dt((int)g.r_dt, z1);
+    }
+    if (g.c) {
+        const int row = *(const int*)g.idx;
+        if (row < 0 || (i64)row >= g.c_n) {
+            report((u32*)err, (u32)g.tag);
+        } else {
+            const i64 base = (i64)row * g.c_rs;
+            st((void*)g.c, (int)g.c_dt, base + j * g.c_cs, z0);
+            st((void*)g.c, (int)g.c_dt, base + (j + 1) * g.c_cs, z1);
+        }
+    }
+}
+
+// Output units of a set: the columns of its segments one after another, the columns both
+// products share (pair 1, NC 2), or the column pairs of the segments (pair 2, NC 2).
+template <int NC>
+__device__ __forceinline__ i64 fg_units(const FgSet& S) {
+    if (NC == 2 && S.pair == 1) return S.seg[0].n;
+    const int per = NC == 2 ? 2 : 1;
+    i64 units = 0;
+    for (int s = 0; s < S.nseg; ++s) units += S.seg[s].n / per;
+    return units;
+}
+
+// Segment s and (first) column j of unit u, and the start of the weight row(s) it reads: row j
+// of segment s, of each product (pair 1), or rows j and j + 1 of segment s (pair 2).
+template <int DT, int NC>
+__device__ __forceinline__ void fg_unit(const FgSet& S, i64 u, int& s, i64& j,
+                                        const char* (&wr)[NC]) {
+    const int ESZ = DT == DT_F32 ? 4 : 2;
+    const bool pair1 = NC == 2 && S.pair == 1;
+    const int per = NC == 2 ? 2 : 1;
+    s = 0;
+    j = u;
+    if (!pair1) {
+        while (s + 1 < S.nseg && j >= S.seg[s].n / per) {
+            j -= S.seg[s].n / per;
+            ++s;
+        }
+        j *= per;
+    }
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        const FgSeg& g = S.seg[pair1 ? c : s];
+        wr[c] = (const char*)g.w + (j + (pair1 ? 0 : c)) * g.w_rs * ESZ;
+    }
+}
+
+template <int DT, int MT, int NC>
+__device__ __forceinline__ void fg_body(i64 M, i64 K, const float* a, i64 a_rs, const FgSet& S,
+                                        int G, int vec) {
+    const int U = MT == 1 ? 4 / NC : 1;  // vectors per weight row in flight per lane
+    const int gl = threadIdx.x & (G - 1);
+    const i64 groups = blockDim.x / G;
+    const i64 group = threadIdx.x / G;
+    const i64 units = fg_units<NC>(S);
+    for (i64 base = (i64)blockIdx.x * groups; base < units; base += (i64)gridDim.x * groups) {
+        const i64 u = base + group;
+        // Lanes past the last unit compute a clamped one (they take part in the shuffles);
+        // their sums are not written.
+        int s;
+        i64 j;
+        const char* wr[NC];
+        fg_unit<DT, NC>(S, min(u, units - 1), s, j, wr);
+        for (i64 i0 = 0; i0 < M; i0 += MT) {
+            const int mt = (int)min((i64)MT, M - i0);
+            const float* ab = a + i0 * a_rs;
+            float acc[MT][NC];
+            mmv_k_pass<DT, NC, MT, U>(acc, wr, K, G, gl, vec, ab, a_rs, mt);
+#pragma unroll
+            for (int r = 0; r < MT; ++r) {
+                if (r < mt) {
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) {
+                        for (int off = G >> 1; off > 0; off >>= 1) {
+                            acc[r][c] += __shfl_xor_sync(0xffffffffu, acc[r][c], off);
+                        }
+                    }
+                    if (gl == 0 && u < units) {
+                        const i64 i = i0 + r;
+                        if (NC == 1) {
+                            fg_store(S.seg[s], i, j, acc[r][0]);
+                        } else {
+                            const float gv = acc[r][0], uv = acc[r][NC - 1];
+                            fg_store(S.seg[0], i, j, gv);
+                            fg_store(S.seg[1], i, j, uv);
+                            st((void*)S.sw, (int)S.sw_dt, i * S.sw_rs + j * S.sw_cs, f_silu(gv) * uv);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// The norm prologue of `fused_gemv1`: y = round_n(x * inv) * w with inv = 1 / sqrt(mean(x^2) +
+// eps), as rms_norm_mul computes it (round_n: rounding to the norm result's dtype), staged in
+// xs as the products' activation; block 0 also writes the norm (nd) and the product (md, f32)
+// in that order per element (unless `write` is off: they are dead). A row of up to NP_V values per thread is read once, x and w
+// together; longer rows loop. `split`: xs in the layout of `split_slot`.
+#define NP_V 8
+__device__ __noinline__ void norm_stage_any(float* xs, i64 K, const float* x, float eps, void* nd, int dtn,
+                           const void* w, int dtw, float* md, bool split, bool write) {
+    const i64 ng = split ? K / 8 : 0;
+    const bool regs = K <= (i64)blockDim.x * NP_V;
+    const bool first = write && blockIdx.x == 0;
+    float xv[NP_V], wv[NP_V];
+    float s = 0.0f;
+    if (regs) {
+#pragma unroll
+        for (int j = 0; j < NP_V; ++j) {
+            const i64 i = threadIdx.x + (i64)j * blockDim.x;
+            xv[j] = i < K ? x[i] : 0.0f;
+            wv[j] = i < K ? ld(w, dtw, i) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < NP_V; ++j) s += xv[j] * xv[j];
+    } else {
+        for (i64 i = threadIdx.x; i < K; i += blockDim.x) {
+            const float v = x[i];
+            xs[split_slot(i, ng)] = v;
+            s += v * v;
+        }
+    }
+    s = block_sum(s);
+    const float inv = 1.0f / sqrtf(s / (float)K + eps);
+    if (regs) {
+#pragma unroll
+        for (int j = 0; j < NP_V; ++j) {
+            const i64 i = threadIdx.x + (i64)j * blockDim.x;
+            if (i < K) {
+                const float y = round_dt(dtn, xv[j] * inv) * wv[j];
+                xs[split_slot(i, ng)] = y;
+                if (first) {
+                    st(nd, dtn, i, xv[j] * inv);
+                    md[i] = y;
+                }
+            }
+        }
+    } else {
+        for (i64 i = threadIdx.x; i < K; i += blockDim.x) {
+            const i64 sl = split_slot(i, ng);
+            const float xo = xs[sl];
+            const float y = round_dt(dtn, xo * inv) * ld(w, dtw, i);
+            xs[sl] = y;
+            if (first) {
+                st(nd, dtn, i, xo * inv);
+                md[i] = y;
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// The norm prologue. Its common case — f32 weight row and norm result, a row of at most NP_V
+// values per thread — takes a short path of plain loads and stores: decode kernels are
+// short enough that fetching their instructions is much of their time, and the generic
+// path's per-element dtype switches are most of this prologue's code.
+__device__ __forceinline__ void norm_stage(float* xs, i64 K, const float* x, float eps, void* nd,
+                                           int dtn, const void* w, int dtw, float* md,
+                                           bool split, bool write) {
+    if (dtn != DT_F32 || dtw != DT_F32 || K > (i64)blockDim.x * NP_V) {
+        norm_stage_any(xs, K, x, eps, nd, dtn, w, dtw, md, split, write);
+        return;
+    }
+    const int k = (int)K, ng = split ? k / 8 : 0;
+    const bool first = write && blockIdx.x == 0;
+    float xv[NP_V], wv[NP_V];
+    const float inv = row_rms_f32<NP_V>(x, (const float*)w, k, eps, xv, wv);
+#pragma unroll
+    for (int j = 0; j < NP_V; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < k) {
+            const float n = xv[j] * inv, y = n * wv[j];
+            xs[i < ng * 8 ? ((i & 4) ? ng * 4 : 0) + (i >> 3) * 4 + (i & 3) : i] = y;
+            if (first) {
+                ((float*)nd)[i] = n;
+                md[i] = y;
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// acc[c] += the products of loaded weight vector w[c] (vector v of its row) with the VW
+// activation values of v — one step of both decode bodies below.
+template <int DT, int NC, bool STAGED>
+__device__ __forceinline__ void fg1_fma(const float* xr, int v, int nvec, const uint4 (&w)[NC],
+                                        float (&acc)[NC]) {
+    const int VW = DT == DT_F32 ? 4 : 8;
+    float xa[VW];
+    decode_x<VW>(xr, v, nvec, STAGED, xa);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        float f[VW];
+        unpack16<DT>(w[c], f);
+#pragma unroll
+        for (int e = 0; e < VW; ++e) acc[c] = fmaf(xa[e], f[e], acc[c]);
+    }
+}
+
+// A unit's last K % VW products, then its lanes' sums (a fixed xor butterfly): every lane
+// ends with the unit's sums.
+template <int DT, int NC>
+__device__ __forceinline__ void fg1_sums(int K, int nvec, const float* xr, const uint4* const (&wr)[NC],
+                                         int lane, float (&acc)[NC]) {
+    const int VW = DT == DT_F32 ? 4 : 8;
+#pragma unroll 1
+    for (int kk = nvec * VW + lane; kk < K; kk += 32) {
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[c] = fmaf(xr[kk], ld((const void*)wr[c], DT, kk), acc[c]);
+    }
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], off);
+    }
+}
+
+// The epilogue of a unit without row pairs: column j of segment s (NC 1), or of gate and up
+// with their SwiGlu (NC 2).
+template <int NC>
+__device__ __forceinline__ void fg1_store(const FgSet& S, int s, i64 j, const float (&acc)[NC]) {
+    if (NC == 1) {
+        fg_store(S.seg[s], 0, j, acc[0]);
+    } else {
+        const float gv = acc[0], uv = acc[NC - 1];
+        fg_store(S.seg[0], 0, j, gv);
+        fg_store(S.seg[1], 0, j, uv);
+        st((void*)S.sw, (int)S.sw_dt, j * S.sw_cs, f_silu(gv) * uv);
+    }
+}
+
+// Decode (one row of a, every weight row 16-byte aligned): the same products and epilogues
+// with the work split of `mul_mat_vec_1` — one output unit (column j of a segment, or of both
+// products in pair mode) per warp, FG1_U 16-byte loads of each weight row in flight per lane,
+// the first ones issued before a is staged in shared memory (`staged`, K floats) or read
+// through the read-only cache. Partial sums meet in a fixed xor butterfly (deterministic).
+#define FG1_WARPS 8
+#define FG1_U 8
+// `fg_unit` with the weight rows as 16-byte vectors (decode's rows are 16-byte aligned).
+template <int DT, int NC>
+__device__ __forceinline__ void fg1_unit(const FgSet& S, int u, int& s, i64& j,
+                                         const uint4* (&wr)[NC]) {
+    const char* row[NC];
+    fg_unit<DT, NC>(S, u, s, j, row);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) wr[c] = (const uint4*)row[c];
+}
+
+// The start of both decode bodies: a unit's first FG1_U weight loads per lane (`active`: the
+// warp has a unit), issued before the wait when `ahead`, then the activation row staged in
+// xs — through the norm prologue when nx != 0 — or read in place. Returns the row to use.
+template <int DT, int NC, bool STAGED>
+__device__ __forceinline__ const float* fg1_start(int K, const float* a, const FgSet& S, float* xs,
+                                                  int ahead, bool active,
+                                                  const uint4* const (&wr)[NC],
+                                                  uint4 (&q)[FG1_U / NC][NC], const float* nx,
+                                                  float eps, void* nd, int dtn, const void* nw,
+                                                  int dtnw) {
+    const int VW = DT == DT_F32 ? 4 : 8;
+    const int lane = threadIdx.x & 31, nvec = K / VW;
+    if (!ahead) pdl_entry();
+#pragma unroll
+    for (int t = 0; t < FG1_U / NC; ++t) {
+        const int v = lane + 32 * t;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) q[t][c] = active && v < nvec ? ld_weight(wr[c] + v) : make_uint4(0, 0, 0, 0);
+    }
+    if (ahead) pdl_entry();
+    if (!STAGED) return a;
+    if (nx) {
+        norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a, VW == 8, S.wnorm != 0);
+    } else {
+        stage_row(xs, a, K, VW == 8);
+    }
+    return xs;
+}
+
+// Offsets are 32-bit (the host checks K and the units fit) and `staged` is a template
+// parameter: decode kernels spend much of their time fetching instructions (each warp runs
+// its path once), so the path is kept short — no 64-bit index arithmetic, no run-time branch
+// per weight load, no unrolled copies of loops that run once.
+template <int DT, int NC, bool STAGED>
+__device__ __forceinline__ void fg1_body(int K, const float* a, const FgSet& S, float* xs,
+                                         int ahead, const float* nx, float eps, void* nd,
+                                         int dtn, const void* nw, int dtnw) {
+    const int VW = DT == DT_F32 ? 4 : 8;
+    const int U = FG1_U / NC;
+    const int lane = threadIdx.x & 31;
+    const int units = (int)fg_units<NC>(S);
+    const int u = blockIdx.x * FG1_WARPS + (threadIdx.x >> 5);
+    const bool active = u < units;
+    int s;
+    i64 j;
+    const uint4* wr[NC];
+    fg1_unit<DT, NC>(S, active ? u : 0, s, j, wr);
+    const int nvec = K / VW;
+    uint4 q[U][NC];
+    const float* xr = fg1_start<DT, NC, STAGED>(K, a, S, xs, ahead, active, wr, q, nx, eps, nd,
+                                                dtn, nw, dtnw);
+    if (!active) return;
+    float acc[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
+#pragma unroll 1
+    for (int v0 = 0; v0 < nvec; v0 += 32 * U) {
+        if (v0 > 0) {
+#pragma unroll
+            for (int t = 0; t < U; ++t) {
+                const int v = v0 + lane + 32 * t;
+#pragma unroll
+                for (int c = 0; c < NC; ++c) q[t][c] = v < nvec ? ld_weight(wr[c] + v) : make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < U; ++t) {
+            const int v = v0 + lane + 32 * t;
+            if (v < nvec) fg1_fma<DT, NC, STAGED>(xr, v, nvec, q[t], acc);
+        }
+    }
+    fg1_sums<DT, NC>(K, nvec, xr, wr, lane, acc);
+    if (lane == 0) {
+        if (NC == 2 && S.pair == 2) {
+            fg_rope_pair(S.seg[s], S.err, j, acc[0], acc[NC - 1]);
+        } else {
+            fg1_store<NC>(S, s, j, acc);
+        }
+    }
+}
+
+// The same products without row-pair epilogues (NC 1, or gate/up with SwiGlu), streamed: the
+// grid is at most one wave and its warps stride over the units (unit u, u + warps, ...), and
+// each lane keeps its FG1_U weight loads in flight the whole time — the register of a loaded
+// vector is refilled, as soon as its products are done, with the load FG1_U vectors ahead in
+// the warp's sequence: the next round of the unit, or the first of its next unit. No block
+// turnover, no round without loads in flight, and the staging (and norm prologue) runs once
+// per block. Each unit is still one warp's, in the same order (the same sums bit for bit).
+template <int DT, int NC, bool STAGED>
+__device__ __forceinline__ void fg1_stream(int K, const float* a, const FgSet& S, float* xs,
+                                           int ahead, const float* nx, float eps, void* nd,
+                                           int dtn, const void* nw, int dtnw) {
+    const int VW = DT == DT_F32 ? 4 : 8;
+    const int U = FG1_U / NC;
+    const int lane = threadIdx.x & 31;
+    const int units = (int)fg_units<NC>(S);
+    const int stride = gridDim.x * FG1_WARPS;
+    int u = blockIdx.x * FG1_WARPS + (threadIdx.x >> 5);
+    const int nvec = K / VW;
+    int s;
+    i64 j;
+    const uint4* wr[NC];
+    fg1_unit<DT, NC>(S, u < units ? u : 0, s, j, wr);
+    uint4 q[U][NC];
+    const float* xr = fg1_start<DT, NC, STAGED>(K, a, S, xs, ahead, u < units, wr, q, nx, eps,
+                                                nd, dtn, nw, dtnw);
+#pragma unroll 1
+    while (u < units) {  // warp-uniform
+        const int un = u + stride;
+        int sn;
+        i64 jn;
+        const uint4* wn[NC];
+        fg1_unit<DT, NC>(S, un < units ? un : u, sn, jn, wn);
+        float acc[NC];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
+#pragma unroll 1
+        for (int v0 = 0; v0 < nvec; v0 += 32 * U) {
+            const bool last = v0 + 32 * U >= nvec;
+#pragma unroll
+            for (int t = 0; t < U; ++t) {
+                const int v = v0 + lane + 32 * t;
+                if (v < nvec) fg1_fma<DT, NC, STAGED>(xr, v, nvec, q[t], acc);
+                // Refill: this unit's next round, or the next unit's first.
+                const int vn = last ? lane + 32 * t : v + 32 * U;
+                const bool ok = vn < nvec && (!last || un < units);
+#pragma unroll
+                for (int c = 0; c < NC; ++c) q[t][c] = ok ? ld_weight((last ? wn[c] : wr[c]) + vn) : make_uint4(0, 0, 0, 0);
+            }
+        }
+        fg1_sums<DT, NC>(K, nvec, xr, wr, lane, acc);
+        if (lane == 0) fg1_store<NC>(S, s, j, acc);
+        u = un;
+        s = sn;
+        j = jn;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) wr[c] = wn[c];
+    }
+}
+
+// blockDim.x == FG1_WARPS * 32; dynamic shared memory K floats when `staged`. With nx != 0
+// (then `staged`), a is the result of the norm prologue (`norm_stage`) over row nx. K and
+// the number of output units are below 2^31 (checked on the host). `stream`: the grid may be
+// smaller than one warp per unit (`fg1_stream`); row pairs (S.pair == 2) are never streamed.
+#define FG1_NORM nx, eps, nd, dtn, nw, dtnw
+#define FG1_CASE(DT, NC)                                                              \
+    if (S.pair == 2 || !stream) {                                                     \
+        if (staged) {                                                                 \
+            fg1_body<DT, NC, true>((int)K, a, S, xs, ahead, FG1_NORM);                \
+        } else {                                                                      \
+            fg1_body<DT, NC, false>((int)K, a, S, xs, ahead, FG1_NORM);               \
+        }                                                                             \
+    } else if (staged) {                                                              \
+        fg1_stream<DT, NC, true>((int)K, a, S, xs, ahead, FG1_NORM);                  \
+    } else {                                                                          \
+        fg1_stream<DT, NC, false>((int)K, a, S, xs, ahead, FG1_NORM);                 \
+    }                                                                                 \
+    break;
+// One product per unit (S.pair == 0). The pair modes have their own entry point below, so
+// that each is allocated the registers it needs: the row-pair epilogue's f64 rope would
+// otherwise cost every product a resident block per multiprocessor.
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, const float* a,
+                                                                      FgSet S, int dtw,
+                                                                      int staged, int ahead,
+                                                                      int stream,
+                                                                      const float* nx,
+                                                                      float eps, void* nd,
+                                                                      int dtn, const void* nw,
+                                                                      int dtnw) {
+    extern __shared__ float4 fg1_smem[];
+    float* xs = (float*)fg1_smem;
+    switch (dtw) {
+        case DT_F16: FG1_CASE(DT_F16, 1)
+        case DT_BF16: FG1_CASE(DT_BF16, 1)
+        default: FG1_CASE(DT_F32, 1)
+    }
+}
+
+// The streamed, staged path of `fused_gemv1` for one weight dtype each (`fused_gemv1_s16`: f16,
+// `fused_gemv1_sb16`: bf16, `fused_gemv1_s32`: f32; decode's o and down), same parameters
+// (`staged` and `stream` are 1). Held to 80 registers: two of these blocks (the streamed grid)
+// then leave room for a `fused_gemv1_pair` block (88) on the multiprocessor, so the next
+// kernel's first wave (q/k/v after down, gate/up after o) loads its weights while this one
+// finishes. The host pads each block's shared memory (`stream_pad` in src/config.rs) so that a
+// third does not fit: unpadded, three land on some multiprocessors and the grid of two per
+// multiprocessor runs unevenly (H200, "1b": 755 µs per token unpadded, 730 padded, 760 with
+// `fused_gemv1`). One path per entry point is what fits in 80: `fused_gemv1` with every path
+// takes 104 registers, and capped at 80 it spills in the streamed loop.
+#define FG1S_PARAMS                                                                             \
+    i64 K, const float *a, FgSet S, int dtw, int staged, int ahead, int stream, const float *nx, \
+        float eps, void *nd, int dtn, const void *nw, int dtnw
+// The body of a one-path entry point: `fg1_stream` or `fg1_body` (PATH stream or body), staged,
+// for weights of dtype DT_##DT and NC products per unit.
+#define FG1_OWN(PATH, DT, NC)                                                               \
+    extern __shared__ float4 fg1_smem[];                                                    \
+    fg1_##PATH<DT_##DT, NC, true>((int)K, a, S, (float*)fg1_smem, ahead, FG1_NORM);
+extern "C" __global__ void __maxnreg__(80) fused_gemv1_s16(FG1S_PARAMS) { FG1_OWN(stream, F16, 1) }
+extern "C" __global__ void __maxnreg__(80) fused_gemv1_sb16(FG1S_PARAMS) { FG1_OWN(stream, BF16, 1) }
+extern "C" __global__ void __maxnreg__(80) fused_gemv1_s32(FG1S_PARAMS) { FG1_OWN(stream, F32, 1) }
+
+// Gate/up with SwiGlu (S.pair == 1) and row pairs (S.pair == 2); same parameters — the paths
+// the entry points below do not take (`LOWSYNC_CUDA_TUNE=gemv_split=0`, unstaged, unstreamed). At
+// most 88 registers per thread (a spill of 8 bytes in the rope epilogue; blockDim.x is
+// FG1_WARPS * 32):
+// with programmatic dependent launch the next kernel's blocks start on a multiprocessor only
+// where registers are left, and 88 leaves room for an `attn_fast` block (158) beside one of
+// these — attention rehearses while q/k/v finishes. `fused_gemv1` (104) does not fit beside two
+// streamed gate/up blocks, nor these beside two of its own; holding it to 80 to make room was
+// measured slower on the H200 (docs/notes/decode-experiments.md).
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_pair(FG1S_PARAMS) {
+    extern __shared__ float4 fg1_smem[];
+    float* xs = (float*)fg1_smem;
+    switch (dtw) {
+        case DT_F16: FG1_CASE(DT_F16, 2)
+        case DT_BF16: FG1_CASE(DT_BF16, 2)
+        default: FG1_CASE(DT_F32, 2)
+    }
+}
+#undef FG1_CASE
+
+// The two decode paths of `fused_gemv1_pair`, each in its own entry point per weight dtype
+// (the parameters of `fused_gemv1_s16`, `staged` 1): gate/up with SwiGlu streamed
+// (`fused_gemv1_gu16`, `_gub16`, `_gu32`: `stream` 1) and q/k/v's row pairs
+// (`fused_gemv1_rp16`, `_rpb16`, `_rp32`). Alone,
+// each path fits in 88 registers without a spill, and its launch runs only its own code —
+// these kernels fetch much of their time in instructions. On the H200 ("1b", one process):
+// 699.9 µs per token against 730.7 through `fused_gemv1_pair` (q/k/v 7.17 -> 6.33 µs per
+// layer exposed, gate/up 19.71 -> 18.27, down 9.28 -> 9.73).
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_gu16(FG1S_PARAMS) { FG1_OWN(stream, F16, 2) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_gub16(FG1S_PARAMS) { FG1_OWN(stream, BF16, 2) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_gu32(FG1S_PARAMS) { FG1_OWN(stream, F32, 2) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp16(FG1S_PARAMS) { FG1_OWN(body, F16, 2) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_rpb16(FG1S_PARAMS) { FG1_OWN(body, BF16, 2) }
+extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp32(FG1S_PARAMS) { FG1_OWN(body, F32, 2) }
+#undef FG1_OWN
+#undef FG1S_PARAMS
+
+#define FG_DISPATCH(MT)                                                                   \
+    if (S.pair) {                                                                         \
+        switch (dtw) {                                                                    \
+            case DT_F16: fg_body<DT_F16, MT, 2>(M, K, a, a_rs, S, G, vec); break;         \
+            case DT_BF16: fg_body<DT_BF16, MT, 2>(M, K, a, a_rs, S, G, vec); break;       \
+            default: fg_body<DT_F32, MT, 2>(M, K, a, a_rs, S, G, vec); break;             \
+        }                                                                                 \
+    } else {                                                                              \
+        switch (dtw) {                                                                    \
+            case DT_F16: fg_body<DT_F16, MT, 1>(M, K, a, a_rs, S, G, vec); break;         \
+            case DT_BF16: fg_body<DT_BF16, MT, 1>(M, K, a, a_rs, S, G, vec); break;       \
+            default: fg_body<DT_F32, MT, 1>(M, K, a, a_rs, S, G, vec); break;             \
+        }                                                                                 \
+    }
+
+// `vec`: a's rows and every weight row start 16-byte aligned (checked on the host).
+// blockDim.x == 128. One row of a per pass (M <= 2) ...
+extern "C" __global__ void __launch_bounds__(128, 8) fused_gemv(i64 M, i64 K, const float* a,
+                                                                i64 a_rs, FgSet S, int dtw,
+                                                                int G, int vec) {
+    pdl_entry();
+    FG_DISPATCH(1)
+}
+
+// ... and eight rows per pass (each weight load serves all of them).
+extern "C" __global__ void __launch_bounds__(128) fused_gemv8(i64 M, i64 K, const float* a,
+                                                              i64 a_rs, FgSet S, int dtw, int G,
+                                                              int vec) {
+    pdl_entry();
+    FG_DISPATCH(8)
+}

@@ -1,0 +1,348 @@
+//! The launcher of the fused matrix-vector products (gemv.cu): products of one activation with
+//! their epilogues, and decode's one-row kernels with the norm prologue.
+//!
+//! Why: decode is memory bound on its weights; the products that share an activation (q/k/v,
+//! gate/up) read it once, and their epilogues (Add, SwiGlu, the Rope and KV-cache row of q/k/v)
+//! finish in the registers of the unit that computed the value, saving a launch and a round
+//! trip each.
+//!
+//! Strategy: the segments go to the kernel as one [`FgSet`] (by value, field for field the
+//! struct of gemv.cu). Several rows take `fused_gemv` / `fused_gemv8`; one aligned row takes
+//! the decode kernels — one unit per warp, or streamed over a grid of `stream_blocks` per
+//! multiprocessor (`CudaConfig::gemv_stream`), through a dtype's own entry point where one
+//! applies (`gemv_split`) — with the norm computed in the prologue when that fits one wave.
+//! When the row-pair kernel turns out not to apply, the group runs as its parts, in node order.
+//!
+//! Invariant: results dead after the group (`safety::Dead`) are the only ones not written;
+//! sums run in fixed orders, so streamed and unstreamed results are the same bytes.
+
+use lowsync_backend::{ExecNode, Result};
+use lowsync_graph::Op;
+
+use crate::exec::launch::{dt, kernel_err, Args, Exec};
+use crate::exec::matmul::{self, moving};
+use crate::fusion::group::{add_other, has_tails, Nodes, NormPro, Seg, MAX_SEGS};
+use crate::fusion::norm_mul::launch_norm_mul;
+use crate::fusion::safety::Dead;
+use crate::kernels::Kernel;
+use crate::layout::broadcast_strides;
+
+/// Threads of a fused matrix-vector block (the kernels' launch bounds assume 128).
+const GEMV_THREADS: usize = 128;
+
+/// Resident `fused_gemv1` blocks per multiprocessor (104 registers per thread on sm_90; its
+/// streamed entry points `fused_gemv1_s16` and kin, 80) ...
+const GEMV1_BLOCKS_PER_SM: usize = 2;
+
+/// ... and `fused_gemv1_pair` blocks (at most 88 registers, `__maxnreg__`).
+const GEMV1_PAIR_BLOCKS_PER_SM: usize = 2;
+
+/// One product of `fused_gemv[8]` (`struct FgSeg` in gemv.cu, field for field).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct FgSeg {
+    n: i64,
+    w: u64,
+    w_rs: i64,
+    out: u64,
+    o_rs: i64,
+    o_cs: i64,
+    add: u64,
+    add_dt: i64,
+    a_rs: i64,
+    a_cs: i64,
+    sum: u64,
+    sum_dt: i64,
+    s_rs: i64,
+    s_cs: i64,
+    wout: i64,
+    wsum: i64,
+    r: u64,
+    r_dt: i64,
+    hd: i64,
+    n_dims: i64,
+    l2theta: f64,
+    pos: u64,
+    c: u64,
+    c_dt: i64,
+    c_rs: i64,
+    c_cs: i64,
+    c_n: i64,
+    idx: u64,
+    tag: i64,
+}
+
+/// The products of one launch (`struct FgSet` in gemv.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct FgSet {
+    nseg: i64,
+    seg: [FgSeg; MAX_SEGS],
+    pair: i64,
+    sw: u64,
+    sw_dt: i64,
+    sw_rs: i64,
+    sw_cs: i64,
+    wnorm: i64,
+    err: u64,
+}
+
+/// The norm prologue's arguments of `fused_gemv1` (its product with the weight row is the
+/// kernel's activation `a`).
+struct NormArgs {
+    x: u64,
+    eps: f32,
+    nd: u64,
+    dtn: i32,
+    w: u64,
+    dtw: i32,
+}
+
+fn norm_args(exec: &Exec<'_>, norm: &ExecNode, mul: &ExecNode) -> Result<NormArgs> {
+    let Op::RmsNorm { eps } = norm.op else {
+        return Err(kernel_err(norm, "fused as a norm but is not one"));
+    };
+    let nd = exec.resolve(&norm.dst)?;
+    let w = exec.resolve(&mul.srcs[1])?;
+    Ok(NormArgs {
+        x: exec.resolve(&norm.srcs[0])?.ptr,
+        eps,
+        nd: nd.ptr,
+        dtn: dt(nd.dtype),
+        w: w.ptr,
+        dtw: dt(w.dtype),
+    })
+}
+
+pub(super) fn launch_gemv(
+    exec: &mut Exec<'_>,
+    nodes: &Nodes<'_>,
+    segs: &[Seg],
+    swiglu: Option<usize>,
+    norm: Option<NormPro>,
+) -> Result<()> {
+    let first = &nodes[segs[0].mm];
+    let a = exec.resolve(&first.srcs[0])?;
+    let (m, k) = (a.shape[0], a.shape[1]);
+    let wdt = first.srcs[1].dtype;
+    let esz = wdt.size_bytes();
+    let tails = has_tails(segs);
+    let dead = Dead::of(nodes, segs, norm);
+    let mut set = FgSet {
+        nseg: segs.len() as i64,
+        pair: if tails { 2 } else { swiglu.is_some() as i64 },
+        wnorm: (!dead.norm) as i64,
+        err: exec.inner.err_word.dev(),
+        ..FgSet::default()
+    };
+    let mut vec = matmul::aligned(a.ptr, 4, &[moving(m, a.strides[0])], 16);
+    let mut units = 0usize;
+    for (si, (slot, seg)) in set.seg.iter_mut().zip(segs).enumerate() {
+        let skip = dead.products[si];
+        let mm = &nodes[seg.mm];
+        let w = exec.resolve(&mm.srcs[1])?;
+        let out = exec.resolve(&mm.dst)?;
+        let n = w.shape[1];
+        vec &= matmul::aligned(w.ptr, esz, &[moving(n, w.strides[1])], 16);
+        *slot = FgSeg {
+            n: n as i64,
+            w: w.ptr,
+            w_rs: w.strides[1] as i64,
+            out: out.ptr,
+            o_rs: out.strides[0] as i64,
+            o_cs: out.strides[1] as i64,
+            wout: (!skip) as i64,
+            wsum: (!dead.sums[si]) as i64,
+            ..FgSeg::default()
+        };
+        if let Some(ri) = seg.rope {
+            let rope = &nodes[ri];
+            let Op::Rope {
+                n_dims, theta_base, ..
+            } = rope.op
+            else {
+                return Err(kernel_err(rope, "fused as a rope but is not one"));
+            };
+            let r = exec.resolve(&rope.dst)?;
+            slot.r = r.ptr;
+            slot.r_dt = dt(r.dtype) as i64;
+            slot.hd = r.shape[2] as i64;
+            slot.n_dims = n_dims as i64;
+            slot.l2theta = (theta_base as f64).log2();
+            slot.pos = exec.resolve(&rope.srcs[1])?.ptr;
+        }
+        if let Some(wi) = seg.rows {
+            let rows = &nodes[wi];
+            let c = exec.resolve(&rows.dst)?;
+            slot.c = c.ptr;
+            slot.c_dt = dt(c.dtype) as i64;
+            slot.c_rs = c.strides[0] as i64;
+            slot.c_cs = c.strides[1] as i64;
+            slot.c_n = c.shape[0] as i64;
+            slot.idx = exec.resolve(&rows.srcs[2])?.ptr;
+            slot.tag = exec.tag(rows) as i64;
+        }
+        if let Some(ai) = seg.add {
+            let add = &nodes[ai];
+            let other = add_other(add, &mm.dst).ok_or_else(|| {
+                kernel_err(add, "fused as an epilogue but does not add the product")
+            })?;
+            let other = exec.resolve(other)?;
+            let sum = exec.resolve(&add.dst)?;
+            let bs = broadcast_strides(&other.shape, &other.strides, &out.shape)
+                .ok_or_else(|| kernel_err(add, "operand does not broadcast"))?;
+            slot.add = other.ptr;
+            slot.add_dt = dt(other.dtype) as i64;
+            slot.a_rs = bs[0] as i64;
+            slot.a_cs = bs[1] as i64;
+            slot.sum = sum.ptr;
+            slot.sum_dt = dt(sum.dtype) as i64;
+            slot.s_rs = sum.strides[0] as i64;
+            slot.s_cs = sum.strides[1] as i64;
+        }
+        units = if swiglu.is_some() { n } else { units + n };
+    }
+    if tails {
+        units /= 2;
+    }
+    if let Some(s) = swiglu {
+        let sw = exec.resolve(&nodes[s].dst)?;
+        set.sw = sw.ptr;
+        set.sw_dt = dt(sw.dtype) as i64;
+        set.sw_rs = sw.strides[0] as i64;
+        set.sw_cs = sw.strides[1] as i64;
+    }
+    // Decode: one output unit per warp (or streamed, below), a staged in shared memory when it
+    // fits.
+    let staged = k * 4 <= matmul::GEMV1_MAX_SHARED;
+    let blocks1 = units.div_ceil(matmul::GEMV1_WARPS);
+    // Every block computes the norm before its products start; past one wave of blocks that
+    // serial prologue costs more than the launch it saves (measured on the H200: gate/up of
+    // "1b", 1024 blocks, 26 µs with it against 18.5 + 3.4 without).
+    let per_sm = if set.pair != 0 {
+        GEMV1_PAIR_BLOCKS_PER_SM
+    } else {
+        GEMV1_BLOCKS_PER_SM
+    };
+    // Streamed (`fg1_stream`; not row pairs): a grid of at most `stream_blocks` per
+    // multiprocessor whose warps stride over the units, so the prologue always runs once per
+    // resident block.
+    let stream = exec.inner.cfg.gemv_stream && !tails;
+    let stream_grid = exec.inner.sms * exec.inner.cfg.stream_blocks.max(1);
+    // With Rope epilogues the prologue is kept past one wave: it costs less than the launches
+    // the epilogues save, and a separate norm would leave its row under q's rotation.
+    let prologue_fits = stream || blocks1 <= exec.inner.sms * per_sm || tails;
+    // The decode kernel computes offsets in 32 bits.
+    let narrow = k < i32::MAX as usize && units < i32::MAX as usize;
+    let vec = vec && narrow;
+    if tails && !(m == 1 && vec && staged) {
+        // The row-pair kernel does not apply after all (alignment, a long row): the norm, the
+        // products with their Adds, then the Ropes and SetRows — node order, at the group's
+        // position — writing every result.
+        if let Some(n) = norm {
+            launch_norm_mul(exec, &nodes[n.norm], &nodes[n.mul])?;
+        }
+        let plain: Vec<Seg> = segs.iter().map(|s| Seg::new(s.mm, s.add)).collect();
+        launch_gemv(exec, nodes, &plain, swiglu, None)?;
+        let mut rest: Vec<usize> = segs
+            .iter()
+            .flat_map(|s| [s.rope, s.rows].into_iter().flatten())
+            .collect();
+        rest.sort_unstable();
+        for i in rest {
+            exec.run(&nodes[i])?;
+        }
+        return Ok(());
+    }
+    let pro = match norm {
+        Some(n) if m == 1 && vec && staged && prologue_fits => {
+            Some(norm_args(exec, &nodes[n.norm], &nodes[n.mul])?)
+        }
+        Some(n) => {
+            // Not the decode kernel's prologue after all (alignment, or more than one wave):
+            // the norm runs first, on its own.
+            launch_norm_mul(exec, &nodes[n.norm], &nodes[n.mul])?;
+            None
+        }
+        None => None,
+    };
+    if m == 1 && vec {
+        let ahead = segs.iter().all(|s| exec.read_ahead(&nodes[s.mm].srcs[1]));
+        let blocks = if stream {
+            blocks1.min(stream_grid)
+        } else {
+            blocks1
+        };
+        let blocks = blocks.clamp(1, i32::MAX as usize) as u32;
+        let args = Args::new()
+            .arg(k as i64)
+            .arg(a.ptr)
+            .arg(set)
+            .arg(dt(wdt))
+            .arg(staged as i32)
+            .arg(ahead as i32)
+            .arg(stream as i32);
+        let args = match pro {
+            Some(p) => args
+                .arg(p.x)
+                .arg(p.eps)
+                .arg(p.nd)
+                .arg(p.dtn)
+                .arg(p.w)
+                .arg(p.dtw),
+            None => args
+                .arg(0u64)
+                .arg(0f32)
+                .arg(0u64)
+                .arg(0i32)
+                .arg(0u64)
+                .arg(0i32),
+        };
+        // A streamed, staged product without pairs takes its dtype's own entry point (80
+        // registers, so that the next kernel's first blocks fit beside its two per
+        // multiprocessor), its blocks padded to hold them to that many (`stream_pad`).
+        // Staged, a pair mode's decode path takes its own entry point (`gemv_split`): q/k/v's
+        // row pairs, or gate/up streamed.
+        let split = exec.inner.cfg.gemv_split && staged;
+        let (own, shared_kernel) = match (set.pair != 0, stream && staged) {
+            (true, _) if split && tails => (Some(Kernel::ROW_PAIRS), Kernel::FusedGemv1Pair),
+            (true, true) if split => (Some(Kernel::GATE_UP), Kernel::FusedGemv1Pair),
+            (true, _) => (None, Kernel::FusedGemv1Pair),
+            (false, true) => (Some(Kernel::STREAMED), Kernel::FusedGemv1),
+            (false, false) => (None, Kernel::FusedGemv1),
+        };
+        let kernel = own
+            .and_then(|list| Kernel::for_weights(list, wdt))
+            .unwrap_or(shared_kernel);
+        let shared = match (staged, Kernel::STREAMED.contains(&kernel)) {
+            (false, _) => 0,
+            (true, false) => k * 4,
+            (true, true) => (k * 4).max(exec.inner.stream_shared),
+        };
+        return exec.launch_shared(
+            first,
+            kernel,
+            blocks,
+            (matmul::GEMV1_WARPS * 32) as u32,
+            shared as u32,
+            args,
+        );
+    }
+    let g = matmul::mmv_group(k, 16 / esz);
+    let blocks = units.div_ceil(GEMV_THREADS / g).clamp(1, i32::MAX as usize) as u32;
+    let kernel = if m <= 2 {
+        Kernel::FusedGemv
+    } else {
+        Kernel::FusedGemv8
+    };
+    let args = Args::new()
+        .arg(m as i64)
+        .arg(k as i64)
+        .arg(a.ptr)
+        .arg(a.strides[0] as i64)
+        .arg(set)
+        .arg(dt(wdt))
+        .arg(g as i32)
+        .arg(vec as i32);
+    exec.launch(first, kernel, blocks, GEMV_THREADS as u32, args)
+}

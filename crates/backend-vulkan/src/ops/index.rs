@@ -1,0 +1,125 @@
+//! Index kernels: `GetRows` (token embedding) and `SetRows` (KV-cache writes).
+//!
+//! Why: their indices come from the device (written by the host as graph inputs or computed by
+//! kernels), so they cannot be checked on the host before the dispatch; a bad index must still
+//! be an error and never an out-of-bounds access.
+//!
+//! Strategy: the kernel checks every index against the row count and, on the first bad one,
+//! records `[count, tag, position, value]` in the status words instead of accessing memory;
+//! the stream reports it as `Error::Kernel` at the next wait (`stream::State::check_status`).
+//!
+//! Invariant: an index-checking kernel is never planned without its status slot.
+
+use lowsync_backend::Result;
+use lowsync_graph::DType;
+
+use super::layout::{dt, need_status, rows3, Ctx, Dispatch, Res, Status};
+use crate::pipelines::Push;
+
+pub(super) fn get_rows(
+    c: &Ctx,
+    dst: &Res,
+    table: &Res,
+    ids: &Res,
+    status: Option<Status>,
+) -> Result<Vec<Dispatch>> {
+    c.float("result", dst.dtype)?;
+    c.float("table", table.dtype)?;
+    let want: Vec<usize> = ids
+        .shape
+        .iter()
+        .copied()
+        .chain(table.shape.get(1).copied())
+        .collect();
+    if table.rank() != 2 || dst.shape != want {
+        return Err(c.err(format!(
+            "table {:?} and ids {:?} need a result of shape ids.shape + [d], got {:?}",
+            table.shape, ids.shape, dst.shape
+        )));
+    }
+    if ids.dtype != DType::I32 {
+        return Err(c.err(format!("ids must be i32, got {}", ids.dtype)));
+    }
+    let (n, d) = (table.shape[0], table.shape[1]);
+    let n_ids = ids.numel();
+    if d == 0 || n_ids == 0 {
+        return Ok(Vec::new());
+    }
+    let s = need_status(c, status)?;
+    let r = ids.rank();
+    let (mut shape, sts) = rows3(
+        c,
+        &ids.shape,
+        &[dst.strides[..r].to_vec(), ids.strides.clone()],
+    )?;
+    shape[3] = c.u32(d, "row length")?;
+    let mut d_str = sts[0];
+    d_str[3] = c.u32(dst.strides[r], "stride")?;
+    let (bd, od) = c.bind(dst, true)?;
+    let (bt, ot) = c.bind(table, false)?;
+    let (bi, oi) = c.bind(ids, false)?;
+    Ok(vec![Dispatch {
+        kernel: format!(
+            "get_rows.d_{}.a_{}.ids_i32.status_u32",
+            dt(dst.dtype),
+            dt(table.dtype)
+        ),
+        binds: vec![bd, bt, bi, s.bind],
+        push: Push {
+            shape,
+            d_str,
+            a_str: c.u4(&[table.strides[0], table.strides[1], n, 0], "stride")?,
+            b_str: sts[1],
+            offs: [od, ot, oi, c.u32(n_ids * d, "element count")?],
+            op: [s.tag, 0, 0, 0],
+            ..Push::default()
+        },
+        groups: c.spread(n_ids * d, 256)?,
+    }])
+}
+
+pub(super) fn set_rows(
+    c: &Ctx,
+    dst: &Res,
+    src: &Res,
+    idx: &Res,
+    status: Option<Status>,
+) -> Result<Vec<Dispatch>> {
+    c.float("result", dst.dtype)?;
+    c.float("src", src.dtype)?;
+    let (sd, ss, si) = (&dst.shape, &src.shape, &idx.shape);
+    if sd.len() != 2 || ss.len() != 2 || ss[1] != sd[1] || si[..] != [ss[0]] {
+        return Err(c.err(format!(
+            "expects dst [n, d], src [m, d], indices [m]; got {sd:?}, {ss:?}, {si:?}"
+        )));
+    }
+    if idx.dtype != DType::I32 {
+        return Err(c.err(format!("indices must be i32, got {}", idx.dtype)));
+    }
+    let (n, d, m) = (sd[0], sd[1], ss[0]);
+    if m == 0 || d == 0 {
+        return Ok(Vec::new());
+    }
+    let s = need_status(c, status)?;
+    let (bd, od) = c.bind(dst, true)?;
+    let (bs, os) = c.bind(src, false)?;
+    let (bi, oi) = c.bind(idx, false)?;
+    Ok(vec![Dispatch {
+        kernel: format!(
+            "set_rows.d_{}.a_{}.ids_i32.status_u32",
+            dt(dst.dtype),
+            dt(src.dtype)
+        ),
+        binds: vec![bd, bs, bi, s.bind],
+        push: Push {
+            shape: c.u4(&[n, d, m, 0], "extent")?,
+            d_str: c.u4(&dst.strides, "stride")?,
+            a_str: c.u4(&src.strides, "stride")?,
+            b_str: c.u4(&idx.strides, "stride")?,
+            offs: [od, os, oi, 0],
+            op: [s.tag, 0, 0, 0],
+            ..Push::default()
+        },
+        groups: c.spread(d, 64)?,
+    }])
+}

@@ -1,0 +1,222 @@
+//! Matrix products: `MulMat` (batched, broadcast batch axes) and `MulMatId` (mixture of
+//! experts, with checked expert ids).
+//!
+//! Why: decode multiplies by a vector (one row per token), prefill by a matrix; the two want
+//! different kernels, and the product is where nearly all of a step's device time goes.
+//!
+//! Strategy: up to `MAT_VEC_MAX_M` rows use the matrix-vector kernel (split over k when `b` is
+//! contiguous along k), more use the 64x64 tiled kernel. Batch axes of extent 1 are dropped; at
+//! most two remain, each with its broadcast ratio for either operand.
+//!
+//! Invariant: products write f32 only (the reason `vulkan_supports_op` narrows the graph's rule).
+
+use lowsync_backend::Result;
+use lowsync_graph::DType;
+
+use super::layout::{dt, need_status, Ctx, Dispatch, Res, Status};
+use crate::pipelines::Push;
+
+/// Rows up to which `MulMat` uses the matrix-vector kernel.
+const MAT_VEC_MAX_M: usize = 8;
+
+pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispatch>> {
+    if dst.dtype != DType::F32 {
+        return Err(c.err(format!("result must be f32, got {}", dst.dtype)));
+    }
+    c.float("a", a.dtype)?;
+    c.float("b", b.dtype)?;
+    let (ra, rb) = (a.rank(), b.rank());
+    if ra < 2 || rb < 2 {
+        return Err(c.err(format!(
+            "needs at least 2-D operands, got {:?} @ {:?}",
+            a.shape, b.shape
+        )));
+    }
+    let (m, k) = (a.shape[ra - 2], a.shape[ra - 1]);
+    let (k2, n) = (b.shape[rb - 2], b.shape[rb - 1]);
+    let nb = ra.max(rb) - 2;
+    let bdim = |s: &[usize], i: usize| {
+        let own = s.len() - 2;
+        if i + own >= nb {
+            s[i + own - nb]
+        } else {
+            1
+        }
+    };
+    let bstride = |r: &Res, i: usize| {
+        let own = r.rank() - 2;
+        if i + own >= nb {
+            r.strides[i + own - nb]
+        } else {
+            0
+        }
+    };
+    let mut want = Vec::with_capacity(nb + 2);
+    let mut ok = true;
+    for i in 0..nb {
+        let (da, db) = (bdim(&a.shape, i), bdim(&b.shape, i));
+        let (lo, hi) = (da.min(db), da.max(db));
+        ok &= lo == hi || hi.checked_rem(lo) == Some(0) || (lo == 0 && hi == 1);
+        want.push(if lo == 0 { 0 } else { hi });
+    }
+    want.extend([m, n]);
+    if k != k2 || !ok || dst.shape != want {
+        return Err(c.err(format!(
+            "cannot multiply {:?} @ {:?} into {:?}",
+            a.shape, b.shape, dst.shape
+        )));
+    }
+    // Batch axes of extent 1 in the result index nothing; at most two may remain.
+    let axes: Vec<usize> = (0..nb).filter(|&i| want[i] != 1).collect();
+    if axes.len() > 2 {
+        return Err(c.err(format!(
+            "more than two batch axes ({:?}) are not supported on Vulkan",
+            &want[..nb]
+        )));
+    }
+    let mut bd = [1usize; 2];
+    let mut sd = [0usize; 2];
+    let mut sa = [0usize; 2];
+    let mut sb = [0usize; 2];
+    let mut div = [1usize; 4];
+    for (slot, &i) in (2 - axes.len()..2).zip(&axes) {
+        let (da, db) = (bdim(&a.shape, i), bdim(&b.shape, i));
+        bd[slot] = want[i];
+        sd[slot] = dst.strides[i];
+        sa[slot] = bstride(a, i);
+        sb[slot] = bstride(b, i);
+        div[slot] = want[i] / da.max(1);
+        div[2 + slot] = want[i] / db.max(1);
+    }
+    let batches = bd[0] * bd[1];
+    let (a_sm, a_sk) = (a.strides[ra - 2], a.strides[ra - 1]);
+    let (b_sk, b_sn) = (b.strides[rb - 2], b.strides[rb - 1]);
+    let (d_sm, d_sn) = (dst.strides[dst.rank() - 2], dst.strides[dst.rank() - 1]);
+    let (bdd, od) = c.bind(dst, true)?;
+    let (ba, oa) = c.bind(a, false)?;
+    let (bb, ob) = c.bind(b, false)?;
+    let push = Push {
+        shape: c.u4(&[m, n, k, bd[1]], "extent")?,
+        d_str: c.u4(&[sd[0], sd[1], d_sm, d_sn], "stride")?,
+        a_str: c.u4(&[sa[0], sa[1], a_sm, a_sk], "stride")?,
+        b_str: c.u4(&[sb[0], sb[1], b_sk, b_sn], "stride")?,
+        offs: [od, oa, ob, c.u32(batches, "batch count")?],
+        op: c.u4(&div, "batch ratio")?,
+        prm: [
+            u32::from(a_sk == 1 || k == 1),
+            u32::from(b_sk == 1 || k == 1),
+            0,
+            0,
+        ],
+        pad: [0; 4],
+    };
+    let max = c.lim.max_groups;
+    let suffix = format!("d_f32.a_{}.b_{}", dt(a.dtype), dt(b.dtype));
+    if batches > max[1] as usize || batches > max[2] as usize {
+        return Err(c.err(format!("{batches} batches exceed the dispatch limits")));
+    }
+    if m <= MAT_VEC_MAX_M {
+        let ksplit = b_sk == 1 || k == 1;
+        let gx = if ksplit {
+            n.div_ceil(8)
+        } else {
+            n.div_ceil(256)
+        };
+        if gx <= max[0] as usize {
+            let mut push = push;
+            push.prm[2] = u32::from(ksplit);
+            return Ok(vec![Dispatch {
+                kernel: format!("mul_mat_vec.{suffix}"),
+                binds: vec![bdd, ba, bb],
+                push,
+                groups: [gx as u32, batches as u32, 1],
+            }]);
+        }
+    }
+    let (gx, gy) = (n.div_ceil(64), m.div_ceil(64));
+    if gx > max[0] as usize || gy > max[1] as usize {
+        return Err(c.err(format!("a {m}x{n} product exceeds the dispatch limits")));
+    }
+    Ok(vec![Dispatch {
+        kernel: format!("mul_mat.{suffix}"),
+        binds: vec![bdd, ba, bb],
+        push,
+        groups: [gx as u32, gy as u32, batches as u32],
+    }])
+}
+
+pub(super) fn mul_mat_id(
+    c: &Ctx,
+    dst: &Res,
+    experts: &Res,
+    x: &Res,
+    ids: &Res,
+    w: &Res,
+    status: Option<Status>,
+) -> Result<Vec<Dispatch>> {
+    if dst.dtype != DType::F32 {
+        return Err(c.err(format!("result must be f32, got {}", dst.dtype)));
+    }
+    c.float("experts", experts.dtype)?;
+    c.float("x", x.dtype)?;
+    c.float("weights", w.dtype)?;
+    let (se, sx, si, sw) = (&experts.shape, &x.shape, &ids.shape, &w.shape);
+    let ok = se.len() == 3
+        && sx.len() == 2
+        && sx[1] == se[1]
+        && si.len() == 2
+        && si[0] == sx[0]
+        && sw == si
+        && dst.shape == [sx[0], se[2]];
+    if !ok {
+        return Err(c.err(format!(
+            "expects experts [E, k, n], x [T, k], ids [T, K], weights [T, K], result [T, n]; \
+             got {se:?}, {sx:?}, {si:?}, {sw:?}, {:?}",
+            dst.shape
+        )));
+    }
+    if ids.dtype != DType::I32 {
+        return Err(c.err(format!("ids must be i32, got {}", ids.dtype)));
+    }
+    let (n_exp, k, n) = (se[0], se[1], se[2]);
+    let (t, slots) = (si[0], si[1]);
+    let s = need_status(c, status)?;
+    let threads = t * n;
+    let (bd, od) = c.bind(dst, true)?;
+    let (be, oe) = c.bind(experts, false)?;
+    let (bx, ox) = c.bind(x, false)?;
+    // An empty ids/weights view still needs a binding; its kernel loop runs zero times.
+    let (bi, oi) = c.bind(ids, false)?;
+    let (bw, ow) = c.bind(w, false)?;
+    Ok(vec![Dispatch {
+        kernel: format!(
+            "mul_mat_id.d_f32.a_{}.b_{}.ids_i32.w_{}.status_u32",
+            dt(experts.dtype),
+            dt(x.dtype),
+            dt(w.dtype)
+        ),
+        binds: vec![bd, be, bx, bi, bw, s.bind],
+        push: Push {
+            shape: c.u4(&[t, n, k, slots], "extent")?,
+            d_str: c.u4(&dst.strides, "stride")?,
+            a_str: c.u4(
+                &[
+                    experts.strides[0],
+                    experts.strides[1],
+                    experts.strides[2],
+                    n_exp,
+                ],
+                "stride",
+            )?,
+            b_str: c.u4(&x.strides, "stride")?,
+            offs: [od, oe, ox, oi],
+            op: c.u4(
+                &[ids.strides[0], ids.strides[1], w.strides[0], w.strides[1]],
+                "stride",
+            )?,
+            prm: [ow, s.tag, c.u32(threads, "thread count")?, 0],
+            pad: [0; 4],
+        },
+        groups: c.spread(threads, 64)?,
+    }])
+}

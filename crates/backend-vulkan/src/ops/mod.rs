@@ -1,0 +1,68 @@
+//! Planning one compute node as dispatches: shape checks, kernel variant, bindings, push
+//! constants and workgroup counts.
+//!
+//! Why: kernels index memory with 32-bit element offsets and strides and trust them; every
+//! check that keeps a dispatch in bounds happens here, on the host, before anything is
+//! recorded, and a bad node becomes `Error::Kernel` (the CPU oracle's wording where it has
+//! one) instead of a device fault.
+//!
+//! Strategy: each source and the destination arrive resolved to a `VkBuffer` and a byte
+//! offset ([`Res`]). `layout` turns them into bindings, element offsets and strides (the
+//! hazard tracker and the synchronization validation layer see the same byte ranges); one
+//! module per kernel family checks its op's shapes and fills the push constants:
+//! `elementwise` (4-D strided, `Cpy`, `Concat`), `rows` (norms, softmax, argmax, RoPE),
+//! `index` (`GetRows`, `SetRows`), `matmul` (`MulMat`, `MulMatId`). This module only
+//! dispatches on the op.
+//!
+//! Invariants: every element index a kernel can form lies inside its binding; every count a
+//! kernel divides by is at least 1; dispatch sizes respect `maxComputeWorkGroupCount`.
+
+mod elementwise;
+mod index;
+mod layout;
+mod matmul;
+mod rows;
+
+use lowsync_backend::{ExecNode, Result};
+use lowsync_graph::Op;
+
+use layout::Ctx;
+pub(crate) use layout::{kernel_err, Dispatch, Limits, Res, Status};
+
+/// Plans `node` with its resolved destination and sources.
+pub(crate) fn plan(
+    node: &ExecNode,
+    dst: &Res,
+    srcs: &[Res],
+    status: Option<Status>,
+    lim: Limits,
+) -> Result<Vec<Dispatch>> {
+    let c = Ctx { node, lim };
+    if dst.numel() == 0 {
+        return Ok(Vec::new());
+    }
+    match node.op {
+        Op::Add | Op::Mul | Op::SwiGlu | Op::Scale { .. } | Op::Silu | Op::Gelu => {
+            elementwise::eltwise(&c, dst, srcs)
+        }
+        Op::Cpy => elementwise::copy(&c, dst, &srcs[0]).map(|d| vec![d]),
+        Op::Concat { axis } => elementwise::concat(&c, dst, &srcs[0], &srcs[1], axis),
+        Op::RmsNorm { eps } => rows::row_kernel(&c, "rms_norm", dst, &srcs[0], None, eps),
+        Op::SoftMax { scale } => {
+            rows::row_kernel(&c, "soft_max", dst, &srcs[0], srcs.get(1), scale)
+        }
+        Op::Argmax => rows::argmax(&c, dst, &srcs[0]),
+        Op::Rope {
+            mode,
+            n_dims,
+            theta_base,
+        } => rows::rope(&c, dst, &srcs[0], &srcs[1], mode, n_dims, theta_base),
+        Op::GetRows => index::get_rows(&c, dst, &srcs[0], &srcs[1], status),
+        Op::SetRows => index::set_rows(&c, dst, &srcs[1], &srcs[2], status),
+        Op::MulMat => matmul::mul_mat(&c, dst, &srcs[0], &srcs[1]),
+        Op::MulMatId => matmul::mul_mat_id(&c, dst, &srcs[0], &srcs[1], &srcs[2], &srcs[3], status),
+        Op::Input | Op::Weight | Op::Persistent | Op::View => {
+            Err(c.err("has no kernel (leaves and views are not executed)"))
+        }
+    }
+}
