@@ -242,9 +242,9 @@ def test_stats_layout_and_reset() -> None:
     for name in ls.stat_names():
         assert stats["total"][name] == sum(stats[b][name] for b in ctx.backends), name
     total = stats["total"]
-    assert total["kernel_launches"] >= 1
-    assert total["d2h_copies"] >= 1
-    assert total["host_waits"] >= 1  # reading the output waited for the step
+    assert total["kernel_launches"] == 1
+    assert total["d2h_copies"] == 1
+    assert total["host_waits"] == 1  # reading the output waited for the step
 
     ctx.reset_stats()
     after = ctx.stats()
@@ -352,4 +352,4 @@ def test_noop_backend_runs_a_plan_with_the_same_surface() -> None:
         y: Array = plan.get_output("y")
         assert y.shape == (2, 4)
         assert y.dtype == np.float32
-    assert ctx.stats()["total"]["d2h_copies"] >= 2
+    assert ctx.stats()["total"]["d2h_copies"] == 2
