@@ -155,3 +155,28 @@ def test_cuda_launch_ahead_is_bit_identical_with_the_same_counts(
     assert np.array_equal(a1, a0)
     assert_launch_ahead_counts(st)
     assert st.per_token["graph_launches"] == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_soft_max_propagates_nan_on_the_device(device: str) -> None:
+    # An all-NaN row must not look fully masked (zeros); a NaN anywhere makes its row NaN, and a
+    # fully masked row still gives zeros, as on the CPU oracle.
+    x = np.array(
+        [[np.nan] * 5, [1.0, np.nan, 3.0, 0.5, 2.0], [1.0, 2.0, 3.0, 4.0, 5.0], [0.0] * 5],
+        np.float32,
+    )
+    mask = np.zeros((4, 5), np.float32)
+    mask[3] = -np.inf
+    g = ls.Graph()
+    a = g.input("a", [4, 5])
+    m = g.input("m", [4, 5])
+    g.output("p", g.soft_max(g.cpy(a, "f32"), m))
+    plan = ls.Context([device, "cpu"]).compile(g)
+    assert plan.split_backends[0] == device
+    plan.set_input("a", x)
+    plan.set_input("m", mask)
+    plan.compute()
+    p = plan.get_output("p")
+    assert np.isnan(p[:2]).all(), p
+    np.testing.assert_allclose(p[2], np.exp(x[2] - 5) / np.exp(x[2] - 5).sum(), rtol=1e-6)
+    np.testing.assert_array_equal(p[3], np.zeros(5, np.float32))

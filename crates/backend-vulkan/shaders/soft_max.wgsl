@@ -50,7 +50,8 @@ fn main(
     for (var j = li; j < len; j += 256u) {
         let v = value(a0, m0, j);
         mx = max(mx, v);
-        if v != v {
+        // A NaN by its bits: a float `v != v` may compile to an ordered compare, false for NaN.
+        if (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u {
             nans = 1.0;
         }
     }
