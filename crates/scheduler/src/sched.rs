@@ -41,8 +41,16 @@ use parking_lot::Mutex;
 
 use crate::analysis::{analyze, Analysis};
 use crate::error::{Error, Result};
-use crate::plan::Plan;
 use crate::policy::SyncPolicy;
+
+/// What a plan is built from once the reserve has been decided ([`Sched::prepare`]).
+pub(crate) struct Prepared {
+    pub analysis: Analysis,
+    /// Each backend's shared scratch buffer, if it has one.
+    pub compute: Vec<Option<BufferId>>,
+    /// Where each weight and persistent tensor of the graph lives.
+    pub leaves: HashMap<usize, LeafHome>,
+}
 
 /// Where a shared weight or persistent tensor lives.
 #[derive(Clone, Debug)]
@@ -271,8 +279,10 @@ impl Sched {
             })
     }
 
-    /// Places, splits and allocates `graph` once; the returned plan runs it step after step.
-    pub fn compile(self: &Arc<Self>, graph: &Graph) -> Result<Plan> {
+    /// The reserve's side of compiling `graph` (see `Sched::compile`, beside `Plan::build`):
+    /// its weights and state placed, the reserve grown or re-reserved as needed, and the
+    /// analysis, scratch buffers and leaf homes a plan is built from.
+    pub(crate) fn prepare(self: &Arc<Self>, graph: &Graph) -> Result<Prepared> {
         if graph.outputs().is_empty() {
             return Err(lowsync_graph::Error::NoOutputs.into());
         }
@@ -353,7 +363,11 @@ impl Sched {
         let compute: Vec<Option<BufferId>> =
             st.compute.iter().map(|c| c.map(|(id, _)| id)).collect();
         drop(st);
-        Plan::build(self.clone(), graph, analysis, &compute, leaves)
+        Ok(Prepared {
+            analysis,
+            compute,
+            leaves,
+        })
     }
 
     /// Makes every backend's shared buffer at least as large as `a` needs.

@@ -8,6 +8,17 @@
 
 use super::*;
 
+impl Sched {
+    /// Places, splits and allocates `graph` once; the returned plan runs it step after step.
+    ///
+    /// Written here, not in `sched.rs`, so the scheduler module never depends on the plan it
+    /// builds: `prepare` decides the reserve, `Plan::build` lays the plan out.
+    pub fn compile(self: &Arc<Self>, graph: &Graph) -> Result<Plan> {
+        let p = self.prepare(graph)?;
+        Plan::build(self.clone(), graph, p.analysis, &p.compute, p.leaves)
+    }
+}
+
 impl Plan {
     pub(crate) fn build(
         sched: Arc<Sched>,
