@@ -536,6 +536,7 @@ impl Backend for VulkanBackend {
 pub fn vulkan_supports_op(op: &Op, dst: DType, srcs: &[DType]) -> bool {
     let narrowed = match op {
         Op::MulMat | Op::MulMatId => dst == DType::F32,
+        Op::Penalize | Op::Sample => false,
         _ => true,
     };
     narrowed && op.accepts(dst, srcs)

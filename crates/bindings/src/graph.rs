@@ -278,6 +278,24 @@ impl PyGraph {
         let x = tid(slf, &x)?;
         op(slf, |g| g.argmax(x))
     }
+    fn penalize(
+        slf: &Bound<'_, Self>,
+        logits: PyRef<'_, PyTensor>,
+        hist: PyRef<'_, PyTensor>,
+        params: PyRef<'_, PyTensor>,
+    ) -> PyResult<PyTensor> {
+        let (l, h, p) = (tid(slf, &logits)?, tid(slf, &hist)?, tid(slf, &params)?);
+        op(slf, |g| g.penalize(l, h, p))
+    }
+    fn sample(
+        slf: &Bound<'_, Self>,
+        logits: PyRef<'_, PyTensor>,
+        params: PyRef<'_, PyTensor>,
+        key: PyRef<'_, PyTensor>,
+    ) -> PyResult<PyTensor> {
+        let (l, p, k) = (tid(slf, &logits)?, tid(slf, &params)?, tid(slf, &key)?);
+        op(slf, |g| g.sample(l, p, k))
+    }
     fn mul_mat_id(
         slf: &Bound<'_, Self>,
         experts: PyRef<'_, PyTensor>,

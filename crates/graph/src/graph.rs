@@ -400,6 +400,18 @@ impl Graph {
         Ok(t)
     }
 
+    /// The shape of `id`, which must have dtype `want`.
+    fn exact(&self, op: &'static str, id: TensorId, what: &str, want: DType) -> Result<Vec<usize>> {
+        let t = self.check(id)?;
+        if t.dtype != want {
+            return Err(dtype_err(
+                op,
+                format!("{what} must be {want}, got {}", t.dtype),
+            ));
+        }
+        Ok(t.shape().to_vec())
+    }
+
     /// Rows of `table [n, d]` at `ids` (i32, any shape): result `ids.shape + [d]`, f32.
     pub fn get_rows(&mut self, table: TensorId, ids: TensorId) -> Result<TensorId> {
         let t = self.float("get_rows", table, "table")?;
@@ -677,6 +689,54 @@ impl Graph {
             ));
         }
         self.push_new(Op::Argmax, vec![a], DType::I32, &s[..s.len() - 1])
+    }
+
+    /// Sampling penalties over recent tokens (see [`Op::Penalize`]): `logits` f32 `[R, V]`,
+    /// `hist` i32 `[R, N]` (ids; outside `[0, V)` is an empty slot), `params` f32 `[R, 3]`
+    /// (repeat, frequency, presence); result f32 `[R, V]`.
+    pub fn penalize(
+        &mut self,
+        logits: TensorId,
+        hist: TensorId,
+        params: TensorId,
+    ) -> Result<TensorId> {
+        let sl = self.exact("penalize", logits, "logits", DType::F32)?;
+        let sh = self.exact("penalize", hist, "hist", DType::I32)?;
+        let sp = self.exact("penalize", params, "params", DType::F32)?;
+        let ok = sl.len() == 2 && sh.len() == 2 && sh[0] == sl[0] && sp == [sl[0], 3];
+        if !ok {
+            return Err(shape_err(
+                "penalize",
+                format!(
+                    "expects logits [R, V], hist [R, N], params [R, 3]; got {sl:?}, {sh:?}, {sp:?}"
+                ),
+            ));
+        }
+        self.push_new(Op::Penalize, vec![logits, hist, params], DType::F32, &sl)
+    }
+
+    /// One token per row drawn on the device (see [`Op::Sample`]): `logits` f32 `[R, V]`,
+    /// `params` f32 `[R, 4]` (temperature, top_k, top_p, min_p), `key` i32 `[R, 2]` (seed,
+    /// counter); result i32 `[R]`.
+    pub fn sample(
+        &mut self,
+        logits: TensorId,
+        params: TensorId,
+        key: TensorId,
+    ) -> Result<TensorId> {
+        let sl = self.exact("sample", logits, "logits", DType::F32)?;
+        let sp = self.exact("sample", params, "params", DType::F32)?;
+        let sk = self.exact("sample", key, "key", DType::I32)?;
+        let ok = sl.len() == 2 && sl[1] > 0 && sp == [sl[0], 4] && sk == [sl[0], 2];
+        if !ok {
+            return Err(shape_err(
+                "sample",
+                format!(
+                    "expects logits [R, V] (V > 0), params [R, 4], key [R, 2]; got {sl:?}, {sp:?}, {sk:?}"
+                ),
+            ));
+        }
+        self.push_new(Op::Sample, vec![logits, params, key], DType::I32, &sl[..1])
     }
 
     /// MoE expert matmul with weighted sum (see [`Op::MulMatId`]).

@@ -8,6 +8,7 @@ mod error;
 mod graph;
 mod layout;
 mod op;
+pub mod sampling;
 
 pub use dtype::DType;
 pub use error::{Error, Result};

@@ -66,6 +66,25 @@ pub enum Op {
     /// Mixture of experts: srcs `[experts [E, k, n], x [T, k], ids i32 [T, K], w [T, K]]`;
     /// `out[t] = sum_j w[t, j] * (x[t] @ experts[ids[t, j]])`, result `[T, n]` f32.
     MulMatId,
+    /// Sampling penalties over recent tokens: srcs `[logits f32 [R, V], hist i32 [R, N],
+    /// params f32 [R, 3]]`, result f32 `[R, V]`, a copy of `logits` in which, for each distinct
+    /// id `t` of row `r` of `hist` with `0 <= t < V`, seen `c` times there, with
+    /// `(repeat, frequency, presence) = params[r]`:
+    /// `x = logits[r, t]; x = if x <= 0 { x * repeat } else { x / repeat };
+    /// out[r, t] = x - (c * frequency + presence)` (llama.cpp's penalties sampler).
+    /// Ids outside `[0, V)` (e.g. `-1`, an empty slot) are ignored.
+    Penalize,
+    /// Draws one token per row from `logits`: srcs `[logits f32 [R, V], params f32 [R, 4],
+    /// key i32 [R, 2]]`, result i32 `[R]`. `params[r] = (temperature, top_k, top_p, min_p)`,
+    /// `key[r] = (seed, counter)` (u32 bits). Every backend follows one algorithm, so the
+    /// same inputs give the same token everywhere (see `lowsync_graph::sampling`):
+    /// `temperature <= 0` is [`Op::Argmax`]; otherwise the row is truncated by top-k (keep
+    /// values >= the k-th largest; `top_k <= 0` or `>= V` keeps all), top-p (the smallest set
+    /// of the largest values whose softmax mass is >= top_p; `>= 1` keeps all) and min-p
+    /// (keep `x >= max + ln(min_p)`; `<= 0` keeps all), and the token is the Gumbel-max draw
+    /// `argmax over kept i of (x_i - max) / temperature - ln(-ln(u_i))` with
+    /// `u_i = philox_uniform(seed, counter, i)`. `NaN` logits are never drawn.
+    Sample,
 }
 
 impl Op {
@@ -92,6 +111,8 @@ impl Op {
             Op::SetRows => "set_rows",
             Op::Argmax => "argmax",
             Op::MulMatId => "mul_mat_id",
+            Op::Penalize => "penalize",
+            Op::Sample => "sample",
         }
     }
 
@@ -110,7 +131,7 @@ impl Op {
             | Op::Concat { .. }
             | Op::GetRows
             | Op::MulMat => 2..=2,
-            Op::SetRows => 3..=3,
+            Op::SetRows | Op::Penalize | Op::Sample => 3..=3,
             Op::MulMatId => 4..=4,
         })
     }
@@ -157,6 +178,18 @@ impl Op {
                 dst.is_float() && floats(&srcs[..2]) && srcs[2] == DType::I32 && srcs[3].is_float()
             }
             Op::Cpy | Op::Concat { .. } => srcs.iter().all(|s| s.is_float() == dst.is_float()),
+            Op::Penalize => {
+                dst == DType::F32
+                    && srcs[0] == DType::F32
+                    && srcs[1] == DType::I32
+                    && srcs[2] == DType::F32
+            }
+            Op::Sample => {
+                dst == DType::I32
+                    && srcs[0] == DType::F32
+                    && srcs[1] == DType::F32
+                    && srcs[2] == DType::I32
+            }
             _ => dst.is_float() && floats(srcs),
         }
     }

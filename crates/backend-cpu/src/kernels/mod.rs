@@ -29,6 +29,7 @@ mod norm;
 mod par;
 mod rope;
 mod rows;
+mod sample;
 mod softmax;
 mod view;
 
@@ -85,6 +86,8 @@ fn dispatch(node: &ExecNode, dst: &Strided, s: &[Strided]) -> Result<()> {
         Op::Concat { axis } => copy::concat(node, dst, &s[0], &s[1], axis),
         Op::MulMat => matmul::mul_mat(node, dst, &s[0], &s[1]),
         Op::MulMatId => matmul::mul_mat_id(node, dst, &s[0], &s[1], &s[2], &s[3]),
+        Op::Penalize => sample::penalize(node, dst, &s[0], &s[1], &s[2]),
+        Op::Sample => sample::sample(node, dst, &s[0], &s[1], &s[2]),
         Op::Input | Op::Weight | Op::Persistent | Op::View => Err(kernel_err(
             node,
             "has no kernel (leaves and views are not executed)",

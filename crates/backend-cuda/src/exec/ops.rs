@@ -87,6 +87,10 @@ impl Exec<'_> {
                 None => Err(kernel_err(node, "no matmul plan")),
             },
             Op::MulMatId => self.mul_mat_id(node, &dst, &srcs[0], &srcs[1], &srcs[2], &srcs[3]),
+            Op::Penalize | Op::Sample => Err(kernel_err(
+                node,
+                "has no CUDA kernel yet (the sampler runs on the CPU backend)",
+            )),
             Op::Input | Op::Weight | Op::Persistent | Op::View => Err(kernel_err(
                 node,
                 "has no kernel (leaves and views are not executed)",

@@ -61,6 +61,7 @@ pub(crate) fn plan(
         Op::SetRows => index::set_rows(&c, dst, &srcs[1], &srcs[2], status),
         Op::MulMat => matmul::mul_mat(&c, dst, &srcs[0], &srcs[1]),
         Op::MulMatId => matmul::mul_mat_id(&c, dst, &srcs[0], &srcs[1], &srcs[2], &srcs[3], status),
+        Op::Penalize | Op::Sample => Err(c.err("has no Vulkan shader yet")),
         Op::Input | Op::Weight | Op::Persistent | Op::View => {
             Err(c.err("has no kernel (leaves and views are not executed)"))
         }
