@@ -460,10 +460,7 @@ class Tokenizer:
         )
         self.add_bos = spm or model == "gemma4"
         self.add_eos = False
-        self.add_space_prefix = spm
-        self.add_space_prefix = self._get(
-            meta, "tokenizer.ggml.add_space_prefix", bool, self.add_space_prefix
-        )
+        self.add_space_prefix = self._get(meta, "tokenizer.ggml.add_space_prefix", bool, spm)
         self.add_bos = self._get(meta, "tokenizer.ggml.add_bos_token", bool, self.add_bos)
         self.add_eos = self._get(meta, "tokenizer.ggml.add_eos_token", bool, self.add_eos)
         if model == "gemma4":
@@ -833,7 +830,7 @@ class Tokenizer:
 
 def _strings(value: Any) -> list[str] | None:
     """`value` as a list of str, or None when it is not a sequence of str."""
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence | np.ndarray):
         return None
     items = list(value)
     try:
