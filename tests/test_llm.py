@@ -471,7 +471,8 @@ def test_smollm2_greedy_continues_the_capital_of_france_with_paris(
     assert out["choices"][0]["text"].startswith(" Paris"), out
     st = llm.last_stats
     assert st is not None
-    assert st.per_token["host_waits"] == 1.0
+    # cpu-async waits once per token (the read); `cpu` computes on the calling thread: none.
+    assert st.per_token["host_waits"] == (1.0 if backend == "cpu-async" else 0.0)
 
 
 def test_smollm2_chat_answers_with_its_template(

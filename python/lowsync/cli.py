@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lowsync import _native
 from lowsync._native import LowsyncError, available_backends, version
@@ -53,6 +53,10 @@ from lowsync.bench import (
     run_bench,
 )
 from lowsync.models.llama import BUILTIN_CONFIGS, Llama
+
+if TYPE_CHECKING:  # imported when `run` or `chat` runs: `lowsync bench` needs no tokenizer
+    from lowsync.llm import LLM
+    from lowsync.tokenizer import Tokenizer
 
 # Backends the bench skips unless asked for by name: `noop` runs no kernel, so its rows measure
 # host overhead alone and would read as absurd throughput next to real backends.
@@ -536,7 +540,7 @@ class _Fail(Exception):
     """A one-line error a command prints before it exits with status 1."""
 
 
-def _open_llm(args: argparse.Namespace, want_ctx: Callable[[Any], int]) -> Any:
+def _open_llm(args: argparse.Namespace, want_ctx: Callable[[Tokenizer], int]) -> LLM:
     """The `LLM` of `run` / `chat`; `want_ctx(tokenizer)` sizes the context when --ctx is not
     given. Raises `_Fail` with the reason when the model or its tokenizer cannot be used."""
     from lowsync.gguf import load_gguf
@@ -574,7 +578,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _stats_line(llm: Any, n_tokens: int, note: str = "") -> str:
+def _stats_line(llm: LLM, n_tokens: int, note: str = "") -> str:
     """`[8 tokens, 95.1 tok/s, 1.00 host waits/token (cpu-async, staged)]`: the rate and the
     waits are those of the decode steps (each generated token after the first), as the bench
     reports them; the prompt's are not in them."""
@@ -606,11 +610,11 @@ def _stream_out(chunks: Iterator[dict[str, Any]], parts: list[str], chat: bool) 
 
 
 def _run(args: argparse.Namespace) -> int:
-    def want_ctx(tokenizer: Any) -> int:
+    def want_ctx(tokenizer: Tokenizer) -> int:
         if args.n_predict < 0:
             return 2048
         n_prompt = len(tokenizer.encode(args.prompt, add_special=True, parse_special=True))
-        need = n_prompt + args.n_predict + (64 if args.chat else 0)  # the template's tokens
+        need: int = n_prompt + args.n_predict + (64 if args.chat else 0)  # the template's
         return -(-need // _CTX_ROUND) * _CTX_ROUND
 
     try:
@@ -707,10 +711,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "run":
-        return _run(args)
-    if args.command == "chat":
-        return _chat(args)
+    if args.command in ("run", "chat"):
+        try:
+            return _run(args) if args.command == "run" else _chat(args)
+        except KeyboardInterrupt:  # while loading: nothing to keep
+            print(f"lowsync {args.command}: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
     if args.command == "bench":
         return _bench(args, parser)
     if args.command == "batched-bench":

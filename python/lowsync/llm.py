@@ -31,7 +31,7 @@ import sys
 import time
 import uuid
 import weakref
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import closing
 from typing import Any
 
@@ -120,7 +120,6 @@ class _Run:
         self.n_reused = n_reused
         self.n_completion = 0
         self.finish_reason = "length"
-        self.stats: GenerateStats | None = None
 
     def usage(self) -> dict[str, int]:
         return {
@@ -515,16 +514,13 @@ class LLM:
         return _Run(len(ids), n_keep), suffix, n_new
 
     def _pieces(
-        self, run: _Run, suffix: list[int], n_new: int, params: SamplerParams, stops: list[str]
+        self, run: _Run, tokens: Iterator[int], stops: list[str]
     ) -> Generator[str, None, None]:
-        """The generated text in safe pieces (complete UTF-8, nothing that may still become a
-        stop string, nothing past one); fills `run` as it goes."""
+        """The text of the session's generated `tokens` in safe pieces (complete UTF-8, nothing
+        that may still become a stop string, nothing past one); fills `run` as it goes."""
         eog = self.tokenizer.eog_ids
         scanner = _StopScanner(stops)
         detok = self.tokenizer.detokenizer(skip_special=True)
-        tokens = self._session.generate_iter(
-            suffix, n_new, seq_id=0, stop=tuple(sorted(eog)), sampler=params
-        )
         try:
             for token in tokens:
                 if token in eog:
@@ -550,7 +546,6 @@ class LLM:
             close = getattr(tokens, "close", None)
             if close is not None:
                 close()
-            run.stats = self._session.last_generate
 
     def _complete(
         self,
@@ -570,7 +565,11 @@ class LLM:
             "created": int(time.time()),
             "model": self.model_path,
         }
-        pieces = self._pieces(run, suffix, n_new, params, stops)
+        # Created now, so its arguments are checked by this call; it runs on the first `next`.
+        tokens = self._session.generate_iter(
+            suffix, n_new, seq_id=0, stop=tuple(sorted(self.tokenizer.eog_ids)), sampler=params
+        )
+        pieces = self._pieces(run, tokens, stops)
         if stream:
             chunks = (
                 self._chat_chunks(head, run, pieces) if chat else self._chunks(head, run, pieces)
