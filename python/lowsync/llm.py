@@ -178,6 +178,10 @@ class LLM:
         penalty_last_n: int = 64,
         launch_ahead: bool | None = None,
     ) -> None:
+        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 0:
+            raise LLMError(f"LLM: n_ctx must be a non-negative integer, got {n_ctx!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise LLMError(f"LLM: seed must be an integer or None, got {seed!r}")
         if isinstance(model, Llama):
             self.model = model
             self.model_path = model.source or model.name
@@ -190,10 +194,6 @@ class LLM:
             raise LLMError(
                 f"LLM: model must be a GGUF path or a lowsync Llama, got {type(model).__name__}"
             )
-        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 0:
-            raise LLMError(f"LLM: n_ctx must be a non-negative integer, got {n_ctx!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise LLMError(f"LLM: seed must be an integer or None, got {seed!r}")
         if tokenizer is None:
             if not any(k.startswith("tokenizer.ggml.") for k in self.model.metadata):
                 raise LLMError(
