@@ -59,6 +59,7 @@ if TYPE_CHECKING:  # served lazily at run time (see `_LAZY`); visible to type ch
     from lowsync.session import ContextFullError as ContextFullError
     from lowsync.session import Session as Session
     from lowsync.session import SessionError as SessionError
+    from lowsync.tokenizer import Tokenizer as Tokenizer
 
 __version__: str = version()
 
@@ -97,6 +98,7 @@ _LAZY: dict[str, str] = {
     "Session": "lowsync.session",
     "SessionError": "lowsync.session",
     "ContextFullError": "lowsync.session",
+    "Tokenizer": "lowsync.tokenizer",
 }
 
 
