@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # served lazily at run time (see `_LAZY`); visible to type ch
     from lowsync.models import Llama as Llama
     from lowsync.models import LlamaConfig as LlamaConfig
     from lowsync.models import ModelError as ModelError
+    from lowsync.sampling import SamplerParams as SamplerParams
     from lowsync.session import ContextFullError as ContextFullError
     from lowsync.session import Session as Session
     from lowsync.session import SessionError as SessionError
@@ -95,6 +96,7 @@ _LAZY: dict[str, str] = {
     "Llama": "lowsync.models",
     "LlamaConfig": "lowsync.models",
     "ModelError": "lowsync.models",
+    "SamplerParams": "lowsync.sampling",
     "Session": "lowsync.session",
     "SessionError": "lowsync.session",
     "ContextFullError": "lowsync.session",
