@@ -22,7 +22,9 @@ import pytest
 import lowsync as ls
 from lowsync import llm as llm_module
 from lowsync.llm import LLM, LLMError, default_backend
-from lowsync.models.llama import Llama
+from lowsync.models.llama import Llama, LlamaConfig
+from lowsync.tokenizer import Tokenizer
+from testdata import llama_cpp_models
 from text_models import random_text_model, runnable_smollm2
 
 PROMPT = "the cat sat on the mat"
@@ -155,6 +157,27 @@ def test_max_tokens_and_the_context_limit(llm: LLM, monkeypatch: pytest.MonkeyPa
         llm(PROMPT, max_tokens=limit)
         assert asked[-1] == llm.n_ctx() - n_prompt + 1
     assert asked[0] == 5
+
+
+def test_a_continuation_keeps_the_leading_space_of_an_spm_vocabulary(
+    monkeypatch: pytest.MonkeyPatch, clean_env: pytest.MonkeyPatch
+) -> None:
+    """An SPM vocabulary prefixes a space to a text and drops it when decoding one; generated
+    text continues the prompt, so its first space stays (" Paris", as llama-cpp-python)."""
+    tok = Tokenizer.from_gguf(llama_cpp_models() / "ggml-vocab-llama-spm.gguf")
+    assert tok.add_space_prefix
+    config = LlamaConfig(
+        n_vocab=tok.n_vocab, n_embd=32, n_layer=1, n_head=2, n_head_kv=1, n_ff=64
+    )  # fmt: skip
+    llm = LLM(Llama.random(config), backend="cpu", n_ctx=64, tokenizer=tok)
+    ids = tok.encode("Paris is nice", add_special=False)
+    assert tok.token_text(ids[0]) == "\u2581Paris"
+    script(llm, monkeypatch, ids)
+    assert llm("The capital of France is", max_tokens=10)["choices"][0]["text"] == " Paris is nice"
+    texts, _ = stream_texts(llm("The capital of France is", max_tokens=10, stream=True))
+    assert "".join(texts) == " Paris is nice"
+    prompt = llm.tokenize("The capital of France is")
+    assert llm.detokenize(ids, prev_tokens=prompt) == b" Paris is nice"
 
 
 # ---- the real session -----------------------------------------------------------------------

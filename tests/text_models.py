@@ -3,23 +3,21 @@
 `byte_bpe_metadata()` is a small GPT-2-style byte-level BPE vocabulary written as GGUF tokenizer
 metadata (the 256 byte symbols, a few merges, ChatML's control tokens and template), so a random
 model gets a real tokenizer with no file: every byte is a token, a multi-byte character spans
-several tokens. `smollm2_path()` finds SmolLM2-135M-Instruct (fetched by
-scripts/fetch_test_data.py into $LOWSYNC_TEST_DATA); `runnable_smollm2()` gives a copy lowsync
-loads: the file itself once quantized weights load, else an F16 copy dequantised with the `gguf`
-package.
+several tokens. `runnable_smollm2()` gives SmolLM2-135M-Instruct (fetched by
+scripts/fetch_test_data.py, see `testdata`) in a form lowsync loads: the file itself once
+quantized weights load, else an F16 copy dequantised with the `gguf` package.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from lowsync.gguf_reader import ValueType
 from lowsync.models.llama import Llama, LlamaConfig
+from testdata import smollm2_gguf
 
 CHATML = (
     "{% for message in messages %}"
@@ -31,8 +29,6 @@ CHATML = (
 # Merges of the synthetic vocabulary, in rank order (GPT-2's byte symbols: "Ġ" is a space).
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "a t"]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _byte_symbols() -> list[str]:
@@ -78,26 +74,12 @@ def random_text_model(seed: int = 0, n_ctx_train: int = 512) -> Llama:
     return Llama(config, model.weights, name="random-bpe", dtypes=model.dtypes, metadata=meta)
 
 
-def smollm2_path() -> Path | None:
-    """SmolLM2-135M-Instruct under $LOWSYNC_TEST_DATA (default ~/.cache/lowsync-data), or None.
-    With LOWSYNC_REQUIRE_TEST_DATA=1 a missing file fails the test instead."""
-    root = Path(os.environ.get("LOWSYNC_TEST_DATA") or Path.home() / ".cache" / "lowsync-data")
-    found = sorted(root.rglob(SMOLLM2_FILE)) if root.is_dir() else []
-    if found:
-        return found[0]
-    if os.environ.get("LOWSYNC_REQUIRE_TEST_DATA") == "1":
-        pytest.fail(f"LOWSYNC_REQUIRE_TEST_DATA=1 but {SMOLLM2_FILE} is not under {root}")
-    return None
-
-
 def runnable_smollm2(tmp_dir: Path) -> Path:
     """A SmolLM2 file lowsync loads (skips the test when the data is absent): the Q4_1 file
     itself when lowsync loads its types, else an F16 copy written into `tmp_dir`."""
     from lowsync.gguf import GGUFError, load_gguf
 
-    src = smollm2_path()
-    if src is None:
-        pytest.skip(f"{SMOLLM2_FILE} not found: run scripts/fetch_test_data.py")
+    src = smollm2_gguf()  # skips (or fails under LOWSYNC_REQUIRE_TEST_DATA=1) when absent
     try:
         load_gguf(src)
         return src

@@ -39,7 +39,7 @@ from lowsync._native import LowsyncError, available_backends, device_type
 from lowsync.models.llama import Llama
 from lowsync.sampling import SamplerParams
 from lowsync.session import GenerateStats, Session
-from lowsync.tokenizer import Tokenizer
+from lowsync.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = ["LLM", "LLMError", "default_backend"]
 
@@ -513,6 +513,20 @@ class LLM:
         n_new = room if max_tokens is None or max_tokens <= 0 else min(max_tokens, room)
         return _Run(len(ids), n_keep), suffix, n_new
 
+    def _continuation_detokenizer(self) -> IncrementalDetokenizer:
+        """A detokenizer for text that continues a prompt (control tokens dropped).
+
+        A vocabulary that prefixes a space to a text (SPM's `add_space_prefix`) has the
+        detokenizer drop that space from the first piece it sees; a continuation's first piece
+        is not the start of a text (" Paris" continues "The capital of France is"), so the
+        first-piece rule is spent on BOS, whose text (hidden, or "<s>"-like: no space, no
+        partial UTF-8) leaves nothing pending and is discarded."""
+        detok = self.tokenizer.detokenizer(skip_special=True)
+        bos = self.tokenizer.bos_id
+        if self.tokenizer.add_space_prefix and bos is not None:
+            detok.push(bos)
+        return detok
+
     def _pieces(
         self, run: _Run, tokens: Iterator[int], stops: list[str]
     ) -> Generator[str, None, None]:
@@ -520,7 +534,7 @@ class LLM:
         that may still become a stop string, nothing past one); fills `run` as it goes."""
         eog = self.tokenizer.eog_ids
         scanner = _StopScanner(stops)
-        detok = self.tokenizer.detokenizer(skip_special=True)
+        detok = self._continuation_detokenizer()
         try:
             for token in tokens:
                 if token in eog:
