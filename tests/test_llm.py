@@ -102,6 +102,27 @@ def test_stop_string_split_across_tokens_stops_at_the_right_place(
         assert "one E two EN three ".startswith(shown)
 
 
+def test_text_held_for_a_stop_string_comes_out_at_the_end(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    eos = llm.tokenizer.eos_id
+    assert eos is not None
+    for ids, max_tokens, reason in (
+        ([*_text(llm, "ends in EN"), eos], 50, "stop"),  # an end-of-generation token
+        (_text(llm, "ends in EN"), len(_text(llm, "ends in EN")), "length"),
+    ):
+        script(llm, monkeypatch, ids)
+        out = llm(PROMPT, max_tokens=max_tokens, stop="END")
+        assert out["choices"][0]["text"] == "ends in EN"
+        assert out["choices"][0]["finish_reason"] == reason
+        texts, last = stream_texts(llm(PROMPT, max_tokens=max_tokens, stop="END", stream=True))
+        assert "".join(texts) == "ends in EN"
+        # "EN" is held back until the end, then comes the final chunk with the reason.
+        assert texts[-2].endswith("EN")
+        assert texts[-1] == ""
+        assert last["choices"][0]["finish_reason"] == reason
+
+
 def test_earliest_of_several_stop_strings_wins(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     script(llm, monkeypatch, _text(llm, "alpha beta gamma delta"))
     out = llm(PROMPT, max_tokens=100, stop=["delta", "ta g", "zzz"])

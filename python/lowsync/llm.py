@@ -83,10 +83,15 @@ class _StopScanner:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.held = ""
-        self.hit = False
+        self._hit = False
+
+    @property
+    def hit(self) -> bool:
+        """Whether a stop string was found (the text ends before it)."""
+        return self._hit
 
     def push(self, text: str) -> str:
-        if self.hit:
+        if self._hit:
             return ""
         buf = self.held + text
         if not self.stops:
@@ -94,7 +99,7 @@ class _StopScanner:
             return buf
         found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
         if found:
-            self.hit = True
+            self._hit = True
             self.held = ""
             return buf[: min(found)]
         keep = 0
@@ -108,7 +113,7 @@ class _StopScanner:
 
     def flush(self) -> str:
         """The held tail, at the end of the text (it never became a stop string)."""
-        out, self.held = ("" if self.hit else self.held), ""
+        out, self.held = ("" if self._hit else self.held), ""
         return out
 
 
@@ -396,7 +401,8 @@ class LLM:
         no token limit but the context. A conversation that grows turn by turn decodes only
         what is new: the earlier turns are in the cache.
         """
-        if not isinstance(messages, Sequence) or isinstance(messages, str):
+        given: object = messages  # checked as the caller may have passed anything
+        if not isinstance(given, Sequence) or isinstance(given, str):
             raise LLMError("create_chat_completion: messages must be a list of dicts")
         text = self.tokenizer.apply_chat_template(
             [dict(m) for m in messages], add_generation_prompt=True, template=self.chat_template
@@ -547,11 +553,11 @@ class LLM:
                 if scanner.hit:
                     run.finish_reason = "stop"
                     break
-            if not scanner.hit:
-                text = scanner.push(detok.flush())
+            stopped_by_string = scanner.hit
+            if not stopped_by_string:  # the end: what the detokenizer and the scanner held
+                text = scanner.push(detok.flush()) + scanner.flush()
                 if scanner.hit:
                     run.finish_reason = "stop"
-                text += scanner.flush()
                 if text:
                     yield text
         finally:
