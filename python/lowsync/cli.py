@@ -67,6 +67,12 @@ EXIT_INTERRUPTED = 130
 EXIT_TIMEOUT = 124
 
 
+# The context `run` asks for by default is rounded up to this many tokens (attention spans
+# every cell, so a context sized to the work decodes faster); `chat`'s default context.
+_CTX_ROUND = 256
+_CHAT_CTX = 4096
+
+
 class BenchTimeout(Exception):
     """`--timeout` ran out (raised in the main thread by SIGALRM, also inside a native wait)."""
 
@@ -202,7 +208,7 @@ def _n_predict(text: str) -> int:
     return v
 
 
-def _add_generation(p: argparse.ArgumentParser, n_help: str) -> None:
+def _add_generation(p: argparse.ArgumentParser, n_help: str, ctx_help: str) -> None:
     """Options `run` and `chat` share: the model, where it runs, and llama.cpp's sampling."""
     p.add_argument("-m", "--model", required=True, metavar="FILE", help="a GGUF file")
     p.add_argument("-n", "--n-predict", type=_n_predict, default=-1, metavar="N", help=n_help)
@@ -220,19 +226,24 @@ def _add_generation(p: argparse.ArgumentParser, n_help: str) -> None:
         "--ctx",
         type=_positive,
         metavar="N",
-        help="context size in tokens (KV cells); default: what the command needs, at most "
-        "the model's training context",
+        help=f"context size in tokens (KV cells); default: {ctx_help}, at most the model's "
+        "training context",
     )
     p.add_argument(
-        "--temp", type=_non_negative_float, default=0.8, help="temperature; 0 is greedy (0.8)"
+        "--temp",
+        type=_non_negative_float,
+        default=0.8,
+        metavar="T",
+        help="temperature; 0 is greedy (0.8)",
     )
-    p.add_argument("--top-k", type=_non_negative, default=40, help="top-k, 0 = off (40)")
-    p.add_argument("--top-p", type=_probability, default=0.95, help="top-p, 1 = off (0.95)")
-    p.add_argument("--min-p", type=_probability, default=0.05, help="min-p, 0 = off (0.05)")
+    p.add_argument("--top-k", type=_non_negative, default=40, metavar="K", help="0 = off (40)")
+    p.add_argument("--top-p", type=_probability, default=0.95, metavar="P", help="1 = off (0.95)")
+    p.add_argument("--min-p", type=_probability, default=0.05, metavar="P", help="0 = off (0.05)")
     p.add_argument(
         "--repeat-penalty",
         type=_non_negative_float,
         default=1.0,
+        metavar="R",
         help="repetition penalty over the last --repeat-last-n tokens, 1 = off (1.0)",
     )
     p.add_argument(
@@ -243,13 +254,13 @@ def _add_generation(p: argparse.ArgumentParser, n_help: str) -> None:
         help="tokens the penalties look back over (64)",
     )
     p.add_argument(
-        "--presence-penalty", type=_finite_float, default=0.0, help="presence penalty (0)"
+        "--presence-penalty", type=_finite_float, default=0.0, metavar="P", help="0 = off (0)"
     )
     p.add_argument(
-        "--frequency-penalty", type=_finite_float, default=0.0, help="frequency penalty (0)"
+        "--frequency-penalty", type=_finite_float, default=0.0, metavar="P", help="0 = off (0)"
     )
     p.add_argument(
-        "-s", "--seed", type=int, default=-1, help="sampling seed; -1: a random one (-1)"
+        "-s", "--seed", type=int, default=-1, metavar="S", help="sampling seed; -1: random (-1)"
     )
 
 
@@ -267,7 +278,11 @@ def _parser() -> argparse.ArgumentParser:
             "waits per generated token."
         ),
     )
-    _add_generation(run, "tokens to generate; -1: until end of text or a full context (-1)")
+    _add_generation(
+        run,
+        "tokens to generate; -1: until end of text or a full context (-1)",
+        "the prompt and -n rounded up to 256 (2048 with -n -1)",
+    )
     run.add_argument("-p", "--prompt", required=True, metavar="TEXT", help="the prompt")
     run.add_argument(
         "--chat",
@@ -285,7 +300,11 @@ def _parser() -> argparse.ArgumentParser:
             "input or /exit. Each answer's counts go to stderr."
         ),
     )
-    _add_generation(chat, "most tokens per answer; -1: until end of turn or a full context (-1)")
+    _add_generation(
+        chat,
+        "most tokens per answer; -1: until end of turn or a full context (-1)",
+        str(_CHAT_CTX),
+    )
     chat.add_argument("--system", metavar="TEXT", help="a system message opening the chat")
 
     bench = sub.add_parser(
@@ -529,11 +548,6 @@ def _batched(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 # ---- run and chat ---------------------------------------------------------------------------
-
-# The context `run` asks for by default is rounded up to this many tokens (a few graphs' worth
-# of cells: attention spans every cell, so a context sized to the work decodes faster).
-_CTX_ROUND = 256
-_CHAT_CTX = 4096
 
 
 class _Fail(Exception):
