@@ -209,7 +209,7 @@ impl Drop for CudaGate {
 /// Whether the CUDA kernels implement `op` for these dtypes: the reference rule of the graph
 /// crate ([`Op::accepts`]), which the CUDA kernels cover in full.
 pub fn cuda_supports_op(op: &Op, dst: DType, srcs: &[DType]) -> bool {
-    !matches!(op, Op::Penalize | Op::Sample) && op.accepts(dst, srcs)
+    op.accepts(dst, srcs)
 }
 
 impl Backend for CudaBackend {
