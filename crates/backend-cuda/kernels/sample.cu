@@ -38,7 +38,8 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, u32 k0, u32 k1) {
 // The uniform of element i of a row keyed (seed, counter): sampling.rs `uniform`.
 __device__ __forceinline__ float smp_uniform(u32 seed, u32 counter, u32 i) {
     const u32 w = philox4x32_10(make_uint4(i, counter, 0u, 0u), seed, 0u).x;
-    return ((float)(w >> 8) + 0.5f) * (1.0f / 16777216.0f);
+    // At most 1 - 2^-24: the top bucket's centre rounds to 1.0 (Gumbel +inf).
+    return fminf(((float)(w >> 8) + 0.5f) * (1.0f / 16777216.0f), 0.99999994f);
 }
 
 // Standard Gumbel noise -ln(-ln(u)): sampling.rs `gumbel`.
@@ -224,12 +225,14 @@ extern "C" __global__ void __launch_bounds__(1024) sample(i64 rows, i64 len, int
 
         // 5. min-p: keep x >= m + ln(min_p).
         if (min_p > 0.0f) cut = smp_umax(cut, smp_key(m + logf(min_p)));
+        // The maximum is always kept (min_p > 1 would otherwise cut above it).
+        cut = smp_umin(cut, km);
 
         // 6. The Gumbel-max draw over the kept values. sampling.rs scans in index order and takes
         // the first kept value, then any later one whose score is larger: so the token is the
         // first kept index when its score is NaN (nothing is larger than NaN), else the best
-        // score by `better` (NaN scores lose, ties go to the lowest index). Nothing kept (only
-        // min_p > 1 cuts the maximum) is -1, as the oracle's usize::MAX written as i32.
+        // score by `better` (NaN scores lose, ties go to the lowest index). The maximum always
+        // passes the cut, so something is kept; -1 would mean a broken invariant.
         float bv = __int_as_float(0x7fc00000);
         i64 bi = len;
         u32 first = 0xffffffffu, first_nan = 0u;

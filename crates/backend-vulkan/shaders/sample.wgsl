@@ -112,7 +112,8 @@ fn philox_word0(c0: u32, c1: u32, seed: u32) -> u32 {
 
 fn uniform(seed: u32, counter: u32, i: u32) -> f32 {
     let w = philox_word0(i, counter, seed);
-    return (f32(w >> 8u) + 0.5) * 5.9604644775390625e-8;
+    // At most 1 - 2^-24: the top bucket's centre rounds to 1.0 (Gumbel +inf).
+    return min((f32(w >> 8u) + 0.5) * 5.9604644775390625e-8, 0.99999994);
 }
 
 // Natural log within an ulp of glibc's `logf` (the CPU's `f32::ln`; checked on 47M inputs
@@ -587,6 +588,8 @@ fn main(
     if !is_nan(min_p) && min_p > 0.0 {
         cut = max(cut, order_key(m + ln_f32(min_p)));
     }
+    // The maximum is always kept (min_p > 1 would otherwise cut above it).
+    cut = min(cut, kmax);
 
     // 5. The Gumbel-max draw over the kept entries. The CPU takes the first kept entry
     //    unconditionally and then only strictly larger scores, so a NaN score (an infinite

@@ -450,7 +450,7 @@ fn sample_special_values_follow_the_cpu() {
             vec![1.0, 4.0, 3.0, 2.0, -5.0, 0.0, 1.0, 2.0, 3.0],
             params(1e30, 0.0, 1.0, 0.0),
         ),
-        // min-p 1 keeps the maximum only; above 1 it keeps nothing, and the CPU returns -1.
+        // min-p 1 keeps the maximum only, and so does anything above 1 (no cut lies above it).
         (
             vec![1.0, 4.0, 3.0, 2.0, -5.0, 0.0, 1.0, 2.0, 4.0],
             params(1.0, 0.0, 1.0, 1.0),
