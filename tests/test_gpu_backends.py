@@ -187,3 +187,45 @@ def test_soft_max_propagates_nan_on_the_device(device: str) -> None:
     assert np.isnan(p[:2]).all(), p
     np.testing.assert_allclose(p[2], np.exp(x[2] - 5) / np.exp(x[2] - 5).sum(), rtol=1e-6)
     np.testing.assert_array_equal(p[3], np.zeros(5, np.float32))
+
+
+# Peaked enough that truncations and penalties change the draws (see tests/test_sampling.py).
+DRAWN = ls.SamplerParams(
+    temperature=0.9,
+    top_k=40,
+    top_p=0.9,
+    min_p=0.02,
+    repeat_penalty=1.3,
+    frequency_penalty=0.2,
+    presence_penalty=0.1,
+    seed=2**32 - 7,
+)
+
+
+def _sampling_run(backend: str, ahead: bool) -> tuple[list[int], ls.session.GenerateStats]:
+    model = ls.Llama.random(MICRO, seed=4)
+    model.weights["output.weight"] = model.weights["output.weight"] * np.float32(20)
+    sess = ls.Session(
+        model, backends=[backend], n_ctx=64, n_ubatch=8, sampling=True, launch_ahead=ahead
+    )
+    assert all(p.split_backends == [backend] for p in sess.plans)  # the sampler runs there too
+    sess.generate(PROMPT, max_new_tokens=3, sampler=DRAWN)  # warm-up (CUDA: captures)
+    sess.clear()
+    tokens = sess.generate(PROMPT, max_new_tokens=N_GEN, sampler=DRAWN)
+    stats = sess.last_generate
+    assert stats is not None
+    return tokens, stats
+
+
+@pytest.mark.parametrize("backend", DEVICES)
+def test_sampled_generation_on_the_device_draws_the_cpus_tokens_at_a_greedy_steps_cost(
+    backend: str, clean_env: pytest.MonkeyPatch
+) -> None:
+    """`Session(sampling=True)` on the device, penalties on: the seeded tokens of `cpu`, the
+    same with launch-ahead on and off (the penalty window's last column fed on the device),
+    and per step exactly one host wait, one upload, one 4-byte read (and the fed token)."""
+    want, _ = _sampling_run("cpu", ahead=False)
+    ahead, st = _sampling_run(backend, ahead=True)
+    plain, _ = _sampling_run(backend, ahead=False)
+    assert ahead == plain == want
+    assert_step_counts(st, launch_ahead=True)
