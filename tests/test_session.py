@@ -303,7 +303,7 @@ def test_a_generate_iter_left_early_leaves_what_a_shorter_generate_leaves(
             if how == "close":
                 it = sess.generate_iter(PROMPT[:6], 10, seq_id=1)
                 got = [next(it) for _ in range(k)]
-                it.close()  # type: ignore[attr-defined]
+                it.close()
                 del it
             else:
                 for tok in sess.generate_iter(PROMPT[:6], 10, seq_id=1):
@@ -373,7 +373,7 @@ def test_a_suspended_generate_iter_holds_the_session(
     other.join(timeout=0.5)
     assert seen == []  # still waiting for the lock (whatever the timing, it cannot have run)
     assert next(it) == twin.generate(PROMPT[:6], max_new_tokens=2)[1]
-    it.close()  # type: ignore[attr-defined]
+    it.close()
     other.join(timeout=60)
     assert not other.is_alive()
     assert seen == [64 - 7]  # the prompt and the first token: the step ahead was rolled back

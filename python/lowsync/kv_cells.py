@@ -218,6 +218,10 @@ class KvCells:
         self._open.append(step)
         return step
 
+    def is_open(self, step: Step) -> bool:
+        """Whether `step` was begun and is neither committed nor rolled back."""
+        return step in self._open
+
     @property
     def n_open(self) -> int:
         """Steps begun and neither committed nor rolled back."""

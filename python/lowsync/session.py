@@ -106,7 +106,7 @@ class GenerateStats:
     step and reads its token. With it each queues the read of the next token and one step
     ahead, except the first, which also holds step 1 (queued before the loop: the pipeline
     filling, two steps), and the last, which queues none (draining). Taking them costs one
-    `Context.stats()` call per step. `decode_s` of a `generate_iter` includes the time its
+    `Context.counters()` call per step. `decode_s` of a `generate_iter` includes the time its
     consumer held each token.
     """
 
@@ -488,7 +488,7 @@ class Session:
         seq_id: int = 0,
         stop: Iterable[int] = (),
         sampler: SamplerParams | None = None,
-    ) -> Iterator[int]:
+    ) -> Generator[int, None, None]:
         """`generate`, streaming: yields each token as soon as it is read.
 
         The arguments are checked now; the work starts at the first `next`. Closing the
@@ -496,7 +496,8 @@ class Session:
         session as ``generate(..., max_new_tokens=<tokens yielded>)`` would have: the step
         queued ahead is rolled back. `last_generate` is set when it finishes or is closed.
         While it is suspended it holds the session: another thread's call waits for it, and a
-        call from the consuming thread is a `SessionError` (close it first).
+        call from the consuming thread is a `SessionError` (close it first). Consume it from
+        the thread that started it (the session's lock belongs to that thread).
 
         Example::
 
@@ -565,23 +566,24 @@ class Session:
         with self._lock:
             self._enter()
             self._check_room(len(toks), max_new_tokens)  # the cache may have changed since
-            reads: list[dict[str, int]] = []  # the counters as each step's read completed
+            reads: list[list[int]] = []  # the counters as each step's read completed
             out: list[int] = []
             before = self._counters()
             t0 = time.perf_counter()
             t1 = 0.0
-            mid: dict[str, int] | None = None
+            mid: list[int] | None = None
             try:
                 flags = [False] * len(toks)
                 flags[-1] = True
                 first = self._run(toks, [seq_id] * len(toks), flags, want="next", draw=draw)
                 assert first is not None
                 out.append(int(first[-1][0]))
+                self._check_device_token(out[-1])
                 t1 = time.perf_counter()
                 mid = self._counters()
 
                 def on_read() -> None:
-                    # Kept raw: the deltas are taken once, at the end (one native call a step).
+                    # Kept raw, the deltas taken at the end: one cheap native call a step.
                     reads.append(self._counters())
 
                 decode = self._buckets[0]
@@ -596,11 +598,11 @@ class Session:
         self,
         n_prompt: int,
         out: list[int],
-        reads: list[dict[str, int]],
+        reads: list[list[int]],
         t0: float,
         t1: float,
-        before: dict[str, int],
-        mid: dict[str, int],
+        before: list[int],
+        mid: list[int],
     ) -> None:
         t2 = time.perf_counter()
         after = self._counters()
@@ -609,20 +611,21 @@ class Session:
         # step queued ahead of a stop token or of a closed iterator), so the steps add up to
         # the decode phase.
         cuts = [mid, *reads[:-1], after] if reads else []
-        steps = [{c: b[c] - a[c] for c in TOKEN_COUNTERS} for a, b in itertools.pairwise(cuts)]
+        steps = [_delta(a, b) for a, b in itertools.pairwise(cuts)]
         self.last_generate = GenerateStats(
             n_prompt=n_prompt,
             n_gen=len(out),
             n_steps=n,
             prefill_s=t1 - t0,
             decode_s=t2 - t1,
-            prefill={c: mid[c] - before[c] for c in TOKEN_COUNTERS},
-            per_token={c: (after[c] - mid[c]) / max(n, 1) for c in TOKEN_COUNTERS},
+            prefill=_delta(before, mid),
+            per_token={c: v / max(n, 1) for c, v in _delta(mid, after).items()},
             steps=steps,
         )
 
-    def _counters(self) -> dict[str, int]:
-        return self.context.stats()["total"]
+    def _counters(self) -> list[int]:
+        """The context's counters (total over backends), in `TOKEN_COUNTERS` order."""
+        return self.context.counters()
 
     # ---- validation ---------------------------------------------------------------------------
 
@@ -974,13 +977,13 @@ class Session:
         except BaseException as e:
             self._abort(e, current)
             raise
-        open_ahead: Step | None = current
+        ahead: Step | None = None
         try:
             yield token
             while True:
                 # `pending` holds token len(out); one more step is needed after it only if the
                 # output is not full once it is read.
-                ahead: Step | None = None
+                ahead = None
                 try:
                     if len(out) + 1 < max_new_tokens:
                         if hist is not None:
@@ -992,10 +995,8 @@ class Session:
                     on_read()
                     follow = plan.read_async(OUTPUT_NEXT) if ahead is not None else None
                 except BaseException as e:
-                    open_ahead = None
                     self._abort(e, *(s for s in (ahead, current) if s is not None))
                     raise
-                open_ahead = ahead
                 self._cells.commit(current, confirmed=True)
                 out.append(token)
                 if ahead is None:
@@ -1005,7 +1006,6 @@ class Session:
                 if token in stops:
                     # The step queued ahead took a stop token: give back its cell (its KV row is
                     # masked from now on, and whoever takes the cell next overwrites it).
-                    open_ahead = None
                     self._cells.rollback(ahead)
                     yield token
                     return
@@ -1014,9 +1014,15 @@ class Session:
                 pending, current = follow, ahead
         finally:
             # Stopped at a yield (closed, or the consumer's exception): the step queued ahead
-            # of the last token yielded is rolled back, as if it had never been queued.
-            if open_ahead is not None:
-                self._cells.rollback(open_ahead)
+            # of the last token yielded is rolled back, as if it had never been queued. Also
+            # whatever an interrupt between two lines left open, newest first (a step already
+            # committed or rolled back is no longer open and is left alone).
+            self._cells.rollback(*(s for s in (ahead, current) if s and self._cells.is_open(s)))
+
+
+def _delta(earlier: list[int], later: list[int]) -> dict[str, int]:
+    """Counter deltas between two `Context.counters()` lists, by name."""
+    return {c: b - a for c, a, b in zip(TOKEN_COUNTERS, earlier, later, strict=True)}
 
 
 def _window_closes_on_device(decode: _Bucket, draw: _Draw | None) -> bool:
