@@ -17,16 +17,15 @@ not fetched again. Layout under the data folder:
     llama.cpp-b11434/models/templates/*.jinja
     smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
-Usage: `python scripts/fetch_test_data.py [--dir DIR]`; DIR defaults to `$LOWSYNC_TEST_DATA`,
-else `~/.cache/lowsync-data`. Prints the paths. Tests find the folder through
-`LOWSYNC_TEST_DATA`.
+Usage: `python scripts/fetch_test_data.py [--dir DIR]`; DIR defaults to `~/.cache/lowsync-data`,
+where the tests look unless the test variable LOWSYNC_TEST_DATA names another folder (see
+`tests/testdata.py`). Prints the paths.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -50,8 +49,7 @@ STAMP = ".complete"
 
 
 def default_dir() -> Path:
-    env = os.environ.get("LOWSYNC_TEST_DATA")
-    return Path(env) if env else Path.home() / ".cache" / "lowsync-data"
+    return Path.home() / ".cache" / "lowsync-data"
 
 
 def sha256(path: Path) -> str:
@@ -152,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     models = llama / "models"
     n_vocab = len(list(models.glob("ggml-vocab-*.gguf")))
     n_templates = len(list((models / "templates").glob("*.jinja")))
-    print(f"LOWSYNC_TEST_DATA={root}")
+    print(root)
     print(f"{models}  ({n_vocab} vocabularies)")
     print(f"{models / 'templates'}  ({n_templates} chat templates)")
     print(smol / PurePosixPath(SMOLLM2_MEMBER).name)

@@ -97,7 +97,7 @@ def test_every_llama_cpp_template_renders_a_standard_conversation() -> None:
     assert needed == NEEDS
 
 
-def test_smollm2_template_is_chatml(tmp_path: Path) -> None:
+def test_smollm2_template_is_chatml() -> None:
     tok = Tokenizer.from_gguf(smollm2_gguf())
     assert tok.chat_template is not None
     prompt = tok.apply_chat_template(CONVERSATION)

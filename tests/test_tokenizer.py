@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lowsync.gguf_reader import GGUFFile
 from lowsync.tokenizer import _BYTE_TO_CHAR, Tokenizer, TokenizerError, TokenizerWarning
 from testdata import llama_cpp_models, smollm2_gguf
 
@@ -339,6 +340,26 @@ def test_smollm2_special_tokens(smollm2: Tokenizer) -> None:
     assert 2 not in plain
     assert tok.decode(parsed) == tok.decode(plain) == text
     assert tok.decode(parsed, skip_special=True) == "user\nHi\n"
+
+
+def test_llama_metadata_gives_the_same_tokenizer(smollm2: Tokenizer) -> None:
+    # `Llama.metadata`'s shape: the tokenizer.* keys as (value, gguf type, element type)
+    fields = GGUFFile(smollm2_gguf()).fields
+    meta = {
+        k: (f.value, int(f.type), None if f.item_type is None else int(f.item_type))
+        for k, f in fields.items()
+        if k.startswith("tokenizer.")
+    }
+    tok = Tokenizer.from_metadata(meta, source="SmolLM2")
+    text = "<|im_start|>user\nHow many r's in strawberry? 🍓<|im_end|>\n"
+    assert tok.encode(text, parse_special=True) == smollm2.encode(text, parse_special=True)
+    assert (tok.bos_id, tok.eos_id, tok.eot_id, tok.eog_ids) == (
+        smollm2.bos_id,
+        smollm2.eos_id,
+        smollm2.eot_id,
+        smollm2.eog_ids,
+    )
+    assert tok.chat_template == smollm2.chat_template
 
 
 # ------------------------------------------------------------------- errors (no data needed)

@@ -28,14 +28,15 @@ wheel), configured from the metadata; what is llama.cpp-specific is written here
   has them, and decodes UTF-8 with U+FFFD for invalid bytes. `IncrementalDetokenizer` gives the
   same text piece by piece, holding back bytes that a later token could still change.
 
-Invariants: `encode` and `decode` never raise on any `str` / in-range ids; every problem with
-the metadata is a `TokenizerError` naming the source and the key; nothing here reads tensor
-data.
+Invariants: `encode` takes any text (a `str` without lone surrogates) and `decode` any ids in
+the vocabulary; anything else, and every problem with the metadata, is a `TokenizerError`
+naming the source and the key; nothing here reads tensor data.
 """
 
 from __future__ import annotations
 
 import codecs
+import itertools
 import os
 import re
 import warnings
@@ -70,15 +71,15 @@ _TYPE_USER_DEFINED, _TYPE_UNUSED, _TYPE_BYTE = 4, 5, 6
 _UNKNOWN, _UNUSED, _NORMAL, _CONTROL = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 _USER_DEFINED, _BYTE, _LSTRIP, _RSTRIP = 1 << 4, 1 << 5, 1 << 7, 1 << 8
 _HIDDEN = _UNKNOWN | _CONTROL  # not rendered by `skip_special`; matched only by `parse_special`
-_TYPE_TO_ATTR = {
-    _TYPE_UNDEFINED: 0,
-    _TYPE_NORMAL: _NORMAL,
-    _TYPE_UNKNOWN: _UNKNOWN,
-    _TYPE_CONTROL: _CONTROL,
-    _TYPE_USER_DEFINED: _USER_DEFINED,
-    _TYPE_UNUSED: _UNUSED,
-    _TYPE_BYTE: _BYTE,
-}
+# The attribute of each token type, indexed by the type (an unknown type is undefined: 0).
+_TYPE_ATTRS = np.zeros(7, np.int64)
+_TYPE_ATTRS[[_TYPE_NORMAL, _TYPE_UNKNOWN, _TYPE_CONTROL, _TYPE_USER_DEFINED]] = [
+    _NORMAL,
+    _UNKNOWN,
+    _CONTROL,
+    _USER_DEFINED,
+]
+_TYPE_ATTRS[[_TYPE_UNUSED, _TYPE_BYTE]] = [_UNUSED, _BYTE]
 
 _SPACE = "\u2581"  # SentencePiece's visible space
 _C_SPACES = " \t\n\v\f\r"  # C's isspace in the "C" locale: what llama.cpp's lstrip/rstrip strip
@@ -396,14 +397,16 @@ class Tokenizer:
         if "tokenizer.ggml.tokens" not in meta:
             raise self._err("tokenizer.ggml.tokens", "missing: this file has no vocabulary")
         raw_tokens = _value(meta, "tokenizer.ggml.tokens")
-        if isinstance(raw_tokens, str) or not all(isinstance(t, str) for t in raw_tokens):
+        texts = _strings(raw_tokens)
+        if texts is None:
             raise self._err("tokenizer.ggml.tokens", "is not an array of strings")
-        # llama.cpp names an empty entry this way, so that every token has a distinct text.
-        texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(raw_tokens)]
+        if "" in texts:
+            # llama.cpp names an empty entry this way, so that every token has a distinct text
+            texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(texts)]
         n = len(texts)
         if n == 0:
             raise self._err("tokenizer.ggml.tokens", "is empty")
-        ids = {t: i for i, t in enumerate(texts)}
+        ids = dict(zip(texts, range(n), strict=True))
         if len(ids) != n:
             dup = next(t for i, t in enumerate(texts) if ids[t] != i)
             raise self._err("tokenizer.ggml.tokens", f"holds {dup!r:.60} twice")
@@ -414,7 +417,14 @@ class Tokenizer:
         if types is None:
             attrs = [_NORMAL] * n
         else:
-            attrs = [_TYPE_TO_ATTR.get(int(t), 0) for t in np.asarray(types[:n]).tolist()]
+            try:
+                codes = np.asarray(types[:n], dtype=np.int64)
+            except (TypeError, ValueError):
+                raise self._err(
+                    "tokenizer.ggml.token_type", "is not an array of integers"
+                ) from None
+            known = (codes >= 0) & (codes < len(_TYPE_ATTRS))
+            attrs = np.where(known, _TYPE_ATTRS[np.where(known, codes, 0)], 0).tolist()
         self._attrs = attrs
 
         # 2. the kind of vocabulary and its defaults (llama.cpp's per-type defaults)
@@ -450,10 +460,7 @@ class Tokenizer:
         )
         self.add_bos = spm or model == "gemma4"
         self.add_eos = False
-        self.add_space_prefix = spm
-        self.add_space_prefix = self._get(
-            meta, "tokenizer.ggml.add_space_prefix", bool, self.add_space_prefix
-        )
+        self.add_space_prefix = self._get(meta, "tokenizer.ggml.add_space_prefix", bool, spm)
         self.add_bos = self._get(meta, "tokenizer.ggml.add_bos_token", bool, self.add_bos)
         self.add_eos = self._get(meta, "tokenizer.ggml.add_eos_token", bool, self.add_eos)
         if model == "gemma4":
@@ -528,7 +535,8 @@ class Tokenizer:
         self.eog_ids = frozenset(eog)
 
         # 6. per-model strip attributes (llama.cpp sets these by name)
-        specials = [i for i in range(n) if attrs[i] & (_CONTROL | _USER_DEFINED | _UNKNOWN)]
+        mask = _CONTROL | _USER_DEFINED | _UNKNOWN
+        specials: list[int] = np.flatnonzero(np.asarray(attrs) & mask).tolist()
         name = str(self._get(meta, "general.name", str, "")).lower()
         arch = str(self._get(meta, "general.architecture", str, ""))
         pre = self.pre or ""
@@ -576,18 +584,18 @@ class Tokenizer:
         raw = self._array(meta, key, 0)
         if raw is None:
             raise self._err(key, f"missing: a {self.model!r} vocabulary needs its BPE merges")
+        lines = _strings(raw)
+        if lines is None:
+            raise self._err(key, "is not an array of strings")
         merges = []
-        for m in raw:
-            if not isinstance(m, str):
-                raise self._err(key, "is not an array of strings")
-            # llama.cpp splits a merge at its first space after the first character
-            cut = m.find(" ", 1)
-            if cut < 0:
-                continue
-            a, b = m[:cut], m[cut + 1 :]
+        for a, space, b in map(str.partition, lines, itertools.repeat(" ")):
+            if not a:
+                # llama.cpp cuts a merge at its first space after the first character
+                a, space, b = b.partition(" ")
+                a = " " + a
             # `tokenizers` requires both sides and the result in the vocabulary; llama.cpp
             # could apply such a merge but never emits its result, so it is left out.
-            if a in vocab and b in vocab and a + b in vocab:
+            if space and a in vocab and b in vocab and a + b in vocab:
                 merges.append((a, b))
         if self.model == "gemma4":
             return _HFTokenizer(
@@ -818,6 +826,18 @@ class Tokenizer:
     def __repr__(self) -> str:
         pre = f", pre={self.pre!r}" if self.pre else ""
         return f"Tokenizer({self.source!r}, model={self.model!r}{pre}, n_vocab={self.n_vocab})"
+
+
+def _strings(value: Any) -> list[str] | None:
+    """`value` as a list of str, or None when it is not a sequence of str."""
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence | np.ndarray):
+        return None
+    items = list(value)
+    try:
+        "".join(items)  # a TypeError, at C speed, if any item is not a str
+    except TypeError:
+        return None
+    return items
 
 
 def _spm_merges(
