@@ -28,9 +28,9 @@ wheel), configured from the metadata; what is llama.cpp-specific is written here
   has them, and decodes UTF-8 with U+FFFD for invalid bytes. `IncrementalDetokenizer` gives the
   same text piece by piece, holding back bytes that a later token could still change.
 
-Invariants: `encode` and `decode` never raise on any `str` / in-range ids; every problem with
-the metadata is a `TokenizerError` naming the source and the key; nothing here reads tensor
-data.
+Invariants: `encode` takes any text (a `str` without lone surrogates) and `decode` any ids in
+the vocabulary; anything else, and every problem with the metadata, is a `TokenizerError`
+naming the source and the key; nothing here reads tensor data.
 """
 
 from __future__ import annotations
