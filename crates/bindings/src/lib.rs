@@ -400,7 +400,9 @@ fn dequantize<'py>(
         || lowsync_cpu::kernels::dequantize(dt, &bytes, dst),
         |e| input_err(format!("dequantize: {e}")),
     )?;
-    Ok(numpy::PyArray1::from_vec(py, out).reshape(shape)?.into_any())
+    Ok(numpy::PyArray1::from_vec(py, out)
+        .reshape(shape)?
+        .into_any())
 }
 
 /// Backends that can be created on this machine.

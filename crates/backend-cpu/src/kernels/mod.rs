@@ -71,7 +71,9 @@ pub fn dequantize(
     let (elems, nbytes) = (blocks * dt.block_size(), blocks * dt.block_bytes());
     let job = |(o, b): (&mut [f32], &[u8])| quant::scalar::dequantize_row(dt, b, o);
     if out.len() <= par::PAR_MIN_ELEMS {
-        out.chunks_mut(elems).zip(bytes.chunks(nbytes)).for_each(job);
+        out.chunks_mut(elems)
+            .zip(bytes.chunks(nbytes))
+            .for_each(job);
     } else {
         use rayon::prelude::*;
         out.par_chunks_mut(elems)
