@@ -45,6 +45,7 @@ from lowsync.bench import (
     run_bench,
 )
 from lowsync.models.llama import BUILTIN_CONFIGS, Llama
+from lowsync.quants import QUANTIZABLE
 
 # Backends the bench skips unless asked for by name: `noop` runs no kernel, so its rows measure
 # host overhead alone and would read as absurd throughput next to real backends.
@@ -133,9 +134,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-t",
         "--type",
-        choices=("f32", "f16", "bf16"),
+        choices=("f32", "f16", "bf16", *QUANTIZABLE),
         default="f32",
-        help="weight type of a built-in model (default: f32; GGUF files keep their own)",
+        help="weight type of a built-in model (default: f32; the q* types are quantized with the "
+        "gguf package; GGUF files keep their own)",
     )
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
 

@@ -198,10 +198,13 @@ class Session:
         # (same nodes, smaller tensors) then fits it without reallocating (invariant 11).
         sizes = sorted({*buckets, n_ubatch}, reverse=True)
         compiled: list[_Bucket] = []
+        # Quantized weights the backends cannot read are widened here, once for every bucket.
+        graph_model = model.prepared_for(self.context)
         for size in sizes:
-            graph = model.build_graph(size, n_rows, size, kv_dtype=kv_dtype)
+            graph = graph_model.build_graph(size, n_rows, size, kv_dtype=kv_dtype)
             compiled.append(_Bucket(self.context.compile(graph), size, n_rows))
             del graph  # the context holds the uploaded weights; drop the graph's copy now
+        del graph_model
         self._buckets = compiled[::-1]  # smallest first, for `_bucket_for`
         decode = self._buckets[0].plan
         self._launch_ahead = (
