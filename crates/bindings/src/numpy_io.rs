@@ -192,7 +192,7 @@ pub fn block_bytes(
             match byte_shape.split_last() {
                 Some((&row, lead))
                     if buf.dimensions() >= 1
-                        && row % bb == 0
+                        && row.is_multiple_of(bb)
                         && data.cast::<PyUntypedArray>().is_ok() =>
                 {
                     lead.iter().copied().chain([row / bb * bs]).collect()

@@ -104,7 +104,7 @@ impl DType {
     /// number of blocks or the count overflows.
     pub const fn checked_bytes(self, n: usize) -> Option<usize> {
         let bs = self.block_size();
-        if n % bs != 0 {
+        if !n.is_multiple_of(bs) {
             return None;
         }
         (n / bs).checked_mul(self.block_bytes())

@@ -97,7 +97,7 @@ fn checked_bytes(op: &'static str, what: &str, shape: &[usize], dtype: DType) ->
     if dtype.is_quantized() {
         let bs = dtype.block_size();
         match shape.last() {
-            Some(&k) if k > 0 && k % bs == 0 => {}
+            Some(&k) if k > 0 && k.is_multiple_of(bs) => {}
             _ => {
                 return Err(shape_err(
                     op,

@@ -115,14 +115,17 @@ pub fn tensor_bytes(shape: &[usize], dtype: crate::DType) -> Option<usize> {
 /// so its bytes are whole blocks; a view that would split a block (a slice of the row axis, a
 /// reshape that cuts rows) fails this.
 pub fn quant_layout_ok(layout: &Layout, row_len: usize) -> bool {
-    if row_len == 0 || layout.offset % row_len != 0 || layout.shape.len() != layout.strides.len() {
+    if row_len == 0
+        || !layout.offset.is_multiple_of(row_len)
+        || layout.shape.len() != layout.strides.len()
+    {
         return false;
     }
     let mut block_axis = false;
     for (&d, &s) in layout.shape.iter().zip(&layout.strides) {
         if s == 1 && d == row_len && !block_axis {
             block_axis = true;
-        } else if d > 1 && s % row_len != 0 {
+        } else if d > 1 && !s.is_multiple_of(row_len) {
             return false;
         }
     }

@@ -28,50 +28,55 @@ pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
 }
 
-/// Element `j` (0..32) of a 32-element block's nibbles: low nibbles hold elements 0..16,
-/// high nibbles 16..32.
+/// The 32 nibbles of a 32-element block (`qs`, 16 bytes) in element order: low nibbles hold
+/// elements 0..16, high nibbles 16..32. One branch-free pass, so the loops after it vectorize.
 #[inline]
-fn nibble(qs: &[u8], j: usize) -> u8 {
-    if j < 16 {
-        qs[j] & 0x0F
-    } else {
-        qs[j - 16] >> 4
+fn nibbles(qs: &[u8]) -> [u8; 32] {
+    let mut q = [0u8; 32];
+    for (j, &byte) in qs[..16].iter().enumerate() {
+        q[j] = byte & 0x0F;
+        q[j + 16] = byte >> 4;
     }
+    q
+}
+
+/// The 32 5-bit values of a Q5 block: nibbles, and bit `j` of the 32 high bits as bit 4.
+#[inline]
+fn fives(qh: u32, qs: &[u8]) -> [u8; 32] {
+    let mut q = nibbles(qs);
+    for (j, v) in q.iter_mut().enumerate() {
+        *v |= (((qh >> j) & 1) as u8) << 4;
+    }
+    q
 }
 
 fn q4_0(b: &[u8], out: &mut [f32]) {
     let d = f16_at(b, 0);
-    for (j, o) in out.iter_mut().enumerate() {
-        *o = d * f32::from(nibble(&b[2..18], j) as i8 - 8);
+    for (o, q) in out.iter_mut().zip(nibbles(&b[2..18])) {
+        *o = d * f32::from(q as i8 - 8);
     }
 }
 
 fn q4_1(b: &[u8], out: &mut [f32]) {
     let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-    for (j, o) in out.iter_mut().enumerate() {
-        *o = d * f32::from(nibble(&b[4..20], j)) + m;
+    for (o, q) in out.iter_mut().zip(nibbles(&b[4..20])) {
+        *o = d * f32::from(q) + m;
     }
-}
-
-/// The 5-bit value `j` of a Q5 block: its nibble, and bit `j` of the 32 high bits as bit 4.
-#[inline]
-fn q5(qh: u32, qs: &[u8], j: usize) -> u8 {
-    nibble(qs, j) | ((((qh >> j) & 1) as u8) << 4)
 }
 
 fn q5_0(b: &[u8], out: &mut [f32]) {
     let d = f16_at(b, 0);
     let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-    for (j, o) in out.iter_mut().enumerate() {
-        *o = d * f32::from(q5(qh, &b[6..22], j) as i8 - 16);
+    for (o, q) in out.iter_mut().zip(fives(qh, &b[6..22])) {
+        *o = d * f32::from(q as i8 - 16);
     }
 }
 
 fn q5_1(b: &[u8], out: &mut [f32]) {
     let (d, m) = (f16_at(b, 0), f16_at(b, 2));
     let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-    for (j, o) in out.iter_mut().enumerate() {
-        *o = d * f32::from(q5(qh, &b[8..24], j)) + m;
+    for (o, q) in out.iter_mut().zip(fives(qh, &b[8..24])) {
+        *o = d * f32::from(q) + m;
     }
 }
 
@@ -176,8 +181,8 @@ fn q6_k(b: &[u8], out: &mut [f32]) {
 
 fn iq4_nl(b: &[u8], out: &mut [f32]) {
     let d = f16_at(b, 0);
-    for (j, o) in out.iter_mut().enumerate() {
-        *o = d * f32::from(IQ4_VALUES[usize::from(nibble(&b[2..18], j))]);
+    for (o, q) in out.iter_mut().zip(nibbles(&b[2..18])) {
+        *o = d * f32::from(IQ4_VALUES[usize::from(q)]);
     }
 }
 
@@ -191,14 +196,17 @@ fn iq4_xs(b: &[u8], out: &mut [f32]) {
         let lo = (sl[i / 2] >> (4 * (i % 2))) & 0x0F;
         let hi = ((sh >> (2 * i)) & 3) as u8;
         let dl = d * f32::from((lo | (hi << 4)) as i8 - 32);
-        for (j, o) in sub.iter_mut().enumerate() {
-            *o = dl * f32::from(IQ4_VALUES[usize::from(nibble(&qs[i * 16..i * 16 + 16], j))]);
+        for (o, q) in sub.iter_mut().zip(nibbles(&qs[i * 16..i * 16 + 16])) {
+            *o = dl * f32::from(IQ4_VALUES[usize::from(q)]);
         }
     }
 }
 
+/// Dequantizes one block into its `block_size` values.
+type BlockFn = fn(&[u8], &mut [f32]);
+
 /// The block function of a block type (`None` for plain types).
-fn block_fn(dt: DType) -> Option<fn(&[u8], &mut [f32])> {
+fn block_fn(dt: DType) -> Option<BlockFn> {
     Some(match dt {
         DType::Q4_0 => q4_0,
         DType::Q4_1 => q4_1,
@@ -223,7 +231,7 @@ pub(crate) fn dequantize_row(dt: DType, bytes: &[u8], out: &mut [f32]) {
         return;
     };
     let (bs, bb) = (dt.block_size(), dt.block_bytes());
-    let ok = out.len() % bs == 0 && dt.row_bytes(out.len()) == Some(bytes.len());
+    let ok = out.len().is_multiple_of(bs) && dt.row_bytes(out.len()) == Some(bytes.len());
     debug_assert!(ok, "{} bytes for {} {dt} elements", bytes.len(), out.len());
     if !ok {
         return;

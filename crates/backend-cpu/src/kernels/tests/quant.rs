@@ -12,6 +12,7 @@
 use lowsync_graph::{DType, Op};
 
 use super::harness::*;
+use crate::kernels::quant::activations_as_read;
 use crate::kernels::quant::scalar::dequantize_row;
 
 /// Byte offsets of each type's f16 scale fields (set to finite values in the test blocks).
@@ -61,14 +62,16 @@ fn fnv1a(values: &[f32]) -> u64 {
     h
 }
 
-/// Dequantizes a known pair of blocks and compares it with gguf's answer.
-fn known_answer(dt: DType, seed: u64, hash: u64, first: [f32; 3], last: f32) {
+/// Dequantizes a known pair of blocks and compares it with gguf's answer (values written as
+/// f64 literals, which hold the f32 results exactly).
+fn known_answer(dt: DType, seed: u64, hash: u64, first: [f64; 3], last: f64) {
     let bytes = lcg_blocks(dt, seed, 2);
     let n = 2 * dt.block_size();
     let mut out = vec![f32::NAN; n];
     dequantize_row(dt, &bytes, &mut out);
-    assert_eq!(&out[..3], &first, "{dt}: first values");
-    assert_eq!(out[n - 1], last, "{dt}: last value");
+    let head: Vec<f64> = out[..3].iter().map(|&v| f64::from(v)).collect();
+    assert_eq!(head, first, "{dt}: first values");
+    assert_eq!(f64::from(out[n - 1]), last, "{dt}: last value");
     assert_eq!(fnv1a(&out), hash, "{dt}: hash of every value");
 }
 
@@ -146,7 +149,12 @@ fn check_mul_mat(dt: DType, m: usize, n: usize, k: usize, act: DType) {
     let x = mem.rand(&mut rng, act, &[m, k]);
     let dst = mem.zeros(DType::F32, &[m, n]);
     run(&mem, Op::MulMat, &dst, &[&x, &transpose(&w, 0, 1)]).unwrap();
-    let xs = mem.read(&x);
+    // The activations as the kernel reads them (8-bit blocks on the SIMD path).
+    let x32: Vec<f32> = mem.read(&x).iter().map(|&v| v as f32).collect();
+    let xs: Vec<f64> = activations_as_read(dt, &x32)
+        .iter()
+        .map(|&v| v as f64)
+        .collect();
     let want: Vec<f64> = (0..m)
         .flat_map(|i| {
             let (xs, values) = (&xs, &values);
@@ -192,7 +200,11 @@ fn mul_mat_with_a_quantized_weight_broadcasts_batches() {
     let a = mem.rand(&mut rng, DType::F32, &[4, m, k]);
     let dst = mem.zeros(DType::F32, &[4, m, n]);
     run(&mem, Op::MulMat, &dst, &[&a, &wt]).unwrap();
-    let xs = mem.read(&a);
+    let a32: Vec<f32> = mem.read(&a).iter().map(|&v| v as f32).collect();
+    let xs: Vec<f64> = activations_as_read(dt, &a32)
+        .iter()
+        .map(|&v| v as f64)
+        .collect();
     let mut want = Vec::new();
     for bi in 0..4 {
         let wb = bi / 2;
