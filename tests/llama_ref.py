@@ -37,7 +37,7 @@ class Spec:
     bias: bool = False
     qk_norm: bool = False
     tied: bool = False
-    wtype: str = "F32"  # type of the 2-D tensors: F32, F16, BF16, Q8_0
+    wtype: str = "F32"  # type of the 2-D tensors: F32, F16, BF16, or one gguf quantizes (Q8_0)
     extra_keys: dict[str, Any] = field(default_factory=dict)  # str, float, int or list
 
     @property
@@ -104,8 +104,6 @@ def stored(spec: Spec, weights: dict[str, Array]) -> dict[str, Array]:
         if w.ndim == 2 and spec.wtype != "F32":
             t = qt[spec.wtype]
             w = gguf.quants.dequantize(gguf.quants.quantize(w, t), t)
-            if spec.wtype == "Q8_0":
-                w = w.astype(np.float16)  # lowsync keeps dequantised Q8_0 as f16
         out[name] = np.asarray(w, np.float64)
     return out
 

@@ -43,14 +43,16 @@ def test_prefill_and_decode_match_reference(tmp_path: Path, variant: str) -> Non
     assert rel_err(np.stack(steps), ref) <= F32_BOUND  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("wtype", ["F16", "BF16", "Q8_0"])
+@pytest.mark.parametrize("wtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q5_1"])
 def test_weight_types_match_reference(tmp_path: Path, wtype: str) -> None:
     spec = VARIANTS["qwen2"].with_(wtype=wtype)
     model, w = _model(tmp_path, spec, seed=3)
-    assert model.weight_type == {"F16": "f16", "BF16": "bf16", "Q8_0": "f16"}[wtype]
+    assert model.weight_type == wtype.lower()
     sess = ls.Session(model, backends=["cpu-async"], n_ctx=16, n_ubatch=4)
     out = sess.decode(PROMPT, logits="all")
-    assert rel_err(out, forward(spec, w, PROMPT)) <= F32_BOUND
+    # Quantized weights: the CPU's default products quantize activations to 8-bit blocks.
+    bound = 3e-2 if wtype.startswith("Q") else F32_BOUND
+    assert rel_err(out, forward(spec, w, PROMPT)) <= bound
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])

@@ -1,7 +1,9 @@
 """Type stub of the extension module `lowsync._native` (crates/bindings).
 
 Hand-written and checked against the built module with `python -m mypy.stubtest lowsync._native`.
-Shapes are numpy order (row-major, last axis fastest). Dtype names: "f32", "f16", "bf16", "i32".
+Shapes are numpy order (row-major, last axis fastest). Dtype names: "f32", "f16", "bf16", "i32",
+and the GGUF block types of weights: "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k",
+"q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs".
 """
 
 from collections.abc import Sequence
@@ -26,6 +28,7 @@ __all__ = [
     "UnsupportedError",
     "available_backends",
     "cuda_fusion_plan",
+    "dequantize",
     "device_type",
     "enable_tracing",
     "env_flag",
@@ -72,6 +75,15 @@ def cuda_fusion_plan(plan: Plan, split: int = 0) -> list[str]:
     without a device (the plan may be compiled for any backend): one line per launch,
     `fused <kind> [<member ops>]` or a node's op. A split that does not exist is an
     `InputError`."""
+
+def dequantize(
+    data: npt.NDArray[Any] | bytes | bytearray | memoryview,
+    dtype: str,
+    shape: Sequence[int] | None = None,
+) -> npt.NDArray[Any]:
+    """The float32 values of raw blocks of a block dtype (the CPU backend's reference,
+    bit-exact with `gguf.quants.dequantize`). `shape` is the logical shape; it may be left out
+    for a uint8 array of GGUF's byte shape `[..., row_bytes]`."""
 
 def stat_names() -> list[str]:
     """The counter names of `Context.stats()`, in their fixed order."""
@@ -128,10 +140,16 @@ class Graph:
     def weight(
         self,
         name: str,
-        data: npt.NDArray[Any],
+        data: npt.NDArray[Any] | bytes | bytearray | memoryview,
         backend: str | None = None,
         dtype: str | None = None,
-    ) -> Tensor: ...
+        shape: Sequence[int] | None = None,
+    ) -> Tensor:
+        """A constant tensor (data copied), optionally pinned to a backend.
+
+        For a block dtype (`dtype="q4_0"`, ...) `data` is the raw blocks (a uint8 array, bytes
+        or a memoryview) and `shape` the logical shape in elements, which may be left out for a
+        uint8 array of GGUF's byte shape `[..., row_bytes]`; the byte count must be exact."""
     def persistent(
         self, name: str, shape: Sequence[int], dtype: str = "f32", backend: str | None = None
     ) -> Tensor:
@@ -263,6 +281,9 @@ class Context:
         `reallocs`; an error under LOWSYNC_SCHED_DEBUG_REALLOC)."""
     def reserve(self, graph: Graph) -> None:
         """Reserves memory for `graph` as the worst case (never shrinking the reserve)."""
+    def supports(self, op: str, dst: str, srcs: Sequence[str], backend: str | None = None) -> bool:
+        """Whether every backend (or the one called `backend`) implements `op` (e.g.
+        "mul_mat") with result dtype `dst` over sources of dtypes `srcs`."""
     def stats(self) -> dict[str, dict[str, int]]: ...
     def counters(self) -> list[int]:
         """The counters summed over the backends, in `stat_names()` order: `stats()["total"]`

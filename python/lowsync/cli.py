@@ -53,6 +53,7 @@ from lowsync.bench import (
     run_bench,
 )
 from lowsync.models.llama import BUILTIN_CONFIGS, Llama
+from lowsync.quants import QUANTIZABLE
 
 if TYPE_CHECKING:  # imported when `run` or `chat` runs: `lowsync bench` needs no tokenizer
     from lowsync.llm import LLM
@@ -151,9 +152,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-t",
         "--type",
-        choices=("f32", "f16", "bf16"),
+        choices=("f32", "f16", "bf16", *QUANTIZABLE),
         default="f32",
-        help="weight type of a built-in model (default: f32; GGUF files keep their own)",
+        help="weight type of a built-in model (default: f32; the q* types are quantized with the "
+        "gguf package; GGUF files keep their own)",
     )
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
 

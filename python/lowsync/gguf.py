@@ -11,8 +11,10 @@ proportional to its size; this module turns it into a `Llama`. Hyper-parameters 
 qwen3; no `output.weight`: tied embeddings). GGUF lists dimensions ne0 first; reversed, that is
 numpy order (`[out, in]` for a projection), which is what `lowsync.models.llama` consumes, so
 F32 and F16 tensors stay memory-mapped views. BF16 is widened to float32 (marked bf16,
-uploaded as bf16). Q8_0 is dequantised at load (this round has no quantised kernels): to f16,
-or to f32 for a tensor holding a value beyond f16's range (65504), which f16 would make inf.
+uploaded as bf16). Quantized tensors (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL,
+IQ4_XS) stay quantized: their raw blocks are memory-mapped `uint8` views of GGUF's byte shape,
+uploaded as they are (a backend without kernels for them gets them widened at graph build,
+`Llama.prepared_for`).
 Saving is `lowsync.gguf_writer` (re-exported here); the layering is reader/writer below
 `lowsync.models` below this module, so nothing imports in a circle.
 
@@ -33,15 +35,13 @@ import numpy.typing as npt
 from lowsync.gguf_reader import GGUFError, GGUFFile, TensorInfo, ValueType
 from lowsync.gguf_writer import save_gguf
 from lowsync.models.llama import ARCH_ROPE, Llama, LlamaConfig
+from lowsync.quants import QUANT_DTYPES, byte_shape
 
 Array = npt.NDArray[Any]
 
 __all__ = ["SUPPORTED_TYPES", "GGUFError", "load_gguf", "save_gguf"]
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0")
-_F16_MAX = float(np.finfo(np.float16).max)
-_Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", 32)])  # an f16 scale, then 32 int8 weights
-_Q8_0_CHUNK_BLOCKS = 1 << 16  # blocks dequantised at a time: bounds the f32 temporaries
+SUPPORTED_TYPES = ("F32", "F16", "BF16", *(q.upper() for q in QUANT_DTYPES))
 
 
 class _File:
@@ -88,9 +88,10 @@ class _File:
 def load_gguf(path: str | os.PathLike[str]) -> Llama:
     """Loads a llama, mistral, qwen2 or qwen3 decoder from a GGUF file.
 
-    Weights in F32, F16, BF16 or Q8_0 (dequantised to f16, or to f32 for a tensor with values
-    beyond f16's range). F32/F16 tensors stay memory-mapped until a session uploads them.
-    Raises `GGUFError` for anything else.
+    Weights in F32, F16, BF16 or a block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
+    Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS: kept quantized, as raw blocks). F32/F16 and quantized
+    tensors stay memory-mapped until a session uploads them. Raises `GGUFError` naming the
+    tensor and its type for anything else.
 
     Example::
 
@@ -237,28 +238,7 @@ def _read_tensor(f: _File, t: TensorInfo, shape: tuple[int, ...]) -> tuple[Array
         bits = data.view("<u2").astype(np.uint32)
         np.left_shift(bits, 16, out=bits)
         return bits.view(np.float32).reshape(shape), "bf16"
-    values, dtype = _dequantize_q8_0(data.view(_Q8_0_BLOCK))
-    return values.reshape(shape), dtype
-
-
-def _dequantize_q8_0(blocks: Array) -> tuple[Array, str]:
-    """Q8_0 blocks as f16 values, or as f32 where some value is beyond f16's range.
-
-    A value is its block's scale times an int8, computed in f32 (as `gguf.quants` does); f16
-    would turn a value above 65504 into inf, so such a tensor stays f32 (twice the memory, the
-    exact values). |int8| <= 128, so only blocks whose scale exceeds 65504 / 128 can overflow.
-    """
-    scale = blocks["d"].astype(np.float32)
-    risky = np.abs(scale) > _F16_MAX / 128  # NaN is not risky: it stays NaN in f16
-    dtype: type = np.float16
-    # inf or NaN scales are the file's values; they give inf or NaN weights, as in llama.cpp.
-    with np.errstate(invalid="ignore", over="ignore"):
-        if risky.any():
-            q_max = np.abs(blocks["qs"][risky].astype(np.int16)).max(axis=1)
-            if (np.abs(scale[risky]) * q_max > _F16_MAX).any():
-                dtype = np.float32
-        out: Array = np.empty((blocks.shape[0], 32), dtype)
-        for i in range(0, blocks.shape[0], _Q8_0_CHUNK_BLOCKS):
-            j = i + _Q8_0_CHUNK_BLOCKS
-            out[i:j] = blocks["qs"][i:j].astype(np.float32) * scale[i:j, None]
-    return out, "f32" if dtype is np.float32 else "f16"
+    # A block type: the raw blocks, memory-mapped, in GGUF's byte shape (the reader checked
+    # that rows are whole blocks and that the bytes lie inside the file).
+    dtype = kind.lower()
+    return data.view(np.uint8).reshape(byte_shape(shape, dtype)), dtype

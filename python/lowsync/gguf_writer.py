@@ -92,7 +92,8 @@ def save_gguf(model: SavableModel, path: str | os.PathLike[str]) -> None:
     """Writes `model` as a GGUF file that llama.cpp loads.
 
     The architecture is the model's (mistral is written as llama). Weights keep their dtypes
-    (f32, f16, bf16). A model loaded from GGUF keeps its tokenizer fields; any other model gets
+    (f32, f16, bf16); quantized weights (raw GGUF blocks) are written back byte for byte. A
+    model loaded from GGUF keeps its tokenizer fields; any other model gets
     a byte-level SPM vocabulary: `<unk>`, `<s>`, `</s>`, the 256 byte tokens, then filler
     pieces up to `n_vocab`.
 
@@ -125,8 +126,7 @@ def save_gguf(model: SavableModel, path: str | os.PathLike[str]) -> None:
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     w.add_vocab_size(cfg.n_vocab)
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}
-    w.add_file_type(int(file_type.get(model.weight_type, gguf.LlamaFileType.MOSTLY_BF16)))
+    w.add_file_type(int(_file_type(gguf, model.weight_type)))
 
     if any(k.startswith("tokenizer.ggml.") for k in model.metadata):
         for key, (value, vtype, sub) in model.metadata.items():
@@ -141,7 +141,11 @@ def save_gguf(model: SavableModel, path: str | os.PathLike[str]) -> None:
         _add_byte_vocab(w, cfg.n_vocab)
 
     for name, data in model.weights.items():
-        if model.dtypes[name] == "bf16":
+        if model.dtypes[name] not in ("f32", "f16", "bf16"):
+            # Raw blocks in GGUF's byte shape: the writer takes them as they are.
+            qtype = gguf.GGMLQuantizationType[model.dtypes[name].upper()]
+            w.add_tensor(name, np.ascontiguousarray(data, np.uint8), raw_dtype=qtype)
+        elif model.dtypes[name] == "bf16":
             bits = (np.ascontiguousarray(data, np.float32).view(np.uint32) >> 16).astype(np.uint16)
             w.add_tensor(name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
         else:
@@ -150,6 +154,22 @@ def save_gguf(model: SavableModel, path: str | os.PathLike[str]) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _file_type(gguf: Any, weight_type: str) -> Any:
+    """`general.file_type` (llama.cpp's `LLAMA_FTYPE_*`) of a model whose projections have
+    dtype `weight_type`; K-quant files are their `_M` mix, as llama-quantize names them."""
+    t = gguf.LlamaFileType
+    names = {
+        "f32": "ALL_F32",
+        "f16": "MOSTLY_F16",
+        "bf16": "MOSTLY_BF16",
+        "q3_k": "MOSTLY_Q3_K_M",
+        "q4_k": "MOSTLY_Q4_K_M",
+        "q5_k": "MOSTLY_Q5_K_M",
+    }
+    name = names.get(weight_type, "MOSTLY_" + weight_type.upper())
+    return getattr(t, name, t.MOSTLY_BF16)
 
 
 def _add_byte_vocab(w: Any, n_vocab: int) -> None:

@@ -307,8 +307,10 @@ class Session:
         sizes = sorted({*buckets, n_ubatch}, reverse=True)
         compiled: list[_Bucket] = []
         window = penalty_last_n if sampling else None
+        # Quantized weights the backends cannot read are widened here, once for every bucket.
+        graph_model = model.prepared_for(self.context)
         for size in sizes:
-            graph = model.build_graph(
+            graph = graph_model.build_graph(
                 size,
                 n_rows,
                 size,
@@ -318,6 +320,7 @@ class Session:
             )
             compiled.append(_Bucket(self.context.compile(graph), size, n_rows, window))
             del graph  # the context holds the uploaded weights; drop the graph's copy now
+        del graph_model
         self._buckets = compiled[::-1]  # smallest first, for `_bucket_for`
         decode = self._buckets[0].plan
         self._launch_ahead = (

@@ -5,7 +5,8 @@
 //!   scheduler's asynchronous paths are real and testable without a GPU.
 //! - [`NoopBackend`] (`noop`): accepts every op, runs nothing, counts like an async device.
 //!
-//! All three share the kernels in [`kernels`] (f32 compute, f16/bf16 storage).
+//! All three share the kernels in [`kernels`] (f32 compute, f16/bf16 storage, GGUF block
+//! types for weights; [`kernels::dequantize`] is the reference dequantization).
 
 mod cpu;
 mod cpu_async;

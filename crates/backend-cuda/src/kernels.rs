@@ -172,7 +172,7 @@ impl Kernel {
             DType::F16 => Some(list[0]),
             DType::BF16 => Some(list[1]),
             DType::F32 => Some(list[2]),
-            DType::I32 => None,
+            _ => None,
         }
     }
 

@@ -532,8 +532,12 @@ impl Backend for VulkanBackend {
 }
 
 /// Whether the Vulkan kernels implement `op` for these dtypes: the graph's rule
-/// ([`Op::accepts`]), except that the products write f32 only.
+/// ([`Op::accepts`]), except that the products write f32 only and block (quantized) sources
+/// are not read yet.
 pub fn vulkan_supports_op(op: &Op, dst: DType, srcs: &[DType]) -> bool {
+    if srcs.iter().any(|s| s.is_quantized()) {
+        return false;
+    }
     let narrowed = match op {
         Op::MulMat | Op::MulMatId => dst == DType::F32,
         _ => true,
@@ -561,6 +565,8 @@ mod tests {
             F32,
             &[F16, F16, I32, F32]
         ));
+        assert!(Op::MulMat.accepts(F32, &[F32, DType::Q4_0]));
+        assert!(!vulkan_supports_op(&Op::MulMat, F32, &[F32, DType::Q4_0]));
         let others: [(Op, DType, &[DType]); 12] = [
             (Op::Add, F32, &[F32, F16]),
             (Op::Add, F32, &[F32]),

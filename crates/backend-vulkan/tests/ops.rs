@@ -156,6 +156,7 @@ fn encode(dtype: DType, vals: &[f32]) -> Vec<u8> {
             .iter()
             .flat_map(|x| (*x as i32).to_le_bytes())
             .collect(),
+        q => panic!("{q}: block dtypes have no element encoding"),
     }
 }
 
@@ -167,6 +168,7 @@ fn decode(dtype: DType, b: &[u8], i: usize) -> f64 {
         DType::F16 => f16::from_le_bytes([w[0], w[1]]).to_f64(),
         DType::BF16 => bf16::from_le_bytes([w[0], w[1]]).to_f64(),
         DType::I32 => i32::from_le_bytes([w[0], w[1], w[2], w[3]]) as f64,
+        q => panic!("{q}: block dtypes have no element decoding"),
     }
 }
 

@@ -16,7 +16,9 @@ impl BufferId {
 }
 
 /// A tensor resolved to memory: element `[0, .., 0]` sits at `byte_offset` of `buffer`, and the
-/// element at index `i` at `byte_offset + sum(i_k * strides[k]) * dtype.size_bytes()`.
+/// element at index `i` at `byte_offset + sum(i_k * strides[k]) * dtype.size_bytes()`. For a
+/// block (quantized) dtype, offsets count elements of whole rows and the block holding element
+/// offset `e` starts at `byte_offset + dtype.checked_bytes(e)` (`lowsync_graph::DType`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct TensorRef {
     pub buffer: BufferId,
@@ -48,8 +50,9 @@ impl TensorRef {
             .try_fold(0usize, |acc, (&d, &s)| {
                 acc.checked_add((d - 1).checked_mul(s)?)
             })?
-            .checked_add(1)?
-            .checked_mul(self.dtype.size_bytes())
+            .checked_add(1)
+            // Whole blocks for a block dtype (`None`, failing every bounds check, otherwise).
+            .and_then(|e| self.dtype.checked_bytes(e))
     }
 
     /// [`TensorRef::checked_byte_extent`], saturating at `usize::MAX`: a layout whose extent
@@ -159,6 +162,17 @@ mod tests {
             shape,
             strides,
         }
+    }
+
+    #[test]
+    fn byte_extent_of_a_transposed_quantized_weight_is_its_blocks() {
+        let mut t = tref(vec![64, 3], vec![1, 64]);
+        t.dtype = DType::Q4_0;
+        assert_eq!(t.byte_extent(), 3 * 2 * 18);
+        // A layout that ends inside a block has no byte size.
+        let mut cut = tref(vec![48], vec![1]);
+        cut.dtype = DType::Q4_0;
+        assert_eq!(cut.checked_byte_extent(), None);
     }
 
     #[test]

@@ -9,7 +9,7 @@ use pyo3::types::PyTuple;
 
 use crate::convert;
 use crate::errors::{graph_err, input_err};
-use crate::numpy_io::{array_bytes, parse_dtype};
+use crate::numpy_io::{array_bytes, block_bytes, parse_dtype};
 
 /// A graph under construction.
 #[pyclass(name = "Graph", module = "lowsync._native")]
@@ -101,18 +101,41 @@ impl PyGraph {
         op(slf, |g| g.input(name, &shape, dt))
     }
 
-    /// A constant tensor (data copied), optionally pinned to a backend.
-    #[pyo3(signature = (name, data, backend = None, dtype = None))]
+    /// A constant tensor (data copied), optionally pinned to a backend. A block (quantized)
+    /// dtype takes raw blocks and the logical `shape` (see `numpy_io::block_bytes`).
+    #[pyo3(signature = (name, data, backend = None, dtype = None, shape = None))]
     fn weight(
         slf: &Bound<'_, Self>,
         name: &str,
         data: &Bound<'_, PyAny>,
         backend: Option<String>,
         dtype: Option<&str>,
+        shape: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyTensor> {
+        let shape = shape
+            .map(|s| convert::shape(s, "weight", &format!("`{name}`")))
+            .transpose()?;
+        if let Some(dt) = dtype
+            .map(parse_dtype)
+            .transpose()?
+            .filter(|d| d.is_quantized())
+        {
+            let (bytes, shape) = block_bytes(data, dt, shape, name)?;
+            return op(slf, |g| {
+                g.weight(name, &shape, dt, Arc::from(bytes), backend)
+            });
+        }
         let arr = data
             .cast::<PyUntypedArray>()
             .map_err(|_| input_err(format!("weight `{name}`: data must be a numpy array")))?;
+        if shape.as_deref().is_some_and(|s| s != arr.shape()) {
+            return Err(input_err(format!(
+                "weight `{name}`: shape {:?} differs from the array's {:?} (only block dtypes \
+                 take a logical shape)",
+                shape.unwrap_or_default(),
+                arr.shape()
+            )));
+        }
         let shape = arr.shape().to_vec();
         let dt = match dtype {
             Some(d) => parse_dtype(d)?,

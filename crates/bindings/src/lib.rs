@@ -19,7 +19,7 @@ use std::sync::Arc;
 use lowsync_backend::{Backend, Readback, StatsSnapshot};
 use lowsync_graph::DType;
 use lowsync_scheduler::{Plan, Sched, SyncPolicy};
-use numpy::{PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -131,6 +131,39 @@ impl PyContext {
             total = total.add(&b.stats().snapshot());
         }
         total.fields().into_iter().map(|(_, v)| v).collect()
+    }
+
+    /// Whether the context's backends (every one, or the one called `backend`) implement
+    /// `op` (an op name such as "mul_mat") with result dtype `dst` over sources `srcs`. The
+    /// model builder asks this before it keeps a weight quantized.
+    #[pyo3(signature = (op, dst, srcs, backend = None))]
+    fn supports(
+        &self,
+        op: &str,
+        dst: &str,
+        srcs: Vec<String>,
+        backend: Option<&str>,
+    ) -> PyResult<bool> {
+        let op = lowsync_graph::Op::from_name(op)
+            .ok_or_else(|| input_err(format!("supports: unknown op `{op}`")))?;
+        let dst = numpy_io::parse_dtype(dst)?;
+        let srcs = srcs
+            .iter()
+            .map(|s| numpy_io::parse_dtype(s))
+            .collect::<PyResult<Vec<DType>>>()?;
+        let backends = self.sched.backends();
+        if let Some(name) = backend {
+            if !backends.iter().any(|b| b.name() == name) {
+                return Err(input_err(format!(
+                    "supports: backend `{name}` is not in this context ({:?})",
+                    self.backends()
+                )));
+            }
+        }
+        Ok(backends
+            .iter()
+            .filter(|b| backend.is_none_or(|n| b.name() == n))
+            .all(|b| b.supports_op(&op, dst, &srcs)))
     }
 
     /// Zeroes every counter.
@@ -333,6 +366,55 @@ fn cuda_fusion_plan(plan: PyRef<'_, PyPlan>, split: usize) -> PyResult<Vec<Strin
     registry::cuda_fusion_plan(p.exec_graph(split, 0)).map_err(backend_err)
 }
 
+/// The f32 values of raw blocks of a block dtype (see `numpy_io::block_bytes` for `data` and
+/// `shape`), by the CPU backend's reference dequantization.
+#[pyfunction]
+#[pyo3(signature = (data, dtype, shape = None))]
+fn dequantize<'py>(
+    py: Python<'py>,
+    data: &Bound<'py, PyAny>,
+    dtype: &str,
+    shape: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let dt = numpy_io::parse_dtype(dtype)?;
+    if !dt.is_quantized() {
+        return Err(input_err(format!(
+            "dequantize: {dt} is not a block (quantized) dtype"
+        )));
+    }
+    let shape = shape
+        .map(|s| convert::shape(s, "dequantize", "the result"))
+        .transpose()?;
+    let (bytes, shape) = numpy_io::block_bytes(data, dt, shape, "dequantize")?;
+    let n = lowsync_graph::tensor_bytes(&shape, dt)
+        .filter(|&b| b == bytes.len())
+        .map(|_| shape.iter().product::<usize>())
+        .ok_or_else(|| {
+            input_err(format!(
+                "dequantize: {} bytes are not the {dt} blocks of shape {shape:?}",
+                bytes.len()
+            ))
+        })?;
+    let mut out: Vec<f32> = Vec::new();
+    out.try_reserve_exact(n).map_err(|_| {
+        backend_err(lowsync_backend::Error::OutOfMemory {
+            device: "host".into(),
+            what: format!("{n} dequantized values"),
+            bytes: n.saturating_mul(4),
+        })
+    })?;
+    out.resize(n, 0.0);
+    let dst = &mut out;
+    detach::run(
+        py,
+        || lowsync_cpu::kernels::dequantize(dt, &bytes, dst),
+        |e| input_err(format!("dequantize: {e}")),
+    )?;
+    Ok(numpy::PyArray1::from_vec(py, out)
+        .reshape(shape)?
+        .into_any())
+}
+
 /// Backends that can be created on this machine.
 #[pyfunction]
 fn available_backends() -> Vec<String> {
@@ -398,6 +480,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPlan>()?;
     m.add_class::<PendingOutput>()?;
     m.add_function(wrap_pyfunction!(available_backends, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_fusion_plan, m)?)?;
     m.add_function(wrap_pyfunction!(stat_names, m)?)?;
     m.add_function(wrap_pyfunction!(env_flag, m)?)?;

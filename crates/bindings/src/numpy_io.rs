@@ -86,6 +86,12 @@ pub fn write_array(
         DType::F16 => copy_typed::<f16>(arr, dst)?,
         DType::I32 => copy_typed::<i32>(arr, dst)?,
         DType::BF16 => copy_f32_as_bf16(arr, dst)?,
+        q => {
+            return Err(input_err(format!(
+                "{kind} `{name}` has the block dtype {q}: only weights hold blocks \
+                 (Graph.weight with raw bytes)"
+            )))
+        }
     };
     if done {
         return Ok(());
@@ -97,6 +103,7 @@ pub fn write_array(
             DType::F32 | DType::BF16 => "float32",
             DType::F16 => "float16",
             DType::I32 => "int32",
+            _ => "uint8 blocks",
         }
     )))
 }
@@ -105,7 +112,7 @@ pub fn write_array(
 /// addressed is a `GraphError`, one the host cannot hold a `BackendError` (never an abort).
 pub fn array_bytes(arr: &Bound<'_, PyUntypedArray>, dt: DType, name: &str) -> PyResult<Vec<u8>> {
     let shape = arr.shape();
-    let Some(n) = lowsync_graph::shape_bytes(shape, dt.size_bytes()) else {
+    let Some(n) = lowsync_graph::tensor_bytes(shape, dt) else {
         return Err(graph_err(lowsync_graph::Error::Shape {
             op: "weight",
             msg: format!("`{name}` of shape {shape:?} ({dt}) is too large to address"),
@@ -144,5 +151,65 @@ pub fn to_array<'py>(
                 .collect();
             Ok(numpy::PyArray1::from_vec(py, v).reshape(shape)?.into_any())
         }
+        // The graph builder refuses block-dtype outputs.
+        q => Err(input_err(format!(
+            "a {q} tensor cannot be read as numpy values"
+        ))),
     }
+}
+
+/// The raw blocks of a block-dtype weight and its logical shape. `data` is a uint8 numpy array
+/// (any layout, read in C order) or any object with a byte buffer (`bytes`, `memoryview`,
+/// `bytearray`). The logical shape is `shape` when given; else, for a uint8 array of GGUF's
+/// byte shape `[..., row_bytes]`, that shape with its last axis counted in elements.
+pub fn block_bytes(
+    data: &Bound<'_, PyAny>,
+    dt: DType,
+    shape: Option<Vec<usize>>,
+    name: &str,
+) -> PyResult<(Vec<u8>, Vec<usize>)> {
+    let bad = |msg: String| input_err(format!("weight `{name}` ({dt}): {msg}"));
+    let buf = pyo3::buffer::PyBuffer::<u8>::get(data).map_err(|_| {
+        let what = data
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default();
+        let numpy = data
+            .cast::<PyUntypedArray>()
+            .ok()
+            .and_then(|a| a.dtype().str().ok().map(|s| s.to_string()));
+        bad(format!(
+            "raw blocks must be a uint8 numpy array, bytes or a memoryview of bytes, got {}",
+            numpy.map_or(what, |d| format!("a numpy array of dtype {d}"))
+        ))
+    })?;
+    let shape = match shape {
+        Some(s) => s,
+        None => {
+            let byte_shape = buf.shape().to_vec();
+            let (bb, bs) = (dt.block_bytes(), dt.block_size());
+            match byte_shape.split_last() {
+                Some((&row, lead))
+                    if buf.dimensions() >= 1
+                        && row.is_multiple_of(bb)
+                        && data.cast::<PyUntypedArray>().is_ok() =>
+                {
+                    lead.iter().copied().chain([row / bb * bs]).collect()
+                }
+                _ => {
+                    return Err(bad(format!(
+                        "pass `shape=` (the logical shape in elements) with data of byte shape \
+                         {byte_shape:?}; only a uint8 array whose last axis is whole {bb}-byte \
+                         blocks gives it"
+                    )))
+                }
+            }
+        }
+    };
+    let n = buf.item_count();
+    let mut out = lowsync_backend::host_zeroed(n, || format!("weight `{name}` ({n} bytes)"))
+        .map_err(backend_err)?;
+    buf.copy_to_slice(data.py(), &mut out)?;
+    Ok((out, shape))
 }

@@ -3,7 +3,7 @@
 /// Errors raised while building or validating a graph. Each names the op and the shapes.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum Error {
-    #[error("unknown dtype `{0}` (supported: f32, f16, bf16, i32)")]
+    #[error("unknown dtype `{0}` (supported: f32, f16, bf16, i32, and the block types q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs)")]
     UnknownDType(String),
     #[error("{op}: {msg}")]
     Shape { op: &'static str, msg: String },

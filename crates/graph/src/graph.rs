@@ -11,14 +11,21 @@
 //!
 //! Invariants: node and leaf counts depend only on the calls made, never on data (S2); every
 //! layout of a view stays inside its root; every tensor's bytes and strides fit in `isize::MAX`
-//! ([`shape_bytes`]), so no size computed from a graph wraps around (a wrapped size would let a
+//! ([`tensor_bytes`]), so no size computed from a graph wraps around (a wrapped size would let a
 //! kernel read outside its buffer).
+//!
+//! Block (quantized) dtypes are weights only: a quantized leaf is made by [`Graph::weight`]
+//! with its last axis a positive whole number of blocks, every view of it keeps rows whole
+//! ([`quant_layout_ok`]: transposes, reshapes of leading axes, row slices), and it is read
+//! only as the right operand of `mul_mat` (blocks along the reduction axis: `x @ w.T`), the
+//! table of `get_rows` and the experts of `mul_mat_id`. It is never an input, state, output,
+//! or the source of `cpy`/`concat`.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::layout::{broadcast_shapes, shape_bytes, Layout};
+use crate::layout::{broadcast_shapes, quant_block_axis, quant_layout_ok, tensor_bytes, Layout};
 use crate::{DType, Op, RopeMode};
 
 /// Index of a tensor in its graph.
@@ -50,9 +57,12 @@ impl TensorInfo {
         &self.layout.shape
     }
 
-    /// Bytes the tensor's own storage needs (its root's layout extent).
+    /// Bytes of the tensor's elements packed (whole blocks for a block dtype; saturating at
+    /// `usize::MAX` for a layout no builder admits).
     pub fn nbytes(&self) -> usize {
-        self.layout.numel() * self.dtype.size_bytes()
+        self.dtype
+            .checked_bytes(self.layout.numel())
+            .unwrap_or(usize::MAX)
     }
 }
 
@@ -81,9 +91,25 @@ fn dtype_err(op: &'static str, msg: String) -> Error {
     Error::DType { op, msg }
 }
 
-/// The bytes of a tensor of `shape` and `dtype`, or the error of `op` saying it is too large.
+/// The bytes of a tensor of `shape` and `dtype`, or the error of `op` saying why it cannot
+/// exist (rows of a block dtype that are not whole blocks, or too large to address).
 fn checked_bytes(op: &'static str, what: &str, shape: &[usize], dtype: DType) -> Result<usize> {
-    shape_bytes(shape, dtype.size_bytes()).ok_or_else(|| {
+    if dtype.is_quantized() {
+        let bs = dtype.block_size();
+        match shape.last() {
+            Some(&k) if k > 0 && k.is_multiple_of(bs) => {}
+            _ => {
+                return Err(shape_err(
+                    op,
+                    format!(
+                        "{what} of shape {shape:?} ({dtype}): a {dtype} tensor needs a last axis \
+                         that is a positive multiple of its block size {bs}"
+                    ),
+                ))
+            }
+        }
+    }
+    tensor_bytes(shape, dtype).ok_or_else(|| {
         shape_err(
             op,
             format!(
@@ -92,6 +118,20 @@ fn checked_bytes(op: &'static str, what: &str, shape: &[usize], dtype: DType) ->
             ),
         )
     })
+}
+
+/// Refuses a block dtype where only plain ones may go.
+fn plain(op: &'static str, what: &str, dtype: DType) -> Result<()> {
+    if dtype.is_quantized() {
+        return Err(dtype_err(
+            op,
+            format!(
+                "{what} cannot be {dtype}: quantized tensors are weights, read by mul_mat (as \
+                 `x @ w.T`), get_rows and mul_mat_id"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl Graph {
@@ -192,10 +232,12 @@ impl Graph {
 
     /// A tensor the host writes every step.
     pub fn input(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<TensorId> {
+        plain("input", &format!("input `{name}`"), dtype)?;
         self.leaf(Op::Input, name, shape, dtype)
     }
 
-    /// A constant tensor, optionally pinned to a backend by name.
+    /// A constant tensor, optionally pinned to a backend by name. For a block dtype `shape` is
+    /// the logical shape (elements) and `bytes` the raw blocks, row after row.
     pub fn weight(
         &mut self,
         name: &str,
@@ -224,6 +266,7 @@ impl Graph {
 
     /// State kept across steps (zero-initialised), e.g. a KV cache written with `set_rows`.
     pub fn persistent(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<TensorId> {
+        plain("persistent", &format!("persistent `{name}`"), dtype)?;
         self.leaf(Op::Persistent, name, shape, dtype)
     }
 
@@ -254,7 +297,7 @@ impl Graph {
 
     /// Marks a tensor as a named output the host can read after a step.
     pub fn output(&mut self, name: &str, id: TensorId) -> Result<()> {
-        self.check(id)?;
+        plain("output", &format!("output `{name}`"), self.check(id)?.dtype)?;
         self.claim_name(name)?;
         self.outputs.push((name.to_string(), id));
         Ok(())
@@ -267,8 +310,26 @@ impl Graph {
         Ok(())
     }
 
-    fn view(&mut self, src: TensorId, layout: Layout) -> TensorId {
+    fn view(&mut self, op: &'static str, src: TensorId, layout: Layout) -> Result<TensorId> {
         let s = &self.tensors[src.index()];
+        if s.dtype.is_quantized() {
+            let row_len = self.tensors[s.root.index()]
+                .layout
+                .shape
+                .last()
+                .copied()
+                .unwrap_or(0);
+            if !quant_layout_ok(&layout, row_len) {
+                return Err(shape_err(
+                    op,
+                    format!(
+                        "a view of a {} tensor must keep its rows of {row_len} elements whole \
+                         (blocks cannot be split): {:?} -> shape {:?}, strides {:?}",
+                        s.dtype, s.layout.shape, layout.shape, layout.strides
+                    ),
+                ));
+            }
+        }
         let info = TensorInfo {
             name: None,
             dtype: s.dtype,
@@ -277,7 +338,7 @@ impl Graph {
             srcs: vec![src],
             root: s.root,
         };
-        self.push(info)
+        Ok(self.push(info))
     }
 
     // ---- views -----------------------------------------------------------------------------
@@ -309,7 +370,7 @@ impl Graph {
         }
         let mut layout = Layout::contiguous(shape);
         layout.offset = t.layout.offset;
-        Ok(self.view(a, layout))
+        self.view("reshape", a, layout)
     }
 
     /// Reorders axes: result axis `i` is source axis `axes[i]`.
@@ -335,7 +396,7 @@ impl Graph {
             strides: axes.iter().map(|&i| t.layout.strides[i]).collect(),
             offset: t.layout.offset,
         };
-        Ok(self.view(a, layout))
+        self.view("permute", a, layout)
     }
 
     /// Swaps two axes.
@@ -373,7 +434,7 @@ impl Graph {
         let mut layout = t.layout.clone();
         layout.offset += start * layout.strides[axis];
         layout.shape[axis] = stop - start;
-        Ok(self.view(a, layout))
+        self.view("slice", a, layout)
     }
 
     // ---- compute ops -----------------------------------------------------------------------
@@ -384,6 +445,45 @@ impl Graph {
             return Err(dtype_err(
                 op,
                 format!("{what} must be a float tensor, got {}", t.dtype),
+            ));
+        }
+        Ok(t)
+    }
+
+    /// A float tensor, or a block-dtype one whose blocks run along axis `block_axis` (counted
+    /// from the end: 1 is the last axis), the only way kernels read quantized data.
+    fn float_or_quant(
+        &self,
+        op: &'static str,
+        id: TensorId,
+        what: &str,
+        block_axis: usize,
+    ) -> Result<&TensorInfo> {
+        let t = self.check(id)?;
+        if !t.dtype.is_quantized() {
+            return self.float(op, id, what);
+        }
+        let row_len = self.tensors[t.root.index()]
+            .layout
+            .shape
+            .last()
+            .copied()
+            .unwrap_or(0);
+        let rank = t.layout.shape.len();
+        let axis = quant_block_axis(&t.layout, row_len);
+        if rank < block_axis || axis != Some(rank - block_axis) {
+            let want = if block_axis == 1 {
+                "its rows (blocks along the last axis)"
+            } else {
+                "blocks along axis -2 (a transposed weight, as in `x @ w.T`)"
+            };
+            return Err(dtype_err(
+                op,
+                format!(
+                    "{what} of dtype {} and shape {:?} must be read with {want}",
+                    t.dtype,
+                    t.shape()
+                ),
             ));
         }
         Ok(t)
@@ -414,7 +514,7 @@ impl Graph {
 
     /// Rows of `table [n, d]` at `ids` (i32, any shape): result `ids.shape + [d]`, f32.
     pub fn get_rows(&mut self, table: TensorId, ids: TensorId) -> Result<TensorId> {
-        let t = self.float("get_rows", table, "table")?;
+        let t = self.float_or_quant("get_rows", table, "table", 1)?;
         if t.shape().len() != 2 {
             return Err(shape_err(
                 "get_rows",
@@ -430,7 +530,7 @@ impl Graph {
     /// numpy `a @ b` (see [`Op::MulMat`]); result f32.
     pub fn mul_mat(&mut self, a: TensorId, b: TensorId) -> Result<TensorId> {
         let sa = self.float("mul_mat", a, "a")?.shape().to_vec();
-        let sb = self.float("mul_mat", b, "b")?.shape().to_vec();
+        let sb = self.float_or_quant("mul_mat", b, "b", 2)?.shape().to_vec();
         if sa.len() < 2 || sb.len() < 2 {
             return Err(shape_err(
                 "mul_mat",
@@ -601,6 +701,8 @@ impl Graph {
     /// Contiguous copy converted to `dtype` (`cont` when the dtype is unchanged).
     pub fn cpy(&mut self, a: TensorId, dtype: DType) -> Result<TensorId> {
         let t = self.check(a)?;
+        plain("cpy", "the source", t.dtype)?;
+        plain("cpy", "the result", dtype)?;
         if t.dtype.is_float() != dtype.is_float() {
             return Err(dtype_err(
                 "cpy",
@@ -626,6 +728,7 @@ impl Graph {
         if da != db {
             return Err(dtype_err("concat", format!("dtypes differ: {da} and {db}")));
         }
+        plain("concat", "a", da)?;
         let ok = sa.len() == sb.len()
             && axis < sa.len()
             && sa
@@ -748,7 +851,7 @@ impl Graph {
         weights: TensorId,
     ) -> Result<TensorId> {
         let se = self
-            .float("mul_mat_id", experts, "experts")?
+            .float_or_quant("mul_mat_id", experts, "experts", 2)?
             .shape()
             .to_vec();
         let sx = self.float("mul_mat_id", x, "x")?.shape().to_vec();

@@ -13,5 +13,8 @@ pub mod sampling;
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use graph::{mul_mat_batch, Graph, TensorId, TensorInfo, WeightData};
-pub use layout::{broadcast_shapes, contiguous_strides, shape_bytes, Layout};
+pub use layout::{
+    broadcast_shapes, contiguous_strides, quant_block_axis, quant_layout_ok, shape_bytes,
+    tensor_bytes, Layout,
+};
 pub use op::{Op, RopeMode};

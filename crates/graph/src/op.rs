@@ -116,6 +116,40 @@ impl Op {
         }
     }
 
+    /// The op called `name` (as [`Op::name`] spells it), with placeholder parameters: for
+    /// questions that do not depend on them, such as [`Op::accepts`].
+    pub fn from_name(name: &str) -> Option<Op> {
+        const ALL: [Op; 22] = [
+            Op::Input,
+            Op::Weight,
+            Op::Persistent,
+            Op::View,
+            Op::GetRows,
+            Op::MulMat,
+            Op::Add,
+            Op::Mul,
+            Op::Scale { scale: 1.0 },
+            Op::RmsNorm { eps: 1e-5 },
+            Op::Rope {
+                mode: RopeMode::Normal,
+                n_dims: 2,
+                theta_base: 10000.0,
+            },
+            Op::SoftMax { scale: 1.0 },
+            Op::Silu,
+            Op::Gelu,
+            Op::SwiGlu,
+            Op::Cpy,
+            Op::Concat { axis: 0 },
+            Op::SetRows,
+            Op::Argmax,
+            Op::MulMatId,
+            Op::Penalize,
+            Op::Sample,
+        ];
+        ALL.into_iter().find(|op| op.name() == name)
+    }
+
     /// How many sources the op takes; `None` for leaves and views (no kernel runs them).
     pub fn src_count(&self) -> Option<std::ops::RangeInclusive<usize>> {
         Some(match self {
@@ -161,8 +195,12 @@ impl Op {
     /// A backend's `supports_op` is this rule, narrowed where its kernels cover less (Vulkan's
     /// products write f32 only). Leaves and views accept anything; a wrong source count is
     /// refused here, so backends need no arity checks of their own in `supports_op`.
+    ///
+    /// A block (quantized) dtype is accepted only as the weight of `MulMat` (`b`), the table
+    /// of `GetRows` and the experts of `MulMatId`: kernels dequantize those as they read them.
     pub fn accepts(&self, dst: DType, srcs: &[DType]) -> bool {
         let floats = |ds: &[DType]| ds.iter().all(|d| d.is_float());
+        let weight = |d: DType| d.is_float() || d.is_quantized();
         let Some(want) = self.src_count() else {
             return true;
         };
@@ -170,14 +208,24 @@ impl Op {
             return false;
         }
         match self {
-            Op::GetRows => dst.is_float() && srcs[0].is_float() && srcs[1] == DType::I32,
+            Op::GetRows => dst.is_float() && weight(srcs[0]) && srcs[1] == DType::I32,
+            Op::MulMat => dst.is_float() && srcs[0].is_float() && weight(srcs[1]),
             Op::SetRows => dst.is_float() && floats(&srcs[..2]) && srcs[2] == DType::I32,
             Op::Rope { .. } => dst.is_float() && srcs[0].is_float() && srcs[1] == DType::I32,
             Op::Argmax => dst == DType::I32 && floats(srcs),
             Op::MulMatId => {
-                dst.is_float() && floats(&srcs[..2]) && srcs[2] == DType::I32 && srcs[3].is_float()
+                dst.is_float()
+                    && weight(srcs[0])
+                    && srcs[1].is_float()
+                    && srcs[2] == DType::I32
+                    && srcs[3].is_float()
             }
-            Op::Cpy | Op::Concat { .. } => srcs.iter().all(|s| s.is_float() == dst.is_float()),
+            Op::Cpy | Op::Concat { .. } => {
+                !dst.is_quantized()
+                    && srcs
+                        .iter()
+                        .all(|s| !s.is_quantized() && s.is_float() == dst.is_float())
+            }
             Op::Penalize => {
                 dst == DType::F32
                     && srcs[0] == DType::F32
@@ -238,6 +286,29 @@ mod tests {
         assert!(Op::SoftMax { scale: 1.0 }.accepts(DType::F32, &[DType::F32]));
         assert!(Op::SoftMax { scale: 1.0 }.accepts(DType::F32, &[DType::F32, DType::F32]));
         assert!(Op::View.accepts(DType::I32, &[DType::F32]));
+    }
+
+    #[test]
+    fn quantized_sources_are_accepted_only_as_weights() {
+        use DType::{F32, I32, Q4_0, Q6_K};
+        assert!(Op::MulMat.accepts(F32, &[F32, Q4_0]));
+        assert!(!Op::MulMat.accepts(F32, &[Q4_0, F32]));
+        assert!(!Op::MulMat.accepts(Q4_0, &[F32, F32]));
+        assert!(Op::GetRows.accepts(F32, &[Q6_K, I32]));
+        assert!(Op::MulMatId.accepts(F32, &[Q4_0, F32, I32, F32]));
+        assert!(!Op::MulMatId.accepts(F32, &[F32, Q4_0, I32, F32]));
+        assert!(!Op::Add.accepts(F32, &[F32, Q4_0]));
+        assert!(!Op::Cpy.accepts(F32, &[Q4_0]));
+        assert!(!Op::Cpy.accepts(Q4_0, &[I32]));
+        assert!(!Op::Concat { axis: 0 }.accepts(Q4_0, &[Q4_0, Q4_0]));
+        assert!(Op::Weight.accepts(Q4_0, &[]));
+    }
+
+    #[test]
+    fn ops_are_found_by_name() {
+        assert_eq!(Op::from_name("mul_mat"), Some(Op::MulMat));
+        assert!(matches!(Op::from_name("rope"), Some(Op::Rope { .. })));
+        assert_eq!(Op::from_name("matmul"), None);
     }
 
     #[test]

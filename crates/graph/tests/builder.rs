@@ -159,3 +159,85 @@ fn rope_refuses_a_base_that_gives_nan() {
     }
     assert!(g.rope(x, p, RopeMode::Normal, 4, 10000.0).is_ok());
 }
+
+fn q4_0_weight(g: &mut Graph, name: &str, shape: &[usize]) -> lowsync_graph::TensorId {
+    let n: usize = shape.iter().product();
+    let bytes: Arc<[u8]> = vec![0u8; n / 32 * 18].into();
+    g.weight(name, shape, DType::Q4_0, bytes, None).unwrap()
+}
+
+#[test]
+fn quantized_weights_need_whole_blocks_and_exact_bytes() {
+    let mut g = Graph::new();
+    let w = q4_0_weight(&mut g, "w", &[3, 64]);
+    assert_eq!(g.tensor(w).nbytes(), 3 * 2 * 18);
+    let short: Arc<[u8]> = vec![0u8; 3 * 2 * 18 - 1].into();
+    let m = msg(g.weight("w2", &[3, 64], DType::Q4_0, short, None));
+    assert!(m.contains("107 bytes") && m.contains("needs 108"), "{m}");
+    let m = msg(g.weight("w3", &[3, 48], DType::Q4_0, vec![0u8; 54].into(), None));
+    assert!(m.contains("multiple of its block size 32"), "{m}");
+    let m = msg(g.weight("w4", &[], DType::Q4_K, vec![0u8; 144].into(), None));
+    assert!(m.contains("block size 256"), "{m}");
+    // Element strides that would wrap are refused even when the byte count fits.
+    let m = msg(g.weight("w5", &[1 << 58, 256], DType::Q6_K, vec![].into(), None));
+    assert!(m.contains("too large"), "{m}");
+}
+
+#[test]
+fn quantized_tensors_are_weights_only() {
+    let mut g = Graph::new();
+    assert!(msg(g.input("x", &[2, 32], DType::Q8_0)).contains("quantized tensors are weights"));
+    assert!(msg(g.persistent("kv", &[2, 32], DType::Q8_0)).contains("cannot be q8_0"));
+    let w = q4_0_weight(&mut g, "w", &[2, 32]);
+    assert!(msg(g.output("out", w)).contains("output `out` cannot be q4_0"));
+    assert!(msg(g.cpy(w, DType::F32)).contains("cpy"));
+    let x = g.input("f", &[2, 32], DType::F32).unwrap();
+    assert!(msg(g.cpy(x, DType::Q4_0)).contains("cpy"));
+    assert!(msg(g.concat(w, w, 0)).contains("concat"));
+    assert!(msg(g.add(x, w)).contains("float"));
+    assert!(msg(g.rms_norm(w, 1e-5)).contains("float"));
+}
+
+#[test]
+fn quantized_views_keep_rows_whole() {
+    let mut g = Graph::new();
+    let w = q4_0_weight(&mut g, "w", &[4, 6, 64]);
+    // Transposes, reshapes of leading axes and row slices keep rows whole.
+    assert!(g.transpose(w, 1, 2).is_ok());
+    let flat = g.reshape(w, &[24, 64]).unwrap();
+    let rows = g.slice(flat, 0, 3, 9).unwrap();
+    assert_eq!(g.tensor(rows).layout.offset, 3 * 64);
+    assert!(g.slice(w, 1, 1, 2).is_ok());
+    // Splitting a row is refused, whatever the view.
+    assert!(msg(g.slice(w, 2, 0, 32)).contains("rows of 64 elements whole"));
+    assert!(msg(g.reshape(w, &[48, 32])).contains("rows of 64 elements whole"));
+    assert!(msg(g.reshape(w, &[4, 6, 2, 32])).contains("whole"));
+}
+
+#[test]
+fn quantized_weights_are_read_as_x_at_w_t_and_as_tables() {
+    let mut g = Graph::new();
+    let w = q4_0_weight(&mut g, "w", &[10, 64]);
+    let x = g.input("x", &[3, 64], DType::F32).unwrap();
+    let wt = g.transpose(w, 0, 1).unwrap();
+    let y = g.mul_mat(x, wt).unwrap();
+    assert_eq!(g.tensor(y).shape(), &[3, 10]);
+    assert_eq!(g.tensor(y).dtype, DType::F32);
+    // Blocks along the output axis, or the weight on the left: refused.
+    let x10 = g.input("x10", &[3, 10], DType::F32).unwrap();
+    assert!(msg(g.mul_mat(x10, w)).contains("blocks along axis -2"));
+    let xt = g.input("xt", &[64, 3], DType::F32).unwrap();
+    assert!(msg(g.mul_mat(w, xt)).contains("a must be a float tensor"));
+    let ids = g.input("ids", &[2], DType::I32).unwrap();
+    let rows = g.get_rows(w, ids).unwrap();
+    assert_eq!(g.tensor(rows).shape(), &[2, 64]);
+    assert!(msg(g.get_rows(wt, ids)).contains("its rows"));
+    // MoE experts [E, n, k] read as [E, k, n].
+    let e = q4_0_weight(&mut g, "experts", &[4, 8, 64]);
+    let et = g.transpose(e, 1, 2).unwrap();
+    let sel = g.input("sel", &[3, 2], DType::I32).unwrap();
+    let sw = g.input("sw", &[3, 2], DType::F32).unwrap();
+    let out = g.mul_mat_id(et, x, sel, sw).unwrap();
+    assert_eq!(g.tensor(out).shape(), &[3, 8]);
+    assert!(Op::MulMat.accepts(DType::F32, &[DType::F32, DType::Q4_0]));
+}

@@ -79,7 +79,7 @@ pub fn analyze(
         .map(|t| {
             t.layout
                 .checked_extent()
-                .and_then(|e| e.checked_mul(t.dtype.size_bytes()))
+                .and_then(|e| t.dtype.checked_bytes(e))
                 .filter(|&b| b <= MAX_BYTES)
                 .ok_or_else(|| {
                     Error::TooLarge(format!(

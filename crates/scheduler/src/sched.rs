@@ -444,7 +444,7 @@ impl Sched {
                     h.clone()
                 }
                 None => {
-                    let nbytes = t.layout.numel() * t.dtype.size_bytes();
+                    let nbytes = t.nbytes();
                     let usage = if t.op == Op::Weight {
                         BufferUsage::Weights
                     } else {

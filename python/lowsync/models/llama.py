@@ -31,6 +31,11 @@ decodes (launch-ahead feeds it on the device into `tokens`): there `sample_hist`
 sample_hist, reshape(tokens, [1, 1]))` (with N = 1 there is no `sample_hist`). With N = 0
 there is no penalty window: no `penalize`, no `sample_hist`, no `sample_penalty`.
 
+Quantized weights (GGUF block dtypes, `lowsync.quants`) are `uint8` arrays of GGUF's byte shape
+with their dtype in `Llama.dtypes`; they go into the graph as raw blocks with their logical
+shape, and only `get_rows` (the embedding) and the projections read them. A backend without
+quantized kernels gets them widened once (`Llama.prepared_for`).
+
 Invariants: the node and leaf counts are a function of the config and (T, n_ctx, n_out) only —
 never of positions, sequences, shared cells or how many outputs a step wants (S2, invariant 12);
 attention always spans all n_ctx rows and validity travels in `kq_mask`.
@@ -38,6 +43,7 @@ attention always spans all n_ctx rows and validity travels in `kq_mask`.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -46,8 +52,11 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from lowsync._native import Graph, LowsyncError, Tensor
+from lowsync import quants
+from lowsync._native import Context, Graph, LowsyncError, Tensor
 from lowsync.gguf_writer import save_gguf
+
+_log = logging.getLogger("lowsync")
 
 
 class ModelError(LowsyncError, ValueError):
@@ -76,6 +85,8 @@ ARCH_ROPE: dict[str, RopeMode] = {
 }
 
 WEIGHT_DTYPES: tuple[str, ...] = ("f32", "f16", "bf16")
+# Every dtype a weight may have: the plain ones and the GGUF block types.
+ALL_WEIGHT_DTYPES: tuple[str, ...] = WEIGHT_DTYPES + quants.QUANT_DTYPES
 
 
 @dataclass(frozen=True)
@@ -180,6 +191,18 @@ BUILTIN_CONFIGS: dict[str, LlamaConfig] = {
 
 
 def _dtype_of(name: str, data: Array, declared: str | None) -> str:
+    if declared in quants.QUANT_DTYPES:
+        if data.dtype != np.uint8:
+            raise ValueError(
+                f"weight {name!r} is {declared}: its data must be the raw blocks as uint8, got "
+                f"numpy {data.dtype}"
+            )
+        return declared
+    if declared is not None and declared not in WEIGHT_DTYPES:
+        raise ValueError(
+            f"weight {name!r} has dtype {declared!r}; weight dtypes are "
+            f"{', '.join(ALL_WEIGHT_DTYPES)}"
+        )
     if data.dtype == np.float16:
         if declared not in (None, "f16"):
             raise ValueError(f"weight {name!r}: float16 data cannot be {declared}")
@@ -200,9 +223,11 @@ class Llama:
 
     Make one with `Llama.random("tiny", seed=0)` or `lowsync.load_gguf(path)`; run it with
     `lowsync.Session(model)`. `dtypes` maps a weight name to "f32", "f16" or "bf16" (bf16
-    weights are float32 arrays whose values are bf16-representable); it defaults from the
-    arrays' numpy dtypes. `metadata` keeps GGUF tokenizer fields so `save_gguf` can write them
-    back (key -> (value, GGUF value type, array item type)).
+    weights are float32 arrays whose values are bf16-representable), or to a block dtype
+    ("q4_0", "q4_k", ...: the weight is its raw blocks, a uint8 array of GGUF's byte shape
+    `[..., row_bytes]`); it defaults from the arrays' numpy dtypes. `metadata` keeps GGUF
+    tokenizer fields so `save_gguf` can write them back (key -> (value, GGUF value type, array
+    item type)).
 
     Example::
 
@@ -230,11 +255,15 @@ class Llama:
             )
         for n, shape in want.items():
             data = self.weights[n]
+            self.dtypes[n] = dtype = _dtype_of(n, data, self.dtypes.get(n))
+            if dtype in quants.QUANT_DTYPES:
+                shape = quants.byte_shape(shape, dtype)
             if tuple(data.shape) != shape:
+                quant = dtype in quants.QUANT_DTYPES
+                kind = f" (the byte shape of {dtype} blocks)" if quant else ""
                 raise ValueError(
-                    f"weight {n!r} has shape {tuple(data.shape)}, the config needs {shape}"
+                    f"weight {n!r} has shape {tuple(data.shape)}, the config needs {shape}{kind}"
                 )
-            self.dtypes[n] = _dtype_of(n, data, self.dtypes.get(n))
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -243,8 +272,9 @@ class Llama:
         """A model with weights drawn from N(0, 0.02) and norm weights of one.
 
         `name` is a built-in model ("tiny", "small", "1b"; see `BUILTIN_CONFIGS`) or a
-        `LlamaConfig`. `dtype` ("f32", "f16" or "bf16") applies to the matrices; 1-D weights
-        (norms, biases) stay f32, as in GGUF files.
+        `LlamaConfig`. `dtype` ("f32", "f16", "bf16", or a block dtype lowsync quantizes:
+        "q4_0", "q4_1", "q5_0", "q5_1", "q8_0") applies to the matrices; 1-D weights (norms,
+        biases) stay f32, as in GGUF files. Quantizing uses the `gguf` package.
         """
         if isinstance(name, LlamaConfig):
             config, label = name, "custom"
@@ -254,8 +284,26 @@ class Llama:
                     f"unknown built-in model {name!r} (built-in: {', '.join(BUILTIN_CONFIGS)})"
                 )
             config, label = BUILTIN_CONFIGS[name], name
-        if dtype not in WEIGHT_DTYPES:
-            raise ModelError(f"dtype must be one of {WEIGHT_DTYPES}, got {dtype!r}")
+        if dtype not in WEIGHT_DTYPES + quants.QUANTIZABLE:
+            more = (
+                f" (lowsync does not quantize to {dtype}; load such a model from a GGUF file)"
+                if dtype in quants.QUANT_DTYPES
+                else ""
+            )
+            raise ModelError(
+                f"dtype must be one of {WEIGHT_DTYPES + quants.QUANTIZABLE}, got {dtype!r}{more}"
+            )
+        if dtype in quants.QUANTIZABLE:
+            bad = [
+                n
+                for n, s in config.weight_shapes().items()
+                if len(s) == 2 and s[-1] % quants.block_facts(dtype)[0]
+            ]
+            if bad:
+                raise ModelError(
+                    f"cannot make {dtype} weights: the rows of {bad[:4]} are not whole "
+                    f"{quants.block_facts(dtype)[0]}-element blocks"
+                )
         rng = np.random.default_rng(seed)
         weights: dict[str, Array] = {}
         dtypes: dict[str, str] = {}
@@ -271,6 +319,8 @@ class Llama:
                 weights[n], dtypes[n] = w.astype(np.float16), "f16"
             elif dtype == "bf16":
                 weights[n], dtypes[n] = _round_bf16(w), "bf16"
+            elif dtype in quants.QUANTIZABLE:
+                weights[n], dtypes[n] = quants.quantize(w, dtype), dtype
             else:
                 weights[n], dtypes[n] = w, "f32"
         return cls(config, weights, name=label, dtypes=dtypes)
@@ -279,13 +329,63 @@ class Llama:
 
     @property
     def n_params(self) -> int:
-        """Number of weight elements."""
-        return sum(int(w.size) for w in self.weights.values())
+        """Number of weight elements (logical elements for quantized weights)."""
+        return sum(math.prod(s) for s in self.config.weight_shapes().values())
 
     @property
     def weight_type(self) -> str:
-        """The dtype of the projection matrices ("f32", "f16", "bf16"), for reports."""
+        """The dtype of the projection matrices ("f32", "f16", "bf16", "q4_0", ...), for
+        reports."""
         return self.dtypes.get("blk.0.attn_q.weight", "f32")
+
+    def weight_uses(self, name: str) -> list[tuple[str, str, list[str]]]:
+        """How the decoder graph reads weight `name`: `(op, result dtype, source dtypes)` for
+        each op that reads it (what a context is asked before a quantized weight is kept)."""
+        dt = self.dtypes[name]
+        uses: list[tuple[str, str, list[str]]] = []
+        if name == "token_embd.weight":
+            uses.append(("get_rows", "f32", [dt, "i32"]))
+            if self.config.tied_embeddings:
+                uses.append(("mul_mat", "f32", ["f32", dt]))
+        elif len(self.config.weight_shapes()[name]) == 2:
+            uses.append(("mul_mat", "f32", ["f32", dt]))
+        return uses
+
+    def prepared_for(self, context: Context) -> Llama:
+        """This model, or a copy in which every quantized weight some backend of `context`
+        cannot read is widened to f16 (f32 where a value exceeds f16's range).
+
+        Called once per session (`lowsync.Session`), so the widening happens once; it logs one
+        line on the `lowsync` logger naming the weights' types and the backends.
+        """
+        widen = [
+            n
+            for n, dt in self.dtypes.items()
+            if dt in quants.QUANT_DTYPES
+            and not all(context.supports(op, dst, srcs) for op, dst, srcs in self.weight_uses(n))
+        ]
+        if not widen:
+            return self
+        kinds = sorted({self.dtypes[n] for n in widen})
+        _log.info(
+            "lowsync: widening %d quantized weights (%s) of model %r to f16 for backends %s, "
+            "which have no kernels for them",
+            len(widen),
+            ", ".join(kinds),
+            self.name,
+            context.backends,
+        )
+        weights, dtypes = dict(self.weights), dict(self.dtypes)
+        for n in widen:
+            weights[n], dtypes[n] = quants.widen(self.weights[n], self.dtypes[n])
+        return Llama(
+            self.config,
+            weights,
+            name=self.name,
+            dtypes=dtypes,
+            metadata=self.metadata,
+            source=self.source,
+        )
 
     def with_config(self, **changes: Any) -> Llama:
         """The same weights under a config with `changes` applied (e.g. `rope_theta=1e6`)."""
@@ -362,9 +462,18 @@ class _GraphBuilder:
         if made is None:
             data = self.model.weights[name]
             dtype = self.model.dtypes[name]
-            made = self.g.weight(
-                name, data, backend=self.backend, dtype="bf16" if dtype == "bf16" else None
-            )
+            if dtype in quants.QUANT_DTYPES:
+                made = self.g.weight(
+                    name,
+                    data,
+                    backend=self.backend,
+                    dtype=dtype,
+                    shape=self.cfg.weight_shapes()[name],
+                )
+            else:
+                made = self.g.weight(
+                    name, data, backend=self.backend, dtype="bf16" if dtype == "bf16" else None
+                )
             self._made[name] = made
         return made
 

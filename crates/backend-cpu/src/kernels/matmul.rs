@@ -22,6 +22,9 @@
 //! and dtypes; gemm itself never splits the k reduction across threads. Results are therefore
 //! bit-identical for any thread count (tests check this).
 //!
+//! A block-dtype (quantized) right operand goes to `quant::matmul`, one product per output
+//! batch (per used expert for `MulMatId`), with the activations as contiguous f32 rows.
+//!
 //! `MulMatId` groups the `(token, slot)` pairs by expert, runs one product per used expert
 //! over the gathered token rows, and adds `w * row` into the output in expert order, then
 //! slot order: deterministic and independent of threading.
@@ -34,6 +37,7 @@ use rayon::prelude::*;
 
 use super::copy::{copy_strided, copy_strided_on};
 use super::par::Threads;
+use super::quant;
 use super::rows::checked_indices;
 use super::view::Strided;
 use super::{float_dst, float_src, kernel_err};
@@ -270,7 +274,9 @@ fn fill_zero(dst: &Strided) {
 pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) -> Result<()> {
     float_dst(node, dst)?;
     float_src(node, "a", a)?;
-    float_src(node, "b", b)?;
+    if !b.dtype().is_quantized() {
+        float_src(node, "b", b)?;
+    }
     let (ra, rb) = (a.rank(), b.rank());
     if ra < 2 || rb < 2 {
         return Err(kernel_err(
@@ -313,6 +319,9 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
     if k == 0 {
         fill_zero(dst);
         return Ok(());
+    }
+    if b.dtype().is_quantized() {
+        return mul_mat_quant(node, dst, a, b, &want[..nb], (m, n, k));
     }
     let (mut a_buf, mut b_buf) = (Vec::new(), Vec::new());
     let a32 = as_f32(node, a, &mut a_buf)?;
@@ -381,6 +390,39 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
     Ok(())
 }
 
+/// `dst = a @ b` for a block-dtype `b`: one `quant::matmul` per output batch.
+fn mul_mat_quant(
+    node: &ExecNode,
+    dst: &Strided,
+    a: &Strided,
+    b: &Strided,
+    batch: &[usize],
+    (m, n, k): (usize, usize, usize),
+) -> Result<()> {
+    let nb = batch.len();
+    let n_batches: usize = batch.iter().product();
+    let mut out = vec![0.0f32; m * n];
+    for bi in 0..n_batches {
+        let mut idx = vec![0; nb];
+        let mut rem = bi;
+        for i in (0..nb).rev() {
+            idx[i] = rem % batch[i];
+            rem /= batch[i];
+        }
+        let am = matrix_at(a, &batch_index(a, batch, &idx));
+        let bm = matrix_at(b, &batch_index(b, batch, &idx));
+        let (Some(am), Some(bm)) = (am, bm) else {
+            return Err(kernel_err(node, format!("batch {idx:?} out of range")));
+        };
+        let x = quant::rows_f32(&am);
+        quant::matmul(node, &x, (m, n, k), &bm, &mut out)?;
+        for (r, row) in out.chunks_exact(n).enumerate() {
+            dst.write_row(bi * m + r, 0..n, row);
+        }
+    }
+    Ok(())
+}
+
 /// `dst[t] = sum_j w[t, j] * (x[t] @ experts[ids[t, j]])`.
 pub(super) fn mul_mat_id(
     node: &ExecNode,
@@ -391,7 +433,9 @@ pub(super) fn mul_mat_id(
     w: &Strided,
 ) -> Result<()> {
     float_dst(node, dst)?;
-    float_src(node, "experts", experts)?;
+    if !experts.dtype().is_quantized() {
+        float_src(node, "experts", experts)?;
+    }
     float_src(node, "x", x)?;
     float_src(node, "weights", w)?;
     let (se, sx, si, sw) = (experts.shape(), x.shape(), ids.shape(), w.shape());
@@ -442,27 +486,31 @@ pub(super) fn mul_mat_id(
             let we = experts
                 .index_axis(0, e)
                 .ok_or_else(|| kernel_err(node, format!("expert {e} out of range")))?;
-            let b = if c <= STREAM_MAX_M {
-                we
-            } else {
-                as_f32(node, &we, &mut b_buf)?
-            };
             let mut ye = vec![0.0f32; c * n];
-            let expert = Group {
-                b,
-                parts: vec![(
-                    Mat {
-                        ptr: xe.as_ptr(),
-                        rs: k_is,
-                        cs: 1,
-                    },
-                    Out {
-                        ptr: ye.as_mut_ptr(),
-                        rs: n_is,
-                    },
-                )],
-            };
-            run_groups(node, std::slice::from_ref(&expert), (c, n, k));
+            if we.dtype().is_quantized() {
+                quant::matmul(node, &xe, (c, n, k), &we, &mut ye)?;
+            } else {
+                let b = if c <= STREAM_MAX_M {
+                    we
+                } else {
+                    as_f32(node, &we, &mut b_buf)?
+                };
+                let expert = Group {
+                    b,
+                    parts: vec![(
+                        Mat {
+                            ptr: xe.as_ptr(),
+                            rs: k_is,
+                            cs: 1,
+                        },
+                        Out {
+                            ptr: ye.as_mut_ptr(),
+                            rs: n_is,
+                        },
+                    )],
+                };
+                run_groups(node, std::slice::from_ref(&expert), (c, n, k));
+            }
             for (y, &(t, j)) in ye.chunks_exact(n).zip(group) {
                 let wt = weights[t * slots + j];
                 out[t * n..(t + 1) * n]

@@ -19,7 +19,8 @@
 //!
 //! Modules: `elementwise` (add, mul, scale, silu, gelu, swiglu), `norm` (rms_norm),
 //! `softmax`, `rope`, `argmax`, `rows` (get_rows, set_rows), `copy` (cpy, concat and
-//! the strided copy engine), `matmul` (mul_mat, mul_mat_id).
+//! the strided copy engine), `matmul` (mul_mat, mul_mat_id), `quant` (block-dtype weights:
+//! the scalar dequantization oracle, get_rows and the products over quantized weights).
 
 mod argmax;
 mod copy;
@@ -27,6 +28,7 @@ mod elementwise;
 mod matmul;
 mod norm;
 mod par;
+mod quant;
 mod rope;
 mod rows;
 mod sample;
@@ -41,6 +43,45 @@ use lowsync_graph::Op;
 
 use crate::memory::Mem;
 use view::Strided;
+
+/// Dequantizes `bytes`, whole blocks of the block dtype `dt`, into the `out.len()` values
+/// they hold, with the scalar reference every quantized kernel is checked against
+/// (bit-exact with `gguf.quants.dequantize`); in parallel over rows of blocks above a size
+/// threshold. An error (nothing written) when `dt` is not a block dtype or the byte count
+/// is not exactly that of `out.len()` elements.
+pub fn dequantize(
+    dt: lowsync_graph::DType,
+    bytes: &[u8],
+    out: &mut [f32],
+) -> std::result::Result<(), String> {
+    if !dt.is_quantized() {
+        return Err(format!("{dt} is not a block (quantized) dtype"));
+    }
+    if dt.checked_bytes(out.len()) != Some(bytes.len()) {
+        return Err(format!(
+            "{} bytes do not hold {} elements of {dt} ({} elements of {} bytes per block)",
+            bytes.len(),
+            out.len(),
+            dt.block_size(),
+            dt.block_bytes()
+        ));
+    }
+    // Chunks of whole blocks: about par::JOB_ELEMS elements each.
+    let blocks = (par::JOB_ELEMS / dt.block_size()).max(1);
+    let (elems, nbytes) = (blocks * dt.block_size(), blocks * dt.block_bytes());
+    let job = |(o, b): (&mut [f32], &[u8])| quant::scalar::dequantize_row(dt, b, o);
+    if out.len() <= par::PAR_MIN_ELEMS {
+        out.chunks_mut(elems)
+            .zip(bytes.chunks(nbytes))
+            .for_each(job);
+    } else {
+        use rayon::prelude::*;
+        out.par_chunks_mut(elems)
+            .zip(bytes.par_chunks(nbytes))
+            .for_each(job);
+    }
+    Ok(())
+}
 
 /// Runs one compute node: reads `node.srcs`, writes `node.dst`.
 ///

@@ -48,7 +48,9 @@ pub(super) fn get_rows(
     ids: &Strided,
 ) -> Result<()> {
     float_dst(node, dst)?;
-    float_src(node, "table", table)?;
+    if !table.dtype().is_quantized() {
+        float_src(node, "table", table)?;
+    }
     let want: Vec<usize> = ids
         .shape()
         .iter()
@@ -70,6 +72,9 @@ pub(super) fn get_rows(
     let rows = checked_indices(node, "ids", ids, n, "a table")?;
     if d == 0 {
         return Ok(());
+    }
+    if table.dtype().is_quantized() {
+        return super::quant::get_rows(node, dst, table, &rows, d);
     }
     for_each_row(
         rows.len(),

@@ -92,6 +92,9 @@ impl Elem for bf16 {
 /// Invariant: for every index `i` inside `shape`, the element at
 /// `ptr + sum(i_k * strides[k]) * dtype.size_bytes()` is valid for reads for the duration of
 /// the kernel (and for writes when the view is a destination). No alignment is guaranteed.
+/// For a block (quantized) dtype, element offsets count elements and a view keeps rows whole
+/// (`lowsync_graph::quant_layout_ok`): the block holding element offset `e` starts at byte
+/// `(e / block_size) * block_bytes`, and every block reached that way is valid for reads.
 #[derive(Clone, Debug)]
 pub(crate) struct Strided {
     ptr: *mut u8,
@@ -244,7 +247,37 @@ impl Strided {
         match self.dtype {
             DType::F32 | DType::I32 => self.ptr.cast::<u32>().is_aligned(),
             DType::F16 | DType::BF16 => self.ptr.cast::<u16>().is_aligned(),
+            // Blocks are read byte-wise.
+            _ => true,
         }
+    }
+
+    /// Bytes from the base to element offset `elems` (a block start for block dtypes).
+    fn byte_offset_of(&self, elems: usize) -> Option<usize> {
+        if self.dtype.is_quantized() {
+            self.dtype.checked_bytes(elems)
+        } else {
+            elems.checked_mul(self.dtype.size_bytes())
+        }
+    }
+
+    /// The raw blocks of row `i` along `axis` of a 2-D block-dtype view whose other axis is
+    /// its block axis (stride 1, whole rows): `table[i, :]` of a `get_rows` table (`axis`
+    /// 0), or column `i` of a transposed weight `w.T` (`axis` 1). `None` for any other view.
+    pub(crate) fn quant_row(&self, axis: usize, i: usize) -> Option<&[u8]> {
+        if !self.dtype.is_quantized() || self.rank() != 2 || axis > 1 || i >= self.shape[axis] {
+            return None;
+        }
+        let other = 1 - axis;
+        if self.strides[other] != 1 {
+            return None;
+        }
+        let off = self.byte_offset_of(i.checked_mul(self.strides[axis])?)?;
+        let len = self.dtype.row_bytes(self.shape[other])?;
+        // SAFETY: row `i` is in shape and its elements are contiguous along the block axis,
+        // starting at a block boundary (whole rows, type invariant); its `len` bytes of blocks
+        // are valid reads for the kernel's duration, and nothing writes weights meanwhile.
+        Some(unsafe { std::slice::from_raw_parts(self.ptr.add(off), len) })
     }
 
     /// Whether the elements are packed row-major.
@@ -297,7 +330,7 @@ impl Strided {
         // An empty slice may start one past the end: keep the address computation wrapping.
         let ptr = self
             .ptr
-            .wrapping_add(start * self.strides[axis] * self.dtype.size_bytes());
+            .wrapping_add(self.byte_offset_of(start * self.strides[axis])?);
         // SAFETY: indices of the slice are indices of `self` shifted by `start` along `axis`.
         Some(unsafe { Strided::from_raw(ptr, self.dtype, shape, self.strides.clone()) })
     }
@@ -336,18 +369,18 @@ impl Strided {
     /// Copies the bytes this view reaches into a private buffer and returns a view of the copy
     /// with the same strides, so that writes to the original memory no longer affect it.
     pub(crate) fn detach(&self) -> (Vec<u64>, Strided) {
-        let size = self.dtype.size_bytes();
         let extent = if self.numel() == 0 {
             0
         } else {
-            (self
+            let elems = self
                 .shape
                 .iter()
                 .zip(&self.strides)
                 .map(|(&d, &s)| (d - 1) * s)
                 .sum::<usize>()
-                + 1)
-                * size
+                + 1;
+            // Resolved views reach whole blocks (type invariant), so this is `Some`.
+            self.byte_offset_of(elems).unwrap_or(0)
         };
         let mut buf = vec![0u64; extent.div_ceil(8)];
         let dst: *mut u8 = buf.as_mut_ptr().cast();
@@ -389,7 +422,7 @@ impl Strided {
                 DType::F32 => read_run::<f32>(self.ptr, off, stride, out),
                 DType::F16 => read_run::<f16>(self.ptr, off, stride, out),
                 DType::BF16 => read_run::<bf16>(self.ptr, off, stride, out),
-                DType::I32 => debug_assert!(false, "read_row on an i32 view"),
+                _ => debug_assert!(false, "read_row on a {} view", self.dtype),
             }
         }
     }
@@ -409,7 +442,7 @@ impl Strided {
                 DType::F32 => write_run::<f32>(self.ptr, off, stride, src),
                 DType::F16 => write_run::<f16>(self.ptr, off, stride, src),
                 DType::BF16 => write_run::<bf16>(self.ptr, off, stride, src),
-                DType::I32 => debug_assert!(false, "write_row on an i32 view"),
+                _ => debug_assert!(false, "write_row on a {} view", self.dtype),
             }
         }
     }
@@ -445,7 +478,7 @@ impl Strided {
     /// Copies elements `cols` of row `r` of `src` into row `dr` of `self` without conversion
     /// (equal dtypes; any dtype, i32 included). Only for destination views.
     pub(crate) fn copy_row_raw(&self, dr: usize, src: &Strided, sr: usize, cols: Range<usize>) {
-        if self.dtype != src.dtype {
+        if self.dtype != src.dtype || self.dtype.is_quantized() {
             debug_assert!(
                 false,
                 "copy_row_raw between {} and {}",

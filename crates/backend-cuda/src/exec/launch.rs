@@ -57,6 +57,8 @@ pub(crate) fn dt(d: DType) -> i32 {
         DType::F16 => 1,
         DType::BF16 => 2,
         DType::I32 => 3,
+        // Block dtypes never reach a kernel: `cuda_supports_op` refuses them.
+        _ => -1,
     }
 }
 

@@ -71,6 +71,7 @@ pub fn encode(dtype: DType, values: &[f32]) -> Vec<u8> {
             DType::F16 => out.extend(f16::from_f32(v).to_bits().to_ne_bytes()),
             DType::BF16 => out.extend(bf16::from_f32(v).to_bits().to_ne_bytes()),
             DType::I32 => out.extend((v as i32).to_ne_bytes()),
+            q => panic!("{q}: block dtypes have no element encoding"),
         }
     }
     out
@@ -84,6 +85,7 @@ pub fn decode_one(dtype: DType, bytes: &[u8], at: usize) -> f64 {
         DType::F16 => f16::from_bits(u16::from_ne_bytes([b[0], b[1]])).to_f64(),
         DType::BF16 => bf16::from_bits(u16::from_ne_bytes([b[0], b[1]])).to_f64(),
         DType::I32 => i32::from_ne_bytes([b[0], b[1], b[2], b[3]]) as f64,
+        q => panic!("{q}: block dtypes have no element decoding"),
     }
 }
 
@@ -259,6 +261,7 @@ pub fn bound(d: DType) -> f64 {
         DType::F32 | DType::I32 => 1e-7,
         DType::F16 => 1e-5,
         DType::BF16 => 1e-4,
+        q => panic!("{q}: no bound for block dtypes"),
     }
 }
 

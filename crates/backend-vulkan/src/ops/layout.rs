@@ -122,6 +122,8 @@ pub(super) fn dt(d: DType) -> &'static str {
         DType::F16 => "f16",
         DType::BF16 => "bf16",
         DType::I32 => "i32",
+        // Block dtypes never reach a kernel: `vulkan_supports_op` refuses them.
+        q => q.name(),
     }
 }
 

@@ -156,7 +156,13 @@ impl Plan {
             let info = &ts[t];
             TensorRef {
                 buffer: base.0,
-                byte_offset: base.1 + info.layout.offset * info.dtype.size_bytes(),
+                // Admitted layouts start at a whole block (block dtypes keep rows whole); a
+                // layout that does not saturates and fails the backend's bounds check.
+                byte_offset: base.1.saturating_add(
+                    info.dtype
+                        .checked_bytes(info.layout.offset)
+                        .unwrap_or(usize::MAX),
+                ),
                 dtype: info.dtype,
                 shape: info.layout.shape.clone(),
                 strides: info.layout.strides.clone(),

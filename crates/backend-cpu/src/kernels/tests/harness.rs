@@ -75,6 +75,28 @@ impl TestMem {
         }
     }
 
+    /// A contiguous block-dtype tensor of logical `shape` holding the raw blocks `bytes`.
+    pub(crate) fn blocks(&mut self, dtype: DType, shape: &[usize], bytes: &[u8]) -> TensorRef {
+        let n: usize = shape.iter().product();
+        assert_eq!(
+            dtype.checked_bytes(n),
+            Some(bytes.len()),
+            "{dtype} {shape:?}"
+        );
+        let buffer = self.alloc(bytes.len());
+        // SAFETY: the buffer was just allocated with at least `bytes.len()` bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.base(buffer), bytes.len());
+        }
+        TensorRef {
+            buffer,
+            byte_offset: 0,
+            dtype,
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+        }
+    }
+
     /// A contiguous float tensor holding `values` (rounded to `dtype`).
     pub(crate) fn tensor(&mut self, dtype: DType, shape: &[usize], values: &[f32]) -> TensorRef {
         let t = self.zeros(dtype, shape);
@@ -118,6 +140,7 @@ impl TestMem {
                 DType::F16 => p.cast::<f16>().write_unaligned(f16::from_f32(v as f32)),
                 DType::BF16 => p.cast::<bf16>().write_unaligned(bf16::from_f32(v as f32)),
                 DType::I32 => p.cast::<i32>().write_unaligned(v as i32),
+                q => panic!("put on a {q} tensor"),
             }
         }
     }
@@ -135,6 +158,7 @@ impl TestMem {
                         DType::F16 => p.cast::<f16>().read_unaligned().to_f64(),
                         DType::BF16 => p.cast::<bf16>().read_unaligned().to_f64(),
                         DType::I32 => p.cast::<i32>().read_unaligned() as f64,
+                        q => panic!("read of a {q} tensor"),
                     }
                 }
             })
@@ -216,6 +240,8 @@ pub(crate) fn tol(dtype: DType) -> f64 {
         DType::F32 | DType::I32 => 1e-10,
         DType::F16 => 1e-5,
         DType::BF16 => 1e-4,
+        // Dequantized values are exact f32: the products' error is f32 accumulation's.
+        _ => 1e-10,
     }
 }
 

@@ -10,6 +10,7 @@ mod copy;
 mod elementwise;
 mod harness;
 mod matmul;
+mod quant;
 mod reductions;
 mod rope;
 mod rows;

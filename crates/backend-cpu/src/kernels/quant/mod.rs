@@ -1,0 +1,216 @@
+//! Kernels over block (quantized) weights: `GetRows` of a quantized table, `MulMat` and
+//! `MulMatId` with quantized weights and float activations.
+//!
+//! Why: GGUF weights stay in their block layout from the file to the kernel (issue 31); the
+//! CPU backend is the oracle for every backend's quantized kernels, so its results are defined
+//! by the scalar dequantization in `scalar` (bit-exact against `gguf.quants.dequantize`).
+//!
+//! Strategy: a weight is seen as rows of whole blocks (`Strided::quant_row`): a table's rows
+//! for `GetRows`, which dequantizes only the rows it reads, and a transposed weight's columns
+//! (`x @ w.T`, blocks along the reduction axis) for the products. A product takes the
+//! activations as contiguous f32 rows once. Where `q8` has a SIMD kernel for the weight type
+//! on this CPU, it quantizes them once to 8-bit blocks and each weight row is an integer dot
+//! product per block (the default, as llama.cpp); otherwise, or with
+//! `LOWSYNC_CPU_QUANT_DOT=f32`, each weight row is dequantized into a small f32 buffer and
+//! dotted with every activation row in f32 (the exact path). Jobs are blocks of weight rows
+//! (output columns), run in parallel above a size threshold on the rayon pool, which has one
+//! thread per core (no oversubscription).
+//!
+//! Determinism: each output element is one dot product computed by one job in a fixed order,
+//! independent of the thread count (as the f32 kernels promise).
+
+mod q8;
+pub(crate) mod scalar;
+
+use std::sync::OnceLock;
+
+use lowsync_backend::{env, ExecNode, Result};
+use rayon::prelude::*;
+
+use super::kernel_err;
+use super::par::{for_each_row, PAR_MIN_ELEMS};
+use super::view::Strided;
+
+/// Multiply-adds of one parallel job of a product (about).
+const JOB_WORK: usize = 1 << 16;
+
+/// Whether products may quantize activations to 8 bits (`LOWSYNC_CPU_QUANT_DOT`: `q8`, the
+/// default, or `f32`), read once; a bad value is an error naming the variable.
+fn q8_allowed() -> std::result::Result<bool, String> {
+    static MODE: OnceLock<std::result::Result<bool, String>> = OnceLock::new();
+    MODE.get_or_init(|| {
+        env::choice("LOWSYNC_CPU_QUANT_DOT", &["q8", "f32"], "q8 or f32")
+            .map(|c| c != Some("f32"))
+            .map_err(|e| e.to_string())
+    })
+    .clone()
+}
+
+#[cfg(test)]
+/// Whether products over `dt` weights quantize the activations (`q8`) here: a SIMD kernel
+/// for `dt` on this CPU and `LOWSYNC_CPU_QUANT_DOT` not `f32`.
+pub(crate) fn uses_q8(dt: lowsync_graph::DType) -> bool {
+    q8_allowed().unwrap_or(false) && q8::dot_fn(dt).is_some()
+}
+
+/// The values a product reads for activations `x` (rows of `k`) over `dt` weights: `x` on the
+/// exact path, its 8-bit blocks dequantized (`d * q`) where `uses_q8(dt)`.
+#[cfg(test)]
+pub(crate) fn activations_as_read(dt: lowsync_graph::DType, x: &[f32]) -> Vec<f32> {
+    if !uses_q8(dt) {
+        return x.to_vec();
+    }
+    let xq = q8::Q8Rows::quantize(x);
+    xq.q.iter()
+        .enumerate()
+        .map(|(i, &q)| xq.d[i / q8::QK] * f32::from(q))
+        .collect()
+}
+
+/// `dot(a, b)` in a fixed order: 8 interleaved f32 partial sums, added pairwise at the end.
+#[inline]
+pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    for (i, (x, y)) in ra.iter().zip(rb).enumerate() {
+        acc[i] += x * y;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
+/// `dst[i, :] = dequantize(table[ids[i], :])`: only the rows read are dequantized.
+pub(super) fn get_rows(
+    node: &ExecNode,
+    dst: &Strided,
+    table: &Strided,
+    rows: &[usize],
+    d: usize,
+) -> Result<()> {
+    let dt = table.dtype();
+    // Check every row is addressable before writing anything.
+    if rows.iter().any(|&r| table.quant_row(0, r).is_none()) {
+        return Err(kernel_err(
+            node,
+            format!(
+                "the {dt} table {:?} (strides {:?}) is not a view of whole rows",
+                table.shape(),
+                table.strides()
+            ),
+        ));
+    }
+    for_each_row(
+        rows.len(),
+        d,
+        || vec![0.0f32; d],
+        |buf, r| {
+            if let Some(bytes) = table.quant_row(0, rows[r]) {
+                scalar::dequantize_row(dt, bytes, buf);
+                dst.write_row(r, 0..d, buf);
+            }
+        },
+    );
+    Ok(())
+}
+
+/// `out[i, j] = sum_l x[i, l] * w[l, j]` for contiguous f32 activations `x [m, k]`, a 2-D
+/// block-dtype view `w [k, n]` whose axis 0 is its block axis (`W.T` of a weight `W [n, k]`),
+/// and a row-major `out [m, n]`.
+pub(super) fn matmul(
+    node: &ExecNode,
+    x: &[f32],
+    (m, n, k): (usize, usize, usize),
+    w: &Strided,
+    out: &mut [f32],
+) -> Result<()> {
+    let dt = w.dtype();
+    let ok = x.len() == m * k
+        && out.len() == m * n
+        && w.shape() == [k, n]
+        && (n == 0 || (w.quant_row(1, 0).is_some() && w.quant_row(1, n - 1).is_some()));
+    if !ok {
+        return Err(kernel_err(
+            node,
+            format!(
+                "a {dt} weight must be read as `x @ w.T` with whole rows: x [{m}, {k}], w {:?} \
+                 (strides {:?})",
+                w.shape(),
+                w.strides()
+            ),
+        ));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let fast = if q8_allowed().map_err(|e| kernel_err(node, e))? {
+        q8::dot_fn(dt).filter(|_| k.is_multiple_of(q8::QK))
+    } else {
+        None
+    };
+    let xq = fast.map(|_| q8::Q8Rows::quantize(x));
+    let nbk = k / q8::QK;
+    // One job's weight rows: about JOB_WORK multiply-adds, never fewer than 1 row.
+    let rows_per_job = (JOB_WORK / (k * m).max(1)).clamp(1, n);
+    // Results of weight row j for every activation row, j-major (one contiguous chunk per
+    // job); transposed into `out` afterwards when m > 1.
+    let mut out_t = vec![0.0f32; n * m];
+    let job = |(jb, chunk): (usize, &mut [f32]), buf: &mut Vec<f32>| {
+        for (jj, res) in chunk.chunks_exact_mut(m).enumerate() {
+            let Some(bytes) = w.quant_row(1, jb * rows_per_job + jj) else {
+                continue;
+            };
+            if let (Some(dot), Some(xq)) = (fast, &xq) {
+                for (i, r) in res.iter_mut().enumerate() {
+                    let blocks = i * nbk..(i + 1) * nbk;
+                    let q = &xq.q[i * k..(i + 1) * k];
+                    *r = dot(bytes, &xq.d[blocks.clone()], &xq.s[blocks], q);
+                }
+                continue;
+            }
+            buf.resize(k, 0.0);
+            scalar::dequantize_row(dt, bytes, buf);
+            for (i, r) in res.iter_mut().enumerate() {
+                *r = dot_f32(&x[i * k..(i + 1) * k], buf);
+            }
+        }
+    };
+    if n.saturating_mul(k).saturating_mul(m) <= PAR_MIN_ELEMS * 4 || n <= rows_per_job {
+        let mut buf = Vec::new();
+        out_t
+            .chunks_mut(rows_per_job * m)
+            .enumerate()
+            .for_each(|c| job(c, &mut buf));
+    } else {
+        out_t
+            .par_chunks_mut(rows_per_job * m)
+            .enumerate()
+            .for_each_init(Vec::new, |buf, c| job(c, buf));
+    }
+    if m == 1 {
+        out.copy_from_slice(&out_t);
+    } else {
+        for (j, res) in out_t.chunks_exact(m).enumerate() {
+            for (i, &v) in res.iter().enumerate() {
+                out[i * n + j] = v;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The rows of a float view `a [m, k]` as contiguous f32.
+pub(super) fn rows_f32(a: &Strided) -> Vec<f32> {
+    let (m, k) = (a.rows(), a.last_len());
+    let mut x = vec![0.0f32; m * k];
+    if k > 0 {
+        for (r, row) in x.chunks_exact_mut(k).enumerate() {
+            a.read_row(r, 0..k, row);
+        }
+    }
+    x
+}
