@@ -10,9 +10,9 @@
 //
 // What may differ from the oracle: expf / logf round differently by an ulp, and top-p's sums
 // run in another order, which moves a decision only for candidates within that rounding of
-// each other. Floats are IEEE (division and the accurate expf / logf, no fast-math), and a
-// product that feeds a sum is written __fmul_rn so that NVRTC does not fuse it into an FMA,
-// which would round differently from the oracle.
+// each other. Floats are IEEE (division and the accurate expf / logf, no fast-math), and every
+// product or inlined expf / logf result that feeds a sum goes through __fmul_rn / __fadd_rn so
+// that NVRTC does not fuse the two into an FMA, which rounds once where the oracle rounds twice.
 
 // Philox4x32 multipliers and key increments (Salmon et al., SC'11; as sampling.rs).
 #define PHILOX_M0 0xD2511F53u
@@ -39,7 +39,7 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, u32 k0, u32 k1) {
 __device__ __forceinline__ float smp_uniform(u32 seed, u32 counter, u32 i) {
     const u32 w = philox4x32_10(make_uint4(i, counter, 0u, 0u), seed, 0u).x;
     // At most 1 - 2^-24: the top bucket's centre rounds to 1.0 (Gumbel +inf).
-    return fminf(((float)(w >> 8) + 0.5f) * (1.0f / 16777216.0f), 0.99999994f);
+    return fminf(__fmul_rn(__fadd_rn((float)(w >> 8), 0.5f), 1.0f / 16777216.0f), 0.99999994f);
 }
 
 // Standard Gumbel noise -ln(-ln(u)): sampling.rs `gumbel`.
@@ -201,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample(i64 rows, i64 len, int
             float z = 0.0f;
             for (i64 c = tid; c < len; c += bd) {
                 const float v = xr[c * x_cs];
-                if (smp_key(v) >= cut) z += expf(v - m);
+                if (smp_key(v) >= cut) z = __fadd_rn(z, expf(v - m));
             }
             z = block_sum(z);
             const float target = top_p * z;
@@ -211,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample(i64 rows, i64 len, int
                 float mass = 0.0f;
                 for (i64 c = tid; c < len; c += bd) {
                     const float v = xr[c * x_cs];
-                    if (smp_key(v) >= mid) mass += expf(v - m);
+                    if (smp_key(v) >= mid) mass = __fadd_rn(mass, expf(v - m));
                 }
                 mass = block_sum(mass);
                 if (mass >= target) {
@@ -224,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample(i64 rows, i64 len, int
         }
 
         // 5. min-p: keep x >= m + ln(min_p).
-        if (min_p > 0.0f) cut = smp_umax(cut, smp_key(m + logf(min_p)));
+        if (min_p > 0.0f) cut = smp_umax(cut, smp_key(__fadd_rn(m, logf(min_p))));
         // The maximum is always kept (min_p > 1 would otherwise cut above it).
         cut = smp_umin(cut, km);
 
@@ -239,7 +239,8 @@ extern "C" __global__ void __launch_bounds__(1024) sample(i64 rows, i64 len, int
         for (i64 c = tid; c < len; c += bd) {
             const float v = xr[c * x_cs];
             if (smp_key(v) < cut) continue;
-            const float s = (v - m) / temperature + smp_gumbel(smp_uniform(seed, counter, (u32)c));
+            const float s =
+                __fadd_rn((v - m) / temperature, smp_gumbel(smp_uniform(seed, counter, (u32)c)));
             if ((u32)c < first) {
                 first = (u32)c;
                 first_nan = s != s;

@@ -675,3 +675,55 @@ fn penalize_and_sample_replay_in_a_cuda_graph_with_new_keys_every_step() {
     );
     assert_eq!(off.stats().snapshot().graph_launches, 0);
 }
+
+#[test]
+#[ignore = "a time measurement for the GPU machine, not a check"]
+fn sample_time_per_row_by_setting() {
+    // `cargo test --release --test sample -- --ignored --nocapture sample_time`: the device time
+    // of one `Op::Sample` over a 151936-entry row (Qwen's vocabulary), per setting, from a chain
+    // of 16 nodes replayed as one CUDA graph. Prints figures; asserts nothing about time.
+    const CHAIN: usize = 16;
+    const REPLAYS: usize = 10;
+    let b = gpu("sample_time");
+    let v = 151_936;
+    let buf = b.alloc_buffer(v * 4 + 4096, BufferUsage::Compute).unwrap();
+    let x = emu_row(5, v, 0, 4);
+    b.set_tensor(buf, 0, &le(&x, f32::to_ne_bytes)).unwrap();
+    let (o_prm, o_key, o_tok) = (v * 4, v * 4 + 256, v * 4 + 512);
+    b.set_tensor(buf, o_key, &le(&[9u32, 1], u32::to_ne_bytes))
+        .unwrap();
+    let nodes: Vec<ExecNode> = (0..CHAIN)
+        .map(|i| ExecNode {
+            op: Op::Sample,
+            name: format!("sample{i}"),
+            dst: t(buf, o_tok + 4 * i, DType::I32, &[1]),
+            srcs: vec![
+                t(buf, 0, DType::F32, &[1, v]),
+                t(buf, o_prm, DType::F32, &[1, 4]),
+                t(buf, o_key, DType::I32, &[1, 2]),
+            ],
+        })
+        .collect();
+    let g = Arc::new(ExecGraph::new(nodes));
+    for (name, p) in [
+        ("greedy", [0.0, 0.0, 1.0, 0.0]),
+        ("plain draw", [1.0, 0.0, 1.0, 0.0]),
+        ("top_k 40", [1.0, 40.0, 1.0, 0.0]),
+        ("top_p 0.9", [1.0, 0.0, 0.9, 0.0]),
+        ("min_p 0.05", [1.0, 0.0, 1.0, 0.05]),
+        ("top_k 40 top_p 0.95 min_p 0.05", [0.8, 40.0, 0.95, 0.05]),
+    ] {
+        b.set_tensor(buf, o_prm, &le(&p, f32::to_ne_bytes)).unwrap();
+        for _ in 0..3 {
+            b.graph_compute_async(&g).unwrap(); // eager, capture, replay
+        }
+        b.synchronize().unwrap();
+        let t0 = std::time::Instant::now();
+        for _ in 0..REPLAYS {
+            b.graph_compute_async(&g).unwrap();
+        }
+        b.synchronize().unwrap();
+        let us = t0.elapsed().as_secs_f64() * 1e6 / (REPLAYS * CHAIN) as f64;
+        eprintln!("sample V {v} {name}: {us:.1} us per row");
+    }
+}
