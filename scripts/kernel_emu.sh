@@ -31,5 +31,5 @@ for cu in [*src.glob("*.cu"), *fused.glob("*.cu")]:
     text = re.sub(r"extern __shared__ (\w+) (\w+)\[\];", r"static \1 \2[16384];", cu.read_text())
     (dst / cu.name).write_text(text)
 PY
-g++ -std=c++20 -O1 -pthread -DLOWSYNC_EMU -I"$work" -I"$emu" -o "$work/kernels_test" "$emu/kernels_test.cpp"
-"$work/kernels_test"
+g++ -std=c++20 -O1 -ffp-contract=off -pthread -DLOWSYNC_EMU -I"$work" -I"$emu" -o "$work/kernels_test" "$emu/kernels_test.cpp"
+"$work/kernels_test" "$emu"

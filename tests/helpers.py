@@ -74,10 +74,34 @@ def run(
     return {name: plan.get_output(name) for name in plan.outputs}
 
 
-def assert_launch_ahead_counts(stats: ls.session.GenerateStats) -> None:
-    """Per generated token with launch-ahead: one wait, one upload, one 4-byte read, and the
-    token's device copy on every step after the first (its token comes from the host)."""
-    pt = stats.per_token
-    got = (pt["host_waits"], pt["h2d_copies"], pt["d2h_copies"], pt["d2h_bytes"])
-    assert got == (1.0, 1.0, 1.0, 4.0), pt
-    assert pt["d2d_copies"] * stats.n_steps == stats.n_steps - 1, pt
+def steps_queued(n_steps: int, launch_ahead: bool) -> list[int]:
+    """How many decode steps each decode step's window of `GenerateStats.steps` queues:
+    without launch-ahead its own; with it one ahead, except the first (which also holds step 1,
+    queued before the loop) and the last (nothing left to queue)."""
+    if not launch_ahead or n_steps == 1:
+        return [1] * n_steps
+    return [2, *[1] * (n_steps - 2), 0]
+
+
+def assert_step_counts(
+    stats: ls.session.GenerateStats,
+    launch_ahead: bool,
+    per_queued: Mapping[str, int] | None = None,
+) -> None:
+    """Each decode step's own counts, exactly (not averaged, so a steady 1 and an alternating
+    0/2 are told apart): one host wait, one 4-byte read, one upload per step queued (every
+    input in one staged copy), no empty submit, no realloc; under launch-ahead the token's
+    device copy into every step after step 1. `per_queued`: further counters, per step queued
+    (e.g. the kernel launches of one step)."""
+    assert len(stats.steps) == stats.n_steps, stats
+    queued = steps_queued(stats.n_steps, launch_ahead)
+    fed = [min(q, 1) if launch_ahead and stats.n_steps > 1 else 0 for q in queued]
+    extra = dict(per_queued or {})
+    names = ("host_waits", "h2d_copies", "d2h_copies", "d2h_bytes", "d2d_copies")
+    names += ("empty_submits", "reallocs", *extra)
+    got = [tuple(d[c] for c in names) for d in stats.steps]
+    want = [
+        (1, q, 1, 4, f, 0, 0, *(q * v for v in extra.values()))
+        for q, f in zip(queued, fed, strict=True)
+    ]
+    assert got == want, f"per step {names}"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import lowsync as ls
-from helpers import assert_launch_ahead_counts
+from helpers import assert_step_counts
 from lowsync.models.llama import LlamaConfig
 
 # Small enough for lavapipe (a CPU implementation of Vulkan) to decode in a second.
@@ -26,7 +26,7 @@ DEVICES = [
 ]
 
 
-def run(backend: str, policy: str) -> tuple[list[int], np.ndarray, dict[str, float]]:
+def run(backend: str, policy: str) -> tuple[list[int], np.ndarray, ls.session.GenerateStats]:
     model = ls.Llama.random(MICRO, seed=4)
     sess = ls.Session(model, backends=[backend], n_ctx=64, n_ubatch=8, policy=policy)
     logits = sess.decode(PROMPT, seq_id=0, logits="all")
@@ -35,7 +35,8 @@ def run(backend: str, policy: str) -> tuple[list[int], np.ndarray, dict[str, flo
     tokens = sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
     stats = sess.last_generate
     assert stats is not None
-    return tokens, logits, stats.per_token
+    assert sess.launch_ahead == (policy == "staged" and backend != "cpu")
+    return tokens, logits, stats
 
 
 @pytest.mark.parametrize("backend", DEVICES)
@@ -57,55 +58,59 @@ def test_policies_agree_bit_for_bit_and_match_the_cpu_tokens(
 def test_staged_decode_makes_one_host_wait_and_one_upload_per_token(
     backend: str, clean_env: pytest.MonkeyPatch
 ) -> None:
-    _, _, per_token = run(backend, "staged")
-    assert per_token["host_waits"] == 1.0
-    assert per_token["h2d_copies"] == 1.0
-    assert per_token["d2h_copies"] == 1.0
-    assert per_token["empty_submits"] == 0.0
-    assert per_token["reallocs"] == 0.0
+    _, _, stats = run(backend, "staged")
+    assert_step_counts(stats, launch_ahead=True)
 
 
 @pytest.mark.vulkan
 def test_vulkan_legacy_switch_shows_ggmls_empty_submits(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("LOWSYNC_VK_LEGACY_SUBMITS", "1")
-    _, _, per_token = run("vulkan", "stock")
-    # ggml's empty submit at each synchronize that finds nothing queued: exact per token.
-    assert per_token["empty_submits"] == 5.0
+    _, _, stats = run("vulkan", "stock")
+    # ggml's empty submit at each synchronize that finds nothing queued: exact per step.
+    assert [d["empty_submits"] for d in stats.steps] == [5] * stats.n_steps
     clean_env.setenv("LOWSYNC_VK_LEGACY_SUBMITS", "0")
-    _, _, per_token = run("vulkan", "stock")
-    assert per_token["empty_submits"] == 0.0
+    _, _, stats = run("vulkan", "stock")
+    assert [d["empty_submits"] for d in stats.steps] == [0] * stats.n_steps
 
 
 def _cuda_decode(
     graphs: str, env: pytest.MonkeyPatch, pdl: str = "1", rehearse: str = "1"
-) -> tuple[list[int], dict[str, float]]:
+) -> tuple[list[int], ls.session.GenerateStats, int]:
+    """Tokens and counts of a second generation (launch-ahead on), and the kernel launches of
+    one decode step as the CUDA backend plans them (`cuda_fusion_plan`)."""
     env.setenv("LOWSYNC_CUDA_GRAPHS", graphs)
     env.setenv("LOWSYNC_CUDA_TUNE", f"pdl={pdl},rehearse={rehearse}")
     model = ls.Llama.random(MICRO, seed=4)
     sess = ls.Session(model, backends=["cuda"], n_ctx=64, n_ubatch=8, policy="staged")
+    assert sess.launch_ahead
+    assert sess.plans[0].n_splits == 1
     sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
     sess.seq_rm(0)
     # The second generation only replays: every graph of both buckets was captured already.
     tokens = sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
     stats = sess.last_generate
     assert stats is not None
-    return tokens, stats.per_token
+    return tokens, stats, len(ls._native.cuda_fusion_plan(sess.plans[0]))
 
 
 @pytest.mark.cuda
 def test_cuda_graph_replay_is_one_launch_per_token_and_bit_identical(
     clean_env: pytest.MonkeyPatch,
 ) -> None:
-    tokens_on, on = _cuda_decode("1", clean_env)
-    tokens_off, off = _cuda_decode("0", clean_env)
+    """Per step, exactly: with graph replay one graph launch per step queued and no eager
+    kernel; without it, per step queued, the launches the fusion plan lists, and no graph."""
+    tokens_on, on, _ = _cuda_decode("1", clean_env)
+    tokens_off, off, launches = _cuda_decode("0", clean_env)
     assert tokens_on == tokens_off
-    assert on["graph_launches"] == 1.0
-    assert on["kernel_launches"] == 0.0
-    assert on["graph_captures"] == 0.0
-    assert on["host_waits"] == 1.0
-    assert (on["h2d_copies"], on["d2h_copies"], on["d2h_bytes"]) == (1.0, 1.0, 4.0)
-    assert off["graph_launches"] == 0.0
-    assert off["kernel_launches"] > 10.0
+    assert_step_counts(
+        on,
+        launch_ahead=True,
+        per_queued={"graph_launches": 1, "kernel_launches": 0, "graph_captures": 0},
+    )
+    assert_step_counts(
+        off, launch_ahead=True, per_queued={"graph_launches": 0, "kernel_launches": launches}
+    )
+    assert launches > 10  # an eager step is the fusion plan's kernels, one launch each
 
 
 @pytest.mark.cuda
@@ -123,11 +128,13 @@ def test_cuda_launch_knobs_change_no_token_or_count(
     knob: str, clean_env: pytest.MonkeyPatch
 ) -> None:
     for graphs in ("1", "0"):
-        tokens_on, on = _cuda_decode(graphs, clean_env, **{knob: "1"})
-        tokens_off, off = _cuda_decode(graphs, clean_env, **{knob: "0"})
+        tokens_on, on, _ = _cuda_decode(graphs, clean_env, **{knob: "1"})
+        tokens_off, off, _ = _cuda_decode(graphs, clean_env, **{knob: "0"})
         assert tokens_on == tokens_off, f"{knob}, graphs={graphs}"
-        for key in ("host_waits", "h2d_copies", "d2h_copies", "kernel_launches", "graph_launches"):
-            assert on[key] == off[key], f"{knob}, graphs={graphs}: {key}"
+        keys = ("host_waits", "h2d_copies", "d2h_copies", "kernel_launches", "graph_launches")
+        for key in keys:
+            got = ([d[key] for d in on.steps], [d[key] for d in off.steps])
+            assert got[0] == got[1], f"{knob}, graphs={graphs}: {key}"
 
 
 @pytest.mark.cuda
@@ -150,11 +157,11 @@ def test_cuda_launch_ahead_is_bit_identical_with_the_same_counts(
         stopped = sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=1, stop=[tokens[2]])
         after = sess.decode([9, 8], seq_id=1, logits="all")
         runs[ahead] = (tokens, stopped, after, stats)
-    (t0, s0, a0, _), (t1, s1, a1, st) = runs[False], runs[True]
+    (t0, s0, a0, plain), (t1, s1, a1, st) = runs[False], runs[True]
     assert (t1, s1) == (t0, s0)
     assert np.array_equal(a1, a0)
-    assert_launch_ahead_counts(st)
-    assert st.per_token["graph_launches"] == 1.0
+    assert_step_counts(st, launch_ahead=True, per_queued={"graph_launches": 1})
+    assert_step_counts(plain, launch_ahead=False, per_queued={"graph_launches": 1})
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -180,3 +187,45 @@ def test_soft_max_propagates_nan_on_the_device(device: str) -> None:
     assert np.isnan(p[:2]).all(), p
     np.testing.assert_allclose(p[2], np.exp(x[2] - 5) / np.exp(x[2] - 5).sum(), rtol=1e-6)
     np.testing.assert_array_equal(p[3], np.zeros(5, np.float32))
+
+
+# Peaked enough that truncations and penalties change the draws (see tests/test_sampling.py).
+DRAWN = ls.SamplerParams(
+    temperature=0.9,
+    top_k=40,
+    top_p=0.9,
+    min_p=0.02,
+    repeat_penalty=1.3,
+    frequency_penalty=0.2,
+    presence_penalty=0.1,
+    seed=2**32 - 7,
+)
+
+
+def _sampling_run(backend: str, ahead: bool) -> tuple[list[int], ls.session.GenerateStats]:
+    model = ls.Llama.random(MICRO, seed=4)
+    model.weights["output.weight"] = model.weights["output.weight"] * np.float32(20)
+    sess = ls.Session(
+        model, backends=[backend], n_ctx=64, n_ubatch=8, sampling=True, launch_ahead=ahead
+    )
+    assert all(p.split_backends == [backend] for p in sess.plans)  # the sampler runs there too
+    sess.generate(PROMPT, max_new_tokens=3, sampler=DRAWN)  # warm-up (CUDA: captures)
+    sess.clear()
+    tokens = sess.generate(PROMPT, max_new_tokens=N_GEN, sampler=DRAWN)
+    stats = sess.last_generate
+    assert stats is not None
+    return tokens, stats
+
+
+@pytest.mark.parametrize("backend", DEVICES)
+def test_sampled_generation_on_the_device_draws_the_cpus_tokens_at_a_greedy_steps_cost(
+    backend: str, clean_env: pytest.MonkeyPatch
+) -> None:
+    """`Session(sampling=True)` on the device, penalties on: the seeded tokens of `cpu`, the
+    same with launch-ahead on and off (the penalty window's last column fed on the device),
+    and per step exactly one host wait, one upload, one 4-byte read (and the fed token)."""
+    want, _ = _sampling_run("cpu", ahead=False)
+    ahead, st = _sampling_run(backend, ahead=True)
+    plain, _ = _sampling_run(backend, ahead=False)
+    assert ahead == plain == want
+    assert_step_counts(st, launch_ahead=True)

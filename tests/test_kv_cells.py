@@ -1,6 +1,7 @@
 """`KvCells` alone, with no context, plan or model: taking cells, sharing them (seq_cp), removing
-them, masks and positions per sequence, and steps that roll back exactly — also when
-KeyboardInterrupt lands between any two lines of `take` or of the rollback itself."""
+them, masks, positions and token ids per sequence (the sampler's penalty window), and steps
+that roll back exactly — also when KeyboardInterrupt lands between any two lines of `take` or
+of the rollback itself."""
 
 from __future__ import annotations
 
@@ -22,12 +23,21 @@ NEG = -np.inf
 def _snapshot(kv: KvCells) -> tuple[Any, ...]:
     """Everything observable of the state, including the free stack's order."""
     s = kv._s
-    return (s.pos.tolist(), s.seqs.tolist(), s.mask.tolist(), list(s.next), list(s.free))
+    return (
+        s.pos.tolist(),
+        s.seqs.tolist(),
+        s.mask.tolist(),
+        list(s.next),
+        list(s.free),
+        s.tok.tolist(),
+    )
 
 
-def _take(kv: KvCells, seqs: list[int]) -> tuple[list[int], list[int]]:
+def _take(
+    kv: KvCells, seqs: list[int], tokens: list[int] | None = None
+) -> tuple[list[int], list[int]]:
     step = kv.begin()
-    out = kv.take(seqs, step)
+    out = kv.take(seqs, step, tokens)
     kv.commit(step, confirmed=True)
     return out
 
@@ -72,14 +82,46 @@ def test_copy_shares_cells_and_remove_frees_only_unshared_ones() -> None:
     kv.check()
 
 
+def test_cells_keep_their_token_ids_through_sharing_and_removal() -> None:
+    kv = KvCells(10, n_seq=2)
+    _take(kv, [0, 0, 0, 0], [11, 12, 13, 14])  # seq 0: positions 0..3
+    assert kv.tokens(0) == [11, 12, 13, 14]
+    kv.copy(0, 1, p0=0, p1=2)  # seq 1 shares positions 0 and 1, and so their tokens
+    _take(kv, [1, 0], [21, 15])
+    assert kv.tokens(1) == [11, 12, 21]
+    assert kv.tokens(0) == [11, 12, 13, 14, 15]
+    # The penalty window of the token at position 4: positions 1..4; -1 before position 0.
+    assert kv.window(0, 4, 4).tolist() == [12, 13, 14, 15]
+    assert kv.window(1, 2, 5).tolist() == [-1, -1, 11, 12, 21]
+    assert kv.window(0, 3, 0).tolist() == []
+    kv.remove(0, p0=1, p1=3)  # a gap at positions 1 and 2 of seq 0
+    assert kv.window(0, 4, 5).tolist() == [11, -1, -1, 14, 15]
+    assert kv.tokens(1) == [11, 12, 21]  # position 1 stays, held by seq 1
+    # A token fed on the device is unknown when its cell is taken, then set once read.
+    step = kv.begin()
+    (cell,), _ = kv.take([0], step, [-1])
+    assert kv.tokens(0)[-1] == -1
+    kv.set_token(cell, 16)
+    kv.commit(step, confirmed=True)
+    assert kv.tokens(0) == [11, 14, 15, 16]
+    with pytest.raises(SessionError, match="not held"):
+        kv.set_token(9, 1)
+    with pytest.raises(SessionError, match="2 token ids for 1 cells"):
+        kv.take([0], kv.begin(), [1, 2])
+    kv.recover()
+    kv.clear()
+    kv.check()  # free cells hold no token
+    assert kv.tokens(0) == []
+
+
 def test_rollback_restores_the_state_exactly() -> None:
     kv = KvCells(10, n_seq=2)
-    _take(kv, [0, 1, 0])
+    _take(kv, [0, 1, 0], [4, 5, 6])
     kv.copy(0, 1)
     kv.remove(0, p0=1)
     before = _snapshot(kv)
     first, second = kv.begin(), kv.begin()
-    kv.take([1, 1, 0], first)
+    kv.take([1, 1, 0], first, [7, 8, 9])
     kv.take([0], second)
     assert kv.n_free == len(before[4]) - 4
     kv.rollback(second, first)  # newest first
@@ -188,7 +230,7 @@ def test_an_interrupt_anywhere_in_take_is_undone_by_rollback() -> None:
     while True:
         kv = copy.deepcopy(base)
         step = kv.begin()
-        fired = _interrupted(lambda kv=kv, step=step: kv.take([0, 1, 0], step), n)
+        fired = _interrupted(lambda kv=kv, step=step: kv.take([0, 1, 0], step, [3, 4, 5]), n)
         kv.rollback(step)
         assert _snapshot(kv) == before, f"interrupted at line {n} of take"
         kv.check()
@@ -206,8 +248,8 @@ def test_an_interrupted_rollback_finishes_or_is_recovered() -> None:
     while True:
         kv = copy.deepcopy(base)
         older, newer = kv.begin(), kv.begin()
-        kv.take([0, 1], older)
-        kv.take([1], newer)
+        kv.take([0, 1], older, [7, 8])
+        kv.take([1], newer, [9])
         trace = _InterruptAt(n)
         sys.settrace(trace)
         try:
@@ -240,6 +282,7 @@ def test_an_interrupted_rollback_finishes_or_is_recovered() -> None:
 )
 def test_random_operations_keep_the_invariants(ops: list[tuple[str, int, int, int]]) -> None:
     kv = KvCells(8, n_seq=3)
+    taken_with: dict[int, int] = {}  # cell -> the token it was last taken with
     for op, a, b, n in ops:
         if op in ("take", "fail", "pend"):
             seqs = [a, b, a][: n % 4]
@@ -247,13 +290,15 @@ def test_random_operations_keep_the_invariants(ops: list[tuple[str, int, int, in
                 continue
             before = _snapshot(kv)
             step = kv.begin()
-            cells, _ = kv.take(seqs, step)
+            tokens = [100 * s + n for s in seqs]
+            cells, _ = kv.take(seqs, step, tokens)
             assert len(set(cells)) == len(cells)
             if op == "fail":
                 kv.rollback(step)
                 assert _snapshot(kv) == before
             else:
                 kv.commit(step, confirmed=op == "take")
+                taken_with.update(zip(cells, tokens, strict=True))
         elif op == "cp":
             kv.copy(a, b, p0=n // 2)
         elif op == "rm":
@@ -265,3 +310,5 @@ def test_random_operations_keep_the_invariants(ops: list[tuple[str, int, int, in
         else:
             kv.invalidate_pending()
         kv.check()
+        for c in np.flatnonzero(kv._s.pos >= 0):  # a held cell keeps the token it was taken with
+            assert kv._s.tok[c] == taken_with[int(c)]

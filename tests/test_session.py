@@ -1,5 +1,6 @@
-"""`Session`: KV cells and sequences, ubatches, greedy generation on the device, the counts each
-policy gives per generated token, the no-realloc invariant (S2) and bad input.
+"""`Session`: KV cells and sequences, ubatches, greedy generation on the device, streaming with
+`generate_iter`, the counts each policy gives per generated token, the no-realloc invariant
+(S2) and bad input.
 
 Counts per generated token on `cpu-async`, one backend, the decode graph's U = 5 user inputs
 (tokens, pos, kv_idx, kq_mask, out_ids), reading only `next`:
@@ -10,13 +11,14 @@ Counts per generated token on `cpu-async`, one backend, the decode graph's U = 5
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 import pytest
 
 import lowsync as ls
-from helpers import assert_launch_ahead_counts
+from helpers import assert_step_counts
 from llama_ref import Spec, forward, rel_err
 from lowsync.models.llama import Llama, LlamaConfig
 from lowsync.session import ContextFullError, SessionError
@@ -135,10 +137,14 @@ def test_counts_per_generated_token_on_cpu_async_tiny(
     st = sess.last_generate
     assert st is not None
     assert st.n_steps == 8
-    want = {"staged": (1, 1), "relaxed": (2, u), "stock": (u + 1, u)}[policy]
-    assert (st.per_token["host_waits"], st.per_token["h2d_copies"]) == want, st.per_token
-    assert st.per_token["d2h_copies"] == 1.0  # only `next` is read back
-    assert st.per_token["reallocs"] == 0.0
+    assert sess.launch_ahead == (policy == "staged")
+    if policy == "staged":
+        assert_step_counts(st, launch_ahead=True)
+        return
+    want = {"relaxed": (2, u), "stock": (u + 1, u)}[policy]
+    # Every step on its own, not an average: waits, uploads, one read of `next` only.
+    got = {(d["host_waits"], d["h2d_copies"], d["d2h_copies"], d["reallocs"]) for d in st.steps}
+    assert got == {(*want, 1, 0)}, st.steps
     assert st.per_token["empty_submits"] == 0.0
 
 
@@ -186,7 +192,7 @@ def test_launch_ahead_gives_the_same_tokens_cache_and_next_logits(
     st = ahead.last_generate
     assert st is not None
     assert st.n_steps == 9
-    assert_launch_ahead_counts(st)
+    assert_step_counts(st, launch_ahead=True)
 
 
 def test_launch_ahead_needs_staged_and_an_async_backend(
@@ -262,6 +268,118 @@ def test_a_failed_read_gives_back_the_cells_of_unread_steps(
     again = sess.generate(PROMPT[5:9], max_new_tokens=8, seq_id=1)
     plain = ls.Session(model, backends=["cpu-async"], n_ctx=32, n_ubatch=4, launch_ahead=False)
     assert again == plain.generate(PROMPT[5:9], max_new_tokens=8)
+
+
+# ---- generate_iter ----------------------------------------------------------------------------
+
+
+def _full_state(sess: ls.Session) -> tuple[Any, ...]:
+    return (*_cache_state(sess), [sess.seq_tokens(s) for s in range(sess.n_seq)])
+
+
+class _Stop(Exception):
+    """The consumer's own error."""
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+@pytest.mark.parametrize("how", ["break", "close", "error", "ctrl-c"])
+def test_a_generate_iter_left_early_leaves_what_a_shorter_generate_leaves(
+    model: Llama, how: str, ahead: bool, clean_env: pytest.MonkeyPatch
+) -> None:
+    """The consumer stops after k tokens (break, close(), its own exception, Ctrl-C): the
+    cache is exactly what `generate(..., max_new_tokens=k)` leaves (the step queued ahead is
+    rolled back), `last_generate` covers the k tokens, and the session goes on as a twin that
+    generated k tokens does."""
+    sess = ls.Session(model, backends=["cpu-async"], n_ctx=64, n_ubatch=8, launch_ahead=ahead)
+    twin = ls.Session(model, backends=["cpu-async"], n_ctx=64, n_ubatch=8, launch_ahead=False)
+    full = twin.generate(PROMPT[:6], max_new_tokens=10, seq_id=1)
+    assert sess.generate(PROMPT[:6], max_new_tokens=10, seq_id=1) == full
+    for k in (1, 2, 5, 10):
+        for s in (sess, twin):
+            s.clear()
+            s.decode(PROMPT[10:13], seq_id=0, logits="none")  # another sequence, untouched
+        got: list[int] = []
+        try:
+            if how == "close":
+                it = sess.generate_iter(PROMPT[:6], 10, seq_id=1)
+                got = [next(it) for _ in range(k)]
+                it.close()
+                del it
+            else:
+                for tok in sess.generate_iter(PROMPT[:6], 10, seq_id=1):
+                    got.append(tok)
+                    if len(got) == k:
+                        if how == "break":
+                            break
+                        raise _Stop if how == "error" else KeyboardInterrupt
+        except (_Stop, KeyboardInterrupt):
+            pass
+        assert got == full[:k]
+        st = sess.last_generate
+        assert st is not None
+        assert (st.n_gen, st.n_steps, len(st.steps)) == (k, k - 1, k - 1)
+        assert twin.generate(PROMPT[:6], max_new_tokens=k, seq_id=1) == got
+        assert _full_state(sess) == _full_state(twin), (how, k)
+        sess._cells.check()
+        assert sess.seq_tokens(1) == PROMPT[:6] + got[:-1]
+        after = sess.generate([got[-1], 4, 5], max_new_tokens=6, seq_id=1)
+        assert after == twin.generate([got[-1], 4, 5], max_new_tokens=6, seq_id=1)
+        assert np.array_equal(
+            sess.decode([9], seq_id=1, logits="last"), twin.decode([9], seq_id=1, logits="last")
+        )
+
+
+def test_generate_iter_streams_what_generate_returns(
+    model: Llama, clean_env: pytest.MonkeyPatch
+) -> None:
+    sess = ls.Session(model, backends=["cpu-async"], n_ctx=64, n_ubatch=8)
+    want = sess.generate(PROMPT[:6], max_new_tokens=10, stop=[7])
+    sess.clear()
+    it = sess.generate_iter(PROMPT[:6], max_new_tokens=10, stop=[7])
+    assert sess.n_free == 64  # nothing runs before the first next()
+    assert list(it) == want
+    st = sess.last_generate
+    assert st is not None
+    assert st.n_gen == len(want)
+    # Arguments are checked at the call, not at the first next().
+    with pytest.raises(SessionError, match="max_new_tokens must be >= 1"):
+        sess.generate_iter(PROMPT[:6], max_new_tokens=0)
+    with pytest.raises(ContextFullError, match="needs 73 free KV cells"):
+        sess.generate_iter(PROMPT[:4], max_new_tokens=70)
+
+
+def test_a_suspended_generate_iter_holds_the_session(
+    model: Llama, clean_env: pytest.MonkeyPatch
+) -> None:
+    """While a generate_iter is suspended, a call from its own thread is a SessionError (it
+    would roll back the step queued ahead) and another thread's call waits; once the iterator
+    is closed both go on."""
+    sess = ls.Session(model, backends=["cpu-async"], n_ctx=64, n_ubatch=8)
+    twin = ls.Session(model, backends=["cpu-async"], n_ctx=64, n_ubatch=8)
+    it = sess.generate_iter(PROMPT[:6], max_new_tokens=10)
+    first = next(it)
+    for call in (
+        lambda: sess.decode([1]),
+        lambda: sess.generate([1], 2, seq_id=1),
+        lambda: sess.generate_iter([1], 2, seq_id=1),
+        lambda: sess.seq_rm(0),
+        lambda: sess.n_free,
+    ):
+        with pytest.raises(SessionError, match="generate_iter of this session is suspended"):
+            call()
+    seen: list[int] = []
+    other = threading.Thread(target=lambda: seen.append(sess.n_free))
+    other.start()
+    other.join(timeout=0.5)
+    assert seen == []  # still waiting for the lock (whatever the timing, it cannot have run)
+    assert next(it) == twin.generate(PROMPT[:6], max_new_tokens=2)[1]
+    it.close()
+    other.join(timeout=60)
+    assert not other.is_alive()
+    assert seen == [64 - 7]  # the prompt and the first token: the step ahead was rolled back
+    assert twin.n_free == seen[0]
+    assert first == twin.seq_tokens(0)[6]
+    assert sess.decode([3], logits="none") is None  # usable again
 
 
 def test_outputs_bit_identical_across_policies_and_backends(model: Llama) -> None:

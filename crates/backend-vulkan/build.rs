@@ -133,6 +133,24 @@ const KERNELS: &[Spec] = &[
             ("status", Slot::Status, &["u32"]),
         ],
     ),
+    (
+        "penalize",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("hist", Slot::Int, &["i32"]),
+            ("par", Slot::In, &["f32"]),
+        ],
+    ),
+    (
+        "sample",
+        &[
+            ("d", Slot::IntOut, &["i32"]),
+            ("a", Slot::In, &["f32"]),
+            ("par", Slot::In, &["f32"]),
+            ("key", Slot::Int, &["i32"]),
+        ],
+    ),
 ];
 
 fn main() {

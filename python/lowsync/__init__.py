@@ -53,12 +53,15 @@ if TYPE_CHECKING:  # served lazily at run time (see `_LAZY`); visible to type ch
     from lowsync.gguf import GGUFError as GGUFError
     from lowsync.gguf import load_gguf as load_gguf
     from lowsync.gguf import save_gguf as save_gguf
+    from lowsync.llm import LLM as LLM
     from lowsync.models import Llama as Llama
     from lowsync.models import LlamaConfig as LlamaConfig
     from lowsync.models import ModelError as ModelError
+    from lowsync.sampling import SamplerParams as SamplerParams
     from lowsync.session import ContextFullError as ContextFullError
     from lowsync.session import Session as Session
     from lowsync.session import SessionError as SessionError
+    from lowsync.tokenizer import Tokenizer as Tokenizer
 
 __version__: str = version()
 
@@ -91,12 +94,15 @@ _LAZY: dict[str, str] = {
     "load_gguf": "lowsync.gguf",
     "save_gguf": "lowsync.gguf",
     "GGUFError": "lowsync.gguf",
+    "LLM": "lowsync.llm",
     "Llama": "lowsync.models",
     "LlamaConfig": "lowsync.models",
     "ModelError": "lowsync.models",
+    "SamplerParams": "lowsync.sampling",
     "Session": "lowsync.session",
     "SessionError": "lowsync.session",
     "ContextFullError": "lowsync.session",
+    "Tokenizer": "lowsync.tokenizer",
 }
 
 

@@ -5,8 +5,10 @@ mask rows), and a mistake in it is silent: a cell held but never written, or a p
 twice, makes later steps attend garbage with no error anywhere. Kept apart from the session, it
 can be tested exhaustively with no context, no plan and no model.
 
-Strategy: a unified cache like llama.cpp's: `n_cells` cells, each with a position (-1: free)
-and a set of sequences, so `copy` (seq_cp) shares cells without copying data. Each sequence has
+Strategy: a unified cache like llama.cpp's: `n_cells` cells, each with a position (-1: free),
+a set of sequences and the token id decoded into it (what the sampler's penalty window reads;
+shared cells share it, so `copy` and `remove` keep it right with no extra work), so `copy`
+(seq_cp) shares cells without copying data. Each sequence has
 a mask row over the `n_cells + 1` cache rows (0 on its cells, -inf elsewhere and always on the
 last row, the scratch row padded tokens write to) and a next position (its largest + 1). Free
 cells are a stack kept sorted, lowest on top. The hot operation, `take`, changes the state in
@@ -59,10 +61,16 @@ class _State:
     mask: npt.NDArray[np.float32]  # [n_seq, n_cells + 1]: 0 where the sequence attends
     next: list[int]  # per sequence: its largest position + 1 (0 when it holds none)
     free: list[int]  # a stack of free cells; the top is the lowest
+    tok: npt.NDArray[np.int32]  # [n_cells]: the token decoded into the cell, -1 when free
 
     def copy(self) -> _State:
         return _State(
-            self.pos.copy(), self.seqs.copy(), self.mask.copy(), list(self.next), list(self.free)
+            self.pos.copy(),
+            self.seqs.copy(),
+            self.mask.copy(),
+            list(self.next),
+            list(self.free),
+            self.tok.copy(),
         )
 
 
@@ -92,6 +100,7 @@ class KvCells:
             mask=np.full((n_seq, n_cells + 1), _NEG_INF, np.float32),
             next=[0] * n_seq,
             free=list(range(n_cells - 1, -1, -1)),
+            tok=np.full(n_cells, -1, np.int32),
         )
         self._pending: list[tuple[int, int]] = []  # (cell, position) not known to be written
         self._open: list[Step] = []  # begun, neither committed nor rolled back
@@ -132,6 +141,25 @@ class KvCells:
         """The positions `seq` holds, in the order of `cells(seq)`."""
         self._check_seq(seq)
         return [int(p) for p in self._s.pos[self._s.seqs[:, seq]]]
+
+    def tokens(self, seq: int) -> list[int]:
+        """The token ids `seq`'s cells hold, in position order (-1: taken without a token)."""
+        self._check_seq(seq)
+        s = self._s
+        cells = np.flatnonzero(s.seqs[:, seq])
+        return [int(t) for t in s.tok[cells[np.argsort(s.pos[cells], kind="stable")]]]
+
+    def window(self, seq: int, last: int, n: int) -> npt.NDArray[np.int32]:
+        """The tokens `seq` holds at positions `last - n + 1 .. last`, oldest first, -1 where
+        it holds none: the penalty window of the token at `last` (a new int32 array of `n`)."""
+        out = np.full(n, -1, np.int32)
+        if n <= 0:
+            return out
+        s = self._s
+        first = last - n + 1
+        cells = np.flatnonzero(s.seqs[:, seq] & (s.pos >= first) & (s.pos <= last))
+        out[s.pos[cells] - first] = s.tok[cells]
+        return out
 
     def mask_row(self, seq: int) -> npt.NDArray[np.float32]:
         """`seq`'s mask row as a [1, n_rows] view (valid until the next change)."""
@@ -190,6 +218,10 @@ class KvCells:
         self._open.append(step)
         return step
 
+    def is_open(self, step: Step) -> bool:
+        """Whether `step` was begun and is neither committed nor rolled back."""
+        return step in self._open
+
     @property
     def n_open(self) -> int:
         """Steps begun and neither committed nor rolled back."""
@@ -202,11 +234,16 @@ class KvCells:
         if self._open:
             self.rollback(*reversed(self._open))
 
-    def take(self, seqs: Sequence[int], step: Step) -> tuple[list[int], list[int]]:
+    def take(
+        self, seqs: Sequence[int], step: Step, tokens: Sequence[int] | None = None
+    ) -> tuple[list[int], list[int]]:
         """Gives each token of `seqs` a free cell and its sequence's next position; all or none
-        (ContextFullError when too few cells are free). Journalled in `step`."""
+        (ContextFullError when too few cells are free). Journalled in `step`. `tokens`: the
+        token id decoded into each cell (-1, unknown, without them; see `set_token`)."""
         for seq in set(seqs):
             self._check_seq(seq)
+        if tokens is not None and len(tokens) != len(seqs):
+            raise SessionError(f"take: {len(tokens)} token ids for {len(seqs)} cells")
         s = self._s
         if len(seqs) > len(s.free):
             raise ContextFullError(
@@ -215,7 +252,7 @@ class KvCells:
             )
         cells: list[int] = []
         positions: list[int] = []
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             c = s.free[-1]
             p = s.next[seq]
             # Journal first: an interruption after this line is undone by `rollback`.
@@ -225,9 +262,17 @@ class KvCells:
             s.pos[c] = p
             s.seqs[c, seq] = True
             s.mask[seq, c] = 0.0
+            s.tok[c] = -1 if tokens is None else tokens[i]
             cells.append(c)
             positions.append(p)
         return cells, positions
+
+    def set_token(self, cell: int, token: int) -> None:
+        """Records the token decoded into a held `cell`, once the host knows it (a token fed on
+        the device is read only after the step that decodes it was queued)."""
+        if not 0 <= cell < self.n_cells or self._s.pos[cell] < 0:
+            raise SessionError(f"set_token: cell {cell} is not held by any sequence")
+        self._s.tok[cell] = token
 
     def commit(self, step: Step, confirmed: bool) -> None:
         """Keeps `step`'s cells. `confirmed`: a wait on the step's output completed, so the
@@ -278,15 +323,16 @@ class KvCells:
 
     def check(self) -> None:
         """Asserts the invariants of the state (for tests): no step is open; a cell is free iff
-        no sequence holds it iff its position is -1; the free stack holds each free cell once,
-        lowest on top; each mask
-        row admits exactly its sequence's cells; each next position is the largest + 1."""
+        no sequence holds it iff its position is -1; a free cell holds no token (-1); the free
+        stack holds each free cell once, lowest on top; each mask row admits exactly its
+        sequence's cells; each next position is the largest + 1."""
         assert not self._open, f"{len(self._open)} step(s) still open"
         s = self._s
         held = s.seqs.any(axis=1)
         assert s.free == sorted(set(s.free), reverse=True), f"free stack out of order: {s.free}"
         assert s.free[::-1] == [int(c) for c in np.flatnonzero(~held)], (s.free, held)
         assert bool(np.all((s.pos >= 0) == held)), s.pos
+        assert bool(np.all(s.tok[~held] == -1)), s.tok
         for seq in range(self.n_seq):
             want = np.full(self.n_rows, _NEG_INF, np.float32)
             want[: self.n_cells][s.seqs[:, seq]] = 0.0
@@ -323,6 +369,7 @@ class KvCells:
             s.seqs[c, seq] = False
             s.mask[seq, c] = _NEG_INF
             s.pos[c] = -1
+            s.tok[c] = -1
             s.next[seq] = p
             if not s.free or s.free[-1] != c:
                 s.free.append(c)
@@ -337,6 +384,7 @@ def _drop(s: _State, seq: int, cells: npt.NDArray[np.intp]) -> None:
     s.mask[seq, cells] = _NEG_INF
     emptied = cells[~s.seqs[cells].any(axis=1)]
     s.pos[emptied] = -1
+    s.tok[emptied] = -1
     # The stack stays sorted, lowest on top: a take gets the lowest free cell whatever the
     # history, so a cleared cache allocates as a new one does.
     s.free = sorted({*s.free, *(int(c) for c in emptied)}, reverse=True)

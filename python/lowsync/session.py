@@ -17,7 +17,12 @@ so under the `staged` policy a generated token costs one host wait. With launch-
 (`staged`, a backend with stream-ordered copies and reads) `generate` queues step t+1 before it
 reads token t: the decode plan's `tokens` input is fed on the device from the step before's
 `next`, and the read of token t is waited for on its own, so the device runs step after step
-while the host reads and checks tokens.
+while the host reads and checks tokens. With `sampling=True` every bucket draws `next` on the
+device (`lowsync.sampling`, docs/sampling.md): the sampler's parameters, key and penalty window
+are four more inputs in the same staged upload, the window built from the token id each KV
+cell holds (`KvCells`), and in the one-token graph closed by the step's own `tokens` input, so
+launch-ahead works unchanged. `generate_iter` is the same loop as a generator: each token is
+yielded once read, and closing it early rolls back only the step queued ahead.
 
 Invariants: every public method validates its arguments before it changes any state; every
 step is a transaction on the cells (`KvCells.begin` .. `commit` / `rollback`), so a step that
@@ -25,18 +30,22 @@ fails anywhere — a bad input, a backend error, Ctrl-C between any two lines �
 as they were before it; after Ctrl-C (which cancels queued work) the cells of steps never
 waited for are freed too, since their rows may not have been written; and what an interrupt
 outside any handler leaves (an open step, an armed feed) is repaired on entry to the next call
-(invariant 14). Calls are serialised by a lock, so threads may share a session. Shapes never
-depend on state, so steps after `seq_cp` and ubatches without outputs run the same plans
-(invariants 11, 12).
+(invariant 14). Calls are serialised by a lock, so threads may share a session; a suspended
+`generate_iter` holds the lock (other threads wait for it, and a call from its own thread is a
+`SessionError`, since it would roll back the step queued ahead). Shapes never depend on state,
+so steps after `seq_cp` and ubatches without outputs run the same plans (invariants 11, 12).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import numpy as np
@@ -44,7 +53,16 @@ import numpy.typing as npt
 
 from lowsync._native import Context, LowsyncError, Plan, env_flag, stat_names
 from lowsync.kv_cells import ContextFullError, KvCells, SessionError, Step
-from lowsync.models.llama import OUTPUT_LOGITS, OUTPUT_NEXT, Llama
+from lowsync.models.llama import (
+    OUTPUT_LOGITS,
+    OUTPUT_NEXT,
+    SAMPLE_HIST,
+    SAMPLE_KEY,
+    SAMPLE_PARAMS,
+    SAMPLE_PENALTY,
+    Llama,
+)
+from lowsync.sampling import SamplerParams
 
 __all__ = ["TOKEN_COUNTERS", "ContextFullError", "GenerateStats", "Session", "SessionError"]
 
@@ -67,7 +85,7 @@ def _serialised(
     @functools.wraps(method)
     def locked(self: Session, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._lock:
-            self._recover()
+            self._enter()
             return method(self, *args, **kwargs)
 
     return locked
@@ -81,6 +99,15 @@ class GenerateStats:
     token; the decode phase is the `n_steps` one-token steps after it, and `per_token` holds its
     counter deltas divided by `n_steps` (the "per generated token" figures of the bench). Both
     hold every counter of `TOKEN_COUNTERS`.
+
+    `steps` holds each decode step's own counter deltas, cut where its token's read completed;
+    the last runs to the end of the call (so together they are the decode phase, and a step
+    queued ahead of a stop token counts in the last). Without launch-ahead each queues its
+    step and reads its token. With it each queues the read of the next token and one step
+    ahead, except the first, which also holds step 1 (queued before the loop: the pipeline
+    filling, two steps), and the last, which queues none (draining). Taking them costs one
+    `Context.counters()` call per step. `decode_s` of a `generate_iter` includes the time its
+    consumer held each token.
     """
 
     n_prompt: int
@@ -90,6 +117,7 @@ class GenerateStats:
     decode_s: float
     prefill: dict[str, int]
     per_token: dict[str, float]
+    steps: list[dict[str, int]] = field(default_factory=list)
 
     @property
     def pp_tps(self) -> float:
@@ -112,10 +140,35 @@ def _launch_ahead_setting(value: bool | None) -> bool:
     return value
 
 
-class _Bucket:
-    """One compiled graph of fixed token count, with the host buffers of its inputs."""
+# The sampler rows of an output that is not drawn: the argmax, no penalty (any window, any key).
+_GREEDY_PARAMS = SamplerParams.greedy().params_row()
+_NO_PENALTY = SamplerParams.greedy().penalty_row()
+# `_Bucket.drawing` when an interrupted write may have left the sampler inputs half written.
+_UNKNOWN = ("unknown",)
 
-    def __init__(self, plan: Plan, n_tokens: int, n_rows: int) -> None:
+
+@dataclass(frozen=True)
+class _Draw:
+    """The sampler of one `generate` call: its parameters and the seed of its keys."""
+
+    sampler: SamplerParams
+    seed: int
+
+    @property
+    def rows(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        return self.sampler.penalty_row(), self.sampler.params_row()
+
+
+class _Bucket:
+    """One compiled graph of fixed token count, with the host buffers of its inputs.
+
+    With sampling (`window` is the penalty window N, None without), the sampler's inputs too:
+    `hist` has N - 1 columns in the one-token graph (its token closes the window on the
+    device) and N elsewhere; `drawing` records what the sampler inputs in the plan hold (None:
+    greedy rows everywhere), so the hot path rewrites the parameter rows only when they change.
+    """
+
+    def __init__(self, plan: Plan, n_tokens: int, n_rows: int, window: int | None) -> None:
         self.plan = plan
         self.n_tokens = n_tokens
         self.tokens = np.zeros(n_tokens, np.int32)
@@ -124,6 +177,34 @@ class _Bucket:
         self.kq_mask = np.full((n_tokens, n_rows), -np.inf, np.float32)
         self.out_ids = np.zeros(n_tokens, np.int32)
         plan.set_input("out_ids", self.out_ids)
+        self.sampling = window is not None
+        self.hist_cols = 0 if not window else (window - 1 if n_tokens == 1 else window)
+        self.has_hist = SAMPLE_HIST in plan.inputs
+        self.has_penalty = SAMPLE_PENALTY in plan.inputs
+        self.hist = np.full((n_tokens, self.hist_cols), -1, np.int32)
+        self.penalty = np.zeros((n_tokens, 3), np.float32)
+        self.params = np.zeros((n_tokens, 4), np.float32)
+        self.key = np.zeros((n_tokens, 2), np.int32)
+        self.drawing: object = _UNKNOWN
+        if self.sampling:
+            self.write_greedy()
+
+    def write_greedy(self) -> None:
+        """Every row greedy, no penalty: what an output not drawn by a sampler needs."""
+        self.drawing = _UNKNOWN  # until every write below is done
+        self.penalty[:] = _NO_PENALTY
+        self.params[:] = _GREEDY_PARAMS
+        self.write_sampler_inputs()
+        self.drawing = None
+
+    def write_sampler_inputs(self) -> None:
+        plan = self.plan
+        plan.set_input(SAMPLE_PARAMS, self.params)
+        plan.set_input(SAMPLE_KEY, self.key)
+        if self.has_penalty:
+            plan.set_input(SAMPLE_PENALTY, self.penalty)
+        if self.has_hist:
+            plan.set_input(SAMPLE_HIST, self.hist)
 
 
 class Session:
@@ -135,6 +216,12 @@ class Session:
     `buckets` plus one of `n_ubatch` tokens, all at creation; a ubatch runs on the smallest that
     holds it, padded. The default `(1,)` gives single-token steps their own graph; `()` runs
     everything through the `n_ubatch` graph; e.g. `(1, 2, 4)` suits 4 parallel sequences.
+
+    `sampling=True` builds every graph with the sampler after the output head, so `generate`
+    can draw tokens on the device with a `SamplerParams` (top-k, top-p, min-p, temperature,
+    and llama.cpp's repeat / frequency / presence penalties over the last `penalty_last_n`
+    tokens of the sequence, prompt included; 0 turns penalties off). Without it `generate`
+    serves only greedy samplers, through the argmax.
 
     A call that raises — bad input, a backend error, KeyboardInterrupt — leaves the cache as it
     was before the call, and the session stays usable. One exception to "as it was": when a
@@ -152,6 +239,10 @@ class Session:
         logits = sess.decode([1, 5, 300, 7], seq_id=0, logits="all")  # [4, n_vocab]
         ids = sess.generate([1, 5, 300], max_new_tokens=8, seq_id=1)  # greedy, on the device
         sess.seq_cp(1, 2)  # seq 2 shares seq 1's cells; no data is copied
+
+        drawn = Session(model, backends=["cpu-async"], sampling=True)
+        for tok in drawn.generate_iter([1, 5], 16, sampler=SamplerParams(seed=7)):
+            print(tok)  # each token as soon as it is read
     """
 
     def __init__(
@@ -165,6 +256,8 @@ class Session:
         kv_dtype: str = "f32",
         buckets: Sequence[int] = (1,),
         launch_ahead: bool | None = None,
+        sampling: bool = False,
+        penalty_last_n: int = 64,
     ) -> None:
         if not isinstance(model, Llama):
             raise SessionError(
@@ -181,6 +274,17 @@ class Session:
                 f"got {list(buckets)}"
             )
         launch_ahead = _launch_ahead_setting(launch_ahead)
+        if not isinstance(sampling, bool):
+            raise SessionError(f"Session: sampling must be a bool, got {sampling!r}")
+        if (
+            isinstance(penalty_last_n, bool)
+            or not isinstance(penalty_last_n, int)
+            or penalty_last_n < 0
+        ):
+            raise SessionError(
+                f"Session: penalty_last_n must be an int >= 0 (0: no penalties), "
+                f"got {penalty_last_n!r}"
+            )
         if kv_dtype not in ("f32", "f16", "bf16"):
             raise SessionError(f"Session: kv_dtype must be f32, f16 or bf16, got {kv_dtype!r}")
         if isinstance(backends, str):
@@ -190,7 +294,11 @@ class Session:
         self.n_seq = n_seq
         self.n_ubatch = n_ubatch
         self.n_vocab = model.config.n_vocab
+        self.sampling = sampling
+        self.penalty_last_n = penalty_last_n
         self._lock = threading.RLock()
+        # The open `generate_iter`s: while one is suspended, its thread may not call in.
+        self._iterators: weakref.WeakSet[Generator[int, None, None]] = weakref.WeakSet()
         self._cells = KvCells(n_ctx, n_seq)
         self.context = Context(list(backends), policy=policy)
         n_rows = self._cells.n_rows
@@ -198,11 +306,19 @@ class Session:
         # (same nodes, smaller tensors) then fits it without reallocating (invariant 11).
         sizes = sorted({*buckets, n_ubatch}, reverse=True)
         compiled: list[_Bucket] = []
+        window = penalty_last_n if sampling else None
         # Quantized weights the backends cannot read are widened here, once for every bucket.
         graph_model = model.prepared_for(self.context)
         for size in sizes:
-            graph = graph_model.build_graph(size, n_rows, size, kv_dtype=kv_dtype)
-            compiled.append(_Bucket(self.context.compile(graph), size, n_rows))
+            graph = graph_model.build_graph(
+                size,
+                n_rows,
+                size,
+                kv_dtype=kv_dtype,
+                sampling=sampling,
+                penalty_last_n=penalty_last_n,
+            )
+            compiled.append(_Bucket(self.context.compile(graph), size, n_rows, window))
             del graph  # the context holds the uploaded weights; drop the graph's copy now
         del graph_model
         self._buckets = compiled[::-1]  # smallest first, for `_bucket_for`
@@ -234,14 +350,17 @@ class Session:
     def launch_ahead(self) -> bool:
         """Whether `generate` queues step t+1 before it reads token t (the token reaches step
         t+1 on the device). Asked for with `launch_ahead` or `LOWSYNC_LAUNCH_AHEAD` (default
-        on); it needs the `staged` policy and a backend with stream-ordered copies and reads."""
+        on); it needs the `staged` policy and a backend with stream-ordered copies and reads.
+        A sampler with penalties takes the plain loop on a session without a one-token bucket
+        (`buckets=()`): only the one-token graph closes the penalty window with the fed token.
+        """
         return self._launch_ahead
 
     @property
     def n_free(self) -> int:
         """KV cells not used by any sequence."""
         with self._lock:
-            self._recover()
+            self._enter()
             return self._cells.n_free
 
     @property
@@ -258,6 +377,13 @@ class Session:
     def seq_cells(self, seq_id: int) -> list[int]:
         """The cells `seq_id` holds, in cell order (cells may be shared with other sequences)."""
         return self._cells.cells(seq_id)
+
+    @_serialised
+    def seq_tokens(self, seq_id: int) -> list[int]:
+        """The token ids `seq_id`'s cells hold, in position order: what the sequence decoded
+        (a generation's last token is not among them: it was never decoded). For prefix reuse,
+        e.g. keep the common prefix with ``seq_rm(seq_id, p0=n_common)``."""
+        return self._cells.tokens(seq_id)
 
     @_serialised
     def stats(self) -> dict[str, dict[str, int]]:
@@ -337,10 +463,13 @@ class Session:
         max_new_tokens: int,
         seq_id: int = 0,
         stop: Iterable[int] = (),
+        sampler: SamplerParams | None = None,
     ) -> list[int]:
-        """Greedy generation on the device: decodes `prompt` into `seq_id`, then feeds each
-        generated token back, one step per token; returns the generated tokens.
+        """Generation on the device: decodes `prompt` into `seq_id`, then feeds each generated
+        token back, one step per token; returns the generated tokens.
 
+        `sampler` None is greedy (the argmax); a `SamplerParams` draws each token on the device
+        (a session built with `sampling=True`; without it only a greedy sampler is served).
         Each step reads only the sampled token (one host wait under `staged`). With
         `launch_ahead`, step t+1 is queued before token t is read, its token copied on the
         device from step t's output, so the device never waits for the host; when token t is a
@@ -349,8 +478,48 @@ class Session:
         prompt and every generated token but the last, checked before anything runs. Timing and
         counters of the call are kept in `last_generate`. If a step fails, the steps whose
         token was read keep their cells (`seq_pos_max` shows how far it got) and the failed
-        step gives its cell back.
+        step gives its cell back. `generate(...)` is ``list(generate_iter(...))``.
         """
+        args = self._check_generate(prompt, max_new_tokens, seq_id, stop, sampler)
+        return list(self._generation(*args))
+
+    @_serialised
+    def generate_iter(
+        self,
+        prompt: Sequence[int] | npt.NDArray[np.integer[Any]],
+        max_new_tokens: int,
+        seq_id: int = 0,
+        stop: Iterable[int] = (),
+        sampler: SamplerParams | None = None,
+    ) -> Generator[int, None, None]:
+        """`generate`, streaming: yields each token as soon as it is read.
+
+        The arguments are checked now; the work starts at the first `next`. Closing the
+        iterator early (``break``, `close()`, an exception or Ctrl-C in the consumer) leaves the
+        session as ``generate(..., max_new_tokens=<tokens yielded>)`` would have: the step
+        queued ahead is rolled back. `last_generate` is set when it finishes or is closed.
+        While it is suspended it holds the session: another thread's call waits for it, and a
+        call from the consuming thread is a `SessionError` (close it first). Consume it from
+        the thread that started it (the session's lock belongs to that thread).
+
+        Example::
+
+            for tok in sess.generate_iter(prompt, 64, sampler=SamplerParams(seed=1)):
+                print(tokenizer.decode([tok]), end="", flush=True)
+        """
+        args = self._check_generate(prompt, max_new_tokens, seq_id, stop, sampler)
+        gen = self._generation(*args)
+        self._iterators.add(gen)
+        return gen
+
+    def _check_generate(
+        self,
+        prompt: Sequence[int] | npt.NDArray[np.integer[Any]],
+        max_new_tokens: int,
+        seq_id: int,
+        stop: Iterable[int],
+        sampler: SamplerParams | None,
+    ) -> tuple[list[int], int, int, set[int], _Draw | None]:
         toks = self._check_tokens(prompt)
         self._check_seq(seq_id)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
@@ -359,42 +528,107 @@ class Session:
             raise SessionError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
         if len(toks) == 0:
             raise SessionError("generate: the prompt is empty")
-        need = len(toks) + max_new_tokens - 1
+        self._check_room(len(toks), max_new_tokens)
+        stops = {int(t) for t in stop}
+        draw: _Draw | None = None
+        if sampler is not None:
+            if not isinstance(sampler, SamplerParams):
+                raise SessionError(
+                    f"generate: sampler must be a SamplerParams or None, got "
+                    f"{type(sampler).__name__}"
+                )
+            if not sampler.is_greedy:
+                if not self.sampling:
+                    raise SessionError(
+                        "generate: this session was built without sampling, so it serves only "
+                        "greedy samplers (temperature <= 0, no penalty); build it with "
+                        "Session(..., sampling=True) to draw tokens"
+                    )
+                draw = _Draw(sampler, sampler.resolve_seed())
+        return toks, max_new_tokens, seq_id, stops, draw
+
+    def _check_room(self, n_prompt: int, max_new_tokens: int) -> None:
+        need = n_prompt + max_new_tokens - 1
         if need > self._cells.n_free:
             raise ContextFullError(
-                f"generate: needs {need} free KV cells ({len(toks)} prompt tokens + "
+                f"generate: needs {need} free KV cells ({n_prompt} prompt tokens + "
                 f"{max_new_tokens - 1} fed back), the cache has {self._cells.n_free} of "
                 f"{self.n_ctx}"
             )
-        stops = {int(t) for t in stop}
 
-        before = self.context.stats()["total"]
-        t0 = time.perf_counter()
-        flags = [False] * len(toks)
-        flags[-1] = True
-        first = self._run(toks, [seq_id] * len(toks), flags, want="next")
-        assert first is not None
-        token = int(first[-1][0])
-        out = [token]
-        t1 = time.perf_counter()
-        mid = self.context.stats()["total"]
-        decode = self._buckets[0]
-        if self._launch_ahead:
-            steps = self._generate_ahead(decode, token, seq_id, max_new_tokens, stops, out)
-        else:
-            steps = self._generate_plain(decode, token, seq_id, max_new_tokens, stops, out)
+    def _generation(
+        self,
+        toks: list[int],
+        max_new_tokens: int,
+        seq_id: int,
+        stops: set[int],
+        draw: _Draw | None,
+    ) -> Generator[int, None, None]:
+        """The body of `generate` and `generate_iter`: the prompt, then the decode loop, each
+        token yielded once read; records `last_generate` however it ends."""
+        with self._lock:
+            self._enter()
+            self._check_room(len(toks), max_new_tokens)  # the cache may have changed since
+            reads: list[list[int]] = []  # the counters as each step's read completed
+            out: list[int] = []
+            before = self._counters()
+            t0 = time.perf_counter()
+            t1 = 0.0
+            mid: list[int] | None = None
+            try:
+                flags = [False] * len(toks)
+                flags[-1] = True
+                first = self._run(toks, [seq_id] * len(toks), flags, want="next", draw=draw)
+                assert first is not None
+                out.append(int(first[-1][0]))
+                self._check_device_token(out[-1])
+                t1 = time.perf_counter()
+                mid = self._counters()
+
+                def on_read() -> None:
+                    # Kept raw, the deltas taken at the end: one cheap native call a step.
+                    reads.append(self._counters())
+
+                decode = self._buckets[0]
+                ahead = self._launch_ahead and _window_closes_on_device(decode, draw)
+                loop = self._decode_ahead if ahead else self._decode_plain
+                yield from loop(decode, seq_id, max_new_tokens, stops, out, draw, on_read)
+            finally:
+                if mid is not None:
+                    self._record(len(toks), out, reads, t0, t1, before, mid)
+
+    def _record(
+        self,
+        n_prompt: int,
+        out: list[int],
+        reads: list[list[int]],
+        t0: float,
+        t1: float,
+        before: list[int],
+        mid: list[int],
+    ) -> None:
         t2 = time.perf_counter()
-        after = self.context.stats()["total"]
+        after = self._counters()
+        n = len(reads)
+        # The last step ends with the call: it also holds what was queued after its read (the
+        # step queued ahead of a stop token or of a closed iterator), so the steps add up to
+        # the decode phase.
+        cuts = [mid, *reads[:-1], after] if reads else []
+        steps = [_delta(a, b) for a, b in itertools.pairwise(cuts)]
         self.last_generate = GenerateStats(
-            n_prompt=len(toks),
+            n_prompt=n_prompt,
             n_gen=len(out),
-            n_steps=steps,
+            n_steps=n,
             prefill_s=t1 - t0,
             decode_s=t2 - t1,
-            prefill={c: mid[c] - before[c] for c in TOKEN_COUNTERS},
-            per_token={c: (after[c] - mid[c]) / max(steps, 1) for c in TOKEN_COUNTERS},
+            prefill=_delta(before, mid),
+            per_token={c: v / max(n, 1) for c, v in _delta(mid, after).items()},
+            steps=steps,
         )
-        return out
+
+    def _counters(self) -> list[int]:
+        """The context's counters (total over backends), in `TOKEN_COUNTERS` order."""
+        return self.context.counters()
 
     # ---- validation ---------------------------------------------------------------------------
 
@@ -454,6 +688,16 @@ class Session:
 
     # ---- running ------------------------------------------------------------------------------
 
+    def _enter(self) -> None:
+        """What every call does first, under the lock: refuse to run inside a suspended
+        `generate_iter` of this thread (its step queued ahead is open), then repair."""
+        if any(inspect.getgeneratorstate(g) == inspect.GEN_SUSPENDED for g in self._iterators):
+            raise SessionError(
+                "a generate_iter of this session is suspended in this thread: exhaust it or "
+                "close() it (or leave its loop) before calling the session again"
+            )
+        self._recover()
+
     def _bucket_for(self, n: int) -> _Bucket:
         return next(b for b in self._buckets if b.n_tokens >= n)
 
@@ -472,9 +716,11 @@ class Session:
         seqs: list[int],
         flags: list[bool],
         want: Literal["logits", "next"],
+        draw: _Draw | None = None,
     ) -> list[npt.NDArray[Any]] | None:
         """Runs the tokens in ubatches, as one step of the cells; returns the wanted output rows
-        of each ubatch that has any (None when no token wants an output)."""
+        of each ubatch that has any (None when no token wants an output). `draw`: the sampler
+        of the output rows (greedy without)."""
         if len(tokens) > self._cells.n_free:
             raise ContextFullError(
                 f"decode: {len(tokens)} tokens need as many free KV cells; the cache has "
@@ -488,10 +734,11 @@ class Session:
             for start in range(0, len(tokens), self.n_ubatch):
                 stop = min(start + self.n_ubatch, len(tokens))
                 sub_seqs = seqs[start:stop]
+                sub_tokens = tokens[start:stop]
                 rows = [i for i, f in enumerate(flags[start:stop]) if f]
                 bucket = self._bucket_for(stop - start)
-                cells, positions = self._cells.take(sub_seqs, step)
-                self._fill(bucket, tokens[start:stop], sub_seqs, rows, cells, positions)
+                cells, positions = self._cells.take(sub_seqs, step, sub_tokens)
+                self._fill(bucket, sub_tokens, sub_seqs, rows, cells, positions, draw)
                 bucket.plan.compute()
                 waited = False
                 if rows:
@@ -512,8 +759,11 @@ class Session:
         rows: list[int],
         cells: list[int],
         positions: list[int],
+        draw: _Draw | None = None,
+        hist: npt.NDArray[np.int32] | None = None,
     ) -> None:
-        """Writes the bucket's inputs for one ubatch (padded to its size) into its plan."""
+        """Writes the bucket's inputs for one ubatch (padded to its size) into its plan.
+        `hist`: the one-token graph's penalty window, when the caller keeps it."""
         m, size, plan = len(tokens), bucket.n_tokens, bucket.plan
         if size == 1:
             # The decode step, the hot path: item writes, and the sequence's own mask row
@@ -546,17 +796,79 @@ class Session:
             bucket.out_ids[: len(rows)] = rows
             bucket.out_ids[len(rows) :] = 0
             plan.set_input("out_ids", bucket.out_ids)
+        if bucket.sampling:
+            self._fill_sampler(bucket, seqs, rows, positions, draw, hist)
+
+    def _fill_sampler(
+        self,
+        bucket: _Bucket,
+        seqs: list[int],
+        rows: list[int],
+        positions: list[int],
+        draw: _Draw | None,
+        hist: npt.NDArray[np.int32] | None,
+    ) -> None:
+        """Writes the sampler's inputs: greedy rows without `draw`; with it, each output row's
+        parameters, its key (seed, the position its token will take) and its penalty window
+        (the sequence's tokens up to and including the row's own; in the one-token graph the
+        window's last column is the `tokens` input, so the host writes the rest)."""
+        if draw is None:
+            if bucket.drawing is not None:
+                bucket.write_greedy()
+            return
+        n_cols = bucket.hist_cols
+        if bucket.n_tokens == 1:
+            p = positions[0]
+            if bucket.drawing != draw.rows:
+                bucket.drawing = _UNKNOWN  # until both rows are written
+                bucket.penalty[0], bucket.params[0] = draw.rows
+                bucket.plan.set_input(SAMPLE_PARAMS, bucket.params)
+                if bucket.has_penalty:
+                    bucket.plan.set_input(SAMPLE_PENALTY, bucket.penalty)
+                bucket.drawing = draw.rows
+            bucket.key[0] = (np.uint32(draw.seed).view(np.int32), p + 1)
+            bucket.plan.set_input(SAMPLE_KEY, bucket.key)
+            if bucket.has_hist:
+                if hist is None:
+                    hist = self._cells.window(seqs[0], p - 1, n_cols)
+                bucket.hist[0] = hist
+                bucket.plan.set_input(SAMPLE_HIST, bucket.hist)
+            return
+        # A larger graph: output row j is ubatch row rows[j]; rows not drawn stay greedy.
+        bucket.drawing = _UNKNOWN
+        bucket.penalty[:] = _NO_PENALTY
+        bucket.params[:] = _GREEDY_PARAMS
+        bucket.hist[:] = -1
+        bucket.key[:] = 0
+        seed = np.uint32(draw.seed).view(np.int32)
+        for j, i in enumerate(rows):
+            bucket.penalty[j], bucket.params[j] = draw.rows
+            bucket.key[j] = (seed, positions[i] + 1)
+            if n_cols:
+                bucket.hist[j] = self._cells.window(seqs[i], positions[i], n_cols)
+        bucket.write_sampler_inputs()
+        bucket.drawing = draw.rows if rows else None
 
     def _queue_one(
-        self, bucket: _Bucket, token: int, seq_id: int, step: Step, feed: bool = False
-    ) -> None:
-        """Queues one decode step of `generate` in `step`: one token of one sequence, no read.
-        With `feed` the token comes from the previous step's `next`, on the device."""
-        cells, positions = self._cells.take([seq_id], step)
-        self._fill(bucket, [token], [seq_id], [0], cells, positions)
-        if not feed:
+        self,
+        bucket: _Bucket,
+        token: int | None,
+        seq_id: int,
+        step: Step,
+        draw: _Draw | None = None,
+        hist: npt.NDArray[np.int32] | None = None,
+    ) -> int:
+        """Queues one decode step of `generate` in `step`: one token of one sequence, no read;
+        returns its cell. With `token` None the token comes from the previous step's `next`,
+        on the device (the cell's token id is then set once the host reads it)."""
+        cells, positions = self._cells.take([seq_id], step, [-1 if token is None else token])
+        # The host's token of a fed step is a placeholder: the feed overwrites it on the device.
+        self._fill(
+            bucket, [0 if token is None else token], [seq_id], [0], cells, positions, draw, hist
+        )
+        if token is not None:
             bucket.plan.compute()
-            return
+            return cells[0]
         # Armed last, right before the compute that takes it: a failure in the writes above
         # arms nothing. Until that compute has returned the feed may still be armed (a compute
         # that raised may not have got to take it): `_recover` then lets a harmless step take
@@ -565,6 +877,7 @@ class Session:
         bucket.plan.feed("tokens", OUTPUT_NEXT)
         bucket.plan.compute()
         self._feed_armed = False
+        return cells[0]
 
     def _recover(self) -> None:
         """Repairs what a failure left behind, before a call uses the session: open steps of
@@ -591,86 +904,143 @@ class Session:
             b.plan.compute()
             self._feed_armed = False
 
-    def _generate_plain(
+    def _decode_window(
+        self, bucket: _Bucket, seq_id: int, draw: _Draw | None
+    ) -> npt.NDArray[np.int32] | None:
+        """The penalty window the host writes for the first decode step of `generate` (the
+        tokens before the position it decodes), or None when the plan has none to write. The
+        loops then shift in each token as it becomes known, instead of searching the cells."""
+        if draw is None or bucket.n_tokens > 1 or not bucket.has_hist:
+            return None  # a larger graph's window is read from the cells, row by row
+        return self._cells.window(seq_id, self._cells.pos_max(seq_id), bucket.hist_cols)
+
+    def _decode_plain(
         self,
         decode: _Bucket,
-        token: int,
         seq_id: int,
         max_new_tokens: int,
         stops: set[int],
         out: list[int],
-    ) -> int:
-        """The decode steps of `generate` without launch-ahead: queue, read, repeat. Appends
-        to `out`; returns the number of steps."""
-        steps = 0
+        draw: _Draw | None,
+        on_read: Callable[[], None],
+    ) -> Iterator[int]:
+        """The decode steps of `generate` without launch-ahead: queue, read, repeat. `out`
+        holds the prompt's token; yields it, then each token read (appended to `out`)."""
+        token = out[-1]
+        hist = self._decode_window(decode, seq_id, draw)
+        yield token
         while len(out) < max_new_tokens and token not in stops:
             self._check_device_token(token)
             step = self._cells.begin()
             try:
-                self._queue_one(decode, token, seq_id, step)
+                self._queue_one(decode, token, seq_id, step, draw, hist)
                 token = int(decode.plan.get_output(OUTPUT_NEXT)[0])  # the step's one wait
             except BaseException as e:
                 self._abort(e, step)
                 raise
             self._cells.commit(step, confirmed=True)
             out.append(token)
-            steps += 1
-        return steps
+            on_read()
+            if hist is not None:  # the step's own token joins the next step's window
+                _shift_in(hist, out[-2])
+            yield token
 
-    def _generate_ahead(
+    def _decode_ahead(
         self,
         decode: _Bucket,
-        token: int,
         seq_id: int,
         max_new_tokens: int,
         stops: set[int],
         out: list[int],
-    ) -> int:
-        """The decode steps of `generate` with launch-ahead; appends to `out`, returns the
-        number of steps whose token was read.
+        draw: _Draw | None,
+        on_read: Callable[[], None],
+    ) -> Iterator[int]:
+        """The decode steps of `generate` with launch-ahead. `out` holds the prompt's token;
+        yields it, then each token read (appended to `out`).
 
         Step k takes token k-1; step 1's comes from the host (the prompt's output), every later
         one is fed on the device from the step before. Step k+1 is queued before token k is
         read, so each iteration's one host wait finds the next step already queued. A step is
         committed when its token is read; on a failure the open steps (the one whose read
-        failed and the one queued ahead of it) are rolled back.
+        failed and the one queued ahead of it) are rolled back, and so is the step queued
+        ahead when the consumer stops at a yield. Step k+1's penalty window ends with token
+        k-1, which the host has read by then; token k closes it on the device.
         """
+        token = out[-1]
         if len(out) >= max_new_tokens or token in stops:
-            return 0
+            yield token
+            return
         self._check_device_token(token)
         plan = decode.plan
+        hist = self._decode_window(decode, seq_id, draw)
         current = self._cells.begin()
         try:
-            self._queue_one(decode, token, seq_id, current)
+            self._queue_one(decode, token, seq_id, current, draw, hist)
             pending = plan.read_async(OUTPUT_NEXT)
         except BaseException as e:
             self._abort(e, current)
             raise
-        steps = 0
-        while True:
-            # `pending` holds token len(out); one more step is needed after it only if the
-            # output is not full once it is read.
-            ahead: Step | None = None
-            try:
-                if len(out) + 1 < max_new_tokens:
-                    ahead = self._cells.begin()
-                    # The host's token is a placeholder: the feed overwrites it on the device.
-                    self._queue_one(decode, 0, seq_id, ahead, feed=True)
-                token = int(pending.wait()[0])  # the one wait of the step
-                self._check_device_token(token)
-                follow = plan.read_async(OUTPUT_NEXT) if ahead is not None else None
-            except BaseException as e:
-                self._abort(e, *(s for s in (ahead, current) if s is not None))
-                raise
-            self._cells.commit(current, confirmed=True)
-            out.append(token)
-            steps += 1
-            if ahead is None:
-                return steps
-            if token in stops:
-                # The step queued ahead took a stop token: give back its cell (its KV row is
-                # masked from now on, and whoever takes the cell next overwrites it).
-                self._cells.rollback(ahead)
-                return steps
-            assert follow is not None
-            pending, current = follow, ahead
+        ahead: Step | None = None
+        try:
+            yield token
+            while True:
+                # `pending` holds token len(out); one more step is needed after it only if the
+                # output is not full once it is read.
+                ahead = None
+                try:
+                    if len(out) + 1 < max_new_tokens:
+                        if hist is not None:
+                            _shift_in(hist, out[-1])
+                        ahead = self._cells.begin()
+                        cell = self._queue_one(decode, None, seq_id, ahead, draw, hist)
+                    token = int(pending.wait()[0])  # the one wait of the step
+                    self._check_device_token(token)
+                    on_read()
+                    follow = plan.read_async(OUTPUT_NEXT) if ahead is not None else None
+                except BaseException as e:
+                    self._abort(e, *(s for s in (ahead, current) if s is not None))
+                    raise
+                self._cells.commit(current, confirmed=True)
+                out.append(token)
+                if ahead is None:
+                    yield token
+                    return
+                self._cells.set_token(cell, token)  # the token the step queued ahead decodes
+                if token in stops:
+                    # The step queued ahead took a stop token: give back its cell (its KV row is
+                    # masked from now on, and whoever takes the cell next overwrites it).
+                    self._cells.rollback(ahead)
+                    yield token
+                    return
+                yield token
+                assert follow is not None
+                pending, current = follow, ahead
+        finally:
+            # Stopped at a yield (closed, or the consumer's exception): the step queued ahead
+            # of the last token yielded is rolled back, as if it had never been queued. Also
+            # whatever an interrupt between two lines left open, newest first (a step already
+            # committed or rolled back is no longer open and is left alone).
+            self._cells.rollback(*(s for s in (ahead, current) if s and self._cells.is_open(s)))
+
+
+def _delta(earlier: list[int], later: list[int]) -> dict[str, int]:
+    """Counter deltas between two `Context.counters()` lists, by name."""
+    return {c: b - a for c, a, b in zip(TOKEN_COUNTERS, earlier, later, strict=True)}
+
+
+def _window_closes_on_device(decode: _Bucket, draw: _Draw | None) -> bool:
+    """Whether a decode step fed its token on the device still gets the right penalty window:
+    the one-token graph takes the window's last column from its `tokens` input, a larger graph
+    from the host, which does not know a fed token."""
+    return (
+        draw is None
+        or decode.n_tokens == 1
+        or not decode.has_hist
+        or not draw.sampler.has_penalties
+    )
+
+
+def _shift_in(hist: npt.NDArray[np.int32], token: int) -> None:
+    """Slides a penalty window one position on: the oldest token out, `token` in."""
+    hist[:-1] = hist[1:]
+    hist[-1] = token

@@ -131,7 +131,16 @@ inline int __shfl_up_sync(unsigned, int v, int off) {
 inline int __shfl_sync(unsigned, int v, int src) {
     return emu_shfl_int(v, [src](int) { return src; });
 }
+inline unsigned __shfl_xor_sync(unsigned, unsigned v, int off) {
+    return (unsigned)emu_shfl_int((int)v, [off](int lane) { return lane ^ off; });
+}
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+// Integer and rounding intrinsics of the sampler (kernels/sample.cu). Plain C++ float
+// arithmetic is IEEE round-to-nearest without contraction here (-std=c++20 sets
+// -ffp-contract=off), which is what the _rn forms promise on the device.
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 inline int emu_votes[1024];
 inline unsigned __ballot_sync(unsigned, int pred) {
     const int t = (int)threadIdx.x, w = t / 32;

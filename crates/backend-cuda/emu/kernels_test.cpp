@@ -3,8 +3,9 @@
 // its norm prologue; its row-pair mode with the Rope and KV-cache row epilogues),
 // mul_mat_vec_k / mul_mat_vec_k4, mul_mat_vec_1, rope_rows, attn_decode (masked rows poisoned
 // with NaN: they must not be read), soft_max and argmax (exact), and the small copies
-// small_copy and copy_batch (exact, in order). Built and run by
-// scripts/kernel_emu.sh; exits non-zero on any failure.
+// small_copy and copy_batch (exact, in order), and the sampler's penalize and sample against the
+// answers of lowsync_graph::sampling in sample_cases.txt (exact). Built and run by
+// scripts/kernel_emu.sh with this folder as its argument; exits non-zero on any failure.
 #include "cuda_shim.h"
 #include "attention.cu"
 #include "elementwise.cu"
@@ -13,6 +14,7 @@
 #include "norm.cu"
 #include "norm_mul.cu"
 #include "rope_rows.cu"
+#include "sample.cu"
 
 #include <array>
 #include <random>
@@ -1184,7 +1186,188 @@ void test_copies() {
     }
 }
 
-int main() {
+// The sampler (kernels/sample.cu) against lowsync_graph::sampling's answers: the cases are
+// written by crates/backend-cuda/tests/sample.rs into sample_cases.txt (rows by a generator both
+// sides share, checked here by hash), tokens and penalized rows must match exactly. Rows are
+// read through a padded row stride and the settings through a transposed layout, with the
+// block size each case names.
+namespace smp {
+
+u32 xs_next(u32& s) {
+    s ^= s << 13;
+    s ^= s >> 17;
+    s ^= s << 5;
+    return s;
+}
+
+// tests/sample.rs `emu_row`.
+std::vector<float> row(u32 gen, i64 v, int kind, int scale) {
+    u32 s = (gen * 0x9E3779B9u) | 1u;
+    const float unit = __uint_as_float((u32)(127 + scale - 23) << 23);
+    const float top = __uint_as_float((u32)(127 + scale) << 23);
+    std::vector<float> x(v);
+    for (i64 i = 0; i < v; ++i) {
+        float y = (float)((int)(xs_next(s) >> 8) - (1 << 23)) * unit;
+        if ((kind == 1 && i % 3 == 1) || kind == 2) y = NAN;
+        else if (kind == 3 || (kind == 4 && i % 4 == 0)) y = -INFINITY;
+        else if (kind == 5 && i == v / 2) y = INFINITY;
+        else if (kind == 6 && (i == v / 3 || i == v - 1)) y = top;
+        else if (kind == 7) y = 1.0f;
+        else if (kind == 8 && i % 5 == 0) y = 0.0f;
+        else if (kind == 8 && i % 5 == 1) y = -0.0f;
+        else if (kind == 8 && i % 7 == 3) y = NAN;
+        x[i] = y;
+    }
+    return x;
+}
+
+// tests/sample.rs `emu_hist`.
+std::vector<int> hist(u32 gen, i64 v, i64 n) {
+    u32 s = ((gen ^ 0xA5A5A5A5u) * 0x9E3779B9u) | 1u;
+    std::vector<int> h(n);
+    for (i64 i = 0; i < n; ++i) h[i] = (int)(xs_next(s) % (u32)(v + 4)) - 2;
+    return h;
+}
+
+// tests/sample.rs `row_hash`.
+u32 hash(const float* x, i64 n, i64 stride) {
+    u32 h = 0x811c9dc5u;
+    for (i64 i = 0; i < n; ++i) {
+        const float v = x[i * stride];
+        h = (h ^ (v != v ? 0x7fc00000u : __float_as_uint(v))) * 0x01000193u;
+    }
+    return h;
+}
+
+void philox_known_answers() {
+    struct Kat {
+        uint4 c;
+        u32 k0, k1;
+        uint4 want;
+    } kats[] = {
+        {{0, 0, 0, 0}, 0, 0, {0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}},
+        {{~0u, ~0u, ~0u, ~0u}, ~0u, ~0u, {0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}},
+        {{0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344},
+         0xa4093822,
+         0x299f31d0,
+         {0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1}},
+    };
+    for (const Kat& k : kats) {
+        const uint4 g = philox4x32_10(k.c, k.k0, k.k1);
+        if (g.x != k.want.x || g.y != k.want.y || g.z != k.want.z || g.w != k.want.w) {
+            ++fails;
+            printf("FAIL philox4x32_10 known answer: %08x %08x %08x %08x\n", g.x, g.y, g.z, g.w);
+        }
+    }
+}
+
+}  // namespace smp
+
+void test_sample(const std::string& dir) {
+    smp::philox_known_answers();
+    const std::string path = dir + "/sample_cases.txt";
+    FILE* f = fopen(path.c_str(), "r");
+    if (!f) {
+        ++fails;
+        printf("FAIL sampler: cannot read %s\n", path.c_str());
+        return;
+    }
+    char line[512];
+    int launches = 0, rows_seen = 0;
+    while (fgets(line, sizeof line, f)) {
+        long long v, a, b;
+        int kind, scale, n;
+        unsigned block;
+        if (sscanf(line, "sample %lld %d %d %u %d", &v, &kind, &scale, &block, &n) == 5) {
+            const i64 pad = 3, xs = v + pad;
+            std::vector<float> x(n * xs, INFINITY), prm(4 * n);
+            std::vector<int> key(2 * n), want(n), dst(n, 12345);
+            std::vector<u32> gens(n), sums(n);
+            for (int r = 0; r < n; ++r) {
+                u32 g, p[4], seed, ctr, h;
+                int tok;
+                if (!fgets(line, sizeof line, f) ||
+                    sscanf(line, "%x %x %x %x %x %x %x %d %x", &g, &p[0], &p[1], &p[2], &p[3], &seed, &ctr,
+                           &tok, &h) != 9) {
+                    ++fails;
+                    printf("FAIL sampler: bad row line in %s\n", path.c_str());
+                    fclose(f);
+                    return;
+                }
+                const std::vector<float> xr = smp::row(g, v, kind, scale);
+                std::copy(xr.begin(), xr.end(), x.begin() + r * xs);
+                if (smp::hash(xr.data(), v, 1) != h) {
+                    ++fails;
+                    printf("FAIL sampler: row generator differs from tests/sample.rs (gen %x)\n", g);
+                }
+                for (int c = 0; c < 4; ++c) prm[c * n + r] = __uint_as_float(p[c]);  // transposed
+                key[2 * r] = (int)seed;
+                key[2 * r + 1] = (int)ctr;
+                want[r] = tok;
+                gens[r] = g;
+            }
+            ++launches;
+            launch(n, block, [&] {
+                sample(n, v, dst.data(), 1, x.data(), xs, 1, prm.data(), 1, n, key.data(), 2, 1);
+            });
+            for (int r = 0; r < n; ++r) {
+                ++rows_seen;
+                if (dst[r] != want[r]) {
+                    ++fails;
+                    printf("FAIL sample V %lld kind %d scale %d block %u row gen %x: %d, want %d\n", v, kind,
+                           scale, block, gens[r], dst[r], want[r]);
+                }
+            }
+        } else if (sscanf(line, "penalize %lld %lld %u %d", &a, &b, &block, &n) == 4) {
+            const i64 vv = a, nh = b;
+            std::vector<float> x(n * vv), prm(3 * n), out(n * vv, NAN);
+            std::vector<int> h(std::max<i64>(1, n * nh));
+            std::vector<u32> want(n), gens(n);
+            for (int r = 0; r < n; ++r) {
+                u32 g, p[3], hv;
+                if (!fgets(line, sizeof line, f) ||
+                    sscanf(line, "%x %x %x %x %x", &g, &p[0], &p[1], &p[2], &hv) != 5) {
+                    ++fails;
+                    printf("FAIL penalize: bad row line in %s\n", path.c_str());
+                    fclose(f);
+                    return;
+                }
+                const std::vector<float> xr = smp::row(g, vv, 8, 2);
+                std::copy(xr.begin(), xr.end(), x.begin() + r * vv);
+                const std::vector<int> hr = smp::hist(g, vv, nh);
+                std::copy(hr.begin(), hr.end(), h.begin() + r * nh);
+                for (int c = 0; c < 3; ++c) prm[3 * r + c] = __uint_as_float(p[c]);
+                want[r] = hv;
+                gens[r] = g;
+            }
+            ++launches;
+            launch(n, block, [&] {
+                penalize(n, vv, nh, out.data(), vv, 1, x.data(), vv, 1, h.data(), nh, 1, prm.data(), 3, 1);
+            });
+            for (int r = 0; r < n; ++r) {
+                ++rows_seen;
+                const u32 got = smp::hash(out.data() + r * vv, vv, 1);
+                if (got != want[r]) {
+                    ++fails;
+                    printf("FAIL penalize V %lld N %lld block %u row gen %x: hash %x, want %x\n", a, b, block,
+                           gens[r], got, want[r]);
+                }
+            }
+        }
+    }
+    fclose(f);
+    if (launches < 25 || rows_seen < 200) {
+        ++fails;
+        printf("FAIL sampler: only %d launches, %d rows read from %s\n", launches, rows_seen, path.c_str());
+    }
+}
+
+int main(int argc, char** argv) {
+    if (argc != 2) {
+        printf("usage: kernels_test <emu folder (holds sample_cases.txt)>\n");
+        return 2;
+    }
+    test_sample(argv[1]);
     test_copies();
     test_norm_mul();
     test_fused_gemv();

@@ -210,9 +210,7 @@ impl Drop for CudaGate {
 /// crate ([`Op::accepts`]), which the CUDA kernels cover in full except for block (quantized)
 /// sources, which they do not read yet.
 pub fn cuda_supports_op(op: &Op, dst: DType, srcs: &[DType]) -> bool {
-    !matches!(op, Op::Penalize | Op::Sample)
-        && !srcs.iter().any(|s| s.is_quantized())
-        && op.accepts(dst, srcs)
+    !srcs.iter().any(|s| s.is_quantized()) && op.accepts(dst, srcs)
 }
 
 impl Backend for CudaBackend {

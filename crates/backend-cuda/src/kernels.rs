@@ -40,6 +40,7 @@ const MODULES: &[(&str, &str)] = &[
     ("norm", include_str!("../kernels/norm.cu")),
     ("rope", include_str!("../kernels/rope.cu")),
     ("matmul", include_str!("../kernels/matmul.cu")),
+    ("sample", include_str!("../kernels/sample.cu")),
     ("fused_norm_mul", include_str!("fusion/norm_mul.cu")),
     ("fused_gemv", include_str!("fusion/gemv.cu")),
     ("fused_rope_rows", include_str!("fusion/rope_rows.cu")),
@@ -93,11 +94,15 @@ pub(crate) enum Kernel {
     FusedGemv1Rp16,
     FusedGemv1Rpb16,
     FusedGemv1Rp32,
+    /// The sampler's penalties (`Op::Penalize`), one block per row.
+    Penalize,
+    /// The sampler's draw (`Op::Sample`), one block per row.
+    Sample,
 }
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 38] = [
+    pub(crate) const ALL: [Kernel; 40] = [
         Kernel::EwUnary,
         Kernel::SmallCopy,
         Kernel::CopyBatch,
@@ -136,6 +141,8 @@ impl Kernel {
         Kernel::FusedGemv1Rp16,
         Kernel::FusedGemv1Rpb16,
         Kernel::FusedGemv1Rp32,
+        Kernel::Penalize,
+        Kernel::Sample,
     ];
 
     /// The streamed products' own entry points, whose blocks may ask for more than the
@@ -204,6 +211,7 @@ impl Kernel {
             | Kernel::FusedGemv1Rp32 => "fused_gemv",
             Kernel::RopeRows => "fused_rope_rows",
             Kernel::AttnDecode | Kernel::AttnFast | Kernel::AttnFastLong => "fused_attention",
+            Kernel::Penalize | Kernel::Sample => "sample",
         }
     }
 
@@ -247,6 +255,8 @@ impl Kernel {
             Kernel::FusedGemv1S16 => "fused_gemv1_s16",
             Kernel::FusedGemv1Sb16 => "fused_gemv1_sb16",
             Kernel::FusedGemv1S32 => "fused_gemv1_s32",
+            Kernel::Penalize => "penalize",
+            Kernel::Sample => "sample",
         }
     }
 }

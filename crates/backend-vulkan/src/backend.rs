@@ -540,7 +540,6 @@ pub fn vulkan_supports_op(op: &Op, dst: DType, srcs: &[DType]) -> bool {
     }
     let narrowed = match op {
         Op::MulMat | Op::MulMatId => dst == DType::F32,
-        Op::Penalize | Op::Sample => false,
         _ => true,
     };
     narrowed && op.accepts(dst, srcs)
@@ -568,13 +567,19 @@ mod tests {
         ));
         assert!(Op::MulMat.accepts(F32, &[F32, DType::Q4_0]));
         assert!(!vulkan_supports_op(&Op::MulMat, F32, &[F32, DType::Q4_0]));
-        let others: [(Op, DType, &[DType]); 6] = [
+        let others: [(Op, DType, &[DType]); 12] = [
             (Op::Add, F32, &[F32, F16]),
             (Op::Add, F32, &[F32]),
             (Op::GetRows, F16, &[F16, I32]),
             (Op::Argmax, I32, &[F32]),
             (Op::Cpy, I32, &[I32]),
             (Op::Cpy, F32, &[I32]),
+            (Op::Penalize, F32, &[F32, I32, F32]),
+            (Op::Penalize, F16, &[F16, I32, F32]),
+            (Op::Penalize, F32, &[F32, F32, F32]),
+            (Op::Sample, I32, &[F32, F32, I32]),
+            (Op::Sample, I32, &[F16, F32, I32]),
+            (Op::Sample, F32, &[F32, F32, I32]),
         ];
         for (op, dst, srcs) in others {
             assert_eq!(
@@ -583,5 +588,9 @@ mod tests {
                 "{op:?}"
             );
         }
+        // The sampler runs on Vulkan for exactly the dtypes of the graph's rule: f32 logits.
+        assert!(vulkan_supports_op(&Op::Penalize, F32, &[F32, I32, F32]));
+        assert!(vulkan_supports_op(&Op::Sample, I32, &[F32, F32, I32]));
+        assert!(!vulkan_supports_op(&Op::Sample, I32, &[F16, F32, I32]));
     }
 }

@@ -156,6 +156,16 @@ impl PyContext {
             .all(|b| b.supports_op(&op, dst, &srcs)))
     }
 
+    /// The counters summed over the backends, in `stat_names()` order: `stats()["total"]` as
+    /// a list, cheap enough to take at every decode step (no dicts, no key strings).
+    fn counters(&self) -> Vec<u64> {
+        let mut total = StatsSnapshot::default();
+        for b in self.sched.backends() {
+            total = total.add(&b.stats().snapshot());
+        }
+        total.fields().into_iter().map(|(_, v)| v).collect()
+    }
+
     /// Zeroes every counter.
     fn reset_stats(&self) {
         for b in self.sched.backends() {

@@ -39,12 +39,16 @@ pub fn philox4x32_10(ctr: [u32; 4], key: [u32; 2]) -> [u32; 4] {
     c
 }
 
+/// The largest f32 below 1 (`1 - 2^-24`).
+pub const UNIFORM_MAX: f32 = 1.0 - f32::EPSILON / 2.0;
+
 /// The uniform in (0, 1) of element `i` of a row keyed `(seed, counter)`: the top 24 bits of
 /// the first Philox word of counter `(i, counter, 0, 0)` under key `(seed, 0)`, centred in its
-/// 2^-24 bucket so that neither 0 nor 1 occurs.
+/// 2^-24 bucket, and at most [`UNIFORM_MAX`]: the top bucket's centre `1 - 2^-25` rounds to
+/// 1.0 in f32, whose Gumbel noise would be `+inf` (that element would win whatever its logit).
 pub fn uniform(seed: u32, counter: u32, i: u32) -> f32 {
     let w = philox4x32_10([i, counter, 0, 0], [seed, 0])[0];
-    ((w >> 8) as f32 + 0.5) * (1.0 / 16_777_216.0)
+    (((w >> 8) as f32 + 0.5) * (1.0 / 16_777_216.0)).min(UNIFORM_MAX)
 }
 
 /// Standard Gumbel noise of a uniform `u` in (0, 1): `-ln(-ln(u))`.
@@ -155,6 +159,8 @@ pub fn sample_row(x: &[f32], p: SampleParams, seed: u32, counter: u32) -> usize 
     if p.min_p > 0.0 {
         cut = cut.max(order_key(m + p.min_p.ln()));
     }
+    // The maximum is always kept (min_p > 1 would otherwise cut above it).
+    cut = cut.min(key_max);
     let mut best = (usize::MAX, f32::NEG_INFINITY);
     for (i, &v) in x.iter().enumerate() {
         if order_key(v) < cut {
@@ -308,6 +314,27 @@ mod tests {
                 assert_eq!(sample_row(&x, q, seed, 9), order[0]);
             }
         }
+    }
+
+    #[test]
+    fn the_top_uniform_bucket_stays_below_one() {
+        // Under key (seed 5, counter 33670) element 428's Philox word has its top 24 bits set.
+        let w = philox4x32_10([428, 33670, 0, 0], [5, 0])[0];
+        assert_eq!(w >> 8, (1 << 24) - 1);
+        let u = uniform(5, 33670, 428);
+        assert_eq!(u, UNIFORM_MAX);
+        assert!(gumbel(u).is_finite());
+    }
+
+    #[test]
+    fn min_p_above_one_keeps_the_maximum() {
+        let p = SampleParams {
+            temperature: 1.0,
+            top_k: 0.0,
+            top_p: 1.0,
+            min_p: 1.5,
+        };
+        assert_eq!(sample_row(&[1.0, 2.0, 3.0, 0.0, -1.0], p, 1, 2), 2);
     }
 
     #[test]

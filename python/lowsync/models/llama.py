@@ -19,6 +19,18 @@ projection is `x @ w.T` over a transposed view and no weight is copied or transp
 - outputs: `logits` f32 [n_out, n_vocab] and `next` i32 [n_out], the greedy token of each output
   row (argmax on the device, so a decode step reads back 4 bytes).
 
+With `sampling=True`, `next` is drawn on the device instead (`lowsync.sampling`): `next =
+sample(penalize(logits, hist, sample_penalty), sample_params, sample_key)`, from four more
+host inputs that ride in the same staged upload: `sample_penalty` f32 [n_out, 3] (repeat,
+frequency, presence), `sample_params` f32 [n_out, 4] (temperature, top_k, top_p, min_p),
+`sample_key` i32 [n_out, 2] (seed, counter) and `sample_hist` i32, the recent tokens of each
+output row's sequence (-1: an empty slot). `hist` is `sample_hist` [n_out, N] (N =
+`penalty_last_n`), except in the one-token graph, where the host may not know the token it
+decodes (launch-ahead feeds it on the device into `tokens`): there `sample_hist` is
+[1, N - 1] and the window's last column is the `tokens` input itself, `hist = concat(
+sample_hist, reshape(tokens, [1, 1]))` (with N = 1 there is no `sample_hist`). With N = 0
+there is no penalty window: no `penalize`, no `sample_hist`, no `sample_penalty`.
+
 Quantized weights (GGUF block dtypes, `lowsync.quants`) are `uint8` arrays of GGUF's byte shape
 with their dtype in `Llama.dtypes`; they go into the graph as raw blocks with their logical
 shape, and only `get_rows` (the embedding) and the projections read them. A backend without
@@ -56,6 +68,11 @@ RopeMode = Literal["normal", "neox"]
 
 # Names of the graph's host inputs, persistent tensors and outputs (the Session writes these).
 INPUTS: tuple[str, ...] = ("tokens", "pos", "kv_idx", "kq_mask", "out_ids")
+# The sampler's inputs of a graph built with `sampling=True` (see the module docstring).
+SAMPLE_HIST = "sample_hist"
+SAMPLE_PENALTY = "sample_penalty"
+SAMPLE_PARAMS = "sample_params"
+SAMPLE_KEY = "sample_key"
 OUTPUT_LOGITS = "logits"
 OUTPUT_NEXT = "next"
 
@@ -394,19 +411,27 @@ class Llama:
         n_out: int,
         kv_dtype: str = "f32",
         backend: str | None = None,
+        sampling: bool = False,
+        penalty_last_n: int = 64,
     ) -> Graph:
         """The decoder graph of one shape bucket (see the module docstring for its contract).
 
         `n_tokens` tokens per step, `n_ctx` KV-cache rows spanned by attention, `n_out` output
         rows; `kv_dtype` ("f32", "f16" or "bf16") is the cache's dtype. `backend` pins the
-        weights to one backend (default: let the scheduler place them).
+        weights to one backend (default: let the scheduler place them). `sampling` draws `next`
+        with penalties over a window of `penalty_last_n` recent tokens instead of the argmax.
         """
         for what, v in (("n_tokens", n_tokens), ("n_ctx", n_ctx), ("n_out", n_out)):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{what} must be a positive integer, got {v!r}")
         if kv_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"kv_dtype must be one of {WEIGHT_DTYPES}, got {kv_dtype!r}")
-        return _GraphBuilder(self, n_tokens, n_ctx, n_out, kv_dtype, backend).build()
+        if isinstance(penalty_last_n, bool) or not isinstance(penalty_last_n, int):
+            raise ValueError(f"penalty_last_n must be an int, got {penalty_last_n!r}")
+        if penalty_last_n < 0:
+            raise ValueError(f"penalty_last_n must be >= 0 (0: no penalties), got {penalty_last_n}")
+        builder = _GraphBuilder(self, n_tokens, n_ctx, n_out, kv_dtype, backend)
+        return builder.build(penalty_last_n if sampling else None)
 
 
 def _round_bf16(x: Array) -> Array:
@@ -460,7 +485,9 @@ class _GraphBuilder:
     def norm(self, x: Tensor, name: str) -> Tensor:
         return self.g.rms_norm(x, self.cfg.rms_eps) * self.w(name)
 
-    def build(self) -> Graph:
+    def build(self, penalty_last_n: int | None) -> Graph:
+        """The graph; `next` is the argmax, or drawn by the sampler when `penalty_last_n` (the
+        penalty window) is given."""
         g, cfg, t, n_ctx = self.g, self.cfg, self.t, self.n_ctx
         hd, n_h, n_kv = cfg.head_dim, cfg.n_head, cfg.n_head_kv
 
@@ -507,5 +534,29 @@ class _GraphBuilder:
         out_name = "token_embd" if cfg.tied_embeddings else "output"
         logits = self.linear(rows, out_name)  # [n_out, n_vocab]
         g.output(OUTPUT_LOGITS, logits)
-        g.output(OUTPUT_NEXT, g.argmax(logits))
+        if penalty_last_n is None:
+            g.output(OUTPUT_NEXT, g.argmax(logits))
+        else:
+            g.output(OUTPUT_NEXT, self.sampler(logits, tokens, penalty_last_n))
         return g
+
+    def sampler(self, logits: Tensor, tokens: Tensor, n: int) -> Tensor:
+        """`next` drawn from `logits` [n_out, n_vocab] with penalties over a window of `n`."""
+        g, r = self.g, self.n_out
+        penalty = g.input(SAMPLE_PENALTY, [r, 3]) if n > 0 else None
+        params = g.input(SAMPLE_PARAMS, [r, 4])
+        key = g.input(SAMPLE_KEY, [r, 2], "i32")
+        if penalty is not None:
+            if self.t == 1 and r == 1:
+                # The decoded token closes its own window: under launch-ahead only the device
+                # knows it (fed into `tokens`), so it is taken from there, not from the host.
+                last = g.reshape(tokens, [1, 1])
+                hist = (
+                    last
+                    if n == 1
+                    else g.concat(g.input(SAMPLE_HIST, [1, n - 1], "i32"), last, axis=1)
+                )
+            else:
+                hist = g.input(SAMPLE_HIST, [r, n], "i32")
+            logits = g.penalize(logits, hist, penalty)
+        return g.sample(logits, params, key)

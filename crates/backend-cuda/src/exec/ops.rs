@@ -87,10 +87,8 @@ impl Exec<'_> {
                 None => Err(kernel_err(node, "no matmul plan")),
             },
             Op::MulMatId => self.mul_mat_id(node, &dst, &srcs[0], &srcs[1], &srcs[2], &srcs[3]),
-            Op::Penalize | Op::Sample => Err(kernel_err(
-                node,
-                "has no CUDA kernel yet (the sampler runs on the CPU backend)",
-            )),
+            Op::Penalize => self.penalize(node, &dst, &srcs[0], &srcs[1], &srcs[2]),
+            Op::Sample => self.sample(node, &dst, &srcs[0], &srcs[1], &srcs[2]),
             Op::Input | Op::Weight | Op::Persistent | Op::View => Err(kernel_err(
                 node,
                 "has no kernel (leaves and views are not executed)",
@@ -477,6 +475,110 @@ impl Exec<'_> {
         self.launch(node, Kernel::Argmax, rows_grid(rows), block, args)
     }
 
+    /// `Op::Penalize` (kernels/sample.cu `penalize`): the shape and dtype checks of the CPU
+    /// kernel, then one block per row.
+    fn penalize(
+        &self,
+        node: &ExecNode,
+        dst: &Dev,
+        logits: &Dev,
+        hist: &Dev,
+        params: &Dev,
+    ) -> Result<()> {
+        if logits.rank() != 2 {
+            return Err(kernel_err(
+                node,
+                format!("logits must be [R, V], got {:?}", logits.shape),
+            ));
+        }
+        let (rows, v) = (logits.shape[0], logits.shape[1]);
+        expect(node, "logits", logits, DType::F32, &[rows, v])?;
+        expect(node, "result", dst, DType::F32, &[rows, v])?;
+        if hist.rank() != 2 {
+            return Err(kernel_err(
+                node,
+                format!("hist must be [R, N], got {:?}", hist.shape),
+            ));
+        }
+        let n = hist.shape[1];
+        expect(node, "hist", hist, DType::I32, &[rows, n])?;
+        expect(node, "params", params, DType::F32, &[rows, 3])?;
+        if rows == 0 || v == 0 {
+            return Ok(());
+        }
+        let args = Args::new()
+            .arg(rows as i64)
+            .arg(v as i64)
+            .arg(n as i64)
+            .arg(dst.ptr)
+            .arg(dst.strides[0] as i64)
+            .arg(dst.strides[1] as i64)
+            .arg(logits.ptr)
+            .arg(logits.strides[0] as i64)
+            .arg(logits.strides[1] as i64)
+            .arg(hist.ptr)
+            .arg(hist.strides[0] as i64)
+            .arg(hist.strides[1] as i64)
+            .arg(params.ptr)
+            .arg(params.strides[0] as i64)
+            .arg(params.strides[1] as i64);
+        self.launch(
+            node,
+            Kernel::Penalize,
+            rows_grid(rows),
+            sample_block(v),
+            args,
+        )
+    }
+
+    /// `Op::Sample` (kernels/sample.cu `sample`): the checks of the CPU kernel, then one block
+    /// per row.
+    fn sample(
+        &self,
+        node: &ExecNode,
+        dst: &Dev,
+        logits: &Dev,
+        params: &Dev,
+        key: &Dev,
+    ) -> Result<()> {
+        if logits.rank() != 2 || logits.shape[1] == 0 {
+            return Err(kernel_err(
+                node,
+                format!("logits must be [R, V] with V > 0, got {:?}", logits.shape),
+            ));
+        }
+        let (rows, v) = (logits.shape[0], logits.shape[1]);
+        expect(node, "logits", logits, DType::F32, &[rows, v])?;
+        expect(node, "result", dst, DType::I32, &[rows])?;
+        expect(node, "params", params, DType::F32, &[rows, 4])?;
+        expect(node, "key", key, DType::I32, &[rows, 2])?;
+        // The token is an i32 and the noise is counted by a u32 index.
+        if v > i32::MAX as usize {
+            return Err(kernel_err(
+                node,
+                format!("sampling over {v} values: at most 2^31 - 1 per row"),
+            ));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let args = Args::new()
+            .arg(rows as i64)
+            .arg(v as i64)
+            .arg(dst.ptr)
+            .arg(dst.strides[0] as i64)
+            .arg(logits.ptr)
+            .arg(logits.strides[0] as i64)
+            .arg(logits.strides[1] as i64)
+            .arg(params.ptr)
+            .arg(params.strides[0] as i64)
+            .arg(params.strides[1] as i64)
+            .arg(key.ptr)
+            .arg(key.strides[0] as i64)
+            .arg(key.strides[1] as i64);
+        self.launch(node, Kernel::Sample, rows_grid(rows), sample_block(v), args)
+    }
+
     fn mul_mat_id(
         &self,
         node: &ExecNode,
@@ -582,6 +684,30 @@ pub(crate) fn rope_args(
         .arg(n_dims as i64)
         .arg(theta_base as f64)
         .arg((mode == RopeMode::Neox) as i32)
+}
+
+/// Threads per block of the sampler's kernels: a row of logits over a vocabulary is one block's
+/// work, and its many passes (bisections) want the widest block; a short row a small one.
+fn sample_block(len: usize) -> u32 {
+    if len >= 4096 {
+        1024
+    } else {
+        row_block(len)
+    }
+}
+
+/// An error unless `t` (`what`) is `dtype` of exactly `shape` (the CPU kernels' wording).
+fn expect(node: &ExecNode, what: &str, t: &Dev, dtype: DType, shape: &[usize]) -> Result<()> {
+    if t.dtype != dtype || t.shape != shape {
+        return Err(kernel_err(
+            node,
+            format!(
+                "{what} must be {dtype} {shape:?}, got {} {:?}",
+                t.dtype, t.shape
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn same_shape(node: &ExecNode, what: &str, src: &Dev, dst: &Dev) -> Result<()> {

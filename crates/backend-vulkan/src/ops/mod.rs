@@ -11,8 +11,8 @@
 //! hazard tracker and the synchronization validation layer see the same byte ranges); one
 //! module per kernel family checks its op's shapes and fills the push constants:
 //! `elementwise` (4-D strided, `Cpy`, `Concat`), `rows` (norms, softmax, argmax, RoPE),
-//! `index` (`GetRows`, `SetRows`), `matmul` (`MulMat`, `MulMatId`). This module only
-//! dispatches on the op.
+//! `index` (`GetRows`, `SetRows`), `matmul` (`MulMat`, `MulMatId`), `sample` (`Penalize`,
+//! `Sample`). This module only dispatches on the op.
 //!
 //! Invariants: every element index a kernel can form lies inside its binding; every count a
 //! kernel divides by is at least 1; dispatch sizes respect `maxComputeWorkGroupCount`.
@@ -22,6 +22,7 @@ mod index;
 mod layout;
 mod matmul;
 mod rows;
+mod sample;
 
 use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::Op;
@@ -61,7 +62,8 @@ pub(crate) fn plan(
         Op::SetRows => index::set_rows(&c, dst, &srcs[1], &srcs[2], status),
         Op::MulMat => matmul::mul_mat(&c, dst, &srcs[0], &srcs[1]),
         Op::MulMatId => matmul::mul_mat_id(&c, dst, &srcs[0], &srcs[1], &srcs[2], &srcs[3], status),
-        Op::Penalize | Op::Sample => Err(c.err("has no Vulkan shader yet")),
+        Op::Penalize => sample::penalize(&c, dst, &srcs[0], &srcs[1], &srcs[2]),
+        Op::Sample => sample::sample(&c, dst, &srcs[0], &srcs[1], &srcs[2]),
         Op::Input | Op::Weight | Op::Persistent | Op::View => {
             Err(c.err("has no kernel (leaves and views are not executed)"))
         }
