@@ -23,6 +23,7 @@ STAT_NAMES = [
     "host_waits",
     "driver_syncs",
     "elided_syncs",
+    "device_waits",
     "submits",
     "empty_submits",
     "h2d_copies",

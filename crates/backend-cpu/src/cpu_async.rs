@@ -17,11 +17,13 @@
 //! for the drain, and returns `Interrupted`; the stream stays usable.
 //!
 //! Waits on other streams' events count what the program did, never what had finished:
-//! `event_wait` on another `cpu-async` stream's recorded event always queues one item (one
-//! submission) on which the worker blocks (on that stream's condition variable, no spinning)
-//! until the ticket captured at the call completed. Own events, `cpu`'s (complete when
-//! recorded) and never-recorded ones cost nothing. An event of another kind (CUDA, Vulkan) is
-//! waited for by the host at the call, as `cpu` does, and counted by its own `synchronize`.
+//! `event_wait` on another `cpu-async` stream's recorded event always queues one item on which
+//! the worker blocks (on that stream's condition variable, no spinning) until the ticket
+//! captured at the call completed. That item is counted as what it is, a device wait (this
+//! stream stalls on another; no work is submitted, the host does not block), not a
+//! submission. Own events, `cpu`'s (complete when recorded) and never-recorded ones cost
+//! nothing. An event of another kind (CUDA, Vulkan) is waited for by the host at the call, as
+//! `cpu` does, and counted by its own `synchronize`.
 //!
 //! Invariants: items run in ticket order (invariant 2); a staged write's bytes are owned by the
 //! queue (invariant 1); counters are bumped in the primitive that enqueues or waits.
@@ -198,14 +200,19 @@ impl CpuAsyncBackend {
         })
     }
 
-    /// Queues one item and returns its ticket. Counts one submission.
+    /// Queues one item and returns its ticket. Counts one submission, or one device wait for a
+    /// wait on another stream's event.
     fn enqueue(&self, work: Work) -> u64 {
+        let counter = match work {
+            Work::WaitTicket { .. } => &self.shared.stats.device_waits,
+            _ => &self.shared.stats.submits,
+        };
         let tx = self.tx.lock();
         let mut p = self.shared.progress.lock();
         p.submitted += 1;
         let ticket = p.submitted;
         drop(p);
-        bump(&self.shared.stats.submits, 1);
+        bump(counter, 1);
         // The worker only exits on Shutdown, sent from Drop, so the send cannot fail here.
         let _ = tx.send(Item { ticket, work });
         ticket
@@ -657,7 +664,8 @@ impl Backend for CpuAsyncBackend {
         if ticket == 0 {
             return Ok(()); // never recorded: complete
         }
-        // Queued even when the event already completed, so the count never depends on timing.
+        // Queued even when the event already completed, so the count (one device wait) never
+        // depends on timing.
         self.enqueue(Work::WaitTicket {
             owner: a.owner.clone(),
             ticket,

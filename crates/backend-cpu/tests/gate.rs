@@ -148,12 +148,13 @@ fn another_stream_waits_on_an_event_device_side() {
     assert!(ev.is_complete());
 }
 
-/// Issue 29.14: the wait on another stream's event is queued (one submission, no host wait)
-/// whether the event is still pending or long complete, so counts never depend on timing; the
+/// Issue 29.14: the wait on another stream's event is queued (one device wait — not a
+/// submission, not a host wait) whether the event is still pending or long complete, so counts
+/// never depend on timing; the
 /// wait captures the event's ticket at the call (a later re-record does not delay it); events
 /// of this stream, of `cpu` and never-recorded ones are ordered without an item.
 #[test]
-fn a_wait_on_another_streams_event_is_one_submission_whether_or_not_it_completed() {
+fn a_wait_on_another_streams_event_is_one_device_wait_whether_or_not_it_completed() {
     let a = CpuAsyncBackend::new("cpu-async").unwrap();
     let b = CpuAsyncBackend::new("cpu-async-2").unwrap();
     let buf = b.alloc_buffer(16, BufferUsage::Inputs).unwrap();
@@ -165,17 +166,22 @@ fn a_wait_on_another_streams_event_is_one_submission_whether_or_not_it_completed
             a.stats().snapshot().since(&before_a),
             b.stats().snapshot().since(&before_b),
         );
-        (db.submits, db.host_waits + da.host_waits, da.submits)
+        (
+            db.device_waits,
+            db.submits,
+            db.host_waits + da.host_waits,
+            da.submits + da.device_waits,
+        )
     };
     assert_eq!(
         counts(&b, &|| b.event_wait(&ev).unwrap()),
-        (0, 0, 0),
+        (0, 0, 0, 0),
         "never recorded: complete"
     );
     // Pending: behind a's closed gate.
     let gate = Watched::close(&a);
     a.event_record(&ev).unwrap();
-    assert_eq!(counts(&b, &|| b.event_wait(&ev).unwrap()), (1, 0, 0));
+    assert_eq!(counts(&b, &|| b.event_wait(&ev).unwrap()), (1, 0, 0, 0));
     // Re-recorded behind more gated work: b's wait still ends at the first record.
     a.set_tensor_async_staged(a.alloc_buffer(4, BufferUsage::Inputs).unwrap(), 0, &[1; 4])
         .unwrap();
@@ -191,17 +197,17 @@ fn a_wait_on_another_streams_event_is_one_submission_whether_or_not_it_completed
     assert!(!ev.is_complete(), "a is still behind its second gate");
     late.open();
     a.synchronize().unwrap();
-    // Complete, and observed by a's host: the same single item, never a shortcut.
+    // Complete, and observed by a's host: the same single device wait, never a shortcut.
     assert!(ev.is_complete());
     for _ in 0..3 {
-        assert_eq!(counts(&b, &|| b.event_wait(&ev).unwrap()), (1, 0, 0));
+        assert_eq!(counts(&b, &|| b.event_wait(&ev).unwrap()), (1, 0, 0, 0));
     }
     // Own events and the synchronous host's are ordered by the stream: nothing queued.
     let own = b.event_new().unwrap();
     b.event_record(&own).unwrap();
     let host = lowsync_cpu::CpuBackend::new().event_new().unwrap();
-    assert_eq!(counts(&b, &|| b.event_wait(&own).unwrap()), (0, 0, 0));
-    assert_eq!(counts(&b, &|| b.event_wait(&host).unwrap()), (0, 0, 0));
+    assert_eq!(counts(&b, &|| b.event_wait(&own).unwrap()), (0, 0, 0, 0));
+    assert_eq!(counts(&b, &|| b.event_wait(&host).unwrap()), (0, 0, 0, 0));
     b.synchronize().unwrap();
 }
 
@@ -241,8 +247,8 @@ fn an_event_of_another_kind_is_waited_by_the_host_at_the_call() {
     b.event_wait(&ev).unwrap(); // complete now
     let d = b.stats().snapshot().since(&before);
     assert_eq!(
-        (d.submits, d.host_waits),
-        (0, 0),
+        (d.submits, d.device_waits, d.host_waits),
+        (0, 0, 0),
         "nothing queued on cpu-async"
     );
     assert_eq!(

@@ -135,13 +135,52 @@ impl<F: Copy> Batch<F> {
 mod tests {
     use super::*;
 
+    /// Against `CopyBatch` and `BatchItem` as elementwise.cu declares them (the source the
+    /// kernel is compiled from): every field at the same offset, the same size and alignment,
+    /// the same bounds; and within the 4 KiB of parameters every device accepts.
     #[test]
     fn the_batch_parameters_have_the_layout_the_kernel_reads() {
-        assert_eq!(std::mem::size_of::<BatchParams>(), 4048);
-        assert_eq!(std::mem::align_of::<BatchParams>(), 16);
-        assert_eq!(std::mem::offset_of!(BatchParams, items), 3840);
-        assert_eq!(std::mem::offset_of!(BatchParams, n), 4032);
-        assert_eq!(std::mem::size_of::<BatchItem>(), 24);
+        use crate::abi::{c_define, c_struct};
+        use std::mem::{align_of, offset_of, size_of};
+        let src = include_str!("../kernels/elementwise.cu");
+        assert_eq!(c_define(src, "BATCH_ITEMS"), BATCH_ITEMS);
+        assert_eq!(c_define(src, "BATCH_DATA"), BATCH_DATA);
+        let item = c_struct(src, "BatchItem");
+        assert_eq!(item.names(), ["dst", "src", "len", "at"]);
+        let host = [
+            offset_of!(BatchItem, dst),
+            offset_of!(BatchItem, src),
+            offset_of!(BatchItem, len),
+            offset_of!(BatchItem, at),
+        ];
+        assert_eq!(
+            item.fields.iter().map(|f| f.offset).collect::<Vec<_>>(),
+            host
+        );
+        assert_eq!(
+            (item.size, item.align),
+            (size_of::<BatchItem>(), align_of::<BatchItem>())
+        );
+        let batch = c_struct(src, "CopyBatch");
+        assert_eq!(batch.names(), ["data", "items", "n", "pad"]);
+        let host = [
+            offset_of!(BatchParams, data),
+            offset_of!(BatchParams, items),
+            offset_of!(BatchParams, n),
+            offset_of!(BatchParams, pad),
+        ];
+        assert_eq!(
+            batch.fields.iter().map(|f| f.offset).collect::<Vec<_>>(),
+            host
+        );
+        assert_eq!(
+            (batch.size, batch.align),
+            (size_of::<BatchParams>(), align_of::<BatchParams>())
+        );
+        assert!(
+            size_of::<BatchParams>() <= 4096,
+            "kernel parameters are at most 4 KiB"
+        );
     }
 
     #[test]

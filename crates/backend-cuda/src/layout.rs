@@ -154,8 +154,18 @@ mod tests {
         assert_eq!(broadcast_strides(&[2], &[1], &[3]), None);
     }
 
+    /// Against `struct Lay` of common.cuh (the kernels' source, not a restatement of the Rust
+    /// struct): the same fields in order, size and bound.
     #[test]
-    fn lay_matches_the_cuda_struct_size() {
-        assert_eq!(std::mem::size_of::<Lay>(), 8 * (1 + MAXD + 3 * MAXD));
+    fn lay_matches_the_cuda_struct() {
+        use crate::abi::{c_define, c_struct, debug_fields};
+        let src = include_str!("../kernels/common.cuh");
+        assert_eq!(c_define(src, "MAXD"), MAXD);
+        let c = c_struct(src, "Lay");
+        assert_eq!(c.names(), debug_fields(&format!("{:?}", Lay::default())));
+        assert_eq!(
+            (c.size, c.align),
+            (std::mem::size_of::<Lay>(), std::mem::align_of::<Lay>())
+        );
     }
 }

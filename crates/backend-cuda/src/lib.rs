@@ -19,6 +19,8 @@
 // Layers, bottom to top (a module imports only from modules above it in this list):
 // config, probe, layout, copy_batch -> tickets -> driver -> memory, staging, kernels,
 // graph_cache, timing -> device -> exec -> fusion -> capture -> backend.
+#[cfg(test)]
+mod abi;
 mod backend;
 mod capture;
 mod config;

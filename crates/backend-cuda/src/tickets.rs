@@ -183,7 +183,10 @@ pub enum Counted {
     D2H(usize),
     D2D(usize),
     Graph,
-    /// Ordering or memory work that is not a submission (event record, waits, alloc/free).
+    /// A device-side wait on another stream's event: not a submission, a device wait.
+    DeviceWait,
+    /// Ordering or memory work that is not a submission (event record, the gate's value wait,
+    /// alloc/free).
     NotASubmit,
 }
 
@@ -300,6 +303,7 @@ impl<D: Driver> TicketStream<D> {
                 bump(&s.submits, 1);
                 bump(&s.graph_launches, 1);
             }
+            Counted::DeviceWait => bump(&s.device_waits, 1),
             Counted::NotASubmit => {}
         }
     }
@@ -576,9 +580,10 @@ impl<D: Driver> TicketStream<D> {
             .map(|r| r.1)
     }
 
-    /// Makes later work on this stream wait (device side) for `ev`.
+    /// Makes later work on this stream wait (device side) for `ev`: one device wait, counted
+    /// whether or not the event already completed.
     pub fn wait_event(&self, ev: &D::Event) -> Result<u64, D::Error> {
-        self.enqueue(Counted::NotASubmit, |d| d.stream_wait_event(ev))
+        self.enqueue(Counted::DeviceWait, |d| d.stream_wait_event(ev))
             .map(|r| r.1)
     }
 

@@ -9,9 +9,9 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{gpu, Watched};
+use common::{blocks_until_opened, gpu, wait_until, Watched};
 use lowsync_backend::{Backend, BufferUsage, ExecGraph, ExecNode, TensorRef};
-use lowsync_cpu::CpuBackend;
+use lowsync_cpu::{CpuAsyncBackend, CpuBackend};
 use lowsync_cuda::CudaConfig;
 use lowsync_graph::{DType, Op};
 
@@ -198,6 +198,104 @@ fn another_cuda_stream_waits_on_an_event_device_side() {
     gate.open();
     ev_b.synchronize().unwrap();
     assert!(ev.is_complete());
+}
+
+/// Issue 29.14: an event of another kind of backend (here `cpu-async`) is waited for by the
+/// host at the call, through the event's own `synchronize` — whatever its state: pending behind
+/// the other stream's gate (the call blocks until the gate opens), complete but not yet seen by
+/// its host (the case the old early return skipped, so the count depended on timing), and
+/// complete and seen (an elided sync there). The CUDA stream counts nothing for it.
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn an_event_of_another_kind_is_one_host_wait_at_the_call_whatever_its_state() {
+    let b = gpu("foreign_event_wait");
+    let other: Arc<dyn Backend> = Arc::new(CpuAsyncBackend::new("cpu-async").unwrap());
+    let theirs = other.alloc_buffer(16, BufferUsage::Inputs).unwrap();
+    let buf = b.alloc_buffer(512, BufferUsage::Compute).unwrap();
+    let g = scale(buf, 2.0, 4);
+    b.graph_compute_async(&g).unwrap(); // compile and warm up first
+    b.synchronize().unwrap();
+    let ev = other.event_new().unwrap();
+    // (host waits, elided syncs) on cpu-async; (host waits, submits, device waits) on CUDA.
+    let counts = |f: &dyn Fn()| {
+        let (o0, b0) = (other.stats().snapshot(), b.stats().snapshot());
+        f();
+        let (o, c) = (
+            other.stats().snapshot().since(&o0),
+            b.stats().snapshot().since(&b0),
+        );
+        (
+            (o.host_waits, o.elided_syncs),
+            (c.host_waits, c.submits, c.device_waits),
+        )
+    };
+    let gate = Watched::close(&*other);
+    other.set_tensor_async_staged(theirs, 0, &[7; 16]).unwrap();
+    other.event_record(&ev).unwrap();
+    let blocked = std::cell::Cell::new(false);
+    let c = counts(&|| {
+        blocked.set(blocks_until_opened(&other, &gate, || {
+            b.event_wait(&ev).unwrap()
+        }));
+    });
+    assert!(
+        blocked.get(),
+        "event_wait returned while the other stream was still behind its gate"
+    );
+    assert_eq!(c, ((1, 0), (0, 0, 0)), "pending");
+    gate.open();
+    other.set_tensor_async_staged(theirs, 0, &[8; 16]).unwrap();
+    other.event_record(&ev).unwrap();
+    wait_until("cpu-async ran its write", || ev.is_complete());
+    assert_eq!(
+        counts(&|| b.event_wait(&ev).unwrap()),
+        ((1, 0), (0, 0, 0)),
+        "complete, unseen: still one wait"
+    );
+    for _ in 0..2 {
+        assert_eq!(
+            counts(&|| b.event_wait(&ev).unwrap()),
+            ((0, 1), (0, 0, 0)),
+            "complete, seen"
+        );
+    }
+    b.set_tensor(buf, 0, &bytes(&[1.0, 2.0, 3.0, 4.0])).unwrap();
+    b.graph_compute_async(&g).unwrap();
+    let mut out = vec![0u8; 16];
+    b.get_tensor(buf, 256, &mut out).unwrap();
+    assert_eq!(floats(&out), vec![2.0, 4.0, 6.0, 8.0]);
+}
+
+/// A copy between two CUDA streams, and an event of one waited on by the other, are device
+/// waits on the waiting stream: one each, counted whether or not the source had finished, and
+/// no host wait anywhere.
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn waits_between_cuda_streams_are_counted_device_waits() {
+    let a = gpu("device_waits");
+    let Ok(b) = lowsync_cuda::create_with_config("cuda:0", CudaConfig::default()) else {
+        panic!("a second stream on the device");
+    };
+    let src = a.alloc_buffer(64, BufferUsage::Compute).unwrap();
+    let dst = b.alloc_buffer(64, BufferUsage::Compute).unwrap();
+    a.synchronize().unwrap();
+    b.synchronize().unwrap();
+    let ev = a.event_new().unwrap();
+    let (a0, b0) = (a.stats().snapshot(), b.stats().snapshot());
+    let gate = Watched::close(&*a);
+    a.event_record(&ev).unwrap();
+    b.event_wait(&ev).unwrap(); // pending: behind a's gate
+    assert!(b.cpy_tensor_async(&*a, src, 0, dst, 0, 8).unwrap());
+    gate.open();
+    a.synchronize().unwrap();
+    b.event_wait(&ev).unwrap(); // complete and seen: still a device wait
+    let (da, db) = (
+        a.stats().snapshot().since(&a0),
+        b.stats().snapshot().since(&b0),
+    );
+    assert_eq!(db.device_waits, 2 + 1, "two event waits and the copy's");
+    assert_eq!((db.host_waits, da.device_waits), (0, 0));
+    b.synchronize().unwrap();
 }
 
 /// The launch-ahead primitives: a stream-ordered device copy between a graph that writes its

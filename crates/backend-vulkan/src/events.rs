@@ -3,27 +3,42 @@
 //!
 //! Why: the scheduler orders work across backends with events (`event_record` on one stream,
 //! `event_wait` on another) and tests order it with a gate; neither may cost a host wait or a
-//! submission that the step would not make anyway.
+//! submission that the step would not make anyway, and every wait that does happen is counted
+//! where it blocks, the same way whatever had finished by then (issue 29.14).
 //!
 //! Strategy: an event is a retire point (compute and transfer timeline values) taken after
 //! submitting open work; it is complete when the host saw, or a non-blocking query finds, both
 //! values reached. The gate is a timeline semaphore the host signals to 1; the next compute
-//! submission waits on it. Another backend's event is bridged by a helper thread that polls it
-//! and signals such a semaphore, so the waiting stream waits on the device, not the host.
+//! submission waits on it. An event of this stream needs no wait (stream order). An event of
+//! another backend is waited for by the host at the call, through that event's own
+//! `synchronize` — one host wait counted by its backend, or an elided sync where its host
+//! already saw it complete — as ggml's scheduler falls back to `event_synchronize` where a
+//! backend cannot wait on another's event, and as `cpu-async` and CUDA treat events of another
+//! kind.
 //!
-//! Invariants: waiting on this stream's own event is stream order (nothing to do); a host
-//! semaphore is destroyed only once signalled and no pending submission waits on it.
+//! Why not a device-side wait on a foreign event: the queue cannot wait on another backend's
+//! stream directly; it needs a semaphore that something on the host signals when the event
+//! completes. The previous bridge — a thread per foreign event sleep-polling `is_complete` (up
+//! to 2 ms) — stalled the queue on a host thread for a time nobody counted, and whether it
+//! waited at all depended on timing. A completion callback in the `Event` contract that signals
+//! the semaphore would avoid the host block, but it needs every backend's completion path to
+//! run foreign code (lock order across backends, callbacks outliving a dropped backend) for a
+//! pairing only tests use (`vulkan` with `cpu-async`); the mixed graphs lowsync runs place CPU
+//! ops on `cpu`, whose events are complete when recorded. The host wait is exact, counted by
+//! the backend that owns the work, and needs no thread.
+//!
+//! Invariants: waiting on this stream's own event is stream order (nothing to do); a foreign
+//! event's wait happens at the call, once per call, whatever its state; a host semaphore (a
+//! gate) is destroyed only once signalled and no pending submission waits on it.
 
 use std::any::Any;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
 
 use ash::vk;
 use lowsync_backend::{Error, Event, Gate, Readback, Result};
 use parking_lot::Mutex;
 
-use crate::device::unavailable;
 use crate::stream::{signal_once, HostSignal};
 use crate::sync::Inner;
 use crate::timeline::{create_timeline, Retire};
@@ -125,43 +140,18 @@ impl Inner {
         *e.point.lock() = st.end_point();
         Ok(())
     }
-    /// Orders later work of this stream after `ev` without blocking the host.
+    /// Orders later work of this stream after `ev`: stream order for an own event, else a host
+    /// wait at the call through the event's `synchronize` (counted by its backend).
     pub(crate) fn event_wait(self: &Arc<Self>, ev: &Arc<dyn Event>) -> Result<()> {
-        let inner = self;
         let own = ev
             .as_any()
             .downcast_ref::<VkEvent>()
-            .is_some_and(|e| Arc::ptr_eq(&e.owner, inner));
-        if own || ev.is_complete() {
-            return Ok(()); // stream order, or nothing to wait for
+            .is_some_and(|e| Arc::ptr_eq(&e.owner, self));
+        if own {
+            return Ok(()); // stream order
         }
-        // Another stream's event: a helper thread signals a semaphore the next submission
-        // waits on, so the host thread does not block.
-        let mut st = inner.state.lock();
-        let sem = create_timeline(inner.device())?;
-        let signaled = Arc::new(AtomicBool::new(false));
-        st.signals.push(HostSignal {
-            sem,
-            signaled: signaled.clone(),
-            last_waited: Retire::default(),
-            pending: true,
-        });
-        drop(st);
-        let owner = inner.clone();
-        let ev = ev.clone();
-        std::thread::Builder::new()
-            .name(format!("lowsync-{}-bridge", inner.name))
-            .spawn(move || {
-                let mut pause = Duration::from_micros(20);
-                while !ev.is_complete() {
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(Duration::from_millis(2));
-                }
-                let _guard = owner.state.lock();
-                signal_once(owner.device(), sem, &signaled);
-            })
-            .map_err(|e| unavailable(format!("cannot start an event bridge thread: {e}")))?;
-        Ok(())
+        // Never `is_complete` first: whether the call waits must not depend on timing.
+        ev.synchronize()
     }
 
     /// A closed test gate: the next compute submission waits until it opens.

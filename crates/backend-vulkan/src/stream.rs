@@ -40,10 +40,10 @@ use crate::device::{allocate_command_buffer, unavailable, vk_err, Device};
 use crate::memory::{destroy_buffer, Arena, DevBuffer, Region};
 use crate::pipelines::Pipelines;
 use crate::plan::{Access, ErrorSite, GraphPlan, Recorded};
-use crate::timeline::{Retire, Timeline};
+use crate::timeline::{submit_timeline, Retire, Timeline};
 use crate::transfer::TransferRoute;
 
-/// A semaphore the host signals to value 1: a test gate, or the bridge of a foreign event.
+/// A semaphore the host signals to value 1: a test gate.
 pub(crate) struct HostSignal {
     pub sem: vk::Semaphore,
     pub signaled: Arc<AtomicBool>,
@@ -395,12 +395,10 @@ impl State {
         // SAFETY: the buffer is recording.
         unsafe { device.end_command_buffer(cmd) }.map_err(|r| vk_err("vkEndCommandBuffer", r))?;
         let value = self.compute.submitted + 1;
-        let mut wait_sems = Vec::new();
-        let mut wait_vals = Vec::new();
+        let mut waits = Vec::new();
         for s in self.signals.iter_mut().filter(|s| s.pending) {
             if !s.signaled.load(Ordering::Acquire) {
-                wait_sems.push(s.sem);
-                wait_vals.push(1u64);
+                waits.push((s.sem, 1u64));
                 s.last_waited = s.last_waited.max(Retire {
                     compute: value,
                     transfer: 0,
@@ -409,26 +407,20 @@ impl State {
             s.pending = false;
         }
         let waited_transfer = self.transfer.as_mut().and_then(TransferRoute::compute_wait);
-        if let Some((sem, v)) = waited_transfer {
-            wait_sems.push(sem);
-            wait_vals.push(v);
-        }
-        let stages = vec![ALL_STAGES; wait_sems.len()];
-        let signal = [self.compute.sem];
-        let signal_vals = [value];
-        let cmds = [cmd];
-        let mut tl = vk::TimelineSemaphoreSubmitInfo::default()
-            .wait_semaphore_values(&wait_vals)
-            .signal_semaphore_values(&signal_vals);
-        let submit = vk::SubmitInfo::default()
-            .wait_semaphores(&wait_sems)
-            .wait_dst_stage_mask(&stages)
-            .command_buffers(&cmds)
-            .signal_semaphores(&signal)
-            .push_next(&mut tl);
-        // SAFETY: queue access is serialised by the state lock; everything referenced lives
-        // until the submission's retire point.
-        let r = unsafe { device.queue_submit(dev.compute.queue, &[submit], fence) };
+        waits.extend(waited_transfer);
+        // SAFETY: queue access is serialised by the state lock; the buffer has ended; everything
+        // referenced lives until the submission's retire point.
+        let r = unsafe {
+            submit_timeline(
+                device,
+                dev.compute.queue,
+                cmd,
+                &waits,
+                ALL_STAGES,
+                (self.compute.sem, value),
+                fence,
+            )
+        };
         bump(&stats.submits, 1);
         self.open = None;
         if let Err(r) = r {

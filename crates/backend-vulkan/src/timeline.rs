@@ -11,6 +11,9 @@
 //! submission signals), `observed` (the last value a host wait saw complete) and `completed`
 //! (also raised by non-blocking queries, used only for reclaiming). A [`Retire`] is a pair of
 //! values, one per timeline (compute, transfer); `0` means "not used on that timeline".
+//! [`submit_timeline`] is the one place a command buffer is submitted with timeline waits and a
+//! timeline signal: the compute stream's submissions, the transfer route's and the route's
+//! calibration all go through it, so the waits, stage masks and signal are built once.
 //!
 //! Invariants: `completed >= observed` and neither exceeds `submitted`; counters only grow; a
 //! resource is reused only when its `Retire` is `done_by` what completed.
@@ -61,6 +64,43 @@ impl Timeline {
             completed: 0,
         })
     }
+}
+
+/// Submits `cmd` to `queue` as one batch that waits, at `stage`, until each `(semaphore,
+/// value)` of `waits` is reached and then signals `signal.0` to `signal.1`; `fence` is null but
+/// on the legacy path. Counts nothing: the backend primitive that calls it counts its
+/// submission (every call is one, failed or not).
+///
+/// # Safety
+/// The caller serialises access to `queue` (the state lock, or a queue nobody else has yet);
+/// `cmd` has ended recording; `cmd`, every semaphore and everything the commands use stay alive
+/// until the signal value completed.
+pub(crate) unsafe fn submit_timeline(
+    device: &ash::Device,
+    queue: vk::Queue,
+    cmd: vk::CommandBuffer,
+    waits: &[(vk::Semaphore, u64)],
+    stage: vk::PipelineStageFlags,
+    signal: (vk::Semaphore, u64),
+    fence: vk::Fence,
+) -> std::result::Result<(), vk::Result> {
+    let wait_sems: Vec<vk::Semaphore> = waits.iter().map(|w| w.0).collect();
+    let wait_vals: Vec<u64> = waits.iter().map(|w| w.1).collect();
+    let stages = vec![stage; waits.len()];
+    let signal_sems = [signal.0];
+    let signal_vals = [signal.1];
+    let cmds = [cmd];
+    let mut tl = vk::TimelineSemaphoreSubmitInfo::default()
+        .wait_semaphore_values(&wait_vals)
+        .signal_semaphore_values(&signal_vals);
+    let submit = vk::SubmitInfo::default()
+        .wait_semaphores(&wait_sems)
+        .wait_dst_stage_mask(&stages)
+        .command_buffers(&cmds)
+        .signal_semaphores(&signal_sems)
+        .push_next(&mut tl);
+    // SAFETY: per this function's contract.
+    unsafe { device.queue_submit(queue, &[submit], fence) }
 }
 
 /// A timeline semaphore at value 0.

@@ -41,7 +41,7 @@ use lowsync_backend::{bump, Result, SyncStats};
 use crate::config::VkConfig;
 use crate::device::{allocate_command_buffer, create_pool, vk_err, Device, Queue};
 use crate::memory::{create_buffer, destroy_buffer, DevBuffer, Placement};
-use crate::timeline::{create_timeline, Timeline};
+use crate::timeline::{create_timeline, submit_timeline, Timeline};
 
 /// The measured (or configured) transfer-route crossover.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -249,24 +249,19 @@ impl TransferRoute {
                 .map_err(|r| vk_err("vkEndCommandBuffer", r))?;
         }
         let value = self.tl.submitted + 1;
-        let wait_sems: Vec<vk::Semaphore> = waits.iter().map(|w| w.0).collect();
-        let wait_vals: Vec<u64> = waits.iter().map(|w| w.1).collect();
-        let stages = vec![vk::PipelineStageFlags::TRANSFER; wait_sems.len()];
-        let signal = [self.tl.sem];
-        let signal_vals = [value];
-        let cmds = [cmd];
-        let mut tl = vk::TimelineSemaphoreSubmitInfo::default()
-            .wait_semaphore_values(&wait_vals)
-            .signal_semaphore_values(&signal_vals);
-        let submit = vk::SubmitInfo::default()
-            .wait_semaphores(&wait_sems)
-            .wait_dst_stage_mask(&stages)
-            .command_buffers(&cmds)
-            .signal_semaphores(&signal)
-            .push_next(&mut tl);
-        // SAFETY: queue access under the owner's state lock; resources live to the retire
-        // point.
-        let r = unsafe { device.queue_submit(self.queue, &[submit], vk::Fence::null()) };
+        // SAFETY: queue access under the owner's state lock; the buffer has ended; resources
+        // live to the retire point.
+        let r = unsafe {
+            submit_timeline(
+                device,
+                self.queue,
+                cmd,
+                waits,
+                vk::PipelineStageFlags::TRANSFER,
+                (self.tl.sem, value),
+                vk::Fence::null(),
+            )
+        };
         bump(&stats.submits, 1);
         if let Err(r) = r {
             // SAFETY: never submitted.
@@ -441,25 +436,25 @@ fn run(
                 .map_err(|r| vk_err("vkEndCommandBuffer", r))?;
         }
         value += 1;
-        let vals = [value];
-        let sems = [s.sem];
-        let cmds = [cmd];
-        let mut tl = vk::TimelineSemaphoreSubmitInfo::default().signal_semaphore_values(&vals);
-        let submit = vk::SubmitInfo::default()
-            .command_buffers(&cmds)
-            .signal_semaphores(&sems)
-            .push_next(&mut tl);
         let t0 = Instant::now();
-        // SAFETY: the queue is not used by anyone else yet (the backend is being built).
+        // SAFETY: the queue is not used by anyone else yet (the backend is being built); `cmd`
+        // has ended and is waited on below.
         unsafe {
-            device
-                .queue_submit(queue.queue, &[submit], vk::Fence::null())
-                .map_err(|r| vk_err("vkQueueSubmit", r))?;
+            submit_timeline(
+                device,
+                queue.queue,
+                cmd,
+                &[],
+                vk::PipelineStageFlags::TRANSFER,
+                (s.sem, value),
+                vk::Fence::null(),
+            )
+            .map_err(|r| vk_err("vkQueueSubmit", r))?;
             device
                 .wait_semaphores(
                     &vk::SemaphoreWaitInfo::default()
-                        .semaphores(&sems)
-                        .values(&vals),
+                        .semaphores(&[s.sem])
+                        .values(&[value]),
                     10_000_000_000,
                 )
                 .map_err(|r| vk_err("vkWaitSemaphores", r))?;

@@ -5,6 +5,8 @@
 //! in order. No sleeps, no timing.
 
 mod common;
+#[path = "../../backend-cpu/tests/common/mod.rs"]
+mod deadline;
 
 use std::sync::Arc;
 
@@ -139,29 +141,72 @@ fn event_synchronize_after_an_observed_wait_is_elided() {
     common::assert_clean(&b);
 }
 
+/// Issue 29.14: an event of another backend (here `cpu-async`) is waited for by the host at the
+/// call, through that event's own `synchronize`: one host wait counted on `cpu-async` while
+/// the event is pending behind its gate (the call blocks until the gate opens) and also when
+/// it already completed unseen, an elided sync there once its host saw it complete — never a
+/// count that depends on what had finished, never a thread polling it while the queue stalls.
+/// The Vulkan stream itself counts nothing for it.
 #[test]
-fn waiting_on_a_cpu_async_event_happens_on_the_device_side() {
+fn an_event_of_another_backend_is_one_host_wait_at_the_call_whatever_its_state() {
     let Some(b) = common::open(common::config()) else {
         return;
     };
-    let other = lowsync_cpu::CpuAsyncBackend::new("cpu-async").unwrap();
+    let other: Arc<dyn Backend> = Arc::new(lowsync_cpu::CpuAsyncBackend::new("cpu-async").unwrap());
+    let theirs = other.alloc_buffer(16, BufferUsage::Inputs).unwrap();
     let x = common::buffer_with(&b, &common::f32_bytes(&[4.0; 8]));
     let y = b.alloc_buffer(32, BufferUsage::Compute).unwrap();
-    let other_gate = other.gate_close().unwrap();
-    let ev = other.event_new().unwrap();
-    other.event_record(&ev).unwrap();
-    let before = b.stats().snapshot();
-    b.event_wait(&ev).unwrap(); // no host wait here
-    b.graph_compute_async(&common::copy_graph(x, y, 8)).unwrap();
-    let mine = b.event_new().unwrap();
-    b.event_record(&mine).unwrap();
-    assert_eq!(b.stats().snapshot().since(&before).host_waits, 0);
-    for _ in 0..100 {
-        std::thread::yield_now();
-    }
-    assert!(!mine.is_complete(), "ran before the other stream's event");
-    other_gate.open();
     b.synchronize().unwrap();
+    let ev = other.event_new().unwrap();
+    // (host waits, elided syncs) on cpu-async; (host waits, submits, device waits) on Vulkan.
+    let counts = |f: &dyn Fn()| {
+        let (o0, b0) = (other.stats().snapshot(), b.stats().snapshot());
+        f();
+        let (o, v) = (
+            other.stats().snapshot().since(&o0),
+            b.stats().snapshot().since(&b0),
+        );
+        (
+            (o.host_waits, o.elided_syncs),
+            (v.host_waits, v.submits, v.device_waits),
+        )
+    };
+    // Pending behind cpu-async's closed gate: the call returns only once the gate opened.
+    let gate = deadline::Watched::close(&*other);
+    other.set_tensor_async_staged(theirs, 0, &[7; 16]).unwrap();
+    other.event_record(&ev).unwrap();
+    let blocked = std::cell::Cell::new(false);
+    let c = counts(&|| {
+        blocked.set(deadline::blocks_until_opened(&other, &gate, || {
+            b.event_wait(&ev).unwrap()
+        }));
+    });
+    assert!(
+        blocked.get(),
+        "event_wait returned while the other stream was still behind its gate"
+    );
+    assert_eq!(c, ((1, 0), (0, 0, 0)), "pending");
+    assert!(ev.is_complete());
+    gate.open();
+    // Completed, but not yet seen by cpu-async's host: still one host wait there.
+    other.set_tensor_async_staged(theirs, 0, &[8; 16]).unwrap();
+    other.event_record(&ev).unwrap();
+    deadline::wait_until("cpu-async ran its write", || ev.is_complete());
+    assert_eq!(
+        counts(&|| b.event_wait(&ev).unwrap()),
+        ((1, 0), (0, 0, 0)),
+        "complete, unseen"
+    );
+    // Seen complete by its host: an elided sync there, each time.
+    for _ in 0..2 {
+        assert_eq!(
+            counts(&|| b.event_wait(&ev).unwrap()),
+            ((0, 1), (0, 0, 0)),
+            "complete, seen"
+        );
+    }
+    // Work queued after the wait runs in order as usual.
+    b.graph_compute_async(&common::copy_graph(x, y, 8)).unwrap();
     assert_eq!(common::read_f32(&b, y, 8), vec![4.0; 8]);
     common::assert_clean(&b);
 }

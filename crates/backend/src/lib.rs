@@ -80,7 +80,8 @@ pub struct Caps {
 pub trait Event: Send + Sync {
     /// Whether the work before the recording point has completed (never blocks).
     fn is_complete(&self) -> bool;
-    /// Host wait until complete; counted on the owning backend.
+    /// Host wait until complete; counted on the owning backend (a host wait, or an elided
+    /// sync when a wait of its host already observed the recording point).
     fn synchronize(&self) -> Result<()>;
     /// For backends that recognise their own events.
     fn as_any(&self) -> &dyn Any;
@@ -272,7 +273,13 @@ pub trait Backend: Send + Sync {
     fn event_record(&self, _ev: &Arc<dyn Event>) -> Result<()> {
         unsupported(self.name(), "events")
     }
-    /// Makes this stream wait (device side) until `ev` completes.
+    /// Orders later work of this stream after `ev`.
+    ///
+    /// An event this stream's device can wait on (its own kind's) is a device-side wait,
+    /// counted as one `device_waits` whether or not it completed (none for this stream's own
+    /// events: stream order). Any other event is waited for by the host at the call through
+    /// `ev.synchronize()`, counted by the event's backend — once per call, never skipped
+    /// because `is_complete` said so, so counts never depend on timing.
     fn event_wait(&self, _ev: &Arc<dyn Event>) -> Result<()> {
         unsupported(self.name(), "events")
     }

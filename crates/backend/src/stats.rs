@@ -7,7 +7,11 @@
 //! Counting rules: a host wait is one call in which the host thread blocks until device work
 //! completes; a driver sync is a real call into the driver or worker that waits; an elided sync
 //! is a `synchronize` that found nothing outstanding and returned without such a call (it is
-//! not a host wait).
+//! not a host wait); a device wait is a stream told to wait, on the device, for another stream's
+//! event — counted when it is queued, whether or not the event had completed, so the count
+//! depends on what the program did, never on timing. A backend that cannot make its stream wait
+//! on an event waits on the host instead, through the event's own `synchronize`, and that is
+//! counted by the event's backend as a host wait (or an elided sync).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -70,6 +74,9 @@ counters! {
     driver_syncs,
     /// `synchronize` calls that found nothing outstanding (no driver call, no host wait).
     elided_syncs,
+    /// Device-side waits on another stream's event queued on this stream (`event_wait`, the
+    /// wait inside a copy between streams): the stream stalls, the host does not.
+    device_waits,
     /// Work handed to the device: queue submits, kernel/graph launches, worker work items.
     submits,
     /// Submissions that carried no work.

@@ -779,11 +779,24 @@ mod tests {
         (p.route, p.convert_a)
     }
 
+    /// Against `struct MmBatch` of matmul.cu (the kernel's source, not a restatement of the
+    /// Rust struct): the same fields in order, size and bound.
     #[test]
-    fn mm_batch_matches_the_cuda_struct_size() {
+    fn mm_batch_matches_the_cuda_struct() {
+        use crate::abi::{c_define, c_struct, debug_fields};
+        let src = include_str!("../../kernels/matmul.cu");
+        assert_eq!(c_define(src, "MB_MAXD"), MB_MAXD);
+        let c = c_struct(src, "MmBatch");
         assert_eq!(
-            std::mem::size_of::<MmBatch>(),
-            8 * (1 + MB_MAXD + 6 * MB_MAXD)
+            c.names(),
+            debug_fields(&format!("{:?}", MmBatch::default()))
+        );
+        assert_eq!(
+            (c.size, c.align),
+            (
+                std::mem::size_of::<MmBatch>(),
+                std::mem::align_of::<MmBatch>()
+            )
         );
     }
 
@@ -820,7 +833,7 @@ mod tests {
             assert_eq!(route(&out, &x, &wt(DType::F16), None).0, want_f16, "m={m}");
             // Equal f16 operands: cuBLAS reads them in place, so only up to 8.
             let xh = dev(DType::F16, &[m, 64], &[64, 1]);
-            let want = if m <= MMV_MAX_M {
+            let want = if m <= 8 {
                 (Route::VecK, true)
             } else {
                 (Route::Blas, false)

@@ -935,8 +935,34 @@ fn the_mask_is_read_ahead_only_when_no_node_writes_it_and_q_is_the_graphs() {
     assert!(!mask_ahead(&alone, &alone[0], &alone[1]));
 }
 
+/// The launch structs against their CUDA twins in gemv.cu (read from the source the kernel is
+/// compiled from, not restated here): the same fields in the same order, the same size and
+/// alignment, and the same bound on the products.
 #[test]
 fn fg_structs_match_the_cuda_layout() {
-    assert_eq!(std::mem::size_of::<FgSeg>(), 8 * 29);
-    assert_eq!(std::mem::size_of::<FgSet>(), 8 * (1 + 29 * MAX_SEGS + 7));
+    use crate::abi::{c_define, c_struct, debug_fields};
+    let src = include_str!("gemv.cu");
+    assert_eq!(c_define(src, "FG_MAXS"), MAX_SEGS);
+    let seg = c_struct(src, "FgSeg");
+    assert_eq!(
+        seg.names(),
+        debug_fields(&format!("{:?}", FgSeg::default()))
+    );
+    assert_eq!(
+        (seg.size, seg.align),
+        (std::mem::size_of::<FgSeg>(), std::mem::align_of::<FgSeg>())
+    );
+    assert!(
+        seg.fields.iter().all(|f| f.size == 8),
+        "every FgSeg field is 8 bytes on the host side: {seg:?}"
+    );
+    let set = c_struct(src, "FgSet");
+    assert_eq!(
+        set.names(),
+        debug_fields(&format!("{:?}", FgSet::default()))
+    );
+    assert_eq!(
+        (set.size, set.align),
+        (std::mem::size_of::<FgSet>(), std::mem::align_of::<FgSet>())
+    );
 }

@@ -672,3 +672,31 @@ fn lend_hands_out_the_stream_only_inside_the_call() {
     assert_eq!(s.tickets().submitted, 1);
     assert_eq!(s.stats().snapshot().submits, 0);
 }
+
+/// Issue 29.14: a stream told to wait on another stream's event is a device wait — counted
+/// once per call, whatever the event's state (the fake's events never complete; a real one may
+/// have), never a submission or a host wait; inside a capture it is recorded, not counted.
+#[test]
+fn a_wait_on_another_streams_event_is_one_device_wait() {
+    let s = stream(single());
+    for n in 1..=3 {
+        s.wait_event(&5).unwrap();
+        let st = s.stats().snapshot();
+        assert_eq!(
+            (st.device_waits, st.submits, st.host_waits),
+            (n, 0, 0),
+            "call {n}"
+        );
+    }
+    assert_eq!(
+        calls(&s),
+        vec![Call::StreamWaitEvent(5); 3],
+        "one driver call each, no query first"
+    );
+    s.record_event(&1).unwrap();
+    assert_eq!(s.stats().snapshot().device_waits, 3, "a record is no wait");
+    s.begin_capture().unwrap();
+    s.wait_event(&5).unwrap();
+    s.end_capture().unwrap();
+    assert_eq!(s.stats().snapshot().device_waits, 3, "captured, not run");
+}

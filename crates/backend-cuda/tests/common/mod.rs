@@ -11,7 +11,7 @@
 #[path = "../../../backend-cpu/tests/common/mod.rs"]
 mod deadline;
 #[allow(unused_imports)] // each test file uses some of them
-pub use deadline::{wait_until, Watched};
+pub use deadline::{blocks_until_opened, wait_until, Watched};
 
 use std::sync::Arc;
 
