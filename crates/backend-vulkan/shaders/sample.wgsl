@@ -50,6 +50,7 @@ const KEY_NEG_INF: u32 = 0x007fffffu;
 // order_key(+inf).
 const KEY_POS_INF: u32 = 0xff800000u;
 
+// Scratch of the workgroup reductions (max, min, best pair).
 var<workgroup> red_u: array<u32, 256>;
 var<workgroup> red_i: array<u32, 256>;
 var<workgroup> red_f: array<f32, 256>;
@@ -180,20 +181,6 @@ fn top_k_count(top_k: f32, v: u32) -> u32 {
 
 // ---- workgroup reductions (each leaves the scratch arrays free for the next) ---------------
 
-fn sum_u32(li: u32, v: u32) -> u32 {
-    red_u[li] = v;
-    workgroupBarrier();
-    for (var w = WG / 2u; w > 0u; w >>= 1u) {
-        if li < w {
-            red_u[li] += red_u[li + w];
-        }
-        workgroupBarrier();
-    }
-    let r = red_u[0];
-    workgroupBarrier();
-    return r;
-}
-
 fn max_u32(li: u32, v: u32) -> u32 {
     red_u[li] = v;
     workgroupBarrier();
@@ -218,20 +205,6 @@ fn min_u32(li: u32, v: u32) -> u32 {
         workgroupBarrier();
     }
     let r = red_u[0];
-    workgroupBarrier();
-    return r;
-}
-
-fn sum_f32(li: u32, v: f32) -> f32 {
-    red_f[li] = v;
-    workgroupBarrier();
-    for (var w = WG / 2u; w > 0u; w >>= 1u) {
-        if li < w {
-            red_f[li] += red_f[li + w];
-        }
-        workgroupBarrier();
-    }
-    let r = red_f[0];
     workgroupBarrier();
     return r;
 }
