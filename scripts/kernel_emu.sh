@@ -5,6 +5,8 @@
 # Copies kernels/*.cu, the fused families' src/fusion/*.cu and common.cuh to a scratch folder, with the two f16 conversions of inline
 # PTX replaced by C++ ones and `extern __shared__` arrays made static, compiles the test with
 # g++ (C++20: std::barrier) and runs it. Needs g++ (Debian: apt-get install g++).
+# Arguments name test groups to run alone (`bash scripts/kernel_emu.sh attention_nan`); none:
+# every group.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 kernels="$root/crates/backend-cuda/kernels"
@@ -31,5 +33,6 @@ for cu in [*src.glob("*.cu"), *fused.glob("*.cu")]:
     text = re.sub(r"extern __shared__ (\w+) (\w+)\[\];", r"static \1 \2[16384];", cu.read_text())
     (dst / cu.name).write_text(text)
 PY
-g++ -std=c++20 -O1 -ffp-contract=off -pthread -DLOWSYNC_EMU -I"$work" -I"$emu" -o "$work/kernels_test" "$emu/kernels_test.cpp"
-"$work/kernels_test" "$emu"
+g++ -std=c++20 -O1 -ffp-contract=off -pthread -DLOWSYNC_EMU -DLOWSYNC_EMU_DIR="\"$emu\"" \
+    -I"$work" -I"$emu" -o "$work/kernels_test" "$emu/kernels_test.cpp"
+"$work/kernels_test" "$@"

@@ -883,8 +883,13 @@ bool valid_at(int mode, i64 h, i64 j) {
 }
 
 // `narrow`: the kernel's short path (32-bit offsets, f32 q, mask and copy), else the general
-// one (64-bit offsets, an f16 copy).
-void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad, i64 L, int narrow) {
+// one (64-bit offsets, an f16 copy). `nan_at` (issue 29.8, soft_max's rule through the online
+// softmax): 1 puts a NaN in kv head 0's K row at the last position head 0 admits, so every
+// head over kv head 0 that admits it has NaN p, o and copy rows; 2 a NaN in q of the last head
+// (every logit of that head); 3 a NaN in kv head 0's V row there (the one column it reaches).
+// A NaN the mask excludes is never read (the poison above), so it reaches nothing.
+void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad, i64 L, int narrow,
+                    int nan_at = 0) {
     const i64 ld_kv = Hk * D + pad;  // cache row stride (pad: unaligned rows)
     Buf kc(kvdt, L * ld_kv), vc(kvdt, L * ld_kv), q(DT_F32, Hq * D);
     kc.rand();
@@ -903,6 +908,11 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
                     vc.set(j * ld_kv + c, NAN);
                 }
     }
+    i64 jn = L - 1;
+    while (jn > 0 && !valid_at(mode, 0, jn)) --jn;
+    if (nan_at == 1) kc.set(jn * ld_kv + D - 1, NAN);
+    if (nan_at == 2) q.set((Hq - 1) * D + D / 2, NAN);
+    if (nan_at == 3) vc.set(jn * ld_kv, NAN);
     const int cdt = narrow ? DT_F32 : DT_F16;
     Buf kq(DT_F32, Hq * L), p(DT_F32, Hq * L), o(DT_F32, Hq * D), cp(cdt, Hq * D);
     const int e = esz(kvdt), vw = 16 / e;
@@ -922,6 +932,7 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
         const i64 kh = h / (Hq / Hk);
         std::vector<double> lg(L);
         double mx = -INFINITY;
+        bool row_nan = false;  // soft_max's rule: a NaN logit it admits makes the row NaN
         for (i64 j = 0; j < L; ++j) {
             const bool ok = valid_at(mode, mode == 3 ? h : 0, j);
             double s = 0;
@@ -932,19 +943,20 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
                 gkq.push_back(kq.get(h * L + j));
             }
             lg[j] = ok ? s * scale : -INFINITY;
-            mx = std::max(mx, lg[j]);
+            if (std::isnan(lg[j])) row_nan = true;
+            if (!row_nan) mx = std::max(mx, lg[j]);
         }
         double sum = 0;
         for (i64 j = 0; j < L; ++j) sum += mx == -INFINITY ? 0 : std::exp(lg[j] - mx);
         std::vector<double> pr(L);
         for (i64 j = 0; j < L; ++j) {
-            pr[j] = mx == -INFINITY ? 0 : std::exp(lg[j] - mx) / sum;
+            pr[j] = row_nan ? NAN : mx == -INFINITY ? 0 : std::exp(lg[j] - mx) / sum;
             wp.push_back(pr[j]);
             gp.push_back(p.get(h * L + j));
         }
         for (i64 dd = 0; dd < D; ++dd) {
-            double acc = 0;
-            for (i64 j = 0; j < L; ++j)
+            double acc = row_nan ? NAN : 0;
+            for (i64 j = 0; j < L && !row_nan; ++j)
                 if (pr[j] != 0) acc += pr[j] * vc.get(j * ld_kv + kh * D + dd);
             wo.push_back(acc);
             go.push_back(o.get(h * D + dd));
@@ -955,7 +967,8 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
     const std::string tag = "attn_decode kv " + std::to_string(kvdt) + " heads " + std::to_string(Hq) + "/" +
                             std::to_string(Hk) + " D " + std::to_string(D) + " scores " + std::to_string(wkq) +
                             " mode " + std::to_string(mode) + " pad " + std::to_string(pad) + " L " +
-                            std::to_string(L) + " narrow " + std::to_string(narrow);
+                            std::to_string(L) + " narrow " + std::to_string(narrow) + " nan_at " +
+                            std::to_string(nan_at);
     if (wkq) check(tag + ": scores", wkq_v, gkq, 1e-10);
     check(tag + ": p", wp, gp, 1e-10);
     check(tag + ": o", wo, go, 1e-10);
@@ -1066,6 +1079,21 @@ void test_attention() {
     // per-head masks, and none valid.
     for (int mode : {4, 1, 3, 2}) attention_case(DT_F16, 8, 2, 64, 0, mode, 0, 2500, 1);
     attention_case(DT_F32, 4, 4, 128, 0, 0, 0, 2049, 1);
+}
+
+// Issue 29.8: a NaN the mask admits turns its head's rows NaN, as soft_max does.
+void test_attention_nan() {
+    // NaN through the online softmax, on every path: one chunk (attn_fast's speculative
+    // window), three chunks with the NaN in the last (the rescaled running sums; raw scores
+    // written), and past one listing (attn_fast_long).
+    for (int nan_at : {1, 2, 3})
+        for (int mode : {0, 1, 3, 4}) {
+            attention_case(DT_F16, 8, 2, 64, 0, mode, 0, 100, 1, nan_at);
+            attention_case(DT_F32, 8, 2, 64, 0, mode, 0, 100, 0, nan_at);
+            attention_case(DT_F16, 6, 3, 80, 1, mode, 0, 600, 1, nan_at);
+            attention_case(DT_BF16, 8, 2, 64, 0, mode, 0, 600, 1, nan_at);
+        }
+    for (int nan_at : {1, 2, 3}) attention_case(DT_F16, 8, 2, 64, 0, 4, 0, 2500, 1, nan_at);
 }
 
 // One row per block: rows of `len` contiguous values, the destination's rows `d_rs` apart.
@@ -1362,25 +1390,41 @@ void test_sample(const std::string& dir) {
     }
 }
 
+// Every test group, by name; `kernels_test NAME...` runs only the groups named.
 int main(int argc, char** argv) {
-    if (argc != 2) {
-        printf("usage: kernels_test <emu folder (holds sample_cases.txt)>\n");
+    const std::pair<const char*, void (*)()> groups[] = {
+        // The sampler's cases live beside this file; kernel_emu.sh passes its folder.
+        {"sample", [] { test_sample(LOWSYNC_EMU_DIR); }},
+        {"copies", test_copies},
+        {"norm_mul", test_norm_mul},
+        {"fused_gemv", test_fused_gemv},
+        {"norm_mul_row", test_norm_mul_row},
+        {"fused_gemv1", test_fused_gemv1},
+        {"fused_gemv1_rowpair", test_fused_gemv1_rowpair},
+        {"mul_mat_vec_k", test_mul_mat_vec_k},
+        {"mul_mat_vec_1", test_mul_mat_vec_1},
+        {"rope_rows", test_rope_rows},
+        {"attention", test_attention},
+        {"attention_nan", test_attention_nan},
+        {"soft_max", test_soft_max},
+        {"argmax", test_argmax},
+        {"mul_mat_vec_1_argmax", test_mul_mat_vec_1_argmax},
+    };
+    int ran = 0;
+    for (const auto& [name, run] : groups) {
+        bool asked = argc == 1;
+        for (int i = 1; i < argc; ++i) asked |= std::string(argv[i]) == name;
+        if (asked) {
+            run();
+            ++ran;
+        }
+    }
+    if (ran == 0) {
+        printf("kernel emulation: no test group named");
+        for (int i = 1; i < argc; ++i) printf(" %s", argv[i]);
+        printf("\n");
         return 2;
     }
-    test_sample(argv[1]);
-    test_copies();
-    test_norm_mul();
-    test_fused_gemv();
-    test_norm_mul_row();
-    test_fused_gemv1();
-    test_fused_gemv1_rowpair();
-    test_mul_mat_vec_k();
-    test_mul_mat_vec_1();
-    test_rope_rows();
-    test_attention();
-    test_soft_max();
-    test_argmax();
-    test_mul_mat_vec_1_argmax();
-    printf("kernel emulation: %d failure(s)\n", fails);
+    printf("kernel emulation: %d group(s), %d failure(s)\n", ran, fails);
     return fails != 0;
 }

@@ -6,6 +6,12 @@
 // readers see what the unfused chain would have left; arithmetic is f32 in fixed summation
 // orders that depend only on the shapes (no float atomics), so results are deterministic run to
 // run. One NVRTC module, compiled with kernels/common.cuh in front of it.
+// NaN follows soft_max: a NaN logit at a position the mask admits (NaN in q, in that K row or
+// in the mask entry; or +inf meeting +inf) makes every p, o and copy element of its head NaN;
+// fmaxf skips NaN in the running max, so the running sum carries it and the end tests the sum.
+// A NaN in V reaches the columns it multiplies. Positions the mask excludes are never read
+// (unless raw scores are written, which keep their NaN), so a NaN there reaches nothing — where
+// the unfused chain's soft_max, adding -inf to a NaN score, would still give a NaN row.
 
 #define F_NEG_INF (-__int_as_float(0x7f800000))
 
@@ -137,7 +143,13 @@ __device__ __forceinline__ void attn_body(
         }
         const float new_max = fmaxf(run_max, block_max(lg));
         PHASE(4);
-        const float ex = valid && new_max != F_NEG_INF ? expf(lg - new_max) : 0.0f;
+        // A NaN logit of a valid position (NaN in q, its K row or its mask entry) is skipped by
+        // fmaxf, so the sum carries it (also when every logit so far is NaN and the max is
+        // still -inf): the head's outputs then come out NaN, as soft_max's row does.
+        const float ex = !valid                   ? 0.0f
+                         : new_max != F_NEG_INF ? expf(lg - new_max)
+                         : lg != lg             ? lg
+                                                : 0.0f;
         es[tid] = ex;
         const float chunk_sum = block_sum(ex);  // its barriers also publish es
         PHASE(5);
@@ -168,13 +180,17 @@ __device__ __forceinline__ void attn_body(
         __syncthreads();  // es and vf are rewritten by the next chunk
     }
     PHASE(6);
-    const float inv = run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
+    // run_sum (the same in every thread: block sums) is NaN iff a valid logit was NaN, or a +inf
+    // met another: then every p, o and copy of the head is NaN, as soft_max's NaN row is (and
+    // so would the unfused chain's be).
+    const bool row_nan = run_sum != run_sum;
+    const float inv = row_nan ? run_sum : run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
 #pragma unroll 1
     for (I base = 0; base < L; base += ATT_T) {
         const I l = base + tid;
         if (l < L) {
             const float lg = base == 0 ? lg0 : ph[l * p_ls];
-            ph[l * p_ls] = lg != F_NEG_INF ? expf(lg - run_max) * inv : 0.0f;
+            ph[l * p_ls] = row_nan ? run_sum : lg != F_NEG_INF ? expf(lg - run_max) * inv : 0.0f;
         }
     }
 #pragma unroll
@@ -481,17 +497,21 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
         s = fmaf(ws[w], f, s);
         if (tid < D) y = fmaf(wa[w * D + tid], f, y);
     }
+    // s (the same in every thread) is NaN iff a valid logit was NaN (its weight is NaN whatever
+    // the max, and NaN survives every rescale), or a +inf met another: every output of the head
+    // is NaN then, as soft_max's NaN row is.
+    const bool row_nan = s != s;
     if (tid < D) {
-        y = s > 0.0f ? y / s : 0.0f;
+        y = row_nan ? s : s > 0.0f ? y / s : 0.0f;
         if (write_o) o[h * o_hs + tid * o_ds] = y;
         if (has_cpy) c[h * c_hs + tid * c_ds] = y;
     }
     if (write_p && lead) {
-        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+        const float inv = row_nan ? s : s > 0.0f ? 1.0f / s : 0.0f;
 #pragma unroll 1
         for (int l = kg; l < L; l += KP) {
             const float lv = ph[l * p_ls];
-            ph[l * p_ls] = lv != F_NEG_INF ? expf(lv - m) * inv : 0.0f;
+            ph[l * p_ls] = row_nan ? s : lv != F_NEG_INF ? expf(lv - m) * inv : 0.0f;
         }
     }
 }
