@@ -11,7 +11,7 @@
 //! types with a min or an offset). A weight block's contribution is then
 //! `d_w * d_x * sum(q_w * q_x)` (plus `m_w * s_x` for types with a min), the integer sum exact.
 //! A kernel takes one weight row and up to all activation rows: it unpacks each weight block
-//! once per group of [`ROWS`] activation rows, so prefill-sized products do not unpack the
+//! once per group of `ROWS` (8) activation rows, so prefill-sized products do not unpack the
 //! weights once per token.
 //! Kernels exist for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K with AVX2 (+FMA, F16C), chosen at run
 //! time; other types, other CPUs (NEON included) and `LOWSYNC_CPU_QUANT_DOT=f32` use the exact
@@ -61,6 +61,7 @@ impl Q8Rows {
 }
 
 /// Activation rows a kernel serves per unpacking of a weight block (accumulators in registers).
+#[cfg(target_arch = "x86_64")]
 const ROWS: usize = 8;
 
 /// Dot products of one weight row (raw blocks) with `out.len()` quantized activation rows:
