@@ -92,10 +92,7 @@ mod x86 {
     //! debug) and calls its `#[target_feature]` body, which `dot_fn` selects only after
     //! detecting AVX2, FMA and F16C. A body walks the activation rows in groups of `ROWS`,
     //! and for each group every weight block once: unpack to two vectors of 16 i16 (elements
-    //! 0..16 and 16..32), then per row two `pmaddwd` and one FMA per scale. Each row keeps two
-    //! accumulators, one for even and one for odd blocks, so consecutive FMAs do not wait on
-    //! each other (a single-row decode product is otherwise bound by FMA latency); they are
-    //! added in a fixed order at the end.
+    //! 0..16 and 16..32), then per row two `pmaddwd` and one FMA per scale.
 
     use std::arch::x86_64::*;
 
@@ -227,34 +224,17 @@ mod x86 {
         )
     }
 
-    /// Two accumulators per row: even and odd blocks.
-    type Acc = [[__m256; 2]; ROWS];
-
-    /// Two partial sums of the mins per row: even and odd blocks.
-    type Mins = [[f32; 2]; ROWS];
-
-    /// An accumulator of zeros.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn acc_zero() -> Acc {
-        [[_mm256_setzero_ps(); 2]; ROWS]
-    }
-
-    /// Each row's result: its two accumulators summed, plus `sign` times its mins.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn finish(res: &mut [f32], acc: &Acc, mins: &Mins, sign: f32) {
-        for ((r, acc), mn) in res.iter_mut().zip(acc).zip(mins) {
-            *r = hsum(_mm256_add_ps(acc[0], acc[1])) + sign * (mn[0] + mn[1]);
-        }
-    }
-
-    /// `acc[i] += f * d_x * sum(w * x_i)` over block `b` for every row `i` of the group.
+    /// `acc[i] += f * d_x * sum(w * x_i)` over one block for every row `i` of the group.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows_fma(acc: &mut Acc, w: (__m256i, __m256i), f: f32, a: &Act<'_>, b: usize) {
+    unsafe fn rows_fma(
+        acc: &mut [__m256; ROWS],
+        w: (__m256i, __m256i),
+        f: f32,
+        a: &Act<'_>,
+        b: usize,
+    ) {
         for (i, acc) in acc.iter_mut().enumerate().take(a.rows) {
-            let acc = &mut acc[b & 1];
             let (x0, x1) = x_block(a, i, b);
             let p = _mm256_add_epi32(_mm256_madd_epi16(w.0, x0), _mm256_madd_epi16(w.1, x1));
             let scale = _mm256_set1_ps(f * a.d[i * a.nb + b]);
@@ -266,14 +246,13 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn rows_fma2(
-        acc: &mut Acc,
+        acc: &mut [__m256; ROWS],
         w: (__m256i, __m256i),
         f: (f32, f32),
         a: &Act<'_>,
         b: usize,
     ) {
         for (i, acc) in acc.iter_mut().enumerate().take(a.rows) {
-            let acc = &mut acc[b & 1];
             let (x0, x1) = x_block(a, i, b);
             let dx = a.d[i * a.nb + b];
             let p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w.0, x0));
@@ -285,15 +264,15 @@ mod x86 {
 
     /// `mins[i] += m * s_x` for every row of the group (types with a min).
     #[inline]
-    fn rows_min(mins: &mut Mins, m: f32, a: &Act<'_>, b: usize) {
+    fn rows_min(mins: &mut [f32; ROWS], m: f32, a: &Act<'_>, b: usize) {
         for (i, mn) in mins.iter_mut().enumerate().take(a.rows) {
-            mn[b & 1] += m * a.s[i * a.nb + b];
+            *mn += m * a.s[i * a.nb + b];
         }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q4_0_avx2(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
-        let mut acc = acc_zero();
+        let mut acc = [_mm256_setzero_ps(); ROWS];
         let eight = _mm256_set1_epi16(8);
         for (b, blk) in w.chunks_exact(18).enumerate() {
             let p = blk.as_ptr();
@@ -301,24 +280,28 @@ mod x86 {
             let qw = (_mm256_sub_epi16(lo, eight), _mm256_sub_epi16(hi, eight));
             rows_fma(&mut acc, qw, f16_at(p), a, b);
         }
-        finish(res, &acc, &[[0.0; 2]; ROWS], 0.0);
+        for (r, acc) in res.iter_mut().zip(acc) {
+            *r = hsum(acc);
+        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q4_1_avx2(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
-        let mut acc = acc_zero();
-        let mut mins: Mins = [[0.0; 2]; ROWS];
+        let mut acc = [_mm256_setzero_ps(); ROWS];
+        let mut mins = [0.0f32; ROWS];
         for (b, blk) in w.chunks_exact(20).enumerate() {
             let p = blk.as_ptr();
             rows_fma(&mut acc, nibbles16(p.add(4)), f16_at(p), a, b);
             rows_min(&mut mins, f16_at(p.add(2)), a, b);
         }
-        finish(res, &acc, &mins, 1.0);
+        for ((r, acc), mn) in res.iter_mut().zip(acc).zip(mins) {
+            *r = hsum(acc) + mn;
+        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q8_0_avx2(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
-        let mut acc = acc_zero();
+        let mut acc = [_mm256_setzero_ps(); ROWS];
         for (b, blk) in w.chunks_exact(34).enumerate() {
             let p = blk.as_ptr();
             let qw = (
@@ -327,14 +310,16 @@ mod x86 {
             );
             rows_fma(&mut acc, qw, f16_at(p), a, b);
         }
-        finish(res, &acc, &[[0.0; 2]; ROWS], 0.0);
+        for (r, acc) in res.iter_mut().zip(acc) {
+            *r = hsum(acc);
+        }
     }
 
     /// Q4_K: 8 sub-blocks of 32, each exactly one activation block.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q4_k_avx2(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
-        let mut acc = acc_zero();
-        let mut mins: Mins = [[0.0; 2]; ROWS];
+        let mut acc = [_mm256_setzero_ps(); ROWS];
+        let mut mins = [0.0f32; ROWS];
         let m4 = _mm256_set1_epi8(0x0F);
         for (sb, blk) in w.chunks_exact(144).enumerate() {
             let p = blk.as_ptr();
@@ -356,13 +341,15 @@ mod x86 {
                 }
             }
         }
-        finish(res, &acc, &mins, -1.0);
+        for ((r, acc), mn) in res.iter_mut().zip(acc).zip(mins) {
+            *r = hsum(acc) - mn;
+        }
     }
 
     /// Q6_K: 16 sub-blocks of 16 (two per activation block); values are `q - 32`, `q` 6 bits.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q6_k_avx2(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
-        let mut acc = acc_zero();
+        let mut acc = [_mm256_setzero_ps(); ROWS];
         let m4 = _mm256_set1_epi8(0x0F);
         let m2 = _mm256_set1_epi8(0x03);
         let off = _mm256_set1_epi16(32);
@@ -400,6 +387,8 @@ mod x86 {
                 }
             }
         }
-        finish(res, &acc, &[[0.0; 2]; ROWS], 0.0);
+        for (r, acc) in res.iter_mut().zip(acc) {
+            *r = hsum(acc);
+        }
     }
 }
