@@ -62,7 +62,8 @@ def test_every_variable_the_code_reads_is_documented() -> None:
 
 def test_every_variable_in_the_readme_table_is_read_by_the_code() -> None:
     listed = README_ROW.findall((ROOT / "README.md").read_text())
-    assert len(listed) >= 10, "README's variables table was not found"
+    # README keeps the user-facing variables (six today); the rest live in docs/tuning.md.
+    assert len(listed) >= 5, "README's variables table was not found"
     code = variables_in_code()
     unread = [n for n in listed if n not in code]
     assert not unread, f"README lists variables no code reads: {unread}"

@@ -8,9 +8,9 @@
 //! Strategy: a weight is seen as rows of whole blocks (`Strided::quant_row`): a table's rows
 //! for `GetRows`, which dequantizes only the rows it reads, and a transposed weight's columns
 //! (`x @ w.T`, blocks along the reduction axis) for the products. A product takes the
-//! activations as contiguous f32 rows once. Where `q8` has a SIMD kernel for the weight type
-//! on this CPU, it quantizes them once to 8-bit blocks and each weight row is an integer dot
-//! product per block (the default, as llama.cpp); otherwise, or with
+//! activations as contiguous f32 rows once. Where `q16` has a SIMD kernel for the weight type
+//! on this CPU, it quantizes them once to 16-bit integer blocks and each weight row is an
+//! integer dot product per block (the default); otherwise, or with
 //! `LOWSYNC_CPU_QUANT_DOT=f32`, each weight row is dequantized into a small f32 buffer and
 //! dotted with every activation row in f32 (the exact path). Jobs are blocks of weight rows
 //! (output columns), run in parallel above a size threshold on the rayon pool, which has one
@@ -19,7 +19,7 @@
 //! Determinism: each output element is one dot product computed by one job in a fixed order,
 //! independent of the thread count (as the f32 kernels promise).
 
-mod q8;
+mod q16;
 pub(crate) mod scalar;
 
 use std::sync::OnceLock;
@@ -34,12 +34,12 @@ use super::view::Strided;
 /// Multiply-adds of one parallel job of a product (about).
 const JOB_WORK: usize = 1 << 16;
 
-/// Whether products may quantize activations to 8 bits (`LOWSYNC_CPU_QUANT_DOT`: `q8`, the
-/// default, or `f32`), read once; a bad value is an error naming the variable.
-fn q8_allowed() -> std::result::Result<bool, String> {
+/// Whether products may quantize activations to 16-bit blocks (`LOWSYNC_CPU_QUANT_DOT`:
+/// `q16`, the default, or `f32`), read once; a bad value is an error naming the variable.
+fn q16_allowed() -> std::result::Result<bool, String> {
     static MODE: OnceLock<std::result::Result<bool, String>> = OnceLock::new();
     MODE.get_or_init(|| {
-        env::choice("LOWSYNC_CPU_QUANT_DOT", &["q8", "f32"], "q8 or f32")
+        env::choice("LOWSYNC_CPU_QUANT_DOT", &["q16", "f32"], "q16 or f32")
             .map(|c| c != Some("f32"))
             .map_err(|e| e.to_string())
     })
@@ -47,23 +47,23 @@ fn q8_allowed() -> std::result::Result<bool, String> {
 }
 
 #[cfg(test)]
-/// Whether products over `dt` weights quantize the activations (`q8`) here: a SIMD kernel
+/// Whether products over `dt` weights quantize the activations (`q16`) here: a SIMD kernel
 /// for `dt` on this CPU and `LOWSYNC_CPU_QUANT_DOT` not `f32`.
-pub(crate) fn uses_q8(dt: lowsync_graph::DType) -> bool {
-    q8_allowed().unwrap_or(false) && q8::dot_fn(dt).is_some()
+pub(crate) fn uses_q16(dt: lowsync_graph::DType) -> bool {
+    q16_allowed().unwrap_or(false) && q16::dot_fn(dt).is_some()
 }
 
 /// The values a product reads for activations `x` (rows of `k`) over `dt` weights: `x` on the
-/// exact path, its 8-bit blocks dequantized (`d * q`) where `uses_q8(dt)`.
+/// exact path, its 16-bit blocks dequantized (`d * q`) where `uses_q16(dt)`.
 #[cfg(test)]
 pub(crate) fn activations_as_read(dt: lowsync_graph::DType, x: &[f32]) -> Vec<f32> {
-    if !uses_q8(dt) {
+    if !uses_q16(dt) {
         return x.to_vec();
     }
-    let xq = q8::Q8Rows::quantize(x);
+    let xq = q16::QRows::quantize(x);
     xq.q.iter()
         .enumerate()
-        .map(|(i, &q)| xq.d[i / q8::QK] * f32::from(q))
+        .map(|(i, &q)| xq.d[i / q16::QK] * f32::from(q))
         .collect()
 }
 
@@ -147,12 +147,12 @@ pub(super) fn matmul(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let fast = if q8_allowed().map_err(|e| kernel_err(node, e))? {
-        q8::dot_fn(dt).filter(|_| k.is_multiple_of(q8::QK))
+    let fast = if q16_allowed().map_err(|e| kernel_err(node, e))? {
+        q16::dot_fn(dt).filter(|_| k.is_multiple_of(q16::QK))
     } else {
         None
     };
-    let xq = fast.map(|_| q8::Q8Rows::quantize(x));
+    let xq = fast.map(|_| q16::QRows::quantize(x));
     // One job's weight rows: about JOB_WORK multiply-adds, never fewer than 1 row.
     let rows_per_job = (JOB_WORK / (k * m).max(1)).clamp(1, n);
     // Results of weight row j for every activation row, j-major (one contiguous chunk per

@@ -149,7 +149,7 @@ fn check_mul_mat(dt: DType, m: usize, n: usize, k: usize, act: DType) {
     let x = mem.rand(&mut rng, act, &[m, k]);
     let dst = mem.zeros(DType::F32, &[m, n]);
     run(&mem, Op::MulMat, &dst, &[&x, &transpose(&w, 0, 1)]).unwrap();
-    // The activations as the kernel reads them (8-bit blocks on the SIMD path).
+    // The activations as the kernel reads them (16-bit blocks on the SIMD path).
     let x32: Vec<f32> = mem.read(&x).iter().map(|&v| v as f32).collect();
     let xs: Vec<f64> = activations_as_read(dt, &x32)
         .iter()
