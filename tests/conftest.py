@@ -3,7 +3,9 @@
 Device markers: a test marked `cuda` or `vulkan` runs only when `lowsync.available_backends()`
 lists that device; otherwise it is skipped with the reason — except that with
 `LOWSYNC_REQUIRE_CUDA=1` (set on the GPU machine) or `LOWSYNC_REQUIRE_VULKAN=1` (set by
-`.ci/run`) a missing device of that kind fails the test instead.
+`.ci/run`) a missing device of that kind fails the test instead. A test marked `vulkan_gpu`
+also needs the Vulkan device to be a GPU: a real model takes minutes per token on a software
+rasteriser such as lavapipe (CI's Vulkan), so there it is skipped with that reason.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import lowsync as ls
+from lowsync._native import device_type
 
 # Computes take milliseconds to seconds depending on the machine's load: no deadlines, and no
 # example database written into the work tree.
@@ -50,6 +53,14 @@ def _has_device(prefix: str) -> bool:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("vulkan_gpu") is not None:
+        gpus = [
+            b
+            for b in ls.available_backends()
+            if b.startswith("vulkan") and device_type(b) != "cpu"
+        ]
+        if not gpus:
+            pytest.skip("no Vulkan GPU on this machine (a software rasteriser is too slow)")
     for marker, name, var in (
         ("cuda", "CUDA", "LOWSYNC_REQUIRE_CUDA"),
         ("vulkan", "Vulkan", "LOWSYNC_REQUIRE_VULKAN"),

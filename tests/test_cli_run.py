@@ -21,7 +21,14 @@ from text_models import random_text_model, runnable_smollm2
 # Host waits per generated token as the engine counts them: `cpu-async` blocks once per token,
 # on the read of the sampled token; `cpu` is the host itself (each step computes on the calling
 # thread, so the read waits for nothing) and counts none.
-WAITS_PER_TOKEN = {"cpu": 0.0, "cpu-async": 1.0}
+WAITS_PER_TOKEN = {"cpu": 0.0, "cpu-async": 1.0, "cuda": 1.0, "vulkan": 1.0}
+# Every backend the acceptance test runs on: the device ones where the machine has them.
+ALL_BACKENDS = [
+    "cpu",
+    "cpu-async",
+    pytest.param("cuda", marks=pytest.mark.cuda),
+    pytest.param("vulkan", marks=pytest.mark.vulkan_gpu),
+]
 
 STATS = re.compile(
     r"^\[(\d+) tokens, [0-9.]+ tok/s, ([0-9.]+) host waits/token \(([a-z0-9:+-]+), (\w+)\)\]$"
@@ -162,7 +169,7 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return runnable_smollm2(tmp_path_factory.getbasetemp())
 
 
-@pytest.mark.parametrize("backend", ["cpu", "cpu-async"])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_run_smollm2_says_paris_with_the_engines_host_waits_per_token(
     smollm2: Path, backend: str
 ) -> None:

@@ -337,6 +337,9 @@ impl Inner {
             backend: "CUDA".into(),
             reason,
         };
+        // The driver is initialised here too (cuInit is idempotent), so a backend opened
+        // without `create` (unit tests, benches) never meets CUDA_ERROR_NOT_INITIALIZED.
+        probe::driver().map_err(unavailable)?;
         let device_count = probe::device_count().map_err(unavailable)?;
         if ordinal >= device_count {
             return Err(unavailable(format!(
