@@ -55,9 +55,7 @@ def _has_device(prefix: str) -> bool:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("vulkan_gpu") is not None:
         gpus = [
-            b
-            for b in ls.available_backends()
-            if b.startswith("vulkan") and device_type(b) != "cpu"
+            b for b in ls.available_backends() if b.startswith("vulkan") and device_type(b) != "cpu"
         ]
         if not gpus:
             pytest.skip("no Vulkan GPU on this machine (a software rasteriser is too slow)")
