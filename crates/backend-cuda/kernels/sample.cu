@@ -6,7 +6,10 @@
 // counts (top-k) or block sums of exp(x - max) (top-p), and the draw is the Gumbel-max trick
 // with the same counter-based Philox noise per element, reduced with ties to the lowest index.
 // The block's threads take the row in strided loops; every reduction returns its result to
-// every thread, so all threads take the same branches of the bisections.
+// every thread, so all threads take the same branches of the bisections. Each bisection is
+// about 32 passes over the row; when top-k leaves at most SMP_CAND candidates, they are packed
+// into shared memory and top-p, min-p and the draw read only them (top-p then without a
+// bisection: each candidate's mass is summed directly).
 //
 // What may differ from the oracle: expf / logf round differently by an ulp, and top-p's sums
 // run in another order, which moves a decision only for candidates within that rounding of
@@ -79,6 +82,24 @@ __device__ u32 smp_block_u32(u32 v, int op) {
     return smp_warp_u32(v, op);
 }
 
+// The exclusive prefix sum of v over the block's threads in thread order (deterministic: it
+// fixes where each thread's candidates land when a row is packed).
+__device__ u32 smp_block_excl_scan(u32 v) {
+    __shared__ u32 sh[32];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    u32 inc = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = (u32)__shfl_up_sync(0xffffffffu, (int)inc, o);
+        if (lane >= o) inc += y;
+    }
+    __syncthreads();
+    if (lane == 31) sh[w] = inc;
+    __syncthreads();
+    u32 base = 0;
+    for (int j = 0; j < w; ++j) base += sh[j];
+    return base + inc - v;
+}
+
 // The best (value, index) pair of the block by `better` (common.cuh: larger value, NaN below
 // every number, lower index on ties), in every thread.
 __device__ void smp_block_best(float& bv, i64& bi) {
@@ -131,6 +152,9 @@ extern "C" __global__ void __launch_bounds__(1024) penalize(i64 rows, i64 len, i
     }
 }
 
+// Candidates a row is packed into after top-k when at most this many remain (shared memory).
+#define SMP_CAND 1024
+
 // One token per row (sampling.rs `sample_row`): dst[r] = the drawn index of x[r, :len), with
 // params[r] = (temperature, top_k, top_p, min_p) and key[r] = (seed, counter). 32-bit indices
 // (the host checks len < 2^31).
@@ -139,6 +163,10 @@ extern "C" __global__ void __launch_bounds__(1024) sample(i64 rows, i64 len, int
                                                           const float* prm, i64 p_rs, i64 p_cs,
                                                           const int* key, i64 k_rs, i64 k_cs) {
     pdl_entry();
+    // The packed row: values, indices and exp(value - max) of the candidates (see step 3).
+    __shared__ float cv[SMP_CAND];
+    __shared__ u32 ci[SMP_CAND];
+    __shared__ float ce[SMP_CAND];
     const float NEG_INF = -__int_as_float(0x7f800000);
     const int tid = threadIdx.x, bd = blockDim.x;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -171,6 +199,9 @@ extern "C" __global__ void __launch_bounds__(1024) sample(i64 rows, i64 len, int
 
         // Every cut is a key threshold; 1 admits every non-NaN value.
         u32 cut = 1u;
+        // Whether the candidates (key >= cut) sit in cv / ci, n_c of them.
+        bool packed = false;
+        u32 n_c = 0;
 
         // 3. top-k (sampling.rs `top_k_count`: truncated toward zero, kept when 1 <= k < len):
         // the k-th largest key, i.e. the largest T with count(key >= T) >= k. count(>= 0) is
@@ -178,7 +209,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample(i64 rows, i64 len, int
         const double tk = (double)top_k;
         if (tk >= 1.0 && tk < (double)len) {
             const u32 k = (u32)tk;
-            u32 lo = 0u, hi = km;
+            u32 lo = 0u, hi = km, n_lo = (u32)len;  // n_lo = count(key >= lo)
             while (lo < hi) {
                 const u32 mid = (u32)(((u64)lo + hi + 1) >> 1);
                 u32 n = 0;
@@ -186,18 +217,60 @@ extern "C" __global__ void __launch_bounds__(1024) sample(i64 rows, i64 len, int
                 n = smp_block_u32(n, 0);
                 if (n >= k) {
                     lo = mid;
+                    n_lo = n;
                 } else {
                     hi = mid - 1;
                 }
             }
             cut = smp_umax(cut, lo);
+            // A small k leaves few candidates: pack them into shared memory (each thread's in
+            // its loop order, at its exclusive prefix of the counts), so that the later steps
+            // read n_c values instead of the row. The order is fixed by the block size, so
+            // every run sums top-p's masses alike.
+            if (lo >= 1u && n_lo <= SMP_CAND) {
+                u32 mine = 0;
+                for (i64 c = tid; c < len; c += bd) mine += smp_key(xr[c * x_cs]) >= cut;
+                u32 at = smp_block_excl_scan(mine);
+                for (i64 c = tid; c < len; c += bd) {
+                    const float v = xr[c * x_cs];
+                    if (smp_key(v) >= cut) {
+                        cv[at] = v;
+                        ci[at] = (u32)c;
+                        ++at;
+                    }
+                }
+                packed = true;
+                n_c = n_lo;
+                __syncthreads();
+            }
         }
 
         // 4. top-p: Z = the mass of the kept values; the largest T in [cut, km] whose values
         // and every larger one hold at least top_p * Z. Each thread sums its values in a fixed
         // order, so mass(key >= T) never grows with T and the bisection is sound; a target that
         // rounding leaves out of reach (or NaN) keeps the cut (as sampling.rs `top_p_cut`).
-        if (top_p < 1.0f) {
+        if (top_p < 1.0f && packed) {
+            // On the packed row, directly: every thread sums exp(x - m) of all candidates in
+            // slot order (so all get the same Z), and for each of its candidates j the mass of
+            // the candidates with key >= key_j, in the same order (so the masses never grow
+            // with the key); the cut is the largest key_j whose mass reaches the target.
+            for (u32 j = tid; j < n_c; j += bd) ce[j] = expf(cv[j] - m);
+            __syncthreads();
+            float z = 0.0f;
+            for (u32 i = 0; i < n_c; ++i) z = __fadd_rn(z, ce[i]);
+            const float target = top_p * z;
+            u32 best = cut;
+            for (u32 j = tid; j < n_c; j += bd) {
+                const u32 kj = smp_key(cv[j]);
+                if (kj <= best) continue;
+                float mass = 0.0f;
+                for (u32 i = 0; i < n_c; ++i) {
+                    if (smp_key(cv[i]) >= kj) mass = __fadd_rn(mass, ce[i]);
+                }
+                if (mass >= target) best = kj;
+            }
+            cut = smp_block_u32(best, 1);
+        } else if (top_p < 1.0f) {
             float z = 0.0f;
             for (i64 c = tid; c < len; c += bd) {
                 const float v = xr[c * x_cs];
@@ -236,9 +309,8 @@ extern "C" __global__ void __launch_bounds__(1024) sample(i64 rows, i64 len, int
         float bv = __int_as_float(0x7fc00000);
         i64 bi = len;
         u32 first = 0xffffffffu, first_nan = 0u;
-        for (i64 c = tid; c < len; c += bd) {
-            const float v = xr[c * x_cs];
-            if (smp_key(v) < cut) continue;
+        auto draw = [&](i64 c, float v) {
+            if (smp_key(v) < cut) return;
             const float s =
                 __fadd_rn((v - m) / temperature, smp_gumbel(smp_uniform(seed, counter, (u32)c)));
             if ((u32)c < first) {
@@ -249,6 +321,11 @@ extern "C" __global__ void __launch_bounds__(1024) sample(i64 rows, i64 len, int
                 bv = s;
                 bi = c;
             }
+        };
+        if (packed) {
+            for (u32 j = tid; j < n_c; j += bd) draw((i64)ci[j], cv[j]);
+        } else {
+            for (i64 c = tid; c < len; c += bd) draw(c, xr[c * x_cs]);
         }
         smp_block_best(bv, bi);
         const u32 first_all = smp_block_u32(first, 2);

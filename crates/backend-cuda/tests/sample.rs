@@ -111,6 +111,10 @@ fn param_sets(v: usize) -> Vec<SampleParams> {
         (2.0, 50.0, 0.99, 0.01),        // everything at once
         (1e-3, 0.0, 0.9, 0.0),          // a cold draw
         (1.0, 0.0, 1.0, 2.0),           // min_p > 1 cuts the maximum too: -1, as the oracle
+        (1.0, 300.0, 0.9, 0.0),         // more candidates than a small block has threads
+        (0.9, 2000.0, 0.9, 0.05),       // more candidates than the kernel packs (1024)
+        (1.0, 300.0, 0.5, 0.0),         // top-p cutting deep into many candidates
+        (1.2, 40.0, 0.3, 0.0),          // and into few
     ]
     .into_iter()
     .map(|(temperature, top_k, top_p, min_p)| SampleParams {
@@ -195,7 +199,9 @@ fn emulation_cases() -> String {
         (100, &[1, 4, 6], 0, 64, &special),
         (1000, &[0], 3, 256, &all),
         (1000, &[1, 5], 0, 128, &special),
-        (4099, &[0], 4, 256, &[0, 3, 4, 12, 14, 19]),
+        // Spread rows, where top-p and min-p cut deep into the top-k candidates: many keys.
+        (1000, &[0], 5, 128, &[4, 4, 18, 21, 21, 23, 23, 23, 23, 24, 24, 24, 24, 12, 13, 13, 14]),
+        (4099, &[0], 4, 256, &[0, 3, 4, 12, 14, 19, 21, 22]),
         (32_000, &[0], 3, 1024, &[0, 4, 12]),
         (151_936, &[0], 4, 256, &[4, 14, 19]),
     ];
