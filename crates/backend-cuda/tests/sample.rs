@@ -110,7 +110,7 @@ fn param_sets(v: usize) -> Vec<SampleParams> {
         (f32::INFINITY, 0.0, 1.0, 0.0), // infinite temperature
         (2.0, 50.0, 0.99, 0.01),        // everything at once
         (1e-3, 0.0, 0.9, 0.0),          // a cold draw
-        (1.0, 0.0, 1.0, 2.0),           // min_p > 1 cuts the maximum too: -1, as the oracle
+        (1.0, 0.0, 1.0, 2.0),           // min_p > 1: only the maximum is kept
         (1.0, 300.0, 0.9, 0.0),         // more candidates than a small block has threads
         (0.9, 2000.0, 0.9, 0.05),       // more candidates than the kernel packs (1024)
         (1.0, 300.0, 0.5, 0.0),         // top-p cutting deep into many candidates
