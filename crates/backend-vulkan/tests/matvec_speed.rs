@@ -78,17 +78,24 @@ fn decode_mat_vec_milliseconds() {
     let Some(vk) = common::open(VkConfig::default()) else {
         return;
     };
+    let Some(vk_wg) = common::open(VkConfig {
+        no_subgroups: true,
+        ..VkConfig::default()
+    }) else {
+        return;
+    };
     let cpu = CpuBackend::new();
     for (n, k) in [(256, 4096), (4096, 4096)] {
         for wd in [DType::F32, DType::F16, DType::BF16] {
             let (ms, got) = time(&vk, wd, n, k, 5);
+            let (wg_ms, _) = time(&vk_wg, wd, n, k, 5);
             let (cpu_ms, want) = time(&cpu, wd, n, k, 5);
             let err = got
                 .iter()
                 .zip(&want)
                 .map(|(g, w)| (g - w).abs())
                 .fold(0.0f32, f32::max);
-            println!("{n}x{k} {wd}: vulkan {ms:.2} ms, cpu {cpu_ms:.2} ms, max |diff| {err:.2e}");
+            println!("{n}x{k} {wd}: vulkan {ms:.2} ms (no subgroups {wg_ms:.2}), cpu {cpu_ms:.2} ms, max |diff| {err:.2e}");
             assert!(err < 1e-2, "{n}x{k} {wd}: max |diff| {err}");
         }
     }
