@@ -5,7 +5,8 @@
 //! assumed. WGSL has no preprocessor and naga resolves no specialisation constants for us, so
 //! this script is the preprocessor: each kernel template (`shaders/<kernel>.wgsl`) names its
 //! storage bindings as slots (`d`, `a`, `b`, ...) and uses accessors (`ld_a(i) -> f32`,
-//! `st_d(i, v)`, `ldi_ids(i) -> i32`); for every dtype combination listed in [`KERNELS`] the
+//! `ld4_a(i) -> vec4<f32>` for 4 consecutive elements, `i` even for 16-bit storage,
+//! `st_d(i, v)`, `ldi_ids(i) -> i32`; a `// #include <file>` line pulls in a shared body); for every dtype combination listed in [`KERNELS`] the
 //! script prepends the binding declarations and accessors for those dtypes plus
 //! `shaders/common.wgsl`, validates the module with naga, and writes the SPIR-V words.
 //!
@@ -123,6 +124,22 @@ const KERNELS: &[Spec] = &[
         ],
     ),
     (
+        "mul_mat_vec_k",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, FLOATS),
+            ("b", Slot::In, FLOATS),
+        ],
+    ),
+    (
+        "mul_mat_vec_k_wg",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, FLOATS),
+            ("b", Slot::In, FLOATS),
+        ],
+    ),
+    (
         "mul_mat_id",
         &[
             ("d", Slot::Out, &["f32"]),
@@ -166,7 +183,7 @@ fn main() {
     table.push_str("pub(crate) static SPIRV: &[(&str, &[u8])] = &[\n");
     let mut failures = Vec::new();
     for (kernel, slots) in KERNELS {
-        let body = read(&dir.join(format!("{kernel}.wgsl")));
+        let body = includes(&dir, &read(&dir.join(format!("{kernel}.wgsl"))));
         println!(
             "cargo:rerun-if-changed={}",
             dir.join(format!("{kernel}.wgsl")).display()
@@ -198,6 +215,24 @@ fn main() {
         panic!("shader compilation failed:\n{}", failures.join("\n"));
     }
     std::fs::write(out.join("shaders.rs"), table).expect("write shaders.rs");
+}
+
+/// Replaces each `// #include <file>` line of a template by that file of `shaders/` (one
+/// level; enough for two kernels sharing a body).
+fn includes(dir: &Path, body: &str) -> String {
+    let mut out = String::new();
+    for line in body.lines() {
+        match line.trim().strip_prefix("// #include ") {
+            Some(file) => {
+                let path = dir.join(file.trim());
+                println!("cargo:rerun-if-changed={}", path.display());
+                out.push_str(&read(&path));
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }
 
 fn read(p: &Path) -> String {
@@ -236,18 +271,31 @@ fn binding(k: usize, n: &str, kind: Slot, dt: &str) -> String {
         format!("@group(0) @binding({k}) var<storage, {access}> {n}_buf: array<{elem}>;\n")
     };
     match (kind, dt) {
-        (Slot::In, "f32") => decl("read", "f32")
-            + &format!("fn ld_{n}(i: u32) -> f32 {{ return {n}_buf[i]; }}\n"),
+        (Slot::In, "f32") => {
+            decl("read", "f32")
+                + &format!("fn ld_{n}(i: u32) -> f32 {{ return {n}_buf[i]; }}\n")
+                + &format!(
+                    "fn ld4_{n}(i: u32) -> vec4<f32> {{ return vec4<f32>({n}_buf[i], {n}_buf[i + 1u], {n}_buf[i + 2u], {n}_buf[i + 3u]); }}\n"
+                )
+        }
         (Slot::In, "f16") => {
             decl("read", "u32")
                 + &format!(
                     "fn ld_{n}(i: u32) -> f32 {{ return f16_bits_to_f32(({n}_buf[i >> 1u] >> ((i & 1u) * 16u)) & 0xffffu); }}\n"
+                )
+                // `i` even: two whole words; f16 -> f32 is exact, so this equals `ld_` x4.
+                + &format!(
+                    "fn ld4_{n}(i: u32) -> vec4<f32> {{ let w = i >> 1u; return vec4<f32>(unpack2x16float({n}_buf[w]), unpack2x16float({n}_buf[w + 1u])); }}\n"
                 )
         }
         (Slot::In, "bf16") => {
             decl("read", "u32")
                 + &format!(
                     "fn ld_{n}(i: u32) -> f32 {{ return bitcast<f32>((({n}_buf[i >> 1u] >> ((i & 1u) * 16u)) & 0xffffu) << 16u); }}\n"
+                )
+                // `i` even: two whole words.
+                + &format!(
+                    "fn ld4_{n}(i: u32) -> vec4<f32> {{ let w0 = {n}_buf[i >> 1u]; let w1 = {n}_buf[(i >> 1u) + 1u]; return bitcast<vec4<f32>>(vec4<u32>(w0 << 16u, w0 & 0xffff0000u, w1 << 16u, w1 & 0xffff0000u)); }}\n"
                 )
         }
         (Slot::Out, "f32") => decl("read_write", "f32")
@@ -297,7 +345,13 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
     let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
     let info = Validator::new(
         ValidationFlags::all(),
-        Capabilities::IMMEDIATES | Capabilities::FLOAT64,
+        // SUBGROUP: only `mul_mat_vec_k` uses subgroup operations, and the host picks it only on
+        // a device whose compute stage has subgroup arithmetic. SHADER_FLOAT16_IN_FLOAT32 is
+        // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).
+        Capabilities::IMMEDIATES
+            | Capabilities::FLOAT64
+            | Capabilities::SUBGROUP
+            | Capabilities::SHADER_FLOAT16_IN_FLOAT32,
     )
     .validate(&module)
     .map_err(|e| e.emit_to_string(src))?;

@@ -99,6 +99,7 @@ impl VulkanBackend {
             max_range: u64::from(dev.limits.max_storage_buffer_range),
             max_groups: dev.limits.max_compute_work_group_count,
             has_f64: dev.has_f64,
+            subgroups: dev.subgroup_arith && !config.no_subgroups,
         };
         let alignment = (limits.offset_align as usize).max(64);
         let state = State {

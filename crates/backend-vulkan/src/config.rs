@@ -34,6 +34,9 @@ pub struct VkConfig {
     /// `LOWSYNC_VK_COMPUTE_STREAM_COPY_MAX=<bytes>`: copies up to this size go in the compute
     /// stream, larger ones on the transfer route; `None` measures the crossover.
     pub compute_stream_copy_max: Option<u64>,
+    /// `LOWSYNC_VK_NO_SUBGROUPS=1`: never use subgroup operations (the shared-memory kernels
+    /// run instead, as on a device without subgroup arithmetic).
+    pub no_subgroups: bool,
     /// Counting or tracing hook over device entry points (tests only).
     pub entry_point_hook: Option<EntryPointHook>,
 }
@@ -48,6 +51,7 @@ impl VkConfig {
             legacy_submits: env::flag("LOWSYNC_VK_LEGACY_SUBMITS", false)?,
             force_transfer_submit: env::flag("LOWSYNC_VK_FORCE_TRANSFER_SUBMIT", false)?,
             compute_stream_copy_max: env::unsigned("LOWSYNC_VK_COMPUTE_STREAM_COPY_MAX")?,
+            no_subgroups: env::flag("LOWSYNC_VK_NO_SUBGROUPS", false)?,
             entry_point_hook: None,
         })
     }

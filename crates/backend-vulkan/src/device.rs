@@ -281,6 +281,9 @@ pub(crate) struct Device {
     pub host_query_reset: bool,
     /// Every DEVICE_LOCAL memory type is also HOST_VISIBLE (integrated GPUs, lavapipe).
     pub uma: bool,
+    /// The compute stage has basic and arithmetic subgroup operations (Vulkan 1.1 core
+    /// properties), so kernels may reduce with `subgroupAdd`.
+    pub subgroup_arith: bool,
     // Declared last: dropped after `device` is destroyed (see `Drop`).
     pub inst: Instance,
 }
@@ -336,6 +339,15 @@ impl Device {
             vk::PhysicalDeviceFeatures::default().shader_float64(f.shader_float64 == vk::TRUE)
         };
         let has_f64 = core.shader_float64 == vk::TRUE;
+        let subgroup_arith = {
+            let mut sg = vk::PhysicalDeviceSubgroupProperties::default();
+            let mut p2 = vk::PhysicalDeviceProperties2::default().push_next(&mut sg);
+            // SAFETY: a query on a physical device of this instance (Vulkan >= 1.2, checked).
+            unsafe { ins.get_physical_device_properties2(pdev, &mut p2) };
+            let ops = vk::SubgroupFeatureFlags::BASIC | vk::SubgroupFeatureFlags::ARITHMETIC;
+            sg.supported_stages.contains(vk::ShaderStageFlags::COMPUTE)
+                && sg.supported_operations.contains(ops)
+        };
         let prio = [1.0f32];
         let mut qinfos = vec![vk::DeviceQueueCreateInfo::default()
             .queue_family_index(compute_family as u32)
@@ -404,6 +416,7 @@ impl Device {
             transfer_family = ?transfer_family,
             has_f64,
             uma,
+            subgroup_arith,
             "Vulkan device opened"
         );
         Ok(Device {
@@ -417,6 +430,7 @@ impl Device {
             has_f64,
             host_query_reset,
             uma,
+            subgroup_arith,
             inst,
         })
     }

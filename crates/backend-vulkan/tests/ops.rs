@@ -484,6 +484,29 @@ fn cases() -> Vec<Case> {
             vec![c(ad, &[37, 300]), t(bd, 70, 300)],
         ));
     }
+    // The decode fast path's edges: a 16-bit operand at an odd element offset (generic kernel),
+    // k not a multiple of 4 (generic), and batched `q @ k.T` with a GQA broadcast (fast).
+    v.push(case(
+        "mul_mat vec x@w.T f16 w at an odd offset",
+        Op::MulMat,
+        c(F32, &[1, 70]),
+        vec![c(F32, &[1, 300]), t(F16, 70, 300).at(1)],
+    ));
+    v.push(case(
+        "mul_mat vec x@w.T k = 301",
+        Op::MulMat,
+        c(F32, &[1, 70]),
+        vec![c(F32, &[1, 301]), t(BF16, 70, 301)],
+    ));
+    v.push(case(
+        "mul_mat vec gqa q@k.T",
+        Op::MulMat,
+        c(F32, &[8, 1, 13]),
+        vec![
+            c(F32, &[8, 1, 64]),
+            c(F16, &[2, 64, 13]).strided(&[13 * 64, 1, 64]),
+        ],
+    ));
     v.push(case(
         "mul_mat vec row-major b, 3 rows",
         Op::MulMat,
@@ -604,6 +627,15 @@ fn every_op_matches_the_cpu_oracle_on_mapped_memory() {
 #[test]
 fn every_op_matches_the_cpu_oracle_on_the_no_rebar_path() {
     suite(common::config_no_rebar());
+}
+
+/// Devices without subgroup arithmetic run the shared-memory flavour of the decode mat-vec.
+#[test]
+fn every_op_matches_the_cpu_oracle_without_subgroups() {
+    suite(VkConfig {
+        no_subgroups: true,
+        ..common::config()
+    });
 }
 
 #[test]

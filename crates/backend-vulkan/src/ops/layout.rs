@@ -103,6 +103,8 @@ pub(crate) struct Limits {
     pub max_range: u64,
     pub max_groups: [u32; 3],
     pub has_f64: bool,
+    /// Kernels may use subgroup arithmetic (the device has it and the config allows it).
+    pub subgroups: bool,
 }
 
 /// An index-checking kernel's error slot: the status binding and the tag naming this node.

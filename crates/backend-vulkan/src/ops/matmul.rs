@@ -4,8 +4,11 @@
 //! Why: decode multiplies by a vector (one row per token), prefill by a matrix; the two want
 //! different kernels, and the product is where nearly all of a step's device time goes.
 //!
-//! Strategy: up to `MAT_VEC_MAX_M` rows use the matrix-vector kernel (split over k when `b` is
-//! contiguous along k), more use the 64x64 tiled kernel. Batch axes of extent 1 are dropped; at
+//! Strategy: one row with both operands contiguous along k (`x @ w.T`, every projection of a
+//! decode step) takes the fast mat-vec kernel: vectorized loads, no stride math in the loop,
+//! a subgroup reduction where the device has one. Otherwise up to `MAT_VEC_MAX_M` rows use the
+//! generic matrix-vector kernel (split over k when `b` is contiguous along k), more use the
+//! 64x64 tiled kernel. Batch axes of extent 1 are dropped; at
 //! most two remain, each with its broadcast ratio for either operand.
 //!
 //! Invariant: products write f32 only (the reason `vulkan_supports_op` narrows the graph's rule).
@@ -18,6 +21,8 @@ use crate::pipelines::Push;
 
 /// Rows up to which `MulMat` uses the matrix-vector kernel.
 const MAT_VEC_MAX_M: usize = 8;
+/// Result columns per workgroup of the decode fast path (`ROWS` in `mul_mat_vec_k_body.wgsl`).
+const MAT_VEC_K_ROWS: usize = 8;
 
 pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispatch>> {
     if dst.dtype != DType::F32 {
@@ -115,6 +120,18 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
     if batches > max[1] as usize || batches > max[2] as usize {
         return Err(c.err(format!("{batches} batches exceed the dispatch limits")));
     }
+    if fast_mat_vec(a, b, m, k, &push, &sa, &sb) {
+        let gx = n.div_ceil(MAT_VEC_K_ROWS);
+        if gx <= max[0] as usize {
+            let flavour = if c.lim.subgroups { "" } else { "_wg" };
+            return Ok(vec![Dispatch {
+                kernel: format!("mul_mat_vec_k{flavour}.{suffix}"),
+                binds: vec![bdd, ba, bb],
+                push,
+                groups: [gx as u32, batches as u32, 1],
+            }]);
+        }
+    }
     if m <= MAT_VEC_MAX_M {
         let ksplit = b_sk == 1 || k == 1;
         let gx = if ksplit {
@@ -143,6 +160,31 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
         push,
         groups: [gx as u32, gy as u32, batches as u32],
     }])
+}
+
+/// Whether the decode fast path (`mul_mat_vec_k*.wgsl`) applies: one row, both operands
+/// contiguous along k, k a multiple of 4, and every 16-bit operand's element offset, row
+/// stride and batch strides even, so its 4-element loads are two whole words.
+fn fast_mat_vec(
+    a: &Res,
+    b: &Res,
+    m: usize,
+    k: usize,
+    push: &Push,
+    sa: &[usize; 2],
+    sb: &[usize; 2],
+) -> bool {
+    let contiguous = push.prm[0] == 1 && push.prm[1] == 1;
+    let words = |r: &Res, off: u32, strides: &[usize]| {
+        r.dtype.size_bytes() != 2
+            || (off.is_multiple_of(2) && strides.iter().all(|s| s.is_multiple_of(2)))
+    };
+    m == 1
+        && k > 0
+        && k.is_multiple_of(4)
+        && contiguous
+        && words(a, push.offs[1], sa)
+        && words(b, push.offs[2], &[sb[0], sb[1], push.b_str[3] as usize])
 }
 
 pub(super) fn mul_mat_id(

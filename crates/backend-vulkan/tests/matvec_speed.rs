@@ -1,0 +1,102 @@
+//! Decode mat-vec timing on whatever Vulkan device is present (lavapipe here): `x @ w.T` with
+//! `x` [1, K] f32 and `w` [N, K] f32/f16/bf16, the shape of every projection of a decode step.
+//! Prints milliseconds per product; asserts nothing about time (timing is not a test), only
+//! that the result matches the CPU oracle. Run by hand:
+//! `cargo test --release -p lowsync-vulkan --test matvec_speed -- --ignored --nocapture`.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use half::{bf16, f16};
+use lowsync_backend::{Backend, BufferUsage, ExecGraph, ExecNode, TensorRef};
+use lowsync_cpu::CpuBackend;
+use lowsync_graph::{DType, Op};
+use lowsync_vulkan::VkConfig;
+
+fn weights(dtype: DType, n: usize) -> (Vec<u8>, Vec<f32>) {
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    let vals: Vec<f32> = (0..n)
+        .map(|_| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            ((rng >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    let bytes = match dtype {
+        DType::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::F16 => vals
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        _ => vals
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+    };
+    (bytes, vals)
+}
+
+/// Milliseconds per product (best of `reps`) and the result.
+fn time(b: &dyn Backend, wd: DType, n: usize, k: usize, reps: usize) -> (f64, Vec<f32>) {
+    let (xb, _) = weights(DType::F32, k);
+    let (wb, _) = weights(wd, n * k);
+    let alloc = |bytes: &[u8]| {
+        let id = b.alloc_buffer(bytes.len(), BufferUsage::Compute).unwrap();
+        b.set_tensor(id, 0, bytes).unwrap();
+        id
+    };
+    let (x, w, d) = (alloc(&xb), alloc(&wb), alloc(&vec![0u8; n * 4]));
+    let wt = TensorRef {
+        buffer: w,
+        byte_offset: 0,
+        dtype: wd,
+        shape: vec![k, n],
+        strides: vec![1, k],
+    };
+    let g = Arc::new(ExecGraph::new(vec![ExecNode {
+        op: Op::MulMat,
+        name: "mv".into(),
+        dst: common::contiguous(d, DType::F32, &[1, n]),
+        srcs: vec![common::contiguous(x, DType::F32, &[1, k]), wt],
+    }]));
+    let mut best = f64::INFINITY;
+    for _ in 0..reps {
+        let t = Instant::now();
+        b.graph_compute_async(&g).unwrap();
+        b.synchronize().unwrap();
+        best = best.min(t.elapsed().as_secs_f64() * 1e3);
+    }
+    (best, common::read_f32(b, d, n))
+}
+
+#[test]
+#[ignore = "timing, run by hand with --nocapture"]
+fn decode_mat_vec_milliseconds() {
+    let Some(vk) = common::open(VkConfig::default()) else {
+        return;
+    };
+    let Some(vk_wg) = common::open(VkConfig {
+        no_subgroups: true,
+        ..VkConfig::default()
+    }) else {
+        return;
+    };
+    let cpu = CpuBackend::new();
+    for (n, k) in [(256, 4096), (4096, 4096)] {
+        for wd in [DType::F32, DType::F16, DType::BF16] {
+            let (ms, got) = time(&vk, wd, n, k, 5);
+            let (wg_ms, _) = time(&vk_wg, wd, n, k, 5);
+            let (cpu_ms, want) = time(&cpu, wd, n, k, 5);
+            let err = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (g - w).abs())
+                .fold(0.0f32, f32::max);
+            println!("{n}x{k} {wd}: vulkan {ms:.2} ms (no subgroups {wg_ms:.2}), cpu {cpu_ms:.2} ms, max |diff| {err:.2e}");
+            assert!(err < 1e-2, "{n}x{k} {wd}: max |diff| {err}");
+        }
+    }
+}
