@@ -6,7 +6,12 @@
 # Environment:
 #   LLAMA_CPP_SRC  llama.cpp source tree to copy from
 #                  (default: /tmp/lcpp-src/llama_cpp_python-0.3.36/vendor/llama.cpp)
-#   SRC_COPY       where the source is copied before building (default: /tmp/llamacpp-build-src)
+#   SRC_COPY       where the source is copied before building (default: /tmp/llamacpp-build-src);
+#                  when it names LLAMA_CPP_SRC itself the tree is used in place (cmake builds
+#                  out of tree, in BUILD_DIR, so the source is not written to)
+#   TOOLS          llama.cpp tool targets to build as well, space-separated, e.g.
+#                  "llama-bench llama-quantize llama-completion" (default: none, libllama only);
+#                  benches/python/compare_llama_cpp_cpu.py sets it
 #   BUILD_DIR      cmake build directory (default: /tmp/llamacpp-build)
 #   JOBS           parallel build jobs (default: 2)
 #   CMAKE          cmake executable (default: cmake on PATH, else ~/.cache/lowsync-venv/bin/cmake)
@@ -39,21 +44,30 @@ if [[ ! -f "$SRC_COPY/CMakeLists.txt" ]]; then
     cp -a "$LLAMA_CPP_SRC/." "$SRC_COPY/"
 fi
 
-# 2. configure + build libllama and ggml only (CPU backend, Release)
+# 2. configure + build libllama and ggml (CPU backend, Release), and the TOOLS asked for (they
+#    need llama.cpp's `common` library). AMX stays off: with -march=native on a CPU that
+#    advertises AMX, ggml's AMX path faulted in the VMs these benches run in.
+TOOLS="${TOOLS:-}"
+WITH_TOOLS=OFF
+if [[ -n "$TOOLS" ]]; then
+    WITH_TOOLS=ON
+fi
 "$CMAKE" -S "$SRC_COPY" -B "$BUILD_DIR" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=ON \
     -DGGML_NATIVE=ON \
+    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
     -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
     -DLLAMA_CURL=OFF \
     -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_SERVER=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_TOOLS=OFF \
+    -DLLAMA_BUILD_TOOLS="$WITH_TOOLS" \
     -DLLAMA_BUILD_APP=OFF \
-    -DLLAMA_BUILD_COMMON=OFF
-"$CMAKE" --build "$BUILD_DIR" --config Release --target llama -j "$JOBS"
+    -DLLAMA_BUILD_COMMON="$WITH_TOOLS"
+# shellcheck disable=SC2086  # TOOLS is a list of target names
+"$CMAKE" --build "$BUILD_DIR" --config Release --target llama $TOOLS -j "$JOBS"
 
 # 3. link compare.cpp against libllama + ggml
 LIBDIR="$(dirname "$(find "$BUILD_DIR" -name 'libllama.so' -print -quit)")"
