@@ -25,6 +25,7 @@
 mod argmax;
 mod copy;
 mod elementwise;
+mod gemv;
 mod matmul;
 mod norm;
 mod par;

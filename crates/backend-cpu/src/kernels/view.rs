@@ -87,6 +87,34 @@ impl Elem for bf16 {
     }
 }
 
+/// A contiguous run of float elements in their stored type ([`Strided::float_row`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum FloatRow<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+impl FloatRow<'_> {
+    /// Number of elements.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            FloatRow::F32(s) => s.len(),
+            FloatRow::F16(s) => s.len(),
+            FloatRow::BF16(s) => s.len(),
+        }
+    }
+
+    /// The elements as f32 into `out` (equal lengths).
+    pub(crate) fn to_f32(self, out: &mut [f32]) {
+        match self {
+            FloatRow::F32(s) => f32::slice_to_f32(s, out),
+            FloatRow::F16(s) => f16::slice_to_f32(s, out),
+            FloatRow::BF16(s) => bf16::slice_to_f32(s, out),
+        }
+    }
+}
+
 /// A tensor's memory as seen by a kernel.
 ///
 /// Invariant: for every index `i` inside `shape`, the element at
@@ -278,6 +306,32 @@ impl Strided {
         // starting at a block boundary (whole rows, type invariant); its `len` bytes of blocks
         // are valid reads for the kernel's duration, and nothing writes weights meanwhile.
         Some(unsafe { std::slice::from_raw_parts(self.ptr.add(off), len) })
+    }
+
+    /// Row `i` along `axis` of a 2-D aligned float view whose other axis has stride 1, as one
+    /// slice of its stored type: a weight row `W[j, :]` seen through `W.T` (`axis` 1), or a
+    /// key or value row of a KV cache. `None` for any other view.
+    pub(crate) fn float_row(&self, axis: usize, i: usize) -> Option<FloatRow<'_>> {
+        if !self.dtype.is_float() || self.rank() != 2 || axis > 1 || i >= self.shape[axis] {
+            return None;
+        }
+        let other = 1 - axis;
+        let len = self.shape[other];
+        if (self.strides[other] != 1 && len > 1) || !self.is_aligned() {
+            return None;
+        }
+        let off = i.checked_mul(self.strides[axis])?;
+        // SAFETY: row `i` is in shape and its `len` elements are contiguous (stride 1) from
+        // element offset `off` (type invariant); the base is aligned for the dtype, so is every
+        // element. Sources are not written while a kernel reads them (private copies).
+        unsafe {
+            let p = self.ptr.add(off * self.dtype.size_bytes());
+            Some(match self.dtype {
+                DType::F32 => FloatRow::F32(std::slice::from_raw_parts(p.cast(), len)),
+                DType::F16 => FloatRow::F16(std::slice::from_raw_parts(p.cast(), len)),
+                _ => FloatRow::BF16(std::slice::from_raw_parts(p.cast(), len)),
+            })
+        }
     }
 
     /// Whether the elements are packed row-major.
