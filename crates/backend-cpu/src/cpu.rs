@@ -20,8 +20,8 @@ use lowsync_backend::{
 };
 use lowsync_graph::{DType, Op};
 
-use crate::kernels;
 use crate::memory::{Store, ALIGNMENT};
+use crate::run::{self, Finished};
 
 /// The synchronous host backend.
 pub struct CpuBackend {
@@ -66,15 +66,12 @@ pub fn cpu_supports_op(op: &Op, dst: DType, srcs: &[DType]) -> bool {
     op.accepts(dst, srcs)
 }
 
-/// Runs a graph's kernels in order on this thread, polling the interrupt hook between nodes.
+/// Runs a graph's kernels in order (on the rayon pool), polling the interrupt hook.
 pub(crate) fn run_graph(graph: &ExecGraph, store: &Store) -> Result<()> {
-    for node in &graph.nodes {
-        if interrupt::requested() {
-            return Err(Error::Interrupted);
-        }
-        kernels::run_node(node, store)?;
+    match run::run_graph(graph, store, &interrupt::requested)? {
+        Finished::Done => Ok(()),
+        Finished::Stopped => Err(Error::Interrupted),
     }
-    Ok(())
 }
 
 impl Backend for CpuBackend {

@@ -42,8 +42,8 @@ use lowsync_graph::{DType, Op};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::cpu::{cpu_supports_op, DoneEvent};
-use crate::kernels;
 use crate::memory::{Store, ALIGNMENT};
+use crate::run;
 
 /// A raw pointer the caller promises to keep valid until the item completes.
 #[derive(Clone, Copy)]
@@ -332,13 +332,8 @@ fn worker_loop(shared: &Shared, rx: Receiver<Item>) {
 }
 
 fn run_graph_cancellable(shared: &Shared, ticket: u64, g: &ExecGraph) -> Result<()> {
-    for node in &g.nodes {
-        if shared.cancelled(ticket) {
-            return Ok(());
-        }
-        kernels::run_node(node, &shared.store)?;
-    }
-    Ok(())
+    // A cancelled graph stops between nodes and reports nothing (`cancel_upto` says why).
+    run::run_graph(g, &shared.store, &|| shared.cancelled(ticket)).map(|_| ())
 }
 
 fn copy_into(
