@@ -21,12 +21,13 @@ use lowsync_backend::{
 use lowsync_graph::{DType, Op};
 
 use crate::memory::{Store, ALIGNMENT};
-use crate::run::{self, Finished};
+use crate::run::{self, Finished, Plans};
 
 /// The synchronous host backend.
 pub struct CpuBackend {
     store: Store,
     stats: SyncStats,
+    plans: Plans,
 }
 
 impl Default for CpuBackend {
@@ -41,6 +42,7 @@ impl CpuBackend {
         CpuBackend {
             store: Store::new("cpu"),
             stats: SyncStats::default(),
+            plans: Plans::default(),
         }
     }
 }
@@ -67,8 +69,8 @@ pub fn cpu_supports_op(op: &Op, dst: DType, srcs: &[DType]) -> bool {
 }
 
 /// Runs a graph's kernels in order (on the rayon pool), polling the interrupt hook.
-pub(crate) fn run_graph(graph: &ExecGraph, store: &Store) -> Result<()> {
-    match run::run_graph(graph, store, &interrupt::requested)? {
+fn run_graph(graph: &Arc<ExecGraph>, plans: &Plans, store: &Store) -> Result<()> {
+    match run::run_graph(graph, plans, store, &interrupt::requested)? {
         Finished::Done => Ok(()),
         Finished::Stopped => Err(Error::Interrupted),
     }
@@ -176,7 +178,7 @@ impl Backend for CpuBackend {
     fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()> {
         bump(&self.stats.submits, 1);
         bump(&self.stats.kernel_launches, graph.nodes.len() as u64);
-        run_graph(graph, &self.store)
+        run_graph(graph, &self.plans, &self.store)
     }
     fn synchronize(&self) -> Result<()> {
         // Work ran inline: nothing is ever outstanding.

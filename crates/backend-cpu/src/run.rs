@@ -13,17 +13,21 @@
 //! is seen by the loop before the next node. A caller that already is a pool thread (a test
 //! inside `install`, a nested call) runs the loop itself, polling between nodes.
 //!
+//! Steps: the node loop runs a graph's `kernels::plan` (attention chains fused), computed once
+//! per graph and kept in the backend's [`Plans`] while the graph is alive.
+//!
 //! Invariants: nodes run one at a time in graph order (kernels parallelise inside themselves);
 //! the caller returns only after the loop has ended, and a kernel's panic is re-raised on the
 //! caller, as if the loop had run there.
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 
 use lowsync_backend::{interrupt, ExecGraph, Result};
 use parking_lot::{Condvar, Mutex};
 
-use crate::kernels;
+use crate::kernels::{self, Step};
 use crate::memory::Store;
 
 /// How a graph run ended without an error.
@@ -35,18 +39,51 @@ pub(crate) enum Finished {
     Stopped,
 }
 
+/// The step plans of the graphs a backend ran recently, by graph identity. A graph is
+/// immutable behind its `Arc`, so a plan stays valid while the graph lives; dead entries are
+/// dropped on the next lookup.
+#[derive(Default)]
+pub(crate) struct Plans {
+    known: parking_lot::Mutex<Vec<(Weak<ExecGraph>, Arc<Vec<Step>>)>>,
+}
+
+/// Graphs whose plans are kept (a session compiles one per shape bucket).
+const PLANS_KEPT: usize = 16;
+
+impl Plans {
+    fn of(&self, graph: &Arc<ExecGraph>) -> Arc<Vec<Step>> {
+        let mut known = self.known.lock();
+        known.retain(|(g, _)| g.strong_count() > 0);
+        if let Some((_, p)) = known
+            .iter()
+            .find(|(g, _)| std::ptr::eq(g.as_ptr(), Arc::as_ptr(graph)))
+        {
+            return p.clone();
+        }
+        let plan = Arc::new(kernels::plan(graph));
+        if known.len() >= PLANS_KEPT {
+            known.remove(0);
+        }
+        known.push((Arc::downgrade(graph), plan.clone()));
+        plan
+    }
+}
+
 /// Runs `graph`'s nodes in order over `store`, on the rayon pool; `poll` runs on the calling
 /// thread only and returns true to stop.
 pub(crate) fn run_graph(
-    graph: &ExecGraph,
+    graph: &Arc<ExecGraph>,
+    plans: &Plans,
     store: &Store,
     poll: &dyn Fn() -> bool,
 ) -> Result<Finished> {
     if poll() {
         return Ok(Finished::Stopped);
     }
+    let steps = plans.of(graph);
+    let (graph, steps) = (&**graph, steps.as_slice());
     if rayon::current_thread_index().is_some() {
-        return run_nodes(graph, store, poll);
+        return run_nodes(graph, steps, store, poll);
     }
     let stop = AtomicBool::new(false);
     let outcome = Mutex::new(None);
@@ -54,7 +91,7 @@ pub(crate) fn run_graph(
     rayon::in_place_scope(|s| {
         s.spawn(|_| {
             let r = catch_unwind(AssertUnwindSafe(|| {
-                run_nodes(graph, store, &|| stop.load(Ordering::Acquire))
+                run_nodes(graph, steps, store, &|| stop.load(Ordering::Acquire))
             }));
             *outcome.lock() = Some(r);
             finished.notify_one();
@@ -76,12 +113,17 @@ pub(crate) fn run_graph(
 }
 
 /// The node loop, on this thread.
-fn run_nodes(graph: &ExecGraph, store: &Store, stop: &dyn Fn() -> bool) -> Result<Finished> {
-    for node in &graph.nodes {
+fn run_nodes(
+    graph: &ExecGraph,
+    steps: &[Step],
+    store: &Store,
+    stop: &dyn Fn() -> bool,
+) -> Result<Finished> {
+    for &step in steps {
         if stop() {
             return Ok(Finished::Stopped);
         }
-        kernels::run_node(node, store)?;
+        kernels::run_step(graph, step, store)?;
     }
     Ok(Finished::Done)
 }

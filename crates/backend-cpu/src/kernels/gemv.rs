@@ -86,6 +86,13 @@ pub(super) fn run(products: &[Product<'_>], (m, n, k): (usize, usize, usize), ou
     }
 }
 
+/// `x . w` for one f32 row `x` as long as `w`, in the same order as this module's products.
+pub(super) fn dot(w: FloatRow<'_>, x: &[f32], buf: &mut Vec<f32>) -> f32 {
+    let mut r = [0.0f32];
+    dots(w, x, x.len(), &mut r, buf);
+    r[0]
+}
+
 /// `res[i] = x[i * k..][..k] . w` for every activation row `i < res.len()`.
 fn dots(w: FloatRow<'_>, x: &[f32], k: usize, res: &mut [f32], buf: &mut Vec<f32>) {
     if w.len() != k || x.len() < res.len() * k {
