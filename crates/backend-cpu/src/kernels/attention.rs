@@ -9,9 +9,10 @@
 //! Strategy: [`fusable`] recognises the three nodes when they are consecutive in the graph
 //! (`MulMat`, `SoftMax` of its result, `MulMat` of that with the values), with keys and values
 //! whose head rows are contiguous, and proves it safe to run them as one: no source needs a
-//! private copy, the result overlaps no input, and the scores and probabilities are dead after
-//! the chain (overwritten before anything reads them, or scratch no later split reads), since
-//! the fused kernel never writes them. [`run`] then works per (query head, query row): it
+//! private copy, the result overlaps neither keys nor values (queries or mask under it are
+//! copied first), and the scores and probabilities are dead after the chain (overwritten
+//! before anything reads them, or scratch no later split reads), since the fused kernel never
+//! writes them. [`run`] then works per (query head, query row): it
 //! lists the cells whose mask is not -inf (once per mask row shared by heads), scores only
 //! those (`gemv::dot`), applies `softmax_in_place` to them and sums their value rows in cell
 //! order.
@@ -75,11 +76,11 @@ pub(crate) fn fusable(nodes: &[ExecNode], i: usize, scratch: Option<&ScratchLive
     let private = [kq, sm, pv]
         .iter()
         .any(|n| (0..n.srcs.len()).any(|s| n.src_needs_private_copy(s)));
-    // The result is written head by head while other heads' inputs are still being read.
-    let clobbers = [q, k, v]
-        .into_iter()
-        .chain(mask)
-        .any(|s| overlap(&pv.dst, s));
+    // The result is written head by head while other heads' inputs are still being read:
+    // queries and mask under it are read from private copies (the allocator reuses the
+    // queries' bytes for the result, as they are dead after the first product); the cache
+    // is too big to copy.
+    let clobbers = [k, v].into_iter().any(|s| overlap(&pv.dst, s));
     !private && !clobbers && dead_after(nodes, i, scratch)
 }
 
@@ -153,7 +154,18 @@ pub(crate) fn run(nodes: &[ExecNode], i: usize, mem: &dyn Mem) -> Result<()> {
     let Op::SoftMax { scale } = sm.op else {
         return Err(kernel_err(sm, "is not a soft_max"));
     };
-    let q = Strided::resolve(kq, &kq.srcs[0], mem)?;
+    // Sources under the result are copied first (`fusable` allows it for queries and mask).
+    let mut private = Vec::new();
+    let mut resolve = |n: &ExecNode, t: &TensorRef| -> Result<Strided> {
+        let s = Strided::resolve(n, t, mem)?;
+        if !overlap(&pv.dst, t) {
+            return Ok(s);
+        }
+        let (buf, copy) = s.detach();
+        private.push(buf);
+        Ok(copy)
+    };
+    let q = resolve(kq, &kq.srcs[0])?;
     let k = Strided::resolve(kq, &kq.srcs[1], mem)?;
     let v = Strided::resolve(pv, &pv.srcs[1], mem)?;
     let out = Strided::resolve(pv, &pv.dst, mem)?;
@@ -166,7 +178,7 @@ pub(crate) fn run(nodes: &[ExecNode], i: usize, mem: &dyn Mem) -> Result<()> {
     let mask = match sm.srcs.get(1) {
         None => None,
         Some(m) => {
-            let m = Strided::resolve(sm, m, mem)?;
+            let m = resolve(sm, m)?;
             float_src(sm, "mask", &m)?;
             Some(m.broadcast_to(&[hq, t, l]).ok_or_else(|| {
                 kernel_err(

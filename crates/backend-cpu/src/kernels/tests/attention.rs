@@ -226,8 +226,24 @@ fn a_chain_whose_scores_or_probabilities_are_read_later_is_not_fused() {
     // Probabilities over the scores (soft_max then reads a private copy).
     let c2 = chain(&mut mem, &mut rng, (hq, hk, t, l, d), DType::F32, &m, true);
     assert_eq!(plan(&c2.graph)[0], Step::Node(0));
-    // A result over the queries would overwrite heads not yet read.
-    let mut over_q = c.graph.clone();
-    over_q.nodes[2].dst = view(&c.q, &[hq, t, d], &[t * d, d, 1], 0);
-    assert_eq!(plan(&over_q)[0], Step::Node(0));
+    // A result over the values would overwrite cells not yet read.
+    let mut over_v = c.graph.clone();
+    over_v.nodes[2].dst = view(&c.cache_v, &[hq, t, d], &[t * d, d, 1], 0);
+    assert_eq!(plan(&over_v)[0], Step::Node(0));
+}
+
+#[test]
+fn a_result_over_the_queries_reads_them_first() {
+    // The allocator reuses the queries' bytes for the result (they are dead after q @ K.T).
+    let (hq, hk, t, l, d) = (6, 3, 3, 20, 8);
+    let mut mem = TestMem::new();
+    let mut rng = TestRng::new(250);
+    let m = mask(t, l, 5, &[]);
+    let mut c = chain(&mut mem, &mut rng, (hq, hk, t, l, d), DType::F32, &m, false);
+    let want = unfused(&mem, &c);
+    // q [T, hq, d] viewed as [hq, T, d]; the result [hq, T, d] contiguous over the same bytes.
+    c.out = view(&c.q, &[hq, t, d], &[t * d, d, 1], 0);
+    c.graph.nodes[2].dst = c.out.clone();
+    let got = fused(&mem, &c);
+    assert_close(&got, &want, 1e-12);
 }
