@@ -44,14 +44,17 @@ pub(crate) enum Finished {
 /// dropped on the next lookup.
 #[derive(Default)]
 pub(crate) struct Plans {
-    known: parking_lot::Mutex<Vec<(Weak<ExecGraph>, Arc<Vec<Step>>)>>,
+    known: Mutex<Vec<(Weak<ExecGraph>, Plan)>>,
 }
+
+/// A graph's steps (`kernels::plan`).
+type Plan = Arc<Vec<Step>>;
 
 /// Graphs whose plans are kept (a session compiles one per shape bucket).
 const PLANS_KEPT: usize = 16;
 
 impl Plans {
-    fn of(&self, graph: &Arc<ExecGraph>) -> Arc<Vec<Step>> {
+    fn of(&self, graph: &Arc<ExecGraph>) -> Plan {
         let mut known = self.known.lock();
         known.retain(|(g, _)| g.strong_count() > 0);
         if let Some((_, p)) = known
