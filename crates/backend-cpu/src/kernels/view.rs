@@ -308,6 +308,23 @@ impl Strided {
         Some(unsafe { std::slice::from_raw_parts(self.ptr.add(off), len) })
     }
 
+    /// Rows `first..first + n` along `axis` of a 2-D block-dtype view (as [`Strided::quant_row`])
+    /// as one slice, when they lie back to back in memory (a weight's rows usually do); `None`
+    /// otherwise.
+    pub(crate) fn quant_rows(&self, axis: usize, first: usize, n: usize) -> Option<&[u8]> {
+        let start = self.quant_row(axis, first)?;
+        let last = self.quant_row(axis, first.checked_add(n)?.checked_sub(1)?)?;
+        let len = start.len().checked_mul(n)?;
+        let packed = n == 1 || self.byte_offset_of(self.strides[axis])? == start.len();
+        if !packed || last.as_ptr() != start.as_ptr().wrapping_add(len - start.len()) {
+            return None;
+        }
+        // SAFETY: rows `first` and `first + n - 1` are valid reads of `start.len()` bytes each
+        // (`quant_row`), and the rows between lie back to back from `start` to the end of the
+        // last one (checked above), all within the view.
+        Some(unsafe { std::slice::from_raw_parts(start.as_ptr(), len) })
+    }
+
     /// Row `i` along `axis` of a 2-D aligned float view whose other axis has stride 1, as one
     /// slice of its stored type: a weight row `W[j, :]` seen through `W.T` (`axis` 1), or a
     /// key or value row of a KV cache. `None` for any other view.

@@ -62,10 +62,12 @@ impl QRows {
     }
 }
 
-/// Dot products of one weight row (raw blocks) with `out.len()` quantized activation rows:
-/// row `i`'s blocks are `d[i * nb..]`, `s[i * nb..]` and `q[32 * i * nb..]`, `nb` blocks of 32
-/// per row; `out[i]` receives row `i`'s result.
-pub(crate) type DotFn = fn(&[u8], &[f32], &[f32], &[i16], &mut [f32]);
+/// Dot products of weight rows (raw blocks, `row_bytes` each, back to back) with `m`
+/// quantized activation rows, `m = out.len() / rows`: activation row `i`'s blocks are
+/// `d[i * nb..]`, `s[i * nb..]` and `q[32 * i * nb..]`, `nb` blocks of 32 per row;
+/// `out[r * m + i]` receives weight row `r` times activation row `i`. One call serves a job's
+/// run of weight rows, so a short row (a 576-wide weight has 18 blocks) pays no per-row call.
+pub(crate) type DotFn = fn(&[u8], usize, &[f32], &[f32], &[i16], &mut [f32]);
 
 /// The fast dot product for weights of `dt` on this CPU, if there is one.
 pub(crate) fn dot_fn(dt: DType) -> Option<DotFn> {
@@ -143,38 +145,53 @@ mod x86 {
     /// prefill product unpacks each weight block once per 8 rows.
     macro_rules! wrapper {
         ($name:ident, $body:ident, $bb:expr, $per:expr) => {
-            fn $name(w: &[u8], d: &[f32], s: &[f32], q: &[i16], out: &mut [f32]) {
-                let Some(nb) = blocks_per_row(w, $bb, $per, (d, s, q), out.len()) else {
+            fn $name(w: &[u8], row_bytes: usize, d: &[f32], s: &[f32], q: &[i16], out: &mut [f32]) {
+                let rows = w.len().checked_div(row_bytes).unwrap_or(0);
+                let m = out.len().checked_div(rows).unwrap_or(0);
+                let ok = rows * row_bytes == w.len() && rows * m == out.len();
+                let nb = w
+                    .get(..row_bytes)
+                    .filter(|_| ok)
+                    .and_then(|w0| blocks_per_row(w0, $bb, $per, (d, s, q), m));
+                let Some(nb) = nb else {
+                    debug_assert!(false, "{} weight bytes, {row_bytes} a row", w.len());
                     out.fill(0.0);
                     return;
                 };
-                let mut r0 = 0;
-                while r0 < out.len() {
-                    let left = out.len() - r0;
-                    let rows = match left {
-                        8.. => 8,
-                        4..=7 => 4,
-                        2 | 3 => 2,
-                        _ => 1,
-                    };
-                    let act = Act {
-                        d: &d[r0 * nb..(r0 + rows) * nb],
-                        s: &s[r0 * nb..(r0 + rows) * nb],
-                        q: &q[r0 * nb * QK..(r0 + rows) * nb * QK],
-                        nb,
-                    };
-                    let res = &mut out[r0..r0 + rows];
-                    // SAFETY: `dot_fn` hands these out only after detecting AVX2, FMA and
-                    // F16C; the lengths were checked, so every load below is in bounds.
-                    unsafe {
-                        match rows {
-                            8 => $body::<8>(w, &act, res),
-                            4 => $body::<4>(w, &act, res),
-                            2 => $body::<2>(w, &act, res),
-                            _ => $body::<1>(w, &act, res),
+                for (w, res) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(m)) {
+                    row(w, nb, (d, s, q), res);
+                }
+                /// One weight row against every activation row.
+                #[inline(always)]
+                fn row(w: &[u8], nb: usize, (d, s, q): (&[f32], &[f32], &[i16]), out: &mut [f32]) {
+                    let mut r0 = 0;
+                    while r0 < out.len() {
+                        let left = out.len() - r0;
+                        let rows = match left {
+                            8.. => 8,
+                            4..=7 => 4,
+                            2 | 3 => 2,
+                            _ => 1,
+                        };
+                        let act = Act {
+                            d: &d[r0 * nb..(r0 + rows) * nb],
+                            s: &s[r0 * nb..(r0 + rows) * nb],
+                            q: &q[r0 * nb * QK..(r0 + rows) * nb * QK],
+                            nb,
+                        };
+                        let res = &mut out[r0..r0 + rows];
+                        // SAFETY: `dot_fn` hands these out only after detecting AVX2, FMA and
+                        // F16C; the lengths were checked, so every load below is in bounds.
+                        unsafe {
+                            match rows {
+                                8 => $body::<8>(w, &act, res),
+                                4 => $body::<4>(w, &act, res),
+                                2 => $body::<2>(w, &act, res),
+                                _ => $body::<1>(w, &act, res),
+                            }
                         }
+                        r0 += rows;
                     }
-                    r0 += rows;
                 }
             }
         };
