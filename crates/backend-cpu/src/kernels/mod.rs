@@ -17,12 +17,13 @@
 //! tensor it aliases). Any other source that overlaps the destination is first copied to
 //! private memory, so a kernel never reads what it already overwrote.
 //!
-//! Fusion: [`plan`] turns a graph into [`Step`]s, each a node or an attention chain that
+//! Fusion: `plan` turns a graph into `Step`s, each a node or an attention chain that
 //! `attention` runs as one kernel reading only the cells its mask lets through.
 //!
 //! Modules: `elementwise` (add, mul, scale, silu, gelu, swiglu), `norm` (rms_norm),
 //! `softmax`, `rope`, `argmax`, `rows` (get_rows, set_rows), `copy` (cpy, concat and
-//! the strided copy engine), `matmul` (mul_mat, mul_mat_id), `quant` (block-dtype weights:
+//! the strided copy engine), `matmul` (mul_mat, mul_mat_id), `gemv` (decode products over
+//! float weights), `attention` (the fused attention chain), `quant` (block-dtype weights:
 //! the scalar dequantization oracle, get_rows and the products over quantized weights).
 
 mod argmax;
