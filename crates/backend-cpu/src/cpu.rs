@@ -20,13 +20,14 @@ use lowsync_backend::{
 };
 use lowsync_graph::{DType, Op};
 
-use crate::kernels;
 use crate::memory::{Store, ALIGNMENT};
+use crate::run::{self, Finished, Plans};
 
 /// The synchronous host backend.
 pub struct CpuBackend {
     store: Store,
     stats: SyncStats,
+    plans: Plans,
 }
 
 impl Default for CpuBackend {
@@ -41,6 +42,7 @@ impl CpuBackend {
         CpuBackend {
             store: Store::new("cpu"),
             stats: SyncStats::default(),
+            plans: Plans::default(),
         }
     }
 }
@@ -66,15 +68,12 @@ pub fn cpu_supports_op(op: &Op, dst: DType, srcs: &[DType]) -> bool {
     op.accepts(dst, srcs)
 }
 
-/// Runs a graph's kernels in order on this thread, polling the interrupt hook between nodes.
-pub(crate) fn run_graph(graph: &ExecGraph, store: &Store) -> Result<()> {
-    for node in &graph.nodes {
-        if interrupt::requested() {
-            return Err(Error::Interrupted);
-        }
-        kernels::run_node(node, store)?;
+/// Runs a graph's kernels in order (on the rayon pool), polling the interrupt hook.
+fn run_graph(graph: &Arc<ExecGraph>, plans: &Plans, store: &Store) -> Result<()> {
+    match run::run_graph(graph, plans, store, &interrupt::requested)? {
+        Finished::Done => Ok(()),
+        Finished::Stopped => Err(Error::Interrupted),
     }
-    Ok(())
 }
 
 impl Backend for CpuBackend {
@@ -179,7 +178,7 @@ impl Backend for CpuBackend {
     fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()> {
         bump(&self.stats.submits, 1);
         bump(&self.stats.kernel_launches, graph.nodes.len() as u64);
-        run_graph(graph, &self.store)
+        run_graph(graph, &self.plans, &self.store)
     }
     fn synchronize(&self) -> Result<()> {
         // Work ran inline: nothing is ever outstanding.

@@ -42,8 +42,8 @@ use lowsync_graph::{DType, Op};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::cpu::{cpu_supports_op, DoneEvent};
-use crate::kernels;
 use crate::memory::{Store, ALIGNMENT};
+use crate::run::{self, Plans};
 
 /// A raw pointer the caller promises to keep valid until the item completes.
 #[derive(Clone, Copy)]
@@ -124,6 +124,8 @@ struct Shared {
     /// The first kernel error since the last wait; reported by the next wait.
     error: Mutex<Option<Error>>,
     staging_pool: Mutex<Vec<Vec<u8>>>,
+    /// Step plans of the graphs run recently (attention chains fused).
+    plans: Plans,
 }
 
 impl Shared {
@@ -182,6 +184,7 @@ impl CpuAsyncBackend {
             shutdown: AtomicBool::new(false),
             error: Mutex::new(None),
             staging_pool: Mutex::new(Vec::new()),
+            plans: Plans::default(),
         });
         let (tx, rx) = channel();
         let worker_shared = shared.clone();
@@ -331,14 +334,12 @@ fn worker_loop(shared: &Shared, rx: Receiver<Item>) {
     }
 }
 
-fn run_graph_cancellable(shared: &Shared, ticket: u64, g: &ExecGraph) -> Result<()> {
-    for node in &g.nodes {
-        if shared.cancelled(ticket) {
-            return Ok(());
-        }
-        kernels::run_node(node, &shared.store)?;
-    }
-    Ok(())
+fn run_graph_cancellable(shared: &Shared, ticket: u64, g: &Arc<ExecGraph>) -> Result<()> {
+    // A cancelled graph stops between nodes and reports nothing (`cancel_upto` says why).
+    run::run_graph(g, &shared.plans, &shared.store, &|| {
+        shared.cancelled(ticket)
+    })
+    .map(|_| ())
 }
 
 fn copy_into(

@@ -13,6 +13,7 @@ mod cpu_async;
 pub mod kernels;
 pub mod memory;
 mod noop;
+mod run;
 
 pub use cpu::{cpu_supports_op, CpuBackend, DoneEvent};
 pub use cpu_async::{AsyncEvent, CpuAsyncBackend};

@@ -36,6 +36,7 @@ use lowsync_backend::{ExecNode, Result};
 use rayon::prelude::*;
 
 use super::copy::{copy_strided, copy_strided_on};
+use super::gemv;
 use super::par::Threads;
 use super::quant;
 use super::rows::checked_indices;
@@ -323,6 +324,9 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
     if b.dtype().is_quantized() {
         return mul_mat_quant(node, dst, a, b, &want[..nb], (m, n, k));
     }
+    if m <= gemv::GEMV_MAX_M && mul_mat_gemv(node, dst, a, b, &want[..nb], (m, n, k))? {
+        return Ok(());
+    }
     let (mut a_buf, mut b_buf) = (Vec::new(), Vec::new());
     let a32 = as_f32(node, a, &mut a_buf)?;
     // Small m streams a non-f32 `b` block by block; larger m converts it once up front.
@@ -388,6 +392,62 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
         }
     }
     Ok(())
+}
+
+/// The multi-index of output batch `bi` over `batch`.
+fn unravel_batch(batch: &[usize], mut bi: usize) -> Vec<usize> {
+    let mut idx = vec![0; batch.len()];
+    for i in (0..batch.len()).rev() {
+        idx[i] = bi % batch[i];
+        bi /= batch[i];
+    }
+    idx
+}
+
+/// `dst = a @ b` on the decode path of `gemv` when every matrix of `b` is one it reads;
+/// `Ok(false)` (nothing written) otherwise.
+fn mul_mat_gemv(
+    node: &ExecNode,
+    dst: &Strided,
+    a: &Strided,
+    b: &Strided,
+    batch: &[usize],
+    (m, n, k): (usize, usize, usize),
+) -> Result<bool> {
+    let n_batches: usize = batch.iter().product();
+    let mut ws = Vec::with_capacity(n_batches);
+    let mut xs = Vec::with_capacity(n_batches);
+    for bi in 0..n_batches {
+        let idx = unravel_batch(batch, bi);
+        let Some(w) = matrix_at(b, &batch_index(b, batch, &idx)).filter(gemv::reads) else {
+            return Ok(false);
+        };
+        let am = matrix_at(a, &batch_index(a, batch, &idx))
+            .ok_or_else(|| kernel_err(node, format!("batch {idx:?} out of range")))?;
+        ws.push(w);
+        xs.push(quant::rows_f32(&am));
+    }
+    let products: Vec<gemv::Product<'_>> = xs
+        .iter()
+        .zip(ws)
+        .map(|(x, w)| gemv::Product { x, w })
+        .collect();
+    let mut out_t = vec![0.0f32; n_batches * n * m];
+    gemv::run(&products, (m, n, k), &mut out_t);
+    let mut row = vec![0.0f32; if m == 1 { 0 } else { n }];
+    for (bi, per) in out_t.chunks_exact(n * m).enumerate() {
+        if m == 1 {
+            dst.write_row(bi, 0..n, per);
+            continue;
+        }
+        for i in 0..m {
+            row.iter_mut()
+                .zip(per.chunks_exact(m))
+                .for_each(|(r, res)| *r = res[i]);
+            dst.write_row(bi * m + i, 0..n, &row);
+        }
+    }
+    Ok(true)
 }
 
 /// `dst = a @ b` for a block-dtype `b`: one `quant::matmul` per output batch.

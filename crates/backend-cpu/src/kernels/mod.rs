@@ -17,14 +17,20 @@
 //! tensor it aliases). Any other source that overlaps the destination is first copied to
 //! private memory, so a kernel never reads what it already overwrote.
 //!
+//! Fusion: `plan` turns a graph into `Step`s, each a node or an attention chain that
+//! `attention` runs as one kernel reading only the cells its mask lets through.
+//!
 //! Modules: `elementwise` (add, mul, scale, silu, gelu, swiglu), `norm` (rms_norm),
 //! `softmax`, `rope`, `argmax`, `rows` (get_rows, set_rows), `copy` (cpy, concat and
-//! the strided copy engine), `matmul` (mul_mat, mul_mat_id), `quant` (block-dtype weights:
+//! the strided copy engine), `matmul` (mul_mat, mul_mat_id), `gemv` (decode products over
+//! float weights), `attention` (the fused attention chain), `quant` (block-dtype weights:
 //! the scalar dequantization oracle, get_rows and the products over quantized weights).
 
 mod argmax;
+mod attention;
 mod copy;
 mod elementwise;
+mod gemv;
 mod matmul;
 mod norm;
 mod par;
@@ -38,7 +44,7 @@ mod view;
 #[cfg(test)]
 mod tests;
 
-use lowsync_backend::{Error, ExecNode, Result};
+use lowsync_backend::{Error, ExecGraph, ExecNode, Result};
 use lowsync_graph::Op;
 
 use crate::memory::Mem;
@@ -81,6 +87,55 @@ pub fn dequantize(
             .for_each(job);
     }
     Ok(())
+}
+
+/// One step of a graph run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Node `i`, by itself.
+    Node(usize),
+    /// Nodes `i..i + 3`, an attention chain, as one kernel (`attention`).
+    Attention(usize),
+}
+
+/// The steps that run `graph`'s nodes in order, each attention chain that `attention` proves
+/// safe to fuse as one step.
+pub(crate) fn plan(graph: &ExecGraph) -> Vec<Step> {
+    let nodes = &graph.nodes;
+    let mut steps = Vec::with_capacity(nodes.len());
+    let mut i = 0;
+    while i < nodes.len() {
+        if attention::fusable(nodes, i, graph.scratch.as_ref()) {
+            steps.push(Step::Attention(i));
+            i += 3;
+        } else {
+            steps.push(Step::Node(i));
+            i += 1;
+        }
+    }
+    tracing::debug!(
+        nodes = nodes.len(),
+        attention = steps
+            .iter()
+            .filter(|s| matches!(s, Step::Attention(_)))
+            .count(),
+        "cpu graph plan"
+    );
+    steps
+}
+
+/// Runs one step of `graph` (from [`plan`] of the same graph).
+pub(crate) fn run_step(graph: &ExecGraph, step: Step, mem: &dyn Mem) -> Result<()> {
+    match step {
+        Step::Node(i) => run_node(&graph.nodes[i], mem),
+        Step::Attention(i) => {
+            for n in &graph.nodes[i..i + 3] {
+                n.op.check_arity(n.srcs.len())
+                    .map_err(|m| kernel_err(n, m))?;
+            }
+            attention::run(&graph.nodes, i, mem)
+        }
+    }
 }
 
 /// Runs one compute node: reads `node.srcs`, writes `node.dst`.

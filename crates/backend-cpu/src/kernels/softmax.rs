@@ -66,7 +66,7 @@ pub(super) fn soft_max(
 }
 
 /// Softmax of one row in place; an all `-inf` row becomes zeros, a row with a `NaN` all `NaN`.
-fn softmax_in_place(v: &mut [f32]) {
+pub(super) fn softmax_in_place(v: &mut [f32]) {
     let max = v.iter().copied().fold(f32::NEG_INFINITY, nan_max);
     if max == f32::NEG_INFINITY {
         v.fill(0.0);

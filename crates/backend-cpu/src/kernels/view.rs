@@ -87,6 +87,34 @@ impl Elem for bf16 {
     }
 }
 
+/// A contiguous run of float elements in their stored type ([`Strided::float_row`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum FloatRow<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+impl FloatRow<'_> {
+    /// Number of elements.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            FloatRow::F32(s) => s.len(),
+            FloatRow::F16(s) => s.len(),
+            FloatRow::BF16(s) => s.len(),
+        }
+    }
+
+    /// The elements as f32 into `out` (equal lengths).
+    pub(crate) fn to_f32(self, out: &mut [f32]) {
+        match self {
+            FloatRow::F32(s) => f32::slice_to_f32(s, out),
+            FloatRow::F16(s) => f16::slice_to_f32(s, out),
+            FloatRow::BF16(s) => bf16::slice_to_f32(s, out),
+        }
+    }
+}
+
 /// A tensor's memory as seen by a kernel.
 ///
 /// Invariant: for every index `i` inside `shape`, the element at
@@ -278,6 +306,49 @@ impl Strided {
         // starting at a block boundary (whole rows, type invariant); its `len` bytes of blocks
         // are valid reads for the kernel's duration, and nothing writes weights meanwhile.
         Some(unsafe { std::slice::from_raw_parts(self.ptr.add(off), len) })
+    }
+
+    /// Rows `first..first + n` along `axis` of a 2-D block-dtype view (as [`Strided::quant_row`])
+    /// as one slice, when they lie back to back in memory (a weight's rows usually do); `None`
+    /// otherwise.
+    pub(crate) fn quant_rows(&self, axis: usize, first: usize, n: usize) -> Option<&[u8]> {
+        let start = self.quant_row(axis, first)?;
+        let last = self.quant_row(axis, first.checked_add(n)?.checked_sub(1)?)?;
+        let len = start.len().checked_mul(n)?;
+        let packed = n == 1 || self.byte_offset_of(self.strides[axis])? == start.len();
+        if !packed || last.as_ptr() != start.as_ptr().wrapping_add(len - start.len()) {
+            return None;
+        }
+        // SAFETY: rows `first` and `first + n - 1` are valid reads of `start.len()` bytes each
+        // (`quant_row`), and the rows between lie back to back from `start` to the end of the
+        // last one (checked above), all within the view.
+        Some(unsafe { std::slice::from_raw_parts(start.as_ptr(), len) })
+    }
+
+    /// Row `i` along `axis` of a 2-D aligned float view whose other axis has stride 1, as one
+    /// slice of its stored type: a weight row `W[j, :]` seen through `W.T` (`axis` 1), or a
+    /// key or value row of a KV cache. `None` for any other view.
+    pub(crate) fn float_row(&self, axis: usize, i: usize) -> Option<FloatRow<'_>> {
+        if !self.dtype.is_float() || self.rank() != 2 || axis > 1 || i >= self.shape[axis] {
+            return None;
+        }
+        let other = 1 - axis;
+        let len = self.shape[other];
+        if (self.strides[other] != 1 && len > 1) || !self.is_aligned() {
+            return None;
+        }
+        let off = i.checked_mul(self.strides[axis])?;
+        // SAFETY: row `i` is in shape and its `len` elements are contiguous (stride 1) from
+        // element offset `off` (type invariant); the base is aligned for the dtype, so is every
+        // element. Sources are not written while a kernel reads them (private copies).
+        unsafe {
+            let p = self.ptr.add(off * self.dtype.size_bytes());
+            Some(match self.dtype {
+                DType::F32 => FloatRow::F32(std::slice::from_raw_parts(p.cast(), len)),
+                DType::F16 => FloatRow::F16(std::slice::from_raw_parts(p.cast(), len)),
+                _ => FloatRow::BF16(std::slice::from_raw_parts(p.cast(), len)),
+            })
+        }
     }
 
     /// Whether the elements are packed row-major.

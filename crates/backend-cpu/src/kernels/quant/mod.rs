@@ -159,12 +159,20 @@ pub(super) fn matmul(
     // job); transposed into `out` afterwards when m > 1.
     let mut out_t = vec![0.0f32; n * m];
     let job = |(jb, chunk): (usize, &mut [f32]), buf: &mut Vec<f32>| {
+        let j0 = jb * rows_per_job;
+        if let (Some(dot), Some(xq)) = (fast, &xq) {
+            let rows = chunk.len() / m;
+            if let (Some(bytes), Some(row_bytes)) = (w.quant_rows(1, j0, rows), dt.row_bytes(k)) {
+                dot(bytes, row_bytes, &xq.d, &xq.s, &xq.q, chunk);
+                return;
+            }
+        }
         for (jj, res) in chunk.chunks_exact_mut(m).enumerate() {
-            let Some(bytes) = w.quant_row(1, jb * rows_per_job + jj) else {
+            let Some(bytes) = w.quant_row(1, j0 + jj) else {
                 continue;
             };
             if let (Some(dot), Some(xq)) = (fast, &xq) {
-                dot(bytes, &xq.d, &xq.s, &xq.q, res);
+                dot(bytes, bytes.len(), &xq.d, &xq.s, &xq.q, res);
                 continue;
             }
             buf.resize(k, 0.0);

@@ -13,7 +13,7 @@
 //! `d = max|x| / 32767`, 16-bit values `q = round(x / d)` and `s = d * sum(q)` (for the weight
 //! types with a min). A weight block's contribution is then `d_w * d_x * sum(q_w * q_x)` (plus
 //! `m_w * s_x` for types with a min), the integer sum exact. A kernel takes one weight row and
-//! all activation rows: it unpacks each weight block once per group of `ROWS` (8) activation
+//! all activation rows: it unpacks each weight block once per group of up to 8 activation
 //! rows, so prefill-sized products do not unpack the weights once per token. Kernels exist for
 //! Q4_0, Q4_1, Q8_0, Q4_K and Q6_K with AVX2 (+FMA, F16C), chosen at run time; other types,
 //! other CPUs (NEON included) and `LOWSYNC_CPU_QUANT_DOT=f32` use the exact path of `super`
@@ -62,14 +62,12 @@ impl QRows {
     }
 }
 
-/// Activation rows a kernel serves per unpacking of a weight block (accumulators in registers).
-#[cfg(target_arch = "x86_64")]
-const ROWS: usize = 8;
-
-/// Dot products of one weight row (raw blocks) with `out.len()` quantized activation rows:
-/// row `i`'s blocks are `d[i * nb..]`, `s[i * nb..]` and `q[32 * i * nb..]`, `nb` blocks of 32
-/// per row; `out[i]` receives row `i`'s result.
-pub(crate) type DotFn = fn(&[u8], &[f32], &[f32], &[i16], &mut [f32]);
+/// Dot products of weight rows (raw blocks, `row_bytes` each, back to back) with `m`
+/// quantized activation rows, `m = out.len() / rows`: activation row `i`'s blocks are
+/// `d[i * nb..]`, `s[i * nb..]` and `q[32 * i * nb..]`, `nb` blocks of 32 per row;
+/// `out[r * m + i]` receives weight row `r` times activation row `i`. One call serves a job's
+/// run of weight rows, so a short row (a 576-wide weight has 18 blocks) pays no per-row call.
+pub(crate) type DotFn = fn(&[u8], usize, &[f32], &[f32], &[i16], &mut [f32]);
 
 /// The fast dot product for weights of `dt` on this CPU, if there is one.
 pub(crate) fn dot_fn(dt: DType) -> Option<DotFn> {
@@ -90,7 +88,7 @@ pub(crate) fn dot_fn(dt: DType) -> Option<DotFn> {
 mod x86 {
     //! AVX2 kernels. Each wrapper checks lengths (a mismatch writes zeros and asserts in
     //! debug) and calls its `#[target_feature]` body, which `dot_fn` selects only after
-    //! detecting AVX2, FMA and F16C. A body walks the activation rows in groups of `ROWS`,
+    //! detecting AVX2, FMA and F16C. A body serves a group of `R` (8, 4, 2 or 1) activation rows,
     //! and for each group every weight block once: unpack to two vectors of 16 i16 (elements
     //! 0..16 and 16..32), then per row two `pmaddwd` and one FMA per scale.
 
@@ -98,7 +96,7 @@ mod x86 {
 
     use lowsync_graph::DType;
 
-    use super::{DotFn, QK, ROWS};
+    use super::{DotFn, QK};
 
     pub(super) fn dot_fn(dt: DType) -> Option<DotFn> {
         Some(match dt {
@@ -134,36 +132,66 @@ mod x86 {
         ok.then_some(nb)
     }
 
-    /// One group's activations: `d`, `s` and `q` of `rows` (at most `ROWS`) rows of `nb`
-    /// blocks each.
+    /// One group's activations: `d`, `s` and `q` of `R` rows of `nb` blocks each.
     struct Act<'a> {
         d: &'a [f32],
         s: &'a [f32],
         q: &'a [i16],
         nb: usize,
-        rows: usize,
     }
 
+    /// Calls `$body::<R>` for groups of `R` activation rows: 8 while at least 8 are left, then
+    /// 4, 2 and 1, so that a decode product (one row) has its accumulators in registers and a
+    /// prefill product unpacks each weight block once per 8 rows.
     macro_rules! wrapper {
         ($name:ident, $body:ident, $bb:expr, $per:expr) => {
-            fn $name(w: &[u8], d: &[f32], s: &[f32], q: &[i16], out: &mut [f32]) {
-                let Some(nb) = blocks_per_row(w, $bb, $per, (d, s, q), out.len()) else {
+            fn $name(w: &[u8], row_bytes: usize, d: &[f32], s: &[f32], q: &[i16], out: &mut [f32]) {
+                let rows = w.len().checked_div(row_bytes).unwrap_or(0);
+                let m = out.len().checked_div(rows).unwrap_or(0);
+                let ok = rows * row_bytes == w.len() && rows * m == out.len();
+                let nb = w
+                    .get(..row_bytes)
+                    .filter(|_| ok)
+                    .and_then(|w0| blocks_per_row(w0, $bb, $per, (d, s, q), m));
+                let Some(nb) = nb else {
+                    debug_assert!(false, "{} weight bytes, {row_bytes} a row", w.len());
                     out.fill(0.0);
                     return;
                 };
-                for (g, res) in out.chunks_mut(ROWS).enumerate() {
-                    let r0 = g * ROWS;
-                    let rows = r0..r0 + res.len();
-                    let act = Act {
-                        d: &d[rows.start * nb..rows.end * nb],
-                        s: &s[rows.start * nb..rows.end * nb],
-                        q: &q[rows.start * nb * QK..rows.end * nb * QK],
-                        nb,
-                        rows: res.len(),
-                    };
-                    // SAFETY: `dot_fn` hands these out only after detecting AVX2, FMA and
-                    // F16C; the lengths were checked, so every load below is in bounds.
-                    unsafe { $body(w, &act, res) }
+                for (w, res) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(m)) {
+                    row(w, nb, (d, s, q), res);
+                }
+                /// One weight row against every activation row.
+                #[inline(always)]
+                fn row(w: &[u8], nb: usize, (d, s, q): (&[f32], &[f32], &[i16]), out: &mut [f32]) {
+                    let mut r0 = 0;
+                    while r0 < out.len() {
+                        let left = out.len() - r0;
+                        let rows = match left {
+                            8.. => 8,
+                            4..=7 => 4,
+                            2 | 3 => 2,
+                            _ => 1,
+                        };
+                        let act = Act {
+                            d: &d[r0 * nb..(r0 + rows) * nb],
+                            s: &s[r0 * nb..(r0 + rows) * nb],
+                            q: &q[r0 * nb * QK..(r0 + rows) * nb * QK],
+                            nb,
+                        };
+                        let res = &mut out[r0..r0 + rows];
+                        // SAFETY: `dot_fn` hands these out only after detecting AVX2, FMA and
+                        // F16C; the lengths were checked, so every load below is in bounds.
+                        unsafe {
+                            match rows {
+                                8 => $body::<8>(w, &act, res),
+                                4 => $body::<4>(w, &act, res),
+                                2 => $body::<2>(w, &act, res),
+                                _ => $body::<1>(w, &act, res),
+                            }
+                        }
+                        r0 += rows;
+                    }
                 }
             }
         };
@@ -175,16 +203,14 @@ mod x86 {
     wrapper!(q6_k, q6_k_avx2, 210, 8);
 
     /// The little-endian f16 at `p` as f32.
-    #[inline]
-    #[target_feature(enable = "f16c")]
+    #[inline(always)]
     unsafe fn f16_at(p: *const u8) -> f32 {
         let bits = u16::from_le_bytes([*p, *p.add(1)]);
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
     }
 
     /// The sum of the 8 lanes, in a fixed order.
-    #[inline]
-    #[target_feature(enable = "avx2")]
+    #[inline(always)]
     unsafe fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -192,8 +218,7 @@ mod x86 {
     }
 
     /// The 32 nibbles of 16 bytes as i16: low nibbles (elements 0..16), high nibbles (16..32).
-    #[inline]
-    #[target_feature(enable = "avx2")]
+    #[inline(always)]
     unsafe fn nibbles16(p: *const u8) -> (__m256i, __m256i) {
         let v = _mm_loadu_si128(p.cast());
         let m4 = _mm_set1_epi8(0x0F);
@@ -204,8 +229,7 @@ mod x86 {
     }
 
     /// 32 bytes (0..=255) in element order as two vectors of 16 i16.
-    #[inline]
-    #[target_feature(enable = "avx2")]
+    #[inline(always)]
     unsafe fn widen_u8(v: __m256i) -> (__m256i, __m256i) {
         (
             _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)),
@@ -213,9 +237,12 @@ mod x86 {
         )
     }
 
+    // The helpers below carry no `target_feature` of their own: they are always inlined into
+    // a body that enables AVX2, FMA and F16C, so their intrinsics and accumulators live in
+    // that body's registers (an out-of-line call kept the accumulators in memory).
+
     /// Elements 0..16 and 16..32 of activation block `b` of group row `i`.
-    #[inline]
-    #[target_feature(enable = "avx2")]
+    #[inline(always)]
     unsafe fn x_block(a: &Act<'_>, i: usize, b: usize) -> (__m256i, __m256i) {
         let p = a.q.as_ptr().add((i * a.nb + b) * QK);
         (
@@ -225,16 +252,15 @@ mod x86 {
     }
 
     /// `acc[i] += f * d_x * sum(w * x_i)` over one block for every row `i` of the group.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows_fma(
-        acc: &mut [__m256; ROWS],
+    #[inline(always)]
+    unsafe fn rows_fma<const R: usize>(
+        acc: &mut [__m256; R],
         w: (__m256i, __m256i),
         f: f32,
         a: &Act<'_>,
         b: usize,
     ) {
-        for (i, acc) in acc.iter_mut().enumerate().take(a.rows) {
+        for (i, acc) in acc.iter_mut().enumerate() {
             let (x0, x1) = x_block(a, i, b);
             let p = _mm256_add_epi32(_mm256_madd_epi16(w.0, x0), _mm256_madd_epi16(w.1, x1));
             let scale = _mm256_set1_ps(f * a.d[i * a.nb + b]);
@@ -243,16 +269,15 @@ mod x86 {
     }
 
     /// `rows_fma` with scale `f.0` for elements 0..16 and `f.1` for 16..32 (Q6_K's halves).
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows_fma2(
-        acc: &mut [__m256; ROWS],
+    #[inline(always)]
+    unsafe fn rows_fma2<const R: usize>(
+        acc: &mut [__m256; R],
         w: (__m256i, __m256i),
         f: (f32, f32),
         a: &Act<'_>,
         b: usize,
     ) {
-        for (i, acc) in acc.iter_mut().enumerate().take(a.rows) {
+        for (i, acc) in acc.iter_mut().enumerate() {
             let (x0, x1) = x_block(a, i, b);
             let dx = a.d[i * a.nb + b];
             let p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w.0, x0));
@@ -263,16 +288,16 @@ mod x86 {
     }
 
     /// `mins[i] += m * s_x` for every row of the group (types with a min).
-    #[inline]
-    fn rows_min(mins: &mut [f32; ROWS], m: f32, a: &Act<'_>, b: usize) {
-        for (i, mn) in mins.iter_mut().enumerate().take(a.rows) {
+    #[inline(always)]
+    fn rows_min<const R: usize>(mins: &mut [f32; R], m: f32, a: &Act<'_>, b: usize) {
+        for (i, mn) in mins.iter_mut().enumerate() {
             *mn += m * a.s[i * a.nb + b];
         }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_0_avx2(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
-        let mut acc = [_mm256_setzero_ps(); ROWS];
+    unsafe fn q4_0_avx2<const R: usize>(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
+        let mut acc = [_mm256_setzero_ps(); R];
         let eight = _mm256_set1_epi16(8);
         for (b, blk) in w.chunks_exact(18).enumerate() {
             let p = blk.as_ptr();
@@ -286,9 +311,9 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_1_avx2(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
-        let mut acc = [_mm256_setzero_ps(); ROWS];
-        let mut mins = [0.0f32; ROWS];
+    unsafe fn q4_1_avx2<const R: usize>(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut mins = [0.0f32; R];
         for (b, blk) in w.chunks_exact(20).enumerate() {
             let p = blk.as_ptr();
             rows_fma(&mut acc, nibbles16(p.add(4)), f16_at(p), a, b);
@@ -300,8 +325,8 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q8_0_avx2(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
-        let mut acc = [_mm256_setzero_ps(); ROWS];
+    unsafe fn q8_0_avx2<const R: usize>(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
+        let mut acc = [_mm256_setzero_ps(); R];
         for (b, blk) in w.chunks_exact(34).enumerate() {
             let p = blk.as_ptr();
             let qw = (
@@ -317,9 +342,9 @@ mod x86 {
 
     /// Q4_K: 8 sub-blocks of 32, each exactly one activation block.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_k_avx2(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
-        let mut acc = [_mm256_setzero_ps(); ROWS];
-        let mut mins = [0.0f32; ROWS];
+    unsafe fn q4_k_avx2<const R: usize>(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut mins = [0.0f32; R];
         let m4 = _mm256_set1_epi8(0x0F);
         for (sb, blk) in w.chunks_exact(144).enumerate() {
             let p = blk.as_ptr();
@@ -348,8 +373,8 @@ mod x86 {
 
     /// Q6_K: 16 sub-blocks of 16 (two per activation block); values are `q - 32`, `q` 6 bits.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q6_k_avx2(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
-        let mut acc = [_mm256_setzero_ps(); ROWS];
+    unsafe fn q6_k_avx2<const R: usize>(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
+        let mut acc = [_mm256_setzero_ps(); R];
         let m4 = _mm256_set1_epi8(0x0F);
         let m2 = _mm256_set1_epi8(0x03);
         let off = _mm256_set1_epi16(32);

@@ -350,3 +350,59 @@ proptest! {
         check(&mem, &a, &b, &dst, tol(DType::F16));
     }
 }
+
+#[test]
+fn decode_products_over_float_weight_rows_match_reference() {
+    // `x @ W.T` with up to 8 activation rows reads each weight row in its own dtype: every
+    // row count (pairs and a last single row), k with and without 32- and 8-element tails,
+    // and GQA batches whose keys are rows of a cache (`q @ K.T`).
+    for (seed, dt) in [(140, DType::F32), (141, DType::F16), (142, DType::BF16)] {
+        for m in [1, 2, 3, 8] {
+            for k in [5, 40, 67, 96] {
+                let mut mem = TestMem::new();
+                let mut rng = TestRng::new(seed + (m * 100 + k) as u64);
+                let x = mem.rand(&mut rng, DType::F32, &[m, k]);
+                let w = mem.rand(&mut rng, dt, &[37, k]);
+                let dst = mem.zeros(DType::F32, &[m, 37]);
+                check(&mem, &x, &transpose(&w, 0, 1), &dst, tol(dt));
+            }
+        }
+        let mut mem = TestMem::new();
+        let mut rng = TestRng::new(seed + 7);
+        let q = mem.rand(&mut rng, DType::BF16, &[6, 3, 40]);
+        let keys = mem.rand(&mut rng, dt, &[2, 50, 40]);
+        let dst = mem.zeros(DType::F32, &[6, 3, 50]);
+        check(
+            &mem,
+            &q,
+            &transpose(&keys, 1, 2),
+            &dst,
+            tol_of(&[dt, DType::BF16]),
+        );
+    }
+}
+
+#[test]
+fn decode_products_are_bit_identical_across_thread_counts() {
+    // Large enough to be split into column jobs over the pool.
+    let mut mem = TestMem::new();
+    let mut rng = TestRng::new(143);
+    for (dt, m) in [(DType::F16, 1), (DType::F32, 3), (DType::BF16, 2)] {
+        let x = mem.rand(&mut rng, DType::F32, &[m, 300]);
+        let w = mem.rand(&mut rng, dt, &[1500, 300]);
+        let wt = transpose(&w, 0, 1);
+        let mut results = Vec::new();
+        for threads in [1, 2, 3] {
+            let dst = mem.zeros(DType::F32, &[m, 1500]);
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+                .install(|| run(&mem, Op::MulMat, &dst, &[&x, &wt]).unwrap());
+            results.push(mem.bytes(&dst));
+        }
+        assert!(results.windows(2).all(|w| w[0] == w[1]), "{dt} m = {m}");
+        let dst = mem.zeros(DType::F32, &[m, 1500]);
+        check(&mem, &x, &wt, &dst, tol(dt));
+    }
+}

@@ -5,6 +5,7 @@
 //! Nodes run over [`harness::TestMem`], a minimal `Mem` of owned buffers, so the tests depend
 //! on nothing but the kernels and the `Mem` trait.
 
+mod attention;
 mod contract;
 mod copy;
 mod elementwise;

@@ -287,3 +287,32 @@ fn mul_mat_id_with_quantized_experts_matches_f64() {
     }
     assert_close(&mem.read(&dst), &want, 1e-10);
 }
+
+#[test]
+fn a_weight_whose_rows_are_not_back_to_back_is_read_row_by_row() {
+    // The first k columns of a [n, 2k] weight: rows of whole blocks with gaps between them.
+    for dt in [DType::Q4_1, DType::Q8_0, DType::Q4_K] {
+        let (m, n, k) = (3, 40, dt.block_size() * 2);
+        let mut mem = TestMem::new();
+        let mut rng = TestRng::new(4);
+        let (w, values) = weight(&mut mem, dt, n, 2 * k, 12);
+        let half = lowsync_backend::TensorRef {
+            shape: vec![n, k],
+            ..w.clone()
+        };
+        let x = mem.rand(&mut rng, DType::F32, &[m, k]);
+        let dst = mem.zeros(DType::F32, &[m, n]);
+        run(&mem, Op::MulMat, &dst, &[&x, &transpose(&half, 0, 1)]).unwrap();
+        let x32: Vec<f32> = mem.read(&x).iter().map(|&v| v as f32).collect();
+        let xs = activations_as_read(dt, &x32);
+        let want: Vec<f64> = (0..m * n)
+            .map(|e| {
+                let (i, j) = (e / n, e % n);
+                (0..k)
+                    .map(|l| xs[i * k + l] as f64 * values[j * 2 * k + l] as f64)
+                    .sum()
+            })
+            .collect();
+        assert_close(&mem.read(&dst), &want, 1e-10);
+    }
+}

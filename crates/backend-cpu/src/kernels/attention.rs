@@ -1,0 +1,273 @@
+//! Attention that reads only the KV cells its mask lets through: the chain
+//! `p = soft_max(q @ K.T, mask, scale)`, `out = p @ V` run as one kernel.
+//!
+//! Why: a graph's shape never depends on positions, so attention spans all `n_ctx` cells of
+//! the cache and validity travels in the mask (0 or -inf). Run node by node, a decode step
+//! with a short sequence in a large context scores, normalises and sums over every cell: at
+//! 8192 cells, most of the step's time goes to cells whose weight is exactly zero.
+//!
+//! Strategy: [`fusable`] recognises the three nodes when they are consecutive in the graph
+//! (`MulMat`, `SoftMax` of its result, `MulMat` of that with the values), with keys and values
+//! whose head rows are contiguous, and proves it safe to run them as one: no source needs a
+//! private copy, the result overlaps neither keys nor values (queries or mask under it are
+//! copied first), and the scores and probabilities are dead after the chain (overwritten
+//! before anything reads them, or scratch no later split reads), since the fused kernel never
+//! writes them. [`run`] then works per (query head, query row): it
+//! lists the cells whose mask is not -inf (once per mask row shared by heads), scores only
+//! those (`gemv::dot`), applies `softmax_in_place` to them and sums their value rows in cell
+//! order.
+//!
+//! Semantics: identical to the unfused chain except that a masked cell contributes exactly
+//! zero whatever its key or value holds (unfused, a NaN or infinite key or value in a masked
+//! cell would poison the row). A NaN in a valid cell still makes the row NaN, a row with no
+//! valid cell gives zeros, as `soft_max` does. Each output row is one job's fixed-order sum, so
+//! results do not depend on the thread count or on how many masked cells there are.
+
+use lowsync_backend::{ExecNode, Result, ScratchLive, TensorRef};
+use lowsync_graph::Op;
+
+use super::gemv;
+use super::par::for_each_row;
+use super::softmax::softmax_in_place;
+use super::view::Strided;
+use super::{float_dst, float_src, kernel_err};
+use crate::memory::Mem;
+
+/// Whether nodes `i`, `i + 1`, `i + 2` are a `q @ K.T -> soft_max -> @ V` chain that [`run`]
+/// computes with the same results, given what is read after the graph (`scratch`).
+pub(crate) fn fusable(nodes: &[ExecNode], i: usize, scratch: Option<&ScratchLive>) -> bool {
+    let (Some(kq), Some(sm), Some(pv)) = (nodes.get(i), nodes.get(i + 1), nodes.get(i + 2)) else {
+        return false;
+    };
+    let (Op::MulMat, Op::SoftMax { .. }, Op::MulMat) = (kq.op, sm.op, pv.op) else {
+        return false;
+    };
+    let ([q, k], [p, v]) = (kq.srcs.as_slice(), pv.srcs.as_slice()) else {
+        return false;
+    };
+    let Some((x, mask)) = sm.srcs.split_first() else {
+        return false;
+    };
+    if q.shape.len() != 3 || k.shape.len() != 3 || v.shape.len() != 3 {
+        return false;
+    }
+    let (hq, t, d) = (q.shape[0], q.shape[1], q.shape[2]);
+    let (hk, l, hv) = (k.shape[0], k.shape[2], v.shape[0]);
+    let shapes = hq > 0
+        && hk > 0
+        && hv > 0
+        && hq % hk == 0
+        && hq % hv == 0
+        && k.shape[1] == d
+        && v.shape[1..] == [l, d]
+        && kq.dst.shape == [hq, t, l]
+        && sm.dst.shape == kq.dst.shape
+        && pv.dst.shape == [hq, t, d];
+    let layout = [q, k, v, &kq.dst, &sm.dst, &pv.dst]
+        .iter()
+        .all(|r| r.dtype.is_float())
+        && mask.iter().all(|m| m.dtype.is_float())
+        && (k.strides[1] == 1 || d == 1)
+        && (v.strides[2] == 1 || d == 1);
+    let chain = x == &kq.dst && p == &sm.dst;
+    if !(shapes && layout && chain) {
+        return false;
+    }
+    let private = [kq, sm, pv]
+        .iter()
+        .any(|n| (0..n.srcs.len()).any(|s| n.src_needs_private_copy(s)));
+    // The result is written head by head while other heads' inputs are still being read:
+    // queries and mask under it are read from private copies (the allocator reuses the
+    // queries' bytes for the result, as they are dead after the first product); the cache
+    // is too big to copy.
+    let clobbers = [k, v].into_iter().any(|s| overlap(&pv.dst, s));
+    !private && !clobbers && dead_after(nodes, i, scratch)
+}
+
+/// Whether the scores (`nodes[i].dst`) and probabilities (`nodes[i + 1].dst`) are never read
+/// after the chain: every later read of their bytes comes after a full overwrite, and what is
+/// left at the graph's end is scratch no later split reads (`scratch`; `None` knows nothing).
+fn dead_after(nodes: &[ExecNode], i: usize, scratch: Option<&ScratchLive>) -> bool {
+    let mut live: Vec<(lowsync_backend::BufferId, usize, usize)> = [i, i + 1]
+        .iter()
+        .map(|&n| {
+            let (a, b) = byte_range(&nodes[n].dst);
+            (nodes[n].dst.buffer, a, b)
+        })
+        .filter(|&(_, a, b)| a < b)
+        .collect();
+    // The chain's own reads of the scores and probabilities.
+    let inside = [(i + 1, 0), (i + 2, 0)];
+    for (j, n) in nodes.iter().enumerate().skip(i + 1) {
+        let reads_live = n.srcs.iter().enumerate().any(|(si, s)| {
+            let (s0, s1) = byte_range(s);
+            !inside.contains(&(j, si))
+                && s0 < s1
+                && live
+                    .iter()
+                    .any(|&(buf, l0, l1)| buf == s.buffer && s0 < l1 && l0 < s1)
+        });
+        if reads_live {
+            return false;
+        }
+        // The soft_max's write is the one skipped; SetRows writes only some rows of its result.
+        if j >= i + 2 && n.op != Op::SetRows && n.dst.is_contiguous() {
+            let (w0, w1) = byte_range(&n.dst);
+            live = live
+                .into_iter()
+                .flat_map(|(buf, l0, l1)| {
+                    if buf == n.dst.buffer {
+                        vec![(buf, l0, l1.min(w0)), (buf, l0.max(w1), l1)]
+                    } else {
+                        vec![(buf, l0, l1)]
+                    }
+                })
+                .filter(|&(_, a, b)| a < b)
+                .collect();
+            if live.is_empty() {
+                return true;
+            }
+        }
+    }
+    scratch.is_some_and(|sc| live.iter().all(|&(buf, a, b)| !sc.read_after(buf, a, b)))
+}
+
+fn byte_range(t: &TensorRef) -> (usize, usize) {
+    (t.byte_offset, t.byte_offset.saturating_add(t.byte_extent()))
+}
+
+fn overlap(a: &TensorRef, b: &TensorRef) -> bool {
+    let ((a0, a1), (b0, b1)) = (byte_range(a), byte_range(b));
+    a.buffer == b.buffer && a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1
+}
+
+/// The cells of one mask row that are not -inf, with their mask values, in cell order.
+struct Cells {
+    idx: Vec<usize>,
+    add: Vec<f32>,
+}
+
+/// Runs the chain at `nodes[i..i + 3]` (checked by [`fusable`]): writes only the last node's
+/// result.
+pub(crate) fn run(nodes: &[ExecNode], i: usize, mem: &dyn Mem) -> Result<()> {
+    let (kq, sm, pv) = (&nodes[i], &nodes[i + 1], &nodes[i + 2]);
+    let Op::SoftMax { scale } = sm.op else {
+        return Err(kernel_err(sm, "is not a soft_max"));
+    };
+    // Sources under the result are copied first (`fusable` allows it for queries and mask).
+    let mut private = Vec::new();
+    let mut resolve = |n: &ExecNode, t: &TensorRef| -> Result<Strided> {
+        let s = Strided::resolve(n, t, mem)?;
+        if !overlap(&pv.dst, t) {
+            return Ok(s);
+        }
+        let (buf, copy) = s.detach();
+        private.push(buf);
+        Ok(copy)
+    };
+    let q = resolve(kq, &kq.srcs[0])?;
+    let k = Strided::resolve(kq, &kq.srcs[1], mem)?;
+    let v = Strided::resolve(pv, &pv.srcs[1], mem)?;
+    let out = Strided::resolve(pv, &pv.dst, mem)?;
+    float_dst(pv, &out)?;
+    for (what, s) in [("q", &q), ("keys", &k), ("values", &v)] {
+        float_src(pv, what, s)?;
+    }
+    let (hq, t, d) = (q.shape()[0], q.shape()[1], q.shape()[2]);
+    let (hk, l, hv) = (k.shape()[0], k.shape()[2], v.shape()[0]);
+    let mask = match sm.srcs.get(1) {
+        None => None,
+        Some(m) => {
+            let m = resolve(sm, m)?;
+            float_src(sm, "mask", &m)?;
+            Some(m.broadcast_to(&[hq, t, l]).ok_or_else(|| {
+                kernel_err(
+                    sm,
+                    format!(
+                        "mask {:?} does not broadcast onto {:?}",
+                        m.shape(),
+                        [hq, t, l]
+                    ),
+                )
+            })?)
+        }
+    };
+    // One list of cells per distinct mask row: per query row when the mask is shared by heads.
+    let per_head = mask.as_ref().is_some_and(|m| m.strides()[0] != 0) && hq > 1;
+    let lists = if per_head { hq * t } else { t };
+    let mut cells = Vec::with_capacity(lists);
+    let mut row = vec![0.0f32; l];
+    for r in 0..lists {
+        let (idx, add) = match &mask {
+            Some(m) => {
+                m.read_row(r, 0..l, &mut row);
+                row.iter()
+                    .enumerate()
+                    .filter(|&(_, &a)| a != f32::NEG_INFINITY)
+                    .map(|(c, &a)| (c, a))
+                    .unzip()
+            }
+            None => ((0..l).collect(), vec![0.0; l]),
+        };
+        cells.push(Cells { idx, add });
+    }
+    let heads = |h: usize| -> Option<(Strided, Strided)> {
+        Some((
+            k.index_axis(0, h / (hq / hk))?,
+            v.index_axis(0, h / (hq / hv))?,
+        ))
+    };
+    // Check every head's rows once, so the jobs below cannot meet an unreadable one.
+    for h in 0..hq {
+        let ok = heads(h).is_some_and(|(kh, vh)| {
+            l == 0 || (kh.float_row(1, l - 1).is_some() && vh.float_row(0, l - 1).is_some())
+        });
+        if !ok {
+            return Err(kernel_err(
+                pv,
+                "keys or values are not rows of contiguous memory",
+            ));
+        }
+    }
+    let most = cells.iter().map(|c| c.idx.len()).max().unwrap_or(0);
+    for_each_row(
+        hq * t,
+        (most * d * 2).max(1),
+        || {
+            (
+                vec![0.0f32; d],
+                vec![0.0f32; d],
+                Vec::new(),
+                Vec::new(),
+                vec![0.0f32; d],
+            )
+        },
+        |(qrow, acc, p, buf, vrow), r| {
+            let (h, ti) = (r / t, r % t);
+            let c = &cells[if per_head { r } else { ti }];
+            let Some((kh, vh)) = heads(h) else {
+                return;
+            };
+            q.read_row(r, 0..d, qrow);
+            p.clear();
+            for (&cell, &add) in c.idx.iter().zip(&c.add) {
+                let s = kh
+                    .float_row(1, cell)
+                    .map_or(f32::NAN, |kr| gemv::dot(kr, qrow, buf));
+                p.push(s * scale + add);
+            }
+            softmax_in_place(p);
+            acc.fill(0.0);
+            for (&cell, &w) in c.idx.iter().zip(p.iter()) {
+                if let Some(vr) = vh.float_row(0, cell) {
+                    vr.to_f32(vrow);
+                    acc.iter_mut()
+                        .zip(vrow.iter())
+                        .for_each(|(a, x)| *a += w * x);
+                }
+            }
+            out.write_row(r, 0..d, acc);
+        },
+    );
+    Ok(())
+}
