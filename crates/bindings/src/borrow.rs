@@ -58,7 +58,7 @@ fn read_only_exporter(obj: &Bound<'_, PyAny>) -> bool {
     let is_mmap = obj
         .get_type()
         .fully_qualified_name()
-        .is_ok_and(|n| n.to_string() == "mmap.mmap");
+        .is_ok_and(|n| n == "mmap.mmap");
     is_mmap && PyBuffer::<u8>::get(obj).is_ok_and(|b| b.readonly())
 }
 
