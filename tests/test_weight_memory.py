@@ -52,7 +52,8 @@ print(json.dumps({"nbytes": nbytes, "grown": after - before, "tokens": [int(t) f
 """
 
 
-def _probe(path: Path, mode: str, backend: str) -> dict[str, object]:
+def _probe(path: Path, mode: str, backend: str) -> tuple[int, int, list[int]]:
+    """(weight bytes, anonymous bytes the session added, tokens it generated)."""
     done = subprocess.run(
         [sys.executable, "-c", _PROBE, str(path), mode, backend],
         capture_output=True,
@@ -62,29 +63,26 @@ def _probe(path: Path, mode: str, backend: str) -> dict[str, object]:
         env=os.environ.copy(),
     )
     assert done.returncode == 0, done.stderr
-    out: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
-    return out
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return int(out["nbytes"]), int(out["grown"]), [int(t) for t in out["tokens"]]
 
 
 @pytest.mark.skipif(not ROLLUP.exists(), reason="needs Linux's /proc/self/smaps_rollup")
 @pytest.mark.parametrize("backend", ["cpu", "cpu-async"])
-def test_a_session_over_a_gguf_file_does_not_copy_its_weights(
-    tmp_path: Path, backend: str
-) -> None:
+def test_a_session_over_a_gguf_file_does_not_copy_its_weights(tmp_path: Path, backend: str) -> None:
     # ~34 MB of f16 matrices and a small vocabulary: the weights dwarf the KV cache and the
     # scratch memory of a 64-cell, 8-token session.
     path = tmp_path / "m.gguf"
     Llama.random(LlamaConfig(256, 512, 4, 8, 8, 2048), seed=3, dtype="f16").save_gguf(path)
-    mapped = _probe(path, "file", backend)
-    copied = _probe(path, "copy", backend)
-    nbytes = mapped["nbytes"]
-    assert isinstance(nbytes, int) and nbytes > 30 << 20
-    assert isinstance(mapped["grown"], int) and isinstance(copied["grown"], int)
+    nbytes, mapped, tokens = _probe(path, "file", backend)
+    same_nbytes, copied, copied_tokens = _probe(path, "copy", backend)
+    assert nbytes == same_nbytes
+    assert nbytes > 30 << 20
     # Read in place: the session adds far less than the weights (KV cache, scratch, plans).
-    assert mapped["grown"] < nbytes // 4, (mapped, nbytes)
+    assert mapped < nbytes // 4, (mapped, nbytes)
     # The measurement sees a copy when there is one: writeable arrays are copied once.
-    assert copied["grown"] >= nbytes * 9 // 10, (copied, nbytes)
-    assert mapped["tokens"] == copied["tokens"]
+    assert copied >= nbytes * 9 // 10, (copied, nbytes)
+    assert tokens == copied_tokens
 
 
 def _matmul(w: object, dtype: str | None = None) -> np.ndarray:
