@@ -85,21 +85,11 @@ def test_a_session_over_a_gguf_file_does_not_copy_its_weights(tmp_path: Path, ba
     assert tokens == copied_tokens
 
 
-def _matmul(w: object, dtype: str | None = None) -> np.ndarray:
+def _plan_over(w: np.ndarray, dtype: str | None = None) -> ls.Plan:
+    """`x @ w` compiled on `cpu`, its input set."""
     g = ls.Graph()
     x = g.input("x", [2, 4])
     g.output("y", x @ g.weight("w", w, dtype=dtype))
-    plan = ls.Context(["cpu"]).compile(g)
-    plan.set_input("x", np.arange(8, dtype=np.float32).reshape(2, 4))
-    plan.compute()
-    out: np.ndarray = plan.get_output("y")
-    return out
-
-
-def _plan_over(w: object) -> ls.Plan:
-    g = ls.Graph()
-    x = g.input("x", [2, 4])
-    g.output("y", x @ g.weight("w", w))
     plan = ls.Context(["cpu"]).compile(g)
     plan.set_input("x", np.arange(8, dtype=np.float32).reshape(2, 4))
     return plan
@@ -109,6 +99,10 @@ def _run(plan: ls.Plan) -> np.ndarray:
     plan.compute()
     out: np.ndarray = plan.get_output("y")
     return out
+
+
+def _matmul(w: np.ndarray, dtype: str | None = None) -> np.ndarray:
+    return _run(_plan_over(w, dtype))
 
 
 W = np.arange(12, dtype=np.float32).reshape(4, 3) * 0.5
