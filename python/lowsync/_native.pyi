@@ -145,7 +145,13 @@ class Graph:
         dtype: str | None = None,
         shape: Sequence[int] | None = None,
     ) -> Tensor:
-        """A constant tensor (data copied), optionally pinned to a backend.
+        """A constant tensor, optionally pinned to a backend.
+
+        Data that cannot change is borrowed, not copied: a C-contiguous array of the weight's
+        dtype over a read-only memory map or `bytes` (what `load_gguf` gives), or `bytes`
+        itself; the graph and the context keep it alive, and `cpu`/`cpu-async` read it in
+        place. Anything else (a writeable array, or one whose owner could make it writeable
+        again) is copied.
 
         For a block dtype (`dtype="q4_0"`, ...) `data` is the raw blocks (a uint8 array, bytes
         or a memoryview) and `shape` the logical shape in elements, which may be left out for a

@@ -90,8 +90,9 @@ def load_gguf(path: str | os.PathLike[str]) -> Llama:
 
     Weights in F32, F16, BF16 or a block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
     Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS: kept quantized, as raw blocks). F32/F16 and quantized
-    tensors stay memory-mapped until a session uploads them. Raises `GGUFError` naming the
-    tensor and its type for anything else.
+    tensors stay memory-mapped: a session on `cpu`/`cpu-async` reads them in place (the file's
+    pages are the only copy), other backends upload them straight from the map. Raises
+    `GGUFError` naming the tensor and its type for anything else.
 
     Example::
 

@@ -18,7 +18,7 @@ use lowsync_backend::{
     bump, interrupt, Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, Error, Event,
     ExecGraph, Result, SyncStats,
 };
-use lowsync_graph::{DType, Op};
+use lowsync_graph::{DType, Op, WeightBytes};
 
 use crate::memory::{Store, ALIGNMENT};
 use crate::run::{self, Finished, Plans};
@@ -130,9 +130,16 @@ impl Backend for CpuBackend {
     fn buffer_host_ptr(&self, id: BufferId) -> Option<NonNull<u8>> {
         self.store.get(id).ok().map(|b| b.ptr())
     }
+    fn alias_weight(&self, bytes: &WeightBytes) -> Result<Option<BufferId>> {
+        let id = self.store.alias(bytes);
+        if id.is_some() {
+            bump(&self.stats.reserves, 1);
+        }
+        Ok(id)
+    }
 
     fn set_tensor(&self, dst: BufferId, offset: usize, data: &[u8]) -> Result<()> {
-        let p = self.store.span(dst, offset, data.len())?;
+        let p = self.store.span_write(dst, offset, data.len())?;
         // SAFETY: `span` checked the bounds; the host is the only stream touching this memory.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
         bump(&self.stats.h2d_copies, 1);

@@ -38,7 +38,7 @@ use lowsync_backend::{
     bump, interrupt, with_host_source, Backend, BufferId, BufferType, BufferUsage, Caps,
     DeviceKind, Error, Event, ExecGraph, Gate, Readback, Result, SyncStats,
 };
-use lowsync_graph::{DType, Op};
+use lowsync_graph::{DType, Op, WeightBytes};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::cpu::{cpu_supports_op, DoneEvent};
@@ -292,7 +292,7 @@ fn worker_loop(shared: &Shared, rx: Receiver<Item>) {
                 dst_offset,
                 len,
             } => shared.store.span(src, src_offset, len).and_then(|from| {
-                let to = shared.store.span(dst, dst_offset, len)?;
+                let to = shared.store.span_write(dst, dst_offset, len)?;
                 // SAFETY: both ranges bounds-checked by `span`; `copy` allows overlap.
                 unsafe { std::ptr::copy(from, to, len) };
                 Ok(())
@@ -349,8 +349,8 @@ fn copy_into(
     src: *const u8,
     len: usize,
 ) -> Result<()> {
-    let p = store.span(dst, offset, len)?;
-    // SAFETY: bounds checked by `span`; `src` is valid per the enqueue contract.
+    let p = store.span_write(dst, offset, len)?;
+    // SAFETY: bounds checked by `span_write`; `src` is valid per the enqueue contract.
     unsafe { std::ptr::copy_nonoverlapping(src, p, len) };
     Ok(())
 }
@@ -475,9 +475,17 @@ impl Backend for CpuAsyncBackend {
     fn buffer_size(&self, id: BufferId) -> Result<usize> {
         Ok(self.shared.store.get(id)?.size())
     }
+    fn alias_weight(&self, bytes: &WeightBytes) -> Result<Option<BufferId>> {
+        // Nothing queued can use a buffer that does not exist yet: no ordering needed.
+        let id = self.shared.store.alias(bytes);
+        if id.is_some() {
+            bump(&self.shared.stats.reserves, 1);
+        }
+        Ok(id)
+    }
 
     fn set_tensor(&self, dst: BufferId, offset: usize, data: &[u8]) -> Result<()> {
-        self.shared.store.span(dst, offset, data.len())?;
+        self.shared.store.span_write(dst, offset, data.len())?;
         bump(&self.shared.stats.h2d_copies, 1);
         bump(&self.shared.stats.h2d_bytes, data.len() as u64);
         let src = RawPtr(data.as_ptr().cast_mut());
@@ -507,7 +515,7 @@ impl Backend for CpuAsyncBackend {
         data: *const u8,
         len: usize,
     ) -> Result<()> {
-        self.shared.store.span(dst, offset, len)?;
+        self.shared.store.span_write(dst, offset, len)?;
         bump(&self.shared.stats.h2d_copies, 1);
         bump(&self.shared.stats.h2d_bytes, len as u64);
         self.enqueue(Work::WriteRaw {
@@ -519,7 +527,7 @@ impl Backend for CpuAsyncBackend {
         Ok(())
     }
     fn set_tensor_async_staged(&self, dst: BufferId, offset: usize, data: &[u8]) -> Result<()> {
-        self.shared.store.span(dst, offset, data.len())?;
+        self.shared.store.span_write(dst, offset, data.len())?;
         let staged = self.take_staging(data);
         bump(&self.shared.stats.staging_bytes_in_use, data.len() as u64);
         bump(&self.shared.stats.h2d_copies, 1);
@@ -576,7 +584,7 @@ impl Backend for CpuAsyncBackend {
         len: usize,
     ) -> Result<()> {
         self.shared.store.span(src, src_offset, len)?;
-        self.shared.store.span(dst, dst_offset, len)?;
+        self.shared.store.span_write(dst, dst_offset, len)?;
         bump(&self.shared.stats.d2d_copies, 1);
         bump(&self.shared.stats.d2d_bytes, len as u64);
         self.enqueue(Work::Copy {

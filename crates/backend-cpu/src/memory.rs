@@ -5,8 +5,17 @@
 //! [`Store`], so a `cpu-async` buffer is not addressable through `cpu` (cross-backend copies
 //! really happen).
 //!
-//! Invariant: a buffer's address never changes while it lives (`realloc` replaces it with a new
-//! one after the owning stream is idle).
+//! A weight's buffer may instead alias the weight's own immutable bytes ([`Store::alias`]):
+//! a GGUF file's memory map is then read in place, so its pages are the only copy of the
+//! weights on the host. Kernels take no alignment for granted (`kernels::view::Strided`: typed
+//! fast paths check the address and fall back to unaligned reads; block rows are read as
+//! bytes), so an aliased buffer needs only the 4-byte alignment that keeps f32/f16 weights on
+//! the fast paths; less aligned bytes are copied as before.
+//!
+//! Invariants: a buffer's address never changes while it lives (`realloc` replaces it with a new
+//! one after the owning stream is idle). An aliased buffer is read-only: every write primitive
+//! goes through [`Store::span_write`], which refuses it, and kernels never write weights (only
+//! `set_rows` writes into a leaf, and only into a persistent one).
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::HashMap;
@@ -14,15 +23,22 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use lowsync_backend::{BufferId, Error, Result, TensorRef};
+use lowsync_graph::WeightBytes;
 use parking_lot::RwLock;
 
-/// Alignment of every host buffer.
+/// Alignment of every host buffer the backend allocates.
 pub const ALIGNMENT: usize = 64;
 
-/// One zeroed, aligned allocation.
+/// The alignment weight bytes need to be aliased rather than copied (f32's, the largest
+/// element of a weight dtype).
+pub const ALIAS_ALIGNMENT: usize = 4;
+
+/// One zeroed, aligned allocation, or read-only weight bytes borrowed in place.
 pub struct HostBuffer {
     ptr: NonNull<u8>,
     size: usize,
+    /// The aliased bytes, kept alive as long as the buffer (`None`: allocated here).
+    aliased: Option<WeightBytes>,
 }
 
 // SAFETY: the buffer is plain memory; concurrent access is ordered by the owning stream.
@@ -42,7 +58,25 @@ impl HostBuffer {
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or_else(oom)?;
-        Ok(HostBuffer { ptr, size })
+        Ok(HostBuffer {
+            ptr,
+            size,
+            aliased: None,
+        })
+    }
+
+    /// A read-only buffer over `bytes`, or `None` when they are empty or not aligned to
+    /// [`ALIAS_ALIGNMENT`].
+    fn alias(bytes: &WeightBytes) -> Option<Self> {
+        let b = bytes.as_bytes();
+        if b.is_empty() || !(b.as_ptr() as usize).is_multiple_of(ALIAS_ALIGNMENT) {
+            return None;
+        }
+        Some(HostBuffer {
+            ptr: NonNull::from(b).cast(),
+            size: b.len(),
+            aliased: Some(bytes.clone()),
+        })
     }
 
     /// Size in bytes.
@@ -54,10 +88,19 @@ impl HostBuffer {
     pub fn ptr(&self) -> NonNull<u8> {
         self.ptr
     }
+
+    /// Whether the buffer reads borrowed weight bytes in place (and is read-only).
+    pub fn is_alias(&self) -> bool {
+        self.aliased.is_some()
+    }
 }
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
+        if self.aliased.is_some() {
+            // Not ours: dropping the handle releases the bytes.
+            return;
+        }
         let layout =
             Layout::from_size_align(self.size.max(ALIGNMENT), ALIGNMENT).expect("buffer layout");
         // SAFETY: allocated in `new` with this layout.
@@ -87,6 +130,15 @@ impl Store {
         let id = BufferId::fresh();
         self.bufs.write().insert(id, Arc::new(buf));
         Ok(id)
+    }
+
+    /// A read-only buffer reading `bytes` in place, or `None` when they cannot be aliased
+    /// (empty or misaligned: the caller copies them into an allocated buffer).
+    pub fn alias(&self, bytes: &WeightBytes) -> Option<BufferId> {
+        let buf = HostBuffer::alias(bytes)?;
+        let id = BufferId::fresh();
+        self.bufs.write().insert(id, Arc::new(buf));
+        Some(id)
     }
 
     /// Replaces a buffer by a zeroed one of another size.
@@ -121,6 +173,21 @@ impl Store {
         check_span(&b, id, offset, len)?;
         // SAFETY: in bounds, checked above.
         Ok(unsafe { b.ptr.as_ptr().add(offset) })
+    }
+
+    /// As [`Store::span`], for a write: refuses a buffer that aliases weight bytes (they may
+    /// be a read-only memory map, and other graphs read them).
+    pub fn span_write(&self, id: BufferId, offset: usize, len: usize) -> Result<*mut u8> {
+        if self.get(id)?.is_alias() {
+            return Err(Error::Unsupported {
+                backend: self.owner.clone(),
+                what: format!(
+                    "writing buffer {}: it reads a weight's bytes in place (read-only)",
+                    id.0
+                ),
+            });
+        }
+        self.span(id, offset, len)
     }
 }
 

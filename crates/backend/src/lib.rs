@@ -10,7 +10,8 @@
 //! `set_tensor_async` (pinned caller memory valid until the next synchronize),
 //! `set_tensor_async_staged` (bytes copied before return), `get_tensor_async`,
 //! `cpy_tensor_async`, `copy_async` (between two buffers of one stream), `read_async` (a read
-//! into memory the returned [`Readback`] owns, waited for on its own), events, the test gate. A
+//! into memory the returned [`Readback`] owns, waited for on its own), `alias_weight` (a weight
+//! buffer over the caller's immutable bytes, no copy), events, the test gate. A
 //! default method returns `Unsupported` so a backend that lacks a capability needs no code for
 //! it.
 //!
@@ -29,7 +30,7 @@ use std::sync::Arc;
 
 pub use error::{Error, Result};
 pub use exec::{BufferId, ExecGraph, ExecNode, ScratchLive, TensorRef};
-use lowsync_graph::{DType, Op};
+use lowsync_graph::{DType, Op, WeightBytes};
 pub use stats::{bump, StatsSnapshot, SyncStats};
 
 /// Where a backend runs.
@@ -187,6 +188,14 @@ pub trait Backend: Send + Sync {
     /// Host address of a host buffer (`buffer_type().is_host`), for zero-copy reads by others.
     fn buffer_host_ptr(&self, _id: BufferId) -> Option<NonNull<u8>> {
         None
+    }
+    /// A read-only buffer of a weight that reads `bytes` in place instead of a copy (host
+    /// backends: the weights of a memory-mapped file stay the file's pages). The buffer keeps
+    /// a clone of `bytes` until it is freed; writing it is an error. Counts a reserve and no
+    /// copy. `Ok(None)`: this backend does not alias these bytes; the caller allocates a
+    /// buffer and writes them with `set_tensor` (the default).
+    fn alias_weight(&self, _bytes: &WeightBytes) -> Result<Option<BufferId>> {
+        Ok(None)
     }
 
     /// Blocking write, ordered after queued work (one host wait where the device is async).

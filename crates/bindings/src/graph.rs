@@ -1,12 +1,11 @@
 //! `Graph` and `Tensor`: thin Python objects over the Rust graph builder.
 
-use std::sync::Arc;
-
 use lowsync_graph::{DType, Graph, RopeMode, TensorId};
 use numpy::{PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
+use crate::borrow;
 use crate::convert;
 use crate::errors::{graph_err, input_err};
 use crate::numpy_io::{array_bytes, block_bytes, parse_dtype};
@@ -101,8 +100,9 @@ impl PyGraph {
         op(slf, |g| g.input(name, &shape, dt))
     }
 
-    /// A constant tensor (data copied), optionally pinned to a backend. A block (quantized)
-    /// dtype takes raw blocks and the logical `shape` (see `numpy_io::block_bytes`).
+    /// A constant tensor, optionally pinned to a backend. A block (quantized) dtype takes raw
+    /// blocks and the logical `shape` (see `numpy_io::block_bytes`). Data that cannot change
+    /// (a read-only memory map, `bytes`) is borrowed, anything else copied (`borrow`).
     #[pyo3(signature = (name, data, backend = None, dtype = None, shape = None))]
     fn weight(
         slf: &Bound<'_, Self>,
@@ -121,9 +121,7 @@ impl PyGraph {
             .filter(|d| d.is_quantized())
         {
             let (bytes, shape) = block_bytes(data, dt, shape, name)?;
-            return op(slf, |g| {
-                g.weight(name, &shape, dt, Arc::from(bytes), backend)
-            });
+            return op(slf, |g| g.weight(name, &shape, dt, bytes, backend));
         }
         let arr = data
             .cast::<PyUntypedArray>()
@@ -146,10 +144,17 @@ impl PyGraph {
                 ))
             })?,
         };
-        let bytes = array_bytes(arr, dt, name)?;
-        op(slf, |g| {
-            g.weight(name, &shape, dt, Arc::from(bytes), backend)
-        })
+        // Bytes that are already the graph's (same dtype, C order) and cannot change are
+        // borrowed; anything else is converted into an owned copy.
+        let same = crate::numpy_io::dtype_of(arr) == Some(dt);
+        let borrowed = lowsync_graph::tensor_bytes(&shape, dt)
+            .filter(|_| same)
+            .and_then(|n| borrow::borrow(data, n));
+        let bytes = match borrowed {
+            Some(b) => b,
+            None => array_bytes(arr, dt, name)?.into(),
+        };
+        op(slf, |g| g.weight(name, &shape, dt, bytes, backend))
     }
 
     /// Zero-initialised state kept across steps (e.g. a KV cache), optionally pinned to a

@@ -7,6 +7,7 @@
 //! registry (`registry`), numpy conversion in `numpy_io`. `Context`, `Plan`, `Graph` and
 //! `Tensor` are thin wrappers over the scheduler and graph crates.
 
+mod borrow;
 mod convert;
 mod detach;
 mod errors;

@@ -7,7 +7,7 @@
 //! logically), so they are checked and allocated fallibly.
 
 use half::{bf16, f16};
-use lowsync_graph::DType;
+use lowsync_graph::{DType, WeightBytes};
 use numpy::{
     dtype, Element, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyUntypedArray,
     PyUntypedArrayMethods,
@@ -161,13 +161,14 @@ pub fn to_array<'py>(
 /// The raw blocks of a block-dtype weight and its logical shape. `data` is a uint8 numpy array
 /// (any layout, read in C order) or any object with a byte buffer (`bytes`, `memoryview`,
 /// `bytearray`). The logical shape is `shape` when given; else, for a uint8 array of GGUF's
-/// byte shape `[..., row_bytes]`, that shape with its last axis counted in elements.
+/// byte shape `[..., row_bytes]`, that shape with its last axis counted in elements. Blocks
+/// that cannot change (a read-only map of a GGUF file, `bytes`) are borrowed, not copied.
 pub fn block_bytes(
     data: &Bound<'_, PyAny>,
     dt: DType,
     shape: Option<Vec<usize>>,
     name: &str,
-) -> PyResult<(Vec<u8>, Vec<usize>)> {
+) -> PyResult<(WeightBytes, Vec<usize>)> {
     let bad = |msg: String| input_err(format!("weight `{name}` ({dt}): {msg}"));
     let buf = pyo3::buffer::PyBuffer::<u8>::get(data).map_err(|_| {
         let what = data
@@ -208,8 +209,13 @@ pub fn block_bytes(
         }
     };
     let n = buf.item_count();
+    if buf.is_c_contiguous() {
+        if let Some(b) = crate::borrow::borrow(data, n) {
+            return Ok((b, shape));
+        }
+    }
     let mut out = lowsync_backend::host_zeroed(n, || format!("weight `{name}` ({n} bytes)"))
         .map_err(backend_err)?;
     buf.copy_to_slice(data.py(), &mut out)?;
-    Ok((out, shape))
+    Ok((out.into(), shape))
 }

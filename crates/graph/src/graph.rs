@@ -22,11 +22,10 @@
 //! or the source of `cpy`/`concat`.
 
 use std::collections::HashSet;
-use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::layout::{broadcast_shapes, quant_block_axis, quant_layout_ok, tensor_bytes, Layout};
-use crate::{DType, Op, RopeMode};
+use crate::{DType, Op, RopeMode, WeightBytes};
 
 /// Index of a tensor in its graph.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -69,7 +68,9 @@ impl TensorInfo {
 /// Data of a weight and the backend the user pinned it to.
 #[derive(Clone, Debug)]
 pub struct WeightData {
-    pub bytes: Arc<[u8]>,
+    /// The bytes (owned or borrowed; never copied again by the graph).
+    pub bytes: WeightBytes,
+    /// The backend the weight is pinned to, if any.
     pub backend: Option<String>,
 }
 
@@ -237,15 +238,17 @@ impl Graph {
     }
 
     /// A constant tensor, optionally pinned to a backend by name. For a block dtype `shape` is
-    /// the logical shape (elements) and `bytes` the raw blocks, row after row.
+    /// the logical shape (elements) and `bytes` the raw blocks, row after row. The bytes are
+    /// held, not copied (a `Vec` or `Arc<[u8]>` is taken as is; see [`WeightBytes`]).
     pub fn weight(
         &mut self,
         name: &str,
         shape: &[usize],
         dtype: DType,
-        bytes: Arc<[u8]>,
+        bytes: impl Into<WeightBytes>,
         backend: Option<String>,
     ) -> Result<TensorId> {
+        let bytes = bytes.into();
         let want = checked_bytes("weight", &format!("`{name}`"), shape, dtype)?;
         if bytes.len() != want {
             return Err(Error::WeightSize {

@@ -3,6 +3,7 @@
 //! Shapes are in numpy order (row-major, last axis fastest). A graph is built node by node;
 //! each builder call validates shapes and dtypes and reports the op and the shapes on error.
 
+mod bytes;
 mod dtype;
 mod error;
 mod graph;
@@ -10,6 +11,7 @@ mod layout;
 mod op;
 pub mod sampling;
 
+pub use bytes::{BorrowedBytes, WeightBytes};
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use graph::{mul_mat_batch, Graph, TensorId, TensorInfo, WeightData};

@@ -174,12 +174,12 @@ fn quantized_weights_need_whole_blocks_and_exact_bytes() {
     let short: Arc<[u8]> = vec![0u8; 3 * 2 * 18 - 1].into();
     let m = msg(g.weight("w2", &[3, 64], DType::Q4_0, short, None));
     assert!(m.contains("107 bytes") && m.contains("needs 108"), "{m}");
-    let m = msg(g.weight("w3", &[3, 48], DType::Q4_0, vec![0u8; 54].into(), None));
+    let m = msg(g.weight("w3", &[3, 48], DType::Q4_0, vec![0u8; 54], None));
     assert!(m.contains("multiple of its block size 32"), "{m}");
-    let m = msg(g.weight("w4", &[], DType::Q4_K, vec![0u8; 144].into(), None));
+    let m = msg(g.weight("w4", &[], DType::Q4_K, vec![0u8; 144], None));
     assert!(m.contains("block size 256"), "{m}");
     // Element strides that would wrap are refused even when the byte count fits.
-    let m = msg(g.weight("w5", &[1 << 58, 256], DType::Q6_K, vec![].into(), None));
+    let m = msg(g.weight("w5", &[1 << 58, 256], DType::Q6_K, Vec::<u8>::new(), None));
     assert!(m.contains("too large"), "{m}");
 }
 

@@ -450,10 +450,22 @@ impl Sched {
                     } else {
                         BufferUsage::Persistent
                     };
-                    let buffer = self.backends[b].alloc_buffer(nbytes, usage)?;
-                    if let Some(w) = weights.get(&i) {
-                        self.backends[b].set_tensor(buffer, 0, &w.bytes)?;
-                    }
+                    // A host backend may read the weight's bytes in place (no copy); any other
+                    // gets a buffer and one upload straight from them.
+                    let aliased = match weights.get(&i) {
+                        Some(w) => self.backends[b].alias_weight(&w.bytes)?,
+                        None => None,
+                    };
+                    let buffer = match aliased {
+                        Some(id) => id,
+                        None => {
+                            let buffer = self.backends[b].alloc_buffer(nbytes, usage)?;
+                            if let Some(w) = weights.get(&i) {
+                                self.backends[b].set_tensor(buffer, 0, &w.bytes)?;
+                            }
+                            buffer
+                        }
+                    };
                     let h = LeafHome {
                         backend: b,
                         buffer,
