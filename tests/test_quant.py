@@ -233,9 +233,14 @@ def test_backends_without_quantized_kernels_say_so() -> None:
 
 
 @pytest.mark.vulkan
-def test_vulkan_refuses_quantized_sources_until_it_has_kernels() -> None:
+def test_vulkan_reads_q4_0_q4_1_q8_0_weights_and_refuses_other_blocks() -> None:
     ctx = ls.Context(["vulkan"])
-    assert not ctx.supports("mul_mat", "f32", ["f32", "q4_0"])
+    for q in ("q4_0", "q4_1", "q8_0"):
+        assert ctx.supports("mul_mat", "f32", ["f32", q])
+        assert ctx.supports("get_rows", "f32", [q, "i32"])
+        assert not ctx.supports("mul_mat", "f32", ["f16", q])
+    assert not ctx.supports("mul_mat", "f32", ["f32", "q4_k"])
+    assert not ctx.supports("get_rows", "f32", ["q6_k", "i32"])
     assert ctx.supports("mul_mat", "f32", ["f32", "f16"])
 
 
@@ -391,15 +396,21 @@ def test_widening_for_backends_without_kernels_is_f16_or_f32_past_f16_range(
 
 
 @pytest.mark.vulkan
-def test_a_quantized_model_runs_on_vulkan_widened() -> None:
-    model = _quant_model("q4_1")
+@pytest.mark.parametrize("dtype", ["q4_1", "q4_k"])
+def test_a_quantized_model_runs_on_vulkan(dtype: str) -> None:
+    """Q4_1 blocks stay quantized on Vulkan (dequantized in its kernels); Q4_K, which it has
+    no kernels for, is widened to f16 once."""
+    model = _quant_model(dtype)
     ctx = ls.Context(["vulkan"])
-    wide = model.prepared_for(ctx)
-    assert wide.dtypes["blk.0.attn_q.weight"] == "f16"
+    prepared = model.prepared_for(ctx)
+    if dtype == "q4_1":
+        assert prepared is model
+    else:
+        assert prepared.dtypes["blk.0.attn_q.weight"] == "f16"
     sess = ls.Session(model, backends=["vulkan"], n_ctx=16, n_ubatch=4)
     got = sess.decode([1, 2, 3, 4], logits="all")
-    # Vulkan reads the f16-widened weights in f32 arithmetic.
-    assert rel_err(got, _reference_forward(wide, [1, 2, 3, 4])) < 1e-3
+    # Vulkan reads the blocks (or their f16 widening) in f32 arithmetic.
+    assert rel_err(got, _reference_forward(prepared, [1, 2, 3, 4])) < 1e-3
 
 
 def test_bench_runs_a_quantized_built_in_model(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,8 +6,9 @@
 //! this script is the preprocessor: each kernel template (`shaders/<kernel>.wgsl`) names its
 //! storage bindings as slots (`d`, `a`, `b`, ...) and uses accessors (`ld_a(i) -> f32`,
 //! `ld4_a(i) -> vec4<f32>` for 4 consecutive elements, `i` even for 16-bit storage,
-//! `st_d(i, v)`, `ldi_ids(i) -> i32`; a `// #include <file>` line pulls in a shared body); for every dtype combination listed in [`KERNELS`] the
-//! script prepends the binding declarations and accessors for those dtypes plus
+//! `st_d(i, v)`, `ldi_ids(i) -> i32`, `dq_b(blk, j)` / `qdot_b` for GGUF blocks; each
+//! `// #include <file>` line pulls in a shared part); for every dtype combination listed in
+//! [`KERNELS`] the script prepends the binding declarations and accessors for those dtypes plus
 //! `shaders/common.wgsl`, validates the module with naga, and writes the SPIR-V words.
 //!
 //! Invariants: 16-bit storage (f16, bf16) is read and written as packed `u32` words, so no
@@ -34,9 +35,18 @@ enum Slot {
     RawOut,
     /// The error-status words (`array<atomic<u32>>`) of index-checking kernels.
     Status,
+    /// Raw GGUF blocks read as bytes out of `u32` words: constants `QK_<name>` (elements per
+    /// block) and `QB_<name>` (bytes per block), `dq_<name>(blk, j) -> f32` (element `j` of the
+    /// block at byte `blk`).
+    Quant,
+    /// [`Slot::Quant`] plus `qdot_<name>(blk, a_base, k) -> f32`: the block's dot product with
+    /// elements `k ..` of x, read through the kernel's `x4(a_base, k) -> vec4<f32>`.
+    QuantDot,
 }
 
 const FLOATS: &[&str] = &["f32", "f16", "bf16"];
+/// Block types with Vulkan kernels (`src/backend.rs::VK_QUANTS` lists the same).
+const QUANTS: &[&str] = &["q4_0", "q4_1", "q8_0"];
 
 /// (kernel template, slots: name, kind, dtypes to generate).
 type Spec = (
@@ -137,6 +147,31 @@ const KERNELS: &[Spec] = &[
             ("d", Slot::Out, &["f32"]),
             ("a", Slot::In, FLOATS),
             ("b", Slot::In, FLOATS),
+        ],
+    ),
+    (
+        "mul_mat_vec_q",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::QuantDot, QUANTS),
+        ],
+    ),
+    (
+        "mul_mat_vec_q_wg",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::QuantDot, QUANTS),
+        ],
+    ),
+    (
+        "get_rows_q",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::Quant, QUANTS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
         ],
     ),
     (
@@ -335,8 +370,113 @@ fn binding(k: usize, n: &str, kind: Slot, dt: &str) -> String {
                    \x20   }\n\
                    }\n"
         }
+        (Slot::Quant, q) => decl("read", "u32") + &quant(n, q, false),
+        (Slot::QuantDot, q) => decl("read", "u32") + &quant(n, q, true),
         (Slot::In, other) => panic!("unknown input dtype {other}"),
     }
+}
+
+/// The accessors of a block-dtype binding `n` (see [`Slot::Quant`]). Blocks are 18/20/34
+/// bytes, so a block starts at any byte of a word: every read goes through `ldw_<n>`, four
+/// bytes from any byte offset, which touches only the words holding those bytes (so never a
+/// word past the tensor's last byte). Layouts as the CPU oracle
+/// (`lowsync-cpu/src/kernels/quant/scalar.rs`): Q4_0 = f16 d, 16 bytes of nibbles (element
+/// j < 16 the low nibble of byte j, j >= 16 the high nibble of byte j - 16), (q - 8) * d;
+/// Q4_1 = f16 d, f16 m, 16 bytes, q * d + m; Q8_0 = f16 d, 32 i8, q * d.
+fn quant(n: &str, q: &str, dot: bool) -> String {
+    let (qk, qb) = match q {
+        "q4_0" => (32, 18),
+        "q4_1" => (32, 20),
+        "q8_0" => (32, 34),
+        other => panic!("unknown block dtype {other}"),
+    };
+    let mut s = format!(
+        "const QK_{n}: u32 = {qk}u;\n\
+         const QB_{n}: u32 = {qb}u;\n\
+         fn ldw_{n}(byte: u32) -> u32 {{\n\
+         \x20   let sh = (byte & 3u) * 8u;\n\
+         \x20   let w0 = {n}_buf[byte >> 2u];\n\
+         \x20   let w1 = {n}_buf[(byte + 3u) >> 2u];\n\
+         \x20   return select((w0 >> sh) | (w1 << ((32u - sh) & 31u)), w0, sh == 0u);\n\
+         }}\n\
+         fn ldh_{n}(byte: u32) -> f32 {{ return f16_bits_to_f32(ldw_{n}(byte) & 0xffffu); }}\n"
+    );
+    // Nibble and byte lanes of one word, in element order.
+    let lo = "vec4<f32>(vec4<u32>(q, q >> 8u, q >> 16u, q >> 24u) & vec4<u32>(15u))";
+    let hi = "vec4<f32>(vec4<u32>(q >> 4u, q >> 12u, q >> 20u, q >> 28u) & vec4<u32>(15u))";
+    let (dq, qdot) = match q {
+        "q4_0" => (
+            format!(
+                "fn dq_{n}(blk: u32, j: u32) -> f32 {{\n\
+                 \x20   let q = (ldw_{n}(blk + 2u + (j & 15u)) >> ((j >> 4u) * 4u)) & 15u;\n\
+                 \x20   return ldh_{n}(blk) * (f32(q) - 8.0);\n\
+                 }}\n"
+            ),
+            format!(
+                "fn qdot_{n}(blk: u32, a_base: u32, k: u32) -> f32 {{\n\
+                 \x20   var s = vec4<f32>(0.0);\n\
+                 \x20   for (var w = 0u; w < 4u; w++) {{\n\
+                 \x20       let q = ldw_{n}(blk + 2u + 4u * w);\n\
+                 \x20       s = fma(x4(a_base, k + 4u * w), {lo} - 8.0, s);\n\
+                 \x20       s = fma(x4(a_base, k + 16u + 4u * w), {hi} - 8.0, s);\n\
+                 \x20   }}\n\
+                 \x20   return ldh_{n}(blk) * ((s.x + s.y) + (s.z + s.w));\n\
+                 }}\n"
+            ),
+        ),
+        // d * sum(q x) + m * sum(x): the min costs one add per element, not a multiply.
+        "q4_1" => (
+            format!(
+                "fn dq_{n}(blk: u32, j: u32) -> f32 {{\n\
+                 \x20   let q = (ldw_{n}(blk + 4u + (j & 15u)) >> ((j >> 4u) * 4u)) & 15u;\n\
+                 \x20   return ldh_{n}(blk) * f32(q) + ldh_{n}(blk + 2u);\n\
+                 }}\n"
+            ),
+            format!(
+                "fn qdot_{n}(blk: u32, a_base: u32, k: u32) -> f32 {{\n\
+                 \x20   var s = vec4<f32>(0.0);\n\
+                 \x20   var sx = vec4<f32>(0.0);\n\
+                 \x20   for (var w = 0u; w < 4u; w++) {{\n\
+                 \x20       let q = ldw_{n}(blk + 4u + 4u * w);\n\
+                 \x20       let x0 = x4(a_base, k + 4u * w);\n\
+                 \x20       let x1 = x4(a_base, k + 16u + 4u * w);\n\
+                 \x20       s = fma(x0, {lo}, fma(x1, {hi}, s));\n\
+                 \x20       sx += x0 + x1;\n\
+                 \x20   }}\n\
+                 \x20   let dm = ldw_{n}(blk);\n\
+                 \x20   return f16_bits_to_f32(dm & 0xffffu) * ((s.x + s.y) + (s.z + s.w))\n\
+                 \x20       + f16_bits_to_f32(dm >> 16u) * ((sx.x + sx.y) + (sx.z + sx.w));\n\
+                 }}\n"
+            ),
+        ),
+        // `extractBits` of an i32 sign-extends, so each byte is its i8.
+        "q8_0" => (
+            format!(
+                "fn dq_{n}(blk: u32, j: u32) -> f32 {{\n\
+                 \x20   let q = extractBits(bitcast<i32>(ldw_{n}(blk + 2u + j)), 0u, 8u);\n\
+                 \x20   return f32(q) * ldh_{n}(blk);\n\
+                 }}\n"
+            ),
+            format!(
+                "fn qdot_{n}(blk: u32, a_base: u32, k: u32) -> f32 {{\n\
+                 \x20   var s = vec4<f32>(0.0);\n\
+                 \x20   for (var w = 0u; w < 8u; w++) {{\n\
+                 \x20       let q = bitcast<i32>(ldw_{n}(blk + 2u + 4u * w));\n\
+                 \x20       let v = vec4<i32>(extractBits(q, 0u, 8u), extractBits(q, 8u, 8u), \
+                 extractBits(q, 16u, 8u), q >> 24u);\n\
+                 \x20       s = fma(x4(a_base, k + 4u * w), vec4<f32>(v), s);\n\
+                 \x20   }}\n\
+                 \x20   return ldh_{n}(blk) * ((s.x + s.y) + (s.z + s.w));\n\
+                 }}\n"
+            ),
+        ),
+        _ => unreachable!("checked above"),
+    };
+    s.push_str(&dq);
+    if dot {
+        s.push_str(&qdot);
+    }
+    s
 }
 
 fn compile(src: &str) -> Result<Vec<u32>, String> {
@@ -345,8 +485,8 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
     let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
     let info = Validator::new(
         ValidationFlags::all(),
-        // SUBGROUP: only `mul_mat_vec_k` uses subgroup operations, and the host picks it only on
-        // a device whose compute stage has subgroup arithmetic. SHADER_FLOAT16_IN_FLOAT32 is
+        // SUBGROUP: only `mul_mat_vec_k` and `mul_mat_vec_q` use subgroup operations, and the
+        // host picks them only on a device whose compute stage has subgroup arithmetic. SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).
         Capabilities::IMMEDIATES
             | Capabilities::FLOAT64

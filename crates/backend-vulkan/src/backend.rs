@@ -532,12 +532,23 @@ impl Backend for VulkanBackend {
     }
 }
 
+/// Block dtypes with Vulkan kernels (`QUANTS` in build.rs lists the same).
+pub const VK_QUANTS: &[DType] = &[DType::Q4_0, DType::Q4_1, DType::Q8_0];
+
 /// Whether the Vulkan kernels implement `op` for these dtypes: the graph's rule
-/// ([`Op::accepts`]), except that the products write f32 only and block (quantized) sources
-/// are not read yet.
+/// ([`Op::accepts`]), except that the products write f32 only, and block (quantized) sources
+/// are read only as [`VK_QUANTS`] weights of `MulMat` over f32 activations and tables of
+/// `GetRows` (not yet as experts of `MulMatId`).
 pub fn vulkan_supports_op(op: &Op, dst: DType, srcs: &[DType]) -> bool {
     if srcs.iter().any(|s| s.is_quantized()) {
-        return false;
+        // Block weights: `x @ w.T` with f32 x into f32 (`mul_mat_vec_q*.wgsl`, any number of
+        // rows of x) and get_rows of a table (`get_rows_q.wgsl`), for the types in VK_QUANTS.
+        let ok = match (op, srcs) {
+            (Op::MulMat, [DType::F32, w]) => dst == DType::F32 && VK_QUANTS.contains(w),
+            (Op::GetRows, [t, DType::I32]) => dst.is_float() && VK_QUANTS.contains(t),
+            _ => false,
+        };
+        return ok && op.accepts(dst, srcs);
     }
     let narrowed = match op {
         Op::MulMat | Op::MulMatId => dst == DType::F32,
@@ -567,7 +578,16 @@ mod tests {
             &[F16, F16, I32, F32]
         ));
         assert!(Op::MulMat.accepts(F32, &[F32, DType::Q4_0]));
-        assert!(!vulkan_supports_op(&Op::MulMat, F32, &[F32, DType::Q4_0]));
+        for &q in VK_QUANTS {
+            assert!(vulkan_supports_op(&Op::MulMat, F32, &[F32, q]));
+            assert!(vulkan_supports_op(&Op::GetRows, F32, &[q, I32]));
+            assert!(vulkan_supports_op(&Op::GetRows, F16, &[q, I32]));
+            assert!(!vulkan_supports_op(&Op::MulMat, F32, &[F16, q]));
+            assert!(!vulkan_supports_op(&Op::MulMat, F16, &[F32, q]));
+            assert!(!vulkan_supports_op(&Op::MulMatId, F32, &[q, F32, I32, F32]));
+        }
+        assert!(!vulkan_supports_op(&Op::MulMat, F32, &[F32, DType::Q4_K]));
+        assert!(!vulkan_supports_op(&Op::GetRows, F32, &[DType::Q6_K, I32]));
         let others: [(Op, DType, &[DType]); 12] = [
             (Op::Add, F32, &[F32, F16]),
             (Op::Add, F32, &[F32]),

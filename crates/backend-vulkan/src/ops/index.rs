@@ -24,7 +24,9 @@ pub(super) fn get_rows(
     status: Option<Status>,
 ) -> Result<Vec<Dispatch>> {
     c.float("result", dst.dtype)?;
-    c.float("table", table.dtype)?;
+    if !table.dtype.is_quantized() {
+        c.float("table", table.dtype)?;
+    }
     let want: Vec<usize> = ids
         .shape
         .iter()
@@ -58,9 +60,24 @@ pub(super) fn get_rows(
     let (bd, od) = c.bind(dst, true)?;
     let (bt, ot) = c.bind(table, false)?;
     let (bi, oi) = c.bind(ids, false)?;
+    // A block-dtype table (`get_rows_q.wgsl`): its rows are whole blocks along the last axis
+    // (the graph builder admits no other view), and its row stride goes in bytes.
+    let (kernel, a_str) = if table.dtype.is_quantized() {
+        if table.strides[1] != 1 || !d.is_multiple_of(table.dtype.block_size()) {
+            return Err(c.err(format!(
+                "a {} table must be read by whole rows of blocks, got shape {:?} strides {:?}",
+                table.dtype, table.shape, table.strides
+            )));
+        }
+        let row = c.block_bytes(table.dtype, table.strides[0], "row stride")?;
+        ("get_rows_q", [row, 0, c.u32(n, "row count")?, 0])
+    } else {
+        let st = c.u4(&[table.strides[0], table.strides[1], n, 0], "stride")?;
+        ("get_rows", st)
+    };
     Ok(vec![Dispatch {
         kernel: format!(
-            "get_rows.d_{}.a_{}.ids_i32.status_u32",
+            "{kernel}.d_{}.a_{}.ids_i32.status_u32",
             dt(dst.dtype),
             dt(table.dtype)
         ),
@@ -68,7 +85,7 @@ pub(super) fn get_rows(
         push: Push {
             shape,
             d_str,
-            a_str: c.u4(&[table.strides[0], table.strides[1], n, 0], "stride")?,
+            a_str,
             b_str: sts[1],
             offs: [od, ot, oi, c.u32(n_ids * d, "element count")?],
             op: [s.tag, 0, 0, 0],

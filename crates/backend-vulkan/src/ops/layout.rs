@@ -38,7 +38,8 @@ impl Res {
         self.shape.iter().product()
     }
 
-    /// Bytes from `base` to one past the furthest element (0 when empty).
+    /// Bytes from `base` to one past the furthest element (0 when empty); whole blocks for a
+    /// block dtype (whose views keep rows whole, so the extent is a whole number of blocks).
     pub(crate) fn byte_extent(&self) -> u64 {
         if self.numel() == 0 {
             return 0;
@@ -49,6 +50,13 @@ impl Res {
             .zip(&self.strides)
             .map(|(&d, &s)| (d - 1) * s)
             .sum();
+        if self.dtype.is_quantized() {
+            // `exec::resolve` checked the same extent with `TensorRef::byte_extent`.
+            return self
+                .dtype
+                .checked_bytes(last + 1)
+                .map_or(u64::MAX, |b| b as u64);
+        }
         ((last + 1) * self.dtype.size_bytes()) as u64
     }
 
@@ -124,7 +132,7 @@ pub(super) fn dt(d: DType) -> &'static str {
         DType::F16 => "f16",
         DType::BF16 => "bf16",
         DType::I32 => "i32",
-        // Block dtypes never reach a kernel: `vulkan_supports_op` refuses them.
+        // Block dtypes: `q4_0`, ... (the ones `build.rs` compiles kernels for).
         q => q.name(),
     }
 }
@@ -151,16 +159,21 @@ impl Ctx<'_> {
         Ok(out)
     }
 
-    /// Binds `r` and returns the binding and the element offset of `[0, .., 0]` inside it.
+    /// Binds `r` and returns the binding and the element offset of `[0, .., 0]` inside it (the
+    /// byte offset for a block dtype, whose elements have no size of their own).
     pub(super) fn bind(&self, r: &Res, write: bool) -> Result<(Bind, u32)> {
-        let esize = r.dtype.size_bytes() as u64;
+        let esize = if r.dtype.is_quantized() {
+            1
+        } else {
+            r.dtype.size_bytes() as u64
+        };
         if !r.base.is_multiple_of(esize) {
             return Err(self.err(format!(
                 "a {} tensor at byte offset {} is not aligned to its element size",
                 r.dtype, r.base
             )));
         }
-        let end = r.base + r.byte_extent().max(esize);
+        let end = r.base.saturating_add(r.byte_extent().max(esize));
         if end > r.buffer_size {
             return Err(self.err(format!(
                 "tensor of {} bytes at offset {} lies outside its buffer of {} bytes",
@@ -200,6 +213,17 @@ impl Ctx<'_> {
             return Err(self.err(format!("{threads} threads exceed the dispatch limits")));
         }
         Ok([x as u32, y as u32, 1])
+    }
+
+    /// Bytes of `elems` elements of block dtype `d` (a whole number of blocks), as a 32-bit
+    /// kernel offset or stride.
+    pub(super) fn block_bytes(&self, d: DType, elems: usize, what: &str) -> Result<u32> {
+        let b = d.checked_bytes(elems).ok_or_else(|| {
+            self.err(format!(
+                "{what} of {elems} elements does not step by whole {d} blocks"
+            ))
+        })?;
+        self.u32(b, what)
     }
 
     pub(super) fn float(&self, what: &str, d: DType) -> Result<()> {

@@ -29,7 +29,14 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
         return Err(c.err(format!("result must be f32, got {}", dst.dtype)));
     }
     c.float("a", a.dtype)?;
-    c.float("b", b.dtype)?;
+    if !b.dtype.is_quantized() {
+        c.float("b", b.dtype)?;
+    } else if a.dtype != DType::F32 {
+        return Err(c.err(format!(
+            "a {} weight multiplies f32 activations only on Vulkan, got {}",
+            b.dtype, a.dtype
+        )));
+    }
     let (ra, rb) = (a.rank(), b.rank());
     if ra < 2 || rb < 2 {
         return Err(c.err(format!(
@@ -120,6 +127,9 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
     if batches > max[1] as usize || batches > max[2] as usize {
         return Err(c.err(format!("{batches} batches exceed the dispatch limits")));
     }
+    if b.dtype.is_quantized() {
+        return quant_mat_vec(c, b, [bdd, ba, bb], push, [sb, [b_sk, b_sn]]);
+    }
     if fast_mat_vec(a, b, m, k, &push, &sa, &sb) {
         let gx = n.div_ceil(MAT_VEC_K_ROWS);
         if gx <= max[0] as usize {
@@ -159,6 +169,45 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
         binds: vec![bdd, ba, bb],
         push,
         groups: [gx as u32, gy as u32, batches as u32],
+    }])
+}
+
+/// `x @ w.T` over a block-dtype `w` (`mul_mat_vec_q*.wgsl`): each row of x is one
+/// workgroup z of a mat-vec that dequantizes the blocks in registers. The graph builder
+/// admits such a `b` only with its blocks along k (stride 1, whole rows: `b_sk == 1`, every
+/// other stride a whole number of rows); b's offset and strides go to the kernel in bytes.
+fn quant_mat_vec(
+    c: &Ctx,
+    b: &Res,
+    binds: [crate::pipelines::Bind; 3],
+    mut push: Push,
+    [sb, [b_sk, b_sn]]: [[usize; 2]; 2],
+) -> Result<Vec<Dispatch>> {
+    let [m, n, k, _] = push.shape.map(|v| v as usize);
+    let bs = b.dtype.block_size();
+    if b_sk != 1 || !k.is_multiple_of(bs) {
+        return Err(c.err(format!(
+            "a {} weight must have its blocks along k (x @ w.T), got shape {:?} strides {:?}",
+            b.dtype, b.shape, b.strides
+        )));
+    }
+    let max = c.lim.max_groups;
+    let gx = n.div_ceil(MAT_VEC_K_ROWS);
+    if gx > max[0] as usize || m > max[2] as usize {
+        return Err(c.err(format!("a {m}x{n} product exceeds the dispatch limits")));
+    }
+    push.b_str = [
+        c.block_bytes(b.dtype, sb[0], "batch stride")?,
+        c.block_bytes(b.dtype, sb[1], "batch stride")?,
+        0,
+        c.block_bytes(b.dtype, b_sn, "row stride")?,
+    ];
+    let flavour = if c.lim.subgroups { "" } else { "_wg" };
+    Ok(vec![Dispatch {
+        kernel: format!("mul_mat_vec_q{flavour}.d_f32.a_f32.b_{}", dt(b.dtype)),
+        binds: binds.to_vec(),
+        push,
+        groups: [gx as u32, push.offs[3], m as u32],
     }])
 }
 
