@@ -2,7 +2,7 @@
 # Runs the CUDA backend's decode kernels on the CPU and checks them against float64 references
 # (crates/backend-cuda/emu): the kernels' logic is tested on every CI run, which has no GPU.
 #
-# Copies kernels/*.cu, the fused families' src/fusion/*.cu and common.cuh to a scratch folder, with the two f16 conversions of inline
+# Copies kernels/*.cu, the fused families' src/fusion/*.cu, common.cuh and quant.cuh to a scratch folder, with the two f16 conversions of inline
 # PTX replaced by C++ ones and `extern __shared__` arrays made static, compiles the test with
 # g++ (C++20: std::barrier) and runs it. Needs g++ (Debian: apt-get install g++).
 # Arguments name test groups to run alone (`bash scripts/kernel_emu.sh attention_nan`); none:
@@ -27,7 +27,7 @@ for ptx, cpp in [
         sys.exit(f"kernel_emu: common.cuh no longer has `{ptx}`: update scripts/kernel_emu.sh")
     common = common.replace(ptx, cpp)
 (dst / "common.h").write_text(common)
-for cu in [*src.glob("*.cu"), *fused.glob("*.cu")]:
+for cu in [*src.glob("*.cu"), *fused.glob("*.cu"), src / "quant.cuh"]:
     if (dst / cu.name).exists():
         sys.exit(f"kernel_emu: two kernel files are named {cu.name}")
     text = re.sub(r"extern __shared__ (\w+) (\w+)\[\];", r"static \1 \2[16384];", cu.read_text())

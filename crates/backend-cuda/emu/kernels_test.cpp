@@ -4,13 +4,17 @@
 // mul_mat_vec_k / mul_mat_vec_k4, mul_mat_vec_1, rope_rows, attn_decode (masked rows poisoned
 // with NaN: they must not be read), soft_max and argmax (exact), and the small copies
 // small_copy and copy_batch (exact, in order), and the sampler's penalize and sample against the
-// answers of lowsync_graph::sampling in sample_cases.txt (exact). Built and run by
+// answers of lowsync_graph::sampling in sample_cases.txt (exact), and the kernels on GGUF block
+// weights (quant.cu) against gguf-py's dequantization in quant_cases.txt (bit-exact values;
+// products by NMSE against float64 of those values). Built and run by
 // scripts/kernel_emu.sh with this folder as its argument; exits non-zero on any failure.
 #include "cuda_shim.h"
 #include "attention.cu"
 #include "elementwise.cu"
 #include "gemv.cu"
 #include "matmul.cu"
+#include "quant.cuh"
+#include "quant.cu"
 #include "norm.cu"
 #include "norm_mul.cu"
 #include "rope_rows.cu"
@@ -1390,6 +1394,208 @@ void test_sample(const std::string& dir) {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// GGUF block weights (kernels/quant.cuh, quant.cu) against gguf-py: quant_cases.txt holds
+// random blocks of every type and `gguf.quants.dequantize` of them (scripts/gen_quant_cases.py).
+
+struct QCase {
+    std::string name;
+    int qt = 0;
+    i64 nblocks = 0;
+    std::vector<unsigned char> bytes;
+    std::vector<float> vals;  // gguf's values, in order
+    i64 qb() const { return (i64)vals.size() / nblocks; }
+    i64 bb() const { return (i64)bytes.size() / nblocks; }
+};
+
+std::vector<QCase> quant_cases() {
+    static std::vector<QCase> cases;
+    if (!cases.empty()) return cases;
+    const std::string path = std::string(LOWSYNC_EMU_DIR) + "/quant_cases.txt";
+    FILE* f = fopen(path.c_str(), "r");
+    if (!f) {
+        ++fails;
+        printf("FAIL quant: cannot read %s\n", path.c_str());
+        return cases;
+    }
+    std::string line;
+    auto next = [&](std::string& out) {
+        out.clear();
+        int ch;
+        while ((ch = fgetc(f)) != EOF && ch != '\n') out.push_back((char)ch);
+        return ch != EOF || !out.empty();
+    };
+    while (next(line)) {
+        if (line.empty() || line[0] == '#') continue;
+        QCase c;
+        char name[32];
+        long long nb = 0;
+        if (sscanf(line.c_str(), "%31s %d %lld", name, &c.qt, &nb) != 3) break;
+        c.name = name;
+        c.nblocks = nb;
+        std::string hex, vals;
+        next(hex);
+        next(vals);
+        for (size_t i = 0; i + 1 < hex.size(); i += 2) c.bytes.push_back((unsigned char)std::stoul(hex.substr(i, 2), nullptr, 16));
+        for (size_t i = 0; i + 8 <= vals.size(); i += 9) c.vals.push_back(__uint_as_float((unsigned)std::stoul(vals.substr(i, 8), nullptr, 16)));
+        cases.push_back(std::move(c));
+    }
+    fclose(f);
+    if (cases.size() != 12) {
+        ++fails;
+        printf("FAIL quant: %zu block types in %s, want 12\n", cases.size(), path.c_str());
+    }
+    return cases;
+}
+
+// Every block type's sizes, and dq16 of every chunk of every block bit for bit.
+void test_quant_dequant() {
+    for (const QCase& c : quant_cases()) {
+        const i64 qb = c.qb(), bb = c.bb(), nchunk = c.nblocks * qb / 16;
+        if (q_block_size(c.qt) != qb || q_block_bytes(c.qt) != bb) {
+            ++fails;
+            printf("FAIL quant_dequant %s: sizes %d/%d, gguf's %lld/%lld\n", c.name.c_str(), q_block_size(c.qt),
+                   q_block_bytes(c.qt), (long long)qb, (long long)bb);
+            continue;
+        }
+        std::vector<float> got(c.vals.size(), NAN);
+        launch((unsigned)((nchunk + 63) / 64), 64, [&] {
+            const i64 u = blockIdx.x * 64 + threadIdx.x;
+            if (u >= nchunk) return;
+            const unsigned char* blk = c.bytes.data() + (u * 16 / qb) * bb;
+            const int ch = (int)(u % (qb / 16));
+            QUANT_SWITCH(c.qt, dq16<QTV>(blk, ch, got.data() + u * 16))
+        });
+        i64 bad = 0, first = -1;
+        for (size_t i = 0; i < got.size(); ++i) {
+            if (__float_as_uint(got[i]) != __float_as_uint(c.vals[i])) {
+                if (first < 0) first = (i64)i;
+                ++bad;
+            }
+        }
+        if (bad) {
+            ++fails;
+            printf("FAIL quant_dequant %s: %lld of %zu values differ from gguf (first at %lld: %g, want %g)\n",
+                   c.name.c_str(), (long long)bad, got.size(), (long long)first, got[first], c.vals[first]);
+        }
+    }
+}
+
+// get_rows_q (f32 rows: exact; f16 rows: gguf's values rounded once) with a bad index, whose
+// row is skipped and reported; dequant_rows over a strided row set (f16, exact after rounding).
+void test_quant_rows() {
+    for (const QCase& c : quant_cases()) {
+        const i64 qb = c.qb(), bb = c.bb();
+        const i64 bpr = 2;  // blocks per table row
+        const i64 n_table = c.nblocks / bpr, d = bpr * qb;
+        const std::vector<int> ids = {(int)n_table - 1, 0, (int)(1 % n_table), 99, (int)n_table - 1};
+        for (int dtd : {DT_F32, DT_F16}) {
+            const i64 rows = (i64)ids.size();
+            Buf dst(dtd, rows * d);
+            u32 err = 0;
+            Lay L{};
+            L.nd = 1;
+            L.shape[0] = rows;
+            L.st[0][0] = d;
+            L.st[1][0] = 1;
+            launch((unsigned)((rows * d / 16 + 127) / 128), 128, [&] {
+                get_rows_q(rows, d, L, dst.p(), dtd, 1, c.bytes.data(), c.qt, bpr * bb, n_table, ids.data(), &err, 7);
+            });
+            i64 bad = 0;
+            for (i64 r = 0; r < rows; ++r) {
+                for (i64 e = 0; e < d; ++e) {
+                    const float got = dst.get(r * d + e);
+                    const bool oob = ids[r] < 0 || ids[r] >= n_table;
+                    const float want = oob ? 0.0f : (float)rounded(dtd, c.vals[ids[r] * d + e]);
+                    bad += __float_as_uint(got) != __float_as_uint(want);
+                }
+            }
+            if (bad || err != 7) {
+                ++fails;
+                printf("FAIL quant_rows get_rows_q %s dst %d: %lld values differ, error word %u\n", c.name.c_str(), dtd,
+                       (long long)bad, err);
+            }
+        }
+        // Rows 0, 2, 4 ... of the blocks seen as a [n_table, d] table: element stride 2 * d.
+        const i64 rows = n_table / 2;
+        Buf out(DT_F16, rows * d);
+        Lay L{};
+        L.nd = 1;
+        L.shape[0] = rows;
+        L.st[0][0] = 2 * d;
+        launch((unsigned)((rows * d / 16 + 127) / 128), 128,
+               [&] { dequant_rows(rows, d, L, (u16*)out.p(), c.bytes.data(), c.qt); });
+        i64 bad = 0;
+        for (i64 r = 0; r < rows; ++r)
+            for (i64 e = 0; e < d; ++e)
+                bad += __float_as_uint(out.get(r * d + e)) != __float_as_uint((float)rounded(DT_F16, c.vals[2 * r * d + e]));
+        if (bad) {
+            ++fails;
+            printf("FAIL quant_rows dequant_rows %s: %lld values differ\n", c.name.c_str(), (long long)bad);
+        }
+    }
+}
+
+// mul_mat_vec_q / _q8 against float64 sums of gguf's values: weights are rows of the case's
+// blocks in a shuffled order (row stride padded by one block in one case), a is f32 with
+// padded rows, two batches with b broadcast (GQA-style divisor) in one case.
+void test_quant_mmv() {
+    for (const QCase& c : quant_cases()) {
+        const i64 qb = c.qb(), bb = c.bb();
+        for (i64 kb : {1, 3})
+            for (i64 M : {1, 3, 9})
+                for (int pad : {0, 1}) {
+                    const i64 K = kb * qb, N = 37, nbatch = pad ? 2 : 1;
+                    const i64 row_blocks = kb + pad, b_cs = row_blocks * bb;
+                    std::vector<unsigned char> w((size_t)(N * b_cs), 0xee);
+                    std::vector<i64> src((size_t)(N * kb));  // case block behind each weight block
+                    for (i64 n = 0; n < N; ++n)
+                        for (i64 j = 0; j < kb; ++j) {
+                            const i64 s = (i64)(rng() % (unsigned)c.nblocks);
+                            src[n * kb + j] = s;
+                            memcpy(w.data() + n * b_cs + j * bb, c.bytes.data() + s * bb, bb);
+                        }
+                    const i64 lda = K + 4 * pad;
+                    Buf a(DT_F32, nbatch * M * lda), dst(DT_F32, nbatch * M * N);
+                    a.rand();
+                    MmBatch B{};
+                    if (nbatch > 1) {
+                        B.nd = 1;
+                        B.shape[0] = nbatch;
+                        B.st[0][0] = M * N;
+                        B.st[1][0] = M * lda;
+                        B.st[2][0] = 0;
+                        B.div[0][0] = 1;
+                        B.div[1][0] = 1;
+                        B.div[2][0] = nbatch;
+                    }
+                    const i64 blocks = (N + MVQ_WARPS - 1) / MVQ_WARPS * nbatch;
+                    launch((unsigned)blocks, 32 * MVQ_WARPS, [&] {
+                        if (M == 1)
+                            mul_mat_vec_q(M, N, K, nbatch, B, (float*)dst.p(), N, 1, (const float*)a.p(), lda, w.data(),
+                                          c.qt, b_cs);
+                        else
+                            mul_mat_vec_q8(M, N, K, nbatch, B, (float*)dst.p(), N, 1, (const float*)a.p(), lda,
+                                           w.data(), c.qt, b_cs);
+                    });
+                    std::vector<double> want, got;
+                    for (i64 bt = 0; bt < nbatch; ++bt)
+                        for (i64 i = 0; i < M; ++i)
+                            for (i64 n = 0; n < N; ++n) {
+                                double acc = 0;
+                                for (i64 k = 0; k < K; ++k)
+                                    acc += (double)a.get(bt * M * lda + i * lda + k) *
+                                           c.vals[src[n * kb + k / qb] * qb + k % qb];
+                                want.push_back(acc);
+                                got.push_back(dst.get(bt * M * N + i * N + n));
+                            }
+                    check("quant_mmv " + c.name + " K " + std::to_string(K) + " M " + std::to_string(M) + " pad " +
+                              std::to_string(pad),
+                          want, got, 1e-10);
+                }
+    }
+}
+
 // Every test group, by name; `kernels_test NAME...` runs only the groups named.
 int main(int argc, char** argv) {
     const std::pair<const char*, void (*)()> groups[] = {
@@ -1409,6 +1615,9 @@ int main(int argc, char** argv) {
         {"soft_max", test_soft_max},
         {"argmax", test_argmax},
         {"mul_mat_vec_1_argmax", test_mul_mat_vec_1_argmax},
+        {"quant_dequant", test_quant_dequant},
+        {"quant_rows", test_quant_rows},
+        {"quant_mmv", test_quant_mmv},
     };
     int ran = 0;
     for (const auto& [name, run] : groups) {

@@ -69,6 +69,30 @@ __device__ __forceinline__ void lay_offsets(const Lay& L, i64 i, int n, i64* o) 
     }
 }
 
+// Batch axes of the matrix-vector kernels (matmul.cu, quant.cu).
+#define MB_MAXD 4
+
+// Output batch axes: st[t] / div[t] are the element strides and GQA divisors of dst, a, b
+// (operand index along an axis = batch index / div; stride 0 where the operand is broadcast).
+// Matches `MmBatch` in src/exec/matmul.rs. Shared by matmul.cu and quant.cu (whose b strides are
+// bytes: see there).
+struct MmBatch {
+    i64 nd;
+    i64 shape[MB_MAXD];
+    i64 st[3][MB_MAXD];
+    i64 div[3][MB_MAXD];
+};
+
+__device__ __forceinline__ void mm_batch_offsets(const MmBatch& B, i64 bt, i64* o) {
+    o[0] = 0; o[1] = 0; o[2] = 0;
+    for (int ax = (int)B.nd - 1; ax >= 0; --ax) {
+        i64 d = B.shape[ax];
+        i64 c = bt % d;
+        bt /= d;
+        for (int t = 0; t < 3; ++t) o[t] += (c / B.div[t][ax]) * B.st[t][ax];
+    }
+}
+
 // Reports the first bad index of a launch into the host-mapped error word (the host reads it
 // after its next wait and names the node from `tag`).
 __device__ __forceinline__ void report(u32* err, u32 tag) { atomicCAS(err, 0u, tag); }

@@ -40,28 +40,7 @@ extern "C" __global__ void mul_mat_id(i64 T, i64 N, i64 K, i64 slots, i64 n_exp,
 // operands: the vectorised and the scalar loops accumulate the same products in the same
 // order, so any two runs of one graph give bit-identical results.
 
-#define MB_MAXD 4
 #define MMV_MT 8
-
-// Output batch axes: st[t] / div[t] are the element strides and GQA divisors of dst, a, b
-// (operand index along an axis = batch index / div; stride 0 where the operand is broadcast).
-// Matches `MmBatch` in src/matmul.rs.
-struct MmBatch {
-    i64 nd;
-    i64 shape[MB_MAXD];
-    i64 st[3][MB_MAXD];
-    i64 div[3][MB_MAXD];
-};
-
-__device__ __forceinline__ void mm_batch_offsets(const MmBatch& B, i64 bt, i64* o) {
-    o[0] = 0; o[1] = 0; o[2] = 0;
-    for (int ax = (int)B.nd - 1; ax >= 0; --ax) {
-        i64 d = B.shape[ax];
-        i64 c = bt % d;
-        bt /= d;
-        for (int t = 0; t < 3; ++t) o[t] += (c / B.div[t][ax]) * B.st[t][ax];
-    }
-}
 
 // b's k axis is contiguous: column j of b starts at element o_b + j * b_cs. A group of G lanes
 // (G a power of two <= 32) owns NC adjacent columns; lane gl of a group reads the 16-byte

@@ -111,7 +111,7 @@ pub(crate) const MMV_MAX_M: usize = 8;
 /// Rows of a up to which they run when cuBLAS would first convert all of b to f32 (f16/bf16 b
 /// under an a of another dtype): that conversion costs about three reads of b.
 pub(crate) const MMV_MAX_M_CONVERTING: usize = 32;
-/// Batch axes the matrix-vector kernels index (`MB_MAXD` in matmul.cu).
+/// Batch axes the matrix-vector kernels index (`MB_MAXD` in common.cuh).
 const MB_MAXD: usize = 4;
 /// Rows (one per warp) of a `mul_mat_vec_1` block (`GV_WARPS` in matmul.cu; `FG1_WARPS` in
 /// fusion/gemv.cu for `fused_gemv1`).
@@ -128,7 +128,7 @@ const MMN_C: usize = 4;
 /// Blocks a launch should have to fill the device (about two per SM of a large GPU).
 const MMV_TARGET_BLOCKS: usize = 256;
 
-/// Output batch axes of a matrix-vector launch (`struct MmBatch` in matmul.cu, field for
+/// Output batch axes of a matrix-vector launch (`struct MmBatch` in common.cuh, field for
 /// field): `st[t]` and `div[t]` are the element strides and GQA divisors of dst, a and b.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -779,12 +779,12 @@ mod tests {
         (p.route, p.convert_a)
     }
 
-    /// Against `struct MmBatch` of matmul.cu (the kernel's source, not a restatement of the
+    /// Against `struct MmBatch` of common.cuh (the kernel's source, not a restatement of the
     /// Rust struct): the same fields in order, size and bound.
     #[test]
     fn mm_batch_matches_the_cuda_struct() {
         use crate::abi::{c_define, c_struct, debug_fields};
-        let src = include_str!("../../kernels/matmul.cu");
+        let src = include_str!("../../kernels/common.cuh");
         assert_eq!(c_define(src, "MB_MAXD"), MB_MAXD);
         let c = c_struct(src, "MmBatch");
         assert_eq!(

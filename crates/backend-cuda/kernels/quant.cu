@@ -1,0 +1,132 @@
+// Kernels on GGUF block (quantized) weights: the embedding gather, decode's matrix-vector
+// product and the dequantization that feeds cuBLAS for prefill. Each reads the blocks in
+// place through quant.cuh's `dq16` (prepended to this module) and computes in f32.
+//
+// A quantized tensor's element strides and offsets count values, and every layout the graph
+// admits keeps rows whole, so a row start is a whole number of blocks: the host passes row
+// strides in bytes, and element offsets are turned into bytes as e / block size * block bytes.
+
+// dst[r, :] = table[ids[r], :] dequantized. `L` iterates the ids' shape: st[0] = dst row
+// strides (its leading axes), st[1] = ids strides. One thread per 16 values of a row (d is a
+// whole number of blocks).
+template <int QT>
+__device__ __forceinline__ void get_rows_q_body(i64 rows, i64 d, const Lay& L, void* dst, int dtd,
+                                                i64 dst_cs, const u8* table, i64 t_rs,
+                                                i64 n_table, const int* ids, u32* err, u32 tag) {
+    const int QB = q_block_size(QT), BB = q_block_bytes(QT);
+    const i64 nc = d / 16, n = rows * nc;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 r = i / nc, c = i % nc;
+        i64 o[3];
+        lay_offsets(L, r, 2, o);
+        const int id = ids[o[1]];
+        if (id < 0 || (i64)id >= n_table) {
+            report(err, tag);
+            continue;
+        }
+        float v[16];
+        dq16<QT>(table + (i64)id * t_rs + (16 * c / QB) * BB, (int)(c % (QB / 16)), v);
+#pragma unroll
+        for (int e = 0; e < 16; ++e) st(dst, dtd, o[0] + (16 * c + e) * dst_cs, v[e]);
+    }
+}
+
+extern "C" __global__ void get_rows_q(i64 rows, i64 d, Lay L, void* dst, int dtd, i64 dst_cs,
+                                      const u8* table, int qt, i64 t_rs, i64 n_table,
+                                      const int* ids, u32* err, u32 tag) {
+    pdl_entry();
+    QUANT_SWITCH(qt, get_rows_q_body<QTV>(rows, d, L, dst, dtd, dst_cs, table, t_rs, n_table, ids, err, tag))
+}
+
+// Matrix-vector product on a quantized weight, decode's `x @ w.T`: out[m, n] = a[m, k] @ b[k, n]
+// where column n of b is row n of w (its k values contiguous, `b_cs` bytes apart). One warp
+// per column; lane l dequantizes the 16-value chunks l, l + 32, ... of the column and
+// multiplies them by a's rows (k contiguous) in k order, MT rows per pass; the lanes meet in a
+// fixed xor butterfly. Summation order depends only on k: deterministic. Batch axes come in
+// `MmBatch` (matmul.cu) with b's strides in bytes; `blk` enumerates (batch, column block).
+#define MVQ_WARPS 4
+#define MVQ_MT 8
+
+template <int QT, int MT>
+__device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, const MmBatch& B,
+                                           float* dst, i64 d_rs, i64 d_cs, const float* a,
+                                           i64 a_rs, const u8* b, i64 b_cs) {
+    const int QB = q_block_size(QT), BB = q_block_bytes(QT);
+    const int lane = threadIdx.x & 31;
+    const i64 ncb = (N + MVQ_WARPS - 1) / MVQ_WARPS;
+    const i64 nchunks = K / 16;
+    for (i64 blk = blockIdx.x; blk < ncb * nbatch; blk += gridDim.x) {
+        const i64 bt = blk / ncb, cb = blk % ncb;
+        i64 o[3];
+        mm_batch_offsets(B, bt, o);
+        const i64 col = cb * MVQ_WARPS + (threadIdx.x >> 5);
+        if (col >= N) continue;  // warp-uniform: the warp's shuffles stay whole
+        const u8* wc = b + o[2] + col * b_cs;
+        for (i64 i0 = 0; i0 < M; i0 += MT) {
+            const int mt = (int)min((i64)MT, M - i0);
+            const float* ab = a + o[1] + i0 * a_rs;
+            float acc[MT];
+#pragma unroll
+            for (int r = 0; r < MT; ++r) acc[r] = 0.0f;
+            for (i64 u = lane; u < nchunks; u += 32) {
+                float v[16];
+                dq16<QT>(wc + (16 * u / QB) * BB, (int)(u % (QB / 16)), v);
+#pragma unroll
+                for (int r = 0; r < MT; ++r) {
+                    if (r < mt) {
+                        const float* ar = ab + r * a_rs + 16 * u;
+#pragma unroll
+                        for (int e = 0; e < 16; ++e) acc[r] = fmaf(ar[e], v[e], acc[r]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < MT; ++r) {
+                if (r < mt) {
+                    float s = acc[r];
+                    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+                    if (lane == 0) dst[o[0] + (i0 + r) * d_rs + col * d_cs] = s;
+                }
+            }
+        }
+    }
+}
+
+// blockDim.x == 32 * MVQ_WARPS. One row of a per pass (decode) ...
+extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q(
+    i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
+    i64 a_rs, const u8* b, int qt, i64 b_cs) {
+    pdl_entry();
+    QUANT_SWITCH(qt, mmv_q_body<QTV, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs))
+}
+
+// ... and MVQ_MT rows per pass (each dequantized chunk serves them all).
+extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q8(
+    i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
+    i64 a_rs, const u8* b, int qt, i64 b_cs) {
+    pdl_entry();
+    QUANT_SWITCH(qt, mmv_q_body<QTV, MVQ_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs))
+}
+
+// Prefill's weight for cuBLAS: dst[r, :] (f16, rows of k packed back to back) = row r of the
+// quantized source dequantized; `L` iterates the rows (st[0]: their element offsets). One
+// thread per 16 values.
+template <int QT>
+__device__ __forceinline__ void dequant_rows_body(i64 rows, i64 k, const Lay& L, u16* dst, const u8* src) {
+    const int QB = q_block_size(QT), BB = q_block_bytes(QT);
+    const i64 nc = k / 16, n = rows * nc;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 r = i / nc, c = i % nc;
+        i64 o[3];
+        lay_offsets(L, r, 1, o);
+        float v[16];
+        dq16<QT>(src + (o[0] / QB + 16 * c / QB) * BB, (int)(c % (QB / 16)), v);
+#pragma unroll
+        for (int e = 0; e < 16; ++e) dst[r * k + 16 * c + e] = f2h(v[e]);
+    }
+}
+
+extern "C" __global__ void dequant_rows(i64 rows, i64 k, Lay L, u16* dst, const u8* src, int qt) {
+    pdl_entry();
+    QUANT_SWITCH(qt, dequant_rows_body<QTV>(rows, k, L, dst, src))
+}
