@@ -70,7 +70,8 @@ def main() -> None:
         out.append(f"{name} {code} {raw.shape[0]}")
         out.append(raw.reshape(-1).tobytes().hex())
         out.append(" ".join(f"{b:08x}" for b in vals.view(np.uint32)))
-    path = pathlib.Path(__file__).resolve().parent.parent / "crates/backend-cuda/emu/quant_cases.txt"
+    root = pathlib.Path(__file__).resolve().parent.parent
+    path = root / "crates/backend-cuda/emu/quant_cases.txt"
     path.write_text("\n".join(out) + "\n")
     print(f"wrote {path} ({path.stat().st_size} bytes)")
 

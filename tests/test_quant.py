@@ -244,6 +244,66 @@ def test_vulkan_reads_q4_0_q4_1_q8_0_weights_and_refuses_other_blocks() -> None:
     assert ctx.supports("mul_mat", "f32", ["f32", "f16"])
 
 
+@pytest.mark.cuda
+def test_cuda_reads_every_block_type_in_products_and_row_gathers() -> None:
+    ctx = ls.Context(["cuda"])
+    for q in ALL:
+        assert ctx.supports("mul_mat", "f32", ["f32", q]), q
+        assert ctx.supports("get_rows", "f32", [q, "i32"]), q
+        assert ctx.supports("get_rows", "f16", [q, "i32"]), q
+        # Quantized experts have no CUDA kernel yet.
+        assert not ctx.supports("mul_mat_id", "f32", [q, "f32", "i32", "f32"]), q
+    assert not ctx.supports("add", "f32", ["f32", "q4_k"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ALL)
+def test_cuda_get_rows_of_a_quantized_table_is_gguf_bit_for_bit(dtype: str) -> None:
+    block, _ = quants.block_facts(dtype)
+    table = quantized(dtype, 10, 2 * block, seed=12)
+    g = ls.Graph()
+    ids = g.input("ids", [4], "i32")
+    g.output("out", g.get_rows(g.weight("table", table, dtype=dtype), ids))
+    rows = np.array([9, 0, 3, 9], np.int32)
+    got = _run(g, "cuda", {"ids": rows})
+    assert np.array_equal(got, reference(table, dtype)[rows])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ALL)
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_cuda_mul_mat_with_a_quantized_weight(dtype: str, m: int) -> None:
+    """Up to 8 rows the blocks are read in place (f32 arithmetic); above, the weight and x are
+    rounded to f16 for cuBLAS (f32 accumulation): an f16-sized error."""
+    block, _ = quants.block_facts(dtype)
+    k, n = 2 * block, 24
+    w = quantized(dtype, n, k, seed=14)
+    x = np.random.default_rng(15).standard_normal((m, k)).astype(np.float32)
+    g = ls.Graph()
+    xi = g.input("x", [m, k])
+    g.output("out", xi @ g.weight("w", w, dtype=dtype).T)
+    got = _run(g, "cuda", {"x": x})
+    want = x.astype(np.float64) @ reference(w, dtype).astype(np.float64).T
+    assert nmse(got, want) < (PRODUCT_NMSE if m <= 8 else 1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["q4_1", "q4_k", "q6_k", "iq4_xs"])
+def test_a_quantized_model_stays_quantized_on_cuda_and_matches_the_cpu(dtype: str) -> None:
+    model = _quant_model(dtype)
+    assert model.prepared_for(ls.Context(["cuda"])) is model, "no widening on CUDA"
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    want = _reference_forward(model, tokens)
+    cpu = ls.Session(model, backends=["cpu"], n_ctx=32, n_ubatch=4).decode(tokens, logits="all")
+    # Batches of at most 4 rows read the blocks in place (f32 arithmetic) ...
+    got = ls.Session(model, backends=["cuda"], n_ctx=32, n_ubatch=4).decode(tokens, logits="all")
+    assert rel_err(got, want) < 1e-3
+    assert rel_err(got, cpu) < 1e-3
+    # ... and one batch of 12 goes to cuBLAS on f16 copies of x and the dequantized weights.
+    got = ls.Session(model, backends=["cuda"], n_ctx=32, n_ubatch=16).decode(tokens, logits="all")
+    assert rel_err(got, want) < 5e-3
+
+
 # ---- files: raw blocks in and out ------------------------------------------------------------
 
 

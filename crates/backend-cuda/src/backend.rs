@@ -207,10 +207,15 @@ impl Drop for CudaGate {
 }
 
 /// Whether the CUDA kernels implement `op` for these dtypes: the reference rule of the graph
-/// crate ([`Op::accepts`]), which the CUDA kernels cover in full except for block (quantized)
-/// sources, which they do not read yet.
+/// crate ([`Op::accepts`]), which the CUDA kernels cover in full except for quantized experts
+/// of `MulMatId`. Block (quantized) weights are read by `MulMat` (as `x @ w.T`) and `GetRows`
+/// (`kernels/quant.cu`).
 pub fn cuda_supports_op(op: &Op, dst: DType, srcs: &[DType]) -> bool {
-    !srcs.iter().any(|s| s.is_quantized()) && op.accepts(dst, srcs)
+    let quant_ok = match op {
+        Op::MulMat | Op::GetRows => true,
+        _ => !srcs.iter().any(|s| s.is_quantized()),
+    };
+    quant_ok && op.accepts(dst, srcs)
 }
 
 impl Backend for CudaBackend {
@@ -722,11 +727,23 @@ mod tests {
     }
 
     #[test]
-    fn quantized_sources_are_refused_until_kernels_read_them() {
-        use DType::{F32, I32, Q4_0};
-        assert!(Op::MulMat.accepts(F32, &[F32, Q4_0]));
-        assert!(!cuda_supports_op(&Op::MulMat, F32, &[F32, Q4_0]));
-        assert!(!cuda_supports_op(&Op::GetRows, F32, &[Q4_0, I32]));
+    fn quantized_weights_are_read_by_mul_mat_and_get_rows_only() {
+        use DType::{F16, F32, I32, Q4_0};
+        for &q in DType::ALL.iter().filter(|d| d.is_quantized()) {
+            assert!(cuda_supports_op(&Op::MulMat, F32, &[F32, q]), "{q}");
+            assert!(cuda_supports_op(&Op::MulMat, F16, &[F16, q]), "{q}");
+            assert!(cuda_supports_op(&Op::GetRows, F32, &[q, I32]), "{q}");
+            assert!(cuda_supports_op(&Op::GetRows, F16, &[q, I32]), "{q}");
+            // Quantized experts stay refused (no kernel reads them yet) ...
+            assert!(Op::MulMatId.accepts(F32, &[q, F32, I32, F32]), "{q}");
+            assert!(!cuda_supports_op(&Op::MulMatId, F32, &[q, F32, I32, F32]), "{q}");
+            // ... and what the graph refuses stays refused: a quantized activation or result.
+            assert!(!cuda_supports_op(&Op::MulMat, F32, &[q, F32]), "{q}");
+            assert!(!cuda_supports_op(&Op::MulMat, q, &[F32, q]), "{q}");
+            assert!(!cuda_supports_op(&Op::Cpy, F32, &[q]), "{q}");
+        }
         assert!(cuda_supports_op(&Op::MulMat, F32, &[F32, F32]));
+        assert!(cuda_supports_op(&Op::MulMatId, F32, &[F16, F32, I32, F32]));
+        assert!(!cuda_supports_op(&Op::GetRows, F32, &[Q4_0, F32]));
     }
 }

@@ -41,6 +41,15 @@ const MODULES: &[(&str, &str)] = &[
     ("rope", include_str!("../kernels/rope.cu")),
     ("matmul", include_str!("../kernels/matmul.cu")),
     ("sample", include_str!("../kernels/sample.cu")),
+    // GGUF block weights: quant.cuh (one decoder per block type) and the kernels that use it.
+    (
+        "quant",
+        concat!(
+            include_str!("../kernels/quant.cuh"),
+            "\n",
+            include_str!("../kernels/quant.cu")
+        ),
+    ),
     ("fused_norm_mul", include_str!("fusion/norm_mul.cu")),
     ("fused_gemv", include_str!("fusion/gemv.cu")),
     ("fused_rope_rows", include_str!("fusion/rope_rows.cu")),
@@ -98,11 +107,19 @@ pub(crate) enum Kernel {
     Penalize,
     /// The sampler's draw (`Op::Sample`), one block per row.
     Sample,
+    /// `GetRows` of a quantized table (`get_rows_q`).
+    GetRowsQ,
+    /// Decode's product on a quantized weight, one row of a per pass ...
+    MulMatVecQ,
+    /// ... and eight (`mul_mat_vec_q8`).
+    MulMatVecQ8,
+    /// A quantized weight dequantized to f16 rows for cuBLAS (`dequant_rows`).
+    DequantRows,
 }
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 40] = [
+    pub(crate) const ALL: [Kernel; 44] = [
         Kernel::EwUnary,
         Kernel::SmallCopy,
         Kernel::CopyBatch,
@@ -143,6 +160,10 @@ impl Kernel {
         Kernel::FusedGemv1Rp32,
         Kernel::Penalize,
         Kernel::Sample,
+        Kernel::GetRowsQ,
+        Kernel::MulMatVecQ,
+        Kernel::MulMatVecQ8,
+        Kernel::DequantRows,
     ];
 
     /// The streamed products' own entry points, whose blocks may ask for more than the
@@ -212,6 +233,9 @@ impl Kernel {
             Kernel::RopeRows => "fused_rope_rows",
             Kernel::AttnDecode | Kernel::AttnFast | Kernel::AttnFastLong => "fused_attention",
             Kernel::Penalize | Kernel::Sample => "sample",
+            Kernel::GetRowsQ | Kernel::MulMatVecQ | Kernel::MulMatVecQ8 | Kernel::DequantRows => {
+                "quant"
+            }
         }
     }
 
@@ -257,6 +281,10 @@ impl Kernel {
             Kernel::FusedGemv1S32 => "fused_gemv1_s32",
             Kernel::Penalize => "penalize",
             Kernel::Sample => "sample",
+            Kernel::GetRowsQ => "get_rows_q",
+            Kernel::MulMatVecQ => "mul_mat_vec_q",
+            Kernel::MulMatVecQ8 => "mul_mat_vec_q8",
+            Kernel::DequantRows => "dequant_rows",
         }
     }
 }

@@ -57,9 +57,36 @@ pub(crate) fn dt(d: DType) -> i32 {
         DType::F16 => 1,
         DType::BF16 => 2,
         DType::I32 => 3,
-        // Block dtypes never reach a kernel: `cuda_supports_op` refuses them.
+        // Block dtypes reach only the `quant` module's kernels, which take `qt`'s codes.
         _ => -1,
     }
+}
+
+/// The block-type code of `kernels/quant.cuh` (`DT_Q4_0` ...), or `None` for a plain dtype.
+pub(crate) fn qt(d: DType) -> Option<i32> {
+    Some(match d {
+        DType::Q4_0 => 4,
+        DType::Q4_1 => 5,
+        DType::Q5_0 => 6,
+        DType::Q5_1 => 7,
+        DType::Q8_0 => 8,
+        DType::Q2_K => 9,
+        DType::Q3_K => 10,
+        DType::Q4_K => 11,
+        DType::Q5_K => 12,
+        DType::Q6_K => 13,
+        DType::IQ4_NL => 14,
+        DType::IQ4_XS => 15,
+        DType::F32 | DType::F16 | DType::BF16 | DType::I32 => return None,
+    })
+}
+
+/// Bytes spanned by an element stride of a block dtype (a row stride: whole blocks), or
+/// `None` when the stride does not land on a block start.
+pub(crate) fn quant_row_bytes(d: DType, stride: usize) -> Option<usize> {
+    stride
+        .is_multiple_of(d.block_size())
+        .then(|| stride / d.block_size() * d.block_bytes())
 }
 
 /// A tensor resolved to device memory.
@@ -323,6 +350,23 @@ mod tests {
             assert_eq!(*(p[2] as *const f32), 1.5);
         }
         assert!(p.iter().all(|q| (*q as usize).is_multiple_of(8)));
+    }
+
+    /// Against the `#define DT_...` codes of quant.cuh (the kernels' source) and the block bytes
+    /// its `q_block_bytes` returns.
+    #[test]
+    fn block_type_codes_match_quant_cuh() {
+        use crate::abi::c_define;
+        let src = include_str!("../../kernels/quant.cuh");
+        let blocks = DType::ALL.iter().filter(|d| d.is_quantized());
+        for &d in blocks {
+            let name = format!("DT_{}", format!("{d:?}").to_uppercase());
+            let code = qt(d).unwrap_or_else(|| panic!("{d} has a code"));
+            assert_eq!(c_define(src, &name) as i32, code, "{name}");
+            let bytes = format!("case {name}: return {};", d.block_bytes());
+            assert!(src.contains(&bytes), "quant.cuh: `{bytes}`");
+        }
+        assert_eq!(qt(DType::F16), None);
     }
 
     #[test]

@@ -30,6 +30,13 @@
 //! [`MMV_MAX_M`], or m <= [`MMV_MAX_M_CONVERTING`] when cuBLAS would have to convert b
 //! (`LOWSYNC_CUDA_TUNE=mmv_max_m=N` overrides both; 0 sends everything to cuBLAS). Its results are
 //! bit-identical run to run: the summation order depends only on the shapes.
+//!
+//! Quantized (GGUF block) weights, read as `x @ w.T` (b's k axis contiguous, whole rows): up to
+//! [`MMV_MAX_M_QUANT`] rows of a, `mul_mat_vec_q[8]` (`kernels/quant.cu`) reads the blocks in
+//! place and dequantizes them in registers; above it (prefill) the weight is dequantized to an
+//! f16 scratch copy (`dequant_rows`), a converted to f16, and cuBLAS multiplies the two with f32
+//! accumulation — the simplest correct prefill, at the cost of one f16 copy of the weight in
+//! scratch per product.
 
 use std::ffi::c_void;
 
@@ -39,7 +46,10 @@ use lowsync_graph::DType;
 
 use crate::config::DecodeGemv;
 use crate::device::Blas;
-use crate::exec::launch::{dt, float_dst, float_src, kernel_err, packed, Args, Dev, Exec};
+use crate::exec::launch::{
+    dt, float_dst, float_src, grid_for, kernel_err, packed, qt, quant_row_bytes, Args, Dev, Exec,
+    BLOCK,
+};
 use crate::kernels::Kernel;
 use crate::tickets::Counted;
 
@@ -103,6 +113,8 @@ enum Route {
     VecK,
     /// `mul_mat_vec_n[8]`: b's n axis is contiguous.
     VecN,
+    /// `mul_mat_vec_q[8]`: b is a quantized weight read in place.
+    VecQ,
 }
 
 /// Rows of a up to which the matrix-vector kernels run (above it cuBLAS reads every operand
@@ -111,6 +123,12 @@ pub(crate) const MMV_MAX_M: usize = 8;
 /// Rows of a up to which they run when cuBLAS would first convert all of b to f32 (f16/bf16 b
 /// under an a of another dtype): that conversion costs about three reads of b.
 pub(crate) const MMV_MAX_M_CONVERTING: usize = 32;
+/// Rows of a up to which a quantized weight is read in place by `mul_mat_vec_q[8]`: one pass
+/// of `mul_mat_vec_q8` (`MVQ_MT`), so every such product reads the weight once. Above it the
+/// weight is dequantized for cuBLAS. Not tuned on hardware yet.
+pub(crate) const MMV_MAX_M_QUANT: usize = 8;
+/// Columns (one per warp) of a `mul_mat_vec_q[8]` block (`MVQ_WARPS` in quant.cu).
+const MVQ_WARPS: usize = 4;
 /// Batch axes the matrix-vector kernels index (`MB_MAXD` in common.cuh).
 const MB_MAXD: usize = 4;
 /// Rows (one per warp) of a `mul_mat_vec_1` block (`GV_WARPS` in matmul.cu; `FG1_WARPS` in
@@ -169,7 +187,9 @@ fn mm_batch(batch: &[usize], ops: [&Dev; 3]) -> Option<MmBatch> {
 
 /// The rows threshold of the matrix-vector kernels for these operand dtypes.
 pub(crate) fn mmv_max_m(a: DType, b: DType, over: Option<usize>) -> usize {
-    over.unwrap_or(if b != DType::F32 && a != b {
+    over.unwrap_or(if b.is_quantized() {
+        MMV_MAX_M_QUANT
+    } else if b != DType::F32 && a != b {
         MMV_MAX_M_CONVERTING
     } else {
         MMV_MAX_M
@@ -222,6 +242,7 @@ impl Plan {
                 0
             },
             if self.convert_b {
+                // (A dequantized weight keeps b's own batch axes, at most the output's.)
                 nb.max(1) * self.k * self.n * sz
             } else {
                 0
@@ -255,7 +276,9 @@ pub(crate) fn plan(
 ) -> Result<Plan> {
     float_dst(node, dst)?;
     float_src(node, "a", a)?;
-    float_src(node, "b", b)?;
+    if !b.dtype.is_quantized() {
+        float_src(node, "b", b)?;
+    }
     let (ra, rb) = (a.rank(), b.rank());
     if ra < 2 || rb < 2 {
         return Err(kernel_err(
@@ -288,6 +311,9 @@ pub(crate) fn plan(
         ));
     }
     let batch = want[..nb].to_vec();
+    if b.dtype.is_quantized() {
+        return plan_quant(node, dst, a, b, (m, n, k), batch, mmv_override);
+    }
     let route = if dst.dtype == DType::F32
         && m <= mmv_max_m(a.dtype, b.dtype, mmv_override)
         && mm_batch(&batch, [dst, a, b]).is_some()
@@ -336,6 +362,107 @@ pub(crate) fn plan(
         out_scratch: !out_ok,
         route,
     })
+}
+
+/// The plan of a product on a quantized weight b (`plan`'s checks done): `Route::VecQ` for few
+/// rows, else cuBLAS on f16 copies of both operands (b dequantized).
+fn plan_quant(
+    node: &ExecNode,
+    dst: &Dev,
+    a: &Dev,
+    b: &Dev,
+    (m, n, k): (usize, usize, usize),
+    batch: Vec<usize>,
+    mmv_override: Option<usize>,
+) -> Result<Plan> {
+    let (ra, rb) = (a.rank(), b.rank());
+    // Rows of w (columns of b) must be whole blocks of contiguous values, every row start a
+    // block start: the layouts the graph admits for `x @ w.T`.
+    let rows_whole = (b.strides[rb - 2] == 1 || k == 1)
+        && (0..rb)
+            .filter(|&i| i != rb - 2 && b.shape[i] > 1)
+            .all(|i| quant_row_bytes(b.dtype, b.strides[i]).is_some());
+    if !rows_whole {
+        return Err(kernel_err(
+            node,
+            format!(
+                "a {} weight is read as `x @ w.T` (its k axis contiguous, whole rows of blocks); \
+                 got shape {:?} with strides {:?}",
+                b.dtype, b.shape, b.strides
+            ),
+        ));
+    }
+    if dst.dtype == DType::F32
+        && m <= mmv_max_m(a.dtype, b.dtype, mmv_override)
+        && mm_batch(&batch, [dst, a, b]).is_some()
+    {
+        return Ok(Plan {
+            m,
+            n,
+            k,
+            batch,
+            compute: DType::F32,
+            convert_a: !(a.dtype == DType::F32 && (a.strides[ra - 1] == 1 || k == 1)),
+            convert_b: false,
+            out_scratch: false,
+            route: Route::VecQ,
+        });
+    }
+    let out_ok = dst.dtype == DType::F32 && matches!(mat_layout(dst), Some((Order::RowMajor, _)));
+    Ok(Plan {
+        m,
+        n,
+        k,
+        batch,
+        compute: DType::F16,
+        convert_a: a.dtype != DType::F16 || mat_layout(a).is_none(),
+        convert_b: true,
+        out_scratch: !out_ok,
+        route: Route::Blas,
+    })
+}
+
+/// b (quantized) dequantized into f16 scratch at `ptr`: its matrices keep b's batch axes, each
+/// column of b (row of w) k contiguous values, columns back to back.
+fn dequant_b(ex: &Exec<'_>, node: &ExecNode, b: &Dev, ptr: u64) -> Result<Dev> {
+    let rb = b.rank();
+    let (k, n) = (b.shape[rb - 2], b.shape[rb - 1]);
+    let Some(code) = qt(b.dtype) else {
+        return Err(kernel_err(node, "dequant_b: b is not quantized"));
+    };
+    // Rows of w: b's batch axes, then n.
+    let mut rows_shape = b.shape[..rb - 2].to_vec();
+    rows_shape.push(n);
+    let mut rows_strides = b.strides[..rb - 2].to_vec();
+    rows_strides.push(b.strides[rb - 1]);
+    let rows: usize = rows_shape.iter().product();
+    let mut out_strides = vec![0usize; rb];
+    out_strides[rb - 2] = 1;
+    out_strides[rb - 1] = k;
+    let mut acc = k * n;
+    for i in (0..rb - 2).rev() {
+        out_strides[i] = acc;
+        acc *= b.shape[i];
+    }
+    let out = Dev {
+        ptr,
+        dtype: DType::F16,
+        shape: b.shape.clone(),
+        strides: out_strides,
+    };
+    if rows * k == 0 {
+        return Ok(out);
+    }
+    let l = ex.lay(node, &rows_shape, &[&rows_strides])?;
+    let args = Args::new()
+        .arg(rows as i64)
+        .arg(k as i64)
+        .arg(l)
+        .arg(ptr)
+        .arg(b.ptr)
+        .arg(code);
+    ex.launch(node, Kernel::DequantRows, grid_for(rows * k / 16), BLOCK, args)?;
+    Ok(out)
 }
 
 /// Element offset of operand `op`'s matrix for output batch index `idx` (GQA: axis of size
@@ -417,6 +544,9 @@ pub(crate) fn run(
     if plan.k == 0 {
         return ex.fill(node, dst, 0.0);
     }
+    if plan.route == Route::VecQ {
+        return run_vec_q(ex, node, plan, dst, a, b, regions);
+    }
     if plan.route != Route::Blas {
         return run_vec(ex, node, plan, dst, a, b, regions);
     }
@@ -427,7 +557,9 @@ pub(crate) fn run(
     } else {
         a.clone()
     };
-    let b = if plan.convert_b {
+    let b = if b.dtype.is_quantized() {
+        dequant_b(ex, node, b, regions[1])?
+    } else if plan.convert_b {
         let c = packed(regions[1], plan.compute, &b.shape);
         ex.copy(node, b, &c)?;
         c
@@ -613,6 +745,66 @@ pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Re
         return Err(e);
     }
     Ok(true)
+}
+
+/// Queues `dst = a @ b` on a quantized b as one launch of `mul_mat_vec_q[8]` (`Route::VecQ`).
+fn run_vec_q(
+    ex: &Exec<'_>,
+    node: &ExecNode,
+    plan: &Plan,
+    dst: &Dev,
+    a: &Dev,
+    b: &Dev,
+    regions: &[u64],
+) -> Result<()> {
+    let a = if plan.convert_a {
+        let c = packed(regions[0], DType::F32, &a.shape);
+        ex.copy(node, a, &c)?;
+        c
+    } else {
+        a.clone()
+    };
+    let Some(mut mb) = mm_batch(&plan.batch, [dst, &a, b]) else {
+        return Err(kernel_err(
+            node,
+            "too many batch axes for the matrix-vector kernels",
+        ));
+    };
+    let code = qt(b.dtype).ok_or_else(|| kernel_err(node, "run_vec_q: b is not quantized"))?;
+    // The kernel addresses b in bytes: whole rows, checked by `plan_quant`.
+    let bytes = |s: usize| {
+        quant_row_bytes(b.dtype, s)
+            .map(|v| v as i64)
+            .ok_or_else(|| kernel_err(node, format!("{} stride {s} is not whole blocks", b.dtype)))
+    };
+    for st in mb.st[2].iter_mut().take(mb.nd as usize) {
+        *st = bytes(*st as usize)?;
+    }
+    let (m, n, k) = (plan.m, plan.n, plan.k);
+    let nbatch: usize = plan.batch.iter().product();
+    let (ra, rb, rd) = (a.rank(), b.rank(), dst.rank());
+    let b_cs = if n > 1 { bytes(b.strides[rb - 1])? } else { 0 };
+    let kernel = if m == 1 {
+        Kernel::MulMatVecQ
+    } else {
+        Kernel::MulMatVecQ8
+    };
+    let blocks = (n.div_ceil(MVQ_WARPS) * nbatch).clamp(1, i32::MAX as usize) as u32;
+    let args = Args::new()
+        .arg(m as i64)
+        .arg(n as i64)
+        .arg(k as i64)
+        .arg(nbatch as i64)
+        .arg(mb)
+        .arg(dst.ptr)
+        .arg(dst.strides[rd - 2] as i64)
+        .arg(dst.strides[rd - 1] as i64)
+        .arg(a.ptr)
+        .arg(a.strides[ra - 2] as i64)
+        .arg(b.ptr)
+        .arg(code)
+        .arg(b_cs);
+    ex.launch(node, kernel, blocks, (MVQ_WARPS * 32) as u32, args)
 }
 
 /// Queues `dst = a @ b` as one launch of a matrix-vector kernel (`plan.route` is not Blas).

@@ -18,7 +18,8 @@ use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::{DType, Op, RopeMode};
 
 use crate::exec::launch::{
-    dt, float_dst, float_src, grid_for, kernel_err, row_block, rows_grid, Args, Dev, Exec, BLOCK,
+    dt, float_dst, float_src, grid_for, kernel_err, qt, quant_row_bytes, row_block, rows_grid,
+    Args, Dev, Exec, BLOCK,
 };
 use crate::exec::matmul;
 use crate::kernels::Kernel;
@@ -196,7 +197,10 @@ impl Exec<'_> {
 
     fn get_rows(&self, node: &ExecNode, dst: &Dev, table: &Dev, ids: &Dev) -> Result<()> {
         float_dst(node, dst)?;
-        float_src(node, "table", table)?;
+        let quant = qt(table.dtype);
+        if quant.is_none() {
+            float_src(node, "table", table)?;
+        }
         let want: Vec<usize> = ids
             .shape
             .iter()
@@ -226,6 +230,36 @@ impl Exec<'_> {
         let (_, dst_lead) = dst.leading();
         let l = self.lay(node, &ids.shape, &[&dst_lead, &ids.strides])?;
         let tag = self.tag(node);
+        if let Some(code) = quant {
+            // Rows of a block table are whole blocks with contiguous values (the graph keeps
+            // them so); the kernel takes the row stride in bytes.
+            let rs = if n_table > 1 { table.strides[0] } else { 0 };
+            let row_bytes = quant_row_bytes(table.dtype, rs);
+            let (Some(row_bytes), 1) = (row_bytes, table.strides[1]) else {
+                return Err(kernel_err(
+                    node,
+                    format!(
+                        "a {} table needs rows of whole blocks with contiguous values, got strides {:?}",
+                        table.dtype, table.strides
+                    ),
+                ));
+            };
+            let args = Args::new()
+                .arg(rows as i64)
+                .arg(d as i64)
+                .arg(l)
+                .arg(dst.ptr)
+                .arg(dt(dst.dtype))
+                .arg(dst.last_stride() as i64)
+                .arg(table.ptr)
+                .arg(code)
+                .arg(row_bytes as i64)
+                .arg(n_table as i64)
+                .arg(ids.ptr)
+                .arg(self.inner.err_word.dev())
+                .arg(tag);
+            return self.launch(node, Kernel::GetRowsQ, grid_for(rows * d / 16), BLOCK, args);
+        }
         let args = Args::new()
             .arg(rows as i64)
             .arg(d as i64)

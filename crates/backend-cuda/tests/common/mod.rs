@@ -164,6 +164,28 @@ impl Pair {
         }
     }
 
+    /// A contiguous tensor of block dtype `dtype` holding `bytes` (whole rows of blocks) on
+    /// both backends.
+    pub fn blocks(&self, dtype: DType, shape: &[usize], bytes: &[u8]) -> Twin {
+        let want = lowsync_graph::tensor_bytes(shape, dtype).expect("whole rows of blocks");
+        assert_eq!(bytes.len(), want, "{dtype} bytes for {shape:?}");
+        let mk = |b: &dyn Backend| -> TensorRef {
+            let id = b.alloc_buffer(bytes.len(), BufferUsage::Compute).unwrap();
+            b.set_tensor(id, 0, bytes).unwrap();
+            TensorRef {
+                buffer: id,
+                byte_offset: 0,
+                dtype,
+                shape: shape.to_vec(),
+                strides: contiguous_strides(shape),
+            }
+        };
+        Twin {
+            cpu: mk(&self.cpu),
+            gpu: mk(&*self.gpu),
+        }
+    }
+
     pub fn rand(&self, rng: &mut Rng, dtype: DType, shape: &[usize]) -> Twin {
         let n = shape.iter().product();
         self.tensor(dtype, shape, &rng.vec(n))

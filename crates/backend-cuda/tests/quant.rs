@@ -1,0 +1,163 @@
+//! Quantized (GGUF block) weights on CUDA, every block type: `MulMat` as `x @ w.T` at decode
+//! (m = 1, the in-place `mul_mat_vec_q`), a few rows (m = 3, `mul_mat_vec_q8`) and prefill
+//! (m = 64: dequantized to f16 for cuBLAS), on a row slice of a larger weight and over a batch
+//! axis; and `GetRows` of a quantized table into f32 and f16 rows. Against the CPU backend (the
+//! oracle, itself checked bit for bit against gguf-py): NMSE for products, bit-exact rows.
+//! The kernels' own float64 and gguf checks run in the emulation (scripts/kernel_emu.sh groups
+//! `quant_dequant`, `quant_rows`, `quant_mmv`). Ignored without a CUDA device (see `common`).
+
+mod common;
+
+use common::{gpu, nmse, Pair, Rng, Twin};
+use lowsync_graph::{DType, Op};
+
+fn pair(test: &str) -> Pair {
+    Pair::new(gpu(test))
+}
+
+/// The block dtypes.
+fn quants() -> impl Iterator<Item = DType> {
+    DType::ALL.into_iter().filter(|d| d.is_quantized())
+}
+
+/// Byte offsets of each block type's f16 scale fields (GGUF layouts).
+fn scale_fields(dt: DType) -> &'static [usize] {
+    match dt {
+        DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+        DType::Q2_K => &[80, 82],
+        DType::Q3_K => &[108],
+        DType::Q6_K => &[208],
+        _ => &[0],
+    }
+}
+
+/// `rows` rows of `k` values of `dt`: random bytes with finite f16 scales (|d| in [2^-7, 2^-3),
+/// either sign), so every value is finite.
+fn blocks(rng: &mut Rng, dt: DType, rows: usize, k: usize) -> Vec<u8> {
+    let bb = dt.block_bytes();
+    let n = rows * k / dt.block_size();
+    let mut b: Vec<u8> = (0..n * bb).map(|_| rng.next_u64() as u8).collect();
+    for blk in b.chunks_exact_mut(bb) {
+        for &off in scale_fields(dt) {
+            let r = rng.next_u64();
+            let bits = 0x2000u16 | (r as u16 & 0x0fff) | ((r >> 32) as u16 & 0x8000);
+            blk[off..off + 2].copy_from_slice(&bits.to_le_bytes());
+        }
+    }
+    b
+}
+
+/// `x [m, k] @ w.T` with w rows `lead..lead + n` of a `[lead + n + 1, k]` weight, on both
+/// backends; the NMSE of CUDA's result against the oracle's.
+fn product(p: &Pair, rng: &mut Rng, dt: DType, m: usize, n: usize, k: usize, lead: usize) -> f64 {
+    let rows = lead + n + 1;
+    let w = p.blocks(dt, &[rows, k], &blocks(rng, dt, rows, k));
+    // (`Twin::view` counts its offset in elements of a plain dtype: move by whole rows here.)
+    let mut wt = w.view(&[k, n], &[1, k], 0);
+    let row = dt.row_bytes(k).expect("whole blocks");
+    wt.cpu.byte_offset += lead * row;
+    wt.gpu.byte_offset += lead * row;
+    let x = p.rand(rng, DType::F32, &[m, k]);
+    let d = p.zeros(DType::F32, &[m, n]);
+    p.run(Op::MulMat, &d, &[&x, &wt])
+        .unwrap_or_else(|e| panic!("{dt} m={m}: CUDA failed: {e}"));
+    let (want, got) = p.read(&d);
+    nmse(&want, &got)
+}
+
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn quantized_products_match_the_oracle_at_decode_and_prefill_shapes() {
+    let p = pair("quant_products");
+    let mut rng = Rng::new(33);
+    for dt in quants() {
+        let bs = dt.block_size();
+        // (m, n, k, lead): decode over one and several blocks per row, a few rows, prefill.
+        for (m, n, k, lead) in [
+            (1, 37, bs, 0),
+            (1, 45, 3 * bs, 2),
+            (3, 37, 2 * bs, 1),
+            (64, 40, 2 * bs, 0),
+        ] {
+            let e = product(&p, &mut rng, dt, m, n, k, lead);
+            // In place (f32 accumulation): the oracle's 16-bit activation blocks stay near
+            // 1e-8. Prefill rounds x and the weight to f16 for cuBLAS: about 1e-7.
+            let bound = if m <= 8 { 1e-6 } else { 1e-5 };
+            assert!(
+                e <= bound,
+                "{dt} m={m} n={n} k={k} lead={lead}: NMSE {e:e} > {bound:e}"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn quantized_products_over_a_batch_axis_match_the_oracle() {
+    let p = pair("quant_batched");
+    let mut rng = Rng::new(34);
+    for dt in [DType::Q4_0, DType::Q8_0, DType::Q4_K, DType::Q6_K] {
+        let (b, m, n, k) = (3, 2, 19, 2 * dt.block_size());
+        let w = p.blocks(dt, &[b, n, k], &blocks(&mut rng, dt, b * n, k));
+        let wt = w.transpose(1, 2); // [b, k, n], k contiguous
+        for m in [m, 40] {
+            let x = p.rand(&mut rng, DType::F32, &[b, m, k]);
+            let d = p.zeros(DType::F32, &[b, m, n]);
+            p.run(Op::MulMat, &d, &[&x, &wt])
+                .unwrap_or_else(|e| panic!("{dt} batched m={m}: CUDA failed: {e}"));
+            let (want, got) = p.read(&d);
+            let e = nmse(&want, &got);
+            let bound = if m <= 8 { 1e-6 } else { 1e-5 };
+            assert!(e <= bound, "{dt} batched m={m}: NMSE {e:e} > {bound:e}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn quantized_tables_give_the_oracles_rows_bit_for_bit() {
+    let p = pair("quant_rows");
+    let mut rng = Rng::new(35);
+    for dt in quants() {
+        let (rows, k) = (9, 2 * dt.block_size());
+        let table = p.blocks(dt, &[rows, k], &blocks(&mut rng, dt, rows, k));
+        let ids = p.ints(&[2, 3], &[4, 0, 8, 4, 1, 7]);
+        for dst_dt in [DType::F32, DType::F16] {
+            let d: Twin = p.zeros(dst_dt, &[2, 3, k]);
+            p.run(Op::GetRows, &d, &[&table, &ids])
+                .unwrap_or_else(|e| panic!("{dt} -> {dst_dt}: CUDA failed: {e}"));
+            let (want, got) = p.read(&d);
+            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                assert!(
+                    w.to_bits() == g.to_bits(),
+                    "{dt} -> {dst_dt}: element {i}: want {w}, got {g}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn a_quantized_weight_read_other_than_as_w_transposed_is_a_clear_error() {
+    let p = pair("quant_layout");
+    let mut rng = Rng::new(36);
+    let dt = DType::Q4_0;
+    let (n, k) = (8, 64);
+    // `x @ w` with w [n, k] quantized read as [k = n, n = k]: its contraction axis is the
+    // strided one, which no kernel reads. The CPU oracle refuses it too, so run CUDA alone.
+    let w = p.blocks(dt, &[n, k], &blocks(&mut rng, dt, n, k));
+    let x = p.rand(&mut rng, DType::F32, &[1, n]);
+    let d = p.zeros(DType::F32, &[1, k]);
+    let node = lowsync_backend::ExecNode {
+        op: Op::MulMat,
+        name: "wrong_way".into(),
+        dst: d.gpu.clone(),
+        srcs: vec![x.gpu.clone(), w.gpu.clone()],
+    };
+    let g = std::sync::Arc::new(lowsync_backend::ExecGraph::new(vec![node]));
+    use lowsync_backend::Backend;
+    let r = p.gpu.graph_compute_async(&g).and_then(|()| p.gpu.synchronize());
+    let msg = r.expect_err("a strided contraction axis is refused").to_string();
+    assert!(msg.contains("x @ w.T"), "{msg}");
+}
