@@ -736,7 +736,10 @@ mod tests {
             assert!(cuda_supports_op(&Op::GetRows, F16, &[q, I32]), "{q}");
             // Quantized experts stay refused (no kernel reads them yet) ...
             assert!(Op::MulMatId.accepts(F32, &[q, F32, I32, F32]), "{q}");
-            assert!(!cuda_supports_op(&Op::MulMatId, F32, &[q, F32, I32, F32]), "{q}");
+            assert!(
+                !cuda_supports_op(&Op::MulMatId, F32, &[q, F32, I32, F32]),
+                "{q}"
+            );
             // ... and what the graph refuses stays refused: a quantized activation or result.
             assert!(!cuda_supports_op(&Op::MulMat, F32, &[q, F32]), "{q}");
             assert!(!cuda_supports_op(&Op::MulMat, q, &[F32, q]), "{q}");

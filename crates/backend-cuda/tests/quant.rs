@@ -157,7 +157,12 @@ fn a_quantized_weight_read_other_than_as_w_transposed_is_a_clear_error() {
     };
     let g = std::sync::Arc::new(lowsync_backend::ExecGraph::new(vec![node]));
     use lowsync_backend::Backend;
-    let r = p.gpu.graph_compute_async(&g).and_then(|()| p.gpu.synchronize());
-    let msg = r.expect_err("a strided contraction axis is refused").to_string();
+    let r = p
+        .gpu
+        .graph_compute_async(&g)
+        .and_then(|()| p.gpu.synchronize());
+    let msg = r
+        .expect_err("a strided contraction axis is refused")
+        .to_string();
     assert!(msg.contains("x @ w.T"), "{msg}");
 }

@@ -461,7 +461,13 @@ fn dequant_b(ex: &Exec<'_>, node: &ExecNode, b: &Dev, ptr: u64) -> Result<Dev> {
         .arg(ptr)
         .arg(b.ptr)
         .arg(code);
-    ex.launch(node, Kernel::DequantRows, grid_for(rows * k / 16), BLOCK, args)?;
+    ex.launch(
+        node,
+        Kernel::DequantRows,
+        grid_for(rows * k / 16),
+        BLOCK,
+        args,
+    )?;
     Ok(out)
 }
 
@@ -1038,6 +1044,57 @@ mod tests {
         let x = dev(DType::F32, &[40, 64], &[64, 1]);
         let out = dev(DType::F32, &[40, 96], &[96, 1]);
         assert_eq!(route(&out, &x, &wt(DType::F32), Some(64)).0, Route::VecK);
+    }
+
+    #[test]
+    fn quantized_weights_are_read_in_place_up_to_eight_rows_then_dequantized_for_cublas() {
+        for wdt in DType::ALL.into_iter().filter(|d| d.is_quantized()) {
+            let k = 2 * wdt.block_size();
+            // x @ w.T with w [96, k] row-major.
+            let wt = dev(wdt, &[k, 96], &[1, k]);
+            for m in [1, 3, 8] {
+                let x = dev(DType::F32, &[m, k], &[k, 1]);
+                let out = dev(DType::F32, &[m, 96], &[96, 1]);
+                assert_eq!(
+                    route(&out, &x, &wt, None),
+                    (Route::VecQ, false),
+                    "{wdt} m={m}"
+                );
+            }
+            // f16 activations are converted to f32 for the in-place kernel.
+            let xh = dev(DType::F16, &[1, k], &[k, 1]);
+            let out = dev(DType::F32, &[1, 96], &[96, 1]);
+            assert_eq!(route(&out, &xh, &wt, None), (Route::VecQ, true), "{wdt}");
+            // Prefill: both operands to f16 (b dequantized), cuBLAS.
+            let x = dev(DType::F32, &[9, k], &[k, 1]);
+            let out = dev(DType::F32, &[9, 96], &[96, 1]);
+            let p = plan(&node(), &out, &x, &wt, None).expect("a valid matmul");
+            assert_eq!(
+                (p.route, p.compute, p.convert_a, p.convert_b),
+                (Route::Blas, DType::F16, true, true),
+                "{wdt}"
+            );
+            assert_eq!(p.scratch_sizes(), vec![9 * k * 2, k * 96 * 2, 0]);
+            // An f16 result, or the override at 0, sends even one row to cuBLAS.
+            let x = dev(DType::F32, &[1, k], &[k, 1]);
+            let out16 = dev(DType::F16, &[1, 96], &[96, 1]);
+            assert_eq!(route(&out16, &x, &wt, None).0, Route::Blas, "{wdt}");
+            let out = dev(DType::F32, &[1, 96], &[96, 1]);
+            assert_eq!(route(&out, &x, &wt, Some(0)).0, Route::Blas, "{wdt}");
+        }
+    }
+
+    #[test]
+    fn a_quantized_weight_whose_k_axis_is_strided_is_a_clear_error() {
+        // x @ w with w [64, 96] Q4_0 read along its strided axis.
+        let w = dev(DType::Q4_0, &[96, 64], &[64, 1]);
+        let x = dev(DType::F32, &[1, 96], &[96, 1]);
+        let out = dev(DType::F32, &[1, 64], &[64, 1]);
+        let err = plan(&node(), &out, &x, &w, None)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(err.contains("x @ w.T"), "{err}");
     }
 
     #[test]
