@@ -106,6 +106,7 @@ inline std::vector<std::unique_ptr<std::barrier<>>> emu_warps;
 inline float emu_lanes[1024];
 
 inline void __syncthreads() { emu_block->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warps[threadIdx.x / 32]->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int off) {
     const int t = (int)threadIdx.x, w = t / 32;
     emu_lanes[t] = v;

@@ -1537,23 +1537,26 @@ void test_quant_rows() {
 }
 
 // mul_mat_vec_q / _q8 against float64 sums of gguf's values: weights are rows of the case's
-// blocks in a shuffled order (row stride padded by one block in one case), a is f32 with
-// padded rows, two batches with b broadcast (GQA-style divisor) in one case.
+// blocks in a shuffled order (in one case the rows are a block apart and the weight starts off a
+// 16-byte boundary, the bytes around it poisoned), a is f32 with padded rows, two batches with b
+// broadcast (GQA-style divisor) in one case; k of one block to past one staged segment.
 void test_quant_mmv() {
     for (const QCase& c : quant_cases()) {
         const i64 qb = c.qb(), bb = c.bb();
-        for (i64 kb : {1, 3})
+        for (i64 kb : {(i64)1, (i64)3, 1280 / qb})
             for (i64 M : {1, 3, 9})
                 for (int pad : {0, 1}) {
                     const i64 K = kb * qb, N = 37, nbatch = pad ? 2 : 1;
                     const i64 row_blocks = kb + pad, b_cs = row_blocks * bb;
-                    std::vector<unsigned char> w((size_t)(N * b_cs), 0xee);
+                    // The padded case also starts the weight 2 bytes past a 16-byte boundary.
+                    std::vector<unsigned char> wbuf((size_t)(N * b_cs + 16), 0xee);
+                    unsigned char* const wp = wbuf.data() + (16 - (u64)wbuf.data() % 16) % 16 + 2 * pad;
                     std::vector<i64> src((size_t)(N * kb));  // case block behind each weight block
                     for (i64 n = 0; n < N; ++n)
                         for (i64 j = 0; j < kb; ++j) {
                             const i64 s = (i64)(rng() % (unsigned)c.nblocks);
                             src[n * kb + j] = s;
-                            memcpy(w.data() + n * b_cs + j * bb, c.bytes.data() + s * bb, bb);
+                            memcpy(wp + n * b_cs + j * bb, c.bytes.data() + s * bb, bb);
                         }
                     const i64 lda = K + 4 * pad;
                     Buf a(DT_F32, nbatch * M * lda), dst(DT_F32, nbatch * M * N);
@@ -1572,11 +1575,11 @@ void test_quant_mmv() {
                     const i64 blocks = (N + MVQ_WARPS - 1) / MVQ_WARPS * nbatch;
                     launch((unsigned)blocks, 32 * MVQ_WARPS, [&] {
                         if (M == 1)
-                            mul_mat_vec_q(M, N, K, nbatch, B, (float*)dst.p(), N, 1, (const float*)a.p(), lda, w.data(),
-                                          c.qt, b_cs);
+                            mul_mat_vec_q(M, N, K, nbatch, B, (float*)dst.p(), N, 1, (const float*)a.p(), lda, wp, c.qt,
+                                          b_cs);
                         else
-                            mul_mat_vec_q8(M, N, K, nbatch, B, (float*)dst.p(), N, 1, (const float*)a.p(), lda,
-                                           w.data(), c.qt, b_cs);
+                            mul_mat_vec_q8(M, N, K, nbatch, B, (float*)dst.p(), N, 1, (const float*)a.p(), lda, wp,
+                                           c.qt, b_cs);
                     });
                     std::vector<double> want, got;
                     for (i64 bt = 0; bt < nbatch; ++bt)

@@ -40,26 +40,53 @@ extern "C" __global__ void get_rows_q(i64 rows, i64 d, Lay L, void* dst, int dtd
 
 // Matrix-vector product on a quantized weight, decode's `x @ w.T`: out[m, n] = a[m, k] @ b[k, n]
 // where column n of b is row n of w (its k values contiguous, `b_cs` bytes apart). One warp
-// per column; lane l dequantizes the 16-value chunks l, l + 32, ... of the column and
-// multiplies them by a's rows (k contiguous) in k order, MT rows per pass; the lanes meet in a
-// fixed xor butterfly. Summation order depends only on k: deterministic. Batch axes come in
-// `MmBatch` (matmul.cu) with b's strides in bytes; `blk` enumerates (batch, column block).
+// per column. The row's blocks go through shared memory in segments of MVQ_SEG values: the
+// warp first copies a segment's bytes with coalesced 16-byte loads (blocks are only 2-byte
+// aligned, so the copy starts at the 16-byte boundary below the segment; bytes outside the
+// row are read one by one), then lane l dequantizes the segment's 16-value chunks l, l + 32
+// from it and multiplies them by a's rows (k contiguous) in k order, MT rows per pass of a;
+// the lanes meet in a fixed xor butterfly. Summation order depends only on k: deterministic.
+// Batch axes come in `MmBatch` (common.cuh) with b's strides in bytes; `blk` enumerates
+// (batch, column block).
 #define MVQ_WARPS 4
 #define MVQ_MT 8
+#define MVQ_SEG 1024
+// Bytes of the largest segment (Q8_0: 32 blocks of 34 bytes) and a 16-byte lead-in, in uint4s.
+#define MVQ_STAGE (MVQ_SEG / 32 * 34 / 16 + 2)
+
+// Bytes [lo, hi) of a row that spans [r0, r1) into `st` from the 16-byte boundary below lo:
+// whole 16-byte loads inside the row, single bytes where a boundary vector leaves it. Returns
+// lo's offset in `st`. Every lane of the warp takes part.
+__device__ __forceinline__ int mvq_stage(uint4* st, const u8* lo, const u8* hi, const u8* r0, const u8* r1, int lane) {
+    const u8* a0 = (const u8*)((u64)lo & ~(u64)15);
+    const int nv = (int)((hi - a0 + 15) / 16);
+    for (int v = lane; v < nv; v += 32) {
+        const u8* p = a0 + 16 * v;
+        if (p >= r0 && p + 16 <= r1) {
+            st[v] = ld_weight((const uint4*)p);
+        } else {
+            u8* d = (u8*)(st + v);
+            for (int e = 0; e < 16; ++e) d[e] = p + e >= r0 && p + e < r1 ? p[e] : (u8)0;
+        }
+    }
+    return (int)(lo - a0);
+}
 
 template <int QT, int MT>
 __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, const MmBatch& B,
                                            float* dst, i64 d_rs, i64 d_cs, const float* a,
                                            i64 a_rs, const u8* b, i64 b_cs) {
     const int QB = q_block_size(QT), BB = q_block_bytes(QT);
-    const int lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __shared__ uint4 stage[MVQ_WARPS][MVQ_STAGE];
     const i64 ncb = (N + MVQ_WARPS - 1) / MVQ_WARPS;
-    const i64 nchunks = K / 16;
+    const i64 row_bytes = K / QB * BB;
+    const i64 seg_bytes = MVQ_SEG / QB * BB;
     for (i64 blk = blockIdx.x; blk < ncb * nbatch; blk += gridDim.x) {
         const i64 bt = blk / ncb, cb = blk % ncb;
         i64 o[3];
         mm_batch_offsets(B, bt, o);
-        const i64 col = cb * MVQ_WARPS + (threadIdx.x >> 5);
+        const i64 col = cb * MVQ_WARPS + warp;
         if (col >= N) continue;  // warp-uniform: the warp's shuffles stay whole
         const u8* wc = b + o[2] + col * b_cs;
         for (i64 i0 = 0; i0 < M; i0 += MT) {
@@ -68,17 +95,26 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
             float acc[MT];
 #pragma unroll
             for (int r = 0; r < MT; ++r) acc[r] = 0.0f;
-            for (i64 u = lane; u < nchunks; u += 32) {
-                float v[16];
-                dq16<QT>(wc + (16 * u / QB) * BB, (int)(u % (QB / 16)), v);
+            for (i64 k0 = 0; k0 < K; k0 += MVQ_SEG) {
+                const i64 s0 = k0 / QB * BB;
+                const int lead = mvq_stage(stage[warp], wc + s0, wc + min(s0 + seg_bytes, row_bytes), wc,
+                                           wc + row_bytes, lane);
+                __syncwarp();
+                const u8* sb = (const u8*)stage[warp] + lead;
+                const int nch = (int)(min((i64)MVQ_SEG, K - k0) / 16);
+                for (int j = lane; j < nch; j += 32) {
+                    float v[16];
+                    dq16<QT>(sb + (16 * j / QB) * BB, j % (QB / 16), v);
 #pragma unroll
-                for (int r = 0; r < MT; ++r) {
-                    if (r < mt) {
-                        const float* ar = ab + r * a_rs + 16 * u;
+                    for (int r = 0; r < MT; ++r) {
+                        if (r < mt) {
+                            const float* ar = ab + r * a_rs + k0 + 16 * j;
 #pragma unroll
-                        for (int e = 0; e < 16; ++e) acc[r] = fmaf(ar[e], v[e], acc[r]);
+                            for (int e = 0; e < 16; ++e) acc[r] = fmaf(ar[e], v[e], acc[r]);
+                        }
                     }
                 }
+                __syncwarp();
             }
 #pragma unroll
             for (int r = 0; r < MT; ++r) {
