@@ -75,10 +75,10 @@ __device__ __forceinline__ int mvq_stage(uint4* st, const u8* lo, const u8* hi, 
 template <int QT, int MT>
 __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, const MmBatch& B,
                                            float* dst, i64 d_rs, i64 d_cs, const float* a,
-                                           i64 a_rs, const u8* b, i64 b_cs) {
+                                           i64 a_rs, const u8* b, i64 b_cs,
+                                           uint4 (*stage)[MVQ_STAGE]) {
     const int QB = q_block_size(QT), BB = q_block_bytes(QT);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __shared__ uint4 stage[MVQ_WARPS][MVQ_STAGE];
     const i64 ncb = (N + MVQ_WARPS - 1) / MVQ_WARPS;
     const i64 row_bytes = K / QB * BB;
     const i64 seg_bytes = MVQ_SEG / QB * BB;
@@ -133,7 +133,8 @@ extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
     i64 a_rs, const u8* b, int qt, i64 b_cs) {
     pdl_entry();
-    QUANT_SWITCH(qt, mmv_q_body<QTV, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs))
+    __shared__ uint4 stage[MVQ_WARPS][MVQ_STAGE];
+    QUANT_SWITCH(qt, mmv_q_body<QTV, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage))
 }
 
 // ... and MVQ_MT rows per pass (each dequantized chunk serves them all).
@@ -141,7 +142,8 @@ extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q8(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
     i64 a_rs, const u8* b, int qt, i64 b_cs) {
     pdl_entry();
-    QUANT_SWITCH(qt, mmv_q_body<QTV, MVQ_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs))
+    __shared__ uint4 stage[MVQ_WARPS][MVQ_STAGE];
+    QUANT_SWITCH(qt, mmv_q_body<QTV, MVQ_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage))
 }
 
 // Prefill's weight for cuBLAS: dst[r, :] (f16, rows of k packed back to back) = row r of the
