@@ -966,3 +966,50 @@ fn fg_structs_match_the_cuda_layout() {
         (std::mem::size_of::<FgSet>(), std::mem::align_of::<FgSet>())
     );
 }
+
+/// Products on quantized weights have no fused kernel yet: each runs alone (its own
+/// `mul_mat_vec_q`), while the rest of the layer and the head fuse as before.
+#[test]
+fn products_on_quantized_weights_run_unfused() {
+    let quantize = |nodes: &mut Vec<ExecNode>| -> Vec<usize> {
+        let mut mms = Vec::new();
+        for (i, n) in nodes.iter_mut().enumerate() {
+            let w = &mut n.srcs[..];
+            if n.op == Op::MulMat && w[1].buffer.0 >= 10 && w[1].strides[0] == 1 {
+                w[1].dtype = DType::Q4_0;
+                mms.push(i);
+            }
+        }
+        mms
+    };
+    let mut l = layer(false, DType::F16);
+    let mms = quantize(&mut l);
+    assert!(mms.len() >= 5, "q, k, v, o and the ffn products: {mms:?}");
+    let steps = plan(&l, None);
+    for &i in &mms {
+        assert!(
+            steps.contains(&Step::Node(i)),
+            "product {i} alone: {steps:?}"
+        );
+    }
+    assert!(
+        steps.iter().any(|s| matches!(
+            s,
+            Step::Fused(Group {
+                kind: Kind::NormMul { .. },
+                ..
+            })
+        )),
+        "{steps:?}"
+    );
+    let mut h = head(1);
+    assert_eq!(quantize(&mut h), vec![2]);
+    assert_eq!(
+        plan(&h, None),
+        vec![
+            fused(Kind::NormMul { norm: 0, mul: 1 }),
+            Step::Node(2),
+            Step::Node(3)
+        ]
+    );
+}
