@@ -1539,7 +1539,8 @@ void test_quant_rows() {
 // mul_mat_vec_q / _q8 against float64 sums of gguf's values: weights are rows of the case's
 // blocks in a shuffled order (in one case the rows are a block apart and the weight starts off a
 // 16-byte boundary, the bytes around it poisoned), a is f32 with padded rows, two batches with b
-// broadcast (GQA-style divisor) in one case; k of one block to past one staged segment.
+// broadcast (GQA-style divisor) and the weight read ahead of the wait (a poisoned until then)
+// in one case; k of one block to past one staged segment.
 void test_quant_mmv() {
     for (const QCase& c : quant_cases()) {
         const i64 qb = c.qb(), bb = c.bb();
@@ -1573,14 +1574,19 @@ void test_quant_mmv() {
                         B.div[2][0] = nbatch;
                     }
                     const i64 blocks = (N + MVQ_WARPS - 1) / MVQ_WARPS * nbatch;
+                    // Read ahead in the padded case: a holds garbage until the first wait.
+                    const int ahead = pad;
+                    std::unique_ptr<Producer> prod;
+                    if (ahead) prod = std::make_unique<Producer>(std::vector<Buf*>{&a}, std::vector<Buf*>{&dst});
                     launch((unsigned)blocks, 32 * MVQ_WARPS, [&] {
                         if (M == 1)
                             mul_mat_vec_q(M, N, K, nbatch, B, (float*)dst.p(), N, 1, (const float*)a.p(), lda, wp, c.qt,
-                                          b_cs);
+                                          b_cs, ahead);
                         else
                             mul_mat_vec_q8(M, N, K, nbatch, B, (float*)dst.p(), N, 1, (const float*)a.p(), lda, wp,
-                                           c.qt, b_cs);
+                                           c.qt, b_cs, ahead);
                     });
+                    if (prod) prod->check("quant_mmv ahead " + c.name + " K " + std::to_string(K));
                     std::vector<double> want, got;
                     for (i64 bt = 0; bt < nbatch; ++bt)
                         for (i64 i = 0; i < M; ++i)

@@ -47,7 +47,9 @@ extern "C" __global__ void get_rows_q(i64 rows, i64 d, Lay L, void* dst, int dtd
 // from it and multiplies them by a's rows (k contiguous) in k order, MT rows per pass of a;
 // the lanes meet in a fixed xor butterfly. Summation order depends only on k: deterministic.
 // Batch axes come in `MmBatch` (common.cuh) with b's strides in bytes; `blk` enumerates
-// (batch, column block).
+// (batch, column block). `ahead` (b lies in a weights buffer no kernel writes): each thread
+// stages its first segment of b before `pdl_entry` (the only reads before it), so the weight
+// fetch overlaps the previous kernel's tail; every thread still waits exactly once.
 #define MVQ_WARPS 4
 #define MVQ_MT 8
 #define MVQ_SEG 1024
@@ -76,12 +78,14 @@ template <int QT, int MT>
 __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, const MmBatch& B,
                                            float* dst, i64 d_rs, i64 d_cs, const float* a,
                                            i64 a_rs, const u8* b, i64 b_cs,
-                                           uint4 (*stage)[MVQ_STAGE]) {
+                                           uint4 (*stage)[MVQ_STAGE], int ahead) {
     const int QB = q_block_size(QT), BB = q_block_bytes(QT);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const i64 ncb = (N + MVQ_WARPS - 1) / MVQ_WARPS;
     const i64 row_bytes = K / QB * BB;
     const i64 seg_bytes = MVQ_SEG / QB * BB;
+    bool waited = !ahead;
+    if (waited) pdl_entry();
     for (i64 blk = blockIdx.x; blk < ncb * nbatch; blk += gridDim.x) {
         const i64 bt = blk / ncb, cb = blk % ncb;
         i64 o[3];
@@ -100,6 +104,10 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
                 const int lead = mvq_stage(stage[warp], wc + s0, wc + min(s0 + seg_bytes, row_bytes), wc,
                                            wc + row_bytes, lane);
                 __syncwarp();
+                if (!waited) {  // a is read from here on
+                    pdl_entry();
+                    waited = true;
+                }
                 const u8* sb = (const u8*)stage[warp] + lead;
                 const int nch = (int)(min((i64)MVQ_SEG, K - k0) / 16);
                 for (int j = lane; j < nch; j += 32) {
@@ -126,24 +134,23 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
             }
         }
     }
+    if (!waited) pdl_entry();  // a warp without a column (or M == 0)
 }
 
 // blockDim.x == 32 * MVQ_WARPS. One row of a per pass (decode) ...
 extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
-    i64 a_rs, const u8* b, int qt, i64 b_cs) {
-    pdl_entry();
+    i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead) {
     __shared__ uint4 stage[MVQ_WARPS][MVQ_STAGE];
-    QUANT_SWITCH(qt, mmv_q_body<QTV, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage))
+    QUANT_SWITCH(qt, mmv_q_body<QTV, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead))
 }
 
 // ... and MVQ_MT rows per pass (each dequantized chunk serves them all).
 extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q8(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
-    i64 a_rs, const u8* b, int qt, i64 b_cs) {
-    pdl_entry();
+    i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead) {
     __shared__ uint4 stage[MVQ_WARPS][MVQ_STAGE];
-    QUANT_SWITCH(qt, mmv_q_body<QTV, MVQ_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage))
+    QUANT_SWITCH(qt, mmv_q_body<QTV, MVQ_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead))
 }
 
 // Prefill's weight for cuBLAS: dst[r, :] (f16, rows of k packed back to back) = row r of the

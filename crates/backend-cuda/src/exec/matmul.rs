@@ -809,7 +809,8 @@ fn run_vec_q(
         .arg(a.strides[ra - 2] as i64)
         .arg(b.ptr)
         .arg(code)
-        .arg(b_cs);
+        .arg(b_cs)
+        .arg(ex.read_ahead(&node.srcs[1]) as i32);
     ex.launch(node, kernel, blocks, (MVQ_WARPS * 32) as u32, args)
 }
 
