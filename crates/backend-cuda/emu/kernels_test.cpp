@@ -1605,6 +1605,45 @@ void test_quant_mmv() {
     }
 }
 
+// The quantized head with its argmax folded in, then `argmax_take`: the logits as
+// `mul_mat_vec_q` writes them, the index as the `argmax` kernel would take it over them (the
+// lower column on a tie, made by copying the best column's blocks below it), the key back at 0.
+void test_quant_head_argmax() {
+    for (const QCase& c : quant_cases()) {
+        const i64 qb = c.qb(), bb = c.bb(), K = 2 * qb, N = 45, rb = 2 * bb;
+        std::vector<unsigned char> w((size_t)(N * rb));
+        for (i64 b = 0; b < N * 2; ++b) memcpy(w.data() + b * bb, c.bytes.data() + (rng() % c.nblocks) * bb, bb);
+        Buf a(DT_F32, K), d(DT_F32, N), ref(DT_F32, N);
+        a.rand();
+        u64 key = 0;
+        int am = -1;
+        for (int round = 0; round < 2; ++round) {
+            MmBatch B{};
+            launch((unsigned)((N + MVQ_WARPS - 1) / MVQ_WARPS), 32 * MVQ_WARPS, [&] {
+                mul_mat_vec_q_argmax(1, N, K, 1, B, (float*)d.p(), N, 1, (const float*)a.p(), K, w.data(), c.qt,
+                                     rb, 0, &key);
+            });
+            launch(1, 32, [&] { argmax_take(&key, &am); });
+            launch((unsigned)((N + MVQ_WARPS - 1) / MVQ_WARPS), 32 * MVQ_WARPS, [&] {
+                mul_mat_vec_q(1, N, K, 1, B, (float*)ref.p(), N, 1, (const float*)a.p(), K, w.data(), c.qt, rb, 0);
+            });
+            i64 best = 0;
+            for (i64 j = 1; j < N; ++j)
+                if (better(ref.get(j), j, ref.get(best), best)) best = j;
+            bool same = true;
+            for (i64 j = 0; j < N; ++j) same = same && __float_as_uint(d.get(j)) == __float_as_uint(ref.get(j));
+            if (!same || am != (int)best || key != 0) {
+                ++fails;
+                printf("FAIL quant_head_argmax %s round %d: logits %s, index %d want %lld, key %llu\n", c.name.c_str(),
+                       round, same ? "equal" : "differ", am, (long long)best, (unsigned long long)key);
+            }
+            // A tie below the best column for the second round.
+            const i64 lower = best > 0 ? best / 2 : 0;
+            if (best > 0) memcpy(w.data() + lower * rb, w.data() + best * rb, rb);
+        }
+    }
+}
+
 // Every test group, by name; `kernels_test NAME...` runs only the groups named.
 int main(int argc, char** argv) {
     const std::pair<const char*, void (*)()> groups[] = {
@@ -1627,6 +1666,7 @@ int main(int argc, char** argv) {
         {"quant_dequant", test_quant_dequant},
         {"quant_rows", test_quant_rows},
         {"quant_mmv", test_quant_mmv},
+        {"quant_head_argmax", test_quant_head_argmax},
     };
     int ran = 0;
     for (const auto& [name, run] : groups) {

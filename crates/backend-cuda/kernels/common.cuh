@@ -203,6 +203,19 @@ __device__ __forceinline__ void argmax_warp(float& bv, i64& bi) {
     }
 }
 
+// The key of decode's head argmax (matmul.cu's `mul_mat_vec_1_argmax`, quant.cu's
+// `mul_mat_vec_q_argmax`): u64 keys order (value, row) pairs as `better` does — a larger
+// value, then the lower row, NaN below every number, -0 equal to +0 — so the largest key of a
+// row's pairs names the `argmax` kernel's index; 0 is below every key. Rows below 2^31.
+__device__ __forceinline__ u64 argmax_key(float v, i64 row) {
+    u32 o = 0u;  // NaN: below every number
+    if (v == v) {
+        const u32 b = __float_as_uint(v == 0.0f ? 0.0f : v);
+        o = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    }
+    return ((u64)o << 32) | (u64)(0xFFFFFFFFu - (u32)row);
+}
+
 // Loads of data an earlier kernel writes, in code a rehearsal runs: cached in L2 only (the
 // point of coherence), never in L1.
 __device__ __forceinline__ float ld_cg(const float* p) { return __ldcg(p); }

@@ -74,11 +74,11 @@ __device__ __forceinline__ int mvq_stage(uint4* st, const u8* lo, const u8* hi, 
     return (int)(lo - a0);
 }
 
-template <int QT, int MT>
+template <int QT, int MT, bool AM>
 __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, const MmBatch& B,
                                            float* dst, i64 d_rs, i64 d_cs, const float* a,
                                            i64 a_rs, const u8* b, i64 b_cs,
-                                           uint4 (*stage)[MVQ_STAGE], int ahead) {
+                                           uint4 (*stage)[MVQ_STAGE], int ahead, u64* key) {
     const int QB = q_block_size(QT), BB = q_block_bytes(QT);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const i64 ncb = (N + MVQ_WARPS - 1) / MVQ_WARPS;
@@ -86,6 +86,7 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
     const i64 seg_bytes = MVQ_SEG / QB * BB;
     bool waited = !ahead;
     if (waited) pdl_entry();
+    u64 best = 0ull;  // AM: the largest argmax key of this warp's columns
     for (i64 blk = blockIdx.x; blk < ncb * nbatch; blk += gridDim.x) {
         const i64 bt = blk / ncb, cb = blk % ncb;
         i64 o[3];
@@ -130,11 +131,26 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
                     float s = acc[r];
                     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
                     if (lane == 0) dst[o[0] + (i0 + r) * d_rs + col * d_cs] = s;
+                    if (AM) {
+                        const u64 kk = argmax_key(s, col);
+                        best = kk > best ? kk : best;
+                    }
                 }
             }
         }
     }
     if (!waited) pdl_entry();  // a warp without a column (or M == 0)
+    if (AM) {
+        // As `gemv1_argmax` (matmul.cu): the block's largest key into *key, not waited for.
+        __shared__ u64 sk[MVQ_WARPS];
+        if (lane == 0) sk[warp] = best;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u64 m = 0ull;
+            for (int w = 0; w < MVQ_WARPS; ++w) m = sk[w] > m ? sk[w] : m;
+            if (m != 0ull) atomicMax(key, m);
+        }
+    }
 }
 
 // blockDim.x == 32 * MVQ_WARPS. One row of a per pass (decode) ...
@@ -142,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
     i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead) {
     __shared__ uint4 stage[MVQ_WARPS][MVQ_STAGE];
-    QUANT_SWITCH(qt, mmv_q_body<QTV, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead))
+    QUANT_SWITCH(qt, mmv_q_body<QTV, 1, false>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr))
 }
 
 // ... and MVQ_MT rows per pass (each dequantized chunk serves them all).
@@ -150,7 +166,17 @@ extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q8(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
     i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead) {
     __shared__ uint4 stage[MVQ_WARPS][MVQ_STAGE];
-    QUANT_SWITCH(qt, mmv_q_body<QTV, MVQ_MT>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead))
+    QUANT_SWITCH(qt, mmv_q_body<QTV, MVQ_MT, false>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr))
+}
+
+// Decode's output head on a quantized weight: `mul_mat_vec_q` (M == 1, one batch) with the
+// argmax of the row folded in as `mul_mat_vec_1_argmax` does; `argmax_take` (matmul.cu) then
+// turns *key (0 before the launch) into the index.
+extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q_argmax(
+    i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
+    i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead, u64* key) {
+    __shared__ uint4 stage[MVQ_WARPS][MVQ_STAGE];
+    QUANT_SWITCH(qt, mmv_q_body<QTV, 1, true>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, key))
 }
 
 // Prefill's weight for cuBLAS: dst[r, :] (f16, rows of k packed back to back) = row r of the

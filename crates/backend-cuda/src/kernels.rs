@@ -113,13 +113,15 @@ pub(crate) enum Kernel {
     MulMatVecQ,
     /// ... and eight (`mul_mat_vec_q8`).
     MulMatVecQ8,
+    /// Decode's head on a quantized weight with its argmax folded in.
+    MulMatVecQArgmax,
     /// A quantized weight dequantized to f16 rows for cuBLAS (`dequant_rows`).
     DequantRows,
 }
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 44] = [
+    pub(crate) const ALL: [Kernel; 45] = [
         Kernel::EwUnary,
         Kernel::SmallCopy,
         Kernel::CopyBatch,
@@ -163,6 +165,7 @@ impl Kernel {
         Kernel::GetRowsQ,
         Kernel::MulMatVecQ,
         Kernel::MulMatVecQ8,
+        Kernel::MulMatVecQArgmax,
         Kernel::DequantRows,
     ];
 
@@ -233,9 +236,11 @@ impl Kernel {
             Kernel::RopeRows => "fused_rope_rows",
             Kernel::AttnDecode | Kernel::AttnFast | Kernel::AttnFastLong => "fused_attention",
             Kernel::Penalize | Kernel::Sample => "sample",
-            Kernel::GetRowsQ | Kernel::MulMatVecQ | Kernel::MulMatVecQ8 | Kernel::DequantRows => {
-                "quant"
-            }
+            Kernel::GetRowsQ
+            | Kernel::MulMatVecQ
+            | Kernel::MulMatVecQ8
+            | Kernel::MulMatVecQArgmax
+            | Kernel::DequantRows => "quant",
         }
     }
 
@@ -284,6 +289,7 @@ impl Kernel {
             Kernel::GetRowsQ => "get_rows_q",
             Kernel::MulMatVecQ => "mul_mat_vec_q",
             Kernel::MulMatVecQ8 => "mul_mat_vec_q8",
+            Kernel::MulMatVecQArgmax => "mul_mat_vec_q_argmax",
             Kernel::DequantRows => "dequant_rows",
         }
     }

@@ -716,7 +716,7 @@ fn vec1(ex: &Exec<'_>, node: &ExecNode, plan: &Plan, dst: &Dev, a: &Dev, b: &Dev
 }
 
 /// Decode's output head: product `mm` and the `Argmax` node `am` of its result as a
-/// `mul_mat_vec_1_argmax` launch (the argmax folded into the product's blocks) and a one-thread
+/// `mul_mat_vec_1_argmax` launch (`mul_mat_vec_q_argmax` for a quantized weight) (the argmax folded into the product's blocks) and a one-thread
 /// `argmax_take`. `Ok(false)` (nothing queued) when the product does not take `mul_mat_vec_1`
 /// as it stands; the caller then runs both nodes on their own.
 pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Result<bool> {
@@ -730,18 +730,31 @@ pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Re
         && plan.n <= i32::MAX as usize
         && idx.dtype == DType::I32
         && idx.numel() == 1;
-    let Some(v1) = fits.then(|| vec1(ex, mm, &plan, &dst, &a, &b)).flatten() else {
-        return Ok(false);
-    };
     let key = ex.inner.head_work.key();
-    ex.launch_shared(
-        mm,
-        Kernel::MulMatVec1Argmax,
-        v1.grid,
-        (GEMV1_WARPS * 32) as u32,
-        v1.shared,
-        v1.args.arg(key),
-    )?;
+    if fits && plan.route == Route::VecQ && plan.m == 1 && plan.batch.iter().product::<usize>() == 1
+    {
+        // A quantized head: `mul_mat_vec_q` with the argmax folded in.
+        let (grid, args) = vec_q_args(ex, mm, &plan, &dst, &a, &b)?;
+        ex.launch(
+            mm,
+            Kernel::MulMatVecQArgmax,
+            grid,
+            (MVQ_WARPS * 32) as u32,
+            args.arg(key),
+        )?;
+    } else {
+        let Some(v1) = fits.then(|| vec1(ex, mm, &plan, &dst, &a, &b)).flatten() else {
+            return Ok(false);
+        };
+        ex.launch_shared(
+            mm,
+            Kernel::MulMatVec1Argmax,
+            v1.grid,
+            (GEMV1_WARPS * 32) as u32,
+            v1.shared,
+            v1.args.arg(key),
+        )?;
+    }
     let take = Args::new().arg(key).arg(idx.ptr);
     if let Err(e) = ex.launch(am, Kernel::ArgmaxTake, 1, 32, take) {
         // The key holds this launch's maximum: zero it (best effort), or the next head would
@@ -770,13 +783,32 @@ fn run_vec_q(
     } else {
         a.clone()
     };
-    let Some(mut mb) = mm_batch(&plan.batch, [dst, &a, b]) else {
+    let kernel = if plan.m == 1 {
+        Kernel::MulMatVecQ
+    } else {
+        Kernel::MulMatVecQ8
+    };
+    let (grid, args) = vec_q_args(ex, node, plan, dst, &a, b)?;
+    ex.launch(node, kernel, grid, (MVQ_WARPS * 32) as u32, args)
+}
+
+/// The grid and arguments of `mul_mat_vec_q[8]` (and the first arguments of
+/// `mul_mat_vec_q_argmax`) for `dst = a @ b`, a as the kernel reads it (f32, k contiguous).
+fn vec_q_args(
+    ex: &Exec<'_>,
+    node: &ExecNode,
+    plan: &Plan,
+    dst: &Dev,
+    a: &Dev,
+    b: &Dev,
+) -> Result<(u32, Args)> {
+    let Some(mut mb) = mm_batch(&plan.batch, [dst, a, b]) else {
         return Err(kernel_err(
             node,
             "too many batch axes for the matrix-vector kernels",
         ));
     };
-    let code = qt(b.dtype).ok_or_else(|| kernel_err(node, "run_vec_q: b is not quantized"))?;
+    let code = qt(b.dtype).ok_or_else(|| kernel_err(node, "vec_q_args: b is not quantized"))?;
     // The kernel addresses b in bytes: whole rows, checked by `plan_quant`.
     let bytes = |s: usize| {
         quant_row_bytes(b.dtype, s)
@@ -790,11 +822,6 @@ fn run_vec_q(
     let nbatch: usize = plan.batch.iter().product();
     let (ra, rb, rd) = (a.rank(), b.rank(), dst.rank());
     let b_cs = if n > 1 { bytes(b.strides[rb - 1])? } else { 0 };
-    let kernel = if m == 1 {
-        Kernel::MulMatVecQ
-    } else {
-        Kernel::MulMatVecQ8
-    };
     let blocks = (n.div_ceil(MVQ_WARPS) * nbatch).clamp(1, i32::MAX as usize) as u32;
     let args = Args::new()
         .arg(m as i64)
@@ -811,7 +838,7 @@ fn run_vec_q(
         .arg(code)
         .arg(b_cs)
         .arg(ex.read_ahead(&node.srcs[1]) as i32);
-    ex.launch(node, kernel, blocks, (MVQ_WARPS * 32) as u32, args)
+    Ok((blocks, args))
 }
 
 /// Queues `dst = a @ b` as one launch of a matrix-vector kernel (`plan.route` is not Blas).

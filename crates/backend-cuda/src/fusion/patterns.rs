@@ -69,7 +69,12 @@ pub(super) fn norm_mul(nodes: &Nodes<'_>, i: usize, used: &[bool]) -> Option<Gro
 /// `(m, k, n)` of a MulMat the fused matrix-vector kernel runs: a f32 `[m, k]` with k
 /// contiguous and m within the matrix-vector rows limit, b `[k, n]` with k contiguous (a
 /// weight seen as `w.T`), an f32 result `[m, n]`.
-fn gemv_dims(node: &ExecNode, mmv_max_m: Option<usize>) -> Option<(usize, usize, usize)> {
+/// `quant`: b may also be a quantized weight (only decode's head has a fused kernel for it).
+fn gemv_dims(
+    node: &ExecNode,
+    mmv_max_m: Option<usize>,
+    quant: bool,
+) -> Option<(usize, usize, usize)> {
     let [a, b] = node.srcs.as_slice() else {
         return None;
     };
@@ -78,7 +83,7 @@ fn gemv_dims(node: &ExecNode, mmv_max_m: Option<usize>) -> Option<(usize, usize,
     }
     let (m, k, n) = (a.shape[0], a.shape[1], b.shape[1]);
     let ok = a.dtype == DType::F32
-        && b.dtype.is_float()
+        && (b.dtype.is_float() || (quant && b.dtype.is_quantized()))
         && node.dst.dtype == DType::F32
         && b.shape[0] == k
         && node.dst.shape == [m, n]
@@ -129,7 +134,7 @@ pub(super) fn argmax_of(
     used: &[bool],
     mmv_max_m: Option<usize>,
 ) -> Option<usize> {
-    let (m, _, n) = gemv_dims(&nodes[i], mmv_max_m)?;
+    let (m, _, n) = gemv_dims(&nodes[i], mmv_max_m, true)?;
     let out = &nodes[i].dst;
     if m != 1 || n > i32::MAX as usize || !out.is_contiguous() {
         return None;
@@ -153,14 +158,14 @@ fn gemv_kind(
     mmv_max_m: Option<usize>,
     norm: Option<NormPro>,
 ) -> Option<Kind> {
-    gemv_dims(&nodes[i], mmv_max_m)?;
+    gemv_dims(&nodes[i], mmv_max_m, false)?;
     let act = &nodes[i].srcs[0];
     let wdt = nodes[i].srcs[1].dtype;
     let cands: Vec<usize> = std::iter::once(i)
         .chain(later(nodes, i, used).filter(|&j| {
             nodes[j].srcs.first() == Some(act)
                 && nodes[j].srcs.get(1).map(|b| b.dtype) == Some(wdt)
-                && gemv_dims(&nodes[j], mmv_max_m).is_some()
+                && gemv_dims(&nodes[j], mmv_max_m, false).is_some()
         }))
         .collect();
     if let Some(g) = swiglu_pair(nodes, i, &cands, used, norm) {

@@ -967,8 +967,9 @@ fn fg_structs_match_the_cuda_layout() {
     );
 }
 
-/// Products on quantized weights have no fused kernel yet: each runs alone (its own
-/// `mul_mat_vec_q`), while the rest of the layer and the head fuse as before.
+/// Products on quantized weights have no fused kernel yet, except decode's head with its
+/// argmax: each runs alone (its own `mul_mat_vec_q`), while the rest of the layer fuses as
+/// before.
 #[test]
 fn products_on_quantized_weights_run_unfused() {
     let quantize = |nodes: &mut Vec<ExecNode>| -> Vec<usize> {
@@ -1002,10 +1003,18 @@ fn products_on_quantized_weights_run_unfused() {
         )),
         "{steps:?}"
     );
+    // The head keeps its argmax fusion (`mul_mat_vec_q_argmax`), unless cuBLAS takes the product.
     let mut h = head(1);
     assert_eq!(quantize(&mut h), vec![2]);
     assert_eq!(
         plan(&h, None),
+        vec![
+            fused(Kind::NormMul { norm: 0, mul: 1 }),
+            fused(Kind::HeadArgmax { mm: 2, argmax: 3 }),
+        ]
+    );
+    assert_eq!(
+        plan(&h, Some(0)),
         vec![
             fused(Kind::NormMul { norm: 0, mul: 1 }),
             Step::Node(2),
