@@ -166,3 +166,69 @@ fn a_quantized_weight_read_other_than_as_w_transposed_is_a_clear_error() {
         .to_string();
     assert!(msg.contains("x @ w.T"), "{msg}");
 }
+
+/// Decode's head on a quantized weight: the product and its `Argmax` in one graph run as
+/// `mul_mat_vec_q_argmax` + `argmax_take`; the logits match the oracle's and the index is the
+/// argmax of the logits CUDA wrote (the lower column on a tie, made by a repeated row).
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn a_quantized_head_and_its_argmax_give_the_logits_argmax() {
+    use lowsync_backend::{Backend, ExecGraph, ExecNode};
+    use std::sync::Arc;
+    let p = pair("quant_head");
+    let mut rng = Rng::new(37);
+    for dt in quants() {
+        let (n, k) = (300, 2 * dt.block_size());
+        let mut bytes = blocks(&mut rng, dt, n, k);
+        let row = dt.row_bytes(k).expect("whole blocks");
+        // Row 7 repeats row 200: whichever is best, a tie between them goes to 7.
+        bytes.copy_within(200 * row..201 * row, 7 * row);
+        let w = p.blocks(dt, &[n, k], &bytes);
+        let wt = w.view(&[k, n], &[1, k], 0);
+        let x = p.rand(&mut rng, DType::F32, &[1, k]);
+        let logits = p.zeros(DType::F32, &[1, n]);
+        let idx = p.ints(&[1], &[-1]);
+        let nodes = |l: &Twin, x: &Twin, w: &Twin, i: &Twin, gpu: bool| {
+            let pick = |t: &Twin| if gpu { t.gpu.clone() } else { t.cpu.clone() };
+            vec![
+                ExecNode {
+                    op: Op::MulMat,
+                    name: "head".into(),
+                    dst: pick(l),
+                    srcs: vec![pick(x), pick(w)],
+                },
+                ExecNode {
+                    op: Op::Argmax,
+                    name: "next".into(),
+                    dst: pick(i),
+                    srcs: vec![pick(l)],
+                },
+            ]
+        };
+        p.cpu
+            .graph_compute_async(&Arc::new(ExecGraph::new(nodes(
+                &logits, &x, &wt, &idx, false,
+            ))))
+            .expect("the oracle runs the head");
+        p.gpu
+            .graph_compute_async(&Arc::new(ExecGraph::new(nodes(
+                &logits, &x, &wt, &idx, true,
+            ))))
+            .and_then(|()| p.gpu.synchronize())
+            .unwrap_or_else(|e| panic!("{dt}: CUDA failed: {e}"));
+        let (want, got) = p.read(&logits);
+        let e = nmse(&want, &got);
+        assert!(e <= 1e-6, "{dt}: logits NMSE {e:e}");
+        let mut best = 0;
+        for (j, &v) in got.iter().enumerate() {
+            if v > got[best] {
+                best = j;
+            }
+        }
+        let (_, got_idx) = p.read(&idx);
+        assert_eq!(
+            got_idx[0] as usize, best,
+            "{dt}: the argmax of CUDA's logits"
+        );
+    }
+}
