@@ -32,7 +32,7 @@ pub struct CudaConfig {
     pub readback_max_bytes: usize,
     /// Rows of a up to which `MulMat` runs the matrix-vector kernels instead of cuBLAS
     /// (tune key `mmv_max_m`; `None`: 8, or 32 when cuBLAS would first convert an f16/bf16 b
-    /// to f32; `Some(0)`: always cuBLAS). A tuning and comparison knob.
+    /// to f32, 8 for a quantized b; `Some(0)`: always cuBLAS). A tuning and comparison knob.
     pub mmv_max_m: Option<usize>,
     /// Capture each compute graph into a CUDA graph once per shape bucket and replay it
     /// (`LOWSYNC_CUDA_GRAPHS`, default on).
