@@ -93,6 +93,19 @@ fn quantized_products_match_the_oracle_at_decode_and_prefill_shapes() {
 
 #[test]
 #[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn a_large_quantized_weight_is_dequantized_for_cublas_a_slice_at_a_time() {
+    // 8,200 rows of 4,096: 67 MB in f16, past the 64 MiB a slice may take, so two slices (the
+    // second of 8 rows) each multiply into their columns of the result.
+    let p = pair("quant_slices");
+    let mut rng = Rng::new(38);
+    for dt in [DType::Q4_0, DType::Q4_K] {
+        let e = product(&p, &mut rng, dt, 9, 8200, 4096, 3);
+        assert!(e <= 1e-5, "{dt}: NMSE {e:e}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn quantized_products_over_a_batch_axis_match_the_oracle() {
     let p = pair("quant_batched");
     let mut rng = Rng::new(34);

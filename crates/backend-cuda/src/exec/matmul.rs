@@ -35,8 +35,8 @@
 //! [`MMV_MAX_M_QUANT`] rows of a, `mul_mat_vec_q[8]` (`kernels/quant.cu`) reads the blocks in
 //! place and dequantizes them in registers; above it (prefill) the weight is dequantized to an
 //! f16 scratch copy (`dequant_rows`), a converted to f16, and cuBLAS multiplies the two with f32
-//! accumulation — the simplest correct prefill, at the cost of one f16 copy of the weight in
-//! scratch per product.
+//! accumulation — the simplest correct prefill; a weight without batch axes is dequantized a
+//! slice of columns at a time ([`QUANT_SCRATCH_BYTES`]).
 
 use std::ffi::c_void;
 
@@ -90,6 +90,7 @@ fn mat_layout(t: &Dev) -> Option<(Order, usize)> {
 }
 
 /// What a matmul needs before it can be queued.
+#[derive(Clone, Debug)]
 pub(crate) struct Plan {
     m: usize,
     n: usize,
@@ -103,6 +104,8 @@ pub(crate) struct Plan {
     out_scratch: bool,
     /// cuBLAS or one of the matrix-vector kernels.
     route: Route,
+    /// A quantized b without batch axes on cuBLAS: dequantized this many columns at a time.
+    quant_cols: Option<usize>,
 }
 
 /// Where a matmul runs.
@@ -127,6 +130,10 @@ pub(crate) const MMV_MAX_M_CONVERTING: usize = 32;
 /// of `mul_mat_vec_q8` (`MVQ_MT`), so every such product reads the weight once. Above it the
 /// weight is dequantized for cuBLAS. Not tuned on hardware yet.
 pub(crate) const MMV_MAX_M_QUANT: usize = 8;
+/// Bytes of f16 a quantized weight is dequantized into at a time for cuBLAS (prefill): a large
+/// output head (128k rows of 4,096: 1 GB in f16) goes in slices of columns, so the scratch
+/// block — which keeps its largest size — stays small.
+const QUANT_SCRATCH_BYTES: usize = 64 << 20;
 /// Columns (one per warp) of a `mul_mat_vec_q[8]` block (`MVQ_WARPS` in quant.cu).
 const MVQ_WARPS: usize = 4;
 /// Batch axes the matrix-vector kernels index (`MB_MAXD` in common.cuh).
@@ -242,8 +249,12 @@ impl Plan {
                 0
             },
             if self.convert_b {
-                // (A dequantized weight keeps b's own batch axes, at most the output's.)
-                nb.max(1) * self.k * self.n * sz
+                // (A dequantized weight keeps b's own batch axes, at most the output's, or is
+                // dequantized a slice of columns at a time: `quant_cols`.)
+                self.quant_cols
+                    .map_or(nb.max(1) * self.n, |c| c.min(self.n))
+                    * self.k
+                    * sz
             } else {
                 0
             },
@@ -343,6 +354,7 @@ pub(crate) fn plan(
             convert_b: false,
             out_scratch: false,
             route,
+            quant_cols: None,
         });
     }
     let compute = if a.dtype == b.dtype {
@@ -361,6 +373,7 @@ pub(crate) fn plan(
         convert_b: b.dtype != compute || mat_layout(b).is_none(),
         out_scratch: !out_ok,
         route,
+        quant_cols: None,
     })
 }
 
@@ -406,9 +419,11 @@ fn plan_quant(
             convert_b: false,
             out_scratch: false,
             route: Route::VecQ,
+            quant_cols: None,
         });
     }
     let out_ok = dst.dtype == DType::F32 && matches!(mat_layout(dst), Some((Order::RowMajor, _)));
+    let batched = batch.iter().product::<usize>() > 1;
     Ok(Plan {
         m,
         n,
@@ -419,6 +434,7 @@ fn plan_quant(
         convert_b: true,
         out_scratch: !out_ok,
         route: Route::Blas,
+        quant_cols: (!batched).then(|| (QUANT_SCRATCH_BYTES / (2 * k)).max(1)),
     })
 }
 
@@ -563,6 +579,52 @@ pub(crate) fn run(
     } else {
         a.clone()
     };
+    if let Some(cols) = plan.quant_cols {
+        // A quantized weight without batch axes: slices of its columns (rows of w) dequantized
+        // in turn, each multiplied into its slice of the result. a is converted once above.
+        let (rb, rd) = (b.rank(), dst.rank());
+        let col_bytes = if plan.n > 1 {
+            quant_row_bytes(b.dtype, b.strides[rb - 1]).ok_or_else(|| {
+                kernel_err(node, format!("{} stride is not whole blocks", b.dtype))
+            })?
+        } else {
+            0
+        };
+        let out_all = if plan.out_scratch {
+            packed(regions[2], DType::F32, &dst.shape)
+        } else {
+            dst.clone()
+        };
+        let mut n0 = 0;
+        while n0 < plan.n {
+            let len = cols.min(plan.n - n0);
+            let mut bs = b.clone();
+            bs.shape[rb - 1] = len;
+            bs.ptr += (n0 * col_bytes) as u64;
+            let bq = dequant_b(ex, node, &bs, regions[1])?;
+            let part = Plan {
+                n: len,
+                convert_a: false,
+                convert_b: false,
+                out_scratch: false,
+                quant_cols: None,
+                ..plan.clone()
+            };
+            blas(
+                ex,
+                node,
+                &part,
+                &a,
+                &bq,
+                &out_all.slice_axis(rd - 1, n0, len),
+            )?;
+            n0 += len;
+        }
+        if plan.out_scratch {
+            ex.copy(node, &out_all, dst)?;
+        }
+        return Ok(());
+    }
     let b = if b.dtype.is_quantized() {
         dequant_b(ex, node, b, regions[1])?
     } else if plan.convert_b {
@@ -577,6 +639,17 @@ pub(crate) fn run(
     } else {
         dst.clone()
     };
+    blas(ex, node, plan, &a, &b, &out)?;
+    if plan.out_scratch {
+        ex.copy(node, &out, dst)?;
+    }
+    Ok(())
+}
+
+/// `out = a @ b` through cuBLAS, the operands as cuBLAS reads them (`plan.compute`, layouts
+/// `mat_layout` accepts; out f32).
+fn blas(ex: &Exec<'_>, node: &ExecNode, plan: &Plan, a: &Dev, b: &Dev, out: &Dev) -> Result<()> {
+    let (a, b, out) = (a.clone(), b.clone(), out.clone());
     // Leading dimensions of the lowsync operands (a is cuBLAS's B, b is cuBLAS's A).
     let (Some((a_ord, ld_a)), Some((b_ord, ld_b)), Some((_, ldc))) =
         (mat_layout(&a), mat_layout(&b), mat_layout(&out))
@@ -660,9 +733,6 @@ pub(crate) fn run(
             .map_err(|e| kernel_err(node, format!("cublasGemmStridedBatchedEx failed: {e:?}")))?;
     }
     drop(blas);
-    if plan.out_scratch {
-        ex.copy(node, &out, dst)?;
-    }
     Ok(())
 }
 
@@ -1103,6 +1173,18 @@ mod tests {
                 "{wdt}"
             );
             assert_eq!(p.scratch_sizes(), vec![9 * k * 2, k * 96 * 2, 0]);
+            // A large head is dequantized a slice of columns at a time.
+            let (kh, nh) = (16 * wdt.block_size(), 128_256);
+            let head = dev(wdt, &[kh, nh], &[1, kh]);
+            let x = dev(DType::F32, &[9, kh], &[kh, 1]);
+            let out = dev(DType::F32, &[9, nh], &[nh, 1]);
+            let p = plan(&node(), &out, &x, &head, None).expect("a valid matmul");
+            let cols = QUANT_SCRATCH_BYTES / (2 * kh);
+            assert_eq!(p.quant_cols, Some(cols), "{wdt}");
+            assert!(
+                cols < nh && p.scratch_sizes()[1] <= QUANT_SCRATCH_BYTES,
+                "{wdt}"
+            );
             // An f16 result, or the override at 0, sends even one row to cuBLAS.
             let x = dev(DType::F32, &[1, k], &[k, 1]);
             let out16 = dev(DType::F16, &[1, 96], &[96, 1]);
@@ -1119,8 +1201,7 @@ mod tests {
         let x = dev(DType::F32, &[1, 96], &[96, 1]);
         let out = dev(DType::F32, &[1, 64], &[64, 1]);
         let err = plan(&node(), &out, &x, &w, None)
-            .err()
-            .expect("refused")
+            .expect_err("refused")
             .to_string();
         assert!(err.contains("x @ w.T"), "{err}");
     }
