@@ -152,9 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         err = r.get("rel_err", r.get("error", "-"))
         dts = " ".join(r.get("dtypes", []))
-        print(
-            f"| {r['type']} | {r.get('backend', '-')} | {dts} | {err} | {r.get('argmax_agrees', '-')} |"
-        )
+        agrees = r.get("argmax_agrees", "-")
+        print(f"| {r['type']} | {r.get('backend', '-')} | {dts} | {err} | {agrees} |")
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0 if all(r.get("ok") for r in rows) else 1
