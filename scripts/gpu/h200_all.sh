@@ -173,6 +173,13 @@ if [[ $parts == *gpucmp* ]]; then
         --repeats ${GPUCMP_R:-2} --json "$out/gpucmp.json" >"$logs/gpucmp.txt" 2>"$logs/gpucmp.err"
     say "gpu compare (cuda): exit $?"; grep '^|' "$logs/gpucmp.txt" | tee -a "$summary"; tail -5 "$logs/gpucmp.err"
 fi
+if [[ $parts == *qacc* ]]; then
+    # Logits of llama-quantize files of every block type on each backend against float64.
+    [ -n "${lcpp_cuda_pid:-}" ] && wait "$lcpp_cuda_pid"
+    timeout ${QACC_TIMEOUT:-300} python3 benches/python/quant_accuracy.py --llama-quantize /tmp/lcpp-cuda/bin/llama-quantize \
+        --backends ${QACC_BACKENDS:-cpu,cuda,vulkan} --json "$out/qacc.json" >"$logs/qacc.txt" 2>&1
+    say "quant accuracy: exit $?"; grep '^|' "$logs/qacc.txt" | tee -a "$summary"; grep -v '^[|{]' "$logs/qacc.txt" | tail -5
+fi
 if [[ $parts == *profile* ]]; then
     timeout 400 python3 benches/profile/cuda_profile.py --models ${PROFILE_MODELS:-tiny,1b} -n ${PROFILE_N:-128} ${PROFILE_SETTINGS:+--settings $PROFILE_SETTINGS} \
         --json "$out/cuda-profile.json" >"$logs/cuda-profile.txt" 2>&1
