@@ -239,3 +239,81 @@ def test_kernel_trace_runs_variants_side_by_side(tmp_path: Path) -> None:
     )
     assert bad.returncode != 0
     assert "'x=oops'" in bad.stderr
+
+
+def _gpu_compare() -> ModuleType:
+    return _module("compare_llama_cpp_gpu", ROOT / "benches" / "python")
+
+
+def test_gpu_compare_checks_its_arguments() -> None:
+    mod = _gpu_compare()
+    args = mod.parse_args(["--backend", "cuda", "--types", "f16,q4_k_m"])
+    assert args.build_dir.name == "llama.cpp-b11434-cuda"
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--backend", "cuda", "--types", "q4_k_s"])  # not one it makes
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--backend", "metal"])
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--backend", "vulkan", "--repeats", "0"])
+
+
+def test_gpu_compare_guards_the_layer_settings_use(tmp_path: Path) -> None:
+    """The Vulkan build's one source patch: the chained VK_EXT_layer_settings info compiles only
+    where the header defines the extension, and a second call leaves the file as it is."""
+    mod = _gpu_compare()
+    src = tmp_path / "src"
+    f = src / mod.VK_LAYER_SETTINGS_FILE
+    f.parent.mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text("")
+    use = (
+        "    VkBool32 enable_best_practice = layer_settings;\n"
+        "    std::vector<vk::LayerSettingEXT> settings = {\n"
+        '        { "VK_LAYER_KHRONOS_validation", "validate_best_practices", '
+        "vk::LayerSettingTypeEXT::eBool32, 1, &enable_best_practice },\n"
+        "    };\n"
+        "    vk::LayerSettingsCreateInfoEXT layer_setting_info(settings);\n"
+        "    vk::InstanceCreateInfo instance_create_info(vk::InstanceCreateFlags{}, &app_info, "
+        "layers, extensions, &layer_setting_info);\n"
+        "    vk_instance.instance = vk::createInstance(instance_create_info);\n"
+    )
+    f.write_text(use)
+    args = mod.parse_args(["--backend", "vulkan", "--build-dir", str(tmp_path / "build")])
+    copy = mod.vulkan_source(src, args)
+    assert copy != src
+    assert f.read_text() == use
+    patched = (copy / mod.VK_LAYER_SETTINGS_FILE).read_text()
+    lines = patched.splitlines()
+    guard = lines.index("#ifdef VK_EXT_layer_settings // lowsync bench")
+    assert lines[guard + 1].lstrip().startswith("std::vector<vk::LayerSettingEXT>")
+    other = lines.index("#else")
+    assert "&layer_setting_info" in lines[other - 1]
+    assert lines[other + 1].endswith("layers, extensions);")
+    assert lines[other + 2] == "#endif"
+    assert lines[-1].lstrip().startswith("vk_instance.instance")
+    assert mod.vulkan_source(src, args) == copy
+    assert (copy / mod.VK_LAYER_SETTINGS_FILE).read_text() == patched
+    f2 = tmp_path / "other" / mod.VK_LAYER_SETTINGS_FILE
+    f2.parent.mkdir(parents=True)
+    f2.write_text("// a release without the use\n")
+    (tmp_path / "other" / "CMakeLists.txt").write_text("")
+    args2 = mod.parse_args(["--backend", "vulkan", "--build-dir", str(tmp_path / "b2")])
+    with pytest.raises(SystemExit, match="not where b11434 has it"):
+        mod.vulkan_source(tmp_path / "other", args2)
+
+
+def test_gpu_compare_counts_the_weights_a_step_reads(tmp_path: Path) -> None:
+    """Every tensor but the embedding (one row of it per step), the embedding too when the head
+    is tied to it."""
+    import lowsync
+
+    mod = _gpu_compare()
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "tiny.gguf"
+    lowsync.save_gguf(lowsync.Llama.random("tiny", seed=1, dtype="f16"), path)
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+    emb = tensors["token_embd.weight"]
+    expected = sum(tensors.values()) - emb
+    if "output.weight" not in tensors:
+        expected += emb
+    assert mod.weight_bytes_per_token(path) == expected
+    assert 0 < expected < path.stat().st_size

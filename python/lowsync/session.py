@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import math
 import threading
 import time
 import weakref
@@ -230,6 +231,14 @@ class Session:
     backends cancel queued work on Ctrl-C and those KV rows may never have been written;
     `seq_pos_max` shows what each sequence still holds.
 
+    `layer_split` places the model's layers across the backends as a pipeline, as llama.cpp's
+    `--tensor-split` (layer mode) does: one non-negative weight per backend of `backends`, in
+    order (`[1, 1]` halves the layers between two GPUs; `"even"` gives every backend an equal
+    share), each backend taking a contiguous run of layers with their weights and KV cache
+    (the embedding goes with the first layer, the output head with the last). Activations cross
+    each stage boundary by the scheduler's copies, ordered by events on the devices, so a token
+    still costs the host one wait. None (the default) lets the scheduler place the weights.
+
     Threads may share a session: its calls are serialised by a lock (a second thread's call
     waits until the first returns), so each call sees and leaves a consistent cache.
 
@@ -258,6 +267,7 @@ class Session:
         launch_ahead: bool | None = None,
         sampling: bool = False,
         penalty_last_n: int = 64,
+        layer_split: Sequence[float] | Literal["even"] | None = None,
     ) -> None:
         if not isinstance(model, Llama):
             raise SessionError(
@@ -289,6 +299,7 @@ class Session:
             raise SessionError(f"Session: kv_dtype must be f32, f16 or bf16, got {kv_dtype!r}")
         if isinstance(backends, str):
             backends = [backends]
+        layer_backends = _layer_backends(list(backends), layer_split, model.config.n_layer)
         self.model = model
         self.n_ctx = n_ctx
         self.n_seq = n_seq
@@ -317,6 +328,7 @@ class Session:
                 kv_dtype=kv_dtype,
                 sampling=sampling,
                 penalty_last_n=penalty_last_n,
+                layer_backends=layer_backends,
             )
             compiled.append(_Bucket(self.context.compile(graph), size, n_rows, window))
             del graph  # the context holds the uploaded weights; drop the graph's copy now
@@ -1021,6 +1033,43 @@ class Session:
             # whatever an interrupt between two lines left open, newest first (a step already
             # committed or rolled back is no longer open and is left alone).
             self._cells.rollback(*(s for s in (ahead, current) if s and self._cells.is_open(s)))
+
+
+def _layer_backends(
+    backends: list[str], split: Sequence[float] | str | None, n_layer: int
+) -> list[str] | None:
+    """The backend of each layer under `layer_split` (see `Session`), or None without one.
+
+    Backend k takes layers [round(n_layer * c_{k-1} / total), round(n_layer * c_k / total)),
+    c_k the running sum of the weights: contiguous runs, in the order of `backends`."""
+    if split is None:
+        return None
+    if isinstance(split, str):
+        if split != "even":
+            raise SessionError(f'Session: layer_split must be "even" or weights, got {split!r}')
+        weights = [1.0] * len(backends)
+    else:
+        try:
+            weights = [float(w) for w in split]
+        except (TypeError, ValueError):
+            raise SessionError(
+                f"Session: layer_split must be one number per backend, got {split!r:.100}"
+            ) from None
+    if len(weights) != len(backends):
+        raise SessionError(
+            f"Session: layer_split has {len(weights)} weights for {len(backends)} backends "
+            f"{backends}; give one per backend (0 for a backend that takes no layers)"
+        )
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise SessionError(
+            f"Session: layer_split weights must be finite, >= 0 and not all 0, got {weights}"
+        )
+    total = sum(weights)
+    bounds, running = [], 0.0
+    for w in weights:
+        running += w
+        bounds.append(round(n_layer * running / total))
+    return [backends[next(k for k, b in enumerate(bounds) if i < b)] for i in range(n_layer)]
 
 
 def _delta(earlier: list[int], later: list[int]) -> dict[str, int]:

@@ -48,6 +48,23 @@ if [[ $parts == *llamacpp* ]]; then
     lcpp_pid=$!
 fi
 
+if [[ $parts == *lcppcuda* ]]; then
+    # llama.cpp b11434 with its CUDA backend (sm_90): llama-bench and llama-quantize, built from
+    # the carried source (.carry/src/llama.cpp.tgz, the pruned sdist tree) in the background,
+    # or unpacked from .carry/lcpp-cuda/ (the binaries an earlier call returned, in parts).
+    lcpp_cuda=/tmp/lcpp-cuda
+    if ls .carry/lcpp-cuda/part-* >/dev/null 2>&1; then
+        mkdir -p $lcpp_cuda && cat .carry/lcpp-cuda/part-* | tar xJ -C $lcpp_cuda
+        say "llama.cpp cuda: unpacked $(ls $lcpp_cuda/bin | tr '\n' ' ')"; lcpp_cuda_pid=""
+    else
+        (mkdir -p /tmp/lcpp-src && tar xzf .carry/src/llama.cpp.tgz -C /tmp/lcpp-src &&
+            python3 benches/python/compare_llama_cpp_gpu.py --backend cuda --llama-src /tmp/lcpp-src/llama.cpp \
+                --build-dir $lcpp_cuda --models "" --types "" --jobs 16 >"$logs/lcpp-cuda-build.log" 2>&1
+            echo "llama.cpp cuda build exit $?" >>"$logs/lcpp-cuda-build.log") &
+        lcpp_cuda_pid=$!
+    fi
+fi
+
 run_suite() { # name dir
     local name=$1 dir=$2
     [ -d "$dir" ] || { say "$name: no binaries carried"; return; }
@@ -139,6 +156,29 @@ if [[ $parts == *llamacpp* ]]; then
         say "llama.cpp $m: exit $?"
         sed -E 's/"(lowsync|llama_cpp)_tokens": \[[^]]*\], //g' "$logs/compare-llamacpp-$m.txt" | tail -3 | tee -a "$summary"
     done
+fi
+if [[ $parts == *gpucmp* ]]; then
+    # lowsync against llama.cpp's CUDA backend on identical files (issue 33's figures).
+    [ -n "${lcpp_cuda_pid:-}" ] && wait "$lcpp_cuda_pid"
+    tail -2 "$logs/lcpp-cuda-build.log" 2>/dev/null | tee -a "$summary"
+    if [ -n "${lcpp_cuda_pid:-}" ] && [ -x /tmp/lcpp-cuda/bin/llama-bench ]; then
+        # The binaries back to the caller, for later calls (parts under the 16 MiB limit).
+        mkdir -p "$out/lcpp" && tar cJ -C /tmp/lcpp-cuda bin/llama-bench bin/llama-quantize |
+            split -b 15m - "$out/lcpp/part-"
+        say "llama.cpp cuda binaries: $(du -sh "$out/lcpp" | cut -f1)"
+    fi
+    timeout ${GPUCMP_TIMEOUT:-420} python3 benches/python/compare_llama_cpp_gpu.py --backend cuda --no-build \
+        --build-dir /tmp/lcpp-cuda --work /tmp/gpucmp --models ${GPUCMP_MODELS:-1b,tiny} \
+        --types ${GPUCMP_TYPES:-f16,q4_0,q4_k_m,q6_k,q8_0} -p ${GPUCMP_P:-512} -n ${GPUCMP_N:-128} \
+        --repeats ${GPUCMP_R:-2} --json "$out/gpucmp.json" >"$logs/gpucmp.txt" 2>"$logs/gpucmp.err"
+    say "gpu compare (cuda): exit $?"; grep '^|' "$logs/gpucmp.txt" | tee -a "$summary"; tail -5 "$logs/gpucmp.err"
+fi
+if [[ $parts == *qacc* ]]; then
+    # Logits of llama-quantize files of every block type on each backend against float64.
+    [ -n "${lcpp_cuda_pid:-}" ] && wait "$lcpp_cuda_pid"
+    timeout ${QACC_TIMEOUT:-300} python3 benches/python/quant_accuracy.py --llama-quantize /tmp/lcpp-cuda/bin/llama-quantize \
+        --backends ${QACC_BACKENDS:-cpu,cuda,vulkan} --json "$out/qacc.json" >"$logs/qacc.txt" 2>&1
+    say "quant accuracy: exit $?"; grep '^|' "$logs/qacc.txt" | tee -a "$summary"; grep -v '^[|{]' "$logs/qacc.txt" | tail -5
 fi
 if [[ $parts == *profile* ]]; then
     timeout 400 python3 benches/profile/cuda_profile.py --models ${PROFILE_MODELS:-tiny,1b} -n ${PROFILE_N:-128} ${PROFILE_SETTINGS:+--settings $PROFILE_SETTINGS} \

@@ -92,6 +92,17 @@ enum Work {
         owner: Arc<Shared>,
         ticket: u64,
     },
+    /// A copy from another `cpu-async` stream's buffer, made once that stream completed ticket
+    /// `until` (a device-side wait: this worker blocks, the host does not).
+    PeerCopy {
+        owner: Arc<Shared>,
+        until: u64,
+        src: BufferId,
+        src_offset: usize,
+        dst: BufferId,
+        dst_offset: usize,
+        len: usize,
+    },
     Gate(Arc<GateState>),
     Shutdown,
 }
@@ -207,7 +218,7 @@ impl CpuAsyncBackend {
     /// wait on another stream's event.
     fn enqueue(&self, work: Work) -> u64 {
         let counter = match work {
-            Work::WaitTicket { .. } => &self.shared.stats.device_waits,
+            Work::WaitTicket { .. } | Work::PeerCopy { .. } => &self.shared.stats.device_waits,
             _ => &self.shared.stats.submits,
         };
         let tx = self.tx.lock();
@@ -219,6 +230,41 @@ impl CpuAsyncBackend {
         // The worker only exits on Shutdown, sent from Drop, so the send cannot fail here.
         let _ = tx.send(Item { ticket, work });
         ticket
+    }
+
+    /// Copies from another `cpu-async` stream with no host wait, as one GPU copies from
+    /// another (peer copy after an event): this stream waits for the work queued on `peer` so
+    /// far and copies (one device wait, one device-to-device copy), and `peer` waits for that
+    /// copy before its later work may overwrite the source (one device wait there). The
+    /// stand-in for pipeline stages on several devices.
+    fn copy_from_peer(
+        &self,
+        peer: &CpuAsyncBackend,
+        src: BufferId,
+        src_offset: usize,
+        dst: BufferId,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        peer.shared.store.span(src, src_offset, len)?;
+        self.shared.store.span_write(dst, dst_offset, len)?;
+        let until = peer.shared.progress.lock().submitted;
+        bump(&self.shared.stats.d2d_copies, 1);
+        bump(&self.shared.stats.d2d_bytes, len as u64);
+        let ticket = self.enqueue(Work::PeerCopy {
+            owner: peer.shared.clone(),
+            until,
+            src,
+            src_offset,
+            dst,
+            dst_offset,
+            len,
+        });
+        peer.enqueue(Work::WaitTicket {
+            owner: self.shared.clone(),
+            ticket,
+        });
+        Ok(())
     }
 
     /// Enqueues `work` and blocks until it ran: one host wait.
@@ -252,6 +298,21 @@ impl Drop for CpuAsyncBackend {
             let _ = w.join();
         }
     }
+}
+
+/// Blocks this stream's worker (item `ticket`) until `owner` completed ticket `until`; false if
+/// this item was cancelled first (Ctrl-C, shutdown) or `owner` shut down.
+fn wait_for_peer(shared: &Shared, ticket: u64, owner: &Shared, until: u64) -> bool {
+    let mut p = owner.progress.lock();
+    // Woken by every item the owner completes; the timeout only lets a cancellation of this
+    // stream (or the owner's shutdown) through.
+    while p.completed < until {
+        if shared.cancelled(ticket) || owner.shutdown.load(Ordering::Acquire) {
+            return false;
+        }
+        owner.done.wait_for(&mut p, interrupt::POLL_INTERVAL);
+    }
+    true
 }
 
 fn worker_loop(shared: &Shared, rx: Receiver<Item>) {
@@ -308,13 +369,30 @@ fn worker_loop(shared: &Shared, rx: Receiver<Item>) {
                 owner,
                 ticket: until,
             } => {
-                let mut p = owner.progress.lock();
-                // Woken by every item the owner completes; the timeout only lets a
-                // cancellation (Ctrl-C, shutdown) of this stream through.
-                while p.completed < until && !shared.cancelled(ticket) {
-                    owner.done.wait_for(&mut p, interrupt::POLL_INTERVAL);
-                }
+                wait_for_peer(shared, ticket, &owner, until);
                 Ok(())
+            }
+            Work::PeerCopy {
+                owner,
+                until,
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                len,
+            } => {
+                if wait_for_peer(shared, ticket, &owner, until) {
+                    owner.store.span(src, src_offset, len).and_then(|from| {
+                        let to = shared.store.span_write(dst, dst_offset, len)?;
+                        // SAFETY: both ranges bounds-checked; two streams' buffers never
+                        // overlap, and the source wrote its bytes before `until` and waits for
+                        // this ticket before it may write them again (`copy_from_peer`).
+                        unsafe { std::ptr::copy_nonoverlapping(from, to, len) };
+                        Ok(())
+                    })
+                } else {
+                    Ok(()) // cancelled: the source may still be writing, nothing is copied
+                }
             }
             Work::Gate(g) => {
                 let mut open = g.open.lock();
@@ -422,6 +500,14 @@ impl Gate for GateState {
 impl Backend for CpuAsyncBackend {
     fn name(&self) -> &str {
         &self.name
+    }
+    fn as_any_backend(&self) -> Option<&dyn Any> {
+        Some(self)
+    }
+    fn copies_from(&self, src: &dyn Backend) -> bool {
+        src.as_any_backend()
+            .and_then(|b| b.downcast_ref::<CpuAsyncBackend>())
+            .is_some_and(|peer| !Arc::ptr_eq(&peer.shared, &self.shared))
     }
     fn device_kind(&self) -> DeviceKind {
         DeviceKind::Cpu
@@ -566,6 +652,15 @@ impl Backend for CpuAsyncBackend {
         dst_offset: usize,
         len: usize,
     ) -> Result<bool> {
+        if let Some(peer) = src_backend
+            .as_any_backend()
+            .and_then(|b| b.downcast_ref::<CpuAsyncBackend>())
+        {
+            if !Arc::ptr_eq(&peer.shared, &self.shared) {
+                self.copy_from_peer(peer, src, src_offset, dst, dst_offset, len)?;
+                return Ok(true);
+            }
+        }
         // Only from host memory, which is ready as soon as its (synchronous) producer returned.
         // The bytes are staged now, at call time, so the host may reuse the source at once
         // (invariant 3 holds without keeping it alive until this stream gets there).

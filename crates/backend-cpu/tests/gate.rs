@@ -335,3 +335,56 @@ fn out_of_bounds_copies_and_reads_are_errors_and_the_stream_stays_usable() {
     let mut r = b.read_async(buf, 32, 16).unwrap();
     assert_eq!(floats(r.wait().unwrap()), vec![3.0; 4]);
 }
+
+/// Two `cpu-async` streams stand in for two GPUs: `cpy_tensor_async` between them is queued
+/// with no host wait, copies only after the work queued on the source (a write behind the
+/// source's closed gate), and the source's later work waits for the copy (its next write lands
+/// only after the destination copied the old bytes). Counts: one device-to-device copy and one
+/// device wait on the destination, one device wait on the source, no host wait on either.
+#[test]
+fn a_copy_between_two_streams_waits_on_the_devices_not_the_host() {
+    let a = CpuAsyncBackend::new("cpu-async:0").unwrap();
+    let b = CpuAsyncBackend::new("cpu-async:1").unwrap();
+    let src = a.alloc_buffer(16, BufferUsage::Compute).unwrap();
+    let dst = b.alloc_buffer(16, BufferUsage::Compute).unwrap();
+    let gate = Watched::close(&a);
+    a.set_tensor_async_staged(src, 0, &bytes(&[1.0, 2.0, 3.0, 4.0]))
+        .unwrap();
+    let (a0, b0) = (a.stats().snapshot(), b.stats().snapshot());
+    assert!(b.cpy_tensor_async(&a, src, 0, dst, 0, 16).unwrap());
+    // Queued after the copy on the source: must not reach the copy's bytes.
+    a.set_tensor_async_staged(src, 0, &bytes(&[9.0, 9.0, 9.0, 9.0]))
+        .unwrap();
+    let (a1, b1) = (a.stats().snapshot(), b.stats().snapshot());
+    assert_eq!(b1.d2d_copies - b0.d2d_copies, 1);
+    assert_eq!(b1.device_waits - b0.device_waits, 1);
+    assert_eq!(a1.device_waits - a0.device_waits, 1);
+    assert_eq!(
+        (a1.host_waits, b1.host_waits),
+        (a0.host_waits, b0.host_waits)
+    );
+    let ev = b.event_new().unwrap();
+    b.event_record(&ev).unwrap();
+    assert!(
+        !ev.is_complete(),
+        "the copy must wait for the source's gate"
+    );
+    gate.open();
+    let mut out = vec![0u8; 16];
+    b.get_tensor(dst, 0, &mut out).unwrap();
+    assert_eq!(floats(&out), vec![1.0, 2.0, 3.0, 4.0]);
+    a.get_tensor(src, 0, &mut out).unwrap();
+    assert_eq!(floats(&out), vec![9.0, 9.0, 9.0, 9.0]);
+}
+
+#[test]
+fn a_copy_between_two_streams_checks_both_ranges() {
+    let a = CpuAsyncBackend::new("cpu-async:0").unwrap();
+    let b = CpuAsyncBackend::new("cpu-async:1").unwrap();
+    let src = a.alloc_buffer(16, BufferUsage::Compute).unwrap();
+    let dst = b.alloc_buffer(8, BufferUsage::Compute).unwrap();
+    assert!(b.cpy_tensor_async(&a, src, 8, dst, 0, 16).is_err());
+    assert!(b.cpy_tensor_async(&a, src, 0, dst, 0, 16).is_err());
+    assert!(b.cpy_tensor_async(&a, src, 0, dst, 0, 8).unwrap());
+    b.synchronize().unwrap();
+}

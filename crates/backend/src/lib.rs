@@ -176,6 +176,11 @@ pub trait Backend: Send + Sync {
     fn supports_op(&self, op: &Op, dst: DType, srcs: &[DType]) -> bool;
     /// The live counters.
     fn stats(&self) -> &SyncStats;
+    /// This backend as `Any`, for a backend that copies from another of its own kind directly
+    /// (`cpy_tensor_async` between two devices); None (the default) where none does.
+    fn as_any_backend(&self) -> Option<&dyn Any> {
+        None
+    }
 
     /// Allocates `size` bytes (zeroed) of this backend's buffer type. Counts a reserve.
     fn alloc_buffer(&self, size: usize, usage: BufferUsage) -> Result<BufferId>;
@@ -232,6 +237,12 @@ pub trait Backend: Send + Sync {
         _len: usize,
     ) -> Result<()> {
         unsupported(self.name(), "get_tensor_async")
+    }
+    /// Whether [`Backend::cpy_tensor_async`] from `src` is a copy between the two devices
+    /// ordered on their streams, with no host wait (a peer copy): what a device-side feed from
+    /// another device's output needs. False (the default) where it is not known to be.
+    fn copies_from(&self, _src: &dyn Backend) -> bool {
+        false
     }
     /// Copies `len` bytes from `src_backend`'s buffer into this backend's, ordered after work
     /// queued on the source, with this stream waiting for it. `Ok(false)`: not supported for

@@ -17,13 +17,15 @@ pub fn make_backend(name: &str) -> Result<Arc<dyn Backend>> {
         None => (name, None),
     };
     if let Some(i) = index {
-        if i.parse::<u32>().is_err() || !matches!(base, "cuda" | "vulkan") {
+        // `cpu-async:N`: more host "devices", each with its own stream thread (the stand-ins
+        // for several GPUs in tests of placement across devices).
+        if i.parse::<u32>().is_err() || !matches!(base, "cuda" | "vulkan" | "cpu-async") {
             return Err(Error::UnknownBackend(name.to_string()));
         }
     }
     match base {
         "cpu" => Ok(Arc::new(CpuBackend::new())),
-        "cpu-async" => Ok(Arc::new(CpuAsyncBackend::new("cpu-async")?)),
+        "cpu-async" => Ok(Arc::new(CpuAsyncBackend::new(name)?)),
         "noop" => Ok(Arc::new(NoopBackend::new())),
         "cuda" => cuda(name),
         "vulkan" => vulkan(name),
@@ -65,11 +67,18 @@ fn cuda(_name: &str) -> Result<Arc<dyn Backend>> {
 pub fn device_type(name: &str) -> Result<&'static str> {
     let base = name.split_once(':').map_or(name, |(b, _)| b);
     match base {
-        "cpu" | "cpu-async" | "noop" if base == name => Ok("cpu"),
+        "cpu" | "noop" if base == name => Ok("cpu"),
+        "cpu-async" if base == name || make_index_ok(name) => Ok("cpu"),
         "cuda" => Ok("gpu"),
         "vulkan" => vulkan_device_type(name),
         _ => Err(Error::UnknownBackend(name.to_string())),
     }
+}
+
+/// Whether `name`'s `:N` suffix is a device index.
+fn make_index_ok(name: &str) -> bool {
+    name.split_once(':')
+        .is_some_and(|(_, i)| i.parse::<u32>().is_ok())
 }
 
 #[cfg(feature = "vulkan")]

@@ -86,6 +86,8 @@ struct ForeignCopy {
 /// order after the step's input writes, over each arena copy of an input.
 #[derive(Clone, Debug)]
 struct Feed {
+    /// The output's backend and place.
+    backend: usize,
     src: (BufferId, usize),
     len: usize,
     /// (split, offset of the input in the split's arena).
@@ -278,9 +280,11 @@ impl Plan {
             };
             for q in std::iter::once(inp.offset).chain(inp.mirrors.iter().copied()) {
                 if range.contains(&q) {
-                    if sp.backend != b {
+                    // Another device copies the bytes itself, ordered on both streams.
+                    if sp.backend != b && !backends[sp.backend].copies_from(&*backends[b]) {
                         return bad(format!(
-                            "split {s} reads the input on {}, the output is on {}",
+                            "split {s} reads the input on {}, the output is on {}, and the \
+                             first cannot copy from the second on the devices",
                             backends[sp.backend].name(),
                             backends[b].name()
                         ));
@@ -293,6 +297,7 @@ impl Plan {
             return bad("no split reads the input".into());
         }
         Ok(Feed {
+            backend: b,
             src: (t.buffer, t.byte_offset),
             len: inp.nbytes,
             targets,
@@ -329,7 +334,9 @@ impl Plan {
     /// bytes output `output` holds when that step starts (what the step queued before it
     /// wrote), copied in stream order after the step's input writes, instead of the host's
     /// bytes. A decode step takes the token the previous step sampled without the host
-    /// reading it first, so the host can queue step t+1 before it waits for token t.
+    /// reading it first, so the host can queue step t+1 before it waits for token t. An input
+    /// read on another device than the output's is fed by that device's peer copy
+    /// ([`Backend::copies_from`]), so a pipeline of devices takes launch-ahead too.
     pub fn feed(&mut self, input: &str, output: &str) -> Result<()> {
         let known = self
             .resolved_feeds
@@ -465,7 +472,23 @@ impl Plan {
             if let Some((arena, bases, _)) = &sp.arena {
                 for f in feeds.iter().map(|&k| &self.resolved_feeds[k].2) {
                     for &(_, off) in f.targets.iter().filter(|(fs, _)| *fs == s) {
-                        be.copy_async(f.src.0, f.src.1, *arena, bases[c] + off, f.len)?;
+                        let dst = (*arena, bases[c] + off);
+                        if f.backend == sp.backend {
+                            be.copy_async(f.src.0, f.src.1, dst.0, dst.1, f.len)?;
+                        } else if !be.cpy_tensor_async(
+                            &*backends[f.backend],
+                            f.src.0,
+                            f.src.1,
+                            dst.0,
+                            dst.1,
+                            f.len,
+                        )? {
+                            return Err(Error::Input(format!(
+                                "feed into split {s}: {} did not copy from {}",
+                                be.name(),
+                                backends[f.backend].name()
+                            )));
+                        }
                     }
                 }
             }

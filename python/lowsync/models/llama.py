@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -413,14 +414,30 @@ class Llama:
         backend: str | None = None,
         sampling: bool = False,
         penalty_last_n: int = 64,
+        layer_backends: Sequence[str] | None = None,
     ) -> Graph:
         """The decoder graph of one shape bucket (see the module docstring for its contract).
 
         `n_tokens` tokens per step, `n_ctx` KV-cache rows spanned by attention, `n_out` output
         rows; `kv_dtype` ("f32", "f16" or "bf16") is the cache's dtype. `backend` pins the
-        weights to one backend (default: let the scheduler place them). `sampling` draws `next`
-        with penalties over a window of `penalty_last_n` recent tokens instead of the argmax.
+        weights to one backend (default: let the scheduler place them). `layer_backends` (one
+        backend name per layer) pins each layer's weights and KV cache to its backend instead,
+        the embedding to the first layer's and the output head to the last layer's (a tied
+        head, one tensor, to the last): a pipeline of stages across devices, whose activations
+        the scheduler copies at each stage boundary. `sampling` draws `next` with penalties over
+        a window of `penalty_last_n` recent tokens instead of the argmax.
         """
+        if layer_backends is not None:
+            layer_backends = list(layer_backends)
+            if backend is not None:
+                raise ValueError("pass backend or layer_backends, not both")
+            if len(layer_backends) != self.config.n_layer or not all(
+                isinstance(b, str) and b for b in layer_backends
+            ):
+                raise ValueError(
+                    f"layer_backends must name a backend for each of the {self.config.n_layer} "
+                    f"layers, got {layer_backends!r:.200}"
+                )
         for what, v in (("n_tokens", n_tokens), ("n_ctx", n_ctx), ("n_out", n_out)):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{what} must be a positive integer, got {v!r}")
@@ -430,7 +447,7 @@ class Llama:
             raise ValueError(f"penalty_last_n must be an int, got {penalty_last_n!r}")
         if penalty_last_n < 0:
             raise ValueError(f"penalty_last_n must be >= 0 (0: no penalties), got {penalty_last_n}")
-        builder = _GraphBuilder(self, n_tokens, n_ctx, n_out, kv_dtype, backend)
+        builder = _GraphBuilder(self, n_tokens, n_ctx, n_out, kv_dtype, backend, layer_backends)
         return builder.build(penalty_last_n if sampling else None)
 
 
@@ -446,15 +463,39 @@ class _GraphBuilder:
     """Builds one bucket's graph; holds the graph and the weight tensors made so far."""
 
     def __init__(
-        self, model: Llama, t: int, n_ctx: int, n_out: int, kv_dtype: str, backend: str | None
+        self,
+        model: Llama,
+        t: int,
+        n_ctx: int,
+        n_out: int,
+        kv_dtype: str,
+        backend: str | None,
+        layer_backends: list[str] | None = None,
     ) -> None:
         self.model = model
         self.cfg = model.config
         self.t, self.n_ctx, self.n_out = t, n_ctx, n_out
         self.kv_dtype = kv_dtype
         self.backend = backend
+        self.layer_backends = layer_backends
         self.g = Graph()
         self._made: dict[str, Tensor] = {}
+
+    def backend_of(self, name: str) -> str | None:
+        """Where weight (or cache) `name` is pinned: its layer's backend under a layer split
+        (`blk.{i}.*`, `cache_*_l{i}`), the first layer's for the embedding, the last layer's for
+        the output norm and head; else the one `backend` for weights (None for caches, and for
+        weights without it: the scheduler's choice)."""
+        stages = self.layer_backends
+        if stages is None:
+            return None if name.startswith("cache_") else self.backend
+        if name.startswith("blk."):
+            return stages[int(name.split(".", 2)[1])]
+        if name.startswith("cache_"):
+            return stages[int(name.rsplit("_l", 1)[1])]
+        if name == "token_embd.weight" and not self.cfg.tied_embeddings:
+            return stages[0]
+        return stages[-1]
 
     def w(self, name: str) -> Tensor:
         """The weight called `name`, added to the graph on first use."""
@@ -462,17 +503,18 @@ class _GraphBuilder:
         if made is None:
             data = self.model.weights[name]
             dtype = self.model.dtypes[name]
+            backend = self.backend_of(name)
             if dtype in quants.QUANT_DTYPES:
                 made = self.g.weight(
                     name,
                     data,
-                    backend=self.backend,
+                    backend=backend,
                     dtype=dtype,
                     shape=self.cfg.weight_shapes()[name],
                 )
             else:
                 made = self.g.weight(
-                    name, data, backend=self.backend, dtype="bf16" if dtype == "bf16" else None
+                    name, data, backend=backend, dtype="bf16" if dtype == "bf16" else None
                 )
             self._made[name] = made
         return made
@@ -512,8 +554,13 @@ class _GraphBuilder:
 
             # This step's K and V go into their cache rows; attention then reads every row
             # (through the set_rows results, so it runs after the writes) under the mask.
-            k_cache = g.persistent(f"cache_k_l{il}", [n_ctx, n_kv * hd], self.kv_dtype)
-            v_cache = g.persistent(f"cache_v_l{il}", [n_ctx, n_kv * hd], self.kv_dtype)
+            k_name, v_name = f"cache_k_l{il}", f"cache_v_l{il}"
+            k_cache = g.persistent(
+                k_name, [n_ctx, n_kv * hd], self.kv_dtype, backend=self.backend_of(k_name)
+            )
+            v_cache = g.persistent(
+                v_name, [n_ctx, n_kv * hd], self.kv_dtype, backend=self.backend_of(v_name)
+            )
             k_all = g.set_rows(k_cache, g.reshape(k, [t, n_kv * hd]), kv_idx)
             v_all = g.set_rows(v_cache, v, kv_idx)
             keys = g.permute(g.reshape(k_all, [n_ctx, n_kv, hd]), [1, 2, 0])  # [n_kv, hd, n_ctx]

@@ -7,9 +7,12 @@
 //!
 //! Strategy: row-major `out[m, n] = a[m, k] @ b[k, n]` is column-major `out^T = b^T a^T`, so b
 //! is cuBLAS's A and a its B. An operand whose matrices have a unit stride on either axis is read
-//! in place (transposed views such as `x @ w.T` included); otherwise, or when the two operands
-//! have different dtypes (compute in f32), it is copied to scratch first. Equal f16/bf16 operands
-//! run with f16/bf16 inputs, f32 output and f32 compute. The output is written in place when it
+//! in place (transposed views such as `x @ w.T` included); otherwise, or when its dtype is not
+//! the compute dtype ([`blas_compute`]), it is copied to scratch first. Operands compute in their
+//! own dtype when they agree; an f32 operand beside an f16/bf16 one is rounded to that 16-bit
+//! type (in a model: the activations, m x k, beside the weight, k x n), as llama.cpp's cuBLAS
+//! path does, so prefill reads the weight in place and runs on tensor cores; other mixes compute
+//! in f32. 16-bit inputs run with f32 output and f32 compute. The output is written in place when it
 //! is f32 with unit column stride, else to f32 scratch and copied (converting) into it. Output
 //! batches are grouped into runs whose operand offsets advance by constant strides (stride 0 for
 //! a broadcast operand), one strided-batched call per run — one call in the common cases, one
@@ -17,18 +20,18 @@
 //!
 //! Invariant: cuBLAS only ever sees the stream through `TicketStream::lend`, so each call
 //! takes a ticket and is counted as a kernel launch; math mode is the default (no TF32), so f32
-//! results match the CPU oracle within the f32 NMSE bound.
+//! results match the CPU oracle within the f32 NMSE bound (16-bit products within the bound of
+//! their activations' rounding).
 //!
-//! Small m (decode) does not go to cuBLAS: with an f16/bf16 weight and f32 activations cuBLAS
-//! needs both operands in one dtype, so every call would first convert the whole weight to f32
-//! (reading it once, writing it twice as large, reading that again). Instead, when the result
+//! Small m (decode) does not go to cuBLAS: a matrix-vector product is bound by reading the
+//! weight, and one launch of a kernel that reads it once in its own dtype is the floor. When the result
 //! is f32, b's matrices have a unit stride on k (`x @ w.T`, `q @ K^T`) or on n (`x @ w`,
 //! `p @ V`), and there are at most four batch axes, one launch of a matrix-vector kernel
 //! (`kernels/matmul.cu`) reads b once, in place, in its own dtype, with a (converted to packed
 //! f32 first only when it is not f32, or strided along k for the k-contiguous kernel) read
 //! from L1. All batches, GQA broadcast included, are one launch. Its threshold: m <=
-//! [`MMV_MAX_M`], or m <= [`MMV_MAX_M_CONVERTING`] when cuBLAS would have to convert b
-//! (`LOWSYNC_CUDA_TUNE=mmv_max_m=N` overrides both; 0 sends everything to cuBLAS). Its results are
+//! [`MMV_MAX_M`], or m <= [`MMV_MAX_M_CONVERTING`] when cuBLAS would have to convert b (an
+//! f16 operand beside a bf16 one; `LOWSYNC_CUDA_TUNE=mmv_max_m=N` overrides both; 0 sends everything to cuBLAS). Its results are
 //! bit-identical run to run: the summation order depends only on the shapes.
 //!
 //! Quantized (GGUF block) weights, read as `x @ w.T` (b's k axis contiguous, whole rows): up to
@@ -192,11 +195,29 @@ fn mm_batch(batch: &[usize], ops: [&Dev; 3]) -> Option<MmBatch> {
     Some(mb)
 }
 
-/// The rows threshold of the matrix-vector kernels for these operand dtypes.
+/// The dtype cuBLAS computes `a @ b` in: the operands' own when they agree; the 16-bit one when
+/// the other is f32 (the f32 operand, in a model the activations, is rounded to it: a copy of
+/// m x k elements, where f32 compute would copy the k x n weight to f32 and run without tensor
+/// cores, at a third of the speed in prefill); f32 otherwise.
+pub(crate) fn blas_compute(a: DType, b: DType) -> DType {
+    let half = |d: DType| matches!(d, DType::F16 | DType::BF16);
+    if a == b {
+        a
+    } else if a == DType::F32 && half(b) {
+        b
+    } else if b == DType::F32 && half(a) {
+        a
+    } else {
+        DType::F32
+    }
+}
+
+/// The rows threshold of the matrix-vector kernels for these operand dtypes: higher where
+/// cuBLAS would have to convert b.
 pub(crate) fn mmv_max_m(a: DType, b: DType, over: Option<usize>) -> usize {
     over.unwrap_or(if b.is_quantized() {
         MMV_MAX_M_QUANT
-    } else if b != DType::F32 && a != b {
+    } else if blas_compute(a, b) != b {
         MMV_MAX_M_CONVERTING
     } else {
         MMV_MAX_M
@@ -357,11 +378,7 @@ pub(crate) fn plan(
             quant_cols: None,
         });
     }
-    let compute = if a.dtype == b.dtype {
-        a.dtype
-    } else {
-        DType::F32
-    };
+    let compute = blas_compute(a.dtype, b.dtype);
     let out_ok = dst.dtype == DType::F32 && matches!(mat_layout(dst), Some((Order::RowMajor, _)));
     Ok(Plan {
         m,
@@ -1116,11 +1133,12 @@ mod tests {
     #[test]
     fn thresholds_depend_on_whether_cublas_would_convert_b() {
         let wt = |d| dev(d, &[64, 96], &[1, 64]);
+        // f32 activations with f16 weights: cuBLAS rounds the activations to f16 and reads
+        // the weights in place, so the same threshold as f32 weights.
         for (m, want_f32, want_f16) in [
             (1, Route::VecK, Route::VecK),
             (8, Route::VecK, Route::VecK),
-            (9, Route::Blas, Route::VecK),
-            (32, Route::Blas, Route::VecK),
+            (9, Route::Blas, Route::Blas),
             (33, Route::Blas, Route::Blas),
         ] {
             let x = dev(DType::F32, &[m, 64], &[64, 1]);
@@ -1142,6 +1160,33 @@ mod tests {
         let x = dev(DType::F32, &[40, 64], &[64, 1]);
         let out = dev(DType::F32, &[40, 96], &[96, 1]);
         assert_eq!(route(&out, &x, &wt(DType::F32), Some(64)).0, Route::VecK);
+        // f16 activations with bf16 weights: cuBLAS would convert both to f32.
+        let xh = dev(DType::F16, &[32, 64], &[64, 1]);
+        let out = dev(DType::F32, &[32, 96], &[96, 1]);
+        assert_eq!(route(&out, &xh, &wt(DType::BF16), None).0, Route::VecK);
+    }
+
+    #[test]
+    fn blas_rounds_the_f32_operand_to_the_16_bit_one() {
+        use DType::{BF16, F16, F32};
+        for (a, b, want) in [
+            (F32, F32, F32),
+            (F16, F16, F16),
+            (F32, F16, F16),
+            (F32, BF16, BF16),
+            (BF16, F32, BF16),
+            (F16, BF16, F32),
+        ] {
+            assert_eq!(blas_compute(a, b), want, "{a} @ {b}");
+        }
+        // Prefill's x @ w.T: the activations are copied, the weight is read in place.
+        let x = dev(F32, &[512, 64], &[64, 1]);
+        let w = dev(F16, &[64, 96], &[1, 64]);
+        let out = dev(F32, &[512, 96], &[96, 1]);
+        let p = plan(&node(), &out, &x, &w, None).unwrap();
+        assert_eq!(p.route, Route::Blas);
+        assert_eq!((p.compute, p.convert_a, p.convert_b), (F16, true, false));
+        assert_eq!(p.scratch_sizes(), vec![512 * 64 * 2, 0, 0]);
     }
 
     #[test]
