@@ -15,17 +15,18 @@
 //! `m_w * s_x` for types with a min), the integer sum exact. A kernel takes a job's weight rows
 //! and all activation rows in tiles of a few weight rows by a few activation rows, each pair's
 //! accumulator in a register: a decode product (one activation row) runs 4 weight rows at once
-//! (Q4_0, Q4_1, Q8_0; 2 for the K types, whose unpacking needs more registers), so four
-//! independent FMA chains hide each other's latency (one chain left a decode step waiting on
-//! it: 1.5-1.75x slower per block); a prefill product unpacks each weight block once per 4-8
-//! activation rows and loads each activation block once per 2 weight rows. Kernels exist for
+//! (2 for Q6_K, whose unpacking needs more registers), so independent FMA chains hide each
+//! other's latency (one chain left a decode step waiting on it: 1.5-1.75x slower per block);
+//! a prefill product unpacks each weight block once per 4-8 activation rows. Q6_K's 8-bit
+//! sub-block scales are multiplied into its weights as i16, so each activation block takes
+//! one integer sum and one FMA, as for the other types. Kernels exist for
 //! Q4_0, Q4_1, Q8_0, Q4_K and Q6_K with AVX2 (+FMA, F16C), chosen at run time; other types,
 //! other CPUs (NEON included) and `LOWSYNC_CPU_QUANT_DOT=f32` use the exact path of `super`
 //! (f32 activations against the scalar dequantization).
 //!
 //! Determinism: the integer sums are exact and each output is one fixed-order sum over its
 //! blocks, whatever tile computes it, so results do not depend on the thread count (nor on
-//! the tiling: the tiles give the same bits as one row at a time).
+//! the tiling: a tile gives the same bits as one row at a time).
 
 use lowsync_graph::DType;
 
@@ -149,14 +150,15 @@ mod x86 {
 
     /// Calls `$body::<W, R>` over tiles of `W` weight rows by `R` activation rows, each tile's
     /// accumulators in registers. A decode product (one activation row) takes its weight rows
-    /// 4 at a time: four independent accumulator chains (one chain waited on each FMA's
-    /// latency) and each activation block loaded once for four rows. A product of more rows
-    /// takes 2 weight rows by up to 4 activation rows: each unpacked weight block serves 4
-    /// rows and each activation block 2 weight rows. Leftovers go in smaller tiles (a lone
-    /// weight row by up to 8 activation rows). Every output is the same fixed-order sum over
+    /// `$decode_w` (4 or 2) at a time: independent accumulator chains (one chain waited on
+    /// each FMA's latency) and each activation block loaded once for all of them. A product of
+    /// more rows takes `$prefill_w` weight rows: 2 by up to 4 activation rows (each unpacked
+    /// weight block serves 4 rows, each activation block 2 weight rows), or 1 by up to 8 for
+    /// the K types, whose unpacking needs more registers (two weight rows spilled, measured
+    /// slower). Leftovers go in smaller tiles. Every output is the same fixed-order sum over
     /// its blocks whatever tile computes it.
     macro_rules! wrapper {
-        ($name:ident, $body:ident, $bb:expr, $per:expr, $decode_w:expr) => {
+        ($name:ident, $body:ident, $bb:expr, $per:expr, $decode_w:expr, $prefill_w:expr) => {
             fn $name(w: &[u8], row_bytes: usize, d: &[f32], s: &[f32], q: &[i16], out: &mut [f32]) {
                 let rows = w.len().checked_div(row_bytes).unwrap_or(0);
                 let m = out.len().checked_div(rows).unwrap_or(0);
@@ -174,7 +176,8 @@ mod x86 {
                 while j < rows {
                     let wn = match (rows - j, m) {
                         (4.., 1) if $decode_w == 4 => 4,
-                        (2.., _) => 2,
+                        (2.., 1) if $decode_w >= 2 => 2,
+                        (2.., 2..) if $prefill_w >= 2 => 2,
                         _ => 1,
                     };
                     let wt = &w[j * row_bytes..(j + wn) * row_bytes];
@@ -215,11 +218,11 @@ mod x86 {
             }
         };
     }
-    wrapper!(q4_0, q4_0_avx2, 18, 1, 4);
-    wrapper!(q4_1, q4_1_avx2, 20, 1, 4);
-    wrapper!(q8_0, q8_0_avx2, 34, 1, 4);
-    wrapper!(q4_k, q4_k_avx2, 144, 8, 2);
-    wrapper!(q6_k, q6_k_avx2, 210, 8, 2);
+    wrapper!(q4_0, q4_0_avx2, 18, 1, 4, 2);
+    wrapper!(q4_1, q4_1_avx2, 20, 1, 4, 2);
+    wrapper!(q8_0, q8_0_avx2, 34, 1, 4, 2);
+    wrapper!(q4_k, q4_k_avx2, 144, 8, 4, 1);
+    wrapper!(q6_k, q6_k_avx2, 210, 8, 2, 1);
 
     /// Writes a tile's results: weight row `j + r` times activation row `r0 + i` to
     /// `out[(j + r) * m + r0 + i]`.
@@ -317,30 +320,6 @@ mod x86 {
                     _mm256_add_epi32(_mm256_madd_epi16(w[r].0, x0), _mm256_madd_epi16(w[r].1, x1));
                 let scale = _mm256_set1_ps(f[r] * dx);
                 acc[r][i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc[r][i]);
-            }
-        }
-    }
-
-    /// `tile_fma` with scale `f[r].0` for elements 0..16 and `f[r].1` for 16..32 (Q6_K's
-    /// halves).
-    // Index loops: each pair `(r, i)` addresses two arrays at once.
-    #[allow(clippy::needless_range_loop)]
-    #[inline(always)]
-    unsafe fn tile_fma2<const W: usize, const R: usize>(
-        acc: &mut [[__m256; R]; W],
-        w: &[(__m256i, __m256i); W],
-        f: &[(f32, f32); W],
-        a: &Act<'_>,
-        b: usize,
-    ) {
-        for i in 0..R {
-            let (x0, x1) = x_block(a, i, b);
-            let dx = a.d[i * a.nb + b];
-            for r in 0..W {
-                let p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w[r].0, x0));
-                let p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w[r].1, x1));
-                acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(f[r].0 * dx), p0, acc[r][i]);
-                acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(f[r].1 * dx), p1, acc[r][i]);
             }
         }
     }
@@ -462,7 +441,8 @@ mod x86 {
         tile_out(&acc, None)
     }
 
-    /// Q4_K: 8 sub-blocks of 32, each exactly one activation block.
+    /// Q4_K: 8 sub-blocks of 32, each exactly one activation block. Per super-block and
+    /// weight row the 8 scales and mins are decoded once, before the sub-blocks.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q4_k_avx2<const W: usize, const R: usize>(
         w: &[u8],
@@ -472,31 +452,42 @@ mod x86 {
         let mut acc = [[_mm256_setzero_ps(); R]; W];
         let mut mins = [[0.0f32; R]; W];
         for sb in 0..a.nb / 8 {
-            for j in 0..8 {
-                // Sub-block j: the low (j even) or high (j odd) nibbles of 32 bytes at
-                // 16 + 32 * (j / 2).
-                let b = sb * 8 + j;
-                let (mut qw, mut f, mut mn) = (
-                    [(_mm256_setzero_si256(), _mm256_setzero_si256()); W],
-                    [0.0f32; W],
-                    [0.0f32; W],
-                );
-                for r in 0..W {
-                    let p = block_at(w, rb, r, 144, sb);
-                    qw[r] = nibbles32(p.add(16 + 32 * (j / 2)), j % 2 == 1);
-                    let sc = std::slice::from_raw_parts(p.add(4), 12);
+            let (mut f, mut mn) = ([[0.0f32; 8]; W], [[0.0f32; 8]; W]);
+            for r in 0..W {
+                let p = block_at(w, rb, r, 144, sb);
+                let sc = std::slice::from_raw_parts(p.add(4), 12);
+                let (dw, dmin) = (f16_at(p), f16_at(p.add(2)));
+                for j in 0..8 {
                     let (scale, min) = super::super::scalar::k_scale_min(sc, j);
-                    f[r] = f16_at(p) * f32::from(scale);
-                    mn[r] = f16_at(p.add(2)) * f32::from(min);
+                    f[r][j] = dw * f32::from(scale);
+                    mn[r][j] = dmin * f32::from(min);
                 }
-                tile_fma(&mut acc, &qw, &f, a, b);
-                tile_min(&mut mins, &mn, a, b);
+            }
+            for j in 0..8 {
+                // Sub-block j: the low (j even) or high (j odd) nibbles of the 32 bytes at
+                // 16 + 32 * (j / 2).
+                let z = _mm256_setzero_si256();
+                let mut qw = [(z, z); W];
+                for (r, qw) in qw.iter_mut().enumerate() {
+                    *qw = nibbles32(
+                        block_at(w, rb, r, 144, sb).add(16 + 32 * (j / 2)),
+                        j % 2 == 1,
+                    );
+                }
+                let fj: [f32; W] = std::array::from_fn(|r| f[r][j]);
+                let mj: [f32; W] = std::array::from_fn(|r| mn[r][j]);
+                tile_fma(&mut acc, &qw, &fj, a, sb * 8 + j);
+                tile_min(&mut mins, &mj, a, sb * 8 + j);
             }
         }
         tile_out(&acc, Some((&mins, -1.0)))
     }
 
     /// Q6_K: 16 sub-blocks of 16 (two per activation block); values are `q - 32`, `q` 6 bits.
+    /// The sub-blocks' 8-bit integer scales are multiplied into the weights as i16
+    /// (`|(q - 32) * scale| <= 4096`), so an activation block's two halves make one integer
+    /// sum (`pmaddwd` pairs at most 2 * 4096 * 32767 each, two of them per lane: below 2^31)
+    /// and one FMA with `d_w * d_x`.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q6_k_avx2<const W: usize, const R: usize>(
         w: &[u8],
@@ -508,17 +499,16 @@ mod x86 {
         let m2 = _mm256_set1_epi8(0x03);
         let off = _mm256_set1_epi16(32);
         for sb in 0..a.nb / 8 {
+            let f: [f32; W] = std::array::from_fn(|r| f16_at(block_at(w, rb, r, 210, sb).add(208)));
             for half in 0..2 {
                 for g in 0..4 {
                     // Elements half*128 + 32g .. +32: the nibbles of ql bytes
                     // half*64 + (g%2)*32 .. (low for g < 2, high after), and the 2 bits of the
                     // qh bytes at shift 2g.
                     let e = half * 128 + 32 * g;
-                    let (mut qw, mut f) = (
-                        [(_mm256_setzero_si256(), _mm256_setzero_si256()); W],
-                        [(0.0f32, 0.0f32); W],
-                    );
-                    for r in 0..W {
+                    let z = _mm256_setzero_si256();
+                    let mut qw = [(z, z); W];
+                    for (r, qw) in qw.iter_mut().enumerate() {
                         let p = block_at(w, rb, r, 210, sb);
                         let qh = _mm256_loadu_si256(p.add(128 + 32 * half).cast());
                         let ql = _mm256_loadu_si256(p.add(64 * half + 32 * (g % 2)).cast());
@@ -534,12 +524,14 @@ mod x86 {
                             _ => _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2),
                         };
                         let (q0, q1) = widen_u8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
-                        qw[r] = (_mm256_sub_epi16(q0, off), _mm256_sub_epi16(q1, off));
-                        let dw = f16_at(p.add(208));
                         let sc = p.add(192 + e / 16);
-                        f[r] = (dw * f32::from(*sc as i8), dw * f32::from(*sc.add(1) as i8));
+                        let (s0, s1) = (i16::from(*sc as i8), i16::from(*sc.add(1) as i8));
+                        *qw = (
+                            _mm256_mullo_epi16(_mm256_sub_epi16(q0, off), _mm256_set1_epi16(s0)),
+                            _mm256_mullo_epi16(_mm256_sub_epi16(q1, off), _mm256_set1_epi16(s1)),
+                        );
                     }
-                    tile_fma2(&mut acc, &qw, &f, a, sb * 8 + half * 4 + g);
+                    tile_fma(&mut acc, &qw, &f, a, sb * 8 + half * 4 + g);
                 }
             }
         }
