@@ -197,13 +197,27 @@ pub(super) fn matmul(
     if m == 1 {
         out.copy_from_slice(&out_t);
     } else {
-        for (j, res) in out_t.chunks_exact(m).enumerate() {
-            for (i, &v) in res.iter().enumerate() {
-                out[i * n + j] = v;
+        transpose(&out_t, (n, m), out);
+    }
+    Ok(())
+}
+
+/// `dst[i * rows + j] = src[j * cols + i]` for a row-major `src [rows, cols]`, in tiles of
+/// [`TILE`] x [`TILE`] so that both sides touch few cache lines at a time (a plain loop wrote
+/// each element of a prefill product's result to another cache line: 12% of a Q4_0 prefill).
+fn transpose(src: &[f32], (rows, cols): (usize, usize), dst: &mut [f32]) {
+    const TILE: usize = 16;
+    debug_assert!(src.len() == rows * cols && dst.len() == src.len());
+    for j0 in (0..rows).step_by(TILE) {
+        for i0 in (0..cols).step_by(TILE) {
+            for j in j0..(j0 + TILE).min(rows) {
+                let row = &src[j * cols..(j + 1) * cols];
+                for i in i0..(i0 + TILE).min(cols) {
+                    dst[i * rows + j] = row[i];
+                }
             }
         }
     }
-    Ok(())
 }
 
 /// The rows of a float view `a [m, k]` as contiguous f32.
