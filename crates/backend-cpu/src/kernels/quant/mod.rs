@@ -31,8 +31,11 @@ use super::kernel_err;
 use super::par::{for_each_row, PAR_MIN_ELEMS};
 use super::view::Strided;
 
-/// Multiply-adds of one parallel job of a product (about).
+/// Multiply-adds of one parallel job of a product (about, at most).
 const JOB_WORK: usize = 1 << 16;
+
+/// A product split into jobs is split into at least this many.
+const MIN_JOBS: usize = 16;
 
 /// Whether products may quantize activations to 16-bit blocks (`LOWSYNC_CPU_QUANT_DOT`:
 /// `q16`, the default, or `f32`), read once; a bad value is an error naming the variable.
@@ -154,7 +157,13 @@ pub(super) fn matmul(
     };
     let xq = fast.map(|_| q16::QRows::quantize(x));
     // One job's weight rows: about JOB_WORK multiply-adds, never fewer than 1 row.
-    let rows_per_job = (JOB_WORK / (k * m).max(1)).clamp(1, n);
+    // At least MIN_JOBS jobs, so that the threads finish together (9 jobs over 2 threads
+    // left one idle for a ninth of a 768-row product), and a multiple of 4 rows, the decode
+    // kernels' tile.
+    let rows_per_job = (JOB_WORK / (k * m).max(1))
+        .min(n.div_ceil(MIN_JOBS))
+        .next_multiple_of(4)
+        .clamp(1, n);
     // Results of weight row j for every activation row, j-major (one contiguous chunk per
     // job); transposed into `out` afterwards when m > 1.
     let mut out_t = vec![0.0f32; n * m];
