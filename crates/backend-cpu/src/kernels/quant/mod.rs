@@ -162,8 +162,9 @@ pub(super) fn matmul(
     // kernels' tile.
     let rows_per_job = (JOB_WORK / (k * m).max(1))
         .min(n.div_ceil(MIN_JOBS))
+        .max(1)
         .next_multiple_of(4)
-        .clamp(1, n);
+        .min(n);
     // Results of weight row j for every activation row, j-major (one contiguous chunk per
     // job); transposed into `out` afterwards when m > 1.
     let mut out_t = vec![0.0f32; n * m];
