@@ -15,11 +15,13 @@
 //! `m_w * s_x` for types with a min), the integer sum exact. A kernel takes a job's weight rows
 //! and all activation rows in tiles of a few weight rows by a few activation rows, each pair's
 //! accumulator in a register: a decode product (one activation row) runs 4 weight rows at once
-//! (2 for Q6_K, whose unpacking needs more registers), so independent FMA chains hide each
-//! other's latency (one chain left a decode step waiting on it: 1.5-1.75x slower per block);
-//! a prefill product unpacks each weight block once per 4-8 activation rows. Q6_K's 8-bit
-//! sub-block scales are multiplied into its weights as i16, so each activation block takes
-//! one integer sum and one FMA, as for the other types. Kernels exist for
+//! for Q4_0, Q4_1 and Q4_K, so independent FMA chains hide each other's latency (one chain
+//! left a decode step waiting on it: 1.3-1.7x slower per block from cache), with a software
+//! prefetch per row (the hardware prefetcher did not follow 4 side-by-side rows from DRAM:
+//! 1.4-6x slower without it). Q8_0 and Q6_K decode one row at a time (their 4-row tiles lost
+//! from DRAM even with the prefetch). A prefill product unpacks each weight block once per
+//! 4-8 activation rows; there Q6_K's 8-bit sub-block scales are multiplied into its weights
+//! as i16, so each activation block takes one integer sum and one FMA. Kernels exist for
 //! Q4_0, Q4_1, Q8_0, Q4_K and Q6_K with AVX2 (+FMA, F16C), chosen at run time; other types,
 //! other CPUs (NEON included) and `LOWSYNC_CPU_QUANT_DOT=f32` use the exact path of `super`
 //! (f32 activations against the scalar dequantization).
@@ -225,7 +227,7 @@ mod x86 {
 
     /// Calls `$body::<W, R>` over tiles of `W` weight rows by `R` activation rows, each tile's
     /// accumulators in registers. A decode product (one activation row) takes its weight rows
-    /// `$decode_w` (4 or 2) at a time: independent accumulator chains (one chain waited on
+    /// `$decode_w` (4 or 1) at a time: independent accumulator chains (one chain waited on
     /// each FMA's latency) and each activation block loaded once for all of them. A product of
     /// more rows takes `$prefill_w` weight rows: 2 by up to 4 activation rows (each unpacked
     /// weight block serves 4 rows, each activation block 2 weight rows), or 1 by up to 8 for
@@ -295,9 +297,9 @@ mod x86 {
     }
     wrapper!(q4_0, q4_0_avx2, 18, 1, 4, 2);
     wrapper!(q4_1, q4_1_avx2, 20, 1, 4, 2);
-    wrapper!(q8_0, q8_0_avx2, 34, 1, 4, 2);
+    wrapper!(q8_0, q8_0_avx2, 34, 1, 1, 2);
     wrapper!(q4_k, q4_k_avx2, 144, 8, 4, 1);
-    wrapper!(q6_k, q6_k_avx2, 210, 8, 2, 1);
+    wrapper!(q6_k, q6_k_avx2, 210, 8, 1, 1);
 
     /// Writes a tile's results: weight row `j + r` times activation row `r0 + i` to
     /// `out[(j + r) * m + r0 + i]`.
@@ -399,6 +401,30 @@ mod x86 {
         }
     }
 
+    /// `tile_fma` with scale `f[r].0` for elements 0..16 and `f[r].1` for 16..32 (Q6_K's
+    /// halves).
+    // Index loops: each pair `(r, i)` addresses two arrays at once.
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn tile_fma2<const W: usize, const R: usize>(
+        acc: &mut [[__m256; R]; W],
+        w: &[(__m256i, __m256i); W],
+        f: &[(f32, f32); W],
+        a: &Act<'_>,
+        b: usize,
+    ) {
+        for i in 0..R {
+            let (x0, x1) = x_block(a, i, b);
+            let dx = a.d[i * a.nb + b];
+            for r in 0..W {
+                let p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w[r].0, x0));
+                let p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w[r].1, x1));
+                acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(f[r].0 * dx), p0, acc[r][i]);
+                acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(f[r].1 * dx), p1, acc[r][i]);
+            }
+        }
+    }
+
     /// `mins[r][i] += m[r] * s_x` for every pair of the tile (types with a min).
     // Index loops: each pair `(r, i)` addresses two arrays at once.
     #[allow(clippy::needless_range_loop)]
@@ -441,6 +467,26 @@ mod x86 {
         w.as_ptr().add(r * rb + b * bb)
     }
 
+    /// How far ahead of the block being read each weight row is prefetched (bytes).
+    const PREFETCH_AHEAD: usize = 512;
+
+    /// Prefetches what each of the tile's `W` weight rows will read [`PREFETCH_AHEAD`] bytes
+    /// from block `b`. A tile reads `W` rows `rb` bytes apart side by side, streams that the
+    /// hardware prefetcher did not follow: with weights in DRAM (not the cache), 4 rows at once
+    /// ran 1.4-6x slower per block than one row, and with this as fast as one row or faster.
+    /// A prefetch past the weights is harmless (it never faults). A lone row is one stream the
+    /// hardware follows by itself: no prefetch there (it only cost time).
+    #[inline(always)]
+    unsafe fn prefetch_rows<const W: usize>(w: &[u8], rb: usize, bb: usize, b: usize) {
+        if W < 2 {
+            return;
+        }
+        for r in 0..W {
+            let p = w.as_ptr().wrapping_add(r * rb + b * bb + PREFETCH_AHEAD);
+            _mm_prefetch::<_MM_HINT_T0>(p.cast());
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q4_0_avx2<const W: usize, const R: usize>(
         w: &[u8],
@@ -450,6 +496,7 @@ mod x86 {
         let mut acc = [[_mm256_setzero_ps(); R]; W];
         let eight = _mm256_set1_epi16(8);
         for b in 0..a.nb {
+            prefetch_rows::<W>(w, rb, 18, b);
             let (mut qw, mut f) = (
                 [(_mm256_setzero_si256(), _mm256_setzero_si256()); W],
                 [0.0f32; W],
@@ -474,6 +521,7 @@ mod x86 {
         let mut acc = [[_mm256_setzero_ps(); R]; W];
         let mut mins = [[0.0f32; R]; W];
         for b in 0..a.nb {
+            prefetch_rows::<W>(w, rb, 20, b);
             let (mut qw, mut f, mut mn) = (
                 [(_mm256_setzero_si256(), _mm256_setzero_si256()); W],
                 [0.0f32; W],
@@ -499,6 +547,7 @@ mod x86 {
     ) -> [[f32; R]; W] {
         let mut acc = [[_mm256_setzero_ps(); R]; W];
         for b in 0..a.nb {
+            prefetch_rows::<W>(w, rb, 34, b);
             let (mut qw, mut f) = (
                 [(_mm256_setzero_si256(), _mm256_setzero_si256()); W],
                 [0.0f32; W],
@@ -539,6 +588,7 @@ mod x86 {
                 }
             }
             for j in 0..8 {
+                prefetch_rows::<W>(w, rb, 18, sb * 8 + j);
                 // Sub-block j: the low (j even) or high (j odd) nibbles of the 32 bytes at
                 // 16 + 32 * (j / 2).
                 let z = _mm256_setzero_si256();
@@ -559,10 +609,12 @@ mod x86 {
     }
 
     /// Q6_K: 16 sub-blocks of 16 (two per activation block); values are `q - 32`, `q` 6 bits.
-    /// The sub-blocks' 8-bit integer scales are multiplied into the weights as i16
-    /// (`|(q - 32) * scale| <= 4096`), so an activation block's two halves make one integer
-    /// sum (`pmaddwd` pairs at most 2 * 4096 * 32767 each, two of them per lane: below 2^31)
-    /// and one FMA with `d_w * d_x`.
+    /// With several activation rows (`R > 1`) the sub-blocks' 8-bit integer scales are
+    /// multiplied into the weights as i16 once (`|(q - 32) * scale| <= 4096`), so each row's
+    /// activation block makes one integer sum (`pmaddwd` pairs at most 2 * 4096 * 32767 each,
+    /// two of them per lane: below 2^31) and one FMA with `d_w * d_x`. A decode tile (`R == 1`)
+    /// keeps the two float scales per block instead: there the multiplies are not shared and
+    /// cost more than they save (measured 0.8x).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q6_k_avx2<const W: usize, const R: usize>(
         w: &[u8],
@@ -574,15 +626,16 @@ mod x86 {
         let m2 = _mm256_set1_epi8(0x03);
         let off = _mm256_set1_epi16(32);
         for sb in 0..a.nb / 8 {
-            let f: [f32; W] = std::array::from_fn(|r| f16_at(block_at(w, rb, r, 210, sb).add(208)));
             for half in 0..2 {
                 for g in 0..4 {
+                    // 210 bytes per 8 activation blocks: about 26 per block.
+                    prefetch_rows::<W>(w, rb, 26, sb * 8 + half * 4 + g);
                     // Elements half*128 + 32g .. +32: the nibbles of ql bytes
                     // half*64 + (g%2)*32 .. (low for g < 2, high after), and the 2 bits of the
                     // qh bytes at shift 2g.
                     let e = half * 128 + 32 * g;
                     let z = _mm256_setzero_si256();
-                    let mut qw = [(z, z); W];
+                    let (mut qw, mut f, mut f2) = ([(z, z); W], [0.0f32; W], [(0.0f32, 0.0f32); W]);
                     for (r, qw) in qw.iter_mut().enumerate() {
                         let p = block_at(w, rb, r, 210, sb);
                         let qh = _mm256_loadu_si256(p.add(128 + 32 * half).cast());
@@ -601,12 +654,25 @@ mod x86 {
                         let (q0, q1) = widen_u8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
                         let sc = p.add(192 + e / 16);
                         let (s0, s1) = (i16::from(*sc as i8), i16::from(*sc.add(1) as i8));
-                        *qw = (
-                            _mm256_mullo_epi16(_mm256_sub_epi16(q0, off), _mm256_set1_epi16(s0)),
-                            _mm256_mullo_epi16(_mm256_sub_epi16(q1, off), _mm256_set1_epi16(s1)),
-                        );
+                        let (q0, q1) = (_mm256_sub_epi16(q0, off), _mm256_sub_epi16(q1, off));
+                        let dw = f16_at(p.add(208));
+                        if R == 1 {
+                            *qw = (q0, q1);
+                            f2[r] = (dw * f32::from(s0), dw * f32::from(s1));
+                        } else {
+                            *qw = (
+                                _mm256_mullo_epi16(q0, _mm256_set1_epi16(s0)),
+                                _mm256_mullo_epi16(q1, _mm256_set1_epi16(s1)),
+                            );
+                            f[r] = dw;
+                        }
                     }
-                    tile_fma(&mut acc, &qw, &f, a, sb * 8 + half * 4 + g);
+                    let b = sb * 8 + half * 4 + g;
+                    if R == 1 {
+                        tile_fma2(&mut acc, &qw, &f2, a, b);
+                    } else {
+                        tile_fma(&mut acc, &qw, &f, a, b);
+                    }
                 }
             }
         }
