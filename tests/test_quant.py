@@ -295,13 +295,17 @@ def test_a_quantized_model_stays_quantized_on_cuda_and_matches_the_cpu(dtype: st
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
     want = _reference_forward(model, tokens)
     cpu = ls.Session(model, backends=["cpu"], n_ctx=32, n_ubatch=4).decode(tokens, logits="all")
-    # Batches of at most 4 rows read the blocks in place (f32 arithmetic) ...
+    # Batches of at most 4 rows read the blocks in place (f32 arithmetic); the CPU's products
+    # round activations to 16-bit blocks, so the two differ by the CPU's error (H200: 1.8e-3
+    # for q4_1) ...
     got = ls.Session(model, backends=["cuda"], n_ctx=32, n_ubatch=4).decode(tokens, logits="all")
     assert rel_err(got, want) < 1e-3
-    assert rel_err(got, cpu) < 1e-3
-    # ... and one batch of 12 goes to cuBLAS on f16 copies of x and the dequantized weights.
+    assert rel_err(got, cpu) < 3e-3
+    # ... and one batch of 12 goes to cuBLAS on f16 copies of x and the dequantized weights:
+    # activations rounded to f16, as llama.cpp does (H200: 6.7e-3 for q4_k; the bound
+    # where activations are quantized is 3e-2).
     got = ls.Session(model, backends=["cuda"], n_ctx=32, n_ubatch=16).decode(tokens, logits="all")
-    assert rel_err(got, want) < 5e-3
+    assert rel_err(got, want) < 1e-2
 
 
 # ---- files: raw blocks in and out ------------------------------------------------------------

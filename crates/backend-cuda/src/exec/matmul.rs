@@ -9,10 +9,10 @@
 //! is cuBLAS's A and a its B. An operand whose matrices have a unit stride on either axis is read
 //! in place (transposed views such as `x @ w.T` included); otherwise, or when its dtype is not
 //! the compute dtype ([`blas_compute`]), it is copied to scratch first. Operands compute in their
-//! own dtype when they agree; an f32 operand beside an f16/bf16 one is rounded to that 16-bit
-//! type (in a model: the activations, m x k, beside the weight, k x n), as llama.cpp's cuBLAS
-//! path does, so prefill reads the weight in place and runs on tensor cores; other mixes compute
-//! in f32. 16-bit inputs run with f32 output and f32 compute. The output is written in place when it
+//! own dtype when they agree; an f32 operand beside an f16 one is rounded to f16 (in a model:
+//! the activations, m x k, beside the weight, k x n), as llama.cpp's cuBLAS path does, so
+//! prefill reads the weight in place and runs on tensor cores; other mixes (bf16 beside f32
+//! included: 8 bits of mantissa would leave the f32 bound) compute in f32. 16-bit inputs run with f32 output and f32 compute. The output is written in place when it
 //! is f32 with unit column stride, else to f32 scratch and copied (converting) into it. Output
 //! batches are grouped into runs whose operand offsets advance by constant strides (stride 0 for
 //! a broadcast operand), one strided-batched call per run — one call in the common cases, one
@@ -30,8 +30,8 @@
 //! (`kernels/matmul.cu`) reads b once, in place, in its own dtype, with a (converted to packed
 //! f32 first only when it is not f32, or strided along k for the k-contiguous kernel) read
 //! from L1. All batches, GQA broadcast included, are one launch. Its threshold: m <=
-//! [`MMV_MAX_M`], or m <= [`MMV_MAX_M_CONVERTING`] when cuBLAS would have to convert b (an
-//! f16 operand beside a bf16 one; `LOWSYNC_CUDA_TUNE=mmv_max_m=N` overrides both; 0 sends everything to cuBLAS). Its results are
+//! [`MMV_MAX_M`], or m <= [`MMV_MAX_M_CONVERTING`] when cuBLAS would have to convert b (a
+//! bf16 weight beside f32 activations; `LOWSYNC_CUDA_TUNE=mmv_max_m=N` overrides both; 0 sends everything to cuBLAS). Its results are
 //! bit-identical run to run: the summation order depends only on the shapes.
 //!
 //! Quantized (GGUF block) weights, read as `x @ w.T` (b's k axis contiguous, whole rows): up to
@@ -198,18 +198,16 @@ fn mm_batch(batch: &[usize], ops: [&Dev; 3]) -> Option<MmBatch> {
     Some(mb)
 }
 
-/// The dtype cuBLAS computes `a @ b` in: the operands' own when they agree; the 16-bit one when
-/// the other is f32 (the f32 operand, in a model the activations, is rounded to it: a copy of
-/// m x k elements, where f32 compute would copy the k x n weight to f32 and run without tensor
-/// cores, at a third of the speed in prefill); f32 otherwise.
+/// The dtype cuBLAS computes `a @ b` in: the operands' own when they agree; f16 when one is
+/// f16 and the other f32 (the f32 operand, in a model the activations, is rounded to f16: a
+/// copy of m x k elements, where f32 compute would copy the k x n weight to f32 and run without
+/// tensor cores, at a third of the speed in prefill; f16's 11 bits keep the product within the
+/// f32 NMSE bound); f32 otherwise (bf16's 8 bits would not: its weights are converted).
 pub(crate) fn blas_compute(a: DType, b: DType) -> DType {
-    let half = |d: DType| matches!(d, DType::F16 | DType::BF16);
     if a == b {
         a
-    } else if a == DType::F32 && half(b) {
-        b
-    } else if b == DType::F32 && half(a) {
-        a
+    } else if matches!((a, b), (DType::F32, DType::F16) | (DType::F16, DType::F32)) {
+        DType::F16
     } else {
         DType::F32
     }
@@ -1164,21 +1162,35 @@ mod tests {
         let x = dev(DType::F32, &[40, 64], &[64, 1]);
         let out = dev(DType::F32, &[40, 96], &[96, 1]);
         assert_eq!(route(&out, &x, &wt(DType::F32), Some(64)).0, Route::VecK);
-        // f16 activations with bf16 weights: cuBLAS would convert both to f32.
-        let xh = dev(DType::F16, &[32, 64], &[64, 1]);
-        let out = dev(DType::F32, &[32, 96], &[96, 1]);
-        assert_eq!(route(&out, &xh, &wt(DType::BF16), None).0, Route::VecK);
+        // bf16 weights (beside f32 or f16 activations): cuBLAS would convert them to f32.
+        for adt in [DType::F32, DType::F16] {
+            let x = dev(adt, &[32, 64], &[64, 1]);
+            let out = dev(DType::F32, &[32, 96], &[96, 1]);
+            assert_eq!(
+                route(&out, &x, &wt(DType::BF16), None).0,
+                Route::VecK,
+                "{adt}"
+            );
+            let x = dev(adt, &[33, 64], &[64, 1]);
+            let out = dev(DType::F32, &[33, 96], &[96, 1]);
+            assert_eq!(
+                route(&out, &x, &wt(DType::BF16), None).0,
+                Route::Blas,
+                "{adt}"
+            );
+        }
     }
 
     #[test]
-    fn blas_rounds_the_f32_operand_to_the_16_bit_one() {
+    fn blas_rounds_the_f32_operand_to_an_f16_one() {
         use DType::{BF16, F16, F32};
         for (a, b, want) in [
             (F32, F32, F32),
             (F16, F16, F16),
             (F32, F16, F16),
-            (F32, BF16, BF16),
-            (BF16, F32, BF16),
+            (F16, F32, F16),
+            (F32, BF16, F32),
+            (BF16, F32, F32),
             (F16, BF16, F32),
         ] {
             assert_eq!(blas_compute(a, b), want, "{a} @ {b}");
