@@ -170,6 +170,22 @@ const KERNELS: &[Spec] = &[
         ],
     ),
     (
+        "mul_mat_vec_qm",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+        ],
+    ),
+    (
+        "mul_mat_vec_qm_wg",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+        ],
+    ),
+    (
         "get_rows_q",
         &[
             ("d", Slot::Out, FLOATS),
@@ -443,7 +459,7 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
     let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
     let info = Validator::new(
         ValidationFlags::all(),
-        // SUBGROUP: only `mul_mat_vec_k` and `mul_mat_vec_q` use subgroup operations, and the
+        // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_q` and `mul_mat_vec_qm` use subgroup operations, and the
         // host picks them only on a device whose compute stage has subgroup arithmetic.
         // SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).

@@ -7,6 +7,9 @@
 
 // #include mul_mat_vec_head.wgsl
 
+// Rows of x per workgroup z: one (the host sends only one).
+const MT: u32 = 1u;
+
 // This lane's part of x . w[row]: lanes `lane`, `lane + lanes`, ... of the k axis in steps of 4.
 fn row_partial(a_base: u32, w_base: u32, lane: u32, lanes: u32) -> f32 {
     let k_len = pc.shape.z;
@@ -16,4 +19,9 @@ fn row_partial(a_base: u32, w_base: u32, lane: u32, lanes: u32) -> f32 {
         s = fma(ld4_a(a_base + k), ld4_b(w_base + k), s);
     }
     return (s.x + s.y) + (s.z + s.w);
+}
+
+// The entry points' interface: the partial sums for MT rows of x.
+fn rows_partial(a_base: u32, w_base: u32, lane: u32, lanes: u32, nr: u32) -> array<f32, MT> {
+    return array<f32, MT>(row_partial(a_base, w_base, lane, lanes));
 }

@@ -192,8 +192,8 @@ impl Product {
 fn products(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
     let mut failures = Vec::new();
     // (m, n, blocks per row, lead rows): one block to many, odd row counts, a weight
-    // starting mid-word (every block size but Q4_K's and IQ4_XS's is not a multiple of 4 or
-    // 8 bytes), and a few rows of x (prefill).
+    // starting mid-word (most block sizes are not a multiple of 4 bytes), and several rows of
+    // x (small batches, prefill: 8 rows per workgroup, a last workgroup with fewer).
     let shapes = [
         (1, 1, 1, 0),
         (1, 7, 2, 1),
@@ -202,7 +202,9 @@ fn products(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
         (1, 64, 18, 1),
         (1, 9, 48, 2),
         (3, 11, 3, 1),
+        (8, 6, 2, 2),
         (9, 5, 2, 0),
+        (17, 3, 1, 1),
     ];
     for &dt in VK_QUANTS {
         for (i, &(m, n, nb, lead)) in shapes.iter().enumerate() {
@@ -339,14 +341,19 @@ fn quantized_products_match_on_the_no_rebar_path() {
 }
 
 /// A decode-shaped step (embedding lookup, a projection, the tied output head) counts exactly
-/// what the same step over f16 weights counts: one submit and one host wait per step.
+/// what the same step over f16 weights counts, for legacy blocks and for super-blocks (Q6_K
+/// and Q4_K, what Q4_K_M files are made of): one submit and one host wait per step.
 #[test]
 fn a_quantized_step_counts_what_an_f16_step_counts() {
     for cfg in common::both_paths() {
         let Some(b) = common::open(cfg) else { return };
-        let (vocab, k, n) = (40, 64, 24);
+        let (vocab, k, n) = (40, 256, 24);
         let mut per_dtype = Vec::new();
-        for (emb_dt, proj_dt) in [(DType::F16, DType::F16), (DType::Q8_0, DType::Q4_1)] {
+        for (emb_dt, proj_dt) in [
+            (DType::F16, DType::F16),
+            (DType::Q8_0, DType::Q4_1),
+            (DType::Q6_K, DType::Q4_K),
+        ] {
             let bytes = |dt: DType, rows: usize, seed: u64| {
                 if dt.is_quantized() {
                     blocks(dt, rows, k, seed)
@@ -419,7 +426,7 @@ fn a_quantized_step_counts_what_an_f16_step_counts() {
                 b.free_buffer(id);
             }
         }
-        assert_eq!(per_dtype[0], per_dtype[1]);
+        assert!(per_dtype.iter().all(|s| *s == per_dtype[0]));
         common::assert_clean(&b);
     }
 }
