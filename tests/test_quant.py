@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 import lowsync as ls
-from helpers import nmse
+from helpers import assert_step_counts, nmse
 from llama_ref import Spec, forward, random_weights, rel_err, write_gguf
 from lowsync import _native, quants
 from lowsync.cli import main
@@ -421,6 +421,22 @@ def test_a_quantized_model_stays_quantized_on_vulkan(
     assert rel_err(got[1], want[4:]) < 1e-3
     assert rel_err(got[0], cpu[0]) < 1e-2
     assert rel_err(got[1], cpu[1]) < 1e-2
+
+
+@pytest.mark.vulkan
+def test_a_q4_k_model_decodes_on_vulkan_with_one_host_wait_per_token(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """Staged decode over Q4_K blocks (no widening) counts what it counts over f16: per token
+    one host wait, one upload, no empty submit (`assert_step_counts`)."""
+    model = _quant_model("q4_k")
+    sess = ls.Session(model, backends=["vulkan"], n_ctx=32, n_ubatch=4, policy="staged")
+    assert sess.launch_ahead
+    tokens = sess.generate([1, 2, 3], max_new_tokens=6)
+    assert len(tokens) == 6
+    stats = sess.last_generate
+    assert stats is not None
+    assert_step_counts(stats, launch_ahead=True)
 
 
 def test_bench_runs_a_quantized_built_in_model(capsys: pytest.CaptureFixture[str]) -> None:
