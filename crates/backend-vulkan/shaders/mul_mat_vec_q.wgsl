@@ -2,6 +2,7 @@
 // in registers, subgroup reduction.
 
 const MT: u32 = 1u;
+const X_CONTIGUOUS: bool = false;
 
 // #include mul_mat_vec_q_body.wgsl
 // #include mul_mat_vec_sg_main.wgsl

@@ -3,6 +3,7 @@
 // per 8 rows instead of once per row. Subgroup reduction.
 
 const MT: u32 = 8u;
+const X_CONTIGUOUS: bool = true;
 
 // #include mul_mat_vec_q_body.wgsl
 // #include mul_mat_vec_sg_main.wgsl

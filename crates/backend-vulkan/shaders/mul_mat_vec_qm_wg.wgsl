@@ -2,6 +2,7 @@
 // with the shared-memory reduction (devices without subgroup arithmetic).
 
 const MT: u32 = 8u;
+const X_CONTIGUOUS: bool = true;
 
 // #include mul_mat_vec_q_body.wgsl
 // #include mul_mat_vec_wg_main.wgsl

@@ -158,6 +158,8 @@ struct Product {
     n: usize,
     k: usize,
     lead: usize,
+    /// x is a transposed view (strides [1, m]: not contiguous along k).
+    xt: bool,
 }
 
 impl Product {
@@ -165,7 +167,13 @@ impl Product {
         let (m, n, k) = (self.m, self.n, self.k);
         let row = self.dt.row_bytes(k).expect("whole blocks");
         let wb = common::buffer_with(b, w);
-        let xb = common::buffer_with(b, &common::f32_bytes(x));
+        let (xs, x_strides) = if self.xt {
+            let t: Vec<f32> = (0..k * m).map(|i| x[(i % m) * k + i / m]).collect();
+            (t, vec![1, m])
+        } else {
+            (x.to_vec(), vec![k, 1])
+        };
+        let xb = common::buffer_with(b, &common::f32_bytes(&xs));
         let db = b.alloc_buffer(m * n * 4, BufferUsage::Compute).unwrap();
         let wt = TensorRef {
             buffer: wb,
@@ -177,7 +185,16 @@ impl Product {
         let g = common::graph(
             Op::MulMat,
             common::contiguous(db, DType::F32, &[m, n]),
-            vec![common::contiguous(xb, DType::F32, &[m, k]), wt],
+            vec![
+                TensorRef {
+                    buffer: xb,
+                    byte_offset: 0,
+                    dtype: DType::F32,
+                    shape: vec![m, k],
+                    strides: x_strides,
+                },
+                wt,
+            ],
         );
         b.graph_compute_async(&g).unwrap();
         b.synchronize().unwrap();
@@ -191,25 +208,34 @@ impl Product {
 
 fn products(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
     let mut failures = Vec::new();
-    // (m, n, blocks per row, lead rows): one block to many, odd row counts, a weight
-    // starting mid-word (most block sizes are not a multiple of 4 bytes), and several rows of
-    // x (small batches, prefill: 8 rows per workgroup, a last workgroup with fewer).
+    // (m, n, blocks per row, lead rows, x transposed): one block to many, odd row counts, a
+    // weight starting mid-word (most block sizes are not a multiple of 4 bytes), several rows
+    // of x (small batches, prefill: 8 rows per workgroup, a last workgroup with fewer), and an
+    // x not contiguous along k (one row per workgroup).
     let shapes = [
-        (1, 1, 1, 0),
-        (1, 7, 2, 1),
-        (1, 13, 3, 3),
-        (1, 37, 5, 0),
-        (1, 64, 18, 1),
-        (1, 9, 48, 2),
-        (3, 11, 3, 1),
-        (8, 6, 2, 2),
-        (9, 5, 2, 0),
-        (17, 3, 1, 1),
+        (1, 1, 1, 0, false),
+        (1, 7, 2, 1, false),
+        (1, 13, 3, 3, false),
+        (1, 37, 5, 0, false),
+        (1, 64, 18, 1, false),
+        (1, 9, 48, 2, false),
+        (3, 11, 3, 1, false),
+        (8, 6, 2, 2, false),
+        (9, 5, 2, 0, false),
+        (17, 3, 1, 1, false),
+        (5, 7, 2, 1, true),
     ];
     for &dt in VK_QUANTS {
-        for (i, &(m, n, nb, lead)) in shapes.iter().enumerate() {
+        for (i, &(m, n, nb, lead, xt)) in shapes.iter().enumerate() {
             let k = nb * dt.block_size();
-            let p = Product { dt, m, n, k, lead };
+            let p = Product {
+                dt,
+                m,
+                n,
+                k,
+                lead,
+                xt,
+            };
             let w = blocks(dt, lead + n, k, 7 + i as u64);
             let mut rng = Rng(1234 + i as u64);
             let x = f32s(&mut rng, m * k);
@@ -224,7 +250,7 @@ fn products(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
                 .collect();
             let got = p.run(vk, &w, &x);
             let oracle = p.run(cpu, &w, &x);
-            let name = format!("{dt} m={m} n={n} k={k} lead={lead}");
+            let name = format!("{dt} m={m} n={n} k={k} lead={lead} xt={xt}");
             let (e64, ecpu) = (
                 nmse(&got, &want),
                 nmse(

@@ -177,9 +177,9 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
 }
 
 /// `x @ w.T` over a block-dtype `w`, dequantized in registers: one row of x takes the decode
-/// mat-vec (`mul_mat_vec_q*.wgsl`), more take `mul_mat_vec_qm*.wgsl`, whose workgroup z
-/// covers `QUANT_ROWS_PER_GROUP` rows of x so that each group of w is read and dequantized once
-/// for all of them. The graph builder admits such a `b` only with its blocks along k (stride 1,
+/// mat-vec (`mul_mat_vec_q*.wgsl`, workgroup z a row of x), more rows of an x contiguous along
+/// k take `mul_mat_vec_qm*.wgsl`, whose workgroup z covers `QUANT_ROWS_PER_GROUP` rows of x so
+/// that each group of w is read and dequantized once for all of them. The graph builder admits such a `b` only with its blocks along k (stride 1,
 /// whole rows: `b_sk == 1`, every other stride a whole number of rows); b's offset and strides
 /// go to the kernel in bytes.
 fn quant_mat_vec(
@@ -199,8 +199,10 @@ fn quant_mat_vec(
     }
     let max = c.lim.max_groups;
     let gx = n.div_ceil(MAT_VEC_K_ROWS);
-    let (kernel, gz) = if m == 1 {
-        ("mul_mat_vec_q", 1)
+    // The multi-row kernel reads x contiguous along k only (`X_CONTIGUOUS`); any other x
+    // takes the one-row kernel once per row.
+    let (kernel, gz) = if m == 1 || push.prm[0] != 1 {
+        ("mul_mat_vec_q", m)
     } else {
         ("mul_mat_vec_qm", m.div_ceil(QUANT_ROWS_PER_GROUP))
     };
