@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 import lowsync as ls
-from helpers import nmse
+from helpers import assert_step_counts, nmse
 from llama_ref import Spec, forward, random_weights, rel_err, write_gguf
 from lowsync import _native, quants
 from lowsync.cli import main
@@ -233,14 +233,15 @@ def test_backends_without_quantized_kernels_say_so() -> None:
 
 
 @pytest.mark.vulkan
-def test_vulkan_reads_q4_0_q4_1_q8_0_weights_and_refuses_other_blocks() -> None:
+def test_vulkan_reads_every_block_type_as_weights_and_tables() -> None:
     ctx = ls.Context(["vulkan"])
-    for q in ("q4_0", "q4_1", "q8_0"):
-        assert ctx.supports("mul_mat", "f32", ["f32", q])
-        assert ctx.supports("get_rows", "f32", [q, "i32"])
-        assert not ctx.supports("mul_mat", "f32", ["f16", q])
-    assert not ctx.supports("mul_mat", "f32", ["f32", "q4_k"])
-    assert not ctx.supports("get_rows", "f32", ["q6_k", "i32"])
+    for q in ALL:
+        assert ctx.supports("mul_mat", "f32", ["f32", q]), q
+        assert ctx.supports("get_rows", "f32", [q, "i32"]), q
+        assert ctx.supports("get_rows", "f16", [q, "i32"]), q
+        # Blocks are read only as weights of f32 activations and as tables.
+        assert not ctx.supports("mul_mat", "f32", ["f16", q]), q
+        assert not ctx.supports("add", "f32", ["f32", q]), q
     assert ctx.supports("mul_mat", "f32", ["f32", "f16"])
 
 
@@ -460,21 +461,46 @@ def test_widening_for_backends_without_kernels_is_f16_or_f32_past_f16_range(
 
 
 @pytest.mark.vulkan
-@pytest.mark.parametrize("dtype", ["q4_1", "q4_k"])
-def test_a_quantized_model_runs_on_vulkan(dtype: str) -> None:
-    """Q4_1 blocks stay quantized on Vulkan (dequantized in its kernels); Q4_K, which it has
-    no kernels for, is widened to f16 once."""
+@pytest.mark.parametrize("dtype", ALL)
+def test_a_quantized_model_stays_quantized_on_vulkan(
+    dtype: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every block type stays quantized on Vulkan (dequantized in its kernels: nothing is
+    widened), and its logits match a float64 forward pass over the dequantized weights and the
+    CPU backend's, for a 4-token prefill and a one-token decode step after it."""
     model = _quant_model(dtype)
-    ctx = ls.Context(["vulkan"])
-    prepared = model.prepared_for(ctx)
-    if dtype == "q4_1":
-        assert prepared is model
-    else:
-        assert prepared.dtypes["blk.0.attn_q.weight"] == "f16"
-    sess = ls.Session(model, backends=["vulkan"], n_ctx=16, n_ubatch=4)
-    got = sess.decode([1, 2, 3, 4], logits="all")
-    # Vulkan reads the blocks (or their f16 widening) in f32 arithmetic.
-    assert rel_err(got, _reference_forward(prepared, [1, 2, 3, 4])) < 1e-3
+    caplog.set_level("INFO", logger="lowsync")
+    assert model.prepared_for(ls.Context(["vulkan"])) is model
+    tokens = [1, 2, 3, 4, 5]
+    got, cpu = [], []
+    for backend, out in (("vulkan", got), ("cpu", cpu)):
+        sess = ls.Session(model, backends=[backend], n_ctx=16, n_ubatch=4)
+        out.append(sess.decode(tokens[:4], logits="all"))
+        out.append(sess.decode(tokens[4:], logits="all"))
+    assert not [r for r in caplog.records if "widening" in r.message]
+    want = _reference_forward(model, tokens)
+    # Vulkan reads the blocks in f32 arithmetic; the CPU's default products quantize the
+    # activations to 16-bit blocks (PRODUCT_NMSE), hence the looser bound against it.
+    assert rel_err(got[0], want[:4]) < 1e-3
+    assert rel_err(got[1], want[4:]) < 1e-3
+    assert rel_err(got[0], cpu[0]) < 1e-2
+    assert rel_err(got[1], cpu[1]) < 1e-2
+
+
+@pytest.mark.vulkan
+def test_a_q4_k_model_decodes_on_vulkan_with_one_host_wait_per_token(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """Staged decode over Q4_K blocks (no widening) counts what it counts over f16: per token
+    one host wait, one upload, no empty submit (`assert_step_counts`)."""
+    model = _quant_model("q4_k")
+    sess = ls.Session(model, backends=["vulkan"], n_ctx=32, n_ubatch=4, policy="staged")
+    assert sess.launch_ahead
+    tokens = sess.generate([1, 2, 3], max_new_tokens=6)
+    assert len(tokens) == 6
+    stats = sess.last_generate
+    assert stats is not None
+    assert_step_counts(stats, launch_ahead=True)
 
 
 def test_bench_runs_a_quantized_built_in_model(capsys: pytest.CaptureFixture[str]) -> None:

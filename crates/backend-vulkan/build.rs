@@ -6,10 +6,12 @@
 //! this script is the preprocessor: each kernel template (`shaders/<kernel>.wgsl`) names its
 //! storage bindings as slots (`d`, `a`, `b`, ...) and uses accessors (`ld_a(i) -> f32`,
 //! `ld4_a(i) -> vec4<f32>` for 4 consecutive elements, `i` even for 16-bit storage,
-//! `st_d(i, v)`, `ldi_ids(i) -> i32`, `dq_b(blk, j)` / `qdot_b` for GGUF blocks; each
-//! `// #include <file>` line pulls in a shared part); for every dtype combination listed in
-//! [`KERNELS`] the script prepends the binding declarations and accessors for those dtypes plus
-//! `shaders/common.wgsl`, validates the module with naga, and writes the SPIR-V words.
+//! `st_d(i, v)`, `ldi_ids(i) -> i32`, `q_scale`/`q_vals` for GGUF blocks; each
+//! `// #include <file>` line pulls in a shared part, recursively); for every dtype combination
+//! listed in [`KERNELS`] the script prepends the binding declarations and accessors for those
+//! dtypes plus `shaders/common.wgsl`, validates the module with naga, and writes the SPIR-V
+//! words. A block type's layout is written once, in its family's file (`shaders/quant_*.wgsl`),
+//! which every kernel reading that type includes.
 //!
 //! Invariants: 16-bit storage (f16, bf16) is read and written as packed `u32` words, so no
 //! device feature beyond core Vulkan is needed; 16-bit stores use atomics on the word so two
@@ -35,18 +37,20 @@ enum Slot {
     RawOut,
     /// The error-status words (`array<atomic<u32>>`) of index-checking kernels.
     Status,
-    /// Raw GGUF blocks read as bytes out of `u32` words: constants `QK_<name>` (elements per
-    /// block) and `QB_<name>` (bytes per block), `dq_<name>(blk, j) -> f32` (element `j` of the
-    /// block at byte `blk`).
+    /// Raw GGUF blocks read as bytes out of `u32` words (at most one such slot per kernel, so
+    /// its accessors are named for the block, not the slot): constants `QK` (elements per
+    /// block), `QB` (bytes per block), `GPB` (16-element groups per block), `Q_MIN` (the type
+    /// has a min), and `q_scale(blk, g)` / `q_vals(blk, g)` of group `g` of the block at byte
+    /// `blk` (contract in `shaders/quant_common.wgsl`).
     Quant,
-    /// [`Slot::Quant`] plus `qdot_<name>(blk, a_base, k) -> f32`: the block's dot product with
-    /// elements `k ..` of x, read through the kernel's `x4(a_base, k) -> vec4<f32>`.
-    QuantDot,
 }
 
 const FLOATS: &[&str] = &["f32", "f16", "bf16"];
 /// Block types with Vulkan kernels (`src/backend.rs::VK_QUANTS` lists the same).
-const QUANTS: &[&str] = &["q4_0", "q4_1", "q8_0"];
+const QUANTS: &[&str] = &[
+    "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl",
+    "iq4_xs",
+];
 
 /// (kernel template, slots: name, kind, dtypes to generate).
 type Spec = (
@@ -154,7 +158,7 @@ const KERNELS: &[Spec] = &[
         &[
             ("d", Slot::Out, &["f32"]),
             ("a", Slot::In, &["f32"]),
-            ("b", Slot::QuantDot, QUANTS),
+            ("b", Slot::Quant, QUANTS),
         ],
     ),
     (
@@ -162,7 +166,23 @@ const KERNELS: &[Spec] = &[
         &[
             ("d", Slot::Out, &["f32"]),
             ("a", Slot::In, &["f32"]),
-            ("b", Slot::QuantDot, QUANTS),
+            ("b", Slot::Quant, QUANTS),
+        ],
+    ),
+    (
+        "mul_mat_vec_qm",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+        ],
+    ),
+    (
+        "mul_mat_vec_qm_wg",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
         ],
     ),
     (
@@ -218,6 +238,11 @@ fn main() {
     table.push_str("pub(crate) static SPIRV: &[(&str, &[u8])] = &[\n");
     let mut failures = Vec::new();
     for (kernel, slots) in KERNELS {
+        let quant_slots = slots
+            .iter()
+            .filter(|(_, kind, _)| matches!(kind, Slot::Quant))
+            .count();
+        assert!(quant_slots <= 1, "{kernel}: more than one block-dtype slot");
         let body = includes(&dir, &read(&dir.join(format!("{kernel}.wgsl"))));
         println!(
             "cargo:rerun-if-changed={}",
@@ -227,7 +252,7 @@ fn main() {
             let name = variant_name(kernel, slots, &combo);
             let mut src = String::new();
             for (k, ((slot, kind, _), dt)) in slots.iter().zip(&combo).enumerate() {
-                src.push_str(&binding(k, slot, *kind, dt));
+                src.push_str(&binding(&dir, k, slot, *kind, dt));
             }
             src.push_str(&common);
             src.push_str(&body);
@@ -252,16 +277,21 @@ fn main() {
     std::fs::write(out.join("shaders.rs"), table).expect("write shaders.rs");
 }
 
-/// Replaces each `// #include <file>` line of a template by that file of `shaders/` (one
-/// level; enough for two kernels sharing a body).
+/// Replaces each `// #include <file>` line of a template by that file of `shaders/`, itself
+/// expanded (a kernel's body includes its shared head; an include cycle is a build error).
 fn includes(dir: &Path, body: &str) -> String {
+    expand(dir, body, 0)
+}
+
+fn expand(dir: &Path, body: &str, depth: usize) -> String {
+    assert!(depth < 8, "`// #include` nested deeper than 8 (a cycle?)");
     let mut out = String::new();
     for line in body.lines() {
         match line.trim().strip_prefix("// #include ") {
             Some(file) => {
                 let path = dir.join(file.trim());
                 println!("cargo:rerun-if-changed={}", path.display());
-                out.push_str(&read(&path));
+                out.push_str(&expand(dir, &read(&path), depth + 1));
             }
             None => out.push_str(line),
         }
@@ -301,7 +331,7 @@ fn variant_name(kernel: &str, slots: &[(&str, Slot, &[&str])], combo: &[&str]) -
 }
 
 /// The declaration of binding `k` and its accessors.
-fn binding(k: usize, n: &str, kind: Slot, dt: &str) -> String {
+fn binding(dir: &Path, k: usize, n: &str, kind: Slot, dt: &str) -> String {
     let decl = |access: &str, elem: &str| {
         format!("@group(0) @binding({k}) var<storage, {access}> {n}_buf: array<{elem}>;\n")
     };
@@ -370,113 +400,57 @@ fn binding(k: usize, n: &str, kind: Slot, dt: &str) -> String {
                    \x20   }\n\
                    }\n"
         }
-        (Slot::Quant, q) => decl("read", "u32") + &quant(n, q, false),
-        (Slot::QuantDot, q) => decl("read", "u32") + &quant(n, q, true),
+        (Slot::Quant, q) => {
+            format!("@group(0) @binding({k}) var<storage, read> q_buf: array<u32>;\n") + &quant(dir, q)
+        }
         (Slot::In, other) => panic!("unknown input dtype {other}"),
     }
 }
 
-/// The accessors of a block-dtype binding `n` (see [`Slot::Quant`]). Blocks are 18/20/34
-/// bytes, so a block starts at any byte of a word: every read goes through `ldw_<n>`, four
-/// bytes from any byte offset, which touches only the words holding those bytes (so never a
-/// word past the tensor's last byte). Layouts as the CPU oracle
-/// (`lowsync-cpu/src/kernels/quant/scalar.rs`): Q4_0 = f16 d, 16 bytes of nibbles (element
-/// j < 16 the low nibble of byte j, j >= 16 the high nibble of byte j - 16), (q - 8) * d;
-/// Q4_1 = f16 d, f16 m, 16 bytes, q * d + m; Q8_0 = f16 d, 32 i8, q * d.
-fn quant(n: &str, q: &str, dot: bool) -> String {
-    let (qk, qb) = match q {
-        "q4_0" => (32, 18),
-        "q4_1" => (32, 20),
-        "q8_0" => (32, 34),
+/// The accessors of the block-dtype binding `q_buf` (see [`Slot::Quant`]): the block
+/// reading helpers, the type's family file (where its layout is written, once) and the
+/// aliases that pick the type's pair out of the family.
+fn quant(dir: &Path, q: &str) -> String {
+    let (family, has_min) = match q {
+        "q4_0" | "q5_0" | "q8_0" => ("quant_32", false),
+        "q4_1" | "q5_1" => ("quant_32", true),
+        "q3_k" | "q6_k" => ("quant_k", false),
+        "q2_k" | "q4_k" | "q5_k" => ("quant_k", true),
+        "iq4_nl" | "iq4_xs" => ("quant_iq4", false),
         other => panic!("unknown block dtype {other}"),
     };
-    let mut s = format!(
-        "const QK_{n}: u32 = {qk}u;\n\
-         const QB_{n}: u32 = {qb}u;\n\
-         fn ldw_{n}(byte: u32) -> u32 {{\n\
-         \x20   let sh = (byte & 3u) * 8u;\n\
-         \x20   let w0 = {n}_buf[byte >> 2u];\n\
-         \x20   let w1 = {n}_buf[(byte + 3u) >> 2u];\n\
-         \x20   return select((w0 >> sh) | (w1 << ((32u - sh) & 31u)), w0, sh == 0u);\n\
-         }}\n\
-         fn ldh_{n}(byte: u32) -> f32 {{ return f16_bits_to_f32(ldw_{n}(byte) & 0xffffu); }}\n"
-    );
-    // Nibble and byte lanes of one word, in element order.
-    let lo = "vec4<f32>(vec4<u32>(q, q >> 8u, q >> 16u, q >> 24u) & vec4<u32>(15u))";
-    let hi = "vec4<f32>(vec4<u32>(q >> 4u, q >> 12u, q >> 20u, q >> 28u) & vec4<u32>(15u))";
-    let (dq, qdot) = match q {
-        "q4_0" => (
-            format!(
-                "fn dq_{n}(blk: u32, j: u32) -> f32 {{\n\
-                 \x20   let q = (ldw_{n}(blk + 2u + (j & 15u)) >> ((j >> 4u) * 4u)) & 15u;\n\
-                 \x20   return ldh_{n}(blk) * (f32(q) - 8.0);\n\
-                 }}\n"
-            ),
-            format!(
-                "fn qdot_{n}(blk: u32, a_base: u32, k: u32) -> f32 {{\n\
-                 \x20   var s = vec4<f32>(0.0);\n\
-                 \x20   for (var w = 0u; w < 4u; w++) {{\n\
-                 \x20       let q = ldw_{n}(blk + 2u + 4u * w);\n\
-                 \x20       s = fma(x4(a_base, k + 4u * w), {lo} - 8.0, s);\n\
-                 \x20       s = fma(x4(a_base, k + 16u + 4u * w), {hi} - 8.0, s);\n\
-                 \x20   }}\n\
-                 \x20   return ldh_{n}(blk) * ((s.x + s.y) + (s.z + s.w));\n\
-                 }}\n"
-            ),
-        ),
-        // d * sum(q x) + m * sum(x): the min costs one add per element, not a multiply.
-        "q4_1" => (
-            format!(
-                "fn dq_{n}(blk: u32, j: u32) -> f32 {{\n\
-                 \x20   let q = (ldw_{n}(blk + 4u + (j & 15u)) >> ((j >> 4u) * 4u)) & 15u;\n\
-                 \x20   return ldh_{n}(blk) * f32(q) + ldh_{n}(blk + 2u);\n\
-                 }}\n"
-            ),
-            format!(
-                "fn qdot_{n}(blk: u32, a_base: u32, k: u32) -> f32 {{\n\
-                 \x20   var s = vec4<f32>(0.0);\n\
-                 \x20   var sx = vec4<f32>(0.0);\n\
-                 \x20   for (var w = 0u; w < 4u; w++) {{\n\
-                 \x20       let q = ldw_{n}(blk + 4u + 4u * w);\n\
-                 \x20       let x0 = x4(a_base, k + 4u * w);\n\
-                 \x20       let x1 = x4(a_base, k + 16u + 4u * w);\n\
-                 \x20       s = fma(x0, {lo}, fma(x1, {hi}, s));\n\
-                 \x20       sx += x0 + x1;\n\
-                 \x20   }}\n\
-                 \x20   let dm = ldw_{n}(blk);\n\
-                 \x20   return f16_bits_to_f32(dm & 0xffffu) * ((s.x + s.y) + (s.z + s.w))\n\
-                 \x20       + f16_bits_to_f32(dm >> 16u) * ((sx.x + sx.y) + (sx.z + sx.w));\n\
-                 }}\n"
-            ),
-        ),
-        // `extractBits` of an i32 sign-extends, so each byte is its i8.
-        "q8_0" => (
-            format!(
-                "fn dq_{n}(blk: u32, j: u32) -> f32 {{\n\
-                 \x20   let q = extractBits(bitcast<i32>(ldw_{n}(blk + 2u + j)), 0u, 8u);\n\
-                 \x20   return f32(q) * ldh_{n}(blk);\n\
-                 }}\n"
-            ),
-            format!(
-                "fn qdot_{n}(blk: u32, a_base: u32, k: u32) -> f32 {{\n\
-                 \x20   var s = vec4<f32>(0.0);\n\
-                 \x20   for (var w = 0u; w < 8u; w++) {{\n\
-                 \x20       let q = bitcast<i32>(ldw_{n}(blk + 2u + 4u * w));\n\
-                 \x20       let v = vec4<i32>(extractBits(q, 0u, 8u), extractBits(q, 8u, 8u), \
-                 extractBits(q, 16u, 8u), q >> 24u);\n\
-                 \x20       s = fma(x4(a_base, k + 4u * w), vec4<f32>(v), s);\n\
-                 \x20   }}\n\
-                 \x20   return ldh_{n}(blk) * ((s.x + s.y) + (s.z + s.w));\n\
-                 }}\n"
-            ),
-        ),
-        _ => unreachable!("checked above"),
-    };
-    s.push_str(&dq);
-    if dot {
-        s.push_str(&qdot);
+    let (qk, qb) = block_facts(q);
+    format!(
+        "const QK: u32 = {qk}u;\n\
+         const QB: u32 = {qb}u;\n\
+         const GPB: u32 = {gpb}u;\n\
+         const Q_MIN: bool = {has_min};\n\
+         {common}\n\
+         {family}\n\
+         fn q_scale(blk: u32, g: u32) -> vec2<f32> {{ return {q}_qs(blk, g); }}\n\
+         fn q_vals(blk: u32, g: u32) -> mat4x4<f32> {{ return {q}_qv(blk, g); }}\n",
+        gpb = qk / 16,
+        common = read(&dir.join("quant_common.wgsl")),
+        family = read(&dir.join(format!("{family}.wgsl"))),
+    )
+}
+
+/// (elements, bytes) per block: GGUF's sizes, as `lowsync_graph::DType` states them.
+fn block_facts(q: &str) -> (u32, u32) {
+    match q {
+        "q4_0" | "iq4_nl" => (32, 18),
+        "q4_1" => (32, 20),
+        "q5_0" => (32, 22),
+        "q5_1" => (32, 24),
+        "q8_0" => (32, 34),
+        "q2_k" => (256, 84),
+        "q3_k" => (256, 110),
+        "q4_k" => (256, 144),
+        "q5_k" => (256, 176),
+        "q6_k" => (256, 210),
+        "iq4_xs" => (256, 136),
+        other => panic!("unknown block dtype {other}"),
     }
-    s
 }
 
 fn compile(src: &str) -> Result<Vec<u32>, String> {
@@ -485,8 +459,9 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
     let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
     let info = Validator::new(
         ValidationFlags::all(),
-        // SUBGROUP: only `mul_mat_vec_k` and `mul_mat_vec_q` use subgroup operations, and the
-        // host picks them only on a device whose compute stage has subgroup arithmetic. SHADER_FLOAT16_IN_FLOAT32 is
+        // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_q` and `mul_mat_vec_qm` use subgroup operations, and the
+        // host picks them only on a device whose compute stage has subgroup arithmetic.
+        // SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).
         Capabilities::IMMEDIATES
             | Capabilities::FLOAT64

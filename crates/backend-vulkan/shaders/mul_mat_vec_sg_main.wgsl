@@ -1,9 +1,11 @@
-// Entry point shared by the subgroup flavours of the decode mat-vec (`mul_mat_vec_k`,
-// `mul_mat_vec_q`): each subgroup computes whole rows of w in turn (rows sg, sg + nsg, ... of
+// Entry point shared by the subgroup flavours of the mat-vec (`mul_mat_vec_k`, `mul_mat_vec_q`,
+// `mul_mat_vec_qm`): each subgroup computes whole rows of w in turn (rows sg, sg + nsg, ... of
 // the workgroup's ROWS), its lanes splitting k and `subgroupAdd` summing them, so no barrier or
 // shared memory is needed and any subgroup size works (8 lanes per row on lavapipe, 32 on
-// NVIDIA, a 64-lane subgroup takes all 8 rows). The loop bound and the row test are uniform in
-// the subgroup, so every lane reaches the add. Workgroup z is the row of x (0 for one row).
+// NVIDIA, a 64-lane subgroup takes all 8 rows). Workgroup z covers rows z * MT .. of x (MT of
+// them, fewer in the last); `rows_partial` reads each weight group once for all of them. The
+// loop bounds and the row tests are uniform in the subgroup, so every lane reaches the adds;
+// the loops over x's rows have a constant trip count, so the accumulators stay in registers.
 
 @compute @workgroup_size(64)
 fn main(
@@ -15,17 +17,23 @@ fn main(
 ) {
     let n = pc.shape.y;
     let base = batch_bases(wg.y);
-    let a_base = base.y + wg.z * pc.a_str.z;
-    let d_base = base.x + wg.z * pc.d_str.z;
-    for (var r = sg; r < ROWS; r += nsg) {
-        let row = wg.x * ROWS + r;
-        var p = 0.0;
+    let r0 = wg.z * MT;
+    let nr = min(MT, pc.shape.x - r0);
+    let a_base = base.y + r0 * pc.a_str.z;
+    let d_base = base.x + r0 * pc.d_str.z;
+    for (var rw = sg; rw < ROWS; rw += nsg) {
+        let row = wg.x * ROWS + rw;
+        var p: array<f32, MT>;
         if row < n {
-            p = row_partial(a_base, base.z + row * pc.b_str.w, lane, lanes);
+            p = rows_partial(a_base, base.z + row * pc.b_str.w, lane, lanes, nr);
         }
-        let s = subgroupAdd(p);
-        if lane == 0u && row < n {
-            st_d(d_base + row * pc.d_str.w, s);
+        for (var r = 0u; r < MT; r++) {
+            if r < nr {
+                let s = subgroupAdd(p[r]);
+                if lane == 0u && row < n {
+                    st_d(d_base + r * pc.d_str.z + row * pc.d_str.w, s);
+                }
+            }
         }
     }
 }

@@ -1,11 +1,11 @@
-// Entry point shared by the shared-memory flavours of the decode mat-vec (`mul_mat_vec_k_wg`,
-// `mul_mat_vec_q_wg`), for a device without subgroup arithmetic: 8 lanes per row of w, 8 rows
-// per workgroup, and a 3-step tree over 64 floats of shared memory. Workgroup z is the row of
-// x (0 for one row).
+// Entry point shared by the shared-memory flavours of the mat-vec (`mul_mat_vec_k_wg`,
+// `mul_mat_vec_q_wg`, `mul_mat_vec_qm_wg`), for a device without subgroup arithmetic: 8 lanes
+// per row of w, 8 rows per workgroup, and a 3-step tree over 64 floats of shared memory per
+// row of x. Workgroup z covers rows z * MT .. of x (MT of them, fewer in the last).
 
 const LANES: u32 = 8u;
 
-var<workgroup> red: array<f32, 64>;
+var<workgroup> red: array<f32, 64u * MT>;
 
 @compute @workgroup_size(64)
 fn main(
@@ -14,23 +14,33 @@ fn main(
 ) {
     let n = pc.shape.y;
     let base = batch_bases(wg.y);
-    let a_base = base.y + wg.z * pc.a_str.z;
-    let d_base = base.x + wg.z * pc.d_str.z;
+    let r0 = wg.z * MT;
+    let nr = min(MT, pc.shape.x - r0);
+    let a_base = base.y + r0 * pc.a_str.z;
+    let d_base = base.x + r0 * pc.d_str.z;
     let lane = li % LANES;
     let row = wg.x * ROWS + li / LANES;
-    var p = 0.0;
+    var p: array<f32, MT>;
     if row < n {
-        p = row_partial(a_base, base.z + row * pc.b_str.w, lane, LANES);
+        p = rows_partial(a_base, base.z + row * pc.b_str.w, lane, LANES, nr);
     }
-    red[li] = p;
+    for (var r = 0u; r < MT; r++) {
+        red[r * 64u + li] = p[r];
+    }
     workgroupBarrier();
     for (var w = LANES / 2u; w > 0u; w >>= 1u) {
         if lane < w {
-            red[li] += red[li + w];
+            for (var r = 0u; r < MT; r++) {
+                red[r * 64u + li] += red[r * 64u + li + w];
+            }
         }
         workgroupBarrier();
     }
     if lane == 0u && row < n {
-        st_d(d_base + row * pc.d_str.w, red[li]);
+        for (var r = 0u; r < MT; r++) {
+            if r < nr {
+                st_d(d_base + r * pc.d_str.z + row * pc.d_str.w, red[r * 64u + li]);
+            }
+        }
     }
 }

@@ -532,8 +532,22 @@ impl Backend for VulkanBackend {
     }
 }
 
-/// Block dtypes with Vulkan kernels (`QUANTS` in build.rs lists the same).
-pub const VK_QUANTS: &[DType] = &[DType::Q4_0, DType::Q4_1, DType::Q8_0];
+/// Block dtypes with Vulkan kernels (`QUANTS` in build.rs lists the same): every GGUF block
+/// type of the IR.
+pub const VK_QUANTS: &[DType] = &[
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::IQ4_NL,
+    DType::IQ4_XS,
+];
 
 /// Whether the Vulkan kernels implement `op` for these dtypes: the graph's rule
 /// ([`Op::accepts`]), except that the products write f32 only, and block (quantized) sources
@@ -586,8 +600,10 @@ mod tests {
             assert!(!vulkan_supports_op(&Op::MulMat, F16, &[F32, q]));
             assert!(!vulkan_supports_op(&Op::MulMatId, F32, &[q, F32, I32, F32]));
         }
-        assert!(!vulkan_supports_op(&Op::MulMat, F32, &[F32, DType::Q4_K]));
-        assert!(!vulkan_supports_op(&Op::GetRows, F32, &[DType::Q6_K, I32]));
+        // Every block type of the IR has kernels.
+        for dt in DType::ALL.into_iter().filter(|d| d.is_quantized()) {
+            assert!(VK_QUANTS.contains(&dt), "{dt}");
+        }
         let others: [(Op, DType, &[DType]); 12] = [
             (Op::Add, F32, &[F32, F16]),
             (Op::Add, F32, &[F32]),

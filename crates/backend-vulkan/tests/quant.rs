@@ -1,7 +1,9 @@
-//! Quantized (GGUF block) weights on Vulkan: `x @ w.T` and `get_rows` over Q4_0, Q4_1 and
-//! Q8_0 blocks, against the CPU backend (the oracle) and against a float64 product of the
-//! blocks dequantized here from the GGUF layout, at decode shapes (one row of x, odd row
-//! counts, k of one to many blocks, a weight starting mid-word) and a few rows of x (prefill).
+//! Quantized (GGUF block) weights on Vulkan: `x @ w.T` and `get_rows` over every block type
+//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS), against the CPU backend (the
+//! oracle) and against a float64 product of the blocks' values (dequantized here from the GGUF
+//! layout for Q4_0/Q4_1/Q8_0, by the CPU's scalar oracle for the rest), at decode shapes (one
+//! row of x, odd row counts, k of one to many blocks, a weight starting mid-word) and a few
+//! rows of x (prefill).
 //! Both reductions (subgroups and shared memory) run; the validation layer stays silent, and a
 //! step over quantized weights counts exactly what the same step over f16 weights counts.
 
@@ -31,25 +33,50 @@ impl Rng {
     }
 }
 
-/// `rows` rows of `k` elements of random blocks of `dt` (scales around 0.05, any quants).
+/// Byte offsets of a block type's f16 fields (super-)scale first, then the min where it has one.
+fn f16_fields(dt: DType) -> &'static [usize] {
+    match dt {
+        DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+        DType::Q2_K => &[80, 82],
+        DType::Q3_K => &[108],
+        DType::Q6_K => &[208],
+        _ => &[0],
+    }
+}
+
+/// Whether an element is `scale * q + min` (a device may fuse the add into one rounding).
+fn has_min(dt: DType) -> bool {
+    f16_fields(dt).len() == 2
+}
+
+/// `rows` rows of `k` elements of random blocks of `dt`: any quants and sub-block scales,
+/// f16 scales around 0.05 and mins around 0 (finite, so every value is).
 fn blocks(dt: DType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let n = rows * k / dt.block_size();
     let mut out = Vec::with_capacity(n * dt.block_bytes());
     for _ in 0..n {
-        let scale = f16::from_f32(0.05 * rng.unit() + 0.01);
-        out.extend(scale.to_le_bytes());
-        if dt == DType::Q4_1 {
-            out.extend(f16::from_f32(0.1 * rng.unit()).to_le_bytes());
+        let mut b: Vec<u8> = (0..dt.block_bytes()).map(|_| rng.next() as u8).collect();
+        for (i, &off) in f16_fields(dt).iter().enumerate() {
+            let v = if i == 0 {
+                0.05 * rng.unit() + 0.01
+            } else {
+                0.1 * rng.unit()
+            };
+            b[off..off + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
         }
-        let quants = dt.block_bytes() - if dt == DType::Q4_1 { 4 } else { 2 };
-        out.extend((0..quants).map(|_| rng.next() as u8));
+        out.extend(b);
     }
     out
 }
 
-/// The blocks dequantized as GGUF defines them (written from the format, not from a kernel).
-fn dequantize(dt: DType, bytes: &[u8]) -> Vec<f64> {
+/// The blocks of the three legacy types dequantized as GGUF defines them (written from the
+/// format, not from a kernel); `None` for the others, whose reference values are the CPU
+/// oracle's dequantization (`reference_values`).
+fn dequantize(dt: DType, bytes: &[u8]) -> Option<Vec<f64>> {
+    if !matches!(dt, DType::Q4_0 | DType::Q4_1 | DType::Q8_0) {
+        return None;
+    }
     let f16_at = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f64();
     let mut out = Vec::new();
     for b in bytes.chunks_exact(dt.block_bytes()) {
@@ -72,12 +99,41 @@ fn dequantize(dt: DType, bytes: &[u8]) -> Vec<f64> {
                     };
                     f64::from(q) * d + f16_at(b, 2)
                 }
-                DType::Q8_0 => f64::from(b[2 + j] as i8) * d,
-                other => panic!("no reference for {other}"),
+                _ => f64::from(b[2 + j] as i8) * d,
             });
         }
     }
-    out
+    Some(out)
+}
+
+/// The values of `rows` rows of `k` elements of `dt` blocks: from the format for the legacy
+/// types, else as the CPU backend's `get_rows` dequantizes them (its scalar oracle is checked
+/// bit for bit against `gguf.quants` in lowsync-cpu).
+fn reference_values(cpu: &CpuBackend, dt: DType, w: &[u8], rows: usize, k: usize) -> Vec<f64> {
+    if let Some(v) = dequantize(dt, w) {
+        return v;
+    }
+    let ids: Vec<i32> = (0..rows as i32).collect();
+    let wb = common::buffer_with(cpu, w);
+    let ib = common::buffer_with(cpu, &common::i32_bytes(&ids));
+    let db = cpu
+        .alloc_buffer(rows * k * 4, BufferUsage::Compute)
+        .unwrap();
+    let g = common::graph(
+        Op::GetRows,
+        common::contiguous(db, DType::F32, &[rows, k]),
+        vec![
+            common::contiguous(wb, dt, &[rows, k]),
+            common::contiguous(ib, DType::I32, &[rows]),
+        ],
+    );
+    cpu.graph_compute_async(&g).unwrap();
+    cpu.synchronize().unwrap();
+    let out = common::read_f32(cpu, db, rows * k);
+    for id in [wb, ib, db] {
+        cpu.free_buffer(id);
+    }
+    out.into_iter().map(f64::from).collect()
 }
 
 fn f32s(rng: &mut Rng, n: usize) -> Vec<f32> {
@@ -102,6 +158,8 @@ struct Product {
     n: usize,
     k: usize,
     lead: usize,
+    /// x is a transposed view (strides [1, m]: not contiguous along k).
+    xt: bool,
 }
 
 impl Product {
@@ -109,7 +167,13 @@ impl Product {
         let (m, n, k) = (self.m, self.n, self.k);
         let row = self.dt.row_bytes(k).expect("whole blocks");
         let wb = common::buffer_with(b, w);
-        let xb = common::buffer_with(b, &common::f32_bytes(x));
+        let (xs, x_strides) = if self.xt {
+            let t: Vec<f32> = (0..k * m).map(|i| x[(i % m) * k + i / m]).collect();
+            (t, vec![1, m])
+        } else {
+            (x.to_vec(), vec![k, 1])
+        };
+        let xb = common::buffer_with(b, &common::f32_bytes(&xs));
         let db = b.alloc_buffer(m * n * 4, BufferUsage::Compute).unwrap();
         let wt = TensorRef {
             buffer: wb,
@@ -121,7 +185,16 @@ impl Product {
         let g = common::graph(
             Op::MulMat,
             common::contiguous(db, DType::F32, &[m, n]),
-            vec![common::contiguous(xb, DType::F32, &[m, k]), wt],
+            vec![
+                TensorRef {
+                    buffer: xb,
+                    byte_offset: 0,
+                    dtype: DType::F32,
+                    shape: vec![m, k],
+                    strides: x_strides,
+                },
+                wt,
+            ],
         );
         b.graph_compute_async(&g).unwrap();
         b.synchronize().unwrap();
@@ -135,23 +208,38 @@ impl Product {
 
 fn products(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
     let mut failures = Vec::new();
+    // (m, n, blocks per row, lead rows, x transposed): one block to many, odd row counts, a
+    // weight starting mid-word (most block sizes are not a multiple of 4 bytes), several rows
+    // of x (small batches, prefill: 8 rows per workgroup, a last workgroup with fewer), and an
+    // x not contiguous along k (one row per workgroup).
     let shapes = [
-        (1, 1, 32, 0),
-        (1, 7, 64, 1),
-        (1, 13, 96, 3),
-        (1, 37, 160, 0),
-        (1, 64, 576, 1),
-        (1, 9, 1536, 2),
-        (3, 11, 96, 1),
-        (9, 5, 64, 0),
+        (1, 1, 1, 0, false),
+        (1, 7, 2, 1, false),
+        (1, 13, 3, 3, false),
+        (1, 37, 5, 0, false),
+        (1, 64, 18, 1, false),
+        (1, 9, 48, 2, false),
+        (3, 11, 3, 1, false),
+        (8, 6, 2, 2, false),
+        (9, 5, 2, 0, false),
+        (17, 3, 1, 1, false),
+        (5, 7, 2, 1, true),
     ];
     for &dt in VK_QUANTS {
-        for (i, &(m, n, k, lead)) in shapes.iter().enumerate() {
-            let p = Product { dt, m, n, k, lead };
+        for (i, &(m, n, nb, lead, xt)) in shapes.iter().enumerate() {
+            let k = nb * dt.block_size();
+            let p = Product {
+                dt,
+                m,
+                n,
+                k,
+                lead,
+                xt,
+            };
             let w = blocks(dt, lead + n, k, 7 + i as u64);
             let mut rng = Rng(1234 + i as u64);
             let x = f32s(&mut rng, m * k);
-            let wd = dequantize(dt, &w[lead * dt.row_bytes(k).unwrap()..]);
+            let wd = reference_values(cpu, dt, &w[lead * dt.row_bytes(k).unwrap()..], n, k);
             let want: Vec<f64> = (0..m * n)
                 .map(|e| {
                     let (r, c) = (e / n, e % n);
@@ -162,7 +250,7 @@ fn products(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
                 .collect();
             let got = p.run(vk, &w, &x);
             let oracle = p.run(cpu, &w, &x);
-            let name = format!("{dt} m={m} n={n} k={k} lead={lead}");
+            let name = format!("{dt} m={m} n={n} k={k} lead={lead} xt={xt}");
             let (e64, ecpu) = (
                 nmse(&got, &want),
                 nmse(
@@ -186,9 +274,10 @@ fn products(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
 
 fn get_rows(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
     let mut failures = Vec::new();
-    let (rows, k) = (11, 96);
+    let rows = 11;
     let ids = [3i32, 0, 10, 3, 7];
     for &dt in VK_QUANTS {
+        let k = 3 * dt.block_size();
         for dst_dt in [DType::F32, DType::F16] {
             let w = blocks(dt, rows, k, 99);
             let run = |b: &dyn Backend| {
@@ -212,9 +301,9 @@ fn get_rows(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
                 out
             };
             let (got, want) = (run(vk), run(cpu));
-            // Dequantization is one multiply (and an add for Q4_1, which a device may fuse
-            // into one rounding): bit-identical except for Q4_1's fused add.
-            let same = if dt == DType::Q4_1 && dst_dt == DType::F32 {
+            // Dequantization is one multiply (and an add for a type with a min, which a device
+            // may fuse into one rounding): bit-identical except for that fused add.
+            let same = if has_min(dt) && dst_dt == DType::F32 {
                 let f = |b: &[u8]| -> Vec<f32> {
                     b.chunks_exact(4)
                         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -224,7 +313,7 @@ fn get_rows(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
                     .iter()
                     .zip(f(&want))
                     .all(|(g, w)| (g - w).abs() <= 1e-6 * w.abs().max(1e-3))
-            } else if dt == DType::Q4_1 {
+            } else if has_min(dt) {
                 got.chunks_exact(2).zip(want.chunks_exact(2)).all(|(g, w)| {
                     let (g, w) = (
                         f16::from_le_bytes([g[0], g[1]]).to_f32(),
@@ -278,14 +367,19 @@ fn quantized_products_match_on_the_no_rebar_path() {
 }
 
 /// A decode-shaped step (embedding lookup, a projection, the tied output head) counts exactly
-/// what the same step over f16 weights counts: one submit and one host wait per step.
+/// what the same step over f16 weights counts, for legacy blocks and for super-blocks (Q6_K
+/// and Q4_K, what Q4_K_M files are made of): one submit and one host wait per step.
 #[test]
 fn a_quantized_step_counts_what_an_f16_step_counts() {
     for cfg in common::both_paths() {
         let Some(b) = common::open(cfg) else { return };
-        let (vocab, k, n) = (40, 64, 24);
+        let (vocab, k, n) = (40, 256, 24);
         let mut per_dtype = Vec::new();
-        for (emb_dt, proj_dt) in [(DType::F16, DType::F16), (DType::Q8_0, DType::Q4_1)] {
+        for (emb_dt, proj_dt) in [
+            (DType::F16, DType::F16),
+            (DType::Q8_0, DType::Q4_1),
+            (DType::Q6_K, DType::Q4_K),
+        ] {
             let bytes = |dt: DType, rows: usize, seed: u64| {
                 if dt.is_quantized() {
                     blocks(dt, rows, k, seed)
@@ -358,7 +452,7 @@ fn a_quantized_step_counts_what_an_f16_step_counts() {
                 b.free_buffer(id);
             }
         }
-        assert_eq!(per_dtype[0], per_dtype[1]);
+        assert!(per_dtype.iter().all(|s| *s == per_dtype[0]));
         common::assert_clean(&b);
     }
 }

@@ -61,8 +61,9 @@ pub(super) fn get_rows(
     let (bt, ot) = c.bind(table, false)?;
     let (bi, oi) = c.bind(ids, false)?;
     // A block-dtype table (`get_rows_q.wgsl`): its rows are whole blocks along the last axis
-    // (the graph builder admits no other view), and its row stride goes in bytes.
-    let (kernel, a_str) = if table.dtype.is_quantized() {
+    // (the graph builder admits no other view), its row stride goes in bytes, and each thread
+    // dequantizes a 16-element group (every block size is a multiple of 16).
+    let (kernel, a_str, per_thread) = if table.dtype.is_quantized() {
         if table.strides[1] != 1 || !d.is_multiple_of(table.dtype.block_size()) {
             return Err(c.err(format!(
                 "a {} table must be read by whole rows of blocks, got shape {:?} strides {:?}",
@@ -70,11 +71,14 @@ pub(super) fn get_rows(
             )));
         }
         let row = c.block_bytes(table.dtype, table.strides[0], "row stride")?;
-        ("get_rows_q", [row, 0, c.u32(n, "row count")?, 0])
+        ("get_rows_q", [row, 0, c.u32(n, "row count")?, 0], 16)
     } else {
         let st = c.u4(&[table.strides[0], table.strides[1], n, 0], "stride")?;
-        ("get_rows", st)
+        ("get_rows", st, 1)
     };
+    // Element indices of the result are u32 in the kernel.
+    c.u32(n_ids * d, "element count")?;
+    let threads = n_ids * (d / per_thread);
     Ok(vec![Dispatch {
         kernel: format!(
             "{kernel}.d_{}.a_{}.ids_i32.status_u32",
@@ -87,11 +91,11 @@ pub(super) fn get_rows(
             d_str,
             a_str,
             b_str: sts[1],
-            offs: [od, ot, oi, c.u32(n_ids * d, "element count")?],
+            offs: [od, ot, oi, c.u32(threads, "thread count")?],
             op: [s.tag, 0, 0, 0],
             ..Push::default()
         },
-        groups: c.spread(n_ids * d, 256)?,
+        groups: c.spread(threads, 256)?,
     }])
 }
 

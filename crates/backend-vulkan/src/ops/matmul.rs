@@ -8,8 +8,10 @@
 //! decode step) takes the fast mat-vec kernel: vectorized loads, no stride math in the loop,
 //! a subgroup reduction where the device has one. Otherwise up to `MAT_VEC_MAX_M` rows use the
 //! generic matrix-vector kernel (split over k when `b` is contiguous along k), more use the
-//! 64x64 tiled kernel. Batch axes of extent 1 are dropped; at
-//! most two remain, each with its broadcast ratio for either operand.
+//! 64x64 tiled kernel. GGUF block weights are dequantized in registers by their own mat-vec
+//! kernels at any row count (8 rows of x per workgroup beyond one row; there is no tiled
+//! quantized kernel yet). Batch axes of extent 1 are dropped; at most two remain, each with its
+//! broadcast ratio for either operand.
 //!
 //! Invariant: products write f32 only (the reason `vulkan_supports_op` narrows the graph's rule).
 
@@ -21,8 +23,10 @@ use crate::pipelines::Push;
 
 /// Rows up to which `MulMat` uses the matrix-vector kernel.
 const MAT_VEC_MAX_M: usize = 8;
-/// Result columns per workgroup of the decode fast path (`ROWS` in `mul_mat_vec_k_body.wgsl`).
+/// Result columns per workgroup of the decode fast path (`ROWS` in `mul_mat_vec_head.wgsl`).
 const MAT_VEC_K_ROWS: usize = 8;
+/// Rows of x per workgroup z of the multi-row quantized mat-vec (`MT` in `mul_mat_vec_qm.wgsl`).
+const QUANT_ROWS_PER_GROUP: usize = 8;
 
 pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispatch>> {
     if dst.dtype != DType::F32 {
@@ -172,10 +176,12 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
     }])
 }
 
-/// `x @ w.T` over a block-dtype `w` (`mul_mat_vec_q*.wgsl`): each row of x is one
-/// workgroup z of a mat-vec that dequantizes the blocks in registers. The graph builder
-/// admits such a `b` only with its blocks along k (stride 1, whole rows: `b_sk == 1`, every
-/// other stride a whole number of rows); b's offset and strides go to the kernel in bytes.
+/// `x @ w.T` over a block-dtype `w`, dequantized in registers: one row of x takes the decode
+/// mat-vec (`mul_mat_vec_q*.wgsl`, workgroup z a row of x), more rows of an x contiguous along
+/// k take `mul_mat_vec_qm*.wgsl`, whose workgroup z covers `QUANT_ROWS_PER_GROUP` rows of x so
+/// that each group of w is read and dequantized once for all of them. The graph builder admits such a `b` only with its blocks along k (stride 1,
+/// whole rows: `b_sk == 1`, every other stride a whole number of rows); b's offset and strides
+/// go to the kernel in bytes.
 fn quant_mat_vec(
     c: &Ctx,
     b: &Res,
@@ -193,7 +199,14 @@ fn quant_mat_vec(
     }
     let max = c.lim.max_groups;
     let gx = n.div_ceil(MAT_VEC_K_ROWS);
-    if gx > max[0] as usize || m > max[2] as usize {
+    // The multi-row kernel reads x contiguous along k only (`X_CONTIGUOUS`); any other x
+    // takes the one-row kernel once per row.
+    let (kernel, gz) = if m == 1 || push.prm[0] != 1 {
+        ("mul_mat_vec_q", m)
+    } else {
+        ("mul_mat_vec_qm", m.div_ceil(QUANT_ROWS_PER_GROUP))
+    };
+    if gx > max[0] as usize || gz > max[2] as usize {
         return Err(c.err(format!("a {m}x{n} product exceeds the dispatch limits")));
     }
     push.b_str = [
@@ -204,10 +217,10 @@ fn quant_mat_vec(
     ];
     let flavour = if c.lim.subgroups { "" } else { "_wg" };
     Ok(vec![Dispatch {
-        kernel: format!("mul_mat_vec_q{flavour}.d_f32.a_f32.b_{}", dt(b.dtype)),
+        kernel: format!("{kernel}{flavour}.d_f32.a_f32.b_{}", dt(b.dtype)),
         binds: binds.to_vec(),
         push,
-        groups: [gx as u32, push.offs[3], m as u32],
+        groups: [gx as u32, push.offs[3], gz as u32],
     }])
 }
 

@@ -1,0 +1,65 @@
+// Reading GGUF blocks, prepended (by build.rs) to every kernel with a block-dtype binding,
+// before its type family's file (`quant_32.wgsl`, `quant_k.wgsl`, `quant_iq4.wgsl`).
+//
+// Why: storage buffers are arrays of u32, and blocks are 18, 20, 22, 34, 84, 110, 176, 210 ...
+// bytes, so a block (and a field in it) starts at any byte of a word. Every read goes through
+// `qw`/`qw4`, which funnel-shift the words holding the wanted bytes and touch no word past
+// them (so never one past the tensor's last byte).
+//
+// The contract of a type T's family file, which is the only place T's layout is written:
+//   T_qs(blk, g) -> vec2<f32>: (scale, offset) of the 16-element group g of the block at byte
+//     `blk` (every block type's scales and mins are per 16 or 32 elements, so per group);
+//   T_qv(blk, g) -> mat4x4<f32>: the group's 16 integer values, column c = elements 4c .. 4c+3;
+//   element = scale * value + offset, where the offset is added only when `Q_MIN` (a type
+//   with a min) so that `scale * value` is the CPU oracle's product bit for bit
+//   (`lowsync-cpu/src/kernels/quant/scalar.rs`: a sub-block scale `d * sc` is rounded to f32
+//   before it multiplies the value, a min is subtracted after).
+// build.rs binds `q_scale`/`q_vals` to T's pair and sets `QK` (elements per block), `QB`
+// (bytes per block), `GPB` (groups per block) and `Q_MIN`.
+
+// Four bytes starting at any byte offset.
+fn qw(byte: u32) -> u32 {
+    let sh = (byte & 3u) * 8u;
+    let w0 = q_buf[byte >> 2u];
+    let w1 = q_buf[(byte + 3u) >> 2u];
+    return select((w0 >> sh) | (w1 << ((32u - sh) & 31u)), w0, sh == 0u);
+}
+
+// Sixteen bytes starting at any byte offset, as four words (5 loads, 4 when aligned).
+fn qw4(byte: u32) -> vec4<u32> {
+    let i = byte >> 2u;
+    let sh = (byte & 3u) * 8u;
+    let lo = vec4<u32>(q_buf[i], q_buf[i + 1u], q_buf[i + 2u], q_buf[i + 3u]);
+    let hi = vec4<u32>(lo.yzw, q_buf[(byte + 15u) >> 2u]);
+    return select((lo >> vec4<u32>(sh)) | (hi << vec4<u32>((32u - sh) & 31u)), lo, sh == 0u);
+}
+
+// The byte at a byte offset.
+fn qb(byte: u32) -> u32 {
+    return (q_buf[byte >> 2u] >> ((byte & 3u) * 8u)) & 0xffu;
+}
+
+// The little-endian f16 at a byte offset, widened exactly.
+fn qh(byte: u32) -> f32 {
+    return f16_bits_to_f32(qw(byte) & 0xffffu);
+}
+
+// The four bytes of word `w` in element order, each shifted right by `sh` and masked.
+fn lanes(w: u32, sh: u32, mask: u32) -> vec4<u32> {
+    return (vec4<u32>(w, w >> 8u, w >> 16u, w >> 24u) >> vec4<u32>(sh)) & vec4<u32>(mask);
+}
+
+// Bits `first` .. `first + 3` of `x`, one per lane.
+fn bit4(x: u32, first: u32) -> vec4<u32> {
+    return (vec4<u32>(x) >> (vec4<u32>(first) + vec4<u32>(0u, 1u, 2u, 3u))) & vec4<u32>(1u);
+}
+
+// The 16 bytes `w` (shifted and masked as `lanes`) as values minus `bias`.
+fn cols(w: vec4<u32>, sh: u32, mask: u32, bias: f32) -> mat4x4<f32> {
+    return mat4x4<f32>(
+        vec4<f32>(lanes(w.x, sh, mask)) - bias,
+        vec4<f32>(lanes(w.y, sh, mask)) - bias,
+        vec4<f32>(lanes(w.z, sh, mask)) - bias,
+        vec4<f32>(lanes(w.w, sh, mask)) - bias,
+    );
+}

@@ -1,0 +1,117 @@
+// The K-quant super-blocks (256 elements, 16 groups of 16): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+// Contract in `quant_common.wgsl`; layouts as the CPU oracle (`scalar.rs`). Group g of a
+// block always reads 16 consecutive bytes of each bit plane, so values come 4 words at a time.
+
+// Q2_K (84 bytes): 16 scale/min bytes (low/high nibble), 64 bytes of 2-bit values (32 bytes
+// per 128 elements, shift 2 * ((e / 32) % 4)), f16 d at 80, f16 dmin at 82;
+// (d * sc) * q - dmin * m.
+fn q2_k_qs(blk: u32, g: u32) -> vec2<f32> {
+    let sc = qb(blk + g);
+    let dd = qw(blk + 80u);
+    let d = f16_bits_to_f32(dd & 0xffffu);
+    let dmin = f16_bits_to_f32(dd >> 16u);
+    return vec2<f32>(d * f32(sc & 15u), -(dmin * f32(sc >> 4u)));
+}
+fn q2_k_qv(blk: u32, g: u32) -> mat4x4<f32> {
+    let w = qw4(blk + 16u + (g / 8u) * 32u + (g % 2u) * 16u);
+    return cols(w, 2u * ((g / 2u) % 4u), 3u, 0.0);
+}
+
+// Q3_K (110 bytes): 32 bytes of high-bit mask (bit e / 32 of byte e % 32; a clear bit
+// subtracts 4), 64 bytes of 2-bit values (as Q2_K), 12 bytes of 6-bit scales (low 4 bits in
+// bytes 0 .. 8, high 2 bits in bytes 8 .. 12), f16 d at 108; (d * (sc - 32)) * (q - 4 * !h).
+fn q3_k_qs(blk: u32, g: u32) -> vec2<f32> {
+    let s = blk + 96u;
+    var lo: u32;
+    if g < 8u {
+        lo = qb(s + g) & 15u;
+    } else {
+        lo = qb(s + g - 8u) >> 4u;
+    }
+    let hi = (qb(s + 8u + g % 4u) >> (2u * (g / 4u))) & 3u;
+    return vec2<f32>(qh(blk + 108u) * (f32(lo | (hi << 4u)) - 32.0), 0.0);
+}
+fn q3_k_qv(blk: u32, g: u32) -> mat4x4<f32> {
+    let l0 = (g % 2u) * 16u;
+    let q = qw4(blk + 32u + (g / 8u) * 32u + l0);
+    let h = qw4(blk + l0);
+    let sh = 2u * ((g / 2u) % 4u);
+    let hb = g / 2u;
+    return mat4x4<f32>(
+        vec4<f32>(lanes(q.x, sh, 3u) + 4u * lanes(h.x, hb, 1u)) - 4.0,
+        vec4<f32>(lanes(q.y, sh, 3u) + 4u * lanes(h.y, hb, 1u)) - 4.0,
+        vec4<f32>(lanes(q.z, sh, 3u) + 4u * lanes(h.z, hb, 1u)) - 4.0,
+        vec4<f32>(lanes(q.w, sh, 3u) + 4u * lanes(h.w, hb, 1u)) - 4.0,
+    );
+}
+
+// (scale, min) of sub-block j (32 elements) of Q4_K / Q5_K: 6 bits each in the 12 bytes at
+// `s`, as (d * sc, -(dmin * m)) with d, dmin the block's leading f16 pair.
+fn k_scale_min(blk: u32, j: u32) -> vec2<f32> {
+    let s = blk + 4u;
+    var sc: u32;
+    var m: u32;
+    if j < 4u {
+        sc = qb(s + j) & 63u;
+        m = qb(s + j + 4u) & 63u;
+    } else {
+        let b = qb(s + j + 4u);
+        sc = (b & 15u) | ((qb(s + j - 4u) >> 6u) << 4u);
+        m = (b >> 4u) | ((qb(s + j) >> 6u) << 4u);
+    }
+    let dd = qw(blk);
+    return vec2<f32>(
+        f16_bits_to_f32(dd & 0xffffu) * f32(sc),
+        -(f16_bits_to_f32(dd >> 16u) * f32(m)),
+    );
+}
+
+// Q4_K (144 bytes): f16 d, f16 dmin, 12 scale bytes, 128 bytes of nibbles (32 bytes per 64
+// elements, low nibbles first); (d * sc) * q - dmin * m per 32 elements.
+fn q4_k_qs(blk: u32, g: u32) -> vec2<f32> {
+    return k_scale_min(blk, g / 2u);
+}
+fn q4_k_qv(blk: u32, g: u32) -> mat4x4<f32> {
+    let w = qw4(blk + 16u + (g / 4u) * 32u + (g % 2u) * 16u);
+    return cols(w, 4u * ((g / 2u) % 2u), 15u, 0.0);
+}
+
+// Q5_K (176 bytes): Q4_K's header, 32 bytes of fifth bits at 16 (bit j of byte l for element
+// l of sub-block j), nibbles at 48.
+fn q5_k_qs(blk: u32, g: u32) -> vec2<f32> {
+    return k_scale_min(blk, g / 2u);
+}
+fn q5_k_qv(blk: u32, g: u32) -> mat4x4<f32> {
+    let l0 = (g % 2u) * 16u;
+    let q = qw4(blk + 48u + (g / 4u) * 32u + l0);
+    let h = qw4(blk + 16u + l0);
+    let sh = 4u * ((g / 2u) % 2u);
+    let hb = g / 2u;
+    return mat4x4<f32>(
+        vec4<f32>(lanes(q.x, sh, 15u) | (lanes(h.x, hb, 1u) << vec4<u32>(4u))),
+        vec4<f32>(lanes(q.y, sh, 15u) | (lanes(h.y, hb, 1u) << vec4<u32>(4u))),
+        vec4<f32>(lanes(q.z, sh, 15u) | (lanes(h.z, hb, 1u) << vec4<u32>(4u))),
+        vec4<f32>(lanes(q.w, sh, 15u) | (lanes(h.w, hb, 1u) << vec4<u32>(4u))),
+    );
+}
+
+// Q6_K (210 bytes): 128 bytes of low nibbles (64 per 128 elements), 64 bytes of high 2 bits
+// (32 per 128 elements), 16 int8 scales at 192, f16 d at 208; (d * sc) * (q - 32).
+fn q6_k_qs(blk: u32, g: u32) -> vec2<f32> {
+    let sc = f32(qb(blk + 192u + g) ^ 128u) - 128.0;
+    return vec2<f32>(qh(blk + 208u) * sc, 0.0);
+}
+fn q6_k_qv(blk: u32, g: u32) -> mat4x4<f32> {
+    let half = g / 8u;
+    let r = g % 8u;
+    let lo = qw4(blk + half * 64u + (g % 4u) * 16u);
+    let hi = qw4(blk + 128u + half * 32u + (g % 2u) * 16u);
+    let sl = 4u * (r / 4u);
+    let sh = 2u * (r / 2u);
+    return mat4x4<f32>(
+        vec4<f32>(lanes(lo.x, sl, 15u) | (lanes(hi.x, sh, 3u) << vec4<u32>(4u))) - 32.0,
+        vec4<f32>(lanes(lo.y, sl, 15u) | (lanes(hi.y, sh, 3u) << vec4<u32>(4u))) - 32.0,
+        vec4<f32>(lanes(lo.z, sl, 15u) | (lanes(hi.z, sh, 3u) << vec4<u32>(4u))) - 32.0,
+        vec4<f32>(lanes(lo.w, sl, 15u) | (lanes(hi.w, sh, 3u) << vec4<u32>(4u))) - 32.0,
+    );
+}
