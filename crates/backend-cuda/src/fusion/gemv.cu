@@ -620,23 +620,34 @@ extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp32(FG1S_PARAMS) { FG1_O
 // are read in place (2-byte aligned fields: byte and 16-bit loads; a warp's 32 chunks are one
 // contiguous run of the row, so its loads share cache lines).
 
-// Lane `lane`'s part of the dot product of weight row w (K values of block type QT) with xr.
+// Lane `lane`'s part of the dot product of weight row w (K values of block type QT) with xr:
+// its chunks in order, two per round — both chunks' bytes are loaded before either is used
+// (the second's address clamped to the row: the loads stay unconditional, its products are
+// skipped past the end), doubling the weight bytes each warp has in flight.
 template <int QT>
 __device__ __forceinline__ float fq_dot(const u8* w, int K, const float* xr, int lane) {
     const int QB = q_block_size(QT), BB = q_block_bytes(QT), CPB = QB / 16;
+    const int nch = K / 16;
     float acc = 0.0f;
 #pragma unroll 1
-    for (int c = lane; c < K / 16; c += 32) {
-        float v[16];
-        dq16<QT>(w + (c / CPB) * BB, c % CPB, v);
-        const float4* x4 = (const float4*)(xr + 16 * c);
+    for (int c0 = lane; c0 < nch; c0 += 64) {
+        const int c1 = min(c0 + 32, nch - 1);
+        float v[2][16];
+        dq16<QT>(w + (c0 / CPB) * BB, c0 % CPB, v[0]);
+        dq16<QT>(w + (c1 / CPB) * BB, c1 % CPB, v[1]);
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            const float4 x = x4[t];
-            acc = fmaf(x.x, v[4 * t], acc);
-            acc = fmaf(x.y, v[4 * t + 1], acc);
-            acc = fmaf(x.z, v[4 * t + 2], acc);
-            acc = fmaf(x.w, v[4 * t + 3], acc);
+        for (int h = 0; h < 2; ++h) {
+            if (h == 0 || c0 + 32 < nch) {
+                const float4* x4 = (const float4*)(xr + 16 * (h ? c1 : c0));
+#pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    const float4 x = x4[t];
+                    acc = fmaf(x.x, v[h][4 * t], acc);
+                    acc = fmaf(x.y, v[h][4 * t + 1], acc);
+                    acc = fmaf(x.z, v[h][4 * t + 2], acc);
+                    acc = fmaf(x.w, v[h][4 * t + 3], acc);
+                }
+            }
         }
     }
     return acc;
