@@ -826,20 +826,16 @@ fn layer(
     let a = |off: usize, shape: &[usize]| packed(act, off, DType::F32, shape);
     let (x, h) = (a(xo, &[1, d]), a(ho, &[1, d]));
     c.rand(rng, &x, 1.0);
-    let linear = |c: &mut Case,
-                  rng: &mut Rng,
-                  inp: &TensorRef,
-                  out: TensorRef,
-                  bias: bool,
-                  wdt: DType| {
-        let w = weight(c, rng, wdt, inp.shape[1], out.shape[1]);
-        c.node(Op::MulMat, &out, &[inp, &w]);
-        if bias {
-            let b = c.tensor(DType::F32, &[out.shape[1]]);
-            c.rand(rng, &b, 0.5);
-            c.node(Op::Add, &out, &[&out, &b]);
-        }
-    };
+    let linear =
+        |c: &mut Case, rng: &mut Rng, inp: &TensorRef, out: TensorRef, bias: bool, wdt: DType| {
+            let w = weight(c, rng, wdt, inp.shape[1], out.shape[1]);
+            c.node(Op::MulMat, &out, &[inp, &w]);
+            if bias {
+                let b = c.tensor(DType::F32, &[out.shape[1]]);
+                c.rand(rng, &b, 0.5);
+                c.node(Op::Add, &out, &[&out, &b]);
+            }
+        };
     let norm = |c: &mut Case, rng: &mut Rng| {
         let w = c.tensor(DType::F32, &[d]);
         c.rand(rng, &w, 1.0);

@@ -153,7 +153,10 @@ pub(super) fn launch_gemv(
         let (w_rs, code) = if quant {
             let (Some(rs), Some(code)) = (quant_row_bytes(w.dtype, w.strides[1]), qt(w.dtype))
             else {
-                return Err(kernel_err(mm, "fused quantized weight without whole-block rows"));
+                return Err(kernel_err(
+                    mm,
+                    "fused quantized weight without whole-block rows",
+                ));
             };
             q_aligned &= w.ptr.is_multiple_of(2);
             (rs, code)

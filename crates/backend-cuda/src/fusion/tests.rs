@@ -997,7 +997,13 @@ fn a_quantized_decode_layer_fuses_like_a_plain_one() {
             62 => Some(DType::IQ4_NL),
             _ => Some(DType::Q4_0),
         },
-        |w| Some(if w % 20 == 0 { DType::Q5_1 } else { DType::Q5_0 }),
+        |w| {
+            Some(if w % 20 == 0 {
+                DType::Q5_1
+            } else {
+                DType::Q5_0
+            })
+        },
     ];
     for bias in [false, true] {
         let want = plan(&layer(bias, DType::F16), None);
