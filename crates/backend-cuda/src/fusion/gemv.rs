@@ -12,6 +12,8 @@
 //! multiprocessor (`CudaConfig::gemv_stream`), through a dtype's own entry point where one
 //! applies (`gemv_split`) — with the norm computed in the prologue when that fits one wave.
 //! When the row-pair kernel turns out not to apply, the group runs as its parts, in node order.
+//! Quantized weights (one row) take `fused_gemv1_q`, each segment with its block type and row
+//! stride in bytes; where it does not apply at launch time the group's nodes run unfused.
 //!
 //! Invariant: results dead after the group (`safety::Dead`) are the only ones not written;
 //! sums run in fixed orders, so streamed and unstreamed results are the same bytes.
