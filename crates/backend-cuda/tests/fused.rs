@@ -952,6 +952,49 @@ fn a_quantized_decode_layer_is_five_launches() {
     }
 }
 
+/// A norm and three biased projections on quantized weights of mixed block types: one launch
+/// when the activation row is 16-byte aligned; when it is not, the group's nodes run unfused
+/// at launch time (no launch saved), with the same results.
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn quantized_projections_run_unfused_where_the_row_is_misaligned() {
+    let mut rng = Rng::new(40);
+    let k = 512;
+    for lead in [0, 4] {
+        let mut c = Case::default();
+        let x = c.tensor(DType::F32, &[1, k]);
+        c.rand(&mut rng, &x, 2.0);
+        let nw = c.tensor(DType::F32, &[k]);
+        c.rand(&mut rng, &nw, 1.5);
+        let buf = c.buffer(lead + k * 4);
+        let h = packed(buf, lead, DType::F32, &[1, k]);
+        c.node(Op::RmsNorm { eps: 1e-5 }, &h, &[&x]);
+        c.node(Op::Mul, &h, &[&h, &nw]);
+        let mut outputs = vec![("h".to_string(), h.clone())];
+        for (name, n, wdt) in [
+            ("q", 96, DType::Q4_K),
+            ("k", 32, DType::Q4_K),
+            ("v", 32, DType::Q6_K),
+        ] {
+            let w = weight(&mut c, &mut rng, wdt, k, n);
+            let out = c.tensor(DType::F32, &[1, n]);
+            c.node(Op::MulMat, &out, &[&h, &w]);
+            let b = c.tensor(DType::F32, &[n]);
+            c.rand(&mut rng, &b, 1.0);
+            c.node(Op::Add, &out, &[&out, &b]);
+            outputs.push((name.to_string(), out));
+        }
+        let test = format!("quantized qkv, row {lead} bytes past a 16-byte boundary");
+        let outs: Vec<(&str, &TensorRef)> = outputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let saved = if lead == 0 {
+            c.nodes.len() as u64 - 1
+        } else {
+            0
+        };
+        check(&test, &c, &outs, saved);
+    }
+}
+
 /// Final buffers and kernel launches of `case` on a CUDA backend with `cfg` (graphs off).
 fn on_gpu_cfg(test: &str, case: &Case, cfg: CudaConfig) -> (Vec<Vec<u8>>, u64) {
     let be = gpu_with(
