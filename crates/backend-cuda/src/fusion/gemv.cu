@@ -663,6 +663,15 @@ __device__ __noinline__ float fq_row(int qt, const u8* w, int K, const float* xr
     return acc;
 }
 
+// Asks for the 128-byte line holding p to be brought into L2 (no-op in the emulation). L2 is
+// the device's point of coherence, so a prefetch before `pdl_entry` can leave nothing stale
+// where a later load would find it.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
 template <int NC>
 __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, float* xs,
                                          const float* nx, float eps, void* nd, int dtn,
@@ -670,6 +679,21 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     const int lane = threadIdx.x & 31;
     const int units = (int)fg_units<NC>(S);
     const bool pair1 = NC == 2 && S.pair == 1;
+    // Before the wait (overlapping the previous kernel's tail): the warp's first unit's weight
+    // rows into L2, a line per lane per pass.
+    if (blockIdx.x * FG1_WARPS + (threadIdx.x >> 5) < units) {
+        int s;
+        i64 j;
+        const char* wr[NC];
+        fg_unit<DT_Q4_0, NC>(S, blockIdx.x * FG1_WARPS + (threadIdx.x >> 5), s, j, wr);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const int qt = (int)S.seg[pair1 ? c : s].qt;
+            const char* end = wr[c] + (i64)(K / q_block_size(qt)) * q_block_bytes(qt);
+            const char* line = (const char*)((u64)wr[c] & ~(u64)127);
+            for (const char* p = line + 128 * lane; p < end; p += 128 * 32) prefetch_l2(p);
+        }
+    }
     pdl_entry();
     if (nx) {
         norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a, false, S.wnorm != 0);
