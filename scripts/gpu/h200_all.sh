@@ -104,6 +104,22 @@ if [[ $parts == *pytest* ]]; then
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu_backends.py >"$logs/pytest-gpu.txt" 2>&1
     say "pytest gpu: exit $? $(tail -1 "$logs/pytest-gpu.txt")"
 fi
+if [[ $parts == *pytestq* ]]; then
+    # The quantized-weight tests on every GPU backend present (CUDA and Vulkan cases).
+    LOWSYNC_REQUIRE_CUDA=1 python3 -m pytest -q -p no:cacheprovider -m "cuda or vulkan or vulkan_gpu" \
+        tests/test_quant.py tests/test_gpu_backends.py >"$logs/pytest-quant.txt" 2>&1
+    say "pytest quant: exit $? $(tail -1 "$logs/pytest-quant.txt")"
+    grep -E "^(FAILED|ERROR)" "$logs/pytest-quant.txt" | head -20 | tee -a "$summary"
+fi
+if [[ $parts == *benchq* ]]; then
+    # Built-in models quantized by lowsync (gguf-py's quantizer), decode on CUDA.
+    for mt in ${BENCHQ:-tiny:q4_0 1b:q4_0 1b:f16}; do
+        timeout 300 python3 -m lowsync.cli bench -m ${mt%%:*} -t ${mt##*:} --backend ${BENCHQ_BACKENDS:-cuda} --policy staged \
+            -p 32 -n ${BENCH_N:-64} >"$logs/benchq-${mt/:/-}.txt" 2>"$logs/benchq-${mt/:/-}.err"
+        say "bench $mt: exit $?"; grep -E '^\| (tiny|1b) ' "$logs/benchq-${mt/:/-}.txt" | tee -a "$summary"
+        tail -2 "$logs/benchq-${mt/:/-}.err"
+    done
+fi
 if [[ $parts == *text* ]]; then
     # SmolLM2-135M-Instruct Q4_1 (98 MB) travels in two halves, over the carry limit of one call:
     # `keep` copies a half into /tmp/keep (it stays while the machine is warm), `text` joins it

@@ -40,11 +40,12 @@ extern "C" __global__ void get_rows_q(i64 rows, i64 d, Lay L, void* dst, int dtd
 
 // Matrix-vector product on a quantized weight, decode's `x @ w.T`: out[m, n] = a[m, k] @ b[k, n]
 // where column n of b is row n of w (its k values contiguous, `b_cs` bytes apart). One warp
-// per column. The row's blocks go through shared memory in segments of MVQ_SEG values: the
+// per R adjacent columns (R = MVQ_R for one row of a, 1 for MVQ_MT rows). The row's blocks go through shared memory in segments of MVQ_SEG values: the
 // warp first copies a segment's bytes with coalesced 16-byte loads (blocks are only 2-byte
 // aligned, so the copy starts at the 16-byte boundary below the segment; bytes outside the
 // row are read one by one), then lane l dequantizes the segment's 16-value chunks l, l + 32
-// from it and multiplies them by a's rows (k contiguous) in k order, MT rows per pass of a;
+// from it and multiplies them by a's rows (k contiguous) in k order, MT rows per pass of a,
+// each chunk of a loaded once for the warp's R columns;
 // the lanes meet in a fixed xor butterfly. Summation order depends only on k: deterministic.
 // Batch axes come in `MmBatch` (common.cuh) with b's strides in bytes; `blk` enumerates
 // (batch, column block). `ahead` (b lies in a weights buffer no kernel writes): each thread
@@ -52,6 +53,9 @@ extern "C" __global__ void get_rows_q(i64 rows, i64 d, Lay L, void* dst, int dtd
 // fetch overlaps the previous kernel's tail; every thread still waits exactly once.
 #define MVQ_WARPS 4
 #define MVQ_MT 8
+// Columns per warp of the one-row kernels: a's chunk is loaded once for this many weight rows
+// (the loads of a, not of the weight, bound a warp per column), 4 segments staged per warp.
+#define MVQ_R 4
 #define MVQ_SEG 1024
 // Bytes of the largest segment (Q8_0: 32 blocks of 34 bytes) and a 16-byte lead-in, in uint4s.
 #define MVQ_STAGE (MVQ_SEG / 32 * 34 / 16 + 2)
@@ -74,14 +78,14 @@ __device__ __forceinline__ int mvq_stage(uint4* st, const u8* lo, const u8* hi, 
     return (int)(lo - a0);
 }
 
-template <int QT, int MT, bool AM>
+template <int QT, int MT, int R, bool AM>
 __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, const MmBatch& B,
                                            float* dst, i64 d_rs, i64 d_cs, const float* a,
                                            i64 a_rs, const u8* b, i64 b_cs,
                                            uint4 (*stage)[MVQ_STAGE], int ahead, u64* key) {
     const int QB = q_block_size(QT), BB = q_block_bytes(QT);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const i64 ncb = (N + MVQ_WARPS - 1) / MVQ_WARPS;
+    const i64 ncb = (N + MVQ_WARPS * R - 1) / (MVQ_WARPS * R);
     const i64 row_bytes = K / QB * BB;
     const i64 seg_bytes = MVQ_SEG / QB * BB;
     bool waited = !ahead;
@@ -91,35 +95,54 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
         const i64 bt = blk / ncb, cb = blk % ncb;
         i64 o[3];
         mm_batch_offsets(B, bt, o);
-        const i64 col = cb * MVQ_WARPS + warp;
-        if (col >= N) continue;  // warp-uniform: the warp's shuffles stay whole
-        const u8* wc = b + o[2] + col * b_cs;
+        const i64 col0 = (cb * MVQ_WARPS + warp) * R;
+        if (col0 >= N) continue;  // warp-uniform: the warp's shuffles stay whole
+        const int nr = (int)min((i64)R, N - col0);
         for (i64 i0 = 0; i0 < M; i0 += MT) {
             const int mt = (int)min((i64)MT, M - i0);
             const float* ab = a + o[1] + i0 * a_rs;
-            float acc[MT];
+            float acc[MT][R];
 #pragma unroll
-            for (int r = 0; r < MT; ++r) acc[r] = 0.0f;
+            for (int r = 0; r < MT; ++r)
+#pragma unroll
+                for (int c = 0; c < R; ++c) acc[r][c] = 0.0f;
             for (i64 k0 = 0; k0 < K; k0 += MVQ_SEG) {
                 const i64 s0 = k0 / QB * BB;
-                const int lead = mvq_stage(stage[warp], wc + s0, wc + min(s0 + seg_bytes, row_bytes), wc,
-                                           wc + row_bytes, lane);
+                int lead[R];
+#pragma unroll
+                for (int c = 0; c < R; ++c) {
+                    // A warp's columns past N stage the last one again (never stored).
+                    const u8* wc = b + o[2] + (col0 + min(c, nr - 1)) * b_cs;
+                    lead[c] = mvq_stage(stage[warp * R + c], wc + s0, wc + min(s0 + seg_bytes, row_bytes),
+                                        wc, wc + row_bytes, lane);
+                }
                 __syncwarp();
                 if (!waited) {  // a is read from here on
                     pdl_entry();
                     waited = true;
                 }
-                const u8* sb = (const u8*)stage[warp] + lead;
                 const int nch = (int)(min((i64)MVQ_SEG, K - k0) / 16);
                 for (int j = lane; j < nch; j += 32) {
-                    float v[16];
-                    dq16<QT>(sb + (16 * j / QB) * BB, j % (QB / 16), v);
+                    // This chunk's 16 values of each row of a, read once for the R columns.
+                    float x[MT][16];
 #pragma unroll
                     for (int r = 0; r < MT; ++r) {
                         if (r < mt) {
                             const float* ar = ab + r * a_rs + k0 + 16 * j;
 #pragma unroll
-                            for (int e = 0; e < 16; ++e) acc[r] = fmaf(ar[e], v[e], acc[r]);
+                            for (int e = 0; e < 16; ++e) x[r][e] = ar[e];
+                        }
+                    }
+#pragma unroll
+                    for (int c = 0; c < R; ++c) {
+                        float v[16];
+                        dq16<QT>((const u8*)stage[warp * R + c] + lead[c] + (16 * j / QB) * BB, j % (QB / 16), v);
+#pragma unroll
+                        for (int r = 0; r < MT; ++r) {
+                            if (r < mt) {
+#pragma unroll
+                                for (int e = 0; e < 16; ++e) acc[r][c] = fmaf(x[r][e], v[e], acc[r][c]);
+                            }
                         }
                     }
                 }
@@ -127,13 +150,17 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
             }
 #pragma unroll
             for (int r = 0; r < MT; ++r) {
-                if (r < mt) {
-                    float s = acc[r];
-                    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-                    if (lane == 0) dst[o[0] + (i0 + r) * d_rs + col * d_cs] = s;
-                    if (AM) {
-                        const u64 kk = argmax_key(s, col);
-                        best = kk > best ? kk : best;
+#pragma unroll
+                for (int c = 0; c < R; ++c) {
+                    if (r < mt && c < nr) {
+                        float s = acc[r][c];
+                        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+                        const i64 col = col0 + c;
+                        if (lane == 0) dst[o[0] + (i0 + r) * d_rs + col * d_cs] = s;
+                        if (AM) {
+                            const u64 kk = argmax_key(s, col);
+                            best = kk > best ? kk : best;
+                        }
                     }
                 }
             }
@@ -153,20 +180,21 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
     }
 }
 
-// blockDim.x == 32 * MVQ_WARPS. One row of a per pass (decode) ...
+// blockDim.x == 32 * MVQ_WARPS. One row of a (decode), MVQ_R columns per warp: each chunk of a
+// is read once for MVQ_R weight rows, whose segments are staged side by side ...
 extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
     i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead) {
-    __shared__ uint4 stage[MVQ_WARPS][MVQ_STAGE];
-    QUANT_SWITCH(qt, mmv_q_body<QTV, 1, false>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr))
+    __shared__ uint4 stage[MVQ_WARPS * MVQ_R][MVQ_STAGE];
+    QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, false>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr))
 }
 
-// ... and MVQ_MT rows per pass (each dequantized chunk serves them all).
+// ... and MVQ_MT rows of a per pass, one column per warp (each dequantized chunk serves them all).
 extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q8(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
     i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead) {
     __shared__ uint4 stage[MVQ_WARPS][MVQ_STAGE];
-    QUANT_SWITCH(qt, mmv_q_body<QTV, MVQ_MT, false>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr))
+    QUANT_SWITCH(qt, mmv_q_body<QTV, MVQ_MT, 1, false>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr))
 }
 
 // Decode's output head on a quantized weight: `mul_mat_vec_q` (M == 1, one batch) with the
@@ -175,8 +203,8 @@ extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q8(
 extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q_argmax(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
     i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead, u64* key) {
-    __shared__ uint4 stage[MVQ_WARPS][MVQ_STAGE];
-    QUANT_SWITCH(qt, mmv_q_body<QTV, 1, true>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, key))
+    __shared__ uint4 stage[MVQ_WARPS * MVQ_R][MVQ_STAGE];
+    QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, true>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, key))
 }
 
 // Prefill's weight for cuBLAS: dst[r, :] (f16, rows of k packed back to back) = row r of the

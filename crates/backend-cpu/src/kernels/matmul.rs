@@ -33,6 +33,7 @@ use std::collections::BTreeMap;
 
 use gemm::Parallelism;
 use lowsync_backend::{ExecNode, Result};
+use parking_lot::Mutex;
 use rayon::prelude::*;
 
 use super::copy::{copy_strided, copy_strided_on};
@@ -53,6 +54,17 @@ const STREAM_MAX_M: usize = 32;
 const STREAM_BLOCK_ELEMS: usize = 1 << 15;
 /// Column block of a streamed row-major right operand (`x @ w` with `w [k, n]`, `p @ v`).
 const STREAM_ROW_MAJOR_COLS: usize = 256;
+
+/// The f32 copy of a converted (f16/bf16) right operand of a prefill product, kept between
+/// products: a fresh multi-MiB buffer per product was fresh pages per product, whose faults
+/// and zeroing (`clear_page`) were ~10% of an F16 prefill step. Taken with `try_lock`, so a
+/// product running at the same time converts into its own buffer. The peak memory does not
+/// change (the largest conversion was already allocated, briefly); a buffer above
+/// [`B_SCRATCH_MAX_ELEMS`] is not kept.
+static B_SCRATCH: Mutex<Vec<f32>> = Mutex::new(Vec::new());
+
+/// The largest scratch buffer kept (64 MiB of f32).
+const B_SCRATCH_MAX_ELEMS: usize = 16 << 20;
 
 /// One matrix for gemm: address of `[0, 0]`, row stride, column stride (elements).
 #[derive(Clone, Copy)]
@@ -327,13 +339,17 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
     if m <= gemv::GEMV_MAX_M && mul_mat_gemv(node, dst, a, b, &want[..nb], (m, n, k))? {
         return Ok(());
     }
-    let (mut a_buf, mut b_buf) = (Vec::new(), Vec::new());
+    let mut a_buf = Vec::new();
     let a32 = as_f32(node, a, &mut a_buf)?;
-    // Small m streams a non-f32 `b` block by block; larger m converts it once up front.
+    // Small m streams a non-f32 `b` block by block; larger m converts it once up front, into
+    // the kept scratch buffer when no other product holds it.
+    let mut kept = B_SCRATCH.try_lock();
+    let mut own = Vec::new();
+    let b_buf = kept.as_deref_mut().unwrap_or(&mut own);
     let b_src = if m <= STREAM_MAX_M {
         b.clone()
     } else {
-        as_f32(node, b, &mut b_buf)?
+        as_f32(node, b, b_buf)?
     };
 
     let direct = dst.is_contiguous() && dst.f32_base().is_some();
@@ -386,6 +402,10 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
         }
     }
     run_groups(node, &groups, (m, n, k));
+    drop(b_src);
+    if b_buf.capacity() > B_SCRATCH_MAX_ELEMS {
+        *b_buf = Vec::new();
+    }
     if !direct {
         if let Some(v) = Strided::over_f32(&mut owned, dst.shape()) {
             copy_strided(&v, dst);

@@ -137,8 +137,11 @@ pub(crate) const MMV_MAX_M_QUANT: usize = 8;
 /// output head (128k rows of 4,096: 1 GB in f16) goes in slices of columns, so the scratch
 /// block — which keeps its largest size — stays small.
 const QUANT_SCRATCH_BYTES: usize = 64 << 20;
-/// Columns (one per warp) of a `mul_mat_vec_q[8]` block (`MVQ_WARPS` in quant.cu).
+/// Warps of a `mul_mat_vec_q[8]` block (`MVQ_WARPS` in quant.cu).
 const MVQ_WARPS: usize = 4;
+/// Columns per warp of the one-row kernels `mul_mat_vec_q` and `mul_mat_vec_q_argmax`
+/// (`MVQ_R`); `mul_mat_vec_q8` takes one.
+const MVQ_R: usize = 4;
 /// Batch axes the matrix-vector kernels index (`MB_MAXD` in common.cuh).
 const MB_MAXD: usize = 4;
 /// Rows (one per warp) of a `mul_mat_vec_1` block (`GV_WARPS` in matmul.cu; `FG1_WARPS` in
@@ -909,7 +912,8 @@ fn vec_q_args(
     let nbatch: usize = plan.batch.iter().product();
     let (ra, rb, rd) = (a.rank(), b.rank(), dst.rank());
     let b_cs = if n > 1 { bytes(b.strides[rb - 1])? } else { 0 };
-    let blocks = (n.div_ceil(MVQ_WARPS) * nbatch).clamp(1, i32::MAX as usize) as u32;
+    let per_block = if m == 1 { MVQ_WARPS * MVQ_R } else { MVQ_WARPS };
+    let blocks = (n.div_ceil(per_block) * nbatch).clamp(1, i32::MAX as usize) as u32;
     let args = Args::new()
         .arg(m as i64)
         .arg(n as i64)

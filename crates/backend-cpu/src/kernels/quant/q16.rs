@@ -12,15 +12,23 @@
 //! Strategy: each activation row is split into blocks of 32 with an f32 scale
 //! `d = max|x| / 32767`, 16-bit values `q = round(x / d)` and `s = d * sum(q)` (for the weight
 //! types with a min). A weight block's contribution is then `d_w * d_x * sum(q_w * q_x)` (plus
-//! `m_w * s_x` for types with a min), the integer sum exact. A kernel takes one weight row and
-//! all activation rows: it unpacks each weight block once per group of up to 8 activation
-//! rows, so prefill-sized products do not unpack the weights once per token. Kernels exist for
+//! `m_w * s_x` for types with a min), the integer sum exact. A kernel takes a job's weight rows
+//! and all activation rows in tiles of a few weight rows by a few activation rows, each pair's
+//! accumulator in a register: a decode product (one activation row) runs 4 weight rows at once
+//! for Q4_0, Q4_1 and Q4_K, so independent FMA chains hide each other's latency (one chain
+//! left a decode step waiting on it: 1.3-1.7x slower per block from cache), with a software
+//! prefetch per row (the hardware prefetcher did not follow 4 side-by-side rows from DRAM:
+//! 1.4-6x slower without it). Q8_0 and Q6_K decode one row at a time (their 4-row tiles lost
+//! from DRAM even with the prefetch). A prefill product unpacks each weight block once per
+//! 4-8 activation rows; there Q6_K's 8-bit sub-block scales are multiplied into its weights
+//! as i16, so each activation block takes one integer sum and one FMA. Kernels exist for
 //! Q4_0, Q4_1, Q8_0, Q4_K and Q6_K with AVX2 (+FMA, F16C), chosen at run time; other types,
 //! other CPUs (NEON included) and `LOWSYNC_CPU_QUANT_DOT=f32` use the exact path of `super`
 //! (f32 activations against the scalar dequantization).
 //!
-//! Determinism: the integer sums are exact and each output is one job's fixed-order sum, so
-//! results do not depend on the thread count.
+//! Determinism: the integer sums are exact and each output is one fixed-order sum over its
+//! blocks, whatever tile computes it, so results do not depend on the thread count (nor on
+//! the tiling: a tile gives the same bits as one row at a time).
 
 use lowsync_graph::DType;
 
@@ -36,7 +44,9 @@ pub(crate) struct QRows {
 }
 
 impl QRows {
-    /// Quantizes `x` (rows of `k` elements, `k` a multiple of 32).
+    /// Quantizes `x` (rows of `k` elements, `k` a multiple of 32): with AVX2 where the CPU
+    /// has it (bit-identical to the scalar code: a decode step quantizes ~100k values, and the
+    /// scalar loop's `round` calls were ~7% of it), else scalar.
     pub(crate) fn quantize(x: &[f32]) -> QRows {
         let nb = x.len() / QK;
         let mut out = QRows {
@@ -45,21 +55,37 @@ impl QRows {
             q: vec![0; nb * QK],
         };
         for (b, blk) in x.chunks_exact(QK).enumerate() {
-            let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let d = amax / 32767.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, &v) in out.q[b * QK..(b + 1) * QK].iter_mut().zip(blk) {
-                // |v * id| <= 32767 up to rounding; NaN becomes 0 (`as` saturates).
-                *q = (v * id).round().clamp(-32767.0, 32767.0) as i16;
-                sum += i32::from(*q);
+            let q: &mut [i16; QK] = (&mut out.q[b * QK..(b + 1) * QK])
+                .try_into()
+                .expect("a block of 32");
+            let blk: &[f32; QK] = blk.try_into().expect("a block of 32");
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::is_x86_feature_detected!("avx2") {
+                    // SAFETY: AVX2 was detected.
+                    (out.d[b], out.s[b]) = unsafe { x86::quantize_block(blk, q) };
+                    continue;
+                }
             }
-            out.d[b] = d;
-            // |sum| < 2^20: exact in f32.
-            out.s[b] = d * sum as f32;
+            (out.d[b], out.s[b]) = quantize_block(blk, q);
         }
         out
     }
+}
+
+/// One block of 32: its `q`, and `(d, s)`.
+fn quantize_block(blk: &[f32; QK], out: &mut [i16; QK]) -> (f32, f32) {
+    let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = amax / 32767.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let mut sum = 0i32;
+    for (q, &v) in out.iter_mut().zip(blk) {
+        // |v * id| <= 32767 up to rounding; NaN becomes 0 (`as` saturates).
+        *q = (v * id).round().clamp(-32767.0, 32767.0) as i16;
+        sum += i32::from(*q);
+    }
+    // |sum| < 2^20: exact in f32.
+    (d, d * sum as f32)
 }
 
 /// Dot products of weight rows (raw blocks, `row_bytes` each, back to back) with `m`
@@ -88,15 +114,74 @@ pub(crate) fn dot_fn(dt: DType) -> Option<DotFn> {
 mod x86 {
     //! AVX2 kernels. Each wrapper checks lengths (a mismatch writes zeros and asserts in
     //! debug) and calls its `#[target_feature]` body, which `dot_fn` selects only after
-    //! detecting AVX2, FMA and F16C. A body serves a group of `R` (8, 4, 2 or 1) activation rows,
-    //! and for each group every weight block once: unpack to two vectors of 16 i16 (elements
-    //! 0..16 and 16..32), then per row two `pmaddwd` and one FMA per scale.
+    //! detecting AVX2, FMA and F16C. A body serves a tile of `W` weight rows (4, 2 or 1) by `R`
+    //! activation rows (8, 4, 2 or 1): per block, each of the `W` weight blocks is unpacked
+    //! once to two vectors of 16 i16 (elements 0..16 and 16..32) and each of the `R`
+    //! activation blocks loaded once, then per pair two `pmaddwd` and one FMA per scale into
+    //! the pair's own accumulator.
 
     use std::arch::x86_64::*;
 
     use lowsync_graph::DType;
 
     use super::{DotFn, QK};
+
+    /// `super::quantize_block` with AVX2, bit for bit: the same max (NaN ignored), the same
+    /// `v * id` products, rounding half away from zero (truncate, then step away from zero
+    /// where the dropped part is at least one half; exact below 2^23), the same clamp, NaN to 0.
+    ///
+    /// # Safety
+    /// AVX2 is available.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantize_block(blk: &[f32; QK], out: &mut [i16; QK]) -> (f32, f32) {
+        let p = blk.as_ptr();
+        let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+        let mut m = _mm256_setzero_ps();
+        for c in 0..4 {
+            // `max(a, b)` returns `b` when `a` is NaN: NaN lanes are skipped, as `f32::max` does.
+            m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(p.add(8 * c)), abs_mask), m);
+        }
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+        let d = amax / 32767.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let idv = _mm256_set1_ps(id);
+        let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+        let sign = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN));
+        let (lo, hi) = (_mm256_set1_ps(-32767.0), _mm256_set1_ps(32767.0));
+        let mut sum = _mm256_setzero_si256();
+        let mut qi = [_mm256_setzero_si256(); 4];
+        for (c, qi) in qi.iter_mut().enumerate() {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(p.add(8 * c)), idv);
+            let t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            let frac = _mm256_and_ps(_mm256_sub_ps(v, t), abs_mask);
+            let step = _mm256_or_ps(_mm256_and_ps(v, sign), one);
+            let r = _mm256_add_ps(
+                t,
+                _mm256_and_ps(_mm256_cmp_ps(frac, half, _CMP_GE_OQ), step),
+            );
+            // Clamp (the scalar clamp keeps NaN; `as i16` then makes it 0): NaN lanes zeroed.
+            let r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+            let r = _mm256_and_ps(r, _mm256_cmp_ps(v, v, _CMP_ORD_Q));
+            *qi = _mm256_cvttps_epi32(r);
+            sum = _mm256_add_epi32(sum, *qi);
+        }
+        // Pack to i16 (in range, no saturation); packs works per 128-bit lane, so restore the
+        // element order with a 64-bit permute.
+        let a = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0b11_01_10_00);
+        let b = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0b11_01_10_00);
+        _mm256_storeu_si256(out.as_mut_ptr().cast(), a);
+        _mm256_storeu_si256(out.as_mut_ptr().add(16).cast(), b);
+        let s4 = _mm_add_epi32(
+            _mm256_castsi256_si128(sum),
+            _mm256_extracti128_si256(sum, 1),
+        );
+        let s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0b01_00_11_10));
+        let s1 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0b10_11_00_01));
+        // |sum| < 2^20: exact in f32.
+        (d, d * _mm_cvtsi128_si32(s1) as f32)
+    }
 
     pub(super) fn dot_fn(dt: DType) -> Option<DotFn> {
         Some(match dt {
@@ -140,11 +225,17 @@ mod x86 {
         nb: usize,
     }
 
-    /// Calls `$body::<R>` for groups of `R` activation rows: 8 while at least 8 are left, then
-    /// 4, 2 and 1, so that a decode product (one row) has its accumulators in registers and a
-    /// prefill product unpacks each weight block once per 8 rows.
+    /// Calls `$body::<W, R>` over tiles of `W` weight rows by `R` activation rows, each tile's
+    /// accumulators in registers. A decode product (one activation row) takes its weight rows
+    /// `$decode_w` (4 or 1) at a time: independent accumulator chains (one chain waited on
+    /// each FMA's latency) and each activation block loaded once for all of them. A product of
+    /// more rows takes `$prefill_w` weight rows: 2 by up to 4 activation rows (each unpacked
+    /// weight block serves 4 rows, each activation block 2 weight rows), or 1 by up to 8 for
+    /// the K types, whose unpacking needs more registers (two weight rows spilled, measured
+    /// slower). Leftovers go in smaller tiles. Every output is the same fixed-order sum over
+    /// its blocks whatever tile computes it.
     macro_rules! wrapper {
-        ($name:ident, $body:ident, $bb:expr, $per:expr) => {
+        ($name:ident, $body:ident, $bb:expr, $per:expr, $decode_w:expr, $prefill_w:expr) => {
             fn $name(w: &[u8], row_bytes: usize, d: &[f32], s: &[f32], q: &[i16], out: &mut [f32]) {
                 let rows = w.len().checked_div(row_bytes).unwrap_or(0);
                 let m = out.len().checked_div(rows).unwrap_or(0);
@@ -158,49 +249,70 @@ mod x86 {
                     out.fill(0.0);
                     return;
                 };
-                for (w, res) in w.chunks_exact(row_bytes).zip(out.chunks_exact_mut(m)) {
-                    row(w, nb, (d, s, q), res);
-                }
-                /// One weight row against every activation row.
-                #[inline(always)]
-                fn row(w: &[u8], nb: usize, (d, s, q): (&[f32], &[f32], &[i16]), out: &mut [f32]) {
+                let mut j = 0;
+                while j < rows {
+                    let wn = match (rows - j, m) {
+                        (4.., 1) if $decode_w == 4 => 4,
+                        (2.., 1) if $decode_w >= 2 => 2,
+                        (2.., 2..) if $prefill_w >= 2 => 2,
+                        _ => 1,
+                    };
+                    let wt = &w[j * row_bytes..(j + wn) * row_bytes];
                     let mut r0 = 0;
-                    while r0 < out.len() {
-                        let left = out.len() - r0;
-                        let rows = match left {
-                            8.. => 8,
-                            4..=7 => 4,
-                            2 | 3 => 2,
+                    while r0 < m {
+                        let rn = match (wn, m - r0) {
+                            (1, 8..) => 8,
+                            (_, 4..) => 4,
+                            (_, 2 | 3) => 2,
                             _ => 1,
                         };
                         let act = Act {
-                            d: &d[r0 * nb..(r0 + rows) * nb],
-                            s: &s[r0 * nb..(r0 + rows) * nb],
-                            q: &q[r0 * nb * QK..(r0 + rows) * nb * QK],
+                            d: &d[r0 * nb..(r0 + rn) * nb],
+                            s: &s[r0 * nb..(r0 + rn) * nb],
+                            q: &q[r0 * nb * QK..(r0 + rn) * nb * QK],
                             nb,
                         };
-                        let res = &mut out[r0..r0 + rows];
+                        let at = (j, m, r0);
                         // SAFETY: `dot_fn` hands these out only after detecting AVX2, FMA and
-                        // F16C; the lengths were checked, so every load below is in bounds.
+                        // F16C; `wt` holds `wn` rows of `nb` activation blocks' weight blocks
+                        // and `act` `rn` rows of `nb` blocks, so every load is in bounds.
                         unsafe {
-                            match rows {
-                                8 => $body::<8>(w, &act, res),
-                                4 => $body::<4>(w, &act, res),
-                                2 => $body::<2>(w, &act, res),
-                                _ => $body::<1>(w, &act, res),
+                            match (wn, rn) {
+                                (4, _) => store(&$body::<4, 1>(wt, row_bytes, &act), out, at),
+                                (2, 4) => store(&$body::<2, 4>(wt, row_bytes, &act), out, at),
+                                (2, 2) => store(&$body::<2, 2>(wt, row_bytes, &act), out, at),
+                                (2, _) => store(&$body::<2, 1>(wt, row_bytes, &act), out, at),
+                                (_, 8) => store(&$body::<1, 8>(wt, row_bytes, &act), out, at),
+                                (_, 4) => store(&$body::<1, 4>(wt, row_bytes, &act), out, at),
+                                (_, 2) => store(&$body::<1, 2>(wt, row_bytes, &act), out, at),
+                                _ => store(&$body::<1, 1>(wt, row_bytes, &act), out, at),
                             }
                         }
-                        r0 += rows;
+                        r0 += rn;
                     }
+                    j += wn;
                 }
             }
         };
     }
-    wrapper!(q4_0, q4_0_avx2, 18, 1);
-    wrapper!(q4_1, q4_1_avx2, 20, 1);
-    wrapper!(q8_0, q8_0_avx2, 34, 1);
-    wrapper!(q4_k, q4_k_avx2, 144, 8);
-    wrapper!(q6_k, q6_k_avx2, 210, 8);
+    wrapper!(q4_0, q4_0_avx2, 18, 1, 4, 2);
+    wrapper!(q4_1, q4_1_avx2, 20, 1, 4, 2);
+    wrapper!(q8_0, q8_0_avx2, 34, 1, 1, 2);
+    wrapper!(q4_k, q4_k_avx2, 144, 8, 4, 1);
+    wrapper!(q6_k, q6_k_avx2, 210, 8, 1, 1);
+
+    /// Writes a tile's results: weight row `j + r` times activation row `r0 + i` to
+    /// `out[(j + r) * m + r0 + i]`.
+    #[inline(always)]
+    fn store<const W: usize, const R: usize>(
+        t: &[[f32; R]; W],
+        out: &mut [f32],
+        (j, m, r0): (usize, usize, usize),
+    ) {
+        for (r, row) in t.iter().enumerate() {
+            out[(j + r) * m + r0..][..R].copy_from_slice(row);
+        }
+    }
 
     /// The little-endian f16 at `p` as f32.
     #[inline(always)]
@@ -218,14 +330,28 @@ mod x86 {
     }
 
     /// The 32 nibbles of 16 bytes as i16: low nibbles (elements 0..16), high nibbles (16..32).
+    /// The bytes are widened first (one load-and-widen), so each half is one more op.
     #[inline(always)]
     unsafe fn nibbles16(p: *const u8) -> (__m256i, __m256i) {
-        let v = _mm_loadu_si128(p.cast());
-        let m4 = _mm_set1_epi8(0x0F);
+        let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(p.cast()));
         (
-            _mm256_cvtepu8_epi16(_mm_and_si128(v, m4)),
-            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m4)),
+            _mm256_and_si256(v, _mm256_set1_epi16(0x0F)),
+            _mm256_srli_epi16(v, 4),
         )
+    }
+
+    /// The low (`high` false) or high nibbles of the 32 bytes at `p`, in byte order, as two
+    /// vectors of 16 i16 (Q4_K's sub-blocks).
+    #[inline(always)]
+    unsafe fn nibbles32(p: *const u8, high: bool) -> (__m256i, __m256i) {
+        let v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(p.cast()));
+        let v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(p.add(16).cast()));
+        if high {
+            (_mm256_srli_epi16(v0, 4), _mm256_srli_epi16(v1, 4))
+        } else {
+            let m4 = _mm256_set1_epi16(0x0F);
+            (_mm256_and_si256(v0, m4), _mm256_and_si256(v1, m4))
+        }
     }
 
     /// 32 bytes (0..=255) in element order as two vectors of 16 i16.
@@ -251,169 +377,377 @@ mod x86 {
         )
     }
 
-    /// `acc[i] += f * d_x * sum(w * x_i)` over one block for every row `i` of the group.
+    /// `acc[r][i] += f[r] * d_x * sum(w[r] * x_i)` over one block for every weight row `r` and
+    /// activation row `i` of the tile; each activation block is loaded once for all `W` rows.
+    // Index loops: each pair `(r, i)` addresses two arrays at once.
+    #[allow(clippy::needless_range_loop)]
     #[inline(always)]
-    unsafe fn rows_fma<const R: usize>(
-        acc: &mut [__m256; R],
-        w: (__m256i, __m256i),
-        f: f32,
+    unsafe fn tile_fma<const W: usize, const R: usize>(
+        acc: &mut [[__m256; R]; W],
+        w: &[(__m256i, __m256i); W],
+        f: &[f32; W],
         a: &Act<'_>,
         b: usize,
     ) {
-        for (i, acc) in acc.iter_mut().enumerate() {
-            let (x0, x1) = x_block(a, i, b);
-            let p = _mm256_add_epi32(_mm256_madd_epi16(w.0, x0), _mm256_madd_epi16(w.1, x1));
-            let scale = _mm256_set1_ps(f * a.d[i * a.nb + b]);
-            *acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), *acc);
-        }
-    }
-
-    /// `rows_fma` with scale `f.0` for elements 0..16 and `f.1` for 16..32 (Q6_K's halves).
-    #[inline(always)]
-    unsafe fn rows_fma2<const R: usize>(
-        acc: &mut [__m256; R],
-        w: (__m256i, __m256i),
-        f: (f32, f32),
-        a: &Act<'_>,
-        b: usize,
-    ) {
-        for (i, acc) in acc.iter_mut().enumerate() {
+        for i in 0..R {
             let (x0, x1) = x_block(a, i, b);
             let dx = a.d[i * a.nb + b];
-            let p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w.0, x0));
-            let p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w.1, x1));
-            *acc = _mm256_fmadd_ps(_mm256_set1_ps(f.0 * dx), p0, *acc);
-            *acc = _mm256_fmadd_ps(_mm256_set1_ps(f.1 * dx), p1, *acc);
-        }
-    }
-
-    /// `mins[i] += m * s_x` for every row of the group (types with a min).
-    #[inline(always)]
-    fn rows_min<const R: usize>(mins: &mut [f32; R], m: f32, a: &Act<'_>, b: usize) {
-        for (i, mn) in mins.iter_mut().enumerate() {
-            *mn += m * a.s[i * a.nb + b];
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_0_avx2<const R: usize>(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
-        let mut acc = [_mm256_setzero_ps(); R];
-        let eight = _mm256_set1_epi16(8);
-        for (b, blk) in w.chunks_exact(18).enumerate() {
-            let p = blk.as_ptr();
-            let (lo, hi) = nibbles16(p.add(2));
-            let qw = (_mm256_sub_epi16(lo, eight), _mm256_sub_epi16(hi, eight));
-            rows_fma(&mut acc, qw, f16_at(p), a, b);
-        }
-        for (r, acc) in res.iter_mut().zip(acc) {
-            *r = hsum(acc);
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_1_avx2<const R: usize>(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut mins = [0.0f32; R];
-        for (b, blk) in w.chunks_exact(20).enumerate() {
-            let p = blk.as_ptr();
-            rows_fma(&mut acc, nibbles16(p.add(4)), f16_at(p), a, b);
-            rows_min(&mut mins, f16_at(p.add(2)), a, b);
-        }
-        for ((r, acc), mn) in res.iter_mut().zip(acc).zip(mins) {
-            *r = hsum(acc) + mn;
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q8_0_avx2<const R: usize>(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
-        let mut acc = [_mm256_setzero_ps(); R];
-        for (b, blk) in w.chunks_exact(34).enumerate() {
-            let p = blk.as_ptr();
-            let qw = (
-                _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(2).cast())),
-                _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(18).cast())),
-            );
-            rows_fma(&mut acc, qw, f16_at(p), a, b);
-        }
-        for (r, acc) in res.iter_mut().zip(acc) {
-            *r = hsum(acc);
-        }
-    }
-
-    /// Q4_K: 8 sub-blocks of 32, each exactly one activation block.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_k_avx2<const R: usize>(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut mins = [0.0f32; R];
-        let m4 = _mm256_set1_epi8(0x0F);
-        for (sb, blk) in w.chunks_exact(144).enumerate() {
-            let p = blk.as_ptr();
-            let (dw, dmin) = (f16_at(p), f16_at(p.add(2)));
-            let sc = &blk[4..16];
-            for c in 0..4 {
-                // Sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles) of 32 bytes.
-                let v = _mm256_loadu_si256(p.add(16 + 32 * c).cast());
-                let halves = [
-                    _mm256_and_si256(v, m4),
-                    _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
-                ];
-                for (h, qw) in halves.into_iter().enumerate() {
-                    let j = 2 * c + h;
-                    let b = sb * 8 + j;
-                    let (scale, min) = super::super::scalar::k_scale_min(sc, j);
-                    rows_fma(&mut acc, widen_u8(qw), dw * f32::from(scale), a, b);
-                    rows_min(&mut mins, dmin * f32::from(min), a, b);
-                }
+            for r in 0..W {
+                let p =
+                    _mm256_add_epi32(_mm256_madd_epi16(w[r].0, x0), _mm256_madd_epi16(w[r].1, x1));
+                let scale = _mm256_set1_ps(f[r] * dx);
+                acc[r][i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc[r][i]);
             }
         }
-        for ((r, acc), mn) in res.iter_mut().zip(acc).zip(mins) {
-            *r = hsum(acc) - mn;
+    }
+
+    /// `tile_fma` with scale `f[r].0` for elements 0..16 and `f[r].1` for 16..32 (Q6_K's
+    /// halves).
+    // Index loops: each pair `(r, i)` addresses two arrays at once.
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn tile_fma2<const W: usize, const R: usize>(
+        acc: &mut [[__m256; R]; W],
+        w: &[(__m256i, __m256i); W],
+        f: &[(f32, f32); W],
+        a: &Act<'_>,
+        b: usize,
+    ) {
+        for i in 0..R {
+            let (x0, x1) = x_block(a, i, b);
+            let dx = a.d[i * a.nb + b];
+            for r in 0..W {
+                let p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w[r].0, x0));
+                let p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w[r].1, x1));
+                acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(f[r].0 * dx), p0, acc[r][i]);
+                acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(f[r].1 * dx), p1, acc[r][i]);
+            }
         }
+    }
+
+    /// `mins[r][i] += m[r] * s_x` for every pair of the tile (types with a min).
+    // Index loops: each pair `(r, i)` addresses two arrays at once.
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    fn tile_min<const W: usize, const R: usize>(
+        mins: &mut [[f32; R]; W],
+        m: &[f32; W],
+        a: &Act<'_>,
+        b: usize,
+    ) {
+        for i in 0..R {
+            let s = a.s[i * a.nb + b];
+            for r in 0..W {
+                mins[r][i] += m[r] * s;
+            }
+        }
+    }
+
+    /// The tile's sums (`hsum` of each accumulator) plus `sign` times its mins.
+    #[inline(always)]
+    unsafe fn tile_out<const W: usize, const R: usize>(
+        acc: &[[__m256; R]; W],
+        mins: Option<(&[[f32; R]; W], f32)>,
+    ) -> [[f32; R]; W] {
+        let mut out = [[0.0f32; R]; W];
+        for r in 0..W {
+            for i in 0..R {
+                out[r][i] = match mins {
+                    Some((mn, sign)) => hsum(acc[r][i]) + sign * mn[r][i],
+                    None => hsum(acc[r][i]),
+                };
+            }
+        }
+        out
+    }
+
+    /// Weight row `r`'s block `b` (`bb` bytes a block, rows `rb` bytes apart).
+    #[inline(always)]
+    unsafe fn block_at(w: &[u8], rb: usize, r: usize, bb: usize, b: usize) -> *const u8 {
+        w.as_ptr().add(r * rb + b * bb)
+    }
+
+    /// How far ahead of the block being read each weight row is prefetched (bytes).
+    const PREFETCH_AHEAD: usize = 512;
+
+    /// Prefetches what each of the tile's `W` weight rows will read [`PREFETCH_AHEAD`] bytes
+    /// from block `b`. A tile reads `W` rows `rb` bytes apart side by side, streams that the
+    /// hardware prefetcher did not follow: with weights in DRAM (not the cache), 4 rows at once
+    /// ran 1.4-6x slower per block than one row, and with this as fast as one row or faster.
+    /// A prefetch past the weights is harmless (it never faults). A lone row is one stream the
+    /// hardware follows by itself: no prefetch there (it only cost time).
+    #[inline(always)]
+    unsafe fn prefetch_rows<const W: usize>(w: &[u8], rb: usize, bb: usize, b: usize) {
+        if W < 2 {
+            return;
+        }
+        for r in 0..W {
+            let p = w.as_ptr().wrapping_add(r * rb + b * bb + PREFETCH_AHEAD);
+            _mm_prefetch::<_MM_HINT_T0>(p.cast());
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_0_avx2<const W: usize, const R: usize>(
+        w: &[u8],
+        rb: usize,
+        a: &Act<'_>,
+    ) -> [[f32; R]; W] {
+        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let eight = _mm256_set1_epi16(8);
+        for b in 0..a.nb {
+            prefetch_rows::<W>(w, rb, 18, b);
+            let (mut qw, mut f) = (
+                [(_mm256_setzero_si256(), _mm256_setzero_si256()); W],
+                [0.0f32; W],
+            );
+            for r in 0..W {
+                let p = block_at(w, rb, r, 18, b);
+                let (lo, hi) = nibbles16(p.add(2));
+                qw[r] = (_mm256_sub_epi16(lo, eight), _mm256_sub_epi16(hi, eight));
+                f[r] = f16_at(p);
+            }
+            tile_fma(&mut acc, &qw, &f, a, b);
+        }
+        tile_out(&acc, None)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_1_avx2<const W: usize, const R: usize>(
+        w: &[u8],
+        rb: usize,
+        a: &Act<'_>,
+    ) -> [[f32; R]; W] {
+        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let mut mins = [[0.0f32; R]; W];
+        for b in 0..a.nb {
+            prefetch_rows::<W>(w, rb, 20, b);
+            let (mut qw, mut f, mut mn) = (
+                [(_mm256_setzero_si256(), _mm256_setzero_si256()); W],
+                [0.0f32; W],
+                [0.0f32; W],
+            );
+            for r in 0..W {
+                let p = block_at(w, rb, r, 20, b);
+                qw[r] = nibbles16(p.add(4));
+                f[r] = f16_at(p);
+                mn[r] = f16_at(p.add(2));
+            }
+            tile_fma(&mut acc, &qw, &f, a, b);
+            tile_min(&mut mins, &mn, a, b);
+        }
+        tile_out(&acc, Some((&mins, 1.0)))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_0_avx2<const W: usize, const R: usize>(
+        w: &[u8],
+        rb: usize,
+        a: &Act<'_>,
+    ) -> [[f32; R]; W] {
+        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        for b in 0..a.nb {
+            prefetch_rows::<W>(w, rb, 34, b);
+            let (mut qw, mut f) = (
+                [(_mm256_setzero_si256(), _mm256_setzero_si256()); W],
+                [0.0f32; W],
+            );
+            for r in 0..W {
+                let p = block_at(w, rb, r, 34, b);
+                qw[r] = (
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(2).cast())),
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(18).cast())),
+                );
+                f[r] = f16_at(p);
+            }
+            tile_fma(&mut acc, &qw, &f, a, b);
+        }
+        tile_out(&acc, None)
+    }
+
+    /// Q4_K: 8 sub-blocks of 32, each exactly one activation block. Per super-block and
+    /// weight row the 8 scales and mins are decoded once, before the sub-blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_k_avx2<const W: usize, const R: usize>(
+        w: &[u8],
+        rb: usize,
+        a: &Act<'_>,
+    ) -> [[f32; R]; W] {
+        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let mut mins = [[0.0f32; R]; W];
+        for sb in 0..a.nb / 8 {
+            let (mut f, mut mn) = ([[0.0f32; 8]; W], [[0.0f32; 8]; W]);
+            for r in 0..W {
+                let p = block_at(w, rb, r, 144, sb);
+                let sc = std::slice::from_raw_parts(p.add(4), 12);
+                let (dw, dmin) = (f16_at(p), f16_at(p.add(2)));
+                for j in 0..8 {
+                    let (scale, min) = super::super::scalar::k_scale_min(sc, j);
+                    f[r][j] = dw * f32::from(scale);
+                    mn[r][j] = dmin * f32::from(min);
+                }
+            }
+            for j in 0..8 {
+                prefetch_rows::<W>(w, rb, 18, sb * 8 + j);
+                // Sub-block j: the low (j even) or high (j odd) nibbles of the 32 bytes at
+                // 16 + 32 * (j / 2).
+                let z = _mm256_setzero_si256();
+                let mut qw = [(z, z); W];
+                for (r, qw) in qw.iter_mut().enumerate() {
+                    *qw = nibbles32(
+                        block_at(w, rb, r, 144, sb).add(16 + 32 * (j / 2)),
+                        j % 2 == 1,
+                    );
+                }
+                let fj: [f32; W] = std::array::from_fn(|r| f[r][j]);
+                let mj: [f32; W] = std::array::from_fn(|r| mn[r][j]);
+                tile_fma(&mut acc, &qw, &fj, a, sb * 8 + j);
+                tile_min(&mut mins, &mj, a, sb * 8 + j);
+            }
+        }
+        tile_out(&acc, Some((&mins, -1.0)))
     }
 
     /// Q6_K: 16 sub-blocks of 16 (two per activation block); values are `q - 32`, `q` 6 bits.
+    /// With several activation rows (`R > 1`) the sub-blocks' 8-bit integer scales are
+    /// multiplied into the weights as i16 once (`|(q - 32) * scale| <= 4096`), so each row's
+    /// activation block makes one integer sum (`pmaddwd` pairs at most 2 * 4096 * 32767 each,
+    /// two of them per lane: below 2^31) and one FMA with `d_w * d_x`. A decode tile (`R == 1`)
+    /// keeps the two float scales per block instead: there the multiplies are not shared and
+    /// cost more than they save (measured 0.8x).
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q6_k_avx2<const R: usize>(w: &[u8], a: &Act<'_>, res: &mut [f32]) {
-        let mut acc = [_mm256_setzero_ps(); R];
+    unsafe fn q6_k_avx2<const W: usize, const R: usize>(
+        w: &[u8],
+        rb: usize,
+        a: &Act<'_>,
+    ) -> [[f32; R]; W] {
+        let mut acc = [[_mm256_setzero_ps(); R]; W];
         let m4 = _mm256_set1_epi8(0x0F);
         let m2 = _mm256_set1_epi8(0x03);
         let off = _mm256_set1_epi16(32);
-        for (sb, blk) in w.chunks_exact(210).enumerate() {
-            let p = blk.as_ptr();
-            let dw = f16_at(p.add(208));
-            let scales = &blk[192..208];
+        for sb in 0..a.nb / 8 {
             for half in 0..2 {
-                let qh = _mm256_loadu_si256(p.add(128 + 32 * half).cast());
                 for g in 0..4 {
+                    // 210 bytes per 8 activation blocks: about 26 per block.
+                    prefetch_rows::<W>(w, rb, 26, sb * 8 + half * 4 + g);
                     // Elements half*128 + 32g .. +32: the nibbles of ql bytes
                     // half*64 + (g%2)*32 .. (low for g < 2, high after), and the 2 bits of the
                     // qh bytes at shift 2g.
-                    let ql = _mm256_loadu_si256(p.add(64 * half + 32 * (g % 2)).cast());
-                    let lo = if g < 2 {
-                        _mm256_and_si256(ql, m4)
-                    } else {
-                        _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4)
-                    };
-                    let hi = match g {
-                        0 => _mm256_and_si256(qh, m2),
-                        1 => _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
-                        2 => _mm256_and_si256(_mm256_srli_epi16(qh, 4), m2),
-                        _ => _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2),
-                    };
-                    let (q0, q1) = widen_u8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
-                    let qw = (_mm256_sub_epi16(q0, off), _mm256_sub_epi16(q1, off));
-                    let b = sb * 8 + half * 4 + g;
                     let e = half * 128 + 32 * g;
-                    let f = (
-                        dw * f32::from(scales[e / 16] as i8),
-                        dw * f32::from(scales[e / 16 + 1] as i8),
-                    );
-                    rows_fma2(&mut acc, qw, f, a, b);
+                    let z = _mm256_setzero_si256();
+                    let (mut qw, mut f, mut f2) = ([(z, z); W], [0.0f32; W], [(0.0f32, 0.0f32); W]);
+                    for (r, qw) in qw.iter_mut().enumerate() {
+                        let p = block_at(w, rb, r, 210, sb);
+                        let qh = _mm256_loadu_si256(p.add(128 + 32 * half).cast());
+                        let ql = _mm256_loadu_si256(p.add(64 * half + 32 * (g % 2)).cast());
+                        let lo = if g < 2 {
+                            _mm256_and_si256(ql, m4)
+                        } else {
+                            _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4)
+                        };
+                        let hi = match g {
+                            0 => _mm256_and_si256(qh, m2),
+                            1 => _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
+                            2 => _mm256_and_si256(_mm256_srli_epi16(qh, 4), m2),
+                            _ => _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2),
+                        };
+                        let (q0, q1) = widen_u8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
+                        let sc = p.add(192 + e / 16);
+                        let (s0, s1) = (i16::from(*sc as i8), i16::from(*sc.add(1) as i8));
+                        let (q0, q1) = (_mm256_sub_epi16(q0, off), _mm256_sub_epi16(q1, off));
+                        let dw = f16_at(p.add(208));
+                        if R == 1 {
+                            *qw = (q0, q1);
+                            f2[r] = (dw * f32::from(s0), dw * f32::from(s1));
+                        } else {
+                            *qw = (
+                                _mm256_mullo_epi16(q0, _mm256_set1_epi16(s0)),
+                                _mm256_mullo_epi16(q1, _mm256_set1_epi16(s1)),
+                            );
+                            f[r] = dw;
+                        }
+                    }
+                    let b = sb * 8 + half * 4 + g;
+                    if R == 1 {
+                        tile_fma2(&mut acc, &qw, &f2, a, b);
+                    } else {
+                        tile_fma(&mut acc, &qw, &f, a, b);
+                    }
                 }
             }
         }
-        for (r, acc) in res.iter_mut().zip(acc) {
-            *r = hsum(acc);
+        tile_out(&acc, None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Blocks that probe every branch of the rounding: exact halves of both signs, values
+    /// next to them, zeros of both signs, NaN, infinities, subnormals, and random values.
+    fn blocks() -> Vec<[f32; QK]> {
+        let mut out = Vec::new();
+        // Scaled so that `v * id` lands on k + 0.5 and its neighbours: amax 32767 gives id 1.
+        let mut halves = [0.0f32; QK];
+        for (i, v) in halves.iter_mut().enumerate() {
+            let h = (i as f32 - 16.0) + 0.5;
+            *v = match i % 3 {
+                0 => h,
+                1 => f32::from_bits(h.to_bits() + 1),
+                _ => f32::from_bits(h.to_bits() - 1),
+            };
+        }
+        halves[31] = 32767.0;
+        out.push(halves);
+        let mut neg = halves.map(|v| -v);
+        neg[0] = -0.0;
+        out.push(neg);
+        let mut special = [1.0f32; QK];
+        special[1] = f32::NAN;
+        special[2] = -0.0;
+        special[3] = f32::MIN_POSITIVE / 4.0;
+        out.push(special);
+        let mut inf = [0.5f32; QK];
+        inf[5] = f32::INFINITY;
+        inf[6] = f32::NEG_INFINITY;
+        out.push(inf);
+        out.push([0.0; QK]);
+        out.push([f32::MIN_POSITIVE / 8.0; QK]);
+        let mut tiny = [0.0f32; QK];
+        tiny[0] = f32::from_bits(1);
+        tiny[1] = -f32::from_bits(3);
+        out.push(tiny);
+        let mut seed = 7u64;
+        for _ in 0..200 {
+            let mut b = [0.0f32; QK];
+            for v in &mut b {
+                seed = seed
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                *v = ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0;
+            }
+            out.push(b);
+        }
+        out
+    }
+
+    #[test]
+    fn simd_quantization_is_bit_identical_to_scalar() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if !std::is_x86_feature_detected!("avx2") {
+                return;
+            }
+            for (n, blk) in blocks().iter().enumerate() {
+                let (mut a, mut b) = ([0i16; QK], [0i16; QK]);
+                let want = quantize_block(blk, &mut a);
+                // SAFETY: AVX2 was detected.
+                let got = unsafe { x86::quantize_block(blk, &mut b) };
+                assert_eq!(a, b, "block {n}: values");
+                assert_eq!(want.0.to_bits(), got.0.to_bits(), "block {n}: d");
+                assert_eq!(want.1.to_bits(), got.1.to_bits(), "block {n}: s");
+            }
         }
     }
 }
