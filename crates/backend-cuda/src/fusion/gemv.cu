@@ -638,10 +638,11 @@ __device__ __forceinline__ float fq_dot(const u8* w, int K, const float* xr, int
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             if (h == 0 || c0 + 32 < nch) {
-                const float4* x4 = (const float4*)(xr + 16 * (h ? c1 : c0));
+                const int c = h ? c1 : c0;
+                const float4* x4 = (const float4*)(xr + 16 * c);
 #pragma unroll
                 for (int t = 0; t < 4; ++t) {
-                    const float4 x = x4[t];
+                    const float4 x = x4[t ^ ((c >> 1) & 3)];  // `fq_swizzle`'s layout
                     acc = fmaf(x.x, v[h][4 * t], acc);
                     acc = fmaf(x.y, v[h][4 * t + 1], acc);
                     acc = fmaf(x.z, v[h][4 * t + 2], acc);
@@ -661,6 +662,23 @@ __device__ __noinline__ float fq_row(int qt, const u8* w, int K, const float* xr
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     return acc;
+}
+
+// Re-lays the staged row (every thread takes part) for `fq_dot`: float4 t of chunk c (16
+// values) moves to slot t ^ ((c >> 1) & 3) of the chunk, so the eight lanes of one 16-byte
+// shared-memory access (chunks c .. c + 7, the same t) hit eight distinct bank groups; in the
+// plain layout, 64 bytes lane to lane, they meet four to a bank group.
+__device__ __forceinline__ void fq_swizzle(float* xs, int K) {
+    float4* x4 = (float4*)xs;
+    for (int c = threadIdx.x; c < K / 16; c += blockDim.x) {
+        const int sw = (c >> 1) & 3;
+        float4 v[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) v[t] = x4[4 * c + t];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) x4[4 * c + (t ^ sw)] = v[t];
+    }
+    __syncthreads();
 }
 
 // Asks for the 128-byte line holding p to be brought into L2 (no-op in the emulation). L2 is
@@ -700,6 +718,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     } else {
         stage_row(xs, a, K, false);
     }
+    fq_swizzle(xs, K);
 #pragma unroll 1
     for (int u = blockIdx.x * FG1_WARPS + (threadIdx.x >> 5); u < units; u += gridDim.x * FG1_WARPS) {
         int s;
