@@ -6,14 +6,15 @@
 // small_copy and copy_batch (exact, in order), and the sampler's penalize and sample against the
 // answers of lowsync_graph::sampling in sample_cases.txt (exact), and the kernels on GGUF block
 // weights (quant.cu) against gguf-py's dequantization in quant_cases.txt (bit-exact values;
-// products by NMSE against float64 of those values). Built and run by
+// products by NMSE against float64 of those values), and fused_gemv1_q (the fused decode
+// products and their epilogues on such weights, of mixed block types). Built and run by
 // scripts/kernel_emu.sh with this folder as its argument; exits non-zero on any failure.
 #include "cuda_shim.h"
 #include "attention.cu"
 #include "elementwise.cu"
+#include "quant.cuh"  // before gemv.cu, whose fused_gemv1_q decodes blocks
 #include "gemv.cu"
 #include "matmul.cu"
-#include "quant.cuh"
 #include "quant.cu"
 #include "norm.cu"
 #include "norm_mul.cu"
@@ -414,18 +415,115 @@ void test_fused_gemv1() {
 // mask over the segments). `wout` / `wsum` (masks) and `wnorm` off: those results are dead and
 // must keep their NaN sentinels. `bad`: k's row index is c_n (1) or v's is -1 (2): the error
 // word gets that segment's tag and its cache is left as it was.
+// `qset` != 0: quantized weights of the block types `q_sets[qset]` (q, k, v; wdt unused),
+// through `fused_gemv1_q` (`own`: one warp per unit; else a grid of 2 blocks whose warps stride
+// over the units).
 struct RpCase {
     int wdt;
     i64 K, hd, n_dims, hq;
     int add, sum_dt, r_dt, c_dt, norm, wout, wsum, wnorm, bad, ahead, pos;
     double theta;
+    int qset = 0;
 };
+
+// Per-segment block types of the quantized row-pair cases (a Q4_K_M layer: Q4_K q/k, Q6_K v).
+const int q_sets[][3] = {{0, 0, 0},
+                         {DT_Q4_K, DT_Q4_K, DT_Q6_K},
+                         {DT_Q8_0, DT_Q5_1, DT_IQ4_NL},
+                         {DT_Q3_K, DT_IQ4_XS, DT_Q2_K},
+                         {DT_Q4_0, DT_Q5_K, DT_Q4_1}};
+
+// One block type's cases from quant_cases.txt: blocks and gguf-py's values of them.
+struct QCase {
+    std::string name;
+    int qt = 0;
+    i64 nblocks = 0;
+    std::vector<unsigned char> bytes;
+    std::vector<float> vals;  // gguf's values, in order
+    i64 qb() const { return (i64)vals.size() / nblocks; }
+    i64 bb() const { return (i64)bytes.size() / nblocks; }
+};
+
+std::vector<QCase> quant_cases() {
+    static std::vector<QCase> cases;
+    if (!cases.empty()) return cases;
+    const std::string path = std::string(LOWSYNC_EMU_DIR) + "/quant_cases.txt";
+    FILE* f = fopen(path.c_str(), "r");
+    if (!f) {
+        ++fails;
+        printf("FAIL quant: cannot read %s\n", path.c_str());
+        return cases;
+    }
+    std::string line;
+    auto next = [&](std::string& out) {
+        out.clear();
+        int ch;
+        while ((ch = fgetc(f)) != EOF && ch != '\n') out.push_back((char)ch);
+        return ch != EOF || !out.empty();
+    };
+    while (next(line)) {
+        if (line.empty() || line[0] == '#') continue;
+        QCase c;
+        char name[32];
+        long long nb = 0;
+        if (sscanf(line.c_str(), "%31s %d %lld", name, &c.qt, &nb) != 3) break;
+        c.name = name;
+        c.nblocks = nb;
+        std::string hex, vals;
+        next(hex);
+        next(vals);
+        for (size_t i = 0; i + 1 < hex.size(); i += 2) c.bytes.push_back((unsigned char)std::stoul(hex.substr(i, 2), nullptr, 16));
+        for (size_t i = 0; i + 8 <= vals.size(); i += 9) c.vals.push_back(__uint_as_float((unsigned)std::stoul(vals.substr(i, 8), nullptr, 16)));
+        cases.push_back(std::move(c));
+    }
+    fclose(f);
+    if (cases.size() != 12) {
+        ++fails;
+        printf("FAIL quant: %zu block types in %s, want 12\n", cases.size(), path.c_str());
+    }
+    return cases;
+}
+
+const QCase& quant_case(int qt) {
+    static const std::vector<QCase> cases = quant_cases();
+    for (const QCase& c : cases)
+        if (c.qt == qt) return c;
+    fprintf(stderr, "quant_cases.txt has no block type %d\n", qt);
+    exit(2);
+}
+
+// A quantized weight [n, K] (K a whole number of blocks) of random blocks of one gguf case,
+// rows back to back, starting `off` bytes past a 16-byte boundary (the bytes around poisoned);
+// `vals` (f32 [n, K]) gets gguf's values of them.
+struct QRows {
+    std::vector<unsigned char> mem;
+    unsigned char* p = nullptr;
+    i64 rs = 0;  // bytes per row
+};
+QRows q_rows(int qt, i64 n, i64 K, Buf& vals, int off) {
+    const QCase& c = quant_case(qt);
+    const i64 qb = c.qb(), bb = c.bb(), kb = K / qb;
+    QRows r;
+    r.rs = kb * bb;
+    r.mem.assign((size_t)(n * r.rs + 32), 0xee);
+    r.p = r.mem.data() + (16 - (u64)r.mem.data() % 16) % 16 + off;
+    for (i64 j = 0; j < n; ++j)
+        for (i64 b = 0; b < kb; ++b) {
+            const i64 src = (i64)(rng() % (unsigned)c.nblocks);
+            memcpy(r.p + j * r.rs + b * bb, c.bytes.data() + src * bb, bb);
+            for (i64 e = 0; e < qb; ++e) vals.set(j * K + b * qb + e, c.vals[src * qb + e]);
+        }
+    return r;
+}
 
 // `own`: through the row-pair path's own entry point for the weight dtype (`fused_gemv1_rp16`
 // and kin, what the host launches), else through `fused_gemv1_pair`.
 void rowpair_case(const RpCase& c, bool own) {
-    const i64 K = c.K, e = esz(c.wdt);
-    const i64 ldw = (K * e + 15) / 16 * 16 / e;  // rows 16-byte aligned (K 202: a K % VW tail)
+    const bool q = c.qset != 0;
+    const int wdt = q ? DT_F32 : c.wdt;  // quantized: w holds gguf's values of the blocks
+    const i64 K = c.K, e = esz(wdt);
+    // Rows 16-byte aligned (K 202: a K % VW tail).
+    const i64 ldw = q ? K : (K * e + 15) / 16 * 16 / e;
     const i64 n[3] = {c.hq * c.hd, c.hd, c.hd};
     const i64 tail = 8;                             // sentinels past every row the kernel writes
     // Caches of cn rows longer than n, between two guard rows (rows -1 and cn: a bad index's).
@@ -455,16 +553,23 @@ void rowpair_case(const RpCase& c, bool own) {
     S.wnorm = c.wnorm;
     S.err = (u64)&err;
     std::unique_ptr<Buf> w[3], out[3], add[3], sum[3], r[3], cache[3];
+    QRows qw[3];
     std::vector<double> cache0[3];
     for (int s = 0; s < 3; ++s) {
         FgSeg& g = S.seg[s];
-        w[s] = std::make_unique<Buf>(c.wdt, n[s] * ldw);
+        w[s] = std::make_unique<Buf>(wdt, n[s] * ldw);
         w[s]->rand(0.1f);
         out[s] = std::make_unique<Buf>(DT_F32, n[s] + tail);
         nan_fill(*out[s]);
         g.n = n[s];
         g.w = (u64)w[s]->p();
         g.w_rs = ldw;
+        if (q) {
+            qw[s] = q_rows(q_sets[c.qset][s], n[s], K, *w[s], 2 * s);
+            g.w = (u64)qw[s].p;
+            g.w_rs = qw[s].rs;
+            g.qt = q_sets[c.qset][s];
+        }
         g.out = (u64)out[s]->p();
         g.o_rs = n[s];
         g.o_cs = 1;
@@ -508,7 +613,12 @@ void rowpair_case(const RpCase& c, bool own) {
         }
     }
     const i64 units = (n[0] + n[1] + n[2]) / 2;
-    launch((unsigned)((units + 7) / 8), 256, [&] {
+    if (q) {
+        launch(own ? (unsigned)((units + 7) / 8) : 2u, 256, [&] {
+            fused_gemv1_q(K, (const float*)a.p(), S, c.norm ? (const float*)x.p() : nullptr, 1e-5f, nd.p(), DT_F32,
+                          nw.p(), DT_F32);
+        });
+    } else launch((unsigned)((units + 7) / 8), 256, [&] {
         // stream 1: row pairs are never streamed (the whole grid is launched).
         auto* kernel = !own ? fused_gemv1_pair
                        : c.wdt == DT_F16 ? fused_gemv1_rp16
@@ -517,8 +627,10 @@ void rowpair_case(const RpCase& c, bool own) {
         kernel(K, (const float*)a.p(), S, c.wdt, 1, c.ahead, 1, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
                nd.p(), DT_F32, nw.p(), DT_F32);
     });
-    const std::string tag = std::string(own ? "fused_gemv1_rp" : "fused_gemv1_pair") + " row pairs w " +
-                            std::to_string(c.wdt) + " K " + std::to_string(K) +
+    const std::string kname = q ? (own ? "fused_gemv1_q" : "fused_gemv1_q strided") : own ? "fused_gemv1_rp"
+                                                                                            : "fused_gemv1_pair";
+    const std::string tag = kname + " row pairs w " + (q ? "q" + std::to_string(c.qset) : std::to_string(c.wdt)) +
+                            " K " + std::to_string(K) +
                             " hd " + std::to_string(c.hd) + " n_dims " + std::to_string(c.n_dims) + " add " +
                             std::to_string(c.add) + " sum " + std::to_string(c.sum_dt) + " rope " +
                             std::to_string(c.r_dt) + " cache " + std::to_string(c.c_dt) + " norm " +
@@ -1398,56 +1510,6 @@ void test_sample(const std::string& dir) {
 // GGUF block weights (kernels/quant.cuh, quant.cu) against gguf-py: quant_cases.txt holds
 // random blocks of every type and `gguf.quants.dequantize` of them (scripts/gen_quant_cases.py).
 
-struct QCase {
-    std::string name;
-    int qt = 0;
-    i64 nblocks = 0;
-    std::vector<unsigned char> bytes;
-    std::vector<float> vals;  // gguf's values, in order
-    i64 qb() const { return (i64)vals.size() / nblocks; }
-    i64 bb() const { return (i64)bytes.size() / nblocks; }
-};
-
-std::vector<QCase> quant_cases() {
-    static std::vector<QCase> cases;
-    if (!cases.empty()) return cases;
-    const std::string path = std::string(LOWSYNC_EMU_DIR) + "/quant_cases.txt";
-    FILE* f = fopen(path.c_str(), "r");
-    if (!f) {
-        ++fails;
-        printf("FAIL quant: cannot read %s\n", path.c_str());
-        return cases;
-    }
-    std::string line;
-    auto next = [&](std::string& out) {
-        out.clear();
-        int ch;
-        while ((ch = fgetc(f)) != EOF && ch != '\n') out.push_back((char)ch);
-        return ch != EOF || !out.empty();
-    };
-    while (next(line)) {
-        if (line.empty() || line[0] == '#') continue;
-        QCase c;
-        char name[32];
-        long long nb = 0;
-        if (sscanf(line.c_str(), "%31s %d %lld", name, &c.qt, &nb) != 3) break;
-        c.name = name;
-        c.nblocks = nb;
-        std::string hex, vals;
-        next(hex);
-        next(vals);
-        for (size_t i = 0; i + 1 < hex.size(); i += 2) c.bytes.push_back((unsigned char)std::stoul(hex.substr(i, 2), nullptr, 16));
-        for (size_t i = 0; i + 8 <= vals.size(); i += 9) c.vals.push_back(__uint_as_float((unsigned)std::stoul(vals.substr(i, 8), nullptr, 16)));
-        cases.push_back(std::move(c));
-    }
-    fclose(f);
-    if (cases.size() != 12) {
-        ++fails;
-        printf("FAIL quant: %zu block types in %s, want 12\n", cases.size(), path.c_str());
-    }
-    return cases;
-}
-
 // Every block type's sizes, and dq16 of every chunk of every block bit for bit.
 void test_quant_dequant() {
     for (const QCase& c : quant_cases()) {
@@ -1644,6 +1706,89 @@ void test_quant_head_argmax() {
     }
 }
 
+// fused_gemv1_q without row pairs: three products (broadcast and full Adds) or gate/up with
+// SwiGlu, each segment of its own block type (every type in some case), against float64 over
+// gguf's values of the blocks; with and without the norm prologue, one warp per unit or a small
+// grid whose warps stride over the units, K from fewer chunks than a warp's lanes (96) to several
+// chunks per lane (2304). The activation (or the norm's input) is garbage until the kernel's
+// wait (`Producer`): nothing is stored before it.
+void test_fused_gemv1_q() {
+    struct Case {
+        std::array<int, 3> qt;
+        i64 K;
+        int pair, norm;
+    };
+    const Case cases[] = {
+        {{DT_Q4_0, DT_Q8_0, DT_Q6_K}, 512, 0, 0},  {{DT_Q4_K, DT_Q6_K, DT_IQ4_XS}, 768, 0, 1},
+        {{DT_Q2_K, DT_Q3_K, DT_Q5_K}, 2304, 0, 1}, {{DT_Q4_1, DT_Q5_0, DT_Q5_1}, 96, 0, 0},
+        {{DT_IQ4_NL, DT_Q8_0, DT_Q4_0}, 1056, 0, 1}, {{DT_Q4_K, DT_Q6_K, 0}, 512, 1, 1},
+        {{DT_Q8_0, DT_Q4_0, 0}, 96, 1, 0},          {{DT_Q5_K, DT_Q5_K, 0}, 1280, 1, 1},
+    };
+    for (const Case& c : cases)
+        for (int grid : {0, 1, 3}) {
+            const i64 K = c.K;
+            Buf x(DT_F32, K), nw(DT_F32, K), nd(DT_F32, K), a(DT_F32, K);
+            x.rand(2.0f);
+            nw.rand(1.5f);
+            if (!c.norm) a.rand();
+            // f32 weights without padding: P.w[s] holds gguf's values of segment s's blocks.
+            Products P(DT_F32, 1, K, c.pair, 0, {37, 21, 12});
+            QRows qw[3];
+            for (int s = 0; s < P.nseg; ++s) {
+                qw[s] = q_rows(c.qt[s], P.ns[s], K, *P.w[s], 2 * s);
+                P.S.seg[s].w = (u64)qw[s].p;
+                P.S.seg[s].w_rs = qw[s].rs;
+                P.S.seg[s].qt = c.qt[s];
+            }
+            std::vector<Buf*> res;
+            for (auto& b : P.out) res.push_back(b.get());
+            for (auto& b : P.sum) res.push_back(b.get());
+            if (c.pair) res.push_back(P.sw.get());
+            res.push_back(&nd);
+            Producer prod({c.norm ? &x : &a}, res);
+            launch(grid ? (unsigned)grid : (unsigned)((P.units() + 7) / 8), 256, [&] {
+                fused_gemv1_q(K, (const float*)a.p(), P.S, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
+                              c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32);
+            });
+            std::string tag = "fused_gemv1_q K " + std::to_string(K) + " pair " + std::to_string(c.pair) + " norm " +
+                              std::to_string(c.norm) + " grid " + std::to_string(grid) + " types";
+            for (int s = 0; s < P.nseg; ++s) tag += " " + quant_case(c.qt[s]).name;
+            prod.check(tag);
+            std::vector<double> act(K);
+            if (c.norm) {
+                double ss = 0;
+                for (i64 k = 0; k < K; ++k) ss += (double)x.get(k) * x.get(k);
+                const double inv = 1.0 / std::sqrt(ss / K + 1e-5);
+                std::vector<double> wn, gn, ga;
+                for (i64 k = 0; k < K; ++k) {
+                    act[k] = x.get(k) * inv * nw.get(k);
+                    wn.push_back(x.get(k) * inv);
+                    gn.push_back(nd.get(k));
+                    ga.push_back(a.get(k));
+                }
+                check(tag + ": norm", wn, gn, 1e-10);
+                check(tag + ": norm product", act, ga, 1e-10);
+            } else {
+                for (i64 k = 0; k < K; ++k) act[k] = a.get(k);
+            }
+            P.check_all(tag, K, [&](i64, i64 k) { return act[k]; });
+        }
+}
+
+// fused_gemv1_q's row pairs: `rowpair_case` on quantized q/k/v weights of mixed block types.
+void test_fused_gemv1_q_rowpair() {
+    const int F32 = DT_F32, F16 = DT_F16, BF16 = DT_BF16;
+    // As `test_fused_gemv1_rowpair`'s cases (wdt unused), the last field the block types.
+    const RpCase cases[] = {
+        {F32, 512, 64, 64, 2, 7, F32, F32, F16, 1, 7, 7, 1, 0, 1, 37, 10000.0, 1},
+        {F32, 256, 16, 8, 3, 5, F16, F16, BF16, 0, 7, 6, 1, 1, 1, 5, 500000.0, 2},
+        {F32, 768, 20, 10, 3, 0, F32, F32, F32, 1, 6, 7, 0, 2, 1, 70, 10000.0, 3},
+        {F32, 1024, 64, 32, 2, 2, F32, F16, F16, 1, 0, 0, 0, 0, 1, 4095, 10000.0, 4},
+    };
+    for (const RpCase& c : cases)
+        for (bool own : {true, false}) rowpair_case(c, own);
+}
+
 // Every test group, by name; `kernels_test NAME...` runs only the groups named.
 int main(int argc, char** argv) {
     const std::pair<const char*, void (*)()> groups[] = {
@@ -1667,6 +1812,8 @@ int main(int argc, char** argv) {
         {"quant_rows", test_quant_rows},
         {"quant_mmv", test_quant_mmv},
         {"quant_head_argmax", test_quant_head_argmax},
+        {"fused_gemv1_q", test_fused_gemv1_q},
+        {"fused_gemv1_q_rowpair", test_fused_gemv1_q_rowpair},
     };
     int ran = 0;
     for (const auto& [name, run] : groups) {

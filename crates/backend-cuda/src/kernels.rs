@@ -51,7 +51,15 @@ const MODULES: &[(&str, &str)] = &[
         ),
     ),
     ("fused_norm_mul", include_str!("fusion/norm_mul.cu")),
-    ("fused_gemv", include_str!("fusion/gemv.cu")),
+    // The fused products, with quant.cuh for `fused_gemv1_q` (quantized weights).
+    (
+        "fused_gemv",
+        concat!(
+            include_str!("../kernels/quant.cuh"),
+            "\n",
+            include_str!("fusion/gemv.cu")
+        ),
+    ),
     ("fused_rope_rows", include_str!("fusion/rope_rows.cu")),
     ("fused_attention", include_str!("fusion/attention.cu")),
 ];
@@ -103,6 +111,8 @@ pub(crate) enum Kernel {
     FusedGemv1Rp16,
     FusedGemv1Rpb16,
     FusedGemv1Rp32,
+    /// Decode's fused products on quantized weights (every pair mode; fusion/gemv.cu).
+    FusedGemv1Q,
     /// The sampler's penalties (`Op::Penalize`), one block per row.
     Penalize,
     /// The sampler's draw (`Op::Sample`), one block per row.
@@ -121,7 +131,7 @@ pub(crate) enum Kernel {
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 45] = [
+    pub(crate) const ALL: [Kernel; 46] = [
         Kernel::EwUnary,
         Kernel::SmallCopy,
         Kernel::CopyBatch,
@@ -160,6 +170,7 @@ impl Kernel {
         Kernel::FusedGemv1Rp16,
         Kernel::FusedGemv1Rpb16,
         Kernel::FusedGemv1Rp32,
+        Kernel::FusedGemv1Q,
         Kernel::Penalize,
         Kernel::Sample,
         Kernel::GetRowsQ,
@@ -232,7 +243,8 @@ impl Kernel {
             | Kernel::FusedGemv1Gu32
             | Kernel::FusedGemv1Rp16
             | Kernel::FusedGemv1Rpb16
-            | Kernel::FusedGemv1Rp32 => "fused_gemv",
+            | Kernel::FusedGemv1Rp32
+            | Kernel::FusedGemv1Q => "fused_gemv",
             Kernel::RopeRows => "fused_rope_rows",
             Kernel::AttnDecode | Kernel::AttnFast | Kernel::AttnFastLong => "fused_attention",
             Kernel::Penalize | Kernel::Sample => "sample",
@@ -279,6 +291,7 @@ impl Kernel {
             Kernel::FusedGemv1Rp16 => "fused_gemv1_rp16",
             Kernel::FusedGemv1Rpb16 => "fused_gemv1_rpb16",
             Kernel::FusedGemv1Rp32 => "fused_gemv1_rp32",
+            Kernel::FusedGemv1Q => "fused_gemv1_q",
             Kernel::FusedGemv1 => "fused_gemv1",
             Kernel::FusedGemv1Pair => "fused_gemv1_pair",
             Kernel::FusedGemv1S16 => "fused_gemv1_s16",

@@ -13,7 +13,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{decode_one, encode, gpu_with, nmse, Rng, FLOATS};
+use common::{decode_one, encode, gpu_with, nmse, quant_blocks, Rng, FLOATS};
 use lowsync_backend::{Backend, BufferId, BufferUsage, Error, ExecGraph, ExecNode, TensorRef};
 use lowsync_cpu::CpuBackend;
 use lowsync_cuda::CudaConfig;
@@ -243,8 +243,15 @@ fn check(test: &str, case: &Case, outputs: &[(&str, &TensorRef)], saved: u64) {
     check_with(test, case, case, outputs, saved)
 }
 
-/// A GGUF weight `[out, in]` (random, scaled by 1/sqrt(in)) seen as `w.T`.
+/// A GGUF weight `[out, in]` (random, scaled by 1/sqrt(in); of a block type: random blocks
+/// with finite scales) seen as `w.T`.
 fn weight(c: &mut Case, rng: &mut Rng, dtype: DType, inp: usize, out: usize) -> TensorRef {
+    if dtype.is_quantized() {
+        let bytes = quant_blocks(rng, dtype, out, inp);
+        let buf = c.buffer(bytes.len());
+        c.bufs[buf as usize] = bytes;
+        return view(buf, 0, dtype, &[inp, out], &[1, inp]);
+    }
     let w = c.tensor(dtype, &[out, inp]);
     c.rand(rng, &w, 1.0 / (inp as f32).sqrt());
     view(w.buffer.0, 0, dtype, &[inp, out], &[1, inp])
@@ -784,10 +791,11 @@ fn masked_cache_rows_are_never_read() {
 /// rows, token at position 20) laid out as the scheduler's allocator lays it out: rope q over
 /// h, rope k over the raw q, the scores over q/k/v, p @ V over the rotated q, its Cpy over the
 /// scores, gate over them all, in-place bias and residual adds, SwiGlu in place over gate.
+/// Weights of dtype `wdt[0]`, except v's and down's: `wdt[1]` (as a Q4_K_M file's Q6_K).
 fn layer(
     rng: &mut Rng,
     bias: bool,
-    wdt: DType,
+    wdt: [DType; 2],
     kv: DType,
 ) -> (Case, Vec<(&'static str, TensorRef)>) {
     let (d, nh, nkv, hd, dff, n_ctx, at) = (256, 8, 2, 32, 512, 64, 20);
@@ -818,15 +826,16 @@ fn layer(
     let a = |off: usize, shape: &[usize]| packed(act, off, DType::F32, shape);
     let (x, h) = (a(xo, &[1, d]), a(ho, &[1, d]));
     c.rand(rng, &x, 1.0);
-    let linear = |c: &mut Case, rng: &mut Rng, inp: &TensorRef, out: TensorRef, bias: bool| {
-        let w = weight(c, rng, wdt, inp.shape[1], out.shape[1]);
-        c.node(Op::MulMat, &out, &[inp, &w]);
-        if bias {
-            let b = c.tensor(DType::F32, &[out.shape[1]]);
-            c.rand(rng, &b, 0.5);
-            c.node(Op::Add, &out, &[&out, &b]);
-        }
-    };
+    let linear =
+        |c: &mut Case, rng: &mut Rng, inp: &TensorRef, out: TensorRef, bias: bool, wdt: DType| {
+            let w = weight(c, rng, wdt, inp.shape[1], out.shape[1]);
+            c.node(Op::MulMat, &out, &[inp, &w]);
+            if bias {
+                let b = c.tensor(DType::F32, &[out.shape[1]]);
+                c.rand(rng, &b, 0.5);
+                c.node(Op::Add, &out, &[&out, &b]);
+            }
+        };
     let norm = |c: &mut Case, rng: &mut Rng| {
         let w = c.tensor(DType::F32, &[d]);
         c.rand(rng, &w, 1.0);
@@ -834,9 +843,9 @@ fn layer(
         c.node(Op::Mul, &h, &[&h, &w]);
     };
     norm(&mut c, rng);
-    linear(&mut c, rng, &h, a(qo, &[1, d]), bias);
-    linear(&mut c, rng, &h, a(ko, &[1, kvd]), bias);
-    linear(&mut c, rng, &h, a(vo, &[1, kvd]), bias);
+    linear(&mut c, rng, &h, a(qo, &[1, d]), bias, wdt[0]);
+    linear(&mut c, rng, &h, a(ko, &[1, kvd]), bias, wdt[0]);
+    linear(&mut c, rng, &h, a(vo, &[1, kvd]), bias, wdt[1]);
     let rope = Op::Rope {
         mode: RopeMode::Normal,
         n_dims: hd,
@@ -874,14 +883,14 @@ fn layer(
     let o_t = view(act, ho, DType::F32, &[1, nh, hd], &[hd, hd, 1]);
     c.node(Op::Cpy, &a(qo, &[1, nh, hd]), &[&o_t]);
     let o = a(ho, &[1, d]);
-    linear(&mut c, rng, &a(qo, &[1, d]), o.clone(), false);
+    linear(&mut c, rng, &a(qo, &[1, d]), o.clone(), false, wdt[0]);
     c.node(Op::Add, &x, &[&x, &o]);
     norm(&mut c, rng);
     let (gate, up) = (a(qo, &[1, dff]), a(po, &[1, dff]));
-    linear(&mut c, rng, &h, gate.clone(), false);
-    linear(&mut c, rng, &h, up.clone(), false);
+    linear(&mut c, rng, &h, gate.clone(), false, wdt[0]);
+    linear(&mut c, rng, &h, up.clone(), false, wdt[0]);
     c.node(Op::SwiGlu, &gate, &[&gate, &up]);
-    linear(&mut c, rng, &gate, o.clone(), false);
+    linear(&mut c, rng, &gate, o.clone(), false, wdt[1]);
     c.node(Op::Add, &x, &[&x, &o]);
     let outputs = vec![
         ("x", x),
@@ -905,13 +914,84 @@ fn a_decode_layer_is_five_launches() {
         (DType::BF16, DType::F32),
     ] {
         for bias in [false, true] {
-            let (c, outs) = layer(&mut rng, bias, wdt, kv);
+            let (c, outs) = layer(&mut rng, bias, [wdt, wdt], kv);
             let unfused = if bias { 25 } else { 22 };
             assert_eq!(c.nodes.len(), unfused);
             let test = format!("layer weights {wdt} cache {kv} bias {bias}");
             let outs: Vec<(&str, &TensorRef)> = outs.iter().map(|(n, t)| (*n, t)).collect();
             check(&test, &c, &outs, unfused as u64 - 5);
         }
+    }
+}
+
+/// The same layer on quantized weights (`fused_gemv1_q`): still five launches, with one block
+/// type throughout or mixed as llama-quantize mixes them (Q4_K_M: Q6_K for v and down; Q4_0
+/// beside Q8_0), against the unfused products (`mul_mat_vec_q` and the separate norm, rope,
+/// SwiGlu, residual kernels) and the CPU oracle.
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn a_quantized_decode_layer_is_five_launches() {
+    let mut rng = Rng::new(39);
+    for wdt in [
+        [DType::Q4_0, DType::Q4_0],
+        [DType::Q4_K, DType::Q6_K],
+        [DType::Q8_0, DType::Q4_0],
+        [DType::Q5_K, DType::IQ4_XS],
+        [DType::Q2_K, DType::Q3_K],
+        [DType::Q4_1, DType::IQ4_NL],
+        [DType::Q5_0, DType::Q5_1],
+    ] {
+        for (bias, kv) in [(false, DType::F32), (true, DType::F16)] {
+            let (c, outs) = layer(&mut rng, bias, wdt, kv);
+            let unfused = if bias { 25 } else { 22 };
+            assert_eq!(c.nodes.len(), unfused);
+            let test = format!("layer weights {} {} cache {kv} bias {bias}", wdt[0], wdt[1]);
+            let outs: Vec<(&str, &TensorRef)> = outs.iter().map(|(n, t)| (*n, t)).collect();
+            check(&test, &c, &outs, unfused as u64 - 5);
+        }
+    }
+}
+
+/// A norm and three biased projections on quantized weights of mixed block types: one launch
+/// when the activation row is 16-byte aligned; when it is not, the group's nodes run unfused
+/// at launch time (no launch saved), with the same results.
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn quantized_projections_run_unfused_where_the_row_is_misaligned() {
+    let mut rng = Rng::new(40);
+    let k = 512;
+    for lead in [0, 4] {
+        let mut c = Case::default();
+        let x = c.tensor(DType::F32, &[1, k]);
+        c.rand(&mut rng, &x, 2.0);
+        let nw = c.tensor(DType::F32, &[k]);
+        c.rand(&mut rng, &nw, 1.5);
+        let buf = c.buffer(lead + k * 4);
+        let h = packed(buf, lead, DType::F32, &[1, k]);
+        c.node(Op::RmsNorm { eps: 1e-5 }, &h, &[&x]);
+        c.node(Op::Mul, &h, &[&h, &nw]);
+        let mut outputs = vec![("h".to_string(), h.clone())];
+        for (name, n, wdt) in [
+            ("q", 96, DType::Q4_K),
+            ("k", 32, DType::Q4_K),
+            ("v", 32, DType::Q6_K),
+        ] {
+            let w = weight(&mut c, &mut rng, wdt, k, n);
+            let out = c.tensor(DType::F32, &[1, n]);
+            c.node(Op::MulMat, &out, &[&h, &w]);
+            let b = c.tensor(DType::F32, &[n]);
+            c.rand(&mut rng, &b, 1.0);
+            c.node(Op::Add, &out, &[&out, &b]);
+            outputs.push((name.to_string(), out));
+        }
+        let test = format!("quantized qkv, row {lead} bytes past a 16-byte boundary");
+        let outs: Vec<(&str, &TensorRef)> = outputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let saved = if lead == 0 {
+            c.nodes.len() as u64 - 1
+        } else {
+            0
+        };
+        check(&test, &c, &outs, saved);
     }
 }
 

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{gpu, nmse, Pair, Rng, Twin};
+use common::{gpu, nmse, quant_blocks as blocks, Pair, Rng, Twin};
 use lowsync_graph::{DType, Op};
 
 fn pair(test: &str) -> Pair {
@@ -18,33 +18,6 @@ fn pair(test: &str) -> Pair {
 /// The block dtypes.
 fn quants() -> impl Iterator<Item = DType> {
     DType::ALL.into_iter().filter(|d| d.is_quantized())
-}
-
-/// Byte offsets of each block type's f16 scale fields (GGUF layouts).
-fn scale_fields(dt: DType) -> &'static [usize] {
-    match dt {
-        DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
-        DType::Q2_K => &[80, 82],
-        DType::Q3_K => &[108],
-        DType::Q6_K => &[208],
-        _ => &[0],
-    }
-}
-
-/// `rows` rows of `k` values of `dt`: random bytes with finite f16 scales (|d| in [2^-7, 2^-3),
-/// either sign), so every value is finite.
-fn blocks(rng: &mut Rng, dt: DType, rows: usize, k: usize) -> Vec<u8> {
-    let bb = dt.block_bytes();
-    let n = rows * k / dt.block_size();
-    let mut b: Vec<u8> = (0..n * bb).map(|_| rng.next_u64() as u8).collect();
-    for blk in b.chunks_exact_mut(bb) {
-        for &off in scale_fields(dt) {
-            let r = rng.next_u64();
-            let bits = 0x2000u16 | (r as u16 & 0x0fff) | ((r >> 32) as u16 & 0x8000);
-            blk[off..off + 2].copy_from_slice(&bits.to_le_bytes());
-        }
-    }
-    b
 }
 
 /// `x [m, k] @ w.T` with w rows `lead..lead + n` of a `[lead + n + 1, k]` weight, on both

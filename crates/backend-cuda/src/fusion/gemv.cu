@@ -5,7 +5,7 @@
 // proved a result dead), in the nodes' order within the thread that owns an element, so later
 // readers see what the unfused chain would have left; arithmetic is f32 in fixed summation
 // orders that depend only on the shapes (no float atomics), so results are deterministic run to
-// run. One NVRTC module, compiled with kernels/common.cuh in front of it.
+// run. One NVRTC module, compiled with kernels/common.cuh and kernels/quant.cuh in front of it.
 
 // x / (1 + e^-x), as the element-wise SwiGlu.
 __device__ __forceinline__ float f_silu(float x) { return x / (1.0f + expf(-x)); }
@@ -55,6 +55,9 @@ struct FgSeg {
     i64 c_dt, c_rs, c_cs, c_n;
     u64 idx;
     i64 tag;
+    // The weight's block type (quant.cuh's DT_Q4_0 ... DT_IQ4_XS; w_rs then counts bytes) for
+    // `fused_gemv1_q`; 0 for the plain-dtype kernels, whose weights are all of their `dtw`.
+    i64 qt;
 };
 
 // Matches `FgSet` in src/fusion/gemv.rs. pair == 1: nseg == 2, seg 0 = gate, seg 1 = up, and sw the
@@ -142,10 +145,11 @@ __device__ __forceinline__ i64 fg_units(const FgSet& S) {
 
 // Segment s and (first) column j of unit u, and the start of the weight row(s) it reads: row j
 // of segment s, of each product (pair 1), or rows j and j + 1 of segment s (pair 2).
+// DT: the weights' dtype (F32, F16, BF16), or a block type, whose row strides count bytes.
 template <int DT, int NC>
 __device__ __forceinline__ void fg_unit(const FgSet& S, i64 u, int& s, i64& j,
                                         const char* (&wr)[NC]) {
-    const int ESZ = DT == DT_F32 ? 4 : 2;
+    const int ESZ = DT == DT_F32 ? 4 : DT == DT_F16 || DT == DT_BF16 ? 2 : 1;
     const bool pair1 = NC == 2 && S.pair == 1;
     const int per = NC == 2 ? 2 : 1;
     s = 0;
@@ -602,6 +606,157 @@ extern "C" __global__ void __maxnreg__(88) fused_gemv1_rpb16(FG1S_PARAMS) { FG1_
 extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp32(FG1S_PARAMS) { FG1_OWN(body, F32, 2) }
 #undef FG1_OWN
 #undef FG1S_PARAMS
+
+// ---------------------------------------------------------------------------------------------
+// Decode's products on GGUF block (quantized) weights, `fused_gemv1_q`: the same units and
+// epilogues as `fused_gemv1` / `_pair` (columns of the segments, gate/up with SwiGlu, or q/k/v's
+// row pairs with their Rope and KV-cache row), each segment's weight of its own block type
+// (`FgSeg::qt`: a Q4_K_M file mixes Q4_K and Q6_K in one group). The activation row is staged
+// in shared memory (plain layout) — through the norm prologue when nx != 0 — then each warp
+// takes a unit (u, u + warps of the grid, ...); lane l dequantizes its weight row's 16-value
+// chunks l, l + 32, ... in registers (`dq16`, quant.cuh: values bit-identical to gguf-py's) and
+// accumulates them in f32 in k order, and the lanes meet in the fixed xor butterfly: the order
+// depends only on K, so results are deterministic and do not depend on the grid. The blocks
+// are read in place (2-byte aligned fields: byte and 16-bit loads; a warp's 32 chunks are one
+// contiguous run of the row, so its loads share cache lines).
+
+// Lane `lane`'s part of the dot product of weight row w (K values of block type QT) with xr:
+// its chunks in order, two per round — both chunks' bytes are loaded before either is used
+// (the second's address clamped to the row: the loads stay unconditional, its products are
+// skipped past the end), doubling the weight bytes each warp has in flight.
+template <int QT>
+__device__ __forceinline__ float fq_dot(const u8* w, int K, const float* xr, int lane) {
+    const int QB = q_block_size(QT), BB = q_block_bytes(QT), CPB = QB / 16;
+    const int nch = K / 16;
+    float acc = 0.0f;
+#pragma unroll 1
+    for (int c0 = lane; c0 < nch; c0 += 64) {
+        const int c1 = min(c0 + 32, nch - 1);
+        float v[2][16];
+        dq16<QT>(w + (c0 / CPB) * BB, c0 % CPB, v[0]);
+        dq16<QT>(w + (c1 / CPB) * BB, c1 % CPB, v[1]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (h == 0 || c0 + 32 < nch) {
+                const int c = h ? c1 : c0;
+                const float4* x4 = (const float4*)(xr + 16 * c);
+#pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    const float4 x = x4[t ^ ((c >> 1) & 3)];  // `fq_swizzle`'s layout
+                    acc = fmaf(x.x, v[h][4 * t], acc);
+                    acc = fmaf(x.y, v[h][4 * t + 1], acc);
+                    acc = fmaf(x.z, v[h][4 * t + 2], acc);
+                    acc = fmaf(x.w, v[h][4 * t + 3], acc);
+                }
+            }
+        }
+    }
+    return acc;
+}
+
+// The whole warp's dot product of row w (block type qt, warp-uniform) with xr, in every lane.
+// Not inlined: one copy of the twelve decoders per kernel, however many rows a unit has.
+__device__ __noinline__ float fq_row(int qt, const u8* w, int K, const float* xr, int lane) {
+    float acc = 0.0f;
+    QUANT_SWITCH(qt, acc = fq_dot<QTV>(w, K, xr, lane))
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    return acc;
+}
+
+// Re-lays the staged row (every thread takes part) for `fq_dot`: float4 t of chunk c (16
+// values) moves to slot t ^ ((c >> 1) & 3) of the chunk, so the eight lanes of one 16-byte
+// shared-memory access (chunks c .. c + 7, the same t) hit eight distinct bank groups; in the
+// plain layout, 64 bytes lane to lane, they meet four to a bank group.
+__device__ __forceinline__ void fq_swizzle(float* xs, int K) {
+    float4* x4 = (float4*)xs;
+    for (int c = threadIdx.x; c < K / 16; c += blockDim.x) {
+        const int sw = (c >> 1) & 3;
+        float4 v[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) v[t] = x4[4 * c + t];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) x4[4 * c + (t ^ sw)] = v[t];
+    }
+    __syncthreads();
+}
+
+// Asks for the 128-byte line holding p to be brought into L2 (no-op in the emulation). L2 is
+// the device's point of coherence, so a prefetch before `pdl_entry` can leave nothing stale
+// where a later load would find it.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
+template <int NC>
+__device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, float* xs,
+                                         const float* nx, float eps, void* nd, int dtn,
+                                         const void* nw, int dtnw) {
+    const int lane = threadIdx.x & 31;
+    const int units = (int)fg_units<NC>(S);
+    const bool pair1 = NC == 2 && S.pair == 1;
+    // Before the wait (overlapping the previous kernel's tail): the warp's first unit's weight
+    // rows into L2, a line per lane per pass.
+    if (blockIdx.x * FG1_WARPS + (threadIdx.x >> 5) < units) {
+        int s;
+        i64 j;
+        const char* wr[NC];
+        fg_unit<DT_Q4_0, NC>(S, blockIdx.x * FG1_WARPS + (threadIdx.x >> 5), s, j, wr);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const int qt = (int)S.seg[pair1 ? c : s].qt;
+            const char* end = wr[c] + (i64)(K / q_block_size(qt)) * q_block_bytes(qt);
+            const char* line = (const char*)((u64)wr[c] & ~(u64)127);
+            for (const char* p = line + 128 * lane; p < end; p += 128 * 32) prefetch_l2(p);
+        }
+    }
+    pdl_entry();
+    if (nx) {
+        norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a, false, S.wnorm != 0);
+    } else {
+        stage_row(xs, a, K, false);
+    }
+    fq_swizzle(xs, K);
+#pragma unroll 1
+    for (int u = blockIdx.x * FG1_WARPS + (threadIdx.x >> 5); u < units; u += gridDim.x * FG1_WARPS) {
+        int s;
+        i64 j;
+        const char* wr[NC];
+        fg_unit<DT_Q4_0, NC>(S, u, s, j, wr);  // any block type: byte strides
+        float acc[NC];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            acc[c] = fq_row((int)S.seg[pair1 ? c : s].qt, (const u8*)wr[c], K, xs, lane);
+        }
+        if (lane == 0) {
+            if (NC == 2 && S.pair == 2) {
+                fg_rope_pair(S.seg[s], S.err, j, acc[0], acc[NC - 1]);
+            } else {
+                fg1_store<NC>(S, s, j, acc);
+            }
+        }
+    }
+}
+
+// blockDim.x == FG1_WARPS * 32, dynamic shared memory K floats; K a multiple of every
+// segment's block size, below 2^31 with the units (checked on the host), a 16-byte aligned
+// and every weight 2-byte aligned. Any grid of at least one block (the warps stride over the
+// units); S.pair as `fused_gemv1`'s sets (0, 1: SwiGlu, 2: row pairs).
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
+                                                                        FgSet S, const float* nx,
+                                                                        float eps, void* nd,
+                                                                        int dtn, const void* nw,
+                                                                        int dtnw) {
+    extern __shared__ float4 fg1_smem[];
+    float* xs = (float*)fg1_smem;
+    if (S.pair) {
+        fq1_body<2>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw);
+    } else {
+        fq1_body<1>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw);
+    }
+}
 
 #define FG_DISPATCH(MT)                                                                   \
     if (S.pair) {                                                                         \

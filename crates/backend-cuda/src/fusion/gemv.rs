@@ -12,6 +12,8 @@
 //! multiprocessor (`CudaConfig::gemv_stream`), through a dtype's own entry point where one
 //! applies (`gemv_split`) — with the norm computed in the prologue when that fits one wave.
 //! When the row-pair kernel turns out not to apply, the group runs as its parts, in node order.
+//! Quantized weights (one row) take `fused_gemv1_q`, each segment with its block type and row
+//! stride in bytes; where it does not apply at launch time the group's nodes run unfused.
 //!
 //! Invariant: results dead after the group (`safety::Dead`) are the only ones not written;
 //! sums run in fixed orders, so streamed and unstreamed results are the same bytes.
@@ -19,7 +21,7 @@
 use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::Op;
 
-use crate::exec::launch::{dt, kernel_err, Args, Exec};
+use crate::exec::launch::{dt, kernel_err, qt, quant_row_bytes, Args, Exec};
 use crate::exec::matmul::{self, moving};
 use crate::fusion::group::{add_other, has_tails, Nodes, NormPro, Seg, MAX_SEGS};
 use crate::fusion::norm_mul::launch_norm_mul;
@@ -70,6 +72,8 @@ pub(super) struct FgSeg {
     c_n: i64,
     idx: u64,
     tag: i64,
+    /// The weight's block type (`qt`; its `w_rs` then counts bytes) for `fused_gemv1_q`, else 0.
+    qt: i64,
 }
 
 /// The products of one launch (`struct FgSet` in gemv.cu).
@@ -126,6 +130,11 @@ pub(super) fn launch_gemv(
     let (m, k) = (a.shape[0], a.shape[1]);
     let wdt = first.srcs[1].dtype;
     let esz = wdt.size_bytes();
+    // Quantized weights (every segment's, each of its own block type): `fused_gemv1_q`.
+    let quant = wdt.is_quantized();
+    // Their kernel reads 16-bit fields: every weight 2-byte aligned (rows are whole blocks,
+    // an even number of bytes).
+    let mut q_aligned = true;
     let tails = has_tails(segs);
     let dead = Dead::of(nodes, segs, norm);
     let mut set = FgSet {
@@ -143,11 +152,25 @@ pub(super) fn launch_gemv(
         let w = exec.resolve(&mm.srcs[1])?;
         let out = exec.resolve(&mm.dst)?;
         let n = w.shape[1];
-        vec &= matmul::aligned(w.ptr, esz, &[moving(n, w.strides[1])], 16);
+        let (w_rs, code) = if quant {
+            let (Some(rs), Some(code)) = (quant_row_bytes(w.dtype, w.strides[1]), qt(w.dtype))
+            else {
+                return Err(kernel_err(
+                    mm,
+                    "fused quantized weight without whole-block rows",
+                ));
+            };
+            q_aligned &= w.ptr.is_multiple_of(2);
+            (rs, code)
+        } else {
+            vec &= matmul::aligned(w.ptr, esz, &[moving(n, w.strides[1])], 16);
+            (w.strides[1], 0)
+        };
         *slot = FgSeg {
             n: n as i64,
             w: w.ptr,
-            w_rs: w.strides[1] as i64,
+            w_rs: w_rs as i64,
+            qt: code as i64,
             out: out.ptr,
             o_rs: out.strides[0] as i64,
             o_cs: out.strides[1] as i64,
@@ -235,6 +258,14 @@ pub(super) fn launch_gemv(
     // The decode kernel computes offsets in 32 bits.
     let narrow = k < i32::MAX as usize && units < i32::MAX as usize;
     let vec = vec && narrow;
+    if quant {
+        let ok = m == 1 && vec && staged && q_aligned;
+        let pro = match norm {
+            Some(n) if ok && prologue_fits => Some(norm_args(exec, &nodes[n.norm], &nodes[n.mul])?),
+            _ => None,
+        };
+        return launch_gemv_q(exec, nodes, segs, swiglu, norm, pro, set, ok, blocks1);
+    }
     if tails && !(m == 1 && vec && staged) {
         // The row-pair kernel does not apply after all (alignment, a long row): the norm, the
         // products with their Adds, then the Ropes and SetRows — node order, at the group's
@@ -345,4 +376,75 @@ pub(super) fn launch_gemv(
         .arg(g as i32)
         .arg(vec as i32);
     exec.launch(first, kernel, blocks, GEMV_THREADS as u32, args)
+}
+
+/// Decode's products on quantized weights (`fused_gemv1_q`), `set` built by `launch_gemv`: a
+/// grid of `blocks1` (one unit per warp), or of `stream_blocks` per multiprocessor at most when
+/// streamed (the kernel's warps stride over the units either way), the norm prologue in the
+/// kernel (`pro`) or launched first. When the kernel does not apply (`ok` false: more than one
+/// row, a misaligned row or weight, a row too long to stage) the group runs as its nodes, in
+/// node order, writing every result.
+#[allow(clippy::too_many_arguments)]
+fn launch_gemv_q(
+    exec: &mut Exec<'_>,
+    nodes: &Nodes<'_>,
+    segs: &[Seg],
+    swiglu: Option<usize>,
+    norm: Option<NormPro>,
+    pro: Option<NormArgs>,
+    set: FgSet,
+    ok: bool,
+    blocks1: usize,
+) -> Result<()> {
+    if !ok {
+        let mut all: Vec<usize> = segs
+            .iter()
+            .flat_map(|s| [Some(s.mm), s.add, s.rope, s.rows].into_iter().flatten())
+            .chain(swiglu)
+            .chain(norm.into_iter().flat_map(|n| [n.norm, n.mul]))
+            .collect();
+        all.sort_unstable();
+        for i in all {
+            exec.run(&nodes[i])?;
+        }
+        return Ok(());
+    }
+    if let (Some(n), None) = (norm, &pro) {
+        // Not the kernel's prologue (more than one wave of blocks): the norm on its own first.
+        launch_norm_mul(exec, &nodes[n.norm], &nodes[n.mul])?;
+    }
+    let first = &nodes[segs[0].mm];
+    let a = exec.resolve(&first.srcs[0])?;
+    let k = a.shape[1];
+    let blocks = if exec.inner.cfg.gemv_stream {
+        blocks1.min(exec.inner.sms * exec.inner.cfg.stream_blocks.max(1))
+    } else {
+        blocks1
+    };
+    let blocks = blocks.clamp(1, i32::MAX as usize) as u32;
+    let args = Args::new().arg(k as i64).arg(a.ptr).arg(set);
+    let args = match pro {
+        Some(p) => args
+            .arg(p.x)
+            .arg(p.eps)
+            .arg(p.nd)
+            .arg(p.dtn)
+            .arg(p.w)
+            .arg(p.dtw),
+        None => args
+            .arg(0u64)
+            .arg(0f32)
+            .arg(0u64)
+            .arg(0i32)
+            .arg(0u64)
+            .arg(0i32),
+    };
+    exec.launch_shared(
+        first,
+        Kernel::FusedGemv1Q,
+        blocks,
+        (matmul::GEMV1_WARPS * 32) as u32,
+        (k * 4) as u32,
+        args,
+    )
 }

@@ -17,7 +17,8 @@
 //! - `MulMat`s of one activation (the same `TensorRef`) — q/k/v, gate/up — each optionally
 //!   followed by an `Add` of its result and a bias row or a residual; or a gate/up pair feeding
 //!   a `SwiGlu`: one matrix-vector launch over the concatenated output columns, epilogues
-//!   included. A single `MulMat -> Add` is the one-product case.
+//!   included. A single `MulMat -> Add` is the one-product case. On GGUF block weights (one
+//!   row, every segment of its own block type) the same groups take `fused_gemv1_q`.
 //! - `Rope -> SetRows(cache, rope result reshaped)`, plus the next plain `SetRows` (the V
 //!   row): rope, cache row write and V row write in one launch.
 //! - `MulMat(q, K) -> SoftMax(mask, scale) -> MulMat(p, V) [-> Cpy of a permutation]` for one

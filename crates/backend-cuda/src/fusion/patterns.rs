@@ -69,7 +69,7 @@ pub(super) fn norm_mul(nodes: &Nodes<'_>, i: usize, used: &[bool]) -> Option<Gro
 /// `(m, k, n)` of a MulMat the fused matrix-vector kernel runs: a f32 `[m, k]` with k
 /// contiguous and m within the matrix-vector rows limit, b `[k, n]` with k contiguous (a
 /// weight seen as `w.T`), an f32 result `[m, n]`.
-/// `quant`: b may also be a quantized weight (only decode's head has a fused kernel for it).
+/// `quant`: b may also be a quantized weight (see [`fused_dims`] for the fused products).
 fn gemv_dims(
     node: &ExecNode,
     mmv_max_m: Option<usize>,
@@ -94,6 +94,27 @@ fn gemv_dims(
         && b.strides[0] == 1
         && m <= matmul::mmv_max_m(a.dtype, b.dtype, mmv_max_m);
     ok.then_some((m, k, n))
+}
+
+/// `gemv_dims` of a product the fused matrix-vector kernels take: a plain-dtype weight, or a
+/// quantized one for decode's `fused_gemv1_q` — one row of a, staged in shared memory, k a
+/// whole number of blocks and every row of w a block start.
+fn fused_dims(node: &ExecNode, mmv_max_m: Option<usize>) -> Option<(usize, usize, usize)> {
+    let (m, k, n) = gemv_dims(node, mmv_max_m, true)?;
+    let b = &node.srcs[1];
+    let bs = b.dtype.block_size();
+    let ok = !b.dtype.is_quantized()
+        || (m == 1
+            && k.is_multiple_of(bs)
+            && (n == 1 || b.strides[1].is_multiple_of(bs))
+            && k * 4 <= matmul::GEMV1_MAX_SHARED);
+    ok.then_some((m, k, n))
+}
+
+/// Whether weights of dtypes `a` and `b` share one fused launch: the same plain dtype, or both
+/// quantized (`fused_gemv1_q` decodes each segment's own block type).
+fn same_weights(a: DType, b: DType) -> bool {
+    a == b || (a.is_quantized() && b.is_quantized())
 }
 
 /// The epilogue Add of product `mm`: the first later node reading its result, if that is an
@@ -158,14 +179,17 @@ fn gemv_kind(
     mmv_max_m: Option<usize>,
     norm: Option<NormPro>,
 ) -> Option<Kind> {
-    gemv_dims(&nodes[i], mmv_max_m, false)?;
+    fused_dims(&nodes[i], mmv_max_m)?;
     let act = &nodes[i].srcs[0];
     let wdt = nodes[i].srcs[1].dtype;
     let cands: Vec<usize> = std::iter::once(i)
         .chain(later(nodes, i, used).filter(|&j| {
             nodes[j].srcs.first() == Some(act)
-                && nodes[j].srcs.get(1).map(|b| b.dtype) == Some(wdt)
-                && gemv_dims(&nodes[j], mmv_max_m, false).is_some()
+                && nodes[j]
+                    .srcs
+                    .get(1)
+                    .is_some_and(|b| same_weights(b.dtype, wdt))
+                && fused_dims(&nodes[j], mmv_max_m).is_some()
         }))
         .collect();
     if let Some(g) = swiglu_pair(nodes, i, &cands, used, norm) {

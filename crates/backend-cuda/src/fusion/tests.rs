@@ -969,25 +969,60 @@ fn fg_structs_match_the_cuda_layout() {
     );
 }
 
-/// Products on quantized weights have no fused kernel yet, except decode's head with its
-/// argmax: each runs alone (its own `mul_mat_vec_q`), while the rest of the layer fuses as
-/// before.
-#[test]
-fn products_on_quantized_weights_run_unfused() {
-    let quantize = |nodes: &mut Vec<ExecNode>| -> Vec<usize> {
-        let mut mms = Vec::new();
-        for (i, n) in nodes.iter_mut().enumerate() {
-            let w = &mut n.srcs[..];
-            if n.op == Op::MulMat && w[1].buffer.0 >= 10 && w[1].strides[0] == 1 {
-                w[1].dtype = DType::Q4_0;
-                mms.push(i);
-            }
+/// `nodes` with the weight of every product in buffer `w` (>= 20) of block type `pick(w)`
+/// (`None`: left as it is); returns the products changed.
+fn quantize(nodes: &mut [ExecNode], pick: impl Fn(u64) -> Option<DType>) -> Vec<usize> {
+    let mut mms = Vec::new();
+    for (i, n) in nodes.iter_mut().enumerate() {
+        if n.op != Op::MulMat || n.srcs[1].buffer.0 < 20 || n.srcs[1].strides[0] != 1 {
+            continue;
         }
-        mms
-    };
+        if let Some(d) = pick(n.srcs[1].buffer.0) {
+            n.srcs[1].dtype = d;
+            mms.push(i);
+        }
+    }
+    mms
+}
+
+/// Decode's layer on quantized weights fuses as on plain ones (`fused_gemv1_q`): the same five
+/// steps, whatever mix of block types its products have (a Q4_K_M file mixes two per group).
+#[test]
+fn a_quantized_decode_layer_fuses_like_a_plain_one() {
+    let mixes: [fn(u64) -> Option<DType>; 3] = [
+        |_| Some(DType::Q4_0),
+        // q, k, gate, o: Q4_0; v, up: Q8_0; down: IQ4_NL.
+        |w| match w {
+            40 | 61 => Some(DType::Q8_0),
+            62 => Some(DType::IQ4_NL),
+            _ => Some(DType::Q4_0),
+        },
+        |w| {
+            Some(if w % 20 == 0 {
+                DType::Q5_1
+            } else {
+                DType::Q5_0
+            })
+        },
+    ];
+    for bias in [false, true] {
+        let want = plan(&layer(bias, DType::F16), None);
+        for mix in mixes {
+            let mut l = layer(bias, DType::F16);
+            assert_eq!(quantize(&mut l, mix).len(), 7);
+            assert_eq!(plan(&l, None), want, "bias {bias}");
+        }
+    }
+}
+
+/// Where `fused_gemv1_q` does not apply, the products run alone (`mul_mat_vec_q`) and the rest
+/// of the layer fuses as before: k not a whole number of blocks (Q4_K blocks are 256 values,
+/// the layer's rows 64 and 128), more than one row, or a plain weight beside a quantized one
+/// (separate launches).
+#[test]
+fn quantized_products_the_fused_kernel_cannot_take_run_alone() {
     let mut l = layer(false, DType::F16);
-    let mms = quantize(&mut l);
-    assert!(mms.len() >= 5, "q, k, v, o and the ffn products: {mms:?}");
+    let mms = quantize(&mut l, |_| Some(DType::Q4_K));
     let steps = plan(&l, None);
     for &i in &mms {
         assert!(
@@ -1005,9 +1040,43 @@ fn products_on_quantized_weights_run_unfused() {
         )),
         "{steps:?}"
     );
+    // Two rows of a: `mul_mat_vec_q8` each.
+    let a = act(0, &[2, 64]);
+    let mm = |w, off| {
+        node(
+            Op::MulMat,
+            act(off, &[2, 32]),
+            vec![a.clone(), wt(w, DType::Q8_0, 64, 32)],
+        )
+    };
+    let nodes = vec![mm(20, 4096), mm(21, 8192)];
+    assert_eq!(plan(&nodes, None), vec![Step::Node(0), Step::Node(1)]);
+    // One row: one launch for both, of different block types.
+    let a = act(0, &[1, 64]);
+    let mm = |w, off, d| {
+        node(
+            Op::MulMat,
+            act(off, &[1, 32]),
+            vec![a.clone(), wt(w, d, 64, 32)],
+        )
+    };
+    let nodes = vec![mm(20, 4096, DType::Q8_0), mm(21, 8192, DType::Q4_1)];
+    assert_eq!(
+        plan(&nodes, None),
+        vec![fused(Kind::Gemv {
+            segs: vec![seg(0, None), seg(1, None)],
+            swiglu: None,
+            norm: None,
+        })]
+    );
+    // A plain weight does not join a quantized one's launch (nor the reverse).
+    let nodes = vec![mm(20, 4096, DType::Q8_0), mm(21, 8192, DType::F16)];
+    assert_eq!(plan(&nodes, None), vec![Step::Node(0), Step::Node(1)]);
+    let nodes = vec![mm(20, 4096, DType::F16), mm(21, 8192, DType::Q8_0)];
+    assert_eq!(plan(&nodes, None), vec![Step::Node(0), Step::Node(1)]);
     // The head keeps its argmax fusion (`mul_mat_vec_q_argmax`), unless cuBLAS takes the product.
     let mut h = head(1);
-    assert_eq!(quantize(&mut h), vec![2]);
+    assert_eq!(quantize(&mut h, |_| Some(DType::Q4_0)), vec![2]);
     assert_eq!(
         plan(&h, None),
         vec![
