@@ -17,6 +17,8 @@ summary="$out/summary.txt"
 parts=${*:-cuda vulkan bench compare}
 export PYTHONUNBUFFERED=1
 say() { echo "$@" | tee -a "$summary"; }
+# Whether part $1 was asked for (whole words: `lcppcuda` is not `cuda`).
+has() { [[ " $parts " == *" $1 "* ]]; }
 
 # Python packages: the lowsync wheel and gguf into /tmp/site.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -39,7 +41,7 @@ fi
 say "== $(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1)"
 say "available: $(python3 -c 'import lowsync; print(lowsync.available_backends())' 2>&1)"
 
-if [[ $parts == *llamacpp* ]]; then
+if has llamacpp; then
     # Build llama-cpp-python (CPU) in the background while the GPU suites run.
     (mkdir -p /tmp/lcpp && tar xzf .whl/llama_cpp_python-*-pruned.tar.gz -C /tmp/lcpp &&
         CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF" \
@@ -48,7 +50,7 @@ if [[ $parts == *llamacpp* ]]; then
     lcpp_pid=$!
 fi
 
-if [[ $parts == *lcppcuda* ]]; then
+if has lcppcuda; then
     # llama.cpp b11434 with its CUDA backend (sm_90): llama-bench and llama-quantize, built from
     # the carried source (.carry/src/llama.cpp.tgz, the pruned sdist tree) in the background,
     # or unpacked from .carry/lcpp-cuda/ (the binaries an earlier call returned, in parts).
@@ -75,10 +77,10 @@ run_suite() { # name dir
         grep -E "^test .* FAILED|panicked" "$logs/$name-$(basename "$t").log" | head -5 | tee -a "$summary"
     done
 }
-[[ $parts == *cuda* ]] && LOWSYNC_REQUIRE_CUDA=1 XDG_CACHE_HOME=$(mktemp -d) run_suite cuda .carry/cuda-tests
-[[ $parts == *vulkan* ]] && LOWSYNC_REQUIRE_VULKAN=1 run_suite vulkan .carry/vulkan-tests
+has cuda && LOWSYNC_REQUIRE_CUDA=1 XDG_CACHE_HOME=$(mktemp -d) run_suite cuda "${CUDA_TESTS:-.carry/cuda-tests}"
+has vulkan && LOWSYNC_REQUIRE_VULKAN=1 run_suite vulkan .carry/vulkan-tests
 
-if [[ $parts == *bench* ]]; then
+if has bench; then
     for m in tiny 1b; do
         if [ $m = tiny ]; then bk=${BENCH_TINY_BACKENDS:-cuda,vulkan}; else bk=${BENCH_1B_BACKENDS:-cuda,vulkan}; fi
         timeout 400 python3 -m lowsync.cli bench -m $m -t f16 --backend "$bk" -p 32 -n ${BENCH_N:-64} \
@@ -86,32 +88,32 @@ if [[ $parts == *bench* ]]; then
         say "bench $m: exit $?"; cat "$logs/bench-$m.txt" | tee -a "$summary"; tail -3 "$logs/bench-$m.err"
     done
 fi
-if [[ $parts == *compare* ]]; then
+if has compare; then
     timeout 300 python3 benches/python/compare_transformers.py --model tiny --backends cpu,cuda,vulkan \
         >"$logs/compare-transformers.txt" 2>&1
     say "transformers: exit $?"; grep -v "_tokens" "$logs/compare-transformers.txt" | tail -5 | tee -a "$summary"
     grep -o '"backend": "[a-z]*", "logits_max_rel_diff": [0-9.e-]*, "same_greedy_tokens": [a-z]*' \
         "$logs/compare-transformers.txt" | tee -a "$summary"
 fi
-if [[ $parts == *mmvab* ]]; then
+if has mmvab; then
     for knob in 0 8; do
         LOWSYNC_CUDA_TUNE=mmv_max_m=$knob timeout 300 python3 -m lowsync.cli bench -m 1b -t f16 --backend cuda --policy stock,staged \
             -p 32 -n ${BENCH_N:-64} >"$logs/bench-mmv$knob.txt" 2>/dev/null
         say "1b cuda, LOWSYNC_CUDA_TUNE=mmv_max_m=$knob: exit $?"; grep -E '^\| 1b ' "$logs/bench-mmv$knob.txt" | tee -a "$summary"
     done
 fi
-if [[ $parts == *pytest* ]]; then
+if has pytest; then
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu_backends.py >"$logs/pytest-gpu.txt" 2>&1
     say "pytest gpu: exit $? $(tail -1 "$logs/pytest-gpu.txt")"
 fi
-if [[ $parts == *pytestq* ]]; then
+if has pytestq; then
     # The quantized-weight tests on every GPU backend present (CUDA and Vulkan cases).
     LOWSYNC_REQUIRE_CUDA=1 python3 -m pytest -q -p no:cacheprovider -m "cuda or vulkan or vulkan_gpu" \
         tests/test_quant.py tests/test_gpu_backends.py >"$logs/pytest-quant.txt" 2>&1
     say "pytest quant: exit $? $(tail -1 "$logs/pytest-quant.txt")"
     grep -E "^(FAILED|ERROR)" "$logs/pytest-quant.txt" | head -20 | tee -a "$summary"
 fi
-if [[ $parts == *benchq* ]]; then
+if has benchq; then
     # Built-in models quantized by lowsync (gguf-py's quantizer), decode on CUDA.
     for mt in ${BENCHQ:-tiny:q4_0 1b:q4_0 1b:f16}; do
         timeout 300 python3 -m lowsync.cli bench -m ${mt%%:*} -t ${mt##*:} --backend ${BENCHQ_BACKENDS:-cuda} --policy staged \
@@ -120,7 +122,7 @@ if [[ $parts == *benchq* ]]; then
         tail -2 "$logs/benchq-${mt/:/-}.err"
     done
 fi
-if [[ $parts == *text* ]]; then
+if has text; then
     # SmolLM2-135M-Instruct Q4_1 (98 MB) travels in two halves, over the carry limit of one call:
     # `keep` copies a half into /tmp/keep (it stays while the machine is warm), `text` joins it
     # with the half carried now and runs issue 30's acceptance tests on every backend present.
@@ -139,18 +141,18 @@ if [[ $parts == *text* ]]; then
         say "lowsync run ($b): exit $?: $(tr '\n' ' ' <"$logs/run-$b.txt" | tail -c 300)"
     done
 fi
-if [[ $parts == *vkpaths* ]]; then
+if has vkpaths; then
     for m in tiny 1b; do
         LOWSYNC_VK_NO_HOST_VISIBLE_VRAM=1 timeout 300 python3 -m lowsync.cli bench -m $m -t f16 --backend vulkan \
             --policy stock,staged -p 32 -n ${BENCH_N:-64} >"$logs/bench-norebar-$m.txt" 2>/dev/null
         say "bench no-ReBAR vulkan $m: exit $?"; grep -E '^\| (tiny|1b) ' "$logs/bench-norebar-$m.txt" | tee -a "$summary"
     done
 fi
-if [[ $parts == *checks* ]]; then
+if has checks; then
     timeout 300 python3 benches/python/gpu_checks.py --backends cuda,vulkan >"$logs/gpu-checks.txt" 2>&1
     say "gpu checks: exit $?"; grep '^{' "$logs/gpu-checks.txt" | tee -a "$summary"; tail -3 "$logs/gpu-checks.txt"
 fi
-if [[ $parts == *cupti* ]]; then
+if has cupti; then
     inc=$(find / -name cupti.h -path '*include*' 2>/dev/null | head -1)
     lib=$(find / -name 'libcupti.so*' 2>/dev/null | head -1)
     say "cupti: header ${inc:-none}, library ${lib:-none}"
@@ -164,7 +166,7 @@ if [[ $parts == *cupti* ]]; then
         say "cupti check: exit $?"; grep '^{' "$logs/cupti.txt" | tee -a "$summary"; tail -3 "$logs/cupti.txt"
     fi
 fi
-if [[ $parts == *llamacpp* ]]; then
+if has llamacpp; then
     wait "$lcpp_pid"; tail -2 "$logs/llamacpp-build.log" | tee -a "$summary"
     for m in tiny small; do
         PYTHONPATH=/tmp/site:/tmp/lcpp-site timeout 300 python3 benches/python/compare_llama_cpp.py \
@@ -173,7 +175,7 @@ if [[ $parts == *llamacpp* ]]; then
         sed -E 's/"(lowsync|llama_cpp)_tokens": \[[^]]*\], //g' "$logs/compare-llamacpp-$m.txt" | tail -3 | tee -a "$summary"
     done
 fi
-if [[ $parts == *gpucmp* ]]; then
+if has gpucmp; then
     # lowsync against llama.cpp's CUDA backend on identical files (issue 33's figures).
     [ -n "${lcpp_cuda_pid:-}" ] && wait "$lcpp_cuda_pid"
     tail -2 "$logs/lcpp-cuda-build.log" 2>/dev/null | tee -a "$summary"
@@ -189,24 +191,24 @@ if [[ $parts == *gpucmp* ]]; then
         --repeats ${GPUCMP_R:-2} --json "$out/gpucmp.json" >"$logs/gpucmp.txt" 2>"$logs/gpucmp.err"
     say "gpu compare (cuda): exit $?"; grep '^|' "$logs/gpucmp.txt" | tee -a "$summary"; tail -5 "$logs/gpucmp.err"
 fi
-if [[ $parts == *qacc* ]]; then
+if has qacc; then
     # Logits of llama-quantize files of every block type on each backend against float64.
     [ -n "${lcpp_cuda_pid:-}" ] && wait "$lcpp_cuda_pid"
     timeout ${QACC_TIMEOUT:-300} python3 benches/python/quant_accuracy.py --llama-quantize /tmp/lcpp-cuda/bin/llama-quantize \
         --backends ${QACC_BACKENDS:-cpu,cuda,vulkan} --json "$out/qacc.json" >"$logs/qacc.txt" 2>&1
     say "quant accuracy: exit $?"; grep '^|' "$logs/qacc.txt" | tee -a "$summary"; grep -v '^[|{]' "$logs/qacc.txt" | tail -5
 fi
-if [[ $parts == *profile* ]]; then
+if has profile; then
     timeout 400 python3 benches/profile/cuda_profile.py --models ${PROFILE_MODELS:-tiny,1b} -n ${PROFILE_N:-128} ${PROFILE_SETTINGS:+--settings $PROFILE_SETTINGS} \
         --json "$out/cuda-profile.json" >"$logs/cuda-profile.txt" 2>&1
     say "cuda profile: exit $?"; cat "$logs/cuda-profile.txt" | tail -12 | tee -a "$summary"
 fi
-if [[ $parts == *attn* ]]; then
+if has attn; then
     timeout 300 python3 benches/profile/attn_kernels.py --windows ${ATTN_WINDOWS:-72:40,172:100,172:8,2048:100} \
         >"$logs/attn-kernels.txt" 2>&1
     say "attention kernels: exit $?"; tee -a "$summary" <"$logs/attn-kernels.txt"
 fi
-if [[ $parts == *ktrace* ]]; then
+if has ktrace; then
     inc=$(find / -name cupti_activity.h -path '*include*' 2>/dev/null | head -1)
     lib=$(find / -name 'libcupti.so*' 2>/dev/null | head -1)
     if [ -n "$inc" ] && [ -n "$lib" ]; then
@@ -249,7 +251,7 @@ if [[ $parts == *ktrace* ]]; then
         say "ktrace: no CUPTI (header ${inc:-none}, library ${lib:-none})"
     fi
 fi
-if [[ $parts == *nsys* ]]; then
+if has nsys; then
     # An nsys whose QdstrmImporter sits next to it (the copy inside nsight-compute has none).
     nsys=""
     for c in $(command -v nsys) $(find / -name nsys -type f -perm -u+x 2>/dev/null); do
@@ -277,7 +279,7 @@ if [[ " $parts " == *" ncu "* ]]; then
         tail -3 "$logs/ncu.err"
     fi
 fi
-if [[ $parts == *ncudetail* ]]; then
+if has ncudetail; then
     # Launch statistics, occupancy and stall reasons of chosen kernels (eager, fused, 1b).
     ncu=$(command -v ncu || find / -name ncu -type f -perm -u+x 2>/dev/null | head -1)
     if [ -n "$ncu" ]; then
@@ -294,7 +296,7 @@ if [[ $parts == *ncudetail* ]]; then
             "$logs/ncud.txt" | cut -c1-200 | head -${NCUD_LINES:-120} | tee -a "$summary"
     fi
 fi
-if [[ $parts == *ncusource* ]]; then
+if has ncusource; then
     # Stall samples per SASS instruction of chosen decode kernels (eager, fused, 1b): where in
     # the code the warps wait. One report per kernel name; the source page as CSV.
     ncu=$(command -v ncu || find / -name ncu -type f -perm -u+x 2>/dev/null | head -1)
@@ -310,12 +312,12 @@ if [[ $parts == *ncusource* ]]; then
         done
     fi
 fi
-if [[ $parts == *gemvspeed* ]]; then
+if has gemvspeed; then
     LOWSYNC_REQUIRE_CUDA=1 timeout 200 .carry/cuda-tests/gemv_speed --ignored --nocapture --test-threads=1 \
         >"$logs/gemv-speed.txt" 2>&1
     say "gemv speed: exit $?"; grep -E "GB/s|panicked" "$logs/gemv-speed.txt" | tee -a "$summary"
 fi
-if [[ $parts == *torch* ]]; then
+if has torch; then
     timeout ${TORCH_TIMEOUT:-550} python3 benches/python/compare_torch.py --models ${TORCH_MODELS:-tiny,1b} --json "$out/compare-torch-${TORCH_MODELS:-all}.json" \
         >"$logs/compare-torch.txt" 2>"$logs/compare-torch.err"
     say "compare torch: exit $?"; tee -a "$summary" <"$logs/compare-torch.txt"; tail -5 "$logs/compare-torch.err"
