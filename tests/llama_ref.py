@@ -59,6 +59,25 @@ VARIANTS: dict[str, Spec] = {
 }
 
 
+def spec_of(cfg: Any) -> Spec:
+    """The Spec of a model configuration (an object with lowsync `LlamaConfig`'s fields; read
+    by name, so nothing of lowsync is imported)."""
+    return Spec(
+        arch=cfg.arch,
+        n_vocab=cfg.n_vocab,
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_head_kv=cfg.n_head_kv,
+        n_ff=cfg.n_ff,
+        head_dim=cfg.head_dim,
+        rope_dims=cfg.rope_dims,
+        theta=cfg.rope_theta,
+        eps=cfg.rms_eps,
+        tied=cfg.tied_embeddings,
+    )
+
+
 def random_weights(spec: Spec, seed: int = 0) -> dict[str, Array]:
     """float32 weights in numpy order ([out, in]) under GGUF names."""
     rng = np.random.default_rng(seed)

@@ -31,7 +31,7 @@ import pytest
 
 import lowsync as ls
 from helpers import assert_step_counts, nmse
-from llama_ref import Spec, forward, random_weights, rel_err, write_gguf
+from llama_ref import Spec, forward, random_weights, rel_err, spec_of, write_gguf
 from lowsync import _native, quants
 from lowsync.cli import main
 from lowsync.gguf import GGUFError, load_gguf, save_gguf
@@ -550,26 +550,11 @@ def smollm2() -> Path:
 
 
 def _reference_forward(model: Llama, tokens: list[int]) -> np.ndarray:
-    cfg = model.config
-    spec = Spec(
-        arch=cfg.arch,
-        n_vocab=cfg.n_vocab,
-        n_embd=cfg.n_embd,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        n_head_kv=cfg.n_head_kv,
-        n_ff=cfg.n_ff,
-        head_dim=cfg.head_dim,
-        rope_dims=cfg.rope_dims,
-        theta=cfg.rope_theta,
-        eps=cfg.rms_eps,
-        tied=cfg.tied_embeddings,
-    )
     w: dict[str, Any] = {}
     for n, v in model.weights.items():
         dt = model.dtypes[n]
         w[n] = np.asarray(reference(v, dt) if dt in ALL else v, np.float64)
-    return forward(spec, w, tokens)
+    return forward(spec_of(model.config), w, tokens)
 
 
 SMOLLM2_TOKENS = [1, 504, 3458, 282, 4649, 314]

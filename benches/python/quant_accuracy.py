@@ -38,7 +38,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
-from llama_ref import Spec, forward, rel_err  # the independent float64 reference  # noqa: E402
+from llama_ref import forward, rel_err, spec_of  # the independent float64 reference  # noqa: E402
 
 # llama-quantize's names for a file of one block type (with --pure), and the type they give.
 TYPES = {
@@ -85,21 +85,6 @@ def reference_logits(model: Any, tokens: list[int]) -> np.ndarray:
     """float64 logits of `model`'s stored weights, dequantized by gguf-py."""
     import gguf
 
-    cfg = model.config
-    spec = Spec(
-        arch=cfg.arch,
-        n_vocab=cfg.n_vocab,
-        n_embd=cfg.n_embd,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        n_head_kv=cfg.n_head_kv,
-        n_ff=cfg.n_ff,
-        head_dim=cfg.head_dim,
-        rope_dims=cfg.rope_dims,
-        theta=cfg.rope_theta,
-        eps=cfg.rms_eps,
-        tied=cfg.tied_embeddings,
-    )
     w = {}
     for name, v in model.weights.items():
         dt = model.dtypes[name]
@@ -108,7 +93,7 @@ def reference_logits(model: Any, tokens: list[int]) -> np.ndarray:
         else:
             qt = gguf.GGMLQuantizationType[dt.upper()]
             w[name] = np.asarray(gguf.quants.dequantize(np.asarray(v), qt), np.float64)
-    return forward(spec, w, tokens)
+    return forward(spec_of(model.config), w, tokens)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -854,6 +854,23 @@ pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Re
     Ok(true)
 }
 
+/// a as the matrix-vector kernels read it: itself, or (`plan.convert_a`) a packed f32 copy in
+/// scratch region 0.
+fn a_for_kernel(
+    ex: &Exec<'_>,
+    node: &ExecNode,
+    plan: &Plan,
+    a: &Dev,
+    regions: &[u64],
+) -> Result<Dev> {
+    if !plan.convert_a {
+        return Ok(a.clone());
+    }
+    let c = packed(regions[0], DType::F32, &a.shape);
+    ex.copy(node, a, &c)?;
+    Ok(c)
+}
+
 /// Queues `dst = a @ b` on a quantized b as one launch of `mul_mat_vec_q[8]` (`Route::VecQ`).
 fn run_vec_q(
     ex: &Exec<'_>,
@@ -864,13 +881,7 @@ fn run_vec_q(
     b: &Dev,
     regions: &[u64],
 ) -> Result<()> {
-    let a = if plan.convert_a {
-        let c = packed(regions[0], DType::F32, &a.shape);
-        ex.copy(node, a, &c)?;
-        c
-    } else {
-        a.clone()
-    };
+    let a = a_for_kernel(ex, node, plan, a, regions)?;
     let kernel = if plan.m == 1 {
         Kernel::MulMatVecQ
     } else {
@@ -940,13 +951,7 @@ fn run_vec(
     b: &Dev,
     regions: &[u64],
 ) -> Result<()> {
-    let a = if plan.convert_a {
-        let c = packed(regions[0], DType::F32, &a.shape);
-        ex.copy(node, a, &c)?;
-        c
-    } else {
-        a.clone()
-    };
+    let a = a_for_kernel(ex, node, plan, a, regions)?;
     let Some(mb) = mm_batch(&plan.batch, [dst, &a, b]) else {
         return Err(kernel_err(
             node,
