@@ -303,10 +303,11 @@ def test_a_quantized_model_stays_quantized_on_cuda_and_matches_the_cpu(dtype: st
     assert rel_err(got, want) < 1e-3
     assert rel_err(got, cpu) < 3e-3
     # ... and one batch of 12 goes to cuBLAS on f16 copies of x and the dequantized weights:
-    # activations rounded to f16, as llama.cpp does (H200: 6.7e-3 for q4_k; the bound
-    # where activations are quantized is 3e-2).
+    # activations rounded to f16, as llama.cpp does; on this random model's large activations
+    # that moves the logits by up to 1.7e-2 (H200, q4_1; 6.7e-3 for q4_k), inside the issue's
+    # bound where activations are quantized, 3e-2.
     got = ls.Session(model, backends=["cuda"], n_ctx=32, n_ubatch=16).decode(tokens, logits="all")
-    assert rel_err(got, want) < 1e-2
+    assert rel_err(got, want) < 3e-2
 
 
 # ---- files: raw blocks in and out ------------------------------------------------------------

@@ -213,6 +213,24 @@ fn check_with(
     outputs: &[(&str, &TensorRef)],
     saved: u64,
 ) {
+    check_against(test, case, fused_case, outputs, saved, oracle_bound)
+}
+
+/// The CPU oracle's products on quantized weights round the activations to 16-bit blocks
+/// (`LOWSYNC_CPU_QUANT_DOT`'s default): an f32 result differs from the device's f32 products
+/// by that rounding (2.8e-7 NMSE on the H200 for a Q4_0 layer, fused and unfused alike).
+fn quant_oracle_bound(d: DType) -> f64 {
+    oracle_bound(d).max(1e-6)
+}
+
+fn check_against(
+    test: &str,
+    case: &Case,
+    fused_case: &Case,
+    outputs: &[(&str, &TensorRef)],
+    saved: u64,
+    oracle_bound: fn(DType) -> f64,
+) {
     let (off, n_off) = on_gpu(test, case, false);
     let (on, n_on) = on_gpu(test, fused_case, true);
     let oracle = execute(&CpuBackend::new(), case);
@@ -947,7 +965,7 @@ fn a_quantized_decode_layer_is_five_launches() {
             assert_eq!(c.nodes.len(), unfused);
             let test = format!("layer weights {} {} cache {kv} bias {bias}", wdt[0], wdt[1]);
             let outs: Vec<(&str, &TensorRef)> = outs.iter().map(|(n, t)| (*n, t)).collect();
-            check(&test, &c, &outs, unfused as u64 - 5);
+            check_against(&test, &c, &c, &outs, unfused as u64 - 5, quant_oracle_bound);
         }
     }
 }
@@ -991,7 +1009,7 @@ fn quantized_projections_run_unfused_where_the_row_is_misaligned() {
         } else {
             0
         };
-        check(&test, &c, &outs, saved);
+        check_against(&test, &c, &c, &outs, saved, quant_oracle_bound);
     }
 }
 
