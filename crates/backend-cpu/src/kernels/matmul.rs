@@ -9,8 +9,9 @@
 //! - small `m` (decode, up to [`STREAM_MAX_M`] rows): each job converts one cache-sized block
 //!   of `b`'s columns and multiplies it straight away, so a 2048x2048 f16 weight is streamed
 //!   once with no large allocation;
-//! - larger `m` (prefill): `b` is converted once, in its own memory order (one linear sweep,
-//!   the transposed strides kept), and gemm runs over the copy.
+//! - larger `m` (prefill): each job converts a panel of `b`'s columns, all of k, about
+//!   [`PANEL_ELEMS`] elements (in `b`'s own memory order: a transposed source stays
+//!   transposed), and runs one full-k gemm over it, so no whole weight is ever held in f32.
 //!
 //! Batches map to operand batches by `i / (big / small)` per axis (GQA: 32 query heads over 8
 //! kv heads use kv head `q / 4`). Jobs (products or column blocks) run in parallel with a
@@ -55,16 +56,17 @@ const STREAM_BLOCK_ELEMS: usize = 1 << 15;
 /// Column block of a streamed row-major right operand (`x @ w` with `w [k, n]`, `p @ v`).
 const STREAM_ROW_MAJOR_COLS: usize = 256;
 
-/// The f32 copy of a converted (f16/bf16) right operand of a prefill product, kept between
-/// products: a fresh multi-MiB buffer per product was fresh pages per product, whose faults
-/// and zeroing (`clear_page`) were ~10% of an F16 prefill step. Taken with `try_lock`, so a
-/// product running at the same time converts into its own buffer. The peak memory does not
-/// change (the largest conversion was already allocated, briefly); a buffer above
-/// [`B_SCRATCH_MAX_ELEMS`] is not kept.
-static B_SCRATCH: Mutex<Vec<f32>> = Mutex::new(Vec::new());
+/// Above [`STREAM_MAX_M`] rows, a non-f32 right operand is converted a panel of whole columns
+/// (all of k) at a time, about this many elements (4 MiB of f32), and each panel multiplied
+/// at once: the conversion never holds a whole weight in f32 (an F16 model's 32000 x 768
+/// output head was 98 MiB of it at every prefill), and a panel stays in cache for the gemm.
+const PANEL_ELEMS: usize = 1 << 20;
 
-/// The largest scratch buffer kept (64 MiB of f32).
-const B_SCRATCH_MAX_ELEMS: usize = 16 << 20;
+/// The f32 panels of converted (f16/bf16) right operands, kept between products: a fresh
+/// multi-MiB buffer per product was fresh pages per product, whose faults and zeroing
+/// (`clear_page`) were ~10% of an F16 prefill step. Taken with `try_lock`, so a product
+/// running at the same time converts into its own buffer.
+static B_SCRATCH: Mutex<Vec<f32>> = Mutex::new(Vec::new());
 
 /// One matrix for gemm: address of `[0, 0]`, row stride, column stride (elements).
 #[derive(Clone, Copy)]
@@ -171,7 +173,11 @@ fn run_groups(node: &ExecNode, groups: &[Group], (m, n, k): (usize, usize, usize
     let convert = groups.iter().any(|g| g.b.f32_base().is_none());
     let k_contiguous = k == 1 || groups.iter().all(|g| g.b.strides()[0] == 1);
     let cols = if m > STREAM_MAX_M {
-        n
+        if convert {
+            (PANEL_ELEMS / k).next_multiple_of(16).max(16).min(n)
+        } else {
+            n
+        }
     } else if k_contiguous {
         (STREAM_BLOCK_ELEMS / k).next_multiple_of(16).max(16).min(n)
     } else if convert {
@@ -202,6 +208,19 @@ fn run_groups(node: &ExecNode, groups: &[Group], (m, n, k): (usize, usize, usize
                 // SAFETY: `lhs` is a validated `m x k` f32 matrix, `rhs` an f32 `k x w` view
                 // of the source, and the output columns `c0..c0 + w` of this product's own
                 // block, which no other job touches and no operand overlaps.
+                unsafe { gemm_f32((m, w, k), cols_of(out), *lhs, rhs, par, false) };
+            }
+            return;
+        }
+        if m > STREAM_MAX_M {
+            // A panel: all of k converted at once, one full-k product per part.
+            let rhs = convert_into(threads, &block, buf).as_ref().and_then(mat);
+            let Some(rhs) = rhs else {
+                debug_assert!(false, "{}: unusable operand {:?}", node.name, block.shape());
+                return;
+            };
+            for (lhs, out) in &g.parts {
+                // SAFETY: as above, with the block converted into `buf`.
                 unsafe { gemm_f32((m, w, k), cols_of(out), *lhs, rhs, par, false) };
             }
             return;
@@ -242,8 +261,10 @@ fn run_groups(node: &ExecNode, groups: &[Group], (m, n, k): (usize, usize, usize
         } else {
             Parallelism::None
         };
-        let mut buf = Vec::new();
-        (0..jobs).for_each(|j| job(&mut buf, j, Threads::Auto, par));
+        let mut kept = B_SCRATCH.try_lock();
+        let mut own = Vec::new();
+        let buf = kept.as_deref_mut().unwrap_or(&mut own);
+        (0..jobs).for_each(|j| job(buf, j, Threads::Auto, par));
     }
 }
 
@@ -341,16 +362,9 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
     }
     let mut a_buf = Vec::new();
     let a32 = as_f32(node, a, &mut a_buf)?;
-    // Small m streams a non-f32 `b` block by block; larger m converts it once up front, into
-    // the kept scratch buffer when no other product holds it.
-    let mut kept = B_SCRATCH.try_lock();
-    let mut own = Vec::new();
-    let b_buf = kept.as_deref_mut().unwrap_or(&mut own);
-    let b_src = if m <= STREAM_MAX_M {
-        b.clone()
-    } else {
-        as_f32(node, b, b_buf)?
-    };
+    // A non-f32 `b` is converted inside the jobs: block by block for small m, a panel of
+    // columns at a time for larger m (`run_groups`).
+    let b_src = b.clone();
 
     let direct = dst.is_contiguous() && dst.f32_base().is_some();
     let mut owned = if direct {
@@ -402,10 +416,6 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
         }
     }
     run_groups(node, &groups, (m, n, k));
-    drop(b_src);
-    if b_buf.capacity() > B_SCRATCH_MAX_ELEMS {
-        *b_buf = Vec::new();
-    }
     if !direct {
         if let Some(v) = Strided::over_f32(&mut owned, dst.shape()) {
             copy_strided(&v, dst);

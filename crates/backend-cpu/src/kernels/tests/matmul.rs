@@ -132,8 +132,31 @@ fn mul_mat_f16_and_bf16_operands_accumulate_in_f32() {
     // accumulated in runs (here 327 + 273 rows).
     check_shapes(&[4, 1, 600], &[2, 600, 100], DType::F32, DType::F16, 138);
     check_shapes(&[3, 600], &[600, 300], DType::F32, DType::BF16, 139);
-    // Larger m converts b once.
+    // Larger m converts b a panel of columns at a time: one panel here ...
     check_shapes(&[2, 40, 50], &[2, 50, 30], DType::F32, DType::BF16, 137);
+}
+
+#[test]
+fn prefill_converts_a_16_bit_weight_a_panel_of_columns_at_a_time() {
+    // k = 300: panels of 3504 columns (about 1 Mi elements), so 3600 columns are two panels,
+    // the second partial; a transposed weight (`x @ w.T`) keeps its memory order.
+    for (i, dw) in [DType::F16, DType::BF16].into_iter().enumerate() {
+        check_shapes(&[33, 300], &[300, 3600], DType::F32, dw, 140 + i as u64);
+        let mut mem = TestMem::new();
+        let mut rng = TestRng::new(142 + i as u64);
+        let x = mem.rand(&mut rng, DType::F32, &[33, 300]);
+        let w = mem.rand(&mut rng, dw, &[3600, 300]);
+        let dst = mem.zeros(DType::F32, &[33, 3600]);
+        check(&mem, &x, &transpose(&w, 0, 1), &dst, tol(dw));
+    }
+    // GQA: query heads share each converted kv head's panels (k = 64: 16384 + 116 columns).
+    check_shapes(
+        &[2, 2, 33, 64],
+        &[2, 1, 64, 16500],
+        DType::F32,
+        DType::F16,
+        144,
+    );
 }
 
 #[test]
