@@ -102,6 +102,26 @@ struct NormArgs {
     dtw: i32,
 }
 
+/// The norm prologue's six kernel arguments after `args` (zeros without a prologue).
+fn norm_tail(args: Args, pro: Option<&NormArgs>) -> Args {
+    match pro {
+        Some(p) => args
+            .arg(p.x)
+            .arg(p.eps)
+            .arg(p.nd)
+            .arg(p.dtn)
+            .arg(p.w)
+            .arg(p.dtw),
+        None => args
+            .arg(0u64)
+            .arg(0f32)
+            .arg(0u64)
+            .arg(0i32)
+            .arg(0u64)
+            .arg(0i32),
+    }
+}
+
 fn norm_args(exec: &Exec<'_>, norm: &ExecNode, mul: &ExecNode) -> Result<NormArgs> {
     let Op::RmsNorm { eps } = norm.op else {
         return Err(kernel_err(norm, "fused as a norm but is not one"));
@@ -313,22 +333,7 @@ pub(super) fn launch_gemv(
             .arg(staged as i32)
             .arg(ahead as i32)
             .arg(stream as i32);
-        let args = match pro {
-            Some(p) => args
-                .arg(p.x)
-                .arg(p.eps)
-                .arg(p.nd)
-                .arg(p.dtn)
-                .arg(p.w)
-                .arg(p.dtw),
-            None => args
-                .arg(0u64)
-                .arg(0f32)
-                .arg(0u64)
-                .arg(0i32)
-                .arg(0u64)
-                .arg(0i32),
-        };
+        let args = norm_tail(args, pro.as_ref());
         // A streamed, staged product without pairs takes its dtype's own entry point (80
         // registers, so that the next kernel's first blocks fit beside its two per
         // multiprocessor), its blocks padded to hold them to that many (`stream_pad`).
@@ -423,22 +428,7 @@ fn launch_gemv_q(
     };
     let blocks = blocks.clamp(1, i32::MAX as usize) as u32;
     let args = Args::new().arg(k as i64).arg(a.ptr).arg(set);
-    let args = match pro {
-        Some(p) => args
-            .arg(p.x)
-            .arg(p.eps)
-            .arg(p.nd)
-            .arg(p.dtn)
-            .arg(p.w)
-            .arg(p.dtw),
-        None => args
-            .arg(0u64)
-            .arg(0f32)
-            .arg(0u64)
-            .arg(0i32)
-            .arg(0u64)
-            .arg(0i32),
-    };
+    let args = norm_tail(args, pro.as_ref());
     exec.launch_shared(
         first,
         Kernel::FusedGemv1Q,
