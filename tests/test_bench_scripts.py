@@ -317,3 +317,14 @@ def test_gpu_compare_counts_the_weights_a_step_reads(tmp_path: Path) -> None:
         expected += emb
     assert mod.weight_bytes_per_token(path) == expected
     assert 0 < expected < path.stat().st_size
+
+
+def test_prefill_trace_sums_each_kernel_over_a_prefill(capsys: pytest.CaptureFixture[str]) -> None:
+    pt = _module("prefill_trace")
+    assert pt.short("void gemm<float, 2>(int)") == "void gemm"
+    rows = pt.read_rows("a,0,4000,1\nb<x, y>,4000,10000,2\na,10000,12000,3\nmemcpy:HtoD:8,0,500,4")
+    pt.report("m", "q4_0", [(rows, 0.02)])
+    out = capsys.readouterr().out
+    assert "span 12 us, kernels 12 us, wall 20000 us" in out
+    assert "| b | 1 | 6 | 50.0% |" in out
+    assert "| a | 2 | 6 | 50.0% |" in out

@@ -123,3 +123,63 @@ def test_an_uneven_split_over_three_stages(model: ls.Llama) -> None:
     np.testing.assert_allclose(
         sess.decode(PROMPT, logits="all"), one.decode(PROMPT, logits="all"), rtol=0, atol=1e-5
     )
+
+
+# Two CUDA streams of one GPU stand in for two GPUs where a machine has one: "cuda" and "cuda:0"
+# are separate backends (each its own stream and buffers) on the same device, so the boundary
+# is a copy between streams ordered by events, as between two devices.
+CUDA_STAGES = ["cuda", "cuda:0"]
+
+
+@pytest.mark.cuda
+def test_two_cuda_streams_give_one_gpus_tokens(model: ls.Llama) -> None:
+    one = ls.Session(model, backends=["cuda"], n_ctx=64, policy="staged")
+    for ahead in (False, True):
+        two = ls.Session(
+            model,
+            backends=CUDA_STAGES,
+            n_ctx=64,
+            policy="staged",
+            layer_split="even",
+            launch_ahead=ahead,
+        )
+        for plan in two.plans:
+            assert plan.split_backends == CUDA_STAGES
+        np.testing.assert_allclose(
+            two.decode(PROMPT, logits="all"),
+            one.decode(PROMPT, logits="all", seq_id=1),
+            rtol=0,
+            atol=1e-5,
+        )
+        assert two.generate(PROMPT, 12, seq_id=2) == one.generate(PROMPT, 12, seq_id=2)
+        one.clear()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_cuda_stage_boundary_costs_the_host_nothing(model: ls.Llama, ahead: bool) -> None:
+    """As on `cpu-async`: per decode step one host wait (the token's read on the last stage),
+    one 4-byte read, and each boundary copy ordered by one device wait on either stream."""
+    sess = ls.Session(
+        model,
+        backends=CUDA_STAGES,
+        n_ctx=64,
+        policy="staged",
+        layer_split=[1, 1],
+        launch_ahead=ahead,
+    )
+    sess.generate(PROMPT, 3)  # warm-up (captures)
+    before = sess.stats()
+    sess.generate(PROMPT, 9, seq_id=1)
+    after = sess.stats()
+    st = sess.last_generate
+    assert st is not None
+    steps = st.steps if not ahead else st.steps[1:-1]
+    for d in steps:
+        assert d["host_waits"] == 1, d
+        assert (d["d2h_copies"], d["d2h_bytes"]) == (1, 4), d
+        assert d["d2d_copies"] >= 1 + ahead, d
+        assert d["device_waits"] == 2 * d["d2d_copies"], d
+    assert len({d["d2d_copies"] for d in steps}) == 1, steps
+    first = {k: after["cuda"][k] - before["cuda"][k] for k in after["cuda"]}
+    assert (first["host_waits"], first["d2h_copies"]) == (0, 0), first

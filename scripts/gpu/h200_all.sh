@@ -208,18 +208,38 @@ if has attn; then
         >"$logs/attn-kernels.txt" 2>&1
     say "attention kernels: exit $?"; tee -a "$summary" <"$logs/attn-kernels.txt"
 fi
-if has ktrace; then
+# Builds the CUPTI kernel-trace library (/tmp/libcupti_kernels.so) once; fails without CUPTI.
+cupti_lib() {
+    [ -f /tmp/libcupti_kernels.so ] && return 0
+    local inc lib krec mrec cudainc
     inc=$(find / -name cupti_activity.h -path '*include*' 2>/dev/null | head -1)
     lib=$(find / -name 'libcupti.so*' 2>/dev/null | head -1)
-    if [ -n "$inc" ] && [ -n "$lib" ]; then
-        krec=$(grep -o 'CUpti_ActivityKernel[0-9]*' "$inc" | sort -V | tail -1)
-        mrec=$(grep -o 'CUpti_ActivityMemcpy[0-9]*' "$inc" | sort -V | tail -1)
-        cudainc=$(find / -name cuda.h -path '*include*' 2>/dev/null | head -1)
-        # KTRACE_MEMCPY=1 in the environment records the copies between graphs too.
-        cc -shared -fPIC -O2 -DKREC="$krec" -DMREC="$mrec" -I"$(dirname "$inc")" ${cudainc:+-I"$(dirname "$cudainc")"} \
-            scripts/gpu/cupti_kernels.c "$lib" -Wl,-rpath,"$(dirname "$lib")" -o /tmp/libcupti_kernels.so \
-            >"$logs/ktrace-build.log" 2>&1
-        say "ktrace build ($krec): exit $?"; tail -3 "$logs/ktrace-build.log"
+    if [ -z "$inc" ] || [ -z "$lib" ]; then
+        say "ktrace: no CUPTI (header ${inc:-none}, library ${lib:-none})"
+        return 1
+    fi
+    krec=$(grep -o 'CUpti_ActivityKernel[0-9]*' "$inc" | sort -V | tail -1)
+    mrec=$(grep -o 'CUpti_ActivityMemcpy[0-9]*' "$inc" | sort -V | tail -1)
+    cudainc=$(find / -name cuda.h -path '*include*' 2>/dev/null | head -1)
+    # KTRACE_MEMCPY=1 in the environment records the copies between graphs too.
+    cc -shared -fPIC -O2 -DKREC="$krec" -DMREC="$mrec" -I"$(dirname "$inc")" ${cudainc:+-I"$(dirname "$cudainc")"} \
+        scripts/gpu/cupti_kernels.c "$lib" -Wl,-rpath,"$(dirname "$lib")" -o /tmp/libcupti_kernels.so \
+        >"$logs/ktrace-build.log" 2>&1
+    local rc=$?
+    say "ktrace build ($krec): exit $rc"; tail -3 "$logs/ktrace-build.log"
+    return $rc
+}
+if has pftrace; then
+    # Per-kernel device time of one prefill (PFTRACE_P tokens) per model and weight dtype.
+    if cupti_lib; then
+        CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so timeout 400 python3 benches/profile/prefill_trace.py \
+            --models ${PFTRACE_MODELS:-1b} --dtypes ${PFTRACE_DTYPES:-q4_0,f16} -p ${PFTRACE_P:-512} \
+            --csv-dir "$logs" >"$logs/pftrace.txt" 2>&1
+        say "prefill trace: exit $?"; tee -a "$summary" <"$logs/pftrace.txt" | tail -80
+    fi
+fi
+if has ktrace; then
+    if cupti_lib; then
         # KTRACE_VARIANTS: NAME=SETTING,... entries (a SETTING is VAR=value or a tuning key
         # key=value of LOWSYNC_CUDA_TUNE) traced side by side in one process (KTRACE_ROUNDS
         # rounds, interleaved; one model build, one table of ratios).
@@ -247,8 +267,6 @@ if has ktrace; then
                 --csv-dir "$logs" >"$logs/ktrace-$tag.txt" 2>&1
             say "kernel trace ($envs): exit $?"; tail -${KTRACE_TAIL:-75} "$logs/ktrace-$tag.txt" | tee -a "$summary"
         done
-    else
-        say "ktrace: no CUPTI (header ${inc:-none}, library ${lib:-none})"
     fi
 fi
 if has nsys; then

@@ -1223,17 +1223,28 @@ Lay rows_lay(i64 rows, i64 len, i64 d_rs) {
     return L;
 }
 
+// soft_max, and soft_max_rows (a warp per row, rows up to 1024; the host's grid: 8 rows per
+// block of 256) with one block fewer than the rows need, so warps take a second row.
 void test_soft_max() {
+    for (int warp_rows : {0, 1})
     for (int has_mask : {0, 1})
-        for (i64 len : {7, 300, 4100}) {
-            const i64 rows = 3;
+        for (i64 len : {7, 300, 1024, 4100}) {
+            if (warp_rows && len > 1024) continue;
+            const i64 rows = 19;
             Buf x(DT_F32, rows * len), mask(DT_F32, len), d(DT_F32, rows * len);
             x.rand(4);
             for (i64 c = 0; c < len; ++c) mask.set(c, c % 5 == 1 ? -INFINITY : rnd(1));
-            launch(rows, 256, [&] {
-                soft_max(rows, len, rows_lay(rows, len, len), d.p(), DT_F32, 1, x.p(), DT_F32, 1, mask.p(), DT_F32, 1,
-                         has_mask, 0.5f);
-            });
+            if (warp_rows) {
+                launch((unsigned)((rows + 7) / 8 - 1), 256, [&] {
+                    soft_max_rows(rows, len, rows_lay(rows, len, len), d.p(), DT_F32, 1, x.p(), DT_F32, 1, mask.p(),
+                                  DT_F32, 1, has_mask, 0.5f);
+                });
+            } else {
+                launch(rows, 256, [&] {
+                    soft_max(rows, len, rows_lay(rows, len, len), d.p(), DT_F32, 1, x.p(), DT_F32, 1, mask.p(), DT_F32, 1,
+                             has_mask, 0.5f);
+                });
+            }
             std::vector<double> want, got;
             for (i64 r = 0; r < rows; ++r) {
                 std::vector<double> v(len);
@@ -1248,8 +1259,32 @@ void test_soft_max() {
                     got.push_back(d.get(r * len + c));
                 }
             }
-            check("soft_max mask " + std::to_string(has_mask) + " len " + std::to_string(len), want, got, 1e-10);
+            check(std::string(warp_rows ? "soft_max_rows" : "soft_max") + " mask " + std::to_string(has_mask) + " len " +
+                      std::to_string(len),
+                  want, got, 1e-10);
         }
+    // soft_max_rows: a row holding a NaN is all NaN, a fully masked row all zeros, next to a
+    // normal row.
+    const i64 len = 40;
+    Buf x(DT_F32, 3 * len), mask(DT_F32, 3 * len), d(DT_F32, 3 * len);
+    x.rand(5);
+    for (i64 i = 0; i < 3 * len; ++i) mask.set(i, i >= 2 * len ? -INFINITY : 0.0f);
+    x.set(len + 33, NAN);
+    Lay L = rows_lay(3, len, len);
+    L.st[2][0] = len;  // a mask row per row
+    launch(1, 256, [&] {
+        soft_max_rows(3, len, L, d.p(), DT_F32, 1, x.p(), DT_F32, 1, mask.p(), DT_F32, 1, 1, 1.0f);
+    });
+    double sum0 = 0;
+    int bad = 0;
+    for (i64 c = 0; c < len; ++c) {
+        sum0 += d.get(c);
+        bad += !std::isnan(d.get(len + c)) + (d.get(2 * len + c) != 0.0f);
+    }
+    if (bad || std::fabs(sum0 - 1.0) > 1e-5) {
+        printf("FAIL soft_max_rows special rows: %d wrong, normal row sums to %g\n", bad, sum0);
+        ++fails;
+    }
 }
 
 // The largest value's index, the lowest on ties, NaN below every number, an all-NaN row 0.

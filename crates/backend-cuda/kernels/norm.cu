@@ -65,6 +65,62 @@ extern "C" __global__ void soft_max(i64 rows, i64 len, Lay L, void* dst, int dtd
     }
 }
 
+// soft_max for rows of at most 32 * SMR_V values, one warp per row (prefill's attention
+// scores: 16k rows of a few hundred per layer at pp512). The block-wide kernel above spent its
+// time in three block reductions per row and in reading the row three times; here a lane keeps
+// its values (columns lane, lane + 32, ...) in registers, the warp reduces by shuffles, and the
+// row is read once and written once. Same results as `soft_max` up to the order of the sum.
+#define SMR_V 32
+extern "C" __global__ void soft_max_rows(i64 rows, i64 len, Lay L, void* dst, int dtd, i64 d_cs,
+                                         const void* x, int dtx, i64 x_cs, const void* mask,
+                                         int dtm, i64 m_cs, int has_mask, float scale) {
+    pdl_entry();
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
+    for (i64 r = (i64)blockIdx.x * wpb + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * wpb) {
+        i64 o[3];
+        lay_offsets(L, r, has_mask ? 3 : 2, o);
+        float v[SMR_V];
+        float mx = NEG_INF;
+        bool nan = false;
+#pragma unroll
+        for (int u = 0; u < SMR_V; ++u) {
+            const i64 c = lane + 32 * u;
+            v[u] = NEG_INF;
+            if (c < len) {
+                float t = ld(x, dtx, o[1] + c * x_cs) * scale;
+                if (has_mask) t += ld(mask, dtm, o[2] + c * m_cs);
+                v[u] = t;
+                mx = fmaxf(mx, t);
+                nan |= t != t;
+            }
+        }
+        mx = warp_max(mx);
+        nan = __any_sync(0xffffffffu, nan);
+        if (nan || mx == NEG_INF) {
+            const float fill = nan ? __int_as_float(0x7fc00000) : 0.0f;
+#pragma unroll
+            for (int u = 0; u < SMR_V; ++u) {
+                const i64 c = lane + 32 * u;
+                if (c < len) st(dst, dtd, o[0] + c * d_cs, fill);
+            }
+            continue;
+        }
+        float s = 0.0f;
+#pragma unroll
+        for (int u = 0; u < SMR_V; ++u) {
+            v[u] = expf(v[u] - mx);  // 0 past the row's end (-inf)
+            s += v[u];
+        }
+        const float inv = 1.0f / warp_sum(s);
+#pragma unroll
+        for (int u = 0; u < SMR_V; ++u) {
+            const i64 c = lane + 32 * u;
+            if (c < len) st(dst, dtd, o[0] + c * d_cs, v[u] * inv);
+        }
+    }
+}
+
 // A row's values of one thread: AM_U loads in flight before the comparisons (a decode step
 // waits on this row; ties go to the lower index, so the order of comparisons does not matter).
 #define AM_U 16

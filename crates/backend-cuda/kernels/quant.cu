@@ -209,7 +209,7 @@ extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q_argma
 
 // Prefill's weight for cuBLAS: dst[r, :] (f16, rows of k packed back to back) = row r of the
 // quantized source dequantized; `L` iterates the rows (st[0]: their element offsets). One
-// thread per 16 values.
+// thread per 16 values; dst 16-byte aligned.
 template <int QT>
 __device__ __forceinline__ void dequant_rows_body(i64 rows, i64 k, const Lay& L, u16* dst, const u8* src) {
     const int QB = q_block_size(QT), BB = q_block_bytes(QT);
@@ -220,8 +220,15 @@ __device__ __forceinline__ void dequant_rows_body(i64 rows, i64 k, const Lay& L,
         lay_offsets(L, r, 1, o);
         float v[16];
         dq16<QT>(src + (o[0] / QB + 16 * c / QB) * BB, (int)(c % (QB / 16)), v);
+        // Two 16-byte stores (k is a whole number of blocks, so 16 values of a row start on a
+        // 32-byte boundary): 16 two-byte stores, 32 bytes apart from lane to lane, made each
+        // warp's 1 KB of output 16 partial writes of every sector it covers.
+        u32 h[8];
 #pragma unroll
-        for (int e = 0; e < 16; ++e) dst[r * k + 16 * c + e] = f2h(v[e]);
+        for (int e = 0; e < 8; ++e) h[e] = (u32)f2h(v[2 * e]) | ((u32)f2h(v[2 * e + 1]) << 16);
+        uint4* d4 = (uint4*)(dst + r * k + 16 * c);
+        d4[0] = make_uint4(h[0], h[1], h[2], h[3]);
+        d4[1] = make_uint4(h[4], h[5], h[6], h[7]);
     }
 }
 

@@ -483,6 +483,12 @@ impl Backend for CudaBackend {
         }
         Ok(Box::new(rb))
     }
+    /// Another CUDA backend (another device, or another stream of this one) is copied from
+    /// on the streams: an event on its stream waited on by this one, the copy, and the back
+    /// edge (`cpy_tensor_async`); no host wait.
+    fn copies_from(&self, src: &dyn Backend) -> bool {
+        lookup(src).is_some_and(|o| !Arc::ptr_eq(&o, &self.inner))
+    }
     fn cpy_tensor_async(
         &self,
         src_backend: &dyn Backend,
@@ -535,7 +541,19 @@ impl Backend for CudaBackend {
                 }
                 .map_err(|e| i.driver_err("cuMemcpyPeerAsync", e))?;
             }
-            // Destroying `ev` now is fine: the driver keeps a pending event alive.
+            // The back edge: work queued on the source after this call may overwrite the
+            // bytes, so the source stream waits (device side) for the copy. Without it a
+            // pipeline stage could run its next ubatch into the boundary tensor while the next
+            // stage's stream, still busy with the previous one, has not copied it yet.
+            let done = CuEvent::new().map_err(|e| i.driver_err("cuEventCreate", e))?;
+            i.stream
+                .record_event(&done)
+                .map_err(|e| i.driver_err("cuEventRecord", e))?;
+            other.bind()?;
+            let waited = other.stream.wait_event(&done);
+            i.bind()?;
+            waited.map_err(|e| other.driver_err("cuStreamWaitEvent", e))?;
+            // Destroying the events now is fine: the driver keeps a pending event alive.
             return Ok(true);
         }
         // S0's copy_from_host: a host (`cpu`) source is ready once its synchronous producer

@@ -79,6 +79,8 @@ pub(crate) enum Kernel {
     SetRows,
     RmsNorm,
     SoftMax,
+    /// `soft_max` for rows of at most `SOFT_MAX_ROWS_MAX` values, one warp per row.
+    SoftMaxRows,
     Argmax,
     Rope,
     MulMatId,
@@ -131,7 +133,7 @@ pub(crate) enum Kernel {
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 46] = [
+    pub(crate) const ALL: [Kernel; 47] = [
         Kernel::EwUnary,
         Kernel::SmallCopy,
         Kernel::CopyBatch,
@@ -142,6 +144,7 @@ impl Kernel {
         Kernel::SetRows,
         Kernel::RmsNorm,
         Kernel::SoftMax,
+        Kernel::SoftMaxRows,
         Kernel::Argmax,
         Kernel::Rope,
         Kernel::MulMatId,
@@ -220,7 +223,7 @@ impl Kernel {
             | Kernel::SmallCopy
             | Kernel::CopyBatch => "elementwise",
             Kernel::GetRows | Kernel::SetRows => "rows",
-            Kernel::RmsNorm | Kernel::SoftMax | Kernel::Argmax => "norm",
+            Kernel::RmsNorm | Kernel::SoftMax | Kernel::SoftMaxRows | Kernel::Argmax => "norm",
             Kernel::Rope => "rope",
             Kernel::MulMatId
             | Kernel::MulMatVecK
@@ -268,6 +271,7 @@ impl Kernel {
             Kernel::SetRows => "set_rows",
             Kernel::RmsNorm => "rms_norm",
             Kernel::SoftMax => "soft_max",
+            Kernel::SoftMaxRows => "soft_max_rows",
             Kernel::Argmax => "argmax",
             Kernel::Rope => "rope",
             Kernel::MulMatId => "mul_mat_id",

@@ -25,6 +25,9 @@ use crate::exec::matmul;
 use crate::kernels::Kernel;
 use crate::layout::broadcast_strides;
 
+/// The longest row `soft_max_rows` takes: 32 lanes x `SMR_V` (32) values in registers.
+const SOFT_MAX_ROWS_MAX: usize = 1024;
+
 impl Exec<'_> {
     /// Runs one node.
     pub(crate) fn run(&mut self, node: &ExecNode) -> Result<()> {
@@ -418,6 +421,11 @@ impl Exec<'_> {
             .arg(m_cs as i64)
             .arg(mask.is_some() as i32)
             .arg(scale);
+        if len <= SOFT_MAX_ROWS_MAX {
+            // A warp per row, 8 rows per block (norm.cu `soft_max_rows`).
+            let grid = rows.div_ceil(8).clamp(1, 65_535) as u32;
+            return self.launch(node, Kernel::SoftMaxRows, grid, 256, args);
+        }
         self.launch(node, Kernel::SoftMax, rows_grid(rows), row_block(len), args)
     }
 
