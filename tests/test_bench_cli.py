@@ -136,6 +136,15 @@ def test_bench_backend_and_policy_lists(capsys: pytest.CaptureFixture[str]) -> N
     assert parse_backends(["a,b", "c+d"]) == [["a"], ["b"], ["c", "d"]]
 
 
+def test_bench_kv_cache_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    """`-ctk` (llama-bench's flag) sets the KV cache's dtype; the row says which it ran."""
+    argv = ["bench", "-p", "4", "-n", "2", "--backend", "cpu", "--policy", "staged", "--json"]
+    assert [r["kv_dtype"] for r in _json(capsys, argv)] == ["f32"]
+    assert [r["kv_dtype"] for r in _json(capsys, [*argv, "-ctk", "f16"])] == ["f16"]
+    with pytest.raises(SystemExit):
+        main([*argv, "-ctk", "q8_0"])
+
+
 def test_bench_on_a_gguf_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     model = Llama.random(LlamaConfig(300, 64, 2, 4, 2, 96), seed=0, dtype="f16")
     model.save_gguf(tmp_path / "m.gguf")

@@ -20,10 +20,12 @@ Strategy:
      lowsync's `save_gguf`, then every type of `--types` made from it by `llama-quantize`;
      kept in `--work` and reused.
   4. Runs: per repetition and file, one `lowsync bench -m FILE --backend B --policy staged -p P
-     -n N -ub P --json` process (both launch-ahead rows; the faster tg row is kept, with its
-     host waits per token) and one `llama-bench -m FILE -ngl 99 -p P -n N -d 0,P -ub P -fa FA
-     -r 1 -o json` process, the order flipped every repetition. lowsync's tg steps follow its
-     P-token prompt, so llama.cpp's tg is its `-d P` test; pp is `-d 0`. Medians are reported.
+     -n N -ub P -ctk KV --json` process (both launch-ahead rows; the faster tg row is kept, with
+     its host waits per token) and one `llama-bench -m FILE -ngl 99 -p P -n N -d 0,P -ub P -fa FA
+     -ctk KV -ctv KV -r 1 -o json` process, the order flipped every repetition; KV (`--kv-dtype`)
+     is the KV cache's dtype on both sides, f16 by default (llama-bench's own default).
+     lowsync's tg steps follow its P-token prompt, so llama.cpp's tg is its `-d P` test; pp is
+     `-d 0`. Medians are reported.
   5. Bandwidth floor (CUDA, when PyTorch is importable): the bytes of the weights one decode
      step reads (every tensor but the token embedding, which a step reads one row of; the
      embedding too when the output head is tied to it) over the device's read rate measured
@@ -87,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (128)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per engine and file (3)")
     ap.add_argument("--fa", default="auto", choices=("on", "off", "auto"), help="llama.cpp -fa")
+    ap.add_argument(
+        "--kv-dtype", default="f16", choices=("f32", "f16", "bf16"), help="both KV caches' dtype"
+    )
     ap.add_argument("--seed", type=int, default=3, help="seed of the built-in weights")
     ap.add_argument("--llama-src", type=Path, default=None, help="llama.cpp b11434 source tree")
     ap.add_argument("--build-dir", type=Path, default=None)
@@ -245,7 +250,7 @@ def read_rate() -> float | None:
 def run_lowsync(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     cmd = [*cpu.lowsync_cli(args), "bench", "-m", str(path), "--backend", args.backend]
     cmd += ["--policy", "staged", "-r", "1", "--json", "-ub", str(args.n_prompt)]
-    cmd += ["-p", str(args.n_prompt), "-n", str(args.n_gen)]
+    cmd += ["-p", str(args.n_prompt), "-n", str(args.n_gen), "-ctk", args.kv_dtype]
     child = cpu.checked(cpu.run_child(cmd, None, args.timeout), "lowsync bench")
     rows = cpu.last_json(child.stdout)
     if not rows:
@@ -264,6 +269,7 @@ def run_llama_bench(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     p, n = str(args.n_prompt), str(args.n_gen)
     cmd = [str(bin_path(args, "llama-bench")), "-m", str(path), "-ngl", "99"]
     cmd += ["-p", p, "-n", n, "-d", f"0,{p}", "-ub", p, "-fa", args.fa, "-r", "1", "-o", "json"]
+    cmd += ["-ctk", args.kv_dtype, "-ctv", args.kv_dtype]
     child = cpu.checked(cpu.run_child(cmd, None, args.timeout), "llama-bench")
     tests = cpu.last_json(child.stdout)
     pp = [t for t in tests if t["n_prompt"] == args.n_prompt and t["n_gen"] == 0]

@@ -188,6 +188,7 @@ class BenchRow:
     launch_ahead: bool = False
     legacy: tuple[str, ...] = ()  # the legacy switches it ran with, as VAR=value
     warmup_rounds: int = 1
+    kv_dtype: str = "f32"
 
     @property
     def label(self) -> str:
@@ -210,6 +211,7 @@ class BenchRow:
             "n_gen": self.n_gen,
             "reps": self.reps,
             "warmup_rounds": self.warmup_rounds,
+            "kv_dtype": self.kv_dtype,
             "pp_tps": self.pp_tps,
             "pp_tps_std": self.pp_tps_std,
             "tg_tps": self.tg_tps,
@@ -265,6 +267,7 @@ def run_bench(
     seed: int = 0,
     on_rep: Callable[[], None] | None = None,
     launch_ahead: bool = False,
+    kv_dtype: str = "f32",
 ) -> BenchRow | None:
     """Runs one bench row: the warm-up (`warm_up`), then `reps` times prompt + `n_gen`
     generated tokens.
@@ -273,6 +276,7 @@ def run_bench(
     `n_gen` generation steps (after the prompt), averaged over the repetitions. With
     `launch_ahead` the decode loop queues step t+1 before it reads token t; None when the
     session cannot (not `staged`, or a backend without stream-ordered copies and reads).
+    `kv_dtype` is the KV cache's dtype (f32, f16 or bf16).
     """
     if n_prompt < 1 or n_gen < 1 or reps < 1:
         raise ValueError("n_prompt, n_gen and reps must be at least 1")
@@ -288,6 +292,7 @@ def run_bench(
             n_ubatch=min(n_ubatch, n_prompt),
             policy=policy,
             launch_ahead=launch_ahead,
+            kv_dtype=kv_dtype,
         )
         if launch_ahead and not sess.launch_ahead:
             return None
@@ -325,6 +330,7 @@ def run_bench(
         launch_ahead=sess.launch_ahead,
         legacy=tuple(f"{k}={v}" for k, v in sorted(legacy.items())),
         warmup_rounds=rounds,
+        kv_dtype=kv_dtype,
     )
 
 

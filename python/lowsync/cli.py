@@ -322,6 +322,13 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("-n", "--n-gen", type=_positive, default=32, help="generated tokens (32)")
     bench.add_argument("-r", "--repetitions", type=_positive, default=1, help="repetitions (1)")
     bench.add_argument(
+        "-ctk",
+        "--kv-dtype",
+        choices=("f32", "f16", "bf16"),
+        default="f32",
+        help="KV cache dtype (default: f32; llama-bench's default is f16)",
+    )
+    bench.add_argument(
         "--launch-ahead",
         type=_ahead_list,
         default=[0, 1],
@@ -471,6 +478,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     seed=args.seed,
                     on_rep=functools.partial(progress.update, label),
                     launch_ahead=bool(ahead),
+                    kv_dtype=args.kv_dtype,
                 )
                 if row is not None:
                     rows.append(row)
