@@ -6,7 +6,8 @@ then generates tokens greedily, on each backend under each sync policy, and one 
 prompt and generation speed next to what the backends counted per generated token — host
 waits, driver syncs, elided syncs, submits, empty submits, H2D and D2H copies, reallocations.
 
-Strategy: each (backend, policy) pair gets its own `Session` (one context, plans compiled once),
+Strategy: each (backend, policy) pair gets its own `Session` (one context, plans compiled once,
+one output row per graph since only the last prompt token's output is read),
 a warm-up, then `-r` repetitions of: clear the cache, decode `-p` prompt tokens (reading the
 first generated token), generate `-n` more tokens one step at a time. The warm-up repeats a
 short prompt + generation round (at least twice) until a round captures no CUDA graph: a graph
@@ -293,6 +294,9 @@ def run_bench(
             policy=policy,
             launch_ahead=launch_ahead,
             kv_dtype=kv_dtype,
+            # Only the prompt's last token is read (as llama-bench reads it): one output row per
+            # graph, not a row of logits per prompt token (memory and pp time both).
+            n_outputs=1,
         )
         if launch_ahead and not sess.launch_ahead:
             return None

@@ -8,7 +8,10 @@ inputs and runs the plans; the graph itself is `lowsync.models.llama`.
 
 Strategy: one `Context` per session (the user's backend list is passed straight through) and
 one compiled plan per shape bucket, compiled once in `__init__`, largest first (reserve once):
-by default a 1-token decode graph and an `n_ubatch`-token graph. All plans name the same
+by default a 1-token decode graph and an `n_ubatch`-token graph, each with `n_outputs` output
+rows at most (a ubatch ends early once it holds that many tokens whose output is wanted, so a
+prompt read only for its last token needs one row of logits, not one per token). All plans
+name the same
 weights and persistent KV tensors, which the context shares between its plans. The cache
 tensors have one more row than there are cells: the scratch row that padded tokens of a short
 ubatch write to. Per ubatch the host fills `tokens`, `pos`, `kv_idx`, `kq_mask` and `out_ids`
@@ -169,23 +172,26 @@ class _Bucket:
     greedy rows everywhere), so the hot path rewrites the parameter rows only when they change.
     """
 
-    def __init__(self, plan: Plan, n_tokens: int, n_rows: int, window: int | None) -> None:
+    def __init__(
+        self, plan: Plan, n_tokens: int, n_out: int, n_rows: int, window: int | None
+    ) -> None:
         self.plan = plan
         self.n_tokens = n_tokens
+        self.n_out = n_out
         self.tokens = np.zeros(n_tokens, np.int32)
         self.pos = np.zeros(n_tokens, np.int32)
         self.kv_idx = np.zeros(n_tokens, np.int32)
         self.kq_mask = np.full((n_tokens, n_rows), -np.inf, np.float32)
-        self.out_ids = np.zeros(n_tokens, np.int32)
+        self.out_ids = np.zeros(n_out, np.int32)
         plan.set_input("out_ids", self.out_ids)
         self.sampling = window is not None
         self.hist_cols = 0 if not window else (window - 1 if n_tokens == 1 else window)
         self.has_hist = SAMPLE_HIST in plan.inputs
         self.has_penalty = SAMPLE_PENALTY in plan.inputs
-        self.hist = np.full((n_tokens, self.hist_cols), -1, np.int32)
-        self.penalty = np.zeros((n_tokens, 3), np.float32)
-        self.params = np.zeros((n_tokens, 4), np.float32)
-        self.key = np.zeros((n_tokens, 2), np.int32)
+        self.hist = np.full((n_out, self.hist_cols), -1, np.int32)
+        self.penalty = np.zeros((n_out, 3), np.float32)
+        self.params = np.zeros((n_out, 4), np.float32)
+        self.key = np.zeros((n_out, 2), np.int32)
         self.drawing: object = _UNKNOWN
         if self.sampling:
             self.write_greedy()
@@ -213,7 +219,11 @@ class Session:
 
     `backends` goes to `lowsync.Context` as given; `policy` is "stock", "relaxed", "staged" or
     None (`LOWSYNC_SYNC_POLICY`, default staged). A prompt is split into ubatches of at most
-    `n_ubatch` tokens. `kv_dtype` is the cache's dtype. One graph is compiled per size in
+    `n_ubatch` tokens, and a ubatch ends early once it holds `n_outputs` tokens whose output
+    is wanted (default `n_ubatch`: never early): each graph has at most `n_outputs` rows of
+    logits, so `n_outputs=1` suits a session that only generates (each prompt is read for its
+    last token), at the cost of one ubatch per token for `decode(..., logits="all")`.
+    `kv_dtype` is the cache's dtype. One graph is compiled per size in
     `buckets` plus one of `n_ubatch` tokens, all at creation; a ubatch runs on the smallest that
     holds it, padded. The default `(1,)` gives single-token steps their own graph; `()` runs
     everything through the `n_ubatch` graph; e.g. `(1, 2, 4)` suits 4 parallel sequences.
@@ -268,6 +278,7 @@ class Session:
         sampling: bool = False,
         penalty_last_n: int = 64,
         layer_split: Sequence[float] | Literal["even"] | None = None,
+        n_outputs: int | None = None,
     ) -> None:
         if not isinstance(model, Llama):
             raise SessionError(
@@ -277,6 +288,17 @@ class Session:
         for what, v in (("n_ctx", n_ctx), ("n_seq", n_seq), ("n_ubatch", n_ubatch)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise SessionError(f"Session: {what} must be a positive integer, got {v!r}")
+        if n_outputs is None:
+            n_outputs = n_ubatch
+        if (
+            isinstance(n_outputs, bool)
+            or not isinstance(n_outputs, int)
+            or not 1 <= n_outputs <= n_ubatch
+        ):
+            raise SessionError(
+                f"Session: n_outputs must be an int from 1 to n_ubatch ({n_ubatch}), "
+                f"got {n_outputs!r}"
+            )
         bad = [b for b in buckets if isinstance(b, bool) or not isinstance(b, int) or b < 1]
         if bad or any(b > n_ubatch for b in buckets):
             raise SessionError(
@@ -304,6 +326,7 @@ class Session:
         self.n_ctx = n_ctx
         self.n_seq = n_seq
         self.n_ubatch = n_ubatch
+        self.n_outputs = n_outputs
         self.n_vocab = model.config.n_vocab
         self.sampling = sampling
         self.penalty_last_n = penalty_last_n
@@ -321,16 +344,17 @@ class Session:
         # Quantized weights the backends cannot read are widened here, once for every bucket.
         graph_model = model.prepared_for(self.context)
         for size in sizes:
+            n_out = min(size, n_outputs)
             graph = graph_model.build_graph(
                 size,
                 n_rows,
-                size,
+                n_out,
                 kv_dtype=kv_dtype,
                 sampling=sampling,
                 penalty_last_n=penalty_last_n,
                 layer_backends=layer_backends,
             )
-            compiled.append(_Bucket(self.context.compile(graph), size, n_rows, window))
+            compiled.append(_Bucket(self.context.compile(graph), size, n_out, n_rows, window))
             del graph  # the context holds the uploaded weights; drop the graph's copy now
         del graph_model
         self._buckets = compiled[::-1]  # smallest first, for `_bucket_for`
@@ -743,8 +767,7 @@ class Session:
         results: list[npt.NDArray[Any]] = []
         waited = False  # whether the last ubatch's output was read (so all of them ran)
         try:
-            for start in range(0, len(tokens), self.n_ubatch):
-                stop = min(start + self.n_ubatch, len(tokens))
+            for start, stop in self._ubatches(flags):
                 sub_seqs = seqs[start:stop]
                 sub_tokens = tokens[start:stop]
                 rows = [i for i, f in enumerate(flags[start:stop]) if f]
@@ -762,6 +785,20 @@ class Session:
             raise
         self._cells.commit(step, confirmed=waited)
         return results or None
+
+    def _ubatches(self, flags: list[bool]) -> Iterator[tuple[int, int]]:
+        """The (start, stop) of each ubatch of tokens with these output flags: at most
+        `n_ubatch` tokens, ending after the `n_outputs`-th token whose output is wanted."""
+        n, start = len(flags), 0
+        while start < n:
+            stop = min(start + self.n_ubatch, n)
+            if self.n_outputs < stop - start:
+                wanted = itertools.accumulate(flags[start:stop])
+                full = next((i for i, c in enumerate(wanted) if c == self.n_outputs), None)
+                if full is not None:
+                    stop = start + full + 1
+            yield start, stop
+            start = stop
 
     def _fill(
         self,
