@@ -10,8 +10,11 @@ has to be right before any weight is touched.
 Strategy: the file is memory-mapped once (`numpy.memmap`, read-only) and parsed front to back
 by a cursor that checks every count (keys, tensors, string and array lengths, dimensions)
 against the bytes that remain before it reads or allocates anything. Arrays of numbers become
-one `numpy.frombuffer` view each (no object per element); arrays of strings cost one `str` per
-element, and each element takes at least 8 bytes of the file; nested arrays are refused, as
+one `numpy.frombuffer` view each (no object per element); arrays of strings are checked
+(lengths, UTF-8) element by element and kept as a `StringArray` over the map, which decodes an
+element when it is read (a vocabulary and its merges, ~100k strings, held 8 MiB of `str` objects
+that running a model from token ids never reads), and each element takes at least 8 bytes of
+the file; nested arrays are refused, as
 llama.cpp does. The tensor table is then checked the way llama.cpp's loader checks it: a known
 type, at most 4 dimensions, rows a whole number of blocks, offsets aligned to
 `general.alignment` (a power of two, default 32), every tensor inside the file, no overlap, and
@@ -27,10 +30,11 @@ import itertools
 import os
 import stat
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -142,11 +146,53 @@ GGML_TYPES: dict[int, GGMLType] = {
 }
 
 
+class StringArray(Sequence[str]):
+    """A GGUF array of strings, read from the file's map: an element is decoded when it is read
+    (its length and UTF-8 were checked when the file was parsed). Compares equal to any
+    sequence of the same strings; `list(a)` gives the plain list."""
+
+    __slots__ = ("_buf", "_starts")
+
+    def __init__(self, buf: memoryview, starts: Array) -> None:
+        self._buf = buf
+        self._starts = starts  # each element's first byte, after its 8-byte length
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def _decode(self, start: int) -> str:
+        (n,) = _U64.unpack_from(self._buf, start - 8)
+        return str(self._buf[start : start + n], "utf-8")
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return [self._decode(s) for s in self._starts[i].tolist()]
+        return self._decode(int(self._starts[i]))  # numpy's IndexError when out of range
+
+    def __iter__(self) -> Iterator[str]:
+        return map(self._decode, self._starts.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str) or not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        head = ", ".join(map(repr, self[:3]))
+        return f"StringArray([{head}{', ...' if len(self) > 3 else ''}], {len(self)} items)"
+
+
 @dataclass(frozen=True)
 class Field:
     """One metadata key. `value` is an int, float, bool or str for a scalar; for an array, a
-    read-only numpy array (numbers; bools as numpy bools) or a list of str. `item_type` is the
-    element type of an array, None for a scalar."""
+    read-only numpy array (numbers; bools as numpy bools) or a `StringArray`. `item_type` is
+    the element type of an array, None for a scalar."""
 
     key: str
     type: ValueType
@@ -372,11 +418,11 @@ class _Cursor:
             out.flags.writeable = False
         return out
 
-    def strings(self, count: int, what: str) -> list[str]:
+    def strings(self, count: int, what: str) -> StringArray:
         self.need(count * 8, what)  # each element is at least its 8-byte length
         buf, end, pos = self.buf, self.end, self.pos
         unpack = _U64.unpack_from
-        out: list[str] = []
+        starts = np.empty(count, np.int64)
         i = 0
         try:
             for i in range(count):
@@ -385,14 +431,15 @@ class _Cursor:
                     self.pos = pos
                     self.string(f"{what}, element {i},")  # raises, naming what ran short
                 pos += 8
-                out.append(str(buf[pos : pos + n], "utf-8"))
+                starts[i] = pos
+                str(buf[pos : pos + n], "utf-8")  # checked now, decoded again when read
                 pos += n
         except UnicodeDecodeError as e:
             raise self.file.err(
                 f"{what}, element {i}, is not valid UTF-8 ({e.reason} at byte {pos + e.start})"
             ) from None
         self.pos = pos
-        return out
+        return StringArray(buf, starts)
 
 
 def _read_preamble(f: GGUFFile, cur: _Cursor) -> int:
