@@ -232,6 +232,9 @@ class LLM:
             launch_ahead=launch_ahead,
             sampling=True,
             penalty_last_n=penalty_last_n,
+            # Generation reads the output of a prompt's last token only: one output row per
+            # graph, not a row of logits (and of sampling) per prompt token.
+            n_outputs=1,
         )
         self._rng = random.Random(seed)
         self._active: weakref.ref[Generator[Any, None, None]] | None = None
@@ -248,7 +251,9 @@ class LLM:
 
     @property
     def session(self) -> Session:
-        """The session underneath (its counters: `session.stats()`, `session.last_generate`)."""
+        """The session underneath (its counters: `session.stats()`, `session.last_generate`).
+        Its graphs have one output row (`n_outputs=1`): `decode(..., logits="all")` on it runs
+        a ubatch per token."""
         return self._session
 
     @property
