@@ -7,6 +7,8 @@ reader's) and keeps only each element's offset, 8 bytes, where a list held a `st
 
 from __future__ import annotations
 
+import copy
+import pickle
 import tracemalloc
 from pathlib import Path
 
@@ -44,6 +46,8 @@ def test_elements_read_back_by_index_slice_and_iteration(tmp_path: Path) -> None
         value[len(WORDS)]
     assert "héllo" in value
     assert value.index("日本") == 3
+    assert pickle.loads(pickle.dumps(value)) == WORDS
+    assert copy.deepcopy(value) == WORDS
     assert repr(value) == "StringArray(['', 'a', 'héllo', ...], 6 items)"
 
 

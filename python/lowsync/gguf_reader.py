@@ -183,6 +183,10 @@ class StringArray(Sequence[str]):
 
     __hash__ = None  # type: ignore[assignment]
 
+    def __reduce__(self) -> tuple[type[list[str]], tuple[list[str]]]:
+        # A map cannot be pickled or copied: a copy is the plain list.
+        return list, (list(self),)
+
     def __repr__(self) -> str:
         head = ", ".join(map(repr, self[:3]))
         return f"StringArray([{head}{', ...' if len(self) > 3 else ''}], {len(self)} items)"
