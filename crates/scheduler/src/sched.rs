@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use lowsync_backend::{env, Backend, BufferId, BufferUsage, DeviceKind};
-use lowsync_graph::{DType, Graph, Op};
+use lowsync_graph::{DType, Graph, Op, WeightBytes};
 use parking_lot::Mutex;
 
 use crate::analysis::{analyze, Analysis};
@@ -60,7 +60,46 @@ pub(crate) struct LeafHome {
     pub dtype: DType,
     pub shape: Vec<usize>,
     pub op: Op,
-    pub fingerprint: u64,
+    pub data: LeafData,
+}
+
+/// What a weight's home remembers of its bytes, to refuse a second weight of the same name
+/// with other data.
+///
+/// Why: hashing every weight's bytes when a session is built read the whole file, so every
+/// page of a memory-mapped GGUF became resident (an untied token embedding included, of which
+/// decoding reads a few rows) and took time. Borrowed bytes (a file's map, a pinned numpy
+/// array) stay valid and unchanged while a handle lives, so the home keeps a handle: the same
+/// address and length are the same bytes without reading them, and only other bytes are
+/// compared. Owned bytes are hashed, as a handle would keep them alive after their upload.
+#[derive(Clone, Debug)]
+pub(crate) enum LeafData {
+    /// A persistent tensor (no bytes).
+    None,
+    Borrowed(WeightBytes),
+    Hash(u64),
+}
+
+impl LeafData {
+    fn of(w: Option<&WeightBytes>) -> LeafData {
+        match w {
+            None => LeafData::None,
+            Some(b) if b.is_borrowed() => LeafData::Borrowed(b.clone()),
+            Some(b) => LeafData::Hash(fingerprint(b)),
+        }
+    }
+
+    /// Whether `w` holds the bytes this home was made from.
+    fn same(&self, w: Option<&WeightBytes>) -> bool {
+        match (self, w) {
+            (LeafData::None, None) => true,
+            (LeafData::Borrowed(a), Some(b)) => {
+                (a.as_ptr() == b.as_ptr() && a.len() == b.len()) || a.as_bytes() == b.as_bytes()
+            }
+            (LeafData::Hash(h), Some(b)) => *h == fingerprint(b),
+            _ => false,
+        }
+    }
 }
 
 /// The worst case the context is reserved for.
@@ -419,7 +458,7 @@ impl Sched {
                 continue;
             }
             let name = t.name.clone().unwrap_or_default();
-            let fp = weights.get(&i).map_or(0, |w| fingerprint(&w.bytes));
+            let data = weights.get(&i).map(|w| &w.bytes);
             let b = a.placement[i];
             let home = match st.leaves.get(&name) {
                 Some(h) => {
@@ -436,7 +475,7 @@ impl Sched {
                             self.backends[b].name()
                         )));
                     }
-                    if h.fingerprint != fp {
+                    if !h.data.same(data) {
                         return Err(Error::Input(format!(
                             "weight `{name}` already exists in this context with other data; use another name or a new context"
                         )));
@@ -472,7 +511,7 @@ impl Sched {
                         dtype: t.dtype,
                         shape: t.layout.shape.clone(),
                         op: t.op,
-                        fingerprint: fp,
+                        data: LeafData::of(data),
                     };
                     st.leaves.insert(name, h.clone());
                     h

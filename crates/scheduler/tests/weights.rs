@@ -285,9 +285,11 @@ fn borrowed_bytes_live_as_long_as_the_context_and_no_longer() {
         let sc = sched(h.clone());
         let mut plan = sc.compile(&graph(&bytes)).unwrap();
         drop(bytes);
-        // The graph is gone and so is the caller's handle: the buffers keep the bytes.
+        // The graph is gone and so is the caller's handle: the buffers keep the bytes, and so
+        // does each weight's home in the context (to tell a later weight of the same name with
+        // other bytes without hashing these).
         assert!(
-            held.iter().all(|x| Arc::strong_count(x) == 2),
+            held.iter().all(|x| Arc::strong_count(x) == 3),
             "{}",
             h.name()
         );
@@ -300,4 +302,45 @@ fn borrowed_bytes_live_as_long_as_the_context_and_no_longer() {
             h.name()
         );
     }
+}
+
+#[test]
+fn a_weight_of_the_same_name_needs_the_same_bytes_not_the_same_address() {
+    let data = weight_data();
+    let (first, _h1): (Vec<_>, Vec<_>) = data.iter().map(|d| borrowed(&d.3, 0)).unzip();
+    let (copy, _h2): (Vec<_>, Vec<_>) = data.iter().map(|d| borrowed(&d.3, 4)).unzip();
+    let owned: Vec<WeightBytes> = data
+        .iter()
+        .map(|d| WeightBytes::from(d.3.clone()))
+        .collect();
+    for h in hosts() {
+        let sc = sched(h.clone());
+        let mut a = sc.compile(&graph(&first)).unwrap();
+        // The same bytes elsewhere (borrowed or owned) are the same weight.
+        let mut b = sc.compile(&graph(&copy)).unwrap();
+        let mut c = sc.compile(&graph(&owned)).unwrap();
+        assert_eq!(run(&mut a), run(&mut b), "{}", h.name());
+        assert_eq!(run(&mut a), run(&mut c), "{}", h.name());
+        // Other bytes under a known name are refused, naming the weight.
+        let mut other = data[0].3.clone();
+        other[0] ^= 1;
+        let mut changed = first.clone();
+        changed[0] = borrowed(&other, 0).0;
+        let err = sc
+            .compile(&graph(&changed))
+            .err()
+            .expect("other bytes refused");
+        assert!(err.to_string().contains("with other data"), "{err}");
+        changed[0] = WeightBytes::from(other);
+        assert!(sc.compile(&graph(&changed)).is_err(), "{}", h.name());
+    }
+    // A context that first saw owned bytes compares later ones by their hash.
+    let sc = sched(hosts()[0].clone());
+    sc.compile(&graph(&owned)).unwrap();
+    sc.compile(&graph(&first)).unwrap();
+    let mut other = data[1].3.clone();
+    other[3] ^= 0x10;
+    let mut changed = owned.clone();
+    changed[1] = borrowed(&other, 0).0;
+    assert!(sc.compile(&graph(&changed)).is_err());
 }
