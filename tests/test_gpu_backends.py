@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import lowsync as ls
-from helpers import assert_step_counts
+from helpers import assert_step_counts, steps_queued
 from lowsync.models.llama import LlamaConfig
 
 # Small enough for lavapipe (a CPU implementation of Vulkan) to decode in a second.
@@ -78,6 +78,58 @@ def test_vulkan_legacy_switch_shows_ggmls_empty_submits(clean_env: pytest.Monkey
     # ggml's empty submit at every synchronize, and one more where the read of a mapped buffer
     # drains through a synchronize: exact per step.
     assert [d["empty_submits"] for d in on.steps] == [4 + m for m in mapped]
+
+
+def _vulkan_decode(
+    record: str, env: pytest.MonkeyPatch
+) -> tuple[list[int], np.ndarray, ls.session.GenerateStats]:
+    """Tokens, prompt logits and counts of a second generation (launch-ahead on) with
+    `LOWSYNC_VK_RECORD=record`; the first one recorded every plan the second replays."""
+    env.setenv("LOWSYNC_VK_RECORD", record)
+    model = ls.Llama.random(MICRO, seed=4)
+    sess = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
+    assert sess.launch_ahead
+    assert sess.plans[0].n_splits == 1
+    logits = sess.decode(PROMPT, seq_id=0, logits="all")
+    assert logits is not None
+    sess.seq_rm(0)
+    sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
+    sess.seq_rm(0)
+    tokens = sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
+    stats = sess.last_generate
+    assert stats is not None
+    return tokens, logits, stats
+
+
+@pytest.mark.vulkan
+@pytest.mark.parametrize("no_rebar", ["0", "1"])
+def test_vulkan_replays_a_recorded_step_per_token_with_the_counts_of_recording_it(
+    no_rebar: str, clean_env: pytest.MonkeyPatch
+) -> None:
+    """`LOWSYNC_VK_RECORD` on and off, on both memory paths: the same tokens and bit-identical
+    logits; per step queued, one graph launch and no kernel recorded (nothing captured: the
+    first generation recorded every plan) against the graph's nodes recorded every step; and
+    every other count of every step the same: per step, a submission for each step queued and
+    one for the token's read, no empty submit."""
+    clean_env.setenv("LOWSYNC_VK_NO_HOST_VISIBLE_VRAM", no_rebar)
+    tokens_on, logits_on, on = _vulkan_decode("1", clean_env)
+    tokens_off, logits_off, off = _vulkan_decode("0", clean_env)
+    assert tokens_on == tokens_off
+    assert np.array_equal(logits_on, logits_off)
+    launches = off.steps[1]["kernel_launches"]
+    assert launches > 10  # a recorded step records every node of the decode graph
+    assert_step_counts(
+        on,
+        launch_ahead=True,
+        per_queued={"graph_launches": 1, "kernel_launches": 0, "graph_captures": 0},
+    )
+    assert_step_counts(
+        off, launch_ahead=True, per_queued={"graph_launches": 0, "kernel_launches": launches}
+    )
+    queued = steps_queued(on.n_steps, launch_ahead=True)
+    assert [d["submits"] for d in on.steps] == [q + 1 for q in queued]
+    for key in ("submits", "host_waits", "driver_syncs", "elided_syncs", "d2d_copies"):
+        assert [d[key] for d in on.steps] == [d[key] for d in off.steps], key
 
 
 def _cuda_decode(

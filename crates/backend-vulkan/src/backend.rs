@@ -138,6 +138,7 @@ impl VulkanBackend {
             free_cmds: Vec::new(),
             inflight: VecDeque::new(),
             plans: HashMap::new(),
+            retired_recordings: Vec::new(),
             generation: 0,
             transfer,
             open: None,
@@ -216,6 +217,13 @@ impl VulkanBackend {
     /// Descriptor sets cached for reuse.
     pub fn cached_descriptor_sets(&self) -> usize {
         self.inner.state.lock().pipelines.cached_sets()
+    }
+
+    /// Command buffers holding recorded graph plans: those of cached plans, and retired ones
+    /// whose last submission has not been seen to complete yet.
+    pub fn recorded_plans(&self) -> usize {
+        let st = self.inner.state.lock();
+        st.plans.values().filter(|c| c.recorded.is_some()).count() + st.retired_recordings.len()
     }
 
     /// Whether the host reads `id` directly (mapped, host-cached memory).
@@ -353,7 +361,7 @@ impl Backend for VulkanBackend {
             cpy_tensor_async: true,
             events: true,
             sync_elision: !self.inner.config.legacy_submits,
-            graph_replay: false,
+            graph_replay: self.inner.config.record,
             test_gate: true,
             copy_async: true,
             read_async: true,
@@ -395,7 +403,7 @@ impl Backend for VulkanBackend {
             .get(&id)
             .map_or(BufferUsage::Compute, |b| b.usage);
         let nb = inner.new_buffer(&mut st, size, usage)?;
-        st.generation += 1;
+        st.bump_generation();
         let old = st.buffers.insert(id, nb);
         if let Some(old) = old {
             st.pipelines.forget_buffer(inner.device(), old.buffer);
@@ -412,7 +420,7 @@ impl Backend for VulkanBackend {
         };
         // Plans binding it may not be replayed; it is destroyed once the work queued so far
         // completed (no wait here).
-        st.generation += 1;
+        st.bump_generation();
         let at = st.end_point();
         st.graveyard.push((at, b));
         let _ = st.reclaim(&inner.dev, &inner.stats);

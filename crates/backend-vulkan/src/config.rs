@@ -4,6 +4,7 @@
 //! Why a struct: environment variables are process-global, so tests that must run both memory
 //! paths side by side in one process cannot flip them; they build a `VkConfig` and call
 //! [`crate::VulkanBackend::new`] instead. A bad value is an `Error::Env` naming the variable.
+//! `VkConfig::default()` is the product's default: every switch off except `record`.
 
 use std::ffi::{c_void, CStr};
 
@@ -15,7 +16,7 @@ use lowsync_backend::{env, Result};
 pub type EntryPointHook = fn(name: &CStr, real: *const c_void) -> *const c_void;
 
 /// Settings of one Vulkan backend.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct VkConfig {
     /// Physical device index (`vulkan:N`; `LOWSYNC_VK_DEVICE` for plain `vulkan`).
     pub device_index: usize,
@@ -37,6 +38,10 @@ pub struct VkConfig {
     /// `LOWSYNC_VK_NO_SUBGROUPS=1`: never use subgroup operations (the shared-memory kernels
     /// run instead, as on a device without subgroup arithmetic).
     pub no_subgroups: bool,
+    /// `LOWSYNC_VK_RECORD` (default 1): a cached graph plan is recorded once into its own
+    /// command buffer and replayed by every later step; 0 records its commands again into the
+    /// stream on every step (the A/B switch).
+    pub record: bool,
     /// Counting or tracing hook over device entry points (tests only).
     pub entry_point_hook: Option<EntryPointHook>,
 }
@@ -52,7 +57,24 @@ impl VkConfig {
             force_transfer_submit: env::flag("LOWSYNC_VK_FORCE_TRANSFER_SUBMIT", false)?,
             compute_stream_copy_max: env::unsigned("LOWSYNC_VK_COMPUTE_STREAM_COPY_MAX")?,
             no_subgroups: env::flag("LOWSYNC_VK_NO_SUBGROUPS", false)?,
+            record: env::flag("LOWSYNC_VK_RECORD", true)?,
             entry_point_hook: None,
         })
+    }
+}
+
+impl Default for VkConfig {
+    fn default() -> Self {
+        VkConfig {
+            device_index: 0,
+            validation: false,
+            no_host_visible_vram: false,
+            legacy_submits: false,
+            force_transfer_submit: false,
+            compute_stream_copy_max: None,
+            no_subgroups: false,
+            record: true,
+            entry_point_hook: None,
+        }
     }
 }

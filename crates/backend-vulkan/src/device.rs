@@ -50,14 +50,15 @@ pub(crate) fn create_pool(device: &ash::Device, family: u32) -> Result<vk::Comma
     unsafe { device.create_command_pool(&info, None) }.map_err(|r| vk_err("vkCreateCommandPool", r))
 }
 
-/// One primary command buffer from `pool`; the caller serialises use of the pool.
+/// One command buffer of `level` from `pool`; the caller serialises use of the pool.
 pub(crate) fn allocate_command_buffer(
     device: &ash::Device,
     pool: vk::CommandPool,
+    level: vk::CommandBufferLevel,
 ) -> Result<vk::CommandBuffer> {
     let info = vk::CommandBufferAllocateInfo::default()
         .command_pool(pool)
-        .level(vk::CommandBufferLevel::PRIMARY)
+        .level(level)
         .command_buffer_count(1);
     // SAFETY: a live pool, used by one thread at a time (the owner's lock).
     let v = unsafe { device.allocate_command_buffers(&info) }

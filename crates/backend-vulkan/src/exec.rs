@@ -1,22 +1,28 @@
-//! Graph execution: a graph's nodes checked, planned once into commands, and recorded into
-//! the compute stream on every step.
+//! Graph execution: a graph's nodes checked, planned once into commands, recorded once into a
+//! command buffer of their own and replayed from the compute stream on every later step.
 //!
 //! Why: `graph_compute_async` is called every token with the same graph. Planning (resolving
 //! tensors, checking shapes, choosing kernel variants, writing descriptor sets, placing
-//! barriers) must not run per token, and a bad node must be an error before anything is
-//! recorded, never a device fault.
+//! barriers) must not run per token, nor should recording the same few hundred commands
+//! again; and a bad node must be an error before anything is recorded, never a device fault.
 //!
 //! Strategy: the first call checks every node (arity by the graph's own rule, then each
 //! kernel family's checks in `crate::ops`) and builds a `GraphPlan` (`crate::plan`); nothing
 //! is recorded if any node is bad. Plans are cached by graph address and replayed while the
-//! graph object and every buffer it binds are unchanged (the state's `generation`). A source
-//! that overlaps its node's destination is first copied to device scratch memory of this
-//! submission, which makes the plan single-use. Index-checking kernels get a tag naming their
-//! node, so an index error the device reports names the node.
+//! graph object and every buffer it binds are unchanged (the state's `generation`). A cached
+//! plan is recorded into a secondary command buffer at its first use (a graph capture) and
+//! every call executes that buffer from the open primary one (a graph launch), so staged input
+//! copies before it and readbacks after it still share the step's one submission; with
+//! `LOWSYNC_VK_RECORD=0` its commands are recorded into the primary buffer on every call
+//! instead. A source that overlaps its node's destination is first copied to device scratch
+//! memory of this submission, which makes the plan single-use: recorded into the primary
+//! buffer, never cached. Index-checking kernels get a tag naming their node, so an index error
+//! the device reports names the node.
 //!
 //! Invariants: a plan is replayed only for the graph and generation it was built for; every
-//! recorded range was bounds-checked against its buffer; the kernel-launch counter counts the
-//! graph's nodes once per call.
+//! recorded range was bounds-checked against its buffer; per call, either the graph's nodes
+//! are counted as kernel launches (recorded into the stream) or one graph launch is counted
+//! (a recorded plan executed), plus one graph capture when it was recorded by this call.
 
 use std::sync::Arc;
 
@@ -27,7 +33,7 @@ use lowsync_graph::Op;
 use crate::device::unavailable;
 use crate::ops::{self, Res, Status};
 use crate::pipelines::Bind;
-use crate::plan::{ErrorSite, GraphPlan, Recorded, Tracker};
+use crate::plan::{CachedPlan, ErrorSite, GraphPlan, Recorded, RecordedPlan, Tracker};
 use crate::stream::State;
 use crate::sync::Inner;
 
@@ -67,33 +73,75 @@ impl Inner {
     }
 
     /// Queues a graph: replays its cached plan when the graph and every buffer it binds are
-    /// unchanged, else checks and plans every node (nothing is recorded if any node is bad),
-    /// caches the plan when it can be replayed, records and submits.
+    /// unchanged, else checks and plans every node (nothing is recorded if any node is bad)
+    /// and caches the plan when it can be replayed; then executes the plan's recording
+    /// (recording it first when it has none) or records its commands, and submits.
     pub(crate) fn graph_compute(&self, graph: &Arc<ExecGraph>) -> Result<()> {
         let mut st = self.state.lock();
         let key = Arc::as_ptr(graph) as usize;
         let generation = st.generation;
-        let cached = st
-            .plans
-            .get(&key)
-            .filter(|p| {
-                p.generation == generation
-                    && p.graph.upgrade().is_some_and(|g| Arc::ptr_eq(&g, graph))
-            })
-            .cloned();
-        let plan = match cached {
-            Some(p) => p,
-            None => {
-                let p = Arc::new(self.plan_graph(&mut st, graph)?);
-                if p.replayable {
-                    if st.plans.len() >= PLAN_CACHE_MAX {
-                        st.plans.clear();
-                    }
-                    st.plans.insert(key, p.clone());
+        let current = |c: &CachedPlan| {
+            c.plan.generation == generation
+                && c.plan
+                    .graph
+                    .upgrade()
+                    .is_some_and(|g| Arc::ptr_eq(&g, graph))
+        };
+        if !st.plans.get(&key).is_some_and(current) {
+            let plan = Arc::new(self.plan_graph(&mut st, graph)?);
+            if !plan.replayable {
+                return self.record_and_submit(&mut st, graph, &plan);
+            }
+            // The plan this replaces and those of dropped graphs go, with their recordings
+            // (all of them when the cache is full).
+            let full = st.plans.len() >= PLAN_CACHE_MAX;
+            let gone: Vec<usize> = st
+                .plans
+                .iter()
+                .filter(|(k, c)| **k == key || full || c.plan.graph.strong_count() == 0)
+                .map(|(k, _)| *k)
+                .collect();
+            for k in gone {
+                if let Some(c) = st.plans.remove(&k) {
+                    st.retire_plan(c);
                 }
-                p
+            }
+            let cached = CachedPlan {
+                plan,
+                recorded: None,
+            };
+            st.plans.insert(key, cached);
+        }
+        let Some(cached) = st.plans.get(&key) else {
+            return Err(unavailable("a cached graph plan went missing"));
+        };
+        let (plan, recorded) = (cached.plan.clone(), cached.recorded);
+        if !self.config.record || plan.steps.is_empty() {
+            return self.record_and_submit(&mut st, graph, &plan);
+        }
+        let cmd = match recorded {
+            Some(r) => r.cmd,
+            None => {
+                let cmd = st.record_plan(self.device(), &plan.steps)?;
+                bump(&self.stats.graph_captures, 1);
+                cmd
             }
         };
+        st.error_sites
+            .extend(plan.sites.iter().map(|(t, s)| (*t, s.clone())));
+        // Kept in the cache before anything else can fail, so the recording is freed with it.
+        let last_used = st.open_retire().compute;
+        if let Some(c) = st.plans.get_mut(&key) {
+            c.recorded = Some(RecordedPlan { cmd, last_used });
+        }
+        st.execute_recorded(self.device(), cmd)?;
+        bump(&self.stats.graph_launches, 1);
+        st.submit_open(&self.dev, &self.stats, vk::Fence::null())
+    }
+
+    /// Records `plan`'s commands into the open command buffer (counted as the graph's kernel
+    /// launches) and submits.
+    fn record_and_submit(&self, st: &mut State, graph: &ExecGraph, plan: &GraphPlan) -> Result<()> {
         st.error_sites
             .extend(plan.sites.iter().map(|(t, s)| (*t, s.clone())));
         st.record_steps(self.device(), &plan.steps)?;

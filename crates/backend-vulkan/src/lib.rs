@@ -14,8 +14,8 @@
 //! family), `plan` (graph plans as data, hazard tracking), `transfer` (the transfer route:
 //! crossover calibration, routing, its submissions), `stream` (open command buffer,
 //! timelines, reclaiming), `sync` (the shared core and its host waits), `events` (events,
-//! readbacks, the test gate), `io` (host writes and reads), `exec` (graph planning and
-//! recording), `backend` (the contract).
+//! readbacks, the test gate), `io` (host writes and reads), `exec` (graph planning, recording
+//! and replay), `backend` (the contract).
 //!
 //! Invariants (ARCHITECTURE §7): 1, 2 (staged writes copy before returning and run behind
 //! queued work), 6 (idle synchronize makes no driver call), 7 (no empty submission but the

@@ -4,19 +4,25 @@
 //! Why: a decode step runs the same graph on the same buffers every token. Checking and
 //! planning its few hundred nodes (kernel variants, descriptor sets, push constants, barrier
 //! positions) costs more host time than recording them, so it is done once and the result is
-//! kept as plain data the stream records again on later steps.
+//! kept as plain data; recording it again every step costs host time too, so a cached plan is
+//! recorded once into a command buffer of its own that every later step replays.
 //!
 //! Strategy: every command declares the byte ranges it reads and writes ([`Access`], the same
 //! ranges its bindings cover, so the synchronization validation layer sees what the tracker
 //! sees). While a plan is built, a [`Tracker`] puts a global barrier before a command that
 //! conflicts (same buffer, overlapping bytes, at least one write) with any command since the
 //! last barrier. A [`GraphPlan`] records the graph it was built for (weakly) and the buffer
-//! generation, so a freed or replaced buffer retires it.
+//! generation, so a freed or replaced buffer retires it. Nothing a step changes is in a plan:
+//! push constants hold shapes, strides, offsets and an error tag, all fixed by the graph, and
+//! descriptor sets bind fixed buffer ranges; the per-step values of a decode step (token ids,
+//! positions, KV slots, the mask or valid length) are tensors in device memory the staged copy
+//! writes. That is what makes a [`CachedPlan`]'s [`RecordedPlan`] replayable unchanged.
 //!
 //! Invariant: two commands of a plan that conflict always have a barrier between them; a plan
-//! holds only handles that live as long as its generation is current.
+//! holds only handles that live as long as its generation is current; a recorded plan's command
+//! buffer is freed only once the last submission that executes it completed.
 
-use std::sync::Weak;
+use std::sync::{Arc, Weak};
 
 use ash::vk;
 use lowsync_backend::ExecGraph;
@@ -132,4 +138,20 @@ pub(crate) struct ErrorSite {
     pub what: &'static str,
     pub rows_of: &'static str,
     pub n: usize,
+}
+
+/// A plan kept for replay, and its commands recorded once (`LOWSYNC_VK_RECORD`, on by default).
+pub(crate) struct CachedPlan {
+    pub plan: Arc<GraphPlan>,
+    /// Recorded at the plan's first use; `None` until then, or when recording is off.
+    pub recorded: Option<RecordedPlan>,
+}
+
+/// A plan's commands in a secondary command buffer begun with SIMULTANEOUS_USE (steps in flight
+/// together execute the same buffer), executed from the stream's open primary buffer.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RecordedPlan {
+    pub cmd: vk::CommandBuffer,
+    /// The compute timeline value of the last submission that executes it.
+    pub last_used: u64,
 }

@@ -18,13 +18,16 @@
 //! synchronization validation layer sees); a global barrier separates a command from earlier
 //! ones it conflicts with, and every command buffer opens with a barrier against earlier
 //! submissions and closes with one that makes device writes visible to the host. Graph plans
-//! (`crate::plan`) are recorded as they are; `generation` is bumped when a buffer is freed or
-//! replaced and when cached descriptor sets are dropped, which retires every plan.
+//! (`crate::plan`) are recorded as they are, or once into a secondary command buffer that the
+//! open buffer executes on every later step (after the same opening barrier, so the staged
+//! input copies recorded before it are ordered before the plan's first command);
+//! `generation` is bumped when a buffer is freed or replaced and when cached descriptor sets
+//! are dropped, which retires every plan and its recording.
 //!
 //! Invariants: a submission always carries at least one command (invariant 7; the legacy
 //! switch's empty submit is the one exception); resources used by a submission (command
-//! buffers, staging regions, descriptor sets, freed buffers, gate semaphores) are reused or
-//! destroyed only after its retire point completed (invariant 8).
+//! buffers, recorded plans, staging regions, descriptor sets, freed buffers, gate semaphores)
+//! are reused or destroyed only after its retire point completed (invariant 8).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -39,7 +42,7 @@ use lowsync_backend::{bump, BufferId, Error, Result, SyncStats};
 use crate::device::{allocate_command_buffer, unavailable, vk_err, Device};
 use crate::memory::{destroy_buffer, Arena, DevBuffer, Region};
 use crate::pipelines::Pipelines;
-use crate::plan::{Access, ErrorSite, GraphPlan, Recorded};
+use crate::plan::{Access, CachedPlan, ErrorSite, Recorded, RecordedPlan};
 use crate::timeline::{submit_timeline, Retire, Timeline};
 use crate::transfer::TransferRoute;
 
@@ -124,8 +127,12 @@ pub(crate) struct State {
     pub legacy_fence: vk::Fence,
     /// Buffers of this backend that may be in use by queue families other than compute.
     pub families: Vec<u32>,
-    /// Graph plans by graph address (checked against a weak reference and the generation).
-    pub plans: HashMap<usize, Arc<GraphPlan>>,
+    /// Graph plans by graph address (checked against a weak reference and the generation),
+    /// with their recorded command buffers.
+    pub plans: HashMap<usize, CachedPlan>,
+    /// Recorded plans retired from the cache: (last compute value that executes it, buffer),
+    /// freed once that value completed.
+    pub retired_recordings: Vec<(u64, vk::CommandBuffer)>,
     /// Bumped whenever a buffer is freed or replaced, or cached descriptor sets are dropped.
     pub generation: u64,
 }
@@ -217,7 +224,7 @@ impl State {
     fn take_cmd(&mut self, device: &ash::Device) -> Result<vk::CommandBuffer> {
         match self.free_cmds.pop() {
             Some(c) => Ok(c),
-            None => allocate_command_buffer(device, self.pool),
+            None => allocate_command_buffer(device, self.pool, vk::CommandBufferLevel::PRIMARY),
         }
     }
 
@@ -290,80 +297,79 @@ impl State {
             return Ok(());
         }
         let rec = self.open(device)?;
-        if rec.has_work {
-            barrier(
-                device,
-                rec.cmd,
-                ALL_STAGES,
-                WRITES,
-                ALL_STAGES,
-                READS_WRITES,
-            );
-            rec.barriers += 1;
-        }
-        for s in steps {
-            // SAFETY: plans hold live pipelines, layouts and sets (a freed buffer or evicted
-            // set bumps the generation, which retires the plan); ranges were checked.
-            unsafe {
-                match s {
-                    Recorded::Barrier => {
-                        barrier(
-                            device,
-                            rec.cmd,
-                            ALL_STAGES,
-                            WRITES,
-                            ALL_STAGES,
-                            READS_WRITES,
-                        );
-                        rec.barriers += 1;
-                    }
-                    Recorded::Copy { src, dst, size } => {
-                        let region = vk::BufferCopy {
-                            src_offset: src.1,
-                            dst_offset: dst.1,
-                            size: *size,
-                        };
-                        device.cmd_copy_buffer(rec.cmd, src.0, dst.0, &[region]);
-                    }
-                    Recorded::Dispatch {
-                        pipeline,
-                        layout,
-                        set,
-                        push,
-                        groups,
-                    } => {
-                        if rec.bound != *pipeline {
-                            device.cmd_bind_pipeline(
-                                rec.cmd,
-                                vk::PipelineBindPoint::COMPUTE,
-                                *pipeline,
-                            );
-                            rec.bound = *pipeline;
-                        }
-                        device.cmd_bind_descriptor_sets(
-                            rec.cmd,
-                            vk::PipelineBindPoint::COMPUTE,
-                            *layout,
-                            0,
-                            &[*set],
-                            &[],
-                        );
-                        device.cmd_push_constants(
-                            rec.cmd,
-                            *layout,
-                            vk::ShaderStageFlags::COMPUTE,
-                            0,
-                            bytemuck::bytes_of(push),
-                        );
-                        device.cmd_dispatch(rec.cmd, groups[0], groups[1], groups[2]);
-                    }
-                }
-            }
-        }
+        rec.barrier_if_used(device);
+        rec.barriers += record_commands(device, rec.cmd, steps, &mut rec.bound);
         rec.since_barrier.clear();
         rec.untracked = true;
         rec.has_work = true;
         Ok(())
+    }
+
+    /// Records `steps` once into a new secondary command buffer that steps in flight together
+    /// may all execute (SIMULTANEOUS_USE); it starts with no pipeline bound, as a secondary
+    /// buffer inherits no state.
+    pub(crate) fn record_plan(
+        &mut self,
+        device: &ash::Device,
+        steps: &[Recorded],
+    ) -> Result<vk::CommandBuffer> {
+        let cmd = allocate_command_buffer(device, self.pool, vk::CommandBufferLevel::SECONDARY)?;
+        let inheritance = vk::CommandBufferInheritanceInfo::default();
+        let begin = vk::CommandBufferBeginInfo::default()
+            .flags(vk::CommandBufferUsageFlags::SIMULTANEOUS_USE)
+            .inheritance_info(&inheritance);
+        // SAFETY: a fresh secondary buffer of this state's pool (the state lock serialises the
+        // pool); plans hold live handles and checked ranges (see `record_steps`).
+        let r = unsafe {
+            device.begin_command_buffer(cmd, &begin).and_then(|()| {
+                record_commands(device, cmd, steps, &mut vk::Pipeline::null());
+                device.end_command_buffer(cmd)
+            })
+        };
+        if let Err(r) = r {
+            // SAFETY: never executed by any primary buffer.
+            unsafe { device.free_command_buffers(self.pool, &[cmd]) };
+            return Err(vk_err("recording a graph plan", r));
+        }
+        Ok(cmd)
+    }
+
+    /// Executes a recorded plan from the open command buffer, after a barrier against whatever
+    /// the buffer already holds (as `record_steps`). The caller keeps the recording alive until
+    /// the submission of the open buffer (`open_retire`) completed.
+    pub(crate) fn execute_recorded(
+        &mut self,
+        device: &ash::Device,
+        recorded: vk::CommandBuffer,
+    ) -> Result<()> {
+        let rec = self.open(device)?;
+        rec.barrier_if_used(device);
+        // SAFETY: the primary is recording; `recorded` is an ended secondary buffer begun with
+        // SIMULTANEOUS_USE whose handles are live while its plan's generation is current.
+        unsafe { device.cmd_execute_commands(rec.cmd, &[recorded]) };
+        // The primary's bound pipeline is undefined after a secondary buffer ran.
+        rec.bound = vk::Pipeline::null();
+        rec.since_barrier.clear();
+        rec.untracked = true;
+        rec.has_work = true;
+        Ok(())
+    }
+
+    /// Takes a plan out of service: its recording is freed once its last submission completed.
+    pub(crate) fn retire_plan(&mut self, cached: CachedPlan) {
+        if let Some(RecordedPlan { cmd, last_used }) = cached.recorded {
+            self.retired_recordings.push((last_used, cmd));
+        }
+    }
+
+    /// A buffer was freed or replaced, or cached descriptor sets were dropped: no plan may be
+    /// replayed any more, so every cached plan is retired with its recording.
+    pub(crate) fn bump_generation(&mut self) {
+        self.generation += 1;
+        let plans: Vec<CachedPlan> = self.plans.drain().map(|(_, p)| p).collect();
+        for p in plans {
+            self.retire_plan(p);
+        }
     }
 
     /// Submits the open command buffer when it carries work (never an empty batch), waiting
@@ -510,6 +516,16 @@ impl State {
                 .map_err(|r| vk_err("vkResetCommandBuffer", r))?;
             self.free_cmds.push(cmd);
         }
+        let pool = self.pool;
+        self.retired_recordings.retain(|&(last_used, cmd)| {
+            let keep = last_used > done.compute;
+            if !keep {
+                // SAFETY: every submission that executed it completed, and the primary buffers
+                // that did were reset above.
+                unsafe { device.free_command_buffers(pool, &[cmd]) };
+            }
+            keep
+        });
         if let Some(t) = self.transfer.as_mut() {
             t.reclaim(device, done.transfer)?;
         }
@@ -545,7 +561,7 @@ impl State {
         // Cached sets are dropped only on an idle stream (no submission can use one), and
         // plans that bound them are retired with the generation.
         if !self.outstanding() && self.pipelines.evict(device) {
-            self.generation += 1;
+            self.bump_generation();
         }
         Ok(())
     }
@@ -601,6 +617,22 @@ impl State {
 }
 
 impl Recording {
+    /// A barrier against everything the buffer already holds, when it holds anything: a graph
+    /// plan's own barrier placement assumes it starts on a clean slate.
+    fn barrier_if_used(&mut self, device: &ash::Device) {
+        if self.has_work {
+            barrier(
+                device,
+                self.cmd,
+                ALL_STAGES,
+                WRITES,
+                ALL_STAGES,
+                READS_WRITES,
+            );
+            self.barriers += 1;
+        }
+    }
+
     /// Inserts a barrier when `acc` conflicts with a command since the last barrier.
     fn order(&mut self, device: &ash::Device, acc: &[Access]) {
         let conflict = self.untracked
@@ -622,6 +654,67 @@ impl Recording {
         }
         self.since_barrier.extend_from_slice(acc);
     }
+}
+
+/// Records a graph plan's commands into `cmd` (a primary or secondary buffer that is
+/// recording); `bound` is the pipeline bound in `cmd` before and after. Returns the barriers
+/// recorded.
+fn record_commands(
+    device: &ash::Device,
+    cmd: vk::CommandBuffer,
+    steps: &[Recorded],
+    bound: &mut vk::Pipeline,
+) -> u64 {
+    let mut barriers = 0;
+    for s in steps {
+        // SAFETY: plans hold live pipelines, layouts and sets (a freed buffer or evicted
+        // set bumps the generation, which retires the plan); ranges were checked.
+        unsafe {
+            match s {
+                Recorded::Barrier => {
+                    barrier(device, cmd, ALL_STAGES, WRITES, ALL_STAGES, READS_WRITES);
+                    barriers += 1;
+                }
+                Recorded::Copy { src, dst, size } => {
+                    let region = vk::BufferCopy {
+                        src_offset: src.1,
+                        dst_offset: dst.1,
+                        size: *size,
+                    };
+                    device.cmd_copy_buffer(cmd, src.0, dst.0, &[region]);
+                }
+                Recorded::Dispatch {
+                    pipeline,
+                    layout,
+                    set,
+                    push,
+                    groups,
+                } => {
+                    if *bound != *pipeline {
+                        device.cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, *pipeline);
+                        *bound = *pipeline;
+                    }
+                    device.cmd_bind_descriptor_sets(
+                        cmd,
+                        vk::PipelineBindPoint::COMPUTE,
+                        *layout,
+                        0,
+                        &[*set],
+                        &[],
+                    );
+                    device.cmd_push_constants(
+                        cmd,
+                        *layout,
+                        vk::ShaderStageFlags::COMPUTE,
+                        0,
+                        bytemuck::bytes_of(push),
+                    );
+                    device.cmd_dispatch(cmd, groups[0], groups[1], groups[2]);
+                }
+            }
+        }
+    }
+    barriers
 }
 
 /// A global memory barrier.

@@ -234,7 +234,7 @@ impl TransferRoute {
     ) -> Result<()> {
         let cmd = match self.free.pop() {
             Some(c) => c,
-            None => allocate_command_buffer(device, self.pool)?,
+            None => allocate_command_buffer(device, self.pool, vk::CommandBufferLevel::PRIMARY)?,
         };
         let begin = vk::CommandBufferBeginInfo::default()
             .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
@@ -403,7 +403,7 @@ fn run(
         s.query = unsafe { device.create_query_pool(&info, None) }
             .map_err(|r| vk_err("vkCreateQueryPool", r))?;
     }
-    let cmd = allocate_command_buffer(device, s.pool)?;
+    let cmd = allocate_command_buffer(device, s.pool, vk::CommandBufferLevel::PRIMARY)?;
     let mut value = 0u64;
     let mut submit_wait = |bytes: u64, stamp: bool| -> Result<f64> {
         // SAFETY: `cmd` is idle (every submission is waited on below).

@@ -24,6 +24,22 @@ fn bad_values_and_names_are_clear_errors() {
         })
     ));
     std::env::remove_var("LOWSYNC_VK_LEGACY_SUBMITS");
+    std::env::set_var("LOWSYNC_VK_RECORD", "off");
+    assert!(matches!(
+        lowsync_vulkan::create("vulkan"),
+        Err(Error::Env {
+            var: "LOWSYNC_VK_RECORD",
+            ..
+        })
+    ));
+    std::env::set_var("LOWSYNC_VK_RECORD", "0");
+    assert!(!lowsync_vulkan::VkConfig::from_env().unwrap().record);
+    std::env::remove_var("LOWSYNC_VK_RECORD");
+    assert!(
+        lowsync_vulkan::VkConfig::from_env().unwrap().record,
+        "on by default"
+    );
+    assert!(lowsync_vulkan::VkConfig::default().record, "on by default");
     for bad in ["vulkan:x", "vulkan:", "vulkanx", "cuda:0"] {
         assert!(
             matches!(lowsync_vulkan::create(bad), Err(Error::UnknownBackend(_))),

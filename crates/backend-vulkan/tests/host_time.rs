@@ -1,6 +1,8 @@
 //! Host time per primitive (run with `--ignored --nocapture`, ideally `--release` and without
 //! the validation layer: `LOWSYNC_VK_VALIDATION` is not read here, this test opens the backend
-//! without validation). Prints figures; asserts nothing about speed.
+//! without validation). Prints figures; asserts nothing about speed. A decode-sized graph is
+//! queued with its plan replayed from its recording and recorded every step
+//! (`LOWSYNC_VK_RECORD` on and off), one backend after the other.
 
 mod common;
 
@@ -15,12 +17,20 @@ fn per(n: usize, t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e6 / n as f64
 }
 
+/// CPU time of the calling thread in ns (Linux `schedstat`; `None` elsewhere): on a shared
+/// machine wall time also counts the time other processes held the cores.
+fn thread_cpu_ns() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    s.split_whitespace().next()?.parse().ok()
+}
+
 #[test]
 #[ignore = "prints host-time figures; run explicitly"]
 fn host_time_per_submit_and_staged_write() {
-    for no_rebar in [false, true] {
+    for (no_rebar, record) in [(false, true), (false, false), (true, true), (true, false)] {
         let cfg = VkConfig {
             no_host_visible_vram: no_rebar,
+            record,
             ..VkConfig::default()
         };
         let Some(b) = common::open(cfg) else { return };
@@ -68,11 +78,15 @@ fn host_time_per_submit_and_staged_write() {
         }
         let staged_us = per(n, t);
         let m = 200;
-        let t = Instant::now();
+        let (t, cpu) = (Instant::now(), thread_cpu_ns());
         for _ in 0..m {
             b.graph_compute_async(&chain).unwrap();
         }
         let chain_us = per(m, t);
+        let chain_cpu_us = match (cpu, thread_cpu_ns()) {
+            (Some(a), Some(b)) => format!("{:.0}", (b - a) as f64 / 1e3 / m as f64),
+            _ => "?".into(),
+        };
         gate.open();
         b.synchronize().unwrap();
         let t = Instant::now();
@@ -81,9 +95,9 @@ fn host_time_per_submit_and_staged_write() {
         }
         let idle_staged_us = per(n, t);
         println!(
-            "{} no_rebar={no_rebar}: submit (1-node graph) {submit_us:.1} us, submit+wait \
+            "{} no_rebar={no_rebar} record={record}: submit (1-node graph) {submit_us:.1} us, submit+wait \
              {round_trip_us:.1} us, staged write behind work {staged_us:.2} us, staged write \
-             on an idle stream {idle_staged_us:.2} us, 300-node graph record+submit {chain_us:.0} us",
+             on an idle stream {idle_staged_us:.2} us, 300-node graph queued {chain_us:.0} us ({chain_cpu_us} us of thread CPU time)",
             b.device_name()
         );
     }
