@@ -111,12 +111,24 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
         pdl_entry();
         waited = true;
         const int nh = (int)(K / 16);
+        const bool a16 = ((u64)a & 15u) == 0;  // float4 loads where a allows them
         for (int h0 = 0; h0 < nh; h0 += blockDim.x) {
             const int h = h0 + threadIdx.x;
             const bool live = h < nh;
             float v[16];
+            if (live && a16) {
 #pragma unroll
-            for (int e = 0; e < 16; ++e) v[e] = live ? a[16 * h + e] : 0.0f;
+                for (int t = 0; t < 4; ++t) {
+                    const float4 f = ((const float4*)a)[4 * h + t];
+                    v[4 * t] = f.x;
+                    v[4 * t + 1] = f.y;
+                    v[4 * t + 2] = f.z;
+                    v[4 * t + 3] = f.w;
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < 16; ++e) v[e] = live ? a[16 * h + e] : 0.0f;
+            }
             q16_half(v, xq + Q16_REC * (h / 2), h, live);
         }
         __syncthreads();
