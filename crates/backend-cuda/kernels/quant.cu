@@ -241,7 +241,8 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
 
 // blockDim.x == 32 * MVQ_WARPS. One row of a (decode), MVQ_R columns per warp: each chunk of a
 // is read once for MVQ_R weight rows, whose segments are staged side by side. `q16`: the
-// integer path (M == 1, nbatch == 1, dynamic shared memory K / 32 * Q16_REC bytes) ...
+// integer path (M == 1, nbatch == 1, dynamic shared memory K / 32 * Q16_REC bytes, within
+// the default 48 KiB beside `stage`: `MVQ_Q16_MAX_SHARED` in src/exec/matmul.rs) ...
 extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
     i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead, int q16) {

@@ -145,9 +145,10 @@ const MVQ_R: usize = 4;
 /// Bytes of one q16 activation record (32 values: `Q16_REC` in quant.cuh).
 const Q16_REC: usize = 80;
 /// Dynamic shared memory the one-row quantized kernels may take for the q16 row: the default
-/// 48 KiB less their static staging (16 segments of 1,120 bytes) and 1 KiB to spare, so rows
-/// up to 12,288 values take the integer path.
-const MVQ_Q16_MAX_SHARED: usize = 30 << 10;
+/// 48 KiB less their static shared memory (16 staged segments of 1,120 bytes, and the argmax's
+/// block maxima: 18,688 bytes for `mul_mat_vec_q_argmax` with NVRTC 13.0, sm_90) with about
+/// 1 KiB to spare, so rows up to 11,468 values take the integer path.
+const MVQ_Q16_MAX_SHARED: usize = 28 << 10;
 /// Batch axes the matrix-vector kernels index (`MB_MAXD` in common.cuh).
 const MB_MAXD: usize = 4;
 /// Rows (one per warp) of a `mul_mat_vec_1` block (`GV_WARPS` in matmul.cu; `FG1_WARPS` in
