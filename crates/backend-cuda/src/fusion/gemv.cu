@@ -622,9 +622,9 @@ extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp32(FG1S_PARAMS) { FG1_O
 //
 // With `q16` (the default, `LOWSYNC_CUDA_TUNE=qdot=q16`) the staged row is then quantized in
 // place to q16 records (quant.cuh: the CPU backend's 16-bit activation blocks, bit for bit) and
-// lane l takes its chunks as integers (`iq16`) against them with dp2a (`fq_dot16`): same units,
-// same chunk order, same butterfly. Without it (`qdot=f32`) the chunks are dequantized to f32
-// (`dq16`) and multiplied by the f32 row.
+// lane l takes 32-value pieces l, l + 32, ... of the weight row as integers (`iq16`) against
+// them with dp2a (`fq_dot16`), in k order; same units, same butterfly. Without it (`qdot=f32`)
+// the chunks are dequantized to f32 (`dq16`) and multiplied by the f32 row.
 
 // Lane `lane`'s part of the dot product of weight row w (K values of block type QT) with xr:
 // its chunks in order, two per round — both chunks' bytes are loaded before either is used
@@ -660,23 +660,34 @@ __device__ __forceinline__ float fq_dot(const u8* w, int K, const float* xr, int
     return acc;
 }
 
-// `fq_dot` on the q16 records at xq (`fq_quantize`): lane `lane`'s chunks in the same order,
-// two per round with both chunks' weight loads issued first, each chunk's integer sum against
-// its half of a record.
+// `fq_dot` on the q16 records at xq (`fq_quantize`): lane `lane` takes 32-value pieces (both
+// chunks of one record; for 32-value block types one whole block, so its scale and quant
+// bytes are loaded once for both) p = lane, lane + 32, ..., two per round with all four
+// chunks' weight loads issued first (the second piece's index clamped to the row, its
+// products skipped past the end), and adds each chunk's integer sum against its half record,
+// in k order.
 template <int QT>
 __device__ __forceinline__ float fq_dot16(const u8* w, int K, const u8* xq, int lane) {
     const int QB = q_block_size(QT), BB = q_block_bytes(QT), CPB = QB / 16;
-    const int nch = K / 16;
+    const int np = K / 32;
     float acc = 0.0f;
 #pragma unroll 1
-    for (int c0 = lane; c0 < nch; c0 += 64) {
-        const int c1 = min(c0 + 32, nch - 1);
-        u32 w0[4], w1[4];
-        float d0, m0, d1, m1;
-        iq16<QT>(w + (c0 / CPB) * BB, c0 % CPB, w0, d0, m0);
-        iq16<QT>(w + (c1 / CPB) * BB, c1 % CPB, w1, d1, m1);
-        acc = q16_fma<QT>(w0, d0, m0, xq + Q16_REC * (c0 / 2), c0 & 1, acc);
-        if (c0 + 32 < nch) acc = q16_fma<QT>(w1, d1, m1, xq + Q16_REC * (c1 / 2), c1 & 1, acc);
+    for (int p0 = lane; p0 < np; p0 += 64) {
+        const int p1 = min(p0 + 32, np - 1);
+        u32 wv[4][4];
+        float d[4], m[4];
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            const int c = 2 * (h < 2 ? p0 : p1) + (h & 1);
+            iq16<QT>(w + (c / CPB) * BB, c % CPB, wv[h], d[h], m[h]);
+        }
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            if (h < 2 || p0 + 32 < np) {
+                const int p = h < 2 ? p0 : p1;
+                acc = q16_fma<QT>(wv[h], d[h], m[h], xq + Q16_REC * p, h & 1, acc);
+            }
+        }
     }
     return acc;
 }
