@@ -147,7 +147,7 @@ const Q16_REC: usize = 80;
 /// Dynamic shared memory the one-row quantized kernels may take for the q16 row: the default
 /// 48 KiB less their static shared memory (16 staged segments of 1,120 bytes, and the argmax's
 /// block maxima: 18,688 bytes for `mul_mat_vec_q_argmax` with NVRTC 13.0, sm_90) with about
-/// 1 KiB to spare, so rows up to 11,468 values take the integer path.
+/// 1 KiB to spare, so rows up to 11,456 values take the integer path.
 const MVQ_Q16_MAX_SHARED: usize = 28 << 10;
 /// Batch axes the matrix-vector kernels index (`MB_MAXD` in common.cuh).
 const MB_MAXD: usize = 4;
