@@ -55,9 +55,8 @@ extern "C" __global__ void get_rows_q(i64 rows, i64 d, Lay L, void* dst, int dtd
 // The one-row kernels' integer path (`q16` != 0: M == 1, one batch, `LOWSYNC_CUDA_TUNE=qdot=q16`,
 // the host's choice): after the wait the block quantizes a's row once into K / 32 q16 records
 // in dynamic shared memory (quant.cuh: the CPU backend's 16-bit activation blocks, bit for bit;
-// thread t takes half-blocks t, t + blockDim.x, ...), and lane l takes the staged segment's
-// 32-value pieces l, l + 32, ... (two chunks) as integers (`iq16`) against their records with
-// dp2a (`q16_fma`), in k order. With `ahead`
+// thread t takes half-blocks t, t + blockDim.x, ...), and each staged chunk is taken as integers
+// (`iq16`) against its half record with dp2a (`q16_fma`), in the same chunk order. With `ahead`
 // the warp's first segment of its rows is asked into L2 before the wait instead of staged.
 #define MVQ_WARPS 4
 #define MVQ_MT 8
@@ -168,19 +167,17 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
                 }
                 const int nch = (int)(min((i64)MVQ_SEG, K - k0) / 16);
                 if (Q16) {
-                    // Lane l takes 32-value pieces l, l + 32, ... of the segment (k0 is a
-                    // multiple of 32): chunks 2p and 2p + 1, the halves of record k0 / 32 + p.
-                    for (int p = lane; p < nch / 2; p += 32) {
-                        const u8* rec = xq + Q16_REC * (k0 / 32 + p);
+                    // k0 is a multiple of 32: chunk j is half j % 2 of record (k0 + 16 j) / 32.
+                    // (Chunk by chunk: a lane taking both chunks of a record for its R columns
+                    // held 168 registers in `mul_mat_vec_q_argmax` against 128, NVRTC 13.0.)
+                    for (int j = lane; j < nch; j += 32) {
+                        const u8* rec = xq + Q16_REC * ((k0 + 16 * j) / 32);
 #pragma unroll
                         for (int c = 0; c < R; ++c) {
-                            const u8* sb = (const u8*)stage[warp * R + c] + lead[c] + (32 * p / QB) * BB;
-                            u32 w0[4], w1[4];
-                            float d0, m0, d1, m1;
-                            iq16<QT>(sb, (2 * p) % (QB / 16), w0, d0, m0);
-                            iq16<QT>(sb, (2 * p + 1) % (QB / 16), w1, d1, m1);
-                            acc[0][c] = q16_fma<QT>(w0, d0, m0, rec, 0, acc[0][c]);
-                            acc[0][c] = q16_fma<QT>(w1, d1, m1, rec, 1, acc[0][c]);
+                            u32 w[4];
+                            float d, m;
+                            iq16<QT>((const u8*)stage[warp * R + c] + lead[c] + (16 * j / QB) * BB, j % (QB / 16), w, d, m);
+                            acc[0][c] = q16_fma<QT>(w, d, m, rec, j & 1, acc[0][c]);
                         }
                     }
                     __syncwarp();
