@@ -142,6 +142,26 @@ inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+// The integer intrinsics of the quantized products (quant.cuh), as the CUDA Math API documents
+// them. `__byte_perm(x, y, s)`: byte n of the result is byte (s >> 4n) & 7 of the 8 bytes
+// y:x (x's bytes 0..3, y's 4..7).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; ++n) r |= (unsigned)((v >> (8 * ((s >> (4 * n)) & 7))) & 0xFF) << (8 * n);
+    return r;
+}
+// `__dp2a_lo(a, b, c)`: c plus the products of a's two signed 16-bit halves with the signed
+// bytes 0 and 1 of b (low half with byte 0); `__dp2a_hi` takes b's bytes 2 and 3. Wraps modulo
+// 2^32 as the device's 32-bit adds.
+inline int emu_dp2a(int a, int b, int c, int sh) {
+    const long long lo = (long long)(short)(a & 0xFFFF) * (signed char)((b >> sh) & 0xFF);
+    const long long hi = (long long)(short)((unsigned)a >> 16) * (signed char)((b >> (sh + 8)) & 0xFF);
+    return (int)(unsigned)((unsigned long long)(long long)c + (unsigned long long)(lo + hi));
+}
+inline int __dp2a_lo(int a, int b, int c) { return emu_dp2a(a, b, c, 0); }
+inline int __dp2a_hi(int a, int b, int c) { return emu_dp2a(a, b, c, 16); }
 inline int emu_votes[1024];
 inline unsigned __ballot_sync(unsigned, int pred) {
     const int t = (int)threadIdx.x, w = t / 32;

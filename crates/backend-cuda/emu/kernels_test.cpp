@@ -224,8 +224,9 @@ struct Products {
     i64 units() const { return pair ? ns[0] : ns[0] + ns[1] + (nseg > 2 ? ns[2] : 0); }
 
     // Checks every written tensor against activation rows act(i, k).
+    // `bound`: of every check (NMSE).
     template <class A>
-    void check_all(const std::string& tag, i64 K, A act) const {
+    void check_all(const std::string& tag, i64 K, A act, double bound = 1e-10) const {
         std::vector<double> prod[3];
         for (int s = 0; s < nseg; ++s) {
             std::vector<double> got, ws, gs;
@@ -240,8 +241,8 @@ struct Products {
                         gs.push_back(sum[s]->get(i * ns[s] + j));
                     }
                 }
-            check(tag + ": product " + std::to_string(s), prod[s], got, 1e-10);
-            if (!pair && s < 2) check(tag + ": add " + std::to_string(s), ws, gs, 1e-10);
+            check(tag + ": product " + std::to_string(s), prod[s], got, bound);
+            if (!pair && s < 2) check(tag + ": add " + std::to_string(s), ws, gs, bound);
         }
         if (pair) {
             std::vector<double> want, got;
@@ -250,7 +251,7 @@ struct Products {
                 want.push_back(g / (1 + std::exp(-g)) * u);
                 got.push_back(sw->get(i));
             }
-            check(tag + ": swiglu", want, got, 1e-10);
+            check(tag + ": swiglu", want, got, bound);
         }
     }
 };
@@ -516,9 +517,40 @@ QRows q_rows(int qt, i64 n, i64 K, Buf& vals, int off) {
     return r;
 }
 
+// The integer path's activation row: the CPU backend's q16 blocks of x (backend-cpu
+// kernels/quant/q16.rs; K a multiple of 32), computed in f32 as that code does, and returned
+// dequantized in float64 (d * q per value); `ds` and `qs` (if given) get every block's d and
+// every value's q. The references of the q16 products: (a) tight (NMSE 1e-10, the bound of the
+// f32 path: only f32 rounding of the per-chunk scales and sums separates the kernel from
+// float64) against gguf's values times these; (b) loose against the unquantized row, NMSE
+// 1e-6 (the GPU tests' bound against the CPU oracle): q16 rounds each value by at most
+// d / 2 = amax / 65534 of its block, an NMSE of about (amax / rms)^2 / (12 * 32767^2), 2e-10 to
+// 4e-9 for these rows (uniform, or a norm of them); the cases draw a row's blocks from a few
+// distinct gguf blocks, so one row's outputs are few independent samples, and a 256-value
+// IQ4_XS row dominated by one block measured 6e-8.
+std::vector<double> q16_values(const std::vector<float>& x, std::vector<float>* ds = nullptr,
+                               std::vector<int>* qs = nullptr) {
+    std::vector<double> out(x.size());
+    for (size_t b = 0; b + 32 <= x.size(); b += 32) {
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(x[b + i]));  // NaN skipped
+        const float d = amax / 32767.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int i = 0; i < 32; ++i) {
+            const float r = std::round(x[b + i] * id);  // half away from zero
+            const int q = std::isnan(r) ? 0 : (int)std::clamp(r, -32767.0f, 32767.0f);
+            out[b + i] = (double)d * q;
+            if (qs) qs->push_back(q);
+        }
+        if (ds) ds->push_back(d);
+    }
+    return out;
+}
+
 // `own`: through the row-pair path's own entry point for the weight dtype (`fused_gemv1_rp16`
-// and kin, what the host launches), else through `fused_gemv1_pair`.
-void rowpair_case(const RpCase& c, bool own) {
+// and kin, what the host launches), else through `fused_gemv1_pair`. `q16` (quantized weights
+// only): `fused_gemv1_q`'s integer path, checked as `q16_values` says.
+void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
     const bool q = c.qset != 0;
     const int wdt = q ? DT_F32 : c.wdt;  // quantized: w holds gguf's values of the blocks
     const i64 K = c.K, e = esz(wdt);
@@ -616,7 +648,7 @@ void rowpair_case(const RpCase& c, bool own) {
     if (q) {
         launch(own ? (unsigned)((units + 7) / 8) : 2u, 256, [&] {
             fused_gemv1_q(K, (const float*)a.p(), S, c.norm ? (const float*)x.p() : nullptr, 1e-5f, nd.p(), DT_F32,
-                          nw.p(), DT_F32);
+                          nw.p(), DT_F32, q16);
         });
     } else launch((unsigned)((units + 7) / 8), 256, [&] {
         // stream 1: row pairs are never streamed (the whole grid is launched).
@@ -636,7 +668,7 @@ void rowpair_case(const RpCase& c, bool own) {
                             std::to_string(c.r_dt) + " cache " + std::to_string(c.c_dt) + " norm " +
                             std::to_string(c.norm) + " wout " + std::to_string(c.wout) + " wsum " +
                             std::to_string(c.wsum) + " wnorm " + std::to_string(c.wnorm) + " bad " +
-                            std::to_string(c.bad);
+                            std::to_string(c.bad) + (q16 ? " q16" : "");
     // The activation row, and the prologue's results (NaN where they must not be written).
     std::vector<double> act(K), wn(K, NAN), wa(K, NAN), gn, ga;
     if (c.norm) {
@@ -659,6 +691,14 @@ void rowpair_case(const RpCase& c, bool own) {
     }
     check(tag + ": norm", wn, gn, 1e-10);
     check(tag + ": norm product", wa, ga, 1e-10);
+    // With q16 the products' references take the quantized row: the kernel's own f32 row where
+    // it was written (its norm product), else the row rounded to f32.
+    std::vector<double> ref = act;
+    if (q16) {
+        std::vector<float> row(K);
+        for (i64 k = 0; k < K; ++k) row[k] = c.norm && c.wnorm ? a.get(k) : (float)act[k];
+        ref = q16_values(row);
+    }
     auto got_of = [](const Buf& b) {
         std::vector<double> v;
         for (i64 i = 0; i < b.n; ++i) v.push_back(b.get(i));
@@ -685,9 +725,14 @@ void rowpair_case(const RpCase& c, bool own) {
         // Any 16-bit rounding on the way to a value: a rare one-ulp flip against the float64 chain.
         bool rounded_chain = has_add && c.sum_dt != DT_F32;
         std::vector<double> prod(n[s]), val(n[s]), wout_v(n[s] + tail, NAN), wsum_v(n[s] + tail, NAN);
+        std::vector<double> raw(n[s] + tail, NAN);
         for (i64 j = 0; j < n[s]; ++j) {
-            double acc = 0;
-            for (i64 k = 0; k < K; ++k) acc += act[k] * w[s]->get(j * ldw + k);
+            double acc = 0, acc_raw = 0;
+            for (i64 k = 0; k < K; ++k) {
+                acc += ref[k] * w[s]->get(j * ldw + k);
+                acc_raw += act[k] * w[s]->get(j * ldw + k);
+            }
+            if ((c.wout >> s) & 1) raw[j] = acc_raw;
             prod[j] = acc;
             val[j] = acc;
             if (has_add) val[j] = rounded(c.sum_dt, (float)(acc + add[s]->get(j)));
@@ -696,6 +741,7 @@ void rowpair_case(const RpCase& c, bool own) {
         }
         const std::vector<double> gout = got_of(*out[s]), gsum = has_add ? got_of(*sum[s]) : gout;
         check(st + " product", wout_v, gout, 1e-10);
+        if (q16) check(st + " product against the unquantized row", raw, gout, 1e-6);
         if (has_add) check(st + " add", wsum_v, gsum, rounded_chain ? 1e-6 : 1e-10);
         // Exactly: each stored value is its source as stored, added to / rounded as the unfused
         // chain's next node reads it back (`src`: what the cache row holds, where it is stored).
@@ -1545,8 +1591,65 @@ void test_sample(const std::string& dir) {
 // GGUF block weights (kernels/quant.cuh, quant.cu) against gguf-py: quant_cases.txt holds
 // random blocks of every type and `gguf.quants.dequantize` of them (scripts/gen_quant_cases.py).
 
-// Every block type's sizes, and dq16 of every chunk of every block bit for bit.
+// q16_half (quant.cuh) against the CPU backend's quantization (`q16_values`), bit for bit: the
+// records' values, d and per-half d * sum(q), on a row with a zero block, NaN and infinities,
+// subnormal values, values on rounding ties (x * id = n + 1/2 exactly) and random blocks.
+void test_quant_q16_rows() {
+    const i64 K = 32 * 12;
+    std::vector<float> x(K);
+    for (i64 k = 0; k < K; ++k) x[k] = rnd(3.0f);
+    for (i64 k = 0; k < 32; ++k) x[k] = 0.0f;                        // block 0: all zero
+    x[40] = NAN;                                                        // block 1: NaN skipped, to 0
+    x[70] = INFINITY;                                                   // block 2: d = inf, all 0
+    for (i64 k = 96; k < 128; ++k) x[k] = (float)(k - 110) * 1e-42f;  // block 3: subnormal
+    // Block 4: amax 32767 (d = 1, id = 1): halves round away from zero.
+    for (i64 k = 128; k < 160; ++k) x[k] = (float)(k - 144) + 0.5f;
+    x[128] = 32767.0f;
+    x[200] = -INFINITY;  // block 6
+    std::vector<float> ds;
+    std::vector<int> qs;
+    q16_values(x, &ds, &qs);
+    std::vector<unsigned char> rec((size_t)(K / 32 * Q16_REC + 16));
+    unsigned char* r = rec.data() + (16 - (u64)rec.data() % 16) % 16;
+    launch(1, 64, [&] {
+        const int nh = (int)(K / 16);
+        for (int h0 = 0; h0 < nh; h0 += 64) {
+            const int h = h0 + (int)threadIdx.x;
+            const bool live = h < nh;
+            float v[16];
+            for (int e = 0; e < 16; ++e) v[e] = live ? x[16 * h + e] : 0.0f;
+            q16_half(v, r + Q16_REC * (h / 2), h, live);
+        }
+    });
+    i64 bad = 0;
+    for (i64 b = 0; b < K / 32; ++b) {
+        const unsigned char* rb = r + Q16_REC * b;
+        float d, sx[2];
+        memcpy(&d, rb + 64, 4);
+        memcpy(sx, rb + 68, 8);
+        bad += __float_as_uint(d) != __float_as_uint(ds[b]);
+        for (int h = 0; h < 2; ++h) {
+            int sum = 0;
+            for (int i = 0; i < 16; ++i) {
+                short q;
+                memcpy(&q, rb + 2 * (16 * h + i), 2);
+                bad += q != qs[32 * b + 16 * h + i];
+                sum += qs[32 * b + 16 * h + i];
+            }
+            bad += __float_as_uint(sx[h]) != __float_as_uint(ds[b] * (float)sum);
+        }
+    }
+    if (bad) {
+        ++fails;
+        printf("FAIL quant_dequant q16 records: %lld fields differ from the CPU's quantization\n", (long long)bad);
+    }
+}
+
+// Every block type's sizes, dq16 of every chunk of every block bit for bit, and iq16's integer
+// form of it: d * w_i + m in float64 within 2^-22 of |d * w_i| + |m| of gguf's value (gguf rounds
+// d * q and subtracts the min in f32: two roundings of at most 2^-24 of those terms).
 void test_quant_dequant() {
+    test_quant_q16_rows();
     for (const QCase& c : quant_cases()) {
         const i64 qb = c.qb(), bb = c.bb(), nchunk = c.nblocks * qb / 16;
         if (q_block_size(c.qt) != qb || q_block_bytes(c.qt) != bb) {
@@ -1574,6 +1677,34 @@ void test_quant_dequant() {
             ++fails;
             printf("FAIL quant_dequant %s: %lld of %zu values differ from gguf (first at %lld: %g, want %g)\n",
                    c.name.c_str(), (long long)bad, got.size(), (long long)first, got[first], c.vals[first]);
+        }
+        std::vector<double> gi(c.vals.size(), NAN), tol(c.vals.size(), 0.0);
+        launch((unsigned)((nchunk + 63) / 64), 64, [&] {
+            const i64 u = blockIdx.x * 64 + threadIdx.x;
+            if (u >= nchunk) return;
+            const unsigned char* blk = c.bytes.data() + (u * 16 / qb) * bb;
+            const int ch = (int)(u % (qb / 16));
+            u32 w[4];
+            float d = NAN, m = NAN;
+            QUANT_SWITCH(c.qt, iq16<QTV>(blk, ch, w, d, m))
+            for (int i = 0; i < 16; ++i) {
+                const double dw = (double)d * (signed char)(w[i / 4] >> (8 * (i % 4)));
+                gi[u * 16 + i] = dw + m;
+                tol[u * 16 + i] = std::ldexp(std::fabs(dw) + std::fabs((double)m), -22);
+            }
+        });
+        bad = 0;
+        first = -1;
+        for (size_t i = 0; i < gi.size(); ++i) {
+            if (!(std::fabs(gi[i] - c.vals[i]) <= tol[i])) {
+                if (first < 0) first = (i64)i;
+                ++bad;
+            }
+        }
+        if (bad) {
+            ++fails;
+            printf("FAIL quant_dequant iq16 %s: %lld of %zu values off gguf's (first at %lld: %.9g, want %.9g)\n",
+                   c.name.c_str(), (long long)bad, gi.size(), (long long)first, gi[first], c.vals[first]);
         }
     }
 }
@@ -1637,14 +1768,17 @@ void test_quant_rows() {
 // blocks in a shuffled order (in one case the rows are a block apart and the weight starts off a
 // 16-byte boundary, the bytes around it poisoned), a is f32 with padded rows, two batches with b
 // broadcast (GQA-style divisor) and the weight read ahead of the wait (a poisoned until then)
-// in one case; k of one block to past one staged segment.
+// in one case; k of one block to past one staged segment. One-row products also take the q16
+// path (one batch; read ahead in the padded case), checked as `q16_values` says.
 void test_quant_mmv() {
     for (const QCase& c : quant_cases()) {
         const i64 qb = c.qb(), bb = c.bb();
         for (i64 kb : {(i64)1, (i64)3, 1280 / qb})
             for (i64 M : {1, 3, 9})
-                for (int pad : {0, 1}) {
-                    const i64 K = kb * qb, N = 37, nbatch = pad ? 2 : 1;
+                for (int pad : {0, 1})
+                    for (int q16 : {0, 1}) {
+                    if (q16 && M != 1) continue;
+                    const i64 K = kb * qb, N = 37, nbatch = pad && !q16 ? 2 : 1;
                     const i64 row_blocks = kb + pad, b_cs = row_blocks * bb;
                     // The padded case also starts the weight 2 bytes past a 16-byte boundary.
                     std::vector<unsigned char> wbuf((size_t)(N * b_cs + 16), 0xee);
@@ -1657,6 +1791,8 @@ void test_quant_mmv() {
                             memcpy(wp + n * b_cs + j * bb, c.bytes.data() + s * bb, bb);
                         }
                     const i64 lda = K + 4 * pad;
+                    // The padded q16 case starts a one float past a 16-byte boundary (no float4 loads).
+                    const i64 a0 = q16 && pad ? 1 : 0;
                     Buf a(DT_F32, nbatch * M * lda), dst(DT_F32, nbatch * M * N);
                     a.rand();
                     MmBatch B{};
@@ -1677,27 +1813,36 @@ void test_quant_mmv() {
                     if (ahead) prod = std::make_unique<Producer>(std::vector<Buf*>{&a}, std::vector<Buf*>{&dst});
                     launch((unsigned)blocks, 32 * MVQ_WARPS, [&] {
                         if (M == 1)
-                            mul_mat_vec_q(M, N, K, nbatch, B, (float*)dst.p(), N, 1, (const float*)a.p(), lda, wp, c.qt,
-                                          b_cs, ahead);
+                            mul_mat_vec_q(M, N, K, nbatch, B, (float*)dst.p(), N, 1, (const float*)a.p() + a0, lda, wp,
+                                          c.qt, b_cs, ahead, q16);
                         else
                             mul_mat_vec_q8(M, N, K, nbatch, B, (float*)dst.p(), N, 1, (const float*)a.p(), lda, wp,
                                            c.qt, b_cs, ahead);
                     });
                     if (prod) prod->check("quant_mmv ahead " + c.name + " K " + std::to_string(K));
-                    std::vector<double> want, got;
+                    // q16: the row as the kernel quantized it (one row, one batch).
+                    std::vector<float> row(K);
+                    for (i64 k = 0; k < K; ++k) row[k] = a.get(a0 + k);
+                    const std::vector<double> deq = q16_values(row);
+                    std::vector<double> want, got, want_raw;
                     for (i64 bt = 0; bt < nbatch; ++bt)
                         for (i64 i = 0; i < M; ++i)
                             for (i64 n = 0; n < N; ++n) {
-                                double acc = 0;
-                                for (i64 k = 0; k < K; ++k)
-                                    acc += (double)a.get(bt * M * lda + i * lda + k) *
-                                           c.vals[src[n * kb + k / qb] * qb + k % qb];
+                                double acc = 0, acc_raw = 0;
+                                for (i64 k = 0; k < K; ++k) {
+                                    const double w = c.vals[src[n * kb + k / qb] * qb + k % qb];
+                                    acc_raw += (double)a.get(a0 + bt * M * lda + i * lda + k) * w;
+                                    acc += (q16 ? deq[k] : (double)a.get(a0 + bt * M * lda + i * lda + k)) * w;
+                                }
                                 want.push_back(acc);
+                                want_raw.push_back(acc_raw);
                                 got.push_back(dst.get(bt * M * N + i * N + n));
                             }
-                    check("quant_mmv " + c.name + " K " + std::to_string(K) + " M " + std::to_string(M) + " pad " +
-                              std::to_string(pad),
-                          want, got, 1e-10);
+                    const std::string tag = "quant_mmv " + c.name + " K " + std::to_string(K) + " M " +
+                                            std::to_string(M) + " pad " + std::to_string(pad) + " q16 " +
+                                            std::to_string(q16);
+                    check(tag, want, got, 1e-10);
+                    if (q16) check(tag + " (unquantized row)", want_raw, got, 1e-6);
                 }
     }
 }
@@ -1706,6 +1851,7 @@ void test_quant_mmv() {
 // `mul_mat_vec_q` writes them, the index as the `argmax` kernel would take it over them (the
 // lower column on a tie, made by copying the best column's blocks below it), the key back at 0.
 void test_quant_head_argmax() {
+    for (int q16 : {0, 1})
     for (const QCase& c : quant_cases()) {
         const i64 qb = c.qb(), bb = c.bb(), K = 2 * qb, N = 45, rb = 2 * bb;
         std::vector<unsigned char> w((size_t)(N * rb));
@@ -1718,11 +1864,12 @@ void test_quant_head_argmax() {
             MmBatch B{};
             launch((unsigned)((N + MVQ_WARPS - 1) / MVQ_WARPS), 32 * MVQ_WARPS, [&] {
                 mul_mat_vec_q_argmax(1, N, K, 1, B, (float*)d.p(), N, 1, (const float*)a.p(), K, w.data(), c.qt,
-                                     rb, 0, &key);
+                                     rb, 0, &key, q16);
             });
             launch(1, 32, [&] { argmax_take(&key, &am); });
             launch((unsigned)((N + MVQ_WARPS - 1) / MVQ_WARPS), 32 * MVQ_WARPS, [&] {
-                mul_mat_vec_q(1, N, K, 1, B, (float*)ref.p(), N, 1, (const float*)a.p(), K, w.data(), c.qt, rb, 0);
+                mul_mat_vec_q(1, N, K, 1, B, (float*)ref.p(), N, 1, (const float*)a.p(), K, w.data(), c.qt, rb, 0,
+                              q16);
             });
             i64 best = 0;
             for (i64 j = 1; j < N; ++j)
@@ -1731,8 +1878,9 @@ void test_quant_head_argmax() {
             for (i64 j = 0; j < N; ++j) same = same && __float_as_uint(d.get(j)) == __float_as_uint(ref.get(j));
             if (!same || am != (int)best || key != 0) {
                 ++fails;
-                printf("FAIL quant_head_argmax %s round %d: logits %s, index %d want %lld, key %llu\n", c.name.c_str(),
-                       round, same ? "equal" : "differ", am, (long long)best, (unsigned long long)key);
+                printf("FAIL quant_head_argmax %s q16 %d round %d: logits %s, index %d want %lld, key %llu\n",
+                       c.name.c_str(), q16, round, same ? "equal" : "differ", am, (long long)best,
+                       (unsigned long long)key);
             }
             // A tie below the best column for the second round.
             const i64 lower = best > 0 ? best / 2 : 0;
@@ -1760,7 +1908,8 @@ void test_fused_gemv1_q() {
         {{DT_Q8_0, DT_Q4_0, 0}, 96, 1, 0},          {{DT_Q5_K, DT_Q5_K, 0}, 1280, 1, 1},
     };
     for (const Case& c : cases)
-        for (int grid : {0, 1, 3}) {
+        for (int grid : {0, 1, 3})
+            for (int q16 : {0, 1}) {
             const i64 K = c.K;
             Buf x(DT_F32, K), nw(DT_F32, K), nd(DT_F32, K), a(DT_F32, K);
             x.rand(2.0f);
@@ -1783,10 +1932,11 @@ void test_fused_gemv1_q() {
             Producer prod({c.norm ? &x : &a}, res);
             launch(grid ? (unsigned)grid : (unsigned)((P.units() + 7) / 8), 256, [&] {
                 fused_gemv1_q(K, (const float*)a.p(), P.S, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
-                              c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32);
+                              c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32, q16);
             });
             std::string tag = "fused_gemv1_q K " + std::to_string(K) + " pair " + std::to_string(c.pair) + " norm " +
-                              std::to_string(c.norm) + " grid " + std::to_string(grid) + " types";
+                              std::to_string(c.norm) + " grid " + std::to_string(grid) + " q16 " +
+                              std::to_string(q16) + " types";
             for (int s = 0; s < P.nseg; ++s) tag += " " + quant_case(c.qt[s]).name;
             prod.check(tag);
             std::vector<double> act(K);
@@ -1806,7 +1956,16 @@ void test_fused_gemv1_q() {
             } else {
                 for (i64 k = 0; k < K; ++k) act[k] = a.get(k);
             }
-            P.check_all(tag, K, [&](i64, i64 k) { return act[k]; });
+            if (!q16) {
+                P.check_all(tag, K, [&](i64, i64 k) { return act[k]; });
+                continue;
+            }
+            // The row the kernel quantized: a (its norm product, written: S.wnorm is 1).
+            std::vector<float> row(K);
+            for (i64 k = 0; k < K; ++k) row[k] = a.get(k);
+            const std::vector<double> deq = q16_values(row);
+            P.check_all(tag, K, [&](i64, i64 k) { return deq[k]; });
+            P.check_all(tag + " (unquantized row)", K, [&](i64, i64 k) { return act[k]; }, 1e-6);
         }
 }
 
@@ -1821,7 +1980,8 @@ void test_fused_gemv1_q_rowpair() {
         {F32, 1024, 64, 32, 2, 2, F32, F16, F16, 1, 0, 0, 0, 0, 1, 4095, 10000.0, 4},
     };
     for (const RpCase& c : cases)
-        for (bool own : {true, false}) rowpair_case(c, own);
+        for (bool own : {true, false})
+            for (int q16 : {0, 1}) rowpair_case(c, own, q16);
 }
 
 // Every test group, by name; `kernels_test NAME...` runs only the groups named.

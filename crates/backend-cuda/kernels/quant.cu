@@ -51,6 +51,13 @@ extern "C" __global__ void get_rows_q(i64 rows, i64 d, Lay L, void* dst, int dtd
 // (batch, column block). `ahead` (b lies in a weights buffer no kernel writes): each thread
 // stages its first segment of b before `pdl_entry` (the only reads before it), so the weight
 // fetch overlaps the previous kernel's tail; every thread still waits exactly once.
+//
+// The one-row kernels' integer path (`q16` != 0: M == 1, one batch, `LOWSYNC_CUDA_TUNE=qdot=q16`,
+// the host's choice): after the wait the block quantizes a's row once into K / 32 q16 records
+// in dynamic shared memory (quant.cuh: the CPU backend's 16-bit activation blocks, bit for bit;
+// thread t takes half-blocks t, t + blockDim.x, ...), and each staged chunk is taken as integers
+// (`iq16`) against its half record with dp2a (`q16_fma`), in the same chunk order. With `ahead`
+// the warp's first segment of its rows is asked into L2 before the wait instead of staged.
 #define MVQ_WARPS 4
 #define MVQ_MT 8
 // Columns per warp of the one-row kernels: a's chunk is loaded once for this many weight rows
@@ -78,18 +85,55 @@ __device__ __forceinline__ int mvq_stage(uint4* st, const u8* lo, const u8* hi, 
     return (int)(lo - a0);
 }
 
-template <int QT, int MT, int R, bool AM>
+template <int QT, int MT, int R, bool AM, bool Q16>
 __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, const MmBatch& B,
                                            float* dst, i64 d_rs, i64 d_cs, const float* a,
                                            i64 a_rs, const u8* b, i64 b_cs,
-                                           uint4 (*stage)[MVQ_STAGE], int ahead, u64* key) {
+                                           uint4 (*stage)[MVQ_STAGE], int ahead, u64* key, u8* xq) {
     const int QB = q_block_size(QT), BB = q_block_bytes(QT);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const i64 ncb = (N + MVQ_WARPS * R - 1) / (MVQ_WARPS * R);
     const i64 row_bytes = K / QB * BB;
     const i64 seg_bytes = MVQ_SEG / QB * BB;
     bool waited = !ahead;
-    if (waited) pdl_entry();
+    if (Q16) {
+        // One batch, one row: the warp's first columns are known before the wait.
+        const i64 col0 = ((i64)blockIdx.x * MVQ_WARPS + warp) * R;
+        if (ahead && col0 < N) {
+#pragma unroll
+            for (int c = 0; c < R; ++c) {
+                const u8* wc = b + (col0 + min((i64)c, N - 1 - col0)) * b_cs;
+                const u8* line = (const u8*)((u64)wc & ~(u64)127);
+                const u8* end = wc + min(seg_bytes, row_bytes);
+                for (const u8* p = line + 128 * lane; p < end; p += 128 * 32) prefetch_l2(p);
+            }
+        }
+        pdl_entry();
+        waited = true;
+        const int nh = (int)(K / 16);
+        const bool a16 = ((u64)a & 15u) == 0;  // float4 loads where a allows them
+        for (int h0 = 0; h0 < nh; h0 += blockDim.x) {
+            const int h = h0 + threadIdx.x;
+            const bool live = h < nh;
+            float v[16];
+            if (live && a16) {
+#pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    const float4 f = ((const float4*)a)[4 * h + t];
+                    v[4 * t] = f.x;
+                    v[4 * t + 1] = f.y;
+                    v[4 * t + 2] = f.z;
+                    v[4 * t + 3] = f.w;
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < 16; ++e) v[e] = live ? a[16 * h + e] : 0.0f;
+            }
+            q16_half(v, xq + Q16_REC * (h / 2), h, live);
+        }
+        __syncthreads();
+    }
+    if (waited && !Q16) pdl_entry();
     u64 best = 0ull;  // AM: the largest argmax key of this warp's columns
     for (i64 blk = blockIdx.x; blk < ncb * nbatch; blk += gridDim.x) {
         const i64 bt = blk / ncb, cb = blk % ncb;
@@ -122,6 +166,23 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
                     waited = true;
                 }
                 const int nch = (int)(min((i64)MVQ_SEG, K - k0) / 16);
+                if (Q16) {
+                    // k0 is a multiple of 32: chunk j is half j % 2 of record (k0 + 16 j) / 32.
+                    // (Chunk by chunk: a lane taking both chunks of a record for its R columns
+                    // held 168 registers in `mul_mat_vec_q_argmax` against 128, NVRTC 13.0.)
+                    for (int j = lane; j < nch; j += 32) {
+                        const u8* rec = xq + Q16_REC * ((k0 + 16 * j) / 32);
+#pragma unroll
+                        for (int c = 0; c < R; ++c) {
+                            u32 w[4];
+                            float d, m;
+                            iq16<QT>((const u8*)stage[warp * R + c] + lead[c] + (16 * j / QB) * BB, j % (QB / 16), w, d, m);
+                            acc[0][c] = q16_fma<QT>(w, d, m, rec, j & 1, acc[0][c]);
+                        }
+                    }
+                    __syncwarp();
+                    continue;
+                }
                 for (int j = lane; j < nch; j += 32) {
                     // This chunk's 16 values of each row of a, read once for the R columns.
                     float x[MT][16];
@@ -181,12 +242,20 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
 }
 
 // blockDim.x == 32 * MVQ_WARPS. One row of a (decode), MVQ_R columns per warp: each chunk of a
-// is read once for MVQ_R weight rows, whose segments are staged side by side ...
+// is read once for MVQ_R weight rows, whose segments are staged side by side. `q16`: the
+// integer path (M == 1, nbatch == 1, dynamic shared memory K / 32 * Q16_REC bytes, within
+// the default 48 KiB beside `stage`: `MVQ_Q16_MAX_SHARED` in src/exec/matmul.rs) ...
 extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
-    i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead) {
+    i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead, int q16) {
     __shared__ uint4 stage[MVQ_WARPS * MVQ_R][MVQ_STAGE];
-    QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, false>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr))
+    extern __shared__ uint4 mvq_smem[];
+    u8* xq = (u8*)mvq_smem;
+    if (q16) {
+        QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, false, true>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr, xq))
+    } else {
+        QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, false, false>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr, xq))
+    }
 }
 
 // ... and MVQ_MT rows of a per pass, one column per warp (each dequantized chunk serves them all).
@@ -194,17 +263,23 @@ extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q8(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
     i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead) {
     __shared__ uint4 stage[MVQ_WARPS][MVQ_STAGE];
-    QUANT_SWITCH(qt, mmv_q_body<QTV, MVQ_MT, 1, false>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr))
+    QUANT_SWITCH(qt, mmv_q_body<QTV, MVQ_MT, 1, false, false>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr, nullptr))
 }
 
-// Decode's output head on a quantized weight: `mul_mat_vec_q` (M == 1, one batch) with the
-// argmax of the row folded in as `mul_mat_vec_1_argmax` does; `argmax_take` (matmul.cu) then
-// turns *key (0 before the launch) into the index.
+// Decode's output head on a quantized weight: `mul_mat_vec_q` (M == 1, one batch; `q16` as
+// there) with the argmax of the row folded in as `mul_mat_vec_1_argmax` does; `argmax_take`
+// (matmul.cu) then turns *key (0 before the launch) into the index.
 extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q_argmax(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
-    i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead, u64* key) {
+    i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead, u64* key, int q16) {
     __shared__ uint4 stage[MVQ_WARPS * MVQ_R][MVQ_STAGE];
-    QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, true>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, key))
+    extern __shared__ uint4 mvq_smem[];
+    u8* xq = (u8*)mvq_smem;
+    if (q16) {
+        QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, true, true>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, key, xq))
+    } else {
+        QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, true, false>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, key, xq))
+    }
 }
 
 // Prefill's weight for cuBLAS: dst[r, :] (f16, rows of k packed back to back) = row r of the

@@ -196,3 +196,209 @@ __device__ __forceinline__ void dq16(const u8* b, int c, float* v) {
         QUANT_CASE(DT_IQ4_XS, __VA_ARGS__)   \
         default: break;                      \
     }
+
+// ---------------------------------------------------------------------------------------------
+// Integer products for decode: activations as 16-bit integer blocks ("q16"), weights as their
+// small integers, two multiply-adds per `__dp2a_lo` / `__dp2a_hi`.
+//
+// Why: `dq16` costs a byte load and several ALU operations per weight, then an FMA; decode's
+// products on quantized weights were bound by those instructions, not by memory. With the
+// activation row quantized once per block, a 16-value chunk costs a few 32-bit loads, a few
+// bit operations per 4 weights, 8 dp2a and one or two FMAs. 8-bit activations (dp4a) would
+// halve the dp2a but move a small model's logits enough to change its greedy answer (the CPU
+// backend measured it, docs/tuning.md `LOWSYNC_CPU_QUANT_DOT`); 16 bits keep the products within
+// about 1e-5 of the f32 path's.
+//
+// Strategy: the activation quantization is the CPU backend's (backend-cpu kernels/quant/q16.rs)
+// bit for bit: blocks of 32, `d = amax / 32767`, `id = 1 / d` (0 when d is 0), `q = round(x * id)`
+// half away from zero, clamped to +-32767, NaN to 0. A block is kept as one 80-byte record
+// (`Q16_REC`): its 32 values as i16 (bytes 0..63), d (f32, bytes 64..67) and, per half of 16,
+// `d * sum(q)` (bytes 68..75), 16-byte aligned so each half loads as two 16-byte vectors. A weight
+// chunk of 16 values is `iq16`: 16 signed bytes w_i (4 ints, value i in byte i % 4 of int i / 4)
+// and f32 d, m with value_i = d * w_i + m (m: the type's min, or its offset -8, -16, -4, -32 times
+// d; 0 for Q8_0 and the IQ4 types, whose integers are signed already). A chunk's contribution is
+// then `d * dx * sum(w_i * q_i) + m * (dx * sum(q_i))`, the integer sum exact (|sum| < 2^27).
+
+// Bytes of one q16 record (32 activation values).
+#define Q16_REC 80
+
+// Asks for the 128-byte line holding p to be brought into L2 (no-op in the emulation). L2 is
+// the device's point of coherence, so a prefetch before `pdl_entry` can leave nothing stale
+// where a later load would find it.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+// 16 bytes at p (2-byte aligned) as 4 words, byte i of the run in byte i % 4 of word i / 4:
+// aligned 32-bit loads (every word holds a byte of the run, none past it) shifted by
+// `__byte_perm` when p is not 4-byte aligned.
+__device__ __forceinline__ void q_ld16(const u8* p, u32 (&w)[4]) {
+    const u32* a = (const u32*)((u64)p & ~(u64)3);
+    const u32 sh = (u32)((u64)p & 2u);
+    const u32 sel = 0x3210u + sh * 0x1111u;  // 0x3210: as is; 0x5432: bytes 2..5 of a pair
+    u32 x[5];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = a[i];
+    x[4] = a[3 + (sh >> 1)];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = __byte_perm(x[i], x[i + 1], sel);
+}
+
+// Four IQ4 levels: byte i of v (0..15) -> level (signed byte) in byte i of the result. Levels
+// 0..7 come from one `__byte_perm` of the table's first 8 bytes, 8..15 from one of its last,
+// and bit 3 of each index picks between them.
+__device__ __forceinline__ u32 iq4_levels4(u32 v) {
+    const u32 x = v & 0x07070707u;
+    const u32 sel = (x & 7u) | ((x >> 4) & 0x70u) | ((x >> 8) & 0x700u) | ((x >> 12) & 0x7000u);
+    const u32 lo = __byte_perm(0xbfad9881u, 0xf6eaddcfu, sel);
+    const u32 hi = __byte_perm(0x26190d01u, 0x71594535u, sel);
+    const u32 m = ((v >> 3) & 0x01010101u) * 0xFFu;
+    return (lo & ~m) | (hi & m);
+}
+
+// Bits 0..3 of h to bit 0 of bytes 0..3.
+__device__ __forceinline__ u32 q_spread4(u32 h) { return ((h & 0xFu) * 0x00204081u) & 0x01010101u; }
+
+// Whether `iq16<QT>` has an m term (a min or an offset).
+__device__ __forceinline__ constexpr bool q_has_m(int qt) {
+    return qt != DT_Q8_0 && qt != DT_IQ4_NL && qt != DT_IQ4_XS;
+}
+
+// Chunk c (values 16c .. 16c+15) of one block of type QT as integers: value_i = d * w_i + m,
+// w_i signed byte i % 4 of w[i / 4]. The same fields as `dq16`; scales and mins rounded as there.
+template <int QT>
+__device__ __forceinline__ void iq16(const u8* b, int c, u32 (&w)[4], float& d, float& m) {
+    u32 q[4];
+    if (QT == DT_Q4_0 || QT == DT_Q4_1 || QT == DT_IQ4_NL) {
+        d = q_f16(b);
+        m = QT == DT_Q4_0 ? q_mul(d, -8.0f) : QT == DT_Q4_1 ? q_f16(b + 2) : 0.0f;
+        q_ld16(b + (QT == DT_Q4_1 ? 4 : 2), q);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const u32 n = (q[t] >> (4 * c)) & 0x0F0F0F0Fu;
+            w[t] = QT == DT_IQ4_NL ? iq4_levels4(n) : n;
+        }
+    } else if (QT == DT_Q5_0 || QT == DT_Q5_1) {
+        const int off = QT == DT_Q5_1 ? 4 : 2;
+        d = q_f16(b);
+        m = QT == DT_Q5_0 ? q_mul(d, -16.0f) : q_f16(b + 2);
+        const u32 h = ((u32)(*(const u16*)(b + off)) | ((u32)(*(const u16*)(b + off + 2)) << 16)) >> (16 * c);
+        q_ld16(b + off + 4, q);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) w[t] = ((q[t] >> (4 * c)) & 0x0F0F0F0Fu) | (q_spread4(h >> (4 * t)) << 4);
+    } else if (QT == DT_Q8_0) {
+        d = q_f16(b);
+        m = 0.0f;
+        q_ld16(b + 2 + 16 * c, w);
+    } else if (QT == DT_Q2_K) {
+        const u8 sc = b[c];
+        d = q_mul(q_f16(b + 80), (float)(sc & 0xF));
+        m = -q_mul(q_f16(b + 82), (float)(sc >> 4));
+        const int h = c / 8, s = (c / 2) % 4, l0 = (c % 2) * 16;
+        q_ld16(b + 16 + 32 * h + l0, q);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) w[t] = (q[t] >> (2 * s)) & 0x03030303u;
+    } else if (QT == DT_Q3_K) {
+        // The high bit set means no offset: w = low bits + 4 * high bit, m = -4 d.
+        const u8* sc = b + 96;
+        const int lo = c < 8 ? (sc[c] & 0xF) : (sc[c - 8] >> 4);
+        const int hi = (sc[8 + c % 4] >> (2 * (c / 4))) & 3;
+        d = q_mul(q_f16(b + 108), (float)((lo | (hi << 4)) - 32));
+        m = q_mul(d, -4.0f);
+        const int h = c / 8, s = (c / 2) % 4, l0 = (c % 2) * 16, bit = c / 2;
+        u32 hm[4];
+        q_ld16(b + 32 + 32 * h + l0, q);
+        q_ld16(b + l0, hm);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) w[t] = ((q[t] >> (2 * s)) & 0x03030303u) | (((hm[t] >> bit) & 0x01010101u) << 2);
+    } else if (QT == DT_Q4_K || QT == DT_Q5_K) {
+        const int j = c / 2, l0 = (c % 2) * 16;
+        int scv, mnv;
+        k4_scale_min(b + 4, j, &scv, &mnv);
+        d = q_mul(q_f16(b), (float)scv);
+        m = -q_mul(q_f16(b + 2), (float)mnv);
+        q_ld16(b + (QT == DT_Q5_K ? 48 : 16) + 32 * (j / 2) + l0, q);
+        u32 qh[4];
+        if (QT == DT_Q5_K) q_ld16(b + 16 + l0, qh);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            w[t] = (q[t] >> (4 * (j % 2))) & 0x0F0F0F0Fu;
+            if (QT == DT_Q5_K) w[t] |= ((qh[t] >> j) & 0x01010101u) << 4;
+        }
+    } else if (QT == DT_Q6_K) {
+        // w = the 6-bit value (0..63), m = -32 d.
+        d = q_mul(q_f16(b + 208), (float)(signed char)b[192 + c]);
+        m = q_mul(d, -32.0f);
+        const int h = c / 8, o = (c % 8) * 16;
+        const int n = o / 64, s = o / 32;
+        u32 qh[4];
+        q_ld16(b + 64 * h + o % 64, q);
+        q_ld16(b + 128 + 32 * h + o % 32, qh);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) w[t] = ((q[t] >> (4 * n)) & 0x0F0F0F0Fu) | (((qh[t] >> (2 * s)) & 0x03030303u) << 4);
+    } else {  // DT_IQ4_XS
+        const int j = c / 2, n = c % 2;
+        const u16 sh = *(const u16*)(b + 2);
+        const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4);
+        d = q_mul(q_f16(b), (float)(ls - 32));
+        m = 0.0f;
+        q_ld16(b + 8 + 16 * j, q);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) w[t] = iq4_levels4((q[t] >> (4 * n)) & 0x0F0F0F0Fu);
+    }
+}
+
+// acc plus chunk (w, d, m) times half `half` (0, 1) of q16 record `rec` (`Q16_REC` bytes,
+// 16-byte aligned): the integer sum in k order, then d * dx times it and m times the half's
+// `dx * sum(q)`.
+template <int QT>
+__device__ __forceinline__ float q16_fma(const u32 (&w)[4], float d, float m, const u8* rec, int half, float acc) {
+    const uint4* x = (const uint4*)(rec + 32 * half);
+    const uint4 x0 = x[0], x1 = x[1];
+    int s = __dp2a_lo((int)x0.x, (int)w[0], 0);
+    s = __dp2a_hi((int)x0.y, (int)w[0], s);
+    s = __dp2a_lo((int)x0.z, (int)w[1], s);
+    s = __dp2a_hi((int)x0.w, (int)w[1], s);
+    s = __dp2a_lo((int)x1.x, (int)w[2], s);
+    s = __dp2a_hi((int)x1.y, (int)w[2], s);
+    s = __dp2a_lo((int)x1.z, (int)w[3], s);
+    s = __dp2a_hi((int)x1.w, (int)w[3], s);
+    const float* f = (const float*)(rec + 64);
+    acc = fmaf(q_mul(d, f[0]), (float)s, acc);
+    if (q_has_m(QT)) acc = fmaf(m, f[1 + half], acc);
+    return acc;
+}
+
+// Quantizes half-block h (16 values v) of a row into its record `rec` (`Q16_REC` bytes):
+// called by the two threads of a block's halves, lanes 2i and 2i + 1 of one warp (h even in
+// the even lane), every lane of the warp taking part (`live` false: a lane past the row, which
+// stores nothing).
+__device__ __forceinline__ void q16_half(const float (&v)[16], u8* rec, int h, bool live) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));  // NaN skipped, as f32::max
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    if (!live) return;
+    const float d = __fdiv_rn(amax, 32767.0f);
+    const float id = d > 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    int sum = 0;
+    u32 p[8];
+#pragma unroll
+    for (int i = 0; i < 16; i += 2) {
+        int q2[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float r = roundf(__fmul_rn(v[i + e], id));
+            q2[e] = r != r ? 0 : (int)fminf(fmaxf(r, -32767.0f), 32767.0f);
+            sum += q2[e];
+        }
+        p[i / 2] = ((u32)q2[0] & 0xFFFFu) | ((u32)q2[1] << 16);
+    }
+    uint4* qv = (uint4*)(rec + 32 * (h & 1));
+    qv[0] = make_uint4(p[0], p[1], p[2], p[3]);
+    qv[1] = make_uint4(p[4], p[5], p[6], p[7]);
+    float* f = (float*)(rec + 64);
+    if ((h & 1) == 0) f[0] = d;
+    f[1 + (h & 1)] = __fmul_rn(d, (float)sum);  // |sum| < 2^20: exact
+}

@@ -95,6 +95,20 @@ pub struct CudaConfig {
     /// `read_async` of at most `copy_kernel_max` bytes rides in the copy batch, or runs as a
     /// one-block kernel (tune key `read_kernel`, default on); off takes a copy engine.
     pub read_kernel: bool,
+    /// How decode's products on quantized weights multiply (tune key `qdot`, default `q16`):
+    /// the activation row quantized to the CPU backend's 16-bit blocks and integer dot
+    /// products (`__dp2a_lo`/`__dp2a_hi`) with the weights' small integers, or `f32`: each
+    /// weight dequantized to f32 and multiplied by the f32 row. A knob for A/B runs.
+    pub qdot: QDot,
+}
+
+/// The arithmetic of decode's products on quantized weights (`CudaConfig::qdot`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QDot {
+    /// 16-bit activation blocks against the weights' integers (dp2a), f32 per 16 values.
+    Q16,
+    /// Weights dequantized to f32, f32 FMAs.
+    F32,
 }
 
 /// The decode matrix-vector kernel's source of the activation row.
@@ -129,6 +143,7 @@ impl Default for CudaConfig {
             stream_pad_kb: None,
             copy_kernel_max: 4096,
             read_kernel: true,
+            qdot: QDot::Q16,
         }
     }
 }
@@ -145,8 +160,8 @@ const MAX_STREAM_BLOCKS: u64 = 32;
 
 /// What `LOWSYNC_CUDA_TUNE` takes, for an unknown key or an item without `=`.
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, rehearse, \
-     gemv_stream, gemv_split, gemv_blocks, gemv_pad_kb, copy_kernel, read_kernel, mmv_max_m \
-     (see docs/tuning.md)";
+     gemv_stream, gemv_split, gemv_blocks, gemv_pad_kb, copy_kernel, read_kernel, mmv_max_m, \
+     qdot (see docs/tuning.md)";
 
 impl CudaConfig {
     /// The defaults with the user-facing variables (`LOWSYNC_CUDA_SYNC_ELISION`,
@@ -170,8 +185,9 @@ impl CudaConfig {
     /// comma-separated `key=value` items, whitespace around each ignored, empty items skipped,
     /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`, `rehearse`,
     /// `gemv_stream`, `gemv_split`, `read_kernel` (0 or 1); `gemv_blocks` (1 or more, capped at
-    /// 32); `gemv_pad_kb` (0 to 227); `copy_kernel` (bytes); `mmv_max_m` (rows). An unknown
-    /// key, an item without `=` or a bad value is an `Error::Env` for `LOWSYNC_CUDA_TUNE`.
+    /// 32); `gemv_pad_kb` (0 to 227); `copy_kernel` (bytes); `mmv_max_m` (rows); `qdot` (`q16`
+    /// or `f32`). An unknown key, an item without `=` or a bad value is an `Error::Env` for
+    /// `LOWSYNC_CUDA_TUNE`.
     pub fn with_tune(mut self, spec: &str) -> Result<Self> {
         let bad = |expected: &'static str| Error::Env {
             var: TUNE_VAR,
@@ -217,6 +233,13 @@ impl CudaConfig {
                 }
                 "mmv_max_m" => {
                     self.mmv_max_m = Some(size(unsigned("mmv_max_m=N, N rows (0: cuBLAS)")?))
+                }
+                "qdot" => {
+                    self.qdot = match value {
+                        "q16" => QDot::Q16,
+                        "f32" => QDot::F32,
+                        _ => return Err(bad("qdot=q16 or qdot=f32")),
+                    }
                 }
                 _ => return Err(bad(TUNE_KEYS)),
             }
@@ -277,7 +300,7 @@ mod tests {
     fn every_tune_key_sets_its_field() {
         let c = tuned(
             "pdl=0, attn_fast=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
-             gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16",
+             gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32",
         )
         .unwrap();
         let want = CudaConfig {
@@ -291,6 +314,7 @@ mod tests {
             stream_pad_kb: Some(96),
             copy_kernel_max: 512,
             mmv_max_m: Some(16),
+            qdot: QDot::F32,
             ..CudaConfig::default()
         };
         assert_eq!(c, want);
@@ -313,8 +337,9 @@ mod tests {
             ("gemv_pad_kb=-1", "at most 227"),
             ("copy_kernel=4k", "bytes"),
             ("mmv_max_m=-1", "rows"),
+            ("qdot=q8", "qdot=q16 or qdot=f32"),
             ("pdl=1,evict_first=1", "gemv_blocks"),
-            ("weight_evict_first=1", "mmv_max_m"),
+            ("weight_evict_first=1", "qdot"),
             ("pdl", "key=value"),
         ] {
             match tuned(spec) {

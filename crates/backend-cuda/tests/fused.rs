@@ -970,6 +970,47 @@ fn a_quantized_decode_layer_is_five_launches() {
     }
 }
 
+/// The quantized layer with each arithmetic of `LOWSYNC_CUDA_TUNE=qdot` (`q16`: 16-bit
+/// activation blocks and integer dot products, the default; `f32`): the same launches, each
+/// within the oracle's bound (the oracle quantizes activations as `q16` does), and the two
+/// within 1e-6 of each other (they differ by the activations' 16-bit rounding, about 1e-9).
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn a_quantized_decode_layer_gives_the_same_results_with_either_qdot() {
+    let mut rng = Rng::new(41);
+    for wdt in [[DType::Q4_0, DType::Q4_0], [DType::Q4_K, DType::Q6_K]] {
+        let (c, outs) = layer(&mut rng, true, wdt, DType::F16);
+        let test = format!("layer weights {} {} by qdot", wdt[0], wdt[1]);
+        let tuned = |tune: &str| {
+            let cfg = CudaConfig::default().with_tune(tune).expect("a valid tune");
+            on_gpu_cfg(&test, &c, cfg)
+        };
+        let (q16, n_q16) = tuned("qdot=q16");
+        let (f32s, n_f32) = tuned("qdot=f32");
+        assert_eq!(n_q16, n_f32, "{test}: launches");
+        let oracle = execute(&CpuBackend::new(), &c);
+        for (name, t) in &outs {
+            let got = values(&q16, t);
+            let what = format!("{test}: {name}");
+            assert_close(&format!("{what} q16 vs f32"), &values(&f32s, t), &got, 1e-6);
+            let bound = quant_oracle_bound(t.dtype);
+            assert_close(
+                &format!("{what} q16 vs oracle"),
+                &values(&oracle, t),
+                &got,
+                bound,
+            );
+            let f = values(&f32s, t);
+            assert_close(
+                &format!("{what} f32 vs oracle"),
+                &values(&oracle, t),
+                &f,
+                bound,
+            );
+        }
+    }
+}
+
 /// A norm and three biased projections on quantized weights of mixed block types: one launch
 /// when the activation row is 16-byte aligned; when it is not, the group's nodes run unfused
 /// at launch time (no launch saved), with the same results.

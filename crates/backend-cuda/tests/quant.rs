@@ -3,17 +3,32 @@
 //! (m = 64: dequantized to f16 for cuBLAS), on a row slice of a larger weight and over a batch
 //! axis; and `GetRows` of a quantized table into f32 and f16 rows. Against the CPU backend (the
 //! oracle, itself checked bit for bit against gguf-py): NMSE for products, bit-exact rows.
+//! The one-row products and the head run with either arithmetic of `LOWSYNC_CUDA_TUNE=qdot`
+//! (`q16`, the default: the oracle's own 16-bit activation blocks and integer dot products;
+//! `f32`: f32 activations and dequantized weights).
 //! The kernels' own float64 and gguf checks run in the emulation (scripts/kernel_emu.sh groups
 //! `quant_dequant`, `quant_rows`, `quant_mmv`). Ignored without a CUDA device (see `common`).
 
 mod common;
 
-use common::{gpu, nmse, quant_blocks as blocks, Pair, Rng, Twin};
+use common::{gpu, gpu_with, nmse, quant_blocks as blocks, Pair, Rng, Twin};
+use lowsync_cuda::CudaConfig;
 use lowsync_graph::{DType, Op};
 
 fn pair(test: &str) -> Pair {
     Pair::new(gpu(test))
 }
+
+/// A pair whose CUDA backend takes the tuning `tune` (`LOWSYNC_CUDA_TUNE`'s syntax).
+fn pair_tuned(test: &str, tune: &str) -> Pair {
+    let cfg = CudaConfig::default()
+        .with_tune(tune)
+        .unwrap_or_else(|e| panic!("{test}: {tune}: {e}"));
+    Pair::new(gpu_with(test, cfg))
+}
+
+/// The two arithmetics of decode's quantized products.
+const QDOTS: [&str; 2] = ["qdot=q16", "qdot=f32"];
 
 /// The block dtypes.
 fn quants() -> impl Iterator<Item = DType> {
@@ -41,7 +56,13 @@ fn product(p: &Pair, rng: &mut Rng, dt: DType, m: usize, n: usize, k: usize, lea
 #[test]
 #[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn quantized_products_match_the_oracle_at_decode_and_prefill_shapes() {
-    let p = pair("quant_products");
+    for tune in QDOTS {
+        products_match_the_oracle(tune);
+    }
+}
+
+fn products_match_the_oracle(tune: &str) {
+    let p = pair_tuned("quant_products", tune);
     let mut rng = Rng::new(33);
     for dt in quants() {
         let bs = dt.block_size();
@@ -53,12 +74,13 @@ fn quantized_products_match_the_oracle_at_decode_and_prefill_shapes() {
             (64, 40, 2 * bs, 0),
         ] {
             let e = product(&p, &mut rng, dt, m, n, k, lead);
-            // In place (f32 accumulation): the oracle's 16-bit activation blocks stay near
-            // 1e-8. Prefill rounds x and the weight to f16 for cuBLAS: about 1e-7.
+            // In place (f32 accumulation; m = 1 with q16 activations, the oracle's own): the
+            // oracle's 16-bit activation blocks stay near 1e-8 from f32 activations. Prefill
+            // rounds x and the weight to f16 for cuBLAS: about 1e-7.
             let bound = if m <= 8 { 1e-6 } else { 1e-5 };
             assert!(
                 e <= bound,
-                "{dt} m={m} n={n} k={k} lead={lead}: NMSE {e:e} > {bound:e}"
+                "{tune} {dt} m={m} n={n} k={k} lead={lead}: NMSE {e:e} > {bound:e}"
             );
         }
     }
@@ -159,9 +181,15 @@ fn a_quantized_weight_read_other_than_as_w_transposed_is_a_clear_error() {
 #[test]
 #[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn a_quantized_head_and_its_argmax_give_the_logits_argmax() {
+    for tune in QDOTS {
+        head_and_argmax(tune);
+    }
+}
+
+fn head_and_argmax(tune: &str) {
     use lowsync_backend::{Backend, ExecGraph, ExecNode};
     use std::sync::Arc;
-    let p = pair("quant_head");
+    let p = pair_tuned("quant_head", tune);
     let mut rng = Rng::new(37);
     for dt in quants() {
         let (n, k) = (300, 2 * dt.block_size());
@@ -204,7 +232,7 @@ fn a_quantized_head_and_its_argmax_give_the_logits_argmax() {
             .unwrap_or_else(|e| panic!("{dt}: CUDA failed: {e}"));
         let (want, got) = p.read(&logits);
         let e = nmse(&want, &got);
-        assert!(e <= 1e-6, "{dt}: logits NMSE {e:e}");
+        assert!(e <= 1e-6, "{tune} {dt}: logits NMSE {e:e}");
         let mut best = 0;
         for (j, &v) in got.iter().enumerate() {
             if v > got[best] {

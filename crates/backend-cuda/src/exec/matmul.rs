@@ -47,7 +47,7 @@ use cudarc::cublas::{result as cbres, sys as cb};
 use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::DType;
 
-use crate::config::DecodeGemv;
+use crate::config::{DecodeGemv, QDot};
 use crate::device::Blas;
 use crate::exec::launch::{
     dt, float_dst, float_src, grid_for, kernel_err, packed, qt, quant_row_bytes, Args, Dev, Exec,
@@ -142,6 +142,13 @@ const MVQ_WARPS: usize = 4;
 /// Columns per warp of the one-row kernels `mul_mat_vec_q` and `mul_mat_vec_q_argmax`
 /// (`MVQ_R`); `mul_mat_vec_q8` takes one.
 const MVQ_R: usize = 4;
+/// Bytes of one q16 activation record (32 values: `Q16_REC` in quant.cuh).
+const Q16_REC: usize = 80;
+/// Dynamic shared memory the one-row quantized kernels may take for the q16 row: the default
+/// 48 KiB less their static shared memory (16 staged segments of 1,120 bytes, and the argmax's
+/// block maxima: 18,688 bytes for `mul_mat_vec_q_argmax` with NVRTC 13.0, sm_90) with about
+/// 1 KiB to spare, so rows up to 11,456 values take the integer path.
+const MVQ_Q16_MAX_SHARED: usize = 28 << 10;
 /// Batch axes the matrix-vector kernels index (`MB_MAXD` in common.cuh).
 const MB_MAXD: usize = 4;
 /// Rows (one per warp) of a `mul_mat_vec_1` block (`GV_WARPS` in matmul.cu; `FG1_WARPS` in
@@ -823,12 +830,14 @@ pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Re
     {
         // A quantized head: `mul_mat_vec_q` with the argmax folded in.
         let (grid, args) = vec_q_args(ex, mm, &plan, &dst, &a, &b)?;
-        ex.launch(
+        let shared = vec_q16_shared(ex, &plan);
+        ex.launch_shared(
             mm,
             Kernel::MulMatVecQArgmax,
             grid,
             (MVQ_WARPS * 32) as u32,
-            args.arg(key),
+            shared as u32,
+            args.arg(key).arg((shared > 0) as i32),
         )?;
     } else {
         let Some(v1) = fits.then(|| vec1(ex, mm, &plan, &dst, &a, &b)).flatten() else {
@@ -888,7 +897,31 @@ fn run_vec_q(
         Kernel::MulMatVecQ8
     };
     let (grid, args) = vec_q_args(ex, node, plan, dst, &a, b)?;
-    ex.launch(node, kernel, grid, (MVQ_WARPS * 32) as u32, args)
+    if kernel == Kernel::MulMatVecQ8 {
+        return ex.launch(node, kernel, grid, (MVQ_WARPS * 32) as u32, args);
+    }
+    let shared = vec_q16_shared(ex, plan);
+    ex.launch_shared(
+        node,
+        kernel,
+        grid,
+        (MVQ_WARPS * 32) as u32,
+        shared as u32,
+        args.arg((shared > 0) as i32),
+    )
+}
+
+/// Dynamic shared memory of a one-row quantized product's integer path (`q16` in quant.cu:
+/// the row as q16 records), or 0 where it takes the f32 path: `qdot=f32`, more than one row
+/// or batch, or a row too long for the records beside the kernel's static staging.
+fn vec_q16_shared(ex: &Exec<'_>, plan: &Plan) -> usize {
+    let bytes = plan.k / 32 * Q16_REC;
+    let one = plan.m == 1 && plan.batch.iter().product::<usize>() == 1;
+    if ex.inner.cfg.qdot == QDot::Q16 && one && bytes <= MVQ_Q16_MAX_SHARED {
+        bytes
+    } else {
+        0
+    }
 }
 
 /// The grid and arguments of `mul_mat_vec_q[8]` (and the first arguments of

@@ -619,6 +619,12 @@ extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp32(FG1S_PARAMS) { FG1_O
 // depends only on K, so results are deterministic and do not depend on the grid. The blocks
 // are read in place (2-byte aligned fields: byte and 16-bit loads; a warp's 32 chunks are one
 // contiguous run of the row, so its loads share cache lines).
+//
+// With `q16` (the default, `LOWSYNC_CUDA_TUNE=qdot=q16`) the staged row is then quantized in
+// place to q16 records (quant.cuh: the CPU backend's 16-bit activation blocks, bit for bit) and
+// lane l takes 32-value pieces l, l + 32, ... of the weight row as integers (`iq16`) against
+// them with dp2a (`fq_dot16`), in k order; same units, same butterfly. Without it (`qdot=f32`)
+// the chunks are dequantized to f32 (`dq16`) and multiplied by the f32 row.
 
 // Lane `lane`'s part of the dot product of weight row w (K values of block type QT) with xr:
 // its chunks in order, two per round — both chunks' bytes are loaded before either is used
@@ -654,11 +660,48 @@ __device__ __forceinline__ float fq_dot(const u8* w, int K, const float* xr, int
     return acc;
 }
 
-// The whole warp's dot product of row w (block type qt, warp-uniform) with xr, in every lane.
-// Not inlined: one copy of the twelve decoders per kernel, however many rows a unit has.
-__device__ __noinline__ float fq_row(int qt, const u8* w, int K, const float* xr, int lane) {
+// `fq_dot` on the q16 records at xq (`fq_quantize`): lane `lane` takes 32-value pieces (both
+// chunks of one record; for 32-value block types one whole block, so its scale and quant
+// bytes are loaded once for both) p = lane, lane + 32, ..., two per round with all four
+// chunks' weight loads issued first (the second piece's index clamped to the row, its
+// products skipped past the end), and adds each chunk's integer sum against its half record,
+// in k order.
+template <int QT>
+__device__ __forceinline__ float fq_dot16(const u8* w, int K, const u8* xq, int lane) {
+    const int QB = q_block_size(QT), BB = q_block_bytes(QT), CPB = QB / 16;
+    const int np = K / 32;
     float acc = 0.0f;
-    QUANT_SWITCH(qt, acc = fq_dot<QTV>(w, K, xr, lane))
+#pragma unroll 1
+    for (int p0 = lane; p0 < np; p0 += 64) {
+        const int p1 = min(p0 + 32, np - 1);
+        u32 wv[4][4];
+        float d[4], m[4];
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            const int c = 2 * (h < 2 ? p0 : p1) + (h & 1);
+            iq16<QT>(w + (c / CPB) * BB, c % CPB, wv[h], d[h], m[h]);
+        }
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+            if (h < 2 || p0 + 32 < np) {
+                const int p = h < 2 ? p0 : p1;
+                acc = q16_fma<QT>(wv[h], d[h], m[h], xq + Q16_REC * p, h & 1, acc);
+            }
+        }
+    }
+    return acc;
+}
+
+// The whole warp's dot product of row w (block type qt, warp-uniform) with the staged row xr
+// (f32, `fq_swizzle`d; or q16 records with `q16`), in every lane. Not inlined: one copy of the
+// decoders per kernel, however many rows a unit has.
+__device__ __noinline__ float fq_row(int qt, const u8* w, int K, const float* xr, int lane, int q16) {
+    float acc = 0.0f;
+    if (q16) {
+        QUANT_SWITCH(qt, acc = fq_dot16<QTV>(w, K, (const u8*)xr, lane))
+    } else {
+        QUANT_SWITCH(qt, acc = fq_dot<QTV>(w, K, xr, lane))
+    }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     return acc;
@@ -681,19 +724,37 @@ __device__ __forceinline__ void fq_swizzle(float* xs, int K) {
     __syncthreads();
 }
 
-// Asks for the 128-byte line holding p to be brought into L2 (no-op in the emulation). L2 is
-// the device's point of coherence, so a prefetch before `pdl_entry` can leave nothing stale
-// where a later load would find it.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#if defined(__CUDA_ARCH__)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#endif
+// Quantizes the staged row (K floats at xs, K a multiple of 32; every thread takes part) in
+// place to K / 32 q16 records at xs (`Q16_REC` bytes each, 2.5 bytes a value: they fit in the
+// row's 4). Thread t of round r takes half-block h = r * blockDim.x + t (16 floats); all of a
+// round's floats are read before the barrier and its records written after it. Round r's
+// records end at byte 40 * blockDim.x * (r + 1), below the floats of round r + 1 (from byte
+// 64 * blockDim.x * (r + 1)), so a record only overwrites floats already read.
+__device__ __forceinline__ void fq_quantize(float* xs, int K) {
+    const int nh = K / 16;
+    for (int h0 = 0; h0 < nh; h0 += blockDim.x) {
+        const int h = h0 + threadIdx.x;
+        const bool live = h < nh;
+        float v[16];
+        const float4* x4 = (const float4*)(xs + 16 * (live ? h : 0));
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const float4 f = x4[t];
+            v[4 * t] = f.x;
+            v[4 * t + 1] = f.y;
+            v[4 * t + 2] = f.z;
+            v[4 * t + 3] = f.w;
+        }
+        __syncthreads();
+        q16_half(v, (u8*)xs + Q16_REC * (h / 2), h, live);
+    }
+    __syncthreads();
 }
 
 template <int NC>
 __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, float* xs,
                                          const float* nx, float eps, void* nd, int dtn,
-                                         const void* nw, int dtnw) {
+                                         const void* nw, int dtnw, int q16) {
     const int lane = threadIdx.x & 31;
     const int units = (int)fg_units<NC>(S);
     const bool pair1 = NC == 2 && S.pair == 1;
@@ -718,7 +779,11 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     } else {
         stage_row(xs, a, K, false);
     }
-    fq_swizzle(xs, K);
+    if (q16) {
+        fq_quantize(xs, K);
+    } else {
+        fq_swizzle(xs, K);
+    }
 #pragma unroll 1
     for (int u = blockIdx.x * FG1_WARPS + (threadIdx.x >> 5); u < units; u += gridDim.x * FG1_WARPS) {
         int s;
@@ -728,7 +793,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         float acc[NC];
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
-            acc[c] = fq_row((int)S.seg[pair1 ? c : s].qt, (const u8*)wr[c], K, xs, lane);
+            acc[c] = fq_row((int)S.seg[pair1 ? c : s].qt, (const u8*)wr[c], K, xs, lane, q16);
         }
         if (lane == 0) {
             if (NC == 2 && S.pair == 2) {
@@ -743,18 +808,19 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // blockDim.x == FG1_WARPS * 32, dynamic shared memory K floats; K a multiple of every
 // segment's block size, below 2^31 with the units (checked on the host), a 16-byte aligned
 // and every weight 2-byte aligned. Any grid of at least one block (the warps stride over the
-// units); S.pair as `fused_gemv1`'s sets (0, 1: SwiGlu, 2: row pairs).
+// units); S.pair as `fused_gemv1`'s sets (0, 1: SwiGlu, 2: row pairs). `q16`: integer products
+// on the quantized row (else f32).
 extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,
                                                                         float eps, void* nd,
                                                                         int dtn, const void* nw,
-                                                                        int dtnw) {
+                                                                        int dtnw, int q16) {
     extern __shared__ float4 fg1_smem[];
     float* xs = (float*)fg1_smem;
     if (S.pair) {
-        fq1_body<2>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw);
+        fq1_body<2>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, q16);
     } else {
-        fq1_body<1>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw);
+        fq1_body<1>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, q16);
     }
 }
 
