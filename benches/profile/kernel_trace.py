@@ -247,6 +247,17 @@ def side_by_side(model: str, results: list[tuple[str, dict[str, str], Summary, f
         )
 
 
+def ktrace_lib() -> ctypes.CDLL:
+    """The CUPTI library the driver injected (`CUDA_INJECTION64_PATH`), its calls typed."""
+    lib_path = os.environ.get("CUDA_INJECTION64_PATH")
+    if not lib_path:
+        raise SystemExit("CUDA_INJECTION64_PATH is not set: build scripts/gpu/cupti_kernels.c")
+    lib = ctypes.CDLL(lib_path)
+    lib.lowsync_ktrace_end.restype = ctypes.c_long
+    lib.lowsync_ktrace_end.argtypes = [ctypes.c_char_p]
+    return lib
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--models", default="1b")
@@ -276,15 +287,10 @@ def main() -> None:
         raise SystemExit("--rounds must be at least 1")
     if args.prompt_len < 1:
         raise SystemExit("--prompt-len must be at least 1")
-    lib_path = os.environ.get("CUDA_INJECTION64_PATH")
-    if not lib_path:
-        raise SystemExit("CUDA_INJECTION64_PATH is not set: build scripts/gpu/cupti_kernels.c")
+    lib = ktrace_lib()
     import lowsync as ls
     from lowsync.bench import env_vars
 
-    lib = ctypes.CDLL(lib_path)
-    lib.lowsync_ktrace_end.restype = ctypes.c_long
-    lib.lowsync_ktrace_end.argtypes = [ctypes.c_char_p]
     prompt = [1 + i % 1000 for i in range(args.prompt_len)]
     ambient = os.environ.get(TUNE, "")
     for name in args.models.split(","):

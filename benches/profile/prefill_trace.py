@@ -15,13 +15,11 @@ Run: `python benches/profile/prefill_trace.py --models 1b --dtypes q4_0,f16 -p 5
 from __future__ import annotations
 
 import argparse
-import ctypes
-import os
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from kernel_trace import Row, read_rows  # the CUPTI library's CSV, as for decode steps
+from kernel_trace import Row, ktrace_lib, read_rows  # the CUPTI library, as for decode steps
 
 
 def short(name: str) -> str:
@@ -63,14 +61,9 @@ def main() -> None:
     ap.add_argument("--csv-dir", type=Path, default=Path("/tmp"))
     ap.add_argument("--backend", default="cuda")
     args = ap.parse_args()
-    lib_path = os.environ.get("CUDA_INJECTION64_PATH")
-    if not lib_path:
-        raise SystemExit("CUDA_INJECTION64_PATH is not set: build scripts/gpu/cupti_kernels.c")
+    lib = ktrace_lib()
     import lowsync as ls
 
-    lib = ctypes.CDLL(lib_path)
-    lib.lowsync_ktrace_end.restype = ctypes.c_long
-    lib.lowsync_ktrace_end.argtypes = [ctypes.c_char_p]
     prompt = [1 + i % 1000 for i in range(args.p)]
     for name in args.models.split(","):
         for dtype in args.dtypes.split(","):
