@@ -621,15 +621,7 @@ impl Recording {
     /// plan's own barrier placement assumes it starts on a clean slate.
     fn barrier_if_used(&mut self, device: &ash::Device) {
         if self.has_work {
-            barrier(
-                device,
-                self.cmd,
-                ALL_STAGES,
-                WRITES,
-                ALL_STAGES,
-                READS_WRITES,
-            );
-            self.barriers += 1;
+            self.full_barrier(device);
         }
     }
 
@@ -641,18 +633,24 @@ impl Recording {
                 .any(|a| self.since_barrier.iter().any(|b| a.conflicts(b)));
         if conflict {
             self.untracked = false;
-            barrier(
-                device,
-                self.cmd,
-                ALL_STAGES,
-                WRITES,
-                ALL_STAGES,
-                READS_WRITES,
-            );
+            self.full_barrier(device);
             self.since_barrier.clear();
-            self.barriers += 1;
         }
         self.since_barrier.extend_from_slice(acc);
+    }
+
+    /// A global barrier (every write before it visible to every read and write after it),
+    /// counted.
+    fn full_barrier(&mut self, device: &ash::Device) {
+        barrier(
+            device,
+            self.cmd,
+            ALL_STAGES,
+            WRITES,
+            ALL_STAGES,
+            READS_WRITES,
+        );
+        self.barriers += 1;
     }
 }
 
