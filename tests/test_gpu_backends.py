@@ -288,3 +288,20 @@ def test_sampled_generation_on_the_device_draws_the_cpus_tokens_at_a_greedy_step
     plain, _ = _sampling_run(backend, ahead=False)
     assert ahead == plain == want
     assert_step_counts(st, launch_ahead=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_process_opens_and_closes_many_contexts_on_the_device(device: str) -> None:
+    # Every context is created, runs one step and is dropped before the next; the driver must
+    # keep loading (NVIDIA's Vulkan driver, reloaded with each context, stopped after ~10).
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for i in range(24):
+        g = ls.Graph()
+        a = g.input("a", [2, 3])
+        g.output("y", g.cpy(a, "f32") * 2.0)
+        ctx = ls.Context([device])
+        plan = ctx.compile(g)
+        plan.set_input("a", x + i)
+        plan.compute()
+        np.testing.assert_array_equal(plan.get_output("y"), (x + i) * 2.0)
+        del plan, ctx

@@ -6,7 +6,9 @@
 //! synchronization validation, whose findings must be readable (and countable as failures).
 //!
 //! Strategy: the loader is opened at run time (`ash::Entry::load`), so a machine without Vulkan
-//! gets `Error::Unavailable`, never a panic or a link error. The compute queue comes from a
+//! gets `Error::Unavailable`, never a panic or a link error. It is opened once per process and
+//! never closed: closing it unloads the driver, and NVIDIA's driver, loaded and unloaded again
+//! for every context, stopped loading after about ten (the loader then found no driver). The compute queue comes from a
 //! family with COMPUTE (one without GRAPHICS preferred); the transfer queue from a family with
 //! TRANSFER and neither COMPUTE nor GRAPHICS, when the device has one (lavapipe has not).
 //! Validation messages of severity warning and above are appended to a list the owner can read.
@@ -15,7 +17,7 @@
 //! reason; the debug messenger outlives every object of its instance (destroyed last).
 
 use std::ffi::{c_void, CStr};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use ash::vk;
 use lowsync_backend::{Error, Result};
@@ -94,10 +96,21 @@ unsafe extern "system" fn on_message(
     vk::FALSE
 }
 
+/// The process's Vulkan loader, opened on first use and kept: see the module's strategy.
+fn entry() -> Result<&'static ash::Entry> {
+    static ENTRY: OnceLock<std::result::Result<ash::Entry, String>> = OnceLock::new();
+    ENTRY
+        .get_or_init(|| {
+            // SAFETY: loading the system loader library; failure is reported, not fatal.
+            unsafe { ash::Entry::load() }
+                .map_err(|e| format!("no Vulkan loader (libvulkan.so.1): {e}"))
+        })
+        .as_ref()
+        .map_err(|e| unavailable(e.clone()))
+}
+
 /// An instance, with the validation layer and its messenger when asked for.
 pub(crate) struct Instance {
-    /// Keeps the loader library loaded while the instance lives.
-    _entry: ash::Entry,
     pub instance: ash::Instance,
     debug: Option<(ash::ext::debug_utils::Instance, vk::DebugUtilsMessengerEXT)>,
     pub messages: MessageSink,
@@ -105,9 +118,7 @@ pub(crate) struct Instance {
 
 impl Instance {
     pub(crate) fn new(validation: bool) -> Result<Self> {
-        // SAFETY: loading the system loader library; failure is reported, not fatal.
-        let entry = unsafe { ash::Entry::load() }
-            .map_err(|e| unavailable(format!("no Vulkan loader (libvulkan.so.1): {e}")))?;
+        let entry = entry()?;
         let app = vk::ApplicationInfo::default()
             .application_name(c"lowsync")
             .api_version(vk::API_VERSION_1_3);
@@ -150,7 +161,7 @@ impl Instance {
         })?;
         let messages: MessageSink = Arc::new(Mutex::new(Vec::new()));
         let debug = if validation {
-            let du = ash::ext::debug_utils::Instance::new(&entry, &instance);
+            let du = ash::ext::debug_utils::Instance::new(entry, &instance);
             let info = vk::DebugUtilsMessengerCreateInfoEXT::default()
                 .message_severity(
                     vk::DebugUtilsMessageSeverityFlagsEXT::WARNING
@@ -175,7 +186,6 @@ impl Instance {
             None
         };
         Ok(Instance {
-            _entry: entry,
             instance,
             debug,
             messages,
