@@ -6,11 +6,13 @@
 //! synchronization validation, whose findings must be readable (and countable as failures).
 //!
 //! Strategy: the loader is opened at run time (`ash::Entry::load`), so a machine without Vulkan
-//! gets `Error::Unavailable`, never a panic or a link error. It is opened once per process and
-//! never closed: closing it unloads the driver, and NVIDIA's driver, loaded and unloaded again
-//! for every context, stopped loading after about ten (the loader then found no driver). The compute queue comes from a
-//! family with COMPUTE (one without GRAPHICS preferred); the transfer queue from a family with
-//! TRANSFER and neither COMPUTE nor GRAPHICS, when the device has one (lavapipe has not).
+//! gets `Error::Unavailable`, never a panic or a link error. It is opened once per process with
+//! a bare instance that is never destroyed: destroying a process's last instance unloads the
+//! driver, and NVIDIA's, loaded again for each context, ran out of static TLS after about 30
+//! (`libnvidia-tls.so: cannot allocate memory in static TLS block`; the loader then found no
+//! driver). The compute queue comes from a family with COMPUTE (one without GRAPHICS
+//! preferred); the transfer queue from a family with TRANSFER and neither COMPUTE nor GRAPHICS,
+//! when the device has one (lavapipe has not).
 //! Validation messages of severity warning and above are appended to a list the owner can read.
 //!
 //! Invariants: devices below Vulkan 1.2 or without `timelineSemaphore` are refused with a
@@ -96,16 +98,27 @@ unsafe extern "system" fn on_message(
     vk::FALSE
 }
 
-/// The process's Vulkan loader, opened on first use and kept: see the module's strategy.
+/// The process's Vulkan loader, opened on first use and kept, with a bare instance that keeps
+/// the driver loaded (see the module's strategy; without a driver the instance is not made and
+/// the context's own instance reports why).
 fn entry() -> Result<&'static ash::Entry> {
-    static ENTRY: OnceLock<std::result::Result<ash::Entry, String>> = OnceLock::new();
+    static ENTRY: OnceLock<std::result::Result<(ash::Entry, Option<vk::Instance>), String>> =
+        OnceLock::new();
     ENTRY
         .get_or_init(|| {
             // SAFETY: loading the system loader library; failure is reported, not fatal.
-            unsafe { ash::Entry::load() }
-                .map_err(|e| format!("no Vulkan loader (libvulkan.so.1): {e}"))
+            let entry = unsafe { ash::Entry::load() }
+                .map_err(|e| format!("no Vulkan loader (libvulkan.so.1): {e}"))?;
+            let app = vk::ApplicationInfo::default().api_version(vk::API_VERSION_1_2);
+            let info = vk::InstanceCreateInfo::default().application_info(&app);
+            // SAFETY: a plain instance on a loaded entry; it is never destroyed, on purpose.
+            let anchor = unsafe { entry.create_instance(&info, None) }
+                .ok()
+                .map(|i| i.handle());
+            Ok((entry, anchor))
         })
         .as_ref()
+        .map(|(entry, _)| entry)
         .map_err(|e| unavailable(e.clone()))
 }
 
