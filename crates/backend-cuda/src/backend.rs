@@ -34,7 +34,7 @@ use parking_lot::Mutex;
 
 use crate::capture::run_captured;
 use crate::config::CudaConfig;
-use crate::device::{Inner, ReadSlot, GATE_PAGE_BYTES};
+use crate::device::{Inner, PeerEvents, ReadSlot, GATE_PAGE_BYTES};
 use crate::driver::{CuCtx, CuEvent};
 use crate::exec::launch::Exec;
 use crate::fusion;
@@ -514,15 +514,35 @@ impl Backend for CudaBackend {
             }
             // Ordered after the work queued on the source: an event on its stream, waited on
             // (device side) by this one, then the copy on this stream.
+            let mut peers = i.peer_events.lock();
+            peers.retain(|p| p.src.strong_count() > 0);
+            let k = match peers
+                .iter()
+                .position(|p| std::ptr::eq(p.src.as_ptr(), Arc::as_ptr(&other)))
+            {
+                Some(k) => k,
+                None => {
+                    other.bind()?;
+                    let ready = CuEvent::new().map_err(|e| other.driver_err("cuEventCreate", e))?;
+                    i.bind()?;
+                    let done = CuEvent::new().map_err(|e| i.driver_err("cuEventCreate", e))?;
+                    peers.push(PeerEvents {
+                        src: Arc::downgrade(&other),
+                        ready,
+                        done,
+                    });
+                    peers.len() - 1
+                }
+            };
+            let pe = &peers[k];
             other.bind()?;
-            let ev = CuEvent::new().map_err(|e| i.driver_err("cuEventCreate", e))?;
             other
                 .stream
-                .record_event(&ev)
+                .record_event(&pe.ready)
                 .map_err(|e| other.driver_err("cuEventRecord", e))?;
             i.bind()?;
             i.stream
-                .wait_event(&ev)
+                .wait_event(&pe.ready)
                 .map_err(|e| i.driver_err("cuStreamWaitEvent", e))?;
             if other.ordinal == i.ordinal {
                 // SAFETY: checked device ranges of one device (the same primary context).
@@ -545,15 +565,13 @@ impl Backend for CudaBackend {
             // bytes, so the source stream waits (device side) for the copy. Without it a
             // pipeline stage could run its next ubatch into the boundary tensor while the next
             // stage's stream, still busy with the previous one, has not copied it yet.
-            let done = CuEvent::new().map_err(|e| i.driver_err("cuEventCreate", e))?;
             i.stream
-                .record_event(&done)
+                .record_event(&pe.done)
                 .map_err(|e| i.driver_err("cuEventRecord", e))?;
             other.bind()?;
-            let waited = other.stream.wait_event(&done);
+            let waited = other.stream.wait_event(&pe.done);
             i.bind()?;
             waited.map_err(|e| other.driver_err("cuStreamWaitEvent", e))?;
-            // Destroying the events now is fine: the driver keeps a pending event alive.
             return Ok(true);
         }
         // S0's copy_from_host: a host (`cpu`) source is ready once its synchronous producer

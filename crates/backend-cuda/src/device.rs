@@ -20,7 +20,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use cudarc::cublas::{result as cbres, sys as cb};
 use cudarc::driver::CudaContext;
@@ -167,6 +167,8 @@ pub(crate) struct Inner {
     pub(crate) mem_generation: AtomicU64,
     /// Device timing of compute graphs (`cfg.timing`).
     pub(crate) timing: Mutex<Timing>,
+    /// The event pair of copies from each other CUDA backend (`cpy_tensor_async`).
+    pub(crate) peer_events: Mutex<Vec<PeerEvents>>,
     /// Declared last: dropped after everything that needs the context.
     pub(crate) ctx: Arc<CudaContext>,
 }
@@ -414,6 +416,7 @@ impl Inner {
                 graphs: Mutex::new(GraphCache::default()),
                 mem_generation: AtomicU64::new(0),
                 timing: Mutex::new(Timing::default()),
+                peer_events: Mutex::new(Vec::new()),
                 ctx,
             })
         })
@@ -471,6 +474,17 @@ impl Drop for Inner {
         self.bufs.release_all();
         self.blas.lock().take();
     }
+}
+
+/// The events ordering copies from the CUDA backend `src` into this one, made by the first
+/// copy and recorded again by every later one (a stream's wait takes the record that precedes
+/// it, so a later record never changes an earlier wait): `ready` on the source's stream before
+/// the copy, `done` on this stream after it (the back edge). A step crossing a stage boundary
+/// then creates no event. `src` is weak: the source may go first (its pair is dropped then).
+pub(crate) struct PeerEvents {
+    pub(crate) src: Weak<Inner>,
+    pub(crate) ready: CuEvent,
+    pub(crate) done: CuEvent,
 }
 
 /// A pinned slot of `read_async`, the event recorded after its last read and that record's
