@@ -19,15 +19,15 @@ Strategy:
      `llama-quantize`, plus the real SmolLM2-135M-Instruct Q4_1 (scripts/fetch_test_data.py).
      Files are kept in `--work` and reused.
   4. Speed and memory: per repetition and file, one `lowsync bench -m FILE --backend cpu
-     --policy staged --launch-ahead 0 -p P -n N -ub P --json` process (RAYON_NUM_THREADS=T) and
-     one `llama-bench -m FILE -t T -p P -n N -d 0,P -ub P -fa FA -r 1 -o json` process, the
+     --policy staged --launch-ahead 0 -p P -n N -ub P -ctk KV --json` process
+     (RAYON_NUM_THREADS=T) and one `llama-bench -m FILE -t T -p P -n N -d 0,P -ub P -fa FA
+     -ctk KV -ctv KV -r 1 -o json` process, the
      order flipped every repetition; each child's peak RSS is its own `ru_maxrss` from
      `os.wait4` (not RUSAGE_CHILDREN, which is a maximum over all children).
      lowsync's tg steps run after its P-token prompt, so llama.cpp's tg is the `-d P` test (the
-     same cache fill); its pp is the `-d 0` one. Medians over repetitions are reported. The
-     KV caches differ here: `lowsync bench` has no KV-dtype option and runs f32, `llama-bench`
-     accepts no f32 cache (`-ctk` takes f16, bf16 and block types only) and runs its f16
-     default; at these lengths the cache is a few MiB, and f32 costs lowsync, not llama.cpp.
+     same cache fill); its pp is the `-d 0` one. Medians over repetitions are reported. Both
+     caches hold KV (`--kv-dtype`): f16 by default, llama-bench's own (it accepts no f32
+     cache: `-ctk` takes f16, bf16 and block types only).
   5. n_ctx: a short sequence (`--ctx-prompt` + `--ctx-gen` tokens) decoded in contexts of each
      `--ctx` size: lowsync through a `Session` with that n_ctx (the `lowsync bench` command has
      no n_ctx option: it sizes the context to p + n), llama.cpp through the `compare` driver's
@@ -113,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("-p", "--n-prompt", type=int, default=128, help="prompt tokens (128)")
     ap.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (128)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per engine and file (3)")
+    ap.add_argument(
+        "--kv-dtype", default="f16", choices=("f16", "bf16"), help="both engines' KV (f16)"
+    )
     ap.add_argument(
         "--ctx-kv", default="f32", choices=("f32", "f16"), help="KV dtype of the n_ctx rows (f32)"
     )
@@ -429,6 +432,7 @@ def run_lowsync(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     cmd = [*lowsync_cli(args), "bench", "-m", str(path), "--backend", "cpu"]
     cmd += ["--policy", "staged", "--launch-ahead", "0", "-r", "1", "--json"]
     cmd += ["-p", str(args.n_prompt), "-n", str(args.n_gen), "-ub", str(args.n_prompt)]
+    cmd += ["-ctk", args.kv_dtype]
     child = checked(run_child(cmd, lowsync_env(args), args.timeout), "lowsync bench")
     rows = last_json(child.stdout)
     if len(rows) != 1:
@@ -447,6 +451,7 @@ def run_llama_bench(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     p, n = str(args.n_prompt), str(args.n_gen)
     cmd = [str(bin_path(args, "llama-bench")), "-m", str(path), "-t", str(args.threads)]
     cmd += ["-p", p, "-n", n, "-d", f"0,{p}", "-ub", p, "-fa", args.fa, "-r", "1", "-o", "json"]
+    cmd += ["-ctk", args.kv_dtype, "-ctv", args.kv_dtype]
     child = checked(run_child(cmd, None, args.timeout), "llama-bench")
     tests = last_json(child.stdout)
     pp = [t for t in tests if t["n_prompt"] == args.n_prompt and t["n_gen"] == 0]
@@ -753,8 +758,8 @@ def main(argv: list[str] | None = None) -> None:
         "n_prompt": args.n_prompt,
         "n_gen": args.n_gen,
         "repeats": args.repeats,
-        "lowsync_kv": "f32",
-        "llama_cpp_kv": "f16",
+        "lowsync_kv": args.kv_dtype,
+        "llama_cpp_kv": args.kv_dtype,
         "ctx_kv": args.ctx_kv,
         "llama_cpp_fa": args.fa,
         "autogroup_nice": args.autogroup_nice,
