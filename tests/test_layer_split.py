@@ -114,6 +114,32 @@ def test_a_stage_boundary_costs_the_host_nothing(model: ls.Llama, ahead: bool) -
     assert (first["host_waits"], first["d2h_copies"]) == (0, 0), first
 
 
+def test_a_prompt_of_several_ubatches_crosses_the_stages_without_a_host_wait(
+    model: ls.Llama,
+) -> None:
+    """A prompt cut into ubatches is queued whole: stage 0 may start ubatch i + 1 while stage 1
+    still runs ubatch i (the pipeline of llama.cpp's n_copies, bounded here by the boundary
+    copy's back edge). Across the whole prompt, one host wait (the logits' read) and each
+    ubatch's boundary copies with a device wait on either side; the logits are one device's."""
+    prompt = [(11 * i + 5) % 256 for i in range(64)]
+    one = ls.Session(model, backends=["cpu-async"], n_ctx=128, n_ubatch=8, policy="staged")
+    two = ls.Session(
+        model, backends=STAGES, n_ctx=128, n_ubatch=8, policy="staged", layer_split="even"
+    )
+    want = one.decode(prompt, logits="last")
+    two.decode(prompt[:8], seq_id=1)  # one ubatch: its boundary copies
+    b1 = two.stats()["total"]
+    two.decode(prompt[:8], seq_id=2)
+    a1 = two.stats()["total"]
+    per_ubatch = a1["d2d_copies"] - b1["d2d_copies"]
+    assert per_ubatch >= 1
+    got = two.decode(prompt, seq_id=0, logits="last")
+    after = two.stats()["total"]
+    d = {k: after[k] - a1[k] for k in ("host_waits", "d2d_copies", "device_waits")}
+    assert d == {"host_waits": 1, "d2d_copies": 8 * per_ubatch, "device_waits": 16 * per_ubatch}
+    np.testing.assert_array_equal(got, want)
+
+
 def test_an_uneven_split_over_three_stages(model: ls.Llama) -> None:
     """A backend given no layers stays out of the plans; the others hold their layers."""
     three = ["cpu-async:0", "cpu-async:1", "cpu-async:2"]
