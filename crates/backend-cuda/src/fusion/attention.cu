@@ -603,3 +603,201 @@ extern "C" __global__ void __maxnreg__(168) attn_fast_long(AF_PARAMS) {
                         lsh);
 }
 #undef AF_PARAMS
+
+// ---------------------------------------------------------------------------------------------
+// Prefill attention (`attn_prefill`): the same chain for n_q query rows per head — kq = q @ K^T,
+// p = softmax(kq * scale + mask), o = p @ V and optionally the Cpy of a permuted view of o —
+// flash-attention style: one block per (head, tile of AP_Q query rows), the keys in tiles of
+// AP_K with an online softmax, so the scores and p never leave the multiprocessor. The host
+// takes this kernel only where both are dead (nothing reads them later); o is written only
+// when something reads it besides the copy (`write_o`).
+//
+// Built for throughput: a 512-token prefill of a 1B model runs 32 heads x 32 query tiles per
+// layer, each over up to a few hundred keys. Per key tile the block loads the tile's mask
+// entries (a 16 x 32 window of the mask), marks the key columns some row of the tile admits,
+// and skips the tile outright when none does (causal masks: every tile past the diagonal); it
+// then loads the admitted K and V rows (f32, f16 or bf16, converted to f32 in shared memory;
+// columns no row admits are zero and never read from memory), computes the logits, and folds
+// them into each row's running max and sum. Thread t owns query row t / 8 of the tile: its
+// logits of keys t % 8 + 8 j (j < 4) and its output dims t % 8 + 8 j (j < D / 8); the eight
+// threads of a row are adjacent lanes of one warp, so a row's max and sum are three shuffles.
+// Accumulation is f32 in orders fixed by the shapes (deterministic). The rounding differs from
+// the unfused chain's (cuBLAS products, `soft_max`), within f32 precision.
+//
+// NaN follows `attn_decode`: a NaN logit at a position the mask admits makes its query row's o
+// and copy NaN (fmaxf skips NaN in the running max, so the running sum carries it); a NaN in V
+// reaches the rows whose p at its key is non-zero; a position the mask excludes is never read
+// from K or V (unless another row of the tile admits it, and then its p is zero and the product
+// is skipped), so a NaN there reaches nothing.
+//
+// Invariants: D <= AP_MAXD (the host checks). Every read of q precedes every write of the
+// block, and block (h, tile) reads only q rows of its tile and head: the host may let o or the
+// copy lie over q when element (h, i, d) of the write is element (h, i, d) of q.
+#define AP_T 128
+#define AP_Q 16
+#define AP_K 32
+#define AP_MAXD 128
+#define AP_RT (AP_T / AP_Q)      // threads per query row (8)
+#define AP_KJ (AP_K / AP_RT)     // logits per thread (4)
+#define AP_DJ (AP_MAXD / AP_RT)  // output dims per thread, at most (16)
+#define AP_QS (AP_MAXD + 4)      // shared row strides: row r of q and column c of K/V fall
+#define AP_KS (AP_MAXD + 1)      // in different banks for the rows of one warp
+
+template <int DT>
+__device__ __forceinline__ void attn_prefill_body(
+    i64 L, i64 NQ, i64 D, float scale, const void* q, int dtq, i64 q_hs, i64 q_qs, i64 q_ds,
+    const void* k, i64 k_hs, i64 k_ls, i64 k_div, const void* v, i64 v_hs, i64 v_ls, i64 v_div,
+    const void* mask, int dtm, i64 m_hs, i64 m_qs, i64 m_ls, int has_mask, float* o, i64 o_hs,
+    i64 o_qs, i64 o_ds, int write_o, void* c, int dtc, i64 c_hs, i64 c_qs, i64 c_ds, int has_cpy,
+    float* qs, float* ks, float* vs, float* ms, float* ps, int* colv, int* anyv) {
+    const int tid = threadIdx.x;
+    const int r = tid / AP_RT, sub = tid % AP_RT;
+    // Later query tiles (more admitted keys under a causal mask) start first.
+    const i64 ntq = (NQ + AP_Q - 1) / AP_Q;
+    const i64 h = (i64)blockIdx.x / ntq;
+    const i64 q0 = (ntq - 1 - (i64)blockIdx.x % ntq) * AP_Q;
+    const i64 qi = q0 + r;
+    const bool qin = qi < NQ;
+    const char* kb = (const char*)k + (h / k_div) * k_hs * (DT == DT_F32 ? 4 : 2);
+    const char* vb = (const char*)v + (h / v_div) * v_hs * (DT == DT_F32 ? 4 : 2);
+#pragma unroll 1
+    for (int e = tid; e < AP_Q * D; e += AP_T) {
+        const int rr = e / (int)D, d = e % (int)D;
+        qs[rr * AP_QS + d] = q0 + rr < NQ ? ld(q, dtq, h * q_hs + (q0 + rr) * q_qs + d * q_ds) : 0.0f;
+    }
+    float acc[AP_DJ];
+#pragma unroll
+    for (int j = 0; j < AP_DJ; ++j) acc[j] = 0.0f;
+    float run_max = F_NEG_INF, run_sum = 0.0f;
+#pragma unroll 1
+    for (i64 base = 0; base < L; base += AP_K) {
+        // The tile's mask entries (-inf: excluded, also past the window and past the queries).
+#pragma unroll
+        for (int j = 0; j < AP_KJ; ++j) {
+            const int cc = sub + AP_RT * j;
+            const i64 l = base + cc;
+            float mv = F_NEG_INF;
+            if (qin && l < L) mv = has_mask ? ld(mask, dtm, h * m_hs + qi * m_qs + l * m_ls) : 0.0f;
+            ms[r * AP_K + cc] = mv;
+        }
+        __syncthreads();
+        // Key columns some row admits; the tile is skipped when none is.
+        if (tid < AP_K) {
+            int any = 0;
+#pragma unroll 1
+            for (int rr = 0; rr < AP_Q; ++rr) any |= ms[rr * AP_K + tid] != F_NEG_INF;
+            colv[tid] = any;
+            const unsigned vote = __ballot_sync(0xffffffffu, any);
+            if (tid == 0) *anyv = vote != 0;
+        }
+        __syncthreads();
+        if (!*anyv) continue;
+        // K and V rows of the admitted columns, as f32 (zeros elsewhere).
+#pragma unroll 1
+        for (int e = tid; e < AP_K * D; e += AP_T) {
+            const int cc = e / (int)D, d = e % (int)D;
+            float kx = 0.0f, vx = 0.0f;
+            if (colv[cc]) {
+                const i64 l = base + cc;
+                kx = ld(kb, DT, l * k_ls + d);
+                vx = ld(vb, DT, l * v_ls + d);
+            }
+            ks[cc * AP_KS + d] = kx;
+            vs[cc * AP_KS + d] = vx;
+        }
+        __syncthreads();
+        // This thread's logits, the row's new max and the tile's weights.
+        float lg[AP_KJ];
+#pragma unroll
+        for (int j = 0; j < AP_KJ; ++j) {
+            const int cc = sub + AP_RT * j;
+            const float mv = ms[r * AP_K + cc];
+            float dot = 0.0f;
+            if (mv != F_NEG_INF) {
+                const float* qr = qs + r * AP_QS;
+                const float* kr = ks + cc * AP_KS;
+#pragma unroll 8
+                for (int d = 0; d < (int)D; ++d) dot = fmaf(qr[d], kr[d], dot);
+            }
+            lg[j] = mv != F_NEG_INF ? dot * scale + mv : F_NEG_INF;
+        }
+        float tmax = F_NEG_INF;
+#pragma unroll
+        for (int j = 0; j < AP_KJ; ++j) tmax = fmaxf(tmax, lg[j]);
+#pragma unroll
+        for (int off = AP_RT / 2; off > 0; off /= 2) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+        const float new_max = fmaxf(run_max, tmax);
+        float tsum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < AP_KJ; ++j) {
+            const float x = lg[j];
+            const float ex = x == F_NEG_INF ? 0.0f : new_max != F_NEG_INF ? expf(x - new_max) : x != x ? x : 0.0f;
+            ps[r * (AP_K + 1) + sub + AP_RT * j] = ex;
+            tsum += ex;
+        }
+#pragma unroll
+        for (int off = AP_RT / 2; off > 0; off /= 2) tsum += __shfl_xor_sync(0xffffffffu, tsum, off);
+        const float rescale = run_max != F_NEG_INF ? expf(run_max - new_max) : 0.0f;
+        run_sum = run_sum * rescale + tsum;
+        run_max = new_max;
+        __syncthreads();  // ps complete
+        // o's running value: rescaled, plus this tile's p @ V (keys in ascending order).
+#pragma unroll
+        for (int j = 0; j < AP_DJ; ++j) acc[j] *= rescale;
+        const float* pr = ps + r * (AP_K + 1);
+#pragma unroll 2
+        for (int cc = 0; cc < AP_K; ++cc) {
+            const float pw = pr[cc];
+            if (pw != 0.0f) {
+                const float* vr = vs + cc * AP_KS + sub;
+#pragma unroll
+                for (int j = 0; j < AP_DJ; ++j) {
+                    if (sub + AP_RT * j < D) acc[j] = fmaf(pw, vr[AP_RT * j], acc[j]);
+                }
+            }
+        }
+        __syncthreads();  // ks, vs, ps and colv are rewritten by the next tile
+    }
+    if (!qin) return;
+    // run_sum (the same in the row's eight threads: shuffles) is NaN iff an admitted logit was
+    // NaN, or +inf met +inf: the row's o and copy are NaN then, as soft_max's NaN row makes them.
+    const bool row_nan = run_sum != run_sum;
+    const float inv = row_nan ? run_sum : run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
+#pragma unroll
+    for (int j = 0; j < AP_DJ; ++j) {
+        const i64 d = sub + AP_RT * j;
+        if (d < D) {
+            const float y = row_nan ? run_sum : acc[j] * inv;
+            if (write_o) o[h * o_hs + qi * o_qs + d * o_ds] = y;
+            if (has_cpy) st(c, dtc, h * c_hs + qi * c_qs + d * c_ds, y);
+        }
+    }
+}
+
+// One block of AP_T threads per (head, tile of AP_Q query rows): grid heads * ceil(NQ / AP_Q).
+// K and V share one dtype (dtkv); q, the mask and the copy may be f32, f16 or bf16; o is f32.
+extern "C" __global__ void __launch_bounds__(AP_T) attn_prefill(
+    i64 L, i64 NQ, i64 D, float scale, const void* q, int dtq, i64 q_hs, i64 q_qs, i64 q_ds,
+    int dtkv, const void* k, i64 k_hs, i64 k_ls, i64 k_div, const void* v, i64 v_hs, i64 v_ls,
+    i64 v_div, const void* mask, int dtm, i64 m_hs, i64 m_qs, i64 m_ls, int has_mask, float* o,
+    i64 o_hs, i64 o_qs, i64 o_ds, int write_o, void* c, int dtc, i64 c_hs, i64 c_qs, i64 c_ds,
+    int has_cpy) {
+    pdl_entry();
+    __shared__ float qs[AP_Q * AP_QS];
+    __shared__ float ks[AP_K * AP_KS];
+    __shared__ float vs[AP_K * AP_KS];
+    __shared__ float ms[AP_Q * AP_K];
+    __shared__ float ps[AP_Q * (AP_K + 1)];
+    __shared__ int colv[AP_K];
+    __shared__ int anyv;
+#define AP_ARGS                                                                                \
+    L, NQ, D, scale, q, dtq, q_hs, q_qs, q_ds, k, k_hs, k_ls, k_div, v, v_hs, v_ls, v_div, mask, \
+        dtm, m_hs, m_qs, m_ls, has_mask, o, o_hs, o_qs, o_ds, write_o, c, dtc, c_hs, c_qs, c_ds,  \
+        has_cpy, qs, ks, vs, ms, ps, colv, &anyv
+    switch (dtkv) {
+        case DT_F16: attn_prefill_body<DT_F16>(AP_ARGS); break;
+        case DT_BF16: attn_prefill_body<DT_BF16>(AP_ARGS); break;
+        default: attn_prefill_body<DT_F32>(AP_ARGS); break;
+    }
+#undef AP_ARGS
+}
