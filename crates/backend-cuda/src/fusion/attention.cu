@@ -619,8 +619,10 @@ extern "C" __global__ void __maxnreg__(168) attn_fast_long(AF_PARAMS) {
 // then loads the admitted K and V rows (f32, f16 or bf16, converted to f32 in shared memory;
 // columns no row admits are zero and never read from memory), computes the logits, and folds
 // them into each row's running max and sum. Thread t owns query row t / 8 of the tile: its
-// logits of keys t % 8 + 8 j (j < 4) and its output dims t % 8 + 8 j (j < D / 8); the eight
-// threads of a row are adjacent lanes of one warp, so a row's max and sum are three shuffles.
+// logits of keys t % 8 + 8 j (j < 4) and its output dims 4 (t % 8 + 8 j) + e (e < 4); the
+// eight threads of a row are adjacent lanes of one warp, so a row's max and sum are three
+// shuffles. Shared memory is read 16 bytes at a time (q and K rows in the logits, p and V rows
+// in p @ V): one 16-byte load of q feeds 16 FMAs, and a V load 4 per weight.
 // Accumulation is f32 in orders fixed by the shapes (deterministic). The rounding differs from
 // the unfused chain's (cuBLAS products, `soft_max`), within f32 precision.
 //
@@ -630,18 +632,20 @@ extern "C" __global__ void __maxnreg__(168) attn_fast_long(AF_PARAMS) {
 // from K or V (unless another row of the tile admits it, and then its p is zero and the product
 // is skipped), so a NaN there reaches nothing.
 //
-// Invariants: D <= AP_MAXD (the host checks). Every read of q precedes every write of the
-// block, and block (h, tile) reads only q rows of its tile and head: the host may let o or the
-// copy lie over q when element (h, i, d) of the write is element (h, i, d) of q.
+// Invariants: D <= AP_MAXD and D a multiple of 4 (the host checks). Every read of q precedes
+// every write of the block, and block (h, tile) reads only q rows of its tile and head: the
+// host may let o or the copy lie over q when element (h, i, d) of the write is element
+// (h, i, d) of q.
 #define AP_T 128
 #define AP_Q 16
 #define AP_K 32
 #define AP_MAXD 128
-#define AP_RT (AP_T / AP_Q)      // threads per query row (8)
-#define AP_KJ (AP_K / AP_RT)     // logits per thread (4)
-#define AP_DJ (AP_MAXD / AP_RT)  // output dims per thread, at most (16)
-#define AP_QS (AP_MAXD + 4)      // shared row strides: row r of q and column c of K/V fall
-#define AP_KS (AP_MAXD + 1)      // in different banks for the rows of one warp
+#define AP_RT (AP_T / AP_Q)           // threads per query row (8)
+#define AP_KJ (AP_K / AP_RT)          // logits per thread (4)
+#define AP_DJ (AP_MAXD / (4 * AP_RT)) // 4-dim groups of o per thread, at most (4)
+#define AP_S (AP_MAXD + 4)            // shared row stride of q, K and V (16-byte rows; the
+                                      // eight rows a warp's lanes read start in other banks)
+#define AP_PS (AP_K + 4)              // shared row stride of p
 
 template <int DT>
 __device__ __forceinline__ void attn_prefill_body(
@@ -652,6 +656,7 @@ __device__ __forceinline__ void attn_prefill_body(
     float* qs, float* ks, float* vs, float* ms, float* ps, int* colv, int* anyv) {
     const int tid = threadIdx.x;
     const int r = tid / AP_RT, sub = tid % AP_RT;
+    const int D4 = (int)D / 4;  // D is a multiple of 4 (the host checks)
     // Later query tiles (more admitted keys under a causal mask) start first.
     const i64 ntq = (NQ + AP_Q - 1) / AP_Q;
     const i64 h = (i64)blockIdx.x / ntq;
@@ -661,13 +666,16 @@ __device__ __forceinline__ void attn_prefill_body(
     const char* kb = (const char*)k + (h / k_div) * k_hs * (DT == DT_F32 ? 4 : 2);
     const char* vb = (const char*)v + (h / v_div) * v_hs * (DT == DT_F32 ? 4 : 2);
 #pragma unroll 1
-    for (int e = tid; e < AP_Q * D; e += AP_T) {
+    for (int e = tid; e < AP_Q * (int)D; e += AP_T) {
         const int rr = e / (int)D, d = e % (int)D;
-        qs[rr * AP_QS + d] = q0 + rr < NQ ? ld(q, dtq, h * q_hs + (q0 + rr) * q_qs + d * q_ds) : 0.0f;
+        qs[rr * AP_S + d] = q0 + rr < NQ ? ld(q, dtq, h * q_hs + (q0 + rr) * q_qs + d * q_ds) : 0.0f;
     }
-    float acc[AP_DJ];
+    // o's running value: dims 4 (sub + AP_RT j) + e of row r.
+    float acc[AP_DJ][4];
 #pragma unroll
-    for (int j = 0; j < AP_DJ; ++j) acc[j] = 0.0f;
+    for (int j = 0; j < AP_DJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
     float run_max = F_NEG_INF, run_sum = 0.0f;
 #pragma unroll 1
     for (i64 base = 0; base < L; base += AP_K) {
@@ -694,7 +702,7 @@ __device__ __forceinline__ void attn_prefill_body(
         if (!*anyv) continue;
         // K and V rows of the admitted columns, as f32 (zeros elsewhere).
 #pragma unroll 1
-        for (int e = tid; e < AP_K * D; e += AP_T) {
+        for (int e = tid; e < AP_K * (int)D; e += AP_T) {
             const int cc = e / (int)D, d = e % (int)D;
             float kx = 0.0f, vx = 0.0f;
             if (colv[cc]) {
@@ -702,28 +710,35 @@ __device__ __forceinline__ void attn_prefill_body(
                 kx = ld(kb, DT, l * k_ls + d);
                 vx = ld(vb, DT, l * v_ls + d);
             }
-            ks[cc * AP_KS + d] = kx;
-            vs[cc * AP_KS + d] = vx;
+            ks[cc * AP_S + d] = kx;
+            vs[cc * AP_S + d] = vx;
         }
         __syncthreads();
-        // This thread's logits, the row's new max and the tile's weights.
-        float lg[AP_KJ];
+        // This thread's logits (keys sub + AP_RT j), 4 dims per shared load.
+        float dot[AP_KJ];
 #pragma unroll
-        for (int j = 0; j < AP_KJ; ++j) {
-            const int cc = sub + AP_RT * j;
-            const float mv = ms[r * AP_K + cc];
-            float dot = 0.0f;
-            if (mv != F_NEG_INF) {
-                const float* qr = qs + r * AP_QS;
-                const float* kr = ks + cc * AP_KS;
-#pragma unroll 8
-                for (int d = 0; d < (int)D; ++d) dot = fmaf(qr[d], kr[d], dot);
+        for (int j = 0; j < AP_KJ; ++j) dot[j] = 0.0f;
+        const float4* qr = (const float4*)(qs + r * AP_S);
+#pragma unroll 4
+        for (int d4 = 0; d4 < D4; ++d4) {
+            const float4 a = qr[d4];
+#pragma unroll
+            for (int j = 0; j < AP_KJ; ++j) {
+                const float4 b = ((const float4*)(ks + (sub + AP_RT * j) * AP_S))[d4];
+                dot[j] = fmaf(a.x, b.x, dot[j]);
+                dot[j] = fmaf(a.y, b.y, dot[j]);
+                dot[j] = fmaf(a.z, b.z, dot[j]);
+                dot[j] = fmaf(a.w, b.w, dot[j]);
             }
-            lg[j] = mv != F_NEG_INF ? dot * scale + mv : F_NEG_INF;
         }
+        float lg[AP_KJ];
         float tmax = F_NEG_INF;
 #pragma unroll
-        for (int j = 0; j < AP_KJ; ++j) tmax = fmaxf(tmax, lg[j]);
+        for (int j = 0; j < AP_KJ; ++j) {
+            const float mv = ms[r * AP_K + sub + AP_RT * j];
+            lg[j] = mv != F_NEG_INF ? dot[j] * scale + mv : F_NEG_INF;
+            tmax = fmaxf(tmax, lg[j]);
+        }
 #pragma unroll
         for (int off = AP_RT / 2; off > 0; off /= 2) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
         const float new_max = fmaxf(run_max, tmax);
@@ -732,7 +747,7 @@ __device__ __forceinline__ void attn_prefill_body(
         for (int j = 0; j < AP_KJ; ++j) {
             const float x = lg[j];
             const float ex = x == F_NEG_INF ? 0.0f : new_max != F_NEG_INF ? expf(x - new_max) : x != x ? x : 0.0f;
-            ps[r * (AP_K + 1) + sub + AP_RT * j] = ex;
+            ps[r * AP_PS + sub + AP_RT * j] = ex;
             tsum += ex;
         }
 #pragma unroll
@@ -741,18 +756,31 @@ __device__ __forceinline__ void attn_prefill_body(
         run_sum = run_sum * rescale + tsum;
         run_max = new_max;
         __syncthreads();  // ps complete
-        // o's running value: rescaled, plus this tile's p @ V (keys in ascending order).
+        // This tile's p @ V, keys in ascending order; a zero weight (an excluded key) is
+        // skipped, so its V row reaches nothing.
 #pragma unroll
-        for (int j = 0; j < AP_DJ; ++j) acc[j] *= rescale;
-        const float* pr = ps + r * (AP_K + 1);
-#pragma unroll 2
-        for (int cc = 0; cc < AP_K; ++cc) {
-            const float pw = pr[cc];
-            if (pw != 0.0f) {
-                const float* vr = vs + cc * AP_KS + sub;
+        for (int j = 0; j < AP_DJ; ++j)
 #pragma unroll
-                for (int j = 0; j < AP_DJ; ++j) {
-                    if (sub + AP_RT * j < D) acc[j] = fmaf(pw, vr[AP_RT * j], acc[j]);
+            for (int e = 0; e < 4; ++e) acc[j][e] *= rescale;
+        const float4* pr = (const float4*)(ps + r * AP_PS);
+#pragma unroll 1
+        for (int c4 = 0; c4 < AP_K / 4; ++c4) {
+            const float4 p4 = pr[c4];
+            const float pw[4] = {p4.x, p4.y, p4.z, p4.w};
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                if (pw[u] != 0.0f) {
+                    const float4* vr = (const float4*)(vs + (4 * c4 + u) * AP_S);
+#pragma unroll
+                    for (int j = 0; j < AP_DJ; ++j) {
+                        if (sub + AP_RT * j < D4) {
+                            const float4 b = vr[sub + AP_RT * j];
+                            acc[j][0] = fmaf(pw[u], b.x, acc[j][0]);
+                            acc[j][1] = fmaf(pw[u], b.y, acc[j][1]);
+                            acc[j][2] = fmaf(pw[u], b.z, acc[j][2]);
+                            acc[j][3] = fmaf(pw[u], b.w, acc[j][3]);
+                        }
+                    }
                 }
             }
         }
@@ -765,11 +793,14 @@ __device__ __forceinline__ void attn_prefill_body(
     const float inv = row_nan ? run_sum : run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
 #pragma unroll
     for (int j = 0; j < AP_DJ; ++j) {
-        const i64 d = sub + AP_RT * j;
-        if (d < D) {
-            const float y = row_nan ? run_sum : acc[j] * inv;
-            if (write_o) o[h * o_hs + qi * o_qs + d * o_ds] = y;
-            if (has_cpy) st(c, dtc, h * c_hs + qi * c_qs + d * c_ds, y);
+        if (sub + AP_RT * j < D4) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const i64 d = 4 * (sub + AP_RT * j) + e;
+                const float y = row_nan ? run_sum : acc[j][e] * inv;
+                if (write_o) o[h * o_hs + qi * o_qs + d * o_ds] = y;
+                if (has_cpy) st(c, dtc, h * c_hs + qi * c_qs + d * c_ds, y);
+            }
         }
     }
 }
@@ -783,11 +814,16 @@ extern "C" __global__ void __launch_bounds__(AP_T) attn_prefill(
     i64 o_hs, i64 o_qs, i64 o_ds, int write_o, void* c, int dtc, i64 c_hs, i64 c_qs, i64 c_ds,
     int has_cpy) {
     pdl_entry();
-    __shared__ float qs[AP_Q * AP_QS];
-    __shared__ float ks[AP_K * AP_KS];
-    __shared__ float vs[AP_K * AP_KS];
+    // Declared as float4 for their 16-byte alignment; used as floats.
+    __shared__ float4 qs4[AP_Q * AP_S / 4];
+    __shared__ float4 ks4[AP_K * AP_S / 4];
+    __shared__ float4 vs4[AP_K * AP_S / 4];
     __shared__ float ms[AP_Q * AP_K];
-    __shared__ float ps[AP_Q * (AP_K + 1)];
+    __shared__ float4 ps4[AP_Q * AP_PS / 4];
+    float* qs = (float*)qs4;
+    float* ks = (float*)ks4;
+    float* vs = (float*)vs4;
+    float* ps = (float*)ps4;
     __shared__ int colv[AP_K];
     __shared__ int anyv;
 #define AP_ARGS                                                                                \

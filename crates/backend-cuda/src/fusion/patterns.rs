@@ -485,8 +485,8 @@ pub(super) fn rope_rows(nodes: &Nodes<'_>, i: usize, used: &[bool]) -> Option<Gr
 
 /// `MulMat(q, K) -> SoftMax -> MulMat(p, V) [-> Cpy of a permutation]`: decode's (one query
 /// row per head, `Kind::Attention`) or, with `prefill` (`CudaConfig::attn_prefill`), several
-/// rows per head (`Kind::Prefill`) where the scores and p are dead and head_dim fits
-/// [`PREFILL_MAX_D`].
+/// rows per head (`Kind::Prefill`) where the scores and p are dead and head_dim is a multiple
+/// of 4 up to [`PREFILL_MAX_D`].
 pub(super) fn attention(
     nodes: &Nodes<'_>,
     i: usize,
@@ -512,6 +512,7 @@ pub(super) fn attention(
         && hk > 0
         && hq % hk == 0
         && (1..=max_d).contains(&d)
+        && (!rows || d.is_multiple_of(4))
         && l > 0
         && kq.dst.dtype == DType::F32
         && kq.dst.shape == [hq, nq, l];
