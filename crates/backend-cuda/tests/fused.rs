@@ -1282,7 +1282,11 @@ fn prefill_case(
         case: c,
         k_cache,
         v_cache,
-        outputs: vec![("p @ V", o), ("copy", att), ("scores and p overwritten", both)],
+        outputs: vec![
+            ("p @ V", o),
+            ("copy", att),
+            ("scores and p overwritten", both),
+        ],
     }
 }
 

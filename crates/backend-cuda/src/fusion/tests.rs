@@ -1109,7 +1109,11 @@ fn prefill_nodes(d: usize, cpy_at: usize, tail: Vec<ExecNode>) -> Vec<ExecNode> 
     let o_t = view(ACT, sq + 2 * ss, DType::F32, &[t, 8, d], &[d, t * d, 1]);
     let mut v = vec![
         node(Op::MulMat, act(sq, &[8, t, l]), vec![q, keys]),
-        node(SOFT_MAX, act(sq + ss, &[8, t, l]), vec![act(sq, &[8, t, l]), mask]),
+        node(
+            SOFT_MAX,
+            act(sq + ss, &[8, t, l]),
+            vec![act(sq, &[8, t, l]), mask],
+        ),
         node(
             Op::MulMat,
             act(sq + 2 * ss, &[8, t, d]),
@@ -1178,9 +1182,15 @@ fn prefill_attention_fuses_where_scores_and_p_are_dead() {
     let nodes = prefill_nodes(
         256,
         fresh << 2,
-        vec![overwrite(sq2, 2 * ss2 / 4), overwrite(sq2 + 2 * ss2, sq2 / 4)],
+        vec![
+            overwrite(sq2, 2 * ss2 / 4),
+            overwrite(sq2 + 2 * ss2, sq2 / 4),
+        ],
     );
-    assert_eq!(plan(&nodes, None), (0..6).map(Step::Node).collect::<Vec<_>>());
+    assert_eq!(
+        plan(&nodes, None),
+        (0..6).map(Step::Node).collect::<Vec<_>>()
+    );
 }
 
 #[test]
@@ -1208,5 +1218,8 @@ fn prefill_results_may_lie_over_q_only_element_for_element() {
     let mut nodes = prefill_nodes(d, 1 << 20, vec![overwrite(sq, 2 * ss / 4)]);
     nodes[2].dst = act(0, &[8, 20, d]);
     nodes[3].srcs[0].byte_offset = 0;
-    assert_eq!(plan(&nodes, None), (0..5).map(Step::Node).collect::<Vec<_>>());
+    assert_eq!(
+        plan(&nodes, None),
+        (0..5).map(Step::Node).collect::<Vec<_>>()
+    );
 }
