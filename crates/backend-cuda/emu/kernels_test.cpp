@@ -1315,9 +1315,12 @@ void prefill_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 NQ, i64 P, i64 extra, int
     void* cp = over_q ? q.p() : cpb.p();
     const float scale = 1.0f / std::sqrt((float)D);
     const unsigned grid = (unsigned)(Hq * ((NQ + AP_Q - 1) / AP_Q));
+    // 16-byte K/V loads where the host would take them (every row and head start aligned).
+    const int e = esz(kvdt), vw = 16 / e;
+    const int kvec = D % vw == 0 && (ld_kv * e) % 16 == 0 && (Hk == 1 || (D * e) % 16 == 0);
     launch(grid, AP_T, [&] {
         attn_prefill(L, NQ, D, scale, q.p(), DT_F32, D, Hq * D, 1, kvdt, kc.p(), D, ld_kv, Hq / Hk, vc.p(), D,
-                     ld_kv, Hq / Hk, m.p(), DT_F32, mode == 3 ? NQ * L : 0, L, 1, 1, (float*)o.p(), NQ * D, D,
+                     ld_kv, Hq / Hk, kvec, m.p(), DT_F32, mode == 3 ? NQ * L : 0, L, 1, 1, (float*)o.p(), NQ * D, D,
                      1, write_o, cp, cd, D, Hq * D, 1, 1);
     });
     std::vector<double> wo, go, wc, gc, keep;
@@ -1361,7 +1364,7 @@ void prefill_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 NQ, i64 P, i64 extra, int
                             std::to_string(P) + " L " + std::to_string(L) + " mode " + std::to_string(mode) +
                             " pad " + std::to_string(pad) + " cdt " + std::to_string(cd) + " write_o " +
                             std::to_string(write_o) + " over_q " + std::to_string(over_q) + " nan_at " +
-                            std::to_string(nan_at);
+                            std::to_string(nan_at) + " kvec " + std::to_string(kvec);
     check(tag + (write_o ? ": o" : ": o untouched"), wo, go, write_o ? 1e-10 : 0);
     check(tag + ": copy", wc, gc, cd == DT_F32 ? 1e-10 : 1e-6);
     // The copy is o rounded to its dtype, element for element.

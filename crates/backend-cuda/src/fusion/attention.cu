@@ -651,9 +651,9 @@ template <int DT>
 __device__ __forceinline__ void attn_prefill_body(
     i64 L, i64 NQ, i64 D, float scale, const void* q, int dtq, i64 q_hs, i64 q_qs, i64 q_ds,
     const void* k, i64 k_hs, i64 k_ls, i64 k_div, const void* v, i64 v_hs, i64 v_ls, i64 v_div,
-    const void* mask, int dtm, i64 m_hs, i64 m_qs, i64 m_ls, int has_mask, float* o, i64 o_hs,
-    i64 o_qs, i64 o_ds, int write_o, void* c, int dtc, i64 c_hs, i64 c_qs, i64 c_ds, int has_cpy,
-    float* qs, float* ks, float* vs, float* ms, float* ps, int* colv, int* anyv) {
+    int kvec, const void* mask, int dtm, i64 m_hs, i64 m_qs, i64 m_ls, int has_mask, float* o,
+    i64 o_hs, i64 o_qs, i64 o_ds, int write_o, void* c, int dtc, i64 c_hs, i64 c_qs, i64 c_ds,
+    int has_cpy, float* qs, float* ks, float* vs, float* ms, float* ps, int* colv, int* anyv) {
     const int tid = threadIdx.x;
     const int r = tid / AP_RT, sub = tid % AP_RT;
     const int D4 = (int)D / 4;  // D is a multiple of 4 (the host checks)
@@ -700,18 +700,44 @@ __device__ __forceinline__ void attn_prefill_body(
         }
         __syncthreads();
         if (!*anyv) continue;
-        // K and V rows of the admitted columns, as f32 (zeros elsewhere).
+        // K and V rows of the admitted columns, as f32 (zeros elsewhere): 16 bytes per load
+        // where every row is aligned (`kvec`), else one element.
+        if (kvec) {
+            const int VW = DT == DT_F32 ? 4 : 8, ESZ = DT == DT_F32 ? 4 : 2;
+            const int nch = (int)D / VW;
 #pragma unroll 1
-        for (int e = tid; e < AP_K * (int)D; e += AP_T) {
-            const int cc = e / (int)D, d = e % (int)D;
-            float kx = 0.0f, vx = 0.0f;
-            if (colv[cc]) {
-                const i64 l = base + cc;
-                kx = ld(kb, DT, l * k_ls + d);
-                vx = ld(vb, DT, l * v_ls + d);
+            for (int e = tid; e < AP_K * nch; e += AP_T) {
+                const int cc = e / nch, ch = e % nch;
+                float kf[8], vf[8];
+                if (colv[cc]) {
+                    const i64 l = base + cc;
+                    unpack16<DT>(*(const uint4*)(kb + (l * k_ls + ch * VW) * ESZ), kf);
+                    unpack16<DT>(*(const uint4*)(vb + (l * v_ls + ch * VW) * ESZ), vf);
+                } else {
+#pragma unroll
+                    for (int x = 0; x < 8; ++x) kf[x] = vf[x] = 0.0f;
+                }
+                float4* kd = (float4*)(ks + cc * AP_S + ch * VW);
+                float4* vd = (float4*)(vs + cc * AP_S + ch * VW);
+#pragma unroll
+                for (int x = 0; x < VW / 4; ++x) {
+                    kd[x] = make_float4(kf[4 * x], kf[4 * x + 1], kf[4 * x + 2], kf[4 * x + 3]);
+                    vd[x] = make_float4(vf[4 * x], vf[4 * x + 1], vf[4 * x + 2], vf[4 * x + 3]);
+                }
             }
-            ks[cc * AP_S + d] = kx;
-            vs[cc * AP_S + d] = vx;
+        } else {
+#pragma unroll 1
+            for (int e = tid; e < AP_K * (int)D; e += AP_T) {
+                const int cc = e / (int)D, d = e % (int)D;
+                float kx = 0.0f, vx = 0.0f;
+                if (colv[cc]) {
+                    const i64 l = base + cc;
+                    kx = ld(kb, DT, l * k_ls + d);
+                    vx = ld(vb, DT, l * v_ls + d);
+                }
+                ks[cc * AP_S + d] = kx;
+                vs[cc * AP_S + d] = vx;
+            }
         }
         __syncthreads();
         // This thread's logits (keys sub + AP_RT j), 4 dims per shared load.
@@ -807,12 +833,14 @@ __device__ __forceinline__ void attn_prefill_body(
 
 // One block of AP_T threads per (head, tile of AP_Q query rows): grid heads * ceil(NQ / AP_Q).
 // K and V share one dtype (dtkv); q, the mask and the copy may be f32, f16 or bf16; o is f32.
+// `kvec`: every K and V row start (of each kv head) is 16-byte aligned and D a multiple of the
+// elements in 16 bytes, checked on the host.
 extern "C" __global__ void __launch_bounds__(AP_T) attn_prefill(
     i64 L, i64 NQ, i64 D, float scale, const void* q, int dtq, i64 q_hs, i64 q_qs, i64 q_ds,
     int dtkv, const void* k, i64 k_hs, i64 k_ls, i64 k_div, const void* v, i64 v_hs, i64 v_ls,
-    i64 v_div, const void* mask, int dtm, i64 m_hs, i64 m_qs, i64 m_ls, int has_mask, float* o,
-    i64 o_hs, i64 o_qs, i64 o_ds, int write_o, void* c, int dtc, i64 c_hs, i64 c_qs, i64 c_ds,
-    int has_cpy) {
+    i64 v_div, int kvec, const void* mask, int dtm, i64 m_hs, i64 m_qs, i64 m_ls, int has_mask,
+    float* o, i64 o_hs, i64 o_qs, i64 o_ds, int write_o, void* c, int dtc, i64 c_hs, i64 c_qs,
+    i64 c_ds, int has_cpy) {
     pdl_entry();
     // Declared as float4 for their 16-byte alignment; used as floats.
     __shared__ float4 qs4[AP_Q * AP_S / 4];
@@ -827,9 +855,9 @@ extern "C" __global__ void __launch_bounds__(AP_T) attn_prefill(
     __shared__ int colv[AP_K];
     __shared__ int anyv;
 #define AP_ARGS                                                                                \
-    L, NQ, D, scale, q, dtq, q_hs, q_qs, q_ds, k, k_hs, k_ls, k_div, v, v_hs, v_ls, v_div, mask, \
-        dtm, m_hs, m_qs, m_ls, has_mask, o, o_hs, o_qs, o_ds, write_o, c, dtc, c_hs, c_qs, c_ds,  \
-        has_cpy, qs, ks, vs, ms, ps, colv, &anyv
+    L, NQ, D, scale, q, dtq, q_hs, q_qs, q_ds, k, k_hs, k_ls, k_div, v, v_hs, v_ls, v_div, kvec, \
+        mask, dtm, m_hs, m_qs, m_ls, has_mask, o, o_hs, o_qs, o_ds, write_o, c, dtc, c_hs, c_qs,  \
+        c_ds, has_cpy, qs, ks, vs, ms, ps, colv, &anyv
     switch (dtkv) {
         case DT_F16: attn_prefill_body<DT_F16>(AP_ARGS); break;
         case DT_BF16: attn_prefill_body<DT_BF16>(AP_ARGS); break;

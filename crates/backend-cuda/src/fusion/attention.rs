@@ -271,6 +271,17 @@ pub(super) fn launch_prefill(
         }
         None => (None, [0; 3]),
     };
+    // 16-byte K/V loads: every row start of every kv head aligned, D whole 16-byte pieces.
+    let esz = k.dtype.size_bytes();
+    let kvec = d.is_multiple_of(16 / esz)
+        && [
+            (&k, k.strides[0], k.strides[2]),
+            (&v, v.strides[0], v.strides[1]),
+        ]
+        .iter()
+        .all(|(t, hs, ls)| {
+            matmul::aligned(t.ptr, esz, &[moving(t.shape[0], *hs), moving(l, *ls)], 16)
+        });
     let tiles = nq.div_ceil(PREFILL_ROWS);
     let grid = u32::try_from(hq * tiles)
         .ok()
@@ -296,6 +307,7 @@ pub(super) fn launch_prefill(
         .arg(v.strides[0] as i64)
         .arg(v.strides[1] as i64)
         .arg((hq / v.shape[0]) as i64)
+        .arg(kvec as i32)
         .arg(mask.as_ref().map_or(0, |m| m.ptr))
         .arg(mask.as_ref().map_or(0, |m| dt(m.dtype)))
         .arg(m[0])
