@@ -1,5 +1,6 @@
-// Fused decode attention: q @ K^T -> SoftMax -> p @ V (-> the Cpy of a permutation) in one
-// launch per query head: `attn_decode`, and the short paths `attn_fast` and `attn_fast_long`.
+// Fused attention: q @ K^T -> SoftMax -> p @ V (-> the Cpy of a permutation) in one launch.
+// Decode (one query row per head), a block per query head: `attn_decode`, and the short paths
+// `attn_fast` and `attn_fast_long`. Prefill (several rows per head): `attn_prefill`, at the end.
 // The host side (patterns, preconditions, launch): src/fusion/attention.rs.
 // Like every fused kernel it writes each tensor its nodes would have written (unless the host
 // proved a result dead), in the nodes' order within the thread that owns an element, so later
