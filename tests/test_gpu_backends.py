@@ -196,6 +196,40 @@ def test_cuda_launch_knobs_change_no_token_or_count(
             assert got[0] == got[1], f"{knob}, graphs={graphs}: {key}"
 
 
+# Head dim 32 over 2 kv heads of 4 query heads: a 40-token prefill is three query tiles of the
+# fused prefill attention (`attn_prefill`), the last one partial.
+PREFILL = LlamaConfig(n_vocab=256, n_embd=128, n_layer=2, n_head=4, n_head_kv=2, n_ff=256)
+PREFILL_PROMPT = [(7 * i + 3) % 256 for i in range(40)]
+
+
+def _prefill_logits(backend: str, weights: str, kv_dtype: str) -> np.ndarray:
+    model = ls.Llama.random(PREFILL, seed=5, dtype=weights)
+    sess = ls.Session(model, backends=[backend], n_ctx=64, n_ubatch=40, kv_dtype=kv_dtype)
+    logits = sess.decode(PREFILL_PROMPT, seq_id=0, logits="all")
+    assert logits is not None
+    return logits
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("weights", ["f16", "q4_0"])
+def test_cuda_fused_prefill_attention_keeps_every_rows_logits(
+    weights: str, kv_dtype: str, clean_env: pytest.MonkeyPatch
+) -> None:
+    """A one-ubatch prefill's logits, every row, with the fused prefill attention (tune key
+    `attn_prefill`, default on) and with the unfused chain (cuBLAS products, softmax, copy),
+    and against `cpu`. The fused kernel keeps p in f32 where the unfused products on an f16
+    cache may round it, hence the looser bound there."""
+    on = _prefill_logits("cuda", weights, kv_dtype)
+    clean_env.setenv("LOWSYNC_CUDA_TUNE", "attn_prefill=0")
+    off = _prefill_logits("cuda", weights, kv_dtype)
+    clean_env.delenv("LOWSYNC_CUDA_TUNE")
+    cpu = _prefill_logits("cpu", weights, kv_dtype)
+    scale = np.max(np.abs(off))
+    assert np.max(np.abs(on - off)) / scale < (1e-4 if kv_dtype == "f32" else 2e-3)
+    assert np.max(np.abs(on - cpu)) / np.max(np.abs(cpu)) < 2e-3
+
+
 @pytest.mark.cuda
 def test_cuda_launch_ahead_is_bit_identical_with_the_same_counts(
     clean_env: pytest.MonkeyPatch,

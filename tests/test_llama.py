@@ -168,6 +168,19 @@ def test_cuda_decode_plan_is_five_launches_per_layer_at_any_cache_size(n_ctx: in
         ls._native.cuda_fusion_plan(sess.plans[0], 1)
 
 
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+def test_cuda_prefill_plan_fuses_each_layers_attention(kv_dtype: str) -> None:
+    """The prefill graph's CUDA launches, worked out without a device: each layer's attention
+    (scores, softmax, p @ V and the permuting copy) is one `attn_prefill` launch, its scores
+    and p never written (dead after it), with either cache dtype."""
+    model = Llama.random(LlamaConfig(300, 128, 3, 4, 2, 256), seed=0, dtype="f16")
+    sess = ls.Session(model, backends=["noop"], n_ctx=80, n_ubatch=40, kv_dtype=kv_dtype)
+    launches = ls._native.cuda_fusion_plan(sess.plans[-1])
+    fused = "fused attention_prefill+cpy [mul_mat,soft_max,mul_mat,cpy]"
+    assert launches.count(fused) == 3, launches
+    assert "soft_max" not in launches, launches
+
+
 def test_config_and_weight_errors() -> None:
     with pytest.raises(ValueError, match="n_head_kv"):
         LlamaConfig(300, 64, 2, 4, 3, 96)

@@ -1,8 +1,8 @@
 // The decode kernels of ../kernels and ../src/fusion run on the CPU (cuda_shim.h) and checked against float64
 // references by NMSE: rms_norm_mul, fused_gemv / fused_gemv8, fused_gemv1 (with and without
 // its norm prologue; its row-pair mode with the Rope and KV-cache row epilogues),
-// mul_mat_vec_k / mul_mat_vec_k4, mul_mat_vec_1, rope_rows, attn_decode (masked rows poisoned
-// with NaN: they must not be read), soft_max and argmax (exact), and the small copies
+// mul_mat_vec_k / mul_mat_vec_k4, mul_mat_vec_1, rope_rows, attn_decode and attn_prefill
+// (masked rows poisoned with NaN: they must not be read), soft_max and argmax (exact), and the small copies
 // small_copy and copy_batch (exact, in order), and the sampler's penalize and sample against the
 // answers of lowsync_graph::sampling in sample_cases.txt (exact), and the kernels on GGUF block
 // weights (quant.cu) against gguf-py's dequantization in quant_cases.txt (bit-exact values;
@@ -1258,6 +1258,142 @@ void test_attention_nan() {
     for (int nan_at : {1, 2, 3}) attention_case(DT_F16, 8, 2, 64, 0, 4, 0, 2500, 1, nan_at);
 }
 
+// Prefill mask modes over NQ query rows after P cached positions (query i sits at P + i):
+// 0 causal (key j admitted when j <= P + i); 1 causal with holes (every 7th key) and rows
+// 3, 11, 19, ... fully masked (-inf rows: zeros); 2 every key of the window; 3 causal with a
+// per-head offset (head h admits j <= P + i - 3 h: rows with nothing admitted at the top);
+// 4 causal with finite additive entries (a per-(query, key) bias, as ALiBi's).
+float prefill_mask(int mode, i64 h, i64 i, i64 j, i64 P) {
+    const bool causal = j <= P + i;
+    switch (mode) {
+        case 0: return causal ? 0.0f : -INFINITY;
+        case 1: return causal && j % 7 != 4 && i % 8 != 3 ? 0.0f : -INFINITY;
+        case 2: return 0.0f;
+        case 3: return j <= P + i - 3 * h ? 0.0f : -INFINITY;
+        default: return causal ? -0.05f * (float)((P + i - j) % 9) : -INFINITY;
+    }
+}
+
+// attn_prefill on q [NQ, Hq, D] (f32, seen as [Hq, NQ, D]), K/V caches [L, Hk * D + pad] of
+// dtype kvdt, a mask [NQ, L] (or [Hq, NQ, L] in mode 3), o [Hq, NQ, D] and the copy
+// [NQ, Hq, D] (cdt), against float64. Cache rows no query admits are NaN (never read).
+// `over_q`: the copy is written over q itself (same layout, f32), as the host allows.
+// `nan_at`: 1 a NaN in kv head 0's K row at key P (admitted by every row of modes 0, 2, 4):
+// those heads' rows NaN; 2 a NaN in q of row 3 of the last head: that row NaN; 3 a NaN in kv
+// head 0's V row at key P + 5, dim 0: that column of the rows admitting it.
+void prefill_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 NQ, i64 P, i64 extra, int mode, i64 pad, int cdt,
+                  int write_o, int over_q = 0, int nan_at = 0) {
+    const i64 L = P + NQ + extra, ld_kv = Hk * D + pad;
+    Buf kc(kvdt, L * ld_kv), vc(kvdt, L * ld_kv), q(DT_F32, NQ * Hq * D);
+    kc.rand();
+    vc.rand();
+    q.rand();
+    const i64 mh = mode == 3 ? Hq : 1;
+    Buf m(DT_F32, mh * NQ * L);
+    for (i64 h = 0; h < mh; ++h)
+        for (i64 i = 0; i < NQ; ++i)
+            for (i64 j = 0; j < L; ++j) m.set((h * NQ + i) * L + j, prefill_mask(mode, h, i, j, P));
+    auto admitted = [&](i64 h, i64 i, i64 j) { return m.get(((mode == 3 ? h : 0) * NQ + i) * L + j) != -INFINITY; };
+    for (i64 j = 0; j < L; ++j) {
+        bool any = false;
+        for (i64 h = 0; h < Hq; ++h)
+            for (i64 i = 0; i < NQ; ++i) any = any || admitted(h, i, j);
+        if (!any)
+            for (i64 cc = 0; cc < Hk * D; ++cc) {
+                kc.set(j * ld_kv + cc, NAN);
+                vc.set(j * ld_kv + cc, NAN);
+            }
+    }
+    if (nan_at == 1) kc.set(P * ld_kv + D - 1, NAN);
+    if (nan_at == 2) q.set(3 * Hq * D + (Hq - 1) * D + D / 2, NAN);
+    if (nan_at == 3) vc.set((P + 5) * ld_kv, NAN);
+    Buf q_in(DT_F32, NQ * Hq * D);
+    memcpy(q_in.p(), q.p(), NQ * Hq * D * 4);
+    const int cd = over_q ? DT_F32 : cdt;
+    Buf o(DT_F32, Hq * NQ * D), cpb(cd, NQ * Hq * D);
+    for (i64 x = 0; x < Hq * NQ * D; ++x) o.set(x, 7.0f);
+    void* cp = over_q ? q.p() : cpb.p();
+    const float scale = 1.0f / std::sqrt((float)D);
+    const unsigned grid = (unsigned)(Hq * ((NQ + AP_Q - 1) / AP_Q));
+    // 16-byte K/V loads where the host would take them (every row and head start aligned).
+    const int e = esz(kvdt), vw = 16 / e;
+    const int kvec = D % vw == 0 && (ld_kv * e) % 16 == 0 && (Hk == 1 || (D * e) % 16 == 0);
+    launch(grid, AP_T, [&] {
+        attn_prefill(L, NQ, D, scale, q.p(), DT_F32, D, Hq * D, 1, kvdt, kc.p(), D, ld_kv, Hq / Hk, vc.p(), D,
+                     ld_kv, Hq / Hk, kvec, m.p(), DT_F32, mode == 3 ? NQ * L : 0, L, 1, 1, (float*)o.p(), NQ * D, D,
+                     1, write_o, cp, cd, D, Hq * D, 1, 1);
+    });
+    std::vector<double> wo, go, wc, gc, keep;
+    for (i64 h = 0; h < Hq; ++h) {
+        const i64 kh = h / (Hq / Hk);
+        for (i64 i = 0; i < NQ; ++i) {
+            std::vector<double> lg(L);
+            double mx = -INFINITY;
+            bool row_nan = false;
+            for (i64 j = 0; j < L; ++j) {
+                lg[j] = -INFINITY;
+                if (!admitted(h, i, j)) continue;
+                double s = 0;
+                for (i64 dd = 0; dd < D; ++dd)
+                    s += (double)q_in.get((i * Hq + h) * D + dd) * kc.get(j * ld_kv + kh * D + dd);
+                lg[j] = s * scale + m.get(((mode == 3 ? h : 0) * NQ + i) * L + j);
+                if (std::isnan(lg[j])) row_nan = true;
+                if (!row_nan) mx = std::max(mx, lg[j]);
+            }
+            double sum = 0;
+            for (i64 j = 0; j < L; ++j) sum += mx == -INFINITY ? 0 : std::exp(lg[j] - mx);
+            for (i64 dd = 0; dd < D; ++dd) {
+                double acc = row_nan ? NAN : 0;
+                for (i64 j = 0; j < L && !row_nan && mx != -INFINITY; ++j) {
+                    const double pj = std::exp(lg[j] - mx) / sum;
+                    if (pj != 0) acc += pj * vc.get(j * ld_kv + kh * D + dd);
+                }
+                const float got_o = o.get((h * NQ + i) * D + dd);
+                wo.push_back(write_o ? acc : 7.0);
+                go.push_back(got_o);
+                wc.push_back(acc);
+                gc.push_back(over_q ? q.get((i * Hq + h) * D + dd) : cpb.get((i * Hq + h) * D + dd));
+                if (write_o) {
+                    keep.push_back(rounded(cd, got_o));
+                }
+            }
+        }
+    }
+    const std::string tag = "attn_prefill kv " + std::to_string(kvdt) + " heads " + std::to_string(Hq) + "/" +
+                            std::to_string(Hk) + " D " + std::to_string(D) + " NQ " + std::to_string(NQ) + " P " +
+                            std::to_string(P) + " L " + std::to_string(L) + " mode " + std::to_string(mode) +
+                            " pad " + std::to_string(pad) + " cdt " + std::to_string(cd) + " write_o " +
+                            std::to_string(write_o) + " over_q " + std::to_string(over_q) + " nan_at " +
+                            std::to_string(nan_at) + " kvec " + std::to_string(kvec);
+    check(tag + (write_o ? ": o" : ": o untouched"), wo, go, write_o ? 1e-10 : 0);
+    check(tag + ": copy", wc, gc, cd == DT_F32 ? 1e-10 : 1e-6);
+    // The copy is o rounded to its dtype, element for element.
+    if (write_o) check(tag + ": copy is o", keep, gc, 0);
+}
+
+void test_attention_prefill() {
+    const std::array<i64, 3> shapes[] = {{8, 2, 64}, {4, 4, 128}, {6, 3, 80}, {3, 3, 20}};
+    for (int kvdt : {DT_F32, DT_F16, DT_BF16})
+        for (const auto& s : shapes) {
+            for (int mode = 0; mode < 5; ++mode)
+                prefill_case(kvdt, s[0], s[1], s[2], 37, 13, 7, mode, 0, DT_F32, (mode + kvdt) % 2);
+            prefill_case(kvdt, s[0], s[1], s[2], 16, 0, 0, 0, 0, DT_F16, 1);    // whole tiles, no past
+            prefill_case(kvdt, s[0], s[1], s[2], 50, 70, 3, 1, 1, DT_F32, 1);   // unaligned rows
+            prefill_case(kvdt, s[0], s[1], s[2], 1, 40, 9, 4, 0, DT_F32, 1);    // one query row
+            prefill_case(kvdt, s[0], s[1], s[2], 33, 5, 30, 0, 0, DT_F32, 0, 1);  // copy over q
+        }
+}
+
+// A NaN the mask admits makes the rows that admit it NaN (soft_max's rule); one it excludes
+// (the poisoned rows) reaches nothing.
+void test_attention_prefill_nan() {
+    for (int nan_at : {1, 2, 3})
+        for (int mode : {0, 2, 4}) {
+            prefill_case(DT_F16, 8, 2, 64, 37, 13, 7, mode, 0, DT_F32, 1, 0, nan_at);
+            prefill_case(DT_F32, 6, 3, 80, 40, 0, 5, mode, 0, DT_F16, 1, 0, nan_at);
+        }
+}
+
 // One row per block: rows of `len` contiguous values, the destination's rows `d_rs` apart.
 Lay rows_lay(i64 rows, i64 len, i64 d_rs) {
     Lay L{};
@@ -2000,6 +2136,8 @@ int main(int argc, char** argv) {
         {"rope_rows", test_rope_rows},
         {"attention", test_attention},
         {"attention_nan", test_attention_nan},
+        {"attention_prefill", test_attention_prefill},
+        {"attention_prefill_nan", test_attention_prefill_nan},
         {"soft_max", test_soft_max},
         {"argmax", test_argmax},
         {"mul_mat_vec_1_argmax", test_mul_mat_vec_1_argmax},

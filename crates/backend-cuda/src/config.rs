@@ -57,6 +57,11 @@ pub struct CudaConfig {
     /// `attn_fast`, default on); off runs the general `attn_decode` — a knob for comparing the
     /// two inside the replayed graph.
     pub attn_fast: bool,
+    /// Prefill attention (several query rows per head) runs as one fused kernel,
+    /// `attn_prefill`, where its pattern, layouts and the deadness of the scores and p allow
+    /// (tune key `attn_prefill`, default on); off runs the unfused chain (cuBLAS products,
+    /// softmax, copy) — a knob for A/B runs.
+    pub attn_prefill: bool,
     /// Decode attention (`attn_fast`), launched ahead of its producer (programmatic dependent
     /// launch), rehearses before its wait (tune key `rehearse`, default on): it runs its own
     /// path once on the inputs as they are, with no global stores, so that its instructions
@@ -136,6 +141,7 @@ impl Default for CudaConfig {
             decode_gemv: DecodeGemv::SharedX,
             pdl: true,
             attn_fast: true,
+            attn_prefill: true,
             rehearse: true,
             gemv_split: true,
             gemv_stream: true,
@@ -159,9 +165,9 @@ const MAX_PAD_KB: u64 = 227;
 const MAX_STREAM_BLOCKS: u64 = 32;
 
 /// What `LOWSYNC_CUDA_TUNE` takes, for an unknown key or an item without `=`.
-const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, rehearse, \
-     gemv_stream, gemv_split, gemv_blocks, gemv_pad_kb, copy_kernel, read_kernel, mmv_max_m, \
-     qdot (see docs/tuning.md)";
+const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
+     rehearse, gemv_stream, gemv_split, gemv_blocks, gemv_pad_kb, copy_kernel, read_kernel, \
+     mmv_max_m, qdot (see docs/tuning.md)";
 
 impl CudaConfig {
     /// The defaults with the user-facing variables (`LOWSYNC_CUDA_SYNC_ELISION`,
@@ -183,11 +189,11 @@ impl CudaConfig {
 
     /// `self` with the tuning knobs of `spec` (the value of `LOWSYNC_CUDA_TUNE`) applied:
     /// comma-separated `key=value` items, whitespace around each ignored, empty items skipped,
-    /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`, `rehearse`,
-    /// `gemv_stream`, `gemv_split`, `read_kernel` (0 or 1); `gemv_blocks` (1 or more, capped at
-    /// 32); `gemv_pad_kb` (0 to 227); `copy_kernel` (bytes); `mmv_max_m` (rows); `qdot` (`q16`
-    /// or `f32`). An unknown key, an item without `=` or a bad value is an `Error::Env` for
-    /// `LOWSYNC_CUDA_TUNE`.
+    /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`,
+    /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `read_kernel` (0 or 1);
+    /// `gemv_blocks` (1 or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
+    /// (bytes); `mmv_max_m` (rows); `qdot` (`q16` or `f32`). An unknown key, an item without
+    /// `=` or a bad value is an `Error::Env` for `LOWSYNC_CUDA_TUNE`.
     pub fn with_tune(mut self, spec: &str) -> Result<Self> {
         let bad = |expected: &'static str| Error::Env {
             var: TUNE_VAR,
@@ -209,6 +215,7 @@ impl CudaConfig {
             match key.trim() {
                 "pdl" => self.pdl = flag("pdl=0 or pdl=1")?,
                 "attn_fast" => self.attn_fast = flag("attn_fast=0 or attn_fast=1")?,
+                "attn_prefill" => self.attn_prefill = flag("attn_prefill=0 or attn_prefill=1")?,
                 "rehearse" => self.rehearse = flag("rehearse=0 or rehearse=1")?,
                 "gemv_stream" => self.gemv_stream = flag("gemv_stream=0 or gemv_stream=1")?,
                 "gemv_split" => self.gemv_split = flag("gemv_split=0 or gemv_split=1")?,
@@ -299,13 +306,14 @@ mod tests {
     #[test]
     fn every_tune_key_sets_its_field() {
         let c = tuned(
-            "pdl=0, attn_fast=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
+            "pdl=0, attn_fast=0,attn_prefill=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
              gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32",
         )
         .unwrap();
         let want = CudaConfig {
             pdl: false,
             attn_fast: false,
+            attn_prefill: false,
             rehearse: false,
             gemv_stream: false,
             gemv_split: false,

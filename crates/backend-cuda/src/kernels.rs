@@ -98,6 +98,8 @@ pub(crate) enum Kernel {
     AttnDecode,
     AttnFast,
     AttnFastLong,
+    /// Prefill attention, flash style (fusion/attention.cu).
+    AttnPrefill,
     FusedGemv1,
     FusedGemv1Pair,
     /// `fused_gemv1`'s streamed, staged path alone, for f16, bf16 and f32 weights (80
@@ -133,7 +135,7 @@ pub(crate) enum Kernel {
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 47] = [
+    pub(crate) const ALL: [Kernel; 48] = [
         Kernel::EwUnary,
         Kernel::SmallCopy,
         Kernel::CopyBatch,
@@ -162,6 +164,7 @@ impl Kernel {
         Kernel::AttnDecode,
         Kernel::AttnFast,
         Kernel::AttnFastLong,
+        Kernel::AttnPrefill,
         Kernel::FusedGemv1,
         Kernel::FusedGemv1Pair,
         Kernel::FusedGemv1S16,
@@ -249,7 +252,9 @@ impl Kernel {
             | Kernel::FusedGemv1Rp32
             | Kernel::FusedGemv1Q => "fused_gemv",
             Kernel::RopeRows => "fused_rope_rows",
-            Kernel::AttnDecode | Kernel::AttnFast | Kernel::AttnFastLong => "fused_attention",
+            Kernel::AttnDecode | Kernel::AttnFast | Kernel::AttnFastLong | Kernel::AttnPrefill => {
+                "fused_attention"
+            }
             Kernel::Penalize | Kernel::Sample => "sample",
             Kernel::GetRowsQ
             | Kernel::MulMatVecQ
@@ -289,6 +294,7 @@ impl Kernel {
             Kernel::AttnDecode => "attn_decode",
             Kernel::AttnFast => "attn_fast",
             Kernel::AttnFastLong => "attn_fast_long",
+            Kernel::AttnPrefill => "attn_prefill",
             Kernel::FusedGemv1Gu16 => "fused_gemv1_gu16",
             Kernel::FusedGemv1Gub16 => "fused_gemv1_gub16",
             Kernel::FusedGemv1Gu32 => "fused_gemv1_gu32",

@@ -37,12 +37,13 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
     let defaults = (
         d.pdl,
         d.attn_fast,
+        d.attn_prefill,
         d.rehearse,
         d.gemv_stream,
         d.gemv_split,
         d.read_kernel,
     );
-    assert_eq!(defaults, (true, true, true, true, true, true));
+    assert_eq!(defaults, (true, true, true, true, true, true, true));
     assert_eq!(
         (
             d.stream_blocks,
@@ -54,9 +55,10 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
     );
 
     type Read = fn(&CudaConfig) -> bool;
-    let flags: [(&str, Read); 6] = [
+    let flags: [(&str, Read); 7] = [
         ("pdl", |c| c.pdl),
         ("attn_fast", |c| c.attn_fast),
+        ("attn_prefill", |c| c.attn_prefill),
         ("rehearse", |c| c.rehearse),
         ("gemv_stream", |c| c.gemv_stream),
         ("gemv_split", |c| c.gemv_split),
@@ -123,6 +125,7 @@ fn a_bad_tune_key_or_value_is_an_error_naming_the_variable() {
         for key in [
             "pdl",
             "attn_fast",
+            "attn_prefill",
             "rehearse",
             "gemv_stream",
             "gemv_split",

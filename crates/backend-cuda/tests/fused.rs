@@ -1213,3 +1213,151 @@ fn masked_windows_list_their_valid_keys() {
         }
     }
 }
+
+/// Prefill attention as llama.py lays it out: `t` query rows after `past` cached positions in a
+/// cache of `n_ctx` rows, q `[t, hq, d]` f32 seen as `[hq, t, d]`, a causal mask `[t, n_ctx]`
+/// (row i admits keys up to `past + i`; with `holes`, every 7th key and every 8th row masked
+/// too), the scores, p, o and the Cpy of o's permutation (over q itself with `over_q`, as the
+/// allocator may place it). Two last nodes overwrite the scores and p, so they are dead and
+/// the fused kernel takes the chain; o stays live (nothing overwrites it).
+fn prefill_case(
+    rng: &mut Rng,
+    kv: DType,
+    (hq, hkv, d): (usize, usize, usize),
+    (t, past, n_ctx): (usize, usize, usize),
+    holes: bool,
+    over_q: bool,
+) -> Attn {
+    let mut c = Case::default();
+    let k_cache = c.tensor(kv, &[n_ctx, hkv * d]);
+    let v_cache = c.tensor(kv, &[n_ctx, hkv * d]);
+    c.rand(rng, &k_cache, 1.0);
+    c.rand(rng, &v_cache, 1.0);
+    let m = c.tensor(DType::F32, &[t, n_ctx]);
+    let mask: Vec<f32> = (0..t * n_ctx)
+        .map(|x| {
+            let (i, j) = (x / n_ctx, x % n_ctx);
+            let ok = j <= past + i && !(holes && (j % 7 == 4 || i % 8 == 3));
+            if ok {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            }
+        })
+        .collect();
+    c.fill(&m, &mask);
+    let (sq, ss) = (t * hq * d * 4, hq * t * n_ctx * 4);
+    let act = c.buffer(sq + 2 * ss + 2 * sq);
+    let fresh = c.buffer(2 * ss);
+    let q = packed(act, 0, DType::F32, &[t, hq, d]);
+    c.rand(rng, &q, 1.0);
+    let qh = view(act, 0, DType::F32, &[hq, t, d], &[d, hq * d, 1]);
+    let keys = view(k_cache.buffer.0, 0, kv, &[hkv, d, n_ctx], &[d, 1, hkv * d]);
+    let values = view(v_cache.buffer.0, 0, kv, &[hkv, n_ctx, d], &[d, hkv * d, 1]);
+    let scores = packed(act, sq, DType::F32, &[hq, t, n_ctx]);
+    let probs = packed(act, sq + ss, DType::F32, &[hq, t, n_ctx]);
+    let o = packed(act, sq + 2 * ss, DType::F32, &[hq, t, d]);
+    let o_t = view(act, sq + 2 * ss, DType::F32, &[t, hq, d], &[d, t * d, 1]);
+    let att = packed(
+        act,
+        if over_q { 0 } else { 2 * sq + 2 * ss },
+        DType::F32,
+        &[t, hq, d],
+    );
+    c.node(Op::MulMat, &scores, &[&qh, &keys]);
+    c.node(
+        Op::SoftMax {
+            scale: 1.0 / (d as f32).sqrt(),
+        },
+        &probs,
+        &[&scores, &m],
+    );
+    c.node(Op::MulMat, &o, &[&probs, &values]);
+    c.node(Op::Cpy, &att, &[&o_t]);
+    let src = packed(fresh, 0, DType::F32, &[2 * ss / 4]);
+    c.rand(rng, &src, 1.0);
+    let both = packed(act, sq, DType::F32, &[2 * ss / 4]);
+    c.node(Op::Scale { scale: 1.0 }, &both, &[&src]);
+    Attn {
+        case: c,
+        k_cache,
+        v_cache,
+        outputs: vec![
+            ("p @ V", o),
+            ("copy", att),
+            ("scores and p overwritten", both),
+        ],
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn prefill_attention_matches_the_unfused_chain() {
+    let mut rng = Rng::new(41);
+    for kv in FLOATS {
+        // GQA 8 over 2 ("1b": 32 over 8 of 64); no GQA at 128; head_dim 80 over 3.
+        for heads in [(8, 2, 64), (4, 4, 128), (6, 3, 80)] {
+            // Whole tiles; rows and cache rows not multiples of a tile, after a past.
+            for shape in [(32, 0, 64), (37, 13, 70)] {
+                for (holes, over_q) in [(false, false), (true, false), (false, true)] {
+                    let a = prefill_case(&mut rng, kv, heads, shape, holes, over_q);
+                    let test = format!(
+                        "prefill attention {kv} {heads:?} rows/past/n_ctx {shape:?} holes \
+                         {holes} over_q {over_q}"
+                    );
+                    let on = CudaConfig::default();
+                    let off = CudaConfig {
+                        attn_prefill: false,
+                        ..CudaConfig::default()
+                    };
+                    let (want, n_off) = on_gpu_cfg(&test, &a.case, off);
+                    let (got, n_on) = on_gpu_cfg(&test, &a.case, on);
+                    let oracle = execute(&CpuBackend::new(), &a.case);
+                    for (name, t) in &a.outputs {
+                        let g = values(&got, t);
+                        assert_close(
+                            &format!("{test}: {name} vs unfused"),
+                            &values(&want, t),
+                            &g,
+                            // The unfused products may round p to the cache's dtype.
+                            oracle_bound(kv),
+                        );
+                        assert_close(
+                            &format!("{test}: {name} vs oracle"),
+                            &values(&oracle, t),
+                            &g,
+                            oracle_bound(t.dtype),
+                        );
+                    }
+                    assert!(
+                        n_on + 3 <= n_off,
+                        "{test}: {n_on} launches fused, {n_off} with attn_prefill=0"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn prefill_attention_never_reads_cache_rows_no_row_admits() {
+    let mut rng = Rng::new(42);
+    let (t, past, n_ctx) = (37, 13, 70);
+    for kv in FLOATS {
+        let a = prefill_case(&mut rng, kv, (8, 2, 64), (t, past, n_ctx), true, false);
+        // Rows past the last query's position: no row admits them.
+        let poisoned = poison_rows(&a, kv, past + t..n_ctx);
+        let test = format!("prefill poisoned {kv} cache");
+        let (want, _) = on_gpu_cfg(&test, &a.case, CudaConfig::default());
+        let (got, _) = on_gpu_cfg(&test, &poisoned, CudaConfig::default());
+        for (name, t) in &a.outputs {
+            assert_close(
+                &format!("{test}: {name}"),
+                &values(&want, t),
+                &values(&got, t),
+                0.0,
+            );
+        }
+    }
+}

@@ -1,5 +1,6 @@
-// Fused decode attention: q @ K^T -> SoftMax -> p @ V (-> the Cpy of a permutation) in one
-// launch per query head: `attn_decode`, and the short paths `attn_fast` and `attn_fast_long`.
+// Fused attention: q @ K^T -> SoftMax -> p @ V (-> the Cpy of a permutation) in one launch.
+// Decode (one query row per head), a block per query head: `attn_decode`, and the short paths
+// `attn_fast` and `attn_fast_long`. Prefill (several rows per head): `attn_prefill`, at the end.
 // The host side (patterns, preconditions, launch): src/fusion/attention.rs.
 // Like every fused kernel it writes each tensor its nodes would have written (unless the host
 // proved a result dead), in the nodes' order within the thread that owns an element, so later
@@ -603,3 +604,265 @@ extern "C" __global__ void __maxnreg__(168) attn_fast_long(AF_PARAMS) {
                         lsh);
 }
 #undef AF_PARAMS
+
+// ---------------------------------------------------------------------------------------------
+// Prefill attention (`attn_prefill`): the same chain for n_q query rows per head — kq = q @ K^T,
+// p = softmax(kq * scale + mask), o = p @ V and optionally the Cpy of a permuted view of o —
+// flash-attention style: one block per (head, tile of AP_Q query rows), the keys in tiles of
+// AP_K with an online softmax, so the scores and p never leave the multiprocessor. The host
+// takes this kernel only where both are dead (nothing reads them later); o is written only
+// when something reads it besides the copy (`write_o`).
+//
+// Built for throughput: a 512-token prefill of a 1B model runs 32 heads x 32 query tiles per
+// layer, each over up to a few hundred keys. Per key tile the block loads the tile's mask
+// entries (a 16 x 32 window of the mask), marks the key columns some row of the tile admits,
+// and skips the tile outright when none does (causal masks: every tile past the diagonal); it
+// then loads the admitted K and V rows (f32, f16 or bf16, converted to f32 in shared memory;
+// columns no row admits are zero and never read from memory), computes the logits, and folds
+// them into each row's running max and sum. Thread t owns query row t / 8 of the tile: its
+// logits of keys t % 8 + 8 j (j < 4) and its output dims 4 (t % 8 + 8 j) + e (e < 4); the
+// eight threads of a row are adjacent lanes of one warp, so a row's max and sum are three
+// shuffles. Shared memory is read 16 bytes at a time (q and K rows in the logits, p and V rows
+// in p @ V): one 16-byte load of q feeds 16 FMAs, and a V load 4 per weight.
+// Accumulation is f32 in orders fixed by the shapes (deterministic). The rounding differs from
+// the unfused chain's (cuBLAS products, `soft_max`), within f32 precision.
+//
+// NaN follows `attn_decode`: a NaN logit at a position the mask admits makes its query row's o
+// and copy NaN (fmaxf skips NaN in the running max, so the running sum carries it); a NaN in V
+// reaches the rows whose p at its key is non-zero; a position the mask excludes is never read
+// from K or V (unless another row of the tile admits it, and then its p is zero and the product
+// is skipped), so a NaN there reaches nothing.
+//
+// Invariants: D <= AP_MAXD and D a multiple of 4 (the host checks). Every read of q precedes
+// every write of the block, and block (h, tile) reads only q rows of its tile and head: the
+// host may let o or the copy lie over q when element (h, i, d) of the write is element
+// (h, i, d) of q.
+#define AP_T 128
+#define AP_Q 16
+#define AP_K 32
+#define AP_MAXD 128
+#define AP_RT (AP_T / AP_Q)           // threads per query row (8)
+#define AP_KJ (AP_K / AP_RT)          // logits per thread (4)
+#define AP_DJ (AP_MAXD / (4 * AP_RT)) // 4-dim groups of o per thread, at most (4)
+#define AP_S (AP_MAXD + 4)            // shared row stride of q, K and V (16-byte rows; the
+                                      // eight rows a warp's lanes read start in other banks)
+#define AP_PS (AP_K + 4)              // shared row stride of p
+
+template <int DT>
+__device__ __forceinline__ void attn_prefill_body(
+    i64 L, i64 NQ, i64 D, float scale, const void* q, int dtq, i64 q_hs, i64 q_qs, i64 q_ds,
+    const void* k, i64 k_hs, i64 k_ls, i64 k_div, const void* v, i64 v_hs, i64 v_ls, i64 v_div,
+    int kvec, const void* mask, int dtm, i64 m_hs, i64 m_qs, i64 m_ls, int has_mask, float* o,
+    i64 o_hs, i64 o_qs, i64 o_ds, int write_o, void* c, int dtc, i64 c_hs, i64 c_qs, i64 c_ds,
+    int has_cpy, float* qs, float* ks, float* vs, float* ms, float* ps, int* colv, int* anyv) {
+    const int tid = threadIdx.x;
+    const int r = tid / AP_RT, sub = tid % AP_RT;
+    const int D4 = (int)D / 4;  // D is a multiple of 4 (the host checks)
+    // Later query tiles (more admitted keys under a causal mask) start first.
+    const i64 ntq = (NQ + AP_Q - 1) / AP_Q;
+    const i64 h = (i64)blockIdx.x / ntq;
+    const i64 q0 = (ntq - 1 - (i64)blockIdx.x % ntq) * AP_Q;
+    const i64 qi = q0 + r;
+    const bool qin = qi < NQ;
+    const char* kb = (const char*)k + (h / k_div) * k_hs * (DT == DT_F32 ? 4 : 2);
+    const char* vb = (const char*)v + (h / v_div) * v_hs * (DT == DT_F32 ? 4 : 2);
+#pragma unroll 1
+    for (int e = tid; e < AP_Q * (int)D; e += AP_T) {
+        const int rr = e / (int)D, d = e % (int)D;
+        qs[rr * AP_S + d] = q0 + rr < NQ ? ld(q, dtq, h * q_hs + (q0 + rr) * q_qs + d * q_ds) : 0.0f;
+    }
+    // o's running value: dims 4 (sub + AP_RT j) + e of row r.
+    float acc[AP_DJ][4];
+#pragma unroll
+    for (int j = 0; j < AP_DJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    float run_max = F_NEG_INF, run_sum = 0.0f;
+#pragma unroll 1
+    for (i64 base = 0; base < L; base += AP_K) {
+        // The tile's mask entries (-inf: excluded, also past the window and past the queries).
+#pragma unroll
+        for (int j = 0; j < AP_KJ; ++j) {
+            const int cc = sub + AP_RT * j;
+            const i64 l = base + cc;
+            float mv = F_NEG_INF;
+            if (qin && l < L) mv = has_mask ? ld(mask, dtm, h * m_hs + qi * m_qs + l * m_ls) : 0.0f;
+            ms[r * AP_K + cc] = mv;
+        }
+        __syncthreads();
+        // Key columns some row admits; the tile is skipped when none is.
+        if (tid < AP_K) {
+            int any = 0;
+#pragma unroll 1
+            for (int rr = 0; rr < AP_Q; ++rr) any |= ms[rr * AP_K + tid] != F_NEG_INF;
+            colv[tid] = any;
+            const unsigned vote = __ballot_sync(0xffffffffu, any);
+            if (tid == 0) *anyv = vote != 0;
+        }
+        __syncthreads();
+        if (!*anyv) continue;
+        // K and V rows of the admitted columns, as f32 (zeros elsewhere): 16 bytes per load
+        // where every row is aligned (`kvec`), else one element.
+        if (kvec) {
+            const int VW = DT == DT_F32 ? 4 : 8, ESZ = DT == DT_F32 ? 4 : 2;
+            const int nch = (int)D / VW;
+#pragma unroll 1
+            for (int e = tid; e < AP_K * nch; e += AP_T) {
+                const int cc = e / nch, ch = e % nch;
+                float kf[8], vf[8];
+                if (colv[cc]) {
+                    const i64 l = base + cc;
+                    unpack16<DT>(*(const uint4*)(kb + (l * k_ls + ch * VW) * ESZ), kf);
+                    unpack16<DT>(*(const uint4*)(vb + (l * v_ls + ch * VW) * ESZ), vf);
+                } else {
+#pragma unroll
+                    for (int x = 0; x < 8; ++x) kf[x] = vf[x] = 0.0f;
+                }
+                float4* kd = (float4*)(ks + cc * AP_S + ch * VW);
+                float4* vd = (float4*)(vs + cc * AP_S + ch * VW);
+#pragma unroll
+                for (int x = 0; x < VW / 4; ++x) {
+                    kd[x] = make_float4(kf[4 * x], kf[4 * x + 1], kf[4 * x + 2], kf[4 * x + 3]);
+                    vd[x] = make_float4(vf[4 * x], vf[4 * x + 1], vf[4 * x + 2], vf[4 * x + 3]);
+                }
+            }
+        } else {
+#pragma unroll 1
+            for (int e = tid; e < AP_K * (int)D; e += AP_T) {
+                const int cc = e / (int)D, d = e % (int)D;
+                float kx = 0.0f, vx = 0.0f;
+                if (colv[cc]) {
+                    const i64 l = base + cc;
+                    kx = ld(kb, DT, l * k_ls + d);
+                    vx = ld(vb, DT, l * v_ls + d);
+                }
+                ks[cc * AP_S + d] = kx;
+                vs[cc * AP_S + d] = vx;
+            }
+        }
+        __syncthreads();
+        // This thread's logits (keys sub + AP_RT j), 4 dims per shared load.
+        float dot[AP_KJ];
+#pragma unroll
+        for (int j = 0; j < AP_KJ; ++j) dot[j] = 0.0f;
+        const float4* qr = (const float4*)(qs + r * AP_S);
+#pragma unroll 4
+        for (int d4 = 0; d4 < D4; ++d4) {
+            const float4 a = qr[d4];
+#pragma unroll
+            for (int j = 0; j < AP_KJ; ++j) {
+                const float4 b = ((const float4*)(ks + (sub + AP_RT * j) * AP_S))[d4];
+                dot[j] = fmaf(a.x, b.x, dot[j]);
+                dot[j] = fmaf(a.y, b.y, dot[j]);
+                dot[j] = fmaf(a.z, b.z, dot[j]);
+                dot[j] = fmaf(a.w, b.w, dot[j]);
+            }
+        }
+        float lg[AP_KJ];
+        float tmax = F_NEG_INF;
+#pragma unroll
+        for (int j = 0; j < AP_KJ; ++j) {
+            const float mv = ms[r * AP_K + sub + AP_RT * j];
+            lg[j] = mv != F_NEG_INF ? dot[j] * scale + mv : F_NEG_INF;
+            tmax = fmaxf(tmax, lg[j]);
+        }
+#pragma unroll
+        for (int off = AP_RT / 2; off > 0; off /= 2) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+        const float new_max = fmaxf(run_max, tmax);
+        float tsum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < AP_KJ; ++j) {
+            const float x = lg[j];
+            const float ex = x == F_NEG_INF ? 0.0f : new_max != F_NEG_INF ? expf(x - new_max) : x != x ? x : 0.0f;
+            ps[r * AP_PS + sub + AP_RT * j] = ex;
+            tsum += ex;
+        }
+#pragma unroll
+        for (int off = AP_RT / 2; off > 0; off /= 2) tsum += __shfl_xor_sync(0xffffffffu, tsum, off);
+        const float rescale = run_max != F_NEG_INF ? expf(run_max - new_max) : 0.0f;
+        run_sum = run_sum * rescale + tsum;
+        run_max = new_max;
+        __syncthreads();  // ps complete
+        // This tile's p @ V, keys in ascending order; a zero weight (an excluded key) is
+        // skipped, so its V row reaches nothing.
+#pragma unroll
+        for (int j = 0; j < AP_DJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] *= rescale;
+        const float4* pr = (const float4*)(ps + r * AP_PS);
+#pragma unroll 1
+        for (int c4 = 0; c4 < AP_K / 4; ++c4) {
+            const float4 p4 = pr[c4];
+            const float pw[4] = {p4.x, p4.y, p4.z, p4.w};
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                if (pw[u] != 0.0f) {
+                    const float4* vr = (const float4*)(vs + (4 * c4 + u) * AP_S);
+#pragma unroll
+                    for (int j = 0; j < AP_DJ; ++j) {
+                        if (sub + AP_RT * j < D4) {
+                            const float4 b = vr[sub + AP_RT * j];
+                            acc[j][0] = fmaf(pw[u], b.x, acc[j][0]);
+                            acc[j][1] = fmaf(pw[u], b.y, acc[j][1]);
+                            acc[j][2] = fmaf(pw[u], b.z, acc[j][2]);
+                            acc[j][3] = fmaf(pw[u], b.w, acc[j][3]);
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();  // ks, vs, ps and colv are rewritten by the next tile
+    }
+    if (!qin) return;
+    // run_sum (the same in the row's eight threads: shuffles) is NaN iff an admitted logit was
+    // NaN, or +inf met +inf: the row's o and copy are NaN then, as soft_max's NaN row makes them.
+    const bool row_nan = run_sum != run_sum;
+    const float inv = row_nan ? run_sum : run_sum > 0.0f ? 1.0f / run_sum : 0.0f;
+#pragma unroll
+    for (int j = 0; j < AP_DJ; ++j) {
+        if (sub + AP_RT * j < D4) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const i64 d = 4 * (sub + AP_RT * j) + e;
+                const float y = row_nan ? run_sum : acc[j][e] * inv;
+                if (write_o) o[h * o_hs + qi * o_qs + d * o_ds] = y;
+                if (has_cpy) st(c, dtc, h * c_hs + qi * c_qs + d * c_ds, y);
+            }
+        }
+    }
+}
+
+// One block of AP_T threads per (head, tile of AP_Q query rows): grid heads * ceil(NQ / AP_Q).
+// K and V share one dtype (dtkv); q, the mask and the copy may be f32, f16 or bf16; o is f32.
+// `kvec`: every K and V row start (of each kv head) is 16-byte aligned and D a multiple of the
+// elements in 16 bytes, checked on the host.
+extern "C" __global__ void __launch_bounds__(AP_T) attn_prefill(
+    i64 L, i64 NQ, i64 D, float scale, const void* q, int dtq, i64 q_hs, i64 q_qs, i64 q_ds,
+    int dtkv, const void* k, i64 k_hs, i64 k_ls, i64 k_div, const void* v, i64 v_hs, i64 v_ls,
+    i64 v_div, int kvec, const void* mask, int dtm, i64 m_hs, i64 m_qs, i64 m_ls, int has_mask,
+    float* o, i64 o_hs, i64 o_qs, i64 o_ds, int write_o, void* c, int dtc, i64 c_hs, i64 c_qs,
+    i64 c_ds, int has_cpy) {
+    pdl_entry();
+    // Declared as float4 for their 16-byte alignment; used as floats.
+    __shared__ float4 qs4[AP_Q * AP_S / 4];
+    __shared__ float4 ks4[AP_K * AP_S / 4];
+    __shared__ float4 vs4[AP_K * AP_S / 4];
+    __shared__ float ms[AP_Q * AP_K];
+    __shared__ float4 ps4[AP_Q * AP_PS / 4];
+    float* qs = (float*)qs4;
+    float* ks = (float*)ks4;
+    float* vs = (float*)vs4;
+    float* ps = (float*)ps4;
+    __shared__ int colv[AP_K];
+    __shared__ int anyv;
+#define AP_ARGS                                                                                \
+    L, NQ, D, scale, q, dtq, q_hs, q_qs, q_ds, k, k_hs, k_ls, k_div, v, v_hs, v_ls, v_div, kvec, \
+        mask, dtm, m_hs, m_qs, m_ls, has_mask, o, o_hs, o_qs, o_ds, write_o, c, dtc, c_hs, c_qs,  \
+        c_ds, has_cpy, qs, ks, vs, ms, ps, colv, &anyv
+    switch (dtkv) {
+        case DT_F16: attn_prefill_body<DT_F16>(AP_ARGS); break;
+        case DT_BF16: attn_prefill_body<DT_BF16>(AP_ARGS); break;
+        default: attn_prefill_body<DT_F32>(AP_ARGS); break;
+    }
+#undef AP_ARGS
+}

@@ -1,5 +1,6 @@
-//! The launcher of decode attention (attention.cu): `q @ K^T -> SoftMax -> p @ V`, optionally
-//! with the copy of a permutation of o, one block per query head.
+//! The launchers of fused attention (attention.cu): `q @ K^T -> SoftMax -> p @ V`, optionally
+//! with the copy of a permutation of o — decode's, one block per query head, and prefill's
+//! (`launch_prefill`), one block per (head, tile of query rows).
 //!
 //! Why: a decode step waits on attention, and its K/V rows come from DRAM; as one kernel the
 //! scores and p stay on chip, masked keys' rows are never read, and with programmatic
@@ -10,6 +11,10 @@
 //! `attn_fast_long` for a masked window whose scores and p are dead, else `attn_decode`. The
 //! [`Live`] flags say which intermediates must be written.
 //!
+//! Prefill's kernel, `attn_prefill`, is flash-attention style: K/V tiles in shared memory, an
+//! online softmax, the scores and p never written (the matcher takes it only where both are
+//! dead), key tiles the mask excludes for every row of a block skipped.
+//!
 //! Invariant: the raw scores, p and o are skipped only when `safety::dead_after` proved them
 //! dead; the mask is read ahead of the dependency wait only when [`mask_ahead`] holds.
 
@@ -19,6 +24,7 @@ use lowsync_graph::{DType, Op};
 use crate::exec::launch::{dt, kernel_err, Args, Exec};
 use crate::exec::matmul::{self, moving};
 use crate::fusion::group::cpy_axes;
+use crate::fusion::patterns::PREFILL_ROWS;
 use crate::fusion::safety::overlap;
 use crate::kernels::Kernel;
 use crate::layout::broadcast_strides;
@@ -223,4 +229,101 @@ pub(super) fn launch_attention(
         .arg(cpy.is_some() as i32)
         .arg(narrow as i32);
     exec.launch(kq, Kernel::AttnDecode, grid, ATT_THREADS as u32, args)
+}
+
+/// Threads of a prefill attention block (`AP_T`).
+const PREFILL_THREADS: u32 = 128;
+
+/// Launches `attn_prefill` for the chain (several query rows per head): one block per (head,
+/// tile of `PREFILL_ROWS` query rows). The scores and p are dead (the matcher's condition) and
+/// never written; o is written when `write_o` (something reads it besides the copy).
+pub(super) fn launch_prefill(
+    exec: &Exec<'_>,
+    [kq, sm, pv]: [&ExecNode; 3],
+    cpy: Option<&ExecNode>,
+    write_o: bool,
+) -> Result<()> {
+    let Op::SoftMax { scale } = sm.op else {
+        return Err(kernel_err(sm, "fused as a softmax but is not one"));
+    };
+    let q = exec.resolve(&kq.srcs[0])?;
+    let k = exec.resolve(&kq.srcs[1])?;
+    let v = exec.resolve(&pv.srcs[1])?;
+    let o = exec.resolve(&pv.dst)?;
+    let (hq, nq, d, l) = (q.shape[0], q.shape[1], q.shape[2], k.shape[2]);
+    let (mask, m) = match sm.srcs.get(1) {
+        Some(t) => {
+            let m = exec.resolve(t)?;
+            let bs = broadcast_strides(&m.shape, &m.strides, &kq.dst.shape)
+                .ok_or_else(|| kernel_err(sm, "mask does not broadcast"))?;
+            (Some(m), [bs[0] as i64, bs[1] as i64, bs[2] as i64])
+        }
+        None => (None, [0; 3]),
+    };
+    let (c, cs) = match cpy {
+        Some(node) => {
+            let axes = cpy_axes(&pv.dst, node)
+                .ok_or_else(|| kernel_err(node, "fused as a copy of the attention but is not"))?;
+            let c = exec.resolve(&node.dst)?;
+            let st = |ax: Option<usize>| ax.map_or(0, |b| c.strides[b] as i64);
+            let cs = [st(axes[0]), st(axes[1]), st(axes[2])];
+            (Some(c), cs)
+        }
+        None => (None, [0; 3]),
+    };
+    // 16-byte K/V loads: every row start of every kv head aligned, D whole 16-byte pieces.
+    let esz = k.dtype.size_bytes();
+    let kvec = d.is_multiple_of(16 / esz)
+        && [
+            (&k, k.strides[0], k.strides[2]),
+            (&v, v.strides[0], v.strides[1]),
+        ]
+        .iter()
+        .all(|(t, hs, ls)| {
+            matmul::aligned(t.ptr, esz, &[moving(t.shape[0], *hs), moving(l, *ls)], 16)
+        });
+    let tiles = nq.div_ceil(PREFILL_ROWS);
+    let grid = u32::try_from(hq * tiles)
+        .ok()
+        .filter(|&g| g <= i32::MAX as u32)
+        .ok_or_else(|| kernel_err(kq, "too many prefill attention blocks"))?;
+    let s = |i: usize| q.strides[i] as i64;
+    let args = Args::new()
+        .arg(l as i64)
+        .arg(nq as i64)
+        .arg(d as i64)
+        .arg(scale)
+        .arg(q.ptr)
+        .arg(dt(q.dtype))
+        .arg(s(0))
+        .arg(s(1))
+        .arg(s(2))
+        .arg(dt(k.dtype))
+        .arg(k.ptr)
+        .arg(k.strides[0] as i64)
+        .arg(k.strides[2] as i64)
+        .arg((hq / k.shape[0]) as i64)
+        .arg(v.ptr)
+        .arg(v.strides[0] as i64)
+        .arg(v.strides[1] as i64)
+        .arg((hq / v.shape[0]) as i64)
+        .arg(kvec as i32)
+        .arg(mask.as_ref().map_or(0, |m| m.ptr))
+        .arg(mask.as_ref().map_or(0, |m| dt(m.dtype)))
+        .arg(m[0])
+        .arg(m[1])
+        .arg(m[2])
+        .arg(mask.is_some() as i32)
+        .arg(o.ptr)
+        .arg(o.strides[0] as i64)
+        .arg(o.strides[1] as i64)
+        .arg(o.strides[2] as i64)
+        .arg(write_o as i32)
+        .arg(c.as_ref().map_or(0, |c| c.ptr))
+        .arg(c.as_ref().map_or(0, |c| dt(c.dtype)))
+        .arg(cs[0])
+        .arg(cs[1])
+        .arg(cs[2])
+        .arg(cpy.is_some() as i32);
+    exec.launch(kq, Kernel::AttnPrefill, grid, PREFILL_THREADS, args)
 }

@@ -80,6 +80,16 @@ pub(super) enum Kind {
         cpy: Option<usize>,
         scores: bool,
     },
+    /// Prefill attention (several query rows per head), `attn_prefill`: the same chain, whose
+    /// raw scores and p are dead (the kernel never writes them). `out`: o must be written
+    /// besides the copy (something may read it later; always with no copy).
+    Prefill {
+        kq: usize,
+        soft_max: usize,
+        pv: usize,
+        cpy: Option<usize>,
+        out: bool,
+    },
 }
 
 /// The `RmsNorm -> Mul(norm, weight row)` in front of a fused matrix-vector launch.
@@ -137,6 +147,13 @@ impl Kind {
                 .chain(*plain)
                 .collect(),
             Kind::Attention {
+                kq,
+                soft_max,
+                pv,
+                cpy,
+                ..
+            }
+            | Kind::Prefill {
                 kq,
                 soft_max,
                 pv,

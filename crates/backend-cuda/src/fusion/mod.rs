@@ -29,6 +29,13 @@
 //!   trip instead of two; masked rows' values are never used). A window with a mask whose
 //!   scores and p are dead (decode's) takes `attn_fast_long` at any length: it lists the valid
 //!   keys first (2048 mask entries per round trip), so masked keys cost nothing.
+//! - The same chain for several query rows per head (prefill), where the raw scores and p are
+//!   dead and head_dim is at most 128: `attn_prefill`, flash-attention style — a block per
+//!   (head, tile of 16 query rows), keys in tiles of 32 with an online softmax, key tiles the
+//!   mask excludes for every row of the block skipped (a causal mask's upper triangle), o
+//!   written only when read besides its copy (`CudaConfig::attn_prefill`, tune key
+//!   `attn_prefill`). Otherwise the chain runs unfused (cuBLAS products, `soft_max_rows`,
+//!   `copy_strided`).
 //! - `MulMat` of one row -> `Argmax` of its whole result (decode's head): each block of the
 //!   product folds the best (value, row) of its rows, as a 64-bit key, into one device word
 //!   with an integer atomic max (order-independent, so deterministic); a one-thread
@@ -40,8 +47,9 @@
 //!
 //! Invariants (checked per group by `safety`, so results equal the unfused chain's):
 //! - A fused kernel writes every tensor its nodes write, in node order within the thread that
-//!   owns an element — except the attention's raw scores, and for `attn_fast` also p and (beside
-//!   its copy) o, when `dead_after` proves nothing reads them before they are overwritten
+//!   owns an element — except the attention's raw scores, and for `attn_fast` and
+//!   `attn_prefill` also p and (beside its copy) o, when `dead_after` proves nothing reads them
+//!   before they are overwritten
 //!   (the scores of masked positions would need the K rows the kernel skips, and the allocator
 //!   puts later tensors over them).
 //!   Where the scheduler says which scratch bytes later splits read (`ExecGraph::scratch`),
@@ -102,7 +110,8 @@ pub(crate) fn run_graph(exec: &mut Exec<'_>, graph: &Arc<ExecGraph>) -> Result<(
         list: nodes,
         end: graph.scratch.as_ref(),
     };
-    for step in plan(&nodes, exec.inner.cfg.mmv_max_m) {
+    let cfg = &exec.inner.cfg;
+    for step in plan(&nodes, cfg.mmv_max_m, cfg.attn_prefill) {
         match step {
             Step::Node(i) => exec.run(&nodes[i])?,
             Step::Fused(g) => launch(exec, &nodes, &g.kind)?,
@@ -113,7 +122,8 @@ pub(crate) fn run_graph(exec: &mut Exec<'_>, graph: &Arc<ExecGraph>) -> Result<(
 
 /// What `run_graph` launches for `graph` with fusion on, worked out without a device: one line
 /// per launch, `fused <kind>` (with its members' ops) or the op of a node run on its own.
-pub(crate) fn describe(graph: &ExecGraph, mmv_max_m: Option<usize>) -> Vec<String> {
+/// `mmv_max_m` and `prefill` are `CudaConfig::mmv_max_m` and `CudaConfig::attn_prefill`.
+pub(crate) fn describe(graph: &ExecGraph, mmv_max_m: Option<usize>, prefill: bool) -> Vec<String> {
     let nodes = Nodes {
         list: &graph.nodes,
         end: graph.scratch.as_ref(),
@@ -122,7 +132,7 @@ pub(crate) fn describe(graph: &ExecGraph, mmv_max_m: Option<usize>) -> Vec<Strin
         let names: Vec<&str> = members.iter().map(|&j| nodes[j].op.name()).collect();
         names.join(",")
     };
-    plan(&nodes, mmv_max_m)
+    plan(&nodes, mmv_max_m, prefill)
         .into_iter()
         .flat_map(|step| match step {
             Step::Node(i) => vec![nodes[i].op.name().to_string()],
@@ -144,6 +154,11 @@ pub(crate) fn describe(graph: &ExecGraph, mmv_max_m: Option<usize>) -> Vec<Strin
                         if cpy.is_some() { "+cpy" } else { "" },
                         if *scores { "+scores" } else { "" },
                     ),
+                    Kind::Prefill { cpy, out, .. } => format!(
+                        "attention_prefill{}{}",
+                        if cpy.is_some() { "+cpy" } else { "" },
+                        if *out && cpy.is_some() { "+out" } else { "" },
+                    ),
                 };
                 let mut lines = vec![format!("fused {kind} [{}]", ops(&g.nodes))];
                 if matches!(g.kind, Kind::HeadArgmax { .. }) {
@@ -157,8 +172,9 @@ pub(crate) fn describe(graph: &ExecGraph, mmv_max_m: Option<usize>) -> Vec<Strin
 }
 
 /// The steps of `nodes`, in execution order. `mmv_max_m` is `CudaConfig::mmv_max_m` (fused
-/// products take the matrix-vector kernels' rows limit).
-fn plan(nodes: &Nodes<'_>, mmv_max_m: Option<usize>) -> Vec<Step> {
+/// products take the matrix-vector kernels' rows limit); `prefill` is
+/// `CudaConfig::attn_prefill` (attention over several query rows per head fused).
+fn plan(nodes: &Nodes<'_>, mmv_max_m: Option<usize>, prefill: bool) -> Vec<Step> {
     let mut used = vec![false; nodes.len()];
     let mut steps = Vec::with_capacity(nodes.len());
     for i in 0..nodes.len() {
@@ -168,7 +184,7 @@ fn plan(nodes: &Nodes<'_>, mmv_max_m: Option<usize>) -> Vec<Step> {
         let group = match nodes[i].op {
             Op::RmsNorm { .. } => patterns::norm_gemv(nodes, i, &used, mmv_max_m)
                 .or_else(|| patterns::norm_mul(nodes, i, &used)),
-            Op::MulMat => patterns::attention(nodes, i, &used)
+            Op::MulMat => patterns::attention(nodes, i, &used, prefill)
                 .or_else(|| patterns::gemv(nodes, i, &used, mmv_max_m))
                 .or_else(|| patterns::head_argmax(nodes, i, &used, mmv_max_m)),
             Op::Rope { .. } => patterns::rope_rows(nodes, i, &used),
@@ -226,5 +242,17 @@ fn launch(exec: &mut Exec<'_>, nodes: &Nodes<'_>, kind: &Kind) -> Result<()> {
                 live,
             )
         }
+        Kind::Prefill {
+            kq,
+            soft_max,
+            pv,
+            cpy,
+            out,
+        } => attention::launch_prefill(
+            exec,
+            [&nodes[*kq], &nodes[*soft_max], &nodes[*pv]],
+            cpy.map(|c| &nodes[c]),
+            *out,
+        ),
     }
 }

@@ -30,6 +30,12 @@ const MAX_ROWS: usize = 8;
 /// The largest head dimension of the fused attention (`ATT_MAXD` in attention.cu).
 const ATT_MAX_D: usize = 256;
 
+/// The largest head dimension of the fused prefill attention (`AP_MAXD` in attention.cu).
+pub(super) const PREFILL_MAX_D: usize = 128;
+
+/// Query rows per block of the fused prefill attention (`AP_Q` in attention.cu).
+pub(super) const PREFILL_ROWS: usize = 16;
+
 pub(super) fn norm_mul(nodes: &Nodes<'_>, i: usize, used: &[bool]) -> Option<Group> {
     let norm = &nodes[i];
     let [x] = norm.srcs.as_slice() else {
@@ -477,7 +483,16 @@ pub(super) fn rope_rows(nodes: &Nodes<'_>, i: usize, used: &[bool]) -> Option<Gr
         .or_else(|| fits(nodes, with(None)))
 }
 
-pub(super) fn attention(nodes: &Nodes<'_>, i: usize, used: &[bool]) -> Option<Group> {
+/// `MulMat(q, K) -> SoftMax -> MulMat(p, V) [-> Cpy of a permutation]`: decode's (one query
+/// row per head, `Kind::Attention`) or, with `prefill` (`CudaConfig::attn_prefill`), several
+/// rows per head (`Kind::Prefill`) where the scores and p are dead and head_dim is a multiple
+/// of 4 up to [`PREFILL_MAX_D`].
+pub(super) fn attention(
+    nodes: &Nodes<'_>,
+    i: usize,
+    used: &[bool],
+    prefill: bool,
+) -> Option<Group> {
     let kq = &nodes[i];
     let [q, k] = kq.srcs.as_slice() else {
         return None;
@@ -485,8 +500,10 @@ pub(super) fn attention(nodes: &Nodes<'_>, i: usize, used: &[bool]) -> Option<Gr
     if q.shape.len() != 3 || k.shape.len() != 3 {
         return None;
     }
-    let (hq, d, l, hk) = (q.shape[0], q.shape[2], k.shape[2], k.shape[0]);
-    let ok = q.shape[1] == 1
+    let (hq, nq, d, l, hk) = (q.shape[0], q.shape[1], q.shape[2], k.shape[2], k.shape[0]);
+    let rows = nq > 1;
+    let max_d = if rows { PREFILL_MAX_D } else { ATT_MAX_D };
+    let ok = (nq == 1 || (prefill && nq > 1))
         && k.shape[1] == d
         && q.dtype.is_float()
         && k.dtype.is_float()
@@ -494,10 +511,11 @@ pub(super) fn attention(nodes: &Nodes<'_>, i: usize, used: &[bool]) -> Option<Gr
         && hq > 0
         && hk > 0
         && hq % hk == 0
-        && (1..=ATT_MAX_D).contains(&d)
+        && (1..=max_d).contains(&d)
+        && (!rows || d.is_multiple_of(4))
         && l > 0
         && kq.dst.dtype == DType::F32
-        && kq.dst.shape == [hq, 1, l];
+        && kq.dst.shape == [hq, nq, l];
     if !ok {
         return None;
     }
@@ -529,10 +547,30 @@ pub(super) fn attention(nodes: &Nodes<'_>, i: usize, used: &[bool]) -> Option<Gr
             && v.shape[0] > 0
             && hq % v.shape[0] == 0
             && n.dst.dtype == DType::F32
-            && n.dst.shape == [hq, 1, d]
+            && n.dst.shape == [hq, nq, d]
     })?;
     let cpy = later(nodes, pv, used).find(|&j| cpy_axes(&nodes[pv].dst, &nodes[j]).is_some());
     let scores = !dead_after(nodes, i, soft_max);
+    if rows {
+        // The kernel keeps the scores and p on chip: both must be dead.
+        let tiles = nq.div_ceil(PREFILL_ROWS);
+        if scores
+            || !dead_after(nodes, soft_max, pv)
+            || hq.saturating_mul(tiles) > i32::MAX as usize
+        {
+            return None;
+        }
+        let with = |cpy: Option<usize>| Kind::Prefill {
+            kq: i,
+            soft_max,
+            pv,
+            cpy,
+            out: cpy.is_none_or(|c| !dead_after(nodes, pv, c)),
+        };
+        return cpy
+            .and_then(|c| fits(nodes, with(Some(c))))
+            .or_else(|| fits(nodes, with(None)));
+    }
     let with = |cpy| Kind::Attention {
         kq: i,
         soft_max,

@@ -7,8 +7,9 @@
 //!
 //! Strategy: a group's [`Footprint`] lists what it reads (sources not produced inside it) and
 //! writes, each with the [`Lane`] that touches it; [`Footprint::safe`] refuses private copies,
-//! writes over reads (except the same element on the same thread, or one attention head's own
-//! slice), overlapping writes (except an in-place node over its own source) and moves across a
+//! writes over reads (except the same element on the same thread, one attention head's own
+//! slice, or a prefill attention's result over the very q element its block read),
+//! overlapping writes (except an in-place node over its own source) and moves across a
 //! conflicting node. [`dead_after`] proves a result is overwritten before anything reads it,
 //! counting scratch no later split reads as overwritten at the graph's end.
 //!
@@ -34,6 +35,10 @@ enum Lane {
     /// Attention: head h's slice (along this axis; `None`: one head) touched only by block h,
     /// reads of it before any write.
     Head(Option<usize>),
+    /// Prefill attention: element (h, i, d) of a `[heads, rows, dims]` tensor, touched only by
+    /// the block of head h and row i's tile, reads before any write; the byte strides of the
+    /// three axes.
+    Tile([usize; 3]),
 }
 
 /// What a group reads (sources not produced inside the group) and writes.
@@ -108,6 +113,12 @@ impl Footprint<'_> {
                 let excepted = match (wl, rl) {
                     (Lane::Elem(a), Lane::Elem(b)) => a == b && w == r,
                     (Lane::Head(x), Lane::Head(y)) => head_aligned(w, x, r, y),
+                    // The same element at the same bytes: read by its block before it writes.
+                    (Lane::Tile(a), Lane::Tile(b)) => {
+                        a == b
+                            && w.byte_offset == r.byte_offset
+                            && w.dtype.size_bytes() == r.dtype.size_bytes()
+                    }
                     _ => false,
                 };
                 if overlap(w, r) && !excepted {
@@ -232,12 +243,53 @@ fn footprint<'a>(nodes: &'a Nodes<'_>, kind: &Kind) -> Option<Footprint<'a>> {
                 writes.push((*c, &nodes[*c].dst, Lane::Head(axes[0])));
             }
         }
+        Kind::Prefill {
+            kq,
+            soft_max,
+            pv,
+            cpy,
+            out,
+        } => {
+            let q = nodes[*kq].srcs.first()?;
+            reads.push((q, Lane::Tile(tile_strides(q, [0, 1, 2])?)));
+            reads.push((nodes[*kq].srcs.get(1)?, Lane::Any));
+            reads.push((nodes[*pv].srcs.get(1)?, Lane::Any));
+            reads.extend(nodes[*soft_max].srcs.get(1).map(|m| (m, Lane::Any)));
+            let o = &nodes[*pv].dst;
+            if *out {
+                writes.push((*pv, o, Lane::Tile(tile_strides(o, [0, 1, 2])?)));
+            }
+            if let Some(c) = cpy {
+                let axes = cpy_axes(o, &nodes[*c])?;
+                let dst = &nodes[*c].dst;
+                // An axis of extent 1 has no Cpy axis: stride 0, as its only index is 0.
+                let st =
+                    |a: Option<usize>| a.map_or(0, |b| dst.strides[b] * dst.dtype.size_bytes());
+                writes.push((*c, dst, Lane::Tile([st(axes[0]), st(axes[1]), st(axes[2])])));
+            }
+        }
     }
     Some(Footprint {
         members: kind.members(),
         reads,
         writes,
     })
+}
+
+/// The byte strides of `t`'s axes `axes` (a rank-3 tensor), for [`Lane::Tile`]; an axis of
+/// extent 1 counts as stride 0 (its only index is 0), as in a Cpy's axes.
+fn tile_strides(t: &TensorRef, axes: [usize; 3]) -> Option<[usize; 3]> {
+    if t.shape.len() != 3 {
+        return None;
+    }
+    let st = |a: usize| {
+        if t.shape[a] == 1 {
+            0
+        } else {
+            t.strides[a] * t.dtype.size_bytes()
+        }
+    };
+    Some([st(axes[0]), st(axes[1]), st(axes[2])])
 }
 
 /// Whether `kind`'s footprint is well formed and safe.

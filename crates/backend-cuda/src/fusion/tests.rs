@@ -17,7 +17,7 @@ fn bare(nodes: &[ExecNode]) -> Nodes<'_> {
 }
 
 fn plan(nodes: &[ExecNode], mmv_max_m: Option<usize>) -> Vec<Step> {
-    super::plan(&bare(nodes), mmv_max_m)
+    super::plan(&bare(nodes), mmv_max_m, true)
 }
 
 fn dead_after(nodes: &[ExecNode], at: usize, reader: usize) -> bool {
@@ -636,7 +636,8 @@ fn scratch_no_later_split_reads_ends_the_life_of_what_is_left_there() {
     let scores = nodes[0].dst.clone();
     let (s0, _) = byte_range(&scores);
     let written =
-        |end: Option<&ScratchLive>| match &super::plan(&Nodes { list: &nodes, end }, None)[0] {
+        |end: Option<&ScratchLive>| match &super::plan(&Nodes { list: &nodes, end }, None, true)[0]
+        {
             Step::Fused(Group {
                 kind: Kind::Attention { scores, .. },
                 ..
@@ -1091,5 +1092,134 @@ fn quantized_products_the_fused_kernel_cannot_take_run_alone() {
             Step::Node(2),
             Step::Node(3)
         ]
+    );
+}
+
+/// Prefill attention as llama.py lays it out: q, the rope result `[20, 8, d]` at 0, seen as
+/// `[8, 20, d]`; K/V caches of 40 rows over 2 kv heads; the scores, p and o after it, the
+/// Cpy of o's permutation `[20, 8, d]` at `cpy_at`, then `tail`.
+fn prefill_nodes(d: usize, cpy_at: usize, tail: Vec<ExecNode>) -> Vec<ExecNode> {
+    let (t, l, f) = (20, 40, DType::F16);
+    let sq = t * 8 * d * 4;
+    let ss = 8 * t * l * 4;
+    let q = view(ACT, 0, DType::F32, &[8, t, d], &[d, 8 * d, 1]);
+    let keys = view(K_CACHE, 0, f, &[2, d, l], &[d, 1, 2 * d]);
+    let values = view(V_CACHE, 0, f, &[2, l, d], &[d, 2 * d, 1]);
+    let mask = packed(INPUTS, 0, DType::F32, &[t, l]);
+    let o_t = view(ACT, sq + 2 * ss, DType::F32, &[t, 8, d], &[d, t * d, 1]);
+    let mut v = vec![
+        node(Op::MulMat, act(sq, &[8, t, l]), vec![q, keys]),
+        node(
+            SOFT_MAX,
+            act(sq + ss, &[8, t, l]),
+            vec![act(sq, &[8, t, l]), mask],
+        ),
+        node(
+            Op::MulMat,
+            act(sq + 2 * ss, &[8, t, d]),
+            vec![act(sq + ss, &[8, t, l]), values],
+        ),
+        node(Op::Cpy, act(cpy_at, &[t, 8, d]), vec![o_t]),
+    ];
+    v.extend(tail);
+    v
+}
+
+/// A node overwriting `floats` f32 values of `ACT` at `at` with fresh ones.
+fn overwrite(at: usize, floats: usize) -> ExecNode {
+    node(
+        Op::Scale { scale: 1.0 },
+        act(at, &[floats]),
+        vec![act(1 << 24, &[floats])],
+    )
+}
+
+fn prefill_kind(cpy: Option<usize>, out: bool) -> Step {
+    fused(Kind::Prefill {
+        kq: 0,
+        soft_max: 1,
+        pv: 2,
+        cpy,
+        out,
+    })
+}
+
+#[test]
+fn prefill_attention_fuses_where_scores_and_p_are_dead() {
+    let d = 64;
+    let (sq, ss) = (20 * 8 * d * 4, 8 * 20 * 40 * 4);
+    let fresh = 1 << 20;
+    // The scores and p overwritten (dead), o overwritten after its copy.
+    let dead = || vec![overwrite(sq, 2 * ss / 4), overwrite(sq + 2 * ss, sq / 4)];
+    let nodes = prefill_nodes(d, fresh, dead());
+    assert_eq!(
+        plan(&nodes, None),
+        vec![prefill_kind(Some(3), false), Step::Node(4), Step::Node(5)]
+    );
+    assert_eq!(
+        super::plan(&bare(&nodes), None, false),
+        (0..6).map(Step::Node).collect::<Vec<_>>(),
+        "attn_prefill=0"
+    );
+    // o read later: written beside the copy.
+    let nodes = prefill_nodes(d, fresh, dead()[..1].to_vec());
+    assert_eq!(
+        plan(&nodes, None),
+        vec![prefill_kind(Some(3), true), Step::Node(4)]
+    );
+    // Live scores or p: the chain runs unfused (the kernel never writes them).
+    for tail in [
+        vec![overwrite(sq + ss, ss / 4)],
+        vec![overwrite(sq, ss / 4)],
+    ] {
+        assert_eq!(
+            plan(&prefill_nodes(d, fresh, tail), None),
+            (0..5).map(Step::Node).collect::<Vec<_>>()
+        );
+    }
+    // head_dim above 128 (decode's kernel takes up to 256).
+    let (sq2, ss2) = (20 * 8 * 256 * 4, ss);
+    let nodes = prefill_nodes(
+        256,
+        fresh << 2,
+        vec![
+            overwrite(sq2, 2 * ss2 / 4),
+            overwrite(sq2 + 2 * ss2, sq2 / 4),
+        ],
+    );
+    assert_eq!(
+        plan(&nodes, None),
+        (0..6).map(Step::Node).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn prefill_results_may_lie_over_q_only_element_for_element() {
+    let d = 64;
+    let (sq, ss) = (20 * 8 * d * 4, 8 * 20 * 40 * 4);
+    let dead = vec![overwrite(sq, 2 * ss / 4), overwrite(sq + 2 * ss, sq / 4)];
+    // The copy's `[20, 8, d]` over q's own `[20, 8, d]`: each block writes what it read.
+    assert_eq!(
+        plan(&prefill_nodes(d, 0, dead.clone()), None),
+        vec![prefill_kind(Some(3), false), Step::Node(4), Step::Node(5)]
+    );
+    // Shifted by one head: a block would overwrite q another block still reads; the copy
+    // runs on its own after the kernel, which writes o for it.
+    assert_eq!(
+        plan(&prefill_nodes(d, d * 4, dead), None),
+        vec![
+            prefill_kind(None, true),
+            Step::Node(3),
+            Step::Node(4),
+            Step::Node(5)
+        ]
+    );
+    // o (`[8, 20, d]`, read later) over q (`[20, 8, d]`): other elements, refused.
+    let mut nodes = prefill_nodes(d, 1 << 20, vec![overwrite(sq, 2 * ss / 4)]);
+    nodes[2].dst = act(0, &[8, 20, d]);
+    nodes[3].srcs[0].byte_offset = 0;
+    assert_eq!(
+        plan(&nodes, None),
+        (0..5).map(Step::Node).collect::<Vec<_>>()
     );
 }
