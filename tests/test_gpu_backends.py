@@ -218,15 +218,18 @@ def test_cuda_fused_prefill_attention_keeps_every_rows_logits(
 ) -> None:
     """A one-ubatch prefill's logits, every row, with the fused prefill attention (tune key
     `attn_prefill`, default on) and with the unfused chain (cuBLAS products, softmax, copy),
-    and against `cpu`. The fused kernel keeps p in f32 where the unfused products on an f16
-    cache may round it, hence the looser bound there."""
+    and against `cpu`. The products round the activations to the weights' 16 bits, so an f32
+    difference in attention can move a later value by an f16 ulp: on the H200 fused and
+    unfused differed by 1.4e-4 (Q4_0) and 2.5e-4 (F16) with an f32 cache, and both stood
+    exactly as far from `cpu` (5.2e-4, 4.2e-4). The fused kernel keeps p in f32 where the
+    unfused products on an f16 cache may round it, hence the looser bound there."""
     on = _prefill_logits("cuda", weights, kv_dtype)
     clean_env.setenv("LOWSYNC_CUDA_TUNE", "attn_prefill=0")
     off = _prefill_logits("cuda", weights, kv_dtype)
     clean_env.delenv("LOWSYNC_CUDA_TUNE")
     cpu = _prefill_logits("cpu", weights, kv_dtype)
     scale = np.max(np.abs(off))
-    assert np.max(np.abs(on - off)) / scale < (1e-4 if kv_dtype == "f32" else 2e-3)
+    assert np.max(np.abs(on - off)) / scale < (1e-3 if kv_dtype == "f32" else 2e-3)
     assert np.max(np.abs(on - cpu)) / np.max(np.abs(cpu)) < 2e-3
 
 
