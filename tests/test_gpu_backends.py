@@ -132,6 +132,47 @@ def test_vulkan_replays_a_recorded_step_per_token_with_the_counts_of_recording_i
         assert [d[key] for d in on.steps] == [d[key] for d in off.steps], key
 
 
+@pytest.mark.vulkan
+def test_vulkan_profile_times_every_kernel_of_a_step_without_changing_tokens(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """`LOWSYNC_VK_PROFILE=1`: the same tokens as unprofiled; `kernel_times()` names each
+    kernel variant of the decode with its dispatches counted once per step since
+    `reset_stats()`, device time and bytes read; a reset forgets them; off, it is empty."""
+    tokens_off, _, _ = _vulkan_decode("1", clean_env)
+    clean_env.setenv("LOWSYNC_VK_PROFILE", "1")
+    model = ls.Llama.random(MICRO, seed=4)
+    sess = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
+    sess.generate([PROMPT[0]], max_new_tokens=N_GEN, seq_id=0)
+    sess.seq_rm(0)
+    sess.context.synchronize()
+    sess.context.reset_stats()
+    # A one-token prompt: every step, the prompt's included, runs the decode graph.
+    sess.generate([PROMPT[0]], max_new_tokens=N_GEN, seq_id=0)
+    sess.context.synchronize()
+    times = sess.context.kernel_times()
+    assert times, "lavapipe's compute queue writes timestamps"
+    assert {t["backend"] for t in times} == {"vulkan"}
+    assert [t["device_ns"] for t in times] == sorted((t["device_ns"] for t in times), reverse=True)
+    for t in times:
+        assert t["count"] > 0, t
+        assert t["count"] % N_GEN == 0, t
+        assert t["read_bytes"] > 0, t
+    names = {t["name"].split(".")[0] for t in times}
+    assert {"rms_norm", "rope", "soft_max", "argmax"} <= names
+    assert any(n.startswith("mul_mat_vec") for n in names)
+    sess.context.reset_stats()
+    assert sess.context.kernel_times() == []
+    sess.seq_rm(0)
+    sess.context.reset_stats()
+    assert sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0) == tokens_off
+    assert sess.context.kernel_times()
+    clean_env.setenv("LOWSYNC_VK_PROFILE", "0")
+    plain = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
+    plain.generate(PROMPT, max_new_tokens=2, seq_id=0)
+    assert plain.context.kernel_times() == []
+
+
 def _cuda_decode(
     graphs: str, env: pytest.MonkeyPatch, pdl: str = "1", rehearse: str = "1"
 ) -> tuple[list[int], ls.session.GenerateStats, int]:

@@ -294,5 +294,10 @@ class Context:
     def counters(self) -> list[int]:
         """The counters summed over the backends, in `stat_names()` order: `stats()["total"]`
         as a list, cheap enough to take at every decode step."""
-    def reset_stats(self) -> None: ...
+    def reset_stats(self) -> None:
+        """Zeroes every counter and forgets the kernel times of `kernel_times()`."""
+    def kernel_times(self) -> list[dict[str, Any]]:
+        """Device time per kernel variant over the steps completed since `reset_stats()`,
+        longest first: dicts with `backend`, `name`, `count`, `device_ns` and `read_bytes`.
+        Empty unless a backend profiles its dispatches (Vulkan with `LOWSYNC_VK_PROFILE=1`)."""
     def synchronize(self) -> None: ...

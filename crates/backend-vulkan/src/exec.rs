@@ -116,7 +116,7 @@ impl Inner {
             return Err(unavailable("a cached graph plan went missing"));
         };
         let (plan, recorded) = (cached.plan.clone(), cached.recorded);
-        if !self.config.record || plan.steps.is_empty() {
+        if !self.config.record || st.profiler.is_some() || plan.steps.is_empty() {
             return self.record_and_submit(&mut st, graph, &plan);
         }
         let cmd = match recorded {
@@ -235,12 +235,15 @@ impl Inner {
             for d in ops::plan(node, &dst, &srcs, status, self.limits)? {
                 let (pipeline, layout) = st.pipelines.pipeline(device, &d.kernel, d.binds.len())?;
                 let set = st.pipelines.descriptor_set(device, &d.binds)?;
+                let read_bytes = d.binds.iter().filter(|b| !b.write).map(|b| b.range).sum();
                 let step = Recorded::Dispatch {
                     pipeline,
                     layout,
                     set,
                     push: d.push,
                     groups: d.groups,
+                    kernel: d.kernel.as_str().into(),
+                    read_bytes,
                 };
                 tracker.push(&mut steps, step.accesses(&d.binds), step);
             }

@@ -252,6 +252,9 @@ impl Drop for Inner {
             destroy_buffer(&device, &mut allocator, s.buf);
         }
         st.pipelines.destroy(&device);
+        if let Some(mut p) = st.profiler.take() {
+            p.destroy(&device);
+        }
         if let Some(t) = st.transfer.take() {
             t.destroy(&device);
         }

@@ -31,7 +31,7 @@ use std::sync::Arc;
 pub use error::{Error, Result};
 pub use exec::{BufferId, ExecGraph, ExecNode, ScratchLive, TensorRef};
 use lowsync_graph::{DType, Op, WeightBytes};
-pub use stats::{bump, StatsSnapshot, SyncStats};
+pub use stats::{bump, KernelTime, StatsSnapshot, SyncStats};
 
 /// Where a backend runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -308,6 +308,15 @@ pub trait Backend: Send + Sync {
     fn gate_close(&self) -> Result<Arc<dyn Gate>> {
         unsupported(self.name(), "the test gate")
     }
+
+    /// Device time per kernel variant over the steps that completed since the last
+    /// [`Backend::reset_kernel_times`], for a backend asked to profile its dispatches (Vulkan
+    /// with `LOWSYNC_VK_PROFILE=1`); empty (the default) for every other backend.
+    fn kernel_times(&self) -> Vec<KernelTime> {
+        Vec::new()
+    }
+    /// Forgets the figures [`Backend::kernel_times`] returns.
+    fn reset_kernel_times(&self) {}
 }
 
 #[cfg(test)]
