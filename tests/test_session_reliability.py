@@ -119,7 +119,7 @@ def test_a_failed_decode_holds_no_cell_and_the_next_gives_fresh_logits(
 # The plain loop neither feeds nor reads asynchronously.
 GENERATE_CALLS = [
     *((m, False) for m in ("set_input", "compute", "get_output")),
-    *((m, True) for m in ("set_input", "compute", "get_output", "read_async", "feed")),
+    *((m, True) for m in ("set_input", "compute", "get_output", "compute_read_async", "feed")),
 ]
 
 

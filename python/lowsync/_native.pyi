@@ -250,11 +250,15 @@ class Plan:
     def can_read_async(self, output: str) -> bool: ...
     def read_async(self, output: str) -> PendingOutput:
         """Queues a read of `output` after the steps queued so far; returns without waiting."""
+    def compute_read_async(self, output: str) -> PendingOutput:
+        """Queues one step (as `compute`) and a read of `output` behind it (as `read_async`
+        right after it); returns without waiting. A backend that can (Vulkan) makes the step and
+        its read one submission."""
     def synchronize(self) -> None: ...
 
 @final
 class PendingOutput:
-    """An output read queued by `Plan.read_async`."""
+    """An output read queued by `Plan.read_async` or `Plan.compute_read_async`."""
 
     @property
     def done(self) -> bool:

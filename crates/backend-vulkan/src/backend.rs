@@ -546,7 +546,35 @@ impl Backend for VulkanBackend {
     }
 
     fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()> {
-        self.inner.graph_compute(graph)
+        self.inner.graph_compute(graph, true)
+    }
+    fn graph_compute_read_async(
+        &self,
+        graph: &Arc<ExecGraph>,
+        src: BufferId,
+        offset: usize,
+        len: usize,
+    ) -> Result<Box<dyn Readback>> {
+        let inner = &self.inner;
+        // A read that cannot be queued fails before the graph is.
+        {
+            let st = inner.state.lock();
+            Inner::check_span(&st, &inner.name, src, offset, len)?;
+        }
+        inner.graph_compute(graph, false)?;
+        let into = Arc::new(Mutex::new(vec![0u8; len]));
+        // The read's copy goes at the end of the graph's command buffer, and `queue_read`
+        // submits both: the step is one submission.
+        let read = inner.queue_read(src, offset, len, true, || ReadTarget::Owned(into.clone()));
+        // The graph is queued whatever became of the read (an empty read submits nothing).
+        inner.submit_open()?;
+        let point = read?;
+        Ok(Box::new(VkReadback {
+            owner: inner.clone(),
+            point,
+            into,
+            bytes: None,
+        }))
     }
     fn synchronize(&self) -> Result<()> {
         self.inner.synchronize()

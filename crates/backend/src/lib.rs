@@ -10,7 +10,8 @@
 //! `set_tensor_async` (pinned caller memory valid until the next synchronize),
 //! `set_tensor_async_staged` (bytes copied before return), `get_tensor_async`,
 //! `cpy_tensor_async`, `copy_async` (between two buffers of one stream), `read_async` (a read
-//! into memory the returned [`Readback`] owns, waited for on its own), `alias_weight` (a weight
+//! into memory the returned [`Readback`] owns, waited for on its own), `graph_compute_read_async`
+//! (a graph and a read behind it, one submission where the backend can), `alias_weight` (a weight
 //! buffer over the caller's immutable bytes, no copy), events, the test gate. A
 //! default method returns `Unsupported` so a backend that lacks a capability needs no code for
 //! it.
@@ -281,6 +282,20 @@ pub trait Backend: Send + Sync {
 
     /// Queues a graph. Errors of kernels that run later surface at the next wait.
     fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()>;
+    /// Queues a graph and then a read of `len` bytes at `offset` of `src` behind it, as
+    /// `graph_compute_async` followed by `read_async` (the default, which needs `read_async`).
+    /// A backend may put the read's copy at the end of the graph's own submission, so a decode
+    /// step and its token's read are one submission.
+    fn graph_compute_read_async(
+        &self,
+        graph: &Arc<ExecGraph>,
+        src: BufferId,
+        offset: usize,
+        len: usize,
+    ) -> Result<Box<dyn Readback>> {
+        self.graph_compute_async(graph)?;
+        self.read_async(src, offset, len)
+    }
     /// Waits until all queued work completed (or returns at once if nothing is outstanding and
     /// the backend elides syncs).
     fn synchronize(&self) -> Result<()>;

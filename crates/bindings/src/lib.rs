@@ -283,6 +283,21 @@ impl PyPlan {
         })
     }
 
+    /// Queues one step (as `compute`) and a read of output `output` behind it (as
+    /// `read_async` right after it) and returns the read at once; a backend that can makes the
+    /// step and the read one submission. `PendingOutput.wait()` is the host wait.
+    fn compute_read_async(&mut self, py: Python<'_>, output: &str) -> PyResult<PendingOutput> {
+        let slot = self.inner.output(output).map_err(sched_err)?;
+        let (dtype, shape) = (slot.tensor.dtype, slot.tensor.shape.clone());
+        let plan = &mut self.inner;
+        let rb = detach::run(py, || plan.compute_read_async(output), sched_err)?;
+        Ok(PendingOutput {
+            rb: std::sync::Mutex::new(rb),
+            dtype,
+            shape,
+        })
+    }
+
     /// Waits for all queued work of the plan's context (the next step uses input copy 0).
     fn synchronize(&mut self, py: Python<'_>) -> PyResult<()> {
         let plan = &mut self.inner;
