@@ -256,7 +256,7 @@ fn a_fed_step_takes_the_previous_output_on_the_device() {
         assert!(plan.can_feed("x0", "y"));
         plan.set_input("x0", &f32_bytes(&[1.0; 4])).unwrap();
         let before = be.stats().snapshot();
-        let mut queue = |plan: &mut Plan| {
+        let queue = |plan: &mut Plan| {
             if with_step {
                 plan.compute_read_async("y").unwrap()
             } else {
