@@ -6,7 +6,8 @@
 //!
 //! Strategy: one row with both operands contiguous along k (`x @ w.T`, every projection of a
 //! decode step) takes the fast mat-vec kernel: vectorized loads, no stride math in the loop,
-//! a subgroup reduction where the device has one. Otherwise up to `MAT_VEC_MAX_M` rows use the
+//! a subgroup reduction where the device has one; with subgroups and operands aligned to 8
+//! elements, the 16-byte-load variant (`mul_mat_vec_v`, a pair of rows per subgroup). Otherwise up to `MAT_VEC_MAX_M` rows use the
 //! generic matrix-vector kernel (split over k when `b` is contiguous along k), more use the
 //! 64x64 tiled kernel. GGUF block weights are dequantized in registers by their own mat-vec
 //! kernels at any row count (8 rows of x per workgroup beyond one row; there is no tiled
@@ -137,9 +138,15 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
     if fast_mat_vec(a, b, m, k, &push, &sa, &sb) {
         let gx = n.div_ceil(MAT_VEC_K_ROWS);
         if gx <= max[0] as usize {
-            let flavour = if c.lim.subgroups { "" } else { "_wg" };
+            let flavour = if !c.lim.subgroups {
+                "k_wg"
+            } else if vec_aligned(a, k, &push, &sa, &sb) {
+                "v"
+            } else {
+                "k"
+            };
             return Ok(vec![Dispatch {
-                kernel: format!("mul_mat_vec_k{flavour}.{suffix}"),
+                kernel: format!("mul_mat_vec_{flavour}.{suffix}"),
                 binds: vec![bdd, ba, bb],
                 push,
                 groups: [gx as u32, batches as u32, 1],
@@ -247,6 +254,17 @@ fn fast_mat_vec(
         && contiguous
         && words(a, push.offs[1], sa)
         && words(b, push.offs[2], &[sb[0], sb[1], push.b_str[3] as usize])
+}
+
+/// Whether the fast mat-vec may load 16 bytes at a time (`mul_mat_vec_v.wgsl`): f32 x, k a
+/// multiple of 8, and x's offset, w's offset and every stride between rows or batches of x and
+/// w a multiple of 8 elements, so each 8-element load starts on 16 bytes of its binding.
+fn vec_aligned(a: &Res, k: usize, push: &Push, sa: &[usize; 2], sb: &[usize; 2]) -> bool {
+    let eights = |v: &[usize]| v.iter().all(|x| x.is_multiple_of(8));
+    a.dtype == DType::F32
+        && k.is_multiple_of(8)
+        && eights(&[push.offs[1] as usize, push.offs[2] as usize])
+        && eights(&[sa[0], sa[1], sb[0], sb[1], push.b_str[3] as usize])
 }
 
 pub(super) fn mul_mat_id(
