@@ -27,7 +27,8 @@ enum Slot {
     In,
     /// A float tensor read 16 bytes at a time through `ld8_<name>(i) -> mat2x4<f32>`: the 8
     /// consecutive elements from `i` (a multiple of 8; the binding starts on 16 bytes), one
-    /// 16-byte load for 16-bit types, two for f32.
+    /// 16-byte load for 16-bit types, two for f32; f32 also has `ld4_<name>(i)` (`i` a
+    /// multiple of 4, one load) and `ld_<name>(i)`.
     Vec,
     /// A float tensor written through `st_<name>(i, v)`.
     Out,
@@ -170,6 +171,14 @@ const KERNELS: &[Spec] = &[
         &[
             ("d", Slot::Out, &["f32"]),
             ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+        ],
+    ),
+    (
+        "mul_mat_vec_qv",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
             ("b", Slot::Quant, QUANTS),
         ],
     ),
@@ -353,6 +362,8 @@ fn binding(dir: &Path, k: usize, n: &str, kind: Slot, dt: &str) -> String {
                 + &format!(
                     "fn ld8_{n}(i: u32) -> mat2x4<f32> {{ let v = i >> 2u; return mat2x4<f32>({n}_buf[v], {n}_buf[v + 1u]); }}\n"
                 )
+                + &format!("fn ld4_{n}(i: u32) -> vec4<f32> {{ return {n}_buf[i >> 2u]; }}\n")
+                + &format!("fn ld_{n}(i: u32) -> f32 {{ return {n}_buf[i >> 2u][i & 3u]; }}\n")
         }
         (Slot::Vec, "f16") => {
             decl("read", "vec4<u32>")
@@ -490,8 +501,8 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
     let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
     let info = Validator::new(
         ValidationFlags::all(),
-        // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_v`, `mul_mat_vec_q` and `mul_mat_vec_qm`
-        // use subgroup operations, and the host picks them only on a device whose compute stage
+        // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_v`, `mul_mat_vec_q`, `mul_mat_vec_qv` and
+        // `mul_mat_vec_qm` use subgroup operations, and the host picks them only on a device whose compute stage
         // has subgroup arithmetic.
         // SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).
