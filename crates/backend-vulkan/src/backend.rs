@@ -101,6 +101,8 @@ impl VulkanBackend {
             max_groups: dev.limits.max_compute_work_group_count,
             has_f64: dev.has_f64,
             subgroups: dev.subgroup_arith && !config.no_subgroups,
+            wide_groups: dev.limits.max_compute_work_group_invocations >= 256
+                && dev.limits.max_compute_work_group_size[0] >= 256,
         };
         let alignment = (limits.offset_align as usize).max(64);
         let state = State {

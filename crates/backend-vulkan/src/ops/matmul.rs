@@ -185,7 +185,7 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
 
 /// `x @ w.T` over a block-dtype `w`, dequantized in registers: one row of x takes the decode
 /// mat-vec (`mul_mat_vec_q*.wgsl`, workgroup z a row of x; `mul_mat_vec_qv` where subgroups
-/// exist and x is contiguous and 16-byte aligned), more rows of an x contiguous along
+/// and 256-invocation workgroups exist and x is contiguous and 16-byte aligned), more rows of an x contiguous along
 /// k take `mul_mat_vec_qm*.wgsl`, whose workgroup z covers `QUANT_ROWS_PER_GROUP` rows of x so
 /// that each group of w is read and dequantized once for all of them. The graph builder admits such a `b` only with its blocks along k (stride 1,
 /// whole rows: `b_sk == 1`, every other stride a whole number of rows); b's offset and strides
@@ -225,7 +225,7 @@ fn quant_mat_vec(
     ];
     let flavour = if !c.lim.subgroups {
         "_wg"
-    } else if m == 1 && push.prm[0] == 1 && x_vec_aligned(&push, sa) {
+    } else if m == 1 && push.prm[0] == 1 && c.lim.wide_groups && x_vec_aligned(&push, sa) {
         "v"
     } else {
         ""
