@@ -8,9 +8,10 @@ dispatch, the share of the step's device time, and for the products (`mul_mat*`)
 bandwidth, bytes bound for reading (the weight, plus a small activation) over device time.
 
 A dispatch's time runs from the end of the command before it to its own end, so the barrier
-before it counts towards it and the rows add up to the step's device time. Profiling records
-each step's commands afresh (no replay) and writes timestamps, so the wall-clock tok/s it
-prints is a little below the unprofiled bench's.
+before it counts towards it and the rows add up to the step's device time. A timestamp waits
+for the commands before it on most drivers, so dispatches that would overlap run one after
+another while profiling; profiling also records each step's commands afresh (no replay), so
+the wall-clock tok/s it prints is below the unprofiled bench's.
 
 Run: `python benches/profile/vk_profile.py --model 1b --dtype f16 -n 64`; add
 `LOWSYNC_VK_VALIDATION=1` to run it under the validation layer.

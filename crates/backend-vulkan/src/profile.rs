@@ -12,7 +12,10 @@
 //! reset at the start of its commands, one timestamp is written before the first command and
 //! one at the bottom of the pipe after every command. Command `i`'s time is the difference
 //! between the timestamps around it: the barrier before it and any overlap with its
-//! neighbours count towards it, so the times of a step add up to its device time. Pools wait
+//! neighbours count towards it, so the times of a step add up to its device time. A
+//! bottom-of-pipe timestamp waits for the commands before it on most drivers, so dispatches
+//! that would overlap (no barrier between them) run one after another while profiling: the
+//! figures are each kernel's own time, and their sum can exceed an unprofiled step's. Pools wait
 //! with the submission's compute value; when a host wait or poll sees that value complete,
 //! their timestamps are read (the submission completed, so they are available) and added to
 //! totals per kernel variant, and the pool is reused.
