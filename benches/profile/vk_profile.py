@@ -6,6 +6,7 @@ kernel variant's device time), resets the figures after the warm-up pass, and pr
 second pass's table sorted by device time: dispatches per step, microseconds per step and per
 dispatch, the share of the step's device time, and for the products (`mul_mat*`) the effective
 bandwidth, bytes bound for reading (the weight, plus a small activation) over device time.
+It then times the same decode on an unprofiled session, for reference.
 
 A dispatch's time runs from the end of the command before it to its own end, so the barrier
 before it counts towards it and the rows add up to the step's device time. A timestamp waits
@@ -43,8 +44,24 @@ def profile(model: ls.Llama, backend: str, n: int) -> tuple[dict[str, float], li
     assert st is not None
     times = sess.context.kernel_times()
     steps = st.n_steps + 1
-    summary = {"tok_s": st.tg_tps, "steps": float(steps)}
+    summary = {
+        "tok_s": st.tg_tps,
+        "steps": float(steps),
+        "plain_tok_s": plain_tok_s(model, backend, n),
+    }
     return summary, times
+
+
+def plain_tok_s(model: ls.Llama, backend: str, n: int) -> float:
+    """Decode tok/s of the same run without profiling (the second of two passes)."""
+    with env_vars({"LOWSYNC_VK_PROFILE": "0"}):
+        sess = ls.Session(model, backends=[backend], n_ctx=n + 8, policy="staged")
+    for _ in range(2):
+        sess.seq_rm(0)
+        sess.generate([1], max_new_tokens=n, seq_id=0)
+    st = sess.last_generate
+    assert st is not None
+    return st.tg_tps
 
 
 def table(times: list[dict], steps: int) -> list[dict[str, object]]:
@@ -86,8 +103,8 @@ def main() -> None:
     rows = table(times, steps)
     device_us = sum(t["device_ns"] for t in times) / steps / 1e3
     print(
-        f"{args.model} {args.dtype} on {args.backend}: {summary['tok_s']:.1f} tok/s profiled, "
-        f"device {device_us:.1f} us/step over {steps} steps"
+        f"{args.model} {args.dtype} on {args.backend}: {summary['tok_s']:.1f} tok/s profiled "
+        f"({summary['plain_tok_s']:.1f} without), device {device_us:.1f} us/step over {steps} steps"
     )
     print(
         f"{'kernel':44} {'n/step':>6} {'us/step':>9} {'share':>6} {'us/call':>8} "
