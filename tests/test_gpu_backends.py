@@ -133,6 +133,30 @@ def test_vulkan_replays_a_recorded_step_per_token_with_the_counts_of_recording_i
 
 
 @pytest.mark.vulkan
+@pytest.mark.parametrize("no_rebar", ["0", "1"])
+@pytest.mark.parametrize("ahead", [True, False])
+def test_vulkan_staged_decode_is_one_submission_per_token_on_both_memory_paths(
+    no_rebar: str, ahead: bool, clean_env: pytest.MonkeyPatch
+) -> None:
+    """Under `staged`, with launch-ahead or without: each step and its token's read are one
+    submission (the read's copy ends the step's command buffer), so a token is one submit
+    whether or not the host can read device memory directly."""
+    clean_env.setenv("LOWSYNC_VK_NO_HOST_VISIBLE_VRAM", no_rebar)
+    model = ls.Llama.random(MICRO, seed=4)
+    sess = ls.Session(
+        model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged", launch_ahead=ahead
+    )
+    sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
+    sess.seq_rm(0)
+    sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
+    stats = sess.last_generate
+    assert stats is not None
+    assert_step_counts(stats, launch_ahead=ahead)
+    queued = steps_queued(stats.n_steps, launch_ahead=ahead)
+    assert [d["submits"] for d in stats.steps] == queued
+
+
+@pytest.mark.vulkan
 def test_vulkan_profile_times_every_kernel_of_a_step_without_changing_tokens(
     clean_env: pytest.MonkeyPatch,
 ) -> None:

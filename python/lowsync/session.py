@@ -366,6 +366,9 @@ class Session:
             and decode.can_feed("tokens", OUTPUT_NEXT)
             and decode.can_read_async(OUTPUT_NEXT)
         )
+        # Under `staged`, the loop without launch-ahead also queues each step with its token's
+        # read (one submission where the backend can) instead of a blocking read after it.
+        self._read_with_step = decode.policy == "staged" and decode.can_read_async(OUTPUT_NEXT)
         # Set from just before a feed is armed until the compute that takes it returned: while
         # set outside a call, a feed may be armed for whatever computes next (`_recover`).
         self._feed_armed = False
@@ -982,8 +985,9 @@ class Session:
         draw: _Draw | None,
         on_read: Callable[[], None],
     ) -> Iterator[int]:
-        """The decode steps of `generate` without launch-ahead: queue, read, repeat. `out`
-        holds the prompt's token; yields it, then each token read (appended to `out`)."""
+        """The decode steps of `generate` without launch-ahead: queue, read, repeat (under
+        `staged` the read is queued with its step). `out` holds the prompt's token; yields it,
+        then each token read (appended to `out`)."""
         token = out[-1]
         hist = self._decode_window(decode, seq_id, draw)
         yield token
@@ -991,8 +995,13 @@ class Session:
             self._check_device_token(token)
             step = self._cells.begin()
             try:
-                self._queue_one(decode, token, seq_id, step, draw, hist)
-                token = int(decode.plan.get_output(OUTPUT_NEXT)[0])  # the step's one wait
+                read = self._read_with_step
+                _, pending = self._queue_one(decode, token, seq_id, step, draw, hist, read=read)
+                # The step's one wait.
+                out_next = (
+                    decode.plan.get_output(OUTPUT_NEXT) if pending is None else pending.wait()
+                )
+                token = int(out_next[0])
             except BaseException as e:
                 self._abort(e, step)
                 raise
