@@ -89,9 +89,10 @@ def assert_step_counts(
     per_queued: Mapping[str, int] | None = None,
 ) -> None:
     """Each decode step's own counts, exactly (not averaged, so a steady 1 and an alternating
-    0/2 are told apart): one host wait, one 4-byte read, one upload per step queued (every
-    input in one staged copy), no empty submit, no realloc; under launch-ahead the token's
-    device copy into every step after step 1. `per_queued`: further counters, per step queued
+    0/2 are told apart): one host wait; per step queued one upload (every input in one staged
+    copy) and one 4-byte read (queued with its step, `Plan.compute_read_async`, under
+    launch-ahead); no empty submit, no realloc; under launch-ahead the token's device copy
+    into every step after step 1. `per_queued`: further counters, per step queued
     (e.g. the kernel launches of one step)."""
     assert len(stats.steps) == stats.n_steps, stats
     queued = steps_queued(stats.n_steps, launch_ahead)
@@ -101,7 +102,7 @@ def assert_step_counts(
     names += ("empty_submits", "reallocs", *extra)
     got = [tuple(d[c] for c in names) for d in stats.steps]
     want = [
-        (1, q, 1, 4, f, 0, 0, *(q * v for v in extra.values()))
+        (1, q, q, 4 * q, f, 0, 0, *(q * v for v in extra.values()))
         for q, f in zip(queued, fed, strict=True)
     ]
     assert got == want, f"per step {names}"

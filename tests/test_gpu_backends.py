@@ -109,8 +109,8 @@ def test_vulkan_replays_a_recorded_step_per_token_with_the_counts_of_recording_i
     """`LOWSYNC_VK_RECORD` on and off, on both memory paths: the same tokens and bit-identical
     logits; per step queued, one graph launch and no kernel recorded (nothing captured: the
     first generation recorded every plan) against the graph's nodes recorded every step; and
-    every other count of every step the same: per step, a submission for each step queued and
-    one for the token's read, no empty submit."""
+    every other count of every step the same: per step, one submission for each step queued,
+    which carries the token's read too, no empty submit."""
     clean_env.setenv("LOWSYNC_VK_NO_HOST_VISIBLE_VRAM", no_rebar)
     tokens_on, logits_on, on = _vulkan_decode("1", clean_env)
     tokens_off, logits_off, off = _vulkan_decode("0", clean_env)
@@ -127,9 +127,74 @@ def test_vulkan_replays_a_recorded_step_per_token_with_the_counts_of_recording_i
         off, launch_ahead=True, per_queued={"graph_launches": 0, "kernel_launches": launches}
     )
     queued = steps_queued(on.n_steps, launch_ahead=True)
-    assert [d["submits"] for d in on.steps] == [q + 1 for q in queued]
+    assert [d["submits"] for d in on.steps] == queued
     for key in ("submits", "host_waits", "driver_syncs", "elided_syncs", "d2d_copies"):
         assert [d[key] for d in on.steps] == [d[key] for d in off.steps], key
+
+
+@pytest.mark.vulkan
+@pytest.mark.parametrize("no_rebar", ["0", "1"])
+@pytest.mark.parametrize("ahead", [True, False])
+def test_vulkan_staged_decode_is_one_submission_per_token_on_both_memory_paths(
+    no_rebar: str, ahead: bool, clean_env: pytest.MonkeyPatch
+) -> None:
+    """Under `staged`, with launch-ahead or without: each step and its token's read are one
+    submission (the read's copy ends the step's command buffer), so a token is one submit
+    whether or not the host can read device memory directly."""
+    clean_env.setenv("LOWSYNC_VK_NO_HOST_VISIBLE_VRAM", no_rebar)
+    model = ls.Llama.random(MICRO, seed=4)
+    sess = ls.Session(
+        model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged", launch_ahead=ahead
+    )
+    sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
+    sess.seq_rm(0)
+    sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
+    stats = sess.last_generate
+    assert stats is not None
+    assert_step_counts(stats, launch_ahead=ahead)
+    queued = steps_queued(stats.n_steps, launch_ahead=ahead)
+    assert [d["submits"] for d in stats.steps] == queued
+
+
+@pytest.mark.vulkan
+def test_vulkan_profile_times_every_kernel_of_a_step_without_changing_tokens(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """`LOWSYNC_VK_PROFILE=1`: the same tokens as unprofiled; `kernel_times()` names each
+    kernel variant of the decode with its dispatches counted once per step since
+    `reset_stats()`, device time and bytes read; a reset forgets them; off, it is empty."""
+    tokens_off, _, _ = _vulkan_decode("1", clean_env)
+    clean_env.setenv("LOWSYNC_VK_PROFILE", "1")
+    model = ls.Llama.random(MICRO, seed=4)
+    sess = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
+    sess.generate([PROMPT[0]], max_new_tokens=N_GEN, seq_id=0)
+    sess.seq_rm(0)
+    sess.context.synchronize()
+    sess.context.reset_stats()
+    # A one-token prompt: every step, the prompt's included, runs the decode graph.
+    sess.generate([PROMPT[0]], max_new_tokens=N_GEN, seq_id=0)
+    sess.context.synchronize()
+    times = sess.context.kernel_times()
+    assert times, "lavapipe's compute queue writes timestamps"
+    assert {t["backend"] for t in times} == {"vulkan"}
+    assert [t["device_ns"] for t in times] == sorted((t["device_ns"] for t in times), reverse=True)
+    for t in times:
+        assert t["count"] > 0, t
+        assert t["count"] % N_GEN == 0, t
+        assert t["read_bytes"] > 0, t
+    names = {t["name"].split(".")[0] for t in times}
+    assert {"rms_norm", "rope", "soft_max", "argmax"} <= names
+    assert any(n.startswith("mul_mat_vec") for n in names)
+    sess.context.reset_stats()
+    assert sess.context.kernel_times() == []
+    sess.seq_rm(0)
+    sess.context.reset_stats()
+    assert sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0) == tokens_off
+    assert sess.context.kernel_times()
+    clean_env.setenv("LOWSYNC_VK_PROFILE", "0")
+    plain = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
+    plain.generate(PROMPT, max_new_tokens=2, seq_id=0)
+    assert plain.context.kernel_times() == []
 
 
 def _cuda_decode(

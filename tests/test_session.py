@@ -222,7 +222,8 @@ class _FailingRead:
 
 
 class _PlanFailingReads:
-    """A plan whose `fail_at`-th read of `next` (`read_async` or `get_output`) fails."""
+    """A plan whose `fail_at`-th read of `next` (`read_async`, the read of
+    `compute_read_async`, or `get_output`) fails."""
 
     def __init__(self, plan: ls.Plan, fail_at: int, error: BaseException) -> None:
         self.plan, self.fail_at, self.error, self.reads = plan, fail_at, error, 0
@@ -236,6 +237,12 @@ class _PlanFailingReads:
 
     def read_async(self, name: str) -> Any:
         return _FailingRead(self.error) if self._fails() else self.plan.read_async(name)
+
+    def compute_read_async(self, name: str) -> Any:
+        if self._fails():
+            self.plan.compute()  # the step is queued; its read is what fails
+            return _FailingRead(self.error)
+        return self.plan.compute_read_async(name)
 
     def get_output(self, name: str) -> Any:
         if self._fails():

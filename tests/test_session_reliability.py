@@ -116,10 +116,10 @@ def test_a_failed_decode_holds_no_cell_and_the_next_gives_fresh_logits(
     assert k > 1  # the failure fired at least once
 
 
-# The plain loop neither feeds nor reads asynchronously.
+# The plain loop never feeds; under `staged` it queues each step with its read.
 GENERATE_CALLS = [
-    *((m, False) for m in ("set_input", "compute", "get_output")),
-    *((m, True) for m in ("set_input", "compute", "get_output", "read_async", "feed")),
+    *((m, False) for m in ("set_input", "compute", "get_output", "compute_read_async")),
+    *((m, True) for m in ("set_input", "compute", "get_output", "compute_read_async", "feed")),
 ]
 
 

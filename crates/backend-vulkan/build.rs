@@ -25,6 +25,11 @@ use std::path::{Path, PathBuf};
 enum Slot {
     /// A float tensor read through `ld_<name>(i) -> f32`.
     In,
+    /// A float tensor read 16 bytes at a time through `ld8_<name>(i) -> mat2x4<f32>`: the 8
+    /// consecutive elements from `i` (a multiple of 8; the binding starts on 16 bytes), one
+    /// 16-byte load for 16-bit types, two for f32; f32 also has `ld4_<name>(i)` (`i` a
+    /// multiple of 4, one load) and `ld_<name>(i)`.
+    Vec,
     /// A float tensor written through `st_<name>(i, v)`.
     Out,
     /// An i32 tensor read through `ldi_<name>(i) -> i32`.
@@ -146,6 +151,14 @@ const KERNELS: &[Spec] = &[
         ],
     ),
     (
+        "mul_mat_vec_v",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Vec, FLOATS),
+        ],
+    ),
+    (
         "mul_mat_vec_k_wg",
         &[
             ("d", Slot::Out, &["f32"]),
@@ -158,6 +171,14 @@ const KERNELS: &[Spec] = &[
         &[
             ("d", Slot::Out, &["f32"]),
             ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+        ],
+    ),
+    (
+        "mul_mat_vec_qv",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
             ("b", Slot::Quant, QUANTS),
         ],
     ),
@@ -336,6 +357,26 @@ fn binding(dir: &Path, k: usize, n: &str, kind: Slot, dt: &str) -> String {
         format!("@group(0) @binding({k}) var<storage, {access}> {n}_buf: array<{elem}>;\n")
     };
     match (kind, dt) {
+        (Slot::Vec, "f32") => {
+            decl("read", "vec4<f32>")
+                + &format!(
+                    "fn ld8_{n}(i: u32) -> mat2x4<f32> {{ let v = i >> 2u; return mat2x4<f32>({n}_buf[v], {n}_buf[v + 1u]); }}\n"
+                )
+                + &format!("fn ld4_{n}(i: u32) -> vec4<f32> {{ return {n}_buf[i >> 2u]; }}\n")
+                + &format!("fn ld_{n}(i: u32) -> f32 {{ return {n}_buf[i >> 2u][i & 3u]; }}\n")
+        }
+        (Slot::Vec, "f16") => {
+            decl("read", "vec4<u32>")
+                + &format!(
+                    "fn ld8_{n}(i: u32) -> mat2x4<f32> {{ let w = {n}_buf[i >> 3u]; return mat2x4<f32>(vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)), vec4<f32>(unpack2x16float(w.z), unpack2x16float(w.w))); }}\n"
+                )
+        }
+        (Slot::Vec, "bf16") => {
+            decl("read", "vec4<u32>")
+                + &format!(
+                    "fn ld8_{n}(i: u32) -> mat2x4<f32> {{ let w = {n}_buf[i >> 3u]; return mat2x4<f32>(bitcast<vec4<f32>>(vec4<u32>(w.x << 16u, w.x & 0xffff0000u, w.y << 16u, w.y & 0xffff0000u)), bitcast<vec4<f32>>(vec4<u32>(w.z << 16u, w.z & 0xffff0000u, w.w << 16u, w.w & 0xffff0000u))); }}\n"
+                )
+        }
         (Slot::In, "f32") => {
             decl("read", "f32")
                 + &format!("fn ld_{n}(i: u32) -> f32 {{ return {n}_buf[i]; }}\n")
@@ -404,6 +445,7 @@ fn binding(dir: &Path, k: usize, n: &str, kind: Slot, dt: &str) -> String {
             format!("@group(0) @binding({k}) var<storage, read> q_buf: array<u32>;\n") + &quant(dir, q)
         }
         (Slot::In, other) => panic!("unknown input dtype {other}"),
+        (Slot::Vec, other) => panic!("unknown vector input dtype {other}"),
     }
 }
 
@@ -459,8 +501,9 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
     let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
     let info = Validator::new(
         ValidationFlags::all(),
-        // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_q` and `mul_mat_vec_qm` use subgroup operations, and the
-        // host picks them only on a device whose compute stage has subgroup arithmetic.
+        // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_v`, `mul_mat_vec_q`, `mul_mat_vec_qv` and
+        // `mul_mat_vec_qm` use subgroup operations, and the host picks them only on a device whose compute stage
+        // has subgroup arithmetic.
         // SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).
         Capabilities::IMMEDIATES

@@ -250,11 +250,15 @@ class Plan:
     def can_read_async(self, output: str) -> bool: ...
     def read_async(self, output: str) -> PendingOutput:
         """Queues a read of `output` after the steps queued so far; returns without waiting."""
+    def compute_read_async(self, output: str) -> PendingOutput:
+        """Queues one step (as `compute`) and a read of `output` behind it (as `read_async`
+        right after it); returns without waiting. A backend that can (Vulkan) makes the step and
+        its read one submission."""
     def synchronize(self) -> None: ...
 
 @final
 class PendingOutput:
-    """An output read queued by `Plan.read_async`."""
+    """An output read queued by `Plan.read_async` or `Plan.compute_read_async`."""
 
     @property
     def done(self) -> bool:
@@ -294,5 +298,10 @@ class Context:
     def counters(self) -> list[int]:
         """The counters summed over the backends, in `stat_names()` order: `stats()["total"]`
         as a list, cheap enough to take at every decode step."""
-    def reset_stats(self) -> None: ...
+    def reset_stats(self) -> None:
+        """Zeroes every counter and forgets the kernel times of `kernel_times()`."""
+    def kernel_times(self) -> list[dict[str, Any]]:
+        """Device time per kernel variant over the steps completed since `reset_stats()`,
+        longest first: dicts with `backend`, `name`, `count`, `device_ns` and `read_bytes`.
+        Empty unless a backend profiles its dispatches (Vulkan with `LOWSYNC_VK_PROFILE=1`)."""
     def synchronize(self) -> None: ...

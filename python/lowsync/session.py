@@ -55,7 +55,7 @@ from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from lowsync._native import Context, LowsyncError, Plan, env_flag, stat_names
+from lowsync._native import Context, LowsyncError, PendingOutput, Plan, env_flag, stat_names
 from lowsync.kv_cells import ContextFullError, KvCells, SessionError, Step
 from lowsync.models.llama import (
     OUTPUT_LOGITS,
@@ -107,9 +107,10 @@ class GenerateStats:
     `steps` holds each decode step's own counter deltas, cut where its token's read completed;
     the last runs to the end of the call (so together they are the decode phase, and a step
     queued ahead of a stop token counts in the last). Without launch-ahead each queues its
-    step and reads its token. With it each queues the read of the next token and one step
-    ahead, except the first, which also holds step 1 (queued before the loop: the pipeline
-    filling, two steps), and the last, which queues none (draining). Taking them costs one
+    step and reads its token. With it each queues one step ahead, with the read of that
+    step's token behind it (`Plan.compute_read_async`), except the first, which also holds
+    step 1 (queued before the loop: the pipeline filling, two steps), and the last, which
+    queues none (draining). Taking them costs one
     `Context.counters()` call per step. `decode_s` of a `generate_iter` includes the time its
     consumer held each token.
     """
@@ -365,6 +366,9 @@ class Session:
             and decode.can_feed("tokens", OUTPUT_NEXT)
             and decode.can_read_async(OUTPUT_NEXT)
         )
+        # Under `staged`, the loop without launch-ahead also queues each step with its token's
+        # read (one submission where the backend can) instead of a blocking read after it.
+        self._read_with_step = decode.policy == "staged" and decode.can_read_async(OUTPUT_NEXT)
         # Set from just before a feed is armed until the compute that takes it returned: while
         # set outside a call, a feed may be armed for whatever computes next (`_recover`).
         self._feed_armed = False
@@ -906,27 +910,35 @@ class Session:
         step: Step,
         draw: _Draw | None = None,
         hist: npt.NDArray[np.int32] | None = None,
-    ) -> int:
-        """Queues one decode step of `generate` in `step`: one token of one sequence, no read;
-        returns its cell. With `token` None the token comes from the previous step's `next`,
-        on the device (the cell's token id is then set once the host reads it)."""
+        read: bool = False,
+    ) -> tuple[int, PendingOutput | None]:
+        """Queues one decode step of `generate` in `step`: one token of one sequence; returns
+        its cell, and with `read` the read of its `next` queued behind it (in the step's own
+        submission where the backend can), else None. With `token` None the token comes from
+        the previous step's `next`, on the device (the cell's token id is then set once the
+        host reads it)."""
         cells, positions = self._cells.take([seq_id], step, [-1 if token is None else token])
         # The host's token of a fed step is a placeholder: the feed overwrites it on the device.
         self._fill(
             bucket, [0 if token is None else token], [seq_id], [0], cells, positions, draw, hist
         )
+        plan = bucket.plan
         if token is not None:
-            bucket.plan.compute()
-            return cells[0]
+            if read:
+                return cells[0], plan.compute_read_async(OUTPUT_NEXT)
+            plan.compute()
+            return cells[0], None
         # Armed last, right before the compute that takes it: a failure in the writes above
         # arms nothing. Until that compute has returned the feed may still be armed (a compute
         # that raised may not have got to take it): `_recover` then lets a harmless step take
         # it before the next real one.
         self._feed_armed = True
-        bucket.plan.feed("tokens", OUTPUT_NEXT)
-        bucket.plan.compute()
+        plan.feed("tokens", OUTPUT_NEXT)
+        pending = plan.compute_read_async(OUTPUT_NEXT) if read else None
+        if not read:
+            plan.compute()
         self._feed_armed = False
-        return cells[0]
+        return cells[0], pending
 
     def _recover(self) -> None:
         """Repairs what a failure left behind, before a call uses the session: open steps of
@@ -973,8 +985,9 @@ class Session:
         draw: _Draw | None,
         on_read: Callable[[], None],
     ) -> Iterator[int]:
-        """The decode steps of `generate` without launch-ahead: queue, read, repeat. `out`
-        holds the prompt's token; yields it, then each token read (appended to `out`)."""
+        """The decode steps of `generate` without launch-ahead: queue, read, repeat (under
+        `staged` the read is queued with its step). `out` holds the prompt's token; yields it,
+        then each token read (appended to `out`)."""
         token = out[-1]
         hist = self._decode_window(decode, seq_id, draw)
         yield token
@@ -982,8 +995,13 @@ class Session:
             self._check_device_token(token)
             step = self._cells.begin()
             try:
-                self._queue_one(decode, token, seq_id, step, draw, hist)
-                token = int(decode.plan.get_output(OUTPUT_NEXT)[0])  # the step's one wait
+                read = self._read_with_step
+                _, pending = self._queue_one(decode, token, seq_id, step, draw, hist, read=read)
+                # The step's one wait.
+                out_next = (
+                    decode.plan.get_output(OUTPUT_NEXT) if pending is None else pending.wait()
+                )
+                token = int(out_next[0])
             except BaseException as e:
                 self._abort(e, step)
                 raise
@@ -1020,12 +1038,12 @@ class Session:
             yield token
             return
         self._check_device_token(token)
-        plan = decode.plan
         hist = self._decode_window(decode, seq_id, draw)
         current = self._cells.begin()
         try:
-            self._queue_one(decode, token, seq_id, current, draw, hist)
-            pending = plan.read_async(OUTPUT_NEXT)
+            _, first = self._queue_one(decode, token, seq_id, current, draw, hist, read=True)
+            assert first is not None
+            pending = first
         except BaseException as e:
             self._abort(e, current)
             raise
@@ -1036,16 +1054,18 @@ class Session:
                 # `pending` holds token len(out); one more step is needed after it only if the
                 # output is not full once it is read.
                 ahead = None
+                follow = None
                 try:
                     if len(out) + 1 < max_new_tokens:
                         if hist is not None:
                             _shift_in(hist, out[-1])
                         ahead = self._cells.begin()
-                        cell = self._queue_one(decode, None, seq_id, ahead, draw, hist)
+                        cell, follow = self._queue_one(
+                            decode, None, seq_id, ahead, draw, hist, read=True
+                        )
                     token = int(pending.wait()[0])  # the one wait of the step
                     self._check_device_token(token)
                     on_read()
-                    follow = plan.read_async(OUTPUT_NEXT) if ahead is not None else None
                 except BaseException as e:
                     self._abort(e, *(s for s in (ahead, current) if s is not None))
                     raise

@@ -3,6 +3,7 @@
 
 const MT: u32 = 1u;
 const X_CONTIGUOUS: bool = false;
+const SG_WORKGROUP: u32 = 64u;
 
 // #include mul_mat_vec_q_body.wgsl
 // #include mul_mat_vec_sg_main.wgsl

@@ -4,6 +4,7 @@
 
 const MT: u32 = 8u;
 const X_CONTIGUOUS: bool = true;
+const SG_WORKGROUP: u32 = 64u;
 
 // #include mul_mat_vec_q_body.wgsl
 // #include mul_mat_vec_sg_main.wgsl

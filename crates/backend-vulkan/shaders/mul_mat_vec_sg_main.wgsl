@@ -6,8 +6,9 @@
 // them, fewer in the last); `rows_partial` reads each weight group once for all of them. The
 // loop bounds and the row tests are uniform in the subgroup, so every lane reaches the adds;
 // the loops over x's rows have a constant trip count, so the accumulators stay in registers.
+// The template sets the workgroup size (`SG_WORKGROUP`, a multiple of 64).
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(SG_WORKGROUP)
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
     @builtin(subgroup_id) sg: u32,

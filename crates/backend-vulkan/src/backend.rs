@@ -26,7 +26,7 @@ use gpu_allocator::vulkan::{Allocator, AllocatorCreateDesc};
 use gpu_allocator::MemoryLocation;
 use lowsync_backend::{
     bump, with_host_source, Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, Error,
-    Event, ExecGraph, Gate, Readback, Result, SyncStats,
+    Event, ExecGraph, Gate, KernelTime, Readback, Result, SyncStats,
 };
 use lowsync_graph::{DType, Op};
 use parking_lot::Mutex;
@@ -37,6 +37,7 @@ use crate::events::VkReadback;
 use crate::memory::{create_buffer, destroy_buffer, Arena, DevBuffer, Placement};
 use crate::ops::Limits;
 use crate::pipelines::Pipelines;
+use crate::profile::Profiler;
 use crate::stream::{barrier, ReadTarget, State, StatusWords};
 use crate::sync::Inner;
 use crate::timeline::Timeline;
@@ -100,6 +101,8 @@ impl VulkanBackend {
             max_groups: dev.limits.max_compute_work_group_count,
             has_f64: dev.has_f64,
             subgroups: dev.subgroup_arith && !config.no_subgroups,
+            wide_groups: dev.limits.max_compute_work_group_invocations >= 256
+                && dev.limits.max_compute_work_group_size[0] >= 256,
         };
         let alignment = (limits.offset_align as usize).max(64);
         let state = State {
@@ -140,6 +143,7 @@ impl VulkanBackend {
             plans: HashMap::new(),
             retired_recordings: Vec::new(),
             generation: 0,
+            profiler: Profiler::new(&dev, config.profile),
             transfer,
             open: None,
             signals: Vec::new(),
@@ -187,6 +191,12 @@ impl VulkanBackend {
     /// The settings this backend was built with.
     pub fn config(&self) -> &VkConfig {
         &self.inner.config
+    }
+
+    /// Whether dispatches are timed: profiling was asked for (`LOWSYNC_VK_PROFILE`) and the
+    /// compute queue writes timestamps.
+    pub fn profiling(&self) -> bool {
+        self.inner.state.lock().profiler.is_some()
     }
 
     /// Warnings and errors the validation layer reported so far (empty without validation).
@@ -349,6 +359,24 @@ impl Inner {
 impl Backend for VulkanBackend {
     fn name(&self) -> &str {
         &self.inner.name
+    }
+    fn kernel_times(&self) -> Vec<KernelTime> {
+        let mut st = self.inner.state.lock();
+        // Steps that completed since the last wait are counted too (a poll, not a wait).
+        st.poll(self.inner.device());
+        let done = st.compute.completed;
+        let Some(p) = st.profiler.as_mut() else {
+            return Vec::new();
+        };
+        if let Err(e) = p.harvest(self.inner.device(), done) {
+            tracing::warn!("LOWSYNC_VK_PROFILE: {e}");
+        }
+        p.times()
+    }
+    fn reset_kernel_times(&self) {
+        if let Some(p) = self.inner.state.lock().profiler.as_mut() {
+            p.reset();
+        }
     }
     fn device_kind(&self) -> DeviceKind {
         DeviceKind::Gpu
@@ -520,7 +548,35 @@ impl Backend for VulkanBackend {
     }
 
     fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()> {
-        self.inner.graph_compute(graph)
+        self.inner.graph_compute(graph, true)
+    }
+    fn graph_compute_read_async(
+        &self,
+        graph: &Arc<ExecGraph>,
+        src: BufferId,
+        offset: usize,
+        len: usize,
+    ) -> Result<Box<dyn Readback>> {
+        let inner = &self.inner;
+        // A read that cannot be queued fails before the graph is.
+        {
+            let st = inner.state.lock();
+            Inner::check_span(&st, &inner.name, src, offset, len)?;
+        }
+        inner.graph_compute(graph, false)?;
+        let into = Arc::new(Mutex::new(vec![0u8; len]));
+        // The read's copy goes at the end of the graph's command buffer, and `queue_read`
+        // submits both: the step is one submission.
+        let read = inner.queue_read(src, offset, len, true, || ReadTarget::Owned(into.clone()));
+        // The graph is queued whatever became of the read (an empty read submits nothing).
+        inner.submit_open()?;
+        let point = read?;
+        Ok(Box::new(VkReadback {
+            owner: inner.clone(),
+            point,
+            into,
+            bytes: None,
+        }))
     }
     fn synchronize(&self) -> Result<()> {
         self.inner.synchronize()

@@ -42,6 +42,11 @@ pub struct VkConfig {
     /// command buffer and replayed by every later step; 0 records its commands again into the
     /// stream on every step (the A/B switch).
     pub record: bool,
+    /// `LOWSYNC_VK_PROFILE=1`: a timestamp is written after every dispatch of a graph (on a
+    /// queue with timestamps), and the device time of each kernel variant is summed
+    /// ([`lowsync_backend::Backend::kernel_times`]). Graphs are then recorded into the stream
+    /// on every step, as with `record` off, so each submission owns its queries.
+    pub profile: bool,
     /// Counting or tracing hook over device entry points (tests only).
     pub entry_point_hook: Option<EntryPointHook>,
 }
@@ -58,6 +63,7 @@ impl VkConfig {
             compute_stream_copy_max: env::unsigned("LOWSYNC_VK_COMPUTE_STREAM_COPY_MAX")?,
             no_subgroups: env::flag("LOWSYNC_VK_NO_SUBGROUPS", false)?,
             record: env::flag("LOWSYNC_VK_RECORD", true)?,
+            profile: env::flag("LOWSYNC_VK_PROFILE", false)?,
             entry_point_hook: None,
         })
     }
@@ -74,6 +80,7 @@ impl Default for VkConfig {
             compute_stream_copy_max: None,
             no_subgroups: false,
             record: true,
+            profile: false,
             entry_point_hook: None,
         }
     }

@@ -75,8 +75,9 @@ impl Inner {
     /// Queues a graph: replays its cached plan when the graph and every buffer it binds are
     /// unchanged, else checks and plans every node (nothing is recorded if any node is bad)
     /// and caches the plan when it can be replayed; then executes the plan's recording
-    /// (recording it first when it has none) or records its commands, and submits.
-    pub(crate) fn graph_compute(&self, graph: &Arc<ExecGraph>) -> Result<()> {
+    /// (recording it first when it has none) or records its commands, and submits unless
+    /// `submit` is false (the caller records a read behind it and submits both at once).
+    pub(crate) fn graph_compute(&self, graph: &Arc<ExecGraph>, submit: bool) -> Result<()> {
         let mut st = self.state.lock();
         let key = Arc::as_ptr(graph) as usize;
         let generation = st.generation;
@@ -90,7 +91,7 @@ impl Inner {
         if !st.plans.get(&key).is_some_and(current) {
             let plan = Arc::new(self.plan_graph(&mut st, graph)?);
             if !plan.replayable {
-                return self.record_and_submit(&mut st, graph, &plan);
+                return self.record_and_submit(&mut st, graph, &plan, submit);
             }
             // The plan this replaces and those of dropped graphs go, with their recordings
             // (all of them when the cache is full).
@@ -116,8 +117,8 @@ impl Inner {
             return Err(unavailable("a cached graph plan went missing"));
         };
         let (plan, recorded) = (cached.plan.clone(), cached.recorded);
-        if !self.config.record || plan.steps.is_empty() {
-            return self.record_and_submit(&mut st, graph, &plan);
+        if !self.config.record || st.profiler.is_some() || plan.steps.is_empty() {
+            return self.record_and_submit(&mut st, graph, &plan, submit);
         }
         let cmd = match recorded {
             Some(r) => r.cmd,
@@ -136,16 +137,28 @@ impl Inner {
         }
         st.execute_recorded(self.device(), cmd)?;
         bump(&self.stats.graph_launches, 1);
+        if !submit {
+            return Ok(());
+        }
         st.submit_open(&self.dev, &self.stats, vk::Fence::null())
     }
 
     /// Records `plan`'s commands into the open command buffer (counted as the graph's kernel
-    /// launches) and submits.
-    fn record_and_submit(&self, st: &mut State, graph: &ExecGraph, plan: &GraphPlan) -> Result<()> {
+    /// launches) and submits unless `submit` is false.
+    fn record_and_submit(
+        &self,
+        st: &mut State,
+        graph: &ExecGraph,
+        plan: &GraphPlan,
+        submit: bool,
+    ) -> Result<()> {
         st.error_sites
             .extend(plan.sites.iter().map(|(t, s)| (*t, s.clone())));
         st.record_steps(self.device(), &plan.steps)?;
         bump(&self.stats.kernel_launches, graph.nodes.len() as u64);
+        if !submit {
+            return Ok(());
+        }
         st.submit_open(&self.dev, &self.stats, vk::Fence::null())
     }
 
@@ -235,12 +248,15 @@ impl Inner {
             for d in ops::plan(node, &dst, &srcs, status, self.limits)? {
                 let (pipeline, layout) = st.pipelines.pipeline(device, &d.kernel, d.binds.len())?;
                 let set = st.pipelines.descriptor_set(device, &d.binds)?;
+                let read_bytes = d.binds.iter().filter(|b| !b.write).map(|b| b.range).sum();
                 let step = Recorded::Dispatch {
                     pipeline,
                     layout,
                     set,
                     push: d.push,
                     groups: d.groups,
+                    kernel: d.kernel.as_str().into(),
+                    read_bytes,
                 };
                 tracker.push(&mut steps, step.accesses(&d.binds), step);
             }

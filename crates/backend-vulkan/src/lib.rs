@@ -11,7 +11,8 @@
 //! `timeline` (timeline semaphores and retire points), `memory` (buffers,
 //! staging/readback/scratch arenas), `pipelines` (kernel variants, push constants,
 //! descriptor-set cache), `ops` (node → dispatch planning and checks, one module per kernel
-//! family), `plan` (graph plans as data, hazard tracking), `transfer` (the transfer route:
+//! family), `plan` (graph plans as data, hazard tracking), `profile` (per-dispatch device
+//! time, `LOWSYNC_VK_PROFILE`), `transfer` (the transfer route:
 //! crossover calibration, routing, its submissions), `stream` (open command buffer,
 //! timelines, reclaiming), `sync` (the shared core and its host waits), `events` (events,
 //! readbacks, the test gate), `io` (host writes and reads), `exec` (graph planning, recording
@@ -32,6 +33,7 @@ mod memory;
 mod ops;
 mod pipelines;
 mod plan;
+mod profile;
 mod stream;
 mod sync;
 mod timeline;

@@ -63,6 +63,10 @@ pub(crate) enum Recorded {
         set: vk::DescriptorSet,
         push: Push,
         groups: [u32; 3],
+        /// The kernel variant (what a profile reports it as).
+        kernel: Arc<str>,
+        /// Bytes its bindings read.
+        read_bytes: u64,
     },
 }
 

@@ -43,6 +43,7 @@ use crate::device::{allocate_command_buffer, unavailable, vk_err, Device};
 use crate::memory::{destroy_buffer, Arena, DevBuffer, Region};
 use crate::pipelines::Pipelines;
 use crate::plan::{Access, CachedPlan, ErrorSite, Recorded, RecordedPlan};
+use crate::profile::{Label, Profiler};
 use crate::timeline::{submit_timeline, Retire, Timeline};
 use crate::transfer::TransferRoute;
 
@@ -135,6 +136,8 @@ pub(crate) struct State {
     pub retired_recordings: Vec<(u64, vk::CommandBuffer)>,
     /// Bumped whenever a buffer is freed or replaced, or cached descriptor sets are dropped.
     pub generation: u64,
+    /// Timestamps around every dispatch (`LOWSYNC_VK_PROFILE`); `None` when not profiling.
+    pub profiler: Option<Profiler>,
 }
 
 // SAFETY: raw pointers in `State` (mapped memory, pending reads) are only dereferenced under
@@ -291,14 +294,23 @@ impl State {
     }
 
     /// Records a graph plan into the open command buffer, after a barrier against whatever
-    /// the buffer already holds (so the plan's own barrier placement holds).
+    /// the buffer already holds (so the plan's own barrier placement holds); when profiling,
+    /// with a timestamp before the plan and after each of its commands.
     pub(crate) fn record_steps(&mut self, device: &ash::Device, steps: &[Recorded]) -> Result<()> {
         if steps.is_empty() {
             return Ok(());
         }
-        let rec = self.open(device)?;
+        self.open(device)?;
+        let State { open, profiler, .. } = self;
+        let Some(rec) = open.as_mut() else {
+            return Err(unavailable("no open command buffer"));
+        };
         rec.barrier_if_used(device);
-        rec.barriers += record_commands(device, rec.cmd, steps, &mut rec.bound);
+        let stamps = match profiler {
+            Some(p) => Some(p.begin(device, rec.cmd, labels(steps))?),
+            None => None,
+        };
+        rec.barriers += record_commands(device, rec.cmd, steps, &mut rec.bound, stamps);
         rec.since_barrier.clear();
         rec.untracked = true;
         rec.has_work = true;
@@ -322,7 +334,7 @@ impl State {
         // pool); plans hold live handles and checked ranges (see `record_steps`).
         let r = unsafe {
             device.begin_command_buffer(cmd, &begin).and_then(|()| {
-                record_commands(device, cmd, steps, &mut vk::Pipeline::null());
+                record_commands(device, cmd, steps, &mut vk::Pipeline::null(), None);
                 device.end_command_buffer(cmd)
             })
         };
@@ -429,6 +441,13 @@ impl State {
         };
         bump(&stats.submits, 1);
         self.open = None;
+        if let Some(p) = self.profiler.as_mut() {
+            if r.is_ok() {
+                p.submitted(value);
+            } else {
+                p.abandon_open();
+            }
+        }
         if let Err(r) = r {
             // The buffer never ran; recycle it.
             // SAFETY: not pending (the submit failed).
@@ -515,6 +534,9 @@ impl State {
             unsafe { device.reset_command_buffer(cmd, vk::CommandBufferResetFlags::empty()) }
                 .map_err(|r| vk_err("vkResetCommandBuffer", r))?;
             self.free_cmds.push(cmd);
+        }
+        if let Some(p) = self.profiler.as_mut() {
+            p.harvest(device, done.compute)?;
         }
         let pool = self.pool;
         self.retired_recordings.retain(|&(last_used, cmd)| {
@@ -654,16 +676,40 @@ impl Recording {
     }
 }
 
+/// What a profile reports each command of `steps` as (barriers are not commands of their own:
+/// their time counts towards the command after them).
+fn labels(steps: &[Recorded]) -> Vec<Label> {
+    steps
+        .iter()
+        .filter_map(|s| match s {
+            Recorded::Barrier => None,
+            Recorded::Copy { size, .. } => Some(Label {
+                name: "copy".into(),
+                read_bytes: *size,
+            }),
+            Recorded::Dispatch {
+                kernel, read_bytes, ..
+            } => Some(Label {
+                name: kernel.clone(),
+                read_bytes: *read_bytes,
+            }),
+        })
+        .collect()
+}
+
 /// Records a graph plan's commands into `cmd` (a primary or secondary buffer that is
-/// recording); `bound` is the pipeline bound in `cmd` before and after. Returns the barriers
-/// recorded.
+/// recording); `bound` is the pipeline bound in `cmd` before and after. With `stamps`, a
+/// timestamp is written into query `i + 1` after the `i`-th command (barriers not counted).
+/// Returns the barriers recorded.
 fn record_commands(
     device: &ash::Device,
     cmd: vk::CommandBuffer,
     steps: &[Recorded],
     bound: &mut vk::Pipeline,
+    stamps: Option<vk::QueryPool>,
 ) -> u64 {
     let mut barriers = 0;
+    let mut timed = 0;
     for s in steps {
         // SAFETY: plans hold live pipelines, layouts and sets (a freed buffer or evicted
         // set bumps the generation, which retires the plan); ranges were checked.
@@ -687,6 +733,7 @@ fn record_commands(
                     set,
                     push,
                     groups,
+                    ..
                 } => {
                     if *bound != *pipeline {
                         device.cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, *pipeline);
@@ -709,6 +756,16 @@ fn record_commands(
                     );
                     device.cmd_dispatch(cmd, groups[0], groups[1], groups[2]);
                 }
+            }
+            if let (Some(pool), false) = (stamps, matches!(s, Recorded::Barrier)) {
+                timed += 1;
+                // The pool holds a query per command plus the opening one (`Profiler::begin`).
+                device.cmd_write_timestamp(
+                    cmd,
+                    vk::PipelineStageFlags::BOTTOM_OF_PIPE,
+                    pool,
+                    timed,
+                );
             }
         }
     }

@@ -49,6 +49,12 @@ impl Inner {
         &self.dev.device
     }
 
+    /// Submits the open command buffer when it carries work.
+    pub(crate) fn submit_open(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        st.submit_open(&self.dev, &self.stats, vk::Fence::null())
+    }
+
     pub(crate) fn unknown(&self, id: BufferId) -> Error {
         Error::UnknownBuffer(id.0, self.name.clone())
     }
@@ -252,6 +258,9 @@ impl Drop for Inner {
             destroy_buffer(&device, &mut allocator, s.buf);
         }
         st.pipelines.destroy(&device);
+        if let Some(mut p) = st.profiler.take() {
+            p.destroy(&device);
+        }
         if let Some(t) = st.transfer.take() {
             t.destroy(&device);
         }

@@ -1,6 +1,7 @@
 //! Counter tests (ARCHITECTURE §3): counts follow the stream's tickets on both memory paths —
 //! an idle synchronize is elided, staged writes never wait, a blocking write is one wait,
-//! nothing ever submits an empty batch, and the legacy switch shows ggml's empty submit.
+//! nothing ever submits an empty batch, the legacy switch shows ggml's empty submit, and a
+//! step queued with its read is one submission.
 
 mod common;
 
@@ -185,6 +186,49 @@ fn a_decode_like_step_is_one_host_wait_one_h2d_copy_and_no_empty_submit() {
         // per step (the no-ReBAR path, and device-local memory on discrete GPUs).
         assert_eq!(d.submits, if readable { 20 } else { 40 });
         common::assert_clean(&b);
+    }
+}
+
+#[test]
+fn a_step_queued_with_its_read_is_one_submit_on_both_paths() {
+    for cfg in common::both_paths() {
+        for record in [true, false] {
+            let Some(b) = common::open(VkConfig {
+                record,
+                ..cfg.clone()
+            }) else {
+                return;
+            };
+            let inp = b.alloc_buffer(64, BufferUsage::Inputs).unwrap();
+            let w = common::buffer_with(&b, &common::f32_bytes(&[1.0; 16]));
+            let out = b.alloc_buffer(64, BufferUsage::Compute).unwrap();
+            let g = common::add_graph(inp, w, out, 16);
+            b.synchronize().unwrap();
+            let before = snap(&b);
+            let mut pending = None;
+            for step in 0..20 {
+                // Queue step `step` with its read, then wait for the previous step's read: the
+                // device has the next step while the host waits (launch-ahead).
+                b.set_tensor_async_staged(inp, 0, &common::f32_bytes(&[step as f32; 16]))
+                    .unwrap();
+                let next = b.graph_compute_read_async(&g, out, 0, 64).unwrap();
+                if let Some((s, mut rb)) = pending.replace((step, next)) {
+                    let v = f32::from_le_bytes(rb.wait().unwrap()[..4].try_into().unwrap());
+                    assert_eq!(v, s as f32 + 1.0, "step {s}");
+                }
+            }
+            let (s, mut rb) = pending.take().unwrap();
+            let v = f32::from_le_bytes(rb.wait().unwrap()[..4].try_into().unwrap());
+            assert_eq!(v, s as f32 + 1.0);
+            let d = snap(&b).since(&before);
+            assert_eq!(
+                (d.host_waits, d.empty_submits, d.h2d_copies, d.d2h_copies),
+                (20, 0, 20, 20)
+            );
+            // The read's copy ends the step's own command buffer: one submission per step.
+            assert_eq!(d.submits, 20, "{d:?}");
+            common::assert_clean(&b);
+        }
     }
 }
 

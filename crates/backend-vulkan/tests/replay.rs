@@ -193,6 +193,59 @@ fn a_decode_step_is_recorded_once_then_replayed_with_unchanged_counts_and_result
     }
 }
 
+#[test]
+fn a_decode_step_queued_with_its_read_is_one_submission_on_both_paths() {
+    const STEPS: usize = 8;
+    let cpu = decode(Arc::new(CpuBackend::new()), STEPS);
+    for base in common::both_paths() {
+        for record in [true, false] {
+            let Some(b) = common::open(with_record(base.clone(), record)) else {
+                return;
+            };
+            let b = Arc::new(b);
+            let sched = Sched::with_debug_realloc(
+                vec![b.clone() as Arc<dyn Backend>],
+                SyncPolicy::Staged,
+                1,
+                1,
+            )
+            .expect("scheduler");
+            let mut plan = sched.compile(&decode_graph()).expect("compile");
+            for (i, want) in cpu.iter().enumerate() {
+                let before = b.stats().snapshot();
+                for (name, bytes) in &step_inputs(i) {
+                    plan.set_input(name, bytes).unwrap();
+                }
+                let mut rb = plan.compute_read_async("logits").unwrap();
+                let got = common_f32(rb.wait().unwrap());
+                let s = b.stats().snapshot().since(&before);
+                if i > 0 {
+                    assert_eq!(
+                        (
+                            s.host_waits,
+                            s.submits,
+                            s.empty_submits,
+                            s.h2d_copies,
+                            s.d2h_copies
+                        ),
+                        (1, 1, 0, 1, 1),
+                        "step {i} (record {record}): the step and its read, one submission"
+                    );
+                }
+                let c = common_f32(&want.0);
+                let err = got
+                    .iter()
+                    .zip(&c)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(err < 1e-4, "step {i}: {err} from the CPU's logits");
+            }
+            drop(plan);
+            common::assert_clean(&b);
+        }
+    }
+}
+
 fn common_f32(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))

@@ -10,7 +10,8 @@
 //! `set_tensor_async` (pinned caller memory valid until the next synchronize),
 //! `set_tensor_async_staged` (bytes copied before return), `get_tensor_async`,
 //! `cpy_tensor_async`, `copy_async` (between two buffers of one stream), `read_async` (a read
-//! into memory the returned [`Readback`] owns, waited for on its own), `alias_weight` (a weight
+//! into memory the returned [`Readback`] owns, waited for on its own), `graph_compute_read_async`
+//! (a graph and a read behind it, one submission where the backend can), `alias_weight` (a weight
 //! buffer over the caller's immutable bytes, no copy), events, the test gate. A
 //! default method returns `Unsupported` so a backend that lacks a capability needs no code for
 //! it.
@@ -31,7 +32,7 @@ use std::sync::Arc;
 pub use error::{Error, Result};
 pub use exec::{BufferId, ExecGraph, ExecNode, ScratchLive, TensorRef};
 use lowsync_graph::{DType, Op, WeightBytes};
-pub use stats::{bump, StatsSnapshot, SyncStats};
+pub use stats::{bump, KernelTime, StatsSnapshot, SyncStats};
 
 /// Where a backend runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -281,6 +282,20 @@ pub trait Backend: Send + Sync {
 
     /// Queues a graph. Errors of kernels that run later surface at the next wait.
     fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> Result<()>;
+    /// Queues a graph and then a read of `len` bytes at `offset` of `src` behind it, as
+    /// `graph_compute_async` followed by `read_async` (the default, which needs `read_async`).
+    /// A backend may put the read's copy at the end of the graph's own submission, so a decode
+    /// step and its token's read are one submission.
+    fn graph_compute_read_async(
+        &self,
+        graph: &Arc<ExecGraph>,
+        src: BufferId,
+        offset: usize,
+        len: usize,
+    ) -> Result<Box<dyn Readback>> {
+        self.graph_compute_async(graph)?;
+        self.read_async(src, offset, len)
+    }
     /// Waits until all queued work completed (or returns at once if nothing is outstanding and
     /// the backend elides syncs).
     fn synchronize(&self) -> Result<()>;
@@ -308,6 +323,15 @@ pub trait Backend: Send + Sync {
     fn gate_close(&self) -> Result<Arc<dyn Gate>> {
         unsupported(self.name(), "the test gate")
     }
+
+    /// Device time per kernel variant over the steps that completed since the last
+    /// [`Backend::reset_kernel_times`], for a backend asked to profile its dispatches (Vulkan
+    /// with `LOWSYNC_VK_PROFILE=1`); empty (the default) for every other backend.
+    fn kernel_times(&self) -> Vec<KernelTime> {
+        Vec::new()
+    }
+    /// Forgets the figures [`Backend::kernel_times`] returns.
+    fn reset_kernel_times(&self) {}
 }
 
 #[cfg(test)]

@@ -106,6 +106,20 @@ counters! {
     reallocs,
 }
 
+/// Device time of one kernel variant, summed over the dispatches a profile saw.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KernelTime {
+    /// The kernel variant (e.g. `mul_mat_vec_k.d_f32.a_f32.b_f16`).
+    pub name: String,
+    /// Dispatches timed.
+    pub count: u64,
+    /// Device time of those dispatches in nanoseconds.
+    pub device_ns: u64,
+    /// Bytes the dispatches bind for reading (a mat-vec's weight bytes dominate its share), so
+    /// `read_bytes / device_ns` is an effective bandwidth.
+    pub read_bytes: u64,
+}
+
 /// Adds `n` to a counter.
 #[inline]
 pub fn bump(c: &AtomicU64, n: u64) {

@@ -167,11 +167,32 @@ impl PyContext {
             .all(|b| b.supports_op(&op, dst, &srcs)))
     }
 
-    /// Zeroes every counter.
+    /// Zeroes every counter and forgets the kernel times of `kernel_times()`.
     fn reset_stats(&self) {
         for b in self.sched.backends() {
             b.stats().reset();
+            b.reset_kernel_times();
         }
+    }
+
+    /// Device time per kernel variant over the steps completed since `reset_stats()`, longest
+    /// first: dicts with `backend`, `name`, `count`, `device_ns` and `read_bytes` (bytes the
+    /// dispatches bind for reading). Empty unless a backend profiles its dispatches (Vulkan
+    /// with `LOWSYNC_VK_PROFILE=1`).
+    fn kernel_times<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let mut out = Vec::new();
+        for b in self.sched.backends() {
+            for t in b.kernel_times() {
+                let d = PyDict::new(py);
+                d.set_item("backend", b.name())?;
+                d.set_item("name", t.name)?;
+                d.set_item("count", t.count)?;
+                d.set_item("device_ns", t.device_ns)?;
+                d.set_item("read_bytes", t.read_bytes)?;
+                out.push(d);
+            }
+        }
+        Ok(out)
     }
 
     /// Waits for all queued work on every backend.
@@ -255,6 +276,21 @@ impl PyPlan {
         let (dtype, shape) = (slot.tensor.dtype, slot.tensor.shape.clone());
         let plan = &self.inner;
         let rb = detach::run(py, || plan.read_async(output), sched_err)?;
+        Ok(PendingOutput {
+            rb: std::sync::Mutex::new(rb),
+            dtype,
+            shape,
+        })
+    }
+
+    /// Queues one step (as `compute`) and a read of output `output` behind it (as
+    /// `read_async` right after it) and returns the read at once; a backend that can makes the
+    /// step and the read one submission. `PendingOutput.wait()` is the host wait.
+    fn compute_read_async(&mut self, py: Python<'_>, output: &str) -> PyResult<PendingOutput> {
+        let slot = self.inner.output(output).map_err(sched_err)?;
+        let (dtype, shape) = (slot.tensor.dtype, slot.tensor.shape.clone());
+        let plan = &mut self.inner;
+        let rb = detach::run(py, || plan.compute_read_async(output), sched_err)?;
         Ok(PendingOutput {
             rb: std::sync::Mutex::new(rb),
             dtype,

@@ -26,6 +26,8 @@
 //! an output over an input's arena bytes, queued after the step's input writes; with
 //! [`Plan::read_async`] (a read waited for on its own) a decode loop queues step t+1, fed the
 //! token step t samples, before it waits for token t, so the device never idles on the host.
+//! [`Plan::compute_read_async`] queues a step and its read together, so a backend that can puts
+//! the read's copy in the step's own submission (one submission per token).
 //!
 //! Invariants: the caller may reuse its input memory when `set_input` returns and the pack when
 //! `compute` returns (invariant 1); every copy is ordered after its source's producer
@@ -358,10 +360,16 @@ impl Plan {
     /// Queues a read of output `output` at the current end of its backend's stream (after the
     /// steps queued so far) and returns it without waiting; its `wait` is the one host wait.
     pub fn read_async(&self, output: &str) -> Result<Box<dyn Readback>> {
-        let slot = self.output(output)?;
         self.check_computed(output)?;
+        let (b, t) = self.async_readable(output, "read_async")?;
+        Ok(self.sched.backends()[b].read_async(t.buffer, t.byte_offset, t.byte_extent())?)
+    }
+
+    /// The backend and tensor of an output [`Plan::read_async`] can read.
+    fn async_readable(&self, output: &str, what: &str) -> Result<(usize, TensorRef)> {
+        let slot = self.output(output)?;
         let t = &slot.tensor;
-        let bad = |why: &str| Err(Error::Input(format!("read_async `{output}`: {why}")));
+        let bad = |why: &str| Err(Error::Input(format!("{what} `{output}`: {why}")));
         let Some(b) = slot.backend else {
             return bad("the output is a user input; get_output reads it without waiting");
         };
@@ -372,11 +380,39 @@ impl Plan {
         if !be.caps().read_async {
             return bad(&format!("backend {} has no single-read waits", be.name()));
         }
-        Ok(be.read_async(t.buffer, t.byte_offset, t.byte_extent())?)
+        Ok((b, t.clone()))
+    }
+
+    /// Queues one step as [`Plan::compute`] does, and a read of output `output` behind it as
+    /// [`Plan::read_async`] would after it: the read goes with the last graph of the output's
+    /// backend ([`Backend::graph_compute_read_async`]), so a backend may make the step and its
+    /// read one submission. Nothing is queued when the output cannot be read this way.
+    pub fn compute_read_async(&mut self, output: &str) -> Result<Box<dyn Readback>> {
+        let (b, t) = self.async_readable(output, "compute_read_async")?;
+        let Some(last) = self.splits.iter().rposition(|sp| sp.backend == b) else {
+            self.compute()?;
+            return self.read_async(output);
+        };
+        let rb = self.queue_step(Some((last, &t)))?;
+        match rb {
+            Some(rb) => Ok(rb),
+            None => Err(Error::Input(format!(
+                "compute_read_async `{output}`: split {last} queued no read"
+            ))),
+        }
     }
 
     /// Queues one step: every split's inputs under the policy, then its graph.
     pub fn compute(&mut self) -> Result<()> {
+        self.queue_step(None).map(|_| ())
+    }
+
+    /// Queues one step; with `read` = (split, tensor), that split's graph is queued with a read
+    /// of the tensor behind it, which is returned.
+    fn queue_step(
+        &mut self,
+        read: Option<(usize, &TensorRef)>,
+    ) -> Result<Option<Box<dyn Readback>>> {
         let sched = self.sched.clone();
         let _serial = sched.step_guard();
         let _step = tracing::debug_span!(
@@ -396,6 +432,7 @@ impl Plan {
         }
         let backends = self.sched.backends();
         let pipelined = self.sched.n_copies() > 1;
+        let mut readback = None;
         for s in 0..self.splits.len() {
             let sp = &self.splits[s];
             let be = &*backends[sp.backend];
@@ -492,13 +529,24 @@ impl Plan {
                     }
                 }
             }
-            be.graph_compute_async(&sp.exec[c])?;
+            match read {
+                Some((r, t)) if r == s => {
+                    let rb = be.graph_compute_read_async(
+                        &sp.exec[c],
+                        t.buffer,
+                        t.byte_offset,
+                        t.byte_extent(),
+                    )?;
+                    readback = Some(rb);
+                }
+                _ => be.graph_compute_async(&sp.exec[c])?,
+            }
             if let Some(ev) = &sp.events[c] {
                 be.event_record(ev)?;
             }
         }
         self.computed = true;
-        Ok(())
+        Ok(readback)
     }
 
     /// Waits for queued work and reads an output as contiguous row-major bytes.

@@ -242,22 +242,32 @@ fn persistent_state_survives_steps_and_is_written_by_set_rows() {
 
 /// A device-side feed (the launch-ahead decode loop's mechanism): step k+1 is queued before
 /// step k's output is read, and takes that output as its input on the device. Every policy
-/// gives the same values; under `staged` nothing waits until the reads; the feed is armed for
+/// gives the same values, whether each read is queued after its step (`read_async`) or with it
+/// (`compute_read_async`); under `staged` nothing waits until the reads; the feed is armed for
 /// one step only.
 #[test]
 fn a_fed_step_takes_the_previous_output_on_the_device() {
-    for policy in SyncPolicy::ALL {
+    for (policy, with_step) in SyncPolicy::ALL
+        .into_iter()
+        .flat_map(|p| [(p, false), (p, true)])
+    {
         let be: Arc<dyn Backend> = Arc::new(CpuAsyncBackend::new("cpu-async").unwrap());
         let mut plan = Plan::compile(&sum_graph(1), be.clone(), policy).unwrap();
         assert!(plan.can_feed("x0", "y"));
         plan.set_input("x0", &f32_bytes(&[1.0; 4])).unwrap();
         let before = be.stats().snapshot();
-        plan.compute().unwrap();
-        let mut reads = vec![plan.read_async("y").unwrap()];
+        let queue = |plan: &mut Plan| {
+            if with_step {
+                plan.compute_read_async("y").unwrap()
+            } else {
+                plan.compute().unwrap();
+                plan.read_async("y").unwrap()
+            }
+        };
+        let mut reads = vec![queue(&mut plan)];
         for _ in 0..2 {
             plan.feed("x0", "y").unwrap();
-            plan.compute().unwrap();
-            reads.push(plan.read_async("y").unwrap());
+            reads.push(queue(&mut plan));
         }
         let queued = be.stats().snapshot().since(&before);
         if policy == SyncPolicy::Staged {
@@ -305,12 +315,23 @@ fn bad_feeds_and_reads_are_errors_and_the_plan_stays_usable() {
     assert!(err(plan.feed("idx", "y")).contains("i32"), "dtype mismatch");
     assert!(err(plan.feed("x0", "z_out")).contains("user input"));
     assert!(plan.read_async("z_out").is_err());
+    assert!(
+        plan.compute_read_async("z_out").is_err(),
+        "refused before queuing"
+    );
     assert!(!plan.can_feed("idx", "y"));
     // A backend without stream-ordered copies cannot feed, and says so.
     let sync: Arc<dyn Backend> = Arc::new(CpuBackend::new());
     let mut on_cpu = Plan::compile(&sum_graph(1), sync, SyncPolicy::Staged).unwrap();
     assert!(err(on_cpu.feed("x0", "y")).contains("stream-ordered copies"));
     assert!(on_cpu.read_async("y").is_err());
+    let before = on_cpu.backend().stats().snapshot();
+    assert!(on_cpu.compute_read_async("y").is_err());
+    assert_eq!(
+        on_cpu.backend().stats().snapshot(),
+        before,
+        "nothing queued by a refused read"
+    );
     assert_eq!(step(&mut on_cpu, 1, 1.0), vec![1.0, 2.0, 3.0, 4.0]);
     // Nothing was armed by the failed calls.
     plan.set_input("x0", &f32_bytes(&[2.0; 4])).unwrap();

@@ -113,6 +113,8 @@ pub(crate) struct Limits {
     pub has_f64: bool,
     /// Kernels may use subgroup arithmetic (the device has it and the config allows it).
     pub subgroups: bool,
+    /// Workgroups of 256 invocations along x are allowed (Vulkan guarantees only 128).
+    pub wide_groups: bool,
 }
 
 /// An index-checking kernel's error slot: the status binding and the tag naming this node.

@@ -6,7 +6,8 @@
 //!
 //! Strategy: one row with both operands contiguous along k (`x @ w.T`, every projection of a
 //! decode step) takes the fast mat-vec kernel: vectorized loads, no stride math in the loop,
-//! a subgroup reduction where the device has one. Otherwise up to `MAT_VEC_MAX_M` rows use the
+//! a subgroup reduction where the device has one; with subgroups and operands aligned to 8
+//! elements, the 16-byte-load variant (`mul_mat_vec_v`, a pair of rows per subgroup). Otherwise up to `MAT_VEC_MAX_M` rows use the
 //! generic matrix-vector kernel (split over k when `b` is contiguous along k), more use the
 //! 64x64 tiled kernel. GGUF block weights are dequantized in registers by their own mat-vec
 //! kernels at any row count (8 rows of x per workgroup beyond one row; there is no tiled
@@ -132,14 +133,20 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
         return Err(c.err(format!("{batches} batches exceed the dispatch limits")));
     }
     if b.dtype.is_quantized() {
-        return quant_mat_vec(c, b, [bdd, ba, bb], push, [sb, [b_sk, b_sn]]);
+        return quant_mat_vec(c, b, [bdd, ba, bb], push, [sa, sb, [b_sk, b_sn]]);
     }
     if fast_mat_vec(a, b, m, k, &push, &sa, &sb) {
         let gx = n.div_ceil(MAT_VEC_K_ROWS);
         if gx <= max[0] as usize {
-            let flavour = if c.lim.subgroups { "" } else { "_wg" };
+            let flavour = if !c.lim.subgroups {
+                "k_wg"
+            } else if vec_aligned(a, k, &push, &sa, &sb) {
+                "v"
+            } else {
+                "k"
+            };
             return Ok(vec![Dispatch {
-                kernel: format!("mul_mat_vec_k{flavour}.{suffix}"),
+                kernel: format!("mul_mat_vec_{flavour}.{suffix}"),
                 binds: vec![bdd, ba, bb],
                 push,
                 groups: [gx as u32, batches as u32, 1],
@@ -177,7 +184,8 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
 }
 
 /// `x @ w.T` over a block-dtype `w`, dequantized in registers: one row of x takes the decode
-/// mat-vec (`mul_mat_vec_q*.wgsl`, workgroup z a row of x), more rows of an x contiguous along
+/// mat-vec (`mul_mat_vec_q*.wgsl`, workgroup z a row of x; `mul_mat_vec_qv` where subgroups
+/// and 256-invocation workgroups exist and x is contiguous and 16-byte aligned), more rows of an x contiguous along
 /// k take `mul_mat_vec_qm*.wgsl`, whose workgroup z covers `QUANT_ROWS_PER_GROUP` rows of x so
 /// that each group of w is read and dequantized once for all of them. The graph builder admits such a `b` only with its blocks along k (stride 1,
 /// whole rows: `b_sk == 1`, every other stride a whole number of rows); b's offset and strides
@@ -187,7 +195,7 @@ fn quant_mat_vec(
     b: &Res,
     binds: [crate::pipelines::Bind; 3],
     mut push: Push,
-    [sb, [b_sk, b_sn]]: [[usize; 2]; 2],
+    [sa, sb, [b_sk, b_sn]]: [[usize; 2]; 3],
 ) -> Result<Vec<Dispatch>> {
     let [m, n, k, _] = push.shape.map(|v| v as usize);
     let bs = b.dtype.block_size();
@@ -215,7 +223,13 @@ fn quant_mat_vec(
         0,
         c.block_bytes(b.dtype, b_sn, "row stride")?,
     ];
-    let flavour = if c.lim.subgroups { "" } else { "_wg" };
+    let flavour = if !c.lim.subgroups {
+        "_wg"
+    } else if m == 1 && push.prm[0] == 1 && c.lim.wide_groups && x_vec_aligned(&push, sa) {
+        "v"
+    } else {
+        ""
+    };
     Ok(vec![Dispatch {
         kernel: format!("{kernel}{flavour}.d_f32.a_f32.b_{}", dt(b.dtype)),
         binds: binds.to_vec(),
@@ -247,6 +261,26 @@ fn fast_mat_vec(
         && contiguous
         && words(a, push.offs[1], sa)
         && words(b, push.offs[2], &[sb[0], sb[1], push.b_str[3] as usize])
+}
+
+/// Whether the one-row quantized mat-vec may read x 16 bytes at a time
+/// (`mul_mat_vec_qv.wgsl`): x's offset and batch strides a multiple of 4 elements (k is a
+/// multiple of the block size, so every group of x starts on 16 bytes of its binding).
+fn x_vec_aligned(push: &Push, sa: [usize; 2]) -> bool {
+    [push.offs[1] as usize, sa[0], sa[1]]
+        .iter()
+        .all(|x| x.is_multiple_of(4))
+}
+
+/// Whether the fast mat-vec may load 16 bytes at a time (`mul_mat_vec_v.wgsl`): f32 x, k a
+/// multiple of 8, and x's offset, w's offset and every stride between rows or batches of x and
+/// w a multiple of 8 elements, so each 8-element load starts on 16 bytes of its binding.
+fn vec_aligned(a: &Res, k: usize, push: &Push, sa: &[usize; 2], sb: &[usize; 2]) -> bool {
+    let eights = |v: &[usize]| v.iter().all(|x| x.is_multiple_of(8));
+    a.dtype == DType::F32
+        && k.is_multiple_of(8)
+        && eights(&[push.offs[1] as usize, push.offs[2] as usize])
+        && eights(&[sa[0], sa[1], sb[0], sb[1], push.b_str[3] as usize])
 }
 
 pub(super) fn mul_mat_id(
