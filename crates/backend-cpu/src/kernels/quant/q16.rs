@@ -27,8 +27,11 @@
 //! (f32 activations against the scalar dequantization).
 //!
 //! Determinism: the integer sums are exact and each output is one fixed-order sum over its
-//! blocks, whatever tile computes it, so results do not depend on the thread count (nor on
-//! the tiling: a tile gives the same bits as one row at a time).
+//! blocks. Tiles of several pairs keep one chain per pair and give the same bits as each
+//! other; a lone pair (one weight row by one activation row) adds its even and odd blocks in
+//! two chains, so its bits can differ from the same pair in a larger tile. Which tile
+//! computes an output depends only on the product's shape and the output's position, never
+//! on the thread count, so results do not depend on the thread count.
 
 use lowsync_graph::DType;
 
@@ -232,8 +235,8 @@ mod x86 {
     /// more rows takes `$prefill_w` weight rows: 2 by up to 4 activation rows (each unpacked
     /// weight block serves 4 rows, each activation block 2 weight rows), or 1 by up to 8 for
     /// the K types, whose unpacking needs more registers (two weight rows spilled, measured
-    /// slower). Leftovers go in smaller tiles. Every output is the same fixed-order sum over
-    /// its blocks whatever tile computes it.
+    /// slower). Leftovers go in smaller tiles. The tile of an output depends only on `rows`,
+    /// `m` and its position (see `Acc` for the one tile whose sum is ordered differently).
     macro_rules! wrapper {
         ($name:ident, $body:ident, $bb:expr, $per:expr, $decode_w:expr, $prefill_w:expr) => {
             fn $name(w: &[u8], row_bytes: usize, d: &[f32], s: &[f32], q: &[i16], out: &mut [f32]) {
@@ -330,14 +333,24 @@ mod x86 {
     }
 
     /// The 32 nibbles of 16 bytes as i16: low nibbles (elements 0..16), high nibbles (16..32).
-    /// The bytes are widened first (one load-and-widen), so each half is one more op.
+    /// The bytes are widened first (one load-and-widen), then one `and` gives the low half and
+    /// an `andnot` and a shift the high one. `m` is [`nibble_mask`]: opaque to the compiler,
+    /// which otherwise rewrote the 16-bit `and` and shift as 8-bit work before two widenings
+    /// (six instructions instead of four per weight block and row).
     #[inline(always)]
-    unsafe fn nibbles16(p: *const u8) -> (__m256i, __m256i) {
+    unsafe fn nibbles16(p: *const u8, m: __m256i) -> (__m256i, __m256i) {
         let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(p.cast()));
         (
-            _mm256_and_si256(v, _mm256_set1_epi16(0x0F)),
-            _mm256_srli_epi16(v, 4),
+            _mm256_and_si256(v, m),
+            _mm256_srli_epi16(_mm256_andnot_si256(m, v), 4),
         )
+    }
+
+    /// `0x000F` in every 16-bit lane, hidden from the optimiser (see [`nibbles16`]); taken once
+    /// per kernel call, before its loops.
+    #[inline(always)]
+    unsafe fn nibble_mask() -> __m256i {
+        std::hint::black_box(_mm256_set1_epi16(0x0F))
     }
 
     /// The low (`high` false) or high nibbles of the 32 bytes at `p`, in byte order, as two
@@ -375,6 +388,48 @@ mod x86 {
             _mm256_loadu_si256(p.cast()),
             _mm256_loadu_si256(p.add(16).cast()),
         )
+    }
+
+    /// A tile's accumulators: one chain of FMAs per (weight row, activation row) pair, except
+    /// in a lone pair (`W == R == 1`: Q8_0 and Q6_K decoding one row at a time, and leftover
+    /// tiles), whose even and odd blocks go to two chains added at the end. With one chain
+    /// every block waited on the previous block's FMA (about 4 cycles): Q8_0 decoded at
+    /// 2.4 ns a block, with two chains at 1.6 (a 4-row Q4_0 tile: 1.4); Q6_K's unpacking, not
+    /// the chain, bounds it (2.1 either way). Which chain a block takes depends only on its
+    /// index, so results stay deterministic.
+    struct Acc<const W: usize, const R: usize> {
+        c: [[[__m256; R]; W]; 2],
+    }
+
+    impl<const W: usize, const R: usize> Acc<W, R> {
+        const SPLIT: bool = W == 1 && R == 1;
+
+        #[inline(always)]
+        unsafe fn new() -> Self {
+            Acc {
+                c: [[[_mm256_setzero_ps(); R]; W]; 2],
+            }
+        }
+
+        /// The chain that block `b` adds to.
+        #[inline(always)]
+        fn chain(&mut self, b: usize) -> &mut [[__m256; R]; W] {
+            &mut self.c[if Self::SPLIT { b & 1 } else { 0 }]
+        }
+
+        /// Each pair's sum of its chains.
+        #[inline(always)]
+        unsafe fn merged(&self) -> [[__m256; R]; W] {
+            let mut out = self.c[0];
+            if Self::SPLIT {
+                for (o, c) in out.iter_mut().zip(&self.c[1]) {
+                    for (o, c) in o.iter_mut().zip(c) {
+                        *o = _mm256_add_ps(*o, *c);
+                    }
+                }
+            }
+            out
+        }
     }
 
     /// `acc[r][i] += f[r] * d_x * sum(w[r] * x_i)` over one block for every weight row `r` and
@@ -493,8 +548,9 @@ mod x86 {
         rb: usize,
         a: &Act<'_>,
     ) -> [[f32; R]; W] {
-        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let mut acc = Acc::<W, R>::new();
         let eight = _mm256_set1_epi16(8);
+        let m4 = nibble_mask();
         for b in 0..a.nb {
             prefetch_rows::<W>(w, rb, 18, b);
             let (mut qw, mut f) = (
@@ -503,13 +559,13 @@ mod x86 {
             );
             for r in 0..W {
                 let p = block_at(w, rb, r, 18, b);
-                let (lo, hi) = nibbles16(p.add(2));
+                let (lo, hi) = nibbles16(p.add(2), m4);
                 qw[r] = (_mm256_sub_epi16(lo, eight), _mm256_sub_epi16(hi, eight));
                 f[r] = f16_at(p);
             }
-            tile_fma(&mut acc, &qw, &f, a, b);
+            tile_fma(acc.chain(b), &qw, &f, a, b);
         }
-        tile_out(&acc, None)
+        tile_out(&acc.merged(), None)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -518,8 +574,9 @@ mod x86 {
         rb: usize,
         a: &Act<'_>,
     ) -> [[f32; R]; W] {
-        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let mut acc = Acc::<W, R>::new();
         let mut mins = [[0.0f32; R]; W];
+        let m4 = nibble_mask();
         for b in 0..a.nb {
             prefetch_rows::<W>(w, rb, 20, b);
             let (mut qw, mut f, mut mn) = (
@@ -529,14 +586,14 @@ mod x86 {
             );
             for r in 0..W {
                 let p = block_at(w, rb, r, 20, b);
-                qw[r] = nibbles16(p.add(4));
+                qw[r] = nibbles16(p.add(4), m4);
                 f[r] = f16_at(p);
                 mn[r] = f16_at(p.add(2));
             }
-            tile_fma(&mut acc, &qw, &f, a, b);
+            tile_fma(acc.chain(b), &qw, &f, a, b);
             tile_min(&mut mins, &mn, a, b);
         }
-        tile_out(&acc, Some((&mins, 1.0)))
+        tile_out(&acc.merged(), Some((&mins, 1.0)))
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -545,7 +602,7 @@ mod x86 {
         rb: usize,
         a: &Act<'_>,
     ) -> [[f32; R]; W] {
-        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let mut acc = Acc::<W, R>::new();
         for b in 0..a.nb {
             prefetch_rows::<W>(w, rb, 34, b);
             let (mut qw, mut f) = (
@@ -560,9 +617,9 @@ mod x86 {
                 );
                 f[r] = f16_at(p);
             }
-            tile_fma(&mut acc, &qw, &f, a, b);
+            tile_fma(acc.chain(b), &qw, &f, a, b);
         }
-        tile_out(&acc, None)
+        tile_out(&acc.merged(), None)
     }
 
     /// Q4_K: 8 sub-blocks of 32, each exactly one activation block. Per super-block and
@@ -573,7 +630,7 @@ mod x86 {
         rb: usize,
         a: &Act<'_>,
     ) -> [[f32; R]; W] {
-        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let mut acc = Acc::<W, R>::new();
         let mut mins = [[0.0f32; R]; W];
         for sb in 0..a.nb / 8 {
             let (mut f, mut mn) = ([[0.0f32; 8]; W], [[0.0f32; 8]; W]);
@@ -601,11 +658,11 @@ mod x86 {
                 }
                 let fj: [f32; W] = std::array::from_fn(|r| f[r][j]);
                 let mj: [f32; W] = std::array::from_fn(|r| mn[r][j]);
-                tile_fma(&mut acc, &qw, &fj, a, sb * 8 + j);
+                tile_fma(acc.chain(j), &qw, &fj, a, sb * 8 + j);
                 tile_min(&mut mins, &mj, a, sb * 8 + j);
             }
         }
-        tile_out(&acc, Some((&mins, -1.0)))
+        tile_out(&acc.merged(), Some((&mins, -1.0)))
     }
 
     /// Q6_K: 16 sub-blocks of 16 (two per activation block); values are `q - 32`, `q` 6 bits.
@@ -621,7 +678,7 @@ mod x86 {
         rb: usize,
         a: &Act<'_>,
     ) -> [[f32; R]; W] {
-        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let mut acc = Acc::<W, R>::new();
         let m4 = _mm256_set1_epi8(0x0F);
         let m2 = _mm256_set1_epi8(0x03);
         let off = _mm256_set1_epi16(32);
@@ -669,14 +726,14 @@ mod x86 {
                     }
                     let b = sb * 8 + half * 4 + g;
                     if R == 1 {
-                        tile_fma2(&mut acc, &qw, &f2, a, b);
+                        tile_fma2(acc.chain(b), &qw, &f2, a, b);
                     } else {
-                        tile_fma(&mut acc, &qw, &f, a, b);
+                        tile_fma(acc.chain(b), &qw, &f, a, b);
                     }
                 }
             }
         }
-        tile_out(&acc, None)
+        tile_out(&acc.merged(), None)
     }
 }
 
