@@ -354,16 +354,18 @@ mod x86 {
     }
 
     /// The low (`high` false) or high nibbles of the 32 bytes at `p`, in byte order, as two
-    /// vectors of 16 i16 (Q4_K's sub-blocks).
+    /// vectors of 16 i16 (Q4_K's sub-blocks); `m` is [`nibble_mask`], as in [`nibbles16`].
     #[inline(always)]
-    unsafe fn nibbles32(p: *const u8, high: bool) -> (__m256i, __m256i) {
+    unsafe fn nibbles32(p: *const u8, high: bool, m: __m256i) -> (__m256i, __m256i) {
         let v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(p.cast()));
         let v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(p.add(16).cast()));
         if high {
-            (_mm256_srli_epi16(v0, 4), _mm256_srli_epi16(v1, 4))
+            (
+                _mm256_srli_epi16(_mm256_andnot_si256(m, v0), 4),
+                _mm256_srli_epi16(_mm256_andnot_si256(m, v1), 4),
+            )
         } else {
-            let m4 = _mm256_set1_epi16(0x0F);
-            (_mm256_and_si256(v0, m4), _mm256_and_si256(v1, m4))
+            (_mm256_and_si256(v0, m), _mm256_and_si256(v1, m))
         }
     }
 
@@ -632,6 +634,7 @@ mod x86 {
     ) -> [[f32; R]; W] {
         let mut acc = Acc::<W, R>::new();
         let mut mins = [[0.0f32; R]; W];
+        let m4 = nibble_mask();
         for sb in 0..a.nb / 8 {
             let (mut f, mut mn) = ([[0.0f32; 8]; W], [[0.0f32; 8]; W]);
             for r in 0..W {
@@ -654,6 +657,7 @@ mod x86 {
                     *qw = nibbles32(
                         block_at(w, rb, r, 144, sb).add(16 + 32 * (j / 2)),
                         j % 2 == 1,
+                        m4,
                     );
                 }
                 let fj: [f32; W] = std::array::from_fn(|r| f[r][j]);
