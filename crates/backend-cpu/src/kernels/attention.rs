@@ -15,7 +15,8 @@
 //! writes them. [`run`] then works per (query head, query row): it
 //! lists the cells whose mask is not -inf (once per mask row shared by heads), scores only
 //! those (`gemv::dot`), applies `softmax_in_place` to them and sums their value rows in cell
-//! order.
+//! order. With AVX2, FMA and F16C the scores and the sum run in `x86`'s bodies, which read
+//! key and value rows in place (the same score bits; the sum with one FMA per element).
 //!
 //! Semantics: identical to the unfused chain except that a masked cell contributes exactly
 //! zero whatever its key or value holds (unfused, a NaN or infinite key or value in a masked
