@@ -116,7 +116,7 @@ fn dots(w: FloatRow<'_>, x: &[f32], k: usize, res: &mut [f32], buf: &mut Vec<f32
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     //! AVX2 + FMA + F16C bodies: a weight row's elements are widened to f32 in registers
     //! (`Lanes::load8`) and multiplied into four accumulators per activation row.
 
@@ -128,14 +128,14 @@ mod x86 {
 
     /// Whether the bodies may run on this CPU (std caches the detection).
     #[inline]
-    pub(super) fn available() -> bool {
+    pub(in crate::kernels) fn available() -> bool {
         std::is_x86_feature_detected!("avx2")
             && std::is_x86_feature_detected!("fma")
             && std::is_x86_feature_detected!("f16c")
     }
 
     /// A stored float type loaded 8 elements at a time as f32.
-    trait Lanes: Copy {
+    pub(in crate::kernels) trait Lanes: Copy {
         /// Elements `p[0..8]` as f32. Inlined into a body that enables AVX2 and F16C.
         unsafe fn load8(p: *const Self) -> __m256;
         fn to_f32(self) -> f32;
@@ -202,9 +202,14 @@ mod x86 {
         }
     }
 
-    /// `R` dot products of `w` with the rows at `xs` (each `k` long).
+    /// `R` dot products of `w` with the rows at `xs` (each `k` long). Inlined into bodies that
+    /// enable AVX2, FMA and F16C (here and in `attention`, whose scores are these dot products).
     #[inline(always)]
-    unsafe fn body<T: Lanes, const R: usize>(w: &[T], xs: [*const f32; R], k: usize) -> [f32; R] {
+    pub(in crate::kernels) unsafe fn body<T: Lanes, const R: usize>(
+        w: &[T],
+        xs: [*const f32; R],
+        k: usize,
+    ) -> [f32; R] {
         let wp = w.as_ptr();
         let mut acc = [[_mm256_setzero_ps(); 4]; R];
         let mut e = 0;

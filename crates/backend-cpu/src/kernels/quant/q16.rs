@@ -27,8 +27,11 @@
 //! (f32 activations against the scalar dequantization).
 //!
 //! Determinism: the integer sums are exact and each output is one fixed-order sum over its
-//! blocks, whatever tile computes it, so results do not depend on the thread count (nor on
-//! the tiling: a tile gives the same bits as one row at a time).
+//! blocks. Tiles of several pairs keep one chain per pair and give the same bits as each
+//! other; a lone pair (one weight row by one activation row) adds its even and odd blocks in
+//! two chains, so its bits can differ from the same pair in a larger tile. Which tile
+//! computes an output depends only on the product's shape and the output's position, never
+//! on the thread count, so results do not depend on the thread count.
 
 use lowsync_graph::DType;
 
@@ -232,8 +235,8 @@ mod x86 {
     /// more rows takes `$prefill_w` weight rows: 2 by up to 4 activation rows (each unpacked
     /// weight block serves 4 rows, each activation block 2 weight rows), or 1 by up to 8 for
     /// the K types, whose unpacking needs more registers (two weight rows spilled, measured
-    /// slower). Leftovers go in smaller tiles. Every output is the same fixed-order sum over
-    /// its blocks whatever tile computes it.
+    /// slower). Leftovers go in smaller tiles. The tile of an output depends only on `rows`,
+    /// `m` and its position (see `Acc` for the one tile whose sum is ordered differently).
     macro_rules! wrapper {
         ($name:ident, $body:ident, $bb:expr, $per:expr, $decode_w:expr, $prefill_w:expr) => {
             fn $name(w: &[u8], row_bytes: usize, d: &[f32], s: &[f32], q: &[i16], out: &mut [f32]) {
@@ -330,27 +333,39 @@ mod x86 {
     }
 
     /// The 32 nibbles of 16 bytes as i16: low nibbles (elements 0..16), high nibbles (16..32).
-    /// The bytes are widened first (one load-and-widen), so each half is one more op.
+    /// The bytes are widened first (one load-and-widen), then one `and` gives the low half and
+    /// an `andnot` and a shift the high one. `m` is [`nibble_mask`]: opaque to the compiler,
+    /// which otherwise rewrote the 16-bit `and` and shift as 8-bit work before two widenings
+    /// (six instructions instead of four per weight block and row).
     #[inline(always)]
-    unsafe fn nibbles16(p: *const u8) -> (__m256i, __m256i) {
+    unsafe fn nibbles16(p: *const u8, m: __m256i) -> (__m256i, __m256i) {
         let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(p.cast()));
         (
-            _mm256_and_si256(v, _mm256_set1_epi16(0x0F)),
-            _mm256_srli_epi16(v, 4),
+            _mm256_and_si256(v, m),
+            _mm256_srli_epi16(_mm256_andnot_si256(m, v), 4),
         )
     }
 
-    /// The low (`high` false) or high nibbles of the 32 bytes at `p`, in byte order, as two
-    /// vectors of 16 i16 (Q4_K's sub-blocks).
+    /// `0x000F` in every 16-bit lane, hidden from the optimiser (see [`nibbles16`]); taken once
+    /// per kernel call, before its loops.
     #[inline(always)]
-    unsafe fn nibbles32(p: *const u8, high: bool) -> (__m256i, __m256i) {
+    unsafe fn nibble_mask() -> __m256i {
+        std::hint::black_box(_mm256_set1_epi16(0x0F))
+    }
+
+    /// The low (`high` false) or high nibbles of the 32 bytes at `p`, in byte order, as two
+    /// vectors of 16 i16 (Q4_K's sub-blocks); `m` is [`nibble_mask`], as in [`nibbles16`].
+    #[inline(always)]
+    unsafe fn nibbles32(p: *const u8, high: bool, m: __m256i) -> (__m256i, __m256i) {
         let v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(p.cast()));
         let v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(p.add(16).cast()));
         if high {
-            (_mm256_srli_epi16(v0, 4), _mm256_srli_epi16(v1, 4))
+            (
+                _mm256_srli_epi16(_mm256_andnot_si256(m, v0), 4),
+                _mm256_srli_epi16(_mm256_andnot_si256(m, v1), 4),
+            )
         } else {
-            let m4 = _mm256_set1_epi16(0x0F);
-            (_mm256_and_si256(v0, m4), _mm256_and_si256(v1, m4))
+            (_mm256_and_si256(v0, m), _mm256_and_si256(v1, m))
         }
     }
 
@@ -375,6 +390,48 @@ mod x86 {
             _mm256_loadu_si256(p.cast()),
             _mm256_loadu_si256(p.add(16).cast()),
         )
+    }
+
+    /// A tile's accumulators: one chain of FMAs per (weight row, activation row) pair, except
+    /// in a lone pair (`W == R == 1`: Q8_0 and Q6_K decoding one row at a time, and leftover
+    /// tiles), whose even and odd blocks go to two chains added at the end. With one chain
+    /// every block waited on the previous block's FMA (about 4 cycles): Q8_0 decoded at
+    /// 2.4 ns a block, with two chains at 1.6 (a 4-row Q4_0 tile: 1.4); Q6_K's unpacking, not
+    /// the chain, bounds it (2.1 either way). Which chain a block takes depends only on its
+    /// index, so results stay deterministic.
+    struct Acc<const W: usize, const R: usize> {
+        c: [[[__m256; R]; W]; 2],
+    }
+
+    impl<const W: usize, const R: usize> Acc<W, R> {
+        const SPLIT: bool = W == 1 && R == 1;
+
+        #[inline(always)]
+        unsafe fn new() -> Self {
+            Acc {
+                c: [[[_mm256_setzero_ps(); R]; W]; 2],
+            }
+        }
+
+        /// The chain that block `b` adds to.
+        #[inline(always)]
+        fn chain(&mut self, b: usize) -> &mut [[__m256; R]; W] {
+            &mut self.c[if Self::SPLIT { b & 1 } else { 0 }]
+        }
+
+        /// Each pair's sum of its chains.
+        #[inline(always)]
+        unsafe fn merged(&self) -> [[__m256; R]; W] {
+            let mut out = self.c[0];
+            if Self::SPLIT {
+                for (o, c) in out.iter_mut().zip(&self.c[1]) {
+                    for (o, c) in o.iter_mut().zip(c) {
+                        *o = _mm256_add_ps(*o, *c);
+                    }
+                }
+            }
+            out
+        }
     }
 
     /// `acc[r][i] += f[r] * d_x * sum(w[r] * x_i)` over one block for every weight row `r` and
@@ -493,8 +550,9 @@ mod x86 {
         rb: usize,
         a: &Act<'_>,
     ) -> [[f32; R]; W] {
-        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let mut acc = Acc::<W, R>::new();
         let eight = _mm256_set1_epi16(8);
+        let m4 = nibble_mask();
         for b in 0..a.nb {
             prefetch_rows::<W>(w, rb, 18, b);
             let (mut qw, mut f) = (
@@ -503,13 +561,13 @@ mod x86 {
             );
             for r in 0..W {
                 let p = block_at(w, rb, r, 18, b);
-                let (lo, hi) = nibbles16(p.add(2));
+                let (lo, hi) = nibbles16(p.add(2), m4);
                 qw[r] = (_mm256_sub_epi16(lo, eight), _mm256_sub_epi16(hi, eight));
                 f[r] = f16_at(p);
             }
-            tile_fma(&mut acc, &qw, &f, a, b);
+            tile_fma(acc.chain(b), &qw, &f, a, b);
         }
-        tile_out(&acc, None)
+        tile_out(&acc.merged(), None)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -518,8 +576,9 @@ mod x86 {
         rb: usize,
         a: &Act<'_>,
     ) -> [[f32; R]; W] {
-        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let mut acc = Acc::<W, R>::new();
         let mut mins = [[0.0f32; R]; W];
+        let m4 = nibble_mask();
         for b in 0..a.nb {
             prefetch_rows::<W>(w, rb, 20, b);
             let (mut qw, mut f, mut mn) = (
@@ -529,14 +588,14 @@ mod x86 {
             );
             for r in 0..W {
                 let p = block_at(w, rb, r, 20, b);
-                qw[r] = nibbles16(p.add(4));
+                qw[r] = nibbles16(p.add(4), m4);
                 f[r] = f16_at(p);
                 mn[r] = f16_at(p.add(2));
             }
-            tile_fma(&mut acc, &qw, &f, a, b);
+            tile_fma(acc.chain(b), &qw, &f, a, b);
             tile_min(&mut mins, &mn, a, b);
         }
-        tile_out(&acc, Some((&mins, 1.0)))
+        tile_out(&acc.merged(), Some((&mins, 1.0)))
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -545,7 +604,7 @@ mod x86 {
         rb: usize,
         a: &Act<'_>,
     ) -> [[f32; R]; W] {
-        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let mut acc = Acc::<W, R>::new();
         for b in 0..a.nb {
             prefetch_rows::<W>(w, rb, 34, b);
             let (mut qw, mut f) = (
@@ -560,9 +619,9 @@ mod x86 {
                 );
                 f[r] = f16_at(p);
             }
-            tile_fma(&mut acc, &qw, &f, a, b);
+            tile_fma(acc.chain(b), &qw, &f, a, b);
         }
-        tile_out(&acc, None)
+        tile_out(&acc.merged(), None)
     }
 
     /// Q4_K: 8 sub-blocks of 32, each exactly one activation block. Per super-block and
@@ -573,8 +632,9 @@ mod x86 {
         rb: usize,
         a: &Act<'_>,
     ) -> [[f32; R]; W] {
-        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let mut acc = Acc::<W, R>::new();
         let mut mins = [[0.0f32; R]; W];
+        let m4 = nibble_mask();
         for sb in 0..a.nb / 8 {
             let (mut f, mut mn) = ([[0.0f32; 8]; W], [[0.0f32; 8]; W]);
             for r in 0..W {
@@ -597,15 +657,16 @@ mod x86 {
                     *qw = nibbles32(
                         block_at(w, rb, r, 144, sb).add(16 + 32 * (j / 2)),
                         j % 2 == 1,
+                        m4,
                     );
                 }
                 let fj: [f32; W] = std::array::from_fn(|r| f[r][j]);
                 let mj: [f32; W] = std::array::from_fn(|r| mn[r][j]);
-                tile_fma(&mut acc, &qw, &fj, a, sb * 8 + j);
+                tile_fma(acc.chain(j), &qw, &fj, a, sb * 8 + j);
                 tile_min(&mut mins, &mj, a, sb * 8 + j);
             }
         }
-        tile_out(&acc, Some((&mins, -1.0)))
+        tile_out(&acc.merged(), Some((&mins, -1.0)))
     }
 
     /// Q6_K: 16 sub-blocks of 16 (two per activation block); values are `q - 32`, `q` 6 bits.
@@ -621,11 +682,28 @@ mod x86 {
         rb: usize,
         a: &Act<'_>,
     ) -> [[f32; R]; W] {
-        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let mut acc = Acc::<W, R>::new();
         let m4 = _mm256_set1_epi8(0x0F);
         let m2 = _mm256_set1_epi8(0x03);
         let off = _mm256_set1_epi16(32);
         for sb in 0..a.nb / 8 {
+            // Per weight row: `d` and, for a decode tile, the 16 sub-block scales times `d`,
+            // converted once per super-block with vectors (per block and half, the scalar
+            // conversions were about a fifth of the kernel's instructions).
+            let mut dw = [0.0f32; W];
+            let mut fs = [[0.0f32; 16]; W];
+            for r in 0..W {
+                let p = block_at(w, rb, r, 210, sb);
+                dw[r] = f16_at(p.add(208));
+                if R == 1 {
+                    let sc = _mm_loadu_si128(p.add(192).cast());
+                    let d = _mm256_set1_ps(dw[r]);
+                    let s0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
+                    let s1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(sc)));
+                    _mm256_storeu_ps(fs[r].as_mut_ptr(), _mm256_mul_ps(d, s0));
+                    _mm256_storeu_ps(fs[r].as_mut_ptr().add(8), _mm256_mul_ps(d, s1));
+                }
+            }
             for half in 0..2 {
                 for g in 0..4 {
                     // 210 bytes per 8 activation blocks: about 26 per block.
@@ -652,31 +730,30 @@ mod x86 {
                             _ => _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2),
                         };
                         let (q0, q1) = widen_u8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
-                        let sc = p.add(192 + e / 16);
-                        let (s0, s1) = (i16::from(*sc as i8), i16::from(*sc.add(1) as i8));
                         let (q0, q1) = (_mm256_sub_epi16(q0, off), _mm256_sub_epi16(q1, off));
-                        let dw = f16_at(p.add(208));
                         if R == 1 {
                             *qw = (q0, q1);
-                            f2[r] = (dw * f32::from(s0), dw * f32::from(s1));
+                            f2[r] = (fs[r][e / 16], fs[r][e / 16 + 1]);
                         } else {
+                            let sc = p.add(192 + e / 16);
+                            let (s0, s1) = (i16::from(*sc as i8), i16::from(*sc.add(1) as i8));
                             *qw = (
                                 _mm256_mullo_epi16(q0, _mm256_set1_epi16(s0)),
                                 _mm256_mullo_epi16(q1, _mm256_set1_epi16(s1)),
                             );
-                            f[r] = dw;
+                            f[r] = dw[r];
                         }
                     }
                     let b = sb * 8 + half * 4 + g;
                     if R == 1 {
-                        tile_fma2(&mut acc, &qw, &f2, a, b);
+                        tile_fma2(acc.chain(b), &qw, &f2, a, b);
                     } else {
-                        tile_fma(&mut acc, &qw, &f, a, b);
+                        tile_fma(acc.chain(b), &qw, &f, a, b);
                     }
                 }
             }
         }
-        tile_out(&acc, None)
+        tile_out(&acc.merged(), None)
     }
 }
 

@@ -100,10 +100,17 @@ fn unfused(mem: &TestMem, c: &Chain) -> Vec<f64> {
 #[test]
 fn fused_attention_matches_the_node_by_node_chain() {
     // Decode (one query row) and prefill (several, one of them fully masked), GQA 6 over 2,
-    // f32 / f16 / bf16 caches.
-    for (seed, kv) in [(200, DType::F32), (201, DType::F16), (202, DType::BF16)] {
+    // f32 / f16 / bf16 caches; head sizes of whole vectors of 8 (24), a 64-column chunk plus
+    // one of 8 and a scalar tail (76), and two 64-column chunks (128).
+    for (seed, kv, d) in [
+        (200, DType::F32, 24),
+        (201, DType::F16, 24),
+        (202, DType::BF16, 24),
+        (203, DType::F32, 76),
+        (204, DType::F16, 128),
+    ] {
         for (t, empty) in [(1, vec![]), (5, vec![3])] {
-            let (hq, hk, l, d) = (6, 2, 40, 24);
+            let (hq, hk, l) = (6, 2, 40);
             let mut mem = TestMem::new();
             let mut rng = TestRng::new(seed);
             let m = mask(t, l, 7, &empty);
