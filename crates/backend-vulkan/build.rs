@@ -89,6 +89,16 @@ const KERNELS: &[Spec] = &[
         ],
     ),
     (
+        "attn_dec",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("k", Slot::In, FLOATS),
+            ("v", Slot::In, FLOATS),
+            ("m", Slot::In, &["f32"]),
+        ],
+    ),
+    (
         "rope",
         &[
             ("d", Slot::Out, FLOATS),

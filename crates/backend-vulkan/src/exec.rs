@@ -31,6 +31,7 @@ use lowsync_backend::{bump, Error, ExecGraph, ExecNode, Result, TensorRef};
 use lowsync_graph::Op;
 
 use crate::device::unavailable;
+use crate::fusion::{self, AttnGroup};
 use crate::ops::{self, Res, Status};
 use crate::pipelines::Bind;
 use crate::plan::{CachedPlan, ErrorSite, GraphPlan, Recorded, RecordedPlan, Tracker};
@@ -171,7 +172,26 @@ impl Inner {
         let mut sites = Vec::new();
         let mut tracker = Tracker::default();
         let mut replayable = true;
-        for node in &graph.nodes {
+        let groups = if self.config.fuse {
+            fusion::attention_groups(graph)
+        } else {
+            Vec::new()
+        };
+        let mut groups = groups.into_iter().peekable();
+        let mut fused = vec![false; graph.nodes.len()];
+        for (i, node) in graph.nodes.iter().enumerate() {
+            if fused[i] {
+                continue;
+            }
+            if let Some(grp) = groups.next_if(|g| g.kq == i) {
+                if let Some(d) = self.plan_attention(st, graph, &grp)? {
+                    self.push_dispatch(st, &mut tracker, &mut steps, d)?;
+                    for m in grp.members() {
+                        fused[m] = true;
+                    }
+                    continue;
+                }
+            }
             node.op
                 .check_arity(node.srcs.len())
                 .map_err(|m| ops::kernel_err(node, m))?;
@@ -246,19 +266,7 @@ impl Inner {
                 _ => None,
             };
             for d in ops::plan(node, &dst, &srcs, status, self.limits)? {
-                let (pipeline, layout) = st.pipelines.pipeline(device, &d.kernel, d.binds.len())?;
-                let set = st.pipelines.descriptor_set(device, &d.binds)?;
-                let read_bytes = d.binds.iter().filter(|b| !b.write).map(|b| b.range).sum();
-                let step = Recorded::Dispatch {
-                    pipeline,
-                    layout,
-                    set,
-                    push: d.push,
-                    groups: d.groups,
-                    kernel: d.kernel.as_str().into(),
-                    read_bytes,
-                };
-                tracker.push(&mut steps, step.accesses(&d.binds), step);
+                self.push_dispatch(st, &mut tracker, &mut steps, d)?;
             }
         }
         Ok(GraphPlan {
@@ -268,5 +276,59 @@ impl Inner {
             sites,
             replayable,
         })
+    }
+
+    /// Adds a planned dispatch to a plan's steps, with a barrier before it where it conflicts.
+    fn push_dispatch(
+        &self,
+        st: &mut State,
+        tracker: &mut Tracker,
+        steps: &mut Vec<Recorded>,
+        d: ops::Dispatch,
+    ) -> Result<()> {
+        let device = self.device();
+        let (pipeline, layout) = st.pipelines.pipeline(device, &d.kernel, d.binds.len())?;
+        let set = st.pipelines.descriptor_set(device, &d.binds)?;
+        let read_bytes = d.binds.iter().filter(|b| !b.write).map(|b| b.range).sum();
+        let step = Recorded::Dispatch {
+            pipeline,
+            layout,
+            set,
+            push: d.push,
+            groups: d.groups,
+            kernel: d.kernel.as_str().into(),
+            read_bytes,
+        };
+        tracker.push(steps, step.accesses(&d.binds), step);
+        Ok(())
+    }
+
+    /// The fused attention dispatch of `grp` (`crate::fusion` proved it safe), or `None` when
+    /// the kernel does not take its operands and the chain runs unfused.
+    fn plan_attention(
+        &self,
+        st: &State,
+        graph: &ExecGraph,
+        grp: &AttnGroup,
+    ) -> Result<Option<ops::Dispatch>> {
+        let nodes = &graph.nodes;
+        let (kq, sm, pv) = (&nodes[grp.kq], &nodes[grp.soft_max], &nodes[grp.pv]);
+        let last = &nodes[grp.last()];
+        let Some(out_strides) = fusion::out_strides(&pv.dst, grp.cpy.map(|c| &nodes[c])) else {
+            return Ok(None);
+        };
+        let Op::SoftMax { scale } = sm.op else {
+            return Ok(None);
+        };
+        let a = ops::Attn {
+            q: &self.resolve(st, kq, &kq.srcs[0])?,
+            k: &self.resolve(st, kq, &kq.srcs[1])?,
+            v: &self.resolve(st, pv, &pv.srcs[1])?,
+            mask: &self.resolve(st, sm, &sm.srcs[1])?,
+            scale,
+            out: &self.resolve(st, last, &last.dst)?,
+            out_strides,
+        };
+        Ok(ops::attention(kq, &a, self.limits).ok())
     }
 }

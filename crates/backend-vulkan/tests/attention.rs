@@ -1,0 +1,464 @@
+//! The fused decode attention (`LOWSYNC_VK_FUSE`, on by default): the chain `MulMat(q, K) ->
+//! SoftMax(scale, mask) -> MulMat(p, V) -> Cpy` of a decode step, laid out as the Llama graph
+//! lays it out (q `[heads, 1, dim]` over a `[tokens, heads, dim]` row, K and V as views of
+//! `[n_ctx, kv_heads, dim]` caches), runs as one dispatch where the graph proves the scores,
+//! p and the product dead, and gives the unfused chain's results and a float64 reference's:
+//! GQA, f32/f16/bf16 caches, head dims up to 256 (two dims per thread), more keys than one
+//! chunk (the online softmax's rescaling), per-head and broadcast masks, a fully masked head
+//! (zeros), a NaN admitted logit (a NaN row) and NaN in masked cache rows (never read).
+//! Chains whose intermediates something reads, or whose graph says nothing of its scratch,
+//! stay unfused. Every run asserts the validation layer (synchronization validation on) stayed
+//! silent; recorded replays give the same bits as the first step.
+
+mod common;
+
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use lowsync_backend::{
+    Backend, BufferId, BufferUsage, ExecGraph, ExecNode, ScratchLive, TensorRef,
+};
+use lowsync_graph::{contiguous_strides, DType, Op};
+use lowsync_vulkan::{VkConfig, VulkanBackend};
+
+#[derive(Clone)]
+struct Case {
+    heads: usize,
+    kv_heads: usize,
+    dim: usize,
+    keys: usize,
+    kv: DType,
+    out: DType,
+    /// Mask per head (`[heads, 1, keys]`), else one row broadcast (`[1, keys]`).
+    per_head_mask: bool,
+    /// Head whose mask hides every key.
+    all_masked: Option<usize>,
+    /// Head whose query holds a NaN (every admitted logit NaN).
+    nan_head: Option<usize>,
+    /// NaN written into every masked cache row.
+    nan_in_masked: bool,
+    scale: f32,
+}
+
+fn base() -> Case {
+    Case {
+        heads: 8,
+        kv_heads: 2,
+        dim: 64,
+        keys: 40,
+        kv: DType::F32,
+        out: DType::F32,
+        per_head_mask: false,
+        all_masked: None,
+        nan_head: None,
+        nan_in_masked: false,
+        scale: 0.125,
+    }
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// Values as stored in `dt` (rounded) and their bytes.
+fn store(v: &[f32], dt: DType) -> (Vec<f32>, Vec<u8>) {
+    match dt {
+        DType::F32 => (v.to_vec(), common::f32_bytes(v)),
+        DType::F16 => {
+            let h: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+            let b = h.iter().flat_map(|x| x.to_le_bytes()).collect();
+            (h.iter().map(|x| x.to_f32()).collect(), b)
+        }
+        DType::BF16 => {
+            let h: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+            let b = h.iter().flat_map(|x| x.to_le_bytes()).collect();
+            (h.iter().map(|x| x.to_f32()).collect(), b)
+        }
+        d => panic!("no {d} storage here"),
+    }
+}
+
+fn load(b: &[u8], dt: DType) -> Vec<f64> {
+    match dt {
+        DType::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+            .collect(),
+        DType::F16 => b
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f64())
+            .collect(),
+        DType::BF16 => b
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f64())
+            .collect(),
+        d => panic!("no {d} storage here"),
+    }
+}
+
+/// The case's data: q `[heads, dim]`, K and V `[keys, kv_heads, dim]` (as stored), the mask
+/// `[mask_heads, keys]`.
+struct Data {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    k_bytes: Vec<u8>,
+    v_bytes: Vec<u8>,
+    mask: Vec<f32>,
+}
+
+fn data(c: &Case, seed: u64) -> Data {
+    let mut r = Rng(seed);
+    let mut q: Vec<f32> = (0..c.heads * c.dim).map(|_| r.next()).collect();
+    if let Some(h) = c.nan_head {
+        q[h * c.dim + 3] = f32::NAN;
+    }
+    let mh = if c.per_head_mask { c.heads } else { 1 };
+    // Roughly a third of the keys hidden, the first always visible.
+    let mut mask: Vec<f32> = (0..mh * c.keys)
+        .map(|i| {
+            let x = r.next();
+            if i % c.keys != 0 && x < -0.35 {
+                f32::NEG_INFINITY
+            } else {
+                x * 0.5
+            }
+        })
+        .collect();
+    if let Some(h) = c.all_masked {
+        assert!(c.per_head_mask);
+        mask[h * c.keys..(h + 1) * c.keys].fill(f32::NEG_INFINITY);
+    }
+    let row = c.kv_heads * c.dim;
+    let mut k: Vec<f32> = (0..c.keys * row).map(|_| r.next()).collect();
+    let mut v: Vec<f32> = (0..c.keys * row).map(|_| r.next()).collect();
+    if c.nan_in_masked {
+        // Keys every head's mask hides (the broadcast mask's).
+        for j in 0..c.keys {
+            if mask[j] == f32::NEG_INFINITY {
+                k[j * row..(j + 1) * row].fill(f32::NAN);
+                v[j * row..(j + 1) * row].fill(f32::NAN);
+            }
+        }
+    }
+    let (k, k_bytes) = store(&k, c.kv);
+    let (v, v_bytes) = store(&v, c.kv);
+    Data {
+        q,
+        k,
+        v,
+        k_bytes,
+        v_bytes,
+        mask,
+    }
+}
+
+/// Float64 attention over the admitted keys, `[heads, dim]`.
+fn reference(c: &Case, d: &Data) -> Vec<f64> {
+    let gqa = c.heads / c.kv_heads;
+    let mut out = vec![0.0; c.heads * c.dim];
+    for h in 0..c.heads {
+        let kv = h / gqa;
+        let m = if c.per_head_mask { h * c.keys } else { 0 };
+        let mut logits = Vec::new();
+        for j in 0..c.keys {
+            let mv = d.mask[m + j] as f64;
+            if mv == f64::NEG_INFINITY {
+                continue;
+            }
+            let kr = (j * c.kv_heads + kv) * c.dim;
+            let dot: f64 = (0..c.dim)
+                .map(|e| d.q[h * c.dim + e] as f64 * d.k[kr + e] as f64)
+                .sum();
+            logits.push((j, dot * c.scale as f64 + mv));
+        }
+        let o = &mut out[h * c.dim..(h + 1) * c.dim];
+        if logits.iter().any(|(_, l)| l.is_nan()) {
+            o.fill(f64::NAN);
+            continue;
+        }
+        let mx = logits.iter().map(|x| x.1).fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = logits.iter().map(|x| (x.1 - mx).exp()).sum();
+        for &(j, l) in &logits {
+            let p = (l - mx).exp() / sum;
+            let vr = (j * c.kv_heads + kv) * c.dim;
+            for e in 0..c.dim {
+                o[e] += p * d.v[vr + e] as f64;
+            }
+        }
+    }
+    out
+}
+
+fn view(buffer: BufferId, off: usize, dtype: DType, shape: &[usize], st: &[usize]) -> TensorRef {
+    TensorRef {
+        buffer,
+        byte_offset: off,
+        dtype,
+        shape: shape.to_vec(),
+        strides: st.to_vec(),
+    }
+}
+
+fn upload(b: &VulkanBackend, bytes: &[u8]) -> BufferId {
+    let id = b
+        .alloc_buffer(bytes.len().max(4), BufferUsage::Compute)
+        .unwrap();
+    b.set_tensor(id, 0, bytes).unwrap();
+    id
+}
+
+/// What the graph around the chain looks like.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Around {
+    /// The scratch holding scores, p and the product is dead after the graph.
+    Dead,
+    /// Nothing is known of the scratch after the graph (`ExecGraph::scratch` is `None`).
+    Unknown,
+    /// A later node reads p.
+    PRead,
+}
+
+/// Runs the chain `steps` times on a backend with `cfg`; the result `[heads, dim]` of each run
+/// and whether a fused dispatch ran (from the profile when `cfg.profile`).
+fn run(cfg: VkConfig, c: &Case, d: &Data, around: Around, steps: usize) -> Vec<Vec<u8>> {
+    let b = common::open(cfg).expect("a Vulkan device");
+    let (hq, hk, dim, l) = (c.heads, c.kv_heads, c.dim, c.keys);
+    let qb = upload(&b, &common::f32_bytes(&d.q));
+    let kb = upload(&b, &d.k_bytes);
+    let vb = upload(&b, &d.v_bytes);
+    let mb = upload(&b, &common::f32_bytes(&d.mask));
+    let q = view(qb, 0, DType::F32, &[hq, 1, dim], &[dim, hq * dim, 1]);
+    let k = view(kb, 0, c.kv, &[hk, dim, l], &[dim, 1, hk * dim]);
+    let v = view(vb, 0, c.kv, &[hk, l, dim], &[dim, hk * dim, 1]);
+    let mask = if c.per_head_mask {
+        view(mb, 0, DType::F32, &[hq, 1, l], &[l, l, 1])
+    } else {
+        view(mb, 0, DType::F32, &[1, l], &[l, 1])
+    };
+    // Scratch: scores, p, the product, and (for `PRead`) a sum of p.
+    let n_sc = hq * l * 4;
+    let n_o = hq * dim * 4;
+    let sb = b
+        .alloc_buffer(2 * n_sc + n_o + 2 * n_sc, BufferUsage::Compute)
+        .unwrap();
+    let sc3 = |off| {
+        view(
+            sb,
+            off,
+            DType::F32,
+            &[hq, 1, l],
+            &contiguous_strides(&[hq, 1, l]),
+        )
+    };
+    let scores = sc3(0);
+    let p = sc3(n_sc);
+    let o = view(sb, 2 * n_sc, DType::F32, &[hq, 1, dim], &[dim, dim, 1]);
+    let ob = b
+        .alloc_buffer(hq * dim * c.out.size_bytes(), BufferUsage::Compute)
+        .unwrap();
+    let out = view(ob, 0, c.out, &[1, hq, dim], &[hq * dim, dim, 1]);
+    let o_perm = view(sb, 2 * n_sc, DType::F32, &[1, hq, dim], &[dim, dim, 1]);
+    let node = |op, name: &str, dst: &TensorRef, srcs: Vec<TensorRef>| ExecNode {
+        op,
+        name: name.into(),
+        dst: dst.clone(),
+        srcs,
+    };
+    let mut nodes = vec![
+        node(Op::MulMat, "kq", &scores, vec![q, k]),
+        node(
+            Op::SoftMax { scale: c.scale },
+            "kq_soft_max",
+            &p,
+            vec![scores.clone(), mask],
+        ),
+        node(Op::MulMat, "kqv", &o, vec![p.clone(), v]),
+        node(Op::Cpy, "kqv_out", &out, vec![o_perm]),
+    ];
+    if around == Around::PRead {
+        let p2 = sc3(2 * n_sc + n_o);
+        nodes.push(node(Op::Add, "p_twice", &p2, vec![p.clone(), p.clone()]));
+    }
+    let graph = Arc::new(ExecGraph {
+        nodes,
+        scratch: (around != Around::Unknown).then(|| ScratchLive {
+            buffer: sb,
+            kept: Vec::new(),
+        }),
+    });
+    let mut outs = Vec::new();
+    for _ in 0..steps {
+        b.graph_compute_async(&graph).unwrap();
+        let mut bytes = vec![0u8; hq * dim * c.out.size_bytes()];
+        b.get_tensor(ob, 0, &mut bytes).unwrap();
+        outs.push(bytes);
+    }
+    b.synchronize().unwrap();
+    if b.kernel_times()
+        .iter()
+        .any(|t| t.name.starts_with("attn_dec"))
+    {
+        outs.push(b"fused".to_vec());
+    }
+    common::assert_clean(&b);
+    outs
+}
+
+fn cfg(fuse: bool, profile: bool) -> VkConfig {
+    VkConfig {
+        fuse,
+        profile,
+        ..common::config()
+    }
+}
+
+/// Runs `c` fused (profiled, then recorded and replayed) and unfused; checks both against the
+/// reference, each other and the replays.
+fn check(c: &Case) {
+    let d = data(c, 0x5eed ^ (c.keys * 31 + c.dim) as u64);
+    let Some(_) = common::open(common::config()) else {
+        return;
+    };
+    let fused = run(cfg(true, true), c, &d, Around::Dead, 1);
+    assert_eq!(fused.len(), 2, "the chain runs fused");
+    let unfused = run(cfg(false, true), c, &d, Around::Dead, 1);
+    assert_eq!(unfused.len(), 1, "LOWSYNC_VK_FUSE=0 runs it unfused");
+    let replays = run(cfg(true, false), c, &d, Around::Dead, 3);
+    for r in &replays {
+        assert_eq!(
+            r, &fused[0],
+            "recorded replays give the profiled run's bits"
+        );
+    }
+    if c.nan_in_masked {
+        let u = load(&unfused[0], c.out);
+        assert!(
+            u.iter().all(|x| x.is_nan()),
+            "the unfused chain reads the NaN rows"
+        );
+    }
+    let want = reference(c, &d);
+    let tol = if c.out == DType::F32 { 2e-5 } else { 1e-2 };
+    let (f, u) = (load(&fused[0], c.out), load(&unfused[0], c.out));
+    for i in 0..want.len() {
+        let h = i / c.dim;
+        assert_eq!(
+            f[i].is_nan(),
+            want[i].is_nan(),
+            "head {h}: fused {} ref {}",
+            f[i],
+            want[i]
+        );
+        if !want[i].is_nan() {
+            let err = (f[i] - want[i]).abs();
+            assert!(
+                err <= tol,
+                "head {h} elem {i}: fused {} ref {}",
+                f[i],
+                want[i]
+            );
+        }
+        if !c.nan_in_masked {
+            // Unfused reads the masked rows too; without NaN there it agrees.
+            assert_eq!(u[i].is_nan(), f[i].is_nan(), "head {h}: unfused {}", u[i]);
+            if !u[i].is_nan() {
+                let err = (f[i] - u[i]).abs();
+                assert!(
+                    err <= tol,
+                    "head {h} elem {i}: fused {} unfused {}",
+                    f[i],
+                    u[i]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gqa_f32_cache_broadcast_mask() {
+    check(&base());
+}
+
+#[test]
+fn f16_cache_and_f16_result() {
+    check(&Case {
+        kv: DType::F16,
+        out: DType::F16,
+        ..base()
+    });
+}
+
+#[test]
+fn bf16_cache() {
+    check(&Case {
+        kv: DType::BF16,
+        ..base()
+    });
+}
+
+#[test]
+fn more_keys_than_a_chunk_and_wide_heads() {
+    check(&Case {
+        heads: 4,
+        kv_heads: 4,
+        dim: 200,
+        keys: 1300,
+        kv: DType::F16,
+        ..base()
+    });
+}
+
+#[test]
+fn fully_masked_head_gives_zeros_and_nan_logit_gives_nan_row() {
+    let c = Case {
+        per_head_mask: true,
+        all_masked: Some(2),
+        nan_head: Some(5),
+        ..base()
+    };
+    check(&c);
+    let d = data(&c, 7);
+    if common::open(common::config()).is_none() {
+        return;
+    }
+    let f = load(&run(cfg(true, false), &c, &d, Around::Dead, 1)[0], c.out);
+    assert!(f[2 * c.dim..3 * c.dim].iter().all(|&x| x == 0.0));
+    assert!(f[5 * c.dim..6 * c.dim].iter().all(|x| x.is_nan()));
+    assert!(f[..2 * c.dim].iter().all(|x| x.is_finite()));
+}
+
+#[test]
+fn masked_cache_rows_are_never_read() {
+    // NaN in every masked row: the unfused chain's scores there are NaN (and so is its
+    // result); the fused kernel skips those rows and matches the reference.
+    check(&Case {
+        nan_in_masked: true,
+        keys: 600,
+        ..base()
+    });
+}
+
+#[test]
+fn live_intermediates_or_unknown_scratch_stay_unfused() {
+    let c = base();
+    let d = data(&c, 11);
+    if common::open(common::config()).is_none() {
+        return;
+    }
+    let fused = run(cfg(true, true), &c, &d, Around::Dead, 1);
+    for around in [Around::Unknown, Around::PRead] {
+        let r = run(cfg(true, true), &c, &d, around, 1);
+        assert_eq!(r.len(), 1, "not fused");
+        let (a, b) = (load(&r[0], c.out), load(&fused[0], c.out));
+        assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 2e-5));
+    }
+}
