@@ -17,7 +17,10 @@
 //! instead. A source that overlaps its node's destination is first copied to device scratch
 //! memory of this submission, which makes the plan single-use: recorded into the primary
 //! buffer, never cached. Index-checking kernels get a tag naming their node, so an index error
-//! the device reports names the node.
+//! the device reports names the node. With `LOWSYNC_VK_FUSION` on (the default), a decode
+//! attention chain `crate::fusion` proves safe is planned as one dispatch at its first node's
+//! position and its other nodes plan nothing; the graph's node count is still what a step
+//! counts as kernel launches.
 //!
 //! Invariants: a plan is replayed only for the graph and generation it was built for; every
 //! recorded range was bounds-checked against its buffer; per call, either the graph's nodes
@@ -172,7 +175,7 @@ impl Inner {
         let mut sites = Vec::new();
         let mut tracker = Tracker::default();
         let mut replayable = true;
-        let groups = if self.config.fuse {
+        let groups = if self.config.fusion {
             fusion::attention_groups(graph)
         } else {
             Vec::new()

@@ -1,4 +1,4 @@
-//! The fused decode attention (`LOWSYNC_VK_FUSE`, on by default): the chain `MulMat(q, K) ->
+//! The fused decode attention (`LOWSYNC_VK_FUSION`, on by default): the chain `MulMat(q, K) ->
 //! SoftMax(scale, mask) -> MulMat(p, V) -> Cpy` of a decode step, laid out as the Llama graph
 //! lays it out (q `[heads, 1, dim]` over a `[tokens, heads, dim]` row, K and V as views of
 //! `[n_ctx, kv_heads, dim]` caches), runs as one dispatch where the graph proves the scores,
@@ -315,7 +315,7 @@ fn run(cfg: VkConfig, c: &Case, d: &Data, around: Around, steps: usize) -> Vec<V
 
 fn cfg(fuse: bool, profile: bool) -> VkConfig {
     VkConfig {
-        fuse,
+        fusion: fuse,
         profile,
         ..common::config()
     }
@@ -331,7 +331,7 @@ fn check(c: &Case) {
     let fused = run(cfg(true, true), c, &d, Around::Dead, 1);
     assert_eq!(fused.len(), 2, "the chain runs fused");
     let unfused = run(cfg(false, true), c, &d, Around::Dead, 1);
-    assert_eq!(unfused.len(), 1, "LOWSYNC_VK_FUSE=0 runs it unfused");
+    assert_eq!(unfused.len(), 1, "LOWSYNC_VK_FUSION=0 runs it unfused");
     let replays = run(cfg(true, false), c, &d, Around::Dead, 3);
     for r in &replays {
         assert_eq!(
