@@ -190,8 +190,8 @@ fn reference(c: &Case, d: &Data) -> Vec<f64> {
         for &(j, l) in &logits {
             let p = (l - mx).exp() / sum;
             let vr = (j * c.kv_heads + kv) * c.dim;
-            for e in 0..c.dim {
-                o[e] += p * d.v[vr + e] as f64;
+            for (x, &ve) in o.iter_mut().zip(&d.v[vr..vr + c.dim]) {
+                *x += p * ve as f64;
             }
         }
     }
