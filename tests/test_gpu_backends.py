@@ -183,8 +183,9 @@ def test_vulkan_profile_times_every_kernel_of_a_step_without_changing_tokens(
         assert t["count"] % N_GEN == 0, t
         assert t["read_bytes"] > 0, t
     names = {t["name"].split(".")[0] for t in times}
-    # The decode attention runs fused (LOWSYNC_VK_FUSION, on by default): no soft_max of its own.
-    assert {"rms_norm", "rope", "attn_dec", "argmax"} <= names
+    # Fused (LOWSYNC_VK_FUSION, on by default): the attention has no soft_max of its own, and
+    # each norm is multiplied by its weight in the same dispatch.
+    assert {"rms_norm_mul", "rope", "attn_dec", "argmax"} <= names
     assert any(n.startswith("mul_mat_vec") for n in names)
     sess.context.reset_stats()
     assert sess.context.kernel_times() == []
@@ -235,12 +236,13 @@ def _dispatches_per_step(fusion: str, env: pytest.MonkeyPatch) -> dict[str, floa
 
 
 @pytest.mark.vulkan
-def test_vulkan_fused_decode_attention_keeps_tokens_and_cuts_dispatches(
+def test_vulkan_fusion_keeps_tokens_and_cuts_dispatches(
     clean_env: pytest.MonkeyPatch,
 ) -> None:
     """`LOWSYNC_VK_FUSION` on and off: the same greedy tokens, every decode step's logits within
     1e-5 of the largest (only the attention's summation order differs), the same counts per
-    step; fused, each layer's scores, soft_max, p @ V and copy are one `attn_dec` dispatch."""
+    step; fused, each layer's scores, soft_max, p @ V and copy are one `attn_dec` dispatch and
+    each norm with its weight's product one `rms_norm_mul`."""
     tokens_on, steps_on = _vulkan_steps("1", clean_env)
     tokens_off, steps_off = _vulkan_steps("0", clean_env)
     assert tokens_on == tokens_off
@@ -259,7 +261,11 @@ def test_vulkan_fused_decode_attention_keeps_tokens_and_cuts_dispatches(
     assert "attn_dec" not in off
     assert off["soft_max"] == layers
     assert "soft_max" not in on
-    assert sum(off.values()) - sum(on.values()) == 3 * layers
+    norms = 2 * layers + 1
+    assert on.get("rms_norm_mul") == norms
+    assert "rms_norm" not in on
+    assert off["rms_norm"] == norms
+    assert sum(off.values()) - sum(on.values()) == 3 * layers + norms
 
 
 def _cuda_decode(

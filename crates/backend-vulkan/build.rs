@@ -81,6 +81,14 @@ const KERNELS: &[Spec] = &[
         &[("d", Slot::Out, FLOATS), ("a", Slot::In, FLOATS)],
     ),
     (
+        "rms_norm_mul",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, FLOATS),
+            ("w", Slot::In, FLOATS),
+        ],
+    ),
+    (
         "soft_max",
         &[
             ("d", Slot::Out, FLOATS),

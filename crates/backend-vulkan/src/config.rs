@@ -47,9 +47,9 @@ pub struct VkConfig {
     /// ([`lowsync_backend::Backend::kernel_times`]). Graphs are then recorded into the stream
     /// on every step, as with `record` off, so each submission owns its queries.
     pub profile: bool,
-    /// `LOWSYNC_VK_FUSION` (default 1): a decode attention chain (`MulMat(q, K) -> SoftMax ->
-    /// MulMat(p, V) [-> Cpy]`) the graph proves safe runs as one kernel (`crate::fusion`); 0
-    /// plans every node on its own (the A/B switch).
+    /// `LOWSYNC_VK_FUSION` (default 1): chains the graph proves safe run as one kernel each
+    /// (`crate::fusion`: a decode attention `MulMat(q, K) -> SoftMax -> MulMat(p, V) [-> Cpy]`,
+    /// an `RmsNorm -> Mul` by its weight); 0 plans every node on its own (the A/B switch).
     pub fusion: bool,
     /// Counting or tracing hook over device entry points (tests only).
     pub entry_point_hook: Option<EntryPointHook>,

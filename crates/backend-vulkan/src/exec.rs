@@ -17,9 +17,9 @@
 //! instead. A source that overlaps its node's destination is first copied to device scratch
 //! memory of this submission, which makes the plan single-use: recorded into the primary
 //! buffer, never cached. Index-checking kernels get a tag naming their node, so an index error
-//! the device reports names the node. With `LOWSYNC_VK_FUSION` on (the default), a decode
-//! attention chain `crate::fusion` proves safe is planned as one dispatch at its first node's
-//! position and its other nodes plan nothing; the graph's node count is still what a step
+//! the device reports names the node. With `LOWSYNC_VK_FUSION` on (the default), a chain
+//! `crate::fusion` proves safe (a decode attention, a norm times its weight) is planned as one
+//! dispatch at its first node's position and its other nodes plan nothing; the graph's node count is still what a step
 //! counts as kernel launches.
 //!
 //! Invariants: a plan is replayed only for the graph and generation it was built for; every
@@ -34,7 +34,7 @@ use lowsync_backend::{bump, Error, ExecGraph, ExecNode, Result, TensorRef};
 use lowsync_graph::Op;
 
 use crate::device::unavailable;
-use crate::fusion::{self, AttnGroup};
+use crate::fusion::{self, AttnGroup, Group};
 use crate::ops::{self, Res, Status};
 use crate::pipelines::Bind;
 use crate::plan::{CachedPlan, ErrorSite, GraphPlan, Recorded, RecordedPlan, Tracker};
@@ -176,7 +176,7 @@ impl Inner {
         let mut tracker = Tracker::default();
         let mut replayable = true;
         let groups = if self.config.fusion {
-            fusion::attention_groups(graph)
+            fusion::groups(graph)
         } else {
             Vec::new()
         };
@@ -186,9 +186,15 @@ impl Inner {
             if fused[i] {
                 continue;
             }
-            if let Some(grp) = groups.next_if(|g| g.kq == i) {
-                if let Some(d) = self.plan_attention(st, graph, &grp)? {
-                    self.push_dispatch(st, &mut tracker, &mut steps, d)?;
+            if let Some(grp) = groups.next_if(|g| g.first() == i) {
+                let planned = match &grp {
+                    Group::Attn(a) => self.plan_attention(st, graph, a)?.map(|d| vec![d]),
+                    Group::NormMul { norm, mul } => self.plan_norm_mul(st, graph, *norm, *mul)?,
+                };
+                if let Some(ds) = planned {
+                    for d in ds {
+                        self.push_dispatch(st, &mut tracker, &mut steps, d)?;
+                    }
                     for m in grp.members() {
                         fused[m] = true;
                     }
@@ -333,5 +339,24 @@ impl Inner {
             out_strides,
         };
         Ok(ops::attention(kq, &a, self.limits).ok())
+    }
+
+    /// The fused `RmsNorm -> Mul` of nodes `norm` and `mul` (`crate::fusion` proved it safe),
+    /// or `None` when the kernel does not take its operands and the pair runs unfused.
+    fn plan_norm_mul(
+        &self,
+        st: &State,
+        graph: &ExecGraph,
+        norm: usize,
+        mul: usize,
+    ) -> Result<Option<Vec<ops::Dispatch>>> {
+        let (n, m) = (&graph.nodes[norm], &graph.nodes[mul]);
+        let Op::RmsNorm { eps } = n.op else {
+            return Ok(None);
+        };
+        let x = self.resolve(st, n, &n.srcs[0])?;
+        let w = self.resolve(st, m, &m.srcs[1])?;
+        let dst = self.resolve(st, m, &m.dst)?;
+        Ok(ops::norm_mul(n, &dst, &x, &w, eps, self.limits).ok())
     }
 }

@@ -8,8 +8,11 @@
 //! skipping their writes and running every member at the first one's position cannot change
 //! any result the unfused graph gives.
 //!
-//! Strategy: [`attention_groups`] tries each `MulMat` as the start of a chain and finds its
-//! members as the first later node reading each result. A chain is kept only when every check
+//! The same holds for `RmsNorm -> Mul` by the norm's weight (`rms_norm_mul`): the normalised
+//! row only passes to the product.
+//!
+//! Strategy: [`groups`] tries each node as the start of a chain and finds its members as the
+//! first later node reading each result. An attention chain is kept only when every check
 //! holds:
 //! - shapes and dtypes: one query row per head, `heads % kv_heads == 0`, K and V with the same
 //!   kv heads, an f32 mask that broadcasts onto the scores, f32 scores, p and product;
@@ -21,6 +24,8 @@
 //! - no member needs a private copy of a source, the one tensor written overlaps nothing the
 //!   chain reads, and no node between the members conflicts with a member that now runs before
 //!   it (same rule as moving a node: no shared byte with a write on either side).
+//!
+//! A norm chain needs the same deadness, overlap and conflict checks ([`norm_mul_at`]).
 //!
 //! Invariant: a returned group is proven safe by byte ranges of `TensorRef`s, so it holds
 //! whatever the allocator reuses; the caller still falls back to the unfused nodes when the
@@ -251,16 +256,92 @@ fn safe(g: &ExecGraph, grp: &AttnGroup) -> bool {
     })
 }
 
-/// Every decode attention chain of `g` that may run as one kernel, in node order, no node in
-/// two chains.
-pub(crate) fn attention_groups(g: &ExecGraph) -> Vec<AttnGroup> {
+/// `RmsNorm -> Mul` by a weight at node `i`, if it may run as one kernel: an f32 norm (so the
+/// fused product rounds as the unfused one), its result dead after the `Mul` reads it, the
+/// weight broadcasting onto the row, the product overlapping neither the norm's source nor the
+/// weight, and no node between them conflicting with the `Mul`.
+fn norm_mul_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize)> {
+    let nodes = &g.nodes;
+    let norm = &nodes[i];
+    let [x] = norm.srcs.as_slice() else {
+        return None;
+    };
+    if !matches!(norm.op, Op::RmsNorm { .. })
+        || norm.dst.dtype != DType::F32
+        || !x.dtype.is_float()
+        || x.shape != norm.dst.shape
+        || x.numel() == 0
+    {
+        return None;
+    }
+    let t = &norm.dst;
+    let j = (i + 1..nodes.len()).find(|&j| nodes[j].srcs.iter().any(|s| overlap(s, t)))?;
+    let mul = &nodes[j];
+    let [a, w] = mul.srcs.as_slice() else {
+        return None;
+    };
+    let broadcasts = w.shape.len() <= t.shape.len()
+        && w.shape
+            .iter()
+            .rev()
+            .zip(t.shape.iter().rev())
+            .all(|(&d, &n)| d == n || d == 1);
+    let ok = !taken[j]
+        && mul.op == Op::Mul
+        && a == t
+        && w.dtype.is_float()
+        && mul.dst.dtype.is_float()
+        && mul.dst.shape == t.shape
+        && broadcasts
+        && !overlap(&mul.dst, x)
+        && !overlap(&mul.dst, w)
+        && !(0..2).any(|s| mul.src_needs_private_copy(s))
+        && !norm.src_needs_private_copy(0)
+        && dead_after(g, i, j, 0)
+        && (i + 1..j).all(|n| !conflicts(&nodes[n], mul));
+    ok.then_some((i, j))
+}
+
+/// A chain of nodes run as one kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Group {
+    Attn(AttnGroup),
+    /// `RmsNorm` then the `Mul` by its weight.
+    NormMul {
+        norm: usize,
+        mul: usize,
+    },
+}
+
+impl Group {
+    /// The first member: where the fused kernel runs.
+    pub(crate) fn first(&self) -> usize {
+        match self {
+            Group::Attn(a) => a.kq,
+            Group::NormMul { norm, .. } => *norm,
+        }
+    }
+
+    pub(crate) fn members(&self) -> Vec<usize> {
+        match self {
+            Group::Attn(a) => a.members(),
+            Group::NormMul { norm, mul } => vec![*norm, *mul],
+        }
+    }
+}
+
+/// Every chain of `g` that may run as one kernel, by first member, no node in two chains.
+pub(crate) fn groups(g: &ExecGraph) -> Vec<Group> {
     let mut taken = vec![false; g.nodes.len()];
     let mut out = Vec::new();
     for i in 0..g.nodes.len() {
         if taken[i] {
             continue;
         }
-        if let Some(grp) = attention_at(g, i, &taken) {
+        let grp = attention_at(g, i, &taken)
+            .map(Group::Attn)
+            .or_else(|| norm_mul_at(g, i, &taken).map(|(norm, mul)| Group::NormMul { norm, mul }));
+        if let Some(grp) = grp {
             let members = grp.members();
             if members.iter().any(|&m| taken[m]) {
                 continue;

@@ -77,3 +77,17 @@ pub(crate) fn plan(
 pub(crate) fn attention(node: &ExecNode, a: &Attn, lim: Limits) -> Result<Dispatch> {
     attention::attention(&Ctx { node, lim }, a)
 }
+
+/// Plans the fused `RmsNorm -> Mul` that starts at `node` (the norm): `x` normalised with `eps`
+/// times `w` broadcast onto it, into `dst`.
+pub(crate) fn norm_mul(
+    node: &ExecNode,
+    dst: &Res,
+    x: &Res,
+    w: &Res,
+    eps: f32,
+    lim: Limits,
+) -> Result<Vec<Dispatch>> {
+    let c = Ctx { node, lim };
+    rows::row_kernel(&c, "rms_norm_mul", dst, x, Some(w), eps)
+}
