@@ -10,12 +10,12 @@
 // it (-inf: the key is skipped, its score stays -inf); the chunk's scores live in shared memory.
 // An online softmax keeps the running maximum M and sum S: a chunk with a larger maximum rescales
 // S and the accumulators by exp(M_old - M_new). Each thread accumulates output dims li and
-// li + WG over the chunk's keys, reading a V row only where its weight is not exactly 0 (masked
-// keys, or weights that underflowed to 0).
+// li + WG over the chunk's admitted keys, reading no V row of a masked key.
 //
 // Invariants: f32 accumulation throughout. A NaN admitted logit (score * scale + mask) makes the
 // whole row NaN, and a row with every key masked (and no NaN) gives zeros, as the unfused
-// soft_max does. Barriers are only reached in uniform control flow (loop bounds and M come from
+// soft_max does. A masked key contributes exactly nothing whatever its K and V rows hold (the
+// CPU backend's fused attention agrees; unfused, a NaN there would poison the row). Barriers are only reached in uniform control flow (loop bounds and M come from
 // push constants and shared reductions). d <= 2 * WG (the planner checks).
 
 struct Pc {
@@ -130,12 +130,17 @@ fn main(
         }
         var ls = 0.0;
         for (var j = li; j < n; j += WG) {
-            var p = 0.0;
-            if sc[j] != ninf {
-                p = exp(sc[j] - new_mx);
+            // -1 marks a masked key: its V row is never read. An admitted key whose logit is
+            // -inf (or whose NaN was counted above) weighs 0 and is read, as unfused.
+            var p = -1.0;
+            if bitcast<u32>(ld_m(m0 + (c0 + j) * pc.op.y)) != 0xff800000u {
+                p = 0.0;
+                if sc[j] != ninf {
+                    p = exp(sc[j] - new_mx);
+                }
+                ls += p;
             }
             sc[j] = p;
-            ls += p;
         }
         let cs = reduce_sum(ls, li);
         sum = sum * alpha + cs;
@@ -143,7 +148,7 @@ fn main(
         acc1 *= alpha;
         for (var j = 0u; j < n; j++) {
             let p = sc[j];
-            if p != 0.0 {
+            if p >= 0.0 {
                 let vr = v0 + (c0 + j) * pc.offs.y;
                 if li < dim {
                     acc0 += p * ld_v(vr + li * pc.offs.z);
