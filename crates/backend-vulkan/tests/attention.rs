@@ -7,8 +7,10 @@
 //! chunk (the online softmax's rescaling), per-head and broadcast masks, a fully masked head
 //! (zeros), a NaN admitted logit (a NaN row) and NaN in masked cache rows (never read).
 //! Chains whose intermediates something reads, or whose graph says nothing of its scratch,
-//! stay unfused. Every run asserts the validation layer (synchronization validation on) stayed
-//! silent; recorded replays give the same bits as the first step.
+//! stay unfused. A one-layer decode through the scheduler (f16 caches written by `set_rows` in
+//! the same step) fuses, replays the bits of recording every step, and keeps the unfused
+//! logits within 1e-5. Every run asserts the validation layer (synchronization validation on)
+//! stayed silent; recorded replays give the same bits as the first step.
 
 mod common;
 
@@ -460,5 +462,128 @@ fn live_intermediates_or_unknown_scratch_stay_unfused() {
         assert_eq!(r.len(), 1, "not fused");
         let (a, b) = (load(&r[0], c.out), load(&fused[0], c.out));
         assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 2e-5));
+    }
+}
+
+/// A one-layer decode through the scheduler, laid out as the Llama graph: q rotated, K and V
+/// rows written into persistent caches by `set_rows` and read back through permuted views by
+/// the attention under the mask, the heads' results copied back to a row and projected.
+mod scheduled {
+    use super::*;
+    use lowsync_graph::{Graph, RopeMode};
+    use lowsync_scheduler::{Sched, SyncPolicy};
+
+    const V: usize = 32;
+    const HEADS: usize = 4;
+    const KV_HEADS: usize = 2;
+    const HD: usize = 16;
+    const N_CTX: usize = 24;
+
+    fn w(g: &mut Graph, name: &str, shape: &[usize], seed: u64) -> lowsync_graph::TensorId {
+        let n = shape.iter().product();
+        let mut r = Rng(seed);
+        let v: Vec<f32> = (0..n).map(|_| r.next()).collect();
+        g.weight(name, shape, DType::F32, common::f32_bytes(&v), None)
+            .unwrap()
+    }
+
+    fn graph() -> Graph {
+        let mut g = Graph::new();
+        let tok = g.input("tok", &[1], DType::I32).unwrap();
+        let pos = g.input("pos", &[1], DType::I32).unwrap();
+        let slot = g.input("slot", &[1], DType::I32).unwrap();
+        let mask = g.input("mask", &[1, N_CTX], DType::F32).unwrap();
+        let emb = w(&mut g, "emb", &[V, HEADS * HD], 1);
+        let wq = w(&mut g, "wq", &[HEADS * HD, HEADS * HD], 2);
+        let wk = w(&mut g, "wk", &[KV_HEADS * HD, HEADS * HD], 3);
+        let wv = w(&mut g, "wv", &[KV_HEADS * HD, HEADS * HD], 4);
+        let out = w(&mut g, "out", &[V, HEADS * HD], 5);
+        let kc = g
+            .persistent("k_cache", &[N_CTX, KV_HEADS * HD], DType::F16)
+            .unwrap();
+        let vc = g
+            .persistent("v_cache", &[N_CTX, KV_HEADS * HD], DType::F16)
+            .unwrap();
+        let x = g.get_rows(emb, tok).unwrap();
+        let wqt = g.transpose(wq, 0, 1).unwrap();
+        let wkt = g.transpose(wk, 0, 1).unwrap();
+        let wvt = g.transpose(wv, 0, 1).unwrap();
+        let q = g.mul_mat(x, wqt).unwrap();
+        let q = g.reshape(q, &[1, HEADS, HD]).unwrap();
+        let q = g.rope(q, pos, RopeMode::Normal, HD, 10_000.0).unwrap();
+        let k = g.mul_mat(x, wkt).unwrap();
+        let v = g.mul_mat(x, wvt).unwrap();
+        let k_all = g.set_rows(kc, k, slot).unwrap();
+        let v_all = g.set_rows(vc, v, slot).unwrap();
+        let keys = g.reshape(k_all, &[N_CTX, KV_HEADS, HD]).unwrap();
+        let keys = g.permute(keys, &[1, 2, 0]).unwrap();
+        let values = g.reshape(v_all, &[N_CTX, KV_HEADS, HD]).unwrap();
+        let values = g.permute(values, &[1, 0, 2]).unwrap();
+        let queries = g.permute(q, &[1, 0, 2]).unwrap();
+        let scores = g.mul_mat(queries, keys).unwrap();
+        let p = g.soft_max(scores, Some(mask), 0.25).unwrap();
+        let o = g.mul_mat(p, values).unwrap();
+        let o = g.permute(o, &[1, 0, 2]).unwrap();
+        let o = g.cont(o).unwrap();
+        let o = g.reshape(o, &[1, HEADS * HD]).unwrap();
+        let outt = g.transpose(out, 0, 1).unwrap();
+        let logits = g.mul_mat(o, outt).unwrap();
+        g.output("logits", logits).unwrap();
+        g
+    }
+
+    /// Logits of `steps` decode steps, and whether `attn_dec` ran (profiled configs only).
+    fn decode(cfg: VkConfig, steps: usize) -> (Vec<Vec<f64>>, bool) {
+        let b = Arc::new(common::open(cfg).expect("a Vulkan device"));
+        let dynb: Arc<dyn Backend> = b.clone();
+        let sched = Sched::with_debug_realloc(vec![dynb], SyncPolicy::Staged, 1, 1).unwrap();
+        let mut plan = sched.compile(&graph()).unwrap();
+        let mut out = Vec::new();
+        for i in 0..steps {
+            let mask: Vec<f32> = (0..N_CTX)
+                .map(|c| if c <= i { 0.0 } else { f32::NEG_INFINITY })
+                .collect();
+            plan.set_input("tok", &common::i32_bytes(&[(i * 7 % V) as i32]))
+                .unwrap();
+            plan.set_input("pos", &common::i32_bytes(&[i as i32]))
+                .unwrap();
+            plan.set_input("slot", &common::i32_bytes(&[i as i32]))
+                .unwrap();
+            plan.set_input("mask", &common::f32_bytes(&mask)).unwrap();
+            plan.compute().unwrap();
+            out.push(load(&plan.get_output("logits").unwrap(), DType::F32));
+        }
+        b.synchronize().unwrap();
+        let fused = b
+            .kernel_times()
+            .iter()
+            .any(|t| t.name.starts_with("attn_dec"));
+        common::assert_clean(&b);
+        (out, fused)
+    }
+
+    #[test]
+    fn a_scheduled_decode_fuses_replays_and_matches_the_unfused_steps() {
+        if common::open(common::config()).is_none() {
+            return;
+        }
+        let steps = 10;
+        let (on, _) = decode(cfg(true, false), steps);
+        let (off, _) = decode(cfg(false, false), steps);
+        let (profiled, fused) = decode(cfg(true, true), steps);
+        assert!(fused, "the scheduled decode's attention runs fused");
+        for i in 0..steps {
+            assert_eq!(
+                on[i], profiled[i],
+                "step {i}: replayed and recorded-every-step agree"
+            );
+            let scale = off[i].iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            for (a, b) in on[i].iter().zip(&off[i]) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * scale,
+                    "step {i}: fused {a} unfused {b}"
+                );
+            }
+        }
     }
 }
