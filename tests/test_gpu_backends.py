@@ -183,7 +183,9 @@ def test_vulkan_profile_times_every_kernel_of_a_step_without_changing_tokens(
         assert t["count"] % N_GEN == 0, t
         assert t["read_bytes"] > 0, t
     names = {t["name"].split(".")[0] for t in times}
-    assert {"rms_norm", "rope", "soft_max", "argmax"} <= names
+    # Fused (LOWSYNC_VK_FUSION, on by default): the attention has no soft_max of its own, and
+    # each norm is multiplied by its weight in the same dispatch.
+    assert {"rms_norm_mul", "rope", "attn_dec", "argmax"} <= names
     assert any(n.startswith("mul_mat_vec") for n in names)
     sess.context.reset_stats()
     assert sess.context.kernel_times() == []
@@ -195,6 +197,75 @@ def test_vulkan_profile_times_every_kernel_of_a_step_without_changing_tokens(
     plain = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
     plain.generate(PROMPT, max_new_tokens=2, seq_id=0)
     assert plain.context.kernel_times() == []
+
+
+def _vulkan_steps(fusion: str, env: pytest.MonkeyPatch) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens of a generation and the logits of one-token decode steps (each runs the
+    decode graph, its attention fused or not) with `LOWSYNC_VK_FUSION=fusion`."""
+    env.setenv("LOWSYNC_VK_FUSION", fusion)
+    model = ls.Llama.random(MICRO, seed=4)
+    sess = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
+    tokens = sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
+    sess.seq_rm(0)
+    steps = []
+    for t in PROMPT + tokens:
+        lg = sess.decode([t], seq_id=0, logits="all")
+        assert lg is not None
+        steps.append(lg)
+    return tokens, steps
+
+
+def _dispatches_per_step(fusion: str, env: pytest.MonkeyPatch) -> dict[str, float]:
+    """Profiled dispatches per decode step, per kernel family, with `LOWSYNC_VK_FUSION=fusion`."""
+    env.setenv("LOWSYNC_VK_FUSION", fusion)
+    env.setenv("LOWSYNC_VK_PROFILE", "1")
+    model = ls.Llama.random(MICRO, seed=4)
+    sess = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
+    sess.generate([PROMPT[0]], max_new_tokens=N_GEN, seq_id=0)
+    sess.seq_rm(0)
+    sess.context.synchronize()
+    sess.context.reset_stats()
+    sess.generate([PROMPT[0]], max_new_tokens=N_GEN, seq_id=0)
+    sess.context.synchronize()
+    per: dict[str, float] = {}
+    for t in sess.context.kernel_times():
+        name = t["name"].split(".")[0]
+        per[name] = per.get(name, 0) + t["count"] / N_GEN
+    env.delenv("LOWSYNC_VK_PROFILE")
+    return per
+
+
+@pytest.mark.vulkan
+def test_vulkan_fusion_keeps_tokens_and_cuts_dispatches(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """`LOWSYNC_VK_FUSION` on and off: the same greedy tokens, every decode step's logits within
+    1e-5 of the largest (only the attention's summation order differs), the same counts per
+    step; fused, each layer's scores, soft_max, p @ V and copy are one `attn_dec` dispatch and
+    each norm with its weight's product one `rms_norm_mul`."""
+    tokens_on, steps_on = _vulkan_steps("1", clean_env)
+    tokens_off, steps_off = _vulkan_steps("0", clean_env)
+    assert tokens_on == tokens_off
+    for on, off in zip(steps_on, steps_off, strict=True):
+        assert np.max(np.abs(on - off)) <= 1e-5 * np.max(np.abs(off))
+    clean_env.setenv("LOWSYNC_VK_FUSION", "1")
+    _, _, rec_on = _vulkan_decode("1", clean_env)
+    clean_env.setenv("LOWSYNC_VK_FUSION", "0")
+    _, _, rec_off = _vulkan_decode("1", clean_env)
+    for key in ("submits", "host_waits", "graph_launches", "kernel_launches", "d2d_copies"):
+        assert [d[key] for d in rec_on.steps] == [d[key] for d in rec_off.steps], key
+    on = _dispatches_per_step("1", clean_env)
+    off = _dispatches_per_step("0", clean_env)
+    layers = MICRO.n_layer
+    assert on.get("attn_dec") == layers
+    assert "attn_dec" not in off
+    assert off["soft_max"] == layers
+    assert "soft_max" not in on
+    norms = 2 * layers + 1
+    assert on.get("rms_norm_mul") == norms
+    assert "rms_norm" not in on
+    assert off["rms_norm"] == norms
+    assert sum(off.values()) - sum(on.values()) == 3 * layers + norms
 
 
 def _cuda_decode(

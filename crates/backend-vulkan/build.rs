@@ -81,11 +81,29 @@ const KERNELS: &[Spec] = &[
         &[("d", Slot::Out, FLOATS), ("a", Slot::In, FLOATS)],
     ),
     (
+        "rms_norm_mul",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, FLOATS),
+            ("w", Slot::In, FLOATS),
+        ],
+    ),
+    (
         "soft_max",
         &[
             ("d", Slot::Out, FLOATS),
             ("a", Slot::In, FLOATS),
             ("m", Slot::In, FLOATS),
+        ],
+    ),
+    (
+        "attn_dec",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("k", Slot::In, FLOATS),
+            ("v", Slot::In, FLOATS),
+            ("m", Slot::In, &["f32"]),
         ],
     ),
     (

@@ -4,7 +4,7 @@
 //! Why a struct: environment variables are process-global, so tests that must run both memory
 //! paths side by side in one process cannot flip them; they build a `VkConfig` and call
 //! [`crate::VulkanBackend::new`] instead. A bad value is an `Error::Env` naming the variable.
-//! `VkConfig::default()` is the product's default: every switch off except `record`.
+//! `VkConfig::default()` is the product's default: every switch off except `record` and `fusion`.
 
 use std::ffi::{c_void, CStr};
 
@@ -47,6 +47,10 @@ pub struct VkConfig {
     /// ([`lowsync_backend::Backend::kernel_times`]). Graphs are then recorded into the stream
     /// on every step, as with `record` off, so each submission owns its queries.
     pub profile: bool,
+    /// `LOWSYNC_VK_FUSION` (default 1): chains the graph proves safe run as one kernel each
+    /// (`crate::fusion`: a decode attention `MulMat(q, K) -> SoftMax -> MulMat(p, V) [-> Cpy]`,
+    /// an `RmsNorm -> Mul` by its weight); 0 plans every node on its own (the A/B switch).
+    pub fusion: bool,
     /// Counting or tracing hook over device entry points (tests only).
     pub entry_point_hook: Option<EntryPointHook>,
 }
@@ -64,6 +68,7 @@ impl VkConfig {
             no_subgroups: env::flag("LOWSYNC_VK_NO_SUBGROUPS", false)?,
             record: env::flag("LOWSYNC_VK_RECORD", true)?,
             profile: env::flag("LOWSYNC_VK_PROFILE", false)?,
+            fusion: env::flag("LOWSYNC_VK_FUSION", true)?,
             entry_point_hook: None,
         })
     }
@@ -81,6 +86,7 @@ impl Default for VkConfig {
             no_subgroups: false,
             record: true,
             profile: false,
+            fusion: true,
             entry_point_hook: None,
         }
     }

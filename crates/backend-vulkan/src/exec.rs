@@ -17,7 +17,10 @@
 //! instead. A source that overlaps its node's destination is first copied to device scratch
 //! memory of this submission, which makes the plan single-use: recorded into the primary
 //! buffer, never cached. Index-checking kernels get a tag naming their node, so an index error
-//! the device reports names the node.
+//! the device reports names the node. With `LOWSYNC_VK_FUSION` on (the default), a chain
+//! `crate::fusion` proves safe (a decode attention, a norm times its weight) is planned as one
+//! dispatch at its first node's position and its other nodes plan nothing; the graph's node count is still what a step
+//! counts as kernel launches.
 //!
 //! Invariants: a plan is replayed only for the graph and generation it was built for; every
 //! recorded range was bounds-checked against its buffer; per call, either the graph's nodes
@@ -31,6 +34,7 @@ use lowsync_backend::{bump, Error, ExecGraph, ExecNode, Result, TensorRef};
 use lowsync_graph::Op;
 
 use crate::device::unavailable;
+use crate::fusion::{self, AttnGroup, Group};
 use crate::ops::{self, Res, Status};
 use crate::pipelines::Bind;
 use crate::plan::{CachedPlan, ErrorSite, GraphPlan, Recorded, RecordedPlan, Tracker};
@@ -171,7 +175,32 @@ impl Inner {
         let mut sites = Vec::new();
         let mut tracker = Tracker::default();
         let mut replayable = true;
-        for node in &graph.nodes {
+        let groups = if self.config.fusion {
+            fusion::groups(graph)
+        } else {
+            Vec::new()
+        };
+        let mut groups = groups.into_iter().peekable();
+        let mut fused = vec![false; graph.nodes.len()];
+        for (i, node) in graph.nodes.iter().enumerate() {
+            if fused[i] {
+                continue;
+            }
+            if let Some(grp) = groups.next_if(|g| g.first() == i) {
+                let planned = match &grp {
+                    Group::Attn(a) => self.plan_attention(st, graph, a)?.map(|d| vec![d]),
+                    Group::NormMul { norm, mul } => self.plan_norm_mul(st, graph, *norm, *mul)?,
+                };
+                if let Some(ds) = planned {
+                    for d in ds {
+                        self.push_dispatch(st, &mut tracker, &mut steps, d)?;
+                    }
+                    for m in grp.members() {
+                        fused[m] = true;
+                    }
+                    continue;
+                }
+            }
             node.op
                 .check_arity(node.srcs.len())
                 .map_err(|m| ops::kernel_err(node, m))?;
@@ -246,19 +275,7 @@ impl Inner {
                 _ => None,
             };
             for d in ops::plan(node, &dst, &srcs, status, self.limits)? {
-                let (pipeline, layout) = st.pipelines.pipeline(device, &d.kernel, d.binds.len())?;
-                let set = st.pipelines.descriptor_set(device, &d.binds)?;
-                let read_bytes = d.binds.iter().filter(|b| !b.write).map(|b| b.range).sum();
-                let step = Recorded::Dispatch {
-                    pipeline,
-                    layout,
-                    set,
-                    push: d.push,
-                    groups: d.groups,
-                    kernel: d.kernel.as_str().into(),
-                    read_bytes,
-                };
-                tracker.push(&mut steps, step.accesses(&d.binds), step);
+                self.push_dispatch(st, &mut tracker, &mut steps, d)?;
             }
         }
         Ok(GraphPlan {
@@ -268,5 +285,78 @@ impl Inner {
             sites,
             replayable,
         })
+    }
+
+    /// Adds a planned dispatch to a plan's steps, with a barrier before it where it conflicts.
+    fn push_dispatch(
+        &self,
+        st: &mut State,
+        tracker: &mut Tracker,
+        steps: &mut Vec<Recorded>,
+        d: ops::Dispatch,
+    ) -> Result<()> {
+        let device = self.device();
+        let (pipeline, layout) = st.pipelines.pipeline(device, &d.kernel, d.binds.len())?;
+        let set = st.pipelines.descriptor_set(device, &d.binds)?;
+        let read_bytes = d.binds.iter().filter(|b| !b.write).map(|b| b.range).sum();
+        let step = Recorded::Dispatch {
+            pipeline,
+            layout,
+            set,
+            push: d.push,
+            groups: d.groups,
+            kernel: d.kernel.as_str().into(),
+            read_bytes,
+        };
+        tracker.push(steps, step.accesses(&d.binds), step);
+        Ok(())
+    }
+
+    /// The fused attention dispatch of `grp` (`crate::fusion` proved it safe), or `None` when
+    /// the kernel does not take its operands and the chain runs unfused.
+    fn plan_attention(
+        &self,
+        st: &State,
+        graph: &ExecGraph,
+        grp: &AttnGroup,
+    ) -> Result<Option<ops::Dispatch>> {
+        let nodes = &graph.nodes;
+        let (kq, sm, pv) = (&nodes[grp.kq], &nodes[grp.soft_max], &nodes[grp.pv]);
+        let last = &nodes[grp.last()];
+        let Some(out_strides) = fusion::out_strides(&pv.dst, grp.cpy.map(|c| &nodes[c])) else {
+            return Ok(None);
+        };
+        let Op::SoftMax { scale } = sm.op else {
+            return Ok(None);
+        };
+        let a = ops::Attn {
+            q: &self.resolve(st, kq, &kq.srcs[0])?,
+            k: &self.resolve(st, kq, &kq.srcs[1])?,
+            v: &self.resolve(st, pv, &pv.srcs[1])?,
+            mask: &self.resolve(st, sm, &sm.srcs[1])?,
+            scale,
+            out: &self.resolve(st, last, &last.dst)?,
+            out_strides,
+        };
+        Ok(ops::attention(kq, &a, self.limits).ok())
+    }
+
+    /// The fused `RmsNorm -> Mul` of nodes `norm` and `mul` (`crate::fusion` proved it safe),
+    /// or `None` when the kernel does not take its operands and the pair runs unfused.
+    fn plan_norm_mul(
+        &self,
+        st: &State,
+        graph: &ExecGraph,
+        norm: usize,
+        mul: usize,
+    ) -> Result<Option<Vec<ops::Dispatch>>> {
+        let (n, m) = (&graph.nodes[norm], &graph.nodes[mul]);
+        let Op::RmsNorm { eps } = n.op else {
+            return Ok(None);
+        };
+        let x = self.resolve(st, n, &n.srcs[0])?;
+        let w = self.resolve(st, m, &m.srcs[1])?;
+        let dst = self.resolve(st, m, &m.dst)?;
+        Ok(ops::norm_mul(n, &dst, &x, &w, eps, self.limits).ok())
     }
 }

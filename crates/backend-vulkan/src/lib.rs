@@ -28,6 +28,7 @@ mod config;
 mod device;
 mod events;
 mod exec;
+mod fusion;
 mod io;
 mod memory;
 mod ops;

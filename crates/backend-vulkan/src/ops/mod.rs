@@ -12,11 +12,13 @@
 //! module per kernel family checks its op's shapes and fills the push constants:
 //! `elementwise` (4-D strided, `Cpy`, `Concat`), `rows` (norms, softmax, argmax, RoPE),
 //! `index` (`GetRows`, `SetRows`), `matmul` (`MulMat`, `MulMatId`), `sample` (`Penalize`,
-//! `Sample`). This module only dispatches on the op.
+//! `Sample`), and `attention` for the fused decode attention `crate::fusion` finds. This module
+//! only dispatches on the op.
 //!
 //! Invariants: every element index a kernel can form lies inside its binding; every count a
 //! kernel divides by is at least 1; dispatch sizes respect `maxComputeWorkGroupCount`.
 
+mod attention;
 mod elementwise;
 mod index;
 mod layout;
@@ -27,6 +29,7 @@ mod sample;
 use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::Op;
 
+pub(crate) use attention::{Attn, MAX_DIM as ATTN_MAX_DIM};
 use layout::Ctx;
 pub(crate) use layout::{kernel_err, Dispatch, Limits, Res, Status};
 
@@ -68,4 +71,23 @@ pub(crate) fn plan(
             Err(c.err("has no kernel (leaves and views are not executed)"))
         }
     }
+}
+
+/// Plans the fused decode attention of the chain that starts at `node` (its q @ K^T product).
+pub(crate) fn attention(node: &ExecNode, a: &Attn, lim: Limits) -> Result<Dispatch> {
+    attention::attention(&Ctx { node, lim }, a)
+}
+
+/// Plans the fused `RmsNorm -> Mul` that starts at `node` (the norm): `x` normalised with `eps`
+/// times `w` broadcast onto it, into `dst`.
+pub(crate) fn norm_mul(
+    node: &ExecNode,
+    dst: &Res,
+    x: &Res,
+    w: &Res,
+    eps: f32,
+    lim: Limits,
+) -> Result<Vec<Dispatch>> {
+    let c = Ctx { node, lim };
+    rows::row_kernel(&c, "rms_norm_mul", dst, x, Some(w), eps)
 }

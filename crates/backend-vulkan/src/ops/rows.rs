@@ -1,4 +1,5 @@
-//! Row kernels: `RmsNorm`, `SoftMax` (with an optional broadcast mask), `Argmax` and `Rope`.
+//! Row kernels: `RmsNorm`, `SoftMax` (with an optional broadcast mask), `Argmax`, `Rope`, and
+//! the fused `RmsNorm -> Mul` by a broadcast weight (`crate::fusion`).
 //!
 //! Why: these ops reduce or rotate along the last axis, so a workgroup (or thread group) owns a
 //! row and the leading axes only select rows; coalescing the leading axes to at most three lets
@@ -17,7 +18,8 @@ use lowsync_graph::{DType, RopeMode};
 use super::layout::{dt, rows3, Ctx, Dispatch, Res};
 use crate::pipelines::Push;
 
-/// RmsNorm and SoftMax: one workgroup per row of the last axis.
+/// RmsNorm, SoftMax and the fused `rms_norm_mul` (its weight in `mask`'s place): one workgroup
+/// per row of the last axis.
 pub(super) fn row_kernel(
     c: &Ctx,
     kernel: &str,
@@ -92,6 +94,20 @@ pub(super) fn row_kernel(
             dt(dst.dtype),
             dt(x.dtype),
             dt(mres.dtype)
+        );
+    } else if let (Some((w, full)), "rms_norm_mul") = (&m, kernel) {
+        // The fused norm's weight rides in the mask's slot.
+        let mut s = st[2];
+        s[3] = c.u32(full[r - 1], "stride")?;
+        let (bw, ow) = c.bind(w, false)?;
+        binds.push(bw);
+        push.b_str = s;
+        push.offs = [od, oa, ow, c.u32(rows, "row count")?];
+        name = format!(
+            "rms_norm_mul.d_{}.a_{}.w_{}",
+            dt(dst.dtype),
+            dt(x.dtype),
+            dt(w.dtype)
         );
     } else {
         push.offs = [od, oa, c.u32(rows, "row count")?, 0];

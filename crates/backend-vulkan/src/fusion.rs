@@ -1,0 +1,356 @@
+//! Fusion: node chains of a decode graph that one kernel computes, found from the graph alone
+//! and proven safe before they are planned as one dispatch.
+//!
+//! Why: a decode step of a Llama graph is a few hundred small dispatches; its attention is
+//! `MulMat(q, K) -> SoftMax(scale, mask) -> MulMat(p, V) -> Cpy` (a permutation to
+//! `[tokens, heads, dim]`), whose scores and probabilities only ever pass from one member to the
+//! next. One kernel (`ops::attention`) computes the chain and keeps them on chip, but only where
+//! skipping their writes and running every member at the first one's position cannot change
+//! any result the unfused graph gives.
+//!
+//! The same holds for `RmsNorm -> Mul` by the norm's weight (`rms_norm_mul`): the normalised
+//! row only passes to the product.
+//!
+//! Strategy: [`groups`] tries each node as the start of a chain and finds its members as the
+//! first later node reading each result. An attention chain is kept only when every check
+//! holds:
+//! - shapes and dtypes: one query row per head, `heads % kv_heads == 0`, K and V with the same
+//!   kv heads, an f32 mask that broadcasts onto the scores, f32 scores, p and product;
+//! - the scores and p are dead once their one reader inside the chain read them ([`dead_after`]:
+//!   every byte is overwritten by a later node's whole result before anything else reads it,
+//!   or the scheduler says nothing reads it after the graph), so they are never written;
+//! - the copy joins only when the product is dead after it, and maps the product's elements to
+//!   its destination axis by axis ([`cpy_axes`]);
+//! - no member needs a private copy of a source, the one tensor written overlaps nothing the
+//!   chain reads, and no node between the members conflicts with a member that now runs before
+//!   it (same rule as moving a node: no shared byte with a write on either side).
+//!
+//! A norm chain needs the same deadness, overlap and conflict checks ([`norm_mul_at`]).
+//!
+//! Invariant: a returned group is proven safe by byte ranges of `TensorRef`s, so it holds
+//! whatever the allocator reuses; the caller still falls back to the unfused nodes when the
+//! kernel planner refuses the operands.
+
+use lowsync_backend::{ExecGraph, ExecNode, TensorRef};
+use lowsync_graph::{DType, Op};
+
+use crate::ops::ATTN_MAX_DIM;
+
+/// A decode attention chain run as one kernel (node indices).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct AttnGroup {
+    pub kq: usize,
+    pub soft_max: usize,
+    pub pv: usize,
+    pub cpy: Option<usize>,
+}
+
+impl AttnGroup {
+    /// Every member, in node order.
+    pub(crate) fn members(&self) -> Vec<usize> {
+        let mut m = vec![self.kq, self.soft_max, self.pv];
+        m.extend(self.cpy);
+        m
+    }
+
+    /// The last member: its result is the tensor the kernel writes.
+    pub(crate) fn last(&self) -> usize {
+        self.cpy.unwrap_or(self.pv)
+    }
+}
+
+fn byte_range(t: &TensorRef) -> (usize, usize) {
+    (t.byte_offset, t.byte_offset + t.byte_extent())
+}
+
+/// Whether two tensors share a byte.
+fn overlap(a: &TensorRef, b: &TensorRef) -> bool {
+    let ((a0, a1), (b0, b1)) = (byte_range(a), byte_range(b));
+    a.buffer == b.buffer && a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1
+}
+
+/// Whether node `n`, run after node `m` instead of before it, could change a result.
+fn conflicts(n: &ExecNode, m: &ExecNode) -> bool {
+    overlap(&n.dst, &m.dst)
+        || m.srcs.iter().any(|s| overlap(&n.dst, s))
+        || n.srcs.iter().any(|s| overlap(s, &m.dst))
+}
+
+/// Whether the bytes node `at` writes are dead once source `src` of node `reader` has read
+/// them: in node order after `at`, every byte is overwritten by a node's whole contiguous
+/// result before any other read of it; bytes still live at the graph's end must be scratch the
+/// scheduler says nothing reads later.
+fn dead_after(g: &ExecGraph, at: usize, reader: usize, src: usize) -> bool {
+    let t = &g.nodes[at].dst;
+    let mut live = vec![byte_range(t)];
+    for (j, n) in g.nodes.iter().enumerate().skip(at + 1) {
+        let reads_live = n.srcs.iter().enumerate().any(|(i, s)| {
+            let (s0, s1) = byte_range(s);
+            (j, i) != (reader, src)
+                && s.buffer == t.buffer
+                && s0 < s1
+                && live.iter().any(|&(l0, l1)| s0 < l1 && l0 < s1)
+        });
+        if reads_live {
+            return false;
+        }
+        // SetRows writes some rows of its (whole-cache) result; other ops all of theirs.
+        if n.op != Op::SetRows && n.dst.buffer == t.buffer && n.dst.is_contiguous() {
+            let (w0, w1) = byte_range(&n.dst);
+            live = live
+                .into_iter()
+                .flat_map(|(l0, l1)| [(l0, l1.min(w0)), (l0.max(w1), l1)])
+                .filter(|&(a, b)| a < b)
+                .collect();
+            if live.is_empty() {
+                return true;
+            }
+        }
+    }
+    g.scratch
+        .as_ref()
+        .is_some_and(|sc| live.iter().all(|&(a, b)| !sc.read_after(t.buffer, a, b)))
+}
+
+/// For a `Cpy` of the whole product `o` (a view of it at the same bytes), the copy's axis
+/// holding each axis of `o` (`None` for an axis of extent 1); `None` when it is not such a copy.
+pub(crate) fn cpy_axes(o: &TensorRef, cpy: &ExecNode) -> Option<Vec<Option<usize>>> {
+    let [src] = cpy.srcs.as_slice() else {
+        return None;
+    };
+    if cpy.op != Op::Cpy
+        || src.buffer != o.buffer
+        || src.byte_offset != o.byte_offset
+        || src.dtype != o.dtype
+        || src.numel() != o.numel()
+        || o.numel() == 0
+        || cpy.dst.shape != src.shape
+        || !cpy.dst.dtype.is_float()
+    {
+        return None;
+    }
+    // Equal element counts: once every axis of `o` longer than 1 is matched, the copy's
+    // unmatched axes all have extent 1.
+    let mut taken = vec![false; src.shape.len()];
+    o.shape
+        .iter()
+        .zip(&o.strides)
+        .map(|(&d, &s)| {
+            if d == 1 {
+                return Some(None);
+            }
+            let b = (0..src.shape.len())
+                .find(|&b| !taken[b] && src.shape[b] == d && src.strides[b] == s)?;
+            taken[b] = true;
+            Some(Some(b))
+        })
+        .collect()
+}
+
+/// The element strides of (head, dim) of the product `o` in the tensor the kernel writes:
+/// the copy's destination when the copy joins, else `o` itself.
+pub(crate) fn out_strides(o: &TensorRef, cpy: Option<&ExecNode>) -> Option<[usize; 2]> {
+    match cpy {
+        None => Some([o.strides[0], o.strides[2]]),
+        Some(c) => {
+            let axes = cpy_axes(o, c)?;
+            let st = |a: Option<usize>| a.map_or(0, |b| c.dst.strides[b]);
+            Some([st(axes[0]), st(axes[2])])
+        }
+    }
+}
+
+/// The chain starting at node `i`, if it is a decode attention that may run fused.
+fn attention_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<AttnGroup> {
+    let nodes = &g.nodes;
+    let kq = &nodes[i];
+    let [q, k] = kq.srcs.as_slice() else {
+        return None;
+    };
+    if kq.op != Op::MulMat || q.shape.len() != 3 || k.shape.len() != 3 {
+        return None;
+    }
+    let (hq, d, hk, l) = (q.shape[0], q.shape[2], k.shape[0], k.shape[2]);
+    let ok = q.shape[1] == 1
+        && k.shape[1] == d
+        && q.dtype == DType::F32
+        && k.dtype.is_float()
+        && hk > 0
+        && hq % hk == 0
+        && (1..=ATTN_MAX_DIM).contains(&d)
+        && l > 0
+        && kq.dst.dtype == DType::F32
+        && kq.dst.shape == [hq, 1, l];
+    if !ok {
+        return None;
+    }
+    // The first later node reading a result is the next member.
+    let reader = |at: usize| {
+        let t = &nodes[at].dst;
+        (at + 1..nodes.len()).find(|&j| nodes[j].srcs.iter().any(|s| overlap(s, t)))
+    };
+    let soft_max = reader(i)?;
+    let sm = &nodes[soft_max];
+    let [scores, mask] = sm.srcs.as_slice() else {
+        return None;
+    };
+    if !matches!(sm.op, Op::SoftMax { .. })
+        || *scores != kq.dst
+        || mask.dtype != DType::F32
+        || mask.shape.len() > 3
+        || sm.dst.dtype != DType::F32
+        || sm.dst.shape != kq.dst.shape
+        || !dead_after(g, i, soft_max, 0)
+    {
+        return None;
+    }
+    let pv = reader(soft_max)?;
+    let n = &nodes[pv];
+    let [p, v] = n.srcs.as_slice() else {
+        return None;
+    };
+    if n.op != Op::MulMat
+        || *p != sm.dst
+        || v.shape != [hk, l, d]
+        || !v.dtype.is_float()
+        || n.dst.dtype != DType::F32
+        || n.dst.shape != [hq, 1, d]
+        || !dead_after(g, soft_max, pv, 0)
+    {
+        return None;
+    }
+    let cpy = reader(pv)
+        .filter(|&c| cpy_axes(&n.dst, &nodes[c]).is_some() && dead_after(g, pv, c, 0) && !taken[c]);
+    let with = |cpy| AttnGroup {
+        kq: i,
+        soft_max,
+        pv,
+        cpy,
+    };
+    cpy.map(|c| with(Some(c)))
+        .filter(|grp| safe(g, grp))
+        .or_else(|| Some(with(None)).filter(|grp| safe(g, grp)))
+}
+
+/// The footprint rules of the module docs for a well-formed chain.
+fn safe(g: &ExecGraph, grp: &AttnGroup) -> bool {
+    let nodes = &g.nodes;
+    let members = grp.members();
+    let private = members
+        .iter()
+        .any(|&m| (0..nodes[m].srcs.len()).any(|i| nodes[m].src_needs_private_copy(i)));
+    if private {
+        return false;
+    }
+    let (kq, sm, pv) = (&nodes[grp.kq], &nodes[grp.soft_max], &nodes[grp.pv]);
+    let reads = [&kq.srcs[0], &kq.srcs[1], &sm.srcs[1], &pv.srcs[1]];
+    let out = &nodes[grp.last()].dst;
+    if reads.iter().any(|r| overlap(out, r)) {
+        return false;
+    }
+    // Later members now run at the first one's position.
+    members[1..].iter().all(|&m| {
+        (grp.kq + 1..m)
+            .filter(|n| !members.contains(n))
+            .all(|n| !conflicts(&nodes[n], &nodes[m]))
+    })
+}
+
+/// `RmsNorm -> Mul` by a weight at node `i`, if it may run as one kernel: an f32 norm (so the
+/// fused product rounds as the unfused one), its result dead after the `Mul` reads it, the
+/// weight broadcasting onto the row, the product overlapping neither the norm's source nor the
+/// weight, and no node between them conflicting with the `Mul`.
+fn norm_mul_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize)> {
+    let nodes = &g.nodes;
+    let norm = &nodes[i];
+    let [x] = norm.srcs.as_slice() else {
+        return None;
+    };
+    if !matches!(norm.op, Op::RmsNorm { .. })
+        || norm.dst.dtype != DType::F32
+        || !x.dtype.is_float()
+        || x.shape != norm.dst.shape
+        || x.numel() == 0
+    {
+        return None;
+    }
+    let t = &norm.dst;
+    let j = (i + 1..nodes.len()).find(|&j| nodes[j].srcs.iter().any(|s| overlap(s, t)))?;
+    let mul = &nodes[j];
+    let [a, w] = mul.srcs.as_slice() else {
+        return None;
+    };
+    let broadcasts = w.shape.len() <= t.shape.len()
+        && w.shape
+            .iter()
+            .rev()
+            .zip(t.shape.iter().rev())
+            .all(|(&d, &n)| d == n || d == 1);
+    let ok = !taken[j]
+        && mul.op == Op::Mul
+        && a == t
+        && w.dtype.is_float()
+        && mul.dst.dtype.is_float()
+        && mul.dst.shape == t.shape
+        && broadcasts
+        && !overlap(&mul.dst, x)
+        && !overlap(&mul.dst, w)
+        && !(0..2).any(|s| mul.src_needs_private_copy(s))
+        && !norm.src_needs_private_copy(0)
+        && dead_after(g, i, j, 0)
+        && (i + 1..j).all(|n| !conflicts(&nodes[n], mul));
+    ok.then_some((i, j))
+}
+
+/// A chain of nodes run as one kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Group {
+    Attn(AttnGroup),
+    /// `RmsNorm` then the `Mul` by its weight.
+    NormMul {
+        norm: usize,
+        mul: usize,
+    },
+}
+
+impl Group {
+    /// The first member: where the fused kernel runs.
+    pub(crate) fn first(&self) -> usize {
+        match self {
+            Group::Attn(a) => a.kq,
+            Group::NormMul { norm, .. } => *norm,
+        }
+    }
+
+    pub(crate) fn members(&self) -> Vec<usize> {
+        match self {
+            Group::Attn(a) => a.members(),
+            Group::NormMul { norm, mul } => vec![*norm, *mul],
+        }
+    }
+}
+
+/// Every chain of `g` that may run as one kernel, by first member, no node in two chains.
+pub(crate) fn groups(g: &ExecGraph) -> Vec<Group> {
+    let mut taken = vec![false; g.nodes.len()];
+    let mut out = Vec::new();
+    for i in 0..g.nodes.len() {
+        if taken[i] {
+            continue;
+        }
+        let grp = attention_at(g, i, &taken)
+            .map(Group::Attn)
+            .or_else(|| norm_mul_at(g, i, &taken).map(|(norm, mul)| Group::NormMul { norm, mul }));
+        if let Some(grp) = grp {
+            let members = grp.members();
+            if members.iter().any(|&m| taken[m]) {
+                continue;
+            }
+            for m in members {
+                taken[m] = true;
+            }
+            out.push(grp);
+        }
+    }
+    out
+}
