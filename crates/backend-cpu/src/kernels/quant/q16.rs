@@ -703,26 +703,60 @@ mod x86 {
         out4(_mm_add_ps(acc, mins))
     }
 
+    /// A Q4_K super-block's 8 sub-block scales times `d` and 8 mins times `dmin` (the values
+    /// of `scalar::k_scale_min`, bit for bit), decoded from the 12 packed bytes with 32-bit
+    /// integer masks and shifts (4 sub-blocks a word) and converted 8 at a time.
+    #[inline(always)]
+    unsafe fn k_scales8(p: *const u8) -> (__m256, __m256) {
+        let (a, b, c) = (
+            u32_at(p.add(4)) as u32,
+            u32_at(p.add(8)) as u32,
+            u32_at(p.add(12)) as u32,
+        );
+        // Sub-blocks 0..4: the low 6 bits of bytes 0..4 (scales) and 4..8 (mins). 4..8: the
+        // nibbles of bytes 8..12 below the top 2 bits of bytes 0..4 (scales) and 4..8 (mins).
+        let (lo6, lo4, lo2) = (0x3F3F_3F3F, 0x0F0F_0F0F, 0x0303_0303);
+        let sc_hi = (c & lo4) | (((a >> 6) & lo2) << 4);
+        let mn_hi = ((c >> 4) & lo4) | (((b >> 6) & lo2) << 4);
+        let widen = |lo: u32, hi: u32| {
+            let v = _mm_cvtsi64_si128(((u64::from(hi) << 32) | u64::from(lo)) as i64);
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
+        };
+        (
+            _mm256_mul_ps(widen(a & lo6, sc_hi), _mm256_set1_ps(f16_at(p))),
+            _mm256_mul_ps(widen(b & lo6, mn_hi), _mm256_set1_ps(f16_at(p.add(2)))),
+        )
+    }
+
+    /// Rows `v[0..4]` of 8 values to columns: lanes 0..4 of `t[j]` are `v[0..4][j]` and lanes
+    /// 4..8 `v[0..4][j + 4]`, for `j < 4`.
+    #[inline(always)]
+    unsafe fn transpose4x8(v: &[__m256; 4]) -> [__m256; 4] {
+        let (l01, h01) = (_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
+        let (l23, h23) = (_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
+        [
+            _mm256_shuffle_ps::<0b01_00_01_00>(l01, l23),
+            _mm256_shuffle_ps::<0b11_10_11_10>(l01, l23),
+            _mm256_shuffle_ps::<0b01_00_01_00>(h01, h23),
+            _mm256_shuffle_ps::<0b11_10_11_10>(h01, h23),
+        ]
+    }
+
     /// Q4_K, a decode tile of 4 weight rows by one activation row: per super-block the 8
-    /// sub-block scales and mins of the 4 rows decoded once, stored sub-block-major (4 rows'
-    /// values side by side), then per sub-block the 4 rows' exact integer sums reduced by
+    /// sub-block scales and mins of the 4 rows decoded once ([`k_scales8`]) and transposed so
+    /// that each sub-block's 4 rows sit side by side, then per sub-block the 4 rows' exact integer sums reduced by
     /// [`sum4`] (|sum| <= 15 * 32767 * 32 < 2^24), one FMA for the scales and one for the mins.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q4_k_dec4(w: &[u8], rb: usize, a: &Act<'_>) -> [[f32; 1]; 4] {
         let m4 = nibble_mask();
         let (mut acc, mut mins) = (_mm_setzero_ps(), _mm_setzero_ps());
         for sb in 0..a.nb / 8 {
-            let (mut f, mut mn) = ([[0.0f32; 4]; 8], [[0.0f32; 4]; 8]);
+            let z = _mm256_setzero_ps();
+            let (mut sc, mut mn) = ([z; 4], [z; 4]);
             for r in 0..4 {
-                let p = block_at(w, rb, r, 144, sb);
-                let sc = std::slice::from_raw_parts(p.add(4), 12);
-                let (dw, dmin) = (f16_at(p), f16_at(p.add(2)));
-                for j in 0..8 {
-                    let (scale, min) = super::super::scalar::k_scale_min(sc, j);
-                    f[j][r] = dw * f32::from(scale);
-                    mn[j][r] = dmin * f32::from(min);
-                }
+                (sc[r], mn[r]) = k_scales8(block_at(w, rb, r, 144, sb));
             }
+            let (f, mn) = (transpose4x8(&sc), transpose4x8(&mn));
             for j in 0..8 {
                 let b = sb * 8 + j;
                 prefetch_rows::<4>(w, rb, 18, b);
@@ -733,9 +767,14 @@ mod x86 {
                     let (lo, hi) = nibbles32(q, j % 2 == 1, m4);
                     *p = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
                 }
-                let scale = _mm_mul_ps(_mm_loadu_ps(f[j].as_ptr()), _mm_set1_ps(a.d[b]));
+                let (fj, mj) = if j < 4 {
+                    (_mm256_castps256_ps128(f[j]), _mm256_castps256_ps128(mn[j]))
+                } else {
+                    (_mm256_extractf128_ps(f[j - 4], 1), _mm256_extractf128_ps(mn[j - 4], 1))
+                };
+                let scale = _mm_mul_ps(fj, _mm_set1_ps(a.d[b]));
                 acc = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(sum4(&p)), acc);
-                mins = _mm_fmadd_ps(_mm_loadu_ps(mn[j].as_ptr()), _mm_set1_ps(a.s[b]), mins);
+                mins = _mm_fmadd_ps(mj, _mm_set1_ps(a.s[b]), mins);
             }
         }
         out4(_mm_sub_ps(acc, mins))
@@ -897,6 +936,134 @@ mod x86 {
             }
         }
         tile_out(&acc.merged(), None)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        //! The 4-row decode tiles against the general tile body (`W = 4`, `R = 1`), which
+        //! sums in another order: equal within f32 rounding. The `#[ignore]`d benchmark times
+        //! both in one process (`cargo test --release -p lowsync-cpu dec4_speed -- --ignored
+        //! --nocapture`).
+
+        use super::*;
+
+        /// Random rows of blocks of `bb` bytes, with every f16 at `halves` a small positive
+        /// scale (random bits there would give infinities and NaN).
+        fn rows(n: usize, row_bytes: usize, bb: usize, halves: &[usize], seed: u64) -> Vec<u8> {
+            let mut st = seed;
+            let mut w: Vec<u8> = (0..n * row_bytes)
+                .map(|_| {
+                    st = st
+                        .wrapping_mul(6_364_136_223_846_793_005)
+                        .wrapping_add(1_442_695_040_888_963_407);
+                    (st >> 56) as u8
+                })
+                .collect();
+            for (i, blk) in w.chunks_exact_mut(bb).enumerate() {
+                for &o in halves {
+                    // 0x2C00 + small mantissa: about 0.0625.
+                    blk[o..o + 2].copy_from_slice(&(0x2C00u16 + (i % 97) as u16).to_le_bytes());
+                }
+            }
+            w
+        }
+
+        fn activations(k: usize) -> QRows {
+            let x: Vec<f32> = (0..k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+            QRows::quantize(&x)
+        }
+
+        type Body = unsafe fn(&[u8], usize, &Act<'_>) -> [[f32; 1]; 4];
+
+        /// `(name, block bytes, f16 offsets, old body, new body)` of the three tiles.
+        fn cases() -> [(&'static str, usize, &'static [usize], Body, Body); 3] {
+            [
+                ("q4_0", 18, &[0], q4_0_avx2::<4, 1>, q4_0_dec4),
+                ("q4_1", 20, &[0, 2], q4_1_avx2::<4, 1>, q4_1_dec4),
+                ("q4_k", 144, &[0, 2], q4_k_avx2::<4, 1>, q4_k_dec4),
+            ]
+        }
+
+        /// Runs `body` over every 4-row tile of `w` into `out`.
+        fn run(body: Body, w: &[u8], row_bytes: usize, x: &QRows, out: &mut [f32]) {
+            let act = Act {
+                d: &x.d,
+                s: &x.s,
+                n: &x.n,
+                q: &x.q,
+                nb: x.d.len(),
+            };
+            for (t, o) in w.chunks_exact(4 * row_bytes).zip(out.chunks_exact_mut(4)) {
+                // SAFETY: the tests run only where AVX2, FMA and F16C are detected; `t` holds
+                // 4 rows of `act.nb` blocks' weights.
+                let r = unsafe { body(t, row_bytes, &act) };
+                for (o, r) in o.iter_mut().zip(r) {
+                    *o = r[0];
+                }
+            }
+        }
+
+        fn have_simd() -> bool {
+            std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+        }
+
+        #[test]
+        fn decode_tiles_agree_with_the_general_tile() {
+            if !have_simd() {
+                return;
+            }
+            let k = 768;
+            let x = activations(k);
+            for (name, bb, halves, old, new) in cases() {
+                let row_bytes = if bb == 144 { k / 256 * 144 } else { k / QK * bb };
+                let w = rows(16, row_bytes, bb, halves, 5);
+                let (mut a, mut b) = (vec![0.0f32; 16], vec![0.0f32; 16]);
+                run(old, &w, row_bytes, &x, &mut a);
+                run(new, &w, row_bytes, &x, &mut b);
+                let scale = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                assert!(scale > 0.0, "{name}: all zero");
+                for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+                    assert!((a - b).abs() <= 1e-5 * scale, "{name} row {i}: {a} vs {b}");
+                }
+            }
+        }
+
+        #[test]
+        #[ignore = "a benchmark: run with --release --ignored --nocapture"]
+        fn dec4_speed() {
+            if !have_simd() {
+                return;
+            }
+            let k = 768;
+            let x = activations(k);
+            for (name, bb, halves, old, new) in cases() {
+                let row_bytes = if bb == 144 { k / 256 * 144 } else { k / QK * bb };
+                for (label, bytes, reps) in [("cache 1 MiB", 1 << 20, 64), ("DRAM 96 MiB", 96 << 20, 1)] {
+                    let n = (bytes / row_bytes) / 4 * 4;
+                    let w = rows(n, row_bytes, bb, halves, 9);
+                    let mut out = vec![0.0f32; n];
+                    let blocks = (n * (k / QK) * reps) as f64;
+                    let (mut best_old, mut best_new) = (f64::MAX, f64::MAX);
+                    for _ in 0..7 {
+                        for (body, best) in [(old, &mut best_old), (new, &mut best_new)] {
+                            let t = std::time::Instant::now();
+                            for _ in 0..reps {
+                                run(body, &w, row_bytes, &x, &mut out);
+                                std::hint::black_box(&mut out);
+                            }
+                            *best = best.min(t.elapsed().as_secs_f64() * 1e9 / blocks);
+                        }
+                    }
+                    eprintln!(
+                        "{name} {label}: old {best_old:.3} ns/block, new {best_new:.3} ns/block, \
+                         {:.2}x",
+                        best_old / best_new
+                    );
+                }
+            }
+        }
     }
 }
 
