@@ -9,29 +9,35 @@
 //! lowsync keeps 16 bits: the same structure at about 1.4x the instructions of the 8-bit
 //! kernels, and logits within 1e-3 of the f32 path.
 //!
-//! Strategy: each activation row is split into blocks of 32 with an f32 scale
-//! `d = max|x| / 32767`, 16-bit values `q = round(x / d)` and `s = d * sum(q)` (for the weight
-//! types with a min). A weight block's contribution is then `d_w * d_x * sum(q_w * q_x)` (plus
-//! `m_w * s_x` for types with a min), the integer sum exact. A kernel takes a job's weight rows
-//! and all activation rows in tiles of a few weight rows by a few activation rows, each pair's
-//! accumulator in a register: a decode product (one activation row) runs 4 weight rows at once
-//! for Q4_0, Q4_1 and Q4_K, so independent FMA chains hide each other's latency (one chain
-//! left a decode step waiting on it: 1.3-1.7x slower per block from cache), with a software
-//! prefetch per row (the hardware prefetcher did not follow 4 side-by-side rows from DRAM:
-//! 1.4-6x slower without it). Q8_0 and Q6_K decode one row at a time (their 4-row tiles lost
-//! from DRAM even with the prefetch). A prefill product unpacks each weight block once per
-//! 4-8 activation rows; there Q6_K's 8-bit sub-block scales are multiplied into its weights
-//! as i16, so each activation block takes one integer sum and one FMA. Kernels exist for
-//! Q4_0, Q4_1, Q8_0, Q4_K and Q6_K with AVX2 (+FMA, F16C), chosen at run time; other types,
-//! other CPUs (NEON included) and `LOWSYNC_CPU_QUANT_DOT=f32` use the exact path of `super`
-//! (f32 activations against the scalar dequantization).
+//! Strategy: each activation row is split into blocks of 32 with an f32 scale `d = max|x| /
+//! 32767`, 16-bit values `q = round(x / d)` and `s = d * sum(q)` (for the weight types with a
+//! min). A weight block's contribution is then `d_w * d_x * sum(q_w * q_x)` (plus `m_w * s_x` for
+//! types with a min), the integer sum exact. A kernel takes a job's weight rows and all activation
+//! rows in tiles of a few weight rows by a few activation rows, each pair's accumulator in a
+//! register: a decode product (one activation row) runs 4 weight rows at once for Q4_0, Q4_1 and
+//! Q4_K, so independent FMA chains hide each other's latency (one chain left a decode step waiting
+//! on it: 1.3-1.7x slower per block from cache), with a software prefetch per row (the hardware
+//! prefetcher did not follow 4 side-by-side rows from DRAM: 1.4-6x slower without it). Those
+//! decode tiles reduce the 4 rows' integer sums of a block together (`phaddd`) and scale them with
+//! one 4-lane FMA, the 4 rows' f16 scales converted by one instruction; Q4_0's -8 offset is taken
+//! off the 4 sums at once as 8 times the activation block's integer sum `n`, which the activation
+//! rows carry. Q8_0 and Q6_K decode one row at a time (their 4-row tiles lost from DRAM even with
+//! the prefetch). A prefill product unpacks each weight block once per 4-8 activation rows; there
+//! Q6_K's 8-bit sub-block scales are multiplied into its weights as i16, so each activation block
+//! takes one integer sum and one FMA. Kernels exist for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K with AVX2
+//! (+FMA, F16C), chosen at run time; other types, other CPUs (NEON included) and
+//! `LOWSYNC_CPU_QUANT_DOT=f32` use the exact path of `super` (f32 activations against the scalar
+//! dequantization).
 //!
-//! Determinism: the integer sums are exact and each output is one fixed-order sum over its
-//! blocks. Tiles of several pairs keep one chain per pair and give the same bits as each
-//! other; a lone pair (one weight row by one activation row) adds its even and odd blocks in
-//! two chains, so its bits can differ from the same pair in a larger tile. Which tile
-//! computes an output depends only on the product's shape and the output's position, never
-//! on the thread count, so results do not depend on the thread count.
+//! Determinism: the integer sums are exact and each output is one fixed-order sum over its blocks.
+//! Tiles of several pairs keep one chain per pair and give the same bits as each other, except the
+//! 4-row decode tiles of Q4_0, Q4_1 and Q4_K: they add each block's whole integer sum, scaled, in
+//! block order (the other tiles add 8 lanes of partial sums each and the lanes at the end), and
+//! add the mins of Q4_1 and Q4_K in a chain of their own. A lone pair (one weight row by one
+//! activation row) adds its even and odd blocks in two chains, so its bits can differ from the
+//! same pair in a larger tile. Which tile computes an output depends only on the product's shape
+//! and the output's position, never on the thread count, so results do not depend on the thread
+//! count.
 
 use lowsync_graph::DType;
 
@@ -206,13 +212,7 @@ mod x86 {
 
     /// Activation blocks per row when a weight row of `bb`-byte blocks, each covering `per`
     /// activation blocks, meets `rows` activation rows; `None` on any mismatch.
-    fn blocks_per_row(
-        w: &[u8],
-        bb: usize,
-        per: usize,
-        x: &QRows,
-        rows: usize,
-    ) -> Option<usize> {
+    fn blocks_per_row(w: &[u8], bb: usize, per: usize, x: &QRows, rows: usize) -> Option<usize> {
         let nb = w.len() / bb * per;
         let d = &x.d;
         let ok = w.len().is_multiple_of(bb)
@@ -544,6 +544,22 @@ mod x86 {
     /// ran 1.4-6x slower per block than one row, and with this as fast as one row or faster.
     /// A prefetch past the weights is harmless (it never faults). A lone row is one stream the
     /// hardware follows by itself: no prefetch there (it only cost time).
+    /// How far ahead the 4-row decode tiles prefetch (bytes).
+    const PREFETCH_FAR: usize = 4096;
+
+    /// [`prefetch_rows`] for the 4-row decode tiles: [`PREFETCH_FAR`] bytes ahead, into the
+    /// L2 (`T1`). Those tiles read a block in fewer instructions, so 512 bytes ahead no longer
+    /// covered the DRAM latency: from DRAM they ran 0.4-0.7x as fast as with 4096 (k 768 and
+    /// 2048). Into the L1 (`T0`) as far ahead, Q4_0 and Q4_K rows of 2048 ran up to 1.8x slower
+    /// from the cache than with `T1` (the lines waited in the L1 and evicted each other).
+    #[inline(always)]
+    unsafe fn prefetch_far(w: &[u8], rb: usize, bb: usize, b: usize) {
+        for r in 0..4 {
+            let p = w.as_ptr().wrapping_add(r * rb + b * bb + PREFETCH_FAR);
+            _mm_prefetch::<_MM_HINT_T1>(p.cast());
+        }
+    }
+
     #[inline(always)]
     unsafe fn prefetch_rows<const W: usize>(w: &[u8], rb: usize, bb: usize, b: usize) {
         if W < 2 {
@@ -614,10 +630,7 @@ mod x86 {
     /// and block.
     #[inline(always)]
     unsafe fn sum4(p: &[__m256i; 4]) -> __m128i {
-        let h = _mm256_hadd_epi32(
-            _mm256_hadd_epi32(p[0], p[1]),
-            _mm256_hadd_epi32(p[2], p[3]),
-        );
+        let h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
         _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))
     }
 
@@ -661,7 +674,7 @@ mod x86 {
         let m4 = nibble_mask();
         let mut acc = _mm_setzero_ps();
         for b in 0..a.nb {
-            prefetch_rows::<4>(w, rb, 18, b);
+            prefetch_far(w, rb, 18, b);
             let (x0, x1) = x_block(a, 0, b);
             let mut p = [_mm256_setzero_si256(); 4];
             for (r, p) in p.iter_mut().enumerate() {
@@ -685,7 +698,7 @@ mod x86 {
         // d0 m0 d1 m1 .. -> d0 d1 d2 d3 m0 m1 m2 m3.
         let split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
         for b in 0..a.nb {
-            prefetch_rows::<4>(w, rb, 20, b);
+            prefetch_far(w, rb, 20, b);
             let (x0, x1) = x_block(a, 0, b);
             let mut p = [_mm256_setzero_si256(); 4];
             for (r, p) in p.iter_mut().enumerate() {
@@ -732,8 +745,14 @@ mod x86 {
     /// 4..8 `v[0..4][j + 4]`, for `j < 4`.
     #[inline(always)]
     unsafe fn transpose4x8(v: &[__m256; 4]) -> [__m256; 4] {
-        let (l01, h01) = (_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
-        let (l23, h23) = (_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
+        let (l01, h01) = (
+            _mm256_unpacklo_ps(v[0], v[1]),
+            _mm256_unpackhi_ps(v[0], v[1]),
+        );
+        let (l23, h23) = (
+            _mm256_unpacklo_ps(v[2], v[3]),
+            _mm256_unpackhi_ps(v[2], v[3]),
+        );
         [
             _mm256_shuffle_ps::<0b01_00_01_00>(l01, l23),
             _mm256_shuffle_ps::<0b11_10_11_10>(l01, l23),
@@ -759,7 +778,7 @@ mod x86 {
             let (f, mn) = (transpose4x8(&sc), transpose4x8(&mn));
             for j in 0..8 {
                 let b = sb * 8 + j;
-                prefetch_rows::<4>(w, rb, 18, b);
+                prefetch_far(w, rb, 18, b);
                 let (x0, x1) = x_block(a, 0, b);
                 let mut p = [_mm256_setzero_si256(); 4];
                 for (r, p) in p.iter_mut().enumerate() {
@@ -770,7 +789,10 @@ mod x86 {
                 let (fj, mj) = if j < 4 {
                     (_mm256_castps256_ps128(f[j]), _mm256_castps256_ps128(mn[j]))
                 } else {
-                    (_mm256_extractf128_ps(f[j - 4], 1), _mm256_extractf128_ps(mn[j - 4], 1))
+                    (
+                        _mm256_extractf128_ps(f[j - 4], 1),
+                        _mm256_extractf128_ps(mn[j - 4], 1),
+                    )
                 };
                 let scale = _mm_mul_ps(fj, _mm_set1_ps(a.d[b]));
                 acc = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(sum4(&p)), acc);
@@ -969,7 +991,9 @@ mod x86 {
         }
 
         fn activations(k: usize) -> QRows {
-            let x: Vec<f32> = (0..k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+            let x: Vec<f32> = (0..k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
             QRows::quantize(&x)
         }
 
@@ -1017,7 +1041,11 @@ mod x86 {
             let k = 768;
             let x = activations(k);
             for (name, bb, halves, old, new) in cases() {
-                let row_bytes = if bb == 144 { k / 256 * 144 } else { k / QK * bb };
+                let row_bytes = if bb == 144 {
+                    k / 256 * 144
+                } else {
+                    k / QK * bb
+                };
                 let w = rows(16, row_bytes, bb, halves, 5);
                 let (mut a, mut b) = (vec![0.0f32; 16], vec![0.0f32; 16]);
                 run(old, &w, row_bytes, &x, &mut a);
@@ -1036,31 +1064,41 @@ mod x86 {
             if !have_simd() {
                 return;
             }
-            let k = 768;
-            let x = activations(k);
-            for (name, bb, halves, old, new) in cases() {
-                let row_bytes = if bb == 144 { k / 256 * 144 } else { k / QK * bb };
-                for (label, bytes, reps) in [("cache 1 MiB", 1 << 20, 64), ("DRAM 96 MiB", 96 << 20, 1)] {
-                    let n = (bytes / row_bytes) / 4 * 4;
-                    let w = rows(n, row_bytes, bb, halves, 9);
-                    let mut out = vec![0.0f32; n];
-                    let blocks = (n * (k / QK) * reps) as f64;
-                    let (mut best_old, mut best_new) = (f64::MAX, f64::MAX);
-                    for _ in 0..7 {
-                        for (body, best) in [(old, &mut best_old), (new, &mut best_new)] {
-                            let t = std::time::Instant::now();
-                            for _ in 0..reps {
-                                run(body, &w, row_bytes, &x, &mut out);
-                                std::hint::black_box(&mut out);
+            for k in [768, 2048] {
+                let x = activations(k);
+                for (name, bb, halves, old, new) in cases() {
+                    let row_bytes = if bb == 144 {
+                        k / 256 * 144
+                    } else {
+                        k / QK * bb
+                    };
+                    for (label, bytes, reps) in
+                        [("cache 1 MiB", 1 << 20, 64), ("DRAM 96 MiB", 96 << 20, 2)]
+                    {
+                        let n = (bytes / row_bytes) / 4 * 4;
+                        let w = rows(n, row_bytes, bb, halves, 9);
+                        let mut out = vec![0.0f32; n];
+                        let blocks = (n * (k / QK) * reps) as f64;
+                        let (mut best_old, mut best_new) = (f64::MAX, f64::MAX);
+                        for round in 0..11 {
+                            let mut order = [(old, &mut best_old), (new, &mut best_new)];
+                            // Each goes first in every other round.
+                            order.rotate_left(round % 2);
+                            for (body, best) in order {
+                                let t = std::time::Instant::now();
+                                for _ in 0..reps {
+                                    run(body, &w, row_bytes, &x, &mut out);
+                                    std::hint::black_box(&mut out);
+                                }
+                                *best = best.min(t.elapsed().as_secs_f64() * 1e9 / blocks);
                             }
-                            *best = best.min(t.elapsed().as_secs_f64() * 1e9 / blocks);
                         }
-                    }
-                    eprintln!(
-                        "{name} {label}: old {best_old:.3} ns/block, new {best_new:.3} ns/block, \
+                        eprintln!(
+                        "{name} k {k} {label}: old {best_old:.3} ns/block, new {best_new:.3} ns/block, \
                          {:.2}x",
                         best_old / best_new
                     );
+                    }
                 }
             }
         }
