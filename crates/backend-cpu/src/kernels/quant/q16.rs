@@ -135,7 +135,8 @@ mod x86 {
     //! activation rows (8, 4, 2 or 1): per block, each of the `W` weight blocks is unpacked
     //! once to two vectors of 16 i16 (elements 0..16 and 16..32) and each of the `R`
     //! activation blocks loaded once, then per pair two `pmaddwd` and one FMA per scale into
-    //! the pair's own accumulator.
+    //! the pair's own accumulator. The decode tiles of 4 weight rows of Q4_0, Q4_1 and Q4_K
+    //! have bodies of their own (`*_dec4`), which scale the 4 rows' sums of a block at once.
 
     use std::arch::x86_64::*;
 
