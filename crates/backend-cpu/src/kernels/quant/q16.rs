@@ -1035,6 +1035,30 @@ mod x86 {
         }
 
         #[test]
+        fn k_scales8_matches_the_scalar_decoding() {
+            if !have_simd() {
+                return;
+            }
+            for blk in rows(64, 144, 144, &[0, 2], 13).chunks_exact(144) {
+                // SAFETY: AVX2 was detected; `blk` holds a whole super-block.
+                let (f, m) = unsafe { k_scales8(blk.as_ptr()) };
+                let (mut fv, mut mv) = ([0.0f32; 8], [0.0f32; 8]);
+                // SAFETY: 8 lanes into arrays of 8.
+                unsafe {
+                    _mm256_storeu_ps(fv.as_mut_ptr(), f);
+                    _mm256_storeu_ps(mv.as_mut_ptr(), m);
+                }
+                // SAFETY: F16C was detected.
+                let (d, dmin) = unsafe { (f16_at(blk.as_ptr()), f16_at(blk[2..].as_ptr())) };
+                for j in 0..8 {
+                    let (sc, mn) = super::super::super::scalar::k_scale_min(&blk[4..16], j);
+                    assert_eq!(fv[j].to_bits(), (d * f32::from(sc)).to_bits(), "scale {j}");
+                    assert_eq!(mv[j].to_bits(), (dmin * f32::from(mn)).to_bits(), "min {j}");
+                }
+            }
+        }
+
+        #[test]
         fn decode_tiles_agree_with_the_general_tile() {
             if !have_simd() {
                 return;
