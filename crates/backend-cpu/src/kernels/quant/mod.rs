@@ -173,7 +173,7 @@ pub(super) fn matmul(
         if let (Some(dot), Some(xq)) = (fast, &xq) {
             let rows = chunk.len() / m;
             if let (Some(bytes), Some(row_bytes)) = (w.quant_rows(1, j0, rows), dt.row_bytes(k)) {
-                dot(bytes, row_bytes, &xq.d, &xq.s, &xq.q, chunk);
+                dot(bytes, row_bytes, xq, chunk);
                 return;
             }
         }
@@ -182,7 +182,7 @@ pub(super) fn matmul(
                 continue;
             };
             if let (Some(dot), Some(xq)) = (fast, &xq) {
-                dot(bytes, bytes.len(), &xq.d, &xq.s, &xq.q, res);
+                dot(bytes, bytes.len(), xq, res);
                 continue;
             }
             buf.resize(k, 0.0);

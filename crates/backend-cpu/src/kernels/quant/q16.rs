@@ -9,40 +9,48 @@
 //! lowsync keeps 16 bits: the same structure at about 1.4x the instructions of the 8-bit
 //! kernels, and logits within 1e-3 of the f32 path.
 //!
-//! Strategy: each activation row is split into blocks of 32 with an f32 scale
-//! `d = max|x| / 32767`, 16-bit values `q = round(x / d)` and `s = d * sum(q)` (for the weight
-//! types with a min). A weight block's contribution is then `d_w * d_x * sum(q_w * q_x)` (plus
-//! `m_w * s_x` for types with a min), the integer sum exact. A kernel takes a job's weight rows
-//! and all activation rows in tiles of a few weight rows by a few activation rows, each pair's
-//! accumulator in a register: a decode product (one activation row) runs 4 weight rows at once
-//! for Q4_0, Q4_1 and Q4_K, so independent FMA chains hide each other's latency (one chain
-//! left a decode step waiting on it: 1.3-1.7x slower per block from cache), with a software
-//! prefetch per row (the hardware prefetcher did not follow 4 side-by-side rows from DRAM:
-//! 1.4-6x slower without it). Q8_0 and Q6_K decode one row at a time (their 4-row tiles lost
-//! from DRAM even with the prefetch). A prefill product unpacks each weight block once per
-//! 4-8 activation rows; there Q6_K's 8-bit sub-block scales are multiplied into its weights
-//! as i16, so each activation block takes one integer sum and one FMA. Kernels exist for
-//! Q4_0, Q4_1, Q8_0, Q4_K and Q6_K with AVX2 (+FMA, F16C), chosen at run time; other types,
-//! other CPUs (NEON included) and `LOWSYNC_CPU_QUANT_DOT=f32` use the exact path of `super`
-//! (f32 activations against the scalar dequantization).
+//! Strategy: each activation row is split into blocks of 32 with an f32 scale `d = max|x| /
+//! 32767`, 16-bit values `q = round(x / d)` and `s = d * sum(q)` (for the weight types with a
+//! min). A weight block's contribution is then `d_w * d_x * sum(q_w * q_x)` (plus `m_w * s_x` for
+//! types with a min), the integer sum exact. A kernel takes a job's weight rows and all activation
+//! rows in tiles of a few weight rows by a few activation rows, each pair's accumulator in a
+//! register: a decode product (one activation row) runs 4 weight rows at once for Q4_0, Q4_1 and
+//! Q4_K, so independent FMA chains hide each other's latency (one chain left a decode step waiting
+//! on it: 1.3-1.7x slower per block from cache), with a software prefetch per row (the hardware
+//! prefetcher did not follow 4 side-by-side rows from DRAM: 1.4-6x slower without it). Those
+//! decode tiles reduce the 4 rows' integer sums of a block together (`phaddd`) and scale them with
+//! one 4-lane FMA, the 4 rows' f16 scales converted by one instruction; Q4_0's -8 offset is taken
+//! off the 4 sums at once as 8 times the activation block's integer sum `n`, which the activation
+//! rows carry. Q8_0 and Q6_K decode one row at a time (their 4-row tiles lost from DRAM even with
+//! the prefetch). A prefill product unpacks each weight block once per 4-8 activation rows; there
+//! Q6_K's 8-bit sub-block scales are multiplied into its weights as i16, so each activation block
+//! takes one integer sum and one FMA. Kernels exist for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K with AVX2
+//! (+FMA, F16C), chosen at run time; other types, other CPUs (NEON included) and
+//! `LOWSYNC_CPU_QUANT_DOT=f32` use the exact path of `super` (f32 activations against the scalar
+//! dequantization).
 //!
-//! Determinism: the integer sums are exact and each output is one fixed-order sum over its
-//! blocks. Tiles of several pairs keep one chain per pair and give the same bits as each
-//! other; a lone pair (one weight row by one activation row) adds its even and odd blocks in
-//! two chains, so its bits can differ from the same pair in a larger tile. Which tile
-//! computes an output depends only on the product's shape and the output's position, never
-//! on the thread count, so results do not depend on the thread count.
+//! Determinism: the integer sums are exact and each output is one fixed-order sum over its blocks.
+//! Tiles of several pairs keep one chain per pair and give the same bits as each other, except the
+//! 4-row decode tiles of Q4_0, Q4_1 and Q4_K: they add each block's whole integer sum, scaled, in
+//! block order (the other tiles add 8 lanes of partial sums each and the lanes at the end), and
+//! add the mins of Q4_1 and Q4_K in a chain of their own. A lone pair (one weight row by one
+//! activation row) adds its even and odd blocks in two chains, so its bits can differ from the
+//! same pair in a larger tile. Which tile computes an output depends only on the product's shape
+//! and the output's position, never on the thread count, so results do not depend on the thread
+//! count.
 
 use lowsync_graph::DType;
 
 /// Elements per activation block.
 pub(crate) const QK: usize = 32;
 
-/// Activation rows quantized to 16-bit blocks: `d[b]`, `s[b]` and the 32 values of block `b`
-/// at `q[32 * b..]`, for every block of every row (row `i` starts at block `i * k / 32`).
+/// Activation rows quantized to 16-bit blocks: `d[b]`, `s[b]`, the integer sum `n[b]` of the
+/// block's values and the 32 values of block `b` at `q[32 * b..]`, for every block of every
+/// row (row `i` starts at block `i * k / 32`).
 pub(crate) struct QRows {
     pub d: Vec<f32>,
     pub s: Vec<f32>,
+    pub n: Vec<i32>,
     pub q: Vec<i16>,
 }
 
@@ -55,6 +63,7 @@ impl QRows {
         let mut out = QRows {
             d: vec![0.0; nb],
             s: vec![0.0; nb],
+            n: vec![0; nb],
             q: vec![0; nb * QK],
         };
         for (b, blk) in x.chunks_exact(QK).enumerate() {
@@ -62,22 +71,28 @@ impl QRows {
                 .try_into()
                 .expect("a block of 32");
             let blk: &[f32; QK] = blk.try_into().expect("a block of 32");
-            #[cfg(target_arch = "x86_64")]
-            {
-                if std::is_x86_feature_detected!("avx2") {
-                    // SAFETY: AVX2 was detected.
-                    (out.d[b], out.s[b]) = unsafe { x86::quantize_block(blk, q) };
-                    continue;
-                }
-            }
-            (out.d[b], out.s[b]) = quantize_block(blk, q);
+            let (d, n) = quantize_any(blk, q);
+            // |n| < 2^20: exact in f32.
+            (out.d[b], out.s[b], out.n[b]) = (d, d * n as f32, n);
         }
         out
     }
 }
 
-/// One block of 32: its `q`, and `(d, s)`.
-fn quantize_block(blk: &[f32; QK], out: &mut [i16; QK]) -> (f32, f32) {
+/// One block of 32 with AVX2 where the CPU has it, else scalar: its `q`, and `(d, sum(q))`.
+fn quantize_any(blk: &[f32; QK], q: &mut [i16; QK]) -> (f32, i32) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 was detected.
+            return unsafe { x86::quantize_block(blk, q) };
+        }
+    }
+    quantize_block(blk, q)
+}
+
+/// One block of 32: its `q`, and `(d, sum(q))`.
+fn quantize_block(blk: &[f32; QK], out: &mut [i16; QK]) -> (f32, i32) {
     let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let d = amax / 32767.0;
     let id = if d > 0.0 { 1.0 / d } else { 0.0 };
@@ -87,16 +102,15 @@ fn quantize_block(blk: &[f32; QK], out: &mut [i16; QK]) -> (f32, f32) {
         *q = (v * id).round().clamp(-32767.0, 32767.0) as i16;
         sum += i32::from(*q);
     }
-    // |sum| < 2^20: exact in f32.
-    (d, d * sum as f32)
+    (d, sum)
 }
 
 /// Dot products of weight rows (raw blocks, `row_bytes` each, back to back) with `m`
 /// quantized activation rows, `m = out.len() / rows`: activation row `i`'s blocks are
-/// `d[i * nb..]`, `s[i * nb..]` and `q[32 * i * nb..]`, `nb` blocks of 32 per row;
+/// `d[i * nb..]`, `s[i * nb..]`, `n[i * nb..]` and `q[32 * i * nb..]`, `nb` blocks of 32 per row;
 /// `out[r * m + i]` receives weight row `r` times activation row `i`. One call serves a job's
 /// run of weight rows, so a short row (a 576-wide weight has 18 blocks) pays no per-row call.
-pub(crate) type DotFn = fn(&[u8], usize, &[f32], &[f32], &[i16], &mut [f32]);
+pub(crate) type DotFn = fn(&[u8], usize, &QRows, &mut [f32]);
 
 /// The fast dot product for weights of `dt` on this CPU, if there is one.
 pub(crate) fn dot_fn(dt: DType) -> Option<DotFn> {
@@ -121,13 +135,14 @@ mod x86 {
     //! activation rows (8, 4, 2 or 1): per block, each of the `W` weight blocks is unpacked
     //! once to two vectors of 16 i16 (elements 0..16 and 16..32) and each of the `R`
     //! activation blocks loaded once, then per pair two `pmaddwd` and one FMA per scale into
-    //! the pair's own accumulator.
+    //! the pair's own accumulator. The decode tiles of 4 weight rows of Q4_0, Q4_1 and Q4_K
+    //! have bodies of their own (`*_dec4`), which scale the 4 rows' sums of a block at once.
 
     use std::arch::x86_64::*;
 
     use lowsync_graph::DType;
 
-    use super::{DotFn, QK};
+    use super::{DotFn, QRows, QK};
 
     /// `super::quantize_block` with AVX2, bit for bit: the same max (NaN ignored), the same
     /// `v * id` products, rounding half away from zero (truncate, then step away from zero
@@ -136,7 +151,7 @@ mod x86 {
     /// # Safety
     /// AVX2 is available.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn quantize_block(blk: &[f32; QK], out: &mut [i16; QK]) -> (f32, f32) {
+    pub(super) unsafe fn quantize_block(blk: &[f32; QK], out: &mut [i16; QK]) -> (f32, i32) {
         let p = blk.as_ptr();
         let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
         let mut m = _mm256_setzero_ps();
@@ -182,8 +197,7 @@ mod x86 {
         );
         let s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0b01_00_11_10));
         let s1 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0b10_11_00_01));
-        // |sum| < 2^20: exact in f32.
-        (d, d * _mm_cvtsi128_si32(s1) as f32)
+        (d, _mm_cvtsi128_si32(s1))
     }
 
     pub(super) fn dot_fn(dt: DType) -> Option<DotFn> {
@@ -199,18 +213,14 @@ mod x86 {
 
     /// Activation blocks per row when a weight row of `bb`-byte blocks, each covering `per`
     /// activation blocks, meets `rows` activation rows; `None` on any mismatch.
-    fn blocks_per_row(
-        w: &[u8],
-        bb: usize,
-        per: usize,
-        (d, s, q): (&[f32], &[f32], &[i16]),
-        rows: usize,
-    ) -> Option<usize> {
+    fn blocks_per_row(w: &[u8], bb: usize, per: usize, x: &QRows, rows: usize) -> Option<usize> {
         let nb = w.len() / bb * per;
+        let d = &x.d;
         let ok = w.len().is_multiple_of(bb)
             && d.len() == nb * rows
-            && s.len() == d.len()
-            && q.len() == d.len() * QK;
+            && x.s.len() == d.len()
+            && x.n.len() == d.len()
+            && x.q.len() == d.len() * QK;
         debug_assert!(
             ok,
             "weight row {} bytes, {} activation blocks",
@@ -220,10 +230,11 @@ mod x86 {
         ok.then_some(nb)
     }
 
-    /// One group's activations: `d`, `s` and `q` of `R` rows of `nb` blocks each.
+    /// One group's activations: `d`, `s`, `n` and `q` of `R` rows of `nb` blocks each.
     struct Act<'a> {
         d: &'a [f32],
         s: &'a [f32],
+        n: &'a [i32],
         q: &'a [i16],
         nb: usize,
     }
@@ -238,15 +249,15 @@ mod x86 {
     /// slower). Leftovers go in smaller tiles. The tile of an output depends only on `rows`,
     /// `m` and its position (see `Acc` for the one tile whose sum is ordered differently).
     macro_rules! wrapper {
-        ($name:ident, $body:ident, $bb:expr, $per:expr, $decode_w:expr, $prefill_w:expr) => {
-            fn $name(w: &[u8], row_bytes: usize, d: &[f32], s: &[f32], q: &[i16], out: &mut [f32]) {
+        ($name:ident, $body:ident, $dec4:expr, $bb:expr, $per:expr, $decode_w:expr, $prefill_w:expr) => {
+            fn $name(w: &[u8], row_bytes: usize, x: &QRows, out: &mut [f32]) {
                 let rows = w.len().checked_div(row_bytes).unwrap_or(0);
                 let m = out.len().checked_div(rows).unwrap_or(0);
                 let ok = rows * row_bytes == w.len() && rows * m == out.len();
                 let nb = w
                     .get(..row_bytes)
                     .filter(|_| ok)
-                    .and_then(|w0| blocks_per_row(w0, $bb, $per, (d, s, q), m));
+                    .and_then(|w0| blocks_per_row(w0, $bb, $per, x, m));
                 let Some(nb) = nb else {
                     debug_assert!(false, "{} weight bytes, {row_bytes} a row", w.len());
                     out.fill(0.0);
@@ -270,9 +281,10 @@ mod x86 {
                             _ => 1,
                         };
                         let act = Act {
-                            d: &d[r0 * nb..(r0 + rn) * nb],
-                            s: &s[r0 * nb..(r0 + rn) * nb],
-                            q: &q[r0 * nb * QK..(r0 + rn) * nb * QK],
+                            d: &x.d[r0 * nb..(r0 + rn) * nb],
+                            s: &x.s[r0 * nb..(r0 + rn) * nb],
+                            n: &x.n[r0 * nb..(r0 + rn) * nb],
+                            q: &x.q[r0 * nb * QK..(r0 + rn) * nb * QK],
                             nb,
                         };
                         let at = (j, m, r0);
@@ -281,7 +293,7 @@ mod x86 {
                         // and `act` `rn` rows of `nb` blocks, so every load is in bounds.
                         unsafe {
                             match (wn, rn) {
-                                (4, _) => store(&$body::<4, 1>(wt, row_bytes, &act), out, at),
+                                (4, _) => store(&$dec4(wt, row_bytes, &act), out, at),
                                 (2, 4) => store(&$body::<2, 4>(wt, row_bytes, &act), out, at),
                                 (2, 2) => store(&$body::<2, 2>(wt, row_bytes, &act), out, at),
                                 (2, _) => store(&$body::<2, 1>(wt, row_bytes, &act), out, at),
@@ -298,11 +310,11 @@ mod x86 {
             }
         };
     }
-    wrapper!(q4_0, q4_0_avx2, 18, 1, 4, 2);
-    wrapper!(q4_1, q4_1_avx2, 20, 1, 4, 2);
-    wrapper!(q8_0, q8_0_avx2, 34, 1, 1, 2);
-    wrapper!(q4_k, q4_k_avx2, 144, 8, 4, 1);
-    wrapper!(q6_k, q6_k_avx2, 210, 8, 1, 1);
+    wrapper!(q4_0, q4_0_avx2, q4_0_dec4, 18, 1, 4, 2);
+    wrapper!(q4_1, q4_1_avx2, q4_1_dec4, 20, 1, 4, 2);
+    wrapper!(q8_0, q8_0_avx2, q8_0_avx2::<4, 1>, 34, 1, 1, 2);
+    wrapper!(q4_k, q4_k_avx2, q4_k_dec4, 144, 8, 4, 1);
+    wrapper!(q6_k, q6_k_avx2, q6_k_avx2::<4, 1>, 210, 8, 1, 1);
 
     /// Writes a tile's results: weight row `j + r` times activation row `r0 + i` to
     /// `out[(j + r) * m + r0 + i]`.
@@ -533,6 +545,22 @@ mod x86 {
     /// ran 1.4-6x slower per block than one row, and with this as fast as one row or faster.
     /// A prefetch past the weights is harmless (it never faults). A lone row is one stream the
     /// hardware follows by itself: no prefetch there (it only cost time).
+    /// How far ahead the 4-row decode tiles prefetch (bytes).
+    const PREFETCH_FAR: usize = 4096;
+
+    /// [`prefetch_rows`] for the 4-row decode tiles: [`PREFETCH_FAR`] bytes ahead, into the
+    /// L2 (`T1`). Those tiles read a block in fewer instructions, so 512 bytes ahead no longer
+    /// covered the DRAM latency: from DRAM they ran 0.4-0.7x as fast as with 4096 (k 768 and
+    /// 2048). Into the L1 (`T0`) as far ahead, Q4_0 and Q4_K rows of 2048 ran up to 1.8x slower
+    /// from the cache than with `T1` (the lines waited in the L1 and evicted each other).
+    #[inline(always)]
+    unsafe fn prefetch_far(w: &[u8], rb: usize, bb: usize, b: usize) {
+        for r in 0..4 {
+            let p = w.as_ptr().wrapping_add(r * rb + b * bb + PREFETCH_FAR);
+            _mm_prefetch::<_MM_HINT_T1>(p.cast());
+        }
+    }
+
     #[inline(always)]
     unsafe fn prefetch_rows<const W: usize>(w: &[u8], rb: usize, bb: usize, b: usize) {
         if W < 2 {
@@ -596,6 +624,183 @@ mod x86 {
             tile_min(&mut mins, &mn, a, b);
         }
         tile_out(&acc.merged(), Some((&mins, 1.0)))
+    }
+
+    /// The four row sums of `p` (each the sum of its 8 lanes), in lanes 0..4: three `phaddd`
+    /// and one add for four rows instead of a scale broadcast, a conversion and an FMA per row
+    /// and block.
+    #[inline(always)]
+    unsafe fn sum4(p: &[__m256i; 4]) -> __m128i {
+        let h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))
+    }
+
+    /// The little-endian u16 at `p`, as i32.
+    #[inline(always)]
+    unsafe fn u16_at(p: *const u8) -> i32 {
+        i32::from(u16::from_le_bytes([*p, *p.add(1)]))
+    }
+
+    /// The little-endian u32 at `p`, as i32 bits.
+    #[inline(always)]
+    unsafe fn u32_at(p: *const u8) -> i32 {
+        i32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)])
+    }
+
+    /// The f16 at byte `o` of block `b` of each of the tile's 4 weight rows, as 4 f32: one
+    /// conversion for the 4 rows.
+    #[inline(always)]
+    unsafe fn f16x4(w: &[u8], rb: usize, bb: usize, b: usize, o: usize) -> __m128 {
+        let at = |r| u16_at(block_at(w, rb, r, bb, b).add(o));
+        let v = _mm_cvtsi32_si128(at(0) | (at(1) << 16));
+        _mm_cvtph_ps(_mm_insert_epi32::<1>(v, at(2) | (at(3) << 16)))
+    }
+
+    /// The tile's 4 results from a 4-lane accumulator.
+    #[inline(always)]
+    unsafe fn out4(acc: __m128) -> [[f32; 1]; 4] {
+        let mut o = [0.0f32; 4];
+        _mm_storeu_ps(o.as_mut_ptr(), acc);
+        o.map(|v| [v])
+    }
+
+    /// Q4_0, a decode tile of 4 weight rows by one activation row. Per block the 4 rows'
+    /// integer sums `sum(q_w * q_x)` (nibbles 0..15, without the -8 offset) are reduced
+    /// together by [`sum4`], the offset taken off all 4 at once as `8 * n_x` (the activation
+    /// block's integer sum), and the 4 scales converted by one `vcvtph2ps`: one FMA per block
+    /// for the 4 rows. Each row's per-block sum is exact (|sum| <= 8 * 32767 * 32 < 2^24), so a
+    /// row's result is the sum over blocks of `(d_w * d_x) * sum`, in block order.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_0_dec4(w: &[u8], rb: usize, a: &Act<'_>) -> [[f32; 1]; 4] {
+        let m4 = nibble_mask();
+        let mut acc = _mm_setzero_ps();
+        for b in 0..a.nb {
+            prefetch_far(w, rb, 18, b);
+            let (x0, x1) = x_block(a, 0, b);
+            let mut p = [_mm256_setzero_si256(); 4];
+            for (r, p) in p.iter_mut().enumerate() {
+                let (lo, hi) = nibbles16(block_at(w, rb, r, 18, b).add(2), m4);
+                *p = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
+            }
+            let sum = _mm_sub_epi32(sum4(&p), _mm_set1_epi32(8 * a.n[b]));
+            let scale = _mm_mul_ps(f16x4(w, rb, 18, b, 0), _mm_set1_ps(a.d[b]));
+            acc = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(sum), acc);
+        }
+        out4(acc)
+    }
+
+    /// Q4_1, a decode tile of 4 weight rows by one activation row: as [`q4_0_dec4`] (no
+    /// offset), the 4 rows' `d` and `m` converted by one `vcvtph2ps` of 8 halves, and the mins
+    /// `m_w * s_x` in a second 4-lane FMA chain added at the end.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_1_dec4(w: &[u8], rb: usize, a: &Act<'_>) -> [[f32; 1]; 4] {
+        let m4 = nibble_mask();
+        let (mut acc, mut mins) = (_mm_setzero_ps(), _mm_setzero_ps());
+        // d0 m0 d1 m1 .. -> d0 d1 d2 d3 m0 m1 m2 m3.
+        let split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        for b in 0..a.nb {
+            prefetch_far(w, rb, 20, b);
+            let (x0, x1) = x_block(a, 0, b);
+            let mut p = [_mm256_setzero_si256(); 4];
+            for (r, p) in p.iter_mut().enumerate() {
+                let (lo, hi) = nibbles16(block_at(w, rb, r, 20, b).add(4), m4);
+                *p = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
+            }
+            let at = |r| u32_at(block_at(w, rb, r, 20, b));
+            let dm = _mm_insert_epi32::<1>(_mm_cvtsi32_si128(at(0)), at(1));
+            let dm = _mm_insert_epi32::<3>(_mm_insert_epi32::<2>(dm, at(2)), at(3));
+            let dm = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(dm), split);
+            let scale = _mm_mul_ps(_mm256_castps256_ps128(dm), _mm_set1_ps(a.d[b]));
+            acc = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(sum4(&p)), acc);
+            mins = _mm_fmadd_ps(_mm256_extractf128_ps(dm, 1), _mm_set1_ps(a.s[b]), mins);
+        }
+        out4(_mm_add_ps(acc, mins))
+    }
+
+    /// A Q4_K super-block's 8 sub-block scales times `d` and 8 mins times `dmin` (the values
+    /// of `scalar::k_scale_min`, bit for bit), decoded from the 12 packed bytes with 32-bit
+    /// integer masks and shifts (4 sub-blocks a word) and converted 8 at a time.
+    #[inline(always)]
+    unsafe fn k_scales8(p: *const u8) -> (__m256, __m256) {
+        let (a, b, c) = (
+            u32_at(p.add(4)) as u32,
+            u32_at(p.add(8)) as u32,
+            u32_at(p.add(12)) as u32,
+        );
+        // Sub-blocks 0..4: the low 6 bits of bytes 0..4 (scales) and 4..8 (mins). 4..8: the
+        // nibbles of bytes 8..12 below the top 2 bits of bytes 0..4 (scales) and 4..8 (mins).
+        let (lo6, lo4, lo2) = (0x3F3F_3F3F, 0x0F0F_0F0F, 0x0303_0303);
+        let sc_hi = (c & lo4) | (((a >> 6) & lo2) << 4);
+        let mn_hi = ((c >> 4) & lo4) | (((b >> 6) & lo2) << 4);
+        let widen = |lo: u32, hi: u32| {
+            let v = _mm_cvtsi64_si128(((u64::from(hi) << 32) | u64::from(lo)) as i64);
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
+        };
+        (
+            _mm256_mul_ps(widen(a & lo6, sc_hi), _mm256_set1_ps(f16_at(p))),
+            _mm256_mul_ps(widen(b & lo6, mn_hi), _mm256_set1_ps(f16_at(p.add(2)))),
+        )
+    }
+
+    /// Rows `v[0..4]` of 8 values to columns: lanes 0..4 of `t[j]` are `v[0..4][j]` and lanes
+    /// 4..8 `v[0..4][j + 4]`, for `j < 4`.
+    #[inline(always)]
+    unsafe fn transpose4x8(v: &[__m256; 4]) -> [__m256; 4] {
+        let (l01, h01) = (
+            _mm256_unpacklo_ps(v[0], v[1]),
+            _mm256_unpackhi_ps(v[0], v[1]),
+        );
+        let (l23, h23) = (
+            _mm256_unpacklo_ps(v[2], v[3]),
+            _mm256_unpackhi_ps(v[2], v[3]),
+        );
+        [
+            _mm256_shuffle_ps::<0b01_00_01_00>(l01, l23),
+            _mm256_shuffle_ps::<0b11_10_11_10>(l01, l23),
+            _mm256_shuffle_ps::<0b01_00_01_00>(h01, h23),
+            _mm256_shuffle_ps::<0b11_10_11_10>(h01, h23),
+        ]
+    }
+
+    /// Q4_K, a decode tile of 4 weight rows by one activation row: per super-block the 8
+    /// sub-block scales and mins of the 4 rows decoded once ([`k_scales8`]) and transposed so
+    /// that each sub-block's 4 rows sit side by side, then per sub-block the 4 rows' exact integer sums reduced by
+    /// [`sum4`] (|sum| <= 15 * 32767 * 32 < 2^24), one FMA for the scales and one for the mins.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_k_dec4(w: &[u8], rb: usize, a: &Act<'_>) -> [[f32; 1]; 4] {
+        let m4 = nibble_mask();
+        let (mut acc, mut mins) = (_mm_setzero_ps(), _mm_setzero_ps());
+        for sb in 0..a.nb / 8 {
+            let z = _mm256_setzero_ps();
+            let (mut sc, mut mn) = ([z; 4], [z; 4]);
+            for r in 0..4 {
+                (sc[r], mn[r]) = k_scales8(block_at(w, rb, r, 144, sb));
+            }
+            let (f, mn) = (transpose4x8(&sc), transpose4x8(&mn));
+            for j in 0..8 {
+                let b = sb * 8 + j;
+                prefetch_far(w, rb, 18, b);
+                let (x0, x1) = x_block(a, 0, b);
+                let mut p = [_mm256_setzero_si256(); 4];
+                for (r, p) in p.iter_mut().enumerate() {
+                    let q = block_at(w, rb, r, 144, sb).add(16 + 32 * (j / 2));
+                    let (lo, hi) = nibbles32(q, j % 2 == 1, m4);
+                    *p = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
+                }
+                let (fj, mj) = if j < 4 {
+                    (_mm256_castps256_ps128(f[j]), _mm256_castps256_ps128(mn[j]))
+                } else {
+                    (
+                        _mm256_extractf128_ps(f[j - 4], 1),
+                        _mm256_extractf128_ps(mn[j - 4], 1),
+                    )
+                };
+                let scale = _mm_mul_ps(fj, _mm_set1_ps(a.d[b]));
+                acc = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(sum4(&p)), acc);
+                mins = _mm_fmadd_ps(mj, _mm_set1_ps(a.s[b]), mins);
+            }
+        }
+        out4(_mm_sub_ps(acc, mins))
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -755,6 +960,174 @@ mod x86 {
         }
         tile_out(&acc.merged(), None)
     }
+
+    #[cfg(test)]
+    mod tests {
+        //! The 4-row decode tiles against the general tile body (`W = 4`, `R = 1`), which
+        //! sums in another order: equal within f32 rounding. The `#[ignore]`d benchmark times
+        //! both in one process (`cargo test --release -p lowsync-cpu dec4_speed -- --ignored
+        //! --nocapture`).
+
+        use super::*;
+
+        /// Random rows of blocks of `bb` bytes, with every f16 at `halves` a small positive
+        /// scale (random bits there would give infinities and NaN).
+        fn rows(n: usize, row_bytes: usize, bb: usize, halves: &[usize], seed: u64) -> Vec<u8> {
+            let mut st = seed;
+            let mut w: Vec<u8> = (0..n * row_bytes)
+                .map(|_| {
+                    st = st
+                        .wrapping_mul(6_364_136_223_846_793_005)
+                        .wrapping_add(1_442_695_040_888_963_407);
+                    (st >> 56) as u8
+                })
+                .collect();
+            for (i, blk) in w.chunks_exact_mut(bb).enumerate() {
+                for &o in halves {
+                    // 0x2C00 + small mantissa: about 0.0625.
+                    blk[o..o + 2].copy_from_slice(&(0x2C00u16 + (i % 97) as u16).to_le_bytes());
+                }
+            }
+            w
+        }
+
+        fn activations(k: usize) -> QRows {
+            let x: Vec<f32> = (0..k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
+            QRows::quantize(&x)
+        }
+
+        type Body = unsafe fn(&[u8], usize, &Act<'_>) -> [[f32; 1]; 4];
+
+        /// `(name, block bytes, f16 offsets, old body, new body)` of the three tiles.
+        fn cases() -> [(&'static str, usize, &'static [usize], Body, Body); 3] {
+            [
+                ("q4_0", 18, &[0], q4_0_avx2::<4, 1>, q4_0_dec4),
+                ("q4_1", 20, &[0, 2], q4_1_avx2::<4, 1>, q4_1_dec4),
+                ("q4_k", 144, &[0, 2], q4_k_avx2::<4, 1>, q4_k_dec4),
+            ]
+        }
+
+        /// Runs `body` over every 4-row tile of `w` into `out`.
+        fn run(body: Body, w: &[u8], row_bytes: usize, x: &QRows, out: &mut [f32]) {
+            let act = Act {
+                d: &x.d,
+                s: &x.s,
+                n: &x.n,
+                q: &x.q,
+                nb: x.d.len(),
+            };
+            for (t, o) in w.chunks_exact(4 * row_bytes).zip(out.chunks_exact_mut(4)) {
+                // SAFETY: the tests run only where AVX2, FMA and F16C are detected; `t` holds
+                // 4 rows of `act.nb` blocks' weights.
+                let r = unsafe { body(t, row_bytes, &act) };
+                for (o, r) in o.iter_mut().zip(r) {
+                    *o = r[0];
+                }
+            }
+        }
+
+        fn have_simd() -> bool {
+            std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+        }
+
+        #[test]
+        fn k_scales8_matches_the_scalar_decoding() {
+            if !have_simd() {
+                return;
+            }
+            for blk in rows(64, 144, 144, &[0, 2], 13).chunks_exact(144) {
+                // SAFETY: AVX2 was detected; `blk` holds a whole super-block.
+                let (f, m) = unsafe { k_scales8(blk.as_ptr()) };
+                let (mut fv, mut mv) = ([0.0f32; 8], [0.0f32; 8]);
+                // SAFETY: 8 lanes into arrays of 8.
+                unsafe {
+                    _mm256_storeu_ps(fv.as_mut_ptr(), f);
+                    _mm256_storeu_ps(mv.as_mut_ptr(), m);
+                }
+                // SAFETY: F16C was detected.
+                let (d, dmin) = unsafe { (f16_at(blk.as_ptr()), f16_at(blk[2..].as_ptr())) };
+                for j in 0..8 {
+                    let (sc, mn) = super::super::super::scalar::k_scale_min(&blk[4..16], j);
+                    assert_eq!(fv[j].to_bits(), (d * f32::from(sc)).to_bits(), "scale {j}");
+                    assert_eq!(mv[j].to_bits(), (dmin * f32::from(mn)).to_bits(), "min {j}");
+                }
+            }
+        }
+
+        #[test]
+        fn decode_tiles_agree_with_the_general_tile() {
+            if !have_simd() {
+                return;
+            }
+            let k = 768;
+            let x = activations(k);
+            for (name, bb, halves, old, new) in cases() {
+                let row_bytes = if bb == 144 {
+                    k / 256 * 144
+                } else {
+                    k / QK * bb
+                };
+                let w = rows(16, row_bytes, bb, halves, 5);
+                let (mut a, mut b) = (vec![0.0f32; 16], vec![0.0f32; 16]);
+                run(old, &w, row_bytes, &x, &mut a);
+                run(new, &w, row_bytes, &x, &mut b);
+                let scale = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                assert!(scale > 0.0, "{name}: all zero");
+                for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+                    assert!((a - b).abs() <= 1e-5 * scale, "{name} row {i}: {a} vs {b}");
+                }
+            }
+        }
+
+        #[test]
+        #[ignore = "a benchmark: run with --release --ignored --nocapture"]
+        fn dec4_speed() {
+            if !have_simd() {
+                return;
+            }
+            for k in [768, 2048] {
+                let x = activations(k);
+                for (name, bb, halves, old, new) in cases() {
+                    let row_bytes = if bb == 144 {
+                        k / 256 * 144
+                    } else {
+                        k / QK * bb
+                    };
+                    for (label, bytes, reps) in
+                        [("cache 1 MiB", 1 << 20, 64), ("DRAM 96 MiB", 96 << 20, 2)]
+                    {
+                        let n = (bytes / row_bytes) / 4 * 4;
+                        let w = rows(n, row_bytes, bb, halves, 9);
+                        let mut out = vec![0.0f32; n];
+                        let blocks = (n * (k / QK) * reps) as f64;
+                        let (mut best_old, mut best_new) = (f64::MAX, f64::MAX);
+                        for round in 0..11 {
+                            let mut order = [(old, &mut best_old), (new, &mut best_new)];
+                            // Each goes first in every other round.
+                            order.rotate_left(round % 2);
+                            for (body, best) in order {
+                                let t = std::time::Instant::now();
+                                for _ in 0..reps {
+                                    run(body, &w, row_bytes, &x, &mut out);
+                                    std::hint::black_box(&mut out);
+                                }
+                                *best = best.min(t.elapsed().as_secs_f64() * 1e9 / blocks);
+                            }
+                        }
+                        eprintln!(
+                        "{name} k {k} {label}: old {best_old:.3} ns/block, new {best_new:.3} ns/block, \
+                         {:.2}x",
+                        best_old / best_new
+                    );
+                    }
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -823,7 +1196,7 @@ mod tests {
                 let got = unsafe { x86::quantize_block(blk, &mut b) };
                 assert_eq!(a, b, "block {n}: values");
                 assert_eq!(want.0.to_bits(), got.0.to_bits(), "block {n}: d");
-                assert_eq!(want.1.to_bits(), got.1.to_bits(), "block {n}: s");
+                assert_eq!(want.1, got.1, "block {n}: sum");
             }
         }
     }
