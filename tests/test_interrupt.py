@@ -77,14 +77,14 @@ def test_ctrl_c_interrupts_a_long_step(backend: str) -> None:
     finally:
         timer.cancel()
         timer.join()
-    assert elapsed < 0.5 * expected_s, (
-        f"KeyboardInterrupt after {elapsed:.2f} s; the step takes ~{expected_s:.2f} s "
-        f"({n_layers} matmuls)"
-    )
-
-    # The same plan and context compute correctly afterwards.
+    # The same plan and context compute correctly afterwards; that uninterrupted step's own
+    # time is the yardstick too (a loaded machine slows the interrupted step and it alike, where
+    # the calibration above may have run in a quiet moment).
     x2 = randn(rng, N, N)
-    plan.set_input("x", x2)
-    plan.compute()
+    full_s = timed_step(plan, x2)
     np.testing.assert_array_equal(plan.get_output("y"), x2)
     ctx.synchronize()
+    assert elapsed < 0.5 * max(expected_s, full_s), (
+        f"KeyboardInterrupt after {elapsed:.2f} s; the step takes ~{expected_s:.2f} s "
+        f"calibrated, {full_s:.2f} s measured ({n_layers} matmuls)"
+    )

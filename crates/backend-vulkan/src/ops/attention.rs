@@ -18,7 +18,7 @@ use lowsync_graph::DType;
 use super::layout::{dt, Ctx, Dispatch, Res};
 use crate::pipelines::Push;
 
-/// The largest head dimension (two output dims per thread of a 128-wide workgroup).
+/// The largest head dimension (one output dim per thread of a 256-wide workgroup).
 pub(crate) const MAX_DIM: usize = 256;
 
 /// The fused attention's operands.
