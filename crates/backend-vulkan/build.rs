@@ -224,6 +224,62 @@ const KERNELS: &[Spec] = &[
             ("b", Slot::Quant, QUANTS),
         ],
     ),
+    // The decode mat-vecs with an element-wise op in their store (`mul_mat_vec_out_e.wgsl`):
+    // f32 activations, results and epilogue operands only, as the fusion takes them.
+    (
+        "mul_mat_vec_k_e",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::In, FLOATS),
+            ("e", Slot::In, &["f32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_k_wg_e",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::In, FLOATS),
+            ("e", Slot::In, &["f32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_v_e",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Vec, FLOATS),
+            ("e", Slot::In, &["f32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_q_e",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+            ("e", Slot::In, &["f32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_qv_e",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+            ("e", Slot::In, &["f32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_q_wg_e",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+            ("e", Slot::In, &["f32"]),
+        ],
+    ),
     (
         "get_rows_q",
         &[
@@ -519,9 +575,9 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
     let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
     let info = Validator::new(
         ValidationFlags::all(),
-        // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_v`, `mul_mat_vec_q`, `mul_mat_vec_qv` and
-        // `mul_mat_vec_qm` use subgroup operations, and the host picks them only on a device whose compute stage
-        // has subgroup arithmetic.
+        // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_v`, `mul_mat_vec_q`, `mul_mat_vec_qv`,
+        // `mul_mat_vec_qm` and their `_e` flavours use subgroup operations, and the host picks
+        // them only on a device whose compute stage has subgroup arithmetic.
         // SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).
         Capabilities::IMMEDIATES

@@ -190,6 +190,9 @@ impl Inner {
                 let planned = match &grp {
                     Group::Attn(a) => self.plan_attention(st, graph, a)?.map(|d| vec![d]),
                     Group::NormMul { norm, mul } => self.plan_norm_mul(st, graph, *norm, *mul)?,
+                    Group::Epilogue { mm, op, epi } => self
+                        .plan_epilogue(st, graph, *mm, *op, *epi)?
+                        .map(|d| vec![d]),
                 };
                 if let Some(ds) = planned {
                     for d in ds {
@@ -358,5 +361,25 @@ impl Inner {
         let w = self.resolve(st, m, &m.srcs[1])?;
         let dst = self.resolve(st, m, &m.dst)?;
         Ok(ops::norm_mul(n, &dst, &x, &w, eps, self.limits).ok())
+    }
+
+    /// The product at node `mm` with the element-wise node `op` in its store (`crate::fusion`
+    /// proved it safe), or `None` when no fused kernel takes the operands and the pair runs
+    /// unfused.
+    fn plan_epilogue(
+        &self,
+        st: &State,
+        graph: &ExecGraph,
+        mm: usize,
+        op: usize,
+        epi: ops::Epilogue,
+    ) -> Result<Option<ops::Dispatch>> {
+        let (m, o) = (&graph.nodes[mm], &graph.nodes[op]);
+        let other = if o.srcs[0] == m.dst { 1 } else { 0 };
+        let a = self.resolve(st, m, &m.srcs[0])?;
+        let b = self.resolve(st, m, &m.srcs[1])?;
+        let e = self.resolve(st, o, &o.srcs[other])?;
+        let dst = self.resolve(st, o, &o.dst)?;
+        ops::mul_mat_epilogue(m, &dst, [&a, &b, &e], epi, self.limits)
     }
 }

@@ -34,7 +34,7 @@
 use lowsync_backend::{ExecGraph, ExecNode, TensorRef};
 use lowsync_graph::{DType, Op};
 
-use crate::ops::ATTN_MAX_DIM;
+use crate::ops::{Epilogue, ATTN_MAX_DIM};
 
 /// A decode attention chain run as one kernel (node indices).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -302,6 +302,50 @@ fn norm_mul_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize)
     ok.then_some((i, j))
 }
 
+/// `MulMat -> Add` (the residual add) or `MulMat -> SwiGlu` at node `i`, if the element-wise op
+/// may run in the product's store: an f32 product read whole by the op (its first reader) and
+/// dead after it, the op's other operand f32 with the op's own shape and strides (so element i
+/// of it pairs with element i of the result), an f32 result, which overlaps neither of the
+/// product's sources and either is the other operand exactly (an in-place add) or overlaps it
+/// not at all, and no node between them conflicting with the op (which now runs at the
+/// product's position).
+fn epilogue_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize, Epilogue)> {
+    let nodes = &g.nodes;
+    let mm = &nodes[i];
+    if mm.op != Op::MulMat || mm.dst.dtype != DType::F32 || mm.dst.numel() == 0 {
+        return None;
+    }
+    let t = &mm.dst;
+    let j = (i + 1..nodes.len()).find(|&j| nodes[j].srcs.iter().any(|s| overlap(s, t)))?;
+    let op = &nodes[j];
+    let [s0, s1] = op.srcs.as_slice() else {
+        return None;
+    };
+    let (slot, e) = if s0 == t { (0, s1) } else { (1, s0) };
+    let epi = match (&op.op, slot) {
+        (Op::Add, _) => Epilogue::Add,
+        (Op::SwiGlu, 0) => Epilogue::GluGate,
+        (Op::SwiGlu, _) => Epilogue::GluUp,
+        _ => return None,
+    };
+    let d = &op.dst;
+    let ok = !taken[j]
+        && op.srcs[slot] == *t
+        && !overlap(e, t)
+        && e.dtype == DType::F32
+        && d.dtype == DType::F32
+        && d.shape == t.shape
+        && e.shape == d.shape
+        && e.strides == d.strides
+        && (e == d || !overlap(e, d))
+        && !mm.srcs.iter().any(|s| overlap(d, s))
+        && !(0..mm.srcs.len()).any(|s| mm.src_needs_private_copy(s))
+        && !(0..2).any(|s| op.src_needs_private_copy(s))
+        && dead_after(g, i, j, slot)
+        && (i + 1..j).all(|n| !conflicts(&nodes[n], op));
+    ok.then_some((i, j, epi))
+}
+
 /// A chain of nodes run as one kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Group {
@@ -311,6 +355,12 @@ pub(crate) enum Group {
         norm: usize,
         mul: usize,
     },
+    /// A product and the element-wise op that consumes it, run in the product's store.
+    Epilogue {
+        mm: usize,
+        op: usize,
+        epi: Epilogue,
+    },
 }
 
 impl Group {
@@ -319,6 +369,7 @@ impl Group {
         match self {
             Group::Attn(a) => a.kq,
             Group::NormMul { norm, .. } => *norm,
+            Group::Epilogue { mm, .. } => *mm,
         }
     }
 
@@ -326,6 +377,7 @@ impl Group {
         match self {
             Group::Attn(a) => a.members(),
             Group::NormMul { norm, mul } => vec![*norm, *mul],
+            Group::Epilogue { mm, op, .. } => vec![*mm, *op],
         }
     }
 }
@@ -340,7 +392,10 @@ pub(crate) fn groups(g: &ExecGraph) -> Vec<Group> {
         }
         let grp = attention_at(g, i, &taken)
             .map(Group::Attn)
-            .or_else(|| norm_mul_at(g, i, &taken).map(|(norm, mul)| Group::NormMul { norm, mul }));
+            .or_else(|| norm_mul_at(g, i, &taken).map(|(norm, mul)| Group::NormMul { norm, mul }))
+            .or_else(|| {
+                epilogue_at(g, i, &taken).map(|(mm, op, epi)| Group::Epilogue { mm, op, epi })
+            });
         if let Some(grp) = grp {
             let members = grp.members();
             if members.iter().any(|&m| taken[m]) {

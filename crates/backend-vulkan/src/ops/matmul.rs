@@ -183,6 +183,64 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
     }])
 }
 
+/// The element-wise op a decode product's store runs (`mul_mat_vec_out_e.wgsl`), with the op's
+/// other operand `e`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Epilogue {
+    /// `e + s`: the residual add.
+    Add,
+    /// `silu(e) * s`: SwiGLU whose up half is the product.
+    GluUp,
+    /// `silu(s) * e`: SwiGLU whose gate half is the product.
+    GluGate,
+}
+
+/// Decode mat-vec families that have an `_e` flavour with the epilogue in their store.
+const EPILOGUE_FAMILIES: &[&str] = &[
+    "mul_mat_vec_v",
+    "mul_mat_vec_k",
+    "mul_mat_vec_k_wg",
+    "mul_mat_vec_q",
+    "mul_mat_vec_qv",
+    "mul_mat_vec_q_wg",
+];
+
+/// `x @ w.T` into `dst` with `epi` applied to each result element and the same element of `e`
+/// in the store, as one dispatch; `None` when the product does not take a decode mat-vec with
+/// such a flavour, or `e` is not f32 laid out as `dst` (the caller then runs the pair unfused).
+pub(super) fn mul_mat_epilogue(
+    c: &Ctx,
+    dst: &Res,
+    a: &Res,
+    b: &Res,
+    e: &Res,
+    epi: Epilogue,
+) -> Result<Option<Dispatch>> {
+    if e.dtype != DType::F32 || e.shape != dst.shape || e.strides != dst.strides {
+        return Ok(None);
+    }
+    let mut ds = mul_mat(c, dst, a, b)?;
+    let (Some(mut d), None) = (ds.pop(), ds.pop()) else {
+        return Ok(None);
+    };
+    let Some((family, suffix)) = d.kernel.split_once('.') else {
+        return Ok(None);
+    };
+    if !EPILOGUE_FAMILIES.contains(&family) {
+        return Ok(None);
+    }
+    let (be, oe) = c.bind(e, false)?;
+    d.kernel = format!("{family}_e.{suffix}.e_f32");
+    d.binds.push(be);
+    let op = match epi {
+        Epilogue::Add => 0,
+        Epilogue::GluUp => 1,
+        Epilogue::GluGate => 2,
+    };
+    d.push.pad = [oe, op, 0, 0];
+    Ok(Some(d))
+}
+
 /// `x @ w.T` over a block-dtype `w`, dequantized in registers: one row of x takes the decode
 /// mat-vec (`mul_mat_vec_q*.wgsl`, workgroup z a row of x; `mul_mat_vec_qv` where subgroups
 /// and 256-invocation workgroups exist and x is contiguous and 16-byte aligned), more rows of an x contiguous along

@@ -32,6 +32,7 @@ use lowsync_graph::Op;
 pub(crate) use attention::{Attn, MAX_DIM as ATTN_MAX_DIM};
 use layout::Ctx;
 pub(crate) use layout::{kernel_err, Dispatch, Limits, Res, Status};
+pub(crate) use matmul::Epilogue;
 
 /// Plans `node` with its resolved destination and sources.
 pub(crate) fn plan(
@@ -90,4 +91,17 @@ pub(crate) fn norm_mul(
 ) -> Result<Vec<Dispatch>> {
     let c = Ctx { node, lim };
     rows::row_kernel(&c, "rms_norm_mul", dst, x, Some(w), eps)
+}
+
+/// Plans the decode product at `node` with the element-wise op that consumes it in its store
+/// (`crate::fusion` proved the product dead): `epi` of each element of `a @ b` and the same
+/// element of `e`, into `dst`; `None` when no fused kernel takes the operands.
+pub(crate) fn mul_mat_epilogue(
+    node: &ExecNode,
+    dst: &Res,
+    [a, b, e]: [&Res; 3],
+    epi: Epilogue,
+    lim: Limits,
+) -> Result<Option<Dispatch>> {
+    matmul::mul_mat_epilogue(&Ctx { node, lim }, dst, a, b, e, epi)
 }
