@@ -122,6 +122,27 @@ const KERNELS: &[Spec] = &[
             ("pos", Slot::Int, &["i32"]),
         ],
     ),
+    // `Rope -> SetRows` of one token: the rotated K row written into its KV-cache row.
+    (
+        "rope_set_rows",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("pos", Slot::Int, &["i32"]),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "rope_set_rows_f32",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("pos", Slot::Int, &["i32"]),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
     (
         "argmax",
         &[("d", Slot::IntOut, &["i32"]), ("a", Slot::In, FLOATS)],

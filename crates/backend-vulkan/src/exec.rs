@@ -193,6 +193,9 @@ impl Inner {
                     Group::Epilogue { mm, op, epi } => self
                         .plan_epilogue(st, graph, *mm, *op, *epi)?
                         .map(|d| vec![d]),
+                    Group::RopeRows { rope, set_rows } => self
+                        .plan_rope_rows(st, &mut sites, graph, *rope, *set_rows)?
+                        .map(|d| vec![d]),
                 };
                 if let Some(ds) = planned {
                     for d in ds {
@@ -246,35 +249,18 @@ impl Inner {
                 srcs.push(r);
             }
             let status = match node.op {
-                Op::GetRows | Op::SetRows | Op::MulMatId => {
-                    let Some(s) = st.status.as_ref() else {
-                        return Err(unavailable("no status words"));
-                    };
-                    let bind = Bind {
-                        buffer: s.buf.buffer,
-                        offset: 0,
-                        range: 16,
-                        write: true,
-                    };
-                    st.next_tag = st.next_tag.wrapping_add(1);
-                    let tag = st.next_tag;
-                    let (what, rows_of, n) = match node.op {
-                        Op::GetRows => ("ids", "a table", srcs[0].shape.first().copied()),
-                        Op::SetRows => ("indices", "a destination", dst.shape.first().copied()),
-                        _ => ("ids", "experts", srcs[0].shape.first().copied()),
-                    };
-                    sites.push((
-                        tag,
-                        ErrorSite {
-                            op: node.op.name(),
-                            node: node.name.clone(),
-                            what,
-                            rows_of,
-                            n: n.unwrap_or(0),
-                        },
-                    ));
-                    Some(Status { bind, tag })
-                }
+                Op::GetRows | Op::MulMatId => Some(index_status(
+                    st,
+                    &mut sites,
+                    node,
+                    srcs[0].shape.first().copied(),
+                )?),
+                Op::SetRows => Some(index_status(
+                    st,
+                    &mut sites,
+                    node,
+                    dst.shape.first().copied(),
+                )?),
                 _ => None,
             };
             for d in ops::plan(node, &dst, &srcs, status, self.limits)? {
@@ -382,4 +368,74 @@ impl Inner {
         let dst = self.resolve(st, o, &o.dst)?;
         ops::mul_mat_epilogue(m, &dst, [&a, &b, &e], epi, self.limits)
     }
+
+    /// The fused `Rope -> SetRows` of nodes `rope` and `set_rows` (`crate::fusion` proved it
+    /// safe), or `None` when the kernel does not take the operands and the pair runs unfused.
+    fn plan_rope_rows(
+        &self,
+        st: &mut State,
+        sites: &mut Vec<(u32, ErrorSite)>,
+        graph: &ExecGraph,
+        rope: usize,
+        set_rows: usize,
+    ) -> Result<Option<ops::Dispatch>> {
+        let (r, w) = (&graph.nodes[rope], &graph.nodes[set_rows]);
+        let Op::Rope {
+            mode,
+            n_dims,
+            theta_base,
+        } = r.op
+        else {
+            return Ok(None);
+        };
+        let x = self.resolve(st, r, &r.srcs[0])?;
+        let pos = self.resolve(st, r, &r.srcs[1])?;
+        let ids = self.resolve(st, w, &w.srcs[2])?;
+        let cache = self.resolve(st, w, &w.dst)?;
+        let status = index_status(st, sites, w, cache.shape.first().copied())?;
+        ops::rope_set_rows(
+            r,
+            [&cache, &x, &pos, &ids],
+            (mode, n_dims, theta_base),
+            Some(status),
+            self.limits,
+        )
+    }
+}
+
+/// A fresh error tag for the index-checking node `node` (its ids index `n` rows), registered
+/// in `sites` so an index error the device reports names the node.
+fn index_status(
+    st: &mut State,
+    sites: &mut Vec<(u32, ErrorSite)>,
+    node: &ExecNode,
+    n: Option<usize>,
+) -> Result<Status> {
+    let Some(s) = st.status.as_ref() else {
+        return Err(unavailable("no status words"));
+    };
+    let bind = Bind {
+        buffer: s.buf.buffer,
+        offset: 0,
+        range: 16,
+        write: true,
+    };
+    st.next_tag = st.next_tag.wrapping_add(1);
+    let tag = st.next_tag;
+    let (what, rows_of) = match node.op {
+        Op::GetRows => ("ids", "a table"),
+        Op::SetRows => ("indices", "a destination"),
+        _ => ("ids", "experts"),
+    };
+    sites.push((
+        tag,
+        ErrorSite {
+            op: node.op.name(),
+            node: node.name.clone(),
+            what,
+            rows_of,
+            n: n.unwrap_or(0),
+        },
+    ));
+    Ok(Status { bind, tag })
 }

@@ -346,6 +346,51 @@ fn epilogue_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize,
     ok.then_some((i, j, epi))
 }
 
+/// `Rope -> SetRows` at node `i`, if one token's rotated row may go straight into its cache row:
+/// an f32 rope of x [1, H, D] into a contiguous result that the `SetRows` (its first reader)
+/// takes whole as its source [1, H * D] and that is dead after it, the cache overlapping none of
+/// rope's sources nor the indices, and no node between them conflicting with the `SetRows`.
+fn rope_rows_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize)> {
+    let nodes = &g.nodes;
+    let rope = &nodes[i];
+    let t = &rope.dst;
+    let ([x, pos], [1, h, d]) = (rope.srcs.as_slice(), t.shape.as_slice()) else {
+        return None;
+    };
+    if !matches!(rope.op, Op::Rope { .. })
+        || t.dtype != DType::F32
+        || x.dtype != DType::F32
+        || !t.is_contiguous()
+        || h * d == 0
+    {
+        return None;
+    }
+    let j = (i + 1..nodes.len()).find(|&j| nodes[j].srcs.iter().any(|s| overlap(s, t)))?;
+    let w = &nodes[j];
+    let [cache_in, src, ids] = w.srcs.as_slice() else {
+        return None;
+    };
+    let cache = &w.dst;
+    let ok = !taken[j]
+        && w.op == Op::SetRows
+        && src.buffer == t.buffer
+        && src.byte_offset == t.byte_offset
+        && src.dtype == DType::F32
+        && src.is_contiguous()
+        && src.shape == [1, h * d]
+        && !overlap(cache_in, t)
+        && !overlap(ids, t)
+        && ids.shape == [1]
+        && cache.shape.len() == 2
+        && cache.shape[1] == h * d
+        && ![x, pos, ids].iter().any(|s| overlap(cache, s))
+        && !(0..2).any(|s| rope.src_needs_private_copy(s))
+        && !(0..3).any(|s| w.src_needs_private_copy(s))
+        && dead_after(g, i, j, 1)
+        && (i + 1..j).all(|n| !conflicts(&nodes[n], w));
+    ok.then_some((i, j))
+}
+
 /// A chain of nodes run as one kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Group {
@@ -354,6 +399,11 @@ pub(crate) enum Group {
     NormMul {
         norm: usize,
         mul: usize,
+    },
+    /// One token's `Rope` written straight into its KV-cache row by the `SetRows` after it.
+    RopeRows {
+        rope: usize,
+        set_rows: usize,
     },
     /// A product and the element-wise op that consumes it, run in the product's store.
     Epilogue {
@@ -370,6 +420,7 @@ impl Group {
             Group::Attn(a) => a.kq,
             Group::NormMul { norm, .. } => *norm,
             Group::Epilogue { mm, .. } => *mm,
+            Group::RopeRows { rope, .. } => *rope,
         }
     }
 
@@ -378,6 +429,7 @@ impl Group {
             Group::Attn(a) => a.members(),
             Group::NormMul { norm, mul } => vec![*norm, *mul],
             Group::Epilogue { mm, op, .. } => vec![*mm, *op],
+            Group::RopeRows { rope, set_rows } => vec![*rope, *set_rows],
         }
     }
 }
@@ -395,6 +447,10 @@ pub(crate) fn groups(g: &ExecGraph) -> Vec<Group> {
             .or_else(|| norm_mul_at(g, i, &taken).map(|(norm, mul)| Group::NormMul { norm, mul }))
             .or_else(|| {
                 epilogue_at(g, i, &taken).map(|(mm, op, epi)| Group::Epilogue { mm, op, epi })
+            })
+            .or_else(|| {
+                rope_rows_at(g, i, &taken)
+                    .map(|(rope, set_rows)| Group::RopeRows { rope, set_rows })
             });
         if let Some(grp) = grp {
             let members = grp.members();

@@ -105,3 +105,16 @@ pub(crate) fn mul_mat_epilogue(
 ) -> Result<Option<Dispatch>> {
     matmul::mul_mat_epilogue(&Ctx { node, lim }, dst, a, b, e, epi)
 }
+
+/// Plans the fused `Rope -> SetRows` of one token (`crate::fusion` proved the rotated row dead):
+/// `x` [1, H, D] rotated at `pos` as `rope` (mode, n_dims, theta) gives, into row `ids[0]` of
+/// `cache`; `None` when the fused kernel does not take the operands.
+pub(crate) fn rope_set_rows(
+    node: &ExecNode,
+    [cache, x, pos, ids]: [&Res; 4],
+    rope: (lowsync_graph::RopeMode, usize, f32),
+    status: Option<Status>,
+    lim: Limits,
+) -> Result<Option<Dispatch>> {
+    rows::rope_set_rows(&Ctx { node, lim }, cache, x, pos, ids, rope, status)
+}
