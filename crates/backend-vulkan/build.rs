@@ -301,6 +301,68 @@ const KERNELS: &[Spec] = &[
             ("e", Slot::In, &["f32"]),
         ],
     ),
+    // The decode mat-vecs storing into a KV-cache row of any float dtype
+    // (`mul_mat_vec_out_r.wgsl`).
+    (
+        "mul_mat_vec_k_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::In, FLOATS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_k_wg_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::In, FLOATS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_v_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Vec, FLOATS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_q_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_qv_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_q_wg_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
     (
         "get_rows_q",
         &[
@@ -597,7 +659,7 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
     let info = Validator::new(
         ValidationFlags::all(),
         // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_v`, `mul_mat_vec_q`, `mul_mat_vec_qv`,
-        // `mul_mat_vec_qm` and their `_e` flavours use subgroup operations, and the host picks
+        // `mul_mat_vec_qm` and their `_e` and `_r` flavours use subgroup operations, and the host picks
         // them only on a device whose compute stage has subgroup arithmetic.
         // SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).

@@ -196,6 +196,9 @@ impl Inner {
                     Group::RopeRows { rope, set_rows } => self
                         .plan_rope_rows(st, &mut sites, graph, *rope, *set_rows)?
                         .map(|d| vec![d]),
+                    Group::ProductRows { mm, set_rows } => self
+                        .plan_product_rows(st, &mut sites, graph, *mm, *set_rows)?
+                        .map(|d| vec![d]),
                 };
                 if let Some(ds) = planned {
                     for d in ds {
@@ -397,6 +400,31 @@ impl Inner {
             r,
             [&cache, &x, &pos, &ids],
             (mode, n_dims, theta_base),
+            Some(status),
+            self.limits,
+        )
+    }
+
+    /// The fused `MulMat -> SetRows` of nodes `mm` and `set_rows` (`crate::fusion` proved it
+    /// safe), or `None` when no kernel takes the operands and the pair runs unfused.
+    fn plan_product_rows(
+        &self,
+        st: &mut State,
+        sites: &mut Vec<(u32, ErrorSite)>,
+        graph: &ExecGraph,
+        mm: usize,
+        set_rows: usize,
+    ) -> Result<Option<ops::Dispatch>> {
+        let (m, w) = (&graph.nodes[mm], &graph.nodes[set_rows]);
+        let product = self.resolve(st, m, &m.dst)?;
+        let a = self.resolve(st, m, &m.srcs[0])?;
+        let b = self.resolve(st, m, &m.srcs[1])?;
+        let ids = self.resolve(st, w, &w.srcs[2])?;
+        let cache = self.resolve(st, w, &w.dst)?;
+        let status = index_status(st, sites, w, cache.shape.first().copied())?;
+        ops::mul_mat_set_rows(
+            m,
+            [&product, &a, &b, &cache, &ids],
             Some(status),
             self.limits,
         )

@@ -391,6 +391,45 @@ fn rope_rows_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize
     ok.then_some((i, j))
 }
 
+/// `MulMat -> SetRows` at node `i`, if one token's product may be stored straight into its
+/// cache row: an f32 product [1, n], contiguous, that the `SetRows` (its first reader) takes
+/// whole as its source and that is dead after it, the cache overlapping neither of the
+/// product's sources nor the indices, and no node between them conflicting with the `SetRows`.
+fn product_rows_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize)> {
+    let nodes = &g.nodes;
+    let mm = &nodes[i];
+    let t = &mm.dst;
+    if mm.op != Op::MulMat
+        || t.dtype != DType::F32
+        || !t.is_contiguous()
+        || t.shape.len() != 2
+        || t.shape[0] != 1
+        || t.numel() == 0
+    {
+        return None;
+    }
+    let j = (i + 1..nodes.len()).find(|&j| nodes[j].srcs.iter().any(|s| overlap(s, t)))?;
+    let w = &nodes[j];
+    let [cache_in, src, ids] = w.srcs.as_slice() else {
+        return None;
+    };
+    let cache = &w.dst;
+    let ok = !taken[j]
+        && w.op == Op::SetRows
+        && src == t
+        && !overlap(cache_in, t)
+        && !overlap(ids, t)
+        && ids.shape == [1]
+        && cache.shape.len() == 2
+        && cache.shape[1] == t.shape[1]
+        && !mm.srcs.iter().chain([ids]).any(|s| overlap(cache, s))
+        && !(0..mm.srcs.len()).any(|s| mm.src_needs_private_copy(s))
+        && !(0..3).any(|s| w.src_needs_private_copy(s))
+        && dead_after(g, i, j, 1)
+        && (i + 1..j).all(|n| !conflicts(&nodes[n], w));
+    ok.then_some((i, j))
+}
+
 /// A chain of nodes run as one kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Group {
@@ -403,6 +442,11 @@ pub(crate) enum Group {
     /// One token's `Rope` written straight into its KV-cache row by the `SetRows` after it.
     RopeRows {
         rope: usize,
+        set_rows: usize,
+    },
+    /// One token's product stored straight into its KV-cache row by the `SetRows` after it.
+    ProductRows {
+        mm: usize,
         set_rows: usize,
     },
     /// A product and the element-wise op that consumes it, run in the product's store.
@@ -421,6 +465,7 @@ impl Group {
             Group::NormMul { norm, .. } => *norm,
             Group::Epilogue { mm, .. } => *mm,
             Group::RopeRows { rope, .. } => *rope,
+            Group::ProductRows { mm, .. } => *mm,
         }
     }
 
@@ -430,6 +475,7 @@ impl Group {
             Group::NormMul { norm, mul } => vec![*norm, *mul],
             Group::Epilogue { mm, op, .. } => vec![*mm, *op],
             Group::RopeRows { rope, set_rows } => vec![*rope, *set_rows],
+            Group::ProductRows { mm, set_rows } => vec![*mm, *set_rows],
         }
     }
 }
@@ -451,6 +497,10 @@ pub(crate) fn groups(g: &ExecGraph) -> Vec<Group> {
             .or_else(|| {
                 rope_rows_at(g, i, &taken)
                     .map(|(rope, set_rows)| Group::RopeRows { rope, set_rows })
+            })
+            .or_else(|| {
+                product_rows_at(g, i, &taken)
+                    .map(|(mm, set_rows)| Group::ProductRows { mm, set_rows })
             });
         if let Some(grp) = grp {
             let members = grp.members();

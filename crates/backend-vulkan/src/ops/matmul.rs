@@ -195,7 +195,8 @@ pub(crate) enum Epilogue {
     GluGate,
 }
 
-/// Decode mat-vec families that have an `_e` flavour with the epilogue in their store.
+/// Decode mat-vec families that have an `_e` flavour with the epilogue in their store and an
+/// `_r` flavour storing into a KV-cache row.
 const EPILOGUE_FAMILIES: &[&str] = &[
     "mul_mat_vec_v",
     "mul_mat_vec_k",
@@ -216,7 +217,12 @@ pub(super) fn mul_mat_epilogue(
     e: &Res,
     epi: Epilogue,
 ) -> Result<Option<Dispatch>> {
-    if e.dtype != DType::F32 || e.shape != dst.shape || e.strides != dst.strides {
+    // The `_e` flavours take f32 activations only.
+    if a.dtype != DType::F32
+        || e.dtype != DType::F32
+        || e.shape != dst.shape
+        || e.strides != dst.strides
+    {
         return Ok(None);
     }
     let mut ds = mul_mat(c, dst, a, b)?;
@@ -238,6 +244,61 @@ pub(super) fn mul_mat_epilogue(
         Epilogue::GluGate => 2,
     };
     d.push.pad = [oe, op, 0, 0];
+    Ok(Some(d))
+}
+
+/// `x @ w.T` for one row of x (`product` [1, n], the product's own result) written into row
+/// `ids[0]` of `cache` [rows, n] instead, as the `SetRows` that consumed it would, as one
+/// dispatch (`mul_mat_vec_out_r.wgsl`); `None` when the product does not take a decode mat-vec
+/// with an `_r` flavour (the caller then runs the pair unfused).
+pub(super) fn mul_mat_set_rows(
+    c: &Ctx,
+    [product, a, b, cache, ids]: [&Res; 5],
+    status: Option<Status>,
+) -> Result<Option<Dispatch>> {
+    let n = match product.shape[..] {
+        [1, n] => n,
+        _ => return Ok(None),
+    };
+    // The `_r` flavours take f32 activations only.
+    let ok = a.dtype == DType::F32
+        && cache.dtype.is_float()
+        && cache.shape.len() == 2
+        && cache.shape[1] == n
+        && ids.dtype == DType::I32
+        && ids.shape == [1];
+    if !ok {
+        return Ok(None);
+    }
+    let mut ds = mul_mat(c, product, a, b)?;
+    let (Some(mut d), None) = (ds.pop(), ds.pop()) else {
+        return Ok(None);
+    };
+    let Some((family, rest)) = d.kernel.split_once('.') else {
+        return Ok(None);
+    };
+    // The planned one-row product indexes d only by column (batch and row strides unused).
+    if !EPILOGUE_FAMILIES.contains(&family) || d.push.shape[0] != 1 || d.push.offs[3] != 1 {
+        return Ok(None);
+    }
+    let s = need_status(c, status)?;
+    let operands = rest.strip_prefix("d_f32.").unwrap_or(rest);
+    let (bd, od) = c.bind(cache, true)?;
+    let (bi, oi) = c.bind(ids, false)?;
+    d.kernel = format!(
+        "{family}_r.d_{}.{operands}.ids_i32.status_u32",
+        dt(cache.dtype)
+    );
+    d.binds[0] = bd;
+    d.binds.extend([bi, s.bind]);
+    d.push.offs[0] = od;
+    d.push.d_str[3] = c.u32(cache.strides[1], "stride")?;
+    d.push.pad = [
+        oi,
+        c.u32(cache.shape[0], "row count")?,
+        c.u32(cache.strides[0], "stride")?,
+        s.tag,
+    ];
     Ok(Some(d))
 }
 

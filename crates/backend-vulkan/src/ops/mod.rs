@@ -118,3 +118,15 @@ pub(crate) fn rope_set_rows(
 ) -> Result<Option<Dispatch>> {
     rows::rope_set_rows(&Ctx { node, lim }, cache, x, pos, ids, rope, status)
 }
+
+/// Plans the decode product at `node` (one row, its own result `product`) written into row
+/// `ids[0]` of `cache` by the `SetRows` that consumed it (`crate::fusion` proved the product
+/// dead); `None` when no fused kernel takes the operands.
+pub(crate) fn mul_mat_set_rows(
+    node: &ExecNode,
+    operands: [&Res; 5],
+    status: Option<Status>,
+    lim: Limits,
+) -> Result<Option<Dispatch>> {
+    matmul::mul_mat_set_rows(&Ctx { node, lim }, operands, status)
+}
