@@ -18,9 +18,10 @@
 //! memory of this submission, which makes the plan single-use: recorded into the primary
 //! buffer, never cached. Index-checking kernels get a tag naming their node, so an index error
 //! the device reports names the node. With `LOWSYNC_VK_FUSION` on (the default), a chain
-//! `crate::fusion` proves safe (a decode attention, a norm times its weight) is planned as one
-//! dispatch at its first node's position and its other nodes plan nothing; the graph's node count is still what a step
-//! counts as kernel launches.
+//! `crate::fusion` proves safe (a decode attention, a norm times its weight, a product and
+//! the add, SwiGLU or cache write consuming it, K's rope and its cache write) is planned as one
+//! dispatch at its first node's position and its other nodes plan nothing; the graph's node
+//! count is still what a step counts as kernel launches.
 //!
 //! Invariants: a plan is replayed only for the graph and generation it was built for; every
 //! recorded range was bounds-checked against its buffer; per call, either the graph's nodes

@@ -8,8 +8,12 @@
 //! skipping their writes and running every member at the first one's position cannot change
 //! any result the unfused graph gives.
 //!
-//! The same holds for `RmsNorm -> Mul` by the norm's weight (`rms_norm_mul`): the normalised
-//! row only passes to the product.
+//! The same holds for shorter pairs whose middle result passes to one reader only:
+//! `RmsNorm -> Mul` by the norm's weight (`rms_norm_mul`); a decode product and the residual
+//! add or SwiGLU that consumes it (`mul_mat_vec_*_e`: the op runs in the product's store); one
+//! token's `Rope` of K and the `SetRows` that writes it into the KV cache (`rope_set_rows`);
+//! one token's V product and its `SetRows` (`mul_mat_vec_*_r`). On a Llama layer these take
+//! five of the eighteen dispatches the attention and norm fusions leave.
 //!
 //! Strategy: [`groups`] tries each node as the start of a chain and finds its members as the
 //! first later node reading each result. An attention chain is kept only when every check
@@ -25,7 +29,10 @@
 //!   chain reads, and no node between the members conflicts with a member that now runs before
 //!   it (same rule as moving a node: no shared byte with a write on either side).
 //!
-//! A norm chain needs the same deadness, overlap and conflict checks ([`norm_mul_at`]).
+//! A pair needs the same deadness, overlap and conflict checks ([`norm_mul_at`],
+//! [`epilogue_at`], [`rope_rows_at`], [`product_rows_at`]); a pair writing a cache row takes a
+//! single token only (so no two rows of one step race for a cache row, and a bad index writes
+//! nothing, as `set_rows` does).
 //!
 //! Invariant: a returned group is proven safe by byte ranges of `TensorRef`s, so it holds
 //! whatever the allocator reuses; the caller still falls back to the unfused nodes when the

@@ -12,9 +12,12 @@
 //! 64x64 tiled kernel. GGUF block weights are dequantized in registers by their own mat-vec
 //! kernels at any row count (8 rows of x per workgroup beyond one row; there is no tiled
 //! quantized kernel yet). Batch axes of extent 1 are dropped; at most two remain, each with its
-//! broadcast ratio for either operand.
+//! broadcast ratio for either operand. The one-row mat-vec families also plan the fused pairs
+//! `crate::fusion` finds: an `_e` flavour runs the residual add or SwiGLU consuming the product
+//! in its store, an `_r` flavour stores the product into a KV-cache row.
 //!
-//! Invariant: products write f32 only (the reason `vulkan_supports_op` narrows the graph's rule).
+//! Invariant: products write f32 only (the reason `vulkan_supports_op` narrows the graph's
+//! rule); only the fused `_r` flavour rounds into the cache's dtype, as `SetRows` would.
 
 use lowsync_backend::Result;
 use lowsync_graph::DType;

@@ -12,8 +12,10 @@
 //! module per kernel family checks its op's shapes and fills the push constants:
 //! `elementwise` (4-D strided, `Cpy`, `Concat`), `rows` (norms, softmax, argmax, RoPE),
 //! `index` (`GetRows`, `SetRows`), `matmul` (`MulMat`, `MulMatId`), `sample` (`Penalize`,
-//! `Sample`), and `attention` for the fused decode attention `crate::fusion` finds. This module
-//! only dispatches on the op.
+//! `Sample`), and `attention` for the fused decode attention `crate::fusion` finds (the other
+//! fused pairs are planned by their families: `rows` for the norm and rope ones, `matmul` for
+//! the products with an op or a cache write in their store). This module only dispatches on
+//! the op.
 //!
 //! Invariants: every element index a kernel can form lies inside its binding; every count a
 //! kernel divides by is at least 1; dispatch sizes respect `maxComputeWorkGroupCount`.
