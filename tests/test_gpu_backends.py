@@ -199,12 +199,17 @@ def test_vulkan_profile_times_every_kernel_of_a_step_without_changing_tokens(
     assert plain.context.kernel_times() == []
 
 
-def _vulkan_steps(fusion: str, env: pytest.MonkeyPatch) -> tuple[list[int], list[np.ndarray]]:
+def _vulkan_steps(
+    fusion: str, env: pytest.MonkeyPatch, dtype: str = "f32", kv: str = "f32"
+) -> tuple[list[int], list[np.ndarray]]:
     """Greedy tokens of a generation and the logits of one-token decode steps (each runs the
-    decode graph, its attention fused or not) with `LOWSYNC_VK_FUSION=fusion`."""
+    decode graph, its attention fused or not) with `LOWSYNC_VK_FUSION=fusion`, `dtype`
+    weights and a `kv` cache."""
     env.setenv("LOWSYNC_VK_FUSION", fusion)
-    model = ls.Llama.random(MICRO, seed=4)
-    sess = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
+    model = ls.Llama.random(MICRO, seed=4, dtype=dtype)
+    sess = ls.Session(
+        model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged", kv_dtype=kv
+    )
     tokens = sess.generate(PROMPT, max_new_tokens=N_GEN, seq_id=0)
     sess.seq_rm(0)
     steps = []
@@ -215,12 +220,17 @@ def _vulkan_steps(fusion: str, env: pytest.MonkeyPatch) -> tuple[list[int], list
     return tokens, steps
 
 
-def _dispatches_per_step(fusion: str, env: pytest.MonkeyPatch) -> dict[str, float]:
-    """Profiled dispatches per decode step, per kernel family, with `LOWSYNC_VK_FUSION=fusion`."""
+def _dispatches_per_step(
+    fusion: str, env: pytest.MonkeyPatch, dtype: str = "f32", kv: str = "f32"
+) -> dict[str, float]:
+    """Profiled dispatches per decode step, per kernel family, with `LOWSYNC_VK_FUSION=fusion`,
+    `dtype` weights and a `kv` cache."""
     env.setenv("LOWSYNC_VK_FUSION", fusion)
     env.setenv("LOWSYNC_VK_PROFILE", "1")
-    model = ls.Llama.random(MICRO, seed=4)
-    sess = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
+    model = ls.Llama.random(MICRO, seed=4, dtype=dtype)
+    sess = ls.Session(
+        model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged", kv_dtype=kv
+    )
     sess.generate([PROMPT[0]], max_new_tokens=N_GEN, seq_id=0)
     sess.seq_rm(0)
     sess.context.synchronize()
@@ -236,15 +246,21 @@ def _dispatches_per_step(fusion: str, env: pytest.MonkeyPatch) -> dict[str, floa
 
 
 @pytest.mark.vulkan
+@pytest.mark.parametrize(
+    ("dtype", "kv"), [("f32", "f32"), ("f16", "f16"), ("q4_0", "f16"), ("q8_0", "f32")]
+)
 def test_vulkan_fusion_keeps_tokens_and_cuts_dispatches(
-    clean_env: pytest.MonkeyPatch,
+    clean_env: pytest.MonkeyPatch, dtype: str, kv: str
 ) -> None:
     """`LOWSYNC_VK_FUSION` on and off: the same greedy tokens, every decode step's logits within
     1e-5 of the largest (only the attention's summation order differs), the same counts per
-    step; fused, each layer's scores, soft_max, p @ V and copy are one `attn_dec` dispatch and
-    each norm with its weight's product one `rms_norm_mul`."""
-    tokens_on, steps_on = _vulkan_steps("1", clean_env)
-    tokens_off, steps_off = _vulkan_steps("0", clean_env)
+    step; fused, each layer's scores, soft_max, p @ V and copy are one `attn_dec` dispatch,
+    each norm with its weight's product one `rms_norm_mul`, the residual adds and SwiGLU run in
+    the store of the product they consume (`mul_mat_vec_*_e`), K's rope and V's product write
+    their KV-cache rows themselves (`rope_set_rows`, `mul_mat_vec_*_r`): 8 dispatches fewer per
+    layer and 1 per norm."""
+    tokens_on, steps_on = _vulkan_steps("1", clean_env, dtype, kv)
+    tokens_off, steps_off = _vulkan_steps("0", clean_env, dtype, kv)
     assert tokens_on == tokens_off
     for on, off in zip(steps_on, steps_off, strict=True):
         assert np.max(np.abs(on - off)) <= 1e-5 * np.max(np.abs(off))
@@ -254,8 +270,8 @@ def test_vulkan_fusion_keeps_tokens_and_cuts_dispatches(
     _, _, rec_off = _vulkan_decode("1", clean_env)
     for key in ("submits", "host_waits", "graph_launches", "kernel_launches", "d2d_copies"):
         assert [d[key] for d in rec_on.steps] == [d[key] for d in rec_off.steps], key
-    on = _dispatches_per_step("1", clean_env)
-    off = _dispatches_per_step("0", clean_env)
+    on = _dispatches_per_step("1", clean_env, dtype, kv)
+    off = _dispatches_per_step("0", clean_env, dtype, kv)
     layers = MICRO.n_layer
     assert on.get("attn_dec") == layers
     assert "attn_dec" not in off
@@ -265,7 +281,18 @@ def test_vulkan_fusion_keeps_tokens_and_cuts_dispatches(
     assert on.get("rms_norm_mul") == norms
     assert "rms_norm" not in on
     assert off["rms_norm"] == norms
-    assert sum(off.values()) - sum(on.values()) == 3 * layers + norms
+    # Two residual adds and a SwiGLU per layer; with the norms' products and the attention's
+    # copies, no element-wise dispatch is left.
+    assert sum(v for k, v in on.items() if k.endswith("_e")) == 3 * layers
+    assert off["eltwise"] == 3 * layers + norms + layers
+    assert "eltwise" not in on
+    assert on.get("rope_set_rows") == layers
+    assert (on["rope"], off["rope"]) == (layers, 2 * layers)
+    assert (
+        sum(v for k, v in on.items() if k.startswith("mul_mat_vec") and k.endswith("_r")) == layers
+    )
+    assert (on.get("set_rows", 0), off["set_rows"]) == (0, 2 * layers)
+    assert sum(off.values()) - sum(on.values()) == 8 * layers + norms
 
 
 def _cuda_decode(

@@ -122,6 +122,27 @@ const KERNELS: &[Spec] = &[
             ("pos", Slot::Int, &["i32"]),
         ],
     ),
+    // `Rope -> SetRows` of one token: the rotated K row written into its KV-cache row.
+    (
+        "rope_set_rows",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("pos", Slot::Int, &["i32"]),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "rope_set_rows_f32",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("pos", Slot::Int, &["i32"]),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
     (
         "argmax",
         &[("d", Slot::IntOut, &["i32"]), ("a", Slot::In, FLOATS)],
@@ -222,6 +243,124 @@ const KERNELS: &[Spec] = &[
             ("d", Slot::Out, &["f32"]),
             ("a", Slot::In, &["f32"]),
             ("b", Slot::Quant, QUANTS),
+        ],
+    ),
+    // The decode mat-vecs with an element-wise op in their store (`mul_mat_vec_out_e.wgsl`):
+    // f32 activations, results and epilogue operands only, as the fusion takes them.
+    (
+        "mul_mat_vec_k_e",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::In, FLOATS),
+            ("e", Slot::In, &["f32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_k_wg_e",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::In, FLOATS),
+            ("e", Slot::In, &["f32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_v_e",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Vec, FLOATS),
+            ("e", Slot::In, &["f32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_q_e",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+            ("e", Slot::In, &["f32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_qv_e",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+            ("e", Slot::In, &["f32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_q_wg_e",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+            ("e", Slot::In, &["f32"]),
+        ],
+    ),
+    // The decode mat-vecs storing into a KV-cache row of any float dtype
+    // (`mul_mat_vec_out_r.wgsl`).
+    (
+        "mul_mat_vec_k_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::In, FLOATS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_k_wg_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::In, FLOATS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_v_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Vec, FLOATS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_q_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_qv_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_q_wg_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
         ],
     ),
     (
@@ -519,9 +658,9 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
     let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
     let info = Validator::new(
         ValidationFlags::all(),
-        // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_v`, `mul_mat_vec_q`, `mul_mat_vec_qv` and
-        // `mul_mat_vec_qm` use subgroup operations, and the host picks them only on a device whose compute stage
-        // has subgroup arithmetic.
+        // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_v`, `mul_mat_vec_q`, `mul_mat_vec_qv`,
+        // `mul_mat_vec_qm` and their `_e` and `_r` flavours use subgroup operations, and the host picks
+        // them only on a device whose compute stage has subgroup arithmetic.
         // SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).
         Capabilities::IMMEDIATES

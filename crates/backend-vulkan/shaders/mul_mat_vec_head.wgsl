@@ -17,6 +17,8 @@ struct Pc {
     op: vec4<u32>,
     // x: x is contiguous along k
     prm: vec4<u32>,
+    // the store's epilogue (`mul_mat_vec_out_e.wgsl`): e offset (elements), op; unused else
+    epi: vec4<u32>,
 }
 var<immediate> pc: Pc;
 

@@ -2,3 +2,4 @@
 
 // #include mul_mat_vec_k_body.wgsl
 // #include mul_mat_vec_wg_main.wgsl
+// #include mul_mat_vec_out.wgsl

@@ -7,3 +7,4 @@ const SG_WORKGROUP: u32 = 64u;
 
 // #include mul_mat_vec_q_body.wgsl
 // #include mul_mat_vec_sg_main.wgsl
+// #include mul_mat_vec_out.wgsl

@@ -6,3 +6,4 @@ const X_CONTIGUOUS: bool = false;
 
 // #include mul_mat_vec_q_body.wgsl
 // #include mul_mat_vec_wg_main.wgsl
+// #include mul_mat_vec_out.wgsl

@@ -32,7 +32,7 @@ fn main(
             if r < nr {
                 let s = subgroupAdd(p[r]);
                 if lane == 0u && row < n {
-                    st_d(d_base + r * pc.d_str.z + row * pc.d_str.w, s);
+                    out_d(d_base + r * pc.d_str.z + row * pc.d_str.w, s);
                 }
             }
         }

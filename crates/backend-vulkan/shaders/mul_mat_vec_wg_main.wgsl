@@ -39,7 +39,7 @@ fn main(
     if lane == 0u && row < n {
         for (var r = 0u; r < MT; r++) {
             if r < nr {
-                st_d(d_base + r * pc.d_str.z + row * pc.d_str.w, red[r * 64u + li]);
+                out_d(d_base + r * pc.d_str.z + row * pc.d_str.w, red[r * 64u + li]);
             }
         }
     }

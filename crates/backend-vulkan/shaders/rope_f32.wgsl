@@ -1,64 +1,6 @@
-// Rotary embedding of x [T, H, D] at positions pos [T]. One thread per rotated pair, plus one
-// per copied dim >= n_dims.
-// This is the f32 variant for devices without shaderFloat64: the angle is formed in f32, so
-// at large positions it drifts from the CPU oracle by up to ~1e-4 relative (as ggml).
+// Rotary embedding of x [T, H, D] at positions pos [T], the angle in f32: the kernel for
+// devices without shaderFloat64.
 
-struct Pc {
-    // T, H, D, n_dims
-    shape: vec4<u32>,
-    d_str: vec4<u32>,
-    a_str: vec4<u32>,
-    // x: position stride
-    b_str: vec4<u32>,
-    // d, a, pos offsets; thread count
-    offs: vec4<u32>,
-    // mode (0 normal, 1 neox), n_dims / 2, threads per row
-    op: vec4<u32>,
-    // f32 bits: ratio theta^(-2/n_dims) as hi + lo, theta
-    prm: vec4<u32>,
-}
-var<immediate> pc: Pc;
-
-fn angle(p: i32, i: u32) -> f32 {
-    let freq = pow(bitcast<f32>(pc.prm.z), -2.0 * f32(i) / f32(pc.shape.w));
-    return f32(p) * freq;
-}
-
-@compute @workgroup_size(256)
-fn main(
-    @builtin(workgroup_id) wg: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
-) {
-    let gi = group_id(wg, nwg) * 256u + li;
-    if gi >= pc.offs.w {
-        return;
-    }
-    let per = pc.op.z;
-    let row = gi / per;
-    let j = gi % per;
-    let t = row / pc.shape.y;
-    let h = row % pc.shape.y;
-    let a0 = pc.offs.y + t * pc.a_str.x + h * pc.a_str.y;
-    let d0 = pc.offs.x + t * pc.d_str.x + h * pc.d_str.y;
-    let half = pc.op.y;
-    if j < half {
-        var ia = 2u * j;
-        var ib = 2u * j + 1u;
-        if pc.op.x == 1u {
-            ia = j;
-            ib = j + half;
-        }
-        let p = ldi_pos(pc.offs.z + t * pc.b_str.x);
-        let th = angle(p, j);
-        let c = cos(th);
-        let s = sin(th);
-        let a = ld_a(a0 + ia * pc.a_str.z);
-        let b = ld_a(a0 + ib * pc.a_str.z);
-        st_d(d0 + ia * pc.d_str.z, a * c - b * s);
-        st_d(d0 + ib * pc.d_str.z, a * s + b * c);
-    } else {
-        let jj = pc.shape.w + (j - half);
-        st_d(d0 + jj * pc.d_str.z, ld_a(a0 + jj * pc.a_str.z));
-    }
-}
+// #include rope_angle_f32.wgsl
+// #include rope_main.wgsl
+// #include rope_dst.wgsl

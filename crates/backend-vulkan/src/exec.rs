@@ -18,9 +18,10 @@
 //! memory of this submission, which makes the plan single-use: recorded into the primary
 //! buffer, never cached. Index-checking kernels get a tag naming their node, so an index error
 //! the device reports names the node. With `LOWSYNC_VK_FUSION` on (the default), a chain
-//! `crate::fusion` proves safe (a decode attention, a norm times its weight) is planned as one
-//! dispatch at its first node's position and its other nodes plan nothing; the graph's node count is still what a step
-//! counts as kernel launches.
+//! `crate::fusion` proves safe (a decode attention, a norm times its weight, a product and
+//! the add, SwiGLU or cache write consuming it, K's rope and its cache write) is planned as one
+//! dispatch at its first node's position and its other nodes plan nothing; the graph's node
+//! count is still what a step counts as kernel launches.
 //!
 //! Invariants: a plan is replayed only for the graph and generation it was built for; every
 //! recorded range was bounds-checked against its buffer; per call, either the graph's nodes
@@ -190,6 +191,15 @@ impl Inner {
                 let planned = match &grp {
                     Group::Attn(a) => self.plan_attention(st, graph, a)?.map(|d| vec![d]),
                     Group::NormMul { norm, mul } => self.plan_norm_mul(st, graph, *norm, *mul)?,
+                    Group::Epilogue { mm, op, epi } => self
+                        .plan_epilogue(st, graph, *mm, *op, *epi)?
+                        .map(|d| vec![d]),
+                    Group::RopeRows { rope, set_rows } => self
+                        .plan_rope_rows(st, &mut sites, graph, *rope, *set_rows)?
+                        .map(|d| vec![d]),
+                    Group::ProductRows { mm, set_rows } => self
+                        .plan_product_rows(st, &mut sites, graph, *mm, *set_rows)?
+                        .map(|d| vec![d]),
                 };
                 if let Some(ds) = planned {
                     for d in ds {
@@ -243,35 +253,18 @@ impl Inner {
                 srcs.push(r);
             }
             let status = match node.op {
-                Op::GetRows | Op::SetRows | Op::MulMatId => {
-                    let Some(s) = st.status.as_ref() else {
-                        return Err(unavailable("no status words"));
-                    };
-                    let bind = Bind {
-                        buffer: s.buf.buffer,
-                        offset: 0,
-                        range: 16,
-                        write: true,
-                    };
-                    st.next_tag = st.next_tag.wrapping_add(1);
-                    let tag = st.next_tag;
-                    let (what, rows_of, n) = match node.op {
-                        Op::GetRows => ("ids", "a table", srcs[0].shape.first().copied()),
-                        Op::SetRows => ("indices", "a destination", dst.shape.first().copied()),
-                        _ => ("ids", "experts", srcs[0].shape.first().copied()),
-                    };
-                    sites.push((
-                        tag,
-                        ErrorSite {
-                            op: node.op.name(),
-                            node: node.name.clone(),
-                            what,
-                            rows_of,
-                            n: n.unwrap_or(0),
-                        },
-                    ));
-                    Some(Status { bind, tag })
-                }
+                Op::GetRows | Op::MulMatId => Some(index_status(
+                    st,
+                    &mut sites,
+                    node,
+                    srcs[0].shape.first().copied(),
+                )?),
+                Op::SetRows => Some(index_status(
+                    st,
+                    &mut sites,
+                    node,
+                    dst.shape.first().copied(),
+                )?),
                 _ => None,
             };
             for d in ops::plan(node, &dst, &srcs, status, self.limits)? {
@@ -359,4 +352,119 @@ impl Inner {
         let dst = self.resolve(st, m, &m.dst)?;
         Ok(ops::norm_mul(n, &dst, &x, &w, eps, self.limits).ok())
     }
+
+    /// The product at node `mm` with the element-wise node `op` in its store (`crate::fusion`
+    /// proved it safe), or `None` when no fused kernel takes the operands and the pair runs
+    /// unfused.
+    fn plan_epilogue(
+        &self,
+        st: &State,
+        graph: &ExecGraph,
+        mm: usize,
+        op: usize,
+        epi: ops::Epilogue,
+    ) -> Result<Option<ops::Dispatch>> {
+        let (m, o) = (&graph.nodes[mm], &graph.nodes[op]);
+        let other = if o.srcs[0] == m.dst { 1 } else { 0 };
+        let a = self.resolve(st, m, &m.srcs[0])?;
+        let b = self.resolve(st, m, &m.srcs[1])?;
+        let e = self.resolve(st, o, &o.srcs[other])?;
+        let dst = self.resolve(st, o, &o.dst)?;
+        ops::mul_mat_epilogue(m, &dst, [&a, &b, &e], epi, self.limits)
+    }
+
+    /// The fused `Rope -> SetRows` of nodes `rope` and `set_rows` (`crate::fusion` proved it
+    /// safe), or `None` when the kernel does not take the operands and the pair runs unfused.
+    fn plan_rope_rows(
+        &self,
+        st: &mut State,
+        sites: &mut Vec<(u32, ErrorSite)>,
+        graph: &ExecGraph,
+        rope: usize,
+        set_rows: usize,
+    ) -> Result<Option<ops::Dispatch>> {
+        let (r, w) = (&graph.nodes[rope], &graph.nodes[set_rows]);
+        let Op::Rope {
+            mode,
+            n_dims,
+            theta_base,
+        } = r.op
+        else {
+            return Ok(None);
+        };
+        let x = self.resolve(st, r, &r.srcs[0])?;
+        let pos = self.resolve(st, r, &r.srcs[1])?;
+        let ids = self.resolve(st, w, &w.srcs[2])?;
+        let cache = self.resolve(st, w, &w.dst)?;
+        let status = index_status(st, sites, w, cache.shape.first().copied())?;
+        ops::rope_set_rows(
+            r,
+            [&cache, &x, &pos, &ids],
+            (mode, n_dims, theta_base),
+            Some(status),
+            self.limits,
+        )
+    }
+
+    /// The fused `MulMat -> SetRows` of nodes `mm` and `set_rows` (`crate::fusion` proved it
+    /// safe), or `None` when no kernel takes the operands and the pair runs unfused.
+    fn plan_product_rows(
+        &self,
+        st: &mut State,
+        sites: &mut Vec<(u32, ErrorSite)>,
+        graph: &ExecGraph,
+        mm: usize,
+        set_rows: usize,
+    ) -> Result<Option<ops::Dispatch>> {
+        let (m, w) = (&graph.nodes[mm], &graph.nodes[set_rows]);
+        let product = self.resolve(st, m, &m.dst)?;
+        let a = self.resolve(st, m, &m.srcs[0])?;
+        let b = self.resolve(st, m, &m.srcs[1])?;
+        let ids = self.resolve(st, w, &w.srcs[2])?;
+        let cache = self.resolve(st, w, &w.dst)?;
+        let status = index_status(st, sites, w, cache.shape.first().copied())?;
+        ops::mul_mat_set_rows(
+            m,
+            [&product, &a, &b, &cache, &ids],
+            Some(status),
+            self.limits,
+        )
+    }
+}
+
+/// A fresh error tag for the index-checking node `node` (its ids index `n` rows), registered
+/// in `sites` so an index error the device reports names the node.
+fn index_status(
+    st: &mut State,
+    sites: &mut Vec<(u32, ErrorSite)>,
+    node: &ExecNode,
+    n: Option<usize>,
+) -> Result<Status> {
+    let Some(s) = st.status.as_ref() else {
+        return Err(unavailable("no status words"));
+    };
+    let bind = Bind {
+        buffer: s.buf.buffer,
+        offset: 0,
+        range: 16,
+        write: true,
+    };
+    st.next_tag = st.next_tag.wrapping_add(1);
+    let tag = st.next_tag;
+    let (what, rows_of) = match node.op {
+        Op::GetRows => ("ids", "a table"),
+        Op::SetRows => ("indices", "a destination"),
+        _ => ("ids", "experts"),
+    };
+    sites.push((
+        tag,
+        ErrorSite {
+            op: node.op.name(),
+            node: node.name.clone(),
+            what,
+            rows_of,
+            n: n.unwrap_or(0),
+        },
+    ));
+    Ok(Status { bind, tag })
 }

@@ -8,8 +8,12 @@
 //! skipping their writes and running every member at the first one's position cannot change
 //! any result the unfused graph gives.
 //!
-//! The same holds for `RmsNorm -> Mul` by the norm's weight (`rms_norm_mul`): the normalised
-//! row only passes to the product.
+//! The same holds for shorter pairs whose middle result passes to one reader only:
+//! `RmsNorm -> Mul` by the norm's weight (`rms_norm_mul`); a decode product and the residual
+//! add or SwiGLU that consumes it (`mul_mat_vec_*_e`: the op runs in the product's store); one
+//! token's `Rope` of K and the `SetRows` that writes it into the KV cache (`rope_set_rows`);
+//! one token's V product and its `SetRows` (`mul_mat_vec_*_r`). On a Llama layer these take
+//! five of the eighteen dispatches the attention and norm fusions leave.
 //!
 //! Strategy: [`groups`] tries each node as the start of a chain and finds its members as the
 //! first later node reading each result. An attention chain is kept only when every check
@@ -25,7 +29,10 @@
 //!   chain reads, and no node between the members conflicts with a member that now runs before
 //!   it (same rule as moving a node: no shared byte with a write on either side).
 //!
-//! A norm chain needs the same deadness, overlap and conflict checks ([`norm_mul_at`]).
+//! A pair needs the same deadness, overlap and conflict checks ([`norm_mul_at`],
+//! [`epilogue_at`], [`rope_rows_at`], [`product_rows_at`]); a pair writing a cache row takes a
+//! single token only (so no two rows of one step race for a cache row, and a bad index writes
+//! nothing, as `set_rows` does).
 //!
 //! Invariant: a returned group is proven safe by byte ranges of `TensorRef`s, so it holds
 //! whatever the allocator reuses; the caller still falls back to the unfused nodes when the
@@ -34,7 +41,7 @@
 use lowsync_backend::{ExecGraph, ExecNode, TensorRef};
 use lowsync_graph::{DType, Op};
 
-use crate::ops::ATTN_MAX_DIM;
+use crate::ops::{Epilogue, ATTN_MAX_DIM};
 
 /// A decode attention chain run as one kernel (node indices).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -302,6 +309,134 @@ fn norm_mul_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize)
     ok.then_some((i, j))
 }
 
+/// `MulMat -> Add` (the residual add) or `MulMat -> SwiGlu` at node `i`, if the element-wise op
+/// may run in the product's store: an f32 product read whole by the op (its first reader) and
+/// dead after it, the op's other operand f32 with the op's own shape and strides (so element i
+/// of it pairs with element i of the result), an f32 result, which overlaps neither of the
+/// product's sources and either is the other operand exactly (an in-place add) or overlaps it
+/// not at all, and no node between them conflicting with the op (which now runs at the
+/// product's position).
+fn epilogue_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize, Epilogue)> {
+    let nodes = &g.nodes;
+    let mm = &nodes[i];
+    if mm.op != Op::MulMat || mm.dst.dtype != DType::F32 || mm.dst.numel() == 0 {
+        return None;
+    }
+    let t = &mm.dst;
+    let j = (i + 1..nodes.len()).find(|&j| nodes[j].srcs.iter().any(|s| overlap(s, t)))?;
+    let op = &nodes[j];
+    let [s0, s1] = op.srcs.as_slice() else {
+        return None;
+    };
+    let (slot, e) = if s0 == t { (0, s1) } else { (1, s0) };
+    let epi = match (&op.op, slot) {
+        (Op::Add, _) => Epilogue::Add,
+        (Op::SwiGlu, 0) => Epilogue::GluGate,
+        (Op::SwiGlu, _) => Epilogue::GluUp,
+        _ => return None,
+    };
+    let d = &op.dst;
+    let ok = !taken[j]
+        && op.srcs[slot] == *t
+        && !overlap(e, t)
+        && e.dtype == DType::F32
+        && d.dtype == DType::F32
+        && d.shape == t.shape
+        && e.shape == d.shape
+        && e.strides == d.strides
+        && (e == d || !overlap(e, d))
+        && !mm.srcs.iter().any(|s| overlap(d, s))
+        && !(0..mm.srcs.len()).any(|s| mm.src_needs_private_copy(s))
+        && !(0..2).any(|s| op.src_needs_private_copy(s))
+        && dead_after(g, i, j, slot)
+        && (i + 1..j).all(|n| !conflicts(&nodes[n], op));
+    ok.then_some((i, j, epi))
+}
+
+/// `Rope -> SetRows` at node `i`, if one token's rotated row may go straight into its cache row:
+/// an f32 rope of x [1, H, D] into a contiguous result that the `SetRows` (its first reader)
+/// takes whole as its source [1, H * D] and that is dead after it, the cache overlapping none of
+/// rope's sources nor the indices, and no node between them conflicting with the `SetRows`.
+fn rope_rows_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize)> {
+    let nodes = &g.nodes;
+    let rope = &nodes[i];
+    let t = &rope.dst;
+    let ([x, pos], [1, h, d]) = (rope.srcs.as_slice(), t.shape.as_slice()) else {
+        return None;
+    };
+    if !matches!(rope.op, Op::Rope { .. })
+        || t.dtype != DType::F32
+        || x.dtype != DType::F32
+        || !t.is_contiguous()
+        || h * d == 0
+    {
+        return None;
+    }
+    let j = (i + 1..nodes.len()).find(|&j| nodes[j].srcs.iter().any(|s| overlap(s, t)))?;
+    let w = &nodes[j];
+    let [cache_in, src, ids] = w.srcs.as_slice() else {
+        return None;
+    };
+    let cache = &w.dst;
+    let ok = !taken[j]
+        && w.op == Op::SetRows
+        && src.buffer == t.buffer
+        && src.byte_offset == t.byte_offset
+        && src.dtype == DType::F32
+        && src.is_contiguous()
+        && src.shape == [1, h * d]
+        && !overlap(cache_in, t)
+        && !overlap(ids, t)
+        && ids.shape == [1]
+        && cache.shape.len() == 2
+        && cache.shape[1] == h * d
+        && ![x, pos, ids].iter().any(|s| overlap(cache, s))
+        && !(0..2).any(|s| rope.src_needs_private_copy(s))
+        && !(0..3).any(|s| w.src_needs_private_copy(s))
+        && dead_after(g, i, j, 1)
+        && (i + 1..j).all(|n| !conflicts(&nodes[n], w));
+    ok.then_some((i, j))
+}
+
+/// `MulMat -> SetRows` at node `i`, if one token's product may be stored straight into its
+/// cache row: an f32 product [1, n], contiguous, that the `SetRows` (its first reader) takes
+/// whole as its source and that is dead after it, the cache overlapping neither of the
+/// product's sources nor the indices, and no node between them conflicting with the `SetRows`.
+fn product_rows_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize)> {
+    let nodes = &g.nodes;
+    let mm = &nodes[i];
+    let t = &mm.dst;
+    if mm.op != Op::MulMat
+        || t.dtype != DType::F32
+        || !t.is_contiguous()
+        || t.shape.len() != 2
+        || t.shape[0] != 1
+        || t.numel() == 0
+    {
+        return None;
+    }
+    let j = (i + 1..nodes.len()).find(|&j| nodes[j].srcs.iter().any(|s| overlap(s, t)))?;
+    let w = &nodes[j];
+    let [cache_in, src, ids] = w.srcs.as_slice() else {
+        return None;
+    };
+    let cache = &w.dst;
+    let ok = !taken[j]
+        && w.op == Op::SetRows
+        && src == t
+        && !overlap(cache_in, t)
+        && !overlap(ids, t)
+        && ids.shape == [1]
+        && cache.shape.len() == 2
+        && cache.shape[1] == t.shape[1]
+        && !mm.srcs.iter().chain([ids]).any(|s| overlap(cache, s))
+        && !(0..mm.srcs.len()).any(|s| mm.src_needs_private_copy(s))
+        && !(0..3).any(|s| w.src_needs_private_copy(s))
+        && dead_after(g, i, j, 1)
+        && (i + 1..j).all(|n| !conflicts(&nodes[n], w));
+    ok.then_some((i, j))
+}
+
 /// A chain of nodes run as one kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Group {
@@ -311,6 +446,22 @@ pub(crate) enum Group {
         norm: usize,
         mul: usize,
     },
+    /// One token's `Rope` written straight into its KV-cache row by the `SetRows` after it.
+    RopeRows {
+        rope: usize,
+        set_rows: usize,
+    },
+    /// One token's product stored straight into its KV-cache row by the `SetRows` after it.
+    ProductRows {
+        mm: usize,
+        set_rows: usize,
+    },
+    /// A product and the element-wise op that consumes it, run in the product's store.
+    Epilogue {
+        mm: usize,
+        op: usize,
+        epi: Epilogue,
+    },
 }
 
 impl Group {
@@ -319,6 +470,9 @@ impl Group {
         match self {
             Group::Attn(a) => a.kq,
             Group::NormMul { norm, .. } => *norm,
+            Group::Epilogue { mm, .. } => *mm,
+            Group::RopeRows { rope, .. } => *rope,
+            Group::ProductRows { mm, .. } => *mm,
         }
     }
 
@@ -326,6 +480,9 @@ impl Group {
         match self {
             Group::Attn(a) => a.members(),
             Group::NormMul { norm, mul } => vec![*norm, *mul],
+            Group::Epilogue { mm, op, .. } => vec![*mm, *op],
+            Group::RopeRows { rope, set_rows } => vec![*rope, *set_rows],
+            Group::ProductRows { mm, set_rows } => vec![*mm, *set_rows],
         }
     }
 }
@@ -340,7 +497,18 @@ pub(crate) fn groups(g: &ExecGraph) -> Vec<Group> {
         }
         let grp = attention_at(g, i, &taken)
             .map(Group::Attn)
-            .or_else(|| norm_mul_at(g, i, &taken).map(|(norm, mul)| Group::NormMul { norm, mul }));
+            .or_else(|| norm_mul_at(g, i, &taken).map(|(norm, mul)| Group::NormMul { norm, mul }))
+            .or_else(|| {
+                epilogue_at(g, i, &taken).map(|(mm, op, epi)| Group::Epilogue { mm, op, epi })
+            })
+            .or_else(|| {
+                rope_rows_at(g, i, &taken)
+                    .map(|(rope, set_rows)| Group::RopeRows { rope, set_rows })
+            })
+            .or_else(|| {
+                product_rows_at(g, i, &taken)
+                    .map(|(mm, set_rows)| Group::ProductRows { mm, set_rows })
+            });
         if let Some(grp) = grp {
             let members = grp.members();
             if members.iter().any(|&m| taken[m]) {

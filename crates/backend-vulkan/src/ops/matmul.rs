@@ -12,9 +12,12 @@
 //! 64x64 tiled kernel. GGUF block weights are dequantized in registers by their own mat-vec
 //! kernels at any row count (8 rows of x per workgroup beyond one row; there is no tiled
 //! quantized kernel yet). Batch axes of extent 1 are dropped; at most two remain, each with its
-//! broadcast ratio for either operand.
+//! broadcast ratio for either operand. The one-row mat-vec families also plan the fused pairs
+//! `crate::fusion` finds: an `_e` flavour runs the residual add or SwiGLU consuming the product
+//! in its store, an `_r` flavour stores the product into a KV-cache row.
 //!
-//! Invariant: products write f32 only (the reason `vulkan_supports_op` narrows the graph's rule).
+//! Invariant: products write f32 only (the reason `vulkan_supports_op` narrows the graph's
+//! rule); only the fused `_r` flavour rounds into the cache's dtype, as `SetRows` would.
 
 use lowsync_backend::Result;
 use lowsync_graph::DType;
@@ -181,6 +184,125 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
         push,
         groups: [gx as u32, gy as u32, batches as u32],
     }])
+}
+
+/// The element-wise op a decode product's store runs (`mul_mat_vec_out_e.wgsl`), with the op's
+/// other operand `e`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Epilogue {
+    /// `e + s`: the residual add.
+    Add,
+    /// `silu(e) * s`: SwiGLU whose up half is the product.
+    GluUp,
+    /// `silu(s) * e`: SwiGLU whose gate half is the product.
+    GluGate,
+}
+
+/// Decode mat-vec families that have an `_e` flavour with the epilogue in their store and an
+/// `_r` flavour storing into a KV-cache row.
+const EPILOGUE_FAMILIES: &[&str] = &[
+    "mul_mat_vec_v",
+    "mul_mat_vec_k",
+    "mul_mat_vec_k_wg",
+    "mul_mat_vec_q",
+    "mul_mat_vec_qv",
+    "mul_mat_vec_q_wg",
+];
+
+/// `x @ w.T` into `dst` with `epi` applied to each result element and the same element of `e`
+/// in the store, as one dispatch; `None` when the product does not take a decode mat-vec with
+/// such a flavour, or `e` is not f32 laid out as `dst` (the caller then runs the pair unfused).
+pub(super) fn mul_mat_epilogue(
+    c: &Ctx,
+    dst: &Res,
+    a: &Res,
+    b: &Res,
+    e: &Res,
+    epi: Epilogue,
+) -> Result<Option<Dispatch>> {
+    // The `_e` flavours take f32 activations only.
+    if a.dtype != DType::F32
+        || e.dtype != DType::F32
+        || e.shape != dst.shape
+        || e.strides != dst.strides
+    {
+        return Ok(None);
+    }
+    let mut ds = mul_mat(c, dst, a, b)?;
+    let (Some(mut d), None) = (ds.pop(), ds.pop()) else {
+        return Ok(None);
+    };
+    let Some((family, suffix)) = d.kernel.split_once('.') else {
+        return Ok(None);
+    };
+    if !EPILOGUE_FAMILIES.contains(&family) {
+        return Ok(None);
+    }
+    let (be, oe) = c.bind(e, false)?;
+    d.kernel = format!("{family}_e.{suffix}.e_f32");
+    d.binds.push(be);
+    let op = match epi {
+        Epilogue::Add => 0,
+        Epilogue::GluUp => 1,
+        Epilogue::GluGate => 2,
+    };
+    d.push.pad = [oe, op, 0, 0];
+    Ok(Some(d))
+}
+
+/// `x @ w.T` for one row of x (`product` [1, n], the product's own result) written into row
+/// `ids[0]` of `cache` [rows, n] instead, as the `SetRows` that consumed it would, as one
+/// dispatch (`mul_mat_vec_out_r.wgsl`); `None` when the product does not take a decode mat-vec
+/// with an `_r` flavour (the caller then runs the pair unfused).
+pub(super) fn mul_mat_set_rows(
+    c: &Ctx,
+    [product, a, b, cache, ids]: [&Res; 5],
+    status: Option<Status>,
+) -> Result<Option<Dispatch>> {
+    let n = match product.shape[..] {
+        [1, n] => n,
+        _ => return Ok(None),
+    };
+    // The `_r` flavours take f32 activations only.
+    let ok = a.dtype == DType::F32
+        && cache.dtype.is_float()
+        && cache.shape.len() == 2
+        && cache.shape[1] == n
+        && ids.dtype == DType::I32
+        && ids.shape == [1];
+    if !ok {
+        return Ok(None);
+    }
+    let mut ds = mul_mat(c, product, a, b)?;
+    let (Some(mut d), None) = (ds.pop(), ds.pop()) else {
+        return Ok(None);
+    };
+    let Some((family, rest)) = d.kernel.split_once('.') else {
+        return Ok(None);
+    };
+    // The planned one-row product indexes d only by column (batch and row strides unused).
+    if !EPILOGUE_FAMILIES.contains(&family) || d.push.shape[0] != 1 || d.push.offs[3] != 1 {
+        return Ok(None);
+    }
+    let s = need_status(c, status)?;
+    let operands = rest.strip_prefix("d_f32.").unwrap_or(rest);
+    let (bd, od) = c.bind(cache, true)?;
+    let (bi, oi) = c.bind(ids, false)?;
+    d.kernel = format!(
+        "{family}_r.d_{}.{operands}.ids_i32.status_u32",
+        dt(cache.dtype)
+    );
+    d.binds[0] = bd;
+    d.binds.extend([bi, s.bind]);
+    d.push.offs[0] = od;
+    d.push.d_str[3] = c.u32(cache.strides[1], "stride")?;
+    d.push.pad = [
+        oi,
+        c.u32(cache.shape[0], "row count")?,
+        c.u32(cache.strides[0], "stride")?,
+        s.tag,
+    ];
+    Ok(Some(d))
 }
 
 /// `x @ w.T` over a block-dtype `w`, dequantized in registers: one row of x takes the decode

@@ -12,8 +12,10 @@
 //! module per kernel family checks its op's shapes and fills the push constants:
 //! `elementwise` (4-D strided, `Cpy`, `Concat`), `rows` (norms, softmax, argmax, RoPE),
 //! `index` (`GetRows`, `SetRows`), `matmul` (`MulMat`, `MulMatId`), `sample` (`Penalize`,
-//! `Sample`), and `attention` for the fused decode attention `crate::fusion` finds. This module
-//! only dispatches on the op.
+//! `Sample`), and `attention` for the fused decode attention `crate::fusion` finds (the other
+//! fused pairs are planned by their families: `rows` for the norm and rope ones, `matmul` for
+//! the products with an op or a cache write in their store). This module only dispatches on
+//! the op.
 //!
 //! Invariants: every element index a kernel can form lies inside its binding; every count a
 //! kernel divides by is at least 1; dispatch sizes respect `maxComputeWorkGroupCount`.
@@ -32,6 +34,7 @@ use lowsync_graph::Op;
 pub(crate) use attention::{Attn, MAX_DIM as ATTN_MAX_DIM};
 use layout::Ctx;
 pub(crate) use layout::{kernel_err, Dispatch, Limits, Res, Status};
+pub(crate) use matmul::Epilogue;
 
 /// Plans `node` with its resolved destination and sources.
 pub(crate) fn plan(
@@ -90,4 +93,42 @@ pub(crate) fn norm_mul(
 ) -> Result<Vec<Dispatch>> {
     let c = Ctx { node, lim };
     rows::row_kernel(&c, "rms_norm_mul", dst, x, Some(w), eps)
+}
+
+/// Plans the decode product at `node` with the element-wise op that consumes it in its store
+/// (`crate::fusion` proved the product dead): `epi` of each element of `a @ b` and the same
+/// element of `e`, into `dst`; `None` when no fused kernel takes the operands.
+pub(crate) fn mul_mat_epilogue(
+    node: &ExecNode,
+    dst: &Res,
+    [a, b, e]: [&Res; 3],
+    epi: Epilogue,
+    lim: Limits,
+) -> Result<Option<Dispatch>> {
+    matmul::mul_mat_epilogue(&Ctx { node, lim }, dst, a, b, e, epi)
+}
+
+/// Plans the fused `Rope -> SetRows` of one token (`crate::fusion` proved the rotated row dead):
+/// `x` [1, H, D] rotated at `pos` as `rope` (mode, n_dims, theta) gives, into row `ids[0]` of
+/// `cache`; `None` when the fused kernel does not take the operands.
+pub(crate) fn rope_set_rows(
+    node: &ExecNode,
+    [cache, x, pos, ids]: [&Res; 4],
+    rope: (lowsync_graph::RopeMode, usize, f32),
+    status: Option<Status>,
+    lim: Limits,
+) -> Result<Option<Dispatch>> {
+    rows::rope_set_rows(&Ctx { node, lim }, cache, x, pos, ids, rope, status)
+}
+
+/// Plans the decode product at `node` (one row, its own result `product`) written into row
+/// `ids[0]` of `cache` by the `SetRows` that consumed it (`crate::fusion` proved the product
+/// dead); `None` when no fused kernel takes the operands.
+pub(crate) fn mul_mat_set_rows(
+    node: &ExecNode,
+    operands: [&Res; 5],
+    status: Option<Status>,
+    lim: Limits,
+) -> Result<Option<Dispatch>> {
+    matmul::mul_mat_set_rows(&Ctx { node, lim }, operands, status)
 }

@@ -1,5 +1,6 @@
 //! Row kernels: `RmsNorm`, `SoftMax` (with an optional broadcast mask), `Argmax`, `Rope`, and
-//! the fused `RmsNorm -> Mul` by a broadcast weight (`crate::fusion`).
+//! the fused `RmsNorm -> Mul` by a broadcast weight and `Rope -> SetRows` of one token into a
+//! KV cache (`crate::fusion`).
 //!
 //! Why: these ops reduce or rotate along the last axis, so a workgroup (or thread group) owns a
 //! row and the leading axes only select rows; coalescing the leading axes to at most three lets
@@ -15,7 +16,7 @@
 use lowsync_backend::Result;
 use lowsync_graph::{DType, RopeMode};
 
-use super::layout::{dt, rows3, Ctx, Dispatch, Res};
+use super::layout::{dt, need_status, rows3, Ctx, Dispatch, Res, Status};
 use crate::pipelines::Push;
 
 /// RmsNorm, SoftMax and the fused `rms_norm_mul` (its weight in `mask`'s place): one workgroup
@@ -216,4 +217,58 @@ pub(super) fn rope(
         },
         groups: c.spread(threads, 256)?,
     }])
+}
+
+/// `Rope` of one token's x [1, H, D] written into row `ids[0]` of `cache` [n, H * D] (the
+/// `SetRows` that consumed the rotated row): rope's own dispatch with its destination replaced
+/// by the cache row (`rope_dst_rows.wgsl`), the id checked on the device as `set_rows` checks
+/// it. `None` when the operands are not such a pair (the caller runs them unfused).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn rope_set_rows(
+    c: &Ctx,
+    cache: &Res,
+    x: &Res,
+    pos: &Res,
+    ids: &Res,
+    (mode, n_dims, theta_base): (RopeMode, usize, f32),
+    status: Option<Status>,
+) -> Result<Option<Dispatch>> {
+    let (h, d) = match x.shape[..] {
+        [1, h, d] => (h, d),
+        _ => return Ok(None),
+    };
+    let ok = x.dtype == DType::F32
+        && cache.dtype.is_float()
+        && cache.rank() == 2
+        && cache.shape[1] == h * d
+        && ids.dtype == DType::I32
+        && ids.shape == [1];
+    if !ok || h * d == 0 {
+        return Ok(None);
+    }
+    let s = need_status(c, status)?;
+    // Planned as a rope over x itself, then pointed at the cache: shapes, angles, thread count
+    // and x's binding are rope's; the destination binding, offset and strides the cache's.
+    let [mut dsp] = <[Dispatch; 1]>::try_from(rope(c, x, x, pos, mode, n_dims, theta_base)?)
+        .map_err(|_| c.err("rope planned other than one dispatch"))?;
+    let (bd, od) = c.bind(cache, true)?;
+    let (bi, oi) = c.bind(ids, false)?;
+    let (row, col) = (cache.strides[0], cache.strides[1]);
+    let flavour = dsp.kernel.split_once('.').map_or("rope", |(k, _)| k);
+    let f32_angle = if flavour == "rope_f32" { "_f32" } else { "" };
+    dsp.kernel = format!(
+        "rope_set_rows{f32_angle}.d_{}.a_f32.pos_i32.ids_i32.status_u32",
+        dt(cache.dtype)
+    );
+    dsp.binds[0] = bd;
+    dsp.binds.extend([bi, s.bind]);
+    dsp.push.d_str = c.u4(&[row, d * col, col, 0], "stride")?;
+    dsp.push.offs[0] = od;
+    dsp.push.pad = [
+        oi,
+        c.u32(ids.strides[0], "stride")?,
+        c.u32(cache.shape[0], "row count")?,
+        s.tag,
+    ];
+    Ok(Some(dsp))
 }

@@ -1,0 +1,8 @@
+// `mul_mat_vec_k` with an element-wise op in its store (`mul_mat_vec_out_e.wgsl`): a decode
+// product and the residual add or SwiGLU that consumes it as one dispatch.
+
+const SG_WORKGROUP: u32 = 64u;
+
+// #include mul_mat_vec_k_body.wgsl
+// #include mul_mat_vec_sg_main.wgsl
+// #include mul_mat_vec_out_e.wgsl

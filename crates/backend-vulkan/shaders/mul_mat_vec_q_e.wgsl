@@ -1,0 +1,10 @@
+// `mul_mat_vec_q` with an element-wise op in its store (`mul_mat_vec_out_e.wgsl`): a decode
+// product and the residual add or SwiGLU that consumes it as one dispatch.
+
+const MT: u32 = 1u;
+const X_CONTIGUOUS: bool = false;
+const SG_WORKGROUP: u32 = 64u;
+
+// #include mul_mat_vec_q_body.wgsl
+// #include mul_mat_vec_sg_main.wgsl
+// #include mul_mat_vec_out_e.wgsl

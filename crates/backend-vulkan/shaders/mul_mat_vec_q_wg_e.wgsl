@@ -1,0 +1,9 @@
+// `mul_mat_vec_q_wg` with an element-wise op in its store (`mul_mat_vec_out_e.wgsl`): a decode
+// product and the residual add or SwiGLU that consumes it as one dispatch.
+
+const MT: u32 = 1u;
+const X_CONTIGUOUS: bool = false;
+
+// #include mul_mat_vec_q_body.wgsl
+// #include mul_mat_vec_wg_main.wgsl
+// #include mul_mat_vec_out_e.wgsl

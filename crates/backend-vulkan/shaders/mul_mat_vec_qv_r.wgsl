@@ -1,0 +1,10 @@
+// `mul_mat_vec_qv` storing into a KV-cache row (`mul_mat_vec_out_r.wgsl`): a decode product
+// and the `SetRows` that copies it into the cache as one dispatch.
+
+const MT: u32 = 1u;
+const X_CONTIGUOUS: bool = true;
+const SG_WORKGROUP: u32 = 256u;
+
+// #include mul_mat_vec_q_body.wgsl
+// #include mul_mat_vec_sg_main.wgsl
+// #include mul_mat_vec_out_r.wgsl

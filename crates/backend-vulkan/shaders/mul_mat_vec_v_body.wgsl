@@ -1,0 +1,69 @@
+// The body of `mul_mat_vec_v` and `mul_mat_vec_v_e` (see `mul_mat_vec_v.wgsl`).
+
+// #include mul_mat_vec_head.wgsl
+
+// x . w[row0] and x . w[row1], this lane's part: elements lane * 8 .. + 8, then every
+// lanes * 8 further.
+fn pair_partial(a_base: u32, w0: u32, w1: u32, lane: u32, lanes: u32) -> vec2<f32> {
+    let k_len = pc.shape.z;
+    let step = lanes * 8u;
+    var s0 = vec4<f32>(0.0);
+    var s1 = vec4<f32>(0.0);
+    var t0 = vec4<f32>(0.0);
+    var t1 = vec4<f32>(0.0);
+    var k = lane * 8u;
+    for (; k + step < k_len; k += 2u * step) {
+        let x0 = ld8_a(a_base + k);
+        let x1 = ld8_a(a_base + k + step);
+        let u0 = ld8_b(w0 + k);
+        let u1 = ld8_b(w0 + k + step);
+        let v0 = ld8_b(w1 + k);
+        let v1 = ld8_b(w1 + k + step);
+        s0 = fma(x0[0], u0[0], fma(x0[1], u0[1], s0));
+        s1 = fma(x0[0], v0[0], fma(x0[1], v0[1], s1));
+        t0 = fma(x1[0], u1[0], fma(x1[1], u1[1], t0));
+        t1 = fma(x1[0], v1[0], fma(x1[1], v1[1], t1));
+    }
+    if k < k_len {
+        let x0 = ld8_a(a_base + k);
+        let u0 = ld8_b(w0 + k);
+        let v0 = ld8_b(w1 + k);
+        s0 = fma(x0[0], u0[0], fma(x0[1], u0[1], s0));
+        s1 = fma(x0[0], v0[0], fma(x0[1], v0[1], s1));
+    }
+    let a = s0 + t0;
+    let b = s1 + t1;
+    return vec2<f32>((a.x + a.y) + (a.z + a.w), (b.x + b.y) + (b.z + b.w));
+}
+
+@compute @workgroup_size(128)
+fn main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(subgroup_id) sg: u32,
+    @builtin(num_subgroups) nsg: u32,
+    @builtin(subgroup_invocation_id) lane: u32,
+    @builtin(subgroup_size) lanes: u32,
+) {
+    let n = pc.shape.y;
+    let base = batch_bases(wg.y);
+    for (var rw = 2u * sg; rw < ROWS; rw += 2u * nsg) {
+        let row0 = wg.x * ROWS + rw;
+        let row1 = row0 + 1u;
+        var p = vec2<f32>(0.0);
+        // Uniform in the subgroup, so every lane reaches the add below.
+        if row0 < n {
+            let w0 = base.z + row0 * pc.b_str.w;
+            let w1 = select(w0, w0 + pc.b_str.w, row1 < n);
+            p = pair_partial(base.y, w0, w1, lane, lanes);
+        }
+        let s = subgroupAdd(p);
+        if lane == 0u {
+            if row0 < n {
+                out_d(base.x + row0 * pc.d_str.w, s.x);
+            }
+            if row1 < n {
+                out_d(base.x + row1 * pc.d_str.w, s.y);
+            }
+        }
+    }
+}
