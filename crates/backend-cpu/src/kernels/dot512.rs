@@ -482,7 +482,16 @@ pub(in crate::kernels) unsafe fn prefill(
         Some(FloatRow::F32(_)) => 4,
         _ => 2,
     };
-    let cols = (PREFILL_BLOCK_BYTES / (k * elem_bytes).max(1))
+    // Blocks of at most PREFILL_BLOCK_BYTES, as many per product as a multiple of the
+    // thread count, so the last round of jobs leaves no thread idle (the split never
+    // changes a result).
+    let threads = rayon::current_num_threads().max(1);
+    let per_product = (k * n * elem_bytes)
+        .div_ceil(PREFILL_BLOCK_BYTES)
+        .max(1)
+        .next_multiple_of(threads);
+    let cols = n
+        .div_ceil(per_product)
         .next_multiple_of(COLS)
         .clamp(COLS, n.next_multiple_of(COLS));
     let blocks = n.div_ceil(cols);
