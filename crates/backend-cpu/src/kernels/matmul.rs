@@ -510,7 +510,7 @@ fn mul_mat_prefill512(
     }
     let n_batches: usize = batch.iter().product();
     let mut ws = Vec::with_capacity(n_batches);
-    let mut xs = Vec::with_capacity(n_batches);
+    let mut ams = Vec::with_capacity(n_batches);
     for bi in 0..n_batches {
         let idx = unravel_batch(batch, bi);
         let Some(w) = matrix_at(b, &batch_index(b, batch, &idx)).filter(gemv::reads) else {
@@ -519,8 +519,18 @@ fn mul_mat_prefill512(
         let am = matrix_at(a, &batch_index(a, batch, &idx))
             .ok_or_else(|| kernel_err(node, format!("batch {idx:?} out of range")))?;
         ws.push(w);
-        xs.push(quant::rows_f32(&am));
+        ams.push(am);
     }
+    // Packed f32 activations are read in place; others are made contiguous f32 once.
+    let xs: Vec<std::borrow::Cow<'_, [f32]>> = ams
+        .iter()
+        .map(|am| {
+            am.f32_slice().map_or_else(
+                || std::borrow::Cow::Owned(quant::rows_f32(am)),
+                std::borrow::Cow::Borrowed,
+            )
+        })
+        .collect();
     let direct = dst.is_contiguous() && dst.f32_base().is_some();
     let mut owned = if direct {
         Vec::new()
@@ -536,7 +546,7 @@ fn mul_mat_prefill512(
         .zip(ws)
         .enumerate()
         .map(|(bi, (x, w))| dot512::Prefill {
-            x,
+            x: x.as_ref(),
             w,
             out: out_base.wrapping_add(bi * m * n),
             out_rs: n,
