@@ -155,6 +155,10 @@ pub(crate) fn run(nodes: &[ExecNode], i: usize, mem: &dyn Mem) -> Result<()> {
     let Op::SoftMax { scale } = sm.op else {
         return Err(kernel_err(sm, "is not a soft_max"));
     };
+    #[cfg(target_arch = "x86_64")]
+    if let Some(e) = super::dot512::env_error() {
+        return Err(kernel_err(kq, e));
+    }
     // Sources under the result are copied first (`fusable` allows it for queries and mask).
     let mut private = Vec::new();
     let mut resolve = |n: &ExecNode, t: &TensorRef| -> Result<Strided> {
@@ -258,7 +262,12 @@ pub(crate) fn run(nodes: &[ExecNode], i: usize, mem: &dyn Mem) -> Result<()> {
                     // SAFETY: AVX2, FMA and F16C were detected; `qrow` and `acc` hold `d`
                     // elements, the length of every key and value row (checked above).
                     unsafe {
-                        x86::scores(&kh, c, scale, qrow, p);
+                        if super::dot512::available() {
+                            // SAFETY: the AVX-512 features were detected (`available`).
+                            x86::scores512(&kh, c, scale, qrow, p);
+                        } else {
+                            x86::scores(&kh, c, scale, qrow, p);
+                        }
                         softmax_in_place(p);
                         x86::values(&vh, &c.idx, p, acc);
                     }
@@ -297,9 +306,9 @@ mod x86 {
     //! each value row into a buffer, then a loop built for SSE2, took about 60 ns per cell and
     //! head: 15% of a small model's decode step at depth 200.
     //!
-    //! Strategy: a score is `gemv`'s own dot product body (`gemv::x86::body`), inlined here, so
-    //! it gives the bits the unfused `q @ K.T` gives. The weighted sum of values runs over
-    //! column chunks of up to 64 (8 vectors, each an accumulator in a register): for each chunk
+    //! Strategy: a score is `gemv`'s own dot product body (`gemv::x86::body`, or `dot512`'s
+    //! tile where AVX-512 runs), inlined here, so it gives the bits the unfused `q @ K.T`
+    //! gives. The weighted sum of values runs over column chunks of up to 64 (8 vectors, each an accumulator in a register): for each chunk
     //! the cells are visited in order and each value row's chunk is multiplied into the
     //! accumulators with one FMA per vector; columns past the last multiple of 8 are summed
     //! in the same cell order with scalar FMAs.
@@ -327,6 +336,26 @@ mod x86 {
                 Some(FloatRow::BF16(k)) if k.len() == d => body::<bf16, 1>(k, x, d)[0],
                 _ => f32::NAN,
             };
+            p.push(s * scale + add);
+        }
+    }
+
+    /// [`scores`] with `dot512`'s body, the bits of the unfused `q @ K.T` when AVX-512 runs.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL, FMA and F16C are available.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub(super) unsafe fn scores512(
+        kh: &Strided,
+        c: &Cells,
+        scale: f32,
+        q: &[f32],
+        p: &mut Vec<f32>,
+    ) {
+        for (&cell, &add) in c.idx.iter().zip(&c.add) {
+            let s = kh
+                .float_row(1, cell)
+                .map_or(f32::NAN, |k| super::super::dot512::score(k, q));
             p.push(s * scale + add);
         }
     }

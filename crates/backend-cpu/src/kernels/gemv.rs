@@ -11,13 +11,15 @@
 //! seen as `K.T`) and there are at most [`GEMV_MAX_M`] activation rows. The activations are
 //! made contiguous f32 once. Jobs are blocks of output columns (weight rows) of one batch,
 //! about [`JOB_WORK`] multiply-adds each, run in parallel on the rayon pool only when the
-//! whole product is worth a fork ([`PAR_MIN_WORK`]). With AVX2, FMA and F16C (detected at run
-//! time) a weight row is loaded 8 elements at a time, widened in registers and multiplied into
+//! whole product is worth a fork ([`PAR_MIN_WORK`]). With AVX-512 (detected at run time,
+//! `dot512`) a weight row is read 16 elements a step into four accumulators per activation
+//! row (four activation rows at a time). With AVX2, FMA and F16C (or AVX-512 turned
+//! off) a weight row is loaded 8 elements at a time, widened in registers and multiplied into
 //! four accumulators per activation row (two rows at a time); elsewhere the row is converted
 //! to f32 and dotted with `quant::dot_f32`, the portable reference.
 //!
-//! Determinism: each output element is one dot product in a fixed order (lanes, then the four
-//! accumulators pairwise, then the tail) computed by one job, so results do not depend on the
+//! Determinism: each output element is one dot product in a fixed order (per body: lanes,
+//! then the accumulators, then the tail) computed by one job, so results do not depend on the
 //! thread count.
 
 use rayon::prelude::*;
@@ -55,8 +57,15 @@ pub(super) fn run(products: &[Product<'_>], (m, n, k): (usize, usize, usize), ou
         return;
     }
     let cols = (JOB_WORK / (k * m).max(1)).clamp(8, n.max(8)).min(n);
-    let job = |p: usize, c0: usize, chunk: &mut [f32], buf: &mut Vec<f32>| {
+    let job = |p: usize, c0: usize, chunk: &mut [f32], scratch: &mut Scratch| {
         let pr = &products[p];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::dot512::decode_columns(&pr.w, c0, pr.x, (m, k), chunk, &mut scratch.rows) {
+                return;
+            }
+        }
+        let buf = &mut scratch.buf;
         for (jj, res) in chunk.chunks_exact_mut(m).enumerate() {
             match pr.w.float_row(1, c0 + jj) {
                 Some(w) => dots(w, pr.x, k, res, buf),
@@ -76,14 +85,23 @@ pub(super) fn run(products: &[Product<'_>], (m, n, k): (usize, usize, usize), ou
         }
     }
     if work < PAR_MIN_WORK || jobs.len() < 2 {
-        let mut buf = Vec::new();
+        let mut scratch = Scratch::default();
         for (p, c0, chunk) in jobs {
-            job(p, c0, chunk, &mut buf);
+            job(p, c0, chunk, &mut scratch);
         }
     } else {
         jobs.into_par_iter()
-            .for_each_init(Vec::new, |buf, (p, c0, chunk)| job(p, c0, chunk, buf));
+            .for_each_init(Scratch::default, |s, (p, c0, chunk)| job(p, c0, chunk, s));
     }
+}
+
+/// Per-job scratch: a converted weight row (portable path), the row pointers of a block
+/// (AVX-512 path).
+#[derive(Default)]
+struct Scratch {
+    buf: Vec<f32>,
+    #[cfg(target_arch = "x86_64")]
+    rows: super::dot512::RowBufs,
 }
 
 /// `x . w` for one f32 row `x` as long as `w`, in the same order as this module's products.
@@ -178,7 +196,7 @@ pub(super) mod x86 {
 
     /// # Safety
     /// AVX2, FMA and F16C are available; `w.len() == k` and `x` holds `res.len()` rows of `k`.
-    pub(super) unsafe fn dots(w: FloatRow<'_>, x: &[f32], k: usize, res: &mut [f32]) {
+    pub(in crate::kernels) unsafe fn dots(w: FloatRow<'_>, x: &[f32], k: usize, res: &mut [f32]) {
         match w {
             FloatRow::F32(w) => rows(w, x, k, res),
             FloatRow::F16(w) => rows(w, x, k, res),

@@ -34,6 +34,7 @@ use std::collections::BTreeMap;
 
 use gemm::Parallelism;
 use lowsync_backend::{ExecNode, Result};
+use lowsync_graph::DType;
 use parking_lot::Mutex;
 use rayon::prelude::*;
 
@@ -310,6 +311,10 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
     float_src(node, "a", a)?;
     if !b.dtype().is_quantized() {
         float_src(node, "b", b)?;
+        #[cfg(target_arch = "x86_64")]
+        if let Some(e) = super::dot512::env_error() {
+            return Err(kernel_err(node, e));
+        }
     }
     let (ra, rb) = (a.rank(), b.rank());
     if ra < 2 || rb < 2 {
@@ -359,6 +364,13 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
     }
     if m <= gemv::GEMV_MAX_M && mul_mat_gemv(node, dst, a, b, &want[..nb], (m, n, k))? {
         return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let sixteen_bit = matches!(b.dtype(), DType::F16 | DType::BF16);
+        if sixteen_bit && mul_mat_prefill512(node, dst, a, b, &want[..nb], (m, n, k))? {
+            return Ok(());
+        }
     }
     let mut a_buf = Vec::new();
     let a32 = as_f32(node, a, &mut a_buf)?;
@@ -475,6 +487,80 @@ fn mul_mat_gemv(
                 .zip(per.chunks_exact(m))
                 .for_each(|(r, res)| *r = res[i]);
             dst.write_row(bi * m + i, 0..n, &row);
+        }
+    }
+    Ok(true)
+}
+
+/// `dst = a @ b` with `dot512`'s prefill tiles, reading a 16-bit `b` in place (no f32 copy,
+/// no packing), when the AVX-512 bodies run and every matrix of `b` is one `gemv` reads;
+/// `Ok(false)` (nothing written) otherwise.
+#[cfg(target_arch = "x86_64")]
+fn mul_mat_prefill512(
+    node: &ExecNode,
+    dst: &Strided,
+    a: &Strided,
+    b: &Strided,
+    batch: &[usize],
+    (m, n, k): (usize, usize, usize),
+) -> Result<bool> {
+    use super::dot512;
+    if !dot512::available() {
+        return Ok(false);
+    }
+    let n_batches: usize = batch.iter().product();
+    let mut ws = Vec::with_capacity(n_batches);
+    let mut ams = Vec::with_capacity(n_batches);
+    for bi in 0..n_batches {
+        let idx = unravel_batch(batch, bi);
+        let Some(w) = matrix_at(b, &batch_index(b, batch, &idx)).filter(gemv::reads) else {
+            return Ok(false);
+        };
+        let am = matrix_at(a, &batch_index(a, batch, &idx))
+            .ok_or_else(|| kernel_err(node, format!("batch {idx:?} out of range")))?;
+        ws.push(w);
+        ams.push(am);
+    }
+    // Packed f32 activations are read in place; others are made contiguous f32 once.
+    let xs: Vec<std::borrow::Cow<'_, [f32]>> = ams
+        .iter()
+        .map(|am| {
+            am.f32_slice().map_or_else(
+                || std::borrow::Cow::Owned(quant::rows_f32(am)),
+                std::borrow::Cow::Borrowed,
+            )
+        })
+        .collect();
+    let direct = dst.is_contiguous() && dst.f32_base().is_some();
+    let mut owned = if direct {
+        Vec::new()
+    } else {
+        vec![0.0f32; dst.numel()]
+    };
+    let out_base = dst
+        .f32_base()
+        .filter(|_| direct)
+        .unwrap_or(owned.as_mut_ptr());
+    let products: Vec<dot512::Prefill<'_>> = xs
+        .iter()
+        .zip(ws)
+        .enumerate()
+        .map(|(bi, (x, w))| dot512::Prefill {
+            x: x.as_ref(),
+            w,
+            out: out_base.wrapping_add(bi * m * n),
+            out_rs: n,
+        })
+        .collect();
+    // SAFETY: product `bi` writes the `m x n` block `bi` of the contiguous output (`dst`'s
+    // own memory or `owned`), which no operand overlaps (the destination is never a source
+    // here: the graph gives a product its own result tensor).
+    if !unsafe { dot512::prefill(&products, (m, n, k)) } {
+        return Ok(false);
+    }
+    if !direct {
+        if let Some(v) = Strided::over_f32(&mut owned, dst.shape()) {
+            copy_strided(&v, dst);
         }
     }
     Ok(true)

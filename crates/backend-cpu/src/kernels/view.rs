@@ -363,6 +363,18 @@ impl Strided {
         true
     }
 
+    /// Every element of a packed row-major, aligned f32 view, as one slice; `None` otherwise.
+    pub(crate) fn f32_slice(&self) -> Option<&[f32]> {
+        let p = self.f32_base()?;
+        if !self.is_contiguous() {
+            return None;
+        }
+        // SAFETY: the view's `numel` elements are packed from its aligned base (checked
+        // above), all within the resolved buffer (type invariant). Sources are not written
+        // while a kernel reads them (private copies).
+        Some(unsafe { std::slice::from_raw_parts(p, self.numel()) })
+    }
+
     /// The address of element `[0, .., 0]` as f32, when the view is f32 and aligned.
     pub(crate) fn f32_base(&self) -> Option<*mut f32> {
         (self.dtype == DType::F32 && self.is_aligned()).then_some(self.ptr.cast())
