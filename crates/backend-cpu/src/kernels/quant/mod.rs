@@ -49,11 +49,27 @@ fn q16_allowed() -> std::result::Result<bool, String> {
     .clone()
 }
 
+/// The widest instruction set the q16 products may use (`LOWSYNC_CPU_QUANT_ISA`: `auto`, the
+/// default, takes AVX-512 with VNNI where the CPU has it; `avx2` keeps the AVX2 bodies, for A/B
+/// measurements), read once; a bad value is an error naming the variable.
+fn q16_isa() -> std::result::Result<q16::Isa, String> {
+    static ISA: OnceLock<std::result::Result<q16::Isa, String>> = OnceLock::new();
+    ISA.get_or_init(|| {
+        env::choice("LOWSYNC_CPU_QUANT_ISA", &["auto", "avx2"], "auto or avx2")
+            .map(|c| match c {
+                Some("avx2") => q16::Isa::Avx2,
+                _ => q16::Isa::Avx512,
+            })
+            .map_err(|e| e.to_string())
+    })
+    .clone()
+}
+
 #[cfg(test)]
 /// Whether products over `dt` weights quantize the activations (`q16`) here: a SIMD kernel
 /// for `dt` on this CPU and `LOWSYNC_CPU_QUANT_DOT` not `f32`.
 pub(crate) fn uses_q16(dt: lowsync_graph::DType) -> bool {
-    q16_allowed().unwrap_or(false) && q16::dot_fn(dt).is_some()
+    q16_allowed().unwrap_or(false) && q16::dot_fn(dt, q16::Isa::Avx2).is_some()
 }
 
 /// The values a product reads for activations `x` (rows of `k`) over `dt` weights: `x` on the
@@ -151,19 +167,24 @@ pub(super) fn matmul(
         return Ok(());
     }
     let fast = if q16_allowed().map_err(|e| kernel_err(node, e))? {
-        q16::dot_fn(dt).filter(|_| k.is_multiple_of(q16::QK))
+        let isa = q16_isa().map_err(|e| kernel_err(node, e))?;
+        q16::dot_fn(dt, isa).filter(|_| k.is_multiple_of(q16::QK))
     } else {
         None
     };
     let xq = fast.map(|_| q16::QRows::quantize(x));
     // One job's weight rows: about JOB_WORK multiply-adds, never fewer than 1 row.
     // At least MIN_JOBS jobs, so that the threads finish together (9 jobs over 2 threads
-    // left one idle for a ninth of a 768-row product), and a multiple of 4 rows, the decode
-    // kernels' tile.
+    // left one idle for a ninth of a 768-row product), and a multiple of the kernel's tile of
+    // weight rows (4 in decode, a panel of 16 in the AVX-512 prefill bodies).
+    let granule = match (fast, q16_isa()) {
+        (Some(_), Ok(isa)) => q16::row_granule(isa, m),
+        _ => 4,
+    };
     let rows_per_job = (JOB_WORK / (k * m).max(1))
         .min(n.div_ceil(MIN_JOBS))
         .max(1)
-        .next_multiple_of(4)
+        .next_multiple_of(granule)
         .min(n);
     // Results of weight row j for every activation row, j-major (one contiguous chunk per
     // job); transposed into `out` afterwards when m > 1.

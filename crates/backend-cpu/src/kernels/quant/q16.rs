@@ -112,20 +112,64 @@ fn quantize_block(blk: &[f32; QK], out: &mut [i16; QK]) -> (f32, i32) {
 /// run of weight rows, so a short row (a 576-wide weight has 18 blocks) pays no per-row call.
 pub(crate) type DotFn = fn(&[u8], usize, &QRows, &mut [f32]);
 
-/// The fast dot product for weights of `dt` on this CPU, if there is one.
-pub(crate) fn dot_fn(dt: DType) -> Option<DotFn> {
+/// The instruction sets a product may use: [`Isa::Avx512`] where the CPU has it and
+/// `LOWSYNC_CPU_QUANT_ISA` is not `avx2`, else [`Isa::Avx2`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// The AVX2 bodies (`x86`) only.
+    Avx2,
+    /// The AVX-512 VNNI bodies (`avx512`) where they exist, the AVX2 ones elsewhere.
+    Avx512,
+}
+
+/// Whether this CPU has what the AVX-512 bodies need: AVX-512 F, BW, VL and VNNI.
+pub(crate) fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vl")
+            && std::is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// The fast dot product for weights of `dt` on this CPU, if there is one, using at most `isa`.
+pub(crate) fn dot_fn(dt: DType, isa: Isa) -> Option<DotFn> {
     #[cfg(target_arch = "x86_64")]
     {
         if std::is_x86_feature_detected!("avx2")
             && std::is_x86_feature_detected!("fma")
             && std::is_x86_feature_detected!("f16c")
         {
+            if isa == Isa::Avx512 && has_avx512() {
+                if let Some(f) = avx512::dot_fn(dt) {
+                    return Some(f);
+                }
+            }
             return x86::dot_fn(dt);
         }
     }
-    let _ = dt;
+    let _ = (dt, isa);
     None
 }
+
+/// The weight rows a product's jobs should come in multiples of, with `m` activation rows:
+/// the AVX-512 bodies' panels of 16 where they run, else the decode tiles' 4.
+pub(crate) fn row_granule(isa: Isa, m: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa == Isa::Avx512 && has_avx512() && m >= avx512::PANEL_MIN_ROWS {
+            return 16;
+        }
+    }
+    let _ = (isa, m);
+    4
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
