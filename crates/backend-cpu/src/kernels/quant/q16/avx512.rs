@@ -424,14 +424,150 @@ fn shape<K: Kind>(w: &[u8], row_bytes: usize, x: &QRows, out: &[f32]) -> Option<
     ok.then_some((m, nb))
 }
 
-/// The product over `K`: packed panels from [`PANEL_MIN_ROWS`] activation rows, else the AVX2
-/// body `avx2`.
-fn product<K: Kind>(w: &[u8], row_bytes: usize, x: &QRows, out: &mut [f32], avx2: DotFn) {
+/// How far ahead the 8-row decode tiles prefetch each row (bytes), into the L2, as the AVX2
+/// 4-row tiles do.
+const PREFETCH_FAR: usize = 4096;
+
+/// The order of the 8 rows of a decode tile in its vectors of results, the order the sums come
+/// out of the reduction in [`dec8`].
+const DEC8_LANES: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+
+/// A decode tile of 8 weight rows of Q4_0 (`MIN` false: `QOFF` 2, values `q - 8`) or Q4_1
+/// (`MIN` true: `QOFF` 4, `d` and `m`) by one activation row. Two rows' 16 bytes are widened in
+/// one 512-bit vector (row `2t` in the low half, `2t + 1` in the high), so that one `pmaddwd`
+/// and one `vpdpwssd` take a block of 2 rows against the activation block's two halves (each
+/// broadcast to both halves); the 8 rows' sums are reduced together (12 shuffles and adds for
+/// 8 rows), the 8 rows' f16 scales taken by one gather and one conversion, and one 8-lane FMA
+/// adds the block for the 8 rows. The arithmetic per row is that of the AVX2 4-row tiles and of
+/// the panels: exact integer sums, `(d_w * d_x) * sum` added in block order, Q4_0's offset as
+/// `8 * n_x`, the mins in a chain of their own.
+///
+/// # Safety
+/// AVX-512 F/BW/VL, VNNI, AVX2, FMA and F16C are available; `w` holds 8 rows, `rb` bytes apart,
+/// of `nb` blocks of `BB` bytes, and `x` one row of `nb` blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dec8<const BB: usize, const QOFF: usize, const MIN: bool>(
+    w: &[u8],
+    rb: usize,
+    x: &QRows,
+    nb: usize,
+) -> [f32; 8] {
+    let base = w.as_ptr();
+    // Gather offsets: rows in the lane order of the reduction.
+    let idx = _mm256_setr_epi32(
+        (DEC8_LANES[0] * rb) as i32,
+        (DEC8_LANES[1] * rb) as i32,
+        (DEC8_LANES[2] * rb) as i32,
+        (DEC8_LANES[3] * rb) as i32,
+        (DEC8_LANES[4] * rb) as i32,
+        (DEC8_LANES[5] * rb) as i32,
+        (DEC8_LANES[6] * rb) as i32,
+        (DEC8_LANES[7] * rb) as i32,
+    );
+    // Lanes 0 and 1 of each 128-bit lane.
+    let pick = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    // Opaque to the optimiser, as `super::x86::nibble_mask` (it rewrote the 16-bit `and` and
+    // shift as byte work before the widening).
+    let m4 = std::hint::black_box(_mm512_set1_epi16(0x0F));
+    let (mut acc, mut mins) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    for b in 0..nb {
+        for r in 0..8 {
+            let p = base.wrapping_add(r * rb + b * BB + PREFETCH_FAR);
+            _mm_prefetch::<_MM_HINT_T1>(p.cast());
+        }
+        let xp = x.q.as_ptr().add(b * QK);
+        let x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256(xp.cast()));
+        let x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256(xp.add(16).cast()));
+        let mut z = [_mm512_setzero_si512(); 4];
+        for (t, z) in z.iter_mut().enumerate() {
+            let pa = base.add(2 * t * rb + b * BB + QOFF);
+            let v = _mm256_inserti128_si256::<1>(
+                _mm256_castsi128_si256(_mm_loadu_si128(pa.cast())),
+                _mm_loadu_si128(pa.add(rb).cast()),
+            );
+            let v = _mm512_cvtepu8_epi16(v);
+            let lo = _mm512_and_si512(v, m4);
+            let hi = _mm512_srli_epi16::<4>(_mm512_andnot_si512(m4, v));
+            *z = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, x0), hi, x1);
+        }
+        // Rows 4t' .. 4t' + 4 with 4 lanes each (128-bit lane c: row 4t' + c).
+        let half = |a: __m512i, b: __m512i| {
+            _mm512_add_epi32(
+                _mm512_shuffle_i64x2::<0b10_00_10_00>(a, b),
+                _mm512_shuffle_i64x2::<0b11_01_11_01>(a, b),
+            )
+        };
+        let (a, c) = (half(z[0], z[1]), half(z[2], z[3]));
+        // 128-bit lane c: rows c and c + 4, twice.
+        let u = _mm512_add_epi32(_mm512_unpacklo_epi32(a, c), _mm512_unpackhi_epi32(a, c));
+        let u = _mm512_add_epi32(u, _mm512_shuffle_epi32::<0b01_00_11_10>(u));
+        let mut sum = _mm512_castsi512_si256(_mm512_permutexvar_epi32(pick, u));
+        let g = _mm256_i32gather_epi32::<1>(base.add(b * BB).cast(), idx);
+        let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(g));
+        if !MIN {
+            sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * *x.n.get_unchecked(b)));
+        }
+        let scale = _mm256_mul_ps(d, _mm256_set1_ps(*x.d.get_unchecked(b)));
+        acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum), acc);
+        if MIN {
+            let mn = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(g)));
+            mins = _mm256_fmadd_ps(mn, _mm256_set1_ps(*x.s.get_unchecked(b)), mins);
+        }
+    }
+    if MIN {
+        acc = _mm256_add_ps(acc, mins);
+    }
+    let mut lanes = [0.0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    let mut out = [0.0f32; 8];
+    for (l, &r) in DEC8_LANES.iter().enumerate() {
+        out[r] = lanes[l];
+    }
+    out
+}
+
+/// A decode product (one activation row) over a type with an 8-row tile: 8 rows at a time by
+/// `tile`, the last `rows % 8` by the AVX2 body `avx2`.
+fn decode8(
+    w: &[u8],
+    rb: usize,
+    x: &QRows,
+    out: &mut [f32],
+    nb: usize,
+    tile: unsafe fn(&[u8], usize, &QRows, usize) -> [f32; 8],
+    avx2: DotFn,
+) {
+    let full = out.len() / 8 * 8;
+    for (j, o) in out[..full].chunks_exact_mut(8).enumerate() {
+        // SAFETY: `dot_fn`'s caller detected AVX-512 F/BW/VL, VNNI, AVX2, FMA and F16C;
+        // `shape` checked that the 8 rows from `8 * j` hold `nb` blocks and `x` one row.
+        o.copy_from_slice(&unsafe { tile(&w[8 * j * rb..], rb, x, nb) });
+    }
+    if full < out.len() {
+        avx2(&w[full * rb..], rb, x, &mut out[full..]);
+    }
+}
+
+/// The product over `K`: packed panels from [`PANEL_MIN_ROWS`] activation rows, an 8-row
+/// decode tile `dec` for one row where the type has one, else the AVX2 body `avx2`.
+fn product<K: Kind>(
+    w: &[u8],
+    row_bytes: usize,
+    x: &QRows,
+    out: &mut [f32],
+    avx2: DotFn,
+    dec: Dec8,
+) {
     let Some((m, nb)) = shape::<K>(w, row_bytes, x, out) else {
         debug_assert!(false, "{} weight bytes, {row_bytes} a row", w.len());
         out.fill(0.0);
         return;
     };
+    if m == 1 {
+        if let Some(tile) = dec {
+            return decode8(w, row_bytes, x, out, nb, tile, avx2);
+        }
+    }
     if m < PANEL_MIN_ROWS {
         return avx2(w, row_bytes, x, out);
     }
@@ -445,24 +581,35 @@ fn avx2(dt: DType) -> DotFn {
     super::x86::dot_fn(dt).expect("an AVX2 body for every VNNI type")
 }
 
+/// The 8-row decode tiles (a function each, for the benchmark to switch them off).
+type Dec8 = Option<unsafe fn(&[u8], usize, &QRows, usize) -> [f32; 8]>;
+
+fn dec_q4_0() -> Dec8 {
+    Some(dec8::<18, 2, false>)
+}
+
+fn dec_q4_1() -> Dec8 {
+    Some(dec8::<20, 4, true>)
+}
+
 fn q4_0(w: &[u8], rb: usize, x: &QRows, out: &mut [f32]) {
-    product::<Q40>(w, rb, x, out, avx2(DType::Q4_0));
+    product::<Q40>(w, rb, x, out, avx2(DType::Q4_0), dec_q4_0());
 }
 
 fn q4_1(w: &[u8], rb: usize, x: &QRows, out: &mut [f32]) {
-    product::<Q41>(w, rb, x, out, avx2(DType::Q4_1));
+    product::<Q41>(w, rb, x, out, avx2(DType::Q4_1), dec_q4_1());
 }
 
 fn q8_0(w: &[u8], rb: usize, x: &QRows, out: &mut [f32]) {
-    product::<Q80>(w, rb, x, out, avx2(DType::Q8_0));
+    product::<Q80>(w, rb, x, out, avx2(DType::Q8_0), None);
 }
 
 fn q4_k(w: &[u8], rb: usize, x: &QRows, out: &mut [f32]) {
-    product::<Q4K>(w, rb, x, out, avx2(DType::Q4_K));
+    product::<Q4K>(w, rb, x, out, avx2(DType::Q4_K), None);
 }
 
 fn q6_k(w: &[u8], rb: usize, x: &QRows, out: &mut [f32]) {
-    product::<Q6K>(w, rb, x, out, avx2(DType::Q6_K));
+    product::<Q6K>(w, rb, x, out, avx2(DType::Q6_K), None);
 }
 
 #[cfg(test)]
@@ -622,8 +769,57 @@ mod tests {
                     _ => panels::<Q4K>(&w, rb, &x, &mut pan, 1, k / QK),
                 }
             }
-            for (j, (a, b)) in dec.iter().zip(&pan).enumerate() {
+            // And the product itself with one row: the 8-row decode tiles where the type has
+            // them.
+            let mut own = vec![0.0f32; n];
+            vnni(dt)(&w, rb, &x, &mut own);
+            for (j, ((a, b), c)) in dec.iter().zip(&pan).zip(&own).enumerate() {
                 assert_eq!(a.to_bits(), b.to_bits(), "{dt} row {j}: {a} vs {b}");
+                assert_eq!(a.to_bits(), c.to_bits(), "{dt} row {j}: {a} vs {c}");
+            }
+        }
+    }
+
+    #[test]
+    #[ignore = "a benchmark: run with --release --ignored --nocapture"]
+    fn dec8_speed() {
+        if !have() {
+            return;
+        }
+        for k in [768, 2048] {
+            let x = activations(1, k, 0);
+            for (dt, bb, halves) in TYPES {
+                if !matches!(dt, DType::Q4_0 | DType::Q4_1) {
+                    continue;
+                }
+                let rb = row_bytes(bb, k);
+                for (label, bytes, reps) in
+                    [("cache 1 MiB", 1 << 20, 64), ("DRAM 96 MiB", 96 << 20, 2)]
+                {
+                    let n = (bytes / rb).next_multiple_of(8);
+                    let w = weights(n, rb, bb, halves, 9);
+                    let mut out = vec![0.0f32; n];
+                    let blocks = (n * (k / QK) * reps) as f64;
+                    let (old, new) = (avx2(dt), vnni(dt));
+                    let (mut best_old, mut best_new) = (f64::MAX, f64::MAX);
+                    for round in 0..11 {
+                        let mut order = [(old, &mut best_old), (new, &mut best_new)];
+                        order.rotate_left(round % 2);
+                        for (f, best) in order {
+                            let t = std::time::Instant::now();
+                            for _ in 0..reps {
+                                f(&w, rb, &x, &mut out);
+                                std::hint::black_box(&mut out);
+                            }
+                            *best = best.min(t.elapsed().as_secs_f64() * 1e9 / blocks);
+                        }
+                    }
+                    eprintln!(
+                        "{dt} k {k} m 1 {label}: avx2 {best_old:.3} ns, avx512 {best_new:.3} ns \
+                         per (block, weight row), {:.2}x",
+                        best_old / best_new
+                    );
+                }
             }
         }
     }
