@@ -263,7 +263,10 @@ unsafe fn transpose16(m: &mut [__m512i; PW]) {
     }
 }
 
-/// Packs `rows` (at most 16) weight rows of `nb` activation blocks each into `pn`.
+/// Packs `rows` (at most 16) weight rows of `nb` activation blocks each into `pn`: each row
+/// is unpacked whole in turn (one stream at a time, which the hardware prefetcher follows; 16
+/// rows read side by side block by block ran up to 2x slower from DRAM), then each block's
+/// 16 x 16 pairs are transposed in place.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn pack<K: Kind>(w: &[u8], rb: usize, rows: usize, nb: usize, pn: &mut Panel) {
     let gpb = 16 / K::G;
@@ -276,26 +279,27 @@ unsafe fn pack<K: Kind>(w: &[u8], rb: usize, rows: usize, nb: usize, pn: &mut Pa
     if K::MIN {
         pn.mn.resize(nb, _mm512_setzero_ps());
     }
-    let base = w.as_ptr();
-    for b in 0..nb {
-        let mut m = [z; PW];
-        let (mut f, mut mn) = ([[0.0f32; PW]; 2], [0.0f32; PW]);
-        for r in 0..rows {
-            let row = base.add(r * rb);
-            m[r] = K::unpack(row, b);
-            let mut fr = [0.0f32; 2];
-            K::scales(row, b, &mut fr, &mut mn[r]);
-            f[0][r] = fr[0];
-            f[1][r] = fr[1];
+    let (f, mn) = (
+        pn.f.as_mut_ptr().cast::<f32>(),
+        pn.mn.as_mut_ptr().cast::<f32>(),
+    );
+    for r in 0..rows {
+        let row = w.as_ptr().add(r * rb);
+        for b in 0..nb {
+            *pn.q.get_unchecked_mut(b * PW + r) = K::unpack(row, b);
+            let (mut fr, mut m) = ([0.0f32; 2], 0.0f32);
+            K::scales(row, b, &mut fr, &mut m);
+            for (g, v) in fr.iter().take(gpb).enumerate() {
+                *f.add((b * gpb + g) * PW + r) = *v;
+            }
+            if K::MIN {
+                *mn.add(b * PW + r) = m;
+            }
         }
-        transpose16(&mut m);
-        pn.q[b * PW..(b + 1) * PW].copy_from_slice(&m);
-        for (g, f) in f.iter().take(gpb).enumerate() {
-            pn.f[b * gpb + g] = _mm512_loadu_ps(f.as_ptr());
-        }
-        if K::MIN {
-            pn.mn[b] = _mm512_loadu_ps(mn.as_ptr());
-        }
+    }
+    for blk in pn.q.chunks_exact_mut(PW) {
+        let blk: &mut [__m512i; PW] = blk.try_into().expect("a block of 16 rows");
+        transpose16(blk);
     }
 }
 
@@ -424,45 +428,47 @@ fn shape<K: Kind>(w: &[u8], row_bytes: usize, x: &QRows, out: &[f32]) -> Option<
     ok.then_some((m, nb))
 }
 
-/// How far ahead the 8-row decode tiles prefetch each row (bytes), into the L2, as the AVX2
-/// 4-row tiles do.
+/// How far ahead the 8-row decode tile prefetches each row (bytes), into the L2, as the AVX2
+/// 4-row tiles do (1024 to 8192 measured within a few percent of each other from DRAM).
 const PREFETCH_FAR: usize = 4096;
 
 /// The order of the 8 rows of a decode tile in its vectors of results, the order the sums come
-/// out of the reduction in [`dec8`].
+/// out of the reduction in [`q4_1_dec8`].
 const DEC8_LANES: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
 
-/// A decode tile of 8 weight rows of Q4_0 (`MIN` false: `QOFF` 2, values `q - 8`) or Q4_1
-/// (`MIN` true: `QOFF` 4, `d` and `m`) by one activation row. Two rows' 16 bytes are widened in
-/// one 512-bit vector (row `2t` in the low half, `2t + 1` in the high), so that one `pmaddwd`
-/// and one `vpdpwssd` take a block of 2 rows against the activation block's two halves (each
-/// broadcast to both halves); the 8 rows' sums are reduced together (12 shuffles and adds for
-/// 8 rows), the 8 rows' f16 scales taken by one gather and one conversion, and one 8-lane FMA
-/// adds the block for the 8 rows. The arithmetic per row is that of the AVX2 4-row tiles and of
-/// the panels: exact integer sums, `(d_w * d_x) * sum` added in block order, Q4_0's offset as
-/// `8 * n_x`, the mins in a chain of their own.
+/// Q4_1, a decode tile of 8 weight rows by one activation row. Two rows' 16 bytes of nibbles
+/// are widened in one 512-bit vector (row `2t` in the low half, `2t + 1` in the high), so one
+/// `pmaddwd` and one `vpdpwssd` take a block of 2 rows against the activation block's two
+/// halves (each broadcast to both halves); the 8 rows' sums are reduced together (12 shuffles
+/// and adds for 8 rows), the 8 rows' `d` and `m` come from one gather (the blocks' first 4
+/// bytes, at multiples of 4: no element crosses a cache line) and two conversions, and one
+/// 8-lane FMA adds the block for the 8 rows, a second one the mins. The arithmetic per row is
+/// that of the AVX2 4-row tile and of the panels: exact integer sums, `(d_w * d_x) * sum`
+/// added in block order, the mins in a chain of their own.
+///
+/// The same tile for Q4_0 (its `d` by 8 loads of 2 bytes, the offset as `8 * n_x`) was 1.3x
+/// faster than the AVX2 4-row tile with the weights in the cache but 0.7-0.9x from DRAM (k 2048
+/// and 768, every prefetch distance from 1024 to 8192 bytes), and lost end to end; Q4_0 keeps
+/// the AVX2 tile.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL, VNNI, AVX2, FMA and F16C are available; `w` holds 8 rows, `rb` bytes apart,
-/// of `nb` blocks of `BB` bytes, and `x` one row of `nb` blocks.
+/// of `nb` blocks of 20 bytes, and `x` one row of `nb` blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn dec8<const BB: usize, const QOFF: usize, const MIN: bool>(
-    w: &[u8],
-    rb: usize,
-    x: &QRows,
-    nb: usize,
-) -> [f32; 8] {
+unsafe fn q4_1_dec8(w: &[u8], rb: usize, x: &QRows, nb: usize) -> [f32; 8] {
+    const BB: usize = 20;
     let base = w.as_ptr();
     // Gather offsets: rows in the lane order of the reduction.
+    let off = |l: usize| (DEC8_LANES[l] * rb) as i32;
     let idx = _mm256_setr_epi32(
-        (DEC8_LANES[0] * rb) as i32,
-        (DEC8_LANES[1] * rb) as i32,
-        (DEC8_LANES[2] * rb) as i32,
-        (DEC8_LANES[3] * rb) as i32,
-        (DEC8_LANES[4] * rb) as i32,
-        (DEC8_LANES[5] * rb) as i32,
-        (DEC8_LANES[6] * rb) as i32,
-        (DEC8_LANES[7] * rb) as i32,
+        off(0),
+        off(1),
+        off(2),
+        off(3),
+        off(4),
+        off(5),
+        off(6),
+        off(7),
     );
     // Lanes 0 and 1 of each 128-bit lane.
     let pick = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -480,7 +486,7 @@ unsafe fn dec8<const BB: usize, const QOFF: usize, const MIN: bool>(
         let x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256(xp.add(16).cast()));
         let mut z = [_mm512_setzero_si512(); 4];
         for (t, z) in z.iter_mut().enumerate() {
-            let pa = base.add(2 * t * rb + b * BB + QOFF);
+            let pa = base.add(2 * t * rb + b * BB + 4);
             let v = _mm256_inserti128_si256::<1>(
                 _mm256_castsi128_si256(_mm_loadu_si128(pa.cast())),
                 _mm_loadu_si128(pa.add(rb).cast()),
@@ -490,7 +496,7 @@ unsafe fn dec8<const BB: usize, const QOFF: usize, const MIN: bool>(
             let hi = _mm512_srli_epi16::<4>(_mm512_andnot_si512(m4, v));
             *z = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, x0), hi, x1);
         }
-        // Rows 4t' .. 4t' + 4 with 4 lanes each (128-bit lane c: row 4t' + c).
+        // Rows 4t .. 4t + 4 with 4 lanes each (128-bit lane c: row 4t + c).
         let half = |a: __m512i, b: __m512i| {
             _mm512_add_epi32(
                 _mm512_shuffle_i64x2::<0b10_00_10_00>(a, b),
@@ -501,24 +507,16 @@ unsafe fn dec8<const BB: usize, const QOFF: usize, const MIN: bool>(
         // 128-bit lane c: rows c and c + 4, twice.
         let u = _mm512_add_epi32(_mm512_unpacklo_epi32(a, c), _mm512_unpackhi_epi32(a, c));
         let u = _mm512_add_epi32(u, _mm512_shuffle_epi32::<0b01_00_11_10>(u));
-        let mut sum = _mm512_castsi512_si256(_mm512_permutexvar_epi32(pick, u));
+        let sum = _mm512_castsi512_si256(_mm512_permutexvar_epi32(pick, u));
         let g = _mm256_i32gather_epi32::<1>(base.add(b * BB).cast(), idx);
         let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(g));
-        if !MIN {
-            sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * *x.n.get_unchecked(b)));
-        }
         let scale = _mm256_mul_ps(d, _mm256_set1_ps(*x.d.get_unchecked(b)));
         acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum), acc);
-        if MIN {
-            let mn = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(g)));
-            mins = _mm256_fmadd_ps(mn, _mm256_set1_ps(*x.s.get_unchecked(b)), mins);
-        }
-    }
-    if MIN {
-        acc = _mm256_add_ps(acc, mins);
+        let mn = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(g)));
+        mins = _mm256_fmadd_ps(mn, _mm256_set1_ps(*x.s.get_unchecked(b)), mins);
     }
     let mut lanes = [0.0f32; 8];
-    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc, mins));
     let mut out = [0.0f32; 8];
     for (l, &r) in DEC8_LANES.iter().enumerate() {
         out[r] = lanes[l];
@@ -581,23 +579,15 @@ fn avx2(dt: DType) -> DotFn {
     super::x86::dot_fn(dt).expect("an AVX2 body for every VNNI type")
 }
 
-/// The 8-row decode tiles (a function each, for the benchmark to switch them off).
+/// An 8-row decode tile: `(weight rows, row bytes, activation row, blocks)` to 8 results.
 type Dec8 = Option<unsafe fn(&[u8], usize, &QRows, usize) -> [f32; 8]>;
 
-fn dec_q4_0() -> Dec8 {
-    Some(dec8::<18, 2, false>)
-}
-
-fn dec_q4_1() -> Dec8 {
-    Some(dec8::<20, 4, true>)
-}
-
 fn q4_0(w: &[u8], rb: usize, x: &QRows, out: &mut [f32]) {
-    product::<Q40>(w, rb, x, out, avx2(DType::Q4_0), dec_q4_0());
+    product::<Q40>(w, rb, x, out, avx2(DType::Q4_0), None);
 }
 
 fn q4_1(w: &[u8], rb: usize, x: &QRows, out: &mut [f32]) {
-    product::<Q41>(w, rb, x, out, avx2(DType::Q4_1), dec_q4_1());
+    product::<Q41>(w, rb, x, out, avx2(DType::Q4_1), Some(q4_1_dec8));
 }
 
 fn q8_0(w: &[u8], rb: usize, x: &QRows, out: &mut [f32]) {
@@ -616,9 +606,10 @@ fn q6_k(w: &[u8], rb: usize, x: &QRows, out: &mut [f32]) {
 mod tests {
     //! The packed-panel bodies against the AVX2 bodies (within f32 rounding), against the AVX2
     //! 4-row decode tiles (bit for bit, for the types whose sum order they share), and against
-    //! themselves in other groupings (bit for bit). The `#[ignore]`d benchmark times the AVX2
-    //! and the AVX-512 product in one process (`cargo test --release -p lowsync-cpu
-    //! vnni_speed -- --ignored --nocapture`).
+    //! themselves in other groupings (bit for bit); the Q4_1 decode tile against the AVX2 one
+    //! (bit for bit). The `#[ignore]`d benchmarks time the AVX2 and the AVX-512 product in one
+    //! process, alternated (`cargo test --release -p lowsync-cpu _speed -- --ignored
+    //! --nocapture --test-threads 1`).
 
     use super::*;
 
@@ -786,40 +777,35 @@ mod tests {
         if !have() {
             return;
         }
+        let (dt, bb, halves) = TYPES[1];
         for k in [768, 2048] {
             let x = activations(1, k, 0);
-            for (dt, bb, halves) in TYPES {
-                if !matches!(dt, DType::Q4_0 | DType::Q4_1) {
-                    continue;
-                }
-                let rb = row_bytes(bb, k);
-                for (label, bytes, reps) in
-                    [("cache 1 MiB", 1 << 20, 64), ("DRAM 96 MiB", 96 << 20, 2)]
-                {
-                    let n = (bytes / rb).next_multiple_of(8);
-                    let w = weights(n, rb, bb, halves, 9);
-                    let mut out = vec![0.0f32; n];
-                    let blocks = (n * (k / QK) * reps) as f64;
-                    let (old, new) = (avx2(dt), vnni(dt));
-                    let (mut best_old, mut best_new) = (f64::MAX, f64::MAX);
-                    for round in 0..11 {
-                        let mut order = [(old, &mut best_old), (new, &mut best_new)];
-                        order.rotate_left(round % 2);
-                        for (f, best) in order {
-                            let t = std::time::Instant::now();
-                            for _ in 0..reps {
-                                f(&w, rb, &x, &mut out);
-                                std::hint::black_box(&mut out);
-                            }
-                            *best = best.min(t.elapsed().as_secs_f64() * 1e9 / blocks);
+            let rb = row_bytes(bb, k);
+            for (label, bytes, reps) in [("cache 1 MiB", 1 << 20, 64), ("DRAM 96 MiB", 96 << 20, 2)]
+            {
+                let n = (bytes / rb).next_multiple_of(8);
+                let w = weights(n, rb, bb, halves, 9);
+                let mut out = vec![0.0f32; n];
+                let blocks = (n * (k / QK) * reps) as f64;
+                let (old, new) = (avx2(dt), vnni(dt));
+                let (mut best_old, mut best_new) = (f64::MAX, f64::MAX);
+                for round in 0..11 {
+                    let mut order = [(old, &mut best_old), (new, &mut best_new)];
+                    order.rotate_left(round % 2);
+                    for (f, best) in order {
+                        let t = std::time::Instant::now();
+                        for _ in 0..reps {
+                            f(&w, rb, &x, &mut out);
+                            std::hint::black_box(&mut out);
                         }
+                        *best = best.min(t.elapsed().as_secs_f64() * 1e9 / blocks);
                     }
-                    eprintln!(
-                        "{dt} k {k} m 1 {label}: avx2 {best_old:.3} ns, avx512 {best_new:.3} ns \
-                         per (block, weight row), {:.2}x",
-                        best_old / best_new
-                    );
                 }
+                eprintln!(
+                    "{dt} k {k} m 1 {label}: avx2 {best_old:.3} ns, avx512 {best_new:.3} ns per \
+                     (block, weight row), {:.2}x",
+                    best_old / best_new
+                );
             }
         }
     }
