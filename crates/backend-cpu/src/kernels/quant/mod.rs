@@ -10,7 +10,8 @@
 //! (`x @ w.T`, blocks along the reduction axis) for the products. A product takes the
 //! activations as contiguous f32 rows once. Where `q16` has a SIMD kernel for the weight type
 //! on this CPU, it quantizes them once to 16-bit integer blocks and each weight row is an
-//! integer dot product per block (the default); otherwise, or with
+//! integer dot product per block (the default; AVX2, or AVX-512 VNNI unless
+//! `LOWSYNC_CPU_QUANT_ISA=avx2`); otherwise, or with
 //! `LOWSYNC_CPU_QUANT_DOT=f32`, each weight row is dequantized into a small f32 buffer and
 //! dotted with every activation row in f32 (the exact path). Jobs are blocks of weight rows
 //! (output columns), run in parallel above a size threshold on the rayon pool, which has one
@@ -186,30 +187,35 @@ pub(super) fn matmul(
         .max(1)
         .next_multiple_of(granule)
         .min(n);
-    // Results of weight row j for every activation row, j-major (one contiguous chunk per
-    // job); transposed into `out` afterwards when m > 1.
+    // A job's results, activation row by activation row (`out_t[c + i * rows + jj]` for the
+    // job's chunk from `c`: weight row `j0 + jj` times activation row `i`), copied into `out`
+    // afterwards as one run of `rows` values per activation row when m > 1.
     let mut out_t = vec![0.0f32; n * m];
     let job = |(jb, chunk): (usize, &mut [f32]), buf: &mut Vec<f32>| {
         let j0 = jb * rows_per_job;
+        let rows = chunk.len() / m;
         if let (Some(dot), Some(xq)) = (fast, &xq) {
-            let rows = chunk.len() / m;
             if let (Some(bytes), Some(row_bytes)) = (w.quant_rows(1, j0, rows), dt.row_bytes(k)) {
                 dot(bytes, row_bytes, xq, chunk);
                 return;
             }
         }
-        for (jj, res) in chunk.chunks_exact_mut(m).enumerate() {
+        let mut res = vec![0.0f32; m];
+        for jj in 0..rows {
             let Some(bytes) = w.quant_row(1, j0 + jj) else {
                 continue;
             };
             if let (Some(dot), Some(xq)) = (fast, &xq) {
-                dot(bytes, bytes.len(), xq, res);
-                continue;
+                dot(bytes, bytes.len(), xq, &mut res);
+            } else {
+                buf.resize(k, 0.0);
+                scalar::dequantize_row(dt, bytes, buf);
+                for (i, r) in res.iter_mut().enumerate() {
+                    *r = dot_f32(&x[i * k..(i + 1) * k], buf);
+                }
             }
-            buf.resize(k, 0.0);
-            scalar::dequantize_row(dt, bytes, buf);
-            for (i, r) in res.iter_mut().enumerate() {
-                *r = dot_f32(&x[i * k..(i + 1) * k], buf);
+            for (i, &r) in res.iter().enumerate() {
+                chunk[i * rows + jj] = r;
             }
         }
     };
@@ -228,27 +234,17 @@ pub(super) fn matmul(
     if m == 1 {
         out.copy_from_slice(&out_t);
     } else {
-        transpose(&out_t, (n, m), out);
-    }
-    Ok(())
-}
-
-/// `dst[i * rows + j] = src[j * cols + i]` for a row-major `src [rows, cols]`, in tiles of
-/// [`TILE`] x [`TILE`] so that both sides touch few cache lines at a time (a plain loop wrote
-/// each element of a prefill product's result to another cache line: 12% of a Q4_0 prefill).
-fn transpose(src: &[f32], (rows, cols): (usize, usize), dst: &mut [f32]) {
-    const TILE: usize = 16;
-    debug_assert!(src.len() == rows * cols && dst.len() == src.len());
-    for j0 in (0..rows).step_by(TILE) {
-        for i0 in (0..cols).step_by(TILE) {
-            for j in j0..(j0 + TILE).min(rows) {
-                let row = &src[j * cols..(j + 1) * cols];
-                for i in i0..(i0 + TILE).min(cols) {
-                    dst[i * rows + j] = row[i];
-                }
+        // A plain transpose of a weight-row-major result wrote each activation row's values
+        // `n` floats apart: with n 2048 the 16 rows of a tile fell in the same L1 sets, and it
+        // took 14% of a Q4_0 prefill with the AVX-512 bodies.
+        for (jb, chunk) in out_t.chunks(rows_per_job * m).enumerate() {
+            let (j0, rows) = (jb * rows_per_job, chunk.len() / m);
+            for (i, run) in chunk.chunks_exact(rows).enumerate() {
+                out[i * n + j0..i * n + j0 + rows].copy_from_slice(run);
             }
         }
     }
+    Ok(())
 }
 
 /// The rows of a float view `a [m, k]` as contiguous f32.

@@ -358,19 +358,18 @@ unsafe fn panel_rows<const R: usize, const G: usize, const MIN: bool>(
 }
 
 /// Writes a group's results: weight row `j + lane` times activation row `r0 + i` to
-/// `out[(j + lane) * m + r0 + i]`, for the panel's `rows` lanes.
+/// `out[(r0 + i) * rows + j + lane]`, for the panel's `pr` lanes (one masked store a row).
 #[inline(always)]
 unsafe fn store<const R: usize>(
     res: &[__m512; R],
     out: &mut [f32],
-    (j, rows, m, r0): (usize, usize, usize, usize),
+    (j, pr, rows, r0): (usize, usize, usize, usize),
 ) {
+    let mask: __mmask16 = if pr >= PW { !0 } else { (1u16 << pr) - 1 };
     for (i, v) in res.iter().enumerate() {
-        let mut lanes = [0.0f32; PW];
-        _mm512_storeu_ps(lanes.as_mut_ptr(), *v);
-        for (lane, &val) in lanes.iter().enumerate().take(rows) {
-            out[(j + lane) * m + r0 + i] = val;
-        }
+        let at = (r0 + i) * rows + j;
+        debug_assert!(at + pr <= out.len());
+        _mm512_mask_storeu_ps(out.as_mut_ptr().add(at), mask, *v);
     }
 }
 
@@ -385,7 +384,7 @@ unsafe fn panels<K: Kind>(w: &[u8], rb: usize, x: &QRows, out: &mut [f32], m: us
             pack::<K>(&w[j * rb..], rb, pr, nb, pn);
             let mut r0 = 0;
             while r0 < m {
-                let at = (j, pr, m, r0);
+                let at = (j, pr, rows, r0);
                 let rn = match m - r0 {
                     8.. => 8,
                     4..=7 => 4,
@@ -729,7 +728,7 @@ mod tests {
                             _ => panels::<Q6K>(wj, rb, &xi, &mut one, 1, nb),
                         }
                     }
-                    let want = all[j * m + i];
+                    let want = all[i * n + j];
                     assert_eq!(one[0].to_bits(), want.to_bits(), "{dt} ({j}, {i})");
                 }
             }
