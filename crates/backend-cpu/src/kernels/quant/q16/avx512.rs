@@ -377,6 +377,23 @@ unsafe fn store<const R: usize>(
 /// apart, `nb` activation blocks each).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn panels<K: Kind>(w: &[u8], rb: usize, x: &QRows, out: &mut [f32], m: usize, nb: usize) {
+    panels_by::<K, GROUP_ROWS>(w, rb, x, out, m, nb);
+}
+
+/// Activation rows per group over a panel: with 8, a group's integer sums, accumulators and
+/// mins take 24 of the 32 vector registers.
+const GROUP_ROWS: usize = 8;
+
+/// [`panels`] with groups of at most `RMAX` (4, 8 or 12) activation rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn panels_by<K: Kind, const RMAX: usize>(
+    w: &[u8],
+    rb: usize,
+    x: &QRows,
+    out: &mut [f32],
+    m: usize,
+    nb: usize,
+) {
     let rows = w.len() / rb;
     PANEL.with_borrow_mut(|pn| {
         for j in (0..rows).step_by(PW) {
@@ -386,12 +403,16 @@ unsafe fn panels<K: Kind>(w: &[u8], rb: usize, x: &QRows, out: &mut [f32], m: us
             while r0 < m {
                 let at = (j, pr, rows, r0);
                 let rn = match m - r0 {
-                    8.. => 8,
-                    4..=7 => 4,
+                    12.. if RMAX >= 12 => 12,
+                    8.. if RMAX >= 8 => 8,
+                    4.. => 4,
                     2 | 3 => 2,
                     _ => 1,
                 };
                 match (rn, K::G, K::MIN) {
+                    (12, 16, false) => store(&panel_rows::<12, 16, false>(pn, x, r0, nb), out, at),
+                    (12, 16, true) => store(&panel_rows::<12, 16, true>(pn, x, r0, nb), out, at),
+                    (12, _, _) => store(&panel_rows::<12, 8, false>(pn, x, r0, nb), out, at),
                     (8, 16, false) => store(&panel_rows::<8, 16, false>(pn, x, r0, nb), out, at),
                     (4, 16, false) => store(&panel_rows::<4, 16, false>(pn, x, r0, nb), out, at),
                     (2, 16, false) => store(&panel_rows::<2, 16, false>(pn, x, r0, nb), out, at),
@@ -804,6 +825,75 @@ mod tests {
                     "{dt} k {k} m 1 {label}: avx2 {best_old:.3} ns, avx512 {best_new:.3} ns per \
                      (block, weight row), {:.2}x",
                     best_old / best_new
+                );
+            }
+        }
+    }
+
+    #[test]
+    #[ignore = "a benchmark: run with --release --ignored --nocapture"]
+    fn group_rows_speed() {
+        if !have() {
+            return;
+        }
+        type Run = unsafe fn(&[u8], usize, &QRows, &mut [f32], usize, usize);
+        let m = 128;
+        for k in [768, 2048] {
+            let x = activations(m, k, 0);
+            let cases: [(DType, usize, &[usize], [Run; 3]); 3] = [
+                (
+                    DType::Q4_0,
+                    18,
+                    &[0],
+                    [
+                        panels_by::<Q40, 4>,
+                        panels_by::<Q40, 8>,
+                        panels_by::<Q40, 12>,
+                    ],
+                ),
+                (
+                    DType::Q4_K,
+                    144,
+                    &[0, 2],
+                    [
+                        panels_by::<Q4K, 4>,
+                        panels_by::<Q4K, 8>,
+                        panels_by::<Q4K, 12>,
+                    ],
+                ),
+                (
+                    DType::Q6_K,
+                    210,
+                    &[208],
+                    [
+                        panels_by::<Q6K, 4>,
+                        panels_by::<Q6K, 8>,
+                        panels_by::<Q6K, 12>,
+                    ],
+                ),
+            ];
+            for (dt, bb, halves, runs) in cases {
+                let rb = row_bytes(bb, k);
+                let n = ((256 << 10) / rb).next_multiple_of(16);
+                let w = weights(n, rb, bb, halves, 9);
+                let mut out = vec![0.0f32; n * m];
+                let pairs = (n * (k / QK) * m * 4) as f64;
+                let mut best = [f64::MAX; 3];
+                for round in 0..7 {
+                    for v in 0..3 {
+                        let v = (v + round) % 3;
+                        let t = std::time::Instant::now();
+                        for _ in 0..4 {
+                            // SAFETY: AVX-512 F/BW/VL, VNNI, AVX2, FMA and F16C were detected.
+                            unsafe { runs[v](&w, rb, &x, &mut out, m, k / QK) };
+                            std::hint::black_box(&mut out);
+                        }
+                        best[v] = best[v].min(t.elapsed().as_secs_f64() * 1e9 / pairs);
+                    }
+                }
+                eprintln!(
+                    "{dt} k {k} m {m}: groups of 4 {:.4} ns, 8 {:.4} ns, 12 {:.4} ns per (block, activation row)",
+                    best[0], best[1], best[2]
                 );
             }
         }
