@@ -19,15 +19,18 @@
 //! keep their float scales (`d * scale`), so a block takes two scaled groups of 8 pairs (folding
 //! the 8-bit scales into the weights would let a 32-product lane overflow i32). Products with
 //! fewer than [`PANEL_MIN_ROWS`] activation rows (decode) keep the AVX2 bodies of `super::x86`:
-//! there nothing is shared between rows, and packing would cost more than the product.
+//! there nothing is shared between rows, and packing would cost more than the product. The one
+//! exception is Q4_1 with one activation row, which runs an 8-row tile of its own
+//! ([`q4_1_dec8`]: two rows' nibbles in one 512-bit vector); the same idea for Q4_0, a 256-bit
+//! VNNI Q4_0 tile and a 512-bit Q8_0 row each lost to the AVX2 bodies from DRAM.
 //!
 //! Invariants: every lane's arithmetic is independent of the other lanes and of the group of
 //! activation rows it runs in, so an output's bits depend only on its weight row and its
 //! activation row: per block, the exact integer sum `sum(q_w * q_x)` (|sum| < 2^31; below 2^24
 //! for the 4-bit types), converted to f32, times `d_w * d_x`, added by one FMA in block order;
 //! the mins `m_w * s_x` (Q4_1; Q4_K negated) in a second chain added at the end. That is the
-//! order of the AVX2 4-row decode tiles of Q4_0, Q4_1 and Q4_K, so for those types a prefill
-//! row and a decode row give the same bits; the AVX2 prefill tiles sum 8 lanes of partial sums
+//! order of the AVX2 4-row decode tiles of Q4_0, Q4_1 and Q4_K (and of `q4_1_dec8`), so for
+//! those types a prefill row and a decode row give the same bits; the AVX2 prefill tiles sum 8 lanes of partial sums
 //! instead, so this path's bits differ from theirs (within f32 rounding). The bodies run only
 //! where `dot_fn`'s caller detected AVX-512 F/BW/VL, VNNI, AVX2, FMA and F16C.
 
