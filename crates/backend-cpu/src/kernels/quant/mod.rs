@@ -10,7 +10,8 @@
 //! (`x @ w.T`, blocks along the reduction axis) for the products. A product takes the
 //! activations as contiguous f32 rows once. Where `q16` has a SIMD kernel for the weight type
 //! on this CPU, it quantizes them once to 16-bit integer blocks and each weight row is an
-//! integer dot product per block (the default); otherwise, or with
+//! integer dot product per block (the default; AVX2, or AVX-512 VNNI unless
+//! `LOWSYNC_CPU_QUANT_ISA=avx2`); otherwise, or with
 //! `LOWSYNC_CPU_QUANT_DOT=f32`, each weight row is dequantized into a small f32 buffer and
 //! dotted with every activation row in f32 (the exact path). Jobs are blocks of weight rows
 //! (output columns), run in parallel above a size threshold on the rayon pool, which has one
@@ -49,11 +50,27 @@ fn q16_allowed() -> std::result::Result<bool, String> {
     .clone()
 }
 
+/// The widest instruction set the q16 products may use (`LOWSYNC_CPU_QUANT_ISA`: `auto`, the
+/// default, takes AVX-512 with VNNI where the CPU has it; `avx2` keeps the AVX2 bodies, for A/B
+/// measurements), read once; a bad value is an error naming the variable.
+fn q16_isa() -> std::result::Result<q16::Isa, String> {
+    static ISA: OnceLock<std::result::Result<q16::Isa, String>> = OnceLock::new();
+    ISA.get_or_init(|| {
+        env::choice("LOWSYNC_CPU_QUANT_ISA", &["auto", "avx2"], "auto or avx2")
+            .map(|c| match c {
+                Some("avx2") => q16::Isa::Avx2,
+                _ => q16::Isa::Avx512,
+            })
+            .map_err(|e| e.to_string())
+    })
+    .clone()
+}
+
 #[cfg(test)]
 /// Whether products over `dt` weights quantize the activations (`q16`) here: a SIMD kernel
 /// for `dt` on this CPU and `LOWSYNC_CPU_QUANT_DOT` not `f32`.
 pub(crate) fn uses_q16(dt: lowsync_graph::DType) -> bool {
-    q16_allowed().unwrap_or(false) && q16::dot_fn(dt).is_some()
+    q16_allowed().unwrap_or(false) && q16::dot_fn(dt, q16::Isa::Avx2).is_some()
 }
 
 /// The values a product reads for activations `x` (rows of `k`) over `dt` weights: `x` on the
@@ -151,44 +168,54 @@ pub(super) fn matmul(
         return Ok(());
     }
     let fast = if q16_allowed().map_err(|e| kernel_err(node, e))? {
-        q16::dot_fn(dt).filter(|_| k.is_multiple_of(q16::QK))
+        let isa = q16_isa().map_err(|e| kernel_err(node, e))?;
+        q16::dot_fn(dt, isa).filter(|_| k.is_multiple_of(q16::QK))
     } else {
         None
     };
     let xq = fast.map(|_| q16::QRows::quantize(x));
     // One job's weight rows: about JOB_WORK multiply-adds, never fewer than 1 row.
     // At least MIN_JOBS jobs, so that the threads finish together (9 jobs over 2 threads
-    // left one idle for a ninth of a 768-row product), and a multiple of 4 rows, the decode
-    // kernels' tile.
+    // left one idle for a ninth of a 768-row product), and a multiple of the kernel's tile of
+    // weight rows (4 in decode, a panel of 16 in the AVX-512 prefill bodies).
+    let granule = match (fast, q16_isa()) {
+        (Some(_), Ok(isa)) => q16::row_granule(isa, m),
+        _ => 4,
+    };
     let rows_per_job = (JOB_WORK / (k * m).max(1))
         .min(n.div_ceil(MIN_JOBS))
         .max(1)
-        .next_multiple_of(4)
+        .next_multiple_of(granule)
         .min(n);
-    // Results of weight row j for every activation row, j-major (one contiguous chunk per
-    // job); transposed into `out` afterwards when m > 1.
+    // A job's results, activation row by activation row (`out_t[c + i * rows + jj]` for the
+    // job's chunk from `c`: weight row `j0 + jj` times activation row `i`), copied into `out`
+    // afterwards as one run of `rows` values per activation row when m > 1.
     let mut out_t = vec![0.0f32; n * m];
     let job = |(jb, chunk): (usize, &mut [f32]), buf: &mut Vec<f32>| {
         let j0 = jb * rows_per_job;
+        let rows = chunk.len() / m;
         if let (Some(dot), Some(xq)) = (fast, &xq) {
-            let rows = chunk.len() / m;
             if let (Some(bytes), Some(row_bytes)) = (w.quant_rows(1, j0, rows), dt.row_bytes(k)) {
                 dot(bytes, row_bytes, xq, chunk);
                 return;
             }
         }
-        for (jj, res) in chunk.chunks_exact_mut(m).enumerate() {
+        let mut res = vec![0.0f32; m];
+        for jj in 0..rows {
             let Some(bytes) = w.quant_row(1, j0 + jj) else {
                 continue;
             };
             if let (Some(dot), Some(xq)) = (fast, &xq) {
-                dot(bytes, bytes.len(), xq, res);
-                continue;
+                dot(bytes, bytes.len(), xq, &mut res);
+            } else {
+                buf.resize(k, 0.0);
+                scalar::dequantize_row(dt, bytes, buf);
+                for (i, r) in res.iter_mut().enumerate() {
+                    *r = dot_f32(&x[i * k..(i + 1) * k], buf);
+                }
             }
-            buf.resize(k, 0.0);
-            scalar::dequantize_row(dt, bytes, buf);
-            for (i, r) in res.iter_mut().enumerate() {
-                *r = dot_f32(&x[i * k..(i + 1) * k], buf);
+            for (i, &r) in res.iter().enumerate() {
+                chunk[i * rows + jj] = r;
             }
         }
     };
@@ -207,27 +234,17 @@ pub(super) fn matmul(
     if m == 1 {
         out.copy_from_slice(&out_t);
     } else {
-        transpose(&out_t, (n, m), out);
-    }
-    Ok(())
-}
-
-/// `dst[i * rows + j] = src[j * cols + i]` for a row-major `src [rows, cols]`, in tiles of
-/// [`TILE`] x [`TILE`] so that both sides touch few cache lines at a time (a plain loop wrote
-/// each element of a prefill product's result to another cache line: 12% of a Q4_0 prefill).
-fn transpose(src: &[f32], (rows, cols): (usize, usize), dst: &mut [f32]) {
-    const TILE: usize = 16;
-    debug_assert!(src.len() == rows * cols && dst.len() == src.len());
-    for j0 in (0..rows).step_by(TILE) {
-        for i0 in (0..cols).step_by(TILE) {
-            for j in j0..(j0 + TILE).min(rows) {
-                let row = &src[j * cols..(j + 1) * cols];
-                for i in i0..(i0 + TILE).min(cols) {
-                    dst[i * rows + j] = row[i];
-                }
+        // A plain transpose of a weight-row-major result wrote each activation row's values
+        // `n` floats apart: with n 2048 the 16 rows of a tile fell in the same L1 sets, and it
+        // took 14% of a Q4_0 prefill with the AVX-512 bodies.
+        for (jb, chunk) in out_t.chunks(rows_per_job * m).enumerate() {
+            let (j0, rows) = (jb * rows_per_job, chunk.len() / m);
+            for (i, run) in chunk.chunks_exact(rows).enumerate() {
+                out[i * n + j0..i * n + j0 + rows].copy_from_slice(run);
             }
         }
     }
+    Ok(())
 }
 
 /// The rows of a float view `a [m, k]` as contiguous f32.

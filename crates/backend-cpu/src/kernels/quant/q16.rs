@@ -27,7 +27,12 @@
 //! takes one integer sum and one FMA. Kernels exist for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K with AVX2
 //! (+FMA, F16C), chosen at run time; other types, other CPUs (NEON included) and
 //! `LOWSYNC_CPU_QUANT_DOT=f32` use the exact path of `super` (f32 activations against the scalar
-//! dequantization).
+//! dequantization). Where the CPU also has AVX-512 F/BW/VL and VNNI, the bodies of `avx512` take
+//! over for those five types (`LOWSYNC_CPU_QUANT_ISA=avx2` keeps the AVX2 ones, for A/B
+//! measurements): products of 6 or more activation rows (prefill) run over weight panels of 16
+//! rows unpacked once per product with `vpdpwssd` (3-10x the AVX2 tiles per block and
+//! activation row), and Q4_1 decodes 8 rows a tile; the other decode products keep the AVX2
+//! tiles, which the AVX-512 variants did not beat from DRAM.
 //!
 //! Determinism: the integer sums are exact and each output is one fixed-order sum over its blocks.
 //! Tiles of several pairs keep one chain per pair and give the same bits as each other, except the
@@ -37,7 +42,10 @@
 //! activation row) adds its even and odd blocks in two chains, so its bits can differ from the
 //! same pair in a larger tile. Which tile computes an output depends only on the product's shape
 //! and the output's position, never on the thread count, so results do not depend on the thread
-//! count.
+//! count. The AVX-512 bodies compute every output in the order of the AVX2 4-row decode tiles
+//! (each block's exact integer sum, scaled, added in block order; Q6_K per sub-block of 16),
+//! whatever their tile: there a Q4_0, Q4_1 or Q4_K row gives the same bits in prefill and in
+//! decode, and the bits differ from the AVX2 prefill tiles' (within f32 rounding).
 
 use lowsync_graph::DType;
 
@@ -108,24 +116,70 @@ fn quantize_block(blk: &[f32; QK], out: &mut [i16; QK]) -> (f32, i32) {
 /// Dot products of weight rows (raw blocks, `row_bytes` each, back to back) with `m`
 /// quantized activation rows, `m = out.len() / rows`: activation row `i`'s blocks are
 /// `d[i * nb..]`, `s[i * nb..]`, `n[i * nb..]` and `q[32 * i * nb..]`, `nb` blocks of 32 per row;
-/// `out[r * m + i]` receives weight row `r` times activation row `i`. One call serves a job's
-/// run of weight rows, so a short row (a 576-wide weight has 18 blocks) pays no per-row call.
+/// `out[i * rows + r]` receives weight row `r` times activation row `i` (activation row by
+/// activation row, so that a job's results for one activation row are one contiguous run of
+/// the product's output row). One call serves a job's run of weight rows, so a short row (a
+/// 576-wide weight has 18 blocks) pays no per-row call.
 pub(crate) type DotFn = fn(&[u8], usize, &QRows, &mut [f32]);
 
-/// The fast dot product for weights of `dt` on this CPU, if there is one.
-pub(crate) fn dot_fn(dt: DType) -> Option<DotFn> {
+/// The instruction sets a product may use: [`Isa::Avx512`] where the CPU has it and
+/// `LOWSYNC_CPU_QUANT_ISA` is not `avx2`, else [`Isa::Avx2`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// The AVX2 bodies (`x86`) only.
+    Avx2,
+    /// The AVX-512 VNNI bodies (`avx512`) where they exist, the AVX2 ones elsewhere.
+    Avx512,
+}
+
+/// Whether this CPU has what the AVX-512 bodies need: AVX-512 F, BW, VL and VNNI.
+pub(crate) fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vl")
+            && std::is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// The fast dot product for weights of `dt` on this CPU, if there is one, using at most `isa`.
+pub(crate) fn dot_fn(dt: DType, isa: Isa) -> Option<DotFn> {
     #[cfg(target_arch = "x86_64")]
     {
         if std::is_x86_feature_detected!("avx2")
             && std::is_x86_feature_detected!("fma")
             && std::is_x86_feature_detected!("f16c")
         {
+            if isa == Isa::Avx512 && has_avx512() {
+                if let Some(f) = avx512::dot_fn(dt) {
+                    return Some(f);
+                }
+            }
             return x86::dot_fn(dt);
         }
     }
-    let _ = dt;
+    let _ = (dt, isa);
     None
 }
+
+/// The weight rows a product's jobs should come in multiples of, with `m` activation rows:
+/// the AVX-512 bodies' panels of 16 where they run, else the decode tiles' 4.
+pub(crate) fn row_granule(isa: Isa, m: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa == Isa::Avx512 && has_avx512() && m >= avx512::PANEL_MIN_ROWS {
+            return 16;
+        }
+    }
+    let _ = (isa, m);
+    4
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -287,7 +341,7 @@ mod x86 {
                             q: &x.q[r0 * nb * QK..(r0 + rn) * nb * QK],
                             nb,
                         };
-                        let at = (j, m, r0);
+                        let at = (j, rows, r0);
                         // SAFETY: `dot_fn` hands these out only after detecting AVX2, FMA and
                         // F16C; `wt` holds `wn` rows of `nb` activation blocks' weight blocks
                         // and `act` `rn` rows of `nb` blocks, so every load is in bounds.
@@ -317,15 +371,17 @@ mod x86 {
     wrapper!(q6_k, q6_k_avx2, q6_k_avx2::<4, 1>, 210, 8, 1, 1);
 
     /// Writes a tile's results: weight row `j + r` times activation row `r0 + i` to
-    /// `out[(j + r) * m + r0 + i]`.
+    /// `out[(r0 + i) * rows + j + r]`.
     #[inline(always)]
     fn store<const W: usize, const R: usize>(
         t: &[[f32; R]; W],
         out: &mut [f32],
-        (j, m, r0): (usize, usize, usize),
+        (j, rows, r0): (usize, usize, usize),
     ) {
         for (r, row) in t.iter().enumerate() {
-            out[(j + r) * m + r0..][..R].copy_from_slice(row);
+            for (i, &v) in row.iter().enumerate() {
+                out[(r0 + i) * rows + j + r] = v;
+            }
         }
     }
 
