@@ -383,3 +383,27 @@ pub(super) fn launch_prefill(
         .arg(cpy.is_some() as i32);
     exec.launch(kq, Kernel::AttnPrefill, grid, PREFILL_THREADS, args)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::split_chunks;
+
+    #[test]
+    fn split_chunks_fill_the_device_only_past_one_round_trip_of_keys() {
+        // "1b" on an H200: 32 heads, head size 64 in f16 (8 lanes a key: 256 keys a round
+        // trip), 132 multiprocessors, the bench's 640-cell window: four blocks a head.
+        assert_eq!(split_chunks(1, 32, 640, 8, 132, 528), Some(4));
+        // One round trip or less, past one listing, or switched off: one block a head.
+        assert_eq!(split_chunks(1, 32, 256, 8, 132, 528), None);
+        assert_eq!(split_chunks(1, 32, 2049, 8, 132, 528), None);
+        assert_eq!(split_chunks(0, 32, 640, 8, 132, 528), None);
+        // Few heads: bounded by what the window can use (ceil(2 * 640 / 256) = 5).
+        assert_eq!(split_chunks(1, 4, 640, 8, 132, 528), Some(5));
+        // Asked for: as given, within the window, the cap and the partial slots.
+        assert_eq!(split_chunks(3, 32, 2048, 8, 132, 528), Some(3));
+        assert_eq!(split_chunks(32, 4, 2048, 8, 132, 528), Some(16));
+        assert_eq!(split_chunks(32, 64, 2048, 4, 132, 528), Some(8));
+        // More heads than multiprocessors hold twice over: one block a head.
+        assert_eq!(split_chunks(1, 96, 640, 8, 132, 528), None);
+    }
+}
