@@ -359,6 +359,61 @@ def test_cuda_launch_knobs_change_no_token_or_count(
             assert got[0] == got[1], f"{knob}, graphs={graphs}: {key}"
 
 
+# Head dim 64 over 2 kv heads of 4 query heads, an f16 cache of 704 cells and a 600-token
+# prompt: decode attention's window (704 keys) is past one round trip of keys (256), so with
+# `attn_split` on each head's valid keys (600 and more) run in several blocks.
+SPLIT = LlamaConfig(n_vocab=256, n_embd=256, n_layer=2, n_head=4, n_head_kv=2, n_ff=512)
+SPLIT_PROMPT = [(11 * i + 5) % 256 for i in range(600)]
+
+
+def _split_decode(
+    split: str, env: pytest.MonkeyPatch
+) -> tuple[list[int], ls.session.GenerateStats, list[np.ndarray]]:
+    """With `LOWSYNC_CUDA_TUNE=attn_split=split`: the tokens and counts of a generation after
+    the 600-token prompt (a second one, which only replays captured graphs), then the logits of
+    one-token decode steps from that depth."""
+    env.setenv("LOWSYNC_CUDA_TUNE", f"attn_split={split}")
+    model = ls.Llama.random(SPLIT, seed=6)
+    sess = ls.Session(
+        model, backends=["cuda"], n_ctx=704, n_ubatch=512, kv_dtype="f16", policy="staged"
+    )
+    sess.generate(SPLIT_PROMPT, max_new_tokens=N_GEN, seq_id=0)
+    sess.seq_rm(0)
+    tokens = sess.generate(SPLIT_PROMPT, max_new_tokens=3 * N_GEN, seq_id=0)
+    stats = sess.last_generate
+    assert stats is not None
+    steps = []
+    for t in tokens[:N_GEN]:
+        lg = sess.decode([t], seq_id=0, logits="all")
+        assert lg is not None
+        steps.append(lg)
+    return tokens, stats, steps
+
+
+@pytest.mark.cuda
+def test_cuda_split_decode_attention_keeps_tokens_logits_and_counts(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """Decode attention split over keys (`attn_split`, the default) against one block per head
+    (`attn_split=0`) at a depth of 600-640 keys: the same greedy tokens, every step's logits
+    within 1e-4 of the largest (only the attention's summation order differs; the products
+    round activations to 16 bits), and per step the same waits, copies and launches (the
+    split stays one kernel of the replayed graph, whose valid length grows every step)."""
+    tokens_on, on, steps_on = _split_decode("1", clean_env)
+    tokens_off, off, steps_off = _split_decode("0", clean_env)
+    assert tokens_on == tokens_off
+    for a, b in zip(steps_on, steps_off, strict=True):
+        assert np.max(np.abs(a - b)) <= 1e-4 * np.max(np.abs(b))
+    keys = ("host_waits", "h2d_copies", "d2h_copies", "kernel_launches", "graph_launches")
+    for key in keys:
+        assert [d[key] for d in on.steps] == [d[key] for d in off.steps], key
+    assert_step_counts(
+        on,
+        launch_ahead=True,
+        per_queued={"graph_launches": 1, "kernel_launches": 0, "graph_captures": 0},
+    )
+
+
 # Head dim 32 over 2 kv heads of 4 query heads: a 40-token prefill is three query tiles of the
 # fused prefill attention (`attn_prefill`), the last one partial.
 PREFILL = LlamaConfig(n_vocab=256, n_embd=128, n_layer=2, n_head=4, n_head_kv=2, n_ff=256)

@@ -180,6 +180,10 @@ inline unsigned long long atomicMax(unsigned long long* p, unsigned long long va
     }
     return old;
 }
+inline unsigned atomicAdd(unsigned* p, unsigned val) { return std::atomic_ref<unsigned>(*p).fetch_add(val); }
+// Blocks run one at a time here, so a fence has nothing to order against another block; it is a
+// fence of the block's threads all the same.
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline unsigned atomicCAS(unsigned* p, unsigned cmp, unsigned val) {
     std::atomic_ref<unsigned> a(*p);
     unsigned c = cmp;
@@ -199,12 +203,17 @@ inline void emu_pdl_wait() {
     emu_block->arrive_and_wait();
 }
 
+// The order `launch` runs blocks in: ascending, or (when a test sets it) emu_block_order[i]
+// for i = 0, 1, ... — for kernels whose result must not depend on which block runs last.
+inline std::vector<unsigned> emu_block_order;
+
 // Runs `f` as a grid of `grid` blocks of `block` threads (block a multiple of 32, <= 1024).
 template <class F>
 void launch(unsigned grid, unsigned block, F f) {
     gridDim.x = grid;
     blockDim.x = block;
-    for (unsigned b = 0; b < grid; ++b) {
+    for (unsigned i = 0; i < grid; ++i) {
+        const unsigned b = emu_block_order.size() == grid ? emu_block_order[i] : i;
         emu_block = std::make_unique<std::barrier<>>(block);
         emu_warps.clear();
         for (unsigned w = 0; w < block / 32; ++w) emu_warps.push_back(std::make_unique<std::barrier<>>(32));

@@ -1258,6 +1258,178 @@ void test_attention_nan() {
     for (int nan_at : {1, 2, 3}) attention_case(DT_F16, 8, 2, 64, 0, 4, 0, 2500, 1, nan_at);
 }
 
+// Split-decode masks (attn_split): 0 a causal prefix of 600 (the bench's depth), 1 every fifth
+// key masked up to 1500, 2 a prefix per head — none, 300, 257, all (fully masked heads beside
+// split ones), 3 every key masked, 4 every key valid, 5 a prefix of 100 (one chunk: the single
+// block path inside the split grid).
+bool split_valid(int mode, i64 h, i64 j, i64 L) {
+    switch (mode) {
+        case 0: return j < 600;
+        case 1: return j % 5 != 2 && j < 1500;
+        case 2: {
+            const i64 v[4] = {0, 300, 257, L};
+            return j < v[h % 4];
+        }
+        case 3: return false;
+        case 4: return true;
+        default: return j < 100;
+    }
+}
+
+// attn_split with `nsplit` chunks per head against float64 and against attn_fast_long (one
+// block per head) on q [Hq, D] f32, K/V caches [L, Hk * D] of dtype kvdt, a mask [L] (or
+// [Hq, L] in mode 2), o [Hq, D] and its copy [D, Hq]. Masked rows of a shared mask are NaN
+// (never read). `nan_at` as attention_case: 1 a NaN in kv head 0's K row at the last valid
+// key, 2 in q of the last head, 3 in kv head 0's V row there. The split's o must not depend
+// on which block of a head finishes last (blocks run ascending, descending and shuffled, bit
+// for bit), its tickets are all 0 after every launch, and rehearsing (with and without the
+// rehearsal's listing reused) stores nothing before the wait. Without `full` (the emulation is
+// slow: a thread per CUDA thread), only ascending blocks and the reused listing run.
+void split_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 L, int mode, int nsplit, int nan_at = 0,
+                bool full = false) {
+    const i64 ld_kv = Hk * D;
+    Buf kc(kvdt, L * ld_kv), vc(kvdt, L * ld_kv), q(DT_F32, Hq * D);
+    kc.rand();
+    vc.rand();
+    q.rand();
+    const i64 mh = mode == 2 ? Hq : 1;
+    Buf m(DT_F32, mh * L);
+    for (i64 h = 0; h < mh; ++h)
+        for (i64 j = 0; j < L; ++j) m.set(h * L + j, split_valid(mode, h, j, L) ? 0.0f : -INFINITY);
+    if (mode != 2) {
+        for (i64 j = 0; j < L; ++j)
+            if (!split_valid(mode, 0, j, L))
+                for (i64 c = 0; c < ld_kv; ++c) {
+                    kc.set(j * ld_kv + c, NAN);
+                    vc.set(j * ld_kv + c, NAN);
+                }
+    }
+    i64 jn = L - 1;
+    while (jn > 0 && !split_valid(mode, mode == 2 ? 1 : 0, jn, L)) --jn;
+    if (nan_at == 1) kc.set(jn * ld_kv + D - 1, NAN);
+    if (nan_at == 2) q.set((Hq - 1) * D + D / 2, NAN);
+    if (nan_at == 3) vc.set(jn * ld_kv, NAN);
+    const float scale = 1.0f / std::sqrt((float)D);
+    // float64 reference (soft_max's NaN rule: a NaN logit the mask admits makes the row NaN).
+    std::vector<double> want;
+    for (i64 h = 0; h < Hq; ++h) {
+        const i64 kh = h / (Hq / Hk);
+        std::vector<double> lg(L);
+        double mx = -INFINITY;
+        bool row_nan = false;
+        for (i64 j = 0; j < L; ++j) {
+            const bool ok = split_valid(mode, h, j, L);
+            double sdot = 0;
+            if (ok)
+                for (i64 dd = 0; dd < D; ++dd) sdot += (double)q.get(h * D + dd) * kc.get(j * ld_kv + kh * D + dd);
+            lg[j] = ok ? sdot * scale : -INFINITY;
+            if (std::isnan(lg[j])) row_nan = true;
+            if (!row_nan) mx = std::max(mx, lg[j]);
+        }
+        double sum = 0;
+        for (i64 j = 0; j < L; ++j) sum += mx == -INFINITY ? 0 : std::exp(lg[j] - mx);
+        for (i64 dd = 0; dd < D; ++dd) {
+            double acc = row_nan ? NAN : 0;
+            for (i64 j = 0; j < L && !row_nan; ++j)
+                if (lg[j] != -INFINITY) acc += std::exp(lg[j] - mx) / sum * vc.get(j * ld_kv + kh * D + dd);
+            want.push_back(acc);
+        }
+    }
+    const std::string tag = "attn_split kv " + std::to_string(kvdt) + " heads " + std::to_string(Hq) + "/" +
+                            std::to_string(Hk) + " D " + std::to_string(D) + " L " + std::to_string(L) + " mode " +
+                            std::to_string(mode) + " nsplit " + std::to_string(nsplit) + " nan_at " +
+                            std::to_string(nan_at);
+    auto gather = [&](const Buf& o, const Buf& c, std::vector<double>& go, std::vector<double>& gc) {
+        go.clear();
+        gc.clear();
+        for (i64 h = 0; h < Hq; ++h)
+            for (i64 dd = 0; dd < D; ++dd) {
+                go.push_back(o.get(h * D + dd));
+                gc.push_back(c.get(dd * Hq + h));
+            }
+    };
+    // The single block per head.
+    Buf o1(DT_F32, Hq * D), c1(DT_F32, Hq * D);
+    launch((unsigned)Hq, 256, [&] {
+        attn_fast_long((int)L, (int)D, scale, (const float*)q.p(), (int)D, 1, kvdt, kc.p(), (int)D, (int)ld_kv,
+                       (int)(Hq / Hk), vc.p(), (int)D, (int)ld_kv, (int)(Hq / Hk), (const float*)m.p(),
+                       mode == 2 ? (int)L : 0, 1, 1, nullptr, (int)L, 1, 0, nullptr, (int)L, 1, 0,
+                       (float*)o1.p(), (int)D, 1, 1, (float*)c1.p(), 1, (int)Hq, 1, 0, 0);
+    });
+    std::vector<double> go1, gc1;
+    gather(o1, c1, go1, gc1);
+    check(tag + ": attn_fast_long o", want, go1, 1e-10);
+    const unsigned grid = (unsigned)(Hq * nsplit);
+    std::vector<unsigned> orders[3];
+    for (unsigned b = 0; b < grid; ++b) {
+        orders[1].push_back(grid - 1 - b);
+        orders[2].push_back(b);
+    }
+    std::shuffle(orders[2].begin(), orders[2].end(), rng);
+    std::vector<double> first;
+    for (int variant = 0; variant < 5; ++variant) {
+        if (!full && variant != 0 && variant != 4) continue;
+        // 0-2: block orders; 3: rehearsing; 4: rehearsing with the listing reused (mask_ahead).
+        const int order = variant < 3 ? variant : 0;
+        const int rehearse = variant >= 3, mask_ahead = variant == 4;
+        std::vector<float> part((size_t)grid * AF_PW, 7.0f);
+        std::vector<unsigned> ticket((size_t)Hq, 0u);
+        Buf o(DT_F32, Hq * D), c(DT_F32, Hq * D);
+        Producer pr(!rehearse ? std::vector<Buf*>{}
+                    : mask_ahead ? std::vector<Buf*>{&q, &kc, &vc}
+                                 : std::vector<Buf*>{&q, &kc, &vc, &m},
+                    {&o, &c});
+        emu_block_order = orders[order];
+        launch(grid, 256, [&] {
+            attn_split((int)L, (int)D, scale, (const float*)q.p(), (int)D, 1, kvdt, kc.p(), (int)D, (int)ld_kv,
+                       (int)(Hq / Hk), vc.p(), (int)D, (int)ld_kv, (int)(Hq / Hk), (const float*)m.p(),
+                       mode == 2 ? (int)L : 0, 1, 1, nullptr, (int)L, 1, 0, nullptr, (int)L, 1, 0,
+                       (float*)o.p(), (int)D, 1, 1, (float*)c.p(), 1, (int)Hq, 1, rehearse, mask_ahead, nsplit,
+                       part.data(), ticket.data());
+        });
+        emu_block_order.clear();
+        const std::string t = tag + " variant " + std::to_string(variant);
+        if (rehearse) pr.check(t);
+        std::vector<double> go, gc;
+        gather(o, c, go, gc);
+        check(t + ": o", want, go, 1e-10);
+        check(t + ": copy", want, gc, 1e-10);
+        check(t + ": o against attn_fast_long", go1, go, 1e-11);
+        if (variant == 0) {
+            first = go;
+        } else {
+            check(t + ": o bit for bit against ascending blocks", first, go, 0);
+            for (size_t i = 0; i < go.size(); ++i)
+                if (std::isnan(go[i]) != std::isnan(first[i]) || (!std::isnan(go[i]) && go[i] != first[i])) {
+                    ++fails;
+                    printf("FAIL %s: o[%zu] differs from the ascending run's\n", t.c_str(), i);
+                    break;
+                }
+        }
+        for (i64 h = 0; h < Hq; ++h)
+            if (ticket[h] != 0) {
+                ++fails;
+                printf("FAIL %s: head %lld's ticket is %u after the launch\n", t.c_str(), (long long)h, ticket[h]);
+            }
+    }
+}
+
+void test_attention_split() {
+    // Lengths not multiples of a chunk, GQA, f32 and f16 caches, head sizes 64 and 128 (2 to
+    // 32 lanes per key), and a window past one listing (chunk 0 takes it alone).
+    for (int kvdt : {DT_F16, DT_F32})
+        for (int mode = 0; mode < 6; ++mode) split_case(kvdt, 4, 2, 64, 777, mode, 4);
+    split_case(DT_F16, 4, 2, 64, 640, 0, 4, 0, true);
+    split_case(DT_BF16, 6, 3, 64, 1001, 2, 5, 0, true);
+    split_case(DT_F16, 2, 2, 128, 2048, 1, 7);
+    split_case(DT_F32, 2, 1, 128, 1000, 4, 3);
+    split_case(DT_F16, 2, 1, 64, 2500, 4, 3);
+    // NaN through the partials and the merge: in one chunk of several, and in a single chunk.
+    for (int nan_at : {1, 2, 3})
+        for (int mode : {0, 2}) split_case(DT_F16, 4, 2, 64, 700, mode, 4, nan_at);
+    split_case(DT_F32, 4, 2, 64, 700, 5, 3, 1);
+}
+
 // Prefill mask modes over NQ query rows after P cached positions (query i sits at P + i):
 // 0 causal (key j admitted when j <= P + i); 1 causal with holes (every 7th key) and rows
 // 3, 11, 19, ... fully masked (-inf rows: zeros); 2 every key of the window; 3 causal with a
@@ -2136,6 +2308,7 @@ int main(int argc, char** argv) {
         {"rope_rows", test_rope_rows},
         {"attention", test_attention},
         {"attention_nan", test_attention_nan},
+        {"attention_split", test_attention_split},
         {"attention_prefill", test_attention_prefill},
         {"attention_prefill_nan", test_attention_prefill_nan},
         {"soft_max", test_soft_max},

@@ -62,6 +62,15 @@ pub struct CudaConfig {
     /// (tune key `attn_prefill`, default on); off runs the unfused chain (cuBLAS products,
     /// softmax, copy) — a knob for A/B runs.
     pub attn_prefill: bool,
+    /// Decode attention over a window longer than one round trip of keys runs split over its
+    /// keys, `attn_split` (tune key `attn_split`): several blocks per query head, each an online
+    /// softmax over a share of the head's valid keys, merged by the head's last block. 0 turns
+    /// it off (one block per head, `attn_fast_long`); 1, the default, takes as many chunks per
+    /// head as the multiprocessors hold blocks of every head at once (multiprocessors / heads,
+    /// at most [`ATTN_SPLIT_MAX`]); N >= 2 takes at most N. The device takes fewer chunks when
+    /// fewer keys are valid (one while they fit a round trip), so a short valid part of a long
+    /// window keeps a single block per head.
+    pub attn_split: usize,
     /// Decode attention (`attn_fast`), launched ahead of its producer (programmatic dependent
     /// launch), rehearses before its wait (tune key `rehearse`, default on): it runs its own
     /// path once on the inputs as they are, with no global stores, so that its instructions
@@ -142,6 +151,7 @@ impl Default for CudaConfig {
             pdl: true,
             attn_fast: true,
             attn_prefill: true,
+            attn_split: 1,
             rehearse: true,
             gemv_split: true,
             gemv_stream: true,
@@ -153,6 +163,9 @@ impl Default for CudaConfig {
         }
     }
 }
+
+/// Most key chunks per query head `attn_split` takes (a larger tune value is capped).
+pub const ATTN_SPLIT_MAX: usize = 32;
 
 /// The variable holding the decode path's tuning knobs.
 pub(crate) const TUNE_VAR: &str = "LOWSYNC_CUDA_TUNE";
@@ -166,7 +179,7 @@ const MAX_STREAM_BLOCKS: u64 = 32;
 
 /// What `LOWSYNC_CUDA_TUNE` takes, for an unknown key or an item without `=`.
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
-     rehearse, gemv_stream, gemv_split, gemv_blocks, gemv_pad_kb, copy_kernel, read_kernel, \
+     attn_split, rehearse, gemv_stream, gemv_split, gemv_blocks, gemv_pad_kb, copy_kernel, read_kernel, \
      mmv_max_m, qdot (see docs/tuning.md)";
 
 impl CudaConfig {
@@ -191,7 +204,7 @@ impl CudaConfig {
     /// comma-separated `key=value` items, whitespace around each ignored, empty items skipped,
     /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`,
     /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `read_kernel` (0 or 1);
-    /// `gemv_blocks` (1 or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
+    /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` (1 or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
     /// (bytes); `mmv_max_m` (rows); `qdot` (`q16` or `f32`). An unknown key, an item without
     /// `=` or a bad value is an `Error::Env` for `LOWSYNC_CUDA_TUNE`.
     pub fn with_tune(mut self, spec: &str) -> Result<Self> {
@@ -220,6 +233,11 @@ impl CudaConfig {
                 "gemv_stream" => self.gemv_stream = flag("gemv_stream=0 or gemv_stream=1")?,
                 "gemv_split" => self.gemv_split = flag("gemv_split=0 or gemv_split=1")?,
                 "read_kernel" => self.read_kernel = flag("read_kernel=0 or read_kernel=1")?,
+                "attn_split" => {
+                    let expected = "attn_split=N: 0 off, 1 chunks from the multiprocessors, \
+                         N >= 2 at most N chunks per head";
+                    self.attn_split = size(unsigned(expected)?.min(ATTN_SPLIT_MAX as u64));
+                }
                 "gemv_blocks" => {
                     let expected =
                         "gemv_blocks=N, N a positive integer (blocks per multiprocessor)";
@@ -307,7 +325,7 @@ mod tests {
     fn every_tune_key_sets_its_field() {
         let c = tuned(
             "pdl=0, attn_fast=0,attn_prefill=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
-             gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32",
+             gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0",
         )
         .unwrap();
         let want = CudaConfig {
@@ -323,9 +341,12 @@ mod tests {
             copy_kernel_max: 512,
             mmv_max_m: Some(16),
             qdot: QDot::F32,
+            attn_split: 0,
             ..CudaConfig::default()
         };
         assert_eq!(c, want);
+        assert_eq!(tuned("attn_split=6").unwrap().attn_split, 6);
+        assert_eq!(tuned("attn_split=500").unwrap().attn_split, 32, "capped");
         assert_eq!(
             tuned("gemv_blocks=1000").unwrap().stream_blocks,
             32,
@@ -346,6 +367,7 @@ mod tests {
             ("copy_kernel=4k", "bytes"),
             ("mmv_max_m=-1", "rows"),
             ("qdot=q8", "qdot=q16 or qdot=f32"),
+            ("attn_split=auto", "N >= 2 at most N chunks"),
             ("pdl=1,evict_first=1", "gemv_blocks"),
             ("weight_evict_first=1", "qdot"),
             ("pdl", "key=value"),

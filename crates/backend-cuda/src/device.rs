@@ -31,7 +31,7 @@ use crate::config::{stream_pad, CudaConfig, SharedLimits};
 use crate::driver::{CuDriver, CuEvent};
 use crate::graph_cache::GraphCache;
 use crate::kernels::{Kernel, Modules};
-use crate::memory::{Buffers, DevBuf, HeadWork, Pinned, Scratch};
+use crate::memory::{AttnSplitWork, Buffers, DevBuf, HeadWork, Pinned, Scratch};
 use crate::probe;
 use crate::staging::{ChunkMem, Staging};
 use crate::tickets::{Counted, LaunchDims, SyncElision, TicketStream};
@@ -152,6 +152,8 @@ pub(crate) struct Inner {
     pub(crate) err_tags: Mutex<ErrTags>,
     /// The ticket and partials of kernels that elect a last block.
     pub(crate) head_work: HeadWork,
+    /// The tickets and partials of `attn_split`.
+    pub(crate) attn_split_work: AttnSplitWork,
     pub(crate) gates: Mutex<GateWords>,
     pub(crate) cfg: CudaConfig,
     /// Kernels are launched with programmatic dependent launch (`cfg.pdl` on a device that
@@ -394,6 +396,8 @@ impl Inner {
             );
             let err_word = Pinned::mapped(64)?;
             let head_work = HeadWork::new()?;
+            // Four blocks per multiprocessor at least: the default split takes one wave.
+            let attn_split_work = AttnSplitWork::new((4 * sms.max(1)).max(512))?;
             Ok(Inner {
                 name: name.to_string(),
                 ordinal,
@@ -408,6 +412,7 @@ impl Inner {
                 err_word,
                 err_tags: Mutex::new(ErrTags::default()),
                 head_work,
+                attn_split_work,
                 gates: Mutex::new(GateWords::default()),
                 pdl: cfg.pdl && major >= 9,
                 sms: sms.max(1),

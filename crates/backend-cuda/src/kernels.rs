@@ -98,6 +98,8 @@ pub(crate) enum Kernel {
     AttnDecode,
     AttnFast,
     AttnFastLong,
+    /// Decode attention split over keys: several blocks per head (fusion/attention.cu).
+    AttnSplit,
     /// Prefill attention, flash style (fusion/attention.cu).
     AttnPrefill,
     FusedGemv1,
@@ -135,7 +137,7 @@ pub(crate) enum Kernel {
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 48] = [
+    pub(crate) const ALL: [Kernel; 49] = [
         Kernel::EwUnary,
         Kernel::SmallCopy,
         Kernel::CopyBatch,
@@ -164,6 +166,7 @@ impl Kernel {
         Kernel::AttnDecode,
         Kernel::AttnFast,
         Kernel::AttnFastLong,
+        Kernel::AttnSplit,
         Kernel::AttnPrefill,
         Kernel::FusedGemv1,
         Kernel::FusedGemv1Pair,
@@ -252,9 +255,11 @@ impl Kernel {
             | Kernel::FusedGemv1Rp32
             | Kernel::FusedGemv1Q => "fused_gemv",
             Kernel::RopeRows => "fused_rope_rows",
-            Kernel::AttnDecode | Kernel::AttnFast | Kernel::AttnFastLong | Kernel::AttnPrefill => {
-                "fused_attention"
-            }
+            Kernel::AttnDecode
+            | Kernel::AttnFast
+            | Kernel::AttnFastLong
+            | Kernel::AttnSplit
+            | Kernel::AttnPrefill => "fused_attention",
             Kernel::Penalize | Kernel::Sample => "sample",
             Kernel::GetRowsQ
             | Kernel::MulMatVecQ
@@ -294,6 +299,7 @@ impl Kernel {
             Kernel::AttnDecode => "attn_decode",
             Kernel::AttnFast => "attn_fast",
             Kernel::AttnFastLong => "attn_fast_long",
+            Kernel::AttnSplit => "attn_split",
             Kernel::AttnPrefill => "attn_prefill",
             Kernel::FusedGemv1Gu16 => "fused_gemv1_gu16",
             Kernel::FusedGemv1Gub16 => "fused_gemv1_gub16",

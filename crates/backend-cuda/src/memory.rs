@@ -290,6 +290,67 @@ impl Drop for HeadWork {
     }
 }
 
+/// Floats of one partials slot of `attn_split` (`AF_PW` in fusion/attention.cu: the chunk's max
+/// and sum, then up to `ATT_MAXD` = 256 dims, padded to 16 bytes).
+pub(crate) const ATTN_SPLIT_SLOT_FLOATS: usize = 260;
+
+/// The tickets and partials of `attn_split` (decode attention split over keys): a zeroed
+/// ticket word per query head and a slot of [`ATTN_SPLIT_SLOT_FLOATS`] per block, allocated
+/// once at open like [`HeadWork`], so the split never asks for scratch (whose growth would bump
+/// the memory generation and re-capture graphs). Every attention launch of the stream shares
+/// them: launches run one after another, and the kernel leaves every ticket at 0.
+pub(crate) struct AttnSplitWork {
+    ptr: u64,
+    slots: usize,
+}
+
+// SAFETY: a device address; kernels on the owning stream use it, one launch at a time.
+unsafe impl Send for AttnSplitWork {}
+unsafe impl Sync for AttnSplitWork {}
+
+impl AttnSplitWork {
+    /// Room for `slots` blocks (and as many ticket words), tickets zeroed (the caller bound the
+    /// context; nothing is queued yet).
+    pub(crate) fn new(slots: usize) -> std::result::Result<Self, String> {
+        let bytes = Self::partials_offset(slots) + slots * ATTN_SPLIT_SLOT_FLOATS * 4;
+        // SAFETY: a plain allocation, freed in `Drop`.
+        let ptr = unsafe { result::malloc_sync(bytes) }
+            .map_err(|e| format!("cannot allocate {bytes} bytes of device memory: {e:?}"))?;
+        let work = AttnSplitWork { ptr, slots };
+        // SAFETY: the allocation above, whole.
+        unsafe { result::memset_d8_sync(ptr, 0, bytes) }
+            .map_err(|e| format!("cannot zero device memory: {e:?}"))?;
+        Ok(work)
+    }
+
+    fn partials_offset(slots: usize) -> usize {
+        (slots * 4).next_multiple_of(ALIGNMENT)
+    }
+
+    /// Blocks a launch may use (partial slots; ticket words).
+    pub(crate) fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// The ticket words (u32, one per query head).
+    pub(crate) fn tickets(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The partials (f32 slots of [`ATTN_SPLIT_SLOT_FLOATS`]).
+    pub(crate) fn partials(&self) -> u64 {
+        self.ptr + Self::partials_offset(self.slots) as u64
+    }
+}
+
+impl Drop for AttnSplitWork {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new`, freed once; the backend drops it with its stream idle
+        // and its context bound.
+        let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
 /// The backend's scratch memory: one stream-ordered allocation.
 #[derive(Default)]
 pub(crate) struct Scratch {

@@ -1214,6 +1214,57 @@ fn masked_windows_list_their_valid_keys() {
     }
 }
 
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn decode_attention_split_over_keys_matches_one_block_per_head() {
+    // Masked windows past one round trip of keys with p and the scores dead run `attn_split`
+    // (several blocks per head, merged by the head's last block) by default: against the
+    // oracle, and against one block per head (`attn_split=0`) and the most chunks
+    // (`attn_split=32`), with the same launches. Depths of 600 and more (the bench's), a hole,
+    // per-head masks with a fully masked head, a valid part of one chunk, none valid.
+    let mut rng = Rng::new(45);
+    type Mask = (&'static [usize], usize, Option<usize>);
+    for kv in [DType::F16, DType::F32] {
+        for heads in [(8, 2, 64), (4, 4, 128)] {
+            let masks: [Mask; 5] = [
+                (&[600], 1, Some(7)),
+                (&[631], 1, None),
+                (&[0, 300, 257, 2000], heads.0, None),
+                (&[100], 1, None),
+                (&[0], 1, None),
+            ];
+            for n_ctx in [640, 1000] {
+                for mask in masks {
+                    let mut a = attention_case(&mut rng, kv, heads, n_ctx, mask, true);
+                    let probs = a.outputs.remove(0).1;
+                    let src = a.case.tensor(DType::F32, &[heads.0, 1, n_ctx]);
+                    a.case.rand(&mut rng, &src, 1.0);
+                    a.case.node(Op::Scale { scale: 1.0 }, &probs, &[&src]);
+                    let test = format!("split {kv} {heads:?} window {n_ctx} mask {mask:?}");
+                    check_with(&test, &a.case, &a.case, &outputs(&a), 3);
+                    let run = |tune: &str| {
+                        let cfg = CudaConfig::default().with_tune(tune).expect("a valid tune");
+                        on_gpu_cfg(&format!("{test} {tune}"), &a.case, cfg)
+                    };
+                    let (split, n_split) = run("");
+                    for tune in ["attn_split=0", "attn_split=32"] {
+                        let (other, n_other) = run(tune);
+                        assert_eq!(n_split, n_other, "{test}: launches, {tune}");
+                        for (name, t) in outputs(&a) {
+                            assert_close(
+                                &format!("{test}: {name} against {tune}"),
+                                &values(&other, t),
+                                &values(&split, t),
+                                fused_bound(kv),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Prefill attention as llama.py lays it out: `t` query rows after `past` cached positions in a
 /// cache of `n_ctx` rows, q `[t, hq, d]` f32 seen as `[hq, t, d]`, a causal mask `[t, n_ctx]`
 /// (row i admits keys up to `past + i`; with `holes`, every 7th key and every 8th row masked

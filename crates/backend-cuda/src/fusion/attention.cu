@@ -1,6 +1,7 @@
 // Fused attention: q @ K^T -> SoftMax -> p @ V (-> the Cpy of a permutation) in one launch.
 // Decode (one query row per head), a block per query head: `attn_decode`, and the short paths
-// `attn_fast` and `attn_fast_long`. Prefill (several rows per head): `attn_prefill`, at the end.
+// `attn_fast` and `attn_fast_long`; `attn_split`, several blocks per head over its valid keys.
+// Prefill (several rows per head): `attn_prefill`, at the end.
 // The host side (patterns, preconditions, launch): src/fusion/attention.rs.
 // Like every fused kernel it writes each tensor its nodes would have written (unless the host
 // proved a result dead), in the nodes' order within the thread that owns an element, so later
@@ -282,6 +283,7 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
 #define AF_LR 8                 // mask entries per thread per listing
 #define AF_LS (AF_T * AF_LR)    // keys per listing
 #define AF_LSH (2 * AF_LS + AF_LR * (AF_T / 32) + 1)  // af_list's shared words
+#define AF_PW (ATT_MAXD + 4)    // floats of one partials slot of attn_split: m, s, y[D], pad
 
 // Keys [sb, sb + n) of the window whose mask entry is not -inf, ascending, into keys (their
 // entries into mv); returns how many (every thread). cnt: AF_LR * (AF_T / 32) + 1 words.
@@ -333,7 +335,54 @@ __device__ __forceinline__ int af_list(const float* mh, int m_ls, int sb, int n,
     return total;
 }
 
-template <int DT, int G, bool SPEC, bool LIST = false>
+// The end of an `attn_split` block whose head's keys run in nc > 1 chunks: it writes its chunk's
+// max m, sum s and unnormalized p @ V row y (y: thread tid < D's dim) to its partials slot,
+// then takes a ticket of its head; the head's last block to arrive merges the nc partials in
+// chunk order — the merge of the warps above, one level up: weights exp(m_c - M), NaN carried
+// by the sums — writes o and the copy, and sets the ticket back to 0 for the next launch.
+// `live` off (a rehearsal) stores nothing and takes no ticket. `flag`: one shared int.
+// Partials are read through L2 (ld_cg): other multiprocessors wrote them.
+template <int D>
+__device__ __forceinline__ void af_combine(int h, int chunk, int nc, int nsplit, float m, float s,
+                                           float y, float* part, unsigned* ticket, int live,
+                                           float* o, int o_hs, int o_ds, int write_o, float* c,
+                                           int c_hs, int c_ds, int has_cpy, int* flag) {
+    if (!live) return;
+    const int tid = threadIdx.x;
+    float* mine = part + (h * nsplit + chunk) * AF_PW;
+    if (tid < D) mine[2 + tid] = y;
+    if (tid == 0) {
+        mine[0] = m;
+        mine[1] = s;
+    }
+    __threadfence();  // the partials are visible device-wide before the ticket counts them
+    __syncthreads();
+    if (tid == 0) *flag = atomicAdd(ticket + h, 1u) == (unsigned)(nc - 1);
+    __syncthreads();
+    if (!*flag) return;
+    __threadfence();  // the other blocks' partials, counted by their tickets, are read after
+    const float* ph = part + h * nsplit * AF_PW;
+    float gm = F_NEG_INF;
+#pragma unroll 1
+    for (int k = 0; k < nc; ++k) gm = fmaxf(gm, ld_cg(ph + k * AF_PW));
+    float gs = 0.0f, gy = 0.0f;
+#pragma unroll 1
+    for (int k = 0; k < nc; ++k) {
+        const float mk = ld_cg(ph + k * AF_PW);
+        const float f = mk != F_NEG_INF ? expf(mk - gm) : 0.0f;
+        gs = fmaf(ld_cg(ph + k * AF_PW + 1), f, gs);
+        if (tid < D) gy = fmaf(ld_cg(ph + k * AF_PW + 2 + tid), f, gy);
+    }
+    const bool row_nan = gs != gs;
+    if (tid < D) {
+        gy = row_nan ? gs : gs > 0.0f ? gy / gs : 0.0f;
+        if (write_o) o[h * o_hs + tid * o_ds] = gy;
+        if (has_cpy) c[h * c_hs + tid * c_ds] = gy;
+    }
+    if (tid == 0) ticket[h] = 0u;
+}
+
+template <int DT, int G, bool SPEC, bool LIST = false, bool SPLIT = false>
 __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* q, int q_hs,
                                                int q_ds, const void* k, int k_hs, int k_ls,
                                                int k_div, const void* v, int v_hs, int v_ls,
@@ -343,14 +392,21 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
                                                int write_p, float* o, int o_hs, int o_ds,
                                                int write_o, float* c, int c_hs, int c_ds,
                                                int has_cpy, float* sh, int* lsh = nullptr,
-                                               bool listed = false) {
+                                               bool listed = false, int nsplit = 1,
+                                               int ns = 1, float* part = nullptr,
+                                               unsigned* ticket = nullptr, int live = 0) {
     constexpr int VW = DT == DT_F32 ? 4 : 8;
     constexpr int ESZ = DT == DT_F32 ? 4 : 2;
     constexpr int D = G * VW;
     constexpr int KP = AF_T / G;  // keys per pass
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int kg = tid / G, d0 = (tid % G) * VW;
-    const int h = blockIdx.x;
+    // SPLIT: block (h, chunk) of a grid of nsplit chunks per head, heads fastest (chunk 0 of
+    // every head is in the first wave).
+    const int nh = SPLIT ? (int)gridDim.x / nsplit : 0;
+    const int h = SPLIT ? (int)blockIdx.x % nh : (int)blockIdx.x;
+    const int chunk = SPLIT ? (int)blockIdx.x / nh : 0;
+    int nc = 1;  // chunks of the head's listed keys (SPLIT; 1 otherwise)
     float qv[VW];
 #pragma unroll
     for (int e = 0; e < VW; ++e) qv[e] = ld_cg(q + h * q_hs + (d0 + e) * q_ds);
@@ -374,21 +430,31 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
         const int n = !LIST ? L
                       : listed ? cnt[AF_LR * (AF_T / 32)]
                                : af_list(mh, m_ls, sb, min(AF_LS, L - sb), keys, mv, cnt);
+        // SPLIT: this block's share [j0, j1) of the list. One chunk up to a round trip of
+        // keys, else chunks of at least half one, at most ns (block-uniform: n is shared).
+        int j0 = 0, j1 = n;
+        if (SPLIT) {
+            constexpr int RT = KP * AF_P;
+            nc = n <= RT ? 1 : min(ns, (2 * n + RT - 1) / RT);
+            if (chunk >= nc) return;
+            j0 = (int)((long long)chunk * n / nc);
+            j1 = (int)((long long)(chunk + 1) * n / nc);
+        }
 #pragma unroll 1
-        for (int base = 0; base < n; base += KP * AF_P) {
+        for (int base = j0; base < j1; base += KP * AF_P) {
             uint4 kr[AF_P], vr[AF_P];
             float lg[AF_P];
             bool alive[AF_P];
             // Passes past the window (or the list) are skipped whole (a block-uniform branch):
             // short windows run and fetch only the code of the passes they use.
-            const int np = min(AF_P, (n - base + KP - 1) / KP);
+            const int np = min(AF_P, (j1 - base + KP - 1) / KP);
             if (LIST) {
 #pragma unroll
                 for (int t = 0; t < AF_P; ++t) {
                     alive[t] = t < np;
                     if (t < np) {
                         const int j = base + kg + KP * t;
-                        const bool in = j < n;
+                        const bool in = j < j1;
                         const int l = in ? keys[j] : 0;
                         lg[t] = in ? mv[j] : F_NEG_INF;
                         kr[t] = in ? ld_cg((const uint4*)(kb + l * k_ls * ESZ)) : make_uint4(0, 0, 0, 0);
@@ -498,6 +564,11 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
         s = fmaf(ws[w], f, s);
         if (tid < D) y = fmaf(wa[w * D + tid], f, y);
     }
+    if (SPLIT && nc > 1) {
+        af_combine<D>(h, chunk, nc, nsplit, m, s, y, part, ticket, live, o, o_hs, o_ds, write_o,
+                      c, c_hs, c_ds, has_cpy, lsh + AF_LSH);
+        return;
+    }
     // s (the same in every thread) is NaN iff a valid logit was NaN (its weight is NaN whatever
     // the max, and NaN survives every rescale), or a +inf met another: every output of the head
     // is NaN then, as soft_max's NaN row is.
@@ -530,11 +601,15 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
 // listing a rehearsal made of a window of one listing is the real pass's too: the real pass
 // skips it and issues q's and the listed keys' K and V loads together — one memory round trip
 // after the wait instead of two.
-template <bool LIST>
-__device__ __forceinline__ void attn_fast_run(AF_PARAMS, float* sh, int* lsh) {
+template <bool LIST, bool SPLIT = false>
+__device__ __forceinline__ void attn_fast_run(AF_PARAMS, float* sh, int* lsh, int nsplit = 1,
+                                              float* part = nullptr, unsigned* ticket = nullptr) {
     PHASE_ENTRY();
     PHASE(0);
     const bool reuse = LIST && rehearse && mask_ahead && L <= AF_LS;
+    // SPLIT: chunks of one listing only (the host launches it for such windows; past one, a
+    // head's chunk 0 would take the whole window and the others none).
+    const int ns = SPLIT && L <= AF_LS ? nsplit : 1;
     // A window of one chunk reads its masked keys' rows too (one round trip); longer ones
     // read the mask first.
     const bool spec = L <= (AF_T / (D / (dtkv == DT_F32 ? 4 : 8))) * AF_P;
@@ -544,7 +619,8 @@ __device__ __forceinline__ void attn_fast_run(AF_PARAMS, float* sh, int* lsh) {
         sh
 #define AF_SPEC(DT, G)                                                                          \
     if (LIST) {                                                                                 \
-        attn_fast_body<DT, G, false, true>(AF_ARGS, lsh, reuse && real);                        \
+        attn_fast_body<DT, G, false, true, SPLIT>(AF_ARGS, lsh, reuse && real, nsplit, ns,      \
+                                                  part, ticket, real);                          \
     } else if (spec) {                                                                          \
         attn_fast_body<DT, G, true>(AF_ARGS);                                                   \
     } else {                                                                                    \
@@ -602,6 +678,50 @@ extern "C" __global__ void __maxnreg__(168) attn_fast_long(AF_PARAMS) {
                         v_div, mask, m_hs, m_ls, 1, kq, kq_hs, kq_ls, 0, p, p_hs, p_ls, 0, o,
                         o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy, rehearse, mask_ahead, sh,
                         lsh);
+}
+
+// Decode attention split over keys (flash-decoding): `attn_fast_long`'s case — a mask, neither
+// the raw scores nor p written — with nsplit blocks per query head instead of one.
+//
+// Why: one block per head is 32 blocks for a 1B model on an H200's 132 multiprocessors, each
+// walking every valid key of its head in turn: at the bench's depth (512-640 valid keys) a
+// head takes 2-3 dependent round trips of K/V loads on one multiprocessor while the rest of
+// the device idles.
+//
+// Strategy: block (h, chunk), heads fastest in the grid. Every block lists its head's valid
+// keys over the whole window (one listing, as `attn_fast_long`; under `mask_ahead` while it
+// rehearses) and so knows their number n; the head's keys then run in nc chunks — one chunk
+// while n fits a round trip of passes (today's single block: blocks past the first exit, and
+// no partials or ticket are touched), else min(nsplit, ceil(2n / round trip)) chunks, so that
+// a chunk is at least half a round trip. The count is worked out on the device at every launch
+// from the mask, so a captured graph stays right as the valid length grows step to step, and a
+// short valid part of a long window keeps a single block. Each chunk is an online softmax over
+// its contiguous share of the listed keys (the same passes as `attn_fast_long`); chunk blocks
+// write (max, sum, unnormalized p @ V) to a partials slot and take a ticket of their head (an
+// integer atomic), and the last of the head's chunks to arrive merges the partials
+// (`af_combine`). The combine rides in the same kernel rather than a second launch: the
+// attention stays one node of the decode graph (a second kernel would add a launch and a
+// dependent-launch gap per layer), and the merge is nc partials of D floats, read from L2 by
+// one block while the others have finished.
+//
+// Invariants: the result does not depend on which block finishes last — the merge reads the
+// partials in chunk order, and every chunk's arithmetic is fixed by n and the shapes — so it is
+// deterministic; it differs from `attn_fast_long`'s only in summation order (within f32). NaN
+// follows `attn_fast`: a NaN logit makes its chunk's sum NaN, and a NaN sum survives the merge.
+// The host gives a window of at most one listing (AF_LS keys; longer ones are taken as
+// `attn_fast_long` does, by chunk 0 alone), `part` room for gridDim.x slots of AF_PW floats
+// and `ticket` one zeroed word per head; the last block sets its head's word back to 0, so the
+// words are zero between launches. Launches run one after another on the stream (a kernel's
+// real pass starts after the one before it completed), so every attention of a graph may share
+// one ticket array and one partials block.
+extern "C" __global__ void __maxnreg__(168) attn_split(AF_PARAMS, int nsplit, float* part,
+                                                       unsigned* ticket) {
+    __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
+    __shared__ int lsh[AF_LSH + 1];  // af_list's words, then af_combine's flag
+    attn_fast_run<true, true>(L, D, scale, q, q_hs, q_ds, dtkv, k, k_hs, k_ls, k_div, v, v_hs,
+                              v_ls, v_div, mask, m_hs, m_ls, 1, kq, kq_hs, kq_ls, 0, p, p_hs, p_ls,
+                              0, o, o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy, rehearse,
+                              mask_ahead, sh, lsh, nsplit, part, ticket);
 }
 #undef AF_PARAMS
 

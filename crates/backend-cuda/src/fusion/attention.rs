@@ -8,8 +8,10 @@
 //!
 //! Strategy: `attn_fast` where its short path applies (f32 q, mask and copy, aligned rows, a
 //! power-of-two number of 16-byte pieces per head, 32-bit offsets; `CudaConfig::attn_fast`),
-//! `attn_fast_long` for a masked window whose scores and p are dead, else `attn_decode`. The
-//! [`Live`] flags say which intermediates must be written.
+//! `attn_fast_long` for a masked window whose scores and p are dead, else `attn_decode`. Such a
+//! window longer than one round trip of keys runs split over its keys (`attn_split`, several
+//! blocks per head and a merge by the head's last block; [`split_chunks`]) unless
+//! `CudaConfig::attn_split` is 0. The [`Live`] flags say which intermediates must be written.
 //!
 //! Prefill's kernel, `attn_prefill`, is flash-attention style: K/V tiles in shared memory, an
 //! online softmax, the scores and p never written (the matcher takes it only where both are
@@ -28,9 +30,44 @@ use crate::fusion::patterns::PREFILL_ROWS;
 use crate::fusion::safety::overlap;
 use crate::kernels::Kernel;
 use crate::layout::broadcast_strides;
+use crate::memory::ATTN_SPLIT_SLOT_FLOATS;
 
 /// Threads of an attention block (`ATT_T`, `AF_T`).
 const ATT_THREADS: usize = 256;
+
+/// Keys one listing of `attn_fast_long` / `attn_split` covers (`AF_LS`): the split takes
+/// windows of at most one.
+const LISTING_KEYS: usize = 2048;
+
+/// Passes of a round trip of K/V loads in `attn_fast` (`AF_P`).
+const ROUND_TRIP_PASSES: usize = 8;
+
+/// The key chunks per query head `attn_split` is launched with, or `None` for one block per
+/// head (`attn_fast_long`): `setting` is `CudaConfig::attn_split` (0 off; 1 multiprocessors /
+/// heads; N at most N), `lanes` the lanes sharing a key (head size / elements in 16 bytes),
+/// `slots` the blocks `AttnSplitWork` holds. A window of one round trip of keys or less, or
+/// past one listing, keeps one block; so does a count below 2. The device takes fewer chunks
+/// when fewer keys are valid (at most ceil(2 valid / round trip)); more than
+/// ceil(2 window / round trip) would never run, so the grid stops there.
+pub(super) fn split_chunks(
+    setting: usize,
+    heads: usize,
+    window: usize,
+    lanes: usize,
+    sms: usize,
+    slots: usize,
+) -> Option<usize> {
+    let round_trip = ATT_THREADS / lanes.max(1) * ROUND_TRIP_PASSES;
+    if setting == 0 || heads == 0 || window <= round_trip || window > LISTING_KEYS {
+        return None;
+    }
+    let want = if setting == 1 { sms / heads } else { setting };
+    let chunks = want
+        .min((2 * window).div_ceil(round_trip))
+        .min(crate::config::ATTN_SPLIT_MAX)
+        .min(slots / heads);
+    (chunks >= 2).then_some(chunks)
+}
 
 /// Whether attention's mask may be read before its dependency wait: no node of the graph
 /// writes the mask's buffer (decode's mask is uploaded before the graph runs), and a node of
@@ -184,6 +221,25 @@ pub(super) fn launch_attention(
         } else {
             Kernel::AttnFast
         };
+        let work = &exec.inner.attn_split_work;
+        let split = split_chunks(
+            exec.inner.cfg.attn_split,
+            hq,
+            l,
+            d / vw,
+            exec.inner.sms,
+            work.slots(),
+        );
+        if let (Kernel::AttnFastLong, Some(chunks)) = (kernel, split) {
+            debug_assert!(d + 4 <= ATTN_SPLIT_SLOT_FLOATS);
+            let args = args
+                .arg(chunks as i32)
+                .arg(work.partials())
+                .arg(work.tickets());
+            let grid = u32::try_from(hq * chunks)
+                .map_err(|_| kernel_err(kq, "too many split attention blocks"))?;
+            return exec.launch(kq, Kernel::AttnSplit, grid, ATT_THREADS as u32, args);
+        }
         return exec.launch(kq, kernel, grid, ATT_THREADS as u32, args);
     }
     let args = Args::new()
@@ -326,4 +382,28 @@ pub(super) fn launch_prefill(
         .arg(cs[2])
         .arg(cpy.is_some() as i32);
     exec.launch(kq, Kernel::AttnPrefill, grid, PREFILL_THREADS, args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_chunks;
+
+    #[test]
+    fn split_chunks_fill_the_device_only_past_one_round_trip_of_keys() {
+        // "1b" on an H200: 32 heads, head size 64 in f16 (8 lanes a key: 256 keys a round
+        // trip), 132 multiprocessors, the bench's 640-cell window: four blocks a head.
+        assert_eq!(split_chunks(1, 32, 640, 8, 132, 528), Some(4));
+        // One round trip or less, past one listing, or switched off: one block a head.
+        assert_eq!(split_chunks(1, 32, 256, 8, 132, 528), None);
+        assert_eq!(split_chunks(1, 32, 2049, 8, 132, 528), None);
+        assert_eq!(split_chunks(0, 32, 640, 8, 132, 528), None);
+        // Few heads: bounded by what the window can use (ceil(2 * 640 / 256) = 5).
+        assert_eq!(split_chunks(1, 4, 640, 8, 132, 528), Some(5));
+        // Asked for: as given, within the window, the cap and the partial slots.
+        assert_eq!(split_chunks(3, 32, 2048, 8, 132, 528), Some(3));
+        assert_eq!(split_chunks(32, 4, 2048, 8, 132, 528), Some(16));
+        assert_eq!(split_chunks(32, 64, 2048, 4, 132, 528), Some(8));
+        // More heads than multiprocessors hold twice over: one block a head.
+        assert_eq!(split_chunks(1, 96, 640, 8, 132, 528), None);
+    }
 }
