@@ -64,10 +64,11 @@ pub struct CudaConfig {
     pub attn_prefill: bool,
     /// Decode attention over a window longer than one round trip of keys runs split over its
     /// keys, `attn_split` (tune key `attn_split`): several blocks per query head, each an online
-    /// softmax over a share of the head's valid keys, merged by the head's last block. 0 turns
-    /// it off (one block per head, `attn_fast_long`); 1, the default, takes as many chunks per
-    /// head as the multiprocessors hold blocks of every head at once (multiprocessors / heads,
-    /// at most [`ATTN_SPLIT_MAX`]); N >= 2 takes at most N. The device takes fewer chunks when
+    /// softmax over a share of the head's valid keys, merged by the head's last block. 0, the
+    /// default, leaves it off (one block per head, `attn_fast_long`: on an H200 the split was
+    /// 2-4% slower per "1b" token at 512-640 keys); 1 takes as many chunks per head as the
+    /// multiprocessors hold blocks of every head at once (multiprocessors / heads, at most
+    /// [`ATTN_SPLIT_MAX`]); N >= 2 takes at most N. The device takes fewer chunks when
     /// fewer keys are valid (one while they fit a round trip), so a short valid part of a long
     /// window keeps a single block per head.
     pub attn_split: usize,
@@ -151,7 +152,7 @@ impl Default for CudaConfig {
             pdl: true,
             attn_fast: true,
             attn_prefill: true,
-            attn_split: 1,
+            attn_split: 0,
             rehearse: true,
             gemv_split: true,
             gemv_stream: true,
@@ -179,8 +180,8 @@ const MAX_STREAM_BLOCKS: u64 = 32;
 
 /// What `LOWSYNC_CUDA_TUNE` takes, for an unknown key or an item without `=`.
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
-     attn_split, rehearse, gemv_stream, gemv_split, gemv_blocks, gemv_pad_kb, copy_kernel, read_kernel, \
-     mmv_max_m, qdot (see docs/tuning.md)";
+     attn_split, rehearse, gemv_stream, gemv_split, gemv_blocks, gemv_pad_kb, copy_kernel, \
+     read_kernel, mmv_max_m, qdot (see docs/tuning.md)";
 
 impl CudaConfig {
     /// The defaults with the user-facing variables (`LOWSYNC_CUDA_SYNC_ELISION`,
@@ -204,7 +205,8 @@ impl CudaConfig {
     /// comma-separated `key=value` items, whitespace around each ignored, empty items skipped,
     /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`,
     /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `read_kernel` (0 or 1);
-    /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` (1 or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
+    /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` (1 or more, capped at
+    /// 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
     /// (bytes); `mmv_max_m` (rows); `qdot` (`q16` or `f32`). An unknown key, an item without
     /// `=` or a bad value is an `Error::Env` for `LOWSYNC_CUDA_TUNE`.
     pub fn with_tune(mut self, spec: &str) -> Result<Self> {
@@ -341,7 +343,6 @@ mod tests {
             copy_kernel_max: 512,
             mmv_max_m: Some(16),
             qdot: QDot::F32,
-            attn_split: 0,
             ..CudaConfig::default()
         };
         assert_eq!(c, want);

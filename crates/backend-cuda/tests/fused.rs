@@ -1218,7 +1218,7 @@ fn masked_windows_list_their_valid_keys() {
 #[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn decode_attention_split_over_keys_matches_one_block_per_head() {
     // Masked windows past one round trip of keys with p and the scores dead run `attn_split`
-    // (several blocks per head, merged by the head's last block) by default: against the
+    // (several blocks per head, merged by the head's last block) with `attn_split=1`: against the
     // oracle, and against one block per head (`attn_split=0`) and the most chunks
     // (`attn_split=32`), with the same launches. Depths of 600 and more (the bench's), a hole,
     // per-head masks with a fully masked head, a valid part of one chunk, none valid.
@@ -1246,7 +1246,7 @@ fn decode_attention_split_over_keys_matches_one_block_per_head() {
                         let cfg = CudaConfig::default().with_tune(tune).expect("a valid tune");
                         on_gpu_cfg(&format!("{test} {tune}"), &a.case, cfg)
                     };
-                    let (split, n_split) = run("");
+                    let (split, n_split) = run("attn_split=1");
                     for tune in ["attn_split=0", "attn_split=32"] {
                         let (other, n_other) = run(tune);
                         assert_eq!(n_split, n_other, "{test}: launches, {tune}");

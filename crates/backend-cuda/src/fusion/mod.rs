@@ -29,8 +29,9 @@
 //!   trip instead of two; masked rows' values are never used). A window with a mask whose
 //!   scores and p are dead (decode's) takes `attn_fast_long` at any length: it lists the valid
 //!   keys first (2048 mask entries per round trip), so masked keys cost nothing; past one round
-//!   trip of keys (and within one listing) it runs split over its keys, `attn_split`: several
-//!   blocks per head, merged by the head's last block (`CudaConfig::attn_split`).
+//!   trip of keys (and within one listing) it can run split over its keys, `attn_split`:
+//!   several blocks per head, merged by the head's last block (`CudaConfig::attn_split`, off
+//!   by default).
 //! - The same chain for several query rows per head (prefill), where the raw scores and p are
 //!   dead and head_dim is at most 128: `attn_prefill`, flash-attention style — a block per
 //!   (head, tile of 16 query rows), keys in tiles of 32 with an online softmax, key tiles the
