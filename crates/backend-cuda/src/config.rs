@@ -68,7 +68,7 @@ pub struct CudaConfig {
     /// default, leaves it off (one block per head, `attn_fast_long`: on an H200 the split was
     /// 2-4% slower per "1b" token at 512-640 keys); 1 takes as many chunks per head as the
     /// multiprocessors hold blocks of every head at once (multiprocessors / heads, at most
-    /// [`ATTN_SPLIT_MAX`]); N >= 2 takes at most N. The device takes fewer chunks when
+    /// `ATTN_SPLIT_MAX`); N >= 2 takes at most N. The device takes fewer chunks when
     /// fewer keys are valid (one while they fit a round trip), so a short valid part of a long
     /// window keeps a single block per head.
     pub attn_split: usize,
