@@ -11,6 +11,7 @@ rasteriser such as lavapipe (CI's Vulkan), so there it is skipped with that reas
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -27,6 +28,13 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("lowsync")
+
+# A shell without job control starts a background job (`cmd &`, `nohup ... &`) with SIGINT
+# ignored, and then `_thread.interrupt_main` (the Ctrl-C tests' simulated interrupt) does
+# nothing: those tests fail, or wait forever for an interrupt that never lands. Python's own
+# handler makes it land again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Backends every machine has; the op suite runs on each.
 CPU_BACKENDS = ("cpu", "cpu-async")
