@@ -446,6 +446,30 @@ fn unravel_batch(batch: &[usize], mut bi: usize) -> Vec<usize> {
     idx
 }
 
+/// Each batch's matrix of `b` and of `a`, or `None` where some matrix of `b` is not one that
+/// `gemv` reads (the callers then take another path).
+fn gemv_operands(
+    node: &ExecNode,
+    a: &Strided,
+    b: &Strided,
+    batch: &[usize],
+) -> Result<Option<(Vec<Strided>, Vec<Strided>)>> {
+    let n_batches: usize = batch.iter().product();
+    let mut ws = Vec::with_capacity(n_batches);
+    let mut ams = Vec::with_capacity(n_batches);
+    for bi in 0..n_batches {
+        let idx = unravel_batch(batch, bi);
+        let Some(w) = matrix_at(b, &batch_index(b, batch, &idx)).filter(gemv::reads) else {
+            return Ok(None);
+        };
+        let am = matrix_at(a, &batch_index(a, batch, &idx))
+            .ok_or_else(|| kernel_err(node, format!("batch {idx:?} out of range")))?;
+        ws.push(w);
+        ams.push(am);
+    }
+    Ok(Some((ws, ams)))
+}
+
 /// `dst = a @ b` on the decode path of `gemv` when every matrix of `b` is one it reads;
 /// `Ok(false)` (nothing written) otherwise.
 fn mul_mat_gemv(
@@ -456,19 +480,11 @@ fn mul_mat_gemv(
     batch: &[usize],
     (m, n, k): (usize, usize, usize),
 ) -> Result<bool> {
-    let n_batches: usize = batch.iter().product();
-    let mut ws = Vec::with_capacity(n_batches);
-    let mut xs = Vec::with_capacity(n_batches);
-    for bi in 0..n_batches {
-        let idx = unravel_batch(batch, bi);
-        let Some(w) = matrix_at(b, &batch_index(b, batch, &idx)).filter(gemv::reads) else {
-            return Ok(false);
-        };
-        let am = matrix_at(a, &batch_index(a, batch, &idx))
-            .ok_or_else(|| kernel_err(node, format!("batch {idx:?} out of range")))?;
-        ws.push(w);
-        xs.push(quant::rows_f32(&am));
-    }
+    let Some((ws, ams)) = gemv_operands(node, a, b, batch)? else {
+        return Ok(false);
+    };
+    let n_batches = ws.len();
+    let xs: Vec<Vec<f32>> = ams.iter().map(quant::rows_f32).collect();
     let products: Vec<gemv::Product<'_>> = xs
         .iter()
         .zip(ws)
@@ -508,19 +524,9 @@ fn mul_mat_prefill512(
     if !dot512::available() {
         return Ok(false);
     }
-    let n_batches: usize = batch.iter().product();
-    let mut ws = Vec::with_capacity(n_batches);
-    let mut ams = Vec::with_capacity(n_batches);
-    for bi in 0..n_batches {
-        let idx = unravel_batch(batch, bi);
-        let Some(w) = matrix_at(b, &batch_index(b, batch, &idx)).filter(gemv::reads) else {
-            return Ok(false);
-        };
-        let am = matrix_at(a, &batch_index(a, batch, &idx))
-            .ok_or_else(|| kernel_err(node, format!("batch {idx:?} out of range")))?;
-        ws.push(w);
-        ams.push(am);
-    }
+    let Some((ws, ams)) = gemv_operands(node, a, b, batch)? else {
+        return Ok(false);
+    };
     // Packed f32 activations are read in place; others are made contiguous f32 once.
     let xs: Vec<std::borrow::Cow<'_, [f32]>> = ams
         .iter()

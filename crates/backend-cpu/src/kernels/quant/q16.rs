@@ -1018,7 +1018,7 @@ mod x86 {
     }
 
     #[cfg(test)]
-    mod tests {
+    pub(crate) mod tests {
         //! The 4-row decode tiles against the general tile body (`W = 4`, `R = 1`), which
         //! sums in another order: equal within f32 rounding. The `#[ignore]`d benchmark times
         //! both in one process (`cargo test --release -p lowsync-cpu dec4_speed -- --ignored
@@ -1028,7 +1028,13 @@ mod x86 {
 
         /// Random rows of blocks of `bb` bytes, with every f16 at `halves` a small positive
         /// scale (random bits there would give infinities and NaN).
-        fn rows(n: usize, row_bytes: usize, bb: usize, halves: &[usize], seed: u64) -> Vec<u8> {
+        pub(crate) fn rows(
+            n: usize,
+            row_bytes: usize,
+            bb: usize,
+            halves: &[usize],
+            seed: u64,
+        ) -> Vec<u8> {
             let mut st = seed;
             let mut w: Vec<u8> = (0..n * row_bytes)
                 .map(|_| {

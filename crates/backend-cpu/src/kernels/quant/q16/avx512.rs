@@ -637,6 +637,8 @@ mod tests {
     //! --nocapture --test-threads 1`).
 
     use super::*;
+    // Random rows of blocks with small positive f16 scales: the AVX2 kernels' test data.
+    use super::super::x86::tests::rows as weights;
 
     /// `(type, block bytes, offsets of the f16 scales in a block)` of every VNNI type.
     const TYPES: [(DType, usize, &[usize]); 5] = [
@@ -652,27 +654,6 @@ mod tests {
             && std::is_x86_feature_detected!("avx2")
             && std::is_x86_feature_detected!("fma")
             && std::is_x86_feature_detected!("f16c")
-    }
-
-    /// Random rows of blocks of `bb` bytes, every f16 at `halves` a small positive scale
-    /// (random bits there would give infinities and NaN).
-    fn weights(n: usize, row_bytes: usize, bb: usize, halves: &[usize], seed: u64) -> Vec<u8> {
-        let mut st = seed;
-        let mut w: Vec<u8> = (0..n * row_bytes)
-            .map(|_| {
-                st = st
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                (st >> 56) as u8
-            })
-            .collect();
-        for (i, blk) in w.chunks_exact_mut(bb).enumerate() {
-            for &o in halves {
-                // 0x2C00 + small mantissa: about 0.0625.
-                blk[o..o + 2].copy_from_slice(&(0x2C00u16 + (i % 97) as u16).to_le_bytes());
-            }
-        }
-        w
     }
 
     /// `m` activation rows of `k`, with values up to both ends of the 16-bit range.
