@@ -1,0 +1,53 @@
+//! Weight matrices repacked once into groups of 16 rows for the AVX-512 products.
+//!
+//! Why: a decode product streams every weight once. Read in place, a GGUF matrix is one stream
+//! per weight row, and the products read 4-8 rows side by side to share each activation block:
+//! 4-8 streams that the hardware prefetcher does not follow from DRAM, and an unpacking per
+//! row and block. A copy of the matrix whose 16 rows of a group lie block by block in one
+//! contiguous run, laid out so that the integer sums of the 16 rows land in the 16 lanes of a
+//! 512-bit vector (`vpdpwssd`), is one stream per job and needs only shifts and masks to
+//! unpack; the same copy serves prefill, which then needs no per-product panel.
+//!
+//! Strategy: a block type with a packed layout has a [`PackedType`]: the bytes of a group, the
+//! packing of 16 raw rows into a group, and the dot product of one group with every
+//! activation row (16-bit activation blocks, `super::q16::QRows`). The 32-value block types
+//! live in `q32`, the K types in `k`.
+//!
+//! Invariants: a group's dot product computes each output in the order of the AVX-512 panel
+//! bodies (`super::q16::avx512`): per activation block, the exact integer sum, converted,
+//! times `d_w * d_x`, added by one FMA in block order; the mins in a second chain added at the
+//! end. So a packed product gives the same bits as the panel path, in decode and in prefill.
+//! `dot` runs only where `super::q16::has_avx512()` holds.
+
+mod k;
+mod q32;
+
+use lowsync_graph::DType;
+
+use super::q16::QRows;
+
+/// Weight rows per packed group: the 16 lanes of a 512-bit vector of i32.
+pub(crate) const GROUP: usize = 16;
+
+/// One block type's packed layout and its product.
+pub(crate) struct PackedType {
+    /// Bytes of one packed group of [`GROUP`] rows of `k` values (`k` a whole number of the
+    /// type's blocks, which the caller checks).
+    pub group_bytes: fn(k: usize) -> usize,
+    /// Packs [`GROUP`] rows into `dst` (`group_bytes(k)` bytes): `rows[r]` is row `r`'s raw
+    /// GGUF blocks (`k` values), `None` for a row past the matrix's end, packed so that it
+    /// contributes zero.
+    pub pack: fn(rows: &[Option<&[u8]>; GROUP], k: usize, dst: &mut [u8]),
+    /// `out[i * GROUP + r]` = weight row `r` of group `g` times activation row `i` of `x`, for
+    /// every activation row of `x` (`out.len() == GROUP * m`, `x` holding `m` rows of `k`).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C; `g.len() ==
+    /// group_bytes(k)`.
+    pub dot: unsafe fn(g: &[u8], k: usize, x: &QRows, out: &mut [f32]),
+}
+
+/// The packed layout of `dt`'s weights, where one exists.
+pub(crate) fn packed_type(dt: DType) -> Option<&'static PackedType> {
+    q32::lookup(dt).or_else(|| k::lookup(dt))
+}
