@@ -29,6 +29,9 @@ use super::q16::QRows;
 /// Weight rows per packed group: the 16 lanes of a 512-bit vector of i32.
 pub(crate) const GROUP: usize = 16;
 
+/// [`GROUP`] raw weight rows to pack (`None`: past the matrix's end).
+pub(crate) type GroupRows<'a> = [Option<&'a [u8]>; GROUP];
+
 /// One block type's packed layout and its product.
 pub(crate) struct PackedType {
     /// Bytes of one packed group of [`GROUP`] rows of `k` values (`k` a whole number of the
@@ -37,7 +40,7 @@ pub(crate) struct PackedType {
     /// Packs [`GROUP`] rows into `dst` (`group_bytes(k)` bytes): `rows[r]` is row `r`'s raw
     /// GGUF blocks (`k` values), `None` for a row past the matrix's end, packed so that it
     /// contributes zero.
-    pub pack: fn(rows: &[Option<&[u8]>; GROUP], k: usize, dst: &mut [u8]),
+    pub pack: fn(rows: &GroupRows<'_>, k: usize, dst: &mut [u8]),
     /// `out[i * GROUP + r]` = weight row `r` of group `g` times activation row `i` of `x`, for
     /// every activation row of `x` (`out.len() == GROUP * m`, `x` holding `m` rows of `k`).
     ///
