@@ -22,7 +22,9 @@
 //! Invariants: a buffer's address never changes while it lives (`realloc` replaces it with a new
 //! one after the owning stream is idle). An aliased buffer is read-only: every write primitive
 //! goes through [`Store::span_write`], which refuses it, and kernels never write weights (only
-//! `set_rows` writes into a leaf, and only into a persistent one).
+//! `set_rows` writes into a leaf, and only into a persistent one). So an aliased buffer is
+//! registered as read-only memory while it lives (`crate::derived`): kernels may keep copies
+//! derived from its bytes (packed weights), which go when the buffer is freed or replaced.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::HashMap;
@@ -33,6 +35,8 @@ use std::sync::Arc;
 use lowsync_backend::{BufferId, Error, Result, TensorRef};
 use lowsync_graph::WeightBytes;
 use parking_lot::RwLock;
+
+use crate::derived::{register_read_only, ReadOnlyGuard};
 
 /// Alignment of every host buffer the backend allocates.
 pub const ALIGNMENT: usize = 64;
@@ -53,6 +57,9 @@ pub struct HostBuffer {
     base: NonNull<u8>,
     /// The aliased bytes, kept alive as long as the buffer (`None`: allocated here).
     aliased: Option<WeightBytes>,
+    /// An aliased buffer's registration as read-only memory, so that kernels may keep copies
+    /// derived from it (packed weights) until the buffer is freed or replaced.
+    _read_only: Option<ReadOnlyGuard>,
 }
 
 // SAFETY: the buffer is plain memory; concurrent access is ordered by the owning stream.
@@ -81,6 +88,7 @@ impl HostBuffer {
             size,
             base,
             aliased: None,
+            _read_only: None,
         })
     }
 
@@ -97,6 +105,7 @@ impl HostBuffer {
             size: b.len(),
             base: ptr,
             aliased: Some(bytes.clone()),
+            _read_only: Some(register_read_only(b.as_ptr(), b.len())),
         })
     }
 

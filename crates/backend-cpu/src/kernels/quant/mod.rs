@@ -20,20 +20,20 @@
 //! Determinism: each output element is one dot product computed by one job in a fixed order,
 //! independent of the thread count (as the f32 kernels promise).
 
-// The packed products are wired into `matmul` by the change that builds their kernels.
-#[allow(dead_code)]
 mod packed;
 mod q16;
 pub(crate) mod scalar;
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use lowsync_backend::{env, ExecNode, Result};
 use rayon::prelude::*;
 
+use self::packed::{lines_as_bytes, lines_as_bytes_mut, GroupRows, Line, PackedType, GROUP};
 use super::kernel_err;
 use super::par::{for_each_row, PAR_MIN_ELEMS};
 use super::view::Strided;
+use crate::derived::{read_only_at, release_file_pages, DerivedKey};
 
 /// Multiply-adds of one parallel job of a product (about, at most).
 const JOB_WORK: usize = 1 << 16;
@@ -67,6 +67,83 @@ fn q16_isa() -> std::result::Result<q16::Isa, String> {
             .map_err(|e| e.to_string())
     })
     .clone()
+}
+
+/// Whether products may run over packed copies of read-only weights (`LOWSYNC_CPU_PACK`:
+/// `auto`, the default, packs where the CPU has AVX-512 VNNI and the type a packed layout;
+/// `off` keeps the in-place products), read once; a bad value is an error naming the variable.
+fn pack_allowed() -> std::result::Result<bool, String> {
+    static MODE: OnceLock<std::result::Result<bool, String>> = OnceLock::new();
+    MODE.get_or_init(|| {
+        env::choice("LOWSYNC_CPU_PACK", &["auto", "off"], "auto or off")
+            .map(|c| c != Some("off"))
+            .map_err(|e| e.to_string())
+    })
+    .clone()
+}
+
+/// A weight's packed copy: `groups` groups of [`GROUP`] rows, `group_bytes` each, back to back
+/// from a 64-byte boundary.
+struct PackedWeight {
+    lines: Vec<Line>,
+    group_bytes: usize,
+}
+
+/// The packed copy of the weight `w` (`x @ w.T` of `n` rows of `k`), made on first use and kept
+/// while `w`'s buffer lives; `None` where `w` is not read-only memory (only read-only weights
+/// are packed, so a copy never goes stale). After packing, the weight's own pages are released
+/// where they are a read-only file mapping: the packed copy replaces them in resident memory.
+fn packed_weight(
+    w: &Strided,
+    pt: &'static PackedType,
+    n: usize,
+    k: usize,
+) -> Option<Arc<PackedWeight>> {
+    let (first, last) = (w.quant_row(1, 0)?, w.quant_row(1, n - 1)?);
+    let start = first.as_ptr();
+    let len = (last.as_ptr() as usize + last.len()).checked_sub(start as usize)?;
+    let range = read_only_at(start, len)?;
+    let key = DerivedKey {
+        addr: start as usize,
+        shape: w.shape().to_vec(),
+        strides: w.strides().to_vec(),
+        dtype: w.dtype(),
+        kind: "packed",
+    };
+    range.derived(key, || {
+        let gb = (pt.group_bytes)(k);
+        let groups = n.div_ceil(GROUP);
+        let mut lines = vec![Line([0; 64]); (groups * gb).div_ceil(64)];
+        let bytes = &mut lines_as_bytes_mut(&mut lines)[..groups * gb];
+        bytes.par_chunks_mut(gb).enumerate().for_each(|(g, dst)| {
+            let rows: GroupRows<'_> = std::array::from_fn(|r| {
+                let j = g * GROUP + r;
+                if j < n {
+                    w.quant_row(1, j)
+                } else {
+                    None
+                }
+            });
+            (pt.pack)(&rows, k, dst);
+        });
+        let released = release_file_pages(start, len);
+        tracing::debug!(n, k, dtype = %w.dtype(), released, "cpu: packed a weight");
+        PackedWeight {
+            lines,
+            group_bytes: gb,
+        }
+    })
+}
+
+/// Whether products over read-only `dt` weights run over packed copies here.
+#[cfg(test)]
+pub(crate) fn uses_packed(dt: lowsync_graph::DType) -> bool {
+    uses_q16(dt)
+        && pack_allowed().unwrap_or(false)
+        && q16_isa() == Ok(q16::Isa::Avx512)
+        && q16::has_avx512()
+        && q16::dot_fn(dt, q16::Isa::Avx512).is_some()
+        && packed::packed_type(dt).is_some()
 }
 
 #[cfg(test)]
@@ -176,12 +253,23 @@ pub(super) fn matmul(
     } else {
         None
     };
+    // A packed copy where the AVX-512 bodies run, the type has a packed layout and the weight
+    // is read-only.
+    let packed = match (fast, q16_isa()) {
+        (Some(_), Ok(q16::Isa::Avx512))
+            if q16::has_avx512() && pack_allowed().map_err(|e| kernel_err(node, e))? =>
+        {
+            packed::packed_type(dt).and_then(|pt| Some((pt, packed_weight(w, pt, n, k)?)))
+        }
+        _ => None,
+    };
     let xq = fast.map(|_| q16::QRows::quantize(x));
     // One job's weight rows: about JOB_WORK multiply-adds, never fewer than 1 row.
     // At least MIN_JOBS jobs, so that the threads finish together (9 jobs over 2 threads
     // left one idle for a ninth of a 768-row product), and a multiple of the kernel's tile of
     // weight rows (4 in decode, a panel of 16 in the AVX-512 prefill bodies).
     let granule = match (fast, q16_isa()) {
+        _ if packed.is_some() => GROUP,
         (Some(_), Ok(isa)) => q16::row_granule(isa, m),
         _ => 4,
     };
@@ -197,6 +285,29 @@ pub(super) fn matmul(
     let job = |(jb, chunk): (usize, &mut [f32]), buf: &mut Vec<f32>| {
         let j0 = jb * rows_per_job;
         let rows = chunk.len() / m;
+        if let (Some((pt, pw)), Some(xq)) = (&packed, &xq) {
+            // Jobs start on a group (rows_per_job is a multiple of GROUP).
+            let gb = pw.group_bytes;
+            let groups = lines_as_bytes(&pw.lines)[j0 / GROUP * gb..].chunks_exact(gb);
+            buf.resize(GROUP * m, 0.0);
+            for (gi, grp) in groups.take(rows.div_ceil(GROUP)).enumerate() {
+                let (at, rn) = (gi * GROUP, (rows - gi * GROUP).min(GROUP));
+                if m == 1 && rn == GROUP {
+                    // SAFETY: `packed` exists only where AVX-512 F/BW/VL and VNNI were detected
+                    // besides AVX2, FMA and F16C (`q16::dot_fn` and `has_avx512`); `grp` is one
+                    // group of `k`.
+                    unsafe { (pt.dot)(grp, k, xq, &mut chunk[at..at + GROUP]) };
+                    continue;
+                }
+                // SAFETY: as above.
+                unsafe { (pt.dot)(grp, k, xq, buf) };
+                for i in 0..m {
+                    chunk[i * rows + at..i * rows + at + rn]
+                        .copy_from_slice(&buf[i * GROUP..i * GROUP + rn]);
+                }
+            }
+            return;
+        }
         if let (Some(dot), Some(xq)) = (fast, &xq) {
             if let (Some(bytes), Some(row_bytes)) = (w.quant_rows(1, j0, rows), dt.row_bytes(k)) {
                 dot(bytes, row_bytes, xq, chunk);

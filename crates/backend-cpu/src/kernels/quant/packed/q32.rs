@@ -28,9 +28,9 @@
 
 use lowsync_graph::DType;
 
-use super::{GroupRows, PackedType, GROUP};
 #[cfg(test)]
 use super::{lines_as_bytes_mut, Line};
+use super::{GroupRows, PackedType, GROUP};
 use crate::kernels::quant::q16::{QRows, QK};
 
 /// Q4_0 groups.
@@ -414,7 +414,14 @@ mod tests {
 
     /// The packed product of every group: `out[i * n + j]`, a 64-byte aligned copy of the
     /// groups (as the cache keeps them).
-    fn packed_product(t: &PackedType, g: &[u8], n: usize, k: usize, x: &QRows, m: usize) -> Vec<f32> {
+    fn packed_product(
+        t: &PackedType,
+        g: &[u8],
+        n: usize,
+        k: usize,
+        x: &QRows,
+        m: usize,
+    ) -> Vec<f32> {
         let gb = (t.group_bytes)(k);
         let mut aligned = vec![Line([0; 64]); g.len().div_ceil(64)];
         let bytes = &mut lines_as_bytes_mut(&mut aligned)[..g.len()];
@@ -443,7 +450,13 @@ mod tests {
         }
         for (dt, bb, halves) in TYPES {
             let t = packed_type_of(dt);
-            for (k, n, m) in [(32, 5, 1), (576, 37, 9), (5632, 20, 8), (768, 16, 1), (256, 33, 3)] {
+            for (k, n, m) in [
+                (32, 5, 1),
+                (576, 37, 9),
+                (5632, 20, 8),
+                (768, 16, 1),
+                (256, 33, 3),
+            ] {
                 let rb = k / QK * bb;
                 let w = weights(n, k, bb, halves, 5 + k as u64);
                 let g = pack_all(t, &w, n, rb, k);
@@ -482,9 +495,17 @@ mod tests {
                 for i in 0..m {
                     for j in 0..n {
                         let (a, p) = (got[i * n + j], pan[i * n + j]);
-                        assert_eq!(a.to_bits(), p.to_bits(), "{dt} k {k} ({i}, {j}): {a} vs {p}");
+                        assert_eq!(
+                            a.to_bits(),
+                            p.to_bits(),
+                            "{dt} k {k} ({i}, {j}): {a} vs {p}"
+                        );
                         let e = (f64::from(a) - want[i * n + j]).abs();
-                        assert!(e <= 1e-5 * scale, "{dt} k {k} ({i}, {j}): {a} vs {}", want[i * n + j]);
+                        assert!(
+                            e <= 1e-5 * scale,
+                            "{dt} k {k} ({i}, {j}): {a} vs {}",
+                            want[i * n + j]
+                        );
                     }
                 }
             }
@@ -499,7 +520,10 @@ mod tests {
             let w = weights(3, k, bb, halves, 1);
             let g = pack_all(t, &w, 3, k / QK * bb, k);
             assert_eq!(g.len(), (t.group_bytes)(k));
-            assert!(g.len().is_multiple_of(64), "{dt}: groups stay 64-byte aligned");
+            assert!(
+                g.len().is_multiple_of(64),
+                "{dt}: groups stay 64-byte aligned"
+            );
             // Rows 3..16 are padding: their scale bytes are zero.
             let (s, _) = match dt {
                 DType::Q4_1 => block_at::<Q41>(1),
