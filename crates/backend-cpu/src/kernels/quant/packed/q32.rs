@@ -223,8 +223,8 @@ mod avx512 {
 
     use super::{block_at, Kind, QRows, GROUP, QK};
 
-    /// How far ahead a lone activation row's product prefetches the group's stream (bytes),
-    /// into the L2.
+    /// How far ahead the first activation rows' pass over a group prefetches the stream of
+    /// groups (bytes), into the L2.
     const PREFETCH_FAR: usize = 2048;
 
     /// Every activation row of `x` against group `g`: groups of 8 activation rows, then 4,
@@ -286,7 +286,9 @@ mod avx512 {
         let mut mins = [_mm512_setzero_ps(); R];
         for b in 0..nb {
             let (so, qo) = block_at::<K>(b);
-            if R == 1 {
+            // The first activation rows read the group from memory; the others find it in
+            // the L1 or L2.
+            if r0 == 0 {
                 _mm_prefetch::<_MM_HINT_T1>(gp.wrapping_add(qo + PREFETCH_FAR).cast());
                 _mm_prefetch::<_MM_HINT_T1>(gp.wrapping_add(qo + PREFETCH_FAR + 64).cast());
                 _mm_prefetch::<_MM_HINT_T1>(gp.wrapping_add(qo + PREFETCH_FAR + 128).cast());
@@ -532,6 +534,70 @@ mod tests {
             };
             assert!(g[s + 6..s + 32].iter().all(|&b| b == 0), "{dt}");
             assert_eq!(&g[s..s + 2], &w[bb..bb + 2], "{dt}: row 0's second scale");
+        }
+    }
+
+    #[test]
+    #[ignore = "a benchmark: run with --release --ignored --nocapture"]
+    fn packed_speed() {
+        if !have() {
+            return;
+        }
+        for (dt, bb, halves) in TYPES {
+            let t = packed_type_of(dt);
+            let in_place = q16::dot_fn(dt, Isa::Avx512).expect("a body");
+            for k in [768, 2048] {
+                let rb = k / QK * bb;
+                for (m, label, bytes, reps) in [
+                    (1, "cache 1 MiB", 1 << 20, 64),
+                    (1, "DRAM 96 MiB", 96 << 20, 2),
+                    (128, "cache 256 KiB", 256 << 10, 4),
+                    (128, "DRAM 48 MiB", 48 << 20, 1),
+                ] {
+                    let n = (bytes / rb).next_multiple_of(GROUP);
+                    let w = weights(n, k, bb, halves, 9);
+                    let g = pack_all(t, &w, n, rb, k);
+                    let mut lines = vec![Line([0; 64]); g.len().div_ceil(64)];
+                    lines_as_bytes_mut(&mut lines)[..g.len()].copy_from_slice(&g);
+                    drop(g);
+                    let gb = (t.group_bytes)(k);
+                    let x = activations(m, k, 0);
+                    let mut out = vec![0.0f32; n * m];
+                    let mut tmp = vec![0.0f32; GROUP * m];
+                    let units = (n * (k / QK) * m * reps) as f64;
+                    let (mut best_old, mut best_new) = (f64::MAX, f64::MAX);
+                    for round in 0..7 {
+                        for v in 0..2 {
+                            let t0 = std::time::Instant::now();
+                            for _ in 0..reps {
+                                if (v + round) % 2 == 0 {
+                                    in_place(&w, rb, &x, &mut out);
+                                } else {
+                                    let bytes =
+                                        &super::super::lines_as_bytes(&lines)[..n / GROUP * gb];
+                                    for grp in bytes.chunks_exact(gb) {
+                                        // SAFETY: `have()` checked the instruction sets.
+                                        unsafe { (t.dot)(grp, k, &x, &mut tmp) };
+                                        std::hint::black_box(&mut tmp);
+                                    }
+                                }
+                                std::hint::black_box(&mut out);
+                            }
+                            let ns = t0.elapsed().as_secs_f64() * 1e9 / units;
+                            if (v + round) % 2 == 0 {
+                                best_old = best_old.min(ns);
+                            } else {
+                                best_new = best_new.min(ns);
+                            }
+                        }
+                    }
+                    eprintln!(
+                        "{dt} k {k} m {m} {label}: in place {best_old:.3} ns, packed \
+                         {best_new:.3} ns per (block, weight row, activation row), {:.2}x",
+                        best_old / best_new
+                    );
+                }
+            }
         }
     }
 
