@@ -13,8 +13,10 @@
 //! Dropping the guard (the buffer is freed or reallocated) removes the range and its copies.
 //!
 //! Invariants: a range is registered only over bytes that nothing writes while it is
-//! registered; a derived copy is reachable only through its range, so it goes when the range
-//! goes (a kernel that still runs on it holds its own reference until it returns).
+//! registered, or that are written only after [`ReadOnlyGuard::invalidate`] (a weight buffer
+//! the backend allocated, written by its upload); a derived copy is reachable only through its
+//! range, so it goes when the range goes or is invalidated (a kernel that still runs on it holds
+//! its own reference until it returns).
 
 use std::any::Any;
 use std::collections::BTreeMap;
@@ -96,6 +98,17 @@ pub(crate) struct ReadOnlyGuard {
     key: (usize, u64),
 }
 
+impl ReadOnlyGuard {
+    /// Drops the range's derived copies: its bytes are about to be written (a weight buffer's
+    /// upload, `crate::memory::Store::span_write`). The writer is ordered after every kernel
+    /// that read them (the stream's order), so no product runs over a stale copy.
+    pub(crate) fn invalidate(&self) {
+        if let Some(r) = ranges().read().get(&self.key) {
+            r.derived.lock().clear();
+        }
+    }
+}
+
 impl Drop for ReadOnlyGuard {
     fn drop(&mut self) {
         ranges().write().remove(&self.key);
@@ -140,9 +153,10 @@ pub(crate) fn release_file_pages(start: *const u8, len: usize) -> usize {
     #[cfg(target_os = "linux")]
     {
         let (a, end) = (start as usize, start as usize + len);
-        if !file_mapping_holds(a, end) {
+        if !is_file_mapping(start, len) {
             return 0;
         }
+        // The smallest page size Linux runs with: with larger pages, fewer whole pages fit.
         let page = 4096usize;
         let (lo, hi) = (a.next_multiple_of(page), end / page * page);
         if hi <= lo {
@@ -168,8 +182,21 @@ pub(crate) fn release_file_pages(start: *const u8, len: usize) -> usize {
     }
 }
 
-/// Whether `[a, end)` lies in one mapping of this process that maps a file (an inode) and is
-/// not writable (`/proc/self/maps`).
+/// Whether `[start, start + len)` lies in one mapping of this process that maps a file (an
+/// inode) and is not writable (`/proc/self/maps`); false where that cannot be read.
+pub(crate) fn is_file_mapping(start: *const u8, len: usize) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        let (a, end) = (start as usize, start as usize + len);
+        file_mapping_holds(a, end)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (start, len);
+        false
+    }
+}
+
 #[cfg(target_os = "linux")]
 fn file_mapping_holds(a: usize, end: usize) -> bool {
     let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
@@ -233,8 +260,19 @@ mod tests {
     }
 
     #[test]
+    fn invalidating_a_range_drops_its_copies() {
+        let bytes = vec![3u8; 64];
+        let guard = register_read_only(bytes.as_ptr(), bytes.len());
+        let r = read_only_at(bytes.as_ptr(), 64).expect("registered");
+        let _ = r.derived(key(r.span().0), || 1u32);
+        assert_eq!(r.derived_count(), 1);
+        guard.invalidate();
+        assert_eq!(r.derived_count(), 0);
+    }
+
+    #[test]
     fn a_span_past_the_range_is_not_read_only() {
-        let bytes = vec![0u8; 128];
+        let bytes = [0u8; 128];
         let _g = register_read_only(bytes.as_ptr(), 64);
         assert!(read_only_at(bytes.as_ptr(), 64).is_some());
         assert!(read_only_at(bytes[32..].as_ptr(), 64).is_none());

@@ -115,18 +115,30 @@ fn packed_weight(
         let groups = n.div_ceil(GROUP);
         let mut lines = vec![Line([0; 64]); (groups * gb).div_ceil(64)];
         let bytes = &mut lines_as_bytes_mut(&mut lines)[..groups * gb];
-        bytes.par_chunks_mut(gb).enumerate().for_each(|(g, dst)| {
-            let rows: GroupRows<'_> = std::array::from_fn(|r| {
-                let j = g * GROUP + r;
-                if j < n {
-                    w.quant_row(1, j)
-                } else {
-                    None
-                }
+        // Chunk by chunk, each chunk's source pages released as soon as it is packed, so that
+        // the source and the copy of a large weight (the output head) are not resident together.
+        let (mut released, mut from) = (0, start as usize);
+        for (c, chunk) in bytes.chunks_mut(PACK_CHUNK_GROUPS * gb).enumerate() {
+            let g0 = c * PACK_CHUNK_GROUPS;
+            chunk.par_chunks_mut(gb).enumerate().for_each(|(gi, dst)| {
+                let rows: GroupRows<'_> = std::array::from_fn(|r| {
+                    let j = (g0 + gi) * GROUP + r;
+                    if j < n {
+                        w.quant_row(1, j)
+                    } else {
+                        None
+                    }
+                });
+                (pt.pack)(&rows, k, dst);
             });
-            (pt.pack)(&rows, k, dst);
-        });
-        let released = release_file_pages(start, len);
+            let last = ((g0 + chunk.len() / gb) * GROUP).min(n) - 1;
+            if let Some(row) = w.quant_row(1, last) {
+                let end = row.as_ptr() as usize + row.len();
+                released += release_file_pages(from as *const u8, end - from);
+                // The page that holds `end` goes with the next chunk.
+                from = from.max(end / PAGE_BYTES * PAGE_BYTES);
+            }
+        }
         tracing::debug!(n, k, dtype = %w.dtype(), released, "cpu: packed a weight");
         PackedWeight {
             lines,
@@ -134,6 +146,13 @@ fn packed_weight(
         }
     })
 }
+
+/// Groups packed before their source pages are released (64 groups of Q8_0 rows of 768: 816
+/// KiB).
+const PACK_CHUNK_GROUPS: usize = 64;
+
+/// The page size the releases round to (a larger page only leaves a little more resident).
+const PAGE_BYTES: usize = 4096;
 
 /// Whether products over read-only `dt` weights run over packed copies here.
 #[cfg(test)]
