@@ -261,7 +261,7 @@ mod tests {
 
     #[test]
     fn invalidating_a_range_drops_its_copies() {
-        let bytes = vec![3u8; 64];
+        let bytes = [3u8; 64];
         let guard = register_read_only(bytes.as_ptr(), bytes.len());
         let r = read_only_at(bytes.as_ptr(), 64).expect("registered");
         let _ = r.derived(key(r.span().0), || 1u32);
