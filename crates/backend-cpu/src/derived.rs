@@ -72,6 +72,17 @@ impl ReadOnly {
         v.clone().downcast::<T>().ok()
     }
 
+    /// A copy already made whose key `pick` accepts, if any (never makes one).
+    pub(crate) fn find_derived<T: Any + Send + Sync>(
+        &self,
+        pick: impl Fn(&DerivedKey) -> bool,
+    ) -> Option<Arc<T>> {
+        let d = self.derived.lock();
+        d.iter()
+            .filter(|(k, _)| pick(k))
+            .find_map(|(_, s)| s.get()?.clone().downcast::<T>().ok())
+    }
+
     /// Copies derived from this range.
     #[cfg(test)]
     pub(crate) fn derived_count(&self) -> usize {

@@ -87,6 +87,42 @@ fn pack_allowed() -> std::result::Result<bool, String> {
 struct PackedWeight {
     lines: Vec<Line>,
     group_bytes: usize,
+    /// The packed rows: `n` rows of `k` values, row `j`'s raw blocks at `first + j * stride`.
+    n: usize,
+    k: usize,
+    first: usize,
+    stride: usize,
+}
+
+impl PackedWeight {
+    /// Row `j`'s raw blocks, rebuilt from the copy into `out`; `false` where the type's
+    /// layout has no inverse.
+    fn raw_row(&self, dt: lowsync_graph::DType, j: usize, out: &mut [u8]) -> bool {
+        let g = &lines_as_bytes(&self.lines)[j / GROUP * self.group_bytes..][..self.group_bytes];
+        packed::raw_row(dt, g, self.k, j % GROUP, out)
+    }
+}
+
+/// The packed copy of the weight whose rows a table view `table` (rows along axis 0, `d`
+/// values each) reads, if a product already made one: a tied embedding's `get_rows` then reads
+/// the copy, and the file pages released after packing stay released.
+fn packed_table(table: &Strided, d: usize) -> Option<Arc<PackedWeight>> {
+    let n = *table.shape().first()?;
+    let first = table.quant_row(0, 0)?;
+    let last = table.quant_row(0, n.checked_sub(1)?)?;
+    let (a, end) = (first.as_ptr() as usize, last.as_ptr() as usize + last.len());
+    let stride = if n > 1 {
+        table.quant_row(0, 1)?.as_ptr() as usize - a
+    } else {
+        0
+    };
+    let range = read_only_at(first.as_ptr(), end - a)?;
+    let dt = table.dtype();
+    range
+        .find_derived::<PackedWeight>(|key| {
+            key.addr == a && key.dtype == dt && key.kind == "packed"
+        })
+        .filter(|p| p.n == n && p.k == d && p.first == a && (n == 1 || p.stride == stride))
 }
 
 /// The packed copy of the weight `w` (`x @ w.T` of `n` rows of `k`), made on first use and kept
@@ -140,9 +176,17 @@ fn packed_weight(
             }
         }
         tracing::debug!(n, k, dtype = %w.dtype(), released, "cpu: packed a weight");
+        let stride = match w.quant_row(1, 1.min(n - 1)) {
+            Some(r) => r.as_ptr() as usize - start as usize,
+            None => 0,
+        };
         PackedWeight {
             lines,
             group_bytes: gb,
+            n,
+            k,
+            first: start as usize,
+            stride,
         }
     })
 }
@@ -223,11 +267,20 @@ pub(super) fn get_rows(
             ),
         ));
     }
+    let packed = packed_table(table, d);
+    let raw_len = dt.row_bytes(d).unwrap_or(0);
     for_each_row(
         rows.len(),
         d,
-        || vec![0.0f32; d],
-        |buf, r| {
+        || (vec![0.0f32; d], vec![0u8; raw_len]),
+        |(buf, raw), r| {
+            if let Some(p) = &packed {
+                if p.raw_row(dt, rows[r], raw) {
+                    scalar::dequantize_row(dt, raw, buf);
+                    dst.write_row(r, 0..d, buf);
+                    return;
+                }
+            }
             if let Some(bytes) = table.quant_row(0, rows[r]) {
                 scalar::dequantize_row(dt, bytes, buf);
                 dst.write_row(r, 0..d, buf);

@@ -131,6 +131,34 @@ fn get_rows_of_a_quantized_table_dequantizes_the_rows_it_reads() {
 }
 
 #[test]
+fn get_rows_of_a_packed_table_reads_the_same_values() {
+    use crate::kernels::quant::uses_packed;
+    // A tied embedding: the output product packs the table, get_rows then reads the copy.
+    for dt in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        let (n, k) = (37, 64);
+        let mut mem = TestMem::new();
+        let mut rng = TestRng::new(2);
+        let (table, values) = weight(&mut mem, dt, n, k, 5);
+        let x = mem.rand(&mut rng, DType::F32, &[1, k]);
+        let out = mem.zeros(DType::F32, &[1, n]);
+        run(&mem, Op::MulMat, &out, &[&x, &transpose(&table, 0, 1)]).unwrap();
+        let ids = mem.ints(&[4], &[36, 0, 17, 36]);
+        let dst = mem.zeros(DType::F32, &[4, k]);
+        run(&mem, Op::GetRows, &dst, &[&table, &ids]).unwrap();
+        let want: Vec<f64> = [36, 0, 17, 36]
+            .iter()
+            .flat_map(|&r| values[r * k..(r + 1) * k].iter().map(|&v| v as f64))
+            .collect();
+        assert_eq!(
+            mem.read(&dst),
+            want,
+            "{dt} (packed here: {})",
+            uses_packed(dt)
+        );
+    }
+}
+
+#[test]
 fn get_rows_of_a_quantized_table_reports_a_bad_id_before_writing() {
     let mut mem = TestMem::new();
     let (table, _) = weight(&mut mem, DType::Q4_0, 3, 32, 1);

@@ -50,6 +50,12 @@ pub(crate) struct PackedType {
     pub dot: unsafe fn(g: &[u8], k: usize, x: &QRows, out: &mut [f32]),
 }
 
+/// Writes row `r` of group `g` (of `dt`, `k` values a row) back as its raw GGUF blocks into
+/// `out`; `false` where `dt`'s layout has no inverse here (the caller reads the weight itself).
+pub(crate) fn raw_row(dt: DType, g: &[u8], k: usize, r: usize, out: &mut [u8]) -> bool {
+    q32::raw_row_of(dt, g, k, r, out)
+}
+
 /// The packed layout of `dt`'s weights, where one exists.
 pub(crate) fn packed_type(dt: DType) -> Option<&'static PackedType> {
     q32::lookup(dt).or_else(|| k::lookup(dt))

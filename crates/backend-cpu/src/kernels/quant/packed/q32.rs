@@ -79,6 +79,9 @@ trait Kind {
 
     /// Writes row `r`'s values of one raw block into a group's block values `dst`.
     fn pack_values(raw: &[u8], r: usize, dst: &mut [u8]);
+
+    /// The inverse: row `r`'s values from a group's block values `src` into a raw block.
+    fn unpack_values(src: &[u8], r: usize, raw: &mut [u8]);
 }
 
 struct Q40;
@@ -96,6 +99,24 @@ fn pack_nibbles(q: &[u8; QK], r: usize, dst: &mut [u8]) {
         }
         let at = 64 * j + 4 * r;
         dst[at..at + 4].copy_from_slice(&lane.to_le_bytes());
+    }
+}
+
+/// The 32 nibbles of row `r` in the four-vector nibble layout, packed back into a block's 16
+/// bytes `qs` (low nibbles elements 0..16, high nibbles 16..32).
+fn unpack_nibbles(src: &[u8], r: usize, qs: &mut [u8]) {
+    let mut q = [0u8; QK];
+    for j in 0..4 {
+        let at = 64 * j + 4 * r;
+        let lane = u32::from_le_bytes([src[at], src[at + 1], src[at + 2], src[at + 3]]);
+        for s in 0..4 {
+            let p = 4 * j + s;
+            q[2 * p] = ((lane >> (4 * s)) & 0xF) as u8;
+            q[2 * p + 1] = ((lane >> (16 + 4 * s)) & 0xF) as u8;
+        }
+    }
+    for (j, b) in qs[..16].iter_mut().enumerate() {
+        *b = q[j] | (q[j + 16] << 4);
     }
 }
 
@@ -118,6 +139,9 @@ impl Kind for Q40 {
     fn pack_values(raw: &[u8], r: usize, dst: &mut [u8]) {
         pack_nibbles(&nibbles(&raw[2..18]), r, dst);
     }
+    fn unpack_values(src: &[u8], r: usize, raw: &mut [u8]) {
+        unpack_nibbles(src, r, &mut raw[2..18]);
+    }
 }
 
 impl Kind for Q41 {
@@ -128,6 +152,9 @@ impl Kind for Q41 {
     const OFFSET8: bool = false;
     fn pack_values(raw: &[u8], r: usize, dst: &mut [u8]) {
         pack_nibbles(&nibbles(&raw[4..20]), r, dst);
+    }
+    fn unpack_values(src: &[u8], r: usize, raw: &mut [u8]) {
+        unpack_nibbles(src, r, &mut raw[4..20]);
     }
 }
 
@@ -141,6 +168,12 @@ impl Kind for Q80 {
         for p in 0..16 {
             let at = 32 * p + 2 * r;
             dst[at..at + 2].copy_from_slice(&raw[2 + 2 * p..4 + 2 * p]);
+        }
+    }
+    fn unpack_values(src: &[u8], r: usize, raw: &mut [u8]) {
+        for p in 0..16 {
+            let at = 32 * p + 2 * r;
+            raw[2 + 2 * p..4 + 2 * p].copy_from_slice(&src[at..at + 2]);
         }
     }
 }
@@ -178,6 +211,30 @@ fn pack<K: Kind>(rows: &GroupRows<'_>, k: usize, dst: &mut [u8]) {
             K::pack_values(raw, r, &mut dst[q..q + K::QB]);
         }
     }
+}
+
+/// Writes row `r`'s raw GGUF blocks (`k` values) from group `g` into `out`: the inverse of
+/// `pack`, so a table read from its packed copy dequantizes to the same values.
+fn raw_row<K: Kind>(g: &[u8], k: usize, r: usize, out: &mut [u8]) {
+    for (b, raw) in out[..k / QK * K::RAW].chunks_exact_mut(K::RAW).enumerate() {
+        let (s, q) = block_at::<K>(b);
+        raw[0..2].copy_from_slice(&g[s + 2 * r..s + 2 * r + 2]);
+        if K::MIN {
+            raw[2..4].copy_from_slice(&g[s + 32 + 2 * r..s + 34 + 2 * r]);
+        }
+        K::unpack_values(&g[q..q + K::QB], r, raw);
+    }
+}
+
+/// Row `r`'s raw blocks from a group of `dt`, where `dt` has a layout here (`false` otherwise).
+pub(super) fn raw_row_of(dt: DType, g: &[u8], k: usize, r: usize, out: &mut [u8]) -> bool {
+    match dt {
+        DType::Q4_0 => raw_row::<Q40>(g, k, r, out),
+        DType::Q4_1 => raw_row::<Q41>(g, k, r, out),
+        DType::Q8_0 => raw_row::<Q80>(g, k, r, out),
+        _ => return false,
+    }
+    true
 }
 
 fn dot_q4_0(g: &[u8], k: usize, x: &QRows, out: &mut [f32]) {
@@ -597,6 +654,24 @@ mod tests {
                         best_old / best_new
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_comes_back_from_its_group_byte_for_byte() {
+        for (dt, bb, halves) in TYPES {
+            let t = packed_type_of(dt);
+            let (n, k) = (21, 96);
+            let rb = k / QK * bb;
+            let w = weights(n, k, bb, halves, 4);
+            let g = pack_all(t, &w, n, rb, k);
+            let gb = (t.group_bytes)(k);
+            let mut raw = vec![0u8; rb];
+            for j in 0..n {
+                let grp = &g[j / GROUP * gb..(j / GROUP + 1) * gb];
+                assert!(raw_row_of(dt, grp, k, j % GROUP, &mut raw));
+                assert_eq!(raw, &w[j * rb..(j + 1) * rb], "{dt} row {j}");
             }
         }
     }
