@@ -254,9 +254,10 @@ mod x86 {
     }
 
     /// The exact integer sums of pairs `p0..p0 + np` of the operands `w` against `R`
-    /// activation rows' block (`xb[i]`: the block's pairs), split over `ns` partial sums per
-    /// row (integer, so the split changes no bit) to hide the `vpdpwssd` latency when few
-    /// rows run.
+    /// activation rows' block (`xb[i]`: the block's pairs). With 4 rows or more, one sum per
+    /// row; with fewer, 4 partial sums per row (integer, so the split changes no bit) hide the
+    /// `vpdpwssd` latency. Every array index is a constant once the inner loops unroll, so the
+    /// sums stay in registers.
     #[inline(always)]
     unsafe fn sums<const R: usize>(
         w: &[__m512i; 16],
@@ -264,30 +265,74 @@ mod x86 {
         p0: usize,
         np: usize,
     ) -> [__m512i; R] {
-        let ns = (4 / R).max(1);
+        // No intrinsic sits in a closure here: a closure does not inherit the caller's target
+        // features, and its intrinsics became calls (a product 4x slower).
         let mut part = [[_mm512_setzero_si512(); 4]; R];
-        for p in p0..p0 + np {
-            let c = (p - p0) % ns;
+        if R >= 4 {
+            let mut sum = [_mm512_setzero_si512(); R];
             for i in 0..R {
-                let xv = _mm512_set1_epi32(xb[i].add(p).read_unaligned());
-                part[i][c] = if p - p0 < ns {
-                    _mm512_madd_epi16(w[p], xv)
-                } else {
-                    _mm512_dpwssd_epi32(part[i][c], w[p], xv)
-                };
+                sum[i] = _mm512_madd_epi16(w[p0], pair(xb[i], p0));
+            }
+            for p in p0 + 1..p0 + np {
+                for i in 0..R {
+                    sum[i] = _mm512_dpwssd_epi32(sum[i], w[p], pair(xb[i], p));
+                }
+            }
+            return sum;
+        }
+        for i in 0..R {
+            for c in 0..4 {
+                part[i][c] = _mm512_madd_epi16(w[p0 + c], pair(xb[i], p0 + c));
             }
         }
-        std::array::from_fn(|i| {
-            let mut s = part[i][0];
-            for c in 1..ns.min(np) {
-                s = _mm512_add_epi32(s, part[i][c]);
+        for q in (p0 + 4..p0 + np).step_by(4) {
+            for i in 0..R {
+                for c in 0..4 {
+                    part[i][c] = _mm512_dpwssd_epi32(part[i][c], w[q + c], pair(xb[i], q + c));
+                }
             }
-            s
-        })
+        }
+        let mut sum = [_mm512_setzero_si512(); R];
+        for i in 0..R {
+            let [a, b, c, d] = part[i];
+            sum[i] = _mm512_add_epi32(_mm512_add_epi32(a, b), _mm512_add_epi32(c, d));
+        }
+        sum
     }
 
-    /// `R` activation rows from `r0` against a Q4_K group of `nsb` super-blocks: for each
-    /// row, the 16 weight rows' results (lane = weight row).
+    /// Pair `p` of an activation block (`xb`: its pairs) in every lane.
+    #[inline(always)]
+    unsafe fn pair(xb: *const i32, p: usize) -> __m512i {
+        _mm512_set1_epi32(xb.add(p).read_unaligned())
+    }
+
+    /// 16 bytes at `p` as 16 lanes of f32 (unsigned).
+    #[inline(always)]
+    unsafe fn bytes_ps(p: *const u8) -> __m512 {
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast())))
+    }
+
+    /// How far ahead of its reads a product prefetches the group's bytes (into the L1). The
+    /// hardware prefetcher alone left a decode from DRAM at 0.35-0.5x of the same product from
+    /// the cache; measured one thread, k 768 and 2048 (`ns` per weight row and block from DRAM,
+    /// Q4_K / Q6_K): none 0.95-1.0 / 1.2-1.4, 8 KiB 0.40-0.42 / 0.60-0.63, 16 KiB 0.33-0.35 /
+    /// 0.52-0.53, 20 KiB 0.33-0.34 / 0.50-0.52, 32 KiB 0.36-0.38 / 0.53-0.55; into the L2
+    /// (`T1`) 0.45-0.50 / 0.72-0.84 at 8-32 KiB. A run of groups is one stream, so the bytes
+    /// ahead are the next group's where a group is shorter.
+    const PREFETCH_BYTES: usize = 16 << 10;
+
+    /// Prefetches `lines` cache lines from `at + PREFETCH_BYTES`.
+    #[inline(always)]
+    unsafe fn prefetch(at: *const u8, lines: usize) {
+        for c in 0..lines {
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES + 64 * c).cast());
+        }
+    }
+
+    /// `R` (at most 4) activation rows from `r0` against a Q4_K group of `nsb` super-blocks,
+    /// each block unpacked in registers: for each row, the 16 weight rows' results (lane =
+    /// weight row). The decode body (`R` = 1) and the tail of a product of fewer than
+    /// [`PASS_ROWS`] rows.
     // Index loops: each row `i` addresses several arrays at once.
     #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -298,20 +343,12 @@ mod x86 {
         let mut mins = [_mm512_setzero_ps(); R];
         for s in 0..nsb {
             let p = g.as_ptr().add(s * K4_SB);
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(K4_D).cast()));
-            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(K4_DMIN).cast()));
-            // `-dmin` by its sign bit, as the panels' `-(dmin * m)` negates (zeros included).
-            let ndmin = _mm512_castsi512_ps(_mm512_xor_si512(
-                _mm512_castps_si512(dmin),
-                _mm512_set1_epi32(i32::MIN),
-            ));
+            let (d, ndmin) = k4_d(p);
             for j in 0..8 {
                 let b = 8 * s + j;
-                let bytes = |at: usize| {
-                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(at).cast())))
-                };
-                let fv = _mm512_mul_ps(d, bytes(K4_SC + 16 * j));
-                let mv = _mm512_mul_ps(ndmin, bytes(K4_MIN + 16 * j));
+                // 8 x 5 lines cover the super-block's 37.
+                prefetch(p.add(5 * 64 * j), 5);
+                let (fv, mv) = k4_scales(p, d, ndmin, j);
                 let w = k4_block(p.add(K4_Q + 256 * j));
                 let xb: [*const i32; R] =
                     std::array::from_fn(|i| xq.add(((r0 + i) * nb + b) * QK).cast::<i32>());
@@ -324,7 +361,32 @@ mod x86 {
                 }
             }
         }
-        std::array::from_fn(|i| _mm512_add_ps(acc[i], mins[i]))
+        for i in 0..R {
+            acc[i] = _mm512_add_ps(acc[i], mins[i]);
+        }
+        acc
+    }
+
+    /// A Q4_K super-block's `d` and `-dmin` of the 16 rows.
+    #[inline(always)]
+    unsafe fn k4_d(p: *const u8) -> (__m512, __m512) {
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(K4_D).cast()));
+        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(K4_DMIN).cast()));
+        // `-dmin` by its sign bit, as the panels' `-(dmin * m)` negates (zeros included).
+        let ndmin = _mm512_castsi512_ps(_mm512_xor_si512(
+            _mm512_castps_si512(dmin),
+            _mm512_set1_epi32(i32::MIN),
+        ));
+        (d, ndmin)
+    }
+
+    /// Sub-block `j`'s scales `d * sc` and mins `-dmin * m` of the 16 rows (exact products).
+    #[inline(always)]
+    unsafe fn k4_scales(p: *const u8, d: __m512, ndmin: __m512, j: usize) -> (__m512, __m512) {
+        (
+            _mm512_mul_ps(d, bytes_ps(p.add(K4_SC + 16 * j))),
+            _mm512_mul_ps(ndmin, bytes_ps(p.add(K4_MIN + 16 * j))),
+        )
     }
 
     /// As [`k4_rows`] for a Q6_K group: two sub-blocks of 16 a block, each with its scale.
@@ -339,12 +401,13 @@ mod x86 {
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(K6_D).cast()));
             for j in 0..8 {
                 let b = 8 * s + j;
+                // 8 x 7 lines cover the super-block's 53.
+                prefetch(p.add(7 * 64 * j), 7);
                 let w = k6_block(p.add(K6_QL + 256 * j), p.add(K6_QH + 128 * j));
                 let xb: [*const i32; R] =
                     std::array::from_fn(|i| xq.add(((r0 + i) * nb + b) * QK).cast::<i32>());
                 for h in 0..2 {
-                    let sc = _mm_loadu_si128(p.add(K6_SC + 16 * (2 * j + h)).cast());
-                    let fv = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+                    let fv = k6_scale(p, d, 2 * j + h);
                     let sum = sums::<R>(&w, &xb, 8 * h, 8);
                     for i in 0..R {
                         let scale = _mm512_mul_ps(fv, _mm512_set1_ps(*xd.add((r0 + i) * nb + b)));
@@ -356,39 +419,191 @@ mod x86 {
         acc
     }
 
-    /// A group's body over `R` activation rows from `r0`.
-    type Rows<const R: usize> = unsafe fn(&[u8], usize, &QRows, usize) -> [__m512; R];
+    /// Sub-block `t`'s (of 16) scales `d * sc` of the 16 rows (exact products).
+    #[inline(always)]
+    unsafe fn k6_scale(p: *const u8, d: __m512, t: usize) -> __m512 {
+        let sc = _mm_loadu_si128(p.add(K6_SC + 16 * t).cast());
+        _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)))
+    }
 
-    /// Every activation row of `x` against a group: rows 8 at a time, the rest by 4, 2, 1.
+    /// Activation rows that one unpacking of a super-block serves in a product of many rows:
+    /// their accumulators (and mins) wait in memory between super-blocks, 8 KiB for 64 rows.
+    const PASS_ROWS: usize = 64;
+
+    /// A super-block unpacked for a pass of rows: `w[j]` block `j`'s 16 operands, `f[t]` the
+    /// scales of its scale groups (Q4_K: one a block; Q6_K: two), `mn[j]` Q4_K's mins.
+    struct Unpacked {
+        w: [[__m512i; 16]; 8],
+        f: [__m512; 16],
+        mn: [__m512; 8],
+    }
+
+    impl Unpacked {
+        fn new() -> Unpacked {
+            // SAFETY: all-zero bits are valid vectors.
+            unsafe { std::mem::zeroed() }
+        }
+    }
+
+    /// Unpacks Q4_K super-block `p` (and prefetches ahead of it).
+    #[inline(always)]
+    unsafe fn k4_unpack(p: *const u8, u: &mut Unpacked) {
+        prefetch(p, K4_SB.div_ceil(64));
+        let (d, ndmin) = k4_d(p);
+        for j in 0..8 {
+            (u.f[j], u.mn[j]) = k4_scales(p, d, ndmin, j);
+            u.w[j] = k4_block(p.add(K4_Q + 256 * j));
+        }
+    }
+
+    /// Unpacks Q6_K super-block `p` (and prefetches ahead of it).
+    #[inline(always)]
+    unsafe fn k6_unpack(p: *const u8, u: &mut Unpacked) {
+        prefetch(p, K6_SB.div_ceil(64));
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(K6_D).cast()));
+        for j in 0..8 {
+            u.w[j] = k6_block(p.add(K6_QL + 256 * j), p.add(K6_QH + 128 * j));
+        }
+        for t in 0..16 {
+            u.f[t] = k6_scale(p, d, t);
+        }
+    }
+
+    /// `R` activation rows from `r0` over an unpacked super-block whose first activation
+    /// block is `b0`: the rows' accumulators from `acc` (and mins from `mins`, `MIN`) and back.
+    /// `G` pairs a scale group (16: Q4_K; 8: Q6_K).
+    #[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn run(
+    unsafe fn pass<const R: usize, const G: usize, const MIN: bool>(
+        u: &Unpacked,
+        x: &QRows,
+        r0: usize,
+        nb: usize,
+        b0: usize,
+        acc: &mut [__m512],
+        mins: &mut [__m512],
+    ) {
+        let (xq, xd, xs) = (x.q.as_ptr(), x.d.as_ptr(), x.s.as_ptr());
+        let mut a: [__m512; R] = std::array::from_fn(|i| acc[i]);
+        let mut m: [__m512; R] = std::array::from_fn(|i| if MIN { mins[i] } else { a[i] });
+        for j in 0..8 {
+            let b = b0 + j;
+            let xb: [*const i32; R] =
+                std::array::from_fn(|i| xq.add(((r0 + i) * nb + b) * QK).cast::<i32>());
+            for h in 0..16 / G {
+                let sum = sums::<R>(&u.w[j], &xb, G * h, G);
+                let fv = u.f[j * (16 / G) + h];
+                for i in 0..R {
+                    let scale = _mm512_mul_ps(fv, _mm512_set1_ps(*xd.add((r0 + i) * nb + b)));
+                    a[i] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum[i]), a[i]);
+                }
+            }
+            if MIN {
+                for i in 0..R {
+                    let sx = _mm512_set1_ps(*xs.add((r0 + i) * nb + b));
+                    m[i] = _mm512_fmadd_ps(u.mn[j], sx, m[i]);
+                }
+            }
+        }
+        acc[..R].copy_from_slice(&a);
+        if MIN {
+            mins[..R].copy_from_slice(&m);
+        }
+    }
+
+    /// A product of many activation rows: passes of up to [`PASS_ROWS`] rows; per pass, each
+    /// super-block unpacked once and every row of the pass run over it 8 (4, 2, 1) at a time.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn many_rows<const G: usize, const MIN: bool>(
         g: &[u8],
         nsb: usize,
         m: usize,
         x: &QRows,
         out: &mut [f32],
-        bodies: (Rows<8>, Rows<4>, Rows<2>, Rows<1>),
+    ) {
+        let nb = nsb * 8;
+        let mut u = Unpacked::new();
+        let mut acc = [_mm512_setzero_ps(); PASS_ROWS];
+        let mut mins = [_mm512_setzero_ps(); PASS_ROWS];
+        for c0 in (0..m).step_by(PASS_ROWS) {
+            let cn = PASS_ROWS.min(m - c0);
+            acc[..cn].fill(_mm512_setzero_ps());
+            mins[..cn].fill(_mm512_setzero_ps());
+            for s in 0..nsb {
+                // Called directly, not through a pointer: an `inline(always)` body taken as a
+                // pointer is compiled without the caller's target features.
+                if MIN {
+                    k4_unpack(g.as_ptr().add(s * K4_SB), &mut u);
+                } else {
+                    k6_unpack(g.as_ptr().add(s * K6_SB), &mut u);
+                }
+                let mut r = 0;
+                while r < cn {
+                    let (a, mn) = (&mut acc[r..cn], &mut mins[r..cn]);
+                    let (r0, b0) = (c0 + r, 8 * s);
+                    r += match cn - r {
+                        8.. => {
+                            pass::<8, G, MIN>(&u, x, r0, nb, b0, a, mn);
+                            8
+                        }
+                        4..=7 => {
+                            pass::<4, G, MIN>(&u, x, r0, nb, b0, a, mn);
+                            4
+                        }
+                        2 | 3 => {
+                            pass::<2, G, MIN>(&u, x, r0, nb, b0, a, mn);
+                            2
+                        }
+                        _ => {
+                            pass::<1, G, MIN>(&u, x, r0, nb, b0, a, mn);
+                            1
+                        }
+                    };
+                }
+            }
+            for i in 0..cn {
+                let v = if MIN {
+                    _mm512_add_ps(acc[i], mins[i])
+                } else {
+                    acc[i]
+                };
+                _mm512_storeu_ps(out.as_mut_ptr().add((c0 + i) * GROUP), v);
+            }
+        }
+    }
+
+    /// A group's body over `R` activation rows from `r0`.
+    type Rows<const R: usize> = unsafe fn(&[u8], usize, &QRows, usize) -> [__m512; R];
+
+    /// Every activation row of `x` against a group: [`many_rows`] from 8 rows, else the
+    /// register bodies 4, 2 and 1 rows at a time.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn few_rows(
+        g: &[u8],
+        nsb: usize,
+        m: usize,
+        x: &QRows,
+        out: &mut [f32],
+        bodies: (Rows<4>, Rows<2>, Rows<1>),
     ) {
         let o = out.as_mut_ptr();
         let put = |r0: usize, res: &[__m512]| {
             for (i, v) in res.iter().enumerate() {
                 // SAFETY: `shape` checked `out.len() == GROUP * m` and `r0 + i < m`.
-                unsafe { _mm512_storeu_ps(o.add((r0 + i) * GROUP), *v) };
+                unsafe { o.add((r0 + i) * GROUP).cast::<__m512>().write_unaligned(*v) };
             }
         };
         let mut r0 = 0;
         while r0 < m {
             let rn = match m - r0 {
-                8.. => 8,
-                4..=7 => 4,
+                4.. => 4,
                 2 | 3 => 2,
                 _ => 1,
             };
             match rn {
-                8 => put(r0, &(bodies.0)(g, nsb, x, r0)),
-                4 => put(r0, &(bodies.1)(g, nsb, x, r0)),
-                2 => put(r0, &(bodies.2)(g, nsb, x, r0)),
-                _ => put(r0, &(bodies.3)(g, nsb, x, r0)),
+                4 => put(r0, &(bodies.0)(g, nsb, x, r0)),
+                2 => put(r0, &(bodies.1)(g, nsb, x, r0)),
+                _ => put(r0, &(bodies.2)(g, nsb, x, r0)),
             }
             r0 += rn;
         }
@@ -403,13 +618,15 @@ mod x86 {
             out.fill(0.0);
             return;
         };
+        if m >= 8 {
+            return many_rows::<16, true>(g, nsb, m, x, out);
+        }
         let bodies = (
-            k4_rows::<8> as Rows<8>,
             k4_rows::<4> as Rows<4>,
             k4_rows::<2> as Rows<2>,
             k4_rows::<1> as Rows<1>,
         );
-        run(g, nsb, m, x, out, bodies);
+        few_rows(g, nsb, m, x, out, bodies);
     }
 
     /// The Q6_K group product (`PackedType::dot`).
@@ -421,13 +638,15 @@ mod x86 {
             out.fill(0.0);
             return;
         };
+        if m >= 8 {
+            return many_rows::<8, false>(g, nsb, m, x, out);
+        }
         let bodies = (
-            k6_rows::<8> as Rows<8>,
             k6_rows::<4> as Rows<4>,
             k6_rows::<2> as Rows<2>,
             k6_rows::<1> as Rows<1>,
         );
-        run(g, nsb, m, x, out, bodies);
+        few_rows(g, nsb, m, x, out, bodies);
     }
 }
 
@@ -634,7 +853,7 @@ mod tests {
         // 37 weight rows: two full groups and one of 5 rows and 11 `None` rows.
         for dt in [DType::Q4_K, DType::Q6_K] {
             for (s, k) in [256, 768, 2048, 5632].into_iter().enumerate() {
-                for m in [1, 2, 3, 4, 8, 11] {
+                for m in [1, 2, 3, 4, 8, 11, 70] {
                     check(dt, k, 37, m, 10 * s as u64 + m as u64, Scales::Plain);
                 }
             }
