@@ -258,6 +258,8 @@ mod x86 {
     /// row; with fewer, 4 partial sums per row (integer, so the split changes no bit) hide the
     /// `vpdpwssd` latency. Every array index is a constant once the inner loops unroll, so the
     /// sums stay in registers.
+    // Index loops: each pair `p` and row `i` address several arrays at once.
+    #[allow(clippy::needless_range_loop)]
     #[inline(always)]
     unsafe fn sums<const R: usize>(
         w: &[__m512i; 16],
