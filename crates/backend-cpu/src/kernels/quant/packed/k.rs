@@ -18,11 +18,15 @@
 //! `2i..2i + 2` of the halves, stored as `hi ^ 2` so that an arithmetic shift turns them into
 //! `16 * (hi - 2)` and the value `lo + 16 * hi - 32` needs no offset), the 16 sub-blocks'
 //! scales (one byte a row), the 16 rows' `d`, and 32 bytes of padding so that every
-//! super-block starts 64 bytes after the previous one's start times a whole number. The dot
-//! product takes the activation rows 8, 4, 2 or 1 at a time; for each block it unpacks the 16
-//! operands once and runs every row of the set over them (`vpdpwssd` with the row's pair
-//! broadcast). One activation row (decode) reads the group as one stream, its integer sums
-//! split over four accumulators so that the `vpdpwssd` latency is hidden.
+//! super-block starts a whole number of 64-byte lines after the group's start (the 64-byte
+//! loads stay within a line where the caller aligns its groups). The dot product of fewer
+//! than 8 activation rows (decode: one) runs them 4, 2 or 1 at a time over the whole group,
+//! each block's 16 operands unpacked in registers and every row's pair broadcast into a
+//! `vpdpwssd`; it reads the group as one stream, prefetched 16 KiB ahead, and with 1 or 2 rows
+//! splits each integer sum over four accumulators so that the `vpdpwssd` latency is hidden.
+//! A product of 8 rows or more (prefill) takes them in passes of up to 64: per pass, each
+//! super-block is unpacked once into an 8 KiB buffer (in the L1) and the pass's rows run over
+//! it 8 at a time, their float accumulators kept in memory between super-blocks.
 //!
 //! Invariants: each output is computed in the panels' order, so a packed product gives the
 //! panels' bits: per activation block, the exact integer sum (Q6_K: per sub-block of 16, which
@@ -915,11 +919,16 @@ mod tests {
                 let old = q16::dot_fn(dt, Isa::Avx512).expect("a q16 body");
                 for m in [1, 128] {
                     let x = activations(m, k, 3);
-                    for (label, bytes, reps) in [
-                        ("cache 256 KiB", 256 << 10, if m == 1 { 64 } else { 4 }),
-                        ("DRAM 48 MiB", 48 << 20, if m == 1 { 2 } else { 1 }),
-                    ] {
-                        let n = (bytes / rb).next_multiple_of(GROUP);
+                    let mut cases = vec![
+                        ("cache 256 KiB", 256 << 10, if m == 1 { 64 } else { 4 }, 1),
+                        ("DRAM 48 MiB", 48 << 20, if m == 1 { 2 } else { 1 }, 1),
+                    ];
+                    if m == 1 {
+                        // A decode step's products run on 2 threads that share the DRAM.
+                        cases.push(("DRAM 48 MiB, 2 threads", 48 << 20, 2, 2));
+                    }
+                    for (label, bytes, reps, threads) in cases {
+                        let n = (bytes / rb).next_multiple_of(2 * GROUP);
                         let w = weights(dt, n, k, 9, Scales::Plain);
                         let mut packed = vec![0u8; n / GROUP * gb];
                         for (j, g) in packed.chunks_exact_mut(gb).enumerate() {
@@ -930,6 +939,21 @@ mod tests {
                             (pt.pack)(&rows, k, g);
                         }
                         let mut out = vec![0.0f32; n * m];
+                        // One thread's share: `rows` weight rows from `j0`.
+                        let share = |new: bool, j0: usize, rows: usize, out: &mut [f32]| {
+                            if new {
+                                let gs = &packed[j0 / GROUP * gb..(j0 + rows) / GROUP * gb];
+                                for (g, o) in
+                                    gs.chunks_exact(gb).zip(out.chunks_exact_mut(GROUP * m))
+                                {
+                                    // SAFETY: `have()` detected the features; `g` is a whole
+                                    // group of `k`.
+                                    unsafe { (pt.dot)(g, k, &x, o) };
+                                }
+                            } else {
+                                old(&w[j0 * rb..(j0 + rows) * rb], rb, &x, out);
+                            }
+                        };
                         let per = (n * (k / QK) * m * reps) as f64;
                         let (mut best_old, mut best_new) = (f64::MAX, f64::MAX);
                         for round in 0..9 {
@@ -937,17 +961,14 @@ mod tests {
                                 let new = (v + round) % 2 == 1;
                                 let t = std::time::Instant::now();
                                 for _ in 0..reps {
-                                    if new {
-                                        for (g, o) in packed
-                                            .chunks_exact(gb)
-                                            .zip(out.chunks_exact_mut(GROUP * m))
-                                        {
-                                            // SAFETY: `have()` detected the features; `g` is
-                                            // a whole group of `k`.
-                                            unsafe { (pt.dot)(g, k, &x, o) };
-                                        }
+                                    if threads == 1 {
+                                        share(new, 0, n, &mut out);
                                     } else {
-                                        old(&w, rb, &x, &mut out);
+                                        let (a, b) = out.split_at_mut(n / 2 * m);
+                                        std::thread::scope(|sc| {
+                                            sc.spawn(|| share(new, 0, n / 2, a));
+                                            share(new, n / 2, n / 2, b);
+                                        });
                                     }
                                     std::hint::black_box(&mut out);
                                 }
