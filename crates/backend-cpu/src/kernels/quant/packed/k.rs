@@ -37,7 +37,7 @@
 
 use lowsync_graph::DType;
 
-use super::{GroupRows, PackedType, GROUP};
+use super::{GroupRows, PackedType};
 
 /// Values per super-block.
 const QK_K: usize = 256;
@@ -171,6 +171,7 @@ mod x86 {
 
     use std::arch::x86_64::*;
 
+    use super::super::GROUP;
     use super::*;
     use crate::kernels::quant::q16::{QRows, QK};
 
@@ -665,6 +666,7 @@ mod tests {
 
     use half::f16;
 
+    use super::super::GROUP;
     use super::*;
     use crate::kernels::quant::q16::{self, Isa, QRows, QK};
     use crate::kernels::quant::scalar;
