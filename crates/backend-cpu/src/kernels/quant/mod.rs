@@ -17,8 +17,20 @@
 //! (output columns), run in parallel above a size threshold on the rayon pool, which has one
 //! thread per core (no oversubscription).
 //!
+//! What runs where: with AVX-512 VNNI (and `q16`'s AVX-512 bodies allowed), a product over a
+//! Q4_0, Q4_1, Q8_0, Q4_K or Q6_K weight that lives in weight memory (`crate::derived`: an
+//! aliased GGUF or built-in weight, or a weight buffer the backend allocated) runs over a packed
+//! copy of the weight (`packed`: groups of 16 rows in the order `vpdpwssd` reads them, made once
+//! on the rayon pool and kept while the buffer lives), in decode and prefill alike, in jobs of
+//! whole groups; `LOWSYNC_CPU_PACK=off` keeps the in-place paths. Where the copy replaces a
+//! read-only file mapping, the mapping's pages are released as the copy is made, and `GetRows`
+//! of the same table (a tied embedding) reads the copy. Otherwise the `q16` bodies read the
+//! weight in place (AVX-512 panels from 6 activation rows, AVX2 tiles below), and without SIMD
+//! or with `LOWSYNC_CPU_QUANT_DOT=f32` the exact path runs.
+//!
 //! Determinism: each output element is one dot product computed by one job in a fixed order,
-//! independent of the thread count (as the f32 kernels promise).
+//! independent of the thread count (as the f32 kernels promise). A packed product gives the
+//! bits of the AVX-512 panels for every number of activation rows.
 
 mod packed;
 mod q16;
