@@ -111,8 +111,8 @@ impl Backend for CpuBackend {
         &self.stats
     }
 
-    fn alloc_buffer(&self, size: usize, _usage: BufferUsage) -> Result<BufferId> {
-        let id = self.store.alloc(size)?;
+    fn alloc_buffer(&self, size: usize, usage: BufferUsage) -> Result<BufferId> {
+        let id = self.store.alloc_for(size, usage)?;
         bump(&self.stats.reserves, 1);
         Ok(id)
     }

@@ -540,8 +540,8 @@ impl Backend for CpuAsyncBackend {
         &self.shared.stats
     }
 
-    fn alloc_buffer(&self, size: usize, _usage: BufferUsage) -> Result<BufferId> {
-        let id = self.shared.store.alloc(size)?;
+    fn alloc_buffer(&self, size: usize, usage: BufferUsage) -> Result<BufferId> {
+        let id = self.shared.store.alloc_for(size, usage)?;
         bump(&self.shared.stats.reserves, 1);
         Ok(id)
     }

@@ -10,6 +10,7 @@
 
 mod cpu;
 mod cpu_async;
+mod derived;
 pub mod kernels;
 pub mod memory;
 mod noop;

@@ -22,7 +22,11 @@
 //! Invariants: a buffer's address never changes while it lives (`realloc` replaces it with a new
 //! one after the owning stream is idle). An aliased buffer is read-only: every write primitive
 //! goes through [`Store::span_write`], which refuses it, and kernels never write weights (only
-//! `set_rows` writes into a leaf, and only into a persistent one).
+//! `set_rows` writes into a leaf, and only into a persistent one). So an aliased buffer, and a
+//! weight buffer allocated here (written only by its upload, through `span_write`), is
+//! registered as weight memory while it lives (`crate::derived`): kernels may keep copies
+//! derived from its bytes (packed weights), which go when the buffer is freed or replaced, or
+//! (allocated ones) written.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::HashMap;
@@ -30,9 +34,11 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use lowsync_backend::{BufferId, Error, Result, TensorRef};
+use lowsync_backend::{BufferId, BufferUsage, Error, Result, TensorRef};
 use lowsync_graph::WeightBytes;
 use parking_lot::RwLock;
+
+use crate::derived::{is_file_mapping, register_read_only, ReadOnlyGuard};
 
 /// Alignment of every host buffer the backend allocates.
 pub const ALIGNMENT: usize = 64;
@@ -45,6 +51,14 @@ const ZEROED_ALIGN: usize = 16;
 /// element of a weight dtype).
 pub const ALIAS_ALIGNMENT: usize = 4;
 
+/// Weights in a file mapping below this size are copied rather than aliased. The products
+/// release a packed weight's file pages (`crate::derived::release_file_pages`), but the page
+/// cache holds the file in large folios that a fault maps whole (2 MiB on the kernel this was
+/// measured on): reading a norm weight in place every step mapped the released pages of its
+/// neighbours back (21.5 MB of the small Q8_0 model's 117). A copy of the small tensors (tens of
+/// KiB per model) leaves the released pages untouched.
+pub const SMALL_FILE_WEIGHT_BYTES: usize = 64 << 10;
+
 /// One zeroed, aligned allocation, or read-only weight bytes borrowed in place.
 pub struct HostBuffer {
     ptr: NonNull<u8>,
@@ -53,6 +67,9 @@ pub struct HostBuffer {
     base: NonNull<u8>,
     /// The aliased bytes, kept alive as long as the buffer (`None`: allocated here).
     aliased: Option<WeightBytes>,
+    /// A weight buffer's registration (`crate::derived`), so that kernels may keep copies
+    /// derived from it (packed weights) until the buffer is freed, replaced or written.
+    weight_range: Option<ReadOnlyGuard>,
 }
 
 // SAFETY: the buffer is plain memory; concurrent access is ordered by the owning stream.
@@ -81,6 +98,7 @@ impl HostBuffer {
             size,
             base,
             aliased: None,
+            weight_range: None,
         })
     }
 
@@ -97,6 +115,7 @@ impl HostBuffer {
             size: b.len(),
             base: ptr,
             aliased: Some(bytes.clone()),
+            weight_range: Some(register_read_only(b.as_ptr(), b.len())),
         })
     }
 
@@ -180,15 +199,28 @@ impl Store {
 
     /// Allocates a zeroed buffer.
     pub fn alloc(&self, size: usize) -> Result<BufferId> {
-        let buf = HostBuffer::new(&self.owner, size)?;
+        self.alloc_for(size, BufferUsage::Compute)
+    }
+
+    /// Allocates a zeroed buffer for `usage`: a weight buffer is registered as weight memory
+    /// (`crate::derived`), whose derived copies every write through [`Store::span_write`] drops.
+    pub fn alloc_for(&self, size: usize, usage: BufferUsage) -> Result<BufferId> {
+        let mut buf = HostBuffer::new(&self.owner, size)?;
+        if usage == BufferUsage::Weights {
+            buf.weight_range = Some(register_read_only(buf.ptr.as_ptr(), size));
+        }
         let id = BufferId::fresh();
         self.bufs.write().insert(id, Arc::new(buf));
         Ok(id)
     }
 
     /// A read-only buffer reading `bytes` in place, or `None` when they cannot be aliased
-    /// (empty or misaligned: the caller copies them into an allocated buffer).
+    /// (empty or misaligned: the caller copies them into an allocated buffer), or are small
+    /// weights in a file mapping ([`SMALL_FILE_WEIGHT_BYTES`]).
     pub fn alias(&self, bytes: &WeightBytes) -> Option<BufferId> {
+        if bytes.len() < SMALL_FILE_WEIGHT_BYTES && is_file_mapping(bytes.as_ptr(), bytes.len()) {
+            return None;
+        }
         let buf = HostBuffer::alias(bytes)?;
         let id = BufferId::fresh();
         self.bufs.write().insert(id, Arc::new(buf));
@@ -232,7 +264,11 @@ impl Store {
     /// As [`Store::span`], for a write: refuses a buffer that aliases weight bytes (they may
     /// be a read-only memory map, and other graphs read them).
     pub fn span_write(&self, id: BufferId, offset: usize, len: usize) -> Result<*mut u8> {
-        if self.get(id)?.is_alias() {
+        let b = self.get(id)?;
+        if let Some(range) = &b.weight_range {
+            range.invalidate();
+        }
+        if b.is_alias() {
             return Err(Error::Unsupported {
                 backend: self.owner.clone(),
                 what: format!(

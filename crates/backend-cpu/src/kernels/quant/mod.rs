@@ -17,23 +17,35 @@
 //! (output columns), run in parallel above a size threshold on the rayon pool, which has one
 //! thread per core (no oversubscription).
 //!
+//! What runs where: with AVX-512 VNNI (and `q16`'s AVX-512 bodies allowed), a product over a
+//! Q4_0, Q4_1, Q8_0, Q4_K or Q6_K weight that lives in weight memory (`crate::derived`: an
+//! aliased GGUF or built-in weight, or a weight buffer the backend allocated) runs over a packed
+//! copy of the weight (`packed`: groups of 16 rows in the order `vpdpwssd` reads them, made once
+//! on the rayon pool and kept while the buffer lives), in decode and prefill alike, in jobs of
+//! whole groups; `LOWSYNC_CPU_PACK=off` keeps the in-place paths. Where the copy replaces a
+//! read-only file mapping, the mapping's pages are released as the copy is made, and `GetRows`
+//! of the same table (a tied embedding) reads the copy. Otherwise the `q16` bodies read the
+//! weight in place (AVX-512 panels from 6 activation rows, AVX2 tiles below), and without SIMD
+//! or with `LOWSYNC_CPU_QUANT_DOT=f32` the exact path runs.
+//!
 //! Determinism: each output element is one dot product computed by one job in a fixed order,
-//! independent of the thread count (as the f32 kernels promise).
+//! independent of the thread count (as the f32 kernels promise). A packed product gives the
+//! bits of the AVX-512 panels for every number of activation rows.
 
-// The packed products are wired into `matmul` by the change that builds their kernels.
-#[allow(dead_code)]
 mod packed;
 mod q16;
 pub(crate) mod scalar;
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use lowsync_backend::{env, ExecNode, Result};
 use rayon::prelude::*;
 
+use self::packed::{lines_as_bytes, lines_as_bytes_mut, GroupRows, Line, PackedType, GROUP};
 use super::kernel_err;
 use super::par::{for_each_row, PAR_MIN_ELEMS};
 use super::view::Strided;
+use crate::derived::{read_only_at, release_file_pages, DerivedKey};
 
 /// Multiply-adds of one parallel job of a product (about, at most).
 const JOB_WORK: usize = 1 << 16;
@@ -67,6 +79,146 @@ fn q16_isa() -> std::result::Result<q16::Isa, String> {
             .map_err(|e| e.to_string())
     })
     .clone()
+}
+
+/// Whether products may run over packed copies of read-only weights (`LOWSYNC_CPU_PACK`:
+/// `auto`, the default, packs where the CPU has AVX-512 VNNI and the type a packed layout;
+/// `off` keeps the in-place products), read once; a bad value is an error naming the variable.
+fn pack_allowed() -> std::result::Result<bool, String> {
+    static MODE: OnceLock<std::result::Result<bool, String>> = OnceLock::new();
+    MODE.get_or_init(|| {
+        env::choice("LOWSYNC_CPU_PACK", &["auto", "off"], "auto or off")
+            .map(|c| c != Some("off"))
+            .map_err(|e| e.to_string())
+    })
+    .clone()
+}
+
+/// A weight's packed copy: `groups` groups of [`GROUP`] rows, `group_bytes` each, back to back
+/// from a 64-byte boundary.
+struct PackedWeight {
+    lines: Vec<Line>,
+    group_bytes: usize,
+    /// The packed rows: `n` rows of `k` values, row `j`'s raw blocks at `first + j * stride`.
+    n: usize,
+    k: usize,
+    first: usize,
+    stride: usize,
+}
+
+impl PackedWeight {
+    /// Row `j`'s raw blocks, rebuilt from the copy into `out`; `false` where the type's
+    /// layout has no inverse.
+    fn raw_row(&self, dt: lowsync_graph::DType, j: usize, out: &mut [u8]) -> bool {
+        let g = &lines_as_bytes(&self.lines)[j / GROUP * self.group_bytes..][..self.group_bytes];
+        packed::raw_row(dt, g, self.k, j % GROUP, out)
+    }
+}
+
+/// The packed copy of the weight whose rows a table view `table` (rows along axis 0, `d`
+/// values each) reads, if a product already made one: a tied embedding's `get_rows` then reads
+/// the copy, and the file pages released after packing stay released.
+fn packed_table(table: &Strided, d: usize) -> Option<Arc<PackedWeight>> {
+    let n = *table.shape().first()?;
+    let first = table.quant_row(0, 0)?;
+    let last = table.quant_row(0, n.checked_sub(1)?)?;
+    let (a, end) = (first.as_ptr() as usize, last.as_ptr() as usize + last.len());
+    let stride = if n > 1 {
+        table.quant_row(0, 1)?.as_ptr() as usize - a
+    } else {
+        0
+    };
+    let range = read_only_at(first.as_ptr(), end - a)?;
+    let dt = table.dtype();
+    range
+        .find_derived::<PackedWeight>(|key| {
+            key.addr == a && key.dtype == dt && key.kind == "packed"
+        })
+        .filter(|p| p.n == n && p.k == d && p.first == a && (n == 1 || p.stride == stride))
+}
+
+/// The packed copy of the weight `w` (`x @ w.T` of `n` rows of `k`), made on first use and kept
+/// while `w`'s buffer lives; `None` where `w` is not read-only memory (only read-only weights
+/// are packed, so a copy never goes stale). After packing, the weight's own pages are released
+/// where they are a read-only file mapping: the packed copy replaces them in resident memory.
+fn packed_weight(
+    w: &Strided,
+    pt: &'static PackedType,
+    n: usize,
+    k: usize,
+) -> Option<Arc<PackedWeight>> {
+    let (first, last) = (w.quant_row(1, 0)?, w.quant_row(1, n - 1)?);
+    let start = first.as_ptr();
+    let len = (last.as_ptr() as usize + last.len()).checked_sub(start as usize)?;
+    let range = read_only_at(start, len)?;
+    let key = DerivedKey {
+        addr: start as usize,
+        shape: w.shape().to_vec(),
+        strides: w.strides().to_vec(),
+        dtype: w.dtype(),
+        kind: "packed",
+    };
+    range.derived(key, || {
+        let gb = (pt.group_bytes)(k);
+        let groups = n.div_ceil(GROUP);
+        let mut lines = vec![Line([0; 64]); (groups * gb).div_ceil(64)];
+        let bytes = &mut lines_as_bytes_mut(&mut lines)[..groups * gb];
+        // Chunk by chunk, each chunk's source pages released as soon as it is packed, so that
+        // the source and the copy of a large weight (the output head) are not resident together.
+        let (mut released, mut from) = (0, start as usize);
+        for (c, chunk) in bytes.chunks_mut(PACK_CHUNK_GROUPS * gb).enumerate() {
+            let g0 = c * PACK_CHUNK_GROUPS;
+            chunk.par_chunks_mut(gb).enumerate().for_each(|(gi, dst)| {
+                let rows: GroupRows<'_> = std::array::from_fn(|r| {
+                    let j = (g0 + gi) * GROUP + r;
+                    if j < n {
+                        w.quant_row(1, j)
+                    } else {
+                        None
+                    }
+                });
+                (pt.pack)(&rows, k, dst);
+            });
+            let last = ((g0 + chunk.len() / gb) * GROUP).min(n) - 1;
+            if let Some(row) = w.quant_row(1, last) {
+                let end = row.as_ptr() as usize + row.len();
+                released += release_file_pages(from as *const u8, end - from);
+                // The page that holds `end` goes with the next chunk.
+                from = from.max(end / PAGE_BYTES * PAGE_BYTES);
+            }
+        }
+        tracing::debug!(n, k, dtype = %w.dtype(), released, "cpu: packed a weight");
+        let stride = match w.quant_row(1, 1.min(n - 1)) {
+            Some(r) => r.as_ptr() as usize - start as usize,
+            None => 0,
+        };
+        PackedWeight {
+            lines,
+            group_bytes: gb,
+            n,
+            k,
+            first: start as usize,
+            stride,
+        }
+    })
+}
+
+/// Groups packed before their source pages are released (64 groups of Q8_0 rows of 768: 816
+/// KiB).
+const PACK_CHUNK_GROUPS: usize = 64;
+
+/// The page size the releases round to (a larger page only leaves a little more resident).
+const PAGE_BYTES: usize = 4096;
+
+/// Whether products over read-only `dt` weights run over packed copies here.
+#[cfg(test)]
+pub(crate) fn uses_packed(dt: lowsync_graph::DType) -> bool {
+    uses_q16(dt)
+        && pack_allowed().unwrap_or(false)
+        && q16_isa() == Ok(q16::Isa::Avx512)
+        && q16::has_avx512()
+        && q16::dot_fn(dt, q16::Isa::Avx512).is_some()
+        && packed::packed_type(dt).is_some()
 }
 
 #[cfg(test)]
@@ -127,11 +279,20 @@ pub(super) fn get_rows(
             ),
         ));
     }
+    let packed = packed_table(table, d);
+    let raw_len = dt.row_bytes(d).unwrap_or(0);
     for_each_row(
         rows.len(),
         d,
-        || vec![0.0f32; d],
-        |buf, r| {
+        || (vec![0.0f32; d], vec![0u8; raw_len]),
+        |(buf, raw), r| {
+            if let Some(p) = &packed {
+                if p.raw_row(dt, rows[r], raw) {
+                    scalar::dequantize_row(dt, raw, buf);
+                    dst.write_row(r, 0..d, buf);
+                    return;
+                }
+            }
             if let Some(bytes) = table.quant_row(0, rows[r]) {
                 scalar::dequantize_row(dt, bytes, buf);
                 dst.write_row(r, 0..d, buf);
@@ -176,12 +337,23 @@ pub(super) fn matmul(
     } else {
         None
     };
+    // A packed copy where the AVX-512 bodies run, the type has a packed layout and the weight
+    // is read-only.
+    let packed = match (fast, q16_isa()) {
+        (Some(_), Ok(q16::Isa::Avx512))
+            if q16::has_avx512() && pack_allowed().map_err(|e| kernel_err(node, e))? =>
+        {
+            packed::packed_type(dt).and_then(|pt| Some((pt, packed_weight(w, pt, n, k)?)))
+        }
+        _ => None,
+    };
     let xq = fast.map(|_| q16::QRows::quantize(x));
     // One job's weight rows: about JOB_WORK multiply-adds, never fewer than 1 row.
     // At least MIN_JOBS jobs, so that the threads finish together (9 jobs over 2 threads
     // left one idle for a ninth of a 768-row product), and a multiple of the kernel's tile of
     // weight rows (4 in decode, a panel of 16 in the AVX-512 prefill bodies).
     let granule = match (fast, q16_isa()) {
+        _ if packed.is_some() => GROUP,
         (Some(_), Ok(isa)) => q16::row_granule(isa, m),
         _ => 4,
     };
@@ -197,6 +369,29 @@ pub(super) fn matmul(
     let job = |(jb, chunk): (usize, &mut [f32]), buf: &mut Vec<f32>| {
         let j0 = jb * rows_per_job;
         let rows = chunk.len() / m;
+        if let (Some((pt, pw)), Some(xq)) = (&packed, &xq) {
+            // Jobs start on a group (rows_per_job is a multiple of GROUP).
+            let gb = pw.group_bytes;
+            let groups = lines_as_bytes(&pw.lines)[j0 / GROUP * gb..].chunks_exact(gb);
+            buf.resize(GROUP * m, 0.0);
+            for (gi, grp) in groups.take(rows.div_ceil(GROUP)).enumerate() {
+                let (at, rn) = (gi * GROUP, (rows - gi * GROUP).min(GROUP));
+                if m == 1 && rn == GROUP {
+                    // SAFETY: `packed` exists only where AVX-512 F/BW/VL and VNNI were detected
+                    // besides AVX2, FMA and F16C (`q16::dot_fn` and `has_avx512`); `grp` is one
+                    // group of `k`.
+                    unsafe { (pt.dot)(grp, k, xq, &mut chunk[at..at + GROUP]) };
+                    continue;
+                }
+                // SAFETY: as above.
+                unsafe { (pt.dot)(grp, k, xq, buf) };
+                for i in 0..m {
+                    chunk[i * rows + at..i * rows + at + rn]
+                        .copy_from_slice(&buf[i * GROUP..i * GROUP + rn]);
+                }
+            }
+            return;
+        }
         if let (Some(dot), Some(xq)) = (fast, &xq) {
             if let (Some(bytes), Some(row_bytes)) = (w.quant_rows(1, j0, rows), dt.row_bytes(k)) {
                 dot(bytes, row_bytes, xq, chunk);

@@ -32,7 +32,10 @@
 //! measurements): products of 6 or more activation rows (prefill) run over weight panels of 16
 //! rows unpacked once per product with `vpdpwssd` (3-10x the AVX2 tiles per block and
 //! activation row), and Q4_1 decodes 8 rows a tile; the other decode products keep the AVX2
-//! tiles, which the AVX-512 variants did not beat from DRAM.
+//! tiles, which the AVX-512 variants did not beat from DRAM. With AVX-512, weights in weight
+//! memory do not reach these bodies at all: `super::packed` runs them over a packed copy
+//! (`LOWSYNC_CPU_PACK`); the bodies here serve the rest (weights that are not weight memory,
+//! `LOWSYNC_CPU_PACK=off`, CPUs without AVX-512 VNNI).
 //!
 //! Determinism: the integer sums are exact and each output is one fixed-order sum over its blocks.
 //! Tiles of several pairs keep one chain per pair and give the same bits as each other, except the

@@ -15,6 +15,9 @@ use crate::memory::Mem;
 #[derive(Default)]
 pub(crate) struct TestMem {
     bufs: HashMap<BufferId, Box<[UnsafeCell<u64>]>>,
+    /// Block-dtype weights are read-only, as a backend's aliased weights are, so products
+    /// over them take the packed path where it runs.
+    read_only: Vec<crate::derived::ReadOnlyGuard>,
 }
 
 // SAFETY: tests hand a `&TestMem` to rayon pools only to run kernels, which write disjoint
@@ -75,8 +78,24 @@ impl TestMem {
         }
     }
 
-    /// A contiguous block-dtype tensor of logical `shape` holding the raw blocks `bytes`.
+    /// A contiguous block-dtype tensor of logical `shape` holding the raw blocks `bytes`,
+    /// registered as read-only memory (as a backend's aliased weights are).
     pub(crate) fn blocks(&mut self, dtype: DType, shape: &[usize], bytes: &[u8]) -> TensorRef {
+        let t = self.blocks_writable(dtype, shape, bytes);
+        let base = self.base(t.buffer);
+        self.read_only
+            .push(crate::derived::register_read_only(base, bytes.len()));
+        t
+    }
+
+    /// As [`TestMem::blocks`], in memory that is not registered read-only (a weight that
+    /// products read in place).
+    pub(crate) fn blocks_writable(
+        &mut self,
+        dtype: DType,
+        shape: &[usize],
+        bytes: &[u8],
+    ) -> TensorRef {
         let n: usize = shape.iter().product();
         assert_eq!(
             dtype.checked_bytes(n),

@@ -12,8 +12,8 @@
 use lowsync_graph::{DType, Op};
 
 use super::harness::*;
-use crate::kernels::quant::activations_as_read;
 use crate::kernels::quant::scalar::dequantize_row;
+use crate::kernels::quant::{activations_as_read, uses_packed};
 
 /// Byte offsets of each type's f16 scale fields (set to finite values in the test blocks).
 fn scale_fields(dt: DType) -> &'static [usize] {
@@ -131,6 +131,34 @@ fn get_rows_of_a_quantized_table_dequantizes_the_rows_it_reads() {
 }
 
 #[test]
+fn get_rows_of_a_packed_table_reads_the_same_values() {
+    use crate::kernels::quant::uses_packed;
+    // A tied embedding: the output product packs the table, get_rows then reads the copy.
+    for dt in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        let (n, k) = (37, 64);
+        let mut mem = TestMem::new();
+        let mut rng = TestRng::new(2);
+        let (table, values) = weight(&mut mem, dt, n, k, 5);
+        let x = mem.rand(&mut rng, DType::F32, &[1, k]);
+        let out = mem.zeros(DType::F32, &[1, n]);
+        run(&mem, Op::MulMat, &out, &[&x, &transpose(&table, 0, 1)]).unwrap();
+        let ids = mem.ints(&[4], &[36, 0, 17, 36]);
+        let dst = mem.zeros(DType::F32, &[4, k]);
+        run(&mem, Op::GetRows, &dst, &[&table, &ids]).unwrap();
+        let want: Vec<f64> = [36, 0, 17, 36]
+            .iter()
+            .flat_map(|&r| values[r * k..(r + 1) * k].iter().map(|&v| v as f64))
+            .collect();
+        assert_eq!(
+            mem.read(&dst),
+            want,
+            "{dt} (packed here: {})",
+            uses_packed(dt)
+        );
+    }
+}
+
+#[test]
 fn get_rows_of_a_quantized_table_reports_a_bad_id_before_writing() {
     let mut mem = TestMem::new();
     let (table, _) = weight(&mut mem, DType::Q4_0, 3, 32, 1);
@@ -186,6 +214,44 @@ fn mul_mat_with_a_quantized_weight_takes_f16_activations_and_runs_threaded() {
     // Large enough for parallel jobs.
     check_mul_mat(DType::Q8_0, 2, 300, 512, DType::F32);
     check_mul_mat(DType::Q4_K, 33, 70, 512, DType::BF16);
+}
+
+#[test]
+fn a_read_only_weight_is_packed_once_and_gives_the_bits_of_the_in_place_product() {
+    use crate::memory::Mem;
+    // Rows in whole decode tiles in place (a leftover row there takes a body that sums in
+    // another order); odd row counts are the packed kernels' own unit tests.
+    let (n, k) = (48, 576);
+    for dt in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        let packs = uses_packed(dt);
+        for m in [1, 9] {
+            let bytes = lcg_blocks(dt, 21, n * k / 32);
+            let mut mem = TestMem::new();
+            let mut rng = TestRng::new(8);
+            let ro = mem.blocks(dt, &[n, k], &bytes);
+            let rw = mem.blocks_writable(dt, &[n, k], &bytes);
+            let x = mem.rand(&mut rng, DType::F32, &[m, k]);
+            let (d1, d2, d3) = (
+                mem.zeros(DType::F32, &[m, n]),
+                mem.zeros(DType::F32, &[m, n]),
+                mem.zeros(DType::F32, &[m, n]),
+            );
+            run(&mem, Op::MulMat, &d1, &[&x, &transpose(&ro, 0, 1)]).unwrap();
+            run(&mem, Op::MulMat, &d2, &[&x, &transpose(&ro, 0, 1)]).unwrap();
+            run(&mem, Op::MulMat, &d3, &[&x, &transpose(&rw, 0, 1)]).unwrap();
+            let (a, b, c) = (mem.read(&d1), mem.read(&d2), mem.read(&d3));
+            assert_eq!(a, b, "{dt} m {m}: the cached copy gives the same bits");
+            if packs && dt == DType::Q8_0 && m == 1 {
+                // Q8_0's in-place decode tile sums in another order.
+                assert_close(&a, &c, 1e-10);
+            } else {
+                assert_eq!(a, c, "{dt} m {m}: packed and in place");
+            }
+            let range = crate::derived::read_only_at(mem.ptr(&ro).unwrap(), bytes.len())
+                .expect("registered");
+            assert_eq!(range.derived_count(), usize::from(packs), "{dt} m {m}");
+        }
+    }
 }
 
 #[test]

@@ -50,7 +50,31 @@ pub(crate) struct PackedType {
     pub dot: unsafe fn(g: &[u8], k: usize, x: &QRows, out: &mut [f32]),
 }
 
+/// Writes row `r` of group `g` (of `dt`, `k` values a row) back as its raw GGUF blocks into
+/// `out`; `false` where `dt`'s layout has no inverse here (the caller reads the weight itself).
+pub(crate) fn raw_row(dt: DType, g: &[u8], k: usize, r: usize, out: &mut [u8]) -> bool {
+    q32::raw_row_of(dt, g, k, r, out)
+}
+
 /// The packed layout of `dt`'s weights, where one exists.
 pub(crate) fn packed_type(dt: DType) -> Option<&'static PackedType> {
     q32::lookup(dt).or_else(|| k::lookup(dt))
+}
+
+/// 64 bytes at a 64-byte boundary: packed groups are kept in vectors of these, so that every
+/// piece of a group starts on a cache line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct Line(pub [u8; 64]);
+
+/// The bytes of `lines`.
+pub(crate) fn lines_as_bytes_mut(lines: &mut [Line]) -> &mut [u8] {
+    // SAFETY: `Line` is 64 plain bytes with no padding.
+    unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr().cast::<u8>(), lines.len() * 64) }
+}
+
+/// The bytes of `lines`.
+pub(crate) fn lines_as_bytes(lines: &[Line]) -> &[u8] {
+    // SAFETY: `Line` is 64 plain bytes with no padding.
+    unsafe { std::slice::from_raw_parts(lines.as_ptr().cast::<u8>(), lines.len() * 64) }
 }
