@@ -16,6 +16,13 @@
 //   before it multiplies the value, a min is subtracted after).
 // build.rs binds `q_scale`/`q_vals` to T's pair and sets `QK` (elements per block), `QB`
 // (bytes per block), `GPB` (groups per block) and `Q_MIN`.
+//
+// A 32-element type T also has `T_b32(blk) -> Blk32`, the whole block at once (bound to
+// `q_block` by build.rs), for kernels where one invocation takes whole blocks: its words are
+// loaded once each, aligned, and every field is cut out of them with fixed shifts. Such a
+// block is an even number of bytes and rows hold whole blocks, so a block starts either on a
+// word or two bytes into one (`blk & 2`); each reader computes both cases from the same words
+// and selects, and loads no word past the one holding the block's last byte.
 
 // Four bytes starting at any byte offset.
 fn qw(byte: u32) -> u32 {
@@ -62,4 +69,51 @@ fn cols(w: vec4<u32>, sh: u32, mask: u32, bias: f32) -> mat4x4<f32> {
         vec4<f32>(lanes(w.z, sh, mask)) - bias,
         vec4<f32>(lanes(w.w, sh, mask)) - bias,
     );
+}
+
+// A whole 32-element block: (scale, offset) as `T_qs` gives them for both of its groups, and
+// its values, `lo` elements 0 .. 15 and `hi` elements 16 .. 31 (column c = elements 4c .. 4c+3
+// of the half).
+struct Blk32 {
+    sc: vec2<f32>,
+    lo: mat4x4<f32>,
+    hi: mat4x4<f32>,
+}
+
+// The four words that start two bytes into the words `lo` (the upper halves of `lo`, joined to
+// the lower halves of `hi`, the words after them).
+fn q_mid4(lo: vec4<u32>, hi: vec4<u32>) -> vec4<u32> {
+    return (lo >> vec4<u32>(16u)) | (hi << vec4<u32>(16u));
+}
+
+// The word that starts two bytes into word `lo` (`hi` the word after it).
+fn q_mid(lo: u32, hi: u32) -> u32 {
+    return (lo >> 16u) | (hi << 16u);
+}
+
+// The f16 of a block's first two bytes, the block at byte `blk` starting in word `w`.
+fn q_head_f16(w: u32, blk: u32) -> f32 {
+    return f16_bits_to_f32(select(w & 0xffffu, w >> 16u, (blk & 2u) != 0u));
+}
+
+// (d, m) of a block whose first word of fields is f16 d then f16 m, at byte `blk`, its first
+// two words `w0`, `w1`.
+fn q_head_dm(w0: u32, w1: u32, blk: u32) -> vec2<f32> {
+    let dm = select(w0, q_mid(w0, w1), (blk & 2u) != 0u);
+    return vec2<f32>(f16_bits_to_f32(dm & 0xffffu), f16_bits_to_f32(dm >> 16u));
+}
+
+// An f16 scale and the 16 bytes after it (Q4_0, IQ4_NL): `w` is the 16 bytes as four words.
+struct ScaleWords {
+    d: f32,
+    w: vec4<u32>,
+}
+
+// The 18-byte block at byte `blk` as f16 d and 16 bytes: five aligned loads (the bytes are
+// words 1 .. 4 when the block starts two bytes into a word, else cut from words 0 .. 4).
+fn q_d16(blk: u32) -> ScaleWords {
+    let i = blk >> 2u;
+    let a = vec4<u32>(q_buf[i], q_buf[i + 1u], q_buf[i + 2u], q_buf[i + 3u]);
+    let b = vec4<u32>(a.yzw, q_buf[i + 4u]);
+    return ScaleWords(q_head_f16(a.x, blk), select(q_mid4(a, b), b, (blk & 2u) != 0u));
 }

@@ -44,3 +44,9 @@ fn iq4_xs_qs(blk: u32, g: u32) -> vec2<f32> {
 fn iq4_xs_qv(blk: u32, g: u32) -> mat4x4<f32> {
     return iq4_vals(qw4(blk + 8u + (g / 2u) * 16u), 4u * (g % 2u));
 }
+
+// IQ4_NL as a whole block (`T_b32`, contract in `quant_common.wgsl`): Q4_0's layout.
+fn iq4_nl_b32(blk: u32) -> Blk32 {
+    let f = q_d16(blk);
+    return Blk32(vec2<f32>(f.d, 0.0), iq4_vals(f.w, 0u), iq4_vals(f.w, 4u));
+}
