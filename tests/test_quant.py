@@ -489,7 +489,7 @@ def test_a_quantized_model_stays_quantized_on_vulkan(
 
 
 @pytest.mark.vulkan
-@pytest.mark.parametrize("dtype", [d for d in ALL if quants.block_facts(d)[0] == 32])
+@pytest.mark.parametrize("dtype", ALL)
 def test_both_vulkan_block_mat_vec_bodies_match_the_reference(
     dtype: str, clean_env: pytest.MonkeyPatch
 ) -> None:

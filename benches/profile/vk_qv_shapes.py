@@ -1,8 +1,8 @@
 """Device time of one decode product per weight shape on Vulkan, under each block mat-vec body.
 
-Why: `LOWSYNC_VK_QV` picks how the one-row mat-vec over 32-element block weights splits a row
-among a subgroup's lanes (`group`: a 16-element group per lane, `mul_mat_vec_qv`; `block`: a
-whole block per lane, `mul_mat_vec_qb`). A decode step mixes five product shapes, and the
+Why: `LOWSYNC_VK_QV` picks how the one-row mat-vec over block weights splits a row among a
+subgroup's lanes (`group`: a 16-element group per lane, `mul_mat_vec_qv`; `block`: 32
+consecutive elements per lane, a whole Q4_0 block, `mul_mat_vec_qb`). A decode step mixes five product shapes, and the
 step's total (`vk_profile.py`) hides which shapes a body wins; this script times each shape
 alone, so the default can be set from the shapes that matter.
 

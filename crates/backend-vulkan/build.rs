@@ -46,8 +46,8 @@ enum Slot {
     /// its accessors are named for the block, not the slot): constants `QK` (elements per
     /// block), `QB` (bytes per block), `GPB` (16-element groups per block), `Q_MIN` (the type
     /// has a min), and `q_scale(blk, g)` / `q_vals(blk, g)` of group `g` of the block at byte
-    /// `blk` (contract in `shaders/quant_common.wgsl`); a 32-element type also has
-    /// `q_block(blk)`, the whole block.
+    /// `blk`, and `q_sub(blk, j)`, its 32-element piece j (contract in
+    /// `shaders/quant_common.wgsl`).
     Quant,
 }
 
@@ -58,8 +58,8 @@ const QUANTS: &[&str] = &[
     "iq4_xs",
 ];
 
-/// The 32-element block types, which also have whole-block readers (`T_b32`, bound to
-/// `q_block`) and the whole-block-per-lane mat-vec (`mul_mat_vec_qb*`).
+/// The 32-element block types: their 32-element reader is the whole block (`T_b32`), a
+/// super-block type's is sub-block j (`T_s32`); build.rs binds either to `q_sub`.
 const QUANTS_32: &[&str] = &["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl"];
 
 /// (kernel template, slots: name, kind, dtypes to generate).
@@ -231,7 +231,7 @@ const KERNELS: &[Spec] = &[
         &[
             ("d", Slot::Out, &["f32"]),
             ("a", Slot::Vec, &["f32"]),
-            ("b", Slot::Quant, QUANTS_32),
+            ("b", Slot::Quant, QUANTS),
         ],
     ),
     (
@@ -310,7 +310,7 @@ const KERNELS: &[Spec] = &[
         &[
             ("d", Slot::Out, &["f32"]),
             ("a", Slot::Vec, &["f32"]),
-            ("b", Slot::Quant, QUANTS_32),
+            ("b", Slot::Quant, QUANTS),
             ("e", Slot::In, &["f32"]),
         ],
     ),
@@ -380,7 +380,7 @@ const KERNELS: &[Spec] = &[
         &[
             ("d", Slot::Out, FLOATS),
             ("a", Slot::Vec, &["f32"]),
-            ("b", Slot::Quant, QUANTS_32),
+            ("b", Slot::Quant, QUANTS),
             ("ids", Slot::Int, &["i32"]),
             ("status", Slot::Status, &["u32"]),
         ],
@@ -663,9 +663,9 @@ fn quant(dir: &Path, q: &str) -> String {
          {whole}",
         gpb = qk / 16,
         whole = if QUANTS_32.contains(&q) {
-            format!("fn q_block(blk: u32) -> Blk32 {{ return {q}_b32(blk); }}\n")
+            format!("fn q_sub(blk: u32, j: u32) -> Sub32 {{ return {q}_b32(blk); }}\n")
         } else {
-            String::new()
+            format!("fn q_sub(blk: u32, j: u32) -> Sub32 {{ return {q}_s32(blk, j); }}\n")
         },
         common = read(&dir.join("quant_common.wgsl")),
         family = read(&dir.join(format!("{family}.wgsl"))),

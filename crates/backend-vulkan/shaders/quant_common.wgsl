@@ -17,12 +17,14 @@
 // build.rs binds `q_scale`/`q_vals` to T's pair and sets `QK` (elements per block), `QB`
 // (bytes per block), `GPB` (groups per block) and `Q_MIN`.
 //
-// A 32-element type T also has `T_b32(blk) -> Blk32`, the whole block at once (bound to
-// `q_block` by build.rs), for kernels where one invocation takes whole blocks: its words are
-// loaded once each, aligned, and every field is cut out of them with fixed shifts. Such a
-// block is an even number of bytes and rows hold whole blocks, so a block starts either on a
-// word or two bytes into one (`blk & 2`); each reader computes both cases from the same words
-// and selects, and loads no word past the one holding the block's last byte.
+// Kernels where one invocation takes 32 consecutive elements at a time read them through
+// `q_sub(blk, j) -> Sub32` (bound by build.rs), the 32-element sub-block j of the block at
+// `blk`: a 32-element type's `T_b32(blk)` (j is 0), a super-block type's `T_s32(blk, j)`.
+// `T_b32` loads each word of the block once, aligned, and cuts every field out of them with
+// fixed shifts: such a block is an even number of bytes and rows hold whole blocks, so a block
+// starts either on a word or two bytes into one (`blk & 2`); the reader computes both cases
+// from the same words and selects, and loads no word past the one holding the block's last
+// byte.
 
 // Four bytes starting at any byte offset.
 fn qw(byte: u32) -> u32 {
@@ -71,13 +73,24 @@ fn cols(w: vec4<u32>, sh: u32, mask: u32, bias: f32) -> mat4x4<f32> {
     );
 }
 
-// A whole 32-element block: (scale, offset) as `T_qs` gives them for both of its groups, and
-// its values, `lo` elements 0 .. 15 and `hi` elements 16 .. 31 (column c = elements 4c .. 4c+3
-// of the half).
-struct Blk32 {
-    sc: vec2<f32>,
+// 32 consecutive elements of a block: (scale, offset) of elements 0 .. 15 in `sc.xy` and of
+// 16 .. 31 in `sc.zw` (the same pair twice where one covers all 32), and the values, `lo`
+// elements 0 .. 15 and `hi` 16 .. 31 (column c = elements 4c .. 4c+3 of the half).
+struct Sub32 {
+    sc: vec4<f32>,
     lo: mat4x4<f32>,
     hi: mat4x4<f32>,
+}
+
+// Sub-block j of any type, from its two 16-element groups (`q_scale`, `q_vals`): the reader of
+// the super-block types without a reader of their own.
+fn q_sub_groups(blk: u32, j: u32) -> Sub32 {
+    let g = 2u * j;
+    return Sub32(
+        vec4<f32>(q_scale(blk, g), q_scale(blk, g + 1u)),
+        q_vals(blk, g),
+        q_vals(blk, g + 1u),
+    );
 }
 
 // The four words that start two bytes into the words `lo` (the upper halves of `lo`, joined to

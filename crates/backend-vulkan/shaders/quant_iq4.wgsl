@@ -46,7 +46,12 @@ fn iq4_xs_qv(blk: u32, g: u32) -> mat4x4<f32> {
 }
 
 // IQ4_NL as a whole block (`T_b32`, contract in `quant_common.wgsl`): Q4_0's layout.
-fn iq4_nl_b32(blk: u32) -> Blk32 {
+fn iq4_nl_b32(blk: u32) -> Sub32 {
     let f = q_d16(blk);
-    return Blk32(vec2<f32>(f.d, 0.0), iq4_vals(f.w, 0u), iq4_vals(f.w, 4u));
+    return Sub32(vec4<f32>(f.d, 0.0, f.d, 0.0), iq4_vals(f.w, 0u), iq4_vals(f.w, 4u));
+}
+
+// IQ4_XS sub-blocks as two groups (`q_sub_groups`).
+fn iq4_xs_s32(blk: u32, j: u32) -> Sub32 {
+    return q_sub_groups(blk, j);
 }

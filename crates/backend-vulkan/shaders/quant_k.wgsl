@@ -85,8 +85,11 @@ fn q5_k_qv(blk: u32, g: u32) -> mat4x4<f32> {
     let l0 = (g % 2u) * 16u;
     let q = qw4(blk + 48u + (g / 4u) * 32u + l0);
     let h = qw4(blk + 16u + l0);
-    let sh = 4u * ((g / 2u) % 2u);
-    let hb = g / 2u;
+    return q5_k_cols(q, h, 4u * ((g / 2u) % 2u), g / 2u);
+}
+
+// 16 Q5_K values: nibbles of the 16 bytes `q` at shift `sh`, fifth bits bit `hb` of `h`.
+fn q5_k_cols(q: vec4<u32>, h: vec4<u32>, sh: u32, hb: u32) -> mat4x4<f32> {
     return mat4x4<f32>(
         vec4<f32>(lanes(q.x, sh, 15u) | (lanes(h.x, hb, 1u) << vec4<u32>(4u))),
         vec4<f32>(lanes(q.y, sh, 15u) | (lanes(h.y, hb, 1u) << vec4<u32>(4u))),
@@ -114,4 +117,62 @@ fn q6_k_qv(blk: u32, g: u32) -> mat4x4<f32> {
         vec4<f32>(lanes(lo.z, sl, 15u) | (lanes(hi.z, sh, 3u) << vec4<u32>(4u))) - 32.0,
         vec4<f32>(lanes(lo.w, sl, 15u) | (lanes(hi.w, sh, 3u) << vec4<u32>(4u))) - 32.0,
     );
+}
+
+// Sub-blocks (`T_s32`, contract in `quant_common.wgsl`). Q4_K and Q5_K read theirs as aligned
+// words: their blocks (144 and 176 bytes) stay on words when the weight starts on one, which
+// the host requires of a super-block weight in `mul_mat_vec_qb`. The others read theirs as two
+// groups (`q_sub_groups`).
+
+// (scale, offset) of sub-block j of Q4_K / Q5_K from the block's first four words (d and dmin,
+// the 12 scale bytes), as `k_scale_min` computes them.
+fn k_sub_scale_min(hdr: vec4<u32>, j: u32) -> vec4<f32> {
+    let sh = 8u * (j % 4u);
+    let a = (hdr.y >> sh) & 255u;
+    let b = (hdr.z >> sh) & 255u;
+    let c = (hdr.w >> sh) & 255u;
+    let hi = j >= 4u;
+    let sc = select(a & 63u, (c & 15u) | ((a >> 6u) << 4u), hi);
+    let m = select(b & 63u, (c >> 4u) | ((b >> 6u) << 4u), hi);
+    let s = f16_bits_to_f32(hdr.x & 0xffffu) * f32(sc);
+    let o = -(f16_bits_to_f32(hdr.x >> 16u) * f32(m));
+    return vec4<f32>(s, o, s, o);
+}
+
+fn k_header(i: u32) -> vec4<u32> {
+    return vec4<u32>(q_buf[i], q_buf[i + 1u], q_buf[i + 2u], q_buf[i + 3u]);
+}
+
+// Q4_K: sub-block j's 32 bytes of nibbles are words 4 + 8 * (j / 2) .., nibble j % 2.
+fn q4_k_s32(blk: u32, j: u32) -> Sub32 {
+    let i = blk >> 2u;
+    let q = i + 4u + (j / 2u) * 8u;
+    let lo = vec4<u32>(q_buf[q], q_buf[q + 1u], q_buf[q + 2u], q_buf[q + 3u]);
+    let hi = vec4<u32>(q_buf[q + 4u], q_buf[q + 5u], q_buf[q + 6u], q_buf[q + 7u]);
+    let sh = 4u * (j % 2u);
+    let sc = k_sub_scale_min(k_header(i), j);
+    return Sub32(sc, cols(lo, sh, 15u, 0.0), cols(hi, sh, 15u, 0.0));
+}
+
+// Q5_K: nibbles as Q4_K's from word 12, fifth bits bit j of words 4 .. 11.
+fn q5_k_s32(blk: u32, j: u32) -> Sub32 {
+    let i = blk >> 2u;
+    let q = i + 12u + (j / 2u) * 8u;
+    let lo = vec4<u32>(q_buf[q], q_buf[q + 1u], q_buf[q + 2u], q_buf[q + 3u]);
+    let hi = vec4<u32>(q_buf[q + 4u], q_buf[q + 5u], q_buf[q + 6u], q_buf[q + 7u]);
+    let h0 = vec4<u32>(q_buf[i + 4u], q_buf[i + 5u], q_buf[i + 6u], q_buf[i + 7u]);
+    let h1 = vec4<u32>(q_buf[i + 8u], q_buf[i + 9u], q_buf[i + 10u], q_buf[i + 11u]);
+    let sh = 4u * (j % 2u);
+    let sc = k_sub_scale_min(k_header(i), j);
+    return Sub32(sc, q5_k_cols(lo, h0, sh, j), q5_k_cols(hi, h1, sh, j));
+}
+
+fn q2_k_s32(blk: u32, j: u32) -> Sub32 {
+    return q_sub_groups(blk, j);
+}
+fn q3_k_s32(blk: u32, j: u32) -> Sub32 {
+    return q_sub_groups(blk, j);
+}
+fn q6_k_s32(blk: u32, j: u32) -> Sub32 {
+    return q_sub_groups(blk, j);
 }

@@ -362,9 +362,8 @@ fn quantized_products_and_rows_match_the_cpu_oracle_without_subgroups() {
 }
 
 /// `LOWSYNC_VK_QV=group` and `block` side by side in one process: every block type's products
-/// match the CPU oracle under both, and the one-row products over 32-element blocks take the
-/// whole-block kernel (`mul_mat_vec_qb`) exactly when it is asked for (the super-block types
-/// keep the group kernel either way).
+/// match the CPU oracle under both, and the one-row products take the whole-block kernel
+/// (`mul_mat_vec_qb`) exactly when it is asked for.
 #[test]
 fn both_block_mat_vec_bodies_match_the_cpu_oracle() {
     let cpu = CpuBackend::new();
@@ -399,11 +398,11 @@ fn both_block_mat_vec_bodies_match_the_cpu_oracle() {
             eprintln!("{body:?}: this device runs neither one-row body; kernel choice unchecked");
         }
         for &dt in VK_QUANTS.iter().filter(|_| one_row_16b) {
-            let whole = body == QuantMatVec::Block && dt.block_size() == 32;
+            let whole = body == QuantMatVec::Block;
             assert_eq!(ran("mul_mat_vec_qb", dt), whole, "{body:?} {dt}: {names:?}");
-            assert_eq!(
-                ran("mul_mat_vec_qv", dt),
-                !whole,
+            // Under `block` too where a Q3_K or Q6_K row slice starts off a word.
+            assert!(
+                whole || ran("mul_mat_vec_qv", dt),
                 "{body:?} {dt}: {names:?}"
             );
         }

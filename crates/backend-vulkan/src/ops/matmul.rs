@@ -309,7 +309,7 @@ pub(super) fn mul_mat_set_rows(
 /// `x @ w.T` over a block-dtype `w`, dequantized in registers: one row of x takes the decode
 /// mat-vec (`mul_mat_vec_q*.wgsl`, workgroup z a row of x; `mul_mat_vec_qv` where subgroups
 /// and 256-invocation workgroups exist and x is contiguous and 16-byte aligned, or there
-/// `mul_mat_vec_qb` for a 32-element type under `LOWSYNC_VK_QV=block`), more rows of an x contiguous along
+/// `mul_mat_vec_qb` under `LOWSYNC_VK_QV=block`), more rows of an x contiguous along
 /// k take `mul_mat_vec_qm*.wgsl`, whose workgroup z covers `QUANT_ROWS_PER_GROUP` rows of x so
 /// that each group of w is read and dequantized once for all of them. The graph builder admits such a `b` only with its blocks along k (stride 1,
 /// whole rows: `b_sk == 1`, every other stride a whole number of rows); b's offset and strides
@@ -350,10 +350,12 @@ fn quant_mat_vec(
     let flavour = if !c.lim.subgroups {
         "_wg"
     } else if m == 1 && push.prm[0] == 1 && c.lim.wide_groups && x_vec_aligned(&push, sa) {
-        // `LOWSYNC_VK_QV=block`: a 32-element type takes whole blocks per lane instead, where
-        // w starts on an even byte (its blocks are an even number of bytes, so each then starts
-        // on a word or two bytes into one, as `T_b32` reads them).
-        if c.lim.whole_blocks && bs == 32 && push.offs[2].is_multiple_of(2) {
+        // `LOWSYNC_VK_QV=block`: 32 elements per lane instead, where w starts on an even byte
+        // (a 32-element block is an even number of bytes, so each then starts on a word or two
+        // bytes into one, as `T_b32` reads them), a super-block weight on a word (Q4_K's and
+        // Q5_K's blocks are whole words, as `T_s32` reads them).
+        let align = if bs == 32 { 2 } else { 4 };
+        if c.lim.whole_blocks && push.offs[2].is_multiple_of(align) {
             "b"
         } else {
             "v"
