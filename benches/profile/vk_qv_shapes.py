@@ -2,9 +2,9 @@
 
 Why: `LOWSYNC_VK_QV` picks how the one-row mat-vec over block weights splits a row among a
 subgroup's lanes (`group`: a 16-element group per lane, `mul_mat_vec_qv`; `block`: 32
-consecutive elements per lane, a whole Q4_0 block, `mul_mat_vec_qb`). A decode step mixes five product shapes, and the
-step's total (`vk_profile.py`) hides which shapes a body wins; this script times each shape
-alone, so the default can be set from the shapes that matter.
+consecutive elements per lane, a whole Q4_0 block, `mul_mat_vec_qb`). A decode step mixes
+five product shapes, and the step's total (`vk_profile.py`) hides which shapes a body wins;
+this script times each shape alone, so the default can be set from the shapes that matter.
 
 Strategy: per round, per body, per dtype and shape, a fresh Context (the backend reads
 `LOWSYNC_VK_QV` and `LOWSYNC_VK_PROFILE=1` when it is created) compiles one graph, `x [1, k]
@@ -14,9 +14,10 @@ from `kernel_times()`. Bodies alternate within a round, so slow drift of the dev
 other work) falls on both. Each figure is the median over rounds of the per-round mean;
 profiling adds a timestamp per dispatch, so small shapes read a few µs long.
 
-Run (the H200, "1b" shapes, the default): `python benches/profile/vk_qv_shapes.py`;
-`--dtypes f16,q4_0,q8_0` adds the float kernel as a reference (it ignores the body);
-`--shapes 256x512 --repeats 3 --rounds 1` is a quick check on lavapipe.
+Run (the H200, the built-in "1b" model's shapes, the default):
+`python benches/profile/vk_qv_shapes.py`; `--dtypes f16,q4_0,q4_k` adds the float kernel as a
+reference (it ignores the body) and a super-block type; `--shapes` takes other shapes
+(TinyLlama's are in `--help`); `--model tiny --repeats 5` is a quick check on lavapipe.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ import numpy as np
 
 import lowsync as ls
 from lowsync.bench import env_vars
+from lowsync.models.llama import BUILTIN_CONFIGS
 
-# "1b" (TinyLlama-shaped) decode products, n x k: gate/up, down, q/o, k/v, output head.
-SHAPES_1B = "5632x2048,2048x5632,2048x2048,256x2048,32000x2048"
+# TinyLlama-1.1B's products (n x k: gate/up, down, q/o, k/v, output head), the shapes of the
+# per-shape table in docs/notes/gpu-vs-llama-cpp.md.
+SHAPES_TINYLLAMA = "5632x2048,2048x5632,2048x2048,256x2048,32000x2048"
 
 # (elements, bytes) per block, and the byte offsets of a block's f16 fields (scale, then min).
 BLOCKS: dict[str, tuple[int, int, tuple[int, ...]]] = {
@@ -64,6 +67,13 @@ def weight_bytes(dtype: str, n: int, k: int, rng: np.random.Generator) -> np.nda
     for i, off in enumerate(fields):
         blocks[:, off : off + 2] = scales[:, i : i + 1].view(np.uint8)
     return blocks.reshape(n, k // qk * qb)
+
+
+def model_shapes(name: str) -> list[tuple[int, int]]:
+    """The distinct `[n, k]` matrix shapes of built-in model `name` (its decode products, the
+    embedding table being the tied output head)."""
+    shapes = BUILTIN_CONFIGS[name].weight_shapes().values()
+    return list(dict.fromkeys((s[0], s[1]) for s in shapes if len(s) == 2))
 
 
 def time_product(
@@ -98,14 +108,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--backend", default="vulkan")
     ap.add_argument("--dtypes", default="q4_0,q8_0", help="f16 and block types, comma-separated")
-    ap.add_argument("--shapes", default=SHAPES_1B, help="n x k of w, comma-separated")
+    ap.add_argument("--model", default="1b", help="built-in model whose shapes to time")
+    ap.add_argument(
+        "--shapes",
+        default=None,
+        help=f"n x k of w, comma-separated, instead of the model's (TinyLlama: {SHAPES_TINYLLAMA})",
+    )
     ap.add_argument("--bodies", default="group,block", help="LOWSYNC_VK_QV values to compare")
     ap.add_argument("--repeats", type=int, default=50, help="timed products per round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, bodies alternating")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     bodies = args.bodies.split(",")
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    shapes = model_shapes(args.model)
+    if args.shapes:
+        shapes = [(int(s.split("x")[0]), int(s.split("x")[1])) for s in args.shapes.split(",")]
     cases = [(d, n, k) for d in args.dtypes.split(",") for n, k in shapes]
     us: dict[tuple[str, str, int, int], list[float]] = {}
     gbs: dict[tuple[str, str, int, int], list[float]] = {}
@@ -124,7 +141,7 @@ def main() -> None:
     if len(bodies) == 2:
         head += f" {bodies[1] + '/' + bodies[0]:>12}"
     print(f"device µs per product, median of {args.rounds} rounds of {args.repeats}")
-    print(head + "  kernels")
+    print(head + "  kernels (" + " / ".join(bodies) + ")")
     out = []
     for d, n, k in cases:
         line = f"{d:7} {f'{n}x{k}':>12}"
@@ -135,8 +152,7 @@ def main() -> None:
             line += f" {med[body]:10.2f} {statistics.median(gbs[key]):7.1f}"
         if len(bodies) == 2:
             line += f" {med[bodies[1]] / med[bodies[0]]:12.3f}"
-        names = sorted({kernel[(b, d, n, k)].split(".")[0] for b in bodies})
-        print(line + "  " + ",".join(names))
+        print(line + "  " + " / ".join(kernel[(b, d, n, k)].split(".")[0] for b in bodies))
         out.append(
             {
                 "dtype": d,
