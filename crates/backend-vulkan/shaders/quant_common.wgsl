@@ -130,3 +130,21 @@ fn q_d16(blk: u32) -> ScaleWords {
     let b = vec4<u32>(a.yzw, q_buf[i + 4u]);
     return ScaleWords(q_head_f16(a.x, blk), select(q_mid4(a, b), b, (blk & 2u) != 0u));
 }
+
+// Small unsigned integers `v` (below 2^23) as f32 minus `bias`, exactly, with no
+// integer-to-float conversion (a quarter-rate instruction on NVIDIA GPUs, one per value):
+// `v` or-ed into the mantissa of 2^23 is the float 2^23 + v, and 2^23 + bias is exact too, so
+// the difference is `v - bias` with no rounding (the same bits `vec4<f32>(v) - bias` gives).
+fn u2f(v: vec4<u32>, bias: f32) -> vec4<f32> {
+    return bitcast<vec4<f32>>(v | vec4<u32>(0x4b000000u)) - (8388608.0 + bias);
+}
+
+// `cols` through `u2f`: the whole-block readers' form.
+fn cols_f(w: vec4<u32>, sh: u32, mask: u32, bias: f32) -> mat4x4<f32> {
+    return mat4x4<f32>(
+        u2f(lanes(w.x, sh, mask), bias),
+        u2f(lanes(w.y, sh, mask), bias),
+        u2f(lanes(w.z, sh, mask), bias),
+        u2f(lanes(w.w, sh, mask), bias),
+    );
+}

@@ -98,6 +98,16 @@ fn q5_k_cols(q: vec4<u32>, h: vec4<u32>, sh: u32, hb: u32) -> mat4x4<f32> {
     );
 }
 
+// `q5_k_cols` through `u2f`: the sub-block readers' form.
+fn q5_k_cols_f(q: vec4<u32>, h: vec4<u32>, sh: u32, hb: u32) -> mat4x4<f32> {
+    return mat4x4<f32>(
+        u2f(lanes(q.x, sh, 15u) | (lanes(h.x, hb, 1u) << vec4<u32>(4u)), 0.0),
+        u2f(lanes(q.y, sh, 15u) | (lanes(h.y, hb, 1u) << vec4<u32>(4u)), 0.0),
+        u2f(lanes(q.z, sh, 15u) | (lanes(h.z, hb, 1u) << vec4<u32>(4u)), 0.0),
+        u2f(lanes(q.w, sh, 15u) | (lanes(h.w, hb, 1u) << vec4<u32>(4u)), 0.0),
+    );
+}
+
 // Q6_K (210 bytes): 128 bytes of low nibbles (64 per 128 elements), 64 bytes of high 2 bits
 // (32 per 128 elements), 16 int8 scales at 192, f16 d at 208; (d * sc) * (q - 32).
 fn q6_k_qs(blk: u32, g: u32) -> vec2<f32> {
@@ -151,7 +161,7 @@ fn q4_k_s32(blk: u32, j: u32) -> Sub32 {
     let hi = vec4<u32>(q_buf[q + 4u], q_buf[q + 5u], q_buf[q + 6u], q_buf[q + 7u]);
     let sh = 4u * (j % 2u);
     let sc = k_sub_scale_min(k_header(i), j);
-    return Sub32(sc, cols(lo, sh, 15u, 0.0), cols(hi, sh, 15u, 0.0));
+    return Sub32(sc, cols_f(lo, sh, 15u, 0.0), cols_f(hi, sh, 15u, 0.0));
 }
 
 // Q5_K: nibbles as Q4_K's from word 12, fifth bits bit j of words 4 .. 11.
@@ -164,7 +174,7 @@ fn q5_k_s32(blk: u32, j: u32) -> Sub32 {
     let h1 = vec4<u32>(q_buf[i + 8u], q_buf[i + 9u], q_buf[i + 10u], q_buf[i + 11u]);
     let sh = 4u * (j % 2u);
     let sc = k_sub_scale_min(k_header(i), j);
-    return Sub32(sc, q5_k_cols(lo, h0, sh, j), q5_k_cols(hi, h1, sh, j));
+    return Sub32(sc, q5_k_cols_f(lo, h0, sh, j), q5_k_cols_f(hi, h1, sh, j));
 }
 
 fn q2_k_s32(blk: u32, j: u32) -> Sub32 {
