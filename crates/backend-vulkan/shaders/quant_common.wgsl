@@ -82,17 +82,6 @@ struct Sub32 {
     hi: mat4x4<f32>,
 }
 
-// Sub-block j of any type, from its two 16-element groups (`q_scale`, `q_vals`): the reader of
-// the super-block types without a reader of their own.
-fn q_sub_groups(blk: u32, j: u32) -> Sub32 {
-    let g = 2u * j;
-    return Sub32(
-        vec4<f32>(q_scale(blk, g), q_scale(blk, g + 1u)),
-        q_vals(blk, g),
-        q_vals(blk, g + 1u),
-    );
-}
-
 // The four words that start two bytes into the words `lo` (the upper halves of `lo`, joined to
 // the lower halves of `hi`, the words after them).
 fn q_mid4(lo: vec4<u32>, hi: vec4<u32>) -> vec4<u32> {
@@ -129,6 +118,20 @@ fn q_d16(blk: u32) -> ScaleWords {
     let a = vec4<u32>(q_buf[i], q_buf[i + 1u], q_buf[i + 2u], q_buf[i + 3u]);
     let b = vec4<u32>(a.yzw, q_buf[i + 4u]);
     return ScaleWords(q_head_f16(a.x, blk), select(q_mid4(a, b), b, (blk & 2u) != 0u));
+}
+
+// The 16 bytes at an even byte `b` as four words: loads from the word holding `b`, cut two
+// bytes in where `b` is not on a word (the fifth load is the fourth word again where it is).
+fn q_even16(b: u32) -> vec4<u32> {
+    let i = b >> 2u;
+    let lo = vec4<u32>(q_buf[i], q_buf[i + 1u], q_buf[i + 2u], q_buf[i + 3u]);
+    let hi = vec4<u32>(lo.yzw, q_buf[(b + 15u) >> 2u]);
+    return select(lo, q_mid4(lo, hi), (b & 2u) != 0u);
+}
+
+// The two bytes at an even byte `b`, one load.
+fn q_even_u16(b: u32) -> u32 {
+    return (q_buf[b >> 2u] >> ((b & 2u) * 8u)) & 0xffffu;
 }
 
 // Small unsigned integers `v` (below 2^23) as f32 minus `bias`, exactly, with no

@@ -51,7 +51,11 @@ fn iq4_nl_b32(blk: u32) -> Sub32 {
     return Sub32(vec4<f32>(f.d, 0.0, f.d, 0.0), iq4_vals(f.w, 0u), iq4_vals(f.w, 4u));
 }
 
-// IQ4_XS sub-blocks as two groups (`q_sub_groups`).
+// IQ4_XS sub-block j (`T_s32`): its 16 bytes of nibbles are words 2 + 4j (136-byte blocks
+// stay on words when the weight starts on one, which the host then requires).
 fn iq4_xs_s32(blk: u32, j: u32) -> Sub32 {
-    return q_sub_groups(blk, j);
+    let i = (blk >> 2u) + 2u + 4u * j;
+    let w = vec4<u32>(q_buf[i], q_buf[i + 1u], q_buf[i + 2u], q_buf[i + 3u]);
+    let s = iq4_xs_qs(blk, 2u * j);
+    return Sub32(vec4<f32>(s, s), iq4_vals(w, 0u), iq4_vals(w, 4u));
 }

@@ -129,10 +129,11 @@ fn q6_k_qv(blk: u32, g: u32) -> mat4x4<f32> {
     );
 }
 
-// Sub-blocks (`T_s32`, contract in `quant_common.wgsl`). Q4_K and Q5_K read theirs as aligned
-// words: their blocks (144 and 176 bytes) stay on words when the weight starts on one, which
-// the host requires of a super-block weight in `mul_mat_vec_qb`. The others read theirs as two
-// groups (`q_sub_groups`).
+// Sub-blocks (`T_s32`, contract in `quant_common.wgsl`): each reads its 32 elements' bytes as
+// whole words. Q2_K (84 bytes), Q4_K (144) and Q5_K (176) blocks stay on words when the weight
+// starts on one, which the host then requires; Q3_K (110) and Q6_K (210) blocks alternate
+// between a word and two bytes into one, and read through `q_even16`. Sub-block j is groups
+// 2j and 2j + 1; a type with a scale per 16 elements gives each half its own.
 
 // (scale, offset) of sub-block j of Q4_K / Q5_K from the block's first four words (d and dmin,
 // the 12 scale bytes), as `k_scale_min` computes them.
@@ -177,12 +178,59 @@ fn q5_k_s32(blk: u32, j: u32) -> Sub32 {
     return Sub32(sc, q5_k_cols_f(lo, h0, sh, j), q5_k_cols_f(hi, h1, sh, j));
 }
 
+// Q2_K: sub-block j's 2-bit values are words 4 + 8 * (j / 4) .., shift 2 * (j % 4).
 fn q2_k_s32(blk: u32, j: u32) -> Sub32 {
-    return q_sub_groups(blk, j);
+    let q = (blk >> 2u) + 4u + (j / 4u) * 8u;
+    let lo = vec4<u32>(q_buf[q], q_buf[q + 1u], q_buf[q + 2u], q_buf[q + 3u]);
+    let hi = vec4<u32>(q_buf[q + 4u], q_buf[q + 5u], q_buf[q + 6u], q_buf[q + 7u]);
+    let sh = 2u * (j % 4u);
+    let sc = vec4<f32>(q2_k_qs(blk, 2u * j), q2_k_qs(blk, 2u * j + 1u));
+    return Sub32(sc, cols_f(lo, sh, 3u, 0.0), cols_f(hi, sh, 3u, 0.0));
 }
+
+// 16 Q3_K values: 2-bit values of `q` at shift `sh`, high bits bit `hb` of `h`.
+fn q3_k_cols_f(q: vec4<u32>, h: vec4<u32>, sh: u32, hb: u32) -> mat4x4<f32> {
+    return mat4x4<f32>(
+        u2f(lanes(q.x, sh, 3u) + 4u * lanes(h.x, hb, 1u), 4.0),
+        u2f(lanes(q.y, sh, 3u) + 4u * lanes(h.y, hb, 1u), 4.0),
+        u2f(lanes(q.z, sh, 3u) + 4u * lanes(h.z, hb, 1u), 4.0),
+        u2f(lanes(q.w, sh, 3u) + 4u * lanes(h.w, hb, 1u), 4.0),
+    );
+}
+
+// Q3_K: 2-bit values at byte 32 + 32 * (j / 4), shift 2 * (j % 4); high bits bit j of bytes
+// 0 .. 32.
 fn q3_k_s32(blk: u32, j: u32) -> Sub32 {
-    return q_sub_groups(blk, j);
+    let q = blk + 32u + (j / 4u) * 32u;
+    let sh = 2u * (j % 4u);
+    let sc = vec4<f32>(q3_k_qs(blk, 2u * j), q3_k_qs(blk, 2u * j + 1u));
+    let lo = q3_k_cols_f(q_even16(q), q_even16(blk), sh, j);
+    let hi = q3_k_cols_f(q_even16(q + 16u), q_even16(blk + 16u), sh, j);
+    return Sub32(sc, lo, hi);
 }
+
+// 16 Q6_K values: nibbles of `lo` at shift `sl`, high 2 bits of `hi` at shift `sh`.
+fn q6_k_cols_f(lo: vec4<u32>, hi: vec4<u32>, sl: u32, sh: u32) -> mat4x4<f32> {
+    return mat4x4<f32>(
+        u2f(lanes(lo.x, sl, 15u) | (lanes(hi.x, sh, 3u) << vec4<u32>(4u)), 32.0),
+        u2f(lanes(lo.y, sl, 15u) | (lanes(hi.y, sh, 3u) << vec4<u32>(4u)), 32.0),
+        u2f(lanes(lo.z, sl, 15u) | (lanes(hi.z, sh, 3u) << vec4<u32>(4u)), 32.0),
+        u2f(lanes(lo.w, sl, 15u) | (lanes(hi.w, sh, 3u) << vec4<u32>(4u)), 32.0),
+    );
+}
+
+// Q6_K: nibbles at byte 64 * (j / 4) + 32 * (j % 2), shift 4 * ((j % 4) / 2); high bits at
+// byte 128 + 32 * (j / 4), shift 2 * (j % 4); the halves' int8 scales at 192 + 2j.
 fn q6_k_s32(blk: u32, j: u32) -> Sub32 {
-    return q_sub_groups(blk, j);
+    let ql = blk + (j / 4u) * 64u + (j % 2u) * 32u;
+    let qh = blk + 128u + (j / 4u) * 32u;
+    let sl = 4u * ((j % 4u) / 2u);
+    let sh = 2u * (j % 4u);
+    let s = q_even_u16(blk + 192u + 2u * j);
+    let d = f16_bits_to_f32(q_even_u16(blk + 208u));
+    let s0 = d * (f32((s & 255u) ^ 128u) - 128.0);
+    let s1 = d * (f32((s >> 8u) ^ 128u) - 128.0);
+    let lo = q6_k_cols_f(q_even16(ql), q_even16(qh), sl, sh);
+    let hi = q6_k_cols_f(q_even16(ql + 16u), q_even16(qh + 16u), sl, sh);
+    return Sub32(vec4<f32>(s0, 0.0, s1, 0.0), lo, hi);
 }

@@ -351,10 +351,11 @@ fn quant_mat_vec(
         "_wg"
     } else if m == 1 && push.prm[0] == 1 && c.lim.wide_groups && x_vec_aligned(&push, sa) {
         // `LOWSYNC_VK_QV=block`: 32 elements per lane instead, where w starts on an even byte
-        // (a 32-element block is an even number of bytes, so each then starts on a word or two
-        // bytes into one, as `T_b32` reads them), a super-block weight on a word (Q4_K's and
-        // Q5_K's blocks are whole words, as `T_s32` reads them).
-        let align = if bs == 32 { 2 } else { 4 };
+        // (blocks are an even number of bytes, so each then starts on a word or two bytes into
+        // one: `T_b32`, and Q3_K's and Q6_K's `T_s32`, read both), and on a word for the other
+        // super-block types (whole words per block, read only on words).
+        let either = bs == 32 || matches!(b.dtype, DType::Q3_K | DType::Q6_K);
+        let align = if either { 2 } else { 4 };
         if c.lim.whole_blocks && push.offs[2].is_multiple_of(align) {
             "b"
         } else {
