@@ -115,7 +115,7 @@ pub(crate) struct Limits {
     pub subgroups: bool,
     /// Workgroups of 256 invocations along x are allowed (Vulkan guarantees only 128).
     pub wide_groups: bool,
-    /// The one-row block mat-vec takes whole blocks per lane (`LOWSYNC_VK_QV=block`).
+    /// The one-row block mat-vec takes 32 elements per lane (`LOWSYNC_VK_QV=block`).
     pub whole_blocks: bool,
 }
 
