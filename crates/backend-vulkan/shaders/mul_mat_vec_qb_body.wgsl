@@ -27,55 +27,40 @@ fn hsum(v: vec4<f32>) -> f32 {
     return (v.x + v.y) + (v.z + v.w);
 }
 
-// Piece i of the row of w at byte `w_base` dotted with the same 32 elements of x from element
-// `a_base`.
-fn piece(a_base: u32, w_base: u32, i: u32) -> f32 {
-    let q = q_sub(w_base + (i / SPB) * QB, i % SPB);
-    let xa = a_base + i * 32u;
-    let x0 = ld4_a(xa);
-    let x1 = ld4_a(xa + 4u);
-    let x2 = ld4_a(xa + 8u);
-    let x3 = ld4_a(xa + 12u);
-    let x4 = ld4_a(xa + 16u);
-    let x5 = ld4_a(xa + 20u);
-    let x6 = ld4_a(xa + 24u);
-    let x7 = ld4_a(xa + 28u);
-    let lo = (dot(x0, q.lo[0]) + dot(x1, q.lo[1])) + (dot(x2, q.lo[2]) + dot(x3, q.lo[3]));
-    let hi = (dot(x4, q.hi[0]) + dot(x5, q.hi[1])) + (dot(x6, q.hi[2]) + dot(x7, q.hi[3]));
-    var t: f32;
-    if SPB == 1u {
-        t = q.sc.x * (lo + hi);
-    } else {
-        t = q.sc.x * lo + q.sc.z * hi;
-    }
-    if Q_MIN {
-        let s0 = hsum((x0 + x1) + (x2 + x3));
-        let s1 = hsum((x4 + x5) + (x6 + x7));
-        if SPB == 1u {
-            t += q.sc.y * (s0 + s1);
-        } else {
-            t += q.sc.y * s0 + q.sc.w * s1;
-        }
-    }
-    return t;
-}
-
 // This lane's part of x . w[row] (one row of x from element `a_base`; `nr` is 1): pieces
-// `lane`, `lane + lanes`, ... of the row of w at byte `w_base`, two per iteration so that both
-// pieces' loads are in flight together; they are added one after the other, as a loop of one
-// piece per iteration would add them.
+// `lane`, `lane + lanes`, ... of the row of w at byte `w_base`.
 fn rows_partial(a_base: u32, w_base: u32, lane: u32, lanes: u32, nr: u32) -> array<f32, MT> {
     let np = pc.shape.z / 32u;
     var acc: array<f32, MT>;
-    var i = lane;
-    for (; i + lanes < np; i += 2u * lanes) {
-        let t0 = piece(a_base, w_base, i);
-        let t1 = piece(a_base, w_base, i + lanes);
-        acc[0] += t0;
-        acc[0] += t1;
-    }
-    if i < np {
-        acc[0] += piece(a_base, w_base, i);
+    for (var i = lane; i < np; i += lanes) {
+        let q = q_sub(w_base + (i / SPB) * QB, i % SPB);
+        let xa = a_base + i * 32u;
+        let x0 = ld4_a(xa);
+        let x1 = ld4_a(xa + 4u);
+        let x2 = ld4_a(xa + 8u);
+        let x3 = ld4_a(xa + 12u);
+        let x4 = ld4_a(xa + 16u);
+        let x5 = ld4_a(xa + 20u);
+        let x6 = ld4_a(xa + 24u);
+        let x7 = ld4_a(xa + 28u);
+        let lo = (dot(x0, q.lo[0]) + dot(x1, q.lo[1])) + (dot(x2, q.lo[2]) + dot(x3, q.lo[3]));
+        let hi = (dot(x4, q.hi[0]) + dot(x5, q.hi[1])) + (dot(x6, q.hi[2]) + dot(x7, q.hi[3]));
+        var t: f32;
+        if SPB == 1u {
+            t = q.sc.x * (lo + hi);
+        } else {
+            t = q.sc.x * lo + q.sc.z * hi;
+        }
+        if Q_MIN {
+            let s0 = hsum((x0 + x1) + (x2 + x3));
+            let s1 = hsum((x4 + x5) + (x6 + x7));
+            if SPB == 1u {
+                t += q.sc.y * (s0 + s1);
+            } else {
+                t += q.sc.y * s0 + q.sc.w * s1;
+            }
+        }
+        acc[0] += t;
     }
     return acc;
 }
