@@ -489,6 +489,35 @@ def test_a_quantized_model_stays_quantized_on_vulkan(
 
 
 @pytest.mark.vulkan
+@pytest.mark.parametrize("dtype", ALL)
+def test_both_vulkan_block_mat_vec_bodies_match_the_reference(
+    dtype: str, clean_env: pytest.MonkeyPatch
+) -> None:
+    """`LOWSYNC_VK_QV=group` and `block` in one process: a decode step's logits match a float64
+    forward pass and each other under both, and the one-row products (fused stores included)
+    run the body asked for: `mul_mat_vec_qb*` (a whole block per lane) only under `block`."""
+    model = _quant_model(dtype)
+    tokens = [1, 2, 3, 4, 5]
+    want = _reference_forward(model, tokens)
+    clean_env.setenv("LOWSYNC_VK_PROFILE", "1")
+    logits = {}
+    for body in ("group", "block"):
+        clean_env.setenv("LOWSYNC_VK_QV", body)
+        sess = ls.Session(model, backends=["vulkan"], n_ctx=16, n_ubatch=4)
+        sess.decode(tokens[:4])
+        sess.context.synchronize()
+        sess.context.reset_stats()
+        logits[body] = sess.decode(tokens[4:], logits="all")
+        sess.context.synchronize()
+        names = {t["name"].split(".")[0] for t in sess.context.kernel_times()}
+        one_row = {n for n in names if n.startswith(("mul_mat_vec_qv", "mul_mat_vec_qb"))}
+        family = {"group": "mul_mat_vec_qv", "block": "mul_mat_vec_qb"}[body]
+        assert one_row == {family, family + "_e", family + "_r"}, (body, names)
+        assert rel_err(logits[body], want[4:]) < 1e-3, body
+    assert rel_err(logits["block"], logits["group"]) < 1e-5
+
+
+@pytest.mark.vulkan
 def test_a_q4_k_model_decodes_on_vulkan_with_one_host_wait_per_token(
     clean_env: pytest.MonkeyPatch,
 ) -> None:

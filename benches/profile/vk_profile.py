@@ -15,13 +15,15 @@ another while profiling; profiling also records each step's commands afresh (no 
 the wall-clock tok/s it prints is below the unprofiled bench's.
 
 Run: `python benches/profile/vk_profile.py --model 1b --dtype f16 -n 64`; add
-`LOWSYNC_VK_VALIDATION=1` to run it under the validation layer.
+`LOWSYNC_VK_VALIDATION=1` to run it under the validation layer, `LOWSYNC_VK_QV=block` for the
+whole-block mat-vec body (docs/tuning.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import lowsync as ls
@@ -44,24 +46,30 @@ def profile(model: ls.Llama, backend: str, n: int) -> tuple[dict[str, float], li
     assert st is not None
     times = sess.context.kernel_times()
     steps = st.n_steps + 1
+    plain, cpu_ms = plain_tok_s(model, backend, n)
     summary = {
         "tok_s": st.tg_tps,
         "steps": float(steps),
-        "plain_tok_s": plain_tok_s(model, backend, n),
+        "plain_tok_s": plain,
+        "plain_cpu_ms_per_token": cpu_ms,
     }
     return summary, times
 
 
-def plain_tok_s(model: ls.Llama, backend: str, n: int) -> float:
-    """Decode tok/s of the same run without profiling (the second of two passes)."""
+def plain_tok_s(model: ls.Llama, backend: str, n: int) -> tuple[float, float]:
+    """Decode tok/s of the same run without profiling (the second of two passes), and the
+    process's CPU time per token over that pass (every thread: on lavapipe the device's
+    workers are threads of this process, so this is what a token costs the machine)."""
     with env_vars({"LOWSYNC_VK_PROFILE": "0"}):
         sess = ls.Session(model, backends=[backend], n_ctx=n + 8, policy="staged")
-    for _ in range(2):
-        sess.seq_rm(0)
-        sess.generate([1], max_new_tokens=n, seq_id=0)
+    sess.generate([1], max_new_tokens=n, seq_id=0)
+    sess.seq_rm(0)
+    cpu0 = time.process_time()
+    sess.generate([1], max_new_tokens=n, seq_id=0)
+    cpu_ms = (time.process_time() - cpu0) * 1e3 / n
     st = sess.last_generate
     assert st is not None
-    return st.tg_tps
+    return st.tg_tps, cpu_ms
 
 
 def table(times: list[dict], steps: int) -> list[dict[str, object]]:
@@ -104,7 +112,9 @@ def main() -> None:
     device_us = sum(t["device_ns"] for t in times) / steps / 1e3
     print(
         f"{args.model} {args.dtype} on {args.backend}: {summary['tok_s']:.1f} tok/s profiled "
-        f"({summary['plain_tok_s']:.1f} without), device {device_us:.1f} us/step over {steps} steps"
+        f"({summary['plain_tok_s']:.1f} without, "
+        f"{summary['plain_cpu_ms_per_token']:.2f} CPU ms/token), "
+        f"device {device_us:.1f} us/step over {steps} steps"
     )
     print(
         f"{'kernel':44} {'n/step':>6} {'us/step':>9} {'share':>6} {'us/call':>8} "

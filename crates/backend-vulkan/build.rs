@@ -46,7 +46,8 @@ enum Slot {
     /// its accessors are named for the block, not the slot): constants `QK` (elements per
     /// block), `QB` (bytes per block), `GPB` (16-element groups per block), `Q_MIN` (the type
     /// has a min), and `q_scale(blk, g)` / `q_vals(blk, g)` of group `g` of the block at byte
-    /// `blk` (contract in `shaders/quant_common.wgsl`).
+    /// `blk`, and `q_sub(blk, j)`, its 32-element piece j (contract in
+    /// `shaders/quant_common.wgsl`).
     Quant,
 }
 
@@ -56,6 +57,10 @@ const QUANTS: &[&str] = &[
     "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl",
     "iq4_xs",
 ];
+
+/// The 32-element block types: their 32-element reader is the whole block (`T_b32`), a
+/// super-block type's is sub-block j (`T_s32`); build.rs binds either to `q_sub`.
+const QUANTS_32: &[&str] = &["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl"];
 
 /// (kernel template, slots: name, kind, dtypes to generate).
 type Spec = (
@@ -222,6 +227,14 @@ const KERNELS: &[Spec] = &[
         ],
     ),
     (
+        "mul_mat_vec_qb",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+        ],
+    ),
+    (
         "mul_mat_vec_q_wg",
         &[
             ("d", Slot::Out, &["f32"]),
@@ -293,6 +306,15 @@ const KERNELS: &[Spec] = &[
         ],
     ),
     (
+        "mul_mat_vec_qb_e",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+            ("e", Slot::In, &["f32"]),
+        ],
+    ),
+    (
         "mul_mat_vec_q_wg_e",
         &[
             ("d", Slot::Out, &["f32"]),
@@ -345,6 +367,16 @@ const KERNELS: &[Spec] = &[
     ),
     (
         "mul_mat_vec_qv_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_qb_r",
         &[
             ("d", Slot::Out, FLOATS),
             ("a", Slot::Vec, &["f32"]),
@@ -627,8 +659,14 @@ fn quant(dir: &Path, q: &str) -> String {
          {common}\n\
          {family}\n\
          fn q_scale(blk: u32, g: u32) -> vec2<f32> {{ return {q}_qs(blk, g); }}\n\
-         fn q_vals(blk: u32, g: u32) -> mat4x4<f32> {{ return {q}_qv(blk, g); }}\n",
+         fn q_vals(blk: u32, g: u32) -> mat4x4<f32> {{ return {q}_qv(blk, g); }}\n\
+         {whole}",
         gpb = qk / 16,
+        whole = if QUANTS_32.contains(&q) {
+            format!("fn q_sub(blk: u32, j: u32) -> Sub32 {{ return {q}_b32(blk); }}\n")
+        } else {
+            format!("fn q_sub(blk: u32, j: u32) -> Sub32 {{ return {q}_s32(blk, j); }}\n")
+        },
         common = read(&dir.join("quant_common.wgsl")),
         family = read(&dir.join(format!("{family}.wgsl"))),
     )
@@ -659,7 +697,8 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
     let info = Validator::new(
         ValidationFlags::all(),
         // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_v`, `mul_mat_vec_q`, `mul_mat_vec_qv`,
-        // `mul_mat_vec_qm` and their `_e` and `_r` flavours use subgroup operations, and the host picks
+        // `mul_mat_vec_qb`, `mul_mat_vec_qm` and their `_e` and `_r` flavours use subgroup
+        // operations, and the host picks
         // them only on a device whose compute stage has subgroup arithmetic.
         // SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).

@@ -32,6 +32,18 @@ fn q5_vals(w: vec4<u32>, qh: u32, g: u32, bias: f32) -> mat4x4<f32> {
     );
 }
 
+// `q5_vals` through `u2f`: the whole-block readers' form.
+fn q5_vals_f(w: vec4<u32>, qh: u32, g: u32, bias: f32) -> mat4x4<f32> {
+    let sh = 4u * g;
+    let b = 16u * g;
+    return mat4x4<f32>(
+        u2f(lanes(w.x, sh, 15u) | (bit4(qh, b) << vec4<u32>(4u)), bias),
+        u2f(lanes(w.y, sh, 15u) | (bit4(qh, b + 4u) << vec4<u32>(4u)), bias),
+        u2f(lanes(w.z, sh, 15u) | (bit4(qh, b + 8u) << vec4<u32>(4u)), bias),
+        u2f(lanes(w.w, sh, 15u) | (bit4(qh, b + 12u) << vec4<u32>(4u)), bias),
+    );
+}
+
 // Q5_0 (22 bytes): f16 d, 32 high bits, 16 bytes of nibbles; d * (q - 16).
 fn q5_0_qs(blk: u32, g: u32) -> vec2<f32> {
     return vec2<f32>(qh(blk), 0.0);
@@ -55,4 +67,72 @@ fn q8_0_qs(blk: u32, g: u32) -> vec2<f32> {
 fn q8_0_qv(blk: u32, g: u32) -> mat4x4<f32> {
     let w = qw4(blk + 2u + 16u * g) ^ vec4<u32>(0x80808080u);
     return cols(w, 0u, 255u, 128.0);
+}
+
+// Whole blocks (`T_b32`, contract in `quant_common.wgsl`): r0, r1, ... are the words from the
+// one holding the block's first byte; `h` is a block starting two bytes into r0. Values go to
+// f32 through `u2f` (the same bits as the group readers' conversions, fewer slow instructions).
+
+fn q4_0_b32(blk: u32) -> Sub32 {
+    let f = q_d16(blk);
+    let d = vec4<f32>(f.d, 0.0, f.d, 0.0);
+    return Sub32(d, cols_f(f.w, 0u, 15u, 8.0), cols_f(f.w, 4u, 15u, 8.0));
+}
+
+// 20 bytes: dm is r0 and the nibbles r1 .. r4, or all cut two bytes in (then reaching r5, the
+// word of the last byte, loaded only through that address so an aligned block loads r4 again).
+fn q4_1_b32(blk: u32) -> Sub32 {
+    let i = blk >> 2u;
+    let r = vec4<u32>(q_buf[i], q_buf[i + 1u], q_buf[i + 2u], q_buf[i + 3u]);
+    let b = vec4<u32>(r.yzw, q_buf[i + 4u]);
+    let c = vec4<u32>(b.yzw, q_buf[(blk + 19u) >> 2u]);
+    let w = select(b, q_mid4(b, c), (blk & 2u) != 0u);
+    let dm = q_head_dm(r.x, r.y, blk);
+    return Sub32(vec4<f32>(dm, dm), cols_f(w, 0u, 15u, 0.0), cols_f(w, 4u, 15u, 0.0));
+}
+
+// 22 bytes in r0 .. r5 either way: the high bits r1 and the nibbles r2 .. r5 when `h`, else
+// both cut two bytes into r0 and r1.
+fn q5_0_b32(blk: u32) -> Sub32 {
+    let i = blk >> 2u;
+    let a = vec4<u32>(q_buf[i], q_buf[i + 1u], q_buf[i + 2u], q_buf[i + 3u]);
+    let b = vec4<u32>(a.yzw, q_buf[i + 4u]);
+    let c = vec4<u32>(b.yzw, q_buf[i + 5u]);
+    let h = (blk & 2u) != 0u;
+    let qh = select(q_mid(a.x, a.y), a.y, h);
+    let w = select(q_mid4(b, c), c, h);
+    let d0 = q_head_f16(a.x, blk);
+    let d = vec4<f32>(d0, 0.0, d0, 0.0);
+    return Sub32(d, q5_vals_f(w, qh, 0u, 16.0), q5_vals_f(w, qh, 1u, 16.0));
+}
+
+// 24 bytes: dm r0, high bits r1, nibbles r2 .. r5, or all cut two bytes in (reaching r6, loaded
+// through the last byte's address as in `q4_1_b32`).
+fn q5_1_b32(blk: u32) -> Sub32 {
+    let i = blk >> 2u;
+    let a = vec4<u32>(q_buf[i], q_buf[i + 1u], q_buf[i + 2u], q_buf[i + 3u]);
+    let b = vec4<u32>(a.yzw, q_buf[i + 4u]);
+    let c = vec4<u32>(b.yzw, q_buf[i + 5u]);
+    let e = vec4<u32>(c.yzw, q_buf[(blk + 23u) >> 2u]);
+    let h = (blk & 2u) != 0u;
+    let qh = select(a.y, q_mid(a.y, a.z), h);
+    let w = select(c, q_mid4(c, e), h);
+    let dm = q_head_dm(a.x, a.y, blk);
+    return Sub32(vec4<f32>(dm, dm), q5_vals_f(w, qh, 0u, 0.0), q5_vals_f(w, qh, 1u, 0.0));
+}
+
+// 34 bytes in r0 .. r8 either way: the int8 values r1 .. r8 when `h`, else cut two bytes in.
+fn q8_0_b32(blk: u32) -> Sub32 {
+    let i = blk >> 2u;
+    let a = vec4<u32>(q_buf[i], q_buf[i + 1u], q_buf[i + 2u], q_buf[i + 3u]);
+    let b = vec4<u32>(a.yzw, q_buf[i + 4u]);
+    let c = vec4<u32>(q_buf[i + 5u], q_buf[i + 6u], q_buf[i + 7u], q_buf[i + 8u]);
+    let e = vec4<u32>(b.w, c.xyz);
+    let h = (blk & 2u) != 0u;
+    let flip = vec4<u32>(0x80808080u);
+    let lo = select(q_mid4(a, b), b, h) ^ flip;
+    let hi = select(q_mid4(e, c), c, h) ^ flip;
+    let d0 = q_head_f16(a.x, blk);
+    let d = vec4<f32>(d0, 0.0, d0, 0.0);
+    return Sub32(d, cols_f(lo, 0u, 255u, 128.0), cols_f(hi, 0u, 255u, 128.0));
 }

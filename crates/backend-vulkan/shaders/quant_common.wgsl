@@ -16,6 +16,15 @@
 //   before it multiplies the value, a min is subtracted after).
 // build.rs binds `q_scale`/`q_vals` to T's pair and sets `QK` (elements per block), `QB`
 // (bytes per block), `GPB` (groups per block) and `Q_MIN`.
+//
+// Kernels where one invocation takes 32 consecutive elements at a time read them through
+// `q_sub(blk, j) -> Sub32` (bound by build.rs), the 32-element sub-block j of the block at
+// `blk`: a 32-element type's `T_b32(blk)` (j is 0), a super-block type's `T_s32(blk, j)`.
+// `T_b32` loads each word of the block once, aligned, and cuts every field out of them with
+// fixed shifts: such a block is an even number of bytes and rows hold whole blocks, so a block
+// starts either on a word or two bytes into one (`blk & 2`); the reader computes both cases
+// from the same words and selects, and loads no word past the one holding the block's last
+// byte.
 
 // Four bytes starting at any byte offset.
 fn qw(byte: u32) -> u32 {
@@ -61,5 +70,84 @@ fn cols(w: vec4<u32>, sh: u32, mask: u32, bias: f32) -> mat4x4<f32> {
         vec4<f32>(lanes(w.y, sh, mask)) - bias,
         vec4<f32>(lanes(w.z, sh, mask)) - bias,
         vec4<f32>(lanes(w.w, sh, mask)) - bias,
+    );
+}
+
+// 32 consecutive elements of a block: (scale, offset) of elements 0 .. 15 in `sc.xy` and of
+// 16 .. 31 in `sc.zw` (the same pair twice where one covers all 32), and the values, `lo`
+// elements 0 .. 15 and `hi` 16 .. 31 (column c = elements 4c .. 4c+3 of the half).
+struct Sub32 {
+    sc: vec4<f32>,
+    lo: mat4x4<f32>,
+    hi: mat4x4<f32>,
+}
+
+// The four words that start two bytes into the words `lo` (the upper halves of `lo`, joined to
+// the lower halves of `hi`, the words after them).
+fn q_mid4(lo: vec4<u32>, hi: vec4<u32>) -> vec4<u32> {
+    return (lo >> vec4<u32>(16u)) | (hi << vec4<u32>(16u));
+}
+
+// The word that starts two bytes into word `lo` (`hi` the word after it).
+fn q_mid(lo: u32, hi: u32) -> u32 {
+    return (lo >> 16u) | (hi << 16u);
+}
+
+// The f16 of a block's first two bytes, the block at byte `blk` starting in word `w`.
+fn q_head_f16(w: u32, blk: u32) -> f32 {
+    return f16_bits_to_f32(select(w & 0xffffu, w >> 16u, (blk & 2u) != 0u));
+}
+
+// (d, m) of a block whose first word of fields is f16 d then f16 m, at byte `blk`, its first
+// two words `w0`, `w1`.
+fn q_head_dm(w0: u32, w1: u32, blk: u32) -> vec2<f32> {
+    let dm = select(w0, q_mid(w0, w1), (blk & 2u) != 0u);
+    return vec2<f32>(f16_bits_to_f32(dm & 0xffffu), f16_bits_to_f32(dm >> 16u));
+}
+
+// An f16 scale and the 16 bytes after it (Q4_0, IQ4_NL): `w` is the 16 bytes as four words.
+struct ScaleWords {
+    d: f32,
+    w: vec4<u32>,
+}
+
+// The 18-byte block at byte `blk` as f16 d and 16 bytes: five aligned loads (the bytes are
+// words 1 .. 4 when the block starts two bytes into a word, else cut from words 0 .. 4).
+fn q_d16(blk: u32) -> ScaleWords {
+    let i = blk >> 2u;
+    let a = vec4<u32>(q_buf[i], q_buf[i + 1u], q_buf[i + 2u], q_buf[i + 3u]);
+    let b = vec4<u32>(a.yzw, q_buf[i + 4u]);
+    return ScaleWords(q_head_f16(a.x, blk), select(q_mid4(a, b), b, (blk & 2u) != 0u));
+}
+
+// The 16 bytes at an even byte `b` as four words: loads from the word holding `b`, cut two
+// bytes in where `b` is not on a word (the fifth load is the fourth word again where it is).
+fn q_even16(b: u32) -> vec4<u32> {
+    let i = b >> 2u;
+    let lo = vec4<u32>(q_buf[i], q_buf[i + 1u], q_buf[i + 2u], q_buf[i + 3u]);
+    let hi = vec4<u32>(lo.yzw, q_buf[(b + 15u) >> 2u]);
+    return select(lo, q_mid4(lo, hi), (b & 2u) != 0u);
+}
+
+// The two bytes at an even byte `b`, one load.
+fn q_even_u16(b: u32) -> u32 {
+    return (q_buf[b >> 2u] >> ((b & 2u) * 8u)) & 0xffffu;
+}
+
+// Small unsigned integers `v` (below 2^23) as f32 minus `bias`, exactly, with no
+// integer-to-float conversion (a quarter-rate instruction on NVIDIA GPUs, one per value):
+// `v` or-ed into the mantissa of 2^23 is the float 2^23 + v, and 2^23 + bias is exact too, so
+// the difference is `v - bias` with no rounding (the same bits `vec4<f32>(v) - bias` gives).
+fn u2f(v: vec4<u32>, bias: f32) -> vec4<f32> {
+    return bitcast<vec4<f32>>(v | vec4<u32>(0x4b000000u)) - (8388608.0 + bias);
+}
+
+// `cols` through `u2f`: the whole-block readers' form.
+fn cols_f(w: vec4<u32>, sh: u32, mask: u32, bias: f32) -> mat4x4<f32> {
+    return mat4x4<f32>(
+        u2f(lanes(w.x, sh, mask), bias),
+        u2f(lanes(w.y, sh, mask), bias),
+        u2f(lanes(w.z, sh, mask), bias),
+        u2f(lanes(w.w, sh, mask), bias),
     );
 }

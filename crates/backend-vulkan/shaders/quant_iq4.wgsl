@@ -44,3 +44,18 @@ fn iq4_xs_qs(blk: u32, g: u32) -> vec2<f32> {
 fn iq4_xs_qv(blk: u32, g: u32) -> mat4x4<f32> {
     return iq4_vals(qw4(blk + 8u + (g / 2u) * 16u), 4u * (g % 2u));
 }
+
+// IQ4_NL as a whole block (`T_b32`, contract in `quant_common.wgsl`): Q4_0's layout.
+fn iq4_nl_b32(blk: u32) -> Sub32 {
+    let f = q_d16(blk);
+    return Sub32(vec4<f32>(f.d, 0.0, f.d, 0.0), iq4_vals(f.w, 0u), iq4_vals(f.w, 4u));
+}
+
+// IQ4_XS sub-block j (`T_s32`): its 16 bytes of nibbles are words 2 + 4j (136-byte blocks
+// stay on words when the weight starts on one, which the host then requires).
+fn iq4_xs_s32(blk: u32, j: u32) -> Sub32 {
+    let i = (blk >> 2u) + 2u + 4u * j;
+    let w = vec4<u32>(q_buf[i], q_buf[i + 1u], q_buf[i + 2u], q_buf[i + 3u]);
+    let s = iq4_xs_qs(blk, 2u * j);
+    return Sub32(vec4<f32>(s, s), iq4_vals(w, 0u), iq4_vals(w, 4u));
+}

@@ -85,13 +85,26 @@ fn q5_k_qv(blk: u32, g: u32) -> mat4x4<f32> {
     let l0 = (g % 2u) * 16u;
     let q = qw4(blk + 48u + (g / 4u) * 32u + l0);
     let h = qw4(blk + 16u + l0);
-    let sh = 4u * ((g / 2u) % 2u);
-    let hb = g / 2u;
+    return q5_k_cols(q, h, 4u * ((g / 2u) % 2u), g / 2u);
+}
+
+// 16 Q5_K values: nibbles of the 16 bytes `q` at shift `sh`, fifth bits bit `hb` of `h`.
+fn q5_k_cols(q: vec4<u32>, h: vec4<u32>, sh: u32, hb: u32) -> mat4x4<f32> {
     return mat4x4<f32>(
         vec4<f32>(lanes(q.x, sh, 15u) | (lanes(h.x, hb, 1u) << vec4<u32>(4u))),
         vec4<f32>(lanes(q.y, sh, 15u) | (lanes(h.y, hb, 1u) << vec4<u32>(4u))),
         vec4<f32>(lanes(q.z, sh, 15u) | (lanes(h.z, hb, 1u) << vec4<u32>(4u))),
         vec4<f32>(lanes(q.w, sh, 15u) | (lanes(h.w, hb, 1u) << vec4<u32>(4u))),
+    );
+}
+
+// `q5_k_cols` through `u2f`: the sub-block readers' form.
+fn q5_k_cols_f(q: vec4<u32>, h: vec4<u32>, sh: u32, hb: u32) -> mat4x4<f32> {
+    return mat4x4<f32>(
+        u2f(lanes(q.x, sh, 15u) | (lanes(h.x, hb, 1u) << vec4<u32>(4u)), 0.0),
+        u2f(lanes(q.y, sh, 15u) | (lanes(h.y, hb, 1u) << vec4<u32>(4u)), 0.0),
+        u2f(lanes(q.z, sh, 15u) | (lanes(h.z, hb, 1u) << vec4<u32>(4u)), 0.0),
+        u2f(lanes(q.w, sh, 15u) | (lanes(h.w, hb, 1u) << vec4<u32>(4u)), 0.0),
     );
 }
 
@@ -114,4 +127,110 @@ fn q6_k_qv(blk: u32, g: u32) -> mat4x4<f32> {
         vec4<f32>(lanes(lo.z, sl, 15u) | (lanes(hi.z, sh, 3u) << vec4<u32>(4u))) - 32.0,
         vec4<f32>(lanes(lo.w, sl, 15u) | (lanes(hi.w, sh, 3u) << vec4<u32>(4u))) - 32.0,
     );
+}
+
+// Sub-blocks (`T_s32`, contract in `quant_common.wgsl`): each reads its 32 elements' bytes as
+// whole words. Q2_K (84 bytes), Q4_K (144) and Q5_K (176) blocks stay on words when the weight
+// starts on one, which the host then requires; Q3_K (110) and Q6_K (210) blocks alternate
+// between a word and two bytes into one, and read through `q_even16`. Sub-block j is groups
+// 2j and 2j + 1; a type with a scale per 16 elements gives each half its own.
+
+// (scale, offset) of sub-block j of Q4_K / Q5_K from the block's first four words (d and dmin,
+// the 12 scale bytes), as `k_scale_min` computes them.
+fn k_sub_scale_min(hdr: vec4<u32>, j: u32) -> vec4<f32> {
+    let sh = 8u * (j % 4u);
+    let a = (hdr.y >> sh) & 255u;
+    let b = (hdr.z >> sh) & 255u;
+    let c = (hdr.w >> sh) & 255u;
+    let hi = j >= 4u;
+    let sc = select(a & 63u, (c & 15u) | ((a >> 6u) << 4u), hi);
+    let m = select(b & 63u, (c >> 4u) | ((b >> 6u) << 4u), hi);
+    let s = f16_bits_to_f32(hdr.x & 0xffffu) * f32(sc);
+    let o = -(f16_bits_to_f32(hdr.x >> 16u) * f32(m));
+    return vec4<f32>(s, o, s, o);
+}
+
+fn k_header(i: u32) -> vec4<u32> {
+    return vec4<u32>(q_buf[i], q_buf[i + 1u], q_buf[i + 2u], q_buf[i + 3u]);
+}
+
+// Q4_K: sub-block j's 32 bytes of nibbles are words 4 + 8 * (j / 2) .., nibble j % 2.
+fn q4_k_s32(blk: u32, j: u32) -> Sub32 {
+    let i = blk >> 2u;
+    let q = i + 4u + (j / 2u) * 8u;
+    let lo = vec4<u32>(q_buf[q], q_buf[q + 1u], q_buf[q + 2u], q_buf[q + 3u]);
+    let hi = vec4<u32>(q_buf[q + 4u], q_buf[q + 5u], q_buf[q + 6u], q_buf[q + 7u]);
+    let sh = 4u * (j % 2u);
+    let sc = k_sub_scale_min(k_header(i), j);
+    return Sub32(sc, cols_f(lo, sh, 15u, 0.0), cols_f(hi, sh, 15u, 0.0));
+}
+
+// Q5_K: nibbles as Q4_K's from word 12, fifth bits bit j of words 4 .. 11.
+fn q5_k_s32(blk: u32, j: u32) -> Sub32 {
+    let i = blk >> 2u;
+    let q = i + 12u + (j / 2u) * 8u;
+    let lo = vec4<u32>(q_buf[q], q_buf[q + 1u], q_buf[q + 2u], q_buf[q + 3u]);
+    let hi = vec4<u32>(q_buf[q + 4u], q_buf[q + 5u], q_buf[q + 6u], q_buf[q + 7u]);
+    let h0 = vec4<u32>(q_buf[i + 4u], q_buf[i + 5u], q_buf[i + 6u], q_buf[i + 7u]);
+    let h1 = vec4<u32>(q_buf[i + 8u], q_buf[i + 9u], q_buf[i + 10u], q_buf[i + 11u]);
+    let sh = 4u * (j % 2u);
+    let sc = k_sub_scale_min(k_header(i), j);
+    return Sub32(sc, q5_k_cols_f(lo, h0, sh, j), q5_k_cols_f(hi, h1, sh, j));
+}
+
+// Q2_K: sub-block j's 2-bit values are words 4 + 8 * (j / 4) .., shift 2 * (j % 4).
+fn q2_k_s32(blk: u32, j: u32) -> Sub32 {
+    let q = (blk >> 2u) + 4u + (j / 4u) * 8u;
+    let lo = vec4<u32>(q_buf[q], q_buf[q + 1u], q_buf[q + 2u], q_buf[q + 3u]);
+    let hi = vec4<u32>(q_buf[q + 4u], q_buf[q + 5u], q_buf[q + 6u], q_buf[q + 7u]);
+    let sh = 2u * (j % 4u);
+    let sc = vec4<f32>(q2_k_qs(blk, 2u * j), q2_k_qs(blk, 2u * j + 1u));
+    return Sub32(sc, cols_f(lo, sh, 3u, 0.0), cols_f(hi, sh, 3u, 0.0));
+}
+
+// 16 Q3_K values: 2-bit values of `q` at shift `sh`, high bits bit `hb` of `h`.
+fn q3_k_cols_f(q: vec4<u32>, h: vec4<u32>, sh: u32, hb: u32) -> mat4x4<f32> {
+    return mat4x4<f32>(
+        u2f(lanes(q.x, sh, 3u) + 4u * lanes(h.x, hb, 1u), 4.0),
+        u2f(lanes(q.y, sh, 3u) + 4u * lanes(h.y, hb, 1u), 4.0),
+        u2f(lanes(q.z, sh, 3u) + 4u * lanes(h.z, hb, 1u), 4.0),
+        u2f(lanes(q.w, sh, 3u) + 4u * lanes(h.w, hb, 1u), 4.0),
+    );
+}
+
+// Q3_K: 2-bit values at byte 32 + 32 * (j / 4), shift 2 * (j % 4); high bits bit j of bytes
+// 0 .. 32.
+fn q3_k_s32(blk: u32, j: u32) -> Sub32 {
+    let q = blk + 32u + (j / 4u) * 32u;
+    let sh = 2u * (j % 4u);
+    let sc = vec4<f32>(q3_k_qs(blk, 2u * j), q3_k_qs(blk, 2u * j + 1u));
+    let lo = q3_k_cols_f(q_even16(q), q_even16(blk), sh, j);
+    let hi = q3_k_cols_f(q_even16(q + 16u), q_even16(blk + 16u), sh, j);
+    return Sub32(sc, lo, hi);
+}
+
+// 16 Q6_K values: nibbles of `lo` at shift `sl`, high 2 bits of `hi` at shift `sh`.
+fn q6_k_cols_f(lo: vec4<u32>, hi: vec4<u32>, sl: u32, sh: u32) -> mat4x4<f32> {
+    return mat4x4<f32>(
+        u2f(lanes(lo.x, sl, 15u) | (lanes(hi.x, sh, 3u) << vec4<u32>(4u)), 32.0),
+        u2f(lanes(lo.y, sl, 15u) | (lanes(hi.y, sh, 3u) << vec4<u32>(4u)), 32.0),
+        u2f(lanes(lo.z, sl, 15u) | (lanes(hi.z, sh, 3u) << vec4<u32>(4u)), 32.0),
+        u2f(lanes(lo.w, sl, 15u) | (lanes(hi.w, sh, 3u) << vec4<u32>(4u)), 32.0),
+    );
+}
+
+// Q6_K: nibbles at byte 64 * (j / 4) + 32 * (j % 2), shift 4 * ((j % 4) / 2); high bits at
+// byte 128 + 32 * (j / 4), shift 2 * (j % 4); the halves' int8 scales at 192 + 2j.
+fn q6_k_s32(blk: u32, j: u32) -> Sub32 {
+    let ql = blk + (j / 4u) * 64u + (j % 2u) * 32u;
+    let qh = blk + 128u + (j / 4u) * 32u;
+    let sl = 4u * ((j % 4u) / 2u);
+    let sh = 2u * (j % 4u);
+    let s = q_even_u16(blk + 192u + 2u * j);
+    let d = f16_bits_to_f32(q_even_u16(blk + 208u));
+    let s0 = d * (f32((s & 255u) ^ 128u) - 128.0);
+    let s1 = d * (f32((s >> 8u) ^ 128u) - 128.0);
+    let lo = q6_k_cols_f(q_even16(ql), q_even16(qh), sl, sh);
+    let hi = q6_k_cols_f(q_even16(ql + 16u), q_even16(qh + 16u), sl, sh);
+    return Sub32(vec4<f32>(s0, 0.0, s1, 0.0), lo, hi);
 }

@@ -31,7 +31,7 @@ use lowsync_backend::{
 use lowsync_graph::{DType, Op};
 use parking_lot::Mutex;
 
-use crate::config::VkConfig;
+use crate::config::{QuantMatVec, VkConfig};
 use crate::device::{create_pool, unavailable, vk_err, Device};
 use crate::events::VkReadback;
 use crate::memory::{create_buffer, destroy_buffer, Arena, DevBuffer, Placement};
@@ -103,6 +103,7 @@ impl VulkanBackend {
             subgroups: dev.subgroup_arith && !config.no_subgroups,
             wide_groups: dev.limits.max_compute_work_group_invocations >= 256
                 && dev.limits.max_compute_work_group_size[0] >= 256,
+            whole_blocks: config.quant_mat_vec == QuantMatVec::Block,
         };
         let alignment = (limits.offset_align as usize).max(64);
         let state = State {

@@ -51,8 +51,38 @@ pub struct VkConfig {
     /// (`crate::fusion`: a decode attention `MulMat(q, K) -> SoftMax -> MulMat(p, V) [-> Cpy]`,
     /// an `RmsNorm -> Mul` by its weight); 0 plans every node on its own (the A/B switch).
     pub fusion: bool,
+    /// `LOWSYNC_VK_QV` (default `group`): the body of the one-row decode mat-vec over block
+    /// weights ([`QuantMatVec`]), an A/B switch.
+    pub quant_mat_vec: QuantMatVec,
     /// Counting or tracing hook over device entry points (tests only).
     pub entry_point_hook: Option<EntryPointHook>,
+}
+
+/// How the one-row decode mat-vec over block weights splits a row of w among a subgroup's
+/// lanes, where 16-byte loads of x and 256-invocation workgroups apply (elsewhere the group
+/// body runs either way). Both run the residual-add, SwiGLU and KV-row stores the same way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QuantMatVec {
+    /// `group`: a 16-element group per lane (`mul_mat_vec_qv`).
+    #[default]
+    Group,
+    /// `block`: 32 consecutive elements per lane, a whole block of Q4_0, Q4_1, Q5_0, Q5_1,
+    /// Q8_0 or IQ4_NL or a 32-element sub-block of a super-block, its words loaded once,
+    /// aligned (`mul_mat_vec_qb`).
+    Block,
+}
+
+impl QuantMatVec {
+    /// `LOWSYNC_VK_QV`: `group` or `block`; unset or empty is the default, anything else an
+    /// `Error::Env` naming the variable.
+    pub fn from_env() -> Result<Self> {
+        Ok(
+            match env::choice("LOWSYNC_VK_QV", &["group", "block"], "group or block")? {
+                Some("block") => QuantMatVec::Block,
+                _ => QuantMatVec::Group,
+            },
+        )
+    }
 }
 
 impl VkConfig {
@@ -69,6 +99,7 @@ impl VkConfig {
             record: env::flag("LOWSYNC_VK_RECORD", true)?,
             profile: env::flag("LOWSYNC_VK_PROFILE", false)?,
             fusion: env::flag("LOWSYNC_VK_FUSION", true)?,
+            quant_mat_vec: QuantMatVec::from_env()?,
             entry_point_hook: None,
         })
     }
@@ -87,6 +118,7 @@ impl Default for VkConfig {
             record: true,
             profile: false,
             fusion: true,
+            quant_mat_vec: QuantMatVec::Group,
             entry_point_hook: None,
         }
     }

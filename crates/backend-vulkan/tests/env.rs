@@ -5,6 +5,7 @@
 mod common;
 
 use lowsync_backend::Error;
+use lowsync_vulkan::QuantMatVec;
 
 #[test]
 fn bad_values_and_names_are_clear_errors() {
@@ -40,6 +41,32 @@ fn bad_values_and_names_are_clear_errors() {
         "on by default"
     );
     assert!(lowsync_vulkan::VkConfig::default().record, "on by default");
+    std::env::set_var("LOWSYNC_VK_QV", "blocks");
+    assert!(matches!(
+        lowsync_vulkan::create("vulkan"),
+        Err(Error::Env {
+            var: "LOWSYNC_VK_QV",
+            ..
+        })
+    ));
+    for (value, body) in [
+        ("block", QuantMatVec::Block),
+        ("group", QuantMatVec::Group),
+        ("", QuantMatVec::Group),
+    ] {
+        std::env::set_var("LOWSYNC_VK_QV", value);
+        assert_eq!(
+            lowsync_vulkan::VkConfig::from_env().unwrap().quant_mat_vec,
+            body,
+            "{value:?}"
+        );
+    }
+    std::env::remove_var("LOWSYNC_VK_QV");
+    assert_eq!(
+        lowsync_vulkan::VkConfig::default().quant_mat_vec,
+        QuantMatVec::Group,
+        "group by default"
+    );
     for bad in ["vulkan:x", "vulkan:", "vulkanx", "cuda:0"] {
         assert!(
             matches!(lowsync_vulkan::create(bad), Err(Error::UnknownBackend(_))),

@@ -15,7 +15,7 @@ use half::f16;
 use lowsync_backend::{Backend, BufferUsage, ExecGraph, ExecNode, TensorRef};
 use lowsync_cpu::CpuBackend;
 use lowsync_graph::{DType, Op};
-use lowsync_vulkan::{VkConfig, VulkanBackend, VK_QUANTS};
+use lowsync_vulkan::{QuantMatVec, VkConfig, VulkanBackend, VK_QUANTS};
 
 /// A deterministic xorshift stream.
 struct Rng(u64);
@@ -359,6 +359,55 @@ fn quantized_products_and_rows_match_the_cpu_oracle_without_subgroups() {
         no_subgroups: true,
         ..common::config()
     });
+}
+
+/// `LOWSYNC_VK_QV=group` and `block` side by side in one process: every block type's products
+/// match the CPU oracle under both, and the one-row products take the whole-block kernel
+/// (`mul_mat_vec_qb`) exactly when it is asked for.
+#[test]
+fn both_block_mat_vec_bodies_match_the_cpu_oracle() {
+    let cpu = CpuBackend::new();
+    for body in [QuantMatVec::Group, QuantMatVec::Block] {
+        let Some(vk) = common::open(VkConfig {
+            quant_mat_vec: body,
+            profile: true,
+            ..common::config()
+        }) else {
+            return;
+        };
+        let failures = products(&vk, &cpu);
+        assert!(
+            failures.is_empty(),
+            "{body:?}: {} case(s) failed:\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
+        let names: Vec<String> = vk.kernel_times().into_iter().map(|t| t.name).collect();
+        let ran = |family: &str, dt: DType| {
+            let suffix = format!(".b_{}", dt.name());
+            names
+                .iter()
+                .any(|n| n.starts_with(&format!("{family}.")) && n.ends_with(&suffix))
+        };
+        // Both bodies need subgroups and 256-invocation workgroups; a device without them runs
+        // neither, and the products above were checked on the kernels it has.
+        let one_row_16b = VK_QUANTS
+            .iter()
+            .any(|&dt| ran("mul_mat_vec_qv", dt) || ran("mul_mat_vec_qb", dt));
+        if !one_row_16b {
+            eprintln!("{body:?}: this device runs neither one-row body; kernel choice unchecked");
+        }
+        for &dt in VK_QUANTS.iter().filter(|_| one_row_16b) {
+            let whole = body == QuantMatVec::Block;
+            assert_eq!(ran("mul_mat_vec_qb", dt), whole, "{body:?} {dt}: {names:?}");
+            assert_eq!(
+                ran("mul_mat_vec_qv", dt),
+                !whole,
+                "{body:?} {dt}: {names:?}"
+            );
+        }
+        common::assert_clean(&vk);
+    }
 }
 
 #[test]

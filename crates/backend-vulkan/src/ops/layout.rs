@@ -115,6 +115,8 @@ pub(crate) struct Limits {
     pub subgroups: bool,
     /// Workgroups of 256 invocations along x are allowed (Vulkan guarantees only 128).
     pub wide_groups: bool,
+    /// The one-row block mat-vec takes 32 elements per lane (`LOWSYNC_VK_QV=block`).
+    pub whole_blocks: bool,
 }
 
 /// An index-checking kernel's error slot: the status binding and the tag naming this node.

@@ -206,6 +206,7 @@ const EPILOGUE_FAMILIES: &[&str] = &[
     "mul_mat_vec_k_wg",
     "mul_mat_vec_q",
     "mul_mat_vec_qv",
+    "mul_mat_vec_qb",
     "mul_mat_vec_q_wg",
 ];
 
@@ -307,7 +308,8 @@ pub(super) fn mul_mat_set_rows(
 
 /// `x @ w.T` over a block-dtype `w`, dequantized in registers: one row of x takes the decode
 /// mat-vec (`mul_mat_vec_q*.wgsl`, workgroup z a row of x; `mul_mat_vec_qv` where subgroups
-/// and 256-invocation workgroups exist and x is contiguous and 16-byte aligned), more rows of an x contiguous along
+/// and 256-invocation workgroups exist and x is contiguous and 16-byte aligned, or there
+/// `mul_mat_vec_qb` under `LOWSYNC_VK_QV=block`), more rows of an x contiguous along
 /// k take `mul_mat_vec_qm*.wgsl`, whose workgroup z covers `QUANT_ROWS_PER_GROUP` rows of x so
 /// that each group of w is read and dequantized once for all of them. The graph builder admits such a `b` only with its blocks along k (stride 1,
 /// whole rows: `b_sk == 1`, every other stride a whole number of rows); b's offset and strides
@@ -348,7 +350,17 @@ fn quant_mat_vec(
     let flavour = if !c.lim.subgroups {
         "_wg"
     } else if m == 1 && push.prm[0] == 1 && c.lim.wide_groups && x_vec_aligned(&push, sa) {
-        "v"
+        // `LOWSYNC_VK_QV=block`: 32 elements per lane instead, where w starts on an even byte
+        // (blocks are an even number of bytes, so each then starts on a word or two bytes into
+        // one: `T_b32`, and Q3_K's and Q6_K's `T_s32`, read both), and on a word for the other
+        // super-block types (whole words per block, read only on words).
+        let either = bs == 32 || matches!(b.dtype, DType::Q3_K | DType::Q6_K);
+        let align = if either { 2 } else { 4 };
+        if c.lim.whole_blocks && push.offs[2].is_multiple_of(align) {
+            "b"
+        } else {
+            "v"
+        }
     } else {
         ""
     };

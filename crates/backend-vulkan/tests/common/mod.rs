@@ -4,12 +4,14 @@
 
 use lowsync_backend::{Backend, BufferId, BufferUsage, TensorRef};
 use lowsync_graph::{contiguous_strides, DType};
-use lowsync_vulkan::{VkConfig, VulkanBackend};
+use lowsync_vulkan::{QuantMatVec, VkConfig, VulkanBackend};
 
-/// The default test config: validation with synchronization validation on.
+/// The default test config: validation with synchronization validation on, and the block
+/// mat-vec body `LOWSYNC_VK_QV` names (`group` unset), so the whole suite runs under either.
 pub fn config() -> VkConfig {
     VkConfig {
         validation: true,
+        quant_mat_vec: QuantMatVec::from_env().expect("LOWSYNC_VK_QV is group or block"),
         ..VkConfig::default()
     }
 }
