@@ -20,8 +20,8 @@
 //! the device reports names the node. With `LOWSYNC_VK_FUSION` on (the default), a chain
 //! `crate::fusion` proves safe (a decode attention, a norm times its weight, a product and
 //! the add, SwiGLU or cache write consuming it, K's rope and its cache write) is planned as one
-//! dispatch at its first node's position and its other nodes plan nothing; the graph's node
-//! count is still what a step counts as kernel launches.
+//! dispatch (two for an attention split over keys) at its first node's position and its other
+//! nodes plan nothing; the graph's node count is still what a step counts as kernel launches.
 //!
 //! Invariants: a plan is replayed only for the graph and generation it was built for; every
 //! recorded range was bounds-checked against its buffer; per call, either the graph's nodes
