@@ -295,6 +295,68 @@ def test_vulkan_fusion_keeps_tokens_and_cuts_dispatches(
     assert sum(off.values()) - sum(on.values()) == 8 * layers + norms
 
 
+def _split_steps(
+    split: str, env: pytest.MonkeyPatch, kv: str, profile: bool = False
+) -> tuple[list[int], list[np.ndarray], dict[str, float]]:
+    """With `LOWSYNC_VK_ATTN_SPLIT=split` and a `kv` cache: the greedy tokens after a
+    150-token prompt, the logits of 4 one-token decode steps after them (depth 158-161, so a
+    split head takes 3 chunks of at least 64 keys) and, profiled, the dispatches per step of
+    each kernel family."""
+    env.setenv("LOWSYNC_VK_ATTN_SPLIT", split)
+    env.setenv("LOWSYNC_VK_PROFILE", "1" if profile else "0")
+    model = ls.Llama.random(MICRO, seed=4, dtype="f32")
+    sess = ls.Session(
+        model, backends=["vulkan"], n_ctx=256, n_ubatch=32, policy="staged", kv_dtype=kv
+    )
+    prompt = [(7 * i + 3) % MICRO.n_vocab for i in range(150)]
+    tokens = sess.generate(prompt, max_new_tokens=N_GEN, seq_id=0)
+    sess.context.synchronize()
+    sess.context.reset_stats()
+    steps = []
+    for t in tokens[:4]:
+        lg = sess.decode([t], seq_id=0, logits="all")
+        assert lg is not None
+        steps.append(lg)
+    sess.context.synchronize()
+    per: dict[str, float] = {}
+    for t in sess.context.kernel_times():
+        name = t["name"].split(".")[0]
+        per[name] = per.get(name, 0) + t["count"] / len(steps)
+    env.delenv("LOWSYNC_VK_PROFILE")
+    return tokens, steps, per
+
+
+@pytest.mark.vulkan
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_vulkan_attn_split_keeps_tokens(clean_env: pytest.MonkeyPatch, kv: str) -> None:
+    """`LOWSYNC_VK_ATTN_SPLIT` 0, 1 and 2 at depth 150-161: the same greedy tokens, decode
+    logits within 1e-5 of the largest (only the softmax's summation order differs); split, each
+    layer's attention is one `attn_split` and one `attn_merge` dispatch instead of `attn_dec`."""
+    tokens_off, steps_off, _ = _split_steps("0", clean_env, kv)
+    for split in ("1", "2"):
+        tokens, steps, _ = _split_steps(split, clean_env, kv)
+        assert tokens == tokens_off, split
+        for on, off in zip(steps, steps_off, strict=True):
+            assert np.max(np.abs(on - off)) <= 1e-5 * np.max(np.abs(off)), split
+    layers = MICRO.n_layer
+    _, _, per_on = _split_steps("1", clean_env, kv, profile=True)
+    _, _, per_off = _split_steps("0", clean_env, kv, profile=True)
+    assert (per_on.get("attn_split"), per_on.get("attn_merge")) == (layers, layers)
+    assert "attn_dec" not in per_on
+    assert per_off.get("attn_dec") == layers
+    assert "attn_split" not in per_off
+
+
+@pytest.mark.vulkan
+def test_vulkan_attn_split_bad_value_names_the_variable(clean_env: pytest.MonkeyPatch) -> None:
+    """A chunk count above 64 or a word is an error naming `LOWSYNC_VK_ATTN_SPLIT`."""
+    model = ls.Llama.random(MICRO, seed=4, dtype="f32")
+    for bad in ("65", "on"):
+        clean_env.setenv("LOWSYNC_VK_ATTN_SPLIT", bad)
+        with pytest.raises(ls.EnvError, match="LOWSYNC_VK_ATTN_SPLIT"):
+            ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
+
+
 def _cuda_decode(
     graphs: str, env: pytest.MonkeyPatch, pdl: str = "1", rehearse: str = "1"
 ) -> tuple[list[int], ls.session.GenerateStats, int]:

@@ -111,6 +111,22 @@ const KERNELS: &[Spec] = &[
             ("m", Slot::In, &["f32"]),
         ],
     ),
+    // `attn_dec` split over keys: chunks' partial softmaxes, then their merge.
+    (
+        "attn_split",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("k", Slot::In, FLOATS),
+            ("v", Slot::In, FLOATS),
+            ("m", Slot::In, &["f32"]),
+            ("p", Slot::Out, &["f32"]),
+        ],
+    ),
+    (
+        "attn_merge",
+        &[("d", Slot::Out, FLOATS), ("p", Slot::In, &["f32"])],
+    ),
     (
         "rope",
         &[

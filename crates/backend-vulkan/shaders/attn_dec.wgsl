@@ -4,86 +4,19 @@
 // Why: unfused, a decode step's attention is four dispatches (scores, soft_max, p @ V, the
 // permuting copy) with the scores and probabilities round-tripping through memory, and every
 // cache row is read even where the mask hides it. Here one workgroup per query head does it all.
+// (`LOWSYNC_VK_ATTN_SPLIT` runs `attn_split.wgsl` instead: a head's keys over several workgroups.)
 //
-// Strategy: the query row is cached in shared memory. Keys go by chunks of CH. Scores: P threads
-// per key, KB keys per pass, each thread a strided quarter of the dot product, summed in a fixed
-// order by the key's first thread; all P read the mask first and read the key's K row only where
-// the mask admits it (-inf: the key is skipped, its score stays -inf); the chunk's scores live
-// in shared memory. An online softmax keeps the running maximum M and sum S: a chunk with a
-// larger maximum rescales S and the accumulators by exp(M_old - M_new). p @ V: the workgroup is
-// G = WG / dim groups of dim threads, thread (g, e) summing output dim e over the keys j = g mod
-// G, four keys' V loads in flight at a time, reading no V row of a masked key; the G partial
-// outputs are added in group order at the end. A key's work is spread over the workgroup, not
-// walked by one thread: on a wide GPU a head's keys are latency, not bandwidth.
+// Strategy: `attend` (`attn_body.wgsl`) walks the head's whole window with an online softmax;
+// the sum S then normalises the groups' summed outputs.
 //
 // Invariants: f32 accumulation throughout. A NaN admitted logit (score * scale + mask) makes the
 // whole row NaN, and a row with every key masked (and no NaN) gives zeros, as the unfused
 // soft_max does. A masked key contributes exactly nothing whatever its K and V rows hold (the
-// CPU backend's fused attention agrees; unfused, a NaN there would poison the row). Barriers are only reached in uniform control flow (loop bounds and M come from
-// push constants and shared reductions). d <= WG (the planner checks).
+// CPU backend's fused attention agrees; unfused, a NaN there would poison the row). Barriers
+// are only reached in uniform control flow (loop bounds and M come from push constants and
+// shared reductions). d <= WG (the planner checks).
 
-struct Pc {
-    // heads, head dim, keys, query heads per kv head
-    shape: vec4<u32>,
-    // out: head stride, dim stride, offset
-    d_str: vec4<u32>,
-    // q: head stride, dim stride, offset
-    a_str: vec4<u32>,
-    // K: kv-head stride, dim stride, key stride, offset
-    b_str: vec4<u32>,
-    // V: kv-head stride, key stride, dim stride, offset
-    offs: vec4<u32>,
-    // mask: head stride (0 when broadcast), key stride, offset
-    op: vec4<u32>,
-    // f32 bits: scale
-    prm: vec4<u32>,
-}
-var<immediate> pc: Pc;
-
-const WG: u32 = 256u;
-const CH: u32 = 512u;
-// Threads per key in the scores, and keys per pass (WG / P).
-const P: u32 = 4u;
-const KB: u32 = 64u;
-const NINF_BITS: u32 = 0xff800000u;
-
-var<workgroup> qs: array<f32, 256>;
-var<workgroup> sc: array<f32, 512>;
-var<workgroup> part: array<f32, 256>;
-var<workgroup> red: array<f32, 256>;
-
-fn reduce_max(v: f32, li: u32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var w = WG / 2u; w > 0u; w >>= 1u) {
-        if li < w {
-            red[li] = max(red[li], red[li + w]);
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
-fn reduce_sum(v: f32, li: u32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var w = WG / 2u; w > 0u; w >>= 1u) {
-        if li < w {
-            red[li] += red[li + w];
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
-// Whether the mask admits `key` (anything but -inf).
-fn admitted(m0: u32, key: u32) -> bool {
-    return bitcast<u32>(ld_m(m0 + key * pc.op.y)) != NINF_BITS;
-}
+// #include attn_body.wgsl
 
 @compute @workgroup_size(256)
 fn main(
@@ -94,143 +27,17 @@ fn main(
     if h >= pc.shape.x {
         return;
     }
-    let dim = pc.shape.y;
-    let keys = pc.shape.z;
-    let kv = h / pc.shape.w;
-    let scale = bitcast<f32>(pc.prm.x);
-    let ninf = bitcast<f32>(NINF_BITS);
-    let q0 = pc.a_str.z + h * pc.a_str.x;
-    let k0 = pc.b_str.w + kv * pc.b_str.x;
-    let v0 = pc.offs.w + kv * pc.offs.x;
-    let m0 = pc.op.z + h * pc.op.x;
-    // This thread's key and part of the dot product in the scores.
-    let kk = li / P;
-    let kp = li % P;
-    // This thread's key group and output dim in p @ V (groups == 0: idle there).
-    let groups = WG / dim;
-    let g = li / dim;
-    let e = li % dim;
-
-    if li < dim {
-        qs[li] = ld_a(q0 + li * pc.a_str.y);
-    }
-    workgroupBarrier();
-
-    var mx = ninf;
-    var sum = 0.0;
-    var acc = 0.0;
-    var nan = 0.0;
-    for (var c0 = 0u; c0 < keys; c0 += CH) {
-        let n = min(CH, keys - c0);
-        var lm = ninf;
-        for (var sb = 0u; sb < n; sb += KB) {
-            let j = sb + kk;
-            var d = 0.0;
-            if j < n && admitted(m0, c0 + j) {
-                let kr = k0 + (c0 + j) * pc.b_str.z;
-                for (var x = kp; x < dim; x += P) {
-                    d += qs[x] * ld_k(kr + x * pc.b_str.y);
-                }
-            }
-            part[li] = d;
-            workgroupBarrier();
-            if kp == 0u && j < n {
-                let mv = ld_m(m0 + (c0 + j) * pc.op.y);
-                var s = ninf;
-                if bitcast<u32>(mv) != NINF_BITS {
-                    let dot = (part[li] + part[li + 1u]) + (part[li + 2u] + part[li + 3u]);
-                    s = dot * scale + mv;
-                    if is_nan(s) {
-                        nan = 1.0;
-                        s = ninf;
-                    }
-                }
-                sc[j] = s;
-                lm = max(lm, s);
-            }
-            // The next pass overwrites the partial sums just read.
-            workgroupBarrier();
-        }
-        let new_mx = max(mx, reduce_max(lm, li));
-        // Nothing admitted so far: the sum and accumulators are 0 and stay 0 either way.
-        var alpha = 0.0;
-        if mx != ninf {
-            alpha = exp(mx - new_mx);
-        }
-        var ls = 0.0;
-        for (var j = li; j < n; j += WG) {
-            // -1 marks a masked key: its V row is never read. An admitted key whose logit is
-            // -inf (or whose NaN was counted above) weighs 0 and is read, as unfused.
-            var p = -1.0;
-            if admitted(m0, c0 + j) {
-                p = 0.0;
-                if sc[j] != ninf {
-                    p = exp(sc[j] - new_mx);
-                }
-                ls += p;
-            }
-            sc[j] = p;
-        }
-        let cs = reduce_sum(ls, li);
-        sum = sum * alpha + cs;
-        acc *= alpha;
-        if g < groups {
-            let ve = v0 + e * pc.offs.z;
-            var j = g;
-            // Four keys at a time: their V loads are independent, so all four are in flight.
-            // A masked key's p is -1 and its value 0: it adds -0, which changes nothing.
-            for (; j + 3u * groups < n; j += 4u * groups) {
-                let p0 = sc[j];
-                let p1 = sc[j + groups];
-                let p2 = sc[j + 2u * groups];
-                let p3 = sc[j + 3u * groups];
-                var x0 = 0.0;
-                var x1 = 0.0;
-                var x2 = 0.0;
-                var x3 = 0.0;
-                if p0 >= 0.0 {
-                    x0 = ld_v(ve + (c0 + j) * pc.offs.y);
-                }
-                if p1 >= 0.0 {
-                    x1 = ld_v(ve + (c0 + j + groups) * pc.offs.y);
-                }
-                if p2 >= 0.0 {
-                    x2 = ld_v(ve + (c0 + j + 2u * groups) * pc.offs.y);
-                }
-                if p3 >= 0.0 {
-                    x3 = ld_v(ve + (c0 + j + 3u * groups) * pc.offs.y);
-                }
-                acc += p0 * x0;
-                acc += p1 * x1;
-                acc += p2 * x2;
-                acc += p3 * x3;
-            }
-            for (; j < n; j += groups) {
-                let p = sc[j];
-                if p >= 0.0 {
-                    acc += p * ld_v(ve + (c0 + j) * pc.offs.y);
-                }
-            }
-        }
-        mx = new_mx;
-        // The next chunk overwrites the weights every thread has just read.
-        workgroupBarrier();
-    }
-    let has_nan = reduce_max(nan, li) != 0.0;
+    let r = attend(h, 0u, pc.shape.z, li);
+    let has_nan = reduce_max(r.nan, li) != 0.0;
     var inv = 0.0;
-    if sum != 0.0 {
-        inv = 1.0 / sum;
+    if r.sum != 0.0 {
+        inv = 1.0 / r.sum;
     }
     if has_nan {
         inv = bitcast<f32>(0x7fc00000u);
     }
-    part[li] = acc;
-    workgroupBarrier();
-    if li < dim {
-        var o = 0.0;
-        for (var q = 0u; q < groups; q++) {
-            o += part[q * dim + li];
-        }
+    let o = group_sum(r.acc, li);
+    if li < pc.shape.y {
         st_d(pc.d_str.z + h * pc.d_str.x + li * pc.d_str.y, o * inv);
     }
 }

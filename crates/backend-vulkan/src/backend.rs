@@ -154,6 +154,7 @@ impl VulkanBackend {
                 buf: status_buf,
                 ptr: status_ptr,
             }),
+            attn_parts: None,
             error_sites: HashMap::new(),
             next_tag: 0,
             legacy_fence,

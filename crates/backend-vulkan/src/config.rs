@@ -8,7 +8,7 @@
 
 use std::ffi::{c_void, CStr};
 
-use lowsync_backend::{env, Result};
+use lowsync_backend::{env, Error, Result};
 
 /// A hook over the device-level Vulkan entry points: given a command's name and the address
 /// the loader handed out, returns the address the backend should call. Tests use it to count
@@ -54,6 +54,11 @@ pub struct VkConfig {
     /// `LOWSYNC_VK_QV` (default `group`): the body of the one-row decode mat-vec over block
     /// weights ([`QuantMatVec`]), an A/B switch.
     pub quant_mat_vec: QuantMatVec,
+    /// `LOWSYNC_VK_ATTN_SPLIT` (`0`, `1` or a chunk count `N`): the fused decode attention
+    /// runs each query head's valid keys in up to this many workgroups (`attn_split`, then
+    /// `attn_merge`); `1` is [`ATTN_SPLIT_DEFAULT_CHUNKS`]; 0 keeps one workgroup per head
+    /// (`attn_dec`).
+    pub attn_split: u32,
     /// Counting or tracing hook over device entry points (tests only).
     pub entry_point_hook: Option<EntryPointHook>,
 }
@@ -100,6 +105,7 @@ impl VkConfig {
             profile: env::flag("LOWSYNC_VK_PROFILE", false)?,
             fusion: env::flag("LOWSYNC_VK_FUSION", true)?,
             quant_mat_vec: QuantMatVec::from_env()?,
+            attn_split: attn_split_from_env()?,
             entry_point_hook: None,
         })
     }
@@ -119,7 +125,33 @@ impl Default for VkConfig {
             profile: false,
             fusion: true,
             quant_mat_vec: QuantMatVec::Group,
+            attn_split: ATTN_SPLIT_DEFAULT,
             entry_point_hook: None,
         }
+    }
+}
+
+/// The most chunks a head's keys are split into where `LOWSYNC_VK_ATTN_SPLIT=1`: a few
+/// workgroups per head, so that 32 heads fill a GPU of a hundred-odd multiprocessors.
+pub const ATTN_SPLIT_DEFAULT_CHUNKS: u32 = 8;
+/// The largest chunk count `LOWSYNC_VK_ATTN_SPLIT` takes.
+pub const ATTN_SPLIT_MAX_CHUNKS: u32 = 64;
+/// The product's default chunk count (0: unsplit).
+const ATTN_SPLIT_DEFAULT: u32 = 0;
+
+fn attn_split_from_env() -> Result<u32> {
+    const VAR: &str = "LOWSYNC_VK_ATTN_SPLIT";
+    let bad = |value: String| Error::Env {
+        var: VAR,
+        value,
+        expected: "0, 1 or a chunk count from 2 to 64",
+    };
+    match std::env::var(VAR) {
+        Err(_) => Ok(ATTN_SPLIT_DEFAULT),
+        Ok(v) if v.trim().is_empty() => Ok(ATTN_SPLIT_DEFAULT),
+        Ok(v) => match v.trim().parse::<u32>() {
+            Ok(n) if n <= ATTN_SPLIT_MAX_CHUNKS => Ok(n),
+            _ => Err(bad(v)),
+        },
     }
 }

@@ -20,8 +20,8 @@
 //! the device reports names the node. With `LOWSYNC_VK_FUSION` on (the default), a chain
 //! `crate::fusion` proves safe (a decode attention, a norm times its weight, a product and
 //! the add, SwiGLU or cache write consuming it, K's rope and its cache write) is planned as one
-//! dispatch at its first node's position and its other nodes plan nothing; the graph's node
-//! count is still what a step counts as kernel launches.
+//! dispatch (two for an attention split over keys) at its first node's position and its other
+//! nodes plan nothing; the graph's node count is still what a step counts as kernel launches.
 //!
 //! Invariants: a plan is replayed only for the graph and generation it was built for; every
 //! recorded range was bounds-checked against its buffer; per call, either the graph's nodes
@@ -34,13 +34,21 @@ use ash::vk;
 use lowsync_backend::{bump, Error, ExecGraph, ExecNode, Result, TensorRef};
 use lowsync_graph::Op;
 
+use gpu_allocator::MemoryLocation;
+
+use crate::config::ATTN_SPLIT_DEFAULT_CHUNKS;
 use crate::device::unavailable;
 use crate::fusion::{self, AttnGroup, Group};
+use crate::memory::{create_buffer, Placement};
 use crate::ops::{self, Res, Status};
 use crate::pipelines::Bind;
 use crate::plan::{CachedPlan, ErrorSite, GraphPlan, Recorded, RecordedPlan, Tracker};
 use crate::stream::State;
 use crate::sync::Inner;
+
+/// Bytes of the split attention's partials buffer: 64 chunks of 32 heads of dim 256 (a head
+/// with more chunks, heads or dims than fit runs with fewer chunks).
+const ATTN_PARTS_BYTES: u64 = 64 * 32 * (256 + 4) * 4;
 
 /// Graph plans kept for replay (a model has a few shape buckets).
 const PLAN_CACHE_MAX: usize = 64;
@@ -189,7 +197,7 @@ impl Inner {
             }
             if let Some(grp) = groups.next_if(|g| g.first() == i) {
                 let planned = match &grp {
-                    Group::Attn(a) => self.plan_attention(st, graph, a)?.map(|d| vec![d]),
+                    Group::Attn(a) => self.plan_attention(st, graph, a)?,
                     Group::NormMul { norm, mul } => self.plan_norm_mul(st, graph, *norm, *mul)?,
                     Group::Epilogue { mm, op, epi } => self
                         .plan_epilogue(st, graph, *mm, *op, *epi)?
@@ -309,10 +317,10 @@ impl Inner {
     /// the kernel does not take its operands and the chain runs unfused.
     fn plan_attention(
         &self,
-        st: &State,
+        st: &mut State,
         graph: &ExecGraph,
         grp: &AttnGroup,
-    ) -> Result<Option<ops::Dispatch>> {
+    ) -> Result<Option<Vec<ops::Dispatch>>> {
         let nodes = &graph.nodes;
         let (kq, sm, pv) = (&nodes[grp.kq], &nodes[grp.soft_max], &nodes[grp.pv]);
         let last = &nodes[grp.last()];
@@ -322,6 +330,13 @@ impl Inner {
         let Op::SoftMax { scale } = sm.op else {
             return Ok(None);
         };
+        let split = match self.config.attn_split {
+            0 => None,
+            n => Some(ops::AttnSplit {
+                parts: self.attn_parts(st)?,
+                max_chunks: if n == 1 { ATTN_SPLIT_DEFAULT_CHUNKS } else { n },
+            }),
+        };
         let a = ops::Attn {
             q: &self.resolve(st, kq, &kq.srcs[0])?,
             k: &self.resolve(st, kq, &kq.srcs[1])?,
@@ -330,8 +345,39 @@ impl Inner {
             scale,
             out: &self.resolve(st, last, &last.dst)?,
             out_strides,
+            split,
         };
         Ok(ops::attention(kq, &a, self.limits).ok())
+    }
+
+    /// The split attention's partials buffer, created at its first use and kept (at one size,
+    /// so recorded plans binding it stay valid) until the backend closes.
+    fn attn_parts(&self, st: &mut State) -> Result<Bind> {
+        if st.attn_parts.is_none() {
+            let allocator = st
+                .allocator
+                .as_mut()
+                .ok_or_else(|| unavailable("the backend is shutting down"))?;
+            let buf = create_buffer(
+                self.device(),
+                allocator,
+                ATTN_PARTS_BYTES,
+                Placement {
+                    location: MemoryLocation::GpuOnly,
+                    host_access: false,
+                },
+                &st.families,
+                "attention partials",
+            )?;
+            st.attn_parts = Some(buf);
+        }
+        let buf = st.attn_parts.as_ref().expect("created above");
+        Ok(Bind {
+            buffer: buf.buffer,
+            offset: 0,
+            range: ATTN_PARTS_BYTES.min(self.limits.max_range) & !3,
+            write: true,
+        })
     }
 
     /// The fused `RmsNorm -> Mul` of nodes `norm` and `mul` (`crate::fusion` proved it safe),

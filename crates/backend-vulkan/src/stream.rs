@@ -123,6 +123,8 @@ pub(crate) struct State {
     pub graveyard: Vec<(Retire, DevBuffer)>,
     pub pending_reads: Vec<PendingRead>,
     pub status: Option<StatusWords>,
+    /// The split decode attention's partials (`crate::exec`), created at its first use.
+    pub attn_parts: Option<DevBuffer>,
     pub error_sites: HashMap<u32, ErrorSite>,
     pub next_tag: u32,
     pub legacy_fence: vk::Fence,

@@ -257,6 +257,9 @@ impl Drop for Inner {
         if let Some(s) = st.status.take() {
             destroy_buffer(&device, &mut allocator, s.buf);
         }
+        if let Some(b) = st.attn_parts.take() {
+            destroy_buffer(&device, &mut allocator, b);
+        }
         st.pipelines.destroy(&device);
         if let Some(mut p) = st.profiler.take() {
             p.destroy(&device);

@@ -232,6 +232,19 @@ enum Around {
 /// Runs the chain `steps` times on a backend with `cfg`; the result `[heads, dim]` of each run
 /// and whether a fused dispatch ran (from the profile when `cfg.profile`).
 fn run(cfg: VkConfig, c: &Case, d: &Data, around: Around, steps: usize) -> Vec<Vec<u8>> {
+    run_masks(cfg, c, d, around, &vec![d.mask.clone(); steps])
+}
+
+/// Runs the chain once per mask of `masks` (each written into the mask input before its
+/// step, the graph unchanged); the result of each step, then the name of the fused kernel
+/// that ran (`attn_dec` or `attn_split`, profiled configs only).
+fn run_masks(
+    cfg: VkConfig,
+    c: &Case,
+    d: &Data,
+    around: Around,
+    masks: &[Vec<f32>],
+) -> Vec<Vec<u8>> {
     let b = common::open(cfg).expect("a Vulkan device");
     let (hq, hk, dim, l) = (c.heads, c.kv_heads, c.dim, c.keys);
     let qb = upload(&b, &common::f32_bytes(&d.q));
@@ -298,18 +311,25 @@ fn run(cfg: VkConfig, c: &Case, d: &Data, around: Around, steps: usize) -> Vec<V
         }),
     });
     let mut outs = Vec::new();
-    for _ in 0..steps {
+    for m in masks {
+        b.set_tensor(mb, 0, &common::f32_bytes(m)).unwrap();
         b.graph_compute_async(&graph).unwrap();
         let mut bytes = vec![0u8; hq * dim * c.out.size_bytes()];
         b.get_tensor(ob, 0, &mut bytes).unwrap();
         outs.push(bytes);
     }
     b.synchronize().unwrap();
-    if b.kernel_times()
-        .iter()
-        .any(|t| t.name.starts_with("attn_dec"))
-    {
-        outs.push(b"fused".to_vec());
+    let times = b.kernel_times();
+    for kernel in ["attn_dec", "attn_split"] {
+        if times.iter().any(|t| t.name.starts_with(kernel)) {
+            outs.push(kernel.as_bytes().to_vec());
+        }
+    }
+    if times.iter().any(|t| t.name.starts_with("attn_split")) {
+        assert!(
+            times.iter().any(|t| t.name.starts_with("attn_merge")),
+            "a split attention is merged"
+        );
     }
     common::assert_clean(&b);
     outs
@@ -319,7 +339,38 @@ fn cfg(fuse: bool, profile: bool) -> VkConfig {
     VkConfig {
         fusion: fuse,
         profile,
+        attn_split: 0,
         ..common::config()
+    }
+}
+
+/// `cfg(true, profile)` with the attention split into at most `chunks` per head.
+fn cfg_split(chunks: u32, profile: bool) -> VkConfig {
+    VkConfig {
+        attn_split: chunks,
+        ..cfg(true, profile)
+    }
+}
+
+/// Fails unless `got` matches the float64 reference within `tol` (NaN where it is NaN).
+fn assert_near(what: &str, c: &Case, got: &[f64], want: &[f64], tol: f64) {
+    for i in 0..want.len() {
+        let h = i / c.dim;
+        assert_eq!(
+            got[i].is_nan(),
+            want[i].is_nan(),
+            "{what}, head {h}: {} ref {}",
+            got[i],
+            want[i]
+        );
+        if !want[i].is_nan() {
+            assert!(
+                (got[i] - want[i]).abs() <= tol,
+                "{what}, head {h} elem {i}: {} ref {}",
+                got[i],
+                want[i]
+            );
+        }
     }
 }
 
@@ -332,6 +383,7 @@ fn check(c: &Case) {
     };
     let fused = run(cfg(true, true), c, &d, Around::Dead, 1);
     assert_eq!(fused.len(), 2, "the chain runs fused");
+    assert_eq!(fused[1], b"attn_dec", "unsplit: one workgroup per head");
     let unfused = run(cfg(false, true), c, &d, Around::Dead, 1);
     assert_eq!(unfused.len(), 1, "LOWSYNC_VK_FUSION=0 runs it unfused");
     let replays = run(cfg(true, false), c, &d, Around::Dead, 3);
@@ -382,6 +434,26 @@ fn check(c: &Case) {
                 );
             }
         }
+    }
+    check_split(c, &d, &want, tol);
+}
+
+/// The split kernels on `c` (at most 3 and 8 chunks a head): profiled, then recorded and
+/// replayed, against the reference.
+fn check_split(c: &Case, d: &Data, want: &[f64], tol: f64) {
+    for chunks in [3, 8] {
+        let split = run(cfg_split(chunks, true), c, d, Around::Dead, 1);
+        assert_eq!(split.len(), 2, "the chain runs fused");
+        assert_eq!(
+            split[1], b"attn_split",
+            "LOWSYNC_VK_ATTN_SPLIT={chunks} splits"
+        );
+        let replays = run(cfg_split(chunks, false), c, d, Around::Dead, 3);
+        for r in &replays {
+            assert_eq!(r, &split[0], "split replays give the profiled run's bits");
+        }
+        let what = format!("split {chunks}");
+        assert_near(&what, c, &load(&split[0], c.out), want, tol);
     }
 }
 
@@ -447,6 +519,104 @@ fn masked_cache_rows_are_never_read() {
         keys: 600,
         ..base()
     });
+}
+
+/// Window lengths around the score pass (64 keys), the chunk (512) and a long window, f32
+/// and f16 caches, one and four query heads per kv head, NaN in every masked cache row.
+#[test]
+fn split_over_keys_matches_the_reference_at_every_window_length() {
+    for (i, keys) in [1, 63, 64, 65, 511, 512, 513, 2000].into_iter().enumerate() {
+        let (heads, kv_heads) = if i % 2 == 0 { (8, 2) } else { (4, 4) };
+        check(&Case {
+            heads,
+            kv_heads,
+            keys,
+            kv: if i % 3 == 0 { DType::F16 } else { DType::F32 },
+            nan_in_masked: keys > 1,
+            ..base()
+        });
+    }
+}
+
+#[test]
+fn split_fully_masked_head_gives_zeros_and_nan_logit_gives_nan_row() {
+    let c = Case {
+        per_head_mask: true,
+        all_masked: Some(2),
+        nan_head: Some(5),
+        keys: 700,
+        ..base()
+    };
+    check(&c);
+    let d = data(&c, 7);
+    if common::open(common::config()).is_none() {
+        return;
+    }
+    let f = load(&run(cfg_split(8, false), &c, &d, Around::Dead, 1)[0], c.out);
+    assert!(f[2 * c.dim..3 * c.dim].iter().all(|&x| x == 0.0));
+    assert!(f[5 * c.dim..6 * c.dim].iter().all(|x| x.is_nan()));
+    assert!(f[..2 * c.dim].iter().all(|x| x.is_finite()));
+}
+
+/// A decode's mask: the first `depth` keys admitted (the rest NaN in the cache, never read).
+/// One recorded graph replayed as the depth grows gives the bits of a graph recorded afresh
+/// at every step, and the reference's values.
+#[test]
+fn split_recorded_step_replays_at_growing_depth() {
+    let c = Case {
+        heads: 8,
+        kv_heads: 2,
+        keys: 1200,
+        kv: DType::F16,
+        ..base()
+    };
+    let mut d = data(&c, 23);
+    if common::open(common::config()).is_none() {
+        return;
+    }
+    let depths = [1, 16, 64, 65, 130, 160, 400, 1023, 1100];
+    let masks: Vec<Vec<f32>> = depths
+        .iter()
+        .map(|&n| {
+            (0..c.keys)
+                .map(|j| if j < n { 0.0 } else { f32::NEG_INFINITY })
+                .collect()
+        })
+        .collect();
+    // The rows no depth reaches hold NaN (f16 0x7e00): a key read past the valid ones shows.
+    let row = c.kv_heads * c.dim * 2;
+    for b in [&mut d.k_bytes, &mut d.v_bytes] {
+        for w in b[1100 * row..].chunks_exact_mut(2) {
+            w.copy_from_slice(&0x7e00u16.to_le_bytes());
+        }
+    }
+    let replayed = run_masks(cfg_split(8, false), &c, &d, Around::Dead, &masks);
+    let fresh = run_masks(
+        VkConfig {
+            record: false,
+            ..cfg_split(8, true)
+        },
+        &c,
+        &d,
+        Around::Dead,
+        &masks,
+    );
+    assert_eq!(fresh.last().unwrap(), b"attn_split");
+    for (i, &n) in depths.iter().enumerate() {
+        assert_eq!(
+            replayed[i], fresh[i],
+            "depth {n}: the replayed recording gives the fresh recording's bits"
+        );
+        d.mask.clone_from(&masks[i]);
+        let want = reference(&c, &d);
+        assert_near(
+            &format!("depth {n}"),
+            &c,
+            &load(&replayed[i], c.out),
+            &want,
+            2e-5,
+        );
+    }
 }
 
 #[test]
@@ -571,12 +741,19 @@ mod scheduled {
         let (on, _) = decode(cfg(true, false), steps);
         let (off, _) = decode(cfg(false, false), steps);
         let (profiled, fused) = decode(cfg(true, true), steps);
+        let (split, _) = decode(cfg_split(1, false), steps);
         assert!(fused, "the scheduled decode's attention runs fused");
         for i in 0..steps {
             assert_eq!(
                 on[i], profiled[i],
                 "step {i}: replayed and recorded-every-step agree"
             );
+            for (a, b) in split[i].iter().zip(&on[i]) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * a.abs().max(1.0),
+                    "step {i}: split {a} unsplit {b}"
+                );
+            }
             let scale = off[i].iter().fold(0.0f64, |m, x| m.max(x.abs()));
             for (a, b) in on[i].iter().zip(&off[i]) {
                 assert!(

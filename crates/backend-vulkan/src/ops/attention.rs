@@ -10,16 +10,33 @@
 //! the tensor the kernel writes (the permuting copy's destination, or the product's), addressed
 //! by a head stride and a dim stride the caller derives from the copy's axes.
 //!
+//! Split over keys (`LOWSYNC_VK_ATTN_SPLIT`, `shaders/attn_split.wgsl`): a grid of heads x
+//! C_max workgroups writes partial softmaxes into the backend's partials buffer and
+//! `shaders/attn_merge.wgsl` combines them; the device picks how many of the C_max chunks a
+//! step uses from the mask, so a recorded plan stays valid at every depth. C_max is lowered to
+//! what the partials buffer holds for this head count and dim; below 2 the head runs unsplit.
+//!
 //! Invariant: a refused shape is an error; the caller then plans the chain unfused.
 
 use lowsync_backend::Result;
 use lowsync_graph::DType;
 
 use super::layout::{dt, Ctx, Dispatch, Res};
-use crate::pipelines::Push;
+use crate::pipelines::{Bind, Push};
 
 /// The largest head dimension (one output dim per thread of a 256-wide workgroup).
 pub(crate) const MAX_DIM: usize = 256;
+
+/// The fewest keys a chunk of a split head gets: below this the device uses fewer chunks, so
+/// a shallow step runs one workgroup per head (one pass of `attn_split`'s score loop).
+const SPLIT_MIN_KEYS: u32 = 64;
+
+/// Where a split attention keeps its chunks' partials, and the most chunks a head may use.
+pub(crate) struct Split {
+    /// The partials buffer (f32 words), bound whole.
+    pub parts: Bind,
+    pub max_chunks: u32,
+}
 
 /// The fused attention's operands.
 pub(crate) struct Attn<'a> {
@@ -31,9 +48,11 @@ pub(crate) struct Attn<'a> {
     /// The tensor written, and the element strides of (head, dim) in it.
     pub out: &'a Res,
     pub out_strides: [usize; 2],
+    /// Split over keys (`None`: one workgroup per head, `attn_dec`).
+    pub split: Option<Split>,
 }
 
-pub(super) fn attention(c: &Ctx, a: &Attn) -> Result<Dispatch> {
+pub(super) fn attention(c: &Ctx, a: &Attn) -> Result<Vec<Dispatch>> {
     let (q, k, v) = (a.q, a.k, a.v);
     let ok = q.rank() == 3
         && k.rank() == 3
@@ -102,15 +121,54 @@ pub(super) fn attention(c: &Ctx, a: &Attn) -> Result<Dispatch> {
         prm: [a.scale.to_bits(), 0, 0, 0],
         ..Push::default()
     };
-    Ok(Dispatch {
-        kernel: format!(
-            "attn_dec.d_{}.a_f32.k_{}.v_{}.m_f32",
-            dt(a.out.dtype),
-            dt(k.dtype),
-            dt(v.dtype)
-        ),
-        binds: vec![bd, bq, bk, bv, bm],
-        push,
-        groups: [heads as u32, 1, 1],
-    })
+    let names = format!(
+        "d_{}.a_f32.k_{}.v_{}.m_f32",
+        dt(a.out.dtype),
+        dt(k.dtype),
+        dt(v.dtype)
+    );
+    // Slot floats of one chunk: [max, sum, NaN seen, chunk count, acc[dim]].
+    let slot = dim as u64 + 4;
+    let chunks = a.split.as_ref().map_or(0, |s| {
+        let fit = s.parts.range / 4 / (slot * heads as u64);
+        (s.max_chunks as u64)
+            .min(fit)
+            .min(u64::from(c.lim.max_groups[1])) as u32
+    });
+    let Some(s) = a.split.as_ref().filter(|_| chunks >= 2) else {
+        return Ok(vec![Dispatch {
+            kernel: format!("attn_dec.{names}"),
+            binds: vec![bd, bq, bk, bv, bm],
+            push,
+            groups: [heads as u32, 1, 1],
+        }]);
+    };
+    let mut split_push = push;
+    split_push.op[3] = 0;
+    split_push.prm[1] = chunks;
+    split_push.prm[2] = SPLIT_MIN_KEYS;
+    let parts_in = Bind {
+        write: false,
+        ..s.parts
+    };
+    let merge_push = Push {
+        shape: [push.shape[0], push.shape[1], chunks, 0],
+        d_str: push.d_str,
+        a_str: [0, 0, 0, 0],
+        ..Push::default()
+    };
+    Ok(vec![
+        Dispatch {
+            kernel: format!("attn_split.{names}.p_f32"),
+            binds: vec![bd, bq, bk, bv, bm, s.parts],
+            push: split_push,
+            groups: [heads as u32, chunks, 1],
+        },
+        Dispatch {
+            kernel: format!("attn_merge.d_{}.p_f32", dt(a.out.dtype)),
+            binds: vec![bd, parts_in],
+            push: merge_push,
+            groups: [heads as u32, 1, 1],
+        },
+    ])
 }

@@ -31,7 +31,7 @@ mod sample;
 use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::Op;
 
-pub(crate) use attention::{Attn, MAX_DIM as ATTN_MAX_DIM};
+pub(crate) use attention::{Attn, Split as AttnSplit, MAX_DIM as ATTN_MAX_DIM};
 use layout::Ctx;
 pub(crate) use layout::{kernel_err, Dispatch, Limits, Res, Status};
 pub(crate) use matmul::Epilogue;
@@ -77,7 +77,7 @@ pub(crate) fn plan(
 }
 
 /// Plans the fused decode attention of the chain that starts at `node` (its q @ K^T product).
-pub(crate) fn attention(node: &ExecNode, a: &Attn, lim: Limits) -> Result<Dispatch> {
+pub(crate) fn attention(node: &ExecNode, a: &Attn, lim: Limits) -> Result<Vec<Dispatch>> {
     attention::attention(&Ctx { node, lim }, a)
 }
 

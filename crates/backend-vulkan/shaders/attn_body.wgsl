@@ -1,0 +1,234 @@
+// The online softmax over a range of one query head's keys, shared by `attn_dec.wgsl` (a head's
+// whole window in one workgroup) and `attn_split.wgsl` (a chunk of its valid keys).
+//
+// Why: both kernels walk keys the same way; one copy of that walk keeps their numerics equal
+// and a fix to one a fix to both.
+//
+// Strategy: `attend` caches the query row in shared memory, then goes over keys [lo, hi) by
+// chunks of CH. Scores: P threads per key, KB keys per pass, each thread a strided quarter of
+// the dot product, summed in a fixed order by the key's first thread; all P read the mask first
+// and read the key's K row only where the mask admits it (-inf: the key is skipped, its score
+// stays -inf); the chunk's scores live in shared memory. An online softmax keeps the running
+// maximum M and sum S: a chunk with a larger maximum rescales S and the accumulators by
+// exp(M_old - M_new). p @ V: the workgroup is G = WG / dim groups of dim threads, thread (g, e)
+// summing output dim e over the keys j = g mod G, four keys' V loads in flight at a time,
+// reading no V row of a masked key. `group_sum` adds the G partial outputs in group order.
+// A key's work is spread over the workgroup, not walked by one thread: on a wide GPU a head's
+// keys are latency, not bandwidth.
+//
+// Invariants: f32 accumulation. An admitted NaN logit is counted (`nan`) and weighs 0; a masked
+// key contributes exactly nothing whatever its K and V rows hold. Every thread calls `attend`
+// and `group_sum` with the same lo and hi (barriers in uniform control flow). d <= WG.
+
+struct Pc {
+    // heads, head dim, keys (the window), query heads per kv head
+    shape: vec4<u32>,
+    // out: head stride, dim stride, offset
+    d_str: vec4<u32>,
+    // q: head stride, dim stride, offset
+    a_str: vec4<u32>,
+    // K: kv-head stride, dim stride, key stride, offset
+    b_str: vec4<u32>,
+    // V: kv-head stride, key stride, dim stride, offset
+    offs: vec4<u32>,
+    // mask: head stride (0 when broadcast), key stride, offset; `attn_split`: partials offset
+    op: vec4<u32>,
+    // f32 bits: scale; `attn_split`: the most chunks a head takes, the fewest keys a chunk takes
+    prm: vec4<u32>,
+}
+var<immediate> pc: Pc;
+
+const WG: u32 = 256u;
+const CH: u32 = 512u;
+// Threads per key in the scores, and keys per pass (WG / P).
+const P: u32 = 4u;
+const KB: u32 = 64u;
+const NINF_BITS: u32 = 0xff800000u;
+
+var<workgroup> qs: array<f32, 256>;
+var<workgroup> sc: array<f32, 512>;
+var<workgroup> part: array<f32, 256>;
+var<workgroup> red: array<f32, 256>;
+
+fn reduce_max(v: f32, li: u32) -> f32 {
+    red[li] = v;
+    workgroupBarrier();
+    for (var w = WG / 2u; w > 0u; w >>= 1u) {
+        if li < w {
+            red[li] = max(red[li], red[li + w]);
+        }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+fn reduce_sum(v: f32, li: u32) -> f32 {
+    red[li] = v;
+    workgroupBarrier();
+    for (var w = WG / 2u; w > 0u; w >>= 1u) {
+        if li < w {
+            red[li] += red[li + w];
+        }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+// Whether the mask admits `key` (anything but -inf).
+fn admitted(m0: u32, key: u32) -> bool {
+    return bitcast<u32>(ld_m(m0 + key * pc.op.y)) != NINF_BITS;
+}
+
+// A workgroup's softmax state after its keys: M and S (the same in every thread), this thread's
+// partial output (its group's share of dim e; 0 in threads past the groups), and whether this
+// thread saw an admitted NaN logit.
+struct Attended {
+    mx: f32,
+    sum: f32,
+    acc: f32,
+    nan: f32,
+}
+
+fn attend(h: u32, lo: u32, hi: u32, li: u32) -> Attended {
+    let dim = pc.shape.y;
+    let kv = h / pc.shape.w;
+    let scale = bitcast<f32>(pc.prm.x);
+    let ninf = bitcast<f32>(NINF_BITS);
+    let q0 = pc.a_str.z + h * pc.a_str.x;
+    let k0 = pc.b_str.w + kv * pc.b_str.x;
+    let v0 = pc.offs.w + kv * pc.offs.x;
+    let m0 = pc.op.z + h * pc.op.x;
+    // This thread's key and part of the dot product in the scores.
+    let kk = li / P;
+    let kp = li % P;
+    // This thread's key group and output dim in p @ V (groups == 0: idle there).
+    let groups = WG / dim;
+    let g = li / dim;
+    let e = li % dim;
+
+    if li < dim {
+        qs[li] = ld_a(q0 + li * pc.a_str.y);
+    }
+    workgroupBarrier();
+
+    var mx = ninf;
+    var sum = 0.0;
+    var acc = 0.0;
+    var nan = 0.0;
+    for (var c0 = lo; c0 < hi; c0 += CH) {
+        let n = min(CH, hi - c0);
+        var lm = ninf;
+        for (var sb = 0u; sb < n; sb += KB) {
+            let j = sb + kk;
+            var d = 0.0;
+            if j < n && admitted(m0, c0 + j) {
+                let kr = k0 + (c0 + j) * pc.b_str.z;
+                for (var x = kp; x < dim; x += P) {
+                    d += qs[x] * ld_k(kr + x * pc.b_str.y);
+                }
+            }
+            part[li] = d;
+            workgroupBarrier();
+            if kp == 0u && j < n {
+                let mv = ld_m(m0 + (c0 + j) * pc.op.y);
+                var s = ninf;
+                if bitcast<u32>(mv) != NINF_BITS {
+                    let dot = (part[li] + part[li + 1u]) + (part[li + 2u] + part[li + 3u]);
+                    s = dot * scale + mv;
+                    if is_nan(s) {
+                        nan = 1.0;
+                        s = ninf;
+                    }
+                }
+                sc[j] = s;
+                lm = max(lm, s);
+            }
+            // The next pass overwrites the partial sums just read.
+            workgroupBarrier();
+        }
+        let new_mx = max(mx, reduce_max(lm, li));
+        // Nothing admitted so far: the sum and accumulators are 0 and stay 0 either way.
+        var alpha = 0.0;
+        if mx != ninf {
+            alpha = exp(mx - new_mx);
+        }
+        var ls = 0.0;
+        for (var j = li; j < n; j += WG) {
+            // -1 marks a masked key: its V row is never read. An admitted key whose logit is
+            // -inf (or whose NaN was counted above) weighs 0 and is read, as unfused.
+            var p = -1.0;
+            if admitted(m0, c0 + j) {
+                p = 0.0;
+                if sc[j] != ninf {
+                    p = exp(sc[j] - new_mx);
+                }
+                ls += p;
+            }
+            sc[j] = p;
+        }
+        let cs = reduce_sum(ls, li);
+        sum = sum * alpha + cs;
+        acc *= alpha;
+        if g < groups {
+            let ve = v0 + e * pc.offs.z;
+            var j = g;
+            // Four keys at a time: their V loads are independent, so all four are in flight.
+            // A masked key's p is -1 and its value 0: it adds -0, which changes nothing.
+            for (; j + 3u * groups < n; j += 4u * groups) {
+                let p0 = sc[j];
+                let p1 = sc[j + groups];
+                let p2 = sc[j + 2u * groups];
+                let p3 = sc[j + 3u * groups];
+                var x0 = 0.0;
+                var x1 = 0.0;
+                var x2 = 0.0;
+                var x3 = 0.0;
+                if p0 >= 0.0 {
+                    x0 = ld_v(ve + (c0 + j) * pc.offs.y);
+                }
+                if p1 >= 0.0 {
+                    x1 = ld_v(ve + (c0 + j + groups) * pc.offs.y);
+                }
+                if p2 >= 0.0 {
+                    x2 = ld_v(ve + (c0 + j + 2u * groups) * pc.offs.y);
+                }
+                if p3 >= 0.0 {
+                    x3 = ld_v(ve + (c0 + j + 3u * groups) * pc.offs.y);
+                }
+                acc += p0 * x0;
+                acc += p1 * x1;
+                acc += p2 * x2;
+                acc += p3 * x3;
+            }
+            for (; j < n; j += groups) {
+                let p = sc[j];
+                if p >= 0.0 {
+                    acc += p * ld_v(ve + (c0 + j) * pc.offs.y);
+                }
+            }
+        }
+        mx = new_mx;
+        // The next chunk overwrites the weights every thread has just read.
+        workgroupBarrier();
+    }
+    return Attended(mx, sum, acc, nan);
+}
+
+// Output dim `li` of the workgroup (threads li < dim): the groups' partial outputs added in
+// group order.
+fn group_sum(acc: f32, li: u32) -> f32 {
+    let dim = pc.shape.y;
+    part[li] = acc;
+    workgroupBarrier();
+    var o = 0.0;
+    if li < dim {
+        for (var q = 0u; q < WG / dim; q++) {
+            o += part[q * dim + li];
+        }
+    }
+    return o;
+}
