@@ -185,7 +185,7 @@ pub(crate) fn row_granule(isa: Isa, m: usize) -> usize {
 mod avx512;
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     //! AVX2 kernels. Each wrapper checks lengths (a mismatch writes zeros and asserts in
     //! debug) and calls its `#[target_feature]` body, which `dot_fn` selects only after
     //! detecting AVX2, FMA and F16C. A body serves a tile of `W` weight rows (4, 2 or 1) by `R`

@@ -399,7 +399,8 @@ mod avx512 {
     }
 }
 
-#[cfg(test)]
+// The packed layouts exist on x86_64 only (elsewhere `lookup` has none).
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     //! Packed groups against the AVX-512 panel bodies (bit for bit, through
     //! `q16::dot_fn` with at least `PANEL_MIN_ROWS` activation rows) and against an f64
@@ -432,21 +433,7 @@ mod tests {
     /// `n` random rows of `k / 32` blocks of `bb` bytes, with small positive f16 scales at
     /// `halves` (Q4_1's mins too).
     pub(crate) fn weights(n: usize, k: usize, bb: usize, halves: &[usize], seed: u64) -> Vec<u8> {
-        let mut st = seed;
-        let mut w: Vec<u8> = (0..n * k / QK * bb)
-            .map(|_| {
-                st = st
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                (st >> 56) as u8
-            })
-            .collect();
-        for (i, blk) in w.chunks_exact_mut(bb).enumerate() {
-            for &o in halves {
-                blk[o..o + 2].copy_from_slice(&(0x2C00u16 + (i % 97) as u16).to_le_bytes());
-            }
-        }
-        w
+        crate::kernels::quant::q16::x86::tests::rows(n, k / QK * bb, bb, halves, seed)
     }
 
     /// `m` activation rows of `k`, up to both ends of the 16-bit range.
