@@ -56,7 +56,7 @@ pub struct VkConfig {
     pub quant_mat_vec: QuantMatVec,
     /// `LOWSYNC_VK_ATTN_SPLIT` (`0`, `1` or a chunk count `N`): the fused decode attention
     /// runs each query head's valid keys in up to this many workgroups (`attn_split`, then
-    /// `attn_merge`); `1` is [`ATTN_SPLIT_DEFAULT_CHUNKS`]; 0 keeps one workgroup per head
+    /// `attn_merge`); `1` picks the default of 8 chunks; 0 keeps one workgroup per head
     /// (`attn_dec`).
     pub attn_split: u32,
     /// Counting or tracing hook over device entry points (tests only).
