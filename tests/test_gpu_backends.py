@@ -13,6 +13,7 @@ import pytest
 
 import lowsync as ls
 from helpers import assert_step_counts, steps_queued
+from lowsync._native import device_type
 from lowsync.models.llama import LlamaConfig
 
 # Small enough for lavapipe (a CPU implementation of Vulkan) to decode in a second.
@@ -185,7 +186,9 @@ def test_vulkan_profile_times_every_kernel_of_a_step_without_changing_tokens(
     names = {t["name"].split(".")[0] for t in times}
     # Fused (LOWSYNC_VK_FUSION, on by default): the attention has no soft_max of its own, and
     # each norm is multiplied by its weight in the same dispatch.
-    assert {"rms_norm_mul", "rope", "attn_dec", "argmax"} <= names
+    assert {"rms_norm_mul", "rope", "argmax"} <= names
+    # One workgroup per head on a CPU-type device, split over keys on a GPU (the default).
+    assert names & {"attn_dec", "attn_split"}
     assert any(n.startswith("mul_mat_vec") for n in names)
     sess.context.reset_stats()
     assert sess.context.kernel_times() == []
@@ -258,7 +261,9 @@ def test_vulkan_fusion_keeps_tokens_and_cuts_dispatches(
     each norm with its weight's product one `rms_norm_mul`, the residual adds and SwiGLU run in
     the store of the product they consume (`mul_mat_vec_*_e`), K's rope and V's product write
     their KV-cache rows themselves (`rope_set_rows`, `mul_mat_vec_*_r`): 8 dispatches fewer per
-    layer and 1 per norm."""
+    layer and 1 per norm. The attention is pinned unsplit (`LOWSYNC_VK_ATTN_SPLIT=0`), the
+    default on a CPU-type device."""
+    clean_env.setenv("LOWSYNC_VK_ATTN_SPLIT", "0")
     tokens_on, steps_on = _vulkan_steps("1", clean_env, dtype, kv)
     tokens_off, steps_off = _vulkan_steps("0", clean_env, dtype, kv)
     assert tokens_on == tokens_off
@@ -296,13 +301,16 @@ def test_vulkan_fusion_keeps_tokens_and_cuts_dispatches(
 
 
 def _split_steps(
-    split: str, env: pytest.MonkeyPatch, kv: str, profile: bool = False
+    split: str | None, env: pytest.MonkeyPatch, kv: str, profile: bool = False
 ) -> tuple[list[int], list[np.ndarray], dict[str, float]]:
-    """With `LOWSYNC_VK_ATTN_SPLIT=split` and a `kv` cache: the greedy tokens after a
-    150-token prompt, the logits of 4 one-token decode steps after them (depth 158-161, so a
-    split head takes 3 chunks of at least 64 keys) and, profiled, the dispatches per step of
-    each kernel family."""
-    env.setenv("LOWSYNC_VK_ATTN_SPLIT", split)
+    """With `LOWSYNC_VK_ATTN_SPLIT=split` (unset where `None`) and a `kv` cache: the greedy
+    tokens after a 150-token prompt, the logits of 4 one-token decode steps after them (depth
+    158-161, so a split head takes 3 chunks of at least 64 keys) and, profiled, the dispatches
+    per step of each kernel family."""
+    if split is None:
+        env.delenv("LOWSYNC_VK_ATTN_SPLIT", raising=False)
+    else:
+        env.setenv("LOWSYNC_VK_ATTN_SPLIT", split)
     env.setenv("LOWSYNC_VK_PROFILE", "1" if profile else "0")
     model = ls.Llama.random(MICRO, seed=4, dtype="f32")
     sess = ls.Session(
@@ -345,6 +353,23 @@ def test_vulkan_attn_split_keeps_tokens(clean_env: pytest.MonkeyPatch, kv: str) 
     assert "attn_dec" not in per_on
     assert per_off.get("attn_dec") == layers
     assert "attn_split" not in per_off
+
+
+@pytest.mark.vulkan
+def test_vulkan_attn_split_default_follows_the_device_type(clean_env: pytest.MonkeyPatch) -> None:
+    """`LOWSYNC_VK_ATTN_SPLIT` unset: a CPU-type device (lavapipe) keeps one workgroup per head
+    (`attn_dec`), a GPU splits the heads' keys (`attn_split`, `attn_merge`); either way the
+    greedy tokens are those of `0`."""
+    tokens_off, _, _ = _split_steps("0", clean_env, "f32")
+    tokens, _, per = _split_steps(None, clean_env, "f32", profile=True)
+    assert tokens == tokens_off
+    layers = MICRO.n_layer
+    if device_type("vulkan") == "cpu":
+        assert per.get("attn_dec") == layers
+        assert "attn_split" not in per
+    else:
+        assert (per.get("attn_split"), per.get("attn_merge")) == (layers, layers)
+        assert "attn_dec" not in per
 
 
 @pytest.mark.vulkan

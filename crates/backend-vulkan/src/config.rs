@@ -57,8 +57,10 @@ pub struct VkConfig {
     /// `LOWSYNC_VK_ATTN_SPLIT` (`0`, `1` or a chunk count `N`): the fused decode attention
     /// runs each query head's valid keys in up to this many workgroups (`attn_split`, then
     /// `attn_merge`); `1` picks the default of 8 chunks; 0 keeps one workgroup per head
-    /// (`attn_dec`).
-    pub attn_split: u32,
+    /// (`attn_dec`). `None` (the variable unset): chosen by the device's type, 0 on a
+    /// CPU-type device (lavapipe pays for every workgroup it starts, even an empty one), the
+    /// default chunk count on a GPU (more workgroups than heads fill its multiprocessors).
+    pub attn_split: Option<u32>,
     /// Counting or tracing hook over device entry points (tests only).
     pub entry_point_hook: Option<EntryPointHook>,
 }
@@ -125,7 +127,7 @@ impl Default for VkConfig {
             profile: false,
             fusion: true,
             quant_mat_vec: QuantMatVec::Group,
-            attn_split: ATTN_SPLIT_DEFAULT,
+            attn_split: None,
             entry_point_hook: None,
         }
     }
@@ -136,10 +138,7 @@ impl Default for VkConfig {
 pub const ATTN_SPLIT_DEFAULT_CHUNKS: u32 = 8;
 /// The largest chunk count `LOWSYNC_VK_ATTN_SPLIT` takes.
 pub const ATTN_SPLIT_MAX_CHUNKS: u32 = 64;
-/// The product's default chunk count (0: unsplit).
-const ATTN_SPLIT_DEFAULT: u32 = 0;
-
-fn attn_split_from_env() -> Result<u32> {
+fn attn_split_from_env() -> Result<Option<u32>> {
     const VAR: &str = "LOWSYNC_VK_ATTN_SPLIT";
     let bad = |value: String| Error::Env {
         var: VAR,
@@ -147,10 +146,10 @@ fn attn_split_from_env() -> Result<u32> {
         expected: "0, 1 or a chunk count from 2 to 64",
     };
     match std::env::var(VAR) {
-        Err(_) => Ok(ATTN_SPLIT_DEFAULT),
-        Ok(v) if v.trim().is_empty() => Ok(ATTN_SPLIT_DEFAULT),
+        Err(_) => Ok(None),
+        Ok(v) if v.trim().is_empty() => Ok(None),
         Ok(v) => match v.trim().parse::<u32>() {
-            Ok(n) if n <= ATTN_SPLIT_MAX_CHUNKS => Ok(n),
+            Ok(n) if n <= ATTN_SPLIT_MAX_CHUNKS => Ok(Some(n)),
             _ => Err(bad(v)),
         },
     }

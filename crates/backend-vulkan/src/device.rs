@@ -308,6 +308,8 @@ pub(crate) struct Device {
     /// The compute stage has basic and arithmetic subgroup operations (Vulkan 1.1 core
     /// properties), so kernels may reduce with `subgroupAdd`.
     pub subgroup_arith: bool,
+    /// The device reports itself as a CPU (`VK_PHYSICAL_DEVICE_TYPE_CPU`: lavapipe, SwiftShader).
+    pub cpu_type: bool,
     // Declared last: dropped after `device` is destroyed (see `Drop`).
     pub inst: Instance,
 }
@@ -455,6 +457,7 @@ impl Device {
             host_query_reset,
             uma,
             subgroup_arith,
+            cpu_type: props.device_type == vk::PhysicalDeviceType::CPU,
             inst,
         })
     }

@@ -330,7 +330,12 @@ impl Inner {
         let Op::SoftMax { scale } = sm.op else {
             return Ok(None);
         };
-        let split = match self.config.attn_split {
+        let chunks = self.config.attn_split.unwrap_or(if self.dev.cpu_type {
+            0
+        } else {
+            ATTN_SPLIT_DEFAULT_CHUNKS
+        });
+        let split = match chunks {
             0 => None,
             n => Some(ops::AttnSplit {
                 parts: self.attn_parts(st)?,

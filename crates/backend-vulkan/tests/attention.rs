@@ -339,7 +339,7 @@ fn cfg(fuse: bool, profile: bool) -> VkConfig {
     VkConfig {
         fusion: fuse,
         profile,
-        attn_split: 0,
+        attn_split: Some(0),
         ..common::config()
     }
 }
@@ -347,7 +347,7 @@ fn cfg(fuse: bool, profile: bool) -> VkConfig {
 /// `cfg(true, profile)` with the attention split into at most `chunks` per head.
 fn cfg_split(chunks: u32, profile: bool) -> VkConfig {
     VkConfig {
-        attn_split: chunks,
+        attn_split: Some(chunks),
         ..cfg(true, profile)
     }
 }
