@@ -83,6 +83,39 @@ fn admitted(m0: u32, key: u32) -> bool {
     return bitcast<u32>(ld_m(m0 + key * pc.op.y)) != NINF_BITS;
 }
 
+var<workgroup> first_key: atomic<u32>;
+var<workgroup> end_key: atomic<u32>;
+
+// The first and one past the last key of the window [0, keys) that the mask row at m0 admits,
+// (0, 0) where it admits none: every thread scans a strided share (256 keys a pass), then the
+// workgroup's minimum and maximum. Called by every thread (it has barriers).
+fn admitted_span(m0: u32, keys: u32, li: u32) -> vec2<u32> {
+    if li == 0u {
+        atomicStore(&first_key, 0xffffffffu);
+        atomicStore(&end_key, 0u);
+    }
+    workgroupBarrier();
+    var f = 0xffffffffu;
+    var l = 0u;
+    for (var j = li; j < keys; j += WG) {
+        if admitted(m0, j) {
+            f = min(f, j);
+            l = j + 1u;
+        }
+    }
+    atomicMin(&first_key, f);
+    atomicMax(&end_key, l);
+    workgroupBarrier();
+    let kend = atomicLoad(&end_key);
+    var kfirst = atomicLoad(&first_key);
+    if kend == 0u {
+        kfirst = 0u;
+    }
+    // The next call's reset must not overtake this call's reads.
+    workgroupBarrier();
+    return vec2<u32>(kfirst, kend);
+}
+
 // A workgroup's softmax state after its keys: M and S (the same in every thread), this thread's
 // partial output (its group's share of dim e; 0 in threads past the groups), and whether this
 // thread saw an admitted NaN logit.

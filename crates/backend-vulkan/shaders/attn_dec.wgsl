@@ -3,11 +3,13 @@
 //
 // Why: unfused, a decode step's attention is four dispatches (scores, soft_max, p @ V, the
 // permuting copy) with the scores and probabilities round-tripping through memory, and every
-// cache row is read even where the mask hides it. Here one workgroup per query head does it all.
+// cache row is read even where the mask hides it. Here one workgroup per query head does it all,
+// over the span of keys its mask admits (a short sequence in a long window costs its length).
 // (`LOWSYNC_VK_ATTN_SPLIT` runs `attn_split.wgsl` instead: a head's keys over several workgroups.)
 //
-// Strategy: `attend` (`attn_body.wgsl`) walks the head's whole window with an online softmax;
-// the sum S then normalises the groups' summed outputs.
+// Strategy: `admitted_span` (`attn_body.wgsl`) finds the first and one past the last key the
+// head's mask admits; `attend` walks that span with an online softmax; the sum S then
+// normalises the groups' summed outputs.
 //
 // Invariants: f32 accumulation throughout. A NaN admitted logit (score * scale + mask) makes the
 // whole row NaN, and a row with every key masked (and no NaN) gives zeros, as the unfused
@@ -27,7 +29,8 @@ fn main(
     if h >= pc.shape.x {
         return;
     }
-    let r = attend(h, 0u, pc.shape.z, li);
+    let span = admitted_span(pc.op.z + h * pc.op.x, pc.shape.z, li);
+    let r = attend(h, span.x, span.y, li);
     let has_nan = reduce_max(r.nan, li) != 0.0;
     var inv = 0.0;
     if r.sum != 0.0 {

@@ -7,8 +7,8 @@
 // recorded step is replayed at every depth, so the split cannot be chosen when recording: the
 // grid is fixed at heads x C_max and the device picks the chunk count from the mask each time.
 //
-// Strategy: every workgroup first scans its head's mask row (the whole window, 256 keys a pass)
-// for the first and one past the last admitted key, F and L. The span L - F is cut into
+// Strategy: every workgroup first scans its head's mask row (`admitted_span`) for the first and
+// one past the last admitted key, F and L. The span L - F is cut into
 // nc = clamp(ceil((L - F) / KMIN), 1, C_max) chunks of equal length (the last shorter); a
 // workgroup whose chunk is at or past nc exits. Over its chunk, a workgroup runs `attend`
 // (`attn_body.wgsl`, `attn_dec`'s walk) and ends with the unnormalised output of its keys. With nc = 1 chunk 0 normalises and writes the
@@ -25,9 +25,6 @@
 // barrier. d <= WG (the planner checks).
 
 // #include attn_body.wgsl
-
-var<workgroup> first_key: atomic<u32>;
-var<workgroup> end_key: atomic<u32>;
 
 @compute @workgroup_size(256)
 fn main(
@@ -47,28 +44,9 @@ fn main(
     let slot = pc.op.w + (h * cmax + c) * (dim + 4u);
 
     // 1. The span of admitted keys, [F, L).
-    if li == 0u {
-        atomicStore(&first_key, 0xffffffffu);
-        atomicStore(&end_key, 0u);
-    }
-    workgroupBarrier();
-    var f = 0xffffffffu;
-    var l = 0u;
-    for (var j = li; j < keys; j += WG) {
-        if admitted(m0, j) {
-            f = min(f, j);
-            l = j + 1u;
-        }
-    }
-    atomicMin(&first_key, f);
-    atomicMax(&end_key, l);
-    workgroupBarrier();
-    let kend = atomicLoad(&end_key);
-    var kfirst = atomicLoad(&first_key);
-    if kend == 0u {
-        kfirst = 0u;
-    }
-    let span = kend - kfirst;
+    let fl = admitted_span(m0, keys, li);
+    let kfirst = fl.x;
+    let span = fl.y - fl.x;
 
     // 2. This workgroup's chunk.
     let nc = clamp((span + kmin - 1u) / kmin, 1u, cmax);
