@@ -13,18 +13,30 @@
 //! is seen by the loop before the next node. A caller that already is a pool thread (a test
 //! inside `install`, a nested call) runs the loop itself, polling between nodes.
 //!
+//! While the loop runs, every other pool thread runs a helper that keeps looking for work to
+//! steal instead of going to sleep ([`Team`]): between two products the loop runs the small
+//! nodes alone for a few microseconds, long enough for an idle rayon worker to yield its way
+//! into a sleep, and the next product's fork then waits for a futex wake-up and a virtual CPU's
+//! wake-up before its second half starts (85 forks a decode step on the small model). The loop
+//! is pinned to pool thread 0 and the helpers to the others (one broadcast job each); they end
+//! with the loop, so no thread spins between steps. `LOWSYNC_CPU_SPIN=0` leaves idle workers
+//! to rayon's sleep, for A/B measurements.
+//!
 //! Steps: the node loop runs a graph's `kernels::plan` (attention chains fused), computed once
 //! per graph and kept in the backend's [`Plans`] while the graph is alive.
 //!
 //! Invariants: nodes run one at a time in graph order (kernels parallelise inside themselves);
 //! the caller returns only after the loop has ended, and a kernel's panic is re-raised on the
-//! caller, as if the loop had run there.
+//! caller, as if the loop had run there. A helper only runs jobs the kernels forked, so which
+//! thread runs a job never changes a result (kernels' results do not depend on it), and it
+//! never blocks, so it cannot hold up the loop or another graph sharing the pool.
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
 
-use lowsync_backend::{interrupt, ExecGraph, Result};
+use lowsync_backend::{env, interrupt, Error, ExecGraph, Result};
 use parking_lot::{Condvar, Mutex};
 
 use crate::kernels::{self, Step};
@@ -88,17 +100,36 @@ pub(crate) fn run_graph(
     if rayon::current_thread_index().is_some() {
         return run_nodes(graph, steps, store, poll);
     }
+    let spinning = spin()? && rayon::current_num_threads() > 1;
     let stop = AtomicBool::new(false);
+    let team = Team::new(rayon::current_num_threads() - 1);
     let outcome = Mutex::new(None);
     let finished = Condvar::new();
+    let run_loop = || {
+        if spinning {
+            team.gather();
+        }
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            run_nodes(graph, steps, store, &|| stop.load(Ordering::Acquire))
+        }));
+        team.state.store(DONE, Ordering::SeqCst);
+        *outcome.lock() = Some(r);
+        finished.notify_one();
+    };
     rayon::in_place_scope(|s| {
-        s.spawn(|_| {
-            let r = catch_unwind(AssertUnwindSafe(|| {
-                run_nodes(graph, steps, store, &|| stop.load(Ordering::Acquire))
-            }));
-            *outcome.lock() = Some(r);
-            finished.notify_one();
-        });
+        if spinning {
+            // The loop on pool thread 0, a helper on each other one: a broadcast job runs
+            // only on its own thread, so no helper can take the loop's place.
+            s.spawn_broadcast(|_, ctx| {
+                if ctx.index() == 0 {
+                    run_loop();
+                } else {
+                    team.help();
+                }
+            });
+        } else {
+            s.spawn(|_| run_loop());
+        }
         let mut o = outcome.lock();
         while o.is_none() {
             finished.wait_for(&mut o, interrupt::POLL_INTERVAL);
@@ -112,6 +143,85 @@ pub(crate) fn run_graph(
         Some(Err(panic)) => resume_unwind(panic),
         // The scope waited for the job, which always stores its outcome.
         None => unreachable!("graph job ended without an outcome"),
+    }
+}
+
+/// `LOWSYNC_CPU_SPIN`: whether idle pool threads look for work while a graph runs (default
+/// 1), read once per process.
+fn spin() -> Result<bool> {
+    const VAR: &str = "LOWSYNC_CPU_SPIN";
+    static ON: OnceLock<std::result::Result<bool, String>> = OnceLock::new();
+    ON.get_or_init(|| env::flag(VAR, true).map_err(|_| std::env::var(VAR).unwrap_or_default()))
+        .clone()
+        .map_err(|value| Error::Env {
+            var: VAR,
+            value,
+            expected: "0 or 1",
+        })
+}
+
+/// States of a [`Team`].
+const NOT_STARTED: u8 = 0;
+const GATHERING: u8 = 1;
+const RUNNING: u8 = 2;
+const DONE: u8 = 3;
+
+/// How long the loop waits for the helpers to report before it starts without the late ones,
+/// and how long a helper that arrived first waits for the loop.
+const GATHER_WAIT: Duration = Duration::from_micros(200);
+
+/// The helpers of one graph run and the loop's progress.
+///
+/// A helper must never spin beneath work the loop waits for: it may be run by a thread that is
+/// itself waiting inside a job (rayon runs queued jobs while a join waits), and spinning until
+/// the loop ends would then never return to that job. So a helper spins only if it started
+/// before the loop forked anything (the loop gathers the helpers first, then runs); one that
+/// finds the loop already running returns at once, and one that finds it not started yet waits
+/// a bounded time for it. While it spins the loop is running, so the loop ends whatever the
+/// helper's thread has beneath it.
+struct Team {
+    helpers: usize,
+    state: AtomicU8,
+    arrived: AtomicUsize,
+}
+
+impl Team {
+    fn new(helpers: usize) -> Team {
+        Team {
+            helpers,
+            state: AtomicU8::new(NOT_STARTED),
+            arrived: AtomicUsize::new(0),
+        }
+    }
+
+    /// The loop's side: waits (at most [`GATHER_WAIT`]) for every helper to report.
+    fn gather(&self) {
+        self.state.store(GATHERING, Ordering::SeqCst);
+        let t0 = Instant::now();
+        while self.arrived.load(Ordering::SeqCst) < self.helpers && t0.elapsed() < GATHER_WAIT {
+            std::hint::spin_loop();
+        }
+        self.state.store(RUNNING, Ordering::SeqCst);
+    }
+
+    /// A helper's side: runs jobs forked onto the pool (stolen from the loop's thread or any
+    /// other) until the loop is done, without ever sleeping; returns at once when it came too
+    /// late to be safe.
+    fn help(&self) {
+        let t0 = Instant::now();
+        loop {
+            match self.state.load(Ordering::SeqCst) {
+                NOT_STARTED if t0.elapsed() < GATHER_WAIT => std::hint::spin_loop(),
+                GATHERING => break,
+                _ => return,
+            }
+        }
+        self.arrived.fetch_add(1, Ordering::SeqCst);
+        while self.state.load(Ordering::SeqCst) != DONE {
+            if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                std::hint::spin_loop();
+            }
+        }
     }
 }
 
