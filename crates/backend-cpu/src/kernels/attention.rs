@@ -628,7 +628,18 @@ mod x86 {
         let (d, n) = (b.d, c.idx.len());
         let (kh, vh) = (b.k.add(kv * b.k_head), b.v.add(kv * b.v_head));
         let xs: [*const f32; R] = std::array::from_fn(|r| q.add(r * d));
+        let row_bytes = d * std::mem::size_of::<T>();
+        for &cell in c.idx.iter().take(PREFETCH_CELLS) {
+            prefetch(kh.add(cell * b.k_cell).cast(), row_bytes);
+        }
         for (i, (&cell, &add)) in c.idx.iter().zip(&c.add).enumerate() {
+            // The cache is in DRAM (the weights streamed since it was last read): ask for the
+            // key row `PREFETCH_CELLS` cells ahead, and for this cell's value row, which the
+            // sums read after the softmax.
+            if let Some(&ahead) = c.idx.get(i + PREFETCH_CELLS) {
+                prefetch(kh.add(ahead * b.k_cell).cast(), row_bytes);
+            }
+            prefetch(vh.add(cell * b.v_cell).cast(), row_bytes);
             let s = row::<T, R>(xs, kh.add(cell * b.k_cell), d);
             for r in 0..R {
                 p[r * n + i] = s[r] * scale + add;
@@ -647,6 +658,21 @@ mod x86 {
             }
             c0 += 64;
         }
+    }
+
+    /// Cells between a key row's prefetch and its use.
+    const PREFETCH_CELLS: usize = 16;
+
+    /// Asks for the cache lines of `bytes` bytes at `p` (into the L1), the last one too when
+    /// `p` is not on a line's start.
+    #[inline(always)]
+    unsafe fn prefetch(p: *const i8, bytes: usize) {
+        let mut o = 0;
+        while o < bytes {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o));
+            o += 64;
+        }
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(bytes - 1));
     }
 
     /// Columns `c0..min(c0 + 16 * N, d)` of the `R` heads' weighted sums of the values, in

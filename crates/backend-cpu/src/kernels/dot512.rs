@@ -129,7 +129,7 @@ impl Lanes16 for bf16 {
 
 /// The sum of the 16 lanes of `v` by a fixed tree: halves, then quarters, then pairs.
 #[inline(always)]
-unsafe fn hsum(v: __m512) -> f32 {
+pub(in crate::kernels) unsafe fn hsum(v: __m512) -> f32 {
     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
     let h = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
     let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
