@@ -19,8 +19,11 @@
 //! into a sleep, and the next product's fork then waits for a futex wake-up and a virtual CPU's
 //! wake-up before its second half starts (85 forks a decode step on the small model). The loop
 //! is pinned to pool thread 0 and the helpers to the others (one broadcast job each); they end
-//! with the loop, so no thread spins between steps. `LOWSYNC_CPU_SPIN=0` leaves idle workers
-//! to rayon's sleep, for A/B measurements.
+//! with the loop, so no thread spins between steps, and a pool with more threads than the
+//! process has CPUs runs no helpers (they would spin on the cores the loop needs). Yielding the
+//! core to the OS now and then while idle cost 2-4% of F16 tg on a shared machine (the OS gave
+//! the core to other processes), so a helper never yields.
+//! `LOWSYNC_CPU_SPIN=0` leaves idle workers to rayon's sleep, for A/B measurements.
 //!
 //! Steps: the node loop runs a graph's `kernels::plan` (attention chains fused), computed once
 //! per graph and kept in the backend's [`Plans`] while the graph is alive.
@@ -100,9 +103,13 @@ pub(crate) fn run_graph(
     if rayon::current_thread_index().is_some() {
         return run_nodes(graph, steps, store, poll);
     }
-    let spinning = spin()? && rayon::current_num_threads() > 1;
+    let threads = rayon::current_num_threads();
+    // A pool larger than the CPUs would have helpers spinning on the cores the loop needs.
+    static CPUS: OnceLock<usize> = OnceLock::new();
+    let cpus = *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let spinning = spin()? && threads > 1 && threads <= cpus;
     let stop = AtomicBool::new(false);
-    let team = Team::new(rayon::current_num_threads() - 1);
+    let team = Team::new(threads - 1);
     let outcome = Mutex::new(None);
     let finished = Condvar::new();
     let run_loop = || {
