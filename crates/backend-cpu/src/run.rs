@@ -31,8 +31,10 @@
 //! Invariants: nodes run one at a time in graph order (kernels parallelise inside themselves);
 //! the caller returns only after the loop has ended, and a kernel's panic is re-raised on the
 //! caller, as if the loop had run there. A helper only runs jobs the kernels forked, so which
-//! thread runs a job never changes a result (kernels' results do not depend on it), and it
-//! never blocks, so it cannot hold up the loop or another graph sharing the pool.
+//! thread runs a job never changes a result (kernels' results do not depend on it). A helper
+//! waits for nothing but its own loop, which is already running when the helper starts to spin
+//! and needs no helper to finish, so it cannot deadlock that loop or another graph sharing the
+//! pool (another graph's job beneath a helper waits at most until this loop ends).
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
