@@ -253,3 +253,122 @@ fn run_nodes(
     }
     Ok(Finished::Done)
 }
+
+#[cfg(test)]
+mod tests {
+    //! Graphs run from several threads at once share the global pool, its thread 0 and its
+    //! helpers: each must finish, with the bits it has alone.
+
+    use lowsync_backend::{ExecNode, TensorRef};
+    use lowsync_graph::{DType, Op};
+
+    use super::*;
+
+    fn tensor(store: &Store, shape: &[usize], values: &[f32]) -> TensorRef {
+        let id = store.alloc(values.len() * 4).unwrap();
+        let p = store.span_write(id, 0, values.len() * 4).unwrap();
+        // SAFETY: the buffer was just allocated with room for `values`.
+        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), p.cast::<f32>(), values.len()) };
+        let strides = match shape {
+            [_, n] => vec![*n, 1],
+            _ => vec![1],
+        };
+        TensorRef {
+            buffer: id,
+            byte_offset: 0,
+            dtype: DType::F32,
+            shape: shape.to_vec(),
+            strides,
+        }
+    }
+
+    fn node(op: Op, dst: &TensorRef, srcs: &[&TensorRef]) -> ExecNode {
+        ExecNode {
+            op,
+            name: "test".into(),
+            dst: dst.clone(),
+            srcs: srcs.iter().map(|&s| s.clone()).collect(),
+        }
+    }
+
+    /// `layers` rounds of `x = x + x @ W.T` (a product large enough to fork, then an add on
+    /// the loop's thread), in buffers of its own; the graph and its output.
+    fn graph(
+        store: &Store,
+        w: &TensorRef,
+        layers: usize,
+        seed: f32,
+    ) -> (Arc<ExecGraph>, TensorRef) {
+        let n = w.shape[0];
+        let x0: Vec<f32> = (0..n)
+            .map(|i| ((i as f32 * seed).sin()) / n as f32)
+            .collect();
+        let x = tensor(store, &[1, n], &x0);
+        let y = tensor(store, &[1, n], &vec![0.0; n]);
+        let wt = TensorRef {
+            shape: vec![n, n],
+            strides: vec![1, n],
+            ..w.clone()
+        };
+        let mut nodes = Vec::new();
+        for _ in 0..layers {
+            nodes.push(node(Op::MulMat, &y, &[&x, &wt]));
+            nodes.push(node(Op::Add, &x, &[&x, &y]));
+        }
+        let g = ExecGraph {
+            nodes,
+            scratch: None,
+        };
+        (Arc::new(g), x)
+    }
+
+    fn read(store: &Store, t: &TensorRef) -> Vec<u8> {
+        let len = t.byte_extent();
+        let p = store.span(t.buffer, 0, len).unwrap();
+        // SAFETY: `len` bytes of the buffer.
+        unsafe { std::slice::from_raw_parts(p, len) }.to_vec()
+    }
+
+    #[test]
+    fn graphs_run_from_several_threads_at_once_finish_with_their_own_results() {
+        let n = 512;
+        let store = Store::new("cpu");
+        let wv: Vec<f32> = (0..n * n)
+            .map(|i| ((i % 97) as f32 - 48.0) / 4096.0)
+            .collect();
+        let w = tensor(&store, &[n, n], &wv);
+        let runs: Vec<_> = (0..3)
+            .map(|t| graph(&store, &w, 8, 1.0 + t as f32))
+            .collect();
+        let plans = Plans::default();
+        let alone: Vec<Vec<u8>> = runs
+            .iter()
+            .map(|(g, out)| {
+                // The graph updates x in place: put its starting values back afterwards.
+                let before = read(&store, out);
+                run_graph(g, &plans, &store, &|| false).unwrap();
+                let r = read(&store, out);
+                let p = store.span_write(out.buffer, 0, before.len()).unwrap();
+                // SAFETY: `before` was read from the same span.
+                unsafe { std::ptr::copy_nonoverlapping(before.as_ptr(), p, before.len()) };
+                r
+            })
+            .collect();
+        std::thread::scope(|s| {
+            for (i, (g, out)) in runs.iter().enumerate() {
+                let (store, plans, alone) = (&store, &plans, &alone);
+                s.spawn(move || {
+                    let before = read(store, out);
+                    for _ in 0..40 {
+                        let p = store.span_write(out.buffer, 0, before.len()).unwrap();
+                        // SAFETY: `before` was read from the same span, which only this
+                        // thread's graph uses.
+                        unsafe { std::ptr::copy_nonoverlapping(before.as_ptr(), p, before.len()) };
+                        run_graph(g, plans, store, &|| false).unwrap();
+                        assert_eq!(read(store, out), alone[i], "graph {i}");
+                    }
+                });
+            }
+        });
+    }
+}
