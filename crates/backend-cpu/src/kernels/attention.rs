@@ -16,7 +16,11 @@
 //! lists the cells whose mask is not -inf (once per mask row shared by heads), scores only
 //! those (`gemv::dot`), applies `softmax_in_place` to them and sums their value rows in cell
 //! order. With AVX2, FMA and F16C the scores and the sum run in `x86`'s bodies, which read
-//! key and value rows in place (the same score bits; the sum with one FMA per element).
+//! key and value rows in place (the same score bits; the sum with one FMA per element). With
+//! AVX-512, when the query heads of a KV head share its value head and the mask, a job is one
+//! query row of up to 4 of those heads (`x86::Grouped`): each key row is read once and scored
+//! against all of them, each value row is widened once and added into all of their sums, with
+//! the bits of one head at a time.
 //!
 //! Semantics: identical to the unfused chain except that a masked cell contributes exactly
 //! zero whatever its key or value holds (unfused, a NaN or infinite key or value in a masked
@@ -235,6 +239,38 @@ pub(crate) fn run(nodes: &[ExecNode], i: usize, mem: &dyn Mem) -> Result<()> {
         }
     }
     let most = cells.iter().map(|c| c.idx.len()).max().unwrap_or(0);
+    #[cfg(target_arch = "x86_64")]
+    if let Some(layout) = x86::Grouped::new(&k, &v, (hq, hk, hv), per_head) {
+        let per_job = layout.heads;
+        let jobs = hk * (hq / hk / per_job) * t;
+        for_each_row(
+            jobs,
+            (most * d * 2 * per_job).max(1),
+            || {
+                (
+                    vec![0.0f32; per_job * d],
+                    Vec::new(),
+                    vec![0.0f32; per_job * d],
+                )
+            },
+            |(qs, p, acc), job| {
+                // Job `job` is query row `ti` of the heads `h0..h0 + per_job`, which share
+                // one key and value head and (the mask not being per head) one list of cells.
+                let (h0, ti) = ((job / t) * per_job, job % t);
+                for (j, qr) in qs.chunks_exact_mut(d).enumerate() {
+                    q.read_row((h0 + j) * t + ti, 0..d, qr);
+                }
+                // SAFETY: `Grouped::new` checked the features and that every key and value
+                // row of every head is readable at its stride; `qs` and `acc` hold
+                // `per_job` rows of `d`.
+                unsafe { layout.run(h0 / (hq / hk), &cells[ti], scale, qs, p, acc) };
+                for (j, a) in acc.chunks_exact(d).enumerate() {
+                    out.write_row((h0 + j) * t + ti, 0..d, a);
+                }
+            },
+        );
+        return Ok(());
+    }
     for_each_row(
         hq * t,
         (most * d * 2).max(1),
@@ -317,7 +353,9 @@ mod x86 {
 
     use half::{bf16, f16};
 
+    use super::super::dot512::{row, Lanes16};
     use super::super::gemv::x86::{body, Lanes};
+    use super::super::softmax::softmax_in_place;
     use super::super::view::{FloatRow, Strided};
     use super::Cells;
 
@@ -428,6 +466,257 @@ mod x86 {
     ) {
         for (u, a) in a.iter_mut().enumerate() {
             *a = _mm256_fmadd_ps(w, T::load8(row.as_ptr().add(c0 + 8 * u)), *a);
+        }
+    }
+
+    /// The AVX-512 bodies of a job over several query heads that share a key and value head:
+    /// each key row is scored against all of them at once (`dot512::row` with one activation
+    /// row per head, which gives each head the bits of a lone score), and each value row is
+    /// widened once and multiplied into every head's sum.
+    ///
+    /// Why: one query head at a time, the 3 heads of a small model's KV head read every key
+    /// and value row 3 times and paid a view lookup, a dispatch and a 256-bit body per row.
+    /// Here a row is found by its cell times the cache's stride.
+    pub(super) struct Grouped {
+        /// Query heads per job: the largest of 4, 3, 2, 1 that divides the heads per KV head.
+        pub(super) heads: usize,
+        kv: Kv,
+    }
+
+    /// The first key and value row of every KV head, with the element strides between two
+    /// cells' rows and between two heads, in their stored type.
+    #[derive(Clone, Copy)]
+    enum Kv {
+        F32(Base<f32>),
+        F16(Base<f16>),
+        BF16(Base<bf16>),
+    }
+
+    #[derive(Clone, Copy)]
+    struct Base<T> {
+        k: *const T,
+        v: *const T,
+        k_cell: usize,
+        v_cell: usize,
+        k_head: usize,
+        v_head: usize,
+        d: usize,
+    }
+
+    // SAFETY: the pointers address the cache, which no job writes while the kernel runs.
+    unsafe impl Send for Grouped {}
+    unsafe impl Sync for Grouped {}
+
+    impl Grouped {
+        /// The layout when the bodies can run: AVX-512 detected, one value head per key head,
+        /// one list of cells for all heads, keys and values of one float type whose rows are
+        /// contiguous at a fixed stride per cell and per head, at least one cell.
+        pub(super) fn new(
+            k: &Strided,
+            v: &Strided,
+            (hq, hk, hv): (usize, usize, usize),
+            per_head: bool,
+        ) -> Option<Grouped> {
+            if !super::super::dot512::available() || hk != hv || per_head {
+                return None;
+            }
+            let (d, l) = (k.shape()[1], k.shape()[2]);
+            if l == 0 || d == 0 || k.dtype() != v.dtype() {
+                return None;
+            }
+            // Keys [hk, d, l] with a row per cell along axis 2; values [hk, l, d].
+            let (k0, v0) = (k.index_axis(0, 0)?, v.index_axis(0, 0)?);
+            let (kr, vr) = (k0.float_row(1, 0)?, v0.float_row(0, 0)?);
+            let (k_cell, v_cell) = (k.strides()[2], v.strides()[1]);
+            let (k_head, v_head) = (k.strides()[0], v.strides()[0]);
+            // Every head's last row is readable (checked by the caller for each head).
+            let g = hq / hk;
+            let heads = (1..=4).rev().find(|s| g % s == 0).unwrap_or(1);
+            let kv = match (kr, vr) {
+                (FloatRow::F32(a), FloatRow::F32(b)) => {
+                    Kv::F32(base(a, b, k_cell, v_cell, k_head, v_head, d))
+                }
+                (FloatRow::F16(a), FloatRow::F16(b)) => {
+                    Kv::F16(base(a, b, k_cell, v_cell, k_head, v_head, d))
+                }
+                (FloatRow::BF16(a), FloatRow::BF16(b)) => {
+                    Kv::BF16(base(a, b, k_cell, v_cell, k_head, v_head, d))
+                }
+                _ => return None,
+            };
+            Some(Grouped { heads, kv })
+        }
+
+        /// Query row `qs` (`heads` rows of `d`) of KV head `kv` over the cells `c`: the scores
+        /// (`p`, `heads` rows of the cells), their softmax, and the weighted sums of the
+        /// values into `acc` (`heads` rows of `d`).
+        ///
+        /// # Safety
+        /// `new` accepted the layout; `kv` is a KV head; `qs` and `acc` hold `heads * d`.
+        pub(super) unsafe fn run(
+            &self,
+            kv: usize,
+            c: &Cells,
+            scale: f32,
+            qs: &[f32],
+            p: &mut Vec<f32>,
+            acc: &mut [f32],
+        ) {
+            p.clear();
+            p.resize(self.heads * c.idx.len(), 0.0);
+            match (self.kv, self.heads) {
+                (Kv::F32(b), n) => dispatch(b, n, kv, c, scale, qs, p, acc),
+                (Kv::F16(b), n) => dispatch(b, n, kv, c, scale, qs, p, acc),
+                (Kv::BF16(b), n) => dispatch(b, n, kv, c, scale, qs, p, acc),
+            }
+        }
+    }
+
+    fn base<T>(
+        k: &[T],
+        v: &[T],
+        k_cell: usize,
+        v_cell: usize,
+        k_head: usize,
+        v_head: usize,
+        d: usize,
+    ) -> Base<T> {
+        Base {
+            k: k.as_ptr(),
+            v: v.as_ptr(),
+            k_cell,
+            v_cell,
+            k_head,
+            v_head,
+            d,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn dispatch<T: Lanes16>(
+        b: Base<T>,
+        heads: usize,
+        kv: usize,
+        c: &Cells,
+        scale: f32,
+        qs: &[f32],
+        p: &mut [f32],
+        acc: &mut [f32],
+    ) {
+        let (q, a) = (qs.as_ptr(), acc.as_mut_ptr());
+        match heads {
+            4 => group::<T, 4>(b, kv, c, scale, q, p, a),
+            3 => group::<T, 3>(b, kv, c, scale, q, p, a),
+            2 => group::<T, 2>(b, kv, c, scale, q, p, a),
+            _ => group::<T, 1>(b, kv, c, scale, q, p, a),
+        }
+    }
+
+    /// See [`Grouped`]: `R` query heads of KV head `kv`.
+    // The indices address several arrays in lockstep.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn group<T: Lanes16, const R: usize>(
+        b: Base<T>,
+        kv: usize,
+        c: &Cells,
+        scale: f32,
+        q: *const f32,
+        p: &mut [f32],
+        acc: *mut f32,
+    ) {
+        let (d, n) = (b.d, c.idx.len());
+        let (kh, vh) = (b.k.add(kv * b.k_head), b.v.add(kv * b.v_head));
+        let xs: [*const f32; R] = std::array::from_fn(|r| q.add(r * d));
+        let row_bytes = d * std::mem::size_of::<T>();
+        for &cell in c.idx.iter().take(PREFETCH_CELLS) {
+            prefetch(kh.add(cell * b.k_cell).cast(), row_bytes);
+        }
+        for (i, (&cell, &add)) in c.idx.iter().zip(&c.add).enumerate() {
+            // The cache is in DRAM (the weights streamed since it was last read): ask for the
+            // key row `PREFETCH_CELLS` cells ahead, and for this cell's value row, which the
+            // sums read after the softmax.
+            if let Some(&ahead) = c.idx.get(i + PREFETCH_CELLS) {
+                prefetch(kh.add(ahead * b.k_cell).cast(), row_bytes);
+            }
+            prefetch(vh.add(cell * b.v_cell).cast(), row_bytes);
+            let s = row::<T, R>(xs, kh.add(cell * b.k_cell), d);
+            for r in 0..R {
+                p[r * n + i] = s[r] * scale + add;
+            }
+        }
+        for r in 0..R {
+            softmax_in_place(&mut p[r * n..(r + 1) * n]);
+        }
+        let mut c0 = 0;
+        while c0 < d {
+            match (d - c0).div_ceil(16) {
+                1 => columns::<T, R, 1>(vh, b.v_cell, c, p, acc, d, c0),
+                2 => columns::<T, R, 2>(vh, b.v_cell, c, p, acc, d, c0),
+                3 => columns::<T, R, 3>(vh, b.v_cell, c, p, acc, d, c0),
+                _ => columns::<T, R, 4>(vh, b.v_cell, c, p, acc, d, c0),
+            }
+            c0 += 64;
+        }
+    }
+
+    /// Cells between a key row's prefetch and its use.
+    const PREFETCH_CELLS: usize = 16;
+
+    /// Asks for the cache lines of `bytes` bytes at `p` (into the L1), the last one too when
+    /// `p` is not on a line's start.
+    #[inline(always)]
+    unsafe fn prefetch(p: *const i8, bytes: usize) {
+        let mut o = 0;
+        while o < bytes {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o));
+            o += 64;
+        }
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(bytes - 1));
+    }
+
+    /// Columns `c0..min(c0 + 16 * N, d)` of the `R` heads' weighted sums of the values, in
+    /// cell order with one FMA per element (the bits of the AVX2 body), the last vector
+    /// masked to the row's end.
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn columns<T: Lanes16, const R: usize, const N: usize>(
+        vh: *const T,
+        v_cell: usize,
+        c: &Cells,
+        p: &[f32],
+        acc: *mut f32,
+        d: usize,
+        c0: usize,
+    ) {
+        let n = c.idx.len();
+        let last = (d - c0 - 16 * (N - 1)).min(16);
+        let mut a = [[_mm512_setzero_ps(); N]; R];
+        for (i, &cell) in c.idx.iter().enumerate() {
+            let row = vh.add(cell * v_cell + c0);
+            let vv: [__m512; N] = std::array::from_fn(|u| {
+                if u + 1 < N || last == 16 {
+                    T::load16(row.add(16 * u))
+                } else {
+                    T::load_tail(row.add(16 * u), last)
+                }
+            });
+            for r in 0..R {
+                let w = _mm512_set1_ps(p[r * n + i]);
+                for u in 0..N {
+                    a[r][u] = _mm512_fmadd_ps(w, vv[u], a[r][u]);
+                }
+            }
+        }
+        for r in 0..R {
+            for u in 0..N {
+                let dst = acc.add(r * d + c0 + 16 * u);
+                if u + 1 < N || last == 16 {
+                    _mm512_storeu_ps(dst, a[r][u]);
+                } else {
+                    _mm512_mask_storeu_ps(dst, ((1u32 << last) - 1) as __mmask16, a[r][u]);
+                }
+            }
         }
     }
 }

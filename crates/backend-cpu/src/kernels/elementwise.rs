@@ -39,7 +39,7 @@ fn silu_slice(x: &mut [f32], u: Option<&[f32]>) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     //! SiLU over 16 lanes: `x / (1 + e^-x)` with `e^-x` from a range reduction and a
     //! polynomial, within 2 ulp of libm's `expf` over the whole f32 range.
     //!
@@ -51,9 +51,10 @@ mod x86 {
 
     use std::arch::x86_64::*;
 
-    /// `e^y`, lane by lane.
+    /// `e^y`, lane by lane (also `softmax`'s exponentials). A NaN lane gives a finite value:
+    /// callers keep NaN themselves.
     #[inline(always)]
-    unsafe fn exp16(y: __m512) -> __m512 {
+    pub(in crate::kernels) unsafe fn exp16(y: __m512) -> __m512 {
         const LOG2E: f32 = std::f32::consts::LOG2_E;
         const LN2_HI: f32 = 0.693_145_75;
         const LN2_LO: f32 = 1.428_606_8e-6;
