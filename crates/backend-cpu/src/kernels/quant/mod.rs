@@ -430,13 +430,22 @@ pub(super) fn matmul(
         .max(1)
         .next_multiple_of(granule)
         .min(n);
-    // A job's results, activation row by activation row (`out_t[c + i * rows + jj]` for the
-    // job's chunk from `c`: weight row `j0 + jj` times activation row `i`), copied into `out`
-    // afterwards as one run of `rows` values per activation row when m > 1.
-    let mut out_t = vec![0.0f32; n * m];
-    let job = |(jb, chunk): (usize, &mut [f32]), buf: &mut Vec<f32>| {
+    // Each job writes its own columns `j0..j0 + rows` of every output row straight into `out`
+    // (one run of values per activation row). A result buffer of `n * m` for the whole
+    // product, copied into `out` afterwards on the calling thread, cost a 16 MB zeroed
+    // allocation and a serial copy per output-head product of a 128-token prefill.
+    let dst = OutCols {
+        ptr: out.as_mut_ptr(),
+        n,
+        m,
+    };
+    let n_jobs = n.div_ceil(rows_per_job);
+    // `buf`: a packed group's results or a row's dequantized weights; `chunk`: the job's results,
+    // activation row by activation row (`chunk[i * rows + jj]`: weight row `j0 + jj` times
+    // activation row `i`), as the in-place bodies write them.
+    let job = |jb: usize, (buf, chunk): &mut (Vec<f32>, Vec<f32>)| {
         let j0 = jb * rows_per_job;
-        let rows = chunk.len() / m;
+        let rows = rows_per_job.min(n - j0);
         if let Some((pt, pw)) = &packed {
             // Jobs start on a group (rows_per_job is a multiple of GROUP).
             let gb = pw.group_bytes;
@@ -450,8 +459,8 @@ pub(super) fn matmul(
                     // group of `k`.
                     (Some(d8), Some(x8), _) => unsafe { d8(grp, k, x8, buf) },
                     (_, _, Some(xq)) if m == 1 && rn == GROUP => {
-                        // SAFETY: as above.
-                        unsafe { (pt.dot)(grp, k, xq, &mut chunk[at..at + GROUP]) };
+                        // SAFETY: as above; columns `j0 + at..` of row 0 are this job's.
+                        unsafe { (pt.dot)(grp, k, xq, dst.run(0, j0 + at, GROUP)) };
                         continue;
                     }
                     // SAFETY: as above.
@@ -459,63 +468,76 @@ pub(super) fn matmul(
                     _ => unreachable!("a packed product quantizes its activations"),
                 }
                 for i in 0..m {
-                    chunk[i * rows + at..i * rows + at + rn]
+                    // SAFETY: columns `j0 + at..j0 + at + rn` are this job's.
+                    unsafe { dst.run(i, j0 + at, rn) }
                         .copy_from_slice(&buf[i * GROUP..i * GROUP + rn]);
                 }
             }
             return;
         }
-        if let (Some(dot), Some(xq)) = (fast, &xq) {
-            if let (Some(bytes), Some(row_bytes)) = (w.quant_rows(1, j0, rows), dt.row_bytes(k)) {
-                dot(bytes, row_bytes, xq, chunk);
-                return;
-            }
-        }
-        let mut res = vec![0.0f32; m];
-        for jj in 0..rows {
-            let Some(bytes) = w.quant_row(1, j0 + jj) else {
-                continue;
-            };
-            if let (Some(dot), Some(xq)) = (fast, &xq) {
-                dot(bytes, bytes.len(), xq, &mut res);
-            } else {
-                buf.resize(k, 0.0);
-                scalar::dequantize_row(dt, bytes, buf);
-                for (i, r) in res.iter_mut().enumerate() {
-                    *r = dot_f32(&x[i * k..(i + 1) * k], buf);
+        chunk.clear();
+        chunk.resize(rows * m, 0.0);
+        let quant_rows = w.quant_rows(1, j0, rows).zip(dt.row_bytes(k));
+        if let (Some(dot), Some(xq), Some((bytes, row_bytes))) = (fast, &xq, quant_rows) {
+            dot(bytes, row_bytes, xq, chunk);
+        } else {
+            let mut res = vec![0.0f32; m];
+            for jj in 0..rows {
+                let Some(bytes) = w.quant_row(1, j0 + jj) else {
+                    continue;
+                };
+                if let (Some(dot), Some(xq)) = (fast, &xq) {
+                    dot(bytes, bytes.len(), xq, &mut res);
+                } else {
+                    buf.resize(k, 0.0);
+                    scalar::dequantize_row(dt, bytes, buf);
+                    for (i, r) in res.iter_mut().enumerate() {
+                        *r = dot_f32(&x[i * k..(i + 1) * k], buf);
+                    }
+                }
+                for (i, &r) in res.iter().enumerate() {
+                    chunk[i * rows + jj] = r;
                 }
             }
-            for (i, &r) in res.iter().enumerate() {
-                chunk[i * rows + jj] = r;
-            }
+        }
+        for (i, run) in chunk.chunks_exact(rows).enumerate() {
+            // SAFETY: columns `j0..j0 + rows` are this job's.
+            unsafe { dst.run(i, j0, rows) }.copy_from_slice(run);
         }
     };
     if n.saturating_mul(k).saturating_mul(m) <= PAR_MIN_ELEMS * 4 || n <= rows_per_job {
-        let mut buf = Vec::new();
-        out_t
-            .chunks_mut(rows_per_job * m)
-            .enumerate()
-            .for_each(|c| job(c, &mut buf));
+        let mut bufs = (Vec::new(), Vec::new());
+        (0..n_jobs).for_each(|jb| job(jb, &mut bufs));
     } else {
-        out_t
-            .par_chunks_mut(rows_per_job * m)
-            .enumerate()
-            .for_each_init(Vec::new, |buf, c| job(c, buf));
-    }
-    if m == 1 {
-        out.copy_from_slice(&out_t);
-    } else {
-        // A plain transpose of a weight-row-major result wrote each activation row's values
-        // `n` floats apart: with n 2048 the 16 rows of a tile fell in the same L1 sets, and it
-        // took 14% of a Q4_0 prefill with the AVX-512 bodies.
-        for (jb, chunk) in out_t.chunks(rows_per_job * m).enumerate() {
-            let (j0, rows) = (jb * rows_per_job, chunk.len() / m);
-            for (i, run) in chunk.chunks_exact(rows).enumerate() {
-                out[i * n + j0..i * n + j0 + rows].copy_from_slice(run);
-            }
-        }
+        (0..n_jobs)
+            .into_par_iter()
+            .for_each_init(|| (Vec::new(), Vec::new()), |bufs, jb| job(jb, bufs));
     }
     Ok(())
+}
+
+/// A product's output `[m, n]` (row-major), shared by its jobs, each of which writes only its
+/// own columns of every row.
+struct OutCols {
+    ptr: *mut f32,
+    n: usize,
+    m: usize,
+}
+
+// SAFETY: jobs write disjoint columns (see `OutCols::run`), and the output outlives them.
+unsafe impl Sync for OutCols {}
+
+impl OutCols {
+    /// Columns `j..j + len` of output row `i`.
+    ///
+    /// # Safety
+    /// No other job reads or writes those columns while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn run(&self, i: usize, j: usize, len: usize) -> &mut [f32] {
+        assert!(i < self.m && j + len <= self.n, "a run inside the output");
+        // SAFETY: in bounds (checked above) of the `m * n` output; exclusive per the contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i * self.n + j), len) }
+    }
 }
 
 /// The rows of a float view `a [m, k]` as contiguous f32.

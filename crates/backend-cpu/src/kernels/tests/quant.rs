@@ -316,6 +316,50 @@ fn mul_mat_results_do_not_depend_on_the_thread_count() {
 }
 
 #[test]
+fn prefill_products_with_8bit_activations_match_f64() {
+    // From the prefill threshold up, n not a multiple of 16, k of 1 and 3 blocks of 256 (8
+    // and 24 activation blocks); the reference reads the activations as the kernel does.
+    for dt in [DType::Q4_0, DType::Q4_K, DType::Q6_K] {
+        if uses_packed(dt) && std::env::var_os("LOWSYNC_CPU_PREFILL_ACT").is_none() {
+            assert!(
+                uses_q8(dt, 6),
+                "{dt}: prefill takes 8-bit activations by default"
+            );
+            assert!(!uses_q8(dt, 5), "{dt}: decode keeps 16-bit activations");
+        }
+        for k in [256, 768] {
+            for m in [6, 7, 17, 40] {
+                check_mul_mat(dt, m, 37, k, DType::F32);
+            }
+        }
+    }
+}
+
+#[test]
+fn prefill_products_with_8bit_activations_do_not_depend_on_the_thread_count() {
+    let pool = |n| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .unwrap()
+    };
+    for dt in [DType::Q4_0, DType::Q4_K, DType::Q6_K] {
+        let mut mem = TestMem::new();
+        let mut rng = TestRng::new(9);
+        let (w, _) = weight(&mut mem, dt, 333, 512, 6);
+        let wt = transpose(&w, 0, 1);
+        for m in [6, 40] {
+            let x = mem.rand(&mut rng, DType::F32, &[m, 512]);
+            let dst = mem.zeros(DType::F32, &[m, 333]);
+            pool(1).install(|| run(&mem, Op::MulMat, &dst, &[&x, &wt]).unwrap());
+            let one = mem.bytes(&dst);
+            pool(3).install(|| run(&mem, Op::MulMat, &dst, &[&x, &wt]).unwrap());
+            assert_eq!(one, mem.bytes(&dst), "{dt} m {m}");
+        }
+    }
+}
+
+#[test]
 fn a_quantized_weight_read_along_its_rows_is_an_error_not_a_panic() {
     // `x @ w` with blocks along the output axis is not a layout the kernels read.
     let mut mem = TestMem::new();
