@@ -126,14 +126,14 @@ fn q8_by_default(dt: lowsync_graph::DType) -> bool {
 /// Whether a product of `m` activation rows over packed `dt` weights takes 8-bit activations
 /// (the type's [`PackedType::dot8`] must exist too).
 fn prefill_q8(dt: lowsync_graph::DType, m: usize) -> std::result::Result<bool, String> {
-    if m < q16::PANEL_MIN_ROWS {
-        return Ok(false);
-    }
-    Ok(match prefill_act()? {
-        Some("q8") => true,
-        Some(_) => false,
-        None => q8_by_default(dt),
-    })
+    // Read before the row count decides, so that a bad value is an error in decode too.
+    let act = prefill_act()?;
+    Ok(m >= q16::PANEL_MIN_ROWS
+        && match act {
+            Some("q8") => true,
+            Some(_) => false,
+            None => q8_by_default(dt),
+        })
 }
 
 /// A weight's packed copy: `groups` groups of [`GROUP`] rows, `group_bytes` each, back to back
@@ -408,8 +408,9 @@ pub(super) fn matmul(
     // Prefill products over packed Q4_0 / Q4_K / Q6_K take 8-bit activation blocks
     // (`vpdpbusd`: 4 products a lane against `vpdpwssd`'s 2); decode and the other types keep
     // the 16-bit ones.
+    let q8 = prefill_q8(dt, m).map_err(|e| kernel_err(node, e))?;
     let dot8 = match &packed {
-        Some((pt, _)) if prefill_q8(dt, m).map_err(|e| kernel_err(node, e))? => pt.dot8,
+        Some((pt, _)) if q8 => pt.dot8,
         _ => None,
     };
     let x8 = dot8.map(|_| q8::Q8Rows::quantize(x));
