@@ -470,8 +470,16 @@ pub(super) fn matmul(
                 }
                 for i in 0..m {
                     // SAFETY: columns `j0 + at..j0 + at + rn` are this job's.
-                    unsafe { dst.run(i, j0 + at, rn) }
-                        .copy_from_slice(&buf[i * GROUP..i * GROUP + rn]);
+                    let run = unsafe { dst.run(i, j0 + at, rn) };
+                    let src = &buf[i * GROUP..i * GROUP + rn];
+                    // A whole group's 64 bytes as one fixed-size copy: a call to `memcpy` per
+                    // row and group was 4% of a 128-token Q4_0 prefill.
+                    if rn == GROUP {
+                        let run: &mut [f32; GROUP] = run.try_into().expect("a whole group");
+                        *run = src.try_into().expect("a whole group");
+                    } else {
+                        run.copy_from_slice(src);
+                    }
                 }
             }
             return;

@@ -17,12 +17,15 @@
 //! their total) and `s = d * sum(q)` (Q4_K's mins). The packed 4-bit layouts give, with one
 //! shift and a `0x0F` byte mask, 32-bit lanes holding elements `{0, 4, 1, 5}` or `{2, 6, 3, 7}`
 //! of each run of 8 values, so the bytes of a block are stored in that order ([`PERM`]): word
-//! `w` (4 bytes) of a block is then the broadcast operand of the `w`-th `vpdpbusd`.
+//! `w` (4 bytes) of a block is then the broadcast operand of the `w`-th `vpdpbusd`. A large
+//! product's blocks are quantized in parallel, in runs of blocks.
 //!
 //! Invariants: the values and sums depend only on the row's values (no state across blocks or
 //! rows); the AVX-512 quantizer gives the bits of the scalar one (unit test), so the thread
 //! count and the CPU's path change nothing. |q| <= 127, so a lane of `vpdpbusd` (4 products of
 //! at most 63 x 127) and a block's integer sum stay far inside i32 and exact in f32.
+
+use rayon::prelude::*;
 
 /// Elements per activation block.
 pub(crate) const QK: usize = 32;
@@ -53,28 +56,19 @@ impl Q8Rows {
             n: vec![[0; 2]; nb],
             q: vec![0; nb * QK],
         };
-        #[cfg(target_arch = "x86_64")]
-        let simd = super::q16::has_avx512();
-        #[cfg(not(target_arch = "x86_64"))]
-        let simd = false;
-        for (b, blk) in x.chunks_exact(QK).enumerate() {
-            let q: &mut [i8; QK] = (&mut out.q[b * QK..(b + 1) * QK])
-                .try_into()
-                .expect("a block of 32");
-            let blk: &[f32; QK] = blk.try_into().expect("a block of 32");
-            let (d, n) = if simd {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX-512 F/BW/VL were detected (`has_avx512`).
-                unsafe {
-                    avx512::quantize_block(blk, q)
-                }
-                #[cfg(not(target_arch = "x86_64"))]
-                unreachable!("no AVX-512 off x86_64")
-            } else {
-                quantize_block(blk, q)
-            };
-            // |sum| <= 32 * 127: exact in f32.
-            (out.d[b], out.s[b], out.n[b]) = (d, d * (n[0] + n[1]) as f32, n);
+        if nb > PAR_BLOCKS {
+            // A 128-row prefill product quantizes 3k-8k blocks on the calling thread otherwise,
+            // while the other threads wait for its jobs.
+            let run = |((((d, s), n), q), x): Part<'_>| quantize_blocks(x, d, s, n, q);
+            out.d
+                .par_chunks_mut(PAR_BLOCKS)
+                .zip(out.s.par_chunks_mut(PAR_BLOCKS))
+                .zip(out.n.par_chunks_mut(PAR_BLOCKS))
+                .zip(out.q.par_chunks_mut(PAR_BLOCKS * QK))
+                .zip(x.par_chunks(PAR_BLOCKS * QK))
+                .for_each(run);
+        } else {
+            quantize_blocks(x, &mut out.d, &mut out.s, &mut out.n, &mut out.q);
         }
         out
     }
@@ -94,6 +88,38 @@ impl Q8Rows {
     pub(crate) fn value(&self, b: usize, l: usize) -> i8 {
         let at = l / 8 * 8 + PERM.iter().position(|&e| e == l % 8).expect("0..8");
         self.q[b * QK + at]
+    }
+}
+
+/// Blocks quantized by one job when a product quantizes its activations in parallel.
+const PAR_BLOCKS: usize = 512;
+
+/// One job's share: `(((d, s), n), q)` of its blocks, and their values `x`.
+type Part<'a> = (
+    (
+        ((&'a mut [f32], &'a mut [f32]), &'a mut [[i32; 2]]),
+        &'a mut [i8],
+    ),
+    &'a [f32],
+);
+
+/// Quantizes the blocks of `x` into `d`, `s`, `n`, `q` (one entry, or 32 values, a block):
+/// with AVX-512 where the CPU has it, else scalar.
+fn quantize_blocks(x: &[f32], d: &mut [f32], s: &mut [f32], n: &mut [[i32; 2]], q: &mut [i8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if super::q16::has_avx512() {
+            // SAFETY: AVX-512 F/BW/VL were detected.
+            return unsafe { avx512::quantize_blocks(x, d, s, n, q) };
+        }
+    }
+    for (b, blk) in x.chunks_exact(QK).enumerate() {
+        let qb: &mut [i8; QK] = (&mut q[b * QK..(b + 1) * QK])
+            .try_into()
+            .expect("a block of 32");
+        let (db, nb) = quantize_block(blk.try_into().expect("a block of 32"), qb);
+        // |sum| <= 32 * 127: exact in f32.
+        (d[b], s[b], n[b]) = (db, db * (nb[0] + nb[1]) as f32, nb);
     }
 }
 
@@ -126,6 +152,26 @@ mod avx512 {
 
     use super::QK;
 
+    /// `super::quantize_blocks` with AVX-512: every block by [`quantize_block`].
+    ///
+    /// # Safety
+    /// AVX-512 F, BW and VL are available.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn quantize_blocks(
+        x: &[f32],
+        d: &mut [f32],
+        s: &mut [f32],
+        n: &mut [[i32; 2]],
+        q: &mut [i8],
+    ) {
+        for (b, (blk, qb)) in x.chunks_exact(QK).zip(q.chunks_exact_mut(QK)).enumerate() {
+            let (blk, qb) = (blk.try_into().expect("32"), qb.try_into().expect("32"));
+            // SAFETY: as the caller promised.
+            let (db, nb) = unsafe { quantize_block(blk, qb) };
+            (d[b], s[b], n[b]) = (db, db * (nb[0] + nb[1]) as f32, nb);
+        }
+    }
+
     /// `super::quantize_block` with AVX-512, bit for bit: the same max (NaN ignored), the same
     /// `v * id` products, rounding half away from zero (truncate, then step away from zero
     /// where the dropped part is at least one half; exact below 2^23), the same clamp, NaN to
@@ -133,6 +179,7 @@ mod avx512 {
     ///
     /// # Safety
     /// AVX-512 F, BW and VL are available.
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) unsafe fn quantize_block(blk: &[f32; QK], out: &mut [i8; QK]) -> (f32, [i32; 2]) {
         let p = blk.as_ptr();
@@ -213,7 +260,9 @@ mod tests {
             eprintln!("skipped: this CPU lacks AVX-512 F/BW/VL + VNNI");
             return;
         }
-        let x = blocks();
+        // Enough blocks for the parallel runs (`PAR_BLOCKS`), the last one partial.
+        let x = blocks().repeat(20);
+        assert!(x.len() / QK > 2 * PAR_BLOCKS && !(x.len() / QK).is_multiple_of(PAR_BLOCKS));
         let simd = Q8Rows::quantize(&x);
         for (b, blk) in x.chunks_exact(QK).enumerate() {
             let mut q = [0i8; QK];
