@@ -7,7 +7,8 @@
 //! memory speed. llama.cpp quantizes activations to 8 bits for `pmaddubsw`; measured here, that
 //! moves SmolLM2-135M's logits by 4-6% of their range and derails its greedy chat answer, so
 //! lowsync keeps 16 bits: the same structure at about 1.4x the instructions of the 8-bit
-//! kernels, and logits within 1e-3 of the f32 path.
+//! kernels, and logits within 1e-3 of the f32 path. (Prefill products over packed Q4_0, Q4_K
+//! and Q6_K weights take 8-bit blocks, `super::q8`, where `LOWSYNC_CPU_PREFILL_ACT` allows.)
 //!
 //! Strategy: each activation row is split into blocks of 32 with an f32 scale `d = max|x| /
 //! 32767`, 16-bit values `q = round(x / d)` and `s = d * sum(q)` (for the weight types with a
