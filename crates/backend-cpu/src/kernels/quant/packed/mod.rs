@@ -18,8 +18,9 @@
 //! bodies (`super::q16::avx512`): per activation block, the exact integer sum, converted,
 //! times `d_w * d_x`, added by one FMA in block order; the mins in a second chain added at the
 //! end. So a packed product gives the same bits as the panel path, in decode and in prefill.
-//! `dot8` keeps that order with 8-bit activations (Q6_K: per sub-block of 16); its integer
-//! sums are exact too, so its bits depend only on the weight row and the activation row.
+//! `dot8` keeps that order with 8-bit activations, except that Q6_K scales a block's two
+//! sub-block sums together (`(f0 * s0 + f1 * s1) * d_x`); its integer sums are exact too, so
+//! its bits depend only on the weight row and the activation row.
 //! `dot` and `dot8` run only where `super::q16::has_avx512()` holds.
 
 mod k;
