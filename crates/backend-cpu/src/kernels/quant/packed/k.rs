@@ -38,7 +38,11 @@
 //! keeps its float scale), converted, times `(d * sc) * d_x`, added by one FMA in block order;
 //! for Q4_K the mins `(-(dmin * m)) * s_x` in a second chain by FMA, added at the end. Every
 //! product `d * sc` and `dmin * m` is exact in f32 (11-bit by 8-bit), so where it is computed
-//! does not matter. A `None` row packs to zero bytes: zero scales and, for Q6_K, the value 0.
+//! does not matter. The 8-bit passes keep that order for Q4_K; for Q6_K they add per block
+//! `((d * sc0) * s0 + (d * sc1) * s1) * d_x` (a product, then FMAs), so their bits are the
+//! same for a row whatever the pass and thread, not the 16-bit product's. A `None` row packs to
+//! zero bytes: zero scales and, for Q6_K, the value 0 (with 8 bits, `q` 32 against its
+//! activation sum's `-32`: zero as well).
 
 use lowsync_graph::DType;
 

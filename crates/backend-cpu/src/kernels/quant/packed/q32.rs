@@ -30,8 +30,9 @@
 //!
 //! Invariants: the integer sum of a block is exact (the same integer whatever the chains), so
 //! every output has the bits of the panel bodies: `(d_w * d_x) * sum` added by one FMA in block
-//! order, the mins `m_w * s_x` (Q4_1) in a second chain added at the end. Pad rows (past the
-//! matrix) are zero bytes: scale 0, so they add nothing that a caller reads.
+//! order, the mins `m_w * s_x` (Q4_1) in a second chain added at the end; the 8-bit Q4_0 body
+//! adds its (equally exact) sums in the same order. Pad rows (past the matrix) are zero bytes:
+//! scale 0, so they add nothing that a caller reads.
 
 use lowsync_graph::DType;
 
