@@ -22,18 +22,24 @@
 //! aliased GGUF or built-in weight, or a weight buffer the backend allocated) runs over a packed
 //! copy of the weight (`packed`: groups of 16 rows in the order `vpdpwssd` reads them, made once
 //! on the rayon pool and kept while the buffer lives), in decode and prefill alike, in jobs of
-//! whole groups; `LOWSYNC_CPU_PACK=off` keeps the in-place paths. Where the copy replaces a
+//! whole groups; `LOWSYNC_CPU_PACK=off` keeps the in-place paths. A prefill product (at least
+//! `q16::PANEL_MIN_ROWS` activation rows) over a packed Q4_0, Q4_K or Q6_K weight quantizes its
+//! activations to 8-bit blocks instead (`q8`) and runs `vpdpbusd` over the same groups
+//! (`LOWSYNC_CPU_PREFILL_ACT`); decode keeps the 16-bit blocks. Where the copy replaces a
 //! read-only file mapping, the mapping's pages are released as the copy is made, and `GetRows`
 //! of the same table (a tied embedding) reads the copy. Otherwise the `q16` bodies read the
 //! weight in place (AVX-512 panels from 6 activation rows, AVX2 tiles below), and without SIMD
 //! or with `LOWSYNC_CPU_QUANT_DOT=f32` the exact path runs.
 //!
 //! Determinism: each output element is one dot product computed by one job in a fixed order,
-//! independent of the thread count (as the f32 kernels promise). A packed product gives the
-//! bits of the AVX-512 panels for every number of activation rows.
+//! independent of the thread count (as the f32 kernels promise). A packed product with 16-bit
+//! activations gives the bits of the AVX-512 panels for every number of activation rows; with
+//! 8-bit ones (prefill) its bits depend on the same things only (the row, `k` and whether the
+//! product is a prefill), and differ from decode's within the 8-bit quantization.
 
 mod packed;
 mod q16;
+mod q8;
 pub(crate) mod scalar;
 
 use std::sync::{Arc, OnceLock};
@@ -92,6 +98,42 @@ fn pack_allowed() -> std::result::Result<bool, String> {
             .map_err(|e| e.to_string())
     })
     .clone()
+}
+
+/// Which activation blocks a prefill product (at least `q16::PANEL_MIN_ROWS` activation rows)
+/// over a packed weight takes (`LOWSYNC_CPU_PREFILL_ACT`): `q8` takes the 8-bit blocks of `q8`
+/// on every type with a body for them (Q4_0, Q4_K, Q6_K), `q16` keeps the 16-bit blocks of
+/// `q16`, and unset takes 8 bits on the types where they were measured faster
+/// ([`q8_by_default`]); read once, a bad value is an error naming the variable.
+fn prefill_act() -> std::result::Result<Option<&'static str>, String> {
+    static ACT: OnceLock<std::result::Result<Option<&'static str>, String>> = OnceLock::new();
+    ACT.get_or_init(|| {
+        env::choice("LOWSYNC_CPU_PREFILL_ACT", &["q8", "q16"], "q8 or q16")
+            .map_err(|e| e.to_string())
+    })
+    .clone()
+}
+
+/// Whether a prefill product over packed `dt` weights takes 8-bit activations when
+/// `LOWSYNC_CPU_PREFILL_ACT` is unset.
+fn q8_by_default(dt: lowsync_graph::DType) -> bool {
+    matches!(
+        dt,
+        lowsync_graph::DType::Q4_0 | lowsync_graph::DType::Q4_K | lowsync_graph::DType::Q6_K
+    )
+}
+
+/// Whether a product of `m` activation rows over packed `dt` weights takes 8-bit activations
+/// (the type's [`PackedType::dot8`] must exist too).
+fn prefill_q8(dt: lowsync_graph::DType, m: usize) -> std::result::Result<bool, String> {
+    // Read before the row count decides, so that a bad value is an error in decode too.
+    let act = prefill_act()?;
+    Ok(m >= q16::PANEL_MIN_ROWS
+        && match act {
+            Some("q8") => true,
+            Some(_) => false,
+            None => q8_by_default(dt),
+        })
 }
 
 /// A weight's packed copy: `groups` groups of [`GROUP`] rows, `group_bytes` each, back to back
@@ -228,10 +270,26 @@ pub(crate) fn uses_q16(dt: lowsync_graph::DType) -> bool {
     q16_allowed().unwrap_or(false) && q16::dot_fn(dt, q16::Isa::Avx2).is_some()
 }
 
-/// The values a product reads for activations `x` (rows of `k`) over `dt` weights: `x` on the
-/// exact path, its 16-bit blocks dequantized (`d * q`) where `uses_q16(dt)`.
+/// Whether a product of `m` activation rows over read-only `dt` weights takes 8-bit activation
+/// blocks here.
 #[cfg(test)]
-pub(crate) fn activations_as_read(dt: lowsync_graph::DType, x: &[f32]) -> Vec<f32> {
+pub(crate) fn uses_q8(dt: lowsync_graph::DType, m: usize) -> bool {
+    uses_packed(dt)
+        && packed::packed_type(dt).is_some_and(|pt| pt.dot8.is_some())
+        && prefill_q8(dt, m).unwrap_or(false)
+}
+
+/// The values a product of `m` activation rows reads for activations `x` (rows of `k`) over
+/// read-only `dt` weights: `x` on the exact path, its 8-bit blocks dequantized (`d * q`) where
+/// `uses_q8(dt, m)`, else its 16-bit blocks where `uses_q16(dt)`.
+#[cfg(test)]
+pub(crate) fn activations_as_read(dt: lowsync_graph::DType, x: &[f32], m: usize) -> Vec<f32> {
+    if uses_q8(dt, m) {
+        let xq = q8::Q8Rows::quantize(x);
+        return (0..x.len())
+            .map(|i| xq.d[i / q8::QK] * f32::from(xq.value(i / q8::QK, i % q8::QK)))
+            .collect();
+    }
     if !uses_q16(dt) {
         return x.to_vec();
     }
@@ -347,7 +405,18 @@ pub(super) fn matmul(
         }
         _ => None,
     };
-    let xq = fast.map(|_| q16::QRows::quantize(x));
+    // Prefill products over packed Q4_0 / Q4_K / Q6_K take 8-bit activation blocks
+    // (`vpdpbusd`: 4 products a lane against `vpdpwssd`'s 2); decode and the other types keep
+    // the 16-bit ones.
+    let q8 = prefill_q8(dt, m).map_err(|e| kernel_err(node, e))?;
+    let dot8 = match &packed {
+        Some((pt, _)) if q8 => pt.dot8,
+        _ => None,
+    };
+    let x8 = dot8.map(|_| q8::Q8Rows::quantize(x));
+    let xq = fast
+        .filter(|_| dot8.is_none())
+        .map(|_| q16::QRows::quantize(x));
     // One job's weight rows: about JOB_WORK multiply-adds, never fewer than 1 row.
     // At least MIN_JOBS jobs, so that the threads finish together (9 jobs over 2 threads
     // left one idle for a ninth of a 768-row product), and a multiple of the kernel's tile of
@@ -362,87 +431,122 @@ pub(super) fn matmul(
         .max(1)
         .next_multiple_of(granule)
         .min(n);
-    // A job's results, activation row by activation row (`out_t[c + i * rows + jj]` for the
-    // job's chunk from `c`: weight row `j0 + jj` times activation row `i`), copied into `out`
-    // afterwards as one run of `rows` values per activation row when m > 1.
-    let mut out_t = vec![0.0f32; n * m];
-    let job = |(jb, chunk): (usize, &mut [f32]), buf: &mut Vec<f32>| {
+    // Each job writes its own columns `j0..j0 + rows` of every output row straight into `out`
+    // (one run of values per activation row). A result buffer of `n * m` for the whole
+    // product, copied into `out` afterwards on the calling thread, cost a 16 MB zeroed
+    // allocation and a serial copy per output-head product of a 128-token prefill.
+    let dst = OutCols {
+        ptr: out.as_mut_ptr(),
+        n,
+        m,
+    };
+    let n_jobs = n.div_ceil(rows_per_job);
+    // `buf`: a packed group's results or a row's dequantized weights; `chunk`: the job's results,
+    // activation row by activation row (`chunk[i * rows + jj]`: weight row `j0 + jj` times
+    // activation row `i`), as the in-place bodies write them.
+    let job = |jb: usize, (buf, chunk): &mut (Vec<f32>, Vec<f32>)| {
         let j0 = jb * rows_per_job;
-        let rows = chunk.len() / m;
-        if let (Some((pt, pw)), Some(xq)) = (&packed, &xq) {
+        let rows = rows_per_job.min(n - j0);
+        if let Some((pt, pw)) = &packed {
             // Jobs start on a group (rows_per_job is a multiple of GROUP).
             let gb = pw.group_bytes;
             let groups = lines_as_bytes(&pw.lines)[j0 / GROUP * gb..].chunks_exact(gb);
             buf.resize(GROUP * m, 0.0);
             for (gi, grp) in groups.take(rows.div_ceil(GROUP)).enumerate() {
                 let (at, rn) = (gi * GROUP, (rows - gi * GROUP).min(GROUP));
-                if m == 1 && rn == GROUP {
+                match (dot8, &x8, &xq) {
                     // SAFETY: `packed` exists only where AVX-512 F/BW/VL and VNNI were detected
                     // besides AVX2, FMA and F16C (`q16::dot_fn` and `has_avx512`); `grp` is one
                     // group of `k`.
-                    unsafe { (pt.dot)(grp, k, xq, &mut chunk[at..at + GROUP]) };
-                    continue;
+                    (Some(d8), Some(x8), _) => unsafe { d8(grp, k, x8, buf) },
+                    (_, _, Some(xq)) if m == 1 && rn == GROUP => {
+                        // SAFETY: as above; columns `j0 + at..` of row 0 are this job's.
+                        unsafe { (pt.dot)(grp, k, xq, dst.run(0, j0 + at, GROUP)) };
+                        continue;
+                    }
+                    // SAFETY: as above.
+                    (_, _, Some(xq)) => unsafe { (pt.dot)(grp, k, xq, buf) },
+                    _ => unreachable!("a packed product quantizes its activations"),
                 }
-                // SAFETY: as above.
-                unsafe { (pt.dot)(grp, k, xq, buf) };
                 for i in 0..m {
-                    chunk[i * rows + at..i * rows + at + rn]
-                        .copy_from_slice(&buf[i * GROUP..i * GROUP + rn]);
+                    // SAFETY: columns `j0 + at..j0 + at + rn` are this job's.
+                    let run = unsafe { dst.run(i, j0 + at, rn) };
+                    let src = &buf[i * GROUP..i * GROUP + rn];
+                    // A whole group's 64 bytes as one fixed-size copy: a call to `memcpy` per
+                    // row and group was 4% of a 128-token Q4_0 prefill.
+                    if rn == GROUP {
+                        let run: &mut [f32; GROUP] = run.try_into().expect("a whole group");
+                        *run = src.try_into().expect("a whole group");
+                    } else {
+                        run.copy_from_slice(src);
+                    }
                 }
             }
             return;
         }
-        if let (Some(dot), Some(xq)) = (fast, &xq) {
-            if let (Some(bytes), Some(row_bytes)) = (w.quant_rows(1, j0, rows), dt.row_bytes(k)) {
-                dot(bytes, row_bytes, xq, chunk);
-                return;
-            }
-        }
-        let mut res = vec![0.0f32; m];
-        for jj in 0..rows {
-            let Some(bytes) = w.quant_row(1, j0 + jj) else {
-                continue;
-            };
-            if let (Some(dot), Some(xq)) = (fast, &xq) {
-                dot(bytes, bytes.len(), xq, &mut res);
-            } else {
-                buf.resize(k, 0.0);
-                scalar::dequantize_row(dt, bytes, buf);
-                for (i, r) in res.iter_mut().enumerate() {
-                    *r = dot_f32(&x[i * k..(i + 1) * k], buf);
+        chunk.clear();
+        chunk.resize(rows * m, 0.0);
+        let quant_rows = w.quant_rows(1, j0, rows).zip(dt.row_bytes(k));
+        if let (Some(dot), Some(xq), Some((bytes, row_bytes))) = (fast, &xq, quant_rows) {
+            dot(bytes, row_bytes, xq, chunk);
+        } else {
+            let mut res = vec![0.0f32; m];
+            for jj in 0..rows {
+                let Some(bytes) = w.quant_row(1, j0 + jj) else {
+                    continue;
+                };
+                if let (Some(dot), Some(xq)) = (fast, &xq) {
+                    dot(bytes, bytes.len(), xq, &mut res);
+                } else {
+                    buf.resize(k, 0.0);
+                    scalar::dequantize_row(dt, bytes, buf);
+                    for (i, r) in res.iter_mut().enumerate() {
+                        *r = dot_f32(&x[i * k..(i + 1) * k], buf);
+                    }
+                }
+                for (i, &r) in res.iter().enumerate() {
+                    chunk[i * rows + jj] = r;
                 }
             }
-            for (i, &r) in res.iter().enumerate() {
-                chunk[i * rows + jj] = r;
-            }
+        }
+        for (i, run) in chunk.chunks_exact(rows).enumerate() {
+            // SAFETY: columns `j0..j0 + rows` are this job's.
+            unsafe { dst.run(i, j0, rows) }.copy_from_slice(run);
         }
     };
     if n.saturating_mul(k).saturating_mul(m) <= PAR_MIN_ELEMS * 4 || n <= rows_per_job {
-        let mut buf = Vec::new();
-        out_t
-            .chunks_mut(rows_per_job * m)
-            .enumerate()
-            .for_each(|c| job(c, &mut buf));
+        let mut bufs = (Vec::new(), Vec::new());
+        (0..n_jobs).for_each(|jb| job(jb, &mut bufs));
     } else {
-        out_t
-            .par_chunks_mut(rows_per_job * m)
-            .enumerate()
-            .for_each_init(Vec::new, |buf, c| job(c, buf));
-    }
-    if m == 1 {
-        out.copy_from_slice(&out_t);
-    } else {
-        // A plain transpose of a weight-row-major result wrote each activation row's values
-        // `n` floats apart: with n 2048 the 16 rows of a tile fell in the same L1 sets, and it
-        // took 14% of a Q4_0 prefill with the AVX-512 bodies.
-        for (jb, chunk) in out_t.chunks(rows_per_job * m).enumerate() {
-            let (j0, rows) = (jb * rows_per_job, chunk.len() / m);
-            for (i, run) in chunk.chunks_exact(rows).enumerate() {
-                out[i * n + j0..i * n + j0 + rows].copy_from_slice(run);
-            }
-        }
+        (0..n_jobs)
+            .into_par_iter()
+            .for_each_init(|| (Vec::new(), Vec::new()), |bufs, jb| job(jb, bufs));
     }
     Ok(())
+}
+
+/// A product's output `[m, n]` (row-major), shared by its jobs, each of which writes only its
+/// own columns of every row.
+struct OutCols {
+    ptr: *mut f32,
+    n: usize,
+    m: usize,
+}
+
+// SAFETY: jobs write disjoint columns (see `OutCols::run`), and the output outlives them.
+unsafe impl Sync for OutCols {}
+
+impl OutCols {
+    /// Columns `j..j + len` of output row `i`.
+    ///
+    /// # Safety
+    /// No other job reads or writes those columns while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn run(&self, i: usize, j: usize, len: usize) -> &mut [f32] {
+        assert!(i < self.m && j + len <= self.n, "a run inside the output");
+        // SAFETY: in bounds (checked above) of the `m * n` output; exclusive per the contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i * self.n + j), len) }
+    }
 }
 
 /// The rows of a float view `a [m, k]` as contiguous f32.

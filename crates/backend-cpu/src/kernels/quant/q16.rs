@@ -7,7 +7,8 @@
 //! memory speed. llama.cpp quantizes activations to 8 bits for `pmaddubsw`; measured here, that
 //! moves SmolLM2-135M's logits by 4-6% of their range and derails its greedy chat answer, so
 //! lowsync keeps 16 bits: the same structure at about 1.4x the instructions of the 8-bit
-//! kernels, and logits within 1e-3 of the f32 path.
+//! kernels, and logits within 1e-3 of the f32 path. (Prefill products over packed Q4_0, Q4_K
+//! and Q6_K weights take 8-bit blocks, `super::q8`, where `LOWSYNC_CPU_PREFILL_ACT` allows.)
 //!
 //! Strategy: each activation row is split into blocks of 32 with an f32 scale `d = max|x| /
 //! 32767`, 16-bit values `q = round(x / d)` and `s = d * sum(q)` (for the weight types with a
@@ -168,12 +169,19 @@ pub(crate) fn dot_fn(dt: DType, isa: Isa) -> Option<DotFn> {
     None
 }
 
+/// Products with at least this many activation rows (a prefill) run over packed panels with
+/// AVX-512, and over packed groups with 8-bit activations where `LOWSYNC_CPU_PREFILL_ACT` allows;
+/// fewer take the AVX2 bodies (decode). Measured against them (`few_rows_speed`, k 2048, Q4_0 /
+/// Q4_1 / Q4_K, weights in the cache and in DRAM): 0.34-1.01x with 2 rows, 0.85-1.56x with 3,
+/// 0.84-1.32x with 4 and 1.14-1.92x with 6.
+pub(crate) const PANEL_MIN_ROWS: usize = 6;
+
 /// The weight rows a product's jobs should come in multiples of, with `m` activation rows:
 /// the AVX-512 bodies' panels of 16 where they run, else the decode tiles' 4.
 pub(crate) fn row_granule(isa: Isa, m: usize) -> usize {
     #[cfg(target_arch = "x86_64")]
     {
-        if isa == Isa::Avx512 && has_avx512() && m >= avx512::PANEL_MIN_ROWS {
+        if isa == Isa::Avx512 && has_avx512() && m >= PANEL_MIN_ROWS {
             return 16;
         }
     }

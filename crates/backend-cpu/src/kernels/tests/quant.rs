@@ -13,7 +13,7 @@ use lowsync_graph::{DType, Op};
 
 use super::harness::*;
 use crate::kernels::quant::scalar::dequantize_row;
-use crate::kernels::quant::{activations_as_read, uses_packed};
+use crate::kernels::quant::{activations_as_read, uses_packed, uses_q8};
 
 /// Byte offsets of each type's f16 scale fields (set to finite values in the test blocks).
 fn scale_fields(dt: DType) -> &'static [usize] {
@@ -177,9 +177,10 @@ fn check_mul_mat(dt: DType, m: usize, n: usize, k: usize, act: DType) {
     let x = mem.rand(&mut rng, act, &[m, k]);
     let dst = mem.zeros(DType::F32, &[m, n]);
     run(&mem, Op::MulMat, &dst, &[&x, &transpose(&w, 0, 1)]).unwrap();
-    // The activations as the kernel reads them (16-bit blocks on the SIMD path).
+    // The activations as the kernel reads them (16-bit blocks on the SIMD path, 8-bit ones in
+    // a prefill over packed Q4_0 / Q4_K / Q6_K).
     let x32: Vec<f32> = mem.read(&x).iter().map(|&v| v as f32).collect();
-    let xs: Vec<f64> = activations_as_read(dt, &x32)
+    let xs: Vec<f64> = activations_as_read(dt, &x32, m)
         .iter()
         .map(|&v| v as f64)
         .collect();
@@ -244,6 +245,11 @@ fn a_read_only_weight_is_packed_once_and_gives_the_bits_of_the_in_place_product(
             if packs && dt == DType::Q8_0 && m == 1 {
                 // Q8_0's in-place decode tile sums in another order.
                 assert_close(&a, &c, 1e-10);
+            } else if uses_q8(dt, m) {
+                // The packed prefill reads 8-bit activation blocks, the in-place one 16-bit
+                // blocks: equal within the 8-bit quantization (each product's own reference is
+                // `mul_mat_with_a_quantized_weight_matches_f64_for_every_type`).
+                assert_close(&a, &c, 1e-3);
             } else {
                 assert_eq!(a, c, "{dt} m {m}: packed and in place");
             }
@@ -269,7 +275,7 @@ fn mul_mat_with_a_quantized_weight_broadcasts_batches() {
     let dst = mem.zeros(DType::F32, &[4, m, n]);
     run(&mem, Op::MulMat, &dst, &[&a, &wt]).unwrap();
     let a32: Vec<f32> = mem.read(&a).iter().map(|&v| v as f32).collect();
-    let xs: Vec<f64> = activations_as_read(dt, &a32)
+    let xs: Vec<f64> = activations_as_read(dt, &a32, m)
         .iter()
         .map(|&v| v as f64)
         .collect();
@@ -307,6 +313,50 @@ fn mul_mat_results_do_not_depend_on_the_thread_count() {
     let one = mem.bytes(&dst);
     pool(3).install(|| run(&mem, Op::MulMat, &dst, &[&x, &wt]).unwrap());
     assert_eq!(one, mem.bytes(&dst));
+}
+
+#[test]
+fn prefill_products_with_8bit_activations_match_f64() {
+    // From the prefill threshold up, n not a multiple of 16, k of 1 and 3 blocks of 256 (8
+    // and 24 activation blocks); the reference reads the activations as the kernel does.
+    for dt in [DType::Q4_0, DType::Q4_K, DType::Q6_K] {
+        if uses_packed(dt) && std::env::var_os("LOWSYNC_CPU_PREFILL_ACT").is_none() {
+            assert!(
+                uses_q8(dt, 6),
+                "{dt}: prefill takes 8-bit activations by default"
+            );
+            assert!(!uses_q8(dt, 5), "{dt}: decode keeps 16-bit activations");
+        }
+        for k in [256, 768] {
+            for m in [6, 7, 17, 40] {
+                check_mul_mat(dt, m, 37, k, DType::F32);
+            }
+        }
+    }
+}
+
+#[test]
+fn prefill_products_with_8bit_activations_do_not_depend_on_the_thread_count() {
+    let pool = |n| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .unwrap()
+    };
+    for dt in [DType::Q4_0, DType::Q4_K, DType::Q6_K] {
+        let mut mem = TestMem::new();
+        let mut rng = TestRng::new(9);
+        let (w, _) = weight(&mut mem, dt, 333, 512, 6);
+        let wt = transpose(&w, 0, 1);
+        for m in [6, 40] {
+            let x = mem.rand(&mut rng, DType::F32, &[m, 512]);
+            let dst = mem.zeros(DType::F32, &[m, 333]);
+            pool(1).install(|| run(&mem, Op::MulMat, &dst, &[&x, &wt]).unwrap());
+            let one = mem.bytes(&dst);
+            pool(3).install(|| run(&mem, Op::MulMat, &dst, &[&x, &wt]).unwrap());
+            assert_eq!(one, mem.bytes(&dst), "{dt} m {m}");
+        }
+    }
 }
 
 #[test]
@@ -370,7 +420,7 @@ fn a_weight_whose_rows_are_not_back_to_back_is_read_row_by_row() {
         let dst = mem.zeros(DType::F32, &[m, n]);
         run(&mem, Op::MulMat, &dst, &[&x, &transpose(&half, 0, 1)]).unwrap();
         let x32: Vec<f32> = mem.read(&x).iter().map(|&v| v as f32).collect();
-        let xs = activations_as_read(dt, &x32);
+        let xs = activations_as_read(dt, &x32, m);
         let want: Vec<f64> = (0..m * n)
             .map(|e| {
                 let (i, j) = (e / n, e % n);

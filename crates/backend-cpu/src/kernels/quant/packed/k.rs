@@ -26,14 +26,23 @@
 //! splits each integer sum over four accumulators so that the `vpdpwssd` latency is hidden.
 //! A product of 8 rows or more (prefill) takes them in passes of up to 64: per pass, each
 //! super-block is unpacked once into an 8 KiB buffer (in the L1) and the pass's rows run over
-//! it 8 at a time, their float accumulators kept in memory between super-blocks.
+//! it 8 at a time, their float accumulators kept in memory between super-blocks. With 8-bit
+//! activation blocks (`dot8`, `super::super::q8`; prefill only) the passes are the same, each
+//! block unpacked into 8 `vpdpbusd` operands whose bytes are single values in the order
+//! `Q8Rows` stores them (`v & 0x0F` and `(v >> 4) & 0x0F` of the nibble vectors; Q6_K's two
+//! high bits moved into bits 4..6 of each byte by two shifts and masks, so a byte is the
+//! unsigned `q`, its `-32` taken off the integer sum as `-32` times the activation half's sum).
 //!
 //! Invariants: each output is computed in the panels' order, so a packed product gives the
 //! panels' bits: per activation block, the exact integer sum (Q6_K: per sub-block of 16, which
 //! keeps its float scale), converted, times `(d * sc) * d_x`, added by one FMA in block order;
 //! for Q4_K the mins `(-(dmin * m)) * s_x` in a second chain by FMA, added at the end. Every
 //! product `d * sc` and `dmin * m` is exact in f32 (11-bit by 8-bit), so where it is computed
-//! does not matter. A `None` row packs to zero bytes: zero scales and, for Q6_K, the value 0.
+//! does not matter. The 8-bit passes keep that order for Q4_K; for Q6_K they add per block
+//! `((d * sc0) * s0 + (d * sc1) * s1) * d_x` (a product, then FMAs), so their bits are the
+//! same for a row whatever the pass and thread, not the 16-bit product's. A `None` row packs to
+//! zero bytes: zero scales and, for Q6_K, the value 0 (with 8 bits, `q` 32 against its
+//! activation sum's `-32`: zero as well).
 
 use lowsync_graph::DType;
 
@@ -78,6 +87,7 @@ static Q4_K: PackedType = PackedType {
     group_bytes: group_bytes_q4_k,
     pack: pack_q4_k,
     dot: x86::dot_q4_k,
+    dot8: Some(x86::dot8_q4_k),
 };
 
 #[cfg(target_arch = "x86_64")]
@@ -85,6 +95,7 @@ static Q6_K: PackedType = PackedType {
     group_bytes: group_bytes_q6_k,
     pack: pack_q6_k,
     dot: x86::dot_q6_k,
+    dot8: Some(x86::dot8_q6_k),
 };
 
 fn group_bytes_q4_k(k: usize) -> usize {
@@ -174,6 +185,7 @@ mod x86 {
     use super::super::GROUP;
     use super::*;
     use crate::kernels::quant::q16::{QRows, QK};
+    use crate::kernels::quant::q8::Q8Rows;
 
     /// Checks `g`, `x` and `out` against `k` and returns `(super-blocks, activation rows)`.
     fn shape(g: &[u8], sb: usize, k: usize, x: &QRows, out: &[f32]) -> Option<(usize, usize)> {
@@ -655,6 +667,270 @@ mod x86 {
         );
         few_rows(g, nsb, m, x, out, bodies);
     }
+
+    /// A super-block unpacked for a pass of rows with 8-bit activations: `w[j]` block `j`'s 8
+    /// `vpdpbusd` operands (lane = weight row, 4 unsigned values a lane in `q8::PERM` order:
+    /// Q4_K's nibbles, Q6_K's 6-bit `q` without its `-32`), `f[t]` the scales of its scale
+    /// groups (Q4_K: one a block; Q6_K: two), `mn[j]` Q4_K's mins.
+    struct Unpacked8 {
+        w: [[__m512i; 8]; 8],
+        f: [__m512; 16],
+        mn: [__m512; 8],
+    }
+
+    impl Unpacked8 {
+        fn new() -> Unpacked8 {
+            // SAFETY: all-zero bits are valid vectors.
+            unsafe { std::mem::zeroed() }
+        }
+    }
+
+    /// The low (`h` 0) or high (`h` 1) nibble of every byte of `v`.
+    #[inline(always)]
+    unsafe fn nibble8(v: __m512i, h: usize) -> __m512i {
+        let mask = _mm512_set1_epi8(0x0F);
+        if h == 0 {
+            _mm512_and_si512(v, mask)
+        } else {
+            _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask)
+        }
+    }
+
+    /// `v` shifted left by `n` bits per 32-bit lane (right by `-n` where `n` is negative), `n`
+    /// a constant once inlined.
+    #[inline(always)]
+    unsafe fn shift32(v: __m512i, n: i32) -> __m512i {
+        match n {
+            8 => _mm512_slli_epi32::<8>(v),
+            6 => _mm512_slli_epi32::<6>(v),
+            4 => _mm512_slli_epi32::<4>(v),
+            2 => _mm512_slli_epi32::<2>(v),
+            0 => v,
+            -2 => _mm512_srli_epi32::<2>(v),
+            -4 => _mm512_srli_epi32::<4>(v),
+            _ => _mm512_srli_epi32::<6>(v),
+        }
+    }
+
+    /// Unpacks Q4_K super-block `p` for 8-bit activations (and prefetches ahead of it).
+    #[inline(always)]
+    unsafe fn k4_unpack8(p: *const u8, u: &mut Unpacked8) {
+        prefetch(p, K4_SB.div_ceil(64));
+        let (d, ndmin) = k4_d(p);
+        for j in 0..8 {
+            (u.f[j], u.mn[j]) = k4_scales(p, d, ndmin, j);
+            for t in 0..4 {
+                let v = _mm512_loadu_si512(p.add(K4_Q + 256 * j + 64 * t).cast());
+                u.w[j][2 * t] = nibble8(v, 0);
+                u.w[j][2 * t + 1] = nibble8(v, 1);
+            }
+        }
+    }
+
+    /// Unpacks Q6_K super-block `p` for 8-bit activations (and prefetches ahead of it). The
+    /// operand of nibble half `h` of vector `t` holds, in byte `c` of a lane, pair
+    /// `4t + 2 (c % 2) + h`'s value `c / 2`: its low nibble comes from the same nibble layout
+    /// as Q4_K's; its high bits from the 2-bit vector `t / 2`, where that pair's field sits at
+    /// bit `16 (c / 2) + 2 (4 (t % 2) + 2 (c % 2) + h)`. Bytes 0 and 2 take one shift, 1 and 3
+    /// another (4 bits more), each into bits 4..6 of the byte; the stored `hi ^ 2` is undone by
+    /// an xor.
+    #[inline(always)]
+    unsafe fn k6_unpack8(p: *const u8, u: &mut Unpacked8) {
+        prefetch(p, K6_SB.div_ceil(64));
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(K6_D).cast()));
+        let (m02, m13) = (
+            _mm512_set1_epi32(0x0030_0030),
+            _mm512_set1_epi32(0x3000_3000),
+        );
+        let flip = _mm512_set1_epi8(0x20);
+        for j in 0..8 {
+            let qh = p.add(K6_QH + 128 * j);
+            let hv = [
+                _mm512_loadu_si512(qh.cast()),
+                _mm512_loadu_si512(qh.add(64).cast()),
+            ];
+            for t in 0..4 {
+                let v = _mm512_loadu_si512(p.add(K6_QL + 256 * j + 64 * t).cast());
+                for h in 0..2 {
+                    let a = 4 - 8 * (t % 2) as i32 - 2 * h as i32;
+                    let hi02 = _mm512_and_si512(shift32(hv[t / 2], a), m02);
+                    let hi13 = _mm512_and_si512(shift32(hv[t / 2], a + 4), m13);
+                    let hi = _mm512_xor_si512(_mm512_or_si512(hi02, hi13), flip);
+                    u.w[j][2 * t + h] = _mm512_or_si512(nibble8(v, h), hi);
+                }
+            }
+        }
+        for t in 0..16 {
+            u.f[t] = k6_scale(p, d, t);
+        }
+    }
+
+    /// `R` activation rows from `r0` (8-bit blocks) over an unpacked super-block whose first
+    /// activation block is `b0`, as [`pass`]: per block, the exact integer sum of each scale
+    /// group by `vpdpbusd` (Q4_K: the block; Q6_K: each half, from `-32` times the half's
+    /// activation sum), converted; Q4_K's times `f * d_x` added by one FMA, its mins in a second
+    /// chain; Q6_K's two as `(f0 * s0 + f1 * s1) * d_x` by one product and two FMAs (two
+    /// products and FMAs fewer than a scaled FMA per half: 1.42-1.45x -> 1.56-1.60x the 16-bit
+    /// body per block in `packed8_k_speed`).
+    #[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn pass8<const R: usize, const MIN: bool>(
+        u: &Unpacked8,
+        x: &Q8Rows,
+        r0: usize,
+        nb: usize,
+        b0: usize,
+        acc: &mut [__m512],
+        mins: &mut [__m512],
+    ) {
+        let (xq, xd, xs, xn) = (x.q.as_ptr(), x.d.as_ptr(), x.s.as_ptr(), x.n.as_ptr());
+        let mut a: [__m512; R] = std::array::from_fn(|i| acc[i]);
+        let mut m: [__m512; R] = std::array::from_fn(|i| if MIN { mins[i] } else { a[i] });
+        for j in 0..8 {
+            let b = b0 + j;
+            let xb: [*const i32; R] =
+                std::array::from_fn(|i| xq.add(((r0 + i) * nb + b) * QK).cast::<i32>());
+            if MIN {
+                // Q4_K: the block is one scale group.
+                let mut sum = [_mm512_setzero_si512(); R];
+                for o in 0..8 {
+                    let w = u.w[j][o];
+                    for i in 0..R {
+                        let xv = _mm512_set1_epi32(xb[i].add(o).read_unaligned());
+                        sum[i] = _mm512_dpbusd_epi32(sum[i], w, xv);
+                    }
+                }
+                for i in 0..R {
+                    let scale = _mm512_mul_ps(u.f[j], _mm512_set1_ps(*xd.add((r0 + i) * nb + b)));
+                    a[i] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum[i]), a[i]);
+                }
+            } else {
+                // Q6_K: both halves' sums (operands 0..4 and 4..8), each from -32 times its
+                // activation sum, then `(f0 * s0 + f1 * s1) * d_x` by one product and two FMAs.
+                let mut sum: [[__m512i; 2]; R] = std::array::from_fn(|i| {
+                    let [n0, n1] = *xn.add((r0 + i) * nb + b);
+                    [_mm512_set1_epi32(-32 * n0), _mm512_set1_epi32(-32 * n1)]
+                });
+                for o in 0..8 {
+                    let w = u.w[j][o];
+                    for i in 0..R {
+                        let xv = _mm512_set1_epi32(xb[i].add(o).read_unaligned());
+                        sum[i][o / 4] = _mm512_dpbusd_epi32(sum[i][o / 4], w, xv);
+                    }
+                }
+                let (f0, f1) = (u.f[2 * j], u.f[2 * j + 1]);
+                for i in 0..R {
+                    let t = _mm512_mul_ps(f0, _mm512_cvtepi32_ps(sum[i][0]));
+                    let t = _mm512_fmadd_ps(f1, _mm512_cvtepi32_ps(sum[i][1]), t);
+                    let dx = _mm512_set1_ps(*xd.add((r0 + i) * nb + b));
+                    a[i] = _mm512_fmadd_ps(t, dx, a[i]);
+                }
+            }
+            if MIN {
+                for i in 0..R {
+                    let sx = _mm512_set1_ps(*xs.add((r0 + i) * nb + b));
+                    m[i] = _mm512_fmadd_ps(u.mn[j], sx, m[i]);
+                }
+            }
+        }
+        acc[..R].copy_from_slice(&a);
+        if MIN {
+            mins[..R].copy_from_slice(&m);
+        }
+    }
+
+    /// As [`many_rows`] with 8-bit activation blocks, for any number of rows.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn many_rows8<const MIN: bool>(
+        g: &[u8],
+        nsb: usize,
+        m: usize,
+        x: &Q8Rows,
+        out: &mut [f32],
+    ) {
+        let nb = nsb * 8;
+        let mut u = Unpacked8::new();
+        let mut acc = [_mm512_setzero_ps(); PASS_ROWS];
+        let mut mins = [_mm512_setzero_ps(); PASS_ROWS];
+        for c0 in (0..m).step_by(PASS_ROWS) {
+            let cn = PASS_ROWS.min(m - c0);
+            acc[..cn].fill(_mm512_setzero_ps());
+            mins[..cn].fill(_mm512_setzero_ps());
+            for s in 0..nsb {
+                // Called directly, not through a pointer (see `many_rows`).
+                if MIN {
+                    k4_unpack8(g.as_ptr().add(s * K4_SB), &mut u);
+                } else {
+                    k6_unpack8(g.as_ptr().add(s * K6_SB), &mut u);
+                }
+                let mut r = 0;
+                while r < cn {
+                    let (a, mn) = (&mut acc[r..cn], &mut mins[r..cn]);
+                    let (r0, b0) = (c0 + r, 8 * s);
+                    r += match cn - r {
+                        8.. => {
+                            pass8::<8, MIN>(&u, x, r0, nb, b0, a, mn);
+                            8
+                        }
+                        4..=7 => {
+                            pass8::<4, MIN>(&u, x, r0, nb, b0, a, mn);
+                            4
+                        }
+                        2 | 3 => {
+                            pass8::<2, MIN>(&u, x, r0, nb, b0, a, mn);
+                            2
+                        }
+                        _ => {
+                            pass8::<1, MIN>(&u, x, r0, nb, b0, a, mn);
+                            1
+                        }
+                    };
+                }
+            }
+            for i in 0..cn {
+                let v = if MIN {
+                    _mm512_add_ps(acc[i], mins[i])
+                } else {
+                    acc[i]
+                };
+                _mm512_storeu_ps(out.as_mut_ptr().add((c0 + i) * GROUP), v);
+            }
+        }
+    }
+
+    /// Checks `g`, `x` and `out` against `k` for an 8-bit product: `(super-blocks, rows)`.
+    fn shape8(g: &[u8], sb: usize, k: usize, x: &Q8Rows, out: &[f32]) -> Option<(usize, usize)> {
+        let nsb = k / QK_K;
+        let m = out.len() / GROUP;
+        let ok = k.is_multiple_of(QK_K)
+            && g.len() == nsb * sb
+            && out.len() == m * GROUP
+            && x.blocks_per_row(m) == Some(k / QK);
+        debug_assert!(ok, "{} group bytes, k {k}, {} outputs", g.len(), out.len());
+        ok.then_some((nsb, m))
+    }
+
+    /// The Q4_K group product with 8-bit activations (`PackedType::dot8`).
+    ///
+    /// # Safety
+    /// As `PackedType::dot`.
+    pub(super) unsafe fn dot8_q4_k(g: &[u8], k: usize, x: &Q8Rows, out: &mut [f32]) {
+        match shape8(g, K4_SB, k, x, out) {
+            Some((nsb, m)) => many_rows8::<true>(g, nsb, m, x, out),
+            None => out.fill(0.0),
+        }
+    }
+
+    /// The Q6_K group product with 8-bit activations (`PackedType::dot8`).
+    ///
+    /// # Safety
+    /// As `PackedType::dot`.
+    pub(super) unsafe fn dot8_q6_k(g: &[u8], k: usize, x: &Q8Rows, out: &mut [f32]) {
+        match shape8(g, K6_SB, k, x, out) {
+            Some((nsb, m)) => many_rows8::<false>(g, nsb, m, x, out),
+            None => out.fill(0.0),
+        }
+    }
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]
@@ -669,6 +945,7 @@ mod tests {
     use super::super::GROUP;
     use super::*;
     use crate::kernels::quant::q16::{self, Isa, QRows, QK};
+    use crate::kernels::quant::q8::Q8Rows;
     use crate::kernels::quant::scalar;
 
     /// Whether this CPU runs the packed products and the panels. libtest cannot mark a test
@@ -904,6 +1181,212 @@ mod tests {
             // SAFETY: `have()` detected the features; `g` is a whole group of `k`.
             unsafe { (pt.dot)(&g, k, &x, &mut out) };
             assert!(out.iter().all(|v| v.to_bits() == 0), "{dt}: {out:?}");
+        }
+    }
+
+    /// `m` activation rows of `k` as 8-bit blocks, from the same values as [`activations`].
+    fn activations8(m: usize, k: usize, seed: u64) -> Q8Rows {
+        let mut rng = Rng(seed.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1);
+        let mut x = vec![0.0f32; m * k];
+        for blk in x.chunks_exact_mut(QK) {
+            let mag = match rng.next() % 8 {
+                0 => 0.0,
+                e => 10f32.powi(e as i32 - 4),
+            };
+            for v in blk {
+                *v = (2.0 * rng.unit() - 1.0) * mag;
+            }
+        }
+        Q8Rows::quantize(&x)
+    }
+
+    /// The unsigned values of a raw super-block (Q4_K: 0..16; Q6_K: 0..64, offset 32 not taken
+    /// off) in element order, with each value's float scale `d * sc` and Q4_K's sub-block
+    /// mins `-(dmin * m)` (one per 32).
+    fn raw_values(dt: DType, blk: &[u8]) -> ([i32; QK_K], [f32; QK_K], [f32; 8]) {
+        let (mut q, mut f, mut mn) = ([0i32; QK_K], [0f32; QK_K], [0f32; 8]);
+        let f16 = |at: usize| f16::from_le_bytes([blk[at], blk[at + 1]]).to_f32();
+        if dt == DType::Q4_K {
+            let (d, dmin) = (f16(0), f16(2));
+            for j in 0..8 {
+                let (sc, m) = scalar::k_scale_min(&blk[4..16], j);
+                mn[j] = -dmin * f32::from(m);
+                for l in 0..32 {
+                    q[32 * j + l] = i32::from((blk[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F);
+                    f[32 * j + l] = d * f32::from(sc);
+                }
+            }
+        } else {
+            let d = f16(208);
+            for j in 0..8 {
+                let (half, g) = (j / 4, j % 4);
+                for l in 0..32 {
+                    let lo = (blk[64 * half + 32 * (g % 2) + l] >> (4 * (g / 2))) & 0x0F;
+                    let hi = (blk[128 + 32 * half + l] >> (2 * g)) & 3;
+                    let e = 32 * j + l;
+                    q[e] = i32::from(lo) + 16 * i32::from(hi);
+                    f[e] = d * f32::from(blk[192 + e / 16] as i8);
+                }
+            }
+        }
+        (q, f, mn)
+    }
+
+    /// The 8-bit product of Q4_K / Q6_K rows against an exact reference in the kernel's order
+    /// (bits) and an f64 product (tolerance): per block, the exact integer sum of each scale
+    /// group, converted; Q4_K: times `(d * sc) * d_x`, added by one FMA in block order, the mins
+    /// `-(dmin * m) * s_x` by FMA in a chain of their own, added at the end; Q6_K: `(f0 * s0 +
+    /// f1 * s1)` (a product and an FMA over its two sub-blocks of 16) times `d_x`, added by one
+    /// FMA in block order.
+    fn check8(dt: DType, k: usize, n: usize, m: usize, seed: u64, how: Scales) {
+        let w = weights(dt, n, k, seed, how);
+        let x = activations8(m, k, seed + 1);
+        let pt = super::super::packed_type(dt).expect("a packed layout");
+        let dot8 = pt.dot8.expect("an 8-bit body");
+        let rb = w.len() / n;
+        let nb = k / QK;
+        let mut g = vec![0u8; (pt.group_bytes)(k)];
+        let mut res = vec![0.0f32; GROUP * m];
+        let (gs, off) = if dt == DType::Q4_K { (32, 0) } else { (16, 32) };
+        for j0 in (0..n).step_by(GROUP) {
+            let rows: GroupRows<'_> =
+                std::array::from_fn(|r| (j0 + r < n).then(|| &w[(j0 + r) * rb..(j0 + r + 1) * rb]));
+            (pt.pack)(&rows, k, &mut g);
+            // SAFETY: `have()` detected AVX-512 F/BW/VL, VNNI, AVX2, FMA and F16C; `g` is a
+            // whole group of `k`.
+            unsafe { dot8(&g, k, &x, &mut res) };
+            for i in 0..m {
+                for r in 0..GROUP {
+                    let (j, v) = (j0 + r, res[i * GROUP + r]);
+                    if j >= n {
+                        assert_eq!(v.to_bits(), 0, "{dt} padding lane {r} of row {i}: {v}");
+                        continue;
+                    }
+                    let (mut acc, mut mins, mut exact, mut bound) = (0f32, 0f32, 0f64, 0f64);
+                    for (s, blk) in w[j * rb..(j + 1) * rb]
+                        .chunks_exact(rb / (k / QK_K))
+                        .enumerate()
+                    {
+                        let (q, f, mn) = raw_values(dt, blk);
+                        for e0 in (0..QK_K).step_by(QK) {
+                            let b = i * nb + (s * QK_K + e0) / QK;
+                            // The block's sums per scale group (Q4_K: one; Q6_K: two of 16).
+                            let mut sums = [0i32; 2];
+                            for e in e0..e0 + QK {
+                                let xv = i32::from(x.value(b, (s * QK_K + e) % QK));
+                                sums[(e - e0) / gs] += (q[e] - off) * xv;
+                                let t = f64::from(f[e]) * f64::from(x.d[b]) * f64::from(q[e] - off);
+                                bound += (t * f64::from(xv)).abs();
+                            }
+                            if dt == DType::Q4_K {
+                                acc = (f[e0] * x.d[b]).mul_add(sums[0] as f32, acc);
+                                mins = mn[e0 / 32].mul_add(x.s[b], mins);
+                                let t = f64::from(mn[e0 / 32]) * f64::from(x.s[b]);
+                                exact += t;
+                                bound += t.abs();
+                            } else {
+                                let t = f[e0] * sums[0] as f32;
+                                let t = f[e0 + 16].mul_add(sums[1] as f32, t);
+                                acc = t.mul_add(x.d[b], acc);
+                            }
+                            for (h, &sum) in sums.iter().enumerate().take(QK / gs) {
+                                exact +=
+                                    f64::from(f[e0 + h * gs]) * f64::from(x.d[b]) * f64::from(sum);
+                            }
+                        }
+                    }
+                    let want = if dt == DType::Q4_K { acc + mins } else { acc };
+                    assert_eq!(
+                        v.to_bits(),
+                        want.to_bits(),
+                        "{dt} k {k} m {m}: row {j} x {i}: {v} vs {want}"
+                    );
+                    assert!(
+                        (f64::from(v) - exact).abs() <= 1e-5 * bound,
+                        "{dt} k {k} m {m}: row {j} x {i}: {v} vs {exact} (bound {bound})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn k_groups_with_8bit_activations_match_an_exact_reference() {
+        if !have() {
+            return;
+        }
+        // n 37 (a group of 5 rows and 11 `None` rows last), k of 1 to 22 super-blocks, m
+        // from 1 (leftover bodies) across passes of 64 rows.
+        for dt in [DType::Q4_K, DType::Q6_K] {
+            for (s, k) in [256, 512, 768, 5632].into_iter().enumerate() {
+                for m in [1, 6, 7, 9, 16, 40, 70] {
+                    check8(dt, k, 37, m, 10 * s as u64 + m as u64, Scales::Plain);
+                }
+            }
+            for m in [6, 13] {
+                check8(dt, 2048, 21, m, 300 + m as u64, Scales::Extreme);
+            }
+        }
+    }
+
+    #[test]
+    #[ignore = "a benchmark: run with --release --ignored --nocapture"]
+    fn packed8_k_speed() {
+        if !have() {
+            return;
+        }
+        for k in [768, 2048] {
+            for dt in [DType::Q4_K, DType::Q6_K] {
+                let pt = super::super::packed_type(dt).expect("a packed layout");
+                let dot8 = pt.dot8.expect("an 8-bit body");
+                let rb = dt.row_bytes(k).expect("whole super-blocks");
+                let gb = (pt.group_bytes)(k);
+                let m = 128;
+                let (x16, x8) = (activations(m, k, 3), activations8(m, k, 3));
+                for (label, bytes) in [("cache 256 KiB", 256 << 10), ("DRAM 48 MiB", 48 << 20)] {
+                    let n = (bytes / rb).next_multiple_of(GROUP);
+                    let w = weights(dt, n, k, 9, Scales::Plain);
+                    let mut packed = vec![0u8; n / GROUP * gb];
+                    for (j, g) in packed.chunks_exact_mut(gb).enumerate() {
+                        let rows: GroupRows<'_> = std::array::from_fn(|r| {
+                            let at = (j * GROUP + r) * rb;
+                            Some(&w[at..at + rb])
+                        });
+                        (pt.pack)(&rows, k, g);
+                    }
+                    let mut tmp = vec![0.0f32; GROUP * m];
+                    let per = (n * (k / QK) * m) as f64;
+                    let (mut best16, mut best8) = (f64::MAX, f64::MAX);
+                    for round in 0..9 {
+                        for v in 0..2 {
+                            let eight = (v + round) % 2 == 1;
+                            let t = std::time::Instant::now();
+                            for g in packed.chunks_exact(gb) {
+                                // SAFETY: `have()` detected the features; `g` is a whole group.
+                                unsafe {
+                                    if eight {
+                                        dot8(g, k, &x8, &mut tmp);
+                                    } else {
+                                        (pt.dot)(g, k, &x16, &mut tmp);
+                                    }
+                                }
+                                std::hint::black_box(&mut tmp);
+                            }
+                            let ns = t.elapsed().as_secs_f64() * 1e9 / per;
+                            if eight {
+                                best8 = best8.min(ns);
+                            } else {
+                                best16 = best16.min(ns);
+                            }
+                        }
+                    }
+                    eprintln!(
+                        "{dt} k {k} m {m} {label}: 16-bit {best16:.4} ns, 8-bit {best8:.4} ns \
+                         per (weight row, block of 32, activation row), {:.2}x",
+                        best16 / best8
+                    );
+                }
+            }
         }
     }
 

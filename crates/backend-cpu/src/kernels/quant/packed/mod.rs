@@ -10,14 +10,18 @@
 //!
 //! Strategy: a block type with a packed layout has a [`PackedType`]: the bytes of a group, the
 //! packing of 16 raw rows into a group, and the dot product of one group with every
-//! activation row (16-bit activation blocks, `super::q16::QRows`). The 32-value block types
-//! live in `q32`, the K types in `k`.
+//! activation row (16-bit activation blocks, `super::q16::QRows`; and for Q4_0, Q4_K and Q6_K
+//! with 8-bit blocks, `super::q8::Q8Rows`, by `vpdpbusd` over the same bytes). The 32-value
+//! block types live in `q32`, the K types in `k`.
 //!
 //! Invariants: a group's dot product computes each output in the order of the AVX-512 panel
 //! bodies (`super::q16::avx512`): per activation block, the exact integer sum, converted,
 //! times `d_w * d_x`, added by one FMA in block order; the mins in a second chain added at the
 //! end. So a packed product gives the same bits as the panel path, in decode and in prefill.
-//! `dot` runs only where `super::q16::has_avx512()` holds.
+//! `dot8` keeps that order with 8-bit activations, except that Q6_K scales a block's two
+//! sub-block sums together (`(f0 * s0 + f1 * s1) * d_x`); its integer sums are exact too, so
+//! its bits depend only on the weight row and the activation row.
+//! `dot` and `dot8` run only where `super::q16::has_avx512()` holds.
 
 mod k;
 mod q32;
@@ -25,6 +29,7 @@ mod q32;
 use lowsync_graph::DType;
 
 use super::q16::QRows;
+use super::q8::Q8Rows;
 
 /// Weight rows per packed group: the 16 lanes of a 512-bit vector of i32.
 pub(crate) const GROUP: usize = 16;
@@ -48,7 +53,16 @@ pub(crate) struct PackedType {
     /// The CPU has AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C; `g.len() ==
     /// group_bytes(k)`.
     pub dot: unsafe fn(g: &[u8], k: usize, x: &QRows, out: &mut [f32]),
+    /// As `dot` with 8-bit activation blocks (`super::q8::Q8Rows`), where the type has a body
+    /// for them (`vpdpbusd`; Q4_0, Q4_K, Q6_K).
+    ///
+    /// # Safety
+    /// As `dot`.
+    pub dot8: Option<Dot8Fn>,
 }
+
+/// A group's product with 8-bit activation blocks (see [`PackedType::dot8`]).
+pub(crate) type Dot8Fn = unsafe fn(g: &[u8], k: usize, x: &Q8Rows, out: &mut [f32]);
 
 /// Writes row `r` of group `g` (of `dt`, `k` values a row) back as its raw GGUF blocks into
 /// `out`; `false` where `dt`'s layout has no inverse here (the caller reads the weight itself).

@@ -16,6 +16,13 @@
 //! - Q8_0 (512 bytes): for pair `p`, 32 bytes holding row `r`'s elements `2p`, `2p + 1` at byte
 //!   `2r`: one sign extension (`vpmovsxbw`) is the operand.
 //!
+//! With 8-bit activation blocks (`dot8`, Q4_0 only: `super::super::q8`), the same four
+//! vectors give 8 `vpdpbusd` operands, each byte a nibble: `v & 0x0F` holds elements
+//! `8j + {0, 4, 1, 5}` of row `r` in lane `r`, `(v >> 4) & 0x0F` elements `8j + {2, 6, 3, 7}`,
+//! the order in which `Q8Rows` stores its bytes, so each operand meets one broadcast 32-bit
+//! word of the activation block: 8 instructions a block instead of 16. The sum starts at
+//! `-8 * sum(q_x)` as above.
+//!
 //! Per group and block: up to 8 activation rows take each operand with their pair broadcast
 //! (prefill unpacks a block once per 8 activation rows); a lone activation row (decode) splits
 //! its 16 `vpdpwssd` into 4 independent chains so their latency overlaps. A job's groups are
@@ -23,8 +30,9 @@
 //!
 //! Invariants: the integer sum of a block is exact (the same integer whatever the chains), so
 //! every output has the bits of the panel bodies: `(d_w * d_x) * sum` added by one FMA in block
-//! order, the mins `m_w * s_x` (Q4_1) in a second chain added at the end. Pad rows (past the
-//! matrix) are zero bytes: scale 0, so they add nothing that a caller reads.
+//! order, the mins `m_w * s_x` (Q4_1) in a second chain added at the end; the 8-bit Q4_0 body
+//! adds its (equally exact) sums in the same order. Pad rows (past the matrix) are zero bytes:
+//! scale 0, so they add nothing that a caller reads.
 
 use lowsync_graph::DType;
 
@@ -32,12 +40,14 @@ use lowsync_graph::DType;
 use super::{lines_as_bytes_mut, Line};
 use super::{GroupRows, PackedType, GROUP};
 use crate::kernels::quant::q16::{QRows, QK};
+use crate::kernels::quant::q8::Q8Rows;
 
 /// Q4_0 groups.
 static Q4_0: PackedType = PackedType {
     group_bytes: group_bytes::<Q40>,
     pack: pack::<Q40>,
     dot: dot_q4_0,
+    dot8: Some(dot8_q4_0),
 };
 
 /// Q4_1 groups.
@@ -45,6 +55,7 @@ static Q4_1: PackedType = PackedType {
     group_bytes: group_bytes::<Q41>,
     pack: pack::<Q41>,
     dot: dot_q4_1,
+    dot8: None,
 };
 
 /// Q8_0 groups.
@@ -52,6 +63,7 @@ static Q8_0: PackedType = PackedType {
     group_bytes: group_bytes::<Q80>,
     pack: pack::<Q80>,
     dot: dot_q8_0,
+    dot8: None,
 };
 
 /// The packed layout of `dt`, if this file has one.
@@ -272,13 +284,32 @@ fn dot<K: Kind>(g: &[u8], k: usize, x: &QRows, out: &mut [f32]) {
     unreachable!("packed products run only on x86_64 with AVX-512")
 }
 
+/// The Q4_0 group product with 8-bit activation blocks (`PackedType::dot8`).
+fn dot8_q4_0(g: &[u8], k: usize, x: &Q8Rows, out: &mut [f32]) {
+    let nb = k / QK;
+    let m = out.len() / GROUP;
+    let ok = k.is_multiple_of(QK)
+        && g.len() == group_bytes::<Q40>(k)
+        && out.len() == m * GROUP
+        && x.blocks_per_row(m) == Some(nb);
+    assert!(ok, "packed 8-bit dot: shapes do not match");
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the caller promised AVX-512 F/BW/VL and VNNI, AVX2, FMA and F16C (the
+    // `PackedType::dot8` contract); the shapes were checked above.
+    unsafe {
+        avx512::rows8(g, nb, x, out, m)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("packed products run only on x86_64 with AVX-512")
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     //! The AVX-512 VNNI bodies of the packed products.
 
     use std::arch::x86_64::*;
 
-    use super::{block_at, Kind, QRows, GROUP, QK};
+    use super::{block_at, Kind, Q8Rows, QRows, GROUP, Q40, QK};
 
     /// How far ahead the first activation rows' pass over a group prefetches the stream of
     /// groups (bytes), into the L2.
@@ -394,6 +425,82 @@ mod avx512 {
                 acc[i]
             };
             _mm512_storeu_ps(out.as_mut_ptr().add((r0 + i) * GROUP), v);
+        }
+        R
+    }
+
+    /// Every activation row of `x` (8-bit blocks) against Q4_0 group `g`: groups of 8
+    /// activation rows, then 4, 2 and 1.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL and VNNI, AVX2, FMA and F16C; shapes as `super::dot8_q4_0` checks.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn rows8(g: &[u8], nb: usize, x: &Q8Rows, out: &mut [f32], m: usize) {
+        let mut r0 = 0;
+        while r0 < m {
+            r0 += match m - r0 {
+                8.. => body8::<8>(g, nb, x, out, r0),
+                4.. => body8::<4>(g, nb, x, out, r0),
+                2 | 3 => body8::<2>(g, nb, x, out, r0),
+                _ => body8::<1>(g, nb, x, out, r0),
+            };
+        }
+    }
+
+    /// `R` activation rows from `r0` against a Q4_0 group with `vpdpbusd`: per block, the
+    /// four 64-byte vectors give 8 operands (low and high nibble of each byte, lane = weight
+    /// row, bytes in `q8::PERM` order), each multiplied by the matching 4 activation bytes
+    /// broadcast; the sum starts at `-8 * sum(q_x)` for Q4_0's offset. Returns `R`.
+    // Index loops: each row `i` addresses several arrays at once.
+    #[allow(clippy::needless_range_loop)]
+    #[inline(always)]
+    unsafe fn body8<const R: usize>(
+        g: &[u8],
+        nb: usize,
+        x: &Q8Rows,
+        out: &mut [f32],
+        r0: usize,
+    ) -> usize {
+        let gp = g.as_ptr();
+        let (xq, xd, xn) = (x.q.as_ptr(), x.d.as_ptr(), x.n.as_ptr());
+        let mask = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for b in 0..nb {
+            let (so, qo) = block_at::<Q40>(b);
+            if r0 == 0 {
+                _mm_prefetch::<_MM_HINT_T1>(gp.wrapping_add(qo + PREFETCH_FAR).cast());
+                _mm_prefetch::<_MM_HINT_T1>(gp.wrapping_add(qo + PREFETCH_FAR + 64).cast());
+                _mm_prefetch::<_MM_HINT_T1>(gp.wrapping_add(qo + PREFETCH_FAR + 128).cast());
+                _mm_prefetch::<_MM_HINT_T1>(gp.wrapping_add(qo + PREFETCH_FAR + 192).cast());
+            }
+            // Row i's block b: word w (4 bytes) at xb[i] + w.
+            let xb: [*const i32; R] =
+                std::array::from_fn(|i| xq.add(((r0 + i) * nb + b) * QK).cast::<i32>());
+            let mut sum: [__m512i; R] = std::array::from_fn(|i| {
+                let [lo, hi] = *xn.add((r0 + i) * nb + b);
+                _mm512_set1_epi32(-8 * (lo + hi))
+            });
+            for j in 0..4 {
+                let v = _mm512_loadu_si512(gp.add(qo + 64 * j).cast());
+                let w = [
+                    _mm512_and_si512(v, mask),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask),
+                ];
+                for h in 0..2 {
+                    for i in 0..R {
+                        let xv = _mm512_set1_epi32(xb[i].add(2 * j + h).read_unaligned());
+                        sum[i] = _mm512_dpbusd_epi32(sum[i], w[h], xv);
+                    }
+                }
+            }
+            let dv = _mm512_cvtph_ps(_mm256_loadu_si256(gp.add(so).cast()));
+            for i in 0..R {
+                let scale = _mm512_mul_ps(dv, _mm512_set1_ps(*xd.add((r0 + i) * nb + b)));
+                acc[i] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum[i]), acc[i]);
+            }
+        }
+        for i in 0..R {
+            _mm512_storeu_ps(out.as_mut_ptr().add((r0 + i) * GROUP), acc[i]);
         }
         R
     }
@@ -641,6 +748,170 @@ mod tests {
                         best_old / best_new
                     );
                 }
+            }
+        }
+    }
+
+    /// `m` activation rows of `k` as 8-bit blocks: blocks of magnitudes 1e-3 to 1e3, some
+    /// all zero, some with a lone large value.
+    pub(crate) fn activations8(m: usize, k: usize, seed: u64) -> Q8Rows {
+        let mut st = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move || {
+            st ^= st << 13;
+            st ^= st >> 7;
+            st ^= st << 17;
+            st
+        };
+        let mut x = vec![0.0f32; m * k];
+        for blk in x.chunks_exact_mut(QK) {
+            let mag = match next() % 8 {
+                0 => 0.0,
+                e => 10f32.powi(e as i32 - 4),
+            };
+            for v in blk.iter_mut() {
+                *v = ((next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * mag;
+            }
+            if next() % 4 == 0 {
+                blk[(next() % 32) as usize] = 50.0 * mag;
+            }
+        }
+        Q8Rows::quantize(&x)
+    }
+
+    /// The 8-bit product of every packed group: `out[i * n + j]`, the groups in 64-byte
+    /// aligned memory (as the cache keeps them).
+    fn packed_product8(t: &PackedType, g: &[u8], n: usize, k: usize, x: &Q8Rows) -> Vec<f32> {
+        let gb = (t.group_bytes)(k);
+        let m = x.d.len() / (k / QK);
+        let mut aligned = vec![Line([0; 64]); g.len().div_ceil(64)];
+        let bytes = &mut lines_as_bytes_mut(&mut aligned)[..g.len()];
+        bytes.copy_from_slice(g);
+        let dot8 = t.dot8.expect("an 8-bit body");
+        let mut res = vec![0.0f32; n * m];
+        let mut tmp = vec![0.0f32; GROUP * m];
+        for (gi, grp) in bytes.chunks_exact(gb).enumerate() {
+            // SAFETY: `have()` checked the instruction sets; `grp` is one group of `k`.
+            unsafe { dot8(grp, k, x, &mut tmp) };
+            for i in 0..m {
+                for r in 0..GROUP {
+                    let j = gi * GROUP + r;
+                    if j < n {
+                        res[i * n + j] = tmp[i * GROUP + r];
+                    } else {
+                        assert_eq!(tmp[i * GROUP + r].to_bits(), 0, "pad lane {r}");
+                    }
+                }
+            }
+        }
+        res
+    }
+
+    #[test]
+    fn q4_0_with_8bit_activations_matches_an_exact_reference() {
+        if !have() {
+            return;
+        }
+        let t = packed_type_of(DType::Q4_0);
+        // k of 1 to 176 blocks, n not a multiple of 16, m from 1 (a leftover body) to 40.
+        for (k, n, ms) in [
+            (32, 5, &[1, 6, 9][..]),
+            (64, 16, &[2, 7, 40]),
+            (96, 37, &[3, 6, 8, 13]),
+            (576, 21, &[4, 6, 16, 23]),
+            (5632, 17, &[5, 11]),
+        ] {
+            let nb = k / QK;
+            let rb = nb * 18;
+            for &m in ms {
+                let w = weights(n, k, 18, &[0], 7 + k as u64 + m as u64);
+                let g = pack_all(t, &w, n, rb, k);
+                let x = activations8(m, k, k as u64 + m as u64);
+                let got = packed_product8(t, &g, n, k, &x);
+                for j in 0..n {
+                    for i in 0..m {
+                        // The kernel's order: per block, the exact integer sum, times
+                        // `d_w * d_x` (f32), added by one FMA in block order.
+                        let (mut acc, mut exact, mut bound) = (0.0f32, 0.0f64, 0.0f64);
+                        for b in 0..nb {
+                            let blk = &w[j * rb + b * 18..j * rb + (b + 1) * 18];
+                            let dw = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                            let q = nibbles(&blk[2..18]);
+                            let xb = i * nb + b;
+                            let mut sum = 0i32;
+                            for (l, &qv) in q.iter().enumerate() {
+                                let p = (i32::from(qv) - 8) * i32::from(x.value(xb, l));
+                                sum += p;
+                                let v = f64::from(dw) * f64::from(x.d[xb]) * f64::from(p);
+                                bound += v.abs();
+                            }
+                            acc = (dw * x.d[xb]).mul_add(sum as f32, acc);
+                            exact += f64::from(dw) * f64::from(x.d[xb]) * f64::from(sum);
+                        }
+                        let v = got[i * n + j];
+                        assert_eq!(v.to_bits(), acc.to_bits(), "k {k} m {m} ({i}, {j})");
+                        assert!(
+                            (f64::from(v) - exact).abs() <= 1e-5 * bound,
+                            "k {k} m {m} ({i}, {j}): {v} vs {exact}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[ignore = "a benchmark: run with --release --ignored --nocapture"]
+    fn packed8_speed() {
+        if !have() {
+            return;
+        }
+        let t = packed_type_of(DType::Q4_0);
+        let dot8 = t.dot8.expect("an 8-bit body");
+        for k in [768, 2048] {
+            let rb = k / QK * 18;
+            for (label, bytes) in [("cache 256 KiB", 256 << 10), ("DRAM 48 MiB", 48 << 20)] {
+                let m = 128;
+                let n = (bytes / rb).next_multiple_of(GROUP);
+                let w = weights(n, k, 18, &[0], 9);
+                let g = pack_all(t, &w, n, rb, k);
+                let mut lines = vec![Line([0; 64]); g.len().div_ceil(64)];
+                lines_as_bytes_mut(&mut lines)[..g.len()].copy_from_slice(&g);
+                drop(g);
+                let gb = (t.group_bytes)(k);
+                let all = &super::super::lines_as_bytes(&lines)[..n / GROUP * gb];
+                let x16 = activations(m, k, 0);
+                let x8 = activations8(m, k, 0);
+                let mut tmp = vec![0.0f32; GROUP * m];
+                let units = (n * (k / QK) * m) as f64;
+                let (mut best16, mut best8) = (f64::MAX, f64::MAX);
+                for round in 0..9 {
+                    for v in 0..2 {
+                        let eight = (v + round) % 2 == 1;
+                        let t0 = std::time::Instant::now();
+                        for grp in all.chunks_exact(gb) {
+                            // SAFETY: `have()` checked the instruction sets.
+                            unsafe {
+                                if eight {
+                                    dot8(grp, k, &x8, &mut tmp);
+                                } else {
+                                    (t.dot)(grp, k, &x16, &mut tmp);
+                                }
+                            }
+                            std::hint::black_box(&mut tmp);
+                        }
+                        let ns = t0.elapsed().as_secs_f64() * 1e9 / units;
+                        if eight {
+                            best8 = best8.min(ns);
+                        } else {
+                            best16 = best16.min(ns);
+                        }
+                    }
+                }
+                eprintln!(
+                    "Q4_0 k {k} m {m} {label}: 16-bit {best16:.4} ns, 8-bit {best8:.4} ns per \
+                     (block, weight row, activation row), {:.2}x",
+                    best16 / best8
+                );
             }
         }
     }

@@ -39,16 +39,10 @@ use std::cell::RefCell;
 
 use lowsync_graph::DType;
 
-use super::{DotFn, QRows, QK};
+use super::{DotFn, QRows, PANEL_MIN_ROWS, QK};
 
 /// Weight rows per panel: the 16 lanes of a 512-bit vector of i32.
 const PW: usize = 16;
-
-/// Products with at least this many activation rows run over packed panels; fewer take the
-/// AVX2 bodies. Measured against them (`few_rows_speed`, k 2048, Q4_0 / Q4_1 / Q4_K, weights in
-/// the cache and in DRAM): 0.34-1.01x with 2 rows, 0.85-1.56x with 3, 0.84-1.32x with 4 and
-/// 1.14-1.92x with 6.
-pub(crate) const PANEL_MIN_ROWS: usize = 6;
 
 /// The VNNI body for weights of `dt`, if there is one. The caller has detected AVX-512 F, BW,
 /// VL and VNNI besides AVX2, FMA and F16C.
