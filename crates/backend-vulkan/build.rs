@@ -274,8 +274,8 @@ const KERNELS: &[Spec] = &[
             ("b", Slot::Quant, QUANTS),
         ],
     ),
-    // The tiled product over block weights (prefill): each weight group decoded once per
-    // 64 rows of x.
+    // The product over block weights for prefill (`mul_mat_q.wgsl`): each weight group
+    // decoded once per 32 rows of x.
     (
         "mul_mat_q",
         &[

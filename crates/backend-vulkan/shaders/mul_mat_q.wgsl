@@ -1,28 +1,26 @@
-// MulMat over GGUF block weights, tiled (prefill): dst[.., m, n] = sum_k x[.., m, k] * w[.., n, k]
+// MulMat over GGUF block weights for prefill: dst[.., m, n] = sum_k x[.., m, k] * w[.., n, k]
 // with f32 x (any strides) and w stored as raw GGUF blocks (binding `b`, whole blocks along k).
 //
 // Why: the multi-row mat-vec (`mul_mat_vec_qm`) reads and dequantizes every weight group once
-// per 8 rows of x, so a prefill of m rows decodes the whole weight m / 8 times. Here a
-// workgroup owns a BM x BN tile of the result and each weight value it needs is decoded once
-// for all BM rows of x.
+// per 8 rows of x, so a prefill of m rows decodes the whole weight m / 8 times. Here each
+// weight group is decoded once per `RB` (32) rows of x.
 //
-// Strategy: a 16 x 8 workgroup (128 invocations, which every Vulkan device allows) steps k by
-// BK = 32 (one block of a 32-element type, one sub-block of a super-block type). Each step,
-// every invocation decodes one 16-element group of one of the BN rows of w through the type's
-// own `q_scale` / `q_vals` (the layout is written once, in its family file) into workgroup
-// memory as f32, and copies the same 16 values of one of the BM rows of x beside them: the
-// same work in every invocation, no branch between decoding and copying (a CPU-type device
-// runs both sides of such a branch). After a barrier each invocation accumulates its 8 x 4
-// register tile (rows `lid.y + 8 r`, columns `lid.x + 16 c`, one vec4 per row, so
-// neighbouring invocations read neighbouring words of the w tile and store neighbouring
-// columns) from the two tiles in f32. Batch axes (two, after padding) come in workgroup z and
-// map to operand batches by division, as in `mul_mat.wgsl`.
+// Strategy: one invocation per row of w and workgroup y per run of `RB` rows of x (64 rows of
+// w per workgroup, batches in z). The invocation walks k in groups of 16: it decodes its row's
+// group through the type's own `q_scale` / `q_vals` (the layout is written once, in its family
+// file) into four vec4 registers, then adds the group's dot product with each of its `RB` x
+// rows to that row's accumulator. Every invocation of a workgroup reads the same x values at
+// the same time (a broadcast load, cached), so x costs little; no workgroup memory and no
+// barrier: lavapipe compiles a kernel with a large workgroup array and a barrier slowly
+// (seconds to minutes per variant on a cold shader cache), this one in under a second.
 //
-// Invariants: k is a whole number of blocks (so of BK) and every row of w starts on a block;
-// rows and columns past the result's edges are loaded as zeros and never stored, so a result
-// does not depend on where the tile edges fall. A weight element is `scale * q (+ offset)` as
-// the family's contract states it. Offsets and strides of d and x count elements, every offset
-// and stride of w counts bytes (the host converts whole rows of blocks), as in the mat-vecs.
+// Invariants: k is a whole number of blocks (so of 16) and every row of w starts on a block;
+// an element's sum runs over k in one order (groups in order, 4 x 4 products within a group)
+// whatever the workgroup it falls in, so a result does not depend on where the tile edges
+// fall. Rows of w past N read row N - 1 and store nothing. A weight element is `scale * q (+
+// offset)` as the family's contract states it. Offsets and strides of d and x count elements,
+// every offset and stride of w counts bytes (the host converts whole rows of blocks), as in the
+// mat-vecs.
 
 struct Pc {
     // M, N, K, batch extent of axis 1
@@ -42,15 +40,10 @@ struct Pc {
 }
 var<immediate> pc: Pc;
 
-// Rows of x, rows of w and k per tile (`QUANT_TILE` in `src/ops/matmul.rs` is BM = BN; the
-// loads below assume 64).
-const BM: u32 = 64u;
+// Rows of w per workgroup (`QUANT_TILE_N` in `src/ops/matmul.rs`) and rows of x per
+// workgroup (`QUANT_TILE_M`).
 const BN: u32 = 64u;
-const BK: u32 = 32u;
-
-// xs[kk * BM + r]: BK values of BM rows of x; ws[kk * BN + c]: BK values of BN rows of w.
-var<workgroup> xs: array<f32, 2048>;
-var<workgroup> ws: array<f32, 2048>;
+const RB: u32 = 32u;
 
 // Four consecutive values along k of x from element `i` (the branch is uniform).
 fn x4(i: u32) -> vec4<f32> {
@@ -61,27 +54,10 @@ fn x4(i: u32) -> vec4<f32> {
     return vec4<f32>(ld_a(i), ld_a(i + s), ld_a(i + 2u * s), ld_a(i + 3u * s));
 }
 
-// Four consecutive values along k of a row of the w tile, from `ws[at]`.
-fn put_w(at: u32, v: vec4<f32>) {
-    ws[at] = v.x;
-    ws[at + BN] = v.y;
-    ws[at + 2u * BN] = v.z;
-    ws[at + 3u * BN] = v.w;
-}
-
-// Four consecutive values along k of a row of the x tile, from `xs[at]`.
-fn put_x(at: u32, v: vec4<f32>) {
-    xs[at] = v.x;
-    xs[at + BM] = v.y;
-    xs[at + 2u * BM] = v.z;
-    xs[at + 3u * BM] = v.w;
-}
-
-@compute @workgroup_size(16, 8, 1)
+@compute @workgroup_size(64, 1, 1)
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
     @builtin(local_invocation_id) lid: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
 ) {
     let M = pc.shape.x;
     let N = pc.shape.y;
@@ -91,77 +67,35 @@ fn main(
     let d_base = pc.offs.x + b0 * pc.d_str.x + b1 * pc.d_str.y;
     let a_base = pc.offs.y + (b0 / pc.op.x) * pc.a_str.x + (b1 / pc.op.y) * pc.a_str.y;
     let b_base = pc.offs.z + (b0 / pc.op.z) * pc.b_str.x + (b1 / pc.op.w) * pc.b_str.y;
-    let row0 = wg.y * BM;
-    let col0 = wg.x * BN;
+    let n = wg.x * BN + lid.x;
+    let row0 = wg.y * RB;
+    // Rows of x this workgroup covers (the same for every invocation: uniform loops).
+    let rows = min(RB, M - row0);
+    let w_row = b_base + min(n, N - 1u) * pc.b_str.w;
+    let x_row0 = a_base + row0 * pc.a_str.z;
+    let s4 = 4u * pc.a_str.w;
 
-    // This invocation's share of each step's loads: group `half` (16 values) of the step's BK
-    // values of row `lr` of the w tile, decoded, and the same 16 values of row `lr` of x.
-    let lr = li % 64u;
-    let half = li / 64u;
-    let w_ok = col0 + lr < N;
-    let x_ok = row0 + lr < M;
-    let w_row = b_base + (col0 + lr) * pc.b_str.w;
-    let x_row = a_base + (row0 + lr) * pc.a_str.z;
-    let xs_at = half * 16u * BM + lr;
-    let ws_at = half * 16u * BN + lr;
-
-    // acc[r]: result row `lid.y + 8 r`, columns `lid.x + 16 c` in component c.
-    var acc = array<vec4<f32>, 8>();
-    for (var k0 = 0u; k0 < K; k0 += BK) {
-        let kk = k0 + half * 16u;
-        var sc = vec2<f32>(0.0);
-        var v = mat4x4<f32>();
-        if w_ok {
-            let gi = kk / 16u;
-            let blk = w_row + (gi / GPB) * QB;
-            sc = q_scale(blk, gi % GPB);
-            v = q_vals(blk, gi % GPB);
-        }
+    var acc = array<f32, 32>();
+    for (var k0 = 0u; k0 < K; k0 += 16u) {
+        let gi = k0 / 16u;
+        let blk = w_row + (gi / GPB) * QB;
+        let sc = q_scale(blk, gi % GPB);
+        let v = q_vals(blk, gi % GPB);
         let off = select(0.0, sc.y, Q_MIN);
-        put_w(ws_at, sc.x * v[0] + off);
-        put_w(ws_at + 4u * BN, sc.x * v[1] + off);
-        put_w(ws_at + 8u * BN, sc.x * v[2] + off);
-        put_w(ws_at + 12u * BN, sc.x * v[3] + off);
-        let i = x_row + kk * pc.a_str.w;
-        let s = 4u * pc.a_str.w;
-        var x0 = vec4<f32>(0.0);
-        var x1 = vec4<f32>(0.0);
-        var x2 = vec4<f32>(0.0);
-        var x3 = vec4<f32>(0.0);
-        if x_ok {
-            x0 = x4(i);
-            x1 = x4(i + s);
-            x2 = x4(i + 2u * s);
-            x3 = x4(i + 3u * s);
+        let w0 = sc.x * v[0] + off;
+        let w1 = sc.x * v[1] + off;
+        let w2 = sc.x * v[2] + off;
+        let w3 = sc.x * v[3] + off;
+        let xk = x_row0 + k0 * pc.a_str.w;
+        for (var r = 0u; r < rows; r++) {
+            let i = xk + r * pc.a_str.z;
+            let p = dot(x4(i), w0) + dot(x4(i + s4), w1);
+            acc[r] += p + (dot(x4(i + 2u * s4), w2) + dot(x4(i + 3u * s4), w3));
         }
-        put_x(xs_at, x0);
-        put_x(xs_at + 4u * BM, x1);
-        put_x(xs_at + 8u * BM, x2);
-        put_x(xs_at + 12u * BM, x3);
-        workgroupBarrier();
-        for (var k = 0u; k < BK; k++) {
-            let xr = k * BM + lid.y;
-            let wr = k * BN + lid.x;
-            let w = vec4<f32>(ws[wr], ws[wr + 16u], ws[wr + 32u], ws[wr + 48u]);
-            acc[0] += xs[xr] * w;
-            acc[1] += xs[xr + 8u] * w;
-            acc[2] += xs[xr + 16u] * w;
-            acc[3] += xs[xr + 24u] * w;
-            acc[4] += xs[xr + 32u] * w;
-            acc[5] += xs[xr + 40u] * w;
-            acc[6] += xs[xr + 48u] * w;
-            acc[7] += xs[xr + 56u] * w;
-        }
-        workgroupBarrier();
     }
-    for (var r = 0u; r < 8u; r++) {
-        let gr = row0 + lid.y + 8u * r;
-        let a = acc[r];
-        for (var c = 0u; c < 4u; c++) {
-            let gc = col0 + lid.x + 16u * c;
-            if gr < M && gc < N {
-                st_d(d_base + gr * pc.d_str.z + gc * pc.d_str.w, a[c]);
-            }
+    if n < N {
+        for (var r = 0u; r < rows; r++) {
+            st_d(d_base + (row0 + r) * pc.d_str.z + n * pc.d_str.w, acc[r]);
         }
     }
 }

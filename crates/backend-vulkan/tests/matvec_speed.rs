@@ -189,4 +189,3 @@ fn prefill_product_milliseconds() {
         }
     }
 }
-

@@ -392,7 +392,7 @@ fn get_rows(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
 }
 
 /// Prefill-shaped products (many rows of x), where block weights take the tiled kernel
-/// (`mul_mat_q`) from 16 rows: row counts on both sides of that threshold and of the 64-row
+/// (`mul_mat_q`) from 16 rows: row counts on both sides of that threshold and of the 32-row
 /// tiles, result columns not a multiple of 64, one block to several (K-quants: k a multiple of
 /// 256), a weight starting mid-word, an x not contiguous along k, and batch axes with w
 /// batched or broadcast.
@@ -424,7 +424,7 @@ fn tiled_products(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
 }
 
 /// The tiled product's results do not depend on where its tile edges fall: rows 50 .. 130 of x
-/// against rows 20 .. 100 of w (both shifted off the 64-row tiles) give bit for bit the
+/// against rows 20 .. 100 of w (shifted off the tiles of 32 rows of x and 64 of w) give bit for bit the
 /// elements of the full 130 x 100 product.
 fn tile_edges(vk: &VulkanBackend) -> Vec<String> {
     let (m, n, lead, dr, dc) = (130, 100, 1, 50, 20);
@@ -434,11 +434,8 @@ fn tile_edges(vk: &VulkanBackend) -> Vec<String> {
         let w = blocks(dt, lead + n, k, 41);
         let x = f32s(&mut Rng(42), m * k);
         let full = Product::plain(dt, (m, n, k), lead, false).run(vk, &w, &x);
-        let part = Product::plain(dt, (m - dr, n - dc, k), lead + dc, false).run(
-            vk,
-            &w,
-            &x[dr * k..],
-        );
+        let part =
+            Product::plain(dt, (m - dr, n - dc, k), lead + dc, false).run(vk, &w, &x[dr * k..]);
         let same = (0..m - dr)
             .all(|r| (0..n - dc).all(|c| part[r * (n - dc) + c] == full[(r + dr) * n + c + dc]));
         if !same {
@@ -526,8 +523,8 @@ fn both_block_mat_vec_bodies_match_the_cpu_oracle() {
     }
 }
 
-/// Every block type's prefill products match the CPU oracle and float64, take the tiled
-/// kernel (128 invocations a workgroup, which every Vulkan device allows), and do not depend on
+/// Every block type's prefill products match the CPU oracle and float64, take the prefill
+/// kernel (64 invocations a workgroup, which every Vulkan device allows), and do not depend on
 /// the tile edges; the validation layer stays silent.
 #[test]
 fn tiled_quantized_products_match_the_cpu_oracle() {

@@ -31,10 +31,13 @@ const MAT_VEC_MAX_M: usize = 8;
 const MAT_VEC_K_ROWS: usize = 8;
 /// Rows of x per workgroup z of the multi-row quantized mat-vec (`MT` in `mul_mat_vec_qm.wgsl`).
 const QUANT_ROWS_PER_GROUP: usize = 8;
-/// Rows of x and of w per workgroup of the tiled product over block weights (`BM`, `BN` in
-/// `mul_mat_q.wgsl`).
-const QUANT_TILE: usize = 64;
-/// Rows of x from which block weights take the tiled product instead of the multi-row mat-vec.
+/// Rows of w per workgroup of the prefill product over block weights (`BN` in
+/// `mul_mat_q.wgsl`, one invocation each).
+const QUANT_TILE_N: usize = 64;
+/// Rows of x per workgroup of that product (`RB` in `mul_mat_q.wgsl`): each weight group is
+/// decoded once for this many rows.
+const QUANT_TILE_M: usize = 32;
+/// Rows of x from which block weights take the prefill product instead of the multi-row mat-vec.
 const QUANT_TILE_MIN_M: usize = 16;
 
 pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispatch>> {
@@ -317,8 +320,8 @@ pub(super) fn mul_mat_set_rows(
 /// `mul_mat_vec_qb` under `LOWSYNC_VK_QV=block`), a few rows of an x contiguous along k take
 /// `mul_mat_vec_qm*.wgsl`, whose workgroup z covers `QUANT_ROWS_PER_GROUP` rows of x so that
 /// each group of w is read and dequantized once for all of them, and `QUANT_TILE_MIN_M` rows or
-/// more (prefill) take the tiled `mul_mat_q.wgsl`, which decodes each group of w once per
-/// `QUANT_TILE` rows of x. The graph builder admits such a `b` only with its blocks along k
+/// more (prefill) take `mul_mat_q.wgsl`, which decodes each group of w once per `QUANT_TILE_M`
+/// rows of x. The graph builder admits such a `b` only with its blocks along k
 /// (stride 1, whole rows: `b_sk == 1`, every other stride a whole number of rows); b's offset
 /// and strides go to the kernel in bytes.
 fn quant_mat_vec(
@@ -343,9 +346,9 @@ fn quant_mat_vec(
         0,
         c.block_bytes(b.dtype, b_sn, "row stride")?,
     ];
-    // The tiled kernel: a 16 x 8 workgroup (128 invocations, what Vulkan guarantees) per
-    // 64 x 64 tile of the result, batches in z.
-    let (tx, ty) = (n.div_ceil(QUANT_TILE), m.div_ceil(QUANT_TILE));
+    // The prefill kernel: 64 invocations (one per row of w) per 64 x 32 tile of the result,
+    // batches in z.
+    let (tx, ty) = (n.div_ceil(QUANT_TILE_N), m.div_ceil(QUANT_TILE_M));
     let batches = push.offs[3] as usize;
     if m >= QUANT_TILE_MIN_M
         && tx <= max[0] as usize
