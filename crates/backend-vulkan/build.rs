@@ -274,6 +274,16 @@ const KERNELS: &[Spec] = &[
             ("b", Slot::Quant, QUANTS),
         ],
     ),
+    // The product over block weights for prefill (`mul_mat_q.wgsl`): each weight group
+    // decoded once per 32 rows of x.
+    (
+        "mul_mat_q",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+        ],
+    ),
     // The decode mat-vecs with an element-wise op in their store (`mul_mat_vec_out_e.wgsl`):
     // f32 activations, results and epilogue operands only, as the fusion takes them.
     (

@@ -1,7 +1,8 @@
 //! Decode mat-vec timing on whatever Vulkan device is present (lavapipe here): `x @ w.T` with
 //! `x` [1, K] f32 and `w` [N, K] f32/f16/bf16 or Q4_0/Q8_0/Q4_K/Q6_K blocks (random quants,
 //! small scales), the shape of every projection of a decode step; and `x` [8, K] (a small
-//! batch), where block weights take the multi-row kernel.
+//! batch), where block weights take the multi-row kernel; and prefill products (16 to 128 rows
+//! of x over the "tiny" and "small" models' projections), where they take the tiled kernel.
 //! Prints milliseconds per product; asserts nothing about time (timing is not a test), only
 //! that the result matches the CPU oracle. Run by hand:
 //! `cargo test --release -p lowsync-vulkan --test matvec_speed -- --ignored --nocapture`.
@@ -146,6 +147,45 @@ fn decode_mat_vec_milliseconds() {
                 err < 1e-3,
                 "{m}x{n}x{k} {wd}: max |diff| / max |want| {err}"
             );
+        }
+    }
+}
+
+#[test]
+#[ignore = "timing, run by hand with --nocapture"]
+fn prefill_product_milliseconds() {
+    let Some(vk) = common::open(VkConfig::default()) else {
+        return;
+    };
+    let cpu = CpuBackend::new();
+    // (n, k): "tiny"'s q/o and gate/up and down projections, then "small"'s.
+    for (n, k) in [
+        (256usize, 256usize),
+        (768, 256),
+        (256, 768),
+        (768, 768),
+        (2048, 768),
+        (768, 2048),
+    ] {
+        for m in [8usize, 16, 32, 64, 128] {
+            for wd in [DType::Q4_0, DType::Q8_0, DType::Q4_K, DType::Q6_K] {
+                if !k.is_multiple_of(wd.block_size()) {
+                    continue;
+                }
+                let (ms, got) = time(&vk, wd, m, n, k, 5);
+                let (_, want) = time(&cpu, wd, m, n, k, 1);
+                let err = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(g, w)| (g - w).abs())
+                    .fold(0.0f32, f32::max);
+                let err = err / want.iter().fold(1.0f32, |m, w| m.max(w.abs()));
+                println!("{m}x{n}x{k} {wd}: vulkan {ms:.2} ms, max |diff| / max |want| {err:.2e}");
+                assert!(
+                    err < 1e-3,
+                    "{m}x{n}x{k} {wd}: max |diff| / max |want| {err}"
+                );
+            }
         }
     }
 }

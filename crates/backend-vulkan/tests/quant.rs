@@ -149,48 +149,94 @@ fn nmse(got: &[f32], want: &[f64]) -> f64 {
     num / den.max(1e-300)
 }
 
-/// One product case: x [m, k] f32 @ w.T, w [n, k] of `dt` starting `lead` rows into its
-/// buffer (a row slice of a larger weight; Q4_0/Q8_0 rows of an odd block count start
-/// mid-word).
+/// One product case: x [batch, m, k] f32 @ w.T, w [n, k] of `dt` (or [batch, n, k]) starting
+/// `lead` rows into its buffer (a row slice of a larger weight; Q4_0/Q8_0 rows of an odd block
+/// count start mid-word). A batch of 1 is no batch axis at all.
 struct Product {
     dt: DType,
     m: usize,
     n: usize,
     k: usize,
     lead: usize,
-    /// x is a transposed view (strides [1, m]: not contiguous along k).
+    /// x is a transposed view (strides [1, m] in each batch: not contiguous along k).
     xt: bool,
+    /// Batches of x (a leading axis when above 1).
+    batch: usize,
+    /// w has the batch axis too (consecutive [n, k] matrices); else one w serves every batch.
+    w_batched: bool,
 }
 
 impl Product {
+    /// A product without batch axes.
+    fn plain(dt: DType, (m, n, k): (usize, usize, usize), lead: usize, xt: bool) -> Self {
+        Product {
+            dt,
+            m,
+            n,
+            k,
+            lead,
+            xt,
+            batch: 1,
+            w_batched: false,
+        }
+    }
+
+    /// Rows of w the weight bytes hold after the `lead` rows.
+    fn w_rows(&self) -> usize {
+        if self.w_batched {
+            self.batch * self.n
+        } else {
+            self.n
+        }
+    }
+
+    /// x (`batch * m * k` values, row-major [batch, m, k]) @ w.T on `b`, as [batch, m, n].
     fn run(&self, b: &dyn Backend, w: &[u8], x: &[f32]) -> Vec<f32> {
         let (m, n, k) = (self.m, self.n, self.k);
         let row = self.dt.row_bytes(k).expect("whole blocks");
         let wb = common::buffer_with(b, w);
-        let (xs, x_strides) = if self.xt {
-            let t: Vec<f32> = (0..k * m).map(|i| x[(i % m) * k + i / m]).collect();
+        let (xs, mut x_strides) = if self.xt {
+            let t: Vec<f32> = (0..self.batch * k * m)
+                .map(|i| {
+                    let (bi, j) = (i / (k * m), i % (k * m));
+                    x[bi * m * k + (j % m) * k + j / m]
+                })
+                .collect();
             (t, vec![1, m])
         } else {
             (x.to_vec(), vec![k, 1])
         };
         let xb = common::buffer_with(b, &common::f32_bytes(&xs));
-        let db = b.alloc_buffer(m * n * 4, BufferUsage::Compute).unwrap();
+        let db = b
+            .alloc_buffer(self.batch * m * n * 4, BufferUsage::Compute)
+            .unwrap();
+        let (mut x_shape, mut d_shape) = (vec![m, k], vec![m, n]);
+        let (mut w_shape, mut w_strides) = (vec![k, n], vec![1, k]);
+        if self.batch > 1 {
+            x_shape.insert(0, self.batch);
+            x_strides.insert(0, m * k);
+            d_shape.insert(0, self.batch);
+            if self.w_batched {
+                w_shape.insert(0, self.batch);
+                w_strides.insert(0, n * k);
+            }
+        }
         let wt = TensorRef {
             buffer: wb,
             byte_offset: self.lead * row,
             dtype: self.dt,
-            shape: vec![k, n],
-            strides: vec![1, k],
+            shape: w_shape,
+            strides: w_strides,
         };
         let g = common::graph(
             Op::MulMat,
-            common::contiguous(db, DType::F32, &[m, n]),
+            common::contiguous(db, DType::F32, &d_shape),
             vec![
                 TensorRef {
                     buffer: xb,
                     byte_offset: 0,
                     dtype: DType::F32,
-                    shape: vec![m, k],
+                    shape: x_shape,
                     strides: x_strides,
                 },
                 wt,
@@ -198,11 +244,62 @@ impl Product {
         );
         b.graph_compute_async(&g).unwrap();
         b.synchronize().unwrap();
-        let out = common::read_f32(b, db, m * n);
+        let out = common::read_f32(b, db, self.batch * m * n);
         for id in [wb, xb, db] {
             b.free_buffer(id);
         }
         out
+    }
+
+    /// The product in float64 over the weight's values `wd` (`w_rows` rows from `lead`).
+    fn reference(&self, x: &[f32], wd: &[f64]) -> Vec<f64> {
+        let (m, n, k) = (self.m, self.n, self.k);
+        (0..self.batch * m * n)
+            .map(|e| {
+                let (bi, r, c) = (e / (m * n), (e / n) % m, e % n);
+                let wrow = if self.w_batched { bi * n + c } else { c };
+                let xr = &x[(bi * m + r) * k..][..k];
+                let wr = &wd[wrow * k..][..k];
+                xr.iter().zip(wr).map(|(&a, &w)| f64::from(a) * w).sum()
+            })
+            .collect()
+    }
+
+    /// Failures of the product on `vk` against float64 and against the CPU oracle.
+    fn check(&self, vk: &VulkanBackend, cpu: &CpuBackend, seed: u64) -> Option<String> {
+        let (dt, k) = (self.dt, self.k);
+        let w = blocks(dt, self.lead + self.w_rows(), k, 7 + seed);
+        let mut rng = Rng(1234 + seed);
+        let x = f32s(&mut rng, self.batch * self.m * k);
+        let lead_bytes = self.lead * dt.row_bytes(k).unwrap();
+        let wd = reference_values(cpu, dt, &w[lead_bytes..], self.w_rows(), k);
+        let want = self.reference(&x, &wd);
+        let got = self.run(vk, &w, &x);
+        let oracle = self.run(cpu, &w, &x);
+        let (e64, ecpu) = (
+            nmse(&got, &want),
+            nmse(
+                &got,
+                &oracle.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(),
+            ),
+        );
+        // f32 accumulation in another order than float64: ~1e-13; the CPU backend's
+        // 16-bit activation blocks stay within 2.4e-4 of the range: ~1e-8.
+        let ok = !e64.is_nan() && e64 <= 1e-10 && !ecpu.is_nan() && ecpu <= 1e-6;
+        (!ok).then(|| {
+            format!(
+                "{dt} batch={} (w batched {}) m={} n={} k={k} lead={} xt={}: NMSE vs float64 \
+                 {e64:.2e}, vs cpu {ecpu:.2e} (got {:?}, want {:?})",
+                self.batch,
+                self.w_batched,
+                self.m,
+                self.n,
+                self.lead,
+                self.xt,
+                &got[..got.len().min(3)],
+                &want[..want.len().min(3)]
+            )
+        })
     }
 }
 
@@ -227,46 +324,8 @@ fn products(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
     ];
     for &dt in VK_QUANTS {
         for (i, &(m, n, nb, lead, xt)) in shapes.iter().enumerate() {
-            let k = nb * dt.block_size();
-            let p = Product {
-                dt,
-                m,
-                n,
-                k,
-                lead,
-                xt,
-            };
-            let w = blocks(dt, lead + n, k, 7 + i as u64);
-            let mut rng = Rng(1234 + i as u64);
-            let x = f32s(&mut rng, m * k);
-            let wd = reference_values(cpu, dt, &w[lead * dt.row_bytes(k).unwrap()..], n, k);
-            let want: Vec<f64> = (0..m * n)
-                .map(|e| {
-                    let (r, c) = (e / n, e % n);
-                    (0..k)
-                        .map(|j| f64::from(x[r * k + j]) * wd[c * k + j])
-                        .sum()
-                })
-                .collect();
-            let got = p.run(vk, &w, &x);
-            let oracle = p.run(cpu, &w, &x);
-            let name = format!("{dt} m={m} n={n} k={k} lead={lead} xt={xt}");
-            let (e64, ecpu) = (
-                nmse(&got, &want),
-                nmse(
-                    &got,
-                    &oracle.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(),
-                ),
-            );
-            // f32 accumulation in another order than float64: ~1e-13; the CPU backend's
-            // 16-bit activation blocks stay within 2.4e-4 of the range: ~1e-8.
-            if e64.is_nan() || e64 > 1e-10 || ecpu.is_nan() || ecpu > 1e-6 {
-                failures.push(format!(
-                    "{name}: NMSE vs float64 {e64:.2e}, vs cpu {ecpu:.2e} (got {:?}, want {:?})",
-                    &got[..got.len().min(3)],
-                    &want[..want.len().min(3)]
-                ));
-            }
+            let p = Product::plain(dt, (m, n, nb * dt.block_size()), lead, xt);
+            failures.extend(p.check(vk, cpu, i as u64));
         }
     }
     failures
@@ -327,6 +386,60 @@ fn get_rows(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
             if !same {
                 failures.push(format!("get_rows {dt} -> {dst_dt}: differs from the cpu"));
             }
+        }
+    }
+    failures
+}
+
+/// Prefill-shaped products (many rows of x), where block weights take the tiled kernel
+/// (`mul_mat_q`) from 16 rows: row counts on both sides of that threshold and of the 32-row
+/// tiles, result columns not a multiple of 64, one block to several (K-quants: k a multiple of
+/// 256), a weight starting mid-word, an x not contiguous along k, and batch axes with w
+/// batched or broadcast.
+fn tiled_products(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
+    // (m, n, blocks per row, lead rows, x transposed, batches, w batched)
+    let shapes = [
+        (9, 70, 1, 1, false, 1, false),
+        (16, 65, 2, 0, false, 1, false),
+        (33, 100, 3, 3, false, 1, false),
+        (64, 64, 1, 0, false, 1, false),
+        (65, 129, 2, 1, false, 1, false),
+        (130, 40, 4, 2, true, 1, false),
+        (200, 77, 5, 1, false, 1, false),
+        (40, 66, 2, 1, false, 3, true),
+        (24, 33, 1, 0, false, 2, false),
+    ];
+    let mut failures = Vec::new();
+    for &dt in VK_QUANTS {
+        for (i, &(m, n, nb, lead, xt, batch, w_batched)) in shapes.iter().enumerate() {
+            let p = Product {
+                batch,
+                w_batched,
+                ..Product::plain(dt, (m, n, nb * dt.block_size()), lead, xt)
+            };
+            failures.extend(p.check(vk, cpu, 100 + i as u64));
+        }
+    }
+    failures
+}
+
+/// The tiled product's results do not depend on where its tile edges fall: rows 50 .. 130 of x
+/// against rows 20 .. 100 of w (shifted off the tiles of 32 rows of x and 64 of w) give bit for bit the
+/// elements of the full 130 x 100 product.
+fn tile_edges(vk: &VulkanBackend) -> Vec<String> {
+    let (m, n, lead, dr, dc) = (130, 100, 1, 50, 20);
+    let mut failures = Vec::new();
+    for &dt in VK_QUANTS {
+        let k = 2 * dt.block_size();
+        let w = blocks(dt, lead + n, k, 41);
+        let x = f32s(&mut Rng(42), m * k);
+        let full = Product::plain(dt, (m, n, k), lead, false).run(vk, &w, &x);
+        let part =
+            Product::plain(dt, (m - dr, n - dc, k), lead + dc, false).run(vk, &w, &x[dr * k..]);
+        let same = (0..m - dr)
+            .all(|r| (0..n - dc).all(|c| part[r * (n - dc) + c] == full[(r + dr) * n + c + dc]));
+        if !same {
+            failures.push(format!("{dt}: a shifted tile changed the results"));
         }
     }
     failures
@@ -408,6 +521,34 @@ fn both_block_mat_vec_bodies_match_the_cpu_oracle() {
         }
         common::assert_clean(&vk);
     }
+}
+
+/// Every block type's prefill products match the CPU oracle and float64, take the prefill
+/// kernel (64 invocations a workgroup, which every Vulkan device allows), and do not depend on
+/// the tile edges; the validation layer stays silent.
+#[test]
+fn tiled_quantized_products_match_the_cpu_oracle() {
+    let Some(vk) = common::open(VkConfig {
+        profile: true,
+        ..common::config()
+    }) else {
+        return;
+    };
+    let cpu = CpuBackend::new();
+    let mut failures = tiled_products(&vk, &cpu);
+    failures.extend(tile_edges(&vk));
+    assert!(
+        failures.is_empty(),
+        "{} case(s) failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    let names: Vec<String> = vk.kernel_times().into_iter().map(|t| t.name).collect();
+    for &dt in VK_QUANTS {
+        let name = format!("mul_mat_q.d_f32.a_f32.b_{}", dt.name());
+        assert!(names.contains(&name), "{name} did not run: {names:?}");
+    }
+    common::assert_clean(&vk);
 }
 
 #[test]

@@ -31,6 +31,14 @@ const MAT_VEC_MAX_M: usize = 8;
 const MAT_VEC_K_ROWS: usize = 8;
 /// Rows of x per workgroup z of the multi-row quantized mat-vec (`MT` in `mul_mat_vec_qm.wgsl`).
 const QUANT_ROWS_PER_GROUP: usize = 8;
+/// Rows of w per workgroup of the prefill product over block weights (`BN` in
+/// `mul_mat_q.wgsl`, one invocation each).
+const QUANT_TILE_N: usize = 64;
+/// Rows of x per workgroup of that product (`RB` in `mul_mat_q.wgsl`): each weight group is
+/// decoded once for this many rows.
+const QUANT_TILE_M: usize = 32;
+/// Rows of x from which block weights take the prefill product instead of the multi-row mat-vec.
+const QUANT_TILE_MIN_M: usize = 16;
 
 pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispatch>> {
     if dst.dtype != DType::F32 {
@@ -309,11 +317,13 @@ pub(super) fn mul_mat_set_rows(
 /// `x @ w.T` over a block-dtype `w`, dequantized in registers: one row of x takes the decode
 /// mat-vec (`mul_mat_vec_q*.wgsl`, workgroup z a row of x; `mul_mat_vec_qv` where subgroups
 /// and 256-invocation workgroups exist and x is contiguous and 16-byte aligned, or there
-/// `mul_mat_vec_qb` under `LOWSYNC_VK_QV=block`), more rows of an x contiguous along
-/// k take `mul_mat_vec_qm*.wgsl`, whose workgroup z covers `QUANT_ROWS_PER_GROUP` rows of x so
-/// that each group of w is read and dequantized once for all of them. The graph builder admits such a `b` only with its blocks along k (stride 1,
-/// whole rows: `b_sk == 1`, every other stride a whole number of rows); b's offset and strides
-/// go to the kernel in bytes.
+/// `mul_mat_vec_qb` under `LOWSYNC_VK_QV=block`), a few rows of an x contiguous along k take
+/// `mul_mat_vec_qm*.wgsl`, whose workgroup z covers `QUANT_ROWS_PER_GROUP` rows of x so that
+/// each group of w is read and dequantized once for all of them, and `QUANT_TILE_MIN_M` rows or
+/// more (prefill) take `mul_mat_q.wgsl`, which decodes each group of w once per `QUANT_TILE_M`
+/// rows of x. The graph builder admits such a `b` only with its blocks along k
+/// (stride 1, whole rows: `b_sk == 1`, every other stride a whole number of rows); b's offset
+/// and strides go to the kernel in bytes.
 fn quant_mat_vec(
     c: &Ctx,
     b: &Res,
@@ -330,6 +340,28 @@ fn quant_mat_vec(
         )));
     }
     let max = c.lim.max_groups;
+    push.b_str = [
+        c.block_bytes(b.dtype, sb[0], "batch stride")?,
+        c.block_bytes(b.dtype, sb[1], "batch stride")?,
+        0,
+        c.block_bytes(b.dtype, b_sn, "row stride")?,
+    ];
+    // The prefill kernel: 64 invocations (one per row of w) per 64 x 32 tile of the result,
+    // batches in z.
+    let (tx, ty) = (n.div_ceil(QUANT_TILE_N), m.div_ceil(QUANT_TILE_M));
+    let batches = push.offs[3] as usize;
+    if m >= QUANT_TILE_MIN_M
+        && tx <= max[0] as usize
+        && ty <= max[1] as usize
+        && batches <= max[2] as usize
+    {
+        return Ok(vec![Dispatch {
+            kernel: format!("mul_mat_q.d_f32.a_f32.b_{}", dt(b.dtype)),
+            binds: binds.to_vec(),
+            push,
+            groups: [tx as u32, ty as u32, push.offs[3]],
+        }]);
+    }
     let gx = n.div_ceil(MAT_VEC_K_ROWS);
     // The multi-row kernel reads x contiguous along k only (`X_CONTIGUOUS`); any other x
     // takes the one-row kernel once per row.
@@ -341,12 +373,6 @@ fn quant_mat_vec(
     if gx > max[0] as usize || gz > max[2] as usize {
         return Err(c.err(format!("a {m}x{n} product exceeds the dispatch limits")));
     }
-    push.b_str = [
-        c.block_bytes(b.dtype, sb[0], "batch stride")?,
-        c.block_bytes(b.dtype, sb[1], "batch stride")?,
-        0,
-        c.block_bytes(b.dtype, b_sn, "row stride")?,
-    ];
     let flavour = if !c.lim.subgroups {
         "_wg"
     } else if m == 1 && push.prm[0] == 1 && c.lim.wide_groups && x_vec_aligned(&push, sa) {
