@@ -101,10 +101,11 @@ fn pack_allowed() -> std::result::Result<bool, String> {
 }
 
 /// Which activation blocks a prefill product (at least `q16::PANEL_MIN_ROWS` activation rows)
-/// over a packed weight takes (`LOWSYNC_CPU_PREFILL_ACT`): `q8` takes the 8-bit blocks of `q8`
-/// on every type with a body for them (Q4_0, Q4_K, Q6_K), `q16` keeps the 16-bit blocks of
-/// `q16`, and unset takes 8 bits on the types where they were measured faster
-/// ([`q8_by_default`]); read once, a bad value is an error naming the variable.
+/// takes (`LOWSYNC_CPU_PREFILL_ACT`): `q8` takes the 8-bit blocks of `q8` on every type with a
+/// body for them (over packed groups: Q4_0, Q4_K, Q6_K; in place with AVX2: Q4_0, Q4_1, Q8_0,
+/// Q4_K, Q6_K), `q16` keeps the 16-bit blocks of `q16`, and unset takes 8 bits on the types
+/// where they were measured faster ([`q8_by_default`]); read once, a bad value is an error
+/// naming the variable.
 fn prefill_act() -> std::result::Result<Option<&'static str>, String> {
     static ACT: OnceLock<std::result::Result<Option<&'static str>, String>> = OnceLock::new();
     ACT.get_or_init(|| {
@@ -114,26 +115,47 @@ fn prefill_act() -> std::result::Result<Option<&'static str>, String> {
     .clone()
 }
 
-/// Whether a prefill product over packed `dt` weights takes 8-bit activations when
-/// `LOWSYNC_CPU_PREFILL_ACT` is unset.
-fn q8_by_default(dt: lowsync_graph::DType) -> bool {
-    matches!(
-        dt,
-        lowsync_graph::DType::Q4_0 | lowsync_graph::DType::Q4_K | lowsync_graph::DType::Q6_K
-    )
+/// Whether a decode product (fewer than `q16::PANEL_MIN_ROWS` activation rows) over weights
+/// read in place by the AVX2 bodies takes 8-bit activation blocks (`LOWSYNC_CPU_DECODE_ACT`:
+/// `q16`, the default, or `q8`); read once, a bad value is an error naming the variable.
+fn decode_q8() -> std::result::Result<bool, String> {
+    static ACT: OnceLock<std::result::Result<bool, String>> = OnceLock::new();
+    ACT.get_or_init(|| {
+        env::choice("LOWSYNC_CPU_DECODE_ACT", &["q16", "q8"], "q16 or q8")
+            .map(|c| c == Some("q8"))
+            .map_err(|e| e.to_string())
+    })
+    .clone()
 }
 
-/// Whether a product of `m` activation rows over packed `dt` weights takes 8-bit activations
-/// (the type's [`PackedType::dot8`] must exist too).
-fn prefill_q8(dt: lowsync_graph::DType, m: usize) -> std::result::Result<bool, String> {
-    // Read before the row count decides, so that a bad value is an error in decode too.
-    let act = prefill_act()?;
-    Ok(m >= q16::PANEL_MIN_ROWS
-        && match act {
-            Some("q8") => true,
-            Some(_) => false,
-            None => q8_by_default(dt),
-        })
+/// Whether a prefill product over `dt` weights takes 8-bit activations when
+/// `LOWSYNC_CPU_PREFILL_ACT` is unset: over packed groups (`packed`) or in place with AVX2.
+fn q8_by_default(dt: lowsync_graph::DType, packed: bool) -> bool {
+    use lowsync_graph::DType;
+    if packed {
+        matches!(dt, DType::Q4_0 | DType::Q4_K | DType::Q6_K)
+    } else {
+        matches!(
+            dt,
+            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q4_K | DType::Q6_K
+        )
+    }
+}
+
+/// Whether a product of `m` activation rows over `dt` weights, packed or not, takes 8-bit
+/// activations where a body for them exists: prefill as `LOWSYNC_CPU_PREFILL_ACT` says, decode
+/// as `LOWSYNC_CPU_DECODE_ACT` says (never over packed groups, which have no 8-bit decode).
+fn takes_q8(dt: lowsync_graph::DType, m: usize, packed: bool) -> std::result::Result<bool, String> {
+    // Both read before the row count decides, so that a bad value is an error in any product.
+    let (act, dec) = (prefill_act()?, decode_q8()?);
+    if m < q16::PANEL_MIN_ROWS {
+        return Ok(dec && !packed);
+    }
+    Ok(match act {
+        Some("q8") => true,
+        Some(_) => false,
+        None => q8_by_default(dt, packed),
+    })
 }
 
 /// A weight's packed copy: `groups` groups of [`GROUP`] rows, `group_bytes` each, back to back
@@ -274,9 +296,20 @@ pub(crate) fn uses_q16(dt: lowsync_graph::DType) -> bool {
 /// blocks here.
 #[cfg(test)]
 pub(crate) fn uses_q8(dt: lowsync_graph::DType, m: usize) -> bool {
-    uses_packed(dt)
-        && packed::packed_type(dt).is_some_and(|pt| pt.dot8.is_some())
-        && prefill_q8(dt, m).unwrap_or(false)
+    if uses_packed(dt) {
+        return packed::packed_type(dt).is_some_and(|pt| pt.dot8.is_some())
+            && takes_q8(dt, m, true).unwrap_or(false);
+    }
+    uses_q16(dt)
+        && avx2_in_place()
+        && q8::avx2_dot_fn(dt).is_some()
+        && takes_q8(dt, m, false).unwrap_or(false)
+}
+
+/// Whether in-place products run the AVX2 bodies (no AVX-512 VNNI, or
+/// `LOWSYNC_CPU_QUANT_ISA=avx2`).
+fn avx2_in_place() -> bool {
+    q16_isa() != Ok(q16::Isa::Avx512) || !q16::has_avx512()
 }
 
 /// The values a product of `m` activation rows reads for activations `x` (rows of `k`) over
@@ -407,15 +440,27 @@ pub(super) fn matmul(
     };
     // Prefill products over packed Q4_0 / Q4_K / Q6_K take 8-bit activation blocks
     // (`vpdpbusd`: 4 products a lane against `vpdpwssd`'s 2); decode and the other types keep
-    // the 16-bit ones.
-    let q8 = prefill_q8(dt, m).map_err(|e| kernel_err(node, e))?;
+    // the 16-bit ones. Where the AVX2 bodies read the weight in place, prefill products (and
+    // decode with `LOWSYNC_CPU_DECODE_ACT=q8`) take the 8-bit bodies of `q8::avx2`
+    // (`pmaddubsw`: 32 byte products an instruction against `pmaddwd`'s 16).
+    let q8 = takes_q8(dt, m, packed.is_some()).map_err(|e| kernel_err(node, e))?;
     let dot8 = match &packed {
         Some((pt, _)) if q8 => pt.dot8,
         _ => None,
     };
-    let x8 = dot8.map(|_| q8::Q8Rows::quantize(x));
+    let in_place8 = match (fast, &packed) {
+        (Some(_), None) if q8 && avx2_in_place() => q8::avx2_dot_fn(dt),
+        _ => None,
+    };
+    let x8 = if dot8.is_some() {
+        Some(q8::Q8Rows::quantize(x))
+    } else if in_place8.is_some() {
+        Some(q8::Q8Rows::quantize_elements(x))
+    } else {
+        None
+    };
     let xq = fast
-        .filter(|_| dot8.is_none())
+        .filter(|_| x8.is_none())
         .map(|_| q16::QRows::quantize(x));
     // One job's weight rows: about JOB_WORK multiply-adds, never fewer than 1 row.
     // At least MIN_JOBS jobs, so that the threads finish together (9 jobs over 2 threads
@@ -487,7 +532,9 @@ pub(super) fn matmul(
         chunk.clear();
         chunk.resize(rows * m, 0.0);
         let quant_rows = w.quant_rows(1, j0, rows).zip(dt.row_bytes(k));
-        if let (Some(dot), Some(xq), Some((bytes, row_bytes))) = (fast, &xq, quant_rows) {
+        if let (Some(dot), Some(x8), Some((bytes, row_bytes))) = (in_place8, &x8, quant_rows) {
+            dot(bytes, row_bytes, x8, chunk);
+        } else if let (Some(dot), Some(xq), Some((bytes, row_bytes))) = (fast, &xq, quant_rows) {
             dot(bytes, row_bytes, xq, chunk);
         } else {
             let mut res = vec![0.0f32; m];
@@ -495,7 +542,9 @@ pub(super) fn matmul(
                 let Some(bytes) = w.quant_row(1, j0 + jj) else {
                     continue;
                 };
-                if let (Some(dot), Some(xq)) = (fast, &xq) {
+                if let (Some(dot), Some(x8)) = (in_place8, &x8) {
+                    dot(bytes, bytes.len(), x8, &mut res);
+                } else if let (Some(dot), Some(xq)) = (fast, &xq) {
                     dot(bytes, bytes.len(), xq, &mut res);
                 } else {
                     buf.resize(k, 0.0);

@@ -613,7 +613,7 @@ pub(super) mod x86 {
     /// A prefetch past the weights is harmless (it never faults). A lone row is one stream the
     /// hardware follows by itself: no prefetch there (it only cost time).
     /// How far ahead the 4-row decode tiles prefetch (bytes).
-    const PREFETCH_FAR: usize = 4096;
+    pub(in crate::kernels::quant) const PREFETCH_FAR: usize = 4096;
 
     /// [`prefetch_rows`] for the 4-row decode tiles: [`PREFETCH_FAR`] bytes ahead, into the
     /// L2 (`T1`). Those tiles read a block in fewer instructions, so 512 bytes ahead no longer
@@ -697,14 +697,14 @@ pub(super) mod x86 {
     /// and one add for four rows instead of a scale broadcast, a conversion and an FMA per row
     /// and block.
     #[inline(always)]
-    unsafe fn sum4(p: &[__m256i; 4]) -> __m128i {
+    pub(in crate::kernels::quant) unsafe fn sum4(p: &[__m256i; 4]) -> __m128i {
         let h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
         _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))
     }
 
     /// The little-endian u16 at `p`, as i32.
     #[inline(always)]
-    unsafe fn u16_at(p: *const u8) -> i32 {
+    pub(in crate::kernels::quant) unsafe fn u16_at(p: *const u8) -> i32 {
         i32::from(u16::from_le_bytes([*p, *p.add(1)]))
     }
 
@@ -788,7 +788,7 @@ pub(super) mod x86 {
     /// of `scalar::k_scale_min`, bit for bit), decoded from the 12 packed bytes with 32-bit
     /// integer masks and shifts (4 sub-blocks a word) and converted 8 at a time.
     #[inline(always)]
-    unsafe fn k_scales8(p: *const u8) -> (__m256, __m256) {
+    pub(in crate::kernels::quant) unsafe fn k_scales8(p: *const u8) -> (__m256, __m256) {
         let (a, b, c) = (
             u32_at(p.add(4)) as u32,
             u32_at(p.add(8)) as u32,
@@ -812,7 +812,7 @@ pub(super) mod x86 {
     /// Rows `v[0..4]` of 8 values to columns: lanes 0..4 of `t[j]` are `v[0..4][j]` and lanes
     /// 4..8 `v[0..4][j + 4]`, for `j < 4`.
     #[inline(always)]
-    unsafe fn transpose4x8(v: &[__m256; 4]) -> [__m256; 4] {
+    pub(in crate::kernels::quant) unsafe fn transpose4x8(v: &[__m256; 4]) -> [__m256; 4] {
         let (l01, h01) = (
             _mm256_unpacklo_ps(v[0], v[1]),
             _mm256_unpackhi_ps(v[0], v[1]),

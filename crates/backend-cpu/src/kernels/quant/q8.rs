@@ -37,29 +37,42 @@ pub(crate) const PERM: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
 
 /// Activation rows quantized to 8-bit blocks: for block `b` of every row (row `i` starts at
 /// block `i * k / 32`), the scale `d[b]`, `s[b] = d[b] * sum(q)`, the integer sums `n[b]` of its
-/// elements 0..16 and 16..32, and its 32 values at `q[32 * b..]` in [`PERM`] order.
+/// elements 0..16 and 16..32, and its 32 values at `q[32 * b..]`, in [`PERM`] order (`perm`,
+/// for the packed groups) or in element order (for the AVX2 bodies of `avx2`, which read the
+/// GGUF blocks in place, where element order is what one load and a nibble mask give).
 pub(crate) struct Q8Rows {
     pub d: Vec<f32>,
     pub s: Vec<f32>,
     pub n: Vec<[i32; 2]>,
     pub q: Vec<i8>,
+    pub perm: bool,
 }
 
 impl Q8Rows {
-    /// Quantizes `x` (rows of `k` elements, `k` a multiple of 32): with AVX-512 where the CPU
-    /// has it (bit-identical to the scalar code), else scalar.
+    /// Quantizes `x` (rows of `k` elements, `k` a multiple of 32), values in [`PERM`] order:
+    /// with AVX-512 or AVX2 where the CPU has it (bit-identical to the scalar code), else scalar.
     pub(crate) fn quantize(x: &[f32]) -> Q8Rows {
+        Self::quantize_ordered(x, true)
+    }
+
+    /// [`Q8Rows::quantize`] with the values of each block in element order.
+    pub(crate) fn quantize_elements(x: &[f32]) -> Q8Rows {
+        Self::quantize_ordered(x, false)
+    }
+
+    fn quantize_ordered(x: &[f32], perm: bool) -> Q8Rows {
         let nb = x.len() / QK;
         let mut out = Q8Rows {
             d: vec![0.0; nb],
             s: vec![0.0; nb],
             n: vec![[0; 2]; nb],
             q: vec![0; nb * QK],
+            perm,
         };
         if nb > PAR_BLOCKS {
             // A 128-row prefill product quantizes 3k-8k blocks on the calling thread otherwise,
             // while the other threads wait for its jobs.
-            let run = |((((d, s), n), q), x): Part<'_>| quantize_blocks(x, d, s, n, q);
+            let run = |((((d, s), n), q), x): Part<'_>| quantize_blocks(x, d, s, n, q, perm);
             out.d
                 .par_chunks_mut(PAR_BLOCKS)
                 .zip(out.s.par_chunks_mut(PAR_BLOCKS))
@@ -68,7 +81,7 @@ impl Q8Rows {
                 .zip(x.par_chunks(PAR_BLOCKS * QK))
                 .for_each(run);
         } else {
-            quantize_blocks(x, &mut out.d, &mut out.s, &mut out.n, &mut out.q);
+            quantize_blocks(x, &mut out.d, &mut out.s, &mut out.n, &mut out.q, perm);
         }
         out
     }
@@ -86,8 +99,30 @@ impl Q8Rows {
     /// Value `l` (element order) of block `b`.
     #[cfg(test)]
     pub(crate) fn value(&self, b: usize, l: usize) -> i8 {
+        if !self.perm {
+            return self.q[b * QK + l];
+        }
         let at = l / 8 * 8 + PERM.iter().position(|&e| e == l % 8).expect("0..8");
         self.q[b * QK + at]
+    }
+}
+
+/// Dot products of weight rows (raw blocks, `row_bytes` each, back to back) with `m` 8-bit
+/// activation rows in element order ([`Q8Rows::quantize_elements`]), `m = out.len() / rows`;
+/// `out[i * rows + r]` receives weight row `r` times activation row `i` (as `q16::DotFn`).
+pub(crate) type Dot8Fn = fn(&[u8], usize, &Q8Rows, &mut [f32]);
+
+/// The AVX2 body over 8-bit activations for weights of `dt` reading them in place (`avx2`),
+/// where the CPU has AVX2, FMA and F16C.
+pub(crate) fn avx2_dot_fn(dt: lowsync_graph::DType) -> Option<Dot8Fn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx2::dot_fn(dt)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = dt;
+        None
     }
 }
 
@@ -103,29 +138,41 @@ type Part<'a> = (
     &'a [f32],
 );
 
-/// Quantizes the blocks of `x` into `d`, `s`, `n`, `q` (one entry, or 32 values, a block):
-/// with AVX-512 where the CPU has it, else scalar.
-fn quantize_blocks(x: &[f32], d: &mut [f32], s: &mut [f32], n: &mut [[i32; 2]], q: &mut [i8]) {
+/// Quantizes the blocks of `x` into `d`, `s`, `n`, `q` (one entry, or 32 values, a block),
+/// values in [`PERM`] order where `perm`, else in element order: with AVX-512 or AVX2 where the
+/// CPU has it, else scalar.
+fn quantize_blocks(
+    x: &[f32],
+    d: &mut [f32],
+    s: &mut [f32],
+    n: &mut [[i32; 2]],
+    q: &mut [i8],
+    perm: bool,
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if super::q16::has_avx512() {
             // SAFETY: AVX-512 F/BW/VL were detected.
-            return unsafe { avx512::quantize_blocks(x, d, s, n, q) };
+            return unsafe { avx512::quantize_blocks(x, d, s, n, q, perm) };
+        }
+        if std::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 was detected.
+            return unsafe { avx2::quantize_blocks(x, d, s, n, q, perm) };
         }
     }
     for (b, blk) in x.chunks_exact(QK).enumerate() {
         let qb: &mut [i8; QK] = (&mut q[b * QK..(b + 1) * QK])
             .try_into()
             .expect("a block of 32");
-        let (db, nb) = quantize_block(blk.try_into().expect("a block of 32"), qb);
+        let (db, nb) = quantize_block(blk.try_into().expect("a block of 32"), qb, perm);
         // |sum| <= 32 * 127: exact in f32.
         (d[b], s[b], n[b]) = (db, db * (nb[0] + nb[1]) as f32, nb);
     }
 }
 
-/// One block of 32: its values in [`PERM`] order, and `(d, [sum of elements 0..16, sum of
-/// 16..32])`.
-fn quantize_block(blk: &[f32; QK], out: &mut [i8; QK]) -> (f32, [i32; 2]) {
+/// One block of 32: its values in [`PERM`] order (`perm`) or element order, and `(d, [sum of
+/// elements 0..16, sum of 16..32])`.
+fn quantize_block(blk: &[f32; QK], out: &mut [i8; QK], perm: bool) -> (f32, [i32; 2]) {
     let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let d = amax / 127.0;
     let id = if d > 0.0 { 1.0 / d } else { 0.0 };
@@ -136,6 +183,10 @@ fn quantize_block(blk: &[f32; QK], out: &mut [i8; QK]) -> (f32, [i32; 2]) {
         *q = (v * id).round().clamp(-127.0, 127.0) as i8;
         sum[l / 16] += i32::from(*q);
     }
+    if !perm {
+        *out = q;
+        return (d, sum);
+    }
     for (run, src) in out.chunks_exact_mut(8).zip(q.chunks_exact(8)) {
         for (o, &e) in run.iter_mut().zip(&PERM) {
             *o = src[e];
@@ -143,6 +194,9 @@ fn quantize_block(blk: &[f32; QK], out: &mut [i8; QK]) -> (f32, [i32; 2]) {
     }
     (d, sum)
 }
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
@@ -163,11 +217,12 @@ mod avx512 {
         s: &mut [f32],
         n: &mut [[i32; 2]],
         q: &mut [i8],
+        perm: bool,
     ) {
         for (b, (blk, qb)) in x.chunks_exact(QK).zip(q.chunks_exact_mut(QK)).enumerate() {
             let (blk, qb) = (blk.try_into().expect("32"), qb.try_into().expect("32"));
             // SAFETY: as the caller promised.
-            let (db, nb) = unsafe { quantize_block(blk, qb) };
+            let (db, nb) = unsafe { quantize_block(blk, qb, perm) };
             (d[b], s[b], n[b]) = (db, db * (nb[0] + nb[1]) as f32, nb);
         }
     }
@@ -175,13 +230,17 @@ mod avx512 {
     /// `super::quantize_block` with AVX-512, bit for bit: the same max (NaN ignored), the same
     /// `v * id` products, rounding half away from zero (truncate, then step away from zero
     /// where the dropped part is at least one half; exact below 2^23), the same clamp, NaN to
-    /// 0, and the bytes permuted within each run of 8 by one shuffle.
+    /// 0, and (where `perm`) the bytes permuted within each run of 8 by one shuffle.
     ///
     /// # Safety
     /// AVX-512 F, BW and VL are available.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn quantize_block(blk: &[f32; QK], out: &mut [i8; QK]) -> (f32, [i32; 2]) {
+    pub(super) unsafe fn quantize_block(
+        blk: &[f32; QK],
+        out: &mut [i8; QK],
+        perm: bool,
+    ) -> (f32, [i32; 2]) {
         let p = blk.as_ptr();
         let v = [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))];
         let abs_mask = _mm512_set1_epi32(0x7FFF_FFFF);
@@ -198,7 +257,11 @@ mod avx512 {
         let sign = _mm512_set1_epi32(i32::MIN);
         let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
         // Within each 8 bytes: stored byte j takes element PERM[j].
-        let shuf = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+        let shuf = if perm {
+            _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15)
+        } else {
+            _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+        };
         let mut sums = [0i32; 2];
         for h in 0..2 {
             let x = _mm512_mul_ps(v[h], idv);
@@ -266,10 +329,46 @@ mod tests {
         let simd = Q8Rows::quantize(&x);
         for (b, blk) in x.chunks_exact(QK).enumerate() {
             let mut q = [0i8; QK];
-            let (d, n) = quantize_block(blk.try_into().expect("32"), &mut q);
+            let (d, n) = quantize_block(blk.try_into().expect("32"), &mut q, true);
             assert_eq!(d.to_bits(), simd.d[b].to_bits(), "block {b}");
             assert_eq!(n, simd.n[b], "block {b}");
             assert_eq!(q[..], simd.q[b * QK..(b + 1) * QK], "block {b}");
+        }
+    }
+
+    #[test]
+    fn the_avx2_quantizer_gives_the_scalar_bits_in_both_orders() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if !std::is_x86_feature_detected!("avx2") {
+                eprintln!("skipped: this CPU lacks AVX2");
+                return;
+            }
+            for perm in [true, false] {
+                for (b, blk) in blocks().chunks_exact(QK).enumerate() {
+                    let blk: &[f32; QK] = blk.try_into().expect("32");
+                    let (mut a, mut s) = ([0i8; QK], [0i8; QK]);
+                    let want = quantize_block(blk, &mut a, perm);
+                    // SAFETY: AVX2 was detected.
+                    let got = unsafe { avx2::quantize_block(blk, &mut s, perm) };
+                    assert_eq!(a, s, "block {b} perm {perm}: values");
+                    assert_eq!(want.0.to_bits(), got.0.to_bits(), "block {b} perm {perm}: d");
+                    assert_eq!(want.1, got.1, "block {b} perm {perm}: sums");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn element_order_holds_the_values_of_perm_order() {
+        let x = blocks();
+        let (p, e) = (Q8Rows::quantize(&x), Q8Rows::quantize_elements(&x));
+        assert_eq!(p.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), e.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        assert_eq!(p.n, e.n);
+        for b in 0..x.len() / QK {
+            for l in 0..QK {
+                assert_eq!(p.value(b, l), e.value(b, l), "block {b} value {l}");
+            }
         }
     }
 
