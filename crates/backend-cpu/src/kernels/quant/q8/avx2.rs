@@ -12,7 +12,8 @@
 //! nibbles; Q6_K: the 6-bit values, its `-32` taken off the pair sums as `pmaddubsw(32, x)`;
 //! Q8_0: `|w|`, the signs moved onto the activations with `psignb`); per activation row the 4
 //! rows' products are reduced together to 4 exact 32-bit sums (`phaddd`, as the q16 decode
-//! tiles do) and scaled with one 4-lane FMA, whose lanes are the 4 weight rows. The unsigned
+//! tiles do), two activation rows' sums into one vector, scaled with one 8-lane FMA whose lanes
+//! are the 4 weight rows of each of the 2 activation rows. The unsigned
 //! operand keeps every pair sum inside i16: nibbles `15 * 127 * 2`, Q6_K's `63 * 127 * 2`,
 //! Q8_0's `128 * 127 * 2 = 32512`, so `pmaddubsw` never saturates. A decode tile (one activation
 //! row) prefetches each of its 4 rows far ahead, as the q16 decode tiles do (the hardware
@@ -34,7 +35,7 @@ use lowsync_graph::DType;
 
 use super::{Dot8Fn, Q8Rows, QK};
 use crate::kernels::quant::q16::x86::{
-    k_scales8, sum4, transpose4x8, u16_at, PREFETCH_FAR,
+    k_scales8, transpose4x8, u16_at, PREFETCH_FAR,
 };
 
 /// The 8-bit body for weights of `dt`, where the CPU has AVX2, FMA and F16C.
@@ -163,7 +164,7 @@ struct Act8<'a> {
 /// row, whose results are then not stored).
 type Rows4 = [*const u8; 4];
 
-/// Calls `$body::<R>` over tiles of 4 weight rows by 4, 2 or 1 activation rows. The results
+/// Calls `$body::<R>` over tiles of 4 weight rows by 8, 4, 2 or 1 activation rows. The results
 /// do not depend on the tile (see the module's Determinism).
 macro_rules! wrapper {
     ($name:ident, $body:ident, $bb:expr, $per:expr) => {
@@ -190,7 +191,8 @@ macro_rules! wrapper {
                 let mut i0 = 0;
                 while i0 < m {
                     let rn = match m - i0 {
-                        4.. => 4,
+                        8.. => 8,
+                        4..8 => 4,
                         2 | 3 => 2,
                         _ => 1,
                     };
@@ -209,6 +211,7 @@ macro_rules! wrapper {
                     // bounds (prefetches may point past the weights; they never fault).
                     unsafe {
                         match rn {
+                            8 => store(&$body::<8>(&p, &act, pf), out, (j, wn, rows, i0)),
                             4 => store(&$body::<4>(&p, &act, pf), out, (j, wn, rows, i0)),
                             2 => store(&$body::<2>(&p, &act, pf), out, (j, wn, rows, i0)),
                             _ => store(&$body::<1>(&p, &act, pf), out, (j, wn, rows, i0)),
@@ -266,16 +269,6 @@ unsafe fn prefetch4(p: &Rows4, o: usize) {
     }
 }
 
-/// The 4 rows' exact integer sums `sum(w[r] * x)` (unsigned bytes `w[r]`, signed `x`).
-#[inline(always)]
-unsafe fn isum4(w: &[__m256i; 4], x: __m256i, ones: __m256i) -> __m128i {
-    let mut p = [_mm256_setzero_si256(); 4];
-    for (p, w) in p.iter_mut().zip(w) {
-        *p = _mm256_madd_epi16(_mm256_maddubs_epi16(*w, x), ones);
-    }
-    sum4(&p)
-}
-
 /// The 32 nibbles of the 16 bytes at `q` in element order (low nibbles 0..16, high 16..32).
 #[inline(always)]
 unsafe fn nibbles(q: *const u8, m4: __m256i) -> __m256i {
@@ -283,22 +276,128 @@ unsafe fn nibbles(q: *const u8, m4: __m256i) -> __m256i {
     _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(v), v), m4)
 }
 
-/// A tile's results: lane `r` of `acc[i]` is weight row `r` times activation row `i`.
+/// Accumulators of a tile of `R` activation rows: `acc[k]` holds activation row `2k` in its
+/// low 4 lanes and row `2k + 1` in its high 4 lanes, lane `r` of a half being weight row `r`
+/// (one 8-lane FMA for 8 outputs; where `R == 1`, the high half stays zero).
+type Acc = [__m256; 4];
+
+/// The two activation rows of accumulator `k` (the second the first again where `R == 1`).
 #[inline(always)]
-unsafe fn out<const R: usize>(acc: &[__m128; R]) -> [[f32; 4]; R] {
+fn rows_of<const R: usize>(k: usize) -> (usize, usize) {
+    (2 * k, (2 * k + 1).min(R - 1))
+}
+
+/// `[x; 4]` for row `i0` in the low half and `[y; 4]` for row `i1` in the high half.
+#[inline(always)]
+unsafe fn halves(x: f32, y: f32) -> __m256 {
+    _mm256_set_m128(_mm_set1_ps(y), _mm_set1_ps(x))
+}
+
+/// The exact integer sums of accumulator `k`'s two activation rows (see [`Acc`]), from
+/// `prods(i)`: row `i`'s 4 product vectors (weight row `r`'s sum is the sum of the 8 lanes of
+/// `prods(i)[r]`). Each row's 4 vectors are transposed and added within 128-bit halves by
+/// 6 unpacks and 3 adds (3 `phaddd` do the same work in more micro-ops, and they bounded the
+/// product: 0.98 ns per block and pair against ...), then the halves of the two rows meet in
+/// 2 lane permutes and one add.
+#[inline(always)]
+unsafe fn pair_sums<const R: usize>(
+    k: usize,
+    mut prods: impl FnMut(usize) -> [__m256i; 4],
+) -> __m256i {
+    let lane_sums = |p: [__m256i; 4]| {
+        let a = _mm256_add_epi32(
+            _mm256_unpacklo_epi32(p[0], p[1]),
+            _mm256_unpackhi_epi32(p[0], p[1]),
+        );
+        let b = _mm256_add_epi32(
+            _mm256_unpacklo_epi32(p[2], p[3]),
+            _mm256_unpackhi_epi32(p[2], p[3]),
+        );
+        _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
+    };
+    let (i0, i1) = rows_of::<R>(k);
+    let h0 = lane_sums(prods(i0));
+    if R == 1 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(h0), _mm256_extracti128_si256::<1>(h0));
+        return _mm256_zextsi128_si256(s);
+    }
+    let h1 = lane_sums(prods(i1));
+    // Each 128-bit half of h0 holds the 4 rows' sums over half of the lanes.
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256::<0x20>(h0, h1),
+        _mm256_permute2x128_si256::<0x31>(h0, h1),
+    )
+}
+
+/// A tile's results from its accumulators (see [`Acc`]).
+#[inline(always)]
+unsafe fn out<const R: usize>(acc: &Acc) -> [[f32; 4]; R] {
     let mut o = [[0.0f32; 4]; R];
-    for (o, a) in o.iter_mut().zip(acc) {
-        _mm_storeu_ps(o.as_mut_ptr(), *a);
+    for (k, a) in acc.iter().enumerate().take(R.div_ceil(2)) {
+        let mut v = [0.0f32; 8];
+        _mm256_storeu_ps(v.as_mut_ptr(), *a);
+        o[2 * k].copy_from_slice(&v[..4]);
+        if 2 * k + 1 < R {
+            o[2 * k + 1].copy_from_slice(&v[4..]);
+        }
     }
     o
+}
+
+/// `acc[k] += (dw * d_x) * sums` for accumulator `k` of block `b`.
+#[inline(always)]
+unsafe fn fma_block<const R: usize>(
+    acc: &mut __m256,
+    k: usize,
+    dw: __m256,
+    a: &Act8<'_>,
+    b: usize,
+    sums: __m256i,
+) {
+    let (i0, i1) = rows_of::<R>(k);
+    let dx = halves(a.d[i0 * a.nb + b], a.d[i1 * a.nb + b]);
+    *acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(sums), *acc);
+}
+
+/// `mins[k] += mw * s_x` for accumulator `k` of block `b` (types with a min).
+#[inline(always)]
+unsafe fn fma_mins<const R: usize>(
+    mins: &mut __m256,
+    k: usize,
+    mw: __m256,
+    a: &Act8<'_>,
+    b: usize,
+) {
+    let (i0, i1) = rows_of::<R>(k);
+    let s = halves(a.s[i0 * a.nb + b], a.s[i1 * a.nb + b]);
+    *mins = _mm256_fmadd_ps(mw, s, *mins);
+}
+
+/// The 4 rows' f16 at byte `o` in both halves (see [`Acc`]).
+#[inline(always)]
+unsafe fn f16x4x2(p: &Rows4, o: usize) -> __m256 {
+    let v = f16x4(p, o);
+    _mm256_set_m128(v, v)
+}
+
+/// The 4 rows' nibble products with activation row `i` of block `b`, `pmaddubsw` widened by
+/// `pmaddwd` with ones.
+#[inline(always)]
+unsafe fn prods_u8(wq: &[__m256i; 4], a: &Act8<'_>, i: usize, b: usize) -> [__m256i; 4] {
+    let (x, ones) = (x_block(a, i, b), _mm256_set1_epi16(1));
+    let mut p = [_mm256_setzero_si256(); 4];
+    for (p, w) in p.iter_mut().zip(wq) {
+        *p = _mm256_madd_epi16(_mm256_maddubs_epi16(*w, x), ones);
+    }
+    p
 }
 
 /// Q4_0: nibbles `q` (0..15), values `q - 8`: the offset comes off the 4 sums at once as
 /// `8 * n_x`, the activation block's integer sum.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_0_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32; 4]; R] {
-    let (m4, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
-    let mut acc = [_mm_setzero_ps(); R];
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut acc: Acc = [_mm256_setzero_ps(); 4];
     for b in 0..a.nb {
         let o = b * 18;
         if pf {
@@ -308,16 +407,16 @@ unsafe fn q4_0_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32;
         for (wq, p) in wq.iter_mut().zip(p) {
             *wq = nibbles(p.add(o + 2), m4);
         }
-        let dw = f16x4(p, o);
-        for (i, acc) in acc.iter_mut().enumerate() {
-            let at = i * a.nb + b;
-            let n = a.n[at];
-            let sum = _mm_sub_epi32(
-                isum4(&wq, x_block(a, i, b), ones),
-                _mm_set1_epi32(8 * (n[0] + n[1])),
-            );
-            let scale = _mm_mul_ps(dw, _mm_set1_ps(a.d[at]));
-            *acc = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(sum), *acc);
+        let dw = f16x4x2(p, o);
+        for (k, acc) in acc.iter_mut().enumerate().take(R.div_ceil(2)) {
+            let (i0, i1) = rows_of::<R>(k);
+            let off = |i: usize| {
+                let n = a.n[i * a.nb + b];
+                _mm_set1_epi32(8 * (n[0] + n[1]))
+            };
+            let off = _mm256_set_m128i(off(i1), off(i0));
+            let sums = _mm256_sub_epi32(pair_sums::<R>(k, |i| prods_u8(&wq, a, i, b)), off);
+            fma_block::<R>(acc, k, dw, a, b, sums);
         }
     }
     out(&acc)
@@ -326,8 +425,8 @@ unsafe fn q4_0_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32;
 /// Q4_1: nibbles times `d`, plus `m * s_x` in a chain of their own.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_1_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32; 4]; R] {
-    let (m4, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
-    let (mut acc, mut mins) = ([_mm_setzero_ps(); R], [_mm_setzero_ps(); R]);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let (mut acc, mut mins): (Acc, Acc) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
     for b in 0..a.nb {
         let o = b * 20;
         if pf {
@@ -337,17 +436,15 @@ unsafe fn q4_1_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32;
         for (wq, p) in wq.iter_mut().zip(p) {
             *wq = nibbles(p.add(o + 4), m4);
         }
-        let (dw, mw) = (f16x4(p, o), f16x4(p, o + 2));
-        for i in 0..R {
-            let at = i * a.nb + b;
-            let sum = isum4(&wq, x_block(a, i, b), ones);
-            let scale = _mm_mul_ps(dw, _mm_set1_ps(a.d[at]));
-            acc[i] = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(sum), acc[i]);
-            mins[i] = _mm_fmadd_ps(mw, _mm_set1_ps(a.s[at]), mins[i]);
+        let (dw, mw) = (f16x4x2(p, o), f16x4x2(p, o + 2));
+        for k in 0..R.div_ceil(2) {
+            let sums = pair_sums::<R>(k, |i| prods_u8(&wq, a, i, b));
+            fma_block::<R>(&mut acc[k], k, dw, a, b, sums);
+            fma_mins::<R>(&mut mins[k], k, mw, a, b);
         }
     }
     for (acc, mins) in acc.iter_mut().zip(&mins) {
-        *acc = _mm_add_ps(*acc, *mins);
+        *acc = _mm256_add_ps(*acc, *mins);
     }
     out(&acc)
 }
@@ -357,7 +454,7 @@ unsafe fn q4_1_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32;
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_0_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32; 4]; R] {
     let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm_setzero_ps(); R];
+    let mut acc: Acc = [_mm256_setzero_ps(); 4];
     for b in 0..a.nb {
         let o = b * 34;
         if pf {
@@ -368,16 +465,18 @@ unsafe fn q8_0_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32;
             wr[r] = _mm256_loadu_si256(p[r].add(o + 2).cast());
             wa[r] = _mm256_abs_epi8(wr[r]);
         }
-        let dw = f16x4(p, o);
-        for (i, acc) in acc.iter_mut().enumerate() {
-            let x = x_block(a, i, b);
-            let mut s = [_mm256_setzero_si256(); 4];
-            for r in 0..4 {
-                let prod = _mm256_maddubs_epi16(wa[r], _mm256_sign_epi8(x, wr[r]));
-                s[r] = _mm256_madd_epi16(prod, ones);
-            }
-            let scale = _mm_mul_ps(dw, _mm_set1_ps(a.d[i * a.nb + b]));
-            *acc = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(sum4(&s)), *acc);
+        let dw = f16x4x2(p, o);
+        for (k, acc) in acc.iter_mut().enumerate().take(R.div_ceil(2)) {
+            let sums = pair_sums::<R>(k, |i| {
+                let x = x_block(a, i, b);
+                let mut s = [_mm256_setzero_si256(); 4];
+                for r in 0..4 {
+                    let prod = _mm256_maddubs_epi16(wa[r], _mm256_sign_epi8(x, wr[r]));
+                    s[r] = _mm256_madd_epi16(prod, ones);
+                }
+                s
+            });
+            fma_block::<R>(acc, k, dw, a, b, sums);
         }
     }
     out(&acc)
@@ -388,8 +487,8 @@ unsafe fn q8_0_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32;
 /// sub-block's 4 rows sit side by side.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_k_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32; 4]; R] {
-    let (m4, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
-    let (mut acc, mut mins) = ([_mm_setzero_ps(); R], [_mm_setzero_ps(); R]);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let (mut acc, mut mins): (Acc, Acc) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
     for sb in 0..a.nb / 8 {
         let o = sb * 144;
         let z = _mm256_setzero_ps();
@@ -415,25 +514,27 @@ unsafe fn q4_k_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32;
                 };
                 *wq = _mm256_and_si256(v, m4);
             }
+            // Sub-block j's 4 scales (mins) in both halves.
             let (fj, mj) = if j < 4 {
-                (_mm256_castps256_ps128(f[j]), _mm256_castps256_ps128(mn[j]))
+                (
+                    _mm256_permute2f128_ps::<0x00>(f[j], f[j]),
+                    _mm256_permute2f128_ps::<0x00>(mn[j], mn[j]),
+                )
             } else {
                 (
-                    _mm256_extractf128_ps::<1>(f[j - 4]),
-                    _mm256_extractf128_ps::<1>(mn[j - 4]),
+                    _mm256_permute2f128_ps::<0x11>(f[j - 4], f[j - 4]),
+                    _mm256_permute2f128_ps::<0x11>(mn[j - 4], mn[j - 4]),
                 )
             };
-            for i in 0..R {
-                let at = i * a.nb + b;
-                let sum = isum4(&wq, x_block(a, i, b), ones);
-                let scale = _mm_mul_ps(fj, _mm_set1_ps(a.d[at]));
-                acc[i] = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(sum), acc[i]);
-                mins[i] = _mm_fmadd_ps(mj, _mm_set1_ps(a.s[at]), mins[i]);
+            for k in 0..R.div_ceil(2) {
+                let sums = pair_sums::<R>(k, |i| prods_u8(&wq, a, i, b));
+                fma_block::<R>(&mut acc[k], k, fj, a, b, sums);
+                fma_mins::<R>(&mut mins[k], k, mj, a, b);
             }
         }
     }
     for (acc, mins) in acc.iter_mut().zip(&mins) {
-        *acc = _mm_sub_ps(*acc, *mins);
+        *acc = _mm256_sub_ps(*acc, *mins);
     }
     out(&acc)
 }
@@ -450,10 +551,10 @@ unsafe fn q6_k_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32;
         _mm256_set1_epi8(0x03),
         _mm256_set1_epi8(32),
     );
-    let mut acc = [_mm_setzero_ps(); R];
+    let mut acc: Acc = [_mm256_setzero_ps(); 4];
     for sb in 0..a.nb / 8 {
         let o = sb * 210;
-        let dw = f16x4(p, o + 208);
+        let dw = f16x4x2(p, o + 208);
         for half in 0..2 {
             for g in 0..4 {
                 let b = sb * 8 + half * 4 + g;
@@ -487,16 +588,18 @@ unsafe fn q6_k_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32;
                         _mm_set1_epi16(i16::from(*s as i8)),
                     );
                 }
-                for (i, acc) in acc.iter_mut().enumerate() {
-                    let x = x_block(a, i, b);
-                    let x32 = _mm256_maddubs_epi16(c32, x);
-                    let mut s = [_mm256_setzero_si256(); 4];
-                    for r in 0..4 {
-                        let prod = _mm256_sub_epi16(_mm256_maddubs_epi16(wq[r], x), x32);
-                        s[r] = _mm256_madd_epi16(prod, sc[r]);
-                    }
-                    let scale = _mm_mul_ps(dw, _mm_set1_ps(a.d[i * a.nb + b]));
-                    *acc = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(sum4(&s)), *acc);
+                for (k, acc) in acc.iter_mut().enumerate().take(R.div_ceil(2)) {
+                    let sums = pair_sums::<R>(k, |i| {
+                        let x = x_block(a, i, b);
+                        let x32 = _mm256_maddubs_epi16(c32, x);
+                        let mut s = [_mm256_setzero_si256(); 4];
+                        for r in 0..4 {
+                            let prod = _mm256_sub_epi16(_mm256_maddubs_epi16(wq[r], x), x32);
+                            s[r] = _mm256_madd_epi16(prod, sc[r]);
+                        }
+                        s
+                    });
+                    fma_block::<R>(acc, k, dw, a, b, sums);
                 }
             }
         }
@@ -666,5 +769,49 @@ mod tests {
             .map(|l| i32::from(blk[2 + l] as i8) * i32::from(xq.value(0, l)))
             .sum();
         assert_eq!(out[0], xq.d[0] * want as f32);
+    }
+
+    #[test]
+    #[ignore = "a benchmark: run with --release --ignored --nocapture"]
+    fn q8_speed() {
+        // The 8-bit bodies against q16's AVX2 bodies in one process, alternated: ns per block,
+        // weight row and activation row (`cargo test --release -p lowsync-cpu q8_speed --
+        // --ignored --nocapture`).
+        use crate::kernels::quant::q16::{dot_fn as dot16, Isa, QRows};
+        if !have_simd() {
+            return;
+        }
+        let k = 2048;
+        for dt in [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q6_K] {
+            let (bb, halves, per) = layout(dt);
+            let row_bytes = k / QK / per * bb;
+            for (m, n, reps) in [(128usize, 64usize, 4usize), (1, 4096, 8)] {
+                let w = rows(n, row_bytes, bb, halves, 3);
+                let (x, x8) = activations(m, k, 5);
+                let x16 = QRows::quantize(&x);
+                let (d8, d16) = (dot_fn(dt).expect("8"), dot16(dt, Isa::Avx2).expect("16"));
+                let mut out = vec![0.0f32; m * n];
+                let units = (n * m * (k / QK) * reps) as f64;
+                let (mut b8, mut b16) = (f64::MAX, f64::MAX);
+                for _ in 0..7 {
+                    let t = std::time::Instant::now();
+                    for _ in 0..reps {
+                        d16(&w, row_bytes, &x16, &mut out);
+                        std::hint::black_box(&mut out);
+                    }
+                    b16 = b16.min(t.elapsed().as_secs_f64() * 1e9 / units);
+                    let t = std::time::Instant::now();
+                    for _ in 0..reps {
+                        d8(&w, row_bytes, &x8, &mut out);
+                        std::hint::black_box(&mut out);
+                    }
+                    b8 = b8.min(t.elapsed().as_secs_f64() * 1e9 / units);
+                }
+                eprintln!(
+                    "{dt} m {m} n {n} k {k}: q16 {b16:.3} ns, q8 {b8:.3} ns, {:.2}x",
+                    b16 / b8
+                );
+            }
+        }
     }
 }
