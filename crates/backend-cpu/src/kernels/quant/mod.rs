@@ -28,14 +28,21 @@
 //! (`LOWSYNC_CPU_PREFILL_ACT`); decode keeps the 16-bit blocks. Where the copy replaces a
 //! read-only file mapping, the mapping's pages are released as the copy is made, and `GetRows`
 //! of the same table (a tied embedding) reads the copy. Otherwise the `q16` bodies read the
-//! weight in place (AVX-512 panels from 6 activation rows, AVX2 tiles below), and without SIMD
-//! or with `LOWSYNC_CPU_QUANT_DOT=f32` the exact path runs.
+//! weight in place (AVX-512 panels from 6 activation rows, AVX2 tiles below), except where the
+//! AVX2 bodies would run (no AVX-512 VNNI, or `LOWSYNC_CPU_QUANT_ISA=avx2`): there a prefill
+//! product over Q4_0, Q4_1, Q8_0, Q4_K or Q6_K quantizes its activations to 8-bit blocks in
+//! element order and runs `q8::avx2` (`pmaddubsw`) over the weight in place, as
+//! `LOWSYNC_CPU_PREFILL_ACT` says, and so does a decode product with
+//! `LOWSYNC_CPU_DECODE_ACT=q8` (default `q16`). Without SIMD or with
+//! `LOWSYNC_CPU_QUANT_DOT=f32` the exact path runs.
 //!
 //! Determinism: each output element is one dot product computed by one job in a fixed order,
 //! independent of the thread count (as the f32 kernels promise). A packed product with 16-bit
 //! activations gives the bits of the AVX-512 panels for every number of activation rows; with
 //! 8-bit ones (prefill) its bits depend on the same things only (the row, `k` and whether the
-//! product is a prefill), and differ from decode's within the 8-bit quantization.
+//! product is a prefill), and differ from decode's within the 8-bit quantization. The AVX2
+//! 8-bit bodies give an output the same bits for any number of activation rows, so with
+//! `LOWSYNC_CPU_DECODE_ACT=q8` decode and prefill agree bit for bit.
 
 mod packed;
 mod q16;

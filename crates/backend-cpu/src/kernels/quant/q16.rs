@@ -7,8 +7,11 @@
 //! memory speed. llama.cpp quantizes activations to 8 bits for `pmaddubsw`; measured here, that
 //! moves SmolLM2-135M's logits by 4-6% of their range and derails its greedy chat answer, so
 //! lowsync keeps 16 bits: the same structure at about 1.4x the instructions of the 8-bit
-//! kernels, and logits within 1e-3 of the f32 path. (Prefill products over packed Q4_0, Q4_K
-//! and Q6_K weights take 8-bit blocks, `super::q8`, where `LOWSYNC_CPU_PREFILL_ACT` allows.)
+//! kernels, and logits within 1e-3 of the f32 path. (Prefill products take 8-bit blocks,
+//! `super::q8`, where `LOWSYNC_CPU_PREFILL_ACT` allows: over packed Q4_0, Q4_K and Q6_K weights
+//! with AVX-512 VNNI, and in place over all five types with AVX2 (`super::q8::avx2`), which
+//! decode products take too with `LOWSYNC_CPU_DECODE_ACT=q8`. So on CPUs without AVX-512 VNNI
+//! the bodies here serve decode, and prefill only with `LOWSYNC_CPU_PREFILL_ACT=q16`.)
 //!
 //! Strategy: each activation row is split into blocks of 32 with an f32 scale `d = max|x| /
 //! 32767`, 16-bit values `q = round(x / d)` and `s = d * sum(q)` (for the weight types with a

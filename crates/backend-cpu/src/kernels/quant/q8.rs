@@ -1,5 +1,6 @@
 //! Activations quantized to 8-bit blocks for the prefill products over packed Q4_0, Q4_K and
-//! Q6_K groups (`super::packed`).
+//! Q6_K groups (`super::packed`, AVX-512 VNNI) and for the AVX2 products over Q4_0, Q4_1, Q8_0,
+//! Q4_K and Q6_K weights read in place (`avx2`).
 //!
 //! Why: a prefill product over packed groups runs one `vpdpwssd` (16 lanes x 2 products of
 //! 16-bit values) per pair of values of a block, for 16 weight rows and one activation row, and
@@ -7,9 +8,11 @@
 //! unsigned bytes by 4 signed bytes per lane: with 8-bit activations a block of 32 takes 8
 //! instructions instead of 16. Q4_0, Q4_K and Q6_K store unsigned small integers with an offset
 //! or a min, so the weights are the unsigned operand as they lie in the packed group and the
-//! activations the signed one. 8 bits move logits more than 16 (SmolLM2-135M's greedy chat
-//! answer derailed with 8-bit activations in decode), so only prefill products take them, on
-//! the types where the `LOWSYNC_CPU_PREFILL_ACT` switch allows it; decode keeps `super::q16`.
+//! activations the signed one. On CPUs without AVX-512 VNNI, `avx2` does the same with
+//! `pmaddubsw` (32 byte products an instruction against `pmaddwd`'s 16). 8 bits move logits
+//! more than 16 (SmolLM2-135M's greedy chat answer derailed with 8-bit activations in decode),
+//! so prefill products take them on the types where the `LOWSYNC_CPU_PREFILL_ACT` switch allows
+//! it, and decode keeps `super::q16` unless `LOWSYNC_CPU_DECODE_ACT=q8` (AVX2 bodies only).
 //!
 //! Strategy: each activation row is split into blocks of 32 with an f32 scale `d = max|x| /
 //! 127`, values `q = round(x / d)` (half away from zero) as i8, the integer sums of the block's
@@ -17,12 +20,15 @@
 //! their total) and `s = d * sum(q)` (Q4_K's mins). The packed 4-bit layouts give, with one
 //! shift and a `0x0F` byte mask, 32-bit lanes holding elements `{0, 4, 1, 5}` or `{2, 6, 3, 7}`
 //! of each run of 8 values, so the bytes of a block are stored in that order ([`PERM`]): word
-//! `w` (4 bytes) of a block is then the broadcast operand of the `w`-th `vpdpbusd`. A large
-//! product's blocks are quantized in parallel, in runs of blocks.
+//! `w` (4 bytes) of a block is then the broadcast operand of the `w`-th `vpdpbusd`. The AVX2
+//! bodies read the GGUF blocks in place, where one load and a nibble mask give a block's
+//! weights in element order, so their activations keep element order
+//! ([`Q8Rows::quantize_elements`]). A large product's blocks are quantized in parallel, in runs
+//! of blocks.
 //!
 //! Invariants: the values and sums depend only on the row's values (no state across blocks or
-//! rows); the AVX-512 quantizer gives the bits of the scalar one (unit test), so the thread
-//! count and the CPU's path change nothing. |q| <= 127, so a lane of `vpdpbusd` (4 products of
+//! rows); the AVX-512 and AVX2 quantizers give the bits of the scalar one in both orders (unit
+//! tests), so the thread count and the CPU's path change nothing. |q| <= 127, so a lane of `vpdpbusd` (4 products of
 //! at most 63 x 127) and a block's integer sum stay far inside i32 and exact in f32.
 
 use rayon::prelude::*;
@@ -352,7 +358,11 @@ mod tests {
                     // SAFETY: AVX2 was detected.
                     let got = unsafe { avx2::quantize_block(blk, &mut s, perm) };
                     assert_eq!(a, s, "block {b} perm {perm}: values");
-                    assert_eq!(want.0.to_bits(), got.0.to_bits(), "block {b} perm {perm}: d");
+                    assert_eq!(
+                        want.0.to_bits(),
+                        got.0.to_bits(),
+                        "block {b} perm {perm}: d"
+                    );
                     assert_eq!(want.1, got.1, "block {b} perm {perm}: sums");
                 }
             }
@@ -363,7 +373,10 @@ mod tests {
     fn element_order_holds_the_values_of_perm_order() {
         let x = blocks();
         let (p, e) = (Q8Rows::quantize(&x), Q8Rows::quantize_elements(&x));
-        assert_eq!(p.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), e.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        assert_eq!(
+            p.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            e.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
         assert_eq!(p.n, e.n);
         for b in 0..x.len() / QK {
             for l in 0..QK {

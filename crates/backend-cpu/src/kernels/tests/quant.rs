@@ -432,3 +432,96 @@ fn a_weight_whose_rows_are_not_back_to_back_is_read_row_by_row() {
         assert_close(&mem.read(&dst), &want, 1e-10);
     }
 }
+
+/// The child half of `a_bad_decode_act_is_an_error_naming_the_variable` (the switch is read
+/// once per process, so the bad value is set in a child process of this test binary only).
+#[test]
+#[ignore = "run by a_bad_decode_act_is_an_error_naming_the_variable in a child process"]
+fn bad_decode_act_child() {
+    if std::env::var("LOWSYNC_CPU_DECODE_ACT").as_deref() != Ok("bogus") {
+        eprintln!("not the child run: the variable is not `bogus`");
+        return;
+    }
+    let mut mem = TestMem::new();
+    let mut rng = TestRng::new(1);
+    let (w, _) = weight(&mut mem, DType::Q4_0, 4, 64, 3);
+    let x = mem.rand(&mut rng, DType::F32, &[1, 64]);
+    let dst = mem.zeros(DType::F32, &[1, 4]);
+    let msg = kernel_msg(run(&mem, Op::MulMat, &dst, &[&x, &transpose(&w, 0, 1)]));
+    assert!(msg.contains("LOWSYNC_CPU_DECODE_ACT"), "{msg}");
+    println!("child: the error names the variable");
+}
+
+#[test]
+fn a_bad_decode_act_is_an_error_naming_the_variable() {
+    let exe = std::env::current_exe().expect("the test binary");
+    let out = std::process::Command::new(exe)
+        .args([
+            "kernels::tests::quant::bad_decode_act_child",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env("LOWSYNC_CPU_DECODE_ACT", "bogus")
+        .output()
+        .expect("the child runs");
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && text.contains("child: the error names the variable"),
+        "{text}"
+    );
+}
+
+#[test]
+fn decode_and_prefill_take_the_activation_blocks_the_switches_say() {
+    // Where the AVX2 bodies read weights in place (no AVX-512 VNNI here): prefill takes 8-bit
+    // blocks by default on the five types with a body, decode 16-bit ones unless
+    // LOWSYNC_CPU_DECODE_ACT=q8.
+    for dt in [
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q8_0,
+        DType::Q4_K,
+        DType::Q6_K,
+    ] {
+        if uses_packed(dt) || !crate::kernels::quant::uses_q16(dt) {
+            eprintln!("{dt}: products here do not run the AVX2 in-place bodies");
+            continue;
+        }
+        let dec = std::env::var("LOWSYNC_CPU_DECODE_ACT").as_deref() == Ok("q8");
+        assert_eq!(uses_q8(dt, 1), dec, "{dt}: decode");
+        assert_eq!(uses_q8(dt, 5), dec, "{dt}: decode of 5 rows");
+        if std::env::var_os("LOWSYNC_CPU_PREFILL_ACT").is_none() {
+            assert!(
+                uses_q8(dt, 6),
+                "{dt}: prefill takes 8-bit activations by default"
+            );
+        }
+    }
+}
+
+#[test]
+fn products_with_8bit_activations_match_f64_for_odd_shapes() {
+    // Every type with an 8-bit body, prefill row counts (and decode where
+    // LOWSYNC_CPU_DECODE_ACT=q8), n not a multiple of the 4-row tile, k of 1 to 9 blocks (1 to
+    // 3 super-blocks); the reference reads the activations as the kernel does.
+    for dt in [
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q8_0,
+        DType::Q4_K,
+        DType::Q6_K,
+    ] {
+        let ks: Vec<usize> = if dt.block_size() == 32 {
+            vec![32, 64, 160, 288]
+        } else {
+            vec![256, 512, 768]
+        };
+        for k in ks {
+            for m in [1, 2, 3, 6, 9, 17] {
+                check_mul_mat(dt, m, 13, k, DType::F32);
+            }
+        }
+    }
+}

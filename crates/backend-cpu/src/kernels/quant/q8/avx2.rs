@@ -34,9 +34,7 @@ use std::arch::x86_64::*;
 use lowsync_graph::DType;
 
 use super::{Dot8Fn, Q8Rows, QK};
-use crate::kernels::quant::q16::x86::{
-    k_scales8, transpose4x8, u16_at, PREFETCH_FAR,
-};
+use crate::kernels::quant::q16::x86::{k_scales8, transpose4x8, u16_at, PREFETCH_FAR};
 
 /// The 8-bit body for weights of `dt`, where the CPU has AVX2, FMA and F16C.
 pub(crate) fn dot_fn(dt: DType) -> Option<Dot8Fn> {
@@ -318,7 +316,10 @@ unsafe fn pair_sums<const R: usize>(
     let (i0, i1) = rows_of::<R>(k);
     let h0 = lane_sums(prods(i0));
     if R == 1 {
-        let s = _mm_add_epi32(_mm256_castsi256_si128(h0), _mm256_extracti128_si256::<1>(h0));
+        let s = _mm_add_epi32(
+            _mm256_castsi256_si128(h0),
+            _mm256_extracti128_si256::<1>(h0),
+        );
         return _mm256_zextsi128_si256(s);
     }
     let h1 = lane_sums(prods(i1));
@@ -539,6 +540,23 @@ unsafe fn q4_k_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32;
     out(&acc)
 }
 
+/// Byte shuffles that spread i16 scale `2g` over the low 128-bit half and `2g + 1` over the
+/// high half of a vector holding 8 scales in each half ([`q6_k_body`]).
+const SCALE_PICK: [[u8; 32]; 4] = {
+    let mut t = [[0u8; 32]; 4];
+    let mut g = 0;
+    while g < 4 {
+        let mut l = 0;
+        while l < 32 {
+            let s = (2 * g + l / 16) as u8;
+            t[g][l] = 2 * s + (l % 2) as u8;
+            l += 1;
+        }
+        g += 1;
+    }
+    t
+};
+
 /// Q6_K: 16 sub-blocks of 16 a super-block (two per activation block), values `q - 32` with
 /// `q` 6 bits. `pmaddubsw(q, x) - pmaddubsw(32, x)` gives the pair sums of `(q - 32) * x`
 /// (at most `32 * 127 * 2` in magnitude), and `pmaddwd` by the sub-blocks' 8-bit scales (one
@@ -555,17 +573,25 @@ unsafe fn q6_k_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32;
     for sb in 0..a.nb / 8 {
         let o = sb * 210;
         let dw = f16x4x2(p, o + 208);
+        // Per row, the 16 sub-block scales as i16, sub-blocks 0..8 in both 128-bit halves
+        // (`scl`) and 8..16 (`sch`): block j's two scales are then one byte shuffle away.
+        let z = _mm256_setzero_si256();
+        let (mut scl, mut sch) = ([z; 4], [z; 4]);
+        for r in 0..4 {
+            let s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p[r].add(o + 192).cast()));
+            scl[r] = _mm256_permute2x128_si256::<0x00>(s16, s16);
+            sch[r] = _mm256_permute2x128_si256::<0x11>(s16, s16);
+        }
         for half in 0..2 {
-            for g in 0..4 {
+            for (g, pick) in SCALE_PICK.iter().enumerate() {
                 let b = sb * 8 + half * 4 + g;
                 if pf {
                     prefetch4(p, o + 26 * (half * 4 + g));
                 }
                 // Elements half*128 + 32g .. +32: the nibbles of ql bytes
                 // half*64 + (g%2)*32 .. (low for g < 2, high after), and the 2 bits of the qh
-                // bytes at shift 2g.
-                let e = half * 128 + 32 * g;
-                let (mut wq, mut sc) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
+                // bytes at shift 2g; sub-blocks 8 * half + 2g and + 1.
+                let (mut wq, mut sc) = ([z; 4], [z; 4]);
                 for r in 0..4 {
                     let q = p[r].add(o);
                     let ql = _mm256_loadu_si256(q.add(64 * half + 32 * (g % 2)).cast());
@@ -582,11 +608,8 @@ unsafe fn q6_k_body<const R: usize>(p: &Rows4, a: &Act8<'_>, pf: bool) -> [[f32;
                         _ => _mm256_and_si256(_mm256_srli_epi16::<6>(qh), m2),
                     };
                     wq[r] = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi));
-                    let s = q.add(192 + e / 16);
-                    sc[r] = _mm256_set_m128i(
-                        _mm_set1_epi16(i16::from(*s.add(1) as i8)),
-                        _mm_set1_epi16(i16::from(*s as i8)),
-                    );
+                    let s = if half == 0 { scl[r] } else { sch[r] };
+                    sc[r] = _mm256_shuffle_epi8(s, _mm256_loadu_si256(pick.as_ptr().cast()));
                 }
                 for (k, acc) in acc.iter_mut().enumerate().take(R.div_ceil(2)) {
                     let sums = pair_sums::<R>(k, |i| {
@@ -672,7 +695,8 @@ mod tests {
                     let blk = &row[b / 8 * 144..(b / 8 + 1) * 144];
                     let j = b % 8;
                     let (sc, mn) = k_scale_min(&blk[4..16], j);
-                    let w = |l: usize| i32::from((blk[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15);
+                    let w =
+                        |l: usize| i32::from((blk[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15);
                     let isum: i32 = (0..QK).map(|l| w(l) * xv(b, l)).sum();
                     let f = f16s(blk, 0) * f32::from(sc);
                     acc = (f * xd(b)).mul_add(isum as f32, acc);
@@ -720,7 +744,13 @@ mod tests {
             eprintln!("skipped: this CPU lacks AVX2, FMA or F16C");
             return;
         }
-        for dt in [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q6_K] {
+        for dt in [
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q8_0,
+            DType::Q4_K,
+            DType::Q6_K,
+        ] {
             let (bb, halves, per) = layout(dt);
             let dot = dot_fn(dt).expect("a body");
             let blocks: &[usize] = if per == 1 { &[1, 2, 5, 9] } else { &[1, 2, 3] };
@@ -761,7 +791,9 @@ mod tests {
         for l in 0..32 {
             blk[2 + l] = if l % 2 == 0 { 0x80 } else { 0x7F };
         }
-        let x: Vec<f32> = (0..32).map(|l| if l % 4 < 2 { -1.0 } else { 1.0 }).collect();
+        let x: Vec<f32> = (0..32)
+            .map(|l| if l % 4 < 2 { -1.0 } else { 1.0 })
+            .collect();
         let xq = Q8Rows::quantize_elements(&x);
         let mut out = [0.0f32];
         dot_fn(DType::Q8_0).expect("a body")(&blk, 34, &xq, &mut out);
@@ -782,7 +814,13 @@ mod tests {
             return;
         }
         let k = 2048;
-        for dt in [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q6_K] {
+        for dt in [
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q8_0,
+            DType::Q4_K,
+            DType::Q6_K,
+        ] {
             let (bb, halves, per) = layout(dt);
             let row_bytes = k / QK / per * bb;
             for (m, n, reps) in [(128usize, 64usize, 4usize), (1, 4096, 8)] {
