@@ -6,11 +6,12 @@ Why: the quantization issue's accuracy goal is stated on files made by llama.cpp
 float64 forward pass (`tests/llama_ref.py`, which shares no code with lowsync) over weights
 dequantized by `gguf.quants.dequantize`. The bound is 3e-2 relative where activations are
 quantized to 8 bits and 1e-3 where they are not: lowsync's CPU prefill products (6 or more
-tokens in a ubatch, as `--tokens` 8 is) over Q4_0, Q4_K and Q6_K (with AVX-512 VNNI; without
-it Q4_1 and Q8_0 too) take 8-bit activation blocks (`LOWSYNC_CPU_PREFILL_ACT` in
-docs/tuning.md; `q16` keeps 16 bits), and so do decode products (fewer tokens) with
-`LOWSYNC_CPU_DECODE_ACT=q8`, so those rows are held to 3e-2; every other row, and every prefill
-row with `LOWSYNC_CPU_PREFILL_ACT=q16`, to 1e-3. `--bound` sets one bound for every row.
+tokens in a ubatch, as `--tokens` 8 is) over Q4_0, Q4_K and Q6_K take 8-bit activation blocks
+(`LOWSYNC_CPU_PREFILL_ACT` in docs/tuning.md; `q16` keeps 16 bits, `q8` takes 8 bits on Q4_1 and
+Q8_0 too where the CPU lacks AVX-512 VNNI), and so do decode products (fewer tokens) with
+`LOWSYNC_CPU_DECODE_ACT=q8` on CPUs without AVX-512 VNNI, so those rows are held to 3e-2; every
+other row, and every prefill row with `LOWSYNC_CPU_PREFILL_ACT=q16`, to 1e-3. `--bound` sets one
+bound for every row.
 
 Strategy: the built-in model (`--model`, random weights, `--seed`) is written as F32 by
 `save_gguf`; `llama-quantize --pure` makes one file per type from it (every 2-D tensor of that
@@ -45,10 +46,11 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 from llama_ref import forward, rel_err, spec_of  # the independent float64 reference  # noqa: E402
 
-# The types whose CPU prefill products may take 8-bit activation blocks by default (Q4_1 and
-# Q8_0 only on CPUs without AVX-512 VNNI), and the tokens in a ubatch from which a product is a
-# prefill.
-CPU_Q8_TYPES = {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"}
+# The types whose CPU prefill products take 8-bit activation blocks by default, those that may
+# take them with LOWSYNC_CPU_PREFILL_ACT=q8 or LOWSYNC_CPU_DECODE_ACT=q8 (Q4_1 and Q8_0 only on
+# CPUs without AVX-512 VNNI), and the tokens in a ubatch from which a product is a prefill.
+CPU_Q8_TYPES = {"Q4_0", "Q4_K", "Q6_K"}
+CPU_Q8_OPT_IN_TYPES = {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"}
 CPU_PREFILL_MIN_TOKENS = 6
 
 # llama-quantize's names for a file of one block type (with --pure), and the type they give.
@@ -104,10 +106,12 @@ def bound_for(t: str, backend: str, args: argparse.Namespace) -> float:
     if args.bound is not None:
         return float(args.bound)
     if args.tokens >= CPU_PREFILL_MIN_TOKENS:
-        act = os.environ.get("LOWSYNC_CPU_PREFILL_ACT", "").strip() != "q16"
+        act = os.environ.get("LOWSYNC_CPU_PREFILL_ACT", "").strip()
+        q8 = t in CPU_Q8_OPT_IN_TYPES if act == "q8" else t in CPU_Q8_TYPES and act != "q16"
     else:
-        act = os.environ.get("LOWSYNC_CPU_DECODE_ACT", "").strip() == "q8"
-    q8 = backend.split(":")[0] in ("cpu", "cpu-async") and t in CPU_Q8_TYPES and act
+        act = os.environ.get("LOWSYNC_CPU_DECODE_ACT", "").strip()
+        q8 = t in CPU_Q8_OPT_IN_TYPES and act == "q8"
+    q8 = q8 and backend.split(":")[0] in ("cpu", "cpu-async")
     return 3e-2 if q8 else 1e-3
 
 

@@ -476,8 +476,8 @@ fn a_bad_decode_act_is_an_error_naming_the_variable() {
 #[test]
 fn decode_and_prefill_take_the_activation_blocks_the_switches_say() {
     // Where the AVX2 bodies read weights in place (no AVX-512 VNNI here): prefill takes 8-bit
-    // blocks by default on the five types with a body, decode 16-bit ones unless
-    // LOWSYNC_CPU_DECODE_ACT=q8.
+    // blocks by default on Q4_0, Q4_K and Q6_K (on all five with LOWSYNC_CPU_PREFILL_ACT=q8),
+    // decode 16-bit ones unless LOWSYNC_CPU_DECODE_ACT=q8.
     for dt in [
         DType::Q4_0,
         DType::Q4_1,
