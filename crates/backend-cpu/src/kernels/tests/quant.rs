@@ -492,11 +492,11 @@ fn decode_and_prefill_take_the_activation_blocks_the_switches_say() {
         let dec = std::env::var("LOWSYNC_CPU_DECODE_ACT").as_deref() == Ok("q8");
         assert_eq!(uses_q8(dt, 1), dec, "{dt}: decode");
         assert_eq!(uses_q8(dt, 5), dec, "{dt}: decode of 5 rows");
-        if std::env::var_os("LOWSYNC_CPU_PREFILL_ACT").is_none() {
-            assert!(
-                uses_q8(dt, 6),
-                "{dt}: prefill takes 8-bit activations by default"
-            );
+        let by_default = matches!(dt, DType::Q4_0 | DType::Q4_K | DType::Q6_K);
+        match std::env::var("LOWSYNC_CPU_PREFILL_ACT").as_deref() {
+            Ok("q8") => assert!(uses_q8(dt, 6), "{dt}: prefill with q8"),
+            Ok("q16") => assert!(!uses_q8(dt, 6), "{dt}: prefill with q16"),
+            _ => assert_eq!(uses_q8(dt, 6), by_default, "{dt}: prefill by default"),
         }
     }
 }
