@@ -1,5 +1,6 @@
-//! AVX2 bodies of the prefill products over float weight rows read in place: the counterpart
-//! of `dot512`'s prefill tiles on CPUs without AVX-512 (or with it turned off).
+//! AVX2 bodies of the products over float weight rows read in place: the counterpart of
+//! `dot512`'s prefill tiles on CPUs without AVX-512 (or with it turned off), and its decode
+//! driver for `gemv`'s AVX2 body.
 //!
 //! Why: without these bodies an f16 weight of a prefill product was converted to f32 panels
 //! and handed to the `gemm` crate, whose packing, the conversion and the copies around them
@@ -13,18 +14,21 @@
 //! lanes past the row add +0). Each accumulator is reduced by a fixed tree of adds
 //! ([`hsum`]). The jobs (L2-sized column blocks of the weight) and the order of tiles are
 //! `dot512::prefill`'s, which calls [`prefill_block`] when the AVX-512 bodies are off.
+//! Decode ([`decode_block`], through `dot512::decode_columns`) runs `gemv`'s AVX2 body over a
+//! block of weight rows gathered once, one row at a time front to back.
 //!
 //! Invariants / determinism: an output element's value depends only on its activation row,
 //! its weight row and `k`, never on the tile shape (edge tiles are smaller tiles of the same
 //! body), the job split or the thread count. These are prefill bits; the decode products
-//! (`gemv`'s AVX2 body, at most `GEMV_MAX_M` rows) sum in another order.
+//! ([`decode_block`]: `gemv`'s AVX2 body, at most `GEMV_MAX_M` rows) sum in another order,
+//! the same as `gemv`'s per-row fallback and the attention scores.
 
 use std::arch::x86_64::*;
 
 use half::{bf16, f16};
 
 use super::dot512::{Rows, Sink};
-use super::gemv::x86::Lanes;
+use super::gemv::x86::{body, Lanes};
 
 /// Activation rows of a tile.
 const ROWS: usize = 4;
@@ -170,11 +174,58 @@ pub(in crate::kernels) unsafe fn prefill_block(
     }
 }
 
+/// Decode: every weight row in turn (one stream through memory), against the activation
+/// rows two at a time and then the last alone, with `gemv`'s AVX2 body (so the bits are
+/// `gemv`'s and the attention scores' on this path). The rows come gathered for the whole
+/// block: no per-row view lookup, feature check or call.
+///
+/// # Safety
+/// As [`prefill_block`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(in crate::kernels) unsafe fn decode_block(
+    x: *const f32,
+    m: usize,
+    rows: Rows<'_>,
+    j0: usize,
+    k: usize,
+    sink: Sink,
+) {
+    match rows {
+        Rows::F32(ws) => decode_rows::<f32>(x, m, ws, j0, k, sink),
+        Rows::F16(ws) => decode_rows::<f16>(x, m, ws, j0, k, sink),
+        Rows::BF16(ws) => decode_rows::<bf16>(x, m, ws, j0, k, sink),
+    }
+}
+
+#[inline(always)]
+unsafe fn decode_rows<T: Lanes>(
+    x: *const f32,
+    m: usize,
+    ws: &[*const T],
+    j0: usize,
+    k: usize,
+    sink: Sink,
+) {
+    for (jj, &w) in ws.iter().enumerate() {
+        let (j, w) = (j0 + jj, std::slice::from_raw_parts(w, k));
+        let mut i = 0;
+        while i + 2 <= m {
+            let xs = [x.add(i * k), x.add((i + 1) * k)];
+            sink.put::<2, 1>(i, j, body::<T, 2>(w, xs, k).map(|v| [v]));
+            i += 2;
+        }
+        if i < m {
+            sink.put::<1, 1>(i, j, [body::<T, 1>(w, [x.add(i * k)], k)]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     //! The tiles against an f64 reference for every stored type and edge shape, and every
     //! tile shape giving the bits of a 1 x 1 tile over the same rows.
 
+    use super::super::view::FloatRow;
     use super::*;
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -256,5 +307,83 @@ mod tests {
         check(|p| Rows::F16(p), f16::from_f32, f16::to_f64);
         check(|p| Rows::BF16(p), bf16::from_f32, bf16::to_f64);
         check(|p| Rows::F32(p), |v| v, |v| v as f64);
+    }
+
+    #[test]
+    fn decode_rows_keep_the_bits_of_gemvs_body_for_every_row_count() {
+        if !available() {
+            eprintln!("skipped: this CPU lacks AVX2, FMA or F16C");
+            return;
+        }
+        for (m, n, k) in [(1, 5, 37), (2, 4, 768), (3, 7, 5), (5, 3, 70), (8, 2, 1003)] {
+            let x = values(m * k, (m * 7 + k) as u64);
+            let w: Vec<f16> = values(n * k, k as u64)
+                .into_iter()
+                .map(f16::from_f32)
+                .collect();
+            let ptrs: Vec<*const f16> = (0..n).map(|j| w[j * k..].as_ptr()).collect();
+            let mut out = vec![f32::NAN; m * n];
+            let sink = Sink {
+                ptr: out.as_mut_ptr(),
+                rs: n,
+                cs: 1,
+            };
+            // SAFETY: the features were detected; rows are `k` long, `x` holds `m` rows.
+            unsafe { decode_block(x.as_ptr(), m, Rows::F16(&ptrs), 0, k, sink) };
+            for j in 0..n {
+                let wj = &w[j * k..(j + 1) * k];
+                let mut want = vec![0.0f32; m];
+                // SAFETY: as above.
+                unsafe { super::super::gemv::x86::dots(FloatRow::F16(wj), &x, k, &mut want) };
+                for i in 0..m {
+                    let xi = &x[i * k..(i + 1) * k];
+                    let exact: f64 = xi.iter().zip(wj).map(|(a, b)| *a as f64 * b.to_f64()).sum();
+                    let got = out[i * n + j];
+                    assert_eq!(got.to_bits(), want[i].to_bits(), "{m}x{n}x{k} [{i},{j}]");
+                    assert!((got as f64 - exact).abs() < 1e-5, "{m}x{n}x{k} [{i},{j}]");
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[ignore = "a benchmark: run with --release --ignored --nocapture"]
+    fn dot256_prefill_speed() {
+        if !available() {
+            return;
+        }
+        let m = 128;
+        for (n, k) in [(768, 768), (2048, 768), (768, 2048)] {
+            let x = values(m * k, 5);
+            let w: Vec<f16> = values(n * k, 6).into_iter().map(f16::from_f32).collect();
+            let mut out = vec![0.0f32; m * n];
+            let products = [super::super::dot512::Prefill {
+                x: &x,
+                // SAFETY: `w` holds `n` rows of `k`: column `j` of this `[k, n]` view is row `j`.
+                w: unsafe {
+                    super::super::view::Strided::from_raw(
+                        w.as_ptr() as *mut u8,
+                        lowsync_graph::DType::F16,
+                        vec![k, n],
+                        vec![1, k],
+                    )
+                },
+                out: out.as_mut_ptr(),
+                out_rs: n,
+            }];
+            let mut best = f64::MAX;
+            for _ in 0..20 {
+                let t = std::time::Instant::now();
+                // SAFETY: `out` holds `m x n`.
+                assert!(unsafe { super::super::dot512::prefill(&products, (m, n, k)) });
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            let threads = rayon::current_num_threads();
+            println!(
+                "m {m} n {n} k {k}: {:.2} ms, {:.1} GMAC/s on {threads} threads",
+                best * 1e3,
+                (m * n * k) as f64 / best / 1e9
+            );
+        }
     }
 }

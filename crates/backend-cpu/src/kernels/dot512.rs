@@ -435,7 +435,14 @@ pub(in crate::kernels) fn decode_columns(
     bufs: &mut RowBufs,
 ) -> bool {
     let cols = out_t.len() / m.max(1);
-    if !available() || x.len() < m * k || cols * m != out_t.len() {
+    let body: Block = if available() {
+        decode_block
+    } else if env_error().is_none() && super::dot256::available() {
+        super::dot256::decode_block
+    } else {
+        return false;
+    };
+    if x.len() < m * k || cols * m != out_t.len() {
         return false;
     }
     let Some(rows) = gather(w, c0, cols, k, bufs) else {
@@ -448,7 +455,7 @@ pub(in crate::kernels) fn decode_columns(
     };
     // SAFETY: the features were detected (`available`); every row is `k` long and `x` holds
     // `m` rows of `k`; the sink addresses `out_t`, `cols x m` elements.
-    unsafe { decode_block(x.as_ptr(), m, rows, 0, k, sink) };
+    unsafe { body(x.as_ptr(), m, rows, 0, k, sink) };
     true
 }
 
