@@ -371,7 +371,7 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
     #[cfg(target_arch = "x86_64")]
     {
         let sixteen_bit = matches!(b.dtype(), DType::F16 | DType::BF16);
-        if sixteen_bit && mul_mat_prefill512(node, dst, a, b, &want[..nb], (m, n, k))? {
+        if sixteen_bit && mul_mat_prefill(node, dst, a, b, &want[..nb], (m, n, k))? {
             return Ok(());
         }
     }
@@ -515,7 +515,7 @@ fn mul_mat_gemv(
 /// absent), reading a 16-bit `b` in place (no f32 copy, no packing), when either body set
 /// runs and every matrix of `b` is one `gemv` reads; `Ok(false)` (nothing written) otherwise.
 #[cfg(target_arch = "x86_64")]
-fn mul_mat_prefill512(
+fn mul_mat_prefill(
     node: &ExecNode,
     dst: &Strided,
     a: &Strided,
