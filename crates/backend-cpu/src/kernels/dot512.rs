@@ -24,7 +24,11 @@
 //! the tile shape, the job split or the thread count. An attention score is a decode
 //! product's body, so a fused score has the bits of the unfused `q @ K.T` at decode.
 //! [`available`] is the one switch: `LOWSYNC_CPU_FLOAT_ISA=avx2` turns these bodies off (the
-//! AVX2 bodies of `gemv` and `attention` and the gemm path then run), for A/B measurements.
+//! AVX2 bodies of `gemv`, `attention` and `dot256` then run), for A/B measurements.
+//!
+//! The prefill driver ([`prefill`]: the column-block jobs, the order of tiles) is shared with
+//! `dot256`, whose AVX2 tiles it runs when these bodies are off; the gemm path runs only on
+//! a CPU with neither.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
@@ -257,7 +261,7 @@ unsafe fn decode_rows<T: Lanes16>(
 
 /// Weight rows of one stored type, as pointers (all `k` long).
 #[derive(Clone, Copy)]
-enum Rows<'a> {
+pub(in crate::kernels) enum Rows<'a> {
     F32(&'a [*const f32]),
     F16(&'a [*const f16]),
     BF16(&'a [*const bf16]),
@@ -272,15 +276,24 @@ fn row_of(w: &Strided, j: usize, k: usize) -> Option<FloatRow<'_>> {
 /// Output sink of a tile: element (activation row `i`, weight row `j`) at
 /// `ptr + i * rs + j * cs`.
 #[derive(Clone, Copy)]
-struct Sink {
-    ptr: *mut f32,
-    rs: usize,
-    cs: usize,
+pub(in crate::kernels) struct Sink {
+    /// Element `[0, 0]`.
+    pub ptr: *mut f32,
+    /// Elements between activation rows.
+    pub rs: usize,
+    /// Elements between weight rows.
+    pub cs: usize,
 }
 
 impl Sink {
+    /// Writes the tile `v` at activation rows `i0..` and weight rows `j0..`.
     #[inline(always)]
-    unsafe fn put<const R: usize, const C: usize>(&self, i0: usize, j0: usize, v: [[f32; C]; R]) {
+    pub(in crate::kernels) unsafe fn put<const R: usize, const C: usize>(
+        &self,
+        i0: usize,
+        j0: usize,
+        v: [[f32; C]; R],
+    ) {
         for (r, row) in v.iter().enumerate() {
             for (c, &x) in row.iter().enumerate() {
                 *self.ptr.add((i0 + r) * self.rs + (j0 + c) * self.cs) = x;
@@ -422,7 +435,14 @@ pub(in crate::kernels) fn decode_columns(
     bufs: &mut RowBufs,
 ) -> bool {
     let cols = out_t.len() / m.max(1);
-    if !available() || x.len() < m * k || cols * m != out_t.len() {
+    let body: Block = if available() {
+        decode_block
+    } else if env_error().is_none() && super::dot256::available() {
+        super::dot256::decode_block
+    } else {
+        return false;
+    };
+    if x.len() < m * k || cols * m != out_t.len() {
         return false;
     }
     let Some(rows) = gather(w, c0, cols, k, bufs) else {
@@ -435,7 +455,7 @@ pub(in crate::kernels) fn decode_columns(
     };
     // SAFETY: the features were detected (`available`); every row is `k` long and `x` holds
     // `m` rows of `k`; the sink addresses `out_t`, `cols x m` elements.
-    unsafe { decode_block(x.as_ptr(), m, rows, 0, k, sink) };
+    unsafe { body(x.as_ptr(), m, rows, 0, k, sink) };
     true
 }
 
@@ -450,6 +470,27 @@ pub(in crate::kernels) unsafe fn score(k_row: FloatRow<'_>, q: &[f32]) -> f32 {
         FloatRow::BF16(k) if k.len() == d => row::<bf16, 1>(x, k.as_ptr(), d)[0],
         _ => f32::NAN,
     }
+}
+
+/// A prefill body: every activation row of `x` (`m x k`) against the weight rows of a
+/// block (columns `j0..`), into the sink.
+pub(in crate::kernels) type Block = unsafe fn(*const f32, usize, Rows<'_>, usize, usize, Sink);
+
+/// The prefill body that runs here and the weight rows of its tiles: these AVX-512 tiles,
+/// else `dot256`'s AVX2 tiles, else none (the gemm path runs).
+fn prefill_body() -> Option<(Block, usize)> {
+    if available() {
+        Some((prefill_block, COLS))
+    } else if env_error().is_none() && super::dot256::available() {
+        Some((super::dot256::prefill_block, super::dot256::COLS))
+    } else {
+        None
+    }
+}
+
+/// Whether [`prefill`] runs (with either body) on this CPU.
+pub(in crate::kernels) fn prefill_available() -> bool {
+    prefill_body().is_some()
 }
 
 /// One prefill product: activations `x` (`m x k`, contiguous f32), a weight view `w`
@@ -467,8 +508,9 @@ pub(in crate::kernels) struct Prefill<'a> {
 unsafe impl Send for Prefill<'_> {}
 unsafe impl Sync for Prefill<'_> {}
 
-/// Runs every prefill product (`m x k @ k x n`) in parallel jobs of column blocks. False
-/// (nothing written) when the bodies are off or a weight row cannot be read in place.
+/// Runs every prefill product (`m x k @ k x n`) in parallel jobs of column blocks, with the
+/// AVX-512 tiles or else `dot256`'s AVX2 tiles. False (nothing written) when neither runs
+/// or a weight row cannot be read in place.
 ///
 /// # Safety
 /// Every product's `out` is valid for writes of `m` rows of `n` at stride `out_rs`, and no
@@ -477,7 +519,10 @@ pub(in crate::kernels) unsafe fn prefill(
     products: &[Prefill<'_>],
     (m, n, k): (usize, usize, usize),
 ) -> bool {
-    if !available() || products.iter().any(|p| p.x.len() < m * k) {
+    let Some((body, tile_cols)) = prefill_body() else {
+        return false;
+    };
+    if products.iter().any(|p| p.x.len() < m * k) {
         return false;
     }
     if products
@@ -500,8 +545,8 @@ pub(in crate::kernels) unsafe fn prefill(
         .next_multiple_of(threads);
     let cols = n
         .div_ceil(per_product)
-        .next_multiple_of(COLS)
-        .clamp(COLS, n.next_multiple_of(COLS));
+        .next_multiple_of(tile_cols)
+        .clamp(tile_cols, n.next_multiple_of(tile_cols));
     let blocks = n.div_ceil(cols);
     let job = |bufs: &mut RowBufs, t: usize| {
         let (p, c0) = (&products[t / blocks], (t % blocks) * cols);
@@ -517,7 +562,7 @@ pub(in crate::kernels) unsafe fn prefill(
         };
         // SAFETY: the features were detected; rows are `k` long, `x` holds `m` rows of `k`,
         // and this job writes only columns `c0..c0 + len` of its product's output.
-        unsafe { prefill_block(p.x.as_ptr(), m, rows, c0, k, sink) };
+        unsafe { body(p.x.as_ptr(), m, rows, c0, k, sink) };
     };
     let jobs = products.len() * blocks;
     if jobs > 1
@@ -556,8 +601,6 @@ mod tests {
             })
             .collect()
     }
-
-    type Block = unsafe fn(*const f32, usize, Rows<'_>, usize, usize, Sink);
 
     /// `out[i * n + j] = x[i] . w[j]` through `block`, weight rows `k` apart in `w`.
     fn run_block(block: Block, x: &[f32], w: &[f16], (m, n, k): (usize, usize, usize)) -> Vec<f32> {

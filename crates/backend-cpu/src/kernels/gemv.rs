@@ -15,7 +15,9 @@
 //! `dot512`) a weight row is read 16 elements a step into four accumulators per activation
 //! row (four activation rows at a time). With AVX2, FMA and F16C (or AVX-512 turned
 //! off) a weight row is loaded 8 elements at a time, widened in registers and multiplied into
-//! four accumulators per activation row (two rows at a time); elsewhere the row is converted
+//! four accumulators per activation row (two rows at a time), over a job's weight rows
+//! gathered once (`dot256::decode_block`, through `dot512::decode_columns`; a row at a time
+//! where they cannot be gathered); elsewhere the row is converted
 //! to f32 and dotted with `quant::dot_f32`, the portable reference.
 //!
 //! Determinism: each output element is one dot product in a fixed order (per body: lanes,
@@ -261,5 +263,59 @@ pub(super) mod x86 {
             out[r] = sum;
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The `#[ignore]`d benchmark times one decode step's float products of a 12-layer,
+    //! d 768, ff 2048, vocab 32000 F16 model (weights in DRAM) on the rayon pool
+    //! (`RAYON_NUM_THREADS=2 cargo test --release -p lowsync-cpu gemv_decode_speed --
+    //! --ignored --nocapture`).
+
+    use half::f16;
+    use lowsync_graph::DType;
+
+    use super::*;
+
+    #[test]
+    #[ignore = "a benchmark: run with --release --ignored --nocapture"]
+    fn gemv_decode_speed() {
+        let k = 768;
+        let mut shapes = Vec::new();
+        for _ in 0..12 {
+            shapes.extend([(768, k); 4]);
+            shapes.extend([(2048, k), (2048, k), (768, 2048)]);
+        }
+        shapes.push((32000, k));
+        let weights: Vec<Vec<f16>> = shapes
+            .iter()
+            .map(|&(n, k)| {
+                (0..n * k)
+                    .map(|i| f16::from_f32((i % 7) as f32 * 0.01))
+                    .collect()
+            })
+            .collect();
+        let xs: Vec<Vec<f32>> = shapes.iter().map(|&(_, k)| vec![0.5; k]).collect();
+        let bytes: usize = shapes.iter().map(|&(n, k)| n * k * 2).sum();
+        let mut outs: Vec<Vec<f32>> = shapes.iter().map(|&(n, _)| vec![0.0; n]).collect();
+        let mut best = f64::MAX;
+        for _ in 0..30 {
+            let t = std::time::Instant::now();
+            for (((&(n, k), w), x), out) in shapes.iter().zip(&weights).zip(&xs).zip(&mut outs) {
+                // SAFETY: `w` holds `n` rows of `k`: column `j` of this `[k, n]` view is row `j`.
+                let w = unsafe {
+                    Strided::from_raw(w.as_ptr() as *mut u8, DType::F16, vec![k, n], vec![1, k])
+                };
+                run(&[Product { x, w }], (1, n, k), out);
+            }
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        println!(
+            "decode step: {:.2} ms, {:.1} GB/s on {} threads",
+            best * 1e3,
+            bytes as f64 / best / 1e9,
+            rayon::current_num_threads()
+        );
     }
 }

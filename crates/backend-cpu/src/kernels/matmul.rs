@@ -5,7 +5,10 @@
 //! share one shape (one per output batch; one per used expert). `gemm` takes row and column
 //! strides, so aligned f32 operands, transposed views such as `x @ w.T` included, are read in
 //! place. The left operand (activations) is made f32 once per call when it is not already.
-//! A right operand in f16/bf16 (weights, KV cache) is handled by size:
+//! A right operand in f16/bf16 (weights, KV cache) whose columns are contiguous rows (`x @
+//! w.T`) is read in place: up to `gemv::GEMV_MAX_M` rows by `gemv`, more by the prefill tiles
+//! (`dot512`'s with AVX-512, `dot256`'s with AVX2, FMA and F16C). Otherwise, or on a CPU
+//! with none of these, it is handled by size:
 //! - small `m` (decode, up to [`STREAM_MAX_M`] rows): each job converts one cache-sized block
 //!   of `b`'s columns and multiplies it straight away, so a 2048x2048 f16 weight is streamed
 //!   once with no large allocation;
@@ -368,7 +371,7 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
     #[cfg(target_arch = "x86_64")]
     {
         let sixteen_bit = matches!(b.dtype(), DType::F16 | DType::BF16);
-        if sixteen_bit && mul_mat_prefill512(node, dst, a, b, &want[..nb], (m, n, k))? {
+        if sixteen_bit && mul_mat_prefill(node, dst, a, b, &want[..nb], (m, n, k))? {
             return Ok(());
         }
     }
@@ -508,11 +511,11 @@ fn mul_mat_gemv(
     Ok(true)
 }
 
-/// `dst = a @ b` with `dot512`'s prefill tiles, reading a 16-bit `b` in place (no f32 copy,
-/// no packing), when the AVX-512 bodies run and every matrix of `b` is one `gemv` reads;
-/// `Ok(false)` (nothing written) otherwise.
+/// `dst = a @ b` with `dot512`'s prefill tiles (or `dot256`'s where AVX-512 is off or
+/// absent), reading a 16-bit `b` in place (no f32 copy, no packing), when either body set
+/// runs and every matrix of `b` is one `gemv` reads; `Ok(false)` (nothing written) otherwise.
 #[cfg(target_arch = "x86_64")]
-fn mul_mat_prefill512(
+fn mul_mat_prefill(
     node: &ExecNode,
     dst: &Strided,
     a: &Strided,
@@ -521,7 +524,7 @@ fn mul_mat_prefill512(
     (m, n, k): (usize, usize, usize),
 ) -> Result<bool> {
     use super::dot512;
-    if !dot512::available() {
+    if !dot512::prefill_available() {
         return Ok(false);
     }
     let Some((ws, ams)) = gemv_operands(node, a, b, batch)? else {

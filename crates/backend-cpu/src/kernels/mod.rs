@@ -24,12 +24,14 @@
 //! `softmax`, `rope`, `argmax`, `rows` (get_rows, set_rows), `copy` (cpy, concat and
 //! the strided copy engine), `matmul` (mul_mat, mul_mat_id), `gemv` (decode products over
 //! float weights), `dot512` (the AVX-512 tiles of decode, prefill and attention-score dot
-//! products over float rows), `attention` (the fused attention chain), `quant` (block-dtype weights:
+//! products over float rows), `dot256` (the AVX2 prefill tiles), `attention` (the fused attention chain), `quant` (block-dtype weights:
 //! the scalar dequantization oracle, get_rows and the products over quantized weights).
 
 mod argmax;
 mod attention;
 mod copy;
+#[cfg(target_arch = "x86_64")]
+mod dot256;
 #[cfg(target_arch = "x86_64")]
 mod dot512;
 mod elementwise;

@@ -429,3 +429,61 @@ fn decode_products_are_bit_identical_across_thread_counts() {
         check(&mem, &x, &wt, &dst, tol(dt));
     }
 }
+
+#[test]
+fn prefill_products_over_float_weight_rows_match_reference() {
+    // More than 8 activation rows over weight rows read in place (the prefill tiles, where
+    // the CPU has them): row counts around the tile heights, column counts that are not a
+    // multiple of the tile widths, k with and without 8- and 16-element tails, transposed
+    // activations, and GQA batches whose keys are rows of a cache (`q @ K.T`).
+    for (seed, dt) in [(150, DType::F16), (151, DType::BF16)] {
+        for (m, n, k) in [
+            (9, 7, 37),
+            (12, 13, 5),
+            (13, 11, 70),
+            (33, 29, 768),
+            (10, 3, 1),
+        ] {
+            let mut mem = TestMem::new();
+            let mut rng = TestRng::new(seed + (m * 1000 + n * 10 + k) as u64);
+            let x = mem.rand(&mut rng, DType::F32, &[m, k]);
+            let w = mem.rand(&mut rng, dt, &[n, k]);
+            let dst = mem.zeros(DType::F32, &[m, n]);
+            check(&mem, &x, &transpose(&w, 0, 1), &dst, tol(dt));
+            let xt = transpose(&mem.rand(&mut rng, DType::F32, &[k, m]), 0, 1);
+            let dst = mem.zeros(DType::F32, &[m, n]);
+            check(&mem, &xt, &transpose(&w, 0, 1), &dst, tol(dt));
+        }
+        let mut mem = TestMem::new();
+        let mut rng = TestRng::new(seed + 7);
+        let q = mem.rand(&mut rng, DType::F32, &[6, 11, 40]);
+        let keys = mem.rand(&mut rng, dt, &[2, 50, 40]);
+        let dst = mem.zeros(DType::F32, &[6, 11, 50]);
+        check(&mem, &q, &transpose(&keys, 1, 2), &dst, tol(dt));
+    }
+}
+
+#[test]
+fn prefill_products_are_bit_identical_across_thread_counts() {
+    // Large enough to be split into column blocks over the pool; an output head's shape.
+    let mut mem = TestMem::new();
+    let mut rng = TestRng::new(152);
+    for (dt, m, n, k) in [(DType::F16, 17, 3001, 300), (DType::BF16, 40, 1000, 99)] {
+        let x = mem.rand(&mut rng, DType::F32, &[m, k]);
+        let w = mem.rand(&mut rng, dt, &[n, k]);
+        let wt = transpose(&w, 0, 1);
+        let mut results = Vec::new();
+        for threads in [1, 2, 3] {
+            let dst = mem.zeros(DType::F32, &[m, n]);
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+                .install(|| run(&mem, Op::MulMat, &dst, &[&x, &wt]).unwrap());
+            results.push(mem.bytes(&dst));
+        }
+        assert!(results.windows(2).all(|w| w[0] == w[1]), "{dt} m = {m}");
+        let dst = mem.zeros(DType::F32, &[m, n]);
+        check(&mem, &x, &wt, &dst, tol(dt));
+    }
+}
