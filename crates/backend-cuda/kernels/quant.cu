@@ -175,13 +175,13 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
                 if (QM == 2) {
                     // k0 is a multiple of 32: piece p (chunks 2p, 2p + 1) is record (k0 + 32 p)
                     // / 32, both chunks of one block (a piece never straddles blocks). The
-                    // record is loaded once for the R columns (8 registers against q16's 16).
+                    // record is loaded once for the R columns (12 registers, q16's would be 19).
                     for (int p = lane; p < nch / 2; p += 32) {
-                        const u8* rec = xq + Q8_REC * ((k0 + 32 * p) / 32);
+                        const Q8x x = q8_load(xq + Q8_REC * ((k0 + 32 * p) / 32));
 #pragma unroll
                         for (int c = 0; c < R; ++c) {
                             acc[0][c] = q8_piece<QT>((const u8*)stage[warp * R + c] + lead[c] + (32 * p / QB) * BB,
-                                                     p % (QB / 32), rec, acc[0][c]);
+                                                     p % (QB / 32), x, acc[0][c]);
                         }
                     }
                     __syncwarp();

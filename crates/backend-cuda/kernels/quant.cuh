@@ -441,29 +441,41 @@ __device__ __forceinline__ int q8_dot16(const u32 (&w)[4], const uint4& x, int s
     return __dp4a((int)x.w, (int)w[3], s);
 }
 
+// One q8 record in registers: the two halves' values and (d, d * sum, d * sum of half 0, of
+// half 1), three 16-byte loads from a 16-byte aligned record.
+struct Q8x {
+    uint4 lo, hi;
+    float4 f;
+};
+__device__ __forceinline__ Q8x q8_load(const u8* rec) {
+    const uint4* x = (const uint4*)rec;
+    Q8x r;
+    r.lo = x[0];
+    r.hi = x[1];
+    r.f = *(const float4*)(rec + 32);
+    return r;
+}
+
 // acc plus the 32-value piece p of a weight row (chunks 2p, 2p + 1 of the block at blk, of type
-// QT; p is the piece's index inside the block) times q8 record `rec` (`Q8_REC` bytes, 16-byte
-// aligned): one integer sum and d * dx, m * (dx * sum(q)) where the chunks share d and m, else
-// each half's two terms in turn.
+// QT; p is the piece's index inside the block) times q8 record x (`q8_load`): one integer sum
+// and d * dx, m * (dx * sum(q)) where the chunks share d and m, else each half's two terms in
+// turn.
 template <int QT>
-__device__ __forceinline__ float q8_piece(const u8* blk, int p, const u8* rec, float acc) {
+__device__ __forceinline__ float q8_piece(const u8* blk, int p, const Q8x& x, float acc) {
     u32 w0[4], w1[4];
     float d0, m0, d1, m1;
     iq16<QT>(blk, 2 * p, w0, d0, m0);
     iq16<QT>(blk, 2 * p + 1, w1, d1, m1);
-    const uint4* x = (const uint4*)rec;
-    const uint4 x0 = x[0], x1 = x[1];
-    const float* f = (const float*)(rec + 32);
     if (q_pair_scaled(QT)) {
-        const int s = q8_dot16(w1, x1, q8_dot16(w0, x0, 0));
-        acc = fmaf(q_mul(d0, f[0]), (float)s, acc);
-        if (q_has_m(QT)) acc = fmaf(m0, f[1], acc);
+        const int s = q8_dot16(w1, x.hi, q8_dot16(w0, x.lo, 0));
+        acc = fmaf(q_mul(d0, x.f.x), (float)s, acc);
+        if (q_has_m(QT)) acc = fmaf(m0, x.f.y, acc);
     } else {
-        const int s0 = q8_dot16(w0, x0, 0), s1 = q8_dot16(w1, x1, 0);
-        acc = fmaf(q_mul(d0, f[0]), (float)s0, acc);
-        if (q_has_m(QT)) acc = fmaf(m0, f[2], acc);
-        acc = fmaf(q_mul(d1, f[0]), (float)s1, acc);
-        if (q_has_m(QT)) acc = fmaf(m1, f[3], acc);
+        const int s0 = q8_dot16(w0, x.lo, 0), s1 = q8_dot16(w1, x.hi, 0);
+        acc = fmaf(q_mul(d0, x.f.x), (float)s0, acc);
+        if (q_has_m(QT)) acc = fmaf(m0, x.f.z, acc);
+        acc = fmaf(q_mul(d1, x.f.x), (float)s1, acc);
+        if (q_has_m(QT)) acc = fmaf(m1, x.f.w, acc);
     }
     return acc;
 }

@@ -706,8 +706,9 @@ __device__ __forceinline__ float fq_dot8(const u8* w, int K, const u8* xq, int l
 #pragma unroll 1
     for (int p0 = lane; p0 < np; p0 += 64) {
         const int p1 = min(p0 + 32, np - 1);
-        acc = q8_piece<QT>(w + (p0 / PPB) * BB, p0 % PPB, xq + Q8_REC * p0, acc);
-        const float a1 = q8_piece<QT>(w + (p1 / PPB) * BB, p1 % PPB, xq + Q8_REC * p1, acc);
+        const Q8x x0 = q8_load(xq + Q8_REC * p0), x1 = q8_load(xq + Q8_REC * p1);
+        acc = q8_piece<QT>(w + (p0 / PPB) * BB, p0 % PPB, x0, acc);
+        const float a1 = q8_piece<QT>(w + (p1 / PPB) * BB, p1 % PPB, x1, acc);
         acc = p0 + 32 < np ? a1 : acc;
     }
     return acc;
