@@ -232,7 +232,7 @@ impl CudaConfig {
     /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `read_kernel` (0 or 1);
     /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` (1 or more, capped at
     /// 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
-    /// (bytes); `mmv_max_m` (rows); `qdot` (`q16` or `f32`). An unknown key, an item without
+    /// (bytes); `mmv_max_m` (rows); `qdot` (`q16`, `q8` or `f32`). An unknown key, an item without
     /// `=` or a bad value is an `Error::Env` for `LOWSYNC_CUDA_TUNE`.
     pub fn with_tune(mut self, spec: &str) -> Result<Self> {
         let bad = |expected: &'static str| Error::Env {
