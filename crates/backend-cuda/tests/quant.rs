@@ -33,12 +33,13 @@ const QDOTS: [&str; 3] = ["qdot=q16", "qdot=q8", "qdot=f32"];
 
 /// The NMSE bound of a one-row product (`mul_mat_vec_q`, in place) under `tune` against the
 /// oracle (whose decode products take 16-bit activations): 8-bit activations move each value
-/// by up to amax / 254 of its block, an NMSE near 1e-5 on long random rows and up to 3e-4 on
-/// these short ones in the emulation (against float64, `Q8_RAW_NMSE`); q16 and f32 stay near
+/// by up to amax / 254 of its block, an NMSE near 1e-5 on long random rows and up to 4e-3 on
+/// one-block rows in the emulation (against float64; a wrong kernel is off by order 1, and the
+/// emulation checks the q8 kernels tightly against the q8-rounded row); q16 and f32 stay near
 /// 1e-8.
 fn decode_bound(tune: &str) -> f64 {
     if tune == "qdot=q8" {
-        1e-3
+        1e-2
     } else {
         1e-6
     }
