@@ -1033,12 +1033,12 @@ fn a_quantized_decode_layer_with_8_bit_activations_stays_near_the_oracle() {
         for (name, t) in &outs {
             let got = values(&q8, t);
             let what = format!("{test}: {name}");
-            assert_close(&format!("{what} q8 vs q16"), &values(&q16, t), &got, 1e-4);
+            assert_close(&format!("{what} q8 vs q16"), &values(&q16, t), &got, 1e-2);
             assert_close(
                 &format!("{what} q8 vs oracle"),
                 &values(&oracle, t),
                 &got,
-                1e-4,
+                1e-2,
             );
         }
     }
