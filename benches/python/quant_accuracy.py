@@ -8,10 +8,12 @@ dequantized by `gguf.quants.dequantize`. The bound is 3e-2 relative where activa
 quantized to 8 bits and 1e-3 where they are not: lowsync's CPU prefill products (6 or more
 tokens in a ubatch, as `--tokens` 8 is) over Q4_0, Q4_K and Q6_K take 8-bit activation blocks
 (`LOWSYNC_CPU_PREFILL_ACT` in docs/tuning.md; `q16` keeps 16 bits, `q8` takes 8 bits on Q4_1 and
-Q8_0 too where the CPU lacks AVX-512 VNNI), and so do decode products (fewer tokens) with
-`LOWSYNC_CPU_DECODE_ACT=q8` on CPUs without AVX-512 VNNI, so those rows are held to 3e-2; every
-other row, and every prefill row with `LOWSYNC_CPU_PREFILL_ACT=q16`, to 1e-3. `--bound` sets one
-bound for every row.
+Q8_0 too where the CPU lacks AVX-512 VNNI), and so do decode products (fewer tokens in a
+ubatch) with `LOWSYNC_CPU_DECODE_ACT=q8` on CPUs without AVX-512 VNNI, so those rows are held
+to 3e-2; every other row, and every prefill row with `LOWSYNC_CPU_PREFILL_ACT=q16`, to 1e-3.
+CUDA's one-row (decode) products take 8-bit activation blocks with
+`LOWSYNC_CUDA_TUNE=qdot=q8`: its `cuda` rows are held to 3e-2 when that is set and `--ubatch 1`
+makes every product one row. `--bound` sets one bound for every row.
 
 Strategy: the built-in model (`--model`, random weights, `--seed`) is written as F32 by
 `save_gguf`; `llama-quantize --pure` makes one file per type from it (every 2-D tensor of that
@@ -25,6 +27,9 @@ Run (the lowsync wheel on PYTHONPATH; llama-quantize from compare_llama_cpp_cpu.
     python benches/python/quant_accuracy.py --backends cpu,vulkan
     python benches/python/quant_accuracy.py --llama-quantize /tmp/lcpp-cuda/bin/llama-quantize \\
         --backends cpu,cuda --json /tmp/quant-accuracy.json
+    # CUDA's decode products (one row each) with 8-bit activations:
+    LOWSYNC_CUDA_TUNE=qdot=q8 python benches/python/quant_accuracy.py --backends cuda --ubatch 1 \\
+        --llama-quantize /tmp/lcpp-cuda/bin/llama-quantize
 
 Prints one JSON line per file and backend, then a markdown table; exits 1 if a row exceeds the
 bound or fails.
@@ -80,6 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=8, help="tokens decoded (8)")
     ap.add_argument(
+        "--ubatch",
+        type=int,
+        default=None,
+        help="tokens per ubatch (default: --tokens, one ubatch; 1: every product one row, "
+        "as in decode)",
+    )
+    ap.add_argument(
         "--bound",
         type=float,
         default=None,
@@ -101,18 +113,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def bound_for(t: str, backend: str, args: argparse.Namespace) -> float:
-    """The relative error bound of type `t` on `backend`: 3e-2 where the CPU products may
+    """The relative error bound of type `t` on `backend`: 3e-2 where the CPU products or CUDA's one-row products may
     quantize the activations to 8 bits, 1e-3 elsewhere, or `--bound`."""
     if args.bound is not None:
         return float(args.bound)
-    if args.tokens >= CPU_PREFILL_MIN_TOKENS:
+    if ubatch(args) >= CPU_PREFILL_MIN_TOKENS:
         act = os.environ.get("LOWSYNC_CPU_PREFILL_ACT", "").strip()
         q8 = t in CPU_Q8_OPT_IN_TYPES if act == "q8" else t in CPU_Q8_TYPES and act != "q16"
     else:
         act = os.environ.get("LOWSYNC_CPU_DECODE_ACT", "").strip()
         q8 = t in CPU_Q8_OPT_IN_TYPES and act == "q8"
     q8 = q8 and backend.split(":")[0] in ("cpu", "cpu-async")
+    q8 = q8 or (
+        backend.split(":")[0] == "cuda"
+        and ubatch(args) == 1
+        and "qdot=q8" in os.environ.get("LOWSYNC_CUDA_TUNE", "").replace(" ", "").split(",")
+    )
     return 3e-2 if q8 else 1e-3
+
+
+def ubatch(args: argparse.Namespace) -> int:
+    """Tokens per ubatch: `--ubatch`, else all of `--tokens`."""
+    return int(args.ubatch) if args.ubatch else int(args.tokens)
 
 
 def reference_logits(model: Any, tokens: list[int]) -> np.ndarray:
@@ -157,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {"type": t, "backend": b, "dtypes": kinds}
             row["bound"] = bound_for(t, b, args)
             try:
-                sess = ls.Session(model, backends=[b], n_ctx=32, n_ubatch=args.tokens)
+                sess = ls.Session(model, backends=[b], n_ctx=32, n_ubatch=ubatch(args))
                 got = sess.decode(tokens, logits="all")
                 row["rel_err"] = float(f"{rel_err(got, want):.3g}")
                 row["argmax_agrees"] = bool((np.argmax(got, -1) == np.argmax(want, -1)).all())

@@ -162,6 +162,13 @@ inline int emu_dp2a(int a, int b, int c, int sh) {
 }
 inline int __dp2a_lo(int a, int b, int c) { return emu_dp2a(a, b, c, 0); }
 inline int __dp2a_hi(int a, int b, int c) { return emu_dp2a(a, b, c, 16); }
+// `__dp4a(a, b, c)`: c plus the products of the four signed bytes of a with those of b (byte i
+// with byte i). Wraps modulo 2^32 as the device's 32-bit adds.
+inline int __dp4a(int a, int b, int c) {
+    long long s = 0;
+    for (int i = 0; i < 4; ++i) s += (long long)(signed char)((a >> (8 * i)) & 0xFF) * (signed char)((b >> (8 * i)) & 0xFF);
+    return (int)(unsigned)((unsigned long long)(long long)c + (unsigned long long)s);
+}
 inline int emu_votes[1024];
 inline unsigned __ballot_sync(unsigned, int pred) {
     const int t = (int)threadIdx.x, w = t / 32;

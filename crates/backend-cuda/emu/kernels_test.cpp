@@ -547,9 +547,45 @@ std::vector<double> q16_values(const std::vector<float>& x, std::vector<float>* 
     return out;
 }
 
+// The q8 path's activation row: the CPU backend's 8-bit blocks of x (backend-cpu
+// kernels/quant/q8.rs, its scalar `quantize_block`; K a multiple of 32) in f32 as that code
+// computes them, returned dequantized in float64; `ds` and `qs` as `q16_values`'s. The products'
+// references as q16's: (a) tight (NMSE 1e-10) against gguf's values times these; (b) against
+// the unquantized row within `Q8_RAW_NMSE`: q8 rounds each value by at most d / 2 = amax / 254
+// of its block, an NMSE of about (amax / rms)^2 / (12 * 127^2), 1.5e-5 for a uniform row (a
+// dot product's relative error about 4e-3) and more after a norm with random weights. These
+// cases measured up to 3e-4 (a 256-value Q4_K row whose 37 columns repeat a few distinct
+// blocks: few independent samples; a 256-value Q6_K row reached 4e-3 in one draw, so
+// `test_quant_mmv` checks q8 against the unquantized row on its long rows only) and 4e-4 for
+// a SwiGlu of two q8 products; most stay below 1e-4.
+std::vector<double> q8_values(const std::vector<float>& x, std::vector<float>* ds = nullptr,
+                              std::vector<int>* qs = nullptr) {
+    std::vector<double> out(x.size());
+    for (size_t b = 0; b + 32 <= x.size(); b += 32) {
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(x[b + i]));  // NaN skipped
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int i = 0; i < 32; ++i) {
+            const float r = std::round(x[b + i] * id);  // half away from zero
+            const int q = std::isnan(r) ? 0 : (int)std::clamp(r, -127.0f, 127.0f);
+            out[b + i] = (double)d * q;
+            if (qs) qs->push_back(q);
+        }
+        if (ds) ds->push_back(d);
+    }
+    return out;
+}
+const double Q8_RAW_NMSE = 1e-3;
+
+// The row as integer path `qm` (1: q16, 2: q8) quantizes it, dequantized in float64.
+std::vector<double> q_values(const std::vector<float>& x, int qm) { return qm == 2 ? q8_values(x) : q16_values(x); }
+// The bound of a `qm` product against the unquantized row.
+double q_raw_bound(int qm) { return qm == 2 ? Q8_RAW_NMSE : 1e-6; }
+
 // `own`: through the row-pair path's own entry point for the weight dtype (`fused_gemv1_rp16`
 // and kin, what the host launches), else through `fused_gemv1_pair`. `q16` (quantized weights
-// only): `fused_gemv1_q`'s integer path, checked as `q16_values` says.
+// only): `fused_gemv1_q`'s integer path (1: q16, 2: q8), checked as `q_values` says.
 void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
     const bool q = c.qset != 0;
     const int wdt = q ? DT_F32 : c.wdt;  // quantized: w holds gguf's values of the blocks
@@ -668,7 +704,7 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
                             std::to_string(c.r_dt) + " cache " + std::to_string(c.c_dt) + " norm " +
                             std::to_string(c.norm) + " wout " + std::to_string(c.wout) + " wsum " +
                             std::to_string(c.wsum) + " wnorm " + std::to_string(c.wnorm) + " bad " +
-                            std::to_string(c.bad) + (q16 ? " q16" : "");
+                            std::to_string(c.bad) + (q16 == 2 ? " q8" : q16 ? " q16" : "");
     // The activation row, and the prologue's results (NaN where they must not be written).
     std::vector<double> act(K), wn(K, NAN), wa(K, NAN), gn, ga;
     if (c.norm) {
@@ -697,7 +733,7 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
     if (q16) {
         std::vector<float> row(K);
         for (i64 k = 0; k < K; ++k) row[k] = c.norm && c.wnorm ? a.get(k) : (float)act[k];
-        ref = q16_values(row);
+        ref = q_values(row, q16);
     }
     auto got_of = [](const Buf& b) {
         std::vector<double> v;
@@ -741,7 +777,7 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
         }
         const std::vector<double> gout = got_of(*out[s]), gsum = has_add ? got_of(*sum[s]) : gout;
         check(st + " product", wout_v, gout, 1e-10);
-        if (q16) check(st + " product against the unquantized row", raw, gout, 1e-6);
+        if (q16) check(st + " product against the unquantized row", raw, gout, q_raw_bound(q16));
         if (has_add) check(st + " add", wsum_v, gsum, rounded_chain ? 1e-6 : 1e-10);
         // Exactly: each stored value is its source as stored, added to / rounded as the unfused
         // chain's next node reads it back (`src`: what the cache row holds, where it is stored).
@@ -1953,11 +1989,71 @@ void test_quant_q16_rows() {
     }
 }
 
+// q8_half (quant.cuh) against the CPU backend's 8-bit quantization (`q8_values`), bit for bit:
+// the records' values, d, d * sum(q) of the block and of each half, on the same kinds of
+// blocks as `test_quant_q16_rows` (ties at amax 127), at a row length that fills a 64-thread
+// round and one that leaves lanes past the row.
+void test_quant_q8_rows() {
+    for (const i64 K : {(i64)32 * 12, (i64)32 * 32}) {
+        std::vector<float> x(K);
+        for (i64 k = 0; k < K; ++k) x[k] = rnd(3.0f);
+        for (i64 k = 0; k < 32; ++k) x[k] = 0.0f;                        // block 0: all zero
+        x[40] = NAN;                                                        // block 1: NaN skipped, to 0
+        x[70] = INFINITY;                                                   // block 2: d = inf, all 0
+        for (i64 k = 96; k < 128; ++k) x[k] = (float)(k - 110) * 1e-42f;  // block 3: subnormal
+        // Block 4: amax 127 (d = 1, id = 1): halves round away from zero.
+        for (i64 k = 128; k < 160; ++k) x[k] = (float)(k - 144) + 0.5f;
+        x[128] = 127.0f;
+        x[200] = -INFINITY;  // block 6
+        std::vector<float> ds;
+        std::vector<int> qs;
+        q8_values(x, &ds, &qs);
+        std::vector<unsigned char> rec((size_t)(K / 32 * Q8_REC + 16), 0xee);
+        unsigned char* r = rec.data() + (16 - (u64)rec.data() % 16) % 16;
+        launch(1, 64, [&] {
+            const int nh = (int)(K / 16);
+            for (int h0 = 0; h0 < nh; h0 += 64) {
+                const int h = h0 + (int)threadIdx.x;
+                const bool live = h < nh;
+                float v[16];
+                for (int e = 0; e < 16; ++e) v[e] = live ? x[16 * h + e] : 0.0f;
+                q8_half(v, r + Q8_REC * (h / 2), h, live);
+            }
+        });
+        i64 bad = 0;
+        for (i64 b = 0; b < K / 32; ++b) {
+            const unsigned char* rb = r + Q8_REC * b;
+            float f[4];
+            memcpy(f, rb + 32, 16);
+            bad += __float_as_uint(f[0]) != __float_as_uint(ds[b]);
+            int total = 0;
+            for (int h = 0; h < 2; ++h) {
+                int sum = 0;
+                for (int i = 0; i < 16; ++i) {
+                    bad += (signed char)rb[16 * h + i] != qs[32 * b + 16 * h + i];
+                    sum += qs[32 * b + 16 * h + i];
+                }
+                total += sum;
+                bad += __float_as_uint(f[2 + h]) != __float_as_uint(ds[b] * (float)sum);
+            }
+            bad += __float_as_uint(f[1]) != __float_as_uint(ds[b] * (float)total);
+        }
+        // Nothing past the last record.
+        for (size_t i = (size_t)(r - rec.data()) + K / 32 * Q8_REC; i < rec.size(); ++i) bad += rec[i] != 0xee;
+        if (bad) {
+            ++fails;
+            printf("FAIL quant_dequant q8 records K %lld: %lld fields differ from the CPU's quantization\n",
+                   (long long)K, (long long)bad);
+        }
+    }
+}
+
 // Every block type's sizes, dq16 of every chunk of every block bit for bit, and iq16's integer
 // form of it: d * w_i + m in float64 within 2^-22 of |d * w_i| + |m| of gguf's value (gguf rounds
 // d * q and subtracts the min in f32: two roundings of at most 2^-24 of those terms).
 void test_quant_dequant() {
     test_quant_q16_rows();
+    test_quant_q8_rows();
     for (const QCase& c : quant_cases()) {
         const i64 qb = c.qb(), bb = c.bb(), nchunk = c.nblocks * qb / 16;
         if (q_block_size(c.qt) != qb || q_block_bytes(c.qt) != bb) {
@@ -2077,14 +2173,15 @@ void test_quant_rows() {
 // 16-byte boundary, the bytes around it poisoned), a is f32 with padded rows, two batches with b
 // broadcast (GQA-style divisor) and the weight read ahead of the wait (a poisoned until then)
 // in one case; k of one block to past one staged segment. One-row products also take the q16
-// path (one batch; read ahead in the padded case), checked as `q16_values` says.
+// and q8 paths (`q16` 1, 2: one batch; read ahead in the padded case), checked as `q16_values`
+// and `q8_values` say.
 void test_quant_mmv() {
     for (const QCase& c : quant_cases()) {
         const i64 qb = c.qb(), bb = c.bb();
         for (i64 kb : {(i64)1, (i64)3, 1280 / qb})
             for (i64 M : {1, 3, 9})
                 for (int pad : {0, 1})
-                    for (int q16 : {0, 1}) {
+                    for (int q16 : {0, 1, 2}) {
                     if (q16 && M != 1) continue;
                     const i64 K = kb * qb, N = 37, nbatch = pad && !q16 ? 2 : 1;
                     const i64 row_blocks = kb + pad, b_cs = row_blocks * bb;
@@ -2131,7 +2228,7 @@ void test_quant_mmv() {
                     // q16: the row as the kernel quantized it (one row, one batch).
                     std::vector<float> row(K);
                     for (i64 k = 0; k < K; ++k) row[k] = a.get(a0 + k);
-                    const std::vector<double> deq = q16_values(row);
+                    const std::vector<double> deq = q_values(row, q16);
                     std::vector<double> want, got, want_raw;
                     for (i64 bt = 0; bt < nbatch; ++bt)
                         for (i64 i = 0; i < M; ++i)
@@ -2147,19 +2244,23 @@ void test_quant_mmv() {
                                 got.push_back(dst.get(bt * M * N + i * N + n));
                             }
                     const std::string tag = "quant_mmv " + c.name + " K " + std::to_string(K) + " M " +
-                                            std::to_string(M) + " pad " + std::to_string(pad) + " q16 " +
+                                            std::to_string(M) + " pad " + std::to_string(pad) + " qm " +
                                             std::to_string(q16);
                     check(tag, want, got, 1e-10);
-                    if (q16) check(tag + " (unquantized row)", want_raw, got, 1e-6);
+                    // q8 against the unquantized row only on the long rows (40 activation blocks):
+                    // a 256-value row of one Q6_K or IQ4_XS block, its 37 columns a few distinct
+                    // blocks, measured up to 4e-3 (few samples); the tight check above holds.
+                    if (q16 && (q16 != 2 || K >= 1024)) check(tag + " (unquantized row)", want_raw, got, q_raw_bound(q16));
                 }
     }
 }
 
 // The quantized head with its argmax folded in, then `argmax_take`: the logits as
 // `mul_mat_vec_q` writes them, the index as the `argmax` kernel would take it over them (the
-// lower column on a tie, made by copying the best column's blocks below it), the key back at 0.
+// lower column on a tie, made by copying the best column's blocks below it), the key back at 0;
+// on the f32, q16 and q8 paths.
 void test_quant_head_argmax() {
-    for (int q16 : {0, 1})
+    for (int q16 : {0, 1, 2})
     for (const QCase& c : quant_cases()) {
         const i64 qb = c.qb(), bb = c.bb(), K = 2 * qb, N = 45, rb = 2 * bb;
         std::vector<unsigned char> w((size_t)(N * rb));
@@ -2186,7 +2287,7 @@ void test_quant_head_argmax() {
             for (i64 j = 0; j < N; ++j) same = same && __float_as_uint(d.get(j)) == __float_as_uint(ref.get(j));
             if (!same || am != (int)best || key != 0) {
                 ++fails;
-                printf("FAIL quant_head_argmax %s q16 %d round %d: logits %s, index %d want %lld, key %llu\n",
+                printf("FAIL quant_head_argmax %s qm %d round %d: logits %s, index %d want %lld, key %llu\n",
                        c.name.c_str(), q16, round, same ? "equal" : "differ", am, (long long)best,
                        (unsigned long long)key);
             }
@@ -2217,7 +2318,7 @@ void test_fused_gemv1_q() {
     };
     for (const Case& c : cases)
         for (int grid : {0, 1, 3})
-            for (int q16 : {0, 1}) {
+            for (int q16 : {0, 1, 2}) {
             const i64 K = c.K;
             Buf x(DT_F32, K), nw(DT_F32, K), nd(DT_F32, K), a(DT_F32, K);
             x.rand(2.0f);
@@ -2243,7 +2344,7 @@ void test_fused_gemv1_q() {
                               c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32, q16);
             });
             std::string tag = "fused_gemv1_q K " + std::to_string(K) + " pair " + std::to_string(c.pair) + " norm " +
-                              std::to_string(c.norm) + " grid " + std::to_string(grid) + " q16 " +
+                              std::to_string(c.norm) + " grid " + std::to_string(grid) + " qm " +
                               std::to_string(q16) + " types";
             for (int s = 0; s < P.nseg; ++s) tag += " " + quant_case(c.qt[s]).name;
             prod.check(tag);
@@ -2271,9 +2372,9 @@ void test_fused_gemv1_q() {
             // The row the kernel quantized: a (its norm product, written: S.wnorm is 1).
             std::vector<float> row(K);
             for (i64 k = 0; k < K; ++k) row[k] = a.get(k);
-            const std::vector<double> deq = q16_values(row);
+            const std::vector<double> deq = q_values(row, q16);
             P.check_all(tag, K, [&](i64, i64 k) { return deq[k]; });
-            P.check_all(tag + " (unquantized row)", K, [&](i64, i64 k) { return act[k]; }, 1e-6);
+            P.check_all(tag + " (unquantized row)", K, [&](i64, i64 k) { return act[k]; }, q_raw_bound(q16));
         }
 }
 
@@ -2289,7 +2390,7 @@ void test_fused_gemv1_q_rowpair() {
     };
     for (const RpCase& c : cases)
         for (bool own : {true, false})
-            for (int q16 : {0, 1}) rowpair_case(c, own, q16);
+            for (int q16 : {0, 1, 2}) rowpair_case(c, own, q16);
 }
 
 // Every test group, by name; `kernels_test NAME...` runs only the groups named.

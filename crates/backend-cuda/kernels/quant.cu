@@ -52,11 +52,13 @@ extern "C" __global__ void get_rows_q(i64 rows, i64 d, Lay L, void* dst, int dtd
 // stages its first segment of b before `pdl_entry` (the only reads before it), so the weight
 // fetch overlaps the previous kernel's tail; every thread still waits exactly once.
 //
-// The one-row kernels' integer path (`q16` != 0: M == 1, one batch, `LOWSYNC_CUDA_TUNE=qdot=q16`,
-// the host's choice): after the wait the block quantizes a's row once into K / 32 q16 records
-// in dynamic shared memory (quant.cuh: the CPU backend's 16-bit activation blocks, bit for bit;
-// thread t takes half-blocks t, t + blockDim.x, ...), and each staged chunk is taken as integers
-// (`iq16`) against its half record with dp2a (`q16_fma`), in the same chunk order. With `ahead`
+// The one-row kernels' integer paths (`qm` != 0: M == 1, one batch, `LOWSYNC_CUDA_TUNE=qdot=q16`
+// or `qdot=q8`, the host's choice): after the wait the block quantizes a's row once into K / 32
+// records in dynamic shared memory (quant.cuh: the CPU backend's 16-bit activation blocks, bit
+// for bit, or its 8-bit ones; thread t takes half-blocks t, t + blockDim.x, ...). q16: each
+// staged chunk is taken as integers (`iq16`) against its half record with dp2a (`q16_fma`), in
+// the same chunk order. q8: lane l takes the segment's 32-value pieces l, l + 32, ... (both
+// chunks of one record) with dp4a (`q8_piece`), in k order. With `ahead`
 // the warp's first segment of its rows is asked into L2 before the wait instead of staged.
 #define MVQ_WARPS 4
 #define MVQ_MT 8
@@ -85,7 +87,7 @@ __device__ __forceinline__ int mvq_stage(uint4* st, const u8* lo, const u8* hi, 
     return (int)(lo - a0);
 }
 
-template <int QT, int MT, int R, bool AM, bool Q16>
+template <int QT, int MT, int R, bool AM, int QM>
 __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, const MmBatch& B,
                                            float* dst, i64 d_rs, i64 d_cs, const float* a,
                                            i64 a_rs, const u8* b, i64 b_cs,
@@ -96,7 +98,7 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
     const i64 row_bytes = K / QB * BB;
     const i64 seg_bytes = MVQ_SEG / QB * BB;
     bool waited = !ahead;
-    if (Q16) {
+    if (QM) {
         // One batch, one row: the warp's first columns are known before the wait.
         const i64 col0 = ((i64)blockIdx.x * MVQ_WARPS + warp) * R;
         if (ahead && col0 < N) {
@@ -129,11 +131,15 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
 #pragma unroll
                 for (int e = 0; e < 16; ++e) v[e] = live ? a[16 * h + e] : 0.0f;
             }
-            q16_half(v, xq + Q16_REC * (h / 2), h, live);
+            if (QM == 2) {
+                q8_half(v, xq + Q8_REC * (h / 2), h, live);
+            } else {
+                q16_half(v, xq + Q16_REC * (h / 2), h, live);
+            }
         }
         __syncthreads();
     }
-    if (waited && !Q16) pdl_entry();
+    if (waited && !QM) pdl_entry();
     u64 best = 0ull;  // AM: the largest argmax key of this warp's columns
     for (i64 blk = blockIdx.x; blk < ncb * nbatch; blk += gridDim.x) {
         const i64 bt = blk / ncb, cb = blk % ncb;
@@ -166,7 +172,22 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
                     waited = true;
                 }
                 const int nch = (int)(min((i64)MVQ_SEG, K - k0) / 16);
-                if (Q16) {
+                if (QM == 2) {
+                    // k0 is a multiple of 32: piece p (chunks 2p, 2p + 1) is record (k0 + 32 p)
+                    // / 32, both chunks of one block (a piece never straddles blocks). The
+                    // record is loaded once for the R columns (12 registers, q16's would be 19).
+                    for (int p = lane; p < nch / 2; p += 32) {
+                        const Q8x x = q8_load(xq + Q8_REC * ((k0 + 32 * p) / 32));
+#pragma unroll
+                        for (int c = 0; c < R; ++c) {
+                            acc[0][c] = q8_piece<QT>((const u8*)stage[warp * R + c] + lead[c] + (32 * p / QB) * BB,
+                                                     p % (QB / 32), x, acc[0][c]);
+                        }
+                    }
+                    __syncwarp();
+                    continue;
+                }
+                if (QM == 1) {
                     // k0 is a multiple of 32: chunk j is half j % 2 of record (k0 + 16 j) / 32.
                     // (Chunk by chunk: a lane taking both chunks of a record for its R columns
                     // held 168 registers in `mul_mat_vec_q_argmax` against 128, NVRTC 13.0.)
@@ -242,19 +263,22 @@ __device__ __forceinline__ void mmv_q_body(i64 M, i64 N, i64 K, i64 nbatch, cons
 }
 
 // blockDim.x == 32 * MVQ_WARPS. One row of a (decode), MVQ_R columns per warp: each chunk of a
-// is read once for MVQ_R weight rows, whose segments are staged side by side. `q16`: the
-// integer path (M == 1, nbatch == 1, dynamic shared memory K / 32 * Q16_REC bytes, within
-// the default 48 KiB beside `stage`: `MVQ_Q16_MAX_SHARED` in src/exec/matmul.rs) ...
+// is read once for MVQ_R weight rows, whose segments are staged side by side. `qm`: 0 the f32
+// path, 1 the q16 integer path, 2 the q8 one (M == 1, nbatch == 1, dynamic shared memory K / 32
+// * Q16_REC or Q8_REC bytes, within the default 48 KiB beside `stage`: `MVQ_Q16_MAX_SHARED` in
+// src/exec/matmul.rs) ...
 extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
-    i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead, int q16) {
+    i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead, int qm) {
     __shared__ uint4 stage[MVQ_WARPS * MVQ_R][MVQ_STAGE];
     extern __shared__ uint4 mvq_smem[];
     u8* xq = (u8*)mvq_smem;
-    if (q16) {
-        QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, false, true>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr, xq))
+    if (qm == 2) {
+        QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, false, 2>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr, xq))
+    } else if (qm) {
+        QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, false, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr, xq))
     } else {
-        QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, false, false>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr, xq))
+        QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, false, 0>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr, xq))
     }
 }
 
@@ -263,22 +287,24 @@ extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q8(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
     i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead) {
     __shared__ uint4 stage[MVQ_WARPS][MVQ_STAGE];
-    QUANT_SWITCH(qt, mmv_q_body<QTV, MVQ_MT, 1, false, false>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr, nullptr))
+    QUANT_SWITCH(qt, mmv_q_body<QTV, MVQ_MT, 1, false, 0>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, nullptr, nullptr))
 }
 
-// Decode's output head on a quantized weight: `mul_mat_vec_q` (M == 1, one batch; `q16` as
+// Decode's output head on a quantized weight: `mul_mat_vec_q` (M == 1, one batch; `qm` as
 // there) with the argmax of the row folded in as `mul_mat_vec_1_argmax` does; `argmax_take`
 // (matmul.cu) then turns *key (0 before the launch) into the index.
 extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mul_mat_vec_q_argmax(
     i64 M, i64 N, i64 K, i64 nbatch, MmBatch B, float* dst, i64 d_rs, i64 d_cs, const float* a,
-    i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead, u64* key, int q16) {
+    i64 a_rs, const u8* b, int qt, i64 b_cs, int ahead, u64* key, int qm) {
     __shared__ uint4 stage[MVQ_WARPS * MVQ_R][MVQ_STAGE];
     extern __shared__ uint4 mvq_smem[];
     u8* xq = (u8*)mvq_smem;
-    if (q16) {
-        QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, true, true>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, key, xq))
+    if (qm == 2) {
+        QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, true, 2>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, key, xq))
+    } else if (qm) {
+        QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, true, 1>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, key, xq))
     } else {
-        QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, true, false>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, key, xq))
+        QUANT_SWITCH(qt, mmv_q_body<QTV, 1, MVQ_R, true, 0>(M, N, K, nbatch, B, dst, d_rs, d_cs, a, a_rs, b, b_cs, stage, ahead, key, xq))
     }
 }
 

@@ -402,3 +402,116 @@ __device__ __forceinline__ void q16_half(const float (&v)[16], u8* rec, int h, b
     if ((h & 1) == 0) f[0] = d;
     f[1 + (h & 1)] = __fmul_rn(d, (float)sum);  // |sum| < 2^20: exact
 }
+
+// ---------------------------------------------------------------------------------------------
+// Integer products on 8-bit activations ("q8", `LOWSYNC_CUDA_TUNE=qdot=q8`): as q16 above with
+// the row in 8-bit blocks, four multiply-adds per `__dp4a`.
+//
+// Why: the q16 products still spend 8 dp2a and two 16-byte shared-memory loads of the row per
+// 16 weights; with 8-bit activations a 32-value block is 8 dp4a and two 16-byte loads, and the
+// types whose scale spans 32 values (all but Q2_K, Q3_K and Q6_K) take their f32 work once per
+// block. The cost is precision: a value moves by up to d / 2 = amax / 254 of its block (NMSE of
+// a dot product about 1e-5 on random data, against 1e-10 for q16), which is why q16 stays the
+// default (docs/tuning.md `qdot`).
+//
+// Strategy: the activation quantization is the CPU backend's 8-bit one (backend-cpu
+// kernels/quant/q8.rs, its scalar `quantize_block`) value for value: blocks of 32, `d = amax /
+// 127`, `id = 1 / d` (0 when d is 0), `q = round(x * id)` half away from zero, clamped to +-127,
+// NaN to 0 (the values in natural order, not that file's packed order). A block is one 48-byte
+// record (`Q8_REC`, 16-byte aligned): its 32 values as i8 (bytes 0..31), d (f32, bytes 32..35),
+// `d * sum(q)` of the block (36..39) and of each half of 16 (40..47). The weights are `iq16`'s
+// integers (every type's fit a signed byte: 0..63 or -127..127), so `__dp4a` takes them as they
+// are; a 32-value piece (chunks 2p and 2p + 1 of a block, `q8_piece`) costs 8 dp4a and, where
+// both chunks share d and m, two FMAs. Integer sums are exact (|sum| <= 32 * 127 * 127).
+
+// Bytes of one q8 record (32 activation values).
+#define Q8_REC 48
+
+// Whether chunks 2p and 2p + 1 of a block of type QT share iq16's d and m (the type scales 32
+// values or more at once).
+__device__ __forceinline__ constexpr bool q_pair_scaled(int qt) {
+    return qt != DT_Q2_K && qt != DT_Q3_K && qt != DT_Q6_K;
+}
+
+// Sum of the products of the 16 signed bytes of w and x, in k order from s.
+__device__ __forceinline__ int q8_dot16(const u32 (&w)[4], const uint4& x, int s) {
+    s = __dp4a((int)x.x, (int)w[0], s);
+    s = __dp4a((int)x.y, (int)w[1], s);
+    s = __dp4a((int)x.z, (int)w[2], s);
+    return __dp4a((int)x.w, (int)w[3], s);
+}
+
+// One q8 record in registers: the two halves' values and (d, d * sum, d * sum of half 0, of
+// half 1), three 16-byte loads from a 16-byte aligned record.
+struct Q8x {
+    uint4 lo, hi;
+    float4 f;
+};
+__device__ __forceinline__ Q8x q8_load(const u8* rec) {
+    const uint4* x = (const uint4*)rec;
+    Q8x r;
+    r.lo = x[0];
+    r.hi = x[1];
+    r.f = *(const float4*)(rec + 32);
+    return r;
+}
+
+// acc plus the 32-value piece p of a weight row (chunks 2p, 2p + 1 of the block at blk, of type
+// QT; p is the piece's index inside the block) times q8 record x (`q8_load`): one integer sum
+// and d * dx, m * (dx * sum(q)) where the chunks share d and m, else each half's two terms in
+// turn.
+template <int QT>
+__device__ __forceinline__ float q8_piece(const u8* blk, int p, const Q8x& x, float acc) {
+    u32 w0[4], w1[4];
+    float d0, m0, d1, m1;
+    iq16<QT>(blk, 2 * p, w0, d0, m0);
+    iq16<QT>(blk, 2 * p + 1, w1, d1, m1);
+    if (q_pair_scaled(QT)) {
+        const int s = q8_dot16(w1, x.hi, q8_dot16(w0, x.lo, 0));
+        acc = fmaf(q_mul(d0, x.f.x), (float)s, acc);
+        if (q_has_m(QT)) acc = fmaf(m0, x.f.y, acc);
+    } else {
+        const int s0 = q8_dot16(w0, x.lo, 0), s1 = q8_dot16(w1, x.hi, 0);
+        acc = fmaf(q_mul(d0, x.f.x), (float)s0, acc);
+        if (q_has_m(QT)) acc = fmaf(m0, x.f.z, acc);
+        acc = fmaf(q_mul(d1, x.f.x), (float)s1, acc);
+        if (q_has_m(QT)) acc = fmaf(m1, x.f.w, acc);
+    }
+    return acc;
+}
+
+// Quantizes half-block h (16 values v) of a row into its q8 record `rec` (`Q8_REC` bytes):
+// called as `q16_half` is, by lanes 2i and 2i + 1 of one warp for a block's halves, every lane
+// of the warp taking part (`live` false: a lane past the row, which stores nothing; the row
+// holds whole blocks, so both lanes of a pair are live or neither is).
+__device__ __forceinline__ void q8_half(const float (&v)[16], u8* rec, int h, bool live) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));  // NaN skipped, as f32::max
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    const float d = __fdiv_rn(amax, 127.0f);
+    const float id = d > 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    int sum = 0;
+    u32 p[4];
+#pragma unroll
+    for (int i = 0; i < 16; i += 4) {
+        u32 word = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float r = roundf(__fmul_rn(v[i + e], id));
+            const int q = r != r ? 0 : (int)fminf(fmaxf(r, -127.0f), 127.0f);
+            sum += q;
+            word |= ((u32)q & 0xFFu) << (8 * e);
+        }
+        p[i / 4] = word;
+    }
+    const int total = sum + (int)__shfl_xor_sync(0xffffffffu, (u32)sum, 1);
+    if (!live) return;
+    ((uint4*)rec)[h & 1] = make_uint4(p[0], p[1], p[2], p[3]);
+    float* f = (float*)(rec + 32);
+    if ((h & 1) == 0) {
+        f[0] = d;
+        f[1] = __fmul_rn(d, (float)total);  // |total| <= 32 * 127: exact
+    }
+    f[2 + (h & 1)] = __fmul_rn(d, (float)sum);
+}

@@ -112,8 +112,9 @@ pub struct CudaConfig {
     pub read_kernel: bool,
     /// How decode's products on quantized weights multiply (tune key `qdot`, default `q16`):
     /// the activation row quantized to the CPU backend's 16-bit blocks and integer dot
-    /// products (`__dp2a_lo`/`__dp2a_hi`) with the weights' small integers, or `f32`: each
-    /// weight dequantized to f32 and multiplied by the f32 row. A knob for A/B runs.
+    /// products (`__dp2a_lo`/`__dp2a_hi`) with the weights' small integers, `q8`: the row in
+    /// the CPU backend's 8-bit blocks and `__dp4a`, or `f32`: each weight dequantized to f32
+    /// and multiplied by the f32 row. A knob for A/B runs.
     pub qdot: QDot,
 }
 
@@ -122,8 +123,32 @@ pub struct CudaConfig {
 pub enum QDot {
     /// 16-bit activation blocks against the weights' integers (dp2a), f32 per 16 values.
     Q16,
+    /// 8-bit activation blocks against the weights' integers (dp4a), f32 per 32 values (per
+    /// 16 for Q2_K, Q3_K and Q6_K, whose scales do).
+    Q8,
     /// Weights dequantized to f32, f32 FMAs.
     F32,
+}
+
+impl QDot {
+    /// The kernels' `qm` argument (`mul_mat_vec_q`, `fused_gemv1_q`): 0 f32, 1 q16, 2 q8.
+    pub(crate) fn kernel_mode(self) -> i32 {
+        match self {
+            QDot::F32 => 0,
+            QDot::Q16 => 1,
+            QDot::Q8 => 2,
+        }
+    }
+
+    /// Bytes of one activation record of 32 values in shared memory (`Q16_REC`, `Q8_REC` in
+    /// quant.cuh), or `None` on the f32 path.
+    pub(crate) fn record_bytes(self) -> Option<usize> {
+        match self {
+            QDot::F32 => None,
+            QDot::Q16 => Some(80),
+            QDot::Q8 => Some(48),
+        }
+    }
 }
 
 /// The decode matrix-vector kernel's source of the activation row.
@@ -207,7 +232,7 @@ impl CudaConfig {
     /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `read_kernel` (0 or 1);
     /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` (1 or more, capped at
     /// 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
-    /// (bytes); `mmv_max_m` (rows); `qdot` (`q16` or `f32`). An unknown key, an item without
+    /// (bytes); `mmv_max_m` (rows); `qdot` (`q16`, `q8` or `f32`). An unknown key, an item without
     /// `=` or a bad value is an `Error::Env` for `LOWSYNC_CUDA_TUNE`.
     pub fn with_tune(mut self, spec: &str) -> Result<Self> {
         let bad = |expected: &'static str| Error::Env {
@@ -264,8 +289,9 @@ impl CudaConfig {
                 "qdot" => {
                     self.qdot = match value {
                         "q16" => QDot::Q16,
+                        "q8" => QDot::Q8,
                         "f32" => QDot::F32,
-                        _ => return Err(bad("qdot=q16 or qdot=f32")),
+                        _ => return Err(bad("qdot=q16, qdot=q8 or qdot=f32")),
                     }
                 }
                 _ => return Err(bad(TUNE_KEYS)),
@@ -346,6 +372,8 @@ mod tests {
             ..CudaConfig::default()
         };
         assert_eq!(c, want);
+        assert_eq!(tuned("qdot=q8").unwrap().qdot, QDot::Q8);
+        assert_eq!(tuned("qdot=q16").unwrap().qdot, QDot::Q16);
         assert_eq!(tuned("attn_split=6").unwrap().attn_split, 6);
         assert_eq!(tuned("attn_split=500").unwrap().attn_split, 32, "capped");
         assert_eq!(
@@ -367,7 +395,7 @@ mod tests {
             ("gemv_pad_kb=-1", "at most 227"),
             ("copy_kernel=4k", "bytes"),
             ("mmv_max_m=-1", "rows"),
-            ("qdot=q8", "qdot=q16 or qdot=f32"),
+            ("qdot=q4", "qdot=q16, qdot=q8 or qdot=f32"),
             ("attn_split=auto", "N >= 2 at most N chunks"),
             ("pdl=1,evict_first=1", "gemv_blocks"),
             ("weight_evict_first=1", "qdot"),

@@ -3,9 +3,10 @@
 //! (m = 64: dequantized to f16 for cuBLAS), on a row slice of a larger weight and over a batch
 //! axis; and `GetRows` of a quantized table into f32 and f16 rows. Against the CPU backend (the
 //! oracle, itself checked bit for bit against gguf-py): NMSE for products, bit-exact rows.
-//! The one-row products and the head run with either arithmetic of `LOWSYNC_CUDA_TUNE=qdot`
+//! The one-row products and the head run with each arithmetic of `LOWSYNC_CUDA_TUNE=qdot`
 //! (`q16`, the default: the oracle's own 16-bit activation blocks and integer dot products;
-//! `f32`: f32 activations and dequantized weights).
+//! `q8`: 8-bit activation blocks and dp4a, at a looser bound; `f32`: f32 activations and
+//! dequantized weights).
 //! The kernels' own float64 and gguf checks run in the emulation (scripts/kernel_emu.sh groups
 //! `quant_dequant`, `quant_rows`, `quant_mmv`). Ignored without a CUDA device (see `common`).
 
@@ -27,8 +28,22 @@ fn pair_tuned(test: &str, tune: &str) -> Pair {
     Pair::new(gpu_with(test, cfg))
 }
 
-/// The two arithmetics of decode's quantized products.
-const QDOTS: [&str; 2] = ["qdot=q16", "qdot=f32"];
+/// The arithmetics of decode's quantized products.
+const QDOTS: [&str; 3] = ["qdot=q16", "qdot=q8", "qdot=f32"];
+
+/// The NMSE bound of a one-row product (`mul_mat_vec_q`, in place) under `tune` against the
+/// oracle (whose decode products take 16-bit activations): 8-bit activations move each value
+/// by up to amax / 254 of its block, an NMSE near 1e-5 on long random rows and up to 4e-3 on
+/// one-block rows in the emulation (against float64; a wrong kernel is off by order 1, and the
+/// emulation checks the q8 kernels tightly against the q8-rounded row); q16 and f32 stay near
+/// 1e-8.
+fn decode_bound(tune: &str) -> f64 {
+    if tune == "qdot=q8" {
+        1e-2
+    } else {
+        1e-6
+    }
+}
 
 /// The block dtypes.
 fn quants() -> impl Iterator<Item = DType> {
@@ -75,9 +90,14 @@ fn products_match_the_oracle(tune: &str) {
         ] {
             let e = product(&p, &mut rng, dt, m, n, k, lead);
             // In place (f32 accumulation; m = 1 with q16 activations, the oracle's own): the
-            // oracle's 16-bit activation blocks stay near 1e-8 from f32 activations. Prefill
-            // rounds x and the weight to f16 for cuBLAS: about 1e-7.
-            let bound = if m <= 8 { 1e-6 } else { 1e-5 };
+            // oracle's 16-bit activation blocks stay near 1e-8 from f32 activations (q8 at
+            // m = 1: `decode_bound`; several rows are f32 every way). Prefill rounds x and the
+            // weight to f16 for cuBLAS: about 1e-7.
+            let bound = match m {
+                1 => decode_bound(tune),
+                2..=8 => 1e-6,
+                _ => 1e-5,
+            };
             assert!(
                 e <= bound,
                 "{tune} {dt} m={m} n={n} k={k} lead={lead}: NMSE {e:e} > {bound:e}"
@@ -232,7 +252,8 @@ fn head_and_argmax(tune: &str) {
             .unwrap_or_else(|e| panic!("{dt}: CUDA failed: {e}"));
         let (want, got) = p.read(&logits);
         let e = nmse(&want, &got);
-        assert!(e <= 1e-6, "{tune} {dt}: logits NMSE {e:e}");
+        let bound = decode_bound(tune);
+        assert!(e <= bound, "{tune} {dt}: logits NMSE {e:e} > {bound:e}");
         let mut best = 0;
         for (j, &v) in got.iter().enumerate() {
             if v > got[best] {

@@ -47,7 +47,7 @@ use cudarc::cublas::{result as cbres, sys as cb};
 use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::DType;
 
-use crate::config::{DecodeGemv, QDot};
+use crate::config::DecodeGemv;
 use crate::device::Blas;
 use crate::exec::launch::{
     dt, float_dst, float_src, grid_for, kernel_err, packed, qt, quant_row_bytes, Args, Dev, Exec,
@@ -142,12 +142,11 @@ const MVQ_WARPS: usize = 4;
 /// Columns per warp of the one-row kernels `mul_mat_vec_q` and `mul_mat_vec_q_argmax`
 /// (`MVQ_R`); `mul_mat_vec_q8` takes one.
 const MVQ_R: usize = 4;
-/// Bytes of one q16 activation record (32 values: `Q16_REC` in quant.cuh).
-const Q16_REC: usize = 80;
-/// Dynamic shared memory the one-row quantized kernels may take for the q16 row: the default
+/// Dynamic shared memory the one-row quantized kernels may take for the q16 or q8 row (records
+/// of 32 values, `QDot::record_bytes`): the default
 /// 48 KiB less their static shared memory (16 staged segments of 1,120 bytes, and the argmax's
 /// block maxima: 18,688 bytes for `mul_mat_vec_q_argmax` with NVRTC 13.0, sm_90) with about
-/// 1 KiB to spare, so rows up to 11,456 values take the integer path.
+/// 1 KiB to spare, so rows up to 11,456 values take the q16 path (19,104 the q8 one).
 const MVQ_Q16_MAX_SHARED: usize = 28 << 10;
 /// Batch axes the matrix-vector kernels index (`MB_MAXD` in common.cuh).
 const MB_MAXD: usize = 4;
@@ -830,14 +829,14 @@ pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Re
     {
         // A quantized head: `mul_mat_vec_q` with the argmax folded in.
         let (grid, args) = vec_q_args(ex, mm, &plan, &dst, &a, &b)?;
-        let shared = vec_q16_shared(ex, &plan);
+        let (shared, qm) = vec_q_int(ex, &plan);
         ex.launch_shared(
             mm,
             Kernel::MulMatVecQArgmax,
             grid,
             (MVQ_WARPS * 32) as u32,
             shared as u32,
-            args.arg(key).arg((shared > 0) as i32),
+            args.arg(key).arg(qm),
         )?;
     } else {
         let Some(v1) = fits.then(|| vec1(ex, mm, &plan, &dst, &a, &b)).flatten() else {
@@ -900,27 +899,29 @@ fn run_vec_q(
     if kernel == Kernel::MulMatVecQ8 {
         return ex.launch(node, kernel, grid, (MVQ_WARPS * 32) as u32, args);
     }
-    let shared = vec_q16_shared(ex, plan);
+    let (shared, qm) = vec_q_int(ex, plan);
     ex.launch_shared(
         node,
         kernel,
         grid,
         (MVQ_WARPS * 32) as u32,
         shared as u32,
-        args.arg((shared > 0) as i32),
+        args.arg(qm),
     )
 }
 
-/// Dynamic shared memory of a one-row quantized product's integer path (`q16` in quant.cu:
-/// the row as q16 records), or 0 where it takes the f32 path: `qdot=f32`, more than one row
-/// or batch, or a row too long for the records beside the kernel's static staging.
-fn vec_q16_shared(ex: &Exec<'_>, plan: &Plan) -> usize {
-    let bytes = plan.k / 32 * Q16_REC;
+/// Dynamic shared memory and `qm` argument of a one-row quantized product (quant.cu: the row
+/// as q16 or q8 records, `CudaConfig::qdot`), or (0, 0) where it takes the f32 path:
+/// `qdot=f32`, more than one row or batch, or a row too long for the records beside the
+/// kernel's static staging.
+fn vec_q_int(ex: &Exec<'_>, plan: &Plan) -> (usize, i32) {
+    let qdot = ex.inner.cfg.qdot;
     let one = plan.m == 1 && plan.batch.iter().product::<usize>() == 1;
-    if ex.inner.cfg.qdot == QDot::Q16 && one && bytes <= MVQ_Q16_MAX_SHARED {
-        bytes
-    } else {
-        0
+    match qdot.record_bytes() {
+        Some(rec) if one && plan.k / 32 * rec <= MVQ_Q16_MAX_SHARED => {
+            (plan.k / 32 * rec, qdot.kernel_mode())
+        }
+        _ => (0, 0),
     }
 }
 

@@ -623,8 +623,10 @@ extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp32(FG1S_PARAMS) { FG1_O
 // With `q16` (the default, `LOWSYNC_CUDA_TUNE=qdot=q16`) the staged row is then quantized in
 // place to q16 records (quant.cuh: the CPU backend's 16-bit activation blocks, bit for bit) and
 // lane l takes 32-value pieces l, l + 32, ... of the weight row as integers (`iq16`) against
-// them with dp2a (`fq_dot16`), in k order; same units, same butterfly. Without it (`qdot=f32`)
-// the chunks are dequantized to f32 (`dq16`) and multiplied by the f32 row.
+// them with dp2a (`fq_dot16`), in k order; same units, same butterfly. With `q8`
+// (`qdot=q8`) the records are the CPU backend's 8-bit blocks and the pieces go through dp4a
+// (`fq_dot8`, quant.cuh's `q8_piece`). Without either (`qdot=f32`) the chunks are dequantized
+// to f32 (`dq16`) and multiplied by the f32 row.
 
 // Lane `lane`'s part of the dot product of weight row w (K values of block type QT) with xr:
 // its chunks in order, two per round — both chunks' bytes are loaded before either is used
@@ -692,12 +694,34 @@ __device__ __forceinline__ float fq_dot16(const u8* w, int K, const u8* xq, int 
     return acc;
 }
 
-// The whole warp's dot product of row w (block type qt, warp-uniform) with the staged row xr
-// (f32, `fq_swizzle`d; or q16 records with `q16`), in every lane. Not inlined: one copy of the
-// decoders per kernel, however many rows a unit has.
-__device__ __noinline__ float fq_row(int qt, const u8* w, int K, const float* xr, int lane, int q16) {
+// `fq_dot16` on q8 records (`fq_quantize` with qm 2): the same pieces, two per round, each
+// `q8_piece` (dp4a, f32 once per piece where the block type's scale spans it). The second
+// piece's sum is taken unconditionally (its index clamped to the row) and kept only inside it,
+// so both pieces' weight loads issue before either is used.
+template <int QT>
+__device__ __forceinline__ float fq_dot8(const u8* w, int K, const u8* xq, int lane) {
+    const int QB = q_block_size(QT), BB = q_block_bytes(QT), PPB = QB / 32;
+    const int np = K / 32;
     float acc = 0.0f;
-    if (q16) {
+#pragma unroll 1
+    for (int p0 = lane; p0 < np; p0 += 64) {
+        const int p1 = min(p0 + 32, np - 1);
+        const Q8x x0 = q8_load(xq + Q8_REC * p0), x1 = q8_load(xq + Q8_REC * p1);
+        acc = q8_piece<QT>(w + (p0 / PPB) * BB, p0 % PPB, x0, acc);
+        const float a1 = q8_piece<QT>(w + (p1 / PPB) * BB, p1 % PPB, x1, acc);
+        acc = p0 + 32 < np ? a1 : acc;
+    }
+    return acc;
+}
+
+// The whole warp's dot product of row w (block type qt, warp-uniform) with the staged row xr
+// (f32, `fq_swizzle`d; q16 records with qm 1, q8 records with qm 2), in every lane. Not
+// inlined: one copy of the decoders per kernel, however many rows a unit has.
+__device__ __noinline__ float fq_row(int qt, const u8* w, int K, const float* xr, int lane, int qm) {
+    float acc = 0.0f;
+    if (qm == 2) {
+        QUANT_SWITCH(qt, acc = fq_dot8<QTV>(w, K, (const u8*)xr, lane))
+    } else if (qm) {
         QUANT_SWITCH(qt, acc = fq_dot16<QTV>(w, K, (const u8*)xr, lane))
     } else {
         QUANT_SWITCH(qt, acc = fq_dot<QTV>(w, K, xr, lane))
@@ -726,10 +750,12 @@ __device__ __forceinline__ void fq_swizzle(float* xs, int K) {
 
 // Quantizes the staged row (K floats at xs, K a multiple of 32; every thread takes part) in
 // place to K / 32 q16 records at xs (`Q16_REC` bytes each, 2.5 bytes a value: they fit in the
-// row's 4). Thread t of round r takes half-block h = r * blockDim.x + t (16 floats); all of a
-// round's floats are read before the barrier and its records written after it. Round r's
-// records end at byte 40 * blockDim.x * (r + 1), below the floats of round r + 1 (from byte
-// 64 * blockDim.x * (r + 1)), so a record only overwrites floats already read.
+// row's 4), or with `Q8` to q8 records (`Q8_REC` bytes, 1.5 bytes a value). Thread t of round r
+// takes half-block h = r * blockDim.x + t (16 floats); all of a round's floats are read before
+// the barrier and its records written after it. Round r's records end at byte 40 (q8: 24) *
+// blockDim.x * (r + 1), below the floats of round r + 1 (from byte 64 * blockDim.x * (r + 1)),
+// so a record only overwrites floats already read.
+template <bool Q8>
 __device__ __forceinline__ void fq_quantize(float* xs, int K) {
     const int nh = K / 16;
     for (int h0 = 0; h0 < nh; h0 += blockDim.x) {
@@ -746,7 +772,11 @@ __device__ __forceinline__ void fq_quantize(float* xs, int K) {
             v[4 * t + 3] = f.w;
         }
         __syncthreads();
-        q16_half(v, (u8*)xs + Q16_REC * (h / 2), h, live);
+        if (Q8) {
+            q8_half(v, (u8*)xs + Q8_REC * (h / 2), h, live);
+        } else {
+            q16_half(v, (u8*)xs + Q16_REC * (h / 2), h, live);
+        }
     }
     __syncthreads();
 }
@@ -754,7 +784,7 @@ __device__ __forceinline__ void fq_quantize(float* xs, int K) {
 template <int NC>
 __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, float* xs,
                                          const float* nx, float eps, void* nd, int dtn,
-                                         const void* nw, int dtnw, int q16) {
+                                         const void* nw, int dtnw, int qm) {
     const int lane = threadIdx.x & 31;
     const int units = (int)fg_units<NC>(S);
     const bool pair1 = NC == 2 && S.pair == 1;
@@ -779,8 +809,10 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     } else {
         stage_row(xs, a, K, false);
     }
-    if (q16) {
-        fq_quantize(xs, K);
+    if (qm == 2) {
+        fq_quantize<true>(xs, K);
+    } else if (qm) {
+        fq_quantize<false>(xs, K);
     } else {
         fq_swizzle(xs, K);
     }
@@ -793,7 +825,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         float acc[NC];
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
-            acc[c] = fq_row((int)S.seg[pair1 ? c : s].qt, (const u8*)wr[c], K, xs, lane, q16);
+            acc[c] = fq_row((int)S.seg[pair1 ? c : s].qt, (const u8*)wr[c], K, xs, lane, qm);
         }
         if (lane == 0) {
             if (NC == 2 && S.pair == 2) {
@@ -808,19 +840,19 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // blockDim.x == FG1_WARPS * 32, dynamic shared memory K floats; K a multiple of every
 // segment's block size, below 2^31 with the units (checked on the host), a 16-byte aligned
 // and every weight 2-byte aligned. Any grid of at least one block (the warps stride over the
-// units); S.pair as `fused_gemv1`'s sets (0, 1: SwiGlu, 2: row pairs). `q16`: integer products
-// on the quantized row (else f32).
+// units); S.pair as `fused_gemv1`'s sets (0, 1: SwiGlu, 2: row pairs). `qm`: integer products
+// on the row quantized to q16 (1) or q8 (2) records, else (0) f32.
 extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,
                                                                         float eps, void* nd,
                                                                         int dtn, const void* nw,
-                                                                        int dtnw, int q16) {
+                                                                        int dtnw, int qm) {
     extern __shared__ float4 fg1_smem[];
     float* xs = (float*)fg1_smem;
     if (S.pair) {
-        fq1_body<2>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, q16);
+        fq1_body<2>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm);
     } else {
-        fq1_body<1>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, q16);
+        fq1_body<1>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm);
     }
 }
 

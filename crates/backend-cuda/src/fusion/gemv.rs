@@ -21,7 +21,6 @@
 use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::Op;
 
-use crate::config::QDot;
 use crate::exec::launch::{dt, kernel_err, qt, quant_row_bytes, Args, Exec};
 use crate::exec::matmul::{self, moving};
 use crate::fusion::group::{add_other, has_tails, Nodes, NormPro, Seg, MAX_SEGS};
@@ -429,10 +428,10 @@ fn launch_gemv_q(
     };
     let blocks = blocks.clamp(1, i32::MAX as usize) as u32;
     let args = Args::new().arg(k as i64).arg(a.ptr).arg(set);
-    // The integer path quantizes the staged row in place (2.5 bytes a value in its 4): the
-    // same shared memory either way.
-    let q16 = exec.inner.cfg.qdot == QDot::Q16;
-    let args = norm_tail(args, pro.as_ref()).arg(q16 as i32);
+    // The integer paths quantize the staged row in place (q16: 2.5 bytes a value in its 4,
+    // q8: 1.5): the same shared memory every way.
+    let qm = exec.inner.cfg.qdot.kernel_mode();
+    let args = norm_tail(args, pro.as_ref()).arg(qm);
     exec.launch_shared(
         first,
         Kernel::FusedGemv1Q,
