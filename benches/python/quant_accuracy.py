@@ -113,8 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def bound_for(t: str, backend: str, args: argparse.Namespace) -> float:
-    """The relative error bound of type `t` on `backend`: 3e-2 where the CPU products or CUDA's one-row products may
-    quantize the activations to 8 bits, 1e-3 elsewhere, or `--bound`."""
+    """The relative error bound of type `t` on `backend`: 3e-2 where the CPU products or CUDA's
+    one-row products may quantize the activations to 8 bits, 1e-3 elsewhere, or `--bound`."""
     if args.bound is not None:
         return float(args.bound)
     if ubatch(args) >= CPU_PREFILL_MIN_TOKENS:
