@@ -212,14 +212,41 @@ pub(super) mod x86 {
 
     use super::{DotFn, QRows, QK};
 
-    /// `super::quantize_block` with AVX2, bit for bit: the same max (NaN ignored), the same
-    /// `v * id` products, rounding half away from zero (truncate, then step away from zero
-    /// where the dropped part is at least one half; exact below 2^23), the same clamp, NaN to 0.
+    /// `super::quantize_block` with AVX2, bit for bit (see [`round_block`]).
     ///
     /// # Safety
     /// AVX2 is available.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn quantize_block(blk: &[f32; QK], out: &mut [i16; QK]) -> (f32, i32) {
+        let (d, qi) = round_block(blk, 32767.0);
+        // Pack to i16 (in range, no saturation); packs works per 128-bit lane, so restore the
+        // element order with a 64-bit permute.
+        let a = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0b11_01_10_00);
+        let b = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0b11_01_10_00);
+        _mm256_storeu_si256(out.as_mut_ptr().cast(), a);
+        _mm256_storeu_si256(out.as_mut_ptr().add(16).cast(), b);
+        let sum = _mm256_add_epi32(
+            _mm256_add_epi32(qi[0], qi[1]),
+            _mm256_add_epi32(qi[2], qi[3]),
+        );
+        (d, hsum_i32(sum))
+    }
+
+    /// The shared step of the AVX2 activation quantizers (16-bit here, 8-bit in
+    /// `quant::q8::avx2`), bit for bit the scalar ones with `limit` 32767 or 127: `d = amax /
+    /// limit` with the same max (NaN ignored), the same `v * id` products, rounding half away
+    /// from zero (truncate, then step away from zero where the dropped part is at least one
+    /// half; exact below 2^23), the same clamp to `±limit`, NaN to 0. Returns `d` and the 32
+    /// integers as four vectors of 8 i32 in element order.
+    ///
+    /// # Safety
+    /// AVX2 is available.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(in crate::kernels::quant) unsafe fn round_block(
+        blk: &[f32; QK],
+        limit: f32,
+    ) -> (f32, [__m256i; 4]) {
         let p = blk.as_ptr();
         let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
         let mut m = _mm256_setzero_ps();
@@ -230,13 +257,12 @@ pub(super) mod x86 {
         let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
-        let d = amax / 32767.0;
+        let d = amax / limit;
         let id = if d > 0.0 { 1.0 / d } else { 0.0 };
         let idv = _mm256_set1_ps(id);
         let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
         let sign = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN));
-        let (lo, hi) = (_mm256_set1_ps(-32767.0), _mm256_set1_ps(32767.0));
-        let mut sum = _mm256_setzero_si256();
+        let (lo, hi) = (_mm256_set1_ps(-limit), _mm256_set1_ps(limit));
         let mut qi = [_mm256_setzero_si256(); 4];
         for (c, qi) in qi.iter_mut().enumerate() {
             let v = _mm256_mul_ps(_mm256_loadu_ps(p.add(8 * c)), idv);
@@ -247,25 +273,22 @@ pub(super) mod x86 {
                 t,
                 _mm256_and_ps(_mm256_cmp_ps(frac, half, _CMP_GE_OQ), step),
             );
-            // Clamp (the scalar clamp keeps NaN; `as i16` then makes it 0): NaN lanes zeroed.
+            // Clamp (the scalar clamp keeps NaN; the cast to an integer then makes it 0): NaN
+            // lanes zeroed.
             let r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
             let r = _mm256_and_ps(r, _mm256_cmp_ps(v, v, _CMP_ORD_Q));
             *qi = _mm256_cvttps_epi32(r);
-            sum = _mm256_add_epi32(sum, *qi);
         }
-        // Pack to i16 (in range, no saturation); packs works per 128-bit lane, so restore the
-        // element order with a 64-bit permute.
-        let a = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0b11_01_10_00);
-        let b = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0b11_01_10_00);
-        _mm256_storeu_si256(out.as_mut_ptr().cast(), a);
-        _mm256_storeu_si256(out.as_mut_ptr().add(16).cast(), b);
-        let s4 = _mm_add_epi32(
-            _mm256_castsi256_si128(sum),
-            _mm256_extracti128_si256(sum, 1),
-        );
+        (d, qi)
+    }
+
+    /// The sum of the 8 i32 lanes of `v`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(in crate::kernels::quant) unsafe fn hsum_i32(v: __m256i) -> i32 {
+        let s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
         let s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0b01_00_11_10));
-        let s1 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0b10_11_00_01));
-        (d, _mm_cvtsi128_si32(s1))
+        _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0b10_11_00_01)))
     }
 
     pub(super) fn dot_fn(dt: DType) -> Option<DotFn> {

@@ -34,7 +34,9 @@ use std::arch::x86_64::*;
 use lowsync_graph::DType;
 
 use super::{Dot8Fn, Q8Rows, QK};
-use crate::kernels::quant::q16::x86::{k_scales8, transpose4x8, u16_at, PREFETCH_FAR};
+use crate::kernels::quant::q16::x86::{
+    hsum_i32, k_scales8, round_block, transpose4x8, u16_at, PREFETCH_FAR,
+};
 
 /// The 8-bit body for weights of `dt`, where the CPU has AVX2, FMA and F16C.
 pub(crate) fn dot_fn(dt: DType) -> Option<Dot8Fn> {
@@ -75,10 +77,9 @@ pub(super) unsafe fn quantize_blocks(
     }
 }
 
-/// `super::quantize_block` with AVX2, bit for bit: the same max (NaN ignored), the same
-/// `v * id` products, rounding half away from zero (truncate, then step away from zero where
-/// the dropped part is at least one half; exact below 2^23), the same clamp, NaN to 0; the
-/// bytes in element order, or (where `perm`) permuted within each run of 8 by one shuffle.
+/// `super::quantize_block` with AVX2, bit for bit (the rounding of `q16::x86::round_block`
+/// with limit 127): the bytes in element order, or (where `perm`) permuted within each run of
+/// 8 by one shuffle.
 ///
 /// # Safety
 /// AVX2 is available.
@@ -89,45 +90,10 @@ pub(super) unsafe fn quantize_block(
     out: &mut [i8; QK],
     perm: bool,
 ) -> (f32, [i32; 2]) {
-    let p = blk.as_ptr();
-    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
-    let mut m = _mm256_setzero_ps();
-    for c in 0..4 {
-        // `max(a, b)` returns `b` when `a` is NaN: NaN lanes are skipped, as `f32::max` does.
-        m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(p.add(8 * c)), abs_mask), m);
-    }
-    let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
-    let d = amax / 127.0;
-    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-    let idv = _mm256_set1_ps(id);
-    let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
-    let sign = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN));
-    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
-    let mut qi = [_mm256_setzero_si256(); 4];
-    for (c, qi) in qi.iter_mut().enumerate() {
-        let v = _mm256_mul_ps(_mm256_loadu_ps(p.add(8 * c)), idv);
-        let t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        let frac = _mm256_and_ps(_mm256_sub_ps(v, t), abs_mask);
-        let step = _mm256_or_ps(_mm256_and_ps(v, sign), one);
-        let r = _mm256_add_ps(
-            t,
-            _mm256_and_ps(_mm256_cmp_ps(frac, half, _CMP_GE_OQ), step),
-        );
-        // Clamp (the scalar clamp keeps NaN; `as i8` then makes it 0): NaN lanes zeroed.
-        let r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
-        let r = _mm256_and_ps(r, _mm256_cmp_ps(v, v, _CMP_ORD_Q));
-        *qi = _mm256_cvttps_epi32(r);
-    }
-    let hsum = |v: __m256i| {
-        let s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        let s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0b01_00_11_10));
-        _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0b10_11_00_01)))
-    };
+    let (d, qi) = round_block(blk, 127.0);
     let sums = [
-        hsum(_mm256_add_epi32(qi[0], qi[1])),
-        hsum(_mm256_add_epi32(qi[2], qi[3])),
+        hsum_i32(_mm256_add_epi32(qi[0], qi[1])),
+        hsum_i32(_mm256_add_epi32(qi[2], qi[3])),
     ];
     // Pack to bytes (in range, no saturation). The packs work per 128-bit lane: the 32-bit
     // groups come out as elements 0..4, 8..12, 16..20, 24..28, 4..8, 12..16, 20..24, 28..32.
