@@ -162,3 +162,49 @@ def test_borrowed_weights_outlive_their_python_names(tmp_path: Path) -> None:
     # Nothing in Python refers to the map any more: the graph and context keep it alive.
     gc.collect()
     np.testing.assert_allclose(_run(plan), WANT)
+
+
+# Runs in a fresh interpreter: a prompt that reads rows all over a file-mapped token embedding,
+# then the embedding's resident pages in this process (`/proc/self/pagemap`'s present bit).
+_ROWS_PROBE = """
+import json, struct, sys
+import numpy as np
+import lowsync as ls
+
+path = sys.argv[1]
+model = ls.load_gguf(path)
+emb = model.weights["token_embd.weight"]
+assert "output.weight" in model.weights  # the products never read the embedding
+lo, n = emb.ctypes.data, emb.nbytes
+sess = ls.Session(model, ["cpu"], n_ctx=512, n_ubatch=256)
+n_vocab = emb.shape[0]
+prompt = [int(t) for t in np.linspace(0, n_vocab - 1, 256)]
+sess.generate(prompt, max_new_tokens=4)
+with open("/proc/self/pagemap", "rb") as f:
+    present = 0
+    for p in range(lo // 4096, (lo + n + 4095) // 4096):
+        f.seek(p * 8)
+        present += struct.unpack("<Q", f.read(8))[0] >> 63
+print(json.dumps({"table_bytes": n, "resident": present * 4096}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="needs Linux's pagemap")
+def test_embedding_rows_read_from_the_file_do_not_stay_resident(tmp_path: Path) -> None:
+    # An 8 MiB f16 embedding that only `get_rows` reads: a 256-token prompt spread over the
+    # whole vocabulary maps the page-cache folios around every row it reads, and the backend
+    # releases them after the gather, so the process keeps at most the 2 MiB around a row.
+    path = tmp_path / "m.gguf"
+    Llama.random(LlamaConfig(8192, 512, 1, 8, 8, 512), seed=5, dtype="f16").save_gguf(path)
+    done = subprocess.run(
+        [sys.executable, "-c", _ROWS_PROBE, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=os.environ.copy(),
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["table_bytes"] == 8192 * 512 * 2
+    assert out["resident"] <= 2 << 20, out

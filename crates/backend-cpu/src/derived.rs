@@ -47,6 +47,8 @@ pub(crate) struct ReadOnly {
     start: usize,
     len: usize,
     derived: Mutex<Vec<(DerivedKey, Slot)>>,
+    /// Whether the range lies in a read-only file mapping (looked up once, on first use).
+    file: OnceLock<bool>,
 }
 
 impl ReadOnly {
@@ -136,6 +138,7 @@ pub(crate) fn register_read_only(start: *const u8, len: usize) -> ReadOnlyGuard 
         start: start as usize,
         len,
         derived: Mutex::new(Vec::new()),
+        file: OnceLock::new(),
     });
     ranges().write().insert(key, r);
     ReadOnlyGuard { key }
@@ -161,15 +164,93 @@ pub(crate) fn read_only_at(start: *const u8, len: usize) -> Option<Arc<ReadOnly>
 /// and writable mappings are left alone. Only whole pages inside the span are released.
 /// Returns the bytes released.
 pub(crate) fn release_file_pages(start: *const u8, len: usize) -> usize {
+    let (a, end) = (start as usize, start as usize + len);
+    if !is_file_mapping(start, len) {
+        return 0;
+    }
+    let (lo, hi) = (a.next_multiple_of(PAGE), end / PAGE * PAGE);
+    // SAFETY: `[lo, hi)` lies inside the read-only file mapping just checked, which the
+    // caller's buffer keeps mapped.
+    unsafe { drop_pages(lo, hi) }
+}
+
+/// The smallest page size Linux runs with: with larger pages, fewer whole pages fit.
+const PAGE: usize = 4096;
+
+/// The most memory one fault in a file mapping may map: the page cache holds a file in large
+/// folios, and a fault maps a whole PMD-sized one (2 MiB) where it can.
+const FAULT_SPAN: usize = 2 << 20;
+
+/// After a kernel read rows of a read-only range in place (`rows`: each row's first byte and
+/// length; a gather of embedding rows), drops the file pages mapped around them, where the
+/// range is a read-only file mapping. Returns the bytes released.
+///
+/// Why: a token embedding that no product reads is never packed, so its rows are read from the
+/// file mapping, and each read maps the whole folio around the row. A 128-token prompt mapped
+/// 24 of the 25.5 MB of the small Q8_0 model's embedding, which stayed resident for the
+/// session's life (the packed weights' own file pages are released). Released, a row costs a
+/// minor fault the next time it is read, and the pages stay in the page cache.
+///
+/// Strategy: the 2 MiB spans that hold a row, merged into runs and clipped to the range's
+/// pages, are released with `MADV_DONTNEED`; rows outside the range of the first row are
+/// ignored. Anything but a registered read-only file mapping releases nothing. Where a whole
+/// folio was mapped with one entry, releasing part of it unmaps all of it, so a neighbour's
+/// pages in the same 2 MiB may need one more fault (a minor one: they stay in the page cache).
+pub(crate) fn release_rows_read(rows: &[(usize, usize)]) -> usize {
+    let Some(&(a, len)) = rows.first() else {
+        return 0;
+    };
+    let Some(range) = read_only_at(a as *const u8, len.max(1)) else {
+        return 0;
+    };
+    let (start, end) = (range.start, range.start + range.len);
+    if !*range
+        .file
+        .get_or_init(|| is_file_mapping(start as *const u8, range.len))
+    {
+        return 0;
+    }
+    let mut spans: Vec<usize> = rows
+        .iter()
+        .filter(|&&(a, len)| start <= a && a + len <= end && len > 0)
+        .flat_map(|&(a, len)| a / FAULT_SPAN..=(a + len - 1) / FAULT_SPAN)
+        .collect();
+    spans.sort_unstable();
+    spans.dedup();
+    // The pages holding the range's first and last bytes lie in its mapping (mappings are
+    // whole pages), so the clip rounds outward.
+    let (lo, hi) = (start / PAGE * PAGE, end.next_multiple_of(PAGE));
+    let mut released = 0;
+    let mut i = 0;
+    while i < spans.len() {
+        let mut j = i;
+        while j + 1 < spans.len() && spans[j + 1] == spans[j] + 1 {
+            j += 1;
+        }
+        let (from, to) = (
+            lo.max(spans[i] * FAULT_SPAN),
+            hi.min((spans[j] + 1) * FAULT_SPAN),
+        );
+        if from < to {
+            // SAFETY: `[from, to)` lies in the pages of a registered read-only range that
+            // lies in one read-only file mapping (checked above), kept mapped by its buffer
+            // while registered.
+            released += unsafe { drop_pages(from, to) };
+        }
+        i = j + 1;
+    }
+    released
+}
+
+/// `MADV_DONTNEED` over the page-aligned `[lo, hi)`; returns the bytes released (0 on failure
+/// or off Linux).
+///
+/// # Safety
+/// `[lo, hi)` lies in a read-only file mapping of this process: dropping its resident pages
+/// changes no byte anyone reads (a later read refaults them from the file).
+unsafe fn drop_pages(lo: usize, hi: usize) -> usize {
     #[cfg(target_os = "linux")]
     {
-        let (a, end) = (start as usize, start as usize + len);
-        if !is_file_mapping(start, len) {
-            return 0;
-        }
-        // The smallest page size Linux runs with: with larger pages, fewer whole pages fit.
-        let page = 4096usize;
-        let (lo, hi) = (a.next_multiple_of(page), end / page * page);
         if hi <= lo {
             return 0;
         }
@@ -177,18 +258,17 @@ pub(crate) fn release_file_pages(start: *const u8, len: usize) -> usize {
             fn madvise(addr: *mut std::ffi::c_void, len: usize, advice: i32) -> i32;
         }
         const MADV_DONTNEED: i32 = 4;
-        // SAFETY: `[lo, hi)` lies inside a read-only file mapping that the caller's buffer
-        // keeps mapped; MADV_DONTNEED on such a mapping drops resident pages only (a later
-        // read refaults them from the file), so no byte anyone reads changes.
+        // SAFETY: the caller's contract: a read-only file mapping, so only resident pages go.
         let rc = unsafe { madvise(lo as *mut std::ffi::c_void, hi - lo, MADV_DONTNEED) };
         if rc == 0 {
-            return hi - lo;
+            hi - lo
+        } else {
+            0
         }
-        0
     }
     #[cfg(not(target_os = "linux"))]
     {
-        let _ = (start, len);
+        let _ = (lo, hi);
         0
     }
 }
@@ -287,6 +367,92 @@ mod tests {
         let _g = register_read_only(bytes.as_ptr(), 64);
         assert!(read_only_at(bytes.as_ptr(), 64).is_some());
         assert!(read_only_at(bytes[32..].as_ptr(), 64).is_none());
+    }
+
+    /// Resident pages of `[lo, hi)` in this process (`/proc/self/pagemap`'s present bit).
+    #[cfg(target_os = "linux")]
+    fn resident_pages(lo: usize, hi: usize) -> usize {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut f = std::fs::File::open("/proc/self/pagemap").expect("pagemap");
+        (lo / PAGE..hi.div_ceil(PAGE))
+            .filter(|&p| {
+                let mut e = [0u8; 8];
+                f.seek(SeekFrom::Start(p as u64 * 8)).expect("seek");
+                f.read_exact(&mut e).expect("read");
+                u64::from_le_bytes(e) >> 63 == 1
+            })
+            .count()
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn rows_read_from_a_file_mapping_are_released_and_read_again() {
+        use std::io::Write;
+        extern "C" {
+            fn mmap(
+                a: *mut std::ffi::c_void,
+                l: usize,
+                p: i32,
+                f: i32,
+                fd: i32,
+                o: i64,
+            ) -> *mut std::ffi::c_void;
+            fn munmap(a: *mut std::ffi::c_void, l: usize) -> i32;
+        }
+        use std::os::fd::AsRawFd;
+        const MB: usize = 1 << 20;
+        let len = 8 * MB;
+        let path = std::env::temp_dir().join(format!("lowsync-rows-{}.bin", std::process::id()));
+        let bytes: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        std::fs::File::create(&path)
+            .unwrap()
+            .write_all(&bytes)
+            .unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        // SAFETY: a fresh private read-only mapping of the whole file (PROT_READ 1,
+        // MAP_PRIVATE 2), unmapped below.
+        let base = unsafe { mmap(std::ptr::null_mut(), len, 1, 2, file.as_raw_fd(), 0) };
+        assert_ne!(base as isize, -1, "mmap failed");
+        let base = base as usize;
+        // A "table" of 1 MiB rows from byte 1 MiB + 100 to 7 MiB + 100, registered read-only.
+        let (t0, t_len) = (base + MB + 100, 6 * MB);
+        let guard = register_read_only(t0 as *const u8, t_len);
+        // SAFETY: inside the mapping, which lives until `munmap`.
+        let read = |a: usize, n: usize| unsafe {
+            std::slice::from_raw_parts(a as *const u8, n)
+                .iter()
+                .map(|&b| u64::from(b))
+                .sum::<u64>()
+        };
+        let rows = [(t0 + 10, 4000), (t0 + 5 * MB, 3000)];
+        let sums: Vec<u64> = rows.iter().map(|&(a, n)| read(a, n)).collect();
+        assert!(resident_pages(t0, t0 + t_len) >= 2);
+        let released = release_rows_read(&rows);
+        assert!(released >= 2 * PAGE, "{released}");
+        assert_eq!(resident_pages(t0, t0 + t_len), 0);
+        // Bytes outside every registered range are never released. (The first page's mapping
+        // may have gone with the rows': a fault can map a 2 MiB folio with one entry, and
+        // releasing part of it unmaps all of it; the pages stay in the page cache.)
+        assert_eq!(
+            release_rows_read(&[(base, 1)]),
+            0,
+            "not in a registered range"
+        );
+        // The rows read the same bytes again.
+        let again: Vec<u64> = rows.iter().map(|&(a, n)| read(a, n)).collect();
+        assert_eq!(sums, again);
+        drop(guard);
+        // SAFETY: the mapping made above; nothing reads it any more.
+        unsafe { munmap(base as *mut std::ffi::c_void, len) };
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn rows_of_anonymous_memory_are_never_released() {
+        let bytes = vec![3u8; 1 << 16];
+        let _g = register_read_only(bytes.as_ptr(), bytes.len());
+        assert_eq!(release_rows_read(&[(bytes.as_ptr() as usize, 100)]), 0);
+        assert!(bytes.iter().all(|&b| b == 3));
     }
 
     #[test]

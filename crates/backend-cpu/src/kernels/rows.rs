@@ -3,7 +3,10 @@
 //! Strategy: indices are read and range-checked up front, so a bad id is reported (naming the
 //! id, its position and the table size) before anything is written. `GetRows` then copies
 //! rows in parallel when large; `SetRows` writes rows in index order on one thread, so with
-//! duplicate indices the last write wins, as in sequential numpy assignment.
+//! duplicate indices the last write wins, as in sequential numpy assignment. A table read in
+//! place from a file mapping (a token embedding) has the pages around the rows it gave
+//! released afterwards (`crate::derived::release_rows_read`), so that the rows a session has
+//! read do not pile up in its resident memory.
 
 use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::DType;
@@ -11,6 +14,7 @@ use lowsync_graph::DType;
 use super::par::for_each_row;
 use super::view::Strided;
 use super::{float_dst, float_src, kernel_err};
+use crate::derived::release_rows_read;
 
 /// Reads i32 indices and checks each against `n`.
 pub(super) fn checked_indices(
@@ -85,6 +89,11 @@ pub(super) fn get_rows(
             dst.write_row(r, 0..d, buf);
         },
     );
+    let spans: Vec<(usize, usize)> = rows
+        .iter()
+        .filter_map(|&r| table.float_row(0, r).map(|row| row.byte_span()))
+        .collect();
+    release_rows_read(&spans);
     Ok(())
 }
 

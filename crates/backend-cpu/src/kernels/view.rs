@@ -96,6 +96,15 @@ pub(crate) enum FloatRow<'a> {
 }
 
 impl FloatRow<'_> {
+    /// The row's first byte and its length in bytes.
+    pub(crate) fn byte_span(&self) -> (usize, usize) {
+        match self {
+            FloatRow::F32(r) => (r.as_ptr() as usize, std::mem::size_of_val(*r)),
+            FloatRow::F16(r) => (r.as_ptr() as usize, std::mem::size_of_val(*r)),
+            FloatRow::BF16(r) => (r.as_ptr() as usize, std::mem::size_of_val(*r)),
+        }
+    }
+
     /// Number of elements.
     pub(crate) fn len(&self) -> usize {
         match self {

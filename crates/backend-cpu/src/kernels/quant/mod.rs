@@ -58,7 +58,7 @@ use self::packed::{lines_as_bytes, lines_as_bytes_mut, GroupRows, Line, PackedTy
 use super::kernel_err;
 use super::par::{for_each_row, PAR_MIN_ELEMS};
 use super::view::Strided;
-use crate::derived::{read_only_at, release_file_pages, DerivedKey};
+use crate::derived::{read_only_at, release_file_pages, release_rows_read, DerivedKey};
 
 /// Multiply-adds of one parallel job of a product (about, at most).
 const JOB_WORK: usize = 1 << 16;
@@ -395,6 +395,15 @@ pub(super) fn get_rows(
             }
         },
     );
+    if packed.is_none() {
+        // Read in place: the file pages mapped around the rows go again.
+        let spans: Vec<(usize, usize)> = rows
+            .iter()
+            .filter_map(|&r| table.quant_row(0, r))
+            .map(|b| (b.as_ptr() as usize, b.len()))
+            .collect();
+        release_rows_read(&spans);
+    }
     Ok(())
 }
 
