@@ -197,6 +197,9 @@ pub(in crate::kernels) unsafe fn decode_block(
     }
 }
 
+/// Bytes ahead of the weight stream that decode prefetches (as `dot512`'s decode).
+const DECODE_PF: usize = 4096;
+
 #[inline(always)]
 unsafe fn decode_rows<T: Lanes>(
     x: *const f32,
@@ -206,7 +209,16 @@ unsafe fn decode_rows<T: Lanes>(
     k: usize,
     sink: Sink,
 ) {
+    let row_bytes = k * std::mem::size_of::<T>();
     for (jj, &w) in ws.iter().enumerate() {
+        // The stream DECODE_PF bytes ahead, a row's worth per row (the rows of a weight are
+        // one run of memory, so this runs ahead of the rows still to come).
+        let ahead = w.cast::<i8>().wrapping_add(DECODE_PF);
+        let mut o = 0;
+        while o < row_bytes {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o));
+            o += 64;
+        }
         let (j, w) = (j0 + jj, std::slice::from_raw_parts(w, k));
         let mut i = 0;
         while i + 2 <= m {
