@@ -282,12 +282,14 @@ const PAGE_BYTES: usize = 4096;
 /// Whether products over read-only `dt` weights run over packed copies here.
 #[cfg(test)]
 pub(crate) fn uses_packed(dt: lowsync_graph::DType) -> bool {
-    uses_q16(dt)
-        && pack_allowed().unwrap_or(false)
-        && q16_isa() == Ok(q16::Isa::Avx512)
-        && q16::has_avx512()
-        && q16::dot_fn(dt, q16::Isa::Avx512).is_some()
-        && packed::packed_type(dt).is_some()
+    uses_q16(dt) && pack_allowed().unwrap_or(false) && packed::packed_type(dt).is_some()
+}
+
+/// Whether products over packed `dt` weights run the AVX2 bodies (`PackedType::dot_avx2`)
+/// here, not the AVX-512 ones.
+#[cfg(test)]
+pub(crate) fn packed_runs_avx2(dt: lowsync_graph::DType) -> bool {
+    uses_packed(dt) && avx2_in_place()
 }
 
 #[cfg(test)]
@@ -302,8 +304,14 @@ pub(crate) fn uses_q16(dt: lowsync_graph::DType) -> bool {
 #[cfg(test)]
 pub(crate) fn uses_q8(dt: lowsync_graph::DType, m: usize) -> bool {
     if uses_packed(dt) {
-        return packed::packed_type(dt).is_some_and(|pt| pt.dot8.is_some())
-            && takes_q8(dt, m, true).unwrap_or(false);
+        let dot8 = |pt: &PackedType| {
+            if avx2_in_place() {
+                pt.dot8_avx2.is_some()
+            } else {
+                pt.dot8.is_some()
+            }
+        };
+        return packed::packed_type(dt).is_some_and(dot8) && takes_q8(dt, m, true).unwrap_or(false);
     }
     uses_q16(dt)
         && avx2_in_place()
@@ -433,16 +441,23 @@ pub(super) fn matmul(
     } else {
         None
     };
-    // A packed copy where the AVX-512 bodies run, the type has a packed layout and the weight
-    // is read-only.
-    let packed = match (fast, q16_isa()) {
-        (Some(_), Ok(q16::Isa::Avx512))
-            if q16::has_avx512() && pack_allowed().map_err(|e| kernel_err(node, e))? =>
-        {
+    // A packed copy where a SIMD body runs (`fast`: AVX-512 VNNI, or AVX2 with FMA and F16C),
+    // the type has a packed layout and the weight is read-only; its product is the AVX2 body
+    // where the in-place products would be AVX2 ones.
+    let packed = match fast {
+        Some(_) if pack_allowed().map_err(|e| kernel_err(node, e))? => {
             packed::packed_type(dt).and_then(|pt| Some((pt, packed_weight(w, pt, n, k)?)))
         }
         _ => None,
     };
+    let packed_avx2 = avx2_in_place();
+    let packed_dot = packed.as_ref().map(|(pt, _)| {
+        if packed_avx2 {
+            pt.dot_avx2
+        } else {
+            pt.dot
+        }
+    });
     // Prefill products over packed Q4_0 / Q4_K / Q6_K take 8-bit activation blocks
     // (`vpdpbusd`: 4 products a lane against `vpdpwssd`'s 2); decode and the other types keep
     // the 16-bit ones. Where the AVX2 bodies read the weight in place, prefill products (and
@@ -450,6 +465,7 @@ pub(super) fn matmul(
     // (`pmaddubsw`: 32 byte products an instruction against `pmaddwd`'s 16).
     let q8 = takes_q8(dt, m, packed.is_some()).map_err(|e| kernel_err(node, e))?;
     let dot8 = match &packed {
+        Some((pt, _)) if q8 && packed_avx2 => pt.dot8_avx2,
         Some((pt, _)) if q8 => pt.dot8,
         _ => None,
     };
@@ -497,7 +513,7 @@ pub(super) fn matmul(
     let job = |jb: usize, (buf, chunk): &mut (Vec<f32>, Vec<f32>)| {
         let j0 = jb * rows_per_job;
         let rows = rows_per_job.min(n - j0);
-        if let Some((pt, pw)) = &packed {
+        if let (Some((_, pw)), Some(pdot)) = (&packed, packed_dot) {
             // Jobs start on a group (rows_per_job is a multiple of GROUP).
             let gb = pw.group_bytes;
             let groups = lines_as_bytes(&pw.lines)[j0 / GROUP * gb..].chunks_exact(gb);
@@ -505,17 +521,18 @@ pub(super) fn matmul(
             for (gi, grp) in groups.take(rows.div_ceil(GROUP)).enumerate() {
                 let (at, rn) = (gi * GROUP, (rows - gi * GROUP).min(GROUP));
                 match (dot8, &x8, &xq) {
-                    // SAFETY: `packed` exists only where AVX-512 F/BW/VL and VNNI were detected
-                    // besides AVX2, FMA and F16C (`q16::dot_fn` and `has_avx512`); `grp` is one
-                    // group of `k`.
+                    // SAFETY: `packed` exists only where `q16::dot_fn` found AVX2, FMA and F16C;
+                    // the AVX-512 bodies (`dot`, `dot8`) are taken only where `avx2_in_place`
+                    // is false, that is where `has_avx512` detected AVX-512 F/BW/VL and VNNI;
+                    // `grp` is one group of `k`.
                     (Some(d8), Some(x8), _) => unsafe { d8(grp, k, x8, buf) },
                     (_, _, Some(xq)) if m == 1 && rn == GROUP => {
                         // SAFETY: as above; columns `j0 + at..` of row 0 are this job's.
-                        unsafe { (pt.dot)(grp, k, xq, dst.run(0, j0 + at, GROUP)) };
+                        unsafe { pdot(grp, k, xq, dst.run(0, j0 + at, GROUP)) };
                         continue;
                     }
                     // SAFETY: as above.
-                    (_, _, Some(xq)) => unsafe { (pt.dot)(grp, k, xq, buf) },
+                    (_, _, Some(xq)) => unsafe { pdot(grp, k, xq, buf) },
                     _ => unreachable!("a packed product quantizes its activations"),
                 }
                 for i in 0..m {

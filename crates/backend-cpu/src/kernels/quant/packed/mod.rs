@@ -1,4 +1,4 @@
-//! Weight matrices repacked once into groups of 16 rows for the AVX-512 products.
+//! Weight matrices repacked once into groups of 16 rows for the AVX-512 and AVX2 products.
 //!
 //! Why: a decode product streams every weight once. Read in place, a GGUF matrix is one stream
 //! per weight row, and the products read 4-8 rows side by side to share each activation block:
@@ -22,6 +22,13 @@
 //! sub-block sums together (`(f0 * s0 + f1 * s1) * d_x`); its integer sums are exact too, so
 //! its bits depend only on the weight row and the activation row.
 //! `dot` and `dot8` run only where `super::q16::has_avx512()` holds.
+//!
+//! The layout is one for every instruction set: `dot_avx2` and `dot8_avx2`, for CPUs with AVX2,
+//! FMA and F16C but no AVX-512 VNNI (or `LOWSYNC_CPU_QUANT_ISA=avx2`), read each 64-byte vector
+//! of a group as two 256-bit halves (weight rows 0..8, then 8..16) with `pmaddwd` (16-bit
+//! activations) or `pmaddubsw` and `pmaddwd` by ones (8-bit activations), and compute every
+//! output in the order of `dot` and `dot8`: their integer sums are exact too, so a packed AVX2
+//! product gives the bits of the AVX-512 one (unit tests compare them where both run).
 
 mod k;
 mod q32;
@@ -52,14 +59,27 @@ pub(crate) struct PackedType {
     /// # Safety
     /// The CPU has AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C; `g.len() ==
     /// group_bytes(k)`.
-    pub dot: unsafe fn(g: &[u8], k: usize, x: &QRows, out: &mut [f32]),
+    pub dot: DotFn,
     /// As `dot` with 8-bit activation blocks (`super::q8::Q8Rows`), where the type has a body
     /// for them (`vpdpbusd`; Q4_0, Q4_K, Q6_K).
     ///
     /// # Safety
     /// As `dot`.
     pub dot8: Option<Dot8Fn>,
+    /// As `dot` with AVX2 (each 64-byte vector read as two halves of 8 weight rows).
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `g.len() == group_bytes(k)`.
+    pub dot_avx2: DotFn,
+    /// As `dot8` with AVX2 (`pmaddubsw`), for the same types.
+    ///
+    /// # Safety
+    /// As `dot_avx2`.
+    pub dot8_avx2: Option<Dot8Fn>,
 }
+
+/// A group's product with 16-bit activation blocks (see [`PackedType::dot`]).
+pub(crate) type DotFn = unsafe fn(g: &[u8], k: usize, x: &QRows, out: &mut [f32]);
 
 /// A group's product with 8-bit activation blocks (see [`PackedType::dot8`]).
 pub(crate) type Dot8Fn = unsafe fn(g: &[u8], k: usize, x: &Q8Rows, out: &mut [f32]);
