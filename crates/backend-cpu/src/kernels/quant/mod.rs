@@ -147,14 +147,19 @@ fn q8_by_default(dt: lowsync_graph::DType) -> bool {
     )
 }
 
-/// Whether a product of `m` activation rows over `dt` weights, packed or not, takes 8-bit
-/// activations where a body for them exists: prefill as `LOWSYNC_CPU_PREFILL_ACT` says, decode
-/// as `LOWSYNC_CPU_DECODE_ACT` says (never over packed groups, which have no 8-bit decode).
-fn takes_q8(dt: lowsync_graph::DType, m: usize, packed: bool) -> std::result::Result<bool, String> {
+/// Whether a product of `m` activation rows over `dt` weights takes 8-bit activations where a
+/// body for them exists: prefill as `LOWSYNC_CPU_PREFILL_ACT` says, decode as
+/// `LOWSYNC_CPU_DECODE_ACT` says where the AVX2 bodies run (never over groups packed for the
+/// AVX-512 bodies, `packed512`).
+fn takes_q8(
+    dt: lowsync_graph::DType,
+    m: usize,
+    packed512: bool,
+) -> std::result::Result<bool, String> {
     // Both read before the row count decides, so that a bad value is an error in any product.
     let (act, dec) = (prefill_act()?, decode_q8()?);
     if m < q16::PANEL_MIN_ROWS {
-        return Ok(dec && !packed);
+        return Ok(dec && !packed512);
     }
     Ok(match act {
         Some("q8") => true,
@@ -311,8 +316,16 @@ pub(crate) fn uses_q8(dt: lowsync_graph::DType, m: usize) -> bool {
                 pt.dot8.is_some()
             }
         };
-        return packed::packed_type(dt).is_some_and(dot8) && takes_q8(dt, m, true).unwrap_or(false);
+        return packed::packed_type(dt).is_some_and(dot8)
+            && takes_q8(dt, m, !avx2_in_place()).unwrap_or(false);
     }
+    in_place_uses_q8(dt, m)
+}
+
+/// Whether a product of `m` activation rows over `dt` weights read in place (not packed) takes
+/// 8-bit activation blocks here.
+#[cfg(test)]
+pub(crate) fn in_place_uses_q8(dt: lowsync_graph::DType, m: usize) -> bool {
     uses_q16(dt)
         && avx2_in_place()
         && q8::avx2_dot_fn(dt).is_some()
@@ -463,7 +476,7 @@ pub(super) fn matmul(
     // the 16-bit ones. Where the AVX2 bodies read the weight in place, prefill products (and
     // decode with `LOWSYNC_CPU_DECODE_ACT=q8`) take the 8-bit bodies of `q8::avx2`
     // (`pmaddubsw`: 32 byte products an instruction against `pmaddwd`'s 16).
-    let q8 = takes_q8(dt, m, packed.is_some()).map_err(|e| kernel_err(node, e))?;
+    let q8 = takes_q8(dt, m, packed.is_some() && !packed_avx2).map_err(|e| kernel_err(node, e))?;
     let dot8 = match &packed {
         Some((pt, _)) if q8 && packed_avx2 => pt.dot8_avx2,
         Some((pt, _)) if q8 => pt.dot8,
