@@ -17,28 +17,32 @@
 //! (output columns), run in parallel above a size threshold on the rayon pool, which has one
 //! thread per core (no oversubscription).
 //!
-//! What runs where: with AVX-512 VNNI (and `q16`'s AVX-512 bodies allowed), a product over a
-//! Q4_0, Q4_1, Q8_0, Q4_K or Q6_K weight that lives in weight memory (`crate::derived`: an
-//! aliased GGUF or built-in weight, or a weight buffer the backend allocated) runs over a packed
-//! copy of the weight (`packed`: groups of 16 rows in the order `vpdpwssd` reads them, made once
-//! on the rayon pool and kept while the buffer lives), in decode and prefill alike, in jobs of
-//! whole groups; `LOWSYNC_CPU_PACK=off` keeps the in-place paths. A prefill product (at least
-//! `q16::PANEL_MIN_ROWS` activation rows) over a packed Q4_0, Q4_K or Q6_K weight quantizes its
-//! activations to 8-bit blocks instead (`q8`) and runs `vpdpbusd` over the same groups
-//! (`LOWSYNC_CPU_PREFILL_ACT`); decode keeps the 16-bit blocks. Where the copy replaces a
-//! read-only file mapping, the mapping's pages are released as the copy is made, and `GetRows`
-//! of the same table (a tied embedding) reads the copy. Otherwise the `q16` bodies read the
-//! weight in place (AVX-512 panels from 6 activation rows, AVX2 tiles below), except where the
-//! AVX2 bodies would run (no AVX-512 VNNI, or `LOWSYNC_CPU_QUANT_ISA=avx2`): there a prefill
-//! product over Q4_0, Q4_K or Q6_K (Q4_1 and Q8_0 too with `LOWSYNC_CPU_PREFILL_ACT=q8`)
-//! quantizes its activations to 8-bit blocks in element order and runs `q8::avx2`
-//! (`pmaddubsw`) over the weight in place, and so does a decode product with
+//! What runs where: wherever a `q16` body runs (AVX-512 VNNI, or AVX2 with FMA and F16C), a
+//! product over a Q4_0, Q4_1, Q8_0, Q4_K or Q6_K weight that lives in weight memory
+//! (`crate::derived`: an aliased GGUF or built-in weight, or a weight buffer the backend
+//! allocated) runs over a packed copy of the weight (`packed`: groups of 16 rows in the order
+//! `vpdpwssd` reads them, made once on the rayon pool and kept while the buffer lives), in
+//! decode and prefill alike, in jobs of whole groups; `LOWSYNC_CPU_PACK=off` keeps the in-place
+//! paths. The groups' products are the AVX-512 bodies where `q16`'s AVX-512 bodies are allowed
+//! and present, else the AVX2 ones (the same layout read as two 256-bit halves, with the same
+//! bits). A prefill product (at least `q16::PANEL_MIN_ROWS` activation rows) over a packed
+//! Q4_0, Q4_K or Q6_K weight quantizes its activations to 8-bit blocks instead (`q8`) and runs
+//! `vpdpbusd` (AVX2: `pmaddubsw`) over the same groups (`LOWSYNC_CPU_PREFILL_ACT`); decode keeps
+//! the 16-bit blocks, except over the AVX2 bodies with `LOWSYNC_CPU_DECODE_ACT=q8`. Where the
+//! copy replaces a read-only file mapping, the mapping's pages are released as the copy is
+//! made, and `GetRows` of the same table (a tied embedding) reads the copy. Otherwise the `q16`
+//! bodies read the weight in place (AVX-512 panels from 6 activation rows, AVX2 tiles below),
+//! except where the AVX2 bodies would run (no AVX-512 VNNI, or `LOWSYNC_CPU_QUANT_ISA=avx2`):
+//! there a prefill product over Q4_0, Q4_K or Q6_K (Q4_1 and Q8_0 too with
+//! `LOWSYNC_CPU_PREFILL_ACT=q8`) quantizes its activations to 8-bit blocks in element order and
+//! runs `q8::avx2` (`pmaddubsw`) over the weight in place, and so does a decode product with
 //! `LOWSYNC_CPU_DECODE_ACT=q8` (default `q16`). Without SIMD or with
 //! `LOWSYNC_CPU_QUANT_DOT=f32` the exact path runs.
 //!
 //! Determinism: each output element is one dot product computed by one job in a fixed order,
 //! independent of the thread count (as the f32 kernels promise). A packed product with 16-bit
-//! activations gives the bits of the AVX-512 panels for every number of activation rows; with
+//! activations gives the bits of the AVX-512 panels for every number of activation rows (with
+//! the AVX2 bodies too, whose order is the same); with
 //! 8-bit ones (prefill) its bits depend on the same things only (the row, `k` and whether the
 //! product is a prefill), and differ from decode's within the 8-bit quantization. The AVX2
 //! 8-bit bodies give an output the same bits for any number of activation rows, so with
@@ -95,8 +99,9 @@ fn q16_isa() -> std::result::Result<q16::Isa, String> {
 }
 
 /// Whether products may run over packed copies of read-only weights (`LOWSYNC_CPU_PACK`:
-/// `auto`, the default, packs where the CPU has AVX-512 VNNI and the type a packed layout;
-/// `off` keeps the in-place products), read once; a bad value is an error naming the variable.
+/// `auto`, the default, packs where a `q16` body runs (AVX-512 VNNI, or AVX2 with FMA and
+/// F16C) and the type has a packed layout; `off` keeps the in-place products), read once; a bad
+/// value is an error naming the variable.
 fn pack_allowed() -> std::result::Result<bool, String> {
     static MODE: OnceLock<std::result::Result<bool, String>> = OnceLock::new();
     MODE.get_or_init(|| {
@@ -122,9 +127,10 @@ fn prefill_act() -> std::result::Result<Option<&'static str>, String> {
     .clone()
 }
 
-/// Whether a decode product (fewer than `q16::PANEL_MIN_ROWS` activation rows) over weights
-/// read in place by the AVX2 bodies takes 8-bit activation blocks (`LOWSYNC_CPU_DECODE_ACT`:
-/// `q16`, the default, or `q8`); read once, a bad value is an error naming the variable.
+/// Whether a decode product (fewer than `q16::PANEL_MIN_ROWS` activation rows) run by the AVX2
+/// bodies (in place, or over packed Q4_0, Q4_K and Q6_K groups) takes 8-bit activation blocks
+/// (`LOWSYNC_CPU_DECODE_ACT`: `q16`, the default, or `q8`); read once, a bad value is an error
+/// naming the variable.
 fn decode_q8() -> std::result::Result<bool, String> {
     static ACT: OnceLock<std::result::Result<bool, String>> = OnceLock::new();
     ACT.get_or_init(|| {
@@ -136,8 +142,8 @@ fn decode_q8() -> std::result::Result<bool, String> {
 }
 
 /// Whether a prefill product over `dt` weights takes 8-bit activations when
-/// `LOWSYNC_CPU_PREFILL_ACT` is unset: Q4_0, Q4_K and Q6_K, over packed groups or in place with
-/// AVX2. Q4_1 and Q8_0 keep 16 bits: their AVX2 8-bit bodies are faster too (1.3-1.7x per
+/// `LOWSYNC_CPU_PREFILL_ACT` is unset: Q4_0, Q4_K and Q6_K, over packed groups (AVX-512 or AVX2)
+/// or in place with AVX2. Q4_1 and Q8_0 keep 16 bits: their AVX2 8-bit bodies are faster too (1.3-1.7x per
 /// block, `q8_speed`), but SmolLM2-135M Q4_1 (a Q8_0 output head) then moved its logits by 4%
 /// of the largest against a float64 reference, where 16 bits stay within 1e-3.
 fn q8_by_default(dt: lowsync_graph::DType) -> bool {

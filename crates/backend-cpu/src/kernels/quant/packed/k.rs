@@ -33,6 +33,9 @@
 //! high bits moved into bits 4..6 of each byte by two shifts and masks, so a byte is the
 //! unsigned `q`, its `-32` taken off the integer sum as `-32` times the activation half's sum).
 //!
+//! The AVX2 bodies (`avx2`) read each 64-byte vector as two halves of 8 rows, the same
+//! operands with 256-bit instructions, in the same order of float operations.
+//!
 //! Invariants: each output is computed in the panels' order, so a packed product gives the
 //! panels' bits: per activation block, the exact integer sum (Q6_K: per sub-block of 16, which
 //! keeps its float scale), converted, times `(d * sc) * d_x`, added by one FMA in block order;

@@ -28,6 +28,9 @@
 //! its 16 `vpdpwssd` into 4 independent chains so their latency overlaps. A job's groups are
 //! one contiguous run of memory (one stream).
 //!
+//! The AVX2 bodies (`avx2`) read each 64-byte vector as two halves of 8 rows, the same
+//! operands with 256-bit instructions (`pmaddwd` and `paddd`; `pmaddubsw` for 8 bits).
+//!
 //! Invariants: the integer sum of a block is exact (the same integer whatever the chains), so
 //! every output has the bits of the panel bodies: `(d_w * d_x) * sum` added by one FMA in block
 //! order, the mins `m_w * s_x` (Q4_1) in a second chain added at the end; the 8-bit Q4_0 body
