@@ -470,13 +470,9 @@ pub(super) fn matmul(
         _ => None,
     };
     let packed_avx2 = avx2_in_place();
-    let packed_dot = packed.as_ref().map(|(pt, _)| {
-        if packed_avx2 {
-            pt.dot_avx2
-        } else {
-            pt.dot
-        }
-    });
+    let packed_dot = packed
+        .as_ref()
+        .map(|(pt, _)| if packed_avx2 { pt.dot_avx2 } else { pt.dot });
     // Prefill products over packed Q4_0 / Q4_K / Q6_K take 8-bit activation blocks
     // (`vpdpbusd`: 4 products a lane against `vpdpwssd`'s 2); decode and the other types keep
     // the 16-bit ones. Where the AVX2 bodies read the weight in place, prefill products (and

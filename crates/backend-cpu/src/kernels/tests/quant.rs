@@ -339,7 +339,11 @@ fn prefill_products_with_8bit_activations_match_f64() {
             // Unless LOWSYNC_CPU_DECODE_ACT=q8 asks the AVX2 bodies for 8 bits.
             let dec8 = packed_runs_avx2(dt)
                 && std::env::var("LOWSYNC_CPU_DECODE_ACT").as_deref() == Ok("q8");
-            assert_eq!(uses_q8(dt, 5), dec8, "{dt}: decode keeps 16-bit activations");
+            assert_eq!(
+                uses_q8(dt, 5),
+                dec8,
+                "{dt}: decode keeps 16-bit activations"
+            );
         }
         for k in [256, 768] {
             for m in [6, 7, 17, 40] {

@@ -31,6 +31,8 @@
 //! output in the order of `dot` and `dot8`: their integer sums are exact too, so a packed AVX2
 //! product gives the bits of the AVX-512 one (unit tests compare them where both run).
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 mod k;
 mod q32;
 
@@ -176,10 +178,7 @@ mod tests {
                     // What a product takes by default: 8-bit activations in prefill where a
                     // body for them exists, 16-bit ones otherwise.
                     let prefill8 = m >= q16::PANEL_MIN_ROWS && pt.dot8_avx2.is_some();
-                    let (x8e, x8p) = (
-                        Q8Rows::quantize_elements(&xf),
-                        Q8Rows::quantize(&xf),
-                    );
+                    let (x8e, x8p) = (Q8Rows::quantize_elements(&xf), Q8Rows::quantize(&xf));
                     let in_place16 = q16::dot_fn(dt, Isa::Avx2).expect("an AVX2 body");
                     let in_place8 = q8::avx2_dot_fn(dt).expect("an 8-bit AVX2 body");
                     let mut out = vec![0.0f32; n * m];

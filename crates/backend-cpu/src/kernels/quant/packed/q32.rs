@@ -664,7 +664,14 @@ mod tests {
 
     /// An f64 product over the scalar dequantization of `w` (`n` rows) and the activations as
     /// read, `[i * n + j]`, and the largest magnitude among its values.
-    fn f64_product(dt: DType, w: &[u8], n: usize, k: usize, x: &QRows, m: usize) -> (Vec<f64>, f64) {
+    fn f64_product(
+        dt: DType,
+        w: &[u8],
+        n: usize,
+        k: usize,
+        x: &QRows,
+        m: usize,
+    ) -> (Vec<f64>, f64) {
         let (nb, rb) = (k / QK, w.len() / n);
         let mut wf = vec![0.0f32; k];
         let mut scale = 0.0f64;
@@ -994,7 +1001,11 @@ mod tests {
                             exact += f64::from(dw) * f64::from(x.d[xb]) * f64::from(sum);
                         }
                         let v = got[i * n + j];
-                        assert_eq!(v.to_bits(), acc.to_bits(), "avx2 {avx2} k {k} m {m} ({i}, {j})");
+                        assert_eq!(
+                            v.to_bits(),
+                            acc.to_bits(),
+                            "avx2 {avx2} k {k} m {m} ({i}, {j})"
+                        );
                         assert!(
                             (f64::from(v) - exact).abs() <= 1e-5 * bound,
                             "k {k} m {m} ({i}, {j}): {v} vs {exact}"

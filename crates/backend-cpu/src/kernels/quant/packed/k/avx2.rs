@@ -25,6 +25,7 @@
 
 use std::arch::x86_64::*;
 
+use super::super::avx2::{f16x8, nibble_sums, word};
 use super::super::GROUP;
 use super::x86::{shape, shape8};
 use super::{K4_D, K4_DMIN, K4_MIN, K4_Q, K4_SB, K4_SC, K6_D, K6_QH, K6_QL, K6_SB, K6_SC};
@@ -69,19 +70,6 @@ unsafe fn high16(v: __m256i, i: usize) -> __m256i {
         _ => v,
     };
     _mm256_srai_epi16::<10>(top)
-}
-
-/// Word `o` (a pair of i16, or 4 bytes) at `p`, in every lane. A function, not a closure: a
-/// closure does not inherit its caller's target features.
-#[inline(always)]
-unsafe fn word(p: *const i32, o: usize) -> __m256i {
-    _mm256_set1_epi32(p.add(o).read_unaligned())
-}
-
-/// 8 f16 at `p` as f32.
-#[inline(always)]
-unsafe fn f16x8(p: *const u8) -> __m256 {
-    _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
 }
 
 /// 8 unsigned bytes at `p` as f32.
@@ -135,7 +123,12 @@ unsafe fn k4_d(p: *const u8, h: usize) -> (__m256, __m256) {
 /// Sub-block `j`'s scales `d * sc` and mins `-dmin * m` of half `h`'s 8 rows (exact
 /// products).
 #[inline(always)]
-unsafe fn k4_scales(p: *const u8, (d, ndmin): (__m256, __m256), j: usize, h: usize) -> (__m256, __m256) {
+unsafe fn k4_scales(
+    p: *const u8,
+    (d, ndmin): (__m256, __m256),
+    j: usize,
+    h: usize,
+) -> (__m256, __m256) {
     (
         _mm256_mul_ps(d, u8x8_ps(p.add(K4_SC + 16 * j + 8 * h))),
         _mm256_mul_ps(ndmin, u8x8_ps(p.add(K4_MIN + 16 * j + 8 * h))),
@@ -178,13 +171,20 @@ unsafe fn k4_rows<const R: usize, const HN: usize>(
                 std::array::from_fn(|i| xq.add(((r0 + i) * nb + b) * QK).cast::<i32>());
             let q = p.add(K4_Q + 256 * j);
             let mut sum = [[_mm256_setzero_si256(); HN]; R];
-            for t in 0..4 {
-                for i4 in 0..4 {
-                    for hh in 0..HN {
-                        let w = k4_operand(q, h0 + hh, t, i4);
-                        for i in 0..R {
-                            let prod = _mm256_madd_epi16(w, word(xb[i], 4 * t + i4));
-                            sum[i][hh] = _mm256_add_epi32(sum[i][hh], prod);
+            if R == 1 {
+                // Decode: the nibbles masked in place (see `super::super::avx2::nibble_sums`).
+                for hh in 0..HN {
+                    sum[0][hh] = nibble_sums(q, h0 + hh, xb[0]);
+                }
+            } else {
+                for t in 0..4 {
+                    for i4 in 0..4 {
+                        for hh in 0..HN {
+                            let w = k4_operand(q, h0 + hh, t, i4);
+                            for i in 0..R {
+                                let prod = _mm256_madd_epi16(w, word(xb[i], 4 * t + i4));
+                                sum[i][hh] = _mm256_add_epi32(sum[i][hh], prod);
+                            }
                         }
                     }
                 }
@@ -194,8 +194,7 @@ unsafe fn k4_rows<const R: usize, const HN: usize>(
                 for i in 0..R {
                     let row = (r0 + i) * nb + b;
                     let scale = _mm256_mul_ps(fv, _mm256_set1_ps(*xd.add(row)));
-                    acc[i][hh] =
-                        _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum[i][hh]), acc[i][hh]);
+                    acc[i][hh] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum[i][hh]), acc[i][hh]);
                     mins[i][hh] = _mm256_fmadd_ps(mv, _mm256_set1_ps(*xs.add(row)), mins[i][hh]);
                 }
             }
@@ -204,7 +203,10 @@ unsafe fn k4_rows<const R: usize, const HN: usize>(
     for i in 0..R {
         for hh in 0..HN {
             let at = (r0 + i) * GROUP + 8 * (h0 + hh);
-            _mm256_storeu_ps(out.as_mut_ptr().add(at), _mm256_add_ps(acc[i][hh], mins[i][hh]));
+            _mm256_storeu_ps(
+                out.as_mut_ptr().add(at),
+                _mm256_add_ps(acc[i][hh], mins[i][hh]),
+            );
         }
     }
 }
@@ -513,13 +515,7 @@ unsafe fn pass8<const R: usize, const MIN: bool>(
 /// super-block unpacked once and every row of the pass run over it 4 (2, 1) at a time, half by
 /// half.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn many_rows8<const MIN: bool>(
-    g: &[u8],
-    nsb: usize,
-    m: usize,
-    x: &Q8Rows,
-    out: &mut [f32],
-) {
+unsafe fn many_rows8<const MIN: bool>(g: &[u8], nsb: usize, m: usize, x: &Q8Rows, out: &mut [f32]) {
     let nb = nsb * 8;
     let mut u = Unpacked8::new();
     let z = _mm256_setzero_ps();

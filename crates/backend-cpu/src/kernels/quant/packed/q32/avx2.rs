@@ -21,6 +21,7 @@
 
 use std::arch::x86_64::*;
 
+use super::super::avx2::{f16x8, nibble_sums, word};
 use super::{block_at, Kind, Q8Rows, QRows, GROUP, Q40, QK};
 
 /// How far ahead the first pass over a group prefetches the stream of groups (bytes), into
@@ -64,19 +65,6 @@ unsafe fn operand<K: Kind>(q: *const u8, h: usize, p: usize, m4: __m256i) -> __m
     }
 }
 
-/// Word `o` (4 bytes, or a pair of i16) at `p`, in every lane. A function, not a closure: a
-/// closure does not inherit its caller's target features.
-#[inline(always)]
-unsafe fn word(p: *const i32, o: usize) -> __m256i {
-    _mm256_set1_epi32(p.add(o).read_unaligned())
-}
-
-/// 8 f16 at `p` as f32.
-#[inline(always)]
-unsafe fn f16x8(p: *const u8) -> __m256 {
-    _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
-}
-
 /// `R` activation rows from `r0` against halves `h0..h0 + HN` of the group; returns `R`.
 // Index loops: each row `i` and half `h` address several arrays at once.
 #[allow(clippy::needless_range_loop)]
@@ -111,12 +99,20 @@ unsafe fn body<K: Kind, const R: usize, const HN: usize>(
                 sum[i] = [start; HN];
             }
         }
-        for p in 0..16 {
+        if R == 1 && K::QB == 256 {
+            // Decode over nibbles: see `super::super::avx2::nibble_sums`.
             for hh in 0..HN {
-                let w = operand::<K>(gp.add(qo), h0 + hh, p, m4);
-                for i in 0..R {
-                    let xv = word(xb[i], p);
-                    sum[i][hh] = _mm256_add_epi32(sum[i][hh], _mm256_madd_epi16(w, xv));
+                let s = nibble_sums(gp.add(qo), h0 + hh, xb[0]);
+                sum[0][hh] = _mm256_add_epi32(sum[0][hh], s);
+            }
+        } else {
+            for p in 0..16 {
+                for hh in 0..HN {
+                    let w = operand::<K>(gp.add(qo), h0 + hh, p, m4);
+                    for i in 0..R {
+                        let xv = word(xb[i], p);
+                        sum[i][hh] = _mm256_add_epi32(sum[i][hh], _mm256_madd_epi16(w, xv));
+                    }
                 }
             }
         }
