@@ -22,11 +22,21 @@
 use std::arch::x86_64::*;
 
 use super::super::avx2::{f16x8, nibble_sums, word};
-use super::{block_at, Kind, Q8Rows, QRows, GROUP, Q40, QK};
+use super::{block_at, chunk_bytes, Kind, Q8Rows, QRows, GROUP, Q40, QK};
 
 /// How far ahead the first pass over a group prefetches the stream of groups (bytes), into
 /// the L2, as `super::avx512` does.
 const PREFETCH_FAR: usize = 2048;
+
+/// Prefetches the chunk (two blocks: scales and values) [`PREFETCH_FAR`] bytes after the one
+/// at `at`, whole, into the L2: a prefetch of each block's values alone left a chunk's scale
+/// lines to the hardware.
+#[inline(always)]
+unsafe fn prefetch_chunk<K: Kind>(at: *const u8) {
+    for c in 0..chunk_bytes::<K>() / 64 {
+        _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(PREFETCH_FAR + 64 * c).cast());
+    }
+}
 
 /// Every activation row of `x` against group `g`: 4 rows at a time (a pass per half), then 2
 /// and 1 (both halves in one pass).
@@ -84,10 +94,8 @@ unsafe fn body<K: Kind, const R: usize, const HN: usize>(
     let mut mins = [[_mm256_setzero_ps(); HN]; R];
     for b in 0..nb {
         let (so, qo) = block_at::<K>(b);
-        if r0 == 0 && h0 == 0 {
-            for c in 0..K::QB / 64 {
-                _mm_prefetch::<_MM_HINT_T1>(gp.wrapping_add(qo + PREFETCH_FAR + 64 * c).cast());
-            }
+        if r0 == 0 && h0 == 0 && b % 2 == 0 {
+            prefetch_chunk::<K>(gp.wrapping_add(so));
         }
         // Row i's block b: pair p at xb[i] + p (two i16 as one i32).
         let xb: [*const i32; R] =
@@ -188,10 +196,8 @@ unsafe fn body8<const R: usize, const HN: usize>(
     let mut acc = [[_mm256_setzero_ps(); HN]; R];
     for b in 0..nb {
         let (so, qo) = block_at::<Q40>(b);
-        if r0 == 0 && h0 == 0 {
-            for c in 0..4 {
-                _mm_prefetch::<_MM_HINT_T1>(gp.wrapping_add(qo + PREFETCH_FAR + 64 * c).cast());
-            }
+        if r0 == 0 && h0 == 0 && b % 2 == 0 {
+            prefetch_chunk::<Q40>(gp.wrapping_add(so));
         }
         // Row i's block b: word o (4 bytes) at xb[i] + o.
         let xb: [*const i32; R] =
