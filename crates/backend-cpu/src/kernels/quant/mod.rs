@@ -17,28 +17,32 @@
 //! (output columns), run in parallel above a size threshold on the rayon pool, which has one
 //! thread per core (no oversubscription).
 //!
-//! What runs where: with AVX-512 VNNI (and `q16`'s AVX-512 bodies allowed), a product over a
-//! Q4_0, Q4_1, Q8_0, Q4_K or Q6_K weight that lives in weight memory (`crate::derived`: an
-//! aliased GGUF or built-in weight, or a weight buffer the backend allocated) runs over a packed
-//! copy of the weight (`packed`: groups of 16 rows in the order `vpdpwssd` reads them, made once
-//! on the rayon pool and kept while the buffer lives), in decode and prefill alike, in jobs of
-//! whole groups; `LOWSYNC_CPU_PACK=off` keeps the in-place paths. A prefill product (at least
-//! `q16::PANEL_MIN_ROWS` activation rows) over a packed Q4_0, Q4_K or Q6_K weight quantizes its
-//! activations to 8-bit blocks instead (`q8`) and runs `vpdpbusd` over the same groups
-//! (`LOWSYNC_CPU_PREFILL_ACT`); decode keeps the 16-bit blocks. Where the copy replaces a
-//! read-only file mapping, the mapping's pages are released as the copy is made, and `GetRows`
-//! of the same table (a tied embedding) reads the copy. Otherwise the `q16` bodies read the
-//! weight in place (AVX-512 panels from 6 activation rows, AVX2 tiles below), except where the
-//! AVX2 bodies would run (no AVX-512 VNNI, or `LOWSYNC_CPU_QUANT_ISA=avx2`): there a prefill
-//! product over Q4_0, Q4_K or Q6_K (Q4_1 and Q8_0 too with `LOWSYNC_CPU_PREFILL_ACT=q8`)
-//! quantizes its activations to 8-bit blocks in element order and runs `q8::avx2`
-//! (`pmaddubsw`) over the weight in place, and so does a decode product with
+//! What runs where: wherever a `q16` body runs (AVX-512 VNNI, or AVX2 with FMA and F16C), a
+//! product over a Q4_0, Q4_1, Q8_0, Q4_K or Q6_K weight that lives in weight memory
+//! (`crate::derived`: an aliased GGUF or built-in weight, or a weight buffer the backend
+//! allocated) runs over a packed copy of the weight (`packed`: groups of 16 rows in the order
+//! `vpdpwssd` reads them, made once on the rayon pool and kept while the buffer lives), in
+//! decode and prefill alike, in jobs of whole groups; `LOWSYNC_CPU_PACK=off` keeps the in-place
+//! paths. The groups' products are the AVX-512 bodies where `q16`'s AVX-512 bodies are allowed
+//! and present, else the AVX2 ones (the same layout read as two 256-bit halves, with the same
+//! bits). A prefill product (at least `q16::PANEL_MIN_ROWS` activation rows) over a packed
+//! Q4_0, Q4_K or Q6_K weight quantizes its activations to 8-bit blocks instead (`q8`) and runs
+//! `vpdpbusd` (AVX2: `pmaddubsw`) over the same groups (`LOWSYNC_CPU_PREFILL_ACT`); decode keeps
+//! the 16-bit blocks, except over the AVX2 bodies with `LOWSYNC_CPU_DECODE_ACT=q8`. Where the
+//! copy replaces a read-only file mapping, the mapping's pages are released as the copy is
+//! made, and `GetRows` of the same table (a tied embedding) reads the copy. Otherwise the `q16`
+//! bodies read the weight in place (AVX-512 panels from 6 activation rows, AVX2 tiles below),
+//! except where the AVX2 bodies would run (no AVX-512 VNNI, or `LOWSYNC_CPU_QUANT_ISA=avx2`):
+//! there a prefill product over Q4_0, Q4_K or Q6_K (Q4_1 and Q8_0 too with
+//! `LOWSYNC_CPU_PREFILL_ACT=q8`) quantizes its activations to 8-bit blocks in element order and
+//! runs `q8::avx2` (`pmaddubsw`) over the weight in place, and so does a decode product with
 //! `LOWSYNC_CPU_DECODE_ACT=q8` (default `q16`). Without SIMD or with
 //! `LOWSYNC_CPU_QUANT_DOT=f32` the exact path runs.
 //!
 //! Determinism: each output element is one dot product computed by one job in a fixed order,
 //! independent of the thread count (as the f32 kernels promise). A packed product with 16-bit
-//! activations gives the bits of the AVX-512 panels for every number of activation rows; with
+//! activations gives the bits of the AVX-512 panels for every number of activation rows (with
+//! the AVX2 bodies too, whose order is the same); with
 //! 8-bit ones (prefill) its bits depend on the same things only (the row, `k` and whether the
 //! product is a prefill), and differ from decode's within the 8-bit quantization. The AVX2
 //! 8-bit bodies give an output the same bits for any number of activation rows, so with
@@ -95,8 +99,9 @@ fn q16_isa() -> std::result::Result<q16::Isa, String> {
 }
 
 /// Whether products may run over packed copies of read-only weights (`LOWSYNC_CPU_PACK`:
-/// `auto`, the default, packs where the CPU has AVX-512 VNNI and the type a packed layout;
-/// `off` keeps the in-place products), read once; a bad value is an error naming the variable.
+/// `auto`, the default, packs where a `q16` body runs (AVX-512 VNNI, or AVX2 with FMA and
+/// F16C) and the type has a packed layout; `off` keeps the in-place products), read once; a bad
+/// value is an error naming the variable.
 fn pack_allowed() -> std::result::Result<bool, String> {
     static MODE: OnceLock<std::result::Result<bool, String>> = OnceLock::new();
     MODE.get_or_init(|| {
@@ -122,9 +127,10 @@ fn prefill_act() -> std::result::Result<Option<&'static str>, String> {
     .clone()
 }
 
-/// Whether a decode product (fewer than `q16::PANEL_MIN_ROWS` activation rows) over weights
-/// read in place by the AVX2 bodies takes 8-bit activation blocks (`LOWSYNC_CPU_DECODE_ACT`:
-/// `q16`, the default, or `q8`); read once, a bad value is an error naming the variable.
+/// Whether a decode product (fewer than `q16::PANEL_MIN_ROWS` activation rows) run by the AVX2
+/// bodies (in place, or over packed Q4_0, Q4_K and Q6_K groups) takes 8-bit activation blocks
+/// (`LOWSYNC_CPU_DECODE_ACT`: `q16`, the default, or `q8`); read once, a bad value is an error
+/// naming the variable.
 fn decode_q8() -> std::result::Result<bool, String> {
     static ACT: OnceLock<std::result::Result<bool, String>> = OnceLock::new();
     ACT.get_or_init(|| {
@@ -136,8 +142,8 @@ fn decode_q8() -> std::result::Result<bool, String> {
 }
 
 /// Whether a prefill product over `dt` weights takes 8-bit activations when
-/// `LOWSYNC_CPU_PREFILL_ACT` is unset: Q4_0, Q4_K and Q6_K, over packed groups or in place with
-/// AVX2. Q4_1 and Q8_0 keep 16 bits: their AVX2 8-bit bodies are faster too (1.3-1.7x per
+/// `LOWSYNC_CPU_PREFILL_ACT` is unset: Q4_0, Q4_K and Q6_K, over packed groups (AVX-512 or AVX2)
+/// or in place with AVX2. Q4_1 and Q8_0 keep 16 bits: their AVX2 8-bit bodies are faster too (1.3-1.7x per
 /// block, `q8_speed`), but SmolLM2-135M Q4_1 (a Q8_0 output head) then moved its logits by 4%
 /// of the largest against a float64 reference, where 16 bits stay within 1e-3.
 fn q8_by_default(dt: lowsync_graph::DType) -> bool {
@@ -147,14 +153,19 @@ fn q8_by_default(dt: lowsync_graph::DType) -> bool {
     )
 }
 
-/// Whether a product of `m` activation rows over `dt` weights, packed or not, takes 8-bit
-/// activations where a body for them exists: prefill as `LOWSYNC_CPU_PREFILL_ACT` says, decode
-/// as `LOWSYNC_CPU_DECODE_ACT` says (never over packed groups, which have no 8-bit decode).
-fn takes_q8(dt: lowsync_graph::DType, m: usize, packed: bool) -> std::result::Result<bool, String> {
+/// Whether a product of `m` activation rows over `dt` weights takes 8-bit activations where a
+/// body for them exists: prefill as `LOWSYNC_CPU_PREFILL_ACT` says, decode as
+/// `LOWSYNC_CPU_DECODE_ACT` says where the AVX2 bodies run (never over groups packed for the
+/// AVX-512 bodies, `packed512`).
+fn takes_q8(
+    dt: lowsync_graph::DType,
+    m: usize,
+    packed512: bool,
+) -> std::result::Result<bool, String> {
     // Both read before the row count decides, so that a bad value is an error in any product.
     let (act, dec) = (prefill_act()?, decode_q8()?);
     if m < q16::PANEL_MIN_ROWS {
-        return Ok(dec && !packed);
+        return Ok(dec && !packed512);
     }
     Ok(match act {
         Some("q8") => true,
@@ -282,12 +293,14 @@ const PAGE_BYTES: usize = 4096;
 /// Whether products over read-only `dt` weights run over packed copies here.
 #[cfg(test)]
 pub(crate) fn uses_packed(dt: lowsync_graph::DType) -> bool {
-    uses_q16(dt)
-        && pack_allowed().unwrap_or(false)
-        && q16_isa() == Ok(q16::Isa::Avx512)
-        && q16::has_avx512()
-        && q16::dot_fn(dt, q16::Isa::Avx512).is_some()
-        && packed::packed_type(dt).is_some()
+    uses_q16(dt) && pack_allowed().unwrap_or(false) && packed::packed_type(dt).is_some()
+}
+
+/// Whether products over packed `dt` weights run the AVX2 bodies (`PackedType::dot_avx2`)
+/// here, not the AVX-512 ones.
+#[cfg(test)]
+pub(crate) fn packed_runs_avx2(dt: lowsync_graph::DType) -> bool {
+    uses_packed(dt) && avx2_in_place()
 }
 
 #[cfg(test)]
@@ -302,9 +315,23 @@ pub(crate) fn uses_q16(dt: lowsync_graph::DType) -> bool {
 #[cfg(test)]
 pub(crate) fn uses_q8(dt: lowsync_graph::DType, m: usize) -> bool {
     if uses_packed(dt) {
-        return packed::packed_type(dt).is_some_and(|pt| pt.dot8.is_some())
-            && takes_q8(dt, m, true).unwrap_or(false);
+        let dot8 = |pt: &PackedType| {
+            if avx2_in_place() {
+                pt.dot8_avx2.is_some()
+            } else {
+                pt.dot8.is_some()
+            }
+        };
+        return packed::packed_type(dt).is_some_and(dot8)
+            && takes_q8(dt, m, !avx2_in_place()).unwrap_or(false);
     }
+    in_place_uses_q8(dt, m)
+}
+
+/// Whether a product of `m` activation rows over `dt` weights read in place (not packed) takes
+/// 8-bit activation blocks here.
+#[cfg(test)]
+pub(crate) fn in_place_uses_q8(dt: lowsync_graph::DType, m: usize) -> bool {
     uses_q16(dt)
         && avx2_in_place()
         && q8::avx2_dot_fn(dt).is_some()
@@ -442,23 +469,27 @@ pub(super) fn matmul(
     } else {
         None
     };
-    // A packed copy where the AVX-512 bodies run, the type has a packed layout and the weight
-    // is read-only.
-    let packed = match (fast, q16_isa()) {
-        (Some(_), Ok(q16::Isa::Avx512))
-            if q16::has_avx512() && pack_allowed().map_err(|e| kernel_err(node, e))? =>
-        {
+    // A packed copy where a SIMD body runs (`fast`: AVX-512 VNNI, or AVX2 with FMA and F16C),
+    // the type has a packed layout and the weight is read-only; its product is the AVX2 body
+    // where the in-place products would be AVX2 ones.
+    let packed = match fast {
+        Some(_) if pack_allowed().map_err(|e| kernel_err(node, e))? => {
             packed::packed_type(dt).and_then(|pt| Some((pt, packed_weight(w, pt, n, k)?)))
         }
         _ => None,
     };
+    let packed_avx2 = avx2_in_place();
+    let packed_dot = packed
+        .as_ref()
+        .map(|(pt, _)| if packed_avx2 { pt.dot_avx2 } else { pt.dot });
     // Prefill products over packed Q4_0 / Q4_K / Q6_K take 8-bit activation blocks
     // (`vpdpbusd`: 4 products a lane against `vpdpwssd`'s 2); decode and the other types keep
     // the 16-bit ones. Where the AVX2 bodies read the weight in place, prefill products (and
     // decode with `LOWSYNC_CPU_DECODE_ACT=q8`) take the 8-bit bodies of `q8::avx2`
     // (`pmaddubsw`: 32 byte products an instruction against `pmaddwd`'s 16).
-    let q8 = takes_q8(dt, m, packed.is_some()).map_err(|e| kernel_err(node, e))?;
+    let q8 = takes_q8(dt, m, packed.is_some() && !packed_avx2).map_err(|e| kernel_err(node, e))?;
     let dot8 = match &packed {
+        Some((pt, _)) if q8 && packed_avx2 => pt.dot8_avx2,
         Some((pt, _)) if q8 => pt.dot8,
         _ => None,
     };
@@ -506,7 +537,7 @@ pub(super) fn matmul(
     let job = |jb: usize, (buf, chunk): &mut (Vec<f32>, Vec<f32>)| {
         let j0 = jb * rows_per_job;
         let rows = rows_per_job.min(n - j0);
-        if let Some((pt, pw)) = &packed {
+        if let (Some((_, pw)), Some(pdot)) = (&packed, packed_dot) {
             // Jobs start on a group (rows_per_job is a multiple of GROUP).
             let gb = pw.group_bytes;
             let groups = lines_as_bytes(&pw.lines)[j0 / GROUP * gb..].chunks_exact(gb);
@@ -514,17 +545,18 @@ pub(super) fn matmul(
             for (gi, grp) in groups.take(rows.div_ceil(GROUP)).enumerate() {
                 let (at, rn) = (gi * GROUP, (rows - gi * GROUP).min(GROUP));
                 match (dot8, &x8, &xq) {
-                    // SAFETY: `packed` exists only where AVX-512 F/BW/VL and VNNI were detected
-                    // besides AVX2, FMA and F16C (`q16::dot_fn` and `has_avx512`); `grp` is one
-                    // group of `k`.
+                    // SAFETY: `packed` exists only where `q16::dot_fn` found AVX2, FMA and F16C;
+                    // the AVX-512 bodies (`dot`, `dot8`) are taken only where `avx2_in_place`
+                    // is false, that is where `has_avx512` detected AVX-512 F/BW/VL and VNNI;
+                    // `grp` is one group of `k`.
                     (Some(d8), Some(x8), _) => unsafe { d8(grp, k, x8, buf) },
                     (_, _, Some(xq)) if m == 1 && rn == GROUP => {
                         // SAFETY: as above; columns `j0 + at..` of row 0 are this job's.
-                        unsafe { (pt.dot)(grp, k, xq, dst.run(0, j0 + at, GROUP)) };
+                        unsafe { pdot(grp, k, xq, dst.run(0, j0 + at, GROUP)) };
                         continue;
                     }
                     // SAFETY: as above.
-                    (_, _, Some(xq)) => unsafe { (pt.dot)(grp, k, xq, buf) },
+                    (_, _, Some(xq)) => unsafe { pdot(grp, k, xq, buf) },
                     _ => unreachable!("a packed product quantizes its activations"),
                 }
                 for i in 0..m {

@@ -11,7 +11,8 @@
 //! `super::q8`, where `LOWSYNC_CPU_PREFILL_ACT` allows: over packed Q4_0, Q4_K and Q6_K weights
 //! with AVX-512 VNNI, and in place over all five types with AVX2 (`super::q8::avx2`), which
 //! decode products take too with `LOWSYNC_CPU_DECODE_ACT=q8`. So on CPUs without AVX-512 VNNI
-//! the bodies here serve decode, and prefill only with `LOWSYNC_CPU_PREFILL_ACT=q16`.)
+//! the bodies here serve the decode of weights read in place, and their prefill only with
+//! `LOWSYNC_CPU_PREFILL_ACT=q16`.)
 //!
 //! Strategy: each activation row is split into blocks of 32 with an f32 scale `d = max|x| /
 //! 32767`, 16-bit values `q = round(x / d)` and `s = d * sum(q)` (for the weight types with a
@@ -36,10 +37,10 @@
 //! measurements): products of 6 or more activation rows (prefill) run over weight panels of 16
 //! rows unpacked once per product with `vpdpwssd` (3-10x the AVX2 tiles per block and
 //! activation row), and Q4_1 decodes 8 rows a tile; the other decode products keep the AVX2
-//! tiles, which the AVX-512 variants did not beat from DRAM. With AVX-512, weights in weight
-//! memory do not reach these bodies at all: `super::packed` runs them over a packed copy
+//! tiles, which the AVX-512 variants did not beat from DRAM. Weights in weight memory do not
+//! reach these bodies at all, with AVX-512 or AVX2: `super::packed` runs them over a packed copy
 //! (`LOWSYNC_CPU_PACK`); the bodies here serve the rest (weights that are not weight memory,
-//! `LOWSYNC_CPU_PACK=off`, CPUs without AVX-512 VNNI).
+//! `LOWSYNC_CPU_PACK=off`).
 //!
 //! Determinism: the integer sums are exact and each output is one fixed-order sum over its blocks.
 //! Tiles of several pairs keep one chain per pair and give the same bits as each other, except the

@@ -33,6 +33,9 @@
 //! high bits moved into bits 4..6 of each byte by two shifts and masks, so a byte is the
 //! unsigned `q`, its `-32` taken off the integer sum as `-32` times the activation half's sum).
 //!
+//! The AVX2 bodies (`avx2`) read each 64-byte vector as two halves of 8 rows, the same
+//! operands with 256-bit instructions, in the same order of float operations.
+//!
 //! Invariants: each output is computed in the panels' order, so a packed product gives the
 //! panels' bits: per activation block, the exact integer sum (Q6_K: per sub-block of 16, which
 //! keeps its float scale), converted, times `(d * sc) * d_x`, added by one FMA in block order;
@@ -88,6 +91,8 @@ static Q4_K: PackedType = PackedType {
     pack: pack_q4_k,
     dot: x86::dot_q4_k,
     dot8: Some(x86::dot8_q4_k),
+    dot_avx2: avx2::dot_q4_k,
+    dot8_avx2: Some(avx2::dot8_q4_k),
 };
 
 #[cfg(target_arch = "x86_64")]
@@ -96,6 +101,8 @@ static Q6_K: PackedType = PackedType {
     pack: pack_q6_k,
     dot: x86::dot_q6_k,
     dot8: Some(x86::dot8_q6_k),
+    dot_avx2: avx2::dot_q6_k,
+    dot8_avx2: Some(avx2::dot8_q6_k),
 };
 
 fn group_bytes_q4_k(k: usize) -> usize {
@@ -177,6 +184,9 @@ fn pack_q6_k(rows: &GroupRows<'_>, k: usize, dst: &mut [u8]) {
 }
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+
+#[cfg(target_arch = "x86_64")]
 mod x86 {
     //! The AVX-512 VNNI dot products of packed K groups (see the parent module's header).
 
@@ -188,7 +198,13 @@ mod x86 {
     use crate::kernels::quant::q8::Q8Rows;
 
     /// Checks `g`, `x` and `out` against `k` and returns `(super-blocks, activation rows)`.
-    fn shape(g: &[u8], sb: usize, k: usize, x: &QRows, out: &[f32]) -> Option<(usize, usize)> {
+    pub(super) fn shape(
+        g: &[u8],
+        sb: usize,
+        k: usize,
+        x: &QRows,
+        out: &[f32],
+    ) -> Option<(usize, usize)> {
         let (nsb, nb) = (k / QK_K, k / QK);
         let m = out.len() / GROUP;
         let ok = k.is_multiple_of(QK_K)
@@ -899,7 +915,13 @@ mod x86 {
     }
 
     /// Checks `g`, `x` and `out` against `k` for an 8-bit product: `(super-blocks, rows)`.
-    fn shape8(g: &[u8], sb: usize, k: usize, x: &Q8Rows, out: &[f32]) -> Option<(usize, usize)> {
+    pub(super) fn shape8(
+        g: &[u8],
+        sb: usize,
+        k: usize,
+        x: &Q8Rows,
+        out: &[f32],
+    ) -> Option<(usize, usize)> {
         let nsb = k / QK_K;
         let m = out.len() / GROUP;
         let ok = k.is_multiple_of(QK_K)
@@ -957,6 +979,17 @@ mod tests {
             && std::is_x86_feature_detected!("f16c");
         if !ok {
             eprintln!("skipped: this CPU lacks AVX-512 F/BW/VL + VNNI (or AVX2/FMA/F16C)");
+        }
+        ok
+    }
+
+    /// Whether this CPU runs the AVX2 packed bodies (said on stderr where not, as [`have`]).
+    fn have_avx2() -> bool {
+        let ok = std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c");
+        if !ok {
+            eprintln!("skipped: this CPU lacks AVX2, FMA or F16C");
         }
         ok
     }
@@ -1049,7 +1082,7 @@ mod tests {
     /// Packs the `n` rows of `w` into groups (the last one padded with `None` rows) and runs
     /// the packed product: `out[i * n + j]` = weight row `j` times activation row `i`.
     /// Padding lanes must come out zero.
-    fn packed_product(dt: DType, w: &[u8], n: usize, k: usize, x: &QRows) -> Vec<f32> {
+    fn packed_product(dt: DType, w: &[u8], n: usize, k: usize, x: &QRows, avx2: bool) -> Vec<f32> {
         let pt = super::super::packed_type(dt).expect("a packed layout");
         let rb = w.len() / n;
         let m = x.d.len() / (k / QK);
@@ -1060,9 +1093,10 @@ mod tests {
             let rows: GroupRows<'_> =
                 std::array::from_fn(|r| (j0 + r < n).then(|| &w[(j0 + r) * rb..(j0 + r + 1) * rb]));
             (pt.pack)(&rows, k, &mut g);
-            // SAFETY: `have()` detected AVX-512 F/BW/VL, VNNI, AVX2, FMA and F16C; `g` is a
-            // whole group of `k`.
-            unsafe { (pt.dot)(&g, k, x, &mut res) };
+            let dot = if avx2 { pt.dot_avx2 } else { pt.dot };
+            // SAFETY: the caller checked the instruction sets (`have`: AVX-512 F/BW/VL, VNNI,
+            // AVX2, FMA and F16C; `have_avx2`); `g` is a whole group of `k`.
+            unsafe { dot(&g, k, x, &mut res) };
             for i in 0..m {
                 for r in 0..GROUP {
                     let v = res[i * GROUP + r];
@@ -1098,9 +1132,27 @@ mod tests {
     fn check(dt: DType, k: usize, n: usize, m: usize, seed: u64, how: Scales) {
         let w = weights(dt, n, k, seed, how);
         let x = activations(m, k, seed + 1);
-        let got = packed_product(dt, &w, n, k, &x);
+        let got = packed_product(dt, &w, n, k, &x, false);
         let want = panel_product(dt, &w, n, k, &x);
-        for (at, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert_same_bits(dt, k, n, &got, &want);
+        check_f64(dt, k, n, m, &w, &x, &got);
+    }
+
+    /// As [`check`] for the AVX2 body: the bits of the AVX-512 body where this CPU runs both,
+    /// and the f64 reference anywhere.
+    fn check_avx2(dt: DType, k: usize, n: usize, m: usize, seed: u64, how: Scales) {
+        let w = weights(dt, n, k, seed, how);
+        let x = activations(m, k, seed + 1);
+        let got = packed_product(dt, &w, n, k, &x, true);
+        if q16::has_avx512() {
+            let want = packed_product(dt, &w, n, k, &x, false);
+            assert_same_bits(dt, k, n, &got, &want);
+        }
+        check_f64(dt, k, n, m, &w, &x, &got);
+    }
+
+    fn assert_same_bits(dt: DType, k: usize, n: usize, got: &[f32], want: &[f32]) {
+        for (at, (a, b)) in got.iter().zip(want).enumerate() {
             let (i, j) = (at / n, at % n);
             assert_eq!(
                 a.to_bits(),
@@ -1108,6 +1160,11 @@ mod tests {
                 "{dt} k {k}: row {j} x {i}: {a} vs {b}"
             );
         }
+    }
+
+    /// `got` (`[i * n + j]`) against an f64 product over the scalar dequantization of `w` and
+    /// the activations as read, within f32 rounding of the sum of magnitudes.
+    fn check_f64(dt: DType, k: usize, n: usize, m: usize, w: &[u8], x: &QRows, got: &[f32]) {
         let rb = w.len() / n;
         let nb = k / QK;
         let mut wf = vec![0.0f32; k];
@@ -1161,6 +1218,28 @@ mod tests {
                         100 + 10 * s as u64 + m as u64,
                         Scales::Extreme,
                     );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn avx2_groups_give_the_bits_of_the_avx512_groups_and_match_f64() {
+        if !have_avx2() {
+            return;
+        }
+        // 37 weight rows: two full groups and one of 5 rows and 11 `None` rows; m 1..9 (the
+        // bodies of 4, 2 and 1 rows and their leftovers) and 70.
+        for dt in [DType::Q4_K, DType::Q6_K] {
+            for (s, k) in [256, 768, 2048, 5632].into_iter().enumerate() {
+                for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 70] {
+                    check_avx2(dt, k, 37, m, 10 * s as u64 + m as u64, Scales::Plain);
+                }
+            }
+            for (s, k) in [256, 2048, 5632].into_iter().enumerate() {
+                for m in [1, 9] {
+                    let seed = 100 + 10 * s as u64 + m as u64;
+                    check_avx2(dt, k, 21, m, seed, Scales::Extreme);
                 }
             }
         }
@@ -1238,11 +1317,11 @@ mod tests {
     /// `-(dmin * m) * s_x` by FMA in a chain of their own, added at the end; Q6_K: `(f0 * s0 +
     /// f1 * s1)` (a product and an FMA over its two sub-blocks of 16) times `d_x`, added by one
     /// FMA in block order.
-    fn check8(dt: DType, k: usize, n: usize, m: usize, seed: u64, how: Scales) {
+    fn check8(dt: DType, k: usize, n: usize, m: usize, seed: u64, how: Scales, avx2: bool) {
         let w = weights(dt, n, k, seed, how);
         let x = activations8(m, k, seed + 1);
         let pt = super::super::packed_type(dt).expect("a packed layout");
-        let dot8 = pt.dot8.expect("an 8-bit body");
+        let dot8 = if avx2 { pt.dot8_avx2 } else { pt.dot8 }.expect("an 8-bit body");
         let rb = w.len() / n;
         let nb = k / QK;
         let mut g = vec![0u8; (pt.group_bytes)(k)];
@@ -1252,8 +1331,8 @@ mod tests {
             let rows: GroupRows<'_> =
                 std::array::from_fn(|r| (j0 + r < n).then(|| &w[(j0 + r) * rb..(j0 + r + 1) * rb]));
             (pt.pack)(&rows, k, &mut g);
-            // SAFETY: `have()` detected AVX-512 F/BW/VL, VNNI, AVX2, FMA and F16C; `g` is a
-            // whole group of `k`.
+            // SAFETY: the caller checked the instruction sets (`have`: AVX-512 F/BW/VL, VNNI,
+            // AVX2, FMA and F16C; `have_avx2`); `g` is a whole group of `k`.
             unsafe { dot8(&g, k, &x, &mut res) };
             for i in 0..m {
                 for r in 0..GROUP {
@@ -1312,19 +1391,23 @@ mod tests {
 
     #[test]
     fn k_groups_with_8bit_activations_match_an_exact_reference() {
-        if !have() {
-            return;
-        }
-        // n 37 (a group of 5 rows and 11 `None` rows last), k of 1 to 22 super-blocks, m
-        // from 1 (leftover bodies) across passes of 64 rows.
-        for dt in [DType::Q4_K, DType::Q6_K] {
-            for (s, k) in [256, 512, 768, 5632].into_iter().enumerate() {
-                for m in [1, 6, 7, 9, 16, 40, 70] {
-                    check8(dt, k, 37, m, 10 * s as u64 + m as u64, Scales::Plain);
-                }
+        // The AVX-512 bodies, then the AVX2 ones, each where this CPU runs them.
+        for avx2 in [false, true] {
+            if !(if avx2 { have_avx2() } else { have() }) {
+                continue;
             }
-            for m in [6, 13] {
-                check8(dt, 2048, 21, m, 300 + m as u64, Scales::Extreme);
+            // n 37 (a group of 5 rows and 11 `None` rows last), k of 1 to 22 super-blocks, m
+            // from 1 (leftover bodies) across passes of 64 rows.
+            for dt in [DType::Q4_K, DType::Q6_K] {
+                for (s, k) in [256, 512, 768, 5632].into_iter().enumerate() {
+                    for m in [1, 2, 3, 5, 6, 7, 9, 16, 40, 70] {
+                        let seed = 10 * s as u64 + m as u64;
+                        check8(dt, k, 37, m, seed, Scales::Plain, avx2);
+                    }
+                }
+                for m in [6, 13] {
+                    check8(dt, 2048, 21, m, 300 + m as u64, Scales::Extreme, avx2);
+                }
             }
         }
     }

@@ -28,6 +28,9 @@
 //! its 16 `vpdpwssd` into 4 independent chains so their latency overlaps. A job's groups are
 //! one contiguous run of memory (one stream).
 //!
+//! The AVX2 bodies (`avx2`) read each 64-byte vector as two halves of 8 rows, the same
+//! operands with 256-bit instructions (`pmaddwd` and `paddd`; `pmaddubsw` for 8 bits).
+//!
 //! Invariants: the integer sum of a block is exact (the same integer whatever the chains), so
 //! every output has the bits of the panel bodies: `(d_w * d_x) * sum` added by one FMA in block
 //! order, the mins `m_w * s_x` (Q4_1) in a second chain added at the end; the 8-bit Q4_0 body
@@ -48,6 +51,8 @@ static Q4_0: PackedType = PackedType {
     pack: pack::<Q40>,
     dot: dot_q4_0,
     dot8: Some(dot8_q4_0),
+    dot_avx2: dot_q4_0_avx2,
+    dot8_avx2: Some(dot8_q4_0_avx2),
 };
 
 /// Q4_1 groups.
@@ -56,6 +61,8 @@ static Q4_1: PackedType = PackedType {
     pack: pack::<Q41>,
     dot: dot_q4_1,
     dot8: None,
+    dot_avx2: dot_q4_1_avx2,
+    dot8_avx2: None,
 };
 
 /// Q8_0 groups.
@@ -64,6 +71,8 @@ static Q8_0: PackedType = PackedType {
     pack: pack::<Q80>,
     dot: dot_q8_0,
     dot8: None,
+    dot_avx2: dot_q8_0_avx2,
+    dot8_avx2: None,
 };
 
 /// The packed layout of `dt`, if this file has one.
@@ -261,9 +270,27 @@ fn dot_q8_0(g: &[u8], k: usize, x: &QRows, out: &mut [f32]) {
     dot::<Q80>(g, k, x, out)
 }
 
+fn dot_q4_0_avx2(g: &[u8], k: usize, x: &QRows, out: &mut [f32]) {
+    dot_isa::<Q40, true>(g, k, x, out)
+}
+
+fn dot_q4_1_avx2(g: &[u8], k: usize, x: &QRows, out: &mut [f32]) {
+    dot_isa::<Q41, true>(g, k, x, out)
+}
+
+fn dot_q8_0_avx2(g: &[u8], k: usize, x: &QRows, out: &mut [f32]) {
+    dot_isa::<Q80, true>(g, k, x, out)
+}
+
 /// Checks the shapes, then runs the AVX-512 body over every activation row.
 #[inline(always)]
 fn dot<K: Kind>(g: &[u8], k: usize, x: &QRows, out: &mut [f32]) {
+    dot_isa::<K, false>(g, k, x, out)
+}
+
+/// Checks the shapes, then runs the AVX2 (`AVX2`) or AVX-512 body over every activation row.
+#[inline(always)]
+fn dot_isa<K: Kind, const AVX2: bool>(g: &[u8], k: usize, x: &QRows, out: &mut [f32]) {
     let nb = k / QK;
     let m = out.len() / GROUP;
     let ok = k.is_multiple_of(QK)
@@ -275,17 +302,32 @@ fn dot<K: Kind>(g: &[u8], k: usize, x: &QRows, out: &mut [f32]) {
         && x.q.len() == x.d.len() * QK;
     assert!(ok, "packed dot: shapes do not match");
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the caller promised AVX-512 F/BW/VL and VNNI, AVX2, FMA and F16C (the
-    // `PackedType::dot` contract); the shapes were checked above.
-    unsafe {
-        avx512::rows::<K>(g, nb, x, out, m)
+    if AVX2 {
+        // SAFETY: the caller promised AVX2, FMA and F16C (the `PackedType::dot_avx2`
+        // contract); the shapes were checked above.
+        unsafe { avx2::rows::<K>(g, nb, x, out, m) }
+    } else {
+        // SAFETY: the caller promised AVX-512 F/BW/VL and VNNI, AVX2, FMA and F16C (the
+        // `PackedType::dot` contract); the shapes were checked above.
+        unsafe { avx512::rows::<K>(g, nb, x, out, m) }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("packed products run only on x86_64 with AVX-512")
+    unreachable!("packed products run only on x86_64 with AVX-512 or AVX2")
 }
 
 /// The Q4_0 group product with 8-bit activation blocks (`PackedType::dot8`).
 fn dot8_q4_0(g: &[u8], k: usize, x: &Q8Rows, out: &mut [f32]) {
+    dot8_isa::<false>(g, k, x, out)
+}
+
+/// The Q4_0 group product with 8-bit activation blocks and AVX2 (`PackedType::dot8_avx2`).
+fn dot8_q4_0_avx2(g: &[u8], k: usize, x: &Q8Rows, out: &mut [f32]) {
+    dot8_isa::<true>(g, k, x, out)
+}
+
+/// Checks the shapes, then runs the AVX2 (`AVX2`) or AVX-512 8-bit Q4_0 body.
+#[inline(always)]
+fn dot8_isa<const AVX2: bool>(g: &[u8], k: usize, x: &Q8Rows, out: &mut [f32]) {
     let nb = k / QK;
     let m = out.len() / GROUP;
     let ok = k.is_multiple_of(QK)
@@ -294,14 +336,21 @@ fn dot8_q4_0(g: &[u8], k: usize, x: &Q8Rows, out: &mut [f32]) {
         && x.blocks_per_row(m) == Some(nb);
     assert!(ok, "packed 8-bit dot: shapes do not match");
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the caller promised AVX-512 F/BW/VL and VNNI, AVX2, FMA and F16C (the
-    // `PackedType::dot8` contract); the shapes were checked above.
-    unsafe {
-        avx512::rows8(g, nb, x, out, m)
+    if AVX2 {
+        // SAFETY: the caller promised AVX2, FMA and F16C (the `PackedType::dot8_avx2`
+        // contract); the shapes were checked above.
+        unsafe { avx2::rows8(g, nb, x, out, m) }
+    } else {
+        // SAFETY: the caller promised AVX-512 F/BW/VL and VNNI, AVX2, FMA and F16C (the
+        // `PackedType::dot8` contract); the shapes were checked above.
+        unsafe { avx512::rows8(g, nb, x, out, m) }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("packed products run only on x86_64 with AVX-512")
+    unreachable!("packed products run only on x86_64 with AVX-512 or AVX2")
 }
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
@@ -530,6 +579,17 @@ mod tests {
         ok
     }
 
+    /// Whether this CPU runs the AVX2 packed bodies (said on stderr where not, as [`have`]).
+    pub(crate) fn have_avx2() -> bool {
+        let ok = std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c");
+        if !ok {
+            eprintln!("skipped: this CPU lacks AVX2, FMA or F16C");
+        }
+        ok
+    }
+
     /// `(type, raw block bytes, offsets of the f16 scales in a block)`.
     pub(crate) const TYPES: [(DType, usize, &[usize]); 3] = [
         (DType::Q4_0, 18, &[0]),
@@ -565,8 +625,9 @@ mod tests {
         out
     }
 
-    /// The packed product of every group: `out[i * n + j]`, a 64-byte aligned copy of the
-    /// groups (as the cache keeps them).
+    /// The packed product of every group by the AVX2 (`avx2`) or AVX-512 body: `out[i * n +
+    /// j]`, a 64-byte aligned copy of the groups (as the cache keeps them). Pad lanes must come
+    /// out zero.
     fn packed_product(
         t: &PackedType,
         g: &[u8],
@@ -574,26 +635,103 @@ mod tests {
         k: usize,
         x: &QRows,
         m: usize,
+        avx2: bool,
     ) -> Vec<f32> {
         let gb = (t.group_bytes)(k);
         let mut aligned = vec![Line([0; 64]); g.len().div_ceil(64)];
         let bytes = &mut lines_as_bytes_mut(&mut aligned)[..g.len()];
         bytes.copy_from_slice(g);
+        let dot = if avx2 { t.dot_avx2 } else { t.dot };
         let mut res = vec![0.0f32; n * m];
         let mut tmp = vec![0.0f32; GROUP * m];
         for (gi, grp) in bytes.chunks_exact(gb).enumerate() {
-            // SAFETY: `have()` checked the instruction sets; `grp` is one group of `k`.
-            unsafe { (t.dot)(grp, k, x, &mut tmp) };
+            // SAFETY: the caller checked the instruction sets (`have`, `have_avx2`); `grp` is
+            // one group of `k`.
+            unsafe { dot(grp, k, x, &mut tmp) };
             for i in 0..m {
                 for r in 0..GROUP {
                     let j = gi * GROUP + r;
                     if j < n {
                         res[i * n + j] = tmp[i * GROUP + r];
+                    } else {
+                        assert_eq!(tmp[i * GROUP + r].to_bits(), 0, "pad lane {r}");
                     }
                 }
             }
         }
         res
+    }
+
+    /// An f64 product over the scalar dequantization of `w` (`n` rows) and the activations as
+    /// read, `[i * n + j]`, and the largest magnitude among its values.
+    fn f64_product(
+        dt: DType,
+        w: &[u8],
+        n: usize,
+        k: usize,
+        x: &QRows,
+        m: usize,
+    ) -> (Vec<f64>, f64) {
+        let (nb, rb) = (k / QK, w.len() / n);
+        let mut wf = vec![0.0f32; k];
+        let mut scale = 0.0f64;
+        let mut want = vec![0.0f64; n * m];
+        for j in 0..n {
+            scalar::dequantize_row(dt, &w[j * rb..(j + 1) * rb], &mut wf);
+            for i in 0..m {
+                let mut s = 0.0f64;
+                for (l, &wv) in wf.iter().enumerate() {
+                    let xv = f64::from(x.d[i * nb + l / QK]) * f64::from(x.q[i * k + l]);
+                    s += f64::from(wv) * xv;
+                }
+                want[i * n + j] = s;
+                scale = scale.max(s.abs());
+            }
+        }
+        (want, scale)
+    }
+
+    #[test]
+    fn avx2_groups_give_the_bits_of_the_avx512_groups_and_match_an_f64_reference() {
+        if !have_avx2() {
+            return;
+        }
+        // Both bodies where this CPU has AVX-512 VNNI too (bits); the f64 reference anywhere.
+        let both = have();
+        for (dt, bb, halves) in TYPES {
+            let t = packed_type_of(dt);
+            // k of 1, 18 and 176 blocks, n not a multiple of 16 (pad rows), m 1..9 (the
+            // bodies of 4, 2 and 1 rows and their leftovers).
+            for (k, n, ms) in [
+                (32, 5, &[1, 2, 3][..]),
+                (576, 37, &[1, 4, 5, 6, 7, 8, 9]),
+                (5632, 20, &[1, 3]),
+                (768, 16, &[1, 2]),
+                (256, 33, &[9]),
+            ] {
+                let rb = k / QK * bb;
+                let w = weights(n, k, bb, halves, 11 + k as u64);
+                let g = pack_all(t, &w, n, rb, k);
+                for &m in ms {
+                    let x = activations(m, k, 3 + m);
+                    let got = packed_product(t, &g, n, k, &x, m, true);
+                    if both {
+                        let want = packed_product(t, &g, n, k, &x, m, false);
+                        for (at, (a, b)) in got.iter().zip(&want).enumerate() {
+                            assert_eq!(a.to_bits(), b.to_bits(), "{dt} k {k} m {m} at {at}");
+                        }
+                    }
+                    let (want, scale) = f64_product(dt, &w, n, k, &x, m);
+                    assert!(scale > 0.0, "{dt}: all zero");
+                    for (at, (&a, &e)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (f64::from(a) - e).abs() <= 1e-5 * scale,
+                            "{dt} k {k} m {m} at {at}: {a} vs {e}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]
@@ -627,7 +765,7 @@ mod tests {
                     n: xp.n[..m * nb].to_vec(),
                     q: xp.q[..m * k].to_vec(),
                 };
-                let got = packed_product(t, &g, n, k, &x, m);
+                let got = packed_product(t, &g, n, k, &x, m, false);
                 // f64 reference over the scalar dequantization and the activations as read.
                 let mut wf = vec![0.0f32; k];
                 let mut scale = 0.0f64;
@@ -780,17 +918,25 @@ mod tests {
 
     /// The 8-bit product of every packed group: `out[i * n + j]`, the groups in 64-byte
     /// aligned memory (as the cache keeps them).
-    fn packed_product8(t: &PackedType, g: &[u8], n: usize, k: usize, x: &Q8Rows) -> Vec<f32> {
+    fn packed_product8(
+        t: &PackedType,
+        g: &[u8],
+        n: usize,
+        k: usize,
+        x: &Q8Rows,
+        avx2: bool,
+    ) -> Vec<f32> {
         let gb = (t.group_bytes)(k);
         let m = x.d.len() / (k / QK);
         let mut aligned = vec![Line([0; 64]); g.len().div_ceil(64)];
         let bytes = &mut lines_as_bytes_mut(&mut aligned)[..g.len()];
         bytes.copy_from_slice(g);
-        let dot8 = t.dot8.expect("an 8-bit body");
+        let dot8 = if avx2 { t.dot8_avx2 } else { t.dot8 }.expect("an 8-bit body");
         let mut res = vec![0.0f32; n * m];
         let mut tmp = vec![0.0f32; GROUP * m];
         for (gi, grp) in bytes.chunks_exact(gb).enumerate() {
-            // SAFETY: `have()` checked the instruction sets; `grp` is one group of `k`.
+            // SAFETY: the caller checked the instruction sets (`have`, `have_avx2`); `grp` is
+            // one group of `k`.
             unsafe { dot8(grp, k, x, &mut tmp) };
             for i in 0..m {
                 for r in 0..GROUP {
@@ -808,9 +954,16 @@ mod tests {
 
     #[test]
     fn q4_0_with_8bit_activations_matches_an_exact_reference() {
-        if !have() {
-            return;
+        for avx2 in [false, true] {
+            if if avx2 { have_avx2() } else { have() } {
+                q4_0_8bit_against_an_exact_reference(avx2);
+            }
         }
+    }
+
+    /// The 8-bit Q4_0 body (AVX2 or AVX-512) against the kernel's order (bits) and an f64
+    /// product (tolerance).
+    fn q4_0_8bit_against_an_exact_reference(avx2: bool) {
         let t = packed_type_of(DType::Q4_0);
         // k of 1 to 176 blocks, n not a multiple of 16, m from 1 (a leftover body) to 40.
         for (k, n, ms) in [
@@ -826,7 +979,7 @@ mod tests {
                 let w = weights(n, k, 18, &[0], 7 + k as u64 + m as u64);
                 let g = pack_all(t, &w, n, rb, k);
                 let x = activations8(m, k, k as u64 + m as u64);
-                let got = packed_product8(t, &g, n, k, &x);
+                let got = packed_product8(t, &g, n, k, &x, avx2);
                 for j in 0..n {
                     for i in 0..m {
                         // The kernel's order: per block, the exact integer sum, times
@@ -848,7 +1001,11 @@ mod tests {
                             exact += f64::from(dw) * f64::from(x.d[xb]) * f64::from(sum);
                         }
                         let v = got[i * n + j];
-                        assert_eq!(v.to_bits(), acc.to_bits(), "k {k} m {m} ({i}, {j})");
+                        assert_eq!(
+                            v.to_bits(),
+                            acc.to_bits(),
+                            "avx2 {avx2} k {k} m {m} ({i}, {j})"
+                        );
                         assert!(
                             (f64::from(v) - exact).abs() <= 1e-5 * bound,
                             "k {k} m {m} ({i}, {j}): {v} vs {exact}"
