@@ -52,7 +52,7 @@ unsafe fn load_tail<T: Lanes>(p: *const T, n: usize) -> __m256 {
 
 /// The sum of the 8 lanes of `v` by a fixed tree: halves, then pairs, then the last two.
 #[inline(always)]
-unsafe fn hsum(v: __m256) -> f32 {
+pub(in crate::kernels) unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))

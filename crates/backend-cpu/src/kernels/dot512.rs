@@ -139,10 +139,7 @@ impl Lanes16 for bf16 {
 #[inline(always)]
 pub(in crate::kernels) unsafe fn hsum(v: __m512) -> f32 {
     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-    let h = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
-    let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    super::dot256::hsum(_mm256_add_ps(_mm512_castps512_ps256(v), hi))
 }
 
 /// `out[r][c] = xs[r][..k] . ws[c][..k]`, one accumulator per pair (see the module header).

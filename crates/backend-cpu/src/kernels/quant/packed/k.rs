@@ -964,6 +964,7 @@ mod tests {
 
     use half::f16;
 
+    use super::super::q32::tests::have_avx2;
     use super::super::GROUP;
     use super::*;
     use crate::kernels::quant::q16::{self, Isa, QRows, QK};
@@ -979,17 +980,6 @@ mod tests {
             && std::is_x86_feature_detected!("f16c");
         if !ok {
             eprintln!("skipped: this CPU lacks AVX-512 F/BW/VL + VNNI (or AVX2/FMA/F16C)");
-        }
-        ok
-    }
-
-    /// Whether this CPU runs the AVX2 packed bodies (said on stderr where not, as [`have`]).
-    fn have_avx2() -> bool {
-        let ok = std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c");
-        if !ok {
-            eprintln!("skipped: this CPU lacks AVX2, FMA or F16C");
         }
         ok
     }

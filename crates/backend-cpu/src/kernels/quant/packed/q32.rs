@@ -557,7 +557,7 @@ mod avx512 {
 
 // The packed layouts exist on x86_64 only (elsewhere `lookup` has none).
 #[cfg(all(test, target_arch = "x86_64"))]
-mod tests {
+pub(super) mod tests {
     //! Packed groups against the AVX-512 panel bodies (bit for bit, through
     //! `q16::dot_fn` with at least `PANEL_MIN_ROWS` activation rows) and against an f64
     //! reference over the scalar dequantization (within f32 rounding), at odd shapes.
