@@ -360,11 +360,19 @@ impl<D: Driver> TicketStream<D> {
     /// it is still pending, then waits for the read event (elided when a completed wait already
     /// covered the ticket). A later batch may have recorded the event again since: the wait
     /// then lasts until that later point of the stream, which is after the read.
+    ///
+    /// The pending batch is launched only while it still holds this read. Under launch-ahead
+    /// it holds the next step's read, queued behind the next step's graph: launching it here
+    /// would record the read event again behind that graph, and this wait would last until the
+    /// step queued ahead ended (the host then never runs ahead of the device).
     pub fn wait_read(&self, ticket: u64) -> Result<(), D::Error> {
-        match self.read_event.get() {
-            Some(ev) => self.wait_event_host(ev, ticket),
-            None => self.flush(), // no read was batched
+        let Some(ev) = self.read_event.get() else {
+            return self.flush(); // no read was batched
+        };
+        if ticket > self.tickets.lock().submitted {
+            self.flush()?; // its batch is still pending
         }
+        self.wait_recorded(ev, ticket)
     }
 
     /// Whether a read queued by [`Self::defer_dtoh`] at `ticket` completed, without blocking
@@ -688,6 +696,11 @@ impl<D: Driver> TicketStream<D> {
     /// a completed wait already covered the ticket.
     pub fn wait_event_host(&self, ev: &D::Event, ticket: u64) -> Result<(), D::Error> {
         self.flush()?;
+        self.wait_recorded(ev, ticket)
+    }
+
+    /// [`Self::wait_event_host`] without launching the pending batch first.
+    fn wait_recorded(&self, ev: &D::Event, ticket: u64) -> Result<(), D::Error> {
         if self.elide && ticket <= self.tickets.lock().observed {
             bump(&self.stats.elided_syncs, 1);
             return Ok(());

@@ -650,6 +650,51 @@ fn waiting_or_polling_a_pending_read_launches_its_batch_first() {
 }
 
 #[test]
+fn under_launch_ahead_a_read_waits_only_for_its_own_step() {
+    // Step k's graph and its read; then, queued ahead, step k+1's graph (which launches the
+    // batch holding step k's read) and its own read, left pending; then the wait for token k.
+    let s = batched();
+    let mut out = [0u8; 8];
+    s.graph_launch(&()).unwrap();
+    let k = unsafe { s.defer_dtoh(out.as_mut_ptr(), 0x5000, 4) }
+        .unwrap()
+        .unwrap();
+    assert!(
+        s.defer_dtod(0x2000, 0x5000, 4).unwrap(),
+        "the feed of step k+1"
+    );
+    s.graph_launch(&()).unwrap();
+    let next = unsafe { s.defer_dtoh(out[4..].as_mut_ptr(), 0x5000, 4) }
+        .unwrap()
+        .unwrap();
+    s.wait_read(k).unwrap();
+    assert_eq!(
+        calls(&s),
+        vec![
+            Call::GraphLaunch,
+            Call::Launch,
+            Call::EventRecord(9),
+            Call::GraphLaunch,
+            Call::EventSynchronize(9)
+        ],
+        "the read event is not recorded again behind step k+1's graph before the wait"
+    );
+    assert_eq!(s.tickets().observed, k);
+    assert_eq!(s.stats().snapshot().host_waits, 1);
+    // Step k+1's read still rides in the batch that the next enqueue (or its wait) launches.
+    s.wait_read(next).unwrap();
+    assert_eq!(
+        calls(&s)[5..],
+        [
+            Call::Launch,
+            Call::EventRecord(9),
+            Call::EventSynchronize(9)
+        ]
+    );
+    assert_eq!(s.tickets().observed, next);
+}
+
+#[test]
 fn copies_a_batch_cannot_take_are_left_to_the_caller() {
     let off = stream(single());
     assert!(
