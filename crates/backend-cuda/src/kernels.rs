@@ -494,7 +494,7 @@ fn c_chars_to_string(v: &[c_char]) -> String {
     let bytes: Vec<u8> = v
         .iter()
         .take_while(|&&c| c != 0)
-        .map(|&c| c as u8)
+        .map(|&c| c.to_ne_bytes()[0]) // c_char is i8 or u8, by target
         .collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }

@@ -135,8 +135,8 @@ impl Instance {
         let app = vk::ApplicationInfo::default()
             .application_name(c"lowsync")
             .api_version(vk::API_VERSION_1_3);
-        let mut layers: Vec<*const i8> = Vec::new();
-        let mut exts: Vec<*const i8> = Vec::new();
+        let mut layers: Vec<*const std::ffi::c_char> = Vec::new();
+        let mut exts: Vec<*const std::ffi::c_char> = Vec::new();
         let enables = [vk::ValidationFeatureEnableEXT::SYNCHRONIZATION_VALIDATION];
         let mut features =
             vk::ValidationFeaturesEXT::default().enabled_validation_features(&enables);

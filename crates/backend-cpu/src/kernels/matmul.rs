@@ -37,7 +37,6 @@ use std::collections::BTreeMap;
 
 use gemm::Parallelism;
 use lowsync_backend::{ExecNode, Result};
-use lowsync_graph::DType;
 use parking_lot::Mutex;
 use rayon::prelude::*;
 
@@ -370,7 +369,10 @@ pub(super) fn mul_mat(node: &ExecNode, dst: &Strided, a: &Strided, b: &Strided) 
     }
     #[cfg(target_arch = "x86_64")]
     {
-        let sixteen_bit = matches!(b.dtype(), DType::F16 | DType::BF16);
+        let sixteen_bit = matches!(
+            b.dtype(),
+            lowsync_graph::DType::F16 | lowsync_graph::DType::BF16
+        );
         if sixteen_bit && mul_mat_prefill(node, dst, a, b, &want[..nb], (m, n, k))? {
             return Ok(());
         }

@@ -373,6 +373,7 @@ impl Strided {
     }
 
     /// Every element of a packed row-major, aligned f32 view, as one slice; `None` otherwise.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // used by x86 bodies only
     pub(crate) fn f32_slice(&self) -> Option<&[f32]> {
         let p = self.f32_base()?;
         if !self.is_contiguous() {

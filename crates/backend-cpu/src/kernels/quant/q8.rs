@@ -46,6 +46,7 @@ pub(crate) const PERM: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
 /// elements 0..16 and 16..32, and its 32 values at `q[32 * b..]`, in [`PERM`] order (`perm`,
 /// for the packed groups) or in element order (for the AVX2 bodies of `avx2`, which read the
 /// GGUF blocks in place, where element order is what one load and a nibble mask give).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // `perm` is read by x86 bodies only
 pub(crate) struct Q8Rows {
     pub d: Vec<f32>,
     pub s: Vec<f32>,

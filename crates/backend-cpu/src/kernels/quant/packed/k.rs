@@ -46,6 +46,8 @@
 //! same for a row whatever the pass and thread, not the 16-bit product's. A `None` row packs to
 //! zero bytes: zero scales and, for Q6_K, the value 0 (with 8 bits, `q` 32 against its
 //! activation sum's `-32`: zero as well).
+// Packing runs on x86-64 only (`lookup`); elsewhere the layout is compiled but unused.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 use lowsync_graph::DType;
 

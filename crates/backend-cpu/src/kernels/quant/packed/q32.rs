@@ -36,10 +36,12 @@
 //! order, the mins `m_w * s_x` (Q4_1) in a second chain added at the end; the 8-bit Q4_0 body
 //! adds its (equally exact) sums in the same order. Pad rows (past the matrix) are zero bytes:
 //! scale 0, so they add nothing that a caller reads.
+// Packing runs on x86-64 only (`lookup`); elsewhere the layout is compiled but unused.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 use lowsync_graph::DType;
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 use super::{lines_as_bytes_mut, Line};
 use super::{GroupRows, PackedType, GROUP};
 use crate::kernels::quant::q16::{QRows, QK};
