@@ -169,8 +169,17 @@ pub(crate) fn dot_fn(dt: DType, isa: Isa) -> Option<DotFn> {
             return x86::dot_fn(dt);
         }
     }
-    let _ = (dt, isa);
-    None
+    // NEON is baseline on aarch64: no detection, and no wider bodies for `isa` to pick.
+    #[cfg(target_arch = "aarch64")]
+    {
+        let _ = isa;
+        neon::dot_fn(dt)
+    }
+    #[cfg(not(target_arch = "aarch64"))]
+    {
+        let _ = (dt, isa);
+        None
+    }
 }
 
 /// Products with at least this many activation rows (a prefill) run over packed panels with
@@ -195,6 +204,9 @@ pub(crate) fn row_granule(isa: Isa, m: usize) -> usize {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+
+#[cfg(target_arch = "aarch64")]
+mod neon;
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
