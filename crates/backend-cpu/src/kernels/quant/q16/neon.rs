@@ -755,6 +755,65 @@ mod tests {
         assert!(checked > 1000, "{checked} outputs");
     }
 
+    /// The NEON bodies against the exact path they replace here (each weight row dequantized by
+    /// `scalar` and dotted in f32 with `dot_f32`), decode (one activation row), one thread,
+    /// alternated in one process; ns per weight block of 32 values. Meant for an aarch64 CPU:
+    /// under qemu the figures say nothing about one.
+    #[test]
+    #[ignore = "a benchmark: run with --release --ignored --nocapture on an aarch64 CPU"]
+    fn neon_speed() {
+        use crate::kernels::quant::{dot_f32, scalar::dequantize_row};
+        let k = 2048;
+        let mut rng = Lcg(5);
+        let xf: Vec<f32> = (0..k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let x = QRows::quantize(&xf);
+        for (dt, bb, halves) in TYPES {
+            let row_bytes = k / QK / if bb >= 144 { 8 } else { 1 } * bb;
+            for (label, bytes, reps) in [("cache 1 MiB", 1 << 20, 16), ("DRAM 64 MiB", 64 << 20, 1)]
+            {
+                let n = bytes / row_bytes / 4 * 4;
+                let w = weights(n, row_bytes, bb, halves, &mut rng);
+                let body = dot_fn(dt).expect("a NEON body");
+                let (mut out, mut buf) = (vec![0.0f32; n], vec![0.0f32; k]);
+                let exact = |out: &mut [f32], buf: &mut [f32]| {
+                    for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
+                        dequantize_row(dt, row, buf);
+                        *o = dot_f32(&xf, buf);
+                    }
+                };
+                let blocks = (n * k / QK * reps) as f64;
+                let (mut best_exact, mut best_neon) = (f64::MAX, f64::MAX);
+                for round in 0..5 {
+                    for which in [round % 2, 1 - round % 2] {
+                        let t = std::time::Instant::now();
+                        for _ in 0..reps {
+                            if which == 0 {
+                                exact(&mut out, &mut buf);
+                            } else {
+                                body(&w, row_bytes, &x, &mut out);
+                            }
+                            std::hint::black_box(&mut out);
+                        }
+                        let ns = t.elapsed().as_secs_f64() * 1e9 / blocks;
+                        let best = if which == 0 {
+                            &mut best_exact
+                        } else {
+                            &mut best_neon
+                        };
+                        *best = best.min(ns);
+                    }
+                }
+                eprintln!(
+                    "{dt} k {k} {label}: exact {best_exact:.3} ns/block, neon {best_neon:.3} \
+                     ns/block, {:.2}x",
+                    best_exact / best_neon
+                );
+            }
+        }
+    }
+
     #[test]
     fn the_f16_conversion_is_exact_for_every_finite_half() {
         for h in 0..=u16::MAX {
