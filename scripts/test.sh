@@ -15,9 +15,8 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/lowsync-target}"
 # 1. Rust: format, lints, docs (no broken or private links), tests.
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --all-features -- -D warnings
-# The same lints for aarch64 (nothing runs there: the CPU backend's SIMD bodies are x86-64's,
-# so an ARM CPU runs the exact scalar path; the criterion benches need a C cross compiler and
-# are left out). Skipped, and said so, where the target's standard library cannot be installed.
+# The same lints for aarch64 (the CPU backend's NEON bodies of the quantized products are
+# compiled only there; the criterion benches need a C cross compiler and are left out). Skipped, and said so, where the target's standard library cannot be installed.
 if rustup target add aarch64-unknown-linux-gnu; then
     PYO3_CROSS=1 cargo clippy --workspace --exclude lowsync-benches --all-targets --all-features \
         --target aarch64-unknown-linux-gnu -- -D warnings

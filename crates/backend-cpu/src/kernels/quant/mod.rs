@@ -36,8 +36,9 @@
 //! there a prefill product over Q4_0, Q4_K or Q6_K (Q4_1 and Q8_0 too with
 //! `LOWSYNC_CPU_PREFILL_ACT=q8`) quantizes its activations to 8-bit blocks in element order and
 //! runs `q8::avx2` (`pmaddubsw`) over the weight in place, and so does a decode product with
-//! `LOWSYNC_CPU_DECODE_ACT=q8` (default `q16`). Without SIMD or with
-//! `LOWSYNC_CPU_QUANT_DOT=f32` the exact path runs.
+//! `LOWSYNC_CPU_DECODE_ACT=q8` (default `q16`). On aarch64 the NEON bodies of `q16` read every
+//! weight in place with 16-bit activation blocks, in decode and prefill alike (no packed layout,
+//! no 8-bit bodies there). Without SIMD or with `LOWSYNC_CPU_QUANT_DOT=f32` the exact path runs.
 //!
 //! Determinism: each output element is one dot product computed by one job in a fixed order,
 //! independent of the thread count (as the f32 kernels promise). A packed product with 16-bit
@@ -308,6 +309,22 @@ pub(crate) fn packed_runs_avx2(dt: lowsync_graph::DType) -> bool {
 /// for `dt` on this CPU and `LOWSYNC_CPU_QUANT_DOT` not `f32`.
 pub(crate) fn uses_q16(dt: lowsync_graph::DType) -> bool {
     q16_allowed().unwrap_or(false) && q16::dot_fn(dt, q16::Isa::Avx2).is_some()
+}
+
+/// `x` (rows of `k`) times raw weight rows `w` of `dt` (`row_bytes` each) by this CPU's `q16`
+/// body, called directly (`out[i * rows + r]`), where there is one.
+#[cfg(all(test, target_arch = "aarch64"))]
+pub(crate) fn q16_body_product(
+    dt: lowsync_graph::DType,
+    w: &[u8],
+    row_bytes: usize,
+    x: &[f32],
+    m: usize,
+) -> Option<Vec<f32>> {
+    let dot = q16::dot_fn(dt, q16_isa().ok()?)?;
+    let mut out = vec![0.0f32; w.len() / row_bytes * m];
+    dot(w, row_bytes, &q16::QRows::quantize(x), &mut out);
+    Some(out)
 }
 
 /// Whether a product of `m` activation rows over read-only `dt` weights takes 8-bit activation

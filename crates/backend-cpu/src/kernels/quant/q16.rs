@@ -30,10 +30,11 @@
 //! the prefetch). A prefill product unpacks each weight block once per 4-8 activation rows; there
 //! Q6_K's 8-bit sub-block scales are multiplied into its weights as i16, so each activation block
 //! takes one integer sum and one FMA. Kernels exist for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K with AVX2
-//! (+FMA, F16C), chosen at run time; other types, other CPUs (NEON included) and
-//! `LOWSYNC_CPU_QUANT_DOT=f32` use the exact path of `super` (f32 activations against the scalar
-//! dequantization). Where the CPU also has AVX-512 F/BW/VL and VNNI, the bodies of `avx512` take
-//! over for those five types (`LOWSYNC_CPU_QUANT_ISA=avx2` keeps the AVX2 ones, for A/B
+//! (+FMA, F16C), chosen at run time, and with NEON on aarch64 (`neon`: tiles of up to 4 weight
+//! rows by 2 activation rows, `smull`/`smlal` into i32 lanes); other types, other CPUs and
+//! `LOWSYNC_CPU_QUANT_DOT=f32` use the exact path of `super` (f32 activations against the
+//! scalar dequantization). Where the CPU also has AVX-512 F/BW/VL and VNNI, the bodies of
+//! `avx512` take over for those five types (`LOWSYNC_CPU_QUANT_ISA=avx2` keeps the AVX2 ones, for A/B
 //! measurements): products of 6 or more activation rows (prefill) run over weight panels of 16
 //! rows unpacked once per product with `vpdpwssd` (3-10x the AVX2 tiles per block and
 //! activation row), and Q4_1 decodes 8 rows a tile; the other decode products keep the AVX2
@@ -53,7 +54,8 @@
 //! count. The AVX-512 bodies compute every output in the order of the AVX2 4-row decode tiles
 //! (each block's exact integer sum, scaled, added in block order; Q6_K per sub-block of 16),
 //! whatever their tile: there a Q4_0, Q4_1 or Q4_K row gives the same bits in prefill and in
-//! decode, and the bits differ from the AVX2 prefill tiles' (within f32 rounding).
+//! decode, and the bits differ from the AVX2 prefill tiles' (within f32 rounding). The NEON
+//! bodies do the same for all five types (Q6_K per sub-block of 16), whatever their tile.
 
 use lowsync_graph::DType;
 
@@ -169,8 +171,17 @@ pub(crate) fn dot_fn(dt: DType, isa: Isa) -> Option<DotFn> {
             return x86::dot_fn(dt);
         }
     }
-    let _ = (dt, isa);
-    None
+    // NEON is baseline on aarch64: no detection, and no wider bodies for `isa` to pick.
+    #[cfg(target_arch = "aarch64")]
+    {
+        let _ = isa;
+        neon::dot_fn(dt)
+    }
+    #[cfg(not(target_arch = "aarch64"))]
+    {
+        let _ = (dt, isa);
+        None
+    }
 }
 
 /// Products with at least this many activation rows (a prefill) run over packed panels with
@@ -195,6 +206,9 @@ pub(crate) fn row_granule(isa: Isa, m: usize) -> usize {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+
+#[cfg(target_arch = "aarch64")]
+mod neon;
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {

@@ -409,7 +409,7 @@ fn decode_products_do_not_depend_on_the_thread_count() {
 
 #[test]
 fn read_only_weights_pack_where_a_simd_body_runs() {
-    // Packing follows LOWSYNC_CPU_PACK wherever the q16 bodies run (AVX-512 VNNI or AVX2), and
+    // Packing follows LOWSYNC_CPU_PACK wherever the x86 q16 bodies run (AVX-512 VNNI or AVX2), and
     // the packed products take the AVX2 bodies where the in-place ones would be AVX2 ones.
     let off = std::env::var("LOWSYNC_CPU_PACK").as_deref() == Ok("off");
     let isa_avx2 = std::env::var("LOWSYNC_CPU_QUANT_ISA").as_deref() == Ok("avx2");
@@ -424,7 +424,9 @@ fn read_only_weights_pack_where_a_simd_body_runs() {
             eprintln!("{dt}: no SIMD body on this CPU (or LOWSYNC_CPU_QUANT_DOT=f32)");
             continue;
         }
-        assert_eq!(uses_packed(dt), !off, "{dt}");
+        // The packed layouts have bodies on x86-64 only; aarch64's NEON bodies read in place.
+        let packs_here = cfg!(target_arch = "x86_64") && !off;
+        assert_eq!(uses_packed(dt), packs_here, "{dt}");
         if isa_avx2 && !off {
             assert!(packed_runs_avx2(dt), "{dt}: LOWSYNC_CPU_QUANT_ISA=avx2");
         }
@@ -456,6 +458,47 @@ fn quant_products_pass_again_with_the_avx2_bodies() {
         out.status.success() && text.contains("test result: ok"),
         "{text}"
     );
+}
+
+/// On aarch64 a product over Q4_0, Q4_1, Q8_0, Q4_K or Q6_K weights (read-only ones too: no
+/// packed layout there) runs the NEON body: the bits of the body called directly, for decode
+/// and prefill shapes, in parallel jobs and leftover tiles.
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn aarch64_products_run_the_neon_bodies() {
+    if std::env::var("LOWSYNC_CPU_QUANT_DOT").as_deref() == Ok("f32") {
+        eprintln!("skipped: LOWSYNC_CPU_QUANT_DOT=f32 asks for the exact path");
+        return;
+    }
+    let (n, k) = (333, 512);
+    for dt in [
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q8_0,
+        DType::Q4_K,
+        DType::Q6_K,
+    ] {
+        assert!(crate::kernels::quant::uses_q16(dt), "{dt}: a NEON body");
+        assert!(!uses_packed(dt), "{dt}: no packed layout on aarch64");
+        let bytes = lcg_blocks(dt, 31, n * k / dt.block_size());
+        let row_bytes = bytes.len() / n;
+        for m in [1, 2, 3, 7] {
+            let mut mem = TestMem::new();
+            let mut rng = TestRng::new(12);
+            let w = mem.blocks(dt, &[n, k], &bytes);
+            let x = mem.rand(&mut rng, DType::F32, &[m, k]);
+            let dst = mem.zeros(DType::F32, &[m, n]);
+            run(&mem, Op::MulMat, &dst, &[&x, &transpose(&w, 0, 1)]).unwrap();
+            let x32: Vec<f32> = mem.read(&x).iter().map(|&v| v as f32).collect();
+            let want = crate::kernels::quant::q16_body_product(dt, &bytes, row_bytes, &x32, m)
+                .expect("a NEON body");
+            let got: Vec<f32> = mem.read(&dst).iter().map(|&v| v as f32).collect();
+            assert_eq!(got.len(), want.len());
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "{dt} m {m}: output {i}");
+            }
+        }
+    }
 }
 
 #[test]
@@ -584,7 +627,10 @@ fn decode_and_prefill_take_the_activation_blocks_the_switches_say() {
         DType::Q4_K,
         DType::Q6_K,
     ] {
-        if uses_packed(dt) || !crate::kernels::quant::uses_q16(dt) {
+        // The 8-bit bodies are x86-64's: elsewhere (aarch64's NEON bodies) every product keeps
+        // the 16-bit blocks, which `check_mul_mat` checks through `activations_as_read`.
+        let x86 = cfg!(target_arch = "x86_64");
+        if uses_packed(dt) || !crate::kernels::quant::uses_q16(dt) || !x86 {
             eprintln!("{dt}: products here do not run the AVX2 in-place bodies");
             continue;
         }

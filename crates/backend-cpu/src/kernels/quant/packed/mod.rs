@@ -93,9 +93,14 @@ pub(crate) fn raw_row(dt: DType, g: &[u8], k: usize, r: usize, out: &mut [u8]) -
     q32::raw_row_of(dt, g, k, r, out)
 }
 
-/// The packed layout of `dt`'s weights, where one exists.
+/// The packed layout of `dt`'s weights, where one exists: on x86-64 only, the one target with
+/// bodies for it (elsewhere, aarch64's NEON bodies included, products read the weight in place).
 pub(crate) fn packed_type(dt: DType) -> Option<&'static PackedType> {
-    q32::lookup(dt).or_else(|| k::lookup(dt))
+    if cfg!(target_arch = "x86_64") {
+        q32::lookup(dt).or_else(|| k::lookup(dt))
+    } else {
+        None
+    }
 }
 
 /// 64 bytes at a 64-byte boundary: packed groups are kept in vectors of these, so that every
