@@ -34,10 +34,10 @@
 //! rows by 2 activation rows, `smull`/`smlal` into i32 lanes); other types, other CPUs and
 //! `LOWSYNC_CPU_QUANT_DOT=f32` use the exact path of `super` (f32 activations against the
 //! scalar dequantization). Where the CPU also has AVX-512 F/BW/VL and VNNI, the bodies of
-//! `avx512` take over for those five types (`LOWSYNC_CPU_QUANT_ISA=avx2` keeps the AVX2 ones, for A/B
-//! measurements): products of 6 or more activation rows (prefill) run over weight panels of 16
-//! rows unpacked once per product with `vpdpwssd` (3-10x the AVX2 tiles per block and
-//! activation row), and Q4_1 decodes 8 rows a tile; the other decode products keep the AVX2
+//! `avx512` take over for those five types (`LOWSYNC_CPU_QUANT_ISA=avx2` keeps the AVX2 ones,
+//! for A/B measurements): products of 6 or more activation rows (prefill) run over weight
+//! panels of 16 rows unpacked once per product with `vpdpwssd` (3-10x the AVX2 tiles per block
+//! and activation row), and Q4_1 decodes 8 rows a tile; the other decode products keep the AVX2
 //! tiles, which the AVX-512 variants did not beat from DRAM. Weights in weight memory do not
 //! reach these bodies at all, with AVX-512 or AVX2: `super::packed` runs them over a packed copy
 //! (`LOWSYNC_CPU_PACK`); the bodies here serve the rest (weights that are not weight memory,
