@@ -97,6 +97,67 @@ impl QRows {
     }
 }
 
+/// A tile's activations: `d`, `s`, `n` and `q` of its rows of `nb` blocks each (rows of a
+/// [`QRows`], as [`QRows::act`] slices them).
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(dead_code)
+)]
+pub(super) struct Act<'a> {
+    pub d: &'a [f32],
+    pub s: &'a [f32],
+    pub n: &'a [i32],
+    pub q: &'a [i16],
+    pub nb: usize,
+}
+
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(dead_code)
+)]
+impl QRows {
+    /// Activation rows `r0..r0 + rn`, of `nb` blocks each.
+    pub(super) fn act(&self, r0: usize, rn: usize, nb: usize) -> Act<'_> {
+        let (lo, hi) = (r0 * nb, (r0 + rn) * nb);
+        Act {
+            d: &self.d[lo..hi],
+            s: &self.s[lo..hi],
+            n: &self.n[lo..hi],
+            q: &self.q[lo * QK..hi * QK],
+            nb,
+        }
+    }
+}
+
+/// Checks a product's shapes for weights of `bb`-byte blocks each covering `per` activation
+/// blocks (`w` rows of `row_bytes`, `out` rows by activation rows, `x` blocks that match) and
+/// returns `(m, nb)`: activation rows and blocks per row; `None` on any mismatch (no rows
+/// included).
+#[cfg_attr(
+    not(any(target_arch = "x86_64", target_arch = "aarch64")),
+    allow(dead_code)
+)]
+pub(super) fn tile_shape(
+    w: &[u8],
+    row_bytes: usize,
+    bb: usize,
+    per: usize,
+    x: &QRows,
+    out: &[f32],
+) -> Option<(usize, usize)> {
+    let rows = w.len().checked_div(row_bytes)?;
+    let m = out.len().checked_div(rows)?;
+    let nb = row_bytes / bb * per;
+    let ok = rows * row_bytes == w.len()
+        && rows * m == out.len()
+        && row_bytes.is_multiple_of(bb)
+        && x.d.len() == nb * m
+        && x.s.len() == x.d.len()
+        && x.n.len() == x.d.len()
+        && x.q.len() == x.d.len() * QK;
+    ok.then_some((m, nb))
+}
+
 /// One block of 32 with AVX2 where the CPU has it, else scalar: its `q`, and `(d, sum(q))`.
 fn quantize_any(blk: &[f32; QK], q: &mut [i16; QK]) -> (f32, i32) {
     #[cfg(target_arch = "x86_64")]
@@ -225,7 +286,7 @@ pub(super) mod x86 {
 
     use lowsync_graph::DType;
 
-    use super::{DotFn, QRows, QK};
+    use super::{Act, DotFn, QRows, QK};
 
     /// `super::quantize_block` with AVX2, bit for bit (see [`round_block`]).
     ///
@@ -336,15 +397,6 @@ pub(super) mod x86 {
         ok.then_some(nb)
     }
 
-    /// One group's activations: `d`, `s`, `n` and `q` of `R` rows of `nb` blocks each.
-    struct Act<'a> {
-        d: &'a [f32],
-        s: &'a [f32],
-        n: &'a [i32],
-        q: &'a [i16],
-        nb: usize,
-    }
-
     /// Calls `$body::<W, R>` over tiles of `W` weight rows by `R` activation rows, each tile's
     /// accumulators in registers. A decode product (one activation row) takes its weight rows
     /// `$decode_w` (4 or 1) at a time: independent accumulator chains (one chain waited on
@@ -386,13 +438,7 @@ pub(super) mod x86 {
                             (_, 2 | 3) => 2,
                             _ => 1,
                         };
-                        let act = Act {
-                            d: &x.d[r0 * nb..(r0 + rn) * nb],
-                            s: &x.s[r0 * nb..(r0 + rn) * nb],
-                            n: &x.n[r0 * nb..(r0 + rn) * nb],
-                            q: &x.q[r0 * nb * QK..(r0 + rn) * nb * QK],
-                            nb,
-                        };
+                        let act = x.act(r0, rn, nb);
                         let at = (j, rows, r0);
                         // SAFETY: `dot_fn` hands these out only after detecting AVX2, FMA and
                         // F16C; `wt` holds `wn` rows of `nb` activation blocks' weight blocks

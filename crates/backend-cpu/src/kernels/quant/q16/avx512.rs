@@ -431,20 +431,9 @@ unsafe fn panels_by<K: Kind, const RMAX: usize>(
     });
 }
 
-/// Checks the shapes (`w` rows of `row_bytes`, `out` rows by activation rows, `x` blocks that
-/// match) and returns `(m, nb)`; `None` on any mismatch.
+/// [`super::tile_shape`] for weights of `K`.
 fn shape<K: Kind>(w: &[u8], row_bytes: usize, x: &QRows, out: &[f32]) -> Option<(usize, usize)> {
-    let rows = w.len().checked_div(row_bytes)?;
-    let m = out.len().checked_div(rows)?;
-    let nb = row_bytes / K::BB * K::PER;
-    let ok = rows * row_bytes == w.len()
-        && rows * m == out.len()
-        && row_bytes.is_multiple_of(K::BB)
-        && x.d.len() == nb * m
-        && x.s.len() == x.d.len()
-        && x.n.len() == x.d.len()
-        && x.q.len() == x.d.len() * QK;
-    ok.then_some((m, nb))
+    super::tile_shape(w, row_bytes, K::BB, K::PER, x, out)
 }
 
 /// How far ahead the 8-row decode tile prefetches each row (bytes), into the L2, as the AVX2

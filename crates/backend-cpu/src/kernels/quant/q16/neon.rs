@@ -33,7 +33,7 @@ use std::arch::aarch64::*;
 
 use lowsync_graph::DType;
 
-use super::{DotFn, QRows, QK};
+use super::{tile_shape, Act, DotFn, QRows, QK};
 
 /// The NEON body for weights of `dt`, if there is one.
 pub(super) fn dot_fn(dt: DType) -> Option<DotFn> {
@@ -45,15 +45,6 @@ pub(super) fn dot_fn(dt: DType) -> Option<DotFn> {
         DType::Q6_K => dot::<Q6K>,
         _ => return None,
     })
-}
-
-/// One tile's activations: `d`, `s`, `n` and `q` of its rows of `nb` blocks each.
-struct Act<'a> {
-    d: &'a [f32],
-    s: &'a [f32],
-    n: &'a [i32],
-    q: &'a [i16],
-    nb: usize,
 }
 
 /// A weight type's tile body.
@@ -83,18 +74,7 @@ fn dot<K: Body>(w: &[u8], row_bytes: usize, x: &QRows, out: &mut [f32]) {
     if out.is_empty() {
         return;
     }
-    let rows = w.len().checked_div(row_bytes).unwrap_or(0);
-    let m = out.len().checked_div(rows).unwrap_or(0);
-    let nb = row_bytes / K::BB * K::PER;
-    let ok = rows > 0
-        && rows * row_bytes == w.len()
-        && rows * m == out.len()
-        && row_bytes.is_multiple_of(K::BB)
-        && x.d.len() == nb * m
-        && x.s.len() == x.d.len()
-        && x.n.len() == x.d.len()
-        && x.q.len() == x.d.len() * QK;
-    if !ok {
+    let Some((m, nb)) = tile_shape(w, row_bytes, K::BB, K::PER, x, out) else {
         debug_assert!(
             false,
             "{} weight bytes, {row_bytes} a row, {} outputs, {} activation blocks",
@@ -104,7 +84,8 @@ fn dot<K: Body>(w: &[u8], row_bytes: usize, x: &QRows, out: &mut [f32]) {
         );
         out.fill(0.0);
         return;
-    }
+    };
+    let rows = w.len() / row_bytes;
     let mut j = 0;
     while j < rows {
         let wn = (rows - j).min(4);
@@ -112,13 +93,7 @@ fn dot<K: Body>(w: &[u8], row_bytes: usize, x: &QRows, out: &mut [f32]) {
         let mut r0 = 0;
         while r0 < m {
             let rn = (m - r0).min(2);
-            let act = Act {
-                d: &x.d[r0 * nb..(r0 + rn) * nb],
-                s: &x.s[r0 * nb..(r0 + rn) * nb],
-                n: &x.n[r0 * nb..(r0 + rn) * nb],
-                q: &x.q[r0 * nb * QK..(r0 + rn) * nb * QK],
-                nb,
-            };
+            let act = x.act(r0, rn, nb);
             let at = (j, wn, rows, r0);
             // SAFETY: NEON is baseline on aarch64; `wt` holds `wn <= 4` rows of `row_bytes`,
             // `nb / PER` whole blocks each (checked above), and `act` `rn` rows of `nb` blocks.
