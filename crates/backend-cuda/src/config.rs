@@ -90,6 +90,14 @@ pub struct CudaConfig {
     /// Resident blocks per multiprocessor of a streamed product's grid (tune key
     /// `gemv_blocks`, default 2).
     pub stream_blocks: usize,
+    /// Resident blocks per multiprocessor of decode's products on quantized weights
+    /// (`fused_gemv1_q`, tune key `gemv_q_blocks`, default 3). Its blocks take 80 registers a
+    /// thread, so three fit on a multiprocessor; those products are bound by instruction issue
+    /// at a few warps per scheduler, and a third block adds warps. On the H200 ("1b" after a
+    /// 512-token prompt) three against two: Q4_0 1,120-1,136 tokens/s against 1,080-1,085,
+    /// Q4_K 1,001 against 915-927, Q6_K 885 against 786-816, Q8_0 964 against 933-938; four
+    /// were slower than three (docs/notes/gpu-vs-llama-cpp.md).
+    pub q_blocks: usize,
     /// Shared memory (KiB) each block of a streamed product asks for at least (tune key
     /// `gemv_pad_kb`; 0 turns it off). `None`, the default, takes the least that keeps
     /// `stream_blocks + 1` of them off one multiprocessor (80 KiB on the H200): the streamed
@@ -182,6 +190,7 @@ impl Default for CudaConfig {
             gemv_split: true,
             gemv_stream: true,
             stream_blocks: 2,
+            q_blocks: 3,
             stream_pad_kb: None,
             copy_kernel_max: 4096,
             read_kernel: true,
@@ -205,8 +214,8 @@ const MAX_STREAM_BLOCKS: u64 = 32;
 
 /// What `LOWSYNC_CUDA_TUNE` takes, for an unknown key or an item without `=`.
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
-     attn_split, rehearse, gemv_stream, gemv_split, gemv_blocks, gemv_pad_kb, copy_kernel, \
-     read_kernel, mmv_max_m, qdot (see docs/tuning.md)";
+     attn_split, rehearse, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, gemv_pad_kb, \
+     copy_kernel, read_kernel, mmv_max_m, qdot (see docs/tuning.md)";
 
 impl CudaConfig {
     /// The defaults with the user-facing variables (`LOWSYNC_CUDA_SYNC_ELISION`,
@@ -230,8 +239,8 @@ impl CudaConfig {
     /// comma-separated `key=value` items, whitespace around each ignored, empty items skipped,
     /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`,
     /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `read_kernel` (0 or 1);
-    /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` (1 or more, capped at
-    /// 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
+    /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` and `gemv_q_blocks` (1
+    /// or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
     /// (bytes); `mmv_max_m` (rows); `qdot` (`q16`, `q8` or `f32`). An unknown key, an item without
     /// `=` or a bad value is an `Error::Env` for `LOWSYNC_CUDA_TUNE`.
     pub fn with_tune(mut self, spec: &str) -> Result<Self> {
@@ -271,6 +280,14 @@ impl CudaConfig {
                     match unsigned(expected)? {
                         0 => return Err(bad(expected)),
                         v => self.stream_blocks = size(v.min(MAX_STREAM_BLOCKS)),
+                    }
+                }
+                "gemv_q_blocks" => {
+                    let expected =
+                        "gemv_q_blocks=N, N a positive integer (blocks per multiprocessor)";
+                    match unsigned(expected)? {
+                        0 => return Err(bad(expected)),
+                        v => self.q_blocks = size(v.min(MAX_STREAM_BLOCKS)),
                     }
                 }
                 "gemv_pad_kb" => {
@@ -353,7 +370,7 @@ mod tests {
     fn every_tune_key_sets_its_field() {
         let c = tuned(
             "pdl=0, attn_fast=0,attn_prefill=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
-             gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0",
+             gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0,gemv_q_blocks=5",
         )
         .unwrap();
         let want = CudaConfig {
@@ -365,6 +382,7 @@ mod tests {
             gemv_split: false,
             read_kernel: false,
             stream_blocks: 3,
+            q_blocks: 5,
             stream_pad_kb: Some(96),
             copy_kernel_max: 512,
             mmv_max_m: Some(16),
@@ -391,6 +409,7 @@ mod tests {
             ("pdl=2", "pdl=0 or pdl=1"),
             ("gemv_blocks=0", "positive integer"),
             ("gemv_blocks=two", "positive integer"),
+            ("gemv_q_blocks=0", "positive integer"),
             ("gemv_pad_kb=228", "at most 227"),
             ("gemv_pad_kb=-1", "at most 227"),
             ("copy_kernel=4k", "bytes"),

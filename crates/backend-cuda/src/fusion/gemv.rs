@@ -384,7 +384,7 @@ pub(super) fn launch_gemv(
 }
 
 /// Decode's products on quantized weights (`fused_gemv1_q`), `set` built by `launch_gemv`: a
-/// grid of `blocks1` (one unit per warp), or of `stream_blocks` per multiprocessor at most when
+/// grid of `blocks1` (one unit per warp), or of `q_blocks` per multiprocessor at most when
 /// streamed (the kernel's warps stride over the units either way), the norm prologue in the
 /// kernel (`pro`) or launched first. When the kernel does not apply (`ok` false: more than one
 /// row, a misaligned row or weight, a row too long to stage) the group runs as its nodes, in
@@ -422,7 +422,7 @@ fn launch_gemv_q(
     let a = exec.resolve(&first.srcs[0])?;
     let k = a.shape[1];
     let blocks = if exec.inner.cfg.gemv_stream {
-        blocks1.min(exec.inner.sms * exec.inner.cfg.stream_blocks.max(1))
+        blocks1.min(exec.inner.sms * exec.inner.cfg.q_blocks.max(1))
     } else {
         blocks1
     };
