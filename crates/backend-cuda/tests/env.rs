@@ -53,6 +53,8 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
         ),
         (2, None, 4096, None)
     );
+    assert_eq!(d.q_blocks, 3);
+    assert_eq!(tuned("gemv_q_blocks=2").unwrap().q_blocks, 2);
 
     type Read = fn(&CudaConfig) -> bool;
     let flags: [(&str, Read); 7] = [
@@ -130,6 +132,7 @@ fn a_bad_tune_key_or_value_is_an_error_naming_the_variable() {
             "gemv_stream",
             "gemv_split",
             "gemv_blocks",
+            "gemv_q_blocks",
             "gemv_pad_kb",
             "copy_kernel",
             "read_kernel",
