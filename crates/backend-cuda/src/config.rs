@@ -261,6 +261,11 @@ impl CudaConfig {
             };
             let unsigned = |expected| value.parse::<u64>().map_err(|_| bad(expected));
             let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+            // Blocks per multiprocessor: positive, capped at `MAX_STREAM_BLOCKS`.
+            let per_sm = |expected| match unsigned(expected)? {
+                0 => Err(bad(expected)),
+                v => Ok(size(v.min(MAX_STREAM_BLOCKS))),
+            };
             match key.trim() {
                 "pdl" => self.pdl = flag("pdl=0 or pdl=1")?,
                 "attn_fast" => self.attn_fast = flag("attn_fast=0 or attn_fast=1")?,
@@ -275,20 +280,12 @@ impl CudaConfig {
                     self.attn_split = size(unsigned(expected)?.min(ATTN_SPLIT_MAX as u64));
                 }
                 "gemv_blocks" => {
-                    let expected =
-                        "gemv_blocks=N, N a positive integer (blocks per multiprocessor)";
-                    match unsigned(expected)? {
-                        0 => return Err(bad(expected)),
-                        v => self.stream_blocks = size(v.min(MAX_STREAM_BLOCKS)),
-                    }
+                    self.stream_blocks =
+                        per_sm("gemv_blocks=N, N a positive integer (blocks per multiprocessor)")?
                 }
                 "gemv_q_blocks" => {
-                    let expected =
-                        "gemv_q_blocks=N, N a positive integer (blocks per multiprocessor)";
-                    match unsigned(expected)? {
-                        0 => return Err(bad(expected)),
-                        v => self.q_blocks = size(v.min(MAX_STREAM_BLOCKS)),
-                    }
+                    self.q_blocks =
+                        per_sm("gemv_q_blocks=N, N a positive integer (blocks per multiprocessor)")?
                 }
                 "gemv_pad_kb" => {
                     let expected = "gemv_pad_kb=N, N KiB of shared memory per block, at most 227";
