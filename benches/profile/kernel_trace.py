@@ -9,7 +9,11 @@ kernel's end, the sum of kernel durations, and the difference — time in which 
 token ran (launch latency between dependent kernels), negative when kernels overlap; and the
 time between steps (one step's last kernel to the next one's first). With `KTRACE_MEMCPY=1` the
 library records memory copies too, and the copies between steps are listed in order, each with
-its start after the earlier step's end and its duration.
+its start after the earlier step's end and its duration. With `KTRACE_API=1` it records the
+host's driver calls too, and the script prints when the host launched each step's graph
+relative to the end of the step before (the launch lead: positive when the step was queued
+while the one before still ran, as launch-ahead intends) and the driver calls made between two
+steps' kernels, in order.
 
 Variants (`--variant NAME=SETTING,...`, repeatable; a SETTING is `VAR=value` or a tuning key
 `key=value` of `LOWSYNC_CUDA_TUNE`, docs/tuning.md) compare backend settings side by side in
@@ -97,6 +101,24 @@ def read_rows(text: str) -> list[Row]:
         kname, s, e, c = line.rsplit(",", 3)
         rows.append((kname, int(s), int(e), int(c)))
     return rows
+
+
+def is_api(r: Row) -> bool:
+    """A host driver call's row (`KTRACE_API=1`): named api:<function>."""
+    return r[0].startswith("api:")
+
+
+def launch_leads(steps: list[list[Row]], apis: list[Row]) -> list[float]:
+    """For consecutive steps, how long before the earlier step's last kernel ended the host's
+    call that launched the later one returned (µs; negative: the device waited for the host)."""
+    launch = {r[3]: r for r in apis}
+    order = sorted(steps, key=lambda st: st[0][1])
+    leads = []
+    for a, b in itertools.pairwise(order):
+        call = launch.get(b[0][3])
+        if call is not None:
+            leads.append((max(r[2] for r in a) - call[2]) / 1e3)
+    return leads
 
 
 def is_copy(r: Row) -> bool:
@@ -315,6 +337,7 @@ def main() -> None:
             sessions.append(sess)
         steps: list[list[list[Row]]] = [[] for _ in variants]
         copies: list[list[Row]] = [[] for _ in variants]
+        api_rows: list[list[Row]] = [[] for _ in variants]
         tps: list[list[float]] = [[] for _ in variants]
         pdl = tune_items(ambient).get("pdl", "1")
         for rnd in range(args.rounds):
@@ -328,6 +351,8 @@ def main() -> None:
                 st = sess.last_generate
                 assert st is not None
                 rows = read_rows(csv.read_text())
+                api_rows[i].extend(r for r in rows if is_api(r))
+                rows = [r for r in rows if not is_api(r)]
                 got, mode, launches = decode_steps(rows)
                 copies[i].extend(outside_steps(rows, got))
                 print(
@@ -338,7 +363,9 @@ def main() -> None:
                 steps[i].extend(got)
                 tps[i].append(st.tg_tps)
         results = []
-        for (vname, env), vsteps, vcopies, vtps in zip(variants, steps, copies, tps, strict=True):
+        for (vname, env), vsteps, vcopies, vtps, vapis in zip(
+            variants, steps, copies, tps, api_rows, strict=True
+        ):
             sizes = {len(s) for s in vsteps}
             if len(sizes) > 1:
                 raise SystemExit(f"{name} {vname}: rounds traced steps of sizes {sorted(sizes)}")
@@ -348,6 +375,15 @@ def main() -> None:
             report(s)
             for cname, at, dur in between_copies(vsteps, vcopies):
                 print(f"  between steps: {cname} from {at:.1f} us after a step's end, {dur:.1f} us")
+            leads = launch_leads(vsteps, vapis)
+            if leads:
+                lead = statistics.median(leads)
+                print(
+                    f"launch lead (median): a step's graph launch returned {lead:.1f} us before "
+                    "the step ahead of it ended (negative: after; the device waited)"
+                )
+                for cname, at, dur in between_copies(vsteps, vapis):
+                    print(f"  host call: {cname} from {at:.1f} us after a step's end, {dur:.1f} us")
             results.append((vname, env, s, statistics.median(vtps)))
         if len(variants) > 1:
             side_by_side(name, results)

@@ -5,7 +5,9 @@
  * one CSV line per kernel: name,start_ns,end_ns,correlation_id (kernels of one cuGraphLaunch
  * share the launch's correlation id). With KTRACE_MEMCPY=1 in the environment it records
  * memory copies too, one line each: memcpy:<HtoD|DtoH|DtoD|other>:<bytes>,start,end,corr (a
- * copy has a correlation id of its own), so that what runs between two graphs shows.
+ * copy has a correlation id of its own), so that what runs between two graphs shows. With
+ * KTRACE_API=1 it records the host's driver calls too, one line each:
+ * api:<function>,start,end,corr on the same clock, so a launch shows when the host made it.
  * Build: cc -shared -fPIC -O2 -DKREC=<newest CUpti_ActivityKernelN>
  *        -DMREC=<newest CUpti_ActivityMemcpyN> -I<cupti include> ... */
 #include <cupti.h>
@@ -24,7 +26,7 @@ typedef struct {
     const char *name;
     unsigned long long start, end;
     unsigned corr;
-    int copy;                 /* 1: a memory copy (name unused) */
+    int copy;                 /* 1: a memory copy (name unused), 2: a driver call */
     unsigned char copy_kind;
     unsigned long long bytes;
 } Rec;
@@ -48,7 +50,8 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
     while (cuptiActivityGetNextRecord(buf, valid, &r) == CUPTI_SUCCESS) {
         const int kernel =
             r->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL || r->kind == CUPTI_ACTIVITY_KIND_KERNEL;
-        if ((!kernel && r->kind != CUPTI_ACTIVITY_KIND_MEMCPY) || !recording) continue;
+        const int api = r->kind == CUPTI_ACTIVITY_KIND_DRIVER;
+        if ((!kernel && !api && r->kind != CUPTI_ACTIVITY_KIND_MEMCPY) || !recording) continue;
         if (nrec == cap) {
             cap = cap ? 2 * cap : 1 << 16;
             recs = (Rec *)realloc(recs, cap * sizeof(Rec));
@@ -61,6 +64,15 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
             o->start = k->start;
             o->end = k->end;
             o->corr = k->correlationId;
+        } else if (api) {
+            const CUpti_ActivityAPI *a = (const CUpti_ActivityAPI *)r;
+            const char *fn = NULL;
+            o->copy = 2;
+            if (cuptiGetCallbackName(CUPTI_CB_DOMAIN_DRIVER_API, a->cbid, &fn) == CUPTI_SUCCESS)
+                o->name = fn;
+            o->start = a->start;
+            o->end = a->end;
+            o->corr = a->correlationId;
         } else {
             const MREC *m = (const MREC *)r;
             o->copy = 1;
@@ -81,6 +93,9 @@ int InitializeInjection(void) {
     const char *mc = getenv("KTRACE_MEMCPY");
     if (mc && strcmp(mc, "1") == 0 && cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY) != CUPTI_SUCCESS)
         return 0;
+    const char *ap = getenv("KTRACE_API");
+    if (ap && strcmp(ap, "1") == 0 && cuptiActivityEnable(CUPTI_ACTIVITY_KIND_DRIVER) != CUPTI_SUCCESS)
+        return 0;
     initialised = 1;
     return 1;
 }
@@ -100,7 +115,9 @@ long lowsync_ktrace_end(const char *path) {
     if (!f) return -1;
     for (size_t i = 0; i < nrec; ++i) {
         const Rec *r = &recs[i];
-        if (r->copy) {
+        if (r->copy == 2) {
+            fprintf(f, "api:%s,%llu,%llu,%u\n", r->name ? r->name : "?", r->start, r->end, r->corr);
+        } else if (r->copy) {
             const char *kind = r->copy_kind == CUPTI_ACTIVITY_MEMCPY_KIND_HTOD   ? "HtoD"
                                : r->copy_kind == CUPTI_ACTIVITY_MEMCPY_KIND_DTOH ? "DtoH"
                                : r->copy_kind == CUPTI_ACTIVITY_MEMCPY_KIND_DTOD ? "DtoD"

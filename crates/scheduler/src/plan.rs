@@ -541,7 +541,16 @@ impl Plan {
                 }
                 _ => be.graph_compute_async(&sp.exec[c])?,
             }
-            if let Some(ev) = &sp.events[c] {
+            // Recorded only where a wait takes it: the next split's W0, or W1/W3 of a later
+            // step on this copy. A record nobody waits for is not free: on CUDA it launches the
+            // copy batch that the read just queued, whose event the wait for an earlier step's
+            // read then shares, so under launch-ahead that wait would last until this step ends.
+            let waited = pipelined
+                || self
+                    .splits
+                    .get(s + 1)
+                    .is_some_and(|n| n.backend != sp.backend && !n.has_inputs());
+            if let (Some(ev), true) = (&sp.events[c], waited) {
                 be.event_record(ev)?;
             }
         }

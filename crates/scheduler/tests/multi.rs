@@ -4,10 +4,14 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use common::{blocks_until_opened, Masked, Watched};
-use lowsync_backend::{Backend, StatsSnapshot, TensorRef};
+use lowsync_backend::{
+    Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, Event, ExecGraph, Readback,
+    StatsSnapshot, SyncStats, TensorRef,
+};
 use lowsync_cpu::{CpuAsyncBackend, CpuBackend};
 use lowsync_graph::{DType, Graph, Op, TensorId};
 use lowsync_scheduler::alloc::verify_items;
@@ -258,6 +262,173 @@ fn split_without_inputs_never_overlaps_the_previous_split() {
             let d = dev.stats().snapshot().since(&before);
             assert_eq!(d.host_waits, waits, "{policy} step {step}: host waits");
         }
+    }
+}
+
+/// `cpu-async` with its calls to `event_record` counted; every primitive the policies use is
+/// forwarded.
+struct CountsRecords {
+    inner: CpuAsyncBackend,
+    records: AtomicU64,
+}
+
+impl CountsRecords {
+    fn new() -> Arc<Self> {
+        Arc::new(CountsRecords {
+            inner: CpuAsyncBackend::new("cpu-async").unwrap(),
+            records: AtomicU64::new(0),
+        })
+    }
+    fn records(&self) -> u64 {
+        self.records.load(Ordering::Relaxed)
+    }
+}
+
+impl Backend for CountsRecords {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn device_kind(&self) -> DeviceKind {
+        self.inner.device_kind()
+    }
+    fn caps(&self) -> Caps {
+        self.inner.caps()
+    }
+    fn buffer_type(&self) -> BufferType {
+        self.inner.buffer_type()
+    }
+    fn supports_op(&self, op: &Op, dst: DType, srcs: &[DType]) -> bool {
+        self.inner.supports_op(op, dst, srcs)
+    }
+    fn stats(&self) -> &SyncStats {
+        self.inner.stats()
+    }
+    fn alloc_buffer(&self, size: usize, usage: BufferUsage) -> lowsync_backend::Result<BufferId> {
+        self.inner.alloc_buffer(size, usage)
+    }
+    fn realloc_buffer(&self, id: BufferId, size: usize) -> lowsync_backend::Result<()> {
+        self.inner.realloc_buffer(id, size)
+    }
+    fn free_buffer(&self, id: BufferId) {
+        self.inner.free_buffer(id)
+    }
+    fn buffer_size(&self, id: BufferId) -> lowsync_backend::Result<usize> {
+        self.inner.buffer_size(id)
+    }
+    fn set_tensor(&self, dst: BufferId, offset: usize, data: &[u8]) -> lowsync_backend::Result<()> {
+        self.inner.set_tensor(dst, offset, data)
+    }
+    fn get_tensor(
+        &self,
+        src: BufferId,
+        offset: usize,
+        out: &mut [u8],
+    ) -> lowsync_backend::Result<()> {
+        self.inner.get_tensor(src, offset, out)
+    }
+    fn set_tensor_async_staged(
+        &self,
+        dst: BufferId,
+        offset: usize,
+        data: &[u8],
+    ) -> lowsync_backend::Result<()> {
+        self.inner.set_tensor_async_staged(dst, offset, data)
+    }
+    fn read_async(
+        &self,
+        src: BufferId,
+        offset: usize,
+        len: usize,
+    ) -> lowsync_backend::Result<Box<dyn Readback>> {
+        self.inner.read_async(src, offset, len)
+    }
+    fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> lowsync_backend::Result<()> {
+        self.inner.graph_compute_async(graph)
+    }
+    fn synchronize(&self) -> lowsync_backend::Result<()> {
+        self.inner.synchronize()
+    }
+    fn event_new(&self) -> lowsync_backend::Result<Arc<dyn Event>> {
+        self.inner.event_new()
+    }
+    fn event_record(&self, ev: &Arc<dyn Event>) -> lowsync_backend::Result<()> {
+        self.records.fetch_add(1, Ordering::Relaxed);
+        self.inner.event_record(ev)
+    }
+    fn event_wait(&self, ev: &Arc<dyn Event>) -> lowsync_backend::Result<()> {
+        self.inner.event_wait(ev)
+    }
+}
+
+/// A split records its event only where a wait takes it: the next split's W0, or (pipelined)
+/// W1/W3 of a later step on the same copy. A one-backend decode step records none: on CUDA
+/// a record launches the copy batch holding the step's token read, and the read event it
+/// then records again makes the wait for the previous token last until this step ends, which
+/// undid launch-ahead.
+#[test]
+fn a_split_records_its_event_only_where_a_wait_takes_it() {
+    let one_split = || {
+        let mut g = Graph::new();
+        let w = weight(&mut g, "w", &[1.0, 2.0, 3.0, 4.0], "cpu-async");
+        let x = g.input("x", &[4], DType::F32).unwrap();
+        let y = g.mul(x, w).unwrap();
+        g.output("y", y).unwrap();
+        g
+    };
+    for (n_copies, per_step) in [(1, 0), (2, 1)] {
+        let dev = CountsRecords::new();
+        let sc = Sched::new(
+            vec![dev.clone() as Arc<dyn Backend>],
+            SyncPolicy::Staged,
+            n_copies,
+        )
+        .unwrap();
+        let mut plan = sc.compile(&one_split()).unwrap();
+        assert_eq!(plan.split_backends(), vec![0]);
+        for step in 0..3 {
+            let before = dev.records();
+            plan.set_input("x", &f32_bytes(&[step as f32; 4])).unwrap();
+            let mut rb = plan.compute_read_async("y").unwrap();
+            let y = floats(rb.wait().unwrap());
+            assert_eq!(
+                y,
+                vec![1.0, 2.0, 3.0, 4.0]
+                    .iter()
+                    .map(|k| k * step as f32)
+                    .collect::<Vec<_>>()
+            );
+            assert_eq!(
+                dev.records() - before,
+                per_step,
+                "n_copies {n_copies} step {step}: event records"
+            );
+        }
+    }
+    // W0: the host split after the device split waits on the device split's event.
+    let dev = CountsRecords::new();
+    let host: Arc<dyn Backend> = Arc::new(CpuBackend::new());
+    let sc = Sched::new(
+        vec![dev.clone() as Arc<dyn Backend>, host],
+        SyncPolicy::Staged,
+        1,
+    )
+    .unwrap();
+    let mut g = Graph::new();
+    let wd = weight(&mut g, "wd", &[1.0; 4], "cpu-async");
+    let wc = weight(&mut g, "wc", &[3.0; 4], "cpu");
+    let x = g.input("x", &[4], DType::F32).unwrap();
+    let b = g.mul(x, wd).unwrap();
+    let c = g.scale(wc, 2.0).unwrap();
+    g.output("b", b).unwrap();
+    g.output("c", c).unwrap();
+    let mut plan = sc.compile(&g).unwrap();
+    assert_eq!(plan.split_backends(), vec![0, 1]);
+    for step in 0..3 {
+        let before = dev.records();
+        plan.set_input("x", &f32_bytes(&[step as f32; 4])).unwrap();
+        plan.compute().unwrap();
+        assert_eq!(floats(&plan.get_output("b").unwrap()), vec![step as f32; 4]);
+        assert_eq!(dev.records() - before, 1, "W0 step {step}: event records");
     }
 }
 
