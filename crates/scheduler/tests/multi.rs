@@ -392,7 +392,7 @@ fn a_split_records_its_event_only_where_a_wait_takes_it() {
             let y = floats(rb.wait().unwrap());
             assert_eq!(
                 y,
-                vec![1.0, 2.0, 3.0, 4.0]
+                [1.0, 2.0, 3.0, 4.0]
                     .iter()
                     .map(|k| k * step as f32)
                     .collect::<Vec<_>>()
