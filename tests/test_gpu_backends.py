@@ -545,7 +545,12 @@ def test_cuda_launch_ahead_is_bit_identical_with_the_same_counts(
 ) -> None:
     """Step t+1 queued before token t is read (the token fed on the device): the same tokens
     and logits after, per token one wait, one upload, one 4-byte read, one graph launch, and
-    the token's device copy on every step after the first."""
+    the token's device copy on every step after the first. Submissions: without launch-ahead
+    three per step (the copy batch with the upload, the graph, the batch with the read, which
+    the wait launches); with it two per step queued (the graph, and one batch holding the
+    previous token's read, the upload and the feed), the last read's batch launched by its
+    wait. A third would mean something launched the read's batch early, which makes the wait
+    for the token before it last until the step queued ahead ends."""
     model = ls.Llama.random(MICRO, seed=4)
     runs = {}
     for ahead in (False, True):
@@ -564,6 +569,9 @@ def test_cuda_launch_ahead_is_bit_identical_with_the_same_counts(
     assert np.array_equal(a1, a0)
     assert_step_counts(st, launch_ahead=True, per_queued={"graph_launches": 1})
     assert_step_counts(plain, launch_ahead=False, per_queued={"graph_launches": 1})
+    queued = steps_queued(st.n_steps, launch_ahead=True)
+    assert [d["submits"] for d in st.steps] == [2 * q for q in queued[:-1]] + [1]
+    assert [d["submits"] for d in plain.steps] == [3] * plain.n_steps
 
 
 @pytest.mark.parametrize("device", DEVICES)
