@@ -2051,6 +2051,22 @@ void test_quant_q8_rows() {
 // Every block type's sizes, dq16 of every chunk of every block bit for bit, and iq16's integer
 // form of it: d * w_i + m in float64 within 2^-22 of |d * w_i| + |m| of gguf's value (gguf rounds
 // d * q and subtracts the min in f32: two roundings of at most 2^-24 of those terms).
+// Whether `iq32` gives piece p of the block at blk exactly as two `iq16` calls give its chunks.
+template <int QT>
+bool iq32_matches(const unsigned char* blk, int p) {
+    u32 w[2][4], v[2][4];
+    float d[2], m[2], e[2], n[2];
+    iq32<QT>(blk, p, w[0], w[1], d[0], m[0], d[1], m[1]);
+    iq16<QT>(blk, 2 * p, v[0], e[0], n[0]);
+    iq16<QT>(blk, 2 * p + 1, v[1], e[1], n[1]);
+    bool same = true;
+    for (int h = 0; h < 2; ++h) {
+        same &= __float_as_uint(d[h]) == __float_as_uint(e[h]) && __float_as_uint(m[h]) == __float_as_uint(n[h]);
+        for (int t = 0; t < 4; ++t) same &= w[h][t] == v[h][t];
+    }
+    return same;
+}
+
 void test_quant_dequant() {
     test_quant_q16_rows();
     test_quant_q8_rows();
@@ -2109,6 +2125,27 @@ void test_quant_dequant() {
             ++fails;
             printf("FAIL quant_dequant iq16 %s: %lld of %zu values off gguf's (first at %lld: %.9g, want %.9g)\n",
                    c.name.c_str(), (long long)bad, gi.size(), (long long)first, gi[first], c.vals[first]);
+        }
+        // iq32 (a piece's two chunks at once, with the loads of the types that have their own)
+        // against iq16, bit for bit, with the blocks 16-byte aligned and 2 bytes past that.
+        for (int shift : {0, 2}) {
+            std::vector<uint4> store(c.bytes.size() / 16 + 2);
+            unsigned char* base = (unsigned char*)store.data() + shift;
+            std::memcpy(base, c.bytes.data(), c.bytes.size());
+            i64 differ = 0;
+            const i64 npiece = c.nblocks * qb / 32;
+            for (i64 u = 0; u < npiece; ++u) {
+                const unsigned char* blk = base + (u * 32 / qb) * bb;
+                const int pc = (int)(u % (qb / 32));
+                bool same = false;
+                QUANT_SWITCH(c.qt, same = iq32_matches<QTV>(blk, pc))
+                differ += !same;
+            }
+            if (differ) {
+                ++fails;
+                printf("FAIL quant_dequant iq32 %s at offset %d: %lld of %lld pieces differ from iq16's\n",
+                       c.name.c_str(), shift, (long long)differ, (long long)npiece);
+            }
         }
     }
 }

@@ -349,6 +349,71 @@ __device__ __forceinline__ void iq16(const u8* b, int c, u32 (&w)[4], float& d, 
     }
 }
 
+// Bits s .. s + 31 of the 64-bit pair (hi, lo), s in 0..32 (a funnel shift; s = 32 is hi).
+__device__ __forceinline__ u32 q_shr64(u32 lo, u32 hi, u32 s) {
+    return (u32)((((u64)hi << 32) | lo) >> s);
+}
+
+// Piece p (values 32p .. 32p + 31 of the block at b, of type QT: its chunks 2p and 2p + 1) as
+// `iq16` gives each chunk: the same integers, d and m. Decode products spend their time
+// issuing instructions, not waiting for bytes, so the types whose piece is one run of bytes
+// load it once for both chunks:
+// - Q4_0 (18-byte blocks, 2-byte aligned) and Q8_0 (34): the block lies in 5 (9) aligned words
+//   starting at the word that holds d, each holding a byte of the block; d is that word's low or
+//   high half and each quant word one funnel shift of two neighbours.
+// - Q4_K (144-byte blocks): with the block 16-byte aligned (every row of a 16-byte aligned
+//   weight: 144 is a multiple of 16), the piece's 32 quant bytes are two 16-byte loads and the
+//   two chunks share one scale and min.
+// Every other type, and a Q4_K block that is not 16-byte aligned, takes `iq16` per chunk.
+template <int QT>
+__device__ __forceinline__ void iq32(const u8* b, int p, u32 (&w0)[4], u32 (&w1)[4], float& d0,
+                                     float& m0, float& d1, float& m1) {
+    if (QT == DT_Q4_0 || QT == DT_Q8_0) {
+        constexpr int NW = QT == DT_Q4_0 ? 5 : 9;
+        const u32* a = (const u32*)((u64)b & ~(u64)3);
+        const u32 s = ((u32)(u64)b & 2u) << 3;  // d's bit offset in the first word: 0 or 16
+        u32 x[NW];
+#pragma unroll
+        for (int i = 0; i < NW; ++i) x[i] = a[i];
+        d0 = h2f((u16)(x[0] >> s));
+        m0 = QT == DT_Q4_0 ? q_mul(d0, -8.0f) : 0.0f;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const u32 q = q_shr64(x[t], x[t + 1], s + 16);
+            if (QT == DT_Q4_0) {
+                w0[t] = q & 0x0F0F0F0Fu;
+                w1[t] = (q >> 4) & 0x0F0F0F0Fu;
+            } else {
+                w0[t] = q;
+                w1[t] = q_shr64(x[t + 4], x[t + 5], s + 16);
+            }
+        }
+        d1 = d0;
+        m1 = m0;
+        return;
+    }
+    if (QT == DT_Q4_K && ((u64)b & 15u) == 0) {
+        int scv, mnv;
+        k4_scale_min(b + 4, p, &scv, &mnv);
+        d0 = q_mul(q_f16(b), (float)scv);
+        m0 = -q_mul(q_f16(b + 2), (float)mnv);
+        const uint4* q = (const uint4*)(b + 16 + 32 * (p / 2));
+        const uint4 lo = q[0], hi = q[1];
+        const u32 sh = 4 * (p % 2);
+        const u32 a[4] = {lo.x, lo.y, lo.z, lo.w}, c[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            w0[t] = (a[t] >> sh) & 0x0F0F0F0Fu;
+            w1[t] = (c[t] >> sh) & 0x0F0F0F0Fu;
+        }
+        d1 = d0;
+        m1 = m0;
+        return;
+    }
+    iq16<QT>(b, 2 * p, w0, d0, m0);
+    iq16<QT>(b, 2 * p + 1, w1, d1, m1);
+}
+
 // acc plus chunk (w, d, m) times half `half` (0, 1) of q16 record `rec` (`Q16_REC` bytes,
 // 16-byte aligned): the integer sum in k order, then d * dx times it and m times the half's
 // `dx * sum(q)`.
@@ -464,8 +529,7 @@ template <int QT>
 __device__ __forceinline__ float q8_piece(const u8* blk, int p, const Q8x& x, float acc) {
     u32 w0[4], w1[4];
     float d0, m0, d1, m1;
-    iq16<QT>(blk, 2 * p, w0, d0, m0);
-    iq16<QT>(blk, 2 * p + 1, w1, d1, m1);
+    iq32<QT>(blk, p, w0, w1, d0, m0, d1, m1);
     if (q_pair_scaled(QT)) {
         const int s = q8_dot16(w1, x.hi, q8_dot16(w0, x.lo, 0));
         acc = fmaf(q_mul(d0, x.f.x), (float)s, acc);

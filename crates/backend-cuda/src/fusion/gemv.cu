@@ -670,7 +670,7 @@ __device__ __forceinline__ float fq_dot(const u8* w, int K, const float* xr, int
 // in k order.
 template <int QT>
 __device__ __forceinline__ float fq_dot16(const u8* w, int K, const u8* xq, int lane) {
-    const int QB = q_block_size(QT), BB = q_block_bytes(QT), CPB = QB / 16;
+    const int QB = q_block_size(QT), BB = q_block_bytes(QT), PPB = QB / 32;
     const int np = K / 32;
     float acc = 0.0f;
 #pragma unroll 1
@@ -678,11 +678,8 @@ __device__ __forceinline__ float fq_dot16(const u8* w, int K, const u8* xq, int 
         const int p1 = min(p0 + 32, np - 1);
         u32 wv[4][4];
         float d[4], m[4];
-#pragma unroll
-        for (int h = 0; h < 4; ++h) {
-            const int c = 2 * (h < 2 ? p0 : p1) + (h & 1);
-            iq16<QT>(w + (c / CPB) * BB, c % CPB, wv[h], d[h], m[h]);
-        }
+        iq32<QT>(w + (p0 / PPB) * BB, p0 % PPB, wv[0], wv[1], d[0], m[0], d[1], m[1]);
+        iq32<QT>(w + (p1 / PPB) * BB, p1 % PPB, wv[2], wv[3], d[2], m[2], d[3], m[3]);
 #pragma unroll
         for (int h = 0; h < 4; ++h) {
             if (h < 2 || p0 + 32 < np) {
