@@ -364,6 +364,7 @@ __device__ __forceinline__ u32 q_shr64(u32 lo, u32 hi, u32 s) {
 // - Q4_K (144-byte blocks): with the block 16-byte aligned (every row of a 16-byte aligned
 //   weight: 144 is a multiple of 16), the piece's 32 quant bytes are two 16-byte loads and the
 //   two chunks share one scale and min.
+// - Q6_K (210-byte blocks): the piece's low and high bits are one 32-byte run each.
 // Every other type, and a Q4_K block that is not 16-byte aligned, takes `iq16` per chunk.
 template <int QT>
 __device__ __forceinline__ void iq32(const u8* b, int p, u32 (&w0)[4], u32 (&w1)[4], float& d0,
@@ -408,6 +409,39 @@ __device__ __forceinline__ void iq32(const u8* b, int p, u32 (&w0)[4], u32 (&w1)
         }
         d1 = d0;
         m1 = m0;
+        return;
+    }
+    if (QT == DT_Q6_K) {
+        // Both chunks' low bits are one 32-byte run of ql, their high bits one of qh, each in 9
+        // aligned words from the word holding its first byte (the block is 2-byte aligned, the
+        // runs 32-byte steps into it, so every word holds a byte of the block); the two chunks'
+        // int8 scales are one 16-bit load.
+        const u32 sh = ((u32)(u64)b & 2u) << 3;
+        const u32* ql = (const u32*)(((u64)b & ~(u64)3) + 64 * (p / 4) + 32 * (p % 2));
+        const u32* qh = (const u32*)(((u64)b & ~(u64)3) + 128 + 32 * (p / 4));
+        u32 x[9], y[9];
+#pragma unroll
+        for (int i = 0; i < 9; ++i) {
+            x[i] = ql[i];
+            y[i] = qh[i];
+        }
+        const u32 sc = *(const u16*)(b + 192 + 2 * p);
+        const float dd = q_f16(b + 208);
+        d0 = q_mul(dd, (float)(signed char)(sc & 0xFFu));
+        m0 = q_mul(d0, -32.0f);
+        d1 = q_mul(dd, (float)(signed char)(sc >> 8));
+        m1 = q_mul(d1, -32.0f);
+        const u32 n = 4 * ((p % 4) / 2), hs = 2 * (p % 4);
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+            const u32 lo = q_shr64(x[t], x[t + 1], sh), hi = q_shr64(y[t], y[t + 1], sh);
+            const u32 v = ((lo >> n) & 0x0F0F0F0Fu) | (((hi >> hs) & 0x03030303u) << 4);
+            if (t < 4) {
+                w0[t] = v;
+            } else {
+                w1[t - 4] = v;
+            }
+        }
         return;
     }
     iq16<QT>(b, 2 * p, w0, d0, m0);
