@@ -663,9 +663,9 @@ __device__ __forceinline__ float fq_dot(const u8* w, int K, const float* xr, int
 }
 
 // `fq_dot` on the q16 records at xq (`fq_quantize`): lane `lane` takes 32-value pieces (both
-// chunks of one record; for 32-value block types one whole block, so its scale and quant
-// bytes are loaded once for both) p = lane, lane + 32, ..., two per round with all four
-// chunks' weight loads issued first (the second piece's index clamped to the row, its
+// chunks of one record, decoded together by `iq32`, which loads a piece's bytes once for
+// both where its block type allows) p = lane, lane + 32, ..., two per round with both
+// pieces' weight loads issued first (the second piece's index clamped to the row, its
 // products skipped past the end), and adds each chunk's integer sum against its half record,
 // in k order.
 template <int QT>
