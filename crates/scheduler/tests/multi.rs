@@ -8,10 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use common::{blocks_until_opened, Masked, Watched};
-use lowsync_backend::{
-    Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, Event, ExecGraph, Readback,
-    StatsSnapshot, SyncStats, TensorRef,
-};
+use lowsync_backend::{Backend, BufferId, Caps, Event, Readback, StatsSnapshot, TensorRef};
 use lowsync_cpu::{CpuAsyncBackend, CpuBackend};
 use lowsync_graph::{DType, Graph, Op, TensorId};
 use lowsync_scheduler::alloc::verify_items;
@@ -288,44 +285,13 @@ impl Backend for CountsRecords {
     fn name(&self) -> &str {
         self.inner.name()
     }
-    fn device_kind(&self) -> DeviceKind {
-        self.inner.device_kind()
-    }
     fn caps(&self) -> Caps {
         self.inner.caps()
-    }
-    fn buffer_type(&self) -> BufferType {
-        self.inner.buffer_type()
     }
     fn supports_op(&self, op: &Op, dst: DType, srcs: &[DType]) -> bool {
         self.inner.supports_op(op, dst, srcs)
     }
-    fn stats(&self) -> &SyncStats {
-        self.inner.stats()
-    }
-    fn alloc_buffer(&self, size: usize, usage: BufferUsage) -> lowsync_backend::Result<BufferId> {
-        self.inner.alloc_buffer(size, usage)
-    }
-    fn realloc_buffer(&self, id: BufferId, size: usize) -> lowsync_backend::Result<()> {
-        self.inner.realloc_buffer(id, size)
-    }
-    fn free_buffer(&self, id: BufferId) {
-        self.inner.free_buffer(id)
-    }
-    fn buffer_size(&self, id: BufferId) -> lowsync_backend::Result<usize> {
-        self.inner.buffer_size(id)
-    }
-    fn set_tensor(&self, dst: BufferId, offset: usize, data: &[u8]) -> lowsync_backend::Result<()> {
-        self.inner.set_tensor(dst, offset, data)
-    }
-    fn get_tensor(
-        &self,
-        src: BufferId,
-        offset: usize,
-        out: &mut [u8],
-    ) -> lowsync_backend::Result<()> {
-        self.inner.get_tensor(src, offset, out)
-    }
+    common::forward_required!();
     fn set_tensor_async_staged(
         &self,
         dst: BufferId,
@@ -341,12 +307,6 @@ impl Backend for CountsRecords {
         len: usize,
     ) -> lowsync_backend::Result<Box<dyn Readback>> {
         self.inner.read_async(src, offset, len)
-    }
-    fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> lowsync_backend::Result<()> {
-        self.inner.graph_compute_async(graph)
-    }
-    fn synchronize(&self) -> lowsync_backend::Result<()> {
-        self.inner.synchronize()
     }
     fn event_new(&self) -> lowsync_backend::Result<Arc<dyn Event>> {
         self.inner.event_new()

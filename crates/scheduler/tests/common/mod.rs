@@ -7,11 +7,7 @@
 mod deadline;
 pub use deadline::{blocks_until_opened, Watched};
 
-use std::sync::Arc;
-
-use lowsync_backend::{
-    Backend, BufferId, BufferType, BufferUsage, Caps, DeviceKind, ExecGraph, SyncStats,
-};
+use lowsync_backend::{Backend, Caps};
 use lowsync_graph::{DType, Op};
 
 /// Forwards every required primitive to `inner`, advertises `caps`, and refuses the ops for
@@ -23,52 +19,78 @@ pub struct Masked<B: Backend> {
     pub refuse: fn(&Op) -> bool,
 }
 
+/// The required primitives every wrapper here forwards to its `inner` backend unchanged (the
+/// wrapper writes `name`, `caps` and `supports_op`, and any optional primitive, itself).
+macro_rules! forward_required {
+    () => {
+        fn device_kind(&self) -> lowsync_backend::DeviceKind {
+            self.inner.device_kind()
+        }
+        fn buffer_type(&self) -> lowsync_backend::BufferType {
+            self.inner.buffer_type()
+        }
+        fn stats(&self) -> &lowsync_backend::SyncStats {
+            self.inner.stats()
+        }
+        fn alloc_buffer(
+            &self,
+            size: usize,
+            usage: lowsync_backend::BufferUsage,
+        ) -> lowsync_backend::Result<lowsync_backend::BufferId> {
+            self.inner.alloc_buffer(size, usage)
+        }
+        fn realloc_buffer(
+            &self,
+            id: lowsync_backend::BufferId,
+            size: usize,
+        ) -> lowsync_backend::Result<()> {
+            self.inner.realloc_buffer(id, size)
+        }
+        fn free_buffer(&self, id: lowsync_backend::BufferId) {
+            self.inner.free_buffer(id)
+        }
+        fn buffer_size(&self, id: lowsync_backend::BufferId) -> lowsync_backend::Result<usize> {
+            self.inner.buffer_size(id)
+        }
+        fn set_tensor(
+            &self,
+            dst: lowsync_backend::BufferId,
+            offset: usize,
+            data: &[u8],
+        ) -> lowsync_backend::Result<()> {
+            self.inner.set_tensor(dst, offset, data)
+        }
+        fn get_tensor(
+            &self,
+            src: lowsync_backend::BufferId,
+            offset: usize,
+            out: &mut [u8],
+        ) -> lowsync_backend::Result<()> {
+            self.inner.get_tensor(src, offset, out)
+        }
+        fn graph_compute_async(
+            &self,
+            graph: &std::sync::Arc<lowsync_backend::ExecGraph>,
+        ) -> lowsync_backend::Result<()> {
+            self.inner.graph_compute_async(graph)
+        }
+        fn synchronize(&self) -> lowsync_backend::Result<()> {
+            self.inner.synchronize()
+        }
+    };
+}
+#[allow(unused_imports)] // used by some of the test crates that include this module
+pub(crate) use forward_required;
+
 impl<B: Backend> Backend for Masked<B> {
     fn name(&self) -> &str {
         self.name
     }
-    fn device_kind(&self) -> DeviceKind {
-        self.inner.device_kind()
-    }
     fn caps(&self) -> Caps {
         self.caps
-    }
-    fn buffer_type(&self) -> BufferType {
-        self.inner.buffer_type()
     }
     fn supports_op(&self, op: &Op, dst: DType, srcs: &[DType]) -> bool {
         !(self.refuse)(op) && self.inner.supports_op(op, dst, srcs)
     }
-    fn stats(&self) -> &SyncStats {
-        self.inner.stats()
-    }
-    fn alloc_buffer(&self, size: usize, usage: BufferUsage) -> lowsync_backend::Result<BufferId> {
-        self.inner.alloc_buffer(size, usage)
-    }
-    fn realloc_buffer(&self, id: BufferId, size: usize) -> lowsync_backend::Result<()> {
-        self.inner.realloc_buffer(id, size)
-    }
-    fn free_buffer(&self, id: BufferId) {
-        self.inner.free_buffer(id)
-    }
-    fn buffer_size(&self, id: BufferId) -> lowsync_backend::Result<usize> {
-        self.inner.buffer_size(id)
-    }
-    fn set_tensor(&self, dst: BufferId, offset: usize, data: &[u8]) -> lowsync_backend::Result<()> {
-        self.inner.set_tensor(dst, offset, data)
-    }
-    fn get_tensor(
-        &self,
-        src: BufferId,
-        offset: usize,
-        out: &mut [u8],
-    ) -> lowsync_backend::Result<()> {
-        self.inner.get_tensor(src, offset, out)
-    }
-    fn graph_compute_async(&self, graph: &Arc<ExecGraph>) -> lowsync_backend::Result<()> {
-        self.inner.graph_compute_async(graph)
-    }
-    fn synchronize(&self) -> lowsync_backend::Result<()> {
-        self.inner.synchronize()
-    }
+    forward_required!();
 }
