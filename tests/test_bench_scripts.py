@@ -190,6 +190,20 @@ def test_kernel_trace_finds_the_decode_steps_and_their_exposed_time() -> None:
     assert kt.between_copies(got_steps, outside) == [("copy_batch", 2.5, 1.25)]
     with pytest.raises(ValueError, match="no decode steps"):
         kt.summarize([])
+    # Driver calls (KTRACE_API=1): each step's graph launch (its correlation id) returned 30 us
+    # before the step ahead of it ended (launch-ahead) for the second step, 5 us after it for
+    # the third; API rows are no kernels of any step.
+    apis = [
+        "api:cuGraphLaunch,80000,82000,301",  # step 1 ends at 112 us: lead 30 us
+        "api:cuGraphLaunch,212000,218000,302",  # step 2 ends at 213 us: lead -5 us
+        "api:cuLaunchKernel,214000,215000,912",
+    ]
+    rows = kt.read_rows("\n".join(lines + apis))
+    api_rows = [r for r in rows if kt.is_api(r)]
+    assert len(api_rows) == 3
+    kernel_rows = [r for r in rows if not kt.is_api(r)]
+    api_steps, _, _ = kt.decode_steps(kernel_rows)
+    assert kt.launch_leads(api_steps, api_rows) == [30.0, -5.0]
 
 
 _FAKE_CUPTI = r"""
