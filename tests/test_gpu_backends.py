@@ -481,8 +481,8 @@ def _split_decode(
 def test_cuda_split_decode_attention_keeps_tokens_logits_and_counts(
     clean_env: pytest.MonkeyPatch,
 ) -> None:
-    """Decode attention split over keys (`attn_split=1`) against one block per head
-    (`attn_split=0`, the default) at a depth of 600-640 keys: the same greedy tokens, every
+    """Decode attention split over keys (`attn_split=1`, the default) against one block per
+    head (`attn_split=0`) at a depth of 600-640 keys: the same greedy tokens, every
     step's logits within 1e-4 of the largest (only the attention's summation order differs;
     the products round activations to 16 bits), and per step the same waits, copies and
     launches (the split stays one kernel of the replayed graph, whose valid length grows

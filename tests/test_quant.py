@@ -310,6 +310,41 @@ def test_a_quantized_model_stays_quantized_on_cuda_and_matches_the_cpu(dtype: st
     assert rel_err(got, want) < 3e-2
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["q4_0", "q6_k"])
+def test_cuda_quantized_head_argmax_kernels_agree(
+    dtype: str, clean_env: pytest.MonkeyPatch
+) -> None:
+    """Greedy generation on a quantized model, whose head's argmax runs on the device: folded
+    into `fused_gemv1_q` (`gemv_q_head=1`, the default) against `mul_mat_vec_q_argmax`
+    (`gemv_q_head=0`): the same tokens as each other and as the argmax of the logits of the
+    same steps taken one by one, and per step the same waits, copies and launches."""
+    model = _quant_model(dtype, seed=3)
+    prompt = [5, 17, 3, 250, 42, 7]
+    runs = {}
+    for head in ("1", "0"):
+        clean_env.setenv("LOWSYNC_CUDA_TUNE", f"gemv_q_head={head}")
+        sess = ls.Session(model, backends=["cuda"], n_ctx=64, n_ubatch=8, policy="staged")
+        tokens = sess.generate(prompt, max_new_tokens=12, seq_id=0)
+        stats = sess.last_generate
+        assert stats is not None
+        runs[head] = (tokens, stats)
+    (tokens, on), (tokens_off, off) = runs["1"], runs["0"]
+    assert tokens == tokens_off
+    keys = ("host_waits", "h2d_copies", "d2h_copies", "kernel_launches", "graph_launches")
+    for key in keys:
+        assert [d[key] for d in on.steps] == [d[key] for d in off.steps], key
+    clean_env.delenv("LOWSYNC_CUDA_TUNE")
+    sess = ls.Session(model, backends=["cuda"], n_ctx=64, n_ubatch=8)
+    logits = sess.decode(prompt, seq_id=0, logits="last")
+    stepwise = []
+    for _ in tokens:
+        assert logits is not None
+        stepwise.append(int(np.argmax(logits.reshape(-1)[-model.config.n_vocab :])))
+        logits = sess.decode([stepwise[-1]], seq_id=0, logits="last")
+    assert tokens == stepwise
+
+
 # ---- files: raw blocks in and out ------------------------------------------------------------
 
 

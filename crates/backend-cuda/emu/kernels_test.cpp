@@ -684,7 +684,7 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
     if (q) {
         launch(own ? (unsigned)((units + 7) / 8) : 2u, 256, [&] {
             fused_gemv1_q(K, (const float*)a.p(), S, c.norm ? (const float*)x.p() : nullptr, 1e-5f, nd.p(), DT_F32,
-                          nw.p(), DT_F32, q16);
+                          nw.p(), DT_F32, q16, 1);
         });
     } else launch((unsigned)((units + 7) / 8), 256, [&] {
         // stream 1: row pairs are never streamed (the whole grid is launched).
@@ -2378,7 +2378,7 @@ void test_fused_gemv1_q() {
             Producer prod({c.norm ? &x : &a}, res);
             launch(grid ? (unsigned)grid : (unsigned)((P.units() + 7) / 8), 256, [&] {
                 fused_gemv1_q(K, (const float*)a.p(), P.S, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
-                              c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32, q16);
+                              c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32, q16, 1);
             });
             std::string tag = "fused_gemv1_q K " + std::to_string(K) + " pair " + std::to_string(c.pair) + " norm " +
                               std::to_string(c.norm) + " grid " + std::to_string(grid) + " qm " +
@@ -2413,6 +2413,65 @@ void test_fused_gemv1_q() {
             P.check_all(tag, K, [&](i64, i64 k) { return deq[k]; });
             P.check_all(tag + " (unquantized row)", K, [&](i64, i64 k) { return act[k]; }, q_raw_bound(q16));
         }
+}
+
+// Decode's head through fused_gemv1_q (one segment, `FgSet::amax` set; the host's
+// `launch_head_q`): every block type and integer path, one warp per row or a grid of 2 blocks
+// whose warps stride over the rows (each warp asking its next row into L2 first). The word
+// `argmax_take` turns into the index names the `better` argmax of the logits the kernel wrote,
+// and is 0 again after it; the logits match `mul_mat_vec_q`'s within the block type's rounding
+// (another summation order). A second round copies the best row below it: the tie goes to the
+// lower row.
+void test_fused_gemv1_q_head() {
+    for (int grid : {0, 2})
+    for (int q16 : {0, 1, 2})
+    for (const QCase& c : quant_cases()) {
+        const i64 qb = c.qb(), bb = c.bb(), K = 2 * qb, N = 45, rb = 2 * bb;
+        std::vector<unsigned char> w((size_t)(N * rb));
+        for (i64 b = 0; b < N * 2; ++b) memcpy(w.data() + b * bb, c.bytes.data() + (rng() % c.nblocks) * bb, bb);
+        Buf a(DT_F32, K), d(DT_F32, N), ref(DT_F32, N);
+        a.rand();
+        u64 key = 0;
+        int am = -1;
+        for (int round = 0; round < 2; ++round) {
+            FgSet S{};
+            S.nseg = 1;
+            S.amax = (u64)&key;
+            FgSeg& g = S.seg[0];
+            g.n = N;
+            g.w = (u64)w.data();
+            g.w_rs = rb;
+            g.qt = c.qt;
+            g.out = (u64)d.p();
+            g.o_rs = N;
+            g.o_cs = 1;
+            g.wout = 1;
+            launch(grid ? (unsigned)grid : (unsigned)((N + 7) / 8), 256, [&] {
+                fused_gemv1_q(K, (const float*)a.p(), S, nullptr, 1e-5f, nullptr, DT_F32, nullptr, DT_F32, q16, 1);
+            });
+            launch(1, 32, [&] { argmax_take(&key, &am); });
+            MmBatch B{};
+            launch((unsigned)((N + MVQ_WARPS - 1) / MVQ_WARPS), 32 * MVQ_WARPS, [&] {
+                mul_mat_vec_q(1, N, K, 1, B, (float*)ref.p(), N, 1, (const float*)a.p(), K, w.data(), c.qt, rb, 0,
+                              q16);
+            });
+            i64 best = 0;
+            for (i64 j = 1; j < N; ++j)
+                if (better(d.get(j), j, d.get(best), best)) best = j;
+            std::vector<double> got(N), want(N);
+            for (i64 j = 0; j < N; ++j) got[j] = d.get(j), want[j] = ref.get(j);
+            const std::string tag = "fused_gemv1_q head " + c.name + " qm " + std::to_string(q16) + " grid " +
+                                    std::to_string(grid) + " round " + std::to_string(round);
+            check(tag + ": logits against mul_mat_vec_q", want, got, 1e-9);
+            if (am != (int)best || key != 0) {
+                ++fails;
+                printf("FAIL %s: index %d want %lld, key %llu\n", tag.c_str(), am, (long long)best,
+                       (unsigned long long)key);
+            }
+            const i64 lower = best > 0 ? best / 2 : 0;
+            if (best > 0) memcpy(w.data() + lower * rb, w.data() + best * rb, rb);
+        }
+    }
 }
 
 // fused_gemv1_q's row pairs: `rowpair_case` on quantized q/k/v weights of mixed block types.
@@ -2458,6 +2517,7 @@ int main(int argc, char** argv) {
         {"quant_head_argmax", test_quant_head_argmax},
         {"fused_gemv1_q", test_fused_gemv1_q},
         {"fused_gemv1_q_rowpair", test_fused_gemv1_q_rowpair},
+        {"fused_gemv1_q_head", test_fused_gemv1_q_head},
     };
     int ran = 0;
     for (const auto& [name, run] : groups) {

@@ -64,11 +64,12 @@ pub struct CudaConfig {
     pub attn_prefill: bool,
     /// Decode attention over a window longer than one round trip of keys runs split over its
     /// keys, `attn_split` (tune key `attn_split`): several blocks per query head, each an online
-    /// softmax over a share of the head's valid keys, merged by the head's last block. 0, the
-    /// default, leaves it off (one block per head, `attn_fast_long`: on an H200 the split was
-    /// 2-4% slower per "1b" token at 512-640 keys); 1 takes as many chunks per head as the
-    /// multiprocessors hold blocks of every head at once (multiprocessors / heads, at most
-    /// `ATTN_SPLIT_MAX`); N >= 2 takes at most N. The device takes fewer chunks when
+    /// softmax over a share of the head's valid keys, merged by the head's last block. 1, the
+    /// default, takes as many chunks per head as the multiprocessors hold blocks of every head
+    /// at once (multiprocessors / heads, at most `ATTN_SPLIT_MAX`); N >= 2 takes at most N; 0
+    /// leaves it off (one block per head, `attn_fast_long`). On an H200 after a 512-token
+    /// prompt (Q4_0, one process, interleaved) 1 took "tiny"'s token span from 64.7 to 61.0 µs
+    /// and left "1b"'s where it was (781.9 against 779.0 µs). The device takes fewer chunks when
     /// fewer keys are valid (one while they fit a round trip), so a short valid part of a long
     /// window keeps a single block per head.
     pub attn_split: usize,
@@ -98,6 +99,14 @@ pub struct CudaConfig {
     /// Q4_K 1,001 against 915-927, Q6_K 885 against 786-816, Q8_0 964 against 933-938; four
     /// were slower than three (docs/notes/gpu-vs-llama-cpp.md).
     pub q_blocks: usize,
+    /// Each warp of `fused_gemv1_q` asks its next unit's weight rows into L2 before its
+    /// current unit's products (tune key `gemv_q_prefetch`, default on): a warp otherwise has
+    /// one unit's bytes in flight and meets DRAM's latency once per unit.
+    pub q_prefetch: bool,
+    /// Decode's head on a quantized weight, with its argmax, runs as the other quantized
+    /// products do (`fused_gemv1_q` with the argmax folded in; tune key `gemv_q_head`, default
+    /// on); off takes `mul_mat_vec_q_argmax`.
+    pub q_head: bool,
     /// Shared memory (KiB) each block of a streamed product asks for at least (tune key
     /// `gemv_pad_kb`; 0 turns it off). `None`, the default, takes the least that keeps
     /// `stream_blocks + 1` of them off one multiprocessor (80 KiB on the H200): the streamed
@@ -185,12 +194,14 @@ impl Default for CudaConfig {
             pdl: true,
             attn_fast: true,
             attn_prefill: true,
-            attn_split: 0,
+            attn_split: 1,
             rehearse: true,
             gemv_split: true,
             gemv_stream: true,
             stream_blocks: 2,
             q_blocks: 3,
+            q_prefetch: true,
+            q_head: true,
             stream_pad_kb: None,
             copy_kernel_max: 4096,
             read_kernel: true,
@@ -214,8 +225,8 @@ const MAX_STREAM_BLOCKS: u64 = 32;
 
 /// What `LOWSYNC_CUDA_TUNE` takes, for an unknown key or an item without `=`.
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
-     attn_split, rehearse, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, gemv_pad_kb, \
-     copy_kernel, read_kernel, mmv_max_m, qdot (see docs/tuning.md)";
+     attn_split, rehearse, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, gemv_q_prefetch, \
+     gemv_q_head, gemv_pad_kb, copy_kernel, read_kernel, mmv_max_m, qdot (see docs/tuning.md)";
 
 impl CudaConfig {
     /// The defaults with the user-facing variables (`LOWSYNC_CUDA_SYNC_ELISION`,
@@ -238,7 +249,8 @@ impl CudaConfig {
     /// `self` with the tuning knobs of `spec` (the value of `LOWSYNC_CUDA_TUNE`) applied:
     /// comma-separated `key=value` items, whitespace around each ignored, empty items skipped,
     /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`,
-    /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `read_kernel` (0 or 1);
+    /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `gemv_q_prefetch`, `gemv_q_head`,
+    /// `read_kernel` (0 or 1);
     /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` and `gemv_q_blocks` (1
     /// or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
     /// (bytes); `mmv_max_m` (rows); `qdot` (`q16`, `q8` or `f32`). An unknown key, an item without
@@ -274,6 +286,10 @@ impl CudaConfig {
                 "gemv_stream" => self.gemv_stream = flag("gemv_stream=0 or gemv_stream=1")?,
                 "gemv_split" => self.gemv_split = flag("gemv_split=0 or gemv_split=1")?,
                 "read_kernel" => self.read_kernel = flag("read_kernel=0 or read_kernel=1")?,
+                "gemv_q_prefetch" => {
+                    self.q_prefetch = flag("gemv_q_prefetch=0 or gemv_q_prefetch=1")?
+                }
+                "gemv_q_head" => self.q_head = flag("gemv_q_head=0 or gemv_q_head=1")?,
                 "attn_split" => {
                     let expected = "attn_split=N: 0 off, 1 chunks from the multiprocessors, \
                          N >= 2 at most N chunks per head";
@@ -367,7 +383,7 @@ mod tests {
     fn every_tune_key_sets_its_field() {
         let c = tuned(
             "pdl=0, attn_fast=0,attn_prefill=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
-             gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0,gemv_q_blocks=5",
+             gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0,gemv_q_blocks=5,gemv_q_prefetch=0,gemv_q_head=0",
         )
         .unwrap();
         let want = CudaConfig {
@@ -380,10 +396,13 @@ mod tests {
             read_kernel: false,
             stream_blocks: 3,
             q_blocks: 5,
+            q_prefetch: false,
+            q_head: false,
             stream_pad_kb: Some(96),
             copy_kernel_max: 512,
             mmv_max_m: Some(16),
             qdot: QDot::F32,
+            attn_split: 0,
             ..CudaConfig::default()
         };
         assert_eq!(c, want);
@@ -407,6 +426,11 @@ mod tests {
             ("gemv_blocks=0", "positive integer"),
             ("gemv_blocks=two", "positive integer"),
             ("gemv_q_blocks=0", "positive integer"),
+            (
+                "gemv_q_prefetch=2",
+                "gemv_q_prefetch=0 or gemv_q_prefetch=1",
+            ),
+            ("gemv_q_head=x", "gemv_q_head=0 or gemv_q_head=1"),
             ("gemv_pad_kb=228", "at most 227"),
             ("gemv_pad_kb=-1", "at most 227"),
             ("copy_kernel=4k", "bytes"),

@@ -54,10 +54,12 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
         (2, None, 4096, None)
     );
     assert_eq!(d.q_blocks, 3);
+    assert!(d.q_prefetch && d.q_head);
+    assert_eq!(d.attn_split, 1);
     assert_eq!(tuned("gemv_q_blocks=2").unwrap().q_blocks, 2);
 
     type Read = fn(&CudaConfig) -> bool;
-    let flags: [(&str, Read); 7] = [
+    let flags: [(&str, Read); 9] = [
         ("pdl", |c| c.pdl),
         ("attn_fast", |c| c.attn_fast),
         ("attn_prefill", |c| c.attn_prefill),
@@ -65,6 +67,8 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
         ("gemv_stream", |c| c.gemv_stream),
         ("gemv_split", |c| c.gemv_split),
         ("read_kernel", |c| c.read_kernel),
+        ("gemv_q_prefetch", |c| c.q_prefetch),
+        ("gemv_q_head", |c| c.q_head),
     ];
     for (key, read) in flags {
         assert!(!read(&tuned(&format!("{key}=0")).unwrap()), "{key}=0");
@@ -133,6 +137,8 @@ fn a_bad_tune_key_or_value_is_an_error_naming_the_variable() {
             "gemv_split",
             "gemv_blocks",
             "gemv_q_blocks",
+            "gemv_q_prefetch",
+            "gemv_q_head",
             "gemv_pad_kb",
             "copy_kernel",
             "read_kernel",

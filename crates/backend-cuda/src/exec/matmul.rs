@@ -825,8 +825,13 @@ pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Re
         && idx.dtype == DType::I32
         && idx.numel() == 1;
     let key = ex.inner.head_work.key();
-    if fits && plan.route == Route::VecQ && plan.m == 1 && plan.batch.iter().product::<usize>() == 1
-    {
+    let one_q = fits
+        && plan.route == Route::VecQ
+        && plan.m == 1
+        && plan.batch.iter().product::<usize>() == 1;
+    if one_q && ex.inner.cfg.q_head && crate::fusion::gemv::launch_head_q(ex, mm, key)? {
+        // A quantized head as decode's other quantized products, the argmax folded in.
+    } else if one_q {
         // A quantized head: `mul_mat_vec_q` with the argmax folded in.
         let (grid, args) = vec_q_args(ex, mm, &plan, &dst, &a, &b)?;
         let (shared, qm) = vec_q_int(ex, &plan);

@@ -11,7 +11,7 @@
 //! `attn_fast_long` for a masked window whose scores and p are dead, else `attn_decode`. Such a
 //! window longer than one round trip of keys runs split over its keys (`attn_split`, several
 //! blocks per head and a merge by the head's last block; [`split_chunks`]) when
-//! `CudaConfig::attn_split` is not 0 (it is 0 by default: measured slower on an H200). The
+//! `CudaConfig::attn_split` is not 0 (1 by default: the chunks from the multiprocessors). The
 //! [`Live`] flags say which intermediates must be written.
 //!
 //! Prefill's kernel, `attn_prefill`, is flash-attention style: K/V tiles in shared memory, an

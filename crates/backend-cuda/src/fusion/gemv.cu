@@ -71,6 +71,9 @@ struct FgSet {
     i64 sw_dt, sw_rs, sw_cs;
     i64 wnorm;
     u64 err;
+    // Decode's head (`fused_gemv1_q`, one segment, no pairs): the u64 word that takes the
+    // largest `argmax_key` of the products (atomicMax, then `argmax_take`), or 0.
+    u64 amax;
 };
 
 __device__ __forceinline__ float round_dt(int dt, float v) {
@@ -778,28 +781,37 @@ __device__ __forceinline__ void fq_quantize(float* xs, int K) {
     __syncthreads();
 }
 
+// Unit u's weight rows (block types from their segments) into L2: a 128-byte line per lane
+// per pass, from the line holding each row's first byte to its end.
+template <int NC>
+__device__ __forceinline__ void fq_prefetch(const FgSet& S, int u, int K, int lane) {
+    const bool pair1 = NC == 2 && S.pair == 1;
+    int s;
+    i64 j;
+    const char* wr[NC];
+    fg_unit<DT_Q4_0, NC>(S, u, s, j, wr);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        const int qt = (int)S.seg[pair1 ? c : s].qt;
+        const char* end = wr[c] + (i64)(K / q_block_size(qt)) * q_block_bytes(qt);
+        const char* line = (const char*)((u64)wr[c] & ~(u64)127);
+        for (const char* p = line + 128 * lane; p < end; p += 128 * 32) prefetch_l2(p);
+    }
+}
+
 template <int NC>
 __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, float* xs,
                                          const float* nx, float eps, void* nd, int dtn,
-                                         const void* nw, int dtnw, int qm) {
+                                         const void* nw, int dtnw, int qm, int pf) {
     const int lane = threadIdx.x & 31;
     const int units = (int)fg_units<NC>(S);
     const bool pair1 = NC == 2 && S.pair == 1;
+    u64 best = 0ull;  // S.amax: the largest argmax key of this warp's units (lane 0)
     // Before the wait (overlapping the previous kernel's tail): the warp's first unit's weight
-    // rows into L2, a line per lane per pass.
-    if (blockIdx.x * FG1_WARPS + (threadIdx.x >> 5) < units) {
-        int s;
-        i64 j;
-        const char* wr[NC];
-        fg_unit<DT_Q4_0, NC>(S, blockIdx.x * FG1_WARPS + (threadIdx.x >> 5), s, j, wr);
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            const int qt = (int)S.seg[pair1 ? c : s].qt;
-            const char* end = wr[c] + (i64)(K / q_block_size(qt)) * q_block_bytes(qt);
-            const char* line = (const char*)((u64)wr[c] & ~(u64)127);
-            for (const char* p = line + 128 * lane; p < end; p += 128 * 32) prefetch_l2(p);
-        }
-    }
+    // rows into L2.
+    const int stride = (int)gridDim.x * FG1_WARPS;
+    const int u0 = (int)blockIdx.x * FG1_WARPS + (threadIdx.x >> 5);
+    if (u0 < units) fq_prefetch<NC>(S, u0, K, lane);
     pdl_entry();
     if (nx) {
         norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a, false, S.wnorm != 0);
@@ -814,11 +826,14 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         fq_swizzle(xs, K);
     }
 #pragma unroll 1
-    for (int u = blockIdx.x * FG1_WARPS + (threadIdx.x >> 5); u < units; u += gridDim.x * FG1_WARPS) {
+    for (int u = u0; u < units; u += stride) {
         int s;
         i64 j;
         const char* wr[NC];
         fg_unit<DT_Q4_0, NC>(S, u, s, j, wr);  // any block type: byte strides
+        // `pf`: the warp's next unit's rows into L2 before this one's products, so its loads
+        // meet L2 instead of DRAM (a warp otherwise has one unit's bytes in flight).
+        if (pf && u + stride < units) fq_prefetch<NC>(S, u + stride, K, lane);
         float acc[NC];
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
@@ -830,6 +845,21 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
             } else {
                 fg1_store<NC>(S, s, j, acc);
             }
+            if (NC == 1 && S.amax) {
+                const u64 kk = argmax_key(acc[0], j);
+                best = kk > best ? kk : best;
+            }
+        }
+    }
+    if (NC == 1 && S.amax) {
+        // As `mul_mat_vec_q_argmax`: the block's largest key into the word, not waited for.
+        __shared__ u64 sk[FG1_WARPS];
+        if (lane == 0) sk[threadIdx.x >> 5] = best;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u64 m = 0ull;
+            for (int w = 0; w < FG1_WARPS; ++w) m = sk[w] > m ? sk[w] : m;
+            if (m != 0ull) atomicMax((unsigned long long*)S.amax, (unsigned long long)m);
         }
     }
 }
@@ -838,18 +868,19 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // segment's block size, below 2^31 with the units (checked on the host), a 16-byte aligned
 // and every weight 2-byte aligned. Any grid of at least one block (the warps stride over the
 // units); S.pair as `fused_gemv1`'s sets (0, 1: SwiGlu, 2: row pairs). `qm`: integer products
-// on the row quantized to q16 (1) or q8 (2) records, else (0) f32.
+// on the row quantized to q16 (1) or q8 (2) records, else (0) f32. `pf`: each warp asks its
+// next unit's rows into L2 before its current unit's products (`CudaConfig::gemv_q_prefetch`).
 extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,
                                                                         float eps, void* nd,
                                                                         int dtn, const void* nw,
-                                                                        int dtnw, int qm) {
+                                                                        int dtnw, int qm, int pf) {
     extern __shared__ float4 fg1_smem[];
     float* xs = (float*)fg1_smem;
     if (S.pair) {
-        fq1_body<2>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm);
+        fq1_body<2>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);
     } else {
-        fq1_body<1>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm);
+        fq1_body<1>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);
     }
 }
 

@@ -89,6 +89,8 @@ pub(super) struct FgSet {
     sw_cs: i64,
     wnorm: i64,
     err: u64,
+    /// Decode's head: the word taking the largest argmax key of the products, or 0.
+    amax: u64,
 }
 
 /// The norm prologue's arguments of `fused_gemv1` (its product with the weight row is the
@@ -431,7 +433,8 @@ fn launch_gemv_q(
     // The integer paths quantize the staged row in place (q16: 2.5 bytes a value in its 4,
     // q8: 1.5): the same shared memory every way.
     let qm = exec.inner.cfg.qdot.kernel_mode();
-    let args = norm_tail(args, pro.as_ref()).arg(qm);
+    let pf = exec.inner.cfg.q_prefetch as i32;
+    let args = norm_tail(args, pro.as_ref()).arg(qm).arg(pf);
     exec.launch_shared(
         first,
         Kernel::FusedGemv1Q,
@@ -440,4 +443,68 @@ fn launch_gemv_q(
         (k * 4) as u32,
         args,
     )
+}
+
+/// Decode's head on a quantized weight with its argmax folded in, as `fused_gemv1_q` (one
+/// segment, `FgSet::amax` the argmax word `key`): the streamed products' grid, staging and
+/// next-row prefetch instead of `mul_mat_vec_q_argmax`'s segments through shared memory (on
+/// the H200 that kernel read "1b"'s 37 MB Q4_0 head at 0.7 TB/s). Returns false, having
+/// launched nothing, where the kernel does not apply (a's row not 16-byte aligned or too long
+/// to stage, an odd weight address, rows that are not whole blocks, a non-f32 result): the
+/// caller takes `mul_mat_vec_q_argmax`. The logits are written as that kernel writes them.
+pub(crate) fn launch_head_q(exec: &Exec<'_>, mm: &ExecNode, key: u64) -> Result<bool> {
+    let a = exec.resolve(&mm.srcs[0])?;
+    let w = exec.resolve(&mm.srcs[1])?;
+    let out = exec.resolve(&mm.dst)?;
+    let (k, n) = (a.shape[1], w.shape[1]);
+    let (Some(w_rs), Some(code)) = (quant_row_bytes(w.dtype, w.strides[1]), qt(w.dtype)) else {
+        return Ok(false);
+    };
+    let fits = a.dtype == lowsync_graph::DType::F32
+        && out.dtype == lowsync_graph::DType::F32
+        && a.shape[0] == 1
+        && matmul::aligned(a.ptr, 4, &[moving(1, a.strides[0])], 16)
+        && w.ptr.is_multiple_of(2)
+        && k > 0
+        && k * 4 <= matmul::GEMV1_MAX_SHARED
+        && n > 0
+        && n < i32::MAX as usize;
+    if !fits {
+        return Ok(false);
+    }
+    let mut set = FgSet {
+        nseg: 1,
+        err: exec.inner.err_word.dev(),
+        amax: key,
+        ..FgSet::default()
+    };
+    set.seg[0] = FgSeg {
+        n: n as i64,
+        w: w.ptr,
+        w_rs: w_rs as i64,
+        qt: code as i64,
+        out: out.ptr,
+        o_rs: out.strides[0] as i64,
+        o_cs: out.strides[1] as i64,
+        wout: 1,
+        ..FgSeg::default()
+    };
+    let blocks = n
+        .div_ceil(matmul::GEMV1_WARPS)
+        .min(exec.inner.sms * exec.inner.cfg.q_blocks.max(1))
+        .clamp(1, i32::MAX as usize) as u32;
+    let qm = exec.inner.cfg.qdot.kernel_mode();
+    let pf = exec.inner.cfg.q_prefetch as i32;
+    let args = norm_tail(Args::new().arg(k as i64).arg(a.ptr).arg(set), None)
+        .arg(qm)
+        .arg(pf);
+    exec.launch_shared(
+        mm,
+        Kernel::FusedGemv1Q,
+        blocks,
+        (matmul::GEMV1_WARPS * 32) as u32,
+        (k * 4) as u32,
+        args,
+    )?;
+    Ok(true)
 }

@@ -30,7 +30,7 @@
 //!   scores and p are dead (decode's) takes `attn_fast_long` at any length: it lists the valid
 //!   keys first (2048 mask entries per round trip), so masked keys cost nothing; past one round
 //!   trip of keys (and within one listing) it can run split over its keys, `attn_split`:
-//!   several blocks per head, merged by the head's last block (`CudaConfig::attn_split`, off
+//!   several blocks per head, merged by the head's last block (`CudaConfig::attn_split`, on
 //!   by default).
 //! - The same chain for several query rows per head (prefill), where the raw scores and p are
 //!   dead and head_dim is at most 128: `attn_prefill`, flash-attention style — a block per
@@ -75,7 +75,7 @@
 //! grid's warps take several units each, every unit still one warp's, in the same order).
 
 mod attention;
-mod gemv;
+pub(crate) mod gemv;
 mod group;
 mod norm_mul;
 mod patterns;
