@@ -1218,7 +1218,7 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
         // With mask_ahead (the mask is no running kernel's output), the real pass takes the
         // rehearsal's listing: the producer then swaps q and the caches only.
         for (int write_o : {1, 0})
-            for (int rehearse : {0, 1})
+            for (int rehearse : {0, 1, 2})
             for (int mask_ahead : {0, 1}) {
                 if (mask_ahead && !rehearse) continue;
                 Buf o3(DT_F32, Hq * D), c3(DT_F32, Hq * D), kq3(DT_F32, Hq * L), p3(DT_F32, Hq * L);
@@ -1403,11 +1403,12 @@ void split_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 L, int mode, int nsplit, in
     }
     std::shuffle(orders[2].begin(), orders[2].end(), rng);
     std::vector<double> first;
-    for (int variant = 0; variant < 5; ++variant) {
-        if (!full && variant != 0 && variant != 4) continue;
-        // 0-2: block orders; 3: rehearsing; 4: rehearsing with the listing reused (mask_ahead).
+    for (int variant = 0; variant < 6; ++variant) {
+        if (!full && variant != 0 && variant < 4) continue;
+        // 0-2: block orders; 3: rehearsing; 4: rehearsing with the listing reused (mask_ahead);
+        // 5: as 4, the rehearsal stopping after the listing (rehearse 2).
         const int order = variant < 3 ? variant : 0;
-        const int rehearse = variant >= 3, mask_ahead = variant == 4;
+        const int rehearse = variant == 5 ? 2 : variant >= 3, mask_ahead = variant >= 4;
         std::vector<float> part((size_t)grid * AF_PW, 7.0f);
         std::vector<unsigned> ticket((size_t)Hq, 0u);
         Buf o(DT_F32, Hq * D), c(DT_F32, Hq * D);

@@ -78,6 +78,13 @@ pub struct CudaConfig {
     /// path once on the inputs as they are, with no global stores, so that its instructions
     /// are cached when the wait returns. Off is a knob for measuring what that buys.
     pub rehearse: bool,
+    /// The decode attention's rehearsal, where its real pass reuses the rehearsal's listing
+    /// of the valid keys, stops after that listing (tune key `rehearse_list`, default on): no
+    /// K/V loads or products before the wait, so a rehearsal that starts late (its blocks
+    /// find room only as the producer's blocks leave) does not hold back the real pass. On
+    /// the H200 ("1b" Q4_0 after a 512-token prompt) the token's span fell from 792.6 to
+    /// 764.6 µs; "tiny"'s stayed at 60.5 µs.
+    pub rehearse_list: bool,
     /// Decode's gate/up (streamed) and q/k/v (row pairs) take their own entry points per
     /// weight dtype, `fused_gemv1_gu16` and `fused_gemv1_rp16` and kin (tune key `gemv_split`,
     /// default on): each holds one path, which fits in 88 registers without a spill, where
@@ -100,9 +107,13 @@ pub struct CudaConfig {
     /// were slower than three (docs/notes/gpu-vs-llama-cpp.md).
     pub q_blocks: usize,
     /// Each warp of `fused_gemv1_q` asks its next unit's weight rows into L2 before its
-    /// current unit's products (tune key `gemv_q_prefetch`, default on): a warp otherwise has
-    /// one unit's bytes in flight and meets DRAM's latency once per unit.
+    /// current unit's products (tune key `gemv_q_prefetch`, default off): a warp otherwise has
+    /// one unit's bytes in flight. On the H200 ("1b" Q4_0 after a 512-token prompt) it made
+    /// the token's span 2.5% longer (792.6 against 773.1 µs) and left "tiny"'s as it was.
     pub q_prefetch: bool,
+    /// Each warp of `fused_gemv1_q` asks its first unit's weight rows into L2 before its
+    /// dependency wait, while the previous kernel runs (tune key `gemv_q_ahead`, default on).
+    pub q_ahead: bool,
     /// Decode's head on a quantized weight, with its argmax, runs as the other quantized
     /// products do (`fused_gemv1_q` with the argmax folded in; tune key `gemv_q_head`, default
     /// on); off takes `mul_mat_vec_q_argmax`.
@@ -196,11 +207,13 @@ impl Default for CudaConfig {
             attn_prefill: true,
             attn_split: 1,
             rehearse: true,
+            rehearse_list: true,
             gemv_split: true,
             gemv_stream: true,
             stream_blocks: 2,
             q_blocks: 3,
-            q_prefetch: true,
+            q_prefetch: false,
+            q_ahead: true,
             q_head: true,
             stream_pad_kb: None,
             copy_kernel_max: 4096,
@@ -225,8 +238,9 @@ const MAX_STREAM_BLOCKS: u64 = 32;
 
 /// What `LOWSYNC_CUDA_TUNE` takes, for an unknown key or an item without `=`.
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
-     attn_split, rehearse, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, gemv_q_prefetch, \
-     gemv_q_head, gemv_pad_kb, copy_kernel, read_kernel, mmv_max_m, qdot (see docs/tuning.md)";
+     attn_split, rehearse, rehearse_list, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, \
+     gemv_q_prefetch, gemv_q_ahead, gemv_q_head, gemv_pad_kb, copy_kernel, read_kernel, mmv_max_m, \
+     qdot (see docs/tuning.md)";
 
 impl CudaConfig {
     /// The defaults with the user-facing variables (`LOWSYNC_CUDA_SYNC_ELISION`,
@@ -249,8 +263,8 @@ impl CudaConfig {
     /// `self` with the tuning knobs of `spec` (the value of `LOWSYNC_CUDA_TUNE`) applied:
     /// comma-separated `key=value` items, whitespace around each ignored, empty items skipped,
     /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`,
-    /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `gemv_q_prefetch`, `gemv_q_head`,
-    /// `read_kernel` (0 or 1);
+    /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `gemv_q_prefetch`,
+    /// `gemv_q_ahead`, `gemv_q_head`, `rehearse_list`, `read_kernel` (0 or 1);
     /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` and `gemv_q_blocks` (1
     /// or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
     /// (bytes); `mmv_max_m` (rows); `qdot` (`q16`, `q8` or `f32`). An unknown key, an item without
@@ -290,6 +304,8 @@ impl CudaConfig {
                     self.q_prefetch = flag("gemv_q_prefetch=0 or gemv_q_prefetch=1")?
                 }
                 "gemv_q_head" => self.q_head = flag("gemv_q_head=0 or gemv_q_head=1")?,
+                "gemv_q_ahead" => self.q_ahead = flag("gemv_q_ahead=0 or gemv_q_ahead=1")?,
+                "rehearse_list" => self.rehearse_list = flag("rehearse_list=0 or rehearse_list=1")?,
                 "attn_split" => {
                     let expected = "attn_split=N: 0 off, 1 chunks from the multiprocessors, \
                          N >= 2 at most N chunks per head";
@@ -383,7 +399,8 @@ mod tests {
     fn every_tune_key_sets_its_field() {
         let c = tuned(
             "pdl=0, attn_fast=0,attn_prefill=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
-             gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0,gemv_q_blocks=5,gemv_q_prefetch=0,gemv_q_head=0",
+             gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0,gemv_q_blocks=5,gemv_q_prefetch=1,gemv_q_head=0,rehearse_list=0,\
+             gemv_q_ahead=0",
         )
         .unwrap();
         let want = CudaConfig {
@@ -396,8 +413,10 @@ mod tests {
             read_kernel: false,
             stream_blocks: 3,
             q_blocks: 5,
-            q_prefetch: false,
+            q_prefetch: true,
+            q_ahead: false,
             q_head: false,
+            rehearse_list: false,
             stream_pad_kb: Some(96),
             copy_kernel_max: 512,
             mmv_max_m: Some(16),
@@ -431,6 +450,8 @@ mod tests {
                 "gemv_q_prefetch=0 or gemv_q_prefetch=1",
             ),
             ("gemv_q_head=x", "gemv_q_head=0 or gemv_q_head=1"),
+            ("gemv_q_ahead=x", "gemv_q_ahead=0 or gemv_q_ahead=1"),
+            ("rehearse_list=2", "rehearse_list=0 or rehearse_list=1"),
             ("gemv_pad_kb=228", "at most 227"),
             ("gemv_pad_kb=-1", "at most 227"),
             ("copy_kernel=4k", "bytes"),

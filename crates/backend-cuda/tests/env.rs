@@ -54,12 +54,12 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
         (2, None, 4096, None)
     );
     assert_eq!(d.q_blocks, 3);
-    assert!(d.q_prefetch && d.q_head);
+    assert!(!d.q_prefetch && d.q_ahead && d.q_head && d.rehearse_list);
     assert_eq!(d.attn_split, 1);
     assert_eq!(tuned("gemv_q_blocks=2").unwrap().q_blocks, 2);
 
     type Read = fn(&CudaConfig) -> bool;
-    let flags: [(&str, Read); 9] = [
+    let flags: [(&str, Read); 10] = [
         ("pdl", |c| c.pdl),
         ("attn_fast", |c| c.attn_fast),
         ("attn_prefill", |c| c.attn_prefill),
@@ -67,8 +67,9 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
         ("gemv_stream", |c| c.gemv_stream),
         ("gemv_split", |c| c.gemv_split),
         ("read_kernel", |c| c.read_kernel),
-        ("gemv_q_prefetch", |c| c.q_prefetch),
         ("gemv_q_head", |c| c.q_head),
+        ("gemv_q_ahead", |c| c.q_ahead),
+        ("rehearse_list", |c| c.rehearse_list),
     ];
     for (key, read) in flags {
         assert!(!read(&tuned(&format!("{key}=0")).unwrap()), "{key}=0");
@@ -81,6 +82,10 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
         assert!(tune_error(&format!("{key}=yes")).contains(key));
     }
 
+    // Off by default (the flags above are on by default).
+    assert!(tuned("gemv_q_prefetch=1").unwrap().q_prefetch);
+    assert_eq!(tuned("gemv_q_prefetch=1,gemv_q_prefetch=0").unwrap(), d);
+    assert!(tune_error("gemv_q_prefetch=yes").contains("gemv_q_prefetch"));
     assert_eq!(tuned("gemv_blocks=3").unwrap().stream_blocks, 3);
     assert_eq!(
         tuned("gemv_blocks=1000").unwrap().stream_blocks,
@@ -139,6 +144,8 @@ fn a_bad_tune_key_or_value_is_an_error_naming_the_variable() {
             "gemv_q_blocks",
             "gemv_q_prefetch",
             "gemv_q_head",
+            "gemv_q_ahead",
+            "rehearse_list",
             "gemv_pad_kb",
             "copy_kernel",
             "read_kernel",

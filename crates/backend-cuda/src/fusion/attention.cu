@@ -394,7 +394,8 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
                                                int has_cpy, float* sh, int* lsh = nullptr,
                                                bool listed = false, int nsplit = 1,
                                                int ns = 1, float* part = nullptr,
-                                               unsigned* ticket = nullptr, int live = 0) {
+                                               unsigned* ticket = nullptr, int live = 0,
+                                               bool light = false) {
     constexpr int VW = DT == DT_F32 ? 4 : 8;
     constexpr int ESZ = DT == DT_F32 ? 4 : 2;
     constexpr int D = G * VW;
@@ -430,6 +431,8 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
         const int n = !LIST ? L
                       : listed ? cnt[AF_LR * (AF_T / 32)]
                                : af_list(mh, m_ls, sb, min(AF_LS, L - sb), keys, mv, cnt);
+        // `light`: a rehearsal that only lists the keys (for the real pass to reuse) stops here.
+        if (LIST && light && !live) return;
         // SPLIT: this block's share [j0, j1) of the list. One chunk up to a round trip of
         // keys, else chunks of at least half one, at most ns (block-uniform: n is shared).
         int j0 = 0, j1 = n;
@@ -606,6 +609,8 @@ __device__ __forceinline__ void attn_fast_run(AF_PARAMS, float* sh, int* lsh, in
                                               float* part = nullptr, unsigned* ticket = nullptr) {
     PHASE_ENTRY();
     PHASE(0);
+    // rehearse 2: where the real pass reuses the listing, the rehearsal only lists the keys
+    // (no K/V loads: a rehearsal that starts late delays the real pass by its whole path).
     const bool reuse = LIST && rehearse && mask_ahead && L <= AF_LS;
     // SPLIT: chunks of one listing only (the host launches it for such windows; past one, a
     // head's chunk 0 would take the whole window and the others none).
@@ -620,7 +625,7 @@ __device__ __forceinline__ void attn_fast_run(AF_PARAMS, float* sh, int* lsh, in
 #define AF_SPEC(DT, G)                                                                          \
     if (LIST) {                                                                                 \
         attn_fast_body<DT, G, false, true, SPLIT>(AF_ARGS, lsh, reuse && real, nsplit, ns,      \
-                                                  part, ticket, real);                          \
+                                                  part, ticket, real, reuse && rehearse == 2);  \
     } else if (spec) {                                                                          \
         attn_fast_body<DT, G, true>(AF_ARGS);                                                   \
     } else {                                                                                    \

@@ -70,6 +70,16 @@ pub(super) fn split_chunks(
     (chunks >= 2).then_some(chunks)
 }
 
+/// The kernels' `rehearse` argument: 0 none, 1 the whole path, 2 (`CudaConfig::rehearse_list`)
+/// only the listing of the valid keys where the real pass reuses it.
+fn rehearse_mode(exec: &Exec<'_>) -> i32 {
+    match (exec.rehearse(), exec.inner.cfg.rehearse_list) {
+        (false, _) => 0,
+        (true, false) => 1,
+        (true, true) => 2,
+    }
+}
+
 /// Whether attention's mask may be read before its dependency wait: no node of the graph
 /// writes the mask's buffer (decode's mask is uploaded before the graph runs), and a node of
 /// the graph writes q, so the launch just before the attention — the only kernel that may still
@@ -209,7 +219,7 @@ pub(super) fn launch_attention(
             .arg(c_hs as i32)
             .arg(c_ds as i32)
             .arg(cpy.is_some() as i32)
-            .arg(exec.rehearse() as i32)
+            .arg(rehearse_mode(exec))
             .arg(live.mask_ahead as i32);
         // A window with a mask, and neither the scores nor p written (decode's): its valid keys
         // are listed first (`attn_fast_long`), so masked keys cost no memory round trips. Also

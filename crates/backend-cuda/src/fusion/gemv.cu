@@ -808,10 +808,10 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     const bool pair1 = NC == 2 && S.pair == 1;
     u64 best = 0ull;  // S.amax: the largest argmax key of this warp's units (lane 0)
     // Before the wait (overlapping the previous kernel's tail): the warp's first unit's weight
-    // rows into L2.
+    // rows into L2, unless `pf` bit 1.
     const int stride = (int)gridDim.x * FG1_WARPS;
     const int u0 = (int)blockIdx.x * FG1_WARPS + (threadIdx.x >> 5);
-    if (u0 < units) fq_prefetch<NC>(S, u0, K, lane);
+    if (u0 < units && !(pf & 2)) fq_prefetch<NC>(S, u0, K, lane);
     pdl_entry();
     if (nx) {
         norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a, false, S.wnorm != 0);
@@ -831,9 +831,9 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         i64 j;
         const char* wr[NC];
         fg_unit<DT_Q4_0, NC>(S, u, s, j, wr);  // any block type: byte strides
-        // `pf`: the warp's next unit's rows into L2 before this one's products, so its loads
+        // `pf` bit 0: the warp's next unit's rows into L2 before this one's products, so its loads
         // meet L2 instead of DRAM (a warp otherwise has one unit's bytes in flight).
-        if (pf && u + stride < units) fq_prefetch<NC>(S, u + stride, K, lane);
+        if ((pf & 1) && u + stride < units) fq_prefetch<NC>(S, u + stride, K, lane);
         float acc[NC];
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
@@ -868,8 +868,10 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // segment's block size, below 2^31 with the units (checked on the host), a 16-byte aligned
 // and every weight 2-byte aligned. Any grid of at least one block (the warps stride over the
 // units); S.pair as `fused_gemv1`'s sets (0, 1: SwiGlu, 2: row pairs). `qm`: integer products
-// on the row quantized to q16 (1) or q8 (2) records, else (0) f32. `pf`: each warp asks its
-// next unit's rows into L2 before its current unit's products (`CudaConfig::gemv_q_prefetch`).
+// on the row quantized to q16 (1) or q8 (2) records, else (0) f32. `pf` bit 0: each warp asks
+// its next unit's rows into L2 before its current unit's products (`CudaConfig::q_prefetch`);
+// bit 1: no warp asks its first unit's rows into L2 before the wait (`CudaConfig::q_ahead`
+// off).
 extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,
                                                                         float eps, void* nd,

@@ -433,7 +433,7 @@ fn launch_gemv_q(
     // The integer paths quantize the staged row in place (q16: 2.5 bytes a value in its 4,
     // q8: 1.5): the same shared memory every way.
     let qm = exec.inner.cfg.qdot.kernel_mode();
-    let pf = exec.inner.cfg.q_prefetch as i32;
+    let pf = q_prefetch_flags(exec);
     let args = norm_tail(args, pro.as_ref()).arg(qm).arg(pf);
     exec.launch_shared(
         first,
@@ -443,6 +443,12 @@ fn launch_gemv_q(
         (k * 4) as u32,
         args,
     )
+}
+
+/// `fused_gemv1_q`'s `pf` argument: bit 0 `CudaConfig::q_prefetch`, bit 1 `q_ahead` off.
+fn q_prefetch_flags(exec: &Exec<'_>) -> i32 {
+    let cfg = &exec.inner.cfg;
+    cfg.q_prefetch as i32 | ((!cfg.q_ahead) as i32) << 1
 }
 
 /// Decode's head on a quantized weight with its argmax folded in, as `fused_gemv1_q` (one
@@ -494,7 +500,7 @@ pub(crate) fn launch_head_q(exec: &Exec<'_>, mm: &ExecNode, key: u64) -> Result<
         .min(exec.inner.sms * exec.inner.cfg.q_blocks.max(1))
         .clamp(1, i32::MAX as usize) as u32;
     let qm = exec.inner.cfg.qdot.kernel_mode();
-    let pf = exec.inner.cfg.q_prefetch as i32;
+    let pf = q_prefetch_flags(exec);
     let args = norm_tail(Args::new().arg(k as i64).arg(a.ptr).arg(set), None)
         .arg(qm)
         .arg(pf);
