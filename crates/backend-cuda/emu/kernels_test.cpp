@@ -2379,7 +2379,7 @@ void test_fused_gemv1_q() {
             Producer prod({c.norm ? &x : &a}, res);
             launch(grid ? (unsigned)grid : (unsigned)((P.units() + 7) / 8), 256, [&] {
                 fused_gemv1_q(K, (const float*)a.p(), P.S, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
-                              c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32, q16, 1);
+                              c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32, q16, grid == 3 ? 3 : 1);
             });
             std::string tag = "fused_gemv1_q K " + std::to_string(K) + " pair " + std::to_string(c.pair) + " norm " +
                               std::to_string(c.norm) + " grid " + std::to_string(grid) + " qm " +

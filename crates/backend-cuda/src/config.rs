@@ -239,8 +239,8 @@ const MAX_STREAM_BLOCKS: u64 = 32;
 /// What `LOWSYNC_CUDA_TUNE` takes, for an unknown key or an item without `=`.
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
      attn_split, rehearse, rehearse_list, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, \
-     gemv_q_prefetch, gemv_q_ahead, gemv_q_head, gemv_pad_kb, copy_kernel, read_kernel, mmv_max_m, \
-     qdot (see docs/tuning.md)";
+     gemv_q_prefetch, gemv_q_ahead, gemv_q_head, gemv_pad_kb, copy_kernel, \
+     read_kernel, mmv_max_m, qdot (see docs/tuning.md)";
 
 impl CudaConfig {
     /// The defaults with the user-facing variables (`LOWSYNC_CUDA_SYNC_ELISION`,
@@ -264,7 +264,8 @@ impl CudaConfig {
     /// comma-separated `key=value` items, whitespace around each ignored, empty items skipped,
     /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`,
     /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `gemv_q_prefetch`,
-    /// `gemv_q_ahead`, `gemv_q_head`, `rehearse_list`, `read_kernel` (0 or 1);
+    /// `gemv_q_ahead`, `gemv_q_head`, `rehearse_list`, `read_kernel`
+    /// (0 or 1);
     /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` and `gemv_q_blocks` (1
     /// or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
     /// (bytes); `mmv_max_m` (rows); `qdot` (`q16`, `q8` or `f32`). An unknown key, an item without

@@ -21,7 +21,7 @@
 use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::Op;
 
-use crate::exec::launch::{dt, kernel_err, qt, quant_row_bytes, Args, Exec};
+use crate::exec::launch::{dt, kernel_err, qt, quant_row_bytes, Args, Dev, Exec};
 use crate::exec::matmul::{self, moving};
 use crate::fusion::group::{add_other, has_tails, Nodes, NormPro, Seg, MAX_SEGS};
 use crate::fusion::norm_mul::launch_norm_mul;
@@ -74,6 +74,24 @@ pub(super) struct FgSeg {
     tag: i64,
     /// The weight's block type (`qt`; its `w_rs` then counts bytes) for `fused_gemv1_q`, else 0.
     qt: i64,
+}
+
+impl FgSeg {
+    /// A product of `n` outputs into `out` (written when `wout`) from weight rows at `w`,
+    /// `w_rs` apart (bytes, block type `code`, for quantized weights; else elements, code 0).
+    fn product(n: usize, w: u64, w_rs: usize, code: i32, out: &Dev, wout: bool) -> Self {
+        FgSeg {
+            n: n as i64,
+            w,
+            w_rs: w_rs as i64,
+            qt: code as i64,
+            out: out.ptr,
+            o_rs: out.strides[0] as i64,
+            o_cs: out.strides[1] as i64,
+            wout: wout as i64,
+            ..FgSeg::default()
+        }
+    }
 }
 
 /// The products of one launch (`struct FgSet` in gemv.cu).
@@ -189,16 +207,8 @@ pub(super) fn launch_gemv(
             (w.strides[1], 0)
         };
         *slot = FgSeg {
-            n: n as i64,
-            w: w.ptr,
-            w_rs: w_rs as i64,
-            qt: code as i64,
-            out: out.ptr,
-            o_rs: out.strides[0] as i64,
-            o_cs: out.strides[1] as i64,
-            wout: (!skip) as i64,
             wsum: (!dead.sums[si]) as i64,
-            ..FgSeg::default()
+            ..FgSeg::product(n, w.ptr, w_rs, code, &out, !skip)
         };
         if let Some(ri) = seg.rope {
             let rope = &nodes[ri];
@@ -423,20 +433,35 @@ fn launch_gemv_q(
     let first = &nodes[segs[0].mm];
     let a = exec.resolve(&first.srcs[0])?;
     let k = a.shape[1];
+    launch_fq(exec, first, k, a.ptr, set, pro.as_ref(), blocks1)
+}
+
+/// One launch of `fused_gemv1_q` for `node` on the activation row at `a` (K = `k` floats): a
+/// grid of `blocks1` (one unit per warp), or of `q_blocks` per multiprocessor at most when
+/// streamed (the kernel's warps stride over the units either way).
+#[allow(clippy::too_many_arguments)]
+fn launch_fq(
+    exec: &Exec<'_>,
+    node: &ExecNode,
+    k: usize,
+    a: u64,
+    set: FgSet,
+    pro: Option<&NormArgs>,
+    blocks1: usize,
+) -> Result<()> {
     let blocks = if exec.inner.cfg.gemv_stream {
         blocks1.min(exec.inner.sms * exec.inner.cfg.q_blocks.max(1))
     } else {
         blocks1
     };
     let blocks = blocks.clamp(1, i32::MAX as usize) as u32;
-    let args = Args::new().arg(k as i64).arg(a.ptr).arg(set);
+    let args = Args::new().arg(k as i64).arg(a).arg(set);
     // The integer paths quantize the staged row in place (q16: 2.5 bytes a value in its 4,
     // q8: 1.5): the same shared memory every way.
     let qm = exec.inner.cfg.qdot.kernel_mode();
-    let pf = q_prefetch_flags(exec);
-    let args = norm_tail(args, pro.as_ref()).arg(qm).arg(pf);
+    let args = norm_tail(args, pro).arg(qm).arg(q_prefetch_flags(exec));
     exec.launch_shared(
-        first,
+        node,
         Kernel::FusedGemv1Q,
         blocks,
         (matmul::GEMV1_WARPS * 32) as u32,
@@ -484,33 +509,15 @@ pub(crate) fn launch_head_q(exec: &Exec<'_>, mm: &ExecNode, key: u64) -> Result<
         amax: key,
         ..FgSet::default()
     };
-    set.seg[0] = FgSeg {
-        n: n as i64,
-        w: w.ptr,
-        w_rs: w_rs as i64,
-        qt: code as i64,
-        out: out.ptr,
-        o_rs: out.strides[0] as i64,
-        o_cs: out.strides[1] as i64,
-        wout: 1,
-        ..FgSeg::default()
-    };
-    let blocks = n
-        .div_ceil(matmul::GEMV1_WARPS)
-        .min(exec.inner.sms * exec.inner.cfg.q_blocks.max(1))
-        .clamp(1, i32::MAX as usize) as u32;
-    let qm = exec.inner.cfg.qdot.kernel_mode();
-    let pf = q_prefetch_flags(exec);
-    let args = norm_tail(Args::new().arg(k as i64).arg(a.ptr).arg(set), None)
-        .arg(qm)
-        .arg(pf);
-    exec.launch_shared(
+    set.seg[0] = FgSeg::product(n, w.ptr, w_rs, code, &out, true);
+    launch_fq(
+        exec,
         mm,
-        Kernel::FusedGemv1Q,
-        blocks,
-        (matmul::GEMV1_WARPS * 32) as u32,
-        (k * 4) as u32,
-        args,
+        k,
+        a.ptr,
+        set,
+        None,
+        n.div_ceil(matmul::GEMV1_WARPS),
     )?;
     Ok(true)
 }
