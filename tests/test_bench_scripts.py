@@ -342,3 +342,22 @@ def test_prefill_trace_sums_each_kernel_over_a_prefill(capsys: pytest.CaptureFix
     assert "span 12 us, kernels 12 us, wall 20000 us" in out
     assert "| b | 1 | 6 | 50.0% |" in out
     assert "| a | 2 | 6 | 50.0% |" in out
+
+
+def test_nvrtc_precompile_names_cubins_as_the_backend_does() -> None:
+    """`scripts/gpu/nvrtc_precompile.py` finds every module of kernels.rs with the source the
+    backend compiles (common.cuh, a newline, the module's parts) and hashes it with the
+    backend's FNV-1a (the Rust unit test's vector), so its cubins carry the cache's names."""
+    pre = _module("nvrtc_precompile", ROOT / "scripts" / "gpu")
+    assert pre.fnv1a([b"ab", b"c"]) == 0x20BA9B3025A8B421
+    assert pre.fnv1a([b"a", b"bc"]) != pre.fnv1a([b"ab", b"c"])
+    rs = (CUDA_CRATE / "src" / "kernels.rs").read_text()
+    listed = re.findall(r'^\s*\(\s*"(\w+)",', rs[rs.index("const MODULES") :], re.M)
+    mods = pre.modules()
+    assert sorted(mods) == sorted(listed)
+    assert {"quant", "fused_gemv", "fused_attention"} <= set(mods)
+    common = (CUDA_CRATE / "kernels" / "common.cuh").read_text()
+    quant_h = (CUDA_CRATE / "kernels" / "quant.cuh").read_text()
+    gemv = (CUDA_CRATE / "src" / "fusion" / "gemv.cu").read_text()
+    assert mods["fused_gemv"] == f"{common}\n{quant_h}\n{gemv}"
+    assert mods["norm"] == f"{common}\n" + (CUDA_CRATE / "kernels" / "norm.cu").read_text()
