@@ -2293,6 +2293,36 @@ void test_quant_mmv() {
     }
 }
 
+// Two rounds of a quantized head with its argmax on N = 45 random rows of c's blocks (K two
+// blocks): `head(w, rb, K, a, d, key)` launches the kernel under test (logits into d, its
+// argmax key into key), then `argmax_take` and `mul_mat_vec_q` (into ref) run, and
+// `verify(round, d, ref, am, best, key)` checks them, `best` the `better` argmax of d. The
+// second round copies the best row's blocks below it (a tie the lower row must win).
+template <class Head, class Verify>
+void head_rounds(const QCase& c, int q16, Head head, Verify verify) {
+    const i64 qb = c.qb(), bb = c.bb(), K = 2 * qb, N = 45, rb = 2 * bb;
+    std::vector<unsigned char> w((size_t)(N * rb));
+    for (i64 b = 0; b < N * 2; ++b) memcpy(w.data() + b * bb, c.bytes.data() + (rng() % c.nblocks) * bb, bb);
+    Buf a(DT_F32, K), d(DT_F32, N), ref(DT_F32, N);
+    a.rand();
+    u64 key = 0;
+    int am = -1;
+    for (int round = 0; round < 2; ++round) {
+        head(w.data(), rb, K, a, d, &key);
+        launch(1, 32, [&] { argmax_take(&key, &am); });
+        MmBatch B{};
+        launch((unsigned)((N + MVQ_WARPS - 1) / MVQ_WARPS), 32 * MVQ_WARPS, [&] {
+            mul_mat_vec_q(1, N, K, 1, B, (float*)ref.p(), N, 1, (const float*)a.p(), K, w.data(), c.qt, rb, 0, q16);
+        });
+        i64 best = 0;
+        for (i64 j = 1; j < N; ++j)
+            if (better(d.get(j), j, d.get(best), best)) best = j;
+        verify(round, d, ref, am, best, key);
+        const i64 lower = best > 0 ? best / 2 : 0;
+        if (best > 0) memcpy(w.data() + lower * rb, w.data() + best * rb, rb);
+    }
+}
+
 // The quantized head with its argmax folded in, then `argmax_take`: the logits as
 // `mul_mat_vec_q` writes them, the index as the `argmax` kernel would take it over them (the
 // lower column on a tie, made by copying the best column's blocks below it), the key back at 0;
@@ -2300,39 +2330,24 @@ void test_quant_mmv() {
 void test_quant_head_argmax() {
     for (int q16 : {0, 1, 2})
     for (const QCase& c : quant_cases()) {
-        const i64 qb = c.qb(), bb = c.bb(), K = 2 * qb, N = 45, rb = 2 * bb;
-        std::vector<unsigned char> w((size_t)(N * rb));
-        for (i64 b = 0; b < N * 2; ++b) memcpy(w.data() + b * bb, c.bytes.data() + (rng() % c.nblocks) * bb, bb);
-        Buf a(DT_F32, K), d(DT_F32, N), ref(DT_F32, N);
-        a.rand();
-        u64 key = 0;
-        int am = -1;
-        for (int round = 0; round < 2; ++round) {
+        auto head = [&](const unsigned char* w, i64 rb, i64 K, Buf& a, Buf& d, u64* key) {
+            const i64 N = d.n;
             MmBatch B{};
             launch((unsigned)((N + MVQ_WARPS - 1) / MVQ_WARPS), 32 * MVQ_WARPS, [&] {
-                mul_mat_vec_q_argmax(1, N, K, 1, B, (float*)d.p(), N, 1, (const float*)a.p(), K, w.data(), c.qt,
-                                     rb, 0, &key, q16);
+                mul_mat_vec_q_argmax(1, N, K, 1, B, (float*)d.p(), N, 1, (const float*)a.p(), K, w, c.qt, rb, 0,
+                                     key, q16);
             });
-            launch(1, 32, [&] { argmax_take(&key, &am); });
-            launch((unsigned)((N + MVQ_WARPS - 1) / MVQ_WARPS), 32 * MVQ_WARPS, [&] {
-                mul_mat_vec_q(1, N, K, 1, B, (float*)ref.p(), N, 1, (const float*)a.p(), K, w.data(), c.qt, rb, 0,
-                              q16);
-            });
-            i64 best = 0;
-            for (i64 j = 1; j < N; ++j)
-                if (better(ref.get(j), j, ref.get(best), best)) best = j;
+        };
+        head_rounds(c, q16, head, [&](int round, Buf& d, Buf& ref, int am, i64 best, u64 key) {
             bool same = true;
-            for (i64 j = 0; j < N; ++j) same = same && __float_as_uint(d.get(j)) == __float_as_uint(ref.get(j));
+            for (i64 j = 0; j < d.n; ++j) same = same && __float_as_uint(d.get(j)) == __float_as_uint(ref.get(j));
             if (!same || am != (int)best || key != 0) {
                 ++fails;
                 printf("FAIL quant_head_argmax %s qm %d round %d: logits %s, index %d want %lld, key %llu\n",
                        c.name.c_str(), q16, round, same ? "equal" : "differ", am, (long long)best,
                        (unsigned long long)key);
             }
-            // A tie below the best column for the second round.
-            const i64 lower = best > 0 ? best / 2 : 0;
-            if (best > 0) memcpy(w.data() + lower * rb, w.data() + best * rb, rb);
-        }
+        });
     }
 }
 
@@ -2427,40 +2442,26 @@ void test_fused_gemv1_q_head() {
     for (int grid : {0, 2})
     for (int q16 : {0, 1, 2})
     for (const QCase& c : quant_cases()) {
-        const i64 qb = c.qb(), bb = c.bb(), K = 2 * qb, N = 45, rb = 2 * bb;
-        std::vector<unsigned char> w((size_t)(N * rb));
-        for (i64 b = 0; b < N * 2; ++b) memcpy(w.data() + b * bb, c.bytes.data() + (rng() % c.nblocks) * bb, bb);
-        Buf a(DT_F32, K), d(DT_F32, N), ref(DT_F32, N);
-        a.rand();
-        u64 key = 0;
-        int am = -1;
-        for (int round = 0; round < 2; ++round) {
+        auto head = [&](const unsigned char* w, i64 rb, i64 K, Buf& a, Buf& d, u64* key) {
             FgSet S{};
             S.nseg = 1;
-            S.amax = (u64)&key;
+            S.amax = (u64)key;
             FgSeg& g = S.seg[0];
-            g.n = N;
-            g.w = (u64)w.data();
+            g.n = d.n;
+            g.w = (u64)w;
             g.w_rs = rb;
             g.qt = c.qt;
             g.out = (u64)d.p();
-            g.o_rs = N;
+            g.o_rs = d.n;
             g.o_cs = 1;
             g.wout = 1;
-            launch(grid ? (unsigned)grid : (unsigned)((N + 7) / 8), 256, [&] {
+            launch(grid ? (unsigned)grid : (unsigned)((d.n + 7) / 8), 256, [&] {
                 fused_gemv1_q(K, (const float*)a.p(), S, nullptr, 1e-5f, nullptr, DT_F32, nullptr, DT_F32, q16, 1);
             });
-            launch(1, 32, [&] { argmax_take(&key, &am); });
-            MmBatch B{};
-            launch((unsigned)((N + MVQ_WARPS - 1) / MVQ_WARPS), 32 * MVQ_WARPS, [&] {
-                mul_mat_vec_q(1, N, K, 1, B, (float*)ref.p(), N, 1, (const float*)a.p(), K, w.data(), c.qt, rb, 0,
-                              q16);
-            });
-            i64 best = 0;
-            for (i64 j = 1; j < N; ++j)
-                if (better(d.get(j), j, d.get(best), best)) best = j;
-            std::vector<double> got(N), want(N);
-            for (i64 j = 0; j < N; ++j) got[j] = d.get(j), want[j] = ref.get(j);
+        };
+        head_rounds(c, q16, head, [&](int round, Buf& d, Buf& ref, int am, i64 best, u64 key) {
+            std::vector<double> got(d.n), want(d.n);
+            for (i64 j = 0; j < d.n; ++j) got[j] = d.get(j), want[j] = ref.get(j);
             const std::string tag = "fused_gemv1_q head " + c.name + " qm " + std::to_string(q16) + " grid " +
                                     std::to_string(grid) + " round " + std::to_string(round);
             check(tag + ": logits against mul_mat_vec_q", want, got, 1e-9);
@@ -2469,9 +2470,7 @@ void test_fused_gemv1_q_head() {
                 printf("FAIL %s: index %d want %lld, key %llu\n", tag.c_str(), am, (long long)best,
                        (unsigned long long)key);
             }
-            const i64 lower = best > 0 ? best / 2 : 0;
-            if (best > 0) memcpy(w.data() + lower * rb, w.data() + best * rb, rb);
-        }
+        });
     }
 }
 

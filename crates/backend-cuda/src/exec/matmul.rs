@@ -829,7 +829,10 @@ pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Re
         && plan.route == Route::VecQ
         && plan.m == 1
         && plan.batch.iter().product::<usize>() == 1;
-    if one_q && ex.inner.cfg.q_head && crate::fusion::gemv::launch_head_q(ex, mm, key)? {
+    if one_q
+        && ex.inner.cfg.q_head
+        && crate::fusion::gemv::launch_head_q(ex, mm, [&a, &b, &dst], key)?
+    {
         // A quantized head as decode's other quantized products, the argmax folded in.
     } else if one_q {
         // A quantized head: `mul_mat_vec_q` with the argmax folded in.

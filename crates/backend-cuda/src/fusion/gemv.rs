@@ -19,7 +19,7 @@
 //! sums run in fixed orders, so streamed and unstreamed results are the same bytes.
 
 use lowsync_backend::{ExecNode, Result};
-use lowsync_graph::Op;
+use lowsync_graph::{DType, Op};
 
 use crate::exec::launch::{dt, kernel_err, qt, quant_row_bytes, Args, Dev, Exec};
 use crate::exec::matmul::{self, moving};
@@ -483,16 +483,19 @@ fn q_prefetch_flags(exec: &Exec<'_>) -> i32 {
 /// launched nothing, where the kernel does not apply (a's row not 16-byte aligned or too long
 /// to stage, an odd weight address, rows that are not whole blocks, a non-f32 result): the
 /// caller takes `mul_mat_vec_q_argmax`. The logits are written as that kernel writes them.
-pub(crate) fn launch_head_q(exec: &Exec<'_>, mm: &ExecNode, key: u64) -> Result<bool> {
-    let a = exec.resolve(&mm.srcs[0])?;
-    let w = exec.resolve(&mm.srcs[1])?;
-    let out = exec.resolve(&mm.dst)?;
+/// `a`, `w` and `out` are `mm`'s operands and result, resolved by the caller.
+pub(crate) fn launch_head_q(
+    exec: &Exec<'_>,
+    mm: &ExecNode,
+    [a, w, out]: [&Dev; 3],
+    key: u64,
+) -> Result<bool> {
     let (k, n) = (a.shape[1], w.shape[1]);
     let (Some(w_rs), Some(code)) = (quant_row_bytes(w.dtype, w.strides[1]), qt(w.dtype)) else {
         return Ok(false);
     };
-    let fits = a.dtype == lowsync_graph::DType::F32
-        && out.dtype == lowsync_graph::DType::F32
+    let fits = a.dtype == DType::F32
+        && out.dtype == DType::F32
         && a.shape[0] == 1
         && matmul::aligned(a.ptr, 4, &[moving(1, a.strides[0])], 16)
         && w.ptr.is_multiple_of(2)
@@ -509,7 +512,7 @@ pub(crate) fn launch_head_q(exec: &Exec<'_>, mm: &ExecNode, key: u64) -> Result<
         amax: key,
         ..FgSet::default()
     };
-    set.seg[0] = FgSeg::product(n, w.ptr, w_rs, code, &out, true);
+    set.seg[0] = FgSeg::product(n, w.ptr, w_rs, code, out, true);
     launch_fq(
         exec,
         mm,
