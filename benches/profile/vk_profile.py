@@ -30,23 +30,53 @@ import lowsync as ls
 from lowsync.bench import env_vars
 
 
-def profile(model: ls.Llama, backend: str, n: int) -> tuple[dict[str, float], list[dict]]:
-    """Decodes `n` tokens after a one-token prompt, twice; returns the second pass's summary
-    and kernel times (one step is the prompt's forward pass plus each decode step)."""
-    with env_vars({"LOWSYNC_VK_PROFILE": "1"}):
-        sess = ls.Session(model, backends=[backend], n_ctx=n + 8, policy="staged")
-    prompt = [1]
-    sess.generate(prompt, max_new_tokens=n, seq_id=0)  # warm-up: pipelines, plans
+def _prompt(model: ls.Llama, prompt_len: int) -> list[int]:
+    """The first `prompt_len` tokens of a fixed sequence (token 1 alone when it is 0 or 1)."""
+    return [1 + (7 * i + 3) % (model.config.n_vocab - 1) for i in range(max(prompt_len, 1))]
+
+
+def _session(
+    model: ls.Llama, backend: str, n: int, prompt_len: int, kv: str, prof: str
+) -> ls.Session:
+    with env_vars({"LOWSYNC_VK_PROFILE": prof}):
+        return ls.Session(
+            model,
+            backends=[backend],
+            n_ctx=prompt_len + n + 8,
+            n_ubatch=max(prompt_len, 1),
+            policy="staged",
+            kv_dtype=kv,
+        )
+
+
+def _decode_pass(sess: ls.Session, prompt: list[int], n: int) -> None:
+    """The prompt but its last token as one forward pass, then `n` tokens generated from its
+    last token, so the stats reset between them count the decode steps alone (and the last
+    token's forward pass)."""
     sess.seq_rm(0)
+    if len(prompt) > 1:
+        sess.decode(prompt[:-1], seq_id=0, logits="none")
     sess.context.synchronize()
     sess.context.reset_stats()
-    sess.generate(prompt, max_new_tokens=n, seq_id=0)
+    sess.generate(prompt[-1:], max_new_tokens=n, seq_id=0)
     sess.context.synchronize()
+
+
+def profile(
+    model: ls.Llama, backend: str, n: int, prompt_len: int = 1, kv: str = "f32"
+) -> tuple[dict[str, float], list[dict]]:
+    """Decodes `n` tokens after a `prompt_len`-token prompt, twice; returns the second pass's
+    summary and kernel times (one step is the prompt's last token's forward pass plus each
+    decode step)."""
+    sess = _session(model, backend, n, prompt_len, kv, "1")
+    prompt = _prompt(model, prompt_len)
+    _decode_pass(sess, prompt, n)  # warm-up: pipelines, plans
+    _decode_pass(sess, prompt, n)
     st = sess.last_generate
     assert st is not None
     times = sess.context.kernel_times()
     steps = st.n_steps + 1
-    plain, cpu_ms = plain_tok_s(model, backend, n)
+    plain, cpu_ms = plain_tok_s(model, backend, n, prompt_len, kv)
     summary = {
         "tok_s": st.tg_tps,
         "steps": float(steps),
@@ -56,16 +86,21 @@ def profile(model: ls.Llama, backend: str, n: int) -> tuple[dict[str, float], li
     return summary, times
 
 
-def plain_tok_s(model: ls.Llama, backend: str, n: int) -> tuple[float, float]:
+def plain_tok_s(
+    model: ls.Llama, backend: str, n: int, prompt_len: int = 1, kv: str = "f32"
+) -> tuple[float, float]:
     """Decode tok/s of the same run without profiling (the second of two passes), and the
     process's CPU time per token over that pass (every thread: on lavapipe the device's
     workers are threads of this process, so this is what a token costs the machine)."""
-    with env_vars({"LOWSYNC_VK_PROFILE": "0"}):
-        sess = ls.Session(model, backends=[backend], n_ctx=n + 8, policy="staged")
-    sess.generate([1], max_new_tokens=n, seq_id=0)
+    sess = _session(model, backend, n, prompt_len, kv, "0")
+    prompt = _prompt(model, prompt_len)
+    _decode_pass(sess, prompt, n)
     sess.seq_rm(0)
+    if len(prompt) > 1:
+        sess.decode(prompt[:-1], seq_id=0, logits="none")
+    sess.context.synchronize()
     cpu0 = time.process_time()
-    sess.generate([1], max_new_tokens=n, seq_id=0)
+    sess.generate(prompt[-1:], max_new_tokens=n, seq_id=0)
     cpu_ms = (time.process_time() - cpu0) * 1e3 / n
     st = sess.last_generate
     assert st is not None
@@ -98,10 +133,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="f16", help="weight dtype: f16, q4_0, ...")
     ap.add_argument("--backend", default="vulkan")
     ap.add_argument("-n", type=int, default=64, help="tokens decoded per pass")
+    ap.add_argument("-p", "--prompt-len", type=int, default=1, help="prompt tokens before them")
+    ap.add_argument("--kv-dtype", default="f32", help="KV-cache dtype: f32, f16, bf16")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     model = ls.Llama.random(args.model, seed=1, dtype=args.dtype)
-    summary, times = profile(model, args.backend, args.n)
+    summary, times = profile(model, args.backend, args.n, args.prompt_len, args.kv_dtype)
     if not times:
         raise SystemExit(
             f"no kernel times from {args.backend}: its compute queue writes no timestamps "

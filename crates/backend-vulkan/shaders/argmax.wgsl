@@ -18,6 +18,8 @@ const NONE: u32 = 0xffffffffu;
 
 var<workgroup> rv: array<f32, 256>;
 var<workgroup> ri: array<u32, 256>;
+// Elements per thread and round.
+const U: u32 = 8u;
 
 // Whether (v2, i2) beats (v1, i1).
 fn beats(v1: f32, i1: u32, v2: f32, i2: u32) -> bool {
@@ -59,11 +61,66 @@ fn main(
     let len = pc.shape.w;
     var bv = 0.0;
     var bi = NONE;
-    for (var j = li; j < len; j += 256u) {
-        let v = ld_a(a0 + j * pc.a_str.w);
-        if beats(bv, bi, v, j) {
-            bv = v;
-            bi = j;
+    // U elements per thread and round, loaded before any is compared (written out), so a
+    // thread has U loads in flight (a vocabulary row is 100+ loads a thread; one at a time,
+    // each waits for the last). `beats` is a total order: the order of comparisons is free.
+    for (var j0 = li; j0 < len; j0 += 256u * U) {
+        var v: array<f32, U>;
+        if j0 + 0u * 256u < len {
+            v[0] = ld_a(a0 + (j0 + 0u * 256u) * pc.a_str.w);
+        }
+        if j0 + 1u * 256u < len {
+            v[1] = ld_a(a0 + (j0 + 1u * 256u) * pc.a_str.w);
+        }
+        if j0 + 2u * 256u < len {
+            v[2] = ld_a(a0 + (j0 + 2u * 256u) * pc.a_str.w);
+        }
+        if j0 + 3u * 256u < len {
+            v[3] = ld_a(a0 + (j0 + 3u * 256u) * pc.a_str.w);
+        }
+        if j0 + 4u * 256u < len {
+            v[4] = ld_a(a0 + (j0 + 4u * 256u) * pc.a_str.w);
+        }
+        if j0 + 5u * 256u < len {
+            v[5] = ld_a(a0 + (j0 + 5u * 256u) * pc.a_str.w);
+        }
+        if j0 + 6u * 256u < len {
+            v[6] = ld_a(a0 + (j0 + 6u * 256u) * pc.a_str.w);
+        }
+        if j0 + 7u * 256u < len {
+            v[7] = ld_a(a0 + (j0 + 7u * 256u) * pc.a_str.w);
+        }
+        if j0 + 0u * 256u < len && beats(bv, bi, v[0], j0 + 0u * 256u) {
+            bv = v[0];
+            bi = j0 + 0u * 256u;
+        }
+        if j0 + 1u * 256u < len && beats(bv, bi, v[1], j0 + 1u * 256u) {
+            bv = v[1];
+            bi = j0 + 1u * 256u;
+        }
+        if j0 + 2u * 256u < len && beats(bv, bi, v[2], j0 + 2u * 256u) {
+            bv = v[2];
+            bi = j0 + 2u * 256u;
+        }
+        if j0 + 3u * 256u < len && beats(bv, bi, v[3], j0 + 3u * 256u) {
+            bv = v[3];
+            bi = j0 + 3u * 256u;
+        }
+        if j0 + 4u * 256u < len && beats(bv, bi, v[4], j0 + 4u * 256u) {
+            bv = v[4];
+            bi = j0 + 4u * 256u;
+        }
+        if j0 + 5u * 256u < len && beats(bv, bi, v[5], j0 + 5u * 256u) {
+            bv = v[5];
+            bi = j0 + 5u * 256u;
+        }
+        if j0 + 6u * 256u < len && beats(bv, bi, v[6], j0 + 6u * 256u) {
+            bv = v[6];
+            bi = j0 + 6u * 256u;
+        }
+        if j0 + 7u * 256u < len && beats(bv, bi, v[7], j0 + 7u * 256u) {
+            bv = v[7];
+            bi = j0 + 7u * 256u;
         }
     }
     rv[li] = bv;

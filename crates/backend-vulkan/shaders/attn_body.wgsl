@@ -11,10 +11,12 @@
 // stays -inf); the chunk's scores live in shared memory. An online softmax keeps the running
 // maximum M and sum S: a chunk with a larger maximum rescales S and the accumulators by
 // exp(M_old - M_new). p @ V: the workgroup is G = WG / dim groups of dim threads, thread (g, e)
-// summing output dim e over the keys j = g mod G, four keys' V loads in flight at a time,
-// reading no V row of a masked key. `group_sum` adds the G partial outputs in group order.
-// A key's work is spread over the workgroup, not walked by one thread: on a wide GPU a head's
-// keys are latency, not bandwidth.
+// summing output dim e over the keys j = g mod G, reading no V row of a masked key.
+// `group_sum` adds the G partial outputs in group order. A key's work is spread over the
+// workgroup, not walked by one thread: on a wide GPU a head's keys are latency, not bandwidth.
+// For the same reason the loops over K and V rows take their loads eight at a time, written out
+// so each round's loads are issued before any is used: a loop that uses each load before the
+// next waits for every one in turn. Sums still run in order.
 //
 // Invariants: f32 accumulation. An admitted NaN logit is counted (`nan`) and weighs 0; a masked
 // key contributes exactly nothing whatever its K and V rows hold. Every thread calls `attend`
@@ -160,8 +162,31 @@ fn attend(h: u32, lo: u32, hi: u32, li: u32) -> Attended {
             var d = 0.0;
             if j < n && admitted(m0, c0 + j) {
                 let kr = k0 + (c0 + j) * pc.b_str.z;
-                for (var x = kp; x < dim; x += P) {
-                    d += qs[x] * ld_k(kr + x * pc.b_str.y);
+                // Eight elements of the K row a round, all loaded before any is used (a loop
+                // that uses each load first waits for every one in turn); the sum runs over x
+                // in order.
+                let ks = pc.b_str.y;
+                var x = kp;
+                for (; x + 7u * P < dim; x += 8u * P) {
+                    let y0 = ld_k(kr + x * ks);
+                    let y1 = ld_k(kr + (x + P) * ks);
+                    let y2 = ld_k(kr + (x + 2u * P) * ks);
+                    let y3 = ld_k(kr + (x + 3u * P) * ks);
+                    let y4 = ld_k(kr + (x + 4u * P) * ks);
+                    let y5 = ld_k(kr + (x + 5u * P) * ks);
+                    let y6 = ld_k(kr + (x + 6u * P) * ks);
+                    let y7 = ld_k(kr + (x + 7u * P) * ks);
+                    d += qs[x] * y0;
+                    d += qs[x + P] * y1;
+                    d += qs[x + 2u * P] * y2;
+                    d += qs[x + 3u * P] * y3;
+                    d += qs[x + 4u * P] * y4;
+                    d += qs[x + 5u * P] * y5;
+                    d += qs[x + 6u * P] * y6;
+                    d += qs[x + 7u * P] * y7;
+                }
+                for (; x < dim; x += P) {
+                    d += qs[x] * ld_k(kr + x * ks);
                 }
             }
             part[li] = d;
@@ -209,33 +234,53 @@ fn attend(h: u32, lo: u32, hi: u32, li: u32) -> Attended {
         if g < groups {
             let ve = v0 + e * pc.offs.z;
             var j = g;
-            // Four keys at a time: their V loads are independent, so all four are in flight.
-            // A masked key's p is -1 and its value 0: it adds -0, which changes nothing.
-            for (; j + 3u * groups < n; j += 4u * groups) {
-                let p0 = sc[j];
-                let p1 = sc[j + groups];
-                let p2 = sc[j + 2u * groups];
-                let p3 = sc[j + 3u * groups];
-                var x0 = 0.0;
-                var x1 = 0.0;
-                var x2 = 0.0;
-                var x3 = 0.0;
-                if p0 >= 0.0 {
-                    x0 = ld_v(ve + (c0 + j) * pc.offs.y);
+            // Eight keys a round: their V loads are independent, so all eight are in flight.
+            // A masked key's p is -1 and its value 0: it adds -0, which changes nothing. The
+            // sum runs over the keys in order.
+            let vs = pc.offs.y;
+            for (; j + 7u * groups < n; j += 8u * groups) {
+                var p: array<f32, 8>;
+                var x: array<f32, 8>;
+                p[0] = sc[j + 0u * groups];
+                if p[0] >= 0.0 {
+                    x[0] = ld_v(ve + (c0 + j + 0u * groups) * vs);
                 }
-                if p1 >= 0.0 {
-                    x1 = ld_v(ve + (c0 + j + groups) * pc.offs.y);
+                p[1] = sc[j + 1u * groups];
+                if p[1] >= 0.0 {
+                    x[1] = ld_v(ve + (c0 + j + 1u * groups) * vs);
                 }
-                if p2 >= 0.0 {
-                    x2 = ld_v(ve + (c0 + j + 2u * groups) * pc.offs.y);
+                p[2] = sc[j + 2u * groups];
+                if p[2] >= 0.0 {
+                    x[2] = ld_v(ve + (c0 + j + 2u * groups) * vs);
                 }
-                if p3 >= 0.0 {
-                    x3 = ld_v(ve + (c0 + j + 3u * groups) * pc.offs.y);
+                p[3] = sc[j + 3u * groups];
+                if p[3] >= 0.0 {
+                    x[3] = ld_v(ve + (c0 + j + 3u * groups) * vs);
                 }
-                acc += p0 * x0;
-                acc += p1 * x1;
-                acc += p2 * x2;
-                acc += p3 * x3;
+                p[4] = sc[j + 4u * groups];
+                if p[4] >= 0.0 {
+                    x[4] = ld_v(ve + (c0 + j + 4u * groups) * vs);
+                }
+                p[5] = sc[j + 5u * groups];
+                if p[5] >= 0.0 {
+                    x[5] = ld_v(ve + (c0 + j + 5u * groups) * vs);
+                }
+                p[6] = sc[j + 6u * groups];
+                if p[6] >= 0.0 {
+                    x[6] = ld_v(ve + (c0 + j + 6u * groups) * vs);
+                }
+                p[7] = sc[j + 7u * groups];
+                if p[7] >= 0.0 {
+                    x[7] = ld_v(ve + (c0 + j + 7u * groups) * vs);
+                }
+                acc += p[0] * x[0];
+                acc += p[1] * x[1];
+                acc += p[2] * x[2];
+                acc += p[3] * x[3];
+                acc += p[4] * x[4];
+                acc += p[5] * x[5];
+                acc += p[6] * x[6];
+                acc += p[7] * x[7];
             }
             for (; j < n; j += groups) {
                 let p = sc[j];

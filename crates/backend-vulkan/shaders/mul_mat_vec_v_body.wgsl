@@ -12,6 +12,30 @@ fn pair_partial(a_base: u32, w0: u32, w1: u32, lane: u32, lanes: u32) -> vec2<f3
     var t0 = vec4<f32>(0.0);
     var t1 = vec4<f32>(0.0);
     var k = lane * 8u;
+    // Four steps a round while they last (eight 16-byte loads of w in flight), then two, then
+    // one: steps 0, 2, ... go to s, steps 1, 3, ... to t, in order, whichever loop takes them.
+    for (; k + 3u * step < k_len; k += 4u * step) {
+        let x0 = ld8_a(a_base + k);
+        let x1 = ld8_a(a_base + k + step);
+        let x2 = ld8_a(a_base + k + 2u * step);
+        let x3 = ld8_a(a_base + k + 3u * step);
+        let u0 = ld8_b(w0 + k);
+        let u1 = ld8_b(w0 + k + step);
+        let u2 = ld8_b(w0 + k + 2u * step);
+        let u3 = ld8_b(w0 + k + 3u * step);
+        let v0 = ld8_b(w1 + k);
+        let v1 = ld8_b(w1 + k + step);
+        let v2 = ld8_b(w1 + k + 2u * step);
+        let v3 = ld8_b(w1 + k + 3u * step);
+        s0 = fma(x0[0], u0[0], fma(x0[1], u0[1], s0));
+        s1 = fma(x0[0], v0[0], fma(x0[1], v0[1], s1));
+        t0 = fma(x1[0], u1[0], fma(x1[1], u1[1], t0));
+        t1 = fma(x1[0], v1[0], fma(x1[1], v1[1], t1));
+        s0 = fma(x2[0], u2[0], fma(x2[1], u2[1], s0));
+        s1 = fma(x2[0], v2[0], fma(x2[1], v2[1], s1));
+        t0 = fma(x3[0], u3[0], fma(x3[1], u3[1], t0));
+        t1 = fma(x3[0], v3[0], fma(x3[1], v3[1], t1));
+    }
     for (; k + step < k_len; k += 2u * step) {
         let x0 = ld8_a(a_base + k);
         let x1 = ld8_a(a_base + k + step);

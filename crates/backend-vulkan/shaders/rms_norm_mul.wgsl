@@ -26,6 +26,8 @@ struct Pc {
 var<immediate> pc: Pc;
 
 var<workgroup> red: array<f32, 256>;
+// Elements per thread and round.
+const U: u32 = 8u;
 
 @compute @workgroup_size(256)
 fn main(
@@ -42,10 +44,43 @@ fn main(
     let w0 = pc.offs.z + dot3(c, pc.b_str);
     let d0 = pc.offs.x + dot3(c, pc.d_str);
     let len = pc.shape.w;
+    // U elements per thread and round, loaded before any is used (written out: a loop that uses
+    // each load first waits for every one in turn); the sum still runs over j in order.
     var s = 0.0;
-    for (var j = li; j < len; j += 256u) {
-        let v = ld_a(a0 + j * pc.a_str.w);
-        s += v * v;
+    for (var j0 = li; j0 < len; j0 += 256u * U) {
+        var v: array<f32, U>;
+        if j0 + 0u * 256u < len {
+            v[0] = ld_a(a0 + (j0 + 0u * 256u) * pc.a_str.w);
+        }
+        if j0 + 1u * 256u < len {
+            v[1] = ld_a(a0 + (j0 + 1u * 256u) * pc.a_str.w);
+        }
+        if j0 + 2u * 256u < len {
+            v[2] = ld_a(a0 + (j0 + 2u * 256u) * pc.a_str.w);
+        }
+        if j0 + 3u * 256u < len {
+            v[3] = ld_a(a0 + (j0 + 3u * 256u) * pc.a_str.w);
+        }
+        if j0 + 4u * 256u < len {
+            v[4] = ld_a(a0 + (j0 + 4u * 256u) * pc.a_str.w);
+        }
+        if j0 + 5u * 256u < len {
+            v[5] = ld_a(a0 + (j0 + 5u * 256u) * pc.a_str.w);
+        }
+        if j0 + 6u * 256u < len {
+            v[6] = ld_a(a0 + (j0 + 6u * 256u) * pc.a_str.w);
+        }
+        if j0 + 7u * 256u < len {
+            v[7] = ld_a(a0 + (j0 + 7u * 256u) * pc.a_str.w);
+        }
+        s += v[0] * v[0];
+        s += v[1] * v[1];
+        s += v[2] * v[2];
+        s += v[3] * v[3];
+        s += v[4] * v[4];
+        s += v[5] * v[5];
+        s += v[6] * v[6];
+        s += v[7] * v[7];
     }
     red[li] = s;
     workgroupBarrier();
@@ -56,8 +91,64 @@ fn main(
         workgroupBarrier();
     }
     let inv = 1.0 / sqrt(red[0] / f32(len) + bitcast<f32>(pc.prm.x));
-    for (var j = li; j < len; j += 256u) {
-        let n = ld_a(a0 + j * pc.a_str.w) * inv;
-        st_d(d0 + j * pc.d_str.w, n * ld_w(w0 + j * pc.b_str.w));
+    for (var j0 = li; j0 < len; j0 += 256u * U) {
+        var v: array<f32, U>;
+        var g: array<f32, U>;
+        if j0 + 0u * 256u < len {
+            v[0] = ld_a(a0 + (j0 + 0u * 256u) * pc.a_str.w);
+            g[0] = ld_w(w0 + (j0 + 0u * 256u) * pc.b_str.w);
+        }
+        if j0 + 1u * 256u < len {
+            v[1] = ld_a(a0 + (j0 + 1u * 256u) * pc.a_str.w);
+            g[1] = ld_w(w0 + (j0 + 1u * 256u) * pc.b_str.w);
+        }
+        if j0 + 2u * 256u < len {
+            v[2] = ld_a(a0 + (j0 + 2u * 256u) * pc.a_str.w);
+            g[2] = ld_w(w0 + (j0 + 2u * 256u) * pc.b_str.w);
+        }
+        if j0 + 3u * 256u < len {
+            v[3] = ld_a(a0 + (j0 + 3u * 256u) * pc.a_str.w);
+            g[3] = ld_w(w0 + (j0 + 3u * 256u) * pc.b_str.w);
+        }
+        if j0 + 4u * 256u < len {
+            v[4] = ld_a(a0 + (j0 + 4u * 256u) * pc.a_str.w);
+            g[4] = ld_w(w0 + (j0 + 4u * 256u) * pc.b_str.w);
+        }
+        if j0 + 5u * 256u < len {
+            v[5] = ld_a(a0 + (j0 + 5u * 256u) * pc.a_str.w);
+            g[5] = ld_w(w0 + (j0 + 5u * 256u) * pc.b_str.w);
+        }
+        if j0 + 6u * 256u < len {
+            v[6] = ld_a(a0 + (j0 + 6u * 256u) * pc.a_str.w);
+            g[6] = ld_w(w0 + (j0 + 6u * 256u) * pc.b_str.w);
+        }
+        if j0 + 7u * 256u < len {
+            v[7] = ld_a(a0 + (j0 + 7u * 256u) * pc.a_str.w);
+            g[7] = ld_w(w0 + (j0 + 7u * 256u) * pc.b_str.w);
+        }
+        if j0 + 0u * 256u < len {
+            st_d(d0 + (j0 + 0u * 256u) * pc.d_str.w, (v[0] * inv) * g[0]);
+        }
+        if j0 + 1u * 256u < len {
+            st_d(d0 + (j0 + 1u * 256u) * pc.d_str.w, (v[1] * inv) * g[1]);
+        }
+        if j0 + 2u * 256u < len {
+            st_d(d0 + (j0 + 2u * 256u) * pc.d_str.w, (v[2] * inv) * g[2]);
+        }
+        if j0 + 3u * 256u < len {
+            st_d(d0 + (j0 + 3u * 256u) * pc.d_str.w, (v[3] * inv) * g[3]);
+        }
+        if j0 + 4u * 256u < len {
+            st_d(d0 + (j0 + 4u * 256u) * pc.d_str.w, (v[4] * inv) * g[4]);
+        }
+        if j0 + 5u * 256u < len {
+            st_d(d0 + (j0 + 5u * 256u) * pc.d_str.w, (v[5] * inv) * g[5]);
+        }
+        if j0 + 6u * 256u < len {
+            st_d(d0 + (j0 + 6u * 256u) * pc.d_str.w, (v[6] * inv) * g[6]);
+        }
+        if j0 + 7u * 256u < len {
+            st_d(d0 + (j0 + 7u * 256u) * pc.d_str.w, (v[7] * inv) * g[7]);
+        }
     }
 }
