@@ -50,32 +50,50 @@ const NINF_BITS: u32 = 0xff800000u;
 var<workgroup> qs: array<f32, 256>;
 var<workgroup> sc: array<f32, 512>;
 var<workgroup> part: array<f32, 256>;
-var<workgroup> red: array<f32, 256>;
 
+// This invocation's subgroup lane, its subgroup and the workgroup's subgroup count: set by the
+// entry point (`sg_begin`) before anything here runs.
+var<private> sg_lane: u32;
+var<private> sg_id: u32;
+var<private> sg_count: u32;
+
+// One value per subgroup (at most WG of them).
+var<workgroup> sg_part: array<f32, 256>;
+
+fn sg_begin(lane: u32, sg: u32, nsg: u32) {
+    sg_lane = lane;
+    sg_id = sg;
+    sg_count = nsg;
+}
+
+// The reductions go through the subgroups first (`subgroupMax`/`subgroupAdd`), then through
+// one shared slot per subgroup: two barriers instead of a tree's nine. The subgroups' values
+// are combined in subgroup order, so the result is the same in every invocation and run.
 fn reduce_max(v: f32, li: u32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var w = WG / 2u; w > 0u; w >>= 1u) {
-        if li < w {
-            red[li] = max(red[li], red[li + w]);
-        }
-        workgroupBarrier();
+    let m = subgroupMax(v);
+    if sg_lane == 0u {
+        sg_part[sg_id] = m;
     }
-    let r = red[0];
+    workgroupBarrier();
+    var r = sg_part[0];
+    for (var i = 1u; i < sg_count; i++) {
+        r = max(r, sg_part[i]);
+    }
+    // The next reduction's writes must not overtake these reads.
     workgroupBarrier();
     return r;
 }
 
 fn reduce_sum(v: f32, li: u32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var w = WG / 2u; w > 0u; w >>= 1u) {
-        if li < w {
-            red[li] += red[li + w];
-        }
-        workgroupBarrier();
+    let m = subgroupAdd(v);
+    if sg_lane == 0u {
+        sg_part[sg_id] = m;
     }
-    let r = red[0];
+    workgroupBarrier();
+    var r = sg_part[0];
+    for (var i = 1u; i < sg_count; i++) {
+        r += sg_part[i];
+    }
     workgroupBarrier();
     return r;
 }
@@ -105,8 +123,13 @@ fn admitted_span(m0: u32, keys: u32, li: u32) -> vec2<u32> {
             l = j + 1u;
         }
     }
-    atomicMin(&first_key, f);
-    atomicMax(&end_key, l);
+    // One shared atomic per subgroup, not per invocation (they serialise on one word).
+    let fs = subgroupMin(f);
+    let ls = subgroupMax(l);
+    if sg_lane == 0u {
+        atomicMin(&first_key, fs);
+        atomicMax(&end_key, ls);
+    }
     workgroupBarrier();
     let kend = atomicLoad(&end_key);
     var kfirst = atomicLoad(&first_key);

@@ -24,7 +24,11 @@
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_invocation_id) lane: u32,
+    @builtin(subgroup_id) sg: u32,
+    @builtin(num_subgroups) nsg: u32,
 ) {
+    sg_begin(lane, sg, nsg);
     let h = wg.x;
     if h >= pc.shape.x {
         return;

@@ -3,7 +3,7 @@
 //!
 //! Why: `crate::fusion` proves from the graph that a chain may run fused; this planner checks
 //! what the kernel itself needs (dtypes it was compiled for, a head dim it holds, 32-bit
-//! offsets and strides) and fills its push constants, like every other kernel family.
+//! offsets and strides, subgroup arithmetic for its reductions) and fills its push constants, like every other kernel family.
 //!
 //! Strategy: q is `[heads, 1, dim]`, K `[kv_heads, dim, keys]` (K transposed, any strides), V
 //! `[kv_heads, keys, dim]`, the mask broadcast onto `[heads, 1, keys]`; the result is bound as
@@ -71,6 +71,10 @@ pub(super) fn attention(c: &Ctx, a: &Attn) -> Result<Vec<Dispatch>> {
         && a.out.dtype.is_float();
     if !ok {
         return Err(c.err("not a decode attention the fused kernel takes"));
+    }
+    if !c.lim.subgroups {
+        // Its reductions go through subgroup operations (`shaders/attn_body.wgsl`).
+        return Err(c.err("the fused attention needs subgroup arithmetic"));
     }
     let (heads, dim, keys) = (q.shape[0], q.shape[2], k.shape[2]);
     let ms = a
