@@ -723,8 +723,8 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
     let info = Validator::new(
         ValidationFlags::all(),
         // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_v`, `mul_mat_vec_q`, `mul_mat_vec_qv`,
-        // `mul_mat_vec_qb`, `mul_mat_vec_qm` and their `_e` and `_r` flavours use subgroup
-        // operations, and the host picks
+        // `mul_mat_vec_qb`, `mul_mat_vec_qm` and their `_e` and `_r` flavours, and the decode
+        // attention (`attn_dec`, `attn_split`), use subgroup operations, and the host picks
         // them only on a device whose compute stage has subgroup arithmetic.
         // SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).
