@@ -15,7 +15,11 @@ Strategy:
      `llama-quantize` targets, into `--build-dir`. The Vulkan build needs glslc and the Vulkan
      headers (Debian: glslc, libvulkan-dev, spirv-headers); Debian 12's headers (1.3.239) lack
      VK_EXT_layer_settings, which b11434 uses once behind no guard, so a copy of the source is
-     patched to compile that use only where the header defines it.
+     patched to compile that use only where the header defines it. Where they cannot be
+     installed (the GPU machine), the packages unpacked with `dpkg -x` under a directory D
+     do, with VULKAN_SDK=D/usr, D/usr/lib/libvulkan.so linked to its x86_64-linux-gnu copy,
+     and D/usr/bin and D/usr/lib/x86_64-linux-gnu on PATH and LD_LIBRARY_PATH
+     (`scripts/gpu/h200_all.sh vkcmp`).
   3. Files: each built-in model of `--models` (random weights, `--seed`) written as F16 by
      lowsync's `save_gguf`, then every type of `--types` made from it by `llama-quantize`;
      kept in `--work` and reused.

@@ -3,10 +3,12 @@
 #
 # Carried (git-ignored): .carry/wheels/lowsync-*.whl (the abi3 wheel, features cuda+vulkan),
 # .carry/cuda-tests/ and .carry/vulkan-tests/ (prebuilt test binaries), .whl/ (gguf wheel and
-# the pruned llama-cpp-python sdist), .gl/ (the Vulkan loader .debs).
+# the pruned llama-cpp-python sdist), .gl/ (the Vulkan loader .debs), .carry/src/llama.cpp.tgz
+# (llama.cpp b11434's pruned source) and .carry/vkbuild/ (Debian's glslc, libshaderc1,
+# libvulkan-dev and spirv-headers .debs, for `vkcmp`).
 # Output: $OUT/summary.txt (what a closing note quotes) and $OUT/logs.tar.gz (everything).
 #
-#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [attn] [ktrace] [torch] ...
+#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [vkcmp] [attn] [ktrace] [torch] ...
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -65,6 +67,23 @@ if has lcppcuda; then
             echo "llama.cpp cuda build exit $?" >>"$logs/lcpp-cuda-build.log") &
         lcpp_cuda_pid=$!
     fi
+fi
+
+if has vkcmp; then
+    # llama.cpp b11434 with its Vulkan backend, built from the carried source in the background:
+    # glslc, the Vulkan and SPIR-V headers and the loader come from Debian 12's packages
+    # (.carry/vkbuild/: glslc, libshaderc1, libvulkan-dev, spirv-headers; .gl/libvulkan1),
+    # unpacked under /tmp/vkroot, not /, and found by CMake through VULKAN_SDK.
+    mkdir -p /tmp/vkroot
+    for f in .carry/vkbuild/*.deb .gl/libvulkan1*.deb; do dpkg -x "$f" /tmp/vkroot; done
+    ln -sf x86_64-linux-gnu/libvulkan.so /tmp/vkroot/usr/lib/libvulkan.so
+    (export VULKAN_SDK=/tmp/vkroot/usr PATH=/tmp/vkroot/usr/bin:$PATH \
+        LD_LIBRARY_PATH=/tmp/vkroot/usr/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH
+        mkdir -p /tmp/lcpp-src && tar xzf .carry/src/llama.cpp.tgz -C /tmp/lcpp-src &&
+            nice python3 benches/python/compare_llama_cpp_gpu.py --backend vulkan --llama-src /tmp/lcpp-src/llama.cpp \
+                --build-dir /tmp/lcpp-vk --models "" --types "" --jobs 14 >"$logs/lcpp-vk-build.log" 2>&1
+        echo "llama.cpp vulkan build exit $?" >>"$logs/lcpp-vk-build.log") &
+    lcpp_vk_pid=$!
 fi
 
 run_suite() { # name dir
@@ -190,6 +209,16 @@ if has gpucmp; then
         --types ${GPUCMP_TYPES:-f16,q4_0,q4_k_m,q6_k,q8_0} -p ${GPUCMP_P:-512} -n ${GPUCMP_N:-128} \
         --repeats ${GPUCMP_R:-2} --json "$out/gpucmp.json" >"$logs/gpucmp.txt" 2>"$logs/gpucmp.err"
     say "gpu compare (cuda): exit $?"; grep '^|' "$logs/gpucmp.txt" | tee -a "$summary"; tail -5 "$logs/gpucmp.err"
+fi
+if has vkcmp; then
+    # lowsync against llama.cpp's Vulkan backend on identical files (the Vulkan issue's figures).
+    wait "$lcpp_vk_pid"
+    tail -1 "$logs/lcpp-vk-build.log" | tee -a "$summary"
+    GGML_VK_VISIBLE_DEVICES=0 timeout ${VKCMP_TIMEOUT:-420} python3 benches/python/compare_llama_cpp_gpu.py \
+        --backend vulkan --no-build --build-dir /tmp/lcpp-vk --work /tmp/gpucmp --models ${VKCMP_MODELS:-1b,tiny} \
+        --types ${VKCMP_TYPES:-f16,q4_0} -p ${VKCMP_P:-128} -n ${VKCMP_N:-64} --repeats ${VKCMP_R:-1} \
+        --json "$out/vkcmp.json" >"$logs/vkcmp.txt" 2>"$logs/vkcmp.err"
+    say "gpu compare (vulkan): exit $?"; grep '^|' "$logs/vkcmp.txt" | tee -a "$summary"; tail -5 "$logs/vkcmp.err"
 fi
 if has qacc; then
     # Logits of llama-quantize files of every block type on each backend against float64.

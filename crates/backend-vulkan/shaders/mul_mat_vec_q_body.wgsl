@@ -27,54 +27,30 @@ fn x4(a_base: u32, k: u32) -> vec4<f32> {
 
 // This lane's part of x . w[row] for rows 0 .. nr of x from element `a_base` (nr <= MT):
 // groups `lane`, `lane + lanes`, ... of the row of w at byte `w_base`.
-// Group `i`'s share of each row of x: scale * (q . x) + offset * sum(x), added to `acc`.
-fn group_terms(
-    acc: ptr<function, array<f32, MT>>,
-    a_base: u32,
-    nr: u32,
-    i: u32,
-    sc: vec2<f32>,
-    v: mat4x4<f32>,
-) {
-    let k = i * 16u;
-    for (var r = 0u; r < MT; r++) {
-        if r < nr {
-            let ab = a_base + r * pc.a_str.z;
-            let x0 = x4(ab, k);
-            let x1 = x4(ab, k + 4u);
-            let x2 = x4(ab, k + 8u);
-            let x3 = x4(ab, k + 12u);
-            var t = sc.x * ((dot(x0, v[0]) + dot(x1, v[1])) + (dot(x2, v[2]) + dot(x3, v[3])));
-            if Q_MIN {
-                let sx = (x0 + x1) + (x2 + x3);
-                t += sc.y * ((sx.x + sx.y) + (sx.z + sx.w));
-            }
-            (*acc)[r] += t;
-        }
-    }
-}
-
 fn rows_partial(a_base: u32, w_base: u32, lane: u32, lanes: u32, nr: u32) -> array<f32, MT> {
     let ng = pc.shape.z / 16u;
     var acc: array<f32, MT>;
-    var i = lane;
-    // Two groups a round, both read before either is used, so their loads are in flight
-    // together (a loop that uses each group first waits for its loads before the next); the
-    // groups are added in the same order either way.
-    for (; i + lanes < ng; i += 2u * lanes) {
-        let j = i + lanes;
-        let blk0 = w_base + (i / GPB) * QB;
-        let blk1 = w_base + (j / GPB) * QB;
-        let sc0 = q_scale(blk0, i % GPB);
-        let v0 = q_vals(blk0, i % GPB);
-        let sc1 = q_scale(blk1, j % GPB);
-        let v1 = q_vals(blk1, j % GPB);
-        group_terms(&acc, a_base, nr, i, sc0, v0);
-        group_terms(&acc, a_base, nr, j, sc1, v1);
-    }
-    if i < ng {
+    for (var i = lane; i < ng; i += lanes) {
         let blk = w_base + (i / GPB) * QB;
-        group_terms(&acc, a_base, nr, i, q_scale(blk, i % GPB), q_vals(blk, i % GPB));
+        let g = i % GPB;
+        let sc = q_scale(blk, g);
+        let v = q_vals(blk, g);
+        let k = i * 16u;
+        for (var r = 0u; r < MT; r++) {
+            if r < nr {
+                let ab = a_base + r * pc.a_str.z;
+                let x0 = x4(ab, k);
+                let x1 = x4(ab, k + 4u);
+                let x2 = x4(ab, k + 8u);
+                let x3 = x4(ab, k + 12u);
+                var t = sc.x * ((dot(x0, v[0]) + dot(x1, v[1])) + (dot(x2, v[2]) + dot(x3, v[3])));
+                if Q_MIN {
+                    let sx = (x0 + x1) + (x2 + x3);
+                    t += sc.y * ((sx.x + sx.y) + (sx.z + sx.w));
+                }
+                acc[r] += t;
+            }
+        }
     }
     return acc;
 }
