@@ -67,7 +67,7 @@ fn sg_begin(lane: u32, sg: u32, nsg: u32) {
 }
 
 // The reductions go through the subgroups first (`subgroupMax`/`subgroupAdd`), then through
-// one shared slot per subgroup: two barriers instead of a tree's nine. The subgroups' values
+// one shared slot per subgroup: two barriers instead of the tree's ten. The subgroups' values
 // are combined in subgroup order, so the result is the same in every invocation and run.
 fn reduce_max(v: f32, li: u32) -> f32 {
     let m = subgroupMax(v);
