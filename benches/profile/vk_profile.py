@@ -49,17 +49,20 @@ def _session(
         )
 
 
-def _decode_pass(sess: ls.Session, prompt: list[int], n: int) -> None:
+def _decode_pass(sess: ls.Session, prompt: list[int], n: int) -> float:
     """The prompt but its last token as one forward pass, then `n` tokens generated from its
     last token, so the stats reset between them count the decode steps alone (and the last
-    token's forward pass)."""
+    token's forward pass). Returns the process's CPU seconds over the generation."""
     sess.seq_rm(0)
     if len(prompt) > 1:
         sess.decode(prompt[:-1], seq_id=0, logits="none")
     sess.context.synchronize()
     sess.context.reset_stats()
+    cpu0 = time.process_time()
     sess.generate(prompt[-1:], max_new_tokens=n, seq_id=0)
+    cpu = time.process_time() - cpu0
     sess.context.synchronize()
+    return cpu
 
 
 def profile(
@@ -95,13 +98,7 @@ def plain_tok_s(
     sess = _session(model, backend, n, prompt_len, kv, "0")
     prompt = _prompt(model, prompt_len)
     _decode_pass(sess, prompt, n)
-    sess.seq_rm(0)
-    if len(prompt) > 1:
-        sess.decode(prompt[:-1], seq_id=0, logits="none")
-    sess.context.synchronize()
-    cpu0 = time.process_time()
-    sess.generate(prompt[-1:], max_new_tokens=n, seq_id=0)
-    cpu_ms = (time.process_time() - cpu0) * 1e3 / n
+    cpu_ms = _decode_pass(sess, prompt, n) * 1e3 / n
     st = sess.last_generate
     assert st is not None
     return st.tg_tps, cpu_ms

@@ -69,7 +69,7 @@ fn sg_begin(lane: u32, sg: u32, nsg: u32) {
 // The reductions go through the subgroups first (`subgroupMax`/`subgroupAdd`), then through
 // one shared slot per subgroup: two barriers instead of the tree's ten. The subgroups' values
 // are combined in subgroup order, so the result is the same in every invocation and run.
-fn reduce_max(v: f32, li: u32) -> f32 {
+fn reduce_max(v: f32) -> f32 {
     let m = subgroupMax(v);
     if sg_lane == 0u {
         sg_part[sg_id] = m;
@@ -84,7 +84,7 @@ fn reduce_max(v: f32, li: u32) -> f32 {
     return r;
 }
 
-fn reduce_sum(v: f32, li: u32) -> f32 {
+fn reduce_sum(v: f32) -> f32 {
     let m = subgroupAdd(v);
     if sg_lane == 0u {
         sg_part[sg_id] = m;
@@ -231,7 +231,7 @@ fn attend(h: u32, lo: u32, hi: u32, li: u32) -> Attended {
             // The next pass overwrites the partial sums just read.
             workgroupBarrier();
         }
-        let new_mx = max(mx, reduce_max(lm, li));
+        let new_mx = max(mx, reduce_max(lm));
         // Nothing admitted so far: the sum and accumulators are 0 and stay 0 either way.
         var alpha = 0.0;
         if mx != ninf {
@@ -251,7 +251,7 @@ fn attend(h: u32, lo: u32, hi: u32, li: u32) -> Attended {
             }
             sc[j] = p;
         }
-        let cs = reduce_sum(ls, li);
+        let cs = reduce_sum(ls);
         sum = sum * alpha + cs;
         acc *= alpha;
         if g < groups {

@@ -35,7 +35,7 @@ fn main(
     }
     let span = admitted_span(pc.op.z + h * pc.op.x, pc.shape.z, li);
     let r = attend(h, span.x, span.y, li);
-    let has_nan = reduce_max(r.nan, li) != 0.0;
+    let has_nan = reduce_max(r.nan) != 0.0;
     var inv = 0.0;
     if r.sum != 0.0 {
         inv = 1.0 / r.sum;

@@ -63,7 +63,7 @@ fn main(
 
     // 3. The online softmax over keys [lo, hi).
     let r = attend(h, lo, hi, li);
-    let nan_seen = reduce_max(r.nan, li);
+    let nan_seen = reduce_max(r.nan);
     let o = group_sum(r.acc, li);
 
     // 4. The output (one chunk) or this chunk's partial slot.
