@@ -40,6 +40,8 @@ from testdata import REQUIRE_ENV, SMOLLM2_GGUF, data_dir
 
 QT = gguf.GGMLQuantizationType
 ALL = quants.QUANT_DTYPES
+# The 32-element block types (the others are 256-element super-blocks).
+BLOCKS_32 = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl")
 # NMSE of a product against float64 over the dequantized weight: f32 accumulation on the exact
 # path, 16-bit activation blocks (relative error ~2^-16 per value) on the default SIMD path.
 PRODUCT_NMSE = 1e-8
@@ -525,18 +527,20 @@ def test_a_quantized_model_stays_quantized_on_vulkan(
 
 @pytest.mark.vulkan
 @pytest.mark.parametrize("dtype", ALL)
-def test_both_vulkan_block_mat_vec_bodies_match_the_reference(
+def test_every_vulkan_block_mat_vec_body_matches_the_reference(
     dtype: str, clean_env: pytest.MonkeyPatch
 ) -> None:
-    """`LOWSYNC_VK_QV=group` and `block` in one process: a decode step's logits match a float64
-    forward pass and each other under both, and the one-row products (fused stores included)
-    run the body asked for: `mul_mat_vec_qb*` (a whole block per lane) only under `block`."""
+    """`LOWSYNC_VK_QV=group`, `block` and `rows` in one process: a decode step's logits match a
+    float64 forward pass and each other under each, and the one-row products (fused stores
+    included) run the body asked for: `mul_mat_vec_qb*` (a whole block per lane) only under
+    `block`, `mul_mat_vec_qw*` (two rows a workgroup) only under `rows` and for a 32-element
+    type (a super-block type keeps the group body there)."""
     model = _quant_model(dtype)
     tokens = [1, 2, 3, 4, 5]
     want = _reference_forward(model, tokens)
     clean_env.setenv("LOWSYNC_VK_PROFILE", "1")
     logits = {}
-    for body in ("group", "block"):
+    for body in ("group", "block", "rows"):
         clean_env.setenv("LOWSYNC_VK_QV", body)
         sess = ls.Session(model, backends=["vulkan"], n_ctx=16, n_ubatch=4)
         sess.decode(tokens[:4])
@@ -545,11 +549,18 @@ def test_both_vulkan_block_mat_vec_bodies_match_the_reference(
         logits[body] = sess.decode(tokens[4:], logits="all")
         sess.context.synchronize()
         names = {t["name"].split(".")[0] for t in sess.context.kernel_times()}
-        one_row = {n for n in names if n.startswith(("mul_mat_vec_qv", "mul_mat_vec_qb"))}
-        family = {"group": "mul_mat_vec_qv", "block": "mul_mat_vec_qb"}[body]
+        one_row = {
+            n for n in names if n.startswith(("mul_mat_vec_qv", "mul_mat_vec_qb", "mul_mat_vec_qw"))
+        }
+        family = {"group": "mul_mat_vec_qv", "block": "mul_mat_vec_qb", "rows": "mul_mat_vec_qw"}[
+            body
+        ]
+        if body == "rows" and dtype not in BLOCKS_32:
+            family = "mul_mat_vec_qv"
         assert one_row == {family, family + "_e", family + "_r"}, (body, names)
         assert rel_err(logits[body], want[4:]) < 1e-3, body
     assert rel_err(logits["block"], logits["group"]) < 1e-5
+    assert rel_err(logits["rows"], logits["group"]) < 1e-5
 
 
 @pytest.mark.vulkan

@@ -251,6 +251,14 @@ const KERNELS: &[Spec] = &[
         ],
     ),
     (
+        "mul_mat_vec_qw",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Quant, QUANTS_32),
+        ],
+    ),
+    (
         "mul_mat_vec_q_wg",
         &[
             ("d", Slot::Out, &["f32"]),
@@ -341,6 +349,15 @@ const KERNELS: &[Spec] = &[
         ],
     ),
     (
+        "mul_mat_vec_qw_e",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Quant, QUANTS_32),
+            ("e", Slot::In, &["f32"]),
+        ],
+    ),
+    (
         "mul_mat_vec_q_wg_e",
         &[
             ("d", Slot::Out, &["f32"]),
@@ -407,6 +424,16 @@ const KERNELS: &[Spec] = &[
             ("d", Slot::Out, FLOATS),
             ("a", Slot::Vec, &["f32"]),
             ("b", Slot::Quant, QUANTS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_qw_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Quant, QUANTS_32),
             ("ids", Slot::Int, &["i32"]),
             ("status", Slot::Status, &["u32"]),
         ],
@@ -602,7 +629,7 @@ fn binding(dir: &Path, k: usize, n: &str, kind: Slot, dt: &str) -> String {
         (Slot::In, "f16") => {
             decl("read", "u32")
                 + &format!(
-                    "fn ld_{n}(i: u32) -> f32 {{ return f16_bits_to_f32(({n}_buf[i >> 1u] >> ((i & 1u) * 16u)) & 0xffffu); }}\n"
+                    "fn ld_{n}(i: u32) -> f32 {{ return f16_bits_to_f32({n}_buf[i >> 1u] >> ((i & 1u) * 16u)); }}\n"
                 )
                 // `i` even: two whole words; f16 -> f32 is exact, so this equals `ld_` x4.
                 + &format!(
@@ -689,7 +716,10 @@ fn quant(dir: &Path, q: &str) -> String {
          {whole}",
         gpb = qk / 16,
         whole = if QUANTS_32.contains(&q) {
-            format!("fn q_sub(blk: u32, j: u32) -> Sub32 {{ return {q}_b32(blk); }}\n")
+            format!(
+                "fn q_sub(blk: u32, j: u32) -> Sub32 {{ return {q}_b32(blk); }}\n\
+                 fn q_quarter(blk: u32, j: u32) -> Quarter {{ return {q}_q8(blk, j); }}\n"
+            )
         } else {
             format!("fn q_sub(blk: u32, j: u32) -> Sub32 {{ return {q}_s32(blk, j); }}\n")
         },
@@ -723,10 +753,10 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
     let info = Validator::new(
         ValidationFlags::all(),
         // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_v`, `mul_mat_vec_q`, `mul_mat_vec_qv`,
-        // `mul_mat_vec_qb`, `mul_mat_vec_qm` and their `_e` and `_r` flavours, and the decode
-        // attention (`attn_dec`, `attn_split`), use subgroup operations, and the host picks
-        // them only on a device whose compute stage has subgroup arithmetic.
-        // SHADER_FLOAT16_IN_FLOAT32 is
+        // `mul_mat_vec_qb`, `mul_mat_vec_qw`, `mul_mat_vec_qm` and their `_e` and `_r`
+        // flavours, and the decode attention (`attn_dec`, `attn_split`), use subgroup
+        // operations, and the host picks them only on a device whose compute stage has
+        // subgroup arithmetic. SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).
         Capabilities::IMMEDIATES
             | Capabilities::FLOAT64

@@ -1,20 +1,16 @@
 // Shared helpers, prepended to every kernel after its binding declarations.
 //
-// 16-bit conversions are done on bits, round-to-nearest-even, exactly as the `half` crate the
-// CPU oracle uses, so f16/bf16 results are bit-identical to the CPU where the f32 value is.
+// f32 -> 16-bit conversions are done on bits, round-to-nearest-even, exactly as the `half` crate
+// the CPU oracle uses, so f16/bf16 results are bit-identical to the CPU where the f32 value is.
+// f16 -> f32 needs no rounding (every f16 is an f32): it is one conversion instruction
+// (`unpack2x16float`, GLSL.std.450 UnpackHalf2x16). A conversion written on bits took a dozen
+// instructions and two branches per value, and the branches cut a kernel's rounds of loads into
+// separate basic blocks, one wait each (on the H200 the decode attention over an f16 KV cache
+// and every block type's scales paid for it).
 
+// The f16 in the low 16 bits of `h` as f32.
 fn f16_bits_to_f32(h: u32) -> f32 {
-    let s = (h & 0x8000u) << 16u;
-    let e = (h >> 10u) & 0x1fu;
-    let m = h & 0x3ffu;
-    if e == 0u {
-        // zero or subnormal: m * 2^-24 is exact in f32
-        return bitcast<f32>(s | bitcast<u32>(f32(m) * 5.9604644775390625e-8));
-    }
-    if e == 31u {
-        return bitcast<f32>(s | 0x7f800000u | (m << 13u));
-    }
-    return bitcast<f32>(s | ((e + 112u) << 23u) | (m << 13u));
+    return unpack2x16float(h).x;
 }
 
 fn f32_to_f16_bits(value: f32) -> u32 {

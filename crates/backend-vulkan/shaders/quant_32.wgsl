@@ -136,3 +136,44 @@ fn q8_0_b32(blk: u32) -> Sub32 {
     let d = vec4<f32>(d0, 0.0, d0, 0.0);
     return Sub32(d, cols_f(lo, 0u, 255u, 128.0), cols_f(hi, 0u, 255u, 128.0));
 }
+
+// Quarters (`T_q8`, contract in `quant_common.wgsl`): the word of nibbles (or two words of bytes)
+// holding elements 4j .. 4j + 3 and 16 + 4j .. 16 + 4j + 3, and the block's scale.
+
+fn q4_0_q8(blk: u32, j: u32) -> Quarter {
+    let w = q_even_word(blk + 2u + 4u * j);
+    return Quarter(vec2<f32>(q_head_f16(q_buf[blk >> 2u], blk), 0.0), u2f(lanes(w, 0u, 15u), 8.0), u2f(lanes(w, 4u, 15u), 8.0));
+}
+
+fn q4_1_q8(blk: u32, j: u32) -> Quarter {
+    let dm = q_even_word(blk);
+    let w = q_even_word(blk + 4u + 4u * j);
+    let sc = vec2<f32>(f16_bits_to_f32(dm & 0xffffu), f16_bits_to_f32(dm >> 16u));
+    return Quarter(sc, u2f(lanes(w, 0u, 15u), 0.0), u2f(lanes(w, 4u, 15u), 0.0));
+}
+
+// Q5: element e's fifth bit is bit e of the block's 32 high bits `qh`.
+fn q5_quarter(sc: vec2<f32>, qh: u32, w: u32, j: u32, bias: f32) -> Quarter {
+    let lo = lanes(w, 0u, 15u) | (bit4(qh, 4u * j) << vec4<u32>(4u));
+    let hi = lanes(w, 4u, 15u) | (bit4(qh, 16u + 4u * j) << vec4<u32>(4u));
+    return Quarter(sc, u2f(lo, bias), u2f(hi, bias));
+}
+
+fn q5_0_q8(blk: u32, j: u32) -> Quarter {
+    let sc = vec2<f32>(q_head_f16(q_buf[blk >> 2u], blk), 0.0);
+    return q5_quarter(sc, q_even_word(blk + 2u), q_even_word(blk + 6u + 4u * j), j, 16.0);
+}
+
+fn q5_1_q8(blk: u32, j: u32) -> Quarter {
+    let dm = q_even_word(blk);
+    let sc = vec2<f32>(f16_bits_to_f32(dm & 0xffffu), f16_bits_to_f32(dm >> 16u));
+    return q5_quarter(sc, q_even_word(blk + 4u), q_even_word(blk + 8u + 4u * j), j, 0.0);
+}
+
+fn q8_0_q8(blk: u32, j: u32) -> Quarter {
+    let flip = 0x80808080u;
+    let lo = q_even_word(blk + 2u + 4u * j) ^ flip;
+    let hi = q_even_word(blk + 18u + 4u * j) ^ flip;
+    let sc = vec2<f32>(q_head_f16(q_buf[blk >> 2u], blk), 0.0);
+    return Quarter(sc, u2f(lanes(lo, 0u, 255u), 128.0), u2f(lanes(hi, 0u, 255u), 128.0));
+}

@@ -51,6 +51,13 @@ fn iq4_nl_b32(blk: u32) -> Sub32 {
     return Sub32(vec4<f32>(f.d, 0.0, f.d, 0.0), iq4_vals(f.w, 0u), iq4_vals(f.w, 4u));
 }
 
+// IQ4_NL quarter j (`T_q8`): Q4_0's layout.
+fn iq4_nl_q8(blk: u32, j: u32) -> Quarter {
+    let w = q_even_word(blk + 2u + 4u * j);
+    let sc = vec2<f32>(q_head_f16(q_buf[blk >> 2u], blk), 0.0);
+    return Quarter(sc, iq4_lanes(lanes(w, 0u, 15u)), iq4_lanes(lanes(w, 4u, 15u)));
+}
+
 // IQ4_XS sub-block j (`T_s32`): its 16 bytes of nibbles are words 2 + 4j (136-byte blocks
 // stay on words when the weight starts on one, which the host then requires).
 fn iq4_xs_s32(blk: u32, j: u32) -> Sub32 {

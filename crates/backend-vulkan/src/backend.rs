@@ -103,7 +103,9 @@ impl VulkanBackend {
             subgroups: dev.subgroup_arith && !config.no_subgroups,
             wide_groups: dev.limits.max_compute_work_group_invocations >= 256
                 && dev.limits.max_compute_work_group_size[0] >= 256,
-            whole_blocks: config.quant_mat_vec == QuantMatVec::Block,
+            qv: config
+                .quant_mat_vec
+                .unwrap_or(QuantMatVec::for_device(dev.cpu_type)),
         };
         let alignment = (limits.offset_align as usize).max(64);
         let state = State {

@@ -51,9 +51,11 @@ pub struct VkConfig {
     /// (`crate::fusion`: a decode attention `MulMat(q, K) -> SoftMax -> MulMat(p, V) [-> Cpy]`,
     /// an `RmsNorm -> Mul` by its weight); 0 plans every node on its own (the A/B switch).
     pub fusion: bool,
-    /// `LOWSYNC_VK_QV` (default `group`): the body of the one-row decode mat-vec over block
-    /// weights ([`QuantMatVec`]), an A/B switch.
-    pub quant_mat_vec: QuantMatVec,
+    /// `LOWSYNC_VK_QV`: the body of the one-row decode mat-vec over block weights
+    /// ([`QuantMatVec`]). `None` (the variable unset): chosen by the device's type, `group`
+    /// on a CPU-type device (lavapipe runs `rows`' four times as many workgroups about ten
+    /// times slower), `rows` on a GPU (where it is the fastest on every "1b" shape).
+    pub quant_mat_vec: Option<QuantMatVec>,
     /// `LOWSYNC_VK_ATTN_SPLIT` (`0`, `1` or a chunk count `N`): the fused decode attention
     /// runs each query head's valid keys in up to this many workgroups (`attn_split`, then
     /// `attn_merge`); `1` picks the default of 8 chunks; 0 keeps one workgroup per head
@@ -68,27 +70,45 @@ pub struct VkConfig {
 /// How the one-row decode mat-vec over block weights splits a row of w among a subgroup's
 /// lanes, where 16-byte loads of x and 256-invocation workgroups apply (elsewhere the group
 /// body runs either way). Both run the residual-add, SwiGLU and KV-row stores the same way.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantMatVec {
     /// `group`: a 16-element group per lane (`mul_mat_vec_qv`).
-    #[default]
     Group,
     /// `block`: 32 consecutive elements per lane, a whole block of Q4_0, Q4_1, Q5_0, Q5_1,
     /// Q8_0 or IQ4_NL or a 32-element sub-block of a super-block, its words loaded once,
     /// aligned (`mul_mat_vec_qb`).
     Block,
+    /// `rows`: two rows of w per 128-invocation workgroup, each row spread over all of it, a
+    /// lane taking 8 elements (a quarter) of a block at a time (`mul_mat_vec_qw`); the
+    /// 32-element types only (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), the super-block types
+    /// keep the group body.
+    Rows,
 }
 
 impl QuantMatVec {
-    /// `LOWSYNC_VK_QV`: `group` or `block`; unset or empty is the default, anything else an
-    /// `Error::Env` naming the variable.
-    pub fn from_env() -> Result<Self> {
+    /// `LOWSYNC_VK_QV`: `group`, `block` or `rows`; unset or empty is `None` (the device's
+    /// default, [`QuantMatVec::for_device`]), anything else an `Error::Env` naming the
+    /// variable.
+    pub fn from_env() -> Result<Option<Self>> {
+        let names = &["group", "block", "rows"];
         Ok(
-            match env::choice("LOWSYNC_VK_QV", &["group", "block"], "group or block")? {
-                Some("block") => QuantMatVec::Block,
-                _ => QuantMatVec::Group,
+            match env::choice("LOWSYNC_VK_QV", names, "group, block or rows")? {
+                Some("group") => Some(QuantMatVec::Group),
+                Some("block") => Some(QuantMatVec::Block),
+                Some("rows") => Some(QuantMatVec::Rows),
+                _ => None,
             },
         )
+    }
+
+    /// The body a device runs when none is asked for: `group` on a CPU-type device, `rows`
+    /// on a GPU.
+    pub fn for_device(cpu_type: bool) -> Self {
+        if cpu_type {
+            QuantMatVec::Group
+        } else {
+            QuantMatVec::Rows
+        }
     }
 }
 
@@ -126,7 +146,7 @@ impl Default for VkConfig {
             record: true,
             profile: false,
             fusion: true,
-            quant_mat_vec: QuantMatVec::Group,
+            quant_mat_vec: None,
             attn_split: None,
             entry_point_hook: None,
         }

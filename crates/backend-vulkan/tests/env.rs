@@ -50,9 +50,10 @@ fn bad_values_and_names_are_clear_errors() {
         })
     ));
     for (value, body) in [
-        ("block", QuantMatVec::Block),
-        ("group", QuantMatVec::Group),
-        ("", QuantMatVec::Group),
+        ("block", Some(QuantMatVec::Block)),
+        ("group", Some(QuantMatVec::Group)),
+        ("rows", Some(QuantMatVec::Rows)),
+        ("", None),
     ] {
         std::env::set_var("LOWSYNC_VK_QV", value);
         assert_eq!(
@@ -64,9 +65,11 @@ fn bad_values_and_names_are_clear_errors() {
     std::env::remove_var("LOWSYNC_VK_QV");
     assert_eq!(
         lowsync_vulkan::VkConfig::default().quant_mat_vec,
-        QuantMatVec::Group,
-        "group by default"
+        None,
+        "the device's default"
     );
+    assert_eq!(QuantMatVec::for_device(true), QuantMatVec::Group);
+    assert_eq!(QuantMatVec::for_device(false), QuantMatVec::Rows);
     for bad in ["vulkan:x", "vulkan:", "vulkanx", "cuda:0"] {
         assert!(
             matches!(lowsync_vulkan::create(bad), Err(Error::UnknownBackend(_))),

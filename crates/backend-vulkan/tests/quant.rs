@@ -311,7 +311,8 @@ fn products(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
     // (m, n, blocks per row, lead rows, x transposed): one block to many, odd row counts, a
     // weight starting mid-word (most block sizes are not a multiple of 4 bytes), several rows
     // of x (small batches, prefill: 8 rows per workgroup, a last workgroup with fewer), and an
-    // x not contiguous along k (one row per workgroup).
+    // x not contiguous along k (one row per workgroup); rows of 160 and 300 blocks take every
+    // round of `mul_mat_vec_qw` (four quarters a lane, two, one).
     let shapes = [
         (1, 1, 1, 0, false),
         (1, 7, 2, 1, false),
@@ -319,6 +320,8 @@ fn products(vk: &VulkanBackend, cpu: &CpuBackend) -> Vec<String> {
         (1, 37, 5, 0, false),
         (1, 64, 18, 1, false),
         (1, 9, 48, 2, false),
+        (1, 5, 160, 1, false),
+        (1, 3, 300, 0, false),
         (3, 11, 3, 1, false),
         (8, 6, 2, 2, false),
         (9, 5, 2, 0, false),
@@ -477,15 +480,16 @@ fn quantized_products_and_rows_match_the_cpu_oracle_without_subgroups() {
     });
 }
 
-/// `LOWSYNC_VK_QV=group` and `block` side by side in one process: every block type's products
-/// match the CPU oracle under both, and the one-row products take the whole-block kernel
-/// (`mul_mat_vec_qb`) exactly when it is asked for.
+/// `LOWSYNC_VK_QV=group`, `block` and `rows` side by side in one process: every block type's
+/// products match the CPU oracle under each, and the one-row products take the whole-block
+/// kernel (`mul_mat_vec_qb`) exactly when it is asked for, the two-row kernel
+/// (`mul_mat_vec_qw`) exactly when it is asked for and the type has 32-element blocks.
 #[test]
-fn both_block_mat_vec_bodies_match_the_cpu_oracle() {
+fn every_block_mat_vec_body_matches_the_cpu_oracle() {
     let cpu = CpuBackend::new();
-    for body in [QuantMatVec::Group, QuantMatVec::Block] {
+    for body in [QuantMatVec::Group, QuantMatVec::Block, QuantMatVec::Rows] {
         let Some(vk) = common::open(VkConfig {
-            quant_mat_vec: body,
+            quant_mat_vec: Some(body),
             profile: true,
             ..common::config()
         }) else {
@@ -507,18 +511,22 @@ fn both_block_mat_vec_bodies_match_the_cpu_oracle() {
         };
         // Both bodies need subgroups and 256-invocation workgroups; a device without them runs
         // neither, and the products above were checked on the kernels it has.
-        let one_row_16b = VK_QUANTS
-            .iter()
-            .any(|&dt| ran("mul_mat_vec_qv", dt) || ran("mul_mat_vec_qb", dt));
+        let one_row_16b = VK_QUANTS.iter().any(|&dt| {
+            ["mul_mat_vec_qv", "mul_mat_vec_qb", "mul_mat_vec_qw"]
+                .iter()
+                .any(|f| ran(f, dt))
+        });
         if !one_row_16b {
-            eprintln!("{body:?}: this device runs neither one-row body; kernel choice unchecked");
+            eprintln!("{body:?}: this device runs no one-row body; kernel choice unchecked");
         }
         for &dt in VK_QUANTS.iter().filter(|_| one_row_16b) {
             let whole = body == QuantMatVec::Block;
+            let rows = body == QuantMatVec::Rows && dt.block_size() == 32;
             assert_eq!(ran("mul_mat_vec_qb", dt), whole, "{body:?} {dt}: {names:?}");
+            assert_eq!(ran("mul_mat_vec_qw", dt), rows, "{body:?} {dt}: {names:?}");
             assert_eq!(
                 ran("mul_mat_vec_qv", dt),
-                !whole,
+                !whole && !rows,
                 "{body:?} {dt}: {names:?}"
             );
         }

@@ -18,6 +18,7 @@ use ash::vk;
 use lowsync_backend::{Error, ExecNode, Result};
 use lowsync_graph::DType;
 
+use crate::config::QuantMatVec;
 use crate::pipelines::{Bind, Push};
 
 /// A tensor resolved to device memory.
@@ -115,8 +116,8 @@ pub(crate) struct Limits {
     pub subgroups: bool,
     /// Workgroups of 256 invocations along x are allowed (Vulkan guarantees only 128).
     pub wide_groups: bool,
-    /// The one-row block mat-vec takes 32 elements per lane (`LOWSYNC_VK_QV=block`).
-    pub whole_blocks: bool,
+    /// The body of the one-row block mat-vec (`LOWSYNC_VK_QV`).
+    pub qv: QuantMatVec,
 }
 
 /// An index-checking kernel's error slot: the status binding and the tag naming this node.

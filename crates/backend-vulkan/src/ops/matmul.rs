@@ -23,12 +23,15 @@ use lowsync_backend::Result;
 use lowsync_graph::DType;
 
 use super::layout::{dt, need_status, Ctx, Dispatch, Res, Status};
+use crate::config::QuantMatVec;
 use crate::pipelines::Push;
 
 /// Rows up to which `MulMat` uses the matrix-vector kernel.
 const MAT_VEC_MAX_M: usize = 8;
 /// Result columns per workgroup of the decode fast path (`ROWS` in `mul_mat_vec_head.wgsl`).
 const MAT_VEC_K_ROWS: usize = 8;
+/// Rows of w per workgroup of `mul_mat_vec_qw.wgsl` (its `QW_ROWS`).
+const QW_ROWS: usize = 2;
 /// Rows of x per workgroup z of the multi-row quantized mat-vec (`MT` in `mul_mat_vec_qm.wgsl`).
 const QUANT_ROWS_PER_GROUP: usize = 8;
 /// Rows of w per workgroup of the prefill product over block weights (`BN` in
@@ -215,6 +218,7 @@ const EPILOGUE_FAMILIES: &[&str] = &[
     "mul_mat_vec_q",
     "mul_mat_vec_qv",
     "mul_mat_vec_qb",
+    "mul_mat_vec_qw",
     "mul_mat_vec_q_wg",
 ];
 
@@ -373,23 +377,28 @@ fn quant_mat_vec(
     if gx > max[0] as usize || gz > max[2] as usize {
         return Err(c.err(format!("a {m}x{n} product exceeds the dispatch limits")));
     }
-    let flavour = if !c.lim.subgroups {
-        "_wg"
+    let (flavour, gx) = if !c.lim.subgroups {
+        ("_wg", gx)
     } else if m == 1 && push.prm[0] == 1 && c.lim.wide_groups && x_vec_aligned(&push, sa) {
         // `LOWSYNC_VK_QV=block`: 32 elements per lane instead, where w starts on an even byte
         // (blocks are an even number of bytes, so each then starts on a word or two bytes into
         // one: `T_b32`, and Q3_K's and Q6_K's `T_s32`, read both), and on a word for the other
-        // super-block types (whole words per block, read only on words).
+        // super-block types (whole words per block, read only on words). `rows`: a
+        // 32-element type's rows two to a workgroup, w on an even byte (`T_q8`).
         let either = bs == 32 || matches!(b.dtype, DType::Q3_K | DType::Q6_K);
         let align = if either { 2 } else { 4 };
-        if c.lim.whole_blocks && push.offs[2].is_multiple_of(align) {
-            "b"
-        } else {
-            "v"
+        let even = push.offs[2].is_multiple_of(align);
+        match c.lim.qv {
+            QuantMatVec::Block if even => ("b", gx),
+            QuantMatVec::Rows if bs == 32 && even => ("w", n.div_ceil(QW_ROWS)),
+            _ => ("v", gx),
         }
     } else {
-        ""
+        ("", gx)
     };
+    if gx > max[0] as usize {
+        return Err(c.err(format!("a {m}x{n} product exceeds the dispatch limits")));
+    }
     Ok(vec![Dispatch {
         kernel: format!("{kernel}{flavour}.d_f32.a_f32.b_{}", dt(b.dtype)),
         binds: binds.to_vec(),

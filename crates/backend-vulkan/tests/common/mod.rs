@@ -7,11 +7,12 @@ use lowsync_graph::{contiguous_strides, DType};
 use lowsync_vulkan::{QuantMatVec, VkConfig, VulkanBackend};
 
 /// The default test config: validation with synchronization validation on, and the block
-/// mat-vec body `LOWSYNC_VK_QV` names (`group` unset), so the whole suite runs under either.
+/// mat-vec body `LOWSYNC_VK_QV` names (the device's default unset), so the whole suite runs
+/// under any.
 pub fn config() -> VkConfig {
     VkConfig {
         validation: true,
-        quant_mat_vec: QuantMatVec::from_env().expect("LOWSYNC_VK_QV is group or block"),
+        quant_mat_vec: QuantMatVec::from_env().expect("LOWSYNC_VK_QV is group, block or rows"),
         ..VkConfig::default()
     }
 }
