@@ -517,6 +517,9 @@ fn main() {
             for (k, ((slot, kind, _), dt)) in slots.iter().zip(&combo).enumerate() {
                 src.push_str(&binding(&dir, k, slot, *kind, dt));
             }
+            if quant_slots == 1 {
+                src.push_str(scale_conversion(kernel));
+            }
             src.push_str(&common);
             src.push_str(&body);
             match compile(&src) {
@@ -726,6 +729,20 @@ fn quant(dir: &Path, q: &str) -> String {
         common = read(&dir.join("quant_common.wgsl")),
         family = read(&dir.join(format!("{family}.wgsl"))),
     )
+}
+
+/// `q_f16`, how a kernel's block readers turn an f16 scale into f32: one instruction
+/// (`f16_bits_to_f32`, `unpack2x16float`), except in the prefill kernel `mul_mat_q`, whose 32
+/// accumulators live across it and which lavapipe ran 45% slower that way ("tiny" Q4_0,
+/// 64-token prompt: 428 against 294 ms); there the conversion written on bits
+/// (`f16_on_bits`), which gives the same values. The H200 runs the prefill at the same speed
+/// either way.
+fn scale_conversion(kernel: &str) -> &'static str {
+    if kernel == "mul_mat_q" {
+        "fn q_f16(h: u32) -> f32 { return f16_on_bits(h); }\n"
+    } else {
+        "fn q_f16(h: u32) -> f32 { return f16_bits_to_f32(h); }\n"
+    }
 }
 
 /// (elements, bytes) per block: GGUF's sizes, as `lowsync_graph::DType` states them.

@@ -6,7 +6,8 @@
 // (`unpack2x16float`, GLSL.std.450 UnpackHalf2x16). A conversion written on bits took a dozen
 // instructions and two branches per value, and the branches cut a kernel's rounds of loads into
 // separate basic blocks, one wait each (on the H200 the decode attention over an f16 KV cache
-// and every block type's scales paid for it).
+// and every block type's scales paid for it). Block readers convert their scales through
+// `q_f16`, which build.rs binds to this or to the form on bits (`quant_common.wgsl`).
 
 // The f16 in the low 16 bits of `h` as f32.
 fn f16_bits_to_f32(h: u32) -> f32 {

@@ -14,7 +14,7 @@ fn q4_0_qv(blk: u32, g: u32) -> mat4x4<f32> {
 // Q4_1 (20 bytes): f16 d, f16 m, 16 bytes of nibbles; d * q + m.
 fn q4_1_qs(blk: u32, g: u32) -> vec2<f32> {
     let dm = qw(blk);
-    return vec2<f32>(f16_bits_to_f32(dm & 0xffffu), f16_bits_to_f32(dm >> 16u));
+    return vec2<f32>(q_f16(dm & 0xffffu), q_f16(dm >> 16u));
 }
 fn q4_1_qv(blk: u32, g: u32) -> mat4x4<f32> {
     return cols(qw4(blk + 4u), 4u * g, 15u, 0.0);
@@ -148,7 +148,7 @@ fn q4_0_q8(blk: u32, j: u32) -> Quarter {
 fn q4_1_q8(blk: u32, j: u32) -> Quarter {
     let dm = q_even_word(blk);
     let w = q_even_word(blk + 4u + 4u * j);
-    let sc = vec2<f32>(f16_bits_to_f32(dm & 0xffffu), f16_bits_to_f32(dm >> 16u));
+    let sc = vec2<f32>(q_f16(dm & 0xffffu), q_f16(dm >> 16u));
     return Quarter(sc, u2f(lanes(w, 0u, 15u), 0.0), u2f(lanes(w, 4u, 15u), 0.0));
 }
 
@@ -166,7 +166,7 @@ fn q5_0_q8(blk: u32, j: u32) -> Quarter {
 
 fn q5_1_q8(blk: u32, j: u32) -> Quarter {
     let dm = q_even_word(blk);
-    let sc = vec2<f32>(f16_bits_to_f32(dm & 0xffffu), f16_bits_to_f32(dm >> 16u));
+    let sc = vec2<f32>(q_f16(dm & 0xffffu), q_f16(dm >> 16u));
     return q5_quarter(sc, q_even_word(blk + 4u), q_even_word(blk + 8u + 4u * j), j, 0.0);
 }
 

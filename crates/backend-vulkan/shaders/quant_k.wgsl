@@ -8,8 +8,8 @@
 fn q2_k_qs(blk: u32, g: u32) -> vec2<f32> {
     let sc = qb(blk + g);
     let dd = qw(blk + 80u);
-    let d = f16_bits_to_f32(dd & 0xffffu);
-    let dmin = f16_bits_to_f32(dd >> 16u);
+    let d = q_f16(dd & 0xffffu);
+    let dmin = q_f16(dd >> 16u);
     return vec2<f32>(d * f32(sc & 15u), -(dmin * f32(sc >> 4u)));
 }
 fn q2_k_qv(blk: u32, g: u32) -> mat4x4<f32> {
@@ -61,8 +61,8 @@ fn k_scale_min(blk: u32, j: u32) -> vec2<f32> {
     }
     let dd = qw(blk);
     return vec2<f32>(
-        f16_bits_to_f32(dd & 0xffffu) * f32(sc),
-        -(f16_bits_to_f32(dd >> 16u) * f32(m)),
+        q_f16(dd & 0xffffu) * f32(sc),
+        -(q_f16(dd >> 16u) * f32(m)),
     );
 }
 
@@ -145,8 +145,8 @@ fn k_sub_scale_min(hdr: vec4<u32>, j: u32) -> vec4<f32> {
     let hi = j >= 4u;
     let sc = select(a & 63u, (c & 15u) | ((a >> 6u) << 4u), hi);
     let m = select(b & 63u, (c >> 4u) | ((b >> 6u) << 4u), hi);
-    let s = f16_bits_to_f32(hdr.x & 0xffffu) * f32(sc);
-    let o = -(f16_bits_to_f32(hdr.x >> 16u) * f32(m));
+    let s = q_f16(hdr.x & 0xffffu) * f32(sc);
+    let o = -(q_f16(hdr.x >> 16u) * f32(m));
     return vec4<f32>(s, o, s, o);
 }
 
@@ -227,7 +227,7 @@ fn q6_k_s32(blk: u32, j: u32) -> Sub32 {
     let sl = 4u * ((j % 4u) / 2u);
     let sh = 2u * (j % 4u);
     let s = q_even_u16(blk + 192u + 2u * j);
-    let d = f16_bits_to_f32(q_even_u16(blk + 208u));
+    let d = q_f16(q_even_u16(blk + 208u));
     let s0 = d * (f32((s & 255u) ^ 128u) - 128.0);
     let s1 = d * (f32((s >> 8u) ^ 128u) - 128.0);
     let lo = q6_k_cols_f(q_even16(ql), q_even16(qh), sl, sh);
