@@ -192,6 +192,12 @@ impl VulkanBackend {
         &self.inner.dev.name
     }
 
+    /// The device's `maxComputeWorkGroupCount`: the most workgroups a dispatch takes along
+    /// x, y and z.
+    pub fn max_group_count(&self) -> [u32; 3] {
+        self.inner.dev.limits.max_compute_work_group_count
+    }
+
     /// The settings this backend was built with.
     pub fn config(&self) -> &VkConfig {
         &self.inner.config

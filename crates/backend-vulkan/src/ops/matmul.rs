@@ -384,13 +384,15 @@ fn quant_mat_vec(
         // (blocks are an even number of bytes, so each then starts on a word or two bytes into
         // one: `T_b32`, and Q3_K's and Q6_K's `T_s32`, read both), and on a word for the other
         // super-block types (whole words per block, read only on words). `rows`: a
-        // 32-element type's rows two to a workgroup, w on an even byte (`T_q8`).
+        // 32-element type's rows two to a workgroup, w on an even byte (`T_q8`), where that
+        // many workgroups fit the dispatch limit (a vocabulary past 131,070 rows does not).
         let either = bs == 32 || matches!(b.dtype, DType::Q3_K | DType::Q6_K);
         let align = if either { 2 } else { 4 };
         let even = push.offs[2].is_multiple_of(align);
+        let gw = n.div_ceil(QW_ROWS);
         match c.lim.qv {
             QuantMatVec::Block if even => ("b", gx),
-            QuantMatVec::Rows if bs == 32 && even => ("w", n.div_ceil(QW_ROWS)),
+            QuantMatVec::Rows if bs == 32 && even && gw <= max[0] as usize => ("w", gw),
             _ => ("v", gx),
         }
     } else {
