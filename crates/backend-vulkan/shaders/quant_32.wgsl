@@ -141,13 +141,13 @@ fn q8_0_b32(blk: u32) -> Sub32 {
 // holding elements 4j .. 4j + 3 and 16 + 4j .. 16 + 4j + 3, and the block's scale.
 
 fn q4_0_q8(blk: u32, j: u32) -> Quarter {
-    let w = q_even_word(blk + 2u + 4u * j);
+    let w = qw(blk + 2u + 4u * j);
     return Quarter(vec2<f32>(q_head_f16(q_buf[blk >> 2u], blk), 0.0), u2f(lanes(w, 0u, 15u), 8.0), u2f(lanes(w, 4u, 15u), 8.0));
 }
 
 fn q4_1_q8(blk: u32, j: u32) -> Quarter {
-    let dm = q_even_word(blk);
-    let w = q_even_word(blk + 4u + 4u * j);
+    let dm = qw(blk);
+    let w = qw(blk + 4u + 4u * j);
     let sc = vec2<f32>(q_f16(dm & 0xffffu), q_f16(dm >> 16u));
     return Quarter(sc, u2f(lanes(w, 0u, 15u), 0.0), u2f(lanes(w, 4u, 15u), 0.0));
 }
@@ -161,19 +161,19 @@ fn q5_quarter(sc: vec2<f32>, qh: u32, w: u32, j: u32, bias: f32) -> Quarter {
 
 fn q5_0_q8(blk: u32, j: u32) -> Quarter {
     let sc = vec2<f32>(q_head_f16(q_buf[blk >> 2u], blk), 0.0);
-    return q5_quarter(sc, q_even_word(blk + 2u), q_even_word(blk + 6u + 4u * j), j, 16.0);
+    return q5_quarter(sc, qw(blk + 2u), qw(blk + 6u + 4u * j), j, 16.0);
 }
 
 fn q5_1_q8(blk: u32, j: u32) -> Quarter {
-    let dm = q_even_word(blk);
+    let dm = qw(blk);
     let sc = vec2<f32>(q_f16(dm & 0xffffu), q_f16(dm >> 16u));
-    return q5_quarter(sc, q_even_word(blk + 4u), q_even_word(blk + 8u + 4u * j), j, 0.0);
+    return q5_quarter(sc, qw(blk + 4u), qw(blk + 8u + 4u * j), j, 0.0);
 }
 
 fn q8_0_q8(blk: u32, j: u32) -> Quarter {
     let flip = 0x80808080u;
-    let lo = q_even_word(blk + 2u + 4u * j) ^ flip;
-    let hi = q_even_word(blk + 18u + 4u * j) ^ flip;
+    let lo = qw(blk + 2u + 4u * j) ^ flip;
+    let hi = qw(blk + 18u + 4u * j) ^ flip;
     let sc = vec2<f32>(q_head_f16(q_buf[blk >> 2u], blk), 0.0);
     return Quarter(sc, u2f(lanes(lo, 0u, 255u), 128.0), u2f(lanes(hi, 0u, 255u), 128.0));
 }

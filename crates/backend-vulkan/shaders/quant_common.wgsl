@@ -103,18 +103,12 @@ struct Sub32 {
 // j of it, with the block's (scale, offset) in `sc`: what `T_q8(blk, j)` of a 32-element type
 // returns (bound by build.rs to `q_quarter`), for kernels whose four adjacent invocations
 // share a block. In every 32-element layout those eight elements sit in one word of nibbles
-// (4-bit types) or two words of bytes (Q8_0), so a quarter is two or three word loads.
+// (4-bit types) or two words of bytes (Q8_0), read through `qw`, so a quarter is two or three
+// word loads.
 struct Quarter {
     sc: vec2<f32>,
     lo: vec4<f32>,
     hi: vec4<f32>,
-}
-
-// The four bytes at an even byte `b`: one load where `b` is on a word, else two (the second
-// is the word holding the last byte, so nothing past it is touched).
-fn q_even_word(b: u32) -> u32 {
-    let w = q_buf[b >> 2u];
-    return select(w, q_mid(w, q_buf[(b + 3u) >> 2u]), (b & 2u) != 0u);
 }
 
 // The four words that start two bytes into the words `lo` (the upper halves of `lo`, joined to

@@ -53,7 +53,7 @@ fn iq4_nl_b32(blk: u32) -> Sub32 {
 
 // IQ4_NL quarter j (`T_q8`): Q4_0's layout.
 fn iq4_nl_q8(blk: u32, j: u32) -> Quarter {
-    let w = q_even_word(blk + 2u + 4u * j);
+    let w = qw(blk + 2u + 4u * j);
     let sc = vec2<f32>(q_head_f16(q_buf[blk >> 2u], blk), 0.0);
     return Quarter(sc, iq4_lanes(lanes(w, 0u, 15u)), iq4_lanes(lanes(w, 4u, 15u)));
 }

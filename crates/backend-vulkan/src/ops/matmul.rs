@@ -398,9 +398,6 @@ fn quant_mat_vec(
     } else {
         ("", gx)
     };
-    if gx > max[0] as usize {
-        return Err(c.err(format!("a {m}x{n} product exceeds the dispatch limits")));
-    }
     Ok(vec![Dispatch {
         kernel: format!("{kernel}{flavour}.d_f32.a_f32.b_{}", dt(b.dtype)),
         binds: binds.to_vec(),
