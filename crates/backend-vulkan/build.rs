@@ -49,6 +49,10 @@ enum Slot {
     /// `blk`, and `q_sub(blk, j)`, its 32-element piece j (contract in
     /// `shaders/quant_common.wgsl`).
     Quant,
+    /// A second block binding, `u_buf`, of the `Quant` slot's type (a kernel reading two
+    /// weights, such as the gate and up halves of SwiGLU): the same readers, each named with
+    /// `_u` appended (`q_quarter_u`); only variants where both slots have one type are built.
+    Quant2,
 }
 
 const FLOATS: &[&str] = &["f32", "f16", "bf16"];
@@ -219,6 +223,15 @@ const KERNELS: &[Spec] = &[
         ],
     ),
     (
+        "mul_mat_vec_v_g",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Vec, FLOATS),
+            ("u", Slot::Vec, FLOATS),
+        ],
+    ),
+    (
         "mul_mat_vec_k_wg",
         &[
             ("d", Slot::Out, &["f32"]),
@@ -256,6 +269,16 @@ const KERNELS: &[Spec] = &[
             ("d", Slot::Out, &["f32"]),
             ("a", Slot::Vec, &["f32"]),
             ("b", Slot::Quant, QUANTS_32),
+        ],
+    ),
+    // The gate and up products with SwiGLU in one dispatch (b the gate weight, u the up).
+    (
+        "mul_mat_vec_qw_g",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Quant, QUANTS_32),
+            ("u", Slot::Quant2, QUANTS_32),
         ],
     ),
     (
@@ -512,6 +535,9 @@ fn main() {
             dir.join(format!("{kernel}.wgsl")).display()
         );
         for combo in combinations(slots) {
+            if !one_weight_type(slots, &combo) {
+                continue;
+            }
             let name = variant_name(kernel, slots, &combo);
             let mut src = String::new();
             for (k, ((slot, kind, _), dt)) in slots.iter().zip(&combo).enumerate() {
@@ -689,6 +715,10 @@ fn binding(dir: &Path, k: usize, n: &str, kind: Slot, dt: &str) -> String {
         (Slot::Quant, q) => {
             format!("@group(0) @binding({k}) var<storage, read> q_buf: array<u32>;\n") + &quant(dir, q)
         }
+        (Slot::Quant2, q) => {
+            format!("@group(0) @binding({k}) var<storage, read> u_buf: array<u32>;\n")
+                + &second_reader(&quant(dir, q))
+        }
         (Slot::In, other) => panic!("unknown input dtype {other}"),
         (Slot::Vec, other) => panic!("unknown vector input dtype {other}"),
     }
@@ -731,6 +761,69 @@ fn quant(dir: &Path, q: &str) -> String {
     )
 }
 
+/// Whether a combination gives slot `u` (a kernel's second weight, if it has one) the dtype of
+/// slot `b` (its first).
+fn one_weight_type(slots: &[(&str, Slot, &[&str])], combo: &[&str]) -> bool {
+    let of = |name: &str| slots.iter().zip(combo).find(|((n, _, _), _)| *n == name);
+    match (of("b"), of("u")) {
+        (Some((_, b)), Some((_, u))) => b == u,
+        _ => true,
+    }
+}
+
+/// The block readers of [`quant`] reading `u_buf` instead of `q_buf`: every function the text
+/// defines renamed with `_u` appended (at every use too), its constants and structs left out
+/// (the first copy declares them). WGSL cannot pass a storage binding to a function, so a
+/// second binding needs its own copy of the readers; generating it keeps each layout written
+/// once.
+fn second_reader(text: &str) -> String {
+    let mut kept = String::new();
+    let mut in_struct = false;
+    for line in text.lines() {
+        if in_struct {
+            in_struct = !line.starts_with('}');
+            continue;
+        }
+        if line.starts_with("struct ") {
+            in_struct = true;
+            continue;
+        }
+        if !line.starts_with("const ") {
+            kept.push_str(line);
+            kept.push('\n');
+        }
+    }
+    let names: std::collections::HashSet<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("fn "))
+        .filter_map(|l| l.split('(').next())
+        .map(str::trim)
+        .collect();
+    let mut out = String::with_capacity(kept.len() + 1024);
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        if word == "q_buf" {
+            out.push_str("u_buf");
+        } else {
+            out.push_str(word);
+            if names.contains(word.as_str()) {
+                out.push_str("_u");
+            }
+        }
+        word.clear();
+    };
+    for ch in kept.chars() {
+        if ch.is_ascii_alphanumeric() || ch == '_' {
+            word.push(ch);
+        } else {
+            flush(&mut word, &mut out);
+            out.push(ch);
+        }
+    }
+    flush(&mut word, &mut out);
+    out
+}
+
 /// `q_f16`, how a kernel's block readers turn an f16 scale into f32: one instruction
 /// (`f16_bits_to_f32`, `unpack2x16float`), except in the prefill kernel `mul_mat_q`, whose 32
 /// accumulators live across it and which lavapipe ran 45% slower that way ("tiny" Q4_0,
@@ -770,7 +863,7 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
     let info = Validator::new(
         ValidationFlags::all(),
         // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_v`, `mul_mat_vec_q`, `mul_mat_vec_qv`,
-        // `mul_mat_vec_qb`, `mul_mat_vec_qw`, `mul_mat_vec_qm` and their `_e` and `_r`
+        // `mul_mat_vec_qb`, `mul_mat_vec_qw`, `mul_mat_vec_qm` and their `_e`, `_r` and `_g`
         // flavours, and the decode attention (`attn_dec`, `attn_split`), use subgroup
         // operations, and the host picks them only on a device whose compute stage has
         // subgroup arithmetic. SHADER_FLOAT16_IN_FLOAT32 is

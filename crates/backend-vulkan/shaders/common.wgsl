@@ -91,3 +91,9 @@ fn dot3(c: vec3<u32>, s: vec4<u32>) -> u32 {
 fn group_id(wg: vec3<u32>, nwg: vec3<u32>) -> u32 {
     return wg.y * nwg.x + wg.x;
 }
+
+// SiLU as the element-wise kernel, the fused products and the CPU oracle compute it:
+// x / (1 + e^-x), so a large negative x gives -0, not NaN.
+fn silu(x: f32) -> f32 {
+    return x / (1.0 + exp(-x));
+}

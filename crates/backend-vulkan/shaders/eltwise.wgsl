@@ -17,11 +17,6 @@ struct Pc {
 }
 var<immediate> pc: Pc;
 
-fn silu(x: f32) -> f32 {
-    // x / (1 + e^-x): a large negative x gives -0, not NaN (as the CPU oracle)
-    return x / (1.0 + exp(-x));
-}
-
 fn tanh_safe(y: f32) -> f32 {
     // never inf/inf: exp overflows to inf and 2 / inf is 0
     let e = exp(2.0 * abs(y));

@@ -11,10 +11,6 @@
 // Invariant: the thread that stores element i is the only one reading element i of `e`, and it
 // reads before it stores, so `e` may be the same bytes as d (an in-place add).
 
-fn silu(x: f32) -> f32 {
-    return x / (1.0 + exp(-x));
-}
-
 fn out_d(i: u32, s: f32) {
     let e = ld_e(i - pc.offs.x + pc.epi.x);
     var r = e + s;

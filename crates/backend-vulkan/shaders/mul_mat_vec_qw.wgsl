@@ -6,4 +6,5 @@
 // of 4 elements; w starting on an even byte.
 
 // #include mul_mat_vec_qw_body.wgsl
+// #include mul_mat_vec_qw_rows.wgsl
 // #include mul_mat_vec_out.wgsl

@@ -15,9 +15,15 @@
 // (`subgroupAdd`) meet in shared memory, one slot per subgroup and row, and the first QW_ROWS
 // invocations add them in subgroup order and store.
 //
+// Which two rows a workgroup takes and what it stores is the flavour's (`qw_rows`,
+// `q_quarter_1`, `qw_store`): rows 2x and 2x + 1 of w, each stored through `out_d`
+// (`mul_mat_vec_qw_rows.wgsl`), or row x of the gate weight and of the up weight, stored as
+// SwiGLU (`mul_mat_vec_qw_glu.wgsl`).
+//
 // Invariants (checked by the host): one row of x, contiguous along k, its offset a multiple of
 // 4 elements; w starts on an even byte. A lane adds its quarters in row order and the
-// reductions are fixed, so a result does not depend on timing. Any subgroup size works.
+// reductions are fixed, so a result does not depend on timing (nor on which row shares the
+// workgroup). Any subgroup size works.
 
 // #include mul_mat_vec_head.wgsl
 
@@ -56,12 +62,11 @@ fn main(
 ) {
     let n = pc.shape.y;
     let base = batch_bases(wg.y);
-    let row0 = wg.x * QW_ROWS;
+    let rows = qw_rows(wg.x, base.z, n);
+    let row0 = rows.x;
+    let w0 = rows.y;
+    let w1 = rows.z;
     let a = base.y;
-    // A row past n reads row0 again (uniform, so every lane reaches the reductions) and stores
-    // nothing.
-    let w0 = base.z + row0 * pc.b_str.w;
-    let w1 = select(w0, w0 + pc.b_str.w, row0 + 1u < n);
     let nq = pc.shape.z / 8u;
     var s0 = 0.0;
     var s1 = 0.0;
@@ -78,10 +83,10 @@ fn main(
         let a1 = q_quarter(qw_blk(w0, e1), e1 & 3u);
         let a2 = q_quarter(qw_blk(w0, e2), e2 & 3u);
         let a3 = q_quarter(qw_blk(w0, e3), e3 & 3u);
-        let b0 = q_quarter(qw_blk(w1, e), e & 3u);
-        let b1 = q_quarter(qw_blk(w1, e1), e1 & 3u);
-        let b2 = q_quarter(qw_blk(w1, e2), e2 & 3u);
-        let b3 = q_quarter(qw_blk(w1, e3), e3 & 3u);
+        let b0 = q_quarter_1(qw_blk(w1, e), e & 3u);
+        let b1 = q_quarter_1(qw_blk(w1, e1), e1 & 3u);
+        let b2 = q_quarter_1(qw_blk(w1, e2), e2 & 3u);
+        let b3 = q_quarter_1(qw_blk(w1, e3), e3 & 3u);
         let l0 = ld4_a(x0);
         let h0 = ld4_a(x0 + 16u);
         let l1 = ld4_a(x1);
@@ -105,8 +110,8 @@ fn main(
         let x1 = qw_x(a, e1);
         let a0 = q_quarter(qw_blk(w0, e), e & 3u);
         let a1 = q_quarter(qw_blk(w0, e1), e1 & 3u);
-        let b0 = q_quarter(qw_blk(w1, e), e & 3u);
-        let b1 = q_quarter(qw_blk(w1, e1), e1 & 3u);
+        let b0 = q_quarter_1(qw_blk(w1, e), e & 3u);
+        let b1 = q_quarter_1(qw_blk(w1, e1), e1 & 3u);
         let l0 = ld4_a(x0);
         let h0 = ld4_a(x0 + 16u);
         let l1 = ld4_a(x1);
@@ -120,7 +125,7 @@ fn main(
     if e < nq {
         let x0 = qw_x(a, e);
         let a0 = q_quarter(qw_blk(w0, e), e & 3u);
-        let b0 = q_quarter(qw_blk(w1, e), e & 3u);
+        let b0 = q_quarter_1(qw_blk(w1, e), e & 3u);
         let l0 = ld4_a(x0);
         let h0 = ld4_a(x0 + 16u);
         s0 += qw_dot(a0, l0, h0);
@@ -133,11 +138,5 @@ fn main(
         qw_part[sg * QW_ROWS + 1u] = r1;
     }
     workgroupBarrier();
-    if li < QW_ROWS && row0 + li < n {
-        var t = 0.0;
-        for (var i = 0u; i < nsg; i++) {
-            t += qw_part[i * QW_ROWS + li];
-        }
-        out_d(base.x + (row0 + li) * pc.d_str.w, t);
-    }
+    qw_store(base.x, row0, n, li, nsg);
 }

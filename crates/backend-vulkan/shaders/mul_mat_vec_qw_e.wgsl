@@ -2,4 +2,5 @@
 // product and the residual add or SwiGLU that consumes it as one dispatch.
 
 // #include mul_mat_vec_qw_body.wgsl
+// #include mul_mat_vec_qw_rows.wgsl
 // #include mul_mat_vec_out_e.wgsl

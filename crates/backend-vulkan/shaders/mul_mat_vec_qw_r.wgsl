@@ -2,4 +2,5 @@
 // and the `SetRows` that copies it into the cache as one dispatch.
 
 // #include mul_mat_vec_qw_body.wgsl
+// #include mul_mat_vec_qw_rows.wgsl
 // #include mul_mat_vec_out_r.wgsl

@@ -20,3 +20,4 @@
 
 // #include mul_mat_vec_out.wgsl
 // #include mul_mat_vec_v_body.wgsl
+// #include mul_mat_vec_v_rows.wgsl

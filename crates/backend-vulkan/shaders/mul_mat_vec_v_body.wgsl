@@ -1,4 +1,7 @@
-// The body of `mul_mat_vec_v` and `mul_mat_vec_v_e` (see `mul_mat_vec_v.wgsl`).
+// The body of `mul_mat_vec_v` and its flavours (see `mul_mat_vec_v.wgsl`). Which pair of rows a
+// subgroup takes and what it stores is the flavour's (`v_rows`, `ld8_w1`, `v_store`): rows r and
+// r + 1 of w, each stored through `out_d` (`mul_mat_vec_v_rows.wgsl`), or row r of the gate
+// weight and of the up weight, stored as SwiGLU (`mul_mat_vec_v_glu.wgsl`).
 
 // #include mul_mat_vec_head.wgsl
 
@@ -23,10 +26,10 @@ fn pair_partial(a_base: u32, w0: u32, w1: u32, lane: u32, lanes: u32) -> vec2<f3
         let u1 = ld8_b(w0 + k + step);
         let u2 = ld8_b(w0 + k + 2u * step);
         let u3 = ld8_b(w0 + k + 3u * step);
-        let v0 = ld8_b(w1 + k);
-        let v1 = ld8_b(w1 + k + step);
-        let v2 = ld8_b(w1 + k + 2u * step);
-        let v3 = ld8_b(w1 + k + 3u * step);
+        let v0 = ld8_w1(w1 + k);
+        let v1 = ld8_w1(w1 + k + step);
+        let v2 = ld8_w1(w1 + k + 2u * step);
+        let v3 = ld8_w1(w1 + k + 3u * step);
         s0 = fma(x0[0], u0[0], fma(x0[1], u0[1], s0));
         s1 = fma(x0[0], v0[0], fma(x0[1], v0[1], s1));
         t0 = fma(x1[0], u1[0], fma(x1[1], u1[1], t0));
@@ -41,8 +44,8 @@ fn pair_partial(a_base: u32, w0: u32, w1: u32, lane: u32, lanes: u32) -> vec2<f3
         let x1 = ld8_a(a_base + k + step);
         let u0 = ld8_b(w0 + k);
         let u1 = ld8_b(w0 + k + step);
-        let v0 = ld8_b(w1 + k);
-        let v1 = ld8_b(w1 + k + step);
+        let v0 = ld8_w1(w1 + k);
+        let v1 = ld8_w1(w1 + k + step);
         s0 = fma(x0[0], u0[0], fma(x0[1], u0[1], s0));
         s1 = fma(x0[0], v0[0], fma(x0[1], v0[1], s1));
         t0 = fma(x1[0], u1[0], fma(x1[1], u1[1], t0));
@@ -51,7 +54,7 @@ fn pair_partial(a_base: u32, w0: u32, w1: u32, lane: u32, lanes: u32) -> vec2<f3
     if k < k_len {
         let x0 = ld8_a(a_base + k);
         let u0 = ld8_b(w0 + k);
-        let v0 = ld8_b(w1 + k);
+        let v0 = ld8_w1(w1 + k);
         s0 = fma(x0[0], u0[0], fma(x0[1], u0[1], s0));
         s1 = fma(x0[0], v0[0], fma(x0[1], v0[1], s1));
     }
@@ -71,23 +74,15 @@ fn main(
     let n = pc.shape.y;
     let base = batch_bases(wg.y);
     for (var rw = 2u * sg; rw < ROWS; rw += 2u * nsg) {
-        let row0 = wg.x * ROWS + rw;
-        let row1 = row0 + 1u;
+        let rows = v_rows(wg.x, rw, n, base.z);
         var p = vec2<f32>(0.0);
         // Uniform in the subgroup, so every lane reaches the add below.
-        if row0 < n {
-            let w0 = base.z + row0 * pc.b_str.w;
-            let w1 = select(w0, w0 + pc.b_str.w, row1 < n);
-            p = pair_partial(base.y, w0, w1, lane, lanes);
+        if rows.w > 0u {
+            p = pair_partial(base.y, rows.y, rows.z, lane, lanes);
         }
         let s = subgroupAdd(p);
         if lane == 0u {
-            if row0 < n {
-                out_d(base.x + row0 * pc.d_str.w, s.x);
-            }
-            if row1 < n {
-                out_d(base.x + row1 * pc.d_str.w, s.y);
-            }
+            v_store(base.x, rows, s);
         }
     }
 }

@@ -3,3 +3,4 @@
 
 // #include mul_mat_vec_out_r.wgsl
 // #include mul_mat_vec_v_body.wgsl
+// #include mul_mat_vec_v_rows.wgsl

@@ -28,6 +28,7 @@
 //! are counted as kernel launches (recorded into the stream) or one graph launch is counted
 //! (a recorded plan executed), plus one graph capture when it was recorded by this call.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use ash::vk;
@@ -189,13 +190,15 @@ impl Inner {
         } else {
             Vec::new()
         };
-        let mut groups = groups.into_iter().peekable();
+        // By first member; a pair the kernels refuse may leave a shorter group behind.
+        let mut groups: BTreeMap<usize, Group> =
+            groups.into_iter().map(|g| (g.first(), g)).collect();
         let mut fused = vec![false; graph.nodes.len()];
         for (i, node) in graph.nodes.iter().enumerate() {
             if fused[i] {
                 continue;
             }
-            if let Some(grp) = groups.next_if(|g| g.first() == i) {
+            if let Some(grp) = groups.remove(&i) {
                 let planned = match &grp {
                     Group::Attn(a) => self.plan_attention(st, graph, a)?,
                     Group::NormMul { norm, mul } => self.plan_norm_mul(st, graph, *norm, *mul)?,
@@ -208,6 +211,21 @@ impl Inner {
                     Group::ProductRows { mm, set_rows } => self
                         .plan_product_rows(st, &mut sites, graph, *mm, *set_rows)?
                         .map(|d| vec![d]),
+                    Group::GluPair {
+                        gate,
+                        up,
+                        glu,
+                        alone,
+                    } => {
+                        let d = self.plan_glu_pair(st, graph, *gate, *up, *glu)?;
+                        if let (None, Some(epi)) = (&d, alone) {
+                            // The later product runs SwiGLU in its store instead.
+                            let mm = *gate.max(up);
+                            let op = *glu;
+                            groups.insert(mm, Group::Epilogue { mm, op, epi: *epi });
+                        }
+                        d.map(|d| vec![d])
+                    }
                 };
                 if let Some(ds) = planned {
                     for d in ds {
@@ -422,6 +440,24 @@ impl Inner {
         let e = self.resolve(st, o, &o.srcs[other])?;
         let dst = self.resolve(st, o, &o.dst)?;
         ops::mul_mat_epilogue(m, &dst, [&a, &b, &e], epi, self.limits)
+    }
+
+    /// SwiGLU of the products at nodes `gate` and `up` (the `SwiGlu` at node `glu`) as one
+    /// dispatch (`crate::fusion` proved it safe), or `None` when no kernel takes the operands.
+    fn plan_glu_pair(
+        &self,
+        st: &State,
+        graph: &ExecGraph,
+        gate: usize,
+        up: usize,
+        glu: usize,
+    ) -> Result<Option<ops::Dispatch>> {
+        let (g, u, o) = (&graph.nodes[gate], &graph.nodes[up], &graph.nodes[glu]);
+        let x = self.resolve(st, g, &g.srcs[0])?;
+        let wg = self.resolve(st, g, &g.srcs[1])?;
+        let wu = self.resolve(st, u, &u.srcs[1])?;
+        let dst = self.resolve(st, o, &o.dst)?;
+        ops::mul_mat_glu(g, &dst, [&x, &wg, &wu], self.limits)
     }
 
     /// The fused `Rope -> SetRows` of nodes `rope` and `set_rows` (`crate::fusion` proved it

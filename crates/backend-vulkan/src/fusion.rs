@@ -13,7 +13,11 @@
 //! add or SwiGLU that consumes it (`mul_mat_vec_*_e`: the op runs in the product's store); one
 //! token's `Rope` of K and the `SetRows` that writes it into the KV cache (`rope_set_rows`);
 //! one token's V product and its `SetRows` (`mul_mat_vec_*_r`). On a Llama layer these take
-//! five of the eighteen dispatches the attention and norm fusions leave.
+//! five of the eighteen dispatches the attention and norm fusions leave. Three nodes go
+//! further where a kernel computes a pair of rows: the gate and up products of one x and the
+//! `SwiGlu` of their results run as one dispatch (`mul_mat_vec_*_g`), each load of x serving
+//! a gate row and its up row, so a layer waits for one product fewer; where the planner
+//! refuses the three, the up product still takes SwiGLU in its store.
 //!
 //! Strategy: [`groups`] tries each node as the start of a chain and finds its members as the
 //! first later node reading each result. An attention chain is kept only when every check
@@ -29,10 +33,10 @@
 //!   chain reads, and no node between the members conflicts with a member that now runs before
 //!   it (same rule as moving a node: no shared byte with a write on either side).
 //!
-//! A pair needs the same deadness, overlap and conflict checks ([`norm_mul_at`],
-//! [`epilogue_at`], [`rope_rows_at`], [`product_rows_at`]); a pair writing a cache row takes a
-//! single token only (so no two rows of one step race for a cache row, and a bad index writes
-//! nothing, as `set_rows` does).
+//! A pair needs the same deadness, overlap and conflict checks ([`norm_mul_at`], [`epilogue_at`],
+//! [`rope_rows_at`], [`product_rows_at`], and [`glu_pair_at`] for the three); a pair writing a
+//! cache row takes a single token only (so no two rows of one step race for a cache row, and a bad
+//! index writes nothing, as `set_rows` does).
 //!
 //! Invariant: a returned group is proven safe by byte ranges of `TensorRef`s, so it holds
 //! whatever the allocator reuses; the caller still falls back to the unfused nodes when the
@@ -353,6 +357,82 @@ fn epilogue_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize,
     ok.then_some((i, j, epi))
 }
 
+/// Two one-row products of the same x at node `i` and a later node, and the `SwiGlu` that
+/// consumes both, if they may run as one kernel: the `SwiGlu` is the first reader of node `i`'s
+/// result and takes it and the other product's result (in either order) whole; the products
+/// multiply the same x by weights of one dtype, shape and strides into f32 results of one
+/// shape, each dead after the `SwiGlu`; the `SwiGlu`'s f32 result has that shape and overlaps
+/// none of the products' sources; no member needs a private copy; and no node between them
+/// conflicts with the second product or the `SwiGlu`, which now run at node `i`. Returns the
+/// group, with the pair the second product and the `SwiGlu` would make on their own when the
+/// kernel planner refuses the three.
+fn glu_pair_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<Group> {
+    let nodes = &g.nodes;
+    let first = &nodes[i];
+    let one_row = |n: &ExecNode| {
+        n.op == Op::MulMat
+            && n.srcs.len() == 2
+            && n.dst.dtype == DType::F32
+            && n.dst.numel() > 0
+            && n.dst.shape.iter().rev().skip(1).all(|&d| d == 1)
+    };
+    if !one_row(first) {
+        return None;
+    }
+    let t = &first.dst;
+    let j = (i + 1..nodes.len()).find(|&j| nodes[j].srcs.iter().any(|s| overlap(s, t)))?;
+    let glu = &nodes[j];
+    let [s0, s1] = glu.srcs.as_slice() else {
+        return None;
+    };
+    if taken[j] || glu.op != Op::SwiGlu || (s0 != t && s1 != t) || s0 == s1 {
+        return None;
+    }
+    let (slot, other) = if s0 == t { (0, s1) } else { (1, s0) };
+    // The other product: the last node before the `SwiGlu` writing its other source.
+    let k = (i + 1..j).rev().find(|&k| overlap(&nodes[k].dst, other))?;
+    let second = &nodes[k];
+    let (x, w) = (&first.srcs[0], &first.srcs[1]);
+    let ok = !taken[k]
+        && one_row(second)
+        && second.dst == *other
+        && second.srcs[0] == *x
+        && second.srcs[1].dtype == w.dtype
+        && second.srcs[1].shape == w.shape
+        && second.srcs[1].strides == w.strides
+        && other.shape == t.shape
+        && !overlap(other, t)
+        && glu.dst.dtype == DType::F32
+        && glu.dst.shape == t.shape
+        && !first
+            .srcs
+            .iter()
+            .chain(&second.srcs)
+            .any(|s| overlap(&glu.dst, s))
+        && ![first, second]
+            .iter()
+            .any(|n| (0..2).any(|s| n.src_needs_private_copy(s)))
+        && !(0..2).any(|s| glu.src_needs_private_copy(s))
+        && dead_after(g, i, j, slot)
+        && dead_after(g, k, j, 1 - slot)
+        && (i + 1..k).all(|n| !conflicts(&nodes[n], second))
+        && (i + 1..j)
+            .filter(|&n| n != k)
+            .all(|n| !conflicts(&nodes[n], glu));
+    if !ok {
+        return None;
+    }
+    let (gate, up) = if slot == 0 { (i, k) } else { (k, i) };
+    Some(Group::GluPair {
+        gate,
+        up,
+        glu: j,
+        alone: epilogue_at(g, k, taken)
+            .filter(|&(_, op, _)| op == j)
+            .map(|(_, _, epi)| epi),
+    })
+}
+
 /// `Rope -> SetRows` at node `i`, if one token's rotated row may go straight into its cache row:
 /// an f32 rope of x [1, H, D] into a contiguous result that the `SetRows` (its first reader)
 /// takes whole as its source [1, H * D] and that is dead after it, the cache overlapping none of
@@ -462,6 +542,15 @@ pub(crate) enum Group {
         op: usize,
         epi: Epilogue,
     },
+    /// Two products of one x and the `SwiGlu` of their results, run as one kernel; `alone`:
+    /// the epilogue the later product and the `SwiGlu` may run as when no kernel takes all
+    /// three (the earlier product then runs by itself).
+    GluPair {
+        gate: usize,
+        up: usize,
+        glu: usize,
+        alone: Option<Epilogue>,
+    },
 }
 
 impl Group {
@@ -473,6 +562,7 @@ impl Group {
             Group::Epilogue { mm, .. } => *mm,
             Group::RopeRows { rope, .. } => *rope,
             Group::ProductRows { mm, .. } => *mm,
+            Group::GluPair { gate, up, .. } => *gate.min(up),
         }
     }
 
@@ -483,6 +573,9 @@ impl Group {
             Group::Epilogue { mm, op, .. } => vec![*mm, *op],
             Group::RopeRows { rope, set_rows } => vec![*rope, *set_rows],
             Group::ProductRows { mm, set_rows } => vec![*mm, *set_rows],
+            Group::GluPair { gate, up, glu, .. } => {
+                vec![*gate.min(up), *gate.max(up), *glu]
+            }
         }
     }
 }
@@ -498,6 +591,7 @@ pub(crate) fn groups(g: &ExecGraph) -> Vec<Group> {
         let grp = attention_at(g, i, &taken)
             .map(Group::Attn)
             .or_else(|| norm_mul_at(g, i, &taken).map(|(norm, mul)| Group::NormMul { norm, mul }))
+            .or_else(|| glu_pair_at(g, i, &taken))
             .or_else(|| {
                 epilogue_at(g, i, &taken).map(|(mm, op, epi)| Group::Epilogue { mm, op, epi })
             })

@@ -3,8 +3,12 @@
 //! `silu(gate) * up` are one `mul_mat_vec_*_e` dispatch where the graph proves the product
 //! dead after the op, bit-identical to the unfused pair for float and block weights, on the
 //! subgroup and the shared-memory kernels, in place or not; and the pair stays unfused where
-//! something else reads the product or nothing is known of the scratch after the graph. Every
-//! run asserts the validation layer (synchronization validation on) stayed silent.
+//! something else reads the product or nothing is known of the scratch after the graph. The
+//! gate and up products with their SwiGLU are one `mul_mat_vec_*_g` dispatch where the kernel
+//! computing a pair of rows takes both weights (the two-row block body, the 16-byte float
+//! mat-vec), bit-identical to the three nodes, and fall back to the up product's `_e` flavour
+//! where it does not. Every run asserts the validation layer (synchronization validation on)
+//! stayed silent.
 
 mod common;
 
@@ -15,7 +19,7 @@ use lowsync_backend::{
     Backend, BufferId, BufferUsage, ExecGraph, ExecNode, ScratchLive, TensorRef,
 };
 use lowsync_graph::{contiguous_strides, DType, Op};
-use lowsync_vulkan::VkConfig;
+use lowsync_vulkan::{QuantMatVec, VkConfig};
 
 fn t(buffer: BufferId, off: usize, dtype: DType, shape: &[usize]) -> TensorRef {
     TensorRef {
@@ -56,7 +60,7 @@ fn weight(dt: DType, rows: usize, k: usize, seed: u32) -> Vec<u8> {
             let mut out: Vec<u8> = raw.iter().map(|v| (v * 1000.0) as i32 as u8).collect();
             // The f16 (super-)scale, then the min where the type has one.
             let fields: &[usize] = match dt {
-                DType::Q4_K => &[0, 2],
+                DType::Q4_K | DType::Q4_1 | DType::Q5_1 => &[0, 2],
                 DType::Q6_K => &[208],
                 _ => &[0],
             };
@@ -86,7 +90,7 @@ enum Case {
 
 /// A one-row product `[1, k] @ w.T` (`w [n, k]` of `wt`) and the op consuming it, as `case`
 /// says; `live`: a later node reads the product; `known`: the graph says its scratch is dead
-/// afterwards. Returns the result and whether a fused (`_e`) kernel ran.
+/// afterwards. Returns the result and whether a fused (`_e` or `_g`) kernel ran.
 fn run(
     cfg: VkConfig,
     wt: DType,
@@ -96,6 +100,23 @@ fn run(
     live: bool,
     known: bool,
 ) -> (Vec<f32>, bool) {
+    let (got, kernels) = run_kernels(cfg, wt, n, k, case, live, known);
+    let fused = kernels.iter().any(|(name, _)| {
+        name.starts_with("mul_mat_vec") && (name.contains("_e.") || name.contains("_g."))
+    });
+    (got, fused)
+}
+
+/// [`run`], returning the kernel variants that ran with their dispatch counts.
+fn run_kernels(
+    cfg: VkConfig,
+    wt: DType,
+    n: usize,
+    k: usize,
+    case: Case,
+    live: bool,
+    known: bool,
+) -> (Vec<f32>, Vec<(String, u64)>) {
     let b = common::open(VkConfig {
         profile: true,
         ..cfg
@@ -176,12 +197,13 @@ fn run(
     b.graph_compute_async(&graph).unwrap();
     let got = common::read_f32(&b, out_at, n);
     b.synchronize().unwrap();
-    let fused = b
+    let kernels = b
         .kernel_times()
-        .iter()
-        .any(|kt| kt.name.contains("_e.") && kt.name.starts_with("mul_mat_vec"));
+        .into_iter()
+        .map(|kt| (kt.name, kt.count))
+        .collect();
     common::assert_clean(&b);
-    (got, fused)
+    (got, kernels)
 }
 
 fn check(cfg: fn() -> VkConfig) {
@@ -273,5 +295,90 @@ fn a_read_product_or_unknown_scratch_stays_unfused() {
             assert!(!fused, "live {live} known {known}");
             assert_eq!(got, want);
         }
+    }
+}
+
+/// The bits of `v`.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn the_gate_and_up_products_and_their_swiglu_run_as_one_dispatch() {
+    if common::open(common::config()).is_none() {
+        return;
+    }
+    let rows = || VkConfig {
+        quant_mat_vec: Some(QuantMatVec::Rows),
+        ..common::config()
+    };
+    // (config, weight, n, k, the kernel family that takes all three): every 32-element block
+    // type on the two-row body (a row count past one workgroup's, an odd one), every float
+    // type on the 16-byte mat-vec (n not a multiple of its four pairs a workgroup).
+    type Shape = (fn() -> VkConfig, DType, usize, usize, &'static str);
+    let shapes: [Shape; 9] = [
+        (rows, DType::Q4_0, 17, 128, "mul_mat_vec_qw_g"),
+        (rows, DType::Q4_1, 6, 256, "mul_mat_vec_qw_g"),
+        (rows, DType::Q5_0, 3, 64, "mul_mat_vec_qw_g"),
+        (rows, DType::Q5_1, 5, 96, "mul_mat_vec_qw_g"),
+        (rows, DType::Q8_0, 8, 1056, "mul_mat_vec_qw_g"),
+        (rows, DType::IQ4_NL, 4, 64, "mul_mat_vec_qw_g"),
+        (common::config, DType::F32, 24, 64, "mul_mat_vec_v_g"),
+        (common::config, DType::F16, 13, 512, "mul_mat_vec_v_g"),
+        (common::config, DType::BF16, 9, 256, "mul_mat_vec_v_g"),
+    ];
+    for (cfg, wt, n, k, family) in shapes {
+        for case in [Case::Glu, Case::GluGateLast] {
+            let what = format!("{wt} n={n} k={k} case {}", case as u8);
+            let (on, kernels) = run_kernels(cfg(), wt, n, k, case, false, true);
+            let off_cfg = VkConfig {
+                fusion: false,
+                ..cfg()
+            };
+            let (off, _) = run_kernels(off_cfg, wt, n, k, case, false, true);
+            let want = format!("{family}.d_f32.a_f32.b_{}.u_{}", wt.name(), wt.name());
+            assert_eq!(kernels, vec![(want, 1)], "{what}: one dispatch");
+            assert!(on.iter().all(|v| v.is_finite()), "{what}: finite");
+            assert_eq!(bits(&on), bits(&off), "{what}");
+        }
+    }
+}
+
+#[test]
+fn a_pair_no_two_weight_kernel_takes_runs_swiglu_in_the_up_product() {
+    if common::open(common::config()).is_none() {
+        return;
+    }
+    let rows = VkConfig {
+        quant_mat_vec: Some(QuantMatVec::Rows),
+        ..common::config()
+    };
+    // A super-block type (no two-row body), a float k only a multiple of 4 (no 16-byte
+    // loads), and the shared-memory kernels (no subgroups).
+    let no_sg = VkConfig {
+        no_subgroups: true,
+        ..common::config()
+    };
+    for (cfg, wt, n, k) in [
+        (rows, DType::Q4_K, 11, 256),
+        (common::config(), DType::F16, 13, 260),
+        (no_sg, DType::Q4_0, 17, 128),
+    ] {
+        let (on, kernels) = run_kernels(cfg.clone(), wt, n, k, Case::Glu, false, true);
+        let off_cfg = VkConfig {
+            fusion: false,
+            ..cfg
+        };
+        let (off, _) = run_kernels(off_cfg, wt, n, k, Case::Glu, false, true);
+        let what = format!("{wt} n={n} k={k}");
+        let fused: Vec<_> = kernels.iter().filter(|(k, _)| k.contains("_e.")).collect();
+        let total: u64 = kernels.iter().map(|(_, c)| c).sum();
+        assert_eq!(fused.len(), 1, "{what}: {kernels:?}");
+        assert_eq!(
+            total, 2,
+            "{what}: the gate product, then up with SwiGLU: {kernels:?}"
+        );
+        assert!(!kernels.iter().any(|(k, _)| k.contains("_g.")), "{what}");
+        assert_eq!(bits(&on), bits(&off), "{what}");
     }
 }

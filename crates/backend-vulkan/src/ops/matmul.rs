@@ -263,6 +263,54 @@ pub(super) fn mul_mat_epilogue(
     Ok(Some(d))
 }
 
+/// SwiGLU of two one-row products of the same x, `silu(x @ gate.T) * (x @ up.T)`, into `dst`
+/// as one dispatch: the families whose workgroup or subgroup computes a pair of rows take the
+/// gate row and its up row as the pair (`mul_mat_vec_qw_g`, `mul_mat_vec_v_g`). `None` when
+/// the gate product takes another kernel, or the up weight differs from the gate's in dtype,
+/// shape or strides or does not start where that kernel needs (the caller then runs the
+/// products apart).
+pub(super) fn mul_mat_glu(
+    c: &Ctx,
+    dst: &Res,
+    x: &Res,
+    gate: &Res,
+    up: &Res,
+) -> Result<Option<Dispatch>> {
+    if gate.dtype != up.dtype || gate.shape != up.shape || gate.strides != up.strides {
+        return Ok(None);
+    }
+    let mut ds = mul_mat(c, dst, x, gate)?;
+    let (Some(mut d), None) = (ds.pop(), ds.pop()) else {
+        return Ok(None);
+    };
+    let Some((family, suffix)) = d.kernel.split_once('.') else {
+        return Ok(None);
+    };
+    // One row of x and one batch: the kernels address rows of w from offset and row stride.
+    if d.push.shape[0] != 1 || d.push.offs[3] != 1 {
+        return Ok(None);
+    }
+    let n = d.push.shape[1] as usize;
+    let (bu, ou) = c.bind(up, false)?;
+    // The gate's own checks hold for up (same dtype, shape and strides) but for its offset:
+    // an even byte for `T_q8`, 8 elements for 16-byte loads.
+    let (kernel, gx) = match family {
+        "mul_mat_vec_qw" if ou.is_multiple_of(2) => ("mul_mat_vec_qw_g", n),
+        "mul_mat_vec_v" if ou.is_multiple_of(8) => {
+            ("mul_mat_vec_v_g", n.div_ceil(MAT_VEC_K_ROWS / 2))
+        }
+        _ => return Ok(None),
+    };
+    if gx > c.lim.max_groups[0] as usize {
+        return Ok(None);
+    }
+    d.kernel = format!("{kernel}.{suffix}.u_{}", dt(up.dtype));
+    d.binds.push(bu);
+    d.push.pad = [ou, 0, 0, 0];
+    d.groups = [gx as u32, 1, 1];
+    Ok(Some(d))
+}
+
 /// `x @ w.T` for one row of x (`product` [1, n], the product's own result) written into row
 /// `ids[0]` of `cache` [rows, n] instead, as the `SetRows` that consumed it would, as one
 /// dispatch (`mul_mat_vec_out_r.wgsl`); `None` when the product does not take a decode mat-vec

@@ -108,6 +108,18 @@ pub(crate) fn mul_mat_epilogue(
     matmul::mul_mat_epilogue(&Ctx { node, lim }, dst, a, b, e, epi)
 }
 
+/// Plans SwiGLU of the two decode products at `node` (the first of them) as one dispatch:
+/// `silu(x @ gate.T) * (x @ up.T)` into `dst` (`crate::fusion` proved both products dead);
+/// `None` when no two-weight kernel takes the operands.
+pub(crate) fn mul_mat_glu(
+    node: &ExecNode,
+    dst: &Res,
+    [x, gate, up]: [&Res; 3],
+    lim: Limits,
+) -> Result<Option<Dispatch>> {
+    matmul::mul_mat_glu(&Ctx { node, lim }, dst, x, gate, up)
+}
+
 /// Plans the fused `Rope -> SetRows` of one token (`crate::fusion` proved the rotated row dead):
 /// `x` [1, H, D] rotated at `pos` as `rope` (mode, n_dims, theta) gives, into row `ids[0]` of
 /// `cache`; `None` when the fused kernel does not take the operands.
