@@ -315,6 +315,14 @@ const KERNELS: &[Spec] = &[
             ("b", Slot::Quant, QUANTS),
         ],
     ),
+    (
+        "mul_mat_qt",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+        ],
+    ),
     // The decode mat-vecs with an element-wise op in their store (`mul_mat_vec_out_e.wgsl`):
     // f32 activations, results and epilogue operands only, as the fusion takes them.
     (

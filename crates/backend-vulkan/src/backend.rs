@@ -31,7 +31,7 @@ use lowsync_backend::{
 use lowsync_graph::{DType, Op};
 use parking_lot::Mutex;
 
-use crate::config::{QuantMatVec, VkConfig};
+use crate::config::{QuantMatMul, QuantMatVec, VkConfig};
 use crate::device::{create_pool, unavailable, vk_err, Device};
 use crate::events::VkReadback;
 use crate::memory::{create_buffer, destroy_buffer, Arena, DevBuffer, Placement};
@@ -106,6 +106,9 @@ impl VulkanBackend {
             qv: config
                 .quant_mat_vec
                 .unwrap_or(QuantMatVec::for_device(dev.cpu_type)),
+            qmm: config
+                .quant_mat_mul
+                .unwrap_or(QuantMatMul::for_device(dev.cpu_type)),
         };
         let alignment = (limits.offset_align as usize).max(64);
         let state = State {

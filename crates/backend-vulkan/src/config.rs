@@ -56,6 +56,10 @@ pub struct VkConfig {
     /// on a CPU-type device (lavapipe runs `rows`' four times as many workgroups about ten
     /// times slower), `rows` on a GPU (where it is the fastest on every "1b" shape).
     pub quant_mat_vec: Option<QuantMatVec>,
+    /// `LOWSYNC_VK_QMM`: the prefill product over block weights ([`QuantMatMul`]). `None`
+    /// (the variable unset): chosen by the device's type, `rows` on a CPU-type device, `tiles`
+    /// on a GPU.
+    pub quant_mat_mul: Option<QuantMatMul>,
     /// `LOWSYNC_VK_ATTN_SPLIT` (`0`, `1` or a chunk count `N`): the fused decode attention
     /// runs each query head's valid keys in up to this many workgroups (`attn_split`, then
     /// `attn_merge`); `1` picks the default of 8 chunks; 0 keeps one workgroup per head
@@ -112,6 +116,42 @@ impl QuantMatVec {
     }
 }
 
+/// How the prefill product over block weights (16 rows of x or more) is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantMatMul {
+    /// `rows`: an invocation per row of w against 32 rows of x, each group of w decoded once
+    /// for all of them (`mul_mat_q`): few, long workgroups, what a CPU-type device runs best.
+    Rows,
+    /// `tiles`: the float kernel's 64x64 tiles over 256 invocations, a 16-element group of
+    /// each of 64 rows of w decoded into workgroup memory per k step (`mul_mat_qt`): enough
+    /// workgroups to fill a GPU.
+    Tiles,
+}
+
+impl QuantMatMul {
+    /// `LOWSYNC_VK_QMM`: `rows` or `tiles`; unset or empty is `None` (the device's default,
+    /// [`QuantMatMul::for_device`]), anything else an `Error::Env` naming the variable.
+    pub fn from_env() -> Result<Option<Self>> {
+        Ok(
+            match env::choice("LOWSYNC_VK_QMM", &["rows", "tiles"], "rows or tiles")? {
+                Some("rows") => Some(QuantMatMul::Rows),
+                Some("tiles") => Some(QuantMatMul::Tiles),
+                _ => None,
+            },
+        )
+    }
+
+    /// The layout a device runs when none is asked for: `rows` on a CPU-type device, `tiles`
+    /// on a GPU.
+    pub fn for_device(cpu_type: bool) -> Self {
+        if cpu_type {
+            QuantMatMul::Rows
+        } else {
+            QuantMatMul::Tiles
+        }
+    }
+}
+
 impl VkConfig {
     /// The settings the environment asks for (device index from `LOWSYNC_VK_DEVICE`).
     pub fn from_env() -> Result<Self> {
@@ -127,6 +167,7 @@ impl VkConfig {
             profile: env::flag("LOWSYNC_VK_PROFILE", false)?,
             fusion: env::flag("LOWSYNC_VK_FUSION", true)?,
             quant_mat_vec: QuantMatVec::from_env()?,
+            quant_mat_mul: QuantMatMul::from_env()?,
             attn_split: attn_split_from_env()?,
             entry_point_hook: None,
         })
@@ -147,6 +188,7 @@ impl Default for VkConfig {
             profile: false,
             fusion: true,
             quant_mat_vec: None,
+            quant_mat_mul: None,
             attn_split: None,
             entry_point_hook: None,
         }

@@ -5,7 +5,7 @@
 mod common;
 
 use lowsync_backend::Error;
-use lowsync_vulkan::QuantMatVec;
+use lowsync_vulkan::{QuantMatMul, QuantMatVec};
 
 #[test]
 fn bad_values_and_names_are_clear_errors() {
@@ -70,6 +70,30 @@ fn bad_values_and_names_are_clear_errors() {
     );
     assert_eq!(QuantMatVec::for_device(true), QuantMatVec::Group);
     assert_eq!(QuantMatVec::for_device(false), QuantMatVec::Rows);
+    std::env::set_var("LOWSYNC_VK_QMM", "tile");
+    assert!(matches!(
+        lowsync_vulkan::create("vulkan"),
+        Err(Error::Env {
+            var: "LOWSYNC_VK_QMM",
+            ..
+        })
+    ));
+    for (value, layout) in [
+        ("rows", Some(QuantMatMul::Rows)),
+        ("tiles", Some(QuantMatMul::Tiles)),
+        ("", None),
+    ] {
+        std::env::set_var("LOWSYNC_VK_QMM", value);
+        assert_eq!(
+            lowsync_vulkan::VkConfig::from_env().unwrap().quant_mat_mul,
+            layout,
+            "{value:?}"
+        );
+    }
+    std::env::remove_var("LOWSYNC_VK_QMM");
+    assert_eq!(lowsync_vulkan::VkConfig::default().quant_mat_mul, None);
+    assert_eq!(QuantMatMul::for_device(true), QuantMatMul::Rows);
+    assert_eq!(QuantMatMul::for_device(false), QuantMatMul::Tiles);
     for bad in ["vulkan:x", "vulkan:", "vulkanx", "cuda:0"] {
         assert!(
             matches!(lowsync_vulkan::create(bad), Err(Error::UnknownBackend(_))),

@@ -18,7 +18,7 @@ use ash::vk;
 use lowsync_backend::{Error, ExecNode, Result};
 use lowsync_graph::DType;
 
-use crate::config::QuantMatVec;
+use crate::config::{QuantMatMul, QuantMatVec};
 use crate::pipelines::{Bind, Push};
 
 /// A tensor resolved to device memory.
@@ -118,6 +118,8 @@ pub(crate) struct Limits {
     pub wide_groups: bool,
     /// The body of the one-row block mat-vec (`LOWSYNC_VK_QV`).
     pub qv: QuantMatVec,
+    /// The layout of the prefill product over block weights (`LOWSYNC_VK_QMM`).
+    pub qmm: QuantMatMul,
 }
 
 /// An index-checking kernel's error slot: the status binding and the tag naming this node.

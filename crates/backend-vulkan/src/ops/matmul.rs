@@ -23,7 +23,7 @@ use lowsync_backend::Result;
 use lowsync_graph::DType;
 
 use super::layout::{dt, need_status, Ctx, Dispatch, Res, Status};
-use crate::config::QuantMatVec;
+use crate::config::{QuantMatMul, QuantMatVec};
 use crate::pipelines::Push;
 
 /// Rows up to which `MulMat` uses the matrix-vector kernel.
@@ -40,6 +40,8 @@ const QUANT_TILE_N: usize = 64;
 /// Rows of x per workgroup of that product (`RB` in `mul_mat_q.wgsl`): each weight group is
 /// decoded once for this many rows.
 const QUANT_TILE_M: usize = 32;
+/// Rows of x per workgroup of the tiled prefill product over block weights (`mul_mat_qt.wgsl`).
+const QUANT_TILES_M: usize = 64;
 /// Rows of x from which block weights take the prefill product instead of the multi-row mat-vec.
 const QUANT_TILE_MIN_M: usize = 16;
 
@@ -398,9 +400,13 @@ fn quant_mat_vec(
         0,
         c.block_bytes(b.dtype, b_sn, "row stride")?,
     ];
-    // The prefill kernel: 64 invocations (one per row of w) per 64 x 32 tile of the result,
-    // batches in z.
-    let (tx, ty) = (n.div_ceil(QUANT_TILE_N), m.div_ceil(QUANT_TILE_M));
+    // The prefill kernels, batches in z: `rows`, 64 invocations (one per row of w) per 64 x 32
+    // tile of the result; `tiles`, 256 invocations per 64 x 64 tile.
+    let (kernel, rows_per_tile) = match c.lim.qmm {
+        QuantMatMul::Rows => ("mul_mat_q", QUANT_TILE_M),
+        QuantMatMul::Tiles => ("mul_mat_qt", QUANT_TILES_M),
+    };
+    let (tx, ty) = (n.div_ceil(QUANT_TILE_N), m.div_ceil(rows_per_tile));
     let batches = push.offs[3] as usize;
     if m >= QUANT_TILE_MIN_M
         && tx <= max[0] as usize
@@ -408,7 +414,7 @@ fn quant_mat_vec(
         && batches <= max[2] as usize
     {
         return Ok(vec![Dispatch {
-            kernel: format!("mul_mat_q.d_f32.a_f32.b_{}", dt(b.dtype)),
+            kernel: format!("{kernel}.d_f32.a_f32.b_{}", dt(b.dtype)),
             binds: binds.to_vec(),
             push,
             groups: [tx as u32, ty as u32, push.offs[3]],

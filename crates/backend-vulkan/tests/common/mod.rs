@@ -4,15 +4,16 @@
 
 use lowsync_backend::{Backend, BufferId, BufferUsage, TensorRef};
 use lowsync_graph::{contiguous_strides, DType};
-use lowsync_vulkan::{QuantMatVec, VkConfig, VulkanBackend};
+use lowsync_vulkan::{QuantMatMul, QuantMatVec, VkConfig, VulkanBackend};
 
 /// The default test config: validation with synchronization validation on, and the block
-/// mat-vec body `LOWSYNC_VK_QV` names (the device's default unset), so the whole suite runs
-/// under any.
+/// mat-vec body `LOWSYNC_VK_QV` and prefill layout `LOWSYNC_VK_QMM` name (the device's
+/// defaults unset), so the whole suite runs under any.
 pub fn config() -> VkConfig {
     VkConfig {
         validation: true,
         quant_mat_vec: QuantMatVec::from_env().expect("LOWSYNC_VK_QV is group, block or rows"),
+        quant_mat_mul: QuantMatMul::from_env().expect("LOWSYNC_VK_QMM is rows or tiles"),
         ..VkConfig::default()
     }
 }

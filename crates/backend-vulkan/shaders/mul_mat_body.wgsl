@@ -1,0 +1,94 @@
+// The body of the tiled MulMat (`mul_mat.wgsl`, and `mul_mat_qt.wgsl` over block weights):
+// dst[.., m, n] = sum_k a[.., m, k] * b[.., k, n] with f32 accumulation. A 16x16 workgroup
+// computes a 64x64 tile, 4x4 outputs per thread, stepping k by 16 through workgroup memory.
+// A's tile is loaded here, along whichever axis is contiguous in memory (`prm.x`); B's tile,
+// Bs[kb * 64 + c] (16 k x 64 columns), by the including kernel's `load_b_tile`. Batch axes
+// (two, after padding) map to operand batches by division (GQA broadcast).
+
+struct Pc {
+    // M, N, K, batch extent of axis 1
+    shape: vec4<u32>,
+    // batch0, batch1, row, col strides
+    d_str: vec4<u32>,
+    // batch0, batch1, m, k strides
+    a_str: vec4<u32>,
+    // batch0, batch1, k, n strides
+    b_str: vec4<u32>,
+    // d, a, b offsets; batch count
+    offs: vec4<u32>,
+    // batch divisors: a axis 0, a axis 1, b axis 0, b axis 1
+    op: vec4<u32>,
+    // x: 1 when a's k axis is contiguous, y: 1 when b's k axis is contiguous
+    prm: vec4<u32>,
+}
+var<immediate> pc: Pc;
+
+var<workgroup> As: array<f32, 1024>;
+var<workgroup> Bs: array<f32, 1024>;
+
+@compute @workgroup_size(16, 16, 1)
+fn main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
+    let M = pc.shape.x;
+    let N = pc.shape.y;
+    let K = pc.shape.z;
+    let bz = wg.z;
+    let b0 = bz / pc.shape.w;
+    let b1 = bz % pc.shape.w;
+    let a_base = pc.offs.y + (b0 / pc.op.x) * pc.a_str.x + (b1 / pc.op.y) * pc.a_str.y;
+    let b_base = pc.offs.z + (b0 / pc.op.z) * pc.b_str.x + (b1 / pc.op.w) * pc.b_str.y;
+    let row0 = wg.y * 64u;
+    let col0 = wg.x * 64u;
+    var acc: array<f32, 16>;
+    for (var i = 0u; i < 16u; i++) {
+        acc[i] = 0.0;
+    }
+    for (var k0 = 0u; k0 < K; k0 += 16u) {
+        for (var e = 0u; e < 4u; e++) {
+            let flat = li + e * 256u;
+            // As[kk * 64 + r]: 64 rows x 16 k
+            var r = flat / 16u;
+            var kk = flat % 16u;
+            if pc.prm.x == 0u {
+                r = flat % 64u;
+                kk = flat / 64u;
+            }
+            let gr = row0 + r;
+            let gk = k0 + kk;
+            var va = 0.0;
+            if gr < M && gk < K {
+                va = ld_a(a_base + gr * pc.a_str.z + gk * pc.a_str.w);
+            }
+            As[kk * 64u + r] = va;
+        }
+        load_b_tile(li, k0, col0, b_base);
+        workgroupBarrier();
+        for (var kk = 0u; kk < 16u; kk++) {
+            var av: array<f32, 4>;
+            var bv: array<f32, 4>;
+            for (var i = 0u; i < 4u; i++) {
+                av[i] = As[kk * 64u + lid.y * 4u + i];
+                bv[i] = Bs[kk * 64u + lid.x * 4u + i];
+            }
+            for (var i = 0u; i < 4u; i++) {
+                for (var j = 0u; j < 4u; j++) {
+                    acc[i * 4u + j] += av[i] * bv[j];
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    let d_base = pc.offs.x + b0 * pc.d_str.x + b1 * pc.d_str.y;
+    for (var i = 0u; i < 4u; i++) {
+        let gr = row0 + lid.y * 4u + i;
+        for (var j = 0u; j < 4u; j++) {
+            let gc = col0 + lid.x * 4u + j;
+            if gr < M && gc < N {
+                st_d(d_base + gr * pc.d_str.z + gc * pc.d_str.w, acc[i * 4u + j]);
+            }
+        }
+    }
+}
