@@ -199,6 +199,26 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
     }])
 }
 
+/// The product planned as a single dispatch, with its kernel family and the rest of the variant
+/// name split off (`mul_mat_vec_qw`, `d_f32.a_f32.b_q4_0`): where the fused flavours start;
+/// `None` where the product takes more than one dispatch.
+fn one_dispatch(
+    c: &Ctx,
+    dst: &Res,
+    a: &Res,
+    b: &Res,
+) -> Result<Option<(Dispatch, String, String)>> {
+    let mut ds = mul_mat(c, dst, a, b)?;
+    let (Some(d), None) = (ds.pop(), ds.pop()) else {
+        return Ok(None);
+    };
+    let Some((family, rest)) = d.kernel.split_once('.') else {
+        return Ok(None);
+    };
+    let (family, rest) = (family.to_string(), rest.to_string());
+    Ok(Some((d, family, rest)))
+}
+
 /// The element-wise op a decode product's store runs (`mul_mat_vec_out_e.wgsl`), with the op's
 /// other operand `e`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -243,14 +263,10 @@ pub(super) fn mul_mat_epilogue(
     {
         return Ok(None);
     }
-    let mut ds = mul_mat(c, dst, a, b)?;
-    let (Some(mut d), None) = (ds.pop(), ds.pop()) else {
+    let Some((mut d, family, suffix)) = one_dispatch(c, dst, a, b)? else {
         return Ok(None);
     };
-    let Some((family, suffix)) = d.kernel.split_once('.') else {
-        return Ok(None);
-    };
-    if !EPILOGUE_FAMILIES.contains(&family) {
+    if !EPILOGUE_FAMILIES.contains(&family.as_str()) {
         return Ok(None);
     }
     let (be, oe) = c.bind(e, false)?;
@@ -281,11 +297,7 @@ pub(super) fn mul_mat_glu(
     if gate.dtype != up.dtype || gate.shape != up.shape || gate.strides != up.strides {
         return Ok(None);
     }
-    let mut ds = mul_mat(c, dst, x, gate)?;
-    let (Some(mut d), None) = (ds.pop(), ds.pop()) else {
-        return Ok(None);
-    };
-    let Some((family, suffix)) = d.kernel.split_once('.') else {
+    let Some((mut d, family, suffix)) = one_dispatch(c, dst, x, gate)? else {
         return Ok(None);
     };
     // One row of x and one batch: the kernels address rows of w from offset and row stride.
@@ -296,7 +308,7 @@ pub(super) fn mul_mat_glu(
     let (bu, ou) = c.bind(up, false)?;
     // The gate's own checks hold for up (same dtype, shape and strides) but for its offset:
     // an even byte for `T_q8`, 8 elements for 16-byte loads.
-    let (kernel, gx) = match family {
+    let (kernel, gx) = match family.as_str() {
         "mul_mat_vec_qw" if ou.is_multiple_of(2) => ("mul_mat_vec_qw_g", n),
         "mul_mat_vec_v" if ou.is_multiple_of(8) => {
             ("mul_mat_vec_v_g", n.div_ceil(MAT_VEC_K_ROWS / 2))
@@ -336,19 +348,16 @@ pub(super) fn mul_mat_set_rows(
     if !ok {
         return Ok(None);
     }
-    let mut ds = mul_mat(c, product, a, b)?;
-    let (Some(mut d), None) = (ds.pop(), ds.pop()) else {
-        return Ok(None);
-    };
-    let Some((family, rest)) = d.kernel.split_once('.') else {
+    let Some((mut d, family, rest)) = one_dispatch(c, product, a, b)? else {
         return Ok(None);
     };
     // The planned one-row product indexes d only by column (batch and row strides unused).
-    if !EPILOGUE_FAMILIES.contains(&family) || d.push.shape[0] != 1 || d.push.offs[3] != 1 {
+    if !EPILOGUE_FAMILIES.contains(&family.as_str()) || d.push.shape[0] != 1 || d.push.offs[3] != 1
+    {
         return Ok(None);
     }
     let s = need_status(c, status)?;
-    let operands = rest.strip_prefix("d_f32.").unwrap_or(rest);
+    let operands = rest.strip_prefix("d_f32.").unwrap_or(&rest);
     let (bd, od) = c.bind(cache, true)?;
     let (bi, oi) = c.bind(ids, false)?;
     d.kernel = format!(
