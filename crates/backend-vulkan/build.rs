@@ -517,6 +517,38 @@ const KERNELS: &[Spec] = &[
             ("key", Slot::Int, &["i32"]),
         ],
     ),
+    // The decode products reading x through the RmsNorm that feeds them
+    // (`mul_mat_vec_x_norm.wgsl`): binding n is the norm's weight.
+    (
+        "mul_mat_vec_vn",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Vec, FLOATS),
+            ("n", Slot::Vec, &["f32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_vn_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Vec, FLOATS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+            ("n", Slot::Vec, &["f32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_vn_g",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Vec, FLOATS),
+            ("u", Slot::Vec, FLOATS),
+            ("n", Slot::Vec, &["f32"]),
+        ],
+    ),
 ];
 
 fn main() {

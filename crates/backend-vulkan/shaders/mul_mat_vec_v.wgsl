@@ -20,4 +20,5 @@
 
 // #include mul_mat_vec_out.wgsl
 // #include mul_mat_vec_v_body.wgsl
+// #include mul_mat_vec_x.wgsl
 // #include mul_mat_vec_v_rows.wgsl

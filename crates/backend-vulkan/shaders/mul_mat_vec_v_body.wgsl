@@ -1,7 +1,10 @@
 // The body of `mul_mat_vec_v` and its flavours (see `mul_mat_vec_v.wgsl`). Which pair of rows a
 // subgroup takes and what it stores is the flavour's (`v_rows`, `ld8_w1`, `v_store`): rows r and
 // r + 1 of w, each stored through `out_d` (`mul_mat_vec_v_rows.wgsl`), or row r of the gate
-// weight and of the up weight, stored as SwiGLU (`mul_mat_vec_v_glu.wgsl`).
+// weight and of the up weight, stored as SwiGLU (`mul_mat_vec_v_glu.wgsl`). How x is read and
+// the lanes' sums added is the activation's (`x8_a`, `x_sum2`): as bound
+// (`mul_mat_vec_x.wgsl`), or through the RmsNorm that feeds the product
+// (`mul_mat_vec_x_norm.wgsl`).
 
 // #include mul_mat_vec_head.wgsl
 
@@ -18,10 +21,10 @@ fn pair_partial(a_base: u32, w0: u32, w1: u32, lane: u32, lanes: u32) -> vec2<f3
     // Four steps a round while they last (eight 16-byte loads of w in flight), then two, then
     // one: steps 0, 2, ... go to s, steps 1, 3, ... to t, in order, whichever loop takes them.
     for (; k + 3u * step < k_len; k += 4u * step) {
-        let x0 = ld8_a(a_base + k);
-        let x1 = ld8_a(a_base + k + step);
-        let x2 = ld8_a(a_base + k + 2u * step);
-        let x3 = ld8_a(a_base + k + 3u * step);
+        let x0 = x8_a(a_base + k);
+        let x1 = x8_a(a_base + k + step);
+        let x2 = x8_a(a_base + k + 2u * step);
+        let x3 = x8_a(a_base + k + 3u * step);
         let u0 = ld8_b(w0 + k);
         let u1 = ld8_b(w0 + k + step);
         let u2 = ld8_b(w0 + k + 2u * step);
@@ -40,8 +43,8 @@ fn pair_partial(a_base: u32, w0: u32, w1: u32, lane: u32, lanes: u32) -> vec2<f3
         t1 = fma(x3[0], v3[0], fma(x3[1], v3[1], t1));
     }
     for (; k + step < k_len; k += 2u * step) {
-        let x0 = ld8_a(a_base + k);
-        let x1 = ld8_a(a_base + k + step);
+        let x0 = x8_a(a_base + k);
+        let x1 = x8_a(a_base + k + step);
         let u0 = ld8_b(w0 + k);
         let u1 = ld8_b(w0 + k + step);
         let v0 = ld8_w1(w1 + k);
@@ -52,7 +55,7 @@ fn pair_partial(a_base: u32, w0: u32, w1: u32, lane: u32, lanes: u32) -> vec2<f3
         t1 = fma(x1[0], v1[0], fma(x1[1], v1[1], t1));
     }
     if k < k_len {
-        let x0 = ld8_a(a_base + k);
+        let x0 = x8_a(a_base + k);
         let u0 = ld8_b(w0 + k);
         let v0 = ld8_w1(w1 + k);
         s0 = fma(x0[0], u0[0], fma(x0[1], u0[1], s0));
@@ -80,7 +83,7 @@ fn main(
         if rows.w > 0u {
             p = pair_partial(base.y, rows.y, rows.z, lane, lanes);
         }
-        let s = subgroupAdd(p);
+        let s = x_sum2(p);
         if lane == 0u {
             v_store(base.x, rows, s);
         }

@@ -6,4 +6,5 @@
 // and both weights' offsets and row stride a multiple of 8 elements; k a multiple of 8.
 
 // #include mul_mat_vec_v_body.wgsl
+// #include mul_mat_vec_x.wgsl
 // #include mul_mat_vec_v_glu.wgsl

@@ -194,14 +194,91 @@ impl Inner {
         let mut groups: BTreeMap<usize, Group> =
             groups.into_iter().map(|g| (g.first(), g)).collect();
         let mut fused = vec![false; graph.nodes.len()];
+        // Fused norms not yet recorded (their products normalise x themselves).
+        let mut held: Vec<Fold> = Vec::new();
         for (i, node) in graph.nodes.iter().enumerate() {
             if fused[i] {
                 continue;
             }
-            if let Some(grp) = groups.remove(&i) {
+            let grp = groups.remove(&i);
+            let members = grp.as_ref().map_or_else(|| vec![i], Group::members);
+            // A held norm whose result this node or group reads: folded into the products
+            // that can take it, else recorded now (before anything reads its result).
+            let fold_at = match &grp {
+                None if node.op == Op::MulMat => vec![i],
+                Some(Group::ProductRows { mm, .. }) => vec![*mm],
+                Some(Group::GluPair { gate, up, .. }) => vec![*gate, *up],
+                _ => Vec::new(),
+            };
+            let mut fold = None;
+            for h in std::mem::take(&mut held) {
+                let reads = members.iter().any(|&m| {
+                    graph.nodes[m]
+                        .srcs
+                        .iter()
+                        .any(|s| fusion::overlap(s, &h.result))
+                });
+                if !reads {
+                    held.push(h);
+                } else if fold.is_none()
+                    && !fold_at.is_empty()
+                    && fold_at.iter().all(|m| h.readers.contains(m))
+                {
+                    fold = Some(h);
+                } else {
+                    for d in h.dispatches {
+                        self.push_dispatch(st, &mut tracker, &mut steps, d)?;
+                    }
+                }
+            }
+            if let Some(f) = fold.take() {
+                let d = match &grp {
+                    None => self.plan_folded_product(st, node, &f)?,
+                    Some(Group::ProductRows { mm, set_rows }) => {
+                        self.plan_product_rows(st, &mut sites, graph, (*mm, *set_rows), Some(&f))?
+                    }
+                    Some(Group::GluPair { gate, up, glu, .. }) => {
+                        self.plan_glu_pair(st, graph, (*gate, *up, *glu), Some(&f))?
+                    }
+                    Some(_) => None,
+                };
+                match d {
+                    Some(d) => {
+                        self.push_dispatch(st, &mut tracker, &mut steps, d)?;
+                        // Held while readers remain (after the last, its bytes are others').
+                        let done = members.iter().max().copied().unwrap_or(i);
+                        for m in members {
+                            fused[m] = true;
+                        }
+                        if f.readers.last().is_some_and(|&r| r > done) {
+                            held.push(f);
+                        }
+                        continue;
+                    }
+                    None => {
+                        // No kernel folds it here: the norm runs now, for this and every
+                        // later reader.
+                        for d in f.dispatches {
+                            self.push_dispatch(st, &mut tracker, &mut steps, d)?;
+                        }
+                    }
+                }
+            }
+            if let Some(grp) = grp {
                 let planned = match &grp {
                     Group::Attn(a) => self.plan_attention(st, graph, a)?,
-                    Group::NormMul { norm, mul } => self.plan_norm_mul(st, graph, *norm, *mul)?,
+                    Group::NormMul { norm, mul } => {
+                        let ds = self.plan_norm_mul(st, graph, *norm, *mul)?;
+                        if let Some(ds) = &ds {
+                            if let Some(h) = self.hold_norm(st, graph, (*norm, *mul), ds)? {
+                                held.push(h);
+                                fused[*norm] = true;
+                                fused[*mul] = true;
+                                continue;
+                            }
+                        }
+                        ds
+                    }
                     Group::Epilogue { mm, op, epi } => self
                         .plan_epilogue(st, graph, *mm, *op, *epi)?
                         .map(|d| vec![d]),
@@ -209,7 +286,7 @@ impl Inner {
                         .plan_rope_rows(st, &mut sites, graph, *rope, *set_rows)?
                         .map(|d| vec![d]),
                     Group::ProductRows { mm, set_rows } => self
-                        .plan_product_rows(st, &mut sites, graph, *mm, *set_rows)?
+                        .plan_product_rows(st, &mut sites, graph, (*mm, *set_rows), None)?
                         .map(|d| vec![d]),
                     Group::GluPair {
                         gate,
@@ -217,7 +294,7 @@ impl Inner {
                         glu,
                         alone,
                     } => {
-                        let d = self.plan_glu_pair(st, graph, *gate, *up, *glu)?;
+                        let d = self.plan_glu_pair(st, graph, (*gate, *up, *glu), None)?;
                         if let (None, Some(epi)) = (&d, alone) {
                             // The later product runs SwiGLU in its store instead.
                             let mm = *gate.max(up);
@@ -448,16 +525,33 @@ impl Inner {
         &self,
         st: &State,
         graph: &ExecGraph,
-        gate: usize,
-        up: usize,
-        glu: usize,
+        (gate, up, glu): (usize, usize, usize),
+        fold: Option<&Fold>,
     ) -> Result<Option<ops::Dispatch>> {
         let (g, u, o) = (&graph.nodes[gate], &graph.nodes[up], &graph.nodes[glu]);
-        let x = self.resolve(st, g, &g.srcs[0])?;
+        let x = match fold {
+            Some(f) => f.x.clone(),
+            None => self.resolve(st, g, &g.srcs[0])?,
+        };
         let wg = self.resolve(st, g, &g.srcs[1])?;
         let wu = self.resolve(st, u, &u.srcs[1])?;
         let dst = self.resolve(st, o, &o.dst)?;
-        ops::mul_mat_glu(g, &dst, [&x, &wg, &wu], self.limits)
+        let d = ops::mul_mat_glu(g, &dst, [&x, &wg, &wu], self.limits)?;
+        self.fold_into(g, d, fold)
+    }
+
+    /// `d` with the held norm `fold` folded in (`None` where its kernel takes none), or `d`
+    /// itself without one.
+    fn fold_into(
+        &self,
+        node: &ExecNode,
+        d: Option<ops::Dispatch>,
+        fold: Option<&Fold>,
+    ) -> Result<Option<ops::Dispatch>> {
+        match (d, fold) {
+            (Some(d), Some(f)) => ops::with_norm(node, d, &f.g, f.eps, self.limits),
+            (d, _) => Ok(d),
+        }
     }
 
     /// The fused `Rope -> SetRows` of nodes `rope` and `set_rows` (`crate::fusion` proved it
@@ -500,23 +594,86 @@ impl Inner {
         st: &mut State,
         sites: &mut Vec<(u32, ErrorSite)>,
         graph: &ExecGraph,
-        mm: usize,
-        set_rows: usize,
+        (mm, set_rows): (usize, usize),
+        fold: Option<&Fold>,
     ) -> Result<Option<ops::Dispatch>> {
         let (m, w) = (&graph.nodes[mm], &graph.nodes[set_rows]);
         let product = self.resolve(st, m, &m.dst)?;
-        let a = self.resolve(st, m, &m.srcs[0])?;
+        let a = match fold {
+            Some(f) => f.x.clone(),
+            None => self.resolve(st, m, &m.srcs[0])?,
+        };
         let b = self.resolve(st, m, &m.srcs[1])?;
         let ids = self.resolve(st, w, &w.srcs[2])?;
         let cache = self.resolve(st, w, &w.dst)?;
         let status = index_status(st, sites, w, cache.shape.first().copied())?;
-        ops::mul_mat_set_rows(
+        let d = ops::mul_mat_set_rows(
             m,
             [&product, &a, &b, &cache, &ids],
             Some(status),
             self.limits,
-        )
+        )?;
+        self.fold_into(m, d, fold)
     }
+
+    /// The one-row product at node `i` reading x through the held norm `fold`, or `None` when
+    /// no kernel takes the fold.
+    fn plan_folded_product(
+        &self,
+        st: &State,
+        node: &ExecNode,
+        fold: &Fold,
+    ) -> Result<Option<ops::Dispatch>> {
+        let w = self.resolve(st, node, &node.srcs[1])?;
+        let dst = self.resolve(st, node, &node.dst)?;
+        let mut ds = ops::plan(node, &dst, &[fold.x.clone(), w], None, self.limits)?;
+        let (Some(d), None) = (ds.pop(), ds.pop()) else {
+            return Ok(None);
+        };
+        self.fold_into(node, Some(d), Some(fold))
+    }
+
+    /// Holds back the fused norm `norm -> mul` (planned as `dispatches`) where every product
+    /// reading its result may normalise x itself (`fusion::norm_readers`): the products get
+    /// the norm's source, weight and eps instead.
+    fn hold_norm(
+        &self,
+        st: &State,
+        graph: &ExecGraph,
+        (norm, mul): (usize, usize),
+        dispatches: &[ops::Dispatch],
+    ) -> Result<Option<Fold>> {
+        let Some(readers) = fusion::norm_readers(graph, norm, mul) else {
+            return Ok(None);
+        };
+        let (n, m) = (&graph.nodes[norm], &graph.nodes[mul]);
+        let Op::RmsNorm { eps } = n.op else {
+            return Ok(None);
+        };
+        Ok(Some(Fold {
+            x: self.resolve(st, n, &n.srcs[0])?,
+            g: self.resolve(st, m, &m.srcs[1])?,
+            eps,
+            result: m.dst.clone(),
+            readers,
+            dispatches: dispatches.to_vec(),
+        }))
+    }
+}
+
+/// A fused `RmsNorm -> Mul` held back while the products reading its result normalise x
+/// themselves (`mul_mat_vec_x_norm.wgsl`).
+struct Fold {
+    /// The norm's source, its weight (the `Mul`'s other operand) and eps.
+    x: Res,
+    g: Res,
+    eps: f32,
+    /// The norm's result (never written while every reader folds it).
+    result: TensorRef,
+    /// The nodes reading the result (`fusion::norm_readers`).
+    readers: Vec<usize>,
+    /// The fused norm, recorded before the first reader that cannot fold it.
+    dispatches: Vec<ops::Dispatch>,
 }
 
 /// A fresh error tag for the index-checking node `node` (its ids index `n` rows), registered

@@ -17,7 +17,10 @@
 //! further where a kernel computes a pair of rows: the gate and up products of one x and the
 //! `SwiGlu` of their results run as one dispatch (`mul_mat_vec_*_g`), each load of x serving
 //! a gate row and its up row, so a layer waits for one product fewer; where the planner
-//! refuses the three, the up product still takes SwiGLU in its store.
+//! refuses the three, the up product still takes SwiGLU in its store. A fused norm goes
+//! further still where every product reading its result normalises x itself
+//! ([`norm_readers`]; the float mat-vec's `_vn` flavours): the norm runs no dispatch, and
+//! runs just before the first reader whose kernel cannot.
 //!
 //! Strategy: [`groups`] tries each node as the start of a chain and finds its members as the
 //! first later node reading each result. An attention chain is kept only when every check
@@ -75,7 +78,7 @@ fn byte_range(t: &TensorRef) -> (usize, usize) {
 }
 
 /// Whether two tensors share a byte.
-fn overlap(a: &TensorRef, b: &TensorRef) -> bool {
+pub(crate) fn overlap(a: &TensorRef, b: &TensorRef) -> bool {
     let ((a0, a1), (b0, b1)) = (byte_range(a), byte_range(b));
     a.buffer == b.buffer && a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1
 }
@@ -311,6 +314,75 @@ fn norm_mul_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize)
         && dead_after(g, i, j, 0)
         && (i + 1..j).all(|n| !conflicts(&nodes[n], mul));
     ok.then_some((i, j))
+}
+
+/// The nodes that read the result of a fused `RmsNorm -> Mul` (nodes `norm`, `mul`) as the x
+/// of a one-row product, if each may read the norm's source and the `Mul`'s weight instead
+/// (the norm folded into the product, `mul_mat_vec_x_norm.wgsl`): an f32 source of the
+/// result's shape, one row; every read of the result until it is dead is the x of a one-row
+/// `MulMat` (none of whose other sources or result overlaps it, the source or the weight); no
+/// node from the norm to the last of them writes the source, the weight or any byte of the
+/// result; the result is dead after them (overwritten whole, or scratch nothing reads after
+/// the graph). Then the norm need not run at all, and where a product's kernel takes no such
+/// fold, running the fused norm just before that product gives what it gave at its own place.
+pub(crate) fn norm_readers(g: &ExecGraph, norm: usize, mul: usize) -> Option<Vec<usize>> {
+    let nodes = &g.nodes;
+    let x = nodes[norm].srcs.first()?;
+    let w = nodes[mul].srcs.get(1)?;
+    let t = &nodes[mul].dst;
+    let one_row = |s: &[usize]| s.iter().rev().skip(1).all(|&d| d == 1);
+    if x.dtype != DType::F32 || t.dtype != DType::F32 || x.shape != t.shape || !one_row(&t.shape) {
+        return None;
+    }
+    // Between the norm and the `Mul` only the source and weight matter (the `Mul` runs at the
+    // norm's place, so nothing there reads its result).
+    let mut frozen =
+        (norm + 1..mul).all(|j| !overlap(&nodes[j].dst, x) && !overlap(&nodes[j].dst, w));
+    let mut readers = Vec::new();
+    let mut t_dead = false;
+    for (j, n) in nodes.iter().enumerate().skip(mul + 1) {
+        if n.srcs.iter().any(|s| overlap(s, t)) {
+            let product = n.op == Op::MulMat
+                && n.srcs.len() == 2
+                && n.srcs[0] == *t
+                && !overlap(&n.srcs[1], t)
+                && n.dst.dtype == DType::F32
+                && one_row(&n.dst.shape)
+                && ![x, w, t].iter().any(|s| overlap(&n.dst, s))
+                && !n.src_needs_private_copy(0)
+                && !n.src_needs_private_copy(1);
+            if !product || !frozen {
+                return None;
+            }
+            readers.push(j);
+        }
+        if overlap(&n.dst, t) {
+            // A whole overwrite ends the result's life; anything less writes into it.
+            let ((w0, w1), (t0, t1)) = (byte_range(&n.dst), byte_range(t));
+            if n.op == Op::SetRows || !n.dst.is_contiguous() || w0 > t0 || w1 < t1 {
+                return None;
+            }
+            t_dead = true;
+            break;
+        }
+        if overlap(&n.dst, x) || overlap(&n.dst, w) {
+            frozen = false;
+        }
+    }
+    if readers.is_empty() {
+        return None;
+    }
+    if !t_dead {
+        let (a, b) = byte_range(t);
+        let unread = g
+            .scratch
+            .as_ref()
+            .is_some_and(|sc| !sc.read_after(t.buffer, a, b));
+        if !unread {
+            return None;
+        }
+    }
+    Some(readers)
 }
 
 /// `MulMat -> Add` (the residual add) or `MulMat -> SwiGlu` at node `i`, if the element-wise op

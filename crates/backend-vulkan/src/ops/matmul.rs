@@ -325,6 +325,42 @@ pub(super) fn mul_mat_glu(
     Ok(Some(d))
 }
 
+/// The RmsNorm (with `eps`, times its weight `g`) that feeds a planned decode product, folded
+/// into it (`mul_mat_vec_x_norm.wgsl`): `d` was planned with the norm's source as x, and its
+/// kernel, the 16-byte float mat-vec, becomes its flavour that normalises x as it reads it. `None` where the
+/// family has no such flavour (the caller then runs the norm first), or `g` is not a
+/// contiguous f32 vector of k elements starting where that kernel's loads of it need.
+pub(super) fn with_norm(c: &Ctx, mut d: Dispatch, g: &Res, eps: f32) -> Result<Option<Dispatch>> {
+    let Some((family, rest)) = d.kernel.split_once('.') else {
+        return Ok(None);
+    };
+    // The float body only: the two-row block body took the fold too, and "1b" Q4_0 decoded
+    // 1.5-4% slower on the H200 with it (its products are bound by decoding the blocks, and
+    // the fold adds a load of g and a square per element), so the norm runs there.
+    let normed = match family {
+        "mul_mat_vec_v" => "mul_mat_vec_vn",
+        "mul_mat_vec_v_r" => "mul_mat_vec_vn_r",
+        "mul_mat_vec_v_g" => "mul_mat_vec_vn_g",
+        _ => return Ok(None),
+    };
+    let k = d.push.shape[2] as usize;
+    let one_row = d.push.shape[0] == 1 && d.push.offs[3] == 1;
+    let contiguous = g.strides.last().is_none_or(|&s| s == 1 || g.numel() == 1);
+    if !one_row || g.dtype != DType::F32 || g.numel() != k || !contiguous {
+        return Ok(None);
+    }
+    let (bn, on) = c.bind(g, false)?;
+    // 8 elements of g at a time, on 16 bytes.
+    if !on.is_multiple_of(8) {
+        return Ok(None);
+    }
+    d.kernel = format!("{normed}.{rest}.n_f32");
+    d.binds.push(bn);
+    d.push.prm[2] = on;
+    d.push.prm[3] = eps.to_bits();
+    Ok(Some(d))
+}
+
 /// `x @ w.T` for one row of x (`product` [1, n], the product's own result) written into row
 /// `ids[0]` of `cache` [rows, n] instead, as the `SetRows` that consumed it would, as one
 /// dispatch (`mul_mat_vec_out_r.wgsl`); `None` when the product does not take a decode mat-vec

@@ -120,6 +120,19 @@ pub(crate) fn mul_mat_glu(
     matmul::mul_mat_glu(&Ctx { node, lim }, dst, x, gate, up)
 }
 
+/// Folds the RmsNorm (`eps`, times its weight `g`) that feeds the decode product at `node`
+/// into its planned dispatch `d` (planned with the norm's source as x); `None` when no kernel
+/// flavour takes it.
+pub(crate) fn with_norm(
+    node: &ExecNode,
+    d: Dispatch,
+    g: &Res,
+    eps: f32,
+    lim: Limits,
+) -> Result<Option<Dispatch>> {
+    matmul::with_norm(&Ctx { node, lim }, d, g, eps)
+}
+
 /// Plans the fused `Rope -> SetRows` of one token (`crate::fusion` proved the rotated row dead):
 /// `x` [1, H, D] rotated at `pos` as `rope` (mode, n_dims, theta) gives, into row `ids[0]` of
 /// `cache`; `None` when the fused kernel does not take the operands.
