@@ -12,34 +12,16 @@
 
 mod common;
 
+use common::{t, values};
+
 use std::sync::Arc;
 
 use half::{bf16, f16};
 use lowsync_backend::{
     Backend, BufferId, BufferUsage, ExecGraph, ExecNode, ScratchLive, TensorRef,
 };
-use lowsync_graph::{contiguous_strides, DType, Op};
+use lowsync_graph::{DType, Op};
 use lowsync_vulkan::{QuantMatVec, VkConfig};
-
-fn t(buffer: BufferId, off: usize, dtype: DType, shape: &[usize]) -> TensorRef {
-    TensorRef {
-        buffer,
-        byte_offset: off,
-        dtype,
-        shape: shape.to_vec(),
-        strides: contiguous_strides(shape),
-    }
-}
-
-/// Deterministic values in [-2, 2].
-fn values(n: usize, seed: u32) -> Vec<f32> {
-    (0..n)
-        .map(|i| {
-            let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8;
-            (x % 2001) as f32 / 500.0 - 2.0
-        })
-        .collect()
-}
 
 /// `rows` rows of `k` weights of `dt`: float values, or blocks of arbitrary bytes whose f16
 /// scale and min are small and finite.

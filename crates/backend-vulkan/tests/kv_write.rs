@@ -8,32 +8,13 @@
 
 mod common;
 
+use common::{t, values};
+
 use std::sync::Arc;
 
-use lowsync_backend::{
-    Backend, BufferId, BufferUsage, Error, ExecGraph, ExecNode, ScratchLive, TensorRef,
-};
-use lowsync_graph::{contiguous_strides, DType, Op, RopeMode};
+use lowsync_backend::{Backend, BufferUsage, Error, ExecGraph, ExecNode, ScratchLive, TensorRef};
+use lowsync_graph::{DType, Op, RopeMode};
 use lowsync_vulkan::VkConfig;
-
-fn t(buffer: BufferId, off: usize, dtype: DType, shape: &[usize]) -> TensorRef {
-    TensorRef {
-        buffer,
-        byte_offset: off,
-        dtype,
-        shape: shape.to_vec(),
-        strides: contiguous_strides(shape),
-    }
-}
-
-fn values(n: usize, seed: u32) -> Vec<f32> {
-    (0..n)
-        .map(|i| {
-            let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8;
-            (x % 2001) as f32 / 500.0 - 2.0
-        })
-        .collect()
-}
 
 struct Case {
     heads: usize,

@@ -8,34 +8,16 @@
 
 mod common;
 
+use common::{t, values};
+
 use std::sync::Arc;
 
 use half::f16;
 use lowsync_backend::{
     Backend, BufferId, BufferUsage, ExecGraph, ExecNode, ScratchLive, TensorRef,
 };
-use lowsync_graph::{contiguous_strides, DType, Op};
+use lowsync_graph::{DType, Op};
 use lowsync_vulkan::{QuantMatVec, VkConfig};
-
-fn t(buffer: BufferId, off: usize, dtype: DType, shape: &[usize]) -> TensorRef {
-    TensorRef {
-        buffer,
-        byte_offset: off,
-        dtype,
-        shape: shape.to_vec(),
-        strides: contiguous_strides(shape),
-    }
-}
-
-/// Deterministic values in [-2, 2].
-fn values(n: usize, seed: u32) -> Vec<f32> {
-    (0..n)
-        .map(|i| {
-            let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8;
-            (x % 2001) as f32 / 500.0 - 2.0
-        })
-        .collect()
-}
 
 /// `rows x k` weights of `dt`: f16 values, or blocks of arbitrary bytes with a small f16 scale
 /// (and min) in front.
@@ -176,22 +158,27 @@ fn close(got: &[f32], want: &[f32], what: &str) {
     }
 }
 
+/// [`run`] fused and unfused: the fused result, its kernels, and the unfused result.
+fn both(cfg: VkConfig, wt: DType, odd: bool) -> (Vec<f32>, Vec<(String, u64)>, Vec<f32>) {
+    let off_cfg = VkConfig {
+        fusion: false,
+        ..cfg.clone()
+    };
+    let (off, _) = run(off_cfg, wt, odd);
+    let (on, kernels) = run(cfg, wt, odd);
+    (on, kernels, off)
+}
+
+const FOLDED: [&str; 3] = ["mul_mat_vec_vn", "mul_mat_vec_vn_r", "mul_mat_vec_vn_g"];
+
 #[test]
 fn the_norm_folds_into_every_product_that_reads_it() {
     if common::open(common::config()).is_none() {
         return;
     }
-    let (off, _) = run(
-        VkConfig {
-            fusion: false,
-            ..common::config()
-        },
-        DType::F16,
-        false,
-    );
-    let (on, kernels) = run(common::config(), DType::F16, false);
+    let (on, kernels, off) = both(common::config(), DType::F16, false);
     let what = format!("{kernels:?}");
-    for f in ["mul_mat_vec_vn", "mul_mat_vec_vn_r", "mul_mat_vec_vn_g"] {
+    for f in FOLDED {
         assert_eq!(ran(&kernels, f), 1, "{what}: {f}");
     }
     assert_eq!(ran(&kernels, "rms_norm_mul"), 0, "{what}");
@@ -208,44 +195,21 @@ fn a_reader_no_kernel_folds_gets_the_norm_run_once_before_it() {
         return;
     }
     // The products before the Q4_K one fold the norm; it then runs once, for that one.
-    let (off, _) = run(
-        VkConfig {
-            fusion: false,
-            ..common::config()
-        },
-        DType::F16,
-        true,
-    );
-    let (on, kernels) = run(common::config(), DType::F16, true);
+    let (on, kernels, off) = both(common::config(), DType::F16, true);
     let what = format!("{kernels:?}");
-    for f in ["mul_mat_vec_vn", "mul_mat_vec_vn_r", "mul_mat_vec_vn_g"] {
+    for f in FOLDED {
         assert_eq!(ran(&kernels, f), 1, "{what}: {f}");
     }
     assert_eq!(ran(&kernels, "rms_norm_mul"), 1, "{what}");
-    assert!(close_enough(&on, &off), "{what}");
+    close(&on, &off, &what);
     // Block weights on the two-row body keep the norm as a dispatch of its own.
-    let rows = || VkConfig {
+    let rows = VkConfig {
         quant_mat_vec: Some(QuantMatVec::Rows),
         ..common::config()
     };
-    let (off, _) = run(
-        VkConfig {
-            fusion: false,
-            ..rows()
-        },
-        DType::Q4_0,
-        false,
-    );
-    let (on, kernels) = run(rows(), DType::Q4_0, false);
+    let (on, kernels, off) = both(rows, DType::Q4_0, false);
     let what = format!("{kernels:?}");
     assert_eq!(ran(&kernels, "rms_norm_mul"), 1, "{what}");
     assert_eq!(ran(&kernels, "mul_mat_vec_qw_g"), 1, "{what}");
     close(&on, &off, &what);
-}
-
-fn close_enough(got: &[f32], want: &[f32]) -> bool {
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    got.iter()
-        .zip(want)
-        .all(|(g, w)| (g - w).abs() <= 1e-5 * scale)
 }

@@ -150,3 +150,24 @@ pub fn add_graph(
 pub fn both_paths() -> [VkConfig; 2] {
     [config(), config_no_rebar()]
 }
+
+/// A contiguous view of `shape` at byte `off` of `buffer`.
+pub fn t(buffer: BufferId, off: usize, dtype: DType, shape: &[usize]) -> TensorRef {
+    TensorRef {
+        buffer,
+        byte_offset: off,
+        dtype,
+        shape: shape.to_vec(),
+        strides: contiguous_strides(shape),
+    }
+}
+
+/// Deterministic values in [-2, 2].
+pub fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8;
+            (x % 2001) as f32 / 500.0 - 2.0
+        })
+        .collect()
+}
