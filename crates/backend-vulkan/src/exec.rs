@@ -270,7 +270,9 @@ impl Inner {
                     Group::NormMul { norm, mul } => {
                         let ds = self.plan_norm_mul(st, graph, *norm, *mul)?;
                         if let Some(ds) = &ds {
-                            if let Some(h) = self.hold_norm(st, graph, (*norm, *mul), ds)? {
+                            if let Some(h) =
+                                self.hold_norm(st, graph, (*norm, *mul), ds, &groups)?
+                            {
                                 held.push(h);
                                 fused[*norm] = true;
                                 fused[*mul] = true;
@@ -642,6 +644,7 @@ impl Inner {
         graph: &ExecGraph,
         (norm, mul): (usize, usize),
         dispatches: &[ops::Dispatch],
+        groups: &BTreeMap<usize, Group>,
     ) -> Result<Option<Fold>> {
         let Some(readers) = fusion::norm_readers(graph, norm, mul) else {
             return Ok(None);
@@ -650,6 +653,18 @@ impl Inner {
         let Op::RmsNorm { eps } = n.op else {
             return Ok(None);
         };
+        // The readers now read the source and weight at their own places: a fused group that
+        // starts by then and moves a later write of either before a reader rules it out.
+        let last = readers.last().copied().unwrap_or(mul);
+        let moved_write = groups.range(..=last).any(|(_, grp)| {
+            grp.members().iter().any(|&k| {
+                let d = &graph.nodes[k].dst;
+                k > last && (fusion::overlap(d, &n.srcs[0]) || fusion::overlap(d, &m.srcs[1]))
+            })
+        });
+        if moved_write {
+            return Ok(None);
+        }
         Ok(Some(Fold {
             x: self.resolve(st, n, &n.srcs[0])?,
             g: self.resolve(st, m, &m.srcs[1])?,
