@@ -269,6 +269,8 @@ def test_vulkan_fusion_keeps_tokens_and_cuts_dispatches(
     1 per norm (2 folded). The attention is pinned unsplit (`LOWSYNC_VK_ATTN_SPLIT=0`), the
     default on a CPU-type device."""
     clean_env.setenv("LOWSYNC_VK_ATTN_SPLIT", "0")
+    # The norm folded into float products: on by default on a GPU, asked for on lavapipe.
+    clean_env.setenv("LOWSYNC_VK_NORM_FOLD", "1")
     tokens_on, steps_on = _vulkan_steps("1", clean_env, dtype, kv)
     tokens_off, steps_off = _vulkan_steps("0", clean_env, dtype, kv)
     assert tokens_on == tokens_off

@@ -60,6 +60,11 @@ pub struct VkConfig {
     /// (the variable unset): chosen by the device's type, `rows` on a CPU-type device, `tiles`
     /// on a GPU.
     pub quant_mat_mul: Option<QuantMatMul>,
+    /// `LOWSYNC_VK_NORM_FOLD` (`0`, `1`): a fused RmsNorm whose every reader is a float
+    /// one-row product runs inside those products (`mul_mat_vec_vn*`) instead of as a dispatch
+    /// of its own. `None` (the variable unset): on a GPU (where the saved dispatch is a wait
+    /// saved), off on a CPU-type device (where the products' extra arithmetic is the cost).
+    pub norm_fold: Option<bool>,
     /// `LOWSYNC_VK_ATTN_SPLIT` (`0`, `1` or a chunk count `N`): the fused decode attention
     /// runs each query head's valid keys in up to this many workgroups (`attn_split`, then
     /// `attn_merge`); `1` picks the default of 8 chunks; 0 keeps one workgroup per head
@@ -168,6 +173,8 @@ impl VkConfig {
             fusion: env::flag("LOWSYNC_VK_FUSION", true)?,
             quant_mat_vec: QuantMatVec::from_env()?,
             quant_mat_mul: QuantMatMul::from_env()?,
+            norm_fold: env::choice("LOWSYNC_VK_NORM_FOLD", &["0", "1"], "0 or 1")?
+                .map(|v| v == "1"),
             attn_split: attn_split_from_env()?,
             entry_point_hook: None,
         })
@@ -189,6 +196,7 @@ impl Default for VkConfig {
             fusion: true,
             quant_mat_vec: None,
             quant_mat_mul: None,
+            norm_fold: None,
             attn_split: None,
             entry_point_hook: None,
         }

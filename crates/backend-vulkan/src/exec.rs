@@ -269,7 +269,8 @@ impl Inner {
                     Group::Attn(a) => self.plan_attention(st, graph, a)?,
                     Group::NormMul { norm, mul } => {
                         let ds = self.plan_norm_mul(st, graph, *norm, *mul)?;
-                        if let Some(ds) = &ds {
+                        let fold = self.config.norm_fold.unwrap_or(!self.dev.cpu_type);
+                        if let (Some(ds), true) = (&ds, fold) {
                             if let Some(h) =
                                 self.hold_norm(st, graph, (*norm, *mul), ds, &groups)?
                             {

@@ -91,6 +91,23 @@ fn bad_values_and_names_are_clear_errors() {
         );
     }
     std::env::remove_var("LOWSYNC_VK_QMM");
+    std::env::set_var("LOWSYNC_VK_NORM_FOLD", "yes");
+    assert!(matches!(
+        lowsync_vulkan::create("vulkan"),
+        Err(Error::Env {
+            var: "LOWSYNC_VK_NORM_FOLD",
+            ..
+        })
+    ));
+    for (value, fold) in [("1", Some(true)), ("0", Some(false)), ("", None)] {
+        std::env::set_var("LOWSYNC_VK_NORM_FOLD", value);
+        assert_eq!(
+            lowsync_vulkan::VkConfig::from_env().unwrap().norm_fold,
+            fold,
+            "{value:?}"
+        );
+    }
+    std::env::remove_var("LOWSYNC_VK_NORM_FOLD");
     assert_eq!(lowsync_vulkan::VkConfig::default().quant_mat_mul, None);
     assert_eq!(QuantMatMul::for_device(true), QuantMatMul::Rows);
     assert_eq!(QuantMatMul::for_device(false), QuantMatMul::Tiles);

@@ -3,7 +3,9 @@
 //! takes the fold (the 16-byte float mat-vec: plain, into a KV-cache row, or as the gate/up
 //! pair with SwiGLU), no norm dispatch runs and each product normalises x itself; where one
 //! reader's kernel takes no fold (block weights), the norm runs once, just before it. The
-//! results agree with the unfused graph to f32 rounding. Every run asserts the validation layer
+//! results agree with the unfused graph to f32 rounding. `LOWSYNC_VK_NORM_FOLD` (here
+//! `VkConfig::norm_fold`) turns it on or off; unset, it is on for GPUs and off for CPU-type
+//! devices such as lavapipe. Every run asserts the validation layer
 //! (synchronization validation on) stayed silent.
 
 mod common;
@@ -171,12 +173,20 @@ fn both(cfg: VkConfig, wt: DType, odd: bool) -> (Vec<f32>, Vec<(String, u64)>, V
 
 const FOLDED: [&str; 3] = ["mul_mat_vec_vn", "mul_mat_vec_vn_r", "mul_mat_vec_vn_g"];
 
+/// The test config with the fold on (lavapipe, a CPU-type device, leaves it off by default).
+fn folding() -> VkConfig {
+    VkConfig {
+        norm_fold: Some(true),
+        ..common::config()
+    }
+}
+
 #[test]
 fn the_norm_folds_into_every_product_that_reads_it() {
     if common::open(common::config()).is_none() {
         return;
     }
-    let (on, kernels, off) = both(common::config(), DType::F16, false);
+    let (on, kernels, off) = both(folding(), DType::F16, false);
     let what = format!("{kernels:?}");
     for f in FOLDED {
         assert_eq!(ran(&kernels, f), 1, "{what}: {f}");
@@ -195,7 +205,7 @@ fn a_reader_no_kernel_folds_gets_the_norm_run_once_before_it() {
         return;
     }
     // The products before the Q4_K one fold the norm; it then runs once, for that one.
-    let (on, kernels, off) = both(common::config(), DType::F16, true);
+    let (on, kernels, off) = both(folding(), DType::F16, true);
     let what = format!("{kernels:?}");
     for f in FOLDED {
         assert_eq!(ran(&kernels, f), 1, "{what}: {f}");
@@ -205,11 +215,29 @@ fn a_reader_no_kernel_folds_gets_the_norm_run_once_before_it() {
     // Block weights on the two-row body keep the norm as a dispatch of its own.
     let rows = VkConfig {
         quant_mat_vec: Some(QuantMatVec::Rows),
-        ..common::config()
+        ..folding()
     };
     let (on, kernels, off) = both(rows, DType::Q4_0, false);
     let what = format!("{kernels:?}");
     assert_eq!(ran(&kernels, "rms_norm_mul"), 1, "{what}");
     assert_eq!(ran(&kernels, "mul_mat_vec_qw_g"), 1, "{what}");
     close(&on, &off, &what);
+}
+
+#[test]
+fn the_fold_follows_the_setting_and_the_device_type() {
+    if common::open(common::config()).is_none() {
+        return;
+    }
+    let cpu_type = lowsync_vulkan::device_type("vulkan").unwrap() == "cpu";
+    for (setting, folds) in [(Some(false), false), (Some(true), true), (None, !cpu_type)] {
+        let cfg = VkConfig {
+            norm_fold: setting,
+            ..common::config()
+        };
+        let (_, kernels) = run(cfg, DType::F16, false);
+        let what = format!("{setting:?}: {kernels:?}");
+        assert_eq!(ran(&kernels, "rms_norm_mul"), u64::from(!folds), "{what}");
+        assert_eq!(ran(&kernels, "mul_mat_vec_vn"), u64::from(folds), "{what}");
+    }
 }
