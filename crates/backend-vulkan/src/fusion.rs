@@ -316,6 +316,11 @@ fn norm_mul_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize)
     ok.then_some((i, j))
 }
 
+/// Whether a shape is one row: every axis but the last of extent 1.
+fn one_row(shape: &[usize]) -> bool {
+    shape.iter().rev().skip(1).all(|&d| d == 1)
+}
+
 /// The nodes that read the result of a fused `RmsNorm -> Mul` (nodes `norm`, `mul`) as the x
 /// of a one-row product, if each may read the norm's source and the `Mul`'s weight instead
 /// (the norm folded into the product, `mul_mat_vec_x_norm.wgsl`): an f32 source of the
@@ -330,7 +335,6 @@ pub(crate) fn norm_readers(g: &ExecGraph, norm: usize, mul: usize) -> Option<Vec
     let x = nodes[norm].srcs.first()?;
     let w = nodes[mul].srcs.get(1)?;
     let t = &nodes[mul].dst;
-    let one_row = |s: &[usize]| s.iter().rev().skip(1).all(|&d| d == 1);
     if x.dtype != DType::F32 || t.dtype != DType::F32 || x.shape != t.shape || !one_row(&t.shape) {
         return None;
     }
@@ -441,14 +445,14 @@ fn epilogue_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<(usize, usize,
 fn glu_pair_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<Group> {
     let nodes = &g.nodes;
     let first = &nodes[i];
-    let one_row = |n: &ExecNode| {
+    let one_row_product = |n: &ExecNode| {
         n.op == Op::MulMat
             && n.srcs.len() == 2
             && n.dst.dtype == DType::F32
             && n.dst.numel() > 0
-            && n.dst.shape.iter().rev().skip(1).all(|&d| d == 1)
+            && one_row(&n.dst.shape)
     };
-    if !one_row(first) {
+    if !one_row_product(first) {
         return None;
     }
     let t = &first.dst;
@@ -466,7 +470,7 @@ fn glu_pair_at(g: &ExecGraph, i: usize, taken: &[bool]) -> Option<Group> {
     let second = &nodes[k];
     let (x, w) = (&first.srcs[0], &first.srcs[1]);
     let ok = !taken[k]
-        && one_row(second)
+        && one_row_product(second)
         && second.dst == *other
         && second.srcs[0] == *x
         && second.srcs[1].dtype == w.dtype

@@ -40,8 +40,9 @@ const QUANT_TILE_N: usize = 64;
 /// Rows of x per workgroup of that product (`RB` in `mul_mat_q.wgsl`): each weight group is
 /// decoded once for this many rows.
 const QUANT_TILE_M: usize = 32;
-/// Rows of x per workgroup of the tiled prefill product over block weights (`mul_mat_qt.wgsl`).
-const QUANT_TILES_M: usize = 64;
+/// Rows of x per workgroup of the tiled prefill product over block weights (`mul_mat_qt.wgsl`,
+/// the float product's tile).
+const QT_TILE_M: usize = 64;
 /// Rows of x from which block weights take the prefill product instead of the multi-row mat-vec.
 const QUANT_TILE_MIN_M: usize = 16;
 
@@ -219,6 +220,12 @@ fn one_dispatch(
     Ok(Some((d, family, rest)))
 }
 
+/// Whether a planned product has one row of x and one batch: the fused flavours address rows
+/// of w and of the result by offset and row stride alone.
+fn single_row(d: &Dispatch) -> bool {
+    d.push.shape[0] == 1 && d.push.offs[3] == 1
+}
+
 /// The element-wise op a decode product's store runs (`mul_mat_vec_out_e.wgsl`), with the op's
 /// other operand `e`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -300,8 +307,7 @@ pub(super) fn mul_mat_glu(
     let Some((mut d, family, suffix)) = one_dispatch(c, dst, x, gate)? else {
         return Ok(None);
     };
-    // One row of x and one batch: the kernels address rows of w from offset and row stride.
-    if d.push.shape[0] != 1 || d.push.offs[3] != 1 {
+    if !single_row(&d) {
         return Ok(None);
     }
     let n = d.push.shape[1] as usize;
@@ -327,9 +333,9 @@ pub(super) fn mul_mat_glu(
 
 /// The RmsNorm (with `eps`, times its weight `g`) that feeds a planned decode product, folded
 /// into it (`mul_mat_vec_x_norm.wgsl`): `d` was planned with the norm's source as x, and its
-/// kernel, the 16-byte float mat-vec, becomes its flavour that normalises x as it reads it. `None` where the
-/// family has no such flavour (the caller then runs the norm first), or `g` is not a
-/// contiguous f32 vector of k elements starting where that kernel's loads of it need.
+/// kernel, the 16-byte float mat-vec, becomes its flavour that normalises x as it reads it.
+/// `None` where the family has no such flavour (the caller then runs the norm first), or `g`
+/// is not a contiguous f32 vector of k elements starting where that kernel's loads need.
 pub(super) fn with_norm(c: &Ctx, mut d: Dispatch, g: &Res, eps: f32) -> Result<Option<Dispatch>> {
     let Some((family, rest)) = d.kernel.split_once('.') else {
         return Ok(None);
@@ -344,9 +350,8 @@ pub(super) fn with_norm(c: &Ctx, mut d: Dispatch, g: &Res, eps: f32) -> Result<O
         _ => return Ok(None),
     };
     let k = d.push.shape[2] as usize;
-    let one_row = d.push.shape[0] == 1 && d.push.offs[3] == 1;
     let contiguous = g.strides.last().is_none_or(|&s| s == 1 || g.numel() == 1);
-    if !one_row || g.dtype != DType::F32 || g.numel() != k || !contiguous {
+    if !single_row(&d) || g.dtype != DType::F32 || g.numel() != k || !contiguous {
         return Ok(None);
     }
     let (bn, on) = c.bind(g, false)?;
@@ -388,8 +393,7 @@ pub(super) fn mul_mat_set_rows(
         return Ok(None);
     };
     // The planned one-row product indexes d only by column (batch and row strides unused).
-    if !EPILOGUE_FAMILIES.contains(&family.as_str()) || d.push.shape[0] != 1 || d.push.offs[3] != 1
-    {
+    if !EPILOGUE_FAMILIES.contains(&family.as_str()) || !single_row(&d) {
         return Ok(None);
     }
     let s = need_status(c, status)?;
@@ -449,7 +453,7 @@ fn quant_mat_vec(
     // tile of the result; `tiles`, 256 invocations per 64 x 64 tile.
     let (kernel, rows_per_tile) = match c.lim.qmm {
         QuantMatMul::Rows => ("mul_mat_q", QUANT_TILE_M),
-        QuantMatMul::Tiles => ("mul_mat_qt", QUANT_TILES_M),
+        QuantMatMul::Tiles => ("mul_mat_qt", QT_TILE_M),
     };
     let (tx, ty) = (n.div_ceil(QUANT_TILE_N), m.div_ceil(rows_per_tile));
     let batches = push.offs[3] as usize;
