@@ -3,8 +3,8 @@
 For each `LOWSYNC_VK_ATTN_SPLIT` value asked for and each prompt length P, the script runs a
 fresh Session: `generate(P-token prompt, 1)` (the warm-up, which leaves the cache at depth
 P + 1), `reset_stats()`, `generate([1], n)`, and prints the attention's device time per decode
-step from `kernel_times()` under `LOWSYNC_VK_PROFILE=1`: `attn_dec` (unsplit), or `attn_split`
-and `attn_merge` (split), per step and per dispatch. A second, unprofiled run of the same steps
+step from `kernel_times()` under `LOWSYNC_VK_PROFILE=1`: `attn_dec` (unsplit) or `attn_split`
+(split; a head's last chunk merges), per step and per dispatch. A second, unprofiled run of the same steps
 gives the wall and process CPU milliseconds per token (on lavapipe the device is the CPU, so
 the CPU time is what the split costs or saves there).
 
@@ -20,7 +20,7 @@ import time
 import lowsync as ls
 from lowsync.bench import env_vars
 
-ATTN = ("attn_dec", "attn_split", "attn_merge")
+ATTN = ("attn_dec", "attn_split")
 
 
 def run(

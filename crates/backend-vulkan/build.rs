@@ -42,6 +42,10 @@ enum Slot {
     RawOut,
     /// The error-status words (`array<atomic<u32>>`) of index-checking kernels.
     Status,
+    /// f32 words that several workgroups of one dispatch write and read (`array<atomic<u32>>`,
+    /// so every access goes to device-coherent memory, never a stale cache line):
+    /// `ldc_<name>(i) -> f32`, `stc_<name>(i, v)`, and `<name>_buf` itself for tickets.
+    Shared,
     /// Raw GGUF blocks read as bytes out of `u32` words (at most one such slot per kernel, so
     /// its accessors are named for the block, not the slot): constants `QK` (elements per
     /// block), `QB` (bytes per block), `GPB` (16-element groups per block), `Q_MIN` (the type
@@ -115,7 +119,7 @@ const KERNELS: &[Spec] = &[
             ("m", Slot::In, &["f32"]),
         ],
     ),
-    // `attn_dec` split over keys: chunks' partial softmaxes, then their merge.
+    // `attn_dec` split over keys: chunks' partial softmaxes, merged by a head's last chunk.
     (
         "attn_split",
         &[
@@ -124,12 +128,8 @@ const KERNELS: &[Spec] = &[
             ("k", Slot::In, FLOATS),
             ("v", Slot::In, FLOATS),
             ("m", Slot::In, &["f32"]),
-            ("p", Slot::Out, &["f32"]),
+            ("p", Slot::Shared, &["f32"]),
         ],
-    ),
-    (
-        "attn_merge",
-        &[("d", Slot::Out, FLOATS), ("p", Slot::In, &["f32"])],
     ),
     (
         "rope",
@@ -740,6 +740,13 @@ fn binding(dir: &Path, k: usize, n: &str, kind: Slot, dt: &str) -> String {
             + &format!("fn ldr_{n}(i: u32) -> u32 {{ return {n}_buf[i]; }}\n"),
         (Slot::RawOut, _) => decl("read_write", "u32")
             + &format!("fn str_{n}(i: u32, v: u32) {{ {n}_buf[i] = v; }}\n"),
+        (Slot::Shared, _) => {
+            decl("read_write", "atomic<u32>")
+                + &format!(
+                    "fn ldc_{n}(i: u32) -> f32 {{ return bitcast<f32>(atomicLoad(&{n}_buf[i])); }}\n\
+                     fn stc_{n}(i: u32, v: f32) {{ atomicStore(&{n}_buf[i], bitcast<u32>(v)); }}\n"
+                )
+        }
         (Slot::Status, _) => {
             decl("read_write", "atomic<u32>")
                 + "// Records the first index error of a submit: [count, tag, position, value].\n\

@@ -1,5 +1,5 @@
 // Decode attention split over keys: workgroup (h, c) computes an online softmax over chunk c
-// of query head h's valid keys; `attn_merge.wgsl` combines a head's chunks.
+// of query head h's valid keys; the head's last chunk to finish merges its chunks.
 //
 // Why: `attn_dec` gives a head one workgroup, so a decode step's attention keeps as many
 // multiprocessors busy as the model has heads, and its time grows with depth while the rest of
@@ -11,18 +11,29 @@
 // one past the last admitted key, F and L. The span L - F is cut into
 // nc = clamp(ceil((L - F) / KMIN), 1, C_max) chunks of equal length (the last shorter); a
 // workgroup whose chunk is at or past nc exits. Over its chunk, a workgroup runs `attend`
-// (`attn_body.wgsl`, `attn_dec`'s walk) and ends with the unnormalised output of its keys. With nc = 1 chunk 0 normalises and writes the
-// output itself (the merge then does nothing for that head), so a shallow step costs one pass
-// over its valid keys instead of `attn_dec`'s walk over the whole window. Otherwise each chunk
-// writes a partial slot: [M, S, NaN seen, nc, acc[0..dim]] at (h * C_max + c) * (dim + 4).
-// Chunk 0 always writes nc into its slot; that is how the merge learns the split.
+// (`attn_body.wgsl`, `attn_dec`'s walk) and ends with the unnormalised output of its keys.
+// With nc = 1 chunk 0 normalises and writes the output itself, so a shallow step costs one
+// pass over its valid keys instead of `attn_dec`'s walk over the whole window. Otherwise each
+// chunk writes a partial slot, [M, S, NaN seen, unused, acc[0..dim]] at
+// (h * C_max + c) * (dim + 4) from the slots' offset, then takes a ticket: one atomic add on
+// the head's ticket word (word h of the partials buffer). The chunk that draws ticket nc - 1
+// finished last; it merges the head's nc slots in chunk order (the overall maximum M, then
+// S = sum s_c * exp(m_c - M) and o = sum acc_c[e] * exp(m_c - M), a chunk with no finite
+// logit weighing 0), writes o / S, and puts the ticket word back to 0 for the next dispatch.
+// The merge rides in the last chunk's workgroup instead of a second dispatch behind a
+// barrier: on a GPU that barrier and launch cost more than the merge.
 //
 // Invariants: f32 accumulation. The chunk bounds depend only on the mask and push constants,
-// so a step's result does not depend on timing. A masked key contributes exactly nothing (its K
-// and V rows are never read); an admitted NaN logit makes the row NaN; a head whose keys are
-// all masked gives zeros (nc = 1, empty chunk). Barriers are reached in uniform control flow:
-// F, L and the chunk bounds are read by every thread from the same shared words after a
-// barrier. d <= WG (the planner checks).
+// and the merge reads the slots in chunk order, so a step's result does not depend on timing
+// or on which chunk finished last. A masked key contributes exactly nothing (its K and V rows
+// are never read); an admitted NaN logit makes the row NaN; a head whose keys are all masked
+// gives zeros (nc = 1, empty chunk). The partials binding is `array<atomic<u32>>`: the slots
+// are written and read with atomic stores and loads (device-coherent, never a stale cache
+// line), and a storage barrier (device scope, acquire-release) orders a chunk's slot stores
+// before its ticket and the last chunk's ticket before its loads. The ticket words are zero
+// between dispatches (zero-filled when the buffer is made; the merging chunk resets its
+// head's). Barriers are reached in uniform control flow: F, L, the chunk bounds and the
+// ticket are read by every thread from the same shared words after a barrier. d <= WG.
 
 // #include attn_body.wgsl
 
@@ -66,9 +77,9 @@ fn main(
     let nan_seen = reduce_max(r.nan);
     let o = group_sum(r.acc, li);
 
-    // 4. The output (one chunk) or this chunk's partial slot.
-    if li < dim {
-        if nc == 1u {
+    // 4. The output (one chunk), or this chunk's partial slot and its ticket.
+    if nc == 1u {
+        if li < dim {
             var inv = 0.0;
             if r.sum != 0.0 {
                 inv = 1.0 / r.sum;
@@ -77,14 +88,68 @@ fn main(
                 inv = bitcast<f32>(0x7fc00000u);
             }
             st_d(pc.d_str.z + h * pc.d_str.x + li * pc.d_str.y, o * inv);
-        } else {
-            st_p(slot + 4u + li, o);
         }
+        return;
+    }
+    if li < dim {
+        stc_p(slot + 4u + li, o);
     }
     if li == 0u {
-        st_p(slot, r.mx);
-        st_p(slot + 1u, r.sum);
-        st_p(slot + 2u, nan_seen);
-        st_p(slot + 3u, f32(nc));
+        stc_p(slot, r.mx);
+        stc_p(slot + 1u, r.sum);
+        stc_p(slot + 2u, nan_seen);
     }
+    storageBarrier();
+    if li == 0u {
+        last_chunk = u32(atomicAdd(&p_buf[h], 1u) == nc - 1u);
+    }
+    if workgroupUniformLoad(&last_chunk) == 0u {
+        return;
+    }
+    merge(h, nc, li);
+}
+
+var<workgroup> last_chunk: u32;
+
+// The last chunk's merge of head h's nc slots (see the header), then its ticket reset.
+fn merge(h: u32, nc: u32, li: u32) {
+    let dim = pc.shape.y;
+    let cmax = pc.prm.y;
+    let stride = dim + 4u;
+    let base = pc.op.w + h * cmax * stride;
+    let ninf = bitcast<f32>(NINF_BITS);
+    // Acquire: the other chunks' slot stores, ordered before their tickets, are seen below.
+    storageBarrier();
+    if li == 0u {
+        atomicStore(&p_buf[h], 0u);
+    }
+    if li >= dim {
+        return;
+    }
+    var m = ninf;
+    for (var c = 0u; c < nc; c++) {
+        m = max(m, ldc_p(base + c * stride));
+    }
+    var s = 0.0;
+    var o = 0.0;
+    var nan = false;
+    for (var c = 0u; c < nc; c++) {
+        let slot = base + c * stride;
+        let mc = ldc_p(slot);
+        var w = 0.0;
+        if mc != ninf {
+            w = exp(mc - m);
+        }
+        s += ldc_p(slot + 1u) * w;
+        o += ldc_p(slot + 4u + li) * w;
+        nan = nan || ldc_p(slot + 2u) != 0.0;
+    }
+    var inv = 0.0;
+    if s != 0.0 {
+        inv = 1.0 / s;
+    }
+    if nan {
+        inv = bitcast<f32>(0x7fc00000u);
+    }
+    st_d(pc.d_str.z + h * pc.d_str.x + li * pc.d_str.y, o * inv);
 }

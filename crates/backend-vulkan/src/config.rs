@@ -66,8 +66,8 @@ pub struct VkConfig {
     /// saved), off on a CPU-type device (where the products' extra arithmetic is the cost).
     pub norm_fold: Option<bool>,
     /// `LOWSYNC_VK_ATTN_SPLIT` (`0`, `1` or a chunk count `N`): the fused decode attention
-    /// runs each query head's valid keys in up to this many workgroups (`attn_split`, then
-    /// `attn_merge`); `1` picks the default of 8 chunks; 0 keeps one workgroup per head
+    /// runs each query head's valid keys in up to this many workgroups (`attn_split`, the
+    /// head's last chunk merging); `1` picks the default of 8 chunks; 0 keeps one workgroup per head
     /// (`attn_dec`). `None` (the variable unset): chosen by the device's type, 0 on a
     /// CPU-type device (lavapipe pays for every workgroup it starts, even an empty one), the
     /// default chunk count on a GPU (more workgroups than heads fill its multiprocessors).

@@ -44,12 +44,13 @@ use crate::memory::{create_buffer, Placement};
 use crate::ops::{self, Res, Status};
 use crate::pipelines::Bind;
 use crate::plan::{CachedPlan, ErrorSite, GraphPlan, Recorded, RecordedPlan, Tracker};
-use crate::stream::State;
+use crate::stream::{barrier, State};
 use crate::sync::Inner;
 
-/// Bytes of the split attention's partials buffer: 64 chunks of 32 heads of dim 256 (a head
-/// with more chunks, heads or dims than fit runs with fewer chunks).
-const ATTN_PARTS_BYTES: u64 = 64 * 32 * (256 + 4) * 4;
+/// Bytes of the split attention's partials buffer: a ticket word for each of up to 256 heads,
+/// then 64 chunks of 32 heads of dim 256 (a head with more chunks, heads or dims than fit runs
+/// with fewer chunks).
+const ATTN_PARTS_BYTES: u64 = (256 + 64 * 32 * (256 + 4)) * 4;
 
 /// Graph plans kept for replay (a model has a few shape buckets).
 const PLAN_CACHE_MAX: usize = 64;
@@ -472,6 +473,22 @@ impl Inner {
                 &st.families,
                 "attention partials",
             )?;
+            // The heads' ticket words start at zero (each merge puts its head's back). The
+            // fill runs in the open command buffer, before any plan that binds the buffer.
+            let device = self.device();
+            let rec = st.open(device)?;
+            // SAFETY: a fresh buffer no submission uses; the barrier orders the fill before
+            // every later compute access.
+            unsafe { device.cmd_fill_buffer(rec.cmd, buf.buffer, 0, vk::WHOLE_SIZE, 0) };
+            barrier(
+                device,
+                rec.cmd,
+                vk::PipelineStageFlags::TRANSFER,
+                vk::AccessFlags::TRANSFER_WRITE,
+                vk::PipelineStageFlags::COMPUTE_SHADER,
+                vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE,
+            );
+            rec.has_work = true;
             st.attn_parts = Some(buf);
         }
         let buf = st.attn_parts.as_ref().expect("created above");

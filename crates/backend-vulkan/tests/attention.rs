@@ -325,10 +325,17 @@ fn run_masks(
             outs.push(kernel.as_bytes().to_vec());
         }
     }
-    if times.iter().any(|t| t.name.starts_with("attn_split")) {
-        assert!(
-            times.iter().any(|t| t.name.starts_with("attn_merge")),
-            "a split attention is merged"
+    // A split step is one dispatch: its last chunk merges (no second kernel).
+    let split_calls: u64 = times
+        .iter()
+        .filter(|t| t.name.starts_with("attn_split"))
+        .map(|t| t.count)
+        .sum();
+    if split_calls > 0 {
+        assert_eq!(
+            split_calls,
+            masks.len() as u64,
+            "one attn_split dispatch a step"
         );
     }
     common::assert_clean(&b);

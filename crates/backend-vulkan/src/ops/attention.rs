@@ -11,10 +11,11 @@
 //! by a head stride and a dim stride the caller derives from the copy's axes.
 //!
 //! Split over keys (`LOWSYNC_VK_ATTN_SPLIT`, `shaders/attn_split.wgsl`): a grid of heads x
-//! C_max workgroups writes partial softmaxes into the backend's partials buffer and
-//! `shaders/attn_merge.wgsl` combines them; the device picks how many of the C_max chunks a
-//! step uses from the mask, so a recorded plan stays valid at every depth. C_max is lowered to
-//! what the partials buffer holds for this head count and dim; below 2 the head runs unsplit.
+//! C_max workgroups writes partial softmaxes into the backend's partials buffer, and a head's
+//! last chunk to finish (by a ticket word per head at the buffer's start) merges them in the
+//! same dispatch; the device picks how many of the C_max chunks a step uses from the mask, so
+//! a recorded plan stays valid at every depth. C_max is lowered to what the partials buffer
+//! holds for this head count and dim after the tickets; below 2 the head runs unsplit.
 //!
 //! Invariant: a refused shape is an error; the caller then plans the chain unfused.
 
@@ -33,7 +34,8 @@ const SPLIT_MIN_KEYS: u32 = 64;
 
 /// Where a split attention keeps its chunks' partials, and the most chunks a head may use.
 pub(crate) struct Split {
-    /// The partials buffer (f32 words), bound whole.
+    /// The partials buffer (32-bit words, zero-filled when made), bound whole: a ticket word
+    /// per head, then the chunks' slots.
     pub parts: Bind,
     pub max_chunks: u32,
 }
@@ -131,10 +133,12 @@ pub(super) fn attention(c: &Ctx, a: &Attn) -> Result<Vec<Dispatch>> {
         dt(k.dtype),
         dt(v.dtype)
     );
-    // Slot floats of one chunk: [max, sum, NaN seen, chunk count, acc[dim]].
+    // Slot floats of one chunk: [max, sum, NaN seen, unused, acc[dim]]; the slots start after
+    // the heads' ticket words, on a 16-byte boundary.
     let slot = dim as u64 + 4;
+    let slots_at = (heads as u64).next_multiple_of(4);
     let chunks = a.split.as_ref().map_or(0, |s| {
-        let fit = s.parts.range / 4 / (slot * heads as u64);
+        let fit = (s.parts.range / 4).saturating_sub(slots_at) / (slot * heads as u64);
         (s.max_chunks as u64)
             .min(fit)
             .min(u64::from(c.lim.max_groups[1])) as u32
@@ -148,31 +152,13 @@ pub(super) fn attention(c: &Ctx, a: &Attn) -> Result<Vec<Dispatch>> {
         }]);
     };
     let mut split_push = push;
-    split_push.op[3] = 0;
+    split_push.op[3] = u(slots_at as usize, "partials offset")?;
     split_push.prm[1] = chunks;
     split_push.prm[2] = SPLIT_MIN_KEYS;
-    let parts_in = Bind {
-        write: false,
-        ..s.parts
-    };
-    let merge_push = Push {
-        shape: [push.shape[0], push.shape[1], chunks, 0],
-        d_str: push.d_str,
-        a_str: [0, 0, 0, 0],
-        ..Push::default()
-    };
-    Ok(vec![
-        Dispatch {
-            kernel: format!("attn_split.{names}.p_f32"),
-            binds: vec![bd, bq, bk, bv, bm, s.parts],
-            push: split_push,
-            groups: [heads as u32, chunks, 1],
-        },
-        Dispatch {
-            kernel: format!("attn_merge.d_{}.p_f32", dt(a.out.dtype)),
-            binds: vec![bd, parts_in],
-            push: merge_push,
-            groups: [heads as u32, 1, 1],
-        },
-    ])
+    Ok(vec![Dispatch {
+        kernel: format!("attn_split.{names}.p_f32"),
+        binds: vec![bd, bq, bk, bv, bm, s.parts],
+        push: split_push,
+        groups: [heads as u32, chunks, 1],
+    }])
 }
