@@ -372,6 +372,24 @@ def test_vulkan_attn_split_keeps_tokens(clean_env: pytest.MonkeyPatch, kv: str) 
 
 
 @pytest.mark.vulkan
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_vulkan_attn_group_keeps_tokens(clean_env: pytest.MonkeyPatch, kv: str) -> None:
+    """`LOWSYNC_VK_ATTN_GROUP=1` with the split on: a KV head's two query heads share one
+    workgroup (`attn_split_g`, one dispatch a layer), with the greedy tokens of the unsplit
+    attention and decode logits within 1e-5 of the largest."""
+    tokens_off, steps_off, _ = _split_steps("0", clean_env, kv)
+    clean_env.setenv("LOWSYNC_VK_ATTN_GROUP", "1")
+    tokens, steps, _ = _split_steps("1", clean_env, kv)
+    assert tokens == tokens_off
+    for on, off in zip(steps, steps_off, strict=True):
+        assert np.max(np.abs(on - off)) <= 1e-5 * np.max(np.abs(off))
+    _, _, per = _split_steps("1", clean_env, kv, profile=True)
+    assert per.get("attn_split_g") == MICRO.n_layer
+    assert "attn_split" not in per
+    assert "attn_dec" not in per
+
+
+@pytest.mark.vulkan
 def test_vulkan_attn_split_default_follows_the_device_type(clean_env: pytest.MonkeyPatch) -> None:
     """`LOWSYNC_VK_ATTN_SPLIT` unset: a CPU-type device (lavapipe) keeps one workgroup per head
     (`attn_dec`), a GPU splits the heads' keys (`attn_split`); either way the

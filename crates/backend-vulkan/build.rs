@@ -131,6 +131,18 @@ const KERNELS: &[Spec] = &[
             ("p", Slot::Shared, &["f32"]),
         ],
     ),
+    // `attn_split` with the query heads of one KV head in one workgroup.
+    (
+        "attn_split_g",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, &["f32"]),
+            ("k", Slot::In, FLOATS),
+            ("v", Slot::In, FLOATS),
+            ("m", Slot::In, &["f32"]),
+            ("p", Slot::Shared, &["f32"]),
+        ],
+    ),
     (
         "rope",
         &[
@@ -911,7 +923,7 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
         ValidationFlags::all(),
         // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_v`, `mul_mat_vec_q`, `mul_mat_vec_qv`,
         // `mul_mat_vec_qb`, `mul_mat_vec_qw`, `mul_mat_vec_qm` and their `_e`, `_r` and `_g`
-        // flavours, and the decode attention (`attn_dec`, `attn_split`), use subgroup
+        // flavours, and the decode attention (`attn_dec`, `attn_split`, `attn_split_g`), use subgroup
         // operations, and the host picks them only on a device whose compute stage has
         // subgroup arithmetic. SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).

@@ -36,6 +36,7 @@
 // ticket are read by every thread from the same shared words after a barrier. d <= WG.
 
 // #include attn_body.wgsl
+// #include attn_merge_head.wgsl
 
 @compute @workgroup_size(256)
 fn main(
@@ -106,50 +107,12 @@ fn main(
     if workgroupUniformLoad(&last_chunk) == 0u {
         return;
     }
-    merge(h, nc, li);
-}
-
-var<workgroup> last_chunk: u32;
-
-// The last chunk's merge of head h's nc slots (see the header), then its ticket reset.
-fn merge(h: u32, nc: u32, li: u32) {
-    let dim = pc.shape.y;
-    let cmax = pc.prm.y;
-    let stride = dim + 4u;
-    let base = pc.op.w + h * cmax * stride;
-    let ninf = bitcast<f32>(NINF_BITS);
     // Acquire: the other chunks' slot stores, ordered before their tickets, are seen below.
     storageBarrier();
     if li == 0u {
         atomicStore(&p_buf[h], 0u);
     }
-    if li >= dim {
-        return;
+    if li < dim {
+        merge_head(h, nc, li);
     }
-    var m = ninf;
-    for (var c = 0u; c < nc; c++) {
-        m = max(m, ldc_p(base + c * stride));
-    }
-    var s = 0.0;
-    var o = 0.0;
-    var nan = false;
-    for (var c = 0u; c < nc; c++) {
-        let slot = base + c * stride;
-        let mc = ldc_p(slot);
-        var w = 0.0;
-        if mc != ninf {
-            w = exp(mc - m);
-        }
-        s += ldc_p(slot + 1u) * w;
-        o += ldc_p(slot + 4u + li) * w;
-        nan = nan || ldc_p(slot + 2u) != 0.0;
-    }
-    var inv = 0.0;
-    if s != 0.0 {
-        inv = 1.0 / s;
-    }
-    if nan {
-        inv = bitcast<f32>(0x7fc00000u);
-    }
-    st_d(pc.d_str.z + h * pc.d_str.x + li * pc.d_str.y, o * inv);
 }

@@ -72,6 +72,11 @@ pub struct VkConfig {
     /// CPU-type device (lavapipe pays for every workgroup it starts, even an empty one), the
     /// default chunk count on a GPU (more workgroups than heads fill its multiprocessors).
     pub attn_split: Option<u32>,
+    /// `LOWSYNC_VK_ATTN_GROUP` (`0`, `1`): the split decode attention takes the query heads of
+    /// one KV head (2 to 4 of them, with the head dim times their count at most 256, and one
+    /// mask row for all heads) in one workgroup (`attn_split_g`), so each K and V load serves
+    /// them all. Off unless set to `1` (not yet timed on a GPU).
+    pub attn_group: bool,
     /// Counting or tracing hook over device entry points (tests only).
     pub entry_point_hook: Option<EntryPointHook>,
 }
@@ -173,6 +178,7 @@ impl VkConfig {
             fusion: env::flag("LOWSYNC_VK_FUSION", true)?,
             quant_mat_vec: QuantMatVec::from_env()?,
             quant_mat_mul: QuantMatMul::from_env()?,
+            attn_group: env::flag("LOWSYNC_VK_ATTN_GROUP", false)?,
             norm_fold: env::choice("LOWSYNC_VK_NORM_FOLD", &["0", "1"], "0 or 1")?
                 .map(|v| v == "1"),
             attn_split: attn_split_from_env()?,
@@ -197,6 +203,7 @@ impl Default for VkConfig {
             quant_mat_vec: None,
             quant_mat_mul: None,
             norm_fold: None,
+            attn_group: false,
             attn_split: None,
             entry_point_hook: None,
         }

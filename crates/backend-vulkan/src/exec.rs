@@ -439,6 +439,7 @@ impl Inner {
             n => Some(ops::AttnSplit {
                 parts: self.attn_parts(st)?,
                 max_chunks: if n == 1 { ATTN_SPLIT_DEFAULT_CHUNKS } else { n },
+                grouped: self.config.attn_group,
             }),
         };
         let a = ops::Attn {

@@ -320,8 +320,11 @@ fn run_masks(
     }
     b.synchronize().unwrap();
     let times = b.kernel_times();
-    for kernel in ["attn_dec", "attn_split"] {
-        if times.iter().any(|t| t.name.starts_with(kernel)) {
+    for kernel in ["attn_dec", "attn_split", "attn_split_g"] {
+        if times
+            .iter()
+            .any(|t| t.name.starts_with(&format!("{kernel}.")))
+        {
             outs.push(kernel.as_bytes().to_vec());
         }
     }
@@ -357,6 +360,21 @@ fn cfg_split(chunks: u32, profile: bool) -> VkConfig {
         attn_split: Some(chunks),
         ..cfg(true, profile)
     }
+}
+
+/// `cfg_split` with the query heads of a KV head in one workgroup (`LOWSYNC_VK_ATTN_GROUP=1`).
+fn cfg_group(chunks: u32, profile: bool) -> VkConfig {
+    VkConfig {
+        attn_group: true,
+        ..cfg_split(chunks, profile)
+    }
+}
+
+/// Whether the grouped split takes `c`: 2 to 4 query heads per KV head, their dims in one
+/// workgroup, one mask row for every head.
+fn groupable(c: &Case) -> bool {
+    let g = c.heads / c.kv_heads;
+    (2..=4).contains(&g) && g * c.dim <= 256 && !c.per_head_mask
 }
 
 /// Fails unless `got` matches the float64 reference within `tol` (NaN where it is NaN).
@@ -461,6 +479,27 @@ fn check_split(c: &Case, d: &Data, want: &[f64], tol: f64) {
         }
         let what = format!("split {chunks}");
         assert_near(&what, c, &load(&split[0], c.out), want, tol);
+
+        // Grouped where the kernel takes the case, else the per-head split as before.
+        let grouped = run(cfg_group(chunks, true), c, d, Around::Dead, 1);
+        let kernel: &[u8] = if groupable(c) {
+            b"attn_split_g"
+        } else {
+            b"attn_split"
+        };
+        assert_eq!(
+            grouped[1], kernel,
+            "LOWSYNC_VK_ATTN_GROUP=1, {chunks} chunks"
+        );
+        let replays = run(cfg_group(chunks, false), c, d, Around::Dead, 3);
+        for r in &replays {
+            assert_eq!(
+                r, &grouped[0],
+                "grouped replays give the profiled run's bits"
+            );
+        }
+        let what = format!("grouped, split {chunks}");
+        assert_near(&what, c, &load(&grouped[0], c.out), want, tol);
     }
 }
 
@@ -769,5 +808,88 @@ mod scheduled {
                 );
             }
         }
+    }
+}
+
+#[test]
+fn grouped_split_takes_two_to_four_heads_per_kv_head() {
+    // G = 3 (dim 64), G = 2 with dim 128, G = 4 over an f16 cache and an f16 result, a NaN
+    // query element in one head, and G = 8 (too many: the per-head split).
+    for (heads, kv_heads, dim, keys) in [(6, 2, 64, 300), (4, 2, 128, 129), (8, 1, 64, 90)] {
+        check(&Case {
+            heads,
+            kv_heads,
+            dim,
+            keys,
+            nan_in_masked: true,
+            ..base()
+        });
+    }
+    check(&Case {
+        heads: 8,
+        kv_heads: 2,
+        keys: 700,
+        kv: DType::F16,
+        out: DType::F16,
+        nan_head: Some(5),
+        ..base()
+    });
+}
+
+#[test]
+fn grouped_split_replays_at_growing_depth() {
+    let c = Case {
+        heads: 8,
+        kv_heads: 2,
+        keys: 1200,
+        kv: DType::F16,
+        ..base()
+    };
+    let mut d = data(&c, 29);
+    if common::open(common::config()).is_none() {
+        return;
+    }
+    let depths = [1, 31, 32, 33, 100, 400, 1100];
+    let masks: Vec<Vec<f32>> = depths
+        .iter()
+        .map(|&n| {
+            (0..c.keys)
+                .map(|j| if j < n { 0.0 } else { f32::NEG_INFINITY })
+                .collect()
+        })
+        .collect();
+    // The rows no depth reaches hold NaN (f16 0x7e00): a key read past the valid ones shows.
+    let row = c.kv_heads * c.dim * 2;
+    for b in [&mut d.k_bytes, &mut d.v_bytes] {
+        for w in b[1100 * row..].chunks_exact_mut(2) {
+            w.copy_from_slice(&0x7e00u16.to_le_bytes());
+        }
+    }
+    let replayed = run_masks(cfg_group(8, false), &c, &d, Around::Dead, &masks);
+    let fresh = run_masks(
+        VkConfig {
+            record: false,
+            ..cfg_group(8, true)
+        },
+        &c,
+        &d,
+        Around::Dead,
+        &masks,
+    );
+    assert_eq!(fresh.last().unwrap(), b"attn_split_g");
+    for (i, &n) in depths.iter().enumerate() {
+        assert_eq!(
+            replayed[i], fresh[i],
+            "depth {n}: the replayed recording gives the fresh recording's bits"
+        );
+        d.mask.clone_from(&masks[i]);
+        let want = reference(&c, &d);
+        assert_near(
+            &format!("grouped, depth {n}"),
+            &c,
+            &load(&replayed[i], c.out),
+            &want,
+            2e-5,
+        );
     }
 }

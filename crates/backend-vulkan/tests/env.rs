@@ -108,6 +108,23 @@ fn bad_values_and_names_are_clear_errors() {
         );
     }
     std::env::remove_var("LOWSYNC_VK_NORM_FOLD");
+    std::env::set_var("LOWSYNC_VK_ATTN_GROUP", "2");
+    assert!(matches!(
+        lowsync_vulkan::create("vulkan"),
+        Err(Error::Env {
+            var: "LOWSYNC_VK_ATTN_GROUP",
+            ..
+        })
+    ));
+    for (value, group) in [("1", true), ("0", false), ("", false)] {
+        std::env::set_var("LOWSYNC_VK_ATTN_GROUP", value);
+        assert_eq!(
+            lowsync_vulkan::VkConfig::from_env().unwrap().attn_group,
+            group,
+            "{value:?}"
+        );
+    }
+    std::env::remove_var("LOWSYNC_VK_ATTN_GROUP");
     assert_eq!(lowsync_vulkan::VkConfig::default().quant_mat_mul, None);
     assert_eq!(QuantMatMul::for_device(true), QuantMatMul::Rows);
     assert_eq!(QuantMatMul::for_device(false), QuantMatMul::Tiles);

@@ -32,12 +32,22 @@ pub(crate) const MAX_DIM: usize = 256;
 /// a shallow step runs one workgroup per head (one pass of `attn_split`'s score loop).
 const SPLIT_MIN_KEYS: u32 = 64;
 
+/// The same for the grouped split (`attn_split_g`), which starts a G-th of the workgroups and
+/// so can afford shorter chunks, up to twice as many a head.
+const GROUP_MIN_KEYS: u32 = 32;
+
+/// The most query heads per KV head the grouped split takes (the lanes of a vec4).
+const GROUP_MAX_HEADS: usize = 4;
+
 /// Where a split attention keeps its chunks' partials, and the most chunks a head may use.
 pub(crate) struct Split {
     /// The partials buffer (32-bit words, zero-filled when made), bound whole: a ticket word
     /// per head, then the chunks' slots.
     pub parts: Bind,
     pub max_chunks: u32,
+    /// Query heads of one KV head in one workgroup where the kernel takes them
+    /// (`attn_split_g`, `LOWSYNC_VK_ATTN_GROUP`).
+    pub grouped: bool,
 }
 
 /// The fused attention's operands.
@@ -155,6 +165,26 @@ pub(super) fn attention(c: &Ctx, a: &Attn) -> Result<Vec<Dispatch>> {
     split_push.op[3] = u(slots_at as usize, "partials offset")?;
     split_push.prm[1] = chunks;
     split_push.prm[2] = SPLIT_MIN_KEYS;
+    let per_kv = heads / k.shape[0];
+    let grouped = s.grouped
+        && (2..=GROUP_MAX_HEADS).contains(&per_kv)
+        && per_kv * dim <= MAX_DIM
+        && ms[0] == 0;
+    if grouped {
+        // Twice the chunks a head where they fit (each workgroup does G heads' work).
+        let fit = (s.parts.range / 4).saturating_sub(slots_at) / (slot * heads as u64);
+        let chunks = (2 * u64::from(s.max_chunks))
+            .min(fit)
+            .min(u64::from(c.lim.max_groups[1])) as u32;
+        split_push.prm[1] = chunks;
+        split_push.prm[2] = GROUP_MIN_KEYS;
+        return Ok(vec![Dispatch {
+            kernel: format!("attn_split_g.{names}.p_f32"),
+            binds: vec![bd, bq, bk, bv, bm, s.parts],
+            push: split_push,
+            groups: [k.shape[0] as u32, chunks, 1],
+        }]);
+    }
     Ok(vec![Dispatch {
         kernel: format!("attn_split.{names}.p_f32"),
         binds: vec![bd, bq, bk, bv, bm, s.parts],
