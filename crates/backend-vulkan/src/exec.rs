@@ -435,6 +435,12 @@ impl Inner {
             ATTN_SPLIT_DEFAULT_CHUNKS
         });
         let split = match chunks {
+            // Grouped needs the partials binding even unsplit (one chunk, no slots used).
+            0 if self.config.attn_group => Some(ops::AttnSplit {
+                parts: self.attn_parts(st)?,
+                max_chunks: 1,
+                grouped: true,
+            }),
             0 => None,
             n => Some(ops::AttnSplit {
                 parts: self.attn_parts(st)?,

@@ -461,6 +461,28 @@ fn check(c: &Case) {
         }
     }
     check_split(c, &d, &want, tol);
+    check_grouped_unsplit(c, &d, &want, tol);
+}
+
+/// `LOWSYNC_VK_ATTN_GROUP=1` with the split off: one workgroup per KV head (`attn_split_g`
+/// with one chunk) where the grouped kernel takes `c`, else `attn_dec`; profiled, then
+/// recorded and replayed, against the reference.
+fn check_grouped_unsplit(c: &Case, d: &Data, want: &[f64], tol: f64) {
+    let group = |profile| VkConfig {
+        attn_group: true,
+        ..cfg(true, profile)
+    };
+    let once = run(group(true), c, d, Around::Dead, 1);
+    let kernel: &[u8] = if groupable(c) {
+        b"attn_split_g"
+    } else {
+        b"attn_dec"
+    };
+    assert_eq!(once[1], kernel, "LOWSYNC_VK_ATTN_GROUP=1, unsplit");
+    for r in &run(group(false), c, d, Around::Dead, 3) {
+        assert_eq!(r, &once[0], "grouped replays give the profiled run's bits");
+    }
+    assert_near("grouped, unsplit", c, &load(&once[0], c.out), want, tol);
 }
 
 /// The split kernels on `c` (at most 3 and 8 chunks a head): profiled, then recorded and

@@ -46,7 +46,8 @@ pub(crate) struct Split {
     pub parts: Bind,
     pub max_chunks: u32,
     /// Query heads of one KV head in one workgroup where the kernel takes them
-    /// (`attn_split_g`, `LOWSYNC_VK_ATTN_GROUP`).
+    /// (`attn_split_g`, `LOWSYNC_VK_ATTN_GROUP`); with `max_chunks` 1, unsplit (one
+    /// workgroup per KV head, the buffer bound but unused).
     pub grouped: bool,
 }
 
@@ -60,7 +61,7 @@ pub(crate) struct Attn<'a> {
     /// The tensor written, and the element strides of (head, dim) in it.
     pub out: &'a Res,
     pub out_strides: [usize; 2],
-    /// Split over keys (`None`: one workgroup per head, `attn_dec`).
+    /// Split over keys or grouped (`None`: one workgroup per head, `attn_dec`).
     pub split: Option<Split>,
 }
 
@@ -147,35 +148,24 @@ pub(super) fn attention(c: &Ctx, a: &Attn) -> Result<Vec<Dispatch>> {
     // the heads' ticket words, on a 16-byte boundary.
     let slot = dim as u64 + 4;
     let slots_at = (heads as u64).next_multiple_of(4);
-    let chunks = a.split.as_ref().map_or(0, |s| {
-        let fit = (s.parts.range / 4).saturating_sub(slots_at) / (slot * heads as u64);
-        (s.max_chunks as u64)
-            .min(fit)
-            .min(u64::from(c.lim.max_groups[1])) as u32
-    });
-    let Some(s) = a.split.as_ref().filter(|_| chunks >= 2) else {
-        return Ok(vec![Dispatch {
-            kernel: format!("attn_dec.{names}"),
-            binds: vec![bd, bq, bk, bv, bm],
-            push,
-            groups: [heads as u32, 1, 1],
-        }]);
-    };
     let mut split_push = push;
     split_push.op[3] = u(slots_at as usize, "partials offset")?;
-    split_push.prm[1] = chunks;
-    split_push.prm[2] = SPLIT_MIN_KEYS;
+    // Chunks of `want` a head that the partials buffer and the grid hold.
+    let fitting = |parts: &Bind, want: u64| {
+        let fit = (parts.range / 4).saturating_sub(slots_at) / (slot * heads as u64);
+        want.min(fit).min(u64::from(c.lim.max_groups[1])) as u32
+    };
     let per_kv = heads / k.shape[0];
-    let grouped = s.grouped
-        && (2..=GROUP_MAX_HEADS).contains(&per_kv)
-        && per_kv * dim <= MAX_DIM
-        && ms[0] == 0;
-    if grouped {
-        // Twice the chunks a head where they fit (each workgroup does G heads' work).
-        let fit = (s.parts.range / 4).saturating_sub(slots_at) / (slot * heads as u64);
-        let chunks = (2 * u64::from(s.max_chunks))
-            .min(fit)
-            .min(u64::from(c.lim.max_groups[1])) as u32;
+    let groupable =
+        (2..=GROUP_MAX_HEADS).contains(&per_kv) && per_kv * dim <= MAX_DIM && ms[0] == 0;
+    if let Some(s) = a.split.as_ref().filter(|s| s.grouped && groupable) {
+        // Unsplit (one chunk, no slots) where asked, else twice the chunks a head where they
+        // fit: each workgroup does G heads' work.
+        let chunks = if s.max_chunks <= 1 {
+            1
+        } else {
+            fitting(&s.parts, 2 * u64::from(s.max_chunks)).max(1)
+        };
         split_push.prm[1] = chunks;
         split_push.prm[2] = GROUP_MIN_KEYS;
         return Ok(vec![Dispatch {
@@ -185,6 +175,20 @@ pub(super) fn attention(c: &Ctx, a: &Attn) -> Result<Vec<Dispatch>> {
             groups: [k.shape[0] as u32, chunks, 1],
         }]);
     }
+    let chunks = a
+        .split
+        .as_ref()
+        .map_or(0, |s| fitting(&s.parts, u64::from(s.max_chunks)));
+    let Some(s) = a.split.as_ref().filter(|_| chunks >= 2) else {
+        return Ok(vec![Dispatch {
+            kernel: format!("attn_dec.{names}"),
+            binds: vec![bd, bq, bk, bv, bm],
+            push,
+            groups: [heads as u32, 1, 1],
+        }]);
+    };
+    split_push.prm[1] = chunks;
+    split_push.prm[2] = SPLIT_MIN_KEYS;
     Ok(vec![Dispatch {
         kernel: format!("attn_split.{names}.p_f32"),
         binds: vec![bd, bq, bk, bv, bm, s.parts],
