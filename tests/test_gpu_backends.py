@@ -190,8 +190,8 @@ def test_vulkan_profile_times_every_kernel_of_a_step_without_changing_tokens(
     assert {"rope", "argmax"} <= names
     assert "rms_norm" not in names
     assert {"mul_mat_vec_vn", "mul_mat_vec_vn_g"} <= names or "rms_norm_mul" in names
-    # One workgroup per head on a CPU-type device, split over keys on a GPU (the default).
-    assert names & {"attn_dec", "attn_split"}
+    # One workgroup per KV head on a CPU-type device, split over keys on a GPU (the default).
+    assert names & {"attn_dec", "attn_split", "attn_split_g"}
     assert any(n.startswith("mul_mat_vec") for n in names)
     sess.context.reset_stats()
     assert sess.context.kernel_times() == []
@@ -266,9 +266,10 @@ def test_vulkan_fusion_keeps_tokens_and_cuts_dispatches(
     the store of the product they consume (`mul_mat_vec_*_e`) or SwiGLU with both its products
     (`mul_mat_vec_*_g`), K's rope and V's product write their KV-cache rows themselves
     (`rope_set_rows`, `mul_mat_vec_*_r`): 8 dispatches fewer per layer (9 with the pair) and
-    1 per norm (2 folded). The attention is pinned unsplit (`LOWSYNC_VK_ATTN_SPLIT=0`), the
-    default on a CPU-type device."""
+    1 per norm (2 folded). The attention is pinned unsplit and per head
+    (`LOWSYNC_VK_ATTN_SPLIT=0`, `LOWSYNC_VK_ATTN_GROUP=0`)."""
     clean_env.setenv("LOWSYNC_VK_ATTN_SPLIT", "0")
+    clean_env.setenv("LOWSYNC_VK_ATTN_GROUP", "0")
     # The norm folded into float products: on by default on a GPU, asked for on lavapipe.
     clean_env.setenv("LOWSYNC_VK_NORM_FOLD", "1")
     tokens_on, steps_on = _vulkan_steps("1", clean_env, dtype, kv)
@@ -354,7 +355,9 @@ def _split_steps(
 def test_vulkan_attn_split_keeps_tokens(clean_env: pytest.MonkeyPatch, kv: str) -> None:
     """`LOWSYNC_VK_ATTN_SPLIT` 0, 1 and 2 at depth 150-161: the same greedy tokens, decode
     logits within 1e-5 of the largest (only the softmax's summation order differs); split, each
-    layer's attention is one `attn_split` dispatch (its last chunk merges) instead of `attn_dec`."""
+    layer's attention is one `attn_split` dispatch (its last chunk merges) instead of `attn_dec`
+    (per-head kernels: `LOWSYNC_VK_ATTN_GROUP=0`)."""
+    clean_env.setenv("LOWSYNC_VK_ATTN_GROUP", "0")
     tokens_off, steps_off, _ = _split_steps("0", clean_env, kv)
     for split in ("1", "2"):
         tokens, steps, _ = _split_steps(split, clean_env, kv)
@@ -374,33 +377,37 @@ def test_vulkan_attn_split_keeps_tokens(clean_env: pytest.MonkeyPatch, kv: str) 
 @pytest.mark.vulkan
 @pytest.mark.parametrize("kv", ["f32", "f16"])
 def test_vulkan_attn_group_keeps_tokens(clean_env: pytest.MonkeyPatch, kv: str) -> None:
-    """`LOWSYNC_VK_ATTN_GROUP=1` with the split on: a KV head's two query heads share one
-    workgroup (`attn_split_g`, one dispatch a layer), with the greedy tokens of the unsplit
-    attention and decode logits within 1e-5 of the largest."""
+    """`LOWSYNC_VK_ATTN_GROUP=1`, the split on and off: a KV head's two query heads share one
+    workgroup (`attn_split_g`, one dispatch a layer), with the greedy tokens of the per-head
+    unsplit attention and decode logits within 1e-5 of the largest."""
+    clean_env.setenv("LOWSYNC_VK_ATTN_GROUP", "0")
     tokens_off, steps_off, _ = _split_steps("0", clean_env, kv)
     clean_env.setenv("LOWSYNC_VK_ATTN_GROUP", "1")
-    tokens, steps, _ = _split_steps("1", clean_env, kv)
-    assert tokens == tokens_off
-    for on, off in zip(steps, steps_off, strict=True):
-        assert np.max(np.abs(on - off)) <= 1e-5 * np.max(np.abs(off))
-    _, _, per = _split_steps("1", clean_env, kv, profile=True)
-    assert per.get("attn_split_g") == MICRO.n_layer
-    assert "attn_split" not in per
-    assert "attn_dec" not in per
+    for split in ("1", "0"):
+        tokens, steps, _ = _split_steps(split, clean_env, kv)
+        assert tokens == tokens_off, split
+        for on, off in zip(steps, steps_off, strict=True):
+            assert np.max(np.abs(on - off)) <= 1e-5 * np.max(np.abs(off)), split
+        _, _, per = _split_steps(split, clean_env, kv, profile=True)
+        assert per.get("attn_split_g") == MICRO.n_layer, split
+        assert "attn_split" not in per
+        assert "attn_dec" not in per
 
 
 @pytest.mark.vulkan
 def test_vulkan_attn_split_default_follows_the_device_type(clean_env: pytest.MonkeyPatch) -> None:
-    """`LOWSYNC_VK_ATTN_SPLIT` unset: a CPU-type device (lavapipe) keeps one workgroup per head
-    (`attn_dec`), a GPU splits the heads' keys (`attn_split`); either way the
-    greedy tokens are those of `0`."""
+    """`LOWSYNC_VK_ATTN_SPLIT` and `LOWSYNC_VK_ATTN_GROUP` unset: a CPU-type device (lavapipe)
+    runs one workgroup per KV head (`attn_split_g`, unsplit), a GPU splits each head's keys
+    (`attn_split`); either way the greedy tokens are those of the per-head unsplit kernel."""
+    clean_env.setenv("LOWSYNC_VK_ATTN_GROUP", "0")
     tokens_off, _, _ = _split_steps("0", clean_env, "f32")
+    clean_env.delenv("LOWSYNC_VK_ATTN_GROUP")
     tokens, _, per = _split_steps(None, clean_env, "f32", profile=True)
     assert tokens == tokens_off
     layers = MICRO.n_layer
     if device_type("vulkan") == "cpu":
-        assert per.get("attn_dec") == layers
-        assert "attn_split" not in per
+        assert per.get("attn_split_g") == layers
+        assert "attn_dec" not in per
     else:
         assert per.get("attn_split") == layers
         assert "attn_dec" not in per

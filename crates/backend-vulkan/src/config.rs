@@ -75,8 +75,10 @@ pub struct VkConfig {
     /// `LOWSYNC_VK_ATTN_GROUP` (`0`, `1`): the split decode attention takes the query heads of
     /// one KV head (2 to 4 of them, with the head dim times their count at most 256, and one
     /// mask row for all heads) in one workgroup (`attn_split_g`), so each K and V load serves
-    /// them all. Off unless set to `1` (not yet timed on a GPU).
-    pub attn_group: bool,
+    /// them all; with the split off, one workgroup per KV head. `None` (the variable unset):
+    /// on for a CPU-type device (lavapipe ran "tiny"'s attention in half the time), off on a
+    /// GPU (not yet timed on one).
+    pub attn_group: Option<bool>,
     /// Counting or tracing hook over device entry points (tests only).
     pub entry_point_hook: Option<EntryPointHook>,
 }
@@ -178,7 +180,8 @@ impl VkConfig {
             fusion: env::flag("LOWSYNC_VK_FUSION", true)?,
             quant_mat_vec: QuantMatVec::from_env()?,
             quant_mat_mul: QuantMatMul::from_env()?,
-            attn_group: env::flag("LOWSYNC_VK_ATTN_GROUP", false)?,
+            attn_group: env::choice("LOWSYNC_VK_ATTN_GROUP", &["0", "1"], "0 or 1")?
+                .map(|v| v == "1"),
             norm_fold: env::choice("LOWSYNC_VK_NORM_FOLD", &["0", "1"], "0 or 1")?
                 .map(|v| v == "1"),
             attn_split: attn_split_from_env()?,
@@ -203,7 +206,7 @@ impl Default for VkConfig {
             quant_mat_vec: None,
             quant_mat_mul: None,
             norm_fold: None,
-            attn_group: false,
+            attn_group: None,
             attn_split: None,
             entry_point_hook: None,
         }

@@ -434,9 +434,10 @@ impl Inner {
         } else {
             ATTN_SPLIT_DEFAULT_CHUNKS
         });
+        let grouped = self.config.attn_group.unwrap_or(self.dev.cpu_type);
         let split = match chunks {
             // Grouped needs the partials binding even unsplit (one chunk, no slots used).
-            0 if self.config.attn_group => Some(ops::AttnSplit {
+            0 if grouped => Some(ops::AttnSplit {
                 parts: self.attn_parts(st)?,
                 max_chunks: 1,
                 grouped: true,
@@ -445,7 +446,7 @@ impl Inner {
             n => Some(ops::AttnSplit {
                 parts: self.attn_parts(st)?,
                 max_chunks: if n == 1 { ATTN_SPLIT_DEFAULT_CHUNKS } else { n },
-                grouped: self.config.attn_group,
+                grouped,
             }),
         };
         let a = ops::Attn {

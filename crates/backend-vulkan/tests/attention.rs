@@ -350,6 +350,7 @@ fn cfg(fuse: bool, profile: bool) -> VkConfig {
         fusion: fuse,
         profile,
         attn_split: Some(0),
+        attn_group: Some(false),
         ..common::config()
     }
 }
@@ -365,7 +366,7 @@ fn cfg_split(chunks: u32, profile: bool) -> VkConfig {
 /// `cfg_split` with the query heads of a KV head in one workgroup (`LOWSYNC_VK_ATTN_GROUP=1`).
 fn cfg_group(chunks: u32, profile: bool) -> VkConfig {
     VkConfig {
-        attn_group: true,
+        attn_group: Some(true),
         ..cfg_split(chunks, profile)
     }
 }
@@ -469,7 +470,7 @@ fn check(c: &Case) {
 /// recorded and replayed, against the reference.
 fn check_grouped_unsplit(c: &Case, d: &Data, want: &[f64], tol: f64) {
     let group = |profile| VkConfig {
-        attn_group: true,
+        attn_group: Some(true),
         ..cfg(true, profile)
     };
     let once = run(group(true), c, d, Around::Dead, 1);

@@ -116,7 +116,7 @@ fn bad_values_and_names_are_clear_errors() {
             ..
         })
     ));
-    for (value, group) in [("1", true), ("0", false), ("", false)] {
+    for (value, group) in [("1", Some(true)), ("0", Some(false)), ("", None)] {
         std::env::set_var("LOWSYNC_VK_ATTN_GROUP", value);
         assert_eq!(
             lowsync_vulkan::VkConfig::from_env().unwrap().attn_group,
