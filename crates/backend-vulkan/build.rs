@@ -70,6 +70,16 @@ const QUANTS: &[&str] = &[
 /// super-block type's is sub-block j (`T_s32`); build.rs binds either to `q_sub`.
 const QUANTS_32: &[&str] = &["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl"];
 
+/// The split decode attentions' bindings: `attn_dec`'s, then the partials and tickets.
+const ATTN_SPLIT_SLOTS: &[(&str, Slot, &[&str])] = &[
+    ("d", Slot::Out, FLOATS),
+    ("a", Slot::In, &["f32"]),
+    ("k", Slot::In, FLOATS),
+    ("v", Slot::In, FLOATS),
+    ("m", Slot::In, &["f32"]),
+    ("p", Slot::Shared, &["f32"]),
+];
+
 /// (kernel template, slots: name, kind, dtypes to generate).
 type Spec = (
     &'static str,
@@ -120,29 +130,9 @@ const KERNELS: &[Spec] = &[
         ],
     ),
     // `attn_dec` split over keys: chunks' partial softmaxes, merged by a head's last chunk.
-    (
-        "attn_split",
-        &[
-            ("d", Slot::Out, FLOATS),
-            ("a", Slot::In, &["f32"]),
-            ("k", Slot::In, FLOATS),
-            ("v", Slot::In, FLOATS),
-            ("m", Slot::In, &["f32"]),
-            ("p", Slot::Shared, &["f32"]),
-        ],
-    ),
+    ("attn_split", ATTN_SPLIT_SLOTS),
     // `attn_split` with the query heads of one KV head in one workgroup.
-    (
-        "attn_split_g",
-        &[
-            ("d", Slot::Out, FLOATS),
-            ("a", Slot::In, &["f32"]),
-            ("k", Slot::In, FLOATS),
-            ("v", Slot::In, FLOATS),
-            ("m", Slot::In, &["f32"]),
-            ("p", Slot::Shared, &["f32"]),
-        ],
-    ),
+    ("attn_split_g", ATTN_SPLIT_SLOTS),
     (
         "rope",
         &[

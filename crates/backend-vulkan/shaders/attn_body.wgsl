@@ -141,6 +141,16 @@ fn admitted_span(m0: u32, keys: u32, li: u32) -> vec2<u32> {
     return vec2<u32>(kfirst, kend);
 }
 
+// Chunk c of the span [F, L) cut into nc = clamp(ceil((L - F) / kmin), 1, cmax) chunks of
+// equal length (the last shorter): (nc, first key, one past the last key). A chunk at or past
+// nc is empty.
+fn chunk_of(fl: vec2<u32>, c: u32, kmin: u32, cmax: u32) -> vec3<u32> {
+    let span = fl.y - fl.x;
+    let nc = clamp((span + kmin - 1u) / kmin, 1u, cmax);
+    let per = (span + nc - 1u) / nc;
+    return vec3<u32>(nc, fl.x + min(c * per, span), fl.x + min((c + 1u) * per, span));
+}
+
 // A workgroup's softmax state after its keys: M and S (the same in every thread), this thread's
 // partial output (its group's share of dim e; 0 in threads past the groups), and whether this
 // thread saw an admitted NaN logit.

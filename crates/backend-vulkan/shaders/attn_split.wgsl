@@ -61,17 +61,15 @@ fn main(
 
     // 1. The span of admitted keys, [F, L).
     let fl = admitted_span(m0, keys, li);
-    let kfirst = fl.x;
-    let span = fl.y - fl.x;
 
     // 2. This workgroup's chunk.
-    let nc = clamp((span + kmin - 1u) / kmin, 1u, cmax);
+    let ch = chunk_of(fl, c, kmin, cmax);
+    let nc = ch.x;
     if c >= nc {
         return;
     }
-    let per = (span + nc - 1u) / nc;
-    let lo = kfirst + min(c * per, span);
-    let hi = kfirst + min((c + 1u) * per, span);
+    let lo = ch.y;
+    let hi = ch.z;
 
     // 3. The online softmax over keys [lo, hi).
     let r = attend(h, lo, hi, li);

@@ -632,6 +632,23 @@ fn split_fully_masked_head_gives_zeros_and_nan_logit_gives_nan_row() {
 /// at every step, and the reference's values.
 #[test]
 fn split_recorded_step_replays_at_growing_depth() {
+    replays_at_growing_depth(
+        cfg_split,
+        b"attn_split",
+        &[1, 16, 64, 65, 130, 160, 400, 1023, 1100],
+        23,
+    );
+}
+
+/// One recording of a split attention (`config(8, profile)`, kernel `kernel`) replayed at
+/// each depth: bit for bit a fresh recording's result, and the reference's within 2e-5; the
+/// cache rows no depth reaches hold NaN, so a key read past the valid ones shows.
+fn replays_at_growing_depth(
+    config: fn(u32, bool) -> VkConfig,
+    kernel: &[u8],
+    depths: &[usize],
+    seed: u64,
+) {
     let c = Case {
         heads: 8,
         kv_heads: 2,
@@ -639,11 +656,10 @@ fn split_recorded_step_replays_at_growing_depth() {
         kv: DType::F16,
         ..base()
     };
-    let mut d = data(&c, 23);
+    let mut d = data(&c, seed);
     if common::open(common::config()).is_none() {
         return;
     }
-    let depths = [1, 16, 64, 65, 130, 160, 400, 1023, 1100];
     let masks: Vec<Vec<f32>> = depths
         .iter()
         .map(|&n| {
@@ -652,25 +668,25 @@ fn split_recorded_step_replays_at_growing_depth() {
                 .collect()
         })
         .collect();
-    // The rows no depth reaches hold NaN (f16 0x7e00): a key read past the valid ones shows.
+    // f16 0x7e00 is NaN.
     let row = c.kv_heads * c.dim * 2;
     for b in [&mut d.k_bytes, &mut d.v_bytes] {
         for w in b[1100 * row..].chunks_exact_mut(2) {
             w.copy_from_slice(&0x7e00u16.to_le_bytes());
         }
     }
-    let replayed = run_masks(cfg_split(8, false), &c, &d, Around::Dead, &masks);
+    let replayed = run_masks(config(8, false), &c, &d, Around::Dead, &masks);
     let fresh = run_masks(
         VkConfig {
             record: false,
-            ..cfg_split(8, true)
+            ..config(8, true)
         },
         &c,
         &d,
         Around::Dead,
         &masks,
     );
-    assert_eq!(fresh.last().unwrap(), b"attn_split");
+    assert_eq!(fresh.last().unwrap(), kernel);
     for (i, &n) in depths.iter().enumerate() {
         assert_eq!(
             replayed[i], fresh[i],
@@ -861,58 +877,10 @@ fn grouped_split_takes_two_to_four_heads_per_kv_head() {
 
 #[test]
 fn grouped_split_replays_at_growing_depth() {
-    let c = Case {
-        heads: 8,
-        kv_heads: 2,
-        keys: 1200,
-        kv: DType::F16,
-        ..base()
-    };
-    let mut d = data(&c, 29);
-    if common::open(common::config()).is_none() {
-        return;
-    }
-    let depths = [1, 31, 32, 33, 100, 400, 1100];
-    let masks: Vec<Vec<f32>> = depths
-        .iter()
-        .map(|&n| {
-            (0..c.keys)
-                .map(|j| if j < n { 0.0 } else { f32::NEG_INFINITY })
-                .collect()
-        })
-        .collect();
-    // The rows no depth reaches hold NaN (f16 0x7e00): a key read past the valid ones shows.
-    let row = c.kv_heads * c.dim * 2;
-    for b in [&mut d.k_bytes, &mut d.v_bytes] {
-        for w in b[1100 * row..].chunks_exact_mut(2) {
-            w.copy_from_slice(&0x7e00u16.to_le_bytes());
-        }
-    }
-    let replayed = run_masks(cfg_group(8, false), &c, &d, Around::Dead, &masks);
-    let fresh = run_masks(
-        VkConfig {
-            record: false,
-            ..cfg_group(8, true)
-        },
-        &c,
-        &d,
-        Around::Dead,
-        &masks,
+    replays_at_growing_depth(
+        cfg_group,
+        b"attn_split_g",
+        &[1, 31, 32, 33, 100, 400, 1100],
+        29,
     );
-    assert_eq!(fresh.last().unwrap(), b"attn_split_g");
-    for (i, &n) in depths.iter().enumerate() {
-        assert_eq!(
-            replayed[i], fresh[i],
-            "depth {n}: the replayed recording gives the fresh recording's bits"
-        );
-        d.mask.clone_from(&masks[i]);
-        let want = reference(&c, &d);
-        assert_near(
-            &format!("grouped, depth {n}"),
-            &c,
-            &load(&replayed[i], c.out),
-            &want,
-            2e-5,
-        );
-    }
 }
