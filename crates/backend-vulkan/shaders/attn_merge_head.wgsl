@@ -1,6 +1,6 @@
 // The merge of a split decode attention's chunks, shared by `attn_split.wgsl` and
-// `attn_split_g.wgsl`: element e of query head h's output from its nc partial slots, run by
-// the head's last chunk to finish (after its acquiring storage barrier).
+// `attn_split_g.wgsl`: the ticket that finds a head's last chunk to finish, and element e of
+// query head h's output from its nc partial slots, which that chunk computes.
 //
 // Why: both split kernels lay out and combine the slots the same way; one copy keeps them so.
 //
@@ -13,6 +13,26 @@
 // the row NaN; S = 0 (every admitted logit -inf) gives zeros, as `attn_dec` does.
 
 var<workgroup> last_chunk: u32;
+
+// After a chunk's slot stores: takes its ticket on word `word` of the partials buffer and says
+// whether it was the last of the nc chunks to finish; that chunk, and only it, has the
+// others' slots visible and has put the word back to 0. The storage barriers (device scope,
+// acquire-release) order the slot stores before the ticket and the ticket before the merge's
+// loads. Called by every thread, in uniform control flow.
+fn last_to_finish(word: u32, nc: u32, li: u32) -> bool {
+    storageBarrier();
+    if li == 0u {
+        last_chunk = u32(atomicAdd(&p_buf[word], 1u) == nc - 1u);
+    }
+    if workgroupUniformLoad(&last_chunk) == 0u {
+        return false;
+    }
+    storageBarrier();
+    if li == 0u {
+        atomicStore(&p_buf[word], 0u);
+    }
+    return true;
+}
 
 fn merge_head(h: u32, nc: u32, e: u32) {
     let dim = pc.shape.y;

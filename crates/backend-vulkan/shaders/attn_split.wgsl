@@ -98,17 +98,8 @@ fn main(
         stc_p(slot + 1u, r.sum);
         stc_p(slot + 2u, nan_seen);
     }
-    storageBarrier();
-    if li == 0u {
-        last_chunk = u32(atomicAdd(&p_buf[h], 1u) == nc - 1u);
-    }
-    if workgroupUniformLoad(&last_chunk) == 0u {
+    if !last_to_finish(h, nc, li) {
         return;
-    }
-    // Acquire: the other chunks' slot stores, ordered before their tickets, are seen below.
-    storageBarrier();
-    if li == 0u {
-        atomicStore(&p_buf[h], 0u);
     }
     if li < dim {
         merge_head(h, nc, li);

@@ -278,17 +278,8 @@ fn main(
         stc_p(slot + 1u, sum[li]);
         stc_p(slot + 2u, nan_seen[li]);
     }
-    storageBarrier();
-    if li == 0u {
-        last_chunk = u32(atomicAdd(&p_buf[kv], 1u) == nc - 1u);
-    }
-    if workgroupUniformLoad(&last_chunk) == 0u {
+    if !last_to_finish(kv, nc, li) {
         return;
-    }
-    // Acquire: the other chunks' slot stores, ordered before their tickets, are seen below.
-    storageBarrier();
-    if li == 0u {
-        atomicStore(&p_buf[kv], 0u);
     }
     if li < gq * dim {
         merge_head(h0 + li / dim, nc, li % dim);
