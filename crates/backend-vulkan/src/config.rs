@@ -180,10 +180,8 @@ impl VkConfig {
             fusion: env::flag("LOWSYNC_VK_FUSION", true)?,
             quant_mat_vec: QuantMatVec::from_env()?,
             quant_mat_mul: QuantMatMul::from_env()?,
-            attn_group: env::choice("LOWSYNC_VK_ATTN_GROUP", &["0", "1"], "0 or 1")?
-                .map(|v| v == "1"),
-            norm_fold: env::choice("LOWSYNC_VK_NORM_FOLD", &["0", "1"], "0 or 1")?
-                .map(|v| v == "1"),
+            attn_group: device_default_flag("LOWSYNC_VK_ATTN_GROUP")?,
+            norm_fold: device_default_flag("LOWSYNC_VK_NORM_FOLD")?,
             attn_split: attn_split_from_env()?,
             entry_point_hook: None,
         })
@@ -218,6 +216,11 @@ impl Default for VkConfig {
 pub const ATTN_SPLIT_DEFAULT_CHUNKS: u32 = 8;
 /// The largest chunk count `LOWSYNC_VK_ATTN_SPLIT` takes.
 pub const ATTN_SPLIT_MAX_CHUNKS: u32 = 64;
+/// A `0`/`1` switch whose default depends on the device's type: `None` where unset.
+fn device_default_flag(var: &'static str) -> Result<Option<bool>> {
+    Ok(env::choice(var, &["0", "1"], "0 or 1")?.map(|v| v == "1"))
+}
+
 fn attn_split_from_env() -> Result<Option<u32>> {
     const VAR: &str = "LOWSYNC_VK_ATTN_SPLIT";
     let bad = |value: String| Error::Env {

@@ -91,40 +91,8 @@ fn bad_values_and_names_are_clear_errors() {
         );
     }
     std::env::remove_var("LOWSYNC_VK_QMM");
-    std::env::set_var("LOWSYNC_VK_NORM_FOLD", "yes");
-    assert!(matches!(
-        lowsync_vulkan::create("vulkan"),
-        Err(Error::Env {
-            var: "LOWSYNC_VK_NORM_FOLD",
-            ..
-        })
-    ));
-    for (value, fold) in [("1", Some(true)), ("0", Some(false)), ("", None)] {
-        std::env::set_var("LOWSYNC_VK_NORM_FOLD", value);
-        assert_eq!(
-            lowsync_vulkan::VkConfig::from_env().unwrap().norm_fold,
-            fold,
-            "{value:?}"
-        );
-    }
-    std::env::remove_var("LOWSYNC_VK_NORM_FOLD");
-    std::env::set_var("LOWSYNC_VK_ATTN_GROUP", "2");
-    assert!(matches!(
-        lowsync_vulkan::create("vulkan"),
-        Err(Error::Env {
-            var: "LOWSYNC_VK_ATTN_GROUP",
-            ..
-        })
-    ));
-    for (value, group) in [("1", Some(true)), ("0", Some(false)), ("", None)] {
-        std::env::set_var("LOWSYNC_VK_ATTN_GROUP", value);
-        assert_eq!(
-            lowsync_vulkan::VkConfig::from_env().unwrap().attn_group,
-            group,
-            "{value:?}"
-        );
-    }
-    std::env::remove_var("LOWSYNC_VK_ATTN_GROUP");
+    device_default_switch("LOWSYNC_VK_NORM_FOLD", |c| c.norm_fold);
+    device_default_switch("LOWSYNC_VK_ATTN_GROUP", |c| c.attn_group);
     assert_eq!(lowsync_vulkan::VkConfig::default().quant_mat_mul, None);
     assert_eq!(QuantMatMul::for_device(true), QuantMatMul::Rows);
     assert_eq!(QuantMatMul::for_device(false), QuantMatMul::Tiles);
@@ -157,4 +125,23 @@ fn bad_values_and_names_are_clear_errors() {
     let b = lowsync_vulkan::create("vulkan").expect("device 0");
     assert_eq!(b.name(), "vulkan");
     std::env::remove_var("LOWSYNC_VK_DEVICE");
+}
+
+/// A `0`/`1` switch whose default follows the device type: a bad value is an error naming it,
+/// `1`/`0` set it, empty leaves it to the device. Leaves the variable unset.
+fn device_default_switch(var: &'static str, get: fn(&lowsync_vulkan::VkConfig) -> Option<bool>) {
+    std::env::set_var(var, "yes");
+    assert!(matches!(
+        lowsync_vulkan::create("vulkan"),
+        Err(Error::Env { var: v, .. }) if v == var
+    ));
+    for (value, want) in [("1", Some(true)), ("0", Some(false)), ("", None)] {
+        std::env::set_var(var, value);
+        assert_eq!(
+            get(&lowsync_vulkan::VkConfig::from_env().unwrap()),
+            want,
+            "{var}={value:?}"
+        );
+    }
+    std::env::remove_var(var);
 }
