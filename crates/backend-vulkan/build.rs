@@ -119,6 +119,15 @@ const KERNELS: &[Spec] = &[
             ("m", Slot::In, FLOATS),
         ],
     ),
+    // One invocation per row (`LOWSYNC_VK_ROW_LANES`).
+    (
+        "soft_max_t",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, FLOATS),
+            ("m", Slot::In, FLOATS),
+        ],
+    ),
     (
         "attn_dec",
         &[
@@ -307,13 +316,21 @@ const KERNELS: &[Spec] = &[
             ("b", Slot::Quant, QUANTS),
         ],
     ),
-    // The product over block weights for prefill (`mul_mat_q.wgsl`): each weight group
-    // decoded once per 32 rows of x.
+    // The product over block weights for prefill (`mul_mat_q_body.wgsl`): each weight group
+    // decoded once per 32 rows of x; `_s` shares x through the subgroup.
     (
         "mul_mat_q",
         &[
             ("d", Slot::Out, &["f32"]),
             ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+        ],
+    ),
+    (
+        "mul_mat_q_s",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
             ("b", Slot::Quant, QUANTS),
         ],
     ),
@@ -880,7 +897,7 @@ fn second_reader(text: &str) -> String {
 /// (`f16_on_bits`), which gives the same values. The H200 runs the prefill at the same speed
 /// either way.
 fn scale_conversion(kernel: &str) -> &'static str {
-    if kernel == "mul_mat_q" {
+    if kernel == "mul_mat_q" || kernel == "mul_mat_q_s" {
         "fn q_f16(h: u32) -> f32 { return f16_on_bits(h); }\n"
     } else {
         "fn q_f16(h: u32) -> f32 { return f16_bits_to_f32(h); }\n"
@@ -915,7 +932,7 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
         // `mul_mat_vec_qb`, `mul_mat_vec_qw`, `mul_mat_vec_qm` and their `_e`, `_r` and `_g`
         // flavours, and the decode attention (`attn_dec`, `attn_split`, `attn_split_g`), use subgroup
         // operations, and the host picks them only on a device whose compute stage has
-        // subgroup arithmetic. SHADER_FLOAT16_IN_FLOAT32 is
+        // subgroup arithmetic; `mul_mat_q_s` only where it also has shuffles. SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).
         Capabilities::IMMEDIATES
             | Capabilities::FLOAT64

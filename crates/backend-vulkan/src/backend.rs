@@ -101,6 +101,7 @@ impl VulkanBackend {
             max_groups: dev.limits.max_compute_work_group_count,
             has_f64: dev.has_f64,
             subgroups: dev.subgroup_arith && !config.no_subgroups,
+            shuffles: dev.subgroup_shuffle && !config.no_subgroups,
             wide_groups: dev.limits.max_compute_work_group_invocations >= 256
                 && dev.limits.max_compute_work_group_size[0] >= 256,
             qv: config
@@ -109,6 +110,7 @@ impl VulkanBackend {
             qmm: config
                 .quant_mat_mul
                 .unwrap_or(QuantMatMul::for_device(dev.cpu_type)),
+            row_lanes: config.row_lanes.unwrap_or(dev.cpu_type),
         };
         let alignment = (limits.offset_align as usize).max(64);
         let state = State {
@@ -199,6 +201,13 @@ impl VulkanBackend {
     /// x, y and z.
     pub fn max_group_count(&self) -> [u32; 3] {
         self.inner.dev.limits.max_compute_work_group_count
+    }
+
+    /// Whether kernels may shuffle values across a subgroup: the device has subgroup shuffles
+    /// in whole subgroups of 4 to 64 lanes, and the config leaves subgroups on (the prefill
+    /// product over block weights then shares x through them: `mul_mat_q_s`).
+    pub fn has_subgroup_shuffles(&self) -> bool {
+        self.inner.dev.subgroup_shuffle && !self.inner.config.no_subgroups
     }
 
     /// The settings this backend was built with.

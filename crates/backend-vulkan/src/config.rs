@@ -79,6 +79,12 @@ pub struct VkConfig {
     /// on for a CPU-type device (lavapipe ran "tiny"'s attention in half the time), off on a
     /// GPU (not yet timed on one).
     pub attn_group: Option<bool>,
+    /// `LOWSYNC_VK_ROW_LANES` (`0`, `1`): SoftMax runs one invocation per row (`soft_max_t`)
+    /// instead of a workgroup per row. `None` (the variable unset): on for a CPU-type device
+    /// (lavapipe runs a workgroup's barriers as switches between its SIMD groups; a 64-token
+    /// prompt's attention rows on "small" took a tenth of the time), off on a GPU (a row's
+    /// elements walked by one thread).
+    pub row_lanes: Option<bool>,
     /// Counting or tracing hook over device entry points (tests only).
     pub entry_point_hook: Option<EntryPointHook>,
 }
@@ -181,6 +187,7 @@ impl VkConfig {
             quant_mat_vec: QuantMatVec::from_env()?,
             quant_mat_mul: QuantMatMul::from_env()?,
             attn_group: device_default_flag("LOWSYNC_VK_ATTN_GROUP")?,
+            row_lanes: device_default_flag("LOWSYNC_VK_ROW_LANES")?,
             norm_fold: device_default_flag("LOWSYNC_VK_NORM_FOLD")?,
             attn_split: attn_split_from_env()?,
             entry_point_hook: None,
@@ -205,6 +212,7 @@ impl Default for VkConfig {
             quant_mat_mul: None,
             norm_fold: None,
             attn_group: None,
+            row_lanes: None,
             attn_split: None,
             entry_point_hook: None,
         }

@@ -308,6 +308,9 @@ pub(crate) struct Device {
     /// The compute stage has basic and arithmetic subgroup operations (Vulkan 1.1 core
     /// properties), so kernels may reduce with `subgroupAdd`.
     pub subgroup_arith: bool,
+    /// Besides, shuffles, and a subgroup size from 4 to 64 that divides 64, so a 64-invocation
+    /// workgroup is whole subgroups of at least four lanes (`mul_mat_q_s`).
+    pub subgroup_shuffle: bool,
     /// The device reports itself as a CPU (`VK_PHYSICAL_DEVICE_TYPE_CPU`: lavapipe, SwiftShader).
     pub cpu_type: bool,
     // Declared last: dropped after `device` is destroyed (see `Drop`).
@@ -365,14 +368,22 @@ impl Device {
             vk::PhysicalDeviceFeatures::default().shader_float64(f.shader_float64 == vk::TRUE)
         };
         let has_f64 = core.shader_float64 == vk::TRUE;
-        let subgroup_arith = {
+        let (subgroup_arith, subgroup_shuffle) = {
             let mut sg = vk::PhysicalDeviceSubgroupProperties::default();
             let mut p2 = vk::PhysicalDeviceProperties2::default().push_next(&mut sg);
             // SAFETY: a query on a physical device of this instance (Vulkan >= 1.2, checked).
             unsafe { ins.get_physical_device_properties2(pdev, &mut p2) };
             let ops = vk::SubgroupFeatureFlags::BASIC | vk::SubgroupFeatureFlags::ARITHMETIC;
-            sg.supported_stages.contains(vk::ShaderStageFlags::COMPUTE)
-                && sg.supported_operations.contains(ops)
+            let arith = sg.supported_stages.contains(vk::ShaderStageFlags::COMPUTE)
+                && sg.supported_operations.contains(ops);
+            let size = sg.subgroup_size;
+            let shuffle = arith
+                && sg
+                    .supported_operations
+                    .contains(vk::SubgroupFeatureFlags::SHUFFLE)
+                && (4..=64).contains(&size)
+                && 64 % size == 0;
+            (arith, shuffle)
         };
         let prio = [1.0f32];
         let mut qinfos = vec![vk::DeviceQueueCreateInfo::default()
@@ -443,6 +454,7 @@ impl Device {
             has_f64,
             uma,
             subgroup_arith,
+            subgroup_shuffle,
             "Vulkan device opened"
         );
         Ok(Device {
@@ -457,6 +469,7 @@ impl Device {
             host_query_reset,
             uma,
             subgroup_arith,
+            subgroup_shuffle,
             cpu_type: props.device_type == vk::PhysicalDeviceType::CPU,
             inst,
         })

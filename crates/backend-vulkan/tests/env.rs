@@ -93,6 +93,7 @@ fn bad_values_and_names_are_clear_errors() {
     std::env::remove_var("LOWSYNC_VK_QMM");
     device_default_switch("LOWSYNC_VK_NORM_FOLD", |c| c.norm_fold);
     device_default_switch("LOWSYNC_VK_ATTN_GROUP", |c| c.attn_group);
+    device_default_switch("LOWSYNC_VK_ROW_LANES", |c| c.row_lanes);
     assert_eq!(lowsync_vulkan::VkConfig::default().quant_mat_mul, None);
     assert_eq!(QuantMatMul::for_device(true), QuantMatMul::Rows);
     assert_eq!(QuantMatMul::for_device(false), QuantMatMul::Tiles);

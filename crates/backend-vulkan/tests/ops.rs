@@ -368,6 +368,12 @@ fn cases() -> Vec<Case> {
         c(F32, &[4, 3, 300]),
         vec![c(F32, &[4, 3, 300])],
     ));
+    v.push(case(
+        "soft_max rows past a workgroup, strided",
+        Op::SoftMax { scale: 1.0 },
+        c(F32, &[70, 33]),
+        vec![t(F32, 33, 70)],
+    ));
     let mut mask = vec![0.0f32; 3 * 10];
     for (i, m) in mask.iter_mut().enumerate() {
         if i % 10 > i / 10 + 6 {
@@ -636,6 +642,18 @@ fn every_op_matches_the_cpu_oracle_without_subgroups() {
         no_subgroups: true,
         ..common::config()
     });
+}
+
+/// Both SoftMax layouts (`LOWSYNC_VK_ROW_LANES`: a workgroup per row, an invocation per row)
+/// match the oracle, whichever the device picks by default.
+#[test]
+fn every_op_matches_the_cpu_oracle_with_either_softmax_layout() {
+    for lanes in [false, true] {
+        suite(VkConfig {
+            row_lanes: Some(lanes),
+            ..common::config()
+        });
+    }
 }
 
 #[test]

@@ -567,23 +567,33 @@ fn a_head_too_wide_for_two_rows_a_workgroup_takes_the_group_body() {
 }
 
 /// Every block type's prefill products match the CPU oracle and float64 under both layouts
-/// (`LOWSYNC_VK_QMM`: `rows`, 64 invocations a workgroup, which every Vulkan device allows;
-/// `tiles`, 256), take that layout's kernel, and do not depend on the tile edges; the
-/// validation layer stays silent.
+/// (`LOWSYNC_VK_QMM`: `rows`, 64 invocations a workgroup, which every Vulkan device allows,
+/// x shared through the subgroup where the device has shuffles (`mul_mat_q_s`) and read by
+/// every invocation with subgroups off (`mul_mat_q`); `tiles`, 256), take that layout's
+/// kernel, and do not depend on the tile edges; the validation layer stays silent.
 #[test]
 fn tiled_quantized_products_match_the_cpu_oracle() {
     // Lavapipe runs the 256-invocation tiles about ten times slower than the rows; the tile
-    // edges and three shapes cover their loader.
-    for (layout, kernel, few) in [
-        (QuantMatMul::Rows, "mul_mat_q", false),
-        (QuantMatMul::Tiles, "mul_mat_qt", true),
+    // edges and three shapes cover their loader. The subgroup-less rows read x the slow way
+    // there too; they give the shuffling kernel's bits (`rows_share_x_bit_for_bit`).
+    for (layout, no_subgroups, kernel, few) in [
+        (QuantMatMul::Rows, false, "mul_mat_q_s", false),
+        (QuantMatMul::Rows, true, "mul_mat_q", true),
+        (QuantMatMul::Tiles, false, "mul_mat_qt", true),
     ] {
         let Some(vk) = common::open(VkConfig {
             profile: true,
             quant_mat_mul: Some(layout),
+            no_subgroups,
             ..common::config()
         }) else {
             return;
+        };
+        // A device without subgroup shuffles runs `mul_mat_q` for `rows` either way.
+        let kernel = if kernel == "mul_mat_q_s" && !vk.has_subgroup_shuffles() {
+            "mul_mat_q"
+        } else {
+            kernel
         };
         let cpu = CpuBackend::new();
         let mut failures = tiled_products(&vk, &cpu, few);
@@ -601,6 +611,55 @@ fn tiled_quantized_products_match_the_cpu_oracle() {
         }
         common::assert_clean(&vk);
     }
+}
+
+/// The `rows` prefill product gives the same bits whether x reaches its invocations through
+/// subgroup shuffles or by each invocation's own loads: row counts that leave a partial run of
+/// rows per load (1, 3, 17, 31 past a tile), an x not contiguous along k, batches.
+#[test]
+fn rows_share_x_bit_for_bit() {
+    let open = |no_subgroups| {
+        common::open(VkConfig {
+            quant_mat_mul: Some(QuantMatMul::Rows),
+            no_subgroups,
+            ..common::config()
+        })
+    };
+    let (Some(shared), Some(own)) = (open(false), open(true)) else {
+        return;
+    };
+    if !shared.has_subgroup_shuffles() {
+        eprintln!("skipped: the device has no subgroup shuffles");
+        return;
+    }
+    let mut failures = Vec::new();
+    for &dt in VK_QUANTS {
+        for (i, &(m, n, nb, lead, xt, batch)) in [
+            (17, 70, 2, 1, false, 1),
+            (33, 65, 1, 0, false, 1),
+            (63, 64, 3, 2, true, 1),
+            (35, 40, 1, 0, false, 2),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let p = Product {
+                batch,
+                ..Product::plain(dt, (m, n, nb * dt.block_size()), lead, xt)
+            };
+            let w = blocks(dt, lead + p.w_rows(), p.k, 300 + i as u64);
+            let x = f32s(&mut Rng(400 + i as u64), batch * m * p.k);
+            let (a, b) = (p.run(&shared, &w, &x), p.run(&own, &w, &x));
+            let same =
+                a.len() == b.len() && a.iter().zip(&b).all(|(u, v)| u.to_bits() == v.to_bits());
+            if !same {
+                failures.push(format!("{dt} {m}x{n}: the two kernels' results differ"));
+            }
+        }
+    }
+    common::assert_clean(&shared);
+    common::assert_clean(&own);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]

@@ -114,12 +114,16 @@ pub(crate) struct Limits {
     pub has_f64: bool,
     /// Kernels may use subgroup arithmetic (the device has it and the config allows it).
     pub subgroups: bool,
+    /// Besides, shuffles in whole subgroups of 4 to 64 lanes (`mul_mat_q_s`).
+    pub shuffles: bool,
     /// Workgroups of 256 invocations along x are allowed (Vulkan guarantees only 128).
     pub wide_groups: bool,
     /// The body of the one-row block mat-vec (`LOWSYNC_VK_QV`).
     pub qv: QuantMatVec,
     /// The layout of the prefill product over block weights (`LOWSYNC_VK_QMM`).
     pub qmm: QuantMatMul,
+    /// SoftMax takes one invocation per row (`LOWSYNC_VK_ROW_LANES`).
+    pub row_lanes: bool,
 }
 
 /// An index-checking kernel's error slot: the status binding and the tag naming this node.

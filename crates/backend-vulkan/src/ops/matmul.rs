@@ -35,9 +35,9 @@ const QW_ROWS: usize = 2;
 /// Rows of x per workgroup z of the multi-row quantized mat-vec (`MT` in `mul_mat_vec_qm.wgsl`).
 const QUANT_ROWS_PER_GROUP: usize = 8;
 /// Rows of w per workgroup of the prefill product over block weights (`BN` in
-/// `mul_mat_q.wgsl`, one invocation each).
+/// `mul_mat_q_body.wgsl`, one invocation each).
 const QUANT_TILE_N: usize = 64;
-/// Rows of x per workgroup of that product (`RB` in `mul_mat_q.wgsl`): each weight group is
+/// Rows of x per workgroup of that product (`RB` in `mul_mat_q_body.wgsl`): each weight group is
 /// decoded once for this many rows.
 const QUANT_TILE_M: usize = 32;
 /// Rows of x per workgroup of the tiled prefill product over block weights (`mul_mat_qt.wgsl`,
@@ -423,8 +423,8 @@ pub(super) fn mul_mat_set_rows(
 /// `mul_mat_vec_qb` under `LOWSYNC_VK_QV=block`), a few rows of an x contiguous along k take
 /// `mul_mat_vec_qm*.wgsl`, whose workgroup z covers `QUANT_ROWS_PER_GROUP` rows of x so that
 /// each group of w is read and dequantized once for all of them, and `QUANT_TILE_MIN_M` rows or
-/// more (prefill) take `mul_mat_q.wgsl`, which decodes each group of w once per `QUANT_TILE_M`
-/// rows of x. The graph builder admits such a `b` only with its blocks along k
+/// more (prefill) take `mul_mat_q_body.wgsl` (`LOWSYNC_VK_QMM=rows`; `mul_mat_qt.wgsl` for
+/// `tiles`), which decodes each group of w once per `QUANT_TILE_M` rows of x. The graph builder admits such a `b` only with its blocks along k
 /// (stride 1, whole rows: `b_sk == 1`, every other stride a whole number of rows); b's offset
 /// and strides go to the kernel in bytes.
 fn quant_mat_vec(
@@ -450,8 +450,11 @@ fn quant_mat_vec(
         c.block_bytes(b.dtype, b_sn, "row stride")?,
     ];
     // The prefill kernels, batches in z: `rows`, 64 invocations (one per row of w) per 64 x 32
-    // tile of the result; `tiles`, 256 invocations per 64 x 64 tile.
+    // tile of the result, x shared through the subgroup where shuffles allow; `tiles`, 256
+    // invocations per 64 x 64 tile.
+    let x_vec4 = push.prm[0] == 1 && x_vec_aligned(&push, sa) && push.a_str[2] % 4 == 0;
     let (kernel, rows_per_tile) = match c.lim.qmm {
+        QuantMatMul::Rows if c.lim.shuffles && x_vec4 => ("mul_mat_q_s", QUANT_TILE_M),
         QuantMatMul::Rows => ("mul_mat_q", QUANT_TILE_M),
         QuantMatMul::Tiles => ("mul_mat_qt", QT_TILE_M),
     };

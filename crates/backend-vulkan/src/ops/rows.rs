@@ -20,7 +20,7 @@ use super::layout::{dt, need_status, rows3, Ctx, Dispatch, Res, Status};
 use crate::pipelines::Push;
 
 /// RmsNorm, SoftMax and the fused `rms_norm_mul` (its weight in `mask`'s place): one workgroup
-/// per row of the last axis.
+/// per row of the last axis (SoftMax under `LOWSYNC_VK_ROW_LANES`: one invocation per row).
 pub(super) fn row_kernel(
     c: &Ctx,
     kernel: &str,
@@ -76,6 +76,8 @@ pub(super) fn row_kernel(
     };
     let name;
     let mut binds = vec![bd, ba];
+    // Threads per row: a workgroup of 256 (the kernels' own size), or one of 64 per workgroup.
+    let mut per_group = 1;
     if kernel == "soft_max" {
         let (mres, mst) = match &m {
             Some((mres, full)) => {
@@ -90,8 +92,14 @@ pub(super) fn row_kernel(
         push.b_str = mst;
         push.offs = [od, oa, om, c.u32(rows, "row count")?];
         push.op = [u32::from(m.is_some()), 0, 0, 0];
+        let kernel = if c.lim.row_lanes {
+            per_group = 64;
+            "soft_max_t"
+        } else {
+            "soft_max"
+        };
         name = format!(
-            "soft_max.d_{}.a_{}.m_{}",
+            "{kernel}.d_{}.a_{}.m_{}",
             dt(dst.dtype),
             dt(x.dtype),
             dt(mres.dtype)
@@ -118,7 +126,7 @@ pub(super) fn row_kernel(
         kernel: name,
         binds,
         push,
-        groups: c.spread(rows, 1)?,
+        groups: c.spread(rows, per_group)?,
     }])
 }
 

@@ -1,0 +1,109 @@
+// The body of the prefill product over GGUF block weights (`mul_mat_q.wgsl`, and
+// `mul_mat_q_s.wgsl`, which shares x through the subgroup): dst[.., m, n] = sum_k x[.., m, k] *
+// w[.., n, k] with f32 x (any strides) and w stored as raw GGUF blocks (binding `b`, whole
+// blocks along k).
+//
+// Why: the multi-row mat-vec (`mul_mat_vec_qm`) reads and dequantizes every weight group once
+// per 8 rows of x, so a prefill of m rows decodes the whole weight m / 8 times. Here each
+// weight group is decoded once per `RB` (32) rows of x.
+//
+// Strategy: one invocation per row of w and workgroup y per run of `RB` rows of x (64 rows of
+// w per workgroup, batches in z). The invocation walks k in groups of 16: it decodes its row's
+// group through the type's own `q_scale` / `q_vals` (the layout is written once, in its family
+// file) into four vec4 registers, then adds the group's dot product with each of its `RB` x
+// rows to that row's accumulator (`add_group`, which the including kernel defines: how x
+// reaches the invocations is what the two kernels differ in). No workgroup memory and no
+// barrier: lavapipe compiles a kernel with a large workgroup array and a barrier slowly
+// (seconds to minutes per variant on a cold shader cache), these in under a second.
+//
+// Invariants: k is a whole number of blocks (so of 16) and every row of w starts on a block;
+// an element's sum runs over k in one order (groups in order, 4 x 4 products within a group)
+// whatever the workgroup it falls in, so a result does not depend on where the tile edges
+// fall. Rows of w past N read row N - 1 and store nothing. A weight element is `scale * q (+
+// offset)` as the family's contract states it. Offsets and strides of d and x count elements,
+// every offset and stride of w counts bytes (the host converts whole rows of blocks), as in the
+// mat-vecs.
+
+struct Pc {
+    // M, N, K, batch extent of axis 1
+    shape: vec4<u32>,
+    // batch strides 0/1, stride between rows of the result, between result columns
+    d_str: vec4<u32>,
+    // batch strides 0/1, stride between rows of x, along k
+    a_str: vec4<u32>,
+    // batch strides 0/1 (bytes), -, stride between rows of w (bytes)
+    b_str: vec4<u32>,
+    // d, a offsets (elements), b offset (bytes); batch count
+    offs: vec4<u32>,
+    // batch divisors: a axis 0, a axis 1, b axis 0, b axis 1
+    op: vec4<u32>,
+    // x: x is contiguous along k
+    prm: vec4<u32>,
+}
+var<immediate> pc: Pc;
+
+// Rows of w per workgroup (`QUANT_TILE_N` in `src/ops/matmul.rs`) and rows of x per
+// workgroup (`QUANT_TILE_M`).
+const BN: u32 = 64u;
+const RB: u32 = 32u;
+
+// Four consecutive values along k of x from element `i` (the branch is uniform).
+fn x4(i: u32) -> vec4<f32> {
+    if pc.prm.x == 1u {
+        return ld4_a(i);
+    }
+    let s = pc.a_str.w;
+    return vec4<f32>(ld_a(i), ld_a(i + s), ld_a(i + 2u * s), ld_a(i + 3u * s));
+}
+
+// This invocation's accumulators (one per row of x) and its row's decoded group: four runs
+// of four consecutive k.
+var<private> acc: array<f32, 32>;
+var<private> wq: array<vec4<f32>, 4>;
+
+// One row of x's products with the decoded group (x0 .. x3: its four runs of four k), in the
+// one order both kernels use. The including kernel's `add_group(xk, rows)` adds this for the
+// tile's rows 0 .. rows (x elements from `xk`: the tile's first row at the group's first k) to
+// `acc`.
+fn row_sum(x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f32>) -> f32 {
+    let p = dot(x0, wq[0]) + dot(x1, wq[1]);
+    return p + (dot(x2, wq[2]) + dot(x3, wq[3]));
+}
+
+fn prefill(wg: vec3<u32>, lx: u32) {
+    let M = pc.shape.x;
+    let N = pc.shape.y;
+    let K = pc.shape.z;
+    let b0 = wg.z / pc.shape.w;
+    let b1 = wg.z % pc.shape.w;
+    let d_base = pc.offs.x + b0 * pc.d_str.x + b1 * pc.d_str.y;
+    let a_base = pc.offs.y + (b0 / pc.op.x) * pc.a_str.x + (b1 / pc.op.y) * pc.a_str.y;
+    let b_base = pc.offs.z + (b0 / pc.op.z) * pc.b_str.x + (b1 / pc.op.w) * pc.b_str.y;
+    let n = wg.x * BN + lx;
+    let row0 = wg.y * RB;
+    // Rows of x this workgroup covers (the same for every invocation: uniform loops).
+    let rows = min(RB, M - row0);
+    let w_row = b_base + min(n, N - 1u) * pc.b_str.w;
+    let x_row0 = a_base + row0 * pc.a_str.z;
+
+    for (var r = 0u; r < RB; r++) {
+        acc[r] = 0.0;
+    }
+    for (var k0 = 0u; k0 < K; k0 += 16u) {
+        let gi = k0 / 16u;
+        let blk = w_row + (gi / GPB) * QB;
+        let sc = q_scale(blk, gi % GPB);
+        let v = q_vals(blk, gi % GPB);
+        let off = select(0.0, sc.y, Q_MIN);
+        wq[0] = sc.x * v[0] + off;
+        wq[1] = sc.x * v[1] + off;
+        wq[2] = sc.x * v[2] + off;
+        wq[3] = sc.x * v[3] + off;
+        add_group(x_row0 + k0 * pc.a_str.w, rows);
+    }
+    if n < N {
+        for (var r = 0u; r < rows; r++) {
+            st_d(d_base + (row0 + r) * pc.d_str.z + n * pc.d_str.w, acc[r]);
+        }
+    }
+}
