@@ -452,7 +452,7 @@ fn quant_mat_vec(
     // The prefill kernels, batches in z: `rows`, 64 invocations (one per row of w) per 64 x 32
     // tile of the result, x shared through the subgroup where shuffles allow; `tiles`, 256
     // invocations per 64 x 64 tile.
-    let x_vec4 = push.prm[0] == 1 && x_vec_aligned(&push, sa) && push.a_str[2] % 4 == 0;
+    let x_vec4 = push.prm[0] == 1 && x_vec_aligned(&push, sa) && push.a_str[2].is_multiple_of(4);
     let (kernel, rows_per_tile) = match c.lim.qmm {
         QuantMatMul::Rows if c.lim.shuffles && x_vec4 => ("mul_mat_q_s", QUANT_TILE_M),
         QuantMatMul::Rows => ("mul_mat_q", QUANT_TILE_M),
