@@ -27,6 +27,13 @@ DEVICES = [
 ]
 
 
+def _family(kernel: str) -> str:
+    """A profiled kernel's family: its name before the first dot, without the `_t` that marks a
+    row kernel's one-invocation-per-row layout (`LOWSYNC_VK_ROW_LANES`, a CPU-type device's
+    default)."""
+    return kernel.split(".")[0].removesuffix("_t")
+
+
 def run(backend: str, policy: str) -> tuple[list[int], np.ndarray, ls.session.GenerateStats]:
     model = ls.Llama.random(MICRO, seed=4)
     sess = ls.Session(model, backends=[backend], n_ctx=64, n_ubatch=8, policy=policy)
@@ -183,7 +190,7 @@ def test_vulkan_profile_times_every_kernel_of_a_step_without_changing_tokens(
         assert t["count"] > 0, t
         assert t["count"] % N_GEN == 0, t
         assert t["read_bytes"] > 0, t
-    names = {t["name"].split(".")[0] for t in times}
+    names = {_family(t["name"]) for t in times}
     # Fused (LOWSYNC_VK_FUSION, on by default): the attention has no soft_max of its own, and
     # each norm runs with its weight in one dispatch or (this f32 model's float products) in
     # the products reading it.
@@ -245,7 +252,7 @@ def _dispatches_per_step(
     sess.context.synchronize()
     per: dict[str, float] = {}
     for t in sess.context.kernel_times():
-        name = t["name"].split(".")[0]
+        name = _family(t["name"])
         per[name] = per.get(name, 0) + t["count"] / N_GEN
     env.delenv("LOWSYNC_VK_PROFILE")
     return per
@@ -344,7 +351,7 @@ def _split_steps(
     sess.context.synchronize()
     per: dict[str, float] = {}
     for t in sess.context.kernel_times():
-        name = t["name"].split(".")[0]
+        name = _family(t["name"])
         per[name] = per.get(name, 0) + t["count"] / len(steps)
     env.delenv("LOWSYNC_VK_PROFILE")
     return tokens, steps, per

@@ -111,6 +111,19 @@ const KERNELS: &[Spec] = &[
             ("w", Slot::In, FLOATS),
         ],
     ),
+    // One invocation per row (`LOWSYNC_VK_ROW_LANES`).
+    (
+        "rms_norm_t",
+        &[("d", Slot::Out, FLOATS), ("a", Slot::In, FLOATS)],
+    ),
+    (
+        "rms_norm_mul_t",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::In, FLOATS),
+            ("w", Slot::In, FLOATS),
+        ],
+    ),
     (
         "soft_max",
         &[

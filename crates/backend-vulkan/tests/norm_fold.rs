@@ -142,10 +142,15 @@ fn run(cfg: VkConfig, wt: DType, odd: bool) -> (Vec<f32>, Vec<(String, u64)>) {
     (got, kernels)
 }
 
+/// Dispatches of a kernel family (a row kernel in either layout: `rms_norm_mul` and its
+/// one-invocation-per-row `rms_norm_mul_t` are one family).
 fn ran(kernels: &[(String, u64)], family: &str) -> u64 {
     kernels
         .iter()
-        .filter(|(name, _)| name.split('.').next() == Some(family))
+        .filter(|(name, _)| {
+            let head = name.split('.').next().unwrap_or_default();
+            head.strip_suffix("_t").unwrap_or(head) == family
+        })
         .map(|(_, c)| c)
         .sum()
 }

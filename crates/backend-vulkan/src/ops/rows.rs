@@ -20,7 +20,7 @@ use super::layout::{dt, need_status, rows3, Ctx, Dispatch, Res, Status};
 use crate::pipelines::Push;
 
 /// RmsNorm, SoftMax and the fused `rms_norm_mul` (its weight in `mask`'s place): one workgroup
-/// per row of the last axis (SoftMax under `LOWSYNC_VK_ROW_LANES`: one invocation per row).
+/// per row of the last axis, or under `LOWSYNC_VK_ROW_LANES` one invocation per row (`_t`).
 pub(super) fn row_kernel(
     c: &Ctx,
     kernel: &str,
@@ -76,8 +76,8 @@ pub(super) fn row_kernel(
     };
     let name;
     let mut binds = vec![bd, ba];
-    // Threads per row: a workgroup of 256 (the kernels' own size), or one of 64 per workgroup.
-    let mut per_group = 1;
+    // Rows per workgroup: one (a workgroup of 256 per row), or 64 (`_t`: an invocation each).
+    let (per_group, sfx) = if c.lim.row_lanes { (64, "_t") } else { (1, "") };
     if kernel == "soft_max" {
         let (mres, mst) = match &m {
             Some((mres, full)) => {
@@ -92,14 +92,8 @@ pub(super) fn row_kernel(
         push.b_str = mst;
         push.offs = [od, oa, om, c.u32(rows, "row count")?];
         push.op = [u32::from(m.is_some()), 0, 0, 0];
-        let kernel = if c.lim.row_lanes {
-            per_group = 64;
-            "soft_max_t"
-        } else {
-            "soft_max"
-        };
         name = format!(
-            "{kernel}.d_{}.a_{}.m_{}",
+            "soft_max{sfx}.d_{}.a_{}.m_{}",
             dt(dst.dtype),
             dt(x.dtype),
             dt(mres.dtype)
@@ -113,14 +107,14 @@ pub(super) fn row_kernel(
         push.b_str = s;
         push.offs = [od, oa, ow, c.u32(rows, "row count")?];
         name = format!(
-            "rms_norm_mul.d_{}.a_{}.w_{}",
+            "rms_norm_mul{sfx}.d_{}.a_{}.w_{}",
             dt(dst.dtype),
             dt(x.dtype),
             dt(w.dtype)
         );
     } else {
         push.offs = [od, oa, c.u32(rows, "row count")?, 0];
-        name = format!("{kernel}.d_{}.a_{}", dt(dst.dtype), dt(x.dtype));
+        name = format!("{kernel}{sfx}.d_{}.a_{}", dt(dst.dtype), dt(x.dtype));
     }
     Ok(vec![Dispatch {
         kernel: name,
