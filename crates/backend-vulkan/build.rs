@@ -339,6 +339,24 @@ const KERNELS: &[Spec] = &[
             ("b", Slot::Quant, QUANTS),
         ],
     ),
+    // The float prefill product with one invocation per column, x shared through the subgroup
+    // (`mul_mat_s.wgsl`, `LOWSYNC_VK_ROW_LANES`).
+    (
+        "mul_mat_s",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::In, FLOATS),
+        ],
+    ),
+    (
+        "mul_mat_s1",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::In, FLOATS),
+        ],
+    ),
     (
         "mul_mat_q_s",
         &[
@@ -945,7 +963,7 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
         // `mul_mat_vec_qb`, `mul_mat_vec_qw`, `mul_mat_vec_qm` and their `_e`, `_r` and `_g`
         // flavours, and the decode attention (`attn_dec`, `attn_split`, `attn_split_g`), use subgroup
         // operations, and the host picks them only on a device whose compute stage has
-        // subgroup arithmetic; `mul_mat_q_s` only where it also has shuffles. SHADER_FLOAT16_IN_FLOAT32 is
+        // subgroup arithmetic; `mul_mat_q_s`, `mul_mat_s` and `mul_mat_s1` only where it also has shuffles. SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).
         Capabilities::IMMEDIATES
             | Capabilities::FLOAT64

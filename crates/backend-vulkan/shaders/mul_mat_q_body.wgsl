@@ -56,19 +56,7 @@ fn x4(i: u32) -> vec4<f32> {
     return vec4<f32>(ld_a(i), ld_a(i + s), ld_a(i + 2u * s), ld_a(i + 3u * s));
 }
 
-// This invocation's accumulators (one per row of x) and its row's decoded group: four runs
-// of four consecutive k.
-var<private> acc: array<f32, 32>;
-var<private> wq: array<vec4<f32>, 4>;
-
-// One row of x's products with the decoded group (x0 .. x3: its four runs of four k), in the
-// one order both kernels use. The including kernel's `add_group(xk, rows)` adds this for the
-// tile's rows 0 .. rows (x elements from `xk`: the tile's first row at the group's first k) to
-// `acc`.
-fn row_sum(x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f32>) -> f32 {
-    let p = dot(x0, wq[0]) + dot(x1, wq[1]);
-    return p + (dot(x2, wq[2]) + dot(x3, wq[3]));
-}
+// #include mul_mat_rows.wgsl
 
 fn prefill(wg: vec3<u32>, lx: u32) {
     let M = pc.shape.x;

@@ -525,6 +525,35 @@ fn cases() -> Vec<Case> {
         c(F32, &[65, 129]),
         vec![c(F32, &[65, 33]), c(F32, &[33, 129])],
     ));
+    // Prefill-shaped attention products: q @ k.T over a GQA-broadcast f16 cache (k along its
+    // rows), p @ V with V's rows along k, and k not a multiple of 16.
+    v.push(case(
+        "mul_mat prefill gqa q@k.T",
+        Op::MulMat,
+        c(F32, &[8, 40, 52]),
+        vec![
+            c(F32, &[8, 40, 64]),
+            c(F16, &[2, 64, 52]).strided(&[52 * 64, 1, 64]),
+        ],
+    ));
+    v.push(case(
+        "mul_mat prefill gqa p@v",
+        Op::MulMat,
+        c(F32, &[8, 40, 64]),
+        vec![c(F32, &[8, 40, 52]), c(F16, &[2, 52, 64])],
+    ));
+    v.push(case(
+        "mul_mat prefill p@v, 73 keys",
+        Op::MulMat,
+        c(F32, &[4, 33, 64]),
+        vec![c(F32, &[4, 33, 73]).at(3), c(F32, &[4, 73, 64])],
+    ));
+    v.push(case(
+        "mul_mat prefill x@w.T bf16, 70 rows",
+        Op::MulMat,
+        c(F32, &[70, 65]),
+        vec![c(F32, &[70, 36]).at(8), t(BF16, 65, 36)],
+    ));
     v.push(case(
         "mul_mat gqa batches",
         Op::MulMat,
@@ -580,8 +609,13 @@ fn tolerance(d: DType) -> f64 {
 }
 
 fn suite(cfg: VkConfig) {
+    suite_kernels(cfg);
+}
+
+/// The suite; returns the kernel variants that ran when `cfg` profiles (else none).
+fn suite_kernels(cfg: VkConfig) -> Vec<String> {
     let Some(vk) = common::open(cfg) else {
-        return;
+        return Vec::new();
     };
     let cpu = CpuBackend::new();
     let mut failures = Vec::new();
@@ -623,6 +657,7 @@ fn suite(cfg: VkConfig) {
         failures.len(),
         failures.join("\n")
     );
+    vk.kernel_times().into_iter().map(|t| t.name).collect()
 }
 
 #[test]
@@ -644,15 +679,29 @@ fn every_op_matches_the_cpu_oracle_without_subgroups() {
     });
 }
 
-/// Both SoftMax layouts (`LOWSYNC_VK_ROW_LANES`: a workgroup per row, an invocation per row)
-/// match the oracle, whichever the device picks by default.
+/// Both layouts of the row kernels and the float prefill product (`LOWSYNC_VK_ROW_LANES`: a
+/// workgroup per row or a 64x64 tile; an invocation per row or per result column) match the
+/// oracle, whichever the device picks by default.
 #[test]
-fn every_op_matches_the_cpu_oracle_with_either_softmax_layout() {
+fn every_op_matches_the_cpu_oracle_with_either_row_layout() {
     for lanes in [false, true] {
-        suite(VkConfig {
+        let names = suite_kernels(VkConfig {
             row_lanes: Some(lanes),
+            profile: true,
             ..common::config()
         });
+        if names.is_empty() {
+            return;
+        }
+        let family = |f: &str| names.iter().any(|n| n.starts_with(&format!("{f}.")));
+        for f in ["soft_max", "rms_norm"] {
+            assert_eq!(family(f), !lanes, "{f}: {names:?}");
+            assert_eq!(family(&format!("{f}_t")), lanes, "{f}_t: {names:?}");
+        }
+        assert!(family("mul_mat"), "{names:?}");
+        let shuffles = common::open(common::config()).is_some_and(|b| b.has_subgroup_shuffles());
+        assert_eq!(family("mul_mat_s"), lanes && shuffles, "{names:?}");
+        assert_eq!(family("mul_mat_s1"), lanes && shuffles, "{names:?}");
     }
 }
 

@@ -7,11 +7,15 @@
 //! Strategy: one row with both operands contiguous along k (`x @ w.T`, every projection of a
 //! decode step) takes the fast mat-vec kernel: vectorized loads, no stride math in the loop,
 //! a subgroup reduction where the device has one; with subgroups and operands aligned to 8
-//! elements, the 16-byte-load variant (`mul_mat_vec_v`, a pair of rows per subgroup). Otherwise up to `MAT_VEC_MAX_M` rows use the
-//! generic matrix-vector kernel (split over k when `b` is contiguous along k), more use the
-//! 64x64 tiled kernel. GGUF block weights are dequantized in registers by their own mat-vec
-//! kernels at any row count (8 rows of x per workgroup beyond one row; there is no tiled
-//! quantized kernel yet). Batch axes of extent 1 are dropped; at most two remain, each with its
+//! elements, the 16-byte-load variant (`mul_mat_vec_v`, a pair of rows per subgroup).
+//! Otherwise up to `MAT_VEC_MAX_M` rows use the generic matrix-vector kernel (split over k when
+//! `b` is contiguous along k), more use the 64x64 tiled kernel, or on a CPU-type device
+//! (`LOWSYNC_VK_ROW_LANES`) one invocation per result column with x shared through the
+//! subgroup (`mul_mat_s`, or `mul_mat_s1` where x's rows are not on 16 bytes). GGUF block
+//! weights are dequantized in registers by their own kernels: the mat-vecs up to 16 rows of x
+//! (8 rows per workgroup beyond one), the prefill products beyond (`mul_mat_q_s`/`mul_mat_q`
+//! or the tiled `mul_mat_qt`, `LOWSYNC_VK_QMM`).
+//! Batch axes of extent 1 are dropped; at most two remain, each with its
 //! broadcast ratio for either operand. The one-row mat-vec families also plan the fused pairs
 //! `crate::fusion` finds: an `_e` flavour runs the residual add or SwiGLU consuming the product
 //! in its store, an `_r` flavour stores the product into a KV-cache row.
@@ -185,6 +189,21 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
                 binds: vec![bdd, ba, bb],
                 push,
                 groups: [gx as u32, batches as u32, 1],
+            }]);
+        }
+    }
+    // A CPU-type device's layout: one invocation per column, x (contiguous along k) shared
+    // through the subgroup, 16 bytes a load where its rows allow.
+    if c.lim.row_lanes && c.lim.shuffles && a.dtype == DType::F32 && push.prm[0] == 1 {
+        let whole = k.is_multiple_of(4) && a_sm.is_multiple_of(4) && x_vec_aligned(&push, sa);
+        let (gx, gy) = (n.div_ceil(QUANT_TILE_N), m.div_ceil(QUANT_TILE_M));
+        if gx <= max[0] as usize && gy <= max[1] as usize {
+            let kernel = if whole { "mul_mat_s" } else { "mul_mat_s1" };
+            return Ok(vec![Dispatch {
+                kernel: format!("{kernel}.{suffix}"),
+                binds: vec![bdd, ba, bb],
+                push,
+                groups: [gx as u32, gy as u32, batches as u32],
             }]);
         }
     }
