@@ -430,6 +430,45 @@ def test_vulkan_attn_split_bad_value_names_the_variable(clean_env: pytest.Monkey
             ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
 
 
+def _prefill_logits(
+    env: pytest.MonkeyPatch, coopmat: str, dtype: str
+) -> tuple[np.ndarray, set[str]]:
+    """The logits of every row of a 48-token prompt prefilled as one ubatch on Vulkan with
+    `LOWSYNC_VK_COOPMAT=coopmat`, and the kernel families that ran."""
+    env.setenv("LOWSYNC_VK_COOPMAT", coopmat)
+    env.setenv("LOWSYNC_VK_PROFILE", "1")
+    model = ls.Llama.random(MICRO, seed=4, dtype=dtype)
+    sess = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=48, policy="staged")
+    prompt = [1 + (7 * i + 3) % (MICRO.n_vocab - 1) for i in range(48)]
+    logits = sess.decode(prompt, seq_id=0, logits="all")
+    assert logits is not None
+    sess.context.synchronize()
+    names = {_family(t["name"]) for t in sess.context.kernel_times()}
+    env.delenv("LOWSYNC_VK_PROFILE")
+    return np.asarray(logits), names
+
+
+@pytest.mark.vulkan_gpu
+@pytest.mark.parametrize("dtype", ["f16", "q4_0"])
+def test_vulkan_coopmat_prefill_matches_the_shader_core_products(
+    clean_env: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """`LOWSYNC_VK_COOPMAT=1` on a GPU with cooperative matrices: a prompt's products run on them
+    (`mul_mat_cm` for the float ones, `mul_mat_qcm` over block weights) and every row's logits
+    stay within the f16 rounding of the operands (1% of the largest) of the f32 products', with
+    the same argmax on nearly every row. Skipped where the device has none."""
+    on, names = _prefill_logits(clean_env, "1", dtype)
+    if not names & {"mul_mat_cm", "mul_mat_qcm"}:
+        pytest.skip("this Vulkan device has no cooperative matrices for the products")
+    assert ("mul_mat_qcm" in names) == (dtype != "f16"), names
+    off, names_off = _prefill_logits(clean_env, "0", dtype)
+    assert not names_off & {"mul_mat_cm", "mul_mat_qcm"}
+    assert np.all(np.isfinite(on))
+    assert np.max(np.abs(on - off)) <= 1e-2 * np.max(np.abs(off))
+    agree = np.mean(np.argmax(on, axis=-1) == np.argmax(off, axis=-1))
+    assert agree >= 0.9, agree
+
+
 def _cuda_decode(
     graphs: str, env: pytest.MonkeyPatch, pdl: str = "1", rehearse: str = "1"
 ) -> tuple[list[int], ls.session.GenerateStats, int]:

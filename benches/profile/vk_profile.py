@@ -14,7 +14,8 @@ for the commands before it on most drivers, so dispatches that would overlap run
 another while profiling; profiling also records each step's commands afresh (no replay), so
 the wall-clock tok/s it prints is below the unprofiled bench's.
 
-Run: `python benches/profile/vk_profile.py --model 1b --dtype f16 -n 64`; add
+Run: `python benches/profile/vk_profile.py --model 1b --dtype f16 -n 64` (`--prefill -p 128`:
+the 128-token prompt's one forward pass instead, its tok/s the prompt's); add
 `LOWSYNC_VK_VALIDATION=1` to run it under the validation layer, `LOWSYNC_VK_QV=block` for the
 whole-block mat-vec body (docs/tuning.md).
 """
@@ -89,6 +90,37 @@ def profile(
     return summary, times
 
 
+def profile_prefill(
+    model: ls.Llama, backend: str, prompt_len: int, kv: str = "f32"
+) -> tuple[dict[str, float], list[dict]]:
+    """The prompt as one ubatch, twice on one session (the second pass profiled, after a
+    warm-up that compiles the pipelines); returns its summary (prompt tok/s profiled and not)
+    and kernel times, the pass being the table's one "step"."""
+    rates = []
+    times: list[dict] = []
+    for prof in ("1", "0"):
+        sess = _session(model, backend, 1, prompt_len, kv, prof)
+        prompt = _prompt(model, prompt_len)
+        for _ in range(2):
+            sess.seq_rm(0)
+            sess.context.synchronize()
+            sess.context.reset_stats()
+            t0 = time.perf_counter()
+            sess.decode(prompt, seq_id=0, logits="last")
+            sess.context.synchronize()
+            dt = time.perf_counter() - t0
+        rates.append(len(prompt) / dt)
+        if prof == "1":
+            times = sess.context.kernel_times()
+    summary = {
+        "tok_s": rates[0],
+        "steps": 1.0,
+        "plain_tok_s": rates[1],
+        "plain_cpu_ms_per_token": float("nan"),
+    }
+    return summary, times
+
+
 def plain_tok_s(
     model: ls.Llama, backend: str, n: int, prompt_len: int = 1, kv: str = "f32"
 ) -> tuple[float, float]:
@@ -132,10 +164,18 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64, help="tokens decoded per pass")
     ap.add_argument("-p", "--prompt-len", type=int, default=1, help="prompt tokens before them")
     ap.add_argument("--kv-dtype", default="f32", help="KV-cache dtype: f32, f16, bf16")
+    ap.add_argument(
+        "--prefill",
+        action="store_true",
+        help="profile the prompt's forward pass (one ubatch of -p tokens) instead of decoding",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     model = ls.Llama.random(args.model, seed=1, dtype=args.dtype)
-    summary, times = profile(model, args.backend, args.n, args.prompt_len, args.kv_dtype)
+    if args.prefill:
+        summary, times = profile_prefill(model, args.backend, args.prompt_len, args.kv_dtype)
+    else:
+        summary, times = profile(model, args.backend, args.n, args.prompt_len, args.kv_dtype)
     if not times:
         raise SystemExit(
             f"no kernel times from {args.backend}: its compute queue writes no timestamps "

@@ -365,6 +365,24 @@ const KERNELS: &[Spec] = &[
             ("b", Slot::Quant, QUANTS),
         ],
     ),
+    // The prefill products on cooperative matrices (`mul_mat_cm_body.wgsl`,
+    // `LOWSYNC_VK_COOPMAT`).
+    (
+        "mul_mat_cm",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::In, FLOATS),
+        ],
+    ),
+    (
+        "mul_mat_qcm",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+        ],
+    ),
     (
         "mul_mat_qt",
         &[
@@ -620,6 +638,10 @@ fn main() {
             .count();
         assert!(quant_slots <= 1, "{kernel}: more than one block-dtype slot");
         let body = includes(&dir, &read(&dir.join(format!("{kernel}.wgsl"))));
+        let (enables, rest): (Vec<&str>, Vec<&str>) =
+            body.lines().partition(|l| l.starts_with("enable "));
+        let enables: String = enables.iter().map(|l| format!("{l}\n")).collect();
+        let rest: String = rest.iter().map(|l| format!("{l}\n")).collect();
         println!(
             "cargo:rerun-if-changed={}",
             dir.join(format!("{kernel}.wgsl")).display()
@@ -629,7 +651,8 @@ fn main() {
                 continue;
             }
             let name = variant_name(kernel, slots, &combo);
-            let mut src = String::new();
+            // WGSL's `enable` directives open the module: the kernel's, then everything else.
+            let mut src: String = enables.clone();
             for (k, ((slot, kind, _), dt)) in slots.iter().zip(&combo).enumerate() {
                 src.push_str(&binding(&dir, k, slot, *kind, dt));
             }
@@ -637,7 +660,7 @@ fn main() {
                 src.push_str(scale_conversion(kernel));
             }
             src.push_str(&common);
-            src.push_str(&body);
+            src.push_str(&rest);
             match compile(&src) {
                 Ok(words) => {
                     let file = out.join(format!("{name}.spv"));
@@ -963,12 +986,17 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
         // `mul_mat_vec_qb`, `mul_mat_vec_qw`, `mul_mat_vec_qm` and their `_e`, `_r` and `_g`
         // flavours, and the decode attention (`attn_dec`, `attn_split`, `attn_split_g`), use subgroup
         // operations, and the host picks them only on a device whose compute stage has
-        // subgroup arithmetic; `mul_mat_q_s`, `mul_mat_s` and `mul_mat_s1` only where it also has shuffles. SHADER_FLOAT16_IN_FLOAT32 is
+        // subgroup arithmetic; `mul_mat_q_s`, `mul_mat_s` and `mul_mat_s1` only where it also has
+        // shuffles. SHADER_FLOAT16 and COOPERATIVE_MATRIX: only the cooperative-matrix products
+        // (`mul_mat_cm`, `mul_mat_qcm`: f16 tiles), picked only where the device enabled
+        // what their SPIR-V declares (`device::coopmat_support`). SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).
         Capabilities::IMMEDIATES
             | Capabilities::FLOAT64
             | Capabilities::SUBGROUP
-            | Capabilities::SHADER_FLOAT16_IN_FLOAT32,
+            | Capabilities::SHADER_FLOAT16_IN_FLOAT32
+            | Capabilities::SHADER_FLOAT16
+            | Capabilities::COOPERATIVE_MATRIX,
     )
     .validate(&module)
     .map_err(|e| e.emit_to_string(src))?;
@@ -978,6 +1006,9 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
         // Host code validates every extent before a dispatch; kernels index in bounds.
         bounds_check_policies: naga::proc::BoundsCheckPolicies::default(),
         force_loop_bounding: false,
+        // f16 lives in workgroup memory and registers only, never in a shader's inputs or
+        // outputs (a capability some GPUs lack).
+        use_storage_input_output_16: false,
         emit_int_div_checks: false,
         ..Default::default()
     };

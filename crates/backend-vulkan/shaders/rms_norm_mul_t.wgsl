@@ -1,49 +1,12 @@
-// RmsNorm over the last axis times a weight broadcast onto the rows, with one invocation per
-// row: `rms_norm_mul.wgsl`'s fused pair as a CPU-type device runs it (`LOWSYNC_VK_ROW_LANES`).
-//
-// Strategy: `rms_norm_t.wgsl`'s sum (over j in order), then each element x * inv rounded to
-// f32, as the unfused f32 norm stores it, times the weight.
-//
-// Invariant: the result is bit-identical to `rms_norm_t` followed by the f32 `Mul`.
+// RmsNorm over the last axis times a weight broadcast onto the rows, one invocation per row
+// (`rms_norm_t_body.wgsl`): the fused `RmsNorm -> Mul` a Llama block starts each half with.
 
-struct Pc {
-    // leading row dims in xyz, row length in w
-    shape: vec4<u32>,
-    d_str: vec4<u32>,
-    a_str: vec4<u32>,
-    // weight strides (0 on broadcast axes)
-    b_str: vec4<u32>,
-    // d, a, weight offsets; rows
-    offs: vec4<u32>,
-    op: vec4<u32>,
-    // f32 bits: eps
-    prm: vec4<u32>,
+// #include rms_norm_t_body.wgsl
+
+fn row_count() -> u32 {
+    return pc.offs.w;
 }
-var<immediate> pc: Pc;
 
-@compute @workgroup_size(64)
-fn main(
-    @builtin(workgroup_id) wg: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
-) {
-    let row = group_id(wg, nwg) * 64u + li;
-    if row >= pc.offs.w {
-        return;
-    }
-    let c = coord3(row, pc.shape);
-    let a0 = pc.offs.y + dot3(c, pc.a_str);
-    let w0 = pc.offs.z + dot3(c, pc.b_str);
-    let d0 = pc.offs.x + dot3(c, pc.d_str);
-    let len = pc.shape.w;
-    var s = 0.0;
-    for (var j = 0u; j < len; j++) {
-        let v = ld_a(a0 + j * pc.a_str.w);
-        s += v * v;
-    }
-    let inv = 1.0 / sqrt(s / f32(len) + bitcast<f32>(pc.prm.x));
-    for (var j = 0u; j < len; j++) {
-        let v = ld_a(a0 + j * pc.a_str.w);
-        st_d(d0 + j * pc.d_str.w, (v * inv) * ld_w(w0 + j * pc.b_str.w));
-    }
+fn weight(c: vec3<u32>, j: u32) -> f32 {
+    return ld_w(pc.offs.z + dot3(c, pc.b_str) + j * pc.b_str.w);
 }

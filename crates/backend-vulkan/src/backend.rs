@@ -111,6 +111,7 @@ impl VulkanBackend {
                 .quant_mat_mul
                 .unwrap_or(QuantMatMul::for_device(dev.cpu_type)),
             row_lanes: config.row_lanes.unwrap_or(dev.cpu_type),
+            coopmat: dev.coopmat,
         };
         let alignment = (limits.offset_align as usize).max(64);
         let state = State {
@@ -208,6 +209,12 @@ impl VulkanBackend {
     /// product over block weights then shares x through them: `mul_mat_q_s`).
     pub fn has_subgroup_shuffles(&self) -> bool {
         self.inner.dev.subgroup_shuffle && !self.inner.config.no_subgroups
+    }
+
+    /// Whether the prefill products run on cooperative matrices: `LOWSYNC_VK_COOPMAT` asked for
+    /// them and the device has what they need.
+    pub fn has_coopmat(&self) -> bool {
+        self.inner.dev.coopmat
     }
 
     /// The settings this backend was built with.

@@ -85,6 +85,13 @@ pub struct VkConfig {
     /// prompt's attention rows on "small" took a tenth of the time), off on a GPU (a row's
     /// elements walked by one thread).
     pub row_lanes: Option<bool>,
+    /// `LOWSYNC_VK_COOPMAT` (`0`, `1`): the prefill products (more than 8 rows of x, float or
+    /// block weights) run on cooperative matrices (`mul_mat_cm`, `mul_mat_qcm`: 64x64 tiles,
+    /// x and w rounded to f16, f32 accumulation) where the device has them
+    /// (`VK_KHR_cooperative_matrix`, 16x16x16 f16 with f32 accumulators, 32-lane subgroups);
+    /// elsewhere it changes nothing. Off unless asked for: not yet run on a device that has
+    /// them.
+    pub coopmat: bool,
     /// Counting or tracing hook over device entry points (tests only).
     pub entry_point_hook: Option<EntryPointHook>,
 }
@@ -188,6 +195,7 @@ impl VkConfig {
             quant_mat_mul: QuantMatMul::from_env()?,
             attn_group: device_default_flag("LOWSYNC_VK_ATTN_GROUP")?,
             row_lanes: device_default_flag("LOWSYNC_VK_ROW_LANES")?,
+            coopmat: env::flag("LOWSYNC_VK_COOPMAT", false)?,
             norm_fold: device_default_flag("LOWSYNC_VK_NORM_FOLD")?,
             attn_split: attn_split_from_env()?,
             entry_point_hook: None,
@@ -213,6 +221,7 @@ impl Default for VkConfig {
             norm_fold: None,
             attn_group: None,
             row_lanes: None,
+            coopmat: false,
             attn_split: None,
             entry_point_hook: None,
         }

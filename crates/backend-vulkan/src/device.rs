@@ -311,6 +311,10 @@ pub(crate) struct Device {
     /// Besides, shuffles, and a subgroup size from 4 to 64 that divides 64, so a 64-invocation
     /// workgroup is whole subgroups of at least four lanes (`mul_mat_q_s`).
     pub subgroup_shuffle: bool,
+    /// `LOWSYNC_VK_COOPMAT` asked for cooperative matrices and the device has them for 16x16x16
+    /// f16 x f16 + f32 in 32-lane subgroups, with what the kernels' SPIR-V declares (16-bit
+    /// storage, f16 arithmetic, the Vulkan memory model): all enabled at creation.
+    pub coopmat: bool,
     /// The device reports itself as a CPU (`VK_PHYSICAL_DEVICE_TYPE_CPU`: lavapipe, SwiftShader).
     pub cpu_type: bool,
     // Declared last: dropped after `device` is destroyed (see `Drop`).
@@ -385,6 +389,7 @@ impl Device {
                 && 64 % size == 0;
             (arith, shuffle)
         };
+        let coopmat = config.coopmat && coopmat_support(ins, pdev)?;
         let prio = [1.0f32];
         let mut qinfos = vec![vk::DeviceQueueCreateInfo::default()
             .queue_family_index(compute_family as u32)
@@ -405,11 +410,23 @@ impl Device {
         };
         let mut v12 = vk::PhysicalDeviceVulkan12Features::default()
             .timeline_semaphore(true)
-            .host_query_reset(host_query_reset);
-        let info = vk::DeviceCreateInfo::default()
+            .host_query_reset(host_query_reset)
+            .shader_float16(coopmat)
+            .vulkan_memory_model(coopmat);
+        let mut v11 = vk::PhysicalDeviceVulkan11Features::default()
+            .storage_buffer16_bit_access(coopmat)
+            .uniform_and_storage_buffer16_bit_access(coopmat);
+        let mut cm =
+            vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default().cooperative_matrix(true);
+        let extensions = [ash::khr::cooperative_matrix::NAME.as_ptr()];
+        let mut info = vk::DeviceCreateInfo::default()
             .queue_create_infos(&qinfos)
             .enabled_features(&core)
-            .push_next(&mut v12);
+            .push_next(&mut v12)
+            .push_next(&mut v11);
+        if coopmat {
+            info = info.enabled_extension_names(&extensions).push_next(&mut cm);
+        }
         // SAFETY: `info` and everything it points to outlive the call.
         let device = unsafe { ins.create_device(pdev, &info, None) }
             .map_err(|r| vk_err("vkCreateDevice", r))?;
@@ -455,6 +472,7 @@ impl Device {
             uma,
             subgroup_arith,
             subgroup_shuffle,
+            coopmat,
             "Vulkan device opened"
         );
         Ok(Device {
@@ -470,6 +488,7 @@ impl Device {
             uma,
             subgroup_arith,
             subgroup_shuffle,
+            coopmat,
             cpu_type: props.device_type == vk::PhysicalDeviceType::CPU,
             inst,
         })
@@ -478,6 +497,55 @@ impl Device {
     pub(crate) fn instance(&self) -> &ash::Instance {
         &self.inst.instance
     }
+}
+
+/// Whether `pdev` runs the cooperative-matrix prefill products (`mul_mat_cm`, `mul_mat_qcm`):
+/// `VK_KHR_cooperative_matrix` with a 16x16x16 configuration of f16 A and B, f32 C and result
+/// in subgroup scope; the features their SPIR-V needs (the extension's, `shaderFloat16`,
+/// `vulkanMemoryModel`, 16-bit storage-buffer access); and 32-lane subgroups (a workgroup of
+/// 128 invocations is the kernels' four subgroups).
+fn coopmat_support(ins: &ash::Instance, pdev: vk::PhysicalDevice) -> Result<bool> {
+    // SAFETY: queries on a physical device of this instance.
+    let exts = unsafe { ins.enumerate_device_extension_properties(pdev) }
+        .map_err(|r| vk_err("vkEnumerateDeviceExtensionProperties", r))?;
+    let has_ext = exts
+        .iter()
+        .any(|e| e.extension_name_as_c_str() == Ok(ash::khr::cooperative_matrix::NAME));
+    if !has_ext {
+        return Ok(false);
+    }
+    let cm = ash::khr::cooperative_matrix::Instance::new(entry()?, ins);
+    // SAFETY: the extension is present on this physical device (checked above).
+    let configs = unsafe { cm.get_physical_device_cooperative_matrix_properties(pdev) }
+        .map_err(|r| vk_err("vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR", r))?;
+    let f16 = vk::ComponentTypeKHR::FLOAT16;
+    let f32 = vk::ComponentTypeKHR::FLOAT32;
+    let has_config = configs.iter().any(|c| {
+        (c.m_size, c.n_size, c.k_size) == (16, 16, 16)
+            && (c.a_type, c.b_type, c.c_type, c.result_type) == (f16, f16, f32, f32)
+            && c.scope == vk::ScopeKHR::SUBGROUP
+            && c.saturating_accumulation == vk::FALSE
+    });
+    let mut cmf = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default();
+    let mut v11 = vk::PhysicalDeviceVulkan11Features::default();
+    let mut v12 = vk::PhysicalDeviceVulkan12Features::default();
+    let mut f2 = vk::PhysicalDeviceFeatures2::default()
+        .push_next(&mut cmf)
+        .push_next(&mut v11)
+        .push_next(&mut v12);
+    // SAFETY: as above; every struct chained is one this Vulkan version knows.
+    unsafe { ins.get_physical_device_features2(pdev, &mut f2) };
+    let mut sg = vk::PhysicalDeviceSubgroupProperties::default();
+    let mut p2 = vk::PhysicalDeviceProperties2::default().push_next(&mut sg);
+    // SAFETY: as above.
+    unsafe { ins.get_physical_device_properties2(pdev, &mut p2) };
+    Ok(has_config
+        && cmf.cooperative_matrix == vk::TRUE
+        && v12.shader_float16 == vk::TRUE
+        && v12.vulkan_memory_model == vk::TRUE
+        && v11.storage_buffer16_bit_access == vk::TRUE
+        && v11.uniform_and_storage_buffer16_bit_access == vk::TRUE
+        && sg.subgroup_size == 32)
 }
 
 impl Drop for Device {

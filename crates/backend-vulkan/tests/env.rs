@@ -41,6 +41,21 @@ fn bad_values_and_names_are_clear_errors() {
         "on by default"
     );
     assert!(lowsync_vulkan::VkConfig::default().record, "on by default");
+    std::env::set_var("LOWSYNC_VK_COOPMAT", "maybe");
+    assert!(matches!(
+        lowsync_vulkan::create("vulkan"),
+        Err(Error::Env {
+            var: "LOWSYNC_VK_COOPMAT",
+            ..
+        })
+    ));
+    std::env::set_var("LOWSYNC_VK_COOPMAT", "1");
+    assert!(lowsync_vulkan::VkConfig::from_env().unwrap().coopmat);
+    std::env::remove_var("LOWSYNC_VK_COOPMAT");
+    assert!(
+        !lowsync_vulkan::VkConfig::from_env().unwrap().coopmat,
+        "off unless asked for"
+    );
     std::env::set_var("LOWSYNC_VK_QV", "blocks");
     assert!(matches!(
         lowsync_vulkan::create("vulkan"),

@@ -660,6 +660,49 @@ fn suite_kernels(cfg: VkConfig) -> Vec<String> {
     vk.kernel_times().into_iter().map(|t| t.name).collect()
 }
 
+/// The float products on cooperative matrices (`LOWSYNC_VK_COOPMAT`): every MulMat case of the
+/// suite, within the f16 rounding of its operands (NMSE 1e-5) where the device has them and
+/// `mul_mat_cm` runs; where it does not (lavapipe), to the suite's own bounds with the device's
+/// own kernels.
+#[test]
+fn mul_mat_on_cooperative_matrices_matches_the_cpu_oracle() {
+    let Some(vk) = common::open(VkConfig {
+        coopmat: true,
+        profile: true,
+        ..common::config()
+    }) else {
+        return;
+    };
+    let cm = vk.has_coopmat();
+    let cpu = CpuBackend::new();
+    let mut failures = Vec::new();
+    for case in cases()
+        .into_iter()
+        .filter(|c| c.name.starts_with("mul_mat"))
+    {
+        let want = run(&cpu, &case).unwrap_or_else(|e| panic!("{}: cpu: {e}", case.name));
+        let got = match run(&vk, &case) {
+            Ok(g) => g,
+            Err(e) => {
+                failures.push(format!("{}: vulkan error: {e}", case.name));
+                continue;
+            }
+        };
+        let bound = if cm { 1e-5 } else { tolerance(case.dst.dtype) };
+        let e = nmse(&got, &want);
+        if e.is_nan() || e > bound {
+            failures.push(format!("{}: NMSE {e:.3e} > {bound:.0e}", case.name));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    let ran = vk
+        .kernel_times()
+        .iter()
+        .any(|t| t.name.starts_with("mul_mat_cm."));
+    assert_eq!(ran, cm);
+    common::assert_clean(&vk);
+}
+
 #[test]
 fn every_op_matches_the_cpu_oracle_on_mapped_memory() {
     suite(common::config());

@@ -267,6 +267,23 @@ impl Product {
 
     /// Failures of the product on `vk` against float64 and against the CPU oracle.
     fn check(&self, vk: &VulkanBackend, cpu: &CpuBackend, seed: u64) -> Option<String> {
+        // f32 accumulation in another order than float64: ~1e-13. The CPU backend's 16-bit
+        // activation blocks stay within 2.4e-4 of the range: ~1e-8; its prefill products (6 or
+        // more activation rows) may take 8-bit blocks (`LOWSYNC_CPU_PREFILL_ACT`: Q4_0, Q4_K
+        // and Q6_K by default on CPUs without AVX-512 VNNI), ~1e-5.
+        let cpu_bound = if self.m >= 6 { 1e-4 } else { 1e-6 };
+        self.check_within(vk, cpu, seed, 1e-10, cpu_bound)
+    }
+
+    /// `check` with the NMSE bounds against float64 and against the CPU oracle given.
+    fn check_within(
+        &self,
+        vk: &VulkanBackend,
+        cpu: &CpuBackend,
+        seed: u64,
+        bound64: f64,
+        cpu_bound: f64,
+    ) -> Option<String> {
         let (dt, k) = (self.dt, self.k);
         let w = blocks(dt, self.lead + self.w_rows(), k, 7 + seed);
         let mut rng = Rng(1234 + seed);
@@ -283,12 +300,7 @@ impl Product {
                 &oracle.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(),
             ),
         );
-        // f32 accumulation in another order than float64: ~1e-13. The CPU backend's 16-bit
-        // activation blocks stay within 2.4e-4 of the range: ~1e-8; its prefill products (6 or
-        // more activation rows) may take 8-bit blocks (`LOWSYNC_CPU_PREFILL_ACT`: Q4_0, Q4_K
-        // and Q6_K by default on CPUs without AVX-512 VNNI), ~1e-5.
-        let cpu_bound = if self.m >= 6 { 1e-4 } else { 1e-6 };
-        let ok = !e64.is_nan() && e64 <= 1e-10 && !ecpu.is_nan() && ecpu <= cpu_bound;
+        let ok = !e64.is_nan() && e64 <= bound64 && !ecpu.is_nan() && ecpu <= cpu_bound;
         (!ok).then(|| {
             format!(
                 "{dt} batch={} (w batched {}) m={} n={} k={k} lead={} xt={}: NMSE vs float64 \
@@ -660,6 +672,56 @@ fn rows_share_x_bit_for_bit() {
     common::assert_clean(&shared);
     common::assert_clean(&own);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The prefill products on cooperative matrices (`LOWSYNC_VK_COOPMAT`). Where the device has
+/// them, every block type's products run `mul_mat_qcm` and match float64 and the oracle within
+/// the f16 rounding of x and w (about 1e-7 of NMSE, bound 1e-5); where it does not (lavapipe),
+/// asking for them changes nothing: the device's own prefill kernels run, to their usual
+/// bounds. Rows of x and w on both sides of the 64x64 tile, an x not contiguous along k, a
+/// weight starting mid-word.
+#[test]
+fn coopmat_products_match_where_the_device_has_them() {
+    let Some(vk) = common::open(VkConfig {
+        profile: true,
+        coopmat: true,
+        ..common::config()
+    }) else {
+        return;
+    };
+    let cm = vk.has_coopmat();
+    if !cm {
+        eprintln!(
+            "{} has no cooperative matrices for the products: checking the fallback",
+            vk.device_name()
+        );
+    }
+    let (bound64, cpu_bound) = if cm { (1e-5, 1e-4) } else { (1e-10, 1e-4) };
+    let cpu = CpuBackend::new();
+    let mut failures = Vec::new();
+    for &dt in VK_QUANTS {
+        for (i, &(m, n, nb, lead, xt)) in [
+            (16, 65, 2, 1, false),
+            (70, 130, 3, 0, false),
+            (33, 64, 1, 2, true),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let p = Product::plain(dt, (m, n, nb * dt.block_size()), lead, xt);
+            failures.extend(p.check_within(&vk, &cpu, 500 + i as u64, bound64, cpu_bound));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} case(s) failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    let names: Vec<String> = vk.kernel_times().into_iter().map(|t| t.name).collect();
+    let ran = |f: &str| names.iter().any(|n| n.starts_with(&format!("{f}.")));
+    assert_eq!(ran("mul_mat_qcm"), cm, "{names:?}");
+    common::assert_clean(&vk);
 }
 
 #[test]

@@ -124,6 +124,8 @@ pub(crate) struct Limits {
     pub qmm: QuantMatMul,
     /// SoftMax takes one invocation per row (`LOWSYNC_VK_ROW_LANES`).
     pub row_lanes: bool,
+    /// The prefill products run on cooperative matrices (`LOWSYNC_VK_COOPMAT`, device support).
+    pub coopmat: bool,
 }
 
 /// An index-checking kernel's error slot: the status binding and the tag naming this node.

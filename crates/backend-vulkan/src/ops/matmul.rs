@@ -11,10 +11,11 @@
 //! Otherwise up to `MAT_VEC_MAX_M` rows use the generic matrix-vector kernel (split over k when
 //! `b` is contiguous along k), more use the 64x64 tiled kernel, or on a CPU-type device
 //! (`LOWSYNC_VK_ROW_LANES`) one invocation per result column with x shared through the
-//! subgroup (`mul_mat_s`, or `mul_mat_s1` where x's rows are not on 16 bytes). GGUF block
+//! subgroup (`mul_mat_s`, or `mul_mat_s1` where x's rows are not on 16 bytes), or with
+//! `LOWSYNC_VK_COOPMAT` on a device with cooperative matrices `mul_mat_cm`. GGUF block
 //! weights are dequantized in registers by their own kernels: the mat-vecs up to 16 rows of x
 //! (8 rows per workgroup beyond one), the prefill products beyond (`mul_mat_q_s`/`mul_mat_q`
-//! or the tiled `mul_mat_qt`, `LOWSYNC_VK_QMM`).
+//! or the tiled `mul_mat_qt`, `LOWSYNC_VK_QMM`; `mul_mat_qcm` with `LOWSYNC_VK_COOPMAT`).
 //! Batch axes of extent 1 are dropped; at most two remain, each with its
 //! broadcast ratio for either operand. The one-row mat-vec families also plan the fused pairs
 //! `crate::fusion` finds: an `_e` flavour runs the residual add or SwiGLU consuming the product
@@ -44,6 +45,9 @@ const QUANT_TILE_N: usize = 64;
 /// Rows of x per workgroup of that product (`RB` in `mul_mat_q_body.wgsl`): each weight group is
 /// decoded once for this many rows.
 const QUANT_TILE_M: usize = 32;
+/// Rows of x and of w per workgroup of the cooperative-matrix prefill products (`TM`, `TN` in
+/// `mul_mat_cm_body.wgsl`).
+const CM_TILE: usize = 64;
 /// Rows of x per workgroup of the tiled prefill product over block weights (`mul_mat_qt.wgsl`,
 /// the float product's tile).
 const QT_TILE_M: usize = 64;
@@ -189,6 +193,19 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
                 binds: vec![bdd, ba, bb],
                 push,
                 groups: [gx as u32, batches as u32, 1],
+            }]);
+        }
+    }
+    // Cooperative matrices where asked for and present (`LOWSYNC_VK_COOPMAT`): 64x64 tiles of
+    // f16 products, f32 sums.
+    if c.lim.coopmat && a.dtype == DType::F32 {
+        let (gx, gy) = (n.div_ceil(CM_TILE), m.div_ceil(CM_TILE));
+        if gx <= max[0] as usize && gy <= max[1] as usize {
+            return Ok(vec![Dispatch {
+                kernel: format!("mul_mat_cm.{suffix}"),
+                binds: vec![bdd, ba, bb],
+                push,
+                groups: [gx as u32, gy as u32, batches as u32],
             }]);
         }
     }
@@ -468,11 +485,13 @@ fn quant_mat_vec(
         0,
         c.block_bytes(b.dtype, b_sn, "row stride")?,
     ];
-    // The prefill kernels, batches in z: `rows`, 64 invocations (one per row of w) per 64 x 32
-    // tile of the result, x shared through the subgroup where shuffles allow; `tiles`, 256
+    // The prefill kernels, batches in z: on cooperative matrices where asked for and present,
+    // 128 invocations per 64 x 64 tile; else `rows`, 64 invocations (one per row of w) per 64 x
+    // 32 tile of the result, x shared through the subgroup where shuffles allow; `tiles`, 256
     // invocations per 64 x 64 tile.
     let x_vec4 = push.prm[0] == 1 && x_vec_aligned(&push, sa) && push.a_str[2].is_multiple_of(4);
     let (kernel, rows_per_tile) = match c.lim.qmm {
+        _ if c.lim.coopmat => ("mul_mat_qcm", CM_TILE),
         QuantMatMul::Rows if c.lim.shuffles && x_vec4 => ("mul_mat_q_s", QUANT_TILE_M),
         QuantMatMul::Rows => ("mul_mat_q", QUANT_TILE_M),
         QuantMatMul::Tiles => ("mul_mat_qt", QT_TILE_M),
