@@ -7,7 +7,7 @@
 
 // #include mul_mat_q_body.wgsl
 
-fn add_group(xk: u32, rows: u32) {
+fn add_group(xk: u32, rows: u32, left: u32) {
     let s4 = 4u * pc.a_str.w;
     for (var r = 0u; r < rows; r++) {
         let i = xk + r * pc.a_str.z;

@@ -11,8 +11,8 @@
 // w per workgroup, batches in z). The invocation walks k in groups of 16: it decodes its row's
 // group through the type's own `q_scale` / `q_vals` (the layout is written once, in its family
 // file) into four vec4 registers, then adds the group's dot product with each of its `RB` x
-// rows to that row's accumulator (`add_group`, which the including kernel defines: how x
-// reaches the invocations is what the two kernels differ in). No workgroup memory and no
+// rows to that row's accumulator (`mul_mat_rows.wgsl`'s walk; `add_group`, which the including
+// kernel defines: how x reaches the invocations is what the two kernels differ in). No workgroup memory and no
 // barrier: lavapipe compiles a kernel with a large workgroup array and a barrier slowly
 // (seconds to minutes per variant on a cold shader cache), these in under a second.
 //
@@ -23,29 +23,6 @@
 // offset)` as the family's contract states it. Offsets and strides of d and x count elements,
 // every offset and stride of w counts bytes (the host converts whole rows of blocks), as in the
 // mat-vecs.
-
-struct Pc {
-    // M, N, K, batch extent of axis 1
-    shape: vec4<u32>,
-    // batch strides 0/1, stride between rows of the result, between result columns
-    d_str: vec4<u32>,
-    // batch strides 0/1, stride between rows of x, along k
-    a_str: vec4<u32>,
-    // batch strides 0/1 (bytes), -, stride between rows of w (bytes)
-    b_str: vec4<u32>,
-    // d, a offsets (elements), b offset (bytes); batch count
-    offs: vec4<u32>,
-    // batch divisors: a axis 0, a axis 1, b axis 0, b axis 1
-    op: vec4<u32>,
-    // x: x is contiguous along k
-    prm: vec4<u32>,
-}
-var<immediate> pc: Pc;
-
-// Rows of w per workgroup (`QUANT_TILE_N` in `src/ops/matmul.rs`) and rows of x per
-// workgroup (`QUANT_TILE_M`).
-const BN: u32 = 64u;
-const RB: u32 = 32u;
 
 // Four consecutive values along k of x from element `i` (the branch is uniform).
 fn x4(i: u32) -> vec4<f32> {
@@ -58,40 +35,16 @@ fn x4(i: u32) -> vec4<f32> {
 
 // #include mul_mat_rows.wgsl
 
-fn prefill(wg: vec3<u32>, lx: u32) {
-    let M = pc.shape.x;
-    let N = pc.shape.y;
-    let K = pc.shape.z;
-    let b0 = wg.z / pc.shape.w;
-    let b1 = wg.z % pc.shape.w;
-    let d_base = pc.offs.x + b0 * pc.d_str.x + b1 * pc.d_str.y;
-    let a_base = pc.offs.y + (b0 / pc.op.x) * pc.a_str.x + (b1 / pc.op.y) * pc.a_str.y;
-    let b_base = pc.offs.z + (b0 / pc.op.z) * pc.b_str.x + (b1 / pc.op.w) * pc.b_str.y;
-    let n = wg.x * BN + lx;
-    let row0 = wg.y * RB;
-    // Rows of x this workgroup covers (the same for every invocation: uniform loops).
-    let rows = min(RB, M - row0);
-    let w_row = b_base + min(n, N - 1u) * pc.b_str.w;
-    let x_row0 = a_base + row0 * pc.a_str.z;
-
-    for (var r = 0u; r < RB; r++) {
-        acc[r] = 0.0;
-    }
-    for (var k0 = 0u; k0 < K; k0 += 16u) {
-        let gi = k0 / 16u;
-        let blk = w_row + (gi / GPB) * QB;
-        let sc = q_scale(blk, gi % GPB);
-        let v = q_vals(blk, gi % GPB);
-        let off = select(0.0, sc.y, Q_MIN);
-        wq[0] = sc.x * v[0] + off;
-        wq[1] = sc.x * v[1] + off;
-        wq[2] = sc.x * v[2] + off;
-        wq[3] = sc.x * v[3] + off;
-        add_group(x_row0 + k0 * pc.a_str.w, rows);
-    }
-    if n < N {
-        for (var r = 0u; r < rows; r++) {
-            st_d(d_base + (row0 + r) * pc.d_str.z + n * pc.d_str.w, acc[r]);
-        }
-    }
+// Group k0 / 16 of the row whose blocks start at byte `w_row`, decoded (`left` is 16: k is a
+// whole number of blocks).
+fn load_group(w_row: u32, k0: u32, left: u32) {
+    let gi = k0 / 16u;
+    let blk = w_row + (gi / GPB) * QB;
+    let sc = q_scale(blk, gi % GPB);
+    let v = q_vals(blk, gi % GPB);
+    let off = select(0.0, sc.y, Q_MIN);
+    wq[0] = sc.x * v[0] + off;
+    wq[1] = sc.x * v[1] + off;
+    wq[2] = sc.x * v[2] + off;
+    wq[3] = sc.x * v[3] + off;
 }

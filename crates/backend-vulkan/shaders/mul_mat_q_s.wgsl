@@ -5,8 +5,8 @@
 // #include mul_mat_q_body.wgsl
 // #include mul_mat_x_shared.wgsl
 
-fn add_group(xk: u32, rows: u32) {
-    share_group(xk, rows, 16u);
+fn add_group(xk: u32, rows: u32, left: u32) {
+    share_group(xk, rows, left);
 }
 
 fn xq(i: u32, n: u32) -> vec4<f32> {

@@ -17,30 +17,10 @@
 // strides. Columns past n read column n - 1 and store nothing. The including kernel defines
 // `xq` (`mul_mat_x_shared.wgsl`).
 
-struct Pc {
-    // M, N, K, batch extent of axis 1
-    shape: vec4<u32>,
-    // batch0, batch1, row, col strides
-    d_str: vec4<u32>,
-    // batch0, batch1, m, k strides
-    a_str: vec4<u32>,
-    // batch0, batch1, k, n strides
-    b_str: vec4<u32>,
-    // d, a, b offsets; batch count
-    offs: vec4<u32>,
-    // batch divisors: a axis 0, a axis 1, b axis 0, b axis 1
-    op: vec4<u32>,
-    prm: vec4<u32>,
-}
-var<immediate> pc: Pc;
-
-const BN: u32 = 64u;
-const RB: u32 = 32u;
-
 // #include mul_mat_rows.wgsl
 // #include mul_mat_x_shared.wgsl
 
-// b[k0 + kk] of the column at `col` (k stride `sk`), or 0 at and past `left` values.
+// b[k0 + kk] of the column at `col`, or 0 at and past `left` values.
 fn bv(col: u32, k0: u32, kk: u32, left: u32) -> f32 {
     if kk < left {
         return ld_b(col + (k0 + kk) * pc.b_str.z);
@@ -58,6 +38,17 @@ fn b4(col: u32, k0: u32, q: u32, left: u32) -> vec4<f32> {
     );
 }
 
+fn load_group(col: u32, k0: u32, left: u32) {
+    wq[0] = b4(col, k0, 0u, left);
+    wq[1] = b4(col, k0, 1u, left);
+    wq[2] = b4(col, k0, 2u, left);
+    wq[3] = b4(col, k0, 3u, left);
+}
+
+fn add_group(xk: u32, rows: u32, left: u32) {
+    share_group(xk, rows, left);
+}
+
 @compute @workgroup_size(64, 1, 1)
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
@@ -67,35 +58,5 @@ fn main(
 ) {
     lane = sl;
     sg_size = ss;
-    let M = pc.shape.x;
-    let N = pc.shape.y;
-    let K = pc.shape.z;
-    let b0 = wg.z / pc.shape.w;
-    let b1 = wg.z % pc.shape.w;
-    let d_base = pc.offs.x + b0 * pc.d_str.x + b1 * pc.d_str.y;
-    let a_base = pc.offs.y + (b0 / pc.op.x) * pc.a_str.x + (b1 / pc.op.y) * pc.a_str.y;
-    let b_base = pc.offs.z + (b0 / pc.op.z) * pc.b_str.x + (b1 / pc.op.w) * pc.b_str.y;
-    let n = wg.x * BN + lid.x;
-    let row0 = wg.y * RB;
-    // Rows of x this workgroup covers (the same for every invocation: uniform loops).
-    let rows = min(RB, M - row0);
-    let col = b_base + min(n, N - 1u) * pc.b_str.w;
-    let x_row0 = a_base + row0 * pc.a_str.z;
-
-    for (var r = 0u; r < RB; r++) {
-        acc[r] = 0.0;
-    }
-    for (var k0 = 0u; k0 < K; k0 += 16u) {
-        let left = K - k0;
-        wq[0] = b4(col, k0, 0u, left);
-        wq[1] = b4(col, k0, 1u, left);
-        wq[2] = b4(col, k0, 2u, left);
-        wq[3] = b4(col, k0, 3u, left);
-        share_group(x_row0 + k0, rows, min(16u, left));
-    }
-    if n < N {
-        for (var r = 0u; r < rows; r++) {
-            st_d(d_base + (row0 + r) * pc.d_str.z + n * pc.d_str.w, acc[r]);
-        }
-    }
+    prefill(wg, lid.x);
 }
