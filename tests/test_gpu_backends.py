@@ -430,7 +430,7 @@ def test_vulkan_attn_split_bad_value_names_the_variable(clean_env: pytest.Monkey
             ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
 
 
-def _prefill_logits(
+def _coopmat_prefill_logits(
     env: pytest.MonkeyPatch, coopmat: str, dtype: str
 ) -> tuple[np.ndarray, set[str]]:
     """The logits of every row of a 48-token prompt prefilled as one ubatch on Vulkan with
@@ -457,11 +457,11 @@ def test_vulkan_coopmat_prefill_matches_the_shader_core_products(
     (`mul_mat_cm` for the float ones, `mul_mat_qcm` over block weights) and every row's logits
     stay within the f16 rounding of the operands (1% of the largest) of the f32 products', with
     the same argmax on nearly every row. Skipped where the device has none."""
-    on, names = _prefill_logits(clean_env, "1", dtype)
+    on, names = _coopmat_prefill_logits(clean_env, "1", dtype)
     if not names & {"mul_mat_cm", "mul_mat_qcm"}:
         pytest.skip("this Vulkan device has no cooperative matrices for the products")
     assert ("mul_mat_qcm" in names) == (dtype != "f16"), names
-    off, names_off = _prefill_logits(clean_env, "0", dtype)
+    off, names_off = _coopmat_prefill_logits(clean_env, "0", dtype)
     assert not names_off & {"mul_mat_cm", "mul_mat_qcm"}
     assert np.all(np.isfinite(on))
     assert np.max(np.abs(on - off)) <= 1e-2 * np.max(np.abs(off))
