@@ -442,6 +442,35 @@ fn cases() -> Vec<Case> {
             )
         });
     }
+    // Prompt-sized writes: rows in chunks where the indices strictly increase (the last chunk
+    // partial), every row by chunk 0 where they do not (distinct but unordered, and repeated).
+    let up: Vec<i32> = (0..70).map(|j| 3 + j + j / 9).collect();
+    let shuffled: Vec<i32> = (0..40).map(|j| (j * 17) % 41).collect();
+    let repeated: Vec<i32> = (0..45).map(|j| (j * 7) % 13).collect();
+    for (what, ids) in [
+        ("increasing", up),
+        ("unordered", shuffled),
+        ("repeated", repeated),
+    ] {
+        let (dd, sd) = if what == "unordered" {
+            (F16, F32)
+        } else {
+            (F32, F32)
+        };
+        v.push(Case {
+            alias: true,
+            ..case(
+                &format!("set_rows {sd}->{dd} {} rows {what}", ids.len()),
+                Op::SetRows,
+                c(dd, &[80, 70]),
+                vec![
+                    c(dd, &[80, 70]),
+                    c(sd, &[ids.len(), 70]),
+                    ints(&[ids.len()], &ids),
+                ],
+            )
+        });
+    }
     v.push(case(
         "argmax ties and NaN",
         Op::Argmax,
@@ -746,6 +775,39 @@ fn every_op_matches_the_cpu_oracle_with_either_row_layout() {
         assert_eq!(family("mul_mat_s"), lanes && shuffles, "{names:?}");
         assert_eq!(family("mul_mat_s1"), lanes && shuffles, "{names:?}");
     }
+}
+
+/// A prompt-sized `SetRows` with two bad indices in different row chunks names the first,
+/// writes nothing, and leaves the backend usable.
+#[test]
+fn a_chunked_set_rows_reports_its_first_bad_row() {
+    let Some(vk) = common::open(common::config()) else {
+        return;
+    };
+    let mut ids: Vec<i32> = (0..70).collect();
+    ids[61] = -2;
+    ids[40] = 90;
+    let bad = Case {
+        alias: true,
+        ..case(
+            "kv write",
+            Op::SetRows,
+            c(DType::F32, &[80, 8]),
+            vec![
+                c(DType::F32, &[80, 8]),
+                c(DType::F32, &[70, 8]),
+                ints(&[70], &ids),
+            ],
+        )
+    };
+    match run(&vk, &bad) {
+        Err(Error::Kernel { msg, node, .. }) => {
+            assert_eq!(node, "kv write");
+            assert!(msg.contains("indices[40] = 90"), "{msg}");
+        }
+        other => panic!("expected a kernel error, got {other:?}"),
+    }
+    common::assert_clean(&vk);
 }
 
 #[test]

@@ -99,6 +99,9 @@ pub(super) fn get_rows(
     }])
 }
 
+/// Rows a `set_rows` workgroup writes where the indices strictly increase.
+const SET_ROWS_CHUNK: usize = 32;
+
 pub(super) fn set_rows(
     c: &Ctx,
     dst: &Res,
@@ -125,6 +128,14 @@ pub(super) fn set_rows(
     let (bd, od) = c.bind(dst, true)?;
     let (bs, os) = c.bind(src, false)?;
     let (bi, oi) = c.bind(idx, false)?;
+    // Chunks of rows along z (`shaders/set_rows.wgsl`): used where the indices turn out to
+    // strictly increase; otherwise chunk 0 writes every row.
+    let chunks = m
+        .div_ceil(SET_ROWS_CHUNK)
+        .min(c.lim.max_groups[2].max(1) as usize);
+    let rows = m.div_ceil(chunks);
+    let mut groups = c.spread(d, 64)?;
+    groups[2] = chunks as u32;
     Ok(vec![Dispatch {
         kernel: format!(
             "set_rows.d_{}.a_{}.ids_i32.status_u32",
@@ -133,7 +144,7 @@ pub(super) fn set_rows(
         ),
         binds: vec![bd, bs, bi, s.bind],
         push: Push {
-            shape: c.u4(&[n, d, m, 0], "extent")?,
+            shape: c.u4(&[n, d, m, rows], "extent")?,
             d_str: c.u4(&dst.strides, "stride")?,
             a_str: c.u4(&src.strides, "stride")?,
             b_str: c.u4(&idx.strides, "stride")?,
@@ -141,6 +152,6 @@ pub(super) fn set_rows(
             op: [s.tag, 0, 0, 0],
             ..Push::default()
         },
-        groups: c.spread(d, 64)?,
+        groups,
     }])
 }
