@@ -4,22 +4,38 @@
 
 // #include mul_mat_body.wgsl
 
-// Bs[kb * 64 + c] = b[k0 + kb, col0 + c] (0 past N or K), four elements per invocation.
-fn load_b_tile(li: u32, k0: u32, col0: u32, b_base: u32) {
-    for (var e = 0u; e < 4u; e++) {
-        let flat = li + e * 256u;
-        var c = flat % 64u;
-        var kb = flat / 64u;
-        if pc.prm.y == 1u {
-            c = flat / 16u;
-            kb = flat % 16u;
-        }
-        let gc = col0 + c;
-        let gkb = k0 + kb;
-        var vb = 0.0;
-        if gc < pc.shape.y && gkb < pc.shape.z {
-            vb = ld_b(b_base + gkb * pc.b_str.z + gc * pc.b_str.w);
-        }
-        Bs[kb * 64u + c] = vb;
+// Where element `flat` (0 .. 1024) of B's 16x64 tile sits: (column, k) in the tile.
+fn b_tile_ck(flat: u32) -> vec2<u32> {
+    if pc.prm.y == 1u {
+        return vec2<u32>(flat / 16u, flat % 16u);
     }
+    return vec2<u32>(flat % 64u, flat / 64u);
+}
+
+// Element `flat` of B's tile: b's value, 0 past N or K (as `a_tile_val`).
+fn b_tile_val(flat: u32, k0: u32, col0: u32, b_base: u32) -> f32 {
+    let ck = b_tile_ck(flat);
+    let gc = col0 + ck.x;
+    let gkb = k0 + ck.y;
+    let ok = gc < pc.shape.y && gkb < pc.shape.z;
+    let v = ld_b(select(0u, b_base + gkb * pc.b_str.z + gc * pc.b_str.w, ok));
+    return select(0.0, v, ok);
+}
+
+fn b_tile_put(flat: u32, v: f32) {
+    let ck = b_tile_ck(flat);
+    Bs[ck.y * 64u + ck.x] = v;
+}
+
+// Bs[kb * 64 + c] = b[k0 + kb, col0 + c] (0 past N or K), four elements per invocation, all
+// four loaded before any is stored.
+fn load_b_tile(li: u32, k0: u32, col0: u32, b_base: u32) {
+    let b0 = b_tile_val(li, k0, col0, b_base);
+    let b1 = b_tile_val(li + 256u, k0, col0, b_base);
+    let b2 = b_tile_val(li + 512u, k0, col0, b_base);
+    let b3 = b_tile_val(li + 768u, k0, col0, b_base);
+    b_tile_put(li, b0);
+    b_tile_put(li + 256u, b1);
+    b_tile_put(li + 512u, b2);
+    b_tile_put(li + 768u, b3);
 }

@@ -44,19 +44,38 @@ var<workgroup> As: array<f16, 2048>;
 var<workgroup> Bs: array<f16, 2048>;
 var<workgroup> Cs: array<f32, 4096>;
 
-// x's 64x32 tile at (row0, k0) into `As` [m][k], as f16; zeros outside x.
+// x's value at element `flat` (0 .. 2048) of its 64x32 tile at (row0, k0), 0 outside x (the
+// load then reads element 0 of the binding and is discarded, so no branch splits a round).
+fn a_tile_val(flat: u32, a_base: u32, row0: u32, k0: u32) -> f32 {
+    let gr = row0 + flat / TK;
+    let gk = k0 + flat % TK;
+    let ok = gr < pc.shape.x && gk < pc.shape.z;
+    let v = ld_a(select(0u, a_base + gr * pc.a_str.z + gk * pc.a_str.w, ok));
+    return select(0.0, v, ok);
+}
+
+// x's 64x32 tile at (row0, k0) into `As` [m][k], as f16; zeros outside x. Sixteen elements an
+// invocation in two rounds of eight, each round's loads written out before its stores: on the
+// H200 a loop that stores each load before the next waits for every load in turn.
 fn load_a_tile(li: u32, a_base: u32, row0: u32, k0: u32) {
-    for (var e = 0u; e < TM * TK / WG; e++) {
-        let flat = li + e * WG;
-        let r = flat / TK;
-        let kk = flat % TK;
-        let gr = row0 + r;
-        let gk = k0 + kk;
-        var v = 0.0;
-        if gr < pc.shape.x && gk < pc.shape.z {
-            v = ld_a(a_base + gr * pc.a_str.z + gk * pc.a_str.w);
-        }
-        As[r * TK + kk] = f16(v);
+    for (var e = 0u; e < TM * TK / WG; e += 8u) {
+        let f = li + e * WG;
+        let v0 = a_tile_val(f, a_base, row0, k0);
+        let v1 = a_tile_val(f + WG, a_base, row0, k0);
+        let v2 = a_tile_val(f + 2u * WG, a_base, row0, k0);
+        let v3 = a_tile_val(f + 3u * WG, a_base, row0, k0);
+        let v4 = a_tile_val(f + 4u * WG, a_base, row0, k0);
+        let v5 = a_tile_val(f + 5u * WG, a_base, row0, k0);
+        let v6 = a_tile_val(f + 6u * WG, a_base, row0, k0);
+        let v7 = a_tile_val(f + 7u * WG, a_base, row0, k0);
+        As[f] = f16(v0);
+        As[f + WG] = f16(v1);
+        As[f + 2u * WG] = f16(v2);
+        As[f + 3u * WG] = f16(v3);
+        As[f + 4u * WG] = f16(v4);
+        As[f + 5u * WG] = f16(v5);
+        As[f + 6u * WG] = f16(v6);
+        As[f + 7u * WG] = f16(v7);
     }
 }
 
