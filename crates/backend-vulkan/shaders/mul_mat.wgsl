@@ -27,15 +27,22 @@ fn b_tile_put(flat: u32, v: f32) {
     Bs[ck.y * 64u + ck.x] = v;
 }
 
-// Bs[kb * 64 + c] = b[k0 + kb, col0 + c] (0 past N or K), four elements per invocation, all
-// four loaded before any is stored.
-fn load_b_tile(li: u32, k0: u32, col0: u32, b_base: u32) {
-    let b0 = b_tile_val(li, k0, col0, b_base);
-    let b1 = b_tile_val(li + 256u, k0, col0, b_base);
-    let b2 = b_tile_val(li + 512u, k0, col0, b_base);
-    let b3 = b_tile_val(li + 768u, k0, col0, b_base);
-    b_tile_put(li, b0);
-    b_tile_put(li + 256u, b1);
-    b_tile_put(li + 512u, b2);
-    b_tile_put(li + 768u, b3);
+// This invocation's four elements of B's tile at k0: Bs[kb * 64 + c] = b[k0 + kb, col0 + c]
+// (0 past N or K), all four loaded before any is used.
+alias BTile = vec4<f32>;
+
+fn fetch_b_tile(li: u32, k0: u32, col0: u32, b_base: u32) -> BTile {
+    return vec4<f32>(
+        b_tile_val(li, k0, col0, b_base),
+        b_tile_val(li + 256u, k0, col0, b_base),
+        b_tile_val(li + 512u, k0, col0, b_base),
+        b_tile_val(li + 768u, k0, col0, b_base),
+    );
+}
+
+fn put_b_tile(li: u32, t: BTile) {
+    b_tile_put(li, t.x);
+    b_tile_put(li + 256u, t.y);
+    b_tile_put(li + 512u, t.z);
+    b_tile_put(li + 768u, t.w);
 }

@@ -2,10 +2,11 @@
 // dst[.., m, n] = sum_k a[.., m, k] * b[.., k, n] with f32 accumulation. A 16x16 workgroup
 // computes a 64x64 tile, 4x4 outputs per thread, stepping k by 16 through workgroup memory.
 // A's tile is loaded here, along whichever axis is contiguous in memory (`prm.x`); B's tile,
-// Bs[kb * 64 + c] (16 k x 64 columns), by the including kernel's `load_b_tile`. Batch axes
+// Bs[kb * 64 + c] (16 k x 64 columns), by the including kernel's `fetch_b_tile` (into a
+// `BTile` of registers) and `put_b_tile` (into `Bs`). Batch axes
 // (two, after padding) map to operand batches by division (GQA broadcast). Each step's tile
-// loads are written out, all issued before any is stored: on the H200 a load in a loop that
-// stores it before the next iteration waits for each load in turn.
+// loads are written out, all issued before any is stored (on the H200 a load in a loop that
+// stores it before the next iteration waits for each load in turn), and a step ahead.
 
 struct Pc {
     // M, N, K, batch extent of axis 1
@@ -73,19 +74,28 @@ fn main(
     for (var i = 0u; i < 16u; i++) {
         acc[i] = 0.0;
     }
+    // Each step's tiles are fetched into registers a step ahead (As[kk * 64 + r]: 64 rows x 16
+    // k, four elements an invocation; B's tile by the including kernel's `fetch_b_tile`), so
+    // their loads are in flight while the step before multiplies. The fetch past K reads
+    // zeros and is never stored.
+    var a0 = a_tile_val(li, a_base, row0, 0u);
+    var a1 = a_tile_val(li + 256u, a_base, row0, 0u);
+    var a2 = a_tile_val(li + 512u, a_base, row0, 0u);
+    var a3 = a_tile_val(li + 768u, a_base, row0, 0u);
+    var bt = fetch_b_tile(li, 0u, col0, b_base);
     for (var k0 = 0u; k0 < K; k0 += 16u) {
-        // As[kk * 64 + r]: 64 rows x 16 k, four elements an invocation, loaded before B's
-        // tile and stored after it.
-        let a0 = a_tile_val(li, a_base, row0, k0);
-        let a1 = a_tile_val(li + 256u, a_base, row0, k0);
-        let a2 = a_tile_val(li + 512u, a_base, row0, k0);
-        let a3 = a_tile_val(li + 768u, a_base, row0, k0);
-        load_b_tile(li, k0, col0, b_base);
         a_tile_put(li, a0);
         a_tile_put(li + 256u, a1);
         a_tile_put(li + 512u, a2);
         a_tile_put(li + 768u, a3);
+        put_b_tile(li, bt);
         workgroupBarrier();
+        let k1 = k0 + 16u;
+        a0 = a_tile_val(li, a_base, row0, k1);
+        a1 = a_tile_val(li + 256u, a_base, row0, k1);
+        a2 = a_tile_val(li + 512u, a_base, row0, k1);
+        a3 = a_tile_val(li + 768u, a_base, row0, k1);
+        bt = fetch_b_tile(li, k1, col0, b_base);
         for (var kk = 0u; kk < 16u; kk++) {
             var av: array<f32, 4>;
             var bv: array<f32, 4>;

@@ -7,36 +7,46 @@
 // file's rate). The float kernel's 64x64 tiles over 256 invocations fill it, and a block type
 // fits its k step: 16 elements are one group of every type.
 //
-// Strategy: for each k step, invocation c < 64 decodes group k0 / 16 of w's row col0 + c
-// (`q_scale`, `q_vals`) into column c of B's tile; the rest of the kernel is the float one.
+// Strategy: for each k step, invocation c < 64 loads group k0 / 16 of w's row col0 + c
+// (`q_scale`, `q_vals`, a step ahead) and decodes it into column c of B's tile; the rest of
+// the kernel is the float one.
 //
 // Invariants (checked by the host): w's blocks run along k (row stride and offsets in bytes,
 // `b_str.w` and `offs.z`), k a multiple of the block size.
 
 // #include mul_mat_body.wgsl
 
-fn load_b_tile(li: u32, k0: u32, col0: u32, b_base: u32) {
+// Invocation c < 64's group of w's row col0 + c at k0: the type's scale pair and 16 values
+// (`q_scale`, `q_vals`), `ok` false past N or K (the column is then zeros). Invocations from
+// 64 load nothing.
+struct BTile {
+    sc: vec2<f32>,
+    v: mat4x4<f32>,
+    ok: bool,
+}
+
+fn fetch_b_tile(li: u32, k0: u32, col0: u32, b_base: u32) -> BTile {
+    var t = BTile(vec2<f32>(), mat4x4<f32>(), false);
+    let gc = col0 + li;
+    if li < 64u && gc < pc.shape.y && k0 < pc.shape.z {
+        let blk = b_base + gc * pc.b_str.w + (k0 / QK) * QB;
+        let g = (k0 % QK) / 16u;
+        t = BTile(q_scale(blk, g), q_vals(blk, g), true);
+    }
+    return t;
+}
+
+fn put_b_tile(li: u32, t: BTile) {
     if li >= 64u {
         return;
     }
-    let gc = col0 + li;
-    if gc >= pc.shape.y {
-        for (var kb = 0u; kb < 16u; kb++) {
-            Bs[kb * 64u + li] = 0.0;
-        }
-        return;
-    }
-    let blk = b_base + gc * pc.b_str.w + (k0 / QK) * QB;
-    let g = (k0 % QK) / 16u;
-    let sc = q_scale(blk, g);
-    let v = q_vals(blk, g);
     for (var c = 0u; c < 4u; c++) {
         for (var r = 0u; r < 4u; r++) {
-            var x = sc.x * v[c][r];
+            var x = t.sc.x * t.v[c][r];
             if Q_MIN {
-                x += sc.y;
+                x += t.sc.y;
             }
-            Bs[(c * 4u + r) * 64u + li] = x;
+            Bs[(c * 4u + r) * 64u + li] = select(0.0, x, t.ok);
         }
     }
 }
