@@ -17,21 +17,20 @@
 // #include mul_mat_body.wgsl
 
 // Invocation c < 64's group of w's row col0 + c at k0: the type's scale pair and 16 values
-// (`q_scale`, `q_vals`), `ok` false past N or K (the column is then zeros). Invocations from
-// 64 load nothing.
+// (`q_scale`, `q_vals`); all zeros past N or K, so the column decodes to zeros. Invocations
+// from 64 load nothing.
 struct BTile {
     sc: vec2<f32>,
     v: mat4x4<f32>,
-    ok: bool,
 }
 
 fn fetch_b_tile(li: u32, k0: u32, col0: u32, b_base: u32) -> BTile {
-    var t = BTile(vec2<f32>(), mat4x4<f32>(), false);
+    var t = BTile(vec2<f32>(), mat4x4<f32>());
     let gc = col0 + li;
     if li < 64u && gc < pc.shape.y && k0 < pc.shape.z {
         let blk = b_base + gc * pc.b_str.w + (k0 / QK) * QB;
         let g = (k0 % QK) / 16u;
-        t = BTile(q_scale(blk, g), q_vals(blk, g), true);
+        t = BTile(q_scale(blk, g), q_vals(blk, g));
     }
     return t;
 }
@@ -46,7 +45,7 @@ fn put_b_tile(li: u32, t: BTile) {
             if Q_MIN {
                 x += t.sc.y;
             }
-            Bs[(c * 4u + r) * 64u + li] = select(0.0, x, t.ok);
+            Bs[(c * 4u + r) * 64u + li] = x;
         }
     }
 }
