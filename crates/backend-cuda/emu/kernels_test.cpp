@@ -410,6 +410,47 @@ void test_fused_gemv1() {
     }
 }
 
+// fused_gemv1_q's typed entry point for block type qt (`fused_gemv1_q4_0` ...), or null
+// where the type has none.
+using FqKernel = void (*)(i64, const float*, FgSet, const float*, float, void*, int, const void*, int, int, int);
+FqKernel fq_typed(int qt) {
+    switch (qt) {
+        case DT_Q4_0: return fused_gemv1_q4_0;
+        case DT_Q8_0: return fused_gemv1_q8_0;
+        case DT_Q4_K: return fused_gemv1_q4_k;
+        case DT_Q6_K: return fused_gemv1_q6_k;
+        default: return nullptr;
+    }
+}
+
+// The bytes of the buffers a kernel writes, taken before the generic kernel's launch; `typed`
+// then puts them back, runs the typed entry point (`run(kernel)`) where the segments' one block
+// type has one, and checks that it wrote every buffer to the generic kernel's bytes.
+struct TypedCheck {
+    std::vector<Buf*> outs;
+    std::vector<std::vector<unsigned char>> start;
+    explicit TypedCheck(std::vector<Buf*> o) : outs(std::move(o)) {
+        for (Buf* b : outs) start.push_back(Producer::bytes(b));
+    }
+    template <class Run>
+    void typed(const std::string& tag, int qt, Run run) {
+        const FqKernel k = fq_typed(qt);
+        if (!k) return;
+        std::vector<std::vector<unsigned char>> want;
+        for (size_t i = 0; i < outs.size(); ++i) {
+            want.push_back(Producer::bytes(outs[i]));
+            memcpy(outs[i]->p(), start[i].data(), start[i].size());
+        }
+        run(k);
+        for (size_t i = 0; i < outs.size(); ++i) {
+            if (Producer::bytes(outs[i]) != want[i]) {
+                ++fails;
+                printf("FAIL %s: the typed entry point wrote buffer %zu differently\n", tag.c_str(), i);
+            }
+        }
+    }
+};
+
 // Decode's row-pair mode (pair 2): one unit is columns j, j + 1 of one segment. Segments as a
 // layer's attention inputs: q (hq heads of hd dims, Rope only), k (one head, Rope and a cache
 // row), v (one head, cache row only); each with or without a broadcast bias Add (`add`, a
@@ -432,7 +473,9 @@ const int q_sets[][3] = {{0, 0, 0},
                          {DT_Q4_K, DT_Q4_K, DT_Q6_K},
                          {DT_Q8_0, DT_Q5_1, DT_IQ4_NL},
                          {DT_Q3_K, DT_IQ4_XS, DT_Q2_K},
-                         {DT_Q4_0, DT_Q5_K, DT_Q4_1}};
+                         {DT_Q4_0, DT_Q5_K, DT_Q4_1},
+                         {DT_Q4_0, DT_Q4_0, DT_Q4_0},
+                         {DT_Q6_K, DT_Q6_K, DT_Q6_K}};
 
 // One block type's cases from quant_cases.txt: blocks and gguf-py's values of them.
 struct QCase {
@@ -681,11 +724,19 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
         }
     }
     const i64 units = (n[0] + n[1] + n[2]) / 2;
-    if (q) {
+    std::vector<Buf*> written = {&a, &nd};
+    for (auto* set : {out, sum, r, cache})
+        for (int s = 0; s < 3; ++s)
+            if (set[s]) written.push_back(set[s].get());
+    TypedCheck typed(written);
+    auto run_q = [&](FqKernel kernel) {
         launch(own ? (unsigned)((units + 7) / 8) : 2u, 256, [&] {
-            fused_gemv1_q(K, (const float*)a.p(), S, c.norm ? (const float*)x.p() : nullptr, 1e-5f, nd.p(), DT_F32,
-                          nw.p(), DT_F32, q16, 1);
+            kernel(K, (const float*)a.p(), S, c.norm ? (const float*)x.p() : nullptr, 1e-5f, nd.p(), DT_F32, nw.p(),
+                   DT_F32, q16, 1);
         });
+    };
+    if (q) {
+        run_q(fused_gemv1_q);
     } else launch((unsigned)((units + 7) / 8), 256, [&] {
         // stream 1: row pairs are never streamed (the whole grid is launched).
         auto* kernel = !own ? fused_gemv1_pair
@@ -730,6 +781,9 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
     // With q16 the products' references take the quantized row: the kernel's own f32 row where
     // it was written (its norm product), else the row rounded to f32.
     std::vector<double> ref = act;
+    // Where the row was not written, the reference quantizes the float64 norm rounded to f32,
+    // which can differ from the kernel's f32 norm by an ulp, and so a q16 value by one step.
+    const double tight = q16 && c.norm && !c.wnorm ? 1e-8 : 1e-10;
     if (q16) {
         std::vector<float> row(K);
         for (i64 k = 0; k < K; ++k) row[k] = c.norm && c.wnorm ? a.get(k) : (float)act[k];
@@ -776,9 +830,9 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
             if (has_add && ((c.wsum >> s) & 1)) wsum_v[j] = val[j];
         }
         const std::vector<double> gout = got_of(*out[s]), gsum = has_add ? got_of(*sum[s]) : gout;
-        check(st + " product", wout_v, gout, 1e-10);
+        check(st + " product", wout_v, gout, tight);
         if (q16) check(st + " product against the unquantized row", raw, gout, q_raw_bound(q16));
-        if (has_add) check(st + " add", wsum_v, gsum, rounded_chain ? 1e-6 : 1e-10);
+        if (has_add) check(st + " add", wsum_v, gsum, rounded_chain ? 1e-6 : tight);
         // Exactly: each stored value is its source as stored, added to / rounded as the unfused
         // chain's next node reads it back (`src`: what the cache row holds, where it is stored).
         std::vector<double> src(n[s], NAN), want_sum, got_sum;
@@ -800,7 +854,7 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
             }
             rounded_chain |= c.r_dt != DT_F32;
             const std::vector<double> grope = got_of(*r[s]);
-            check(st + " rope", wr, grope, rounded_chain ? 1e-6 : 1e-10);
+            check(st + " rope", wr, grope, rounded_chain ? 1e-6 : tight);
             // The Rope of the value as stored (where it is): no rounding flips before it.
             std::vector<double> wsr(n[s]), gsr(grope.begin(), grope.begin() + n[s]);
             for (i64 j = 0; j < n[s]; j += 2) rope(src, j, wsr[j], wsr[j + 1]);
@@ -827,7 +881,7 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
                 }
             }
             rounded_chain |= c.c_dt != DT_F32;
-            if (ok) check(st + " cache row", wrow, grow, rounded_chain ? 1e-6 : 1e-10);
+            if (ok) check(st + " cache row", wrow, grow, rounded_chain ? 1e-6 : tight);
             check(st + " cache row of the stored value", wsrc, gsrc, 0);
             check(st + " cache rest", wrest, grest, 0);
         }
@@ -836,6 +890,15 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
     if (err != want_err) {
         ++fails;
         printf("FAIL %s: error word %u, want %u\n", tag.c_str(), err, want_err);
+    }
+    const int* qs = q_sets[c.qset];
+    if (q && q16 == 1 && qs[0] == qs[1] && qs[1] == qs[2]) {
+        err = 0;
+        typed.typed(tag + " typed", qs[0], run_q);
+        if (err != want_err) {
+            ++fails;
+            printf("FAIL %s typed: error word %u, want %u\n", tag.c_str(), err, want_err);
+        }
     }
 }
 
@@ -2368,6 +2431,9 @@ void test_fused_gemv1_q() {
         {{DT_Q2_K, DT_Q3_K, DT_Q5_K}, 2304, 0, 1}, {{DT_Q4_1, DT_Q5_0, DT_Q5_1}, 96, 0, 0},
         {{DT_IQ4_NL, DT_Q8_0, DT_Q4_0}, 1056, 0, 1}, {{DT_Q4_K, DT_Q6_K, 0}, 512, 1, 1},
         {{DT_Q8_0, DT_Q4_0, 0}, 96, 1, 0},          {{DT_Q5_K, DT_Q5_K, 0}, 1280, 1, 1},
+        // One block type throughout: the typed entry points too (q16), bit for bit.
+        {{DT_Q4_0, DT_Q4_0, DT_Q4_0}, 1056, 0, 1},  {{DT_Q8_0, DT_Q8_0, 0}, 96, 1, 0},
+        {{DT_Q4_K, DT_Q4_K, DT_Q4_K}, 2304, 0, 0},  {{DT_Q6_K, DT_Q6_K, 0}, 768, 1, 1},
     };
     for (const Case& c : cases)
         for (int grid : {0, 1, 3})
@@ -2391,11 +2457,17 @@ void test_fused_gemv1_q() {
             for (auto& b : P.sum) res.push_back(b.get());
             if (c.pair) res.push_back(P.sw.get());
             res.push_back(&nd);
+            std::vector<Buf*> written = res;
+            if (c.norm) written.push_back(&a);
+            TypedCheck typed(written);
             Producer prod({c.norm ? &x : &a}, res);
-            launch(grid ? (unsigned)grid : (unsigned)((P.units() + 7) / 8), 256, [&] {
-                fused_gemv1_q(K, (const float*)a.p(), P.S, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
-                              c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32, q16, grid == 3 ? 3 : 1);
-            });
+            auto run = [&](FqKernel kernel) {
+                launch(grid ? (unsigned)grid : (unsigned)((P.units() + 7) / 8), 256, [&] {
+                    kernel(K, (const float*)a.p(), P.S, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
+                           c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32, q16, grid == 3 ? 3 : 1);
+                });
+            };
+            run(fused_gemv1_q);
             std::string tag = "fused_gemv1_q K " + std::to_string(K) + " pair " + std::to_string(c.pair) + " norm " +
                               std::to_string(c.norm) + " grid " + std::to_string(grid) + " qm " +
                               std::to_string(q16) + " types";
@@ -2428,6 +2500,8 @@ void test_fused_gemv1_q() {
             const std::vector<double> deq = q_values(row, q16);
             P.check_all(tag, K, [&](i64, i64 k) { return deq[k]; });
             P.check_all(tag + " (unquantized row)", K, [&](i64, i64 k) { return act[k]; }, q_raw_bound(q16));
+            const bool one_type = std::all_of(c.qt.begin(), c.qt.begin() + P.nseg, [&](int t) { return t == c.qt[0]; });
+            if (q16 == 1 && one_type) typed.typed(tag + " typed", c.qt[0], run);
         }
 }
 
@@ -2455,9 +2529,28 @@ void test_fused_gemv1_q_head() {
             g.o_rs = d.n;
             g.o_cs = 1;
             g.wout = 1;
-            launch(grid ? (unsigned)grid : (unsigned)((d.n + 7) / 8), 256, [&] {
-                fused_gemv1_q(K, (const float*)a.p(), S, nullptr, 1e-5f, nullptr, DT_F32, nullptr, DT_F32, q16, 1);
-            });
+            TypedCheck typed({&d});
+            const u64 key0 = *key;
+            auto run = [&](FqKernel kernel) {
+                launch(grid ? (unsigned)grid : (unsigned)((d.n + 7) / 8), 256, [&] {
+                    kernel(K, (const float*)a.p(), S, nullptr, 1e-5f, nullptr, DT_F32, nullptr, DT_F32, q16, 1);
+                });
+            };
+            run(fused_gemv1_q);
+            if (q16 == 1) {
+                // The typed entry point from the same start: the same logits and the same word.
+                const u64 want = *key;
+                typed.typed("fused_gemv1_q head " + c.name + " grid " + std::to_string(grid) + " typed", c.qt,
+                            [&](FqKernel kernel) {
+                                *key = key0;
+                                run(kernel);
+                            });
+                if (*key != want) {
+                    ++fails;
+                    printf("FAIL fused_gemv1_q head %s typed: argmax word %llu, want %llu\n", c.name.c_str(),
+                           (unsigned long long)*key, (unsigned long long)want);
+                }
+            }
         };
         head_rounds(c, q16, head, [&](int round, Buf& d, Buf& ref, int am, i64 best, u64 key) {
             std::vector<double> got(d.n), want(d.n);
@@ -2483,6 +2576,9 @@ void test_fused_gemv1_q_rowpair() {
         {F32, 256, 16, 8, 3, 5, F16, F16, BF16, 0, 7, 6, 1, 1, 1, 5, 500000.0, 2},
         {F32, 768, 20, 10, 3, 0, F32, F32, F32, 1, 6, 7, 0, 2, 1, 70, 10000.0, 3},
         {F32, 1024, 64, 32, 2, 2, F32, F16, F16, 1, 0, 0, 0, 0, 1, 4095, 10000.0, 4},
+        // One block type for q, k and v: the typed entry points too (q16), bit for bit.
+        {F32, 512, 64, 64, 2, 7, F32, F32, F16, 1, 7, 7, 1, 1, 1, 37, 10000.0, 5},
+        {F32, 1024, 32, 32, 2, 1, F32, F16, F16, 0, 7, 7, 0, 0, 1, 300, 10000.0, 6},
     };
     for (const RpCase& c : cases)
         for (bool own : {true, false})

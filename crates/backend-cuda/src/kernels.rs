@@ -119,6 +119,11 @@ pub(crate) enum Kernel {
     FusedGemv1Rp32,
     /// Decode's fused products on quantized weights (every pair mode; fusion/gemv.cu).
     FusedGemv1Q,
+    /// `fused_gemv1_q` on q16 records for sets of one block type, per type (`TYPED_Q`).
+    FusedGemv1Q40,
+    FusedGemv1Q80,
+    FusedGemv1Q4K,
+    FusedGemv1Q6K,
     /// The sampler's penalties (`Op::Penalize`), one block per row.
     Penalize,
     /// The sampler's draw (`Op::Sample`), one block per row.
@@ -137,7 +142,7 @@ pub(crate) enum Kernel {
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 49] = [
+    pub(crate) const ALL: [Kernel; 53] = [
         Kernel::EwUnary,
         Kernel::SmallCopy,
         Kernel::CopyBatch,
@@ -180,6 +185,10 @@ impl Kernel {
         Kernel::FusedGemv1Rpb16,
         Kernel::FusedGemv1Rp32,
         Kernel::FusedGemv1Q,
+        Kernel::FusedGemv1Q40,
+        Kernel::FusedGemv1Q80,
+        Kernel::FusedGemv1Q4K,
+        Kernel::FusedGemv1Q6K,
         Kernel::Penalize,
         Kernel::Sample,
         Kernel::GetRowsQ,
@@ -208,6 +217,23 @@ impl Kernel {
         Kernel::FusedGemv1Rpb16,
         Kernel::FusedGemv1Rp32,
     ];
+
+    /// `fused_gemv1_q`'s typed entry points, by block type code (quant.cuh's `DT_*`): the types
+    /// whose 32-value piece is one run of loads (`iq32`).
+    pub(crate) const TYPED_Q: [(i32, Kernel); 4] = [
+        (4, Kernel::FusedGemv1Q40),
+        (8, Kernel::FusedGemv1Q80),
+        (11, Kernel::FusedGemv1Q4K),
+        (13, Kernel::FusedGemv1Q6K),
+    ];
+
+    /// The typed entry point for weights of block type code `qt`, if it has one.
+    pub(crate) fn typed_q(qt: i64) -> Option<Kernel> {
+        Self::TYPED_Q
+            .iter()
+            .find(|(code, _)| i64::from(*code) == qt)
+            .map(|(_, k)| *k)
+    }
 
     /// The kernel of a per-dtype list (`STREAMED`, `GATE_UP`, `ROW_PAIRS`) for weights of
     /// dtype `d`; none for integer weights.
@@ -253,7 +279,11 @@ impl Kernel {
             | Kernel::FusedGemv1Rp16
             | Kernel::FusedGemv1Rpb16
             | Kernel::FusedGemv1Rp32
-            | Kernel::FusedGemv1Q => "fused_gemv",
+            | Kernel::FusedGemv1Q
+            | Kernel::FusedGemv1Q40
+            | Kernel::FusedGemv1Q80
+            | Kernel::FusedGemv1Q4K
+            | Kernel::FusedGemv1Q6K => "fused_gemv",
             Kernel::RopeRows => "fused_rope_rows",
             Kernel::AttnDecode
             | Kernel::AttnFast
@@ -308,6 +338,10 @@ impl Kernel {
             Kernel::FusedGemv1Rpb16 => "fused_gemv1_rpb16",
             Kernel::FusedGemv1Rp32 => "fused_gemv1_rp32",
             Kernel::FusedGemv1Q => "fused_gemv1_q",
+            Kernel::FusedGemv1Q40 => "fused_gemv1_q4_0",
+            Kernel::FusedGemv1Q80 => "fused_gemv1_q8_0",
+            Kernel::FusedGemv1Q4K => "fused_gemv1_q4_k",
+            Kernel::FusedGemv1Q6K => "fused_gemv1_q6_k",
             Kernel::FusedGemv1 => "fused_gemv1",
             Kernel::FusedGemv1Pair => "fused_gemv1_pair",
             Kernel::FusedGemv1S16 => "fused_gemv1_s16",

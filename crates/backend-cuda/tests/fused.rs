@@ -1011,6 +1011,42 @@ fn a_quantized_decode_layer_gives_the_same_results_with_either_qdot() {
     }
 }
 
+/// The quantized layer through `fused_gemv1_q`'s typed entry points (`gemv_q_typed=1`, the
+/// default) and through the generic kernel (`=0`): the same launches and the same bits, for a
+/// layer of one block type per typed entry point and for Q4_K_M's mix (its q/k and gate/up
+/// groups typed, the groups holding Q6_K beside Q4_K generic).
+#[test]
+#[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn a_quantized_decode_layer_gives_the_same_bits_through_the_typed_kernels() {
+    let mut rng = Rng::new(43);
+    for wdt in [
+        [DType::Q4_0, DType::Q4_0],
+        [DType::Q8_0, DType::Q8_0],
+        [DType::Q4_K, DType::Q4_K],
+        [DType::Q6_K, DType::Q6_K],
+        [DType::Q4_K, DType::Q6_K],
+    ] {
+        let (c, outs) = layer(&mut rng, true, wdt, DType::F16);
+        let test = format!("layer weights {} {} typed", wdt[0], wdt[1]);
+        let tuned = |tune: &str| {
+            let cfg = CudaConfig::default().with_tune(tune).expect("a valid tune");
+            on_gpu_cfg(&test, &c, cfg)
+        };
+        let (typed, n_typed) = tuned("gemv_q_typed=1");
+        let (generic, n_generic) = tuned("gemv_q_typed=0");
+        assert_eq!(n_typed, n_generic, "{test}: launches");
+        for (name, t) in &outs {
+            let (a, b) = (values(&typed, t), values(&generic, t));
+            let same =
+                a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(
+                same,
+                "{test}: {name} differs between the typed and the generic kernel"
+            );
+        }
+    }
+}
+
 /// The quantized layer with `qdot=q8` (8-bit activation blocks, dp4a): the same launches as
 /// `q16`, and every result within 1e-2 NMSE of the oracle (which quantizes activations to 16
 /// bits: 8-bit blocks move a product by 1e-5 to 4e-3 NMSE on random rows in the emulation,

@@ -731,6 +731,17 @@ __device__ __noinline__ float fq_row(int qt, const u8* w, int K, const float* xr
     return acc;
 }
 
+// `fq_row` on q16 records for one block type known when compiling: the same pieces, sums and
+// butterfly (so the same bits), inlined into the typed entry points' unit loop instead of
+// called through the switch over arithmetics and types.
+template <int QT>
+__device__ __forceinline__ float fq_row16(const u8* w, int K, const u8* xq, int lane) {
+    float acc = fq_dot16<QT>(w, K, xq, lane);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    return acc;
+}
+
 // Re-lays the staged row (every thread takes part) for `fq_dot`: float4 t of chunk c (16
 // values) moves to slot t ^ ((c >> 1) & 3) of the chunk, so the eight lanes of one 16-byte
 // shared-memory access (chunks c .. c + 7, the same t) hit eight distinct bank groups; in the
@@ -799,7 +810,9 @@ __device__ __forceinline__ void fq_prefetch(const FgSet& S, int u, int K, int la
     }
 }
 
-template <int NC>
+// QT: 0 for any block type per segment and any arithmetic `qm` (`fq_row`); a block type for
+// the typed entry points, whose segments all hold that type and whose `qm` is 1 (q16).
+template <int NC, int QT>
 __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, float* xs,
                                          const float* nx, float eps, void* nd, int dtn,
                                          const void* nw, int dtnw, int qm, int pf) {
@@ -818,9 +831,9 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     } else {
         stage_row(xs, a, K, false);
     }
-    if (qm == 2) {
+    if (QT == 0 && qm == 2) {
         fq_quantize<true>(xs, K);
-    } else if (qm) {
+    } else if (QT != 0 || qm) {
         fq_quantize<false>(xs, K);
     } else {
         fq_swizzle(xs, K);
@@ -837,7 +850,8 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         float acc[NC];
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
-            acc[c] = fq_row((int)S.seg[pair1 ? c : s].qt, (const u8*)wr[c], K, xs, lane, qm);
+            acc[c] = QT ? fq_row16<QT>((const u8*)wr[c], K, (const u8*)xs, lane)
+                        : fq_row((int)S.seg[pair1 ? c : s].qt, (const u8*)wr[c], K, xs, lane, qm);
         }
         if (lane == 0) {
             if (NC == 2 && S.pair == 2) {
@@ -880,11 +894,33 @@ extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q(i64 K
     extern __shared__ float4 fg1_smem[];
     float* xs = (float*)fg1_smem;
     if (S.pair) {
-        fq1_body<2>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);
+        fq1_body<2, 0>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);
     } else {
-        fq1_body<1>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);
+        fq1_body<1, 0>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);
     }
 }
+
+// `fused_gemv1_q` for sets whose segments all hold one block type, on q16 records (`qm` must
+// be 1): the decode products of a file quantized to one type (and most groups of a mixed one)
+// run one type's code, inlined, with no call or switch per weight row. The products are those
+// of `fused_gemv1_q` bit for bit. One entry point per type that has a one-load piece (`iq32`).
+#define FQ1_PARAMS                                                                            \
+    i64 K, const float *a, FgSet S, const float *nx, float eps, void *nd, int dtn, const void *nw, \
+        int dtnw, int qm, int pf
+#define FQ_TYPED(QT)                                                                   \
+    extern __shared__ float4 fg1_smem[];                                               \
+    float* xs = (float*)fg1_smem;                                                      \
+    if (S.pair) {                                                                      \
+        fq1_body<2, QT>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);         \
+    } else {                                                                           \
+        fq1_body<1, QT>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);         \
+    }
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q4_0(FQ1_PARAMS) { FQ_TYPED(DT_Q4_0) }
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q8_0(FQ1_PARAMS) { FQ_TYPED(DT_Q8_0) }
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q4_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K) }
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q6_K) }
+#undef FQ_TYPED
+#undef FQ1_PARAMS
 
 #define FG_DISPATCH(MT)                                                                   \
     if (S.pair) {                                                                         \

@@ -459,15 +459,28 @@ fn launch_fq(
     // The integer paths quantize the staged row in place (q16: 2.5 bytes a value in its 4,
     // q8: 1.5): the same shared memory every way.
     let qm = exec.inner.cfg.qdot.kernel_mode();
+    let kernel = typed_kernel(&set, qm, exec.inner.cfg.q_typed).unwrap_or(Kernel::FusedGemv1Q);
     let args = norm_tail(args, pro).arg(qm).arg(q_prefetch_flags(exec));
     exec.launch_shared(
         node,
-        Kernel::FusedGemv1Q,
+        kernel,
         blocks,
         (matmul::GEMV1_WARPS * 32) as u32,
         (k * 4) as u32,
         args,
     )
+}
+
+/// `fused_gemv1_q`'s typed entry point for `set` (`CudaConfig::q_typed`): where every segment
+/// holds one block type that has one and the arithmetic is q16 (`qm` 1), the only one the
+/// typed entry points have.
+fn typed_kernel(set: &FgSet, qm: i32, on: bool) -> Option<Kernel> {
+    let segs = &set.seg[..usize::try_from(set.nseg).ok()?];
+    let qt = segs.first()?.qt;
+    if !on || qm != 1 || segs.iter().any(|g| g.qt != qt) {
+        return None;
+    }
+    Kernel::typed_q(qt)
 }
 
 /// `fused_gemv1_q`'s `pf` argument: bit 0 `CudaConfig::q_prefetch`, bit 1 `q_ahead` off.
