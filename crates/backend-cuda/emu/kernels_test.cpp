@@ -424,8 +424,9 @@ FqKernel fq_typed(int qt) {
 }
 
 // The bytes of the buffers a kernel writes, taken before the generic kernel's launch; `typed`
-// then puts them back, runs the typed entry point (`run(kernel)`) where the segments' one block
-// type has one, and checks that it wrote every buffer to the generic kernel's bytes.
+// then, where the segments' one block type has a typed entry point, puts them back and runs it
+// (`run(kernel, pf)`: `pf` bit 2 set or not, a unit's rows interleaved or one after the other)
+// and checks that it wrote every buffer to the generic kernel's bytes, each way.
 struct TypedCheck {
     std::vector<Buf*> outs;
     std::vector<std::vector<unsigned char>> start;
@@ -437,15 +438,15 @@ struct TypedCheck {
         const FqKernel k = fq_typed(qt);
         if (!k) return;
         std::vector<std::vector<unsigned char>> want;
-        for (size_t i = 0; i < outs.size(); ++i) {
-            want.push_back(Producer::bytes(outs[i]));
-            memcpy(outs[i]->p(), start[i].data(), start[i].size());
-        }
-        run(k);
-        for (size_t i = 0; i < outs.size(); ++i) {
-            if (Producer::bytes(outs[i]) != want[i]) {
-                ++fails;
-                printf("FAIL %s: the typed entry point wrote buffer %zu differently\n", tag.c_str(), i);
+        for (Buf* b : outs) want.push_back(Producer::bytes(b));
+        for (int pf : {0, 4}) {
+            for (size_t i = 0; i < outs.size(); ++i) memcpy(outs[i]->p(), start[i].data(), start[i].size());
+            run(k, pf);
+            for (size_t i = 0; i < outs.size(); ++i) {
+                if (Producer::bytes(outs[i]) != want[i]) {
+                    ++fails;
+                    printf("FAIL %s pf %d: the typed entry point wrote buffer %zu differently\n", tag.c_str(), pf, i);
+                }
             }
         }
     }
@@ -729,14 +730,14 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
         for (int s = 0; s < 3; ++s)
             if (set[s]) written.push_back(set[s].get());
     TypedCheck typed(written);
-    auto run_q = [&](FqKernel kernel) {
+    auto run_q = [&](FqKernel kernel, int pf) {
         launch(own ? (unsigned)((units + 7) / 8) : 2u, 256, [&] {
             kernel(K, (const float*)a.p(), S, c.norm ? (const float*)x.p() : nullptr, 1e-5f, nd.p(), DT_F32, nw.p(),
-                   DT_F32, q16, 1);
+                   DT_F32, q16, 1 | pf);
         });
     };
     if (q) {
-        run_q(fused_gemv1_q);
+        run_q(fused_gemv1_q, 0);
     } else launch((unsigned)((units + 7) / 8), 256, [&] {
         // stream 1: row pairs are never streamed (the whole grid is launched).
         auto* kernel = !own ? fused_gemv1_pair
@@ -893,8 +894,10 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
     }
     const int* qs = q_sets[c.qset];
     if (q && q16 == 1 && qs[0] == qs[1] && qs[1] == qs[2]) {
-        err = 0;
-        typed.typed(tag + " typed", qs[0], run_q);
+        typed.typed(tag + " typed", qs[0], [&](FqKernel kernel, int pf) {
+            err = 0;
+            run_q(kernel, pf);
+        });
         if (err != want_err) {
             ++fails;
             printf("FAIL %s typed: error word %u, want %u\n", tag.c_str(), err, want_err);
@@ -2461,13 +2464,13 @@ void test_fused_gemv1_q() {
             if (c.norm) written.push_back(&a);
             TypedCheck typed(written);
             Producer prod({c.norm ? &x : &a}, res);
-            auto run = [&](FqKernel kernel) {
+            auto run = [&](FqKernel kernel, int pf) {
                 launch(grid ? (unsigned)grid : (unsigned)((P.units() + 7) / 8), 256, [&] {
                     kernel(K, (const float*)a.p(), P.S, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
-                           c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32, q16, grid == 3 ? 3 : 1);
+                           c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32, q16, (grid == 3 ? 3 : 1) | pf);
                 });
             };
-            run(fused_gemv1_q);
+            run(fused_gemv1_q, 0);
             std::string tag = "fused_gemv1_q K " + std::to_string(K) + " pair " + std::to_string(c.pair) + " norm " +
                               std::to_string(c.norm) + " grid " + std::to_string(grid) + " qm " +
                               std::to_string(q16) + " types";
@@ -2531,19 +2534,19 @@ void test_fused_gemv1_q_head() {
             g.wout = 1;
             TypedCheck typed({&d});
             const u64 key0 = *key;
-            auto run = [&](FqKernel kernel) {
+            auto run = [&](FqKernel kernel, int pf) {
                 launch(grid ? (unsigned)grid : (unsigned)((d.n + 7) / 8), 256, [&] {
-                    kernel(K, (const float*)a.p(), S, nullptr, 1e-5f, nullptr, DT_F32, nullptr, DT_F32, q16, 1);
+                    kernel(K, (const float*)a.p(), S, nullptr, 1e-5f, nullptr, DT_F32, nullptr, DT_F32, q16, 1 | pf);
                 });
             };
-            run(fused_gemv1_q);
+            run(fused_gemv1_q, 0);
             if (q16 == 1) {
                 // The typed entry point from the same start: the same logits and the same word.
                 const u64 want = *key;
                 typed.typed("fused_gemv1_q head " + c.name + " grid " + std::to_string(grid) + " typed", c.qt,
-                            [&](FqKernel kernel) {
+                            [&](FqKernel kernel, int pf) {
                                 *key = key0;
-                                run(kernel);
+                                run(kernel, pf);
                             });
                 if (*key != want) {
                     ++fails;

@@ -120,6 +120,12 @@ pub struct CudaConfig {
     /// call and a switch over types and arithmetics per weight row, in 40-59 registers instead
     /// of 70 (NVRTC 13.0, sm_90). Not yet timed on a GPU.
     pub q_typed: bool,
+    /// In the typed entry points, a unit's two weight rows (gate and up, a row pair of q/k/v)
+    /// have their loads issued together before either row's products (tune key
+    /// `gemv_q_interleave`, default on), twice the bytes a warp has in flight; off takes them
+    /// one row after the other, as the generic kernel does. The same bits either way. Not yet
+    /// timed on a GPU.
+    pub q_interleave: bool,
     /// Decode's head on a quantized weight, with its argmax, runs as the other quantized
     /// products do (`fused_gemv1_q` with the argmax folded in; tune key `gemv_q_head`, default
     /// on); off takes `mul_mat_vec_q_argmax`.
@@ -221,6 +227,7 @@ impl Default for CudaConfig {
             q_prefetch: false,
             q_ahead: true,
             q_typed: true,
+            q_interleave: true,
             q_head: true,
             stream_pad_kb: None,
             copy_kernel_max: 4096,
@@ -246,7 +253,8 @@ const MAX_STREAM_BLOCKS: u64 = 32;
 /// What `LOWSYNC_CUDA_TUNE` takes, for an unknown key or an item without `=`.
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
      attn_split, rehearse, rehearse_list, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, \
-     gemv_q_prefetch, gemv_q_ahead, gemv_q_head, gemv_q_typed, gemv_pad_kb, copy_kernel, \
+     gemv_q_prefetch, gemv_q_ahead, gemv_q_head, gemv_q_typed, \
+     gemv_q_interleave, gemv_pad_kb, copy_kernel, \
      read_kernel, mmv_max_m, qdot (see docs/tuning.md)";
 
 impl CudaConfig {
@@ -271,7 +279,8 @@ impl CudaConfig {
     /// comma-separated `key=value` items, whitespace around each ignored, empty items skipped,
     /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`,
     /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `gemv_q_prefetch`,
-    /// `gemv_q_ahead`, `gemv_q_head`, `gemv_q_typed`, `rehearse_list`, `read_kernel`
+    /// `gemv_q_ahead`, `gemv_q_head`, `gemv_q_typed`, `gemv_q_interleave`, `rehearse_list`,
+    /// `read_kernel`
     /// (0 or 1);
     /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` and `gemv_q_blocks` (1
     /// or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
@@ -313,6 +322,9 @@ impl CudaConfig {
                 }
                 "gemv_q_head" => self.q_head = flag("gemv_q_head=0 or gemv_q_head=1")?,
                 "gemv_q_typed" => self.q_typed = flag("gemv_q_typed=0 or gemv_q_typed=1")?,
+                "gemv_q_interleave" => {
+                    self.q_interleave = flag("gemv_q_interleave=0 or gemv_q_interleave=1")?
+                }
                 "gemv_q_ahead" => self.q_ahead = flag("gemv_q_ahead=0 or gemv_q_ahead=1")?,
                 "rehearse_list" => self.rehearse_list = flag("rehearse_list=0 or rehearse_list=1")?,
                 "attn_split" => {
@@ -409,7 +421,7 @@ mod tests {
         let c = tuned(
             "pdl=0, attn_fast=0,attn_prefill=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
              gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0,gemv_q_blocks=5,gemv_q_prefetch=1,gemv_q_head=0,rehearse_list=0,\
-             gemv_q_ahead=0,gemv_q_typed=0",
+             gemv_q_ahead=0,gemv_q_typed=0,gemv_q_interleave=0",
         )
         .unwrap();
         let want = CudaConfig {
@@ -426,6 +438,7 @@ mod tests {
             q_ahead: false,
             q_head: false,
             q_typed: false,
+            q_interleave: false,
             rehearse_list: false,
             stream_pad_kb: Some(96),
             copy_kernel_max: 512,
@@ -462,6 +475,10 @@ mod tests {
             ("gemv_q_head=x", "gemv_q_head=0 or gemv_q_head=1"),
             ("gemv_q_ahead=x", "gemv_q_ahead=0 or gemv_q_ahead=1"),
             ("gemv_q_typed=2", "gemv_q_typed=0 or gemv_q_typed=1"),
+            (
+                "gemv_q_interleave=x",
+                "gemv_q_interleave=0 or gemv_q_interleave=1",
+            ),
             ("rehearse_list=2", "rehearse_list=0 or rehearse_list=1"),
             ("gemv_pad_kb=228", "at most 227"),
             ("gemv_pad_kb=-1", "at most 227"),

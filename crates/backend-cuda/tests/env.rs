@@ -54,12 +54,14 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
         (2, None, 4096, None)
     );
     assert_eq!(d.q_blocks, 3);
-    assert!(!d.q_prefetch && d.q_ahead && d.q_head && d.q_typed && d.rehearse_list);
+    assert!(
+        !d.q_prefetch && d.q_ahead && d.q_head && d.q_typed && d.q_interleave && d.rehearse_list
+    );
     assert_eq!(d.attn_split, 1);
     assert_eq!(tuned("gemv_q_blocks=2").unwrap().q_blocks, 2);
 
     type Read = fn(&CudaConfig) -> bool;
-    let flags: [(&str, Read); 11] = [
+    let flags: [(&str, Read); 12] = [
         ("pdl", |c| c.pdl),
         ("attn_fast", |c| c.attn_fast),
         ("attn_prefill", |c| c.attn_prefill),
@@ -70,6 +72,7 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
         ("gemv_q_head", |c| c.q_head),
         ("gemv_q_ahead", |c| c.q_ahead),
         ("gemv_q_typed", |c| c.q_typed),
+        ("gemv_q_interleave", |c| c.q_interleave),
         ("rehearse_list", |c| c.rehearse_list),
     ];
     for (key, read) in flags {
@@ -147,6 +150,7 @@ fn a_bad_tune_key_or_value_is_an_error_naming_the_variable() {
             "gemv_q_head",
             "gemv_q_ahead",
             "gemv_q_typed",
+            "gemv_q_interleave",
             "rehearse_list",
             "gemv_pad_kb",
             "copy_kernel",

@@ -731,15 +731,46 @@ __device__ __noinline__ float fq_row(int qt, const u8* w, int K, const float* xr
     return acc;
 }
 
-// `fq_row` on q16 records for one block type known when compiling: the same pieces, sums and
-// butterfly (so the same bits), inlined into the typed entry points' unit loop instead of
-// called through the switch over arithmetics and types.
-template <int QT>
-__device__ __forceinline__ float fq_row16(const u8* w, int K, const u8* xq, int lane) {
-    float acc = fq_dot16<QT>(w, K, xq, lane);
+// `fq_row` on q16 records for the NC weight rows of a unit, of one block type known when
+// compiling (the typed entry points): each row's pieces, sums and butterfly as `fq_dot16` and
+// `fq_row` take them (so the same bits), but a round's weight loads for every row of the unit
+// are issued before any of its products, doubling the bytes a warp has in flight for gate/up
+// and q/k/v's row pairs; inlined into the unit loop instead of called through the switch over
+// arithmetics and types.
+template <int QT, int NC>
+__device__ __forceinline__ void fq_rows16(const char* const (&w)[NC], int K, const u8* xq, int lane,
+                                          float (&acc)[NC]) {
+    const int QB = q_block_size(QT), BB = q_block_bytes(QT), PPB = QB / 32;
+    const int np = K / 32;
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    return acc;
+    for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
+#pragma unroll 1
+    for (int p0 = lane; p0 < np; p0 += 64) {
+        const int p1 = min(p0 + 32, np - 1);
+        u32 wv[NC][4][4];
+        float d[NC][4], m[NC][4];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const u8* r = (const u8*)w[c];
+            iq32<QT>(r + (p0 / PPB) * BB, p0 % PPB, wv[c][0], wv[c][1], d[c][0], m[c][0], d[c][1], m[c][1]);
+            iq32<QT>(r + (p1 / PPB) * BB, p1 % PPB, wv[c][2], wv[c][3], d[c][2], m[c][2], d[c][3], m[c][3]);
+        }
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+#pragma unroll
+            for (int h = 0; h < 4; ++h) {
+                if (h < 2 || p0 + 32 < np) {
+                    const int p = h < 2 ? p0 : p1;
+                    acc[c] = q16_fma<QT>(wv[c][h], d[c][h], m[c][h], xq + Q16_REC * p, h & 1, acc[c]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], off);
+    }
 }
 
 // Re-lays the staged row (every thread takes part) for `fq_dot`: float4 t of chunk c (16
@@ -848,10 +879,22 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         // meet L2 instead of DRAM (a warp otherwise has one unit's bytes in flight).
         if ((pf & 1) && u + stride < units) fq_prefetch<NC>(S, u + stride, K, lane);
         float acc[NC];
+        if (QT && NC == 2 && !(pf & 4)) {
+            fq_rows16<QT, NC>(wr, K, (const u8*)xs, lane, acc);
+        } else if (QT) {
+            // `pf` bit 2: a pair's rows one after the other (the generic kernel's order of loads).
 #pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            acc[c] = QT ? fq_row16<QT>((const u8*)wr[c], K, (const u8*)xs, lane)
-                        : fq_row((int)S.seg[pair1 ? c : s].qt, (const u8*)wr[c], K, xs, lane, qm);
+            for (int c = 0; c < NC; ++c) {
+                const char* w1[1] = {wr[c]};
+                float a1[1];
+                fq_rows16<QT, 1>(w1, K, (const u8*)xs, lane, a1);
+                acc[c] = a1[0];
+            }
+        } else {
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                acc[c] = fq_row((int)S.seg[pair1 ? c : s].qt, (const u8*)wr[c], K, xs, lane, qm);
+            }
         }
         if (lane == 0) {
             if (NC == 2 && S.pair == 2) {
@@ -885,7 +928,8 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // on the row quantized to q16 (1) or q8 (2) records, else (0) f32. `pf` bit 0: each warp asks
 // its next unit's rows into L2 before its current unit's products (`CudaConfig::q_prefetch`);
 // bit 1: no warp asks its first unit's rows into L2 before the wait (`CudaConfig::q_ahead`
-// off).
+// off); bit 2 (typed entry points): a unit's two rows one after the other instead of their loads
+// together (`CudaConfig::q_interleave` off).
 extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,
                                                                         float eps, void* nd,
@@ -915,10 +959,10 @@ extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q(i64 K
     } else {                                                                           \
         fq1_body<1, QT>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);         \
     }
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q4_0(FQ1_PARAMS) { FQ_TYPED(DT_Q4_0) }
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q8_0(FQ1_PARAMS) { FQ_TYPED(DT_Q8_0) }
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q4_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K) }
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q6_K) }
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q4_0(FQ1_PARAMS) { FQ_TYPED(DT_Q4_0) }
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q8_0(FQ1_PARAMS) { FQ_TYPED(DT_Q8_0) }
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q4_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K) }
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q6_K) }
 #undef FQ_TYPED
 #undef FQ1_PARAMS
 

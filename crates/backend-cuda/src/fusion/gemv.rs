@@ -483,10 +483,11 @@ fn typed_kernel(set: &FgSet, qm: i32, on: bool) -> Option<Kernel> {
     Kernel::typed_q(qt)
 }
 
-/// `fused_gemv1_q`'s `pf` argument: bit 0 `CudaConfig::q_prefetch`, bit 1 `q_ahead` off.
+/// `fused_gemv1_q`'s `pf` argument: bit 0 `CudaConfig::q_prefetch`, bit 1 `q_ahead` off, bit 2
+/// `q_interleave` off.
 fn q_prefetch_flags(exec: &Exec<'_>) -> i32 {
     let cfg = &exec.inner.cfg;
-    cfg.q_prefetch as i32 | ((!cfg.q_ahead) as i32) << 1
+    cfg.q_prefetch as i32 | ((!cfg.q_ahead) as i32) << 1 | ((!cfg.q_interleave) as i32) << 2
 }
 
 /// Decode's head on a quantized weight with its argmax folded in, as `fused_gemv1_q` (one
