@@ -410,17 +410,22 @@ void test_fused_gemv1() {
     }
 }
 
-// fused_gemv1_q's typed entry point for block type qt (`fused_gemv1_q4_0` ...), or null
-// where the type has none.
+// fused_gemv1_q's typed entry point for segments of the block types `types` (`fused_gemv1_q4_0`
+// ..., as the host's `Kernel::typed_q` picks it), or null where they have none.
 using FqKernel = void (*)(i64, const float*, FgSet, const float*, float, void*, int, const void*, int, int, int);
-FqKernel fq_typed(int qt) {
-    switch (qt) {
-        case DT_Q4_0: return fused_gemv1_q4_0;
-        case DT_Q8_0: return fused_gemv1_q8_0;
-        case DT_Q4_K: return fused_gemv1_q4_k;
-        case DT_Q6_K: return fused_gemv1_q6_k;
-        default: return nullptr;
+FqKernel fq_typed(const std::vector<int>& types) {
+    if (types.empty()) return nullptr;
+    if (std::all_of(types.begin(), types.end(), [&](int t) { return t == types[0]; })) {
+        switch (types[0]) {
+            case DT_Q4_0: return fused_gemv1_q4_0;
+            case DT_Q8_0: return fused_gemv1_q8_0;
+            case DT_Q4_K: return fused_gemv1_q4_k;
+            case DT_Q6_K: return fused_gemv1_q6_k;
+            default: return nullptr;
+        }
     }
+    const bool k46 = std::all_of(types.begin(), types.end(), [](int t) { return t == DT_Q4_K || t == DT_Q6_K; });
+    return k46 ? fused_gemv1_q4_k_q6_k : nullptr;
 }
 
 // The bytes of the buffers a kernel writes, taken before the generic kernel's launch; `typed`
@@ -434,8 +439,8 @@ struct TypedCheck {
         for (Buf* b : outs) start.push_back(Producer::bytes(b));
     }
     template <class Run>
-    void typed(const std::string& tag, int qt, Run run) {
-        const FqKernel k = fq_typed(qt);
+    void typed(const std::string& tag, const std::vector<int>& types, Run run) {
+        const FqKernel k = fq_typed(types);
         if (!k) return;
         std::vector<std::vector<unsigned char>> want;
         for (Buf* b : outs) want.push_back(Producer::bytes(b));
@@ -893,8 +898,8 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
         printf("FAIL %s: error word %u, want %u\n", tag.c_str(), err, want_err);
     }
     const int* qs = q_sets[c.qset];
-    if (q && q16 == 1 && qs[0] == qs[1] && qs[1] == qs[2]) {
-        typed.typed(tag + " typed", qs[0], [&](FqKernel kernel, int pf) {
+    if (q && q16 == 1) {
+        typed.typed(tag + " typed", {qs[0], qs[1], qs[2]}, [&](FqKernel kernel, int pf) {
             err = 0;
             run_q(kernel, pf);
         });
@@ -2437,6 +2442,8 @@ void test_fused_gemv1_q() {
         // One block type throughout: the typed entry points too (q16), bit for bit.
         {{DT_Q4_0, DT_Q4_0, DT_Q4_0}, 1056, 0, 1},  {{DT_Q8_0, DT_Q8_0, 0}, 96, 1, 0},
         {{DT_Q4_K, DT_Q4_K, DT_Q4_K}, 2304, 0, 0},  {{DT_Q6_K, DT_Q6_K, 0}, 768, 1, 1},
+        // Rows of several rounds of four pieces a lane (264 pieces), the last round partly past the row.
+        {{DT_Q4_0, DT_Q4_0, DT_Q4_0}, 8448, 0, 1},  {{DT_Q6_K, DT_Q6_K, DT_Q6_K}, 8448, 0, 0},
     };
     for (const Case& c : cases)
         for (int grid : {0, 1, 3})
@@ -2503,8 +2510,7 @@ void test_fused_gemv1_q() {
             const std::vector<double> deq = q_values(row, q16);
             P.check_all(tag, K, [&](i64, i64 k) { return deq[k]; });
             P.check_all(tag + " (unquantized row)", K, [&](i64, i64 k) { return act[k]; }, q_raw_bound(q16));
-            const bool one_type = std::all_of(c.qt.begin(), c.qt.begin() + P.nseg, [&](int t) { return t == c.qt[0]; });
-            if (q16 == 1 && one_type) typed.typed(tag + " typed", c.qt[0], run);
+            if (q16 == 1) typed.typed(tag + " typed", std::vector<int>(c.qt.begin(), c.qt.begin() + P.nseg), run);
         }
 }
 
@@ -2543,7 +2549,7 @@ void test_fused_gemv1_q_head() {
             if (q16 == 1) {
                 // The typed entry point from the same start: the same logits and the same word.
                 const u64 want = *key;
-                typed.typed("fused_gemv1_q head " + c.name + " grid " + std::to_string(grid) + " typed", c.qt,
+                typed.typed("fused_gemv1_q head " + c.name + " grid " + std::to_string(grid) + " typed", {c.qt},
                             [&](FqKernel kernel, int pf) {
                                 *key = key0;
                                 run(kernel, pf);

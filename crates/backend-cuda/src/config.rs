@@ -115,16 +115,18 @@ pub struct CudaConfig {
     /// dependency wait, while the previous kernel runs (tune key `gemv_q_ahead`, default on).
     pub q_ahead: bool,
     /// Decode's products on quantized weights whose segments all hold one block type (Q4_0,
-    /// Q8_0, Q4_K or Q6_K) run that type's own entry point of `fused_gemv1_q` (tune key
+    /// Q8_0, Q4_K or Q6_K), or Q4_K beside Q6_K (Q4_K_M's q/k/v), run their own entry point
+    /// of `fused_gemv1_q` (tune key
     /// `gemv_q_typed`, default on; q16 arithmetic only): the same sums bit for bit, without a
-    /// call and a switch over types and arithmetics per weight row, in 40-59 registers instead
-    /// of 70 (NVRTC 13.0, sm_90). Not yet timed on a GPU.
+    /// call and a switch over types and arithmetics per weight row, in a third of the generic
+    /// kernel's code (docs/cuda-decode.md). Not yet timed on a GPU.
     pub q_typed: bool,
-    /// In the typed entry points, a unit's two weight rows (gate and up, a row pair of q/k/v)
-    /// have their loads issued together before either row's products (tune key
-    /// `gemv_q_interleave`, default on), twice the bytes a warp has in flight; off takes them
-    /// one row after the other, as the generic kernel does. The same bits either way. Not yet
-    /// timed on a GPU.
+    /// In the typed entry points, each round of a unit's weight loads takes two pieces a lane
+    /// of both rows of a pair (gate and up, a row pair of q/k/v) or four of a single row of at
+    /// least 4,096 values, all issued before any of their products (tune key
+    /// `gemv_q_interleave`, default on): fewer dependent trips to memory per unit. Off takes
+    /// each row alone, two pieces a round, as the generic kernel does. The same bits either
+    /// way. Not yet timed on a GPU.
     pub q_interleave: bool,
     /// Decode's head on a quantized weight, with its argmax, runs as the other quantized
     /// products do (`fused_gemv1_q` with the argmax folded in; tune key `gemv_q_head`, default

@@ -124,6 +124,8 @@ pub(crate) enum Kernel {
     FusedGemv1Q80,
     FusedGemv1Q4K,
     FusedGemv1Q6K,
+    /// ... and for sets of Q4_K and Q6_K weights (Q4_K_M's mixed groups).
+    FusedGemv1Q4KQ6K,
     /// The sampler's penalties (`Op::Penalize`), one block per row.
     Penalize,
     /// The sampler's draw (`Op::Sample`), one block per row.
@@ -142,7 +144,7 @@ pub(crate) enum Kernel {
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 53] = [
+    pub(crate) const ALL: [Kernel; 54] = [
         Kernel::EwUnary,
         Kernel::SmallCopy,
         Kernel::CopyBatch,
@@ -189,6 +191,7 @@ impl Kernel {
         Kernel::FusedGemv1Q80,
         Kernel::FusedGemv1Q4K,
         Kernel::FusedGemv1Q6K,
+        Kernel::FusedGemv1Q4KQ6K,
         Kernel::Penalize,
         Kernel::Sample,
         Kernel::GetRowsQ,
@@ -227,12 +230,21 @@ impl Kernel {
         (13, Kernel::FusedGemv1Q6K),
     ];
 
-    /// The typed entry point for weights of block type code `qt`, if it has one.
-    pub(crate) fn typed_q(qt: i64) -> Option<Kernel> {
-        Self::TYPED_Q
+    /// The typed entry point for weights of the block type codes `types` (one product's each),
+    /// if they have one: one type of `TYPED_Q`, or Q4_K beside Q6_K.
+    pub(crate) fn typed_q(types: &[i64]) -> Option<Kernel> {
+        let first = *types.first()?;
+        if types.iter().all(|&t| t == first) {
+            return Self::TYPED_Q
+                .iter()
+                .find(|(code, _)| i64::from(*code) == first)
+                .map(|(_, k)| *k);
+        }
+        let (q4_k, q6_k) = (11, 13);
+        types
             .iter()
-            .find(|(code, _)| i64::from(*code) == qt)
-            .map(|(_, k)| *k)
+            .all(|&t| t == q4_k || t == q6_k)
+            .then_some(Kernel::FusedGemv1Q4KQ6K)
     }
 
     /// The kernel of a per-dtype list (`STREAMED`, `GATE_UP`, `ROW_PAIRS`) for weights of
@@ -283,7 +295,8 @@ impl Kernel {
             | Kernel::FusedGemv1Q40
             | Kernel::FusedGemv1Q80
             | Kernel::FusedGemv1Q4K
-            | Kernel::FusedGemv1Q6K => "fused_gemv",
+            | Kernel::FusedGemv1Q6K
+            | Kernel::FusedGemv1Q4KQ6K => "fused_gemv",
             Kernel::RopeRows => "fused_rope_rows",
             Kernel::AttnDecode
             | Kernel::AttnFast
@@ -342,6 +355,7 @@ impl Kernel {
             Kernel::FusedGemv1Q80 => "fused_gemv1_q8_0",
             Kernel::FusedGemv1Q4K => "fused_gemv1_q4_k",
             Kernel::FusedGemv1Q6K => "fused_gemv1_q6_k",
+            Kernel::FusedGemv1Q4KQ6K => "fused_gemv1_q4_k_q6_k",
             Kernel::FusedGemv1 => "fused_gemv1",
             Kernel::FusedGemv1Pair => "fused_gemv1_pair",
             Kernel::FusedGemv1S16 => "fused_gemv1_s16",
@@ -606,6 +620,25 @@ mod tests {
             let bin = compile(name, &full, &options).unwrap_or_else(|e| panic!("{e}"));
             assert!(!bin.is_empty(), "{name}: empty cubin");
         }
+    }
+
+    #[test]
+    fn typed_entry_points_take_one_type_or_q4_k_beside_q6_k() {
+        let (q4_0, q8_0, q4_k, q6_k, q5_k) = (4, 8, 11, 13, 12);
+        assert_eq!(
+            Kernel::typed_q(&[q4_0, q4_0, q4_0]),
+            Some(Kernel::FusedGemv1Q40)
+        );
+        assert_eq!(Kernel::typed_q(&[q8_0]), Some(Kernel::FusedGemv1Q80));
+        assert_eq!(Kernel::typed_q(&[q6_k, q6_k]), Some(Kernel::FusedGemv1Q6K));
+        assert_eq!(
+            Kernel::typed_q(&[q4_k, q4_k, q6_k]),
+            Some(Kernel::FusedGemv1Q4KQ6K)
+        );
+        assert_eq!(Kernel::typed_q(&[q5_k]), None);
+        assert_eq!(Kernel::typed_q(&[q4_k, q5_k]), None);
+        assert_eq!(Kernel::typed_q(&[q4_0, q8_0]), None);
+        assert_eq!(Kernel::typed_q(&[]), None);
     }
 
     #[test]

@@ -733,11 +733,14 @@ __device__ __noinline__ float fq_row(int qt, const u8* w, int K, const float* xr
 
 // `fq_row` on q16 records for the NC weight rows of a unit, of one block type known when
 // compiling (the typed entry points): each row's pieces, sums and butterfly as `fq_dot16` and
-// `fq_row` take them (so the same bits), but a round's weight loads for every row of the unit
-// are issued before any of its products, doubling the bytes a warp has in flight for gate/up
-// and q/k/v's row pairs; inlined into the unit loop instead of called through the switch over
-// arithmetics and types.
-template <int QT, int NC>
+// `fq_row` take them, in the same order (so the same bits), but a round takes PR pieces of
+// every row of the unit (lane l: pieces l, l + 32, ... of the round), all their weight loads
+// issued before any of their products: a row's rounds are dependent trips to memory, so fewer,
+// fuller rounds (two rows of a pair together, or four pieces of one row) keep more bytes in
+// flight per warp. Past the row's end a piece's index is clamped (its loads stay
+// unconditional) and its products skipped. Inlined into the unit loop instead of called
+// through the switch over arithmetics and types.
+template <int QT, int NC, int PR>
 __device__ __forceinline__ void fq_rows16(const char* const (&w)[NC], int K, const u8* xq, int lane,
                                           float (&acc)[NC]) {
     const int QB = q_block_size(QT), BB = q_block_bytes(QT), PPB = QB / 32;
@@ -745,24 +748,25 @@ __device__ __forceinline__ void fq_rows16(const char* const (&w)[NC], int K, con
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
 #pragma unroll 1
-    for (int p0 = lane; p0 < np; p0 += 64) {
-        const int p1 = min(p0 + 32, np - 1);
-        u32 wv[NC][4][4];
-        float d[NC][4], m[NC][4];
+    for (int p0 = lane; p0 < np; p0 += 32 * PR) {
+        u32 wv[NC][2 * PR][4];
+        float d[NC][2 * PR], m[NC][2 * PR];
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             const u8* r = (const u8*)w[c];
-            iq32<QT>(r + (p0 / PPB) * BB, p0 % PPB, wv[c][0], wv[c][1], d[c][0], m[c][0], d[c][1], m[c][1]);
-            iq32<QT>(r + (p1 / PPB) * BB, p1 % PPB, wv[c][2], wv[c][3], d[c][2], m[c][2], d[c][3], m[c][3]);
+#pragma unroll
+            for (int i = 0; i < PR; ++i) {
+                const int p = min(p0 + 32 * i, np - 1);
+                iq32<QT>(r + (p / PPB) * BB, p % PPB, wv[c][2 * i], wv[c][2 * i + 1], d[c][2 * i], m[c][2 * i],
+                         d[c][2 * i + 1], m[c][2 * i + 1]);
+            }
         }
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
 #pragma unroll
-            for (int h = 0; h < 4; ++h) {
-                if (h < 2 || p0 + 32 < np) {
-                    const int p = h < 2 ? p0 : p1;
-                    acc[c] = q16_fma<QT>(wv[c][h], d[c][h], m[c][h], xq + Q16_REC * p, h & 1, acc[c]);
-                }
+            for (int h = 0; h < 2 * PR; ++h) {
+                const int p = p0 + 32 * (h / 2);
+                if (h < 2 || p < np) acc[c] = q16_fma<QT>(wv[c][h], d[c][h], m[c][h], xq + Q16_REC * p, h & 1, acc[c]);
             }
         }
     }
@@ -770,6 +774,30 @@ __device__ __forceinline__ void fq_rows16(const char* const (&w)[NC], int K, con
     for (int c = 0; c < NC; ++c) {
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], off);
+    }
+}
+
+// A unit's NC rows of block type QT (the typed entry points) into acc, rounds as `pf` bit 2
+// says (`fq_rows16`).
+template <int QT, int NC>
+__device__ __forceinline__ void fq_unit16(const char* const (&wr)[NC], int K, const u8* xq, int lane, int pf,
+                                          float (&acc)[NC]) {
+    if (NC == 1 && !(pf & 4) && K >= 32 * 32 * 4) {
+        // A single row of four pieces a lane or more (down): four a round. A shorter row
+        // would load pieces past its end (o, the head: two a lane at K = 2048).
+        fq_rows16<QT, NC, 4>(wr, K, xq, lane, acc);
+    } else if (NC == 1 || !(pf & 4)) {
+        // A pair's rows two pieces a round each (one trip where the generic kernel takes two).
+        fq_rows16<QT, NC, 2>(wr, K, xq, lane, acc);
+    } else {
+        // `pf` bit 2: each row of a pair alone, two pieces a round (the generic kernel's loads).
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const char* w1[1] = {wr[c]};
+            float a1[1];
+            fq_rows16<QT, 1, 2>(w1, K, xq, lane, a1);
+            acc[c] = a1[0];
+        }
     }
 }
 
@@ -842,8 +870,9 @@ __device__ __forceinline__ void fq_prefetch(const FgSet& S, int u, int K, int la
 }
 
 // QT: 0 for any block type per segment and any arithmetic `qm` (`fq_row`); a block type for
-// the typed entry points, whose segments all hold that type and whose `qm` is 1 (q16).
-template <int NC, int QT>
+// the typed entry points, whose segments all hold that type (or QT2, where it is not 0) and
+// whose `qm` is 1 (q16).
+template <int NC, int QT, int QT2 = 0>
 __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, float* xs,
                                          const float* nx, float eps, void* nd, int dtn,
                                          const void* nw, int dtnw, int qm, int pf) {
@@ -879,17 +908,30 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         // meet L2 instead of DRAM (a warp otherwise has one unit's bytes in flight).
         if ((pf & 1) && u + stride < units) fq_prefetch<NC>(S, u + stride, K, lane);
         float acc[NC];
-        if (QT && NC == 2 && !(pf & 4)) {
-            fq_rows16<QT, NC>(wr, K, (const u8*)xs, lane, acc);
-        } else if (QT) {
-            // `pf` bit 2: a pair's rows one after the other (the generic kernel's order of loads).
+        if (QT && QT2) {
+            // Two block types (Q4_K_M's Q4_K and Q6_K): each row takes its segment's.
+            const int t0 = (int)S.seg[pair1 ? 0 : s].qt, t1 = (int)S.seg[pair1 ? NC - 1 : s].qt;
+            if (t0 == t1) {
+                if (t0 == QT) {
+                    fq_unit16<QT, NC>(wr, K, (const u8*)xs, lane, pf, acc);
+                } else {
+                    fq_unit16<QT2, NC>(wr, K, (const u8*)xs, lane, pf, acc);
+                }
+            } else {
 #pragma unroll
-            for (int c = 0; c < NC; ++c) {
-                const char* w1[1] = {wr[c]};
-                float a1[1];
-                fq_rows16<QT, 1>(w1, K, (const u8*)xs, lane, a1);
-                acc[c] = a1[0];
+                for (int c = 0; c < NC; ++c) {
+                    const char* w1[1] = {wr[c]};
+                    float a1[1];
+                    if ((c ? t1 : t0) == QT) {
+                        fq_unit16<QT, 1>(w1, K, (const u8*)xs, lane, pf, a1);
+                    } else {
+                        fq_unit16<QT2, 1>(w1, K, (const u8*)xs, lane, pf, a1);
+                    }
+                    acc[c] = a1[0];
+                }
             }
+        } else if (QT) {
+            fq_unit16<QT, NC>(wr, K, (const u8*)xs, lane, pf, acc);
         } else {
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
@@ -928,8 +970,8 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // on the row quantized to q16 (1) or q8 (2) records, else (0) f32. `pf` bit 0: each warp asks
 // its next unit's rows into L2 before its current unit's products (`CudaConfig::q_prefetch`);
 // bit 1: no warp asks its first unit's rows into L2 before the wait (`CudaConfig::q_ahead`
-// off); bit 2 (typed entry points): a unit's two rows one after the other instead of their loads
-// together (`CudaConfig::q_interleave` off).
+// off); bit 2 (typed entry points): each row alone, two pieces a round, instead of a round
+// over both rows of a pair or four pieces of a single row (`CudaConfig::q_interleave` off).
 extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,
                                                                         float eps, void* nd,
@@ -947,22 +989,25 @@ extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q(i64 K
 // `fused_gemv1_q` for sets whose segments all hold one block type, on q16 records (`qm` must
 // be 1): the decode products of a file quantized to one type (and most groups of a mixed one)
 // run one type's code, inlined, with no call or switch per weight row. The products are those
-// of `fused_gemv1_q` bit for bit. One entry point per type that has a one-load piece (`iq32`).
+// of `fused_gemv1_q` bit for bit. One entry point per type that has a one-load piece (`iq32`),
+// and one for the two types of Q4_K_M's mixed groups.
 #define FQ1_PARAMS                                                                            \
     i64 K, const float *a, FgSet S, const float *nx, float eps, void *nd, int dtn, const void *nw, \
         int dtnw, int qm, int pf
-#define FQ_TYPED(QT)                                                                   \
+#define FQ_TYPED(QT, QT2)                                                              \
     extern __shared__ float4 fg1_smem[];                                               \
     float* xs = (float*)fg1_smem;                                                      \
     if (S.pair) {                                                                      \
-        fq1_body<2, QT>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);         \
+        fq1_body<2, QT, QT2>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);    \
     } else {                                                                           \
-        fq1_body<1, QT>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);         \
+        fq1_body<1, QT, QT2>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);    \
     }
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q4_0(FQ1_PARAMS) { FQ_TYPED(DT_Q4_0) }
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q8_0(FQ1_PARAMS) { FQ_TYPED(DT_Q8_0) }
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q4_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K) }
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q6_K) }
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q4_0(FQ1_PARAMS) { FQ_TYPED(DT_Q4_0, 0) }
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q8_0(FQ1_PARAMS) { FQ_TYPED(DT_Q8_0, 0) }
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q4_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K, 0) }
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q6_K, 0) }
+// Q4_K_M's groups of Q4_K and Q6_K weights (q and k beside v).
+extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q4_k_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K, DT_Q6_K) }
 #undef FQ_TYPED
 #undef FQ1_PARAMS
 

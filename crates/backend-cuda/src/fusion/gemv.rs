@@ -471,16 +471,16 @@ fn launch_fq(
     )
 }
 
-/// `fused_gemv1_q`'s typed entry point for `set` (`CudaConfig::q_typed`): where every segment
-/// holds one block type that has one and the arithmetic is q16 (`qm` 1), the only one the
-/// typed entry points have.
+/// `fused_gemv1_q`'s typed entry point for `set` (`CudaConfig::q_typed`): where the segments'
+/// block types have one (`Kernel::typed_q`) and the arithmetic is q16 (`qm` 1), the only one
+/// the typed entry points have.
 fn typed_kernel(set: &FgSet, qm: i32, on: bool) -> Option<Kernel> {
-    let segs = &set.seg[..usize::try_from(set.nseg).ok()?];
-    let qt = segs.first()?.qt;
-    if !on || qm != 1 || segs.iter().any(|g| g.qt != qt) {
+    let segs = set.seg.get(..usize::try_from(set.nseg).ok()?)?;
+    if !on || qm != 1 {
         return None;
     }
-    Kernel::typed_q(qt)
+    let types: Vec<i64> = segs.iter().map(|g| g.qt).collect();
+    Kernel::typed_q(&types)
 }
 
 /// `fused_gemv1_q`'s `pf` argument: bit 0 `CudaConfig::q_prefetch`, bit 1 `q_ahead` off, bit 2
