@@ -80,6 +80,16 @@ const ATTN_SPLIT_SLOTS: &[(&str, Slot, &[&str])] = &[
     ("p", Slot::Shared, &["f32"]),
 ];
 
+/// `attn_split`'s bindings with K and V read 16 bytes at a time (`attn_split_v`).
+const ATTN_SPLIT_V_SLOTS: &[(&str, Slot, &[&str])] = &[
+    ("d", Slot::Out, FLOATS),
+    ("a", Slot::In, &["f32"]),
+    ("k", Slot::Vec, FLOATS),
+    ("v", Slot::Vec, FLOATS),
+    ("m", Slot::In, &["f32"]),
+    ("p", Slot::Shared, &["f32"]),
+];
+
 /// (kernel template, slots: name, kind, dtypes to generate).
 type Spec = (
     &'static str,
@@ -155,6 +165,8 @@ const KERNELS: &[Spec] = &[
     ("attn_split", ATTN_SPLIT_SLOTS),
     // `attn_split` with the query heads of one KV head in one workgroup.
     ("attn_split_g", ATTN_SPLIT_SLOTS),
+    // `attn_split` with 16-byte K and V loads and a round of several keys a thread.
+    ("attn_split_v", ATTN_SPLIT_V_SLOTS),
     (
         "rope",
         &[
@@ -984,10 +996,10 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
         ValidationFlags::all(),
         // SUBGROUP: only `mul_mat_vec_k`, `mul_mat_vec_v`, `mul_mat_vec_q`, `mul_mat_vec_qv`,
         // `mul_mat_vec_qb`, `mul_mat_vec_qw`, `mul_mat_vec_qm` and their `_e`, `_r` and `_g`
-        // flavours, and the decode attention (`attn_dec`, `attn_split`, `attn_split_g`), use subgroup
-        // operations, and the host picks them only on a device whose compute stage has
-        // subgroup arithmetic; `mul_mat_q_s`, `mul_mat_s` and `mul_mat_s1` only where it also has
-        // shuffles. SHADER_FLOAT16 and COOPERATIVE_MATRIX: only the cooperative-matrix products
+        // flavours, and the decode attention (`attn_dec`, `attn_split`, `attn_split_g`,
+        // `attn_split_v`), use subgroup operations, and the host picks them only on a device
+        // whose compute stage has subgroup arithmetic; `mul_mat_q_s`, `mul_mat_s` and
+        // `mul_mat_s1` only where it also has shuffles. SHADER_FLOAT16 and COOPERATIVE_MATRIX: only the cooperative-matrix products
         // (`mul_mat_cm`, `mul_mat_qcm`: f16 tiles), picked only where the device enabled
         // what their SPIR-V declares (`device::coopmat_support`). SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).

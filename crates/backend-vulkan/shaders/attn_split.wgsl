@@ -37,71 +37,14 @@
 
 // #include attn_body.wgsl
 // #include attn_merge_head.wgsl
+// #include attn_split_main.wgsl
 
-@compute @workgroup_size(256)
-fn main(
-    @builtin(workgroup_id) wg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
-    @builtin(subgroup_invocation_id) lane: u32,
-    @builtin(subgroup_id) sg: u32,
-    @builtin(num_subgroups) nsg: u32,
-) {
-    sg_begin(lane, sg, nsg);
-    let h = wg.x;
-    let c = wg.y;
-    if h >= pc.shape.x {
-        return;
-    }
-    let dim = pc.shape.y;
-    let keys = pc.shape.z;
-    let cmax = pc.prm.y;
-    let kmin = pc.prm.z;
-    let m0 = pc.op.z + h * pc.op.x;
-    let slot = pc.op.w + (h * cmax + c) * (dim + 4u);
+// Nothing to load before the span scan (`attend` loads the query).
+fn chunk_begin(h: u32, li: u32) {}
 
-    // 1. The span of admitted keys, [F, L).
-    let fl = admitted_span(m0, keys, li);
-
-    // 2. This workgroup's chunk.
-    let ch = chunk_of(fl, c, kmin, cmax);
-    let nc = ch.x;
-    if c >= nc {
-        return;
-    }
-    let lo = ch.y;
-    let hi = ch.z;
-
-    // 3. The online softmax over keys [lo, hi).
+// This kernel's chunk: `attend` over the keys, then its groups' outputs added.
+fn chunk_out(h: u32, lo: u32, hi: u32, li: u32) -> ChunkOut {
     let r = attend(h, lo, hi, li);
     let nan_seen = reduce_max(r.nan);
-    let o = group_sum(r.acc, li);
-
-    // 4. The output (one chunk), or this chunk's partial slot and its ticket.
-    if nc == 1u {
-        if li < dim {
-            var inv = 0.0;
-            if r.sum != 0.0 {
-                inv = 1.0 / r.sum;
-            }
-            if nan_seen != 0.0 {
-                inv = bitcast<f32>(0x7fc00000u);
-            }
-            st_d(pc.d_str.z + h * pc.d_str.x + li * pc.d_str.y, o * inv);
-        }
-        return;
-    }
-    if li < dim {
-        stc_p(slot + 4u + li, o);
-    }
-    if li == 0u {
-        stc_p(slot, r.mx);
-        stc_p(slot + 1u, r.sum);
-        stc_p(slot + 2u, nan_seen);
-    }
-    if !last_to_finish(h, nc, li) {
-        return;
-    }
-    if li < dim {
-        merge_head(h, nc, li);
-    }
+    return ChunkOut(r.mx, r.sum, group_sum(r.acc, li), nan_seen);
 }

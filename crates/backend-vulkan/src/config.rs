@@ -79,6 +79,13 @@ pub struct VkConfig {
     /// on for a CPU-type device (lavapipe ran "tiny"'s attention in half the time), off on a
     /// GPU (not yet timed on one).
     pub attn_group: Option<bool>,
+    /// `LOWSYNC_VK_ATTN_VEC` (`0`, `1`): the per-head decode attention reads K and V 16 bytes at
+    /// a time, a thread's keys of a chunk in one round of loads (`attn_split_v`), where the
+    /// head dim is a multiple of 8 and the cache rows start on 16 bytes; its chunks take at
+    /// least 256 keys (unsplit below that), up to `LOWSYNC_VK_ATTN_SPLIT`'s count (one
+    /// workgroup per head with the split off). The grouped kernel, where it is on and takes
+    /// the shape, comes first. Default off: not yet timed on a GPU.
+    pub attn_vec: bool,
     /// `LOWSYNC_VK_ROW_LANES` (`0`, `1`): SoftMax runs one invocation per row (`soft_max_t`)
     /// instead of a workgroup per row. `None` (the variable unset): on for a CPU-type device
     /// (lavapipe runs a workgroup's barriers as switches between its SIMD groups; a 64-token
@@ -194,6 +201,7 @@ impl VkConfig {
             quant_mat_vec: QuantMatVec::from_env()?,
             quant_mat_mul: QuantMatMul::from_env()?,
             attn_group: device_default_flag("LOWSYNC_VK_ATTN_GROUP")?,
+            attn_vec: env::flag("LOWSYNC_VK_ATTN_VEC", false)?,
             row_lanes: device_default_flag("LOWSYNC_VK_ROW_LANES")?,
             coopmat: env::flag("LOWSYNC_VK_COOPMAT", false)?,
             norm_fold: device_default_flag("LOWSYNC_VK_NORM_FOLD")?,
@@ -220,6 +228,7 @@ impl Default for VkConfig {
             quant_mat_mul: None,
             norm_fold: None,
             attn_group: None,
+            attn_vec: false,
             row_lanes: None,
             coopmat: false,
             attn_split: None,

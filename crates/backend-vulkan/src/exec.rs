@@ -435,18 +435,22 @@ impl Inner {
             ATTN_SPLIT_DEFAULT_CHUNKS
         });
         let grouped = self.config.attn_group.unwrap_or(self.dev.cpu_type);
+        let vec = self.config.attn_vec;
         let split = match chunks {
-            // Grouped needs the partials binding even unsplit (one chunk, no slots used).
-            0 if grouped => Some(ops::AttnSplit {
+            // Grouped and vec need the partials binding even unsplit (one chunk, no slots
+            // used).
+            0 if grouped || vec => Some(ops::AttnSplit {
                 parts: self.attn_parts(st)?,
                 max_chunks: 1,
-                grouped: true,
+                grouped,
+                vec,
             }),
             0 => None,
             n => Some(ops::AttnSplit {
                 parts: self.attn_parts(st)?,
                 max_chunks: if n == 1 { ATTN_SPLIT_DEFAULT_CHUNKS } else { n },
                 grouped,
+                vec,
             }),
         };
         let a = ops::Attn {

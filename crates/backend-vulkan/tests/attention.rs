@@ -237,7 +237,8 @@ fn run(cfg: VkConfig, c: &Case, d: &Data, around: Around, steps: usize) -> Vec<V
 
 /// Runs the chain once per mask of `masks` (each written into the mask input before its
 /// step, the graph unchanged); the result of each step, then the name of the fused kernel
-/// that ran (`attn_dec` or `attn_split`, profiled configs only).
+/// that ran (`attn_dec`, `attn_split`, `attn_split_g` or `attn_split_v`; profiled configs
+/// only).
 fn run_masks(
     cfg: VkConfig,
     c: &Case,
@@ -320,7 +321,7 @@ fn run_masks(
     }
     b.synchronize().unwrap();
     let times = b.kernel_times();
-    for kernel in ["attn_dec", "attn_split", "attn_split_g"] {
+    for kernel in ["attn_dec", "attn_split", "attn_split_g", "attn_split_v"] {
         if times
             .iter()
             .any(|t| t.name.starts_with(&format!("{kernel}.")))
@@ -367,6 +368,15 @@ fn cfg_split(chunks: u32, profile: bool) -> VkConfig {
 fn cfg_group(chunks: u32, profile: bool) -> VkConfig {
     VkConfig {
         attn_group: Some(true),
+        ..cfg_split(chunks, profile)
+    }
+}
+
+/// `cfg_split` with K and V read 16 bytes at a time (`LOWSYNC_VK_ATTN_VEC=1`); `chunks` 0:
+/// unsplit.
+fn cfg_vec(chunks: u32, profile: bool) -> VkConfig {
+    VkConfig {
+        attn_vec: true,
         ..cfg_split(chunks, profile)
     }
 }
@@ -463,6 +473,27 @@ fn check(c: &Case) {
     }
     check_split(c, &d, &want, tol);
     check_grouped_unsplit(c, &d, &want, tol);
+    check_vec(c, &d, &want, tol);
+}
+
+/// `LOWSYNC_VK_ATTN_VEC=1` unsplit and with at most 3 and 8 chunks a head: `attn_split_v`
+/// where the head dim is a multiple of 8 (the cases' caches are contiguous), else the kernel
+/// the split count picks; profiled, then recorded and replayed, against the reference.
+fn check_vec(c: &Case, d: &Data, want: &[f64], tol: f64) {
+    for chunks in [0, 3, 8] {
+        let once = run(cfg_vec(chunks, true), c, d, Around::Dead, 1);
+        let kernel: &[u8] = match (c.dim % 8, chunks) {
+            (0, _) => b"attn_split_v",
+            (_, 0) => b"attn_dec",
+            _ => b"attn_split",
+        };
+        assert_eq!(once[1], kernel, "LOWSYNC_VK_ATTN_VEC=1, {chunks} chunks");
+        for r in &run(cfg_vec(chunks, false), c, d, Around::Dead, 3) {
+            assert_eq!(r, &once[0], "vec replays give the profiled run's bits");
+        }
+        let what = format!("vec, split {chunks}");
+        assert_near(&what, c, &load(&once[0], c.out), want, tol);
+    }
 }
 
 /// `LOWSYNC_VK_ATTN_GROUP=1` with the split off: one workgroup per KV head (`attn_split_g`
@@ -637,6 +668,18 @@ fn split_recorded_step_replays_at_growing_depth() {
         b"attn_split",
         &[1, 16, 64, 65, 130, 160, 400, 1023, 1100],
         23,
+    );
+}
+
+/// The same with K and V read 16 bytes at a time (`attn_split_v`: one workgroup a head up to
+/// 256 valid keys, then chunks of at least 256 merged by the last).
+#[test]
+fn split_v_recorded_step_replays_at_growing_depth() {
+    replays_at_growing_depth(
+        cfg_vec,
+        b"attn_split_v",
+        &[1, 16, 64, 65, 130, 160, 256, 257, 400, 1023, 1100],
+        29,
     );
 }
 

@@ -56,6 +56,21 @@ fn bad_values_and_names_are_clear_errors() {
         !lowsync_vulkan::VkConfig::from_env().unwrap().coopmat,
         "off unless asked for"
     );
+    std::env::set_var("LOWSYNC_VK_ATTN_VEC", "yes");
+    assert!(matches!(
+        lowsync_vulkan::create("vulkan"),
+        Err(Error::Env {
+            var: "LOWSYNC_VK_ATTN_VEC",
+            ..
+        })
+    ));
+    std::env::set_var("LOWSYNC_VK_ATTN_VEC", "1");
+    assert!(lowsync_vulkan::VkConfig::from_env().unwrap().attn_vec);
+    std::env::remove_var("LOWSYNC_VK_ATTN_VEC");
+    assert!(
+        !lowsync_vulkan::VkConfig::from_env().unwrap().attn_vec,
+        "off unless asked for"
+    );
     std::env::set_var("LOWSYNC_VK_QV", "blocks");
     assert!(matches!(
         lowsync_vulkan::create("vulkan"),

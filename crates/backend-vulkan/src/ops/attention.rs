@@ -36,6 +36,11 @@ const SPLIT_MIN_KEYS: u32 = 64;
 /// so can afford shorter chunks, up to twice as many a head.
 const GROUP_MIN_KEYS: u32 = 32;
 
+/// The same for the split with 16-byte loads (`attn_split_v`): a thread takes 4 keys a round
+/// (128 keys a round at head dim 64), and a chunk's extra round costs less than the merge's
+/// trips, so a head splits only past 256 valid keys.
+const VEC_MIN_KEYS: u32 = 256;
+
 /// The most query heads per KV head the grouped split takes (the lanes of a vec4).
 const GROUP_MAX_HEADS: usize = 4;
 
@@ -49,6 +54,9 @@ pub(crate) struct Split {
     /// (`attn_split_g`, `LOWSYNC_VK_ATTN_GROUP`); with `max_chunks` 1, unsplit (one
     /// workgroup per KV head, the buffer bound but unused).
     pub grouped: bool,
+    /// K and V read 16 bytes at a time, several keys a thread per round, where the layout
+    /// allows (`attn_split_v`, `LOWSYNC_VK_ATTN_VEC`); with `max_chunks` 1, unsplit.
+    pub vec: bool,
 }
 
 /// The fused attention's operands.
@@ -175,9 +183,31 @@ pub(super) fn attention(c: &Ctx, a: &Attn) -> Result<Vec<Dispatch>> {
             groups: [k.shape[0] as u32, chunks, 1],
         }]);
     }
+    // 8 dims a load: unit dim strides, and every row start on 16 bytes of its binding.
+    let eights = |v: &[usize]| v.iter().all(|x| x.is_multiple_of(8));
+    let vec_ok = eights(&[dim, k.strides[0], k.strides[2], ok_ as usize])
+        && eights(&[v.strides[0], v.strides[1], ov as usize])
+        && k.strides[1] == 1
+        && v.strides[2] == 1;
+    if let Some(s) = a.split.as_ref().filter(|s| s.vec && vec_ok) {
+        let chunks = if s.max_chunks <= 1 {
+            1
+        } else {
+            fitting(&s.parts, u64::from(s.max_chunks)).max(1)
+        };
+        split_push.prm[1] = chunks;
+        split_push.prm[2] = VEC_MIN_KEYS;
+        return Ok(vec![Dispatch {
+            kernel: format!("attn_split_v.{names}.p_f32"),
+            binds: vec![bd, bq, bk, bv, bm, s.parts],
+            push: split_push,
+            groups: [heads as u32, chunks, 1],
+        }]);
+    }
     let chunks = a
         .split
         .as_ref()
+        .filter(|s| s.max_chunks > 1)
         .map_or(0, |s| fitting(&s.parts, u64::from(s.max_chunks)));
     let Some(s) = a.split.as_ref().filter(|_| chunks >= 2) else {
         return Ok(vec![Dispatch {
