@@ -2441,7 +2441,7 @@ void test_fused_gemv1_q() {
         {{DT_Q8_0, DT_Q4_0, 0}, 96, 1, 0},          {{DT_Q5_K, DT_Q5_K, 0}, 1280, 1, 1},
         // One block type throughout: the typed entry points too (q16), bit for bit.
         {{DT_Q4_0, DT_Q4_0, DT_Q4_0}, 1056, 0, 1},  {{DT_Q8_0, DT_Q8_0, 0}, 96, 1, 0},
-        {{DT_Q4_K, DT_Q4_K, DT_Q4_K}, 2304, 0, 0},  {{DT_Q6_K, DT_Q6_K, 0}, 768, 1, 1},
+        {{DT_Q4_K, DT_Q4_K, DT_Q4_K}, 2304, 0, 0},  {{DT_Q6_K, DT_Q6_K, 0}, 1536, 1, 1},
         // Rows of several rounds of four pieces a lane (264 pieces), the last round partly past the row.
         {{DT_Q4_0, DT_Q4_0, DT_Q4_0}, 8448, 0, 1},  {{DT_Q6_K, DT_Q6_K, DT_Q6_K}, 8448, 0, 0},
     };
