@@ -1022,6 +1022,12 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
         // outputs (a capability some GPUs lack).
         use_storage_input_output_16: false,
         emit_int_div_checks: false,
+        // WGSL zero-fills workgroup memory; naga's default does it by one invocation storing
+        // every workgroup variable in turn, then a barrier, at the start of every workgroup.
+        // No kernel here reads workgroup memory it has not written in that dispatch (each
+        // writes its reduction slots, tiles and atomics first, the atomics by an explicit
+        // store before a barrier), so the fill is left out.
+        zero_initialize_workgroup_memory: spv::ZeroInitializeWorkgroupMemoryMode::None,
         ..Default::default()
     };
     let pipeline = spv::PipelineOptions {
