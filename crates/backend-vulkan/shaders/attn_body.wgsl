@@ -4,9 +4,9 @@
 // Why: both kernels walk keys the same way; one copy of that walk keeps their numerics equal
 // and a fix to one a fix to both.
 //
-// Strategy: `attend` caches the query row in shared memory, then goes over keys [lo, hi) by
-// chunks of CH. Scores: P threads per key, KB keys per pass, each thread a strided quarter of
-// the dot product, summed in a fixed order by the key's first thread; all P read the mask first
+// Strategy: `attend` caches the query row (loaded by `query_early`, which the kernel calls
+// before its span scan) in shared memory, then goes over keys [lo, hi) by chunks of CH.
+// Scores: P threads per key, KB keys per pass, each thread a strided quarter of the dot product, summed in a fixed order by the key's first thread; all P read the mask first
 // and read the key's K row only where the mask admits it (-inf: the key is skipped, its score
 // stays -inf); the chunk's scores live in shared memory. An online softmax keeps the running
 // maximum M and sum S: a chunk with a larger maximum rescales S and the accumulators by
@@ -39,7 +39,6 @@ fn attend(h: u32, lo: u32, hi: u32, li: u32) -> Attended {
     let kv = h / pc.shape.w;
     let scale = bitcast<f32>(pc.prm.x);
     let ninf = bitcast<f32>(NINF_BITS);
-    let q0 = pc.a_str.z + h * pc.a_str.x;
     let k0 = pc.b_str.w + kv * pc.b_str.x;
     let v0 = pc.offs.w + kv * pc.offs.x;
     let m0 = pc.op.z + h * pc.op.x;
@@ -52,7 +51,7 @@ fn attend(h: u32, lo: u32, hi: u32, li: u32) -> Attended {
     let e = li % dim;
 
     if li < dim {
-        qs[li] = ld_a(q0 + li * pc.a_str.y);
+        qs[li] = q_early;
     }
     workgroupBarrier();
 

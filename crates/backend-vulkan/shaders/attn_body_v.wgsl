@@ -35,17 +35,6 @@ const MASKED: u32 = 0x7fc0a5a5u;
 // RK rounds' partial dots; later the G slots' partial outputs (8 floats a thread).
 var<workgroup> part_v: array<f32, 2048>;
 
-// Element li of the query row, loaded by `query_early` (threads li < dim).
-var<private> q_early: f32;
-
-// Issues the load of query element li (threads li < dim) into `q_early`; nothing waits for it
-// until `attend_v` stores it, so it may come before other loads (the span scan's).
-fn query_early(h: u32, li: u32) {
-    if li < pc.shape.y {
-        q_early = ld_a(pc.a_str.z + h * pc.a_str.x + li * pc.a_str.y);
-    }
-}
-
 // A workgroup's softmax state after its keys (`Attended` with this thread's 8 output dims).
 struct AttendedV {
     mx: f32,

@@ -1,6 +1,7 @@
 // What the fused decode attentions share (`attn_body.wgsl`, `attn_body_v.wgsl`,
 // `attn_split_g.wgsl`): the push constants, the workgroup size and chunk, the shared arrays,
-// the subgroup-first reductions, the mask test, the span scan and the chunk bounds.
+// the subgroup-first reductions, the early query load, the mask test, the span scan and the
+// chunk bounds.
 //
 // Why: one copy of the span and chunk arithmetic keeps every attention kernel's keys the same.
 
@@ -78,6 +79,18 @@ fn reduce_sum(v: f32) -> f32 {
     }
     workgroupBarrier();
     return r;
+}
+
+// Element li of the query row, loaded by `query_early` (threads li < dim).
+var<private> q_early: f32;
+
+// Issues the load of query element li (threads li < dim) into `q_early`; nothing waits for it
+// until `attend` or `attend_v` stores it, so a kernel calls it before its span scan and the
+// two trips to memory overlap.
+fn query_early(h: u32, li: u32) {
+    if li < pc.shape.y {
+        q_early = ld_a(pc.a_str.z + h * pc.a_str.x + li * pc.a_str.y);
+    }
 }
 
 // Whether the mask admits `key` (anything but -inf).

@@ -33,6 +33,7 @@ fn main(
     if h >= pc.shape.x {
         return;
     }
+    query_early(h, li);
     let span = admitted_span(pc.op.z + h * pc.op.x, pc.shape.z, li);
     let r = attend(h, span.x, span.y, li);
     let has_nan = reduce_max(r.nan) != 0.0;

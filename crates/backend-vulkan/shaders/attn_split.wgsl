@@ -39,8 +39,11 @@
 // #include attn_merge_head.wgsl
 // #include attn_split_main.wgsl
 
-// Nothing to load before the span scan (`attend` loads the query).
-fn chunk_begin(h: u32, li: u32) {}
+// The query row's loads, issued before the span scan so that their trip overlaps its mask
+// loads (`attend` stores them).
+fn chunk_begin(h: u32, li: u32) {
+    query_early(h, li);
+}
 
 // This kernel's chunk: `attend` over the keys, then its groups' outputs added.
 fn chunk_out(h: u32, lo: u32, hi: u32, li: u32) -> ChunkOut {
