@@ -479,8 +479,11 @@ fn typed_kernel(set: &FgSet, qm: i32, on: bool) -> Option<Kernel> {
     if !on || qm != 1 {
         return None;
     }
-    let types: Vec<i64> = segs.iter().map(|g| g.qt).collect();
-    Kernel::typed_q(&types)
+    let mut types = [0i64; MAX_SEGS];
+    for (t, g) in types.iter_mut().zip(segs) {
+        *t = g.qt;
+    }
+    Kernel::typed_q(&types[..segs.len()])
 }
 
 /// `fused_gemv1_q`'s `pf` argument: bit 0 `CudaConfig::q_prefetch`, bit 1 `q_ahead` off, bit 2

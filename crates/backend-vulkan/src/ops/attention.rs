@@ -163,6 +163,19 @@ pub(super) fn attention(c: &Ctx, a: &Attn) -> Result<Vec<Dispatch>> {
         let fit = (parts.range / 4).saturating_sub(slots_at) / (slot * heads as u64);
         want.min(fit).min(u64::from(c.lim.max_groups[1])) as u32
     };
+    // A split kernel's one dispatch: `chunks` workgroups along y for each of `rows` (heads or
+    // KV heads), chunks of at least `min_keys`.
+    let split = |kernel: &str, parts: &Bind, rows: usize, chunks: u32, min_keys: u32| {
+        let mut push = split_push;
+        push.prm[1] = chunks;
+        push.prm[2] = min_keys;
+        vec![Dispatch {
+            kernel: format!("{kernel}.{names}.p_f32"),
+            binds: vec![bd, bq, bk, bv, bm, *parts],
+            push,
+            groups: [rows as u32, chunks, 1],
+        }]
+    };
     let per_kv = heads / k.shape[0];
     let groupable =
         (2..=GROUP_MAX_HEADS).contains(&per_kv) && per_kv * dim <= MAX_DIM && ms[0] == 0;
@@ -174,14 +187,13 @@ pub(super) fn attention(c: &Ctx, a: &Attn) -> Result<Vec<Dispatch>> {
         } else {
             fitting(&s.parts, 2 * u64::from(s.max_chunks)).max(1)
         };
-        split_push.prm[1] = chunks;
-        split_push.prm[2] = GROUP_MIN_KEYS;
-        return Ok(vec![Dispatch {
-            kernel: format!("attn_split_g.{names}.p_f32"),
-            binds: vec![bd, bq, bk, bv, bm, s.parts],
-            push: split_push,
-            groups: [k.shape[0] as u32, chunks, 1],
-        }]);
+        return Ok(split(
+            "attn_split_g",
+            &s.parts,
+            k.shape[0],
+            chunks,
+            GROUP_MIN_KEYS,
+        ));
     }
     // 8 dims a load: unit dim strides, and every row start on 16 bytes of its binding.
     let eights = |v: &[usize]| v.iter().all(|x| x.is_multiple_of(8));
@@ -195,19 +207,11 @@ pub(super) fn attention(c: &Ctx, a: &Attn) -> Result<Vec<Dispatch>> {
         } else {
             fitting(&s.parts, u64::from(s.max_chunks)).max(1)
         };
-        split_push.prm[1] = chunks;
-        split_push.prm[2] = VEC_MIN_KEYS;
-        return Ok(vec![Dispatch {
-            kernel: format!("attn_split_v.{names}.p_f32"),
-            binds: vec![bd, bq, bk, bv, bm, s.parts],
-            push: split_push,
-            groups: [heads as u32, chunks, 1],
-        }]);
+        return Ok(split("attn_split_v", &s.parts, heads, chunks, VEC_MIN_KEYS));
     }
     let chunks = a
         .split
         .as_ref()
-        .filter(|s| s.max_chunks > 1)
         .map_or(0, |s| fitting(&s.parts, u64::from(s.max_chunks)));
     let Some(s) = a.split.as_ref().filter(|_| chunks >= 2) else {
         return Ok(vec![Dispatch {
@@ -217,12 +221,5 @@ pub(super) fn attention(c: &Ctx, a: &Attn) -> Result<Vec<Dispatch>> {
             groups: [heads as u32, 1, 1],
         }]);
     };
-    split_push.prm[1] = chunks;
-    split_push.prm[2] = SPLIT_MIN_KEYS;
-    Ok(vec![Dispatch {
-        kernel: format!("attn_split.{names}.p_f32"),
-        binds: vec![bd, bq, bk, bv, bm, s.parts],
-        push: split_push,
-        groups: [heads as u32, chunks, 1],
-    }])
+    Ok(split("attn_split", &s.parts, heads, chunks, SPLIT_MIN_KEYS))
 }
