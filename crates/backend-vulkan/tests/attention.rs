@@ -671,6 +671,19 @@ fn split_recorded_step_replays_at_growing_depth() {
     );
 }
 
+/// A head dim that is not a multiple of 8 (K and V rows not on 16 bytes): with
+/// `LOWSYNC_VK_ATTN_VEC=1` the per-head kernels run instead of `attn_split_v` (`check_vec`),
+/// with the reference's results.
+#[test]
+fn vec_attention_falls_back_where_rows_are_not_16_byte_aligned() {
+    check(&Case {
+        dim: 36,
+        keys: 300,
+        kv: DType::F16,
+        ..base()
+    });
+}
+
 /// The same with K and V read 16 bytes at a time (`attn_split_v`: one workgroup a head up to
 /// 256 valid keys, then chunks of at least 256 merged by the last).
 #[test]
