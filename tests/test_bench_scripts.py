@@ -255,6 +255,42 @@ def test_kernel_trace_runs_variants_side_by_side(tmp_path: Path) -> None:
     assert "'x=oops'" in bad.stderr
 
 
+def test_variants_tg_runs_variants_in_turn_and_reports_ratios(tmp_path: Path) -> None:
+    """The A/B script on `cpu`: every variant of every round gets a row, the JSON holds each
+    variant's settings, its tg per round and its ratio to the first, and a bad variant is an
+    argument error that names it."""
+    argv = [sys.executable, str(PROFILE / "variants_tg.py"), "--backend", "cpu"]
+    argv += ["--models", "tiny", "--dtype", "q8_0", "-p", "8", "-n", "4", "--rounds", "2"]
+    argv += ["--variant", "a", "--variant", "b=LOWSYNC_CPU_THREADS=1"]
+    argv += ["--json", str(tmp_path / "ab.json")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for v in ("a", "b"):
+        for r in (0, 1):
+            assert f"tiny q8_0 {v} round {r}: tg " in done.stdout
+    rows = json.loads((tmp_path / "ab.json").read_text())
+    assert [(r["variant"], r["settings"]) for r in rows] == [
+        ("a", "-"),
+        ("b", "LOWSYNC_CPU_THREADS=1"),
+    ]
+    assert rows[0]["tg_ratio"] == 1.0
+    for r in rows:
+        assert len(r["tg_all"]) == 2
+        assert all(t > 0 for t in r["tg_all"])
+        assert r["tg_tps"] > 0
+        assert r["pp_tps"] > 0
+    assert rows[1]["tg_ratio"] == pytest.approx(rows[1]["tg_tps"] / rows[0]["tg_tps"])
+    assert "| tiny q8_0 | b | LOWSYNC_CPU_THREADS=1 |" in done.stdout
+    bad = subprocess.run(
+        [*argv[:4], "--models", "tiny", "--variant", "x=oops"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode != 0
+    assert "'x=oops'" in bad.stderr
+
+
 def _gpu_compare() -> ModuleType:
     return _module("compare_llama_cpp_gpu", ROOT / "benches" / "python")
 
