@@ -6,6 +6,7 @@
 # the pruned llama-cpp-python sdist), .gl/ (the Vulkan loader .debs), .carry/src/llama.cpp.tgz
 # (llama.cpp b11434's pruned source) and .carry/vkbuild/ (Debian's glslc, libshaderc1,
 # libvulkan-dev and spirv-headers .debs, for `vkcmp`).
+# `scripts/gpu/make_carry.sh` makes all of these on the CPU machine.
 # Output: $OUT/summary.txt (what a closing note quotes) and $OUT/logs.tar.gz (everything).
 #
 #   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [vkcmp] [attn] [ktrace] [torch] ...
