@@ -114,19 +114,18 @@ pub struct CudaConfig {
     /// Each warp of `fused_gemv1_q` asks its first unit's weight rows into L2 before its
     /// dependency wait, while the previous kernel runs (tune key `gemv_q_ahead`, default on).
     pub q_ahead: bool,
-    /// Decode's products on quantized weights whose segments all hold one block type (Q4_0,
-    /// Q8_0, Q4_K or Q6_K), or Q4_K beside Q6_K (Q4_K_M's q/k/v), run their own entry point
-    /// of `fused_gemv1_q` (tune key
-    /// `gemv_q_typed`, default on; q16 arithmetic only): the same sums bit for bit, without a
-    /// call and a switch over types and arithmetics per weight row, in a third of the generic
-    /// kernel's code (docs/cuda-decode.md). Not yet timed on a GPU.
-    pub q_typed: bool,
+    /// Which of decode's products on quantized weights run a typed entry point of
+    /// `fused_gemv1_q` (tune key `gemv_q_typed`, default `1`; q16 arithmetic only): the same
+    /// sums bit for bit, without a call and a switch over types and arithmetics per weight
+    /// row, in a third of the generic kernel's code (docs/cuda-decode.md). `TypedQ` says for
+    /// which block types.
+    pub q_typed: TypedQ,
     /// In the typed entry points, each round of a unit's weight loads takes two pieces a lane
     /// of both rows of a pair (gate and up, a row pair of q/k/v) or four of a single row of at
     /// least 4,096 values, all issued before any of their products (tune key
     /// `gemv_q_interleave`, default on): fewer dependent trips to memory per unit. Off takes
     /// each row alone, two pieces a round, as the generic kernel does. The same bits either
-    /// way. Not yet timed on a GPU.
+    /// way. On the H200: Q4_0 2.5% faster on, Q8_0 and Q6_K about 1% slower (two rounds).
     pub q_interleave: bool,
     /// Decode's head on a quantized weight, with its argmax, runs as the other quantized
     /// products do (`fused_gemv1_q` with the argmax folded in; tune key `gemv_q_head`, default
@@ -158,6 +157,21 @@ pub struct CudaConfig {
     /// the CPU backend's 8-bit blocks and `__dp4a`, or `f32`: each weight dequantized to f32
     /// and multiplied by the f32 row. A knob for A/B runs.
     pub qdot: QDot,
+}
+
+/// Which products run a typed entry point of `fused_gemv1_q` (`CudaConfig::q_typed`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TypedQ {
+    /// None: the generic kernel for every block type (`gemv_q_typed=0`).
+    Off,
+    /// Segments that all hold Q4_0, all Q8_0 or all Q6_K (`gemv_q_typed=1`): the types whose
+    /// typed kernel measured faster on the H200 ("1b" after a 512-token prompt: Q4_0 6-7%,
+    /// Q8_0 2%, Q6_K 1.5%; "tiny" Q4_0 10%).
+    Measured,
+    /// Also all Q4_K, and Q4_K beside Q6_K (Q4_K_M's q/k/v) (`gemv_q_typed=2`): Q4_K_M
+    /// measured 4% slower with them than with the generic kernel, so they wait for a trace
+    /// that says which of the two kernels loses.
+    All,
 }
 
 /// The arithmetic of decode's products on quantized weights (`CudaConfig::qdot`).
@@ -228,7 +242,7 @@ impl Default for CudaConfig {
             q_blocks: 3,
             q_prefetch: false,
             q_ahead: true,
-            q_typed: true,
+            q_typed: TypedQ::Measured,
             q_interleave: true,
             q_head: true,
             stream_pad_kb: None,
@@ -281,9 +295,8 @@ impl CudaConfig {
     /// comma-separated `key=value` items, whitespace around each ignored, empty items skipped,
     /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`,
     /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `gemv_q_prefetch`,
-    /// `gemv_q_ahead`, `gemv_q_head`, `gemv_q_typed`, `gemv_q_interleave`, `rehearse_list`,
-    /// `read_kernel`
-    /// (0 or 1);
+    /// `gemv_q_ahead`, `gemv_q_head`, `gemv_q_interleave`, `rehearse_list`, `read_kernel`
+    /// (0 or 1); `gemv_q_typed` (0, 1 or 2);
     /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` and `gemv_q_blocks` (1
     /// or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
     /// (bytes); `mmv_max_m` (rows); `qdot` (`q16`, `q8` or `f32`). An unknown key, an item without
@@ -323,7 +336,14 @@ impl CudaConfig {
                     self.q_prefetch = flag("gemv_q_prefetch=0 or gemv_q_prefetch=1")?
                 }
                 "gemv_q_head" => self.q_head = flag("gemv_q_head=0 or gemv_q_head=1")?,
-                "gemv_q_typed" => self.q_typed = flag("gemv_q_typed=0 or gemv_q_typed=1")?,
+                "gemv_q_typed" => {
+                    self.q_typed = match value {
+                        "0" => TypedQ::Off,
+                        "1" => TypedQ::Measured,
+                        "2" => TypedQ::All,
+                        _ => return Err(bad("gemv_q_typed=0, 1 or 2")),
+                    }
+                }
                 "gemv_q_interleave" => {
                     self.q_interleave = flag("gemv_q_interleave=0 or gemv_q_interleave=1")?
                 }
@@ -439,7 +459,7 @@ mod tests {
             q_prefetch: true,
             q_ahead: false,
             q_head: false,
-            q_typed: false,
+            q_typed: TypedQ::Off,
             q_interleave: false,
             rehearse_list: false,
             stream_pad_kb: Some(96),
@@ -476,7 +496,7 @@ mod tests {
             ),
             ("gemv_q_head=x", "gemv_q_head=0 or gemv_q_head=1"),
             ("gemv_q_ahead=x", "gemv_q_ahead=0 or gemv_q_ahead=1"),
-            ("gemv_q_typed=2", "gemv_q_typed=0 or gemv_q_typed=1"),
+            ("gemv_q_typed=3", "gemv_q_typed=0, 1 or 2"),
             (
                 "gemv_q_interleave=x",
                 "gemv_q_interleave=0 or gemv_q_interleave=1",

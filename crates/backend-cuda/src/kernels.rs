@@ -24,6 +24,7 @@ use parking_lot::Mutex;
 
 use lowsync_graph::DType;
 
+use crate::config::TypedQ;
 use crate::driver::CuFunction;
 
 /// Cubins compiled or read by this process, by cache file name (every backend of a device
@@ -231,20 +232,23 @@ impl Kernel {
     ];
 
     /// The typed entry point for weights of the block type codes `types` (one product's each),
-    /// if they have one: one type of `TYPED_Q`, or Q4_K beside Q6_K.
-    pub(crate) fn typed_q(types: &[i64]) -> Option<Kernel> {
+    /// if they have one and `which` admits it: one type of `TYPED_Q` (Q4_K only with
+    /// `TypedQ::All`), or Q4_K beside Q6_K (`TypedQ::All` only).
+    pub(crate) fn typed_q(types: &[i64], which: TypedQ) -> Option<Kernel> {
+        let (q4_k, q6_k) = (11, 13);
         let first = *types.first()?;
+        let all = match which {
+            TypedQ::Off => return None,
+            TypedQ::Measured => false,
+            TypedQ::All => true,
+        };
         if types.iter().all(|&t| t == first) {
             return Self::TYPED_Q
                 .iter()
-                .find(|(code, _)| i64::from(*code) == first)
+                .find(|(code, _)| i64::from(*code) == first && (all || first != q4_k))
                 .map(|(_, k)| *k);
         }
-        let (q4_k, q6_k) = (11, 13);
-        types
-            .iter()
-            .all(|&t| t == q4_k || t == q6_k)
-            .then_some(Kernel::FusedGemv1Q4KQ6K)
+        (all && types.iter().all(|&t| t == q4_k || t == q6_k)).then_some(Kernel::FusedGemv1Q4KQ6K)
     }
 
     /// The kernel of a per-dtype list (`STREAMED`, `GATE_UP`, `ROW_PAIRS`) for weights of
@@ -625,20 +629,35 @@ mod tests {
     #[test]
     fn typed_entry_points_take_one_type_or_q4_k_beside_q6_k() {
         let (q4_0, q8_0, q4_k, q6_k, q5_k) = (4, 8, 11, 13, 12);
+        for which in [TypedQ::Measured, TypedQ::All] {
+            assert_eq!(
+                Kernel::typed_q(&[q4_0, q4_0, q4_0], which),
+                Some(Kernel::FusedGemv1Q40)
+            );
+            assert_eq!(Kernel::typed_q(&[q8_0], which), Some(Kernel::FusedGemv1Q80));
+            assert_eq!(
+                Kernel::typed_q(&[q6_k, q6_k], which),
+                Some(Kernel::FusedGemv1Q6K)
+            );
+            assert_eq!(Kernel::typed_q(&[q5_k], which), None);
+            assert_eq!(Kernel::typed_q(&[q4_k, q5_k], which), None);
+            assert_eq!(Kernel::typed_q(&[q4_0, q8_0], which), None);
+            assert_eq!(Kernel::typed_q(&[], which), None);
+        }
+        // Q4_K's kernels only where every typed kernel is asked for.
         assert_eq!(
-            Kernel::typed_q(&[q4_0, q4_0, q4_0]),
-            Some(Kernel::FusedGemv1Q40)
-        );
-        assert_eq!(Kernel::typed_q(&[q8_0]), Some(Kernel::FusedGemv1Q80));
-        assert_eq!(Kernel::typed_q(&[q6_k, q6_k]), Some(Kernel::FusedGemv1Q6K));
-        assert_eq!(
-            Kernel::typed_q(&[q4_k, q4_k, q6_k]),
+            Kernel::typed_q(&[q4_k, q4_k, q6_k], TypedQ::All),
             Some(Kernel::FusedGemv1Q4KQ6K)
         );
-        assert_eq!(Kernel::typed_q(&[q5_k]), None);
-        assert_eq!(Kernel::typed_q(&[q4_k, q5_k]), None);
-        assert_eq!(Kernel::typed_q(&[q4_0, q8_0]), None);
-        assert_eq!(Kernel::typed_q(&[]), None);
+        assert_eq!(
+            Kernel::typed_q(&[q4_k], TypedQ::All),
+            Some(Kernel::FusedGemv1Q4K)
+        );
+        assert_eq!(Kernel::typed_q(&[q4_k, q4_k, q6_k], TypedQ::Measured), None);
+        assert_eq!(Kernel::typed_q(&[q4_k], TypedQ::Measured), None);
+        for types in [&[q4_0][..], &[q8_0], &[q6_k], &[q4_k], &[q4_k, q6_k]] {
+            assert_eq!(Kernel::typed_q(types, TypedQ::Off), None, "{types:?}");
+        }
     }
 
     #[test]

@@ -41,7 +41,7 @@ mod timing;
 use std::sync::Arc;
 
 pub use backend::{cuda_supports_op, CudaBackend, CudaEvent, CudaGate};
-pub use config::{CudaConfig, DecodeGemv};
+pub use config::{CudaConfig, DecodeGemv, TypedQ};
 use lowsync_backend::{Backend, Error, Result};
 
 /// The device ordinal of a backend name: `cuda` is 0, `cuda:N` is N.

@@ -7,7 +7,7 @@
 //! they are bad). No GPU needed.
 
 use lowsync_backend::Error;
-use lowsync_cuda::CudaConfig;
+use lowsync_cuda::{CudaConfig, TypedQ};
 
 fn tuned(spec: &str) -> lowsync_backend::Result<CudaConfig> {
     CudaConfig::default().with_tune(spec)
@@ -54,14 +54,21 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
         (2, None, 4096, None)
     );
     assert_eq!(d.q_blocks, 3);
-    assert!(
-        !d.q_prefetch && d.q_ahead && d.q_head && d.q_typed && d.q_interleave && d.rehearse_list
-    );
+    assert!(!d.q_prefetch && d.q_ahead && d.q_head && d.q_interleave && d.rehearse_list);
     assert_eq!(d.attn_split, 1);
+    assert_eq!(d.q_typed, TypedQ::Measured);
+    for (v, want) in [
+        ("0", TypedQ::Off),
+        ("1", TypedQ::Measured),
+        ("2", TypedQ::All),
+    ] {
+        assert_eq!(tuned(&format!("gemv_q_typed={v}")).unwrap().q_typed, want);
+    }
+    assert!(tuned("gemv_q_typed=3").is_err());
     assert_eq!(tuned("gemv_q_blocks=2").unwrap().q_blocks, 2);
 
     type Read = fn(&CudaConfig) -> bool;
-    let flags: [(&str, Read); 12] = [
+    let flags: [(&str, Read); 11] = [
         ("pdl", |c| c.pdl),
         ("attn_fast", |c| c.attn_fast),
         ("attn_prefill", |c| c.attn_prefill),
@@ -71,7 +78,6 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
         ("read_kernel", |c| c.read_kernel),
         ("gemv_q_head", |c| c.q_head),
         ("gemv_q_ahead", |c| c.q_ahead),
-        ("gemv_q_typed", |c| c.q_typed),
         ("gemv_q_interleave", |c| c.q_interleave),
         ("rehearse_list", |c| c.rehearse_list),
     ];

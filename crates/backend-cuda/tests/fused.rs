@@ -1011,10 +1011,10 @@ fn a_quantized_decode_layer_gives_the_same_results_with_either_qdot() {
     }
 }
 
-/// The quantized layer through `fused_gemv1_q`'s typed entry points (`gemv_q_typed=1`, the
-/// default) and through the generic kernel (`=0`): the same launches and the same bits, for a
-/// layer of one block type per typed entry point and for Q4_K_M's mix (its q/k and gate/up
-/// groups typed, the groups holding Q6_K beside Q4_K generic).
+/// The quantized layer through every one of `fused_gemv1_q`'s typed entry points
+/// (`gemv_q_typed=2`; the default, `1`, takes those of Q4_0, Q8_0 and Q6_K) and through the
+/// generic kernel (`=0`): the same launches and the same bits, for a layer of one block type
+/// per typed entry point and for Q4_K beside Q6_K.
 #[test]
 #[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn a_quantized_decode_layer_gives_the_same_bits_through_the_typed_kernels() {
@@ -1032,7 +1032,7 @@ fn a_quantized_decode_layer_gives_the_same_bits_through_the_typed_kernels() {
             let cfg = CudaConfig::default().with_tune(tune).expect("a valid tune");
             on_gpu_cfg(&test, &c, cfg)
         };
-        let (typed, n_typed) = tuned("gemv_q_typed=1");
+        let (typed, n_typed) = tuned("gemv_q_typed=2");
         let (generic, n_generic) = tuned("gemv_q_typed=0");
         assert_eq!(n_typed, n_generic, "{test}: launches");
         for (name, t) in &outs {

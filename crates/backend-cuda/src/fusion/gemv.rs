@@ -21,6 +21,7 @@
 use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::{DType, Op};
 
+use crate::config::TypedQ;
 use crate::exec::launch::{dt, kernel_err, qt, quant_row_bytes, Args, Dev, Exec};
 use crate::exec::matmul::{self, moving};
 use crate::fusion::group::{add_other, has_tails, Nodes, NormPro, Seg, MAX_SEGS};
@@ -474,16 +475,16 @@ fn launch_fq(
 /// `fused_gemv1_q`'s typed entry point for `set` (`CudaConfig::q_typed`): where the segments'
 /// block types have one (`Kernel::typed_q`) and the arithmetic is q16 (`qm` 1), the only one
 /// the typed entry points have.
-fn typed_kernel(set: &FgSet, qm: i32, on: bool) -> Option<Kernel> {
+fn typed_kernel(set: &FgSet, qm: i32, which: TypedQ) -> Option<Kernel> {
     let segs = set.seg.get(..usize::try_from(set.nseg).ok()?)?;
-    if !on || qm != 1 {
+    if qm != 1 {
         return None;
     }
     let mut types = [0i64; MAX_SEGS];
     for (t, g) in types.iter_mut().zip(segs) {
         *t = g.qt;
     }
-    Kernel::typed_q(&types[..segs.len()])
+    Kernel::typed_q(&types[..segs.len()], which)
 }
 
 /// `fused_gemv1_q`'s `pf` argument: bit 0 `CudaConfig::q_prefetch`, bit 1 `q_ahead` off, bit 2
