@@ -197,8 +197,9 @@ def test_vulkan_profile_times_every_kernel_of_a_step_without_changing_tokens(
     assert {"rope", "argmax"} <= names
     assert "rms_norm" not in names
     assert {"mul_mat_vec_vn", "mul_mat_vec_vn_g"} <= names or "rms_norm_mul" in names
-    # One workgroup per KV head on a CPU-type device, split over keys on a GPU (the default).
-    assert names & {"attn_dec", "attn_split", "attn_split_g"}
+    # One workgroup per KV head on a CPU-type device, split over keys with 16-byte loads on a
+    # GPU (the defaults).
+    assert names & {"attn_dec", "attn_split", "attn_split_g", "attn_split_v"}
     assert any(n.startswith("mul_mat_vec") for n in names)
     sess.context.reset_stats()
     assert sess.context.kernel_times() == []
@@ -274,9 +275,10 @@ def test_vulkan_fusion_keeps_tokens_and_cuts_dispatches(
     (`mul_mat_vec_*_g`), K's rope and V's product write their KV-cache rows themselves
     (`rope_set_rows`, `mul_mat_vec_*_r`): 8 dispatches fewer per layer (9 with the pair) and
     1 per norm (2 folded). The attention is pinned unsplit and per head
-    (`LOWSYNC_VK_ATTN_SPLIT=0`, `LOWSYNC_VK_ATTN_GROUP=0`)."""
+    (`LOWSYNC_VK_ATTN_SPLIT=0`, `LOWSYNC_VK_ATTN_GROUP=0`, `LOWSYNC_VK_ATTN_VEC=0`)."""
     clean_env.setenv("LOWSYNC_VK_ATTN_SPLIT", "0")
     clean_env.setenv("LOWSYNC_VK_ATTN_GROUP", "0")
+    clean_env.setenv("LOWSYNC_VK_ATTN_VEC", "0")
     # The norm folded into float products: on by default on a GPU, asked for on lavapipe.
     clean_env.setenv("LOWSYNC_VK_NORM_FOLD", "1")
     tokens_on, steps_on = _vulkan_steps("1", clean_env, dtype, kv)
@@ -363,8 +365,9 @@ def test_vulkan_attn_split_keeps_tokens(clean_env: pytest.MonkeyPatch, kv: str) 
     """`LOWSYNC_VK_ATTN_SPLIT` 0, 1 and 2 at depth 150-161: the same greedy tokens, decode
     logits within 1e-5 of the largest (only the softmax's summation order differs); split, each
     layer's attention is one `attn_split` dispatch (its last chunk merges) instead of `attn_dec`
-    (per-head kernels: `LOWSYNC_VK_ATTN_GROUP=0`)."""
+    (per-head kernels with 4-byte loads: `LOWSYNC_VK_ATTN_GROUP=0`, `LOWSYNC_VK_ATTN_VEC=0`)."""
     clean_env.setenv("LOWSYNC_VK_ATTN_GROUP", "0")
+    clean_env.setenv("LOWSYNC_VK_ATTN_VEC", "0")
     tokens_off, steps_off, _ = _split_steps("0", clean_env, kv)
     for split in ("1", "2"):
         tokens, steps, _ = _split_steps(split, clean_env, kv)
@@ -388,7 +391,9 @@ def test_vulkan_attn_group_keeps_tokens(clean_env: pytest.MonkeyPatch, kv: str) 
     workgroup (`attn_split_g`, one dispatch a layer), with the greedy tokens of the per-head
     unsplit attention and decode logits within 1e-5 of the largest."""
     clean_env.setenv("LOWSYNC_VK_ATTN_GROUP", "0")
+    clean_env.setenv("LOWSYNC_VK_ATTN_VEC", "0")
     tokens_off, steps_off, _ = _split_steps("0", clean_env, kv)
+    clean_env.delenv("LOWSYNC_VK_ATTN_VEC")
     clean_env.setenv("LOWSYNC_VK_ATTN_GROUP", "1")
     for split in ("1", "0"):
         tokens, steps, _ = _split_steps(split, clean_env, kv)
@@ -403,12 +408,15 @@ def test_vulkan_attn_group_keeps_tokens(clean_env: pytest.MonkeyPatch, kv: str) 
 
 @pytest.mark.vulkan
 def test_vulkan_attn_split_default_follows_the_device_type(clean_env: pytest.MonkeyPatch) -> None:
-    """`LOWSYNC_VK_ATTN_SPLIT` and `LOWSYNC_VK_ATTN_GROUP` unset: a CPU-type device (lavapipe)
-    runs one workgroup per KV head (`attn_split_g`, unsplit), a GPU splits each head's keys
-    (`attn_split`); either way the greedy tokens are those of the per-head unsplit kernel."""
+    """`LOWSYNC_VK_ATTN_SPLIT`, `LOWSYNC_VK_ATTN_GROUP` and `LOWSYNC_VK_ATTN_VEC` unset: a
+    CPU-type device (lavapipe) runs one workgroup per KV head (`attn_split_g`, unsplit), a GPU
+    the per-head kernel with 16-byte loads (`attn_split_v`, in one workgroup a head below 256
+    keys); either way the greedy tokens are those of the per-head unsplit kernel."""
     clean_env.setenv("LOWSYNC_VK_ATTN_GROUP", "0")
+    clean_env.setenv("LOWSYNC_VK_ATTN_VEC", "0")
     tokens_off, _, _ = _split_steps("0", clean_env, "f32")
     clean_env.delenv("LOWSYNC_VK_ATTN_GROUP")
+    clean_env.delenv("LOWSYNC_VK_ATTN_VEC")
     tokens, _, per = _split_steps(None, clean_env, "f32", profile=True)
     assert tokens == tokens_off
     layers = MICRO.n_layer
@@ -416,7 +424,7 @@ def test_vulkan_attn_split_default_follows_the_device_type(clean_env: pytest.Mon
         assert per.get("attn_split_g") == layers
         assert "attn_dec" not in per
     else:
-        assert per.get("attn_split") == layers
+        assert per.get("attn_split_v") == layers
         assert "attn_dec" not in per
 
 

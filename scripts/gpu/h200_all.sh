@@ -98,7 +98,8 @@ run_suite() { # name dir
     done
 }
 has cuda && LOWSYNC_REQUIRE_CUDA=1 XDG_CACHE_HOME=$(mktemp -d) run_suite cuda "${CUDA_TESTS:-.carry/cuda-tests}"
-has vulkan && LOWSYNC_REQUIRE_VULKAN=1 run_suite vulkan .carry/vulkan-tests
+# No validation layer on the GPU machine: the tests would otherwise refuse to start.
+has vulkan && LOWSYNC_REQUIRE_VULKAN=1 LOWSYNC_VK_VALIDATION=${LOWSYNC_VK_VALIDATION:-0} run_suite vulkan .carry/vulkan-tests
 
 if has bench; then
     for m in tiny 1b; do

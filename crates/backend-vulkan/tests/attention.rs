@@ -352,6 +352,7 @@ fn cfg(fuse: bool, profile: bool) -> VkConfig {
         profile,
         attn_split: Some(0),
         attn_group: Some(false),
+        attn_vec: false,
         ..common::config()
     }
 }

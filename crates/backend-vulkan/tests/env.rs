@@ -64,12 +64,12 @@ fn bad_values_and_names_are_clear_errors() {
             ..
         })
     ));
-    std::env::set_var("LOWSYNC_VK_ATTN_VEC", "1");
-    assert!(lowsync_vulkan::VkConfig::from_env().unwrap().attn_vec);
+    std::env::set_var("LOWSYNC_VK_ATTN_VEC", "0");
+    assert!(!lowsync_vulkan::VkConfig::from_env().unwrap().attn_vec);
     std::env::remove_var("LOWSYNC_VK_ATTN_VEC");
     assert!(
-        !lowsync_vulkan::VkConfig::from_env().unwrap().attn_vec,
-        "off unless asked for"
+        lowsync_vulkan::VkConfig::from_env().unwrap().attn_vec,
+        "on unless turned off"
     );
     std::env::set_var("LOWSYNC_VK_QV", "blocks");
     assert!(matches!(
