@@ -295,6 +295,32 @@ def _gpu_compare() -> ModuleType:
     return _module("compare_llama_cpp_gpu", ROOT / "benches" / "python")
 
 
+def test_gpu_compare_warms_each_engine_up_once_and_survives_a_failure(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The unrecorded first run: each engine once on the given file, in order, and a failing
+    child is reported, not raised (the measured runs report it again)."""
+    gc = _gpu_compare()
+    args = gc.parse_args(["--backend", "vulkan"])
+    calls: list[tuple[str, Path]] = []
+
+    def lowsync_run(a: object, path: Path) -> dict[str, float]:
+        calls.append(("lowsync", path))
+        return {"tg_tps": 1.0}
+
+    def llama_run(a: object, path: Path) -> dict[str, float]:
+        calls.append(("llama.cpp", path))
+        child = gc.cpu.Child(["llama-bench"], 1, "", "no device", 0.0, 0.0, 0.0)
+        raise gc.cpu.ChildError(child, "llama-bench")
+
+    monkeypatch.setattr(gc, "run_lowsync", lowsync_run)
+    monkeypatch.setattr(gc, "run_llama_bench", llama_run)
+    gc.warm_up(args, Path("first.gguf"))
+    assert calls == [("lowsync", Path("first.gguf")), ("llama.cpp", Path("first.gguf"))]
+    assert "warm-up (llama.cpp): llama-bench: exit status 1" in capsys.readouterr().err
+    assert gc.parse_args(["--backend", "cuda", "--no-warmup"]).no_warmup
+
+
 def test_gpu_compare_checks_its_arguments() -> None:
     mod = _gpu_compare()
     args = mod.parse_args(["--backend", "cuda", "--types", "f16,q4_k_m"])

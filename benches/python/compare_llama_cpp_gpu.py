@@ -23,13 +23,15 @@ Strategy:
   3. Files: each built-in model of `--models` (random weights, `--seed`) written as F16 by
      lowsync's `save_gguf`, then every type of `--types` made from it by `llama-quantize`;
      kept in `--work` and reused.
-  4. Runs: per repetition and file, one `lowsync bench -m FILE --backend B --policy staged -p P
-     -n N -ub P -ctk KV --json` process (both launch-ahead rows; the faster tg row is kept, with
-     its host waits per token) and one `llama-bench -m FILE -ngl 99 -p P -n N -d 0,P -ub P -fa FA
-     -ctk KV -ctv KV -r 1 -o json` process, the order flipped every repetition; KV (`--kv-dtype`)
-     is the KV cache's dtype on both sides, f16 by default (llama-bench's own default).
-     lowsync's tg steps follow its P-token prompt, so llama.cpp's tg is its `-d P` test; pp is
-     `-d 0`. Medians are reported.
+  4. Runs: first one unrecorded run of each engine on the first file (`--no-warmup` skips it: a
+     fresh machine's first llama-bench process measured low while the driver cached its
+     pipelines); then per repetition and file, one `lowsync bench -m FILE --backend B --policy
+     staged -p P -n N -ub P -ctk KV --json` process (both launch-ahead rows; the faster tg row
+     is kept, with its host waits per token) and one `llama-bench -m FILE -ngl 99 -p P -n N -d
+     0,P -ub P -fa FA -ctk KV -ctv KV -r 1 -o json` process, the order flipped every
+     repetition; KV (`--kv-dtype`) is the KV cache's dtype on both sides, f16 by default
+     (llama-bench's own default). lowsync's tg steps follow its P-token prompt, so llama.cpp's
+     tg is its `-d P` test; pp is `-d 0`. Medians are reported.
   5. Bandwidth floor (CUDA, when PyTorch is importable): the bytes of the weights one decode
      step reads (every tensor but the token embedding, which a step reads one row of; the
      embedding too when the output head is tied to it) over the device's read rate measured
@@ -106,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--python", default=sys.executable, help="interpreter of the lowsync side")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per child (900)")
     ap.add_argument("--no-floor", action="store_true", help="skip the bandwidth floor")
+    ap.add_argument(
+        "--no-warmup", action="store_true", help="skip the unrecorded first run of each engine"
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write all rows to this file")
     args = ap.parse_args(argv)
     for what in ("n_prompt", "n_gen", "repeats"):
@@ -290,6 +295,18 @@ def run_llama_bench(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     }
 
 
+def warm_up(args: argparse.Namespace, path: Path) -> None:
+    """One unrecorded run of each engine on `path`. On a fresh machine the first llama-bench
+    process of a Vulkan run compiled its pipelines for the driver's cache and measured low
+    (H200: pp 2,923 against 10,493 tokens/s, tg 674 against 879 on the same file later in the
+    call), so whichever file came first lost."""
+    for name, fn in (("lowsync", run_lowsync), ("llama.cpp", run_llama_bench)):
+        try:
+            fn(args, path)
+        except cpu.ChildError as e:
+            print(f"warm-up ({name}): {e}", file=sys.stderr)
+
+
 def bench_file(args: argparse.Namespace, label: str, path: Path, rate: float | None) -> Any:
     ls: list[dict[str, Any]] = []
     cpp: list[dict[str, Any]] = []
@@ -350,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     build_llama_cpp(args)
     paths = make_files(args)
     rate = None if args.no_floor or args.backend != "cuda" or not paths else read_rate()
+    if paths and not args.no_warmup:
+        warm_up(args, next(iter(paths.values())))
     rows = []
     for label, path in paths.items():
         row = bench_file(args, label, path, rate)
