@@ -16,6 +16,8 @@ from types import ModuleType
 
 import pytest
 
+import lowsync as ls
+
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_CRATE = ROOT / "crates" / "backend-cuda"
 PROFILE = ROOT / "benches" / "profile"
@@ -253,6 +255,15 @@ def test_kernel_trace_runs_variants_side_by_side(tmp_path: Path) -> None:
     )
     assert bad.returncode != 0
     assert "'x=oops'" in bad.stderr
+    # A GGUF file instead of a built-in model: traced alike, its CSVs named by the file's stem.
+    gguf = tmp_path / "micro.gguf"
+    ls.save_gguf(ls.Llama.random("tiny", seed=2, dtype="f32"), gguf)
+    argv = [sys.executable, str(PROFILE / "kernel_trace.py"), "--backend", "cpu", "-n", "3"]
+    argv += ["--models", "", "--files", str(gguf), "--csv-dir", str(tmp_path)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "micro round 0: " in done.stdout
+    assert (tmp_path / "ktrace-micro-pdl1-r0.csv").is_file()
 
 
 def test_variants_tg_runs_variants_in_turn_and_reports_ratios(tmp_path: Path) -> None:

@@ -24,7 +24,9 @@ to the first variant. Without `--variant` the one configuration is the environme
 variant's tuning keys override those of the environment's `LOWSYNC_CUDA_TUNE` and keep the rest.
 
 Run: `python benches/profile/kernel_trace.py --models 1b -n 64 --csv-dir /tmp/kt`, or
-`... --variant base --variant nopdl=pdl=0 --variant b3=pdl=1,gemv_blocks=3 --rounds 3`.
+`... --variant base --variant nopdl=pdl=0 --variant b3=pdl=1,gemv_blocks=3 --rounds 3`; a GGUF
+file (llama-quantize's Q4_K_M, say) with `--models "" --files PATH` (the CSVs are named by the
+file's stem).
 """
 
 from __future__ import annotations
@@ -282,7 +284,8 @@ def ktrace_lib() -> ctypes.CDLL:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--models", default="1b")
+    ap.add_argument("--models", default="1b", help="built-in models (random weights, --dtype)")
+    ap.add_argument("--files", default="", help="GGUF files, comma-separated (after --models)")
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--dtype", default="f16")
     ap.add_argument("--csv-dir", type=Path, default=Path("/tmp"))
@@ -315,8 +318,14 @@ def main() -> None:
 
     prompt = [1 + i % 1000 for i in range(args.prompt_len)]
     ambient = os.environ.get(TUNE, "")
-    for name in args.models.split(","):
-        model = ls.Llama.random(name, seed=1, dtype=args.dtype)
+    sources = [
+        (m, lambda m=m: ls.Llama.random(m, seed=1, dtype=args.dtype))
+        for m in args.models.split(",")
+        if m
+    ]
+    sources += [(Path(f).stem, lambda f=f: ls.load_gguf(f)) for f in args.files.split(",") if f]
+    for name, load in sources:
+        model = load()
         n_ctx = args.n_ctx or args.prompt_len + args.n + 8
         sessions = []
         for _, env in variants:
