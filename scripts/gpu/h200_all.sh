@@ -9,7 +9,7 @@
 # `scripts/gpu/make_carry.sh` makes all of these on the CPU machine.
 # Output: $OUT/summary.txt (what a closing note quotes) and $OUT/logs.tar.gz (everything).
 #
-#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [vkcmp] [attn] [ktrace] [torch] ...
+#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [vkcmp] [attn] [ktrace] [ab] [torch] ...
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -260,6 +260,18 @@ cupti_lib() {
     say "ktrace build ($krec): exit $rc"; tail -3 "$logs/ktrace-build.log"
     return $rc
 }
+if has ab; then
+    # Backend settings side by side in one process (benches/profile/variants_tg.py): AB_VARIANTS
+    # is its --variant list (NAME or NAME=SETTING,...; space-separated), on AB_MODELS (built-in,
+    # AB_DTYPE weights) and AB_FILES (GGUF paths, e.g. the gpucmp part's /tmp/gpucmp files).
+    [ -n "${lcpp_cuda_pid:-}" ] && wait "$lcpp_cuda_pid"
+    vargs=()
+    for v in ${AB_VARIANTS:-typed generic=gemv_q_typed=0}; do vargs+=(--variant "$v"); done
+    timeout ${AB_TIMEOUT:-300} python3 benches/profile/variants_tg.py --backend ${AB_BACKEND:-cuda} \
+        --models "${AB_MODELS-1b}" --dtype ${AB_DTYPE:-q4_0} --files "${AB_FILES:-}" "${vargs[@]}" \
+        --rounds ${AB_ROUNDS:-3} -p ${AB_P:-512} -n ${AB_N:-128} --json "$out/ab.json" >"$logs/ab.txt" 2>&1
+    say "settings side by side: exit $?"; grep '^|' "$logs/ab.txt" | tee -a "$summary"; tail -3 "$logs/ab.txt"
+fi
 if has pftrace; then
     # Per-kernel device time of one prefill (PFTRACE_P tokens) per model and weight dtype.
     if cupti_lib; then
