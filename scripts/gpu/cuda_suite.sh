@@ -23,16 +23,7 @@ case "$mode" in
     mkdir -p "$dest"
     cd "$root"
     cargo test -p lowsync-cuda --release --no-run --message-format=json |
-        python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
-        print(m["target"]["name"], m["executable"])
-' | while read -r name exe; do
+        python3 "$root/scripts/gpu/test_executables.py" | while read -r name exe; do
         # The library's unit tests are named after the crate; integration tests after their file.
         out="$dest/$name"
         cp "$exe" "$out"

@@ -40,16 +40,7 @@ if has tests; then
     for t in ${VK_TESTS-attention}; do
         cargo test -p lowsync-vulkan --release --all-features --test "$t" --no-run --message-format=json
     done |
-        python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
-        print(m["target"]["name"], m["executable"])
-' | while read -r name exe; do
+        python3 "$root/scripts/gpu/test_executables.py" | while read -r name exe; do
         cp "$exe" ".carry/vulkan-tests/$name" && strip ".carry/vulkan-tests/$name"
     done
 fi
