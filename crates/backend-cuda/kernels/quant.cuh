@@ -363,10 +363,12 @@ __device__ __forceinline__ u32 q_shr64(u32 lo, u32 hi, u32 s) {
 //   high half and each quant word one funnel shift of two neighbours.
 // - Q4_K (144-byte blocks): with the block 16-byte aligned (every row of a 16-byte aligned
 //   weight: 144 is a multiple of 16), the piece's 32 quant bytes are two 16-byte loads and the
-//   two chunks share one scale and min.
+//   two chunks share one scale and min. A16: the caller knows the block is aligned (the typed
+//   decode products, which the host launches only then), so the test and the fallback below
+//   are compiled out (on sm_90 they cost the typed Q4_K kernel a few spilled registers).
 // - Q6_K (210-byte blocks): the piece's low and high bits are one 32-byte run each.
 // Every other type, and a Q4_K block that is not 16-byte aligned, takes `iq16` per chunk.
-template <int QT>
+template <int QT, bool A16 = false>
 __device__ __forceinline__ void iq32(const u8* b, int p, u32 (&w0)[4], u32 (&w1)[4], float& d0,
                                      float& m0, float& d1, float& m1) {
     if (QT == DT_Q4_0 || QT == DT_Q8_0) {
@@ -393,7 +395,7 @@ __device__ __forceinline__ void iq32(const u8* b, int p, u32 (&w0)[4], u32 (&w1)
         m1 = m0;
         return;
     }
-    if (QT == DT_Q4_K && ((u64)b & 15u) == 0) {
+    if (QT == DT_Q4_K && (A16 || ((u64)b & 15u) == 0)) {
         int scv, mnv;
         k4_scale_min(b + 4, p, &scv, &mnv);
         d0 = q_mul(q_f16(b), (float)scv);

@@ -739,7 +739,8 @@ __device__ __noinline__ float fq_row(int qt, const u8* w, int K, const float* xr
 // fuller rounds (two rows of a pair together, or four pieces of one row) keep more bytes in
 // flight per warp. Past the row's end a piece's index is clamped (its loads stay
 // unconditional) and its products skipped. Inlined into the unit loop instead of called
-// through the switch over arithmetics and types.
+// through the switch over arithmetics and types. Q4_K rows start on 16 bytes here (the host
+// launches the typed kernels of Q4_K only then), so `iq32` takes them without its test.
 template <int QT, int NC, int PR>
 __device__ __forceinline__ void fq_rows16(const char* const (&w)[NC], int K, const u8* xq, int lane,
                                           float (&acc)[NC]) {
@@ -757,7 +758,7 @@ __device__ __forceinline__ void fq_rows16(const char* const (&w)[NC], int K, con
 #pragma unroll
             for (int i = 0; i < PR; ++i) {
                 const int p = min(p0 + 32 * i, np - 1);
-                iq32<QT>(r + (p / PPB) * BB, p % PPB, wv[c][2 * i], wv[c][2 * i + 1], d[c][2 * i], m[c][2 * i],
+                iq32<QT, true>(r + (p / PPB) * BB, p % PPB, wv[c][2 * i], wv[c][2 * i + 1], d[c][2 * i], m[c][2 * i],
                          d[c][2 * i + 1], m[c][2 * i + 1]);
             }
         }

@@ -474,10 +474,18 @@ fn launch_fq(
 
 /// `fused_gemv1_q`'s typed entry point for `set` (`CudaConfig::q_typed`): where the segments'
 /// block types have one (`Kernel::typed_q`) and the arithmetic is q16 (`qm` 1), the only one
-/// the typed entry points have.
+/// the typed entry points have. The typed kernels read a Q4_K piece as two 16-byte loads
+/// without testing its alignment, so a set with a Q4_K weight whose rows do not all start on
+/// 16 bytes (its address or its row stride) keeps the generic kernel, which tests each block.
 fn typed_kernel(set: &FgSet, qm: i32, which: TypedQ) -> Option<Kernel> {
     let segs = set.seg.get(..usize::try_from(set.nseg).ok()?)?;
     if qm != 1 {
+        return None;
+    }
+    let q4_k = qt(DType::Q4_K).map(i64::from);
+    let misaligned =
+        |g: &FgSeg| Some(g.qt) == q4_k && (!g.w.is_multiple_of(16) || g.w_rs % 16 != 0);
+    if segs.iter().any(misaligned) {
         return None;
     }
     let mut types = [0i64; MAX_SEGS];
@@ -541,4 +549,64 @@ pub(crate) fn launch_head_q(
         n.div_ceil(matmul::GEMV1_WARPS),
     )?;
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(segs: &[(i64, u64, i64)]) -> FgSet {
+        let mut s = FgSet {
+            nseg: segs.len() as i64,
+            ..FgSet::default()
+        };
+        for (g, &(qt, w, w_rs)) in s.seg.iter_mut().zip(segs) {
+            *g = FgSeg {
+                qt,
+                w,
+                w_rs,
+                ..FgSeg::default()
+            };
+        }
+        s
+    }
+
+    #[test]
+    fn q4_k_rows_off_16_bytes_keep_the_generic_kernel() {
+        let (q4_0, q4_k, q6_k) = (4, 11, 13);
+        let aligned = set(&[(q4_k, 0x1000, 1152), (q4_k, 0x9000, 1152)]);
+        assert_eq!(
+            typed_kernel(&aligned, 1, TypedQ::All),
+            Some(Kernel::FusedGemv1Q4K)
+        );
+        assert_eq!(
+            typed_kernel(&aligned, 2, TypedQ::All),
+            None,
+            "q8 arithmetic"
+        );
+        let cases = [
+            (set(&[(q4_k, 0x1008, 1152), (q4_k, 0x9000, 1152)]), None),
+            (set(&[(q4_k, 0x1000, 1152), (q4_k, 0x9000, 1160)]), None),
+            (set(&[(q6_k, 0x1002, 1680), (q4_k, 0x9004, 1152)]), None),
+            // Q6_K beside aligned Q4_K: only Q4_K's rows must start on 16 bytes.
+            (
+                set(&[(q4_k, 0x1000, 1152), (q6_k, 0x9002, 1680)]),
+                Some(Kernel::FusedGemv1Q4KQ6K),
+            ),
+        ];
+        for (s, want) in cases {
+            assert_eq!(typed_kernel(&s, 1, TypedQ::All), want, "{:?}", &s.seg[..2]);
+        }
+        // Other types' rows need no alignment (their loads are 4-byte words).
+        let q6 = set(&[(q6_k, 0x1002, 1682)]);
+        assert_eq!(
+            typed_kernel(&q6, 1, TypedQ::All),
+            Some(Kernel::FusedGemv1Q6K)
+        );
+        let q40 = set(&[(q4_0, 0x1002, 1154)]);
+        assert_eq!(
+            typed_kernel(&q40, 1, TypedQ::Measured),
+            Some(Kernel::FusedGemv1Q40)
+        );
+    }
 }
