@@ -6,8 +6,9 @@
 //
 // Strategy: `attend` caches the query row (loaded by `query_early`, which the kernel calls
 // before its span scan) in shared memory, then goes over keys [lo, hi) by chunks of CH.
-// Scores: P threads per key, KB keys per pass, each thread a strided quarter of the dot product, summed in a fixed order by the key's first thread; all P read the mask first
-// and read the key's K row only where the mask admits it (-inf: the key is skipped, its score
+// Scores: P threads per key, KB keys per pass, each thread a strided quarter of the dot
+// product, summed in a fixed order by the key's first thread; all P read the mask first and
+// read the key's K row only where the mask admits it (-inf: the key is skipped, its score
 // stays -inf); the chunk's scores live in shared memory. An online softmax keeps the running
 // maximum M and sum S: a chunk with a larger maximum rescales S and the accumulators by
 // exp(M_old - M_new). p @ V: the workgroup is G = WG / dim groups of dim threads, thread (g, e)

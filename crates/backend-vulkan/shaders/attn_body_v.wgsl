@@ -22,8 +22,8 @@
 //
 // Invariants: f32 accumulation, sums in fixed orders (results do not depend on timing). Every
 // thread calls `attend_v` and `group_sum_v` with the same lo and hi (barriers in uniform
-// control flow), after `query_early`. dim a multiple of 8, at most WG; K and V rows 16-byte aligned with unit dim
-// strides (the planner checks).
+// control flow), after `query_early`. dim a multiple of 8, at most WG; K and V rows 16-byte
+// aligned with unit dim strides (the planner checks).
 
 // #include attn_common.wgsl
 
