@@ -348,7 +348,8 @@ if has ncudetail; then
             --launch-count ${NCUD_COUNT:-5} --section LaunchStats --section Occupancy --section WarpStateStats \
             --section SpeedOfLight --section MemoryWorkloadAnalysis \
             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-            python3 benches/profile/cuda_profile.py --models 1b --settings eager+fused -n 16 --n-ctx 172 >"$logs/ncud.txt" 2>&1
+            python3 benches/profile/cuda_profile.py --models 1b --settings eager+fused -n 16 --n-ctx 172 ${NCU_PROFILE_ARGS:-} \
+            >"$logs/ncud.txt" 2>&1
         say "ncu detail: exit $?"
         # Stall reasons per kernel launch, largest first (warps stalled per issued instruction).
         awk '/^  [a-z_0-9]+\(/ {k=$1} /issue_stalled/ && $NF+0 > 0.05 {print k, $1, $NF}' "$logs/ncud.txt" |
@@ -362,14 +363,21 @@ if has ncusource; then
     # the code the warps wait. One report per kernel name; the source page as CSV.
     ncu=$(command -v ncu || find / -name ncu -type f -perm -u+x 2>/dev/null | head -1)
     if [ -n "$ncu" ]; then
+        # NCUS_SKIPS: launches of the kernel to skip, one report each (a decode step of "1b"
+        # launches the product kernel 4 times a layer: q/k/v, o, gate/up, down, then the head).
         for kn in ${NCUS_KERNELS:-attn_decode}; do
-            timeout 300 "$ncu" -f -o "$logs/src-$kn" --kernel-name "$kn" --launch-skip ${NCUS_SKIP:-20} --launch-count 1 \
-                --section SourceCounters --section WarpStateStats --import-source no \
+          for sk in ${NCUS_SKIPS:-20}; do
+            f="$logs/src-$kn-$sk"
+            timeout 300 "$ncu" -f -o "$f" --kernel-name "$kn" --launch-skip "$sk" --launch-count 1 \
+                --section SourceCounters --section WarpStateStats --section LaunchStats --import-source no \
                 python3 benches/profile/cuda_profile.py --models 1b --settings eager+fused -n 16 --n-ctx 172 \
-                >"$logs/src-$kn.txt" 2>&1
-            "$ncu" -i "$logs/src-$kn.ncu-rep" --page source --csv --print-source sass >"$logs/src-$kn.csv" 2>>"$logs/src-$kn.txt"
-            say "ncu source $kn: exit $? ($(wc -l <"$logs/src-$kn.csv") lines)"
-            python3 scripts/gpu/ncu_source.py "$logs/src-$kn.csv" 2>&1 | head -${NCUS_LINES:-40} | tee -a "$summary"
+                ${NCU_PROFILE_ARGS:-} >"$f.txt" 2>&1
+            "$ncu" -i "$f.ncu-rep" --page source --csv --print-source sass >"$f.csv" 2>>"$f.txt"
+            say "ncu source $kn (launch $sk): exit $? ($(wc -l <"$f.csv") lines)"
+            "$ncu" -i "$f.ncu-rep" --page details 2>/dev/null | grep -E "Grid Size|Block Size|Registers Per|Duration|Warp Cycles Per Issued|Issued Ipc|Executed Instructions " |
+                head -12 | tee -a "$summary"
+            python3 scripts/gpu/ncu_source.py "$f.csv" 2>&1 | head -${NCUS_LINES:-40} | tee -a "$summary"
+          done
         done
     fi
 fi
