@@ -450,6 +450,52 @@ __device__ __forceinline__ void iq32(const u8* b, int p, u32 (&w0)[4], u32 (&w1)
     iq16<QT>(b, 2 * p + 1, w1, d1, m1);
 }
 
+// Q6_K's pieces in pairs: pair q of a block (q < 4; h = q / 2, s = q % 2) is pieces 4h + s
+// and 4h + s + 2, whose low bits are the low and the high nibbles of one 32-byte run of ql
+// (64h + 32s) and whose high bits are bits 2s and 2s + 4 of one 32-byte run of qh (32h).
+//
+// Why: `iq32` loads both runs for each piece, so every byte of a Q6_K block is loaded twice by
+// the lanes of a row (and funnel-shifted twice); a lane that takes both pieces of a pair loads
+// and shifts each run once. The decode products on Q6_K weights take their pieces this way
+// (`fq_dot16`, `fq_rows16`: lane l takes pairs l, l + 32, ... of the row, each pair's pieces
+// in piece order), so their sums run in that order.
+//
+// Writes chunks 2a, 2a + 1, 2b, 2b + 1 (a, b the pair's pieces) to w[0..3] with their d and m,
+// the integers and scales `iq16` gives each chunk.
+__device__ __forceinline__ void iq64_q6k(const u8* b, int q, u32 (*w)[4], float* d, float* m) {
+    const int h = q / 2, s = q % 2;
+    const u32 sh = ((u32)(u64)b & 2u) << 3;
+    const u32* ql = (const u32*)(((u64)b & ~(u64)3) + 64 * h + 32 * s);
+    const u32* qh = (const u32*)(((u64)b & ~(u64)3) + 128 + 32 * h);
+    u32 x[9], y[9];
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+        x[i] = ql[i];
+        y[i] = qh[i];
+    }
+    const int pa = 4 * h + s;
+    const u32 sa = *(const u16*)(b + 192 + 2 * pa), sb = *(const u16*)(b + 192 + 2 * (pa + 2));
+    const float dd = q_f16(b + 208);
+    const u32 sc[4] = {sa & 0xFFu, sa >> 8, sb & 0xFFu, sb >> 8};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        d[c] = q_mul(dd, (float)(signed char)sc[c]);
+        m[c] = q_mul(d[c], -32.0f);
+    }
+    const u32 hs = 2 * s;
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+        const u32 lo = q_shr64(x[t], x[t + 1], sh), hi = q_shr64(y[t], y[t + 1], sh);
+        w[t / 4][t % 4] = (lo & 0x0F0F0F0Fu) | (((hi >> hs) & 0x03030303u) << 4);
+        w[2 + t / 4][t % 4] = ((lo >> 4) & 0x0F0F0F0Fu) | (((hi >> (hs + 4)) & 0x03030303u) << 4);
+    }
+}
+
+// The row's index of piece e (0, 1: the pair's first and second) of Q6_K pair g of the row.
+__device__ __forceinline__ int q6k_pair_piece(int g, int e) {
+    return (g / 4) * 8 + 4 * ((g % 4) / 2) + (g % 2) + 2 * e;
+}
+
 // acc plus chunk (w, d, m) times half `half` (0, 1) of q16 record `rec` (`Q16_REC` bytes,
 // 16-byte aligned): the integer sum in k order, then d * dx times it and m times the half's
 // `dx * sum(q)`.
