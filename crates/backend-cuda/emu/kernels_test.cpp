@@ -2139,6 +2139,23 @@ bool iq32_matches(const unsigned char* blk, int p) {
     return same;
 }
 
+// iq64 (a pair's four chunks, `q_paired` types) against iq16 of the pair's pieces, bit for bit.
+template <int QT>
+bool iq64_matches(const unsigned char* blk, int q) {
+    if (!q_paired(QT)) return true;
+    u32 w[4][4], v[4];
+    float d[4], m[4], e, n;
+    iq64<QT>(blk, q, w, d, m);
+    bool same = true;
+    for (int k = 0; k < 4; ++k) {
+        const int piece = q_pair_piece<QT>(q, k / 2);  // pair q of block 0: the block's pieces
+        iq16<QT>(blk, 2 * piece + (k & 1), v, e, n);
+        same &= __float_as_uint(d[k]) == __float_as_uint(e) && __float_as_uint(m[k]) == __float_as_uint(n);
+        for (int t = 0; t < 4; ++t) same &= w[k][t] == v[t];
+    }
+    return same;
+}
+
 void test_quant_dequant() {
     test_quant_q16_rows();
     test_quant_q8_rows();
@@ -2217,6 +2234,20 @@ void test_quant_dequant() {
                 ++fails;
                 printf("FAIL quant_dequant iq32 %s at offset %d: %lld of %lld pieces differ from iq16's\n",
                        c.name.c_str(), shift, (long long)differ, (long long)npiece);
+            }
+            // iq64 over every pair of every block (each block its pieces' four pairs).
+            differ = 0;
+            for (i64 b = 0; b < c.nblocks && qb == 256; ++b) {
+                for (int q = 0; q < 4; ++q) {
+                    bool same = false;
+                    QUANT_SWITCH(c.qt, same = iq64_matches<QTV>(base + b * bb, q))
+                    differ += !same;
+                }
+            }
+            if (differ) {
+                ++fails;
+                printf("FAIL quant_dequant iq64 %s at offset %d: %lld pairs differ from iq16's\n", c.name.c_str(),
+                       shift, (long long)differ);
             }
         }
     }

@@ -450,19 +450,67 @@ __device__ __forceinline__ void iq32(const u8* b, int p, u32 (&w0)[4], u32 (&w1)
     iq16<QT>(b, 2 * p + 1, w1, d1, m1);
 }
 
-// Q6_K's pieces in pairs: pair q of a block (q < 4; h = q / 2, s = q % 2) is pieces 4h + s
-// and 4h + s + 2, whose low bits are the low and the high nibbles of one 32-byte run of ql
-// (64h + 32s) and whose high bits are bits 2s and 2s + 4 of one 32-byte run of qh (32h).
+// Pieces in pairs that share their bytes (`q_paired`: Q4_K and Q6_K). Pair q of a block:
+// - Q4_K (q < 4): pieces 2q and 2q + 1, the low and the high nibbles of one 32-byte run of
+//   qs (byte 16 + 32q); their scales and mins are sub-blocks 2q and 2q + 1 of the 12 bytes.
+// - Q6_K (q < 4; h = q / 2, s = q % 2): pieces 4h + s and 4h + s + 2, whose low bits are the
+//   low and the high nibbles of one 32-byte run of ql (64h + 32s) and whose high bits are bits
+//   2s and 2s + 4 of one 32-byte run of qh (32h).
 //
-// Why: `iq32` loads both runs for each piece, so every byte of a Q6_K block is loaded twice by
-// the lanes of a row (and funnel-shifted twice); a lane that takes both pieces of a pair loads
-// and shifts each run once. The decode products on Q6_K weights take their pieces this way
-// (`fq_dot16`, `fq_rows16`: lane l takes pairs l, l + 32, ... of the row, each pair's pieces
-// in piece order), so their sums run in that order.
-//
-// Writes chunks 2a, 2a + 1, 2b, 2b + 1 (a, b the pair's pieces) to w[0..3] with their d and m,
-// the integers and scales `iq16` gives each chunk.
-__device__ __forceinline__ void iq64_q6k(const u8* b, int q, u32 (*w)[4], float* d, float* m) {
+// Why: `iq32` loads a piece's runs for each piece, so every quant byte of these blocks is
+// loaded twice by the lanes of a row (Q6_K's also funnel-shifted twice); a lane that takes
+// both pieces of a pair loads each run once. The decode products on these types take their
+// pieces this way (`fq_dot16`, `fq_rows16`: lane l takes pairs l, l + 32, ... of the row, each
+// pair's pieces in order), so their sums run in that order.
+__device__ __forceinline__ constexpr bool q_paired(int qt) { return qt == DT_Q4_K || qt == DT_Q6_K; }
+
+// The row's index of piece e (0, 1: the pair's first and second) of pair g of the row.
+template <int QT>
+__device__ __forceinline__ int q_pair_piece(int g, int e) {
+    if (QT == DT_Q6_K) return (g / 4) * 8 + 4 * ((g % 4) / 2) + (g % 2) + 2 * e;
+    return 2 * g + e;
+}
+
+// Chunks 2a, 2a + 1, 2b, 2b + 1 (a, b: pair q's pieces) of the block at b of type QT
+// (`q_paired`) into w[0..3] with their d and m: the integers and scales `iq16` gives each
+// chunk. A16: the block starts on 16 bytes (`iq32`'s A16); Q4_K's run is then two 16-byte
+// loads, else two `q_ld16`.
+template <int QT, bool A16 = false>
+__device__ __forceinline__ void iq64(const u8* b, int q, u32 (*w)[4], float* d, float* m) {
+    if (QT == DT_Q4_K) {
+        float dd[2], mm[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            int scv, mnv;
+            k4_scale_min(b + 4, 2 * q + e, &scv, &mnv);
+            dd[e] = q_mul(q_f16(b), (float)scv);
+            mm[e] = -q_mul(q_f16(b + 2), (float)mnv);
+        }
+        u32 a[4], c[4];
+        if (A16 || ((u64)b & 15u) == 0) {
+            const uint4* r = (const uint4*)(b + 16 + 32 * q);
+            const uint4 lo = r[0], hi = r[1];
+            a[0] = lo.x, a[1] = lo.y, a[2] = lo.z, a[3] = lo.w;
+            c[0] = hi.x, c[1] = hi.y, c[2] = hi.z, c[3] = hi.w;
+        } else {
+            q_ld16(b + 16 + 32 * q, a);
+            q_ld16(b + 32 + 32 * q, c);
+        }
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            w[0][t] = a[t] & 0x0F0F0F0Fu;
+            w[1][t] = c[t] & 0x0F0F0F0Fu;
+            w[2][t] = (a[t] >> 4) & 0x0F0F0F0Fu;
+            w[3][t] = (c[t] >> 4) & 0x0F0F0F0Fu;
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            d[k] = dd[k / 2];
+            m[k] = mm[k / 2];
+        }
+        return;
+    }
+    // DT_Q6_K: each run in 9 aligned words from the word holding its first byte (as `iq32`).
     const int h = q / 2, s = q % 2;
     const u32 sh = ((u32)(u64)b & 2u) << 3;
     const u32* ql = (const u32*)(((u64)b & ~(u64)3) + 64 * h + 32 * s);
@@ -478,9 +526,9 @@ __device__ __forceinline__ void iq64_q6k(const u8* b, int q, u32 (*w)[4], float*
     const float dd = q_f16(b + 208);
     const u32 sc[4] = {sa & 0xFFu, sa >> 8, sb & 0xFFu, sb >> 8};
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        d[c] = q_mul(dd, (float)(signed char)sc[c]);
-        m[c] = q_mul(d[c], -32.0f);
+    for (int k = 0; k < 4; ++k) {
+        d[k] = q_mul(dd, (float)(signed char)sc[k]);
+        m[k] = q_mul(d[k], -32.0f);
     }
     const u32 hs = 2 * s;
 #pragma unroll
@@ -489,11 +537,6 @@ __device__ __forceinline__ void iq64_q6k(const u8* b, int q, u32 (*w)[4], float*
         w[t / 4][t % 4] = (lo & 0x0F0F0F0Fu) | (((hi >> hs) & 0x03030303u) << 4);
         w[2 + t / 4][t % 4] = ((lo >> 4) & 0x0F0F0F0Fu) | (((hi >> (hs + 4)) & 0x03030303u) << 4);
     }
-}
-
-// The row's index of piece e (0, 1: the pair's first and second) of Q6_K pair g of the row.
-__device__ __forceinline__ int q6k_pair_piece(int g, int e) {
-    return (g / 4) * 8 + 4 * ((g % 4) / 2) + (g % 2) + 2 * e;
 }
 
 // acc plus chunk (w, d, m) times half `half` (0, 1) of q16 record `rec` (`Q16_REC` bytes,

@@ -676,16 +676,16 @@ __device__ __forceinline__ float fq_dot16(const u8* w, int K, const u8* xq, int 
     const int QB = q_block_size(QT), BB = q_block_bytes(QT), PPB = QB / 32;
     const int np = K / 32;
     float acc = 0.0f;
-    if (QT == DT_Q6_K) {
-        // Pairs of pieces sharing their bytes (`iq64_q6k`), one a round.
+    if (q_paired(QT)) {
+        // Pairs of pieces sharing their bytes (`iq64`), one a round.
 #pragma unroll 1
         for (int g = lane; g < K / 64; g += 32) {
             u32 wv[4][4];
             float d[4], m[4];
-            iq64_q6k(w + (g / 4) * BB, g % 4, wv, d, m);
+            iq64<QT>(w + (g / 4) * BB, g % 4, wv, d, m);
 #pragma unroll
             for (int h = 0; h < 4; ++h) {
-                acc = q16_fma<QT>(wv[h], d[h], m[h], xq + Q16_REC * q6k_pair_piece(g, h / 2), h & 1, acc);
+                acc = q16_fma<QT>(wv[h], d[h], m[h], xq + Q16_REC * q_pair_piece<QT>(g, h / 2), h & 1, acc);
             }
         }
         return acc;
@@ -762,8 +762,8 @@ __device__ __forceinline__ void fq_rows16(const char* const (&w)[NC], int K, con
     const int np = K / 32;
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
-    if (QT == DT_Q6_K) {
-        // Q6_K: PR / 2 pairs of pieces a round (`iq64_q6k`), the same pieces as PR single ones.
+    if (q_paired(QT)) {
+        // PR / 2 pairs of pieces a round (`iq64`), the same pieces as PR single ones.
         constexpr int PG = PR / 2 > 0 ? PR / 2 : 1;
         const int ng = K / 64;
 #pragma unroll 1
@@ -776,7 +776,7 @@ __device__ __forceinline__ void fq_rows16(const char* const (&w)[NC], int K, con
 #pragma unroll
                 for (int i = 0; i < PG; ++i) {
                     const int g = min(g0 + 32 * i, ng - 1);
-                    iq64_q6k(r + (g / 4) * BB, g % 4, &wv[c][4 * i], &d[c][4 * i], &m[c][4 * i]);
+                    iq64<QT, true>(r + (g / 4) * BB, g % 4, &wv[c][4 * i], &d[c][4 * i], &m[c][4 * i]);
                 }
             }
 #pragma unroll
@@ -785,7 +785,7 @@ __device__ __forceinline__ void fq_rows16(const char* const (&w)[NC], int K, con
                 for (int h = 0; h < 4 * PG; ++h) {
                     const int g = g0 + 32 * (h / 4);
                     if (h < 4 || g < ng) {
-                        acc[c] = q16_fma<QT>(wv[c][h], d[c][h], m[c][h], xq + Q16_REC * q6k_pair_piece(g, (h / 2) & 1),
+                        acc[c] = q16_fma<QT>(wv[c][h], d[c][h], m[c][h], xq + Q16_REC * q_pair_piece<QT>(g, (h / 2) & 1),
                                              h & 1, acc[c]);
                     }
                 }
