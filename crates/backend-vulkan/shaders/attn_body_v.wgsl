@@ -6,22 +6,19 @@
 // stream of bytes: `attend` (attn_body.wgsl) loads a K row as 16 scalars a thread in two
 // rounds, a V row's 16 keys a thread in two more, and re-reads the mask before each use. Each
 // round waits for the one before. Here a thread's whole share of a chunk of keys is one round
-// of K and V loads where it fits (RK keys a thread), each element group one 16-byte load, and
-// the mask is read once, beside the K rows.
+// of K loads and one of V loads where it fits (RK keys a thread), each element group one
+// 16-byte load, and the mask is read once, beside the K rows.
 //
 // Strategy: the workgroup is G = WG / T key slots of T = dim / 8 threads; thread (slot, part)
 // owns 8 consecutive dims (`ld8`). Scores: a round takes keys j = base + slot + r * G,
-// r < RK, loading every key's mask value, its K part and its V part before any is used (a key
-// past the chunk is clamped to its last key and dropped), and writes the T partial dots of
-// each key to shared memory; thread (slot, r mod T) adds key r's in part order, so a slot's RK
-// keys are summed side by side. A masked key's score is MASKED (a NaN pattern no logit
-// leaves, since an admitted NaN logit is counted and stored as -inf); its K and V rows are
-// loaded but never used. Softmax as `attend`. p @ V: thread (slot, part) sums its 8 dims over
-// the keys j = slot + r * G in key order, skipping masked keys (p < 0) so a masked key
-// contributes exactly nothing whatever its V row holds; where the chunk is one round (up to
-// RK * G keys: 256 at head dim 64) the V parts are those loaded beside K, so the chunk makes
-// one trip to memory for its keys, else each round's V loads are issued again, together.
-// `group_sum_v` adds the G slots' partial outputs in slot order.
+// r < RK, loading every key's mask value and its K part before any is used (a key past the
+// chunk is clamped to its last key and dropped), and writes the T partial dots of each key to
+// shared memory, which the key's first thread adds in part order. A masked key's score is
+// MASKED (a NaN pattern no logit leaves, since an admitted NaN logit is counted and stored as
+// -inf); its K row is loaded but never used. Softmax as `attend`. p @ V: thread (slot, part)
+// sums its 8 dims over the keys j = slot + r * G in key order, a round's V loads issued
+// together, skipping masked keys (p < 0) so a masked key contributes exactly nothing whatever
+// its V row holds. `group_sum_v` adds the G slots' partial outputs in slot order.
 //
 // Invariants: f32 accumulation, sums in fixed orders (results do not depend on timing). Every
 // thread calls `attend_v` and `group_sum_v` with the same lo and hi (barriers in uniform
@@ -30,8 +27,8 @@
 
 // #include attn_common.wgsl
 
-// Keys a thread takes per round (`part_v` holds RK * WG partial dots).
-const RK: u32 = 8u;
+// Keys a thread takes per round.
+const RK: u32 = 4u;
 // A masked key's score (a quiet NaN with a payload; never a logit's value).
 const MASKED: u32 = 0x7fc0a5a5u;
 
@@ -81,37 +78,29 @@ fn attend_v(h: u32, lo: u32, hi: u32, li: u32) -> AttendedV {
     for (var c0 = lo; c0 < hi; c0 += CH) {
         let n = min(CH, hi - c0);
         var lm = ninf;
-        // The chunk in one round: its V parts come with its K parts (`xv`).
-        let one = n <= slots * RK;
-        let e = v0 + 8u * part * pc.offs.z;
-        var xv: array<mat2x4<f32>, RK>;
         for (var sb = 0u; sb < n; sb += slots * RK) {
-            // Every key's mask value, K part and V part of the round, loaded before any is used.
+            // Every key's mask value and K part of the round, loaded before any is used.
             var mv: array<f32, RK>;
             var kr: array<mat2x4<f32>, RK>;
             for (var r = 0u; r < RK; r++) {
                 let j = min(sb + slot + r * slots, n - 1u);
                 mv[r] = ld_m(m0 + (c0 + j) * pc.op.y);
                 kr[r] = ld8_k(k0 + (c0 + j) * pc.b_str.z + 8u * part);
-                xv[r] = ld8_v(e + (c0 + j) * pc.offs.y);
             }
             for (var r = 0u; r < RK; r++) {
                 let y = kr[r];
                 part_v[r * WG + li] = dot(qa[0], y[0]) + dot(qa[1], y[1]);
             }
             workgroupBarrier();
-            if takes_keys {
-                // Key r of the slot is thread (slot, r mod t)'s (r a constant in each pass, so
-                // the round's arrays stay in registers).
+            if takes_keys && part == 0u {
                 for (var r = 0u; r < RK; r++) {
                     let j = sb + slot + r * slots;
-                    if r % t == part && j < n {
+                    if j < n {
                         var s = bitcast<f32>(MASKED);
                         if bitcast<u32>(mv[r]) != NINF_BITS {
                             var d = 0.0;
-                            let p0 = r * WG + li - part;
                             for (var x = 0u; x < t; x++) {
-                                d += part_v[p0 + x];
+                                d += part_v[r * WG + li + x];
                             }
                             s = d * scale + mv[r];
                             if is_nan(s) {
@@ -151,6 +140,7 @@ fn attend_v(h: u32, lo: u32, hi: u32, li: u32) -> AttendedV {
         sum = sum * alpha + cs;
         acc = acc * alpha;
         if takes_keys {
+            let e = v0 + 8u * part * pc.offs.z;
             for (var sb = 0u; sb < n; sb += slots * RK) {
                 var p: array<f32, RK>;
                 var x: array<mat2x4<f32>, RK>;
@@ -160,11 +150,7 @@ fn attend_v(h: u32, lo: u32, hi: u32, li: u32) -> AttendedV {
                     if j < n {
                         p[r] = sc[j];
                     }
-                    if one {
-                        x[r] = xv[r];
-                    } else {
-                        x[r] = ld8_v(e + (c0 + min(j, n - 1u)) * pc.offs.y);
-                    }
+                    x[r] = ld8_v(e + (c0 + min(j, n - 1u)) * pc.offs.y);
                 }
                 for (var r = 0u; r < RK; r++) {
                     if p[r] >= 0.0 {

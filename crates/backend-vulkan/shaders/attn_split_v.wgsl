@@ -1,7 +1,7 @@
 // Decode attention split over keys with 16-byte K and V loads: `attn_split.wgsl`'s kernel (the
 // same span scan, chunks, slots, ticket and merge) whose chunks run `attend_v`
-// (`attn_body_v.wgsl`): a thread's share of a chunk's keys in one round of K and V loads where
-// it fits, 8 dims a load.
+// (`attn_body_v.wgsl`): a thread's share of a chunk's keys in one round of K loads and one of V
+// loads where it fits, 8 dims a load.
 //
 // Why: on a GPU the attention of a decode step is a chain of dependent trips to memory; fewer,
 // fuller rounds shorten it. The planner gives this kernel longer chunks than `attn_split`'s

@@ -36,9 +36,9 @@ const SPLIT_MIN_KEYS: u32 = 64;
 /// so can afford shorter chunks, up to twice as many a head.
 const GROUP_MIN_KEYS: u32 = 32;
 
-/// The same for the split with 16-byte loads (`attn_split_v`): a thread takes 8 keys a round
-/// (256 keys a round at head dim 64, their K and V parts loaded together), and a chunk's
-/// extra round costs less than the merge's trips, so a head splits only past 256 valid keys.
+/// The same for the split with 16-byte loads (`attn_split_v`): a thread takes 4 keys a round
+/// (128 keys a round at head dim 64), and a chunk's extra round costs less than the merge's
+/// trips, so a head splits only past 256 valid keys.
 const VEC_MIN_KEYS: u32 = 256;
 
 /// The most query heads per KV head the grouped split takes (the lanes of a vec4).
