@@ -239,7 +239,7 @@ impl Kernel {
         let first = *types.first()?;
         let all = match which {
             TypedQ::Off => return None,
-            TypedQ::Measured => false,
+            TypedQ::NoQ4K => false,
             TypedQ::All => true,
         };
         if types.iter().all(|&t| t == first) {
@@ -629,7 +629,7 @@ mod tests {
     #[test]
     fn typed_entry_points_take_one_type_or_q4_k_beside_q6_k() {
         let (q4_0, q8_0, q4_k, q6_k, q5_k) = (4, 8, 11, 13, 12);
-        for which in [TypedQ::Measured, TypedQ::All] {
+        for which in [TypedQ::NoQ4K, TypedQ::All] {
             assert_eq!(
                 Kernel::typed_q(&[q4_0, q4_0, q4_0], which),
                 Some(Kernel::FusedGemv1Q40)
@@ -653,8 +653,8 @@ mod tests {
             Kernel::typed_q(&[q4_k], TypedQ::All),
             Some(Kernel::FusedGemv1Q4K)
         );
-        assert_eq!(Kernel::typed_q(&[q4_k, q4_k, q6_k], TypedQ::Measured), None);
-        assert_eq!(Kernel::typed_q(&[q4_k], TypedQ::Measured), None);
+        assert_eq!(Kernel::typed_q(&[q4_k, q4_k, q6_k], TypedQ::NoQ4K), None);
+        assert_eq!(Kernel::typed_q(&[q4_k], TypedQ::NoQ4K), None);
         for types in [&[q4_0][..], &[q8_0], &[q6_k], &[q4_k], &[q4_k, q6_k]] {
             assert_eq!(Kernel::typed_q(types, TypedQ::Off), None, "{types:?}");
         }

@@ -56,12 +56,8 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
     assert_eq!(d.q_blocks, 3);
     assert!(!d.q_prefetch && d.q_ahead && d.q_head && d.q_interleave && d.rehearse_list);
     assert_eq!(d.attn_split, 1);
-    assert_eq!(d.q_typed, TypedQ::Measured);
-    for (v, want) in [
-        ("0", TypedQ::Off),
-        ("1", TypedQ::Measured),
-        ("2", TypedQ::All),
-    ] {
+    assert_eq!(d.q_typed, TypedQ::All);
+    for (v, want) in [("0", TypedQ::Off), ("1", TypedQ::NoQ4K), ("2", TypedQ::All)] {
         assert_eq!(tuned(&format!("gemv_q_typed={v}")).unwrap().q_typed, want);
     }
     assert!(tuned("gemv_q_typed=3").is_err());

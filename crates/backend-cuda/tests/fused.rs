@@ -1012,7 +1012,7 @@ fn a_quantized_decode_layer_gives_the_same_results_with_either_qdot() {
 }
 
 /// The quantized layer through every one of `fused_gemv1_q`'s typed entry points
-/// (`gemv_q_typed=2`; the default, `1`, takes those of Q4_0, Q8_0 and Q6_K) and through the
+/// (`gemv_q_typed=2`, the default; `1` takes those of Q4_0, Q8_0 and Q6_K only) and through the
 /// generic kernel (`=0`): the same launches and the same bits, for a layer of one block type
 /// per typed entry point and for Q4_K beside Q6_K.
 #[test]

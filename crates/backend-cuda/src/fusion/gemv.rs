@@ -605,7 +605,7 @@ mod tests {
         );
         let q40 = set(&[(q4_0, 0x1002, 1154)]);
         assert_eq!(
-            typed_kernel(&q40, 1, TypedQ::Measured),
+            typed_kernel(&q40, 1, TypedQ::NoQ4K),
             Some(Kernel::FusedGemv1Q40)
         );
     }
