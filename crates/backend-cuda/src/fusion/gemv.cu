@@ -670,7 +670,8 @@ __device__ __forceinline__ float fq_dot(const u8* w, int K, const float* xr, int
 // both where its block type allows) p = lane, lane + 32, ..., two per round with both
 // pieces' weight loads issued first (the second piece's index clamped to the row, its
 // products skipped past the end), and adds each chunk's integer sum against its half record,
-// in k order.
+// in k order. Q4_K and Q6_K (`q_paired`): pairs of pieces g = lane, lane + 32, ..., one a
+// round, each pair's two pieces in order (`iq64`, `q_pair_piece`).
 template <int QT>
 __device__ __forceinline__ float fq_dot16(const u8* w, int K, const u8* xq, int lane) {
     const int QB = q_block_size(QT), BB = q_block_bytes(QT), PPB = QB / 32;
@@ -751,7 +752,8 @@ __device__ __noinline__ float fq_row(int qt, const u8* w, int K, const float* xr
 // every row of the unit (lane l: pieces l, l + 32, ... of the round), all their weight loads
 // issued before any of their products: a row's rounds are dependent trips to memory, so fewer,
 // fuller rounds (two rows of a pair together, or four pieces of one row) keep more bytes in
-// flight per warp. Past the row's end a piece's index is clamped (its loads stay
+// flight per warp; Q4_K and Q6_K take PR / 2 pairs of pieces a round instead (`q_paired`),
+// in `fq_dot16`'s order. Past the row's end a piece's index is clamped (its loads stay
 // unconditional) and its products skipped. Inlined into the unit loop instead of called
 // through the switch over arithmetics and types. Q4_K rows start on 16 bytes here (the host
 // launches the typed kernels of Q4_K only then), so `iq32` takes them without its test.
