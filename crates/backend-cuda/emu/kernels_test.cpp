@@ -430,8 +430,10 @@ FqKernel fq_typed(const std::vector<int>& types) {
 
 // The bytes of the buffers a kernel writes, taken before the generic kernel's launch; `typed`
 // then, where the segments' one block type has a typed entry point, puts them back and runs it
-// (`run(kernel, pf)`: `pf` bit 2 set or not, a unit's rows interleaved or one after the other)
-// and checks that it wrote every buffer to the generic kernel's bytes, each way.
+// (`run(kernel, pf)`: `pf` bit 2 set or not, a unit's rows interleaved or one after the other;
+// bit 3, the row quantized straight from global memory where there is no norm prologue) and
+// checks that it wrote every buffer to the generic kernel's bytes, each way. `same` reruns the
+// generic kernel another way (`pf` bit 3) and checks the same.
 struct TypedCheck {
     std::vector<Buf*> outs;
     std::vector<std::vector<unsigned char>> start;
@@ -444,7 +446,7 @@ struct TypedCheck {
         if (!k) return;
         std::vector<std::vector<unsigned char>> want;
         for (Buf* b : outs) want.push_back(Producer::bytes(b));
-        for (int pf : {0, 4}) {
+        for (int pf : {0, 4, 8}) {
             for (size_t i = 0; i < outs.size(); ++i) memcpy(outs[i]->p(), start[i].data(), start[i].size());
             run(k, pf);
             for (size_t i = 0; i < outs.size(); ++i) {
@@ -453,6 +455,20 @@ struct TypedCheck {
                     printf("FAIL %s pf %d: the typed entry point wrote buffer %zu differently\n", tag.c_str(), pf, i);
                 }
             }
+        }
+    }
+    template <class Rerun>
+    void same(const std::string& tag, Rerun rerun) {
+        std::vector<std::vector<unsigned char>> want;
+        for (Buf* b : outs) want.push_back(Producer::bytes(b));
+        for (size_t i = 0; i < outs.size(); ++i) memcpy(outs[i]->p(), start[i].data(), start[i].size());
+        rerun();
+        for (size_t i = 0; i < outs.size(); ++i) {
+            if (Producer::bytes(outs[i]) != want[i]) {
+                ++fails;
+                printf("FAIL %s: wrote buffer %zu differently\n", tag.c_str(), i);
+            }
+            memcpy(outs[i]->p(), want[i].data(), want[i].size());  // the later checks' bytes
         }
     }
 };
@@ -2514,6 +2530,7 @@ void test_fused_gemv1_q() {
                               std::to_string(q16) + " types";
             for (int s = 0; s < P.nseg; ++s) tag += " " + quant_case(c.qt[s]).name;
             prod.check(tag);
+            if (q16) typed.same(tag + " direct", [&] { run(fused_gemv1_q, 8); });
             std::vector<double> act(K);
             if (c.norm) {
                 double ss = 0;

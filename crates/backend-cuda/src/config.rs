@@ -127,6 +127,13 @@ pub struct CudaConfig {
     /// each row alone, two pieces a round, as the generic kernel does. The same bits either
     /// way. On the H200: Q4_0 2.5% faster on, Q8_0 and Q6_K about 1% slower (two rounds).
     pub q_interleave: bool,
+    /// Decode's products on quantized weights without a norm prologue (o, down) quantize the
+    /// activation row straight from global memory: each thread loads its half-blocks' values
+    /// into registers and writes their q16 or q8 records, instead of staging the row's floats
+    /// in shared memory first and reading them back (tune key `gemv_q_direct`, default off
+    /// until timed). The same records bit for bit. Every block quantizes the whole row before
+    /// its first product; ncu put about half of a down launch's stall samples there.
+    pub q_direct: bool,
     /// Decode's head on a quantized weight, with its argmax, runs as the other quantized
     /// products do (`fused_gemv1_q` with the argmax folded in; tune key `gemv_q_head`, default
     /// on); off takes `mul_mat_vec_q_argmax`.
@@ -245,6 +252,7 @@ impl Default for CudaConfig {
             q_ahead: true,
             q_typed: TypedQ::All,
             q_interleave: true,
+            q_direct: false,
             q_head: true,
             stream_pad_kb: None,
             copy_kernel_max: 4096,
@@ -271,7 +279,7 @@ const MAX_STREAM_BLOCKS: u64 = 32;
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
      attn_split, rehearse, rehearse_list, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, \
      gemv_q_prefetch, gemv_q_ahead, gemv_q_head, gemv_q_typed, \
-     gemv_q_interleave, gemv_pad_kb, copy_kernel, \
+     gemv_q_interleave, gemv_q_direct, gemv_pad_kb, copy_kernel, \
      read_kernel, mmv_max_m, qdot (see docs/tuning.md)";
 
 impl CudaConfig {
@@ -296,7 +304,8 @@ impl CudaConfig {
     /// comma-separated `key=value` items, whitespace around each ignored, empty items skipped,
     /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`,
     /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `gemv_q_prefetch`,
-    /// `gemv_q_ahead`, `gemv_q_head`, `gemv_q_interleave`, `rehearse_list`, `read_kernel`
+    /// `gemv_q_ahead`, `gemv_q_head`, `gemv_q_interleave`, `gemv_q_direct`, `rehearse_list`,
+    /// `read_kernel`
     /// (0 or 1); `gemv_q_typed` (0, 1 or 2);
     /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` and `gemv_q_blocks` (1
     /// or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
@@ -345,6 +354,7 @@ impl CudaConfig {
                         _ => return Err(bad("gemv_q_typed=0, 1 or 2")),
                     }
                 }
+                "gemv_q_direct" => self.q_direct = flag("gemv_q_direct=0 or gemv_q_direct=1")?,
                 "gemv_q_interleave" => {
                     self.q_interleave = flag("gemv_q_interleave=0 or gemv_q_interleave=1")?
                 }
@@ -444,7 +454,7 @@ mod tests {
         let c = tuned(
             "pdl=0, attn_fast=0,attn_prefill=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
              gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0,gemv_q_blocks=5,gemv_q_prefetch=1,gemv_q_head=0,rehearse_list=0,\
-             gemv_q_ahead=0,gemv_q_typed=0,gemv_q_interleave=0",
+             gemv_q_ahead=0,gemv_q_typed=0,gemv_q_interleave=0,gemv_q_direct=1",
         )
         .unwrap();
         let want = CudaConfig {
@@ -462,6 +472,7 @@ mod tests {
             q_head: false,
             q_typed: TypedQ::Off,
             q_interleave: false,
+            q_direct: true,
             rehearse_list: false,
             stream_pad_kb: Some(96),
             copy_kernel_max: 512,

@@ -55,6 +55,7 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
     );
     assert_eq!(d.q_blocks, 3);
     assert!(!d.q_prefetch && d.q_ahead && d.q_head && d.q_interleave && d.rehearse_list);
+    assert!(!d.q_direct);
     assert_eq!(d.attn_split, 1);
     assert_eq!(d.q_typed, TypedQ::All);
     for (v, want) in [("0", TypedQ::Off), ("1", TypedQ::NoQ4K), ("2", TypedQ::All)] {
@@ -92,6 +93,9 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
     assert!(tuned("gemv_q_prefetch=1").unwrap().q_prefetch);
     assert_eq!(tuned("gemv_q_prefetch=1,gemv_q_prefetch=0").unwrap(), d);
     assert!(tune_error("gemv_q_prefetch=yes").contains("gemv_q_prefetch"));
+    assert!(tuned("gemv_q_direct=1").unwrap().q_direct);
+    assert_eq!(tuned("gemv_q_direct=1,gemv_q_direct=0").unwrap(), d);
+    assert!(tune_error("gemv_q_direct=yes").contains("gemv_q_direct"));
     assert_eq!(tuned("gemv_blocks=3").unwrap().stream_blocks, 3);
     assert_eq!(
         tuned("gemv_blocks=1000").unwrap().stream_blocks,
@@ -153,6 +157,7 @@ fn a_bad_tune_key_or_value_is_an_error_naming_the_variable() {
             "gemv_q_ahead",
             "gemv_q_typed",
             "gemv_q_interleave",
+            "gemv_q_direct",
             "rehearse_list",
             "gemv_pad_kb",
             "copy_kernel",

@@ -899,6 +899,46 @@ __device__ __forceinline__ void fq_quantize(float* xs, int K) {
     __syncthreads();
 }
 
+// `fq_quantize` of the row at a (global, K floats, 16-byte aligned; K a multiple of 32)
+// without staging it: thread t of round r takes half-block h = r * blockDim.x + t, its 16
+// floats loaded from a straight into registers (two rounds' loads issued before either is
+// quantized), and writes its q16 (or with `Q8` q8) record half to xs. The same records bit
+// for bit (the same values through `q16_half` / `q8_half`); the floats never pass through
+// shared memory, so no barrier but the last.
+template <bool Q8>
+__device__ __forceinline__ void fq_quantize_direct(float* xs, const float* a, int K) {
+    const int nh = K / 16, bd = (int)blockDim.x;
+    for (int h0 = 0; h0 < nh; h0 += 2 * bd) {
+        float v[2][16];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int h = h0 + r * bd + (int)threadIdx.x;
+            const float4* x4 = (const float4*)(a + 16 * (h < nh ? h : 0));
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                const float4 f = x4[t];
+                v[r][4 * t] = f.x;
+                v[r][4 * t + 1] = f.y;
+                v[r][4 * t + 2] = f.z;
+                v[r][4 * t + 3] = f.w;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            // Uniform over the block, so every lane of a warp meets the halves' shuffle.
+            if (h0 + r * bd < nh) {
+                const int h = h0 + r * bd + (int)threadIdx.x;
+                if (Q8) {
+                    q8_half(v[r], (u8*)xs + Q8_REC * (h / 2), h, h < nh);
+                } else {
+                    q16_half(v[r], (u8*)xs + Q16_REC * (h / 2), h, h < nh);
+                }
+            }
+        }
+    }
+    __syncthreads();
+}
+
 // Unit u's weight rows (block types from their segments) into L2: a 128-byte line per lane
 // per pass, from the line holding each row's first byte to its end.
 template <int NC>
@@ -934,17 +974,26 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     const int u0 = (int)blockIdx.x * FG1_WARPS + (threadIdx.x >> 5);
     if (u0 < units && !(pf & 2)) fq_prefetch<NC>(S, u0, K, lane);
     pdl_entry();
-    if (nx) {
-        norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a, false, S.wnorm != 0);
+    if (!nx && (pf & 8) && (QT != 0 || qm)) {
+        // `pf` bit 3: the row quantized straight from global memory (no norm prologue).
+        if (QT == 0 && qm == 2) {
+            fq_quantize_direct<true>(xs, a, K);
+        } else {
+            fq_quantize_direct<false>(xs, a, K);
+        }
     } else {
-        stage_row(xs, a, K, false);
-    }
-    if (QT == 0 && qm == 2) {
-        fq_quantize<true>(xs, K);
-    } else if (QT != 0 || qm) {
-        fq_quantize<false>(xs, K);
-    } else {
-        fq_swizzle(xs, K);
+        if (nx) {
+            norm_stage(xs, K, nx, eps, nd, dtn, nw, dtnw, (float*)a, false, S.wnorm != 0);
+        } else {
+            stage_row(xs, a, K, false);
+        }
+        if (QT == 0 && qm == 2) {
+            fq_quantize<true>(xs, K);
+        } else if (QT != 0 || qm) {
+            fq_quantize<false>(xs, K);
+        } else {
+            fq_swizzle(xs, K);
+        }
     }
 #pragma unroll 1
     for (int u = u0; u < units; u += stride) {
@@ -1019,7 +1068,9 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // its next unit's rows into L2 before its current unit's products (`CudaConfig::q_prefetch`);
 // bit 1: no warp asks its first unit's rows into L2 before the wait (`CudaConfig::q_ahead`
 // off); bit 2 (typed entry points): each row alone, two pieces a round, instead of a round
-// over both rows of a pair or four pieces of a single row (`CudaConfig::q_interleave` off).
+// over both rows of a pair or four pieces of a single row (`CudaConfig::q_interleave` off);
+// bit 3: without a norm prologue, the row quantized straight from a (`fq_quantize_direct`,
+// `CudaConfig::q_direct`).
 extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,
                                                                         float eps, void* nd,
