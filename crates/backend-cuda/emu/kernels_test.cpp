@@ -2155,10 +2155,11 @@ bool iq32_matches(const unsigned char* blk, int p) {
     return same;
 }
 
-// iq64 (a pair's four chunks, `q_paired` types) against iq16 of the pair's pieces, bit for bit.
+// iq64 (a pair's four chunks, `q_paired` types) against iq16 of the pair's pieces, bit for bit
+// (called for the paired types only; the switch instantiates it for every type).
 template <int QT>
 bool iq64_matches(const unsigned char* blk, int q) {
-    if (!q_paired(QT)) return true;
+    if (!q_paired(QT)) return false;
     u32 w[4][4], v[4];
     float d[4], m[4], e, n;
     iq64<QT>(blk, q, w, d, m);
@@ -2253,7 +2254,7 @@ void test_quant_dequant() {
             }
             // iq64 over every pair of every block (each block its pieces' four pairs).
             differ = 0;
-            for (i64 b = 0; b < c.nblocks && qb == 256; ++b) {
+            for (i64 b = 0; b < c.nblocks && q_paired(c.qt); ++b) {
                 for (int q = 0; q < 4; ++q) {
                     bool same = false;
                     QUANT_SWITCH(c.qt, same = iq64_matches<QTV>(base + b * bb, q))

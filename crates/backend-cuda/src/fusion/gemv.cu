@@ -866,6 +866,30 @@ __device__ __forceinline__ void fq_swizzle(float* xs, int K) {
     __syncthreads();
 }
 
+// The 16 floats at p (16-byte aligned) into v.
+__device__ __forceinline__ void fq_load16(const float* p, float (&v)[16]) {
+    const float4* x4 = (const float4*)p;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        const float4 f = x4[t];
+        v[4 * t] = f.x;
+        v[4 * t + 1] = f.y;
+        v[4 * t + 2] = f.z;
+        v[4 * t + 3] = f.w;
+    }
+}
+
+// Half-block h's values v into its q16 record at xs (with `Q8`, its q8 record); `live` false:
+// a thread past the row, which takes part in the halves' shuffle and stores nothing.
+template <bool Q8>
+__device__ __forceinline__ void fq_half(const float (&v)[16], float* xs, int h, bool live) {
+    if (Q8) {
+        q8_half(v, (u8*)xs + Q8_REC * (h / 2), h, live);
+    } else {
+        q16_half(v, (u8*)xs + Q16_REC * (h / 2), h, live);
+    }
+}
+
 // Quantizes the staged row (K floats at xs, K a multiple of 32; every thread takes part) in
 // place to K / 32 q16 records at xs (`Q16_REC` bytes each, 2.5 bytes a value: they fit in the
 // row's 4), or with `Q8` to q8 records (`Q8_REC` bytes, 1.5 bytes a value). Thread t of round r
@@ -880,21 +904,9 @@ __device__ __forceinline__ void fq_quantize(float* xs, int K) {
         const int h = h0 + threadIdx.x;
         const bool live = h < nh;
         float v[16];
-        const float4* x4 = (const float4*)(xs + 16 * (live ? h : 0));
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            const float4 f = x4[t];
-            v[4 * t] = f.x;
-            v[4 * t + 1] = f.y;
-            v[4 * t + 2] = f.z;
-            v[4 * t + 3] = f.w;
-        }
+        fq_load16(xs + 16 * (live ? h : 0), v);
         __syncthreads();
-        if (Q8) {
-            q8_half(v, (u8*)xs + Q8_REC * (h / 2), h, live);
-        } else {
-            q16_half(v, (u8*)xs + Q16_REC * (h / 2), h, live);
-        }
+        fq_half<Q8>(v, xs, h, live);
     }
     __syncthreads();
 }
@@ -913,26 +925,14 @@ __device__ __forceinline__ void fq_quantize_direct(float* xs, const float* a, in
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int h = h0 + r * bd + (int)threadIdx.x;
-            const float4* x4 = (const float4*)(a + 16 * (h < nh ? h : 0));
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                const float4 f = x4[t];
-                v[r][4 * t] = f.x;
-                v[r][4 * t + 1] = f.y;
-                v[r][4 * t + 2] = f.z;
-                v[r][4 * t + 3] = f.w;
-            }
+            fq_load16(a + 16 * (h < nh ? h : 0), v[r]);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             // Uniform over the block, so every lane of a warp meets the halves' shuffle.
             if (h0 + r * bd < nh) {
                 const int h = h0 + r * bd + (int)threadIdx.x;
-                if (Q8) {
-                    q8_half(v[r], (u8*)xs + Q8_REC * (h / 2), h, h < nh);
-                } else {
-                    q16_half(v[r], (u8*)xs + Q16_REC * (h / 2), h, h < nh);
-                }
+                fq_half<Q8>(v[r], xs, h, h < nh);
             }
         }
     }
