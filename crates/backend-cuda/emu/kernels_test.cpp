@@ -2519,12 +2519,15 @@ void test_fused_gemv1_q() {
             if (c.norm) written.push_back(&a);
             TypedCheck typed(written);
             Producer prod({c.norm ? &x : &a}, res);
-            auto run = [&](FqKernel kernel, int pf) {
-                launch(grid ? (unsigned)grid : (unsigned)((P.units() + 7) / 8), 256, [&] {
+            // `warps` per block: 8, or (without a norm prologue, `CudaConfig::q_warps`) 12.
+            auto run_w = [&](FqKernel kernel, int pf, unsigned warps) {
+                launch(grid ? (unsigned)grid : (unsigned)((P.units() + warps - 1) / warps), 32 * warps, [&] {
                     kernel(K, (const float*)a.p(), P.S, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
                            c.norm ? nd.p() : nullptr, DT_F32, nw.p(), DT_F32, q16, (grid == 3 ? 3 : 1) | pf);
                 });
             };
+            auto run = [&](FqKernel kernel, int pf) { run_w(kernel, pf, 8); };
+            auto run12 = [&](FqKernel kernel, int pf) { run_w(kernel, pf, 12); };
             run(fused_gemv1_q, 0);
             std::string tag = "fused_gemv1_q K " + std::to_string(K) + " pair " + std::to_string(c.pair) + " norm " +
                               std::to_string(c.norm) + " grid " + std::to_string(grid) + " qm " +
@@ -2532,6 +2535,9 @@ void test_fused_gemv1_q() {
             for (int s = 0; s < P.nseg; ++s) tag += " " + quant_case(c.qt[s]).name;
             prod.check(tag);
             if (q16) typed.same(tag + " direct", [&] { run(fused_gemv1_q, 8); });
+            // Blocks of 12 warps (the units' owners change, not their sums).
+            const bool wide = q16 && !c.norm && grid == 3;
+            if (wide) typed.same(tag + " 12 warps", [&] { run12(fused_gemv1_q, 0); });
             std::vector<double> act(K);
             if (c.norm) {
                 double ss = 0;
@@ -2559,7 +2565,9 @@ void test_fused_gemv1_q() {
             const std::vector<double> deq = q_values(row, q16);
             P.check_all(tag, K, [&](i64, i64 k) { return deq[k]; });
             P.check_all(tag + " (unquantized row)", K, [&](i64, i64 k) { return act[k]; }, q_raw_bound(q16));
-            if (q16 == 1) typed.typed(tag + " typed", std::vector<int>(c.qt.begin(), c.qt.begin() + P.nseg), run);
+            const std::vector<int> types(c.qt.begin(), c.qt.begin() + P.nseg);
+            if (q16 == 1) typed.typed(tag + " typed", types, run);
+            if (q16 == 1 && wide) typed.typed(tag + " typed 12 warps", types, run12);
         }
 }
 

@@ -130,10 +130,23 @@ pub struct CudaConfig {
     /// Decode's products on quantized weights without a norm prologue (o, down) quantize the
     /// activation row straight from global memory: each thread loads its half-blocks' values
     /// into registers and writes their q16 or q8 records, instead of staging the row's floats
-    /// in shared memory first and reading them back (tune key `gemv_q_direct`, default off
-    /// until timed). The same records bit for bit. Every block quantizes the whole row before
-    /// its first product; ncu put about half of a down launch's stall samples there.
+    /// in shared memory first and reading them back (tune key `gemv_q_direct`, default on).
+    /// The same records bit for bit. Every block quantizes the whole row before its first
+    /// product; ncu put about half of a down launch's stall samples there. With `q_warps` 16,
+    /// on an H100 ("1b", llama-quantize's files) 3.7-5.8% more tokens/s than neither.
     pub q_direct: bool,
+    /// Warps per block of decode's products on quantized weights without a norm prologue (o,
+    /// down, the head; tune key `gemv_q_warps`, 1 to 24, default 16). Each block stages and
+    /// quantizes the whole activation row before its first product, so with `gemv_q_blocks`
+    /// blocks of 8 warps a multiprocessor does that `gemv_q_blocks` times; larger blocks do it
+    /// once for more warps. The streamed grid keeps the warps a multiprocessor holds:
+    /// `gemv_q_blocks * 8 / gemv_q_warps` blocks each (at least one). The same sums bit for
+    /// bit (the order depends only on K); the products with a norm prologue keep 8 warps,
+    /// whose block order the norm's sum of squares follows. 16 puts "1b"'s o and down (2,048
+    /// units) in 128 blocks, one a multiprocessor on an H100 or H200, where blocks of 8 put
+    /// two on most; 12 (two on some, one on others) gained a third of what 16 did, and 24
+    /// lost 3% on "tiny" (docs/notes/gpu-vs-llama-cpp.md).
+    pub q_warps: usize,
     /// Decode's head on a quantized weight, with its argmax, runs as the other quantized
     /// products do (`fused_gemv1_q` with the argmax folded in; tune key `gemv_q_head`, default
     /// on); off takes `mul_mat_vec_q_argmax`.
@@ -252,7 +265,8 @@ impl Default for CudaConfig {
             q_ahead: true,
             q_typed: TypedQ::All,
             q_interleave: true,
-            q_direct: false,
+            q_direct: true,
+            q_warps: 16,
             q_head: true,
             stream_pad_kb: None,
             copy_kernel_max: 4096,
@@ -275,11 +289,14 @@ const MAX_PAD_KB: u64 = 227;
 /// Most blocks per multiprocessor a streamed grid takes (larger `gemv_blocks` are capped).
 const MAX_STREAM_BLOCKS: u64 = 32;
 
+/// Most warps per block of `fused_gemv1_q` (`FQ1_MAX_WARPS` in src/fusion/gemv.cu).
+pub(crate) const MAX_Q_WARPS: u64 = 24;
+
 /// What `LOWSYNC_CUDA_TUNE` takes, for an unknown key or an item without `=`.
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
      attn_split, rehearse, rehearse_list, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, \
      gemv_q_prefetch, gemv_q_ahead, gemv_q_head, gemv_q_typed, \
-     gemv_q_interleave, gemv_q_direct, gemv_pad_kb, copy_kernel, \
+     gemv_q_interleave, gemv_q_direct, gemv_q_warps, gemv_pad_kb, copy_kernel, \
      read_kernel, mmv_max_m, qdot (see docs/tuning.md)";
 
 impl CudaConfig {
@@ -355,6 +372,13 @@ impl CudaConfig {
                     }
                 }
                 "gemv_q_direct" => self.q_direct = flag("gemv_q_direct=0 or gemv_q_direct=1")?,
+                "gemv_q_warps" => {
+                    let expected = "gemv_q_warps=N, N warps per block from 1 to 24";
+                    match unsigned(expected)? {
+                        v @ 1..=MAX_Q_WARPS => self.q_warps = size(v),
+                        _ => return Err(bad(expected)),
+                    }
+                }
                 "gemv_q_interleave" => {
                     self.q_interleave = flag("gemv_q_interleave=0 or gemv_q_interleave=1")?
                 }
@@ -454,7 +478,7 @@ mod tests {
         let c = tuned(
             "pdl=0, attn_fast=0,attn_prefill=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
              gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0,gemv_q_blocks=5,gemv_q_prefetch=1,gemv_q_head=0,rehearse_list=0,\
-             gemv_q_ahead=0,gemv_q_typed=0,gemv_q_interleave=0,gemv_q_direct=1",
+             gemv_q_ahead=0,gemv_q_typed=0,gemv_q_interleave=0,gemv_q_direct=0,gemv_q_warps=24",
         )
         .unwrap();
         let want = CudaConfig {
@@ -472,7 +496,8 @@ mod tests {
             q_head: false,
             q_typed: TypedQ::Off,
             q_interleave: false,
-            q_direct: true,
+            q_direct: false,
+            q_warps: 24,
             rehearse_list: false,
             stream_pad_kb: Some(96),
             copy_kernel_max: 512,
@@ -509,6 +534,8 @@ mod tests {
             ("gemv_q_head=x", "gemv_q_head=0 or gemv_q_head=1"),
             ("gemv_q_ahead=x", "gemv_q_ahead=0 or gemv_q_ahead=1"),
             ("gemv_q_typed=3", "gemv_q_typed=0, 1 or 2"),
+            ("gemv_q_warps=0", "from 1 to 24"),
+            ("gemv_q_warps=25", "from 1 to 24"),
             (
                 "gemv_q_interleave=x",
                 "gemv_q_interleave=0 or gemv_q_interleave=1",

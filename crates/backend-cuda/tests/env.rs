@@ -55,7 +55,10 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
     );
     assert_eq!(d.q_blocks, 3);
     assert!(!d.q_prefetch && d.q_ahead && d.q_head && d.q_interleave && d.rehearse_list);
-    assert!(!d.q_direct);
+    assert!(d.q_direct);
+    assert_eq!(d.q_warps, 16);
+    assert_eq!(tuned("gemv_q_warps=8").unwrap().q_warps, 8);
+    assert!(tune_error("gemv_q_warps=32").contains("gemv_q_warps"));
     assert_eq!(d.attn_split, 1);
     assert_eq!(d.q_typed, TypedQ::All);
     for (v, want) in [("0", TypedQ::Off), ("1", TypedQ::NoQ4K), ("2", TypedQ::All)] {
@@ -65,7 +68,7 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
     assert_eq!(tuned("gemv_q_blocks=2").unwrap().q_blocks, 2);
 
     type Read = fn(&CudaConfig) -> bool;
-    let flags: [(&str, Read); 11] = [
+    let flags: [(&str, Read); 12] = [
         ("pdl", |c| c.pdl),
         ("attn_fast", |c| c.attn_fast),
         ("attn_prefill", |c| c.attn_prefill),
@@ -76,6 +79,7 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
         ("gemv_q_head", |c| c.q_head),
         ("gemv_q_ahead", |c| c.q_ahead),
         ("gemv_q_interleave", |c| c.q_interleave),
+        ("gemv_q_direct", |c| c.q_direct),
         ("rehearse_list", |c| c.rehearse_list),
     ];
     for (key, read) in flags {
@@ -93,9 +97,6 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
     assert!(tuned("gemv_q_prefetch=1").unwrap().q_prefetch);
     assert_eq!(tuned("gemv_q_prefetch=1,gemv_q_prefetch=0").unwrap(), d);
     assert!(tune_error("gemv_q_prefetch=yes").contains("gemv_q_prefetch"));
-    assert!(tuned("gemv_q_direct=1").unwrap().q_direct);
-    assert_eq!(tuned("gemv_q_direct=1,gemv_q_direct=0").unwrap(), d);
-    assert!(tune_error("gemv_q_direct=yes").contains("gemv_q_direct"));
     assert_eq!(tuned("gemv_blocks=3").unwrap().stream_blocks, 3);
     assert_eq!(
         tuned("gemv_blocks=1000").unwrap().stream_blocks,
@@ -158,6 +159,7 @@ fn a_bad_tune_key_or_value_is_an_error_naming_the_variable() {
             "gemv_q_typed",
             "gemv_q_interleave",
             "gemv_q_direct",
+            "gemv_q_warps",
             "rehearse_list",
             "gemv_pad_kb",
             "copy_kernel",

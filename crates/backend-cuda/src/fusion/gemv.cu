@@ -957,6 +957,11 @@ __device__ __forceinline__ void fq_prefetch(const FgSet& S, int u, int K, int la
     }
 }
 
+// The largest block of `fused_gemv1_q` and its typed entry points (24 warps): the bounds
+// `(768, 1)` hold the typed ones to the 80 registers that three blocks of FG1_WARPS warps
+// also allowed, so one kernel serves both shapes.
+#define FQ1_MAX_WARPS 24
+
 // QT: 0 for any block type per segment and any arithmetic `qm` (`fq_row`); a block type for
 // the typed entry points, whose segments all hold that type (or QT2, where it is not 0) and
 // whose `qm` is 1 (q16).
@@ -970,8 +975,11 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     u64 best = 0ull;  // S.amax: the largest argmax key of this warp's units (lane 0)
     // Before the wait (overlapping the previous kernel's tail): the warp's first unit's weight
     // rows into L2, unless `pf` bit 1.
-    const int stride = (int)gridDim.x * FG1_WARPS;
-    const int u0 = (int)blockIdx.x * FG1_WARPS + (threadIdx.x >> 5);
+    // Warps per block: FG1_WARPS, or up to FQ1_MAX_WARPS for the products without a norm
+    // prologue (`CudaConfig::q_warps`); nothing below depends on it but the units' owners.
+    const int nwarps = (int)(blockDim.x >> 5);
+    const int stride = (int)gridDim.x * nwarps;
+    const int u0 = (int)blockIdx.x * nwarps + (threadIdx.x >> 5);
     if (u0 < units && !(pf & 2)) fq_prefetch<NC>(S, u0, K, lane);
     pdl_entry();
     if (!nx && (pf & 8) && (QT != 0 || qm)) {
@@ -1049,18 +1057,19 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     }
     if (NC == 1 && S.amax) {
         // As `mul_mat_vec_q_argmax`: the block's largest key into the word, not waited for.
-        __shared__ u64 sk[FG1_WARPS];
+        __shared__ u64 sk[FQ1_MAX_WARPS];
         if (lane == 0) sk[threadIdx.x >> 5] = best;
         __syncthreads();
         if (threadIdx.x == 0) {
             u64 m = 0ull;
-            for (int w = 0; w < FG1_WARPS; ++w) m = sk[w] > m ? sk[w] : m;
+            for (int w = 0; w < nwarps; ++w) m = sk[w] > m ? sk[w] : m;
             if (m != 0ull) atomicMax((unsigned long long*)S.amax, (unsigned long long)m);
         }
     }
 }
 
-// blockDim.x == FG1_WARPS * 32, dynamic shared memory K floats; K a multiple of every
+// blockDim.x a multiple of 32, at most FQ1_MAX_WARPS * 32 (FG1_WARPS * 32 with a norm prologue:
+// the norm's sums run in that block's order), dynamic shared memory K floats; K a multiple of every
 // segment's block size, below 2^31 with the units (checked on the host), a 16-byte aligned
 // and every weight 2-byte aligned. Any grid of at least one block (the warps stride over the
 // units); S.pair as `fused_gemv1`'s sets (0, 1: SwiGlu, 2: row pairs). `qm`: integer products
@@ -1071,7 +1080,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // over both rows of a pair or four pieces of a single row (`CudaConfig::q_interleave` off);
 // bit 3: without a norm prologue, the row quantized straight from a (`fq_quantize_direct`,
 // `CudaConfig::q_direct`).
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,
                                                                         float eps, void* nd,
                                                                         int dtn, const void* nw,
@@ -1101,12 +1110,12 @@ extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1_q(i64 K
     } else {                                                                           \
         fq1_body<1, QT, QT2>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);    \
     }
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q4_0(FQ1_PARAMS) { FQ_TYPED(DT_Q4_0, 0) }
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q8_0(FQ1_PARAMS) { FQ_TYPED(DT_Q8_0, 0) }
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q4_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K, 0) }
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q6_K, 0) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_0(FQ1_PARAMS) { FQ_TYPED(DT_Q4_0, 0) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q8_0(FQ1_PARAMS) { FQ_TYPED(DT_Q8_0, 0) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K, 0) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q6_K, 0) }
 // Q4_K_M's groups of Q4_K and Q6_K weights (q and k beside v).
-extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32, 3) fused_gemv1_q4_k_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K, DT_Q6_K) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_k_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K, DT_Q6_K) }
 #undef FQ_TYPED
 #undef FQ1_PARAMS
 

@@ -21,7 +21,7 @@
 use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::{DType, Op};
 
-use crate::config::TypedQ;
+use crate::config::{TypedQ, MAX_Q_WARPS};
 use crate::exec::launch::{dt, kernel_err, qt, quant_row_bytes, Args, Dev, Exec};
 use crate::exec::matmul::{self, moving};
 use crate::fusion::group::{add_other, has_tails, Nodes, NormPro, Seg, MAX_SEGS};
@@ -438,8 +438,10 @@ fn launch_gemv_q(
 }
 
 /// One launch of `fused_gemv1_q` for `node` on the activation row at `a` (K = `k` floats): a
-/// grid of `blocks1` (one unit per warp), or of `q_blocks` per multiprocessor at most when
-/// streamed (the kernel's warps stride over the units either way).
+/// grid of one unit per warp (`blocks1` blocks of `GEMV1_WARPS`), or of `q_blocks` blocks of
+/// `GEMV1_WARPS` per multiprocessor at most when streamed (the kernel's warps stride over the
+/// units either way). Without a norm prologue the blocks take `q_warps` warps
+/// (`fq_shape`).
 #[allow(clippy::too_many_arguments)]
 fn launch_fq(
     exec: &Exec<'_>,
@@ -450,26 +452,33 @@ fn launch_fq(
     pro: Option<&NormArgs>,
     blocks1: usize,
 ) -> Result<()> {
-    let blocks = if exec.inner.cfg.gemv_stream {
-        blocks1.min(exec.inner.sms * exec.inner.cfg.q_blocks.max(1))
-    } else {
-        blocks1
-    };
-    let blocks = blocks.clamp(1, i32::MAX as usize) as u32;
+    let cfg = &exec.inner.cfg;
+    let warps = if pro.is_some() { matmul::GEMV1_WARPS } else { cfg.q_warps };
+    let (blocks, warps) = fq_shape(blocks1, warps, cfg.gemv_stream, exec.inner.sms, cfg.q_blocks);
     let args = Args::new().arg(k as i64).arg(a).arg(set);
     // The integer paths quantize the staged row in place (q16: 2.5 bytes a value in its 4,
     // q8: 1.5): the same shared memory every way.
     let qm = exec.inner.cfg.qdot.kernel_mode();
     let kernel = typed_kernel(&set, qm, exec.inner.cfg.q_typed).unwrap_or(Kernel::FusedGemv1Q);
     let args = norm_tail(args, pro).arg(qm).arg(q_prefetch_flags(exec));
-    exec.launch_shared(
-        node,
-        kernel,
-        blocks,
-        (matmul::GEMV1_WARPS * 32) as u32,
-        (k * 4) as u32,
-        args,
-    )
+    exec.launch_shared(node, kernel, blocks, warps * 32, (k * 4) as u32, args)
+}
+
+/// The grid and the warps per block of a `fused_gemv1_q` launch whose units would fill
+/// `blocks1` blocks of `GEMV1_WARPS` warps, in blocks of `warps` warps (1 to
+/// `MAX_Q_WARPS`): one unit per warp, or streamed, as many warps per multiprocessor as
+/// `q_blocks` blocks of `GEMV1_WARPS` hold (at least one block), on `sms` multiprocessors.
+fn fq_shape(blocks1: usize, warps: usize, stream: bool, sms: usize, q_blocks: usize) -> (u32, u32) {
+    let warps = warps.clamp(1, MAX_Q_WARPS as usize);
+    let units = blocks1.saturating_mul(matmul::GEMV1_WARPS);
+    let own = units.div_ceil(warps);
+    let blocks = if stream {
+        let per_sm = (q_blocks.max(1) * matmul::GEMV1_WARPS / warps).max(1);
+        own.min(sms.saturating_mul(per_sm))
+    } else {
+        own
+    };
+    (blocks.clamp(1, i32::MAX as usize) as u32, warps as u32)
 }
 
 /// `fused_gemv1_q`'s typed entry point for `set` (`CudaConfig::q_typed`): where the segments'
@@ -572,6 +581,21 @@ mod tests {
             };
         }
         s
+    }
+
+    #[test]
+    fn larger_blocks_keep_the_warps_a_multiprocessor_holds() {
+        // "1b"'s down: 2,048 units (256 blocks of 8 warps), 132 multiprocessors.
+        assert_eq!(fq_shape(256, 8, true, 132, 3), (256, 8));
+        assert_eq!(fq_shape(256, 24, true, 132, 3), (86, 24), "one wave: 2,048 / 24 units");
+        assert_eq!(fq_shape(4096, 24, true, 132, 3), (132, 24), "one block a multiprocessor");
+        assert_eq!(fq_shape(4096, 12, true, 132, 3), (264, 12));
+        assert_eq!(fq_shape(4096, 16, true, 132, 3), (132, 16), "one block: 32 warps do not fit");
+        assert_eq!(fq_shape(4096, 8, true, 132, 3), (396, 8));
+        assert_eq!(fq_shape(4096, 8, false, 132, 3), (4096, 8), "one unit a warp");
+        assert_eq!(fq_shape(4096, 24, false, 132, 3), (1366, 24));
+        assert_eq!(fq_shape(0, 24, true, 132, 3), (1, 24), "at least one block");
+        assert_eq!(fq_shape(10, 99, true, 132, 3), (4, 24), "warps capped");
     }
 
     #[test]
