@@ -751,12 +751,13 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
         for (int s = 0; s < 3; ++s)
             if (set[s]) written.push_back(set[s].get());
     TypedCheck typed(written);
-    auto run_q = [&](FqKernel kernel, int pf) {
-        launch(own ? (unsigned)((units + 7) / 8) : 2u, 256, [&] {
+    auto run_qw = [&](FqKernel kernel, int pf, unsigned warps) {
+        launch(own ? (unsigned)((units + warps - 1) / warps) : 2u, 32 * warps, [&] {
             kernel(K, (const float*)a.p(), S, c.norm ? (const float*)x.p() : nullptr, 1e-5f, nd.p(), DT_F32, nw.p(),
                    DT_F32, q16, 1 | pf);
         });
     };
+    auto run_q = [&](FqKernel kernel, int pf) { run_qw(kernel, pf, 8); };
     if (q) {
         run_q(fused_gemv1_q, 0);
     } else launch((unsigned)((units + 7) / 8), 256, [&] {
@@ -922,6 +923,17 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
         if (err != want_err) {
             ++fails;
             printf("FAIL %s typed: error word %u, want %u\n", tag.c_str(), err, want_err);
+        }
+        // Blocks of 12 warps (`CudaConfig::q_warps_norm`): the same bytes and error word.
+        auto run12 = [&](FqKernel kernel, int pf) {
+            err = 0;
+            run_qw(kernel, pf, 12);
+        };
+        typed.same(tag + " 12 warps", [&] { run12(fused_gemv1_q, 0); });
+        typed.typed(tag + " typed 12 warps", {qs[0], qs[1], qs[2]}, run12);
+        if (err != want_err) {
+            ++fails;
+            printf("FAIL %s 12 warps: error word %u, want %u\n", tag.c_str(), err, want_err);
         }
     }
 }
@@ -2519,7 +2531,7 @@ void test_fused_gemv1_q() {
             if (c.norm) written.push_back(&a);
             TypedCheck typed(written);
             Producer prod({c.norm ? &x : &a}, res);
-            // `warps` per block: 8, or (without a norm prologue, `CudaConfig::q_warps`) 12.
+            // `warps` per block: 8, or 12 (`CudaConfig::q_warps`, `q_warps_norm`).
             auto run_w = [&](FqKernel kernel, int pf, unsigned warps) {
                 launch(grid ? (unsigned)grid : (unsigned)((P.units() + warps - 1) / warps), 32 * warps, [&] {
                     kernel(K, (const float*)a.p(), P.S, c.norm ? (const float*)x.p() : nullptr, 1e-5f,
@@ -2535,8 +2547,9 @@ void test_fused_gemv1_q() {
             for (int s = 0; s < P.nseg; ++s) tag += " " + quant_case(c.qt[s]).name;
             prod.check(tag);
             if (q16) typed.same(tag + " direct", [&] { run(fused_gemv1_q, 8); });
-            // Blocks of 12 warps (the units' owners change, not their sums).
-            const bool wide = q16 && !c.norm && grid == 3;
+            // Blocks of 12 warps: the units' owners change, not their sums; the norm's sum
+            // still runs over the first 8 warps' threads.
+            const bool wide = q16 && grid == 3;
             if (wide) typed.same(tag + " 12 warps", [&] { run12(fused_gemv1_q, 0); });
             std::vector<double> act(K);
             if (c.norm) {

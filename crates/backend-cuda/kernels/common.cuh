@@ -422,16 +422,19 @@ __device__ __forceinline__ void decode_x(const float* xr, i64 v, i64 nvec, int s
 // One f32 row x[0, n) and weight row w, NV values per thread (n <= NV * blockDim.x): each
 // thread's values of both, in flight together, and 1 / sqrt(mean(x^2) + eps) over the block.
 // The short path of decode's norms (no dtype switch, 32-bit indices; rms_norm_mul and the
-// fused products' norm prologue). Every thread must call it.
+// fused products' norm prologue). Every thread must call it. The first `nt` threads (a
+// multiple of 32, at most blockDim.x) take elements t, t + nt, ... into xv and wv; the others
+// get zeros and add nothing, so the sum, and its bits, depend on nt, not on blockDim.x.
 template <int NV>
 __device__ __forceinline__ float row_rms_f32(const float* x, const float* w, int n, float eps,
-                                             float (&xv)[NV], float (&wv)[NV]) {
+                                             float (&xv)[NV], float (&wv)[NV], int nt) {
     float s = 0.0f;
+    const bool in = (int)threadIdx.x < nt;
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
-        xv[j] = i < n ? x[i] : 0.0f;
-        wv[j] = i < n ? w[i] : 0.0f;
+        const int i = threadIdx.x + j * nt;
+        xv[j] = in && i < n ? x[i] : 0.0f;
+        wv[j] = in && i < n ? w[i] : 0.0f;
     }
 #pragma unroll
     for (int j = 0; j < NV; ++j) s += xv[j] * xv[j];

@@ -136,17 +136,21 @@ pub struct CudaConfig {
     /// on an H100 ("1b", llama-quantize's files) 3.7-5.8% more tokens/s than neither.
     pub q_direct: bool,
     /// Warps per block of decode's products on quantized weights without a norm prologue (o,
-    /// down, the head; tune key `gemv_q_warps`, 1 to 24, default 16). Each block stages and
-    /// quantizes the whole activation row before its first product, so with `gemv_q_blocks`
-    /// blocks of 8 warps a multiprocessor does that `gemv_q_blocks` times; larger blocks do it
-    /// once for more warps. The streamed grid keeps the warps a multiprocessor holds:
-    /// `gemv_q_blocks * 8 / gemv_q_warps` blocks each (at least one). The same sums bit for
-    /// bit (the order depends only on K); the products with a norm prologue keep 8 warps,
-    /// whose block order the norm's sum of squares follows. 16 puts "1b"'s o and down (2,048
-    /// units) in 128 blocks, one a multiprocessor on an H100 or H200, where blocks of 8 put
-    /// two on most; 12 (two on some, one on others) gained a third of what 16 did, and 24
-    /// lost 3% on "tiny" (docs/notes/gpu-vs-llama-cpp.md).
+    /// down, the head; tune key `gemv_q_warps`, 1 to 24, or 0: from the launch's units,
+    /// default 16). Each block quantizes the whole activation row before its first product,
+    /// so with `gemv_q_blocks` blocks of 8 warps a multiprocessor does that `gemv_q_blocks`
+    /// times; larger blocks do it once for more warps. The streamed grid keeps the warps a
+    /// multiprocessor holds: `gemv_q_blocks * 8 / warps` blocks each (at least one). 0 takes
+    /// the units over the multiprocessors, 8 to 24 (`fq_warps`). The same sums bit for bit
+    /// (their order depends only on K). 16 puts "1b"'s o and down (2,048 units) in 128
+    /// blocks, one a multiprocessor on an H100 or H200, where blocks of 8 put two on most;
+    /// 12 (two on some, one on others) gained a third of what 16 did, and 24 lost 3% on
+    /// "tiny" (docs/notes/gpu-vs-llama-cpp.md).
     pub q_warps: usize,
+    /// The same for the products with a norm prologue (q/k/v, gate/up; tune key
+    /// `gemv_q_warps_norm`, 8 to 24, or 0, default 8). The norm's sum runs over the first 8
+    /// warps' threads in every block, so its bits do not depend on this either.
+    pub q_warps_norm: usize,
     /// Decode's head on a quantized weight, with its argmax, runs as the other quantized
     /// products do (`fused_gemv1_q` with the argmax folded in; tune key `gemv_q_head`, default
     /// on); off takes `mul_mat_vec_q_argmax`.
@@ -267,6 +271,7 @@ impl Default for CudaConfig {
             q_interleave: true,
             q_direct: true,
             q_warps: 16,
+            q_warps_norm: 8,
             q_head: true,
             stream_pad_kb: None,
             copy_kernel_max: 4096,
@@ -296,7 +301,7 @@ pub(crate) const MAX_Q_WARPS: u64 = 24;
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
      attn_split, rehearse, rehearse_list, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, \
      gemv_q_prefetch, gemv_q_ahead, gemv_q_head, gemv_q_typed, \
-     gemv_q_interleave, gemv_q_direct, gemv_q_warps, gemv_pad_kb, copy_kernel, \
+     gemv_q_interleave, gemv_q_direct, gemv_q_warps, gemv_q_warps_norm, gemv_pad_kb, copy_kernel, \
      read_kernel, mmv_max_m, qdot (see docs/tuning.md)";
 
 impl CudaConfig {
@@ -373,9 +378,18 @@ impl CudaConfig {
                 }
                 "gemv_q_direct" => self.q_direct = flag("gemv_q_direct=0 or gemv_q_direct=1")?,
                 "gemv_q_warps" => {
-                    let expected = "gemv_q_warps=N, N warps per block from 1 to 24";
+                    let expected =
+                        "gemv_q_warps=N, N warps per block from 1 to 24 (0: from the units)";
                     match unsigned(expected)? {
-                        v @ 1..=MAX_Q_WARPS => self.q_warps = size(v),
+                        v @ 0..=MAX_Q_WARPS => self.q_warps = size(v),
+                        _ => return Err(bad(expected)),
+                    }
+                }
+                "gemv_q_warps_norm" => {
+                    let expected =
+                        "gemv_q_warps_norm=N, N warps per block from 8 to 24 (0: from the units)";
+                    match unsigned(expected)? {
+                        v @ (0 | 8..=MAX_Q_WARPS) => self.q_warps_norm = size(v),
                         _ => return Err(bad(expected)),
                     }
                 }
@@ -478,7 +492,7 @@ mod tests {
         let c = tuned(
             "pdl=0, attn_fast=0,attn_prefill=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
              gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0,gemv_q_blocks=5,gemv_q_prefetch=1,gemv_q_head=0,rehearse_list=0,\
-             gemv_q_ahead=0,gemv_q_typed=0,gemv_q_interleave=0,gemv_q_direct=0,gemv_q_warps=24",
+             gemv_q_ahead=0,gemv_q_typed=0,gemv_q_interleave=0,gemv_q_direct=0,gemv_q_warps=24,gemv_q_warps_norm=0",
         )
         .unwrap();
         let want = CudaConfig {
@@ -498,6 +512,7 @@ mod tests {
             q_interleave: false,
             q_direct: false,
             q_warps: 24,
+            q_warps_norm: 0,
             rehearse_list: false,
             stream_pad_kb: Some(96),
             copy_kernel_max: 512,
@@ -534,8 +549,9 @@ mod tests {
             ("gemv_q_head=x", "gemv_q_head=0 or gemv_q_head=1"),
             ("gemv_q_ahead=x", "gemv_q_ahead=0 or gemv_q_ahead=1"),
             ("gemv_q_typed=3", "gemv_q_typed=0, 1 or 2"),
-            ("gemv_q_warps=0", "from 1 to 24"),
             ("gemv_q_warps=25", "from 1 to 24"),
+            ("gemv_q_warps_norm=7", "from 8 to 24"),
+            ("gemv_q_warps_norm=25", "from 8 to 24"),
             (
                 "gemv_q_interleave=x",
                 "gemv_q_interleave=0 or gemv_q_interleave=1",

@@ -56,7 +56,10 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
     assert_eq!(d.q_blocks, 3);
     assert!(!d.q_prefetch && d.q_ahead && d.q_head && d.q_interleave && d.rehearse_list);
     assert!(d.q_direct);
-    assert_eq!(d.q_warps, 16);
+    assert_eq!((d.q_warps, d.q_warps_norm), (16, 8));
+    assert_eq!(tuned("gemv_q_warps=0").unwrap().q_warps, 0);
+    assert_eq!(tuned("gemv_q_warps_norm=0").unwrap().q_warps_norm, 0);
+    assert!(tune_error("gemv_q_warps_norm=4").contains("gemv_q_warps_norm"));
     assert_eq!(tuned("gemv_q_warps=8").unwrap().q_warps, 8);
     assert!(tune_error("gemv_q_warps=32").contains("gemv_q_warps"));
     assert_eq!(d.attn_split, 1);
@@ -160,6 +163,7 @@ fn a_bad_tune_key_or_value_is_an_error_naming_the_variable() {
             "gemv_q_interleave",
             "gemv_q_direct",
             "gemv_q_warps",
+            "gemv_q_warps_norm",
             "rehearse_list",
             "gemv_pad_kb",
             "copy_kernel",

@@ -222,26 +222,31 @@ __device__ __forceinline__ void fg_body(i64 M, i64 K, const float* a, i64 a_rs, 
 // eps), as rms_norm_mul computes it (round_n: rounding to the norm result's dtype), staged in
 // xs as the products' activation; block 0 also writes the norm (nd) and the product (md, f32)
 // in that order per element (unless `write` is off: they are dead). A row of up to NP_V values per thread is read once, x and w
-// together; longer rows loop. `split`: xs in the layout of `split_slot`.
+// together; longer rows loop. `split`: xs in the layout of `split_slot`. The first NP_T
+// threads take the elements (t, t + NP_T, ...), the rest of a larger block (`fused_gemv1_q`'s
+// blocks of more than FG1_WARPS warps) only waits, so the norm's sum, and every bit after it,
+// is the same whatever the block.
 #define NP_V 8
+#define NP_T 256
 __device__ __noinline__ void norm_stage_any(float* xs, i64 K, const float* x, float eps, void* nd, int dtn,
                            const void* w, int dtw, float* md, bool split, bool write) {
     const i64 ng = split ? K / 8 : 0;
-    const bool regs = K <= (i64)blockDim.x * NP_V;
+    const bool regs = K <= (i64)NP_T * NP_V;
+    const bool in = threadIdx.x < NP_T;
     const bool first = write && blockIdx.x == 0;
     float xv[NP_V], wv[NP_V];
     float s = 0.0f;
     if (regs) {
 #pragma unroll
         for (int j = 0; j < NP_V; ++j) {
-            const i64 i = threadIdx.x + (i64)j * blockDim.x;
-            xv[j] = i < K ? x[i] : 0.0f;
-            wv[j] = i < K ? ld(w, dtw, i) : 0.0f;
+            const i64 i = threadIdx.x + (i64)j * NP_T;
+            xv[j] = in && i < K ? x[i] : 0.0f;
+            wv[j] = in && i < K ? ld(w, dtw, i) : 0.0f;
         }
 #pragma unroll
         for (int j = 0; j < NP_V; ++j) s += xv[j] * xv[j];
     } else {
-        for (i64 i = threadIdx.x; i < K; i += blockDim.x) {
+        for (i64 i = threadIdx.x; in && i < K; i += NP_T) {
             const float v = x[i];
             xs[split_slot(i, ng)] = v;
             s += v * v;
@@ -252,8 +257,8 @@ __device__ __noinline__ void norm_stage_any(float* xs, i64 K, const float* x, fl
     if (regs) {
 #pragma unroll
         for (int j = 0; j < NP_V; ++j) {
-            const i64 i = threadIdx.x + (i64)j * blockDim.x;
-            if (i < K) {
+            const i64 i = threadIdx.x + (i64)j * NP_T;
+            if (in && i < K) {
                 const float y = round_dt(dtn, xv[j] * inv) * wv[j];
                 xs[split_slot(i, ng)] = y;
                 if (first) {
@@ -263,7 +268,7 @@ __device__ __noinline__ void norm_stage_any(float* xs, i64 K, const float* x, fl
             }
         }
     } else {
-        for (i64 i = threadIdx.x; i < K; i += blockDim.x) {
+        for (i64 i = threadIdx.x; in && i < K; i += NP_T) {
             const i64 sl = split_slot(i, ng);
             const float xo = xs[sl];
             const float y = round_dt(dtn, xo * inv) * ld(w, dtw, i);
@@ -284,18 +289,18 @@ __device__ __noinline__ void norm_stage_any(float* xs, i64 K, const float* x, fl
 __device__ __forceinline__ void norm_stage(float* xs, i64 K, const float* x, float eps, void* nd,
                                            int dtn, const void* w, int dtw, float* md,
                                            bool split, bool write) {
-    if (dtn != DT_F32 || dtw != DT_F32 || K > (i64)blockDim.x * NP_V) {
+    if (dtn != DT_F32 || dtw != DT_F32 || K > (i64)NP_T * NP_V) {
         norm_stage_any(xs, K, x, eps, nd, dtn, w, dtw, md, split, write);
         return;
     }
     const int k = (int)K, ng = split ? k / 8 : 0;
     const bool first = write && blockIdx.x == 0;
     float xv[NP_V], wv[NP_V];
-    const float inv = row_rms_f32<NP_V>(x, (const float*)w, k, eps, xv, wv);
+    const float inv = row_rms_f32<NP_V>(x, (const float*)w, k, eps, xv, wv, NP_T);
 #pragma unroll
     for (int j = 0; j < NP_V; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
-        if (i < k) {
+        const int i = threadIdx.x + j * NP_T;
+        if ((int)threadIdx.x < NP_T && i < k) {
             const float n = xv[j] * inv, y = n * wv[j];
             xs[i < ng * 8 ? ((i & 4) ? ng * 4 : 0) + (i >> 3) * 4 + (i & 3) : i] = y;
             if (first) {
@@ -361,7 +366,7 @@ __device__ __forceinline__ void fg1_store(const FgSet& S, int s, i64 j, const fl
 // products in pair mode) per warp, FG1_U 16-byte loads of each weight row in flight per lane,
 // the first ones issued before a is staged in shared memory (`staged`, K floats) or read
 // through the read-only cache. Partial sums meet in a fixed xor butterfly (deterministic).
-#define FG1_WARPS 8
+#define FG1_WARPS 8  // NP_T / 32
 #define FG1_U 8
 // `fg_unit` with the weight rows as 16-byte vectors (decode's rows are 16-byte aligned).
 template <int DT, int NC>

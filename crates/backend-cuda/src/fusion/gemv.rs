@@ -438,10 +438,10 @@ fn launch_gemv_q(
 }
 
 /// One launch of `fused_gemv1_q` for `node` on the activation row at `a` (K = `k` floats): a
-/// grid of one unit per warp (`blocks1` blocks of `GEMV1_WARPS`), or of `q_blocks` blocks of
-/// `GEMV1_WARPS` per multiprocessor at most when streamed (the kernel's warps stride over the
-/// units either way). Without a norm prologue the blocks take `q_warps` warps
-/// (`fq_shape`).
+/// grid of one unit per warp (units enough for `blocks1` blocks of `GEMV1_WARPS`), or of
+/// `q_blocks` blocks of `GEMV1_WARPS` per multiprocessor at most when streamed (the kernel's
+/// warps stride over the units either way), in blocks of `q_warps` warps (`q_warps_norm`
+/// with a norm prologue; `fq_shape`).
 #[allow(clippy::too_many_arguments)]
 fn launch_fq(
     exec: &Exec<'_>,
@@ -453,8 +453,13 @@ fn launch_fq(
     blocks1: usize,
 ) -> Result<()> {
     let cfg = &exec.inner.cfg;
-    let warps = if pro.is_some() { matmul::GEMV1_WARPS } else { cfg.q_warps };
-    let (blocks, warps) = fq_shape(blocks1, warps, cfg.gemv_stream, exec.inner.sms, cfg.q_blocks);
+    // The norm prologue's sums take the first `GEMV1_WARPS` warps of a block.
+    let (warps, least) = match pro {
+        Some(_) => (cfg.q_warps_norm, matmul::GEMV1_WARPS),
+        None => (cfg.q_warps, 1),
+    };
+    let shape = fq_shape(blocks1, warps, least, exec.inner.sms);
+    let (blocks, warps) = shape.grid(cfg.gemv_stream, cfg.q_blocks);
     let args = Args::new().arg(k as i64).arg(a).arg(set);
     // The integer paths quantize the staged row in place (q16: 2.5 bytes a value in its 4,
     // q8: 1.5): the same shared memory every way.
@@ -464,21 +469,44 @@ fn launch_fq(
     exec.launch_shared(node, kernel, blocks, warps * 32, (k * 4) as u32, args)
 }
 
-/// The grid and the warps per block of a `fused_gemv1_q` launch whose units would fill
-/// `blocks1` blocks of `GEMV1_WARPS` warps, in blocks of `warps` warps (1 to
-/// `MAX_Q_WARPS`): one unit per warp, or streamed, as many warps per multiprocessor as
-/// `q_blocks` blocks of `GEMV1_WARPS` hold (at least one block), on `sms` multiprocessors.
-fn fq_shape(blocks1: usize, warps: usize, stream: bool, sms: usize, q_blocks: usize) -> (u32, u32) {
-    let warps = warps.clamp(1, MAX_Q_WARPS as usize);
+/// The units of a `fused_gemv1_q` launch, the multiprocessors and the warps of its blocks.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct FqShape {
+    units: usize,
+    sms: usize,
+    warps: usize,
+}
+
+/// The shape of a `fused_gemv1_q` launch whose units would fill `blocks1` blocks of
+/// `GEMV1_WARPS` warps, in blocks of `warps` warps (`least` to `MAX_Q_WARPS`), or with `warps`
+/// 0 the units over the multiprocessors (`sms`), 8 to `MAX_Q_WARPS` warps: a multiprocessor
+/// then quantizes the row once for as many of its units as it can.
+fn fq_shape(blocks1: usize, warps: usize, least: usize, sms: usize) -> FqShape {
     let units = blocks1.saturating_mul(matmul::GEMV1_WARPS);
-    let own = units.div_ceil(warps);
-    let blocks = if stream {
-        let per_sm = (q_blocks.max(1) * matmul::GEMV1_WARPS / warps).max(1);
-        own.min(sms.saturating_mul(per_sm))
-    } else {
-        own
+    let max = MAX_Q_WARPS as usize;
+    let warps = match warps {
+        0 => units.div_ceil(sms.max(1)).clamp(matmul::GEMV1_WARPS, max),
+        w => w.clamp(least.min(max), max),
     };
-    (blocks.clamp(1, i32::MAX as usize) as u32, warps as u32)
+    FqShape { units, sms, warps }
+}
+
+impl FqShape {
+    /// The grid and the threads per block: one unit per warp, or `stream`ed, as many warps per
+    /// multiprocessor as `q_blocks` blocks of `GEMV1_WARPS` hold (at least one block).
+    fn grid(self, stream: bool, q_blocks: usize) -> (u32, u32) {
+        let own = self.units.div_ceil(self.warps);
+        let blocks = if stream {
+            let per_sm = (q_blocks.max(1) * matmul::GEMV1_WARPS / self.warps).max(1);
+            own.min(self.sms.saturating_mul(per_sm))
+        } else {
+            own
+        };
+        (
+            blocks.clamp(1, i32::MAX as usize) as u32,
+            (self.warps * 32) as u32,
+        )
+    }
 }
 
 /// `fused_gemv1_q`'s typed entry point for `set` (`CudaConfig::q_typed`): where the segments'
@@ -585,17 +613,37 @@ mod tests {
 
     #[test]
     fn larger_blocks_keep_the_warps_a_multiprocessor_holds() {
+        let grid = |blocks1, warps, stream| fq_shape(blocks1, warps, 1, 132).grid(stream, 3);
         // "1b"'s down: 2,048 units (256 blocks of 8 warps), 132 multiprocessors.
-        assert_eq!(fq_shape(256, 8, true, 132, 3), (256, 8));
-        assert_eq!(fq_shape(256, 24, true, 132, 3), (86, 24), "one wave: 2,048 / 24 units");
-        assert_eq!(fq_shape(4096, 24, true, 132, 3), (132, 24), "one block a multiprocessor");
-        assert_eq!(fq_shape(4096, 12, true, 132, 3), (264, 12));
-        assert_eq!(fq_shape(4096, 16, true, 132, 3), (132, 16), "one block: 32 warps do not fit");
-        assert_eq!(fq_shape(4096, 8, true, 132, 3), (396, 8));
-        assert_eq!(fq_shape(4096, 8, false, 132, 3), (4096, 8), "one unit a warp");
-        assert_eq!(fq_shape(4096, 24, false, 132, 3), (1366, 24));
-        assert_eq!(fq_shape(0, 24, true, 132, 3), (1, 24), "at least one block");
-        assert_eq!(fq_shape(10, 99, true, 132, 3), (4, 24), "warps capped");
+        assert_eq!(grid(256, 8, true), (256, 256));
+        assert_eq!(grid(256, 24, true), (86, 768), "one wave: 2,048 / 24 units");
+        assert_eq!(
+            grid(4096, 24, true),
+            (132, 768),
+            "one block a multiprocessor"
+        );
+        assert_eq!(grid(4096, 12, true), (264, 384));
+        assert_eq!(grid(4096, 16, true), (132, 512), "32 warps do not fit");
+        assert_eq!(grid(4096, 8, true), (396, 256));
+        assert_eq!(grid(4096, 8, false), (4096, 256), "one unit a warp");
+        assert_eq!(grid(4096, 24, false), (1366, 768));
+        assert_eq!(grid(0, 24, true), (1, 768), "at least one block");
+        assert_eq!(grid(10, 99, true), (4, 768), "warps capped");
+    }
+
+    #[test]
+    fn warps_from_the_units_fill_each_multiprocessor_once() {
+        let warps = |blocks1, least| fq_shape(blocks1, 0, least, 132).warps;
+        assert_eq!(warps(256, 1), 16, "2,048 units: o and down of \"1b\"");
+        assert_eq!(warps(192, 8), 12, "1,536 row pairs: q/k/v of \"1b\"");
+        assert_eq!(warps(1024, 8), 24, "8,192 units: gate/up, capped");
+        assert_eq!(warps(4, 1), 8, "few units: blocks of 8");
+        assert_eq!(
+            fq_shape(256, 4, 8, 132).warps,
+            8,
+            "a norm prologue takes 8 at least"
+        );
+        assert_eq!(fq_shape(256, 4, 1, 132).warps, 4);
     }
 
     #[test]

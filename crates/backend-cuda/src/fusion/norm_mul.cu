@@ -28,7 +28,7 @@ extern "C" __global__ void rms_norm_mul(i64 rows, i64 len, Lay L, void* nd, int 
         // cost of a kernel this small. Each thread reads its elements before it writes them.
         const int n = (int)len;
         float v[RN_V], wq[RN_V];
-        const float inv = row_rms_f32<RN_V>((const float*)x, (const float*)w, n, eps, v, wq);
+        const float inv = row_rms_f32<RN_V>((const float*)x, (const float*)w, n, eps, v, wq, (int)blockDim.x);
 #pragma unroll
         for (int q = 0; q < RN_V; ++q) {
             const int c = threadIdx.x + q * blockDim.x;
