@@ -459,14 +459,14 @@ fn launch_fq(
         None => (cfg.q_warps, 1),
     };
     let shape = fq_shape(blocks1, warps, least, exec.inner.sms);
-    let (blocks, warps) = shape.grid(cfg.gemv_stream, cfg.q_blocks);
+    let (blocks, threads) = shape.grid(cfg.gemv_stream, cfg.q_blocks);
     let args = Args::new().arg(k as i64).arg(a).arg(set);
     // The integer paths quantize the staged row in place (q16: 2.5 bytes a value in its 4,
     // q8: 1.5): the same shared memory every way.
     let qm = exec.inner.cfg.qdot.kernel_mode();
     let kernel = typed_kernel(&set, qm, exec.inner.cfg.q_typed).unwrap_or(Kernel::FusedGemv1Q);
     let args = norm_tail(args, pro).arg(qm).arg(q_prefetch_flags(exec));
-    exec.launch_shared(node, kernel, blocks, warps * 32, (k * 4) as u32, args)
+    exec.launch_shared(node, kernel, blocks, threads, (k * 4) as u32, args)
 }
 
 /// The units of a `fused_gemv1_q` launch, the multiprocessors and the warps of its blocks.
