@@ -21,7 +21,7 @@
 use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::{DType, Op};
 
-use crate::config::{TypedQ, MAX_Q_WARPS};
+use crate::config::{CudaConfig, TypedQ, MAX_Q_WARPS};
 use crate::exec::launch::{dt, kernel_err, qt, quant_row_bytes, Args, Dev, Exec};
 use crate::exec::matmul::{self, moving};
 use crate::fusion::group::{add_other, has_tails, Nodes, NormPro, Seg, MAX_SEGS};
@@ -452,14 +452,7 @@ fn launch_fq(
     pro: Option<&NormArgs>,
     blocks1: usize,
 ) -> Result<()> {
-    let cfg = &exec.inner.cfg;
-    // The norm prologue's sums take the first `GEMV1_WARPS` warps of a block.
-    let (warps, least) = match pro {
-        Some(_) => (cfg.q_warps_norm, matmul::GEMV1_WARPS),
-        None => (cfg.q_warps, 1),
-    };
-    let shape = fq_shape(blocks1, warps, least, exec.inner.sms);
-    let (blocks, threads) = shape.grid(cfg.gemv_stream, cfg.q_blocks);
+    let (blocks, threads) = fq_dims(&exec.inner.cfg, pro.is_some(), blocks1, exec.inner.sms);
     let args = Args::new().arg(k as i64).arg(a).arg(set);
     // The integer paths quantize the staged row in place (q16: 2.5 bytes a value in its 4,
     // q8: 1.5): the same shared memory every way.
@@ -467,6 +460,18 @@ fn launch_fq(
     let kernel = typed_kernel(&set, qm, exec.inner.cfg.q_typed).unwrap_or(Kernel::FusedGemv1Q);
     let args = norm_tail(args, pro).arg(qm).arg(q_prefetch_flags(exec));
     exec.launch_shared(node, kernel, blocks, threads, (k * 4) as u32, args)
+}
+
+/// The grid and the threads per block of a `fused_gemv1_q` launch under `cfg`, with or without
+/// a norm prologue (`norm`), whose units would fill `blocks1` blocks of `GEMV1_WARPS` warps, on
+/// `sms` multiprocessors.
+fn fq_dims(cfg: &CudaConfig, norm: bool, blocks1: usize, sms: usize) -> (u32, u32) {
+    // The norm prologue's sums take the first `GEMV1_WARPS` warps of a block.
+    let (warps, least) = match norm {
+        true => (cfg.q_warps_norm, matmul::GEMV1_WARPS),
+        false => (cfg.q_warps, 1),
+    };
+    fq_shape(blocks1, warps, least, sms).grid(cfg.gemv_stream, cfg.q_blocks)
 }
 
 /// The units of a `fused_gemv1_q` launch, the multiprocessors and the warps of its blocks.
@@ -629,6 +634,37 @@ mod tests {
         assert_eq!(grid(4096, 24, false), (1366, 768));
         assert_eq!(grid(0, 24, true), (1, 768), "at least one block");
         assert_eq!(grid(10, 99, true), (4, 768), "warps capped");
+    }
+
+    #[test]
+    fn every_warps_setting_launches_whole_warps_within_the_kernels_bounds() {
+        // `fused_gemv1_q`'s bounds: FQ1_MAX_WARPS (24) warps, and with a norm prologue at
+        // least the 8 whose threads take the norm's sums.
+        for stream in [true, false] {
+            for w in 0..=MAX_Q_WARPS as usize {
+                for wn in [0, 8, 12, 16, 24] {
+                    let cfg = CudaConfig {
+                        q_warps: w,
+                        q_warps_norm: wn,
+                        gemv_stream: stream,
+                        ..CudaConfig::default()
+                    };
+                    for blocks1 in [0, 1, 7, 256, 4000] {
+                        for norm in [false, true] {
+                            let (blocks, threads) = fq_dims(&cfg, norm, blocks1, 132);
+                            let at_least = if norm { 256 } else { 32 };
+                            assert!(blocks >= 1, "{w} {wn} {blocks1} {norm}");
+                            assert!(threads % 32 == 0 && (at_least..=768).contains(&threads));
+                            if w != 0 && !norm {
+                                assert_eq!(threads as usize, 32 * w);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(fq_dims(&CudaConfig::default(), false, 256, 132), (128, 512));
+        assert_eq!(fq_dims(&CudaConfig::default(), true, 1024, 132), (396, 256));
     }
 
     #[test]
