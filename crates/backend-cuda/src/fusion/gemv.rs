@@ -297,7 +297,7 @@ pub(super) fn launch_gemv(
             Some(n) if ok && prologue_fits => Some(norm_args(exec, &nodes[n.norm], &nodes[n.mul])?),
             _ => None,
         };
-        return launch_gemv_q(exec, nodes, segs, swiglu, norm, pro, set, ok, blocks1);
+        return launch_gemv_q(exec, nodes, segs, swiglu, norm, pro, set, ok, units);
     }
     if tails && !(m == 1 && vec && staged) {
         // The row-pair kernel does not apply after all (alignment, a long row): the norm, the
@@ -396,9 +396,8 @@ pub(super) fn launch_gemv(
     exec.launch(first, kernel, blocks, GEMV_THREADS as u32, args)
 }
 
-/// Decode's products on quantized weights (`fused_gemv1_q`), `set` built by `launch_gemv`: a
-/// grid of `blocks1` (one unit per warp), or of `q_blocks` per multiprocessor at most when
-/// streamed (the kernel's warps stride over the units either way), the norm prologue in the
+/// Decode's products on quantized weights (`fused_gemv1_q`), `set` built by `launch_gemv`, of
+/// `units` output units (`launch_fq`), the norm prologue in the
 /// kernel (`pro`) or launched first. When the kernel does not apply (`ok` false: more than one
 /// row, a misaligned row or weight, a row too long to stage) the group runs as its nodes, in
 /// node order, writing every result.
@@ -412,7 +411,7 @@ fn launch_gemv_q(
     pro: Option<NormArgs>,
     set: FgSet,
     ok: bool,
-    blocks1: usize,
+    units: usize,
 ) -> Result<()> {
     if !ok {
         let mut all: Vec<usize> = segs
@@ -434,14 +433,14 @@ fn launch_gemv_q(
     let first = &nodes[segs[0].mm];
     let a = exec.resolve(&first.srcs[0])?;
     let k = a.shape[1];
-    launch_fq(exec, first, k, a.ptr, set, pro.as_ref(), blocks1)
+    launch_fq(exec, first, k, a.ptr, set, pro.as_ref(), units)
 }
 
-/// One launch of `fused_gemv1_q` for `node` on the activation row at `a` (K = `k` floats): a
-/// grid of one unit per warp (units enough for `blocks1` blocks of `GEMV1_WARPS`), or of
-/// `q_blocks` blocks of `GEMV1_WARPS` per multiprocessor at most when streamed (the kernel's
-/// warps stride over the units either way), in blocks of `q_warps` warps (`q_warps_norm`
-/// with a norm prologue; `fq_shape`).
+/// One launch of `fused_gemv1_q` for `node` on the activation row at `a` (K = `k` floats), of
+/// `units` output units: a grid of one unit per warp, or when streamed the warps of
+/// `q_blocks` blocks of `GEMV1_WARPS` per multiprocessor at most (the kernel's warps stride
+/// over the units either way), in blocks of `q_warps` warps (`q_warps_norm` with a norm
+/// prologue; `fq_dims`).
 #[allow(clippy::too_many_arguments)]
 fn launch_fq(
     exec: &Exec<'_>,
@@ -450,9 +449,9 @@ fn launch_fq(
     a: u64,
     set: FgSet,
     pro: Option<&NormArgs>,
-    blocks1: usize,
+    units: usize,
 ) -> Result<()> {
-    let (blocks, threads) = fq_dims(&exec.inner.cfg, pro.is_some(), blocks1, exec.inner.sms);
+    let (blocks, threads) = fq_dims(&exec.inner.cfg, pro.is_some(), units, exec.inner.sms);
     let args = Args::new().arg(k as i64).arg(a).arg(set);
     // The integer paths quantize the staged row in place (q16: 2.5 bytes a value in its 4,
     // q8: 1.5): the same shared memory every way.
@@ -463,15 +462,14 @@ fn launch_fq(
 }
 
 /// The grid and the threads per block of a `fused_gemv1_q` launch under `cfg`, with or without
-/// a norm prologue (`norm`), whose units would fill `blocks1` blocks of `GEMV1_WARPS` warps, on
-/// `sms` multiprocessors.
-fn fq_dims(cfg: &CudaConfig, norm: bool, blocks1: usize, sms: usize) -> (u32, u32) {
+/// a norm prologue (`norm`), of `units` output units, on `sms` multiprocessors.
+fn fq_dims(cfg: &CudaConfig, norm: bool, units: usize, sms: usize) -> (u32, u32) {
     // The norm prologue's sums take the first `GEMV1_WARPS` warps of a block.
     let (warps, least) = match norm {
         true => (cfg.q_warps_norm, matmul::GEMV1_WARPS),
         false => (cfg.q_warps, 1),
     };
-    fq_shape(blocks1, warps, least, sms).grid(cfg.gemv_stream, cfg.q_blocks)
+    fq_shape(units, warps, least, sms).grid(cfg.gemv_stream, cfg.q_blocks)
 }
 
 /// The units of a `fused_gemv1_q` launch, the multiprocessors and the warps of its blocks.
@@ -482,12 +480,11 @@ struct FqShape {
     warps: usize,
 }
 
-/// The shape of a `fused_gemv1_q` launch whose units would fill `blocks1` blocks of
-/// `GEMV1_WARPS` warps, in blocks of `warps` warps (`least` to `MAX_Q_WARPS`), or with `warps`
-/// 0 the units over the multiprocessors (`sms`), 8 to `MAX_Q_WARPS` warps: a multiprocessor
-/// then quantizes the row once for as many of its units as it can.
-fn fq_shape(blocks1: usize, warps: usize, least: usize, sms: usize) -> FqShape {
-    let units = blocks1.saturating_mul(matmul::GEMV1_WARPS);
+/// The shape of a `fused_gemv1_q` launch of `units` output units, in blocks of `warps` warps
+/// (`least` to `MAX_Q_WARPS`), or with `warps` 0 the units over the multiprocessors (`sms`),
+/// 8 to `MAX_Q_WARPS` warps: a multiprocessor then quantizes the row once for as many of its
+/// units as it can.
+fn fq_shape(units: usize, warps: usize, least: usize, sms: usize) -> FqShape {
     let max = MAX_Q_WARPS as usize;
     let warps = match warps {
         0 => units.div_ceil(sms.max(1)).clamp(matmul::GEMV1_WARPS, max),
@@ -584,15 +581,7 @@ pub(crate) fn launch_head_q(
         ..FgSet::default()
     };
     set.seg[0] = FgSeg::product(n, w.ptr, w_rs, code, out, true);
-    launch_fq(
-        exec,
-        mm,
-        k,
-        a.ptr,
-        set,
-        None,
-        n.div_ceil(matmul::GEMV1_WARPS),
-    )?;
+    launch_fq(exec, mm, k, a.ptr, set, None, n)?;
     Ok(true)
 }
 
@@ -618,22 +607,31 @@ mod tests {
 
     #[test]
     fn larger_blocks_keep_the_warps_a_multiprocessor_holds() {
-        let grid = |blocks1, warps, stream| fq_shape(blocks1, warps, 1, 132).grid(stream, 3);
-        // "1b"'s down: 2,048 units (256 blocks of 8 warps), 132 multiprocessors.
-        assert_eq!(grid(256, 8, true), (256, 256));
-        assert_eq!(grid(256, 24, true), (86, 768), "one wave: 2,048 / 24 units");
+        let grid = |units, warps, stream| fq_shape(units, warps, 1, 132).grid(stream, 3);
+        // "1b"'s down: 2,048 units, 132 multiprocessors.
+        assert_eq!(grid(2048, 8, true), (256, 256));
         assert_eq!(
-            grid(4096, 24, true),
+            grid(2048, 16, true),
+            (128, 512),
+            "one block a multiprocessor"
+        );
+        assert_eq!(
+            grid(2048, 24, true),
+            (86, 768),
+            "one wave: 2,048 / 24 units"
+        );
+        assert_eq!(
+            grid(32768, 24, true),
             (132, 768),
             "one block a multiprocessor"
         );
-        assert_eq!(grid(4096, 12, true), (264, 384));
-        assert_eq!(grid(4096, 16, true), (132, 512), "32 warps do not fit");
-        assert_eq!(grid(4096, 8, true), (396, 256));
-        assert_eq!(grid(4096, 8, false), (4096, 256), "one unit a warp");
-        assert_eq!(grid(4096, 24, false), (1366, 768));
+        assert_eq!(grid(32768, 12, true), (264, 384));
+        assert_eq!(grid(32768, 16, true), (132, 512), "32 warps do not fit");
+        assert_eq!(grid(32768, 8, true), (396, 256));
+        assert_eq!(grid(32768, 8, false), (4096, 256), "one unit a warp");
+        assert_eq!(grid(32768, 24, false), (1366, 768));
         assert_eq!(grid(0, 24, true), (1, 768), "at least one block");
-        assert_eq!(grid(10, 99, true), (4, 768), "warps capped");
+        assert_eq!(grid(80, 99, true), (4, 768), "warps capped");
     }
 
     #[test]
@@ -649,11 +647,11 @@ mod tests {
                         gemv_stream: stream,
                         ..CudaConfig::default()
                     };
-                    for blocks1 in [0, 1, 7, 256, 4000] {
+                    for units in [0, 1, 7, 2048, 32000] {
                         for norm in [false, true] {
-                            let (blocks, threads) = fq_dims(&cfg, norm, blocks1, 132);
+                            let (blocks, threads) = fq_dims(&cfg, norm, units, 132);
                             let at_least = if norm { 256 } else { 32 };
-                            assert!(blocks >= 1, "{w} {wn} {blocks1} {norm}");
+                            assert!(blocks >= 1, "{w} {wn} {units} {norm}");
                             assert!(threads % 32 == 0 && (at_least..=768).contains(&threads));
                             if w != 0 && !norm {
                                 assert_eq!(threads as usize, 32 * w);
@@ -663,23 +661,26 @@ mod tests {
                 }
             }
         }
-        assert_eq!(fq_dims(&CudaConfig::default(), false, 256, 132), (128, 512));
-        assert_eq!(fq_dims(&CudaConfig::default(), true, 1024, 132), (396, 256));
+        assert_eq!(
+            fq_dims(&CudaConfig::default(), false, 2048, 132),
+            (128, 512)
+        );
+        assert_eq!(fq_dims(&CudaConfig::default(), true, 8192, 132), (396, 256));
     }
 
     #[test]
     fn warps_from_the_units_fill_each_multiprocessor_once() {
-        let warps = |blocks1, least| fq_shape(blocks1, 0, least, 132).warps;
-        assert_eq!(warps(256, 1), 16, "2,048 units: o and down of \"1b\"");
-        assert_eq!(warps(192, 8), 12, "1,536 row pairs: q/k/v of \"1b\"");
-        assert_eq!(warps(1024, 8), 24, "8,192 units: gate/up, capped");
-        assert_eq!(warps(4, 1), 8, "few units: blocks of 8");
+        let warps = |units, least| fq_shape(units, 0, least, 132).warps;
+        assert_eq!(warps(2048, 1), 16, "o and down of \"1b\"");
+        assert_eq!(warps(1536, 8), 12, "1,536 row pairs: q/k/v of \"1b\"");
+        assert_eq!(warps(8192, 8), 24, "gate/up, capped");
+        assert_eq!(warps(32, 1), 8, "few units: blocks of 8");
         assert_eq!(
-            fq_shape(256, 4, 8, 132).warps,
+            fq_shape(2048, 4, 8, 132).warps,
             8,
             "a norm prologue takes 8 at least"
         );
-        assert_eq!(fq_shape(256, 4, 1, 132).warps, 4);
+        assert_eq!(fq_shape(2048, 4, 1, 132).warps, 4);
     }
 
     #[test]
