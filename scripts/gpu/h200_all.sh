@@ -197,7 +197,8 @@ if has llamacpp; then
     done
 fi
 if has gpucmp; then
-    # lowsync against llama.cpp's CUDA backend on identical files (issue 33's figures).
+    # lowsync against llama.cpp's CUDA backend on identical files (the built-in models'
+    # llama-quantize files, and GPUCMP_FILES: GGUF paths on the device, comma-separated).
     [ -n "${lcpp_cuda_pid:-}" ] && wait "$lcpp_cuda_pid"
     tail -2 "$logs/lcpp-cuda-build.log" 2>/dev/null | tee -a "$summary"
     if [ -n "${lcpp_cuda_pid:-}" ] && [ -x /tmp/lcpp-cuda/bin/llama-bench ]; then
@@ -208,7 +209,7 @@ if has gpucmp; then
     fi
     timeout ${GPUCMP_TIMEOUT:-420} python3 benches/python/compare_llama_cpp_gpu.py --backend cuda --no-build \
         --build-dir /tmp/lcpp-cuda --work /tmp/gpucmp --models ${GPUCMP_MODELS:-1b,tiny} \
-        --types ${GPUCMP_TYPES:-f16,q4_0,q4_k_m,q6_k,q8_0} -p ${GPUCMP_P:-512} -n ${GPUCMP_N:-128} \
+        --types ${GPUCMP_TYPES:-f16,q4_0,q4_k_m,q6_k,q8_0} --files "${GPUCMP_FILES:-}" -p ${GPUCMP_P:-512} -n ${GPUCMP_N:-128} \
         --repeats ${GPUCMP_R:-2} --json "$out/gpucmp.json" >"$logs/gpucmp.txt" 2>"$logs/gpucmp.err"
     say "gpu compare (cuda): exit $?"; grep '^|' "$logs/gpucmp.txt" | tee -a "$summary"; tail -5 "$logs/gpucmp.err"
 fi
