@@ -431,7 +431,8 @@ FqKernel fq_typed(const std::vector<int>& types) {
 // The bytes of the buffers a kernel writes, taken before the generic kernel's launch; `typed`
 // then, where the segments' one block type has a typed entry point, puts them back and runs it
 // (`run(kernel, pf)`: `pf` bit 2 set or not, a unit's rows interleaved or one after the other;
-// bit 3, the row quantized straight from global memory where there is no norm prologue) and
+// bit 3, the row quantized straight from global memory where there is no norm prologue; bit 4,
+// the norm prologue's products quantized from registers where there is one) and
 // checks that it wrote every buffer to the generic kernel's bytes, each way. `same` reruns the
 // generic kernel another way (`pf` bit 3) and checks the same.
 struct TypedCheck {
@@ -446,7 +447,7 @@ struct TypedCheck {
         if (!k) return;
         std::vector<std::vector<unsigned char>> want;
         for (Buf* b : outs) want.push_back(Producer::bytes(b));
-        for (int pf : {0, 4, 8}) {
+        for (int pf : {0, 4, 8, 16}) {
             for (size_t i = 0; i < outs.size(); ++i) memcpy(outs[i]->p(), start[i].data(), start[i].size());
             run(k, pf);
             for (size_t i = 0; i < outs.size(); ++i) {
@@ -930,6 +931,12 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
             run_qw(kernel, pf, 12);
         };
         typed.same(tag + " 12 warps", [&] { run12(fused_gemv1_q, 0); });
+        if (c.norm) {
+            typed.same(tag + " direct norm", [&] {
+                err = 0;
+                run_q(fused_gemv1_q, 16);
+            });
+        }
         typed.typed(tag + " typed 12 warps", {qs[0], qs[1], qs[2]}, run12);
         if (err != want_err) {
             ++fails;
@@ -2547,6 +2554,7 @@ void test_fused_gemv1_q() {
             for (int s = 0; s < P.nseg; ++s) tag += " " + quant_case(c.qt[s]).name;
             prod.check(tag);
             if (q16) typed.same(tag + " direct", [&] { run(fused_gemv1_q, 8); });
+            if (q16 && c.norm) typed.same(tag + " direct norm", [&] { run(fused_gemv1_q, 16); });
             // Blocks of 12 warps: the units' owners change, not their sums; the norm's sum
             // still runs over the first 8 warps' threads.
             const bool wide = q16 && grid == 3;

@@ -135,6 +135,13 @@ pub struct CudaConfig {
     /// product; ncu put about half of a down launch's stall samples there. With `q_warps` 16,
     /// on an H100 ("1b", llama-quantize's files) 3.7-5.8% more tokens/s than neither.
     pub q_direct: bool,
+    /// The same for the products with a norm prologue (q/k/v, gate/up; tune key
+    /// `gemv_q_direct_norm`, default off until timed): the norm's sum of squares as before,
+    /// then each thread loads its half-blocks of the row and the norm weight again from global
+    /// memory, forms their products in registers and writes their records, instead of staging
+    /// the products in shared memory and reading them back (f32 row and weight, 16-byte
+    /// aligned, at most 2,048 values; others stage). The same records bit for bit.
+    pub q_direct_norm: bool,
     /// Warps per block of decode's products on quantized weights without a norm prologue (o,
     /// down, the head; tune key `gemv_q_warps`, 1 to 24, or 0: from the launch's units,
     /// default 16). Each block quantizes the whole activation row before its first product,
@@ -270,6 +277,7 @@ impl Default for CudaConfig {
             q_typed: TypedQ::All,
             q_interleave: true,
             q_direct: true,
+            q_direct_norm: false,
             q_warps: 16,
             q_warps_norm: 8,
             q_head: true,
@@ -301,7 +309,7 @@ pub(crate) const MAX_Q_WARPS: u64 = 24;
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
      attn_split, rehearse, rehearse_list, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, \
      gemv_q_prefetch, gemv_q_ahead, gemv_q_head, gemv_q_typed, \
-     gemv_q_interleave, gemv_q_direct, gemv_q_warps, gemv_q_warps_norm, gemv_pad_kb, copy_kernel, \
+     gemv_q_interleave, gemv_q_direct, gemv_q_direct_norm, gemv_q_warps, gemv_q_warps_norm, gemv_pad_kb, copy_kernel, \
      read_kernel, mmv_max_m, qdot (see docs/tuning.md)";
 
 impl CudaConfig {
@@ -377,6 +385,9 @@ impl CudaConfig {
                     }
                 }
                 "gemv_q_direct" => self.q_direct = flag("gemv_q_direct=0 or gemv_q_direct=1")?,
+                "gemv_q_direct_norm" => {
+                    self.q_direct_norm = flag("gemv_q_direct_norm=0 or gemv_q_direct_norm=1")?
+                }
                 "gemv_q_warps" => {
                     let expected =
                         "gemv_q_warps=N, N warps per block from 1 to 24 (0: from the units)";
@@ -492,7 +503,8 @@ mod tests {
         let c = tuned(
             "pdl=0, attn_fast=0,attn_prefill=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
              gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0,gemv_q_blocks=5,gemv_q_prefetch=1,gemv_q_head=0,rehearse_list=0,\
-             gemv_q_ahead=0,gemv_q_typed=0,gemv_q_interleave=0,gemv_q_direct=0,gemv_q_warps=24,gemv_q_warps_norm=0",
+             gemv_q_ahead=0,gemv_q_typed=0,gemv_q_interleave=0,gemv_q_direct=0,gemv_q_warps=24,gemv_q_warps_norm=0,\
+             gemv_q_direct_norm=1",
         )
         .unwrap();
         let want = CudaConfig {
@@ -511,6 +523,7 @@ mod tests {
             q_typed: TypedQ::Off,
             q_interleave: false,
             q_direct: false,
+            q_direct_norm: true,
             q_warps: 24,
             q_warps_norm: 0,
             rehearse_list: false,

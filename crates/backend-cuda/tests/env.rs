@@ -97,6 +97,12 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
     }
 
     // Off by default (the flags above are on by default).
+    assert!(!d.q_direct_norm && tuned("gemv_q_direct_norm=1").unwrap().q_direct_norm);
+    assert_eq!(
+        tuned("gemv_q_direct_norm=1,gemv_q_direct_norm=0").unwrap(),
+        d
+    );
+    assert!(tune_error("gemv_q_direct_norm=2").contains("gemv_q_direct_norm"));
     assert!(tuned("gemv_q_prefetch=1").unwrap().q_prefetch);
     assert_eq!(tuned("gemv_q_prefetch=1,gemv_q_prefetch=0").unwrap(), d);
     assert!(tune_error("gemv_q_prefetch=yes").contains("gemv_q_prefetch"));
@@ -162,6 +168,7 @@ fn a_bad_tune_key_or_value_is_an_error_naming_the_variable() {
             "gemv_q_typed",
             "gemv_q_interleave",
             "gemv_q_direct",
+            "gemv_q_direct_norm",
             "gemv_q_warps",
             "gemv_q_warps_norm",
             "rehearse_list",

@@ -944,6 +944,47 @@ __device__ __forceinline__ void fq_quantize_direct(float* xs, const float* a, in
     __syncthreads();
 }
 
+// The norm prologue and `fq_quantize_direct` together (f32 row x, f32 norm weight w, both
+// 16-byte aligned, K <= NP_T * NP_V, K a multiple of 32): the sum of squares as `norm_stage`
+// takes it (`row_rms_f32` over the first NP_T threads), block 0 writing the norm (nd) and its
+// product (md) unless `write` is off, then each thread's half-blocks of x and w loaded again,
+// straight from global memory (the block's loads of a moment ago: L1), as 16 contiguous values,
+// their products y = (x * inv) * w formed as `norm_stage` forms them and quantized into their
+// q16 (`Q8`: q8) records at xs. The same values, so the same records bit for bit, without
+// staging y in shared memory, reading it back or the barrier between.
+template <bool Q8>
+__device__ __forceinline__ void fq_norm_direct(float* xs, int K, const float* x, float eps, float* nd,
+                                               const float* w, float* md, bool write) {
+    float xv[NP_V], wv[NP_V];
+    const float inv = row_rms_f32<NP_V>(x, w, K, eps, xv, wv, NP_T);
+    if (write && blockIdx.x == 0) {
+#pragma unroll
+        for (int j = 0; j < NP_V; ++j) {
+            const int i = threadIdx.x + j * NP_T;
+            if ((int)threadIdx.x < NP_T && i < K) {
+                const float n = xv[j] * inv;
+                nd[i] = n;
+                md[i] = n * wv[j];
+            }
+        }
+    }
+    const int nh = K / 16, bd = (int)blockDim.x;
+    for (int h0 = 0; h0 < nh; h0 += bd) {
+        const int h = h0 + (int)threadIdx.x;
+        const bool live = h < nh;
+        float v[16], g[16];
+        fq_load16(x + 16 * (live ? h : 0), v);
+        fq_load16(w + 16 * (live ? h : 0), g);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const float n = v[i] * inv;
+            v[i] = n * g[i];
+        }
+        fq_half<Q8>(v, xs, h, live);
+    }
+    __syncthreads();
+}
+
 // Unit u's weight rows (block types from their segments) into L2: a 128-byte line per lane
 // per pass, from the line holding each row's first byte to its end.
 template <int NC>
@@ -987,12 +1028,21 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     const int u0 = (int)blockIdx.x * nwarps + (threadIdx.x >> 5);
     if (u0 < units && !(pf & 2)) fq_prefetch<NC>(S, u0, K, lane);
     pdl_entry();
-    if (!nx && (pf & 8) && (QT != 0 || qm)) {
+    const bool quant = QT != 0 || qm;
+    if (!nx && (pf & 8) && quant) {
         // `pf` bit 3: the row quantized straight from global memory (no norm prologue).
         if (QT == 0 && qm == 2) {
             fq_quantize_direct<true>(xs, a, K);
         } else {
             fq_quantize_direct<false>(xs, a, K);
+        }
+    } else if (nx && (pf & 16) && quant && dtn == DT_F32 && dtnw == DT_F32 && K <= NP_T * NP_V &&
+               (((u64)nx | (u64)nw) & 15) == 0) {
+        // `pf` bit 4: the norm prologue's products quantized from registers (`fq_norm_direct`).
+        if (QT == 0 && qm == 2) {
+            fq_norm_direct<true>(xs, K, nx, eps, (float*)nd, (const float*)nw, (float*)a, S.wnorm != 0);
+        } else {
+            fq_norm_direct<false>(xs, K, nx, eps, (float*)nd, (const float*)nw, (float*)a, S.wnorm != 0);
         }
     } else {
         if (nx) {
@@ -1084,7 +1134,8 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // off); bit 2 (typed entry points): each row alone, two pieces a round, instead of a round
 // over both rows of a pair or four pieces of a single row (`CudaConfig::q_interleave` off);
 // bit 3: without a norm prologue, the row quantized straight from a (`fq_quantize_direct`,
-// `CudaConfig::q_direct`).
+// `CudaConfig::q_direct`); bit 4: with one (f32, aligned, K <= 2,048), its products quantized
+// from registers (`fq_norm_direct`, `CudaConfig::q_direct_norm`).
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,
                                                                         float eps, void* nd,

@@ -535,13 +535,14 @@ fn typed_kernel(set: &FgSet, qm: i32, which: TypedQ) -> Option<Kernel> {
 }
 
 /// `fused_gemv1_q`'s `pf` argument: bit 0 `CudaConfig::q_prefetch`, bit 1 `q_ahead` off, bit 2
-/// `q_interleave` off, bit 3 `q_direct`.
+/// `q_interleave` off, bit 3 `q_direct`, bit 4 `q_direct_norm`.
 fn q_prefetch_flags(exec: &Exec<'_>) -> i32 {
     let cfg = &exec.inner.cfg;
     cfg.q_prefetch as i32
         | ((!cfg.q_ahead) as i32) << 1
         | ((!cfg.q_interleave) as i32) << 2
         | (cfg.q_direct as i32) << 3
+        | (cfg.q_direct_norm as i32) << 4
 }
 
 /// Decode's head on a quantized weight with its argmax folded in, as `fused_gemv1_q` (one
