@@ -418,6 +418,7 @@ FqKernel fq_typed(const std::vector<int>& types) {
     if (std::all_of(types.begin(), types.end(), [&](int t) { return t == types[0]; })) {
         switch (types[0]) {
             case DT_Q4_0: return fused_gemv1_q4_0;
+            case DT_Q4_1: return fused_gemv1_q4_1;
             case DT_Q8_0: return fused_gemv1_q8_0;
             case DT_Q4_K: return fused_gemv1_q4_k;
             case DT_Q6_K: return fused_gemv1_q6_k;
@@ -498,7 +499,8 @@ const int q_sets[][3] = {{0, 0, 0},
                          {DT_Q3_K, DT_IQ4_XS, DT_Q2_K},
                          {DT_Q4_0, DT_Q5_K, DT_Q4_1},
                          {DT_Q4_0, DT_Q4_0, DT_Q4_0},
-                         {DT_Q6_K, DT_Q6_K, DT_Q6_K}};
+                         {DT_Q6_K, DT_Q6_K, DT_Q6_K},
+                         {DT_Q4_1, DT_Q4_1, DT_Q4_1}};
 
 // One block type's cases from quant_cases.txt: blocks and gguf-py's values of them.
 struct QCase {
@@ -2508,6 +2510,7 @@ void test_fused_gemv1_q() {
         {{DT_Q8_0, DT_Q4_0, 0}, 96, 1, 0},          {{DT_Q5_K, DT_Q5_K, 0}, 1280, 1, 1},
         // One block type throughout: the typed entry points too (q16), bit for bit.
         {{DT_Q4_0, DT_Q4_0, DT_Q4_0}, 1056, 0, 1},  {{DT_Q8_0, DT_Q8_0, 0}, 96, 1, 0},
+        {{DT_Q4_1, DT_Q4_1, DT_Q4_1}, 576, 0, 0},   {{DT_Q4_1, DT_Q4_1, 0}, 1536, 1, 1},
         {{DT_Q4_K, DT_Q4_K, DT_Q4_K}, 2304, 0, 0},  {{DT_Q6_K, DT_Q6_K, 0}, 1536, 1, 1},
         // Rows of several rounds of four pieces a lane (264 pieces), the last round partly past the row.
         {{DT_Q4_0, DT_Q4_0, DT_Q4_0}, 8448, 0, 1},  {{DT_Q6_K, DT_Q6_K, DT_Q6_K}, 8448, 0, 0},
@@ -2666,6 +2669,7 @@ void test_fused_gemv1_q_rowpair() {
         // One block type for q, k and v: the typed entry points too (q16), bit for bit.
         {F32, 512, 64, 64, 2, 7, F32, F32, F16, 1, 7, 7, 1, 1, 1, 37, 10000.0, 5},
         {F32, 1024, 32, 32, 2, 1, F32, F16, F16, 0, 7, 7, 0, 0, 1, 300, 10000.0, 6},
+        {F32, 576, 64, 64, 3, 7, F32, F32, F16, 1, 7, 7, 1, 0, 1, 37, 10000.0, 7},
     };
     for (const RpCase& c : cases)
         for (bool own : {true, false})

@@ -367,6 +367,8 @@ __device__ __forceinline__ u32 q_shr64(u32 lo, u32 hi, u32 s) {
 //   decode products, which the host launches only then), so the test and the fallback below
 //   are compiled out (on sm_90 they cost the typed Q4_K kernel a few spilled registers).
 // - Q6_K (210-byte blocks): the piece's low and high bits are one 32-byte run each.
+// - Q4_1 and IQ4_NL (one piece a block): the 16 quant bytes are one `q_ld16` for both chunks
+//   (the low and the high nibbles), d (and Q4_1's m) one load each.
 // Every other type, and a Q4_K block that is not 16-byte aligned, takes `iq16` per chunk.
 template <int QT, bool A16 = false>
 __device__ __forceinline__ void iq32(const u8* b, int p, u32 (&w0)[4], u32 (&w1)[4], float& d0,
@@ -390,6 +392,21 @@ __device__ __forceinline__ void iq32(const u8* b, int p, u32 (&w0)[4], u32 (&w1)
                 w0[t] = q;
                 w1[t] = q_shr64(x[t + 4], x[t + 5], s + 16);
             }
+        }
+        d1 = d0;
+        m1 = m0;
+        return;
+    }
+    if (QT == DT_Q4_1 || QT == DT_IQ4_NL) {
+        u32 q[4];
+        d0 = q_f16(b);
+        m0 = QT == DT_Q4_1 ? q_f16(b + 2) : 0.0f;
+        q_ld16(b + (QT == DT_Q4_1 ? 4 : 2), q);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const u32 lo = q[t] & 0x0F0F0F0Fu, hi = (q[t] >> 4) & 0x0F0F0F0Fu;
+            w0[t] = QT == DT_IQ4_NL ? iq4_levels4(lo) : lo;
+            w1[t] = QT == DT_IQ4_NL ? iq4_levels4(hi) : hi;
         }
         d1 = d0;
         m1 = m0;

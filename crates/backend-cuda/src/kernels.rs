@@ -122,6 +122,7 @@ pub(crate) enum Kernel {
     FusedGemv1Q,
     /// `fused_gemv1_q` on q16 records for sets of one block type, per type (`TYPED_Q`).
     FusedGemv1Q40,
+    FusedGemv1Q41,
     FusedGemv1Q80,
     FusedGemv1Q4K,
     FusedGemv1Q6K,
@@ -145,7 +146,7 @@ pub(crate) enum Kernel {
 
 impl Kernel {
     /// Every kernel.
-    pub(crate) const ALL: [Kernel; 54] = [
+    pub(crate) const ALL: [Kernel; 55] = [
         Kernel::EwUnary,
         Kernel::SmallCopy,
         Kernel::CopyBatch,
@@ -189,6 +190,7 @@ impl Kernel {
         Kernel::FusedGemv1Rp32,
         Kernel::FusedGemv1Q,
         Kernel::FusedGemv1Q40,
+        Kernel::FusedGemv1Q41,
         Kernel::FusedGemv1Q80,
         Kernel::FusedGemv1Q4K,
         Kernel::FusedGemv1Q6K,
@@ -224,8 +226,9 @@ impl Kernel {
 
     /// `fused_gemv1_q`'s typed entry points, by block type code (quant.cuh's `DT_*`): the types
     /// whose 32-value piece is one run of loads (`iq32`).
-    pub(crate) const TYPED_Q: [(i32, Kernel); 4] = [
+    pub(crate) const TYPED_Q: [(i32, Kernel); 5] = [
         (4, Kernel::FusedGemv1Q40),
+        (5, Kernel::FusedGemv1Q41),
         (8, Kernel::FusedGemv1Q80),
         (11, Kernel::FusedGemv1Q4K),
         (13, Kernel::FusedGemv1Q6K),
@@ -297,6 +300,7 @@ impl Kernel {
             | Kernel::FusedGemv1Rp32
             | Kernel::FusedGemv1Q
             | Kernel::FusedGemv1Q40
+            | Kernel::FusedGemv1Q41
             | Kernel::FusedGemv1Q80
             | Kernel::FusedGemv1Q4K
             | Kernel::FusedGemv1Q6K
@@ -356,6 +360,7 @@ impl Kernel {
             Kernel::FusedGemv1Rp32 => "fused_gemv1_rp32",
             Kernel::FusedGemv1Q => "fused_gemv1_q",
             Kernel::FusedGemv1Q40 => "fused_gemv1_q4_0",
+            Kernel::FusedGemv1Q41 => "fused_gemv1_q4_1",
             Kernel::FusedGemv1Q80 => "fused_gemv1_q8_0",
             Kernel::FusedGemv1Q4K => "fused_gemv1_q4_k",
             Kernel::FusedGemv1Q6K => "fused_gemv1_q6_k",
@@ -628,13 +633,17 @@ mod tests {
 
     #[test]
     fn typed_entry_points_take_one_type_or_q4_k_beside_q6_k() {
-        let (q4_0, q8_0, q4_k, q6_k, q5_k) = (4, 8, 11, 13, 12);
+        let (q4_0, q4_1, q8_0, q4_k, q6_k, q5_k) = (4, 5, 8, 11, 13, 12);
         for which in [TypedQ::NoQ4K, TypedQ::All] {
             assert_eq!(
                 Kernel::typed_q(&[q4_0, q4_0, q4_0], which),
                 Some(Kernel::FusedGemv1Q40)
             );
             assert_eq!(Kernel::typed_q(&[q8_0], which), Some(Kernel::FusedGemv1Q80));
+            assert_eq!(
+                Kernel::typed_q(&[q4_1, q4_1], which),
+                Some(Kernel::FusedGemv1Q41)
+            );
             assert_eq!(
                 Kernel::typed_q(&[q6_k, q6_k], which),
                 Some(Kernel::FusedGemv1Q6K)

@@ -1167,6 +1167,7 @@ extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32) fused_gemv1_q(i
         fq1_body<1, QT, QT2>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);    \
     }
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_0(FQ1_PARAMS) { FQ_TYPED(DT_Q4_0, 0) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_1(FQ1_PARAMS) { FQ_TYPED(DT_Q4_1, 0) }
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q8_0(FQ1_PARAMS) { FQ_TYPED(DT_Q8_0, 0) }
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K, 0) }
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q6_K, 0) }
