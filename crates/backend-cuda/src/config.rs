@@ -148,7 +148,7 @@ pub struct CudaConfig {
     /// so with `gemv_q_blocks` blocks of 8 warps a multiprocessor does that `gemv_q_blocks`
     /// times; larger blocks do it once for more warps. The streamed grid keeps the warps a
     /// multiprocessor holds: `gemv_q_blocks * 8 / warps` blocks each (at least one). 0 takes
-    /// the units over the multiprocessors, 8 to 24 (`fq_warps`). The same sums bit for bit
+    /// the units over the multiprocessors, 8 to 24 (`fq_shape` in src/fusion/gemv.rs). The same sums bit for bit
     /// (their order depends only on K). 16 puts "1b"'s o and down (2,048 units) in 128
     /// blocks, one a multiprocessor on an H100 or H200, where blocks of 8 put two on most;
     /// 12 (two on some, one on others) gained a third of what 16 did, and 24 lost 3% on
@@ -334,9 +334,9 @@ impl CudaConfig {
     /// comma-separated `key=value` items, whitespace around each ignored, empty items skipped,
     /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`,
     /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `gemv_q_prefetch`,
-    /// `gemv_q_ahead`, `gemv_q_head`, `gemv_q_interleave`, `gemv_q_direct`, `rehearse_list`,
-    /// `read_kernel`
-    /// (0 or 1); `gemv_q_typed` (0, 1 or 2);
+    /// `gemv_q_ahead`, `gemv_q_head`, `gemv_q_interleave`, `gemv_q_direct`,
+    /// `gemv_q_direct_norm`, `rehearse_list`, `read_kernel` (0 or 1); `gemv_q_typed` (0, 1 or
+    /// 2); `gemv_q_warps` (0 to 24) and `gemv_q_warps_norm` (0 or 8 to 24);
     /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` and `gemv_q_blocks` (1
     /// or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
     /// (bytes); `mmv_max_m` (rows); `qdot` (`q16`, `q8` or `f32`). An unknown key, an item without

@@ -1021,8 +1021,8 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     u64 best = 0ull;  // S.amax: the largest argmax key of this warp's units (lane 0)
     // Before the wait (overlapping the previous kernel's tail): the warp's first unit's weight
     // rows into L2, unless `pf` bit 1.
-    // Warps per block: FG1_WARPS, or up to FQ1_MAX_WARPS for the products without a norm
-    // prologue (`CudaConfig::q_warps`); nothing below depends on it but the units' owners.
+    // Warps per block: up to FQ1_MAX_WARPS (`CudaConfig::q_warps`, `q_warps_norm`); nothing
+    // below depends on it but the units' owners (the norm's sums take the first NP_T threads).
     const int nwarps = (int)(blockDim.x >> 5);
     const int stride = (int)gridDim.x * nwarps;
     const int u0 = (int)blockIdx.x * nwarps + (threadIdx.x >> 5);
@@ -1123,8 +1123,8 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     }
 }
 
-// blockDim.x a multiple of 32, at most FQ1_MAX_WARPS * 32 (FG1_WARPS * 32 with a norm prologue:
-// the norm's sums run in that block's order), dynamic shared memory K floats; K a multiple of every
+// blockDim.x a multiple of 32, at most FQ1_MAX_WARPS * 32 (at least NP_T with a norm prologue,
+// whose sums take the first NP_T threads), dynamic shared memory K floats; K a multiple of every
 // segment's block size, below 2^31 with the units (checked on the host), a 16-byte aligned
 // and every weight 2-byte aligned. Any grid of at least one block (the warps stride over the
 // units); S.pair as `fused_gemv1`'s sets (0, 1: SwiGlu, 2: row pairs). `qm`: integer products

@@ -465,9 +465,10 @@ fn launch_fq(
 /// a norm prologue (`norm`), of `units` output units, on `sms` multiprocessors.
 fn fq_dims(cfg: &CudaConfig, norm: bool, units: usize, sms: usize) -> (u32, u32) {
     // The norm prologue's sums take the first `GEMV1_WARPS` warps of a block.
-    let (warps, least) = match norm {
-        true => (cfg.q_warps_norm, matmul::GEMV1_WARPS),
-        false => (cfg.q_warps, 1),
+    let (warps, least) = if norm {
+        (cfg.q_warps_norm, matmul::GEMV1_WARPS)
+    } else {
+        (cfg.q_warps, 1)
     };
     fq_shape(units, warps, least, sms).grid(cfg.gemv_stream, cfg.q_blocks)
 }
