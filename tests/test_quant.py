@@ -530,18 +530,20 @@ def test_a_quantized_model_stays_quantized_on_vulkan(
 def test_every_vulkan_block_mat_vec_body_matches_the_reference(
     dtype: str, clean_env: pytest.MonkeyPatch
 ) -> None:
-    """`LOWSYNC_VK_QV=group`, `block` and `rows` in one process: a decode step's logits match a
-    float64 forward pass and each other under each, and the one-row products (fused stores
-    included) run the body asked for: `mul_mat_vec_qb*` (a whole block per lane) only under
-    `block`, `mul_mat_vec_qw*` (two rows a workgroup, the gate/up pair with SwiGLU as one
-    `_g` dispatch) only under `rows` and for a 32-element type (a super-block type keeps the
-    group body there)."""
+    """`LOWSYNC_VK_QV=group`, `block`, `rows` and `idot` in one process: a decode step's logits
+    match a float64 forward pass and each other under each, and the one-row products (fused
+    stores included) run the body asked for: `mul_mat_vec_qb*` (a whole block per lane) only
+    under `block`, `mul_mat_vec_qd*` (integer dot products) only under `idot` and for Q4_0,
+    Q4_1 and Q8_0 (every device the tests run on, lavapipe and NVIDIA's, has Vulkan 1.3's
+    integer dot product), `mul_mat_vec_qw*` (two rows a workgroup, the gate/up pair with
+    SwiGLU as one `_g` dispatch) under `rows`, and under `idot` for the other 32-element types
+    (a super-block type keeps the group body there)."""
     model = _quant_model(dtype)
     tokens = [1, 2, 3, 4, 5]
     want = _reference_forward(model, tokens)
     clean_env.setenv("LOWSYNC_VK_PROFILE", "1")
     logits = {}
-    for body in ("group", "block", "rows"):
+    for body in ("group", "block", "rows", "idot"):
         clean_env.setenv("LOWSYNC_VK_QV", body)
         sess = ls.Session(model, backends=["vulkan"], n_ctx=16, n_ubatch=4)
         sess.decode(tokens[:4])
@@ -551,21 +553,31 @@ def test_every_vulkan_block_mat_vec_body_matches_the_reference(
         sess.context.synchronize()
         names = {t["name"].split(".")[0] for t in sess.context.kernel_times()}
         one_row = {
-            n for n in names if n.startswith(("mul_mat_vec_qv", "mul_mat_vec_qb", "mul_mat_vec_qw"))
+            n
+            for n in names
+            if n.startswith(
+                ("mul_mat_vec_qv", "mul_mat_vec_qb", "mul_mat_vec_qw", "mul_mat_vec_qd")
+            )
         }
-        family = {"group": "mul_mat_vec_qv", "block": "mul_mat_vec_qb", "rows": "mul_mat_vec_qw"}[
-            body
-        ]
-        if body == "rows" and dtype not in BLOCKS_32:
+        family = {
+            "group": "mul_mat_vec_qv",
+            "block": "mul_mat_vec_qb",
+            "rows": "mul_mat_vec_qw",
+            "idot": "mul_mat_vec_qd" if dtype in ("q4_0", "q4_1", "q8_0") else "mul_mat_vec_qw",
+        }[body]
+        if body in ("rows", "idot") and dtype not in BLOCKS_32:
             family = "mul_mat_vec_qv"
         want_names = {family, family + "_e", family + "_r"}
-        if family == "mul_mat_vec_qw":
+        if family in ("mul_mat_vec_qw", "mul_mat_vec_qd"):
             # The gate and up products with their SwiGLU as one dispatch.
             want_names.add(family + "_g")
         assert one_row == want_names, (body, names)
         assert rel_err(logits[body], want[4:]) < 1e-3, body
     assert rel_err(logits["block"], logits["group"]) < 1e-5
     assert rel_err(logits["rows"], logits["group"]) < 1e-5
+    # The integer-dot body quantizes x to 16 bits per block of 32 (the CPU oracle's one-row
+    # products do the same); the float bodies agree to f32 rounding.
+    assert rel_err(logits["idot"], logits["group"]) < 1e-3
 
 
 @pytest.mark.vulkan

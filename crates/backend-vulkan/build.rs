@@ -70,6 +70,10 @@ const QUANTS: &[&str] = &[
 /// super-block type's is sub-block j (`T_s32`); build.rs binds either to `q_sub`.
 const QUANTS_32: &[&str] = &["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl"];
 
+/// The block types of the integer-dot decode products (`mul_mat_vec_qd*`): their reader
+/// `T_qd` is bound to `q_qd`.
+const QUANTS_QD: &[&str] = &["q4_0", "q4_1", "q8_0"];
+
 /// The split decode attentions' bindings: `attn_dec`'s, then the partials and tickets.
 const ATTN_SPLIT_SLOTS: &[(&str, Slot, &[&str])] = &[
     ("d", Slot::Out, FLOATS),
@@ -307,6 +311,23 @@ const KERNELS: &[Spec] = &[
             ("b", Slot::Quant, QUANTS_32),
         ],
     ),
+    (
+        "mul_mat_vec_qd",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Quant, QUANTS_QD),
+        ],
+    ),
+    (
+        "mul_mat_vec_qd_g",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Quant, QUANTS_QD),
+            ("u", Slot::Quant2, QUANTS_QD),
+        ],
+    ),
     // The gate and up products with SwiGLU in one dispatch (b the gate weight, u the up).
     (
         "mul_mat_vec_qw_g",
@@ -460,6 +481,15 @@ const KERNELS: &[Spec] = &[
         ],
     ),
     (
+        "mul_mat_vec_qd_e",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Quant, QUANTS_QD),
+            ("e", Slot::In, &["f32"]),
+        ],
+    ),
+    (
         "mul_mat_vec_qw_e",
         &[
             ("d", Slot::Out, &["f32"]),
@@ -535,6 +565,16 @@ const KERNELS: &[Spec] = &[
             ("d", Slot::Out, FLOATS),
             ("a", Slot::Vec, &["f32"]),
             ("b", Slot::Quant, QUANTS),
+            ("ids", Slot::Int, &["i32"]),
+            ("status", Slot::Status, &["u32"]),
+        ],
+    ),
+    (
+        "mul_mat_vec_qd_r",
+        &[
+            ("d", Slot::Out, FLOATS),
+            ("a", Slot::Vec, &["f32"]),
+            ("b", Slot::Quant, QUANTS_QD),
             ("ids", Slot::Int, &["i32"]),
             ("status", Slot::Status, &["u32"]),
         ],
@@ -881,9 +921,14 @@ fn quant(dir: &Path, q: &str) -> String {
          {whole}",
         gpb = qk / 16,
         whole = if QUANTS_32.contains(&q) {
+            let qd = if QUANTS_QD.contains(&q) {
+                format!("fn q_qd(blk: u32) -> QdBlk {{ return {q}_qd(blk); }}\n")
+            } else {
+                String::new()
+            };
             format!(
                 "fn q_sub(blk: u32, j: u32) -> Sub32 {{ return {q}_b32(blk); }}\n\
-                 fn q_quarter(blk: u32, j: u32) -> Quarter {{ return {q}_q8(blk, j); }}\n"
+                 fn q_quarter(blk: u32, j: u32) -> Quarter {{ return {q}_q8(blk, j); }}\n{qd}"
             )
         } else {
             format!("fn q_sub(blk: u32, j: u32) -> Sub32 {{ return {q}_s32(blk, j); }}\n")
@@ -998,8 +1043,10 @@ fn compile(src: &str) -> Result<Vec<u32>, String> {
         // `mul_mat_vec_qb`, `mul_mat_vec_qw`, `mul_mat_vec_qm` and their `_e`, `_r` and `_g`
         // flavours, and the decode attention (`attn_dec`, `attn_split`, `attn_split_g`,
         // `attn_split_v`), use subgroup operations, and the host picks them only on a device
-        // whose compute stage has subgroup arithmetic; `mul_mat_q_s`, `mul_mat_s` and
-        // `mul_mat_s1` only where it also has shuffles. SHADER_FLOAT16 and COOPERATIVE_MATRIX: only the cooperative-matrix products
+        // whose compute stage has subgroup arithmetic; `mul_mat_q_s`, `mul_mat_s`,
+        // `mul_mat_s1` and the integer-dot products `mul_mat_vec_qd*` only where it also has
+        // shuffles (the last, too, only where the device enabled its integer dot product
+        // feature: naga writes `dot4I8Packed` as OpSDot, SPV_KHR_integer_dot_product). SHADER_FLOAT16 and COOPERATIVE_MATRIX: only the cooperative-matrix products
         // (`mul_mat_cm`, `mul_mat_qcm`: f16 tiles), picked only where the device enabled
         // what their SPIR-V declares (`device::coopmat_support`). SHADER_FLOAT16_IN_FLOAT32 is
         // `unpack2x16float` (GLSL.std.450 UnpackHalf2x16, core SPIR-V for Vulkan).

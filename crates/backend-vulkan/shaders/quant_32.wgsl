@@ -177,3 +177,20 @@ fn q8_0_q8(blk: u32, j: u32) -> Quarter {
     let sc = vec2<f32>(q_head_f16(q_buf[blk >> 2u], blk), 0.0);
     return Quarter(sc, u2f(lanes(lo, 0u, 255u), 128.0), u2f(lanes(hi, 0u, 255u), 128.0));
 }
+
+// Whole blocks for the integer-dot products (`T_qd`, contract in `quant_common.wgsl`).
+
+fn q4_0_qd(blk: u32) -> QdBlk {
+    let s = q_d16(blk);
+    return QdBlk(s.d, -8.0 * s.d, s.w, vec4<u32>());
+}
+
+fn q4_1_qd(blk: u32) -> QdBlk {
+    let dm = qw(blk);
+    return QdBlk(q_f16(dm & 0xffffu), q_f16(dm >> 16u), qw4(blk + 4u), vec4<u32>());
+}
+
+fn q8_0_qd(blk: u32) -> QdBlk {
+    let s = q_d16(blk);
+    return QdBlk(s.d, 0.0, s.w, qw4(blk + 18u));
+}

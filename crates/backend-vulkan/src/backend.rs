@@ -35,7 +35,7 @@ use crate::config::{QuantMatMul, QuantMatVec, VkConfig};
 use crate::device::{create_pool, unavailable, vk_err, Device};
 use crate::events::VkReadback;
 use crate::memory::{create_buffer, destroy_buffer, Arena, DevBuffer, Placement};
-use crate::ops::Limits;
+use crate::ops::{Limits, QD_SHARED_BYTES};
 use crate::pipelines::Pipelines;
 use crate::profile::Profiler;
 use crate::stream::{barrier, ReadTarget, State, StatusWords};
@@ -106,10 +106,14 @@ impl VulkanBackend {
                 && dev.limits.max_compute_work_group_size[0] >= 256,
             qv: config
                 .quant_mat_vec
-                .unwrap_or(QuantMatVec::for_device(dev.cpu_type)),
+                .unwrap_or(QuantMatVec::for_device(dev.cpu_type, dev.integer_dot_fast)),
             qmm: config
                 .quant_mat_mul
                 .unwrap_or(QuantMatMul::for_device(dev.cpu_type)),
+            idot: dev.integer_dot
+                && dev.subgroup_shuffle
+                && !config.no_subgroups
+                && dev.limits.max_compute_shared_memory_size >= QD_SHARED_BYTES,
             row_lanes: config.row_lanes.unwrap_or(dev.cpu_type),
             coopmat: dev.coopmat,
         };
@@ -209,6 +213,19 @@ impl VulkanBackend {
     /// product over block weights then shares x through them: `mul_mat_q_s`).
     pub fn has_subgroup_shuffles(&self) -> bool {
         self.inner.dev.subgroup_shuffle && !self.inner.config.no_subgroups
+    }
+
+    /// Whether the integer-dot decode products (`LOWSYNC_VK_QV=idot`, `mul_mat_vec_qd*`) can
+    /// run here: the device has the integer dot product feature (enabled at creation), subgroup
+    /// shuffles (the config leaving subgroups on) and room for their workgroup memory.
+    pub fn has_integer_dot(&self) -> bool {
+        self.inner.limits.idot
+    }
+
+    /// Whether this device runs 4x8-bit packed integer dot products in hardware (lavapipe
+    /// emulates them): where the integer-dot products can pay.
+    pub fn has_fast_integer_dot(&self) -> bool {
+        self.inner.limits.idot && self.inner.dev.integer_dot_fast
     }
 
     /// Whether the prefill products run on cooperative matrices: `LOWSYNC_VK_COOPMAT` asked for

@@ -122,29 +122,39 @@ pub enum QuantMatVec {
     /// 32-element types only (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), the super-block types
     /// keep the group body.
     Rows,
+    /// `idot`: Q4_0, Q4_1 and Q8_0 as integer dot products (`mul_mat_vec_qd`): x quantized
+    /// to 16 bits per block of 32 once per workgroup, each weight block dotted with it four
+    /// bytes an instruction, a workgroup's subgroups taking its rows one each in turn; where the
+    /// device has the integer dot product feature and subgroup shuffles and k is at most
+    /// 8,192. Other types and shapes take `rows`.
+    Idot,
 }
 
 impl QuantMatVec {
-    /// `LOWSYNC_VK_QV`: `group`, `block` or `rows`; unset or empty is `None` (the device's
+    /// `LOWSYNC_VK_QV`: `group`, `block`, `rows` or `idot`; unset or empty is `None` (the device's
     /// default, [`QuantMatVec::for_device`]), anything else an `Error::Env` naming the
     /// variable.
     pub fn from_env() -> Result<Option<Self>> {
-        let names = &["group", "block", "rows"];
+        let names = &["group", "block", "rows", "idot"];
         Ok(
-            match env::choice("LOWSYNC_VK_QV", names, "group, block or rows")? {
+            match env::choice("LOWSYNC_VK_QV", names, "group, block, rows or idot")? {
                 Some("group") => Some(QuantMatVec::Group),
                 Some("block") => Some(QuantMatVec::Block),
                 Some("rows") => Some(QuantMatVec::Rows),
+                Some("idot") => Some(QuantMatVec::Idot),
                 _ => None,
             },
         )
     }
 
-    /// The body a device runs when none is asked for: `group` on a CPU-type device, `rows`
-    /// on a GPU.
-    pub fn for_device(cpu_type: bool) -> Self {
+    /// The body a device runs when none is asked for: `group` on a CPU-type device; on a GPU
+    /// `idot` where it runs 4x8-bit integer dot products in hardware (`fast_integer_dot`),
+    /// else `rows`.
+    pub fn for_device(cpu_type: bool, fast_integer_dot: bool) -> Self {
         if cpu_type {
             QuantMatVec::Group
+        } else if fast_integer_dot {
+            QuantMatVec::Idot
         } else {
             QuantMatVec::Rows
         }

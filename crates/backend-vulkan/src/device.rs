@@ -315,6 +315,12 @@ pub(crate) struct Device {
     /// f16 x f16 + f32 in 32-lane subgroups, with what the kernels' SPIR-V declares (16-bit
     /// storage, f16 arithmetic, the Vulkan memory model): all enabled at creation.
     pub coopmat: bool,
+    /// `shaderIntegerDotProduct` (Vulkan 1.3) is enabled, so kernels may take 4-byte integer
+    /// dot products (`mul_mat_vec_qd*`: naga writes `dot4I8Packed` as OpSDot).
+    pub integer_dot: bool,
+    /// The device runs 4x8-bit packed signed and unsigned dot products in hardware
+    /// (`integerDotProduct4x8BitPacked{Signed,Unsigned}Accelerated`); lavapipe emulates them.
+    pub integer_dot_fast: bool,
     /// The device reports itself as a CPU (`VK_PHYSICAL_DEVICE_TYPE_CPU`: lavapipe, SwiftShader).
     pub cpu_type: bool,
     // Declared last: dropped after `device` is destroyed (see `Drop`).
@@ -390,6 +396,7 @@ impl Device {
             (arith, shuffle)
         };
         let coopmat = config.coopmat && coopmat_support(ins, pdev)?;
+        let (integer_dot, integer_dot_fast) = integer_dot_support(ins, pdev);
         let prio = [1.0f32];
         let mut qinfos = vec![vk::DeviceQueueCreateInfo::default()
             .queue_family_index(compute_family as u32)
@@ -416,6 +423,8 @@ impl Device {
         let mut v11 = vk::PhysicalDeviceVulkan11Features::default()
             .storage_buffer16_bit_access(coopmat)
             .uniform_and_storage_buffer16_bit_access(coopmat);
+        let mut v13 =
+            vk::PhysicalDeviceVulkan13Features::default().shader_integer_dot_product(true);
         let mut cm =
             vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default().cooperative_matrix(true);
         let extensions = [ash::khr::cooperative_matrix::NAME.as_ptr()];
@@ -426,6 +435,9 @@ impl Device {
             .push_next(&mut v11);
         if coopmat {
             info = info.enabled_extension_names(&extensions).push_next(&mut cm);
+        }
+        if integer_dot {
+            info = info.push_next(&mut v13);
         }
         // SAFETY: `info` and everything it points to outlive the call.
         let device = unsafe { ins.create_device(pdev, &info, None) }
@@ -473,6 +485,8 @@ impl Device {
             subgroup_arith,
             subgroup_shuffle,
             coopmat,
+            integer_dot,
+            integer_dot_fast,
             "Vulkan device opened"
         );
         Ok(Device {
@@ -489,6 +503,8 @@ impl Device {
             subgroup_arith,
             subgroup_shuffle,
             coopmat,
+            integer_dot,
+            integer_dot_fast,
             cpu_type: props.device_type == vk::PhysicalDeviceType::CPU,
             inst,
         })
@@ -553,4 +569,28 @@ impl Drop for Device {
         // SAFETY: owners destroy every object created from the device before dropping it.
         unsafe { self.device.destroy_device(None) };
     }
+}
+
+/// Whether the device has Vulkan 1.3's `shaderIntegerDotProduct` (enabled at creation when it
+/// does), and whether it accelerates the 4x8-bit packed forms the integer-dot products take.
+fn integer_dot_support(ins: &ash::Instance, pdev: vk::PhysicalDevice) -> (bool, bool) {
+    // SAFETY: a query on a physical device of this instance.
+    let props = unsafe { ins.get_physical_device_properties(pdev) };
+    if props.api_version < vk::API_VERSION_1_3 {
+        return (false, false);
+    }
+    let mut v13 = vk::PhysicalDeviceVulkan13Features::default();
+    let mut f2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut v13);
+    // SAFETY: as above; the chain outlives the call.
+    unsafe { ins.get_physical_device_features2(pdev, &mut f2) };
+    if v13.shader_integer_dot_product != vk::TRUE {
+        return (false, false);
+    }
+    let mut dp = vk::PhysicalDeviceShaderIntegerDotProductProperties::default();
+    let mut p2 = vk::PhysicalDeviceProperties2::default().push_next(&mut dp);
+    // SAFETY: as above.
+    unsafe { ins.get_physical_device_properties2(pdev, &mut p2) };
+    let fast = dp.integer_dot_product4x8_bit_packed_signed_accelerated == vk::TRUE
+        && dp.integer_dot_product4x8_bit_packed_unsigned_accelerated == vk::TRUE;
+    (true, fast)
 }

@@ -83,6 +83,7 @@ fn bad_values_and_names_are_clear_errors() {
         ("block", Some(QuantMatVec::Block)),
         ("group", Some(QuantMatVec::Group)),
         ("rows", Some(QuantMatVec::Rows)),
+        ("idot", Some(QuantMatVec::Idot)),
         ("", None),
     ] {
         std::env::set_var("LOWSYNC_VK_QV", value);
@@ -98,8 +99,10 @@ fn bad_values_and_names_are_clear_errors() {
         None,
         "the device's default"
     );
-    assert_eq!(QuantMatVec::for_device(true), QuantMatVec::Group);
-    assert_eq!(QuantMatVec::for_device(false), QuantMatVec::Rows);
+    assert_eq!(QuantMatVec::for_device(true, false), QuantMatVec::Group);
+    assert_eq!(QuantMatVec::for_device(true, true), QuantMatVec::Group);
+    assert_eq!(QuantMatVec::for_device(false, false), QuantMatVec::Rows);
+    assert_eq!(QuantMatVec::for_device(false, true), QuantMatVec::Idot);
     std::env::set_var("LOWSYNC_VK_QMM", "tile");
     assert!(matches!(
         lowsync_vulkan::create("vulkan"),

@@ -260,6 +260,17 @@ fn the_shared_memory_kernels_fuse_the_same_ops() {
 }
 
 #[test]
+fn the_integer_dot_products_fuse_the_same_ops() {
+    if common::open(common::config()).is_none() {
+        return;
+    }
+    check(|| VkConfig {
+        quant_mat_vec: Some(QuantMatVec::Idot),
+        ..common::config()
+    });
+}
+
+#[test]
 fn a_read_product_or_unknown_scratch_stays_unfused() {
     if common::open(common::config()).is_none() {
         return;
@@ -297,14 +308,27 @@ fn the_gate_and_up_products_and_their_swiglu_run_as_one_dispatch() {
     // (config, weight, n, k, the kernel family that takes all three): every 32-element block
     // type on the two-row body (a row count past one workgroup's, an odd one), every float
     // type on the 16-byte mat-vec (n not a multiple of its four pairs a workgroup).
+    let idot = || VkConfig {
+        quant_mat_vec: Some(QuantMatVec::Idot),
+        ..common::config()
+    };
+    let has_idot = common::open(idot()).is_some_and(|b| b.has_integer_dot());
+    let qd_g = if has_idot {
+        "mul_mat_vec_qd_g"
+    } else {
+        "mul_mat_vec_qw_g"
+    };
     type Shape = (fn() -> VkConfig, DType, usize, usize, &'static str);
-    let shapes: [Shape; 9] = [
+    let shapes: [Shape; 12] = [
         (rows, DType::Q4_0, 17, 128, "mul_mat_vec_qw_g"),
         (rows, DType::Q4_1, 6, 256, "mul_mat_vec_qw_g"),
         (rows, DType::Q5_0, 3, 64, "mul_mat_vec_qw_g"),
         (rows, DType::Q5_1, 5, 96, "mul_mat_vec_qw_g"),
         (rows, DType::Q8_0, 8, 1056, "mul_mat_vec_qw_g"),
         (rows, DType::IQ4_NL, 4, 64, "mul_mat_vec_qw_g"),
+        (idot, DType::Q4_0, 17, 128, qd_g),
+        (idot, DType::Q4_1, 6, 256, qd_g),
+        (idot, DType::Q8_0, 8, 1056, qd_g),
         (common::config, DType::F32, 24, 64, "mul_mat_vec_v_g"),
         (common::config, DType::F16, 13, 512, "mul_mat_vec_v_g"),
         (common::config, DType::BF16, 9, 256, "mul_mat_vec_v_g"),

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use lowsync_backend::{Backend, BufferUsage, Error, ExecGraph, ExecNode, ScratchLive, TensorRef};
 use lowsync_graph::{DType, Op, RopeMode};
-use lowsync_vulkan::VkConfig;
+use lowsync_vulkan::{QuantMatVec, VkConfig};
 
 struct Case {
     heads: usize,
@@ -35,18 +35,20 @@ fn run(fusion: bool, c: &Case) -> (Result<Vec<u8>, Error>, bool) {
     run_with(fusion, c, None)
 }
 
-/// `run`, or with `product: Some((weight dtype, k, no_subgroups))` V's pair instead: a one-row
-/// product `[1, k] @ w.T` into `[1, H * D]` copied into the cache row (`mul_mat_vec_*_r`).
-fn run_with(
-    fusion: bool,
-    c: &Case,
-    product: Option<(DType, usize, bool)>,
-) -> (Result<Vec<u8>, Error>, bool) {
+/// A product's weight dtype, k, whether subgroups are off, and the block mat-vec body asked
+/// for (`None`: the harness's).
+type Product = (DType, usize, bool, Option<QuantMatVec>);
+
+/// `run`, or with `product: Some(..)` V's pair instead: a one-row product `[1, k] @ w.T` into
+/// `[1, H * D]` copied into the cache row (`mul_mat_vec_*_r`).
+fn run_with(fusion: bool, c: &Case, product: Option<Product>) -> (Result<Vec<u8>, Error>, bool) {
+    let base = common::config();
     let b = common::open(VkConfig {
         fusion,
         profile: true,
         no_subgroups: product.is_some_and(|p| p.2),
-        ..common::config()
+        quant_mat_vec: product.and_then(|p| p.3).or(base.quant_mat_vec),
+        ..base
     })
     .expect("a Vulkan device");
     let hd = c.heads * c.dim;
@@ -72,7 +74,7 @@ fn run_with(
                 t(pb, 0, DType::I32, &[1]),
             ],
         },
-        Some((wt, k, _)) => {
+        Some((wt, k, _, _)) => {
             let ab = common::buffer_with(&b, &common::f32_bytes(&values(k, 5)));
             let wb = common::buffer_with(&b, &weight(wt, hd, k));
             ExecNode {
@@ -241,7 +243,20 @@ fn a_product_into_the_cache_row_is_bit_identical_to_the_product_then_set_rows() 
         (4, 16, DType::F16, DType::F16, 64, true),
         (2, 16, DType::F32, DType::Q4_0, 64, true),
     ];
-    for (heads, dim, cache, wt, k, no_sg) in cases {
+    // The same through the integer-dot body (`LOWSYNC_VK_QV=idot`) where the device has it.
+    let idot = [
+        (3, 8, DType::BF16, DType::Q4_0, 64),
+        (2, 32, DType::F16, DType::Q8_0, 96),
+        (2, 16, DType::F32, DType::Q4_1, 256),
+    ];
+    let cases = cases
+        .iter()
+        .map(|&(h, d, c, w, k, no_sg)| (h, d, c, w, k, no_sg, None))
+        .chain(
+            idot.iter()
+                .map(|&(h, d, c, w, k)| (h, d, c, w, k, false, Some(QuantMatVec::Idot))),
+        );
+    for (heads, dim, cache, wt, k, no_sg, qv) in cases {
         let c = Case {
             heads,
             dim,
@@ -251,10 +266,10 @@ fn a_product_into_the_cache_row_is_bit_identical_to_the_product_then_set_rows() 
             row: 4,
             live: false,
         };
-        let p = Some((wt, k, no_sg));
+        let p = Some((wt, k, no_sg, qv));
         let (on, fused) = run_with(true, &c, p);
         let (off, unfused) = run_with(false, &c, p);
-        let what = format!("{heads}x{dim} {cache} <- {wt} k={k} no_subgroups {no_sg}");
+        let what = format!("{heads}x{dim} {cache} <- {wt} k={k} no_subgroups {no_sg} {qv:?}");
         assert!(fused, "{what}: fused");
         assert!(!unfused, "{what}: unfused");
         assert_eq!(on.unwrap(), off.unwrap(), "{what}");
@@ -268,7 +283,7 @@ fn a_product_into_the_cache_row_is_bit_identical_to_the_product_then_set_rows() 
         row: -1,
         live: false,
     };
-    let p = Some((DType::F16, 64, false));
+    let p = Some((DType::F16, 64, false, None));
     let (got, fused) = run_with(true, &c, p);
     assert!(fused);
     match got {

@@ -120,6 +120,9 @@ pub(crate) struct Limits {
     pub wide_groups: bool,
     /// The body of the one-row block mat-vec (`LOWSYNC_VK_QV`).
     pub qv: QuantMatVec,
+    /// The integer-dot products (`mul_mat_vec_qd*`) can run: the integer dot product feature,
+    /// subgroup shuffles and room for their workgroup memory.
+    pub idot: bool,
     /// The layout of the prefill product over block weights (`LOWSYNC_VK_QMM`).
     pub qmm: QuantMatMul,
     /// SoftMax takes one invocation per row (`LOWSYNC_VK_ROW_LANES`).

@@ -37,6 +37,18 @@ const MAT_VEC_MAX_M: usize = 8;
 const MAT_VEC_K_ROWS: usize = 8;
 /// Rows of w per workgroup of `mul_mat_vec_qw.wgsl` (its `QW_ROWS`).
 const QW_ROWS: usize = 2;
+/// The longest row of x the integer-dot products quantize into workgroup memory (`QD_KMAX` in
+/// `mul_mat_vec_qd_body.wgsl`), and the workgroup memory that takes: 2.25 bytes an element
+/// (its high and low bytes, and two f32 per block of 32).
+const QD_KMAX: usize = 8192;
+pub(crate) const QD_SHARED_BYTES: u32 = (QD_KMAX * 2 + QD_KMAX / 32 * 8) as u32;
+/// Rows of w per workgroup of the integer-dot products: a workgroup quantizes x once for all
+/// of them, so they take at least a row per subgroup (eight on a 32-lane device), and up to 64
+/// on long products, which then start about 256 workgroups (2,048 rows: 256 of 8; 8,192: 256
+/// of 32; a 32,000-row head: 500 of 64).
+fn qd_rows(n: usize) -> usize {
+    (n / 256).clamp(8, 64).next_multiple_of(8)
+}
 /// Rows of x per workgroup z of the multi-row quantized mat-vec (`MT` in `mul_mat_vec_qm.wgsl`).
 const QUANT_ROWS_PER_GROUP: usize = 8;
 /// Rows of w per workgroup of the prefill product over block weights (`BN` in
@@ -284,6 +296,7 @@ const EPILOGUE_FAMILIES: &[&str] = &[
     "mul_mat_vec_qv",
     "mul_mat_vec_qb",
     "mul_mat_vec_qw",
+    "mul_mat_vec_qd",
     "mul_mat_vec_q_wg",
 ];
 
@@ -352,6 +365,9 @@ pub(super) fn mul_mat_glu(
     // an even byte for `T_q8`, 8 elements for 16-byte loads.
     let (kernel, gx) = match family.as_str() {
         "mul_mat_vec_qw" if ou.is_multiple_of(2) => ("mul_mat_vec_qw_g", n),
+        "mul_mat_vec_qd" if ou.is_multiple_of(2) => {
+            ("mul_mat_vec_qd_g", n.div_ceil(d.push.prm[3] as usize))
+        }
         "mul_mat_vec_v" if ou.is_multiple_of(8) => {
             ("mul_mat_vec_v_g", n.div_ceil(MAT_VEC_K_ROWS / 2))
         }
@@ -534,9 +550,20 @@ fn quant_mat_vec(
         let align = if either { 2 } else { 4 };
         let even = push.offs[2].is_multiple_of(align);
         let gw = n.div_ceil(QW_ROWS);
+        let idot = c.lim.idot
+            && matches!(b.dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0)
+            && k <= QD_KMAX
+            && even;
         match c.lim.qv {
             QuantMatVec::Block if even => ("b", gx),
-            QuantMatVec::Rows if bs == 32 && even && gw <= max[0] as usize => ("w", gw),
+            QuantMatVec::Idot if idot => {
+                let rows = qd_rows(n);
+                push.prm[3] = rows as u32;
+                ("d", n.div_ceil(rows))
+            }
+            QuantMatVec::Rows | QuantMatVec::Idot if bs == 32 && even && gw <= max[0] as usize => {
+                ("w", gw)
+            }
             _ => ("v", gx),
         }
     } else {

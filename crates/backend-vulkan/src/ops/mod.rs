@@ -34,7 +34,7 @@ use lowsync_graph::Op;
 pub(crate) use attention::{Attn, Split as AttnSplit, MAX_DIM as ATTN_MAX_DIM};
 use layout::Ctx;
 pub(crate) use layout::{kernel_err, Dispatch, Limits, Res, Status};
-pub(crate) use matmul::Epilogue;
+pub(crate) use matmul::{Epilogue, QD_SHARED_BYTES};
 
 /// Plans `node` with its resolved destination and sources.
 pub(crate) fn plan(

@@ -1,0 +1,43 @@
+// `mul_mat_vec_qd` over two weights at once, the gate and up projections that SwiGLU
+// consumes: `silu(x @ gate.T) * (x @ up.T)` for one row of x, as one dispatch, x quantized once
+// for both.
+//
+// Invariants (checked by the host): the two weights have one block type and row stride, both
+// on an even byte; up's rows start at byte `pc.epi.x`; otherwise `mul_mat_vec_qd`'s.
+
+// #include mul_mat_vec_qd_body.wgsl
+
+@compute @workgroup_size(256)
+fn main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_id) sg: u32,
+    @builtin(num_subgroups) nsg: u32,
+    @builtin(subgroup_invocation_id) lane: u32,
+    @builtin(subgroup_size) lanes: u32,
+) {
+    let n = pc.shape.y;
+    let base = batch_bases(wg.y);
+    qd_quantize(base.y, pc.shape.z, li);
+    workgroupBarrier();
+    let nb = pc.shape.z / 32u;
+    let r0 = wg.x * pc.prm.w;
+    let r1 = min(n, r0 + pc.prm.w);
+    for (var row = r0 + sg; row < r1; row += nsg) {
+        let wg_row = base.z + row * pc.b_str.w;
+        let wu_row = pc.epi.x + row * pc.b_str.w;
+        var g = 0.0;
+        var u = 0.0;
+        for (var i = lane; i < nb; i += lanes) {
+            let bg = q_qd(wg_row + i * QB);
+            let bu = q_qd_u(wu_row + i * QB);
+            g += qd_dot(bg, i);
+            u += qd_dot(bu, i);
+        }
+        let gs = subgroupAdd(g);
+        let us = subgroupAdd(u);
+        if lane == 0u {
+            st_d(base.x + row * pc.d_str.w, silu(gs) * us);
+        }
+    }
+}

@@ -1,0 +1,25 @@
+// Entry point of the one-row flavours of `mul_mat_vec_qd` (plain, `_e`, `_r`): the workgroup
+// quantizes x, then its subgroups take its rows of w in turn and store each through `out_d`.
+
+@compute @workgroup_size(256)
+fn main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_id) sg: u32,
+    @builtin(num_subgroups) nsg: u32,
+    @builtin(subgroup_invocation_id) lane: u32,
+    @builtin(subgroup_size) lanes: u32,
+) {
+    let n = pc.shape.y;
+    let base = batch_bases(wg.y);
+    qd_quantize(base.y, pc.shape.z, li);
+    workgroupBarrier();
+    let r0 = wg.x * pc.prm.w;
+    let r1 = min(n, r0 + pc.prm.w);
+    for (var row = r0 + sg; row < r1; row += nsg) {
+        let s = subgroupAdd(qd_row(base.z + row * pc.b_str.w, lane, lanes));
+        if lane == 0u {
+            out_d(base.x + row * pc.d_str.w, s);
+        }
+    }
+}
