@@ -42,6 +42,8 @@ QT = gguf.GGMLQuantizationType
 ALL = quants.QUANT_DTYPES
 # The 32-element block types (the others are 256-element super-blocks).
 BLOCKS_32 = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl")
+# The types of Vulkan's integer-dot decode products (`LOWSYNC_VK_QV=idot`).
+IDOT_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
 # NMSE of a product against float64 over the dequantized weight: f32 accumulation on the exact
 # path, 16-bit activation blocks (relative error ~2^-16 per value) on the default SIMD path.
 PRODUCT_NMSE = 1e-8
@@ -534,10 +536,10 @@ def test_every_vulkan_block_mat_vec_body_matches_the_reference(
     match a float64 forward pass and each other under each, and the one-row products (fused
     stores included) run the body asked for: `mul_mat_vec_qb*` (a whole block per lane) only
     under `block`, `mul_mat_vec_qd*` (integer dot products) only under `idot` and for Q4_0,
-    Q4_1 and Q8_0 (every device the tests run on, lavapipe and NVIDIA's, has Vulkan 1.3's
-    integer dot product), `mul_mat_vec_qw*` (two rows a workgroup, the gate/up pair with
-    SwiGLU as one `_g` dispatch) under `rows`, and under `idot` for the other 32-element types
-    (a super-block type keeps the group body there)."""
+    Q4_1, Q8_0, Q4_K and Q6_K (every device the tests run on, lavapipe and NVIDIA's, has
+    Vulkan 1.3's integer dot product), `mul_mat_vec_qw*` (two rows a workgroup, the gate/up
+    pair with SwiGLU as one `_g` dispatch) under `rows`, and under `idot` for the other
+    32-element types (another super-block type keeps the group body there)."""
     model = _quant_model(dtype)
     tokens = [1, 2, 3, 4, 5]
     want = _reference_forward(model, tokens)
@@ -563,10 +565,12 @@ def test_every_vulkan_block_mat_vec_body_matches_the_reference(
             "group": "mul_mat_vec_qv",
             "block": "mul_mat_vec_qb",
             "rows": "mul_mat_vec_qw",
-            "idot": "mul_mat_vec_qd" if dtype in ("q4_0", "q4_1", "q8_0") else "mul_mat_vec_qw",
+            "idot": "mul_mat_vec_qw",
         }[body]
         if body in ("rows", "idot") and dtype not in BLOCKS_32:
             family = "mul_mat_vec_qv"
+        if body == "idot" and dtype in IDOT_TYPES:
+            family = "mul_mat_vec_qd"
         want_names = {family, family + "_e", family + "_r"}
         if family in ("mul_mat_vec_qw", "mul_mat_vec_qd"):
             # The gate and up products with their SwiGLU as one dispatch.

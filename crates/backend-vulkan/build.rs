@@ -72,7 +72,7 @@ const QUANTS_32: &[&str] = &["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl"];
 
 /// The block types of the integer-dot decode products (`mul_mat_vec_qd*`): their reader
 /// `T_qd` is bound to `q_qd`.
-const QUANTS_QD: &[&str] = &["q4_0", "q4_1", "q8_0"];
+const QUANTS_QD: &[&str] = &["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"];
 
 /// The split decode attentions' bindings: `attn_dec`'s, then the partials and tickets.
 const ATTN_SPLIT_SLOTS: &[(&str, Slot, &[&str])] = &[
@@ -918,20 +918,24 @@ fn quant(dir: &Path, q: &str) -> String {
          {family}\n\
          fn q_scale(blk: u32, g: u32) -> vec2<f32> {{ return {q}_qs(blk, g); }}\n\
          fn q_vals(blk: u32, g: u32) -> mat4x4<f32> {{ return {q}_qv(blk, g); }}\n\
-         {whole}",
+         {whole}{qd}",
         gpb = qk / 16,
         whole = if QUANTS_32.contains(&q) {
-            let qd = if QUANTS_QD.contains(&q) {
-                format!("fn q_qd(blk: u32) -> QdBlk {{ return {q}_qd(blk); }}\n")
-            } else {
-                String::new()
-            };
             format!(
                 "fn q_sub(blk: u32, j: u32) -> Sub32 {{ return {q}_b32(blk); }}\n\
-                 fn q_quarter(blk: u32, j: u32) -> Quarter {{ return {q}_q8(blk, j); }}\n{qd}"
+                 fn q_quarter(blk: u32, j: u32) -> Quarter {{ return {q}_q8(blk, j); }}\n"
             )
         } else {
             format!("fn q_sub(blk: u32, j: u32) -> Sub32 {{ return {q}_s32(blk, j); }}\n")
+        },
+        qd = if QUANTS_QD.contains(&q) {
+            format!(
+                "const Q_SIGNED: bool = {};\n\
+                 fn q_qd(blk: u32, j: u32) -> QdPiece {{ return {q}_qd(blk, j); }}\n",
+                matches!(q, "q8_0" | "q6_k")
+            )
+        } else {
+            String::new()
         },
         common = read(&dir.join("quant_common.wgsl")),
         family = read(&dir.join(format!("{family}.wgsl"))),

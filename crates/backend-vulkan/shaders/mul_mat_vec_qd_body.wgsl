@@ -1,9 +1,10 @@
-// The body of `mul_mat_vec_qd*`: `x @ w.T` for one row of f32 x over Q4_0, Q4_1 or Q8_0 blocks
-// as integer dot products: x quantized to 16 bits per block of 32 once per workgroup, each
-// weight block dotted with it four bytes at a time (`dot4I8Packed`, `dot4U8Packed`).
+// The body of `mul_mat_vec_qd*`: `x @ w.T` for one row of f32 x over Q4_0, Q4_1, Q8_0, Q4_K or
+// Q6_K blocks as integer dot products: x quantized to 16 bits per block of 32 once per
+// workgroup, each 32-element piece of w dotted with it four bytes at a time (`dot4I8Packed`,
+// `dot4U8Packed`).
 //
 // Why: the float bodies decode every weight to f32 (a shift, a mask, an or and a subtract per
-// element) before its multiply-add; on an H200 the Q4_0 products run at a quarter of the
+// element) before its multiply-add; on an H200 the Q4_0 products ran at a quarter of the
 // device's read rate, bound by that arithmetic, not by memory. A 4-byte integer dot product
 // takes four elements in one instruction where the device accelerates it (the CUDA backend's
 // q16 products do the same with `dp2a`). 16-bit activations keep the products within about
@@ -15,20 +16,23 @@
 // byte and l the unsigned low byte, kept in workgroup memory as words of four h and of four
 // l in element order (`qd_h`, `qd_l`), with dx and dx * sum(q) (`qd_d`, `qd_s`). Four
 // invocations quantize a block (eight elements each, the block's amax and sum through two
-// shuffles). A weight block's contribution is then d * dx * (256 * sum(w * h) + sum(w * l)) +
-// m * dx * sum(q), the integer sums exact. Workgroup x takes rows x * R .. x * R + R - 1 of w
-// (R = `pc.prm.w`), its subgroups one row each in turn, a lane taking blocks lane, lane +
-// lanes, ... of the row, two blocks' loads issued before either is used; `subgroupAdd` sums a
-// row.
+// shuffles). A weight piece (`q_qd`: its elements as bytes, a scale per 16 elements, an
+// offset) adds scale * dx * (256 * sum(w * h) + sum(w * l)) per half and offset * dx * sum(q),
+// the integer sums exact; signed weights (`Q_SIGNED`) take l - 128 and add back 128 * sum(w).
+// Workgroup x takes rows x * R .. x * R + R - 1 of w (R = `pc.prm.w`), its subgroups one row
+// each in turn, a lane taking pieces lane, lane + lanes, ... of the row, two pieces' loads
+// issued before either is used; `subgroupAdd` sums a row.
 //
 // Invariants (checked by the host): one row of x, contiguous along k, its offset a multiple
-// of 4 elements; k a multiple of 32 and at most QD_KMAX; w on an even byte; the device has
-// subgroup shuffles and the integer dot product feature. A lane adds its blocks in row order
+// of 4 elements; k at most QD_KMAX; w on an even byte (Q4_K on a word); the device has
+// subgroup shuffles and the integer dot product feature. A lane adds its pieces in row order
 // and the reductions are fixed, so a result does not depend on timing.
 
 // #include mul_mat_vec_head.wgsl
 
 const QD_WG: u32 = 256u;
+// 32-element pieces per block.
+const QD_PPB: u32 = QK / 32u;
 const QD_KMAX: u32 = 8192u;
 
 // x's 16-bit integers as bytes, 16 elements a vec4 of words: high (signed) and low (unsigned).
@@ -102,47 +106,53 @@ fn qd_u4(w: vec4<u32>, l: vec4<u32>) -> u32 {
     return (dot4U8Packed(w.x, l.x) + dot4U8Packed(w.y, l.y)) + (dot4U8Packed(w.z, l.z) + dot4U8Packed(w.w, l.w));
 }
 
-// Block i of the row (`b`) against block i of x.
-fn qd_dot(b: QdBlk, i: u32) -> f32 {
+// Piece `b` of a row (its elements 32i .. 32i + 31) against block i of x.
+fn qd_dot(b: QdPiece, i: u32) -> f32 {
     let h0 = qd_h[2u * i];
     let h1 = qd_h[2u * i + 1u];
     let l0 = qd_l[2u * i];
     let l1 = qd_l[2u * i + 1u];
-    var s: i32;
-    if QB == 34u {
-        // Q8_0: signed weights; the low bytes go in as l - 128 (signed), and 128 * sum(w)
-        // puts the offset back.
+    var s0: i32;
+    var s1: i32;
+    if Q_SIGNED {
+        // Signed weights: the low bytes go in as l - 128 (signed), and 128 * sum(w) puts the
+        // offset back.
         let f = vec4<u32>(0x80808080u);
         let one = vec4<u32>(0x01010101u);
-        let sh = qd_i4(b.w0, h0) + qd_i4(b.w1, h1);
-        let sl = qd_i4(b.w0, l0 ^ f) + qd_i4(b.w1, l1 ^ f);
-        let sw = qd_i4(b.w0, one) + qd_i4(b.w1, one);
-        s = 256 * sh + sl + 128 * sw;
+        s0 = 256 * qd_i4(b.w0, h0) + qd_i4(b.w0, l0 ^ f) + 128 * qd_i4(b.w0, one);
+        s1 = 256 * qd_i4(b.w1, h1) + qd_i4(b.w1, l1 ^ f) + 128 * qd_i4(b.w1, one);
     } else {
-        // The 4-bit types: low nibbles are elements 0 .. 15, high nibbles 16 .. 31.
-        let m = vec4<u32>(0x0f0f0f0fu);
-        let lo = b.w0 & m;
-        let hi = (b.w0 >> vec4<u32>(4u)) & m;
-        let sh = qd_i4(lo, h0) + qd_i4(hi, h1);
-        let sl = qd_u4(lo, l0) + qd_u4(hi, l1);
-        s = 256 * sh + i32(sl);
+        s0 = 256 * qd_i4(b.w0, h0) + i32(qd_u4(b.w0, l0));
+        s1 = 256 * qd_i4(b.w1, h1) + i32(qd_u4(b.w1, l1));
     }
-    return b.d * (qd_d[i] * f32(s)) + b.m * qd_s[i];
+    let dx = qd_d[i];
+    var t: f32;
+    if QK == 32u {
+        t = b.s.x * (dx * f32(s0 + s1));
+    } else {
+        t = b.s.x * (dx * f32(s0)) + b.s.y * (dx * f32(s1));
+    }
+    return t + b.m * qd_s[i];
 }
 
-// This lane's part of x . w for the row of w at byte `w`: blocks lane, lane + lanes, ...
+// Piece p of the row of w at byte `w`.
+fn qd_piece(w: u32, p: u32) -> QdPiece {
+    return q_qd(w + (p / QD_PPB) * QB, p % QD_PPB);
+}
+
+// This lane's part of x . w for the row of w at byte `w`: pieces lane, lane + lanes, ...
 fn qd_row(w: u32, lane: u32, lanes: u32) -> f32 {
     let nb = pc.shape.z / 32u;
     var acc = 0.0;
     var i = lane;
     for (; i + lanes < nb; i += 2u * lanes) {
-        let b0 = q_qd(w + i * QB);
-        let b1 = q_qd(w + (i + lanes) * QB);
+        let b0 = qd_piece(w, i);
+        let b1 = qd_piece(w, i + lanes);
         acc += qd_dot(b0, i);
         acc += qd_dot(b1, i + lanes);
     }
     if i < nb {
-        acc += qd_dot(q_qd(w + i * QB), i);
+        acc += qd_dot(qd_piece(w, i), i);
     }
     return acc;
 }

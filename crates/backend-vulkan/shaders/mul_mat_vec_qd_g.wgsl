@@ -29,8 +29,8 @@ fn main(
         var g = 0.0;
         var u = 0.0;
         for (var i = lane; i < nb; i += lanes) {
-            let bg = q_qd(wg_row + i * QB);
-            let bu = q_qd_u(wu_row + i * QB);
+            let bg = qd_piece(wg_row, i);
+            let bu = q_qd_u(wu_row + (i / QD_PPB) * QB, i % QD_PPB);
             g += qd_dot(bg, i);
             u += qd_dot(bu, i);
         }

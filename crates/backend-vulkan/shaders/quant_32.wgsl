@@ -180,17 +180,20 @@ fn q8_0_q8(blk: u32, j: u32) -> Quarter {
 
 // Whole blocks for the integer-dot products (`T_qd`, contract in `quant_common.wgsl`).
 
-fn q4_0_qd(blk: u32) -> QdBlk {
+fn q4_0_qd(blk: u32, j: u32) -> QdPiece {
     let s = q_d16(blk);
-    return QdBlk(s.d, -8.0 * s.d, s.w, vec4<u32>());
+    let m = vec4<u32>(0x0f0f0f0fu);
+    return QdPiece(vec2<f32>(s.d), -8.0 * s.d, s.w & m, (s.w >> vec4<u32>(4u)) & m);
 }
 
-fn q4_1_qd(blk: u32) -> QdBlk {
+fn q4_1_qd(blk: u32, j: u32) -> QdPiece {
     let dm = qw(blk);
-    return QdBlk(q_f16(dm & 0xffffu), q_f16(dm >> 16u), qw4(blk + 4u), vec4<u32>());
+    let w = qw4(blk + 4u);
+    let m = vec4<u32>(0x0f0f0f0fu);
+    return QdPiece(vec2<f32>(q_f16(dm & 0xffffu)), q_f16(dm >> 16u), w & m, (w >> vec4<u32>(4u)) & m);
 }
 
-fn q8_0_qd(blk: u32) -> QdBlk {
+fn q8_0_qd(blk: u32, j: u32) -> QdPiece {
     let s = q_d16(blk);
-    return QdBlk(s.d, 0.0, s.w, qw4(blk + 18u));
+    return QdPiece(vec2<f32>(s.d), 0.0, s.w, qw4(blk + 18u));
 }

@@ -181,13 +181,14 @@ fn cols_f(w: vec4<u32>, sh: u32, mask: u32, bias: f32) -> mat4x4<f32> {
     );
 }
 
-// A 32-element block as the integer-dot decode products read it (`T_qd`, bound by build.rs to
-// `q_qd` for Q4_0, Q4_1 and Q8_0; `mul_mat_vec_qd_body.wgsl`): element = d * q + m. For the
-// 4-bit types `w0` holds the 16 bytes of nibbles (low nibbles elements 0 .. 15, high nibbles
-// 16 .. 31, byte i of the run in byte i % 4 of word i / 4) and `w1` is unused; for Q8_0 `w0`
-// and `w1` hold elements 0 .. 15 and 16 .. 31 as signed bytes.
-struct QdBlk {
-    d: f32,
+// A 32-element piece as the integer-dot decode products read it (`T_qd(blk, j)`: piece j of
+// the block at byte `blk`, the whole block of a 32-element type; bound by build.rs to `q_qd`
+// for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K; `mul_mat_vec_qd_body.wgsl`): `w0` and `w1` hold its
+// elements 0 .. 15 and 16 .. 31 as bytes (byte i of the run in byte i % 4 of word i / 4),
+// unsigned for Q4_0, Q4_1 and Q4_K, signed for Q8_0 and Q6_K (`Q_SIGNED`); element e is
+// `s.x * w_e` (`s.y` for the second half) plus `m`.
+struct QdPiece {
+    s: vec2<f32>,
     m: f32,
     w0: vec4<u32>,
     w1: vec4<u32>,

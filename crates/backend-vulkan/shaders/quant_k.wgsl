@@ -234,3 +234,41 @@ fn q6_k_s32(blk: u32, j: u32) -> Sub32 {
     let hi = q6_k_cols_f(q_even16(ql + 16u), q_even16(qh + 16u), sl, sh);
     return Sub32(vec4<f32>(s0, 0.0, s1, 0.0), lo, hi);
 }
+
+// Pieces for the integer-dot products (`T_qd`, contract in `quant_common.wgsl`): the words of
+// `T_s32`, kept as integers.
+
+// Q4_K: nibbles of sub-block j as bytes; (d * sc) per element, -(dmin * m) added.
+fn q4_k_qd(blk: u32, j: u32) -> QdPiece {
+    let i = blk >> 2u;
+    let q = i + 4u + (j / 2u) * 8u;
+    let lo = vec4<u32>(q_buf[q], q_buf[q + 1u], q_buf[q + 2u], q_buf[q + 3u]);
+    let hi = vec4<u32>(q_buf[q + 4u], q_buf[q + 5u], q_buf[q + 6u], q_buf[q + 7u]);
+    let sh = vec4<u32>(4u * (j % 2u));
+    let m = vec4<u32>(0x0f0f0f0fu);
+    let sc = k_sub_scale_min(k_header(i), j);
+    return QdPiece(sc.xz, sc.y, (lo >> sh) & m, (hi >> sh) & m);
+}
+
+// Q6_K's 6-bit values (nibbles of `lo` at shift `sl`, high 2 bits of `hi` at shift `sh`) minus
+// 32, as signed bytes: q + 96 per byte (no carry: q < 64), then the top bit flipped.
+fn q6_k_signed(lo: vec4<u32>, hi: vec4<u32>, sl: u32, sh: u32) -> vec4<u32> {
+    let q = ((lo >> vec4<u32>(sl)) & vec4<u32>(0x0f0f0f0fu))
+        | (((hi >> vec4<u32>(sh)) & vec4<u32>(0x03030303u)) << vec4<u32>(4u));
+    return ((q | vec4<u32>(0x80808080u)) - vec4<u32>(0x20202020u)) ^ vec4<u32>(0x80808080u);
+}
+
+// Q6_K: sub-block j's values minus 32, signed; each half's (d * sc).
+fn q6_k_qd(blk: u32, j: u32) -> QdPiece {
+    let ql = blk + (j / 4u) * 64u + (j % 2u) * 32u;
+    let qh = blk + 128u + (j / 4u) * 32u;
+    let sl = 4u * ((j % 4u) / 2u);
+    let sh = 2u * (j % 4u);
+    let s = q_even_u16(blk + 192u + 2u * j);
+    let d = q_f16(q_even_u16(blk + 208u));
+    let s0 = d * (f32((s & 255u) ^ 128u) - 128.0);
+    let s1 = d * (f32((s >> 8u) ^ 128u) - 128.0);
+    let w0 = q6_k_signed(q_even16(ql), q_even16(qh), sl, sh);
+    let w1 = q6_k_signed(q_even16(ql + 16u), q_even16(qh + 16u), sl, sh);
+    return QdPiece(vec2<f32>(s0, s1), 0.0, w0, w1);
+}

@@ -114,6 +114,7 @@ impl VulkanBackend {
                 && dev.subgroup_shuffle
                 && !config.no_subgroups
                 && dev.limits.max_compute_shared_memory_size >= QD_SHARED_BYTES,
+            idot_k: config.quant_mat_vec == Some(QuantMatVec::Idot),
             row_lanes: config.row_lanes.unwrap_or(dev.cpu_type),
             coopmat: dev.coopmat,
         };

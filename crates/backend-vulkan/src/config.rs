@@ -122,11 +122,14 @@ pub enum QuantMatVec {
     /// 32-element types only (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), the super-block types
     /// keep the group body.
     Rows,
-    /// `idot`: Q4_0, Q4_1 and Q8_0 as integer dot products (`mul_mat_vec_qd`): x quantized
-    /// to 16 bits per block of 32 once per workgroup, each weight block dotted with it four
-    /// bytes an instruction, a workgroup's subgroups taking its rows one each in turn; where the
-    /// device has the integer dot product feature and subgroup shuffles and k is at most
-    /// 8,192. Other types and shapes take `rows`.
+    /// `idot`: Q4_0, Q4_1, Q8_0, Q4_K and Q6_K as integer dot products (`mul_mat_vec_qd`): x
+    /// quantized to 16 bits per block of 32 once per workgroup, each 32-element piece of w
+    /// dotted with it four bytes an instruction, a workgroup's subgroups taking its rows one
+    /// each in turn; where the device has the integer dot product feature and subgroup
+    /// shuffles and k is at most 8,192. Other types and shapes take what `rows` takes. The
+    /// device's default `idot` (a GPU that accelerates the dot products) covers Q4_0, Q4_1
+    /// and Q8_0 only: Q4_K and Q6_K take it when it is asked for by name (not yet timed on a
+    /// GPU).
     Idot,
 }
 

@@ -319,7 +319,7 @@ fn the_gate_and_up_products_and_their_swiglu_run_as_one_dispatch() {
         "mul_mat_vec_qw_g"
     };
     type Shape = (fn() -> VkConfig, DType, usize, usize, &'static str);
-    let shapes: [Shape; 12] = [
+    let shapes: [Shape; 14] = [
         (rows, DType::Q4_0, 17, 128, "mul_mat_vec_qw_g"),
         (rows, DType::Q4_1, 6, 256, "mul_mat_vec_qw_g"),
         (rows, DType::Q5_0, 3, 64, "mul_mat_vec_qw_g"),
@@ -329,6 +329,8 @@ fn the_gate_and_up_products_and_their_swiglu_run_as_one_dispatch() {
         (idot, DType::Q4_0, 17, 128, qd_g),
         (idot, DType::Q4_1, 6, 256, qd_g),
         (idot, DType::Q8_0, 8, 1056, qd_g),
+        (idot, DType::Q4_K, 7, 512, qd_g),
+        (idot, DType::Q6_K, 5, 256, qd_g),
         (common::config, DType::F32, 24, 64, "mul_mat_vec_v_g"),
         (common::config, DType::F16, 13, 512, "mul_mat_vec_v_g"),
         (common::config, DType::BF16, 9, 256, "mul_mat_vec_v_g"),

@@ -248,6 +248,8 @@ fn a_product_into_the_cache_row_is_bit_identical_to_the_product_then_set_rows() 
         (3, 8, DType::BF16, DType::Q4_0, 64),
         (2, 32, DType::F16, DType::Q8_0, 96),
         (2, 16, DType::F32, DType::Q4_1, 256),
+        (1, 24, DType::F16, DType::Q4_K, 256),
+        (2, 8, DType::F16, DType::Q6_K, 512),
     ];
     let cases = cases
         .iter()

@@ -509,7 +509,7 @@ fn quantized_products_and_rows_match_the_cpu_oracle_without_subgroups() {
 /// type's products match the CPU oracle under each, and the one-row products take the
 /// whole-block kernel (`mul_mat_vec_qb`) exactly when it is asked for, the integer-dot kernel
 /// (`mul_mat_vec_qd`) exactly when it is asked for, the device has it and the type is Q4_0,
-/// Q4_1 or Q8_0, and the two-row kernel (`mul_mat_vec_qw`) for the other 32-element types
+/// Q4_1, Q8_0, Q4_K or Q6_K, and the two-row kernel (`mul_mat_vec_qw`) for the other 32-element types
 /// under `rows` or `idot`.
 #[test]
 fn every_block_mat_vec_body_matches_the_cpu_oracle() {
@@ -572,14 +572,17 @@ fn every_block_mat_vec_body_matches_the_cpu_oracle() {
             let whole = body == QuantMatVec::Block;
             let qd = body == QuantMatVec::Idot
                 && vk.has_integer_dot()
-                && matches!(dt, DType::Q4_0 | DType::Q4_1 | DType::Q8_0);
+                && matches!(
+                    dt,
+                    DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q4_K | DType::Q6_K
+                );
             let rows =
                 matches!(body, QuantMatVec::Rows | QuantMatVec::Idot) && dt.block_size() == 32;
             assert_eq!(ran("mul_mat_vec_qb", dt), whole, "{body:?} {dt}: {names:?}");
             assert_eq!(ran("mul_mat_vec_qd", dt), qd, "{body:?} {dt}: {names:?}");
             if !qd {
-                // The integer-dot types take the two-row body where k is past 8,192 (one
-                // case of `products`) and not otherwise.
+                // Where k is past 8,192 (two cases of `products`) the integer-dot types take
+                // what `rows` takes, so the two-row kernel is checked for the others only.
                 assert_eq!(ran("mul_mat_vec_qw", dt), rows, "{body:?} {dt}: {names:?}");
             }
             assert_eq!(

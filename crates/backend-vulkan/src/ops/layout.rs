@@ -123,6 +123,10 @@ pub(crate) struct Limits {
     /// The integer-dot products (`mul_mat_vec_qd*`) can run: the integer dot product feature,
     /// subgroup shuffles and room for their workgroup memory.
     pub idot: bool,
+    /// Q4_K and Q6_K take the integer-dot products too: only where `idot` was asked for by
+    /// name (`LOWSYNC_VK_QV=idot`), as they have not been timed on a GPU yet; the device's
+    /// default `idot` covers Q4_0, Q4_1 and Q8_0.
+    pub idot_k: bool,
     /// The layout of the prefill product over block weights (`LOWSYNC_VK_QMM`).
     pub qmm: QuantMatMul,
     /// SoftMax takes one invocation per row (`LOWSYNC_VK_ROW_LANES`).

@@ -365,7 +365,8 @@ pub(super) fn mul_mat_glu(
     // an even byte for `T_q8`, 8 elements for 16-byte loads.
     let (kernel, gx) = match family.as_str() {
         "mul_mat_vec_qw" if ou.is_multiple_of(2) => ("mul_mat_vec_qw_g", n),
-        "mul_mat_vec_qd" if ou.is_multiple_of(2) => {
+        // Q4_K's pieces are read on words (its blocks are 144 bytes), the rest on even bytes.
+        "mul_mat_vec_qd" if ou.is_multiple_of(if gate.dtype == DType::Q4_K { 4 } else { 2 }) => {
             ("mul_mat_vec_qd_g", n.div_ceil(d.push.prm[3] as usize))
         }
         "mul_mat_vec_v" if ou.is_multiple_of(8) => {
@@ -551,7 +552,8 @@ fn quant_mat_vec(
         let even = push.offs[2].is_multiple_of(align);
         let gw = n.div_ceil(QW_ROWS);
         let idot = c.lim.idot
-            && matches!(b.dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0)
+            && (matches!(b.dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0)
+                || (c.lim.idot_k && matches!(b.dtype, DType::Q4_K | DType::Q6_K)))
             && k <= QD_KMAX
             && even;
         match c.lim.qv {
