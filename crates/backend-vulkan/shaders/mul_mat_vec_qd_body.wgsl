@@ -156,3 +156,14 @@ fn qd_row(w: u32, lane: u32, lanes: u32) -> f32 {
     }
     return acc;
 }
+
+// The start of every `mul_mat_vec_qd*` entry point: x quantized into the workgroup's records
+// (then a barrier), and (d's batch offset, w's batch offset, the workgroup's first row, its
+// end) for batch `wy` and workgroup `wx`.
+fn qd_begin(wx: u32, wy: u32, li: u32) -> vec4<u32> {
+    let base = batch_bases(wy);
+    qd_quantize(base.y, pc.shape.z, li);
+    workgroupBarrier();
+    let r0 = wx * pc.prm.w;
+    return vec4<u32>(base.x, base.z, r0, min(pc.shape.y, r0 + pc.prm.w));
+}

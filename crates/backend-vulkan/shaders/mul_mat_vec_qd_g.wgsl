@@ -16,15 +16,10 @@ fn main(
     @builtin(subgroup_invocation_id) lane: u32,
     @builtin(subgroup_size) lanes: u32,
 ) {
-    let n = pc.shape.y;
-    let base = batch_bases(wg.y);
-    qd_quantize(base.y, pc.shape.z, li);
-    workgroupBarrier();
+    let at = qd_begin(wg.x, wg.y, li);
     let nb = pc.shape.z / 32u;
-    let r0 = wg.x * pc.prm.w;
-    let r1 = min(n, r0 + pc.prm.w);
-    for (var row = r0 + sg; row < r1; row += nsg) {
-        let wg_row = base.z + row * pc.b_str.w;
+    for (var row = at.z + sg; row < at.w; row += nsg) {
+        let wg_row = at.y + row * pc.b_str.w;
         let wu_row = pc.epi.x + row * pc.b_str.w;
         var g = 0.0;
         var u = 0.0;
@@ -37,7 +32,7 @@ fn main(
         let gs = subgroupAdd(g);
         let us = subgroupAdd(u);
         if lane == 0u {
-            st_d(base.x + row * pc.d_str.w, silu(gs) * us);
+            st_d(at.x + row * pc.d_str.w, silu(gs) * us);
         }
     }
 }

@@ -10,16 +10,11 @@ fn main(
     @builtin(subgroup_invocation_id) lane: u32,
     @builtin(subgroup_size) lanes: u32,
 ) {
-    let n = pc.shape.y;
-    let base = batch_bases(wg.y);
-    qd_quantize(base.y, pc.shape.z, li);
-    workgroupBarrier();
-    let r0 = wg.x * pc.prm.w;
-    let r1 = min(n, r0 + pc.prm.w);
-    for (var row = r0 + sg; row < r1; row += nsg) {
-        let s = subgroupAdd(qd_row(base.z + row * pc.b_str.w, lane, lanes));
+    let at = qd_begin(wg.x, wg.y, li);
+    for (var row = at.z + sg; row < at.w; row += nsg) {
+        let s = subgroupAdd(qd_row(at.y + row * pc.b_str.w, lane, lanes));
         if lane == 0u {
-            out_d(base.x + row * pc.d_str.w, s);
+            out_d(at.x + row * pc.d_str.w, s);
         }
     }
 }

@@ -222,17 +222,26 @@ fn q6_k_cols_f(lo: vec4<u32>, hi: vec4<u32>, sl: u32, sh: u32) -> mat4x4<f32> {
 // Q6_K: nibbles at byte 64 * (j / 4) + 32 * (j % 2), shift 4 * ((j % 4) / 2); high bits at
 // byte 128 + 32 * (j / 4), shift 2 * (j % 4); the halves' int8 scales at 192 + 2j.
 fn q6_k_s32(blk: u32, j: u32) -> Sub32 {
+    let at = q6_k_sub(blk, j);
+    let lo = q6_k_cols_f(q_even16(at.x), q_even16(at.y), at.z, at.w);
+    let hi = q6_k_cols_f(q_even16(at.x + 16u), q_even16(at.y + 16u), at.z, at.w);
+    let sc = q6_k_sub_scales(blk, j);
+    return Sub32(vec4<f32>(sc.x, 0.0, sc.y, 0.0), lo, hi);
+}
+
+// Where sub-block j of the Q6_K block at `blk` lies: (byte of its low nibbles, byte of its
+// high bits, the nibbles' shift, the high bits' shift).
+fn q6_k_sub(blk: u32, j: u32) -> vec4<u32> {
     let ql = blk + (j / 4u) * 64u + (j % 2u) * 32u;
     let qh = blk + 128u + (j / 4u) * 32u;
-    let sl = 4u * ((j % 4u) / 2u);
-    let sh = 2u * (j % 4u);
+    return vec4<u32>(ql, qh, 4u * ((j % 4u) / 2u), 2u * (j % 4u));
+}
+
+// The (d * sc) of sub-block j's two halves.
+fn q6_k_sub_scales(blk: u32, j: u32) -> vec2<f32> {
     let s = q_even_u16(blk + 192u + 2u * j);
     let d = q_f16(q_even_u16(blk + 208u));
-    let s0 = d * (f32((s & 255u) ^ 128u) - 128.0);
-    let s1 = d * (f32((s >> 8u) ^ 128u) - 128.0);
-    let lo = q6_k_cols_f(q_even16(ql), q_even16(qh), sl, sh);
-    let hi = q6_k_cols_f(q_even16(ql + 16u), q_even16(qh + 16u), sl, sh);
-    return Sub32(vec4<f32>(s0, 0.0, s1, 0.0), lo, hi);
+    return vec2<f32>(d * (f32((s & 255u) ^ 128u) - 128.0), d * (f32((s >> 8u) ^ 128u) - 128.0));
 }
 
 // Pieces for the integer-dot products (`T_qd`, contract in `quant_common.wgsl`): the words of
@@ -260,15 +269,8 @@ fn q6_k_signed(lo: vec4<u32>, hi: vec4<u32>, sl: u32, sh: u32) -> vec4<u32> {
 
 // Q6_K: sub-block j's values minus 32, signed; each half's (d * sc).
 fn q6_k_qd(blk: u32, j: u32) -> QdPiece {
-    let ql = blk + (j / 4u) * 64u + (j % 2u) * 32u;
-    let qh = blk + 128u + (j / 4u) * 32u;
-    let sl = 4u * ((j % 4u) / 2u);
-    let sh = 2u * (j % 4u);
-    let s = q_even_u16(blk + 192u + 2u * j);
-    let d = q_f16(q_even_u16(blk + 208u));
-    let s0 = d * (f32((s & 255u) ^ 128u) - 128.0);
-    let s1 = d * (f32((s >> 8u) ^ 128u) - 128.0);
-    let w0 = q6_k_signed(q_even16(ql), q_even16(qh), sl, sh);
-    let w1 = q6_k_signed(q_even16(ql + 16u), q_even16(qh + 16u), sl, sh);
-    return QdPiece(vec2<f32>(s0, s1), 0.0, w0, w1);
+    let at = q6_k_sub(blk, j);
+    let w0 = q6_k_signed(q_even16(at.x), q_even16(at.y), at.z, at.w);
+    let w1 = q6_k_signed(q_even16(at.x + 16u), q_even16(at.y + 16u), at.z, at.w);
+    return QdPiece(q6_k_sub_scales(blk, j), 0.0, w0, w1);
 }
