@@ -99,11 +99,13 @@ fn qd_quantize(a: u32, k: u32, li: u32) {
 
 // sum(w * h) and sum(w * l) over four words of weights against four of x's.
 fn qd_i4(w: vec4<u32>, h: vec4<u32>) -> i32 {
-    return (dot4I8Packed(w.x, h.x) + dot4I8Packed(w.y, h.y)) + (dot4I8Packed(w.z, h.z) + dot4I8Packed(w.w, h.w));
+    let a = dot4I8Packed(w.x, h.x) + dot4I8Packed(w.y, h.y);
+    return a + (dot4I8Packed(w.z, h.z) + dot4I8Packed(w.w, h.w));
 }
 
 fn qd_u4(w: vec4<u32>, l: vec4<u32>) -> u32 {
-    return (dot4U8Packed(w.x, l.x) + dot4U8Packed(w.y, l.y)) + (dot4U8Packed(w.z, l.z) + dot4U8Packed(w.w, l.w));
+    let a = dot4U8Packed(w.x, l.x) + dot4U8Packed(w.y, l.y);
+    return a + (dot4U8Packed(w.z, l.z) + dot4U8Packed(w.w, l.w));
 }
 
 // Piece `b` of a row (its elements 32i .. 32i + 31) against block i of x.

@@ -190,7 +190,8 @@ fn q4_1_qd(blk: u32, j: u32) -> QdPiece {
     let dm = qw(blk);
     let w = qw4(blk + 4u);
     let m = vec4<u32>(0x0f0f0f0fu);
-    return QdPiece(vec2<f32>(q_f16(dm & 0xffffu)), q_f16(dm >> 16u), w & m, (w >> vec4<u32>(4u)) & m);
+    let d = vec2<f32>(q_f16(dm & 0xffffu));
+    return QdPiece(d, q_f16(dm >> 16u), w & m, (w >> vec4<u32>(4u)) & m);
 }
 
 fn q8_0_qd(blk: u32, j: u32) -> QdPiece {
