@@ -14,8 +14,8 @@
 // Strategy: x's block b gets `dx = amax / 32767` and q_i = round(x_i / dx) (half away from
 // zero, within +-32767: the CPU backend's q16), split as q = 256 * h + l with h the signed high
 // byte and l the unsigned low byte, kept in workgroup memory as words of four h and of four
-// l in element order (`qd_h`, `qd_l`), with dx and dx * sum(q) (`qd_d`, `qd_s`). Four
-// invocations quantize a block (eight elements each, the block's amax and sum through two
+// l in element order (`qd_h`, `qd_l`), with dx and dx * sum(q) (`qd_d`, `qd_s`). Four lanes
+// of a subgroup quantize a block (eight elements each, the block's amax and sum through two
 // shuffles). A weight piece (`q_qd`: its elements as bytes, a scale per 16 elements, an
 // offset) adds scale * dx * (256 * sum(w * h) + sum(w * l)) per half and offset * dx * sum(q),
 // the integer sums exact; signed weights (`Q_SIGNED`) take l - 128 and add back 128 * sum(w).
@@ -63,11 +63,15 @@ fn qd_hsum(v: vec4<i32>) -> i32 {
 }
 
 // Quantizes x (k elements from element `a`) into the workgroup's records; every invocation
-// takes part (the trip count is uniform), invocation t eight elements 8t .. 8t + 7 a round.
-fn qd_quantize(a: u32, k: u32, li: u32) {
+// takes part (the trip count is uniform), the invocation in slot `slot` (its subgroup's index
+// times the subgroup size, plus its lane) eight elements 8t .. 8t + 7 a round, t = round *
+// QD_WG + slot. Slots count lanes, not invocation indices, so the four slots of a block are
+// lanes of one subgroup (its amax and sum go through xor shuffles 1 and 2) however the device
+// maps invocations to subgroups; the workgroup's 256 invocations are whole subgroups.
+fn qd_quantize(a: u32, k: u32, slot: u32) {
     let nt = k / 8u;
     for (var t0 = 0u; t0 < nt; t0 += QD_WG) {
-        let t = t0 + li;
+        let t = t0 + slot;
         let live = t < nt;
         let e = a + select(0u, 8u * t, live);
         let v0 = ld4_a(e);
@@ -160,11 +164,11 @@ fn qd_row(w: u32, lane: u32, lanes: u32) -> f32 {
 }
 
 // The start of every `mul_mat_vec_qd*` entry point: x quantized into the workgroup's records
-// (then a barrier), and (d's batch offset, w's batch offset, the workgroup's first row, its
-// end) for batch `wy` and workgroup `wx`.
-fn qd_begin(wx: u32, wy: u32, li: u32) -> vec4<u32> {
+// (then a barrier; `slot` as `qd_quantize` takes it), and (d's batch offset, w's batch offset,
+// the workgroup's first row, its end) for batch `wy` and workgroup `wx`.
+fn qd_begin(wx: u32, wy: u32, slot: u32) -> vec4<u32> {
     let base = batch_bases(wy);
-    qd_quantize(base.y, pc.shape.z, li);
+    qd_quantize(base.y, pc.shape.z, slot);
     workgroupBarrier();
     let r0 = wx * pc.prm.w;
     return vec4<u32>(base.x, base.z, r0, min(pc.shape.y, r0 + pc.prm.w));

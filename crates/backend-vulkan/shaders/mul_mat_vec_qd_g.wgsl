@@ -10,13 +10,12 @@
 @compute @workgroup_size(256)
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
     @builtin(subgroup_id) sg: u32,
     @builtin(num_subgroups) nsg: u32,
     @builtin(subgroup_invocation_id) lane: u32,
     @builtin(subgroup_size) lanes: u32,
 ) {
-    let at = qd_begin(wg.x, wg.y, li);
+    let at = qd_begin(wg.x, wg.y, sg * lanes + lane);
     let nb = pc.shape.z / 32u;
     for (var row = at.z + sg; row < at.w; row += nsg) {
         let wg_row = at.y + row * pc.b_str.w;
