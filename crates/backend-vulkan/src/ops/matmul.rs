@@ -555,7 +555,8 @@ fn quant_mat_vec(
             && (matches!(b.dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0)
                 || (c.lim.idot_k && matches!(b.dtype, DType::Q4_K | DType::Q6_K)))
             && k <= QD_KMAX
-            && even;
+            && even
+            && n.div_ceil(qd_rows(n)) <= max[0] as usize;
         match c.lim.qv {
             QuantMatVec::Block if even => ("b", gx),
             QuantMatVec::Idot if idot => {
