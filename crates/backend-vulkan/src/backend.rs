@@ -115,6 +115,7 @@ impl VulkanBackend {
                 && !config.no_subgroups
                 && dev.limits.max_compute_shared_memory_size >= QD_SHARED_BYTES,
             idot_k: config.quant_mat_vec == Some(QuantMatVec::Idot),
+            qd_rows: config.qd_rows,
             row_lanes: config.row_lanes.unwrap_or(dev.cpu_type),
             coopmat: dev.coopmat,
         };

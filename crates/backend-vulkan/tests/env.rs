@@ -94,6 +94,26 @@ fn bad_values_and_names_are_clear_errors() {
         );
     }
     std::env::remove_var("LOWSYNC_VK_QV");
+    for bad in ["0", "1025", "eight"] {
+        std::env::set_var("LOWSYNC_VK_QD_ROWS", bad);
+        assert!(
+            matches!(
+                lowsync_vulkan::create("vulkan"),
+                Err(Error::Env {
+                    var: "LOWSYNC_VK_QD_ROWS",
+                    ..
+                })
+            ),
+            "{bad}"
+        );
+    }
+    std::env::set_var("LOWSYNC_VK_QD_ROWS", "24");
+    assert_eq!(
+        lowsync_vulkan::VkConfig::from_env().unwrap().qd_rows,
+        Some(24)
+    );
+    std::env::remove_var("LOWSYNC_VK_QD_ROWS");
+    assert_eq!(lowsync_vulkan::VkConfig::from_env().unwrap().qd_rows, None);
     assert_eq!(
         lowsync_vulkan::VkConfig::default().quant_mat_vec,
         None,

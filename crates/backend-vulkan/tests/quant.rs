@@ -595,6 +595,41 @@ fn every_block_mat_vec_body_matches_the_cpu_oracle() {
     }
 }
 
+/// The integer-dot products give the oracle's results whatever rows each workgroup takes
+/// (`LOWSYNC_VK_QD_ROWS`): one (most subgroups idle), three (fewer than its subgroups, a last
+/// workgroup short) and 100 (several rows a subgroup, past every product's row count here).
+#[test]
+fn the_integer_dot_products_match_at_any_rows_per_workgroup() {
+    let cpu = CpuBackend::new();
+    for rows in [1, 3, 100] {
+        let Some(vk) = common::open(VkConfig {
+            quant_mat_vec: Some(QuantMatVec::Idot),
+            qd_rows: Some(rows),
+            profile: true,
+            ..common::config()
+        }) else {
+            return;
+        };
+        if !vk.has_integer_dot() {
+            eprintln!("no integer dot products on this device");
+            return;
+        }
+        let failures = products_within(&vk, &cpu, 1e-6);
+        assert!(
+            failures.is_empty(),
+            "{rows} rows: {} case(s) failed:\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
+        let names: Vec<String> = vk.kernel_times().into_iter().map(|t| t.name).collect();
+        assert!(
+            names.iter().any(|n| n.starts_with("mul_mat_vec_qd.")),
+            "{rows} rows: {names:?}"
+        );
+        common::assert_clean(&vk);
+    }
+}
+
 /// Under `rows`, a one-row Q4_0 product of 131,073 rows (a head past 2 x 65,535, Vulkan's
 /// minimum workgroup count along x, as a 152,064-token vocabulary is) matches the CPU oracle and
 /// takes the two-row kernel only where the device dispatches that many workgroups; elsewhere

@@ -127,6 +127,9 @@ pub(crate) struct Limits {
     /// name (`LOWSYNC_VK_QV=idot`), as they have not been timed on a GPU yet; the device's
     /// default `idot` covers Q4_0, Q4_1 and Q8_0.
     pub idot_k: bool,
+    /// Rows of w per workgroup of the integer-dot products (`LOWSYNC_VK_QD_ROWS`); `None`:
+    /// from the product's rows.
+    pub qd_rows: Option<u32>,
     /// The layout of the prefill product over block weights (`LOWSYNC_VK_QMM`).
     pub qmm: QuantMatMul,
     /// SoftMax takes one invocation per row (`LOWSYNC_VK_ROW_LANES`).

@@ -45,9 +45,12 @@ pub(crate) const QD_SHARED_BYTES: u32 = (QD_KMAX * 2 + QD_KMAX / 32 * 8) as u32;
 /// Rows of w per workgroup of the integer-dot products: a workgroup quantizes x once for all
 /// of them, so they take at least a row per subgroup (eight on a 32-lane device), and up to 64
 /// on long products, which then start about 256 workgroups (2,048 rows: 256 of 8; 8,192: 256
-/// of 32; a 32,000-row head: 500 of 64).
-fn qd_rows(n: usize) -> usize {
-    (n / 256).clamp(8, 64).next_multiple_of(8)
+/// of 32; a 32,000-row head: 500 of 64); `LOWSYNC_VK_QD_ROWS` sets it instead.
+fn qd_rows(c: &Ctx, n: usize) -> usize {
+    match c.lim.qd_rows {
+        Some(r) => r as usize,
+        None => (n / 256).clamp(8, 64).next_multiple_of(8),
+    }
 }
 /// Rows of x per workgroup z of the multi-row quantized mat-vec (`MT` in `mul_mat_vec_qm.wgsl`).
 const QUANT_ROWS_PER_GROUP: usize = 8;
@@ -556,11 +559,11 @@ fn quant_mat_vec(
                 || (c.lim.idot_k && matches!(b.dtype, DType::Q4_K | DType::Q6_K)))
             && k <= QD_KMAX
             && even
-            && n.div_ceil(qd_rows(n)) <= max[0] as usize;
+            && n.div_ceil(qd_rows(c, n)) <= max[0] as usize;
         match c.lim.qv {
             QuantMatVec::Block if even => ("b", gx),
             QuantMatVec::Idot if idot => {
-                let rows = qd_rows(n);
+                let rows = qd_rows(c, n);
                 push.prm[3] = rows as u32;
                 ("d", n.div_ceil(rows))
             }
