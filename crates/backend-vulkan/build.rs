@@ -239,6 +239,14 @@ const KERNELS: &[Spec] = &[
         ],
     ),
     (
+        "mul_mat8",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, FLOATS),
+            ("b", Slot::In, FLOATS),
+        ],
+    ),
+    (
         "mul_mat_vec",
         &[
             ("d", Slot::Out, &["f32"]),
@@ -418,6 +426,14 @@ const KERNELS: &[Spec] = &[
     ),
     (
         "mul_mat_qt",
+        &[
+            ("d", Slot::Out, &["f32"]),
+            ("a", Slot::In, &["f32"]),
+            ("b", Slot::Quant, QUANTS),
+        ],
+    ),
+    (
+        "mul_mat_qt8",
         &[
             ("d", Slot::Out, &["f32"]),
             ("a", Slot::In, &["f32"]),

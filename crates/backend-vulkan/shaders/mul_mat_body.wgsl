@@ -1,12 +1,23 @@
-// The body of the tiled MulMat (`mul_mat.wgsl`, and `mul_mat_qt.wgsl` over block weights):
-// dst[.., m, n] = sum_k a[.., m, k] * b[.., k, n] with f32 accumulation. A 16x16 workgroup
-// computes a 64x64 tile, 4x4 outputs per thread, stepping k by 16 through workgroup memory.
-// A's tile is loaded here, along whichever axis is contiguous in memory (`prm.x`); B's tile,
-// Bs[kb * 64 + c] (16 k x 64 columns), by the including kernel's `fetch_b_tile` (into a
-// `BTile` of registers) and `put_b_tile` (into `Bs`). Batch axes
-// (two, after padding) map to operand batches by division (GQA broadcast). Each step's tile
-// loads are written out, all issued before any is stored (on the H200 a load in a loop that
-// stores it before the next iteration waits for each load in turn), and a step ahead.
+// The body of the tiled MulMat (`mul_mat.wgsl`, `mul_mat8.wgsl`, and `mul_mat_qt.wgsl`,
+// `mul_mat_qt8.wgsl` over block weights): dst[.., m, n] = sum_k a[.., m, k] * b[.., k, n] with
+// f32 accumulation. A workgroup computes a 64x64 tile, TILE_T x TILE_T outputs per invocation
+// (the including kernel's constant: 4 over 256 invocations, or 8 over 64), stepping k by 16
+// through workgroup memory. A's tile is loaded here, along whichever axis is contiguous in
+// memory (`prm.x`); B's tile, Bs (16 k x 64 columns, element (kb, c) at word c % 4 of
+// Bs[kb * 16 + c / 4]), by the including kernel's `fetch_b_tile` (into a `BTile` of
+// registers) and `put_b_tile` (into `Bs`). Batch axes (two, after padding) map to operand
+// batches by division (GQA broadcast). Each step's tile loads are written out, all issued
+// before any is stored (on the H200 a load in a loop that stores it before the next iteration
+// waits for each load in turn), and a step ahead.
+//
+// Why 8x8: a 4x4 invocation reads two vec4s of workgroup memory per 16 multiply-adds (on an
+// NVIDIA multiprocessor, three quarters of the time the multiply-adds take); 8x8 reads four per
+// 64, with a quarter of the invocations per tile (docs/tuning.md, `LOWSYNC_VK_TILE`). An
+// invocation's rows (and columns) are runs of four, TILE_SIDE * 4 apart, so the invocations
+// of a subgroup that read distinct vec4s read contiguous bytes.
+//
+// Invariant: the sums run over k in the same order whatever TILE_T, so both give the same
+// bits.
 
 struct Pc {
     // M, N, K, batch extent of axis 1
@@ -26,8 +37,18 @@ struct Pc {
 }
 var<immediate> pc: Pc;
 
-var<workgroup> As: array<f32, 1024>;
-var<workgroup> Bs: array<f32, 1024>;
+// Invocations along each side of the tile; invocations; tile elements (of A's, and of B's
+// where the including kernel spreads it the same way) each invocation loads per k step; vec4s
+// of each side per invocation; vec4s of outputs per invocation.
+const TILE_SIDE: u32 = 64u / TILE_T;
+const TILE_WG: u32 = TILE_SIDE * TILE_SIDE;
+const TILE_LOADS: u32 = 1024u / TILE_WG;
+const TILE_V: u32 = TILE_T / 4u;
+const TILE_N: u32 = TILE_T * TILE_V;
+
+// Element (kk, r) at word r % 4 of [kk * 16 + r / 4].
+var<workgroup> As: array<vec4<f32>, 256>;
+var<workgroup> Bs: array<vec4<f32>, 256>;
 
 // Where element `flat` (0 .. 1024) of A's 64x16 tile sits: (row, k) in the tile, along
 // whichever of a's axes is contiguous so the loads coalesce.
@@ -51,18 +72,25 @@ fn a_tile_val(flat: u32, a_base: u32, row0: u32, k0: u32) -> f32 {
 
 fn a_tile_put(flat: u32, v: f32) {
     let rk = a_tile_rk(flat);
-    As[rk.y * 64u + rk.x] = v;
+    As[rk.y * 16u + rk.x / 4u][rk.x % 4u] = v;
 }
 
-@compute @workgroup_size(16, 16, 1)
+// Row (or column) i of an invocation's TILE_T, for the invocation at `t` along that side: runs
+// of four, TILE_SIDE * 4 apart.
+fn tile_at(t: u32, i: u32) -> u32 {
+    return (i / 4u) * TILE_SIDE * 4u + t * 4u + i % 4u;
+}
+
+@compute @workgroup_size(TILE_SIDE, TILE_SIDE, 1)
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
-    @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
 ) {
     let M = pc.shape.x;
     let N = pc.shape.y;
     let K = pc.shape.z;
+    let tx = li % TILE_SIDE;
+    let ty = li / TILE_SIDE;
     let bz = wg.z;
     let b0 = bz / pc.shape.w;
     let b1 = bz % pc.shape.w;
@@ -70,54 +98,54 @@ fn main(
     let b_base = pc.offs.z + (b0 / pc.op.z) * pc.b_str.x + (b1 / pc.op.w) * pc.b_str.y;
     let row0 = wg.y * 64u;
     let col0 = wg.x * 64u;
-    var acc: array<f32, 16>;
-    for (var i = 0u; i < 16u; i++) {
-        acc[i] = 0.0;
+    // Row i's columns 4h .. 4h + 3 (of the invocation's TILE_T) in acc[i * TILE_V + h].
+    var acc: array<vec4<f32>, TILE_N>;
+    for (var i = 0u; i < TILE_N; i++) {
+        acc[i] = vec4<f32>();
     }
-    // Each step's tiles are fetched into registers a step ahead (As[kk * 64 + r]: 64 rows x 16
-    // k, four elements an invocation; B's tile by the including kernel's `fetch_b_tile`), so
-    // their loads are in flight while the step before multiplies. The fetch past K reads
-    // zeros and is never stored.
-    var a0 = a_tile_val(li, a_base, row0, 0u);
-    var a1 = a_tile_val(li + 256u, a_base, row0, 0u);
-    var a2 = a_tile_val(li + 512u, a_base, row0, 0u);
-    var a3 = a_tile_val(li + 768u, a_base, row0, 0u);
+    // Each step's tiles are fetched into registers a step ahead (A's 64 rows x 16 k, TILE_LOADS
+    // elements an invocation; B's tile by the including kernel's `fetch_b_tile`), so their
+    // loads are in flight while the step before multiplies. The fetch past K reads zeros and
+    // is never stored.
+    var at: array<f32, TILE_LOADS>;
+    for (var j = 0u; j < TILE_LOADS; j++) {
+        at[j] = a_tile_val(li + j * TILE_WG, a_base, row0, 0u);
+    }
     var bt = fetch_b_tile(li, 0u, col0, b_base);
     for (var k0 = 0u; k0 < K; k0 += 16u) {
-        a_tile_put(li, a0);
-        a_tile_put(li + 256u, a1);
-        a_tile_put(li + 512u, a2);
-        a_tile_put(li + 768u, a3);
+        for (var j = 0u; j < TILE_LOADS; j++) {
+            a_tile_put(li + j * TILE_WG, at[j]);
+        }
         put_b_tile(li, bt);
         workgroupBarrier();
         let k1 = k0 + 16u;
-        a0 = a_tile_val(li, a_base, row0, k1);
-        a1 = a_tile_val(li + 256u, a_base, row0, k1);
-        a2 = a_tile_val(li + 512u, a_base, row0, k1);
-        a3 = a_tile_val(li + 768u, a_base, row0, k1);
+        for (var j = 0u; j < TILE_LOADS; j++) {
+            at[j] = a_tile_val(li + j * TILE_WG, a_base, row0, k1);
+        }
         bt = fetch_b_tile(li, k1, col0, b_base);
         for (var kk = 0u; kk < 16u; kk++) {
-            var av: array<f32, 4>;
-            var bv: array<f32, 4>;
-            for (var i = 0u; i < 4u; i++) {
-                av[i] = As[kk * 64u + lid.y * 4u + i];
-                bv[i] = Bs[kk * 64u + lid.x * 4u + i];
+            var av: array<vec4<f32>, TILE_V>;
+            var bv: array<vec4<f32>, TILE_V>;
+            for (var h = 0u; h < TILE_V; h++) {
+                av[h] = As[kk * 16u + h * TILE_SIDE + ty];
+                bv[h] = Bs[kk * 16u + h * TILE_SIDE + tx];
             }
-            for (var i = 0u; i < 4u; i++) {
-                for (var j = 0u; j < 4u; j++) {
-                    acc[i * 4u + j] += av[i] * bv[j];
+            for (var i = 0u; i < TILE_T; i++) {
+                let a = av[i / 4u][i % 4u];
+                for (var h = 0u; h < TILE_V; h++) {
+                    acc[i * TILE_V + h] += a * bv[h];
                 }
             }
         }
         workgroupBarrier();
     }
     let d_base = pc.offs.x + b0 * pc.d_str.x + b1 * pc.d_str.y;
-    for (var i = 0u; i < 4u; i++) {
-        let gr = row0 + lid.y * 4u + i;
-        for (var j = 0u; j < 4u; j++) {
-            let gc = col0 + lid.x * 4u + j;
+    for (var i = 0u; i < TILE_T; i++) {
+        let gr = row0 + tile_at(ty, i);
+        for (var j = 0u; j < TILE_T; j++) {
+            let gc = col0 + tile_at(tx, j);
             if gr < M && gc < N {
-                st_d(d_base + gr * pc.d_str.z + gc * pc.d_str.w, acc[i * 4u + j]);
+                st_d(d_base + gr * pc.d_str.z + gc * pc.d_str.w, acc[i * TILE_V + j / 4u][j % 4u]);
             }
         }
     }

@@ -110,6 +110,7 @@ impl VulkanBackend {
             qmm: config
                 .quant_mat_mul
                 .unwrap_or(QuantMatMul::for_device(dev.cpu_type)),
+            tile: config.tile,
             idot: dev.integer_dot
                 && dev.subgroup_shuffle
                 && !config.no_subgroups

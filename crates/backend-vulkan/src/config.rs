@@ -65,6 +65,12 @@ pub struct VkConfig {
     /// (the variable unset): chosen by the device's type, `rows` on a CPU-type device, `tiles`
     /// on a GPU.
     pub quant_mat_mul: Option<QuantMatMul>,
+    /// `LOWSYNC_VK_TILE` (`4`, `8`): outputs per invocation along each side of the tiled
+    /// prefill products' 64x64 tiles (float weights, and block weights under `tiles`): 4 over
+    /// 256 invocations (`mul_mat`, `mul_mat_qt`) or 8 over 64 (`mul_mat8`, `mul_mat_qt8`, which
+    /// read a quarter as much workgroup memory per multiply-add and give the same bits).
+    /// Default 4: 8 has not been timed on a GPU yet.
+    pub tile: u32,
     /// `LOWSYNC_VK_NORM_FOLD` (`0`, `1`): a fused RmsNorm whose every reader is a float
     /// one-row product runs inside those products (`mul_mat_vec_vn*`) instead of as a dispatch
     /// of its own. `None` (the variable unset): on a GPU (where the saved dispatch is a wait
@@ -222,6 +228,10 @@ impl VkConfig {
             quant_mat_vec: QuantMatVec::from_env()?,
             qd_rows: qd_rows_from_env()?,
             quant_mat_mul: QuantMatMul::from_env()?,
+            tile: match env::choice("LOWSYNC_VK_TILE", &["4", "8"], "4 or 8")? {
+                Some("8") => 8,
+                _ => 4,
+            },
             attn_group: device_default_flag("LOWSYNC_VK_ATTN_GROUP")?,
             attn_vec: env::flag("LOWSYNC_VK_ATTN_VEC", true)?,
             row_lanes: device_default_flag("LOWSYNC_VK_ROW_LANES")?,
@@ -249,6 +259,7 @@ impl Default for VkConfig {
             quant_mat_vec: None,
             qd_rows: None,
             quant_mat_mul: None,
+            tile: 4,
             norm_fold: None,
             attn_group: None,
             attn_vec: true,

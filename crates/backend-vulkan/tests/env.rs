@@ -144,6 +144,29 @@ fn bad_values_and_names_are_clear_errors() {
         );
     }
     std::env::remove_var("LOWSYNC_VK_QMM");
+    for bad in ["16", "eight", "0"] {
+        std::env::set_var("LOWSYNC_VK_TILE", bad);
+        assert!(
+            matches!(
+                lowsync_vulkan::create("vulkan"),
+                Err(Error::Env {
+                    var: "LOWSYNC_VK_TILE",
+                    ..
+                })
+            ),
+            "{bad}"
+        );
+    }
+    for (value, tile) in [("4", 4), ("8", 8), ("", 4)] {
+        std::env::set_var("LOWSYNC_VK_TILE", value);
+        assert_eq!(
+            lowsync_vulkan::VkConfig::from_env().unwrap().tile,
+            tile,
+            "{value:?}"
+        );
+    }
+    std::env::remove_var("LOWSYNC_VK_TILE");
+    assert_eq!(lowsync_vulkan::VkConfig::default().tile, 4);
     device_default_switch("LOWSYNC_VK_NORM_FOLD", |c| c.norm_fold);
     device_default_switch("LOWSYNC_VK_ATTN_GROUP", |c| c.attn_group);
     device_default_switch("LOWSYNC_VK_ROW_LANES", |c| c.row_lanes);

@@ -732,6 +732,60 @@ fn mul_mat_on_cooperative_matrices_matches_the_cpu_oracle() {
     common::assert_clean(&vk);
 }
 
+/// The tiled products with 8x8 outputs per invocation (`LOWSYNC_VK_TILE=8`, `mul_mat8`) give
+/// the 4x4 tiles' bits on every MulMat case (tile edges, strided and transposed operands, GQA
+/// batches, k = 0), and both match the CPU oracle. Row lanes off, so the tiles are what runs.
+#[test]
+fn eight_by_eight_tiles_give_the_four_by_four_bits() {
+    let open = |tile| {
+        common::open(VkConfig {
+            tile,
+            row_lanes: Some(false),
+            profile: true,
+            ..common::config()
+        })
+    };
+    let (Some(four), Some(eight)) = (open(4), open(8)) else {
+        return;
+    };
+    let cpu = CpuBackend::new();
+    let mut failures = Vec::new();
+    for case in cases()
+        .into_iter()
+        .filter(|c| c.name.starts_with("mul_mat "))
+    {
+        let want = run(&cpu, &case).unwrap_or_else(|e| panic!("{}: cpu: {e}", case.name));
+        let (a, b) = match (run(&four, &case), run(&eight, &case)) {
+            (Ok(a), Ok(b)) => (a, b),
+            (a, b) => {
+                failures.push(format!(
+                    "{}: errors {:?} / {:?}",
+                    case.name,
+                    a.err(),
+                    b.err()
+                ));
+                continue;
+            }
+        };
+        if a.iter().zip(&b).any(|(x, y)| x.to_bits() != y.to_bits()) || a.len() != b.len() {
+            failures.push(format!("{}: 8x8 tiles changed the bits", case.name));
+        }
+        let e = nmse(&b, &want);
+        if e.is_nan() || e > tolerance(case.dst.dtype) {
+            failures.push(format!("{}: NMSE {e:.3e}", case.name));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    for (vk, family) in [(&four, "mul_mat."), (&eight, "mul_mat8.")] {
+        let names: Vec<String> = vk.kernel_times().into_iter().map(|t| t.name).collect();
+        assert!(
+            names.iter().any(|n| n.starts_with(family)),
+            "{family} did not run: {names:?}"
+        );
+        common::assert_clean(vk);
+    }
+}
+
 #[test]
 fn every_op_matches_the_cpu_oracle_on_mapped_memory() {
     suite(common::config());

@@ -667,15 +667,17 @@ fn tiled_quantized_products_match_the_cpu_oracle() {
     // Lavapipe runs the 256-invocation tiles about ten times slower than the rows; the tile
     // edges and three shapes cover their loader. The subgroup-less rows read x the slow way
     // there too; they give the shuffling kernel's bits (`rows_share_x_bit_for_bit`).
-    for (layout, no_subgroups, kernel, few) in [
-        (QuantMatMul::Rows, false, "mul_mat_q_s", false),
-        (QuantMatMul::Rows, true, "mul_mat_q", true),
-        (QuantMatMul::Tiles, false, "mul_mat_qt", true),
+    for (layout, no_subgroups, tile, kernel, few) in [
+        (QuantMatMul::Rows, false, 4, "mul_mat_q_s", false),
+        (QuantMatMul::Rows, true, 4, "mul_mat_q", true),
+        (QuantMatMul::Tiles, false, 4, "mul_mat_qt", true),
+        (QuantMatMul::Tiles, false, 8, "mul_mat_qt8", true),
     ] {
         let Some(vk) = common::open(VkConfig {
             profile: true,
             quant_mat_mul: Some(layout),
             no_subgroups,
+            tile,
             ..common::config()
         }) else {
             return;
@@ -702,6 +704,42 @@ fn tiled_quantized_products_match_the_cpu_oracle() {
         }
         common::assert_clean(&vk);
     }
+}
+
+/// The tiled prefill product over block weights gives the same bits with 8x8 outputs per
+/// invocation (`LOWSYNC_VK_TILE=8`, `mul_mat_qt8`) as with 4x4 (`mul_mat_qt`): every block
+/// type, a row count past a 64-row tile, columns past a 64-column tile, batches.
+#[test]
+fn eight_by_eight_block_tiles_give_the_four_by_four_bits() {
+    let open = |tile| {
+        common::open(VkConfig {
+            quant_mat_mul: Some(QuantMatMul::Tiles),
+            tile,
+            ..common::config()
+        })
+    };
+    let (Some(four), Some(eight)) = (open(4), open(8)) else {
+        return;
+    };
+    let mut failures = Vec::new();
+    for &dt in VK_QUANTS {
+        for (i, (m, n, nb, batch)) in [(70, 129, 2, 1), (17, 40, 1, 2)].into_iter().enumerate() {
+            let p = Product {
+                batch,
+                w_batched: batch > 1,
+                ..Product::plain(dt, (m, n, nb * dt.block_size()), 1, false)
+            };
+            let w = blocks(dt, 1 + p.w_rows(), p.k, 60 + i as u64);
+            let x = f32s(&mut Rng(61 + i as u64), batch * m * p.k);
+            let (a, b) = (p.run(&four, &w, &x), p.run(&eight, &w, &x));
+            if a.iter().zip(&b).any(|(x, y)| x.to_bits() != y.to_bits()) {
+                failures.push(format!("{dt} {m}x{n}, {batch} batches: the bits differ"));
+            }
+        }
+    }
+    common::assert_clean(&four);
+    common::assert_clean(&eight);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// The `rows` prefill product gives the same bits whether x reaches its invocations through

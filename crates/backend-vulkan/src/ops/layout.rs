@@ -132,6 +132,8 @@ pub(crate) struct Limits {
     pub qd_rows: Option<u32>,
     /// The layout of the prefill product over block weights (`LOWSYNC_VK_QMM`).
     pub qmm: QuantMatMul,
+    /// Outputs per invocation along each side of the tiled products (`LOWSYNC_VK_TILE`: 4 or 8).
+    pub tile: u32,
     /// SoftMax takes one invocation per row (`LOWSYNC_VK_ROW_LANES`).
     pub row_lanes: bool,
     /// The prefill products run on cooperative matrices (`LOWSYNC_VK_COOPMAT`, device support).

@@ -9,13 +9,15 @@
 //! a subgroup reduction where the device has one; with subgroups and operands aligned to 8
 //! elements, the 16-byte-load variant (`mul_mat_vec_v`, a pair of rows per subgroup).
 //! Otherwise up to `MAT_VEC_MAX_M` rows use the generic matrix-vector kernel (split over k when
-//! `b` is contiguous along k), more use the 64x64 tiled kernel, or on a CPU-type device
+//! `b` is contiguous along k), more use the 64x64 tiled kernel (`mul_mat`, or `mul_mat8` with
+//! 8x8 outputs per invocation under `LOWSYNC_VK_TILE=8`), or on a CPU-type device
 //! (`LOWSYNC_VK_ROW_LANES`) one invocation per result column with x shared through the
 //! subgroup (`mul_mat_s`, or `mul_mat_s1` where x's rows are not on 16 bytes), or with
 //! `LOWSYNC_VK_COOPMAT` on a device with cooperative matrices `mul_mat_cm`. GGUF block
 //! weights are dequantized in registers by their own kernels: the mat-vecs up to 16 rows of x
 //! (8 rows per workgroup beyond one), the prefill products beyond (`mul_mat_q_s`/`mul_mat_q`
-//! or the tiled `mul_mat_qt`, `LOWSYNC_VK_QMM`; `mul_mat_qcm` with `LOWSYNC_VK_COOPMAT`).
+//! or the tiled `mul_mat_qt`/`mul_mat_qt8`, `LOWSYNC_VK_QMM`; `mul_mat_qcm` with
+//! `LOWSYNC_VK_COOPMAT`).
 //! Batch axes of extent 1 are dropped; at most two remain, each with its
 //! broadcast ratio for either operand. The one-row mat-vec families also plan the fused pairs
 //! `crate::fusion` finds: an `_e` flavour runs the residual add or SwiGLU consuming the product
@@ -243,8 +245,13 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
     if gx > max[0] as usize || gy > max[1] as usize {
         return Err(c.err(format!("a {m}x{n} product exceeds the dispatch limits")));
     }
+    let kernel = if c.lim.tile == 8 {
+        "mul_mat8"
+    } else {
+        "mul_mat"
+    };
     Ok(vec![Dispatch {
-        kernel: format!("mul_mat.{suffix}"),
+        kernel: format!("{kernel}.{suffix}"),
         binds: vec![bdd, ba, bb],
         push,
         groups: [gx as u32, gy as u32, batches as u32],
@@ -514,6 +521,7 @@ fn quant_mat_vec(
         _ if c.lim.coopmat => ("mul_mat_qcm", CM_TILE),
         QuantMatMul::Rows if c.lim.shuffles && x_vec4 => ("mul_mat_q_s", QUANT_TILE_M),
         QuantMatMul::Rows => ("mul_mat_q", QUANT_TILE_M),
+        QuantMatMul::Tiles if c.lim.tile == 8 => ("mul_mat_qt8", QT_TILE_M),
         QuantMatMul::Tiles => ("mul_mat_qt", QT_TILE_M),
     };
     let (tx, ty) = (n.div_ceil(QUANT_TILE_N), m.div_ceil(rows_per_tile));
