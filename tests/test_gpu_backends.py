@@ -481,6 +481,44 @@ def test_vulkan_coopmat_prefill_matches_the_shader_core_products(
     assert agree >= 0.9, agree
 
 
+def _tiled_prefill_logits(
+    env: pytest.MonkeyPatch, tile: str, dtype: str
+) -> tuple[np.ndarray, set[str]]:
+    """The logits of every row of a 48-token prompt prefilled as one ubatch on Vulkan with the
+    tiled products forced (`LOWSYNC_VK_ROW_LANES=0`, `LOWSYNC_VK_QMM=tiles`) and
+    `LOWSYNC_VK_TILE=tile`, and the kernel families that ran."""
+    env.setenv("LOWSYNC_VK_ROW_LANES", "0")
+    env.setenv("LOWSYNC_VK_QMM", "tiles")
+    env.setenv("LOWSYNC_VK_TILE", tile)
+    env.setenv("LOWSYNC_VK_PROFILE", "1")
+    model = ls.Llama.random(MICRO, seed=4, dtype=dtype)
+    sess = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=48, policy="staged")
+    prompt = [1 + (7 * i + 3) % (MICRO.n_vocab - 1) for i in range(48)]
+    logits = sess.decode(prompt, seq_id=0, logits="all")
+    assert logits is not None
+    sess.context.synchronize()
+    names = {_family(t["name"]) for t in sess.context.kernel_times()}
+    return np.asarray(logits), names
+
+
+@pytest.mark.vulkan
+@pytest.mark.parametrize("dtype", ["f16", "q4_0"])
+def test_vulkan_eight_by_eight_tiles_prefill_the_same_bits(
+    clean_env: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """`LOWSYNC_VK_TILE=8`: a whole prompt's tiled products (`mul_mat8` for the float ones,
+    `mul_mat_qt8` over block weights) give the 4x4 tiles' logits bit for bit on every row."""
+    four, names4 = _tiled_prefill_logits(clean_env, "4", dtype)
+    eight, names8 = _tiled_prefill_logits(clean_env, "8", dtype)
+    tiled = {"f16": "mul_mat", "q4_0": "mul_mat_qt"}[dtype]
+    assert tiled in names4, names4
+    assert tiled + "8" not in names4, names4
+    assert tiled + "8" in names8, names8
+    assert tiled not in names8, names8
+    assert np.all(np.isfinite(four))
+    assert np.array_equal(four.view(np.uint32), eight.view(np.uint32))
+
+
 def _cuda_decode(
     graphs: str, env: pytest.MonkeyPatch, pdl: str = "1", rehearse: str = "1"
 ) -> tuple[list[int], ls.session.GenerateStats, int]:
