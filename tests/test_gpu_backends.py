@@ -519,6 +519,62 @@ def test_vulkan_eight_by_eight_tiles_prefill_the_same_bits(
     assert np.array_equal(four.view(np.uint32), eight.view(np.uint32))
 
 
+def _split_k_prompts(
+    env: pytest.MonkeyPatch, split: str, dtype: str
+) -> tuple[list[np.ndarray], list[dict[str, int]], set[str]]:
+    """A 48-token prompt prefilled as one ubatch on Vulkan twice (the sequence removed between,
+    so the second replays the first's recorded plan) with the tiled products forced
+    (`LOWSYNC_VK_ROW_LANES=0`, `LOWSYNC_VK_QMM=tiles`) and `LOWSYNC_VK_SPLIT_K=split`: each
+    run's logits of every row and its counters, and (from a third, profiled session) the
+    kernel families that ran."""
+    env.setenv("LOWSYNC_VK_ROW_LANES", "0")
+    env.setenv("LOWSYNC_VK_QMM", "tiles")
+    env.setenv("LOWSYNC_VK_SPLIT_K", split)
+    model = ls.Llama.random(MICRO, seed=4, dtype=dtype)
+    prompt = [1 + (7 * i + 3) % (MICRO.n_vocab - 1) for i in range(48)]
+    keys = ("submits", "host_waits", "graph_launches", "graph_captures", "kernel_launches")
+    sess = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=48, policy="staged")
+    logits, counts = [], []
+    for _ in range(2):
+        before = sess.stats()["total"]
+        out = sess.decode(prompt, seq_id=0, logits="all")
+        assert out is not None
+        sess.context.synchronize()
+        after = sess.stats()["total"]
+        logits.append(np.asarray(out))
+        counts.append({k: after[k] - before[k] for k in keys})
+        sess.seq_rm(0)
+    env.setenv("LOWSYNC_VK_PROFILE", "1")
+    prof = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=48, policy="staged")
+    prof.decode(prompt, seq_id=0, logits="all")
+    prof.context.synchronize()
+    names = {_family(t["name"]) for t in prof.context.kernel_times()}
+    env.delenv("LOWSYNC_VK_PROFILE")
+    return logits, counts, names
+
+
+@pytest.mark.vulkan
+@pytest.mark.parametrize("dtype", ["f16", "q4_0"])
+def test_vulkan_split_k_prefill_matches_the_unsplit_products(
+    clean_env: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """`LOWSYNC_VK_SPLIT_K=3`: a prompt's tiled products sum k in up to three ranges and
+    `split_sum` adds them; every row's logits stay within f32 reordering of the unsplit
+    products' (1e-5 of the largest) with the same argmax, a replayed prompt gives the first's
+    bits, and the counts (submits, host waits, graph launches and captures, kernel launches:
+    the graph's nodes) are the unsplit run's."""
+    split, c_split, names = _split_k_prompts(clean_env, "3", dtype)
+    plain, c_plain, names_plain = _split_k_prompts(clean_env, "0", dtype)
+    assert "split_sum" in names, names
+    assert "split_sum" not in names_plain, names_plain
+    assert np.array_equal(split[0].view(np.uint32), split[1].view(np.uint32))
+    assert c_split == c_plain
+    assert c_split[1]["graph_captures"] == 0, c_split
+    assert np.all(np.isfinite(split[0]))
+    assert np.max(np.abs(split[0] - plain[0])) <= 1e-5 * np.max(np.abs(plain[0]))
+    assert np.array_equal(np.argmax(split[0], axis=-1), np.argmax(plain[0], axis=-1))
+
+
 def _cuda_decode(
     graphs: str, env: pytest.MonkeyPatch, pdl: str = "1", rehearse: str = "1"
 ) -> tuple[list[int], ls.session.GenerateStats, int]:

@@ -246,6 +246,11 @@ const KERNELS: &[Spec] = &[
             ("b", Slot::In, FLOATS),
         ],
     ),
+    // The sum of a split-k product's partials.
+    (
+        "split_sum",
+        &[("d", Slot::Out, &["f32"]), ("a", Slot::In, &["f32"])],
+    ),
     (
         "mul_mat_vec",
         &[

@@ -16,6 +16,9 @@
 // invocation's rows (and columns) are runs of four, TILE_SIDE * 4 apart, so the invocations
 // of a subgroup that read distinct vec4s read contiguous bytes.
 //
+// Split over k (`LOWSYNC_VK_SPLIT_K`, `prm.z` nonzero): each workgroup sums one range of k into
+// a split's partials, which `split_sum.wgsl` adds in split order.
+//
 // Invariant: the sums run over k in the same order whatever TILE_T, so both give the same
 // bits.
 
@@ -32,7 +35,8 @@ struct Pc {
     offs: vec4<u32>,
     // batch divisors: a axis 0, a axis 1, b axis 0, b axis 1
     op: vec4<u32>,
-    // x: 1 when a's k axis is contiguous, y: 1 when b's k axis is contiguous
+    // x: 1 when a's k axis is contiguous, y: 1 when b's k axis is contiguous; z: k per split
+    // (0: unsplit), w: elements between two splits' partials
     prm: vec4<u32>,
 }
 var<immediate> pc: Pc;
@@ -91,7 +95,19 @@ fn main(
     let K = pc.shape.z;
     let tx = li % TILE_SIDE;
     let ty = li / TILE_SIDE;
-    let bz = wg.z;
+    // Split over k (`prm.z`, a multiple of 16, nonzero): workgroup z is batch * splits + s, the
+    // workgroup sums k in [s * prm.z, (s + 1) * prm.z) and stores into split s's partials,
+    // prm.w elements after split s - 1's (d is the partials buffer, laid out as the planner
+    // says in d_str).
+    var splits = 1u;
+    var kbeg = 0u;
+    var kend = K;
+    if pc.prm.z != 0u {
+        splits = (K + pc.prm.z - 1u) / pc.prm.z;
+        kbeg = (wg.z % splits) * pc.prm.z;
+        kend = min(K, kbeg + pc.prm.z);
+    }
+    let bz = wg.z / splits;
     let b0 = bz / pc.shape.w;
     let b1 = bz % pc.shape.w;
     let a_base = pc.offs.y + (b0 / pc.op.x) * pc.a_str.x + (b1 / pc.op.y) * pc.a_str.y;
@@ -109,10 +125,10 @@ fn main(
     // is never stored.
     var at: array<f32, TILE_LOADS>;
     for (var j = 0u; j < TILE_LOADS; j++) {
-        at[j] = a_tile_val(li + j * TILE_WG, a_base, row0, 0u);
+        at[j] = a_tile_val(li + j * TILE_WG, a_base, row0, kbeg);
     }
-    var bt = fetch_b_tile(li, 0u, col0, b_base);
-    for (var k0 = 0u; k0 < K; k0 += 16u) {
+    var bt = fetch_b_tile(li, kbeg, col0, b_base);
+    for (var k0 = kbeg; k0 < kend; k0 += 16u) {
         for (var j = 0u; j < TILE_LOADS; j++) {
             a_tile_put(li + j * TILE_WG, at[j]);
         }
@@ -139,7 +155,8 @@ fn main(
         }
         workgroupBarrier();
     }
-    let d_base = pc.offs.x + b0 * pc.d_str.x + b1 * pc.d_str.y;
+    let split_off = select(0u, (wg.z % splits) * pc.prm.w, pc.prm.z != 0u);
+    let d_base = pc.offs.x + split_off + b0 * pc.d_str.x + b1 * pc.d_str.y;
     for (var i = 0u; i < TILE_T; i++) {
         let gr = row0 + tile_at(ty, i);
         for (var j = 0u; j < TILE_T; j++) {

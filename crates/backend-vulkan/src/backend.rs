@@ -31,12 +31,12 @@ use lowsync_backend::{
 use lowsync_graph::{DType, Op};
 use parking_lot::Mutex;
 
-use crate::config::{QuantMatMul, QuantMatVec, VkConfig};
+use crate::config::{QuantMatMul, QuantMatVec, SplitK, VkConfig};
 use crate::device::{create_pool, unavailable, vk_err, Device};
 use crate::events::VkReadback;
 use crate::memory::{create_buffer, destroy_buffer, Arena, DevBuffer, Placement};
 use crate::ops::{Limits, QD_SHARED_BYTES};
-use crate::pipelines::Pipelines;
+use crate::pipelines::{Bind, Pipelines};
 use crate::profile::Profiler;
 use crate::stream::{barrier, ReadTarget, State, StatusWords};
 use crate::sync::Inner;
@@ -49,6 +49,10 @@ const ARENA_MIN_CHUNK: u64 = 1 << 20;
 const ARENA_CAP: u64 = 256 << 20;
 /// Device scratch (private copies of overlapping sources) cap.
 const SCRATCH_CAP: u64 = 1 << 30;
+/// Bytes of the split-k products' partials buffer: a product splits only where its partials
+/// (splits x batches x m x n f32) fit. `auto` splits a product only while its workgroups are
+/// at most the multiprocessors, so 132 of them need 132 x 64 x 64 x 4 bytes (2.1 MiB).
+const SPLIT_PARTS_BYTES: u64 = 8 << 20;
 
 /// The Vulkan backend (`vulkan`, `vulkan:N`).
 pub struct VulkanBackend {
@@ -95,6 +99,17 @@ impl VulkanBackend {
             .cast::<u32>();
         // SAFETY: 16 mapped bytes, not yet used by the device.
         unsafe { std::ptr::write_bytes(status_ptr, 0, 4) };
+        let split_parts = if config.split_k == SplitK::Off {
+            None
+        } else {
+            let gpu = Placement {
+                location: MemoryLocation::GpuOnly,
+                host_access: false,
+            };
+            let parts = SPLIT_PARTS_BYTES.min(u64::from(dev.limits.max_storage_buffer_range));
+            let b = create_buffer(&device, &mut allocator, parts, gpu, &families, "split-k")?;
+            Some(b)
+        };
         let limits = Limits {
             offset_align: dev.limits.min_storage_buffer_offset_alignment.max(4),
             max_range: u64::from(dev.limits.max_storage_buffer_range),
@@ -111,6 +126,14 @@ impl VulkanBackend {
                 .quant_mat_mul
                 .unwrap_or(QuantMatMul::for_device(dev.cpu_type)),
             tile: config.tile,
+            split_k: config.split_k,
+            split_parts: split_parts.as_ref().map(|b| Bind {
+                buffer: b.buffer,
+                offset: 0,
+                range: b.size & !3,
+                write: true,
+            }),
+            sm_count: dev.sm_count,
             idot: dev.integer_dot
                 && dev.subgroup_shuffle
                 && !config.no_subgroups
@@ -170,6 +193,7 @@ impl VulkanBackend {
                 ptr: status_ptr,
             }),
             attn_parts: None,
+            split_parts,
             error_sites: HashMap::new(),
             next_tag: 0,
             legacy_fence,

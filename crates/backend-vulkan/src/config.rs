@@ -71,6 +71,9 @@ pub struct VkConfig {
     /// read a quarter as much workgroup memory per multiply-add and give the same bits).
     /// Default 4: 8 has not been timed on a GPU yet.
     pub tile: u32,
+    /// `LOWSYNC_VK_SPLIT_K` (`0`, `auto`, `2` to `8`): the tiled prefill products split k over
+    /// several workgroups per tile ([`SplitK`]). Default `0`: not yet timed on a GPU.
+    pub split_k: SplitK,
     /// `LOWSYNC_VK_NORM_FOLD` (`0`, `1`): a fused RmsNorm whose every reader is a float
     /// one-row product runs inside those products (`mul_mat_vec_vn*`) instead of as a dispatch
     /// of its own. `None` (the variable unset): on a GPU (where the saved dispatch is a wait
@@ -211,6 +214,50 @@ impl QuantMatMul {
     }
 }
 
+/// Whether the tiled prefill products (`mul_mat`, `mul_mat8`, and `mul_mat_qt`, `mul_mat_qt8`
+/// over block weights) split k over several workgroups per tile: each sums a range of k into
+/// a partials buffer, and `split_sum` adds the ranges in order into the result. Why: a
+/// 128-token prompt's 2048-row products are 64 tiles, which leave half of a GPU of 132
+/// multiprocessors idle and each tile's workgroup walking all of k.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitK {
+    /// `0`: never.
+    Off,
+    /// `auto`: a product whose tiles are at most half the device's multiprocessors (where the
+    /// device reports the count: `VK_NV_shader_sm_builtins`) and whose k is at least 1,024
+    /// splits into as many parts (up to 8) as make its workgroups about fill them.
+    Auto,
+    /// `2` to `8`: every tiled product splits into this many parts (fewer where k is short).
+    Fixed(u32),
+}
+
+/// The most parts `LOWSYNC_VK_SPLIT_K` splits a product's k into.
+pub const SPLIT_K_MAX: u32 = 8;
+
+impl SplitK {
+    /// `LOWSYNC_VK_SPLIT_K`: `0`, `auto` or a part count from 2 to 8; unset or empty is `Off`,
+    /// anything else an `Error::Env` naming the variable.
+    pub fn from_env() -> Result<Self> {
+        const VAR: &str = "LOWSYNC_VK_SPLIT_K";
+        let bad = |value: String| Error::Env {
+            var: VAR,
+            value,
+            expected: "0, auto or a part count from 2 to 8",
+        };
+        match std::env::var(VAR) {
+            Err(_) => Ok(SplitK::Off),
+            Ok(v) => match v.trim() {
+                "" | "0" => Ok(SplitK::Off),
+                "auto" => Ok(SplitK::Auto),
+                t => match t.parse::<u32>() {
+                    Ok(n) if (2..=SPLIT_K_MAX).contains(&n) => Ok(SplitK::Fixed(n)),
+                    _ => Err(bad(v)),
+                },
+            },
+        }
+    }
+}
+
 impl VkConfig {
     /// The settings the environment asks for (device index from `LOWSYNC_VK_DEVICE`).
     pub fn from_env() -> Result<Self> {
@@ -232,6 +279,7 @@ impl VkConfig {
                 Some("8") => 8,
                 _ => 4,
             },
+            split_k: SplitK::from_env()?,
             attn_group: device_default_flag("LOWSYNC_VK_ATTN_GROUP")?,
             attn_vec: env::flag("LOWSYNC_VK_ATTN_VEC", true)?,
             row_lanes: device_default_flag("LOWSYNC_VK_ROW_LANES")?,
@@ -260,6 +308,7 @@ impl Default for VkConfig {
             qd_rows: None,
             quant_mat_mul: None,
             tile: 4,
+            split_k: SplitK::Off,
             norm_fold: None,
             attn_group: None,
             attn_vec: true,

@@ -323,6 +323,9 @@ pub(crate) struct Device {
     pub integer_dot_fast: bool,
     /// The device reports itself as a CPU (`VK_PHYSICAL_DEVICE_TYPE_CPU`: lavapipe, SwiftShader).
     pub cpu_type: bool,
+    /// Multiprocessors, where the device says (`VK_NV_shader_sm_builtins`'s `shaderSMCount`);
+    /// 0 where it does not.
+    pub sm_count: u32,
     // Declared last: dropped after `device` is destroyed (see `Drop`).
     pub inst: Instance,
 }
@@ -397,6 +400,7 @@ impl Device {
         };
         let coopmat = config.coopmat && coopmat_support(ins, pdev)?;
         let (integer_dot, integer_dot_fast) = integer_dot_support(ins, pdev);
+        let sm_count = sm_count(ins, pdev)?;
         let prio = [1.0f32];
         let mut qinfos = vec![vk::DeviceQueueCreateInfo::default()
             .queue_family_index(compute_family as u32)
@@ -487,6 +491,7 @@ impl Device {
             coopmat,
             integer_dot,
             integer_dot_fast,
+            sm_count,
             "Vulkan device opened"
         );
         Ok(Device {
@@ -506,6 +511,7 @@ impl Device {
             integer_dot,
             integer_dot_fast,
             cpu_type: props.device_type == vk::PhysicalDeviceType::CPU,
+            sm_count,
             inst,
         })
     }
@@ -569,6 +575,24 @@ impl Drop for Device {
         // SAFETY: owners destroy every object created from the device before dropping it.
         unsafe { self.device.destroy_device(None) };
     }
+}
+
+/// The device's multiprocessor count where it reports one (`VK_NV_shader_sm_builtins`), else 0.
+fn sm_count(ins: &ash::Instance, pdev: vk::PhysicalDevice) -> Result<u32> {
+    // SAFETY: a query on a physical device of this instance.
+    let exts = unsafe { ins.enumerate_device_extension_properties(pdev) }
+        .map_err(|r| vk_err("vkEnumerateDeviceExtensionProperties", r))?;
+    let has_ext = exts
+        .iter()
+        .any(|e| e.extension_name_as_c_str() == Ok(ash::nv::shader_sm_builtins::NAME));
+    if !has_ext {
+        return Ok(0);
+    }
+    let mut sm = vk::PhysicalDeviceShaderSMBuiltinsPropertiesNV::default();
+    let mut p2 = vk::PhysicalDeviceProperties2::default().push_next(&mut sm);
+    // SAFETY: as above; the extension is present, so its properties struct may be chained.
+    unsafe { ins.get_physical_device_properties2(pdev, &mut p2) };
+    Ok(sm.shader_sm_count)
 }
 
 /// Whether the device has Vulkan 1.3's `shaderIntegerDotProduct` (enabled at creation when it

@@ -43,7 +43,7 @@ mod transfer;
 use std::sync::Arc;
 
 pub use backend::{vulkan_supports_op, VulkanBackend, VK_QUANTS};
-pub use config::{EntryPointHook, QuantMatMul, QuantMatVec, VkConfig};
+pub use config::{EntryPointHook, QuantMatMul, QuantMatVec, SplitK, VkConfig};
 pub use events::{VkEvent, VkGate};
 use lowsync_backend::{Backend, Error, Result};
 pub use transfer::{Crossover, RouteSnapshot};

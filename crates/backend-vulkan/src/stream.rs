@@ -125,6 +125,9 @@ pub(crate) struct State {
     pub status: Option<StatusWords>,
     /// The split decode attention's partials (`crate::exec`), created at its first use.
     pub attn_parts: Option<DevBuffer>,
+    /// The split-k products' partials (`LOWSYNC_VK_SPLIT_K`), created with the backend when
+    /// the setting is on and kept at one size, so recorded plans binding it stay valid.
+    pub split_parts: Option<DevBuffer>,
     pub error_sites: HashMap<u32, ErrorSite>,
     pub next_tag: u32,
     pub legacy_fence: vk::Fence,

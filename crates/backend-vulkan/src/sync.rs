@@ -260,6 +260,9 @@ impl Drop for Inner {
         if let Some(b) = st.attn_parts.take() {
             destroy_buffer(&device, &mut allocator, b);
         }
+        if let Some(b) = st.split_parts.take() {
+            destroy_buffer(&device, &mut allocator, b);
+        }
         st.pipelines.destroy(&device);
         if let Some(mut p) = st.profiler.take() {
             p.destroy(&device);

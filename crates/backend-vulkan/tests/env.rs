@@ -5,7 +5,7 @@
 mod common;
 
 use lowsync_backend::Error;
-use lowsync_vulkan::{QuantMatMul, QuantMatVec};
+use lowsync_vulkan::{QuantMatMul, QuantMatVec, SplitK};
 
 #[test]
 fn bad_values_and_names_are_clear_errors() {
@@ -167,6 +167,35 @@ fn bad_values_and_names_are_clear_errors() {
     }
     std::env::remove_var("LOWSYNC_VK_TILE");
     assert_eq!(lowsync_vulkan::VkConfig::default().tile, 4);
+    for bad in ["1", "9", "half", "-2"] {
+        std::env::set_var("LOWSYNC_VK_SPLIT_K", bad);
+        assert!(
+            matches!(
+                lowsync_vulkan::create("vulkan"),
+                Err(Error::Env {
+                    var: "LOWSYNC_VK_SPLIT_K",
+                    ..
+                })
+            ),
+            "{bad}"
+        );
+    }
+    for (value, split) in [
+        ("0", SplitK::Off),
+        ("", SplitK::Off),
+        ("auto", SplitK::Auto),
+        ("2", SplitK::Fixed(2)),
+        ("8", SplitK::Fixed(8)),
+    ] {
+        std::env::set_var("LOWSYNC_VK_SPLIT_K", value);
+        assert_eq!(
+            lowsync_vulkan::VkConfig::from_env().unwrap().split_k,
+            split,
+            "{value:?}"
+        );
+    }
+    std::env::remove_var("LOWSYNC_VK_SPLIT_K");
+    assert_eq!(lowsync_vulkan::VkConfig::default().split_k, SplitK::Off);
     device_default_switch("LOWSYNC_VK_NORM_FOLD", |c| c.norm_fold);
     device_default_switch("LOWSYNC_VK_ATTN_GROUP", |c| c.attn_group);
     device_default_switch("LOWSYNC_VK_ROW_LANES", |c| c.row_lanes);

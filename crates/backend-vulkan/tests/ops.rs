@@ -13,7 +13,7 @@ use half::{bf16, f16};
 use lowsync_backend::{Backend, BufferUsage, Error, ExecGraph, ExecNode, TensorRef};
 use lowsync_cpu::CpuBackend;
 use lowsync_graph::{contiguous_strides, DType, Op, RopeMode};
-use lowsync_vulkan::{VkConfig, VulkanBackend};
+use lowsync_vulkan::{SplitK, VkConfig, VulkanBackend};
 
 /// A tensor in its own buffer: `offset` elements in, with explicit strides.
 #[derive(Clone, Debug)]
@@ -781,6 +781,61 @@ fn eight_by_eight_tiles_give_the_four_by_four_bits() {
         assert!(
             names.iter().any(|n| n.starts_with(family)),
             "{family} did not run: {names:?}"
+        );
+        common::assert_clean(vk);
+    }
+}
+
+/// The tiled products split over k (`LOWSYNC_VK_SPLIT_K=3`: each tile's k in three ranges
+/// summed into partials, then `split_sum`) match the CPU oracle on every MulMat case, with 4x4
+/// and 8x8 tiles alike (the same bits: the same sums in the same order).
+#[test]
+fn split_k_products_match_the_cpu_oracle() {
+    let open = |tile| {
+        common::open(VkConfig {
+            tile,
+            split_k: SplitK::Fixed(3),
+            row_lanes: Some(false),
+            profile: true,
+            ..common::config()
+        })
+    };
+    let (Some(four), Some(eight)) = (open(4), open(8)) else {
+        return;
+    };
+    let cpu = CpuBackend::new();
+    let mut failures = Vec::new();
+    for case in cases()
+        .into_iter()
+        .filter(|c| c.name.starts_with("mul_mat "))
+    {
+        let want = run(&cpu, &case).unwrap_or_else(|e| panic!("{}: cpu: {e}", case.name));
+        let (a, b) = match (run(&four, &case), run(&eight, &case)) {
+            (Ok(a), Ok(b)) => (a, b),
+            (a, b) => {
+                failures.push(format!(
+                    "{}: errors {:?} / {:?}",
+                    case.name,
+                    a.err(),
+                    b.err()
+                ));
+                continue;
+            }
+        };
+        if a.iter().zip(&b).any(|(x, y)| x.to_bits() != y.to_bits()) || a.len() != b.len() {
+            failures.push(format!("{}: 8x8 tiles changed the bits", case.name));
+        }
+        let e = nmse(&a, &want);
+        if e.is_nan() || e > tolerance(case.dst.dtype) {
+            failures.push(format!("{}: NMSE {e:.3e}", case.name));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    for vk in [&four, &eight] {
+        let names: Vec<String> = vk.kernel_times().into_iter().map(|t| t.name).collect();
+        assert!(
+            names.iter().any(|n| n.starts_with("split_sum.")),
+            "no product split: {names:?}"
         );
         common::assert_clean(vk);
     }

@@ -15,7 +15,7 @@ use half::f16;
 use lowsync_backend::{Backend, BufferUsage, ExecGraph, ExecNode, TensorRef};
 use lowsync_cpu::CpuBackend;
 use lowsync_graph::{DType, Op};
-use lowsync_vulkan::{QuantMatMul, QuantMatVec, VkConfig, VulkanBackend, VK_QUANTS};
+use lowsync_vulkan::{QuantMatMul, QuantMatVec, SplitK, VkConfig, VulkanBackend, VK_QUANTS};
 
 /// A deterministic xorshift stream.
 struct Rng(u64);
@@ -667,17 +667,48 @@ fn tiled_quantized_products_match_the_cpu_oracle() {
     // Lavapipe runs the 256-invocation tiles about ten times slower than the rows; the tile
     // edges and three shapes cover their loader. The subgroup-less rows read x the slow way
     // there too; they give the shuffling kernel's bits (`rows_share_x_bit_for_bit`).
-    for (layout, no_subgroups, tile, kernel, few) in [
-        (QuantMatMul::Rows, false, 4, "mul_mat_q_s", false),
-        (QuantMatMul::Rows, true, 4, "mul_mat_q", true),
-        (QuantMatMul::Tiles, false, 4, "mul_mat_qt", true),
-        (QuantMatMul::Tiles, false, 8, "mul_mat_qt8", true),
+    // The tiles split over k too (`LOWSYNC_VK_SPLIT_K=3`, the partials then `split_sum`).
+    for (layout, no_subgroups, tile, split_k, kernel, few) in [
+        (
+            QuantMatMul::Rows,
+            false,
+            4,
+            SplitK::Off,
+            "mul_mat_q_s",
+            false,
+        ),
+        (QuantMatMul::Rows, true, 4, SplitK::Off, "mul_mat_q", true),
+        (
+            QuantMatMul::Tiles,
+            false,
+            4,
+            SplitK::Off,
+            "mul_mat_qt",
+            true,
+        ),
+        (
+            QuantMatMul::Tiles,
+            false,
+            8,
+            SplitK::Off,
+            "mul_mat_qt8",
+            true,
+        ),
+        (
+            QuantMatMul::Tiles,
+            false,
+            4,
+            SplitK::Fixed(3),
+            "mul_mat_qt",
+            true,
+        ),
     ] {
         let Some(vk) = common::open(VkConfig {
             profile: true,
             quant_mat_mul: Some(layout),
             no_subgroups,
             tile,
+            split_k,
             ..common::config()
         }) else {
             return;
@@ -702,6 +733,8 @@ fn tiled_quantized_products_match_the_cpu_oracle() {
             let name = format!("{kernel}.d_f32.a_f32.b_{}", dt.name());
             assert!(names.contains(&name), "{name} did not run: {names:?}");
         }
+        let summed = names.iter().any(|n| n.starts_with("split_sum."));
+        assert_eq!(summed, split_k != SplitK::Off, "{kernel}: {names:?}");
         common::assert_clean(&vk);
     }
 }

@@ -18,7 +18,7 @@ use ash::vk;
 use lowsync_backend::{Error, ExecNode, Result};
 use lowsync_graph::DType;
 
-use crate::config::{QuantMatMul, QuantMatVec};
+use crate::config::{QuantMatMul, QuantMatVec, SplitK};
 use crate::pipelines::{Bind, Push};
 
 /// A tensor resolved to device memory.
@@ -134,6 +134,12 @@ pub(crate) struct Limits {
     pub qmm: QuantMatMul,
     /// Outputs per invocation along each side of the tiled products (`LOWSYNC_VK_TILE`: 4 or 8).
     pub tile: u32,
+    /// Whether the tiled products split k (`LOWSYNC_VK_SPLIT_K`), into the partials buffer
+    /// (`split_parts`, present whenever the setting is not `Off`).
+    pub split_k: SplitK,
+    pub split_parts: Option<Bind>,
+    /// The device's multiprocessors (0: unknown).
+    pub sm_count: u32,
     /// SoftMax takes one invocation per row (`LOWSYNC_VK_ROW_LANES`).
     pub row_lanes: bool,
     /// The prefill products run on cooperative matrices (`LOWSYNC_VK_COOPMAT`, device support).

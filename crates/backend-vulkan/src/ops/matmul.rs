@@ -10,7 +10,8 @@
 //! elements, the 16-byte-load variant (`mul_mat_vec_v`, a pair of rows per subgroup).
 //! Otherwise up to `MAT_VEC_MAX_M` rows use the generic matrix-vector kernel (split over k when
 //! `b` is contiguous along k), more use the 64x64 tiled kernel (`mul_mat`, or `mul_mat8` with
-//! 8x8 outputs per invocation under `LOWSYNC_VK_TILE=8`), or on a CPU-type device
+//! 8x8 outputs per invocation under `LOWSYNC_VK_TILE=8`; split over k into partials that
+//! `split_sum` adds under `LOWSYNC_VK_SPLIT_K`), or on a CPU-type device
 //! (`LOWSYNC_VK_ROW_LANES`) one invocation per result column with x shared through the
 //! subgroup (`mul_mat_s`, or `mul_mat_s1` where x's rows are not on 16 bytes), or with
 //! `LOWSYNC_VK_COOPMAT` on a device with cooperative matrices `mul_mat_cm`. GGUF block
@@ -30,8 +31,8 @@ use lowsync_backend::Result;
 use lowsync_graph::DType;
 
 use super::layout::{dt, need_status, Ctx, Dispatch, Res, Status};
-use crate::config::{QuantMatMul, QuantMatVec};
-use crate::pipelines::Push;
+use crate::config::{QuantMatMul, QuantMatVec, SplitK, SPLIT_K_MAX};
+use crate::pipelines::{Bind, Push};
 
 /// Rows up to which `MulMat` uses the matrix-vector kernel.
 const MAT_VEC_MAX_M: usize = 8;
@@ -250,12 +251,93 @@ pub(super) fn mul_mat(c: &Ctx, dst: &Res, a: &Res, b: &Res) -> Result<Vec<Dispat
     } else {
         "mul_mat"
     };
-    Ok(vec![Dispatch {
-        kernel: format!("{kernel}.{suffix}"),
-        binds: vec![bdd, ba, bb],
-        push,
-        groups: [gx as u32, gy as u32, batches as u32],
-    }])
+    split_k(
+        c,
+        Dispatch {
+            kernel: format!("{kernel}.{suffix}"),
+            binds: vec![bdd, ba, bb],
+            push,
+            groups: [gx as u32, gy as u32, batches as u32],
+        },
+    )
+}
+
+/// The shortest k `LOWSYNC_VK_SPLIT_K=auto` splits.
+const SPLIT_K_MIN_K: usize = 1024;
+
+/// The tiled product `d` (groups: tiles along n, tiles along m, batches) split over k where
+/// `LOWSYNC_VK_SPLIT_K` asks for it: the same kernel with workgroup z taking batch b's split s
+/// at `b * splits + s`, each summing its range of k (`prm.z` long, whole 16-element steps) into
+/// split s's partials (`prm.w` elements apart, each [batch, m, n] contiguous), then
+/// `split_sum` adding the splits in order into the result. `d` alone where the setting is
+/// off or asks for one part, k is under two steps, or the partials do not fit their buffer.
+fn split_k(c: &Ctx, mut d: Dispatch) -> Result<Vec<Dispatch>> {
+    let Some(parts) = c.lim.split_parts else {
+        return Ok(vec![d]);
+    };
+    let [m, n, k, b1] = d.push.shape.map(|v| v as usize);
+    let batches = d.push.offs[3] as usize;
+    let workgroups: usize = d.groups.iter().map(|&g| g as usize).product();
+    let want = match c.lim.split_k {
+        SplitK::Off => 1,
+        SplitK::Fixed(s) => s as usize,
+        SplitK::Auto => {
+            let cores = c.lim.sm_count as usize;
+            if k < SPLIT_K_MIN_K || workgroups == 0 || workgroups * 2 > cores {
+                1
+            } else {
+                (cores / workgroups).min(SPLIT_K_MAX as usize)
+            }
+        }
+    };
+    if want < 2 || k < 32 {
+        return Ok(vec![d]);
+    }
+    let chunk = k.div_ceil(want).next_multiple_of(16);
+    let splits = k.div_ceil(chunk);
+    let stride = batches * m * n;
+    let bytes = (splits * stride * 4) as u64;
+    let max = c.lim.max_groups;
+    if splits < 2
+        || bytes > parts.range
+        || batches * splits > max[2] as usize
+        || n.div_ceil(64) > max[0] as usize
+        || m > max[1] as usize
+    {
+        return Ok(vec![d]);
+    }
+    let out = d.binds[0];
+    let d_str = d.push.d_str;
+    let od = d.push.offs[0];
+    d.binds[0] = Bind {
+        range: bytes,
+        ..parts
+    };
+    d.push.offs[0] = 0;
+    d.push.d_str = c.u4(&[b1 * m * n, m * n, n, 1], "stride")?;
+    d.push.prm[2] = c.u32(chunk, "k per split")?;
+    d.push.prm[3] = c.u32(stride, "partials stride")?;
+    d.groups[2] = c.u32(batches * splits, "workgroup count")?;
+    let sum = Dispatch {
+        kernel: "split_sum.d_f32.a_f32".to_string(),
+        binds: vec![
+            out,
+            Bind {
+                range: bytes,
+                write: false,
+                ..parts
+            },
+        ],
+        push: Push {
+            shape: c.u4(&[m, n, splits, b1], "extent")?,
+            d_str,
+            offs: [od, 0, 0, d.push.offs[3]],
+            prm: [0, 0, 0, d.push.prm[3]],
+            ..Push::default()
+        },
+        groups: [n.div_ceil(64) as u32, m as u32, batches as u32],
+    };
+    Ok(vec![d, sum])
 }
 
 /// The product planned as a single dispatch, with its kernel family and the rest of the variant
@@ -531,12 +613,18 @@ fn quant_mat_vec(
         && ty <= max[1] as usize
         && batches <= max[2] as usize
     {
-        return Ok(vec![Dispatch {
+        let d = Dispatch {
             kernel: format!("{kernel}.d_f32.a_f32.b_{}", dt(b.dtype)),
             binds: binds.to_vec(),
             push,
             groups: [tx as u32, ty as u32, push.offs[3]],
-        }]);
+        };
+        // The tiled kernels (`mul_mat_body.wgsl`) split over k; the others do not.
+        return if kernel.starts_with("mul_mat_qt") {
+            split_k(c, d)
+        } else {
+            Ok(vec![d])
+        };
     }
     let gx = n.div_ceil(MAT_VEC_K_ROWS);
     // The multi-row kernel reads x contiguous along k only (`X_CONTIGUOUS`); any other x
