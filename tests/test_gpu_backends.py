@@ -442,17 +442,20 @@ def test_vulkan_attn_split_bad_value_names_the_variable(clean_env: pytest.Monkey
             ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
 
 
-def _coopmat_prefill_logits(
-    env: pytest.MonkeyPatch, coopmat: str, dtype: str
+PREFILL_PROMPT = [1 + (7 * i + 3) % (MICRO.n_vocab - 1) for i in range(48)]
+
+
+def _vk_prompt_logits(
+    env: pytest.MonkeyPatch, settings: dict[str, str], dtype: str
 ) -> tuple[np.ndarray, set[str]]:
-    """The logits of every row of a 48-token prompt prefilled as one ubatch on Vulkan with
-    `LOWSYNC_VK_COOPMAT=coopmat`, and the kernel families that ran."""
-    env.setenv("LOWSYNC_VK_COOPMAT", coopmat)
+    """The logits of every row of a 48-token prompt prefilled as one ubatch on Vulkan with the
+    environment `settings`, and the kernel families that ran (profiled)."""
+    for var, value in settings.items():
+        env.setenv(var, value)
     env.setenv("LOWSYNC_VK_PROFILE", "1")
     model = ls.Llama.random(MICRO, seed=4, dtype=dtype)
     sess = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=48, policy="staged")
-    prompt = [1 + (7 * i + 3) % (MICRO.n_vocab - 1) for i in range(48)]
-    logits = sess.decode(prompt, seq_id=0, logits="all")
+    logits = sess.decode(PREFILL_PROMPT, seq_id=0, logits="all")
     assert logits is not None
     sess.context.synchronize()
     names = {_family(t["name"]) for t in sess.context.kernel_times()}
@@ -469,11 +472,11 @@ def test_vulkan_coopmat_prefill_matches_the_shader_core_products(
     (`mul_mat_cm` for the float ones, `mul_mat_qcm` over block weights) and every row's logits
     stay within the f16 rounding of the operands (1% of the largest) of the f32 products', with
     the same argmax on nearly every row. Skipped where the device has none."""
-    on, names = _coopmat_prefill_logits(clean_env, "1", dtype)
+    on, names = _vk_prompt_logits(clean_env, {"LOWSYNC_VK_COOPMAT": "1"}, dtype)
     if not names & {"mul_mat_cm", "mul_mat_qcm"}:
         pytest.skip("this Vulkan device has no cooperative matrices for the products")
     assert ("mul_mat_qcm" in names) == (dtype != "f16"), names
-    off, names_off = _coopmat_prefill_logits(clean_env, "0", dtype)
+    off, names_off = _vk_prompt_logits(clean_env, {"LOWSYNC_VK_COOPMAT": "0"}, dtype)
     assert not names_off & {"mul_mat_cm", "mul_mat_qcm"}
     assert np.all(np.isfinite(on))
     assert np.max(np.abs(on - off)) <= 1e-2 * np.max(np.abs(off))
@@ -481,24 +484,10 @@ def test_vulkan_coopmat_prefill_matches_the_shader_core_products(
     assert agree >= 0.9, agree
 
 
-def _tiled_prefill_logits(
-    env: pytest.MonkeyPatch, tile: str, dtype: str
-) -> tuple[np.ndarray, set[str]]:
-    """The logits of every row of a 48-token prompt prefilled as one ubatch on Vulkan with the
-    tiled products forced (`LOWSYNC_VK_ROW_LANES=0`, `LOWSYNC_VK_QMM=tiles`) and
-    `LOWSYNC_VK_TILE=tile`, and the kernel families that ran."""
-    env.setenv("LOWSYNC_VK_ROW_LANES", "0")
-    env.setenv("LOWSYNC_VK_QMM", "tiles")
-    env.setenv("LOWSYNC_VK_TILE", tile)
-    env.setenv("LOWSYNC_VK_PROFILE", "1")
-    model = ls.Llama.random(MICRO, seed=4, dtype=dtype)
-    sess = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=48, policy="staged")
-    prompt = [1 + (7 * i + 3) % (MICRO.n_vocab - 1) for i in range(48)]
-    logits = sess.decode(prompt, seq_id=0, logits="all")
-    assert logits is not None
-    sess.context.synchronize()
-    names = {_family(t["name"]) for t in sess.context.kernel_times()}
-    return np.asarray(logits), names
+def _tiles(**more: str) -> dict[str, str]:
+    """The tiled prefill products forced (`LOWSYNC_VK_ROW_LANES=0`, `LOWSYNC_VK_QMM=tiles`: a
+    CPU-type device's default is the row layouts), plus `more`."""
+    return {"LOWSYNC_VK_ROW_LANES": "0", "LOWSYNC_VK_QMM": "tiles", **more}
 
 
 @pytest.mark.vulkan
@@ -508,8 +497,8 @@ def test_vulkan_eight_by_eight_tiles_prefill_the_same_bits(
 ) -> None:
     """`LOWSYNC_VK_TILE=8`: a whole prompt's tiled products (`mul_mat8` for the float ones,
     `mul_mat_qt8` over block weights) give the 4x4 tiles' logits bit for bit on every row."""
-    four, names4 = _tiled_prefill_logits(clean_env, "4", dtype)
-    eight, names8 = _tiled_prefill_logits(clean_env, "8", dtype)
+    four, names4 = _vk_prompt_logits(clean_env, _tiles(LOWSYNC_VK_TILE="4"), dtype)
+    eight, names8 = _vk_prompt_logits(clean_env, _tiles(LOWSYNC_VK_TILE="8"), dtype)
     tiled = {"f16": "mul_mat", "q4_0": "mul_mat_qt"}[dtype]
     assert tiled in names4, names4
     assert tiled + "8" not in names4, names4
@@ -522,34 +511,26 @@ def test_vulkan_eight_by_eight_tiles_prefill_the_same_bits(
 def _split_k_prompts(
     env: pytest.MonkeyPatch, split: str, dtype: str
 ) -> tuple[list[np.ndarray], list[dict[str, int]], set[str]]:
-    """A 48-token prompt prefilled as one ubatch on Vulkan twice (the sequence removed between,
-    so the second replays the first's recorded plan) with the tiled products forced
-    (`LOWSYNC_VK_ROW_LANES=0`, `LOWSYNC_VK_QMM=tiles`) and `LOWSYNC_VK_SPLIT_K=split`: each
-    run's logits of every row and its counters, and (from a third, profiled session) the
-    kernel families that ran."""
-    env.setenv("LOWSYNC_VK_ROW_LANES", "0")
-    env.setenv("LOWSYNC_VK_QMM", "tiles")
-    env.setenv("LOWSYNC_VK_SPLIT_K", split)
+    """The 48-token prompt prefilled as one ubatch on Vulkan twice (the sequence removed
+    between, so the second replays the first's recorded plan) with the tiled products forced
+    and `LOWSYNC_VK_SPLIT_K=split`: each run's logits of every row and its counters; and the
+    kernel families of a profiled session's run."""
+    for var, value in _tiles(LOWSYNC_VK_SPLIT_K=split).items():
+        env.setenv(var, value)
     model = ls.Llama.random(MICRO, seed=4, dtype=dtype)
-    prompt = [1 + (7 * i + 3) % (MICRO.n_vocab - 1) for i in range(48)]
     keys = ("submits", "host_waits", "graph_launches", "graph_captures", "kernel_launches")
     sess = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=48, policy="staged")
     logits, counts = [], []
     for _ in range(2):
         before = sess.stats()["total"]
-        out = sess.decode(prompt, seq_id=0, logits="all")
+        out = sess.decode(PREFILL_PROMPT, seq_id=0, logits="all")
         assert out is not None
         sess.context.synchronize()
         after = sess.stats()["total"]
         logits.append(np.asarray(out))
         counts.append({k: after[k] - before[k] for k in keys})
         sess.seq_rm(0)
-    env.setenv("LOWSYNC_VK_PROFILE", "1")
-    prof = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=48, policy="staged")
-    prof.decode(prompt, seq_id=0, logits="all")
-    prof.context.synchronize()
-    names = {_family(t["name"]) for t in prof.context.kernel_times()}
-    env.delenv("LOWSYNC_VK_PROFILE")
+    _, names = _vk_prompt_logits(env, {}, dtype)
     return logits, counts, names
 
 

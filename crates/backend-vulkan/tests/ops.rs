@@ -732,76 +732,23 @@ fn mul_mat_on_cooperative_matrices_matches_the_cpu_oracle() {
     common::assert_clean(&vk);
 }
 
-/// The tiled products with 8x8 outputs per invocation (`LOWSYNC_VK_TILE=8`, `mul_mat8`) give
-/// the 4x4 tiles' bits on every MulMat case (tile edges, strided and transposed operands, GQA
-/// batches, k = 0), and both match the CPU oracle. Row lanes off, so the tiles are what runs.
-#[test]
-fn eight_by_eight_tiles_give_the_four_by_four_bits() {
+/// Every MulMat case (tile edges, strided and transposed operands, GQA batches, k = 0) on the
+/// tiled products with 4x4 and with 8x8 outputs per invocation (`LOWSYNC_VK_TILE`), split over
+/// k as `split_k` says; row lanes off, so the tiles are what runs. The two must give the same
+/// bits (the same sums in the same order) and match the CPU oracle; returns the two backends
+/// (profiled) for the caller's checks of what ran.
+fn four_and_eight(split_k: SplitK) -> Option<[VulkanBackend; 2]> {
     let open = |tile| {
         common::open(VkConfig {
             tile,
+            split_k,
             row_lanes: Some(false),
             profile: true,
             ..common::config()
         })
     };
     let (Some(four), Some(eight)) = (open(4), open(8)) else {
-        return;
-    };
-    let cpu = CpuBackend::new();
-    let mut failures = Vec::new();
-    for case in cases()
-        .into_iter()
-        .filter(|c| c.name.starts_with("mul_mat "))
-    {
-        let want = run(&cpu, &case).unwrap_or_else(|e| panic!("{}: cpu: {e}", case.name));
-        let (a, b) = match (run(&four, &case), run(&eight, &case)) {
-            (Ok(a), Ok(b)) => (a, b),
-            (a, b) => {
-                failures.push(format!(
-                    "{}: errors {:?} / {:?}",
-                    case.name,
-                    a.err(),
-                    b.err()
-                ));
-                continue;
-            }
-        };
-        if a.iter().zip(&b).any(|(x, y)| x.to_bits() != y.to_bits()) || a.len() != b.len() {
-            failures.push(format!("{}: 8x8 tiles changed the bits", case.name));
-        }
-        let e = nmse(&b, &want);
-        if e.is_nan() || e > tolerance(case.dst.dtype) {
-            failures.push(format!("{}: NMSE {e:.3e}", case.name));
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
-    for (vk, family) in [(&four, "mul_mat."), (&eight, "mul_mat8.")] {
-        let names: Vec<String> = vk.kernel_times().into_iter().map(|t| t.name).collect();
-        assert!(
-            names.iter().any(|n| n.starts_with(family)),
-            "{family} did not run: {names:?}"
-        );
-        common::assert_clean(vk);
-    }
-}
-
-/// The tiled products split over k (`LOWSYNC_VK_SPLIT_K=3`: each tile's k in three ranges
-/// summed into partials, then `split_sum`) match the CPU oracle on every MulMat case, with 4x4
-/// and 8x8 tiles alike (the same bits: the same sums in the same order).
-#[test]
-fn split_k_products_match_the_cpu_oracle() {
-    let open = |tile| {
-        common::open(VkConfig {
-            tile,
-            split_k: SplitK::Fixed(3),
-            row_lanes: Some(false),
-            profile: true,
-            ..common::config()
-        })
-    };
-    let (Some(four), Some(eight)) = (open(4), open(8)) else {
-        return;
+        return None;
     };
     let cpu = CpuBackend::new();
     let mut failures = Vec::new();
@@ -830,15 +777,38 @@ fn split_k_products_match_the_cpu_oracle() {
             failures.push(format!("{}: NMSE {e:.3e}", case.name));
         }
     }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
-    for vk in [&four, &eight] {
-        let names: Vec<String> = vk.kernel_times().into_iter().map(|t| t.name).collect();
-        assert!(
-            names.iter().any(|n| n.starts_with("split_sum.")),
-            "no product split: {names:?}"
-        );
-        common::assert_clean(vk);
-    }
+    assert!(failures.is_empty(), "{split_k:?}: {}", failures.join("\n"));
+    common::assert_clean(&four);
+    common::assert_clean(&eight);
+    Some([four, eight])
+}
+
+fn ran(vk: &VulkanBackend, family: &str) -> bool {
+    vk.kernel_times()
+        .iter()
+        .any(|t| t.name.starts_with(&format!("{family}.")))
+}
+
+/// The tiled products with 8x8 outputs per invocation (`LOWSYNC_VK_TILE=8`, `mul_mat8`) give
+/// the 4x4 tiles' bits and match the oracle.
+#[test]
+fn eight_by_eight_tiles_give_the_four_by_four_bits() {
+    let Some([four, eight]) = four_and_eight(SplitK::Off) else {
+        return;
+    };
+    assert!(ran(&four, "mul_mat") && !ran(&four, "mul_mat8"));
+    assert!(ran(&eight, "mul_mat8") && !ran(&eight, "mul_mat"));
+    assert!(!ran(&four, "split_sum") && !ran(&eight, "split_sum"));
+}
+
+/// The tiled products split over k (`LOWSYNC_VK_SPLIT_K=3`: each tile's k in up to three
+/// ranges summed into partials, then `split_sum`) match the oracle, 4x4 and 8x8 alike.
+#[test]
+fn split_k_products_match_the_cpu_oracle() {
+    let Some([four, eight]) = four_and_eight(SplitK::Fixed(3)) else {
+        return;
+    };
+    assert!(ran(&four, "split_sum") && ran(&eight, "split_sum"));
 }
 
 #[test]
