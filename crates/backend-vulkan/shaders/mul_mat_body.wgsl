@@ -6,9 +6,9 @@
 // memory (`prm.x`); B's tile, Bs (16 k x 64 columns, element (kb, c) at word c % 4 of
 // Bs[kb * 16 + c / 4]), by the including kernel's `fetch_b_tile` (into a `BTile` of
 // registers) and `put_b_tile` (into `Bs`). Batch axes (two, after padding) map to operand
-// batches by division (GQA broadcast). Each step's tile loads are written out, all issued
-// before any is stored (on the H200 a load in a loop that stores it before the next iteration
-// waits for each load in turn), and a step ahead.
+// batches by division (GQA broadcast). Each step's tile loads are issued a step ahead, four
+// written out together (`a_tile_val4`) before any is stored: on the H200 a load in a loop
+// that stores it before the next iteration waits for each load in turn.
 //
 // Why 8x8: a 4x4 invocation reads two vec4s of workgroup memory per 16 multiply-adds (on an
 // NVIDIA multiprocessor, three quarters of the time the multiply-adds take); 8x8 reads four per
@@ -42,11 +42,12 @@ struct Pc {
 var<immediate> pc: Pc;
 
 // Invocations along each side of the tile; invocations; tile elements (of A's, and of B's
-// where the including kernel spreads it the same way) each invocation loads per k step; vec4s
-// of each side per invocation; vec4s of outputs per invocation.
+// where the including kernel spreads it the same way) each invocation loads per k step, and
+// those in fours; vec4s of each side per invocation; vec4s of outputs per invocation.
 const TILE_SIDE: u32 = 64u / TILE_T;
 const TILE_WG: u32 = TILE_SIDE * TILE_SIDE;
 const TILE_LOADS: u32 = 1024u / TILE_WG;
+const TILE_Q: u32 = TILE_LOADS / 4u;
 const TILE_V: u32 = TILE_T / 4u;
 const TILE_N: u32 = TILE_T * TILE_V;
 
@@ -77,6 +78,24 @@ fn a_tile_val(flat: u32, a_base: u32, row0: u32, k0: u32) -> f32 {
 fn a_tile_put(flat: u32, v: f32) {
     let rk = a_tile_rk(flat);
     As[rk.y * 16u + rk.x / 4u][rk.x % 4u] = v;
+}
+
+// Elements flat, flat + TILE_WG, flat + 2 TILE_WG and flat + 3 TILE_WG of A's tile, their
+// loads issued together.
+fn a_tile_val4(flat: u32, a_base: u32, row0: u32, k0: u32) -> vec4<f32> {
+    return vec4<f32>(
+        a_tile_val(flat, a_base, row0, k0),
+        a_tile_val(flat + TILE_WG, a_base, row0, k0),
+        a_tile_val(flat + 2u * TILE_WG, a_base, row0, k0),
+        a_tile_val(flat + 3u * TILE_WG, a_base, row0, k0),
+    );
+}
+
+fn a_tile_put4(flat: u32, v: vec4<f32>) {
+    a_tile_put(flat, v.x);
+    a_tile_put(flat + TILE_WG, v.y);
+    a_tile_put(flat + 2u * TILE_WG, v.z);
+    a_tile_put(flat + 3u * TILE_WG, v.w);
 }
 
 // Row (or column) i of an invocation's TILE_T, for the invocation at `t` along that side: runs
@@ -120,23 +139,23 @@ fn main(
         acc[i] = vec4<f32>();
     }
     // Each step's tiles are fetched into registers a step ahead (A's 64 rows x 16 k, TILE_LOADS
-    // elements an invocation; B's tile by the including kernel's `fetch_b_tile`), so their
-    // loads are in flight while the step before multiplies. The fetch past K reads zeros and
-    // is never stored.
-    var at: array<f32, TILE_LOADS>;
-    for (var j = 0u; j < TILE_LOADS; j++) {
-        at[j] = a_tile_val(li + j * TILE_WG, a_base, row0, kbeg);
+    // elements an invocation, element 4j + i at li + (4j + i) * TILE_WG; B's tile by the
+    // including kernel's `fetch_b_tile`), so their loads are in flight while the step before
+    // multiplies. The fetch past K reads zeros and is never stored.
+    var at: array<vec4<f32>, TILE_Q>;
+    for (var j = 0u; j < TILE_Q; j++) {
+        at[j] = a_tile_val4(li + 4u * j * TILE_WG, a_base, row0, kbeg);
     }
     var bt = fetch_b_tile(li, kbeg, col0, b_base);
     for (var k0 = kbeg; k0 < kend; k0 += 16u) {
-        for (var j = 0u; j < TILE_LOADS; j++) {
-            a_tile_put(li + j * TILE_WG, at[j]);
+        for (var j = 0u; j < TILE_Q; j++) {
+            a_tile_put4(li + 4u * j * TILE_WG, at[j]);
         }
         put_b_tile(li, bt);
         workgroupBarrier();
         let k1 = k0 + 16u;
-        for (var j = 0u; j < TILE_LOADS; j++) {
-            at[j] = a_tile_val(li + j * TILE_WG, a_base, row0, k1);
+        for (var j = 0u; j < TILE_Q; j++) {
+            at[j] = a_tile_val4(li + 4u * j * TILE_WG, a_base, row0, k1);
         }
         bt = fetch_b_tile(li, k1, col0, b_base);
         for (var kk = 0u; kk < 16u; kk++) {

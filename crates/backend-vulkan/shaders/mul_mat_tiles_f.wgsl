@@ -28,19 +28,30 @@ fn b_tile_put(flat: u32, v: f32) {
 }
 
 // This invocation's TILE_LOADS elements of B's tile at k0: element (kb, c) = b[k0 + kb, col0 +
-// c] (0 past N or K), all loaded before any is used.
-alias BTile = array<f32, TILE_LOADS>;
+// c] (0 past N or K), all loaded before any is used, four written out together (element
+// 4j + i of the tile's `flat` li + (4j + i) * TILE_WG, as A's).
+alias BTile = array<vec4<f32>, TILE_Q>;
 
 fn fetch_b_tile(li: u32, k0: u32, col0: u32, b_base: u32) -> BTile {
     var t: BTile;
-    for (var j = 0u; j < TILE_LOADS; j++) {
-        t[j] = b_tile_val(li + j * TILE_WG, k0, col0, b_base);
+    for (var j = 0u; j < TILE_Q; j++) {
+        let f = li + 4u * j * TILE_WG;
+        t[j] = vec4<f32>(
+            b_tile_val(f, k0, col0, b_base),
+            b_tile_val(f + TILE_WG, k0, col0, b_base),
+            b_tile_val(f + 2u * TILE_WG, k0, col0, b_base),
+            b_tile_val(f + 3u * TILE_WG, k0, col0, b_base),
+        );
     }
     return t;
 }
 
 fn put_b_tile(li: u32, t: BTile) {
-    for (var j = 0u; j < TILE_LOADS; j++) {
-        b_tile_put(li + j * TILE_WG, t[j]);
+    for (var j = 0u; j < TILE_Q; j++) {
+        let f = li + 4u * j * TILE_WG;
+        b_tile_put(f, t[j].x);
+        b_tile_put(f + TILE_WG, t[j].y);
+        b_tile_put(f + 2u * TILE_WG, t[j].z);
+        b_tile_put(f + 3u * TILE_WG, t[j].w);
     }
 }
