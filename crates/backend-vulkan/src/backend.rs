@@ -255,6 +255,12 @@ impl VulkanBackend {
         self.inner.limits.idot && self.inner.dev.integer_dot_fast
     }
 
+    /// The device's multiprocessors where it reports them (`VK_NV_shader_sm_builtins`), else 0:
+    /// what `LOWSYNC_VK_SPLIT_K=auto` splits the tiled products by (nothing where 0).
+    pub fn multiprocessors(&self) -> u32 {
+        self.inner.dev.sm_count
+    }
+
     /// Whether the prefill products run on cooperative matrices: `LOWSYNC_VK_COOPMAT` asked for
     /// them and the device has what they need.
     pub fn has_coopmat(&self) -> bool {

@@ -811,6 +811,34 @@ fn split_k_products_match_the_cpu_oracle() {
     assert!(ran(&four, "split_sum") && ran(&eight, "split_sum"));
 }
 
+/// `LOWSYNC_VK_SPLIT_K=auto` splits a product of few tiles and long k (128 x 256 over k =
+/// 2,048: 8 tiles) where the device counts its multiprocessors (16 or more: the tiles then
+/// fill at most half), and nothing where it does not (lavapipe); the result matches the oracle
+/// either way.
+#[test]
+fn auto_split_k_follows_the_multiprocessor_count() {
+    let Some(vk) = common::open(VkConfig {
+        split_k: SplitK::Auto,
+        row_lanes: Some(false),
+        profile: true,
+        ..common::config()
+    }) else {
+        return;
+    };
+    let case = case(
+        "mul_mat auto split",
+        Op::MulMat,
+        c(DType::F32, &[128, 256]),
+        vec![c(DType::F32, &[128, 2048]), t(DType::F16, 256, 2048)],
+    );
+    let want = run(&CpuBackend::new(), &case).expect("cpu");
+    let got = run(&vk, &case).expect("vulkan");
+    let e = nmse(&got, &want);
+    assert!(e <= tolerance(DType::F32), "NMSE {e:.3e}");
+    assert_eq!(ran(&vk, "split_sum"), vk.multiprocessors() >= 16);
+    common::assert_clean(&vk);
+}
+
 #[test]
 fn every_op_matches_the_cpu_oracle_on_mapped_memory() {
     suite(common::config());
