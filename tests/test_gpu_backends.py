@@ -442,6 +442,31 @@ def test_vulkan_attn_split_bad_value_names_the_variable(clean_env: pytest.Monkey
             ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
 
 
+@pytest.mark.vulkan
+@pytest.mark.parametrize(
+    ("var", "bad"),
+    [
+        ("LOWSYNC_VK_TILE", "16"),
+        ("LOWSYNC_VK_TILE", "wide"),
+        ("LOWSYNC_VK_SPLIT_K", "1"),
+        ("LOWSYNC_VK_SPLIT_K", "9"),
+        ("LOWSYNC_VK_SPLIT_K", "max"),
+    ],
+)
+def test_vulkan_tile_settings_bad_value_names_the_variable(
+    clean_env: pytest.MonkeyPatch, var: str, bad: str
+) -> None:
+    """A tile size other than 4 or 8, or a split other than 0, auto or 2 to 8, is an error
+    naming the variable, and a Session made after it is unset works."""
+    model = ls.Llama.random(MICRO, seed=4, dtype="f32")
+    clean_env.setenv(var, bad)
+    with pytest.raises(ls.EnvError, match=var):
+        ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
+    clean_env.delenv(var)
+    sess = ls.Session(model, backends=["vulkan"], n_ctx=64, n_ubatch=8, policy="staged")
+    assert len(sess.generate(PROMPT, max_new_tokens=2, seq_id=0)) == 2
+
+
 PREFILL_PROMPT = [1 + (7 * i + 3) % (MICRO.n_vocab - 1) for i in range(48)]
 
 
