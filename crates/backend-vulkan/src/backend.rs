@@ -255,8 +255,9 @@ impl VulkanBackend {
         self.inner.limits.idot && self.inner.dev.integer_dot_fast
     }
 
-    /// The device's multiprocessors where it reports them (`VK_NV_shader_sm_builtins`), else 0:
-    /// what `LOWSYNC_VK_SPLIT_K=auto` splits the tiled products by (nothing where 0).
+    /// The device's multiprocessors where it reports them (`VK_NV_shader_sm_builtins`' SMs,
+    /// `VK_AMD_shader_core_properties`' compute units), else 0: what `LOWSYNC_VK_SPLIT_K=auto`
+    /// splits the tiled products by (nothing where 0).
     pub fn multiprocessors(&self) -> u32 {
         self.inner.dev.sm_count
     }

@@ -224,7 +224,7 @@ pub enum SplitK {
     /// `0`: never.
     Off,
     /// `auto`: a product whose tiles are at most half the device's multiprocessors (where the
-    /// device reports the count: `VK_NV_shader_sm_builtins`) and whose k is at least 1,024
+    /// device reports the count: NVIDIA's SMs, AMD's compute units) and whose k is at least 1,024
     /// splits into as many parts (up to 8) as make its workgroups about fill them.
     Auto,
     /// `2` to `8`: every tiled product splits into this many parts (fewer where k is short).

@@ -323,8 +323,8 @@ pub(crate) struct Device {
     pub integer_dot_fast: bool,
     /// The device reports itself as a CPU (`VK_PHYSICAL_DEVICE_TYPE_CPU`: lavapipe, SwiftShader).
     pub cpu_type: bool,
-    /// Multiprocessors, where the device says (`VK_NV_shader_sm_builtins`'s `shaderSMCount`);
-    /// 0 where it does not.
+    /// Multiprocessors, where the device says (`VK_NV_shader_sm_builtins`' SMs,
+    /// `VK_AMD_shader_core_properties`' compute units); 0 where it does not.
     pub sm_count: u32,
     // Declared last: dropped after `device` is destroyed (see `Drop`).
     pub inst: Instance,
@@ -577,22 +577,33 @@ impl Drop for Device {
     }
 }
 
-/// The device's multiprocessor count where it reports one (`VK_NV_shader_sm_builtins`), else 0.
+/// The device's multiprocessor count where it reports one, else 0: NVIDIA's SMs
+/// (`VK_NV_shader_sm_builtins`), AMD's compute units (`VK_AMD_shader_core_properties`: shader
+/// engines x arrays per engine x units per array).
 fn sm_count(ins: &ash::Instance, pdev: vk::PhysicalDevice) -> Result<u32> {
     // SAFETY: a query on a physical device of this instance.
     let exts = unsafe { ins.enumerate_device_extension_properties(pdev) }
         .map_err(|r| vk_err("vkEnumerateDeviceExtensionProperties", r))?;
-    let has_ext = exts
-        .iter()
-        .any(|e| e.extension_name_as_c_str() == Ok(ash::nv::shader_sm_builtins::NAME));
-    if !has_ext {
-        return Ok(0);
+    let has = |name: &CStr| exts.iter().any(|e| e.extension_name_as_c_str() == Ok(name));
+    if has(ash::nv::shader_sm_builtins::NAME) {
+        let mut sm = vk::PhysicalDeviceShaderSMBuiltinsPropertiesNV::default();
+        let mut p2 = vk::PhysicalDeviceProperties2::default().push_next(&mut sm);
+        // SAFETY: as above; the extension is present, so its properties struct may be chained.
+        unsafe { ins.get_physical_device_properties2(pdev, &mut p2) };
+        return Ok(sm.shader_sm_count);
     }
-    let mut sm = vk::PhysicalDeviceShaderSMBuiltinsPropertiesNV::default();
-    let mut p2 = vk::PhysicalDeviceProperties2::default().push_next(&mut sm);
-    // SAFETY: as above; the extension is present, so its properties struct may be chained.
-    unsafe { ins.get_physical_device_properties2(pdev, &mut p2) };
-    Ok(sm.shader_sm_count)
+    if has(ash::amd::shader_core_properties::NAME) {
+        let mut core = vk::PhysicalDeviceShaderCorePropertiesAMD::default();
+        let mut p2 = vk::PhysicalDeviceProperties2::default().push_next(&mut core);
+        // SAFETY: as above.
+        unsafe { ins.get_physical_device_properties2(pdev, &mut p2) };
+        let units = core
+            .shader_engine_count
+            .saturating_mul(core.shader_arrays_per_engine_count)
+            .saturating_mul(core.compute_units_per_shader_array);
+        return Ok(units);
+    }
+    Ok(0)
 }
 
 /// Whether the device has Vulkan 1.3's `shaderIntegerDotProduct` (enabled at creation when it
