@@ -268,8 +268,8 @@ def test_kernel_trace_runs_variants_side_by_side(tmp_path: Path) -> None:
 
 def test_variants_tg_runs_variants_in_turn_and_reports_ratios(tmp_path: Path) -> None:
     """The A/B script on `cpu`: every variant of every round gets a row, the JSON holds each
-    variant's settings, its tg per round and its ratio to the first, and a bad variant is an
-    argument error that names it."""
+    variant's settings, its tg and pp per round and their ratios to the first's, and a bad
+    variant is an argument error that names it."""
     argv = [sys.executable, str(PROFILE / "variants_tg.py"), "--backend", "cpu"]
     argv += ["--models", "tiny", "--dtype", "q8_0", "-p", "8", "-n", "4", "--rounds", "2"]
     argv += ["--variant", "a", "--variant", "b=LOWSYNC_CPU_THREADS=1"]
@@ -285,12 +285,15 @@ def test_variants_tg_runs_variants_in_turn_and_reports_ratios(tmp_path: Path) ->
         ("b", "LOWSYNC_CPU_THREADS=1"),
     ]
     assert rows[0]["tg_ratio"] == 1.0
+    assert rows[0]["pp_ratio"] == 1.0
     for r in rows:
         assert len(r["tg_all"]) == 2
-        assert all(t > 0 for t in r["tg_all"])
+        assert len(r["pp_all"]) == 2
+        assert all(t > 0 for t in r["tg_all"] + r["pp_all"])
         assert r["tg_tps"] > 0
         assert r["pp_tps"] > 0
     assert rows[1]["tg_ratio"] == pytest.approx(rows[1]["tg_tps"] / rows[0]["tg_tps"])
+    assert rows[1]["pp_ratio"] == pytest.approx(rows[1]["pp_tps"] / rows[0]["pp_tps"])
     assert "| tiny q8_0 | b | LOWSYNC_CPU_THREADS=1 |" in done.stdout
     bad = subprocess.run(
         [*argv[:4], "--models", "tiny", "--variant", "x=oops"],

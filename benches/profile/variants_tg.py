@@ -12,7 +12,7 @@ Strategy: for each model (`--files`, GGUF paths; `--models`, built-in names with
 launch-ahead, `-p` prompt tokens in one ubatch, `-n` steps, `--kv-dtype`). A variant is
 `NAME` or `NAME=SETTING,...`, a SETTING `VAR=value` or a `LOWSYNC_CUDA_TUNE` key `key=value`
 (as `kernel_trace.py` reads them). Reported: per model and variant the median tg and pp over
-the rounds, and tg as a ratio to the first variant.
+the rounds, and both as ratios to the first variant's.
 
 Invariants: every variant of a model runs the same weights, prompt and lengths; a variant that
 cannot launch ahead (the backend lacks stream-ordered reads) falls back to the plain loop, and
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 ahead[name] = row.launch_ahead
                 print(f"{label} {name} round {rnd}: tg {row.tg_tps:.1f} pp {row.pp_tps:.1f}")
         base = statistics.median(tg[variants[0][0]])
+        base_pp = statistics.median(pp[variants[0][0]])
         for name, env in variants:
             r = {
                 "model": label,
@@ -105,18 +106,20 @@ def main(argv: list[str] | None = None) -> int:
                 "tg_tps": statistics.median(tg[name]),
                 "pp_tps": statistics.median(pp[name]),
                 "tg_all": tg[name],
+                "pp_all": pp[name],
                 "launch_ahead": ahead[name],
             }
             r["tg_ratio"] = r["tg_tps"] / base
+            r["pp_ratio"] = r["pp_tps"] / base_pp
             rows.append(r)
             print(json.dumps(r))
         del model
-    print("| model | variant | settings | tg tok/s | tg ratio | pp tok/s |")
-    print("|---|---|---|---:|---:|---:|")
+    print("| model | variant | settings | tg tok/s | tg ratio | pp tok/s | pp ratio |")
+    print("|---|---|---|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['model']} | {r['variant']} | {r['settings']} | {r['tg_tps']:.1f} | "
-            f"{r['tg_ratio']:.3f} | {r['pp_tps']:.0f} |"
+            f"{r['tg_ratio']:.3f} | {r['pp_tps']:.0f} | {r['pp_ratio']:.3f} |"
         )
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))
