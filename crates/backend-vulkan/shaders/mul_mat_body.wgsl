@@ -41,13 +41,12 @@ struct Pc {
 }
 var<immediate> pc: Pc;
 
-// Invocations along each side of the tile; invocations; tile elements (of A's, and of B's
-// where the including kernel spreads it the same way) each invocation loads per k step, and
-// those in fours; vec4s of each side per invocation; vec4s of outputs per invocation.
+// Invocations along each side of the tile; invocations; fours of tile elements (of A's 1,024,
+// and of B's where the including kernel spreads it the same way) each invocation loads per k
+// step; vec4s of each side per invocation; vec4s of outputs per invocation.
 const TILE_SIDE: u32 = 64u / TILE_T;
 const TILE_WG: u32 = TILE_SIDE * TILE_SIDE;
-const TILE_LOADS: u32 = 1024u / TILE_WG;
-const TILE_Q: u32 = TILE_LOADS / 4u;
+const TILE_Q: u32 = 256u / TILE_WG;
 const TILE_V: u32 = TILE_T / 4u;
 const TILE_N: u32 = TILE_T * TILE_V;
 
@@ -138,7 +137,7 @@ fn main(
     for (var i = 0u; i < TILE_N; i++) {
         acc[i] = vec4<f32>();
     }
-    // Each step's tiles are fetched into registers a step ahead (A's 64 rows x 16 k, TILE_LOADS
+    // Each step's tiles are fetched into registers a step ahead (A's 64 rows x 16 k, 4 * TILE_Q
     // elements an invocation, element 4j + i at li + (4j + i) * TILE_WG; B's tile by the
     // including kernel's `fetch_b_tile`), so their loads are in flight while the step before
     // multiplies. The fetch past K reads zeros and is never stored.

@@ -27,7 +27,7 @@ fn b_tile_put(flat: u32, v: f32) {
     Bs[ck.y * 16u + ck.x / 4u][ck.x % 4u] = v;
 }
 
-// This invocation's TILE_LOADS elements of B's tile at k0: element (kb, c) = b[k0 + kb, col0 +
+// This invocation's 4 * TILE_Q elements of B's tile at k0: element (kb, c) = b[k0 + kb, col0 +
 // c] (0 past N or K), all loaded before any is used, four written out together (element
 // 4j + i of the tile's `flat` li + (4j + i) * TILE_WG, as A's).
 alias BTile = array<vec4<f32>, TILE_Q>;
