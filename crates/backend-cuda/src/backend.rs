@@ -92,6 +92,19 @@ impl CudaBackend {
         self.inner.ordinal
     }
 
+    /// The CUDA backends this one has copied from on the streams (`cpy_tensor_async`), by
+    /// name, each with whether its copies go straight between the two devices (peer access
+    /// on) rather than through host memory. A backend of the same device copies within it
+    /// (`false`: no peer access involved).
+    pub fn copy_sources(&self) -> Vec<(String, bool)> {
+        self.inner
+            .peer_events
+            .lock()
+            .iter()
+            .filter_map(|p| p.src.upgrade().map(|src| (src.name.clone(), p.direct)))
+            .collect()
+    }
+
     /// How many owners the backend's shared state has: 1 once the backend is the only one
     /// (no event, gate or read of it alive). Tests use it to prove nothing of the backend keeps
     /// the backend itself alive (a cycle would keep its context and memory after its last user).
@@ -522,6 +535,8 @@ impl Backend for CudaBackend {
             {
                 Some(k) => k,
                 None => {
+                    // A pair's first copy: its events, and direct access between two devices.
+                    let direct = other.ordinal != i.ordinal && i.enable_peer_access(&other);
                     other.bind()?;
                     let ready = CuEvent::new().map_err(|e| other.driver_err("cuEventCreate", e))?;
                     i.bind()?;
@@ -530,6 +545,7 @@ impl Backend for CudaBackend {
                         src: Arc::downgrade(&other),
                         ready,
                         done,
+                        direct,
                     });
                     peers.len() - 1
                 }

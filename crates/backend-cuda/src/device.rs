@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use cudarc::cublas::{result as cbres, sys as cb};
-use cudarc::driver::CudaContext;
+use cudarc::driver::{sys, CudaContext};
 use lowsync_backend::{Error, Result};
 use parking_lot::Mutex;
 
@@ -188,6 +188,35 @@ impl Inner {
             backend: self.name.clone(),
             reason: format!("{what} failed: {e:?}"),
         }
+    }
+
+    /// Turns on direct access between this backend's device and `other`'s, both ways, where the
+    /// devices can (NVLink or PCIe peer to peer): without it a `cuMemcpyPeerAsync` between two
+    /// contexts goes through host memory. Returns whether the direct path is on. A pair that
+    /// cannot, or a driver that refuses, keeps the copy through host memory, which the events
+    /// order all the same, so a refusal is not an error. Binds `other`'s context last.
+    pub(crate) fn enable_peer_access(&self, other: &Inner) -> bool {
+        let one_way = |from: &Inner, to: &Inner| -> bool {
+            let mut can: std::ffi::c_int = 0;
+            // SAFETY: two valid device handles of the retained contexts; `can` is written.
+            let asked = unsafe {
+                sys::cuDeviceCanAccessPeer(&mut can, from.ctx.cu_device(), to.ctx.cu_device())
+            };
+            if asked != sys::CUresult::CUDA_SUCCESS || can == 0 || from.bind().is_err() {
+                return false;
+            }
+            // SAFETY: `from`'s context is current; `to`'s is a live primary context; flags
+            // must be 0.
+            let r = unsafe { sys::cuCtxEnablePeerAccess(to.ctx.cu_ctx(), 0) };
+            matches!(
+                r,
+                sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+            )
+        };
+        let there = one_way(self, other);
+        let back = one_way(other, self);
+        let _ = other.bind();
+        there && back
     }
 
     /// A completed wait happened: report a bad index a kernel recorded, reclaim staging and
@@ -490,6 +519,8 @@ pub(crate) struct PeerEvents {
     pub(crate) src: Weak<Inner>,
     pub(crate) ready: CuEvent,
     pub(crate) done: CuEvent,
+    /// The two devices read each other's memory directly (see [`Inner::enable_peer_access`]).
+    pub(crate) direct: bool,
 }
 
 /// A pinned slot of `read_async`, the event recorded after its last read and that record's

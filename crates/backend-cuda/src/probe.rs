@@ -49,6 +49,8 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuMemcpyDtoHAsync_v2",
     "cuMemcpyDtoDAsync_v2",
     "cuMemcpyPeerAsync",
+    "cuDeviceCanAccessPeer",
+    "cuCtxEnablePeerAccess",
     "cuMemsetD8Async",
     "cuModuleLoadData",
     "cuModuleGetFunction",

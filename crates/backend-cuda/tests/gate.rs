@@ -174,6 +174,40 @@ fn a_copy_between_cuda_streams_waits_for_the_source_device_side() {
     let mut out = vec![0u8; 8];
     b.get_tensor(dst, 0, &mut out).unwrap();
     assert_eq!(floats(&out), vec![7.0, 8.0]);
+    assert_eq!(
+        b.copy_sources(),
+        vec![(a.name().to_string(), false)],
+        "one device: a copy within it, no peer access"
+    );
+}
+
+#[test]
+#[ignore = "needs two CUDA devices (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
+fn a_copy_between_two_devices_goes_peer_to_peer_where_they_can() {
+    let devices = lowsync_cuda::available_devices();
+    assert!(
+        devices.len() >= 2,
+        "needs two CUDA devices; this machine has {devices:?}"
+    );
+    let a = lowsync_cuda::create_with_config("cuda:0", CudaConfig::default()).unwrap();
+    let b = lowsync_cuda::create_with_config("cuda:1", CudaConfig::default()).unwrap();
+    let src = a.alloc_buffer(64, BufferUsage::Compute).unwrap();
+    let dst = b.alloc_buffer(64, BufferUsage::Compute).unwrap();
+    a.set_tensor_async_staged(src, 0, &bytes(&[1.5, -2.0, 3.25, 4.0]))
+        .unwrap();
+    let before = (a.stats().snapshot(), b.stats().snapshot());
+    assert!(b.cpy_tensor_async(&*a, src, 0, dst, 0, 16).unwrap());
+    assert_eq!(a.stats().snapshot().since(&before.0).host_waits, 0);
+    assert_eq!(b.stats().snapshot().since(&before.1).host_waits, 0);
+    let mut out = vec![0u8; 16];
+    b.get_tensor(dst, 0, &mut out).unwrap();
+    assert_eq!(floats(&out), vec![1.5, -2.0, 3.25, 4.0]);
+    let sources = b.copy_sources();
+    assert_eq!(sources.len(), 1);
+    assert_eq!(sources[0].0, a.name());
+    // Whether the pair can is the machine's (NVLink or PCIe peer to peer); H200 and H100
+    // boards of one host can, and then the copies must not go through host memory.
+    eprintln!("cuda:1 from cuda:0 peer to peer: {}", sources[0].1);
 }
 
 #[test]
