@@ -249,6 +249,12 @@ impl VulkanBackend {
         self.inner.limits.idot
     }
 
+    /// The body of the one-row products over block weights this backend runs: the one
+    /// `LOWSYNC_VK_QV` asked for, else the device's default (`QuantMatVec::for_device`).
+    pub fn quant_mat_vec(&self) -> QuantMatVec {
+        self.inner.limits.qv
+    }
+
     /// Whether this device runs 4x8-bit packed integer dot products in hardware (lavapipe
     /// emulates them): where the integer-dot products can pay.
     pub fn has_fast_integer_dot(&self) -> bool {
