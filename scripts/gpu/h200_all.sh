@@ -9,7 +9,7 @@
 # `scripts/gpu/make_carry.sh` makes all of these on the CPU machine.
 # Output: $OUT/summary.txt (what a closing note quotes) and $OUT/logs.tar.gz (everything).
 #
-#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [vkcmp] [attn] [ktrace] [ab] [torch] ...
+#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [vkcmp] [rebar] [attn] [ktrace] [ab] [torch] ...
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -167,6 +167,24 @@ if has vkpaths; then
         LOWSYNC_VK_NO_HOST_VISIBLE_VRAM=1 timeout 300 python3 -m lowsync.cli bench -m $m -t f16 --backend vulkan \
             --policy stock,staged -p 32 -n ${BENCH_N:-64} >"$logs/bench-norebar-$m.txt" 2>/dev/null
         say "bench no-ReBAR vulkan $m: exit $?"; grep -E '^\| (tiny|1b) ' "$logs/bench-norebar-$m.txt" | tee -a "$summary"
+    done
+fi
+if has rebar; then
+    # ReBAR against no-ReBAR in one process, alternated ("1b" Q4_0 and F16, 128- and 512-token
+    # prompts: the Vulkan issue's "within 5%", and an F16 128-token prompt that ran 2.7x
+    # slower under ReBAR on an H200), then where that prompt's device time goes either way.
+    for dt in q4_0 f16; do
+        for p in 128 512; do
+            timeout 150 python3 benches/profile/variants_tg.py --backend vulkan --models 1b --dtype $dt \
+                --variant rebar --variant norebar=LOWSYNC_VK_NO_HOST_VISIBLE_VRAM=1 --rounds 2 -p $p -n 64 \
+                >"$logs/rebar-$dt-$p.txt" 2>&1
+            say "rebar $dt pp$p: exit $?"; grep '^|' "$logs/rebar-$dt-$p.txt" | tee -a "$summary"
+        done
+    done
+    for nr in 0 1; do
+        LOWSYNC_VK_NO_HOST_VISIBLE_VRAM=$nr timeout 120 python3 benches/profile/vk_profile.py --model 1b \
+            --dtype f16 --prefill -p 128 --kv-dtype f16 >"$logs/rebar-prof-$nr.txt" 2>&1
+        say "profile f16 pp128 no-ReBAR=$nr: exit $?"; head -16 "$logs/rebar-prof-$nr.txt" | tee -a "$summary"
     done
 fi
 if has checks; then
