@@ -318,9 +318,20 @@ impl Product {
     }
 }
 
+/// The NMSE bound against float64 of the one-row products: the integer-dot body (`idot`)
+/// quantizes x to 16 bits per block of 32 (within 1.5e-5 of each block's largest value), as the
+/// CPU oracle's one-row products do (a one-element row of one block, where the sum cancels,
+/// measured 2.6e-8); the f32 bodies stay near 1e-13.
+fn one_row_bound64(idot: bool) -> f64 {
+    if idot {
+        1e-6
+    } else {
+        1e-10
+    }
+}
+
 /// Every block type's products against float64 and the CPU oracle, the one-row products within
-/// `bound64` of float64 (the integer-dot body quantizes x to 16 bits, as the CPU oracle's
-/// one-row products do; the f32 bodies stay near 1e-13).
+/// `bound64` of float64 (`one_row_bound64`).
 fn products_within(vk: &VulkanBackend, cpu: &CpuBackend, bound64: f64) -> Vec<String> {
     let mut failures = Vec::new();
     // (m, n, blocks per row, lead rows, x transposed): one block to many, odd row counts, a
@@ -479,10 +490,9 @@ fn suite(cfg: VkConfig) {
     };
     let cpu = CpuBackend::new();
     // A GPU with hardware integer dot products runs the one-row products of the types that
-    // have them as `idot` by default, which quantizes x to 16 bits as the CPU oracle does
-    // (the bound of `every_block_mat_vec_body_matches_the_cpu_oracle`).
+    // have them as `idot` by default.
     let idot = vk.quant_mat_vec() == QuantMatVec::Idot && vk.has_integer_dot();
-    let mut failures = products_within(&vk, &cpu, if idot { 1e-6 } else { 1e-10 });
+    let mut failures = products_within(&vk, &cpu, one_row_bound64(idot));
     failures.extend(get_rows(&vk, &cpu));
     common::assert_clean(&vk);
     assert!(
@@ -528,16 +538,7 @@ fn every_block_mat_vec_body_matches_the_cpu_oracle() {
         }) else {
             return;
         };
-        // x quantized to 16 bits per block of 32 (within 1.5e-5 of each block's largest
-        // value), as the CPU oracle's one-row products do: the oracle's bound against float64
-        // (a one-element row of one block, where the sum cancels, measured 2.6e-8; the f32
-        // bodies stay near 1e-13).
-        let bound64 = if body == QuantMatVec::Idot {
-            1e-6
-        } else {
-            1e-10
-        };
-        let failures = products_within(&vk, &cpu, bound64);
+        let failures = products_within(&vk, &cpu, one_row_bound64(body == QuantMatVec::Idot));
         assert!(
             failures.is_empty(),
             "{body:?}: {} case(s) failed:\n{}",
@@ -615,7 +616,7 @@ fn the_integer_dot_products_match_at_any_rows_per_workgroup() {
             eprintln!("no integer dot products on this device");
             return;
         }
-        let failures = products_within(&vk, &cpu, 1e-6);
+        let failures = products_within(&vk, &cpu, one_row_bound64(true));
         assert!(
             failures.is_empty(),
             "{rows} rows: {} case(s) failed:\n{}",
