@@ -87,6 +87,23 @@ if has vkcmp; then
     lcpp_vk_pid=$!
 fi
 
+if has gpucmp || has vkcmp; then
+    # The built-in models' F16 files for the side by side (1b: 2.1 GB), written while the
+    # builds and the earlier parts run, under the names compare_llama_cpp_gpu.py looks for
+    # (`--seed` 3); each appears only when complete, and the comparisons wait for this first.
+    mkdir -p /tmp/gpucmp
+    want=""
+    has gpucmp && want="$want,${GPUCMP_MODELS:-1b,tiny}"
+    has vkcmp && want="$want,${VKCMP_MODELS:-1b,tiny}"
+    (for m in $(echo "$want" | tr ',' '\n' | sort -u); do
+        f=/tmp/gpucmp/$m-f16-seed3.gguf
+        [ -f "$f" ] || { nice python3 -c 'import sys, lowsync
+lowsync.save_gguf(lowsync.Llama.random(sys.argv[1], seed=3, dtype="f16"), sys.argv[2])' "$m" "$f.early" &&
+            mv "$f.early" "$f"; }
+    done) >"$logs/f16-files.log" 2>&1 &
+    files_pid=$!
+fi
+
 run_suite() { # name dir
     local name=$1 dir=$2
     [ -d "$dir" ] || { say "$name: no binaries carried"; return; }
@@ -218,6 +235,7 @@ if has gpucmp; then
     # lowsync against llama.cpp's CUDA backend on identical files (the built-in models'
     # llama-quantize files, and GPUCMP_FILES: GGUF paths on the device, comma-separated).
     [ -n "${lcpp_cuda_pid:-}" ] && wait "$lcpp_cuda_pid"
+    wait "$files_pid"
     tail -2 "$logs/lcpp-cuda-build.log" 2>/dev/null | tee -a "$summary"
     if [ -n "${lcpp_cuda_pid:-}" ] && [ -x /tmp/lcpp-cuda/bin/llama-bench ]; then
         # The binaries back to the caller, for later calls (parts under the 16 MiB limit).
@@ -233,7 +251,7 @@ if has gpucmp; then
 fi
 if has vkcmp; then
     # lowsync against llama.cpp's Vulkan backend on identical files (the Vulkan issue's figures).
-    wait "$lcpp_vk_pid"
+    wait "$lcpp_vk_pid"; wait "$files_pid"
     tail -1 "$logs/lcpp-vk-build.log" | tee -a "$summary"
     GGML_VK_VISIBLE_DEVICES=0 timeout ${VKCMP_TIMEOUT:-420} python3 benches/python/compare_llama_cpp_gpu.py \
         --backend vulkan --no-build --build-dir /tmp/lcpp-vk --work /tmp/gpucmp --models ${VKCMP_MODELS:-1b,tiny} \
