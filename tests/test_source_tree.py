@@ -28,9 +28,9 @@ def _is_overload(node: ast.AST) -> bool:
 
 def _redefinitions(path: Path, root: Path = ROOT) -> list[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     lines: dict[str, list[int]] = defaultdict(list)
     for node in tree.body:
-        defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
         if isinstance(node, defs) and not _is_overload(node):
             lines[node.name].append(node.lineno)
     return [

@@ -88,19 +88,16 @@ if has vkcmp; then
 fi
 
 if has gpucmp || has vkcmp; then
-    # The built-in models' F16 files for the side by side (1b: 2.1 GB), written while the
-    # builds and the earlier parts run, under the names compare_llama_cpp_gpu.py looks for
-    # (`--seed` 3); each appears only when complete, and the comparisons wait for this first.
-    mkdir -p /tmp/gpucmp
+    # The built-in models' F16 files for the side by side (1b: 2.1 GB), written by the compare
+    # script's own `make_files` while the builds and the earlier parts run; each appears only
+    # when complete, and the comparisons wait for this first.
     want=""
     has gpucmp && want="$want,${GPUCMP_MODELS:-1b,tiny}"
     has vkcmp && want="$want,${VKCMP_MODELS:-1b,tiny}"
-    (for m in $(echo "$want" | tr ',' '\n' | sort -u); do
-        f=/tmp/gpucmp/$m-f16-seed3.gguf
-        [ -f "$f" ] || { nice python3 -c 'import sys, lowsync
-lowsync.save_gguf(lowsync.Llama.random(sys.argv[1], seed=3, dtype="f16"), sys.argv[2])' "$m" "$f.early" &&
-            mv "$f.early" "$f"; }
-    done) >"$logs/f16-files.log" 2>&1 &
+    nice python3 -c 'import sys; sys.path.insert(0, "benches/python"); import compare_llama_cpp_gpu as c
+c.make_files(c.parse_args(["--backend", "cuda", "--work", "/tmp/gpucmp", "--types", "f16",
+    "--models", sys.argv[1]]))' "$want" \
+        >"$logs/f16-files.log" 2>&1 &
     files_pid=$!
 fi
 
