@@ -335,6 +335,25 @@ def test_gpu_compare_warms_each_engine_up_once_and_survives_a_failure(
     assert gc.parse_args(["--backend", "cuda", "--no-warmup"]).no_warmup
 
 
+def test_gpu_compare_warms_up_on_the_first_file_of_each_weight_type() -> None:
+    """A Vulkan engine compiles a weight type's pipelines when it first meets the type, so the
+    warm-up runs on each type's first file, in the files' order, and on each extra file."""
+    gc = _gpu_compare()
+    paths = {
+        "1b Q4_0": Path("1b-q4_0.gguf"),
+        "1b F16": Path("1b-f16.gguf"),
+        "tiny Q4_0": Path("tiny-q4_0.gguf"),
+        "tiny F16": Path("tiny-f16.gguf"),
+        "model.gguf": Path("/data/model.gguf"),
+    }
+    assert gc.warm_up_files(paths) == [
+        Path("1b-q4_0.gguf"),
+        Path("1b-f16.gguf"),
+        Path("/data/model.gguf"),
+    ]
+    assert gc.warm_up_files({}) == []
+
+
 def test_gpu_compare_checks_its_arguments() -> None:
     mod = _gpu_compare()
     args = mod.parse_args(["--backend", "cuda", "--types", "f16,q4_k_m"])

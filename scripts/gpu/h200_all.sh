@@ -22,11 +22,31 @@ export PYTHONUNBUFFERED=1
 say() { echo "$@" | tee -a "$summary"; }
 # Whether part $1 was asked for (whole words: `lcppcuda` is not `cuda`).
 has() { [[ " $parts " == *" $1 "* ]]; }
+# BUDGET (seconds, default unlimited): the whole call ends inside it, so what ran comes back
+# even when a device call's limit is near. `tl N`: a part's timeout, N or what is left less a
+# margin for the log archive; `wait_for PID`: waits for a background build, killing it at the
+# deadline (the part after it then finds no binaries and says so).
+deadline=$((SECONDS + ${BUDGET:-1000000}))
+tl() { local left=$((deadline - SECONDS - 20)); ((left < 5)) && left=5; echo $(($1 < left ? $1 : left)); }
+wait_for() {
+    while kill -0 "$1" 2>/dev/null; do
+        if ((SECONDS > deadline - 60)); then
+            say "budget: stopped background job $1"; pkill -P "$1"; kill "$1"; break
+        fi
+        sleep 2
+    done
+    wait "$1"
+}
 
 # Python packages: the lowsync wheel and gguf into /tmp/site.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .carry/wheels/lowsync-*.whl .whl/*.whl >"$logs/pip.log" 2>&1 || { cat "$logs/pip.log"; exit 1; }
 export PYTHONPATH=/tmp/site
+# The CUDA modules precompiled for sm_90 (make_carry.sh's `cubins`), so NVRTC compiles none.
+if [ -f .carry/cubins.txz ]; then
+    cache=${XDG_CACHE_HOME:-$HOME/.cache}/lowsync/cuda
+    mkdir -p "$cache" && tar xJf .carry/cubins.txz -C "$cache" --strip-components=1
+fi
 # CUDA libraries (NVRTC, cuBLAS) for dlopen.
 nv=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
 libdirs=/usr/local/cuda/lib64
@@ -106,7 +126,7 @@ run_suite() { # name dir
     [ -d "$dir" ] || { say "$name: no binaries carried"; return; }
     for t in "$dir"/*; do
         chmod +x "$t"
-        timeout 300 "$t" --include-ignored --test-threads=1 >"$logs/$name-$(basename "$t").log" 2>&1
+        timeout "$(tl 300)" "$t" --include-ignored --test-threads=1 >"$logs/$name-$(basename "$t").log" 2>&1
         say "$name $(basename "$t"): exit $? $(grep -E '^test result' "$logs/$name-$(basename "$t").log" | tail -1)"
         grep -E "^test .* FAILED|panicked" "$logs/$name-$(basename "$t").log" | head -5 | tee -a "$summary"
     done
@@ -118,13 +138,13 @@ has vulkan && LOWSYNC_REQUIRE_VULKAN=1 LOWSYNC_VK_VALIDATION=${LOWSYNC_VK_VALIDA
 if has bench; then
     for m in tiny 1b; do
         if [ $m = tiny ]; then bk=${BENCH_TINY_BACKENDS:-cuda,vulkan}; else bk=${BENCH_1B_BACKENDS:-cuda,vulkan}; fi
-        timeout 400 python3 -m lowsync.cli bench -m $m -t f16 --backend "$bk" -p 32 -n ${BENCH_N:-64} \
+        timeout "$(tl 400)" python3 -m lowsync.cli bench -m $m -t f16 --backend "$bk" -p 32 -n ${BENCH_N:-64} \
             >"$logs/bench-$m.txt" 2>"$logs/bench-$m.err"
         say "bench $m: exit $?"; cat "$logs/bench-$m.txt" | tee -a "$summary"; tail -3 "$logs/bench-$m.err"
     done
 fi
 if has compare; then
-    timeout 300 python3 benches/python/compare_transformers.py --model tiny --backends cpu,cuda,vulkan \
+    timeout "$(tl 300)" python3 benches/python/compare_transformers.py --model tiny --backends cpu,cuda,vulkan \
         >"$logs/compare-transformers.txt" 2>&1
     say "transformers: exit $?"; grep -v "_tokens" "$logs/compare-transformers.txt" | tail -5 | tee -a "$summary"
     grep -o '"backend": "[a-z]*", "logits_max_rel_diff": [0-9.e-]*, "same_greedy_tokens": [a-z]*' \
@@ -132,18 +152,18 @@ if has compare; then
 fi
 if has mmvab; then
     for knob in 0 8; do
-        LOWSYNC_CUDA_TUNE=mmv_max_m=$knob timeout 300 python3 -m lowsync.cli bench -m 1b -t f16 --backend cuda --policy stock,staged \
+        LOWSYNC_CUDA_TUNE=mmv_max_m=$knob timeout "$(tl 300)" python3 -m lowsync.cli bench -m 1b -t f16 --backend cuda --policy stock,staged \
             -p 32 -n ${BENCH_N:-64} >"$logs/bench-mmv$knob.txt" 2>/dev/null
         say "1b cuda, LOWSYNC_CUDA_TUNE=mmv_max_m=$knob: exit $?"; grep -E '^\| 1b ' "$logs/bench-mmv$knob.txt" | tee -a "$summary"
     done
 fi
 if has pytest; then
-    python3 -m pytest -q -p no:cacheprovider tests/test_gpu_backends.py >"$logs/pytest-gpu.txt" 2>&1
+    timeout "$(tl 400)" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_backends.py >"$logs/pytest-gpu.txt" 2>&1
     say "pytest gpu: exit $? $(tail -1 "$logs/pytest-gpu.txt")"
 fi
 if has pytestq; then
     # The quantized-weight tests on every GPU backend present (CUDA and Vulkan cases).
-    LOWSYNC_REQUIRE_CUDA=1 python3 -m pytest -q -p no:cacheprovider -m "cuda or vulkan or vulkan_gpu" \
+    LOWSYNC_REQUIRE_CUDA=1 timeout "$(tl ${PYTESTQ_TIMEOUT:-400})" python3 -m pytest -q -p no:cacheprovider -m "cuda or vulkan or vulkan_gpu" \
         tests/test_quant.py tests/test_gpu_backends.py >"$logs/pytest-quant.txt" 2>&1
     say "pytest quant: exit $? $(tail -1 "$logs/pytest-quant.txt")"
     grep -E "^(FAILED|ERROR)" "$logs/pytest-quant.txt" | head -20 | tee -a "$summary"
@@ -151,7 +171,7 @@ fi
 if has benchq; then
     # Built-in models quantized by lowsync (gguf-py's quantizer), decode on CUDA.
     for mt in ${BENCHQ:-tiny:q4_0 1b:q4_0 1b:f16}; do
-        timeout 300 python3 -m lowsync.cli bench -m ${mt%%:*} -t ${mt##*:} --backend ${BENCHQ_BACKENDS:-cuda} --policy staged \
+        timeout "$(tl 300)" python3 -m lowsync.cli bench -m ${mt%%:*} -t ${mt##*:} --backend ${BENCHQ_BACKENDS:-cuda} --policy staged \
             -p 32 -n ${BENCH_N:-64} >"$logs/benchq-${mt/:/-}.txt" 2>"$logs/benchq-${mt/:/-}.err"
         say "bench $mt: exit $?"; grep -E '^\| (tiny|1b) ' "$logs/benchq-${mt/:/-}.txt" | tee -a "$summary"
         tail -2 "$logs/benchq-${mt/:/-}.err"
@@ -171,14 +191,14 @@ if has text; then
     say "pytest text: exit $? $(tail -1 "$logs/pytest-text.txt")"
     grep -E "^(FAILED|ERROR)" "$logs/pytest-text.txt" | head -10 | tee -a "$summary"
     for b in cuda vulkan; do
-        timeout 120 python3 -m lowsync.cli run -m "$data/SmolLM2-135M-Instruct.Q4_1.gguf" \
+        timeout "$(tl 120)" python3 -m lowsync.cli run -m "$data/SmolLM2-135M-Instruct.Q4_1.gguf" \
             -p "The capital of France is" -n 8 --temp 0 --backend $b >"$logs/run-$b.txt" 2>&1
         say "lowsync run ($b): exit $?: $(tr '\n' ' ' <"$logs/run-$b.txt" | tail -c 300)"
     done
 fi
 if has vkpaths; then
     for m in tiny 1b; do
-        LOWSYNC_VK_NO_HOST_VISIBLE_VRAM=1 timeout 300 python3 -m lowsync.cli bench -m $m -t f16 --backend vulkan \
+        LOWSYNC_VK_NO_HOST_VISIBLE_VRAM=1 timeout "$(tl 300)" python3 -m lowsync.cli bench -m $m -t f16 --backend vulkan \
             --policy stock,staged -p 32 -n ${BENCH_N:-64} >"$logs/bench-norebar-$m.txt" 2>/dev/null
         say "bench no-ReBAR vulkan $m: exit $?"; grep -E '^\| (tiny|1b) ' "$logs/bench-norebar-$m.txt" | tee -a "$summary"
     done
@@ -187,22 +207,23 @@ if has rebar; then
     # ReBAR against no-ReBAR in one process, alternated ("1b" Q4_0 and F16, 128- and 512-token
     # prompts: the Vulkan issue's "within 5%", and an F16 128-token prompt that ran 2.7x
     # slower under ReBAR on an H200), then where that prompt's device time goes either way.
-    for dt in q4_0 f16; do
-        for p in 128 512; do
-            timeout 150 python3 benches/profile/variants_tg.py --backend vulkan --models 1b --dtype $dt \
+    for case in ${REBAR_CASES:-q4_0:128 q4_0:512 f16:128 f16:512}; do
+        dt=${case%%:*} p=${case##*:}
+        {
+            timeout "$(tl 150)" python3 benches/profile/variants_tg.py --backend vulkan --models 1b --dtype $dt \
                 --variant rebar --variant norebar=LOWSYNC_VK_NO_HOST_VISIBLE_VRAM=1 --rounds 2 -p $p -n 64 \
                 >"$logs/rebar-$dt-$p.txt" 2>&1
             say "rebar $dt pp$p: exit $?"; grep '^|' "$logs/rebar-$dt-$p.txt" | tee -a "$summary"
-        done
+        }
     done
-    for nr in 0 1; do
-        LOWSYNC_VK_NO_HOST_VISIBLE_VRAM=$nr timeout 120 python3 benches/profile/vk_profile.py --model 1b \
+    for nr in ${REBAR_PROFILE-0 1}; do
+        LOWSYNC_VK_NO_HOST_VISIBLE_VRAM=$nr timeout "$(tl 120)" python3 benches/profile/vk_profile.py --model 1b \
             --dtype f16 --prefill -p 128 --kv-dtype f16 >"$logs/rebar-prof-$nr.txt" 2>&1
         say "profile f16 pp128 no-ReBAR=$nr: exit $?"; head -16 "$logs/rebar-prof-$nr.txt" | tee -a "$summary"
     done
 fi
 if has checks; then
-    timeout 300 python3 benches/python/gpu_checks.py --backends cuda,vulkan >"$logs/gpu-checks.txt" 2>&1
+    timeout "$(tl 300)" python3 benches/python/gpu_checks.py --backends cuda,vulkan >"$logs/gpu-checks.txt" 2>&1
     say "gpu checks: exit $?"; grep '^{' "$logs/gpu-checks.txt" | tee -a "$summary"; tail -3 "$logs/gpu-checks.txt"
 fi
 if has cupti; then
@@ -214,15 +235,15 @@ if has cupti; then
         cc -shared -fPIC -O2 -I"$(dirname "$inc")" ${cudainc:+-I"$(dirname "$cudainc")"} scripts/gpu/cupti_counter.c \
             "$lib" -Wl,-rpath,"$(dirname "$lib")" -o /tmp/libcupti_counter.so >"$logs/cupti-build.log" 2>&1
         say "cupti build: exit $?"; tail -3 "$logs/cupti-build.log"
-        CUDA_INJECTION64_PATH=/tmp/libcupti_counter.so timeout 300 python3 benches/python/cupti_check.py \
+        CUDA_INJECTION64_PATH=/tmp/libcupti_counter.so timeout "$(tl 300)" python3 benches/python/cupti_check.py \
             >"$logs/cupti.txt" 2>&1
         say "cupti check: exit $?"; grep '^{' "$logs/cupti.txt" | tee -a "$summary"; tail -3 "$logs/cupti.txt"
     fi
 fi
 if has llamacpp; then
-    wait "$lcpp_pid"; tail -2 "$logs/llamacpp-build.log" | tee -a "$summary"
+    wait_for "$lcpp_pid"; tail -2 "$logs/llamacpp-build.log" | tee -a "$summary"
     for m in tiny small; do
-        PYTHONPATH=/tmp/site:/tmp/lcpp-site timeout 300 python3 benches/python/compare_llama_cpp.py \
+        PYTHONPATH=/tmp/site:/tmp/lcpp-site timeout "$(tl 300)" python3 benches/python/compare_llama_cpp.py \
             --model $m --dtype f16 --speed -n 32 >"$logs/compare-llamacpp-$m.txt" 2>&1
         say "llama.cpp $m: exit $?"
         sed -E 's/"(lowsync|llama_cpp)_tokens": \[[^]]*\], //g' "$logs/compare-llamacpp-$m.txt" | tail -3 | tee -a "$summary"
@@ -231,8 +252,8 @@ fi
 if has gpucmp; then
     # lowsync against llama.cpp's CUDA backend on identical files (the built-in models'
     # llama-quantize files, and GPUCMP_FILES: GGUF paths on the device, comma-separated).
-    [ -n "${lcpp_cuda_pid:-}" ] && wait "$lcpp_cuda_pid"
-    wait "$files_pid"
+    [ -n "${lcpp_cuda_pid:-}" ] && wait_for "$lcpp_cuda_pid"
+    wait_for "$files_pid"
     tail -2 "$logs/lcpp-cuda-build.log" 2>/dev/null | tee -a "$summary"
     if [ -n "${lcpp_cuda_pid:-}" ] && [ -x /tmp/lcpp-cuda/bin/llama-bench ]; then
         # The binaries back to the caller, for later calls (parts under the 16 MiB limit).
@@ -240,36 +261,36 @@ if has gpucmp; then
             split -b 15m - "$out/lcpp/part-"
         say "llama.cpp cuda binaries: $(du -sh "$out/lcpp" | cut -f1)"
     fi
-    timeout ${GPUCMP_TIMEOUT:-420} python3 benches/python/compare_llama_cpp_gpu.py --backend cuda --no-build \
+    timeout "$(tl ${GPUCMP_TIMEOUT:-420})" python3 benches/python/compare_llama_cpp_gpu.py --backend cuda --no-build \
         --build-dir /tmp/lcpp-cuda --work /tmp/gpucmp --models ${GPUCMP_MODELS:-1b,tiny} \
         --types ${GPUCMP_TYPES:-f16,q4_0,q4_k_m,q6_k,q8_0} --files "${GPUCMP_FILES:-}" -p ${GPUCMP_P:-512} -n ${GPUCMP_N:-128} \
         --repeats ${GPUCMP_R:-2} --json "$out/gpucmp.json" >"$logs/gpucmp.txt" 2>"$logs/gpucmp.err"
-    say "gpu compare (cuda): exit $?"; grep '^|' "$logs/gpucmp.txt" | tee -a "$summary"; tail -5 "$logs/gpucmp.err"
+    say "gpu compare (cuda): exit $?"; grep -E '^[|{]' "$logs/gpucmp.txt" | tee -a "$summary"; tail -5 "$logs/gpucmp.err"
 fi
 if has vkcmp; then
     # lowsync against llama.cpp's Vulkan backend on identical files (the Vulkan issue's figures).
-    wait "$lcpp_vk_pid"; wait "$files_pid"
+    wait_for "$lcpp_vk_pid"; wait_for "$files_pid"
     tail -1 "$logs/lcpp-vk-build.log" | tee -a "$summary"
-    GGML_VK_VISIBLE_DEVICES=0 timeout ${VKCMP_TIMEOUT:-420} python3 benches/python/compare_llama_cpp_gpu.py \
+    GGML_VK_VISIBLE_DEVICES=0 timeout "$(tl ${VKCMP_TIMEOUT:-420})" python3 benches/python/compare_llama_cpp_gpu.py \
         --backend vulkan --no-build --build-dir /tmp/lcpp-vk --work /tmp/gpucmp --models ${VKCMP_MODELS:-1b,tiny} \
         --types ${VKCMP_TYPES:-f16,q4_0} -p ${VKCMP_P:-128} -n ${VKCMP_N:-64} --repeats ${VKCMP_R:-1} \
         --json "$out/vkcmp.json" >"$logs/vkcmp.txt" 2>"$logs/vkcmp.err"
-    say "gpu compare (vulkan): exit $?"; grep '^|' "$logs/vkcmp.txt" | tee -a "$summary"; tail -5 "$logs/vkcmp.err"
+    say "gpu compare (vulkan): exit $?"; grep -E '^[|{]' "$logs/vkcmp.txt" | tee -a "$summary"; tail -5 "$logs/vkcmp.err"
 fi
 if has qacc; then
     # Logits of llama-quantize files of every block type on each backend against float64.
-    [ -n "${lcpp_cuda_pid:-}" ] && wait "$lcpp_cuda_pid"
-    timeout ${QACC_TIMEOUT:-300} python3 benches/python/quant_accuracy.py --llama-quantize /tmp/lcpp-cuda/bin/llama-quantize \
+    [ -n "${lcpp_cuda_pid:-}" ] && wait_for "$lcpp_cuda_pid"
+    timeout "$(tl ${QACC_TIMEOUT:-300})" python3 benches/python/quant_accuracy.py --llama-quantize /tmp/lcpp-cuda/bin/llama-quantize \
         --backends ${QACC_BACKENDS:-cpu,cuda,vulkan} --json "$out/qacc.json" >"$logs/qacc.txt" 2>&1
     say "quant accuracy: exit $?"; grep '^|' "$logs/qacc.txt" | tee -a "$summary"; grep -v '^[|{]' "$logs/qacc.txt" | tail -5
 fi
 if has profile; then
-    timeout 400 python3 benches/profile/cuda_profile.py --models ${PROFILE_MODELS:-tiny,1b} -n ${PROFILE_N:-128} ${PROFILE_SETTINGS:+--settings $PROFILE_SETTINGS} \
+    timeout "$(tl 400)" python3 benches/profile/cuda_profile.py --models ${PROFILE_MODELS:-tiny,1b} -n ${PROFILE_N:-128} ${PROFILE_SETTINGS:+--settings $PROFILE_SETTINGS} \
         --json "$out/cuda-profile.json" >"$logs/cuda-profile.txt" 2>&1
     say "cuda profile: exit $?"; cat "$logs/cuda-profile.txt" | tail -12 | tee -a "$summary"
 fi
 if has attn; then
-    timeout 300 python3 benches/profile/attn_kernels.py --windows ${ATTN_WINDOWS:-72:40,172:100,172:8,2048:100} \
+    timeout "$(tl 300)" python3 benches/profile/attn_kernels.py --windows ${ATTN_WINDOWS:-72:40,172:100,172:8,2048:100} \
         >"$logs/attn-kernels.txt" 2>&1
     say "attention kernels: exit $?"; tee -a "$summary" <"$logs/attn-kernels.txt"
 fi
@@ -298,10 +319,10 @@ if has ab; then
     # Backend settings side by side in one process (benches/profile/variants_tg.py): AB_VARIANTS
     # is its --variant list (NAME or NAME=SETTING,...; space-separated), on AB_MODELS (built-in,
     # AB_DTYPE weights) and AB_FILES (GGUF paths, e.g. the gpucmp part's /tmp/gpucmp files).
-    [ -n "${lcpp_cuda_pid:-}" ] && wait "$lcpp_cuda_pid"
+    [ -n "${lcpp_cuda_pid:-}" ] && wait_for "$lcpp_cuda_pid"
     vargs=()
     for v in ${AB_VARIANTS:-typed generic=gemv_q_typed=0}; do vargs+=(--variant "$v"); done
-    timeout ${AB_TIMEOUT:-300} python3 benches/profile/variants_tg.py --backend ${AB_BACKEND:-cuda} \
+    timeout "$(tl ${AB_TIMEOUT:-300})" python3 benches/profile/variants_tg.py --backend ${AB_BACKEND:-cuda} \
         --models "${AB_MODELS-1b}" --dtype ${AB_DTYPE:-q4_0} --files "${AB_FILES:-}" "${vargs[@]}" \
         --rounds ${AB_ROUNDS:-3} -p ${AB_P:-512} -n ${AB_N:-128} --json "$out/ab.json" >"$logs/ab.txt" 2>&1
     say "settings side by side: exit $?"; grep '^|' "$logs/ab.txt" | tee -a "$summary"; tail -3 "$logs/ab.txt"
@@ -309,7 +330,7 @@ fi
 if has pftrace; then
     # Per-kernel device time of one prefill (PFTRACE_P tokens) per model and weight dtype.
     if cupti_lib; then
-        CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so timeout 400 python3 benches/profile/prefill_trace.py \
+        CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so timeout "$(tl 400)" python3 benches/profile/prefill_trace.py \
             --models ${PFTRACE_MODELS:-1b} --dtypes ${PFTRACE_DTYPES:-q4_0,f16} -p ${PFTRACE_P:-512} \
             --csv-dir "$logs" >"$logs/pftrace.txt" 2>&1
         say "prefill trace: exit $?"; tee -a "$summary" <"$logs/pftrace.txt" | tail -80
@@ -323,7 +344,7 @@ if has ktrace; then
         if [ -n "${KTRACE_VARIANTS:-}" ]; then
             vargs=()
             for v in $KTRACE_VARIANTS; do vargs+=(--variant "$v"); done
-            CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so timeout 500 \
+            CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so timeout "$(tl 500)" \
                 python3 benches/profile/kernel_trace.py --models ${KTRACE_MODELS:-1b} -n ${KTRACE_N:-64} \
                 --rounds ${KTRACE_ROUNDS:-3} "${vargs[@]}" ${KTRACE_ARGS:-} --csv-dir "$logs" \
                 >"$logs/ktrace-variants.txt" 2>&1
@@ -339,7 +360,7 @@ if has ktrace; then
             tag=$(echo "$envs" | tr ',=;' '___')
             vars=()
             [ "$envs" = default ] || IFS=';' read -r -a vars <<<"$envs"
-            env "${vars[@]}" CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so timeout 300 \
+            env "${vars[@]}" CUDA_INJECTION64_PATH=/tmp/libcupti_kernels.so timeout "$(tl 300)" \
                 python3 benches/profile/kernel_trace.py --models ${KTRACE_MODELS:-1b} -n ${KTRACE_N:-64} ${KTRACE_ARGS:-} \
                 --csv-dir "$logs" >"$logs/ktrace-$tag.txt" 2>&1
             say "kernel trace ($envs): exit $?"; tail -${KTRACE_TAIL:-75} "$logs/ktrace-$tag.txt" | tee -a "$summary"
@@ -354,7 +375,7 @@ if has nsys; then
     done
     say "nsys: ${nsys:-none with an importer} (all: $(find / -name nsys -type f 2>/dev/null | tr '\n' ' '))"
     if [ -n "$nsys" ]; then
-        timeout 300 "$nsys" profile -o /tmp/prof -f true --stats=false \
+        timeout "$(tl 300)" "$nsys" profile -o /tmp/prof -f true --stats=false \
             python3 benches/profile/cuda_profile.py --models 1b --settings eager+fused -n 32 >"$logs/nsys-run.txt" 2>&1
         "$nsys" stats -r cuda_gpu_kern_sum -f csv /tmp/prof.nsys-rep >"$logs/nsys-kern.csv" 2>"$logs/nsys-stats.err"
         say "nsys kernels (eager, fused; 1b): exit $?"; head -25 "$logs/nsys-kern.csv" | cut -c1-220 | tee -a "$summary"
@@ -366,7 +387,7 @@ if [[ " $parts " == *" ncu "* ]]; then
     if [ -n "$ncu" ]; then
         # One decode step's kernels (eager launches, so each is its own launch), skipping the
         # prompt and the first steps.
-        timeout 400 "$ncu" --csv --clock-control none --cache-control none --launch-skip ${NCU_SKIP:-3100} --launch-count ${NCU_COUNT:-298} \
+        timeout "$(tl 400)" "$ncu" --csv --clock-control none --cache-control none --launch-skip ${NCU_SKIP:-3100} --launch-count ${NCU_COUNT:-298} \
             --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum \
             python3 benches/profile/cuda_profile.py --models 1b --settings ${NCU_SETTING:-eager+fused} -n 16 --n-ctx 172 \
             >"$logs/ncu.csv" 2>"$logs/ncu.err"
@@ -378,7 +399,7 @@ if has ncudetail; then
     # Launch statistics, occupancy and stall reasons of chosen kernels (eager, fused, 1b).
     ncu=$(command -v ncu || find / -name ncu -type f -perm -u+x 2>/dev/null | head -1)
     if [ -n "$ncu" ]; then
-        timeout 400 "$ncu" --kernel-name "regex:${NCUD_KERNELS:-attn_decode|fused_gemv1}" --launch-skip ${NCUD_SKIP:-40} \
+        timeout "$(tl 400)" "$ncu" --kernel-name "regex:${NCUD_KERNELS:-attn_decode|fused_gemv1}" --launch-skip ${NCUD_SKIP:-40} \
             --launch-count ${NCUD_COUNT:-5} --section LaunchStats --section Occupancy --section WarpStateStats \
             --section SpeedOfLight --section MemoryWorkloadAnalysis \
             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
@@ -402,7 +423,7 @@ if has ncusource; then
         for kn in ${NCUS_KERNELS:-attn_decode}; do
           for sk in ${NCUS_SKIPS:-20}; do
             f="$logs/src-$kn-$sk"
-            timeout 300 "$ncu" -f -o "$f" --kernel-name "$kn" --launch-skip "$sk" --launch-count 1 \
+            timeout "$(tl 300)" "$ncu" -f -o "$f" --kernel-name "$kn" --launch-skip "$sk" --launch-count 1 \
                 --section SourceCounters --section WarpStateStats --section LaunchStats --import-source no \
                 python3 benches/profile/cuda_profile.py --models 1b --settings eager+fused -n 16 --n-ctx 172 \
                 ${NCU_PROFILE_ARGS:-} >"$f.txt" 2>&1
@@ -416,12 +437,12 @@ if has ncusource; then
     fi
 fi
 if has gemvspeed; then
-    LOWSYNC_REQUIRE_CUDA=1 timeout 200 .carry/cuda-tests/gemv_speed --ignored --nocapture --test-threads=1 \
+    LOWSYNC_REQUIRE_CUDA=1 timeout "$(tl 200)" .carry/cuda-tests/gemv_speed --ignored --nocapture --test-threads=1 \
         >"$logs/gemv-speed.txt" 2>&1
     say "gemv speed: exit $?"; grep -E "GB/s|panicked" "$logs/gemv-speed.txt" | tee -a "$summary"
 fi
 if has torch; then
-    timeout ${TORCH_TIMEOUT:-550} python3 benches/python/compare_torch.py --models ${TORCH_MODELS:-tiny,1b} --json "$out/compare-torch-${TORCH_MODELS:-all}.json" \
+    timeout "$(tl ${TORCH_TIMEOUT:-550})" python3 benches/python/compare_torch.py --models ${TORCH_MODELS:-tiny,1b} --json "$out/compare-torch-${TORCH_MODELS:-all}.json" \
         >"$logs/compare-torch.txt" 2>"$logs/compare-torch.err"
     say "compare torch: exit $?"; tee -a "$summary" <"$logs/compare-torch.txt"; tail -5 "$logs/compare-torch.err"
 fi
