@@ -456,3 +456,12 @@ def test_nvrtc_precompile_names_cubins_as_the_backend_does() -> None:
     gemv = (CUDA_CRATE / "src" / "fusion" / "gemv.cu").read_text()
     assert mods["fused_gemv"] == f"{common}\n{quant_h}\n{gemv}"
     assert mods["norm"] == f"{common}\n" + (CUDA_CRATE / "kernels" / "norm.cu").read_text()
+    # The per-type modules: once per block type, with the option kernels.rs adds (its unit test
+    # asserts the same options and the `quant-qt4-sm_90-` file name).
+    units = {label: (src, opts) for label, src, opts in pre.units("sm_90")}
+    typed = [label for label in units if label.startswith("quant")]
+    assert typed == [f"quant-qt{q}" for q in range(4, 16)]
+    assert units["quant-qt4"] == (mods["quant"], ["--gpu-architecture=sm_90", "-DLOWSYNC_QT=4"])
+    assert units["norm"] == (mods["norm"], ["--gpu-architecture=sm_90"])
+    assert "quant" not in units
+    assert len(units) == len(mods) - 1 + 12

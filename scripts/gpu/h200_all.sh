@@ -9,7 +9,7 @@
 # `scripts/gpu/make_carry.sh` makes all of these on the CPU machine.
 # Output: $OUT/summary.txt (what a closing note quotes) and $OUT/logs.tar.gz (everything).
 #
-#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [bench] [compare] [llamacpp] [vkcmp] [rebar] [attn] [ktrace] [ab] [torch] ...
+#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [coldstart] [bench] [compare] [llamacpp] [vkcmp] [rebar] [attn] [ktrace] [ab] [torch] ...
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -135,6 +135,22 @@ has cuda && LOWSYNC_REQUIRE_CUDA=1 XDG_CACHE_HOME=$(mktemp -d) run_suite cuda "$
 # No validation layer on the GPU machine: the tests would otherwise refuse to start.
 has vulkan && LOWSYNC_REQUIRE_VULKAN=1 LOWSYNC_VK_VALIDATION=${LOWSYNC_VK_VALIDATION:-0} run_suite vulkan .carry/vulkan-tests
 
+if has coldstart; then
+    # The first CUDA open on a bare machine: every kernel module compiled by NVRTC, none cached.
+    # Once per wheel of COLD_WHEELS (default: the carried one), each with its own empty cache;
+    # then a second open in the same process (the cubins it kept).
+    i=0
+    for w in ${COLD_WHEELS:-.carry/wheels/lowsync-*.whl}; do
+        i=$((i + 1))
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/cold-$i" "$w" >/dev/null 2>&1
+        cache=$(mktemp -d)
+        XDG_CACHE_HOME=$cache PYTHONPATH=/tmp/cold-$i timeout "$(tl 400)" python3 -c 'import time, lowsync as ls
+t = time.perf_counter(); ls.Context(["cuda"]); a = time.perf_counter() - t
+t = time.perf_counter(); ls.Context(["cuda"]); b = time.perf_counter() - t
+print(f"first open {a:.1f} s, second {b:.2f} s")' >"$logs/cold-$i.txt" 2>&1
+        say "cold start $w: exit $? $(tail -1 "$logs/cold-$i.txt"); $(ls "$cache/lowsync/cuda" 2>/dev/null | wc -l) cubins cached"
+    done
+fi
 if has bench; then
     for m in tiny 1b; do
         if [ $m = tiny ]; then bk=${BENCH_TINY_BACKENDS:-cuda,vulkan}; else bk=${BENCH_1B_BACKENDS:-cuda,vulkan}; fi

@@ -3,8 +3,10 @@ names them, so a fresh GPU machine loads them instead of compiling.
 
 Why: NVRTC compiles each module on its first use and the quantized modules take minutes of one
 core; a GPU machine that starts bare pays that on every start. The cache file name is
-`{module}-{arch}-{key:016x}.cubin` with `key` the FNV-1a hash `kernels.rs` computes over the
-module's full source and its options; any NVRTC 13 writes a cubin the driver loads.
+`{module}-{arch}-{key:016x}.cubin` (`{module}-qt{code}-...` for a module of `PER_BLOCK_TYPE`,
+compiled once per block type with `-DLOWSYNC_QT={code}`), with `key` the FNV-1a hash
+`kernels.rs` computes over the module's full source and its options; any NVRTC 13 writes a
+cubin the driver loads.
 
 Strategy: read the module list from `crates/backend-cuda/src/kernels.rs` (each module is
 `common.cuh` + its `include_str!` parts joined by newlines), hash as `kernels::fnv1a` does, and
@@ -40,7 +42,8 @@ def fnv1a(parts: list[bytes]) -> int:
 
 
 def modules() -> dict[str, str]:
-    """name -> full source (common.cuh, a newline, the module's parts) as kernels.rs builds it."""
+    """name -> full source (common.cuh, a newline, the module's parts) as kernels.rs builds it;
+    the modules compiled per block type appear once here (`units` expands them)."""
     text = (SRC / "kernels.rs").read_text()
     common = (SRC / re.search(r'COMMON: &str = include_str!\("([^"]+)"\)', text)[1]).read_text()
     block = text[text.index("const MODULES") :]
@@ -57,7 +60,30 @@ def modules() -> dict[str, str]:
     return out
 
 
-def compile_one(name: str, src: str, arch: str, dest: Path) -> str:
+def per_type() -> tuple[list[str], list[int]]:
+    """kernels.rs's `PER_BLOCK_TYPE` module names and `BLOCK_TYPES` codes."""
+    text = (SRC / "kernels.rs").read_text()
+    names = re.search(r"const PER_BLOCK_TYPE: &\[&str\] = &\[([^\]]*)\];", text)
+    codes = re.search(r"const BLOCK_TYPES: \[i32; \d+\] = \[([^\]]*)\];", text)
+    if not names or not codes:
+        sys.exit("PER_BLOCK_TYPE or BLOCK_TYPES not found in kernels.rs")
+    return re.findall(r'"(\w+)"', names[1]), [int(c) for c in codes[1].split(",") if c.strip()]
+
+
+def units(arch: str) -> list[tuple[str, str, list[str]]]:
+    """(label, full source, NVRTC options) of every module as kernels.rs compiles it."""
+    typed, codes = per_type()
+    out = []
+    for name, src in modules().items():
+        base = [f"--gpu-architecture={arch}"]
+        if name in typed:
+            out += [(f"{name}-qt{q}", src, [*base, f"-DLOWSYNC_QT={q}"]) for q in codes]
+        else:
+            out.append((name, src, base))
+    return out
+
+
+def compile_one(name: str, src: str, options: list[str], dest: Path) -> str:
     nvrtc = ctypes.CDLL("libnvrtc.so.13")
     prog = ctypes.c_void_p()
     ck = lambda r, what: r == 0 or sys.exit(f"{name}: {what} failed ({r})")  # noqa: E731
@@ -65,9 +91,8 @@ def compile_one(name: str, src: str, arch: str, dest: Path) -> str:
         ctypes.byref(prog), src.encode(), f"{name}.cu".encode(), 0, None, None
     )
     ck(created, "create")
-    opt = f"--gpu-architecture={arch}".encode()
-    opts = (ctypes.c_char_p * 1)(opt)
-    if nvrtc.nvrtcCompileProgram(prog, 1, opts) != 0:
+    opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+    if nvrtc.nvrtcCompileProgram(prog, len(options), opts) != 0:
         n = ctypes.c_size_t()
         nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
         log = ctypes.create_string_buffer(n.value)
@@ -90,15 +115,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     only = {m for m in args.only.split(",") if m}
     jobs = []
-    for name, src in modules().items():
-        if only and name not in only:
+    for label, src, options in units(args.arch):
+        if only and label.split("-qt")[0] not in only:
             continue
-        key = fnv1a([src.encode(), f"--gpu-architecture={args.arch}".encode()])
-        dest = args.out / f"{name}-{args.arch}-{key:016x}.cubin"
+        key = fnv1a([src.encode(), "".join(options).encode()])
+        dest = args.out / f"{label}-{args.arch}-{key:016x}.cubin"
         if dest.is_file():
             print(f"{dest.name}: present")
             continue
-        jobs.append((name, src, args.arch, dest))
+        jobs.append((label, src, options, dest))
     with ProcessPoolExecutor() as pool:
         for line in pool.map(compile_one, *zip(*jobs, strict=True)) if jobs else []:
             print(line, flush=True)

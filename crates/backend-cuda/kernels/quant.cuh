@@ -180,6 +180,17 @@ __device__ __forceinline__ void dq16(const u8* b, int c, float* v) {
         const int QTV = Q; \
         __VA_ARGS__;       \
     } break;
+// A module compiled with `-DLOWSYNC_QT=code` holds its kernels for that one block type only
+// (kernels.rs compiles the `quant` module once per type, so the types compile in parallel and a
+// model's first run waits for the slowest one, not for their sum): the switch then has one case
+// and any other code does nothing, as an unknown code does.
+#ifdef LOWSYNC_QT
+#define QUANT_SWITCH(qt, ...)                \
+    switch (qt) {                            \
+        QUANT_CASE(LOWSYNC_QT, __VA_ARGS__)  \
+        default: break;                      \
+    }
+#else
 #define QUANT_SWITCH(qt, ...)                \
     switch (qt) {                            \
         QUANT_CASE(DT_Q4_0, __VA_ARGS__)     \
@@ -196,6 +207,7 @@ __device__ __forceinline__ void dq16(const u8* b, int c, float* v) {
         QUANT_CASE(DT_IQ4_XS, __VA_ARGS__)   \
         default: break;                      \
     }
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Integer products for decode: activations as 16-bit integer blocks ("q16"), weights as their

@@ -5,11 +5,12 @@
 //! kept on disk so the next process skips NVRTC entirely.
 //!
 //! Strategy: each `kernels/*.cu` file, and each fused family's `src/fusion/*.cu` beside its
-//! launcher (with the shared `kernels/common.cuh` prepended), is one module, compiled on the
-//! first launch of any of its kernels. The cubin is cached under
-//! `$XDG_CACHE_HOME/lowsync/cuda` (or `~/.cache/lowsync/cuda`), keyed by a hash of source,
-//! architecture and options; a cache file that fails to load is recompiled and replaced.
-//! Cache I/O failures are ignored (the cache is an optimisation).
+//! launcher (with the shared `kernels/common.cuh` prepended), is one module; the modules of
+//! `PER_BLOCK_TYPE` are compiled once per GGUF block type. The backend loads every module
+//! when it opens (`Modules::preload`), compiling the ones no cache holds on several threads at
+//! once. The cubin is cached under `$XDG_CACHE_HOME/lowsync/cuda` (or `~/.cache/lowsync/cuda`),
+//! keyed by a hash of source, architecture and options; a cache file that fails to load is
+//! recompiled and replaced. Cache I/O failures are ignored (the cache is an optimisation).
 //!
 //! Invariant: modules stay loaded until the backend drops, so function handles never dangle.
 
@@ -64,6 +65,21 @@ const MODULES: &[(&str, &str)] = &[
     ("fused_rope_rows", include_str!("fusion/rope_rows.cu")),
     ("fused_attention", include_str!("fusion/attention.cu")),
 ];
+
+/// Modules compiled once per GGUF block type, with `-DLOWSYNC_QT=<code>`: quant.cuh's
+/// `QUANT_SWITCH` then expands that one type. Why: NVRTC took 116 s for `quant` with all twelve
+/// types in one module against about 4 s per type (its time grows faster than the cases), and
+/// the types compile side by side.
+const PER_BLOCK_TYPE: &[&str] = &["quant"];
+
+/// quant.cuh's block type codes (`DT_Q4_0` ... `DT_IQ4_XS`), as `exec::launch::qt` gives them.
+pub(crate) const BLOCK_TYPES: [i32; 12] = [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15];
+
+/// Compile threads at most: NVRTC holds a few hundred MB per large module.
+const COMPILE_THREADS: usize = 8;
+
+/// One module as loaded: its name and, for the modules of `PER_BLOCK_TYPE`, the block type.
+type ModuleId = (&'static str, Option<i32>);
 
 /// A kernel: its module and its `extern "C"` name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -132,21 +148,22 @@ pub(crate) enum Kernel {
     Penalize,
     /// The sampler's draw (`Op::Sample`), one block per row.
     Sample,
-    /// `GetRows` of a quantized table (`get_rows_q`).
-    GetRowsQ,
+    /// `GetRows` of a quantized table (`get_rows_q`). The `quant` module's kernels carry the
+    /// block type code of their weights (one module per type).
+    GetRowsQ(i32),
     /// Decode's product on a quantized weight, one row of a per pass ...
-    MulMatVecQ,
+    MulMatVecQ(i32),
     /// ... and eight (`mul_mat_vec_q8`).
-    MulMatVecQ8,
+    MulMatVecQ8(i32),
     /// Decode's head on a quantized weight with its argmax folded in.
-    MulMatVecQArgmax,
+    MulMatVecQArgmax(i32),
     /// A quantized weight dequantized to f16 rows for cuBLAS (`dequant_rows`).
-    DequantRows,
+    DequantRows(i32),
 }
 
 impl Kernel {
-    /// Every kernel.
-    pub(crate) const ALL: [Kernel; 55] = [
+    /// Every kernel but the `quant` module's (`Kernel::all` adds them, per block type).
+    const PLAIN: [Kernel; 50] = [
         Kernel::EwUnary,
         Kernel::SmallCopy,
         Kernel::CopyBatch,
@@ -197,12 +214,22 @@ impl Kernel {
         Kernel::FusedGemv1Q4KQ6K,
         Kernel::Penalize,
         Kernel::Sample,
-        Kernel::GetRowsQ,
-        Kernel::MulMatVecQ,
-        Kernel::MulMatVecQ8,
-        Kernel::MulMatVecQArgmax,
-        Kernel::DequantRows,
     ];
+
+    /// Every kernel: `PLAIN`, then the `quant` module's for each block type.
+    pub(crate) fn all() -> impl Iterator<Item = Kernel> {
+        Self::PLAIN
+            .into_iter()
+            .chain(BLOCK_TYPES.into_iter().flat_map(|q| {
+                [
+                    Kernel::GetRowsQ(q),
+                    Kernel::MulMatVecQ(q),
+                    Kernel::MulMatVecQ8(q),
+                    Kernel::MulMatVecQArgmax(q),
+                    Kernel::DequantRows(q),
+                ]
+            }))
+    }
 
     /// The streamed products' own entry points, whose blocks may ask for more than the
     /// default 48 KB of shared memory (`stream_pad`) ...
@@ -265,8 +292,9 @@ impl Kernel {
         }
     }
 
-    fn module(self) -> &'static str {
-        match self {
+    /// The module holding this kernel, and its block type where the module is compiled per type.
+    fn module(self) -> ModuleId {
+        let name = match self {
             Kernel::EwUnary
             | Kernel::EwBinary
             | Kernel::CopyStrided
@@ -312,12 +340,13 @@ impl Kernel {
             | Kernel::AttnSplit
             | Kernel::AttnPrefill => "fused_attention",
             Kernel::Penalize | Kernel::Sample => "sample",
-            Kernel::GetRowsQ
-            | Kernel::MulMatVecQ
-            | Kernel::MulMatVecQ8
-            | Kernel::MulMatVecQArgmax
-            | Kernel::DequantRows => "quant",
-        }
+            Kernel::GetRowsQ(q)
+            | Kernel::MulMatVecQ(q)
+            | Kernel::MulMatVecQ8(q)
+            | Kernel::MulMatVecQArgmax(q)
+            | Kernel::DequantRows(q) => return ("quant", Some(q)),
+        };
+        (name, None)
     }
 
     fn symbol(self) -> &'static str {
@@ -372,11 +401,11 @@ impl Kernel {
             Kernel::FusedGemv1S32 => "fused_gemv1_s32",
             Kernel::Penalize => "penalize",
             Kernel::Sample => "sample",
-            Kernel::GetRowsQ => "get_rows_q",
-            Kernel::MulMatVecQ => "mul_mat_vec_q",
-            Kernel::MulMatVecQ8 => "mul_mat_vec_q8",
-            Kernel::MulMatVecQArgmax => "mul_mat_vec_q_argmax",
-            Kernel::DequantRows => "dequant_rows",
+            Kernel::GetRowsQ(_) => "get_rows_q",
+            Kernel::MulMatVecQ(_) => "mul_mat_vec_q",
+            Kernel::MulMatVecQ8(_) => "mul_mat_vec_q8",
+            Kernel::MulMatVecQArgmax(_) => "mul_mat_vec_q_argmax",
+            Kernel::DequantRows(_) => "dequant_rows",
         }
     }
 }
@@ -389,7 +418,7 @@ unsafe impl Send for Module {}
 pub(crate) struct Modules {
     arch: String,
     max_shared: usize,
-    loaded: Mutex<HashMap<&'static str, Module>>,
+    loaded: Mutex<HashMap<ModuleId, Module>>,
     funcs: Mutex<HashMap<Kernel, CuFunction>>,
 }
 
@@ -408,11 +437,72 @@ impl Modules {
     /// Loads every module and resolves every kernel now. Module loading (and, under CUDA's
     /// lazy loading, resolving a function) may synchronize the context, so it must not happen
     /// while work is queued — behind a closed test gate it would never return, and during a
-    /// step it would be a hidden host wait. The backend calls this when it opens.
+    /// step it would be a hidden host wait. The backend calls this when it opens; the modules
+    /// no cache holds are compiled first, side by side (`compile_missing`).
     pub(crate) fn preload(&self) -> Result<(), String> {
-        Kernel::ALL
+        self.compile_missing()?;
+        Kernel::all().try_for_each(|k| self.get(k).map(|_| ()))
+    }
+
+    /// Compiles every module that neither this process nor the disk cache holds, on up to
+    /// `COMPILE_THREADS` threads (NVRTC compiles separate programs concurrently), largest
+    /// source first, and keeps the cubins as `load` would. A bare machine's first open then
+    /// waits for the slowest module instead of the sum of all of them.
+    fn compile_missing(&self) -> Result<(), String> {
+        let mut ids: Vec<ModuleId> = Kernel::all().map(Kernel::module).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let mut jobs = Vec::new();
+        for id in ids {
+            let unit = self.unit(id)?;
+            let held = CUBINS.lock().contains_key(&unit.file)
+                || unit.path.as_ref().is_some_and(|p| p.is_file());
+            if !held {
+                jobs.push(unit);
+            }
+        }
+        if jobs.is_empty() {
+            return Ok(());
+        }
+        for (u, bin) in jobs.iter().zip(compile_all(&jobs)) {
+            let bin = bin?;
+            if let Some(p) = &u.path {
+                store(p, &bin);
+            }
+            CUBINS.lock().insert(u.file.clone(), Arc::new(bin));
+        }
+        Ok(())
+    }
+
+    /// What compiling module `id` takes: its full source, NVRTC options and cache file.
+    fn unit(&self, (name, qt): ModuleId) -> Result<Unit, String> {
+        let src = MODULES
             .iter()
-            .try_for_each(|&k| self.get(k).map(|_| ()))
+            .find(|(n, _)| *n == name)
+            .map(|(_, s)| format!("{COMMON}\n{s}"))
+            .ok_or_else(|| format!("no kernel module {name}"))?;
+        if qt.is_some() != PER_BLOCK_TYPE.contains(&name) {
+            return Err(format!(
+                "kernel module {name} asked for with block type {qt:?}"
+            ));
+        }
+        let mut options = vec![format!("--gpu-architecture={}", self.arch)];
+        let mut label = name.to_string();
+        if let Some(q) = qt {
+            options.push(format!("-DLOWSYNC_QT={q}"));
+            label = format!("{name}-qt{q}");
+        }
+        let key = fnv1a(&[src.as_bytes(), options.concat().as_bytes()]);
+        let file = format!("{label}-{}-{key:016x}.cubin", self.arch);
+        let path = cache_dir().map(|d| d.join(&file));
+        Ok(Unit {
+            label,
+            per_type: qt.is_some(),
+            src,
+            options,
+            file,
+            path,
+        })
     }
 
     /// The kernel's function handle, compiling and loading its module on first use. The
@@ -422,16 +512,15 @@ impl Modules {
             return Ok(*f);
         }
         let mut loaded = self.loaded.lock();
-        let name = k.module();
-        if !loaded.contains_key(name) {
-            let m = self.load(name)?;
-            loaded.insert(name, m);
+        let id = k.module();
+        if let std::collections::hash_map::Entry::Vacant(e) = loaded.entry(id) {
+            e.insert(self.load(id)?);
         }
-        let module = loaded[name].0;
+        let module = loaded[&id].0;
         let sym = CString::new(k.symbol()).map_err(|e| e.to_string())?;
         // SAFETY: the module is loaded and stays loaded while `self` lives.
         let f = unsafe { result::module::get_function(module, sym) }
-            .map_err(|e| format!("kernel {} not found in module {name}: {e:?}", k.symbol()))?;
+            .map_err(|e| format!("kernel {} not found in module {}: {e:?}", k.symbol(), id.0))?;
         if Kernel::STREAMED.contains(&k) {
             // Streamed blocks ask for more than the default 48 KB of shared memory when padded
             // (`CudaConfig::stream_pad_kb`); this raises their limit to the device's, less the
@@ -457,28 +546,27 @@ impl Modules {
         Ok(CuFunction(f))
     }
 
-    fn load(&self, name: &str) -> Result<Module, String> {
-        let src = MODULES
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, s)| format!("{COMMON}\n{s}"))
-            .ok_or_else(|| format!("no kernel module {name}"))?;
-        let options = vec![format!("--gpu-architecture={}", self.arch)];
-        let key = fnv1a(&[src.as_bytes(), options.concat().as_bytes()]);
-        let file = format!("{name}-{}-{key:016x}.cubin", self.arch);
+    fn load(&self, id: ModuleId) -> Result<Module, String> {
+        let Unit {
+            label,
+            per_type: _,
+            src,
+            options,
+            file,
+            path,
+        } = self.unit(id)?;
         if let Some(bin) = CUBINS.lock().get(&file).cloned() {
             if let Ok(m) = load_cubin(&bin) {
                 return Ok(m);
             }
         }
-        let path = cache_dir().map(|d| d.join(&file));
         if let Some(bin) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {
             if let Ok(m) = load_cubin(&bin) {
                 CUBINS.lock().insert(file, Arc::new(bin));
                 return Ok(m);
             }
         }
-        let bin = compile(name, &src, &options)?;
+        let bin = compile(&label, &src, &options)?;
         let m = load_cubin(&bin)?;
         if let Some(p) = path {
             store(&p, &bin);
@@ -486,6 +574,49 @@ impl Modules {
         CUBINS.lock().insert(file, Arc::new(bin));
         Ok(m)
     }
+}
+
+/// A cubin, or why NVRTC made none.
+type Compiled = Result<Vec<u8>, String>;
+
+/// Compiles `units` on up to `COMPILE_THREADS` threads (NVRTC compiles separate programs
+/// concurrently), each thread taking the next unit, the whole modules first by source length
+/// and the per-type ones (a few seconds each) last; the results in `units`' order.
+fn compile_all(units: &[Unit]) -> Vec<Compiled> {
+    let mut order: Vec<usize> = (0..units.len()).collect();
+    order.sort_by_key(|&i| (units[i].per_type, std::cmp::Reverse(units[i].src.len())));
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, COMPILE_THREADS)
+        .min(units.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    // (unit index, its cubin or NVRTC's error)
+    let done: Mutex<Vec<(usize, Compiled)>> = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(&i) = order.get(n) else { break };
+                let u = &units[i];
+                let bin = compile(&u.label, &u.src, &u.options);
+                done.lock().push((i, bin));
+            });
+        }
+    });
+    let mut done = done.into_inner();
+    done.sort_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, bin)| bin).collect()
+}
+
+/// A module to compile: its name in logs (`quant-qt4` for a per-type one), full source, NVRTC
+/// options, cache file name and path.
+struct Unit {
+    label: String,
+    per_type: bool,
+    src: String,
+    options: Vec<String>,
+    file: String,
+    path: Option<PathBuf>,
 }
 
 impl Drop for Modules {
@@ -596,38 +727,85 @@ mod tests {
 
     #[test]
     fn every_kernel_names_a_module_and_symbol_that_exist() {
-        for k in Kernel::ALL {
+        for k in Kernel::all() {
+            let (name, _) = k.module();
             let (_, src) = MODULES
                 .iter()
-                .find(|(n, _)| *n == k.module())
+                .find(|(n, _)| *n == name)
                 .expect("module exists");
             let call = format!(" {}(", k.symbol());
             assert!(
                 src.lines()
                     .any(|l| l.contains("__global__ void") && l.contains(&call)),
-                "a __global__ kernel `{}` in {}",
+                "a __global__ kernel `{}` in {name}",
                 k.symbol(),
-                k.module()
             );
         }
+    }
+
+    #[test]
+    fn per_type_modules_are_asked_for_with_every_block_type_and_others_without() {
+        let modules = Modules::new(9, 0, 0);
+        let mut ids: Vec<ModuleId> = Kernel::all().map(Kernel::module).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        for (name, _) in MODULES {
+            let types: Vec<Option<i32>> = ids
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, q)| *q)
+                .collect();
+            if PER_BLOCK_TYPE.contains(name) {
+                assert_eq!(types, BLOCK_TYPES.map(Some).to_vec(), "{name}");
+            } else {
+                assert_eq!(types, vec![None], "{name}");
+            }
+        }
+        // A per-type module's unit names its type in the options and the cache file; the
+        // types' keys differ, and a module asked for the wrong way is an error, not a panic.
+        let q4_0 = modules.unit(("quant", Some(4))).unwrap();
+        let q8_0 = modules.unit(("quant", Some(8))).unwrap();
+        assert_eq!(q4_0.options, ["--gpu-architecture=sm_90", "-DLOWSYNC_QT=4"]);
+        assert!(q4_0.file.starts_with("quant-qt4-sm_90-"), "{}", q4_0.file);
+        assert_ne!(q4_0.file, q8_0.file.replace("qt8", "qt4"));
+        let plain = modules.unit(("norm", None)).unwrap();
+        assert_eq!(plain.options, ["--gpu-architecture=sm_90"]);
+        assert!(plain.file.starts_with("norm-sm_90-"), "{}", plain.file);
+        assert!(modules.unit(("quant", None)).is_err());
+        assert!(modules.unit(("norm", Some(4))).is_err());
+        assert!(modules.unit(("nope", None)).is_err());
     }
 
     /// Compiles every module for sm_90 where libnvrtc is installed (the GPU machine; here with
     /// the `nvidia-cuda-nvrtc` wheel on LD_LIBRARY_PATH), so a CUDA C error shows up as a
     /// failing unit test with NVRTC's log instead of at a backend's first open. Ignored
     /// (reported as skipped, with the reason) unless asked for; asked for without libnvrtc, it
-    /// fails.
+    /// fails. The per-type modules compile once per block type, as `preload` compiles them.
     #[test]
     #[ignore = "needs libnvrtc (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
     fn every_module_compiles_with_nvrtc_where_it_is_installed() {
         if let Err(why) = crate::probe::nvrtc() {
             panic!("the NVRTC compile test needs libnvrtc, and it does not load here: {why}");
         }
-        let options = ["--gpu-architecture=sm_90".to_string()];
-        for (name, src) in MODULES {
-            let full = format!("{COMMON}\n{src}");
-            let bin = compile(name, &full, &options).unwrap_or_else(|e| panic!("{e}"));
-            assert!(!bin.is_empty(), "{name}: empty cubin");
+        let modules = Modules::new(9, 0, 0);
+        let mut ids: Vec<ModuleId> = Kernel::all().map(Kernel::module).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let units: Vec<Unit> = ids
+            .into_iter()
+            .map(|id| modules.unit(id).unwrap())
+            .collect();
+        let start = std::time::Instant::now();
+        let bins = compile_all(&units);
+        eprintln!(
+            "{} modules compiled in {:.1} s",
+            units.len(),
+            start.elapsed().as_secs_f64()
+        );
+        assert_eq!(bins.len(), units.len());
+        for (u, bin) in units.iter().zip(bins) {
+            let bin = bin.unwrap_or_else(|e| panic!("{e}"));
+            assert!(!bin.is_empty(), "{}: empty cubin", u.label);
         }
     }
 

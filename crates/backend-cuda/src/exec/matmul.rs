@@ -503,7 +503,7 @@ fn dequant_b(ex: &Exec<'_>, node: &ExecNode, b: &Dev, ptr: u64) -> Result<Dev> {
         .arg(code);
     ex.launch(
         node,
-        Kernel::DequantRows,
+        Kernel::DequantRows(code),
         grid_for(rows * k / 16),
         BLOCK,
         args,
@@ -837,10 +837,11 @@ pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Re
     } else if one_q {
         // A quantized head: `mul_mat_vec_q` with the argmax folded in.
         let (grid, args) = vec_q_args(ex, mm, &plan, &dst, &a, &b)?;
+        let code = qt(b.dtype).ok_or_else(|| kernel_err(mm, "the head's b is not quantized"))?;
         let (shared, qm) = vec_q_int(ex, &plan);
         ex.launch_shared(
             mm,
-            Kernel::MulMatVecQArgmax,
+            Kernel::MulMatVecQArgmax(code),
             grid,
             (MVQ_WARPS * 32) as u32,
             shared as u32,
@@ -898,15 +899,13 @@ fn run_vec_q(
     regions: &[u64],
 ) -> Result<()> {
     let a = a_for_kernel(ex, node, plan, a, regions)?;
-    let kernel = if plan.m == 1 {
-        Kernel::MulMatVecQ
-    } else {
-        Kernel::MulMatVecQ8
-    };
+    let code = qt(b.dtype).ok_or_else(|| kernel_err(node, "run_vec_q: b is not quantized"))?;
     let (grid, args) = vec_q_args(ex, node, plan, dst, &a, b)?;
-    if kernel == Kernel::MulMatVecQ8 {
+    if plan.m != 1 {
+        let kernel = Kernel::MulMatVecQ8(code);
         return ex.launch(node, kernel, grid, (MVQ_WARPS * 32) as u32, args);
     }
+    let kernel = Kernel::MulMatVecQ(code);
     let (shared, qm) = vec_q_int(ex, plan);
     ex.launch_shared(
         node,

@@ -261,7 +261,13 @@ impl Exec<'_> {
                 .arg(ids.ptr)
                 .arg(self.inner.err_word.dev())
                 .arg(tag);
-            return self.launch(node, Kernel::GetRowsQ, grid_for(rows * d / 16), BLOCK, args);
+            return self.launch(
+                node,
+                Kernel::GetRowsQ(code),
+                grid_for(rows * d / 16),
+                BLOCK,
+                args,
+            );
         }
         let args = Args::new()
             .arg(rows as i64)
