@@ -138,12 +138,14 @@ has vulkan && LOWSYNC_REQUIRE_VULKAN=1 LOWSYNC_VK_VALIDATION=${LOWSYNC_VK_VALIDA
 if has coldstart; then
     # The first CUDA open on a bare machine: every kernel module compiled by NVRTC, none cached.
     # Once per wheel of COLD_WHEELS (default: the carried one), each with its own empty cache;
-    # then a second open in the same process (the cubins it kept).
+    # then a second open in the same process (the cubins it kept). Wheel i stays installed in
+    # /tmp/cold-i with its cache in /tmp/cold-i-cache, for later commands of the call.
     i=0
     for w in ${COLD_WHEELS:-.carry/wheels/lowsync-*.whl}; do
         i=$((i + 1))
         python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/cold-$i" "$w" >/dev/null 2>&1
-        cache=$(mktemp -d)
+        cache=/tmp/cold-$i-cache
+        rm -rf "$cache" && mkdir -p "$cache"
         XDG_CACHE_HOME=$cache PYTHONPATH=/tmp/cold-$i timeout "$(tl 400)" python3 -c 'import time, lowsync as ls
 t = time.perf_counter(); ls.Context(["cuda"]); a = time.perf_counter() - t
 t = time.perf_counter(); ls.Context(["cuda"]); b = time.perf_counter() - t
