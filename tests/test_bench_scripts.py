@@ -447,7 +447,8 @@ def test_nvrtc_precompile_names_cubins_as_the_backend_does() -> None:
     assert pre.fnv1a([b"ab", b"c"]) == 0x20BA9B3025A8B421
     assert pre.fnv1a([b"a", b"bc"]) != pre.fnv1a([b"ab", b"c"])
     rs = (CUDA_CRATE / "src" / "kernels.rs").read_text()
-    listed = re.findall(r'^\s*\(\s*"(\w+)",', rs[rs.index("const MODULES") :], re.M)
+    block = rs[rs.index("const MODULES") :]
+    listed = re.findall(r'^\s*\(\s*"(\w+)",', block[: block.index("\n];")], re.M)
     mods = pre.modules()
     assert sorted(mods) == sorted(listed)
     assert {"quant", "fused_gemv", "fused_attention"} <= set(mods)
@@ -463,5 +464,11 @@ def test_nvrtc_precompile_names_cubins_as_the_backend_does() -> None:
     assert typed == [f"quant-qt{q}" for q in range(4, 16)]
     assert units["quant-qt4"] == (mods["quant"], ["--gpu-architecture=sm_90", "-DLOWSYNC_QT=4"])
     assert units["norm"] == (mods["norm"], ["--gpu-architecture=sm_90"])
+    parted = [label for label in units if label.startswith("fused_gemv")]
+    assert parted == [f"fused_gemv-part{p}" for p in range(1, 6)]
+    assert units["fused_attention-part4"] == (
+        mods["fused_attention"],
+        ["--gpu-architecture=sm_90", "-DLOWSYNC_PART=4"],
+    )
     assert "quant" not in units
-    assert len(units) == len(mods) - 1 + 12
+    assert len(units) == len(mods) - 3 + 12 + 5 + 4

@@ -4,7 +4,8 @@ names them, so a fresh GPU machine loads them instead of compiling.
 Why: NVRTC compiles each module on its first use and the quantized modules take minutes of one
 core; a GPU machine that starts bare pays that on every start. The cache file name is
 `{module}-{arch}-{key:016x}.cubin` (`{module}-qt{code}-...` for a module of `PER_BLOCK_TYPE`,
-compiled once per block type with `-DLOWSYNC_QT={code}`), with `key` the FNV-1a hash
+compiled once per block type with `-DLOWSYNC_QT={code}`, and `{module}-part{n}-...` for one
+of `PARTS`, compiled in parts with `-DLOWSYNC_PART={n}`), with `key` the FNV-1a hash
 `kernels.rs` computes over the module's full source and its options; any NVRTC 13 writes a
 cubin the driver loads.
 
@@ -60,24 +61,32 @@ def modules() -> dict[str, str]:
     return out
 
 
-def per_type() -> tuple[list[str], list[int]]:
-    """kernels.rs's `PER_BLOCK_TYPE` module names and `BLOCK_TYPES` codes."""
+def builds() -> tuple[list[str], list[int], dict[str, int]]:
+    """kernels.rs's `PER_BLOCK_TYPE` module names, `BLOCK_TYPES` codes and `PARTS`."""
     text = (SRC / "kernels.rs").read_text()
     names = re.search(r"const PER_BLOCK_TYPE: &\[&str\] = &\[([^\]]*)\];", text)
     codes = re.search(r"const BLOCK_TYPES: \[i32; \d+\] = \[([^\]]*)\];", text)
-    if not names or not codes:
-        sys.exit("PER_BLOCK_TYPE or BLOCK_TYPES not found in kernels.rs")
-    return re.findall(r'"(\w+)"', names[1]), [int(c) for c in codes[1].split(",") if c.strip()]
+    parts = re.search(r"const PARTS: &\[\(&str, u8\)\] = &\[(.*?)\];", text, re.S)
+    if not names or not codes or not parts:
+        sys.exit("PER_BLOCK_TYPE, BLOCK_TYPES or PARTS not found in kernels.rs")
+    typed = re.findall(r'"(\w+)"', names[1])
+    split = {m[0]: int(m[1]) for m in re.findall(r'\(\s*"(\w+)",\s*(\d+)\s*\)', parts[1])}
+    return typed, [int(c) for c in codes[1].split(",") if c.strip()], split
 
 
 def units(arch: str) -> list[tuple[str, str, list[str]]]:
     """(label, full source, NVRTC options) of every module as kernels.rs compiles it."""
-    typed, codes = per_type()
+    typed, codes, split = builds()
     out = []
     for name, src in modules().items():
         base = [f"--gpu-architecture={arch}"]
         if name in typed:
             out += [(f"{name}-qt{q}", src, [*base, f"-DLOWSYNC_QT={q}"]) for q in codes]
+        elif name in split:
+            n = split[name]
+            out += [
+                (f"{name}-part{p}", src, [*base, f"-DLOWSYNC_PART={p}"]) for p in range(1, n + 1)
+            ]
         else:
             out.append((name, src, base))
     return out
@@ -116,7 +125,7 @@ def main() -> None:
     only = {m for m in args.only.split(",") if m}
     jobs = []
     for label, src, options in units(args.arch):
-        if only and label.split("-qt")[0] not in only:
+        if only and re.split(r"-qt|-part", label)[0] not in only:
             continue
         key = fnv1a([src.encode(), "".join(options).encode()])
         dest = args.out / f"{label}-{args.arch}-{key:016x}.cubin"

@@ -9,6 +9,15 @@ typedef unsigned int u32;
 typedef long long i64;
 typedef unsigned long long u64;
 
+// A module kernels.rs compiles in parts (`PARTS`, `-DLOWSYNC_PART=n`) keeps only the kernels
+// between `#if LS_PART(n)` and its `#endif`, so its parts compile side by side; compiled whole
+// (no LOWSYNC_PART, as the CPU emulation does), every kernel.
+#ifdef LOWSYNC_PART
+#define LS_PART(n) (LOWSYNC_PART == (n))
+#else
+#define LS_PART(n) 1
+#endif
+
 #define DT_F32 0
 #define DT_F16 1
 #define DT_BF16 2

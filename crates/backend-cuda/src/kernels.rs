@@ -6,7 +6,8 @@
 //!
 //! Strategy: each `kernels/*.cu` file, and each fused family's `src/fusion/*.cu` beside its
 //! launcher (with the shared `kernels/common.cuh` prepended), is one module; the modules of
-//! `PER_BLOCK_TYPE` are compiled once per GGUF block type. The backend loads every module
+//! `PER_BLOCK_TYPE` are compiled once per GGUF block type, and those of `PARTS` in parts (a
+//! few kernels each). The backend loads every module
 //! when it opens (`Modules::preload`), compiling the ones no cache holds on several threads at
 //! once. The cubin is cached under `$XDG_CACHE_HOME/lowsync/cuda` (or `~/.cache/lowsync/cuda`),
 //! keyed by a hash of source, architecture and options; a cache file that fails to load is
@@ -75,11 +76,25 @@ const PER_BLOCK_TYPE: &[&str] = &["quant"];
 /// quant.cuh's block type codes (`DT_Q4_0` ... `DT_IQ4_XS`), as `exec::launch::qt` gives them.
 pub(crate) const BLOCK_TYPES: [i32; 12] = [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15];
 
+/// Modules compiled in parts, with `-DLOWSYNC_PART=<1..=n>`: each part keeps the kernels
+/// between `#if LS_PART(part)` and `#endif` (common.cuh), and `Kernel::module` says which part
+/// holds a kernel. Why: these two took NVRTC 27 and 25 s whole on this 2-core machine, and
+/// their largest parts 12 and 11 s.
+const PARTS: &[(&str, u8)] = &[("fused_attention", 4), ("fused_gemv", 5)];
+
 /// Compile threads at most: NVRTC holds a few hundred MB per large module.
 const COMPILE_THREADS: usize = 8;
 
-/// One module as loaded: its name and, for the modules of `PER_BLOCK_TYPE`, the block type.
-type ModuleId = (&'static str, Option<i32>);
+/// Which build of a module: whole, for one block type (`PER_BLOCK_TYPE`), or one part (`PARTS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum Variant {
+    Whole,
+    BlockType(i32),
+    Part(u8),
+}
+
+/// One module as loaded: its name and which build of it.
+type ModuleId = (&'static str, Variant);
 
 /// A kernel: its module and its `extern "C"` name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -292,18 +307,22 @@ impl Kernel {
         }
     }
 
-    /// The module holding this kernel, and its block type where the module is compiled per type.
+    /// The module holding this kernel, and which build of it (its block type, or its part:
+    /// the `#if LS_PART(n)` around it in the module's source).
     fn module(self) -> ModuleId {
-        let name = match self {
+        use Variant::{Part, Whole};
+        match self {
             Kernel::EwUnary
             | Kernel::EwBinary
             | Kernel::CopyStrided
             | Kernel::Fill
             | Kernel::SmallCopy
-            | Kernel::CopyBatch => "elementwise",
-            Kernel::GetRows | Kernel::SetRows => "rows",
-            Kernel::RmsNorm | Kernel::SoftMax | Kernel::SoftMaxRows | Kernel::Argmax => "norm",
-            Kernel::Rope => "rope",
+            | Kernel::CopyBatch => ("elementwise", Whole),
+            Kernel::GetRows | Kernel::SetRows => ("rows", Whole),
+            Kernel::RmsNorm | Kernel::SoftMax | Kernel::SoftMaxRows | Kernel::Argmax => {
+                ("norm", Whole)
+            }
+            Kernel::Rope => ("rope", Whole),
             Kernel::MulMatId
             | Kernel::MulMatVecK
             | Kernel::MulMatVecK4
@@ -311,13 +330,13 @@ impl Kernel {
             | Kernel::MulMatVecN8
             | Kernel::MulMatVec1
             | Kernel::MulMatVec1Argmax
-            | Kernel::ArgmaxTake => "matmul",
-            Kernel::RmsNormMul => "fused_norm_mul",
+            | Kernel::ArgmaxTake => ("matmul", Whole),
+            Kernel::RmsNormMul => ("fused_norm_mul", Whole),
             Kernel::FusedGemv
             | Kernel::FusedGemv8
             | Kernel::FusedGemv1
-            | Kernel::FusedGemv1Pair
-            | Kernel::FusedGemv1S16
+            | Kernel::FusedGemv1Pair => ("fused_gemv", Part(1)),
+            Kernel::FusedGemv1S16
             | Kernel::FusedGemv1Sb16
             | Kernel::FusedGemv1S32
             | Kernel::FusedGemv1Gu16
@@ -325,28 +344,26 @@ impl Kernel {
             | Kernel::FusedGemv1Gu32
             | Kernel::FusedGemv1Rp16
             | Kernel::FusedGemv1Rpb16
-            | Kernel::FusedGemv1Rp32
-            | Kernel::FusedGemv1Q
-            | Kernel::FusedGemv1Q40
-            | Kernel::FusedGemv1Q41
-            | Kernel::FusedGemv1Q80
-            | Kernel::FusedGemv1Q4K
-            | Kernel::FusedGemv1Q6K
-            | Kernel::FusedGemv1Q4KQ6K => "fused_gemv",
-            Kernel::RopeRows => "fused_rope_rows",
-            Kernel::AttnDecode
-            | Kernel::AttnFast
-            | Kernel::AttnFastLong
-            | Kernel::AttnSplit
-            | Kernel::AttnPrefill => "fused_attention",
-            Kernel::Penalize | Kernel::Sample => "sample",
+            | Kernel::FusedGemv1Rp32 => ("fused_gemv", Part(2)),
+            Kernel::FusedGemv1Q => ("fused_gemv", Part(3)),
+            Kernel::FusedGemv1Q40 | Kernel::FusedGemv1Q41 | Kernel::FusedGemv1Q80 => {
+                ("fused_gemv", Part(4))
+            }
+            Kernel::FusedGemv1Q4K | Kernel::FusedGemv1Q6K | Kernel::FusedGemv1Q4KQ6K => {
+                ("fused_gemv", Part(5))
+            }
+            Kernel::RopeRows => ("fused_rope_rows", Whole),
+            Kernel::AttnFast => ("fused_attention", Part(1)),
+            Kernel::AttnFastLong => ("fused_attention", Part(2)),
+            Kernel::AttnSplit => ("fused_attention", Part(3)),
+            Kernel::AttnDecode | Kernel::AttnPrefill => ("fused_attention", Part(4)),
+            Kernel::Penalize | Kernel::Sample => ("sample", Whole),
             Kernel::GetRowsQ(q)
             | Kernel::MulMatVecQ(q)
             | Kernel::MulMatVecQ8(q)
             | Kernel::MulMatVecQArgmax(q)
-            | Kernel::DequantRows(q) => return ("quant", Some(q)),
-        };
-        (name, None)
+            | Kernel::DequantRows(q) => ("quant", Variant::BlockType(q)),
+        }
     }
 
     fn symbol(self) -> &'static str {
@@ -475,29 +492,34 @@ impl Modules {
     }
 
     /// What compiling module `id` takes: its full source, NVRTC options and cache file.
-    fn unit(&self, (name, qt): ModuleId) -> Result<Unit, String> {
+    fn unit(&self, (name, variant): ModuleId) -> Result<Unit, String> {
         let src = MODULES
             .iter()
             .find(|(n, _)| *n == name)
             .map(|(_, s)| format!("{COMMON}\n{s}"))
             .ok_or_else(|| format!("no kernel module {name}"))?;
-        if qt.is_some() != PER_BLOCK_TYPE.contains(&name) {
-            return Err(format!(
-                "kernel module {name} asked for with block type {qt:?}"
-            ));
-        }
+        let parts = PARTS.iter().find(|(n, _)| *n == name).map(|(_, p)| *p);
         let mut options = vec![format!("--gpu-architecture={}", self.arch)];
-        let mut label = name.to_string();
-        if let Some(q) = qt {
-            options.push(format!("-DLOWSYNC_QT={q}"));
-            label = format!("{name}-qt{q}");
-        }
+        let label = match variant {
+            Variant::Whole if parts.is_none() && !PER_BLOCK_TYPE.contains(&name) => {
+                name.to_string()
+            }
+            Variant::BlockType(q) if PER_BLOCK_TYPE.contains(&name) => {
+                options.push(format!("-DLOWSYNC_QT={q}"));
+                format!("{name}-qt{q}")
+            }
+            Variant::Part(p) if parts.is_some_and(|n| (1..=n).contains(&p)) => {
+                options.push(format!("-DLOWSYNC_PART={p}"));
+                format!("{name}-part{p}")
+            }
+            _ => return Err(format!("kernel module {name} asked for as {variant:?}")),
+        };
         let key = fnv1a(&[src.as_bytes(), options.concat().as_bytes()]);
         let file = format!("{label}-{}-{key:016x}.cubin", self.arch);
         let path = cache_dir().map(|d| d.join(&file));
         Ok(Unit {
             label,
-            per_type: qt.is_some(),
+            per_type: matches!(variant, Variant::BlockType(_)),
             src,
             options,
             file,
@@ -744,36 +766,89 @@ mod tests {
     }
 
     #[test]
-    fn per_type_modules_are_asked_for_with_every_block_type_and_others_without() {
+    fn per_type_and_parted_modules_are_asked_for_in_every_build_and_others_whole() {
         let modules = Modules::new(9, 0, 0);
         let mut ids: Vec<ModuleId> = Kernel::all().map(Kernel::module).collect();
         ids.sort_unstable();
         ids.dedup();
         for (name, _) in MODULES {
-            let types: Vec<Option<i32>> = ids
+            let builds: Vec<Variant> = ids
                 .iter()
                 .filter(|(n, _)| n == name)
-                .map(|(_, q)| *q)
+                .map(|(_, v)| *v)
                 .collect();
-            if PER_BLOCK_TYPE.contains(name) {
-                assert_eq!(types, BLOCK_TYPES.map(Some).to_vec(), "{name}");
+            let parts = PARTS.iter().find(|(n, _)| n == name).map(|(_, p)| *p);
+            let want: Vec<Variant> = if PER_BLOCK_TYPE.contains(name) {
+                BLOCK_TYPES.map(Variant::BlockType).to_vec()
+            } else if let Some(n) = parts {
+                (1..=n).map(Variant::Part).collect()
             } else {
-                assert_eq!(types, vec![None], "{name}");
-            }
+                vec![Variant::Whole]
+            };
+            assert_eq!(builds, want, "{name}");
         }
-        // A per-type module's unit names its type in the options and the cache file; the
-        // types' keys differ, and a module asked for the wrong way is an error, not a panic.
-        let q4_0 = modules.unit(("quant", Some(4))).unwrap();
-        let q8_0 = modules.unit(("quant", Some(8))).unwrap();
+        // A build's unit names it in the options and the cache file; the builds' keys differ,
+        // and a module asked for the wrong way is an error, not a panic.
+        let q4_0 = modules.unit(("quant", Variant::BlockType(4))).unwrap();
+        let q8_0 = modules.unit(("quant", Variant::BlockType(8))).unwrap();
         assert_eq!(q4_0.options, ["--gpu-architecture=sm_90", "-DLOWSYNC_QT=4"]);
         assert!(q4_0.file.starts_with("quant-qt4-sm_90-"), "{}", q4_0.file);
         assert_ne!(q4_0.file, q8_0.file.replace("qt8", "qt4"));
-        let plain = modules.unit(("norm", None)).unwrap();
+        let part = modules.unit(("fused_gemv", Variant::Part(3))).unwrap();
+        assert_eq!(
+            part.options,
+            ["--gpu-architecture=sm_90", "-DLOWSYNC_PART=3"]
+        );
+        assert!(
+            part.file.starts_with("fused_gemv-part3-sm_90-"),
+            "{}",
+            part.file
+        );
+        let plain = modules.unit(("norm", Variant::Whole)).unwrap();
         assert_eq!(plain.options, ["--gpu-architecture=sm_90"]);
         assert!(plain.file.starts_with("norm-sm_90-"), "{}", plain.file);
-        assert!(modules.unit(("quant", None)).is_err());
-        assert!(modules.unit(("norm", Some(4))).is_err());
-        assert!(modules.unit(("nope", None)).is_err());
+        for bad in [
+            ("quant", Variant::Whole),
+            ("norm", Variant::BlockType(4)),
+            ("norm", Variant::Part(1)),
+            ("fused_gemv", Variant::Whole),
+            ("fused_gemv", Variant::Part(0)),
+            ("fused_gemv", Variant::Part(6)),
+            ("nope", Variant::Whole),
+        ] {
+            assert!(modules.unit(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    /// The part `Kernel::module` names for a kernel is the `#if LS_PART(n)` its definition sits
+    /// in, and a parted module defines no kernel outside its parts (it would be in every part).
+    #[test]
+    fn each_parted_kernel_sits_in_the_part_it_is_asked_for_from() {
+        for (name, _) in PARTS {
+            let src = MODULES.iter().find(|(n, _)| n == name).unwrap().1;
+            let mut part: Option<u8> = None;
+            let mut found = HashMap::new();
+            for line in src.lines() {
+                if let Some(n) = line.strip_prefix("#if LS_PART(") {
+                    part = Some(n.trim_end_matches(')').parse().unwrap());
+                } else if line == "#endif" {
+                    part = None;
+                } else if line.starts_with("extern \"C\" __global__ void") {
+                    let sym = line
+                        .split('(')
+                        .find_map(|w| w.rsplit(' ').next().filter(|s| !s.starts_with("__")))
+                        .unwrap();
+                    let p = part.unwrap_or_else(|| panic!("{name}: `{sym}` outside any part"));
+                    found.insert(sym.to_string(), p);
+                }
+            }
+            for k in Kernel::all().filter(|k| k.module().0 == *name) {
+                let Variant::Part(p) = k.module().1 else {
+                    panic!("{k:?}: a parted module's kernel without a part")
+                };
+                assert_eq!(found.get(k.symbol()), Some(&p), "{k:?}");
+            }
+        }
     }
 
     /// Compiles every module for sm_90 where libnvrtc is installed (the GPU machine; here with

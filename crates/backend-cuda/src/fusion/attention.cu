@@ -215,6 +215,7 @@ __device__ __forceinline__ void attn_body(
 // kept in the signature); `narrow`: every element offset of the launch fits in 32 bits; TC: threads per V row (a power of two dividing ATT_T). `kvec` /
 // `vvec`: every K / V row start is 16-byte aligned (and, for V, D a multiple of the vector
 // width), checked on the host.
+#if LS_PART(4)
 extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
     i64 L, i64 D, float scale, const void* q, int dtq, i64 q_hs, i64 q_ds, int dtkv,
     const void* k, i64 k_hs, i64 k_ls, i64 k_div, int kvec, int G, const void* v, i64 v_hs,
@@ -255,6 +256,7 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
     PHASE(8);
     PHASE_EXIT();
 }
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Decode attention, short path (`attn_fast`): the same results as `attn_decode` for f32 q, mask
@@ -664,6 +666,7 @@ __device__ __forceinline__ void attn_fast_run(AF_PARAMS, float* sh, int* lsh, in
     PHASE_EXIT();
 }
 
+#if LS_PART(1)
 extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(AF_PARAMS) {
     __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
     attn_fast_run<false>(L, D, scale, q, q_hs, q_ds, dtkv, k, k_hs, k_ls, k_div, v, v_hs, v_ls,
@@ -671,11 +674,13 @@ extern "C" __global__ void __launch_bounds__(AF_T) attn_fast(AF_PARAMS) {
                          p_ls, write_p, o, o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy, rehearse,
                          mask_ahead, sh, nullptr);
 }
+#endif
 
 // A window with a mask, where neither the raw scores nor p are written (the host's condition,
 // decode's case, at any window length; write_kq and write_p are ignored): the valid keys are
 // listed first (LIST above), so masked keys cost no round trips. Its own entry point, so that
 // the listing's registers and shared memory never touch `attn_fast`'s.
+#if LS_PART(2)
 extern "C" __global__ void __maxnreg__(168) attn_fast_long(AF_PARAMS) {
     __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
     __shared__ int lsh[AF_LSH];
@@ -684,6 +689,7 @@ extern "C" __global__ void __maxnreg__(168) attn_fast_long(AF_PARAMS) {
                         o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy, rehearse, mask_ahead, sh,
                         lsh);
 }
+#endif
 
 // Decode attention split over keys (flash-decoding): `attn_fast_long`'s case — a mask, neither
 // the raw scores nor p written — with nsplit blocks per query head instead of one.
@@ -719,6 +725,7 @@ extern "C" __global__ void __maxnreg__(168) attn_fast_long(AF_PARAMS) {
 // words are zero between launches. Launches run one after another on the stream (a kernel's
 // real pass starts after the one before it completed), so every attention of a graph may share
 // one ticket array and one partials block.
+#if LS_PART(3)
 extern "C" __global__ void __maxnreg__(168) attn_split(AF_PARAMS, int nsplit, float* part,
                                                        unsigned* ticket) {
     __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
@@ -728,6 +735,7 @@ extern "C" __global__ void __maxnreg__(168) attn_split(AF_PARAMS, int nsplit, fl
                               0, o, o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy, rehearse,
                               mask_ahead, sh, lsh, nsplit, part, ticket);
 }
+#endif
 #undef AF_PARAMS
 
 // ---------------------------------------------------------------------------------------------
@@ -961,6 +969,7 @@ __device__ __forceinline__ void attn_prefill_body(
 // K and V share one dtype (dtkv); q, the mask and the copy may be f32, f16 or bf16; o is f32.
 // `kvec`: every K and V row start (of each kv head) is 16-byte aligned and D a multiple of the
 // elements in 16 bytes, checked on the host.
+#if LS_PART(4)
 extern "C" __global__ void __launch_bounds__(AP_T) attn_prefill(
     i64 L, i64 NQ, i64 D, float scale, const void* q, int dtq, i64 q_hs, i64 q_qs, i64 q_ds,
     int dtkv, const void* k, i64 k_hs, i64 k_ls, i64 k_div, const void* v, i64 v_hs, i64 v_ls,
@@ -991,3 +1000,4 @@ extern "C" __global__ void __launch_bounds__(AP_T) attn_prefill(
     }
 #undef AP_ARGS
 }
+#endif

@@ -539,6 +539,7 @@ __device__ __forceinline__ void fg1_stream(int K, const float* a, const FgSet& S
 // One product per unit (S.pair == 0). The pair modes have their own entry point below, so
 // that each is allocated the registers it needs: the row-pair epilogue's f64 rope would
 // otherwise cost every product a resident block per multiprocessor.
+#if LS_PART(1)
 extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, const float* a,
                                                                       FgSet S, int dtw,
                                                                       int staged, int ahead,
@@ -555,6 +556,7 @@ extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, 
         default: FG1_CASE(DT_F32, 1)
     }
 }
+#endif
 
 // The streamed, staged path of `fused_gemv1` for one weight dtype each (`fused_gemv1_s16`: f16,
 // `fused_gemv1_sb16`: bf16, `fused_gemv1_s32`: f32; decode's o and down), same parameters
@@ -574,9 +576,11 @@ extern "C" __global__ void __launch_bounds__(FG1_WARPS * 32) fused_gemv1(i64 K, 
 #define FG1_OWN(PATH, DT, NC)                                                               \
     extern __shared__ float4 fg1_smem[];                                                    \
     fg1_##PATH<DT_##DT, NC, true>((int)K, a, S, (float*)fg1_smem, ahead, FG1_NORM);
+#if LS_PART(2)
 extern "C" __global__ void __maxnreg__(80) fused_gemv1_s16(FG1S_PARAMS) { FG1_OWN(stream, F16, 1) }
 extern "C" __global__ void __maxnreg__(80) fused_gemv1_sb16(FG1S_PARAMS) { FG1_OWN(stream, BF16, 1) }
 extern "C" __global__ void __maxnreg__(80) fused_gemv1_s32(FG1S_PARAMS) { FG1_OWN(stream, F32, 1) }
+#endif
 
 // Gate/up with SwiGlu (S.pair == 1) and row pairs (S.pair == 2); same parameters — the paths
 // the entry points below do not take (`LOWSYNC_CUDA_TUNE=gemv_split=0`, unstaged, unstreamed). At
@@ -587,6 +591,7 @@ extern "C" __global__ void __maxnreg__(80) fused_gemv1_s32(FG1S_PARAMS) { FG1_OW
 // these — attention rehearses while q/k/v finishes. `fused_gemv1` (104) does not fit beside two
 // streamed gate/up blocks, nor these beside two of its own; holding it to 80 to make room was
 // measured slower on the H200 (docs/notes/decode-experiments.md).
+#if LS_PART(1)
 extern "C" __global__ void __maxnreg__(88) fused_gemv1_pair(FG1S_PARAMS) {
     extern __shared__ float4 fg1_smem[];
     float* xs = (float*)fg1_smem;
@@ -596,6 +601,7 @@ extern "C" __global__ void __maxnreg__(88) fused_gemv1_pair(FG1S_PARAMS) {
         default: FG1_CASE(DT_F32, 2)
     }
 }
+#endif
 #undef FG1_CASE
 
 // The two decode paths of `fused_gemv1_pair`, each in its own entry point per weight dtype
@@ -606,12 +612,14 @@ extern "C" __global__ void __maxnreg__(88) fused_gemv1_pair(FG1S_PARAMS) {
 // these kernels fetch much of their time in instructions. On the H200 ("1b", one process):
 // 699.9 µs per token against 730.7 through `fused_gemv1_pair` (q/k/v 7.17 -> 6.33 µs per
 // layer exposed, gate/up 19.71 -> 18.27, down 9.28 -> 9.73).
+#if LS_PART(2)
 extern "C" __global__ void __maxnreg__(88) fused_gemv1_gu16(FG1S_PARAMS) { FG1_OWN(stream, F16, 2) }
 extern "C" __global__ void __maxnreg__(88) fused_gemv1_gub16(FG1S_PARAMS) { FG1_OWN(stream, BF16, 2) }
 extern "C" __global__ void __maxnreg__(88) fused_gemv1_gu32(FG1S_PARAMS) { FG1_OWN(stream, F32, 2) }
 extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp16(FG1S_PARAMS) { FG1_OWN(body, F16, 2) }
 extern "C" __global__ void __maxnreg__(88) fused_gemv1_rpb16(FG1S_PARAMS) { FG1_OWN(body, BF16, 2) }
 extern "C" __global__ void __maxnreg__(88) fused_gemv1_rp32(FG1S_PARAMS) { FG1_OWN(body, F32, 2) }
+#endif
 #undef FG1_OWN
 #undef FG1S_PARAMS
 
@@ -1136,6 +1144,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // bit 3: without a norm prologue, the row quantized straight from a (`fq_quantize_direct`,
 // `CudaConfig::q_direct`); bit 4: with one (f32, aligned, K <= 2,048), its products quantized
 // from registers (`fq_norm_direct`, `CudaConfig::q_direct_norm`).
+#if LS_PART(3)
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,
                                                                         float eps, void* nd,
@@ -1149,6 +1158,7 @@ extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32) fused_gemv1_q(i
         fq1_body<1, 0>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);
     }
 }
+#endif
 
 // `fused_gemv1_q` for sets whose segments all hold one block type, on q16 records (`qm` must
 // be 1): the decode products of a file quantized to one type (and most groups of a mixed one)
@@ -1166,13 +1176,19 @@ extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32) fused_gemv1_q(i
     } else {                                                                           \
         fq1_body<1, QT, QT2>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);    \
     }
+#if LS_PART(4)
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_0(FQ1_PARAMS) { FQ_TYPED(DT_Q4_0, 0) }
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_1(FQ1_PARAMS) { FQ_TYPED(DT_Q4_1, 0) }
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q8_0(FQ1_PARAMS) { FQ_TYPED(DT_Q8_0, 0) }
+#endif
+#if LS_PART(5)
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K, 0) }
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q6_K, 0) }
+#endif
 // Q4_K_M's groups of Q4_K and Q6_K weights (q and k beside v).
+#if LS_PART(5)
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_k_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K, DT_Q6_K) }
+#endif
 #undef FQ_TYPED
 #undef FQ1_PARAMS
 
@@ -1193,17 +1209,21 @@ extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_
 
 // `vec`: a's rows and every weight row start 16-byte aligned (checked on the host).
 // blockDim.x == 128. One row of a per pass (M <= 2) ...
+#if LS_PART(1)
 extern "C" __global__ void __launch_bounds__(128, 8) fused_gemv(i64 M, i64 K, const float* a,
                                                                 i64 a_rs, FgSet S, int dtw,
                                                                 int G, int vec) {
     pdl_entry();
     FG_DISPATCH(1)
 }
+#endif
 
 // ... and eight rows per pass (each weight load serves all of them).
+#if LS_PART(1)
 extern "C" __global__ void __launch_bounds__(128) fused_gemv8(i64 M, i64 K, const float* a,
                                                               i64 a_rs, FgSet S, int dtw, int G,
                                                               int vec) {
     pdl_entry();
     FG_DISPATCH(8)
 }
+#endif
