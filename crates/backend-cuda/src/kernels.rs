@@ -481,7 +481,18 @@ impl Modules {
         if jobs.is_empty() {
             return Ok(());
         }
-        for (u, bin) in jobs.iter().zip(compile_all(&jobs)) {
+        tracing::info!(
+            arch = %self.arch,
+            modules = jobs.len(),
+            "compiling CUDA kernels with NVRTC (first use on this GPU; cached afterwards)"
+        );
+        let start = std::time::Instant::now();
+        let compiled = compile_all(&jobs);
+        tracing::info!(
+            seconds = start.elapsed().as_secs_f64(),
+            "CUDA kernels compiled"
+        );
+        for (u, bin) in jobs.iter().zip(compiled) {
             let bin = bin?;
             if let Some(p) = &u.path {
                 store(p, &bin);
