@@ -831,6 +831,34 @@ mod tests {
         }
     }
 
+    /// `preload`'s compile step compiles nothing that this process already holds, and a
+    /// module it cannot compile is an error naming why, never a panic (here: no libnvrtc, or
+    /// NVRTC refusing an architecture that does not exist). `sm_01` keeps these entries apart
+    /// from any real device's.
+    #[test]
+    fn compile_missing_skips_held_modules_and_reports_what_it_cannot_compile() {
+        let held = Modules::new(0, 1, 0);
+        let mut ids: Vec<ModuleId> = Kernel::all().map(Kernel::module).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        for &id in &ids {
+            let u = held.unit(id).unwrap();
+            CUBINS.lock().insert(u.file, Arc::new(vec![0u8; 4]));
+        }
+        assert_eq!(held.compile_missing(), Ok(()));
+        let last = *ids.last().unwrap();
+        let file = held.unit(last).unwrap().file;
+        CUBINS.lock().remove(&file);
+        let err = held.compile_missing().unwrap_err();
+        assert!(
+            err.contains("libnvrtc") || err.contains("NVRTC could not compile"),
+            "{err}"
+        );
+        for id in ids {
+            CUBINS.lock().remove(&held.unit(id).unwrap().file);
+        }
+    }
+
     /// The part `Kernel::module` names for a kernel is the `#if LS_PART(n)` its definition sits
     /// in, and a parted module defines no kernel outside its parts (it would be in every part).
     #[test]
