@@ -726,6 +726,16 @@ def _chat(args: argparse.Namespace) -> int:
         print(_stats_line(llm, n_tokens, note), file=sys.stderr)
 
 
+def _kernel_compile_notices() -> None:
+    """Shows on stderr when a backend compiles its kernels (the CUDA backend's first open on a
+    GPU compiles them with NVRTC, tens of seconds, then caches them), so a first run does not
+    look hung. Through lowsync's tracing, filtered to that one message; where tracing is
+    already on (an earlier command in this process, or the caller's `enable_tracing`), it
+    stays as it is."""
+    with contextlib.suppress(LowsyncError):
+        _native.enable_tracing("lowsync_cuda::kernels=info")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `lowsync` script; returns the exit status.
 
@@ -735,6 +745,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command is not None:
+        _kernel_compile_notices()
     if args.command in ("run", "chat"):
         try:
             return _run(args) if args.command == "run" else _chat(args)
