@@ -7,11 +7,11 @@
 //! Strategy: each `kernels/*.cu` file, and each fused family's `src/fusion/*.cu` beside its
 //! launcher (with the shared `kernels/common.cuh` prepended), is one module; the modules of
 //! `PER_BLOCK_TYPE` are compiled once per GGUF block type, and those of `PARTS` in parts (a
-//! few kernels each). The backend loads every module
-//! when it opens (`Modules::preload`), compiling the ones no cache holds on several threads at
-//! once. The cubin is cached under `$XDG_CACHE_HOME/lowsync/cuda` (or `~/.cache/lowsync/cuda`),
-//! keyed by a hash of source, architecture and options; a cache file that fails to load is
-//! recompiled and replaced. Cache I/O failures are ignored (the cache is an optimisation).
+//! few kernels each). The backend loads every module when it opens (`Modules::preload`),
+//! compiling the ones no cache holds on several threads at once. The cubin is cached under
+//! `$XDG_CACHE_HOME/lowsync/cuda` (or `~/.cache/lowsync/cuda`), keyed by a hash of source,
+//! architecture and options; a cache file that fails to load is recompiled and replaced. Cache
+//! I/O failures are ignored (the cache is an optimisation).
 //!
 //! Invariant: modules stay loaded until the backend drops, so function handles never dangle.
 
@@ -68,17 +68,17 @@ const MODULES: &[(&str, &str)] = &[
 ];
 
 /// Modules compiled once per GGUF block type, with `-DLOWSYNC_QT=<code>`: quant.cuh's
-/// `QUANT_SWITCH` then expands that one type. Why: NVRTC took 116 s for `quant` with all twelve
-/// types in one module against about 4 s per type (its time grows faster than the cases), and
-/// the types compile side by side.
+/// `QUANT_SWITCH` then expands that one type. Why: on a 2-core x86 machine NVRTC took about
+/// two minutes for `quant` with all twelve types in one module against about 4 s per type (its
+/// time grows faster than the cases), and the types compile side by side.
 const PER_BLOCK_TYPE: &[&str] = &["quant"];
 
 /// quant.cuh's block type codes (`DT_Q4_0` ... `DT_IQ4_XS`), as `exec::launch::qt` gives them.
-pub(crate) const BLOCK_TYPES: [i32; 12] = [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15];
+const BLOCK_TYPES: [i32; 12] = [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15];
 
 /// Modules compiled in parts, with `-DLOWSYNC_PART=<1..=n>`: each part keeps the kernels
 /// between `#if LS_PART(part)` and `#endif` (common.cuh), and `Kernel::module` says which part
-/// holds a kernel. Why: these two took NVRTC 27 and 25 s whole on this 2-core machine, and
+/// holds a kernel. Why: these two took NVRTC 27 and 25 s whole on a 2-core x86 machine, and
 /// their largest parts 12 and 11 s.
 const PARTS: &[(&str, u8)] = &[("fused_attention", 4), ("fused_gemv", 5)];
 
