@@ -246,6 +246,14 @@ impl Kernel {
             }))
     }
 
+    /// Every module build some kernel lives in, each once, in order.
+    fn module_ids() -> Vec<ModuleId> {
+        let mut ids: Vec<ModuleId> = Self::all().map(Kernel::module).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
     /// The streamed products' own entry points, whose blocks may ask for more than the
     /// default 48 KB of shared memory (`stream_pad`) ...
     pub(crate) const STREAMED: [Kernel; 3] = [
@@ -461,16 +469,12 @@ impl Modules {
         Kernel::all().try_for_each(|k| self.get(k).map(|_| ()))
     }
 
-    /// Compiles every module that neither this process nor the disk cache holds, on up to
-    /// `COMPILE_THREADS` threads (NVRTC compiles separate programs concurrently), largest
-    /// source first, and keeps the cubins as `load` would. A bare machine's first open then
+    /// Compiles every module that neither this process nor the disk cache holds, side by side
+    /// (`compile_all`), and keeps the cubins as `load` would. A bare machine's first open then
     /// waits for the slowest module instead of the sum of all of them.
     fn compile_missing(&self) -> Result<(), String> {
-        let mut ids: Vec<ModuleId> = Kernel::all().map(Kernel::module).collect();
-        ids.sort_unstable();
-        ids.dedup();
         let mut jobs = Vec::new();
-        for id in ids {
+        for id in Kernel::module_ids() {
             let unit = self.unit(id)?;
             let held = CUBINS.lock().contains_key(&unit.file)
                 || unit.path.as_ref().is_some_and(|p| p.is_file());
@@ -779,9 +783,7 @@ mod tests {
     #[test]
     fn per_type_and_parted_modules_are_asked_for_in_every_build_and_others_whole() {
         let modules = Modules::new(9, 0, 0);
-        let mut ids: Vec<ModuleId> = Kernel::all().map(Kernel::module).collect();
-        ids.sort_unstable();
-        ids.dedup();
+        let ids = Kernel::module_ids();
         for (name, _) in MODULES {
             let builds: Vec<Variant> = ids
                 .iter()
@@ -838,9 +840,7 @@ mod tests {
     #[test]
     fn compile_missing_skips_held_modules_and_reports_what_it_cannot_compile() {
         let held = Modules::new(0, 1, 0);
-        let mut ids: Vec<ModuleId> = Kernel::all().map(Kernel::module).collect();
-        ids.sort_unstable();
-        ids.dedup();
+        let ids = Kernel::module_ids();
         for &id in &ids {
             let u = held.unit(id).unwrap();
             CUBINS.lock().insert(u.file, Arc::new(vec![0u8; 4]));
@@ -902,9 +902,7 @@ mod tests {
             panic!("the NVRTC compile test needs libnvrtc, and it does not load here: {why}");
         }
         let modules = Modules::new(9, 0, 0);
-        let mut ids: Vec<ModuleId> = Kernel::all().map(Kernel::module).collect();
-        ids.sort_unstable();
-        ids.dedup();
+        let ids = Kernel::module_ids();
         let units: Vec<Unit> = ids
             .into_iter()
             .map(|id| modules.unit(id).unwrap())
