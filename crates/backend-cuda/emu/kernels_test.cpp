@@ -918,7 +918,7 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
         printf("FAIL %s: error word %u, want %u\n", tag.c_str(), err, want_err);
     }
     const int* qs = q_sets[c.qset];
-    if (q && q16 == 1) {
+    if (q && q16) {
         typed.typed(tag + " typed", {qs[0], qs[1], qs[2]}, [&](FqKernel kernel, int pf) {
             err = 0;
             run_q(kernel, pf);
@@ -1569,6 +1569,9 @@ void test_attention_split() {
     split_case(DT_F16, 2, 2, 128, 2048, 1, 7);
     split_case(DT_F32, 2, 1, 128, 1000, 4, 3);
     split_case(DT_F16, 2, 1, 64, 2500, 4, 3);
+    // More chunks than the merge loads at once (AF_MC): its loop over the partials.
+    split_case(DT_F16, 2, 1, 64, 3000, 0, 12);
+    split_case(DT_F16, 2, 1, 64, 3000, 2, 12, 2);
     // NaN through the partials and the merge: in one chunk of several, and in a single chunk.
     for (int nan_at : {1, 2, 3})
         for (int mode : {0, 2}) split_case(DT_F16, 4, 2, 64, 700, mode, 4, nan_at);
@@ -2508,7 +2511,7 @@ void test_fused_gemv1_q() {
         {{DT_Q2_K, DT_Q3_K, DT_Q5_K}, 2304, 0, 1}, {{DT_Q4_1, DT_Q5_0, DT_Q5_1}, 96, 0, 0},
         {{DT_IQ4_NL, DT_Q8_0, DT_Q4_0}, 1056, 0, 1}, {{DT_Q4_K, DT_Q6_K, 0}, 512, 1, 1},
         {{DT_Q8_0, DT_Q4_0, 0}, 96, 1, 0},          {{DT_Q5_K, DT_Q5_K, 0}, 1280, 1, 1},
-        // One block type throughout: the typed entry points too (q16), bit for bit.
+        // One block type throughout: the typed entry points too (q16 and q8), bit for bit.
         {{DT_Q4_0, DT_Q4_0, DT_Q4_0}, 1056, 0, 1},  {{DT_Q8_0, DT_Q8_0, 0}, 96, 1, 0},
         {{DT_Q4_1, DT_Q4_1, DT_Q4_1}, 576, 0, 0},   {{DT_Q4_1, DT_Q4_1, 0}, 1536, 1, 1},
         {{DT_Q4_K, DT_Q4_K, DT_Q4_K}, 2304, 0, 0},  {{DT_Q6_K, DT_Q6_K, 0}, 1536, 1, 1},
@@ -2590,8 +2593,8 @@ void test_fused_gemv1_q() {
             P.check_all(tag, K, [&](i64, i64 k) { return deq[k]; });
             P.check_all(tag + " (unquantized row)", K, [&](i64, i64 k) { return act[k]; }, q_raw_bound(q16));
             const std::vector<int> types(c.qt.begin(), c.qt.begin() + P.nseg);
-            if (q16 == 1) typed.typed(tag + " typed", types, run);
-            if (q16 == 1 && wide) typed.typed(tag + " typed 12 warps", types, run12);
+            if (q16) typed.typed(tag + " typed", types, run);
+            if (wide) typed.typed(tag + " typed 12 warps", types, run12);
         }
 }
 
@@ -2627,7 +2630,7 @@ void test_fused_gemv1_q_head() {
                 });
             };
             run(fused_gemv1_q, 0);
-            if (q16 == 1) {
+            if (q16) {
                 // The typed entry point from the same start: the same logits and the same word.
                 const u64 want = *key;
                 typed.typed("fused_gemv1_q head " + c.name + " grid " + std::to_string(grid) + " typed", {c.qt},
@@ -2666,7 +2669,7 @@ void test_fused_gemv1_q_rowpair() {
         {F32, 256, 16, 8, 3, 5, F16, F16, BF16, 0, 7, 6, 1, 1, 1, 5, 500000.0, 2},
         {F32, 768, 20, 10, 3, 0, F32, F32, F32, 1, 6, 7, 0, 2, 1, 70, 10000.0, 3},
         {F32, 1024, 64, 32, 2, 2, F32, F16, F16, 1, 0, 0, 0, 0, 1, 4095, 10000.0, 4},
-        // One block type for q, k and v: the typed entry points too (q16), bit for bit.
+        // One block type for q, k and v: the typed entry points too (q16 and q8), bit for bit.
         {F32, 512, 64, 64, 2, 7, F32, F32, F16, 1, 7, 7, 1, 1, 1, 37, 10000.0, 5},
         {F32, 1024, 32, 32, 2, 1, F32, F16, F16, 0, 7, 7, 0, 0, 1, 300, 10000.0, 6},
         {F32, 576, 64, 64, 3, 7, F32, F32, F16, 1, 7, 7, 1, 0, 1, 37, 10000.0, 7},

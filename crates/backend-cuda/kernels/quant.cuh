@@ -675,15 +675,11 @@ __device__ __forceinline__ Q8x q8_load(const u8* rec) {
     return r;
 }
 
-// acc plus the 32-value piece p of a weight row (chunks 2p, 2p + 1 of the block at blk, of type
-// QT; p is the piece's index inside the block) times q8 record x (`q8_load`): one integer sum
-// and d * dx, m * (dx * sum(q)) where the chunks share d and m, else each half's two terms in
-// turn.
+// The products of a piece already decoded (`iq32`'s or `iq64`'s two chunks (w0, d0, m0) and
+// (w1, d1, m1)) with record x: `q8_piece` after its loads.
 template <int QT>
-__device__ __forceinline__ float q8_piece(const u8* blk, int p, const Q8x& x, float acc) {
-    u32 w0[4], w1[4];
-    float d0, m0, d1, m1;
-    iq32<QT>(blk, p, w0, w1, d0, m0, d1, m1);
+__device__ __forceinline__ float q8_fma(const u32 (&w0)[4], const u32 (&w1)[4], float d0, float m0, float d1,
+                                        float m1, const Q8x& x, float acc) {
     if (q_pair_scaled(QT)) {
         const int s = q8_dot16(w1, x.hi, q8_dot16(w0, x.lo, 0));
         acc = fmaf(q_mul(d0, x.f.x), (float)s, acc);
@@ -696,6 +692,18 @@ __device__ __forceinline__ float q8_piece(const u8* blk, int p, const Q8x& x, fl
         if (q_has_m(QT)) acc = fmaf(m1, x.f.w, acc);
     }
     return acc;
+}
+
+// acc plus the 32-value piece p of a weight row (chunks 2p, 2p + 1 of the block at blk, of type
+// QT; p is the piece's index inside the block) times q8 record x (`q8_load`): one integer sum
+// and d * dx, m * (dx * sum(q)) where the chunks share d and m, else each half's two terms in
+// turn.
+template <int QT>
+__device__ __forceinline__ float q8_piece(const u8* blk, int p, const Q8x& x, float acc) {
+    u32 w0[4], w1[4];
+    float d0, m0, d1, m1;
+    iq32<QT>(blk, p, w0, w1, d0, m0, d1, m1);
+    return q8_fma<QT>(w0, w1, d0, m0, d1, m1, x, acc);
 }
 
 // Quantizes half-block h (16 values v) of a row into its q8 record `rec` (`Q8_REC` bytes):

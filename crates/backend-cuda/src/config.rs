@@ -115,7 +115,7 @@ pub struct CudaConfig {
     /// dependency wait, while the previous kernel runs (tune key `gemv_q_ahead`, default on).
     pub q_ahead: bool,
     /// Which of decode's products on quantized weights run a typed entry point of
-    /// `fused_gemv1_q` (tune key `gemv_q_typed`, default `2`; q16 arithmetic only): the same
+    /// `fused_gemv1_q` (tune key `gemv_q_typed`, default `2`; q16 and q8 arithmetic): the same
     /// sums bit for bit, without a call and a switch over types and arithmetics per weight
     /// row, in a third of the generic kernel's code (docs/cuda-decode.md). `TypedQ` says for
     /// which block types.

@@ -286,6 +286,7 @@ extern "C" __global__ void __launch_bounds__(ATT_T) attn_decode(
 #define AF_LS (AF_T * AF_LR)    // keys per listing
 #define AF_LSH (2 * AF_LS + AF_LR * (AF_T / 32) + 1)  // af_list's shared words
 #define AF_PW (ATT_MAXD + 4)    // floats of one partials slot of attn_split: m, s, y[D], pad
+#define AF_MC 8                 // attn_split's merge: up to this many chunks' partials loaded at once
 
 // Keys [sb, sb + n) of the window whose mask entry is not -inf, ascending, into keys (their
 // entries into mv); returns how many (every thread). cnt: AF_LR * (AF_T / 32) + 1 words.
@@ -364,16 +365,42 @@ __device__ __forceinline__ void af_combine(int h, int chunk, int nc, int nsplit,
     if (!*flag) return;
     __threadfence();  // the other blocks' partials, counted by their tickets, are read after
     const float* ph = part + h * nsplit * AF_PW;
-    float gm = F_NEG_INF;
+    float gm = F_NEG_INF, gs = 0.0f, gy = 0.0f;
+    if (nc <= AF_MC) {
+        // Every partial loaded at once (one trip through L2 instead of two a chunk: this
+        // block's merge is the last link of the head's chain, which the next kernel waits for),
+        // then the same operations in the same order as the loop below.
+        float mk[AF_MC], sk[AF_MC], yk[AF_MC];
+#pragma unroll
+        for (int k = 0; k < AF_MC; ++k) {
+            if (k < nc) {
+                mk[k] = ld_cg(ph + k * AF_PW);
+                sk[k] = ld_cg(ph + k * AF_PW + 1);
+                yk[k] = tid < D ? ld_cg(ph + k * AF_PW + 2 + tid) : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < AF_MC; ++k) {
+            if (k < nc) gm = fmaxf(gm, mk[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < AF_MC; ++k) {
+            if (k < nc) {
+                const float f = mk[k] != F_NEG_INF ? expf(mk[k] - gm) : 0.0f;
+                gs = fmaf(sk[k], f, gs);
+                if (tid < D) gy = fmaf(yk[k], f, gy);
+            }
+        }
+    } else {
 #pragma unroll 1
-    for (int k = 0; k < nc; ++k) gm = fmaxf(gm, ld_cg(ph + k * AF_PW));
-    float gs = 0.0f, gy = 0.0f;
+        for (int k = 0; k < nc; ++k) gm = fmaxf(gm, ld_cg(ph + k * AF_PW));
 #pragma unroll 1
-    for (int k = 0; k < nc; ++k) {
-        const float mk = ld_cg(ph + k * AF_PW);
-        const float f = mk != F_NEG_INF ? expf(mk - gm) : 0.0f;
-        gs = fmaf(ld_cg(ph + k * AF_PW + 1), f, gs);
-        if (tid < D) gy = fmaf(ld_cg(ph + k * AF_PW + 2 + tid), f, gy);
+        for (int k = 0; k < nc; ++k) {
+            const float mk = ld_cg(ph + k * AF_PW);
+            const float f = mk != F_NEG_INF ? expf(mk - gm) : 0.0f;
+            gs = fmaf(ld_cg(ph + k * AF_PW + 1), f, gs);
+            if (tid < D) gy = fmaf(ld_cg(ph + k * AF_PW + 2 + tid), f, gy);
+        }
     }
     const bool row_nan = gs != gs;
     if (tid < D) {

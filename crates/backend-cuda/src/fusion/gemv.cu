@@ -725,12 +725,27 @@ __device__ __forceinline__ float fq_dot16(const u8* w, int K, const u8* xq, int 
 // `fq_dot16` on q8 records (`fq_quantize` with qm 2): the same pieces, two per round, each
 // `q8_piece` (dp4a, f32 once per piece where the block type's scale spans it). The second
 // piece's sum is taken unconditionally (its index clamped to the row) and kept only inside it,
-// so both pieces' weight loads issue before either is used.
+// so both pieces' weight loads issue before either is used. Q4_K and Q6_K (`q_paired`): pairs
+// of pieces g = lane, lane + 32, ..., one a round, as `fq_dot16` takes them.
 template <int QT>
 __device__ __forceinline__ float fq_dot8(const u8* w, int K, const u8* xq, int lane) {
     const int QB = q_block_size(QT), BB = q_block_bytes(QT), PPB = QB / 32;
     const int np = K / 32;
     float acc = 0.0f;
+    if (q_paired(QT)) {
+#pragma unroll 1
+        for (int g = lane; g < K / 64; g += 32) {
+            u32 wv[4][4];
+            float d[4], m[4];
+            iq64<QT>(w + (g / 4) * BB, g % 4, wv, d, m);
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const Q8x x = q8_load(xq + Q8_REC * q_pair_piece<QT>(g, e));
+                acc = q8_fma<QT>(wv[2 * e], wv[2 * e + 1], d[2 * e], m[2 * e], d[2 * e + 1], m[2 * e + 1], x, acc);
+            }
+        }
+        return acc;
+    }
 #pragma unroll 1
     for (int p0 = lane; p0 < np; p0 += 64) {
         const int p1 = min(p0 + 32, np - 1);
@@ -759,7 +774,8 @@ __device__ __noinline__ float fq_row(int qt, const u8* w, int K, const float* xr
     return acc;
 }
 
-// `fq_row` on q16 records for the NC weight rows of a unit, of one block type known when
+// `fq_row` on q16 records (on q8 records with Q8: a piece's two chunks against one record,
+// `q8_fma`, as `fq_dot8`) for the NC weight rows of a unit, of one block type known when
 // compiling (the typed entry points): each row's pieces, sums and butterfly as `fq_dot16` and
 // `fq_row` take them, in the same order (so the same bits), but a round takes PR pieces of
 // every row of the unit (lane l: pieces l, l + 32, ... of the round), all their weight loads
@@ -770,7 +786,7 @@ __device__ __noinline__ float fq_row(int qt, const u8* w, int K, const float* xr
 // unconditional) and its products skipped. Inlined into the unit loop instead of called
 // through the switch over arithmetics and types. Q4_K rows start on 16 bytes here (the host
 // launches the typed kernels of Q4_K only then), so `iq32` takes them without its test.
-template <int QT, int NC, int PR>
+template <int QT, int NC, int PR, bool Q8>
 __device__ __forceinline__ void fq_rows16(const char* const (&w)[NC], int K, const u8* xq, int lane,
                                           float (&acc)[NC]) {
     const int QB = q_block_size(QT), BB = q_block_bytes(QT), PPB = QB / 32;
@@ -797,11 +813,15 @@ __device__ __forceinline__ void fq_rows16(const char* const (&w)[NC], int K, con
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
 #pragma unroll
-                for (int h = 0; h < 4 * PG; ++h) {
+                for (int h = 0; h < 4 * PG; h += Q8 ? 2 : 1) {
                     const int g = g0 + 32 * (h / 4);
-                    if (h < 4 || g < ng) {
-                        acc[c] = q16_fma<QT>(wv[c][h], d[c][h], m[c][h], xq + Q16_REC * q_pair_piece<QT>(g, (h / 2) & 1),
-                                             h & 1, acc[c]);
+                    if (!(h < 4 || g < ng)) continue;
+                    const int piece = q_pair_piece<QT>(g, (h / 2) & 1);
+                    if (Q8) {
+                        acc[c] = q8_fma<QT>(wv[c][h], wv[c][h + 1], d[c][h], m[c][h], d[c][h + 1], m[c][h + 1],
+                                            q8_load(xq + Q8_REC * piece), acc[c]);
+                    } else {
+                        acc[c] = q16_fma<QT>(wv[c][h], d[c][h], m[c][h], xq + Q16_REC * piece, h & 1, acc[c]);
                     }
                 }
             }
@@ -824,9 +844,15 @@ __device__ __forceinline__ void fq_rows16(const char* const (&w)[NC], int K, con
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
 #pragma unroll
-                for (int h = 0; h < 2 * PR; ++h) {
+                for (int h = 0; h < 2 * PR; h += Q8 ? 2 : 1) {
                     const int p = p0 + 32 * (h / 2);
-                    if (h < 2 || p < np) acc[c] = q16_fma<QT>(wv[c][h], d[c][h], m[c][h], xq + Q16_REC * p, h & 1, acc[c]);
+                    if (!(h < 2 || p < np)) continue;
+                    if (Q8) {
+                        acc[c] = q8_fma<QT>(wv[c][h], wv[c][h + 1], d[c][h], m[c][h], d[c][h + 1], m[c][h + 1],
+                                            q8_load(xq + Q8_REC * p), acc[c]);
+                    } else {
+                        acc[c] = q16_fma<QT>(wv[c][h], d[c][h], m[c][h], xq + Q16_REC * p, h & 1, acc[c]);
+                    }
                 }
             }
         }
@@ -840,25 +866,36 @@ __device__ __forceinline__ void fq_rows16(const char* const (&w)[NC], int K, con
 
 // A unit's NC rows of block type QT (the typed entry points) into acc, rounds as `pf` bit 2
 // says (`fq_rows16`).
-template <int QT, int NC>
+template <int QT, int NC, bool Q8>
 __device__ __forceinline__ void fq_unit16(const char* const (&wr)[NC], int K, const u8* xq, int lane, int pf,
                                           float (&acc)[NC]) {
     if (NC == 1 && !(pf & 4) && K >= 32 * 32 * 4) {
         // A single row of four pieces a lane or more (down): four a round. A shorter row
         // would load pieces past its end (o, the head: two a lane at K = 2048).
-        fq_rows16<QT, NC, 4>(wr, K, xq, lane, acc);
+        fq_rows16<QT, NC, 4, Q8>(wr, K, xq, lane, acc);
     } else if (NC == 1 || !(pf & 4)) {
         // A pair's rows two pieces a round each (one trip where the generic kernel takes two).
-        fq_rows16<QT, NC, 2>(wr, K, xq, lane, acc);
+        fq_rows16<QT, NC, 2, Q8>(wr, K, xq, lane, acc);
     } else {
         // `pf` bit 2: each row of a pair alone, two pieces a round (the generic kernel's loads).
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             const char* w1[1] = {wr[c]};
             float a1[1];
-            fq_rows16<QT, 1, 2>(w1, K, xq, lane, a1);
+            fq_rows16<QT, 1, 2, Q8>(w1, K, xq, lane, a1);
             acc[c] = a1[0];
         }
+    }
+}
+
+// `fq_unit16` on q16 records (qm 1) or q8 records (qm 2).
+template <int QT, int NC>
+__device__ __forceinline__ void fq_unit(const char* const (&wr)[NC], int K, const u8* xq, int lane, int pf, int qm,
+                                        float (&acc)[NC]) {
+    if (qm == 2) {
+        fq_unit16<QT, NC, true>(wr, K, xq, lane, pf, acc);
+    } else {
+        fq_unit16<QT, NC, false>(wr, K, xq, lane, pf, acc);
     }
 }
 
@@ -1018,7 +1055,7 @@ __device__ __forceinline__ void fq_prefetch(const FgSet& S, int u, int K, int la
 
 // QT: 0 for any block type per segment and any arithmetic `qm` (`fq_row`); a block type for
 // the typed entry points, whose segments all hold that type (or QT2, where it is not 0) and
-// whose `qm` is 1 (q16).
+// whose `qm` is 1 (q16) or 2 (q8).
 template <int NC, int QT, int QT2 = 0>
 __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, float* xs,
                                          const float* nx, float eps, void* nd, int dtn,
@@ -1039,7 +1076,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     const bool quant = QT != 0 || qm;
     if (!nx && (pf & 8) && quant) {
         // `pf` bit 3: the row quantized straight from global memory (no norm prologue).
-        if (QT == 0 && qm == 2) {
+        if (qm == 2) {
             fq_quantize_direct<true>(xs, a, K);
         } else {
             fq_quantize_direct<false>(xs, a, K);
@@ -1047,7 +1084,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     } else if (nx && (pf & 16) && quant && dtn == DT_F32 && dtnw == DT_F32 && K <= NP_T * NP_V &&
                (((u64)nx | (u64)nw) & 15) == 0) {
         // `pf` bit 4: the norm prologue's products quantized from registers (`fq_norm_direct`).
-        if (QT == 0 && qm == 2) {
+        if (qm == 2) {
             fq_norm_direct<true>(xs, K, nx, eps, (float*)nd, (const float*)nw, (float*)a, S.wnorm != 0);
         } else {
             fq_norm_direct<false>(xs, K, nx, eps, (float*)nd, (const float*)nw, (float*)a, S.wnorm != 0);
@@ -1058,7 +1095,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         } else {
             stage_row(xs, a, K, false);
         }
-        if (QT == 0 && qm == 2) {
+        if (qm == 2) {
             fq_quantize<true>(xs, K);
         } else if (QT != 0 || qm) {
             fq_quantize<false>(xs, K);
@@ -1081,9 +1118,9 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
             const int t0 = (int)S.seg[pair1 ? 0 : s].qt, t1 = (int)S.seg[pair1 ? NC - 1 : s].qt;
             if (t0 == t1) {
                 if (t0 == QT) {
-                    fq_unit16<QT, NC>(wr, K, (const u8*)xs, lane, pf, acc);
+                    fq_unit<QT, NC>(wr, K, (const u8*)xs, lane, pf, qm, acc);
                 } else {
-                    fq_unit16<QT2, NC>(wr, K, (const u8*)xs, lane, pf, acc);
+                    fq_unit<QT2, NC>(wr, K, (const u8*)xs, lane, pf, qm, acc);
                 }
             } else {
 #pragma unroll
@@ -1091,15 +1128,15 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
                     const char* w1[1] = {wr[c]};
                     float a1[1];
                     if ((c ? t1 : t0) == QT) {
-                        fq_unit16<QT, 1>(w1, K, (const u8*)xs, lane, pf, a1);
+                        fq_unit<QT, 1>(w1, K, (const u8*)xs, lane, pf, qm, a1);
                     } else {
-                        fq_unit16<QT2, 1>(w1, K, (const u8*)xs, lane, pf, a1);
+                        fq_unit<QT2, 1>(w1, K, (const u8*)xs, lane, pf, qm, a1);
                     }
                     acc[c] = a1[0];
                 }
             }
         } else if (QT) {
-            fq_unit16<QT, NC>(wr, K, (const u8*)xs, lane, pf, acc);
+            fq_unit<QT, NC>(wr, K, (const u8*)xs, lane, pf, qm, acc);
         } else {
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
@@ -1160,8 +1197,8 @@ extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32) fused_gemv1_q(i
 }
 #endif
 
-// `fused_gemv1_q` for sets whose segments all hold one block type, on q16 records (`qm` must
-// be 1): the decode products of a file quantized to one type (and most groups of a mixed one)
+// `fused_gemv1_q` for sets whose segments all hold one block type, on q16 or q8 records (`qm`
+// 1 or 2): the decode products of a file quantized to one type (and most groups of a mixed one)
 // run one type's code, inlined, with no call or switch per weight row. The products are those
 // of `fused_gemv1_q` bit for bit. One entry point per type that has a one-load piece (`iq32`),
 // and one for the two types of Q4_K_M's mixed groups.

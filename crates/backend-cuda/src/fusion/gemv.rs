@@ -513,13 +513,13 @@ impl FqShape {
 }
 
 /// `fused_gemv1_q`'s typed entry point for `set` (`CudaConfig::q_typed`): where the segments'
-/// block types have one (`Kernel::typed_q`) and the arithmetic is q16 (`qm` 1), the only one
-/// the typed entry points have. The typed kernels read a Q4_K piece as two 16-byte loads
+/// block types have one (`Kernel::typed_q`) and the arithmetic is an integer one (`qm` 1, q16,
+/// or 2, q8; f32 has no typed body). The typed kernels read a Q4_K piece as two 16-byte loads
 /// without testing its alignment, so a set with a Q4_K weight whose rows do not all start on
 /// 16 bytes (its address or its row stride) keeps the generic kernel, which tests each block.
 fn typed_kernel(set: &FgSet, qm: i32, which: TypedQ) -> Option<Kernel> {
     let segs = set.seg.get(..usize::try_from(set.nseg).ok()?)?;
-    if qm != 1 {
+    if qm != 1 && qm != 2 {
         return None;
     }
     let q4_k = qt(DType::Q4_K).map(i64::from);
@@ -695,8 +695,13 @@ mod tests {
         );
         assert_eq!(
             typed_kernel(&aligned, 2, TypedQ::All),
-            None,
+            Some(Kernel::FusedGemv1Q4K),
             "q8 arithmetic"
+        );
+        assert_eq!(
+            typed_kernel(&aligned, 0, TypedQ::All),
+            None,
+            "f32 arithmetic"
         );
         let cases = [
             (set(&[(q4_k, 0x1008, 1152), (q4_k, 0x9000, 1152)]), None),
