@@ -192,6 +192,22 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
+// A ticket's integer add at GPU scope with release and acquire semantics, by one thread of a
+// block that has just passed a barrier (`__syncthreads`) after its threads' stores: the release
+// covers every store the barrier ordered before it, and a block whose add sees the others'
+// (the last to arrive) reads their stores after its own barrier. One trip to L2 where a fence by
+// every thread and a relaxed atomic took two. The CPU emulation's atomics are sequentially
+// consistent, which is stronger.
+__device__ __forceinline__ unsigned ticket_add(unsigned* p, unsigned v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+#else
+    return atomicAdd(p, v);
+#endif
+}
+
 // Argmax order (the `argmax` kernel and decode's head): a larger value wins, the lower index
 // on ties, NaN below every number (an all-NaN row gives index 0).
 __device__ __forceinline__ bool better(float v, i64 i, float bv, i64 bi) {

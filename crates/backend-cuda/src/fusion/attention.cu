@@ -358,12 +358,12 @@ __device__ __forceinline__ void af_combine(int h, int chunk, int nc, int nsplit,
         mine[0] = m;
         mine[1] = s;
     }
-    __threadfence();  // the partials are visible device-wide before the ticket counts them
+    // The block's partials, stored before the barrier, are released by the ticket's add; the
+    // last block's add acquires the others', and its barrier orders every thread's reads after.
     __syncthreads();
-    if (tid == 0) *flag = atomicAdd(ticket + h, 1u) == (unsigned)(nc - 1);
+    if (tid == 0) *flag = ticket_add(ticket + h, 1u) == (unsigned)(nc - 1);
     __syncthreads();
     if (!*flag) return;
-    __threadfence();  // the other blocks' partials, counted by their tickets, are read after
     const float* ph = part + h * nsplit * AF_PW;
     float gm = F_NEG_INF, gs = 0.0f, gy = 0.0f;
     if (nc <= AF_MC) {
