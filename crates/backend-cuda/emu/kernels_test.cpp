@@ -429,6 +429,16 @@ FqKernel fq_typed(const std::vector<int>& types) {
     return k46 ? fused_gemv1_q4_k_q6_k : nullptr;
 }
 
+// `pf` bits 8 and up of a typed launch whose warps stage their first unit's rows (the host's
+// `fq_stage_slot`): per row of a unit, its bytes rounded up to 16 and 16 more; 0 where `warps`
+// slots and the K floats pass 48 KB.
+int stage_pf(const FgSet& S, i64 K, int warps) {
+    i64 row = 0;
+    for (int s = 0; s < S.nseg; ++s) row = std::max(row, K / q_block_size((int)S.seg[s].qt) * q_block_bytes((int)S.seg[s].qt));
+    const i64 slot = (S.pair ? 2 : 1) * ((row + 15) / 16 * 16 + 16);
+    return K * 4 + warps * slot > 48 * 1024 ? 0 : (int)(slot / 16) << 8;
+}
+
 // The bytes of the buffers a kernel writes, taken before the generic kernel's launch; `typed`
 // then, where the segments' one block type has a typed entry point, puts them back and runs it
 // (`run(kernel, pf)`: `pf` bit 2 set or not, a unit's rows interleaved or one after the other;
@@ -439,6 +449,8 @@ FqKernel fq_typed(const std::vector<int>& types) {
 struct TypedCheck {
     std::vector<Buf*> outs;
     std::vector<std::vector<unsigned char>> start;
+    // `pf` bits 8 and up for a staged first unit (`stage_pf`), or 0: runs with them too.
+    int stage = 0;
     explicit TypedCheck(std::vector<Buf*> o) : outs(std::move(o)) {
         for (Buf* b : outs) start.push_back(Producer::bytes(b));
     }
@@ -448,7 +460,9 @@ struct TypedCheck {
         if (!k) return;
         std::vector<std::vector<unsigned char>> want;
         for (Buf* b : outs) want.push_back(Producer::bytes(b));
-        for (int pf : {0, 4, 8, 16}) {
+        std::vector<int> pfs = {0, 4, 8, 16};
+        if (stage) pfs.insert(pfs.end(), {stage, 4 | stage, 8 | stage, 16 | stage});
+        for (int pf : pfs) {
             for (size_t i = 0; i < outs.size(); ++i) memcpy(outs[i]->p(), start[i].data(), start[i].size());
             run(k, pf);
             for (size_t i = 0; i < outs.size(); ++i) {
@@ -919,6 +933,7 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
     }
     const int* qs = q_sets[c.qset];
     if (q && q16) {
+        typed.stage = stage_pf(S, K, 8);
         typed.typed(tag + " typed", {qs[0], qs[1], qs[2]}, [&](FqKernel kernel, int pf) {
             err = 0;
             run_q(kernel, pf);
@@ -939,6 +954,7 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
                 run_q(fused_gemv1_q, 16);
             });
         }
+        typed.stage = stage_pf(S, K, 12);
         typed.typed(tag + " typed 12 warps", {qs[0], qs[1], qs[2]}, run12);
         if (err != want_err) {
             ++fails;
@@ -2593,7 +2609,9 @@ void test_fused_gemv1_q() {
             P.check_all(tag, K, [&](i64, i64 k) { return deq[k]; });
             P.check_all(tag + " (unquantized row)", K, [&](i64, i64 k) { return act[k]; }, q_raw_bound(q16));
             const std::vector<int> types(c.qt.begin(), c.qt.begin() + P.nseg);
+            typed.stage = stage_pf(P.S, K, 8);
             if (q16) typed.typed(tag + " typed", types, run);
+            typed.stage = stage_pf(P.S, K, 12);
             if (wide) typed.typed(tag + " typed 12 warps", types, run12);
         }
 }

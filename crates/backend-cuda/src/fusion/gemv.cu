@@ -1048,6 +1048,31 @@ __device__ __forceinline__ void fq_prefetch(const FgSet& S, int u, int K, int la
     }
 }
 
+// Unit u's weight rows copied into shared memory at dst (`cp_async16`, no wait), each from the
+// 16 bytes holding its first byte to those holding its last, so a row keeps its address modulo
+// 16 (`iq32`'s aligned loads read the same words); rows[c]: row c's first byte there. Every
+// lane of the warp takes part. The room: per row, 16 bytes more than its bytes rounded up to 16
+// (the host's `fq_stage_slot`).
+template <int NC>
+__device__ __forceinline__ void fq_stage(const FgSet& S, int u, int K, int lane, char* dst,
+                                         const char* (&rows)[NC]) {
+    const bool pair1 = NC == 2 && S.pair == 1;
+    int s;
+    i64 j;
+    const char* wr[NC];
+    fg_unit<DT_Q4_0, NC>(S, u, s, j, wr);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        const int qt = (int)S.seg[pair1 ? c : s].qt;
+        const char* end = wr[c] + (i64)(K / q_block_size(qt)) * q_block_bytes(qt);
+        const char* from = (const char*)((u64)wr[c] & ~(u64)15);
+        const int n = (int)((end - from + 15) / 16);
+        for (int i = lane; i < n; i += 32) cp_async16(dst + 16 * i, from + 16 * i);
+        rows[c] = dst + ((u64)wr[c] & 15u);
+        dst += 16 * n;
+    }
+}
+
 // The largest block of `fused_gemv1_q` and its typed entry points (24 warps): the bounds
 // `(768, 1)` hold the typed ones to the 80 registers that three blocks of FG1_WARPS warps
 // also allowed, so one kernel serves both shapes.
@@ -1071,7 +1096,18 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     const int nwarps = (int)(blockDim.x >> 5);
     const int stride = (int)gridDim.x * nwarps;
     const int u0 = (int)blockIdx.x * nwarps + (threadIdx.x >> 5);
-    if (u0 < units && !(pf & 2)) fq_prefetch<NC>(S, u0, K, lane);
+    // `pf` bits 8 and up (typed entry points): a slot of (pf >> 8) * 16 bytes of shared memory
+    // per warp past the row's K floats, into which the warp copies its first unit's rows before
+    // the wait; that unit's products read them there, so no trip to memory for weights follows
+    // the wait. Otherwise the rows are asked into L2 (unless `pf` bit 1).
+    const int slot = QT ? (pf >> 8) * 16 : 0;
+    const bool stage = slot && u0 < units;
+    const char* staged[NC];
+    if (stage) {
+        fq_stage<NC>(S, u0, K, lane, (char*)xs + 4 * K + (threadIdx.x >> 5) * slot, staged);
+    } else if (u0 < units && !(pf & 2)) {
+        fq_prefetch<NC>(S, u0, K, lane);
+    }
     pdl_entry();
     const bool quant = QT != 0 || qm;
     if (!nx && (pf & 8) && quant) {
@@ -1109,6 +1145,12 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         i64 j;
         const char* wr[NC];
         fg_unit<DT_Q4_0, NC>(S, u, s, j, wr);  // any block type: byte strides
+        if (stage && u == u0) {
+            cp_async_wait();
+            __syncwarp();
+#pragma unroll
+            for (int c = 0; c < NC; ++c) wr[c] = staged[c];
+        }
         // `pf` bit 0: the warp's next unit's rows into L2 before this one's products, so its loads
         // meet L2 instead of DRAM (a warp otherwise has one unit's bytes in flight).
         if ((pf & 1) && u + stride < units) fq_prefetch<NC>(S, u + stride, K, lane);
@@ -1180,7 +1222,10 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // over both rows of a pair or four pieces of a single row (`CudaConfig::q_interleave` off);
 // bit 3: without a norm prologue, the row quantized straight from a (`fq_quantize_direct`,
 // `CudaConfig::q_direct`); bit 4: with one (f32, aligned, K <= 2,048), its products quantized
-// from registers (`fq_norm_direct`, `CudaConfig::q_direct_norm`).
+// from registers (`fq_norm_direct`, `CudaConfig::q_direct_norm`); bits 8 and up (typed entry
+// points; the generic kernel ignores them): each warp's first unit's rows staged in shared
+// memory before the wait, in a slot of (pf >> 8) * 16 bytes per warp past the K floats
+// (`fq_stage`; `CudaConfig::q_stage`), which the dynamic shared memory then holds too.
 #if LS_PART(3)
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,
