@@ -272,7 +272,7 @@ def test_variants_tg_runs_variants_in_turn_and_reports_ratios(tmp_path: Path) ->
     variant is an argument error that names it."""
     argv = [sys.executable, str(PROFILE / "variants_tg.py"), "--backend", "cpu"]
     argv += ["--models", "tiny", "--dtype", "q8_0", "-p", "8", "-n", "4", "--rounds", "2"]
-    argv += ["--variant", "a", "--variant", "b=LOWSYNC_CPU_THREADS=1"]
+    argv += ["--variant", "a", "--variant", "b=LOWSYNC_CPU_THREADS=1", "--tokens", "3"]
     argv += ["--json", str(tmp_path / "ab.json")]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -295,6 +295,10 @@ def test_variants_tg_runs_variants_in_turn_and_reports_ratios(tmp_path: Path) ->
     assert rows[1]["tg_ratio"] == pytest.approx(rows[1]["tg_tps"] / rows[0]["tg_tps"])
     assert rows[1]["pp_ratio"] == pytest.approx(rows[1]["pp_tps"] / rows[0]["pp_tps"])
     assert "| tiny q8_0 | b | LOWSYNC_CPU_THREADS=1 |" in done.stdout
+    # One thread or several: the CPU backend's greedy tokens do not change.
+    assert "tiny q8_0 b: 3 greedy tokens, same as the first: True" in done.stdout
+    assert [r["tokens_same"] for r in rows] == [True, True]
+    assert done.stdout.rstrip().endswith("| same |")
     bad = subprocess.run(
         [*argv[:4], "--models", "tiny", "--variant", "x=oops"],
         capture_output=True,

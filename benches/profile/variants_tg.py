@@ -16,7 +16,10 @@ the rounds, and both as ratios to the first variant's.
 
 Invariants: every variant of a model runs the same weights, prompt and lengths; a variant that
 cannot launch ahead (the backend lacks stream-ordered reads) falls back to the plain loop, and
-the row says so.
+the row says so. `--tokens N` first generates N greedy tokens after the same `-p`-token prompt
+under each variant (a fresh session each) and reports whether they equal the first variant's:
+most switches promise the same bits, and a timing of a variant that computes something else
+means nothing.
 
 Run (the lowsync wheel on PYTHONPATH, on the GPU machine):
     python benches/profile/variants_tg.py --backend cuda --files /tmp/gpucmp/1b-q4_0-seed3.gguf \\
@@ -32,6 +35,8 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_trace import TUNE, parse_variant, settings, with_tune
@@ -49,9 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--n-gen", type=int, default=128)
     ap.add_argument("--kv-dtype", default="f16", choices=["f32", "f16", "bf16"])
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--tokens", type=int, default=0, help="greedy tokens compared with the first variant's"
+    )
     args = ap.parse_args(argv)
-    if args.rounds < 1 or args.n_prompt < 1 or args.n_gen < 1:
-        ap.error("--rounds, -p and -n must be at least 1")
+    if args.rounds < 1 or args.n_prompt < 1 or args.n_gen < 1 or args.tokens < 0:
+        ap.error("--rounds, -p and -n must be at least 1, --tokens at least 0")
     try:
         variants = [parse_variant(v) for v in args.variant] or [("default", {})]
     except ValueError as e:
@@ -72,6 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for label, load in sources:
         model = load()
+        same: dict[str, bool | None] = {v[0]: None for v in variants}
+        if args.tokens:
+            first: list[int] | None = None
+            for name, env in variants:
+                with env_vars(with_tune(env, ambient)):
+                    toks = greedy(ls, model, args)
+                first = toks if first is None else first
+                same[name] = toks == first
+                print(f"{label} {name}: {len(toks)} greedy tokens, same as the first: {same[name]}")
         tg: dict[str, list[float]] = {v[0]: [] for v in variants}
         pp: dict[str, list[float]] = {v[0]: [] for v in variants}
         ahead: dict[str, bool] = {}
@@ -108,22 +125,40 @@ def main(argv: list[str] | None = None) -> int:
                 "tg_all": tg[name],
                 "pp_all": pp[name],
                 "launch_ahead": ahead[name],
+                "tokens_same": same[name],
             }
             r["tg_ratio"] = r["tg_tps"] / base
             r["pp_ratio"] = r["pp_tps"] / base_pp
             rows.append(r)
             print(json.dumps(r))
         del model
-    print("| model | variant | settings | tg tok/s | tg ratio | pp tok/s | pp ratio |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print("| model | variant | settings | tg tok/s | tg ratio | pp tok/s | pp ratio | tokens |")
+    print("|---|---|---|---:|---:|---:|---:|---|")
     for r in rows:
+        tokens = {None: "-", True: "same", False: "DIFFER"}[r["tokens_same"]]
         print(
             f"| {r['model']} | {r['variant']} | {r['settings']} | {r['tg_tps']:.1f} | "
-            f"{r['tg_ratio']:.3f} | {r['pp_tps']:.0f} | {r['pp_ratio']:.3f} |"
+            f"{r['tg_ratio']:.3f} | {r['pp_tps']:.0f} | {r['pp_ratio']:.3f} | {tokens} |"
         )
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def greedy(ls: Any, model: Any, args: argparse.Namespace) -> list[int]:
+    """`args.tokens` greedy tokens after a fixed `-p`-token prompt, on a fresh staged session
+    of `args.backend` (created under the caller's variables)."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, model.config.n_vocab, size=args.n_prompt).tolist()
+    sess = ls.Session(
+        model,
+        backends=[args.backend],
+        n_ctx=args.n_prompt + args.tokens,
+        n_ubatch=args.n_prompt,
+        policy="staged",
+        kv_dtype=args.kv_dtype,
+    )
+    return [int(t) for t in sess.generate(prompt, max_new_tokens=args.tokens)]
 
 
 if __name__ == "__main__":

@@ -336,13 +336,16 @@ cupti_lib() {
 if has ab; then
     # Backend settings side by side in one process (benches/profile/variants_tg.py): AB_VARIANTS
     # is its --variant list (NAME or NAME=SETTING,...; space-separated), on AB_MODELS (built-in,
-    # AB_DTYPE weights) and AB_FILES (GGUF paths, e.g. the gpucmp part's /tmp/gpucmp files).
+    # AB_DTYPE weights) and AB_FILES (GGUF paths, e.g. the gpucmp part's /tmp/gpucmp files);
+    # AB_TOKENS greedy tokens of each variant compared with the first's before the timing
+    # (default 32; 0: none).
     [ -n "${lcpp_cuda_pid:-}" ] && wait_for "$lcpp_cuda_pid"
     vargs=()
     for v in ${AB_VARIANTS:-typed generic=gemv_q_typed=0}; do vargs+=(--variant "$v"); done
     timeout "$(tl ${AB_TIMEOUT:-300})" python3 benches/profile/variants_tg.py --backend ${AB_BACKEND:-cuda} \
         --models "${AB_MODELS-1b}" --dtype ${AB_DTYPE:-q4_0} --files "${AB_FILES:-}" "${vargs[@]}" \
-        --rounds ${AB_ROUNDS:-3} -p ${AB_P:-512} -n ${AB_N:-128} --json "$out/ab.json" >"$logs/ab.txt" 2>&1
+        --rounds ${AB_ROUNDS:-3} -p ${AB_P:-512} -n ${AB_N:-128} --tokens ${AB_TOKENS:-32} \
+        --json "$out/ab.json" >"$logs/ab.txt" 2>&1
     say "settings side by side: exit $?"; grep '^|' "$logs/ab.txt" | tee -a "$summary"; tail -3 "$logs/ab.txt"
 fi
 if has pftrace; then
