@@ -678,6 +678,33 @@ __device__ __forceinline__ float fq_dot(const u8* w, int K, const float* xr, int
     return acc;
 }
 
+// Lane `lane`'s part of a `q_paired` row's dot product (Q4_K, Q6_K): pairs of pieces sharing
+// their bytes, g = lane, lane + 32, ..., one a round (`iq64`), each pair's two pieces in order,
+// against q16 records, or q8 records with Q8.
+template <int QT, bool Q8>
+__device__ __forceinline__ float fq_dot_pairs(const u8* w, int K, const u8* xq, int lane) {
+    const int BB = q_block_bytes(QT);
+    float acc = 0.0f;
+#pragma unroll 1
+    for (int g = lane; g < K / 64; g += 32) {
+        u32 wv[4][4];
+        float d[4], m[4];
+        iq64<QT>(w + (g / 4) * BB, g % 4, wv, d, m);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int piece = q_pair_piece<QT>(g, e);
+            if (Q8) {
+                acc = q8_fma<QT>(wv[2 * e], wv[2 * e + 1], d[2 * e], m[2 * e], d[2 * e + 1], m[2 * e + 1],
+                                 q8_load(xq + Q8_REC * piece), acc);
+            } else {
+                acc = q16_fma<QT>(wv[2 * e], d[2 * e], m[2 * e], xq + Q16_REC * piece, 0, acc);
+                acc = q16_fma<QT>(wv[2 * e + 1], d[2 * e + 1], m[2 * e + 1], xq + Q16_REC * piece, 1, acc);
+            }
+        }
+    }
+    return acc;
+}
+
 // `fq_dot` on the q16 records at xq (`fq_quantize`): lane `lane` takes 32-value pieces (both
 // chunks of one record, decoded together by `iq32`, which loads a piece's bytes once for
 // both where its block type allows) p = lane, lane + 32, ..., two per round with both
@@ -690,20 +717,7 @@ __device__ __forceinline__ float fq_dot16(const u8* w, int K, const u8* xq, int 
     const int QB = q_block_size(QT), BB = q_block_bytes(QT), PPB = QB / 32;
     const int np = K / 32;
     float acc = 0.0f;
-    if (q_paired(QT)) {
-        // Pairs of pieces sharing their bytes (`iq64`), one a round.
-#pragma unroll 1
-        for (int g = lane; g < K / 64; g += 32) {
-            u32 wv[4][4];
-            float d[4], m[4];
-            iq64<QT>(w + (g / 4) * BB, g % 4, wv, d, m);
-#pragma unroll
-            for (int h = 0; h < 4; ++h) {
-                acc = q16_fma<QT>(wv[h], d[h], m[h], xq + Q16_REC * q_pair_piece<QT>(g, h / 2), h & 1, acc);
-            }
-        }
-        return acc;
-    }
+    if (q_paired(QT)) return fq_dot_pairs<QT, false>(w, K, xq, lane);
 #pragma unroll 1
     for (int p0 = lane; p0 < np; p0 += 64) {
         const int p1 = min(p0 + 32, np - 1);
@@ -732,20 +746,7 @@ __device__ __forceinline__ float fq_dot8(const u8* w, int K, const u8* xq, int l
     const int QB = q_block_size(QT), BB = q_block_bytes(QT), PPB = QB / 32;
     const int np = K / 32;
     float acc = 0.0f;
-    if (q_paired(QT)) {
-#pragma unroll 1
-        for (int g = lane; g < K / 64; g += 32) {
-            u32 wv[4][4];
-            float d[4], m[4];
-            iq64<QT>(w + (g / 4) * BB, g % 4, wv, d, m);
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const Q8x x = q8_load(xq + Q8_REC * q_pair_piece<QT>(g, e));
-                acc = q8_fma<QT>(wv[2 * e], wv[2 * e + 1], d[2 * e], m[2 * e], d[2 * e + 1], m[2 * e + 1], x, acc);
-            }
-        }
-        return acc;
-    }
+    if (q_paired(QT)) return fq_dot_pairs<QT, true>(w, K, xq, lane);
 #pragma unroll 1
     for (int p0 = lane; p0 < np; p0 += 64) {
         const int p1 = min(p0 + 32, np - 1);
@@ -1030,21 +1031,32 @@ __device__ __forceinline__ void fq_norm_direct(float* xs, int K, const float* x,
     __syncthreads();
 }
 
-// Unit u's weight rows (block types from their segments) into L2: a 128-byte line per lane
-// per pass, from the line holding each row's first byte to its end.
+// Unit u's weight rows: each row's first byte (wr) and the byte past its last (end), its block
+// type from its segment.
 template <int NC>
-__device__ __forceinline__ void fq_prefetch(const FgSet& S, int u, int K, int lane) {
+__device__ __forceinline__ void fq_unit_rows(const FgSet& S, int u, int K, const char* (&wr)[NC],
+                                             const char* (&end)[NC]) {
     const bool pair1 = NC == 2 && S.pair == 1;
     int s;
     i64 j;
-    const char* wr[NC];
     fg_unit<DT_Q4_0, NC>(S, u, s, j, wr);
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
         const int qt = (int)S.seg[pair1 ? c : s].qt;
-        const char* end = wr[c] + (i64)(K / q_block_size(qt)) * q_block_bytes(qt);
+        end[c] = wr[c] + (i64)(K / q_block_size(qt)) * q_block_bytes(qt);
+    }
+}
+
+// Unit u's weight rows into L2: a 128-byte line per lane per pass, from the line holding each
+// row's first byte to its end.
+template <int NC>
+__device__ __forceinline__ void fq_prefetch(const FgSet& S, int u, int K, int lane) {
+    const char *wr[NC], *end[NC];
+    fq_unit_rows<NC>(S, u, K, wr, end);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
         const char* line = (const char*)((u64)wr[c] & ~(u64)127);
-        for (const char* p = line + 128 * lane; p < end; p += 128 * 32) prefetch_l2(p);
+        for (const char* p = line + 128 * lane; p < end[c]; p += 128 * 32) prefetch_l2(p);
     }
 }
 
@@ -1056,17 +1068,12 @@ __device__ __forceinline__ void fq_prefetch(const FgSet& S, int u, int K, int la
 template <int NC>
 __device__ __forceinline__ void fq_stage(const FgSet& S, int u, int K, int lane, char* dst,
                                          const char* (&rows)[NC]) {
-    const bool pair1 = NC == 2 && S.pair == 1;
-    int s;
-    i64 j;
-    const char* wr[NC];
-    fg_unit<DT_Q4_0, NC>(S, u, s, j, wr);
+    const char *wr[NC], *end[NC];
+    fq_unit_rows<NC>(S, u, K, wr, end);
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
-        const int qt = (int)S.seg[pair1 ? c : s].qt;
-        const char* end = wr[c] + (i64)(K / q_block_size(qt)) * q_block_bytes(qt);
         const char* from = (const char*)((u64)wr[c] & ~(u64)15);
-        const int n = (int)((end - from + 15) / 16);
+        const int n = (int)((end[c] - from + 15) / 16);
         for (int i = lane; i < n; i += 32) cp_async16(dst + 16 * i, from + 16 * i);
         rows[c] = dst + ((u64)wr[c] & 15u);
         dst += 16 * n;
