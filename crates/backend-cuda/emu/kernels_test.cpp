@@ -410,23 +410,25 @@ void test_fused_gemv1() {
     }
 }
 
-// fused_gemv1_q's typed entry point for segments of the block types `types` (`fused_gemv1_q4_0`
-// ..., as the host's `Kernel::typed_q` picks it), or null where they have none.
+// fused_gemv1_q's typed entry point for segments of the block types `types` on arithmetic `qm`
+// (1: q16, `fused_gemv1_q4_0` ...; 2: q8, `fused_gemv1_q4_0_q8` ...), as the host's
+// `Kernel::typed_q` picks it, or null where they have none.
 using FqKernel = void (*)(i64, const float*, FgSet, const float*, float, void*, int, const void*, int, int, int);
-FqKernel fq_typed(const std::vector<int>& types) {
-    if (types.empty()) return nullptr;
+FqKernel fq_typed(const std::vector<int>& types, int qm) {
+    if (types.empty() || (qm != 1 && qm != 2)) return nullptr;
+    const bool q8 = qm == 2;
     if (std::all_of(types.begin(), types.end(), [&](int t) { return t == types[0]; })) {
         switch (types[0]) {
-            case DT_Q4_0: return fused_gemv1_q4_0;
-            case DT_Q4_1: return fused_gemv1_q4_1;
-            case DT_Q8_0: return fused_gemv1_q8_0;
-            case DT_Q4_K: return fused_gemv1_q4_k;
-            case DT_Q6_K: return fused_gemv1_q6_k;
+            case DT_Q4_0: return q8 ? fused_gemv1_q4_0_q8 : fused_gemv1_q4_0;
+            case DT_Q4_1: return q8 ? fused_gemv1_q4_1_q8 : fused_gemv1_q4_1;
+            case DT_Q8_0: return q8 ? fused_gemv1_q8_0_q8 : fused_gemv1_q8_0;
+            case DT_Q4_K: return q8 ? fused_gemv1_q4_k_q8 : fused_gemv1_q4_k;
+            case DT_Q6_K: return q8 ? fused_gemv1_q6_k_q8 : fused_gemv1_q6_k;
             default: return nullptr;
         }
     }
     const bool k46 = std::all_of(types.begin(), types.end(), [](int t) { return t == DT_Q4_K || t == DT_Q6_K; });
-    return k46 ? fused_gemv1_q4_k_q6_k : nullptr;
+    return !k46 ? nullptr : q8 ? fused_gemv1_q4_k_q6_k_q8 : fused_gemv1_q4_k_q6_k;
 }
 
 // `pf` bits 8 and up of a typed launch whose warps stage their first unit's rows (the host's
@@ -451,12 +453,14 @@ struct TypedCheck {
     std::vector<std::vector<unsigned char>> start;
     // `pf` bits 8 and up for a staged first unit (`stage_pf`), or 0: runs with them too.
     int stage = 0;
+    // The arithmetic (1: q16, 2: q8) whose typed entry points `typed` runs.
+    int qm = 1;
     explicit TypedCheck(std::vector<Buf*> o) : outs(std::move(o)) {
         for (Buf* b : outs) start.push_back(Producer::bytes(b));
     }
     template <class Run>
     void typed(const std::string& tag, const std::vector<int>& types, Run run) {
-        const FqKernel k = fq_typed(types);
+        const FqKernel k = fq_typed(types, qm);
         if (!k) return;
         std::vector<std::vector<unsigned char>> want;
         for (Buf* b : outs) want.push_back(Producer::bytes(b));
@@ -768,6 +772,7 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
         for (int s = 0; s < 3; ++s)
             if (set[s]) written.push_back(set[s].get());
     TypedCheck typed(written);
+    typed.qm = q16;
     auto run_qw = [&](FqKernel kernel, int pf, unsigned warps) {
         launch(own ? (unsigned)((units + warps - 1) / warps) : 2u, 32 * warps, [&] {
             kernel(K, (const float*)a.p(), S, c.norm ? (const float*)x.p() : nullptr, 1e-5f, nd.p(), DT_F32, nw.p(),
@@ -2559,6 +2564,7 @@ void test_fused_gemv1_q() {
             std::vector<Buf*> written = res;
             if (c.norm) written.push_back(&a);
             TypedCheck typed(written);
+            typed.qm = q16;
             Producer prod({c.norm ? &x : &a}, res);
             // `warps` per block: 8, or 12 (`CudaConfig::q_warps`, `q_warps_norm`).
             auto run_w = [&](FqKernel kernel, int pf, unsigned warps) {
@@ -2641,6 +2647,7 @@ void test_fused_gemv1_q_head() {
             g.o_cs = 1;
             g.wout = 1;
             TypedCheck typed({&d});
+            typed.qm = q16;
             const u64 key0 = *key;
             auto run = [&](FqKernel kernel, int pf) {
                 launch(grid ? (unsigned)grid : (unsigned)((d.n + 7) / 8), 256, [&] {

@@ -79,8 +79,9 @@ const BLOCK_TYPES: [i32; 12] = [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15];
 /// Modules compiled in parts, with `-DLOWSYNC_PART=<1..=n>`: each part keeps the kernels
 /// between `#if LS_PART(part)` and `#endif` (common.cuh), and `Kernel::module` says which part
 /// holds a kernel. Why: these two took NVRTC 27 and 25 s whole on a 2-core x86 machine, and
-/// their largest parts 12 and 11 s.
-const PARTS: &[(&str, u8)] = &[("fused_attention", 4), ("fused_gemv", 5)];
+/// their largest parts 12 and 11 s. (`fused_gemv`'s sixth part, the typed entry points on q8
+/// records, came later.)
+const PARTS: &[(&str, u8)] = &[("fused_attention", 4), ("fused_gemv", 6)];
 
 /// Compile threads at most: NVRTC holds a few hundred MB per large module.
 const COMPILE_THREADS: usize = 8;
@@ -159,6 +160,13 @@ pub(crate) enum Kernel {
     FusedGemv1Q6K,
     /// ... and for sets of Q4_K and Q6_K weights (Q4_K_M's mixed groups).
     FusedGemv1Q4KQ6K,
+    /// The same entry points on q8 records (`TYPED_Q8`, `qdot=q8`).
+    FusedGemv1Q40Q8,
+    FusedGemv1Q41Q8,
+    FusedGemv1Q80Q8,
+    FusedGemv1Q4KQ8,
+    FusedGemv1Q6KQ8,
+    FusedGemv1Q4KQ6KQ8,
     /// The sampler's penalties (`Op::Penalize`), one block per row.
     Penalize,
     /// The sampler's draw (`Op::Sample`), one block per row.
@@ -178,7 +186,7 @@ pub(crate) enum Kernel {
 
 impl Kernel {
     /// Every kernel but the `quant` module's (`Kernel::all` adds them, per block type).
-    const PLAIN: [Kernel; 50] = [
+    const PLAIN: [Kernel; 56] = [
         Kernel::EwUnary,
         Kernel::SmallCopy,
         Kernel::CopyBatch,
@@ -227,6 +235,12 @@ impl Kernel {
         Kernel::FusedGemv1Q4K,
         Kernel::FusedGemv1Q6K,
         Kernel::FusedGemv1Q4KQ6K,
+        Kernel::FusedGemv1Q40Q8,
+        Kernel::FusedGemv1Q41Q8,
+        Kernel::FusedGemv1Q80Q8,
+        Kernel::FusedGemv1Q4KQ8,
+        Kernel::FusedGemv1Q6KQ8,
+        Kernel::FusedGemv1Q4KQ6KQ8,
         Kernel::Penalize,
         Kernel::Sample,
     ];
@@ -284,10 +298,20 @@ impl Kernel {
         (13, Kernel::FusedGemv1Q6K),
     ];
 
-    /// The typed entry point for weights of the block type codes `types` (one product's each),
-    /// if they have one and `which` admits it: one type of `TYPED_Q` (Q4_K only with
-    /// `TypedQ::All`), or Q4_K beside Q6_K (`TypedQ::All` only).
-    pub(crate) fn typed_q(types: &[i64], which: TypedQ) -> Option<Kernel> {
+    /// ... and on q8 records.
+    pub(crate) const TYPED_Q8: [(i32, Kernel); 5] = [
+        (4, Kernel::FusedGemv1Q40Q8),
+        (5, Kernel::FusedGemv1Q41Q8),
+        (8, Kernel::FusedGemv1Q80Q8),
+        (11, Kernel::FusedGemv1Q4KQ8),
+        (13, Kernel::FusedGemv1Q6KQ8),
+    ];
+
+    /// The typed entry point for weights of the block type codes `types` (one product's each)
+    /// on q16 records, or on q8 records with `q8`, if they have one and `which` admits it: one
+    /// type of `TYPED_Q` (Q4_K only with `TypedQ::All`), or Q4_K beside Q6_K (`TypedQ::All`
+    /// only).
+    pub(crate) fn typed_q(types: &[i64], which: TypedQ, q8: bool) -> Option<Kernel> {
         let (q4_k, q6_k) = (11, 13);
         let first = *types.first()?;
         let all = match which {
@@ -295,13 +319,18 @@ impl Kernel {
             TypedQ::NoQ4K => false,
             TypedQ::All => true,
         };
+        let (table, mixed) = if q8 {
+            (Self::TYPED_Q8, Kernel::FusedGemv1Q4KQ6KQ8)
+        } else {
+            (Self::TYPED_Q, Kernel::FusedGemv1Q4KQ6K)
+        };
         if types.iter().all(|&t| t == first) {
-            return Self::TYPED_Q
+            return table
                 .iter()
                 .find(|(code, _)| i64::from(*code) == first && (all || first != q4_k))
                 .map(|(_, k)| *k);
         }
-        (all && types.iter().all(|&t| t == q4_k || t == q6_k)).then_some(Kernel::FusedGemv1Q4KQ6K)
+        (all && types.iter().all(|&t| t == q4_k || t == q6_k)).then_some(mixed)
     }
 
     /// The kernel of a per-dtype list (`STREAMED`, `GATE_UP`, `ROW_PAIRS`) for weights of
@@ -360,6 +389,12 @@ impl Kernel {
             Kernel::FusedGemv1Q4K | Kernel::FusedGemv1Q6K | Kernel::FusedGemv1Q4KQ6K => {
                 ("fused_gemv", Part(5))
             }
+            Kernel::FusedGemv1Q40Q8
+            | Kernel::FusedGemv1Q41Q8
+            | Kernel::FusedGemv1Q80Q8
+            | Kernel::FusedGemv1Q4KQ8
+            | Kernel::FusedGemv1Q6KQ8
+            | Kernel::FusedGemv1Q4KQ6KQ8 => ("fused_gemv", Part(6)),
             Kernel::RopeRows => ("fused_rope_rows", Whole),
             Kernel::AttnFast => ("fused_attention", Part(1)),
             Kernel::AttnFastLong => ("fused_attention", Part(2)),
@@ -419,6 +454,12 @@ impl Kernel {
             Kernel::FusedGemv1Q4K => "fused_gemv1_q4_k",
             Kernel::FusedGemv1Q6K => "fused_gemv1_q6_k",
             Kernel::FusedGemv1Q4KQ6K => "fused_gemv1_q4_k_q6_k",
+            Kernel::FusedGemv1Q40Q8 => "fused_gemv1_q4_0_q8",
+            Kernel::FusedGemv1Q41Q8 => "fused_gemv1_q4_1_q8",
+            Kernel::FusedGemv1Q80Q8 => "fused_gemv1_q8_0_q8",
+            Kernel::FusedGemv1Q4KQ8 => "fused_gemv1_q4_k_q8",
+            Kernel::FusedGemv1Q6KQ8 => "fused_gemv1_q6_k_q8",
+            Kernel::FusedGemv1Q4KQ6KQ8 => "fused_gemv1_q4_k_q6_k_q8",
             Kernel::FusedGemv1 => "fused_gemv1",
             Kernel::FusedGemv1Pair => "fused_gemv1_pair",
             Kernel::FusedGemv1S16 => "fused_gemv1_s16",
@@ -826,7 +867,7 @@ mod tests {
             ("norm", Variant::Part(1)),
             ("fused_gemv", Variant::Whole),
             ("fused_gemv", Variant::Part(0)),
-            ("fused_gemv", Variant::Part(6)),
+            ("fused_gemv", Variant::Part(7)),
             ("nope", Variant::Whole),
         ] {
             assert!(modules.unit(bad).is_err(), "{bad:?}");
@@ -926,37 +967,64 @@ mod tests {
         let (q4_0, q4_1, q8_0, q4_k, q6_k, q5_k) = (4, 5, 8, 11, 13, 12);
         for which in [TypedQ::NoQ4K, TypedQ::All] {
             assert_eq!(
-                Kernel::typed_q(&[q4_0, q4_0, q4_0], which),
+                Kernel::typed_q(&[q4_0, q4_0, q4_0], which, false),
                 Some(Kernel::FusedGemv1Q40)
             );
-            assert_eq!(Kernel::typed_q(&[q8_0], which), Some(Kernel::FusedGemv1Q80));
             assert_eq!(
-                Kernel::typed_q(&[q4_1, q4_1], which),
+                Kernel::typed_q(&[q8_0], which, false),
+                Some(Kernel::FusedGemv1Q80)
+            );
+            assert_eq!(
+                Kernel::typed_q(&[q4_1, q4_1], which, false),
                 Some(Kernel::FusedGemv1Q41)
             );
             assert_eq!(
-                Kernel::typed_q(&[q6_k, q6_k], which),
+                Kernel::typed_q(&[q6_k, q6_k], which, false),
                 Some(Kernel::FusedGemv1Q6K)
             );
-            assert_eq!(Kernel::typed_q(&[q5_k], which), None);
-            assert_eq!(Kernel::typed_q(&[q4_k, q5_k], which), None);
-            assert_eq!(Kernel::typed_q(&[q4_0, q8_0], which), None);
-            assert_eq!(Kernel::typed_q(&[], which), None);
+            assert_eq!(Kernel::typed_q(&[q5_k], which, false), None);
+            assert_eq!(Kernel::typed_q(&[q4_k, q5_k], which, false), None);
+            assert_eq!(Kernel::typed_q(&[q4_0, q8_0], which, false), None);
+            assert_eq!(Kernel::typed_q(&[], which, false), None);
         }
         // Q4_K's kernels only where every typed kernel is asked for.
         assert_eq!(
-            Kernel::typed_q(&[q4_k, q4_k, q6_k], TypedQ::All),
+            Kernel::typed_q(&[q4_k, q4_k, q6_k], TypedQ::All, false),
             Some(Kernel::FusedGemv1Q4KQ6K)
         );
         assert_eq!(
-            Kernel::typed_q(&[q4_k], TypedQ::All),
+            Kernel::typed_q(&[q4_k], TypedQ::All, false),
             Some(Kernel::FusedGemv1Q4K)
         );
-        assert_eq!(Kernel::typed_q(&[q4_k, q4_k, q6_k], TypedQ::NoQ4K), None);
-        assert_eq!(Kernel::typed_q(&[q4_k], TypedQ::NoQ4K), None);
+        assert_eq!(
+            Kernel::typed_q(&[q4_k, q4_k, q6_k], TypedQ::NoQ4K, false),
+            None
+        );
+        assert_eq!(Kernel::typed_q(&[q4_k], TypedQ::NoQ4K, false), None);
         for types in [&[q4_0][..], &[q8_0], &[q6_k], &[q4_k], &[q4_k, q6_k]] {
-            assert_eq!(Kernel::typed_q(types, TypedQ::Off), None, "{types:?}");
+            assert_eq!(
+                Kernel::typed_q(types, TypedQ::Off, false),
+                None,
+                "{types:?}"
+            );
+            assert_eq!(Kernel::typed_q(types, TypedQ::Off, true), None, "{types:?}");
         }
+        // On q8 records: the `_q8` entry points, type for type.
+        let pairs = Kernel::TYPED_Q.iter().zip(Kernel::TYPED_Q8);
+        for (&(code, k16), (code8, k8)) in pairs {
+            assert_eq!(code, code8);
+            assert_eq!(
+                Kernel::typed_q(&[code.into()], TypedQ::All, false),
+                Some(k16)
+            );
+            assert_eq!(Kernel::typed_q(&[code.into()], TypedQ::All, true), Some(k8));
+            assert_eq!(k8.symbol(), format!("{}_q8", k16.symbol()));
+        }
+        assert_eq!(
+            Kernel::typed_q(&[q4_k, q6_k], TypedQ::All, true),
+            Some(Kernel::FusedGemv1Q4KQ6KQ8)
+        );
+        assert_eq!(Kernel::typed_q(&[q4_k], TypedQ::NoQ4K, true), None);
     }
 
     #[test]

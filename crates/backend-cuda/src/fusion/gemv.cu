@@ -1087,11 +1087,13 @@ __device__ __forceinline__ void fq_stage(const FgSet& S, int u, int K, int lane,
 
 // QT: 0 for any block type per segment and any arithmetic `qm` (`fq_row`); a block type for
 // the typed entry points, whose segments all hold that type (or QT2, where it is not 0) and
-// whose `qm` is 1 (q16) or 2 (q8).
-template <int NC, int QT, int QT2 = 0>
+// whose arithmetic is QM, fixed when compiling (1: q16, 2: q8; the argument `qm` is then
+// ignored), so each entry point holds the code of one arithmetic only.
+template <int NC, int QT, int QT2 = 0, int QM = 0>
 __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, float* xs,
                                          const float* nx, float eps, void* nd, int dtn,
-                                         const void* nw, int dtnw, int qm, int pf) {
+                                         const void* nw, int dtnw, int qm_arg, int pf) {
+    const int qm = QT ? QM : qm_arg;
     const int lane = threadIdx.x & 31;
     const int units = (int)fg_units<NC>(S);
     const bool pair1 = NC == 2 && S.pair == 1;
@@ -1249,34 +1251,42 @@ extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32) fused_gemv1_q(i
 }
 #endif
 
-// `fused_gemv1_q` for sets whose segments all hold one block type, on q16 or q8 records (`qm`
-// 1 or 2): the decode products of a file quantized to one type (and most groups of a mixed one)
-// run one type's code, inlined, with no call or switch per weight row. The products are those
-// of `fused_gemv1_q` bit for bit. One entry point per type that has a one-load piece (`iq32`),
-// and one for the two types of Q4_K_M's mixed groups.
+// `fused_gemv1_q` for sets whose segments all hold one block type, on q16 records or (`_q8`)
+// q8 records (the argument `qm` is ignored): the decode products of a file quantized to one
+// type (and most groups of a mixed one) run one type's code, inlined, with no call or switch
+// per weight row. The products are those of `fused_gemv1_q` bit for bit. One entry point per
+// type that has a one-load piece (`iq32`) and arithmetic, and one for the two types of Q4_K_M's
+// mixed groups.
 #define FQ1_PARAMS                                                                            \
     i64 K, const float *a, FgSet S, const float *nx, float eps, void *nd, int dtn, const void *nw, \
         int dtnw, int qm, int pf
-#define FQ_TYPED(QT, QT2)                                                              \
-    extern __shared__ float4 fg1_smem[];                                               \
-    float* xs = (float*)fg1_smem;                                                      \
-    if (S.pair) {                                                                      \
-        fq1_body<2, QT, QT2>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);    \
-    } else {                                                                           \
-        fq1_body<1, QT, QT2>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);    \
+#define FQ_TYPED(QT, QT2, QM)                                                              \
+    extern __shared__ float4 fg1_smem[];                                                   \
+    float* xs = (float*)fg1_smem;                                                          \
+    if (S.pair) {                                                                          \
+        fq1_body<2, QT, QT2, QM>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);    \
+    } else {                                                                               \
+        fq1_body<1, QT, QT2, QM>((int)K, a, S, xs, nx, eps, nd, dtn, nw, dtnw, qm, pf);    \
     }
 #if LS_PART(4)
-extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_0(FQ1_PARAMS) { FQ_TYPED(DT_Q4_0, 0) }
-extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_1(FQ1_PARAMS) { FQ_TYPED(DT_Q4_1, 0) }
-extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q8_0(FQ1_PARAMS) { FQ_TYPED(DT_Q8_0, 0) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_0(FQ1_PARAMS) { FQ_TYPED(DT_Q4_0, 0, 1) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_1(FQ1_PARAMS) { FQ_TYPED(DT_Q4_1, 0, 1) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q8_0(FQ1_PARAMS) { FQ_TYPED(DT_Q8_0, 0, 1) }
 #endif
 #if LS_PART(5)
-extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K, 0) }
-extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q6_K, 0) }
-#endif
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K, 0, 1) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q6_K, 0, 1) }
 // Q4_K_M's groups of Q4_K and Q6_K weights (q and k beside v).
-#if LS_PART(5)
-extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_k_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K, DT_Q6_K) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_k_q6_k(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K, DT_Q6_K, 1) }
+#endif
+// The same on q8 records (`qdot=q8`).
+#if LS_PART(6)
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_0_q8(FQ1_PARAMS) { FQ_TYPED(DT_Q4_0, 0, 2) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_1_q8(FQ1_PARAMS) { FQ_TYPED(DT_Q4_1, 0, 2) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q8_0_q8(FQ1_PARAMS) { FQ_TYPED(DT_Q8_0, 0, 2) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_k_q8(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K, 0, 2) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q6_k_q8(FQ1_PARAMS) { FQ_TYPED(DT_Q6_K, 0, 2) }
+extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32, 1) fused_gemv1_q4_k_q6_k_q8(FQ1_PARAMS) { FQ_TYPED(DT_Q4_K, DT_Q6_K, 2) }
 #endif
 #undef FQ_TYPED
 #undef FQ1_PARAMS

@@ -572,7 +572,7 @@ fn typed_kernel(set: &FgSet, qm: i32, which: TypedQ) -> Option<Kernel> {
     for (t, g) in types.iter_mut().zip(segs) {
         *t = g.qt;
     }
-    Kernel::typed_q(&types[..segs.len()], which)
+    Kernel::typed_q(&types[..segs.len()], which, qm == 2)
 }
 
 /// `fused_gemv1_q`'s `pf` argument: bit 0 `CudaConfig::q_prefetch`, bit 1 `q_ahead` off, bit 2
@@ -755,7 +755,7 @@ mod tests {
         );
         assert_eq!(
             typed_kernel(&aligned, 2, TypedQ::All),
-            Some(Kernel::FusedGemv1Q4K),
+            Some(Kernel::FusedGemv1Q4KQ8),
             "q8 arithmetic"
         );
         assert_eq!(
