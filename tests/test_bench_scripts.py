@@ -469,10 +469,10 @@ def test_nvrtc_precompile_names_cubins_as_the_backend_does() -> None:
     assert units["quant-qt4"] == (mods["quant"], ["--gpu-architecture=sm_90", "-DLOWSYNC_QT=4"])
     assert units["norm"] == (mods["norm"], ["--gpu-architecture=sm_90"])
     parted = [label for label in units if label.startswith("fused_gemv")]
-    assert parted == [f"fused_gemv-part{p}" for p in range(1, 6)]
+    assert parted == [f"fused_gemv-part{p}" for p in range(1, 7)]
     assert units["fused_attention-part4"] == (
         mods["fused_attention"],
         ["--gpu-architecture=sm_90", "-DLOWSYNC_PART=4"],
     )
     assert "quant" not in units
-    assert len(units) == len(mods) - 3 + 12 + 5 + 4
+    assert len(units) == len(mods) - 3 + 12 + 6 + 4
