@@ -2648,6 +2648,7 @@ void test_fused_gemv1_q_head() {
             g.wout = 1;
             TypedCheck typed({&d});
             typed.qm = q16;
+            typed.stage = stage_pf(S, K, 8);
             const u64 key0 = *key;
             auto run = [&](FqKernel kernel, int pf) {
                 launch(grid ? (unsigned)grid : (unsigned)((d.n + 7) / 8), 256, [&] {

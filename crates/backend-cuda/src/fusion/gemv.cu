@@ -865,8 +865,8 @@ __device__ __forceinline__ void fq_rows16(const char* const (&w)[NC], int K, con
     }
 }
 
-// A unit's NC rows of block type QT (the typed entry points) into acc, rounds as `pf` bit 2
-// says (`fq_rows16`).
+// A unit's NC rows of block type QT (the typed entry points) into acc, on q16 records or (Q8)
+// q8 records, rounds as `pf` bit 2 says (`fq_rows16`).
 template <int QT, int NC, bool Q8>
 __device__ __forceinline__ void fq_unit16(const char* const (&wr)[NC], int K, const u8* xq, int lane, int pf,
                                           float (&acc)[NC]) {
@@ -886,17 +886,6 @@ __device__ __forceinline__ void fq_unit16(const char* const (&wr)[NC], int K, co
             fq_rows16<QT, 1, 2, Q8>(w1, K, xq, lane, a1);
             acc[c] = a1[0];
         }
-    }
-}
-
-// `fq_unit16` on q16 records (qm 1) or q8 records (qm 2).
-template <int QT, int NC>
-__device__ __forceinline__ void fq_unit(const char* const (&wr)[NC], int K, const u8* xq, int lane, int pf, int qm,
-                                        float (&acc)[NC]) {
-    if (qm == 2) {
-        fq_unit16<QT, NC, true>(wr, K, xq, lane, pf, acc);
-    } else {
-        fq_unit16<QT, NC, false>(wr, K, xq, lane, pf, acc);
     }
 }
 
@@ -1169,9 +1158,9 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
             const int t0 = (int)S.seg[pair1 ? 0 : s].qt, t1 = (int)S.seg[pair1 ? NC - 1 : s].qt;
             if (t0 == t1) {
                 if (t0 == QT) {
-                    fq_unit<QT, NC>(wr, K, (const u8*)xs, lane, pf, qm, acc);
+                    fq_unit16<QT, NC, QM == 2>(wr, K, (const u8*)xs, lane, pf, acc);
                 } else {
-                    fq_unit<QT2, NC>(wr, K, (const u8*)xs, lane, pf, qm, acc);
+                    fq_unit16<QT2, NC, QM == 2>(wr, K, (const u8*)xs, lane, pf, acc);
                 }
             } else {
 #pragma unroll
@@ -1179,15 +1168,15 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
                     const char* w1[1] = {wr[c]};
                     float a1[1];
                     if ((c ? t1 : t0) == QT) {
-                        fq_unit<QT, 1>(w1, K, (const u8*)xs, lane, pf, qm, a1);
+                        fq_unit16<QT, 1, QM == 2>(w1, K, (const u8*)xs, lane, pf, a1);
                     } else {
-                        fq_unit<QT2, 1>(w1, K, (const u8*)xs, lane, pf, qm, a1);
+                        fq_unit16<QT2, 1, QM == 2>(w1, K, (const u8*)xs, lane, pf, a1);
                     }
                     acc[c] = a1[0];
                 }
             }
         } else if (QT) {
-            fq_unit<QT, NC>(wr, K, (const u8*)xs, lane, pf, qm, acc);
+            fq_unit16<QT, NC, QM == 2>(wr, K, (const u8*)xs, lane, pf, acc);
         } else {
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
