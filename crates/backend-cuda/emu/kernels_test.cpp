@@ -431,16 +431,6 @@ FqKernel fq_typed(const std::vector<int>& types, int qm) {
     return !k46 ? nullptr : q8 ? fused_gemv1_q4_k_q6_k_q8 : fused_gemv1_q4_k_q6_k;
 }
 
-// `pf` bits 8 and up of a typed launch whose warps stage their first unit's rows (the host's
-// `fq_stage_slot`): per row of a unit, its bytes rounded up to 16 and 16 more; 0 where `warps`
-// slots and the K floats pass 48 KB.
-int stage_pf(const FgSet& S, i64 K, int warps) {
-    i64 row = 0;
-    for (int s = 0; s < S.nseg; ++s) row = std::max(row, K / q_block_size((int)S.seg[s].qt) * q_block_bytes((int)S.seg[s].qt));
-    const i64 slot = (S.pair ? 2 : 1) * ((row + 15) / 16 * 16 + 16);
-    return K * 4 + warps * slot > 48 * 1024 ? 0 : (int)(slot / 16) << 8;
-}
-
 // The bytes of the buffers a kernel writes, taken before the generic kernel's launch; `typed`
 // then, where the segments' one block type has a typed entry point, puts them back and runs it
 // (`run(kernel, pf)`: `pf` bit 2 set or not, a unit's rows interleaved or one after the other;
@@ -451,8 +441,6 @@ int stage_pf(const FgSet& S, i64 K, int warps) {
 struct TypedCheck {
     std::vector<Buf*> outs;
     std::vector<std::vector<unsigned char>> start;
-    // `pf` bits 8 and up for a staged first unit (`stage_pf`), or 0: runs with them too.
-    int stage = 0;
     // The arithmetic (1: q16, 2: q8) whose typed entry points `typed` runs.
     int qm = 1;
     explicit TypedCheck(std::vector<Buf*> o) : outs(std::move(o)) {
@@ -464,9 +452,7 @@ struct TypedCheck {
         if (!k) return;
         std::vector<std::vector<unsigned char>> want;
         for (Buf* b : outs) want.push_back(Producer::bytes(b));
-        std::vector<int> pfs = {0, 4, 8, 16};
-        if (stage) pfs.insert(pfs.end(), {stage, 4 | stage, 8 | stage, 16 | stage});
-        for (int pf : pfs) {
+        for (int pf : {0, 4, 8, 16}) {
             for (size_t i = 0; i < outs.size(); ++i) memcpy(outs[i]->p(), start[i].data(), start[i].size());
             run(k, pf);
             for (size_t i = 0; i < outs.size(); ++i) {
@@ -938,7 +924,6 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
     }
     const int* qs = q_sets[c.qset];
     if (q && q16) {
-        typed.stage = stage_pf(S, K, 8);
         typed.typed(tag + " typed", {qs[0], qs[1], qs[2]}, [&](FqKernel kernel, int pf) {
             err = 0;
             run_q(kernel, pf);
@@ -959,7 +944,6 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
                 run_q(fused_gemv1_q, 16);
             });
         }
-        typed.stage = stage_pf(S, K, 12);
         typed.typed(tag + " typed 12 warps", {qs[0], qs[1], qs[2]}, run12);
         if (err != want_err) {
             ++fails;
@@ -2615,9 +2599,7 @@ void test_fused_gemv1_q() {
             P.check_all(tag, K, [&](i64, i64 k) { return deq[k]; });
             P.check_all(tag + " (unquantized row)", K, [&](i64, i64 k) { return act[k]; }, q_raw_bound(q16));
             const std::vector<int> types(c.qt.begin(), c.qt.begin() + P.nseg);
-            typed.stage = stage_pf(P.S, K, 8);
             if (q16) typed.typed(tag + " typed", types, run);
-            typed.stage = stage_pf(P.S, K, 12);
             if (wide) typed.typed(tag + " typed 12 warps", types, run12);
         }
 }
@@ -2648,7 +2630,6 @@ void test_fused_gemv1_q_head() {
             g.wout = 1;
             TypedCheck typed({&d});
             typed.qm = q16;
-            typed.stage = stage_pf(S, K, 8);
             const u64 key0 = *key;
             auto run = [&](FqKernel kernel, int pf) {
                 launch(grid ? (unsigned)grid : (unsigned)((d.n + 7) / 8), 256, [&] {

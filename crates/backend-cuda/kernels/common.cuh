@@ -208,24 +208,6 @@ __device__ __forceinline__ unsigned ticket_add(unsigned* p, unsigned v) {
 #endif
 }
 
-// A 16-byte copy from global memory (src) to shared memory (dst), both 16-byte aligned, that
-// holds no register while in flight (`cp.async.cg`: through L2 only); `cp_async_wait` waits for
-// the calling thread's copies (a `__syncwarp` or `__syncthreads` after it shows them to the
-// others). Plain loads and stores in the emulation and below sm_80.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-#else
-    *(uint4*)dst = *(const uint4*)src;
-#endif
-}
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-
 // Argmax order (the `argmax` kernel and decode's head): a larger value wins, the lower index
 // on ties, NaN below every number (an all-NaN row gives index 0).
 __device__ __forceinline__ bool better(float v, i64 i, float bv, i64 bi) {

@@ -142,12 +142,6 @@ pub struct CudaConfig {
     /// the products in shared memory and reading them back (f32 row and weight, 16-byte
     /// aligned, at most 2,048 values; others stage). The same records bit for bit.
     pub q_direct_norm: bool,
-    /// In the typed entry points of decode's products on quantized weights, each warp copies
-    /// its first unit's weight rows into shared memory (`cp.async`) before its dependency wait,
-    /// so that unit's products meet no trip to memory for weights after it (tune key
-    /// `gemv_q_stage`, default off until timed). Only where the launch's shared memory stays
-    /// within 48 KB with the copies (not down's rows of 8,192 values); the same sums bit for bit.
-    pub q_stage: bool,
     /// Warps per block of decode's products on quantized weights without a norm prologue (o,
     /// down, the head; tune key `gemv_q_warps`, 1 to 24, or 0: from the launch's units,
     /// default 16). Each block quantizes the whole activation row before its first product,
@@ -284,7 +278,6 @@ impl Default for CudaConfig {
             q_interleave: true,
             q_direct: true,
             q_direct_norm: false,
-            q_stage: false,
             q_warps: 16,
             q_warps_norm: 8,
             q_head: true,
@@ -316,7 +309,7 @@ pub(crate) const MAX_Q_WARPS: u64 = 24;
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
      attn_split, rehearse, rehearse_list, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, \
      gemv_q_prefetch, gemv_q_ahead, gemv_q_head, gemv_q_typed, \
-     gemv_q_interleave, gemv_q_direct, gemv_q_direct_norm, gemv_q_stage, gemv_q_warps, gemv_q_warps_norm, gemv_pad_kb, \
+     gemv_q_interleave, gemv_q_direct, gemv_q_direct_norm, gemv_q_warps, gemv_q_warps_norm, gemv_pad_kb, \
      copy_kernel, \
      read_kernel, mmv_max_m, qdot (see docs/tuning.md)";
 
@@ -343,7 +336,7 @@ impl CudaConfig {
     /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`,
     /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `gemv_q_prefetch`,
     /// `gemv_q_ahead`, `gemv_q_head`, `gemv_q_interleave`, `gemv_q_direct`,
-    /// `gemv_q_direct_norm`, `gemv_q_stage`, `rehearse_list`, `read_kernel` (0 or 1); `gemv_q_typed` (0, 1 or
+    /// `gemv_q_direct_norm`, `rehearse_list`, `read_kernel` (0 or 1); `gemv_q_typed` (0, 1 or
     /// 2); `gemv_q_warps` (0 to 24) and `gemv_q_warps_norm` (0 or 8 to 24);
     /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` and `gemv_q_blocks` (1
     /// or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
@@ -396,7 +389,6 @@ impl CudaConfig {
                 "gemv_q_direct_norm" => {
                     self.q_direct_norm = flag("gemv_q_direct_norm=0 or gemv_q_direct_norm=1")?
                 }
-                "gemv_q_stage" => self.q_stage = flag("gemv_q_stage=0 or gemv_q_stage=1")?,
                 "gemv_q_warps" => {
                     let expected =
                         "gemv_q_warps=N, N warps per block from 1 to 24 (0: from the units)";
@@ -513,7 +505,7 @@ mod tests {
             "pdl=0, attn_fast=0,attn_prefill=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
              gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0,gemv_q_blocks=5,gemv_q_prefetch=1,gemv_q_head=0,rehearse_list=0,\
              gemv_q_ahead=0,gemv_q_typed=0,gemv_q_interleave=0,gemv_q_direct=0,gemv_q_warps=24,gemv_q_warps_norm=0,\
-             gemv_q_direct_norm=1,gemv_q_stage=1",
+             gemv_q_direct_norm=1",
         )
         .unwrap();
         let want = CudaConfig {
@@ -533,7 +525,6 @@ mod tests {
             q_interleave: false,
             q_direct: false,
             q_direct_norm: true,
-            q_stage: true,
             q_warps: 24,
             q_warps_norm: 0,
             rehearse_list: false,

@@ -960,17 +960,21 @@ __device__ __forceinline__ void fq_quantize(float* xs, int K) {
 template <bool Q8>
 __device__ __forceinline__ void fq_quantize_direct(float* xs, const float* a, int K) {
     const int nh = K / 16, bd = (int)blockDim.x;
-    for (int h0 = 0; h0 < nh; h0 += 2 * bd) {
+    // A warp takes a round's half-blocks only where its first lane's is inside the row: uniform
+    // over the warp (every lane of a live warp meets the halves' shuffle), and the warps past the
+    // row (12 of o's 16 at K = 2,048) neither load nor quantize. Their rounds end for good, since
+    // h0 only grows.
+    const int w0 = (int)(threadIdx.x & ~31u);
+    for (int h0 = 0; h0 + w0 < nh; h0 += 2 * bd) {
         float v[2][16];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int h = h0 + r * bd + (int)threadIdx.x;
-            fq_load16(a + 16 * (h < nh ? h : 0), v[r]);
+            if (h0 + r * bd + w0 < nh) fq_load16(a + 16 * (h < nh ? h : 0), v[r]);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            // Uniform over the block, so every lane of a warp meets the halves' shuffle.
-            if (h0 + r * bd < nh) {
+            if (h0 + r * bd + w0 < nh) {
                 const int h = h0 + r * bd + (int)threadIdx.x;
                 fq_half<Q8>(v[r], xs, h, h < nh);
             }
@@ -1004,7 +1008,10 @@ __device__ __forceinline__ void fq_norm_direct(float* xs, int K, const float* x,
         }
     }
     const int nh = K / 16, bd = (int)blockDim.x;
-    for (int h0 = 0; h0 < nh; h0 += bd) {
+    // Warps whose first lane is past the row skip the round (as `fq_quantize_direct`): half of
+    // q/k/v's and gate/up's 8 warps at K = 2,048.
+    const int w0 = (int)(threadIdx.x & ~31u);
+    for (int h0 = 0; h0 + w0 < nh; h0 += bd) {
         const int h = h0 + (int)threadIdx.x;
         const bool live = h < nh;
         float v[16], g[16];
@@ -1049,26 +1056,6 @@ __device__ __forceinline__ void fq_prefetch(const FgSet& S, int u, int K, int la
     }
 }
 
-// Unit u's weight rows copied into shared memory at dst (`cp_async16`, no wait), each from the
-// 16 bytes holding its first byte to those holding its last, so a row keeps its address modulo
-// 16 (`iq32`'s aligned loads read the same words); rows[c]: row c's first byte there. Every
-// lane of the warp takes part. The room: per row, 16 bytes more than its bytes rounded up to 16
-// (the host's `fq_stage_slot`).
-template <int NC>
-__device__ __forceinline__ void fq_stage(const FgSet& S, int u, int K, int lane, char* dst,
-                                         const char* (&rows)[NC]) {
-    const char *wr[NC], *end[NC];
-    fq_unit_rows<NC>(S, u, K, wr, end);
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-        const char* from = (const char*)((u64)wr[c] & ~(u64)15);
-        const int n = (int)((end[c] - from + 15) / 16);
-        for (int i = lane; i < n; i += 32) cp_async16(dst + 16 * i, from + 16 * i);
-        rows[c] = dst + ((u64)wr[c] & 15u);
-        dst += 16 * n;
-    }
-}
-
 // The largest block of `fused_gemv1_q` and its typed entry points (24 warps): the bounds
 // `(768, 1)` hold the typed ones to the 80 registers that three blocks of FG1_WARPS warps
 // also allowed, so one kernel serves both shapes.
@@ -1094,18 +1081,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     const int nwarps = (int)(blockDim.x >> 5);
     const int stride = (int)gridDim.x * nwarps;
     const int u0 = (int)blockIdx.x * nwarps + (threadIdx.x >> 5);
-    // `pf` bits 8 and up (typed entry points): a slot of (pf >> 8) * 16 bytes of shared memory
-    // per warp past the row's K floats, into which the warp copies its first unit's rows before
-    // the wait; that unit's products read them there, so no trip to memory for weights follows
-    // the wait. Otherwise the rows are asked into L2 (unless `pf` bit 1).
-    const int slot = QT ? (pf >> 8) * 16 : 0;
-    const bool stage = slot && u0 < units;
-    const char* staged[NC];
-    if (stage) {
-        fq_stage<NC>(S, u0, K, lane, (char*)xs + 4 * K + (threadIdx.x >> 5) * slot, staged);
-    } else if (u0 < units && !(pf & 2)) {
-        fq_prefetch<NC>(S, u0, K, lane);
-    }
+    if (u0 < units && !(pf & 2)) fq_prefetch<NC>(S, u0, K, lane);
     pdl_entry();
     const bool quant = QT != 0 || qm;
     if (!nx && (pf & 8) && quant) {
@@ -1143,12 +1119,6 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         i64 j;
         const char* wr[NC];
         fg_unit<DT_Q4_0, NC>(S, u, s, j, wr);  // any block type: byte strides
-        if (stage && u == u0) {
-            cp_async_wait();
-            __syncwarp();
-#pragma unroll
-            for (int c = 0; c < NC; ++c) wr[c] = staged[c];
-        }
         // `pf` bit 0: the warp's next unit's rows into L2 before this one's products, so its loads
         // meet L2 instead of DRAM (a warp otherwise has one unit's bytes in flight).
         if ((pf & 1) && u + stride < units) fq_prefetch<NC>(S, u + stride, K, lane);
@@ -1220,10 +1190,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // over both rows of a pair or four pieces of a single row (`CudaConfig::q_interleave` off);
 // bit 3: without a norm prologue, the row quantized straight from a (`fq_quantize_direct`,
 // `CudaConfig::q_direct`); bit 4: with one (f32, aligned, K <= 2,048), its products quantized
-// from registers (`fq_norm_direct`, `CudaConfig::q_direct_norm`); bits 8 and up (typed entry
-// points; the generic kernel ignores them): each warp's first unit's rows staged in shared
-// memory before the wait, in a slot of (pf >> 8) * 16 bytes per warp past the K floats
-// (`fq_stage`; `CudaConfig::q_stage`), which the dynamic shared memory then holds too.
+// from registers (`fq_norm_direct`, `CudaConfig::q_direct_norm`).
 #if LS_PART(3)
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,

@@ -456,49 +456,9 @@ fn launch_fq(
     // The integer paths quantize the staged row in place (q16: 2.5 bytes a value in its 4,
     // q8: 1.5): the same shared memory every way.
     let qm = exec.inner.cfg.qdot.kernel_mode();
-    let typed = typed_kernel(&set, qm, exec.inner.cfg.q_typed);
-    // The typed kernels' staged first units (`pf` bits 8 and up): a slot per warp past the row.
-    let warps = threads as usize / 32;
-    let slot = match typed {
-        Some(_) if exec.inner.cfg.q_stage => fq_stage_slot(&set, k, warps),
-        _ => 0,
-    };
-    let kernel = typed.unwrap_or(Kernel::FusedGemv1Q);
-    let pf = q_prefetch_flags(exec) | ((slot / 16) as i32) << 8;
-    let args = norm_tail(args, pro).arg(qm).arg(pf);
-    let shared = k * 4 + warps * slot;
-    exec.launch_shared(node, kernel, blocks, threads, shared as u32, args)
-}
-
-/// Bytes of one warp's slot for the staged first unit of a typed `fused_gemv1_q` launch
-/// (`CudaConfig::q_stage`, `fq_stage` in gemv.cu) over rows of `k` values: per row of a unit,
-/// its bytes rounded up to 16 and 16 more (a row keeps its address modulo 16 there). 0 (no
-/// staging) where `warps` slots and the row's K floats would pass `GEMV1_MAX_SHARED`, or a
-/// segment's block type or row length does not fit.
-fn fq_stage_slot(set: &FgSet, k: usize, warps: usize) -> usize {
-    let Some(segs) = usize::try_from(set.nseg)
-        .ok()
-        .and_then(|n| set.seg.get(..n))
-    else {
-        return 0;
-    };
-    let mut row = 0;
-    for g in segs {
-        let block = DType::ALL
-            .into_iter()
-            .find(|&d| qt(d).map(i64::from) == Some(g.qt));
-        let Some(bytes) = block.and_then(|d| quant_row_bytes(d, k)) else {
-            return 0;
-        };
-        row = row.max(bytes);
-    }
-    let rows = if set.pair != 0 { 2 } else { 1 };
-    let slot = rows * (row.next_multiple_of(16) + 16);
-    if k * 4 + warps * slot > matmul::GEMV1_MAX_SHARED {
-        0
-    } else {
-        slot
-    }
+    let kernel = typed_kernel(&set, qm, exec.inner.cfg.q_typed).unwrap_or(Kernel::FusedGemv1Q);
+    let args = norm_tail(args, pro).arg(qm).arg(q_prefetch_flags(exec));
+    exec.launch_shared(node, kernel, blocks, threads, (k * 4) as u32, args)
 }
 
 /// The grid and the threads per block of a `fused_gemv1_q` launch under `cfg`, with or without
@@ -576,8 +536,7 @@ fn typed_kernel(set: &FgSet, qm: i32, which: TypedQ) -> Option<Kernel> {
 }
 
 /// `fused_gemv1_q`'s `pf` argument: bit 0 `CudaConfig::q_prefetch`, bit 1 `q_ahead` off, bit 2
-/// `q_interleave` off, bit 3 `q_direct`, bit 4 `q_direct_norm` (bits 8 and up, the staging
-/// slot, are the launch's: `launch_fq`).
+/// `q_interleave` off, bit 3 `q_direct`, bit 4 `q_direct_norm`.
 fn q_prefetch_flags(exec: &Exec<'_>) -> i32 {
     let cfg = &exec.inner.cfg;
     cfg.q_prefetch as i32
@@ -724,25 +683,6 @@ mod tests {
             "a norm prologue takes 8 at least"
         );
         assert_eq!(fq_shape(2048, 4, 1, 132).warps, 4);
-    }
-
-    #[test]
-    fn a_staging_slot_holds_a_units_rows_within_48_kb() {
-        let (q4_0, q8_0, q6_k) = (4, 8, 13);
-        // q/k/v or gate/up of "1b" Q4_0: pairs of 1,152-byte rows, 8 warps.
-        let mut pair = set(&[(q4_0, 0x1000, 1152), (q4_0, 0x9000, 1152)]);
-        pair.pair = 2;
-        assert_eq!(fq_stage_slot(&pair, 2048, 8), 2 * (1152 + 16));
-        // The slot takes the longest row of the set (Q8_0's 2,176 bytes beside Q6_K's 1,680).
-        let mut mixed = set(&[(q8_0, 0x1000, 2176), (q6_k, 0x9000, 1680)]);
-        mixed.pair = 1;
-        assert_eq!(fq_stage_slot(&mixed, 2048, 8), 2 * (2176 + 16));
-        // o: one row a unit, 16 warps.
-        let one = set(&[(q4_0, 0x1000, 1152)]);
-        assert_eq!(fq_stage_slot(&one, 2048, 16), 1152 + 16);
-        // down: 4,608-byte rows and 32 KB of floats pass 48 KB; a K not of whole blocks fits no row.
-        assert_eq!(fq_stage_slot(&one, 8192, 16), 0);
-        assert_eq!(fq_stage_slot(&one, 2050, 16), 0);
     }
 
     #[test]
