@@ -937,16 +937,18 @@ __device__ __forceinline__ void fq_half(const float (&v)[16], float* xs, int h, 
 // the barrier and its records written after it. Round r's records end at byte 40 (q8: 24) *
 // blockDim.x * (r + 1), below the floats of round r + 1 (from byte 64 * blockDim.x * (r + 1)),
 // so a record only overwrites floats already read.
+// A warp whose first lane's half-block lies past the row only meets the barriers.
 template <bool Q8>
 __device__ __forceinline__ void fq_quantize(float* xs, int K) {
     const int nh = K / 16;
+    const int w0 = (int)(threadIdx.x & ~31u);
     for (int h0 = 0; h0 < nh; h0 += blockDim.x) {
         const int h = h0 + threadIdx.x;
-        const bool live = h < nh;
+        const bool live = h < nh, warp_live = h0 + w0 < nh;
         float v[16];
-        fq_load16(xs + 16 * (live ? h : 0), v);
+        if (warp_live) fq_load16(xs + 16 * (live ? h : 0), v);
         __syncthreads();
-        fq_half<Q8>(v, xs, h, live);
+        if (warp_live) fq_half<Q8>(v, xs, h, live);
     }
     __syncthreads();
 }
