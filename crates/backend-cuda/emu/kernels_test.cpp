@@ -2441,14 +2441,14 @@ void test_quant_mmv() {
     }
 }
 
-// Two rounds of a quantized head with its argmax on N = 45 random rows of c's blocks (K two
-// blocks): `head(w, rb, K, a, d, key)` launches the kernel under test (logits into d, its
+// Two rounds of a quantized head with its argmax on N random rows (45 unless given) of c's
+// blocks (K two blocks): `head(w, rb, K, a, d, key)` launches the kernel under test (logits into d, its
 // argmax key into key), then `argmax_take` and `mul_mat_vec_q` (into ref) run, and
 // `verify(round, d, ref, am, best, key)` checks them, `best` the `better` argmax of d. The
 // second round copies the best row's blocks below it (a tie the lower row must win).
 template <class Head, class Verify>
-void head_rounds(const QCase& c, int q16, Head head, Verify verify) {
-    const i64 qb = c.qb(), bb = c.bb(), K = 2 * qb, N = 45, rb = 2 * bb;
+void head_rounds(const QCase& c, int q16, Head head, Verify verify, i64 N = 45) {
+    const i64 qb = c.qb(), bb = c.bb(), K = 2 * qb, rb = 2 * bb;
     std::vector<unsigned char> w((size_t)(N * rb));
     for (i64 b = 0; b < N * 2; ++b) memcpy(w.data() + b * bb, c.bytes.data() + (rng() % c.nblocks) * bb, bb);
     Buf a(DT_F32, K), d(DT_F32, N), ref(DT_F32, N);
@@ -2612,6 +2612,9 @@ void test_fused_gemv1_q() {
 // (another summation order). A second round copies the best row below it: the tie goes to the
 // lower row.
 void test_fused_gemv1_q_head() {
+    // pairs: the head's rows two to a unit (`CudaConfig::q_head_pairs`: row pairs without a
+    // Rope or a cache row), over 44 rows.
+    for (int pairs : {0, 1})
     for (int grid : {0, 2})
     for (int q16 : {0, 1, 2})
     for (const QCase& c : quant_cases()) {
@@ -2619,6 +2622,7 @@ void test_fused_gemv1_q_head() {
             FgSet S{};
             S.nseg = 1;
             S.amax = (u64)key;
+            S.pair = pairs ? 2 : 0;
             FgSeg& g = S.seg[0];
             g.n = d.n;
             g.w = (u64)w;
@@ -2640,7 +2644,9 @@ void test_fused_gemv1_q_head() {
             if (q16) {
                 // The typed entry point from the same start: the same logits and the same word.
                 const u64 want = *key;
-                typed.typed("fused_gemv1_q head " + c.name + " grid " + std::to_string(grid) + " typed", {c.qt},
+                typed.typed("fused_gemv1_q head " + c.name + " grid " + std::to_string(grid) + " pairs " +
+                                std::to_string(pairs) + " typed",
+                            {c.qt},
                             [&](FqKernel kernel, int pf) {
                                 *key = key0;
                                 run(kernel, pf);
@@ -2656,14 +2662,15 @@ void test_fused_gemv1_q_head() {
             std::vector<double> got(d.n), want(d.n);
             for (i64 j = 0; j < d.n; ++j) got[j] = d.get(j), want[j] = ref.get(j);
             const std::string tag = "fused_gemv1_q head " + c.name + " qm " + std::to_string(q16) + " grid " +
-                                    std::to_string(grid) + " round " + std::to_string(round);
+                                    std::to_string(grid) + " pairs " + std::to_string(pairs) + " round " +
+                                    std::to_string(round);
             check(tag + ": logits against mul_mat_vec_q", want, got, 1e-9);
             if (am != (int)best || key != 0) {
                 ++fails;
                 printf("FAIL %s: index %d want %lld, key %llu\n", tag.c_str(), am, (long long)best,
                        (unsigned long long)key);
             }
-        });
+        }, pairs ? 44 : 45);
     }
 }
 

@@ -1161,13 +1161,17 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
             } else {
                 fg1_store<NC>(S, s, j, acc);
             }
-            if (NC == 1 && S.amax) {
-                const u64 kk = argmax_key(acc[0], j);
-                best = kk > best ? kk : best;
+            if (S.amax) {
+                // The head (one segment, no Rope): NC 2 is a pair of adjacent rows j, j + 1.
+#pragma unroll
+                for (int c = 0; c < NC; ++c) {
+                    const u64 kk = argmax_key(acc[c], j + c);
+                    best = kk > best ? kk : best;
+                }
             }
         }
     }
-    if (NC == 1 && S.amax) {
+    if (S.amax) {
         // As `mul_mat_vec_q_argmax`: the block's largest key into the word, not waited for.
         __shared__ u64 sk[FQ1_MAX_WARPS];
         if (lane == 0) sk[threadIdx.x >> 5] = best;

@@ -583,7 +583,15 @@ pub(crate) fn launch_head_q(
         ..FgSet::default()
     };
     set.seg[0] = FgSeg::product(n, w.ptr, w_rs, code, out, true);
-    launch_fq(exec, mm, k, a.ptr, set, None, n)?;
+    // `q_head_pairs`: units of two adjacent rows (the row-pair mode without a Rope or a cache
+    // row, which stores both products), where the rows pair up.
+    let units = if exec.inner.cfg.q_head_pairs && n.is_multiple_of(2) {
+        set.pair = 2;
+        n / 2
+    } else {
+        n
+    };
+    launch_fq(exec, mm, k, a.ptr, set, None, units)?;
     Ok(true)
 }
 
