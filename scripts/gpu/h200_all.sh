@@ -9,7 +9,7 @@
 # `scripts/gpu/make_carry.sh` makes all of these on the CPU machine.
 # Output: $OUT/summary.txt (what a closing note quotes) and $OUT/logs.tar.gz (everything).
 #
-#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [coldstart] [bench] [compare] [llamacpp] [vkcmp] [rebar] [attn] [ktrace] [ab] [torch] ...
+#   bash scripts/gpu/h200_all.sh [cuda] [vulkan] [coldstart] [bench] [compare] [llamacpp] [vkcmp] [rebar] [attn] [ktrace] [ab] [ubsweep] [torch] ...
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -456,6 +456,20 @@ if has ncusource; then
           done
         done
     fi
+fi
+if has ubsweep; then
+    # One GPU's prompt rate at each ubatch (docs/multi-gpu.md: what two pipeline stages can gain
+    # on a 512-token prompt needs r(U), one GPU's rate at ubatch U): `lowsync bench` on the
+    # built-in UB_MODEL (default 1b) with UB_T weights (default q4_k), -p 512, for each U of
+    # UB_LIST.
+    for u in ${UB_LIST:-32 64 128 256 512}; do
+        timeout "$(tl 120)" python3 -m lowsync.cli bench -m ${UB_MODEL:-1b} -t ${UB_T:-q4_k} --backend cuda \
+            --policy staged --launch-ahead 1 -r ${UB_R:-2} --json -ub "$u" -p 512 -n 4 -ctk f16 \
+            >"$logs/ub-$u.json" 2>"$logs/ub-$u.err"
+        say "ubatch $u: exit $? $(python3 -c 'import json, sys
+rows = json.loads(sys.stdin.read())
+print(" ".join("pp %.0f" % float(r["pp_tps"]) for r in rows))' <"$logs/ub-$u.json" 2>&1 | tail -1)"
+    done
 fi
 if has gemvspeed; then
     LOWSYNC_REQUIRE_CUDA=1 timeout "$(tl 200)" .carry/cuda-tests/gemv_speed --ignored --nocapture --test-threads=1 \
