@@ -71,7 +71,8 @@ struct FgSet {
     i64 sw_dt, sw_rs, sw_cs;
     i64 wnorm;
     u64 err;
-    // Decode's head (`fused_gemv1_q`, one segment, no pairs): the u64 word that takes the
+    // Decode's head (`fused_gemv1_q`, one segment; pair 0, or 2 for rows two to a unit under
+    // `CudaConfig::q_head_pairs`, with no Rope or cache row): the u64 word that takes the
     // largest `argmax_key` of the products (atomicMax, then `argmax_take`), or 0.
     u64 amax;
 };
