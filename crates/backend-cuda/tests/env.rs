@@ -98,6 +98,8 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
 
     // Off by default (the flags above are on by default).
     assert!(!d.q_direct_norm && tuned("gemv_q_direct_norm=1").unwrap().q_direct_norm);
+    assert!(!d.q_head_pairs && tuned("gemv_q_head_pairs=1").unwrap().q_head_pairs);
+    assert!(tune_error("gemv_q_head_pairs=2").contains("gemv_q_head_pairs"));
     assert_eq!(
         tuned("gemv_q_direct_norm=1,gemv_q_direct_norm=0").unwrap(),
         d
@@ -164,6 +166,7 @@ fn a_bad_tune_key_or_value_is_an_error_naming_the_variable() {
             "gemv_q_blocks",
             "gemv_q_prefetch",
             "gemv_q_head",
+            "gemv_q_head_pairs",
             "gemv_q_ahead",
             "gemv_q_typed",
             "gemv_q_interleave",
