@@ -38,7 +38,7 @@ const QDOTS: [&str; 3] = ["qdot=q16", "qdot=q8", "qdot=f32"];
 /// emulation checks the q8 kernels tightly against the q8-rounded row); q16 and f32 stay near
 /// 1e-8.
 fn decode_bound(tune: &str) -> f64 {
-    if tune == "qdot=q8" {
+    if tune.split(',').any(|item| item == "qdot=q8") {
         1e-2
     } else {
         1e-6
@@ -195,14 +195,18 @@ fn a_quantized_weight_read_other_than_as_w_transposed_is_a_clear_error() {
     assert!(msg.contains("x @ w.T"), "{msg}");
 }
 
-/// Decode's head on a quantized weight: the product and its `Argmax` in one graph run as
-/// `mul_mat_vec_q_argmax` + `argmax_take`; the logits match the oracle's and the index is the
-/// argmax of the logits CUDA wrote (the lower column on a tie, made by a repeated row).
+/// Decode's head on a quantized weight: the product and its `Argmax` in one graph run as one
+/// product with the argmax folded in (`fused_gemv1_q`, its rows one or, with
+/// `gemv_q_head_pairs`, two to a unit) + `argmax_take`; the logits match the oracle's and the
+/// index is the argmax of the logits CUDA wrote (the lower column on a tie, made by a repeated
+/// row).
 #[test]
 #[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn a_quantized_head_and_its_argmax_give_the_logits_argmax() {
     for tune in QDOTS {
         head_and_argmax(tune);
+        // The head's rows two to a unit (300 rows: 150 pairs; the tie across two pairs).
+        head_and_argmax(&format!("{tune},gemv_q_head_pairs=1"));
     }
 }
 
