@@ -476,3 +476,33 @@ def test_nvrtc_precompile_names_cubins_as_the_backend_does() -> None:
     )
     assert "quant" not in units
     assert len(units) == len(mods) - 3 + 12 + 6 + 4
+
+
+def test_cubin_regs_reads_cuobjdumps_listings() -> None:
+    """`scripts/gpu/cubin_regs.py` takes each kernel's registers, stack and shared memory from
+    `cuobjdump -res-usage` and counts the local-memory loads and stores in its SASS."""
+    regs = _module("cubin_regs", ROOT / "scripts" / "gpu")
+    usage = """
+Resource usage:
+ Common:
+  GLOBAL:145 CONSTANT[4]:16
+ Function fused_gemv1_q4_0:
+  REG:76 STACK:40 SHARED:1536 LOCAL:0 CONSTANT[2]:468 CONSTANT[0]:1628 TEXTURE:0 SURFACE:0
+ Function fused_gemv1_q6_k:
+  REG:80 STACK:48 SHARED:0 LOCAL:0 CONSTANT[0]:1628 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+    assert regs.parse_res_usage(usage) == [
+        regs.Usage("fused_gemv1_q4_0", 76, 40, 1536),
+        regs.Usage("fused_gemv1_q6_k", 80, 48, 0),
+    ]
+    sass = """
+		Function : fused_gemv1_q4_0
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*06a0*/                   STL [R1+0x28], R4 ;
+		Function : fused_gemv1_q6_k
+        /*8fe0*/                   LDL R2, [R1+0x28] ;
+        /*26ed0*/                  STL.64 [R0], R6 ;
+        /*26f80*/              @P2 LDL.64 R6, [R1+0x10] ;
+        /*26f90*/                  LDS.128 R16, [R13] ;
+"""
+    assert regs.local_ops(sass) == {"fused_gemv1_q4_0": 1, "fused_gemv1_q6_k": 3}

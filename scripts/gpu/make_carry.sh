@@ -55,10 +55,23 @@ if has cubins; then
             -d "$nvrtc" "nvidia-cuda-nvrtc==13.0.*"
         for w in "$nvrtc"/*.whl; do python3 -m zipfile -e "$w" "$nvrtc/x"; done
     fi
+    # cuobjdump and the nvdisasm it runs for SASS (their oldest wheels on PyPI are 13.5; they
+    # read 13.0's cubins), for cubin_regs.py.
+    if [ ! -x "$nvrtc/x/nvidia/cu13/bin/nvdisasm" ]; then
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+            -d "$nvrtc/objdump" "nvidia-cuda-cuobjdump==13.*" "nvidia-cuda-nvdisasm==13.*" &&
+            for w in "$nvrtc"/objdump/*.whl; do python3 -m zipfile -e "$w" "$nvrtc/x"; done &&
+            chmod +x "$nvrtc/x/nvidia/cu13/bin/cuobjdump" "$nvrtc/x/nvidia/cu13/bin/nvdisasm"
+    fi
     tmp=$(mktemp -d)
     mkdir -p "$tmp/cubins"
     LD_LIBRARY_PATH="$nvrtc/x/nvidia/cu13/lib" python3 scripts/gpu/nvrtc_precompile.py "$tmp/cubins"
     tar cJf .carry/cubins.txz -C "$tmp" cubins
+    # The decode products' registers and local-memory instructions (their budget: 80).
+    if [ -x "$nvrtc/x/nvidia/cu13/bin/nvdisasm" ]; then
+        python3 scripts/gpu/cubin_regs.py "$tmp/cubins" --only fused_gemv1_q,attn_split
+    fi
     rm -rf "$tmp"
 fi
 
