@@ -2442,8 +2442,8 @@ void test_quant_mmv() {
 }
 
 // Two rounds of a quantized head with its argmax on N random rows (45 unless given) of c's
-// blocks (K two blocks): `head(w, rb, K, a, d, key)` launches the kernel under test (logits into d, its
-// argmax key into key), then `argmax_take` and `mul_mat_vec_q` (into ref) run, and
+// blocks (K two blocks): `head(w, rb, K, a, d, key)` launches the kernel under test (logits
+// into d, its argmax key into key), then `argmax_take` and `mul_mat_vec_q` (into ref) run, and
 // `verify(round, d, ref, am, best, key)` checks them, `best` the `better` argmax of d. The
 // second round copies the best row's blocks below it (a tie the lower row must win).
 template <class Head, class Verify>

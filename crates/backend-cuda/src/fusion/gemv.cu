@@ -1030,32 +1030,21 @@ __device__ __forceinline__ void fq_norm_direct(float* xs, int K, const float* x,
     __syncthreads();
 }
 
-// Unit u's weight rows: each row's first byte (wr) and the byte past its last (end), its block
-// type from its segment.
+// Unit u's weight rows (block types from their segments) into L2: a 128-byte line per lane
+// per pass, from the line holding each row's first byte to its end.
 template <int NC>
-__device__ __forceinline__ void fq_unit_rows(const FgSet& S, int u, int K, const char* (&wr)[NC],
-                                             const char* (&end)[NC]) {
+__device__ __forceinline__ void fq_prefetch(const FgSet& S, int u, int K, int lane) {
     const bool pair1 = NC == 2 && S.pair == 1;
     int s;
     i64 j;
+    const char* wr[NC];
     fg_unit<DT_Q4_0, NC>(S, u, s, j, wr);
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
         const int qt = (int)S.seg[pair1 ? c : s].qt;
-        end[c] = wr[c] + (i64)(K / q_block_size(qt)) * q_block_bytes(qt);
-    }
-}
-
-// Unit u's weight rows into L2: a 128-byte line per lane per pass, from the line holding each
-// row's first byte to its end.
-template <int NC>
-__device__ __forceinline__ void fq_prefetch(const FgSet& S, int u, int K, int lane) {
-    const char *wr[NC], *end[NC];
-    fq_unit_rows<NC>(S, u, K, wr, end);
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
+        const char* end = wr[c] + (i64)(K / q_block_size(qt)) * q_block_bytes(qt);
         const char* line = (const char*)((u64)wr[c] & ~(u64)127);
-        for (const char* p = line + 128 * lane; p < end[c]; p += 128 * 32) prefetch_l2(p);
+        for (const char* p = line + 128 * lane; p < end; p += 128 * 32) prefetch_l2(p);
     }
 }
 
