@@ -168,6 +168,18 @@ def test_cuda_decode_plan_is_five_launches_per_layer_at_any_cache_size(n_ctx: in
         ls._native.cuda_fusion_plan(sess.plans[0], 1)
 
 
+def test_cuda_decode_plan_of_a_quantized_head_is_one_launch() -> None:
+    """On quantized weights the head takes the final norm as its prologue and the index itself
+    (`gemv_q_head_fold`, on by default): after the layers, one launch where a plain head has
+    three. Needs `gguf` to quantize the random weights."""
+    pytest.importorskip("gguf")
+    model = Llama.random(LlamaConfig(256, 128, 2, 4, 2, 256), seed=0, dtype="q4_0")
+    sess = ls.Session(model, backends=["noop"], n_ctx=64, n_ubatch=4, kv_dtype="f16")
+    launches = ls._native.cuda_fusion_plan(sess.plans[0])
+    head = ["fused norm+gemv+argmax [rms_norm,mul,mul_mat,argmax]"]
+    assert launches == ["get_rows", *DECODE_LAYER_LAUNCHES * 2, *head], launches
+
+
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
 def test_cuda_prefill_plan_fuses_each_layers_attention(kv_dtype: str) -> None:
     """The prefill graph's CUDA launches, worked out without a device: each layer's attention

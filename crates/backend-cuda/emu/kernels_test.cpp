@@ -2442,10 +2442,12 @@ void test_quant_mmv() {
 }
 
 // Two rounds of a quantized head with its argmax on N random rows (45 unless given) of c's
-// blocks (K two blocks): `head(w, rb, K, a, d, key)` launches the kernel under test (logits
-// into d, its argmax key into key), then `argmax_take` and `mul_mat_vec_q` (into ref) run, and
-// `verify(round, d, ref, am, best, key)` checks them, `best` the `better` argmax of d. The
-// second round copies the best row's blocks below it (a tie the lower row must win).
+// blocks (K two blocks): `head(w, rb, K, a, d, key, am)` launches the kernel under test (logits
+// into d, its argmax key into key[0]; a launch that takes the index itself writes am, with
+// key[1] its ticket), then `argmax_take` (unless am was written) and `mul_mat_vec_q` on a
+// (into ref) run, and `verify(round, d, ref, am, best, key[0])` checks them, `best` the
+// `better` argmax of d. The ticket must be 0 again. The second round copies the best row's
+// blocks below it (a tie the lower row must win).
 template <class Head, class Verify>
 void head_rounds(const QCase& c, int q16, Head head, Verify verify, i64 N = 45) {
     const i64 qb = c.qb(), bb = c.bb(), K = 2 * qb, rb = 2 * bb;
@@ -2453,11 +2455,16 @@ void head_rounds(const QCase& c, int q16, Head head, Verify verify, i64 N = 45) 
     for (i64 b = 0; b < N * 2; ++b) memcpy(w.data() + b * bb, c.bytes.data() + (rng() % c.nblocks) * bb, bb);
     Buf a(DT_F32, K), d(DT_F32, N), ref(DT_F32, N);
     a.rand();
-    u64 key = 0;
-    int am = -1;
+    u64 key[2] = {0, 0};
     for (int round = 0; round < 2; ++round) {
-        head(w.data(), rb, K, a, d, &key);
-        launch(1, 32, [&] { argmax_take(&key, &am); });
+        int am = -1;
+        head(w.data(), rb, K, a, d, key, am);
+        if (am < 0) launch(1, 32, [&] { argmax_take(key, &am); });
+        if (key[1] != 0) {
+            ++fails;
+            printf("FAIL head %s qm %d round %d: ticket %llu left\n", c.name.c_str(), q16, round,
+                   (unsigned long long)key[1]);
+        }
         MmBatch B{};
         launch((unsigned)((N + MVQ_WARPS - 1) / MVQ_WARPS), 32 * MVQ_WARPS, [&] {
             mul_mat_vec_q(1, N, K, 1, B, (float*)ref.p(), N, 1, (const float*)a.p(), K, w.data(), c.qt, rb, 0, q16);
@@ -2465,7 +2472,7 @@ void head_rounds(const QCase& c, int q16, Head head, Verify verify, i64 N = 45) 
         i64 best = 0;
         for (i64 j = 1; j < N; ++j)
             if (better(d.get(j), j, d.get(best), best)) best = j;
-        verify(round, d, ref, am, best, key);
+        verify(round, d, ref, am, best, key[0]);
         const i64 lower = best > 0 ? best / 2 : 0;
         if (best > 0) memcpy(w.data() + lower * rb, w.data() + best * rb, rb);
     }
@@ -2478,7 +2485,7 @@ void head_rounds(const QCase& c, int q16, Head head, Verify verify, i64 N = 45) 
 void test_quant_head_argmax() {
     for (int q16 : {0, 1, 2})
     for (const QCase& c : quant_cases()) {
-        auto head = [&](const unsigned char* w, i64 rb, i64 K, Buf& a, Buf& d, u64* key) {
+        auto head = [&](const unsigned char* w, i64 rb, i64 K, Buf& a, Buf& d, u64* key, int&) {
             const i64 N = d.n;
             MmBatch B{};
             launch((unsigned)((N + MVQ_WARPS - 1) / MVQ_WARPS), 32 * MVQ_WARPS, [&] {
@@ -2613,15 +2620,23 @@ void test_fused_gemv1_q() {
 // lower row.
 void test_fused_gemv1_q_head() {
     // pairs: the head's rows two to a unit (`CudaConfig::q_head_pairs`: row pairs without a
-    // Rope or a cache row), over 44 rows.
+    // Rope or a cache row), over 44 rows. fold (`CudaConfig::q_head_fold`): the final norm as
+    // the prologue (its product written to a, which `mul_mat_vec_q` then reads) and the index
+    // taken by the launch (`FgSet::take`).
+    for (int fold : {0, 1})
     for (int pairs : {0, 1})
     for (int grid : {0, 2})
     for (int q16 : {0, 1, 2})
     for (const QCase& c : quant_cases()) {
-        auto head = [&](const unsigned char* w, i64 rb, i64 K, Buf& a, Buf& d, u64* key) {
+        Buf x(DT_F32, 2 * c.qb()), nw(DT_F32, 2 * c.qb()), nd(DT_F32, 2 * c.qb());
+        x.rand(2.0f);
+        nw.rand(1.5f);
+        auto head = [&](const unsigned char* w, i64 rb, i64 K, Buf& a, Buf& d, u64* key, int& am) {
             FgSet S{};
             S.nseg = 1;
             S.amax = (u64)key;
+            S.take = fold ? (u64)&am : 0;
+            S.wnorm = fold;
             S.pair = pairs ? 2 : 0;
             FgSeg& g = S.seg[0];
             g.n = d.n;
@@ -2632,29 +2647,37 @@ void test_fused_gemv1_q_head() {
             g.o_rs = d.n;
             g.o_cs = 1;
             g.wout = 1;
-            TypedCheck typed({&d});
+            TypedCheck typed(fold ? std::vector<Buf*>{&d, &a, &nd} : std::vector<Buf*>{&d});
             typed.qm = q16;
-            const u64 key0 = *key;
+            const u64 key0 = key[0];
+            // With fold, a is garbage until the kernel's wait: the kernel writes it, reads x.
+            std::unique_ptr<Producer> prod;
+            if (fold) prod = std::make_unique<Producer>(std::vector<Buf*>{&x}, std::vector<Buf*>{&d, &a, &nd});
             auto run = [&](FqKernel kernel, int pf) {
                 launch(grid ? (unsigned)grid : (unsigned)((d.n + 7) / 8), 256, [&] {
-                    kernel(K, (const float*)a.p(), S, nullptr, 1e-5f, nullptr, DT_F32, nullptr, DT_F32, q16, 1 | pf);
+                    kernel(K, (const float*)a.p(), S, fold ? (const float*)x.p() : nullptr, 1e-5f,
+                           fold ? nd.p() : nullptr, DT_F32, fold ? nw.p() : nullptr, DT_F32, q16, 1 | pf);
                 });
             };
             run(fused_gemv1_q, 0);
+            const std::string name = "fused_gemv1_q head " + c.name + " grid " + std::to_string(grid) + " pairs " +
+                                     std::to_string(pairs) + " fold " + std::to_string(fold);
+            if (prod) prod->check(name);
             if (q16) {
-                // The typed entry point from the same start: the same logits and the same word.
-                const u64 want = *key;
-                typed.typed("fused_gemv1_q head " + c.name + " grid " + std::to_string(grid) + " pairs " +
-                                std::to_string(pairs) + " typed",
-                            {c.qt},
-                            [&](FqKernel kernel, int pf) {
-                                *key = key0;
-                                run(kernel, pf);
-                            });
-                if (*key != want) {
+                // The typed entry point from the same start: the same logits and the same word
+                // (with fold: the same index, the word and the ticket back at 0).
+                const u64 want = key[0];
+                const int want_am = am;
+                typed.typed(name + " typed", {c.qt}, [&](FqKernel kernel, int pf) {
+                    key[0] = key0;
+                    am = -1;
+                    run(kernel, pf);
+                });
+                if (key[0] != want || am != want_am || key[1] != 0) {
                     ++fails;
-                    printf("FAIL fused_gemv1_q head %s typed: argmax word %llu, want %llu\n", c.name.c_str(),
-                           (unsigned long long)*key, (unsigned long long)want);
+                    printf("FAIL %s typed: argmax word %llu, want %llu; index %d, want %d; ticket %llu\n",
+                           name.c_str(), (unsigned long long)key[0], (unsigned long long)want, am, want_am,
+                           (unsigned long long)key[1]);
                 }
             }
         };
@@ -2662,8 +2685,8 @@ void test_fused_gemv1_q_head() {
             std::vector<double> got(d.n), want(d.n);
             for (i64 j = 0; j < d.n; ++j) got[j] = d.get(j), want[j] = ref.get(j);
             const std::string tag = "fused_gemv1_q head " + c.name + " qm " + std::to_string(q16) + " grid " +
-                                    std::to_string(grid) + " pairs " + std::to_string(pairs) + " round " +
-                                    std::to_string(round);
+                                    std::to_string(grid) + " pairs " + std::to_string(pairs) + " fold " +
+                                    std::to_string(fold) + " round " + std::to_string(round);
             check(tag + ": logits against mul_mat_vec_q", want, got, 1e-9);
             if (am != (int)best || key != 0) {
                 ++fails;

@@ -83,8 +83,7 @@ pub fn create_with_config(name: &str, cfg: CudaConfig) -> Result<Arc<CudaBackend
 /// without a device: one line per launch, `fused <kind> [<member ops>]` or the op of a node run
 /// on its own. Tests and tools use it to check which of a model's nodes fuse at a given shape.
 pub fn fusion_plan(graph: &lowsync_backend::ExecGraph) -> Vec<String> {
-    let cfg = CudaConfig::default();
-    fusion::describe(graph, cfg.mmv_max_m, cfg.attn_prefill)
+    fusion::describe(graph, &CudaConfig::default())
 }
 
 /// Names of the CUDA devices usable on this machine (`cuda:0`, ...); empty, without a panic,

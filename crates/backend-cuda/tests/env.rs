@@ -71,7 +71,7 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
     assert_eq!(tuned("gemv_q_blocks=2").unwrap().q_blocks, 2);
 
     type Read = fn(&CudaConfig) -> bool;
-    let flags: [(&str, Read); 12] = [
+    let flags: [(&str, Read); 14] = [
         ("pdl", |c| c.pdl),
         ("attn_fast", |c| c.attn_fast),
         ("attn_prefill", |c| c.attn_prefill),
@@ -80,6 +80,8 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
         ("gemv_split", |c| c.gemv_split),
         ("read_kernel", |c| c.read_kernel),
         ("gemv_q_head", |c| c.q_head),
+        ("gemv_q_head_fold", |c| c.q_head_fold),
+        ("gemv_q_head_pairs", |c| c.q_head_pairs),
         ("gemv_q_ahead", |c| c.q_ahead),
         ("gemv_q_interleave", |c| c.q_interleave),
         ("gemv_q_direct", |c| c.q_direct),
@@ -98,8 +100,6 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
 
     // Off by default (the flags above are on by default).
     assert!(!d.q_direct_norm && tuned("gemv_q_direct_norm=1").unwrap().q_direct_norm);
-    assert!(!d.q_head_pairs && tuned("gemv_q_head_pairs=1").unwrap().q_head_pairs);
-    assert!(tune_error("gemv_q_head_pairs=2").contains("gemv_q_head_pairs"));
     assert_eq!(
         tuned("gemv_q_direct_norm=1,gemv_q_direct_norm=0").unwrap(),
         d
@@ -167,6 +167,7 @@ fn a_bad_tune_key_or_value_is_an_error_naming_the_variable() {
             "gemv_q_prefetch",
             "gemv_q_head",
             "gemv_q_head_pairs",
+            "gemv_q_head_fold",
             "gemv_q_ahead",
             "gemv_q_typed",
             "gemv_q_interleave",

@@ -197,20 +197,25 @@ fn a_quantized_weight_read_other_than_as_w_transposed_is_a_clear_error() {
 
 /// Decode's head on a quantized weight: the product and its `Argmax` in one graph run as one
 /// product with the argmax folded in (`fused_gemv1_q`, its rows one or, with
-/// `gemv_q_head_pairs`, two to a unit) + `argmax_take`; the logits match the oracle's and the
-/// index is the argmax of the logits CUDA wrote (the lower column on a tie, made by a repeated
-/// row).
+/// `gemv_q_head_pairs`, two to a unit) + `argmax_take`; with the final `RmsNorm -> Mul` in
+/// front, as one launch that takes the norm as its prologue and the index itself
+/// (`gemv_q_head_fold`). The logits match the oracle's and the index is the argmax of the
+/// logits CUDA wrote (the lower column on a tie, made by a repeated row), launch after launch.
 #[test]
 #[ignore = "needs a CUDA device (cargo test: --include-ignored; cargo nextest: --run-ignored all)"]
 fn a_quantized_head_and_its_argmax_give_the_logits_argmax() {
     for tune in QDOTS {
-        head_and_argmax(tune);
-        // The head's rows two to a unit (300 rows: 150 pairs; the tie across two pairs).
-        head_and_argmax(&format!("{tune},gemv_q_head_pairs=1"));
+        for norm in [false, true] {
+            // The head's rows one to a unit, then two (300 rows: 150 pairs; the tie across two
+            // pairs); with the norm, folded in or launched first.
+            head_and_argmax(&format!("{tune},gemv_q_head_pairs=0"), norm);
+            head_and_argmax(&format!("{tune},gemv_q_head_pairs=1"), norm);
+        }
+        head_and_argmax(&format!("{tune},gemv_q_head_fold=0"), true);
     }
 }
 
-fn head_and_argmax(tune: &str) {
+fn head_and_argmax(tune: &str, norm: bool) {
     use lowsync_backend::{Backend, ExecGraph, ExecNode};
     use std::sync::Arc;
     let p = pair_tuned("quant_head", tune);
@@ -224,24 +229,45 @@ fn head_and_argmax(tune: &str) {
         let w = p.blocks(dt, &[n, k], &bytes);
         let wt = w.view(&[k, n], &[1, k], 0);
         let x = p.rand(&mut rng, DType::F32, &[1, k]);
+        // With `norm`: x is the norm's input and its weight row nw; the head reads their product.
+        let (nw, nx, act) = (
+            p.rand(&mut rng, DType::F32, &[1, k]),
+            p.zeros(DType::F32, &[1, k]),
+            p.zeros(DType::F32, &[1, k]),
+        );
         let logits = p.zeros(DType::F32, &[1, n]);
         let idx = p.ints(&[1], &[-1]);
         let nodes = |l: &Twin, x: &Twin, w: &Twin, i: &Twin, gpu: bool| {
             let pick = |t: &Twin| if gpu { t.gpu.clone() } else { t.cpu.clone() };
-            vec![
-                ExecNode {
-                    op: Op::MulMat,
-                    name: "head".into(),
-                    dst: pick(l),
-                    srcs: vec![pick(x), pick(w)],
-                },
-                ExecNode {
-                    op: Op::Argmax,
-                    name: "next".into(),
-                    dst: pick(i),
-                    srcs: vec![pick(l)],
-                },
-            ]
+            let mut v = Vec::new();
+            if norm {
+                v.push(ExecNode {
+                    op: Op::RmsNorm { eps: 1e-5 },
+                    name: "norm".into(),
+                    dst: pick(&nx),
+                    srcs: vec![pick(x)],
+                });
+                v.push(ExecNode {
+                    op: Op::Mul,
+                    name: "norm_w".into(),
+                    dst: pick(&act),
+                    srcs: vec![pick(&nx), pick(&nw)],
+                });
+            }
+            let a = if norm { pick(&act) } else { pick(x) };
+            v.push(ExecNode {
+                op: Op::MulMat,
+                name: "head".into(),
+                dst: pick(l),
+                srcs: vec![a, pick(w)],
+            });
+            v.push(ExecNode {
+                op: Op::Argmax,
+                name: "next".into(),
+                dst: pick(i),
+                srcs: vec![pick(l)],
+            });
+            v
         };
         p.cpu
             .graph_compute_async(&Arc::new(ExecGraph::new(nodes(
@@ -257,7 +283,16 @@ fn head_and_argmax(tune: &str) {
         let (want, got) = p.read(&logits);
         let e = nmse(&want, &got);
         let bound = decode_bound(tune);
-        assert!(e <= bound, "{tune} {dt}: logits NMSE {e:e} > {bound:e}");
+        assert!(
+            e <= bound,
+            "{tune} norm {norm} {dt}: logits NMSE {e:e} > {bound:e}"
+        );
+        if norm {
+            // The norm's product is written (something may read it after the graph).
+            let (want, got) = p.read(&act);
+            let e = nmse(&want, &got);
+            assert!(e <= 1e-12, "{tune} {dt}: norm product NMSE {e:e}");
+        }
         let mut best = 0;
         for (j, &v) in got.iter().enumerate() {
             if v > got[best] {
@@ -267,7 +302,7 @@ fn head_and_argmax(tune: &str) {
         let (_, got_idx) = p.read(&idx);
         assert_eq!(
             got_idx[0] as usize, best,
-            "{dt}: the argmax of CUDA's logits"
+            "{tune} norm {norm} {dt}: the argmax of CUDA's logits"
         );
     }
 }

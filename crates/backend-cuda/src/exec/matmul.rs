@@ -53,6 +53,7 @@ use crate::exec::launch::{
     dt, float_dst, float_src, grid_for, kernel_err, packed, qt, quant_row_bytes, Args, Dev, Exec,
     BLOCK,
 };
+use crate::fusion::gemv::{launch_head_q, HeadNorm};
 use crate::kernels::Kernel;
 use crate::tickets::Counted;
 
@@ -810,10 +811,19 @@ fn vec1(ex: &Exec<'_>, node: &ExecNode, plan: &Plan, dst: &Dev, a: &Dev, b: &Dev
 }
 
 /// Decode's output head: product `mm` and the `Argmax` node `am` of its result as a
-/// `mul_mat_vec_1_argmax` launch (`mul_mat_vec_q_argmax` for a quantized weight) (the argmax folded into the product's blocks) and a one-thread
-/// `argmax_take`. `Ok(false)` (nothing queued) when the product does not take `mul_mat_vec_1`
-/// as it stands; the caller then runs both nodes on their own.
-pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Result<bool> {
+/// `mul_mat_vec_1_argmax` launch (`mul_mat_vec_q_argmax` for a quantized weight) (the argmax
+/// folded into the product's blocks) and a one-thread `argmax_take`; a quantized weight under
+/// `CudaConfig::q_head` as `fused_gemv1_q` (`launch_head_q`), which with `norm` (the final norm,
+/// whose product is `mm`'s activation) takes the norm as its prologue and the index itself, one
+/// launch in all. Where the head does not take `norm`, it runs first on its own. `Ok(false)`
+/// (nothing queued) when the product does not take `mul_mat_vec_1` as it stands; the caller
+/// then runs the norm and both nodes on their own.
+pub(crate) fn run_vec1_argmax(
+    ex: &Exec<'_>,
+    mm: &ExecNode,
+    am: &ExecNode,
+    norm: Option<&HeadNorm<'_>>,
+) -> Result<bool> {
     let dst = ex.resolve(&mm.dst)?;
     let a = ex.resolve(&mm.srcs[0])?;
     let b = ex.resolve(&mm.srcs[1])?;
@@ -829,12 +839,17 @@ pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Re
         && plan.route == Route::VecQ
         && plan.m == 1
         && plan.batch.iter().product::<usize>() == 1;
-    if one_q
-        && ex.inner.cfg.q_head
-        && crate::fusion::gemv::launch_head_q(ex, mm, [&a, &b, &dst], key)?
-    {
-        // A quantized head as decode's other quantized products, the argmax folded in.
+    let fold = norm.map(|n| (n, idx.ptr));
+    if one_q && ex.inner.cfg.q_head && launch_head_q(ex, mm, [&a, &b, &dst], key, fold)? {
+        // A quantized head as decode's other quantized products, the argmax folded in; with
+        // the final norm as its prologue, the index too.
+        if norm.is_some() {
+            return Ok(true);
+        }
     } else if one_q {
+        if let Some(n) = norm {
+            n.launch_alone(ex)?;
+        }
         // A quantized head: `mul_mat_vec_q` with the argmax folded in.
         let (grid, args) = vec_q_args(ex, mm, &plan, &dst, &a, &b)?;
         let code = qt(b.dtype).ok_or_else(|| kernel_err(mm, "the head's b is not quantized"))?;
@@ -851,6 +866,9 @@ pub(crate) fn run_vec1_argmax(ex: &Exec<'_>, mm: &ExecNode, am: &ExecNode) -> Re
         let Some(v1) = fits.then(|| vec1(ex, mm, &plan, &dst, &a, &b)).flatten() else {
             return Ok(false);
         };
+        if let Some(n) = norm {
+            n.launch_alone(ex)?;
+        }
         ex.launch_shared(
             mm,
             Kernel::MulMatVec1Argmax,

@@ -75,6 +75,10 @@ struct FgSet {
     // `CudaConfig::q_head_pairs`, with no Rope or cache row): the u64 word that takes the
     // largest `argmax_key` of the products (atomicMax, then `argmax_take`), or 0.
     u64 amax;
+    // With amax: where the launch itself takes the index (an i32, as `argmax_take` writes it;
+    // `fq_take`), or 0 (`argmax_take` follows). The u32 8 bytes past the word is then the
+    // blocks' ticket, zero between launches like the word.
+    u64 take;
 };
 
 __device__ __forceinline__ float round_dt(int dt, float v) {
@@ -1048,6 +1052,21 @@ __device__ __forceinline__ void fq_prefetch(const FgSet& S, int u, int K, int la
     }
 }
 
+// The head's index taken by the launch itself (`FgSet::take`), by each block's thread 0 after
+// its atomicMax: a ticket (`ticket_add`, whose release covers that atomicMax, issued before it
+// by the same thread), and the grid's last block to arrive, which then sees every block's
+// maximum in the word, writes the index as `argmax_take` would and sets the word and the ticket
+// back to 0 for the next launch. This saves `argmax_take`'s launch and its wait for this grid:
+// one kernel boundary of a decode step, for one trip to L2 at each block's end.
+__device__ __forceinline__ void fq_take(const FgSet& S) {
+    unsigned* ticket = (unsigned*)(S.amax + 8);
+    if (ticket_add(ticket, 1u) != gridDim.x - 1) return;
+    const u64 k = __ldcg((const u64*)S.amax);
+    *(int*)S.take = (k >> 32) == 0ull ? 0 : (int)(0xFFFFFFFFu - (u32)k);
+    *(u64*)S.amax = 0ull;
+    *ticket = 0u;
+}
+
 // The largest block of `fused_gemv1_q` and its typed entry points (24 warps): the bounds
 // `(768, 1)` hold the typed ones to the 80 registers that three blocks of FG1_WARPS warps
 // also allowed, so one kernel serves both shapes.
@@ -1162,7 +1181,8 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         }
     }
     if (S.amax) {
-        // As `mul_mat_vec_q_argmax`: the block's largest key into the word, not waited for.
+        // As `mul_mat_vec_q_argmax`: the block's largest key into the word, not waited for
+        // (unless the launch takes the index itself, `fq_take`).
         __shared__ u64 sk[FQ1_MAX_WARPS];
         if (lane == 0) sk[threadIdx.x >> 5] = best;
         __syncthreads();
@@ -1170,6 +1190,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
             u64 m = 0ull;
             for (int w = 0; w < nwarps; ++w) m = sk[w] > m ? sk[w] : m;
             if (m != 0ull) atomicMax((unsigned long long*)S.amax, (unsigned long long)m);
+            if (S.take) fq_take(S);
         }
     }
 }

@@ -110,6 +110,26 @@ pub(super) struct FgSet {
     err: u64,
     /// Decode's head: the word taking the largest argmax key of the products, or 0.
     amax: u64,
+    /// With `amax`: the i32 the launch writes the index to itself (the u32 8 bytes past the
+    /// word is the blocks' ticket), or 0 (`argmax_take` follows).
+    take: u64,
+}
+
+/// The final norm that decode's head on a quantized weight takes as its prologue
+/// (`Kind::HeadArgmax` with a norm): its `RmsNorm` and `Mul` nodes, and whether their results
+/// must be written (something reads them after the head).
+pub(crate) struct HeadNorm<'a> {
+    pub(crate) norm: &'a ExecNode,
+    pub(crate) mul: &'a ExecNode,
+    pub(crate) write: bool,
+}
+
+impl HeadNorm<'_> {
+    /// The norm as its own launch (`norm_mul`), writing both results, for a head that does not
+    /// take it as a prologue.
+    pub(crate) fn launch_alone(&self, exec: &Exec<'_>) -> Result<()> {
+        launch_norm_mul(exec, self.norm, self.mul)
+    }
 }
 
 /// The norm prologue's arguments of `fused_gemv1` (its product with the weight row is the
@@ -553,12 +573,15 @@ fn q_prefetch_flags(exec: &Exec<'_>) -> i32 {
 /// launched nothing, where the kernel does not apply (a's row not 16-byte aligned or too long
 /// to stage, an odd weight address, rows that are not whole blocks, a non-f32 result): the
 /// caller takes `mul_mat_vec_q_argmax`. The logits are written as that kernel writes them.
-/// `a`, `w` and `out` are `mm`'s operands and result, resolved by the caller.
+/// `a`, `w` and `out` are `mm`'s operands and result, resolved by the caller. With `norm`, a
+/// is that norm's product, computed in the kernel's prologue (block 0 writes it, and the norm,
+/// where `norm.write`), and the launch takes the index into `take` itself (`FgSet::take`).
 pub(crate) fn launch_head_q(
     exec: &Exec<'_>,
     mm: &ExecNode,
     [a, w, out]: [&Dev; 3],
     key: u64,
+    norm: Option<(&HeadNorm<'_>, u64)>,
 ) -> Result<bool> {
     let (k, n) = (a.shape[1], w.shape[1]);
     let (Some(w_rs), Some(code)) = (quant_row_bytes(w.dtype, w.strides[1]), qt(w.dtype)) else {
@@ -576,10 +599,16 @@ pub(crate) fn launch_head_q(
     if !fits {
         return Ok(false);
     }
+    let pro = match norm {
+        Some((n, _)) => Some(norm_args(exec, n.norm, n.mul)?),
+        None => None,
+    };
     let mut set = FgSet {
         nseg: 1,
         err: exec.inner.err_word.dev(),
         amax: key,
+        take: norm.map_or(0, |(_, take)| take),
+        wnorm: norm.is_some_and(|(n, _)| n.write) as i64,
         ..FgSet::default()
     };
     set.seg[0] = FgSeg::product(n, w.ptr, w_rs, code, out, true);
@@ -591,7 +620,7 @@ pub(crate) fn launch_head_q(
     } else {
         n
     };
-    launch_fq(exec, mm, k, a.ptr, set, None, units)?;
+    launch_fq(exec, mm, k, a.ptr, set, pro.as_ref(), units)?;
     Ok(true)
 }
 

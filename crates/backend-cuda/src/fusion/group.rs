@@ -67,10 +67,14 @@ pub(super) enum Kind {
     },
     /// Decode's output head: a one-row product (the `mul_mat_vec_1` shape) and the `Argmax`
     /// of its result: the argmax folded into the product's launch (`mul_mat_vec_1_argmax`),
-    /// then a one-thread `argmax_take` instead of a kernel that reads the logits back.
+    /// then a one-thread `argmax_take` instead of a kernel that reads the logits back. With
+    /// `norm` (a quantized weight under `CudaConfig::q_head_fold`), the activation is that
+    /// `RmsNorm -> Mul` pair's result, computed in the product's prologue, and the product's
+    /// launch takes the index itself (`fused_gemv1_q`'s `fq_take`): one launch in all.
     HeadArgmax {
         mm: usize,
         argmax: usize,
+        norm: Option<NormPro>,
     },
     /// `scores`: the raw `q @ K^T` must be written (something may read it later).
     Attention {
@@ -141,7 +145,10 @@ impl Kind {
                 .chain(*swiglu)
                 .chain(norm.iter().flat_map(|n| [n.norm, n.mul]))
                 .collect(),
-            Kind::HeadArgmax { mm, argmax } => vec![*mm, *argmax],
+            Kind::HeadArgmax { mm, argmax, norm } => [*mm, *argmax]
+                .into_iter()
+                .chain(norm.iter().flat_map(|n| [n.norm, n.mul]))
+                .collect(),
             Kind::RopeRows { rope, rows, plain } => std::iter::once(*rope)
                 .chain([*rows])
                 .chain(*plain)

@@ -43,6 +43,9 @@
 //!   product folds the best (value, row) of its rows, as a 64-bit key, into one device word
 //!   with an integer atomic max (order-independent, so deterministic); a one-thread
 //!   `argmax_take` turns the word into the index and zeroes it. No kernel reads the logits back.
+//!   On a quantized weight (`fused_gemv1_q`, `CudaConfig::q_head_fold`) the head also takes the
+//!   final `RmsNorm -> Mul` as its prologue and its grid's last block takes the index: the
+//!   head is one launch.
 //!
 //! Each kernel has exact preconditions (dtypes, ranks, contiguity, at most
 //! `matmul::mmv_max_m` activation rows, head_dim <= `ATT_MAX_D`, ...); nodes that miss one
@@ -89,6 +92,7 @@ use std::sync::Arc;
 use lowsync_backend::{ExecGraph, Result};
 use lowsync_graph::Op;
 
+use crate::config::CudaConfig;
 use crate::exec::launch::Exec;
 use crate::exec::matmul;
 use group::{has_tails, Kind, Nodes, Step};
@@ -114,7 +118,7 @@ pub(crate) fn run_graph(exec: &mut Exec<'_>, graph: &Arc<ExecGraph>) -> Result<(
         end: graph.scratch.as_ref(),
     };
     let cfg = &exec.inner.cfg;
-    for step in plan(&nodes, cfg.mmv_max_m, cfg.attn_prefill) {
+    for step in plan(&nodes, &PlanCfg::of(cfg)) {
         match step {
             Step::Node(i) => exec.run(&nodes[i])?,
             Step::Fused(g) => launch(exec, &nodes, &g.kind)?,
@@ -123,10 +127,11 @@ pub(crate) fn run_graph(exec: &mut Exec<'_>, graph: &Arc<ExecGraph>) -> Result<(
     Ok(())
 }
 
-/// What `run_graph` launches for `graph` with fusion on, worked out without a device: one line
-/// per launch, `fused <kind>` (with its members' ops) or the op of a node run on its own.
-/// `mmv_max_m` and `prefill` are `CudaConfig::mmv_max_m` and `CudaConfig::attn_prefill`.
-pub(crate) fn describe(graph: &ExecGraph, mmv_max_m: Option<usize>, prefill: bool) -> Vec<String> {
+/// What `run_graph` launches for `graph` with fusion on under `cfg`, worked out without a
+/// device: one line per launch, `fused <kind>` (with its members' ops) or the op of a node run
+/// on its own. A group the launch finds it cannot take after all (an alignment, a row too long
+/// to stage) runs as its nodes instead; that is not foreseen here.
+pub(crate) fn describe(graph: &ExecGraph, cfg: &CudaConfig) -> Vec<String> {
     let nodes = Nodes {
         list: &graph.nodes,
         end: graph.scratch.as_ref(),
@@ -135,7 +140,7 @@ pub(crate) fn describe(graph: &ExecGraph, mmv_max_m: Option<usize>, prefill: boo
         let names: Vec<&str> = members.iter().map(|&j| nodes[j].op.name()).collect();
         names.join(",")
     };
-    plan(&nodes, mmv_max_m, prefill)
+    plan(&nodes, &PlanCfg::of(cfg))
         .into_iter()
         .flat_map(|step| match step {
             Step::Node(i) => vec![nodes[i].op.name().to_string()],
@@ -151,7 +156,8 @@ pub(crate) fn describe(graph: &ExecGraph, mmv_max_m: Option<usize>, prefill: boo
                         if has_tails(segs) { "+tails" } else { "" },
                     ),
                     Kind::RopeRows { .. } => "rope_rows".to_string(),
-                    Kind::HeadArgmax { .. } => "gemv+argmax".to_string(),
+                    Kind::HeadArgmax { norm: None, .. } => "gemv+argmax".to_string(),
+                    Kind::HeadArgmax { norm: Some(_), .. } => "norm+gemv+argmax".to_string(),
                     Kind::Attention { cpy, scores, .. } => format!(
                         "attention{}{}",
                         if cpy.is_some() { "+cpy" } else { "" },
@@ -164,8 +170,9 @@ pub(crate) fn describe(graph: &ExecGraph, mmv_max_m: Option<usize>, prefill: boo
                     ),
                 };
                 let mut lines = vec![format!("fused {kind} [{}]", ops(&g.nodes))];
-                if matches!(g.kind, Kind::HeadArgmax { .. }) {
-                    // The one-thread take of the index the product's blocks folded.
+                if matches!(g.kind, Kind::HeadArgmax { norm: None, .. }) {
+                    // The one-thread take of the index the product's blocks folded (a head
+                    // with its norm takes the index itself).
                     lines.push("argmax_take".to_string());
                 }
                 lines
@@ -174,10 +181,30 @@ pub(crate) fn describe(graph: &ExecGraph, mmv_max_m: Option<usize>, prefill: boo
         .collect()
 }
 
-/// The steps of `nodes`, in execution order. `mmv_max_m` is `CudaConfig::mmv_max_m` (fused
-/// products take the matrix-vector kernels' rows limit); `prefill` is
-/// `CudaConfig::attn_prefill` (attention over several query rows per head fused).
-fn plan(nodes: &Nodes<'_>, mmv_max_m: Option<usize>, prefill: bool) -> Vec<Step> {
+/// The settings that shape a plan: `mmv_max_m` is `CudaConfig::mmv_max_m` (fused products take
+/// the matrix-vector kernels' rows limit), `prefill` `CudaConfig::attn_prefill` (attention over
+/// several query rows per head fused), `head_fold` `CudaConfig::q_head` and `q_head_fold`
+/// (a quantized head takes the final norm and its index itself).
+#[derive(Clone, Copy, Debug)]
+struct PlanCfg {
+    mmv_max_m: Option<usize>,
+    prefill: bool,
+    head_fold: bool,
+}
+
+impl PlanCfg {
+    fn of(cfg: &CudaConfig) -> PlanCfg {
+        PlanCfg {
+            mmv_max_m: cfg.mmv_max_m,
+            prefill: cfg.attn_prefill,
+            head_fold: cfg.q_head && cfg.q_head_fold,
+        }
+    }
+}
+
+/// The steps of `nodes` under `pc`, in execution order.
+fn plan(nodes: &Nodes<'_>, pc: &PlanCfg) -> Vec<Step> {
+    let (mmv_max_m, prefill) = (pc.mmv_max_m, pc.prefill);
     let mut used = vec![false; nodes.len()];
     let mut steps = Vec::with_capacity(nodes.len());
     for i in 0..nodes.len() {
@@ -185,7 +212,7 @@ fn plan(nodes: &Nodes<'_>, mmv_max_m: Option<usize>, prefill: bool) -> Vec<Step>
             continue;
         }
         let group = match nodes[i].op {
-            Op::RmsNorm { .. } => patterns::norm_gemv(nodes, i, &used, mmv_max_m)
+            Op::RmsNorm { .. } => patterns::norm_gemv(nodes, i, &used, mmv_max_m, pc.head_fold)
                 .or_else(|| patterns::norm_mul(nodes, i, &used)),
             Op::MulMat => patterns::attention(nodes, i, &used, prefill)
                 .or_else(|| patterns::gemv(nodes, i, &used, mmv_max_m))
@@ -210,9 +237,17 @@ fn launch(exec: &mut Exec<'_>, nodes: &Nodes<'_>, kind: &Kind) -> Result<()> {
     match kind {
         Kind::NormMul { norm, mul } => norm_mul::launch_norm_mul(exec, &nodes[*norm], &nodes[*mul]),
         Kind::Gemv { segs, swiglu, norm } => gemv::launch_gemv(exec, nodes, segs, *swiglu, *norm),
-        Kind::HeadArgmax { mm, argmax } => {
+        Kind::HeadArgmax { mm, argmax, norm } => {
+            let pro = norm.map(|n| gemv::HeadNorm {
+                norm: &nodes[n.norm],
+                mul: &nodes[n.mul],
+                write: !safety::head_norm_dead(nodes, n, *mm),
+            });
             let (mm, argmax) = (&nodes[*mm], &nodes[*argmax]);
-            if !matmul::run_vec1_argmax(exec, mm, argmax)? {
+            if !matmul::run_vec1_argmax(exec, mm, argmax, pro.as_ref())? {
+                if let Some(n) = norm {
+                    norm_mul::launch_norm_mul(exec, &nodes[n.norm], &nodes[n.mul])?;
+                }
                 exec.run(mm)?;
                 exec.run(argmax)?;
             }

@@ -150,7 +150,14 @@ pub(super) fn head_argmax(
     mmv_max_m: Option<usize>,
 ) -> Option<Group> {
     let j = argmax_of(nodes, i, used, mmv_max_m)?;
-    fits(nodes, Kind::HeadArgmax { mm: i, argmax: j })
+    fits(
+        nodes,
+        Kind::HeadArgmax {
+            mm: i,
+            argmax: j,
+            norm: None,
+        },
+    )
 }
 
 /// The `Argmax` that `head_argmax` would take with product `i`: the first later node reading
@@ -329,12 +336,14 @@ fn rope_tail(node: &ExecNode, v: &TensorRef) -> bool {
 
 /// `RmsNorm -> Mul(norm, weight row)` of one f32 row whose result is the activation of a
 /// following matrix-vector group: the group with the norm as its prologue (decode's kernel
-/// stages the row in shared memory, so it fits there).
+/// stages the row in shared memory, so it fits there). `head_fold` (`CudaConfig::q_head` and
+/// `q_head_fold`): decode's head on a quantized weight takes the norm too, with its argmax.
 pub(super) fn norm_gemv(
     nodes: &Nodes<'_>,
     i: usize,
     used: &[bool],
     mmv_max_m: Option<usize>,
+    head_fold: bool,
 ) -> Option<Group> {
     let Kind::NormMul { norm, mul } = norm_mul(nodes, i, used)?.kind else {
         return None;
@@ -371,10 +380,24 @@ pub(super) fn norm_gemv(
     {
         // A lone product whose argmax follows (decode's head): the product takes its argmax
         // rather than the norm (`head_argmax`), which saves the same launch and keeps the
-        // head on the one-row kernel.
+        // head on the one-row kernel; a quantized one under `head_fold` takes both.
         let lone = segs.len() == 1 && segs[0].add.is_none() && !has_tails(segs);
-        if lone && argmax_of(nodes, first, &taken, mmv_max_m).is_some() {
-            return None;
+        if let Some(argmax) = lone
+            .then(|| argmax_of(nodes, first, &taken, mmv_max_m))
+            .flatten()
+        {
+            if !(head_fold && nodes[first].srcs[1].dtype.is_quantized()) {
+                return None;
+            }
+            let norm = Some(pro);
+            return fits(
+                nodes,
+                Kind::HeadArgmax {
+                    mm: first,
+                    argmax,
+                    norm,
+                },
+            );
         }
     }
     fits(nodes, kind)

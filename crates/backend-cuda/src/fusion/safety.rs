@@ -203,9 +203,21 @@ fn footprint<'a>(nodes: &'a Nodes<'_>, kind: &Kind) -> Option<Footprint<'a>> {
                 writes.push((*s, &nodes[*s].dst, Lane::Elem(0)));
             }
         }
-        Kind::HeadArgmax { mm, argmax } => {
+        Kind::HeadArgmax { mm, argmax, norm } => {
             let m = &nodes[*mm];
-            reads.push((m.srcs.first()?, Lane::Any));
+            match norm {
+                // As a `Gemv` group's prologue: every block computes the activation, block 0
+                // writes the norm and its product unless they are dead.
+                Some(n) => {
+                    reads.push((nodes[n.norm].srcs.first()?, Lane::Any));
+                    reads.push((nodes[n.mul].srcs.get(1)?, Lane::Any));
+                    if !head_norm_dead(nodes, *n, *mm) {
+                        writes.push((n.norm, &nodes[n.norm].dst, Lane::Elem(NORM_CHAIN)));
+                        writes.push((n.mul, &nodes[n.mul].dst, Lane::Elem(NORM_CHAIN)));
+                    }
+                }
+                None => reads.push((m.srcs.first()?, Lane::Any)),
+            }
             reads.push((m.srcs.get(1)?, Lane::Any));
             writes.push((*mm, &m.dst, Lane::Any));
             writes.push((*argmax, &nodes[*argmax].dst, Lane::Any));
@@ -310,6 +322,12 @@ pub(super) fn fits(nodes: &Nodes<'_>, kind: Kind) -> Option<Group> {
 /// overwritten count as live (a later split or the host may read them).
 pub(super) fn dead_after(nodes: &Nodes<'_>, at: usize, reader: usize) -> bool {
     dead_after_reads(nodes, at, &[(reader, 0)])
+}
+
+/// Whether the results of the norm prologue `n` of the head product `mm` are dead after it:
+/// nothing but its Mul reads the norm, nothing but the product reads the Mul's result.
+pub(super) fn head_norm_dead(nodes: &Nodes<'_>, n: NormPro, mm: usize) -> bool {
+    dead_after_reads(nodes, n.norm, &[(n.mul, 0)]) && dead_after_reads(nodes, n.mul, &[(mm, 0)])
 }
 
 /// `dead_after` with several reads inside the group: (node, source index) pairs.

@@ -16,8 +16,25 @@ fn bare(nodes: &[ExecNode]) -> Nodes<'_> {
     }
 }
 
+/// The defaults' plan settings (`CudaConfig::default`).
+const PC: super::PlanCfg = super::PlanCfg {
+    mmv_max_m: None,
+    prefill: true,
+    head_fold: true,
+};
+
 fn plan(nodes: &[ExecNode], mmv_max_m: Option<usize>) -> Vec<Step> {
-    super::plan(&bare(nodes), mmv_max_m, true)
+    plan_fold(nodes, mmv_max_m, true)
+}
+
+/// `plan` with `head_fold` (`CudaConfig::q_head` and `q_head_fold`) as given.
+fn plan_fold(nodes: &[ExecNode], mmv_max_m: Option<usize>, head_fold: bool) -> Vec<Step> {
+    let pc = super::PlanCfg {
+        mmv_max_m,
+        prefill: true,
+        head_fold,
+    };
+    super::plan(&bare(nodes), &pc)
 }
 
 fn dead_after(nodes: &[ExecNode], at: usize, reader: usize) -> bool {
@@ -315,7 +332,11 @@ fn head(rows: usize) -> Vec<ExecNode> {
 fn the_head_and_its_argmax_are_one_launch() {
     let want = vec![
         fused(Kind::NormMul { norm: 0, mul: 1 }),
-        fused(Kind::HeadArgmax { mm: 2, argmax: 3 }),
+        fused(Kind::HeadArgmax {
+            mm: 2,
+            argmax: 3,
+            norm: None,
+        }),
     ];
     assert_eq!(plan(&head(1), None), want);
     // Otherwise the argmax runs on its own (the product may still take the norm).
@@ -636,8 +657,7 @@ fn scratch_no_later_split_reads_ends_the_life_of_what_is_left_there() {
     let scores = nodes[0].dst.clone();
     let (s0, _) = byte_range(&scores);
     let written =
-        |end: Option<&ScratchLive>| match &super::plan(&Nodes { list: &nodes, end }, None, true)[0]
-        {
+        |end: Option<&ScratchLive>| match &super::plan(&Nodes { list: &nodes, end }, &PC)[0] {
             Step::Fused(Group {
                 kind: Kind::Attention { scores, .. },
                 ..
@@ -1075,14 +1095,27 @@ fn quantized_products_the_fused_kernel_cannot_take_run_alone() {
     assert_eq!(plan(&nodes, None), vec![Step::Node(0), Step::Node(1)]);
     let nodes = vec![mm(20, 4096, DType::F16), mm(21, 8192, DType::Q8_0)];
     assert_eq!(plan(&nodes, None), vec![Step::Node(0), Step::Node(1)]);
-    // The head keeps its argmax fusion (`mul_mat_vec_q_argmax`), unless cuBLAS takes the product.
+    // The head keeps its argmax fusion and takes the final norm as its prologue
+    // (`fused_gemv1_q` under `q_head_fold`); without the fold, the norm is a launch of its own
+    // (`mul_mat_vec_q_argmax` or `fused_gemv1_q` after it); cuBLAS for the product takes
+    // neither.
     let mut h = head(1);
     assert_eq!(quantize(&mut h, |_| Some(DType::Q4_0)), vec![2]);
+    let folded = Kind::HeadArgmax {
+        mm: 2,
+        argmax: 3,
+        norm: Some(NormPro { norm: 0, mul: 1 }),
+    };
+    assert_eq!(plan(&h, None), vec![fused(folded)]);
     assert_eq!(
-        plan(&h, None),
+        plan_fold(&h, None, false),
         vec![
             fused(Kind::NormMul { norm: 0, mul: 1 }),
-            fused(Kind::HeadArgmax { mm: 2, argmax: 3 }),
+            fused(Kind::HeadArgmax {
+                mm: 2,
+                argmax: 3,
+                norm: None,
+            }),
         ]
     );
     assert_eq!(
@@ -1157,7 +1190,13 @@ fn prefill_attention_fuses_where_scores_and_p_are_dead() {
         vec![prefill_kind(Some(3), false), Step::Node(4), Step::Node(5)]
     );
     assert_eq!(
-        super::plan(&bare(&nodes), None, false),
+        super::plan(
+            &bare(&nodes),
+            &super::PlanCfg {
+                prefill: false,
+                ..PC
+            }
+        ),
         (0..6).map(Step::Node).collect::<Vec<_>>(),
         "attn_prefill=0"
     );
