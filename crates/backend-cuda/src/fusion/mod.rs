@@ -84,6 +84,7 @@ mod norm_mul;
 mod patterns;
 mod rope_rows;
 mod safety;
+mod stream;
 #[cfg(test)]
 mod tests;
 
@@ -117,11 +118,30 @@ pub(crate) fn run_graph(exec: &mut Exec<'_>, graph: &Arc<ExecGraph>) -> Result<(
         list: nodes,
         end: graph.scratch.as_ref(),
     };
-    let cfg = &exec.inner.cfg;
-    for step in plan(&nodes, &PlanCfg::of(cfg)) {
+    let steps = plan(&nodes, &PlanCfg::of(&exec.inner.cfg));
+    // What each decode product on quantized weights asks into L2 for the launches after it.
+    let budget = stream::budget(exec);
+    let mut asks = if budget > 0 {
+        let reads: Vec<_> = steps
+            .iter()
+            .map(|s| match s {
+                Step::Fused(g) => stream::reads(exec, &nodes, &g.kind),
+                Step::Node(_) => None,
+            })
+            .collect();
+        stream::schedule(&reads, budget)
+    } else {
+        Vec::new()
+    };
+    for (i, step) in steps.into_iter().enumerate() {
         match step {
             Step::Node(i) => exec.run(&nodes[i])?,
-            Step::Fused(g) => launch(exec, &nodes, &g.kind)?,
+            Step::Fused(g) => {
+                exec.stream = asks.get_mut(i).map(std::mem::take).unwrap_or_default();
+                let done = launch(exec, &nodes, &g.kind);
+                exec.stream.clear();
+                done?;
+            }
         }
     }
     Ok(())
