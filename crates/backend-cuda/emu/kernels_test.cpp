@@ -2556,9 +2556,6 @@ void test_fused_gemv1_q() {
             if (c.norm) written.push_back(&a);
             TypedCheck typed(written);
             typed.qm = q16;
-            // Weight streaming (`FgSet::pfp`): a range to ask into L2, which changes nothing.
-            P.S.pfp[0] = (u64)nw.p();
-            P.S.pfn[0] = (K * 4) & ~(i64)15;
             Producer prod({c.norm ? &x : &a}, res);
             // `warps` per block: 8, or 12 (`CudaConfig::q_warps`, `q_warps_norm`).
             auto run_w = [&](FqKernel kernel, int pf, unsigned warps) {

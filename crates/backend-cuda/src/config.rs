@@ -172,13 +172,6 @@ pub struct CudaConfig {
     /// boundaries of a decode step fewer (the final `norm_mul` and `argmax_take` launches).
     /// Off: the norm and the take run as launches of their own, as on the other heads.
     pub q_head_fold: bool,
-    /// MiB of later launches' weights each decode product on quantized weights asks into L2
-    /// ahead of its own (tune key `gemv_q_stream_mb`, 0 to 1,024; 0, the default until timed,
-    /// turns it off): the step's `fused_gemv1_q` launches read their weights in one cyclic
-    /// stream, and each launch asks for the part of it up to this many bytes past its own
-    /// weights that no earlier launch asked for (`fusion::stream`), so the device's memory
-    /// keeps reading while the attention and the latency-bound products run.
-    pub q_stream_mb: usize,
     /// Shared memory (KiB) each block of a streamed product asks for at least (tune key
     /// `gemv_pad_kb`; 0 turns it off). `None`, the default, takes the least that keeps
     /// `stream_blocks + 1` of them off one multiprocessor (80 KiB on the H200): the streamed
@@ -300,7 +293,6 @@ impl Default for CudaConfig {
             q_head: true,
             q_head_pairs: true,
             q_head_fold: true,
-            q_stream_mb: 0,
             stream_pad_kb: None,
             copy_kernel_max: 4096,
             read_kernel: true,
@@ -329,7 +321,7 @@ pub(crate) const MAX_Q_WARPS: u64 = 24;
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
      attn_split, rehearse, rehearse_list, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, \
      gemv_q_prefetch, gemv_q_ahead, gemv_q_head, gemv_q_head_pairs, gemv_q_head_fold, \
-     gemv_q_stream_mb, gemv_q_typed, \
+     gemv_q_typed, \
      gemv_q_interleave, gemv_q_direct, gemv_q_direct_norm, gemv_q_warps, gemv_q_warps_norm, gemv_pad_kb, copy_kernel, \
      read_kernel, mmv_max_m, qdot (see docs/tuning.md)";
 
@@ -460,13 +452,6 @@ impl CudaConfig {
                 "copy_kernel" => {
                     self.copy_kernel_max = size(unsigned("copy_kernel=N, N bytes (0: off)")?)
                 }
-                "gemv_q_stream_mb" => {
-                    let expected = "gemv_q_stream_mb=N, N MiB from 0 (off) to 1024";
-                    match unsigned(expected)? {
-                        v if v > 1024 => return Err(bad(expected)),
-                        v => self.q_stream_mb = size(v),
-                    }
-                }
                 "mmv_max_m" => {
                     self.mmv_max_m = Some(size(unsigned("mmv_max_m=N, N rows (0: cuBLAS)")?))
                 }
@@ -539,7 +524,7 @@ mod tests {
             "pdl=0, attn_fast=0,attn_prefill=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
              gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0,gemv_q_blocks=5,gemv_q_prefetch=1,gemv_q_head=0,rehearse_list=0,\
              gemv_q_ahead=0,gemv_q_typed=0,gemv_q_interleave=0,gemv_q_direct=0,gemv_q_warps=24,gemv_q_warps_norm=0,\
-             gemv_q_direct_norm=1,gemv_q_head_pairs=0,gemv_q_head_fold=0,gemv_q_stream_mb=16",
+             gemv_q_direct_norm=1,gemv_q_head_pairs=0,gemv_q_head_fold=0",
         )
         .unwrap();
         let want = CudaConfig {
@@ -557,7 +542,6 @@ mod tests {
             q_head: false,
             q_head_pairs: false,
             q_head_fold: false,
-            q_stream_mb: 16,
             q_typed: TypedQ::Off,
             q_interleave: false,
             q_direct: false,
@@ -598,7 +582,6 @@ mod tests {
                 "gemv_q_prefetch=0 or gemv_q_prefetch=1",
             ),
             ("gemv_q_head=x", "gemv_q_head=0 or gemv_q_head=1"),
-            ("gemv_q_stream_mb=1025", "from 0 (off) to 1024"),
             (
                 "gemv_q_head_fold=2",
                 "gemv_q_head_fold=0 or gemv_q_head_fold=1",

@@ -69,9 +69,6 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
     }
     assert!(tuned("gemv_q_typed=3").is_err());
     assert_eq!(tuned("gemv_q_blocks=2").unwrap().q_blocks, 2);
-    assert_eq!(d.q_stream_mb, 0, "weight streaming off until timed");
-    assert_eq!(tuned("gemv_q_stream_mb=24").unwrap().q_stream_mb, 24);
-    assert!(tune_error("gemv_q_stream_mb=2000").contains("gemv_q_stream_mb"));
 
     type Read = fn(&CudaConfig) -> bool;
     let flags: [(&str, Read); 14] = [
@@ -171,7 +168,6 @@ fn a_bad_tune_key_or_value_is_an_error_naming_the_variable() {
             "gemv_q_head",
             "gemv_q_head_pairs",
             "gemv_q_head_fold",
-            "gemv_q_stream_mb",
             "gemv_q_ahead",
             "gemv_q_typed",
             "gemv_q_interleave",

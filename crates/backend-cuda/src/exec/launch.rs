@@ -129,9 +129,6 @@ impl Dev {
 pub(crate) struct Exec<'a> {
     pub(crate) inner: &'a Inner,
     scratch: &'a mut Scratch,
-    /// Byte ranges of later launches' weights that the step being launched asks into L2
-    /// (`fused_gemv1_q`'s `FgSet::pfp`; `fusion::stream`), empty unless a schedule set them.
-    pub(crate) stream: Vec<(u64, u64)>,
 }
 
 /// An [`Error::Kernel`] for `node`.
@@ -156,11 +153,7 @@ pub(crate) fn row_block(len: usize) -> u32 {
 
 impl<'a> Exec<'a> {
     pub(crate) fn new(inner: &'a Inner, scratch: &'a mut Scratch) -> Self {
-        Exec {
-            inner,
-            scratch,
-            stream: Vec::new(),
-        }
+        Exec { inner, scratch }
     }
 
     /// Whether a kernel may read `t` before its `griddepcontrol.wait` (programmatic dependent

@@ -28,8 +28,6 @@ __device__ __forceinline__ float f_silu(float x) { return x / (1.0f + expf(-x));
 // (several rows of a: `fused_gemv` / `fused_gemv8`; one row, decode: `fused_gemv1` below).
 
 #define FG_MAXS 4
-// Byte ranges of later launches' weights a `fused_gemv1_q` launch asks into L2 (`FgSet::pfp`).
-#define FQ_PF 4
 
 // One product and its epilogues. Matches `FgSeg` in src/fusion/gemv.rs field for field.
 struct FgSeg {
@@ -81,11 +79,6 @@ struct FgSet {
     // `fq_take`), or 0 (`argmax_take` follows). The u32 8 bytes past the word is then the
     // blocks' ticket, zero between launches like the word.
     u64 take;
-    // `fused_gemv1_q`: byte ranges [pfp[r], pfp[r] + pfn[r]) of weights that later launches of
-    // the step read, asked into L2 at the launch's start (`fq_stream`); pfp 16-byte aligned, pfn a
-    // multiple of 16, a range of 0 bytes ends the list.
-    u64 pfp[FQ_PF];
-    i64 pfn[FQ_PF];
 };
 
 __device__ __forceinline__ float round_dt(int dt, float v) {
@@ -1074,31 +1067,6 @@ __device__ __forceinline__ void fq_take(const FgSet& S) {
     *ticket = 0u;
 }
 
-// `FgSet::pfp`'s ranges into L2, in chunks of FQ_PF_CHUNK bytes, the grid's warps taking the
-// chunks of each range in turn: one bulk prefetch by the warp's first lane (sm_90), or a line
-// per lane and pass. Issued before the dependency wait, like `fq_prefetch`, and never waited
-// for: while this launch and the next ones wait on their producers, the device's memory reads
-// the weights of the launches after them.
-#define FQ_PF_CHUNK 16384
-__device__ __forceinline__ void fq_stream(const FgSet& S) {
-    const i64 warp = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
-    const int lane = threadIdx.x & 31;
-#pragma unroll 1
-    for (int r = 0; r < FQ_PF && S.pfn[r] > 0; ++r) {
-        const i64 n = S.pfn[r], chunks = (n + FQ_PF_CHUNK - 1) / FQ_PF_CHUNK;
-        for (i64 c = warp; c < chunks; c += warps) {
-            const char* p = (const char*)S.pfp[r] + c * FQ_PF_CHUNK;
-            const u32 size = (u32)min((i64)FQ_PF_CHUNK, n - c * FQ_PF_CHUNK);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-            if (lane == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(size) : "memory");
-#else
-            for (u32 o = 128u * (u32)lane; o < size; o += 128u * 32u) prefetch_l2(p + o);
-#endif
-        }
-    }
-}
-
 // The largest block of `fused_gemv1_q` and its typed entry points (24 warps): the bounds
 // `(768, 1)` hold the typed ones to the 80 registers that three blocks of FG1_WARPS warps
 // also allowed, so one kernel serves both shapes.
@@ -1125,7 +1093,6 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     const int stride = (int)gridDim.x * nwarps;
     const int u0 = (int)blockIdx.x * nwarps + (threadIdx.x >> 5);
     if (u0 < units && !(pf & 2)) fq_prefetch<NC>(S, u0, K, lane);
-    fq_stream(S);
     pdl_entry();
     const bool quant = QT != 0 || qm;
     if (!nx && (pf & 8) && quant) {

@@ -113,14 +113,7 @@ pub(super) struct FgSet {
     /// With `amax`: the i32 the launch writes the index to itself (the u32 8 bytes past the
     /// word is the blocks' ticket), or 0 (`argmax_take` follows).
     take: u64,
-    /// `fused_gemv1_q`: byte ranges of later launches' weights asked into L2 at the launch's
-    /// start (`Exec::stream`; 16-byte aligned, lengths multiples of 16, a 0 ends the list).
-    pfp: [u64; PF_RANGES],
-    pfn: [i64; PF_RANGES],
 }
-
-/// Ranges of `FgSet::pfp` (`FQ_PF` in gemv.cu).
-pub(crate) const PF_RANGES: usize = 4;
 
 /// The final norm that decode's head on a quantized weight takes as its prologue
 /// (`Kind::HeadArgmax` with a norm): its `RmsNorm` and `Mul` nodes, and whether their results
@@ -479,11 +472,6 @@ fn launch_fq(
     units: usize,
 ) -> Result<()> {
     let (blocks, threads) = fq_dims(&exec.inner.cfg, pro.is_some(), units, exec.inner.sms);
-    let mut set = set;
-    for (r, &(p, n)) in exec.stream.iter().take(PF_RANGES).enumerate() {
-        set.pfp[r] = p;
-        set.pfn[r] = n as i64;
-    }
     let args = Args::new().arg(k as i64).arg(a).arg(set);
     // The integer paths quantize the staged row in place (q16: 2.5 bytes a value in its 4,
     // q8: 1.5): the same shared memory every way.

@@ -84,7 +84,6 @@ mod norm_mul;
 mod patterns;
 mod rope_rows;
 mod safety;
-mod stream;
 #[cfg(test)]
 mod tests;
 
@@ -118,30 +117,11 @@ pub(crate) fn run_graph(exec: &mut Exec<'_>, graph: &Arc<ExecGraph>) -> Result<(
         list: nodes,
         end: graph.scratch.as_ref(),
     };
-    let steps = plan(&nodes, &PlanCfg::of(&exec.inner.cfg));
-    // What each decode product on quantized weights asks into L2 for the launches after it.
-    let budget = stream::budget(exec);
-    let mut asks = if budget > 0 {
-        let reads: Vec<_> = steps
-            .iter()
-            .map(|s| match s {
-                Step::Fused(g) => stream::reads(exec, &nodes, &g.kind),
-                Step::Node(_) => None,
-            })
-            .collect();
-        stream::schedule(&reads, budget)
-    } else {
-        Vec::new()
-    };
-    for (i, step) in steps.into_iter().enumerate() {
+    let cfg = &exec.inner.cfg;
+    for step in plan(&nodes, &PlanCfg::of(cfg)) {
         match step {
             Step::Node(i) => exec.run(&nodes[i])?,
-            Step::Fused(g) => {
-                exec.stream = asks.get_mut(i).map(std::mem::take).unwrap_or_default();
-                let done = launch(exec, &nodes, &g.kind);
-                exec.stream.clear();
-                done?;
-            }
+            Step::Fused(g) => launch(exec, &nodes, &g.kind)?,
         }
     }
     Ok(())
