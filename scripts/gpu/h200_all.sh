@@ -131,7 +131,11 @@ run_suite() { # name dir
         grep -E "^test .* FAILED|panicked" "$logs/$name-$(basename "$t").log" | head -5 | tee -a "$summary"
     done
 }
-has cuda && LOWSYNC_REQUIRE_CUDA=1 XDG_CACHE_HOME=$(mktemp -d) run_suite cuda "${CUDA_TESTS:-.carry/cuda-tests}"
+# The CUDA suites start from an empty kernel cache (every module compiled by NVRTC, as on a
+# user's first open), or with CUDA_TEST_CUBINS=1 from the carried cubins (a quick check of a
+# change, minutes of device time less). CUDA_TESTS: the folder of test binaries.
+if [ "${CUDA_TEST_CUBINS:-0}" = 1 ]; then test_cache=${XDG_CACHE_HOME:-$HOME/.cache}; else test_cache=$(mktemp -d); fi
+has cuda && LOWSYNC_REQUIRE_CUDA=1 XDG_CACHE_HOME=$test_cache run_suite cuda "${CUDA_TESTS:-.carry/cuda-tests}"
 # No validation layer on the GPU machine: the tests would otherwise refuse to start.
 has vulkan && LOWSYNC_REQUIRE_VULKAN=1 LOWSYNC_VK_VALIDATION=${LOWSYNC_VK_VALIDATION:-0} run_suite vulkan .carry/vulkan-tests
 
