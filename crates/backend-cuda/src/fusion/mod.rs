@@ -241,12 +241,12 @@ fn launch(exec: &mut Exec<'_>, nodes: &Nodes<'_>, kind: &Kind) -> Result<()> {
             let pro = norm.map(|n| gemv::HeadNorm {
                 norm: &nodes[n.norm],
                 mul: &nodes[n.mul],
-                write: !safety::head_norm_dead(nodes, n, *mm),
+                write: !safety::norm_dead(nodes, n, &[*mm]),
             });
             let (mm, argmax) = (&nodes[*mm], &nodes[*argmax]);
             if !matmul::run_vec1_argmax(exec, mm, argmax, pro.as_ref())? {
-                if let Some(n) = norm {
-                    norm_mul::launch_norm_mul(exec, &nodes[n.norm], &nodes[n.mul])?;
+                if let Some(p) = &pro {
+                    p.launch_alone(exec)?;
                 }
                 exec.run(mm)?;
                 exec.run(argmax)?;

@@ -211,7 +211,7 @@ fn footprint<'a>(nodes: &'a Nodes<'_>, kind: &Kind) -> Option<Footprint<'a>> {
                 Some(n) => {
                     reads.push((nodes[n.norm].srcs.first()?, Lane::Any));
                     reads.push((nodes[n.mul].srcs.get(1)?, Lane::Any));
-                    if !head_norm_dead(nodes, *n, *mm) {
+                    if !norm_dead(nodes, *n, &[*mm]) {
                         writes.push((n.norm, &nodes[n.norm].dst, Lane::Elem(NORM_CHAIN)));
                         writes.push((n.mul, &nodes[n.mul].dst, Lane::Elem(NORM_CHAIN)));
                     }
@@ -324,10 +324,12 @@ pub(super) fn dead_after(nodes: &Nodes<'_>, at: usize, reader: usize) -> bool {
     dead_after_reads(nodes, at, &[(reader, 0)])
 }
 
-/// Whether the results of the norm prologue `n` of the head product `mm` are dead after it:
-/// nothing but its Mul reads the norm, nothing but the product reads the Mul's result.
-pub(super) fn head_norm_dead(nodes: &Nodes<'_>, n: NormPro, mm: usize) -> bool {
-    dead_after_reads(nodes, n.norm, &[(n.mul, 0)]) && dead_after_reads(nodes, n.mul, &[(mm, 0)])
+/// Whether the results of the norm prologue `n` are dead after its group: nothing but its Mul
+/// reads the norm, nothing but the group's `products` (their activation, source 0) read the
+/// Mul's result.
+pub(super) fn norm_dead(nodes: &Nodes<'_>, n: NormPro, products: &[usize]) -> bool {
+    let reads: Vec<(usize, usize)> = products.iter().map(|&p| (p, 0)).collect();
+    dead_after_reads(nodes, n.norm, &[(n.mul, 0)]) && dead_after_reads(nodes, n.mul, &reads)
 }
 
 /// `dead_after` with several reads inside the group: (node, source index) pairs.
@@ -384,11 +386,8 @@ impl Dead {
                 sums: vec![false; segs.len()],
             };
         }
-        let norm = norm.is_some_and(|n| {
-            let products: Vec<(usize, usize)> = segs.iter().map(|s| (s.mm, 0)).collect();
-            dead_after_reads(nodes, n.norm, &[(n.mul, 0)])
-                && dead_after_reads(nodes, n.mul, &products)
-        });
+        let products: Vec<usize> = segs.iter().map(|s| s.mm).collect();
+        let norm = norm.is_some_and(|n| norm_dead(nodes, n, &products));
         // The value's readers inside the group: its Rope, else its SetRows.
         let tail = |s: &Seg| match (s.rope, s.rows) {
             (Some(r), _) => vec![(r, 0)],
