@@ -426,7 +426,7 @@ if has ncudetail; then
     if [ -n "$ncu" ]; then
         timeout "$(tl 400)" "$ncu" --kernel-name "regex:${NCUD_KERNELS:-attn_decode|fused_gemv1}" --launch-skip ${NCUD_SKIP:-40} \
             --launch-count ${NCUD_COUNT:-5} --section LaunchStats --section Occupancy --section WarpStateStats \
-            --section SpeedOfLight --section MemoryWorkloadAnalysis \
+            --section SpeedOfLight --section MemoryWorkloadAnalysis ${NCUD_SECTIONS:-} \
             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
             python3 benches/profile/cuda_profile.py --models 1b --settings eager+fused -n 16 --n-ctx 172 ${NCU_PROFILE_ARGS:-} \
             >"$logs/ncud.txt" 2>&1

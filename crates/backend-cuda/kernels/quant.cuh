@@ -387,7 +387,7 @@ __device__ __forceinline__ void iq32(const u8* b, int p, u32 (&w0)[4], u32 (&w1)
                                      float& m0, float& d1, float& m1) {
     if (QT == DT_Q4_0 || QT == DT_Q8_0) {
         constexpr int NW = QT == DT_Q4_0 ? 5 : 9;
-        const u32* a = (const u32*)((u64)b & ~(u64)3);
+        const u32* a = (const u32*)(b - ((u32)(u64)b & 3u));
         const u32 s = ((u32)(u64)b & 2u) << 3;  // d's bit offset in the first word: 0 or 16
         u32 x[NW];
 #pragma unroll
@@ -448,8 +448,9 @@ __device__ __forceinline__ void iq32(const u8* b, int p, u32 (&w0)[4], u32 (&w1)
         // runs 32-byte steps into it, so every word holds a byte of the block); the two chunks'
         // int8 scales are one 16-bit load.
         const u32 sh = ((u32)(u64)b & 2u) << 3;
-        const u32* ql = (const u32*)(((u64)b & ~(u64)3) + 64 * (p / 4) + 32 * (p % 2));
-        const u32* qh = (const u32*)(((u64)b & ~(u64)3) + 128 + 32 * (p / 4));
+        const u8* b4 = b - ((u32)(u64)b & 3u);
+        const u32* ql = (const u32*)(b4 + 64 * (p / 4) + 32 * (p % 2));
+        const u32* qh = (const u32*)(b4 + 128 + 32 * (p / 4));
         u32 x[9], y[9];
 #pragma unroll
         for (int i = 0; i < 9; ++i) {
@@ -508,20 +509,35 @@ template <int QT, bool A16 = false>
 __device__ __forceinline__ void iq64(const u8* b, int q, u32 (*w)[4], float* d, float* m) {
     if (QT == DT_Q4_K) {
         float dd[2], mm[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            int scv, mnv;
-            k4_scale_min(b + 4, 2 * q + e, &scv, &mnv);
-            dd[e] = q_mul(q_f16(b), (float)scv);
-            mm[e] = -q_mul(q_f16(b + 2), (float)mnv);
-        }
         u32 a[4], c[4];
         if (A16 || ((u64)b & 15u) == 0) {
+            // The block's first 16 bytes (d, dmin, the 12 scale bytes) in one load, the
+            // sub-blocks' 6-bit scale and min taken from its words as `k4_scale_min` takes them
+            // from bytes: sub-block j = 2q + e reads byte j & 3 of words 1, 2 (j < 4) or of words
+            // 1, 2, 3 (j >= 4). The same integers, so the same d and m bit for bit.
+            const uint4 hd = *(const uint4*)b;
             const uint4* r = (const uint4*)(b + 16 + 32 * q);
             const uint4 lo = r[0], hi = r[1];
+            const float d0 = h2f((u16)(hd.x & 0xFFFFu)), dm = h2f((u16)(hd.x >> 16));
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const u32 sh = 16 * (q & 1) + 8 * e;
+                const u32 y = (hd.y >> sh) & 0xFFu, z = (hd.z >> sh) & 0xFFu, x = (hd.w >> sh) & 0xFFu;
+                const int scv = (int)(q < 2 ? y & 63u : (x & 0xFu) | ((y >> 6) << 4));
+                const int mnv = (int)(q < 2 ? z & 63u : (x >> 4) | ((z >> 6) << 4));
+                dd[e] = q_mul(d0, (float)scv);
+                mm[e] = -q_mul(dm, (float)mnv);
+            }
             a[0] = lo.x, a[1] = lo.y, a[2] = lo.z, a[3] = lo.w;
             c[0] = hi.x, c[1] = hi.y, c[2] = hi.z, c[3] = hi.w;
         } else {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int scv, mnv;
+                k4_scale_min(b + 4, 2 * q + e, &scv, &mnv);
+                dd[e] = q_mul(q_f16(b), (float)scv);
+                mm[e] = -q_mul(q_f16(b + 2), (float)mnv);
+            }
             q_ld16(b + 16 + 32 * q, a);
             q_ld16(b + 32 + 32 * q, c);
         }
@@ -542,8 +558,9 @@ __device__ __forceinline__ void iq64(const u8* b, int q, u32 (*w)[4], float* d, 
     // DT_Q6_K: each run in 9 aligned words from the word holding its first byte (as `iq32`).
     const int h = q / 2, s = q % 2;
     const u32 sh = ((u32)(u64)b & 2u) << 3;
-    const u32* ql = (const u32*)(((u64)b & ~(u64)3) + 64 * h + 32 * s);
-    const u32* qh = (const u32*)(((u64)b & ~(u64)3) + 128 + 32 * h);
+    const u8* b4 = b - ((u32)(u64)b & 3u);
+    const u32* ql = (const u32*)(b4 + 64 * h + 32 * s);
+    const u32* qh = (const u32*)(b4 + 128 + 32 * h);
     u32 x[9], y[9];
 #pragma unroll
     for (int i = 0; i < 9; ++i) {
