@@ -387,7 +387,7 @@ __device__ __forceinline__ void iq32(const u8* b, int p, u32 (&w0)[4], u32 (&w1)
                                      float& m0, float& d1, float& m1) {
     if (QT == DT_Q4_0 || QT == DT_Q8_0) {
         constexpr int NW = QT == DT_Q4_0 ? 5 : 9;
-        const u32* a = (const u32*)(b - ((u32)(u64)b & 3u));
+        const u32* a = (const u32*)((u64)b & ~(u64)3);
         const u32 s = ((u32)(u64)b & 2u) << 3;  // d's bit offset in the first word: 0 or 16
         u32 x[NW];
 #pragma unroll
@@ -448,9 +448,8 @@ __device__ __forceinline__ void iq32(const u8* b, int p, u32 (&w0)[4], u32 (&w1)
         // runs 32-byte steps into it, so every word holds a byte of the block); the two chunks'
         // int8 scales are one 16-bit load.
         const u32 sh = ((u32)(u64)b & 2u) << 3;
-        const u8* b4 = b - ((u32)(u64)b & 3u);
-        const u32* ql = (const u32*)(b4 + 64 * (p / 4) + 32 * (p % 2));
-        const u32* qh = (const u32*)(b4 + 128 + 32 * (p / 4));
+        const u32* ql = (const u32*)(((u64)b & ~(u64)3) + 64 * (p / 4) + 32 * (p % 2));
+        const u32* qh = (const u32*)(((u64)b & ~(u64)3) + 128 + 32 * (p / 4));
         u32 x[9], y[9];
 #pragma unroll
         for (int i = 0; i < 9; ++i) {
@@ -558,9 +557,8 @@ __device__ __forceinline__ void iq64(const u8* b, int q, u32 (*w)[4], float* d, 
     // DT_Q6_K: each run in 9 aligned words from the word holding its first byte (as `iq32`).
     const int h = q / 2, s = q % 2;
     const u32 sh = ((u32)(u64)b & 2u) << 3;
-    const u8* b4 = b - ((u32)(u64)b & 3u);
-    const u32* ql = (const u32*)(b4 + 64 * h + 32 * s);
-    const u32* qh = (const u32*)(b4 + 128 + 32 * h);
+    const u32* ql = (const u32*)(((u64)b & ~(u64)3) + 64 * h + 32 * s);
+    const u32* qh = (const u32*)(((u64)b & ~(u64)3) + 128 + 32 * h);
     u32 x[9], y[9];
 #pragma unroll
     for (int i = 0; i < 9; ++i) {
