@@ -168,7 +168,11 @@ def build_llama_cpp(args: argparse.Namespace) -> None:
             sys.exit(f"--no-build, but missing: {', '.join(missing)}")
         return
     src = cpu.llama_source(args)
-    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF"]
+    # CUDA: shared libraries, so ggml's CUDA code (most of the build's bytes) is one library both
+    # tools load rather than a copy linked into each: h200_all.sh returns the build to the
+    # caller for later calls, under the device tool's limit on returned bytes.
+    shared = "ON" if args.backend == "cuda" else "OFF"
+    flags = ["-DCMAKE_BUILD_TYPE=Release", f"-DBUILD_SHARED_LIBS={shared}", "-DLLAMA_CURL=OFF"]
     flags += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
     flags += ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
     if args.backend == "cuda":

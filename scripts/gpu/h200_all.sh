@@ -278,9 +278,12 @@ if has gpucmp; then
     wait_for "$files_pid"
     tail -2 "$logs/lcpp-cuda-build.log" 2>/dev/null | tee -a "$summary"
     if [ -n "${lcpp_cuda_pid:-}" ] && [ -x /tmp/lcpp-cuda/bin/llama-bench ]; then
-        # The binaries back to the caller, for later calls (parts under the 16 MiB limit).
-        mkdir -p "$out/lcpp" && tar cJ -C /tmp/lcpp-cuda bin/llama-bench bin/llama-quantize |
-            split -b 15m - "$out/lcpp/part-"
+        # The tools and their shared libraries back to the caller, stripped, for later calls
+        # (parts under the 16 MiB limit; save them in .carry/lcpp-cuda/). The build's RPATH is
+        # /tmp/lcpp-cuda/bin, where a later call unpacks them.
+        (cd /tmp/lcpp-cuda && strip --strip-unneeded bin/llama-bench bin/llama-quantize bin/*.so* 2>/dev/null
+         tar cJ bin/llama-bench bin/llama-quantize $(ls bin/*.so* 2>/dev/null)) |
+            { mkdir -p "$out/lcpp" && split -b 15m - "$out/lcpp/part-"; }
         say "llama.cpp cuda binaries: $(du -sh "$out/lcpp" | cut -f1)"
     fi
     timeout "$(tl ${GPUCMP_TIMEOUT:-420})" python3 benches/python/compare_llama_cpp_gpu.py --backend cuda --no-build \
