@@ -61,14 +61,19 @@ __device__ __forceinline__ float iq4_level(int i) {
     return (float)(signed char)(u8)(w >> (8 * (i & 7)));
 }
 
-// Q4_K / Q5_K: scale and min (6 bits each) of sub-block j (32 values) from the 12 scale bytes.
+// Q4_K / Q5_K: scale and min (6 bits each) of sub-block j (32 values) from scale bytes
+// y = s[j & 3], z = s[(j & 3) + 4] and x = s[(j & 3) + 8] of the 12 (x unused where j < 4).
+__device__ __forceinline__ void k4_sm(u32 y, u32 z, u32 x, bool low, int* sc, int* mn) {
+    *sc = (int)(low ? y & 63u : (x & 0xFu) | ((y >> 6) << 4));
+    *mn = (int)(low ? z & 63u : (x >> 4) | ((z >> 6) << 4));
+}
+
+// The same from the 12 scale bytes at s.
 __device__ __forceinline__ void k4_scale_min(const u8* s, int j, int* sc, int* mn) {
     if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
+        k4_sm(s[j], s[j + 4], 0u, true, sc, mn);
     } else {
-        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        k4_sm(s[j - 4], s[j], s[j + 4], false, sc, mn);
     }
 }
 
@@ -510,10 +515,9 @@ __device__ __forceinline__ void iq64(const u8* b, int q, u32 (*w)[4], float* d, 
         float dd[2], mm[2];
         u32 a[4], c[4];
         if (A16 || ((u64)b & 15u) == 0) {
-            // The block's first 16 bytes (d, dmin, the 12 scale bytes) in one load, the
-            // sub-blocks' 6-bit scale and min taken from its words as `k4_scale_min` takes them
-            // from bytes: sub-block j = 2q + e reads byte j & 3 of words 1, 2 (j < 4) or of words
-            // 1, 2, 3 (j >= 4). The same integers, so the same d and m bit for bit.
+            // The block's first 16 bytes (d, dmin, the 12 scale bytes) in one load, each
+            // sub-block's scale bytes (`k4_sm`) taken from its words: sub-block j = 2q + e reads
+            // byte j & 3 of words 1, 2 and 3. The same integers, so the same d and m bit for bit.
             const uint4 hd = *(const uint4*)b;
             const uint4* r = (const uint4*)(b + 16 + 32 * q);
             const uint4 lo = r[0], hi = r[1];
@@ -521,9 +525,8 @@ __device__ __forceinline__ void iq64(const u8* b, int q, u32 (*w)[4], float* d, 
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const u32 sh = 16 * (q & 1) + 8 * e;
-                const u32 y = (hd.y >> sh) & 0xFFu, z = (hd.z >> sh) & 0xFFu, x = (hd.w >> sh) & 0xFFu;
-                const int scv = (int)(q < 2 ? y & 63u : (x & 0xFu) | ((y >> 6) << 4));
-                const int mnv = (int)(q < 2 ? z & 63u : (x >> 4) | ((z >> 6) << 4));
+                int scv, mnv;
+                k4_sm((hd.y >> sh) & 0xFFu, (hd.z >> sh) & 0xFFu, (hd.w >> sh) & 0xFFu, q < 2, &scv, &mnv);
                 dd[e] = q_mul(d0, (float)scv);
                 mm[e] = -q_mul(dm, (float)mnv);
             }
