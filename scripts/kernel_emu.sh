@@ -6,7 +6,8 @@
 # PTX replaced by C++ ones and `extern __shared__` arrays made static, compiles the test with
 # g++ (C++20: std::barrier) and runs it. Needs g++ (Debian: apt-get install g++).
 # Arguments name test groups to run alone (`bash scripts/kernel_emu.sh attention_nan`); none:
-# every group.
+# every group. KERNEL_EMU_KDEFS: kernel source variants to build the kernels with (names as
+# `LOWSYNC_CUDA_TUNE=kdef=` takes them, `+`-separated; docs/tuning.md).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 kernels="$root/crates/backend-cuda/kernels"
@@ -33,6 +34,12 @@ for cu in [*src.glob("*.cu"), *fused.glob("*.cu"), src / "quant.cuh"]:
     text = re.sub(r"extern __shared__ (\w+) (\w+)\[\];", r"static \1 \2[16384];", cu.read_text())
     (dst / cu.name).write_text(text)
 PY
-g++ -std=c++20 -O1 -ffp-contract=off -pthread -DLOWSYNC_EMU -DLOWSYNC_EMU_DIR="\"$emu\"" \
+kdefs=()
+kd=${KERNEL_EMU_KDEFS:-}
+for d in ${kd//+/ }; do
+    [[ $d =~ ^[A-Z][A-Z0-9_]*$ ]] || { echo "kernel_emu: KERNEL_EMU_KDEFS: bad name '$d'" >&2; exit 2; }
+    kdefs+=("-DLS_KDEF_$d")
+done
+g++ -std=c++20 -O1 -ffp-contract=off -pthread -DLOWSYNC_EMU -DLOWSYNC_EMU_DIR="\"$emu\"" "${kdefs[@]}" \
     -I"$work" -I"$emu" -o "$work/kernels_test" "$emu/kernels_test.cpp"
 "$work/kernels_test" "$@"

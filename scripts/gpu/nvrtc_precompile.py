@@ -74,21 +74,26 @@ def builds() -> tuple[list[str], list[int], dict[str, int]]:
     return typed, [int(c) for c in codes[1].split(",") if c.strip()], split
 
 
-def units(arch: str) -> list[tuple[str, str, list[str]]]:
-    """(label, full source, NVRTC options) of every module as kernels.rs compiles it."""
+def units(arch: str, kdefs: list[str] = []) -> list[tuple[str, str, list[str]]]:  # noqa: B006
+    """(label, full source, NVRTC options) of every module as kernels.rs compiles it, with the
+    kernel source variants `kdefs` (`LOWSYNC_CUDA_TUNE=kdef=`) where the source tests one."""
     typed, codes, split = builds()
     out = []
     for name, src in modules().items():
         base = [f"--gpu-architecture={arch}"]
+        extra = [f"-DLS_KDEF_{d}" for d in kdefs] if "LS_KDEF_" in src else []
+        if kdefs and not extra:
+            continue
         if name in typed:
-            out += [(f"{name}-qt{q}", src, [*base, f"-DLOWSYNC_QT={q}"]) for q in codes]
+            out += [(f"{name}-qt{q}", src, [*base, f"-DLOWSYNC_QT={q}", *extra]) for q in codes]
         elif name in split:
             n = split[name]
             out += [
-                (f"{name}-part{p}", src, [*base, f"-DLOWSYNC_PART={p}"]) for p in range(1, n + 1)
+                (f"{name}-part{p}", src, [*base, f"-DLOWSYNC_PART={p}", *extra])
+                for p in range(1, n + 1)
             ]
         else:
-            out.append((name, src, base))
+            out.append((name, src, [*base, *extra]))
     return out
 
 
@@ -120,11 +125,17 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--only", default="", help="comma-separated module names (default: all)")
+    ap.add_argument(
+        "--kdef",
+        default="",
+        help="kernel source variants, +-separated (LOWSYNC_CUDA_TUNE's kdef): only the modules "
+        "that test one, built with them",
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     only = {m for m in args.only.split(",") if m}
     jobs = []
-    for label, src, options in units(args.arch):
+    for label, src, options in units(args.arch, [d for d in args.kdef.split("+") if d]):
         if only and re.split(r"-qt|-part", label)[0] not in only:
             continue
         key = fnv1a([src.encode(), "".join(options).encode()])

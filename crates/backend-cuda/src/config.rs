@@ -198,6 +198,12 @@ pub struct CudaConfig {
     /// the CPU backend's 8-bit blocks and `__dp4a`, or `f32`: each weight dequantized to f32
     /// and multiplied by the f32 row. A knob for A/B runs.
     pub qdot: QDot,
+    /// Compile-time variants of the kernels' source to build (tune key `kdef`, `+`-separated
+    /// names, none by default): each name N becomes NVRTC's `-DLS_KDEF_N` for every module
+    /// whose source tests an `LS_KDEF_` macro, so two sessions of one process can run two
+    /// versions of a kernel side by side (`variants_tg.py`) without a second wheel. A knob for
+    /// A/B runs of kernel changes; the cubins of a variant are cached under their own names.
+    pub kdefs: Vec<String>,
 }
 
 /// Which products run a typed entry point of `fused_gemv1_q` (`CudaConfig::q_typed`).
@@ -268,6 +274,7 @@ impl Default for CudaConfig {
             staging_max_bytes: 64 << 20,
             readback_max_bytes: 64 << 20,
             mmv_max_m: None,
+            kdefs: Vec::new(),
             graphs: true,
             fusion: true,
             timing: false,
@@ -323,7 +330,7 @@ const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fas
      gemv_q_prefetch, gemv_q_ahead, gemv_q_head, gemv_q_head_pairs, gemv_q_head_fold, \
      gemv_q_typed, \
      gemv_q_interleave, gemv_q_direct, gemv_q_direct_norm, gemv_q_warps, gemv_q_warps_norm, gemv_pad_kb, copy_kernel, \
-     read_kernel, mmv_max_m, qdot (see docs/tuning.md)";
+     read_kernel, mmv_max_m, qdot, kdef (see docs/tuning.md)";
 
 impl CudaConfig {
     /// The defaults with the user-facing variables (`LOWSYNC_CUDA_SYNC_ELISION`,
@@ -353,7 +360,8 @@ impl CudaConfig {
     /// 2); `gemv_q_warps` (0 to 24) and `gemv_q_warps_norm` (0 or 8 to 24);
     /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` and `gemv_q_blocks` (1
     /// or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
-    /// (bytes); `mmv_max_m` (rows); `qdot` (`q16`, `q8` or `f32`). An unknown key, an item without
+    /// (bytes); `mmv_max_m` (rows); `qdot` (`q16`, `q8` or `f32`); `kdef` (`+`-separated
+    /// macro names, see `CudaConfig::kdefs`). An unknown key, an item without
     /// `=` or a bad value is an `Error::Env` for `LOWSYNC_CUDA_TUNE`.
     pub fn with_tune(mut self, spec: &str) -> Result<Self> {
         let bad = |expected: &'static str| Error::Env {
@@ -463,6 +471,25 @@ impl CudaConfig {
                         _ => return Err(bad("qdot=q16, qdot=q8 or qdot=f32")),
                     }
                 }
+                "kdef" => {
+                    let expected = "kdef=NAME+NAME..., names of [A-Z0-9_], 1 to 32 characters, \
+                         starting with a letter (empty: none)";
+                    let names = value.split('+').map(str::trim).filter(|n| !n.is_empty());
+                    let ok = |n: &str| {
+                        n.len() <= 32
+                            && n.starts_with(|c: char| c.is_ascii_uppercase())
+                            && n.chars()
+                                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+                    };
+                    let mut kdefs = Vec::new();
+                    for n in names {
+                        if !ok(n) {
+                            return Err(bad(expected));
+                        }
+                        kdefs.push(n.to_string());
+                    }
+                    self.kdefs = kdefs;
+                }
                 _ => return Err(bad(TUNE_KEYS)),
             }
         }
@@ -566,6 +593,14 @@ mod tests {
             32,
             "capped"
         );
+        assert_eq!(
+            tuned("kdef=QLD_NC+Q8_W64").unwrap().kdefs,
+            ["QLD_NC", "Q8_W64"]
+        );
+        assert!(
+            tuned("kdef=A1,kdef=").unwrap().kdefs.is_empty(),
+            "empty: none"
+        );
         assert!(tuned("pdl=0,pdl=1").unwrap().pdl, "the last item wins");
         assert_eq!(tuned(" copy_kernel = 0 ").unwrap().copy_kernel_max, 0);
     }
@@ -605,6 +640,10 @@ mod tests {
             ("pdl=1,evict_first=1", "gemv_blocks"),
             ("weight_evict_first=1", "qdot"),
             ("pdl", "key=value"),
+            ("kdef=qld", "names of [A-Z0-9_]"),
+            ("kdef=1AB", "starting with a letter"),
+            ("kdef=A-B", "names of [A-Z0-9_]"),
+            ("kdef=A B", "names of [A-Z0-9_]"),
         ] {
             match tuned(spec) {
                 Err(Error::Env {

@@ -436,7 +436,7 @@ impl Inner {
                 readback: Mutex::new(None),
                 read_slots: Mutex::new(Vec::new()),
                 exec: Mutex::new(Scratch::default()),
-                modules: Modules::new(major, minor, shared.per_block),
+                modules: Modules::new(major, minor, shared.per_block).with_kdefs(&cfg.kdefs),
                 blas: Mutex::new(None),
                 err_word,
                 err_tags: Mutex::new(ErrTags::default()),

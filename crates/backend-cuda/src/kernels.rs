@@ -484,6 +484,8 @@ unsafe impl Send for Module {}
 pub(crate) struct Modules {
     arch: String,
     max_shared: usize,
+    /// `CudaConfig::kdefs`: `-DLS_KDEF_<name>` for every module whose source tests one.
+    kdefs: Vec<String>,
     loaded: Mutex<HashMap<ModuleId, Module>>,
     funcs: Mutex<HashMap<Kernel, CuFunction>>,
 }
@@ -495,9 +497,16 @@ impl Modules {
         Modules {
             arch: format!("sm_{major}{minor}"),
             max_shared,
+            kdefs: Vec::new(),
             loaded: Mutex::new(HashMap::new()),
             funcs: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The same modules built with the source variants `kdefs` (`CudaConfig::kdefs`).
+    pub(crate) fn with_kdefs(mut self, kdefs: &[String]) -> Self {
+        self.kdefs = kdefs.to_vec();
+        self
     }
 
     /// Loads every module and resolves every kernel now. Module loading (and, under CUDA's
@@ -570,6 +579,9 @@ impl Modules {
             }
             _ => return Err(format!("kernel module {name} asked for as {variant:?}")),
         };
+        if src.contains("LS_KDEF_") {
+            options.extend(self.kdefs.iter().map(|d| format!("-DLS_KDEF_{d}")));
+        }
         let key = fnv1a(&[src.as_bytes(), options.concat().as_bytes()]);
         let file = format!("{label}-{}-{key:016x}.cubin", self.arch);
         let path = cache_dir().map(|d| d.join(&file));
@@ -872,6 +884,32 @@ mod tests {
         ] {
             assert!(modules.unit(bad).is_err(), "{bad:?}");
         }
+    }
+
+    /// Kernel source variants (`CudaConfig::kdefs`) reach only the modules that test one, as
+    /// `-DLS_KDEF_<name>` after the build's own options, and give them cache files of their own.
+    #[test]
+    fn kernel_source_variants_build_only_the_modules_that_test_them() {
+        let plain = Modules::new(9, 0, 0);
+        let kd = Modules::new(9, 0, 0).with_kdefs(&["QLD_NC".to_string(), "B2".to_string()]);
+        let q = ("quant", Variant::BlockType(8));
+        assert_eq!(
+            kd.unit(q).unwrap().options,
+            [
+                "--gpu-architecture=sm_90",
+                "-DLOWSYNC_QT=8",
+                "-DLS_KDEF_QLD_NC",
+                "-DLS_KDEF_B2"
+            ]
+        );
+        assert_ne!(kd.unit(q).unwrap().file, plain.unit(q).unwrap().file);
+        let g = ("fused_gemv", Variant::Part(4));
+        assert_ne!(kd.unit(g).unwrap().file, plain.unit(g).unwrap().file);
+        // A module whose source tests no variant is the same build either way.
+        let n = ("norm", Variant::Whole);
+        assert!(!kd.unit(n).unwrap().src.contains("LS_KDEF_"));
+        assert_eq!(kd.unit(n).unwrap().options, plain.unit(n).unwrap().options);
+        assert_eq!(kd.unit(n).unwrap().file, plain.unit(n).unwrap().file);
     }
 
     /// `preload`'s compile step compiles nothing that this process already holds, and a
