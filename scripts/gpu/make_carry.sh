@@ -70,8 +70,10 @@ if has cubins; then
     LD_LIBRARY_PATH="$nvrtc/x/nvidia/cu13/lib" python3 scripts/gpu/nvrtc_precompile.py "$tmp/cubins"
     # CUBIN_KDEFS: kernel source variants to precompile too (space-separated, each as
     # `LOWSYNC_CUDA_TUNE=kdef=` takes it), for A/B runs of them on the device.
+    # CUBIN_KDEF_ONLY: the modules they change (nvrtc_precompile.py's --only; default all).
     for kd in ${CUBIN_KDEFS:-}; do
-        LD_LIBRARY_PATH="$nvrtc/x/nvidia/cu13/lib" python3 scripts/gpu/nvrtc_precompile.py "$tmp/cubins" --kdef "$kd"
+        LD_LIBRARY_PATH="$nvrtc/x/nvidia/cu13/lib" python3 scripts/gpu/nvrtc_precompile.py "$tmp/cubins" \
+            --kdef "$kd" --only "${CUBIN_KDEF_ONLY:-}"
     done
     tar cJf .carry/cubins.txz -C "$tmp" cubins
     # The decode products' registers and local-memory instructions (their budget: 80).

@@ -76,14 +76,12 @@ def builds() -> tuple[list[str], list[int], dict[str, int]]:
 
 def units(arch: str, kdefs: list[str] = []) -> list[tuple[str, str, list[str]]]:  # noqa: B006
     """(label, full source, NVRTC options) of every module as kernels.rs compiles it, with the
-    kernel source variants `kdefs` (`LOWSYNC_CUDA_TUNE=kdef=`) where the source tests one."""
+    kernel source variants `kdefs` (`LOWSYNC_CUDA_TUNE=kdef=`)."""
     typed, codes, split = builds()
     out = []
+    extra = [f"-DLS_KDEF_{d}" for d in kdefs]
     for name, src in modules().items():
         base = [f"--gpu-architecture={arch}"]
-        extra = [f"-DLS_KDEF_{d}" for d in kdefs] if "LS_KDEF_" in src else []
-        if kdefs and not extra:
-            continue
         if name in typed:
             out += [(f"{name}-qt{q}", src, [*base, f"-DLOWSYNC_QT={q}", *extra]) for q in codes]
         elif name in split:
@@ -128,8 +126,8 @@ def main() -> None:
     ap.add_argument(
         "--kdef",
         default="",
-        help="kernel source variants, +-separated (LOWSYNC_CUDA_TUNE's kdef): only the modules "
-        "that test one, built with them",
+        help="kernel source variants, +-separated (LOWSYNC_CUDA_TUNE's kdef), built into every "
+        "module (--only limits them)",
     )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

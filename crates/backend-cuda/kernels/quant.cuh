@@ -52,27 +52,6 @@ __device__ __forceinline__ int q_block_bytes(int qt) {
 }
 
 __device__ __forceinline__ float q_f16(const u8* p) { return h2f(*(const u16*)p); }
-
-// Kernel source variants for A/B runs (`LOWSYNC_CUDA_TUNE=kdef=NAME+...`, `CudaConfig::kdefs`:
-// NVRTC's -DLS_KDEF_NAME); a default build has none. Each gives the same integers, so the same
-// sums bit for bit.
-// - QLD_NC: the decode products' weight words through the read-only path (`ld.global.nc`);
-//   their row pointers reach `iq32` / `iq64` without their address space, so NVRTC emits
-//   generic loads.
-// - QLD_W64: a Q8_0 block (34 bytes, 2-byte aligned) and a Q6_K 32-byte run in five 8-byte
-//   loads from the 8-byte word holding their first byte instead of nine 4-byte ones: fewer
-//   load instructions, each over the same lines. Every word loaded holds a byte of the block.
-// - Q4K_SWAP: in the paired products (Q4_K, Q6_K) on q16 records, lanes 4-7 of each quarter
-//   warp read a half-record's second 16 bytes first, so the quarter's eight 16-byte loads of
-//   records 160 bytes apart meet eight distinct bank groups instead of two to one.
-template <typename T>
-__device__ __forceinline__ T q_ldw(const T* p) {
-#ifdef LS_KDEF_QLD_NC
-    return __ldg(p);
-#else
-    return *p;
-#endif
-}
 __device__ __forceinline__ float q_mul(float a, float b) { return __fmul_rn(a, b); }
 
 // IQ4_NL's and IQ4_XS's 16 levels (-127, -104, ... 113), packed as signed bytes in two
@@ -416,27 +395,8 @@ __device__ __forceinline__ void iq32(const u8* b, int p, u32 (&w0)[4], u32 (&w1)
         const u32* a = (const u32*)((u64)b & ~(u64)3);
         const u32 s = ((u32)(u64)b & 2u) << 3;  // d's bit offset in the first word: 0 or 16
         u32 x[NW];
-#ifdef LS_KDEF_QLD_W64
-        if (QT == DT_Q8_0) {
-            // Words from the 8-byte word holding d: the 4-byte word holding d is its first or
-            // second half.
-            const u64* a8 = (const u64*)((u64)b & ~(u64)7);
-            const bool hi = ((u32)(u64)b & 4u) != 0;
-            u32 z[10];
 #pragma unroll
-            for (int i = 0; i < 5; ++i) {
-                const u64 y = q_ldw(a8 + i);
-                z[2 * i] = (u32)y;
-                z[2 * i + 1] = (u32)(y >> 32);
-            }
-#pragma unroll
-            for (int i = 0; i < NW; ++i) x[i] = hi ? z[i + 1] : z[i];
-        } else
-#endif
-        {
-#pragma unroll
-            for (int i = 0; i < NW; ++i) x[i] = q_ldw(a + i);
-        }
+        for (int i = 0; i < NW; ++i) x[i] = a[i];
         d0 = h2f((u16)(x[0] >> s));
         m0 = QT == DT_Q4_0 ? q_mul(d0, -8.0f) : 0.0f;
 #pragma unroll
@@ -558,9 +518,9 @@ __device__ __forceinline__ void iq64(const u8* b, int q, u32 (*w)[4], float* d, 
             // The block's first 16 bytes (d, dmin, the 12 scale bytes) in one load, each
             // sub-block's scale bytes (`k4_sm`) taken from its words: sub-block j = 2q + e reads
             // byte j & 3 of words 1, 2 and 3. The same integers, so the same d and m bit for bit.
-            const uint4 hd = q_ldw((const uint4*)b);
+            const uint4 hd = *(const uint4*)b;
             const uint4* r = (const uint4*)(b + 16 + 32 * q);
-            const uint4 lo = q_ldw(r), hi = q_ldw(r + 1);
+            const uint4 lo = r[0], hi = r[1];
             const float d0 = h2f((u16)(hd.x & 0xFFFFu)), dm = h2f((u16)(hd.x >> 16));
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
@@ -600,38 +560,14 @@ __device__ __forceinline__ void iq64(const u8* b, int q, u32 (*w)[4], float* d, 
     // DT_Q6_K: each run in 9 aligned words from the word holding its first byte (as `iq32`).
     const int h = q / 2, s = q % 2;
     const u32 sh = ((u32)(u64)b & 2u) << 3;
-    u32 x[9], y[9];
-#ifdef LS_KDEF_QLD_W64
-    {
-        // Each run from the 8-byte word holding its first byte (the runs start 32-byte steps
-        // into the block, so on the same half of an 8-byte word as b).
-        const u64* l8 = (const u64*)(((u64)b + 64 * h + 32 * s) & ~(u64)7);
-        const u64* h8 = (const u64*)(((u64)b + 128 + 32 * h) & ~(u64)7);
-        const bool hi = ((u32)(u64)b & 4u) != 0;
-        u32 zx[10], zy[10];
-#pragma unroll
-        for (int i = 0; i < 5; ++i) {
-            const u64 a1 = q_ldw(l8 + i), a2 = q_ldw(h8 + i);
-            zx[2 * i] = (u32)a1;
-            zx[2 * i + 1] = (u32)(a1 >> 32);
-            zy[2 * i] = (u32)a2;
-            zy[2 * i + 1] = (u32)(a2 >> 32);
-        }
-#pragma unroll
-        for (int i = 0; i < 9; ++i) {
-            x[i] = hi ? zx[i + 1] : zx[i];
-            y[i] = hi ? zy[i + 1] : zy[i];
-        }
-    }
-#else
     const u32* ql = (const u32*)(((u64)b & ~(u64)3) + 64 * h + 32 * s);
     const u32* qh = (const u32*)(((u64)b & ~(u64)3) + 128 + 32 * h);
+    u32 x[9], y[9];
 #pragma unroll
     for (int i = 0; i < 9; ++i) {
-        x[i] = q_ldw(ql + i);
-        y[i] = q_ldw(qh + i);
+        x[i] = ql[i];
+        y[i] = qh[i];
     }
-#endif
     const int pa = 4 * h + s;
     const u32 sa = *(const u16*)(b + 192 + 2 * pa), sb = *(const u16*)(b + 192 + 2 * (pa + 2));
     const float dd = q_f16(b + 208);
@@ -653,22 +589,18 @@ __device__ __forceinline__ void iq64(const u8* b, int q, u32 (*w)[4], float* d, 
 // acc plus chunk (w, d, m) times half `half` (0, 1) of q16 record `rec` (`Q16_REC` bytes,
 // 16-byte aligned): the integer sum in k order, then d * dx times it and m times the half's
 // `dx * sum(q)`.
-// `flip` 1: the half's second 16 bytes loaded (and multiplied) first; the same integer sum.
 template <int QT>
-__device__ __forceinline__ float q16_fma(const u32 (&w)[4], float d, float m, const u8* rec, int half, float acc,
-                                         int flip = 0) {
+__device__ __forceinline__ float q16_fma(const u32 (&w)[4], float d, float m, const u8* rec, int half, float acc) {
     const uint4* x = (const uint4*)(rec + 32 * half);
-    const uint4 x0 = x[flip], x1 = x[flip ^ 1];
-    const u32 w0 = flip ? w[2] : w[0], w1 = flip ? w[3] : w[1];
-    const u32 w2 = flip ? w[0] : w[2], w3 = flip ? w[1] : w[3];
-    int s = __dp2a_lo((int)x0.x, (int)w0, 0);
-    s = __dp2a_hi((int)x0.y, (int)w0, s);
-    s = __dp2a_lo((int)x0.z, (int)w1, s);
-    s = __dp2a_hi((int)x0.w, (int)w1, s);
-    s = __dp2a_lo((int)x1.x, (int)w2, s);
-    s = __dp2a_hi((int)x1.y, (int)w2, s);
-    s = __dp2a_lo((int)x1.z, (int)w3, s);
-    s = __dp2a_hi((int)x1.w, (int)w3, s);
+    const uint4 x0 = x[0], x1 = x[1];
+    int s = __dp2a_lo((int)x0.x, (int)w[0], 0);
+    s = __dp2a_hi((int)x0.y, (int)w[0], s);
+    s = __dp2a_lo((int)x0.z, (int)w[1], s);
+    s = __dp2a_hi((int)x0.w, (int)w[1], s);
+    s = __dp2a_lo((int)x1.x, (int)w[2], s);
+    s = __dp2a_hi((int)x1.y, (int)w[2], s);
+    s = __dp2a_lo((int)x1.z, (int)w[3], s);
+    s = __dp2a_hi((int)x1.w, (int)w[3], s);
     const float* f = (const float*)(rec + 64);
     acc = fmaf(q_mul(d, f[0]), (float)s, acc);
     if (q_has_m(QT)) acc = fmaf(m, f[1 + half], acc);

@@ -199,10 +199,10 @@ pub struct CudaConfig {
     /// and multiplied by the f32 row. A knob for A/B runs.
     pub qdot: QDot,
     /// Compile-time variants of the kernels' source to build (tune key `kdef`, `+`-separated
-    /// names, none by default): each name N becomes NVRTC's `-DLS_KDEF_N` for every module
-    /// whose source tests an `LS_KDEF_` macro, so two sessions of one process can run two
-    /// versions of a kernel side by side (`variants_tg.py`) without a second wheel. A knob for
-    /// A/B runs of kernel changes; the cubins of a variant are cached under their own names.
+    /// names, none by default): each name N becomes NVRTC's `-DLS_KDEF_N` for every module,
+    /// so two sessions of one process can run two versions of a kernel side by side
+    /// (`variants_tg.py`) without a second wheel. A knob for A/B runs of kernel changes; the
+    /// cubins of a variant are cached under their own names.
     pub kdefs: Vec<String>,
 }
 

@@ -484,7 +484,7 @@ unsafe impl Send for Module {}
 pub(crate) struct Modules {
     arch: String,
     max_shared: usize,
-    /// `CudaConfig::kdefs`: `-DLS_KDEF_<name>` for every module whose source tests one.
+    /// `CudaConfig::kdefs`: `-DLS_KDEF_<name>` for every module.
     kdefs: Vec<String>,
     loaded: Mutex<HashMap<ModuleId, Module>>,
     funcs: Mutex<HashMap<Kernel, CuFunction>>,
@@ -579,9 +579,7 @@ impl Modules {
             }
             _ => return Err(format!("kernel module {name} asked for as {variant:?}")),
         };
-        if src.contains("LS_KDEF_") {
-            options.extend(self.kdefs.iter().map(|d| format!("-DLS_KDEF_{d}")));
-        }
+        options.extend(self.kdefs.iter().map(|d| format!("-DLS_KDEF_{d}")));
         let key = fnv1a(&[src.as_bytes(), options.concat().as_bytes()]);
         let file = format!("{label}-{}-{key:016x}.cubin", self.arch);
         let path = cache_dir().map(|d| d.join(&file));
@@ -886,10 +884,10 @@ mod tests {
         }
     }
 
-    /// Kernel source variants (`CudaConfig::kdefs`) reach only the modules that test one, as
-    /// `-DLS_KDEF_<name>` after the build's own options, and give them cache files of their own.
+    /// Kernel source variants (`CudaConfig::kdefs`) reach every module as `-DLS_KDEF_<name>`
+    /// after the build's own options, and give each build a cache file of its own.
     #[test]
-    fn kernel_source_variants_build_only_the_modules_that_test_them() {
+    fn kernel_source_variants_build_every_module_under_names_of_its_own() {
         let plain = Modules::new(9, 0, 0);
         let kd = Modules::new(9, 0, 0).with_kdefs(&["QLD_NC".to_string(), "B2".to_string()]);
         let q = ("quant", Variant::BlockType(8));
@@ -902,14 +900,12 @@ mod tests {
                 "-DLS_KDEF_B2"
             ]
         );
-        assert_ne!(kd.unit(q).unwrap().file, plain.unit(q).unwrap().file);
-        let g = ("fused_gemv", Variant::Part(4));
-        assert_ne!(kd.unit(g).unwrap().file, plain.unit(g).unwrap().file);
-        // A module whose source tests no variant is the same build either way.
-        let n = ("norm", Variant::Whole);
-        assert!(!kd.unit(n).unwrap().src.contains("LS_KDEF_"));
-        assert_eq!(kd.unit(n).unwrap().options, plain.unit(n).unwrap().options);
-        assert_eq!(kd.unit(n).unwrap().file, plain.unit(n).unwrap().file);
+        for id in Kernel::module_ids() {
+            let (a, b) = (plain.unit(id).unwrap(), kd.unit(id).unwrap());
+            assert_eq!(b.options[..a.options.len()], a.options[..], "{id:?}");
+            assert_ne!(a.file, b.file, "{id:?}");
+            assert_eq!(a.label, b.label, "{id:?}");
+        }
     }
 
     /// `preload`'s compile step compiles nothing that this process already holds, and a

@@ -827,12 +827,7 @@ __device__ __forceinline__ void fq_rows16(const char* const (&w)[NC], int K, con
                         acc[c] = q8_fma<QT>(wv[c][h], wv[c][h + 1], d[c][h], m[c][h], d[c][h + 1], m[c][h + 1],
                                             q8_load(xq + Q8_REC * piece), acc[c]);
                     } else {
-#ifdef LS_KDEF_Q4K_SWAP
-                        const int flip = (lane >> 2) & 1;
-#else
-                        const int flip = 0;
-#endif
-                        acc[c] = q16_fma<QT>(wv[c][h], d[c][h], m[c][h], xq + Q16_REC * piece, h & 1, acc[c], flip);
+                        acc[c] = q16_fma<QT>(wv[c][h], d[c][h], m[c][h], xq + Q16_REC * piece, h & 1, acc[c]);
                     }
                 }
             }
