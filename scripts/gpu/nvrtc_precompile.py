@@ -26,6 +26,7 @@ import argparse
 import ctypes
 import re
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def builds() -> tuple[list[str], list[int], dict[str, int]]:
     return typed, [int(c) for c in codes[1].split(",") if c.strip()], split
 
 
-def units(arch: str, kdefs: list[str] = []) -> list[tuple[str, str, list[str]]]:  # noqa: B006
+def units(arch: str, kdefs: Sequence[str] = ()) -> list[tuple[str, str, list[str]]]:
     """(label, full source, NVRTC options) of every module as kernels.rs compiles it, with the
     kernel source variants `kdefs` (`LOWSYNC_CUDA_TUNE=kdef=`)."""
     typed, codes, split = builds()
