@@ -938,6 +938,24 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
             run_qw(kernel, pf, 12);
         };
         typed.same(tag + " 12 warps", [&] { run12(fused_gemv1_q, 0); });
+        // `pf` bit 5: each warp's first Rope angle taken before the wait, with the inputs
+        // swapped in at the wait (the position is not one of them): the same bytes, generic
+        // and typed.
+        std::vector<Buf*> stored;
+        for (Buf* b : written)
+            if (b != (c.norm ? &x : &a)) stored.push_back(b);
+        auto run_ra = [&](FqKernel kernel, int pf) {
+            err = 0;
+            Producer pr({c.norm ? &x : &a}, stored);
+            run_q(kernel, pf | 32);
+            pr.check(tag + " rope ahead");
+        };
+        typed.same(tag + " rope ahead", [&] { run_ra(fused_gemv1_q, 0); });
+        typed.typed(tag + " typed rope ahead", {qs[0], qs[1], qs[2]}, run_ra);
+        if (err != want_err) {
+            ++fails;
+            printf("FAIL %s rope ahead: error word %u, want %u\n", tag.c_str(), err, want_err);
+        }
         if (c.norm) {
             typed.same(tag + " direct norm", [&] {
                 err = 0;

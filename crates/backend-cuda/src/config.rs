@@ -172,6 +172,11 @@ pub struct CudaConfig {
     /// boundaries of a decode step fewer (the final `norm_mul` and `argmax_take` launches).
     /// Off: the norm and the take run as launches of their own, as on the other heads.
     pub q_head_fold: bool,
+    /// In q/k/v's row pairs on quantized weights, each warp takes its first unit's Rope angle
+    /// (an f64 exp2 and sincos by one lane) before the dependency wait instead of after the
+    /// unit's products, where every decode launch's positions are no kernel's output (tune key
+    /// `gemv_q_rope_ahead`). The same sin and cos, so the same bits.
+    pub q_rope_ahead: bool,
     /// Shared memory (KiB) each block of a streamed product asks for at least (tune key
     /// `gemv_pad_kb`; 0 turns it off). `None`, the default, takes the least that keeps
     /// `stream_blocks + 1` of them off one multiprocessor (80 KiB on the H200): the streamed
@@ -300,6 +305,7 @@ impl Default for CudaConfig {
             q_head: true,
             q_head_pairs: true,
             q_head_fold: true,
+            q_rope_ahead: false,
             stream_pad_kb: None,
             copy_kernel_max: 4096,
             read_kernel: true,
@@ -328,7 +334,7 @@ pub(crate) const MAX_Q_WARPS: u64 = 24;
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
      attn_split, rehearse, rehearse_list, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, \
      gemv_q_prefetch, gemv_q_ahead, gemv_q_head, gemv_q_head_pairs, gemv_q_head_fold, \
-     gemv_q_typed, \
+     gemv_q_rope_ahead, gemv_q_typed, \
      gemv_q_interleave, gemv_q_direct, gemv_q_direct_norm, gemv_q_warps, gemv_q_warps_norm, gemv_pad_kb, copy_kernel, \
      read_kernel, mmv_max_m, qdot, kdef (see docs/tuning.md)";
 
@@ -355,7 +361,7 @@ impl CudaConfig {
     /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`,
     /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `gemv_q_prefetch`,
     /// `gemv_q_ahead`, `gemv_q_head`, `gemv_q_head_pairs`, `gemv_q_head_fold`,
-    /// `gemv_q_interleave`, `gemv_q_direct`,
+    /// `gemv_q_rope_ahead`, `gemv_q_interleave`, `gemv_q_direct`,
     /// `gemv_q_direct_norm`, `rehearse_list`, `read_kernel` (0 or 1); `gemv_q_typed` (0, 1 or
     /// 2); `gemv_q_warps` (0 to 24) and `gemv_q_warps_norm` (0 or 8 to 24);
     /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` and `gemv_q_blocks` (1
@@ -403,6 +409,9 @@ impl CudaConfig {
                 }
                 "gemv_q_head_fold" => {
                     self.q_head_fold = flag("gemv_q_head_fold=0 or gemv_q_head_fold=1")?
+                }
+                "gemv_q_rope_ahead" => {
+                    self.q_rope_ahead = flag("gemv_q_rope_ahead=0 or gemv_q_rope_ahead=1")?
                 }
                 "gemv_q_typed" => {
                     self.q_typed = match value {
@@ -551,7 +560,7 @@ mod tests {
             "pdl=0, attn_fast=0,attn_prefill=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
              gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0,gemv_q_blocks=5,gemv_q_prefetch=1,gemv_q_head=0,rehearse_list=0,\
              gemv_q_ahead=0,gemv_q_typed=0,gemv_q_interleave=0,gemv_q_direct=0,gemv_q_warps=24,gemv_q_warps_norm=0,\
-             gemv_q_direct_norm=1,gemv_q_head_pairs=0,gemv_q_head_fold=0",
+             gemv_q_direct_norm=1,gemv_q_head_pairs=0,gemv_q_head_fold=0,gemv_q_rope_ahead=1",
         )
         .unwrap();
         let want = CudaConfig {
@@ -569,6 +578,7 @@ mod tests {
             q_head: false,
             q_head_pairs: false,
             q_head_fold: false,
+            q_rope_ahead: true,
             q_typed: TypedQ::Off,
             q_interleave: false,
             q_direct: false,

@@ -102,23 +102,31 @@ __device__ __forceinline__ float fg_store(const FgSeg& g, i64 i, i64 j, float y)
     return y;
 }
 
+// The Rope's (sin, cos) for column pair j of segment g (j % hd < n_dims) at position pos[0], as
+// the rope kernel computes them: the angle in f64 from the same expression, rounded to f32.
+__device__ __forceinline__ float2 fg_rope_sc(const FgSeg& g, i64 j) {
+    const i64 k = (j % g.hd) / 2;
+    // theta^(-2k / n_dims) as exp2 of a host-computed log2: the same value to within an ulp of
+    // f64 (invisible after the f32 rounding of sin and cos), a fraction of pow's instructions on
+    // a path every q/k unit runs.
+    const double freq = exp2(-2.0 * (double)k / (double)g.n_dims * g.l2theta);
+    const double ang = (double)(*(const int*)g.pos) * freq;
+    double sd, cd;
+    sincos(ang, &sd, &cd);
+    return make_float2((float)sd, (float)cd);
+}
+
 // Columns j and j + 1 (one rotary pair: j even) of segment g in row-pair mode, decode's one
-// row: the products and Adds, then the Rope as the rope kernel computes it (angle in f64 from
-// the same expression; dims at or past n_dims copied), then the cache row — each value as the
-// unfused chain's next node would read it back.
-__device__ void fg_rope_pair(const FgSeg& g, u64 err, i64 j, float y0, float y1) {
+// row: the products and Adds, then the Rope as the rope kernel computes it (`fg_rope_sc`, or
+// `sc` where the caller took it already, `have_sc`; dims at or past n_dims copied), then the cache row —
+// each value as the unfused chain's next node would read it back.
+__device__ void fg_rope_pair(const FgSeg& g, u64 err, i64 j, float y0, float y1,
+                             bool have_sc = false, float2 sc = float2{}) {
     float z0 = fg_store(g, 0, j, y0), z1 = fg_store(g, 0, j + 1, y1);
     if (g.n_dims > 0) {
         if (j % g.hd < g.n_dims) {
-            const i64 k = (j % g.hd) / 2;
-            // theta^(-2k / n_dims) as exp2 of a host-computed log2: the same value to within
-            // an ulp of f64 (invisible after the f32 rounding of sin and cos), a fraction of
-            // pow's instructions on a path every q/k unit runs.
-            const double freq = exp2(-2.0 * (double)k / (double)g.n_dims * g.l2theta);
-            const double ang = (double)(*(const int*)g.pos) * freq;
-            double sd, cd;
-            sincos(ang, &sd, &cd);
-            const float sn = (float)sd, cs = (float)cd;
+            const float2 t = have_sc ? sc : fg_rope_sc(g, j);
+            const float sn = t.x, cs = t.y;
             const float a = z0, b = z1;
             z0 = a * cs - b * sn;
             z1 = a * sn + b * cs;
@@ -1093,6 +1101,19 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     const int stride = (int)gridDim.x * nwarps;
     const int u0 = (int)blockIdx.x * nwarps + (threadIdx.x >> 5);
     if (u0 < units && !(pf & 2)) fq_prefetch<NC>(S, u0, K, lane);
+    // `pf` bit 5 (row pairs): the Rope's sin and cos of the warp's first unit, taken before the
+    // wait by its lane 0. The f64 angle (11% of the q/k/v launch's instructions in ncu's count)
+    // otherwise runs after the unit's products, at the end of the launch's path. The position
+    // is no kernel's output (the host checked), so the value is the one after the wait.
+    __shared__ float2 rsc[FQ1_MAX_WARPS];
+    if (NC == 2 && (pf & 32) && S.pair == 2 && u0 < units && lane == 0) {
+        int s;
+        i64 j;
+        const char* wr[NC];
+        fg_unit<DT_Q4_0, NC>(S, u0, s, j, wr);
+        const FgSeg& g = S.seg[s];
+        if (g.n_dims > 0 && j % g.hd < g.n_dims) rsc[threadIdx.x >> 5] = fg_rope_sc(g, j);
+    }
     pdl_entry();
     const bool quant = QT != 0 || qm;
     if (!nx && (pf & 8) && quant) {
@@ -1166,7 +1187,10 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         }
         if (lane == 0) {
             if (NC == 2 && S.pair == 2) {
-                fg_rope_pair(S.seg[s], S.err, j, acc[0], acc[NC - 1]);
+                // (bit 5: rsc holds the first unit's angle, where it has one.)
+                const bool have = (pf & 32) && u == u0;
+                fg_rope_pair(S.seg[s], S.err, j, acc[0], acc[NC - 1], have,
+                             have ? rsc[threadIdx.x >> 5] : float2{});
             } else {
                 fg1_store<NC>(S, s, j, acc);
             }
@@ -1207,7 +1231,8 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // over both rows of a pair or four pieces of a single row (`CudaConfig::q_interleave` off);
 // bit 3: without a norm prologue, the row quantized straight from a (`fq_quantize_direct`,
 // `CudaConfig::q_direct`); bit 4: with one (f32, aligned, K <= 2,048), its products quantized
-// from registers (`fq_norm_direct`, `CudaConfig::q_direct_norm`).
+// from registers (`fq_norm_direct`, `CudaConfig::q_direct_norm`); bit 5: in row pairs, each
+// warp's first Rope angle taken before the wait (every Rope's position is no kernel's output).
 #if LS_PART(3)
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,
