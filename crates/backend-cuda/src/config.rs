@@ -173,9 +173,9 @@ pub struct CudaConfig {
     /// Off: the norm and the take run as launches of their own, as on the other heads.
     pub q_head_fold: bool,
     /// In q/k/v's row pairs on quantized weights, each warp takes its first unit's Rope angle
-    /// (an f64 exp2 and sincos by one lane) before the dependency wait instead of after the
-    /// unit's products, where every decode launch's positions are no kernel's output (tune key
-    /// `gemv_q_rope_ahead`). The same sin and cos, so the same bits.
+    /// (an f64 exp2 and sincos by one lane) and cache-row index before the dependency wait
+    /// instead of after the unit's products, where the graph's nodes write neither positions
+    /// nor indices (tune key `gemv_q_rope_ahead`). The same values, so the same bits.
     pub q_rope_ahead: bool,
     /// Shared memory (KiB) each block of a streamed product asks for at least (tune key
     /// `gemv_pad_kb`; 0 turns it off). `None`, the default, takes the least that keeps

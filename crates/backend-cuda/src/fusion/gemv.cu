@@ -118,14 +118,15 @@ __device__ __forceinline__ float2 fg_rope_sc(const FgSeg& g, i64 j) {
 
 // Columns j and j + 1 (one rotary pair: j even) of segment g in row-pair mode, decode's one
 // row: the products and Adds, then the Rope as the rope kernel computes it (`fg_rope_sc`, or
-// `sc` where the caller took it already, `have_sc`; dims at or past n_dims copied), then the cache row —
+// `sc` where the caller took it already, `have`; dims at or past n_dims copied), then the cache row
+// (at index idx[0], or `row` with `have`) —
 // each value as the unfused chain's next node would read it back.
 __device__ void fg_rope_pair(const FgSeg& g, u64 err, i64 j, float y0, float y1,
-                             bool have_sc = false, float2 sc = float2{}) {
+                             bool have = false, float2 sc = float2{}, int row = 0) {
     float z0 = fg_store(g, 0, j, y0), z1 = fg_store(g, 0, j + 1, y1);
     if (g.n_dims > 0) {
         if (j % g.hd < g.n_dims) {
-            const float2 t = have_sc ? sc : fg_rope_sc(g, j);
+            const float2 t = have ? sc : fg_rope_sc(g, j);
             const float sn = t.x, cs = t.y;
             const float a = z0, b = z1;
             z0 = a * cs - b * sn;
@@ -137,7 +138,7 @@ __device__ void fg_rope_pair(const FgSeg& g, u64 err, i64 j, float y0, float y1,
         z1 = round_dt((int)g.r_dt, z1);
     }
     if (g.c) {
-        const int row = *(const int*)g.idx;
+        if (!have) row = *(const int*)g.idx;
         if (row < 0 || (i64)row >= g.c_n) {
             report((u32*)err, (u32)g.tag);
         } else {
@@ -1101,11 +1102,13 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     const int stride = (int)gridDim.x * nwarps;
     const int u0 = (int)blockIdx.x * nwarps + (threadIdx.x >> 5);
     if (u0 < units && !(pf & 2)) fq_prefetch<NC>(S, u0, K, lane);
-    // `pf` bit 5 (row pairs): the Rope's sin and cos of the warp's first unit, taken before the
-    // wait by its lane 0. The f64 angle (11% of the q/k/v launch's instructions in ncu's count)
-    // otherwise runs after the unit's products, at the end of the launch's path. The position
-    // is no kernel's output (the host checked), so the value is the one after the wait.
+    // `pf` bit 5 (row pairs): the epilogue's inputs of the warp's first unit, taken before the
+    // wait by its lane 0: the Rope's sin and cos and the cache row's index. The f64 angle (11% of
+    // the q/k/v launch's instructions in ncu's count) and two dependent loads otherwise run
+    // after the unit's products, at the end of the launch's path. Positions and indices are no
+    // kernel's output (the host checked), so the values are the ones after the wait.
     __shared__ float2 rsc[FQ1_MAX_WARPS];
+    __shared__ int rrow[FQ1_MAX_WARPS];
     if (NC == 2 && (pf & 32) && S.pair == 2 && u0 < units && lane == 0) {
         int s;
         i64 j;
@@ -1113,6 +1116,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         fg_unit<DT_Q4_0, NC>(S, u0, s, j, wr);
         const FgSeg& g = S.seg[s];
         if (g.n_dims > 0 && j % g.hd < g.n_dims) rsc[threadIdx.x >> 5] = fg_rope_sc(g, j);
+        if (g.c) rrow[threadIdx.x >> 5] = *(const int*)g.idx;
     }
     pdl_entry();
     const bool quant = QT != 0 || qm;
@@ -1187,10 +1191,11 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         }
         if (lane == 0) {
             if (NC == 2 && S.pair == 2) {
-                // (bit 5: rsc holds the first unit's angle, where it has one.)
+                // (bit 5: rsc and rrow hold the first unit's angle and index, where it has them.)
                 const bool have = (pf & 32) && u == u0;
                 fg_rope_pair(S.seg[s], S.err, j, acc[0], acc[NC - 1], have,
-                             have ? rsc[threadIdx.x >> 5] : float2{});
+                             have ? rsc[threadIdx.x >> 5] : float2{},
+                             have ? rrow[threadIdx.x >> 5] : 0);
             } else {
                 fg1_store<NC>(S, s, j, acc);
             }
@@ -1232,7 +1237,8 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // bit 3: without a norm prologue, the row quantized straight from a (`fq_quantize_direct`,
 // `CudaConfig::q_direct`); bit 4: with one (f32, aligned, K <= 2,048), its products quantized
 // from registers (`fq_norm_direct`, `CudaConfig::q_direct_norm`); bit 5: in row pairs, each
-// warp's first Rope angle taken before the wait (every Rope's position is no kernel's output).
+// warp's first Rope angle and cache index taken before the wait (the positions and indices are
+// no kernel's output).
 #if LS_PART(3)
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,

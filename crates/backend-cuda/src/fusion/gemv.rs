@@ -460,11 +460,11 @@ fn launch_gemv_q(
     launch_fq(exec, first, k, a.ptr, set, pro.as_ref(), units, flags)
 }
 
-/// Whether a group's Ropes may read their positions before the dependency wait (`fused_gemv1_q`'s
-/// `pf` bit 5): it has a Rope, no node of the graph writes any Rope's positions (decode's are
-/// uploaded before the graph runs), and a node of the graph before the group writes its
-/// `input` (its activation row, or its `norm`'s), so the launch just before it — the only
-/// kernel that may still run then — is this graph's.
+/// Whether a group's Ropes and cache rows may read their positions and row indices before the
+/// dependency wait (`fused_gemv1_q`'s `pf` bit 5): it has a Rope or a cache row, no node of the
+/// graph writes in any of their buffers (decode's are uploaded before the graph runs), and a
+/// node of the graph before the group writes its `input` (its activation row, or its `norm`'s),
+/// so the launch just before it — the only kernel that may still run then — is this graph's.
 pub(super) fn positions_ahead(
     nodes: &Nodes<'_>,
     segs: &[Seg],
@@ -477,13 +477,17 @@ pub(super) fn positions_ahead(
         .chain(norm.map(|n| n.norm))
         .min()
         .unwrap_or(0);
-    let mut pos = segs
+    let ropes = segs
         .iter()
         .filter_map(|s| s.rope)
-        .map(|r| &nodes[r].srcs[1])
-        .peekable();
-    pos.peek().is_some()
-        && pos.all(|p| !nodes.iter().any(|n| n.dst.buffer == p.buffer))
+        .map(|r| &nodes[r].srcs[1]);
+    let rows = segs
+        .iter()
+        .filter_map(|s| s.rows)
+        .map(|r| &nodes[r].srcs[2]);
+    let mut read = ropes.chain(rows).peekable();
+    read.peek().is_some()
+        && read.all(|p| !nodes.iter().any(|n| n.dst.buffer == p.buffer))
         && nodes[..first].iter().any(|n| overlap(&n.dst, input))
 }
 

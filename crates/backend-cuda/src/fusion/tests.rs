@@ -959,7 +959,7 @@ fn the_mask_is_read_ahead_only_when_no_node_writes_it_and_q_is_the_graphs() {
 }
 
 #[test]
-fn rope_positions_are_read_ahead_only_when_no_node_writes_them_and_the_row_is_the_graphs() {
+fn rope_positions_and_cache_indices_are_read_ahead_only_when_no_node_writes_them() {
     let segs = |by: usize| {
         [
             tailed(2 + by, Some(3 + by), Some(8 + by), None),
@@ -995,7 +995,17 @@ fn rope_positions_are_read_ahead_only_when_no_node_writes_them_and_the_row_is_th
     let pos = made[9].srcs[1].clone();
     made.insert(0, node(Op::Cpy, pos, vec![act(8192, &[1])]));
     assert!(!positions_ahead(&bare(&made), &segs(2), norm(2), &x));
-    // No Rope in the group.
+    // The cache indices in a buffer of their own, then a node writing in it.
+    let mut idx = l.clone();
+    let own = packed(9, 0, DType::I32, &[1]);
+    for i in [11, 12] {
+        assert!(matches!(idx[i].op, Op::SetRows));
+        idx[i].srcs[2] = own.clone();
+    }
+    assert!(positions_ahead(&bare(&idx), &segs(1), norm(1), &x));
+    idx.insert(0, node(Op::Cpy, own, vec![act(8192, &[1])]));
+    assert!(!positions_ahead(&bare(&idx), &segs(2), norm(2), &x));
+    // Neither a Rope nor a cache row in the group.
     assert!(!positions_ahead(&bare(&l), &[seg(3, Some(4))], None, &x));
 }
 
