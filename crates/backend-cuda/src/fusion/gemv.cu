@@ -1149,6 +1149,8 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
             fq_swizzle(xs, K);
         }
     }
+    // (bit 5: rsc and rrow hold the first unit's angle and index, where it has them.)
+    bool first = NC == 2 && (pf & 32);
 #pragma unroll 1
     for (int u = u0; u < units; u += stride) {
         int s;
@@ -1191,11 +1193,9 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         }
         if (lane == 0) {
             if (NC == 2 && S.pair == 2) {
-                // (bit 5: rsc and rrow hold the first unit's angle and index, where it has them.)
-                const bool have = (pf & 32) && u == u0;
-                fg_rope_pair(S.seg[s], S.err, j, acc[0], acc[NC - 1], have,
-                             have ? rsc[threadIdx.x >> 5] : float2{},
-                             have ? rrow[threadIdx.x >> 5] : 0);
+                fg_rope_pair(S.seg[s], S.err, j, acc[0], acc[NC - 1], first,
+                             first ? rsc[threadIdx.x >> 5] : float2{},
+                             first ? rrow[threadIdx.x >> 5] : 0);
             } else {
                 fg1_store<NC>(S, s, j, acc);
             }
@@ -1208,6 +1208,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
                 }
             }
         }
+        first = false;
     }
     if (S.amax) {
         // As `mul_mat_vec_q_argmax`: the block's largest key into the word, not waited for
