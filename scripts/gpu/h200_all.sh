@@ -52,8 +52,8 @@ nv=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || 
 libdirs=/usr/local/cuda/lib64
 for d in "$nv"/cu13/lib "$nv"/*/lib; do [ -d "$d" ] && libdirs="$libdirs:$d"; done
 export LD_LIBRARY_PATH="$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-# The Vulkan loader (the machine has none of its own).
-for f in .gl/*.deb; do dpkg -x "$f" / ; done
+# The Vulkan loader (the machine has none of its own), where .gl/ was carried.
+for f in .gl/*.deb; do [ -f "$f" ] && dpkg -x "$f" /; done
 ldconfig
 icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 [ -f "$icd" ] && export VK_DRIVER_FILES=$icd
@@ -96,7 +96,7 @@ if has vkcmp; then
     # (.carry/vkbuild/: glslc, libshaderc1, libvulkan-dev, spirv-headers; .gl/libvulkan1),
     # unpacked under /tmp/vkroot, not /, and found by CMake through VULKAN_SDK.
     mkdir -p /tmp/vkroot
-    for f in .carry/vkbuild/*.deb .gl/libvulkan1*.deb; do dpkg -x "$f" /tmp/vkroot; done
+    for f in .carry/vkbuild/*.deb .gl/libvulkan1*.deb; do [ -f "$f" ] && dpkg -x "$f" /tmp/vkroot; done
     ln -sf x86_64-linux-gnu/libvulkan.so /tmp/vkroot/usr/lib/libvulkan.so
     (export VULKAN_SDK=/tmp/vkroot/usr PATH=/tmp/vkroot/usr/bin:$PATH \
         LD_LIBRARY_PATH=/tmp/vkroot/usr/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH
