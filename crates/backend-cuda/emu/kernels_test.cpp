@@ -938,9 +938,9 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
             run_qw(kernel, pf, 12);
         };
         typed.same(tag + " 12 warps", [&] { run12(fused_gemv1_q, 0); });
-        // `pf` bit 5: each warp's first Rope angle taken before the wait, with the inputs
-        // swapped in at the wait (the position is not one of them): the same bytes, generic
-        // and typed.
+        // `pf` bit 5: each warp's first Rope angle and cache index taken before the wait, with
+        // the row swapped in at the wait (the positions and indices are not swapped): the same
+        // bytes, generic and typed, and nothing stored before the wait.
         std::vector<Buf*> stored;
         for (Buf* b : written)
             if (b != (c.norm ? &x : &a)) stored.push_back(b);

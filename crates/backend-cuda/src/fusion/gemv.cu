@@ -117,10 +117,10 @@ __device__ __forceinline__ float2 fg_rope_sc(const FgSeg& g, i64 j) {
 }
 
 // Columns j and j + 1 (one rotary pair: j even) of segment g in row-pair mode, decode's one
-// row: the products and Adds, then the Rope as the rope kernel computes it (`fg_rope_sc`, or
-// `sc` where the caller took it already, `have`; dims at or past n_dims copied), then the cache row
-// (at index idx[0], or `row` with `have`) —
-// each value as the unfused chain's next node would read it back.
+// row: the products and Adds, then the Rope as the rope kernel computes it (`fg_rope_sc`; dims at
+// or past n_dims copied), then the cache row at index idx[0] — each value as the unfused chain's
+// next node would read it back. `have`: the caller took the Rope's sin and cos (`sc`) and the
+// index (`row`) already, where the segment has them.
 __device__ void fg_rope_pair(const FgSeg& g, u64 err, i64 j, float y0, float y1,
                              bool have = false, float2 sc = float2{}, int row = 0) {
     float z0 = fg_store(g, 0, j, y0), z1 = fg_store(g, 0, j + 1, y1);
