@@ -631,6 +631,10 @@ mod tests {
                 "gemv_q_head_fold=2",
                 "gemv_q_head_fold=0 or gemv_q_head_fold=1",
             ),
+            (
+                "gemv_q_rope_ahead=yes",
+                "gemv_q_rope_ahead=0 or gemv_q_rope_ahead=1",
+            ),
             ("gemv_q_ahead=x", "gemv_q_ahead=0 or gemv_q_ahead=1"),
             ("gemv_q_typed=3", "gemv_q_typed=0, 1 or 2"),
             ("gemv_q_warps=25", "from 1 to 24"),
