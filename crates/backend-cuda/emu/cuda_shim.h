@@ -21,6 +21,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -212,6 +213,17 @@ inline void emu_pdl_wait() {
     emu_block->arrive_and_wait();
     if (threadIdx.x == 0) emu_on_wait();
     emu_block->arrive_and_wait();
+}
+
+// The addresses `prefetch_l2` asks for (a hint on the device, nothing here), collected while a
+// test points `emu_prefetched` at a vector: the test checks that they are the bytes the
+// kernel reads after its wait.
+inline std::vector<const void*>* emu_prefetched = nullptr;
+inline std::mutex emu_prefetch_mu;
+inline void emu_prefetch(const void* p) {
+    if (!emu_prefetched) return;
+    std::lock_guard<std::mutex> g(emu_prefetch_mu);
+    emu_prefetched->push_back(p);
 }
 
 // The order `launch` runs blocks in: ascending, or (when a test sets it) emu_block_order[i]

@@ -23,6 +23,7 @@
 
 #include <array>
 #include <random>
+#include <set>
 #include <string>
 
 namespace {
@@ -1349,7 +1350,7 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
         // With mask_ahead (the mask is no running kernel's output), the real pass takes the
         // rehearsal's listing: the producer then swaps q and the caches only.
         for (int write_o : {1, 0})
-            for (int rehearse : {0, 1, 2})
+            for (int rehearse : {0, 1, 2, 6})
             for (int mask_ahead : {0, 1}) {
                 if (mask_ahead && !rehearse) continue;
                 Buf o3(DT_F32, Hq * D), c3(DT_F32, Hq * D), kq3(DT_F32, Hq * L), p3(DT_F32, Hq * L);
@@ -1534,12 +1535,15 @@ void split_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 L, int mode, int nsplit, in
     }
     std::shuffle(orders[2].begin(), orders[2].end(), rng);
     std::vector<double> first;
-    for (int variant = 0; variant < 6; ++variant) {
+    for (int variant = 0; variant < 7; ++variant) {
         if (!full && variant != 0 && variant < 4) continue;
         // 0-2: block orders; 3: rehearsing; 4: rehearsing with the listing reused (mask_ahead);
-        // 5: as 4, the rehearsal stopping after the listing (rehearse 2).
+        // 5: as 4, the rehearsal stopping after the listing (rehearse 2); 6: as 5, the listed
+        // keys' K and V rows asked into L2 (rehearse 2 | 4, `attn_kv_ahead`).
         const int order = variant < 3 ? variant : 0;
-        const int rehearse = variant == 5 ? 2 : variant >= 3, mask_ahead = variant >= 4;
+        const int rehearse = variant == 6 ? 6 : variant == 5 ? 2 : variant >= 3, mask_ahead = variant >= 4;
+        std::vector<const void*> asked;
+        emu_prefetched = &asked;
         std::vector<float> part((size_t)grid * AF_PW, 7.0f);
         std::vector<unsigned> ticket((size_t)Hq, 0u);
         Buf o(DT_F32, Hq * D), c(DT_F32, Hq * D);
@@ -1556,8 +1560,29 @@ void split_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 L, int mode, int nsplit, in
                        part.data(), ticket.data());
         });
         emu_block_order.clear();
+        emu_prefetched = nullptr;
         const std::string t = tag + " variant " + std::to_string(variant);
         if (rehearse) pr.check(t);
+        // The rows asked for: with bit 2 (and a window of one listing, where the rehearsal
+        // lists) exactly the 16-byte pieces the real pass loads, every valid key's K and V
+        // row of every head; none otherwise.
+        std::set<const void*> want_asked;
+        if (variant == 6 && L <= AF_LS) {
+            const i64 vw = 16 / esz(kvdt);
+            for (i64 h = 0; h < Hq; ++h)
+                for (i64 j = 0; j < L; ++j)
+                    if (split_valid(mode, h, j, L))
+                        for (i64 d0 = 0; d0 < D; d0 += vw) {
+                            const i64 at = (j * ld_kv + h / (Hq / Hk) * D + d0) * esz(kvdt);
+                            want_asked.insert(kc.p() + at);
+                            want_asked.insert(vc.p() + at);
+                        }
+        }
+        if (std::set<const void*>(asked.begin(), asked.end()) != want_asked) {
+            ++fails;
+            printf("FAIL %s: %zu addresses asked into L2 (%zu distinct), %zu K/V pieces expected\n", t.c_str(),
+                   asked.size(), std::set<const void*>(asked.begin(), asked.end()).size(), want_asked.size());
+        }
         std::vector<double> go, gc;
         gather(o, c, go, gc);
         check(t + ": o", want, go, 1e-10);

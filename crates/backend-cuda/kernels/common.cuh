@@ -192,6 +192,17 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
+// Asks for the 128-byte line holding p to be brought into L2 (the emulation records p where a
+// test asks). L2 is the device's point of coherence, so a prefetch before `pdl_entry` can
+// leave nothing stale where a later load would find it.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#elif defined(LOWSYNC_EMU)
+    emu_prefetch(p);
+#endif
+}
+
 // A ticket's integer add at GPU scope with release and acquire semantics, by one thread of a
 // block that has just passed a barrier (`__syncthreads`) after its threads' stores: the release
 // covers every store the barrier ordered before it, and a block whose add sees the others'

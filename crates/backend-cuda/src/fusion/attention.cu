@@ -424,7 +424,7 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
                                                bool listed = false, int nsplit = 1,
                                                int ns = 1, float* part = nullptr,
                                                unsigned* ticket = nullptr, int live = 0,
-                                               bool light = false) {
+                                               bool light = false, bool kv_ahead = false) {
     constexpr int VW = DT == DT_F32 ? 4 : 8;
     constexpr int ESZ = DT == DT_F32 ? 4 : 2;
     constexpr int D = G * VW;
@@ -460,8 +460,6 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
         const int n = !LIST ? L
                       : listed ? cnt[AF_LR * (AF_T / 32)]
                                : af_list(mh, m_ls, sb, min(AF_LS, L - sb), keys, mv, cnt);
-        // `light`: a rehearsal that only lists the keys (for the real pass to reuse) stops here.
-        if (LIST && light && !live) return;
         // SPLIT: this block's share [j0, j1) of the list. One chunk up to a round trip of
         // keys, else chunks of at least half one, at most ns (block-uniform: n is shared).
         int j0 = 0, j1 = n;
@@ -471,6 +469,22 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
             if (chunk >= nc) return;
             j0 = (int)((long long)chunk * n / nc);
             j1 = (int)((long long)(chunk + 1) * n / nc);
+        }
+        // `light`: a rehearsal that only lists the keys (for the real pass to reuse) stops here,
+        // `kv_ahead` after asking for its share's K and V rows into L2, each lane the 16 bytes
+        // it loads after the wait: the real pass's one round trip then meets L2, not DRAM. A row
+        // the producer still writes (this step's) is safe to ask for: L2 is the point of
+        // coherence, and the loads that read it after the wait bypass L1 (`ld_cg`).
+        if (LIST && light && !live) {
+            if (kv_ahead) {
+#pragma unroll 1
+                for (int j = j0 + kg; j < j1; j += KP) {
+                    const int l = keys[j];
+                    prefetch_l2(kb + l * k_ls * ESZ);
+                    prefetch_l2(vb + l * v_ls * ESZ);
+                }
+            }
+            return;
         }
 #pragma unroll 1
         for (int base = j0; base < j1; base += KP * AF_P) {
@@ -638,6 +652,10 @@ __device__ __forceinline__ void attn_fast_run(AF_PARAMS, float* sh, int* lsh, in
                                               float* part = nullptr, unsigned* ticket = nullptr) {
     PHASE_ENTRY();
     PHASE(0);
+    // rehearse bit 2 (`CudaConfig::attn_kv_ahead`): that listing-only rehearsal also asks for
+    // the listed keys' K and V rows into L2 (`attn_fast_body`).
+    const bool kv_ahead = (rehearse & 4) != 0;
+    rehearse &= 3;
     // rehearse 2: where the real pass reuses the listing, the rehearsal only lists the keys
     // (no K/V loads: a rehearsal that starts late delays the real pass by its whole path).
     const bool reuse = LIST && rehearse && mask_ahead && L <= AF_LS;
@@ -654,7 +672,8 @@ __device__ __forceinline__ void attn_fast_run(AF_PARAMS, float* sh, int* lsh, in
 #define AF_SPEC(DT, G)                                                                          \
     if (LIST) {                                                                                 \
         attn_fast_body<DT, G, false, true, SPLIT>(AF_ARGS, lsh, reuse && real, nsplit, ns,      \
-                                                  part, ticket, real, reuse && rehearse == 2);  \
+                                                  part, ticket, real, reuse && rehearse == 2,   \
+                                                  kv_ahead);                                    \
     } else if (spec) {                                                                          \
         attn_fast_body<DT, G, true>(AF_ARGS);                                                   \
     } else {                                                                                    \

@@ -71,12 +71,15 @@ pub(super) fn split_chunks(
 }
 
 /// The kernels' `rehearse` argument: 0 none, 1 the whole path, 2 (`CudaConfig::rehearse_list`)
-/// only the listing of the valid keys where the real pass reuses it.
+/// only the listing of the valid keys where the real pass reuses it; bit 2 added to 2
+/// (`CudaConfig::attn_kv_ahead`): that listing also asks for the listed keys' K and V rows
+/// into L2.
 fn rehearse_mode(exec: &Exec<'_>) -> i32 {
-    match (exec.rehearse(), exec.inner.cfg.rehearse_list) {
+    let cfg = &exec.inner.cfg;
+    match (exec.rehearse(), cfg.rehearse_list) {
         (false, _) => 0,
         (true, false) => 1,
-        (true, true) => 2,
+        (true, true) => 2 | if cfg.attn_kv_ahead { 4 } else { 0 },
     }
 }
 
