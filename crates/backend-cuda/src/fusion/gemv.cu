@@ -1107,9 +1107,16 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     // the q/k/v launch's instructions in ncu's count) and two dependent loads otherwise run
     // after the unit's products, at the end of the launch's path. Positions and indices are no
     // kernel's output (the host checked), so the values are the ones after the wait.
+    // (kdef NO_RA: the code compiled out, for timing what it costs the registers with the key
+    // off.)
+#ifdef LS_KDEF_NO_RA
+    constexpr bool ra = false;
+#else
+    constexpr bool ra = true;
+#endif
     __shared__ float2 rsc[FQ1_MAX_WARPS];
     __shared__ int rrow[FQ1_MAX_WARPS];
-    if (NC == 2 && (pf & 32) && S.pair == 2 && u0 < units && lane == 0) {
+    if (ra && NC == 2 && (pf & 32) && S.pair == 2 && u0 < units && lane == 0) {
         int s;
         i64 j;
         const char* wr[NC];
@@ -1150,7 +1157,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         }
     }
     // (bit 5: rsc and rrow hold the first unit's angle and index, where it has them.)
-    bool first = NC == 2 && (pf & 32);
+    bool first = ra && NC == 2 && (pf & 32);
 #pragma unroll 1
     for (int u = u0; u < units; u += stride) {
         int s;
