@@ -1534,14 +1534,28 @@ void split_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 L, int mode, int nsplit, in
         orders[2].push_back(b);
     }
     std::shuffle(orders[2].begin(), orders[2].end(), rng);
+    // attn_split_c: clusters (a head's nsplit blocks, chunk = rank) in shuffled order, each
+    // cluster's blocks from the highest rank down, so rank 0 (the merging block) runs after
+    // every block whose shared memory it reads (the cluster barrier's order on the device).
+    std::vector<unsigned> heads_shuffled;
+    for (unsigned h = 0; h < (unsigned)Hq; ++h) heads_shuffled.push_back(h);
+    std::shuffle(heads_shuffled.begin(), heads_shuffled.end(), rng);
+    std::vector<unsigned> cluster_order;
+    for (unsigned h : heads_shuffled)
+        for (int r = nsplit - 1; r >= 0; --r) cluster_order.push_back(h * (unsigned)nsplit + (unsigned)r);
     std::vector<double> first;
-    for (int variant = 0; variant < 7; ++variant) {
+    for (int variant = 0; variant < 9; ++variant) {
         if (!full && variant != 0 && variant < 4) continue;
+        // 7, 8: attn_split_c (a cluster per head, at most 8 blocks), without rehearsing and as
+        // 6 (the defaults' rehearsal).
+        const bool cl = variant >= 7;
+        if (cl && nsplit > 8) continue;
         // 0-2: block orders; 3: rehearsing; 4: rehearsing with the listing reused (mask_ahead);
         // 5: as 4, the rehearsal stopping after the listing (rehearse 2); 6: as 5, the listed
         // keys' K and V rows asked into L2 (rehearse 2 | 4, `attn_kv_ahead`).
         const int order = variant < 3 ? variant : 0;
-        const int rehearse = variant == 6 ? 6 : variant == 5 ? 2 : variant >= 3, mask_ahead = variant >= 4;
+        const int rehearse = variant == 8 || variant == 6 ? 6 : variant == 7 ? 0 : variant == 5 ? 2 : variant >= 3;
+        const int mask_ahead = variant >= 4 && variant != 7;
         std::vector<const void*> asked;
         emu_prefetched = &asked;
         std::vector<float> part((size_t)grid * AF_PW, 7.0f);
@@ -1551,15 +1565,21 @@ void split_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 L, int mode, int nsplit, in
                     : mask_ahead ? std::vector<Buf*>{&q, &kc, &vc}
                                  : std::vector<Buf*>{&q, &kc, &vc, &m},
                     {&o, &c});
-        emu_block_order = orders[order];
+        emu_block_order = cl ? cluster_order : orders[order];
+        emu_cluster_dim = cl ? (unsigned)nsplit : 1;
+        emu_cluster_rec.clear();
+        emu_cluster_base.clear();
+        emu_cluster_faults = 0;
         launch(grid, 256, [&] {
-            attn_split((int)L, (int)D, scale, (const float*)q.p(), (int)D, 1, kvdt, kc.p(), (int)D, (int)ld_kv,
-                       (int)(Hq / Hk), vc.p(), (int)D, (int)ld_kv, (int)(Hq / Hk), (const float*)m.p(),
-                       mode == 2 ? (int)L : 0, 1, 1, nullptr, (int)L, 1, 0, nullptr, (int)L, 1, 0,
-                       (float*)o.p(), (int)D, 1, 1, (float*)c.p(), 1, (int)Hq, 1, rehearse, mask_ahead, nsplit,
-                       part.data(), ticket.data());
+            (cl ? attn_split_c : attn_split)((int)L, (int)D, scale, (const float*)q.p(), (int)D, 1, kvdt, kc.p(),
+                                             (int)D, (int)ld_kv, (int)(Hq / Hk), vc.p(), (int)D, (int)ld_kv,
+                                             (int)(Hq / Hk), (const float*)m.p(), mode == 2 ? (int)L : 0, 1, 1,
+                                             nullptr, (int)L, 1, 0, nullptr, (int)L, 1, 0, (float*)o.p(), (int)D,
+                                             1, 1, (float*)c.p(), 1, (int)Hq, 1, rehearse, mask_ahead, nsplit,
+                                             part.data(), ticket.data());
         });
         emu_block_order.clear();
+        emu_cluster_dim = 1;
         emu_prefetched = nullptr;
         const std::string t = tag + " variant " + std::to_string(variant);
         if (rehearse) pr.check(t);
@@ -1567,7 +1587,7 @@ void split_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 L, int mode, int nsplit, in
         // lists) exactly the 16-byte pieces the real pass loads, every valid key's K and V
         // row of every head; none otherwise.
         std::set<const void*> want_asked;
-        if (variant == 6 && L <= AF_LS) {
+        if ((variant == 6 || variant == 8) && L <= AF_LS) {
             const i64 vw = 16 / esz(kvdt);
             for (i64 h = 0; h < Hq; ++h)
                 for (i64 j = 0; j < L; ++j)
@@ -1604,6 +1624,19 @@ void split_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 L, int mode, int nsplit, in
                 ++fails;
                 printf("FAIL %s: head %lld's ticket is %u after the launch\n", t.c_str(), (long long)h, ticket[h]);
             }
+        if (cl) {
+            // The cluster's merge reads only what its blocks offered, and nothing goes through
+            // the partials in global memory.
+            if (emu_cluster_faults) {
+                ++fails;
+                printf("FAIL %s: %d reads of a block's shared memory it had not offered\n", t.c_str(),
+                       emu_cluster_faults);
+            }
+            if (std::any_of(part.begin(), part.end(), [](float x) { return x != 7.0f; })) {
+                ++fails;
+                printf("FAIL %s: partials written to global memory\n", t.c_str());
+            }
+        }
     }
 }
 

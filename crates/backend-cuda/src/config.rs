@@ -89,6 +89,11 @@ pub struct CudaConfig {
     /// (tune key `attn_kv_ahead`), so the real pass's one round trip of loads after the wait
     /// meets L2 instead of DRAM. A hint only: the same loads, so the same bits.
     pub attn_kv_ahead: bool,
+    /// The split decode attention runs each head's chunks as one thread block cluster
+    /// (`attn_split_c`, tune key `attn_cluster`; compute capability 9.0 or newer, at most 8
+    /// chunks): the chunks' partials meet in the cluster's shared memory after a cluster
+    /// barrier, instead of through L2 after a ticket. The same bits.
+    pub attn_cluster: bool,
     /// Decode's gate/up (streamed) and q/k/v (row pairs) take their own entry points per
     /// weight dtype, `fused_gemv1_gu16` and `fused_gemv1_rp16` and kin (tune key `gemv_split`,
     /// default on): each holds one path, which fits in 88 registers without a spill, where
@@ -295,6 +300,7 @@ impl Default for CudaConfig {
             rehearse: true,
             rehearse_list: true,
             attn_kv_ahead: false,
+            attn_cluster: false,
             gemv_split: true,
             gemv_stream: true,
             stream_blocks: 2,
@@ -337,7 +343,7 @@ pub(crate) const MAX_Q_WARPS: u64 = 24;
 
 /// What `LOWSYNC_CUDA_TUNE` takes, for an unknown key or an item without `=`.
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
-     attn_split, rehearse, rehearse_list, attn_kv_ahead, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, \
+     attn_split, rehearse, rehearse_list, attn_kv_ahead, attn_cluster, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, \
      gemv_q_prefetch, gemv_q_ahead, gemv_q_head, gemv_q_head_pairs, gemv_q_head_fold, \
      gemv_q_rope_ahead, gemv_q_typed, \
      gemv_q_interleave, gemv_q_direct, gemv_q_direct_norm, gemv_q_warps, gemv_q_warps_norm, gemv_pad_kb, copy_kernel, \
@@ -367,7 +373,7 @@ impl CudaConfig {
     /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `gemv_q_prefetch`,
     /// `gemv_q_ahead`, `gemv_q_head`, `gemv_q_head_pairs`, `gemv_q_head_fold`,
     /// `gemv_q_rope_ahead`, `gemv_q_interleave`, `gemv_q_direct`,
-    /// `gemv_q_direct_norm`, `rehearse_list`, `attn_kv_ahead`, `read_kernel` (0 or 1); `gemv_q_typed` (0, 1 or
+    /// `gemv_q_direct_norm`, `rehearse_list`, `attn_kv_ahead`, `attn_cluster`, `read_kernel` (0 or 1); `gemv_q_typed` (0, 1 or
     /// 2); `gemv_q_warps` (0 to 24) and `gemv_q_warps_norm` (0 or 8 to 24);
     /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` and `gemv_q_blocks` (1
     /// or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
@@ -452,6 +458,7 @@ impl CudaConfig {
                 "gemv_q_ahead" => self.q_ahead = flag("gemv_q_ahead=0 or gemv_q_ahead=1")?,
                 "rehearse_list" => self.rehearse_list = flag("rehearse_list=0 or rehearse_list=1")?,
                 "attn_kv_ahead" => self.attn_kv_ahead = flag("attn_kv_ahead=0 or attn_kv_ahead=1")?,
+                "attn_cluster" => self.attn_cluster = flag("attn_cluster=0 or attn_cluster=1")?,
                 "attn_split" => {
                     let expected = "attn_split=N: 0 off, 1 chunks from the multiprocessors, \
                          N >= 2 at most N chunks per head";
@@ -567,7 +574,7 @@ mod tests {
              gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0,gemv_q_blocks=5,gemv_q_prefetch=1,gemv_q_head=0,rehearse_list=0,\
              gemv_q_ahead=0,gemv_q_typed=0,gemv_q_interleave=0,gemv_q_direct=0,gemv_q_warps=24,gemv_q_warps_norm=0,\
              gemv_q_direct_norm=1,gemv_q_head_pairs=0,gemv_q_head_fold=0,gemv_q_rope_ahead=1,\
-             attn_kv_ahead=1",
+             attn_kv_ahead=1,attn_cluster=1",
         )
         .unwrap();
         let want = CudaConfig {
@@ -594,6 +601,7 @@ mod tests {
             q_warps_norm: 0,
             rehearse_list: false,
             attn_kv_ahead: true,
+            attn_cluster: true,
             stream_pad_kb: Some(96),
             copy_kernel_max: 512,
             mmv_max_m: Some(16),
@@ -654,6 +662,7 @@ mod tests {
             ),
             ("rehearse_list=2", "rehearse_list=0 or rehearse_list=1"),
             ("attn_kv_ahead=2", "attn_kv_ahead=0 or attn_kv_ahead=1"),
+            ("attn_cluster=2", "attn_cluster=0 or attn_cluster=1"),
             ("gemv_pad_kb=228", "at most 227"),
             ("gemv_pad_kb=-1", "at most 227"),
             ("copy_kernel=4k", "bytes"),
