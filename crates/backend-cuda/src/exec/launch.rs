@@ -231,7 +231,7 @@ impl<'a> Exec<'a> {
         cluster: u32,
         args: Args,
     ) -> Result<()> {
-        self.launch_dims(node, k, grid, block, 0, cluster, args)
+        self.launch_dims(node, k, self.dims(grid, block, 0, cluster), args)
     }
 
     /// Queues one kernel with `shared_bytes` of dynamic shared memory (at most 48 KB, the
@@ -245,28 +245,29 @@ impl<'a> Exec<'a> {
         shared_bytes: u32,
         args: Args,
     ) -> Result<()> {
-        self.launch_dims(node, k, grid, block, shared_bytes, 0, args)
+        self.launch_dims(node, k, self.dims(grid, block, shared_bytes, 0), args)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn launch_dims(
-        &self,
-        node: &ExecNode,
-        k: Kernel,
-        grid: u32,
-        block: u32,
-        shared_bytes: u32,
-        cluster: u32,
-        mut args: Args,
-    ) -> Result<()> {
-        let f = self.inner.modules.get(k).map_err(|m| kernel_err(node, m))?;
-        let dims = LaunchDims {
+    /// A one-dimensional launch's dims, with programmatic dependent launch where the device
+    /// has it.
+    fn dims(&self, grid: u32, block: u32, shared_bytes: u32, cluster: u32) -> LaunchDims {
+        LaunchDims {
             grid: (grid, 1, 1),
             block: (block, 1, 1),
             shared_bytes,
             pdl: self.inner.pdl,
             cluster,
-        };
+        }
+    }
+
+    fn launch_dims(
+        &self,
+        node: &ExecNode,
+        k: Kernel,
+        dims: LaunchDims,
+        mut args: Args,
+    ) -> Result<()> {
+        let f = self.inner.modules.get(k).map_err(|m| kernel_err(node, m))?;
         let mut ptrs = args.ptrs();
         // SAFETY: `args` matches the kernel's parameter list (each op builds it against the
         // signature in kernels/*.cu) and every address in it was resolved and bounds checked.
