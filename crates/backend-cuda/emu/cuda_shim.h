@@ -236,7 +236,7 @@ inline void emu_prefetch(const void* p) {
 inline unsigned emu_cluster_dim = 1;
 inline std::vector<std::vector<unsigned char>> emu_cluster_rec;
 inline std::vector<const unsigned char*> emu_cluster_base;
-inline int emu_cluster_faults = 0;
+inline std::atomic<int> emu_cluster_faults{0};
 inline void emu_cluster_sync(const void* slot, int bytes) {
     emu_block->arrive_and_wait();
     if (threadIdx.x == 0) {
@@ -256,7 +256,6 @@ inline float emu_cluster_ld(const float* p, int rank) {
     const size_t off = mine ? (size_t)((const unsigned char*)p - emu_cluster_base[blockIdx.x]) : 0;
     if (!mine || rank < 0 || (unsigned)rank >= emu_cluster_dim || at >= emu_cluster_rec.size() ||
         off + sizeof(float) > emu_cluster_rec[at].size()) {
-        std::lock_guard<std::mutex> g(emu_prefetch_mu);
         ++emu_cluster_faults;
         return NAN;
     }

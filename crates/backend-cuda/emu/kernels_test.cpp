@@ -1598,10 +1598,11 @@ void split_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 L, int mode, int nsplit, in
                             want_asked.insert(vc.p() + at);
                         }
         }
-        if (std::set<const void*>(asked.begin(), asked.end()) != want_asked) {
+        const std::set<const void*> got_asked(asked.begin(), asked.end());
+        if (got_asked != want_asked) {
             ++fails;
             printf("FAIL %s: %zu addresses asked into L2 (%zu distinct), %zu K/V pieces expected\n", t.c_str(),
-                   asked.size(), std::set<const void*>(asked.begin(), asked.end()).size(), want_asked.size());
+                   asked.size(), got_asked.size(), want_asked.size());
         }
         std::vector<double> go, gc;
         gather(o, c, go, gc);
@@ -1630,7 +1631,7 @@ void split_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 L, int mode, int nsplit, in
             if (emu_cluster_faults) {
                 ++fails;
                 printf("FAIL %s: %d reads of a block's shared memory it had not offered\n", t.c_str(),
-                       emu_cluster_faults);
+                       emu_cluster_faults.load());
             }
             if (std::any_of(part.begin(), part.end(), [](float x) { return x != 7.0f; })) {
                 ++fails;

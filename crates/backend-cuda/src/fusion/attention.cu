@@ -445,12 +445,13 @@ __device__ __forceinline__ void af_cluster_combine(int h, int chunk, int nc, flo
                                                    int c_ds, int has_cpy, float* slot) {
     if (!live) return;
     const int tid = threadIdx.x;
+    constexpr int bytes = (2 + D) * (int)sizeof(float);
     if (tid < D) slot[2 + tid] = y;
     if (tid == 0) {
         slot[0] = m;
         slot[1] = s;
     }
-    cluster_sync(slot, (2 + D) * (int)sizeof(float));
+    cluster_sync(slot, bytes);
     if (chunk == 0) {
         float mk[AF_MC], sk[AF_MC], yk[AF_MC];
 #pragma unroll
@@ -463,7 +464,7 @@ __device__ __forceinline__ void af_cluster_combine(int h, int chunk, int nc, flo
         }
         af_merge<D>(h, nc, mk, sk, yk, o, o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy);
     }
-    cluster_sync(slot, (2 + D) * (int)sizeof(float));
+    cluster_sync(slot, bytes);
 }
 
 template <int DT, int G, bool SPEC, bool LIST = false, bool SPLIT = false, bool CL = false>
