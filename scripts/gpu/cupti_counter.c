@@ -6,7 +6,9 @@
 #include <stdatomic.h>
 #include <string.h>
 
-static atomic_ulong counts[6]; /* stream syncs, event syncs, ctx syncs, memcpy, HtoD, DtoH */
+/* stream syncs, event syncs, ctx syncs, memcpy, HtoD, DtoH, device to device (same device or
+ * peer), stream waits on an event */
+static atomic_ulong counts[8];
 static CUpti_SubscriberHandle subscriber;
 static int initialised;
 
@@ -25,7 +27,8 @@ static void CUPTIAPI on_driver_call(void *user, CUpti_CallbackDomain domain, CUp
         atomic_fetch_add(&counts[3], 1);
         if (strstr(f, "HtoD") != NULL) atomic_fetch_add(&counts[4], 1);
         if (strstr(f, "DtoH") != NULL) atomic_fetch_add(&counts[5], 1);
-    }
+        if (strstr(f, "DtoD") != NULL || strstr(f, "Peer") != NULL) atomic_fetch_add(&counts[6], 1);
+    } else if (strncmp(f, "cuStreamWaitEvent", 17) == 0) atomic_fetch_add(&counts[7], 1);
 }
 
 int InitializeInjection(void) {
@@ -39,5 +42,5 @@ int InitializeInjection(void) {
 int lowsync_cupti_active(void) { return initialised; }
 
 void lowsync_cupti_counts(unsigned long *out) {
-    for (int i = 0; i < 6; i++) out[i] = atomic_load(&counts[i]);
+    for (int i = 0; i < 8; i++) out[i] = atomic_load(&counts[i]);
 }
