@@ -21,7 +21,6 @@
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -49,9 +48,6 @@ struct alignas(8) uint2 {
 };
 struct alignas(16) float4 {
     float x, y, z, w;
-};
-struct alignas(8) float2 {
-    float x, y;
 };
 
 inline float __uint_as_float(unsigned u) {
@@ -95,7 +91,6 @@ inline void sincos(double a, double* s, double* c) {
 }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
-inline float2 make_float2(float a, float b) { return float2{a, b}; }
 template <class T>
 inline T __ldg(const T* p) {
     return *p;
@@ -213,55 +208,6 @@ inline void emu_pdl_wait() {
     emu_block->arrive_and_wait();
     if (threadIdx.x == 0) emu_on_wait();
     emu_block->arrive_and_wait();
-}
-
-// The addresses `prefetch_l2` asks for (a hint on the device, nothing here), collected while a
-// test points `emu_prefetched` at a vector: the test checks that they are the bytes the
-// kernel reads after its wait.
-inline std::vector<const void*>* emu_prefetched = nullptr;
-inline std::mutex emu_prefetch_mu;
-inline void emu_prefetch(const void* p) {
-    if (!emu_prefetched) return;
-    std::lock_guard<std::mutex> g(emu_prefetch_mu);
-    emu_prefetched->push_back(p);
-}
-
-// Thread block clusters of `emu_cluster_dim` consecutive blocks (set by a test around a
-// launch; 1: none). Blocks still run one after another, so a cluster barrier cannot wait here:
-// each block's `cluster_sync` records the shared-memory bytes it offers (under its block
-// index), and `cluster_ld` reads another block's record, which must exist — the test orders
-// each cluster's blocks so that a reader runs after every block it reads from (rank 0 last).
-// A read of a block that has not offered its bytes yet is a failure (the barrier on the
-// device would have waited for it), counted in emu_cluster_faults.
-inline unsigned emu_cluster_dim = 1;
-inline std::vector<std::vector<unsigned char>> emu_cluster_rec;
-inline std::vector<const unsigned char*> emu_cluster_base;
-inline std::atomic<int> emu_cluster_faults{0};
-inline void emu_cluster_sync(const void* slot, int bytes) {
-    emu_block->arrive_and_wait();
-    if (threadIdx.x == 0) {
-        if (emu_cluster_rec.size() < gridDim.x) {
-            emu_cluster_rec.resize(gridDim.x);
-            emu_cluster_base.resize(gridDim.x, nullptr);
-        }
-        const auto* b = (const unsigned char*)slot;
-        emu_cluster_rec[blockIdx.x].assign(b, b + bytes);
-        emu_cluster_base[blockIdx.x] = b;
-    }
-    emu_block->arrive_and_wait();
-}
-inline float emu_cluster_ld(const float* p, int rank) {
-    const unsigned at = blockIdx.x / emu_cluster_dim * emu_cluster_dim + (unsigned)rank;
-    const bool mine = blockIdx.x < emu_cluster_base.size() && emu_cluster_base[blockIdx.x];
-    const size_t off = mine ? (size_t)((const unsigned char*)p - emu_cluster_base[blockIdx.x]) : 0;
-    if (!mine || rank < 0 || (unsigned)rank >= emu_cluster_dim || at >= emu_cluster_rec.size() ||
-        off + sizeof(float) > emu_cluster_rec[at].size()) {
-        ++emu_cluster_faults;
-        return NAN;
-    }
-    float v;
-    memcpy(&v, emu_cluster_rec[at].data() + off, sizeof v);
-    return v;
 }
 
 // The order `launch` runs blocks in: ascending, or (when a test sets it) emu_block_order[i]

@@ -23,7 +23,6 @@
 
 #include <array>
 #include <random>
-#include <set>
 #include <string>
 
 namespace {
@@ -939,24 +938,6 @@ void rowpair_case(const RpCase& c, bool own, int q16 = 0) {
             run_qw(kernel, pf, 12);
         };
         typed.same(tag + " 12 warps", [&] { run12(fused_gemv1_q, 0); });
-        // `pf` bit 5: each warp's first Rope angle and cache index taken before the wait, with
-        // the row swapped in at the wait (the positions and indices are not swapped): the same
-        // bytes, generic and typed, and nothing stored before the wait.
-        std::vector<Buf*> stored;
-        for (Buf* b : written)
-            if (b != (c.norm ? &x : &a)) stored.push_back(b);
-        auto run_ra = [&](FqKernel kernel, int pf) {
-            err = 0;
-            Producer pr({c.norm ? &x : &a}, stored);
-            run_q(kernel, pf | 32);
-            pr.check(tag + " rope ahead");
-        };
-        typed.same(tag + " rope ahead", [&] { run_ra(fused_gemv1_q, 0); });
-        typed.typed(tag + " typed rope ahead", {qs[0], qs[1], qs[2]}, run_ra);
-        if (err != want_err) {
-            ++fails;
-            printf("FAIL %s rope ahead: error word %u, want %u\n", tag.c_str(), err, want_err);
-        }
         if (c.norm) {
             typed.same(tag + " direct norm", [&] {
                 err = 0;
@@ -1350,7 +1331,7 @@ void attention_case(int kvdt, i64 Hq, i64 Hk, i64 D, int wkq, int mode, i64 pad,
         // With mask_ahead (the mask is no running kernel's output), the real pass takes the
         // rehearsal's listing: the producer then swaps q and the caches only.
         for (int write_o : {1, 0})
-            for (int rehearse : {0, 1, 2, 6})
+            for (int rehearse : {0, 1, 2})
             for (int mask_ahead : {0, 1}) {
                 if (mask_ahead && !rehearse) continue;
                 Buf o3(DT_F32, Hq * D), c3(DT_F32, Hq * D), kq3(DT_F32, Hq * L), p3(DT_F32, Hq * L);
@@ -1534,30 +1515,13 @@ void split_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 L, int mode, int nsplit, in
         orders[2].push_back(b);
     }
     std::shuffle(orders[2].begin(), orders[2].end(), rng);
-    // attn_split_c: clusters (a head's nsplit blocks, chunk = rank) in shuffled order, each
-    // cluster's blocks from the highest rank down, so rank 0 (the merging block) runs after
-    // every block whose shared memory it reads (the cluster barrier's order on the device).
-    std::vector<unsigned> heads_shuffled;
-    for (unsigned h = 0; h < (unsigned)Hq; ++h) heads_shuffled.push_back(h);
-    std::shuffle(heads_shuffled.begin(), heads_shuffled.end(), rng);
-    std::vector<unsigned> cluster_order;
-    for (unsigned h : heads_shuffled)
-        for (int r = nsplit - 1; r >= 0; --r) cluster_order.push_back(h * (unsigned)nsplit + (unsigned)r);
     std::vector<double> first;
-    for (int variant = 0; variant < 9; ++variant) {
+    for (int variant = 0; variant < 6; ++variant) {
         if (!full && variant != 0 && variant < 4) continue;
-        // 7, 8: attn_split_c (a cluster per head, at most 8 blocks), without rehearsing and as
-        // 6 (the defaults' rehearsal).
-        const bool cl = variant >= 7;
-        if (cl && nsplit > 8) continue;
         // 0-2: block orders; 3: rehearsing; 4: rehearsing with the listing reused (mask_ahead);
-        // 5: as 4, the rehearsal stopping after the listing (rehearse 2); 6: as 5, the listed
-        // keys' K and V rows asked into L2 (rehearse 2 | 4, `attn_kv_ahead`).
+        // 5: as 4, the rehearsal stopping after the listing (rehearse 2).
         const int order = variant < 3 ? variant : 0;
-        const int rehearse = variant == 8 || variant == 6 ? 6 : variant == 7 ? 0 : variant == 5 ? 2 : variant >= 3;
-        const int mask_ahead = variant >= 4 && variant != 7;
-        std::vector<const void*> asked;
-        emu_prefetched = &asked;
+        const int rehearse = variant == 5 ? 2 : variant >= 3, mask_ahead = variant >= 4;
         std::vector<float> part((size_t)grid * AF_PW, 7.0f);
         std::vector<unsigned> ticket((size_t)Hq, 0u);
         Buf o(DT_F32, Hq * D), c(DT_F32, Hq * D);
@@ -1565,45 +1529,17 @@ void split_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 L, int mode, int nsplit, in
                     : mask_ahead ? std::vector<Buf*>{&q, &kc, &vc}
                                  : std::vector<Buf*>{&q, &kc, &vc, &m},
                     {&o, &c});
-        emu_block_order = cl ? cluster_order : orders[order];
-        emu_cluster_dim = cl ? (unsigned)nsplit : 1;
-        emu_cluster_rec.clear();
-        emu_cluster_base.clear();
-        emu_cluster_faults = 0;
+        emu_block_order = orders[order];
         launch(grid, 256, [&] {
-            (cl ? attn_split_c : attn_split)((int)L, (int)D, scale, (const float*)q.p(), (int)D, 1, kvdt, kc.p(),
-                                             (int)D, (int)ld_kv, (int)(Hq / Hk), vc.p(), (int)D, (int)ld_kv,
-                                             (int)(Hq / Hk), (const float*)m.p(), mode == 2 ? (int)L : 0, 1, 1,
-                                             nullptr, (int)L, 1, 0, nullptr, (int)L, 1, 0, (float*)o.p(), (int)D,
-                                             1, 1, (float*)c.p(), 1, (int)Hq, 1, rehearse, mask_ahead, nsplit,
-                                             part.data(), ticket.data());
+            attn_split((int)L, (int)D, scale, (const float*)q.p(), (int)D, 1, kvdt, kc.p(), (int)D, (int)ld_kv,
+                       (int)(Hq / Hk), vc.p(), (int)D, (int)ld_kv, (int)(Hq / Hk), (const float*)m.p(),
+                       mode == 2 ? (int)L : 0, 1, 1, nullptr, (int)L, 1, 0, nullptr, (int)L, 1, 0,
+                       (float*)o.p(), (int)D, 1, 1, (float*)c.p(), 1, (int)Hq, 1, rehearse, mask_ahead, nsplit,
+                       part.data(), ticket.data());
         });
         emu_block_order.clear();
-        emu_cluster_dim = 1;
-        emu_prefetched = nullptr;
         const std::string t = tag + " variant " + std::to_string(variant);
         if (rehearse) pr.check(t);
-        // The rows asked for: with bit 2 (and a window of one listing, where the rehearsal
-        // lists) exactly the 16-byte pieces the real pass loads, every valid key's K and V
-        // row of every head; none otherwise.
-        std::set<const void*> want_asked;
-        if ((variant == 6 || variant == 8) && L <= AF_LS) {
-            const i64 vw = 16 / esz(kvdt);
-            for (i64 h = 0; h < Hq; ++h)
-                for (i64 j = 0; j < L; ++j)
-                    if (split_valid(mode, h, j, L))
-                        for (i64 d0 = 0; d0 < D; d0 += vw) {
-                            const i64 at = (j * ld_kv + h / (Hq / Hk) * D + d0) * esz(kvdt);
-                            want_asked.insert(kc.p() + at);
-                            want_asked.insert(vc.p() + at);
-                        }
-        }
-        const std::set<const void*> got_asked(asked.begin(), asked.end());
-        if (got_asked != want_asked) {
-            ++fails;
-            printf("FAIL %s: %zu addresses asked into L2 (%zu distinct), %zu K/V pieces expected\n", t.c_str(),
-                   asked.size(), got_asked.size(), want_asked.size());
-        }
         std::vector<double> go, gc;
         gather(o, c, go, gc);
         check(t + ": o", want, go, 1e-10);
@@ -1625,19 +1561,6 @@ void split_case(int kvdt, i64 Hq, i64 Hk, i64 D, i64 L, int mode, int nsplit, in
                 ++fails;
                 printf("FAIL %s: head %lld's ticket is %u after the launch\n", t.c_str(), (long long)h, ticket[h]);
             }
-        if (cl) {
-            // The cluster's merge reads only what its blocks offered, and nothing goes through
-            // the partials in global memory.
-            if (emu_cluster_faults) {
-                ++fails;
-                printf("FAIL %s: %d reads of a block's shared memory it had not offered\n", t.c_str(),
-                       emu_cluster_faults.load());
-            }
-            if (std::any_of(part.begin(), part.end(), [](float x) { return x != 7.0f; })) {
-                ++fails;
-                printf("FAIL %s: partials written to global memory\n", t.c_str());
-            }
-        }
     }
 }
 

@@ -192,47 +192,6 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
-// Asks for the 128-byte line holding p to be brought into L2 (the emulation records p where a
-// test asks). L2 is the device's point of coherence, so a prefetch before `pdl_entry` can
-// leave nothing stale where a later load would find it.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#if defined(__CUDA_ARCH__)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#elif defined(LOWSYNC_EMU)
-    emu_prefetch(p);
-#endif
-}
-
-// Thread block clusters (sm_90; the host launches a kernel that uses these only as a cluster, on
-// such a device). `cluster_sync`: a barrier of every thread of every block of the cluster, whose
-// arrival releases the block's shared-memory stores and whose wait acquires the others' — so a
-// block may then read what the others stored before it, in their shared memory
-// (`cluster_ld`: the float at p's offset in block `rank` of the cluster's shared memory). A
-// block must not exit while another may still read its shared memory: a second `cluster_sync`
-// after the reads. Under LOWSYNC_EMU, whose blocks run one after another, a block's
-// `cluster_sync` records the `bytes` of shared memory at `slot` it offers (blocks of higher
-// rank run first: see emu_cluster_sync) and `cluster_ld` reads that record.
-__device__ __forceinline__ void cluster_sync(const void* slot, int bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#elif defined(LOWSYNC_EMU)
-    emu_cluster_sync(slot, bytes);
-#endif
-}
-__device__ __forceinline__ float cluster_ld(const float* p, int rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
-    return v;
-#elif defined(LOWSYNC_EMU)
-    return emu_cluster_ld(p, rank);
-#else
-    return 0.0f;
-#endif
-}
-
 // A ticket's integer add at GPU scope with release and acquire semantics, by one thread of a
 // block that has just passed a barrier (`__syncthreads`) after its threads' stores: the release
 // covers every store the barrier ordered before it, and a block whose add sees the others'

@@ -239,6 +239,14 @@ __device__ __forceinline__ void dq16(const u8* b, int c, float* v) {
 // Bytes of one q16 record (32 activation values).
 #define Q16_REC 80
 
+// Asks for the 128-byte line holding p to be brought into L2 (no-op in the emulation). L2 is
+// the device's point of coherence, so a prefetch before `pdl_entry` can leave nothing stale
+// where a later load would find it.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
 // 16 bytes at p (2-byte aligned) as 4 words, byte i of the run in byte i % 4 of word i / 4:
 // aligned 32-bit loads (every word holds a byte of the run, none past it) shifted by
 // `__byte_perm` when p is not 4-byte aligned.

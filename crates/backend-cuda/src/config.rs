@@ -85,15 +85,6 @@ pub struct CudaConfig {
     /// the H200 ("1b" Q4_0 after a 512-token prompt) the token's span fell from 792.6 to
     /// 764.6 µs; "tiny"'s stayed at 60.5 µs.
     pub rehearse_list: bool,
-    /// That listing-only rehearsal also asks for the listed keys' K and V rows into L2
-    /// (tune key `attn_kv_ahead`), so the real pass's one round trip of loads after the wait
-    /// meets L2 instead of DRAM. A hint only: the same loads, so the same bits.
-    pub attn_kv_ahead: bool,
-    /// The split decode attention runs each head's chunks as one thread block cluster
-    /// (`attn_split_c`, tune key `attn_cluster`; compute capability 9.0 or newer, at most 8
-    /// chunks): the chunks' partials meet in the cluster's shared memory after a cluster
-    /// barrier, instead of through L2 after a ticket. The same bits.
-    pub attn_cluster: bool,
     /// Decode's gate/up (streamed) and q/k/v (row pairs) take their own entry points per
     /// weight dtype, `fused_gemv1_gu16` and `fused_gemv1_rp16` and kin (tune key `gemv_split`,
     /// default on): each holds one path, which fits in 88 registers without a spill, where
@@ -181,11 +172,6 @@ pub struct CudaConfig {
     /// boundaries of a decode step fewer (the final `norm_mul` and `argmax_take` launches).
     /// Off: the norm and the take run as launches of their own, as on the other heads.
     pub q_head_fold: bool,
-    /// In q/k/v's row pairs on quantized weights, each warp takes its first unit's Rope angle
-    /// (an f64 exp2 and sincos by one lane) and cache-row index before the dependency wait
-    /// instead of after the unit's products, where the graph's nodes write neither positions
-    /// nor indices (tune key `gemv_q_rope_ahead`). The same values, so the same bits.
-    pub q_rope_ahead: bool,
     /// Shared memory (KiB) each block of a streamed product asks for at least (tune key
     /// `gemv_pad_kb`; 0 turns it off). `None`, the default, takes the least that keeps
     /// `stream_blocks + 1` of them off one multiprocessor (80 KiB on the H200): the streamed
@@ -299,8 +285,6 @@ impl Default for CudaConfig {
             attn_split: 1,
             rehearse: true,
             rehearse_list: true,
-            attn_kv_ahead: false,
-            attn_cluster: false,
             gemv_split: true,
             gemv_stream: true,
             stream_blocks: 2,
@@ -316,7 +300,6 @@ impl Default for CudaConfig {
             q_head: true,
             q_head_pairs: true,
             q_head_fold: true,
-            q_rope_ahead: false,
             stream_pad_kb: None,
             copy_kernel_max: 4096,
             read_kernel: true,
@@ -343,9 +326,9 @@ pub(crate) const MAX_Q_WARPS: u64 = 24;
 
 /// What `LOWSYNC_CUDA_TUNE` takes, for an unknown key or an item without `=`.
 const TUNE_KEYS: &str = "comma-separated key=value items with keys pdl, attn_fast, attn_prefill, \
-     attn_split, rehearse, rehearse_list, attn_kv_ahead, attn_cluster, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, \
+     attn_split, rehearse, rehearse_list, gemv_stream, gemv_split, gemv_blocks, gemv_q_blocks, \
      gemv_q_prefetch, gemv_q_ahead, gemv_q_head, gemv_q_head_pairs, gemv_q_head_fold, \
-     gemv_q_rope_ahead, gemv_q_typed, \
+     gemv_q_typed, \
      gemv_q_interleave, gemv_q_direct, gemv_q_direct_norm, gemv_q_warps, gemv_q_warps_norm, gemv_pad_kb, copy_kernel, \
      read_kernel, mmv_max_m, qdot, kdef (see docs/tuning.md)";
 
@@ -372,8 +355,8 @@ impl CudaConfig {
     /// a later item of a key overriding an earlier one. Keys: `pdl`, `attn_fast`,
     /// `attn_prefill`, `rehearse`, `gemv_stream`, `gemv_split`, `gemv_q_prefetch`,
     /// `gemv_q_ahead`, `gemv_q_head`, `gemv_q_head_pairs`, `gemv_q_head_fold`,
-    /// `gemv_q_rope_ahead`, `gemv_q_interleave`, `gemv_q_direct`,
-    /// `gemv_q_direct_norm`, `rehearse_list`, `attn_kv_ahead`, `attn_cluster`, `read_kernel` (0 or 1); `gemv_q_typed` (0, 1 or
+    /// `gemv_q_interleave`, `gemv_q_direct`,
+    /// `gemv_q_direct_norm`, `rehearse_list`, `read_kernel` (0 or 1); `gemv_q_typed` (0, 1 or
     /// 2); `gemv_q_warps` (0 to 24) and `gemv_q_warps_norm` (0 or 8 to 24);
     /// `attn_split` (0, 1 or a chunk count, capped at 32); `gemv_blocks` and `gemv_q_blocks` (1
     /// or more, capped at 32); `gemv_pad_kb` (0 to 227); `copy_kernel`
@@ -421,9 +404,6 @@ impl CudaConfig {
                 "gemv_q_head_fold" => {
                     self.q_head_fold = flag("gemv_q_head_fold=0 or gemv_q_head_fold=1")?
                 }
-                "gemv_q_rope_ahead" => {
-                    self.q_rope_ahead = flag("gemv_q_rope_ahead=0 or gemv_q_rope_ahead=1")?
-                }
                 "gemv_q_typed" => {
                     self.q_typed = match value {
                         "0" => TypedQ::Off,
@@ -457,8 +437,6 @@ impl CudaConfig {
                 }
                 "gemv_q_ahead" => self.q_ahead = flag("gemv_q_ahead=0 or gemv_q_ahead=1")?,
                 "rehearse_list" => self.rehearse_list = flag("rehearse_list=0 or rehearse_list=1")?,
-                "attn_kv_ahead" => self.attn_kv_ahead = flag("attn_kv_ahead=0 or attn_kv_ahead=1")?,
-                "attn_cluster" => self.attn_cluster = flag("attn_cluster=0 or attn_cluster=1")?,
                 "attn_split" => {
                     let expected = "attn_split=N: 0 off, 1 chunks from the multiprocessors, \
                          N >= 2 at most N chunks per head";
@@ -573,8 +551,7 @@ mod tests {
             "pdl=0, attn_fast=0,attn_prefill=0,rehearse=0,gemv_stream=0,gemv_split=0,read_kernel=0,\
              gemv_blocks=3,gemv_pad_kb=96,copy_kernel=512,mmv_max_m=16,qdot=f32,attn_split=0,gemv_q_blocks=5,gemv_q_prefetch=1,gemv_q_head=0,rehearse_list=0,\
              gemv_q_ahead=0,gemv_q_typed=0,gemv_q_interleave=0,gemv_q_direct=0,gemv_q_warps=24,gemv_q_warps_norm=0,\
-             gemv_q_direct_norm=1,gemv_q_head_pairs=0,gemv_q_head_fold=0,gemv_q_rope_ahead=1,\
-             attn_kv_ahead=1,attn_cluster=1",
+             gemv_q_direct_norm=1,gemv_q_head_pairs=0,gemv_q_head_fold=0",
         )
         .unwrap();
         let want = CudaConfig {
@@ -592,7 +569,6 @@ mod tests {
             q_head: false,
             q_head_pairs: false,
             q_head_fold: false,
-            q_rope_ahead: true,
             q_typed: TypedQ::Off,
             q_interleave: false,
             q_direct: false,
@@ -600,8 +576,6 @@ mod tests {
             q_warps: 24,
             q_warps_norm: 0,
             rehearse_list: false,
-            attn_kv_ahead: true,
-            attn_cluster: true,
             stream_pad_kb: Some(96),
             copy_kernel_max: 512,
             mmv_max_m: Some(16),
@@ -647,10 +621,6 @@ mod tests {
                 "gemv_q_head_fold=2",
                 "gemv_q_head_fold=0 or gemv_q_head_fold=1",
             ),
-            (
-                "gemv_q_rope_ahead=yes",
-                "gemv_q_rope_ahead=0 or gemv_q_rope_ahead=1",
-            ),
             ("gemv_q_ahead=x", "gemv_q_ahead=0 or gemv_q_ahead=1"),
             ("gemv_q_typed=3", "gemv_q_typed=0, 1 or 2"),
             ("gemv_q_warps=25", "from 1 to 24"),
@@ -661,8 +631,6 @@ mod tests {
                 "gemv_q_interleave=0 or gemv_q_interleave=1",
             ),
             ("rehearse_list=2", "rehearse_list=0 or rehearse_list=1"),
-            ("attn_kv_ahead=2", "attn_kv_ahead=0 or attn_kv_ahead=1"),
-            ("attn_cluster=2", "attn_cluster=0 or attn_cluster=1"),
             ("gemv_pad_kb=228", "at most 227"),
             ("gemv_pad_kb=-1", "at most 227"),
             ("copy_kernel=4k", "bytes"),

@@ -159,8 +159,6 @@ pub(crate) struct Inner {
     /// Kernels are launched with programmatic dependent launch (`cfg.pdl` on a device that
     /// has it: compute capability 9.0 or newer).
     pub(crate) pdl: bool,
-    /// The device runs thread block clusters (compute capability 9.0 or newer).
-    pub(crate) clusters: bool,
     /// Streaming multiprocessors of the device.
     pub(crate) sms: usize,
     /// Bytes of shared memory a streamed product's block asks for at least (`stream_pad`).
@@ -446,7 +444,6 @@ impl Inner {
                 attn_split_work,
                 gates: Mutex::new(GateWords::default()),
                 pdl: cfg.pdl && major >= 9,
-                clusters: major >= 9,
                 sms: sms.max(1),
                 stream_shared,
                 cfg,

@@ -123,7 +123,7 @@ impl Driver for CuDriver {
         dims: LaunchDims,
         params: &mut [*mut c_void],
     ) -> Result<(), DriverError> {
-        if !dims.pdl && dims.cluster <= 1 {
+        if !dims.pdl {
             return result::launch_kernel(
                 f.0,
                 dims.grid,
@@ -133,21 +133,12 @@ impl Driver for CuDriver {
                 params,
             );
         }
-        let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
-        let mut n = 0;
-        if dims.pdl {
-            attrs[n].id =
-                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attrs[n].value.programmaticStreamSerializationAllowed = 1;
-            n += 1;
-        }
-        if dims.cluster > 1 {
-            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attrs[n].value.clusterDim.x = dims.cluster;
-            attrs[n].value.clusterDim.y = 1;
-            attrs[n].value.clusterDim.z = 1;
-            n += 1;
-        }
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: std::mem::zeroed(),
+        };
+        attr.value.programmaticStreamSerializationAllowed = 1;
         let config = sys::CUlaunchConfig {
             gridDimX: dims.grid.0,
             gridDimY: dims.grid.1,
@@ -157,8 +148,8 @@ impl Driver for CuDriver {
             blockDimZ: dims.block.2,
             sharedMemBytes: dims.shared_bytes,
             hStream: self.stream,
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: n as u32,
+            attrs: &mut attr,
+            numAttrs: 1,
         };
         sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut()).result()
     }

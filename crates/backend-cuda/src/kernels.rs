@@ -133,8 +133,6 @@ pub(crate) enum Kernel {
     AttnFastLong,
     /// Decode attention split over keys: several blocks per head (fusion/attention.cu).
     AttnSplit,
-    /// `attn_split` with each head's blocks one thread block cluster (fusion/attention.cu).
-    AttnSplitCluster,
     /// Prefill attention, flash style (fusion/attention.cu).
     AttnPrefill,
     FusedGemv1,
@@ -188,7 +186,7 @@ pub(crate) enum Kernel {
 
 impl Kernel {
     /// Every kernel but the `quant` module's (`Kernel::all` adds them, per block type).
-    const PLAIN: [Kernel; 57] = [
+    const PLAIN: [Kernel; 56] = [
         Kernel::EwUnary,
         Kernel::SmallCopy,
         Kernel::CopyBatch,
@@ -218,7 +216,6 @@ impl Kernel {
         Kernel::AttnFast,
         Kernel::AttnFastLong,
         Kernel::AttnSplit,
-        Kernel::AttnSplitCluster,
         Kernel::AttnPrefill,
         Kernel::FusedGemv1,
         Kernel::FusedGemv1Pair,
@@ -401,7 +398,7 @@ impl Kernel {
             Kernel::RopeRows => ("fused_rope_rows", Whole),
             Kernel::AttnFast => ("fused_attention", Part(1)),
             Kernel::AttnFastLong => ("fused_attention", Part(2)),
-            Kernel::AttnSplit | Kernel::AttnSplitCluster => ("fused_attention", Part(3)),
+            Kernel::AttnSplit => ("fused_attention", Part(3)),
             Kernel::AttnDecode | Kernel::AttnPrefill => ("fused_attention", Part(4)),
             Kernel::Penalize | Kernel::Sample => ("sample", Whole),
             Kernel::GetRowsQ(q)
@@ -443,7 +440,6 @@ impl Kernel {
             Kernel::AttnFast => "attn_fast",
             Kernel::AttnFastLong => "attn_fast_long",
             Kernel::AttnSplit => "attn_split",
-            Kernel::AttnSplitCluster => "attn_split_c",
             Kernel::AttnPrefill => "attn_prefill",
             Kernel::FusedGemv1Gu16 => "fused_gemv1_gu16",
             Kernel::FusedGemv1Gub16 => "fused_gemv1_gub16",

@@ -47,9 +47,6 @@ pub struct LaunchDims {
     /// Programmatic dependent launch: the kernel may start before the previous kernel in the
     /// stream completes (it waits with `griddepcontrol.wait` before using its results).
     pub pdl: bool,
-    /// Blocks per thread block cluster along x (compute capability 9.0 or newer); 0 or 1: no
-    /// clusters.
-    pub cluster: u32,
 }
 
 impl LaunchDims {
@@ -61,7 +58,6 @@ impl LaunchDims {
             block: (threads, 1, 1),
             shared_bytes: 0,
             pdl: false,
-            cluster: 0,
         }
     }
 }

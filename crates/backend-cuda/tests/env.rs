@@ -55,7 +55,7 @@ fn tune_keys_set_their_knobs_with_todays_ranges_and_defaults() {
     );
     assert_eq!(d.q_blocks, 3);
     assert!(!d.q_prefetch && d.q_ahead && d.q_head && d.q_interleave && d.rehearse_list);
-    assert!(d.q_direct && !d.attn_kv_ahead && !d.attn_cluster);
+    assert!(d.q_direct);
     assert_eq!((d.q_warps, d.q_warps_norm), (16, 8));
     assert_eq!(tuned("gemv_q_warps=0").unwrap().q_warps, 0);
     assert_eq!(tuned("gemv_q_warps_norm=0").unwrap().q_warps_norm, 0);
@@ -176,8 +176,6 @@ fn a_bad_tune_key_or_value_is_an_error_naming_the_variable() {
             "gemv_q_warps",
             "gemv_q_warps_norm",
             "rehearse_list",
-            "attn_kv_ahead",
-            "attn_cluster",
             "gemv_pad_kb",
             "copy_kernel",
             "read_kernel",

@@ -220,20 +220,6 @@ impl<'a> Exec<'a> {
         self.launch_shared(node, k, grid, block, 0, args)
     }
 
-    /// Queues one kernel whose blocks run in thread block clusters of `cluster` consecutive
-    /// blocks (the caller checked `Inner::clusters` and that `cluster` divides `grid`).
-    pub(crate) fn launch_cluster(
-        &self,
-        node: &ExecNode,
-        k: Kernel,
-        grid: u32,
-        block: u32,
-        cluster: u32,
-        args: Args,
-    ) -> Result<()> {
-        self.launch_dims(node, k, self.dims(grid, block, 0, cluster), args)
-    }
-
     /// Queues one kernel with `shared_bytes` of dynamic shared memory (at most 48 KB, the
     /// limit without an opt-in).
     pub(crate) fn launch_shared(
@@ -243,31 +229,15 @@ impl<'a> Exec<'a> {
         grid: u32,
         block: u32,
         shared_bytes: u32,
-        args: Args,
+        mut args: Args,
     ) -> Result<()> {
-        self.launch_dims(node, k, self.dims(grid, block, shared_bytes, 0), args)
-    }
-
-    /// A one-dimensional launch's dims, with programmatic dependent launch where the device
-    /// has it.
-    fn dims(&self, grid: u32, block: u32, shared_bytes: u32, cluster: u32) -> LaunchDims {
-        LaunchDims {
+        let f = self.inner.modules.get(k).map_err(|m| kernel_err(node, m))?;
+        let dims = LaunchDims {
             grid: (grid, 1, 1),
             block: (block, 1, 1),
             shared_bytes,
             pdl: self.inner.pdl,
-            cluster,
-        }
-    }
-
-    fn launch_dims(
-        &self,
-        node: &ExecNode,
-        k: Kernel,
-        dims: LaunchDims,
-        mut args: Args,
-    ) -> Result<()> {
-        let f = self.inner.modules.get(k).map_err(|m| kernel_err(node, m))?;
+        };
         let mut ptrs = args.ptrs();
         // SAFETY: `args` matches the kernel's parameter list (each op builds it against the
         // signature in kernels/*.cu) and every address in it was resolved and bounds checked.

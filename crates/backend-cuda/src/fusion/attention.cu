@@ -338,36 +338,6 @@ __device__ __forceinline__ int af_list(const float* mh, int m_ls, int sb, int n,
     return total;
 }
 
-// The merge of nc <= AF_MC chunks' partials of head h, loaded already (max mk, sum sk, this
-// thread's dim of the unnormalized p @ V yk), in chunk order — the merge of the warps in
-// `attn_fast_body`, one level up: weights exp(m_c - M), NaN carried by the sums — then o and the
-// copy.
-template <int D>
-__device__ __forceinline__ void af_merge(int h, int nc, const float* mk, const float* sk,
-                                         const float* yk, float* o, int o_hs, int o_ds,
-                                         int write_o, float* c, int c_hs, int c_ds, int has_cpy) {
-    const int tid = threadIdx.x;
-    float gm = F_NEG_INF, gs = 0.0f, gy = 0.0f;
-#pragma unroll
-    for (int k = 0; k < AF_MC; ++k) {
-        if (k < nc) gm = fmaxf(gm, mk[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < AF_MC; ++k) {
-        if (k < nc) {
-            const float f = mk[k] != F_NEG_INF ? expf(mk[k] - gm) : 0.0f;
-            gs = fmaf(sk[k], f, gs);
-            if (tid < D) gy = fmaf(yk[k], f, gy);
-        }
-    }
-    const bool row_nan = gs != gs;
-    if (tid < D) {
-        gy = row_nan ? gs : gs > 0.0f ? gy / gs : 0.0f;
-        if (write_o) o[h * o_hs + tid * o_ds] = gy;
-        if (has_cpy) c[h * c_hs + tid * c_ds] = gy;
-    }
-}
-
 // The end of an `attn_split` block whose head's keys run in nc > 1 chunks: it writes its chunk's
 // max m, sum s and unnormalized p @ V row y (y: thread tid < D's dim) to its partials slot,
 // then takes a ticket of its head; the head's last block to arrive merges the nc partials in
@@ -395,6 +365,7 @@ __device__ __forceinline__ void af_combine(int h, int chunk, int nc, int nsplit,
     __syncthreads();
     if (!*flag) return;
     const float* ph = part + h * nsplit * AF_PW;
+    float gm = F_NEG_INF, gs = 0.0f, gy = 0.0f;
     if (nc <= AF_MC) {
         // Every partial loaded at once (one trip through L2 instead of two a chunk: this
         // block's merge is the last link of the head's chain, which the next kernel waits for),
@@ -408,9 +379,19 @@ __device__ __forceinline__ void af_combine(int h, int chunk, int nc, int nsplit,
                 yk[k] = tid < D ? ld_cg(ph + k * AF_PW + 2 + tid) : 0.0f;
             }
         }
-        af_merge<D>(h, nc, mk, sk, yk, o, o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy);
+#pragma unroll
+        for (int k = 0; k < AF_MC; ++k) {
+            if (k < nc) gm = fmaxf(gm, mk[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < AF_MC; ++k) {
+            if (k < nc) {
+                const float f = mk[k] != F_NEG_INF ? expf(mk[k] - gm) : 0.0f;
+                gs = fmaf(sk[k], f, gs);
+                if (tid < D) gy = fmaf(yk[k], f, gy);
+            }
+        }
     } else {
-        float gm = F_NEG_INF, gs = 0.0f, gy = 0.0f;
 #pragma unroll 1
         for (int k = 0; k < nc; ++k) gm = fmaxf(gm, ld_cg(ph + k * AF_PW));
 #pragma unroll 1
@@ -420,54 +401,17 @@ __device__ __forceinline__ void af_combine(int h, int chunk, int nc, int nsplit,
             gs = fmaf(ld_cg(ph + k * AF_PW + 1), f, gs);
             if (tid < D) gy = fmaf(ld_cg(ph + k * AF_PW + 2 + tid), f, gy);
         }
-        const bool row_nan = gs != gs;
-        if (tid < D) {
-            gy = row_nan ? gs : gs > 0.0f ? gy / gs : 0.0f;
-            if (write_o) o[h * o_hs + tid * o_ds] = gy;
-            if (has_cpy) c[h * c_hs + tid * c_ds] = gy;
-        }
+    }
+    const bool row_nan = gs != gs;
+    if (tid < D) {
+        gy = row_nan ? gs : gs > 0.0f ? gy / gs : 0.0f;
+        if (write_o) o[h * o_hs + tid * o_ds] = gy;
+        if (has_cpy) c[h * c_hs + tid * c_ds] = gy;
     }
     if (tid == 0) ticket[h] = 0u;
 }
 
-// The end of an `attn_split_c` block (the head's nsplit chunks are one thread block cluster,
-// chunk = rank) whose head's keys run in nc > 1 chunks: each block, those past nc included (with
-// an empty share: m -inf, s and y 0), offers its (m, s, y) in its own shared memory (`slot`,
-// 2 + D floats); after the cluster's barrier chunk 0 reads the nc partials from the others'
-// shared memory and merges them as `af_combine` does (the same operations in the same order, so
-// the same bits), and a second barrier keeps every block until chunk 0 has read. No partials
-// through L2, no ticket: the barrier replaces the ticket's trip to L2 and the reload of the
-// partials. `live` off (a rehearsal) stores nothing and meets no barrier.
-template <int D>
-__device__ __forceinline__ void af_cluster_combine(int h, int chunk, int nc, float m, float s,
-                                                   float y, int live, float* o, int o_hs,
-                                                   int o_ds, int write_o, float* c, int c_hs,
-                                                   int c_ds, int has_cpy, float* slot) {
-    if (!live) return;
-    const int tid = threadIdx.x;
-    constexpr int bytes = (2 + D) * (int)sizeof(float);
-    if (tid < D) slot[2 + tid] = y;
-    if (tid == 0) {
-        slot[0] = m;
-        slot[1] = s;
-    }
-    cluster_sync(slot, bytes);
-    if (chunk == 0) {
-        float mk[AF_MC], sk[AF_MC], yk[AF_MC];
-#pragma unroll
-        for (int k = 0; k < AF_MC; ++k) {
-            if (k < nc) {
-                mk[k] = cluster_ld(slot, k);
-                sk[k] = cluster_ld(slot + 1, k);
-                yk[k] = tid < D ? cluster_ld(slot + 2 + tid, k) : 0.0f;
-            }
-        }
-        af_merge<D>(h, nc, mk, sk, yk, o, o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy);
-    }
-    cluster_sync(slot, bytes);
-}
-
-template <int DT, int G, bool SPEC, bool LIST = false, bool SPLIT = false, bool CL = false>
+template <int DT, int G, bool SPEC, bool LIST = false, bool SPLIT = false>
 __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* q, int q_hs,
                                                int q_ds, const void* k, int k_hs, int k_ls,
                                                int k_div, const void* v, int v_hs, int v_ls,
@@ -480,7 +424,7 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
                                                bool listed = false, int nsplit = 1,
                                                int ns = 1, float* part = nullptr,
                                                unsigned* ticket = nullptr, int live = 0,
-                                               bool light = false, bool kv_ahead = false) {
+                                               bool light = false) {
     constexpr int VW = DT == DT_F32 ? 4 : 8;
     constexpr int ESZ = DT == DT_F32 ? 4 : 2;
     constexpr int D = G * VW;
@@ -488,11 +432,10 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int kg = tid / G, d0 = (tid % G) * VW;
     // SPLIT: block (h, chunk) of a grid of nsplit chunks per head, heads fastest (chunk 0 of
-    // every head is in the first wave); CL (a cluster per head), chunks fastest: a cluster is
-    // nsplit consecutive blocks, chunk its rank.
+    // every head is in the first wave).
     const int nh = SPLIT ? (int)gridDim.x / nsplit : 0;
-    const int h = SPLIT ? (CL ? (int)blockIdx.x / nsplit : (int)blockIdx.x % nh) : (int)blockIdx.x;
-    const int chunk = SPLIT ? (CL ? (int)blockIdx.x % nsplit : (int)blockIdx.x / nh) : 0;
+    const int h = SPLIT ? (int)blockIdx.x % nh : (int)blockIdx.x;
+    const int chunk = SPLIT ? (int)blockIdx.x / nh : 0;
     int nc = 1;  // chunks of the head's listed keys (SPLIT; 1 otherwise)
     float qv[VW];
 #pragma unroll
@@ -517,33 +460,17 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
         const int n = !LIST ? L
                       : listed ? cnt[AF_LR * (AF_T / 32)]
                                : af_list(mh, m_ls, sb, min(AF_LS, L - sb), keys, mv, cnt);
+        // `light`: a rehearsal that only lists the keys (for the real pass to reuse) stops here.
+        if (LIST && light && !live) return;
         // SPLIT: this block's share [j0, j1) of the list. One chunk up to a round trip of
         // keys, else chunks of at least half one, at most ns (block-uniform: n is shared).
         int j0 = 0, j1 = n;
         if (SPLIT) {
             constexpr int RT = KP * AF_P;
             nc = n <= RT ? 1 : min(ns, (2 * n + RT - 1) / RT);
-            // CL: a block past the head's chunks still meets the cluster's barriers, with an
-            // empty share, where the head's chunks merge (nc > 1, the real pass).
-            if (chunk >= nc && !(CL && nc > 1 && live)) return;
-            j0 = chunk >= nc ? n : (int)((long long)chunk * n / nc);
-            j1 = chunk >= nc ? n : (int)((long long)(chunk + 1) * n / nc);
-        }
-        // `light`: a rehearsal that only lists the keys (for the real pass to reuse) stops here,
-        // `kv_ahead` after asking for its share's K and V rows into L2, each lane the 16 bytes
-        // it loads after the wait: the real pass's one round trip then meets L2, not DRAM. A row
-        // the producer still writes (this step's) is safe to ask for: L2 is the point of
-        // coherence, and the loads that read it after the wait bypass L1 (`ld_cg`).
-        if (LIST && light && !live) {
-            if (kv_ahead) {
-#pragma unroll 1
-                for (int j = j0 + kg; j < j1; j += KP) {
-                    const int l = keys[j];
-                    prefetch_l2(kb + l * k_ls * ESZ);
-                    prefetch_l2(vb + l * v_ls * ESZ);
-                }
-            }
-            return;
+            if (chunk >= nc) return;
+            j0 = (int)((long long)chunk * n / nc);
+            j1 = (int)((long long)(chunk + 1) * n / nc);
         }
 #pragma unroll 1
         for (int base = j0; base < j1; base += KP * AF_P) {
@@ -670,14 +597,8 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
         if (tid < D) y = fmaf(wa[w * D + tid], f, y);
     }
     if (SPLIT && nc > 1) {
-        if (CL) {
-            // The slot: the listing's words, read by no thread after the barrier above.
-            af_cluster_combine<D>(h, chunk, nc, m, s, y, live, o, o_hs, o_ds, write_o, c, c_hs,
-                                  c_ds, has_cpy, (float*)lsh);
-        } else {
-            af_combine<D>(h, chunk, nc, nsplit, m, s, y, part, ticket, live, o, o_hs, o_ds,
-                          write_o, c, c_hs, c_ds, has_cpy, lsh + AF_LSH);
-        }
+        af_combine<D>(h, chunk, nc, nsplit, m, s, y, part, ticket, live, o, o_hs, o_ds, write_o,
+                      c, c_hs, c_ds, has_cpy, lsh + AF_LSH);
         return;
     }
     // s (the same in every thread) is NaN iff a valid logit was NaN (its weight is NaN whatever
@@ -712,15 +633,11 @@ __device__ __forceinline__ void attn_fast_body(int L, float scale, const float* 
 // listing a rehearsal made of a window of one listing is the real pass's too: the real pass
 // skips it and issues q's and the listed keys' K and V loads together — one memory round trip
 // after the wait instead of two.
-template <bool LIST, bool SPLIT = false, bool CL = false>
+template <bool LIST, bool SPLIT = false>
 __device__ __forceinline__ void attn_fast_run(AF_PARAMS, float* sh, int* lsh, int nsplit = 1,
                                               float* part = nullptr, unsigned* ticket = nullptr) {
     PHASE_ENTRY();
     PHASE(0);
-    // rehearse bit 2 (`CudaConfig::attn_kv_ahead`): that listing-only rehearsal also asks for
-    // the listed keys' K and V rows into L2 (`attn_fast_body`).
-    const bool kv_ahead = (rehearse & 4) != 0;
-    rehearse &= 3;
     // rehearse 2: where the real pass reuses the listing, the rehearsal only lists the keys
     // (no K/V loads: a rehearsal that starts late delays the real pass by its whole path).
     const bool reuse = LIST && rehearse && mask_ahead && L <= AF_LS;
@@ -736,9 +653,8 @@ __device__ __forceinline__ void attn_fast_run(AF_PARAMS, float* sh, int* lsh, in
         sh
 #define AF_SPEC(DT, G)                                                                          \
     if (LIST) {                                                                                 \
-        attn_fast_body<DT, G, false, true, SPLIT, CL>(AF_ARGS, lsh, reuse && real, nsplit, ns,  \
-                                                  part, ticket, real, reuse && rehearse == 2,   \
-                                                  kv_ahead);                                    \
+        attn_fast_body<DT, G, false, true, SPLIT>(AF_ARGS, lsh, reuse && real, nsplit, ns,      \
+                                                  part, ticket, real, reuse && rehearse == 2);  \
     } else if (spec) {                                                                          \
         attn_fast_body<DT, G, true>(AF_ARGS);                                                   \
     } else {                                                                                    \
@@ -845,20 +761,6 @@ extern "C" __global__ void __maxnreg__(168) attn_split(AF_PARAMS, int nsplit, fl
                               v_ls, v_div, mask, m_hs, m_ls, 1, kq, kq_hs, kq_ls, 0, p, p_hs, p_ls,
                               0, o, o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy, rehearse,
                               mask_ahead, sh, lsh, nsplit, part, ticket);
-}
-
-// `attn_split` with each head's nsplit blocks one thread block cluster (launched so on an sm_90
-// device, nsplit at most 8, the portable cluster size; tune key `attn_cluster`): the chunks'
-// partials meet in the cluster's shared memory (`af_cluster_combine`) instead of through L2
-// with a ticket. The same results bit for bit; `part` and `ticket` are not used.
-extern "C" __global__ void __maxnreg__(168) attn_split_c(AF_PARAMS, int nsplit, float* part,
-                                                         unsigned* ticket) {
-    __shared__ float sh[AF_T / 16 + (AF_T / 32) * ATT_MAXD];
-    __shared__ int lsh[AF_LSH + 1];  // af_list's words, then af_cluster_combine's slot
-    attn_fast_run<true, true, true>(L, D, scale, q, q_hs, q_ds, dtkv, k, k_hs, k_ls, k_div, v,
-                                    v_hs, v_ls, v_div, mask, m_hs, m_ls, 1, kq, kq_hs, kq_ls, 0, p,
-                                    p_hs, p_ls, 0, o, o_hs, o_ds, write_o, c, c_hs, c_ds, has_cpy,
-                                    rehearse, mask_ahead, sh, lsh, nsplit, part, ticket);
 }
 #endif
 #undef AF_PARAMS

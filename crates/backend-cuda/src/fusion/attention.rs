@@ -70,30 +70,13 @@ pub(super) fn split_chunks(
     (chunks >= 2).then_some(chunks)
 }
 
-/// Whether a split of `chunks` blocks per head runs as one thread block cluster per head
-/// (`attn_split_c`): asked for (`CudaConfig::attn_cluster`), on a device with clusters, and at
-/// most the portable cluster size of 8 blocks.
-pub(super) fn cluster_split(
-    cfg: &crate::config::CudaConfig,
-    clusters: bool,
-    chunks: usize,
-) -> bool {
-    cfg.attn_cluster && clusters && (2..=CLUSTER_MAX).contains(&chunks)
-}
-
-/// The most blocks of a thread block cluster every device with clusters runs.
-const CLUSTER_MAX: usize = 8;
-
 /// The kernels' `rehearse` argument: 0 none, 1 the whole path, 2 (`CudaConfig::rehearse_list`)
-/// only the listing of the valid keys where the real pass reuses it; bit 2 added to 2
-/// (`CudaConfig::attn_kv_ahead`): that listing also asks for the listed keys' K and V rows
-/// into L2.
+/// only the listing of the valid keys where the real pass reuses it.
 fn rehearse_mode(exec: &Exec<'_>) -> i32 {
-    let cfg = &exec.inner.cfg;
-    match (exec.rehearse(), cfg.rehearse_list) {
+    match (exec.rehearse(), exec.inner.cfg.rehearse_list) {
         (false, _) => 0,
         (true, false) => 1,
-        (true, true) => 2 | if cfg.attn_kv_ahead { 4 } else { 0 },
+        (true, true) => 2,
     }
 }
 
@@ -266,11 +249,6 @@ pub(super) fn launch_attention(
                 .arg(work.tickets());
             let grid = u32::try_from(hq * chunks)
                 .map_err(|_| kernel_err(kq, "too many split attention blocks"))?;
-            if cluster_split(&exec.inner.cfg, exec.inner.clusters, chunks) {
-                let threads = ATT_THREADS as u32;
-                let k = Kernel::AttnSplitCluster;
-                return exec.launch_cluster(kq, k, grid, threads, chunks as u32, args);
-            }
             return exec.launch(kq, Kernel::AttnSplit, grid, ATT_THREADS as u32, args);
         }
         return exec.launch(kq, kernel, grid, ATT_THREADS as u32, args);
@@ -419,8 +397,7 @@ pub(super) fn launch_prefill(
 
 #[cfg(test)]
 mod tests {
-    use super::{cluster_split, split_chunks};
-    use crate::config::CudaConfig;
+    use super::split_chunks;
 
     #[test]
     fn split_chunks_fill_the_device_only_past_one_round_trip_of_keys() {
@@ -439,21 +416,5 @@ mod tests {
         assert_eq!(split_chunks(32, 64, 2048, 4, 132, 528), Some(8));
         // More heads than multiprocessors hold twice over: one block a head.
         assert_eq!(split_chunks(1, 96, 640, 8, 132, 528), None);
-    }
-
-    #[test]
-    fn a_split_runs_as_clusters_only_when_asked_on_a_device_with_them_up_to_8_blocks() {
-        let on = CudaConfig {
-            attn_cluster: true,
-            ..CudaConfig::default()
-        };
-        // "1b" on an H200: four chunks a head.
-        assert!(cluster_split(&on, true, 4));
-        assert!(cluster_split(&on, true, 2) && cluster_split(&on, true, 8));
-        // Off by default; no clusters before compute capability 9.0; past the portable size.
-        assert!(!cluster_split(&CudaConfig::default(), true, 4));
-        assert!(!cluster_split(&on, false, 4));
-        assert!(!cluster_split(&on, true, 9) && !cluster_split(&on, true, 16));
-        assert!(!cluster_split(&on, true, 1));
     }
 }

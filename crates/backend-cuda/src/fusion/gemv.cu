@@ -102,32 +102,23 @@ __device__ __forceinline__ float fg_store(const FgSeg& g, i64 i, i64 j, float y)
     return y;
 }
 
-// The Rope's (sin, cos) for column pair j of segment g (j % hd < n_dims) at position pos[0], as
-// the rope kernel computes them: the angle in f64 from the same expression, rounded to f32.
-__device__ __forceinline__ float2 fg_rope_sc(const FgSeg& g, i64 j) {
-    const i64 k = (j % g.hd) / 2;
-    // theta^(-2k / n_dims) as exp2 of a host-computed log2: the same value to within an ulp of
-    // f64 (invisible after the f32 rounding of sin and cos), a fraction of pow's instructions on
-    // a path every q/k unit runs.
-    const double freq = exp2(-2.0 * (double)k / (double)g.n_dims * g.l2theta);
-    const double ang = (double)(*(const int*)g.pos) * freq;
-    double sd, cd;
-    sincos(ang, &sd, &cd);
-    return make_float2((float)sd, (float)cd);
-}
-
 // Columns j and j + 1 (one rotary pair: j even) of segment g in row-pair mode, decode's one
-// row: the products and Adds, then the Rope as the rope kernel computes it (`fg_rope_sc`; dims at
-// or past n_dims copied), then the cache row at index idx[0] — each value as the unfused chain's
-// next node would read it back. `have`: the caller took the Rope's sin and cos (`sc`) and the
-// index (`row`) already, where the segment has them.
-__device__ void fg_rope_pair(const FgSeg& g, u64 err, i64 j, float y0, float y1,
-                             bool have = false, float2 sc = float2{}, int row = 0) {
+// row: the products and Adds, then the Rope as the rope kernel computes it (angle in f64 from
+// the same expression; dims at or past n_dims copied), then the cache row — each value as the
+// unfused chain's next node would read it back.
+__device__ void fg_rope_pair(const FgSeg& g, u64 err, i64 j, float y0, float y1) {
     float z0 = fg_store(g, 0, j, y0), z1 = fg_store(g, 0, j + 1, y1);
     if (g.n_dims > 0) {
         if (j % g.hd < g.n_dims) {
-            const float2 t = have ? sc : fg_rope_sc(g, j);
-            const float sn = t.x, cs = t.y;
+            const i64 k = (j % g.hd) / 2;
+            // theta^(-2k / n_dims) as exp2 of a host-computed log2: the same value to within
+            // an ulp of f64 (invisible after the f32 rounding of sin and cos), a fraction of
+            // pow's instructions on a path every q/k unit runs.
+            const double freq = exp2(-2.0 * (double)k / (double)g.n_dims * g.l2theta);
+            const double ang = (double)(*(const int*)g.pos) * freq;
+            double sd, cd;
+            sincos(ang, &sd, &cd);
+            const float sn = (float)sd, cs = (float)cd;
             const float a = z0, b = z1;
             z0 = a * cs - b * sn;
             z1 = a * sn + b * cs;
@@ -138,7 +129,7 @@ __device__ void fg_rope_pair(const FgSeg& g, u64 err, i64 j, float y0, float y1,
         z1 = round_dt((int)g.r_dt, z1);
     }
     if (g.c) {
-        if (!have) row = *(const int*)g.idx;
+        const int row = *(const int*)g.idx;
         if (row < 0 || (i64)row >= g.c_n) {
             report((u32*)err, (u32)g.tag);
         } else {
@@ -1102,29 +1093,6 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     const int stride = (int)gridDim.x * nwarps;
     const int u0 = (int)blockIdx.x * nwarps + (threadIdx.x >> 5);
     if (u0 < units && !(pf & 2)) fq_prefetch<NC>(S, u0, K, lane);
-    // `pf` bit 5 (row pairs): the epilogue's inputs of the warp's first unit, taken before the
-    // wait by its lane 0: the Rope's sin and cos and the cache row's index. The f64 angle (11% of
-    // the q/k/v launch's instructions in ncu's count) and two dependent loads otherwise run
-    // after the unit's products, at the end of the launch's path. Positions and indices are no
-    // kernel's output (the host checked), so the values are the ones after the wait.
-    // (kdef NO_RA: the code compiled out, for timing what it costs the registers with the key
-    // off.)
-#ifdef LS_KDEF_NO_RA
-    constexpr bool ra = false;
-#else
-    constexpr bool ra = true;
-#endif
-    __shared__ float2 rsc[FQ1_MAX_WARPS];
-    __shared__ int rrow[FQ1_MAX_WARPS];
-    if (ra && NC == 2 && (pf & 32) && S.pair == 2 && u0 < units && lane == 0) {
-        int s;
-        i64 j;
-        const char* wr[NC];
-        fg_unit<DT_Q4_0, NC>(S, u0, s, j, wr);
-        const FgSeg& g = S.seg[s];
-        if (g.n_dims > 0 && j % g.hd < g.n_dims) rsc[threadIdx.x >> 5] = fg_rope_sc(g, j);
-        if (g.c) rrow[threadIdx.x >> 5] = *(const int*)g.idx;
-    }
     pdl_entry();
     const bool quant = QT != 0 || qm;
     if (!nx && (pf & 8) && quant) {
@@ -1156,8 +1124,6 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
             fq_swizzle(xs, K);
         }
     }
-    // (bit 5: rsc and rrow hold the first unit's angle and index, where it has them.)
-    bool first = ra && NC == 2 && (pf & 32);
 #pragma unroll 1
     for (int u = u0; u < units; u += stride) {
         int s;
@@ -1200,9 +1166,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         }
         if (lane == 0) {
             if (NC == 2 && S.pair == 2) {
-                fg_rope_pair(S.seg[s], S.err, j, acc[0], acc[NC - 1], first,
-                             first ? rsc[threadIdx.x >> 5] : float2{},
-                             first ? rrow[threadIdx.x >> 5] : 0);
+                fg_rope_pair(S.seg[s], S.err, j, acc[0], acc[NC - 1]);
             } else {
                 fg1_store<NC>(S, s, j, acc);
             }
@@ -1215,7 +1179,6 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
                 }
             }
         }
-        first = false;
     }
     if (S.amax) {
         // As `mul_mat_vec_q_argmax`: the block's largest key into the word, not waited for
@@ -1244,9 +1207,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // over both rows of a pair or four pieces of a single row (`CudaConfig::q_interleave` off);
 // bit 3: without a norm prologue, the row quantized straight from a (`fq_quantize_direct`,
 // `CudaConfig::q_direct`); bit 4: with one (f32, aligned, K <= 2,048), its products quantized
-// from registers (`fq_norm_direct`, `CudaConfig::q_direct_norm`); bit 5: in row pairs, each
-// warp's first Rope angle and cache index taken before the wait (the positions and indices are
-// no kernel's output).
+// from registers (`fq_norm_direct`, `CudaConfig::q_direct_norm`).
 #if LS_PART(3)
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,
