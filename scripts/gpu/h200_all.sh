@@ -22,6 +22,8 @@ export PYTHONUNBUFFERED=1
 say() { echo "$@" | tee -a "$summary"; }
 # Whether part $1 was asked for (whole words: `lcppcuda` is not `cuda`).
 has() { [[ " $parts " == *" $1 "* ]]; }
+# shellcheck source=scripts/gpu/lcpp_cuda.sh
+source scripts/gpu/lcpp_cuda.sh
 # BUDGET (seconds, default unlimited): the whole call ends inside it, so what ran comes back
 # even when a device call's limit is near. `tl N`: a part's timeout, N or what is left less a
 # margin for the log archive; `wait_for PID`: waits for a background build, killing it at the
@@ -75,19 +77,10 @@ fi
 
 if has lcppcuda; then
     # llama.cpp b11434 with its CUDA backend (sm_90): llama-bench and llama-quantize, built from
-    # the carried source (.carry/src/llama.cpp.tgz, the pruned sdist tree) in the background,
-    # or unpacked from .carry/lcpp-cuda/ (the binaries an earlier call returned, in parts).
-    lcpp_cuda=/tmp/lcpp-cuda
-    if ls .carry/lcpp-cuda/part-* >/dev/null 2>&1; then
-        mkdir -p $lcpp_cuda && cat .carry/lcpp-cuda/part-* | tar xJ -C $lcpp_cuda
-        say "llama.cpp cuda: unpacked $(ls $lcpp_cuda/bin | tr '\n' ' ')"; lcpp_cuda_pid=""
-    else
-        (mkdir -p /tmp/lcpp-src && tar xzf .carry/src/llama.cpp.tgz -C /tmp/lcpp-src &&
-            python3 benches/python/compare_llama_cpp_gpu.py --backend cuda --llama-src /tmp/lcpp-src/llama.cpp \
-                --build-dir $lcpp_cuda --models "" --types "" --jobs 16 >"$logs/lcpp-cuda-build.log" 2>&1
-            echo "llama.cpp cuda build exit $?" >>"$logs/lcpp-cuda-build.log") &
-        lcpp_cuda_pid=$!
-    fi
+    # the carried source in the background, or unpacked from what an earlier call returned
+    # (scripts/gpu/lcpp_cuda.sh).
+    lcpp_cuda_start "$logs/lcpp-cuda-build.log" 16
+    [ -z "$lcpp_cuda_pid" ] && say "llama.cpp cuda: unpacked $(ls $lcpp_cuda/bin | tr '\n' ' ')"
 fi
 
 if has vkcmp; then
@@ -114,11 +107,7 @@ if has gpucmp || has vkcmp; then
     want=""
     has gpucmp && want="$want,${GPUCMP_MODELS:-1b,tiny}"
     has vkcmp && want="$want,${VKCMP_MODELS:-1b,tiny}"
-    nice python3 -c 'import sys; sys.path.insert(0, "benches/python"); import compare_llama_cpp_gpu as c
-c.make_files(c.parse_args(["--backend", "cuda", "--work", "/tmp/gpucmp", "--types", "f16",
-    "--models", sys.argv[1]]))' "$want" \
-        >"$logs/f16-files.log" 2>&1 &
-    files_pid=$!
+    f16_files "$want" "$logs/f16-files.log"
 fi
 
 run_suite() { # name dir
@@ -278,12 +267,8 @@ if has gpucmp; then
     wait_for "$files_pid"
     tail -2 "$logs/lcpp-cuda-build.log" 2>/dev/null | tee -a "$summary"
     if [ -n "${lcpp_cuda_pid:-}" ] && [ -x /tmp/lcpp-cuda/bin/llama-bench ]; then
-        # The tools and their shared libraries back to the caller, stripped, for later calls
-        # (parts under the 16 MiB limit; save them in .carry/lcpp-cuda/). The build's RPATH is
-        # /tmp/lcpp-cuda/bin, where a later call unpacks them.
-        (cd /tmp/lcpp-cuda && strip --strip-unneeded bin/llama-bench bin/llama-quantize bin/*.so* 2>/dev/null
-         tar cJ bin/llama-bench bin/llama-quantize $(ls bin/*.so* 2>/dev/null)) |
-            { mkdir -p "$out/lcpp" && split -b 15m - "$out/lcpp/part-"; }
+        # The tools back to the caller in parts, for later calls.
+        lcpp_cuda_pack "$out/lcpp"
         say "llama.cpp cuda binaries: $(du -sh "$out/lcpp" | cut -f1)"
     fi
     timeout "$(tl ${GPUCMP_TIMEOUT:-420})" python3 benches/python/compare_llama_cpp_gpu.py --backend cuda --no-build \

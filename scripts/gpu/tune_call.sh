@@ -19,24 +19,12 @@ logs=/tmp/lowsync-logs; mkdir -p "$logs"
 S="$out/summary.txt"
 OUT=$out/setup bash scripts/gpu/h200_all.sh none; cat "$out/setup/summary.txt" >>"$S"
 export PYTHONPATH=/tmp/site
-nv=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
-libdirs=/usr/local/cuda/lib64
-for d in "$nv"/cu13/lib "$nv"/*/lib; do [ -d "$d" ] && libdirs="$libdirs:$d"; done
-export LD_LIBRARY_PATH="$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-bpid=""
+# shellcheck source=scripts/gpu/lcpp_cuda.sh
+source scripts/gpu/lcpp_cuda.sh
+lcpp_cuda_pid=""
 if [ "${CMP:-1}" = 1 ]; then
-    if ls .carry/lcpp-cuda/part-* >/dev/null 2>&1; then
-        mkdir -p /tmp/lcpp-cuda && cat .carry/lcpp-cuda/part-* | tar xJ -C /tmp/lcpp-cuda
-    else
-        (mkdir -p /tmp/lcpp-src && tar xzf .carry/src/llama.cpp.tgz -C /tmp/lcpp-src &&
-            nice python3 benches/python/compare_llama_cpp_gpu.py --backend cuda --llama-src /tmp/lcpp-src/llama.cpp \
-                --build-dir /tmp/lcpp-cuda --models "" --types "" --jobs ${BUILD_JOBS:-14} >"$logs/lcpp-cuda-build.log" 2>&1
-         echo "llama.cpp cuda build exit $?" >>"$logs/lcpp-cuda-build.log") &
-        bpid=$!
-    fi
-    (nice python3 -c 'import sys; sys.path.insert(0, "benches/python"); import compare_llama_cpp_gpu as c
-c.make_files(c.parse_args(["--backend", "cuda", "--work", "/tmp/gpucmp", "--types", "f16", "--models", "1b"]))' \
-        >"$logs/f16-files-early.log" 2>&1) &
+    lcpp_cuda_start "$logs/lcpp-cuda-build.log" "${BUILD_JOBS:-14}" nice
+    f16_files 1b "$logs/f16-files-early.log"
 fi
 if [ -n "${EXTRA:-}" ]; then
     OUT=$out/extra BUDGET=${EXTRABUDGET:-120} bash scripts/gpu/h200_all.sh $EXTRA
@@ -48,13 +36,9 @@ for dt in ${AB_DTYPES:-q8_0 q6_k}; do
     { echo "## ab $dt"; cat "$out/ab-$dt/summary.txt"; } >>"$S"
 done
 if [ "${CMP:-1}" = 1 ]; then
-    if [ -n "$bpid" ]; then
-        wait "$bpid"; tail -2 "$logs/lcpp-cuda-build.log" >>"$S"
-        if [ -x /tmp/lcpp-cuda/bin/llama-bench ]; then
-            (cd /tmp/lcpp-cuda && strip --strip-unneeded bin/llama-bench bin/llama-quantize bin/*.so* 2>/dev/null
-             tar cJ bin/llama-bench bin/llama-quantize $(ls bin/*.so* 2>/dev/null)) |
-                { mkdir -p "$out/lcpp" && split -b 15m - "$out/lcpp/part-"; }
-        fi
+    if [ -n "$lcpp_cuda_pid" ]; then
+        wait "$lcpp_cuda_pid"; tail -2 "$logs/lcpp-cuda-build.log" >>"$S"
+        [ -x $lcpp_cuda/bin/llama-bench ] && lcpp_cuda_pack "$out/lcpp"
     fi
     OUT=$out/cmp BUDGET=${CMPBUDGET:-140} LOWSYNC_CUDA_TUNE="${CMP_TUNE:-}" GPUCMP_MODELS=1b \
         GPUCMP_TYPES=${CMP_TYPES:-q6_k,q8_0} GPUCMP_R=2 bash scripts/gpu/h200_all.sh gpucmp
