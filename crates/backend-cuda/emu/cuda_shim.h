@@ -91,10 +91,6 @@ inline void sincos(double a, double* s, double* c) {
 }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
-struct alignas(8) float2 {
-    float x, y;
-};
-inline float2 make_float2(float a, float b) { return float2{a, b}; }
 template <class T>
 inline T __ldg(const T* p) {
     return *p;

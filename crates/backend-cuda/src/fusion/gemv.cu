@@ -102,42 +102,34 @@ __device__ __forceinline__ float fg_store(const FgSeg& g, i64 i, i64 j, float y)
     return y;
 }
 
-// The Rope's (sin, cos) for rotary pair k of segment g at position pos[0], as the rope kernel
-// computes them: the angle in f64 from the same expression, rounded to f32.
-__device__ __forceinline__ float2 fg_rope_sc(const FgSeg& g, i64 k) {
-    // theta^(-2k / n_dims) as exp2 of a host-computed log2: the same value to within an ulp of
-    // f64 (invisible after the f32 rounding of sin and cos), a fraction of pow's instructions.
-    const double freq = exp2(-2.0 * (double)k / (double)g.n_dims * g.l2theta);
-    const double ang = (double)(*(const int*)g.pos) * freq;
-    double sd, cd;
-    sincos(ang, &sd, &cd);
-    return make_float2((float)sd, (float)cd);
-}
-
 // Columns j and j + 1 (one rotary pair: j even) of segment g in row-pair mode, decode's one
-// row: the products and Adds, then the Rope as the rope kernel computes it (`fg_rope_sc`; dims
-// at or past n_dims copied), then the cache row at index idx[0] — each value as the unfused
-// chain's next node would read it back. `sc`, `row`: the segment's (sin, cos) by pair and its
-// cache index, taken already (`fq_rope_table`), or null.
-__device__ void fg_rope_pair(const FgSeg& g, u64 err, i64 j, float y0, float y1,
-                             const float2* sc = nullptr, const int* row_at = nullptr) {
+// row: the products and Adds, then the Rope as the rope kernel computes it (angle in f64 from
+// the same expression; dims at or past n_dims copied), then the cache row — each value as the
+// unfused chain's next node would read it back.
+__device__ void fg_rope_pair(const FgSeg& g, u64 err, i64 j, float y0, float y1) {
     float z0 = fg_store(g, 0, j, y0), z1 = fg_store(g, 0, j + 1, y1);
     if (g.n_dims > 0) {
         if (j % g.hd < g.n_dims) {
             const i64 k = (j % g.hd) / 2;
-            const float2 t = sc ? sc[k] : fg_rope_sc(g, k);
-            const float sn = t.x, cs = t.y;
+            // theta^(-2k / n_dims) as exp2 of a host-computed log2: the same value to within
+            // an ulp of f64 (invisible after the f32 rounding of sin and cos), a fraction of
+            // pow's instructions on a path every q/k unit runs.
+            const double freq = exp2(-2.0 * (double)k / (double)g.n_dims * g.l2theta);
+            const double ang = (double)(*(const int*)g.pos) * freq;
+            double sd, cd;
+            sincos(ang, &sd, &cd);
+            const float sn = (float)sd, cs = (float)cd;
             const float a = z0, b = z1;
             z0 = a * cs - b * sn;
             z1 = a * sn + b * cs;
         }
-    st((void*)g.r, (int)g.r_dt, j, z0);
+        st((void*)g.r, (int)g.r_dt, j, z0);
         st((void*)g.r, (int)g.r_dt, j + 1, z1);
         z0 = round_dt((int)g.r_dt, z0);
         z1 = round_dt((int)g.r_dt, z1);
     }
     if (g.c) {
-        const int row = row_at ? *row_at : *(const int*)g.idx;
+        const int row = *(const int*)g.idx;
         if (row < 0 || (i64)row >= g.c_n) {
             report((u32*)err, (u32)g.tag);
         } else {
@@ -1080,23 +1072,6 @@ __device__ __forceinline__ void fq_take(const FgSet& S) {
 // also allowed, so one kernel serves both shapes.
 #define FQ1_MAX_WARPS 24
 
-// kdef RTAB: a row-pair set's Rope (sin, cos) pairs, at most FQ_RTAB per segment (n_dims up
-// to 256; a longer Rope computes its own), and its cache row indices, taken by the block's
-// threads once, in the prologue, instead of an f64 exp2 and sincos and a dependent load by each
-// unit's lane after its products. `fq1_body` takes them before the dependency wait where the
-// host set `pf` bit 5 (no node of the graph writes the positions or indices), else after it;
-// the prologue's closing barrier publishes them either way.
-#define FQ_RTAB 128
-__device__ __forceinline__ void fq_rope_table(const FgSet& S, float2 (*tab)[FQ_RTAB], int* rows) {
-    for (int i = threadIdx.x; i < FG_MAXS * FQ_RTAB; i += blockDim.x) {
-        const int s = i / FQ_RTAB, k = i % FQ_RTAB;
-        if (s >= S.nseg) break;
-        const FgSeg& g = S.seg[s];
-        if (2 * k < g.n_dims && g.n_dims <= 2 * FQ_RTAB) tab[s][k] = fg_rope_sc(g, k);
-        if (k == 0 && g.c) rows[s] = *(const int*)g.idx;
-    }
-}
-
 // QT: 0 for any block type per segment and any arithmetic `qm` (`fq_row`); a block type for
 // the typed entry points, whose segments all hold that type (or QT2, where it is not 0) and
 // whose arithmetic is QM, fixed when compiling (1: q16, 2: q8; the argument `qm` is then
@@ -1118,15 +1093,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
     const int stride = (int)gridDim.x * nwarps;
     const int u0 = (int)blockIdx.x * nwarps + (threadIdx.x >> 5);
     if (u0 < units && !(pf & 2)) fq_prefetch<NC>(S, u0, K, lane);
-#ifdef LS_KDEF_RTAB
-    __shared__ float2 rtab[FG_MAXS][FQ_RTAB];
-    __shared__ int rrow[FG_MAXS];
-    if (NC == 2 && S.pair == 2 && (pf & 32)) fq_rope_table(S, rtab, rrow);
-#endif
     pdl_entry();
-#ifdef LS_KDEF_RTAB
-    if (NC == 2 && S.pair == 2 && !(pf & 32)) fq_rope_table(S, rtab, rrow);
-#endif
     const bool quant = QT != 0 || qm;
     if (!nx && (pf & 8) && quant) {
         // `pf` bit 3: the row quantized straight from global memory (no norm prologue).
@@ -1199,12 +1166,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
         }
         if (lane == 0) {
             if (NC == 2 && S.pair == 2) {
-#ifdef LS_KDEF_RTAB
-                fg_rope_pair(S.seg[s], S.err, j, acc[0], acc[NC - 1],
-                             S.seg[s].n_dims <= 2 * FQ_RTAB ? rtab[s] : nullptr, rrow + s);
-#else
                 fg_rope_pair(S.seg[s], S.err, j, acc[0], acc[NC - 1]);
-#endif
             } else {
                 fg1_store<NC>(S, s, j, acc);
             }
@@ -1245,8 +1207,7 @@ __device__ __forceinline__ void fq1_body(int K, const float* a, const FgSet& S, 
 // over both rows of a pair or four pieces of a single row (`CudaConfig::q_interleave` off);
 // bit 3: without a norm prologue, the row quantized straight from a (`fq_quantize_direct`,
 // `CudaConfig::q_direct`); bit 4: with one (f32, aligned, K <= 2,048), its products quantized
-// from registers (`fq_norm_direct`, `CudaConfig::q_direct_norm`); bit 5 (kdef RTAB, row pairs):
-// the Rope and cache-row tables taken before the wait (`fq_rope_table`).
+// from registers (`fq_norm_direct`, `CudaConfig::q_direct_norm`).
 #if LS_PART(3)
 extern "C" __global__ void __launch_bounds__(FQ1_MAX_WARPS * 32) fused_gemv1_q(i64 K, const float* a,
                                                                         FgSet S, const float* nx,

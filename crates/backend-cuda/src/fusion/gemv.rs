@@ -18,7 +18,7 @@
 //! Invariant: results dead after the group (`safety::Dead`) are the only ones not written;
 //! sums run in fixed orders, so streamed and unstreamed results are the same bytes.
 
-use lowsync_backend::{ExecNode, Result, TensorRef};
+use lowsync_backend::{ExecNode, Result};
 use lowsync_graph::{DType, Op};
 
 use crate::config::{CudaConfig, TypedQ, MAX_Q_WARPS};
@@ -26,7 +26,7 @@ use crate::exec::launch::{dt, kernel_err, qt, quant_row_bytes, Args, Dev, Exec};
 use crate::exec::matmul::{self, moving};
 use crate::fusion::group::{add_other, has_tails, Nodes, NormPro, Seg, MAX_SEGS};
 use crate::fusion::norm_mul::launch_norm_mul;
-use crate::fusion::safety::{overlap, Dead};
+use crate::fusion::safety::Dead;
 use crate::kernels::Kernel;
 use crate::layout::broadcast_strides;
 
@@ -317,10 +317,7 @@ pub(super) fn launch_gemv(
             Some(n) if ok && prologue_fits => Some(norm_args(exec, &nodes[n.norm], &nodes[n.mul])?),
             _ => None,
         };
-        let input = norm.map_or(&first.srcs[0], |n| &nodes[n.norm].srcs[0]);
-        let ahead = positions_ahead(nodes, segs, norm, input);
-        let flags = q_prefetch_flags(exec) | (ahead as i32) << 5;
-        return launch_gemv_q(exec, nodes, segs, swiglu, norm, pro, set, ok, units, flags);
+        return launch_gemv_q(exec, nodes, segs, swiglu, norm, pro, set, ok, units);
     }
     if tails && !(m == 1 && vec && staged) {
         // The row-pair kernel does not apply after all (alignment, a long row): the norm, the
@@ -435,7 +432,6 @@ fn launch_gemv_q(
     set: FgSet,
     ok: bool,
     units: usize,
-    flags: i32,
 ) -> Result<()> {
     if !ok {
         let mut all: Vec<usize> = segs
@@ -457,38 +453,7 @@ fn launch_gemv_q(
     let first = &nodes[segs[0].mm];
     let a = exec.resolve(&first.srcs[0])?;
     let k = a.shape[1];
-    launch_fq(exec, first, k, a.ptr, set, pro.as_ref(), units, flags)
-}
-
-/// Whether a group's Ropes and cache rows may read their positions and row indices before the
-/// dependency wait (`fused_gemv1_q`'s `pf` bit 5): it has a Rope or a cache row, no node of the
-/// graph writes in any of their buffers (decode's are uploaded before the graph runs), and a
-/// node of the graph before the group writes its `input` (its activation row, or its `norm`'s),
-/// so the launch just before it — the only kernel that may still run then — is this graph's.
-pub(super) fn positions_ahead(
-    nodes: &Nodes<'_>,
-    segs: &[Seg],
-    norm: Option<NormPro>,
-    input: &TensorRef,
-) -> bool {
-    let first = segs
-        .iter()
-        .map(|s| s.mm)
-        .chain(norm.map(|n| n.norm))
-        .min()
-        .unwrap_or(0);
-    let ropes = segs
-        .iter()
-        .filter_map(|s| s.rope)
-        .map(|r| &nodes[r].srcs[1]);
-    let rows = segs
-        .iter()
-        .filter_map(|s| s.rows)
-        .map(|r| &nodes[r].srcs[2]);
-    let mut read = ropes.chain(rows).peekable();
-    read.peek().is_some()
-        && read.all(|p| !nodes.iter().any(|n| n.dst.buffer == p.buffer))
-        && nodes[..first].iter().any(|n| overlap(&n.dst, input))
+    launch_fq(exec, first, k, a.ptr, set, pro.as_ref(), units)
 }
 
 /// One launch of `fused_gemv1_q` for `node` on the activation row at `a` (K = `k` floats), of
@@ -505,7 +470,6 @@ fn launch_fq(
     set: FgSet,
     pro: Option<&NormArgs>,
     units: usize,
-    flags: i32,
 ) -> Result<()> {
     let (blocks, threads) = fq_dims(&exec.inner.cfg, pro.is_some(), units, exec.inner.sms);
     let args = Args::new().arg(k as i64).arg(a).arg(set);
@@ -513,7 +477,7 @@ fn launch_fq(
     // q8: 1.5): the same shared memory every way.
     let qm = exec.inner.cfg.qdot.kernel_mode();
     let kernel = typed_kernel(&set, qm, exec.inner.cfg.q_typed).unwrap_or(Kernel::FusedGemv1Q);
-    let args = norm_tail(args, pro).arg(qm).arg(flags);
+    let args = norm_tail(args, pro).arg(qm).arg(q_prefetch_flags(exec));
     exec.launch_shared(node, kernel, blocks, threads, (k * 4) as u32, args)
 }
 
@@ -656,16 +620,7 @@ pub(crate) fn launch_head_q(
     } else {
         n
     };
-    launch_fq(
-        exec,
-        mm,
-        k,
-        a.ptr,
-        set,
-        pro.as_ref(),
-        units,
-        q_prefetch_flags(exec),
-    )?;
+    launch_fq(exec, mm, k, a.ptr, set, pro.as_ref(), units)?;
     Ok(true)
 }
 

@@ -4,7 +4,7 @@ use lowsync_backend::{BufferId, ExecNode, ScratchLive, TensorRef};
 use lowsync_graph::{DType, Op, RopeMode};
 
 use super::attention::mask_ahead;
-use super::gemv::{positions_ahead, FgSeg, FgSet};
+use super::gemv::{FgSeg, FgSet};
 use super::group::{has_tails, Group, Kind, Nodes, NormPro, Seg, Step, MAX_SEGS};
 use super::safety::{byte_range, head_aligned, Dead};
 
@@ -956,57 +956,6 @@ fn the_mask_is_read_ahead_only_when_no_node_writes_it_and_q_is_the_graphs() {
     assert!(!mask_ahead(&bare, &bare[12], &bare[13]));
     let alone = attention_nodes(64, DType::F16, DType::F16, vec![]);
     assert!(!mask_ahead(&alone, &alone[0], &alone[1]));
-}
-
-#[test]
-fn rope_positions_and_cache_indices_are_read_ahead_only_when_no_node_writes_them() {
-    let segs = |by: usize| {
-        [
-            tailed(2 + by, Some(3 + by), Some(8 + by), None),
-            tailed(4 + by, Some(5 + by), Some(9 + by), Some(10 + by)),
-            tailed(6 + by, Some(7 + by), None, Some(11 + by)),
-        ]
-    };
-    let norm = |by: usize| {
-        Some(NormPro {
-            norm: by,
-            mul: 1 + by,
-        })
-    };
-    // A decode layer after a node of the graph that writes its input row (the layer before
-    // it): the positions are an input no node writes.
-    let mut l = layer(true, DType::F16);
-    let x = l[0].srcs[0].clone();
-    l.insert(
-        0,
-        node(
-            Op::Scale { scale: 1.0 },
-            x.clone(),
-            vec![act(4096, &[1, 64])],
-        ),
-    );
-    assert!(positions_ahead(&bare(&l), &segs(1), norm(1), &x));
-    // The row from outside the graph (written only later in it): the group could be its
-    // first launch.
-    let alone = layer(true, DType::F16);
-    assert!(!positions_ahead(&bare(&alone), &segs(0), norm(0), &x));
-    // A node writing anything in the positions' buffer (positions made on the device).
-    let mut made = l.clone();
-    let pos = made[9].srcs[1].clone();
-    made.insert(0, node(Op::Cpy, pos, vec![act(8192, &[1])]));
-    assert!(!positions_ahead(&bare(&made), &segs(2), norm(2), &x));
-    // The cache indices in a buffer of their own, then a node writing in it.
-    let mut idx = l.clone();
-    let own = packed(9, 0, DType::I32, &[1]);
-    for i in [11, 12] {
-        assert!(matches!(idx[i].op, Op::SetRows));
-        idx[i].srcs[2] = own.clone();
-    }
-    assert!(positions_ahead(&bare(&idx), &segs(1), norm(1), &x));
-    idx.insert(0, node(Op::Cpy, own, vec![act(8192, &[1])]));
-    assert!(!positions_ahead(&bare(&idx), &segs(2), norm(2), &x));
-    // Neither a Rope nor a cache row in the group.
-    assert!(!positions_ahead(&bare(&l), &[seg(3, Some(4))], None, &x));
 }
 
 /// The launch structs against their CUDA twins in gemv.cu (read from the source the kernel is
