@@ -266,13 +266,13 @@ if has gpucmp; then
     [ -n "${lcpp_cuda_pid:-}" ] && wait_for "$lcpp_cuda_pid"
     wait_for "$files_pid"
     tail -2 "$logs/lcpp-cuda-build.log" 2>/dev/null | tee -a "$summary"
-    if [ -n "${lcpp_cuda_pid:-}" ] && [ -x /tmp/lcpp-cuda/bin/llama-bench ]; then
+    if [ -n "${lcpp_cuda_pid:-}" ] && [ -x "$lcpp_cuda/bin/llama-bench" ]; then
         # The tools back to the caller in parts, for later calls.
         lcpp_cuda_pack "$out/lcpp"
         say "llama.cpp cuda binaries: $(du -sh "$out/lcpp" | cut -f1)"
     fi
     timeout "$(tl ${GPUCMP_TIMEOUT:-420})" python3 benches/python/compare_llama_cpp_gpu.py --backend cuda --no-build \
-        --build-dir /tmp/lcpp-cuda --work /tmp/gpucmp --models ${GPUCMP_MODELS:-1b,tiny} \
+        --build-dir "$lcpp_cuda" --work /tmp/gpucmp --models ${GPUCMP_MODELS:-1b,tiny} \
         --types ${GPUCMP_TYPES:-f16,q4_0,q4_k_m,q6_k,q8_0} --files "${GPUCMP_FILES:-}" -p ${GPUCMP_P:-512} -n ${GPUCMP_N:-128} \
         --repeats ${GPUCMP_R:-2} --json "$out/gpucmp.json" >"$logs/gpucmp.txt" 2>"$logs/gpucmp.err"
     say "gpu compare (cuda): exit $?"; grep -E '^[|{]' "$logs/gpucmp.txt" | tee -a "$summary"; tail -5 "$logs/gpucmp.err"
@@ -290,7 +290,7 @@ fi
 if has qacc; then
     # Logits of llama-quantize files of every block type on each backend against float64.
     [ -n "${lcpp_cuda_pid:-}" ] && wait_for "$lcpp_cuda_pid"
-    timeout "$(tl ${QACC_TIMEOUT:-300})" python3 benches/python/quant_accuracy.py --llama-quantize /tmp/lcpp-cuda/bin/llama-quantize \
+    timeout "$(tl ${QACC_TIMEOUT:-300})" python3 benches/python/quant_accuracy.py --llama-quantize "$lcpp_cuda/bin/llama-quantize" \
         --backends ${QACC_BACKENDS:-cpu,cuda,vulkan} --json "$out/qacc.json" >"$logs/qacc.txt" 2>&1
     say "quant accuracy: exit $?"; grep '^|' "$logs/qacc.txt" | tee -a "$summary"; grep -v '^[|{]' "$logs/qacc.txt" | tail -5
 fi
